@@ -1,0 +1,66 @@
+// CPU ops: the CPU (oneTBB + OpenBLAS) backend of kernels/ops.hpp. Signatures mirror
+// kernels::cuda::*; contracts and argument checks live in kernels/ops.hpp and kernels/ops.cpp, so
+// these functions assume valid arguments on host memory. They are called inside the device
+// context's tbb::task_arena (ops.cpp arranges it).
+#pragma once
+
+#include "kernels/ops.hpp"
+
+namespace kernels::cpu {
+
+// Host to host; dtypes may differ (f32/f16/bf16 convert).
+void copy(Tensor& dst, const Tensor& src);
+void fill(Tensor& y, float value);
+void add(Tensor& y, const Tensor& a, const Tensor& b);
+void mul(Tensor& y, const Tensor& a, const Tensor& b);
+void scale(Tensor& y, const Tensor& x, float alpha);
+void axpy(Tensor& y, float alpha, const Tensor& x);
+void add_bias(Tensor& y, const Tensor& bias);
+void bias_backward(Tensor& db, const Tensor& dy, Accumulate acc);
+void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose tb, float alpha,
+          float beta, const Tensor& bias);
+void relu(Tensor& y, const Tensor& x);
+void relu_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc);
+void gelu(Tensor& y, const Tensor& x);
+void gelu_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc);
+void tanh(Tensor& y, const Tensor& x);
+void tanh_backward(Tensor& dx, const Tensor& dy, const Tensor& y, Accumulate acc);
+void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
+                           const Tensor& labels, const Tensor& weights, float label_smoothing);
+void mse_loss(Tensor& loss, Tensor& dpred, const Tensor& pred, const Tensor& target);
+void sum(Tensor& out, const Tensor& x);
+void mean(Tensor& out, const Tensor& x);
+void argmax(Tensor& out, const Tensor& x);
+int64_t count_correct(const Tensor& logits, const Tensor& labels);
+void conv2d_forward(Tensor& y, const Tensor& x, const Tensor& w, const Conv2dParams& p);
+void conv2d_backward_data(Tensor& dx, const Tensor& dy, const Tensor& w, const Conv2dParams& p,
+                          Accumulate acc);
+void conv2d_backward_filter(Tensor& dw, const Tensor& dy, const Tensor& x, const Conv2dParams& p,
+                            Accumulate acc);
+void max_pool2d_forward(Tensor& y, const Tensor& x, const Pool2dParams& p);
+void max_pool2d_backward(Tensor& dx, const Tensor& dy, const Tensor& x, const Tensor& y,
+                         const Pool2dParams& p, Accumulate acc);
+void avg_pool2d_forward(Tensor& y, const Tensor& x, const Pool2dParams& p);
+void avg_pool2d_backward(Tensor& dx, const Tensor& dy, const Pool2dParams& p, Accumulate acc);
+void batch_norm_forward_train(Tensor& y, Tensor& save_mean, Tensor& save_invstd,
+                              Tensor& running_mean, Tensor& running_var, const Tensor& x,
+                              const Tensor& gamma, const Tensor& beta, float momentum, float eps);
+void batch_norm_forward_eval(Tensor& y, const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                             const Tensor& running_mean, const Tensor& running_var, float eps);
+void batch_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor& dy,
+                         const Tensor& x, const Tensor& gamma, const Tensor& save_mean,
+                         const Tensor& save_invstd, Accumulate acc);
+void layer_norm_forward(Tensor& y, Tensor& save_mean, Tensor& save_rstd, const Tensor& x,
+                        const Tensor& gamma, const Tensor& beta, float eps);
+void layer_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor& dy,
+                         const Tensor& x, const Tensor& gamma, const Tensor& save_mean,
+                         const Tensor& save_rstd, Accumulate acc);
+void dropout_forward(Tensor& y, Tensor& mask, const Tensor& x, float p, uint64_t seed,
+                     uint64_t offset);
+void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const SgdConfig& c,
+                int64_t step);
+void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, const AdamWConfig& c,
+                  int64_t step);
+bool all_finite(const Tensor& x);
+
+}  // namespace kernels::cpu

@@ -1,0 +1,85 @@
+// Copies between any devices with a CUDA side, casts between floating dtypes, fill.
+#include "kernels/cuda/cuda_common.cuh"
+
+namespace kernels::cuda {
+
+namespace {
+
+template <class Out, class In>
+__global__ void cast_kernel(Out* y, const In* x, int64_t n) {
+  DP_GRID_STRIDE_LOOP(i, n) y[i] = from_float<Out>(to_float<In>(x[i]));
+}
+
+template <class In>
+void cast_from(Tensor& dst, const In* x, cudaStream_t s) {
+  int64_t n = dst.numel();
+  switch (dst.dtype()) {
+    case DType::f32:
+      cast_kernel<<<blocks_for(n), kThreads, 0, s>>>(dst.data<float>(), x, n);
+      break;
+    case DType::f16:
+      cast_kernel<<<blocks_for(n), kThreads, 0, s>>>(dst.data<__half>(), x, n);
+      break;
+    case DType::bf16:
+      cast_kernel<<<blocks_for(n), kThreads, 0, s>>>(dst.data<__nv_bfloat16>(), x, n);
+      break;
+    default: DP_THROW("cast to " << dst.dtype() << " is not supported");
+  }
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+template <class T>
+__global__ void fill_kernel(T* y, T v, int64_t n) {
+  DP_GRID_STRIDE_LOOP(i, n) y[i] = v;
+}
+
+template <class T>
+void launch_fill(Tensor& y, T v, cudaStream_t s) {
+  fill_kernel<<<blocks_for(y.numel()), kThreads, 0, s>>>(y.data<T>(), v, y.numel());
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void copy(Tensor& dst, const Tensor& src, DeviceContext& ctx) {
+  NvtxRange range("kernels/copy");
+  cudaStream_t s = stream_of(ctx);
+  Device d = dst.device(), sd = src.device();
+  if (d == sd && dst.dtype() != src.dtype()) {
+    switch (src.dtype()) {
+      case DType::f32: cast_from(dst, src.data<float>(), s); break;
+      case DType::f16: cast_from(dst, src.data<__half>(), s); break;
+      case DType::bf16: cast_from(dst, src.data<__nv_bfloat16>(), s); break;
+      default: DP_THROW("cast from " << src.dtype() << " is not supported");
+    }
+    return;
+  }
+  size_t bytes = dst.nbytes();
+  if (d.is_cuda() && sd.is_cuda()) {
+    int dg = physical_gpu(d), sg = physical_gpu(sd);
+    if (dg == sg) {  // logical devices on one GPU: a plain device-to-device copy
+      DP_CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src.raw(), bytes, cudaMemcpyDeviceToDevice, s));
+    } else {  // peer copy (staged by the driver when P2P is off)
+      DP_CUDA_CHECK(cudaMemcpyPeerAsync(dst.raw(), dg, src.raw(), sg, bytes, s));
+    }
+    return;
+  }
+  cudaMemcpyKind kind = d.is_cuda() ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost;
+  DP_CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src.raw(), bytes, kind, s));
+  // A copy that ends on the host is waited for: the caller reads the data next.
+  if (d.is_cpu()) DP_CUDA_CHECK(cudaStreamSynchronize(s));
+}
+
+void fill(Tensor& y, float value, DeviceContext& ctx) {
+  cudaStream_t s = stream_of(ctx);
+  switch (y.dtype()) {
+    case DType::f32: launch_fill<float>(y, value, s); break;
+    case DType::f16: launch_fill<__half>(y, __float2half_rn(value), s); break;
+    case DType::bf16: launch_fill<__nv_bfloat16>(y, __float2bfloat16_rn(value), s); break;
+    case DType::i32: launch_fill<int32_t>(y, static_cast<int32_t>(value), s); break;
+    case DType::i64: launch_fill<int64_t>(y, static_cast<int64_t>(value), s); break;
+    case DType::u8: launch_fill<uint8_t>(y, static_cast<uint8_t>(value), s); break;
+  }
+}
+
+}  // namespace kernels::cuda

@@ -1,0 +1,79 @@
+// CUDA ops: the CUDA (cuBLASLt, cuDNN, CUB) backend of kernels/ops.hpp. Signatures mirror
+// kernels::cpu::*; contracts and argument checks live in kernels/ops.hpp and kernels/ops.cpp, so
+// these functions assume valid arguments on one CUDA device. Each queues its work on ctx's stream
+// (ctx.device() is the tensors' device) and checks every launch. This header is plain C++: ops.cpp
+// includes it in CUDA builds.
+#pragma once
+
+#include "kernels/ops.hpp"
+
+namespace kernels::cuda {
+
+// Every copy with a CUDA side: H2D, D2H, D2D on one GPU (logical devices sharing it
+// included), peer copies between GPUs, and f32/f16/bf16 casts on one device. `ctx` is the
+// context of the CUDA side (dst's for H2D and D2D, src's for D2H); a copy that ends on the
+// host waits for it.
+void copy(Tensor& dst, const Tensor& src, DeviceContext& ctx);
+void fill(Tensor& y, float value, DeviceContext& ctx);
+void add(Tensor& y, const Tensor& a, const Tensor& b, DeviceContext& ctx);
+void mul(Tensor& y, const Tensor& a, const Tensor& b, DeviceContext& ctx);
+void scale(Tensor& y, const Tensor& x, float alpha, DeviceContext& ctx);
+void axpy(Tensor& y, float alpha, const Tensor& x, DeviceContext& ctx);
+void add_bias(Tensor& y, const Tensor& bias, DeviceContext& ctx);
+void bias_backward(Tensor& db, const Tensor& dy, Accumulate acc, DeviceContext& ctx);
+void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose tb, float alpha,
+          float beta, const Tensor& bias, DeviceContext& ctx);
+void relu(Tensor& y, const Tensor& x, DeviceContext& ctx);
+void relu_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc,
+                   DeviceContext& ctx);
+void gelu(Tensor& y, const Tensor& x, DeviceContext& ctx);
+void gelu_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc,
+                   DeviceContext& ctx);
+void tanh(Tensor& y, const Tensor& x, DeviceContext& ctx);
+void tanh_backward(Tensor& dx, const Tensor& dy, const Tensor& y, Accumulate acc,
+                   DeviceContext& ctx);
+void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
+                           const Tensor& labels, const Tensor& weights, float label_smoothing,
+                           DeviceContext& ctx);
+void mse_loss(Tensor& loss, Tensor& dpred, const Tensor& pred, const Tensor& target,
+              DeviceContext& ctx);
+void sum(Tensor& out, const Tensor& x, DeviceContext& ctx);
+void mean(Tensor& out, const Tensor& x, DeviceContext& ctx);
+void argmax(Tensor& out, const Tensor& x, DeviceContext& ctx);
+int64_t count_correct(const Tensor& logits, const Tensor& labels, DeviceContext& ctx);
+void conv2d_forward(Tensor& y, const Tensor& x, const Tensor& w, const Conv2dParams& p,
+                    DeviceContext& ctx);
+void conv2d_backward_data(Tensor& dx, const Tensor& dy, const Tensor& w, const Conv2dParams& p,
+                          Accumulate acc, DeviceContext& ctx);
+void conv2d_backward_filter(Tensor& dw, const Tensor& dy, const Tensor& x, const Conv2dParams& p,
+                            Accumulate acc, DeviceContext& ctx);
+void max_pool2d_forward(Tensor& y, const Tensor& x, const Pool2dParams& p, DeviceContext& ctx);
+void max_pool2d_backward(Tensor& dx, const Tensor& dy, const Tensor& x, const Tensor& y,
+                         const Pool2dParams& p, Accumulate acc, DeviceContext& ctx);
+void avg_pool2d_forward(Tensor& y, const Tensor& x, const Pool2dParams& p, DeviceContext& ctx);
+void avg_pool2d_backward(Tensor& dx, const Tensor& dy, const Pool2dParams& p, Accumulate acc,
+                         DeviceContext& ctx);
+void batch_norm_forward_train(Tensor& y, Tensor& save_mean, Tensor& save_invstd,
+                              Tensor& running_mean, Tensor& running_var, const Tensor& x,
+                              const Tensor& gamma, const Tensor& beta, float momentum, float eps,
+                              DeviceContext& ctx);
+void batch_norm_forward_eval(Tensor& y, const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                             const Tensor& running_mean, const Tensor& running_var, float eps,
+                             DeviceContext& ctx);
+void batch_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor& dy,
+                         const Tensor& x, const Tensor& gamma, const Tensor& save_mean,
+                         const Tensor& save_invstd, Accumulate acc, DeviceContext& ctx);
+void layer_norm_forward(Tensor& y, Tensor& save_mean, Tensor& save_rstd, const Tensor& x,
+                        const Tensor& gamma, const Tensor& beta, float eps, DeviceContext& ctx);
+void layer_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor& dy,
+                         const Tensor& x, const Tensor& gamma, const Tensor& save_mean,
+                         const Tensor& save_rstd, Accumulate acc, DeviceContext& ctx);
+void dropout_forward(Tensor& y, Tensor& mask, const Tensor& x, float p, uint64_t seed,
+                     uint64_t offset, DeviceContext& ctx);
+void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const SgdConfig& c,
+                int64_t step, DeviceContext& ctx);
+void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, const AdamWConfig& c,
+                  int64_t step, DeviceContext& ctx);
+bool all_finite(const Tensor& x, DeviceContext& ctx);
+
+}  // namespace kernels::cuda

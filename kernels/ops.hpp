@@ -1,0 +1,194 @@
+// The op set. Each op checks its arguments (shape, dtype, device; a mismatch throws
+// kernels::Error naming the op and the shapes), then dispatches on the device of its tensors:
+// kernels::cpu::* (oneTBB, OpenBLAS) or kernels::cuda::* (cuBLASLt, cuDNN, CUB), which mirror
+// each other's signatures. CUDA work is queued on the calling thread's context stream for that
+// device (see runtime/context.hpp); ops that return a host value wait for it.
+//
+// Unless stated otherwise: all tensors of one call live on the same device, floating tensors
+// are f32, tensors are contiguous, and outputs are preallocated by the caller with the shape
+// given in the contract. Empty tensors (a zero dimension) are valid and do nothing.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/runtime/context.hpp"
+#include "kernels/runtime/device.hpp"
+#include "kernels/runtime/dtype.hpp"
+#include "kernels/runtime/error.hpp"
+#include "kernels/runtime/nvtx.hpp"
+#include "kernels/runtime/tensor.hpp"
+
+namespace kernels {
+
+enum class Transpose { no, yes };
+// Backward kernels either overwrite their output or add into it (gradients accumulate).
+enum class Accumulate { no, yes };
+enum class Nesterov { no, yes };
+
+// ---- copies and elementwise ----------------------------------------------------------------
+
+// requires dst.numel() == src.numel(). Any two devices (H2D, D2H, D2D, peer); across devices
+// the dtypes must match, on one device f32/f16/bf16 convert. ensures dst = src, ordered on the
+// dst device's stream for H2D/D2D and on the src stream for D2H, waited for when it ends on host.
+void copy(Tensor& dst, const Tensor& src);
+// ensures every element of y = value (any dtype; integer dtypes take the truncated value).
+void fill(Tensor& y, float value);
+// requires a, b, y same shape. ensures y = a + b.
+void add(Tensor& y, const Tensor& a, const Tensor& b);
+// requires a, b, y same shape. ensures y = a * b (elementwise).
+void mul(Tensor& y, const Tensor& a, const Tensor& b);
+// requires x, y same shape (y may alias x). ensures y = alpha * x.
+void scale(Tensor& y, const Tensor& x, float alpha);
+// requires x, y same shape. ensures y += alpha * x.
+void axpy(Tensor& y, float alpha, const Tensor& x);
+// requires y (N, C, ...) and bias (C). ensures y[n, c, ...] += bias[c].
+void add_bias(Tensor& y, const Tensor& bias);
+// requires dy (N, C, ...) and db (C). ensures db (+)= sum of dy over every dim but 1.
+void bias_backward(Tensor& db, const Tensor& dy, Accumulate acc);
+
+// ---- matrix product ------------------------------------------------------------------------
+
+// requires a, b, c 2-D, op(a) (m, k), op(b) (k, n), c (m, n); bias (n) f32 or undefined.
+// a and b are f32, f16 or bf16 (same dtype); c is f32 or a's dtype; accumulation is f32.
+// ensures c = alpha * op(a) op(b) + beta * c + bias (bias broadcast over rows).
+// With MathMode::tf32 on the context, f32 products may use TF32 tensor cores (GPU only).
+void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose tb,
+          float alpha = 1.f, float beta = 0.f, const Tensor& bias = Tensor());
+
+// ---- activations: y = f(x), and dx (+)= dy * f'(.) -----------------------------------------
+
+void relu(Tensor& y, const Tensor& x);
+// requires dx, dy, x same shape. ensures dx (+)= dy * (x > 0).
+void relu_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc);
+// Exact GELU: x * Phi(x) (as PyTorch's default, erf form).
+void gelu(Tensor& y, const Tensor& x);
+void gelu_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc);
+void tanh(Tensor& y, const Tensor& x);
+// Takes the forward output y: dx (+)= dy * (1 - y^2).
+void tanh_backward(Tensor& dx, const Tensor& dy, const Tensor& y, Accumulate acc);
+
+// ---- losses, reductions, metrics -----------------------------------------------------------
+
+// Fused, numerically stable softmax + cross-entropy, forward and backward in one pass.
+// requires logits (B, C) f32, labels (B) i32 in [0, C), weights (B) f32 or undefined,
+// loss (1) f32, dlogits (B, C) f32 or undefined (forward only), 0 <= label_smoothing < 1.
+// With target t = (1 - ls) onehot(label) + ls / C, and w_i = weights[i] (or 1):
+// ensures loss = (1/B) sum_i w_i * sum_c -t_c log softmax(logits_i)_c   (0 when B == 0)
+//         dlogits_i = (w_i / B) (softmax(logits_i) - t).
+// A label outside [0, C) throws (CPU) or is reported by the next checked call (CUDA).
+void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
+                           const Tensor& labels, const Tensor& weights = Tensor(),
+                           float label_smoothing = 0.f);
+// requires pred, target same shape (B, ...), loss (1), dpred like pred or undefined.
+// ensures loss = mean((pred - target)^2) over all elements; dpred = 2 (pred - target) / numel.
+void mse_loss(Tensor& loss, Tensor& dpred, const Tensor& pred, const Tensor& target);
+// requires out (1). ensures out = sum of x / mean of x (0 for an empty x).
+void sum(Tensor& out, const Tensor& x);
+void mean(Tensor& out, const Tensor& x);
+// requires x (B, C), out (B) i32. ensures out_i = argmax_c x_ic (first on ties).
+void argmax(Tensor& out, const Tensor& x);
+// requires logits (B, C), labels (B) i32. Returns how many rows have argmax == label (waits).
+int64_t count_correct(const Tensor& logits, const Tensor& labels);
+
+// ---- convolution and pooling (NCHW) --------------------------------------------------------
+
+struct Conv2dParams {
+  int stride_h = 1, stride_w = 1;
+  int pad_h = 0, pad_w = 0;
+};
+// Output spatial size: (in + 2 pad - k) / stride + 1.
+int64_t conv_out_size(int64_t in, int64_t k, int stride, int pad);
+
+// requires x (N, C, H, W), w (K, C, R, S), y (N, K, P, Q) with P, Q from conv_out_size.
+// ensures y = cross-correlation of x with w (no bias; add it with add_bias).
+void conv2d_forward(Tensor& y, const Tensor& x, const Tensor& w, const Conv2dParams& p);
+// ensures dx (+)= d(sum y*dy)/dx.
+void conv2d_backward_data(Tensor& dx, const Tensor& dy, const Tensor& w, const Conv2dParams& p,
+                          Accumulate acc);
+// ensures dw (+)= d(sum y*dy)/dw.
+void conv2d_backward_filter(Tensor& dw, const Tensor& dy, const Tensor& x,
+                            const Conv2dParams& p, Accumulate acc);
+
+struct Pool2dParams {
+  int kernel_h = 2, kernel_w = 2;
+  int stride_h = 2, stride_w = 2;
+  int pad_h = 0, pad_w = 0;
+};
+// requires x (N, C, H, W), y (N, C, P, Q). Padding never wins a max; average pooling counts the
+// padding in the divisor (PyTorch's count_include_pad=True).
+void max_pool2d_forward(Tensor& y, const Tensor& x, const Pool2dParams& p);
+// Takes the forward x and y; the gradient goes to the first maximum of each window.
+void max_pool2d_backward(Tensor& dx, const Tensor& dy, const Tensor& x, const Tensor& y,
+                         const Pool2dParams& p, Accumulate acc);
+void avg_pool2d_forward(Tensor& y, const Tensor& x, const Pool2dParams& p);
+void avg_pool2d_backward(Tensor& dx, const Tensor& dy, const Pool2dParams& p, Accumulate acc);
+
+// ---- normalisation -------------------------------------------------------------------------
+
+// BatchNorm over every dim but 1: x (N, C) or (N, C, H, W); gamma, beta, running_*,
+// save_mean, save_invstd (C).
+// Training: normalises with the batch statistics (biased variance), saves mean and
+// 1/sqrt(var + eps) for backward, and updates running_mean/var with `momentum` (PyTorch's
+// convention: r = (1 - m) r + m stat; the running variance takes the unbiased variance).
+void batch_norm_forward_train(Tensor& y, Tensor& save_mean, Tensor& save_invstd,
+                              Tensor& running_mean, Tensor& running_var, const Tensor& x,
+                              const Tensor& gamma, const Tensor& beta, float momentum, float eps);
+void batch_norm_forward_eval(Tensor& y, const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                             const Tensor& running_mean, const Tensor& running_var, float eps);
+// ensures dx = input gradient (overwritten), dgamma, dbeta (+)= parameter gradients.
+void batch_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor& dy,
+                         const Tensor& x, const Tensor& gamma, const Tensor& save_mean,
+                         const Tensor& save_invstd, Accumulate acc);
+
+// LayerNorm over the last dim: x (M, D), gamma/beta (D), save_mean/save_rstd (M).
+void layer_norm_forward(Tensor& y, Tensor& save_mean, Tensor& save_rstd, const Tensor& x,
+                        const Tensor& gamma, const Tensor& beta, float eps);
+// ensures dx = input gradient (overwritten), dgamma, dbeta (+)= parameter gradients.
+void layer_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor& dy,
+                         const Tensor& x, const Tensor& gamma, const Tensor& save_mean,
+                         const Tensor& save_rstd, Accumulate acc);
+
+// ---- dropout -------------------------------------------------------------------------------
+
+// Counter-based (Philox4x32-10): element i of a call keeps iff uniform(seed, offset + i) >= p.
+// The same (seed, offset) gives the same mask on every device and backend.
+// requires x, y, mask same shape, 0 <= p < 1. ensures mask = keep / (1 - p), y = x * mask.
+// Backward is mul(dx, dy, mask).
+void dropout_forward(Tensor& y, Tensor& mask, const Tensor& x, float p, uint64_t seed,
+                     uint64_t offset);
+
+// ---- fused optimizer updates over one flat buffer ------------------------------------------
+
+struct SgdConfig {
+  float lr = 0.01f;
+  float momentum = 0.f;
+  float dampening = 0.f;
+  float weight_decay = 0.f;
+  Nesterov nesterov = Nesterov::no;
+};
+// PyTorch's SGD: g = grad + wd * p; if momentum: buf = first_step ? g : m buf + (1 - damp) g,
+// g = nesterov ? g + m buf : buf; p -= lr * g. `momentum_buf` is unused when momentum == 0.
+// requires params, grads, momentum_buf same shape, f32; step t >= 1 (t == 1: first step).
+void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const SgdConfig& c,
+                int64_t step);
+
+struct AdamWConfig {
+  float lr = 1e-3f;
+  float beta1 = 0.9f, beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 1e-2f;
+};
+// PyTorch's AdamW (decoupled weight decay): p *= 1 - lr wd; m = b1 m + (1-b1) g;
+// v = b2 v + (1-b2) g^2; p -= lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps).
+// requires params, grads, m, v same shape, f32; step t >= 1.
+void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v,
+                  const AdamWConfig& c, int64_t step);
+// True when every element of x is finite (waits for the result).
+bool all_finite(const Tensor& x);
+
+// ---- helpers for tests ---------------------------------------------------------------------
+
+// Largest |a_i - b_i| over two host vectors of equal length (throws otherwise).
+float max_abs_diff(const std::vector<float>& a, const std::vector<float>& b);
+
+}  // namespace kernels

@@ -1,0 +1,144 @@
+#include "kernels/runtime/context.hpp"
+
+#include <algorithm>
+#include <map>
+#include <thread>
+
+#include "kernels/runtime/error.hpp"
+
+#if DP_HAVE_CUDA
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+#include <cudnn.h>
+
+#include "kernels/runtime/cuda_check.hpp"
+#endif
+
+namespace kernels {
+
+void MemoryStats::on_alloc(int64_t bytes) {
+  int64_t now = current.fetch_add(bytes) + bytes;
+  int64_t p = peak.load();
+  while (now > p && !peak.compare_exchange_weak(p, now)) {
+  }
+}
+
+DeviceContext::DeviceContext(Device device, ContextOptions options)
+    : device_(device), options_(options), memory_(std::make_shared<MemoryStats>()) {
+  if (device.is_cpu()) {
+    int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    cpu_threads_ = options.cpu_threads > 0 ? std::min(options.cpu_threads, hw) : hw;
+    arena_ = std::make_unique<tbb::task_arena>(cpu_threads_);
+    return;
+  }
+#if DP_HAVE_CUDA
+  DP_CUDA_CHECK(cudaSetDevice(physical_gpu(device)));
+  cudaStream_t s = nullptr;
+  DP_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  stream_ = s;
+  int gpu = physical_gpu(device);
+  stream_owner_ = std::shared_ptr<void>(s, [gpu](void* p) {
+    // Destructors log, never throw. At process exit the runtime may already be unloading.
+    cudaSetDevice(gpu);
+    cudaError_t e = cudaStreamSynchronize(static_cast<cudaStream_t>(p));
+    if (e == cudaSuccess) e = cudaStreamDestroy(static_cast<cudaStream_t>(p));
+    if (e != cudaSuccess && e != cudaErrorCudartUnloading)
+      DP_LOG_ERROR("destroying a CUDA stream: " << cudaGetErrorString(e));
+  });
+  cublasLtHandle_t lt = nullptr;
+  DP_CUBLAS_CHECK(cublasLtCreate(&lt));
+  cublaslt_ = lt;
+  cudnnHandle_t dnn = nullptr;
+  DP_CUDNN_CHECK(cudnnCreate(&dnn));
+  DP_CUDNN_CHECK(cudnnSetStream(dnn, s));
+  cudnn_ = dnn;
+#else
+  DP_THROW("device " << device << " is not usable: " << cuda_unavailable_reason());
+#endif
+}
+
+DeviceContext::~DeviceContext() {
+#if DP_HAVE_CUDA
+  if (device_.is_cuda()) {
+    // Destructors log, never throw. At process exit the runtime may already be unloading.
+    auto quiet = [](cudaError_t e, const char* what) {
+      if (e != cudaSuccess && e != cudaErrorCudartUnloading) DP_LOG_ERROR(what << ": " << cudaGetErrorString(e));
+    };
+    cudaSetDevice(physical_gpu(device_));
+    if (workspace_) quiet(cudaFreeAsync(workspace_, static_cast<cudaStream_t>(stream_)), "cudaFreeAsync(workspace)");
+    if (stream_) quiet(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)), "cudaStreamSynchronize");
+    if (cudnn_) cudnnDestroy(static_cast<cudnnHandle_t>(cudnn_));
+    if (cublaslt_) cublasLtDestroy(static_cast<cublasLtHandle_t>(cublaslt_));
+    // The stream itself goes when the last tensor allocated on it does (stream_owner_).
+  }
+#endif
+}
+
+void* DeviceContext::workspace(size_t bytes) {
+  DP_CHECK(device_.is_cuda(), "workspace: only CUDA contexts have one, not " << device_);
+#if DP_HAVE_CUDA
+  if (bytes > workspace_bytes_) {
+    auto s = static_cast<cudaStream_t>(stream_);
+    if (workspace_) DP_CUDA_CHECK(cudaFreeAsync(workspace_, s));
+    workspace_ = nullptr;
+    workspace_bytes_ = 0;
+    DP_CUDA_CHECK(cudaMallocAsync(&workspace_, bytes, s));
+    workspace_bytes_ = bytes;
+  }
+#endif
+  return workspace_;
+}
+
+tbb::task_arena& DeviceContext::arena() {
+  DP_CHECK(arena_ != nullptr, "arena: " << device_ << " is not a CPU device");
+  return *arena_;
+}
+
+void DeviceContext::synchronize() {
+#if DP_HAVE_CUDA
+  if (stream_) DP_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)));
+#endif
+}
+
+namespace {
+// This thread's contexts: the ones bound by a ContextScope, and the defaults it made.
+struct ThreadContexts {
+  std::map<Device, DeviceContext*> bound;
+  std::map<Device, std::unique_ptr<DeviceContext>> defaults;
+};
+ThreadContexts& thread_contexts() {
+  thread_local ThreadContexts t;
+  return t;
+}
+}  // namespace
+
+ContextScope::ContextScope(DeviceContext& ctx) : device_(ctx.device()) {
+  auto& bound = thread_contexts().bound;
+  auto it = bound.find(device_);
+  previous_ = it == bound.end() ? nullptr : it->second;
+  bound[device_] = &ctx;
+}
+
+ContextScope::~ContextScope() {
+  auto& bound = thread_contexts().bound;
+  if (previous_) bound[device_] = previous_;
+  else bound.erase(device_);
+}
+
+DeviceContext& context(Device device) {
+  auto& t = thread_contexts();
+  auto it = t.bound.find(device);
+  if (it != t.bound.end()) return *it->second;
+  auto& d = t.defaults[device];
+  if (!d) {
+    try {
+      d = std::make_unique<DeviceContext>(device);
+    } catch (...) {
+      t.defaults.erase(device);
+      throw;
+    }
+  }
+  return *d;
+}
+
+}  // namespace kernels

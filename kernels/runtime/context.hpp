@@ -1,0 +1,103 @@
+// DeviceContext: everything one thread needs to run work on one device: the CUDA stream,
+// cuBLASLt and cuDNN handles, a GEMM workspace, the memory counters, and for CPU devices a
+// tbb::task_arena sized so that several CPU devices share the cores without oversubscribing.
+// A context is owned by one thread for life; no handle is shared across threads.
+//
+// A worker thread makes its context once and binds it for the thread's life:
+//     DeviceContext ctx(Device::cuda(1), {.cpu_threads = 2});
+//     ContextScope scope(ctx);   // kernels::relu(y, x) on cuda:1 now runs on ctx's stream
+// A thread that calls an op on a device it has not bound gets a default context of its own
+// (made on first use, destroyed at thread exit).
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include <tbb/task_arena.h>
+
+#include "kernels/runtime/device.hpp"
+
+
+namespace kernels {
+
+// Bytes allocated on one logical device through one context, now and at the peak.
+struct MemoryStats {
+  std::atomic<int64_t> current{0};
+  std::atomic<int64_t> peak{0};
+  void on_alloc(int64_t bytes);
+  void on_free(int64_t bytes) { current.fetch_sub(bytes); }
+};
+
+// How matrix products may round: strict f32, or TF32 tensor cores for f32 inputs (GPU only).
+enum class MathMode { strict, tf32 };
+
+struct ContextOptions {
+  int cpu_threads = 0;  // CPU devices: arena concurrency; 0 = all hardware threads
+  MathMode math = MathMode::strict;
+};
+
+class DeviceContext {
+ public:
+  explicit DeviceContext(Device device, ContextOptions options = {});
+  ~DeviceContext();
+  DeviceContext(const DeviceContext&) = delete;
+  DeviceContext& operator=(const DeviceContext&) = delete;
+
+  Device device() const { return device_; }
+  // CUDA handles as opaque pointers so that this header needs no CUDA includes;
+  // kernels/cuda/cuda_common.cuh casts them back. nullptr on CPU devices.
+  void* stream() const { return stream_; }
+  void* cublaslt() const { return cublaslt_; }
+  void* cudnn() const { return cudnn_; }
+  // A device buffer of at least `bytes`, reused between calls (grows, never shrinks).
+  void* workspace(size_t bytes);
+  size_t workspace_bytes() const { return workspace_bytes_; }
+
+  // CPU devices: the arena every CPU kernel of this device runs in.
+  tbb::task_arena& arena();
+  int cpu_threads() const { return cpu_threads_; }
+
+  MathMode math() const { return options_.math; }
+  void set_math(MathMode m) { options_.math = m; }
+
+  const std::shared_ptr<MemoryStats>& memory() const { return memory_; }
+  // Shares ownership of the CUDA stream: memory allocated on it keeps it alive until freed,
+  // so a tensor may outlive the context that made it. Empty on CPU devices.
+  const std::shared_ptr<void>& stream_owner() const { return stream_owner_; }
+
+  // Waits until all work queued on this context's stream has finished (no-op on CPU).
+  void synchronize();
+
+ private:
+  Device device_;
+  ContextOptions options_;
+  int cpu_threads_ = 1;
+  void* stream_ = nullptr;
+  std::shared_ptr<void> stream_owner_;
+  void* cublaslt_ = nullptr;
+  void* cudnn_ = nullptr;
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_ = 0;
+  std::unique_ptr<tbb::task_arena> arena_;
+  std::shared_ptr<MemoryStats> memory_;
+};
+
+// Binds `ctx` as this thread's context for ctx.device() until the scope ends.
+class ContextScope {
+ public:
+  explicit ContextScope(DeviceContext& ctx);
+  ~ContextScope();
+  ContextScope(const ContextScope&) = delete;
+  ContextScope& operator=(const ContextScope&) = delete;
+
+ private:
+  DeviceContext* previous_;
+  Device device_;
+};
+
+// This thread's context for `device`: the bound one, else a default one made on first use.
+DeviceContext& context(Device device);
+
+}  // namespace kernels

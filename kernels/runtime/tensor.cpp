@@ -1,0 +1,243 @@
+#include "kernels/runtime/tensor.hpp"
+
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+#include "kernels/ops.hpp"
+#include "kernels/runtime/context.hpp"
+
+#if DP_HAVE_CUDA
+#include "kernels/runtime/cuda_check.hpp"
+#endif
+
+namespace kernels {
+
+std::string shape_str(const Shape& s) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
+  os << "]";
+  return os.str();
+}
+
+int64_t shape_numel(const Shape& s) {
+  int64_t n = 1;
+  for (int64_t d : s) {
+    DP_CHECK(d >= 0, "negative dimension in shape " << shape_str(s));
+    n *= d;
+  }
+  return n;
+}
+
+// ---- Storage -------------------------------------------------------------------------------
+
+Storage::Storage(Device device, size_t bytes, HostMemory host) : device_(device), bytes_(bytes) {
+  DeviceContext& ctx = context(device);
+  stats_ = ctx.memory();
+  if (bytes == 0) return;
+  if (device.is_cpu()) {
+#if DP_HAVE_CUDA
+    if (host == HostMemory::pinned && cuda_device_count() > 0) {
+      DP_CUDA_CHECK(cudaMallocHost(&data_, bytes));
+      pinned_ = true;
+    }
+#endif
+    if (!pinned_) {
+      size_t rounded = (bytes + 63) / 64 * 64;
+      data_ = std::aligned_alloc(64, rounded);
+      DP_CHECK(data_ != nullptr, "out of host memory allocating " << bytes << " bytes on " << device);
+    }
+  } else {
+#if DP_HAVE_CUDA
+    DP_CUDA_CHECK(cudaSetDevice(physical_gpu(device)));
+    stream_ = ctx.stream_owner();
+    cudaError_t e = cudaMallocAsync(&data_, bytes, static_cast<cudaStream_t>(ctx.stream()));
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      DP_THROW("out of memory on " << device << " allocating " << bytes
+                                    << " bytes: " << cudaGetErrorString(e));
+    }
+#else
+    DP_THROW("device " << device << " is not usable: " << cuda_unavailable_reason());
+#endif
+  }
+  stats_->on_alloc(static_cast<int64_t>(bytes));
+}
+
+Storage::~Storage() {
+  if (!data_) return;
+  stats_->on_free(static_cast<int64_t>(bytes_));
+  if (device_.is_cpu() && !pinned_) {
+    std::free(data_);
+    return;
+  }
+#if DP_HAVE_CUDA
+  cudaError_t e;
+  if (pinned_) {
+    e = cudaFreeHost(data_);
+  } else {
+    cudaSetDevice(physical_gpu(device_));
+    // Stream-ordered free on the stream the block was allocated on: work queued there that
+    // still reads it finishes first. The stream stays alive while this storage holds it.
+    e = cudaFreeAsync(data_, static_cast<cudaStream_t>(stream_.get()));
+  }
+  if (e != cudaSuccess && e != cudaErrorCudartUnloading)
+    DP_LOG_ERROR("freeing " << bytes_ << " bytes on " << device_ << ": " << cudaGetErrorString(e));
+#endif
+}
+
+// ---- Tensor --------------------------------------------------------------------------------
+
+Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
+  Tensor t;
+  t.numel_ = shape_numel(shape);
+  t.shape_ = shape;
+  t.dtype_ = dtype;
+  t.storage_ = std::make_shared<Storage>(device, t.nbytes());
+  return t;
+}
+
+Tensor Tensor::zeros(const Shape& shape, DType dtype, Device device) {
+  Tensor t = empty(shape, dtype, device);
+  fill(t, 0.f);
+  return t;
+}
+
+Tensor Tensor::empty_pinned(const Shape& shape, DType dtype) {
+  Tensor t;
+  t.numel_ = shape_numel(shape);
+  t.shape_ = shape;
+  t.dtype_ = dtype;
+  t.storage_ =
+      std::make_shared<Storage>(Device::cpu(), t.nbytes(), Storage::HostMemory::pinned);
+  return t;
+}
+
+Tensor Tensor::from_vector(const std::vector<float>& v, const Shape& shape, Device device,
+                           DType dtype) {
+  DP_CHECK(static_cast<int64_t>(v.size()) == shape_numel(shape),
+           "from_vector: " << v.size() << " values for shape " << shape_str(shape));
+  DP_CHECK(is_floating(dtype), "from_vector: float data into dtype " << dtype);
+  Tensor host = empty(shape, DType::f32, Device::cpu());
+  if (!v.empty()) std::memcpy(host.raw(), v.data(), v.size() * sizeof(float));
+  if (dtype != DType::f32) host = host.to(dtype);
+  return device == Device::cpu() ? host : host.to(device);
+}
+
+Tensor Tensor::from_ints(const std::vector<int32_t>& v, const Shape& shape, Device device) {
+  DP_CHECK(static_cast<int64_t>(v.size()) == shape_numel(shape),
+           "from_vector: " << v.size() << " values for shape " << shape_str(shape));
+  Tensor host = empty(shape, DType::i32, Device::cpu());
+  if (!v.empty()) std::memcpy(host.raw(), v.data(), v.size() * sizeof(int32_t));
+  return device == Device::cpu() ? host : host.to(device);
+}
+
+int64_t Tensor::dim(int i) const {
+  int n = ndim();
+  int j = i < 0 ? i + n : i;
+  DP_CHECK(j >= 0 && j < n, "dim " << i << " out of range for shape " << shape_str(shape_));
+  return shape_[j];
+}
+
+Device Tensor::device() const {
+  DP_CHECK(storage_, "device() of an undefined tensor");
+  return storage_->device();
+}
+
+void* Tensor::raw() const {
+  if (!storage_ || !storage_->data()) return nullptr;
+  return static_cast<char*>(storage_->data()) + offset_;
+}
+
+Tensor Tensor::reshape(const Shape& shape) const {
+  DP_CHECK(shape_numel(shape) == numel_,
+           "reshape: " << shape_str(shape_) << " has " << numel_ << " elements, "
+                       << shape_str(shape) << " has " << shape_numel(shape));
+  Tensor t = *this;
+  t.shape_ = shape;
+  return t;
+}
+
+Tensor Tensor::slice(int64_t begin, int64_t end) const {
+  DP_CHECK(ndim() >= 1, "slice of a 0-d tensor");
+  DP_CHECK(0 <= begin && begin <= end && end <= shape_[0],
+           "slice [" << begin << ", " << end << ") out of range for shape " << shape_str(shape_));
+  int64_t row = shape_[0] == 0 ? 0 : numel_ / shape_[0];
+  Tensor t = *this;
+  t.shape_[0] = end - begin;
+  t.numel_ = row * (end - begin);
+  t.offset_ = offset_ + static_cast<size_t>(begin * row) * dtype_size(dtype_);
+  return t;
+}
+
+Tensor Tensor::view(int64_t offset_elems, const Shape& shape) const {
+  int64_t n = shape_numel(shape);
+  DP_CHECK(offset_elems >= 0 && offset_elems + n <= numel_,
+           "view of " << n << " elements at " << offset_elems << " exceeds " << numel_
+                      << " elements of " << shape_str(shape_));
+  Tensor t = *this;
+  t.shape_ = shape;
+  t.numel_ = n;
+  t.offset_ = offset_ + static_cast<size_t>(offset_elems) * dtype_size(dtype_);
+  return t;
+}
+
+Tensor Tensor::to(Device device) const {
+  Tensor t = empty(shape_, dtype_, device);
+  copy(t, *this);
+  if (device.is_cuda()) context(device).synchronize();
+  return t;
+}
+
+Tensor Tensor::to(DType dtype) const {
+  Tensor t = empty(shape_, dtype, device());
+  copy(t, *this);
+  return t;
+}
+
+Tensor Tensor::clone() const { return to(dtype_); }
+
+std::vector<float> Tensor::to_host_f32() const {
+  Tensor h = device().is_cpu() ? *this : to(Device::cpu());
+  std::vector<float> out(static_cast<size_t>(numel_));
+  switch (dtype_) {
+    case DType::f32: std::memcpy(out.data(), h.raw(), nbytes()); break;
+    case DType::f16:
+      for (int64_t i = 0; i < numel_; ++i) out[i] = f16_to_f32(h.data<uint16_t>()[i]);
+      break;
+    case DType::bf16:
+      for (int64_t i = 0; i < numel_; ++i) out[i] = bf16_to_f32(h.data<uint16_t>()[i]);
+      break;
+    case DType::i32:
+      for (int64_t i = 0; i < numel_; ++i) out[i] = static_cast<float>(h.data<int32_t>()[i]);
+      break;
+    case DType::i64:
+      for (int64_t i = 0; i < numel_; ++i) out[i] = static_cast<float>(h.data<int64_t>()[i]);
+      break;
+    case DType::u8:
+      for (int64_t i = 0; i < numel_; ++i) out[i] = h.data<uint8_t>()[i];
+      break;
+  }
+  return out;
+}
+
+std::vector<int32_t> Tensor::to_host_i32() const {
+  DP_CHECK(dtype_ == DType::i32, "to_host_i32 of a " << dtype_ << " tensor");
+  Tensor h = device().is_cpu() ? *this : to(Device::cpu());
+  std::vector<int32_t> out(static_cast<size_t>(numel_));
+  if (numel_) std::memcpy(out.data(), h.raw(), nbytes());
+  return out;
+}
+
+float Tensor::item() const {
+  DP_CHECK(numel_ == 1, "item() of a tensor with " << numel_ << " elements " << shape_str(shape_));
+  return to_host_f32()[0];
+}
+
+std::ostream& operator<<(std::ostream& os, const Tensor& t) {
+  if (!t.defined()) return os << "Tensor(undefined)";
+  return os << "Tensor(" << t.dtype() << ", " << t.device() << ", " << shape_str(t.shape()) << ")";
+}
+
+}  // namespace kernels

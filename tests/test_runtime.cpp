@@ -1,0 +1,108 @@
+// Runtime: devices, tensors and views, dtype conversions, errors, contexts.
+#include <thread>
+
+#include "tests/test_util.hpp"
+
+using namespace kernels;
+
+TEST_CASE("runtime.device: parse and print") {
+  CHECK(Device::parse("cpu") == Device::cpu(0));
+  CHECK(Device::parse("cpu:3") == Device::cpu(3));
+  CHECK(Device::parse("cuda:1") == Device::cuda(1));
+  CHECK(Device::parse("cuda:2").str() == "cuda:2");
+  CHECK_THROWS_WITH_AS(Device::parse("tpu:0"), doctest::Contains("tpu:0"), Error);
+  CHECK_THROWS_WITH_AS(Device::parse("cpu:x"), doctest::Contains("cpu:x"), Error);
+  CHECK(make_devices(DeviceType::cpu, 3).size() == 3);
+  CHECK_THROWS_AS(make_devices(DeviceType::cpu, 0), Error);
+}
+
+TEST_CASE("runtime.device: CUDA is detected at run time") {
+  if (!built_with_cuda()) CHECK(cuda_device_count() == 0);
+  if (cuda_device_count() == 0) {
+    CHECK(!cuda_unavailable_reason().empty());
+    CHECK_THROWS_WITH_AS(Tensor::empty({2}, DType::f32, Device::cuda(0)),
+                         doctest::Contains("cuda:0"), Error);
+  } else {
+    CHECK(physical_gpu(Device::cuda(cuda_device_count())) == 0);  // logical devices wrap
+  }
+}
+
+TEST_CASE("runtime.tensor: views share memory and check bounds") {
+  Tensor t = Tensor::from_vector({0, 1, 2, 3, 4, 5}, {3, 2});
+  CHECK(t.numel() == 6);
+  CHECK(t.dim(-1) == 2);
+  Tensor rows = t.slice(1, 3);
+  CHECK(rows.shape() == Shape{2, 2});
+  CHECK(rows.to_host_f32() == std::vector<float>{2, 3, 4, 5});
+  Tensor v = t.view(1, {4});
+  v.data<float>()[0] = 42.f;
+  CHECK(t.to_host_f32()[1] == 42.f);
+  CHECK(v.same_storage(t));
+  CHECK_THROWS_WITH_AS(t.view(3, {4}), doctest::Contains("exceeds"), Error);
+  CHECK_THROWS_WITH_AS(t.reshape({4, 2}), doctest::Contains("[4, 2]"), Error);
+  CHECK_THROWS_AS(t.slice(2, 4), Error);
+  CHECK(t.slice(3, 3).numel() == 0);
+  Tensor c = t.clone();
+  c.data<float>()[0] = -1.f;
+  CHECK(t.to_host_f32()[0] == 0.f);
+}
+
+TEST_CASE("runtime.tensor: empty shapes and bad shapes") {
+  Tensor e = Tensor::zeros({0, 5}, DType::f32, Device::cpu());
+  CHECK(e.numel() == 0);
+  CHECK(e.to_host_f32().empty());
+  CHECK_THROWS_WITH_AS(Tensor::empty({2, -1}, DType::f32, Device::cpu()),
+                       doctest::Contains("negative"), Error);
+  CHECK_THROWS_WITH_AS(Tensor::from_vector({1.f, 2.f}, {3}), doctest::Contains("[3]"), Error);
+  CHECK_THROWS_AS(Tensor().device(), Error);
+}
+
+TEST_CASE("runtime.dtype: f16 and bf16 round trips") {
+  for (float x : {0.f, 1.f, -2.5f, 65504.f, 6.1035156e-05f, 5.9604645e-08f, 1e-3f, 3.14159f}) {
+    float h = f16_to_f32(f32_to_f16(x));
+    CHECK(h == doctest::Approx(x).epsilon(1e-3));
+    float b = bf16_to_f32(f32_to_bf16(x));
+    CHECK(b == doctest::Approx(x).epsilon(8e-3));
+  }
+  CHECK(f16_to_f32(f32_to_f16(1e6f)) == INFINITY);  // overflow saturates to inf
+  CHECK(std::isnan(bf16_to_f32(f32_to_bf16(NAN))));
+  Tensor t = Tensor::from_vector({1.f, 0.5f, -3.f}, {3}, Device::cpu(), DType::bf16);
+  CHECK(t.dtype() == DType::bf16);
+  CHECK(t.to_host_f32() == std::vector<float>{1.f, 0.5f, -3.f});
+  CHECK(t.to(DType::f16).to(DType::f32).to_host_f32() == std::vector<float>{1.f, 0.5f, -3.f});
+}
+
+TEST_CASE("runtime.errors: messages name the check, file and line") {
+  try {
+    DP_CHECK(1 + 1 == 3, "arithmetic is broken: " << 42);
+    FAIL("no throw");
+  } catch (const Error& e) {
+    std::string m = e.what();
+    CHECK(m.find("arithmetic is broken: 42") != std::string::npos);
+    CHECK(m.find("test_runtime.cpp") != std::string::npos);
+    CHECK(m.find("1 + 1 == 3") != std::string::npos);
+  }
+}
+
+TEST_CASE("runtime.context: one per thread and device, with memory counters") {
+  DeviceContext* main_ctx = &context(Device::cpu(0));
+  CHECK(&context(Device::cpu(0)) == main_ctx);
+  DeviceContext* other = nullptr;
+  std::thread([&] { other = &context(Device::cpu(0)); }).join();
+  CHECK(other != main_ctx);
+
+  DeviceContext mine(Device::cpu(1), {1});
+  CHECK(mine.cpu_threads() == 1);
+  {
+    ContextScope scope(mine);
+    CHECK(&context(Device::cpu(1)) == &mine);
+    int64_t before = mine.memory()->current.load();
+    {
+      Tensor t = Tensor::empty({1000}, DType::f32, Device::cpu(1));
+      CHECK(mine.memory()->current.load() == before + 4000);
+    }
+    CHECK(mine.memory()->current.load() == before);
+    CHECK(mine.memory()->peak.load() >= before + 4000);
+  }
+  CHECK(&context(Device::cpu(1)) != &mine);
+}
