@@ -1,0 +1,327 @@
+// nn::Module: a layer or a tree of layers with explicit forward and backward.
+//
+// Parameters and buffers live in flat per-replica buffers owned by the root of the tree:
+// one f32 buffer for parameters, one for their gradients, one for non-parameter buffers
+// (BatchNorm running statistics). Each layer's weight is a view into them, so a DP broadcast is
+// one copy, a reduction is one buffer, and a DDP bucket is a slice of the gradient buffer.
+//
+// Life of a module:
+//   auto net = nn::mlp({784, 256, 10});      // declares parameters: shapes, no memory yet
+//   net->materialize(Device::cpu(), seed);   // allocates the flat buffers and initialises them
+//   Tensor y = net->forward(x);              // caches what backward needs
+//   net->zero_grad(); Tensor dx = net->backward(dy);   // gradients accumulate
+//   auto replica = net->clone_to(Device::cuda(1));      // same structure, own flat buffers
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernels/ops.hpp"
+#include "kernels/philox.hpp"
+
+namespace nn {
+
+using kernels::Device;
+using kernels::DType;
+using kernels::Shape;
+using kernels::Tensor;
+
+// How a parameter is initialised: a distribution and its scale. Values are generated on the
+// host from (seed, parameter index), so the same seed gives the same model on every device.
+struct InitSpec {
+  enum class Dist { constant, uniform, normal };
+  Dist dist = Dist::constant;
+  float scale = 0.f;  // constant value, uniform bound (U(-b, b)) or normal std
+
+  static InitSpec constant(float v) { return {Dist::constant, v}; }
+  static InitSpec uniform(float bound) { return {Dist::uniform, bound}; }
+  static InitSpec normal(float std) { return {Dist::normal, std}; }
+};
+
+// Kaiming (He) and Xavier (Glorot) initialisation, as torch.nn.init defines them.
+inline InitSpec kaiming_uniform(int64_t fan_in, float a = 0.f) {
+  float gain = std::sqrt(2.f / (1.f + a * a));
+  return InitSpec::uniform(gain * std::sqrt(3.f / static_cast<float>(fan_in)));
+}
+inline InitSpec kaiming_normal(int64_t fan_in, float a = 0.f) {
+  float gain = std::sqrt(2.f / (1.f + a * a));
+  return InitSpec::normal(gain / std::sqrt(static_cast<float>(fan_in)));
+}
+inline InitSpec xavier_uniform(int64_t fan_in, int64_t fan_out, float gain = 1.f) {
+  return InitSpec::uniform(gain * std::sqrt(6.f / static_cast<float>(fan_in + fan_out)));
+}
+inline InitSpec xavier_normal(int64_t fan_in, int64_t fan_out, float gain = 1.f) {
+  return InitSpec::normal(gain * std::sqrt(2.f / static_cast<float>(fan_in + fan_out)));
+}
+// PyTorch's default for Linear/Conv weights and biases: U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+inline InitSpec torch_default(int64_t fan_in) {
+  return InitSpec::uniform(1.f / std::sqrt(static_cast<float>(fan_in > 0 ? fan_in : 1)));
+}
+
+// `count` values of `spec`, drawn from the counter-based generator under `key`.
+inline std::vector<float> init_values(const InitSpec& spec, int64_t count, uint64_t key) {
+  std::vector<float> v(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; ++i) {
+    switch (spec.dist) {
+      case InitSpec::Dist::constant: v[i] = spec.scale; break;
+      case InitSpec::Dist::uniform:
+        v[i] = (2.f * kernels::philox::uniform(key, i) - 1.f) * spec.scale;
+        break;
+      case InitSpec::Dist::normal: {  // Box-Muller on two independent uniforms
+        float u1 = kernels::philox::uniform(key, 2 * i) + 1.f / 16777216.f;
+        float u2 = kernels::philox::uniform(key, 2 * i + 1);
+        v[i] = spec.scale * std::sqrt(-2.f * std::log(u1)) * std::cos(6.2831853f * u2);
+        break;
+      }
+    }
+  }
+  return v;
+}
+
+struct Parameter {
+  std::string name;  // local name ("weight"); named_parameters() gives the full path
+  Shape shape;
+  InitSpec init;
+  int64_t offset = 0;  // first element in the flat buffers
+  Tensor value;        // view into the flat parameter buffer
+  Tensor grad;         // view into the flat gradient buffer
+  int64_t numel() const { return kernels::shape_numel(shape); }
+};
+
+struct Buffer {
+  std::string name;
+  Shape shape;
+  float init_value = 0.f;
+  int64_t offset = 0;
+  Tensor value;  // view into the flat buffer of non-parameters
+  int64_t numel() const { return kernels::shape_numel(shape); }
+};
+
+// The storage of one replica, shared by every module of its tree.
+struct FlatState {
+  Device device;
+  Tensor params;   // (P) f32
+  Tensor grads;    // (P) f32
+  Tensor buffers;  // (B) f32, may be empty
+  uint64_t seed = 0;
+  // Called once a module's backward has finished writing the gradients of its parameters, in
+  // backward order (DDP launches bucket all-reduces from here). Null by default.
+  std::function<void(const Parameter&)> on_grad_ready;
+  // Stream of random numbers for stochastic layers (dropout): (rng_key, rng_offset).
+  uint64_t rng_key = 0;
+  uint64_t rng_offset = 0;
+};
+
+enum class Mode { train, eval };
+
+class Module {
+ public:
+  virtual ~Module() = default;
+  Module() = default;
+  Module(const Module&) = delete;
+  Module& operator=(const Module&) = delete;
+
+  // requires materialize() was called. ensures the output; caches what backward needs.
+  Tensor forward(const Tensor& x) {
+    kernels::NvtxRange r(type_name());
+    return forward_impl(x);
+  }
+  // requires forward() ran on this input. ensures the input gradient is returned and the
+  // parameter gradients are ADDED into grad views; then on_grad_ready fires for each of this
+  // module's own parameters.
+  Tensor backward(const Tensor& dy) {
+    Tensor dx;
+    {
+      kernels::NvtxRange r(type_name() + "/backward");
+      dx = backward_impl(dy);
+    }
+    if (flat_ && flat_->on_grad_ready)
+      for (auto& p : params_) flat_->on_grad_ready(p);
+    return dx;
+  }
+
+  virtual std::string type_name() const = 0;
+
+  void train() { set_mode(Mode::train); }
+  void eval() { set_mode(Mode::eval); }
+  bool is_training() const { return mode_ == Mode::train; }
+
+  // Parameters of the whole tree, depth first in registration order, with hierarchical names
+  // ("layer1.conv.weight"). This order is the order in the flat buffers.
+  std::vector<std::pair<std::string, Parameter*>> named_parameters() {
+    std::vector<std::pair<std::string, Parameter*>> out;
+    visit("", [&](const std::string& prefix, Module& m) {
+      for (auto& p : m.params_) out.emplace_back(prefix + p.name, &p);
+    });
+    return out;
+  }
+  std::vector<std::pair<std::string, Buffer*>> named_buffers() {
+    std::vector<std::pair<std::string, Buffer*>> out;
+    visit("", [&](const std::string& prefix, Module& m) {
+      for (auto& b : m.buffers_) out.emplace_back(prefix + b.name, &b);
+    });
+    return out;
+  }
+  // This module's own parameters (not its children's).
+  std::deque<Parameter>& own_parameters() { return params_; }
+  const std::vector<std::pair<std::string, std::shared_ptr<Module>>>& children() const {
+    return children_;
+  }
+
+  int64_t num_parameters() {
+    int64_t n = 0;
+    for (auto& [name, p] : named_parameters()) n += p->numel();
+    return n;
+  }
+
+  // Allocates the flat buffers on `device` and initialises every parameter and buffer from
+  // `seed`: parameter i takes init_values(spec, numel, mix_key(seed, i)). Gradients are zero.
+  void materialize(Device device, uint64_t seed) {
+    allocate(device, seed);
+    auto params = named_parameters();
+    std::vector<float> host(static_cast<size_t>(flat_->params.numel()));
+    for (size_t i = 0; i < params.size(); ++i) {
+      Parameter& p = *params[i].second;
+      auto v = init_values(p.init, p.numel(), kernels::philox::mix_key(seed, i));
+      std::copy(v.begin(), v.end(), host.begin() + p.offset);
+    }
+    Tensor h = Tensor::from_vector(host, {static_cast<int64_t>(host.size())});
+    kernels::copy(flat_->params, h);
+    std::vector<float> hb(static_cast<size_t>(flat_->buffers.numel()));
+    for (auto& [name, b] : named_buffers())
+      std::fill_n(hb.begin() + b->offset, b->numel(), b->init_value);
+    Tensor hbt = Tensor::from_vector(hb, {static_cast<int64_t>(hb.size())});
+    kernels::copy(flat_->buffers, hbt);
+    kernels::context(device).synchronize();  // the host staging vectors die here
+  }
+  bool materialized() const { return flat_ != nullptr; }
+
+  // A new tree of the same structure and mode on `device`, with its own flat buffers holding a
+  // copy of this tree's parameters and buffers (gradients zero).
+  std::shared_ptr<Module> clone_to(Device device) {
+    DP_CHECK(materialized(), "clone_to(" << device << "): " << type_name()
+                                         << " has no storage; call materialize() first");
+    std::shared_ptr<Module> copy = clone_structure();
+    copy->allocate(device, flat_->seed);
+    copy->set_mode(mode_);
+    copy_tensor_across(copy->flat_->params, flat_->params);
+    copy_tensor_across(copy->flat_->buffers, flat_->buffers);
+    return copy;
+  }
+
+  FlatState& flat() {
+    DP_CHECK(materialized(), type_name() << " has no storage; call materialize() first");
+    return *flat_;
+  }
+  Device device() { return flat().device; }
+  Tensor& flat_params() { return flat().params; }
+  Tensor& flat_grads() { return flat().grads; }
+  Tensor& flat_buffers() { return flat().buffers; }
+
+  void zero_grad() { kernels::fill(flat().grads, 0.f); }
+
+  // A new, unmaterialised module with the same structure and configuration.
+  std::shared_ptr<Module> clone_structure() const {
+    std::shared_ptr<Module> m = clone_config();
+    DP_CHECK(m->children_.size() == children_.size() || m->children_.empty(),
+             type_name() << "::clone_config must rebuild the same children");
+    if (m->children_.empty())
+      for (auto& [name, child] : children_) m->register_module(name, child->clone_structure());
+    m->mode_ = mode_;
+    return m;
+  }
+
+ protected:
+  virtual Tensor forward_impl(const Tensor& x) = 0;
+  virtual Tensor backward_impl(const Tensor& dy) = 0;
+  // A fresh module with this one's configuration. Containers may return an empty container:
+  // clone_structure() then clones and registers the children in order.
+  virtual std::shared_ptr<Module> clone_config() const = 0;
+  // Called after the flat buffers are bound (views are valid from here on).
+  virtual void on_bind() {}
+  virtual void on_mode(Mode) {}
+
+  Parameter& register_parameter(std::string name, Shape shape, InitSpec init) {
+    DP_CHECK(!materialized(), "register_parameter(" << name << ") after materialize()");
+    params_.push_back(Parameter{std::move(name), std::move(shape), init});
+    return params_.back();
+  }
+  Buffer& register_buffer(std::string name, Shape shape, float init_value) {
+    DP_CHECK(!materialized(), "register_buffer(" << name << ") after materialize()");
+    buffers_.push_back(Buffer{std::move(name), std::move(shape), init_value});
+    return buffers_.back();
+  }
+  template <class M>
+  std::shared_ptr<M> register_module(std::string name, std::shared_ptr<M> m) {
+    DP_CHECK(!materialized(), "register_module(" << name << ") after materialize()");
+    DP_CHECK(m != nullptr, "register_module(" << name << "): null module");
+    children_.emplace_back(std::move(name), m);
+    return m;
+  }
+
+  // The shared state of the tree; null before materialize().
+  const std::shared_ptr<FlatState>& flat_state() const { return flat_; }
+
+ private:
+  template <class F>
+  void visit(const std::string& prefix, F&& f) {
+    f(prefix, *this);
+    for (auto& [name, child] : children_) child->visit(prefix + name + ".", f);
+  }
+
+  void set_mode(Mode m) {
+    mode_ = m;
+    on_mode(m);
+    for (auto& [name, child] : children_) child->set_mode(m);
+  }
+
+  // Lays out the flat buffers and binds every view.
+  void allocate(Device device, uint64_t seed) {
+    DP_CHECK(!materialized(), type_name() << " is already materialised on " << flat_->device);
+    auto state = std::make_shared<FlatState>();
+    state->device = device;
+    state->seed = seed;
+    state->rng_key = kernels::philox::mix_key(seed, 0x5eed, static_cast<uint64_t>(device.index));
+    int64_t np = 0, nb = 0;
+    visit("", [&](const std::string&, Module& m) {
+      for (auto& p : m.params_) p.offset = np, np += p.numel();
+      for (auto& b : m.buffers_) b.offset = nb, nb += b.numel();
+    });
+    state->params = Tensor::empty({np}, DType::f32, device);
+    state->grads = Tensor::zeros({np}, DType::f32, device);
+    state->buffers = Tensor::empty({nb}, DType::f32, device);
+    visit("", [&](const std::string&, Module& m) {
+      m.flat_ = state;
+      for (auto& p : m.params_) {
+        p.value = state->params.view(p.offset, p.shape);
+        p.grad = state->grads.view(p.offset, p.shape);
+      }
+      for (auto& b : m.buffers_) b.value = state->buffers.view(b.offset, b.shape);
+      m.on_bind();
+    });
+  }
+
+  // Copies a flat buffer into another replica's, across devices, and waits for it.
+  static void copy_tensor_across(Tensor& dst, const Tensor& src) {
+    if (src.numel() == 0) return;
+    if (src.device().is_cuda()) kernels::context(src.device()).synchronize();
+    kernels::copy(dst, src);
+    kernels::context(dst.device()).synchronize();
+  }
+
+  std::deque<Parameter> params_;
+  std::deque<Buffer> buffers_;
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
+  std::shared_ptr<FlatState> flat_;
+  Mode mode_ = Mode::train;
+};
+
+using ModulePtr = std::shared_ptr<Module>;
+
+}  // namespace nn
