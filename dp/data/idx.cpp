@@ -1,0 +1,163 @@
+#include "dp/data/idx.hpp"
+
+#include <zlib.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <sstream>
+
+#include "kernels/runtime/error.hpp"
+
+namespace dp::data {
+
+namespace {
+
+// Closes a gzFile on scope exit; a close error on a read-only file carries no information.
+struct GzCloser {
+  void operator()(gzFile_s* f) const { gzclose(f); }
+};
+using GzHandle = std::unique_ptr<gzFile_s, GzCloser>;
+
+std::string hex(uint32_t v, int digits) {
+  char buf[16];
+  std::snprintf(buf, sizeof(buf), "0x%0*x", digits, v);
+  return buf;
+}
+
+const char* idx_dtype_name(uint8_t code) {
+  switch (code) {
+    case 0x08:
+      return "u8";
+    case 0x09:
+      return "i8";
+    case 0x0B:
+      return "i16";
+    case 0x0C:
+      return "i32";
+    case 0x0D:
+      return "f32";
+    case 0x0E:
+      return "f64";
+    default:
+      return nullptr;
+  }
+}
+
+// gzip's description of the stream state after a short read ("" when it is just the end).
+std::string gz_error(gzFile f) {
+  int code = Z_OK;
+  const char* msg = gzerror(f, &code);
+  if (code == Z_OK || code == Z_STREAM_END) return "";
+  return msg ? msg : "unknown zlib error";
+}
+
+// Reads up to `n` bytes into `dst`; returns how many arrived. Throws on a read error, but not
+// on a short read: a truncated gzip stream is reported by the caller, which knows the sizes.
+size_t read_some(gzFile f, const std::string& path, uint8_t* dst, size_t n) {
+  size_t got = 0;
+  while (got < n) {
+    unsigned chunk = static_cast<unsigned>(std::min<size_t>(n - got, size_t{1} << 24));
+    int r = gzread(f, dst + got, chunk);
+    if (r < 0) {
+      int code = Z_OK;
+      const char* msg = gzerror(f, &code);
+      DP_THROW(path << ": " << (code == Z_ERRNO ? std::strerror(errno) : msg)
+                    << " (corrupt gzip stream or read error after " << got << " bytes)");
+    }
+    if (r == 0) break;
+    got += static_cast<size_t>(r);
+  }
+  return got;
+}
+
+std::string with_gz_reason(gzFile f) {
+  std::string reason = gz_error(f);
+  return reason.empty() ? "" : " (gzip: " + reason + ")";
+}
+
+}  // namespace
+
+int64_t IdxArray::item_size() const {
+  int64_t n = 1;
+  for (size_t i = 1; i < dims.size(); ++i) n *= dims[i];
+  return n;
+}
+
+IdxArray read_idx(const std::string& path) {
+  std::error_code ec;
+  DP_CHECK(std::filesystem::exists(path, ec), path << ": no such file");
+  DP_CHECK(!std::filesystem::is_directory(path, ec), path << ": is a directory, not an IDX file");
+  errno = 0;
+  GzHandle file(gzopen(path.c_str(), "rb"));
+  DP_CHECK(file != nullptr,
+           path << ": cannot open: " << (errno ? std::strerror(errno) : "out of memory"));
+  gzFile f = file.get();
+  gzbuffer(f, 1u << 20);
+
+  IdxArray out;
+  out.path = path;
+
+  uint8_t magic[4];
+  size_t got = read_some(f, path, magic, 4);
+  DP_CHECK(got == 4, path << ": truncated header: expected a 4-byte magic number, got " << got
+                          << " bytes" << with_gz_reason(f));
+  uint32_t magic_word = (uint32_t{magic[0]} << 24) | (uint32_t{magic[1]} << 16) |
+                        (uint32_t{magic[2]} << 8) | magic[3];
+  DP_CHECK(magic[0] == 0 && magic[1] == 0,
+           path << ": bad magic " << hex(magic_word, 8)
+                << ": an IDX file starts with two zero bytes, a dtype byte and a dim count "
+                   "(e.g. 0x00000803 for u8 images)");
+  const char* dtype = idx_dtype_name(magic[2]);
+  DP_CHECK(dtype != nullptr, path << ": bad magic " << hex(magic_word, 8) << ": unknown dtype byte "
+                                  << hex(magic[2], 2));
+  DP_CHECK(magic[2] == 0x08, path << ": unsupported dtype byte " << hex(magic[2], 2) << " ("
+                                  << dtype << "): only u8 (0x08) IDX files are supported");
+  int ndims = magic[3];
+  DP_CHECK(ndims >= 1, path << ": bad magic " << hex(magic_word, 8) << ": zero dimensions");
+
+  std::vector<uint8_t> header(4 * static_cast<size_t>(ndims));
+  got = read_some(f, path, header.data(), header.size());
+  DP_CHECK(got == header.size(), path << ": truncated header: expected " << header.size()
+                                      << " bytes of dimensions for " << ndims << " dims, got "
+                                      << got << with_gz_reason(f));
+  int64_t total = 1;
+  for (int d = 0; d < ndims; ++d) {
+    const uint8_t* p = header.data() + 4 * d;
+    int64_t size = (int64_t{p[0]} << 24) | (int64_t{p[1]} << 16) | (int64_t{p[2]} << 8) | p[3];
+    DP_CHECK(size > 0, path << ": dimension " << d << " of " << ndims << " is zero");
+    out.dims.push_back(size);
+    if (size > kMaxIdxBytes / total) {
+      std::ostringstream dims;
+      for (size_t k = 0; k < out.dims.size(); ++k) dims << (k ? " x " : "") << out.dims[k];
+      DP_THROW(path << ": absurd dimensions " << dims.str() << (d + 1 < ndims ? " x ..." : "")
+                    << ": more than " << kMaxIdxBytes << " bytes of data; corrupt header?");
+    }
+    total *= size;
+  }
+
+  // Grows the buffer as data arrives, so that a lying header cannot make us allocate 4 GiB.
+  size_t expected = static_cast<size_t>(total);
+  size_t have = 0;
+  while (have < expected) {
+    size_t step = std::min(expected - have, size_t{1} << 24);
+    out.bytes.resize(have + step);
+    size_t n = read_some(f, path, out.bytes.data() + have, step);
+    have += n;
+    if (n < step) break;
+  }
+  DP_CHECK(have == expected, path << ": truncated: expected " << expected << " bytes of data, got "
+                                  << have << with_gz_reason(f));
+
+  uint8_t extra[4096];
+  size_t trailing = 0;
+  for (size_t n; (n = read_some(f, path, extra, sizeof(extra))) > 0;) trailing += n;
+  DP_CHECK(trailing == 0, path << ": trailing garbage: " << trailing << " bytes after the "
+                               << expected << " bytes of data that the dims promise");
+  return out;
+}
+
+}  // namespace dp::data

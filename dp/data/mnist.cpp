@@ -1,0 +1,77 @@
+#include "dp/data/mnist.hpp"
+
+#include <tbb/parallel_invoke.h>
+
+#include <filesystem>
+
+#include "dp/data/idx.hpp"
+#include "kernels/runtime/error.hpp"
+
+namespace dp::data {
+
+namespace {
+
+constexpr const char* kHowToGetIt =
+    "install the Debian package dataset-fashion-mnist (apt install dataset-fashion-mnist) or "
+    "pass --data DIR with the four MNIST-format files";
+
+// `dir`/`stem`, or `dir`/`stem`.gz, whichever exists (the plain one first).
+std::string find_file(const std::string& dir, const std::string& stem) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::path plain = fs::path(dir) / stem;
+  fs::path gz = fs::path(dir) / (stem + ".gz");
+  if (fs::is_regular_file(plain, ec)) return plain.string();
+  if (fs::is_regular_file(gz, ec)) return gz.string();
+  DP_THROW("MNIST data set: neither " << plain.string() << " nor " << gz.string() << " exists; "
+                                      << kHowToGetIt);
+}
+
+}  // namespace
+
+MnistDataset::MnistDataset(const std::string& dir, Split split, MnistOptions options)
+    : dir_(dir), split_(split) {
+  std::error_code ec;
+  DP_CHECK(std::filesystem::is_directory(dir, ec),
+           "MNIST data set: directory " << dir << " not found; " << kHowToGetIt);
+  DP_CHECK(options.std > 0.f, "MnistOptions: std must be > 0, got " << options.std);
+  const std::string prefix = split == Split::train ? "train" : "t10k";
+  images_path_ = find_file(dir, prefix + "-images-idx3-ubyte");
+  labels_path_ = find_file(dir, prefix + "-labels-idx1-ubyte");
+
+  IdxArray images, labels;
+  tbb::parallel_invoke([&] { images = read_idx(images_path_); },
+                       [&] { labels = read_idx(labels_path_); });
+  DP_CHECK(images.dims.size() == 3, images_path_ << ": expected 3 dims (count, rows, cols) for "
+                                                 << "images, got " << images.dims.size());
+  DP_CHECK(labels.dims.size() == 1,
+           labels_path_ << ": expected 1 dim (count) for labels, got " << labels.dims.size());
+  DP_CHECK(images.count() == labels.count(),
+           "image/label count mismatch: " << images_path_ << " has " << images.count()
+                                          << " images, " << labels_path_ << " has "
+                                          << labels.count() << " labels");
+  for (size_t i = 0; i < labels.bytes.size(); ++i)
+    DP_CHECK(labels.bytes[i] < num_classes(),
+             labels_path_ << ": label " << int{labels.bytes[i]} << " at index " << i
+                          << " out of range [0, " << num_classes() << ")");
+  count_ = images.count();
+  rows_ = images.dims[1];
+  cols_ = images.dims[2];
+  pixels_ = std::move(images.bytes);
+  labels_ = std::move(labels.bytes);
+  for (int v = 0; v < 256; ++v)
+    normalised_[v] = (static_cast<float>(v) / 255.f - options.mean) / options.std;
+}
+
+std::string MnistDataset::name() const {
+  return dir_ + (split_ == Split::train ? " (train)" : " (test)");
+}
+
+void MnistDataset::get_unchecked(int64_t index, float* image_out, int32_t* label_out) const {
+  const int64_t n = rows_ * cols_;
+  const uint8_t* src = pixels_.data() + index * n;
+  for (int64_t j = 0; j < n; ++j) image_out[j] = normalised_[src[j]];
+  *label_out = labels_[index];
+}
+
+}  // namespace dp::data
