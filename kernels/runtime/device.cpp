@@ -59,14 +59,30 @@ const CudaProbe& probe() {
 }
 }  // namespace
 
-int cuda_device_count() { return probe().count; }
-std::string cuda_unavailable_reason() { return probe().reason; }
+int cuda_device_count() {
+  return probe().count;
+}
+std::string cuda_unavailable_reason() {
+  return probe().reason;
+}
 bool built_with_cuda() {
 #if DP_HAVE_CUDA
   return true;
 #else
   return false;
 #endif
+}
+
+std::string gpu_name(int physical) {
+#if DP_HAVE_CUDA
+  if (physical >= 0 && physical < cuda_device_count()) {
+    cudaDeviceProp prop{};
+    if (cudaGetDeviceProperties(&prop, physical) == cudaSuccess) return prop.name;
+  }
+#else
+  (void)physical;
+#endif
+  return "none";
 }
 
 int physical_gpu(const Device& d) {

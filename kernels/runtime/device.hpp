@@ -24,12 +24,12 @@ struct Device {
   std::string str() const;
   bool operator==(const Device& o) const { return type == o.type && index == o.index; }
   bool operator!=(const Device& o) const { return !(*this == o); }
-  bool operator<(const Device& o) const {
-    return type != o.type ? type < o.type : index < o.index;
-  }
+  bool operator<(const Device& o) const { return type != o.type ? type < o.type : index < o.index; }
 };
 
-inline std::ostream& operator<<(std::ostream& os, const Device& d) { return os << d.str(); }
+inline std::ostream& operator<<(std::ostream& os, const Device& d) {
+  return os << d.str();
+}
 
 // Number of physical CUDA GPUs usable by this process: 0 when the build has no CUDA backend,
 // no driver is installed or no GPU is visible. Detected once, at first call.
@@ -38,6 +38,9 @@ int cuda_device_count();
 std::string cuda_unavailable_reason();
 // True when the build compiled the CUDA backend (whether or not a GPU is present).
 bool built_with_cuda();
+
+// The name of physical GPU `physical` ("NVIDIA H100 80GB HBM3"), or "none" without one.
+std::string gpu_name(int physical);
 
 // The physical GPU that logical device cuda:i runs on (round-robin). Throws if no GPU.
 int physical_gpu(const Device& d);

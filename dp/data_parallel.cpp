@@ -1,0 +1,332 @@
+#include "dp/data_parallel.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <set>
+#include <thread>
+
+namespace dp {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+int cpu_threads_for(const std::vector<Device>& devices, int requested) {
+  if (requested > 0) return requested;
+  int n_cpu = 0;
+  for (auto& d : devices) n_cpu += d.is_cpu();
+  int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return std::max(1, hw / std::max(1, n_cpu));
+}
+
+kernels::ContextOptions context_options(const std::vector<Device>& devices,
+                                        const DataParallelOptions& o) {
+  kernels::ContextOptions c;
+  c.cpu_threads = cpu_threads_for(devices, o.cpu_threads_per_device);
+  c.math = o.math;
+  return c;
+}
+
+}  // namespace
+
+bool warn_if_oversubscribed(const std::vector<Device>& devices) {
+  int logical = 0;
+  for (auto& d : devices) logical += d.is_cuda();
+  int physical = kernels::cuda_device_count();
+  if (logical == 0 || logical <= physical) return false;
+  std::fprintf(stderr,
+               "dp: warning: %d logical CUDA devices share %d physical GPU%s: figures measure "
+               "engine overhead, not scaling\n",
+               logical, physical, physical == 1 ? "" : "s");
+  return true;
+}
+
+std::vector<int64_t> DataParallel::chunk_sizes(int64_t batch, int n) {
+  DP_CHECK(n >= 1 && batch >= 0, "chunk_sizes: batch " << batch << " over " << n << " devices");
+  std::vector<int64_t> sizes(n, batch / n);
+  for (int64_t i = 0; i < batch % n; ++i) ++sizes[i];
+  return sizes;
+}
+
+DataParallel::DataParallel(nn::ModulePtr module, nn::Optimizer& optimizer,
+                           std::vector<Device> devices, DataParallelOptions options)
+    : devices_(std::move(devices)),
+      options_(options),
+      optimizer_(optimizer),
+      pool_(devices_, context_options(devices_, options)) {
+  DP_CHECK(module && module->materialized(), "DataParallel: the module must be materialised on "
+                                                 << devices_[0] << " (call materialize first)");
+  DP_CHECK(module->device() == devices_[0], "DataParallel: the module lives on "
+                                                << module->device() << " but devices[0] is "
+                                                << devices_[0]);
+  std::set<Device> seen(devices_.begin(), devices_.end());
+  DP_CHECK(seen.size() == devices_.size(), "DataParallel: a device is listed twice");
+  warn_if_oversubscribed(devices_);
+  // Work the caller queued on device 0 (initialisation, optimizer state) finishes before any
+  // worker reads those buffers from its own stream.
+  kernels::context(devices_[0]).synchronize();
+
+  int n = n_devices();
+  replicas_.resize(n);
+  per_device_.resize(n);
+  replicas_[0] = std::move(module);
+  // Replicas are built once, each on its own worker, so their memory is counted there.
+  pool_.run("dp/clone", [&](int i) {
+    if (i > 0) replicas_[i] = replicas_[0]->clone_to(devices_[i]);
+  });
+  pool_.run("dp/staging", [&](int i) {
+    if (i != 0 || n == 1) return;
+    staging_grads_ =
+        Tensor::empty({replicas_[0]->flat_grads().numel()}, kernels::DType::f32, devices_[0]);
+    staging_buffers_ =
+        Tensor::empty({replicas_[0]->flat_buffers().numel()}, kernels::DType::f32, devices_[0]);
+  });
+}
+
+DataParallel::~DataParallel() {
+  // Replicas and staging die on their own workers (device memory freed by its owner).
+  try {
+    pool_.run("dp/teardown", [&](int i) {
+      per_device_[i] = PerDevice{};
+      if (i > 0) replicas_[i].reset();
+      if (i == 0) staging_grads_ = staging_buffers_ = Tensor();
+      pool_.context(i).synchronize();
+    });
+  } catch (const std::exception& e) {
+    DP_LOG_ERROR("DataParallel teardown: " << e.what());
+  }
+}
+
+int DataParallel::devices_for(int64_t batch) {
+  int n = n_devices();
+  if (batch >= n) return n;
+  if (!warned_small_batch_) {
+    std::fprintf(stderr, "dp: note: a batch of %lld rows uses %lld of %d devices\n",
+                 static_cast<long long>(batch), static_cast<long long>(batch), n);
+    warned_small_batch_ = true;
+  }
+  return static_cast<int>(batch);
+}
+
+void DataParallel::scatter(const Tensor& images, const Tensor& labels,
+                           const std::vector<int64_t>& sizes) {
+  kernels::NvtxRange range("dp/scatter");
+  pool_.run(
+      "dp/scatter",
+      [&](int i) {
+        int64_t begin = 0;
+        for (int j = 0; j < i; ++j) begin += sizes[j];
+        Tensor x = images.slice(begin, begin + sizes[i]);
+        Tensor y = labels.slice(begin, begin + sizes[i]);
+        PerDevice& pd = per_device_[i];
+        // Chunk buffers persist between steps; they are remade only when the shape changes.
+        if (!pd.input.defined() || pd.input.shape() != x.shape())
+          pd.input = Tensor::empty(x.shape(), x.dtype(), devices_[i]);
+        if (!pd.labels.defined() || pd.labels.shape() != y.shape())
+          pd.labels = Tensor::empty(y.shape(), y.dtype(), devices_[i]);
+        kernels::copy(pd.input, x);
+        kernels::copy(pd.labels, y);
+        pool_.context(i).synchronize();  // the caller may reuse the host batch after the step
+      },
+      static_cast<int>(sizes.size()));
+}
+
+void DataParallel::replicate(int n_used) {
+  kernels::NvtxRange range("dp/replicate");
+  pool_.run(
+      "dp/replicate",
+      [&](int i) {
+        if (i == 0) return;
+        // One copy per buffer: device 0's parameters (final since the last step) to replica i.
+        kernels::copy(replicas_[i]->flat_params(), replicas_[0]->flat_params());
+        if (replicas_[i]->flat_buffers().numel() > 0)
+          kernels::copy(replicas_[i]->flat_buffers(), replicas_[0]->flat_buffers());
+        pool_.context(i).synchronize();
+      },
+      n_used);
+}
+
+void DataParallel::reduce_grads_to_root(const std::vector<int64_t>& sizes) {
+  DP_CHECK(
+      !sizes.empty() && static_cast<int>(sizes.size()) <= n_devices(),
+      "reduce_grads_to_root: " << sizes.size() << " chunk sizes for " << n_devices() << " devices");
+  int64_t total = 0;
+  for (int64_t s : sizes) total += s;
+  DP_CHECK(total > 0, "reduce_grads_to_root: empty batch");
+  kernels::NvtxRange range("dp/reduce");
+  pool_.run(
+      "dp/reduce",
+      [&](int i) {
+        if (i != 0) return;
+        Tensor& root = replicas_[0]->flat_grads();
+        // Each replica holds the gradient of its chunk's MEAN loss; weighting chunk i by
+        // B_i / B turns the sum into the gradient of the global batch's mean loss.
+        kernels::scale(root, root, static_cast<float>(sizes[0]) / total);
+        for (size_t r = 1; r < sizes.size(); ++r) {
+          kernels::copy(staging_grads_, replicas_[r]->flat_grads());
+          kernels::axpy(root, static_cast<float>(sizes[r]) / total, staging_grads_);
+        }
+        pool_.context(0).synchronize();
+      },
+      1);
+}
+
+void DataParallel::average_buffers_to_root(const std::vector<int64_t>& sizes) {
+  if (sizes.size() < 2 || replicas_[0]->flat_buffers().numel() == 0) return;
+  if (options_.buffer_sync == BufferSync::root_only) return;
+  int64_t total = 0;
+  for (int64_t s : sizes) total += s;
+  pool_.run(
+      "dp/reduce",
+      [&](int i) {
+        if (i != 0) return;
+        Tensor& root = replicas_[0]->flat_buffers();
+        kernels::scale(root, root, static_cast<float>(sizes[0]) / total);
+        for (size_t r = 1; r < sizes.size(); ++r) {
+          kernels::copy(staging_buffers_, replicas_[r]->flat_buffers());
+          kernels::axpy(root, static_cast<float>(sizes[r]) / total, staging_buffers_);
+        }
+        pool_.context(0).synchronize();
+      },
+      1);
+}
+
+StepStats DataParallel::train_step(const Tensor& images, const Tensor& labels) {
+  DP_CHECK(
+      images.defined() && labels.defined() && images.device().is_cpu() && labels.device().is_cpu(),
+      "train_step: images and labels must be host tensors, got " << images << " and " << labels);
+  DP_CHECK(images.ndim() >= 1 && labels.ndim() == 1 && labels.dim(0) == images.dim(0),
+           "train_step: images " << kernels::shape_str(images.shape()) << " and labels "
+                                 << kernels::shape_str(labels.shape())
+                                 << " must share their first dimension");
+  DP_CHECK(labels.dtype() == kernels::DType::i32,
+           "train_step: labels must be i32, got " << labels.dtype());
+  DP_CHECK(images.dim(0) >= 1, "train_step: empty batch");
+  StepStats stats;
+  stats.samples = images.dim(0);
+  int n_used = devices_for(stats.samples);
+  stats.devices_used = n_used;
+  std::vector<int64_t> sizes = chunk_sizes(stats.samples, n_used);
+  auto t_step = Clock::now();
+
+  auto t0 = Clock::now();
+  scatter(images, labels, sizes);
+  stats.ms.scatter = ms_since(t0);
+
+  t0 = Clock::now();
+  replicate(n_used);
+  stats.ms.replicate = ms_since(t0);
+
+  t0 = Clock::now();
+  {
+    kernels::NvtxRange range("dp/forward");
+    pool_.run(
+        "dp/forward",
+        [&](int i) {
+          PerDevice& pd = per_device_[i];
+          nn::Module& m = *replicas_[i];
+          m.train();
+          m.zero_grad();
+          pd.output = m.forward(pd.input);
+          if (!pd.loss.defined()) pd.loss = Tensor::empty({1}, kernels::DType::f32, devices_[i]);
+          if (!pd.dlogits.defined() || pd.dlogits.shape() != pd.output.shape())
+            pd.dlogits = Tensor::empty(pd.output.shape(), kernels::DType::f32, devices_[i]);
+          kernels::softmax_cross_entropy(pd.loss, pd.dlogits, pd.output, pd.labels, Tensor(),
+                                         options_.label_smoothing);
+          pd.correct = kernels::count_correct(pd.output, pd.labels);
+          pd.loss_value = pd.loss.item();  // waits for the device: ends the phase
+        },
+        n_used);
+  }
+  stats.ms.forward = ms_since(t0);
+
+  t0 = Clock::now();
+  {
+    kernels::NvtxRange range("dp/backward");
+    pool_.run(
+        "dp/backward",
+        [&](int i) {
+          replicas_[i]->backward(per_device_[i].dlogits);
+          pool_.context(i).synchronize();
+        },
+        n_used);
+  }
+  stats.ms.backward = ms_since(t0);
+
+  t0 = Clock::now();
+  if (n_used > 1) reduce_grads_to_root(sizes);
+  average_buffers_to_root(sizes);
+  stats.ms.reduce = ms_since(t0);
+
+  t0 = Clock::now();
+  {
+    kernels::NvtxRange range("dp/step");
+    pool_.run(
+        "dp/step",
+        [&](int i) {
+          optimizer_.step();
+          pool_.context(i).synchronize();
+        },
+        1);
+  }
+  stats.ms.step = ms_since(t0);
+
+  for (int i = 0; i < n_used; ++i) {
+    stats.loss += per_device_[i].loss_value * static_cast<float>(sizes[i]) / stats.samples;
+    stats.correct += per_device_[i].correct;
+  }
+  int64_t p = parameter_bytes(), b = replicas_[0]->flat_buffers().nbytes();
+  stats.bytes_moved = (n_used - 1) * (2 * p + b);  // params out, grads in, buffers out
+  if (options_.buffer_sync == BufferSync::average) stats.bytes_moved += (n_used - 1) * b;
+  stats.ms.total = ms_since(t_step);
+  return stats;
+}
+
+StepStats DataParallel::evaluate(const Tensor& images, const Tensor& labels) {
+  DP_CHECK(
+      images.defined() && labels.defined() && labels.ndim() == 1 &&
+          images.dim(0) == labels.dim(0) && images.dim(0) >= 1,
+      "evaluate: images " << images << " and labels " << labels << " must be a non-empty batch");
+  StepStats stats;
+  stats.samples = images.dim(0);
+  int n_used = devices_for(stats.samples);
+  stats.devices_used = n_used;
+  std::vector<int64_t> sizes = chunk_sizes(stats.samples, n_used);
+  scatter(images, labels, sizes);
+  replicate(n_used);
+  pool_.run(
+      "dp/evaluate",
+      [&](int i) {
+        PerDevice& pd = per_device_[i];
+        nn::Module& m = *replicas_[i];
+        m.eval();
+        pd.output = m.forward(pd.input);
+        if (!pd.loss.defined()) pd.loss = Tensor::empty({1}, kernels::DType::f32, devices_[i]);
+        Tensor no_grad;
+        kernels::softmax_cross_entropy(pd.loss, no_grad, pd.output, pd.labels, Tensor(),
+                                       options_.label_smoothing);
+        pd.correct = kernels::count_correct(pd.output, pd.labels);
+        pd.loss_value = pd.loss.item();
+        m.train();
+      },
+      n_used);
+  for (int i = 0; i < n_used; ++i) {
+    stats.loss += per_device_[i].loss_value * static_cast<float>(sizes[i]) / stats.samples;
+    stats.correct += per_device_[i].correct;
+  }
+  return stats;
+}
+
+std::vector<int64_t> DataParallel::peak_memory_bytes() {
+  std::vector<int64_t> out(n_devices());
+  for (int i = 0; i < n_devices(); ++i) out[i] = pool_.context(i).memory()->peak.load();
+  nn::Module& root = *replicas_[0];
+  out[0] += root.flat_params().nbytes() + root.flat_grads().nbytes() + root.flat_buffers().nbytes();
+  return out;
+}
+
+}  // namespace dp

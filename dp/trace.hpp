@@ -1,0 +1,61 @@
+// Timeline of phases per device (DP) or per rank (DDP), written as a Chrome/Perfetto trace:
+// one track per device, each phase a slice. Thread-safe; microseconds since the trace began.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace dp {
+
+struct TraceEvent {
+  std::string name;  // "dp/forward"
+  int track = 0;     // device index or rank
+  double begin_us = 0;
+  double duration_us = 0;
+};
+
+class Trace {
+ public:
+  using Clock = std::chrono::steady_clock;
+  explicit Trace(Clock::time_point origin = Clock::now()) : origin_(origin) {}
+
+  double now_us() const {
+    return std::chrono::duration<double, std::micro>(Clock::now() - origin_).count();
+  }
+  void add(TraceEvent e) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    events_.push_back(std::move(e));
+  }
+  std::vector<TraceEvent> events() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return events_;
+  }
+
+ private:
+  Clock::time_point origin_;
+  mutable std::mutex mutex_;
+  std::vector<TraceEvent> events_;
+};
+
+// Records one slice on `track` from construction to destruction (no-op for a null trace).
+class TraceScope {
+ public:
+  TraceScope(Trace* trace, std::string name, int track)
+      : trace_(trace), name_(std::move(name)), track_(track), begin_(trace ? trace->now_us() : 0) {}
+  ~TraceScope() {
+    if (trace_) trace_->add({name_, track_, begin_, trace_->now_us() - begin_});
+  }
+  TraceScope(const TraceScope&) = delete;
+  TraceScope& operator=(const TraceScope&) = delete;
+
+ private:
+  Trace* trace_;
+  std::string name_;
+  int track_;
+  double begin_;
+};
+
+}  // namespace dp

@@ -1,0 +1,1 @@
+dp_add_test(test_dp SOURCES test_dp.cpp LIBS dp_engine)

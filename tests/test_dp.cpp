@@ -1,0 +1,277 @@
+// DataParallel: averaging, equivalence with one device, failures, logical devices.
+#include <atomic>
+#include <cmath>
+
+#include "dp/data_parallel.hpp"
+#include "nn/nn.hpp"
+#include "tests/test_util.hpp"
+
+using namespace kernels;
+
+namespace {
+
+constexpr uint64_t kSeed = 1234;
+
+nn::ModulePtr small_mlp() {
+  return nn::mlp({6, 16, 5});
+}
+
+// (B, 6) images and (B) labels, the same for every run.
+std::pair<Tensor, Tensor> batch_of(int64_t b, uint32_t seed) {
+  Tensor x = Tensor::from_vector(dp_test::random_vector(b * 6, seed), {b, 6});
+  std::vector<int32_t> y(b);
+  for (int64_t i = 0; i < b; ++i) y[i] = static_cast<int32_t>((i * 7 + seed) % 5);
+  return {x, Tensor::from_ints(y, {b})};
+}
+
+// Largest |a - b| relative to the largest |b|.
+float rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  float scale = 0.f;
+  for (float v : b) scale = std::max(scale, std::fabs(v));
+  return max_abs_diff(a, b) / std::max(scale, 1e-12f);
+}
+
+// One device, the whole batch at once: the curve DP must follow.
+std::vector<float> train_single(nn::ModulePtr m, int steps, int64_t batch, SgdConfig cfg,
+                                std::vector<float>* losses = nullptr) {
+  m->materialize(Device::cpu(0), kSeed);
+  nn::SGD opt(*m, cfg);
+  for (int s = 0; s < steps; ++s) {
+    auto [x, y] = batch_of(batch, 100 + s);
+    m->zero_grad();
+    Tensor out = m->forward(x);
+    Tensor loss = Tensor::empty({1}, DType::f32, Device::cpu(0));
+    Tensor dlogits = Tensor::empty(out.shape(), DType::f32, Device::cpu(0));
+    softmax_cross_entropy(loss, dlogits, out, y);
+    if (losses) losses->push_back(loss.item());
+    m->backward(dlogits);
+    opt.step();
+  }
+  return m->flat_params().to_host_f32();
+}
+
+std::vector<float> train_dp(nn::ModulePtr m, int n_dev, int steps, int64_t batch, SgdConfig cfg,
+                            std::vector<float>* losses = nullptr) {
+  m->materialize(Device::cpu(0), kSeed);
+  nn::SGD opt(*m, cfg);
+  dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, n_dev));
+  for (int s = 0; s < steps; ++s) {
+    auto [x, y] = batch_of(batch, 100 + s);
+    dp::StepStats st = engine.train_step(x, y);
+    if (losses) losses->push_back(st.loss);
+  }
+  return engine.module().flat_params().to_host_f32();
+}
+
+SgdConfig momentum_sgd() {
+  SgdConfig c;
+  c.lr = 0.1f;
+  c.momentum = 0.9f;
+  c.weight_decay = 1e-3f;
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("dp.chunks: balanced split, remainder first") {
+  CHECK(dp::DataParallel::chunk_sizes(10, 4) == std::vector<int64_t>{3, 3, 2, 2});
+  CHECK(dp::DataParallel::chunk_sizes(8, 4) == std::vector<int64_t>{2, 2, 2, 2});
+  CHECK(dp::DataParallel::chunk_sizes(3, 1) == std::vector<int64_t>{3});
+  CHECK_THROWS_AS(dp::DataParallel::chunk_sizes(3, 0), Error);
+}
+
+TEST_CASE("dp.averaging: replica i filled with i gives the chunk-weighted mean") {
+  auto m = small_mlp();
+  m->materialize(Device::cpu(0), kSeed);
+  nn::SGD opt(*m, SgdConfig{});
+  dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, 4));
+  for (int i = 0; i < 4; ++i) fill(engine.replica(i).flat_grads(), static_cast<float>(i));
+  std::vector<int64_t> sizes{3, 3, 2, 1};  // B = 9
+  engine.reduce_grads_to_root(sizes);
+  float expected = (0 * 3 + 1 * 3 + 2 * 2 + 3 * 1) / 9.f;
+  for (float g : engine.module().flat_grads().to_host_f32())
+    REQUIRE(g == doctest::Approx(expected).epsilon(1e-6));
+  // Replicas are not touched by the reduction.
+  CHECK(engine.replica(3).flat_grads().to_host_f32()[0] == 3.f);
+}
+
+TEST_CASE("dp.equivalence: 1-4 CPU devices follow the single-device run (even and uneven)") {
+  for (int64_t batch : {12, 10}) {  // 10 over 3 or 4 devices gives uneven chunks
+    std::vector<float> ref_losses;
+    auto ref = train_single(small_mlp(), 5, batch, momentum_sgd(), &ref_losses);
+    for (int n : {1, 2, 3, 4}) {
+      CAPTURE(batch);
+      CAPTURE(n);
+      std::vector<float> losses;
+      auto got = train_dp(small_mlp(), n, 5, batch, momentum_sgd(), &losses);
+      CHECK(rel_diff(got, ref) <= 1e-5f);
+      for (size_t s = 0; s < losses.size(); ++s)
+        CHECK(losses[s] == doctest::Approx(ref_losses[s]).epsilon(1e-5));
+    }
+  }
+}
+
+TEST_CASE("dp.equivalence: a CNN with BatchNorm matches per-chunk accumulation on one device") {
+  auto make = [] {
+    auto s = std::make_shared<nn::Sequential>();
+    s->add(std::make_shared<nn::Linear>(6, 8));
+    s->add(std::make_shared<nn::BatchNorm1d>(8));
+    s->add(std::make_shared<nn::ReLU>());
+    s->add(std::make_shared<nn::Linear>(8, 5));
+    return s;
+  };
+  const int n = 3, steps = 4;
+  const int64_t batch = 11;  // chunks 4, 4, 3
+  auto sizes = dp::DataParallel::chunk_sizes(batch, n);
+
+  // Reference: one device runs each chunk from the same weights and buffers, accumulates the
+  // chunk gradients weighted by B_i / B, and averages the running stats the same way.
+  auto ref = make();
+  ref->materialize(Device::cpu(0), kSeed);
+  nn::SGD ref_opt(*ref, momentum_sgd());
+  for (int s = 0; s < steps; ++s) {
+    auto [x, y] = batch_of(batch, 100 + s);
+    ref->zero_grad();
+    Tensor buffers0 = ref->flat_buffers().clone();
+    Tensor buffers_sum = Tensor::zeros(buffers0.shape(), DType::f32, Device::cpu(0));
+    int64_t begin = 0;
+    for (int64_t sz : sizes) {
+      copy(ref->flat_buffers(), buffers0);
+      Tensor out = ref->forward(x.slice(begin, begin + sz));
+      Tensor loss = Tensor::empty({1}, DType::f32, Device::cpu(0));
+      Tensor dlogits = Tensor::empty(out.shape(), DType::f32, Device::cpu(0));
+      softmax_cross_entropy(loss, dlogits, out, y.slice(begin, begin + sz));
+      scale(dlogits, dlogits, static_cast<float>(sz) / batch);
+      ref->backward(dlogits);
+      axpy(buffers_sum, static_cast<float>(sz) / batch, ref->flat_buffers());
+      begin += sz;
+    }
+    copy(ref->flat_buffers(), buffers_sum);
+    ref_opt.step();
+  }
+
+  auto m = make();
+  m->materialize(Device::cpu(0), kSeed);
+  nn::SGD opt(*m, momentum_sgd());
+  dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, n));
+  for (int s = 0; s < steps; ++s) {
+    auto [x, y] = batch_of(batch, 100 + s);
+    engine.train_step(x, y);
+  }
+  CHECK(rel_diff(m->flat_params().to_host_f32(), ref->flat_params().to_host_f32()) <= 1e-5f);
+  CHECK(rel_diff(m->flat_buffers().to_host_f32(), ref->flat_buffers().to_host_f32()) <= 1e-5f);
+}
+
+TEST_CASE("dp.buffers: root_only keeps device 0's running stats (PyTorch's behaviour)") {
+  auto make = [] {
+    auto s = std::make_shared<nn::Sequential>();
+    s->add(std::make_shared<nn::Linear>(6, 5));
+    s->add(std::make_shared<nn::BatchNorm1d>(5));
+    return s;
+  };
+  auto [x, y] = batch_of(8, 7);
+  std::vector<float> buffers[2];
+  for (int mode = 0; mode < 2; ++mode) {
+    auto m = make();
+    m->materialize(Device::cpu(0), kSeed);
+    nn::SGD opt(*m, SgdConfig{});
+    dp::DataParallelOptions o;
+    o.buffer_sync = mode == 0 ? dp::BufferSync::average : dp::BufferSync::root_only;
+    dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, 2), o);
+    engine.train_step(x, y);
+    buffers[mode] = m->flat_buffers().to_host_f32();
+  }
+  CHECK(max_abs_diff(buffers[0], buffers[1]) > 1e-6f);
+}
+
+TEST_CASE("dp.replicas: bitwise equal to device 0 after every replicate") {
+  auto m = small_mlp();
+  m->materialize(Device::cpu(0), kSeed);
+  nn::SGD opt(*m, momentum_sgd());
+  dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, 3));
+  for (int s = 0; s < 3; ++s) {
+    auto [x, y] = batch_of(9, 100 + s);
+    engine.train_step(x, y);
+  }
+  auto [x, y] = batch_of(9, 5);
+  engine.evaluate(x, y);  // replicates the stepped weights
+  auto root = engine.module().flat_params().to_host_f32();
+  for (int i = 1; i < 3; ++i) CHECK(engine.replica(i).flat_params().to_host_f32() == root);
+}
+
+TEST_CASE("dp.batch: a batch smaller than the device count uses fewer devices") {
+  auto m = small_mlp();
+  m->materialize(Device::cpu(0), kSeed);
+  nn::SGD opt(*m, momentum_sgd());
+  dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, 4));
+  auto [x, y] = batch_of(2, 3);
+  dp::StepStats st = engine.train_step(x, y);
+  CHECK(st.devices_used == 2);
+  CHECK(std::isfinite(st.loss));
+  CHECK_THROWS_WITH_AS(engine.train_step(x, Tensor::from_ints({1, 2, 3}, {3})),
+                       doctest::Contains("first dimension"), Error);
+}
+
+namespace {
+// Throws from forward on one chosen device while `armed` is set.
+class Faulty : public nn::Module {
+ public:
+  Faulty(Device victim, std::shared_ptr<std::atomic<bool>> armed)
+      : victim_(victim), armed_(std::move(armed)) {}
+  std::string type_name() const override { return "Faulty"; }
+
+ protected:
+  Tensor forward_impl(const Tensor& x) override {
+    if (*armed_ && x.device() == victim_) throw Error("injected fault");
+    return x;
+  }
+  Tensor backward_impl(const Tensor& dy) override { return dy; }
+  std::shared_ptr<nn::Module> clone_config() const override {
+    return std::make_shared<Faulty>(victim_, armed_);
+  }
+
+ private:
+  Device victim_;
+  std::shared_ptr<std::atomic<bool>> armed_;
+};
+}  // namespace
+
+TEST_CASE("dp.failure: a worker's exception names its device and the engine stays usable") {
+  auto armed = std::make_shared<std::atomic<bool>>(true);
+  auto s = std::make_shared<nn::Sequential>();
+  s->add(std::make_shared<nn::Linear>(6, 5));
+  s->add(std::make_shared<Faulty>(Device::cpu(2), armed));
+  s->materialize(Device::cpu(0), kSeed);
+  nn::SGD opt(*s, SgdConfig{});
+  {
+    dp::DataParallel engine(s, opt, make_devices(DeviceType::cpu, 4));
+    auto [x, y] = batch_of(8, 1);
+    CHECK_THROWS_WITH_AS(engine.train_step(x, y), doctest::Contains("cpu:2"), Error);
+    CHECK_THROWS_WITH_AS(engine.train_step(x, y), doctest::Contains("injected fault"), Error);
+    *armed = false;
+    dp::StepStats st = engine.train_step(x, y);
+    CHECK(std::isfinite(st.loss));
+  }  // destroyed without hanging
+  CHECK_THROWS_WITH_AS(dp::DataParallel(small_mlp(), opt, make_devices(DeviceType::cpu, 2)),
+                       doctest::Contains("materialize"), Error);
+}
+
+TEST_CASE("dp.cuda: logical CUDA devices on one GPU follow the CPU run") {
+  DP_REQUIRE_GPU();
+  auto ref = train_single(small_mlp(), 3, 10, momentum_sgd());
+  auto m = small_mlp();
+  m->materialize(Device::cuda(0), kSeed);
+  nn::SGD opt(*m, momentum_sgd());
+  int64_t mem_after_first = 0;
+  {
+    dp::DataParallel engine(m, opt, make_devices(DeviceType::cuda, 4));
+    for (int s = 0; s < 3; ++s) {
+      auto [x, y] = batch_of(10, 100 + s);
+      engine.train_step(x, y);
+      auto peaks = engine.peak_memory_bytes();
+      if (s == 0) mem_after_first = peaks[1];
+      CHECK(peaks[1] == mem_after_first);  // no growth between steps
+    }
+  }
+  CHECK(rel_diff(m->flat_params().to_host_f32(), ref) <= 1e-4f);
+}
