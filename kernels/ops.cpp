@@ -4,13 +4,16 @@
 
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 
 #include "kernels/cpu/cpu_ops.hpp"
 #if DP_HAVE_CUDA
 #include "kernels/cuda/cuda_ops.hpp"
 #define DP_CUDA_DISPATCH(call) call
+#define DP_CUDA_DISPATCH_VALUE(type, call) call
 #else
 #define DP_CUDA_DISPATCH(call) no_cuda(ctx)
+#define DP_CUDA_DISPATCH_VALUE(type, call) (no_cuda(ctx), type{})
 #endif
 
 namespace kernels {
@@ -21,18 +24,61 @@ namespace {
   DP_THROW("device " << ctx.device() << " is not usable: " << cuda_unavailable_reason());
 }
 
+// Runs f inside the CPU device's arena and returns its result.
 template <class F>
-void run_cpu(DeviceContext& ctx, F&& f) {
-  ctx.arena().execute(std::forward<F>(f));
+decltype(auto) run_cpu(DeviceContext& ctx, F&& f) {
+  return ctx.arena().execute(std::forward<F>(f));
 }
 
-[[maybe_unused]] void check_defined(const char* op, const Tensor& t, const char* name) {
+void check_defined(const char* op, const Tensor& t, const char* name) {
   DP_CHECK(t.defined(), op << ": tensor '" << name << "' is undefined");
 }
 
-[[maybe_unused]] void check_same_device(const char* op, const Tensor& a, const Tensor& b) {
-  DP_CHECK(a.device() == b.device(),
-           op << ": tensors on different devices: " << a << " vs " << b);
+// A tensor argument with its name, for messages such as "add: shapes differ: a [2, 3] vs ...".
+struct Arg {
+  const char* name;
+  const Tensor& t;
+};
+
+// requires every tensor defined and on the device of the first.
+void check_devices(const char* op, std::initializer_list<Arg> args) {
+  for (const Arg& a : args) check_defined(op, a.t, a.name);
+  const Arg& first = *args.begin();
+  for (const Arg& a : args)
+    DP_CHECK(a.t.device() == first.t.device(),
+             op << ": tensors on different devices: " << first.name << " " << first.t << " vs "
+                << a.name << " " << a.t);
+}
+
+void check_dtype(const char* op, const Arg& a, DType want) {
+  DP_CHECK(a.t.dtype() == want, op << ": " << a.name << " must be " << want << ", got " << a.t);
+}
+
+void check_f32(const char* op, std::initializer_list<Arg> args) {
+  for (const Arg& a : args) check_dtype(op, a, DType::f32);
+}
+
+void check_same_shape(const char* op, const Arg& a, const Arg& b) {
+  DP_CHECK(a.t.shape() == b.t.shape(), op << ": shapes differ: " << a.name << " "
+                                          << shape_str(a.t.shape()) << " vs " << b.name << " "
+                                          << shape_str(b.t.shape()));
+}
+
+void check_shape(const char* op, const Arg& a, const Shape& want) {
+  DP_CHECK(a.t.shape() == want, op << ": " << a.name << " must be " << shape_str(want) << ", got "
+                                   << shape_str(a.t.shape()));
+}
+
+void check_ndim(const char* op, const Arg& a, int ndim) {
+  DP_CHECK(a.t.ndim() == ndim,
+           op << ": " << a.name << " must be " << ndim << "-D, got " << shape_str(a.t.shape()));
+}
+
+// A one-element f32 output such as a loss: shape (1) (any shape with one element is taken).
+void check_scalar_out(const char* op, const Arg& a) {
+  check_dtype(op, a, DType::f32);
+  DP_CHECK(a.t.numel() == 1,
+           op << ": " << a.name << " must have one element, got " << shape_str(a.t.shape()));
 }
 
 }  // namespace
@@ -40,8 +86,8 @@ void run_cpu(DeviceContext& ctx, F&& f) {
 void copy(Tensor& dst, const Tensor& src) {
   check_defined("copy", dst, "dst");
   check_defined("copy", src, "src");
-  DP_CHECK(dst.numel() == src.numel(), "copy: " << src << " into " << dst
-                                                << ": element counts differ");
+  DP_CHECK(dst.numel() == src.numel(),
+           "copy: " << src << " into " << dst << ": element counts differ");
   if (dst.device() != src.device())
     DP_CHECK(dst.dtype() == src.dtype(),
              "copy: across devices the dtypes must match: " << src << " into " << dst);
@@ -64,6 +110,642 @@ void fill(Tensor& y, float value) {
   if (y.device().is_cpu()) return run_cpu(ctx, [&] { cpu::fill(y, value); });
   DP_CUDA_DISPATCH(cuda::fill(y, value, ctx));
 }
+
+// ---- elementwise ---------------------------------------------------------------------------
+
+namespace {
+// y, a, b: same device, f32, same shape.
+void check_binary(const char* op, const Tensor& y, const Tensor& a, const Tensor& b) {
+  check_devices(op, {{"y", y}, {"a", a}, {"b", b}});
+  check_f32(op, {{"y", y}, {"a", a}, {"b", b}});
+  check_same_shape(op, {"a", a}, {"b", b});
+  check_same_shape(op, {"a", a}, {"y", y});
+}
+void check_unary(const char* op, const Tensor& y, const Tensor& x) {
+  check_devices(op, {{"y", y}, {"x", x}});
+  check_f32(op, {{"y", y}, {"x", x}});
+  check_same_shape(op, {"x", x}, {"y", y});
+}
+// A (C) vector over dim 1 of an (N, C, ...) tensor.
+void check_channel_vector(const char* op, const Arg& t, const Arg& vec) {
+  DP_CHECK(t.t.ndim() >= 2,
+           op << ": " << t.name << " must be (N, C, ...), got " << shape_str(t.t.shape()));
+  check_shape(op, vec, {t.t.dim(1)});
+}
+}  // namespace
+
+void add(Tensor& y, const Tensor& a, const Tensor& b) {
+  check_binary("add", y, a, b);
+  if (y.numel() == 0) return;
+  DeviceContext& ctx = context(y.device());
+  if (y.device().is_cpu()) return run_cpu(ctx, [&] { cpu::add(y, a, b); });
+  DP_CUDA_DISPATCH(cuda::add(y, a, b, ctx));
+}
+
+void mul(Tensor& y, const Tensor& a, const Tensor& b) {
+  check_binary("mul", y, a, b);
+  if (y.numel() == 0) return;
+  DeviceContext& ctx = context(y.device());
+  if (y.device().is_cpu()) return run_cpu(ctx, [&] { cpu::mul(y, a, b); });
+  DP_CUDA_DISPATCH(cuda::mul(y, a, b, ctx));
+}
+
+void scale(Tensor& y, const Tensor& x, float alpha) {
+  check_unary("scale", y, x);
+  if (y.numel() == 0) return;
+  DeviceContext& ctx = context(y.device());
+  if (y.device().is_cpu()) return run_cpu(ctx, [&] { cpu::scale(y, x, alpha); });
+  DP_CUDA_DISPATCH(cuda::scale(y, x, alpha, ctx));
+}
+
+void axpy(Tensor& y, float alpha, const Tensor& x) {
+  check_unary("axpy", y, x);
+  if (y.numel() == 0) return;
+  DeviceContext& ctx = context(y.device());
+  if (y.device().is_cpu()) return run_cpu(ctx, [&] { cpu::axpy(y, alpha, x); });
+  DP_CUDA_DISPATCH(cuda::axpy(y, alpha, x, ctx));
+}
+
+void add_bias(Tensor& y, const Tensor& bias) {
+  check_devices("add_bias", {{"y", y}, {"bias", bias}});
+  check_f32("add_bias", {{"y", y}, {"bias", bias}});
+  check_channel_vector("add_bias", {"y", y}, {"bias", bias});
+  if (y.numel() == 0) return;
+  DeviceContext& ctx = context(y.device());
+  if (y.device().is_cpu()) return run_cpu(ctx, [&] { cpu::add_bias(y, bias); });
+  DP_CUDA_DISPATCH(cuda::add_bias(y, bias, ctx));
+}
+
+void bias_backward(Tensor& db, const Tensor& dy, Accumulate acc) {
+  check_devices("bias_backward", {{"db", db}, {"dy", dy}});
+  check_f32("bias_backward", {{"db", db}, {"dy", dy}});
+  check_channel_vector("bias_backward", {"dy", dy}, {"db", db});
+  if (db.numel() == 0) return;
+  if (dy.numel() == 0) {  // an empty batch contributes nothing
+    if (acc == Accumulate::no) fill(db, 0.f);
+    return;
+  }
+  DeviceContext& ctx = context(db.device());
+  if (db.device().is_cpu()) return run_cpu(ctx, [&] { cpu::bias_backward(db, dy, acc); });
+  DP_CUDA_DISPATCH(cuda::bias_backward(db, dy, acc, ctx));
+}
+
+// ---- matrix product ------------------------------------------------------------------------
+
+void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose tb, float alpha,
+          float beta, const Tensor& bias) {
+  const char* op = "gemm";
+  check_devices(op, {{"c", c}, {"a", a}, {"b", b}});
+  if (bias.defined()) check_devices(op, {{"c", c}, {"bias", bias}});
+  check_ndim(op, {"a", a}, 2);
+  check_ndim(op, {"b", b}, 2);
+  check_ndim(op, {"c", c}, 2);
+  DP_CHECK(is_floating(a.dtype()) && a.dtype() == b.dtype(),
+           "gemm: a and b must be f32, f16 or bf16 of one dtype, got " << a << " and " << b);
+  DP_CHECK(c.dtype() == DType::f32 || c.dtype() == a.dtype(),
+           "gemm: c must be f32 or " << a.dtype() << ", got " << c);
+  Shape op_a = ta == Transpose::no ? a.shape() : Shape{a.dim(1), a.dim(0)};
+  Shape op_b = tb == Transpose::no ? b.shape() : Shape{b.dim(1), b.dim(0)};
+  DP_CHECK(op_a[1] == op_b[0], "gemm: inner dimensions differ: op(a) "
+                                   << shape_str(op_a) << " x op(b) " << shape_str(op_b) << " (a "
+                                   << shape_str(a.shape()) << ", b " << shape_str(b.shape())
+                                   << ")");
+  DP_CHECK(c.shape() == (Shape{op_a[0], op_b[1]}),
+           "gemm: c must be " << shape_str({op_a[0], op_b[1]}) << " for op(a) " << shape_str(op_a)
+                              << " x op(b) " << shape_str(op_b) << ", got "
+                              << shape_str(c.shape()));
+  if (bias.defined()) {
+    check_dtype(op, {"bias", bias}, DType::f32);
+    check_shape(op, {"bias", bias}, {op_b[1]});
+  }
+  if (c.numel() == 0) return;
+  DeviceContext& ctx = context(c.device());
+  if (c.device().is_cpu())
+    return run_cpu(ctx, [&] { cpu::gemm(c, a, ta, b, tb, alpha, beta, bias); });
+  DP_CUDA_DISPATCH(cuda::gemm(c, a, ta, b, tb, alpha, beta, bias, ctx));
+}
+
+// ---- activations ---------------------------------------------------------------------------
+
+namespace {
+void check_activation_backward(const char* op, const Tensor& dx, const Tensor& dy, const Tensor& v,
+                               const char* v_name) {
+  check_devices(op, {{"dx", dx}, {"dy", dy}, {v_name, v}});
+  check_f32(op, {{"dx", dx}, {"dy", dy}, {v_name, v}});
+  check_same_shape(op, {"dy", dy}, {"dx", dx});
+  check_same_shape(op, {"dy", dy}, {v_name, v});
+}
+}  // namespace
+
+void relu(Tensor& y, const Tensor& x) {
+  check_unary("relu", y, x);
+  if (y.numel() == 0) return;
+  DeviceContext& ctx = context(y.device());
+  if (y.device().is_cpu()) return run_cpu(ctx, [&] { cpu::relu(y, x); });
+  DP_CUDA_DISPATCH(cuda::relu(y, x, ctx));
+}
+
+void relu_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc) {
+  check_activation_backward("relu_backward", dx, dy, x, "x");
+  if (dx.numel() == 0) return;
+  DeviceContext& ctx = context(dx.device());
+  if (dx.device().is_cpu()) return run_cpu(ctx, [&] { cpu::relu_backward(dx, dy, x, acc); });
+  DP_CUDA_DISPATCH(cuda::relu_backward(dx, dy, x, acc, ctx));
+}
+
+void gelu(Tensor& y, const Tensor& x) {
+  check_unary("gelu", y, x);
+  if (y.numel() == 0) return;
+  DeviceContext& ctx = context(y.device());
+  if (y.device().is_cpu()) return run_cpu(ctx, [&] { cpu::gelu(y, x); });
+  DP_CUDA_DISPATCH(cuda::gelu(y, x, ctx));
+}
+
+void gelu_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc) {
+  check_activation_backward("gelu_backward", dx, dy, x, "x");
+  if (dx.numel() == 0) return;
+  DeviceContext& ctx = context(dx.device());
+  if (dx.device().is_cpu()) return run_cpu(ctx, [&] { cpu::gelu_backward(dx, dy, x, acc); });
+  DP_CUDA_DISPATCH(cuda::gelu_backward(dx, dy, x, acc, ctx));
+}
+
+void tanh(Tensor& y, const Tensor& x) {
+  check_unary("tanh", y, x);
+  if (y.numel() == 0) return;
+  DeviceContext& ctx = context(y.device());
+  if (y.device().is_cpu()) return run_cpu(ctx, [&] { cpu::tanh(y, x); });
+  DP_CUDA_DISPATCH(cuda::tanh(y, x, ctx));
+}
+
+void tanh_backward(Tensor& dx, const Tensor& dy, const Tensor& y, Accumulate acc) {
+  check_activation_backward("tanh_backward", dx, dy, y, "y");
+  if (dx.numel() == 0) return;
+  DeviceContext& ctx = context(dx.device());
+  if (dx.device().is_cpu()) return run_cpu(ctx, [&] { cpu::tanh_backward(dx, dy, y, acc); });
+  DP_CUDA_DISPATCH(cuda::tanh_backward(dx, dy, y, acc, ctx));
+}
+
+// ---- losses, reductions, metrics -----------------------------------------------------------
+
+namespace {
+// logits (B, C) f32 and labels (B) i32 on one device.
+void check_logits_labels(const char* op, const Tensor& logits, const Tensor& labels) {
+  check_devices(op, {{"logits", logits}, {"labels", labels}});
+  check_dtype(op, {"logits", logits}, DType::f32);
+  check_dtype(op, {"labels", labels}, DType::i32);
+  check_ndim(op, {"logits", logits}, 2);
+  check_shape(op, {"labels", labels}, {logits.dim(0)});
+  DP_CHECK(logits.dim(1) > 0 || logits.dim(0) == 0,
+           op << ": logits " << shape_str(logits.shape()) << " have no classes");
+}
+}  // namespace
+
+void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
+                           const Tensor& labels, const Tensor& weights, float label_smoothing) {
+  const char* op = "softmax_cross_entropy";
+  check_logits_labels(op, logits, labels);
+  check_devices(op, {{"logits", logits}, {"loss", loss}});
+  check_scalar_out(op, {"loss", loss});
+  if (weights.defined()) {
+    check_devices(op, {{"logits", logits}, {"weights", weights}});
+    check_dtype(op, {"weights", weights}, DType::f32);
+    check_shape(op, {"weights", weights}, {logits.dim(0)});
+  }
+  if (dlogits.defined()) {
+    check_devices(op, {{"logits", logits}, {"dlogits", dlogits}});
+    check_dtype(op, {"dlogits", dlogits}, DType::f32);
+    check_same_shape(op, {"logits", logits}, {"dlogits", dlogits});
+  }
+  DP_CHECK(label_smoothing >= 0.f && label_smoothing < 1.f,
+           op << ": label_smoothing must be in [0, 1), got " << label_smoothing);
+  if (logits.dim(0) == 0) return fill(loss, 0.f);  // the loss of an empty batch is 0
+  DeviceContext& ctx = context(logits.device());
+  if (logits.device().is_cpu())
+    return run_cpu(ctx, [&] {
+      cpu::softmax_cross_entropy(loss, dlogits, logits, labels, weights, label_smoothing);
+    });
+  DP_CUDA_DISPATCH(
+      cuda::softmax_cross_entropy(loss, dlogits, logits, labels, weights, label_smoothing, ctx));
+}
+
+void mse_loss(Tensor& loss, Tensor& dpred, const Tensor& pred, const Tensor& target) {
+  const char* op = "mse_loss";
+  check_devices(op, {{"pred", pred}, {"target", target}, {"loss", loss}});
+  check_f32(op, {{"pred", pred}, {"target", target}});
+  check_same_shape(op, {"pred", pred}, {"target", target});
+  check_scalar_out(op, {"loss", loss});
+  if (dpred.defined()) {
+    check_devices(op, {{"pred", pred}, {"dpred", dpred}});
+    check_dtype(op, {"dpred", dpred}, DType::f32);
+    check_same_shape(op, {"pred", pred}, {"dpred", dpred});
+  }
+  if (pred.numel() == 0) return fill(loss, 0.f);
+  DeviceContext& ctx = context(pred.device());
+  if (pred.device().is_cpu())
+    return run_cpu(ctx, [&] { cpu::mse_loss(loss, dpred, pred, target); });
+  DP_CUDA_DISPATCH(cuda::mse_loss(loss, dpred, pred, target, ctx));
+}
+
+void sum(Tensor& out, const Tensor& x) {
+  check_devices("sum", {{"x", x}, {"out", out}});
+  check_dtype("sum", {"x", x}, DType::f32);
+  check_scalar_out("sum", {"out", out});
+  if (x.numel() == 0) return fill(out, 0.f);
+  DeviceContext& ctx = context(x.device());
+  if (x.device().is_cpu()) return run_cpu(ctx, [&] { cpu::sum(out, x); });
+  DP_CUDA_DISPATCH(cuda::sum(out, x, ctx));
+}
+
+void mean(Tensor& out, const Tensor& x) {
+  check_devices("mean", {{"x", x}, {"out", out}});
+  check_dtype("mean", {"x", x}, DType::f32);
+  check_scalar_out("mean", {"out", out});
+  if (x.numel() == 0) return fill(out, 0.f);
+  DeviceContext& ctx = context(x.device());
+  if (x.device().is_cpu()) return run_cpu(ctx, [&] { cpu::mean(out, x); });
+  DP_CUDA_DISPATCH(cuda::mean(out, x, ctx));
+}
+
+void argmax(Tensor& out, const Tensor& x) {
+  const char* op = "argmax";
+  check_devices(op, {{"x", x}, {"out", out}});
+  check_dtype(op, {"x", x}, DType::f32);
+  check_dtype(op, {"out", out}, DType::i32);
+  check_ndim(op, {"x", x}, 2);
+  check_shape(op, {"out", out}, {x.dim(0)});
+  DP_CHECK(x.dim(1) > 0 || x.dim(0) == 0,
+           op << ": x " << shape_str(x.shape()) << " has no columns");
+  if (out.numel() == 0) return;
+  DeviceContext& ctx = context(x.device());
+  if (x.device().is_cpu()) return run_cpu(ctx, [&] { cpu::argmax(out, x); });
+  DP_CUDA_DISPATCH(cuda::argmax(out, x, ctx));
+}
+
+int64_t count_correct(const Tensor& logits, const Tensor& labels) {
+  check_logits_labels("count_correct", logits, labels);
+  if (logits.dim(0) == 0) return 0;
+  DeviceContext& ctx = context(logits.device());
+  if (logits.device().is_cpu())
+    return run_cpu(ctx, [&] { return cpu::count_correct(logits, labels); });
+  return DP_CUDA_DISPATCH_VALUE(int64_t, cuda::count_correct(logits, labels, ctx));
+}
+
+// ---- convolution and pooling ---------------------------------------------------------------
+
+int64_t conv_out_size(int64_t in, int64_t k, int stride, int pad) {
+  DP_CHECK(k >= 1 && stride >= 1 && pad >= 0,
+           "conv_out_size: needs window >= 1, stride >= 1, pad >= 0, got window "
+               << k << ", stride " << stride << ", pad " << pad);
+  DP_CHECK(in + 2 * pad >= k,
+           "conv_out_size: window " << k << " exceeds the padded input " << in << " + 2 * " << pad);
+  return (in + 2 * static_cast<int64_t>(pad) - k) / stride + 1;
+}
+
+namespace {
+// x (N, C, H, W), w (K, C, R, S), y (N, K, P, Q): f32, one device, sizes consistent with p.
+void check_conv(const char* op, const Arg& y, const Arg& x, const Arg& w, const Conv2dParams& p) {
+  check_devices(op, {y, x, w});
+  check_f32(op, {y, x, w});
+  check_ndim(op, x, 4);
+  check_ndim(op, w, 4);
+  check_ndim(op, y, 4);
+  DP_CHECK(x.t.dim(1) == w.t.dim(1), op << ": channels differ: " << x.name << " "
+                                        << shape_str(x.t.shape()) << " vs " << w.name << " "
+                                        << shape_str(w.t.shape()));
+  Shape want{x.t.dim(0), w.t.dim(0), conv_out_size(x.t.dim(2), w.t.dim(2), p.stride_h, p.pad_h),
+             conv_out_size(x.t.dim(3), w.t.dim(3), p.stride_w, p.pad_w)};
+  DP_CHECK(y.t.shape() == want, op << ": " << y.name << " must be " << shape_str(want) << " for "
+                                   << x.name << " " << shape_str(x.t.shape()) << " and " << w.name
+                                   << " " << shape_str(w.t.shape()) << ", got "
+                                   << shape_str(y.t.shape()));
+}
+}  // namespace
+
+void conv2d_forward(Tensor& y, const Tensor& x, const Tensor& w, const Conv2dParams& p) {
+  check_conv("conv2d_forward", {"y", y}, {"x", x}, {"w", w}, p);
+  if (y.numel() == 0) return;
+  if (x.dim(1) == 0) return fill(y, 0.f);  // no input channels: the sum is empty
+  DeviceContext& ctx = context(y.device());
+  if (y.device().is_cpu()) return run_cpu(ctx, [&] { cpu::conv2d_forward(y, x, w, p); });
+  DP_CUDA_DISPATCH(cuda::conv2d_forward(y, x, w, p, ctx));
+}
+
+void conv2d_backward_data(Tensor& dx, const Tensor& dy, const Tensor& w, const Conv2dParams& p,
+                          Accumulate acc) {
+  check_conv("conv2d_backward_data", {"dy", dy}, {"dx", dx}, {"w", w}, p);
+  if (dx.numel() == 0) return;
+  if (dy.numel() == 0) {  // no output channels: nothing flows back
+    if (acc == Accumulate::no) fill(dx, 0.f);
+    return;
+  }
+  DeviceContext& ctx = context(dx.device());
+  if (dx.device().is_cpu())
+    return run_cpu(ctx, [&] { cpu::conv2d_backward_data(dx, dy, w, p, acc); });
+  DP_CUDA_DISPATCH(cuda::conv2d_backward_data(dx, dy, w, p, acc, ctx));
+}
+
+void conv2d_backward_filter(Tensor& dw, const Tensor& dy, const Tensor& x, const Conv2dParams& p,
+                            Accumulate acc) {
+  check_conv("conv2d_backward_filter", {"dy", dy}, {"x", x}, {"dw", dw}, p);
+  if (dw.numel() == 0) return;
+  if (dy.numel() == 0) {  // an empty batch contributes nothing
+    if (acc == Accumulate::no) fill(dw, 0.f);
+    return;
+  }
+  DeviceContext& ctx = context(dw.device());
+  if (dw.device().is_cpu())
+    return run_cpu(ctx, [&] { cpu::conv2d_backward_filter(dw, dy, x, p, acc); });
+  DP_CUDA_DISPATCH(cuda::conv2d_backward_filter(dw, dy, x, p, acc, ctx));
+}
+
+namespace {
+// x (N, C, H, W) and y (N, C, P, Q) with P, Q from the window; padding at most half a window
+// (as PyTorch), so every window holds at least one real element.
+void check_pool(const char* op, const Arg& y, const Arg& x, const Pool2dParams& p) {
+  check_devices(op, {y, x});
+  check_f32(op, {y, x});
+  check_ndim(op, x, 4);
+  DP_CHECK(x.t.dim(2) > 0 && x.t.dim(3) > 0,
+           op << ": " << x.name << " " << shape_str(x.t.shape()) << " has empty planes");
+  DP_CHECK(p.pad_h >= 0 && p.pad_w >= 0 && 2 * p.pad_h <= p.kernel_h && 2 * p.pad_w <= p.kernel_w,
+           op << ": padding " << p.pad_h << "x" << p.pad_w << " exceeds half the window "
+              << p.kernel_h << "x" << p.kernel_w);
+  Shape want{x.t.dim(0), x.t.dim(1), conv_out_size(x.t.dim(2), p.kernel_h, p.stride_h, p.pad_h),
+             conv_out_size(x.t.dim(3), p.kernel_w, p.stride_w, p.pad_w)};
+  DP_CHECK(y.t.shape() == want, op << ": " << y.name << " must be " << shape_str(want) << " for "
+                                   << x.name << " " << shape_str(x.t.shape()) << ", got "
+                                   << shape_str(y.t.shape()));
+}
+}  // namespace
+
+void max_pool2d_forward(Tensor& y, const Tensor& x, const Pool2dParams& p) {
+  check_pool("max_pool2d_forward", {"y", y}, {"x", x}, p);
+  if (y.numel() == 0) return;
+  DeviceContext& ctx = context(y.device());
+  if (y.device().is_cpu()) return run_cpu(ctx, [&] { cpu::max_pool2d_forward(y, x, p); });
+  DP_CUDA_DISPATCH(cuda::max_pool2d_forward(y, x, p, ctx));
+}
+
+void max_pool2d_backward(Tensor& dx, const Tensor& dy, const Tensor& x, const Tensor& y,
+                         const Pool2dParams& p, Accumulate acc) {
+  const char* op = "max_pool2d_backward";
+  check_pool(op, {"y", y}, {"x", x}, p);
+  check_devices(op, {{"x", x}, {"dx", dx}, {"dy", dy}});
+  check_f32(op, {{"dx", dx}, {"dy", dy}});
+  check_same_shape(op, {"x", x}, {"dx", dx});
+  check_same_shape(op, {"y", y}, {"dy", dy});
+  if (dx.numel() == 0) return;
+  DeviceContext& ctx = context(dx.device());
+  if (dx.device().is_cpu())
+    return run_cpu(ctx, [&] { cpu::max_pool2d_backward(dx, dy, x, y, p, acc); });
+  DP_CUDA_DISPATCH(cuda::max_pool2d_backward(dx, dy, x, y, p, acc, ctx));
+}
+
+void avg_pool2d_forward(Tensor& y, const Tensor& x, const Pool2dParams& p) {
+  check_pool("avg_pool2d_forward", {"y", y}, {"x", x}, p);
+  if (y.numel() == 0) return;
+  DeviceContext& ctx = context(y.device());
+  if (y.device().is_cpu()) return run_cpu(ctx, [&] { cpu::avg_pool2d_forward(y, x, p); });
+  DP_CUDA_DISPATCH(cuda::avg_pool2d_forward(y, x, p, ctx));
+}
+
+void avg_pool2d_backward(Tensor& dx, const Tensor& dy, const Pool2dParams& p, Accumulate acc) {
+  check_pool("avg_pool2d_backward", {"dy", dy}, {"dx", dx}, p);
+  if (dx.numel() == 0) return;
+  DeviceContext& ctx = context(dx.device());
+  if (dx.device().is_cpu()) return run_cpu(ctx, [&] { cpu::avg_pool2d_backward(dx, dy, p, acc); });
+  DP_CUDA_DISPATCH(cuda::avg_pool2d_backward(dx, dy, p, acc, ctx));
+}
+
+// ---- normalisation -------------------------------------------------------------------------
+
+namespace {
+// x (N, C, ...) f32 and per-channel (C) f32 vectors, all on x's device.
+void check_batch_norm(const char* op, const Arg& x, std::initializer_list<Arg> per_channel) {
+  check_devices(op, {x});
+  DP_CHECK(x.t.ndim() >= 2,
+           op << ": " << x.name << " must be (N, C, ...), got " << shape_str(x.t.shape()));
+  check_dtype(op, x, DType::f32);
+  for (const Arg& v : per_channel) {
+    check_devices(op, {x, v});
+    check_dtype(op, v, DType::f32);
+    check_shape(op, v, {x.t.dim(1)});
+  }
+}
+void check_eps(const char* op, float eps) {
+  DP_CHECK(eps >= 0.f, op << ": eps must be >= 0, got " << eps);
+}
+}  // namespace
+
+void batch_norm_forward_train(Tensor& y, Tensor& save_mean, Tensor& save_invstd,
+                              Tensor& running_mean, Tensor& running_var, const Tensor& x,
+                              const Tensor& gamma, const Tensor& beta, float momentum, float eps) {
+  const char* op = "batch_norm_forward_train";
+  check_batch_norm(op, {"x", x},
+                   {{"gamma", gamma},
+                    {"beta", beta},
+                    {"running_mean", running_mean},
+                    {"running_var", running_var},
+                    {"save_mean", save_mean},
+                    {"save_invstd", save_invstd}});
+  check_devices(op, {{"x", x}, {"y", y}});
+  check_dtype(op, {"y", y}, DType::f32);
+  check_same_shape(op, {"x", x}, {"y", y});
+  check_eps(op, eps);
+  if (x.numel() == 0) return;
+  DP_CHECK(x.numel() / x.dim(1) > 1,
+           op << ": expected more than one value per channel, got x " << shape_str(x.shape()));
+  DeviceContext& ctx = context(x.device());
+  if (x.device().is_cpu())
+    return run_cpu(ctx, [&] {
+      cpu::batch_norm_forward_train(y, save_mean, save_invstd, running_mean, running_var, x, gamma,
+                                    beta, momentum, eps);
+    });
+  DP_CUDA_DISPATCH(cuda::batch_norm_forward_train(y, save_mean, save_invstd, running_mean,
+                                                  running_var, x, gamma, beta, momentum, eps, ctx));
+}
+
+void batch_norm_forward_eval(Tensor& y, const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                             const Tensor& running_mean, const Tensor& running_var, float eps) {
+  const char* op = "batch_norm_forward_eval";
+  check_batch_norm(op, {"x", x},
+                   {{"gamma", gamma},
+                    {"beta", beta},
+                    {"running_mean", running_mean},
+                    {"running_var", running_var}});
+  check_devices(op, {{"x", x}, {"y", y}});
+  check_dtype(op, {"y", y}, DType::f32);
+  check_same_shape(op, {"x", x}, {"y", y});
+  check_eps(op, eps);
+  if (x.numel() == 0) return;
+  DeviceContext& ctx = context(x.device());
+  if (x.device().is_cpu())
+    return run_cpu(ctx, [&] {
+      cpu::batch_norm_forward_eval(y, x, gamma, beta, running_mean, running_var, eps);
+    });
+  DP_CUDA_DISPATCH(
+      cuda::batch_norm_forward_eval(y, x, gamma, beta, running_mean, running_var, eps, ctx));
+}
+
+void batch_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor& dy,
+                         const Tensor& x, const Tensor& gamma, const Tensor& save_mean,
+                         const Tensor& save_invstd, Accumulate acc) {
+  const char* op = "batch_norm_backward";
+  check_batch_norm(op, {"x", x},
+                   {{"dgamma", dgamma},
+                    {"dbeta", dbeta},
+                    {"gamma", gamma},
+                    {"save_mean", save_mean},
+                    {"save_invstd", save_invstd}});
+  check_devices(op, {{"x", x}, {"dx", dx}, {"dy", dy}});
+  check_f32(op, {{"dx", dx}, {"dy", dy}});
+  check_same_shape(op, {"x", x}, {"dx", dx});
+  check_same_shape(op, {"x", x}, {"dy", dy});
+  if (x.numel() == 0) {  // an empty batch: no input gradient, no parameter gradient
+    if (acc == Accumulate::no) {
+      fill(dgamma, 0.f);
+      fill(dbeta, 0.f);
+    }
+    return;
+  }
+  DeviceContext& ctx = context(x.device());
+  if (x.device().is_cpu())
+    return run_cpu(ctx, [&] {
+      cpu::batch_norm_backward(dx, dgamma, dbeta, dy, x, gamma, save_mean, save_invstd, acc);
+    });
+  DP_CUDA_DISPATCH(
+      cuda::batch_norm_backward(dx, dgamma, dbeta, dy, x, gamma, save_mean, save_invstd, acc, ctx));
+}
+
+namespace {
+// x (M, D) f32; per-row (M) and per-feature (D) f32 vectors, all on x's device.
+void check_layer_norm(const char* op, const Arg& x, std::initializer_list<Arg> per_row,
+                      std::initializer_list<Arg> per_feature) {
+  check_devices(op, {x});
+  check_ndim(op, x, 2);
+  check_dtype(op, x, DType::f32);
+  for (const Arg& v : per_row) {
+    check_devices(op, {x, v});
+    check_dtype(op, v, DType::f32);
+    check_shape(op, v, {x.t.dim(0)});
+  }
+  for (const Arg& v : per_feature) {
+    check_devices(op, {x, v});
+    check_dtype(op, v, DType::f32);
+    check_shape(op, v, {x.t.dim(1)});
+  }
+}
+}  // namespace
+
+void layer_norm_forward(Tensor& y, Tensor& save_mean, Tensor& save_rstd, const Tensor& x,
+                        const Tensor& gamma, const Tensor& beta, float eps) {
+  const char* op = "layer_norm_forward";
+  check_layer_norm(op, {"x", x}, {{"save_mean", save_mean}, {"save_rstd", save_rstd}},
+                   {{"gamma", gamma}, {"beta", beta}});
+  check_devices(op, {{"x", x}, {"y", y}});
+  check_dtype(op, {"y", y}, DType::f32);
+  check_same_shape(op, {"x", x}, {"y", y});
+  check_eps(op, eps);
+  DP_CHECK(x.dim(1) > 0 || x.dim(0) == 0,
+           op << ": x " << shape_str(x.shape()) << " has no features");
+  if (x.numel() == 0) return;
+  DeviceContext& ctx = context(x.device());
+  if (x.device().is_cpu())
+    return run_cpu(ctx,
+                   [&] { cpu::layer_norm_forward(y, save_mean, save_rstd, x, gamma, beta, eps); });
+  DP_CUDA_DISPATCH(cuda::layer_norm_forward(y, save_mean, save_rstd, x, gamma, beta, eps, ctx));
+}
+
+void layer_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor& dy,
+                         const Tensor& x, const Tensor& gamma, const Tensor& save_mean,
+                         const Tensor& save_rstd, Accumulate acc) {
+  const char* op = "layer_norm_backward";
+  check_layer_norm(op, {"x", x}, {{"save_mean", save_mean}, {"save_rstd", save_rstd}},
+                   {{"gamma", gamma}, {"dgamma", dgamma}, {"dbeta", dbeta}});
+  check_devices(op, {{"x", x}, {"dx", dx}, {"dy", dy}});
+  check_f32(op, {{"dx", dx}, {"dy", dy}});
+  check_same_shape(op, {"x", x}, {"dx", dx});
+  check_same_shape(op, {"x", x}, {"dy", dy});
+  if (dgamma.numel() == 0) return;  // no features: nothing to do
+  if (x.numel() == 0) {             // an empty batch contributes nothing
+    if (acc == Accumulate::no) {
+      fill(dgamma, 0.f);
+      fill(dbeta, 0.f);
+    }
+    return;
+  }
+  DeviceContext& ctx = context(x.device());
+  if (x.device().is_cpu())
+    return run_cpu(ctx, [&] {
+      cpu::layer_norm_backward(dx, dgamma, dbeta, dy, x, gamma, save_mean, save_rstd, acc);
+    });
+  DP_CUDA_DISPATCH(
+      cuda::layer_norm_backward(dx, dgamma, dbeta, dy, x, gamma, save_mean, save_rstd, acc, ctx));
+}
+
+// ---- dropout -------------------------------------------------------------------------------
+
+void dropout_forward(Tensor& y, Tensor& mask, const Tensor& x, float p, uint64_t seed,
+                     uint64_t offset) {
+  const char* op = "dropout_forward";
+  check_devices(op, {{"x", x}, {"y", y}, {"mask", mask}});
+  check_f32(op, {{"x", x}, {"y", y}, {"mask", mask}});
+  check_same_shape(op, {"x", x}, {"y", y});
+  check_same_shape(op, {"x", x}, {"mask", mask});
+  DP_CHECK(p >= 0.f && p < 1.f, op << ": p must be in [0, 1), got " << p);
+  if (x.numel() == 0) return;
+  DeviceContext& ctx = context(x.device());
+  if (x.device().is_cpu())
+    return run_cpu(ctx, [&] { cpu::dropout_forward(y, mask, x, p, seed, offset); });
+  DP_CUDA_DISPATCH(cuda::dropout_forward(y, mask, x, p, seed, offset, ctx));
+}
+
+// ---- optimizers ----------------------------------------------------------------------------
+
+void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const SgdConfig& c,
+                int64_t step) {
+  const char* op = "sgd_update";
+  check_devices(op, {{"params", params}, {"grads", grads}});
+  check_f32(op, {{"params", params}, {"grads", grads}});
+  check_same_shape(op, {"params", params}, {"grads", grads});
+  if (c.momentum != 0.f) {
+    check_devices(op, {{"params", params}, {"momentum_buf", momentum_buf}});
+    check_dtype(op, {"momentum_buf", momentum_buf}, DType::f32);
+    check_same_shape(op, {"params", params}, {"momentum_buf", momentum_buf});
+  }
+  DP_CHECK(step >= 1, op << ": step must be >= 1 (1 is the first step), got " << step);
+  if (params.numel() == 0) return;
+  DeviceContext& ctx = context(params.device());
+  if (params.device().is_cpu())
+    return run_cpu(ctx, [&] { cpu::sgd_update(params, grads, momentum_buf, c, step); });
+  DP_CUDA_DISPATCH(cuda::sgd_update(params, grads, momentum_buf, c, step, ctx));
+}
+
+void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, const AdamWConfig& c,
+                  int64_t step) {
+  const char* op = "adamw_update";
+  check_devices(op, {{"params", params}, {"grads", grads}, {"m", m}, {"v", v}});
+  check_f32(op, {{"params", params}, {"grads", grads}, {"m", m}, {"v", v}});
+  check_same_shape(op, {"params", params}, {"grads", grads});
+  check_same_shape(op, {"params", params}, {"m", m});
+  check_same_shape(op, {"params", params}, {"v", v});
+  DP_CHECK(step >= 1, op << ": step must be >= 1 (1 is the first step), got " << step);
+  if (params.numel() == 0) return;
+  DeviceContext& ctx = context(params.device());
+  if (params.device().is_cpu())
+    return run_cpu(ctx, [&] { cpu::adamw_update(params, grads, m, v, c, step); });
+  DP_CUDA_DISPATCH(cuda::adamw_update(params, grads, m, v, c, step, ctx));
+}
+
+bool all_finite(const Tensor& x) {
+  check_defined("all_finite", x, "x");
+  if (x.numel() == 0) return true;
+  DeviceContext& ctx = context(x.device());
+  if (x.device().is_cpu()) return run_cpu(ctx, [&] { return cpu::all_finite(x); });
+  return DP_CUDA_DISPATCH_VALUE(bool, cuda::all_finite(x, ctx));
+}
+
+// ---- helpers for tests ---------------------------------------------------------------------
 
 float max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
   DP_CHECK(a.size() == b.size(), "max_abs_diff: sizes differ: " << a.size() << " vs " << b.size());

@@ -1,0 +1,71 @@
+// Pointwise activations and their gradients (f32). Backward kernels overwrite dx or add to it.
+#include <cmath>
+
+#include "kernels/cpu/cpu_ops.hpp"
+#include "kernels/cpu/cpu_util.hpp"
+
+namespace kernels::cpu {
+
+namespace {
+
+constexpr float kInvSqrt2 = 0.70710678118654752440f;
+constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
+
+// y[i] = f(x[i]) over the whole tensor.
+template <class F>
+void map(Tensor& y, const Tensor& x, F f) {
+  const float* px = x.data<float>();
+  float* py = y.data<float>();
+  parallel_range(y.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) py[i] = f(px[i]);
+  });
+}
+
+// dx[i] (+)= dy[i] * f'(v[i]), where v is the forward input or output (per activation).
+template <class DerivativeOf>
+void backward(Tensor& dx, const Tensor& dy, const Tensor& v, Accumulate acc, DerivativeOf d) {
+  const float* pdy = dy.data<float>();
+  const float* pv = v.data<float>();
+  float* pdx = dx.data<float>();
+  parallel_range(dx.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
+    if (acc == Accumulate::yes)
+      for (int64_t i = begin; i < end; ++i) pdx[i] += pdy[i] * d(pv[i]);
+    else
+      for (int64_t i = begin; i < end; ++i) pdx[i] = pdy[i] * d(pv[i]);
+  });
+}
+
+}  // namespace
+
+void relu(Tensor& y, const Tensor& x) {
+  map(y, x, [](float v) { return v > 0.f ? v : 0.f; });
+}
+
+void relu_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc) {
+  backward(dx, dy, x, acc, [](float v) { return v > 0.f ? 1.f : 0.f; });
+}
+
+// x Phi(x), Phi the standard normal CDF.
+void gelu(Tensor& y, const Tensor& x) {
+  map(y, x, [](float v) { return 0.5f * v * (1.f + std::erf(v * kInvSqrt2)); });
+}
+
+// d/dx [x Phi(x)] = Phi(x) + x phi(x).
+void gelu_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc) {
+  backward(dx, dy, x, acc, [](float v) {
+    float cdf = 0.5f * (1.f + std::erf(v * kInvSqrt2));
+    float pdf = kInvSqrt2Pi * std::exp(-0.5f * v * v);
+    return cdf + v * pdf;
+  });
+}
+
+void tanh(Tensor& y, const Tensor& x) {
+  map(y, x, [](float v) { return std::tanh(v); });
+}
+
+// d tanh = 1 - tanh^2, from the forward output y.
+void tanh_backward(Tensor& dx, const Tensor& dy, const Tensor& y, Accumulate acc) {
+  backward(dx, dy, y, acc, [](float t) { return 1.f - t * t; });
+}
+
+}  // namespace kernels::cpu

@@ -1,0 +1,62 @@
+// Helpers shared by the CPU backend's .cpp files: parallel loops over fixed partitions (so that
+// every reduction adds in the same order for any thread count: replicas must agree bit for bit)
+// and the single-threaded BLAS calls the GEMM-based ops are built from.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+
+#include "kernels/ops.hpp"
+
+namespace kernels::cpu {
+
+// Elements per task for cheap elementwise loops.
+constexpr int64_t kElementwiseGrain = 1 << 14;
+
+// Runs body(begin, end) over [0, n) in parallel; body must write disjoint outputs only.
+template <class Body>
+void parallel_range(int64_t n, int64_t grain, Body&& body) {
+  if (n <= grain) {
+    if (n > 0) body(int64_t{0}, n);
+    return;
+  }
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, grain),
+                    [&](const tbb::blocked_range<int64_t>& r) { body(r.begin(), r.end()); });
+}
+
+// Sum of partial(begin, end) over the fixed chunks [0, chunk), [chunk, 2 chunk), ... of [0, n),
+// computed in parallel and added in chunk order: the same bits for any thread count.
+template <class Partial>
+double chunked_sum(int64_t n, int64_t chunk, Partial&& partial) {
+  if (n <= 0) return 0.0;
+  int64_t n_chunks = (n + chunk - 1) / chunk;
+  std::vector<double> partials(static_cast<size_t>(n_chunks));
+  parallel_range(n_chunks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i)
+      partials[i] = partial(i * chunk, std::min(n, (i + 1) * chunk));
+  });
+  double total = 0.0;
+  for (double p : partials) total += p;
+  return total;
+}
+
+// Sets OpenBLAS to one thread, once per process: every CPU device parallelises its GEMMs itself
+// inside its own arena, so BLAS threads would oversubscribe the cores.
+void use_single_threaded_blas();
+
+// Row-major f32 GEMM on one thread: C (m, n) = alpha op(A) op(B) + beta C, with op(A) (m, k)
+// and op(B) (k, n); lda/ldb/ldc are the row strides of A, B, C as stored. m, n, k >= 1.
+void sgemm_serial(Transpose ta, Transpose tb, int64_t m, int64_t n, int64_t k, float alpha,
+                  const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
+                  int64_t ldc);
+// The same, with the rows of C split into fixed chunks run in parallel (deterministic: each
+// chunk is one single-threaded sgemm whose extent depends on the shape only).
+void sgemm_parallel(Transpose ta, Transpose tb, int64_t m, int64_t n, int64_t k, float alpha,
+                    const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
+                    int64_t ldc);
+
+}  // namespace kernels::cpu

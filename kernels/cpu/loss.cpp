@@ -1,0 +1,75 @@
+// Losses: fused softmax + cross-entropy, and mean squared error. Rows or chunks run in parallel;
+// the batch total adds their double partials in a fixed order (bitwise reproducible).
+#include <cmath>
+
+#include "kernels/cpu/cpu_ops.hpp"
+#include "kernels/cpu/cpu_util.hpp"
+
+namespace kernels::cpu {
+
+// Per row i (logits x, label l, weight w, smoothing ls, C classes), with lse = log sum exp x:
+//   loss_i = w ((1 - ls)(lse - x_l) + ls (lse - mean_c x_c))
+//   dlogits_i = (w / B) (softmax(x) - t),  t = (1 - ls) onehot(l) + ls / C.
+void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
+                           const Tensor& labels, const Tensor& weights, float label_smoothing) {
+  int64_t batch = logits.dim(0), classes = logits.dim(1);
+  const float* px = logits.data<float>();
+  const int32_t* pl = labels.data<int32_t>();
+  const float* pw = weights.defined() ? weights.data<float>() : nullptr;
+  float* pd = dlogits.defined() ? dlogits.data<float>() : nullptr;
+  for (int64_t i = 0; i < batch; ++i)
+    DP_CHECK(pl[i] >= 0 && pl[i] < classes, "softmax_cross_entropy: label "
+                                                << pl[i] << " of row " << i << " is outside [0, "
+                                                << classes << ") for logits "
+                                                << shape_str(logits.shape()));
+  const double ls = label_smoothing;
+  std::vector<double> row_loss(static_cast<size_t>(batch));
+  int64_t grain = std::max<int64_t>(1, kElementwiseGrain / classes);
+  parallel_range(batch, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* x = px + i * classes;
+      float max_x = x[0];
+      for (int64_t c = 1; c < classes; ++c) max_x = std::max(max_x, x[c]);
+      double sum_exp = 0.0, sum_x = 0.0;
+      for (int64_t c = 0; c < classes; ++c) {
+        sum_exp += std::exp(static_cast<double>(x[c]) - max_x);
+        sum_x += x[c];
+      }
+      double lse = max_x + std::log(sum_exp);
+      double w = pw ? pw[i] : 1.0;
+      row_loss[i] = w * ((1.0 - ls) * (lse - x[pl[i]]) + ls * (lse - sum_x / classes));
+      if (!pd) continue;
+      double scale = w / static_cast<double>(batch);
+      float* d = pd + i * classes;
+      for (int64_t c = 0; c < classes; ++c) {
+        double target = (c == pl[i] ? 1.0 - ls : 0.0) + ls / classes;
+        double prob = std::exp(static_cast<double>(x[c]) - lse);
+        d[c] = static_cast<float>(scale * (prob - target));
+      }
+    }
+  });
+  double total = 0.0;
+  for (double l : row_loss) total += l;
+  loss.data<float>()[0] = static_cast<float>(total / static_cast<double>(batch));
+}
+
+// loss = mean (pred - target)^2, dpred = 2 (pred - target) / numel.
+void mse_loss(Tensor& loss, Tensor& dpred, const Tensor& pred, const Tensor& target) {
+  int64_t n = pred.numel();
+  const float* pp = pred.data<float>();
+  const float* pt = target.data<float>();
+  float* pd = dpred.defined() ? dpred.data<float>() : nullptr;
+  double grad_scale = 2.0 / static_cast<double>(n);
+  double total = chunked_sum(n, kElementwiseGrain, [&](int64_t begin, int64_t end) {
+    double s = 0.0;
+    for (int64_t i = begin; i < end; ++i) {
+      double diff = static_cast<double>(pp[i]) - pt[i];
+      s += diff * diff;
+      if (pd) pd[i] = static_cast<float>(grad_scale * diff);
+    }
+    return s;
+  });
+  loss.data<float>()[0] = static_cast<float>(total / static_cast<double>(n));
+}
+
+}  // namespace kernels::cpu

@@ -1,0 +1,55 @@
+// Fused optimizer steps over one flat f32 buffer, with PyTorch's formulas and operation order
+// (scalars that PyTorch computes in Python are computed in double here too).
+#include <cmath>
+
+#include "kernels/cpu/cpu_ops.hpp"
+#include "kernels/cpu/cpu_util.hpp"
+
+namespace kernels::cpu {
+
+// g = grad + wd p; buf = first ? g : m buf + (1 - damp) g; g = nesterov ? g + m buf : buf;
+// p -= lr g.
+void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const SgdConfig& c,
+                int64_t step) {
+  float* p = params.data<float>();
+  const float* g = grads.data<float>();
+  float* buf = c.momentum != 0.f ? momentum_buf.data<float>() : nullptr;
+  bool first_step = step == 1;
+  float keep = 1.f - c.dampening;
+  parallel_range(params.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float d = c.weight_decay != 0.f ? g[i] + c.weight_decay * p[i] : g[i];
+      if (buf) {
+        buf[i] = first_step ? d : c.momentum * buf[i] + keep * d;
+        d = c.nesterov == Nesterov::yes ? d + c.momentum * buf[i] : buf[i];
+      }
+      p[i] -= c.lr * d;
+    }
+  });
+}
+
+// p *= 1 - lr wd; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
+// p -= (lr / (1 - b1^t)) m / (sqrt(v) / sqrt(1 - b2^t) + eps).
+void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, const AdamWConfig& c,
+                  int64_t step) {
+  float* p = params.data<float>();
+  const float* g = grads.data<float>();
+  float* pm = m.data<float>();
+  float* pv = v.data<float>();
+  double t = static_cast<double>(step);
+  float decay = static_cast<float>(1.0 - static_cast<double>(c.lr) * c.weight_decay);
+  float step_size = static_cast<float>(c.lr / (1.0 - std::pow(double{c.beta1}, t)));
+  float correction2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(double{c.beta2}, t)));
+  float one_minus_b1 = 1.f - c.beta1, one_minus_b2 = 1.f - c.beta2;
+  parallel_range(params.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      p[i] *= decay;
+      pm[i] = c.beta1 * pm[i] + one_minus_b1 * g[i];
+      pv[i] = c.beta2 * pv[i] + one_minus_b2 * g[i] * g[i];
+      float denom = std::sqrt(pv[i]) / correction2_sqrt + c.eps;
+      p[i] -= step_size * pm[i] / denom;
+    }
+  });
+}
+
+}  // namespace kernels::cpu
