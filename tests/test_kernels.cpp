@@ -1,0 +1,285 @@
+// kernels.*: elementwise ops, bias helpers, GEMM and activations against plain-loop references
+// in double; argument checks. Losses, convolutions and normalisation have their own files.
+#include "tests/test_kernels_util.hpp"
+
+using namespace kernels;
+using namespace kt;
+
+namespace {
+
+// Reference op(a) op(b) with a, b row-major as stored: c = alpha op(a) op(b) + beta c + bias.
+std::vector<double> ref_gemm(const Tensor& a, Transpose ta, const Tensor& b, Transpose tb,
+                             float alpha, float beta, const Tensor& c, const Tensor& bias) {
+  std::vector<double> A = to_double(a), B = to_double(b), C = to_double(c);
+  int64_t m = c.dim(0), n = c.dim(1);
+  int64_t k = ta == Transpose::no ? a.dim(1) : a.dim(0);
+  auto at = [&](int64_t i, int64_t l) {
+    return ta == Transpose::no ? A[i * a.dim(1) + l] : A[l * a.dim(1) + i];
+  };
+  auto bt = [&](int64_t l, int64_t j) {
+    return tb == Transpose::no ? B[l * b.dim(1) + j] : B[j * b.dim(1) + l];
+  };
+  std::vector<double> bias_v = bias.defined() ? to_double(bias) : std::vector<double>(n, 0.0);
+  std::vector<double> out(m * n);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      double s = 0.0;
+      for (int64_t l = 0; l < k; ++l) s += at(i, l) * bt(l, j);
+      double prior = beta == 0.f ? 0.0 : beta * C[i * n + j];
+      out[i * n + j] = alpha * s + prior + bias_v[j];
+    }
+  return out;
+}
+
+Shape stored(int64_t rows, int64_t cols, Transpose t) {
+  return t == Transpose::no ? Shape{rows, cols} : Shape{cols, rows};
+}
+
+}  // namespace
+
+TEST_CASE("kernels.elementwise: add, mul, scale, axpy (odd sizes, in place)") {
+  for (int64_t n : {int64_t{1}, int64_t{13}, int64_t{100003}}) {
+    Tensor a = random_tensor({n}, 1), b = random_tensor({n}, 2), y = zeros({n});
+    std::vector<double> A = to_double(a), B = to_double(b), want(n);
+    add(y, a, b);
+    for (int64_t i = 0; i < n; ++i) want[i] = A[i] + B[i];
+    CHECK(max_error(y, want) <= 1e-6);
+    mul(y, a, b);
+    for (int64_t i = 0; i < n; ++i) want[i] = A[i] * B[i];
+    CHECK(max_error(y, want) <= 1e-6);
+    scale(y, a, -2.5f);
+    for (int64_t i = 0; i < n; ++i) want[i] = -2.5 * A[i];
+    CHECK(max_error(y, want) <= 1e-6);
+    axpy(y, 0.5f, b);  // y = -2.5 a + 0.5 b
+    for (int64_t i = 0; i < n; ++i) want[i] += 0.5 * B[i];
+    CHECK(max_error(y, want) <= 1e-6);
+    scale(a, a, 3.f);  // y may alias x
+    for (int64_t i = 0; i < n; ++i) want[i] = 3.0 * A[i];
+    CHECK(max_error(a, want) <= 1e-6);
+    add(a, a, a);
+    for (int64_t i = 0; i < n; ++i) want[i] *= 2.0;
+    CHECK(max_error(a, want) <= 1e-6);
+  }
+}
+
+TEST_CASE("kernels.bias: add_bias and bias_backward over (N, C) and (N, C, H, W)") {
+  for (Shape shape : {Shape{7, 5}, Shape{3, 4, 5, 7}, Shape{2, 3, 1}}) {
+    int64_t channels = shape[1], inner = shape_numel(shape) / (shape[0] * channels);
+    Tensor y = random_tensor(shape, 3), bias = random_tensor({channels}, 4);
+    std::vector<double> Y = to_double(y), Bv = to_double(bias), want = Y;
+    for (size_t i = 0; i < want.size(); ++i) want[i] += Bv[(i / inner) % channels];
+    add_bias(y, bias);
+    CHECK(max_error(y, want) <= 1e-6);
+
+    Tensor dy = random_tensor(shape, 5), db = filled({channels}, 100.f);
+    std::vector<double> DY = to_double(dy), sums(channels, 0.0);
+    for (size_t i = 0; i < DY.size(); ++i) sums[(i / inner) % channels] += DY[i];
+    bias_backward(db, dy, Accumulate::no);
+    CHECK(max_error(db, sums) <= 1e-5);
+    bias_backward(db, dy, Accumulate::yes);
+    for (double& s : sums) s *= 2.0;
+    CHECK(max_error(db, sums) <= 1e-5);
+  }
+  // An empty batch adds nothing: db is zeroed when overwriting, kept when accumulating.
+  Tensor dy = zeros({0, 3}), db = filled({3}, 7.f);
+  bias_backward(db, dy, Accumulate::yes);
+  CHECK(db.to_host_f32() == std::vector<float>{7.f, 7.f, 7.f});
+  bias_backward(db, dy, Accumulate::no);
+  CHECK(db.to_host_f32() == std::vector<float>{0.f, 0.f, 0.f});
+}
+
+TEST_CASE("kernels.gemm: transposes, alpha/beta, bias (7x13x5)") {
+  const int64_t m = 7, k = 13, n = 5;
+  for (Transpose ta : {Transpose::no, Transpose::yes})
+    for (Transpose tb : {Transpose::no, Transpose::yes}) {
+      CAPTURE(static_cast<int>(ta));
+      CAPTURE(static_cast<int>(tb));
+      Tensor a = random_tensor(stored(m, k, ta), 10), b = random_tensor(stored(k, n, tb), 11);
+      Tensor bias = random_tensor({n}, 12), c = random_tensor({m, n}, 13);
+      std::vector<double> want = ref_gemm(a, ta, b, tb, 1.5f, 0.5f, c, bias);
+      gemm(c, a, ta, b, tb, 1.5f, 0.5f, bias);
+      CHECK(max_error(c, want) <= 1e-5);
+      // Defaults: c = op(a) op(b), whatever c held before.
+      Tensor d = filled({m, n}, NAN);
+      gemm(d, a, ta, b, tb);
+      CHECK(max_error(d, ref_gemm(a, ta, b, tb, 1.f, 0.f, d, Tensor())) <= 1e-5);
+    }
+}
+
+TEST_CASE("kernels.gemm: tiled parallel path matches the reference and any thread count") {
+  // 300 x 600 x 40 spans several tiles of C in both dimensions.
+  const int64_t m = 300, k = 40, n = 600;
+  for (Transpose ta : {Transpose::no, Transpose::yes}) {
+    Transpose tb = ta == Transpose::no ? Transpose::yes : Transpose::no;
+    Tensor a = random_tensor(stored(m, k, ta), 20), b = random_tensor(stored(k, n, tb), 21);
+    Tensor bias = random_tensor({n}, 22), c = random_tensor({m, n}, 23);
+    std::vector<double> want = ref_gemm(a, ta, b, tb, 0.75f, 2.f, c, bias);
+    Tensor c1 = c.clone(), c2 = c.clone();
+    with_cpu_threads(1, [&] { gemm(c1, a, ta, b, tb, 0.75f, 2.f, bias); });
+    with_cpu_threads(2, [&] { gemm(c2, a, ta, b, tb, 0.75f, 2.f, bias); });
+    CHECK(max_error(c1, want) <= 1e-5);
+    CHECK(bitwise_equal(c1, c2));
+  }
+}
+
+TEST_CASE("kernels.gemm: f16 and bf16 operands accumulate in f32") {
+  const int64_t m = 9, k = 31, n = 6;
+  for (DType dt : {DType::f16, DType::bf16}) {
+    CAPTURE(dt);
+    Tensor a = random_tensor({m, k}, 30).to(dt), b = random_tensor({n, k}, 31).to(dt);
+    Tensor c32 = zeros({m, n});
+    // The reference uses the rounded 16-bit inputs, so only the product's rounding differs.
+    std::vector<double> want =
+        ref_gemm(a, Transpose::no, b, Transpose::yes, 1.f, 0.f, c32, Tensor());
+    gemm(c32, a, Transpose::no, b, Transpose::yes);
+    CHECK(max_error(c32, want) <= 1e-5);
+    Tensor c16 = Tensor::zeros({m, n}, dt, Device::cpu());
+    kernels::fill(c16, 1.f);
+    Tensor bias = random_tensor({n}, 32);
+    want = ref_gemm(a, Transpose::no, b, Transpose::yes, 1.f, 1.f, c16, bias);
+    gemm(c16, a, Transpose::no, b, Transpose::yes, 1.f, 1.f, bias);
+    CHECK(max_error(c16, want) <= (dt == DType::bf16 ? 8e-3 : 1e-3));
+  }
+}
+
+TEST_CASE("kernels.gemm: empty products") {
+  // k == 0: c = beta c + bias; beta == 0 ignores what c held (NaN included).
+  Tensor a = zeros({3, 0}), b = zeros({0, 2}), bias = tensor({1.f, -1.f}, {2});
+  Tensor c = filled({3, 2}, 4.f);
+  gemm(c, a, Transpose::no, b, Transpose::no, 1.f, 0.5f, bias);
+  CHECK(c.to_host_f32() == std::vector<float>{3.f, 1.f, 3.f, 1.f, 3.f, 1.f});
+  Tensor d = filled({3, 2}, NAN);
+  gemm(d, a, Transpose::no, b, Transpose::no);
+  CHECK(d.to_host_f32() == std::vector<float>(6, 0.f));
+  // m == 0 (an empty batch): nothing to do, no error.
+  Tensor e = zeros({0, 4});
+  gemm(e, zeros({0, 5}), Transpose::no, random_tensor({4, 5}, 1), Transpose::yes);
+  CHECK(e.numel() == 0);
+}
+
+TEST_CASE("kernels.relu: forward, backward, accumulate") {
+  Tensor x = tensor({-2.f, -0.f, 0.f, 0.5f, 3.f, -1e-30f, 1e-30f}, {7});
+  Tensor y = zeros({7});
+  relu(y, x);
+  CHECK(y.to_host_f32() == std::vector<float>{0.f, 0.f, 0.f, 0.5f, 3.f, 0.f, 1e-30f});
+  Tensor dy = tensor({1, 2, 3, 4, 5, 6, 7}, {7}), dx = filled({7}, 10.f);
+  relu_backward(dx, dy, x, Accumulate::no);
+  CHECK(dx.to_host_f32() == std::vector<float>{0, 0, 0, 4, 5, 0, 7});
+  relu_backward(dx, dy, x, Accumulate::yes);
+  CHECK(dx.to_host_f32() == std::vector<float>{0, 0, 0, 8, 10, 0, 14});
+}
+
+TEST_CASE("kernels.gelu: exact erf form; gradient matches finite differences") {
+  const int64_t n = 41;
+  Tensor x = random_tensor({n}, 40, -4.f, 4.f), y = zeros({n});
+  std::vector<double> X = to_double(x), want(n);
+  auto gelu_ref = [](double v) { return 0.5 * v * (1.0 + std::erf(v / std::sqrt(2.0))); };
+  for (int64_t i = 0; i < n; ++i) want[i] = gelu_ref(X[i]);
+  gelu(y, x);
+  CHECK(max_error(y, want) <= 1e-6);
+  CHECK(gelu_ref(1.0) == doctest::Approx(0.8413447460685429));  // the erf form, not tanh's
+
+  Tensor dy = random_tensor({n}, 41), dx = filled({n}, 1.f);
+  std::vector<double> DY = to_double(dy);
+  auto loss = [&](const std::vector<double>& v) {
+    double s = 0.0;
+    for (int64_t i = 0; i < n; ++i) s += DY[i] * gelu_ref(v[i]);
+    return s;
+  };
+  std::vector<double> grad = numeric_gradient(loss, X);
+  gelu_backward(dx, dy, x, Accumulate::no);
+  CHECK(max_error(dx, grad) <= 1e-5);
+  gelu_backward(dx, dy, x, Accumulate::yes);
+  for (double& g : grad) g *= 2.0;
+  CHECK(max_error(dx, grad) <= 1e-5);
+}
+
+TEST_CASE("kernels.tanh: forward; backward from the output") {
+  const int64_t n = 29;
+  Tensor x = random_tensor({n}, 50, -3.f, 3.f), y = zeros({n});
+  std::vector<double> X = to_double(x), want(n);
+  for (int64_t i = 0; i < n; ++i) want[i] = std::tanh(X[i]);
+  kernels::tanh(y, x);
+  CHECK(max_error(y, want) <= 1e-6);
+  Tensor dy = random_tensor({n}, 51), dx = zeros({n});
+  std::vector<double> DY = to_double(dy);
+  std::vector<double> grad = numeric_gradient(
+      [&](const std::vector<double>& v) {
+        double s = 0.0;
+        for (int64_t i = 0; i < n; ++i) s += DY[i] * std::tanh(v[i]);
+        return s;
+      },
+      X);
+  tanh_backward(dx, dy, y, Accumulate::no);
+  CHECK(max_error(dx, grad) <= 1e-5);
+  tanh_backward(dx, dy, y, Accumulate::yes);
+  for (double& g : grad) g *= 2.0;
+  CHECK(max_error(dx, grad) <= 1e-5);
+}
+
+TEST_CASE("kernels.empty: zero-sized tensors are valid no-ops") {
+  Tensor e = zeros({0, 3}), f = zeros({0, 3});
+  add(e, f, f);
+  mul(e, f, f);
+  scale(e, f, 2.f);
+  axpy(e, 2.f, f);
+  add_bias(e, zeros({3}));
+  relu(e, f);
+  gelu(e, f);
+  kernels::tanh(e, f);
+  relu_backward(e, f, f, Accumulate::no);
+  gelu_backward(e, f, f, Accumulate::yes);
+  tanh_backward(e, f, f, Accumulate::no);
+  CHECK(e.numel() == 0);
+}
+
+TEST_CASE("kernels.errors: mismatched shapes name the shapes") {
+  Tensor a = zeros({2, 3}), b = zeros({3, 2}), y = zeros({2, 3});
+  CHECK_THROWS_WITH_AS(add(y, a, b), doctest::Contains("add: shapes differ: a [2, 3] vs b [3, 2]"),
+                       Error);
+  CHECK_THROWS_WITH_AS(mul(b, a, a), doctest::Contains("[3, 2]"), Error);
+  CHECK_THROWS_WITH_AS(axpy(y, 1.f, b), doctest::Contains("[2, 3]"), Error);
+  CHECK_THROWS_WITH_AS(relu_backward(y, y, b, Accumulate::no), doctest::Contains("[3, 2]"), Error);
+  CHECK_THROWS_WITH_AS(add_bias(y, zeros({2})), doctest::Contains("bias must be [3], got [2]"),
+                       Error);
+  Tensor flat = zeros({4});
+  CHECK_THROWS_WITH_AS(add_bias(flat, zeros({4})), doctest::Contains("[4]"), Error);
+  Tensor c = zeros({2, 2});
+  CHECK_THROWS_WITH_AS(gemm(c, a, Transpose::no, a, Transpose::no),
+                       doctest::Contains("inner dimensions differ: op(a) [2, 3] x op(b) [2, 3]"),
+                       Error);
+  CHECK_THROWS_WITH_AS(gemm(c, a, Transpose::no, b, Transpose::no, 1.f, 0.f, zeros({3})),
+                       doctest::Contains("bias must be [2], got [3]"), Error);
+  CHECK_THROWS_WITH_AS(gemm(y, a, Transpose::no, b, Transpose::no),
+                       doctest::Contains("c must be [2, 2]"), Error);
+  CHECK_THROWS_WITH_AS(gemm(c, zeros({6}), Transpose::no, b, Transpose::no),
+                       doctest::Contains("2-D, got [6]"), Error);
+}
+
+TEST_CASE("kernels.errors: wrong dtypes and devices") {
+  Tensor a = zeros({2, 3}), y = zeros({2, 3});
+  Tensor h = zeros({2, 3}, DType::f16), i = zeros({2, 3}, DType::i32);
+  CHECK_THROWS_WITH_AS(add(y, a, h),
+                       doctest::Contains("b must be f32, got Tensor(f16, cpu:0, [2, 3])"), Error);
+  CHECK_THROWS_WITH_AS(relu(i, a), doctest::Contains("i32"), Error);
+  Tensor c = zeros({2, 2});
+  CHECK_THROWS_WITH_AS(gemm(c, a, Transpose::no, h, Transpose::yes), doctest::Contains("one dtype"),
+                       Error);
+  Tensor c_bf16 = zeros({2, 2}, DType::bf16);
+  CHECK_THROWS_WITH_AS(gemm(c_bf16, h, Transpose::no, h, Transpose::yes),
+                       doctest::Contains("c must be f32 or f16"), Error);
+
+  Tensor other = Tensor::zeros({2, 3}, DType::f32, Device::cpu(1));
+  CHECK_THROWS_WITH_AS(add(y, a, other), doctest::Contains("different devices"), Error);
+  CHECK_THROWS_WITH_AS(add(y, a, other), doctest::Contains("Tensor(f32, cpu:1, [2, 3])"), Error);
+  CHECK_THROWS_WITH_AS(
+      gemm(c, a, Transpose::no, other, Transpose::yes),
+      doctest::Contains("c Tensor(f32, cpu:0, [2, 2]) vs b Tensor(f32, cpu:1, [2, 3])"), Error);
+  CHECK_THROWS_WITH_AS(scale(y, Tensor(), 1.f), doctest::Contains("scale: tensor 'x' is undefined"),
+                       Error);
+  // Ops on cpu:1 alone run on cpu:1's own context.
+  Tensor o2 = Tensor::zeros({2, 3}, DType::f32, Device::cpu(1));
+  kernels::fill(other, 1.f);
+  add(o2, other, other);
+  CHECK(o2.to_host_f32() == std::vector<float>(6, 2.f));
+}

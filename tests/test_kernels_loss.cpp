@@ -1,0 +1,266 @@
+// kernels.*: losses, reductions, metrics and optimizer steps against references in double and
+// hand-computed values.
+#include "tests/test_kernels_util.hpp"
+
+using namespace kernels;
+using namespace kt;
+
+namespace {
+
+struct CrossEntropy {
+  double loss = 0.0;
+  std::vector<double> dlogits;
+};
+
+// The contract's formula, term by term.
+CrossEntropy ref_cross_entropy(const std::vector<double>& x, const std::vector<int32_t>& labels,
+                               const std::vector<double>& weights, int64_t classes, double ls) {
+  int64_t batch = static_cast<int64_t>(labels.size());
+  CrossEntropy out;
+  out.dlogits.assign(x.size(), 0.0);
+  for (int64_t i = 0; i < batch; ++i) {
+    const double* row = x.data() + i * classes;
+    double mx = *std::max_element(row, row + classes), s = 0.0;
+    for (int64_t c = 0; c < classes; ++c) s += std::exp(row[c] - mx);
+    double lse = mx + std::log(s);
+    double w = weights.empty() ? 1.0 : weights[i];
+    for (int64_t c = 0; c < classes; ++c) {
+      double t = (c == labels[i] ? 1.0 - ls : 0.0) + ls / classes;
+      out.loss += w * -t * (row[c] - lse) / batch;
+      out.dlogits[i * classes + c] = w / batch * (std::exp(row[c] - lse) - t);
+    }
+  }
+  return out;
+}
+
+std::vector<int32_t> random_labels(int64_t n, int32_t classes, uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::vector<int32_t> v(n);
+  for (auto& l : v) l = static_cast<int32_t>(gen() % classes);
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("kernels.softmax_cross_entropy: loss and gradient (smoothing, weights, 7x13)") {
+  const int64_t batch = 7, classes = 13;
+  Tensor logits = random_tensor({batch, classes}, 60, -3.f, 3.f);
+  std::vector<int32_t> label_v = random_labels(batch, classes, 61);
+  Tensor labels = Tensor::from_ints(label_v, {batch});
+  Tensor weights = random_tensor({batch}, 62, 0.f, 2.f);
+  std::vector<double> X = to_double(logits);
+  for (float ls : {0.f, 0.1f})
+    for (bool weighted : {false, true}) {
+      CAPTURE(ls);
+      CAPTURE(weighted);
+      std::vector<double> W = weighted ? to_double(weights) : std::vector<double>{};
+      CrossEntropy want = ref_cross_entropy(X, label_v, W, classes, ls);
+      Tensor loss = scalar(), dlogits = filled({batch, classes}, NAN);
+      softmax_cross_entropy(loss, dlogits, logits, labels, weighted ? weights : Tensor(), ls);
+      CHECK(loss.item() == doctest::Approx(want.loss).epsilon(1e-6));
+      CHECK(max_error(dlogits, want.dlogits) <= 1e-6);
+      // The closed-form gradient is the derivative of the loss.
+      std::vector<double> numeric = numeric_gradient(
+          [&](const std::vector<double>& v) {
+            return ref_cross_entropy(v, label_v, W, classes, ls).loss;
+          },
+          X);
+      CHECK(max_error(dlogits, numeric) <= 1e-6);
+    }
+}
+
+TEST_CASE("kernels.softmax_cross_entropy: stable for huge logits; forward only; empty batch") {
+  Tensor logits = tensor({1000.f, 0.f, -1000.f, 500.f, 500.f, 500.f}, {2, 3});
+  Tensor labels = Tensor::from_ints({0, 2}, {2});
+  Tensor loss = scalar(), no_grad;
+  softmax_cross_entropy(loss, no_grad, logits, labels);
+  CHECK(std::isfinite(loss.item()));
+  CHECK(loss.item() == doctest::Approx(std::log(3.0) / 2));  // row 0 costs 0, row 1 log 3
+
+  Tensor empty_logits = zeros({0, 5}), empty_grad = zeros({0, 5});
+  Tensor empty_labels = Tensor::from_ints({}, {0});
+  kernels::fill(loss, 42.f);
+  softmax_cross_entropy(loss, empty_grad, empty_logits, empty_labels);
+  CHECK(loss.item() == 0.f);
+
+  Tensor bad = Tensor::from_ints({0, 3}, {2});
+  CHECK_THROWS_WITH_AS(softmax_cross_entropy(loss, no_grad, logits, bad),
+                       doctest::Contains("label 3 of row 1 is outside [0, 3)"), Error);
+  Tensor negative = Tensor::from_ints({-1, 0}, {2});
+  CHECK_THROWS_AS(softmax_cross_entropy(loss, no_grad, logits, negative), Error);
+}
+
+TEST_CASE("kernels.mse_loss: mean of squares and its gradient") {
+  Shape shape{5, 3, 7};
+  Tensor pred = random_tensor(shape, 70), target = random_tensor(shape, 71);
+  std::vector<double> P = to_double(pred), T = to_double(target), grad(P.size());
+  double want = 0.0;
+  for (size_t i = 0; i < P.size(); ++i) {
+    want += (P[i] - T[i]) * (P[i] - T[i]) / P.size();
+    grad[i] = 2.0 * (P[i] - T[i]) / P.size();
+  }
+  Tensor loss = scalar(), dpred = zeros(shape), none;
+  mse_loss(loss, dpred, pred, target);
+  CHECK(loss.item() == doctest::Approx(want).epsilon(1e-6));
+  CHECK(max_error(dpred, grad) <= 1e-7);
+  mse_loss(loss, none, pred, target);
+  CHECK(loss.item() == doctest::Approx(want).epsilon(1e-6));
+  Tensor e = zeros({0, 4});
+  mse_loss(loss, e, e, e);
+  CHECK(loss.item() == 0.f);
+  CHECK_THROWS_WITH_AS(mse_loss(loss, none, pred, zeros({5, 3})),
+                       doctest::Contains("[5, 3, 7] vs target [5, 3]"), Error);
+}
+
+TEST_CASE("kernels.reduce: sum and mean, bitwise equal for any thread count") {
+  const int64_t n = 300007;  // many chunks
+  Tensor x = random_tensor({n}, 80, -1.f, 3.f);
+  std::vector<double> X = to_double(x);
+  double want = 0.0;
+  for (double v : X) want += v;
+  Tensor s1 = scalar(), s2 = scalar(), m = scalar();
+  with_cpu_threads(1, [&] { kernels::sum(s1, x); });
+  with_cpu_threads(2, [&] { kernels::sum(s2, x); });
+  CHECK(s1.item() == doctest::Approx(want).epsilon(1e-7));
+  CHECK(bitwise_equal(s1, s2));
+  kernels::mean(m, x);
+  CHECK(m.item() == doctest::Approx(want / n).epsilon(1e-7));
+  Tensor e = zeros({0});
+  kernels::fill(s1, 5.f);
+  kernels::sum(s1, e);
+  kernels::mean(m, e);
+  CHECK(s1.item() == 0.f);
+  CHECK(m.item() == 0.f);
+  Tensor two = zeros({2});
+  CHECK_THROWS_WITH_AS(kernels::sum(two, x), doctest::Contains("one element, got [2]"), Error);
+}
+
+TEST_CASE("kernels.argmax and count_correct: first maximum on ties") {
+  Tensor x = tensor({1, 3, 3, 0,      //
+                     -5, -7, -5, -6,  //
+                     0, 0, 0, 0,      //
+                     2, 1, 9, 9},
+                    {4, 4});
+  Tensor out = Tensor::zeros({4}, DType::i32, Device::cpu());
+  argmax(out, x);
+  CHECK(out.to_host_i32() == std::vector<int32_t>{1, 0, 0, 2});
+  CHECK(count_correct(x, Tensor::from_ints({1, 0, 0, 2}, {4})) == 4);
+  CHECK(count_correct(x, Tensor::from_ints({2, 0, 1, 3}, {4})) == 1);
+  // A larger batch against a plain loop.
+  const int64_t batch = 1001, classes = 17;
+  Tensor big = random_tensor({batch, classes}, 81);
+  std::vector<int32_t> labels = random_labels(batch, classes, 82);
+  std::vector<float> B = big.to_host_f32();
+  int64_t want = 0;
+  for (int64_t i = 0; i < batch; ++i) {
+    auto row = B.begin() + i * classes;
+    want += std::max_element(row, row + classes) - row == labels[i];
+  }
+  CHECK(count_correct(big, Tensor::from_ints(labels, {batch})) == want);
+  CHECK(count_correct(zeros({0, 3}), Tensor::from_ints({}, {0})) == 0);
+  CHECK_THROWS_WITH_AS(argmax(out, zeros({3, 4})), doctest::Contains("out must be [3], got [4]"),
+                       Error);
+  CHECK_THROWS_WITH_AS(count_correct(x, zeros({4})), doctest::Contains("labels must be i32"),
+                       Error);
+}
+
+TEST_CASE("kernels.all_finite: NaN and inf anywhere, any floating dtype") {
+  const int64_t n = 50001;
+  Tensor x = random_tensor({n}, 90);
+  CHECK(all_finite(x));
+  CHECK(all_finite(zeros({0})));
+  for (float bad : {NAN, INFINITY, -INFINITY}) {
+    Tensor y = x.clone();
+    y.data<float>()[n - 1] = bad;
+    CHECK_FALSE(all_finite(y));
+    CHECK_FALSE(all_finite(y.to(DType::bf16)));
+    CHECK_FALSE(all_finite(y.to(DType::f16)));
+  }
+  CHECK(all_finite(x.to(DType::f16)));
+  CHECK_FALSE(all_finite(tensor({1e6f}, {1}).to(DType::f16)));  // overflows f16
+}
+
+TEST_CASE("kernels.sgd_update: plain, weight decay, momentum, dampening, nesterov") {
+  Tensor grads = tensor({0.5f, -1.f}, {2});
+  SUBCASE("plain with weight decay") {
+    Tensor p = tensor({1.f, 2.f}, {2}), unused;
+    SgdConfig c;
+    c.lr = 0.1f;
+    c.weight_decay = 0.01f;
+    sgd_update(p, grads, unused, c, 1);
+    // g = grad + 0.01 p: (0.51, -0.98); p -= 0.1 g
+    CHECK(p.to_host_f32()[0] == doctest::Approx(1.f - 0.051f));
+    CHECK(p.to_host_f32()[1] == doctest::Approx(2.f + 0.098f));
+  }
+  SUBCASE("momentum with dampening: the first step takes the gradient as is") {
+    Tensor p = tensor({1.f, 2.f}, {2}), buf = filled({2}, 123.f);
+    SgdConfig c;
+    c.lr = 0.1f;
+    c.momentum = 0.9f;
+    c.dampening = 0.5f;
+    sgd_update(p, grads, buf, c, 1);
+    CHECK(buf.to_host_f32() == std::vector<float>{0.5f, -1.f});
+    CHECK(p.to_host_f32()[0] == doctest::Approx(0.95));
+    sgd_update(p, grads, buf, c, 2);
+    // buf = 0.9 buf + 0.5 g = (0.7, -1.4); p -= 0.1 buf
+    CHECK(buf.to_host_f32()[0] == doctest::Approx(0.7));
+    CHECK(buf.to_host_f32()[1] == doctest::Approx(-1.4));
+    CHECK(p.to_host_f32()[0] == doctest::Approx(0.95 - 0.07));
+    CHECK(p.to_host_f32()[1] == doctest::Approx(2.1 + 0.14));
+  }
+  SUBCASE("nesterov") {
+    Tensor p = tensor({1.f, 2.f}, {2}), buf = zeros({2});
+    SgdConfig c;
+    c.lr = 0.1f;
+    c.momentum = 0.9f;
+    c.nesterov = Nesterov::yes;
+    sgd_update(p, grads, buf, c, 1);
+    // buf = g; step = g + 0.9 buf = 1.9 g
+    CHECK(p.to_host_f32()[0] == doctest::Approx(1.0 - 0.1 * 1.9 * 0.5));
+    sgd_update(p, grads, buf, c, 2);
+    // buf = 0.9 g + g = 1.9 g; step = g + 0.9 * 1.9 g = 2.71 g
+    CHECK(buf.to_host_f32()[1] == doctest::Approx(-1.9));
+    CHECK(p.to_host_f32()[1] == doctest::Approx(2.0 + 0.19 + 0.271));
+  }
+  Tensor p = zeros({2}), unused;
+  SgdConfig momentum;
+  momentum.momentum = 0.9f;
+  CHECK_THROWS_WITH_AS(sgd_update(p, grads, unused, momentum, 1), doctest::Contains("momentum_buf"),
+                       Error);
+  CHECK_THROWS_WITH_AS(sgd_update(p, grads, unused, SgdConfig{}, 0),
+                       doctest::Contains("step must be >= 1"), Error);
+  CHECK_THROWS_WITH_AS(sgd_update(p, zeros({3}), unused, SgdConfig{}, 1),
+                       doctest::Contains("params [2] vs grads [3]"), Error);
+}
+
+TEST_CASE("kernels.adamw_update: two steps against hand-computed values") {
+  AdamWConfig c;
+  c.lr = 0.01f;
+  c.beta1 = 0.9f;
+  c.beta2 = 0.99f;
+  c.eps = 1e-8f;
+  c.weight_decay = 0.1f;
+  Tensor p = tensor({1.f, -2.f, 0.f}, {3}), m = zeros({3}), v = zeros({3});
+  Tensor g1 = tensor({0.5f, 0.25f, -1.f}, {3}), g2 = tensor({-0.5f, 0.5f, 2.f}, {3});
+  std::vector<double> P{1.0, -2.0, 0.0}, M(3, 0.0), V(3, 0.0);
+  const std::vector<double> G[2] = {{0.5, 0.25, -1.0}, {-0.5, 0.5, 2.0}};
+  for (int t = 1; t <= 2; ++t) {
+    adamw_update(p, t == 1 ? g1 : g2, m, v, c, t);
+    for (int i = 0; i < 3; ++i) {
+      const double g = G[t - 1][i];
+      P[i] *= 1.0 - 0.01 * 0.1;
+      M[i] = 0.9 * M[i] + 0.1 * g;
+      V[i] = 0.99 * V[i] + 0.01 * g * g;
+      double m_hat = M[i] / (1.0 - std::pow(0.9, t)), v_hat = V[i] / (1.0 - std::pow(0.99, t));
+      P[i] -= 0.01 * m_hat / (std::sqrt(v_hat) + 1e-8);
+    }
+    CHECK(max_error(p, P) <= 1e-6);
+    CHECK(max_error(m, M) <= 1e-7);
+    CHECK(max_error(v, V) <= 1e-7);
+    // Adam's first step moves every parameter by about lr, against its gradient's sign.
+    if (t == 1) CHECK(p.to_host_f32()[2] == doctest::Approx(0.01).epsilon(1e-5));
+  }
+  Tensor wrong = zeros({3}, DType::bf16);
+  CHECK_THROWS_WITH_AS(adamw_update(p, g1, wrong, v, c, 1), doctest::Contains("m must be f32"),
+                       Error);
+}

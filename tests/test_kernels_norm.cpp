@@ -1,0 +1,247 @@
+// kernels.*: BatchNorm, LayerNorm (forward against references in double, backward against
+// finite differences of those references) and the counter-based dropout mask.
+#include "kernels/philox.hpp"
+#include "tests/test_kernels_util.hpp"
+
+using namespace kernels;
+using namespace kt;
+
+namespace {
+
+// BatchNorm over (N, C, inner) with batch statistics: y and the per-channel mean and biased var.
+struct BatchNormReference {
+  std::vector<double> y, mean, var;
+};
+
+BatchNormReference ref_batch_norm(const std::vector<double>& x, const Shape& shape,
+                                  const std::vector<double>& gamma, const std::vector<double>& beta,
+                                  double eps) {
+  int64_t N = shape[0], C = shape[1], inner = shape_numel(shape) / (N * C);
+  BatchNormReference out{std::vector<double>(x.size()), std::vector<double>(C),
+                         std::vector<double>(C)};
+  auto at = [&](int64_t n, int64_t c, int64_t i) { return (n * C + c) * inner + i; };
+  for (int64_t c = 0; c < C; ++c) {
+    double s = 0.0, ss = 0.0;
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t i = 0; i < inner; ++i) s += x[at(n, c, i)];
+    double mean = s / (N * inner);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t i = 0; i < inner; ++i) ss += (x[at(n, c, i)] - mean) * (x[at(n, c, i)] - mean);
+    double var = ss / (N * inner);
+    out.mean[c] = mean;
+    out.var[c] = var;
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t i = 0; i < inner; ++i)
+        out.y[at(n, c, i)] = (x[at(n, c, i)] - mean) / std::sqrt(var + eps) * gamma[c] + beta[c];
+  }
+  return out;
+}
+
+// LayerNorm of rows of x (M, D).
+std::vector<double> ref_layer_norm(const std::vector<double>& x, int64_t D,
+                                   const std::vector<double>& gamma,
+                                   const std::vector<double>& beta, double eps) {
+  std::vector<double> y(x.size());
+  for (size_t r = 0; r < x.size() / D; ++r) {
+    double mean = 0.0, var = 0.0;
+    for (int64_t j = 0; j < D; ++j) mean += x[r * D + j] / D;
+    for (int64_t j = 0; j < D; ++j) var += (x[r * D + j] - mean) * (x[r * D + j] - mean) / D;
+    for (int64_t j = 0; j < D; ++j)
+      y[r * D + j] = (x[r * D + j] - mean) / std::sqrt(var + eps) * gamma[j] + beta[j];
+  }
+  return y;
+}
+
+}  // namespace
+
+TEST_CASE("kernels.batch_norm: training forward, saved statistics, running averages") {
+  const float eps = 1e-5f, momentum = 0.1f;
+  for (Shape shape : {Shape{7, 5}, Shape{3, 4, 5, 3}}) {
+    CAPTURE(shape_str(shape));
+    int64_t C = shape[1], count = shape_numel(shape) / C;
+    Tensor x = random_tensor(shape, 200, -2.f, 3.f), y = zeros(shape);
+    Tensor gamma = random_tensor({C}, 201, 0.5f, 1.5f), beta = random_tensor({C}, 202);
+    Tensor save_mean = zeros({C}), save_invstd = zeros({C});
+    Tensor running_mean = filled({C}, 0.5f), running_var = filled({C}, 2.f);
+    BatchNormReference want =
+        ref_batch_norm(to_double(x), shape, to_double(gamma), to_double(beta), eps);
+    batch_norm_forward_train(y, save_mean, save_invstd, running_mean, running_var, x, gamma, beta,
+                             momentum, eps);
+    CHECK(max_error(y, want.y) <= 1e-5);
+    CHECK(max_error(save_mean, want.mean) <= 1e-6);
+    std::vector<double> invstd(C), rm(C), rv(C);
+    for (int64_t c = 0; c < C; ++c) {
+      invstd[c] = 1.0 / std::sqrt(want.var[c] + eps);
+      rm[c] = 0.9 * 0.5 + 0.1 * want.mean[c];
+      rv[c] = 0.9 * 2.0 + 0.1 * want.var[c] * count / (count - 1);  // unbiased
+    }
+    CHECK(max_error(save_invstd, invstd) <= 1e-5);
+    CHECK(max_error(running_mean, rm) <= 1e-6);
+    CHECK(max_error(running_var, rv) <= 1e-6);
+
+    // Eval with the running statistics is an affine map per channel.
+    batch_norm_forward_eval(y, x, gamma, beta, running_mean, running_var, eps);
+    std::vector<double> X = to_double(x), G = to_double(gamma), B = to_double(beta), eval(X.size());
+    int64_t inner = count / shape[0];
+    for (size_t i = 0; i < X.size(); ++i) {
+      int64_t c = (static_cast<int64_t>(i) / inner) % C;
+      eval[i] = (X[i] - rm[c]) / std::sqrt(rv[c] + eps) * G[c] + B[c];
+    }
+    CHECK(max_error(y, eval) <= 1e-5);
+  }
+}
+
+TEST_CASE("kernels.batch_norm: backward matches finite differences") {
+  const float eps = 1e-5f;
+  for (Shape shape : {Shape{6, 3}, Shape{2, 3, 3, 2}}) {
+    CAPTURE(shape_str(shape));
+    int64_t C = shape[1];
+    Tensor x = random_tensor(shape, 210), y = zeros(shape), dy = random_tensor(shape, 211);
+    Tensor gamma = random_tensor({C}, 212, 0.5f, 1.5f), beta = random_tensor({C}, 213);
+    Tensor save_mean = zeros({C}), save_invstd = zeros({C}), rm = zeros({C}), rv = zeros({C});
+    batch_norm_forward_train(y, save_mean, save_invstd, rm, rv, x, gamma, beta, 0.1f, eps);
+    Tensor dx = filled(shape, NAN), dgamma = filled({C}, 1.f), dbeta = filled({C}, 1.f);
+    batch_norm_backward(dx, dgamma, dbeta, dy, x, gamma, save_mean, save_invstd, Accumulate::yes);
+
+    std::vector<double> X = to_double(x), G = to_double(gamma), B = to_double(beta);
+    std::vector<double> DY = to_double(dy);
+    auto loss_x = [&](const std::vector<double>& v) {
+      return dot(DY, ref_batch_norm(v, shape, G, B, eps).y);
+    };
+    auto loss_g = [&](const std::vector<double>& v) {
+      return dot(DY, ref_batch_norm(X, shape, v, B, eps).y);
+    };
+    auto loss_b = [&](const std::vector<double>& v) {
+      return dot(DY, ref_batch_norm(X, shape, G, v, eps).y);
+    };
+    CHECK(max_error(dx, numeric_gradient(loss_x, X)) <= 1e-4);
+    std::vector<double> dg = numeric_gradient(loss_g, G), db = numeric_gradient(loss_b, B);
+    for (int64_t c = 0; c < C; ++c) {
+      dg[c] += 1.0;  // accumulated onto 1
+      db[c] += 1.0;
+    }
+    CHECK(max_error(dgamma, dg) <= 1e-5);
+    CHECK(max_error(dbeta, db) <= 1e-5);
+  }
+}
+
+TEST_CASE("kernels.batch_norm: empty batch and bad arguments") {
+  Tensor x = zeros({0, 3}), g = filled({3}, 1.f), b = zeros({3}), m = zeros({3}), s = zeros({3});
+  Tensor rm = filled({3}, 0.5f), rv = filled({3}, 2.f), dg = filled({3}, 9.f),
+         db = filled({3}, 9.f);
+  batch_norm_forward_train(x, m, s, rm, rv, x, g, b, 0.1f, 1e-5f);
+  CHECK(rm.to_host_f32() == std::vector<float>(3, 0.5f));  // no statistics, no update
+  batch_norm_backward(x, dg, db, x, x, g, m, s, Accumulate::no);
+  CHECK(dg.to_host_f32() == std::vector<float>(3, 0.f));
+  Tensor one = zeros({1, 3});
+  CHECK_THROWS_WITH_AS(batch_norm_forward_train(one, m, s, rm, rv, one, g, b, 0.1f, 1e-5f),
+                       doctest::Contains("more than one value per channel, got x [1, 3]"), Error);
+  Tensor x2 = zeros({4, 3});
+  CHECK_THROWS_WITH_AS(batch_norm_forward_eval(x2, x2, zeros({4}), b, rm, rv, 1e-5f),
+                       doctest::Contains("gamma must be [3], got [4]"), Error);
+}
+
+TEST_CASE("kernels.layer_norm: forward and backward (finite differences)") {
+  const int64_t M = 7, D = 13;
+  const float eps = 1e-5f;
+  Tensor x = random_tensor({M, D}, 220, -2.f, 2.f), y = zeros({M, D});
+  Tensor gamma = random_tensor({D}, 221, 0.5f, 1.5f), beta = random_tensor({D}, 222);
+  Tensor mean = zeros({M}), rstd = zeros({M});
+  std::vector<double> X = to_double(x), G = to_double(gamma), B = to_double(beta);
+  layer_norm_forward(y, mean, rstd, x, gamma, beta, eps);
+  CHECK(max_error(y, ref_layer_norm(X, D, G, B, eps)) <= 1e-5);
+  std::vector<double> want_mean(M), want_rstd(M);
+  for (int64_t r = 0; r < M; ++r) {
+    double s = 0.0, ss = 0.0;
+    for (int64_t j = 0; j < D; ++j) s += X[r * D + j];
+    for (int64_t j = 0; j < D; ++j) ss += (X[r * D + j] - s / D) * (X[r * D + j] - s / D);
+    want_mean[r] = s / D;
+    want_rstd[r] = 1.0 / std::sqrt(ss / D + eps);
+  }
+  CHECK(max_error(mean, want_mean) <= 1e-6);
+  CHECK(max_error(rstd, want_rstd) <= 1e-5);
+
+  Tensor dy = random_tensor({M, D}, 223), dx = filled({M, D}, NAN);
+  Tensor dgamma = filled({D}, NAN), dbeta = filled({D}, NAN);
+  layer_norm_backward(dx, dgamma, dbeta, dy, x, gamma, mean, rstd, Accumulate::no);
+  std::vector<double> DY = to_double(dy);
+  auto loss_x = [&](const std::vector<double>& v) {
+    return dot(DY, ref_layer_norm(v, D, G, B, eps));
+  };
+  auto loss_g = [&](const std::vector<double>& v) {
+    return dot(DY, ref_layer_norm(X, D, v, B, eps));
+  };
+  auto loss_b = [&](const std::vector<double>& v) {
+    return dot(DY, ref_layer_norm(X, D, G, v, eps));
+  };
+  CHECK(max_error(dx, numeric_gradient(loss_x, X)) <= 1e-4);
+  std::vector<double> dg = numeric_gradient(loss_g, G), db = numeric_gradient(loss_b, B);
+  CHECK(max_error(dgamma, dg) <= 1e-5);
+  CHECK(max_error(dbeta, db) <= 1e-5);
+  layer_norm_backward(dx, dgamma, dbeta, dy, x, gamma, mean, rstd, Accumulate::yes);
+  for (int64_t j = 0; j < D; ++j) dg[j] *= 2.0;
+  CHECK(max_error(dgamma, dg) <= 1e-5);
+}
+
+TEST_CASE("kernels.layer_norm: parameter gradients are the same bits on any thread count") {
+  const int64_t M = 3001, D = 37;
+  Tensor x = random_tensor({M, D}, 230), y = zeros({M, D}), dy = random_tensor({M, D}, 231);
+  Tensor gamma = random_tensor({D}, 232), beta = random_tensor({D}, 233);
+  Tensor mean = zeros({M}), rstd = zeros({M});
+  layer_norm_forward(y, mean, rstd, x, gamma, beta, 1e-5f);
+  Tensor dx1 = zeros({M, D}), dx2 = zeros({M, D});
+  Tensor dg1 = zeros({D}), dg2 = zeros({D}), db1 = zeros({D}), db2 = zeros({D});
+  with_cpu_threads(
+      1, [&] { layer_norm_backward(dx1, dg1, db1, dy, x, gamma, mean, rstd, Accumulate::no); });
+  with_cpu_threads(
+      2, [&] { layer_norm_backward(dx2, dg2, db2, dy, x, gamma, mean, rstd, Accumulate::no); });
+  CHECK(bitwise_equal(dx1, dx2));
+  CHECK(bitwise_equal(dg1, dg2));
+  CHECK(bitwise_equal(db1, db2));
+  Tensor empty = zeros({0, D});
+  layer_norm_backward(empty, dg1, db1, empty, empty, gamma, zeros({0}), zeros({0}), Accumulate::no);
+  CHECK(dg1.to_host_f32() == std::vector<float>(D, 0.f));
+  Tensor too_long = zeros({M + 1});
+  CHECK_THROWS_WITH_AS(layer_norm_forward(y, too_long, rstd, x, gamma, beta, 1e-5f),
+                       doctest::Contains("save_mean must be [3001], got [3002]"), Error);
+}
+
+TEST_CASE("kernels.dropout: Philox mask by formula, scaling, offsets") {
+  const int64_t n = 100003;
+  const uint64_t seed = 1234;
+  Tensor x = random_tensor({n}, 240), y = zeros({n}), mask = zeros({n});
+  const float p = 0.3f;
+  dropout_forward(y, mask, x, p, seed, 0);
+  std::vector<float> X = x.to_host_f32(), Y = y.to_host_f32(), K = mask.to_host_f32();
+  int64_t kept = 0, wrong = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    bool keep = philox::uniform(seed, static_cast<uint64_t>(i)) >= p;
+    float want = keep ? 1.f / (1.f - p) : 0.f;
+    wrong += K[i] != want || Y[i] != X[i] * want;
+    kept += keep;
+  }
+  CHECK(wrong == 0);
+  CHECK(static_cast<double>(kept) / n == doctest::Approx(0.7).epsilon(0.01));
+
+  // Offsets continue the stream: elements [5, n) of offset 0 are the mask at offset 5, also
+  // from an unaligned start inside a Philox block.
+  Tensor tail = x.view(5, {n - 5}), y_tail = zeros({n - 5}), mask_tail = zeros({n - 5});
+  dropout_forward(y_tail, mask_tail, tail, p, seed, 5);
+  CHECK(std::equal(K.begin() + 5, K.end(), mask_tail.to_host_f32().begin()));
+  Tensor mask1 = zeros({n}), mask2 = zeros({n});
+  with_cpu_threads(1, [&] { dropout_forward(y, mask1, x, p, seed, 7); });
+  with_cpu_threads(2, [&] { dropout_forward(y, mask2, x, p, seed, 7); });
+  CHECK(bitwise_equal(mask1, mask2));
+  Tensor other_seed = zeros({n});
+  dropout_forward(y, other_seed, x, p, seed + 1, 0);
+  CHECK_FALSE(bitwise_equal(other_seed, mask));
+
+  dropout_forward(y, mask, x, 0.f, seed, 0);  // p = 0 keeps everything, unscaled
+  CHECK(mask.to_host_f32() == std::vector<float>(n, 1.f));
+  CHECK(bitwise_equal(y, x));
+  CHECK_THROWS_WITH_AS(dropout_forward(y, mask, x, 1.f, seed, 0),
+                       doctest::Contains("p must be in [0, 1)"), Error);
+  Tensor short_mask = zeros({3});
+  CHECK_THROWS_WITH_AS(dropout_forward(y, short_mask, x, 0.5f, seed, 0),
+                       doctest::Contains("x [100003] vs mask [3]"), Error);
+}
