@@ -69,7 +69,7 @@ void WorkerPool::loop(int index, kernels::ContextOptions options) {
     }
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      w.error = error;
+      w.error = std::move(error);  // no reference stays behind on this thread
       ++w.done;
     }
     finished_.notify_all();
