@@ -9,7 +9,8 @@
 //
 // The order of an epoch depends on (seed, epoch) only: a Fisher-Yates shuffle driven by Philox,
 // the same on every machine and thread count. A DistributedSampler feeds a shard through the
-// index-list constructor or set_indices().
+// index-list constructor or set_indices(). A Loader has one consumer thread; the data set is
+// read concurrently by the loader's workers, so its get() must be thread-safe.
 #pragma once
 
 #include <cstddef>

@@ -1,5 +1,6 @@
 #include "dp/data/synthetic.hpp"
 
+#include <algorithm>
 #include <sstream>
 
 #include "kernels/philox.hpp"
@@ -27,11 +28,13 @@ float unit_uniform(uint32_t word) {
   return (static_cast<float>(centred) + 0.5f) * (2.f * kSqrt3 / 16777216.f);
 }
 
-// Approximately standard normal (Irwin-Hall: a sum of four 16-bit uniforms, centred, unit
-// variance) from two random words; integer sum, then one rounding.
-float unit_noise(uint32_t a, uint32_t b) {
-  int32_t sum = static_cast<int32_t>((a & 0xFFFFu) + (a >> 16) + (b & 0xFFFFu) + (b >> 16));
-  return static_cast<float>(sum - 2 * 65535) * (kSqrt3 / 65536.f);
+// Approximately standard normal from one random word: the sum of its four bytes (Irwin-Hall,
+// 1021 levels), centred and scaled to unit variance: integer sum, then one rounding.
+float unit_noise(uint32_t w) {
+  int32_t sum =
+      static_cast<int32_t>((w & 0xFFu) + ((w >> 8) & 0xFFu) + ((w >> 16) & 0xFFu) + (w >> 24));
+  constexpr float kInvStd = 0.006765875086793228f;  // 1 / sqrt(4 * (256^2 - 1) / 12)
+  return static_cast<float>(sum - 510) * kInvStd;
 }
 
 float prototype_value(uint64_t seed, int32_t label, int64_t j) {
@@ -84,14 +87,16 @@ float SyntheticDataset::scaled_prototype(int32_t label, int64_t j) const {
 void SyntheticDataset::get_unchecked(int64_t index, float* image_out, int32_t* label_out) const {
   const int32_t c = label(index);
   const uint64_t key = philox::mix_key(seed_, kNoiseStream, static_cast<uint64_t>(index));
-  // One Philox block gives the noise of two elements.
-  for (int64_t j = 0; j < numel_; j += 2) {
-    philox::Uint4 r = philox::philox4x32(key, static_cast<uint64_t>(j / 2));
-    float n0 = options_.noise * unit_noise(r.x, r.y);
-    image_out[j] = scaled_prototype(c, j) + n0;
-    if (j + 1 < numel_) {
-      float n1 = options_.noise * unit_noise(r.z, r.w);
-      image_out[j + 1] = scaled_prototype(c, j + 1) + n1;
+  const float* cached = prototypes_.empty() ? nullptr : prototypes_.data() + c * numel_;
+  // One Philox block gives the noise of four elements.
+  for (int64_t j0 = 0; j0 < numel_; j0 += 4) {
+    philox::Uint4 r = philox::philox4x32(key, static_cast<uint64_t>(j0 / 4));
+    const uint32_t words[4] = {r.x, r.y, r.z, r.w};
+    const int64_t m = std::min<int64_t>(4, numel_ - j0);
+    for (int64_t k = 0; k < m; ++k) {
+      float n = options_.noise * unit_noise(words[k]);
+      float p = cached ? cached[j0 + k] : scaled_prototype(c, j0 + k);
+      image_out[j0 + k] = p + n;
     }
   }
   *label_out = c;

@@ -3,8 +3,8 @@
 //   label(i)  = philox(seed, i) mod num_classes
 //   sample(i) = signal * prototype[label(i)] + noise * n(seed, i)
 // The prototypes are fixed per (seed, class), uniform with unit variance; the noise has unit
-// variance too (a sum of four uniforms). Only integer arithmetic and single roundings are used,
-// so the values are bit-identical on every machine. With the defaults an MLP separates the
+// variance too (a sum of four uniform bytes). Only integer arithmetic and single roundings are
+// used, so the values are bit-identical on every machine. With the defaults an MLP separates the
 // classes within a few dozen steps.
 #pragma once
 
