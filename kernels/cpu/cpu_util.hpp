@@ -53,8 +53,8 @@ void use_single_threaded_blas();
 void sgemm_serial(Transpose ta, Transpose tb, int64_t m, int64_t n, int64_t k, float alpha,
                   const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
                   int64_t ldc);
-// The same, with the rows of C split into fixed chunks run in parallel (deterministic: each
-// chunk is one single-threaded sgemm whose extent depends on the shape only).
+// The same, with C split into tiles run in parallel (deterministic: each tile is one
+// single-threaded sgemm over the whole k, and the tiling depends on the shape only).
 void sgemm_parallel(Transpose ta, Transpose tb, int64_t m, int64_t n, int64_t k, float alpha,
                     const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
                     int64_t ldc);

@@ -11,13 +11,41 @@ namespace kernels::cpu {
 
 namespace {
 
-// Tiles of C per sgemm call. Big enough to amortise packing the A and B panels (a tile re-packs
-// (rows + cols) * k values for rows * cols * k multiply-adds), small enough to feed the cores.
-// They depend on the shape only, so every element is computed the same way on any thread count.
-constexpr int64_t kTileRows = 128;
-constexpr int64_t kTileCols = 512;
+// Tiles of C per sgemm call. A tile re-packs (rows + cols) * k values of A and B for its
+// rows * cols * k multiply-adds, so tiles start large (kTileRows x kTileCols) and are halved,
+// down to kMinTileRows x kMinTileCols and kMinTileMacs of work, until there are kTargetTiles
+// of them to spread over the arena. The tiling depends on the shape only, never on the thread
+// count, so every element of C is computed the same way on any machine and any arena.
+constexpr int64_t kTileRows = 128, kTileCols = 512;
+constexpr int64_t kMinTileRows = 64, kMinTileCols = 128;
+constexpr int64_t kMinTileMacs = int64_t{1} << 20;
+constexpr int64_t kTargetTiles = 16;
 // Below this many multiply-adds one call is cheaper than any split.
 constexpr int64_t kSerialMacs = int64_t{1} << 21;
+
+struct Tiling {
+  int64_t rows, cols;
+  int64_t tiles_m, tiles_n;
+};
+
+Tiling tiling_for(int64_t m, int64_t n, int64_t k) {
+  auto make = [&](int64_t rows, int64_t cols) {
+    return Tiling{rows, cols, (m + rows - 1) / rows, (n + cols - 1) / cols};
+  };
+  Tiling t = make(std::min(m, kTileRows), std::min(n, kTileCols));
+  while (t.tiles_m * t.tiles_n < kTargetTiles) {
+    Tiling finer = t;
+    if (t.cols >= 2 * kMinTileCols && t.cols >= t.rows)
+      finer = make(t.rows, t.cols / 2);
+    else if (t.rows >= 2 * kMinTileRows)
+      finer = make(t.rows / 2, t.cols);
+    else
+      break;
+    if (finer.rows * finer.cols * k < kMinTileMacs) break;
+    t = finer;
+  }
+  return t;
+}
 
 CBLAS_TRANSPOSE blas_op(Transpose t) {
   return t == Transpose::yes ? CblasTrans : CblasNoTrans;
@@ -80,12 +108,11 @@ void sgemm_parallel(Transpose ta, Transpose tb, int64_t m, int64_t n, int64_t k,
                     int64_t ldc) {
   if (m * n * k <= kSerialMacs)
     return sgemm_serial(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-  int64_t tiles_m = (m + kTileRows - 1) / kTileRows;
-  int64_t tiles_n = (n + kTileCols - 1) / kTileCols;
-  parallel_range(tiles_m * tiles_n, 1, [&](int64_t first, int64_t last) {
+  Tiling tiling = tiling_for(m, n, k);
+  parallel_range(tiling.tiles_m * tiling.tiles_n, 1, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
-      int64_t i0 = (t / tiles_n) * kTileRows, j0 = (t % tiles_n) * kTileCols;
-      int64_t rows = std::min(kTileRows, m - i0), cols = std::min(kTileCols, n - j0);
+      int64_t i0 = (t / tiling.tiles_n) * tiling.rows, j0 = (t % tiling.tiles_n) * tiling.cols;
+      int64_t rows = std::min(tiling.rows, m - i0), cols = std::min(tiling.cols, n - j0);
       // Rows i0.. of op(A) and columns j0.. of op(B), wherever they sit in storage.
       const float* a_tile = ta == Transpose::no ? a + i0 * lda : a + i0;
       const float* b_tile = tb == Transpose::no ? b + j0 : b + j0 * ldb;
