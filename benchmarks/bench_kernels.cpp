@@ -1,0 +1,292 @@
+// bench_kernels: GEMM throughput (f32 / tf32 / bf16) and memory bandwidth of copy, axpy and add
+// on one device, each figure printed next to the device's peak where it is known. On CPU it
+// also times OpenBLAS's sgemm and dgemm called directly (one thread and all threads), so our
+// tiled, arena-parallel GEMM can be read against the library's own threading.
+//
+//   bench_kernels [--device cpu|cuda|auto] [--sizes 256,512,1024,2048] [--threads N]
+//                 [--min-time 0.25] [--json PATH]
+#include <cblas.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "kernels/ops.hpp"
+
+#if DP_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
+using namespace kernels;
+
+namespace {
+
+struct Options {
+  std::string device = "auto";
+  std::vector<int64_t> sizes{256, 512, 1024, 2048};
+  int threads = 0;  // CPU arena threads; 0 = all hardware threads
+  double min_time = 0.25;
+  int64_t stream_elems = 0;  // elements per memory-bound op; 0 = 16M (CPU) / 64M (GPU)
+  std::string json_path;
+};
+
+// Published dense peaks of the device, where known (0 = unknown).
+struct Peaks {
+  std::string name;
+  double f32_tflops = 0, tf32_tflops = 0, bf16_tflops = 0, memory_tbps = 0;
+};
+
+Peaks peaks_of(Device device) {
+  if (device.is_cpu()) return {"CPU"};
+  std::string name = "CUDA GPU";
+#if DP_HAVE_CUDA
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, physical_gpu(device)) == cudaSuccess) name = prop.name;
+#endif
+  // H100 SXM and H200 share the compute peaks; H200's HBM3e is faster.
+  if (name.find("H200") != std::string::npos) return {name, 67, 494, 989, 4.8};
+  if (name.find("H100") != std::string::npos) return {name, 67, 494, 989, 3.35};
+  return {name};
+}
+
+// Seconds per call of `f`: one warm-up call, then rounds of calls (each ended by `sync`, which
+// waits for queued device work) until one round lasts at least `min_time`.
+double seconds_per_call(const std::function<void()>& f, const std::function<void()>& sync,
+                        double min_time) {
+  using clock = std::chrono::steady_clock;
+  f();
+  sync();
+  int64_t calls = 1;
+  for (;;) {
+    auto start = clock::now();
+    for (int64_t i = 0; i < calls; ++i) f();
+    sync();
+    double elapsed = std::chrono::duration<double>(clock::now() - start).count();
+    if (elapsed >= min_time || calls >= (int64_t{1} << 24)) return elapsed / calls;
+    // Aim 20% past min_time from this round's rate, growing at least 2x and at most 100x.
+    double wanted = elapsed > 0 ? 1.2 * min_time / (elapsed / calls) : 100.0 * calls;
+    calls = std::clamp<int64_t>(static_cast<int64_t>(wanted), 2 * calls, 100 * calls);
+  }
+}
+
+std::string vs_peak(double value, double peak, const char* unit) {
+  if (peak <= 0) return "(peak n/a)";
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "(%.1f%% of %.4g %s peak)", 100.0 * value / peak, peak, unit);
+  return buf;
+}
+
+class Bench {
+ public:
+  Bench(const Options& o, Device device) : o_(o), device_(device), peaks_(peaks_of(device)) {}
+
+  void run_all() {
+    print_header();
+    gemm_section();
+    if (device_.is_cpu()) openblas_section();
+    bandwidth_section();
+  }
+  const nlohmann::json& results() const { return results_; }
+
+ private:
+  void sync() { context(device_).synchronize(); }
+
+  void print_header() {
+    std::printf("device: %s (%s)", device_.str().c_str(), peaks_.name.c_str());
+    if (device_.is_cpu())
+      std::printf(", arena of %d threads, %u hardware threads", context(device_).cpu_threads(),
+                  std::thread::hardware_concurrency());
+    std::printf("\n");
+  }
+
+  // C (n, n) = A (n, n) B (n, n) in `dtype` through kernels::gemm.
+  void gemm_section() {
+    std::printf("\nGEMM through kernels::gemm, C = A B, n x n x n (2 n^3 flop per call)\n");
+    struct Variant {
+      const char* label;
+      DType dtype;
+      MathMode math;
+      double peak;
+    };
+    const Variant variants[] = {{"f32", DType::f32, MathMode::strict, peaks_.f32_tflops},
+                                {"tf32", DType::f32, MathMode::tf32, peaks_.tf32_tflops},
+                                {"bf16", DType::bf16, MathMode::strict, peaks_.bf16_tflops}};
+    DeviceContext& ctx = context(device_);
+    MathMode saved = ctx.math();
+    for (const Variant& v : variants) {
+      if (device_.is_cpu() && (v.dtype != DType::f32 || v.math != MathMode::strict)) {
+        std::printf("  %-5s skipped (CPU): tensor-core formats run on CUDA devices only\n",
+                    v.label);
+        continue;
+      }
+      ctx.set_math(v.math);
+      for (int64_t n : o_.sizes) {
+        Tensor a = Tensor::empty({n, n}, v.dtype, device_),
+               b = Tensor::empty({n, n}, v.dtype, device_);
+        Tensor c = Tensor::empty({n, n}, v.dtype, device_);
+        fill(a, 0.5f);
+        fill(b, 0.25f);
+        double s = seconds_per_call([&] { gemm(c, a, Transpose::no, b, Transpose::no); },
+                                    [&] { sync(); }, o_.min_time);
+        double gflops = 2.0 * n * n * n / s / 1e9;
+        std::printf("  %-5s n=%-5lld %10.1f GFLOP/s  %8.3f ms  %s\n", v.label,
+                    static_cast<long long>(n), gflops, s * 1e3,
+                    vs_peak(gflops / 1e3, v.peak, "TFLOP/s").c_str());
+        results_.push_back({{"kind", "gemm"},
+                            {"impl", "kernels::gemm"},
+                            {"dtype", v.label},
+                            {"n", n},
+                            {"seconds", s},
+                            {"gflops", gflops},
+                            {"peak_tflops", v.peak}});
+      }
+    }
+    ctx.set_math(saved);
+  }
+
+  // OpenBLAS called directly, with its own threads: the reference for kernels::gemm on CPU.
+  void openblas_section() {
+    int all = std::max(1, openblas_get_num_procs());
+    std::printf("\nOpenBLAS called directly (cblas_*gemm, row-major, n x n x n), GFLOP/s\n");
+    std::printf("  %-6s %-7s %14s %16s\n", "", "", "1 thread",
+                (std::to_string(all) + " threads").c_str());
+    for (const char* routine : {"sgemm", "dgemm"}) {
+      bool single = std::string(routine) == "sgemm";
+      for (int64_t n : o_.sizes) {
+        std::vector<float> fa(single ? n * n : 0, 0.5f), fb(fa.size(), 0.25f), fc(fa.size());
+        std::vector<double> da(single ? 0 : n * n, 0.5), db(da.size(), 0.25), dc(da.size());
+        auto call = [&] {
+          blasint m = static_cast<blasint>(n);
+          if (single)
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, m, m, 1.f, fa.data(), m,
+                        fb.data(), m, 0.f, fc.data(), m);
+          else
+            cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, m, m, 1.0, da.data(), m,
+                        db.data(), m, 0.0, dc.data(), m);
+        };
+        double rate[2];
+        for (int t = 0; t < 2; ++t) {
+          openblas_set_num_threads(t == 0 ? 1 : all);
+          double s = seconds_per_call(
+              call, [] {}, o_.min_time);
+          rate[t] = 2.0 * n * n * n / s / 1e9;
+          results_.push_back({{"kind", "gemm"},
+                              {"impl", std::string("openblas ") + routine},
+                              {"dtype", single ? "f32" : "f64"},
+                              {"n", n},
+                              {"threads", t == 0 ? 1 : all},
+                              {"seconds", s},
+                              {"gflops", rate[t]}});
+        }
+        std::printf("  %-6s n=%-5lld %9.1f GFLOP/s %9.1f GFLOP/s\n", routine,
+                    static_cast<long long>(n), rate[0], rate[1]);
+      }
+    }
+    openblas_set_num_threads(1);  // kernels::gemm parallelises across the arena itself
+  }
+
+  // Bytes moved per call: copy reads and writes n floats; axpy and add read two, write one.
+  void bandwidth_section() {
+    int64_t n = o_.stream_elems > 0 ? o_.stream_elems
+                                    : (device_.is_cpu() ? int64_t{1} << 24 : int64_t{1} << 26);
+    std::printf("\nMemory-bound ops, %lld f32 elements (%.0f MiB per tensor), GB/s\n",
+                static_cast<long long>(n), n * 4.0 / (1 << 20));
+    Tensor x = Tensor::empty({n}, DType::f32, device_), y = Tensor::empty({n}, DType::f32, device_);
+    Tensor z = Tensor::empty({n}, DType::f32, device_);
+    fill(x, 1.f);
+    fill(y, 2.f);
+    fill(z, 0.f);
+    struct Op {
+      const char* name;
+      double bytes;
+      std::function<void()> call;
+    };
+    const Op ops[] = {{"copy", 2.0 * n * 4, [&] { copy(z, x); }},
+                      {"axpy", 3.0 * n * 4, [&] { axpy(y, 1e-3f, x); }},
+                      {"add", 3.0 * n * 4, [&] { add(z, x, y); }}};
+    for (const Op& op : ops) {
+      double s = seconds_per_call(
+          op.call, [&] { sync(); }, o_.min_time);
+      double gbps = op.bytes / s / 1e9;
+      std::printf("  %-5s %10.1f GB/s  %8.3f ms  %s\n", op.name, gbps, s * 1e3,
+                  vs_peak(gbps / 1e3, peaks_.memory_tbps, "TB/s").c_str());
+      results_.push_back({{"kind", "bandwidth"},
+                          {"op", op.name},
+                          {"elements", n},
+                          {"seconds", s},
+                          {"gbps", gbps},
+                          {"peak_tbps", peaks_.memory_tbps}});
+    }
+  }
+
+  Options o_;
+  Device device_;
+  Peaks peaks_;
+  nlohmann::json results_ = nlohmann::json::array();
+};
+
+// The device to measure: cuda:0 for "cuda", cpu:0 for "cpu", and for "auto" the first GPU if
+// any, else the CPU with one line saying why.
+std::optional<Device> pick_device(const std::string& choice) {
+  if (choice == "cpu") return Device::cpu(0);
+  if (choice == "cuda") {
+    if (cuda_device_count() > 0) return Device::cuda(0);
+    std::fprintf(stderr, "bench_kernels: --device cuda, but no GPU is usable: %s\n",
+                 cuda_unavailable_reason().c_str());
+    return std::nullopt;
+  }
+  if (cuda_device_count() > 0) return Device::cuda(0);
+  std::printf("auto: no usable CUDA device (%s); measuring the CPU\n",
+              cuda_unavailable_reason().c_str());
+  return Device::cpu(0);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"GEMM throughput and memory bandwidth of the kernels on one device"};
+  Options o;
+  app.add_option("--device", o.device, "cpu, cuda or auto (cuda when a GPU is usable)")
+      ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
+  app.add_option("--sizes", o.sizes, "square GEMM sizes n")->delimiter(',');
+  app.add_option("--threads", o.threads, "CPU arena threads (0: all hardware threads)");
+  app.add_option("--min-time", o.min_time, "seconds to time each figure for");
+  app.add_option("--stream-elems", o.stream_elems,
+                 "elements per memory-bound op (0: 16M on CPU, 64M on GPU)");
+  app.add_option("--json", o.json_path, "also write the figures as JSON to this file");
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    std::optional<Device> device = pick_device(o.device);
+    if (!device) return 1;
+    ContextOptions options;
+    options.cpu_threads = o.threads;
+    DeviceContext ctx(*device, options);
+    ContextScope scope(ctx);
+    Bench bench(o, *device);
+    bench.run_all();
+    if (!o.json_path.empty()) {
+      std::ofstream out(o.json_path);
+      out << nlohmann::json{{"device", device->str()}, {"results", bench.results()}}.dump(2)
+          << "\n";
+      if (!out) {
+        std::fprintf(stderr, "bench_kernels: cannot write %s\n", o.json_path.c_str());
+        return 1;
+      }
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_kernels: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,6 @@
+# bench_kernels: GEMM GFLOP/s and memory bandwidth of the op set on one device; on CPU it also
+# calls OpenBLAS directly for reference (hence its own OpenBLAS include and link).
+add_executable(bench_kernels ${CMAKE_CURRENT_SOURCE_DIR}/bench_kernels.cpp)
+target_include_directories(bench_kernels PRIVATE ${OpenBLAS_INCLUDE_DIRS})
+target_link_libraries(bench_kernels PRIVATE dp_kernels CLI11::CLI11 nlohmann_json::nlohmann_json
+                      ${OpenBLAS_LIBRARIES})
