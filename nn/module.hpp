@@ -129,6 +129,7 @@ class Module {
 
   // requires materialize() was called. ensures the output; caches what backward needs.
   Tensor forward(const Tensor& x) {
+    DP_CHECK(flat_ != nullptr, type_name() << "::forward: no storage; call materialize() first");
     kernels::NvtxRange r(type_name());
     return forward_impl(x);
   }
@@ -184,6 +185,15 @@ class Module {
   // `seed`: parameter i takes init_values(spec, numel, mix_key(seed, i)). Gradients are zero.
   void materialize(Device device, uint64_t seed) {
     allocate(device, seed);
+    reinitialize(seed);
+  }
+  bool materialized() const { return flat_ != nullptr; }
+
+  // requires materialize() was called. ensures every parameter and buffer holds the value
+  // materialize(device, seed) gives it (same seed, same values on any device); gradients and
+  // the dropout stream are untouched.
+  void reinitialize(uint64_t seed) {
+    flat().seed = seed;
     auto params = named_parameters();
     std::vector<float> host(static_cast<size_t>(flat_->params.numel()));
     for (size_t i = 0; i < params.size(); ++i) {
@@ -198,9 +208,8 @@ class Module {
       std::fill_n(hb.begin() + b->offset, b->numel(), b->init_value);
     Tensor hbt = Tensor::from_vector(hb, {static_cast<int64_t>(hb.size())});
     kernels::copy(flat_->buffers, hbt);
-    kernels::context(device).synchronize();  // the host staging vectors die here
+    kernels::context(flat_->device).synchronize();  // the host staging vectors die here
   }
-  bool materialized() const { return flat_ != nullptr; }
 
   // A new tree of the same structure and mode on `device`, with its own flat buffers holding a
   // copy of this tree's parameters and buffers (gradients zero).
@@ -249,12 +258,12 @@ class Module {
 
   Parameter& register_parameter(std::string name, Shape shape, InitSpec init) {
     DP_CHECK(!materialized(), "register_parameter(" << name << ") after materialize()");
-    params_.push_back(Parameter{std::move(name), std::move(shape), init});
+    params_.push_back(Parameter{std::move(name), std::move(shape), init, 0, Tensor(), Tensor()});
     return params_.back();
   }
   Buffer& register_buffer(std::string name, Shape shape, float init_value) {
     DP_CHECK(!materialized(), "register_buffer(" << name << ") after materialize()");
-    buffers_.push_back(Buffer{std::move(name), std::move(shape), init_value});
+    buffers_.push_back(Buffer{std::move(name), std::move(shape), init_value, 0, Tensor()});
     return buffers_.back();
   }
   template <class M>

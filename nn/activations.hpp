@@ -1,0 +1,82 @@
+// Elementwise activations: ReLU, GELU (exact, erf form), Tanh. Shapes are preserved.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "nn/module.hpp"
+
+namespace nn {
+
+// y = max(x, 0). Caches x.
+class ReLU : public Module {
+ public:
+  std::string type_name() const override { return "ReLU"; }
+
+ protected:
+  Tensor forward_impl(const Tensor& x) override {
+    x_ = x;
+    Tensor y = Tensor::empty(x.shape(), DType::f32, x.device());
+    kernels::relu(y, x);
+    return y;
+  }
+  Tensor backward_impl(const Tensor& dy) override {
+    DP_CHECK(x_.defined(), "ReLU::backward called before forward");
+    Tensor dx = Tensor::empty(x_.shape(), DType::f32, dy.device());
+    kernels::relu_backward(dx, dy, x_, kernels::Accumulate::no);
+    return dx;
+  }
+  std::shared_ptr<Module> clone_config() const override { return std::make_shared<ReLU>(); }
+
+ private:
+  Tensor x_;
+};
+
+// y = x Phi(x) (PyTorch's default GELU). Caches x.
+class GELU : public Module {
+ public:
+  std::string type_name() const override { return "GELU"; }
+
+ protected:
+  Tensor forward_impl(const Tensor& x) override {
+    x_ = x;
+    Tensor y = Tensor::empty(x.shape(), DType::f32, x.device());
+    kernels::gelu(y, x);
+    return y;
+  }
+  Tensor backward_impl(const Tensor& dy) override {
+    DP_CHECK(x_.defined(), "GELU::backward called before forward");
+    Tensor dx = Tensor::empty(x_.shape(), DType::f32, dy.device());
+    kernels::gelu_backward(dx, dy, x_, kernels::Accumulate::no);
+    return dx;
+  }
+  std::shared_ptr<Module> clone_config() const override { return std::make_shared<GELU>(); }
+
+ private:
+  Tensor x_;
+};
+
+// y = tanh(x). Caches y (the derivative is 1 - y^2).
+class Tanh : public Module {
+ public:
+  std::string type_name() const override { return "Tanh"; }
+
+ protected:
+  Tensor forward_impl(const Tensor& x) override {
+    y_ = Tensor::empty(x.shape(), DType::f32, x.device());
+    kernels::tanh(y_, x);
+    return y_;
+  }
+  Tensor backward_impl(const Tensor& dy) override {
+    DP_CHECK(y_.defined(), "Tanh::backward called before forward");
+    Tensor dx = Tensor::empty(y_.shape(), DType::f32, dy.device());
+    kernels::tanh_backward(dx, dy, y_, kernels::Accumulate::no);
+    return dx;
+  }
+  std::shared_ptr<Module> clone_config() const override { return std::make_shared<Tanh>(); }
+
+ private:
+  Tensor y_;
+};
+
+}  // namespace nn

@@ -1,0 +1,81 @@
+// nn::Linear: a fully connected layer, y = x W^T + b.
+#pragma once
+
+#include <cmath>
+#include <memory>
+#include <string>
+
+#include "nn/module.hpp"
+
+namespace nn {
+
+// Whether a Linear or Conv2d layer adds a learned bias.
+enum class Bias { no, yes };
+
+// x (..., in) -> y (..., out); W (out, in), b (out). Leading dims are flattened into rows.
+// Init as PyTorch: W ~ kaiming_uniform(fan_in = in, a = sqrt(5)), b ~ U(+-1/sqrt(in)).
+class Linear : public Module {
+ public:
+  // requires in, out > 0.
+  Linear(int64_t in_features, int64_t out_features, Bias bias = Bias::yes)
+      : in_(in_features), out_(out_features), has_bias_(bias) {
+    DP_CHECK(in_ > 0 && out_ > 0, "Linear(" << in_ << ", " << out_ << "): sizes must be > 0");
+    weight_ = &register_parameter("weight", {out_, in_}, kaiming_uniform(in_, std::sqrt(5.f)));
+    if (has_bias_ == Bias::yes) bias_ = &register_parameter("bias", {out_}, torch_default(in_));
+  }
+
+  std::string type_name() const override { return "Linear"; }
+  int64_t in_features() const { return in_; }
+  int64_t out_features() const { return out_; }
+  Parameter& weight() { return *weight_; }
+  Parameter* bias() { return bias_; }  // null without a bias
+
+ protected:
+  Tensor forward_impl(const Tensor& x) override {
+    DP_CHECK(x.ndim() >= 2 && x.dim(-1) == in_,
+             "Linear(" << in_ << " -> " << out_ << "): input " << kernels::shape_str(x.shape())
+                       << " must be (..., " << in_ << "), weight is "
+                       << kernels::shape_str(weight_->shape));
+    x_shape_ = x.shape();
+    const int64_t rows = x.numel() / in_;
+    x2_ = x.reshape({rows, in_});                                    // (M, in)
+    Tensor y = Tensor::empty({rows, out_}, DType::f32, x.device());  // (M, out)
+    // (M, in) x (out, in)^T + b -> (M, out)
+    kernels::gemm(y, x2_, kernels::Transpose::no, weight_->value, kernels::Transpose::yes, 1.f, 0.f,
+                  bias_ ? bias_->value : Tensor());
+    Shape y_shape = x_shape_;
+    y_shape.back() = out_;
+    return y.reshape(y_shape);
+  }
+
+  Tensor backward_impl(const Tensor& dy) override {
+    DP_CHECK(x2_.defined(), "Linear::backward called before forward");
+    const int64_t rows = x2_.dim(0);
+    DP_CHECK(dy.numel() == rows * out_, "Linear(" << in_ << " -> " << out_ << "): dy "
+                                                  << kernels::shape_str(dy.shape())
+                                                  << " does not match the forward output");
+    Tensor dy2 = dy.reshape({rows, out_});                            // (M, out)
+    Tensor dx = Tensor::empty({rows, in_}, DType::f32, dy.device());  // (M, in)
+    // (M, out) x (out, in) -> (M, in)
+    kernels::gemm(dx, dy2, kernels::Transpose::no, weight_->value, kernels::Transpose::no);
+    // dW += (M, out)^T x (M, in) -> (out, in)
+    kernels::gemm(weight_->grad, dy2, kernels::Transpose::yes, x2_, kernels::Transpose::no, 1.f,
+                  1.f);
+    if (bias_) kernels::bias_backward(bias_->grad, dy2, kernels::Accumulate::yes);
+    return dx.reshape(x_shape_);
+  }
+
+  std::shared_ptr<Module> clone_config() const override {
+    return std::make_shared<Linear>(in_, out_, has_bias_);
+  }
+
+ private:
+  int64_t in_, out_;
+  Bias has_bias_;
+  Parameter* weight_ = nullptr;
+  Parameter* bias_ = nullptr;
+  Shape x_shape_;
+  Tensor x2_;  // cached input as (M, in)
+};
+
+}  // namespace nn

@@ -1,0 +1,12 @@
+// The nn API in one include: Module and seeded init, layers, losses, optimizers and schedules,
+// the model zoo, gradient checking and checkpoints.
+#pragma once
+
+#include "nn/checkpoint.hpp"
+#include "nn/gradcheck.hpp"
+#include "nn/init.hpp"
+#include "nn/layers.hpp"
+#include "nn/loss.hpp"
+#include "nn/module.hpp"
+#include "nn/optim.hpp"
+#include "nn/zoo.hpp"

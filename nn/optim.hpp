@@ -1,0 +1,204 @@
+// Optimizers over a module's flat buffers, and learning-rate schedules.
+//
+// Each optimizer step is ONE fused kernel over the whole flat parameter buffer; its state
+// (momentum, Adam moments) is flat tensors on the module's device, laid out like the parameters.
+//   kernels::SgdConfig config;  config.lr = 0.1f;  config.momentum = 0.9f;
+//   nn::SGD opt(*net, config);
+//   nn::CosineLR schedule(0.1f, epochs);
+//   for each epoch e: opt.set_lr(schedule.lr(e)); for each batch: zero_grad, forward,
+//   backward, opt.step();
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "nn/module.hpp"
+
+namespace nn {
+
+class Optimizer {
+ public:
+  virtual ~Optimizer() = default;
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
+
+  // requires the module's flat grads hold the gradient of this step. ensures the flat params
+  // are updated in one kernel queued on the module's device; step_count() grows by one.
+  virtual void step() = 0;
+  // Named optimizer state tensors (flat, shaped like the parameters), e.g. for checkpoints.
+  virtual std::vector<std::pair<std::string, Tensor>> state() = 0;
+
+  void zero_grad() { module_.zero_grad(); }
+  float lr() const { return lr_; }
+  void set_lr(float lr) { lr_ = lr; }
+  // Steps taken so far (the next step is number step_count() + 1).
+  int64_t step_count() const { return step_; }
+  // For resuming from a checkpoint.
+  void set_step_count(int64_t n) {
+    DP_CHECK(n >= 0, "set_step_count(" << n << "): must be >= 0");
+    step_ = n;
+  }
+  Module& module() { return module_; }
+
+ protected:
+  // requires m materialised (the optimizer allocates its state on m's device).
+  Optimizer(Module& m, float lr) : module_(m), lr_(lr) {
+    DP_CHECK(m.materialized(),
+             "optimizer: " << m.type_name() << " has no storage; call materialize() first");
+  }
+  Tensor zeros_like_params() {
+    return Tensor::zeros({module_.flat_params().numel()}, DType::f32, module_.device());
+  }
+
+  Module& module_;
+  float lr_;
+  int64_t step_ = 0;
+};
+
+// PyTorch's SGD: momentum, dampening, Nesterov and (coupled) weight decay; see
+// kernels::sgd_update. The momentum buffer (P) exists only when momentum != 0.
+class SGD : public Optimizer {
+ public:
+  SGD(Module& m, kernels::SgdConfig config) : Optimizer(m, config.lr), config_(config) {
+    DP_CHECK(config.lr >= 0.f && config.momentum >= 0.f && config.weight_decay >= 0.f,
+             "SGD: lr " << config.lr << ", momentum " << config.momentum << ", weight_decay "
+                        << config.weight_decay << " must be >= 0");
+    DP_CHECK(config.nesterov == kernels::Nesterov::no ||
+                 (config.momentum > 0.f && config.dampening == 0.f),
+             "SGD: Nesterov momentum requires momentum > 0 and dampening 0");
+    if (config_.momentum != 0.f) momentum_ = zeros_like_params();
+  }
+
+  void step() override {
+    config_.lr = lr_;
+    kernels::sgd_update(module_.flat_params(), module_.flat_grads(), momentum_, config_, ++step_);
+  }
+  std::vector<std::pair<std::string, Tensor>> state() override {
+    if (!momentum_.defined()) return {};
+    return {{"momentum", momentum_}};
+  }
+  const kernels::SgdConfig& config() const { return config_; }
+
+ private:
+  kernels::SgdConfig config_;
+  Tensor momentum_;  // (P), undefined without momentum
+};
+
+// PyTorch's AdamW (decoupled weight decay); see kernels::adamw_update. m, v (P).
+class AdamW : public Optimizer {
+ public:
+  AdamW(Module& m, kernels::AdamWConfig config) : Optimizer(m, config.lr), config_(config) {
+    DP_CHECK(config.lr >= 0.f && config.beta1 >= 0.f && config.beta1 < 1.f && config.beta2 >= 0.f &&
+                 config.beta2 < 1.f && config.eps > 0.f && config.weight_decay >= 0.f,
+             "AdamW: invalid config (lr " << config.lr << ", betas " << config.beta1 << ", "
+                                          << config.beta2 << ", eps " << config.eps
+                                          << ", weight_decay " << config.weight_decay << ")");
+    m_ = zeros_like_params();
+    v_ = zeros_like_params();
+  }
+
+  void step() override {
+    config_.lr = lr_;
+    kernels::adamw_update(module_.flat_params(), module_.flat_grads(), m_, v_, config_, ++step_);
+  }
+  std::vector<std::pair<std::string, Tensor>> state() override {
+    return {{"exp_avg", m_}, {"exp_avg_sq", v_}};
+  }
+  const kernels::AdamWConfig& config() const { return config_; }
+
+ private:
+  kernels::AdamWConfig config_;
+  Tensor m_, v_;  // (P) first and second moments
+};
+
+// ---- learning-rate schedules ---------------------------------------------------------------
+// A schedule maps a step or epoch count t >= 0 to a learning rate; the caller applies it with
+// optimizer.set_lr(schedule.lr(t)). Schedules are stateless, so resuming needs only t.
+
+class LrSchedule {
+ public:
+  virtual ~LrSchedule() = default;
+  virtual float lr(int64_t t) const = 0;
+};
+
+class ConstantLR : public LrSchedule {
+ public:
+  explicit ConstantLR(float lr) : lr_(lr) {}
+  float lr(int64_t) const override { return lr_; }
+
+ private:
+  float lr_;
+};
+
+// lr(t) = base_lr * gamma^floor(t / step_size).
+class StepLR : public LrSchedule {
+ public:
+  StepLR(float base_lr, int64_t step_size, float gamma = 0.1f)
+      : base_(base_lr), step_size_(step_size), gamma_(gamma) {
+    DP_CHECK(step_size > 0, "StepLR: step_size " << step_size << " must be > 0");
+  }
+  float lr(int64_t t) const override {
+    return base_ *
+           static_cast<float>(std::pow(static_cast<double>(gamma_),
+                                       static_cast<double>(std::max<int64_t>(t, 0) / step_size_)));
+  }
+
+ private:
+  float base_;
+  int64_t step_size_;
+  float gamma_;
+};
+
+// Cosine annealing from base_lr at t = 0 to min_lr at t = total (held there afterwards):
+// lr(t) = min_lr + (base_lr - min_lr) (1 + cos(pi t / total)) / 2.
+class CosineLR : public LrSchedule {
+ public:
+  CosineLR(float base_lr, int64_t total, float min_lr = 0.f)
+      : base_(base_lr), total_(total), min_(min_lr) {
+    DP_CHECK(total > 0, "CosineLR: total " << total << " must be > 0");
+  }
+  float lr(int64_t t) const override {
+    const double frac =
+        static_cast<double>(std::clamp<int64_t>(t, 0, total_)) / static_cast<double>(total_);
+    const double pi = 3.14159265358979323846;
+    return static_cast<float>(min_ + (base_ - min_) * 0.5 * (1.0 + std::cos(pi * frac)));
+  }
+
+ private:
+  float base_;
+  int64_t total_;
+  float min_;
+};
+
+// Linear warmup in front of another schedule: for t < warmup, lr(t) = after.lr(0) (t + 1) /
+// warmup (so the first step already moves); from t = warmup on, lr(t) = after.lr(t - warmup).
+class LinearWarmup : public LrSchedule {
+ public:
+  LinearWarmup(std::shared_ptr<const LrSchedule> after, int64_t warmup)
+      : after_(std::move(after)), warmup_(warmup) {
+    DP_CHECK(after_ != nullptr, "LinearWarmup: null schedule");
+    DP_CHECK(warmup >= 0, "LinearWarmup: warmup " << warmup << " must be >= 0");
+  }
+  // Wraps a copy of any schedule: LinearWarmup(CosineLR(0.1f, 90), 5).
+  template <class S, class = std::enable_if_t<std::is_base_of_v<LrSchedule, S>>>
+  LinearWarmup(S after, int64_t warmup)
+      : LinearWarmup(std::make_shared<const S>(std::move(after)), warmup) {}
+
+  float lr(int64_t t) const override {
+    if (t < warmup_)
+      return after_->lr(0) * static_cast<float>(std::max<int64_t>(t, 0) + 1) /
+             static_cast<float>(warmup_);
+    return after_->lr(t - warmup_);
+  }
+
+ private:
+  std::shared_ptr<const LrSchedule> after_;
+  int64_t warmup_;
+};
+
+}  // namespace nn

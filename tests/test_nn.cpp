@@ -1,0 +1,259 @@
+// nn layers: finite-difference gradient checks for every layer, layer semantics, bad input.
+#include <cmath>
+#include <memory>
+
+#include "tests/nn_test_util.hpp"
+
+using namespace nn_test;
+using nn::Bias;
+using std::make_shared;
+
+// ---- gradient checks -----------------------------------------------------------------------
+
+TEST_CASE("nn.gradcheck: Linear") {
+  auto m = materialized(make_shared<nn::Linear>(5, 4));
+  check_grads(*m, uniform({3, 5}, 1));
+  check_grads(*m, uniform({2, 3, 5}, 2));  // leading dims are rows
+  auto nb = materialized(make_shared<nn::Linear>(5, 4, Bias::no));
+  CHECK(nb->named_parameters().size() == 1);
+  check_grads(*nb, uniform({3, 5}, 3));
+}
+
+TEST_CASE("nn.gradcheck: Conv2d with stride and padding") {
+  auto a = materialized(make_shared<nn::Conv2d>(2, 3, 3, 2, 1));
+  check_grads(*a, uniform({2, 2, 7, 7}, 4));
+  auto b = materialized(make_shared<nn::Conv2d>(3, 2, 1, 1, 0, Bias::no));
+  check_grads(*b, uniform({2, 3, 4, 5}, 5));
+  auto c = materialized(make_shared<nn::Conv2d>(2, 2, 3, 1, 0));
+  check_grads(*c, uniform({1, 2, 5, 6}, 6));
+}
+
+TEST_CASE("nn.gradcheck: ReLU, GELU, Tanh") {
+  auto relu = materialized(make_shared<nn::ReLU>());
+  check_grads(*relu, separated({2, 3, 4}, 7));
+  auto gelu = materialized(make_shared<nn::GELU>());
+  check_grads(*gelu, uniform({4, 6}, 8, -3.f, 3.f));
+  auto tanh = materialized(make_shared<nn::Tanh>());
+  check_grads(*tanh, uniform({4, 6}, 9, -2.f, 2.f));
+}
+
+TEST_CASE("nn.gradcheck: MaxPool2d and AvgPool2d") {
+  auto mp = materialized(make_shared<nn::MaxPool2d>(2));
+  check_grads(*mp, separated({2, 2, 6, 6}, 10));
+  auto mp3 = materialized(make_shared<nn::MaxPool2d>(3, 2, 1));
+  check_grads(*mp3, separated({1, 2, 7, 7}, 11));
+  auto ap = materialized(make_shared<nn::AvgPool2d>(2));
+  check_grads(*ap, uniform({2, 2, 6, 6}, 12));
+  auto ap3 = materialized(make_shared<nn::AvgPool2d>(3, 2, 1));
+  check_grads(*ap3, uniform({1, 2, 7, 7}, 13));
+}
+
+TEST_CASE("nn.gradcheck: GlobalAvgPool") {
+  auto m = materialized(make_shared<nn::GlobalAvgPool>());
+  Tensor x = uniform({2, 3, 4, 5}, 14);
+  CHECK(m->forward(x).shape() == Shape{2, 3});
+  check_grads(*m, x);
+}
+
+TEST_CASE("nn.gradcheck: BatchNorm1d in training mode") {
+  auto m = materialized(make_shared<nn::BatchNorm1d>(4));
+  nn::set_values(m->weight(), {0.5f, 1.5f, -1.f, 2.f});
+  nn::set_values(m->bias(), {0.1f, -0.2f, 0.3f, 0.f});
+  check_grads(*m, uniform({6, 4}, 15));
+  check_grads(*m, uniform({3, 4, 5}, 16));  // (N, C, L)
+}
+
+TEST_CASE("nn.gradcheck: BatchNorm2d in training and eval mode") {
+  auto m = materialized(make_shared<nn::BatchNorm2d>(3));
+  nn::set_values(m->weight(), {0.5f, 1.5f, -1.f});
+  nn::set_values(m->bias(), {0.1f, -0.2f, 0.3f});
+  check_grads(*m, uniform({4, 3, 3, 3}, 17));
+  nn::set_values(m->running_mean().value, {0.2f, -0.1f, 0.05f});
+  nn::set_values(m->running_var().value, {0.5f, 2.f, 1.2f});
+  m->eval();
+  check_grads(*m, uniform({2, 3, 3, 3}, 18));
+}
+
+TEST_CASE("nn.gradcheck: LayerNorm") {
+  auto m = materialized(make_shared<nn::LayerNorm>(6));
+  nn::set_values(m->weight(), {0.5f, 1.5f, -1.f, 2.f, 1.f, 0.7f});
+  nn::set_values(m->bias(), {0.1f, -0.2f, 0.3f, 0.f, 0.5f, -0.5f});
+  check_grads(*m, uniform({4, 6}, 19));
+  check_grads(*m, uniform({2, 3, 6}, 20));
+}
+
+TEST_CASE("nn.gradcheck: Dropout in eval mode and with a replayed mask") {
+  auto m = materialized(make_shared<nn::Dropout>(0.3f));
+  check_grads(*m, uniform({4, 8}, 21));  // training: gradcheck replays the mask
+  m->eval();
+  check_grads(*m, uniform({4, 8}, 22));
+}
+
+TEST_CASE("nn.gradcheck: Flatten and Sequential") {
+  auto f = materialized(make_shared<nn::Flatten>());
+  check_grads(*f, uniform({2, 3, 2}, 23));
+  auto seq = materialized(nn::sequential({make_shared<nn::Flatten>(), make_shared<nn::Linear>(6, 5),
+                                          make_shared<nn::Tanh>(), make_shared<nn::Linear>(5, 3)}));
+  check_grads(*seq, uniform({3, 2, 3}, 24));
+}
+
+TEST_CASE("nn.gradcheck: Residual, identity and projected skips") {
+  auto id = materialized(make_shared<nn::Residual>(nn::sequential(
+      {make_shared<nn::Linear>(4, 6), make_shared<nn::GELU>(), make_shared<nn::Linear>(6, 4)})));
+  check_grads(*id, uniform({3, 4}, 25));
+  auto proj = materialized(make_shared<nn::Residual>(
+      nn::sequential({make_shared<nn::Linear>(4, 5), make_shared<nn::Tanh>()}),
+      make_shared<nn::Linear>(4, 5, Bias::no)));
+  check_grads(*proj, uniform({3, 4}, 26));
+}
+
+TEST_CASE("nn.gradcheck: ResNet basic block with BatchNorm in training mode") {
+  auto block = materialized(nn::basic_block(2, 3, 2));
+  nn::GradcheckOptions o;
+  o.tolerance = 2e-2;  // ReLUs after BatchNorm: kinks near the point bend central differences
+  check_grads(*block, uniform({3, 2, 6, 6}, 27), o);
+}
+
+// ---- layer semantics -----------------------------------------------------------------------
+
+TEST_CASE("nn.linear: forward matches a hand computation") {
+  auto m = materialized(make_shared<nn::Linear>(2, 2));
+  nn::set_values(m->weight(), {1, 2, 3, 4});
+  nn::set_values(*m->bias(), {0.5f, -1});
+  Tensor y = m->forward(Tensor::from_vector({1, 1, 2, -1}, {2, 2}));
+  CHECK(host(y) == std::vector<float>{3.5f, 6, 0.5f, 1});
+}
+
+TEST_CASE("nn.linear: a wrong feature count throws naming the shapes") {
+  auto m = materialized(make_shared<nn::Linear>(4, 3));
+  CHECK_THROWS_WITH_AS(m->forward(uniform({2, 5}, 1)), doctest::Contains("[2, 5]"), kernels::Error);
+  CHECK_THROWS_WITH_AS(m->forward(uniform({2, 5}, 1)), doctest::Contains("[3, 4]"), kernels::Error);
+  auto c = materialized(make_shared<nn::Conv2d>(3, 4, 3));
+  CHECK_THROWS_WITH_AS(c->forward(uniform({1, 2, 5, 5}, 1)), doctest::Contains("[1, 2, 5, 5]"),
+                       kernels::Error);
+  CHECK_THROWS_AS(make_shared<nn::Linear>(0, 3), kernels::Error);
+  auto fresh = make_shared<nn::Linear>(4, 3);
+  CHECK_THROWS_WITH_AS(fresh->forward(uniform({2, 4}, 1)), doctest::Contains("materialize"),
+                       kernels::Error);
+}
+
+TEST_CASE("nn.layers: output shapes") {
+  CHECK(materialized(make_shared<nn::Conv2d>(3, 8, 3, 2, 1))
+            ->forward(uniform({2, 3, 9, 9}, 1))
+            .shape() == Shape{2, 8, 5, 5});
+  CHECK(materialized(make_shared<nn::MaxPool2d>(2))->forward(uniform({2, 3, 9, 8}, 1)).shape() ==
+        Shape{2, 3, 4, 4});
+  CHECK(materialized(make_shared<nn::Flatten>())->forward(uniform({2, 3, 4}, 1)).shape() ==
+        Shape{2, 12});
+}
+
+TEST_CASE("nn.gradients: zero_grad then two backwards accumulate twice the gradient") {
+  auto net = materialized(nn::sequential(
+      {make_shared<nn::Conv2d>(2, 3, 3, 1, 1), make_shared<nn::BatchNorm2d>(3),
+       make_shared<nn::ReLU>(), make_shared<nn::Flatten>(), make_shared<nn::Linear>(48, 4)}));
+  Tensor x = uniform({2, 2, 4, 4}, 2);
+  Tensor dy = uniform({2, 4}, 3);
+  net->zero_grad();
+  net->forward(x);
+  std::vector<float> dx1 = host(net->backward(dy));
+  std::vector<float> g1 = host(net->flat_grads());
+  std::vector<float> dx2 = host(net->backward(dy));
+  std::vector<float> g2 = host(net->flat_grads());
+  CHECK(dx1 == dx2);
+  double worst = 0;
+  for (size_t i = 0; i < g1.size(); ++i)
+    worst = std::max(worst, std::fabs(g2[i] - 2.0 * g1[i]) / (1e-6 + std::fabs(g1[i])));
+  CHECK(worst < 1e-5);
+  net->zero_grad();
+  for (float g : host(net->flat_grads())) REQUIRE(g == 0.f);
+}
+
+TEST_CASE("nn.gradients: on_grad_ready fires per parameter in reverse layer order") {
+  auto net = materialized(nn::sequential(
+      {make_shared<nn::Linear>(3, 4), make_shared<nn::ReLU>(), make_shared<nn::Linear>(4, 2)}));
+  std::vector<int64_t> offsets;
+  net->flat().on_grad_ready = [&](const nn::Parameter& p) { offsets.push_back(p.offset); };
+  net->forward(uniform({2, 3}, 1));
+  net->backward(uniform({2, 2}, 2));
+  // Layer "2" (weight at 16, bias at 24) before layer "0" (weight at 0, bias at 12).
+  CHECK(offsets == std::vector<int64_t>{16, 24, 0, 12});
+}
+
+TEST_CASE("nn.batchnorm: running statistics in training, used in eval") {
+  auto m = materialized(make_shared<nn::BatchNorm1d>(2));
+  // Channel 0: {1, 3, 5, 7} (mean 4, biased var 5, unbiased 20/3); channel 1: {0, 0, 2, 2}.
+  Tensor x = Tensor::from_vector({1, 0, 3, 0, 5, 2, 7, 2}, {4, 2});
+  std::vector<float> y = host(m->forward(x));
+  CHECK(y[0] == doctest::Approx(-3.f / std::sqrt(5.f + 1e-5f)).epsilon(1e-5));
+  std::vector<float> rm = host(m->running_mean().value);
+  CHECK(rm[0] == doctest::Approx(0.4f));
+  CHECK(rm[1] == doctest::Approx(0.1f));
+  std::vector<float> rv = host(m->running_var().value);
+  CHECK(rv[0] == doctest::Approx(0.9f + 0.1f * 20.f / 3.f));
+  CHECK(rv[1] == doctest::Approx(0.9f + 0.1f * 4.f / 3.f));
+  m->eval();
+  std::vector<float> ye = host(m->forward(Tensor::from_vector({0.4f, 0.1f}, {1, 2})));
+  CHECK(ye[0] == doctest::Approx(0.f));        // the running mean maps to beta = 0
+  CHECK(host(m->running_mean().value) == rm);  // eval: unchanged
+  auto one = materialized(make_shared<nn::BatchNorm1d>(3));
+  CHECK_THROWS_WITH_AS(one->forward(uniform({1, 3}, 1)), doctest::Contains("more than one"),
+                       kernels::Error);
+}
+
+TEST_CASE("nn.dropout: masks advance the random stream; eval is the identity") {
+  auto m = materialized(make_shared<nn::Dropout>(0.25f));
+  Tensor x = Tensor::from_vector(std::vector<float>(4000, 1.f), {40, 100});
+  const uint64_t offset0 = m->flat().rng_offset;
+  std::vector<float> y1 = host(m->forward(x));
+  CHECK(m->flat().rng_offset == offset0 + 4000);
+  std::vector<float> y2 = host(m->forward(x));
+  CHECK(y1 != y2);
+  int64_t kept = 0;
+  for (float v : y1) {
+    REQUIRE((v == 0.f || v == doctest::Approx(1.f / 0.75f)));
+    kept += v != 0.f;
+  }
+  CHECK(kept > 2800);
+  CHECK(kept < 3200);
+  std::vector<float> dx = host(m->backward(x));  // the gradient uses the last mask
+  CHECK(dx == y2);
+  m->flat().rng_offset = offset0;  // replay
+  CHECK(host(m->forward(x)) == y1);
+  m->eval();
+  CHECK(host(m->forward(x)) == host(x));
+  CHECK(m->flat().rng_offset == offset0 + 4000);
+}
+
+TEST_CASE("nn.residual: a shape mismatch without projection throws") {
+  auto m = materialized(make_shared<nn::Residual>(make_shared<nn::Linear>(4, 5)));
+  CHECK_THROWS_WITH_AS(m->forward(uniform({2, 4}, 1)), doctest::Contains("projection"),
+                       kernels::Error);
+}
+
+namespace {
+// Linear with a deliberately wrong backward: the bias gradient is scaled by 1.05.
+class BrokenLinear : public nn::Linear {
+ public:
+  BrokenLinear() : nn::Linear(3, 2) {}
+
+ protected:
+  Tensor backward_impl(const Tensor& dy) override {
+    std::vector<float> before = host(bias()->grad);
+    Tensor dx = nn::Linear::backward_impl(dy);
+    std::vector<float> after = host(bias()->grad);
+    for (size_t i = 0; i < after.size(); ++i) after[i] = before[i] + 1.05f * (after[i] - before[i]);
+    nn::set_values(bias()->grad, after);
+    return dx;
+  }
+};
+}  // namespace
+
+TEST_CASE("nn.gradcheck: a wrong backward fails, naming the parameter") {
+  auto m = materialized(make_shared<BrokenLinear>());
+  nn::GradcheckResult r = nn::gradcheck(*m, uniform({4, 3}, 1));
+  INFO(r.message);
+  CHECK(!r.ok);
+  CHECK(r.worst.rfind("bias[", 0) == 0);
+  CHECK(r.message.find("FAILED") != std::string::npos);
+  CHECK(r.max_rel_error > 0.03);
+}
