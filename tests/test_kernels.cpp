@@ -1,5 +1,8 @@
 // kernels.*: elementwise ops, bias helpers, GEMM and activations against plain-loop references
 // in double; argument checks. Losses, convolutions and normalisation have their own files.
+#include <exception>
+#include <thread>
+
 #include "tests/test_kernels_util.hpp"
 
 using namespace kernels;
@@ -119,6 +122,36 @@ TEST_CASE("kernels.gemm: tiled parallel path matches the reference and any threa
     with_cpu_threads(2, [&] { gemm(c2, a, ta, b, tb, 0.75f, 2.f, bias); });
     CHECK(max_error(c1, want) <= 1e-5);
     CHECK(bitwise_equal(c1, c2));
+  }
+}
+
+TEST_CASE("kernels.gemm: concurrent CPU devices (one thread each) agree bit for bit") {
+  // Each replica thread owns a context on its own CPU device; their single-threaded sgemm
+  // calls run at the same time and must give the same bits as a lone call.
+  const int64_t m = 256, k = 192, n = 320;
+  Tensor a = random_tensor({m, k}, 24), b = random_tensor({k, n}, 25);
+  Tensor alone = zeros({m, n});
+  gemm(alone, a, Transpose::no, b, Transpose::no);
+  std::vector<Tensor> outs;
+  for (int d = 0; d < 3; ++d) outs.push_back(Tensor::zeros({m, n}, DType::f32, Device::cpu(d)));
+  std::vector<std::thread> replicas;
+  std::vector<std::exception_ptr> errors(outs.size());
+  for (size_t d = 0; d < outs.size(); ++d)
+    replicas.emplace_back([&, d] {
+      try {
+        DeviceContext ctx(Device::cpu(static_cast<int>(d)));
+        ContextScope scope(ctx);
+        Tensor ad = a.to(Device::cpu(static_cast<int>(d)));
+        Tensor bd = b.to(Device::cpu(static_cast<int>(d)));
+        for (int rep = 0; rep < 5; ++rep) gemm(outs[d], ad, Transpose::no, bd, Transpose::no);
+      } catch (...) {
+        errors[d] = std::current_exception();
+      }
+    });
+  for (auto& t : replicas) t.join();
+  for (size_t d = 0; d < outs.size(); ++d) {
+    CHECK(!errors[d]);
+    CHECK(bitwise_equal(outs[d], alone));
   }
 }
 
