@@ -150,6 +150,7 @@ inline GradcheckResult gradcheck(Module& m, const Tensor& x, GradcheckOptions o 
 
   GradcheckResult res;
   bool any_nonfinite = false;
+  double worst_raw = 0;
   auto rel_error = [&](double a, double n, double slack) {
     return std::max(0.0, std::fabs(a - n) - slack) /
            std::max({std::fabs(a), std::fabs(n), o.abs_floor});
@@ -188,8 +189,11 @@ inline GradcheckResult gradcheck(Module& m, const Tensor& x, GradcheckOptions o 
       const bool finite = std::isfinite(a) && std::isfinite(numeric);
       if (!finite) any_nonfinite = true;
       const double e = finite ? err : INFINITY;
-      if (res.worst.empty() || e > res.max_rel_error) {
+      const double raw = rel_error(a, numeric, 0.0);  // breaks ties among errors under the noise
+      if (res.worst.empty() || e > res.max_rel_error ||
+          (e == res.max_rel_error && raw > worst_raw)) {
         res.max_rel_error = e;
+        worst_raw = raw;
         res.worst = name + "[" + std::to_string(i) + "]";
         res.worst_analytic = a;
         res.worst_numeric = numeric;

@@ -1,0 +1,85 @@
+// nn on a GPU: the same model on cuda:0 matches the CPU, gradchecks there, and its checkpoints
+// load on the CPU. Every case skips visibly without a usable GPU.
+#include <cmath>
+#include <cstdio>
+#include <memory>
+
+#include <unistd.h>
+
+#include "tests/nn_test_util.hpp"
+
+using namespace nn_test;
+using std::make_shared;
+
+namespace {
+
+// max |a - b| / max(1, max |b|): a relative error that does not blow up near zero.
+double scaled_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  REQUIRE(a.size() == b.size());
+  double m = 1;
+  for (float v : b) m = std::max(m, static_cast<double>(std::fabs(v)));
+  return kernels::max_abs_diff(a, b) / m;
+}
+
+std::shared_ptr<nn::Sequential> small_net() {
+  return nn::sequential({make_shared<nn::Conv2d>(2, 4, 3, 1, 1), make_shared<nn::BatchNorm2d>(4),
+                         make_shared<nn::ReLU>(), make_shared<nn::MaxPool2d>(2),
+                         make_shared<nn::Conv2d>(4, 4, 3, 2, 1), make_shared<nn::GELU>(),
+                         make_shared<nn::AvgPool2d>(2), make_shared<nn::Flatten>(),
+                         make_shared<nn::Linear>(4, 6), make_shared<nn::LayerNorm>(6),
+                         make_shared<nn::Tanh>(), make_shared<nn::Linear>(6, 3)});
+}
+
+}  // namespace
+
+TEST_CASE("nn.cuda: a network on cuda:0 matches the CPU, forward, backward and step") {
+  DP_REQUIRE_GPU();
+  auto cpu = materialized(small_net(), 5);
+  auto gpu = cpu->clone_to(Device::cuda(0));
+  Tensor x = uniform({4, 2, 8, 8}, 1);
+  Tensor t = Tensor::from_ints({0, 1, 2, 1}, {4});
+  nn::CrossEntropyLoss ce_cpu, ce_gpu;
+  Tensor loss_cpu = ce_cpu.forward(cpu->forward(x), t);
+  Tensor loss_gpu = ce_gpu.forward(gpu->forward(x.to(Device::cuda(0))), t.to(Device::cuda(0)));
+  CHECK(loss_gpu.item() == doctest::Approx(loss_cpu.item()).epsilon(1e-4));
+  std::vector<float> dx_cpu = host(cpu->backward(ce_cpu.backward()));
+  std::vector<float> dx_gpu = host(gpu->backward(ce_gpu.backward()));
+  CHECK(scaled_diff(dx_gpu, dx_cpu) < 1e-4);
+  CHECK(scaled_diff(host(gpu->flat_grads()), host(cpu->flat_grads())) < 1e-4);
+  CHECK(scaled_diff(host(gpu->flat_buffers()), host(cpu->flat_buffers())) < 1e-5);
+
+  kernels::AdamWConfig c;
+  nn::AdamW opt_cpu(*cpu, c), opt_gpu(*gpu, c);
+  opt_cpu.step();
+  opt_gpu.step();
+  CHECK(scaled_diff(host(gpu->flat_params()), host(cpu->flat_params())) < 1e-5);
+}
+
+TEST_CASE("nn.cuda: gradcheck on the GPU") {
+  DP_REQUIRE_GPU();
+  const Device d = Device::cuda(0);
+  auto mlp =
+      materialized(nn::sequential({make_shared<nn::Linear>(5, 6), make_shared<nn::Tanh>(),
+                                   make_shared<nn::LayerNorm>(6), make_shared<nn::Linear>(6, 3)}),
+                   1, d);
+  check_grads(*mlp, uniform({4, 5}, 2, -1.f, 1.f, d));
+  auto conv = materialized(
+      nn::sequential({make_shared<nn::Conv2d>(2, 3, 3, 2, 1), make_shared<nn::BatchNorm2d>(3),
+                      make_shared<nn::GlobalAvgPool>()}),
+      1, d);
+  check_grads(*conv, uniform({3, 2, 6, 6}, 3, -1.f, 1.f, d));
+  auto drop = materialized(make_shared<nn::Dropout>(0.3f), 1, d);
+  check_grads(*drop, uniform({4, 8}, 4, -1.f, 1.f, d));
+}
+
+TEST_CASE("nn.cuda: a checkpoint saved from the GPU loads on the CPU") {
+  DP_REQUIRE_GPU();
+  const std::string path = "/tmp/nn_test_" + std::to_string(::getpid()) + "_gpu.ckpt";
+  auto gpu = materialized(small_net(), 3, Device::cuda(0));
+  nn::save_checkpoint(*gpu, path);
+  auto cpu = materialized(small_net(), 4);
+  nn::load_checkpoint(*cpu, path);
+  CHECK(host(cpu->flat_params()) == host(gpu->flat_params()));
+  CHECK(host(cpu->flat_buffers()) == host(gpu->flat_buffers()));
+  std::remove(path.c_str());
+}
