@@ -202,7 +202,7 @@ TEST_CASE("kernels.relu: forward, backward, accumulate") {
   CHECK(dx.to_host_f32() == std::vector<float>{0, 0, 0, 8, 10, 0, 14});
 }
 
-TEST_CASE("kernels.gelu: exact erf form; gradient matches finite differences") {
+TEST_CASE("kernels.gelu: exact erf form, gradient matches finite differences") {
   const int64_t n = 41;
   Tensor x = random_tensor({n}, 40, -4.f, 4.f), y = zeros({n});
   std::vector<double> X = to_double(x), want(n);
@@ -227,7 +227,7 @@ TEST_CASE("kernels.gelu: exact erf form; gradient matches finite differences") {
   CHECK(max_error(dx, grad) <= 1e-5);
 }
 
-TEST_CASE("kernels.tanh: forward; backward from the output") {
+TEST_CASE("kernels.tanh: forward, backward from the output") {
   const int64_t n = 29;
   Tensor x = random_tensor({n}, 50, -3.f, 3.f), y = zeros({n});
   std::vector<double> X = to_double(x), want(n);

@@ -196,7 +196,7 @@ const Pool2dParams kPoolCases[] = {
 
 }  // namespace
 
-TEST_CASE("kernels.max_pool2d: forward and backward; padding never wins") {
+TEST_CASE("kernels.max_pool2d: forward and backward, padding never wins") {
   Shape shape{2, 3, 7, 5};
   for (const Pool2dParams& p : kPoolCases) {
     // All inputs negative: a padded zero would win if padding took part.

@@ -69,7 +69,7 @@ TEST_CASE("kernels.softmax_cross_entropy: loss and gradient (smoothing, weights,
     }
 }
 
-TEST_CASE("kernels.softmax_cross_entropy: stable for huge logits; forward only; empty batch") {
+TEST_CASE("kernels.softmax_cross_entropy: stable for huge logits, forward only, empty batch") {
   Tensor logits = tensor({1000.f, 0.f, -1000.f, 500.f, 500.f, 500.f}, {2, 3});
   Tensor labels = Tensor::from_ints({0, 2}, {2});
   Tensor loss = scalar(), no_grad;
