@@ -189,9 +189,9 @@ class Module {
   }
   bool materialized() const { return flat_ != nullptr; }
 
-  // requires materialize() was called. ensures every parameter and buffer holds the value
-  // materialize(device, seed) gives it (same seed, same values on any device); gradients and
-  // the dropout stream are untouched.
+  // requires materialize() was called, on the root of the tree (indices count from the root).
+  // ensures every parameter and buffer holds the value materialize(device, seed) gives it (same
+  // seed, same values on any device); gradients and the dropout stream are untouched.
   void reinitialize(uint64_t seed) {
     flat().seed = seed;
     auto params = named_parameters();
