@@ -45,13 +45,6 @@ bool warn_if_oversubscribed(const std::vector<Device>& devices) {
   return true;
 }
 
-std::vector<int64_t> DataParallel::chunk_sizes(int64_t batch, int n) {
-  DP_CHECK(n >= 1 && batch >= 0, "chunk_sizes: batch " << batch << " over " << n << " devices");
-  std::vector<int64_t> sizes(n, batch / n);
-  for (int64_t i = 0; i < batch % n; ++i) ++sizes[i];
-  return sizes;
-}
-
 DataParallel::DataParallel(nn::ModulePtr module, nn::Optimizer& optimizer,
                            std::vector<Device> devices, DataParallelOptions options)
     : devices_(std::move(devices)),
@@ -118,8 +111,7 @@ void DataParallel::scatter(const Tensor& images, const Tensor& labels,
   pool_.run(
       "dp/scatter",
       [&](int i) {
-        int64_t begin = 0;
-        for (int j = 0; j < i; ++j) begin += sizes[j];
+        int64_t begin = chunk_begin(sizes, i);
         Tensor x = images.slice(begin, begin + sizes[i]);
         Tensor y = labels.slice(begin, begin + sizes[i]);
         PerDevice& pd = per_device_[i];
@@ -150,49 +142,40 @@ void DataParallel::replicate(int n_used) {
       n_used);
 }
 
-void DataParallel::reduce_grads_to_root(const std::vector<int64_t>& sizes) {
-  DP_CHECK(
-      !sizes.empty() && static_cast<int>(sizes.size()) <= n_devices(),
-      "reduce_grads_to_root: " << sizes.size() << " chunk sizes for " << n_devices() << " devices");
+void DataParallel::weighted_sum_to_root(Tensor& (nn::Module::*buffer)(), Tensor& staging,
+                                        const std::vector<int64_t>& sizes) {
   int64_t total = 0;
   for (int64_t s : sizes) total += s;
-  DP_CHECK(total > 0, "reduce_grads_to_root: empty batch");
-  kernels::NvtxRange range("dp/reduce");
+  DP_CHECK(total > 0, "weighted_sum_to_root: empty batch");
   pool_.run(
       "dp/reduce",
       [&](int i) {
         if (i != 0) return;
-        Tensor& root = replicas_[0]->flat_grads();
-        // Each replica holds the gradient of its chunk's MEAN loss; weighting chunk i by
-        // B_i / B turns the sum into the gradient of the global batch's mean loss.
-        kernels::scale(root, root, static_cast<float>(sizes[0]) / total);
+        Tensor& root = (replicas_[0].get()->*buffer)();
+        // Each replica holds its chunk's MEAN (gradient or statistic); weighting chunk i by
+        // B_i / B turns the sum into the global batch's mean.
+        kernels::scale(root, root, chunk_share(sizes[0], total));
         for (size_t r = 1; r < sizes.size(); ++r) {
-          kernels::copy(staging_grads_, replicas_[r]->flat_grads());
-          kernels::axpy(root, static_cast<float>(sizes[r]) / total, staging_grads_);
+          kernels::copy(staging, (replicas_[r].get()->*buffer)());
+          kernels::axpy(root, chunk_share(sizes[r], total), staging);
         }
         pool_.context(0).synchronize();
       },
       1);
 }
 
+void DataParallel::reduce_grads_to_root(const std::vector<int64_t>& sizes) {
+  DP_CHECK(
+      !sizes.empty() && static_cast<int>(sizes.size()) <= n_devices(),
+      "reduce_grads_to_root: " << sizes.size() << " chunk sizes for " << n_devices() << " devices");
+  kernels::NvtxRange range("dp/reduce");
+  weighted_sum_to_root(&nn::Module::flat_grads, staging_grads_, sizes);
+}
+
 void DataParallel::average_buffers_to_root(const std::vector<int64_t>& sizes) {
   if (sizes.size() < 2 || replicas_[0]->flat_buffers().numel() == 0) return;
   if (options_.buffer_sync == BufferSync::root_only) return;
-  int64_t total = 0;
-  for (int64_t s : sizes) total += s;
-  pool_.run(
-      "dp/reduce",
-      [&](int i) {
-        if (i != 0) return;
-        Tensor& root = replicas_[0]->flat_buffers();
-        kernels::scale(root, root, static_cast<float>(sizes[0]) / total);
-        for (size_t r = 1; r < sizes.size(); ++r) {
-          kernels::copy(staging_buffers_, replicas_[r]->flat_buffers());
-          kernels::axpy(root, static_cast<float>(sizes[r]) / total, staging_buffers_);
-        }
-        pool_.context(0).synchronize();
-      },
-      1);
+  weighted_sum_to_root(&nn::Module::flat_buffers, staging_buffers_, sizes);
 }
 
 StepStats DataParallel::train_step(const Tensor& images, const Tensor& labels) {
@@ -276,7 +259,7 @@ StepStats DataParallel::train_step(const Tensor& images, const Tensor& labels) {
   stats.ms.step = ms_since(t0);
 
   for (int i = 0; i < n_used; ++i) {
-    stats.loss += per_device_[i].loss_value * static_cast<float>(sizes[i]) / stats.samples;
+    stats.loss += per_device_[i].loss_value * chunk_share(sizes[i], stats.samples);
     stats.correct += per_device_[i].correct;
   }
   int64_t p = parameter_bytes(), b = replicas_[0]->flat_buffers().nbytes();
@@ -315,7 +298,7 @@ StepStats DataParallel::evaluate(const Tensor& images, const Tensor& labels) {
       },
       n_used);
   for (int i = 0; i < n_used; ++i) {
-    stats.loss += per_device_[i].loss_value * static_cast<float>(sizes[i]) / stats.samples;
+    stats.loss += per_device_[i].loss_value * chunk_share(sizes[i], stats.samples);
     stats.correct += per_device_[i].correct;
   }
   return stats;

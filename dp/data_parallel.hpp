@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "dp/chunks.hpp"
 #include "dp/worker_pool.hpp"
 #include "nn/module.hpp"
 #include "nn/optim.hpp"
@@ -82,8 +83,10 @@ class DataParallel {
   // Device 0's gradient := sum_i (chunk_sizes[i] / sum) * replica i's gradient. The one place
   // where DP averaging is defined. Public so that tests can drive it directly.
   void reduce_grads_to_root(const std::vector<int64_t>& chunk_sizes);
-  // Balanced split of a batch of `batch` rows over `n` devices: the first batch % n get one more.
-  static std::vector<int64_t> chunk_sizes(int64_t batch, int n);
+  // Balanced split of a batch of `batch` rows over `n` devices (dp/chunks.hpp).
+  static std::vector<int64_t> chunk_sizes(int64_t batch, int n) {
+    return dp::chunk_sizes(batch, n);
+  }
 
   // Peak bytes allocated per device: through each worker's context, plus, on device 0, the
   // module's flat state (made before the workers started).
@@ -98,6 +101,9 @@ class DataParallel {
   void scatter(const Tensor& images, const Tensor& labels, const std::vector<int64_t>& sizes);
   void replicate(int n_used);
   void average_buffers_to_root(const std::vector<int64_t>& chunk_sizes);
+  // root's (buffer)() := sum_i share_i * replica i's, pulled through `staging` on device 0.
+  void weighted_sum_to_root(Tensor& (nn::Module::*buffer)(), Tensor& staging,
+                            const std::vector<int64_t>& chunk_sizes);
   int devices_for(int64_t batch);
 
   std::vector<Device> devices_;

@@ -1,6 +1,9 @@
-// doctest main shared by every suite. A case that calls DP_REQUIRE_GPU() on a machine without
-// a usable GPU prints why and counts as skipped; a ctest entry whose cases were all skipped
-// exits with 77, which ctest reports as "Skipped" (SKIP_RETURN_CODE).
+// doctest main shared by every suite.
+// - A case that calls DP_REQUIRE_GPU() on a machine without a usable GPU prints why and counts
+//   as skipped; a ctest entry whose cases were all skipped exits with 77, which ctest reports
+//   as "Skipped" (SKIP_RETURN_CODE).
+// - A ctest entry (--test-case=NAME) that selects no case at all fails instead of passing
+//   silently (a name the filter cannot match, for instance).
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
@@ -11,15 +14,40 @@ int& skipped_cases() {
   static int n = 0;
   return n;
 }
+
+namespace {
+int started_cases = 0;
+
+struct CountCases : doctest::IReporter {
+  explicit CountCases(const doctest::ContextOptions&) {}
+  void report_query(const doctest::QueryData&) override {}
+  void test_run_start() override {}
+  void test_run_end(const doctest::TestRunStats&) override {}
+  void test_case_start(const doctest::TestCaseData&) override { ++started_cases; }
+  void test_case_reenter(const doctest::TestCaseData&) override {}
+  void test_case_end(const doctest::CurrentTestCaseStats&) override {}
+  void test_case_exception(const doctest::TestCaseException&) override {}
+  void subcase_start(const doctest::SubcaseSignature&) override {}
+  void subcase_end() override {}
+  void log_assert(const doctest::AssertData&) override {}
+  void log_message(const doctest::MessageData&) override {}
+  void test_case_skipped(const doctest::TestCaseData&) override {}
+};
+REGISTER_LISTENER("count_cases", 1, CountCases);
+}  // namespace
 }  // namespace dp_test
 
 int main(int argc, char** argv) {
   doctest::Context context(argc, argv);
   int rc = context.run();
   if (context.shouldExit()) return rc;
-  if (rc == 0 && dp_test::skipped_cases() > 0) {
-    for (int i = 1; i < argc; ++i)
-      if (std::string(argv[i]).rfind("--test-case=", 0) == 0) return 77;
+  bool filtered = false;
+  for (int i = 1; i < argc; ++i)
+    if (std::string(argv[i]).rfind("--test-case=", 0) == 0) filtered = true;
+  if (filtered && dp_test::started_cases == 0) {
+    std::fprintf(stderr, "error: the --test-case filter selected no test case\n");
+    return 1;
   }
+  if (rc == 0 && filtered && dp_test::skipped_cases() > 0) return 77;
   return rc;
 }

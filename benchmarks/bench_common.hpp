@@ -1,0 +1,56 @@
+// dp_bench's flags and runs, shared by its main and its DDP worker processes.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "benchmarks/report.hpp"
+#include "dp/data/dataset.hpp"
+#include "dp/trace.hpp"
+#include "kernels/ops.hpp"
+#include "nn/module.hpp"
+
+namespace bench {
+
+struct Options {
+  int gpus = 0;  // 0: all visible GPUs, or 4 CPU devices
+  std::string device = "auto";
+  std::string mode = "both";
+  std::string model = "mlp";
+  int64_t batch = 256;
+  int64_t batch_per_device = 0;
+  int steps = 30;
+  int warmup = 5;
+  std::string dtype = "fp32";
+  std::string backend = "auto";
+  uint64_t seed = 1;
+  std::string json_path, trace_path, sweep, csv_path, chart_path, profile_steps;
+  int baseline = 1;  // also run N=1 of each mode for speedup (0 to skip)
+};
+
+// The resolved device type and counts of a run.
+struct Setup {
+  kernels::DeviceType type = kernels::DeviceType::cpu;
+  int physical = 0;  // GPUs, or cores for CPU devices
+  int gpus = 1;
+  kernels::MathMode math = kernels::MathMode::strict;
+};
+
+void add_flags(CLI::App& app, Options& o);
+Setup resolve(const Options& o);
+int64_t global_batch(const Options& o, int n);
+nn::ModulePtr make_model(const std::string& name);
+kernels::SgdConfig optimizer_config();
+// The synthetic data set: the global batch of step s is samples [s B, (s+1) B) for every mode
+// and device count, so all runs follow one loss curve.
+const dp::data::Dataset& bench_dataset(const Options& o, int64_t batch);
+std::pair<int, int> profile_range(const Options& o);
+void progress(const std::string& label, int step, int total);
+std::string gpu_name();
+
+RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace);
+int run(const Options& o, int argc, char** argv);
+
+}  // namespace bench

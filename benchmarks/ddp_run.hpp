@@ -1,0 +1,13 @@
+// dp_bench's DDP mode: the parent spawns N worker processes of dp_bench itself (as torchrun
+// would), each trains its shard of the same global batches, and rank 0 hands the figures back
+// through a result file.
+#pragma once
+
+#include "benchmarks/bench_common.hpp"
+
+namespace bench {
+
+RunResult run_ddp(const Options& o, const Setup& s, int n, int argc, char** argv, dp::Trace* trace);
+int ddp_worker_main(const Options& o, int argc, char** argv);
+
+}  // namespace bench

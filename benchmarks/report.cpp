@@ -1,0 +1,238 @@
+#include "benchmarks/report.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <iomanip>
+#include <sstream>
+
+namespace bench {
+
+double percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  double pos = q * static_cast<double>(v.size() - 1);
+  size_t lo = static_cast<size_t>(std::floor(pos));
+  size_t hi = std::min(lo + 1, v.size() - 1);
+  return v[lo] + (v[hi] - v[lo]) * (pos - static_cast<double>(lo));
+}
+
+double RunResult::step_ms_median() const {
+  return percentile(step_ms, 0.5);
+}
+double RunResult::step_ms_p90() const {
+  return percentile(step_ms, 0.9);
+}
+double RunResult::samples_per_s() const {
+  double m = step_ms_median();
+  return m > 0 ? static_cast<double>(batch) * 1000.0 / m : 0;
+}
+
+int64_t dp_bytes_theory(int n, int64_t p) {
+  return 2 * static_cast<int64_t>(n - 1) * p;
+}
+int64_t ring_bytes_theory(int n, int64_t p) {
+  return n <= 1 ? 0 : 2 * static_cast<int64_t>(n - 1) * p / n;
+}
+
+std::vector<Link> default_links() {
+  return {{"NVLink4", 450e9, 5e-6}, {"PCIe Gen5", 64e9, 10e-6}};
+}
+
+double projected_step_s(const std::string& mode, int n, double compute_s, double optimizer_s,
+                        int64_t p, const Link& link) {
+  double comm = 0;
+  if (n > 1) {
+    double messages = 2.0 * (n - 1);
+    double bytes_per_message = mode == "dp" ? static_cast<double>(p) : static_cast<double>(p) / n;
+    comm = messages * (link.alpha_s + bytes_per_message / link.bandwidth_bytes_per_s);
+  }
+  return compute_s + optimizer_s + comm;
+}
+
+bool oversubscribed(const Header& h) {
+  return h.device != "cpu" && h.logical > h.physical;
+}
+
+namespace {
+
+const RunResult* baseline_of(const std::vector<RunResult>& runs, const std::string& mode) {
+  for (auto& r : runs)
+    if (r.mode == mode && r.gpus == 1) return &r;
+  return nullptr;
+}
+
+std::string mib(int64_t bytes) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(2) << static_cast<double>(bytes) / (1 << 20);
+  return os.str();
+}
+
+double phase(const RunResult& r, const char* name) {
+  auto it = r.phases_ms.find(name);
+  return it == r.phases_ms.end() ? 0 : it->second;
+}
+
+}  // namespace
+
+void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>& runs) {
+  os << "dp_bench: model " << h.model << " (" << h.params << " parameters, " << mib(h.params * 4)
+     << " MiB), dtype " << h.dtype << ", device " << h.device << "\n";
+  if (h.device == "cpu") {
+    os << "note: " << h.logical << " CPU devices share " << h.physical
+       << " cores: figures measure engine overhead on one machine, not multi-GPU scaling\n";
+  } else if (oversubscribed(h)) {
+    os << "note: " << h.logical << " logical GPUs share " << h.physical
+       << " physical GPU(s): figures measure ENGINE OVERHEAD, NOT SCALING\n";
+  }
+  os << std::fixed;
+  os << "\n mode  N   batch  step ms (med / p90)   samples/s   speedup  eff.   final loss\n";
+  for (auto& r : runs) {
+    const RunResult* base = baseline_of(runs, r.mode);
+    os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << r.gpus
+       << std::setw(8) << r.batch << std::setw(11) << std::setprecision(2) << r.step_ms_median()
+       << " / " << std::setw(7) << r.step_ms_p90() << std::setw(12) << std::setprecision(0)
+       << r.samples_per_s();
+    if (base && base->step_ms_median() > 0) {
+      double speedup = base->step_ms_median() / r.step_ms_median();
+      os << std::setw(9) << std::setprecision(2) << speedup << std::setw(6) << std::setprecision(0)
+         << 100 * speedup / r.gpus << "%";
+    } else {
+      os << std::setw(9) << "-" << std::setw(7) << "-";
+    }
+    os << std::setw(13) << std::setprecision(6) << r.final_loss << "\n";
+  }
+  os << "\n phases, median ms:\n";
+  for (auto& r : runs) {
+    os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << r.gpus << " ";
+    for (auto& [name, ms] : r.phases_ms) os << " " << name << " " << std::setprecision(3) << ms;
+    os << "\n";
+  }
+  os << "\n bytes moved per step (MiB): measured vs theory"
+        " [DP through device 0: 2(N-1)P; ring all-reduce: 2(N-1)/N P per device]\n";
+  for (auto& r : runs) {
+    os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << r.gpus
+       << "   " << std::setw(9) << mib(r.bytes_per_step) << " vs " << std::setw(9)
+       << mib(r.bytes_theory) << "   peak MiB per device:";
+    for (int64_t b : r.peak_mem_bytes) os << " " << mib(b);
+    os << "\n";
+  }
+}
+
+void print_projection(std::ostream& os, const std::vector<RunResult>& runs) {
+  os << "\n projection (alpha-beta; compute = forward + backward per device, measured here):\n"
+        "   DP : t = compute + opt + 2(N-1)(alpha + P/bw)        [star through device 0]\n"
+        "   DDP: t = compute + opt + 2(N-1)(alpha + P/(N bw))    [ring, no overlap assumed]\n";
+  for (auto& r : runs) {
+    double compute_s = (phase(r, "forward") + phase(r, "backward")) / 1000.0;
+    double opt_s = phase(r, "optimizer") / 1000.0;
+    os << "   " << r.mode << " N=" << r.gpus << ": compute " << std::setprecision(3)
+       << compute_s * 1000 << " ms, opt " << opt_s * 1000 << " ms, P " << mib(r.param_bytes)
+       << " MiB ->";
+    for (auto& link : default_links())
+      for (int n : {4, 8})
+        os << "  " << link.name << " N=" << n << ": " << std::setprecision(3)
+           << projected_step_s(r.mode, n, compute_s, opt_s, r.param_bytes, link) * 1000 << " ms";
+    os << "\n";
+  }
+  os << "   links: NVLink4 450 GB/s each way, alpha 5 us; PCIe Gen5 64 GB/s each way, alpha 10 "
+        "us\n";
+}
+
+nlohmann::json run_to_json(const RunResult& r) {
+  return {{"mode", r.mode},
+          {"gpus", r.gpus},
+          {"batch", r.batch},
+          {"step_ms", r.step_ms},
+          {"step_ms_median", r.step_ms_median()},
+          {"step_ms_p90", r.step_ms_p90()},
+          {"samples_per_s", r.samples_per_s()},
+          {"phases_ms", r.phases_ms},
+          {"param_bytes", r.param_bytes},
+          {"bytes_per_step", r.bytes_per_step},
+          {"bytes_theory", r.bytes_theory},
+          {"peak_mem_bytes", r.peak_mem_bytes},
+          {"losses", r.losses},
+          {"final_loss", r.final_loss}};
+}
+
+RunResult run_from_json(const nlohmann::json& j) {
+  RunResult r;
+  r.mode = j.at("mode").get<std::string>();
+  r.gpus = j.at("gpus").get<int>();
+  r.batch = j.at("batch").get<int64_t>();
+  r.step_ms = j.at("step_ms").get<std::vector<double>>();
+  r.phases_ms = j.at("phases_ms").get<std::map<std::string, double>>();
+  r.param_bytes = j.at("param_bytes").get<int64_t>();
+  r.bytes_per_step = j.at("bytes_per_step").get<int64_t>();
+  r.bytes_theory = j.at("bytes_theory").get<int64_t>();
+  r.peak_mem_bytes = j.at("peak_mem_bytes").get<std::vector<int64_t>>();
+  r.losses = j.at("losses").get<std::vector<float>>();
+  r.final_loss = j.at("final_loss").get<float>();
+  return r;
+}
+
+nlohmann::json to_json(const Header& h, const std::vector<RunResult>& runs) {
+  nlohmann::json j = {{"device", h.device},
+                      {"physical_devices", h.physical},
+                      {"logical_devices", h.logical},
+                      {"oversubscribed", oversubscribed(h)},
+                      {"model", h.model},
+                      {"params", h.params},
+                      {"dtype", h.dtype},
+                      {"runs", nlohmann::json::array()}};
+  for (auto& r : runs) {
+    nlohmann::json jr = run_to_json(r);
+    const RunResult* base = baseline_of(runs, r.mode);
+    if (base && r.step_ms_median() > 0) {
+      double s = base->step_ms_median() / r.step_ms_median();
+      jr["speedup"] = s;
+      jr["efficiency"] = s / r.gpus;
+    }
+    j["runs"].push_back(jr);
+  }
+  return j;
+}
+
+void write_sweep_csv(std::ostream& os, const std::vector<RunResult>& runs) {
+  os << "mode,gpus,batch,step_ms_median,step_ms_p90,samples_per_s,speedup,efficiency,"
+        "bytes_per_step,bytes_theory,final_loss\n";
+  for (auto& r : runs) {
+    const RunResult* base = baseline_of(runs, r.mode);
+    double s = base && r.step_ms_median() > 0 ? base->step_ms_median() / r.step_ms_median() : 0;
+    os << r.mode << "," << r.gpus << "," << r.batch << "," << r.step_ms_median() << ","
+       << r.step_ms_p90() << "," << r.samples_per_s() << "," << s << "," << s / r.gpus << ","
+       << r.bytes_per_step << "," << r.bytes_theory << "," << r.final_loss << "\n";
+  }
+}
+
+nlohmann::json chrome_trace(
+    const std::vector<std::pair<std::string, std::vector<dp::TraceEvent>>>& runs) {
+  nlohmann::json events = nlohmann::json::array();
+  int pid = 0;
+  for (auto& [name, evs] : runs) {
+    events.push_back(
+        {{"name", "process_name"}, {"ph", "M"}, {"pid", pid}, {"args", {{"name", name}}}});
+    std::vector<int> tracks;
+    for (auto& e : evs) {
+      if (std::find(tracks.begin(), tracks.end(), e.track) == tracks.end()) {
+        tracks.push_back(e.track);
+        events.push_back({{"name", "thread_name"},
+                          {"ph", "M"},
+                          {"pid", pid},
+                          {"tid", e.track},
+                          {"args", {{"name", "device " + std::to_string(e.track)}}}});
+      }
+      events.push_back({{"name", e.name},
+                        {"ph", "X"},
+                        {"pid", pid},
+                        {"tid", e.track},
+                        {"ts", e.begin_us},
+                        {"dur", e.duration_us}});
+    }
+    ++pid;
+  }
+  return {{"traceEvents", events}, {"displayTimeUnit", "ms"}};
+}
+
+}  // namespace bench

@@ -1,0 +1,82 @@
+// What dp_bench measures and how it reports it: per-run figures, the bytes-moved theory, the
+// alpha-beta projection to real interconnects, the terminal table, JSON, CSV and the trace.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "dp/trace.hpp"
+
+namespace bench {
+
+struct RunResult {
+  std::string mode;                         // "dp" or "ddp"
+  int gpus = 1;                             // devices (DP) or ranks (DDP)
+  int64_t batch = 0;                        // global batch
+  std::vector<double> step_ms;              // one per timed step
+  std::map<std::string, double> phases_ms;  // median per phase
+  int64_t param_bytes = 0;                  // P: one flat parameter copy
+  int64_t bytes_per_step = 0;               // measured: what the engine copied
+  int64_t bytes_theory = 0;                 // the formula for this mode
+  std::vector<int64_t> peak_mem_bytes;      // one per device
+  std::vector<float> losses;                // per timed step
+  float final_loss = 0;
+
+  double step_ms_median() const;
+  double step_ms_p90() const;
+  double samples_per_s() const;
+};
+
+// q-quantile (0..1) by linear interpolation; 0 for an empty list.
+double percentile(std::vector<double> values, double q);
+
+// Bytes per step, P = parameter bytes. DP through device 0: the root sends P to and receives
+// P from each of the N-1 replicas: 2 (N-1) P. Ring all-reduce: each device sends (and
+// receives) 2 (N-1)/N P.
+int64_t dp_bytes_theory(int n, int64_t p);
+int64_t ring_bytes_theory(int n, int64_t p);
+
+// Alpha-beta model of one link: a message of b bytes takes alpha + b / bandwidth.
+struct Link {
+  std::string name;
+  double bandwidth_bytes_per_s;  // each way
+  double alpha_s;                // per message latency
+};
+std::vector<Link> default_links();  // NVLink4 450 GB/s, PCIe Gen5 64 GB/s
+
+// Projected step time of `mode` on n devices:
+//   DP  (star through device 0, which serialises every transfer on its one link):
+//       t = compute + optimizer + 2 (n-1) (alpha + P / bw)
+//   DDP (ring all-reduce of P bytes in 2 (n-1) messages of P/n, no overlap assumed):
+//       t = compute + optimizer + 2 (n-1) (alpha + P / (n bw))
+// compute = forward + backward per device at the per-device batch, in seconds.
+double projected_step_s(const std::string& mode, int n, double compute_s, double optimizer_s,
+                        int64_t p, const Link& link);
+
+struct Header {
+  std::string device;  // "cpu" or the GPU's name
+  int physical = 0;    // physical devices behind the logical ones
+  int logical = 0;
+  std::string model;
+  int64_t params = 0;
+  std::string dtype;
+};
+bool oversubscribed(const Header& h);
+
+void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>& runs);
+void print_projection(std::ostream& os, const std::vector<RunResult>& runs);
+nlohmann::json to_json(const Header& h, const std::vector<RunResult>& runs);
+nlohmann::json run_to_json(const RunResult& r);
+RunResult run_from_json(const nlohmann::json& j);
+// CSV of a sweep: mode,gpus,step_ms_median,step_ms_p90,samples_per_s,speedup,efficiency,...
+void write_sweep_csv(std::ostream& os, const std::vector<RunResult>& runs);
+// Chrome/Perfetto trace: one process per run, one thread (track) per device or rank.
+nlohmann::json chrome_trace(
+    const std::vector<std::pair<std::string, std::vector<dp::TraceEvent>>>& runs);
+
+}  // namespace bench

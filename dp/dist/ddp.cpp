@@ -1,0 +1,216 @@
+#include "dp/dist/ddp.hpp"
+
+#include <functional>
+#include <string>
+
+namespace dp::dist {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// 64-bit FNV-1a of a parameter's name and shape.
+uint64_t describe(const std::string& name, const kernels::Shape& shape) {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&](uint64_t v) {
+    for (int i = 0; i < 8; ++i) h = (h ^ ((v >> (8 * i)) & 0xff)) * 1099511628211ull;
+  };
+  for (char c : name) mix(static_cast<unsigned char>(c));
+  mix(shape.size());
+  for (int64_t d : shape) mix(static_cast<uint64_t>(d));
+  return h;
+}
+
+// The hash as four exact f32 values of 16 bits each.
+void put_hash(float* out, uint64_t h) {
+  for (int i = 0; i < 4; ++i) out[i] = static_cast<float>((h >> (16 * i)) & 0xffff);
+}
+
+}  // namespace
+
+std::vector<Bucket> DistributedDataParallel::make_buckets(const std::vector<int64_t>& numels,
+                                                          int64_t first_cap, int64_t cap) {
+  std::vector<Bucket> out;
+  int64_t end = 0;
+  for (int64_t n : numels) end += n;
+  Bucket b;
+  b.offset = end;
+  for (size_t k = numels.size(); k-- > 0;) {  // reverse registration order
+    b.offset -= numels[k];
+    b.numel += numels[k];
+    ++b.n_params;
+    // As PyTorch: a bucket closes once it reaches its cap (the first one a smaller cap).
+    if (b.numel * 4 >= (out.empty() ? first_cap : cap)) {
+      out.push_back(b);
+      b = Bucket{b.offset, 0, 0};
+    }
+  }
+  if (b.n_params > 0) out.push_back(b);
+  return out;
+}
+
+DistributedDataParallel::DistributedDataParallel(nn::ModulePtr module, ProcessGroup& group,
+                                                 DdpOptions options)
+    : module_(std::move(module)), group_(group), options_(options) {
+  DP_CHECK(module_ && module_->materialized(),
+           "DistributedDataParallel: the module must be materialised on this rank's device "
+           "(call materialize first)");
+  share_ = 1.f / static_cast<float>(group_.size());
+  verify_same_model();
+  {
+    kernels::NvtxRange range("ddp/broadcast_params");
+    group_.broadcast(module_->flat_params(), 0)->wait();
+    if (module_->flat_buffers().numel() > 0) group_.broadcast(module_->flat_buffers(), 0)->wait();
+  }
+  std::vector<int64_t> numels;
+  auto params = module_->named_parameters();
+  for (auto& [name, p] : params) numels.push_back(p->numel());
+  buckets_ = make_buckets(numels, options_.first_bucket_bytes, options_.bucket_cap_bytes);
+  for (size_t i = 0; i < params.size(); ++i) {
+    const nn::Parameter* p = params[i].second;
+    int bucket = -1;
+    for (size_t k = 0; k < buckets_.size(); ++k)
+      if (p->offset >= buckets_[k].offset && p->offset < buckets_[k].offset + buckets_[k].numel &&
+          p->numel() > 0)
+        bucket = static_cast<int>(k);
+    bucket_index_.emplace(p, bucket);
+  }
+  // Parameters with no elements are ready from the start.
+  for (auto& b : buckets_) b.n_params = 0;
+  for (auto& [p, k] : bucket_index_)
+    if (k >= 0) ++buckets_[k].n_params;
+  ready_count_.assign(buckets_.size(), 0);
+  pending_.resize(buckets_.size());
+  module_->flat().on_grad_ready = [this](const nn::Parameter& p) { on_grad_ready(p); };
+}
+
+DistributedDataParallel::~DistributedDataParallel() {
+  if (module_ && module_->materialized()) module_->flat().on_grad_ready = nullptr;
+  for (auto& w : pending_) {
+    if (!w) continue;
+    try {
+      w->wait();
+    } catch (const std::exception& e) {
+      DP_LOG_ERROR("DistributedDataParallel: a bucket all-reduce failed at teardown: " << e.what());
+    }
+  }
+}
+
+void DistributedDataParallel::verify_same_model() {
+  auto params = module_->named_parameters();
+  const int64_t n = static_cast<int64_t>(params.size());
+  Device dev = module_->device();
+  // 1. The same number of parameters everywhere.
+  Tensor count = Tensor::from_vector({static_cast<float>(n)}, {1}, dev);
+  Tensor counts = Tensor::empty({group_.size()}, kernels::DType::f32, dev);
+  group_.all_gather(counts, count)->wait();
+  auto all = counts.to_host_f32();
+  for (int r = 0; r < group_.size(); ++r)
+    DP_CHECK(static_cast<int64_t>(all[r]) == n, "DDP: the models differ: rank "
+                                                    << r << " has " << static_cast<int64_t>(all[r])
+                                                    << " parameter tensors, rank " << group_.rank()
+                                                    << " has " << n);
+  // 2. Rank 0's (name, shape) hashes against ours; every rank learns the first mismatch.
+  std::vector<float> mine(static_cast<size_t>(4 * n));
+  for (int64_t i = 0; i < n; ++i)
+    put_hash(&mine[4 * i], describe(params[i].first, params[i].second->shape));
+  Tensor table = Tensor::from_vector(mine, {4 * n}, dev);
+  if (n > 0) group_.broadcast(table, 0)->wait();
+  auto root = table.to_host_f32();
+  float first_bad = static_cast<float>(n);  // n: no mismatch
+  for (int64_t i = 0; i < n && first_bad == n; ++i)
+    for (int j = 0; j < 4; ++j)
+      if (root[4 * i + j] != mine[4 * i + j]) first_bad = static_cast<float>(i);
+  Tensor bad = Tensor::from_vector({first_bad}, {1}, dev);
+  group_.all_reduce(bad, ReduceOp::min)->wait();
+  int64_t index = static_cast<int64_t>(bad.item());
+  DP_CHECK(index >= n, "DDP: the models differ across ranks: the first mismatched tensor is #"
+                           << index << " '" << params[index].first << "' "
+                           << kernels::shape_str(params[index].second->shape) << " on rank "
+                           << group_.rank() << ", whose name or shape differs on some rank");
+}
+
+void DistributedDataParallel::set_batch_share(int64_t local_rows, int64_t global_rows) {
+  DP_CHECK(global_rows > 0 && local_rows >= 0 && local_rows <= global_rows,
+           "set_batch_share: " << local_rows << " of " << global_rows << " rows");
+  share_ = static_cast<float>(local_rows) / static_cast<float>(global_rows);
+}
+
+Tensor DistributedDataParallel::forward(const Tensor& x) {
+  if (options_.buffer_sync == BufferSync::broadcast && module_->flat_buffers().numel() > 0 &&
+      module_->is_training()) {
+    kernels::NvtxRange range("ddp/broadcast_buffers");
+    group_.broadcast(module_->flat_buffers(), 0)->wait();
+  }
+  kernels::NvtxRange range("ddp/forward");
+  TraceScope slice(trace_, "ddp/forward", group_.rank());
+  return module_->forward(x);
+}
+
+Tensor DistributedDataParallel::backward(const Tensor& dy) {
+  stats_ = DdpStats{};
+  stats_.buckets = static_cast<int>(buckets_.size());
+  Tensor dx;
+  {
+    kernels::NvtxRange range("ddp/backward");
+    TraceScope slice(trace_, "ddp/backward", group_.rank());
+    in_backward_ = true;
+    try {
+      dx = module_->backward(dy);
+    } catch (...) {
+      in_backward_ = false;
+      throw;
+    }
+    in_backward_ = false;
+  }
+  return dx;
+}
+
+void DistributedDataParallel::on_grad_ready(const nn::Parameter& p) {
+  if (!sync_enabled_) return;
+  auto it = bucket_index_.find(&p);
+  if (it == bucket_index_.end() || it->second < 0) return;
+  int k = it->second;
+  ++ready_count_[k];
+  launch_ready_buckets();
+}
+
+void DistributedDataParallel::launch_ready_buckets() {
+  // In index order only: bucket k goes after k-1 on every rank, so the collectives match.
+  while (next_to_launch_ < static_cast<int>(buckets_.size()) &&
+         ready_count_[next_to_launch_] >= buckets_[next_to_launch_].n_params) {
+    int k = next_to_launch_++;
+    const Bucket& b = buckets_[k];
+    Tensor slice = module_->flat_grads().view(b.offset, {b.numel});
+    kernels::NvtxRange range("ddp/allreduce[bucket " + std::to_string(k) + "]");
+    kernels::scale(slice, slice, share_);
+    pending_[k] = group_.all_reduce(slice, ReduceOp::sum);
+    if (in_backward_) ++stats_.launched_before_backward_end;
+    if (trace_)
+      trace_->add({"ddp/allreduce[bucket " + std::to_string(k) + "] launch", group_.rank(),
+                   trace_->now_us(), 1.0});
+  }
+}
+
+void DistributedDataParallel::finish_gradient_sync() {
+  if (!sync_enabled_) return;
+  // Buckets whose parameters got no gradient this step (unused layers) still take part.
+  for (size_t k = 0; k < buckets_.size(); ++k) ready_count_[k] = buckets_[k].n_params;
+  launch_ready_buckets();
+  auto t0 = Clock::now();
+  {
+    kernels::NvtxRange range("ddp/allreduce_wait");
+    TraceScope slice(trace_, "ddp/allreduce_wait", group_.rank());
+    for (auto& w : pending_) {
+      if (w) w->wait();
+      w.reset();
+    }
+  }
+  if (options_.buffer_sync == BufferSync::average && module_->flat_buffers().numel() > 0)
+    group_.all_reduce(module_->flat_buffers(), ReduceOp::avg)->wait();
+  stats_.allreduce_wait_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  std::fill(ready_count_.begin(), ready_count_.end(), 0);
+  next_to_launch_ = 0;
+}
+
+}  // namespace dp::dist

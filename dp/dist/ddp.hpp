@@ -1,0 +1,119 @@
+// dp::dist::DistributedDataParallel: one process per device (PyTorch's DDP).
+//
+//   at start:  verify that parameter names and shapes agree on every rank (the error names the
+//              first mismatched tensor), then broadcast parameters and buffers from rank 0
+//   forward:   BatchNorm buffers broadcast from rank 0 first (PyTorch's default) unless they
+//              are averaged after backward (BufferSync::average)
+//   backward:  gradients land in the flat gradient buffer layer by layer, in reverse; as soon as
+//              every parameter of a bucket (a slice of that buffer, in reverse registration
+//              order) has its gradient, the bucket's all-reduce is launched asynchronously, so
+//              communication overlaps the rest of backward. Buckets launch in index order,
+//              which is the same on every rank.
+//   finish:    wait for every bucket; then each rank steps its own optimizer (replicas stay
+//              bitwise equal because every rank applies the same reduced gradient)
+//
+// Averaging is defined as in DP: each rank scales its bucket by its share of the global batch
+// (B_r / B; 1 / world by default), then the all-reduce sums. With uneven shards the result is
+// still the gradient of the global batch's mean loss.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#include "dp/dist/process_group.hpp"
+#include "dp/trace.hpp"
+#include "nn/module.hpp"
+
+namespace dp::dist {
+
+using kernels::Device;
+using kernels::Tensor;
+
+enum class BufferSync { broadcast, average };
+
+struct DdpOptions {
+  int64_t bucket_cap_bytes = 25ll << 20;   // PyTorch's bucket_cap_mb = 25
+  int64_t first_bucket_bytes = 1ll << 20;  // a small first bucket starts communication early
+  BufferSync buffer_sync = BufferSync::broadcast;
+};
+
+// A slice [offset, offset + numel) of the flat gradient buffer.
+struct Bucket {
+  int64_t offset = 0;
+  int64_t numel = 0;
+  int n_params = 0;
+};
+
+// Counters of the last backward, to see the overlap.
+struct DdpStats {
+  int buckets = 0;
+  int launched_before_backward_end = 0;  // all-reduces started while backward still ran
+  double allreduce_wait_ms = 0;          // time finish() waited: communication not hidden
+};
+
+class DistributedDataParallel {
+ public:
+  // requires module materialised on this rank's device; `group` outlives this object.
+  DistributedDataParallel(nn::ModulePtr module, ProcessGroup& group, DdpOptions options = {});
+  ~DistributedDataParallel();
+  DistributedDataParallel(const DistributedDataParallel&) = delete;
+  DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
+
+  // This rank's share of the next step's global batch: its gradient is scaled by
+  // local / global before the sum. Default: 1 / world size (equal shards).
+  void set_batch_share(int64_t local_rows, int64_t global_rows);
+
+  Tensor forward(const Tensor& x);
+  // Runs backward; launches bucket all-reduces as gradients become ready (unless in no_sync).
+  Tensor backward(const Tensor& dy);
+  // Waits for every bucket (and averages buffers when asked). Call before optimizer.step().
+  void finish_gradient_sync();
+
+  // While a NoSync is alive, backward only accumulates local gradients (gradient accumulation);
+  // the first backward after it reduces everything accumulated.
+  class NoSync {
+   public:
+    explicit NoSync(DistributedDataParallel& ddp) : ddp_(ddp) { ddp_.sync_enabled_ = false; }
+    ~NoSync() { ddp_.sync_enabled_ = true; }
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+
+   private:
+    DistributedDataParallel& ddp_;
+  };
+  NoSync no_sync() { return NoSync(*this); }
+
+  nn::Module& module() { return *module_; }
+  const std::vector<Bucket>& buckets() const { return buckets_; }
+  const DdpStats& stats() const { return stats_; }
+  void set_trace(Trace* trace) { trace_ = trace; }
+
+  // Builds buckets over parameters of `numels` (registration order): reverse order, the first
+  // bucket capped at first_cap bytes, the others at cap bytes. Exposed for tests.
+  static std::vector<Bucket> make_buckets(const std::vector<int64_t>& numels, int64_t first_cap,
+                                          int64_t cap);
+
+ private:
+  void verify_same_model();
+  void on_grad_ready(const nn::Parameter& p);
+  void launch_ready_buckets();
+
+  nn::ModulePtr module_;
+  ProcessGroup& group_;
+  DdpOptions options_;
+  std::vector<Bucket> buckets_;
+  std::unordered_map<const nn::Parameter*, int> bucket_index_;  // -1: no elements
+  std::vector<int> ready_count_;
+  std::vector<std::shared_ptr<Work>> pending_;
+  int next_to_launch_ = 0;
+  bool sync_enabled_ = true;
+  bool in_backward_ = false;
+  float share_ = 1.f;
+  DdpStats stats_;
+  Trace* trace_ = nullptr;
+};
+
+}  // namespace dp::dist

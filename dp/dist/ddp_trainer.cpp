@@ -1,0 +1,136 @@
+#include "dp/dist/ddp_trainer.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <thread>
+
+#include "dp/chunks.hpp"
+
+namespace dp::dist {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+}  // namespace
+
+std::optional<int> launch_if_parent(const DdpTrainerOptions& o, int argc, char** argv) {
+  if (worker_env_from_environment()) return std::nullopt;
+  LaunchOptions lo;
+  lo.nproc_per_node = o.nproc;
+  lo.nnodes = o.nnodes;
+  lo.node_rank = o.node_rank;
+  lo.master_addr = o.master_addr;
+  lo.master_port = o.master_port;
+  lo.extra_env = o.extra_env;
+  return launch_workers(lo, std::vector<std::string>(argv, argv + argc));
+}
+
+DdpTrainer::DdpTrainer(kernels::DeviceType type, const std::string& backend, DdpOptions ddp)
+    : ddp_options_(ddp) {
+  auto env = worker_env_from_environment();
+  DP_CHECK(env,
+           "DdpTrainer: this process was not started as a worker (RANK, WORLD_SIZE, "
+           "MASTER_ADDR, MASTER_PORT are unset); start it through the launcher or torchrun");
+  env_ = *env;
+  device_ = {type, env_.local_rank};
+  kernels::ContextOptions co;
+  int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  co.cpu_threads = std::max(1, hw / std::max(1, env_.local_world_size));
+  context_ = std::make_unique<kernels::DeviceContext>(device_, co);
+  scope_ = std::make_unique<kernels::ContextScope>(*context_);
+  InitOptions io;
+  io.backend = parse_backend(backend);
+  io.device = device_;
+  io.rank = env_.rank;
+  io.world_size = env_.world_size;
+  group_ = init_process_group(io);
+}
+
+DdpTrainer::~DdpTrainer() {
+  ddp_.reset();
+  group_.reset();
+  if (context_) context_->synchronize();
+}
+
+void DdpTrainer::wrap(nn::ModulePtr model, nn::Optimizer& optimizer) {
+  ddp_ = std::make_unique<DistributedDataParallel>(std::move(model), *group_, ddp_options_);
+  optimizer_ = &optimizer;
+  // The initial weights were broadcast from rank 0 through this rank's stream.
+  context_->synchronize();
+}
+
+std::pair<kernels::Tensor, kernels::Tensor> DdpTrainer::my_chunk(const kernels::Tensor& images,
+                                                                 const kernels::Tensor& labels,
+                                                                 float* share) {
+  DP_CHECK(
+      images.defined() && labels.defined() && labels.ndim() == 1 && images.dim(0) == labels.dim(0),
+      "DdpTrainer: images " << images << " and labels " << labels
+                            << " must share their first dimension");
+  int64_t batch = images.dim(0);
+  auto sizes = chunk_sizes(batch, world_size());
+  int64_t begin = chunk_begin(sizes, rank());
+  if (share) *share = chunk_share(sizes[rank()], batch);
+  return {images.slice(begin, begin + sizes[rank()]).to(device_),
+          labels.slice(begin, begin + sizes[rank()]).to(device_)};
+}
+
+float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tensor& labels) {
+  DP_CHECK(ddp_, "DdpTrainer::train_step before wrap()");
+  auto t_step = Clock::now();
+  float share = 0;
+  auto [x, y] = my_chunk(images, labels, &share);
+  DP_CHECK(x.dim(0) > 0, "DdpTrainer: a global batch of " << images.dim(0) << " rows leaves rank "
+                                                          << rank() << " of " << world_size()
+                                                          << " without rows");
+  ddp_->set_batch_share(x.dim(0), images.dim(0));
+
+  auto t0 = Clock::now();
+  nn::Module& m = ddp_->module();
+  m.zero_grad();
+  kernels::Tensor out = ddp_->forward(x);
+  kernels::Tensor loss = kernels::Tensor::empty({1}, kernels::DType::f32, device_);
+  kernels::Tensor dlogits = kernels::Tensor::empty(out.shape(), kernels::DType::f32, device_);
+  kernels::softmax_cross_entropy(loss, dlogits, out, y);
+  context_->synchronize();
+  times_.forward = ms_since(t0);
+
+  t0 = Clock::now();
+  ddp_->backward(dlogits);
+  context_->synchronize();
+  times_.backward = ms_since(t0);
+
+  t0 = Clock::now();
+  ddp_->finish_gradient_sync();
+  context_->synchronize();
+  times_.allreduce_wait = ms_since(t0);
+
+  t0 = Clock::now();
+  {
+    kernels::NvtxRange range("ddp/step");
+    optimizer_->step();
+    context_->synchronize();
+  }
+  times_.optimizer = ms_since(t0);
+  times_.total = ms_since(t_step);
+
+  // The global mean loss, for reporting: outside the timed step.
+  kernels::scale(loss, loss, share);
+  group_->all_reduce(loss, ReduceOp::sum)->wait();
+  return loss.item();
+}
+
+int64_t DdpTrainer::count_correct(const kernels::Tensor& images, const kernels::Tensor& labels) {
+  DP_CHECK(ddp_, "DdpTrainer::count_correct before wrap()");
+  auto [x, y] = my_chunk(images, labels, nullptr);
+  nn::Module& m = ddp_->module();
+  m.eval();
+  float mine = x.dim(0) > 0 ? static_cast<float>(kernels::count_correct(m.forward(x), y)) : 0.f;
+  m.train();
+  kernels::Tensor c = kernels::Tensor::from_vector({mine}, {1}, device_);
+  group_->all_reduce(c, ReduceOp::sum)->wait();
+  return static_cast<int64_t>(c.item());
+}
+
+}  // namespace dp::dist

@@ -1,0 +1,83 @@
+// DdpTrainer: what a DDP worker process does each step, shared by dp_bench and the samples.
+//
+//   if (auto rc = dp::dist::launch_if_parent(opts, argc, argv)) return *rc;  // the launcher
+//   dp::dist::DdpTrainer t(kernels::DeviceType::cpu, "auto");                // a worker
+//   model->materialize(t.device(), seed); nn::SGD opt(*model, cfg); t.wrap(model, opt);
+//   float loss = t.train_step(global_images, global_labels);  // every rank passes the SAME batch
+//
+// Rank r trains on the r-th chunk of each global batch (dp/chunks.hpp: the rows DP gives
+// device r), scaled by its share, so DDP follows the same loss curve as DP and as one device.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dp/dist/ddp.hpp"
+#include "dp/dist/launcher.hpp"
+#include "dp/dist/process_group.hpp"
+#include "nn/optim.hpp"
+
+namespace dp::dist {
+
+struct DdpTrainerOptions {
+  int nproc = 1;  // ranks on this node
+  std::string backend = "auto";
+  kernels::DeviceType device_type = kernels::DeviceType::cpu;
+  int nnodes = 1, node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;  // 0: a free port (one node)
+  std::vector<std::pair<std::string, std::string>> extra_env;
+};
+
+// In a process started as a worker (RANK etc. set, by us, torchrun, mpirun or Slurm): nullopt,
+// go on as a worker. Otherwise: runs options.nproc workers of this program with the same
+// arguments, waits for them, and returns the launcher's exit code.
+std::optional<int> launch_if_parent(const DdpTrainerOptions& options, int argc, char** argv);
+
+// Milliseconds of the phases of the last step on this rank.
+struct DdpStepTimes {
+  double forward = 0, backward = 0, allreduce_wait = 0, optimizer = 0, total = 0;
+};
+
+class DdpTrainer {
+ public:
+  // Joins the group described by the environment (throws naming what is missing). The rank's
+  // device is cuda:LOCAL_RANK (logical: several may share a GPU) or cpu:LOCAL_RANK, with its
+  // context bound to this thread for the trainer's life.
+  DdpTrainer(kernels::DeviceType type, const std::string& backend, DdpOptions ddp = {});
+  ~DdpTrainer();
+
+  int rank() const { return env_.rank; }
+  int world_size() const { return env_.world_size; }
+  const WorkerEnv& env() const { return env_; }
+  kernels::Device device() const { return device_; }
+  ProcessGroup& group() { return *group_; }
+  DistributedDataParallel& ddp() { return *ddp_; }
+
+  // requires model materialised on device(); optimizer built on it.
+  void wrap(nn::ModulePtr model, nn::Optimizer& optimizer);
+  // One step on this rank's chunk of the global host batch. Returns the global mean loss.
+  float train_step(const kernels::Tensor& images, const kernels::Tensor& labels);
+  // Rows of the global batch whose argmax equals the label (each rank counts its chunk).
+  int64_t count_correct(const kernels::Tensor& images, const kernels::Tensor& labels);
+  const DdpStepTimes& last_times() const { return times_; }
+
+ private:
+  std::pair<kernels::Tensor, kernels::Tensor> my_chunk(const kernels::Tensor& images,
+                                                       const kernels::Tensor& labels, float* share);
+
+  WorkerEnv env_;
+  kernels::Device device_;
+  std::unique_ptr<kernels::DeviceContext> context_;
+  std::unique_ptr<kernels::ContextScope> scope_;
+  std::unique_ptr<ProcessGroup> group_;
+  DdpOptions ddp_options_;
+  std::unique_ptr<DistributedDataParallel> ddp_;
+  nn::Optimizer* optimizer_ = nullptr;
+  DdpStepTimes times_;
+};
+
+}  // namespace dp::dist

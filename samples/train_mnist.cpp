@@ -1,0 +1,225 @@
+// train_mnist: trains a model on Fashion-MNIST (Debian's dataset-fashion-mnist), on one
+// device, or through DP (threads) or DDP (processes) on N devices, and reports test accuracy.
+//
+//   bin/train_mnist --model mlp --epochs 1
+//   bin/train_mnist --model cnn --epochs 3 --mode dp --gpus 2
+//   bin/train_mnist --model mlp --mode ddp --gpus 2 --json out.json
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <optional>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "dp/data/loader.hpp"
+#include "dp/data/mnist.hpp"
+#include "dp/data_parallel.hpp"
+#include "dp/dist/ddp_trainer.hpp"
+#include "nn/nn.hpp"
+
+using kernels::Device;
+using kernels::Tensor;
+
+namespace {
+
+struct Flags {
+  std::string model = "mlp", device = "auto", mode = "single", data, json;
+  int epochs = 1, gpus = 1;
+  int64_t batch = 32;
+  float lr = -1;  // per model default
+  uint64_t seed = 1;
+  std::string backend = "auto";
+};
+
+nn::ModulePtr make_model(const std::string& name) {
+  if (name == "mlp") return nn::mlp({784, 256, 10});
+  if (name == "cnn") return nn::lenet(1, 10);
+  return nn::resnet(8, 1, 10);
+}
+
+float default_lr(const std::string& model) {
+  return model == "mlp" ? 0.01f : 0.02f;
+}
+
+kernels::DeviceType device_type(const std::string& flag) {
+  bool gpu = kernels::cuda_device_count() > 0;
+  if (flag == "cuda") {
+    DP_CHECK(gpu, "--device cuda: " << kernels::cuda_unavailable_reason());
+    return kernels::DeviceType::cuda;
+  }
+  if (flag == "auto" && !gpu)
+    std::fprintf(stderr, "train_mnist: no usable GPU (%s): training on the CPU\n",
+                 kernels::cuda_unavailable_reason().c_str());
+  return flag == "cpu" || !gpu ? kernels::DeviceType::cpu : kernels::DeviceType::cuda;
+}
+
+// One line of progress: a redrawn bar on a terminal, a plain line every 20% otherwise.
+void progress(int epoch, int64_t done, int64_t total, float loss, double samples_per_s) {
+  bool tty = isatty(fileno(stderr));
+  if (tty) {
+    int width = 30, filled = static_cast<int>(width * done / std::max<int64_t>(total, 1));
+    std::fprintf(stderr, "\repoch %d [%s%s] %lld/%lld loss %.4f %.0f samples/s", epoch,
+                 std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(),
+                 static_cast<long long>(done), static_cast<long long>(total), loss, samples_per_s);
+    if (done == total) std::fprintf(stderr, "\n");
+  } else if (done == total || (done * 5 / total) != ((done - 1) * 5 / total)) {
+    std::fprintf(stderr, "epoch %d: %lld/%lld batches, loss %.4f, %.0f samples/s\n", epoch,
+                 static_cast<long long>(done), static_cast<long long>(total), loss, samples_per_s);
+  }
+}
+
+// One training step and one evaluation over a host batch, whatever the mode.
+struct Engine {
+  std::function<float(const Tensor&, const Tensor&)> train_step;  // returns the batch loss
+  std::function<int64_t(const Tensor&, const Tensor&)> count_correct;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Flags f;
+  CLI::App app{"train_mnist: Fashion-MNIST on one device, DP or DDP"};
+  app.add_option("--model", f.model, "mlp|cnn|resnet")
+      ->check(CLI::IsMember({"mlp", "cnn", "resnet"}));
+  app.add_option("--epochs", f.epochs)->check(CLI::PositiveNumber);
+  app.add_option("--batch", f.batch, "global batch")->check(CLI::PositiveNumber);
+  app.add_option("--lr", f.lr, "learning rate (SGD, momentum 0.9)");
+  app.add_option("--device", f.device, "auto|cpu|cuda")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  app.add_option("--seed", f.seed);
+  app.add_option("--data", f.data, "directory of the IDX files")
+      ->default_str(dp::data::kDefaultFashionMnistDir);
+  app.add_option("--json", f.json, "write {test_accuracy, train_loss[], seconds} here");
+  app.add_option("--mode", f.mode, "single|dp|ddp")->check(CLI::IsMember({"single", "dp", "ddp"}));
+  app.add_option("--gpus", f.gpus, "devices for dp/ddp")->check(CLI::PositiveNumber);
+  app.add_option("--backend", f.backend, "ddp: auto|nccl|gloo");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    if (f.lr < 0) f.lr = default_lr(f.model);
+    std::string dir = f.data.empty() ? dp::data::kDefaultFashionMnistDir : f.data;
+    if (f.mode == "ddp") {
+      dp::dist::DdpTrainerOptions t;
+      t.nproc = f.gpus;
+      t.backend = f.backend;
+      t.device_type = device_type(f.device);
+      // The ranks re-run this program; each trains its shard of every global batch.
+      std::optional<int> rc = dp::dist::launch_if_parent(t, argc, argv);
+      if (rc) return *rc;
+    }
+    dp::data::MnistDataset train(dir, dp::data::Split::train);
+    dp::data::MnistDataset test(dir, dp::data::Split::test);
+    kernels::DeviceType type = device_type(f.device);
+    auto devices = kernels::make_devices(type, f.mode == "single" ? 1 : f.gpus);
+
+    auto model = make_model(f.model);
+    std::unique_ptr<dp::dist::DdpTrainer> ddp;
+    Device home = devices[0];
+    if (f.mode == "ddp") {
+      ddp = std::make_unique<dp::dist::DdpTrainer>(type, f.backend);
+      home = ddp->device();
+    }
+    model->materialize(home, f.seed);
+    kernels::SgdConfig cfg;
+    cfg.lr = f.lr;
+    cfg.momentum = 0.9f;
+    nn::SGD opt(*model, cfg);
+
+    Engine engine;
+    std::unique_ptr<dp::DataParallel> dp_engine;
+    if (f.mode == "dp") {
+      dp_engine = std::make_unique<dp::DataParallel>(model, opt, devices);
+      engine.train_step = [&](const Tensor& x, const Tensor& y) {
+        return dp_engine->train_step(x, y).loss;
+      };
+      engine.count_correct = [&](const Tensor& x, const Tensor& y) {
+        return dp_engine->evaluate(x, y).correct;
+      };
+    } else if (f.mode == "ddp") {
+      ddp->wrap(model, opt);
+      engine.train_step = [&](const Tensor& x, const Tensor& y) { return ddp->train_step(x, y); };
+      engine.count_correct = [&](const Tensor& x, const Tensor& y) {
+        return ddp->count_correct(x, y);
+      };
+    } else {
+      Tensor loss = Tensor::empty({1}, kernels::DType::f32, home);
+      engine.train_step = [&, loss](const Tensor& x, const Tensor& y) mutable {
+        Tensor xd = x.to(home), yd = y.to(home);
+        model->zero_grad();
+        Tensor out = model->forward(xd);
+        Tensor dlogits = Tensor::empty(out.shape(), kernels::DType::f32, home);
+        kernels::softmax_cross_entropy(loss, dlogits, out, yd);
+        model->backward(dlogits);
+        opt.step();
+        return loss.item();
+      };
+      engine.count_correct = [&](const Tensor& x, const Tensor& y) {
+        model->eval();
+        int64_t c = kernels::count_correct(model->forward(x.to(home)), y.to(home));
+        model->train();
+        return c;
+      };
+    }
+
+    bool chatty = !ddp || ddp->rank() == 0;
+    dp::data::LoaderOptions lo;
+    lo.batch_size = f.batch;
+    lo.seed = f.seed;
+    dp::data::Loader loader(train, lo);
+    std::vector<float> epoch_loss;
+    auto t0 = std::chrono::steady_clock::now();
+    for (int e = 0; e < f.epochs; ++e) {
+      loader.set_epoch(e);
+      double sum = 0;
+      int64_t n = 0, total = loader.num_batches();
+      auto te = std::chrono::steady_clock::now();
+      for (auto& batch : loader) {
+        float l = engine.train_step(batch.images, batch.labels);
+        sum += l;
+        ++n;
+        double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - te).count();
+        if (chatty)
+          progress(e, n, total, static_cast<float>(sum / n), n * f.batch / std::max(s, 1e-9));
+      }
+      epoch_loss.push_back(static_cast<float>(sum / std::max<int64_t>(n, 1)));
+    }
+    double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+    int64_t correct = 0;
+    for (int64_t first = 0; first < test.size(); first += 1000) {
+      auto b = dp::data::make_batch(test, first, std::min<int64_t>(1000, test.size() - first));
+      correct += engine.count_correct(b.images, b.labels);
+    }
+    double accuracy = static_cast<double>(correct) / test.size();
+    if (chatty) {
+      std::printf(
+          "train_mnist: model %s, mode %s on %d x %s, %d epoch(s): test accuracy %.4f, "
+          "last epoch loss %.4f, %.1f s\n",
+          f.model.c_str(), f.mode.c_str(), static_cast<int>(devices.size()), home.str().c_str(),
+          f.epochs, accuracy, epoch_loss.back(), seconds);
+      if (!f.json.empty()) {
+        std::ofstream out(f.json);
+        DP_CHECK(out, "--json: cannot write '" << f.json << "'");
+        out << nlohmann::json{{"test_accuracy", accuracy},
+                              {"train_loss", epoch_loss},
+                              {"seconds", seconds},
+                              {"model", f.model},
+                              {"mode", f.mode},
+                              {"devices", devices.size()}}
+                   .dump(2)
+            << "\n";
+      }
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "train_mnist: error: %s\n", e.what());
+    return 1;
+  }
+}

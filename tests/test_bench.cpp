@@ -1,0 +1,146 @@
+// dp_bench: the report's formulas, and the command's JSON, trace and sweep outputs.
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include "benchmarks/report.hpp"
+#include "tests/test_util.hpp"
+
+namespace {
+
+nlohmann::json read_json(const std::string& path) {
+  std::ifstream f(path);
+  REQUIRE(f.good());
+  return nlohmann::json::parse(f);
+}
+
+std::string temp_path(const std::string& name) {
+  const char* dir = std::getenv("TMPDIR");
+  return std::string(dir ? dir : "/tmp") + "/dp_test_bench_" + std::to_string(getpid()) + "_" +
+         name;
+}
+
+int run_bench(const std::string& args) {
+  std::string cmd =
+      std::string(DP_BENCH_PATH) + " " + args + " > " + temp_path("out.txt") + " 2>&1";
+  int rc = std::system(cmd.c_str());
+  std::ifstream out(temp_path("out.txt"));
+  std::stringstream ss;
+  ss << out.rdbuf();
+  MESSAGE(ss.str());
+  return rc;
+}
+
+}  // namespace
+
+TEST_CASE("bench.theory: bytes moved per step") {
+  const int64_t p = 1000;
+  CHECK(bench::dp_bytes_theory(1, p) == 0);
+  CHECK(bench::dp_bytes_theory(4, p) == 6000);  // 2 (N-1) P
+  CHECK(bench::ring_bytes_theory(1, p) == 0);
+  CHECK(bench::ring_bytes_theory(4, p) == 1500);  // 2 (N-1)/N P
+  CHECK(bench::ring_bytes_theory(8, 8000) == 14000);
+}
+
+TEST_CASE("bench.projection: alpha-beta step time against hand-computed values") {
+  bench::Link link{"test", 100e9, 10e-6};  // 100 GB/s, 10 us
+  const int64_t p = 400'000'000;           // 400 MB of parameters
+  // DP, N=4: 6 messages of P through device 0: 6 * (10 us + 4 ms) = 24.06 ms, + 10 + 1 ms.
+  CHECK(bench::projected_step_s("dp", 4, 0.010, 0.001, p, link) ==
+        doctest::Approx(0.011 + 6 * (10e-6 + 0.004)));
+  // DDP ring, N=4: 6 messages of P/4: 6 * (10 us + 1 ms) = 6.06 ms.
+  CHECK(bench::projected_step_s("ddp", 4, 0.010, 0.001, p, link) ==
+        doctest::Approx(0.011 + 6 * (10e-6 + 0.001)));
+  CHECK(bench::projected_step_s("ddp", 1, 0.010, 0.001, p, link) == doctest::Approx(0.011));
+  // The star loses to the ring by nearly N: 14 messages of P against 14 of P/8.
+  double dp8 = bench::projected_step_s("dp", 8, 0, 0, p, link);
+  double ddp8 = bench::projected_step_s("ddp", 8, 0, 0, p, link);
+  CHECK(dp8 / ddp8 == doctest::Approx((10e-6 + 0.004) / (10e-6 + 0.0005)));
+}
+
+TEST_CASE("bench.stats: percentiles and throughput") {
+  CHECK(bench::percentile({}, 0.5) == 0);
+  CHECK(bench::percentile({3, 1, 2}, 0.5) == 2);
+  CHECK(bench::percentile({1, 2, 3, 4}, 0.9) == doctest::Approx(3.7));
+  bench::RunResult r;
+  r.batch = 256;
+  r.step_ms = {10, 20, 30};
+  CHECK(r.samples_per_s() == doctest::Approx(256 / 0.020));
+  nlohmann::json j = bench::run_to_json(r);
+  bench::RunResult back = bench::run_from_json(j);
+  CHECK(back.step_ms == r.step_ms);
+  CHECK(back.batch == 256);
+}
+
+TEST_CASE("bench.cli: JSON schema and trace for both modes on CPU devices") {
+  std::string json = temp_path("run.json"), trace = temp_path("trace.json");
+  REQUIRE(run_bench("--device cpu --gpus 2 --mode both --steps 3 --warmup 1 --batch 32 --json " +
+                    json + " --trace " + trace) == 0);
+  auto j = read_json(json);
+  CHECK(j["device"] == "cpu");
+  CHECK(j["logical_devices"] == 2);
+  REQUIRE(j["runs"].is_array());
+  int dp_runs = 0, ddp_runs = 0;
+  for (auto& r : j["runs"]) {
+    for (const char* key :
+         {"mode", "gpus", "step_ms_median", "step_ms_p90", "samples_per_s", "phases_ms",
+          "bytes_per_step", "bytes_theory", "peak_mem_bytes", "final_loss"})
+      CHECK_MESSAGE(r.contains(key), key);
+    CHECK(r["peak_mem_bytes"].size() == r["gpus"].get<size_t>());
+    CHECK(r["step_ms_median"].get<double>() > 0);
+    dp_runs += r["mode"] == "dp";
+    ddp_runs += r["mode"] == "ddp";
+  }
+  CHECK(dp_runs == 2);  // N=1 baseline and N=2
+  CHECK(ddp_runs == 2);
+  // DP and DDP follow the same loss curve on the same global batches.
+  std::vector<float> dp_loss, ddp_loss;
+  for (auto& r : j["runs"])
+    if (r["gpus"] == 2)
+      (r["mode"] == "dp" ? dp_loss : ddp_loss) = r["losses"].get<std::vector<float>>();
+  REQUIRE(dp_loss.size() == 3);
+  REQUIRE(ddp_loss.size() == 3);
+  for (size_t i = 0; i < 3; ++i) CHECK(ddp_loss[i] == doctest::Approx(dp_loss[i]).epsilon(1e-4));
+
+  auto t = read_json(trace);
+  REQUIRE(t["traceEvents"].is_array());
+  std::set<std::string> names;
+  for (auto& e : t["traceEvents"]) {
+    if (e["ph"] != "X") continue;
+    CHECK(e["dur"].get<double>() >= 0);
+    names.insert(e["name"].get<std::string>());
+  }
+  CHECK(names.count("dp/forward") == 1);
+  CHECK(names.count("dp/reduce") == 1);
+  CHECK(names.count("ddp/backward") == 1);
+  std::remove(json.c_str());
+  std::remove(trace.c_str());
+}
+
+TEST_CASE("bench.cli: sweep writes a CSV row per mode and count") {
+  std::string csv = temp_path("sweep.csv"), chart = temp_path("sweep.svg");
+  REQUIRE(run_bench("--device cpu --mode dp --sweep 1,2 --steps 2 --warmup 0 --batch 16 --csv " +
+                    csv + " --chart " + chart) == 0);
+  std::ifstream f(csv);
+  std::string line;
+  std::vector<std::string> lines;
+  while (std::getline(f, line)) lines.push_back(line);
+  REQUIRE(lines.size() == 3);
+  CHECK(lines[0].rfind("mode,gpus,", 0) == 0);
+  CHECK(lines[1].rfind("dp,1,", 0) == 0);
+  CHECK(lines[2].rfind("dp,2,", 0) == 0);
+  std::remove(csv.c_str());
+  std::remove(chart.c_str());
+}
+
+TEST_CASE("bench.cli: bad flags give a clear error") {
+  CHECK(run_bench("--mode tp") != 0);
+  CHECK(run_bench("--device cpu --sweep 1,x") != 0);
+  CHECK(run_bench("--device cpu --dtype bf16") != 0);
+}

@@ -1,0 +1,295 @@
+// DistributedDataParallel over Gloo on CPU, ranks as threads of this process (each with its
+// own device cpu:r, context and process group over a TCP store on loopback).
+#include <cmath>
+#include <thread>
+
+#include "dp/chunks.hpp"
+#include "dp/dist/ddp.hpp"
+#include "dp/dist/launcher.hpp"
+#include "dp/dist/sampler.hpp"
+#include "nn/nn.hpp"
+#include "tests/test_util.hpp"
+
+using namespace kernels;
+using dp::dist::DistributedDataParallel;
+
+namespace {
+
+constexpr uint64_t kSeed = 77;
+
+// Runs fn(rank, group) on `world` threads; rethrows the first failure after all joined.
+void run_ranks(int world, const std::function<void(int, dp::dist::ProcessGroup&)>& fn) {
+  int port = dp::dist::find_free_port();
+  std::vector<std::exception_ptr> errors(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        dp::dist::InitOptions io;
+        io.backend = dp::dist::Backend::gloo;
+        io.init_method = "tcp://127.0.0.1:" + std::to_string(port);
+        io.rank = r;
+        io.world_size = world;
+        io.device = Device::cpu(r);
+        io.timeout = std::chrono::seconds(60);
+        auto pg = dp::dist::init_process_group(io);
+        fn(r, *pg);
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  std::string failures;
+  for (int r = 0; r < world; ++r) {
+    if (!errors[r]) continue;
+    try {
+      std::rethrow_exception(errors[r]);
+    } catch (const std::exception& e) {
+      failures += "rank " + std::to_string(r) + ": " + e.what() + "\n";
+    }
+  }
+  if (!failures.empty()) throw Error(failures);
+}
+
+std::pair<Tensor, Tensor> batch_of(int64_t b, uint32_t seed) {
+  Tensor x = Tensor::from_vector(dp_test::random_vector(b * 6, seed), {b, 6});
+  std::vector<int32_t> y(b);
+  for (int64_t i = 0; i < b; ++i) y[i] = static_cast<int32_t>((i * 7 + seed) % 5);
+  return {x, Tensor::from_ints(y, {b})};
+}
+
+SgdConfig sgd() {
+  SgdConfig c;
+  c.lr = 0.1f;
+  c.momentum = 0.9f;
+  return c;
+}
+
+// One step of rank r on its chunk of the global batch; returns nothing, updates the module.
+void ddp_step(DistributedDataParallel& ddp, nn::Optimizer& opt, const Tensor& x, const Tensor& y,
+              int rank, int world) {
+  auto sizes = dp::chunk_sizes(x.dim(0), world);
+  int64_t b = dp::chunk_begin(sizes, rank);
+  Tensor xs = x.slice(b, b + sizes[rank]).to(Device::cpu(rank));
+  Tensor ys = y.slice(b, b + sizes[rank]).to(Device::cpu(rank));
+  ddp.set_batch_share(sizes[rank], x.dim(0));
+  ddp.module().zero_grad();
+  Tensor out = ddp.forward(xs);
+  Tensor loss = Tensor::empty({1}, DType::f32, Device::cpu(rank));
+  Tensor dl = Tensor::empty(out.shape(), DType::f32, Device::cpu(rank));
+  softmax_cross_entropy(loss, dl, out, ys);
+  ddp.backward(dl);
+  ddp.finish_gradient_sync();
+  opt.step();
+}
+
+std::vector<float> single_device(int steps, int64_t batch) {
+  auto m = nn::mlp({6, 16, 5});
+  m->materialize(Device::cpu(0), kSeed);
+  nn::SGD opt(*m, sgd());
+  for (int s = 0; s < steps; ++s) {
+    auto [x, y] = batch_of(batch, 100 + s);
+    m->zero_grad();
+    Tensor out = m->forward(x);
+    Tensor loss = Tensor::empty({1}, DType::f32, Device::cpu(0));
+    Tensor dl = Tensor::empty(out.shape(), DType::f32, Device::cpu(0));
+    softmax_cross_entropy(loss, dl, out, y);
+    m->backward(dl);
+    opt.step();
+  }
+  return m->flat_params().to_host_f32();
+}
+
+float rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  float scale = 0.f;
+  for (float v : b) scale = std::max(scale, std::fabs(v));
+  return max_abs_diff(a, b) / std::max(scale, 1e-12f);
+}
+
+}  // namespace
+
+TEST_CASE("ddp.buckets: reverse registration order, small first bucket, cap") {
+  // 4 parameters of 100, 300, 50, 200 floats (400, 1200, 200, 800 bytes); a bucket closes
+  // once it reaches its cap.
+  auto b = DistributedDataParallel::make_buckets({100, 300, 50, 200}, 800, 1600);
+  REQUIRE(b.size() == 2);
+  CHECK(b[0].offset == 450);  // the last parameter alone fills the 800-byte first bucket
+  CHECK(b[0].numel == 200);
+  CHECK(b[1].offset == 0);
+  CHECK(b[1].numel == 450);
+  auto one = DistributedDataParallel::make_buckets({100, 300, 50, 200}, 1 << 20, 25 << 20);
+  REQUIRE(one.size() == 1);
+  CHECK(one[0].numel == 650);
+  auto each = DistributedDataParallel::make_buckets({10, 10, 10}, 4, 4);
+  CHECK(each.size() == 3);  // a parameter larger than the cap gets a bucket of its own
+}
+
+TEST_CASE("ddp.equivalence: 2-4 ranks follow the single-device run, replicas bitwise equal") {
+  for (int world : {2, 3, 4}) {
+    for (int64_t batch : {12, 10}) {
+      CAPTURE(world);
+      CAPTURE(batch);
+      auto ref = single_device(4, batch);
+      std::vector<std::vector<float>> params(world);
+      run_ranks(world, [&](int r, dp::dist::ProcessGroup& pg) {
+        auto m = nn::mlp({6, 16, 5});
+        m->materialize(Device::cpu(r), kSeed + r);  // different seeds: rank 0's weights win
+        nn::SGD opt(*m, sgd());
+        dp::dist::DdpOptions o;
+        o.first_bucket_bytes = 256;  // several buckets even for this small model
+        o.bucket_cap_bytes = 512;
+        DistributedDataParallel ddp(m, pg, o);
+        CHECK(ddp.buckets().size() > 1);
+        for (int s = 0; s < 4; ++s) {
+          auto [x, y] = batch_of(batch, 100 + s);
+          ddp_step(ddp, opt, x, y, r, world);
+        }
+        params[r] = m->flat_params().to_host_f32();
+      });
+      CHECK(rel_diff(params[0], ref) <= 1e-5f);
+      for (int r = 1; r < world; ++r) CHECK(params[r] == params[0]);
+    }
+  }
+}
+
+TEST_CASE("ddp.overlap: bucket all-reduces start before backward ends") {
+  run_ranks(2, [&](int r, dp::dist::ProcessGroup& pg) {
+    auto m = nn::mlp({6, 64, 64, 64, 5});
+    m->materialize(Device::cpu(r), kSeed);
+    nn::SGD opt(*m, sgd());
+    dp::dist::DdpOptions o;
+    o.first_bucket_bytes = 1024;
+    o.bucket_cap_bytes = 16 << 10;
+    DistributedDataParallel ddp(m, pg, o);
+    auto [x, y] = batch_of(8, 3);
+    ddp_step(ddp, opt, x, y, r, 2);
+    CHECK(ddp.stats().buckets >= 3);
+    // Every bucket is launched from backward's hooks, as its gradients land.
+    CHECK(ddp.stats().launched_before_backward_end == ddp.stats().buckets);
+  });
+}
+
+TEST_CASE("ddp.no_sync: accumulated micro-batches equal one step on their union") {
+  std::vector<float> synced, ref;
+  run_ranks(2, [&](int r, dp::dist::ProcessGroup& pg) {
+    auto m = nn::mlp({6, 8, 5});
+    m->materialize(Device::cpu(r), kSeed);
+    nn::SGD opt(*m, sgd());
+    DistributedDataParallel ddp(m, pg);
+    auto [x, y] = batch_of(8, 9);  // rank r owns rows [4r, 4r+4): two micro-batches of 2
+    ddp.module().zero_grad();
+    for (int micro = 0; micro < 2; ++micro) {
+      int64_t b = 4 * r + 2 * micro;
+      Tensor xs = x.slice(b, b + 2).to(Device::cpu(r)), ys = y.slice(b, b + 2).to(Device::cpu(r));
+      Tensor out = ddp.forward(xs);
+      Tensor loss = Tensor::empty({1}, DType::f32, Device::cpu(r));
+      Tensor dl = Tensor::empty(out.shape(), DType::f32, Device::cpu(r));
+      softmax_cross_entropy(loss, dl, out, ys);
+      scale(dl, dl, 0.5f);  // two micro-batches: each is half of this rank's mean
+      if (micro == 0) {
+        auto guard = ddp.no_sync();
+        ddp.backward(dl);
+        CHECK(ddp.stats().launched_before_backward_end == 0);
+      } else {
+        ddp.backward(dl);
+      }
+    }
+    ddp.finish_gradient_sync();
+    opt.step();
+    if (r == 0) synced = m->flat_params().to_host_f32();
+  });
+  auto m = nn::mlp({6, 8, 5});
+  m->materialize(Device::cpu(0), kSeed);
+  nn::SGD opt(*m, sgd());
+  auto [x, y] = batch_of(8, 9);
+  m->zero_grad();
+  Tensor out = m->forward(x);
+  Tensor loss = Tensor::empty({1}, DType::f32, Device::cpu(0));
+  Tensor dl = Tensor::empty(out.shape(), DType::f32, Device::cpu(0));
+  softmax_cross_entropy(loss, dl, out, y);
+  m->backward(dl);
+  opt.step();
+  CHECK(rel_diff(synced, m->flat_params().to_host_f32()) <= 1e-5f);
+}
+
+TEST_CASE("ddp.mismatch: different models fail on every rank, naming the tensor") {
+  std::vector<std::string> messages(2);
+  run_ranks(2, [&](int r, dp::dist::ProcessGroup& pg) {
+    auto m = nn::mlp({6, r == 0 ? 16 : 17, 5});
+    m->materialize(Device::cpu(r), kSeed);
+    try {
+      DistributedDataParallel ddp(m, pg);
+    } catch (const Error& e) {
+      messages[r] = e.what();
+    }
+  });
+  for (auto& msg : messages) {
+    CHECK(msg.find("models differ") != std::string::npos);
+    CHECK(msg.find("weight") != std::string::npos);
+  }
+  std::vector<std::string> counts(2);
+  run_ranks(2, [&](int r, dp::dist::ProcessGroup& pg) {
+    auto m = r == 0 ? nn::mlp({6, 8, 5}) : nn::mlp({6, 8, 8, 5});
+    m->materialize(Device::cpu(r), kSeed);
+    try {
+      DistributedDataParallel ddp(m, pg);
+    } catch (const Error& e) {
+      counts[r] = e.what();
+    }
+  });
+  for (auto& msg : counts) CHECK(msg.find("parameter tensors") != std::string::npos);
+}
+
+TEST_CASE("ddp.buffers: BatchNorm stats follow rank 0 (broadcast) or the mean (average)") {
+  for (auto mode : {dp::dist::BufferSync::broadcast, dp::dist::BufferSync::average}) {
+    std::vector<std::vector<float>> buffers(2);
+    run_ranks(2, [&](int r, dp::dist::ProcessGroup& pg) {
+      auto s = std::make_shared<nn::Sequential>();
+      s->add(std::make_shared<nn::Linear>(6, 5));
+      s->add(std::make_shared<nn::BatchNorm1d>(5));
+      s->materialize(Device::cpu(r), kSeed);
+      nn::SGD opt(*s, sgd());
+      dp::dist::DdpOptions o;
+      o.buffer_sync = mode;
+      DistributedDataParallel ddp(s, pg, o);
+      auto [x, y] = batch_of(8, 4);
+      ddp_step(ddp, opt, x, y, r, 2);
+      buffers[r] = s->flat_buffers().to_host_f32();
+    });
+    if (mode == dp::dist::BufferSync::average)
+      CHECK(buffers[0] == buffers[1]);
+    else
+      CHECK(buffers[0] != buffers[1]);  // each rank updated its own from rank 0's start
+  }
+}
+
+TEST_CASE("ddp.sampler: PyTorch's DistributedSampler semantics") {
+  using dp::dist::DistributedSampler;
+  dp::dist::SamplerOptions plain;
+  plain.shuffle = dp::data::Shuffle::no;
+  // 10 samples, 4 ranks, padded to 12: rank r takes r, r+4, r+8 (10, 11 wrap to 0, 1).
+  CHECK(DistributedSampler(10, 4, 0, plain).indices() == std::vector<int64_t>{0, 4, 8});
+  CHECK(DistributedSampler(10, 4, 2, plain).indices() == std::vector<int64_t>{2, 6, 0});
+  CHECK(DistributedSampler(10, 4, 3, plain).indices() == std::vector<int64_t>{3, 7, 1});
+  plain.drop_last = dp::data::DropLast::yes;
+  CHECK(DistributedSampler(10, 4, 3, plain).indices() == std::vector<int64_t>{3, 7});
+  CHECK(DistributedSampler(10, 4, 0, plain).num_samples() == 2);
+  // Shuffled: the ranks' shards partition one permutation, which changes with the epoch.
+  dp::dist::SamplerOptions shuffled;
+  shuffled.seed = 5;
+  std::vector<int64_t> all;
+  for (int r = 0; r < 4; ++r) {
+    auto idx = DistributedSampler(12, 4, r, shuffled).indices();
+    CHECK(idx.size() == 3);
+    all.insert(all.end(), idx.begin(), idx.end());
+  }
+  std::sort(all.begin(), all.end());
+  for (int64_t i = 0; i < 12; ++i) CHECK(all[i] == i);
+  DistributedSampler s(12, 4, 1, shuffled);
+  auto e0 = s.indices();
+  s.set_epoch(1);
+  CHECK(s.indices() != e0);
+  s.set_epoch(0);
+  CHECK(s.indices() == e0);
+  CHECK_THROWS_AS(DistributedSampler(10, 4, 4), Error);
+}
