@@ -1,0 +1,109 @@
+// Pointwise activations (ReLU, exact GELU, tanh) and their gradients. Backward kernels
+// overwrite dx or add to it. Formulas mirror kernels/cpu/activations.cpp.
+#include "kernels/cuda/cuda_common.cuh"
+
+namespace kernels::cuda {
+
+namespace {
+
+constexpr float kInvSqrt2 = 0.70710678118654752440f;
+constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
+
+struct Relu {
+  __device__ float operator()(float v) const { return v > 0.f ? v : 0.f; }
+};
+struct ReluGrad {  // of the forward input
+  __device__ float operator()(float v) const { return v > 0.f ? 1.f : 0.f; }
+};
+struct Gelu {  // x Phi(x)
+  __device__ float operator()(float v) const { return 0.5f * v * (1.f + erff(v * kInvSqrt2)); }
+};
+struct GeluGrad {  // Phi(x) + x phi(x), of the forward input
+  __device__ float operator()(float v) const {
+    float cdf = 0.5f * (1.f + erff(v * kInvSqrt2));
+    float pdf = kInvSqrt2Pi * expf(-0.5f * v * v);
+    return cdf + v * pdf;
+  }
+};
+struct Tanh {
+  __device__ float operator()(float v) const { return tanhf(v); }
+};
+struct TanhGrad {  // 1 - y^2, of the forward output
+  __device__ float operator()(float t) const { return 1.f - t * t; }
+};
+
+template <class F>
+__global__ void map_kernel(float* y, const float* x, int64_t n, F f) {
+  DP_GRID_STRIDE_LOOP(i, n) y[i] = f(x[i]);
+}
+
+// dx (+)= dy * d(v): v is the forward input or output, per activation.
+template <class D>
+__global__ void backward_kernel(float* dx, const float* dy, const float* v, int64_t n,
+                                bool accumulate, D d) {
+  DP_GRID_STRIDE_LOOP(i, n) {
+    float g = dy[i] * d(v[i]);
+    dx[i] = accumulate ? dx[i] + g : g;
+  }
+}
+
+template <class F>
+void launch_map(const char* op, Tensor& y, const Tensor& x, F f, DeviceContext& ctx) {
+  require_f32(op, y);
+  require_f32(op, x);
+  int64_t n = y.numel();
+  if (n == 0) return;
+  map_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(y.data<float>(), x.data<float>(), n,
+                                                             f);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+template <class D>
+void launch_backward(const char* op, Tensor& dx, const Tensor& dy, const Tensor& v, Accumulate acc,
+                     D d, DeviceContext& ctx) {
+  require_f32(op, dx);
+  require_f32(op, dy);
+  require_f32(op, v);
+  int64_t n = dx.numel();
+  if (n == 0) return;
+  backward_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
+      dx.data<float>(), dy.data<float>(), v.data<float>(), n, acc == Accumulate::yes, d);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void relu(Tensor& y, const Tensor& x, DeviceContext& ctx) {
+  NvtxRange range("kernels/relu");
+  launch_map("relu", y, x, Relu{}, ctx);
+}
+
+void relu_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc,
+                   DeviceContext& ctx) {
+  NvtxRange range("kernels/relu_backward");
+  launch_backward("relu_backward", dx, dy, x, acc, ReluGrad{}, ctx);
+}
+
+void gelu(Tensor& y, const Tensor& x, DeviceContext& ctx) {
+  NvtxRange range("kernels/gelu");
+  launch_map("gelu", y, x, Gelu{}, ctx);
+}
+
+void gelu_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc,
+                   DeviceContext& ctx) {
+  NvtxRange range("kernels/gelu_backward");
+  launch_backward("gelu_backward", dx, dy, x, acc, GeluGrad{}, ctx);
+}
+
+void tanh(Tensor& y, const Tensor& x, DeviceContext& ctx) {
+  NvtxRange range("kernels/tanh");
+  launch_map("tanh", y, x, Tanh{}, ctx);
+}
+
+void tanh_backward(Tensor& dx, const Tensor& dy, const Tensor& y, Accumulate acc,
+                   DeviceContext& ctx) {
+  NvtxRange range("kernels/tanh_backward");
+  launch_backward("tanh_backward", dx, dy, y, acc, TanhGrad{}, ctx);
+}
+
+}  // namespace kernels::cuda

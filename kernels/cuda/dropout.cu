@@ -1,0 +1,52 @@
+// Dropout with a counter-based mask: element i keeps iff philox::uniform(seed, offset + i) >= p,
+// the same formula as kernels/cpu/dropout.cpp, so masks agree bit for bit across devices.
+#include "kernels/cuda/cuda_common.cuh"
+#include "kernels/philox.hpp"
+
+namespace kernels::cuda {
+
+namespace {
+
+// One thread per Philox block: block b serves the four counters 4b .. 4b + 3 (the layout of
+// philox::random_u32), i.e. elements counter - offset that fall in [0, n).
+__global__ void dropout_kernel(float* y, float* mask, const float* x, float p, float keep_scale,
+                               uint64_t seed, uint64_t offset, int64_t n, int64_t n_blocks) {
+  uint64_t first_block = offset >> 2;
+  DP_GRID_STRIDE_LOOP(t, n_blocks) {
+    uint64_t block = first_block + static_cast<uint64_t>(t);
+    philox::Uint4 r = philox::philox4x32(seed, block);
+    const uint32_t words[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      uint64_t counter = block * 4 + j;
+      if (counter < offset || counter - offset >= static_cast<uint64_t>(n)) continue;
+      int64_t i = static_cast<int64_t>(counter - offset);
+      // philox::uniform: 24 random bits, exactly representable in f32.
+      float u = static_cast<float>(words[j] >> 8) * (1.0f / 16777216.0f);
+      float m = u >= p ? keep_scale : 0.f;
+      mask[i] = m;
+      y[i] = x[i] * m;
+    }
+  }
+}
+
+}  // namespace
+
+void dropout_forward(Tensor& y, Tensor& mask, const Tensor& x, float p, uint64_t seed,
+                     uint64_t offset, DeviceContext& ctx) {
+  NvtxRange range("kernels/dropout_forward");
+  require_f32("dropout_forward", y);
+  require_f32("dropout_forward", mask);
+  require_f32("dropout_forward", x);
+  int64_t n = x.numel();
+  if (n == 0) return;
+  float keep_scale = 1.f / (1.f - p);  // as the CPU backend computes it
+  int64_t n_blocks =
+      static_cast<int64_t>(((offset + static_cast<uint64_t>(n) - 1) >> 2) - (offset >> 2)) + 1;
+  dropout_kernel<<<blocks_for(n_blocks), kThreads, 0, stream_of(ctx)>>>(
+      y.data<float>(), mask.data<float>(), x.data<float>(), p, keep_scale, seed, offset, n,
+      n_blocks);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace kernels::cuda

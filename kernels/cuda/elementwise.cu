@@ -1,0 +1,131 @@
+// Elementwise arithmetic (add, mul, scale, axpy), per-channel bias and its gradient.
+#include "kernels/cuda/cuda_common.cuh"
+
+namespace kernels::cuda {
+
+namespace {
+
+__global__ void add_kernel(float* y, const float* a, const float* b, int64_t n) {
+  DP_GRID_STRIDE_LOOP(i, n) y[i] = a[i] + b[i];
+}
+
+__global__ void mul_kernel(float* y, const float* a, const float* b, int64_t n) {
+  DP_GRID_STRIDE_LOOP(i, n) y[i] = a[i] * b[i];
+}
+
+__global__ void scale_kernel(float* y, const float* x, float alpha, int64_t n) {
+  DP_GRID_STRIDE_LOOP(i, n) y[i] = alpha * x[i];
+}
+
+__global__ void axpy_kernel(float* y, float alpha, const float* x, int64_t n) {
+  DP_GRID_STRIDE_LOOP(i, n) y[i] += alpha * x[i];
+}
+
+// y (N, C, inner) += bias[c].
+__global__ void add_bias_kernel(float* y, const float* bias, int64_t n, int64_t channels,
+                                int64_t inner) {
+  DP_GRID_STRIDE_LOOP(i, n) y[i] += bias[(i / inner) % channels];
+}
+
+// One block per channel c: db[c] (+)= sum over (n, s) of dy (N, C, inner) in a fixed order.
+__global__ void bias_backward_channel_kernel(float* db, const float* dy, int64_t batch,
+                                             int64_t channels, int64_t inner, bool accumulate) {
+  int64_t c = blockIdx.x, per_channel = batch * inner;
+  float acc = 0.f;
+  for (int64_t j = threadIdx.x; j < per_channel; j += blockDim.x) {
+    int64_t n = j / inner, s = j - n * inner;
+    acc += dy[(n * channels + c) * inner + s];
+  }
+  acc = block_reduce_sum(acc);
+  if (threadIdx.x == 0) db[c] = accumulate ? db[c] + acc : acc;
+}
+
+// Reads dy (rows, cols) for launch_column_sums.
+struct ReadMatrix {
+  const float* m;
+  int64_t cols;
+  __device__ float operator()(int64_t r, int64_t c) const { return m[r * cols + c]; }
+};
+
+void check_elementwise(const char* op, const Tensor& y, const Tensor& a) {
+  require_f32(op, y);
+  require_f32(op, a);
+}
+
+}  // namespace
+
+void add(Tensor& y, const Tensor& a, const Tensor& b, DeviceContext& ctx) {
+  NvtxRange range("kernels/add");
+  check_elementwise("add", y, a);
+  require_f32("add", b);
+  int64_t n = y.numel();
+  if (n == 0) return;
+  add_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(y.data<float>(), a.data<float>(),
+                                                             b.data<float>(), n);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void mul(Tensor& y, const Tensor& a, const Tensor& b, DeviceContext& ctx) {
+  NvtxRange range("kernels/mul");
+  check_elementwise("mul", y, a);
+  require_f32("mul", b);
+  int64_t n = y.numel();
+  if (n == 0) return;
+  mul_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(y.data<float>(), a.data<float>(),
+                                                             b.data<float>(), n);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void scale(Tensor& y, const Tensor& x, float alpha, DeviceContext& ctx) {
+  NvtxRange range("kernels/scale");
+  check_elementwise("scale", y, x);
+  int64_t n = y.numel();
+  if (n == 0) return;
+  scale_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(y.data<float>(), x.data<float>(),
+                                                               alpha, n);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void axpy(Tensor& y, float alpha, const Tensor& x, DeviceContext& ctx) {
+  NvtxRange range("kernels/axpy");
+  check_elementwise("axpy", y, x);
+  int64_t n = y.numel();
+  if (n == 0) return;
+  axpy_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(y.data<float>(), alpha,
+                                                              x.data<float>(), n);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void add_bias(Tensor& y, const Tensor& bias, DeviceContext& ctx) {
+  NvtxRange range("kernels/add_bias");
+  check_elementwise("add_bias", y, bias);
+  int64_t n = y.numel(), channels = bias.numel();
+  if (n == 0 || channels == 0) return;
+  int64_t inner = n / (y.dim(0) * channels);  // product of the dims after C
+  add_bias_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
+      y.data<float>(), bias.data<float>(), n, channels, inner);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void bias_backward(Tensor& db, const Tensor& dy, Accumulate acc, DeviceContext& ctx) {
+  NvtxRange range("kernels/bias_backward");
+  check_elementwise("bias_backward", db, dy);
+  int64_t channels = db.numel(), batch = dy.dim(0);
+  if (channels == 0) return;
+  int64_t inner = batch * channels == 0 ? 1 : dy.numel() / (batch * channels);
+  bool accumulate = acc == Accumulate::yes;
+  cudaStream_t s = stream_of(ctx);
+  if (inner == 1) {  // (N, C): column sums, coalesced along each row
+    size_t scratch_bytes = sizeof(float) * column_sum_chunks(batch) * channels;
+    auto* scratch = static_cast<float*>(ctx.workspace(scratch_bytes));
+    launch_column_sums(db.data<float>(), batch, channels, ReadMatrix{dy.data<float>(), channels},
+                       accumulate, scratch, s);
+    return;
+  }
+  // (N, C, H, W): one block per channel, coalesced within each (n, c) plane.
+  bias_backward_channel_kernel<<<static_cast<unsigned>(channels), kThreads, 0, s>>>(
+      db.data<float>(), dy.data<float>(), batch, channels, inner, accumulate);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace kernels::cuda

@@ -1,0 +1,259 @@
+// Losses (fused softmax + cross-entropy, MSE), reductions (sum, mean) and metrics (argmax,
+// count_correct). Every floating reduction is deterministic: per-block partials in a fixed
+// layout, then one block adds them in a fixed order (no float atomics).
+#include <cstdio>
+
+#include "kernels/cuda/cuda_common.cuh"
+
+namespace kernels::cuda {
+
+namespace {
+
+// ---- two-stage deterministic sum -----------------------------------------------------------
+
+constexpr int64_t kMaxPartials = 1024;
+
+// Number of first-stage blocks for n terms: a function of n only.
+int64_t partial_blocks(int64_t n) {
+  int64_t b = blocks_for(n);
+  return b < kMaxPartials ? b : kMaxPartials;
+}
+
+// partial[block] = sum of f(i) over the block's grid-stride share of [0, n).
+template <class F>
+__global__ void partial_sum_kernel(float* partial, int64_t n, F f) {
+  float acc = 0.f;
+  DP_GRID_STRIDE_LOOP(i, n) acc += f(i);
+  acc = block_reduce_sum(acc);
+  if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+}
+
+// *out = (sum of partial[0, count)) / divisor, one block.
+__global__ void finish_sum_kernel(float* out, const float* partial, int64_t count, float divisor) {
+  float acc = 0.f;
+  for (int64_t i = threadIdx.x; i < count; i += blockDim.x) acc += partial[i];
+  acc = block_reduce_sum(acc);
+  if (threadIdx.x == 0) *out = acc / divisor;
+}
+
+// Queues *out = (sum over i in [0, n) of f(i)) / divisor; `partials` holds kMaxPartials floats.
+template <class F>
+void launch_sum(float* out, int64_t n, F f, float divisor, float* partials, cudaStream_t s) {
+  int64_t blocks = partial_blocks(n);
+  partial_sum_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(partials, n, f);
+  DP_CUDA_CHECK_LAUNCH();
+  finish_sum_kernel<<<1, kThreads, 0, s>>>(out, partials, blocks, divisor);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+struct ReadValue {
+  const float* x;
+  __device__ float operator()(int64_t i) const { return x[i]; }
+};
+
+// (pred - target)^2, writing dpred = grad_scale (pred - target) on the way when asked.
+struct SquaredError {
+  const float* pred;
+  const float* target;
+  float* dpred;
+  float grad_scale;
+  __device__ float operator()(int64_t i) const {
+    float d = pred[i] - target[i];
+    if (dpred) dpred[i] = grad_scale * d;
+    return d * d;
+  }
+};
+
+// Bytes of workspace before the partials, rounded to keep them 256-byte aligned.
+size_t aligned_bytes(size_t bytes) {
+  return (bytes + 255) / 256 * 256;
+}
+
+// ---- softmax cross-entropy -----------------------------------------------------------------
+
+// One block per row i of logits (B, C). With lse = log sum exp x, t = (1 - ls) onehot + ls / C:
+//   row_loss[i] = w ((1 - ls)(lse - x_label) + ls (lse - mean_c x_c))
+//   dlogits_i = (w / B) (softmax(x) - t)
+__global__ void softmax_xent_kernel(float* row_loss, float* dlogits, const float* logits,
+                                    const int32_t* labels, const float* weights, int64_t batch,
+                                    int64_t classes, float ls) {
+  int64_t i = blockIdx.x;
+  const float* x = logits + i * classes;
+  int32_t label = labels[i];
+  if (label < 0 || label >= classes) {
+    // Reported by the next checked CUDA call on this device (as a device-side assert is).
+    if (threadIdx.x == 0)
+      printf("softmax_cross_entropy: label %d of row %lld is outside [0, %lld)\n", label,
+             static_cast<long long>(i), static_cast<long long>(classes));
+    __trap();
+  }
+  float max_x = -INFINITY;
+  for (int64_t c = threadIdx.x; c < classes; c += blockDim.x) max_x = fmaxf(max_x, x[c]);
+  max_x = block_reduce_max(max_x);
+  float sum_exp = 0.f, sum_x = 0.f;
+  for (int64_t c = threadIdx.x; c < classes; c += blockDim.x) {
+    sum_exp += expf(x[c] - max_x);
+    sum_x += x[c];
+  }
+  sum_exp = block_reduce_sum(sum_exp);
+  sum_x = block_reduce_sum(sum_x);
+  float lse = max_x + logf(sum_exp);
+  float w = weights ? weights[i] : 1.f;
+  if (threadIdx.x == 0)
+    row_loss[i] = w * ((1.f - ls) * (lse - x[label]) + ls * (lse - sum_x / classes));
+  if (!dlogits) return;
+  float scale = w / static_cast<float>(batch);
+  float off = ls / static_cast<float>(classes), on = (1.f - ls) + off;
+  float* d = dlogits + i * classes;
+  for (int64_t c = threadIdx.x; c < classes; c += blockDim.x) {
+    float prob = expf(x[c] - lse);
+    d[c] = scale * (prob - (c == label ? on : off));
+  }
+}
+
+// ---- argmax --------------------------------------------------------------------------------
+
+constexpr int kRowsPerBlock = kThreads / 32;  // one warp per row
+
+// First index of the row's maximum, valid in lane 0. Each lane scans its strided columns in
+// increasing order keeping the first max (strict >); lanes then merge, ties to the lower index.
+__device__ long long warp_row_argmax(const float* x, int64_t classes, int lane) {
+  float best = -INFINITY;
+  long long idx = classes;  // sentinel, loses every tie
+  if (lane < classes) {
+    best = x[lane];
+    idx = lane;
+  }
+  for (int64_t c = lane + 32; c < classes; c += 32)
+    if (x[c] > best) {
+      best = x[c];
+      idx = c;
+    }
+  for (int o = 16; o > 0; o >>= 1) {
+    float ob = __shfl_down_sync(0xffffffffu, best, o);
+    long long oi = __shfl_down_sync(0xffffffffu, idx, o);
+    if (ob > best || (ob == best && oi < idx)) {
+      best = ob;
+      idx = oi;
+    }
+  }
+  return idx;
+}
+
+__global__ void argmax_kernel(int32_t* out, const float* x, int64_t batch, int64_t classes) {
+  int lane = threadIdx.x & 31;
+  int64_t row = blockIdx.x * static_cast<int64_t>(kRowsPerBlock) + (threadIdx.x >> 5);
+  if (row >= batch) return;  // whole warps leave together
+  long long idx = warp_row_argmax(x + row * classes, classes, lane);
+  if (lane == 0) out[row] = static_cast<int32_t>(idx);
+}
+
+// Integer atomics are exact, so the count is the same whatever the order.
+__global__ void count_correct_kernel(unsigned long long* count, const float* x,
+                                     const int32_t* labels, int64_t batch, int64_t classes) {
+  int lane = threadIdx.x & 31;
+  int64_t row = blockIdx.x * static_cast<int64_t>(kRowsPerBlock) + (threadIdx.x >> 5);
+  if (row >= batch) return;
+  long long idx = warp_row_argmax(x + row * classes, classes, lane);
+  if (lane == 0 && idx == labels[row]) atomicAdd(count, 1ull);
+}
+
+unsigned row_warp_blocks(int64_t rows) {
+  return static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock);
+}
+
+}  // namespace
+
+void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
+                           const Tensor& labels, const Tensor& weights, float label_smoothing,
+                           DeviceContext& ctx) {
+  NvtxRange range("kernels/softmax_cross_entropy");
+  require_f32("softmax_cross_entropy", loss);
+  require_f32("softmax_cross_entropy", logits);
+  if (dlogits.defined()) require_f32("softmax_cross_entropy", dlogits);
+  if (weights.defined()) require_f32("softmax_cross_entropy", weights);
+  DP_CHECK(labels.dtype() == DType::i32,
+           "softmax_cross_entropy: labels must be i32, got " << labels);
+  cudaStream_t s = stream_of(ctx);
+  int64_t batch = logits.dim(0), classes = logits.dim(1);
+  // Workspace: per-row losses (B floats), then the partial sums of their total.
+  size_t rows_bytes = aligned_bytes(sizeof(float) * static_cast<size_t>(batch));
+  char* ws = static_cast<char*>(ctx.workspace(rows_bytes + sizeof(float) * kMaxPartials));
+  auto* row_loss = reinterpret_cast<float*>(ws);
+  auto* partials = reinterpret_cast<float*>(ws + rows_bytes);
+  if (batch > 0) {
+    softmax_xent_kernel<<<static_cast<unsigned>(batch), row_block_threads(classes), 0, s>>>(
+        row_loss, data_or_null<float>(dlogits), logits.data<float>(), labels.data<int32_t>(),
+        data_or_null<const float>(weights), batch, classes, label_smoothing);
+    DP_CUDA_CHECK_LAUNCH();
+  }
+  // loss = (sum_i row_loss[i]) / B, 0 for an empty batch.
+  float divisor = batch > 0 ? static_cast<float>(batch) : 1.f;
+  launch_sum(loss.data<float>(), batch, ReadValue{row_loss}, divisor, partials, s);
+}
+
+void mse_loss(Tensor& loss, Tensor& dpred, const Tensor& pred, const Tensor& target,
+              DeviceContext& ctx) {
+  NvtxRange range("kernels/mse_loss");
+  require_f32("mse_loss", loss);
+  require_f32("mse_loss", pred);
+  require_f32("mse_loss", target);
+  if (dpred.defined()) require_f32("mse_loss", dpred);
+  int64_t n = pred.numel();
+  auto* partials = static_cast<float*>(ctx.workspace(sizeof(float) * kMaxPartials));
+  float grad_scale = n > 0 ? static_cast<float>(2.0 / static_cast<double>(n)) : 0.f;
+  float divisor = n > 0 ? static_cast<float>(n) : 1.f;
+  SquaredError f{pred.data<float>(), target.data<float>(), data_or_null<float>(dpred), grad_scale};
+  launch_sum(loss.data<float>(), n, f, divisor, partials, stream_of(ctx));
+}
+
+void sum(Tensor& out, const Tensor& x, DeviceContext& ctx) {
+  NvtxRange range("kernels/sum");
+  require_f32("sum", out);
+  require_f32("sum", x);
+  auto* partials = static_cast<float*>(ctx.workspace(sizeof(float) * kMaxPartials));
+  launch_sum(out.data<float>(), x.numel(), ReadValue{x.data<float>()}, 1.f, partials,
+             stream_of(ctx));
+}
+
+void mean(Tensor& out, const Tensor& x, DeviceContext& ctx) {
+  NvtxRange range("kernels/mean");
+  require_f32("mean", out);
+  require_f32("mean", x);
+  int64_t n = x.numel();
+  auto* partials = static_cast<float*>(ctx.workspace(sizeof(float) * kMaxPartials));
+  float divisor = n > 0 ? static_cast<float>(n) : 1.f;
+  launch_sum(out.data<float>(), n, ReadValue{x.data<float>()}, divisor, partials, stream_of(ctx));
+}
+
+void argmax(Tensor& out, const Tensor& x, DeviceContext& ctx) {
+  NvtxRange range("kernels/argmax");
+  require_f32("argmax", x);
+  DP_CHECK(out.dtype() == DType::i32, "argmax: out must be i32, got " << out);
+  int64_t batch = x.dim(0), classes = x.dim(1);
+  if (batch == 0) return;
+  argmax_kernel<<<row_warp_blocks(batch), kThreads, 0, stream_of(ctx)>>>(
+      out.data<int32_t>(), x.data<float>(), batch, classes);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+int64_t count_correct(const Tensor& logits, const Tensor& labels, DeviceContext& ctx) {
+  NvtxRange range("kernels/count_correct");
+  require_f32("count_correct", logits);
+  DP_CHECK(labels.dtype() == DType::i32, "count_correct: labels must be i32, got " << labels);
+  int64_t batch = logits.dim(0), classes = logits.dim(1);
+  if (batch == 0) return 0;
+  cudaStream_t s = stream_of(ctx);
+  auto* count = static_cast<unsigned long long*>(ctx.workspace(sizeof(unsigned long long)));
+  DP_CUDA_CHECK(cudaMemsetAsync(count, 0, sizeof(*count), s));
+  count_correct_kernel<<<row_warp_blocks(batch), kThreads, 0, s>>>(
+      count, logits.data<float>(), labels.data<int32_t>(), batch, classes);
+  DP_CUDA_CHECK_LAUNCH();
+  unsigned long long host_count = 0;
+  DP_CUDA_CHECK(cudaMemcpyAsync(&host_count, count, sizeof(host_count), cudaMemcpyDeviceToHost, s));
+  // The op returns a host value: wait for the count to arrive.
+  DP_CUDA_CHECK(cudaStreamSynchronize(s));
+  return static_cast<int64_t>(host_count);
+}
+
+}  // namespace kernels::cuda

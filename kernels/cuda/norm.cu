@@ -1,0 +1,261 @@
+// BatchNorm (statistics over every dim but 1) and LayerNorm (over the last dim), hand-written.
+// Each reduction has a fixed shape (one block per channel or row, fixed block size, or the
+// chunked column sums of cuda_common.cuh), so results are bitwise reproducible.
+#include "kernels/cuda/cuda_common.cuh"
+
+namespace kernels::cuda {
+
+namespace {
+
+// ---- batch norm ----------------------------------------------------------------------------
+// x viewed as (N, C, inner); channel c holds count = N * inner elements.
+
+__device__ __forceinline__ int64_t channel_index(int64_t j, int64_t c, int64_t channels,
+                                                 int64_t inner) {
+  int64_t n = j / inner, s = j - n * inner;
+  return (n * channels + c) * inner + s;
+}
+
+// One block per channel: batch mean, biased variance (two passes), y, saved statistics and the
+// running averages (PyTorch: r = (1 - m) r + m stat, unbiased variance for the running one).
+__global__ void bn_forward_train_kernel(float* y, float* save_mean, float* save_invstd,
+                                        float* running_mean, float* running_var, const float* x,
+                                        const float* gamma, const float* beta, int64_t batch,
+                                        int64_t channels, int64_t inner, float momentum,
+                                        float eps) {
+  int64_t c = blockIdx.x, count = batch * inner;
+  float s = 0.f;
+  for (int64_t j = threadIdx.x; j < count; j += blockDim.x)
+    s += x[channel_index(j, c, channels, inner)];
+  float mean = block_reduce_sum(s) / static_cast<float>(count);
+  float sq = 0.f;
+  for (int64_t j = threadIdx.x; j < count; j += blockDim.x) {
+    float d = x[channel_index(j, c, channels, inner)] - mean;
+    sq += d * d;
+  }
+  float var = block_reduce_sum(sq) / static_cast<float>(count);
+  float invstd = 1.f / sqrtf(var + eps);
+  if (threadIdx.x == 0) {
+    save_mean[c] = mean;
+    save_invstd[c] = invstd;
+    float unbiased =
+        count > 1 ? var * static_cast<float>(count) / static_cast<float>(count - 1) : var;
+    running_mean[c] = (1.f - momentum) * running_mean[c] + momentum * mean;
+    running_var[c] = (1.f - momentum) * running_var[c] + momentum * unbiased;
+  }
+  float g = gamma[c], b = beta[c];
+  for (int64_t j = threadIdx.x; j < count; j += blockDim.x) {
+    int64_t idx = channel_index(j, c, channels, inner);
+    y[idx] = (x[idx] - mean) * invstd * g + b;
+  }
+}
+
+__global__ void bn_forward_eval_kernel(float* y, const float* x, const float* gamma,
+                                       const float* beta, const float* running_mean,
+                                       const float* running_var, int64_t n, int64_t channels,
+                                       int64_t inner, float eps) {
+  DP_GRID_STRIDE_LOOP(i, n) {
+    int64_t c = (i / inner) % channels;
+    float invstd = 1.f / sqrtf(running_var[c] + eps);
+    y[i] = (x[i] - running_mean[c]) * invstd * gamma[c] + beta[c];
+  }
+}
+
+// One block per channel, with xhat = (x - mean) invstd:
+//   dbeta (+)= sum dy, dgamma (+)= sum dy xhat,
+//   dx = gamma invstd (dy - sum dy / count - xhat sum(dy xhat) / count).
+__global__ void bn_backward_kernel(float* dx, float* dgamma, float* dbeta, const float* dy,
+                                   const float* x, const float* gamma, const float* save_mean,
+                                   const float* save_invstd, int64_t batch, int64_t channels,
+                                   int64_t inner, bool accumulate) {
+  int64_t c = blockIdx.x, count = batch * inner;
+  float mean = save_mean[c], invstd = save_invstd[c];
+  float sum_dy = 0.f, sum_dy_xhat = 0.f;
+  for (int64_t j = threadIdx.x; j < count; j += blockDim.x) {
+    int64_t idx = channel_index(j, c, channels, inner);
+    float g = dy[idx];
+    sum_dy += g;
+    sum_dy_xhat += g * (x[idx] - mean) * invstd;
+  }
+  sum_dy = block_reduce_sum(sum_dy);
+  sum_dy_xhat = block_reduce_sum(sum_dy_xhat);
+  if (threadIdx.x == 0) {
+    dbeta[c] = accumulate ? dbeta[c] + sum_dy : sum_dy;
+    dgamma[c] = accumulate ? dgamma[c] + sum_dy_xhat : sum_dy_xhat;
+  }
+  if (count == 0) return;
+  float k = gamma[c] * invstd, mean_dy = sum_dy / static_cast<float>(count),
+        mean_dy_xhat = sum_dy_xhat / static_cast<float>(count);
+  for (int64_t j = threadIdx.x; j < count; j += blockDim.x) {
+    int64_t idx = channel_index(j, c, channels, inner);
+    float xhat = (x[idx] - mean) * invstd;
+    dx[idx] = k * (dy[idx] - mean_dy - xhat * mean_dy_xhat);
+  }
+}
+
+struct BatchNormShape {
+  int64_t batch, channels, inner;
+};
+
+BatchNormShape bn_shape(const Tensor& x) {
+  int64_t batch = x.dim(0), channels = x.dim(1);
+  int64_t inner = batch * channels == 0 ? 1 : x.numel() / (batch * channels);
+  return {batch, channels, inner};
+}
+
+// ---- layer norm ----------------------------------------------------------------------------
+// x (rows, d): one block per row.
+
+__global__ void ln_forward_kernel(float* y, float* save_mean, float* save_rstd, const float* x,
+                                  const float* gamma, const float* beta, int64_t d, float eps) {
+  int64_t row = blockIdx.x;
+  const float* xr = x + row * d;
+  float* yr = y + row * d;
+  float s = 0.f;
+  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) s += xr[j];
+  float mean = block_reduce_sum(s) / static_cast<float>(d);
+  float sq = 0.f;
+  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
+    float t = xr[j] - mean;
+    sq += t * t;
+  }
+  float var = block_reduce_sum(sq) / static_cast<float>(d);
+  float rstd = 1.f / sqrtf(var + eps);
+  if (threadIdx.x == 0) {
+    save_mean[row] = mean;
+    save_rstd[row] = rstd;
+  }
+  for (int64_t j = threadIdx.x; j < d; j += blockDim.x)
+    yr[j] = (xr[j] - mean) * rstd * gamma[j] + beta[j];
+}
+
+// With g = dy gamma and xhat = (x - mean) rstd, per row:
+//   dx = rstd (g - mean(g) - xhat mean(g xhat)).
+__global__ void ln_backward_dx_kernel(float* dx, const float* dy, const float* x,
+                                      const float* gamma, const float* save_mean,
+                                      const float* save_rstd, int64_t d) {
+  int64_t row = blockIdx.x;
+  const float* xr = x + row * d;
+  const float* dyr = dy + row * d;
+  float* dxr = dx + row * d;
+  float mean = save_mean[row], rstd = save_rstd[row];
+  float sum_g = 0.f, sum_g_xhat = 0.f;
+  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
+    float g = dyr[j] * gamma[j];
+    sum_g += g;
+    sum_g_xhat += g * (xr[j] - mean) * rstd;
+  }
+  float mean_g = block_reduce_sum(sum_g) / static_cast<float>(d);
+  float mean_g_xhat = block_reduce_sum(sum_g_xhat) / static_cast<float>(d);
+  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
+    float xhat = (xr[j] - mean) * rstd;
+    dxr[j] = rstd * (dyr[j] * gamma[j] - mean_g - xhat * mean_g_xhat);
+  }
+}
+
+// Column-sum operands for dgamma = sum_rows dy xhat and dbeta = sum_rows dy.
+struct DyTimesXhat {
+  const float* dy;
+  const float* x;
+  const float* mean;
+  const float* rstd;
+  int64_t d;
+  __device__ float operator()(int64_t r, int64_t c) const {
+    return dy[r * d + c] * ((x[r * d + c] - mean[r]) * rstd[r]);
+  }
+};
+
+struct ReadDy {
+  const float* dy;
+  int64_t d;
+  __device__ float operator()(int64_t r, int64_t c) const { return dy[r * d + c]; }
+};
+
+}  // namespace
+
+void batch_norm_forward_train(Tensor& y, Tensor& save_mean, Tensor& save_invstd,
+                              Tensor& running_mean, Tensor& running_var, const Tensor& x,
+                              const Tensor& gamma, const Tensor& beta, float momentum, float eps,
+                              DeviceContext& ctx) {
+  NvtxRange range("kernels/batch_norm_forward_train");
+  require_f32("batch_norm_forward_train",
+              {&y, &save_mean, &save_invstd, &running_mean, &running_var, &x, &gamma, &beta});
+  BatchNormShape sh = bn_shape(x);
+  // No elements: no statistics, and the running averages stay as they are.
+  if (x.numel() == 0) return;
+  bn_forward_train_kernel<<<static_cast<unsigned>(sh.channels), kThreads, 0, stream_of(ctx)>>>(
+      y.data<float>(), save_mean.data<float>(), save_invstd.data<float>(),
+      running_mean.data<float>(), running_var.data<float>(), x.data<float>(), gamma.data<float>(),
+      beta.data<float>(), sh.batch, sh.channels, sh.inner, momentum, eps);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void batch_norm_forward_eval(Tensor& y, const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                             const Tensor& running_mean, const Tensor& running_var, float eps,
+                             DeviceContext& ctx) {
+  NvtxRange range("kernels/batch_norm_forward_eval");
+  require_f32("batch_norm_forward_eval", {&y, &x, &gamma, &beta, &running_mean, &running_var});
+  int64_t n = x.numel();
+  if (n == 0) return;
+  BatchNormShape sh = bn_shape(x);
+  bn_forward_eval_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
+      y.data<float>(), x.data<float>(), gamma.data<float>(), beta.data<float>(),
+      running_mean.data<float>(), running_var.data<float>(), n, sh.channels, sh.inner, eps);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void batch_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor& dy,
+                         const Tensor& x, const Tensor& gamma, const Tensor& save_mean,
+                         const Tensor& save_invstd, Accumulate acc, DeviceContext& ctx) {
+  NvtxRange range("kernels/batch_norm_backward");
+  require_f32("batch_norm_backward",
+              {&dx, &dgamma, &dbeta, &dy, &x, &gamma, &save_mean, &save_invstd});
+  BatchNormShape sh = bn_shape(x);
+  if (sh.channels == 0) return;
+  // An empty batch still writes dgamma = dbeta = 0 (or leaves them when accumulating).
+  bn_backward_kernel<<<static_cast<unsigned>(sh.channels), kThreads, 0, stream_of(ctx)>>>(
+      dx.data<float>(), dgamma.data<float>(), dbeta.data<float>(), dy.data<float>(),
+      x.data<float>(), gamma.data<float>(), save_mean.data<float>(), save_invstd.data<float>(),
+      sh.batch, sh.channels, sh.inner, acc == Accumulate::yes);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void layer_norm_forward(Tensor& y, Tensor& save_mean, Tensor& save_rstd, const Tensor& x,
+                        const Tensor& gamma, const Tensor& beta, float eps, DeviceContext& ctx) {
+  NvtxRange range("kernels/layer_norm_forward");
+  require_f32("layer_norm_forward", {&y, &save_mean, &save_rstd, &x, &gamma, &beta});
+  int64_t d = gamma.numel(), rows = d == 0 ? 0 : x.numel() / d;
+  if (rows == 0) return;
+  ln_forward_kernel<<<static_cast<unsigned>(rows), row_block_threads(d), 0, stream_of(ctx)>>>(
+      y.data<float>(), save_mean.data<float>(), save_rstd.data<float>(), x.data<float>(),
+      gamma.data<float>(), beta.data<float>(), d, eps);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void layer_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor& dy,
+                         const Tensor& x, const Tensor& gamma, const Tensor& save_mean,
+                         const Tensor& save_rstd, Accumulate acc, DeviceContext& ctx) {
+  NvtxRange range("kernels/layer_norm_backward");
+  require_f32("layer_norm_backward",
+              {&dx, &dgamma, &dbeta, &dy, &x, &gamma, &save_mean, &save_rstd});
+  int64_t d = gamma.numel(), rows = d == 0 ? 0 : x.numel() / d;
+  if (d == 0) return;
+  cudaStream_t s = stream_of(ctx);
+  if (rows > 0) {
+    ln_backward_dx_kernel<<<static_cast<unsigned>(rows), row_block_threads(d), 0, s>>>(
+        dx.data<float>(), dy.data<float>(), x.data<float>(), gamma.data<float>(),
+        save_mean.data<float>(), save_rstd.data<float>(), d);
+    DP_CUDA_CHECK_LAUNCH();
+  }
+  // dgamma, dbeta: deterministic column sums over the rows (one scratch, used in turn).
+  bool accumulate = acc == Accumulate::yes;
+  auto* scratch = static_cast<float*>(ctx.workspace(sizeof(float) * column_sum_chunks(rows) * d));
+  launch_column_sums(dgamma.data<float>(), rows, d,
+                     DyTimesXhat{dy.data<float>(), x.data<float>(), save_mean.data<float>(),
+                                 save_rstd.data<float>(), d},
+                     accumulate, scratch, s);
+  launch_column_sums(dbeta.data<float>(), rows, d, ReadDy{dy.data<float>(), d}, accumulate, scratch,
+                     s);
+}
+
+}  // namespace kernels::cuda

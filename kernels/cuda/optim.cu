@@ -1,0 +1,117 @@
+// Fused optimizer steps over one flat f32 buffer (PyTorch's SGD and AdamW, with the operation
+// order and double-precision scalars of kernels/cpu/optim.cpp), and the finiteness check.
+#include <cmath>
+
+#include "kernels/cuda/cuda_common.cuh"
+
+namespace kernels::cuda {
+
+namespace {
+
+// g = grad + wd p; buf = first ? g : m buf + (1 - damp) g; g = nesterov ? g + m buf : buf;
+// p -= lr g. buf is nullptr without momentum.
+__global__ void sgd_kernel(float* p, const float* grad, float* buf, float lr, float momentum,
+                           float keep, float weight_decay, bool nesterov, bool first_step,
+                           int64_t n) {
+  DP_GRID_STRIDE_LOOP(i, n) {
+    float d = weight_decay != 0.f ? grad[i] + weight_decay * p[i] : grad[i];
+    if (buf) {
+      float b = first_step ? d : momentum * buf[i] + keep * d;
+      buf[i] = b;
+      d = nesterov ? d + momentum * b : b;
+    }
+    p[i] -= lr * d;
+  }
+}
+
+// p *= 1 - lr wd; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
+// p -= step_size m / (sqrt(v) / sqrt(1 - b2^t) + eps), step_size = lr / (1 - b1^t).
+__global__ void adamw_kernel(float* p, const float* grad, float* m, float* v, float decay,
+                             float beta1, float beta2, float one_minus_b1, float one_minus_b2,
+                             float step_size, float correction2_sqrt, float eps, int64_t n) {
+  DP_GRID_STRIDE_LOOP(i, n) {
+    float g = grad[i];
+    float pi = p[i] * decay;
+    float mi = beta1 * m[i] + one_minus_b1 * g;
+    float vi = beta2 * v[i] + one_minus_b2 * g * g;
+    m[i] = mi;
+    v[i] = vi;
+    float denom = sqrtf(vi) / correction2_sqrt + eps;
+    p[i] = pi - step_size * mi / denom;
+  }
+}
+
+// Sets *flag when some element is not finite (every writer writes the same value).
+template <class T>
+__global__ void non_finite_kernel(int* flag, const T* x, int64_t n) {
+  DP_GRID_STRIDE_LOOP(i, n) {
+    if (!isfinite(to_float(x[i]))) *flag = 1;
+  }
+}
+
+}  // namespace
+
+void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const SgdConfig& c,
+                int64_t step, DeviceContext& ctx) {
+  NvtxRange range("kernels/sgd_update");
+  require_f32("sgd_update", params);
+  require_f32("sgd_update", grads);
+  float* buf = nullptr;
+  if (c.momentum != 0.f) {
+    require_f32("sgd_update", momentum_buf);
+    buf = momentum_buf.data<float>();
+  }
+  int64_t n = params.numel();
+  if (n == 0) return;
+  sgd_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
+      params.data<float>(), grads.data<float>(), buf, c.lr, c.momentum, 1.f - c.dampening,
+      c.weight_decay, c.nesterov == Nesterov::yes, step == 1, n);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, const AdamWConfig& c,
+                  int64_t step, DeviceContext& ctx) {
+  NvtxRange range("kernels/adamw_update");
+  require_f32("adamw_update", {&params, &grads, &m, &v});
+  int64_t n = params.numel();
+  if (n == 0) return;
+  // Scalars in double, as PyTorch computes them in Python.
+  double t = static_cast<double>(step);
+  float decay = static_cast<float>(1.0 - static_cast<double>(c.lr) * c.weight_decay);
+  float step_size = static_cast<float>(c.lr / (1.0 - std::pow(double{c.beta1}, t)));
+  float correction2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(double{c.beta2}, t)));
+  adamw_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
+      params.data<float>(), grads.data<float>(), m.data<float>(), v.data<float>(), decay, c.beta1,
+      c.beta2, 1.f - c.beta1, 1.f - c.beta2, step_size, correction2_sqrt, c.eps, n);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+bool all_finite(const Tensor& x, DeviceContext& ctx) {
+  NvtxRange range("kernels/all_finite");
+  int64_t n = x.numel();
+  if (n == 0 || !is_floating(x.dtype())) return true;  // integers are always finite
+  cudaStream_t s = stream_of(ctx);
+  auto* flag = static_cast<int*>(ctx.workspace(sizeof(int)));
+  DP_CUDA_CHECK(cudaMemsetAsync(flag, 0, sizeof(int), s));
+  switch (x.dtype()) {  // floating dtypes, as the CPU backend
+    case DType::f32:
+      non_finite_kernel<<<blocks_for(n), kThreads, 0, s>>>(flag, x.data<float>(), n);
+      break;
+    case DType::f16:
+      non_finite_kernel<<<blocks_for(n), kThreads, 0, s>>>(flag, x.data<__half>(), n);
+      break;
+    case DType::bf16:
+      non_finite_kernel<<<blocks_for(n), kThreads, 0, s>>>(flag, x.data<__nv_bfloat16>(), n);
+      break;
+    default:
+      DP_THROW("all_finite: dtype " << x.dtype() << " is not supported");
+  }
+  DP_CUDA_CHECK_LAUNCH();
+  int host_flag = 0;
+  DP_CUDA_CHECK(cudaMemcpyAsync(&host_flag, flag, sizeof(int), cudaMemcpyDeviceToHost, s));
+  // The op returns a host value: wait for the flag to arrive.
+  DP_CUDA_CHECK(cudaStreamSynchronize(s));
+  return host_flag == 0;
+}
+
+}  // namespace kernels::cuda

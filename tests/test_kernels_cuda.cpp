@@ -1,0 +1,696 @@
+// kernels.cuda.*: every op of the CUDA backend against the CPU backend on the same random
+// inputs (odd sizes, empty batches, accumulation), bitwise reproducibility of the reductions,
+// logical devices sharing one GPU, and memory returning to its start value. Each case skips,
+// visibly, without a GPU.
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <random>
+
+#include "tests/test_util.hpp"
+
+#if DP_HAVE_CUDA
+#include "kernels/cuda/cuda_ops.hpp"
+#endif
+
+using namespace kernels;
+
+namespace {
+
+const Device kGpu = Device::cuda(0);
+const Device kCpu = Device::cpu(0);
+
+// Uniform [lo, hi) data from `seed`: the same values on every device.
+Tensor rnd(Device d, const Shape& s, uint32_t seed, float lo = -1.f, float hi = 1.f,
+           DType dtype = DType::f32) {
+  return Tensor::from_vector(
+      dp_test::random_vector(static_cast<size_t>(shape_numel(s)), seed, lo, hi), s, d, dtype);
+}
+
+// Small integers as floats: many exact ties (argmax, max pooling).
+Tensor small_ints(Device d, const Shape& s, uint32_t seed, int levels) {
+  std::mt19937 gen(seed);
+  std::uniform_int_distribution<int> dist(0, levels - 1);
+  std::vector<float> v(static_cast<size_t>(shape_numel(s)));
+  for (auto& x : v) x = static_cast<float>(dist(gen));
+  return Tensor::from_vector(v, s, d);
+}
+
+Tensor labels(Device d, int64_t batch, int64_t classes, uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::uniform_int_distribution<int32_t> dist(0, static_cast<int32_t>(classes - 1));
+  std::vector<int32_t> v(static_cast<size_t>(batch));
+  for (auto& x : v) x = dist(gen);
+  return Tensor::from_ints(v, {batch}, d);
+}
+
+Tensor zeros(Device d, const Shape& s) {
+  return Tensor::zeros(s, DType::f32, d);
+}
+
+Tensor full(Device d, const Shape& s, float value) {
+  Tensor t = Tensor::empty(s, DType::f32, d);
+  fill(t, value);
+  return t;
+}
+
+float diff(const Tensor& a, const Tensor& b) {
+  return max_abs_diff(a.to_host_f32(), b.to_host_f32());
+}
+
+bool same_bits(const Tensor& a, const Tensor& b) {
+  std::vector<float> x = a.to_host_f32(), y = b.to_host_f32();
+  return x.size() == y.size() &&
+         (x.empty() || std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0);
+}
+
+// Runs `run` on cuda:0 and on cpu:0 (it makes its inputs from fixed seeds, so both see the
+// same values) and checks that every returned output agrees within `tol`.
+using Outputs = std::vector<Tensor>;
+void check_matches_cpu(const std::function<Outputs(Device)>& run, float tol) {
+  Outputs on_gpu = run(kGpu);
+  Outputs on_cpu = run(kCpu);
+  REQUIRE(on_gpu.size() == on_cpu.size());
+  for (size_t i = 0; i < on_gpu.size(); ++i) {
+    INFO("output ", i, ": ", on_gpu[i]);
+    CHECK(on_gpu[i].device() == kGpu);
+    CHECK(on_gpu[i].shape() == on_cpu[i].shape());
+    CHECK(diff(on_gpu[i], on_cpu[i]) <= tol);
+  }
+}
+
+Shape stored(int64_t rows, int64_t cols, Transpose t) {
+  return t == Transpose::no ? Shape{rows, cols} : Shape{cols, rows};
+}
+
+// Sets a context's math mode for one scope.
+struct MathScope {
+  DeviceContext& ctx;
+  MathMode previous;
+  MathScope(DeviceContext& c, MathMode m) : ctx(c), previous(c.math()) { c.set_math(m); }
+  ~MathScope() { ctx.set_math(previous); }
+};
+
+}  // namespace
+
+// ---- elementwise ---------------------------------------------------------------------------
+
+TEST_CASE("kernels.cuda.elementwise: add, mul, scale, axpy match CPU (odd sizes, aliasing)") {
+  DP_REQUIRE_GPU();
+  for (int64_t n : {int64_t{1}, int64_t{1237}, int64_t{300007}}) {
+    CAPTURE(n);
+    check_matches_cpu(
+        [&](Device d) {
+          Tensor a = rnd(d, {n}, 1), b = rnd(d, {n}, 2);
+          Tensor sum_ab = zeros(d, {n}), prod = zeros(d, {n}), scaled = zeros(d, {n});
+          add(sum_ab, a, b);
+          mul(prod, a, b);
+          scale(scaled, a, -2.5f);
+          Tensor y = rnd(d, {n}, 3);
+          axpy(y, 0.75f, b);
+          Tensor in_place = a.clone();
+          scale(in_place, in_place, 3.f);  // y aliases x
+          return Outputs{sum_ab, prod, scaled, y, in_place};
+        },
+        1e-6f);
+  }
+}
+
+TEST_CASE("kernels.cuda.bias: add_bias and bias_backward match CPU ((N, C), (N, C, H, W))") {
+  DP_REQUIRE_GPU();
+  // 1000 rows use several row chunks of the column sums; 3 rows use one.
+  for (Shape s : {Shape{3, 37}, Shape{1000, 37}, Shape{5, 7, 3, 11}, Shape{2, 300, 1, 1}}) {
+    CAPTURE(shape_str(s));
+    check_matches_cpu(
+        [&](Device d) {
+          Tensor y = rnd(d, s, 4), bias = rnd(d, {s[1]}, 5);
+          add_bias(y, bias);
+          Tensor db = zeros(d, {s[1]});
+          bias_backward(db, y, Accumulate::no);
+          Tensor db_acc = rnd(d, {s[1]}, 6);
+          bias_backward(db_acc, y, Accumulate::yes);
+          return Outputs{y, db, db_acc};
+        },
+        2e-4f);
+  }
+}
+
+// ---- gemm ----------------------------------------------------------------------------------
+
+TEST_CASE("kernels.cuda.gemm: matches CPU (transposes, alpha/beta, bias, odd sizes)") {
+  DP_REQUIRE_GPU();
+  const int64_t m = 37, n = 53, k = 29;
+  for (Transpose ta : {Transpose::no, Transpose::yes})
+    for (Transpose tb : {Transpose::no, Transpose::yes}) {
+      CAPTURE(static_cast<int>(ta));
+      CAPTURE(static_cast<int>(tb));
+      check_matches_cpu(
+          [&](Device d) {
+            Tensor a = rnd(d, stored(m, k, ta), 7), b = rnd(d, stored(k, n, tb), 8);
+            Tensor bias = rnd(d, {n}, 9);
+            Tensor c0 = zeros(d, {m, n});
+            gemm(c0, a, ta, b, tb);
+            Tensor c1 = rnd(d, {m, n}, 10);
+            gemm(c1, a, ta, b, tb, 0.5f, -1.5f, bias);
+            Tensor c2 = full(d, {m, n}, std::numeric_limits<float>::quiet_NaN());
+            gemm(c2, a, ta, b, tb, 2.f, 0.f, bias);  // beta = 0 never reads c
+            return Outputs{c0, c1, c2};
+          },
+          2e-5f);
+    }
+}
+
+TEST_CASE("kernels.cuda.gemm: larger product, tf32, unaligned views") {
+  DP_REQUIRE_GPU();
+  const int64_t m = 129, n = 257, k = 515;
+  check_matches_cpu(
+      [&](Device d) {
+        Tensor a = rnd(d, {m, k}, 11), b = rnd(d, {n, k}, 12), bias = rnd(d, {n}, 13);
+        Tensor c = zeros(d, {m, n});
+        gemm(c, a, Transpose::no, b, Transpose::yes, 1.f, 0.f, bias);
+        return Outputs{c};
+      },
+      2e-4f);
+  {
+    MathScope tf32(context(kGpu), MathMode::tf32);
+    check_matches_cpu(
+        [&](Device d) {
+          Tensor a = rnd(d, {m, k}, 11), b = rnd(d, {k, n}, 12), bias = rnd(d, {n}, 13);
+          Tensor c = zeros(d, {m, n});
+          gemm(c, a, Transpose::no, b, Transpose::no, 1.f, 0.f, bias);
+          return Outputs{c};
+        },
+        5e-2f);  // TF32 keeps 10 mantissa bits of each operand
+  }
+  // Views one element into their buffers (4-byte aligned only), as flat parameter buffers
+  // hand out: the heuristic must pick algorithms for that alignment, the bias goes unfused.
+  check_matches_cpu(
+      [&](Device d) {
+        Tensor a = rnd(d, {m * k + 1}, 14).view(1, {m, k});
+        Tensor b = rnd(d, {k * n + 1}, 15).view(1, {k, n});
+        Tensor bias = rnd(d, {n + 1}, 16).view(1, {n});
+        Tensor c = zeros(d, {m * n + 1}).view(1, {m, n});
+        gemm(c, a, Transpose::no, b, Transpose::no, 1.f, 0.f, bias);
+        return Outputs{c};
+      },
+      2e-4f);
+}
+
+TEST_CASE("kernels.cuda.gemm: f16 and bf16 operands, f32 or 16-bit output") {
+  DP_REQUIRE_GPU();
+  const int64_t m = 33, n = 65, k = 47;
+  for (DType t : {DType::f16, DType::bf16}) {
+    CAPTURE(dtype_name(t));
+    check_matches_cpu(
+        [&](Device d) {
+          Tensor a = rnd(d, {m, k}, 17, -1.f, 1.f, t), b = rnd(d, {n, k}, 18, -1.f, 1.f, t);
+          Tensor bias = rnd(d, {n}, 19);
+          Tensor c32 = zeros(d, {m, n});
+          gemm(c32, a, Transpose::no, b, Transpose::yes, 1.f, 0.f, bias);
+          return Outputs{c32};
+        },
+        1e-4f);  // same rounded operands, f32 accumulation: only the order differs
+    check_matches_cpu(
+        [&](Device d) {
+          Tensor a = rnd(d, {k, m}, 20, -1.f, 1.f, t), b = rnd(d, {k, n}, 21, -1.f, 1.f, t);
+          Tensor bias = rnd(d, {n}, 22);
+          Tensor c16 = Tensor::zeros({m, n}, t, d);
+          gemm(c16, a, Transpose::yes, b, Transpose::no, 1.f, 0.f, bias);
+          return Outputs{c16};
+        },
+        t == DType::bf16 ? 6e-2f : 8e-3f);  // one 16-bit rounding of values up to ~8
+  }
+}
+
+TEST_CASE("kernels.cuda.gemm: empty products (k == 0 gives beta c + bias; empty batch)") {
+  DP_REQUIRE_GPU();
+  check_matches_cpu(
+      [&](Device d) {
+        Tensor a = zeros(d, {5, 0}), b = zeros(d, {0, 7}), bias = rnd(d, {7}, 23);
+        Tensor c = rnd(d, {5, 7}, 24);
+        gemm(c, a, Transpose::no, b, Transpose::no, 1.f, 0.5f, bias);
+        Tensor empty_batch = zeros(d, {0, 7});
+        gemm(empty_batch, zeros(d, {0, 3}), Transpose::no, rnd(d, {3, 7}, 25), Transpose::no);
+        return Outputs{c, empty_batch};
+      },
+      1e-6f);
+#if DP_HAVE_CUDA
+  // The backend itself, below the dispatcher's early returns.
+  DeviceContext& ctx = context(kGpu);
+  Tensor c = full(kGpu, {4, 3}, 2.f), a = zeros(kGpu, {4, 0}), b = zeros(kGpu, {0, 3});
+  cuda::gemm(c, a, Transpose::no, b, Transpose::no, 1.f, 0.f, Tensor(), ctx);
+  CHECK(c.to_host_f32() == std::vector<float>(12, 0.f));
+#endif
+}
+
+// ---- activations ---------------------------------------------------------------------------
+
+TEST_CASE("kernels.cuda.activations: relu, gelu, tanh and gradients match CPU") {
+  DP_REQUIRE_GPU();
+  const Shape s{7, 331};
+  check_matches_cpu(
+      [&](Device d) {
+        Tensor x = rnd(d, s, 26, -4.f, 4.f), dy = rnd(d, s, 27);
+        Outputs out;
+        for (int which = 0; which < 3; ++which) {
+          Tensor y = zeros(d, s), dx = zeros(d, s), dx_acc = rnd(d, s, 28);
+          if (which == 0) {
+            relu(y, x);
+            relu_backward(dx, dy, x, Accumulate::no);
+            relu_backward(dx_acc, dy, x, Accumulate::yes);
+          } else if (which == 1) {
+            gelu(y, x);
+            gelu_backward(dx, dy, x, Accumulate::no);
+            gelu_backward(dx_acc, dy, x, Accumulate::yes);
+          } else {
+            kernels::tanh(y, x);
+            tanh_backward(dx, dy, y, Accumulate::no);
+            tanh_backward(dx_acc, dy, y, Accumulate::yes);
+          }
+          out.insert(out.end(), {y, dx, dx_acc});
+        }
+        return out;
+      },
+      2e-6f);
+}
+
+// ---- losses, reductions, metrics -----------------------------------------------------------
+
+TEST_CASE("kernels.cuda.softmax_cross_entropy: matches CPU (smoothing, weights, wide rows)") {
+  DP_REQUIRE_GPU();
+  for (int64_t classes : {int64_t{1}, int64_t{11}, int64_t{1000}}) {
+    for (float ls : {0.f, 0.1f}) {
+      CAPTURE(classes);
+      CAPTURE(ls);
+      check_matches_cpu(
+          [&](Device d) {
+            const int64_t batch = 37;
+            Tensor logits = rnd(d, {batch, classes}, 29, -5.f, 5.f);
+            Tensor lab = labels(d, batch, classes, 30), w = rnd(d, {batch}, 31, 0.f, 2.f);
+            Tensor loss = zeros(d, {1}), dlogits = zeros(d, {batch, classes});
+            softmax_cross_entropy(loss, dlogits, logits, lab, Tensor(), ls);
+            Tensor wloss = zeros(d, {1}), wdlogits = zeros(d, {batch, classes});
+            softmax_cross_entropy(wloss, wdlogits, logits, lab, w, ls);
+            Tensor floss = zeros(d, {1}), none;
+            softmax_cross_entropy(floss, none, logits, lab, w, ls);  // forward only
+            return Outputs{loss, dlogits, wloss, wdlogits, floss};
+          },
+          5e-5f);
+    }
+  }
+  // Huge logits stay finite; an empty batch has loss 0.
+  check_matches_cpu(
+      [&](Device d) {
+        Tensor logits = rnd(d, {4, 9}, 32, -1e4f, 1e4f), lab = labels(d, 4, 9, 33);
+        Tensor loss = zeros(d, {1}), dl = zeros(d, {4, 9});
+        softmax_cross_entropy(loss, dl, logits, lab);
+        Tensor empty_loss = full(d, {1}, 5.f), none;
+        softmax_cross_entropy(empty_loss, none, zeros(d, {0, 9}), labels(d, 0, 9, 34));
+        return Outputs{loss, dl, empty_loss};
+      },
+      2e-2f);  // the huge loss (~1e4) itself carries f32 rounding of that size
+}
+
+TEST_CASE("kernels.cuda.mse_loss, sum, mean: match CPU; same bits on every run") {
+  DP_REQUIRE_GPU();
+  for (int64_t n : {int64_t{1}, int64_t{1237}, int64_t{1000003}}) {
+    CAPTURE(n);
+    check_matches_cpu(
+        [&](Device d) {
+          Tensor pred = rnd(d, {n}, 35), target = rnd(d, {n}, 36);
+          Tensor loss = zeros(d, {1}), dpred = zeros(d, {n}), s = zeros(d, {1}), mu = zeros(d, {1});
+          mse_loss(loss, dpred, pred, target);
+          sum(s, pred);
+          mean(mu, pred);
+          return Outputs{loss, dpred, mu};
+        },
+        1e-5f);
+    // The sum of n values in [-1, 1] is up to ~sqrt(n) in size: compare relative to that.
+    Tensor xg = rnd(kGpu, {n}, 37), xc = rnd(kCpu, {n}, 37);
+    Tensor sg = zeros(kGpu, {1}), sc = zeros(kCpu, {1}), again = zeros(kGpu, {1});
+    sum(sg, xg);
+    sum(sc, xc);
+    CHECK(std::fabs(sg.item() - sc.item()) <= 1e-6f * std::sqrt(static_cast<float>(n)) * 10.f);
+    sum(again, xg);
+    CHECK(same_bits(sg, again));
+  }
+  check_matches_cpu(
+      [&](Device d) {
+        Tensor s = full(d, {1}, 3.f), mu = full(d, {1}, 3.f), loss = full(d, {1}, 3.f), none;
+        sum(s, zeros(d, {0, 4}));
+        mean(mu, zeros(d, {0}));
+        mse_loss(loss, none, zeros(d, {0, 2}), zeros(d, {0, 2}));
+        return Outputs{s, mu, loss};
+      },
+      0.f);
+}
+
+TEST_CASE("kernels.cuda.argmax and count_correct: first maximum on ties, match CPU") {
+  DP_REQUIRE_GPU();
+  for (int64_t classes : {int64_t{1}, int64_t{10}, int64_t{77}, int64_t{1000}}) {
+    CAPTURE(classes);
+    const int64_t batch = 301;
+    Outputs got;
+    int64_t correct[2] = {0, 0};
+    int which = 0;
+    for (Device d : {kGpu, kCpu}) {
+      Tensor x = small_ints(d, {batch, classes}, 38, 4);  // ties everywhere
+      Tensor out = Tensor::zeros({batch}, DType::i32, d);
+      argmax(out, x);
+      got.push_back(out);
+      correct[which++] = count_correct(x, labels(d, batch, classes, 39));
+    }
+    CHECK(got[0].to_host_i32() == got[1].to_host_i32());
+    CHECK(correct[0] == correct[1]);
+  }
+  // Every label right, then none: the count is exact.
+  Tensor x = rnd(kGpu, {50, 6}, 40);
+  Tensor idx = Tensor::zeros({50}, DType::i32, kGpu);
+  argmax(idx, x);
+  CHECK(count_correct(x, idx) == 50);
+  std::vector<int32_t> wrong = idx.to_host_i32();
+  for (auto& v : wrong) v = (v + 1) % 6;
+  CHECK(count_correct(x, Tensor::from_ints(wrong, {50}, kGpu)) == 0);
+  CHECK(count_correct(zeros(kGpu, {0, 6}), Tensor::from_ints({}, {0}, kGpu)) == 0);
+}
+
+// ---- convolution and pooling ---------------------------------------------------------------
+
+namespace {
+struct ConvCase {
+  Shape x, w;
+  Conv2dParams p;
+};
+Shape conv_out(const ConvCase& c) {
+  return {c.x[0], c.w[0], conv_out_size(c.x[2], c.w[2], c.p.stride_h, c.p.pad_h),
+          conv_out_size(c.x[3], c.w[3], c.p.stride_w, c.p.pad_w)};
+}
+}  // namespace
+
+TEST_CASE("kernels.cuda.conv2d: forward, backward data and filter match CPU") {
+  DP_REQUIRE_GPU();
+  std::vector<ConvCase> cases = {
+      {{3, 5, 11, 9}, {7, 5, 3, 2}, {1, 1, 0, 0}}, {{2, 3, 13, 12}, {4, 3, 3, 3}, {2, 2, 1, 1}},
+      {{1, 8, 7, 7}, {6, 8, 1, 1}, {1, 1, 0, 0}},  {{4, 2, 9, 10}, {3, 2, 5, 3}, {2, 1, 2, 1}},
+      {{0, 3, 8, 8}, {4, 3, 3, 3}, {1, 1, 1, 1}},  // empty batch
+  };
+  for (const ConvCase& c : cases) {
+    CAPTURE(shape_str(c.x));
+    CAPTURE(shape_str(c.w));
+    Shape ys = conv_out(c);
+    check_matches_cpu(
+        [&](Device d) {
+          Tensor x = rnd(d, c.x, 41), w = rnd(d, c.w, 42), dy = rnd(d, ys, 43);
+          Tensor y = zeros(d, ys);
+          conv2d_forward(y, x, w, c.p);
+          Tensor dx = zeros(d, c.x), dx_acc = rnd(d, c.x, 44);
+          conv2d_backward_data(dx, dy, w, c.p, Accumulate::no);
+          conv2d_backward_data(dx_acc, dy, w, c.p, Accumulate::yes);
+          Tensor dw = zeros(d, c.w), dw_acc = rnd(d, c.w, 45);
+          conv2d_backward_filter(dw, dy, x, c.p, Accumulate::no);
+          conv2d_backward_filter(dw_acc, dy, x, c.p, Accumulate::yes);
+          return Outputs{y, dx, dx_acc, dw, dw_acc};
+        },
+        5e-4f);  // cuDNN may pick Winograd or FFT algorithms
+  }
+}
+
+TEST_CASE("kernels.cuda.conv2d: weight views at any offset; same bits on every run") {
+  DP_REQUIRE_GPU();
+  ConvCase c{{2, 3, 10, 10}, {5, 3, 3, 3}, {1, 1, 1, 1}};
+  Shape ys = conv_out(c);
+  int64_t wn = shape_numel(c.w);
+  check_matches_cpu(
+      [&](Device d) {
+        Tensor x = rnd(d, c.x, 46), dy = rnd(d, ys, 47);
+        Tensor w = rnd(d, {wn + 1}, 48).view(1, c.w);  // 4-byte aligned only
+        Tensor y = zeros(d, ys), dx = zeros(d, c.x);
+        Tensor dw = zeros(d, {wn + 1}).view(1, c.w);
+        conv2d_forward(y, x, w, c.p);
+        conv2d_backward_data(dx, dy, w, c.p, Accumulate::no);
+        conv2d_backward_filter(dw, dy, x, c.p, Accumulate::no);
+        return Outputs{y, dx, dw};
+      },
+      5e-4f);
+  Tensor x = rnd(kGpu, c.x, 46), dy = rnd(kGpu, ys, 47);
+  Tensor dw1 = zeros(kGpu, c.w), dw2 = zeros(kGpu, c.w);
+  conv2d_backward_filter(dw1, dy, x, c.p, Accumulate::no);
+  conv2d_backward_filter(dw2, dy, x, c.p, Accumulate::no);
+  CHECK(same_bits(dw1, dw2));
+}
+
+TEST_CASE("kernels.cuda.pool2d: max and average pooling match CPU (ties, overlap, padding)") {
+  DP_REQUIRE_GPU();
+  std::vector<std::pair<Shape, Pool2dParams>> cases = {
+      {{2, 3, 8, 8}, {2, 2, 2, 2, 0, 0}},
+      {{2, 3, 9, 7}, {3, 3, 2, 2, 1, 1}},  // overlapping windows, padding
+      {{1, 2, 5, 6}, {3, 2, 1, 1, 1, 1}},  // stride 1: heavy overlap
+      {{3, 1, 7, 9}, {2, 3, 3, 2, 1, 0}},
+      {{0, 2, 6, 6}, {2, 2, 2, 2, 0, 0}},  // empty batch
+  };
+  for (const auto& [xs, p] : cases) {
+    CAPTURE(shape_str(xs));
+    Shape ys{xs[0], xs[1], conv_out_size(xs[2], p.kernel_h, p.stride_h, p.pad_h),
+             conv_out_size(xs[3], p.kernel_w, p.stride_w, p.pad_w)};
+    for (bool ties : {false, true}) {
+      CAPTURE(ties);
+      check_matches_cpu(
+          [&](Device d) {
+            // Negative inputs check that padding never wins a max.
+            Tensor x = ties ? small_ints(d, xs, 49, 3) : rnd(d, xs, 49, -3.f, -1.f);
+            Tensor dy = rnd(d, ys, 50);
+            Tensor y = zeros(d, ys), dx = zeros(d, xs), dx_acc = rnd(d, xs, 51);
+            max_pool2d_forward(y, x, p);
+            max_pool2d_backward(dx, dy, x, y, p, Accumulate::no);
+            max_pool2d_backward(dx_acc, dy, x, y, p, Accumulate::yes);
+            Tensor ya = zeros(d, ys), dxa = zeros(d, xs), dxa_acc = rnd(d, xs, 52);
+            avg_pool2d_forward(ya, x, p);
+            avg_pool2d_backward(dxa, dy, p, Accumulate::no);
+            avg_pool2d_backward(dxa_acc, dy, p, Accumulate::yes);
+            return Outputs{y, dx, dx_acc, ya, dxa, dxa_acc};
+          },
+          1e-5f);
+    }
+  }
+}
+
+// ---- normalisation -------------------------------------------------------------------------
+
+TEST_CASE("kernels.cuda.batch_norm: train, eval, backward match CPU ((N, C), (N, C, H, W))") {
+  DP_REQUIRE_GPU();
+  for (Shape s : {Shape{37, 5}, Shape{3, 7, 5, 9}, Shape{2, 3, 40, 41}}) {
+    CAPTURE(shape_str(s));
+    int64_t c = s[1];
+    check_matches_cpu(
+        [&](Device d) {
+          Tensor x = rnd(d, s, 53, -2.f, 3.f), gamma = rnd(d, {c}, 54), beta = rnd(d, {c}, 55);
+          Tensor y = zeros(d, s), mean = zeros(d, {c}), invstd = zeros(d, {c});
+          Tensor rmean = rnd(d, {c}, 56), rvar = rnd(d, {c}, 57, 0.5f, 2.f);
+          batch_norm_forward_train(y, mean, invstd, rmean, rvar, x, gamma, beta, 0.1f, 1e-5f);
+          Tensor ye = zeros(d, s);
+          batch_norm_forward_eval(ye, x, gamma, beta, rmean, rvar, 1e-5f);
+          Tensor dy = rnd(d, s, 58), dx = zeros(d, s);
+          Tensor dgamma = zeros(d, {c}), dbeta = zeros(d, {c});
+          batch_norm_backward(dx, dgamma, dbeta, dy, x, gamma, mean, invstd, Accumulate::no);
+          Tensor dx2 = zeros(d, s), dgamma_acc = rnd(d, {c}, 59), dbeta_acc = rnd(d, {c}, 60);
+          batch_norm_backward(dx2, dgamma_acc, dbeta_acc, dy, x, gamma, mean, invstd,
+                              Accumulate::yes);
+          return Outputs{y,  mean,   invstd, rmean,      rvar,     ye,
+                         dx, dgamma, dbeta,  dgamma_acc, dbeta_acc};
+        },
+        5e-4f);
+  }
+}
+
+TEST_CASE("kernels.cuda.layer_norm: forward and backward match CPU; same bits on every run") {
+  DP_REQUIRE_GPU();
+  // 1000 rows use several row chunks for dgamma/dbeta; 700 features use 256-thread rows.
+  for (Shape s : {Shape{5, 37}, Shape{1000, 37}, Shape{9, 700}, Shape{0, 16}}) {
+    CAPTURE(shape_str(s));
+    int64_t d_feat = s[1];
+    check_matches_cpu(
+        [&](Device d) {
+          Tensor x = rnd(d, s, 61, -2.f, 3.f), gamma = rnd(d, {d_feat}, 62),
+                 beta = rnd(d, {d_feat}, 63);
+          Tensor y = zeros(d, s), mean = zeros(d, {s[0]}), rstd = zeros(d, {s[0]});
+          layer_norm_forward(y, mean, rstd, x, gamma, beta, 1e-5f);
+          Tensor dy = rnd(d, s, 64), dx = zeros(d, s);
+          Tensor dgamma = zeros(d, {d_feat}), dbeta = zeros(d, {d_feat});
+          layer_norm_backward(dx, dgamma, dbeta, dy, x, gamma, mean, rstd, Accumulate::no);
+          Tensor dgamma_acc = rnd(d, {d_feat}, 65), dbeta_acc = rnd(d, {d_feat}, 66);
+          layer_norm_backward(dx, dgamma_acc, dbeta_acc, dy, x, gamma, mean, rstd, Accumulate::yes);
+          return Outputs{y, mean, rstd, dx, dgamma, dbeta, dgamma_acc, dbeta_acc};
+        },
+        5e-4f);
+  }
+  Shape s{1000, 37};
+  Tensor x = rnd(kGpu, s, 61), gamma = rnd(kGpu, {37}, 62), beta = rnd(kGpu, {37}, 63);
+  Tensor y = zeros(kGpu, s), mean = zeros(kGpu, {1000}), rstd = zeros(kGpu, {1000});
+  layer_norm_forward(y, mean, rstd, x, gamma, beta, 1e-5f);
+  Tensor dy = rnd(kGpu, s, 64), dx = zeros(kGpu, s);
+  Tensor g1 = zeros(kGpu, {37}), b1 = zeros(kGpu, {37}), g2 = zeros(kGpu, {37}),
+         b2 = zeros(kGpu, {37});
+  layer_norm_backward(dx, g1, b1, dy, x, gamma, mean, rstd, Accumulate::no);
+  layer_norm_backward(dx, g2, b2, dy, x, gamma, mean, rstd, Accumulate::no);
+  CHECK(same_bits(g1, g2));
+  CHECK(same_bits(b1, b2));
+}
+
+// ---- dropout -------------------------------------------------------------------------------
+
+TEST_CASE("kernels.cuda.dropout: the same mask as the CPU bit for bit (any offset)") {
+  DP_REQUIRE_GPU();
+  for (uint64_t offset : {uint64_t{0}, uint64_t{6}, uint64_t{(1ull << 32) + 3}}) {
+    for (int64_t n : {int64_t{1}, int64_t{3}, int64_t{1237}}) {
+      CAPTURE(offset);
+      CAPTURE(n);
+      check_matches_cpu(
+          [&](Device d) {
+            Tensor x = rnd(d, {n}, 67), y = zeros(d, {n}), mask = zeros(d, {n});
+            dropout_forward(y, mask, x, 0.3f, 0x1234abcdull, offset);
+            return Outputs{y, mask};
+          },
+          0.f);
+    }
+  }
+}
+
+// ---- optimizers ----------------------------------------------------------------------------
+
+TEST_CASE("kernels.cuda.sgd_update and adamw_update: three steps match CPU") {
+  DP_REQUIRE_GPU();
+  const int64_t n = 1237;
+  std::vector<SgdConfig> sgd = {
+      {0.1f, 0.f, 0.f, 0.f, Nesterov::no},
+      {0.05f, 0.9f, 0.1f, 1e-2f, Nesterov::no},
+      {0.05f, 0.9f, 0.f, 1e-3f, Nesterov::yes},
+  };
+  for (size_t i = 0; i < sgd.size(); ++i) {
+    CAPTURE(i);
+    check_matches_cpu(
+        [&](Device d) {
+          Tensor p = rnd(d, {n}, 68), buf = zeros(d, {n});
+          for (int64_t step = 1; step <= 3; ++step)
+            sgd_update(p, rnd(d, {n}, 69 + static_cast<uint32_t>(step)), buf, sgd[i], step);
+          return Outputs{p, buf};
+        },
+        1e-6f);
+  }
+  check_matches_cpu(
+      [&](Device d) {
+        AdamWConfig c;
+        c.lr = 1e-2f;
+        Tensor p = rnd(d, {n}, 73), m = zeros(d, {n}), v = zeros(d, {n});
+        for (int64_t step = 1; step <= 3; ++step)
+          adamw_update(p, rnd(d, {n}, 74 + static_cast<uint32_t>(step)), m, v, c, step);
+        return Outputs{p, m, v};
+      },
+      1e-6f);
+}
+
+TEST_CASE("kernels.cuda.all_finite: NaN and inf anywhere, f32 and 16-bit") {
+  DP_REQUIRE_GPU();
+  const int64_t n = 100003;
+  for (DType t : {DType::f32, DType::f16, DType::bf16}) {
+    CAPTURE(dtype_name(t));
+    std::vector<float> v = dp_test::random_vector(n, 78);
+    CHECK(all_finite(Tensor::from_vector(v, {n}, kGpu, t)));
+    for (float bad :
+         {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+          std::numeric_limits<float>::quiet_NaN()}) {
+      for (int64_t at : {int64_t{0}, n - 1}) {
+        std::vector<float> w = v;
+        w[at] = bad;
+        CHECK_FALSE(all_finite(Tensor::from_vector(w, {n}, kGpu, t)));
+      }
+    }
+  }
+  CHECK(all_finite(zeros(kGpu, {0})));
+}
+
+// ---- devices and memory --------------------------------------------------------------------
+
+TEST_CASE("kernels.cuda.devices: logical devices cuda:0 and cuda:1 share a GPU; copies work") {
+  DP_REQUIRE_GPU();
+  const Device gpu1 = Device::cuda(1);
+  const int64_t m = 17, n = 23, k = 19;
+  Tensor a_cpu = rnd(kCpu, {m, k}, 79), b_cpu = rnd(kCpu, {k, n}, 80);
+  Tensor c_cpu = zeros(kCpu, {m, n});
+  gemm(c_cpu, a_cpu, Transpose::no, b_cpu, Transpose::no);
+  relu(c_cpu, c_cpu);
+
+  Tensor a1 = rnd(gpu1, {m, k}, 79), b1 = rnd(gpu1, {k, n}, 80), c1 = zeros(gpu1, {m, n});
+  gemm(c1, a1, Transpose::no, b1, Transpose::no);
+  relu(c1, c1);
+  CHECK(diff(c1, c_cpu) <= 2e-5f);
+  // cuda:1 -> cuda:0: the copy runs on cuda:0's stream, so cuda:1's work must be done first.
+  context(gpu1).synchronize();
+  Tensor c0 = Tensor::empty({m, n}, DType::f32, kGpu);
+  copy(c0, c1);
+  CHECK(same_bits(c0, c1));
+  // And back, through an op on cuda:0 first.
+  scale(c0, c0, 2.f);
+  context(kGpu).synchronize();
+  Tensor back = Tensor::empty({m, n}, DType::f32, gpu1);
+  copy(back, c0);
+  Tensor twice = zeros(kCpu, {m, n});
+  scale(twice, c_cpu, 2.f);
+  CHECK(diff(back, twice) <= 4e-5f);
+}
+
+TEST_CASE("kernels.cuda.memory: per-step allocations return to the start value") {
+  DP_REQUIRE_GPU();
+  DeviceContext& ctx = context(kGpu);
+  ctx.synchronize();
+  const int64_t start = ctx.memory()->current.load();
+  for (int step = 0; step < 5; ++step) {
+    {
+      Tensor x = rnd(kGpu, {64, 128}, 81), w = rnd(kGpu, {32, 128}, 82), b = rnd(kGpu, {32}, 83);
+      Tensor y = zeros(kGpu, {64, 32});
+      gemm(y, x, Transpose::no, w, Transpose::yes, 1.f, 0.f, b);
+      Tensor h = zeros(kGpu, {64, 32});
+      relu(h, y);
+      Tensor loss = zeros(kGpu, {1}), dh = zeros(kGpu, {64, 32});
+      softmax_cross_entropy(loss, dh, h, labels(kGpu, 64, 32, 84));
+      Tensor db = zeros(kGpu, {32});
+      bias_backward(db, dh, Accumulate::no);
+      CHECK(std::isfinite(loss.item()));
+      CHECK(ctx.memory()->current.load() > start);
+    }
+    ctx.synchronize();
+    CHECK(ctx.memory()->current.load() == start);
+  }
+}
+
+#if DP_HAVE_CUDA
+TEST_CASE("kernels.cuda.empty: the backend itself handles zero-sized inputs") {
+  DP_REQUIRE_GPU();
+  DeviceContext& ctx = context(kGpu);
+  // Column sums over zero rows write zeros (or keep the values when accumulating).
+  Tensor db = full(kGpu, {5}, 7.f);
+  cuda::bias_backward(db, zeros(kGpu, {0, 5}), Accumulate::no, ctx);
+  CHECK(db.to_host_f32() == std::vector<float>(5, 0.f));
+  Tensor dg = full(kGpu, {4}, 7.f), dbeta = full(kGpu, {4}, 7.f);
+  Tensor none = zeros(kGpu, {0, 4}), rows = zeros(kGpu, {0});
+  cuda::layer_norm_backward(none, dg, dbeta, none, none, full(kGpu, {4}, 1.f), rows, rows,
+                            Accumulate::yes, ctx);
+  CHECK(dg.to_host_f32() == std::vector<float>(4, 7.f));
+  // Reductions of nothing are 0.
+  Tensor out = full(kGpu, {1}, 3.f);
+  cuda::sum(out, zeros(kGpu, {0}), ctx);
+  CHECK(out.item() == 0.f);
+  cuda::mean(out, zeros(kGpu, {0}), ctx);
+  CHECK(out.item() == 0.f);
+  Tensor loss = full(kGpu, {1}, 3.f), no_grad;
+  cuda::softmax_cross_entropy(loss, no_grad, zeros(kGpu, {0, 3}), Tensor::from_ints({}, {0}, kGpu),
+                              Tensor(), 0.f, ctx);
+  CHECK(loss.item() == 0.f);
+  CHECK(cuda::count_correct(zeros(kGpu, {0, 3}), Tensor::from_ints({}, {0}, kGpu), ctx) == 0);
+  // Convolutions with an empty batch: dw is zeroed, y untouched (nothing to write).
+  Tensor dw = full(kGpu, {2, 3, 3, 3}, 7.f);
+  cuda::conv2d_backward_filter(dw, zeros(kGpu, {0, 2, 4, 4}), zeros(kGpu, {0, 3, 4, 4}),
+                               Conv2dParams{1, 1, 1, 1}, Accumulate::no, ctx);
+  CHECK(dw.to_host_f32() == std::vector<float>(54, 0.f));
+}
+#endif
