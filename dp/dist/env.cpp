@@ -1,0 +1,43 @@
+#include "dp/dist/env.hpp"
+
+#include <cerrno>
+#include <cstdlib>
+#include <utility>
+
+#include "kernels/runtime/error.hpp"
+
+namespace dp::dist {
+
+EnvLookup process_env() {
+  return [](const std::string& name) -> std::optional<std::string> {
+    const char* v = std::getenv(name.c_str());
+    if (!v) return std::nullopt;
+    return std::string(v);
+  };
+}
+
+EnvLookup map_env(std::map<std::string, std::string> vars) {
+  return [vars = std::move(vars)](const std::string& name) -> std::optional<std::string> {
+    auto it = vars.find(name);
+    if (it == vars.end()) return std::nullopt;
+    return it->second;
+  };
+}
+
+int parse_int(const std::string& text, int lo, int hi, const std::string& what) {
+  errno = 0;
+  char* end = nullptr;
+  long long v = std::strtoll(text.c_str(), &end, 10);
+  DP_CHECK(!text.empty() && end && *end == '\0' && errno == 0,
+           what << "='" << text << "' is not an integer");
+  DP_CHECK(v >= lo && v <= hi, what << "=" << v << " is not in [" << lo << ", " << hi << "]");
+  return static_cast<int>(v);
+}
+
+std::optional<int> env_int(const EnvLookup& env, const std::string& name, int lo, int hi) {
+  std::optional<std::string> v = env(name);
+  if (!v) return std::nullopt;
+  return parse_int(*v, lo, hi, name);
+}
+
+}  // namespace dp::dist

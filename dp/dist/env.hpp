@@ -1,0 +1,30 @@
+// Environment lookups behind a function, so that rendezvous and launcher code can be tested
+// with per-rank variables while ranks run as threads of one process.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+
+namespace dp::dist {
+
+// Returns the value of a variable, or nullopt when it is unset.
+using EnvLookup = std::function<std::optional<std::string>(const std::string& name)>;
+
+// The process environment (getenv).
+EnvLookup process_env();
+// A fixed map (tests).
+EnvLookup map_env(std::map<std::string, std::string> vars);
+// `env` when it is set, else process_env().
+inline EnvLookup env_or_process(const EnvLookup& env) {
+  return env ? env : process_env();
+}
+
+// The integer value of variable `name`, nullopt when unset. Throws kernels::Error naming the
+// variable and its text when it is not an integer in [lo, hi].
+std::optional<int> env_int(const EnvLookup& env, const std::string& name, int lo, int hi);
+// Parses a whole decimal integer in [lo, hi]; throws naming `what` and the text otherwise.
+int parse_int(const std::string& text, int lo, int hi, const std::string& what);
+
+}  // namespace dp::dist

@@ -1,0 +1,741 @@
+#include "dp/dist/gloo_process_group.hpp"
+
+#include <gloo/allgather.h>
+#include <gloo/allreduce.h>
+#include <gloo/barrier.h>
+#include <gloo/broadcast.h>
+#include <gloo/reduce.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/transport/tcp/device.h>
+#include <gloo/transport/unbound_buffer.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "dp/dist/cuda_util.hpp"
+#include "dp/dist/store.hpp"
+#include "kernels/ops.hpp"
+
+namespace dp::dist {
+
+using kernels::DType;
+using kernels::Tensor;
+using Clock = std::chrono::steady_clock;
+using Millis = std::chrono::milliseconds;
+
+namespace {
+
+// Point-to-point slots live apart from the collectives' (gloo::Slot::build puts a small
+// prefix in the top byte): user tag t uses slot kP2PSlotBase + t.
+constexpr uint64_t kP2PSlotBase = uint64_t(0xD0) << 56;
+
+// ---- element-wise reductions for gloo (c may alias a) ---------------------------------------
+
+struct SumOp {
+  template <class T>
+  static T apply(T a, T b) {
+    return static_cast<T>(a + b);
+  }
+};
+struct MinOp {
+  template <class T>
+  static T apply(T a, T b) {
+    return b < a ? b : a;
+  }
+};
+struct MaxOp {
+  template <class T>
+  static T apply(T a, T b) {
+    return a < b ? b : a;
+  }
+};
+
+template <class T, class Op>
+void reduce_plain(void* c, const void* a, const void* b, size_t n) {
+  auto* cc = static_cast<T*>(c);
+  const auto* aa = static_cast<const T*>(a);
+  const auto* bb = static_cast<const T*>(b);
+  for (size_t i = 0; i < n; ++i) cc[i] = Op::apply(aa[i], bb[i]);
+}
+
+// f16 and bf16 reduce in f32 and round back.
+template <float (*Load)(uint16_t), uint16_t (*Store)(float), class Op>
+void reduce_half(void* c, const void* a, const void* b, size_t n) {
+  auto* cc = static_cast<uint16_t*>(c);
+  const auto* aa = static_cast<const uint16_t*>(a);
+  const auto* bb = static_cast<const uint16_t*>(b);
+  for (size_t i = 0; i < n; ++i) cc[i] = Store(Op::apply(Load(aa[i]), Load(bb[i])));
+}
+
+using ReduceFn = std::function<void(void*, const void*, const void*, size_t)>;
+
+template <class Op>
+ReduceFn reduce_fn_for(DType dt) {
+  switch (dt) {
+    case DType::f32:
+      return reduce_plain<float, Op>;
+    case DType::i32:
+      return reduce_plain<int32_t, Op>;
+    case DType::i64:
+      return reduce_plain<int64_t, Op>;
+    case DType::u8:
+      return reduce_plain<uint8_t, Op>;
+    case DType::f16:
+      return reduce_half<kernels::f16_to_f32, kernels::f32_to_f16, Op>;
+    case DType::bf16:
+      return reduce_half<kernels::bf16_to_f32, kernels::f32_to_bf16, Op>;
+  }
+  DP_THROW("no reduction for dtype " << dt);
+}
+
+ReduceFn reduce_fn(DType dt, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum:
+    case ReduceOp::avg:
+      return reduce_fn_for<SumOp>(dt);
+    case ReduceOp::min:
+      return reduce_fn_for<MinOp>(dt);
+    case ReduceOp::max:
+      return reduce_fn_for<MaxOp>(dt);
+  }
+  DP_THROW("unknown reduce op");
+}
+
+// Averaging: the sum scaled by 1/size, here and nowhere else in the Gloo group.
+void scale_host(void* p, DType dt, int64_t n, float factor) {
+  switch (dt) {
+    case DType::f32: {
+      auto* x = static_cast<float*>(p);
+      for (int64_t i = 0; i < n; ++i) x[i] *= factor;
+      return;
+    }
+    case DType::f16: {
+      auto* x = static_cast<uint16_t*>(p);
+      for (int64_t i = 0; i < n; ++i)
+        x[i] = kernels::f32_to_f16(kernels::f16_to_f32(x[i]) * factor);
+      return;
+    }
+    case DType::bf16: {
+      auto* x = static_cast<uint16_t*>(p);
+      for (int64_t i = 0; i < n; ++i)
+        x[i] = kernels::f32_to_bf16(kernels::bf16_to_f32(x[i]) * factor);
+      return;
+    }
+    default:
+      DP_THROW("avg of dtype " << dt << " (floating types only)");
+  }
+}
+
+// Gloo's typed setters only use sizeof(T): pick an unsigned type of the element's size.
+template <class Opts>
+void set_output(Opts& o, void* p, size_t n, size_t elem) {
+  switch (elem) {
+    case 1:
+      o.template setOutput<uint8_t>(static_cast<uint8_t*>(p), n);
+      return;
+    case 2:
+      o.template setOutput<uint16_t>(static_cast<uint16_t*>(p), n);
+      return;
+    case 4:
+      o.template setOutput<uint32_t>(static_cast<uint32_t*>(p), n);
+      return;
+    case 8:
+      o.template setOutput<uint64_t>(static_cast<uint64_t*>(p), n);
+      return;
+  }
+  DP_THROW("unsupported element size " << elem);
+}
+template <class Opts>
+void set_input(Opts& o, void* p, size_t n, size_t elem) {
+  switch (elem) {
+    case 1:
+      o.template setInput<uint8_t>(static_cast<uint8_t*>(p), n);
+      return;
+    case 2:
+      o.template setInput<uint16_t>(static_cast<uint16_t*>(p), n);
+      return;
+    case 4:
+      o.template setInput<uint32_t>(static_cast<uint32_t*>(p), n);
+      return;
+    case 8:
+      o.template setInput<uint64_t>(static_cast<uint64_t*>(p), n);
+      return;
+  }
+  DP_THROW("unsupported element size " << elem);
+}
+
+std::string failure_message(const std::string& what, int rank, int size, Millis timeout,
+                            const std::string& why) {
+  std::ostringstream os;
+  bool timed_out = why.find("imed out") != std::string::npos;
+  if (timed_out)
+    os << "gloo " << what << " timed out after " << timeout.count() << " ms on rank " << rank
+       << " of " << size << " (a peer never joined the op, or died): " << why;
+  else
+    os << "gloo " << what << " failed on rank " << rank << " of " << size << " (timeout "
+       << timeout.count() << " ms): " << why;
+  return os.str();
+}
+
+// Completion of an op the worker runs to its end.
+class GlooWork final : public Work {
+ public:
+  void wait() override {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return done_; });
+    if (error_) std::rethrow_exception(error_);
+  }
+  bool is_completed() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return done_;
+  }
+  void finish(std::exception_ptr error) {
+    std::lock_guard<std::mutex> lock(mu_);
+    done_ = true;
+    error_ = error;
+    cv_.notify_all();
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
+enum class TaskKind { collective, point_to_point };
+
+struct Task {
+  TaskKind kind;
+  std::string what;
+  Millis timeout;
+  std::shared_ptr<StreamMarker> ready;             // CUDA inputs: their producers' end
+  std::function<void(uint32_t tag)> run;           // on the worker
+  std::function<void(std::exception_ptr)> finish;  // after run, with its failure if any
+};
+
+}  // namespace
+
+// ---- State: the gloo context and the worker ---------------------------------------------------
+
+struct GlooProcessGroup::State {
+  int rank = 0;
+  int size = 1;
+  std::shared_ptr<Store> store;
+  std::shared_ptr<gloo::transport::Device> device;
+  std::shared_ptr<gloo::rendezvous::Context> ctx;
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<Task> queue;
+  bool stopping = false;
+  std::string broken;  // the first failure; later ops fail at once
+  std::thread worker;
+
+  // Worker-only.
+  uint32_t next_tag = 1;
+  std::map<std::pair<int, DType>, Tensor> pool;  // grow-only pinned staging buffers
+
+  void enqueue(Task task) {
+    std::lock_guard<std::mutex> lock(mu);
+    queue.push_back(std::move(task));
+    cv.notify_all();
+  }
+
+  void mark_broken(const std::string& why) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (broken.empty()) broken = why;
+  }
+
+  std::string broken_reason() {
+    std::lock_guard<std::mutex> lock(mu);
+    return broken;
+  }
+
+  // The host memory an op works on: the tensor itself on CPU, else a pinned staging buffer
+  // (slot 0 or 1), filled from the device when `load`.
+  Tensor host_of(int slot, const Tensor& t, bool load) {
+    if (t.device().is_cpu()) return t;
+    Tensor& buf = pool[{slot, t.dtype()}];
+    if (!buf.defined() || buf.numel() < t.numel())
+      buf = Tensor::empty_pinned({std::max<int64_t>(t.numel(), 1)}, t.dtype());
+    Tensor h = buf.view(0, {t.numel()});
+    if (load) kernels::copy(h, t);  // D2H on this thread's stream, waited for
+    return h;
+  }
+
+  // Copies a staged result back to its CUDA tensor and waits for the copy.
+  static void store_back(Tensor& t, const Tensor& h) {
+    if (t.device().is_cpu()) return;
+    kernels::copy(t, h);
+    kernels::context(t.device()).synchronize();
+  }
+
+  void run() noexcept {
+    while (true) {
+      Task task;
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [&] { return stopping || !queue.empty(); });
+        if (queue.empty()) return;
+        task = std::move(queue.front());
+        queue.pop_front();
+      }
+      std::exception_ptr error;
+      std::string earlier = broken_reason();
+      uint32_t tag = task.kind == TaskKind::collective ? next_tag++ : 0;
+      if (!earlier.empty()) {
+        error = std::make_exception_ptr(
+            kernels::Error("gloo " + task.what + " on rank " + std::to_string(rank) + " of " +
+                           std::to_string(size) +
+                           " not run: the group is broken by an earlier failure: " + earlier));
+      } else {
+        try {
+          if (task.ready) task.ready->wait_host();
+          task.run(tag);
+        } catch (const std::exception& e) {
+          std::string msg = failure_message(task.what, rank, size, task.timeout, e.what());
+          mark_broken(msg);
+          error = std::make_exception_ptr(kernels::Error(msg));
+        } catch (...) {
+          std::string msg =
+              failure_message(task.what, rank, size, task.timeout, "unknown exception");
+          mark_broken(msg);
+          error = std::make_exception_ptr(kernels::Error(msg));
+        }
+      }
+      try {
+        task.finish(error);
+      } catch (...) {
+        DP_LOG_ERROR("gloo worker of rank " << rank << ": finishing " << task.what << " threw");
+      }
+    }
+  }
+};
+
+namespace {
+
+// Send or recv: the worker posts it in issue order, wait() completes it on the caller.
+class GlooP2PWork final : public Work {
+ public:
+  GlooP2PWork(std::shared_ptr<GlooProcessGroup::State> state, std::string what, Millis timeout,
+              bool is_send, Tensor user)
+      : state_(std::move(state)),
+        what_(std::move(what)),
+        timeout_(timeout),
+        is_send_(is_send),
+        user_(std::move(user)) {}
+
+  // Worker: the buffer is posted (or there was nothing to move).
+  void posted(std::unique_ptr<gloo::transport::UnboundBuffer> buf, Tensor host,
+              std::shared_ptr<gloo::Context> ctx) {
+    std::lock_guard<std::mutex> lock(mu_);
+    buf_ = std::move(buf);
+    host_ = std::move(host);
+    ctx_ = std::move(ctx);
+    deadline_ = Clock::now() + timeout_;
+    posted_ = true;
+    cv_.notify_all();
+  }
+  void failed(std::exception_ptr e) {
+    std::lock_guard<std::mutex> lock(mu_);
+    error_ = e;
+    done_ = true;
+    cv_.notify_all();
+  }
+
+  void wait() override {
+    std::lock_guard<std::mutex> one_waiter(wait_mu_);
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return posted_ || done_; });
+      if (done_) {
+        if (error_) std::rethrow_exception(error_);
+        return;
+      }
+    }
+    try {
+      if (buf_) {
+        auto left = std::chrono::duration_cast<Millis>(deadline_ - Clock::now());
+        if (left < Millis(1)) left = Millis(1);
+        bool ok = is_send_ ? buf_->waitSend(left) : buf_->waitRecv(left);
+        if (!ok) throw std::runtime_error("aborted");
+        if (!is_send_ && user_.device().is_cuda()) {
+          kernels::copy(user_, host_);
+          kernels::context(user_.device()).synchronize();
+        }
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      done_ = true;
+    } catch (const std::exception& e) {
+      std::string msg = failure_message(what_, state_->rank, state_->size, timeout_, e.what());
+      state_->mark_broken(msg);
+      std::lock_guard<std::mutex> lock(mu_);
+      error_ = std::make_exception_ptr(kernels::Error(msg));
+      done_ = true;
+      std::rethrow_exception(error_);
+    }
+  }
+
+  bool is_completed() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return done_;
+  }
+
+ private:
+  std::shared_ptr<GlooProcessGroup::State> state_;
+  std::string what_;
+  Millis timeout_;
+  bool is_send_;
+  Tensor user_;
+  Tensor host_;
+  std::shared_ptr<gloo::Context> ctx_;  // keeps the transport alive while buf_ is
+  std::unique_ptr<gloo::transport::UnboundBuffer> buf_;
+  Clock::time_point deadline_;
+  std::mutex wait_mu_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool posted_ = false;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
+void check_reducible(const char* op, const Tensor& t, ReduceOp rop) {
+  DP_CHECK(t.defined(), op << ": undefined tensor");
+  DType dt = t.dtype();
+  DP_CHECK(dt == DType::f32 || dt == DType::f16 || dt == DType::bf16 || dt == DType::i32 ||
+               dt == DType::i64 || dt == DType::u8,
+           op << ": unsupported dtype " << dt);
+  DP_CHECK(rop != ReduceOp::avg || kernels::is_floating(dt),
+           op << "(avg) needs a floating tensor, not " << dt);
+}
+
+// The stream point CUDA inputs are ready at (nullptr when every tensor is on the CPU).
+std::shared_ptr<StreamMarker> ready_marker(const char* op,
+                                           std::initializer_list<const Tensor*> ts) {
+  const Tensor* cuda = nullptr;
+  for (const Tensor* t : ts) {
+    if (!t->device().is_cuda()) continue;
+    DP_CHECK(!cuda || cuda->device() == t->device(),
+             op << ": CUDA tensors on " << cuda->device() << " and " << t->device());
+    cuda = t;
+  }
+  return cuda ? StreamMarker::record(cuda->device()) : nullptr;
+}
+
+}  // namespace
+
+// ---- GlooProcessGroup -----------------------------------------------------------------------
+
+GlooProcessGroup::GlooProcessGroup(std::shared_ptr<Store> store, int rank, int size,
+                                   const GlooOptions& options)
+    : ProcessGroup(rank, size, options.timeout), state_(std::make_shared<State>()) {
+  DP_CHECK(store != nullptr, "GlooProcessGroup needs a store");
+  state_->rank = rank;
+  state_->size = size;
+  state_->store = std::move(store);
+  try {
+    gloo::transport::tcp::attr attr;
+    if (!options.interface.empty())
+      attr.iface = options.interface;
+    else
+      attr.hostname = options.hostname;
+    state_->device = gloo::transport::tcp::CreateDevice(attr);
+    state_->ctx = std::make_shared<gloo::rendezvous::Context>(rank, size);
+    state_->ctx->setTimeout(options.timeout);
+    state_->ctx->connectFullMesh(*state_->store, state_->device);
+  } catch (const std::exception& e) {
+    DP_THROW("gloo rendezvous of rank "
+             << rank << " of " << size << " through " << state_->store->describe()
+             << " failed (timeout " << options.timeout.count() << " ms, transport address '"
+             << (options.interface.empty() ? options.hostname : "iface " + options.interface)
+             << "'): " << e.what());
+  }
+  State* s = state_.get();
+  state_->worker = std::thread([s] { s->run(); });
+}
+
+GlooProcessGroup::~GlooProcessGroup() {
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->stopping = true;
+  }
+  state_->cv.notify_all();
+  if (state_->worker.joinable()) state_->worker.join();
+}
+
+std::shared_ptr<Work> GlooProcessGroup::all_reduce(Tensor& t, ReduceOp op) {
+  check_reducible("all_reduce", t, op);
+  auto work = std::make_shared<GlooWork>();
+  State* s = state_.get();
+  std::string what = std::string("all_reduce(") + reduce_op_name(op) + ") of " + describe_tensor(t);
+  Millis to = timeout();
+  Task task{TaskKind::collective,
+            what,
+            to,
+            ready_marker("all_reduce", {&t}),
+            nullptr,
+            [work](std::exception_ptr e) { work->finish(e); }};
+  task.run = [s, t, op, to](uint32_t tag) mutable {
+    if (t.numel() == 0) return;
+    Tensor h = s->host_of(0, t, true);
+    if (s->size > 1) {
+      gloo::AllreduceOptions o(s->ctx);
+      set_output(o, h.raw(), static_cast<size_t>(h.numel()), kernels::dtype_size(h.dtype()));
+      o.setReduceFunction(reduce_fn(h.dtype(), op));
+      o.setTag(tag);
+      o.setTimeout(to);
+      gloo::allreduce(o);
+    }
+    if (op == ReduceOp::avg && s->size > 1)
+      scale_host(h.raw(), h.dtype(), h.numel(), 1.f / s->size);
+    State::store_back(t, h);
+  };
+  state_->enqueue(std::move(task));
+  return work;
+}
+
+std::shared_ptr<Work> GlooProcessGroup::broadcast(Tensor& t, int root) {
+  DP_CHECK(t.defined(), "broadcast: undefined tensor");
+  DP_CHECK(root >= 0 && root < size(),
+           "broadcast: root " << root << " not in [0, " << size() << ")");
+  auto work = std::make_shared<GlooWork>();
+  State* s = state_.get();
+  Millis to = timeout();
+  std::string what = "broadcast(root " + std::to_string(root) + ") of " + describe_tensor(t);
+  Task task{TaskKind::collective,
+            what,
+            to,
+            ready_marker("broadcast", {&t}),
+            nullptr,
+            [work](std::exception_ptr e) { work->finish(e); }};
+  task.run = [s, t, root, to](uint32_t tag) mutable {
+    if (t.numel() == 0 || s->size == 1) return;
+    bool is_root = s->rank == root;
+    Tensor h = s->host_of(0, t, is_root);
+    gloo::BroadcastOptions o(s->ctx);
+    set_output(o, h.raw(), static_cast<size_t>(h.numel()), kernels::dtype_size(h.dtype()));
+    o.setRoot(root);
+    o.setTag(tag);
+    o.setTimeout(to);
+    gloo::broadcast(o);
+    if (!is_root) State::store_back(t, h);
+  };
+  state_->enqueue(std::move(task));
+  return work;
+}
+
+std::shared_ptr<Work> GlooProcessGroup::reduce(Tensor& t, int root, ReduceOp op) {
+  check_reducible("reduce", t, op);
+  DP_CHECK(root >= 0 && root < size(), "reduce: root " << root << " not in [0, " << size() << ")");
+  auto work = std::make_shared<GlooWork>();
+  State* s = state_.get();
+  Millis to = timeout();
+  std::string what = std::string("reduce(") + reduce_op_name(op) + ", root " +
+                     std::to_string(root) + ") of " + describe_tensor(t);
+  Task task{
+      TaskKind::collective,         what,    to,
+      ready_marker("reduce", {&t}), nullptr, [work](std::exception_ptr e) { work->finish(e); }};
+  task.run = [s, t, root, op, to](uint32_t tag) mutable {
+    if (t.numel() == 0) return;
+    Tensor h = s->host_of(0, t, true);
+    if (s->size > 1) {
+      gloo::ReduceOptions o(s->ctx);
+      set_output(o, h.raw(), static_cast<size_t>(h.numel()), kernels::dtype_size(h.dtype()));
+      o.setRoot(root);
+      o.setReduceFunction(reduce_fn(h.dtype(), op));
+      o.setTag(tag);
+      o.setTimeout(to);
+      gloo::reduce(o);
+    }
+    if (s->rank == root) {
+      if (op == ReduceOp::avg && s->size > 1)
+        scale_host(h.raw(), h.dtype(), h.numel(), 1.f / s->size);
+      State::store_back(t, h);
+    }
+  };
+  state_->enqueue(std::move(task));
+  return work;
+}
+
+std::shared_ptr<Work> GlooProcessGroup::all_gather(Tensor& out, const Tensor& in) {
+  DP_CHECK(out.defined() && in.defined(), "all_gather: undefined tensor");
+  DP_CHECK(out.dtype() == in.dtype(),
+           "all_gather: out is " << out.dtype() << ", in is " << in.dtype());
+  DP_CHECK(out.numel() == in.numel() * size(), "all_gather: out has "
+                                                   << out.numel() << " elements, needs " << size()
+                                                   << " x " << in.numel());
+  auto work = std::make_shared<GlooWork>();
+  State* s = state_.get();
+  Millis to = timeout();
+  std::string what = "all_gather of " + describe_tensor(in);
+  Task task{TaskKind::collective,
+            what,
+            to,
+            ready_marker("all_gather", {&out, &in}),
+            nullptr,
+            [work](std::exception_ptr e) { work->finish(e); }};
+  task.run = [s, out, in, to](uint32_t tag) mutable {
+    if (in.numel() == 0) return;
+    Tensor hin = s->host_of(0, in, true);
+    Tensor hout = s->host_of(1, out, false);
+    size_t elem = kernels::dtype_size(in.dtype());
+    if (s->size > 1) {
+      gloo::AllgatherOptions o(s->ctx);
+      set_input(o, hin.raw(), static_cast<size_t>(hin.numel()), elem);
+      set_output(o, hout.raw(), static_cast<size_t>(hout.numel()), elem);
+      o.setTag(tag);
+      o.setTimeout(to);
+      gloo::allgather(o);
+    } else {
+      std::memcpy(hout.raw(), hin.raw(), hin.nbytes());
+    }
+    State::store_back(out, hout);
+  };
+  state_->enqueue(std::move(task));
+  return work;
+}
+
+std::shared_ptr<Work> GlooProcessGroup::reduce_scatter(Tensor& out, const Tensor& in, ReduceOp op) {
+  check_reducible("reduce_scatter", in, op);
+  DP_CHECK(out.defined() && out.dtype() == in.dtype(),
+           "reduce_scatter: out must be a " << in.dtype() << " tensor");
+  DP_CHECK(in.numel() == out.numel() * size(), "reduce_scatter: in has "
+                                                   << in.numel() << " elements, needs " << size()
+                                                   << " x " << out.numel());
+  auto work = std::make_shared<GlooWork>();
+  State* s = state_.get();
+  Millis to = timeout();
+  std::string what =
+      std::string("reduce_scatter(") + reduce_op_name(op) + ") of " + describe_tensor(in);
+  Task task{TaskKind::collective,
+            what,
+            to,
+            ready_marker("reduce_scatter", {&out, &in}),
+            nullptr,
+            [work](std::exception_ptr e) { work->finish(e); }};
+  // This Gloo has no reduce-scatter in its options API: all-reduce a scratch copy of `in` and
+  // keep this rank's slice (twice the optimal traffic; correct for every size).
+  task.run = [s, out, in, op, to](uint32_t tag) mutable {
+    if (out.numel() == 0) return;
+    Tensor scratch = Tensor::empty({in.numel()}, in.dtype(), kernels::Device::cpu());
+    if (in.device().is_cpu())
+      std::memcpy(scratch.raw(), in.raw(), in.nbytes());
+    else
+      kernels::copy(scratch, in);
+    if (s->size > 1) {
+      gloo::AllreduceOptions o(s->ctx);
+      set_output(o, scratch.raw(), static_cast<size_t>(scratch.numel()),
+                 kernels::dtype_size(in.dtype()));
+      o.setReduceFunction(reduce_fn(in.dtype(), op));
+      o.setTag(tag);
+      o.setTimeout(to);
+      gloo::allreduce(o);
+    }
+    Tensor mine = scratch.view(s->rank * out.numel(), {out.numel()});
+    if (op == ReduceOp::avg && s->size > 1)
+      scale_host(mine.raw(), mine.dtype(), mine.numel(), 1.f / s->size);
+    if (out.device().is_cpu()) {
+      std::memcpy(out.raw(), mine.raw(), out.nbytes());
+    } else {
+      kernels::copy(out, mine);
+      kernels::context(out.device()).synchronize();
+    }
+  };
+  state_->enqueue(std::move(task));
+  return work;
+}
+
+std::shared_ptr<Work> GlooProcessGroup::send(const Tensor& t, int dst, uint32_t tag) {
+  DP_CHECK(t.defined(), "send: undefined tensor");
+  DP_CHECK(dst >= 0 && dst < size() && dst != rank(),
+           "send: destination " << dst << " must be another rank in [0, " << size() << ")");
+  Millis to = timeout();
+  std::string what = "send(to rank " + std::to_string(dst) + ", tag " + std::to_string(tag) +
+                     ") of " + describe_tensor(t);
+  auto work = std::make_shared<GlooP2PWork>(state_, what, to, true, t);
+  State* s = state_.get();
+  Task task{TaskKind::point_to_point,
+            what,
+            to,
+            ready_marker("send", {&t}),
+            nullptr,
+            [work](std::exception_ptr e) {
+              if (e) work->failed(e);
+            }};
+  task.run = [s, t, dst, tag, work](uint32_t) {
+    if (t.nbytes() == 0) {
+      work->posted(nullptr, Tensor(), nullptr);
+      return;
+    }
+    // A send stays in flight after the worker moves on: stage in its own pinned buffer.
+    Tensor h = t;
+    if (t.device().is_cuda()) {
+      h = Tensor::empty_pinned({t.numel()}, t.dtype());
+      kernels::copy(h, t);
+    }
+    auto buf = s->ctx->createUnboundBuffer(h.raw(), h.nbytes());
+    buf->send(dst, kP2PSlotBase + tag);
+    work->posted(std::move(buf), h, s->ctx);
+  };
+  state_->enqueue(std::move(task));
+  return work;
+}
+
+std::shared_ptr<Work> GlooProcessGroup::recv(Tensor& t, int src, uint32_t tag) {
+  DP_CHECK(t.defined(), "recv: undefined tensor");
+  DP_CHECK(src >= 0 && src < size() && src != rank(),
+           "recv: source " << src << " must be another rank in [0, " << size() << ")");
+  Millis to = timeout();
+  std::string what = "recv(from rank " + std::to_string(src) + ", tag " + std::to_string(tag) +
+                     ") of " + describe_tensor(t);
+  auto work = std::make_shared<GlooP2PWork>(state_, what, to, false, t);
+  State* s = state_.get();
+  Task task{TaskKind::point_to_point,
+            what,
+            to,
+            ready_marker("recv", {&t}),
+            nullptr,
+            [work](std::exception_ptr e) {
+              if (e) work->failed(e);
+            }};
+  task.run = [s, t, src, tag, work](uint32_t) {
+    if (t.nbytes() == 0) {
+      work->posted(nullptr, Tensor(), nullptr);
+      return;
+    }
+    Tensor h = t.device().is_cuda() ? Tensor::empty_pinned({t.numel()}, t.dtype()) : t;
+    auto buf = s->ctx->createUnboundBuffer(h.raw(), h.nbytes());
+    buf->recv(src, kP2PSlotBase + tag);
+    work->posted(std::move(buf), h, s->ctx);
+  };
+  state_->enqueue(std::move(task));
+  return work;
+}
+
+std::shared_ptr<Work> GlooProcessGroup::barrier() {
+  auto work = std::make_shared<GlooWork>();
+  State* s = state_.get();
+  Millis to = timeout();
+  Task task{TaskKind::collective, "barrier", to, nullptr, nullptr, [work](std::exception_ptr e) {
+              work->finish(e);
+            }};
+  task.run = [s, to](uint32_t tag) {
+    if (s->size == 1) return;
+    gloo::BarrierOptions o(s->ctx);
+    o.setTag(tag);
+    o.setTimeout(to);
+    gloo::barrier(o);
+  };
+  state_->enqueue(std::move(task));
+  return work;
+}
+
+}  // namespace dp::dist

@@ -1,0 +1,47 @@
+// ProcessGroup over Gloo's TCP transport. Ops run on one worker thread per group, in issue
+// order; CPU tensors are used in place, CUDA tensors travel through pinned host memory
+// (D2H, Gloo op, H2D on the worker), which is how several ranks share one GPU.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "dp/dist/process_group.hpp"
+
+namespace dp::dist {
+
+class Store;
+
+struct GlooOptions {
+  std::string hostname = "127.0.0.1";  // address peers connect to (ignored with interface)
+  std::string interface;               // network interface name, e.g. "eth0"
+  std::chrono::milliseconds timeout = std::chrono::seconds(300);
+};
+
+class GlooProcessGroup final : public ProcessGroup {
+ public:
+  // requires 0 <= rank < size; `store` private to this group (a PrefixStore).
+  // Connects the full mesh through the store; blocks until every rank arrived or the timeout.
+  GlooProcessGroup(std::shared_ptr<Store> store, int rank, int size, const GlooOptions& options);
+  // Runs the ops still queued (each bounded by its timeout), then closes the connections.
+  ~GlooProcessGroup() override;
+
+  std::string backend_name() const override { return "gloo"; }
+  std::shared_ptr<Work> all_reduce(kernels::Tensor& t, ReduceOp op = ReduceOp::sum) override;
+  std::shared_ptr<Work> broadcast(kernels::Tensor& t, int root) override;
+  std::shared_ptr<Work> reduce(kernels::Tensor& t, int root, ReduceOp op = ReduceOp::sum) override;
+  std::shared_ptr<Work> all_gather(kernels::Tensor& out, const kernels::Tensor& in) override;
+  std::shared_ptr<Work> reduce_scatter(kernels::Tensor& out, const kernels::Tensor& in,
+                                       ReduceOp op = ReduceOp::sum) override;
+  std::shared_ptr<Work> send(const kernels::Tensor& t, int dst, uint32_t tag = 0) override;
+  std::shared_ptr<Work> recv(kernels::Tensor& t, int src, uint32_t tag = 0) override;
+  std::shared_ptr<Work> barrier() override;
+
+  struct State;  // the gloo context and the worker queue (shared with pending works)
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace dp::dist

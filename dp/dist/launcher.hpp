@@ -1,0 +1,67 @@
+// Starting workers: one process per device, each told its rank through the environment.
+//
+// A program is both its own launcher and its workers:
+//   if (auto env = dp::dist::worker_env_from_environment()) return run_worker(*env);
+//   return dp::dist::launch_workers(options, std::vector<std::string>(argv, argv + argc));
+// The launcher re-runs /proc/self/exe with the same arguments and RANK, WORLD_SIZE,
+// LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT set per worker.
+#pragma once
+
+#include <chrono>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dp/dist/env.hpp"
+
+namespace dp::dist {
+
+// What a worker learns from its launcher.
+struct WorkerEnv {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  std::string source;  // "torchrun" (also launch_workers), "mpirun" or "slurm"
+};
+
+// Reads, in this order of precedence: torchrun-style RANK, WORLD_SIZE, LOCAL_RANK,
+// LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT; mpirun's OMPI_COMM_WORLD_RANK,
+// _SIZE, _LOCAL_RANK, _LOCAL_SIZE; Slurm's SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,
+// SLURM_NTASKS_PER_NODE/SLURM_NNODES, SLURM_NODEID. For mpirun and Slurm, MASTER_ADDR
+// defaults to 127.0.0.1 on one node (required on several) and MASTER_PORT to 29500.
+// Returns nullopt when none of RANK, OMPI_COMM_WORLD_RANK, SLURM_PROCID is set.
+// Throws kernels::Error naming the variable for missing or inconsistent values.
+std::optional<WorkerEnv> worker_env_from_environment(const EnvLookup& env = {});
+
+struct LaunchOptions {
+  int nproc_per_node = 1;
+  int nnodes = 1;
+  int node_rank = 0;  // this node's index in [0, nnodes)
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;  // 0: a free port (one node only)
+  // After one worker failed: SIGTERM to the others, SIGKILL to those left after this long.
+  std::chrono::milliseconds grace_period = std::chrono::seconds(3);
+  // The executable to run; empty: this program (/proc/self/exe).
+  std::string program;
+  // Extra variables for every worker.
+  std::vector<std::pair<std::string, std::string>> extra_env;
+};
+
+// Runs nproc_per_node workers (global ranks node_rank * nproc_per_node + local) with `argv`
+// (argv[0] included) and the launcher's environment plus the worker variables, and watches
+// them. Returns 0 when every worker exited 0. When one exits non-zero or is killed, stops the
+// others (SIGTERM, then SIGKILL after the grace period), prints one line naming the rank and
+// its exit status or signal, and returns its exit code (128 + signal when killed). SIGINT or
+// SIGTERM to the launcher is forwarded to the workers and returns 128 + that signal.
+// Workers get PR_SET_PDEATHSIG(SIGKILL): they die with the launching thread. Never exits.
+int launch_workers(const LaunchOptions& options, const std::vector<std::string>& argv);
+
+// A TCP port free on `host` a moment ago (see socket.hpp); for MASTER_PORT.
+int find_free_port(const std::string& host = "127.0.0.1");
+
+}  // namespace dp::dist

@@ -1,0 +1,211 @@
+#include "dp/dist/process_group.hpp"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <set>
+#include <sstream>
+
+#include "dp/dist/cuda_util.hpp"
+#include "dp/dist/gloo_process_group.hpp"
+#include "dp/dist/nccl_process_group.hpp"
+#include "dp/dist/rendezvous.hpp"
+#include "dp/dist/socket.hpp"
+#include "dp/dist/store.hpp"
+#include "kernels/runtime/error.hpp"
+
+namespace dp::dist {
+
+const char* reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum:
+      return "sum";
+    case ReduceOp::avg:
+      return "avg";
+    case ReduceOp::min:
+      return "min";
+    case ReduceOp::max:
+      return "max";
+  }
+  return "?";
+}
+
+void wait_all(const std::vector<std::shared_ptr<Work>>& works) {
+  std::exception_ptr first;
+  for (const auto& w : works) {
+    if (!w) continue;
+    try {
+      w->wait();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  if (first) std::rethrow_exception(first);
+}
+
+namespace {
+// Several works as one: done when all are.
+class WorkList final : public Work {
+ public:
+  explicit WorkList(std::vector<std::shared_ptr<Work>> works) : works_(std::move(works)) {}
+  void wait() override { wait_all(works_); }
+  bool is_completed() const override {
+    for (const auto& w : works_)
+      if (!w->is_completed()) return false;
+    return true;
+  }
+
+ private:
+  std::vector<std::shared_ptr<Work>> works_;
+};
+}  // namespace
+
+std::shared_ptr<Work> ProcessGroup::send_recv(const kernels::Tensor& to_send, int dst,
+                                              kernels::Tensor& to_recv, int src, uint32_t tag) {
+  std::vector<std::shared_ptr<Work>> works;
+  works.push_back(send(to_send, dst, tag));
+  works.push_back(recv(to_recv, src, tag));
+  return std::make_shared<WorkList>(std::move(works));
+}
+
+ProcessGroup::ProcessGroup(int rank, int size, std::chrono::milliseconds timeout)
+    : rank_(rank), size_(size), timeout_ms_(timeout.count()) {
+  DP_CHECK(size >= 1 && rank >= 0 && rank < size,
+           "process group: rank " << rank << " is not in [0, size " << size << ")");
+  DP_CHECK(timeout.count() > 0,
+           "process group: timeout must be positive, got " << timeout.count() << " ms");
+}
+
+std::chrono::milliseconds ProcessGroup::timeout() const {
+  return std::chrono::milliseconds(timeout_ms_.load());
+}
+
+void ProcessGroup::set_timeout(std::chrono::milliseconds timeout) {
+  DP_CHECK(timeout.count() > 0,
+           "set_timeout: timeout must be positive, got " << timeout.count() << " ms");
+  timeout_ms_.store(timeout.count());
+}
+
+std::string ProcessGroup::describe_tensor(const kernels::Tensor& t) {
+  std::ostringstream os;
+  os << t.numel() << " x " << t.dtype() << " on " << t.device();
+  return os.str();
+}
+
+Backend parse_backend(const std::string& text) {
+  if (text == "auto") return Backend::auto_select;
+  if (text == "nccl") return Backend::nccl;
+  if (text == "gloo") return Backend::gloo;
+  DP_THROW("unknown backend '" << text << "': expected auto, nccl or gloo");
+}
+
+const char* backend_text(Backend b) {
+  switch (b) {
+    case Backend::auto_select:
+      return "auto";
+    case Backend::nccl:
+      return "nccl";
+    case Backend::gloo:
+      return "gloo";
+  }
+  return "?";
+}
+
+namespace {
+
+// The backend every rank agrees on: each publishes its physical device and reads the others'.
+Backend choose_backend(Backend requested, Store& store, int rank, int size,
+                       const kernels::Device& device) {
+  store.set_string("device/" + std::to_string(rank), physical_device_id(device));
+  std::vector<std::string> keys;
+  for (int r = 0; r < size; ++r) keys.push_back("device/" + std::to_string(r));
+  store.wait(keys);
+  std::vector<std::string> ids;
+  for (const auto& k : keys) ids.push_back(store.get_string(k));
+  int cpu_rank = -1, shared_a = -1, shared_b = -1;
+  for (int r = 0; r < size; ++r) {
+    if (ids[r].rfind("cuda:", 0) != 0 && cpu_rank < 0) cpu_rank = r;
+    for (int q = 0; q < r && shared_a < 0; ++q)
+      if (ids[q] == ids[r] && ids[r].rfind("cuda:", 0) == 0) {
+        shared_a = q;
+        shared_b = r;
+      }
+  }
+  if (requested == Backend::nccl) {
+    DP_CHECK(nccl_available(),
+             "backend nccl requested, but this build has no NCCL (CPU-only "
+             "build); use backend gloo or auto");
+    DP_CHECK(cpu_rank < 0, "backend nccl requested, but rank " << cpu_rank << " has its tensors on "
+                                                               << "the CPU; NCCL needs a CUDA "
+                                                               << "device on every rank");
+    DP_CHECK(shared_a < 0, "backend nccl requested, but ranks "
+                               << shared_a << " and " << shared_b << " share one GPU ("
+                               << ids[shared_a]
+                               << "); NCCL needs a distinct GPU per rank: use backend gloo or "
+                               << "auto, which stage CUDA tensors through host memory");
+    return Backend::nccl;
+  }
+  if (nccl_available() && cpu_rank < 0 && shared_a < 0) return Backend::nccl;
+  if (cpu_rank < 0 && shared_a >= 0 && rank == 0)
+    std::fprintf(stderr,
+                 "dp: warning: ranks %d and %d share one GPU; using gloo with CUDA tensors staged "
+                 "through pinned host memory (NCCL needs one GPU per rank)\n",
+                 shared_a, shared_b);
+  return Backend::gloo;
+}
+
+std::string this_host_name() {
+  char host[256] = {0};
+  if (gethostname(host, sizeof(host) - 1) != 0 || host[0] == '\0') return "127.0.0.1";
+  return host;
+}
+
+}  // namespace
+
+std::unique_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
+  EnvLookup env = env_or_process(o.env);
+  DP_CHECK(o.timeout.count() > 0, "init_process_group: timeout must be positive");
+  DP_CHECK(!o.group_name.empty(), "init_process_group: group_name is empty");
+  std::shared_ptr<Store> store = o.store;
+  int rank = o.rank, size = o.world_size;
+  std::string master_host;
+  if (store) {
+    DP_CHECK(size >= 1 && rank >= 0 && rank < size,
+             "init_process_group with a store needs rank in [0, world_size): got rank "
+                 << rank << ", world_size " << size);
+    if (auto* tcp = dynamic_cast<TcpStore*>(store.get())) master_host = tcp->host();
+  } else {
+    RendezvousSpec spec = parse_init_method(o.init_method, o.rank, o.world_size, env);
+    rank = spec.rank;
+    size = spec.world_size;
+    if (spec.kind == RendezvousSpec::Kind::tcp) master_host = spec.host;
+    store = make_store(spec, o.timeout);
+  }
+  auto group = std::make_shared<PrefixStore>("dp/" + o.group_name, store);
+  group->set_timeout(o.timeout);
+
+  Backend backend = o.backend;
+  if (backend != Backend::gloo) backend = choose_backend(backend, *group, rank, size, o.device);
+  if (backend == Backend::nccl)
+    return make_nccl_process_group(std::make_shared<PrefixStore>("nccl", group), rank, size,
+                                   o.device, o.timeout);
+
+  GlooOptions g;
+  g.timeout = o.timeout;
+  std::optional<std::string> ifname = env("GLOO_SOCKET_IFNAME");
+  if (!o.gloo_interface.empty())
+    g.interface = o.gloo_interface;
+  else if (!o.gloo_hostname.empty())
+    g.hostname = o.gloo_hostname;
+  else if (ifname && !ifname->empty())
+    g.interface = *ifname;
+  else if (!master_host.empty() && net::is_loopback_host(master_host))
+    g.hostname = "127.0.0.1";
+  else
+    g.hostname = this_host_name();
+  auto gloo_store = std::make_shared<PrefixStore>("gloo", group);
+  gloo_store->set_timeout(o.timeout);
+  return std::make_unique<GlooProcessGroup>(gloo_store, rank, size, g);
+}
+
+}  // namespace dp::dist

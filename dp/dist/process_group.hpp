@@ -1,0 +1,136 @@
+// ProcessGroup: the collectives one rank runs with its peers, asynchronously.
+//
+// Every op returns a Work at once; ops of one group execute in issue order on every rank
+// (which is what collectives need), so a caller can issue several (e.g. one all_reduce per
+// gradient bucket, each on a view of one flat buffer) and wait for them later:
+//
+//   std::vector<std::shared_ptr<Work>> works;
+//   for (auto& bucket : buckets) works.push_back(pg.all_reduce(bucket, ReduceOp::avg));
+//   wait_all(works);
+//
+// Tensors are contiguous; every rank passes the same shapes and dtype in the same op order.
+// An op that does not complete within the group's timeout fails with kernels::Error naming
+// the op, the rank and the timeout; a group whose op failed is broken: later ops fail at once.
+// A tensor must stay untouched by the caller until its Work was waited for.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dp/dist/env.hpp"
+#include "kernels/runtime/tensor.hpp"
+
+namespace dp::dist {
+
+class Store;
+
+enum class ReduceOp { sum, avg, min, max };
+const char* reduce_op_name(ReduceOp op);
+
+// One asynchronous operation.
+class Work {
+ public:
+  virtual ~Work() = default;
+  // Blocks until the op has finished (NCCL: and orders the calling thread's stream after it).
+  // Throws kernels::Error naming the op, the rank and the timeout on failure; again on every
+  // later call. A recv's data is in its tensor once wait() returned.
+  virtual void wait() = 0;
+  // True once the op has finished, successfully or not. Send and recv (Gloo) only know it
+  // once wait() has returned.
+  virtual bool is_completed() const = 0;
+};
+
+// Waits for every work (all of them, even after a failure), then rethrows the first failure.
+void wait_all(const std::vector<std::shared_ptr<Work>>& works);
+
+class ProcessGroup {
+ public:
+  ProcessGroup(int rank, int size, std::chrono::milliseconds timeout);
+  virtual ~ProcessGroup() = default;
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  virtual std::string backend_name() const = 0;  // "gloo" or "nccl"
+
+  // Timeout of each op issued from now on (default 300 s).
+  std::chrono::milliseconds timeout() const;
+  void set_timeout(std::chrono::milliseconds timeout);
+
+  // ensures t = op over every rank's t (avg: sum then scale by 1/size; floating types only).
+  virtual std::shared_ptr<Work> all_reduce(kernels::Tensor& t, ReduceOp op = ReduceOp::sum) = 0;
+  // requires 0 <= root < size. ensures t = root's t on every rank.
+  virtual std::shared_ptr<Work> broadcast(kernels::Tensor& t, int root) = 0;
+  // ensures root's t = op over every rank's t; other ranks' t is unspecified afterwards.
+  virtual std::shared_ptr<Work> reduce(kernels::Tensor& t, int root,
+                                       ReduceOp op = ReduceOp::sum) = 0;
+  // requires out (size * n), in (n) elements, same dtype.
+  // ensures out[r*n, (r+1)*n) = rank r's in.
+  virtual std::shared_ptr<Work> all_gather(kernels::Tensor& out, const kernels::Tensor& in) = 0;
+  // requires out (n), in (size * n) elements, same dtype.
+  // ensures out = op over every rank's in[rank*n, (rank+1)*n).
+  virtual std::shared_ptr<Work> reduce_scatter(kernels::Tensor& out, const kernels::Tensor& in,
+                                               ReduceOp op = ReduceOp::sum) = 0;
+  // Point to point: a send matches the recv of the same (src, dst, tag) with the same byte
+  // count (NCCL matches by issue order and ignores tag). t must not change until wait().
+  virtual std::shared_ptr<Work> send(const kernels::Tensor& t, int dst, uint32_t tag = 0) = 0;
+  virtual std::shared_ptr<Work> recv(kernels::Tensor& t, int src, uint32_t tag = 0) = 0;
+  // A send to dst and a recv from src issued together (one ring step). NCCL runs them as one
+  // group, so a ring where every rank sends before it receives cannot deadlock.
+  virtual std::shared_ptr<Work> send_recv(const kernels::Tensor& to_send, int dst,
+                                          kernels::Tensor& to_recv, int src, uint32_t tag = 0);
+  // ensures every rank has issued barrier() before any rank's barrier completes.
+  virtual std::shared_ptr<Work> barrier() = 0;
+
+ protected:
+  // "all_reduce(avg) of 1024 x f32" style description for messages.
+  static std::string describe_tensor(const kernels::Tensor& t);
+
+ private:
+  int rank_;
+  int size_;
+  std::atomic<int64_t> timeout_ms_;
+};
+
+// ---- creating a group -----------------------------------------------------------------------
+
+enum class Backend { auto_select, nccl, gloo };
+// "auto", "nccl", "gloo" (throws naming the text otherwise).
+Backend parse_backend(const std::string& text);
+const char* backend_text(Backend b);
+
+struct InitOptions {
+  // auto: NCCL when `device` is CUDA on every rank and every rank owns a distinct physical
+  // GPU, else Gloo (CUDA tensors then travel through pinned host memory).
+  Backend backend = Backend::auto_select;
+  // env:// (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE; or mpirun/Slurm variables),
+  // tcp://host:port or file:///path. Ignored when `store` is set.
+  std::string init_method = "env://";
+  int rank = -1;        // -1: from the init method / environment
+  int world_size = -1;  // -1: from the init method / environment
+  // The device this rank's tensors live on (cpu:i or cuda:i).
+  kernels::Device device = kernels::Device::cpu();
+  std::chrono::milliseconds timeout = std::chrono::seconds(300);  // rendezvous and every op
+  // A store to meet in instead of init_method (rank and world_size are then required).
+  std::shared_ptr<Store> store;
+  // Groups sharing one store need distinct names.
+  std::string group_name = "default";
+  // Gloo transport: the address other ranks reach this one at. Empty: GLOO_SOCKET_IFNAME's
+  // interface when set, 127.0.0.1 when the master address is loopback, else this host's name.
+  std::string gloo_hostname;
+  std::string gloo_interface;
+  // Where environment variables come from (empty: the process environment).
+  EnvLookup env;
+};
+
+// Meets the other ranks and connects them. Blocks until every rank arrived or the timeout
+// ran out (kernels::Error naming what was missing). An explicit nccl request on a CPU device
+// or on ranks sharing a GPU throws with the reason.
+std::unique_ptr<ProcessGroup> init_process_group(const InitOptions& options);
+
+}  // namespace dp::dist

@@ -1,0 +1,40 @@
+// Init methods: where and how the ranks of a job meet.
+//   env://                     MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE (LOCAL_RANK), or the
+//                              mpirun / Slurm variables (see launcher.hpp)
+//   tcp://host:port            rank and world size passed in, or ?rank=R&world_size=N
+//   file:///path/to/directory  a FileStore on a shared file system (a fresh directory per run)
+// tcp and env stores are TcpStores whose server runs on rank 0 at host:port.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "dp/dist/env.hpp"
+
+namespace dp::dist {
+
+class Store;
+
+struct RendezvousSpec {
+  enum class Kind { tcp, file };
+  Kind kind = Kind::tcp;
+  std::string host;  // tcp
+  int port = 0;      // tcp
+  std::string path;  // file: a directory
+  int rank = -1;
+  int world_size = -1;
+  int local_rank = -1;           // -1 when unknown
+  std::string describe() const;  // "tcp://127.0.0.1:29500" or "file:///tmp/x"
+};
+
+// Parses `init_method`; rank / world_size >= 0 override what the method or environment says.
+// ensures 0 <= rank < world_size. Throws kernels::Error naming the missing or bad part
+// (variable, host, port, path).
+RendezvousSpec parse_init_method(const std::string& init_method, int rank = -1, int world_size = -1,
+                                 const EnvLookup& env = {});
+
+// The store a spec names: a TcpStore (the server on rank 0) or a FileStore.
+std::shared_ptr<Store> make_store(const RendezvousSpec& spec, std::chrono::milliseconds timeout);
+
+}  // namespace dp::dist

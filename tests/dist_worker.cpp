@@ -1,0 +1,111 @@
+// Test helper for the launcher tests: a launcher (no worker variables set) or one of its
+// workers. Workers write <pid-dir>/rank_<r>.pid, then act out --mode:
+//   collectives  env:// Gloo group; all_reduce/broadcast/all_gather/send_recv checks; exit 0/1
+//   sleep        sleep (until killed)
+//   die          rank 1 kills itself with SIGKILL after 300 ms; the others sleep
+//   exit3        rank 1 exits with status 3 after 200 ms; the others sleep
+//   stubborn     everyone ignores SIGTERM; rank 1 exits with status 5 after 200 ms
+#include <signal.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <thread>
+
+#include "dp/dist/launcher.hpp"
+#include "dp/dist/process_group.hpp"
+
+using namespace dp::dist;
+using kernels::Tensor;
+
+namespace {
+
+void write_pid(const std::string& dir, int rank) {
+  if (dir.empty()) return;
+  std::string tmp = dir + "/.rank_" + std::to_string(rank) + ".tmp";
+  {
+    std::ofstream f(tmp);
+    f << ::getpid() << "\n";
+  }
+  std::rename(tmp.c_str(), (dir + "/rank_" + std::to_string(rank) + ".pid").c_str());
+}
+
+void sleep_forever() {
+  for (int i = 0; i < 600; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+}
+
+int run_collectives(const WorkerEnv& w) {
+  InitOptions o;
+  o.backend = Backend::gloo;
+  o.timeout = std::chrono::seconds(30);
+  auto pg = init_process_group(o);
+  const int n = pg->size(), r = pg->rank();
+  if (n != w.world_size || r != w.rank) return 1;
+  Tensor t = Tensor::from_vector(std::vector<float>(1000, float(r + 1)), {1000});
+  pg->all_reduce(t, ReduceOp::sum)->wait();
+  for (float v : t.to_host_f32())
+    if (v != n * (n + 1) / 2.f) {
+      std::fprintf(stderr, "[rank %d] all_reduce gave %f\n", r, v);
+      return 1;
+    }
+  Tensor b = Tensor::from_vector(std::vector<float>(10, float(r)), {10});
+  pg->broadcast(b, n - 1)->wait();
+  for (float v : b.to_host_f32())
+    if (v != float(n - 1)) return 1;
+  Tensor in = Tensor::from_vector({float(r)}, {1});
+  Tensor out = Tensor::from_vector(std::vector<float>(n, -1.f), {n});
+  pg->all_gather(out, in)->wait();
+  auto h = out.to_host_f32();
+  for (int q = 0; q < n; ++q)
+    if (h[q] != float(q)) return 1;
+  Tensor to_next = Tensor::from_vector({float(r)}, {1});
+  Tensor from_prev = Tensor::from_vector({-1.f}, {1});
+  pg->send_recv(to_next, (r + 1) % n, from_prev, (r + n - 1) % n, 1)->wait();
+  if (from_prev.item() != float((r + n - 1) % n)) return 1;
+  pg->barrier()->wait();
+  std::printf("[rank %d] collectives ok (world %d, local rank %d, node %d)\n", r, n, w.local_rank,
+              w.node_rank);
+  std::fflush(stdout);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app("dist_worker: launcher test helper");
+  std::string mode = "collectives", pid_dir;
+  LaunchOptions lo;
+  int grace_ms = 3000;
+  app.add_option("--mode", mode);
+  app.add_option("--pid-dir", pid_dir);
+  app.add_option("--nproc", lo.nproc_per_node);
+  app.add_option("--nnodes", lo.nnodes);
+  app.add_option("--node-rank", lo.node_rank);
+  app.add_option("--master-addr", lo.master_addr);
+  app.add_option("--master-port", lo.master_port);
+  app.add_option("--grace-ms", grace_ms);
+  CLI11_PARSE(app, argc, argv);
+  lo.grace_period = std::chrono::milliseconds(grace_ms);
+
+  try {
+    std::optional<WorkerEnv> w = worker_env_from_environment();
+    if (!w) return launch_workers(lo, std::vector<std::string>(argv, argv + argc));
+    write_pid(pid_dir, w->rank);
+    if (mode == "collectives") return run_collectives(*w);
+    if (mode == "stubborn") ::signal(SIGTERM, SIG_IGN);
+    if (w->rank == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(mode == "die" ? 300 : 200));
+      if (mode == "die") ::raise(SIGKILL);
+      if (mode == "exit3") return 3;
+      if (mode == "stubborn") return 5;
+    }
+    sleep_forever();
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dist_worker: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,298 @@
+// Gloo collectives with ranks as threads of this process (each its own store client and Gloo
+// context on 127.0.0.1), checked against closed forms: rank r contributes multiples of r+1.
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+
+#include "dp/dist/gloo_process_group.hpp"
+#include "tests/test_dist_util.hpp"
+
+using namespace dp::dist;
+using namespace std::chrono_literals;
+using kernels::DType;
+using kernels::Tensor;
+
+namespace {
+
+// x_i = (r + 1) * (i % 13 + 1): small integers, exact in f32 for every reduction order.
+std::vector<float> rank_values(int r, int64_t n) {
+  std::vector<float> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) v[i] = float((r + 1) * (i % 13 + 1));
+  return v;
+}
+
+void check_collectives(int n) {
+  const int64_t m = 1000;
+  dist_test::run_ranks(n, [&](int r, std::shared_ptr<Store> store) {
+    auto pg = dist_test::gloo_group(r, n, store);
+    RANK_CHECK(pg->rank() == r && pg->size() == n && pg->backend_name() == "gloo", "identity");
+    const float s = n * (n + 1) / 2.f;
+
+    // all_reduce: sum, avg, min, max issued together, waited together.
+    Tensor sum = Tensor::from_vector(rank_values(r, m), {m});
+    Tensor avg = Tensor::from_vector(rank_values(r, m), {m});
+    Tensor mn = Tensor::from_vector(rank_values(r, m), {m});
+    Tensor mx = Tensor::from_vector(rank_values(r, m), {m});
+    wait_all({pg->all_reduce(sum, ReduceOp::sum), pg->all_reduce(avg, ReduceOp::avg),
+              pg->all_reduce(mn, ReduceOp::min), pg->all_reduce(mx, ReduceOp::max)});
+    auto hs = sum.to_host_f32(), ha = avg.to_host_f32(), hn = mn.to_host_f32(),
+         hx = mx.to_host_f32();
+    for (int64_t i = 0; i < m; ++i) {
+      float base = float(i % 13 + 1);
+      RANK_CHECK(hs[i] == s * base, "sum[" << i << "] = " << hs[i]);
+      RANK_CHECK(std::abs(ha[i] - s * base / n) <= 1e-5f * s * base,
+                 "avg[" << i << "] = " << ha[i]);
+      RANK_CHECK(hn[i] == base, "min[" << i << "] = " << hn[i]);
+      RANK_CHECK(hx[i] == n * base, "max[" << i << "] = " << hx[i]);
+    }
+
+    // broadcast from every root in turn.
+    for (int root = 0; root < n; ++root) {
+      std::vector<float> v(m, -1.f);
+      if (r == root)
+        for (int64_t i = 0; i < m; ++i) v[i] = float(root * 100 + i % 50);
+      Tensor t = Tensor::from_vector(v, {m});
+      pg->broadcast(t, root)->wait();
+      auto h = t.to_host_f32();
+      for (int64_t i = 0; i < m; ++i)
+        RANK_CHECK(h[i] == float(root * 100 + i % 50),
+                   "broadcast from " << root << " [" << i << "]");
+    }
+
+    // reduce to the last rank.
+    Tensor red = Tensor::from_vector(rank_values(r, m), {m});
+    pg->reduce(red, n - 1, ReduceOp::sum)->wait();
+    if (r == n - 1) {
+      auto h = red.to_host_f32();
+      for (int64_t i = 0; i < m; ++i)
+        RANK_CHECK(h[i] == s * float(i % 13 + 1), "reduce[" << i << "]");
+    }
+
+    // all_gather: rank q's block holds q * 10 + j.
+    const int64_t k = 7;
+    std::vector<float> mine(k);
+    for (int64_t j = 0; j < k; ++j) mine[j] = float(r * 10 + j);
+    Tensor in = Tensor::from_vector(mine, {k});
+    Tensor out = Tensor::from_vector(std::vector<float>(n * k, -1.f), {n * k});
+    pg->all_gather(out, in)->wait();
+    auto ho = out.to_host_f32();
+    for (int q = 0; q < n; ++q)
+      for (int64_t j = 0; j < k; ++j)
+        RANK_CHECK(ho[q * k + j] == float(q * 10 + j), "all_gather[" << q << ", " << j << "]");
+
+    // reduce_scatter: in[c] = (r + 1) * (c + 1); rank r keeps sum_q (q + 1) * (r k + j + 1).
+    std::vector<float> full(n * k);
+    for (int64_t c = 0; c < n * k; ++c) full[c] = float((r + 1) * (c + 1));
+    Tensor rs_in = Tensor::from_vector(full, {n * k});
+    Tensor rs_out = Tensor::from_vector(std::vector<float>(k, -1.f), {k});
+    Tensor rs_avg = Tensor::from_vector(std::vector<float>(k, -1.f), {k});
+    wait_all({pg->reduce_scatter(rs_out, rs_in, ReduceOp::sum),
+              pg->reduce_scatter(rs_avg, rs_in, ReduceOp::avg)});
+    auto hr = rs_out.to_host_f32(), hra = rs_avg.to_host_f32();
+    for (int64_t j = 0; j < k; ++j) {
+      RANK_CHECK(hr[j] == s * float(r * k + j + 1), "reduce_scatter[" << j << "] = " << hr[j]);
+      RANK_CHECK(std::abs(hra[j] - s * float(r * k + j + 1) / n) < 1e-4f, "reduce_scatter avg");
+    }
+
+    // A ring of sends and receives, twice: separate ops, then send_recv.
+    int next = (r + 1) % n, prev = (r + n - 1) % n;
+    Tensor to_next = Tensor::from_vector(std::vector<float>(m, float(r)), {m});
+    Tensor from_prev = Tensor::from_vector(std::vector<float>(m, -1.f), {m});
+    auto sw = pg->send(to_next, next, 7);
+    auto rw = pg->recv(from_prev, prev, 7);
+    rw->wait();
+    sw->wait();
+    RANK_CHECK(rw->is_completed() && sw->is_completed(), "p2p completion");
+    for (float v : from_prev.to_host_f32()) RANK_CHECK(v == float(prev), "recv got " << v);
+    Tensor back = Tensor::from_vector(std::vector<float>(m, -1.f), {m});
+    pg->send_recv(from_prev, prev, back, next, 8)->wait();  // send it back the other way
+    for (float v : back.to_host_f32()) RANK_CHECK(v == float(r), "send_recv got " << v);
+
+    // Integer all_reduce.
+    std::vector<int32_t> iv(5, r + 1);
+    Tensor it = Tensor::from_ints(iv, {5});
+    pg->all_reduce(it, ReduceOp::sum)->wait();
+    for (int32_t v : it.to_host_i32()) RANK_CHECK(v == int32_t(s), "i32 sum " << v);
+
+    pg->barrier()->wait();
+  });
+}
+
+}  // namespace
+
+TEST_CASE("dist.collectives: every op on 2 ranks") {
+  check_collectives(2);
+}
+TEST_CASE("dist.collectives: every op on 3 ranks") {
+  check_collectives(3);
+}
+TEST_CASE("dist.collectives: every op on 4 ranks") {
+  check_collectives(4);
+}
+
+TEST_CASE("dist.collectives: bucketed all_reduce(avg) on views of one flat buffer") {
+  // What a DDP reducer does: async all_reduce per bucket slice, in a fixed order, then wait.
+  const int n = 3;
+  const int64_t total = 100003;
+  dist_test::run_ranks(n, [&](int r, std::shared_ptr<Store> store) {
+    auto pg = dist_test::gloo_group(r, n, store);
+    Tensor grads = Tensor::from_vector(rank_values(r, total), {total});
+    std::vector<std::pair<int64_t, int64_t>> buckets = {{70000, 30003}, {20000, 50000}, {0, 20000}};
+    std::vector<Tensor> views;
+    std::vector<std::shared_ptr<Work>> works;
+    for (auto [off, len] : buckets) {
+      views.push_back(grads.view(off, {len}));
+      works.push_back(pg->all_reduce(views.back(), ReduceOp::avg));
+    }
+    wait_all(works);
+    for (auto& w : works) RANK_CHECK(w->is_completed(), "bucket done");
+    auto h = grads.to_host_f32();
+    const float mean_scale = (n + 1) / 2.f;
+    for (int64_t i = 0; i < total; ++i)
+      RANK_CHECK(std::abs(h[i] - mean_scale * float(i % 13 + 1)) < 1e-5f,
+                 "grad[" << i << "] = " << h[i]);
+  });
+}
+
+TEST_CASE("dist.collectives: a group of one rank") {
+  dist_test::run_ranks(1, [&](int r, std::shared_ptr<Store> store) {
+    auto pg = dist_test::gloo_group(r, 1, store);
+    Tensor t = Tensor::from_vector({1, 2, 3}, {3});
+    wait_all({pg->all_reduce(t, ReduceOp::avg), pg->broadcast(t, 0), pg->barrier()});
+    Tensor out = Tensor::from_vector({0, 0, 0}, {3});
+    pg->all_gather(out, t)->wait();
+    RANK_CHECK(out.to_host_f32() == std::vector<float>({1, 2, 3}), "all_gather of one");
+  });
+}
+
+TEST_CASE("dist.collectives: a collective one rank never joins times out naming the op") {
+  const int n = 3;
+  std::mutex mu;
+  std::condition_variable cv;
+  int finished = 0;
+  std::vector<std::string> errors(n);
+  dist_test::run_ranks(n, [&](int r, std::shared_ptr<Store> store) {
+    auto pg = dist_test::gloo_group(r, n, store);
+    if (r == 2) {
+      // Never joins; stays alive (connected) until the others gave up.
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [&] { return finished == 2; });
+      return;
+    }
+    pg->set_timeout(2s);
+    Tensor t = Tensor::from_vector(std::vector<float>(64, 1.f), {64});
+    auto start = std::chrono::steady_clock::now();
+    auto work = pg->all_reduce(t, ReduceOp::sum);
+    try {
+      work->wait();
+    } catch (const kernels::Error& e) {
+      errors[r] = e.what();
+    }
+    auto took = std::chrono::steady_clock::now() - start;
+    RANK_CHECK(took >= 1900ms && took < 10s,
+               "timed out after " << std::chrono::duration<double>(took).count() << " s");
+    RANK_CHECK(work->is_completed(), "a failed work is completed");
+    // The group is broken now: the next op fails at once, naming the first failure.
+    Tensor u = t;
+    std::string again;
+    try {
+      pg->barrier()->wait();
+    } catch (const kernels::Error& e) {
+      again = e.what();
+    }
+    RANK_CHECK(again.find("broken") != std::string::npos, "second op: " << again);
+    std::lock_guard<std::mutex> lock(mu);
+    ++finished;
+    cv.notify_all();
+  });
+  for (int r = 0; r < 2; ++r) {
+    INFO("rank " << r << ": " << errors[r]);
+    CHECK(errors[r].find("all_reduce") != std::string::npos);
+    CHECK(errors[r].find("2000 ms") != std::string::npos);
+    CHECK(errors[r].find("rank " + std::to_string(r) + " of 3") != std::string::npos);
+  }
+}
+
+TEST_CASE("dist.collectives: rendezvous times out when a rank never arrives") {
+  StoreServer server("127.0.0.1", 0);
+  auto store = std::make_shared<TcpStore>("127.0.0.1", server.port(), StoreRole::client, 5s);
+  std::string err;
+  auto start = std::chrono::steady_clock::now();
+  try {
+    dist_test::gloo_group(0, 2, store, 1s);  // rank 1 never comes
+  } catch (const kernels::Error& e) {
+    err = e.what();
+  }
+  INFO(err);
+  CHECK(std::chrono::steady_clock::now() - start < 10s);
+  CHECK(err.find("1000 ms") != std::string::npos);
+  CHECK(err.find("rank 0 of 2") != std::string::npos);
+}
+
+TEST_CASE("dist.collectives: bad arguments throw at issue, naming the op") {
+  dist_test::run_ranks(2, [&](int r, std::shared_ptr<Store> store) {
+    auto pg = dist_test::gloo_group(r, 2, store);
+    Tensor a = Tensor::from_vector({1, 2, 3}, {3});
+    Tensor b = Tensor::from_vector({1, 2, 3, 4, 5}, {5});
+    auto throws = [](auto&& f, const char* needle) {
+      try {
+        f();
+      } catch (const kernels::Error& e) {
+        return std::string(e.what()).find(needle) != std::string::npos;
+      }
+      return false;
+    };
+    RANK_CHECK(throws([&] { pg->all_gather(b, a); }, "all_gather"), "all_gather shape");
+    RANK_CHECK(throws([&] { pg->reduce_scatter(a, b); }, "reduce_scatter"), "reduce_scatter shape");
+    RANK_CHECK(throws([&] { pg->broadcast(a, 2); }, "root 2"), "broadcast root");
+    RANK_CHECK(throws([&] { pg->send(a, r); }, "send"), "send to self");
+    Tensor i = Tensor::from_ints({1, 2}, {2});
+    RANK_CHECK(throws([&] { pg->all_reduce(i, ReduceOp::avg); }, "avg"), "avg of ints");
+    RANK_CHECK(throws([&] { pg->set_timeout(0ms); }, "timeout"), "zero timeout");
+    // The group still works after refused calls.
+    pg->all_reduce(a)->wait();
+    RANK_CHECK(a.to_host_f32() == std::vector<float>({2, 4, 6}), "after errors");
+  });
+}
+
+TEST_CASE("dist.collectives: backend auto picks gloo for CPU tensors, nccl on CPU is refused") {
+  dist_test::run_ranks(2, [&](int r, std::shared_ptr<Store> store) {
+    InitOptions o;
+    o.backend = Backend::auto_select;
+    o.rank = r;
+    o.world_size = 2;
+    o.store = store;
+    o.group_name = "auto";
+    o.gloo_hostname = "127.0.0.1";
+    auto pg = init_process_group(o);
+    RANK_CHECK(pg->backend_name() == "gloo", "auto chose " << pg->backend_name());
+    o.backend = Backend::nccl;
+    o.group_name = "nccl";
+    std::string err;
+    try {
+      init_process_group(o);
+    } catch (const kernels::Error& e) {
+      err = e.what();
+    }
+    RANK_CHECK(err.find("nccl") != std::string::npos, "nccl on CPU: " << err);
+  });
+}
+
+TEST_CASE("dist.collectives: CUDA tensors through Gloo (ranks sharing one GPU)") {
+  DP_REQUIRE_GPU();
+  dist_test::run_ranks(2, [&](int r, std::shared_ptr<Store> store) {
+    auto pg = dist_test::gloo_group(r, 2, store);
+    kernels::Device dev = kernels::Device::cuda(0);
+    Tensor t = Tensor::from_vector(rank_values(r, 1000), {1000}, dev);
+    pg->all_reduce(t, ReduceOp::sum)->wait();
+    auto h = t.to_host_f32();
+    for (int64_t i = 0; i < 1000; ++i) RANK_CHECK(h[i] == 3.f * float(i % 13 + 1), "cuda sum");
+    Tensor b = Tensor::from_vector(std::vector<float>(10, float(r)), {10}, dev);
+    pg->broadcast(b, 1)->wait();
+    for (float v : b.to_host_f32()) RANK_CHECK(v == 1.f, "cuda broadcast");
+    Tensor x = Tensor::from_vector(std::vector<float>(10, float(r + 5)), {10}, dev);
+    Tensor y = Tensor::from_vector(std::vector<float>(10, -1.f), {10}, dev);
+    pg->send_recv(x, 1 - r, y, 1 - r, 3)->wait();
+    for (float v : y.to_host_f32()) RANK_CHECK(v == float(1 - r + 5), "cuda send_recv");
+  });
+}

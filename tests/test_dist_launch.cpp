@@ -1,0 +1,195 @@
+// launch_workers with real processes (tests/dist_worker.cpp): collectives across processes,
+// two "nodes" on loopback, and the failure paths (a killed worker, a non-zero exit, workers
+// ignoring SIGTERM, the launcher killed, Ctrl-C forwarded).
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fstream>
+
+#include "dp/dist/launcher.hpp"
+#include "tests/test_dist_util.hpp"
+
+extern char** environ;
+
+using namespace dp::dist;
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+const std::string kWorker = DP_DIST_WORKER_PATH;
+
+// Pids the workers wrote into `dir`, once all n are there (empty after `within`).
+std::vector<pid_t> wait_for_pids(const std::string& dir, int n, std::chrono::milliseconds within) {
+  auto deadline = Clock::now() + within;
+  while (Clock::now() < deadline) {
+    std::vector<pid_t> pids;
+    for (int r = 0; r < n; ++r) {
+      std::ifstream f(dir + "/rank_" + std::to_string(r) + ".pid");
+      long pid = 0;
+      if (f >> pid) pids.push_back(static_cast<pid_t>(pid));
+    }
+    if (static_cast<int>(pids.size()) == n) return pids;
+    std::this_thread::sleep_for(10ms);
+  }
+  return {};
+}
+
+// Gone: no such process, or a zombie whose parent died (waiting for init to reap it).
+bool process_gone(pid_t pid) {
+  if (::kill(pid, 0) != 0 && errno == ESRCH) return true;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text;
+  std::getline(stat, text);
+  auto close = text.rfind(')');
+  return close != std::string::npos && close + 2 < text.size() && text[close + 2] == 'Z';
+}
+
+bool all_gone_within(const std::vector<pid_t>& pids, std::chrono::milliseconds within) {
+  auto deadline = Clock::now() + within;
+  while (Clock::now() < deadline) {
+    bool all = true;
+    for (pid_t p : pids) all = all && process_gone(p);
+    if (all) return true;
+    std::this_thread::sleep_for(10ms);
+  }
+  return false;
+}
+
+LaunchOptions worker_options(int nproc) {
+  LaunchOptions o;
+  o.nproc_per_node = nproc;
+  o.program = kWorker;
+  o.grace_period = 1s;
+  return o;
+}
+
+// Starts dist_worker as a launcher process with `args`.
+pid_t spawn_launcher(const std::vector<std::string>& args) {
+  std::vector<std::string> all = {kWorker};
+  all.insert(all.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : all) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  pid_t pid = -1;
+  int rc = posix_spawn(&pid, kWorker.c_str(), nullptr, nullptr, argv.data(), environ);
+  REQUIRE(rc == 0);
+  return pid;
+}
+
+// Waits for a child up to `within`; returns its status, or -1 on timeout (then kills it).
+int wait_child(pid_t pid, std::chrono::milliseconds within) {
+  auto deadline = Clock::now() + within;
+  int status = 0;
+  while (Clock::now() < deadline) {
+    pid_t r = ::waitpid(pid, &status, WNOHANG);
+    if (r == pid) return status;
+    std::this_thread::sleep_for(10ms);
+  }
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, &status, 0);
+  return -1;
+}
+
+}  // namespace
+
+TEST_CASE("dist.launch: three worker processes run Gloo collectives") {
+  auto start = Clock::now();
+  int rc = launch_workers(worker_options(3), {kWorker, "--mode", "collectives"});
+  CHECK(rc == 0);
+  CHECK(Clock::now() - start < 30s);
+}
+
+TEST_CASE("dist.launch: two nodes of two processes each on loopback") {
+  int port = find_free_port();
+  std::vector<std::string> common = {
+      "--mode",    "collectives",   "--nproc",           "2", "--nnodes", "2", "--master-addr",
+      "127.0.0.1", "--master-port", std::to_string(port)};
+  auto node = [&](int rank) {
+    auto args = common;
+    args.push_back("--node-rank");
+    args.push_back(std::to_string(rank));
+    return spawn_launcher(args);
+  };
+  pid_t node1 = node(1);  // the node without rank 0 may start first: it waits for the store
+  std::this_thread::sleep_for(100ms);
+  pid_t node0 = node(0);
+  int s0 = wait_child(node0, 30s), s1 = wait_child(node1, 30s);
+  CHECK(s0 != -1);
+  CHECK(s1 != -1);
+  CHECK(WIFEXITED(s0));
+  CHECK(WEXITSTATUS(s0) == 0);
+  CHECK(WIFEXITED(s1));
+  CHECK(WEXITSTATUS(s1) == 0);
+}
+
+TEST_CASE("dist.launch: a worker killed mid-run stops the others, and the launcher fails") {
+  std::string dir = dist_test::make_temp_dir("kill");
+  auto start = Clock::now();
+  int rc = launch_workers(worker_options(3), {kWorker, "--mode", "die", "--pid-dir", dir});
+  auto took = Clock::now() - start;
+  CHECK(rc == 128 + SIGKILL);
+  CHECK(took < 30s);
+  std::vector<pid_t> pids = wait_for_pids(dir, 3, 1s);
+  REQUIRE(pids.size() == 3);
+  CHECK(all_gone_within(pids, 2s));
+}
+
+TEST_CASE("dist.launch: a non-zero exit is returned, workers ignoring SIGTERM get SIGKILL") {
+  std::string dir = dist_test::make_temp_dir("exit");
+  SUBCASE("exit status 3") {
+    int rc = launch_workers(worker_options(2), {kWorker, "--mode", "exit3", "--pid-dir", dir});
+    CHECK(rc == 3);
+    auto pids = wait_for_pids(dir, 2, 1s);
+    REQUIRE(pids.size() == 2);
+    CHECK(all_gone_within(pids, 2s));
+  }
+  SUBCASE("SIGTERM ignored") {
+    auto start = Clock::now();
+    int rc = launch_workers(worker_options(3), {kWorker, "--mode", "stubborn", "--pid-dir", dir});
+    auto took = Clock::now() - start;
+    CHECK(rc == 5);
+    CHECK(took >= 1s);  // the grace period passed before SIGKILL
+    CHECK(took < 15s);
+    auto pids = wait_for_pids(dir, 3, 1s);
+    REQUIRE(pids.size() == 3);
+    CHECK(all_gone_within(pids, 2s));
+  }
+}
+
+TEST_CASE("dist.launch: workers die with their launcher, SIGINT to the launcher is forwarded") {
+  std::string dir = dist_test::make_temp_dir("parent");
+  SUBCASE("launcher killed") {
+    pid_t launcher = spawn_launcher({"--mode", "sleep", "--nproc", "2", "--pid-dir", dir});
+    auto pids = wait_for_pids(dir, 2, 10s);
+    REQUIRE(pids.size() == 2);
+    ::kill(launcher, SIGKILL);
+    CHECK(wait_child(launcher, 5s) != -1);
+    CHECK(all_gone_within(pids, 5s));  // PR_SET_PDEATHSIG
+  }
+  SUBCASE("SIGINT forwarded") {
+    pid_t launcher =
+        spawn_launcher({"--mode", "sleep", "--nproc", "2", "--pid-dir", dir, "--grace-ms", "1000"});
+    auto pids = wait_for_pids(dir, 2, 10s);
+    REQUIRE(pids.size() == 2);
+    ::kill(launcher, SIGINT);
+    int status = wait_child(launcher, 10s);
+    REQUIRE(status != -1);
+    CHECK(WIFEXITED(status));
+    CHECK(WEXITSTATUS(status) == 128 + SIGINT);
+    CHECK(all_gone_within(pids, 2s));
+  }
+}
+
+TEST_CASE("dist.launch: bad launch options are errors") {
+  LaunchOptions o = worker_options(2);
+  o.nnodes = 2;  // no master port given
+  CHECK_THROWS_WITH_AS(launch_workers(o, {kWorker}), doctest::Contains("master port"),
+                       kernels::Error);
+  o.nnodes = 1;
+  o.node_rank = 1;
+  CHECK_THROWS_AS(launch_workers(o, {kWorker}), kernels::Error);
+  CHECK_THROWS_AS(launch_workers(worker_options(2), {}), kernels::Error);
+}

@@ -1,0 +1,246 @@
+// Init methods (env://, tcp://, file://) and the launcher's environment parsing.
+#include "dp/dist/launcher.hpp"
+#include "dp/dist/rendezvous.hpp"
+#include "tests/test_dist_util.hpp"
+
+using namespace dp::dist;
+using namespace std::chrono_literals;
+using kernels::Tensor;
+
+namespace {
+
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const kernels::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+using Vars = std::map<std::string, std::string>;
+
+}  // namespace
+
+TEST_CASE("dist.rendezvous: init methods parse into host, port, path, rank and size") {
+  auto env = map_env({{"MASTER_ADDR", "10.1.2.3"},
+                      {"MASTER_PORT", "29501"},
+                      {"RANK", "2"},
+                      {"WORLD_SIZE", "4"},
+                      {"LOCAL_RANK", "0"},
+                      {"LOCAL_WORLD_SIZE", "2"}});
+  RendezvousSpec e = parse_init_method("env://", -1, -1, env);
+  CHECK(e.kind == RendezvousSpec::Kind::tcp);
+  CHECK(e.host == "10.1.2.3");
+  CHECK(e.port == 29501);
+  CHECK(e.rank == 2);
+  CHECK(e.world_size == 4);
+  CHECK(e.local_rank == 0);
+  CHECK(parse_init_method("env://", 1, 4, env).rank == 1);  // explicit arguments win
+
+  RendezvousSpec t = parse_init_method("tcp://127.0.0.1:23456", 1, 3, map_env({}));
+  CHECK(t.host == "127.0.0.1");
+  CHECK(t.port == 23456);
+  CHECK(t.rank == 1);
+  CHECK(t.world_size == 3);
+  RendezvousSpec q = parse_init_method("tcp://[::1]:80?rank=0&world_size=2", -1, -1, map_env({}));
+  CHECK(q.host == "::1");
+  CHECK(q.port == 80);
+  CHECK(q.world_size == 2);
+  CHECK(q.describe() == "tcp://[::1]:80");
+
+  RendezvousSpec f =
+      parse_init_method("file:///tmp/some/dir?world_size=2&rank=1", -1, -1, map_env({}));
+  CHECK(f.kind == RendezvousSpec::Kind::file);
+  CHECK(f.path == "/tmp/some/dir");
+  CHECK(f.rank == 1);
+}
+
+TEST_CASE("dist.rendezvous: errors name the missing or bad part") {
+  auto none = map_env({});
+  CHECK(
+      error_of([&] {
+        parse_init_method("env://", -1, -1, map_env({{"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}}));
+      }).find("RANK is not set") != std::string::npos);
+  CHECK(error_of([&] {
+          parse_init_method("env://", 0, 2, map_env({{"MASTER_PORT", "1"}}));
+        }).find("MASTER_ADDR") != std::string::npos);
+  CHECK(error_of([&] {
+          parse_init_method("env://", 0, 2, map_env({{"MASTER_ADDR", "h"}}));
+        }).find("MASTER_PORT is not set") != std::string::npos);
+  CHECK(
+      error_of([&] {
+        parse_init_method("env://", 0, 2, map_env({{"MASTER_ADDR", "h"}, {"MASTER_PORT", "http"}}));
+      }).find("MASTER_PORT='http'") != std::string::npos);
+  CHECK(
+      error_of([&] {
+        parse_init_method(
+            "env://", -1, -1,
+            map_env(
+                {{"MASTER_ADDR", "h"}, {"MASTER_PORT", "5"}, {"RANK", "4"}, {"WORLD_SIZE", "4"}}));
+      }).find("RANK=4") != std::string::npos);
+  CHECK(error_of([&] { parse_init_method("tcp://host", 0, 1, none); }).find("no port") !=
+        std::string::npos);
+  CHECK(error_of([&] { parse_init_method("tcp://host:99999", 0, 1, none); }).find("99999") !=
+        std::string::npos);
+  CHECK(error_of([&] { parse_init_method("tcp://host:5", -1, 2, none); }).find("rank") !=
+        std::string::npos);
+  CHECK(error_of([&] { parse_init_method("file://relative", 0, 1, none); }).find("absolute") !=
+        std::string::npos);
+  CHECK(error_of([&] { parse_init_method("udp://x:1", 0, 1, none); }).find("udp") !=
+        std::string::npos);
+}
+
+TEST_CASE("dist.launcher: worker environments from torchrun, mpirun and Slurm variables") {
+  CHECK_FALSE(worker_env_from_environment(map_env({})).has_value());
+
+  auto t = worker_env_from_environment(map_env({{"RANK", "5"},
+                                                {"WORLD_SIZE", "8"},
+                                                {"LOCAL_RANK", "1"},
+                                                {"LOCAL_WORLD_SIZE", "4"},
+                                                {"GROUP_RANK", "1"},
+                                                {"MASTER_ADDR", "n0"},
+                                                {"MASTER_PORT", "1234"}}));
+  REQUIRE(t);
+  CHECK(t->source == "torchrun");
+  CHECK(t->rank == 5);
+  CHECK(t->world_size == 8);
+  CHECK(t->local_rank == 1);
+  CHECK(t->local_world_size == 4);
+  CHECK(t->node_rank == 1);
+  CHECK(t->master_addr == "n0");
+  CHECK(t->master_port == 1234);
+
+  auto m = worker_env_from_environment(map_env({{"OMPI_COMM_WORLD_RANK", "3"},
+                                                {"OMPI_COMM_WORLD_SIZE", "4"},
+                                                {"OMPI_COMM_WORLD_LOCAL_RANK", "3"},
+                                                {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"}}));
+  REQUIRE(m);
+  CHECK(m->source == "mpirun");
+  CHECK(m->rank == 3);
+  CHECK(m->local_rank == 3);
+  CHECK(m->master_addr == "127.0.0.1");
+  CHECK(m->master_port == 29500);
+
+  auto s = worker_env_from_environment(map_env({{"SLURM_PROCID", "6"},
+                                                {"SLURM_NTASKS", "8"},
+                                                {"SLURM_LOCALID", "2"},
+                                                {"SLURM_NNODES", "2"},
+                                                {"SLURM_NODEID", "1"},
+                                                {"SLURM_NTASKS_PER_NODE", "4"},
+                                                {"MASTER_ADDR", "node-a"}}));
+  REQUIRE(s);
+  CHECK(s->source == "slurm");
+  CHECK(s->rank == 6);
+  CHECK(s->world_size == 8);
+  CHECK(s->local_world_size == 4);
+  CHECK(s->node_rank == 1);
+  CHECK(s->master_addr == "node-a");
+
+  // torchrun variables win over the scheduler's (a launcher inside a Slurm job).
+  auto both = worker_env_from_environment(map_env({{"SLURM_PROCID", "0"},
+                                                   {"SLURM_NTASKS", "1"},
+                                                   {"RANK", "1"},
+                                                   {"WORLD_SIZE", "2"},
+                                                   {"MASTER_ADDR", "a"},
+                                                   {"MASTER_PORT", "2"}}));
+  REQUIRE(both);
+  CHECK(both->rank == 1);
+}
+
+TEST_CASE("dist.launcher: inconsistent worker variables are errors naming them") {
+  auto err = [](Vars v) { return error_of([&] { worker_env_from_environment(map_env(v)); }); };
+  CHECK(err({{"RANK", "0"}}).find("WORLD_SIZE is not") != std::string::npos);
+  CHECK(err({{"RANK", "2"}, {"WORLD_SIZE", "2"}}).find("RANK=2") != std::string::npos);
+  CHECK(err({{"RANK", "x"}, {"WORLD_SIZE", "2"}}).find("RANK='x'") != std::string::npos);
+  CHECK(err({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}}).find("MASTER_PORT") !=
+        std::string::npos);
+  CHECK(err({{"RANK", "0"},
+             {"WORLD_SIZE", "4"},
+             {"LOCAL_RANK", "3"},
+             {"LOCAL_WORLD_SIZE", "2"},
+             {"MASTER_ADDR", "a"},
+             {"MASTER_PORT", "1"}})
+            .find("LOCAL_RANK=3") != std::string::npos);
+  CHECK(err({{"RANK", "0"},
+             {"WORLD_SIZE", "2"},
+             {"LOCAL_WORLD_SIZE", "4"},
+             {"MASTER_ADDR", "a"},
+             {"MASTER_PORT", "1"}})
+            .find("LOCAL_WORLD_SIZE=4") != std::string::npos);
+  CHECK(err({{"OMPI_COMM_WORLD_RANK", "0"}}).find("OMPI_COMM_WORLD_SIZE") != std::string::npos);
+  CHECK(err({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "4"}, {"SLURM_NNODES", "2"}})
+            .find("MASTER_ADDR") != std::string::npos);
+  CHECK(err({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_NODEID", "3"}})
+            .find("SLURM_NODEID=3") != std::string::npos);
+}
+
+namespace {
+
+// Every rank meets through `init_method` (per-rank variables in `env_of`), then all-reduces.
+void meet_and_reduce(int n, const std::function<InitOptions(int)>& options_of) {
+  std::vector<std::string> errors(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        auto pg = init_process_group(options_of(r));
+        Tensor t = Tensor::from_vector({float(r + 1)}, {1});
+        pg->all_reduce(t)->wait();
+        if (t.item() != n * (n + 1) / 2.f) errors[r] = "sum " + std::to_string(t.item());
+        if (pg->rank() != r || pg->size() != n) errors[r] = "wrong rank or size";
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < n; ++r) CHECK_MESSAGE(errors[r].empty(), "rank " << r << ": " << errors[r]);
+}
+
+}  // namespace
+
+TEST_CASE("dist.rendezvous: groups meet through env://, tcp:// and file://") {
+  const int n = 3;
+  SUBCASE("env://") {
+    int port = find_free_port();
+    meet_and_reduce(n, [&](int r) {
+      InitOptions o;
+      o.backend = Backend::gloo;
+      o.init_method = "env://";
+      o.timeout = 20s;
+      o.env = map_env({{"MASTER_ADDR", "127.0.0.1"},
+                       {"MASTER_PORT", std::to_string(port)},
+                       {"RANK", std::to_string(r)},
+                       {"WORLD_SIZE", std::to_string(n)},
+                       {"LOCAL_RANK", std::to_string(r)}});
+      return o;
+    });
+  }
+  SUBCASE("tcp://") {
+    int port = find_free_port();
+    meet_and_reduce(n, [&](int r) {
+      InitOptions o;
+      o.backend = Backend::auto_select;
+      o.init_method = "tcp://127.0.0.1:" + std::to_string(port);
+      o.rank = r;
+      o.world_size = n;
+      o.timeout = 20s;
+      o.env = map_env({});
+      return o;
+    });
+  }
+  SUBCASE("file://") {
+    std::string dir = dist_test::make_temp_dir("rdzv");
+    meet_and_reduce(n, [&](int r) {
+      InitOptions o;
+      o.backend = Backend::gloo;
+      o.init_method = "file://" + dir + "?world_size=" + std::to_string(n);
+      o.rank = r;
+      o.timeout = 20s;
+      o.gloo_hostname = "127.0.0.1";
+      o.env = map_env({});
+      return o;
+    });
+  }
+}
