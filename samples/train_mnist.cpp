@@ -29,6 +29,7 @@ namespace {
 struct Flags {
   std::string model = "mlp", device = "auto", mode = "single", data, json;
   int epochs = 1, gpus = 1;
+  int64_t limit_batches = 0;  // 0: whole epochs
   int64_t batch = 32;
   float lr = -1;  // per model default
   uint64_t seed = 1;
@@ -97,6 +98,8 @@ int main(int argc, char** argv) {
   app.add_option("--mode", f.mode, "single|dp|ddp")->check(CLI::IsMember({"single", "dp", "ddp"}));
   app.add_option("--gpus", f.gpus, "devices for dp/ddp")->check(CLI::PositiveNumber);
   app.add_option("--backend", f.backend, "ddp: auto|nccl|gloo");
+  app.add_option("--limit-batches", f.limit_batches,
+                 "stop each epoch after this many batches (smoke runs)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -179,6 +182,7 @@ int main(int argc, char** argv) {
       loader.set_epoch(e);
       double sum = 0;
       int64_t n = 0, total = loader.num_batches();
+      if (f.limit_batches > 0) total = std::min(total, f.limit_batches);
       auto te = std::chrono::steady_clock::now();
       for (auto& batch : loader) {
         float l = engine.train_step(batch.images, batch.labels);
@@ -187,6 +191,7 @@ int main(int argc, char** argv) {
         double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - te).count();
         if (chatty)
           progress(e, n, total, static_cast<float>(sum / n), n * f.batch / std::max(s, 1e-9));
+        if (n == total) break;  // --limit-batches
       }
       epoch_loss.push_back(static_cast<float>(sum / std::max<int64_t>(n, 1)));
     }
@@ -202,8 +207,10 @@ int main(int argc, char** argv) {
       std::printf(
           "train_mnist: model %s, mode %s on %d x %s, %d epoch(s): test accuracy %.4f, "
           "last epoch loss %.4f, %.1f s\n",
-          f.model.c_str(), f.mode.c_str(), static_cast<int>(devices.size()), home.str().c_str(),
-          f.epochs, accuracy, epoch_loss.back(), seconds);
+          f.model.c_str(), f.mode.c_str(),
+          ddp ? ddp->world_size() : static_cast<int>(devices.size()),
+          type == kernels::DeviceType::cuda ? "cuda" : "cpu", f.epochs, accuracy, epoch_loss.back(),
+          seconds);
       if (!f.json.empty()) {
         std::ofstream out(f.json);
         DP_CHECK(out, "--json: cannot write '" << f.json << "'");

@@ -1,0 +1,5 @@
+if(TARGET train_mnist)
+  dp_add_test(test_samples SOURCES test_samples.cpp LIBS nlohmann_json::nlohmann_json)
+  target_compile_definitions(test_samples PRIVATE DP_TRAIN_MNIST_PATH="$<TARGET_FILE:train_mnist>")
+  add_dependencies(test_samples train_mnist)
+endif()
