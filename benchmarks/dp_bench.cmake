@@ -9,3 +9,8 @@ if(TARGET dp_dist AND TARGET dp_data)
     ${CMAKE_CURRENT_SOURCE_DIR}/ddp_run.cpp)
   target_link_libraries(dp_bench PRIVATE dp_bench_report dp_engine dp_dist dp_data CLI11::CLI11)
 endif()
+
+if(TARGET dp_dist)
+  add_executable(bench_collectives ${CMAKE_CURRENT_SOURCE_DIR}/bench_collectives.cpp)
+  target_link_libraries(bench_collectives PRIVATE dp_bench_report dp_engine dp_dist CLI11::CLI11)
+endif()

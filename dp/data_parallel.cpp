@@ -127,7 +127,8 @@ void DataParallel::scatter(const Tensor& images, const Tensor& labels,
       static_cast<int>(sizes.size()));
 }
 
-void DataParallel::replicate(int n_used) {
+void DataParallel::broadcast_params(int n_used) {
+  if (n_used < 0) n_used = n_devices();
   kernels::NvtxRange range("dp/replicate");
   pool_.run(
       "dp/replicate",
@@ -201,7 +202,7 @@ StepStats DataParallel::train_step(const Tensor& images, const Tensor& labels) {
   stats.ms.scatter = ms_since(t0);
 
   t0 = Clock::now();
-  replicate(n_used);
+  broadcast_params(n_used);
   stats.ms.replicate = ms_since(t0);
 
   t0 = Clock::now();
@@ -280,7 +281,7 @@ StepStats DataParallel::evaluate(const Tensor& images, const Tensor& labels) {
   stats.devices_used = n_used;
   std::vector<int64_t> sizes = chunk_sizes(stats.samples, n_used);
   scatter(images, labels, sizes);
-  replicate(n_used);
+  broadcast_params(n_used);
   pool_.run(
       "dp/evaluate",
       [&](int i) {

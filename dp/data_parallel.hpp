@@ -80,6 +80,9 @@ class DataParallel {
   int n_devices() const { return pool_.size(); }
   const std::vector<Device>& devices() const { return devices_; }
 
+  // Copies device 0's flat parameters and buffers into replicas 1..n-1 (all when n < 0): the
+  // replicate phase of a step, one copy per replica. Public for benchmarks and tests.
+  void broadcast_params(int n = -1);
   // Device 0's gradient := sum_i (chunk_sizes[i] / sum) * replica i's gradient. The one place
   // where DP averaging is defined. Public so that tests can drive it directly.
   void reduce_grads_to_root(const std::vector<int64_t>& chunk_sizes);
@@ -99,7 +102,6 @@ class DataParallel {
  private:
   // Copies chunk i of (images, labels) to worker i's device.
   void scatter(const Tensor& images, const Tensor& labels, const std::vector<int64_t>& sizes);
-  void replicate(int n_used);
   void average_buffers_to_root(const std::vector<int64_t>& chunk_sizes);
   // root's (buffer)() := sum_i share_i * replica i's, pulled through `staging` on device 0.
   void weighted_sum_to_root(Tensor& (nn::Module::*buffer)(), Tensor& staging,
