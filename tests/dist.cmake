@@ -8,3 +8,11 @@ dp_add_test(test_dist
   LIBS dp_dist)
 target_compile_definitions(test_dist PRIVATE DP_DIST_WORKER_PATH="$<TARGET_FILE:dist_worker>")
 add_dependencies(test_dist dist_worker)
+
+# The sample, end to end: it launches 3 workers of itself and checks its ring against the
+# library's all-reduce (non-zero exit when they disagree).
+if(TARGET communication)
+  add_test(NAME "dist.sample: communication --nproc 3"
+           COMMAND communication --nproc 3 --elements 100003 --chunk 4096 --reps 1)
+  set_tests_properties("dist.sample: communication --nproc 3" PROPERTIES TIMEOUT 120)
+endif()
