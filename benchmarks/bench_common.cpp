@@ -10,7 +10,6 @@
 
 #include "benchmarks/ddp_run.hpp"
 #include "dp/data/loader.hpp"
-#include "dp/data/synthetic.hpp"
 #include "dp/data_parallel.hpp"
 #include "dp/dist/launcher.hpp"
 #include "nn/nn.hpp"
@@ -90,12 +89,11 @@ kernels::SgdConfig optimizer_config() {
   return c;
 }
 
-const dp::data::Dataset& bench_dataset(const Options& o, int64_t batch) {
-  static std::unique_ptr<dp::data::SyntheticDataset> ds;
-  int64_t need = (o.steps + o.warmup) * batch;
-  if (!ds || ds->size() < need || ds->seed() != o.seed)
-    ds = std::make_unique<dp::data::SyntheticDataset>(need, kernels::Shape{1, 28, 28}, 10, o.seed);
-  return *ds;
+dp::data::SyntheticDataset bench_dataset(const Options& o, int64_t batch) {
+  dp::data::SyntheticOptions so;
+  so.signal = kBenchSignal;
+  return dp::data::SyntheticDataset((o.steps + o.warmup) * batch, kernels::Shape{1, 28, 28}, 10,
+                                    o.seed, so);
 }
 
 std::string gpu_name() {
@@ -123,7 +121,7 @@ void progress(const std::string& label, int step, int total) {
 
 RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace) {
   int64_t batch = global_batch(o, n);
-  const auto& data = bench_dataset(o, batch);
+  const auto data = bench_dataset(o, batch);
   auto model = make_model(o.model);
   auto devices = kernels::make_devices(s.type, n);
   model->materialize(devices[0], o.seed);

@@ -7,7 +7,7 @@
 #include <CLI/CLI.hpp>
 
 #include "benchmarks/report.hpp"
-#include "dp/data/dataset.hpp"
+#include "dp/data/synthetic.hpp"
 #include "dp/trace.hpp"
 #include "kernels/ops.hpp"
 #include "nn/module.hpp"
@@ -43,9 +43,12 @@ Setup resolve(const Options& o);
 int64_t global_batch(const Options& o, int n);
 nn::ModulePtr make_model(const std::string& name);
 kernels::SgdConfig optimizer_config();
+// Prototype scale of the benchmark's synthetic data: hard enough that the loss falls over the
+// default 35 steps instead of collapsing to zero in ten (torch_ref/ref_common.py mirrors it).
+constexpr float kBenchSignal = 0.12f;
 // The synthetic data set: the global batch of step s is samples [s B, (s+1) B) for every mode
 // and device count, so all runs follow one loss curve.
-const dp::data::Dataset& bench_dataset(const Options& o, int64_t batch);
+dp::data::SyntheticDataset bench_dataset(const Options& o, int64_t batch);
 std::pair<int, int> profile_range(const Options& o);
 void progress(const std::string& label, int step, int total);
 std::string gpu_name();

@@ -99,7 +99,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
                                                                      << " but " << n
                                                                      << " ranks were asked for");
   int64_t batch = global_batch(o, n);
-  const auto& data = bench_dataset(o, batch);
+  const auto data = bench_dataset(o, batch);
   auto model = make_model(o.model);
   model->materialize(trainer.device(), o.seed);
   nn::SGD opt(*model, optimizer_config());

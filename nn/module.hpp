@@ -69,7 +69,9 @@ inline std::vector<float> init_values(const InitSpec& spec, int64_t count, uint6
   std::vector<float> v(static_cast<size_t>(count));
   for (int64_t i = 0; i < count; ++i) {
     switch (spec.dist) {
-      case InitSpec::Dist::constant: v[i] = spec.scale; break;
+      case InitSpec::Dist::constant:
+        v[i] = spec.scale;
+        break;
       case InitSpec::Dist::uniform:
         v[i] = (2.f * kernels::philox::uniform(key, i) - 1.f) * spec.scale;
         break;
@@ -319,7 +321,10 @@ class Module {
   // Copies a flat buffer into another replica's, across devices, and waits for it.
   static void copy_tensor_across(Tensor& dst, const Tensor& src) {
     if (src.numel() == 0) return;
-    if (src.device().is_cuda()) kernels::context(src.device()).synchronize();
+    // Work this thread queued on src finishes first. (Work of other threads is theirs to finish
+    // before they hand the module over: making a context here just to wait would cost a stream
+    // and library handles per thread.)
+    if (auto* ctx = kernels::existing_context(src.device())) ctx->synchronize();
     kernels::copy(dst, src);
     kernels::context(dst.device()).synchronize();
   }

@@ -223,7 +223,7 @@ TEST_CASE("kernels.cuda.gemm: f16 and bf16 operands, f32 or 16-bit output") {
   }
 }
 
-TEST_CASE("kernels.cuda.gemm: empty products (k == 0 gives beta c + bias; empty batch)") {
+TEST_CASE("kernels.cuda.gemm: empty products (k == 0 gives beta c + bias - empty batch)") {
   DP_REQUIRE_GPU();
   check_matches_cpu(
       [&](Device d) {
@@ -312,7 +312,7 @@ TEST_CASE("kernels.cuda.softmax_cross_entropy: matches CPU (smoothing, weights, 
       2e-2f);  // the huge loss (~1e4) itself carries f32 rounding of that size
 }
 
-TEST_CASE("kernels.cuda.mse_loss, sum, mean: match CPU; same bits on every run") {
+TEST_CASE("kernels.cuda.mse_loss, sum, mean: match CPU - same bits on every run") {
   DP_REQUIRE_GPU();
   for (int64_t n : {int64_t{1}, int64_t{1237}, int64_t{1000003}}) {
     CAPTURE(n);
@@ -416,7 +416,7 @@ TEST_CASE("kernels.cuda.conv2d: forward, backward data and filter match CPU") {
   }
 }
 
-TEST_CASE("kernels.cuda.conv2d: weight views at any offset; same bits on every run") {
+TEST_CASE("kernels.cuda.conv2d: weight views at any offset - same bits on every run") {
   DP_REQUIRE_GPU();
   ConvCase c{{2, 3, 10, 10}, {5, 3, 3, 3}, {1, 1, 1, 1}};
   Shape ys = conv_out(c);
@@ -503,7 +503,7 @@ TEST_CASE("kernels.cuda.batch_norm: train, eval, backward match CPU ((N, C), (N,
   }
 }
 
-TEST_CASE("kernels.cuda.layer_norm: forward and backward match CPU; same bits on every run") {
+TEST_CASE("kernels.cuda.layer_norm: forward and backward match CPU - same bits on every run") {
   DP_REQUIRE_GPU();
   // 1000 rows use several row chunks for dgamma/dbeta; 700 features use 256-thread rows.
   for (Shape s : {Shape{5, 37}, Shape{1000, 37}, Shape{9, 700}, Shape{0, 16}}) {
@@ -611,7 +611,7 @@ TEST_CASE("kernels.cuda.all_finite: NaN and inf anywhere, f32 and 16-bit") {
 
 // ---- devices and memory --------------------------------------------------------------------
 
-TEST_CASE("kernels.cuda.devices: logical devices cuda:0 and cuda:1 share a GPU; copies work") {
+TEST_CASE("kernels.cuda.devices: logical devices cuda:0 and cuda:1 share a GPU - copies work") {
   DP_REQUIRE_GPU();
   const Device gpu1 = Device::cuda(1);
   const int64_t m = 17, n = 23, k = 19;

@@ -62,11 +62,15 @@ DeviceContext::~DeviceContext() {
   if (device_.is_cuda()) {
     // Destructors log, never throw. At process exit the runtime may already be unloading.
     auto quiet = [](cudaError_t e, const char* what) {
-      if (e != cudaSuccess && e != cudaErrorCudartUnloading) DP_LOG_ERROR(what << ": " << cudaGetErrorString(e));
+      if (e != cudaSuccess && e != cudaErrorCudartUnloading)
+        DP_LOG_ERROR(what << ": " << cudaGetErrorString(e));
     };
     cudaSetDevice(physical_gpu(device_));
-    if (workspace_) quiet(cudaFreeAsync(workspace_, static_cast<cudaStream_t>(stream_)), "cudaFreeAsync(workspace)");
-    if (stream_) quiet(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)), "cudaStreamSynchronize");
+    if (workspace_)
+      quiet(cudaFreeAsync(workspace_, static_cast<cudaStream_t>(stream_)),
+            "cudaFreeAsync(workspace)");
+    if (stream_)
+      quiet(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)), "cudaStreamSynchronize");
     if (cudnn_) cudnnDestroy(static_cast<cudnnHandle_t>(cudnn_));
     if (cublaslt_) cublasLtDestroy(static_cast<cublasLtHandle_t>(cublaslt_));
     // The stream itself goes when the last tensor allocated on it does (stream_owner_).
@@ -121,8 +125,18 @@ ContextScope::ContextScope(DeviceContext& ctx) : device_(ctx.device()) {
 
 ContextScope::~ContextScope() {
   auto& bound = thread_contexts().bound;
-  if (previous_) bound[device_] = previous_;
-  else bound.erase(device_);
+  if (previous_)
+    bound[device_] = previous_;
+  else
+    bound.erase(device_);
+}
+
+DeviceContext* existing_context(Device device) {
+  auto& t = thread_contexts();
+  auto it = t.bound.find(device);
+  if (it != t.bound.end()) return it->second;
+  auto d = t.defaults.find(device);
+  return d == t.defaults.end() ? nullptr : d->second.get();
 }
 
 DeviceContext& context(Device device) {

@@ -19,7 +19,6 @@
 
 #include "kernels/runtime/device.hpp"
 
-
 namespace kernels {
 
 // Bytes allocated on one logical device through one context, now and at the peak.
@@ -99,5 +98,7 @@ class ContextScope {
 
 // This thread's context for `device`: the bound one, else a default one made on first use.
 DeviceContext& context(Device device);
+// This thread's context for `device` if it has one (bound or made earlier), else nullptr.
+DeviceContext* existing_context(Device device);
 
 }  // namespace kernels
