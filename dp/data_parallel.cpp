@@ -179,22 +179,57 @@ void DataParallel::average_buffers_to_root(const std::vector<int64_t>& sizes) {
   weighted_sum_to_root(&nn::Module::flat_buffers, staging_buffers_, sizes);
 }
 
-StepStats DataParallel::train_step(const Tensor& images, const Tensor& labels) {
+std::vector<int64_t> DataParallel::split_batch(const char* what, const Tensor& images,
+                                               const Tensor& labels, StepStats& stats) {
   DP_CHECK(
       images.defined() && labels.defined() && images.device().is_cpu() && labels.device().is_cpu(),
-      "train_step: images and labels must be host tensors, got " << images << " and " << labels);
+      what << ": images and labels must be host tensors, got " << images << " and " << labels);
   DP_CHECK(images.ndim() >= 1 && labels.ndim() == 1 && labels.dim(0) == images.dim(0),
-           "train_step: images " << kernels::shape_str(images.shape()) << " and labels "
-                                 << kernels::shape_str(labels.shape())
-                                 << " must share their first dimension");
+           what << ": images " << kernels::shape_str(images.shape()) << " and labels "
+                << kernels::shape_str(labels.shape()) << " must share their first dimension");
   DP_CHECK(labels.dtype() == kernels::DType::i32,
-           "train_step: labels must be i32, got " << labels.dtype());
-  DP_CHECK(images.dim(0) >= 1, "train_step: empty batch");
-  StepStats stats;
+           what << ": labels must be i32, got " << labels.dtype());
+  DP_CHECK(images.dim(0) >= 1, what << ": empty batch");
   stats.samples = images.dim(0);
-  int n_used = devices_for(stats.samples);
-  stats.devices_used = n_used;
-  std::vector<int64_t> sizes = chunk_sizes(stats.samples, n_used);
+  stats.devices_used = devices_for(stats.samples);
+  return chunk_sizes(stats.samples, stats.devices_used);
+}
+
+void DataParallel::forward_and_loss(int i, nn::Mode mode) {
+  PerDevice& pd = per_device_[i];
+  nn::Module& m = *replicas_[i];
+  if (mode == nn::Mode::train) {
+    m.train();
+    m.zero_grad();
+  } else {
+    m.eval();
+  }
+  pd.output = m.forward(pd.input);
+  if (!pd.loss.defined()) pd.loss = Tensor::empty({1}, kernels::DType::f32, devices_[i]);
+  Tensor dlogits;  // undefined: forward only
+  if (mode == nn::Mode::train) {
+    if (!pd.dlogits.defined() || pd.dlogits.shape() != pd.output.shape())
+      pd.dlogits = Tensor::empty(pd.output.shape(), kernels::DType::f32, devices_[i]);
+    dlogits = pd.dlogits;
+  }
+  kernels::softmax_cross_entropy(pd.loss, dlogits, pd.output, pd.labels, Tensor(),
+                                 options_.label_smoothing);
+  pd.correct = kernels::count_correct(pd.output, pd.labels);
+  pd.loss_value = pd.loss.item();  // waits for the device: ends the phase
+  if (mode != nn::Mode::train) m.train();
+}
+
+void DataParallel::gather_metrics(const std::vector<int64_t>& sizes, StepStats& stats) {
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    stats.loss += per_device_[i].loss_value * chunk_share(sizes[i], stats.samples);
+    stats.correct += per_device_[i].correct;
+  }
+}
+
+StepStats DataParallel::train_step(const Tensor& images, const Tensor& labels) {
+  StepStats stats;
+  std::vector<int64_t> sizes = split_batch("train_step", images, labels, stats);
+  const int n_used = stats.devices_used;
   auto t_step = Clock::now();
 
   auto t0 = Clock::now();
@@ -209,22 +244,7 @@ StepStats DataParallel::train_step(const Tensor& images, const Tensor& labels) {
   {
     kernels::NvtxRange range("dp/forward");
     pool_.run(
-        "dp/forward",
-        [&](int i) {
-          PerDevice& pd = per_device_[i];
-          nn::Module& m = *replicas_[i];
-          m.train();
-          m.zero_grad();
-          pd.output = m.forward(pd.input);
-          if (!pd.loss.defined()) pd.loss = Tensor::empty({1}, kernels::DType::f32, devices_[i]);
-          if (!pd.dlogits.defined() || pd.dlogits.shape() != pd.output.shape())
-            pd.dlogits = Tensor::empty(pd.output.shape(), kernels::DType::f32, devices_[i]);
-          kernels::softmax_cross_entropy(pd.loss, pd.dlogits, pd.output, pd.labels, Tensor(),
-                                         options_.label_smoothing);
-          pd.correct = kernels::count_correct(pd.output, pd.labels);
-          pd.loss_value = pd.loss.item();  // waits for the device: ends the phase
-        },
-        n_used);
+        "dp/forward", [&](int i) { forward_and_loss(i, nn::Mode::train); }, n_used);
   }
   stats.ms.forward = ms_since(t0);
 
@@ -259,10 +279,7 @@ StepStats DataParallel::train_step(const Tensor& images, const Tensor& labels) {
   }
   stats.ms.step = ms_since(t0);
 
-  for (int i = 0; i < n_used; ++i) {
-    stats.loss += per_device_[i].loss_value * chunk_share(sizes[i], stats.samples);
-    stats.correct += per_device_[i].correct;
-  }
+  gather_metrics(sizes, stats);
   int64_t p = parameter_bytes(), b = replicas_[0]->flat_buffers().nbytes();
   stats.bytes_moved = (n_used - 1) * (2 * p + b);  // params out, grads in, buffers out
   if (options_.buffer_sync == BufferSync::average) stats.bytes_moved += (n_used - 1) * b;
@@ -271,37 +288,13 @@ StepStats DataParallel::train_step(const Tensor& images, const Tensor& labels) {
 }
 
 StepStats DataParallel::evaluate(const Tensor& images, const Tensor& labels) {
-  DP_CHECK(
-      images.defined() && labels.defined() && labels.ndim() == 1 &&
-          images.dim(0) == labels.dim(0) && images.dim(0) >= 1,
-      "evaluate: images " << images << " and labels " << labels << " must be a non-empty batch");
   StepStats stats;
-  stats.samples = images.dim(0);
-  int n_used = devices_for(stats.samples);
-  stats.devices_used = n_used;
-  std::vector<int64_t> sizes = chunk_sizes(stats.samples, n_used);
+  std::vector<int64_t> sizes = split_batch("evaluate", images, labels, stats);
   scatter(images, labels, sizes);
-  broadcast_params(n_used);
+  broadcast_params(stats.devices_used);
   pool_.run(
-      "dp/evaluate",
-      [&](int i) {
-        PerDevice& pd = per_device_[i];
-        nn::Module& m = *replicas_[i];
-        m.eval();
-        pd.output = m.forward(pd.input);
-        if (!pd.loss.defined()) pd.loss = Tensor::empty({1}, kernels::DType::f32, devices_[i]);
-        Tensor no_grad;
-        kernels::softmax_cross_entropy(pd.loss, no_grad, pd.output, pd.labels, Tensor(),
-                                       options_.label_smoothing);
-        pd.correct = kernels::count_correct(pd.output, pd.labels);
-        pd.loss_value = pd.loss.item();
-        m.train();
-      },
-      n_used);
-  for (int i = 0; i < n_used; ++i) {
-    stats.loss += per_device_[i].loss_value * chunk_share(sizes[i], stats.samples);
-    stats.correct += per_device_[i].correct;
-  }
+      "dp/evaluate", [&](int i) { forward_and_loss(i, nn::Mode::eval); }, stats.devices_used);
+  gather_metrics(sizes, stats);
   return stats;
 }
 

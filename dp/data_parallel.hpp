@@ -107,6 +107,12 @@ class DataParallel {
   void weighted_sum_to_root(Tensor& (nn::Module::*buffer)(), Tensor& staging,
                             const std::vector<int64_t>& chunk_sizes);
   int devices_for(int64_t batch);
+  // Checks a host batch, fills stats.samples/devices_used and returns the chunk sizes.
+  std::vector<int64_t> split_batch(const char* what, const Tensor& images, const Tensor& labels,
+                                   StepStats& stats);
+  // On worker i: forward, fused softmax cross-entropy (with dlogits in train mode), metrics.
+  void forward_and_loss(int i, nn::Mode mode);
+  void gather_metrics(const std::vector<int64_t>& chunk_sizes, StepStats& stats);
 
   std::vector<Device> devices_;
   DataParallelOptions options_;

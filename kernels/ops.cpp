@@ -16,6 +16,15 @@
 #define DP_CUDA_DISPATCH_VALUE(type, call) (no_cuda(ctx), type{})
 #endif
 
+// The one dispatch point: kernels::cpu::op(args...) inside the device's task arena, or
+// kernels::cuda::op(args..., ctx) on the calling thread's context for the device.
+#define DP_DISPATCH(device, op, ...)                                           \
+  do {                                                                         \
+    DeviceContext& ctx = context(device);                                      \
+    if ((device).is_cpu()) return run_cpu(ctx, [&] { cpu::op(__VA_ARGS__); }); \
+    DP_CUDA_DISPATCH(cuda::op(__VA_ARGS__, ctx));                              \
+  } while (0)
+
 namespace kernels {
 
 namespace {
@@ -106,9 +115,7 @@ void copy(Tensor& dst, const Tensor& src) {
 void fill(Tensor& y, float value) {
   check_defined("fill", y, "y");
   if (y.numel() == 0) return;
-  DeviceContext& ctx = context(y.device());
-  if (y.device().is_cpu()) return run_cpu(ctx, [&] { cpu::fill(y, value); });
-  DP_CUDA_DISPATCH(cuda::fill(y, value, ctx));
+  DP_DISPATCH(y.device(), fill, y, value);
 }
 
 // ---- elementwise ---------------------------------------------------------------------------
@@ -137,33 +144,25 @@ void check_channel_vector(const char* op, const Arg& t, const Arg& vec) {
 void add(Tensor& y, const Tensor& a, const Tensor& b) {
   check_binary("add", y, a, b);
   if (y.numel() == 0) return;
-  DeviceContext& ctx = context(y.device());
-  if (y.device().is_cpu()) return run_cpu(ctx, [&] { cpu::add(y, a, b); });
-  DP_CUDA_DISPATCH(cuda::add(y, a, b, ctx));
+  DP_DISPATCH(y.device(), add, y, a, b);
 }
 
 void mul(Tensor& y, const Tensor& a, const Tensor& b) {
   check_binary("mul", y, a, b);
   if (y.numel() == 0) return;
-  DeviceContext& ctx = context(y.device());
-  if (y.device().is_cpu()) return run_cpu(ctx, [&] { cpu::mul(y, a, b); });
-  DP_CUDA_DISPATCH(cuda::mul(y, a, b, ctx));
+  DP_DISPATCH(y.device(), mul, y, a, b);
 }
 
 void scale(Tensor& y, const Tensor& x, float alpha) {
   check_unary("scale", y, x);
   if (y.numel() == 0) return;
-  DeviceContext& ctx = context(y.device());
-  if (y.device().is_cpu()) return run_cpu(ctx, [&] { cpu::scale(y, x, alpha); });
-  DP_CUDA_DISPATCH(cuda::scale(y, x, alpha, ctx));
+  DP_DISPATCH(y.device(), scale, y, x, alpha);
 }
 
 void axpy(Tensor& y, float alpha, const Tensor& x) {
   check_unary("axpy", y, x);
   if (y.numel() == 0) return;
-  DeviceContext& ctx = context(y.device());
-  if (y.device().is_cpu()) return run_cpu(ctx, [&] { cpu::axpy(y, alpha, x); });
-  DP_CUDA_DISPATCH(cuda::axpy(y, alpha, x, ctx));
+  DP_DISPATCH(y.device(), axpy, y, alpha, x);
 }
 
 void add_bias(Tensor& y, const Tensor& bias) {
@@ -171,9 +170,7 @@ void add_bias(Tensor& y, const Tensor& bias) {
   check_f32("add_bias", {{"y", y}, {"bias", bias}});
   check_channel_vector("add_bias", {"y", y}, {"bias", bias});
   if (y.numel() == 0) return;
-  DeviceContext& ctx = context(y.device());
-  if (y.device().is_cpu()) return run_cpu(ctx, [&] { cpu::add_bias(y, bias); });
-  DP_CUDA_DISPATCH(cuda::add_bias(y, bias, ctx));
+  DP_DISPATCH(y.device(), add_bias, y, bias);
 }
 
 void bias_backward(Tensor& db, const Tensor& dy, Accumulate acc) {
@@ -185,9 +182,7 @@ void bias_backward(Tensor& db, const Tensor& dy, Accumulate acc) {
     if (acc == Accumulate::no) fill(db, 0.f);
     return;
   }
-  DeviceContext& ctx = context(db.device());
-  if (db.device().is_cpu()) return run_cpu(ctx, [&] { cpu::bias_backward(db, dy, acc); });
-  DP_CUDA_DISPATCH(cuda::bias_backward(db, dy, acc, ctx));
+  DP_DISPATCH(db.device(), bias_backward, db, dy, acc);
 }
 
 // ---- matrix product ------------------------------------------------------------------------
@@ -219,10 +214,7 @@ void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose t
     check_shape(op, {"bias", bias}, {op_b[1]});
   }
   if (c.numel() == 0) return;
-  DeviceContext& ctx = context(c.device());
-  if (c.device().is_cpu())
-    return run_cpu(ctx, [&] { cpu::gemm(c, a, ta, b, tb, alpha, beta, bias); });
-  DP_CUDA_DISPATCH(cuda::gemm(c, a, ta, b, tb, alpha, beta, bias, ctx));
+  DP_DISPATCH(c.device(), gemm, c, a, ta, b, tb, alpha, beta, bias);
 }
 
 // ---- activations ---------------------------------------------------------------------------
@@ -240,49 +232,37 @@ void check_activation_backward(const char* op, const Tensor& dx, const Tensor& d
 void relu(Tensor& y, const Tensor& x) {
   check_unary("relu", y, x);
   if (y.numel() == 0) return;
-  DeviceContext& ctx = context(y.device());
-  if (y.device().is_cpu()) return run_cpu(ctx, [&] { cpu::relu(y, x); });
-  DP_CUDA_DISPATCH(cuda::relu(y, x, ctx));
+  DP_DISPATCH(y.device(), relu, y, x);
 }
 
 void relu_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc) {
   check_activation_backward("relu_backward", dx, dy, x, "x");
   if (dx.numel() == 0) return;
-  DeviceContext& ctx = context(dx.device());
-  if (dx.device().is_cpu()) return run_cpu(ctx, [&] { cpu::relu_backward(dx, dy, x, acc); });
-  DP_CUDA_DISPATCH(cuda::relu_backward(dx, dy, x, acc, ctx));
+  DP_DISPATCH(dx.device(), relu_backward, dx, dy, x, acc);
 }
 
 void gelu(Tensor& y, const Tensor& x) {
   check_unary("gelu", y, x);
   if (y.numel() == 0) return;
-  DeviceContext& ctx = context(y.device());
-  if (y.device().is_cpu()) return run_cpu(ctx, [&] { cpu::gelu(y, x); });
-  DP_CUDA_DISPATCH(cuda::gelu(y, x, ctx));
+  DP_DISPATCH(y.device(), gelu, y, x);
 }
 
 void gelu_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc) {
   check_activation_backward("gelu_backward", dx, dy, x, "x");
   if (dx.numel() == 0) return;
-  DeviceContext& ctx = context(dx.device());
-  if (dx.device().is_cpu()) return run_cpu(ctx, [&] { cpu::gelu_backward(dx, dy, x, acc); });
-  DP_CUDA_DISPATCH(cuda::gelu_backward(dx, dy, x, acc, ctx));
+  DP_DISPATCH(dx.device(), gelu_backward, dx, dy, x, acc);
 }
 
 void tanh(Tensor& y, const Tensor& x) {
   check_unary("tanh", y, x);
   if (y.numel() == 0) return;
-  DeviceContext& ctx = context(y.device());
-  if (y.device().is_cpu()) return run_cpu(ctx, [&] { cpu::tanh(y, x); });
-  DP_CUDA_DISPATCH(cuda::tanh(y, x, ctx));
+  DP_DISPATCH(y.device(), tanh, y, x);
 }
 
 void tanh_backward(Tensor& dx, const Tensor& dy, const Tensor& y, Accumulate acc) {
   check_activation_backward("tanh_backward", dx, dy, y, "y");
   if (dx.numel() == 0) return;
-  DeviceContext& ctx = context(dx.device());
-  if (dx.device().is_cpu()) return run_cpu(ctx, [&] { cpu::tanh_backward(dx, dy, y, acc); });
-  DP_CUDA_DISPATCH(cuda::tanh_backward(dx, dy, y, acc, ctx));
+  DP_DISPATCH(dx.device(), tanh_backward, dx, dy, y, acc);
 }
 
 // ---- losses, reductions, metrics -----------------------------------------------------------
@@ -340,10 +320,7 @@ void mse_loss(Tensor& loss, Tensor& dpred, const Tensor& pred, const Tensor& tar
     check_same_shape(op, {"pred", pred}, {"dpred", dpred});
   }
   if (pred.numel() == 0) return fill(loss, 0.f);
-  DeviceContext& ctx = context(pred.device());
-  if (pred.device().is_cpu())
-    return run_cpu(ctx, [&] { cpu::mse_loss(loss, dpred, pred, target); });
-  DP_CUDA_DISPATCH(cuda::mse_loss(loss, dpred, pred, target, ctx));
+  DP_DISPATCH(pred.device(), mse_loss, loss, dpred, pred, target);
 }
 
 void sum(Tensor& out, const Tensor& x) {
@@ -351,9 +328,7 @@ void sum(Tensor& out, const Tensor& x) {
   check_dtype("sum", {"x", x}, DType::f32);
   check_scalar_out("sum", {"out", out});
   if (x.numel() == 0) return fill(out, 0.f);
-  DeviceContext& ctx = context(x.device());
-  if (x.device().is_cpu()) return run_cpu(ctx, [&] { cpu::sum(out, x); });
-  DP_CUDA_DISPATCH(cuda::sum(out, x, ctx));
+  DP_DISPATCH(x.device(), sum, out, x);
 }
 
 void mean(Tensor& out, const Tensor& x) {
@@ -361,9 +336,7 @@ void mean(Tensor& out, const Tensor& x) {
   check_dtype("mean", {"x", x}, DType::f32);
   check_scalar_out("mean", {"out", out});
   if (x.numel() == 0) return fill(out, 0.f);
-  DeviceContext& ctx = context(x.device());
-  if (x.device().is_cpu()) return run_cpu(ctx, [&] { cpu::mean(out, x); });
-  DP_CUDA_DISPATCH(cuda::mean(out, x, ctx));
+  DP_DISPATCH(x.device(), mean, out, x);
 }
 
 void argmax(Tensor& out, const Tensor& x) {
@@ -376,9 +349,7 @@ void argmax(Tensor& out, const Tensor& x) {
   DP_CHECK(x.dim(1) > 0 || x.dim(0) == 0,
            op << ": x " << shape_str(x.shape()) << " has no columns");
   if (out.numel() == 0) return;
-  DeviceContext& ctx = context(x.device());
-  if (x.device().is_cpu()) return run_cpu(ctx, [&] { cpu::argmax(out, x); });
-  DP_CUDA_DISPATCH(cuda::argmax(out, x, ctx));
+  DP_DISPATCH(x.device(), argmax, out, x);
 }
 
 int64_t count_correct(const Tensor& logits, const Tensor& labels) {
@@ -425,9 +396,7 @@ void conv2d_forward(Tensor& y, const Tensor& x, const Tensor& w, const Conv2dPar
   check_conv("conv2d_forward", {"y", y}, {"x", x}, {"w", w}, p);
   if (y.numel() == 0) return;
   if (x.dim(1) == 0) return fill(y, 0.f);  // no input channels: the sum is empty
-  DeviceContext& ctx = context(y.device());
-  if (y.device().is_cpu()) return run_cpu(ctx, [&] { cpu::conv2d_forward(y, x, w, p); });
-  DP_CUDA_DISPATCH(cuda::conv2d_forward(y, x, w, p, ctx));
+  DP_DISPATCH(y.device(), conv2d_forward, y, x, w, p);
 }
 
 void conv2d_backward_data(Tensor& dx, const Tensor& dy, const Tensor& w, const Conv2dParams& p,
@@ -438,10 +407,7 @@ void conv2d_backward_data(Tensor& dx, const Tensor& dy, const Tensor& w, const C
     if (acc == Accumulate::no) fill(dx, 0.f);
     return;
   }
-  DeviceContext& ctx = context(dx.device());
-  if (dx.device().is_cpu())
-    return run_cpu(ctx, [&] { cpu::conv2d_backward_data(dx, dy, w, p, acc); });
-  DP_CUDA_DISPATCH(cuda::conv2d_backward_data(dx, dy, w, p, acc, ctx));
+  DP_DISPATCH(dx.device(), conv2d_backward_data, dx, dy, w, p, acc);
 }
 
 void conv2d_backward_filter(Tensor& dw, const Tensor& dy, const Tensor& x, const Conv2dParams& p,
@@ -452,10 +418,7 @@ void conv2d_backward_filter(Tensor& dw, const Tensor& dy, const Tensor& x, const
     if (acc == Accumulate::no) fill(dw, 0.f);
     return;
   }
-  DeviceContext& ctx = context(dw.device());
-  if (dw.device().is_cpu())
-    return run_cpu(ctx, [&] { cpu::conv2d_backward_filter(dw, dy, x, p, acc); });
-  DP_CUDA_DISPATCH(cuda::conv2d_backward_filter(dw, dy, x, p, acc, ctx));
+  DP_DISPATCH(dw.device(), conv2d_backward_filter, dw, dy, x, p, acc);
 }
 
 namespace {
@@ -481,9 +444,7 @@ void check_pool(const char* op, const Arg& y, const Arg& x, const Pool2dParams& 
 void max_pool2d_forward(Tensor& y, const Tensor& x, const Pool2dParams& p) {
   check_pool("max_pool2d_forward", {"y", y}, {"x", x}, p);
   if (y.numel() == 0) return;
-  DeviceContext& ctx = context(y.device());
-  if (y.device().is_cpu()) return run_cpu(ctx, [&] { cpu::max_pool2d_forward(y, x, p); });
-  DP_CUDA_DISPATCH(cuda::max_pool2d_forward(y, x, p, ctx));
+  DP_DISPATCH(y.device(), max_pool2d_forward, y, x, p);
 }
 
 void max_pool2d_backward(Tensor& dx, const Tensor& dy, const Tensor& x, const Tensor& y,
@@ -495,26 +456,19 @@ void max_pool2d_backward(Tensor& dx, const Tensor& dy, const Tensor& x, const Te
   check_same_shape(op, {"x", x}, {"dx", dx});
   check_same_shape(op, {"y", y}, {"dy", dy});
   if (dx.numel() == 0) return;
-  DeviceContext& ctx = context(dx.device());
-  if (dx.device().is_cpu())
-    return run_cpu(ctx, [&] { cpu::max_pool2d_backward(dx, dy, x, y, p, acc); });
-  DP_CUDA_DISPATCH(cuda::max_pool2d_backward(dx, dy, x, y, p, acc, ctx));
+  DP_DISPATCH(dx.device(), max_pool2d_backward, dx, dy, x, y, p, acc);
 }
 
 void avg_pool2d_forward(Tensor& y, const Tensor& x, const Pool2dParams& p) {
   check_pool("avg_pool2d_forward", {"y", y}, {"x", x}, p);
   if (y.numel() == 0) return;
-  DeviceContext& ctx = context(y.device());
-  if (y.device().is_cpu()) return run_cpu(ctx, [&] { cpu::avg_pool2d_forward(y, x, p); });
-  DP_CUDA_DISPATCH(cuda::avg_pool2d_forward(y, x, p, ctx));
+  DP_DISPATCH(y.device(), avg_pool2d_forward, y, x, p);
 }
 
 void avg_pool2d_backward(Tensor& dx, const Tensor& dy, const Pool2dParams& p, Accumulate acc) {
   check_pool("avg_pool2d_backward", {"dy", dy}, {"dx", dx}, p);
   if (dx.numel() == 0) return;
-  DeviceContext& ctx = context(dx.device());
-  if (dx.device().is_cpu()) return run_cpu(ctx, [&] { cpu::avg_pool2d_backward(dx, dy, p, acc); });
-  DP_CUDA_DISPATCH(cuda::avg_pool2d_backward(dx, dy, p, acc, ctx));
+  DP_DISPATCH(dx.device(), avg_pool2d_backward, dx, dy, p, acc);
 }
 
 // ---- normalisation -------------------------------------------------------------------------
@@ -694,10 +648,7 @@ void dropout_forward(Tensor& y, Tensor& mask, const Tensor& x, float p, uint64_t
   check_same_shape(op, {"x", x}, {"mask", mask});
   DP_CHECK(p >= 0.f && p < 1.f, op << ": p must be in [0, 1), got " << p);
   if (x.numel() == 0) return;
-  DeviceContext& ctx = context(x.device());
-  if (x.device().is_cpu())
-    return run_cpu(ctx, [&] { cpu::dropout_forward(y, mask, x, p, seed, offset); });
-  DP_CUDA_DISPATCH(cuda::dropout_forward(y, mask, x, p, seed, offset, ctx));
+  DP_DISPATCH(x.device(), dropout_forward, y, mask, x, p, seed, offset);
 }
 
 // ---- optimizers ----------------------------------------------------------------------------
@@ -715,10 +666,7 @@ void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const
   }
   DP_CHECK(step >= 1, op << ": step must be >= 1 (1 is the first step), got " << step);
   if (params.numel() == 0) return;
-  DeviceContext& ctx = context(params.device());
-  if (params.device().is_cpu())
-    return run_cpu(ctx, [&] { cpu::sgd_update(params, grads, momentum_buf, c, step); });
-  DP_CUDA_DISPATCH(cuda::sgd_update(params, grads, momentum_buf, c, step, ctx));
+  DP_DISPATCH(params.device(), sgd_update, params, grads, momentum_buf, c, step);
 }
 
 void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, const AdamWConfig& c,
@@ -731,10 +679,7 @@ void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, con
   check_same_shape(op, {"params", params}, {"v", v});
   DP_CHECK(step >= 1, op << ": step must be >= 1 (1 is the first step), got " << step);
   if (params.numel() == 0) return;
-  DeviceContext& ctx = context(params.device());
-  if (params.device().is_cpu())
-    return run_cpu(ctx, [&] { cpu::adamw_update(params, grads, m, v, c, step); });
-  DP_CUDA_DISPATCH(cuda::adamw_update(params, grads, m, v, c, step, ctx));
+  DP_DISPATCH(params.device(), adamw_update, params, grads, m, v, c, step);
 }
 
 bool all_finite(const Tensor& x) {
