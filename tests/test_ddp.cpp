@@ -51,13 +51,6 @@ void run_ranks(int world, const std::function<void(int, dp::dist::ProcessGroup&)
   if (!failures.empty()) throw Error(failures);
 }
 
-std::pair<Tensor, Tensor> batch_of(int64_t b, uint32_t seed) {
-  Tensor x = Tensor::from_vector(dp_test::random_vector(b * 6, seed), {b, 6});
-  std::vector<int32_t> y(b);
-  for (int64_t i = 0; i < b; ++i) y[i] = static_cast<int32_t>((i * 7 + seed) % 5);
-  return {x, Tensor::from_ints(y, {b})};
-}
-
 SgdConfig sgd() {
   SgdConfig c;
   c.lr = 0.1f;
@@ -88,7 +81,7 @@ std::vector<float> single_device(int steps, int64_t batch) {
   m->materialize(Device::cpu(0), kSeed);
   nn::SGD opt(*m, sgd());
   for (int s = 0; s < steps; ++s) {
-    auto [x, y] = batch_of(batch, 100 + s);
+    auto [x, y] = dp_test::toy_batch(batch, 100 + s);
     m->zero_grad();
     Tensor out = m->forward(x);
     Tensor loss = Tensor::empty({1}, DType::f32, Device::cpu(0));
@@ -98,12 +91,6 @@ std::vector<float> single_device(int steps, int64_t batch) {
     opt.step();
   }
   return m->flat_params().to_host_f32();
-}
-
-float rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  float scale = 0.f;
-  for (float v : b) scale = std::max(scale, std::fabs(v));
-  return max_abs_diff(a, b) / std::max(scale, 1e-12f);
 }
 
 }  // namespace
@@ -141,12 +128,12 @@ TEST_CASE("ddp.equivalence: 2-4 ranks follow the single-device run, replicas bit
         DistributedDataParallel ddp(m, pg, o);
         CHECK(ddp.buckets().size() > 1);
         for (int s = 0; s < 4; ++s) {
-          auto [x, y] = batch_of(batch, 100 + s);
+          auto [x, y] = dp_test::toy_batch(batch, 100 + s);
           ddp_step(ddp, opt, x, y, r, world);
         }
         params[r] = m->flat_params().to_host_f32();
       });
-      CHECK(rel_diff(params[0], ref) <= 1e-5f);
+      CHECK(dp_test::rel_diff(params[0], ref) <= 1e-5f);
       for (int r = 1; r < world; ++r) CHECK(params[r] == params[0]);
     }
   }
@@ -161,7 +148,7 @@ TEST_CASE("ddp.overlap: bucket all-reduces start before backward ends") {
     o.first_bucket_bytes = 1024;
     o.bucket_cap_bytes = 16 << 10;
     DistributedDataParallel ddp(m, pg, o);
-    auto [x, y] = batch_of(8, 3);
+    auto [x, y] = dp_test::toy_batch(8, 3);
     ddp_step(ddp, opt, x, y, r, 2);
     CHECK(ddp.stats().buckets >= 3);
     // Every bucket is launched from backward's hooks, as its gradients land.
@@ -176,7 +163,7 @@ TEST_CASE("ddp.no_sync: accumulated micro-batches equal one step on their union"
     m->materialize(Device::cpu(r), kSeed);
     nn::SGD opt(*m, sgd());
     DistributedDataParallel ddp(m, pg);
-    auto [x, y] = batch_of(8, 9);  // rank r owns rows [4r, 4r+4): two micro-batches of 2
+    auto [x, y] = dp_test::toy_batch(8, 9);  // rank r owns rows [4r, 4r+4): two micro-batches of 2
     ddp.module().zero_grad();
     for (int micro = 0; micro < 2; ++micro) {
       int64_t b = 4 * r + 2 * micro;
@@ -201,7 +188,7 @@ TEST_CASE("ddp.no_sync: accumulated micro-batches equal one step on their union"
   auto m = nn::mlp({6, 8, 5});
   m->materialize(Device::cpu(0), kSeed);
   nn::SGD opt(*m, sgd());
-  auto [x, y] = batch_of(8, 9);
+  auto [x, y] = dp_test::toy_batch(8, 9);
   m->zero_grad();
   Tensor out = m->forward(x);
   Tensor loss = Tensor::empty({1}, DType::f32, Device::cpu(0));
@@ -209,7 +196,7 @@ TEST_CASE("ddp.no_sync: accumulated micro-batches equal one step on their union"
   softmax_cross_entropy(loss, dl, out, y);
   m->backward(dl);
   opt.step();
-  CHECK(rel_diff(synced, m->flat_params().to_host_f32()) <= 1e-5f);
+  CHECK(dp_test::rel_diff(synced, m->flat_params().to_host_f32()) <= 1e-5f);
 }
 
 TEST_CASE("ddp.mismatch: different models fail on every rank, naming the tensor") {
@@ -252,7 +239,7 @@ TEST_CASE("ddp.buffers: BatchNorm stats follow rank 0 (broadcast) or the mean (a
       dp::dist::DdpOptions o;
       o.buffer_sync = mode;
       DistributedDataParallel ddp(s, pg, o);
-      auto [x, y] = batch_of(8, 4);
+      auto [x, y] = dp_test::toy_batch(8, 4);
       ddp_step(ddp, opt, x, y, r, 2);
       buffers[r] = s->flat_buffers().to_host_f32();
     });

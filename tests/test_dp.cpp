@@ -16,28 +16,13 @@ nn::ModulePtr small_mlp() {
   return nn::mlp({6, 16, 5});
 }
 
-// (B, 6) images and (B) labels, the same for every run.
-std::pair<Tensor, Tensor> batch_of(int64_t b, uint32_t seed) {
-  Tensor x = Tensor::from_vector(dp_test::random_vector(b * 6, seed), {b, 6});
-  std::vector<int32_t> y(b);
-  for (int64_t i = 0; i < b; ++i) y[i] = static_cast<int32_t>((i * 7 + seed) % 5);
-  return {x, Tensor::from_ints(y, {b})};
-}
-
-// Largest |a - b| relative to the largest |b|.
-float rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  float scale = 0.f;
-  for (float v : b) scale = std::max(scale, std::fabs(v));
-  return max_abs_diff(a, b) / std::max(scale, 1e-12f);
-}
-
 // One device, the whole batch at once: the curve DP must follow.
 std::vector<float> train_single(nn::ModulePtr m, int steps, int64_t batch, SgdConfig cfg,
                                 std::vector<float>* losses = nullptr) {
   m->materialize(Device::cpu(0), kSeed);
   nn::SGD opt(*m, cfg);
   for (int s = 0; s < steps; ++s) {
-    auto [x, y] = batch_of(batch, 100 + s);
+    auto [x, y] = dp_test::toy_batch(batch, 100 + s);
     m->zero_grad();
     Tensor out = m->forward(x);
     Tensor loss = Tensor::empty({1}, DType::f32, Device::cpu(0));
@@ -56,7 +41,7 @@ std::vector<float> train_dp(nn::ModulePtr m, int n_dev, int steps, int64_t batch
   nn::SGD opt(*m, cfg);
   dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, n_dev));
   for (int s = 0; s < steps; ++s) {
-    auto [x, y] = batch_of(batch, 100 + s);
+    auto [x, y] = dp_test::toy_batch(batch, 100 + s);
     dp::StepStats st = engine.train_step(x, y);
     if (losses) losses->push_back(st.loss);
   }
@@ -104,7 +89,7 @@ TEST_CASE("dp.equivalence: 1-4 CPU devices follow the single-device run (even an
       CAPTURE(n);
       std::vector<float> losses;
       auto got = train_dp(small_mlp(), n, 5, batch, momentum_sgd(), &losses);
-      CHECK(rel_diff(got, ref) <= 1e-5f);
+      CHECK(dp_test::rel_diff(got, ref) <= 1e-5f);
       for (size_t s = 0; s < losses.size(); ++s)
         CHECK(losses[s] == doctest::Approx(ref_losses[s]).epsilon(1e-5));
     }
@@ -130,7 +115,7 @@ TEST_CASE("dp.equivalence: a CNN with BatchNorm matches per-chunk accumulation o
   ref->materialize(Device::cpu(0), kSeed);
   nn::SGD ref_opt(*ref, momentum_sgd());
   for (int s = 0; s < steps; ++s) {
-    auto [x, y] = batch_of(batch, 100 + s);
+    auto [x, y] = dp_test::toy_batch(batch, 100 + s);
     ref->zero_grad();
     Tensor buffers0 = ref->flat_buffers().clone();
     Tensor buffers_sum = Tensor::zeros(buffers0.shape(), DType::f32, Device::cpu(0));
@@ -155,11 +140,13 @@ TEST_CASE("dp.equivalence: a CNN with BatchNorm matches per-chunk accumulation o
   nn::SGD opt(*m, momentum_sgd());
   dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, n));
   for (int s = 0; s < steps; ++s) {
-    auto [x, y] = batch_of(batch, 100 + s);
+    auto [x, y] = dp_test::toy_batch(batch, 100 + s);
     engine.train_step(x, y);
   }
-  CHECK(rel_diff(m->flat_params().to_host_f32(), ref->flat_params().to_host_f32()) <= 1e-5f);
-  CHECK(rel_diff(m->flat_buffers().to_host_f32(), ref->flat_buffers().to_host_f32()) <= 1e-5f);
+  CHECK(dp_test::rel_diff(m->flat_params().to_host_f32(), ref->flat_params().to_host_f32()) <=
+        1e-5f);
+  CHECK(dp_test::rel_diff(m->flat_buffers().to_host_f32(), ref->flat_buffers().to_host_f32()) <=
+        1e-5f);
 }
 
 TEST_CASE("dp.buffers: root_only keeps device 0's running stats (PyTorch's behaviour)") {
@@ -169,7 +156,7 @@ TEST_CASE("dp.buffers: root_only keeps device 0's running stats (PyTorch's behav
     s->add(std::make_shared<nn::BatchNorm1d>(5));
     return s;
   };
-  auto [x, y] = batch_of(8, 7);
+  auto [x, y] = dp_test::toy_batch(8, 7);
   std::vector<float> buffers[2];
   for (int mode = 0; mode < 2; ++mode) {
     auto m = make();
@@ -190,10 +177,10 @@ TEST_CASE("dp.replicas: bitwise equal to device 0 after every replicate") {
   nn::SGD opt(*m, momentum_sgd());
   dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, 3));
   for (int s = 0; s < 3; ++s) {
-    auto [x, y] = batch_of(9, 100 + s);
+    auto [x, y] = dp_test::toy_batch(9, 100 + s);
     engine.train_step(x, y);
   }
-  auto [x, y] = batch_of(9, 5);
+  auto [x, y] = dp_test::toy_batch(9, 5);
   engine.evaluate(x, y);  // replicates the stepped weights
   auto root = engine.module().flat_params().to_host_f32();
   for (int i = 1; i < 3; ++i) CHECK(engine.replica(i).flat_params().to_host_f32() == root);
@@ -204,7 +191,7 @@ TEST_CASE("dp.batch: a batch smaller than the device count uses fewer devices") 
   m->materialize(Device::cpu(0), kSeed);
   nn::SGD opt(*m, momentum_sgd());
   dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, 4));
-  auto [x, y] = batch_of(2, 3);
+  auto [x, y] = dp_test::toy_batch(2, 3);
   dp::StepStats st = engine.train_step(x, y);
   CHECK(st.devices_used == 2);
   CHECK(std::isfinite(st.loss));
@@ -245,7 +232,7 @@ TEST_CASE("dp.failure: a worker's exception names its device and the engine stay
   nn::SGD opt(*s, SgdConfig{});
   {
     dp::DataParallel engine(s, opt, make_devices(DeviceType::cpu, 4));
-    auto [x, y] = batch_of(8, 1);
+    auto [x, y] = dp_test::toy_batch(8, 1);
     CHECK_THROWS_WITH_AS(engine.train_step(x, y), doctest::Contains("cpu:2"), Error);
     CHECK_THROWS_WITH_AS(engine.train_step(x, y), doctest::Contains("injected fault"), Error);
     *armed = false;
@@ -266,12 +253,12 @@ TEST_CASE("dp.cuda: logical CUDA devices on one GPU follow the CPU run") {
   {
     dp::DataParallel engine(m, opt, make_devices(DeviceType::cuda, 4));
     for (int s = 0; s < 3; ++s) {
-      auto [x, y] = batch_of(10, 100 + s);
+      auto [x, y] = dp_test::toy_batch(10, 100 + s);
       engine.train_step(x, y);
       auto peaks = engine.peak_memory_bytes();
       if (s == 0) mem_after_first = peaks[1];
       CHECK(peaks[1] == mem_after_first);  // no growth between steps
     }
   }
-  CHECK(rel_diff(m->flat_params().to_host_f32(), ref) <= 1e-4f);
+  CHECK(dp_test::rel_diff(m->flat_params().to_host_f32(), ref) <= 1e-4f);
 }

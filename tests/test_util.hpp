@@ -3,9 +3,12 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/ops.hpp"
@@ -14,7 +17,9 @@ namespace dp_test {
 
 int& skipped_cases();
 
-inline bool gpu_available() { return kernels::cuda_device_count() > 0; }
+inline bool gpu_available() {
+  return kernels::cuda_device_count() > 0;
+}
 
 // Deterministic test data in [lo, hi).
 inline std::vector<float> random_vector(size_t n, uint32_t seed, float lo = -1.f, float hi = 1.f) {
@@ -25,15 +30,30 @@ inline std::vector<float> random_vector(size_t n, uint32_t seed, float lo = -1.f
   return v;
 }
 
+// A host batch for a 6-feature, 5-class toy problem: (b, 6) f32 and (b) i32, fixed by seed.
+inline std::pair<kernels::Tensor, kernels::Tensor> toy_batch(int64_t b, uint32_t seed) {
+  kernels::Tensor x = kernels::Tensor::from_vector(random_vector(b * 6, seed), {b, 6});
+  std::vector<int32_t> y(b);
+  for (int64_t i = 0; i < b; ++i) y[i] = static_cast<int32_t>((i * 7 + seed) % 5);
+  return {x, kernels::Tensor::from_ints(y, {b})};
+}
+
+// Largest |a - b| relative to the largest |b|.
+inline float rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  float scale = 0.f;
+  for (float v : b) scale = std::max(scale, std::fabs(v));
+  return kernels::max_abs_diff(a, b) / std::max(scale, 1e-12f);
+}
+
 }  // namespace dp_test
 
 // Ends the current test case as skipped, visibly, when no GPU is usable.
-#define DP_REQUIRE_GPU()                                                                  \
-  do {                                                                                    \
-    if (!dp_test::gpu_available()) {                                                      \
+#define DP_REQUIRE_GPU()                                                                    \
+  do {                                                                                      \
+    if (!dp_test::gpu_available()) {                                                        \
       std::printf("SKIPPED (no GPU: %s): %s\n", kernels::cuda_unavailable_reason().c_str(), \
-                  doctest::getContextOptions()->currentTest->m_name);                     \
-      ++dp_test::skipped_cases();                                                         \
-      return;                                                                             \
-    }                                                                                     \
+                  doctest::getContextOptions()->currentTest->m_name);                       \
+      ++dp_test::skipped_cases();                                                           \
+      return;                                                                               \
+    }                                                                                       \
   } while (0)
