@@ -112,6 +112,15 @@ TEST_CASE("dist.launcher: worker environments from torchrun, mpirun and Slurm va
   CHECK(t->master_addr == "n0");
   CHECK(t->master_port == 1234);
 
+  auto no_local_rank = worker_env_from_environment(map_env({{"RANK", "5"},
+                                                            {"WORLD_SIZE", "8"},
+                                                            {"LOCAL_WORLD_SIZE", "4"},
+                                                            {"MASTER_ADDR", "n0"},
+                                                            {"MASTER_PORT", "1"}}));
+  REQUIRE(no_local_rank);
+  CHECK(no_local_rank->local_rank == 1);
+  CHECK(no_local_rank->node_rank == 1);
+
   auto m = worker_env_from_environment(map_env({{"OMPI_COMM_WORLD_RANK", "3"},
                                                 {"OMPI_COMM_WORLD_SIZE", "4"},
                                                 {"OMPI_COMM_WORLD_LOCAL_RANK", "3"},

@@ -85,8 +85,8 @@ std::optional<WorkerEnv> worker_env_from_environment(const EnvLookup& env_in) {
     std::optional<int> local_rank = env_int(env, "LOCAL_RANK", 0, kMaxRanks);
     std::optional<int> local_world = env_int(env, "LOCAL_WORLD_SIZE", 1, kMaxRanks);
     // Without LOCAL_* the job is taken as one node.
-    w.local_rank = local_rank ? *local_rank : w.rank;
     w.local_world_size = local_world ? *local_world : w.world_size;
+    w.local_rank = local_rank ? *local_rank : w.rank % w.local_world_size;
     std::optional<int> group = env_int(env, "GROUP_RANK", 0, kMaxRanks);
     if (!group) group = env_int(env, "NODE_RANK", 0, kMaxRanks);
     w.node_rank = group ? *group : w.rank / w.local_world_size;

@@ -154,6 +154,10 @@ Backend choose_backend(Backend requested, Store& store, int rank, int size,
   return Backend::gloo;
 }
 
+std::unique_ptr<ProcessGroup> make_gloo_group(const InitOptions& o, const EnvLookup& env,
+                                              const std::shared_ptr<Store>& group, int rank,
+                                              int size, const std::string& master_host);
+
 std::string this_host_name() {
   char host[256] = {0};
   if (gethostname(host, sizeof(host) - 1) != 0 || host[0] == '\0') return "127.0.0.1";
@@ -186,10 +190,26 @@ std::unique_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
 
   Backend backend = o.backend;
   if (backend != Backend::gloo) backend = choose_backend(backend, *group, rank, size, o.device);
+  std::unique_ptr<ProcessGroup> pg;
   if (backend == Backend::nccl)
-    return make_nccl_process_group(std::make_shared<PrefixStore>("nccl", group), rank, size,
-                                   o.device, o.timeout);
+    pg = make_nccl_process_group(std::make_shared<PrefixStore>("nccl", group), rank, size, o.device,
+                                 o.timeout);
+  else
+    pg = make_gloo_group(o, env, group, rank, size, master_host);
+  // Every rank has finished its rendezvous reads before any returns: rank 0 hosts the store
+  // and may exit as soon as it is done, which would strand a rank still reading addresses.
+  group->set_string("joined/" + std::to_string(rank), "1");
+  std::vector<std::string> joined;
+  for (int r = 0; r < size; ++r) joined.push_back("joined/" + std::to_string(r));
+  group->wait(joined);
+  return pg;
+}
 
+namespace {
+
+std::unique_ptr<ProcessGroup> make_gloo_group(const InitOptions& o, const EnvLookup& env,
+                                              const std::shared_ptr<Store>& group, int rank,
+                                              int size, const std::string& master_host) {
   GlooOptions g;
   g.timeout = o.timeout;
   std::optional<std::string> ifname = env("GLOO_SOCKET_IFNAME");
@@ -207,5 +227,7 @@ std::unique_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
   gloo_store->set_timeout(o.timeout);
   return std::make_unique<GlooProcessGroup>(gloo_store, rank, size, g);
 }
+
+}  // namespace
 
 }  // namespace dp::dist
