@@ -34,6 +34,7 @@ struct Flags {
   float lr = -1;  // per model default
   uint64_t seed = 1;
   std::string backend = "auto";
+  std::string optim;  // default: sgd for the MLP, adamw for the convolutional models
 };
 
 nn::ModulePtr make_model(const std::string& name) {
@@ -42,8 +43,12 @@ nn::ModulePtr make_model(const std::string& name) {
   return nn::resnet(8, 1, 10);
 }
 
-float default_lr(const std::string& model) {
-  return model == "mlp" ? 0.01f : 0.02f;
+std::string default_optim(const std::string& model) {
+  return model == "mlp" ? "sgd" : "adamw";
+}
+// SGD with momentum 0.9, or AdamW.
+float default_lr(const std::string& optim) {
+  return optim == "sgd" ? 0.01f : 1e-3f;
 }
 
 kernels::DeviceType device_type(const std::string& flag) {
@@ -88,7 +93,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"mlp", "cnn", "resnet"}));
   app.add_option("--epochs", f.epochs)->check(CLI::PositiveNumber);
   app.add_option("--batch", f.batch, "global batch")->check(CLI::PositiveNumber);
-  app.add_option("--lr", f.lr, "learning rate (SGD, momentum 0.9)");
+  app.add_option("--lr", f.lr, "learning rate (default 0.01 for sgd, 1e-3 for adamw)");
+  app.add_option("--optim", f.optim, "sgd (momentum 0.9) | adamw; default sgd for mlp, adamw else")
+      ->check(CLI::IsMember({"sgd", "adamw"}));
   app.add_option("--device", f.device, "auto|cpu|cuda")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--seed", f.seed);
@@ -106,7 +113,8 @@ int main(int argc, char** argv) {
     return app.exit(e);
   }
   try {
-    if (f.lr < 0) f.lr = default_lr(f.model);
+    if (f.optim.empty()) f.optim = default_optim(f.model);
+    if (f.lr < 0) f.lr = default_lr(f.optim);
     std::string dir = f.data.empty() ? dp::data::kDefaultFashionMnistDir : f.data;
     if (f.mode == "ddp") {
       dp::dist::DdpTrainerOptions t;
@@ -130,10 +138,18 @@ int main(int argc, char** argv) {
       home = ddp->device();
     }
     model->materialize(home, f.seed);
-    kernels::SgdConfig cfg;
-    cfg.lr = f.lr;
-    cfg.momentum = 0.9f;
-    nn::SGD opt(*model, cfg);
+    std::unique_ptr<nn::Optimizer> optimizer;
+    if (f.optim == "adamw") {
+      kernels::AdamWConfig cfg;
+      cfg.lr = f.lr;
+      optimizer = std::make_unique<nn::AdamW>(*model, cfg);
+    } else {
+      kernels::SgdConfig cfg;
+      cfg.lr = f.lr;
+      cfg.momentum = 0.9f;
+      optimizer = std::make_unique<nn::SGD>(*model, cfg);
+    }
+    nn::Optimizer& opt = *optimizer;
 
     Engine engine;
     std::unique_ptr<dp::DataParallel> dp_engine;
