@@ -119,24 +119,57 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
   }
 }
 
-void print_projection(std::ostream& os, const std::vector<RunResult>& runs) {
-  os << "\n projection (alpha-beta; compute = forward + backward per device, measured here):\n"
-        "   DP : t = compute + opt + 2(N-1)(alpha + P/bw)        [star through device 0]\n"
-        "   DDP: t = compute + opt + 2(N-1)(alpha + P/(N bw))    [ring, no overlap assumed]\n";
-  for (auto& r : runs) {
-    double compute_s = (phase(r, "forward") + phase(r, "backward")) / 1000.0;
-    double opt_s = phase(r, "optimizer") / 1000.0;
-    os << "   " << r.mode << " N=" << r.gpus << ": compute " << std::setprecision(3)
-       << compute_s * 1000 << " ms, opt " << opt_s * 1000 << " ms, P " << mib(r.param_bytes)
-       << " MiB ->";
+namespace {
+
+// The run a mode's projection starts from: its fewest devices (1 when a baseline ran), where
+// the per-device compute is least disturbed by devices sharing hardware.
+const RunResult* projection_source(const std::vector<RunResult>& runs, const std::string& mode) {
+  const RunResult* best = nullptr;
+  for (auto& r : runs)
+    if (r.mode == mode && (!best || r.gpus < best->gpus)) best = &r;
+  return best;
+}
+
+}  // namespace
+
+std::vector<Projection> project(const std::vector<RunResult>& runs) {
+  std::vector<Projection> out;
+  for (const char* mode : {"dp", "ddp"}) {
+    const RunResult* r = projection_source(runs, mode);
+    if (!r) continue;
+    // Measured forward + backward of one device at batch B / n_meas; at N devices each takes
+    // B / N rows: compute(N) = compute_meas * n_meas / N (linear in rows).
+    double compute_meas_s = (phase(*r, "forward") + phase(*r, "backward")) / 1000.0;
+    double opt_s = phase(*r, "optimizer") / 1000.0;
     for (auto& link : default_links())
-      for (int n : {4, 8})
-        os << "  " << link.name << " N=" << n << ": " << std::setprecision(3)
-           << projected_step_s(r.mode, n, compute_s, opt_s, r.param_bytes, link) * 1000 << " ms";
-    os << "\n";
+      for (int n : {4, 8}) {
+        Projection p;
+        p.mode = mode;
+        p.link = link.name;
+        p.gpus = n;
+        p.source_gpus = r->gpus;
+        p.compute_s = compute_meas_s * r->gpus / n;
+        p.optimizer_s = opt_s;
+        p.param_bytes = r->param_bytes;
+        p.step_s = projected_step_s(mode, n, p.compute_s, opt_s, r->param_bytes, link);
+        out.push_back(p);
+      }
   }
-  os << "   links: NVLink4 450 GB/s each way, alpha 5 us; PCIe Gen5 64 GB/s each way, alpha 10 "
+  return out;
+}
+
+void print_projection(std::ostream& os, const std::vector<RunResult>& runs) {
+  os << "\n projection to real interconnects (alpha-beta model):\n"
+        "   compute(N) = (forward + backward measured on n devices) * n / N\n"
+        "   DP : t = compute(N) + opt + 2(N-1)(alpha + P/bw)        [star through device 0]\n"
+        "   DDP: t = compute(N) + opt + 2(N-1)(alpha + P/(N bw))    [ring, no overlap assumed]\n"
+        "   links: NVLink4 450 GB/s each way, alpha 5 us; PCIe Gen5 64 GB/s each way, alpha 10 "
         "us\n";
+  for (auto& p : project(runs))
+    os << "   " << std::left << std::setw(4) << p.mode << std::right << std::setw(10) << p.link
+       << " N=" << p.gpus << ": " << std::setprecision(3) << p.step_s * 1000
+       << " ms  (from n=" << p.source_gpus << ": compute " << p.compute_s * 1000 << " ms, opt "
+       << p.optimizer_s * 1000 << " ms, P " << mib(p.param_bytes) << " MiB)\n";
 }
 
 nlohmann::json run_to_json(const RunResult& r) {
@@ -180,7 +213,17 @@ nlohmann::json to_json(const Header& h, const std::vector<RunResult>& runs) {
                       {"model", h.model},
                       {"params", h.params},
                       {"dtype", h.dtype},
-                      {"runs", nlohmann::json::array()}};
+                      {"runs", nlohmann::json::array()},
+                      {"projection", nlohmann::json::array()}};
+  for (auto& p : project(runs))
+    j["projection"].push_back({{"mode", p.mode},
+                               {"link", p.link},
+                               {"gpus", p.gpus},
+                               {"from_gpus", p.source_gpus},
+                               {"compute_ms", p.compute_s * 1000},
+                               {"optimizer_ms", p.optimizer_s * 1000},
+                               {"param_bytes", p.param_bytes},
+                               {"step_ms", p.step_s * 1000}});
   for (auto& r : runs) {
     nlohmann::json jr = run_to_json(r);
     const RunResult* base = baseline_of(runs, r.mode);

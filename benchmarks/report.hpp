@@ -58,6 +58,17 @@ std::vector<Link> default_links();  // NVLink4 450 GB/s, PCIe Gen5 64 GB/s
 double projected_step_s(const std::string& mode, int n, double compute_s, double optimizer_s,
                         int64_t p, const Link& link);
 
+// One projected step time: `mode` on `gpus` devices over `link`, from the measured run of
+// `source_gpus` devices.
+struct Projection {
+  std::string mode, link;
+  int gpus = 0, source_gpus = 0;
+  double compute_s = 0, optimizer_s = 0, step_s = 0;
+  int64_t param_bytes = 0;
+};
+// For each mode present: N = 4 and 8 on every default link.
+std::vector<Projection> project(const std::vector<RunResult>& runs);
+
 struct Header {
   std::string device;  // "cpu" or the GPU's name
   int physical = 0;    // physical devices behind the logical ones

@@ -64,6 +64,27 @@ TEST_CASE("bench.projection: alpha-beta step time against hand-computed values")
   CHECK(dp8 / ddp8 == doctest::Approx((10e-6 + 0.004) / (10e-6 + 0.0005)));
 }
 
+TEST_CASE("bench.projection: compute scales from the fewest-device run") {
+  bench::RunResult one, four;
+  one.mode = four.mode = "dp";
+  one.gpus = 1;
+  four.gpus = 4;
+  one.param_bytes = four.param_bytes = 64'000'000;
+  one.phases_ms = {{"forward", 30}, {"backward", 50}, {"optimizer", 2}};
+  four.phases_ms = {{"forward", 1}, {"backward", 1}, {"optimizer", 2}};  // ignored: not the source
+  auto ps = bench::project({four, one});
+  REQUIRE(ps.size() == 4);  // N = 4, 8 on NVLink4 and PCIe Gen5
+  for (auto& p : ps) {
+    CHECK(p.source_gpus == 1);
+    CHECK(p.compute_s == doctest::Approx(0.080 / p.gpus));
+  }
+  // PCIe Gen5, N = 8: 80 ms / 8 = 10 ms compute, 2 ms opt, 14 transfers of 64 MB.
+  auto& pcie8 = ps[3];
+  CHECK(pcie8.link == "PCIe Gen5");
+  CHECK(pcie8.gpus == 8);
+  CHECK(pcie8.step_s == doctest::Approx(0.010 + 0.002 + 14 * (10e-6 + 64e6 / 64e9)));
+}
+
 TEST_CASE("bench.stats: percentiles and throughput") {
   CHECK(bench::percentile({}, 0.5) == 0);
   CHECK(bench::percentile({3, 1, 2}, 0.5) == 2);
