@@ -186,7 +186,7 @@ std::vector<int> sweep_counts(const Options& o, const Setup& s) {
   return counts;
 }
 
-void write_chart(const Options& o, const std::string& csv) {
+void write_chart(const Options& o, const std::string& csv, const std::string& note) {
   std::string chart = o.chart_path.empty() ? "dp_bench_sweep.svg" : o.chart_path;
   if (std::system("command -v gnuplot >/dev/null 2>&1") != 0) {
     std::printf("chart: skipped (gnuplot is not installed); the CSV is %s\n", csv.c_str());
@@ -197,8 +197,11 @@ void write_chart(const Options& o, const std::string& csv) {
   std::ofstream gp(script);
   gp << "set terminal " << (png ? "pngcairo size 900,500" : "svg size 900,500") << "\n"
      << "set output '" << chart << "'\nset datafile separator ','\n"
-     << "set title 'dp_bench: samples/s against device count'\n"
-     << "set xlabel 'devices (N)'\nset ylabel 'samples/s'\nset key left top\nset grid\n"
+     << "set termoption noenhanced\n"
+     << "set title \"dp_bench: samples/s against device count" << (note.empty() ? "" : "\\n")
+     << note << "\"\n"
+     << "set xlabel 'devices (N)'\nset ylabel 'samples/s'\nset key outside right\nset grid\n"
+     << "set xtics 1\nset yrange [0:*]\n"
      << "plot '" << csv << "' using 2:(strcol(1) eq 'dp' ? $6 : 1/0) with linespoints title 'DP', '"
      << csv << "' using 2:(strcol(1) eq 'ddp' ? $6 : 1/0) with linespoints title 'DDP'\n";
   gp.close();
@@ -268,7 +271,12 @@ int run(const Options& o, int argc, char** argv) {
     write_sweep_csv(f, runs);
     f.close();
     std::printf("sweep: %s\n", csv.c_str());
-    write_chart(o, csv);
+    std::string note;
+    if (h.device == "cpu")
+      note = "(CPU devices sharing cores: engine overhead, not scaling)";
+    else if (oversubscribed(h))
+      note = "(logical GPUs sharing one: engine overhead, not scaling)";
+    write_chart(o, csv, note);
   }
   return 0;
 }
