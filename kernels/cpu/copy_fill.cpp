@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cstring>
 
 #include <tbb/parallel_for.h>
@@ -10,18 +11,29 @@ namespace {
 // Reads element i of a floating tensor as float.
 inline float load(const Tensor& t, int64_t i) {
   switch (t.dtype()) {
-    case DType::f32: return t.data<float>()[i];
-    case DType::f16: return f16_to_f32(t.data<uint16_t>()[i]);
-    case DType::bf16: return bf16_to_f32(t.data<uint16_t>()[i]);
-    default: return 0.f;
+    case DType::f32:
+      return t.data<float>()[i];
+    case DType::f16:
+      return f16_to_f32(t.data<uint16_t>()[i]);
+    case DType::bf16:
+      return bf16_to_f32(t.data<uint16_t>()[i]);
+    default:
+      return 0.f;
   }
 }
 inline void store(Tensor& t, int64_t i, float v) {
   switch (t.dtype()) {
-    case DType::f32: t.data<float>()[i] = v; break;
-    case DType::f16: t.data<uint16_t>()[i] = f32_to_f16(v); break;
-    case DType::bf16: t.data<uint16_t>()[i] = f32_to_bf16(v); break;
-    default: break;
+    case DType::f32:
+      t.data<float>()[i] = v;
+      break;
+    case DType::f16:
+      t.data<uint16_t>()[i] = f32_to_f16(v);
+      break;
+    case DType::bf16:
+      t.data<uint16_t>()[i] = f32_to_bf16(v);
+      break;
+    default:
+      break;
   }
 }
 constexpr int64_t kGrain = 1 << 14;
@@ -29,7 +41,23 @@ constexpr int64_t kGrain = 1 << 14;
 
 void copy(Tensor& dst, const Tensor& src) {
   if (dst.dtype() == src.dtype()) {
-    if (dst.raw() != src.raw()) std::memmove(dst.raw(), src.raw(), dst.nbytes());
+    if (dst.raw() == src.raw()) return;
+    auto* d = static_cast<char*>(dst.raw());
+    const auto* s = static_cast<const char*>(src.raw());
+    size_t bytes = dst.nbytes();
+    // Disjoint buffers (the usual case: replicas, staging) copy in parallel chunks; overlapping
+    // views keep memmove's semantics.
+    auto da = reinterpret_cast<uintptr_t>(d), sa = reinterpret_cast<uintptr_t>(s);
+    bool overlap = da < sa + bytes && sa < da + bytes;
+    constexpr size_t kChunk = size_t(1) << 20;
+    if (overlap || bytes <= kChunk) {
+      std::memmove(d, s, bytes);
+      return;
+    }
+    tbb::parallel_for(size_t(0), (bytes + kChunk - 1) / kChunk, [&](size_t c) {
+      size_t begin = c * kChunk;
+      std::memcpy(d + begin, s + begin, std::min(kChunk, bytes - begin));
+    });
     return;
   }
   tbb::parallel_for(tbb::blocked_range<int64_t>(0, dst.numel(), kGrain), [&](auto r) {
@@ -40,12 +68,24 @@ void copy(Tensor& dst, const Tensor& src) {
 void fill(Tensor& y, float value) {
   int64_t n = y.numel();
   switch (y.dtype()) {
-    case DType::f32: std::fill_n(y.data<float>(), n, value); break;
-    case DType::f16: std::fill_n(y.data<uint16_t>(), n, f32_to_f16(value)); break;
-    case DType::bf16: std::fill_n(y.data<uint16_t>(), n, f32_to_bf16(value)); break;
-    case DType::i32: std::fill_n(y.data<int32_t>(), n, static_cast<int32_t>(value)); break;
-    case DType::i64: std::fill_n(y.data<int64_t>(), n, static_cast<int64_t>(value)); break;
-    case DType::u8: std::fill_n(y.data<uint8_t>(), n, static_cast<uint8_t>(value)); break;
+    case DType::f32:
+      std::fill_n(y.data<float>(), n, value);
+      break;
+    case DType::f16:
+      std::fill_n(y.data<uint16_t>(), n, f32_to_f16(value));
+      break;
+    case DType::bf16:
+      std::fill_n(y.data<uint16_t>(), n, f32_to_bf16(value));
+      break;
+    case DType::i32:
+      std::fill_n(y.data<int32_t>(), n, static_cast<int32_t>(value));
+      break;
+    case DType::i64:
+      std::fill_n(y.data<int64_t>(), n, static_cast<int64_t>(value));
+      break;
+    case DType::u8:
+      std::fill_n(y.data<uint8_t>(), n, static_cast<uint8_t>(value));
+      break;
   }
 }
 
