@@ -106,8 +106,8 @@ void conv2d_forward(Tensor& y, const Tensor& x, const Tensor& w, const Conv2dPar
 void conv2d_backward_data(Tensor& dx, const Tensor& dy, const Tensor& w, const Conv2dParams& p,
                           Accumulate acc);
 // ensures dw (+)= d(sum y*dy)/dw.
-void conv2d_backward_filter(Tensor& dw, const Tensor& dy, const Tensor& x,
-                            const Conv2dParams& p, Accumulate acc);
+void conv2d_backward_filter(Tensor& dw, const Tensor& dy, const Tensor& x, const Conv2dParams& p,
+                            Accumulate acc);
 
 struct Pool2dParams {
   int kernel_h = 2, kernel_w = 2;
@@ -181,8 +181,8 @@ struct AdamWConfig {
 // PyTorch's AdamW (decoupled weight decay): p *= 1 - lr wd; m = b1 m + (1-b1) g;
 // v = b2 v + (1-b2) g^2; p -= lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps).
 // requires params, grads, m, v same shape, f32; step t >= 1.
-void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v,
-                  const AdamWConfig& c, int64_t step);
+void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, const AdamWConfig& c,
+                  int64_t step);
 // True when every element of x is finite (waits for the result).
 bool all_finite(const Tensor& x);
 

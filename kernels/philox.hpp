@@ -42,10 +42,14 @@ DP_HOST_DEVICE Uint4 philox4x32(uint64_t seed, uint64_t ctr) {
 DP_HOST_DEVICE uint32_t random_u32(uint64_t seed, uint64_t i) {
   Uint4 r = philox4x32(seed, i >> 2);
   switch (i & 3u) {
-    case 0: return r.x;
-    case 1: return r.y;
-    case 2: return r.z;
-    default: return r.w;
+    case 0:
+      return r.x;
+    case 1:
+      return r.y;
+    case 2:
+      return r.z;
+    default:
+      return r.w;
   }
 }
 

@@ -23,7 +23,8 @@ void cast_from(Tensor& dst, const In* x, cudaStream_t s) {
     case DType::bf16:
       cast_kernel<<<blocks_for(n), kThreads, 0, s>>>(dst.data<__nv_bfloat16>(), x, n);
       break;
-    default: DP_THROW("cast to " << dst.dtype() << " is not supported");
+    default:
+      DP_THROW("cast to " << dst.dtype() << " is not supported");
   }
   DP_CUDA_CHECK_LAUNCH();
 }
@@ -47,10 +48,17 @@ void copy(Tensor& dst, const Tensor& src, DeviceContext& ctx) {
   Device d = dst.device(), sd = src.device();
   if (d == sd && dst.dtype() != src.dtype()) {
     switch (src.dtype()) {
-      case DType::f32: cast_from(dst, src.data<float>(), s); break;
-      case DType::f16: cast_from(dst, src.data<__half>(), s); break;
-      case DType::bf16: cast_from(dst, src.data<__nv_bfloat16>(), s); break;
-      default: DP_THROW("cast from " << src.dtype() << " is not supported");
+      case DType::f32:
+        cast_from(dst, src.data<float>(), s);
+        break;
+      case DType::f16:
+        cast_from(dst, src.data<__half>(), s);
+        break;
+      case DType::bf16:
+        cast_from(dst, src.data<__nv_bfloat16>(), s);
+        break;
+      default:
+        DP_THROW("cast from " << src.dtype() << " is not supported");
     }
     return;
   }
@@ -73,12 +81,24 @@ void copy(Tensor& dst, const Tensor& src, DeviceContext& ctx) {
 void fill(Tensor& y, float value, DeviceContext& ctx) {
   cudaStream_t s = stream_of(ctx);
   switch (y.dtype()) {
-    case DType::f32: launch_fill<float>(y, value, s); break;
-    case DType::f16: launch_fill<__half>(y, __float2half_rn(value), s); break;
-    case DType::bf16: launch_fill<__nv_bfloat16>(y, __float2bfloat16_rn(value), s); break;
-    case DType::i32: launch_fill<int32_t>(y, static_cast<int32_t>(value), s); break;
-    case DType::i64: launch_fill<int64_t>(y, static_cast<int64_t>(value), s); break;
-    case DType::u8: launch_fill<uint8_t>(y, static_cast<uint8_t>(value), s); break;
+    case DType::f32:
+      launch_fill<float>(y, value, s);
+      break;
+    case DType::f16:
+      launch_fill<__half>(y, __float2half_rn(value), s);
+      break;
+    case DType::bf16:
+      launch_fill<__nv_bfloat16>(y, __float2bfloat16_rn(value), s);
+      break;
+    case DType::i32:
+      launch_fill<int32_t>(y, static_cast<int32_t>(value), s);
+      break;
+    case DType::i64:
+      launch_fill<int64_t>(y, static_cast<int64_t>(value), s);
+      break;
+    case DType::u8:
+      launch_fill<uint8_t>(y, static_cast<uint8_t>(value), s);
+      break;
   }
 }
 

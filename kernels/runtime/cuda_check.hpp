@@ -8,33 +8,32 @@
 
 #include "kernels/runtime/error.hpp"
 
-#define DP_CUDA_CHECK(call)                                                           \
-  do {                                                                                \
-    cudaError_t dp_e_ = (call);                                                       \
-    if (dp_e_ != cudaSuccess)                                                         \
-      ::kernels::detail::throw_error(__FILE__, __LINE__, nullptr,                     \
-                                     std::string(#call) + " failed: " +               \
-                                         cudaGetErrorName(dp_e_) + ": " +             \
-                                         cudaGetErrorString(dp_e_));                  \
+#define DP_CUDA_CHECK(call)                                                                       \
+  do {                                                                                            \
+    cudaError_t dp_e_ = (call);                                                                   \
+    if (dp_e_ != cudaSuccess)                                                                     \
+      ::kernels::detail::throw_error(__FILE__, __LINE__, nullptr,                                 \
+                                     std::string(#call) + " failed: " + cudaGetErrorName(dp_e_) + \
+                                         ": " + cudaGetErrorString(dp_e_));                       \
   } while (0)
 
 // After every kernel launch: reports bad launch configurations at the launch site.
 #define DP_CUDA_CHECK_LAUNCH() DP_CUDA_CHECK(cudaGetLastError())
 
-#define DP_CUBLAS_CHECK(call)                                                          \
-  do {                                                                                 \
-    cublasStatus_t dp_s_ = (call);                                                     \
-    if (dp_s_ != CUBLAS_STATUS_SUCCESS)                                                \
-      ::kernels::detail::throw_error(__FILE__, __LINE__, nullptr,                      \
-                                     std::string(#call) + " failed: cublas status " +  \
-                                         std::to_string(static_cast<int>(dp_s_)));     \
+#define DP_CUBLAS_CHECK(call)                                                         \
+  do {                                                                                \
+    cublasStatus_t dp_s_ = (call);                                                    \
+    if (dp_s_ != CUBLAS_STATUS_SUCCESS)                                               \
+      ::kernels::detail::throw_error(__FILE__, __LINE__, nullptr,                     \
+                                     std::string(#call) + " failed: cublas status " + \
+                                         std::to_string(static_cast<int>(dp_s_)));    \
   } while (0)
 
-#define DP_CUDNN_CHECK(call)                                                           \
-  do {                                                                                 \
-    cudnnStatus_t dp_s_ = (call);                                                      \
-    if (dp_s_ != CUDNN_STATUS_SUCCESS)                                                 \
-      ::kernels::detail::throw_error(__FILE__, __LINE__, nullptr,                      \
-                                     std::string(#call) + " failed: " +                \
-                                         cudnnGetErrorString(dp_s_));                  \
+#define DP_CUDNN_CHECK(call)                                              \
+  do {                                                                    \
+    cudnnStatus_t dp_s_ = (call);                                         \
+    if (dp_s_ != CUDNN_STATUS_SUCCESS)                                    \
+      ::kernels::detail::throw_error(                                     \
+          __FILE__, __LINE__, nullptr,                                    \
+          std::string(#call) + " failed: " + cudnnGetErrorString(dp_s_)); \
   } while (0)

@@ -17,7 +17,9 @@ float float_of(uint32_t u) {
 }
 }  // namespace
 
-float bf16_to_f32(uint16_t h) { return float_of(static_cast<uint32_t>(h) << 16); }
+float bf16_to_f32(uint16_t h) {
+  return float_of(static_cast<uint32_t>(h) << 16);
+}
 
 uint16_t f32_to_bf16(float f) {
   uint32_t u = bits_of(f);
@@ -49,9 +51,9 @@ uint16_t f32_to_f16(float f) {
   uint32_t u = bits_of(f);
   uint32_t sign = (u >> 16) & 0x8000u;
   uint32_t abs = u & 0x7fffffffu;
-  if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // NaN
+  if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);   // NaN
   if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // overflow -> inf
-  if (abs < 0x38800000u) {  // subnormal or zero in f16
+  if (abs < 0x38800000u) {                                               // subnormal or zero in f16
     if (abs < 0x33000000u) return static_cast<uint16_t>(sign);
     uint32_t exp = abs >> 23;
     uint32_t man = (abs & 0x7fffffu) | 0x800000u;

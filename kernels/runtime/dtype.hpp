@@ -11,31 +11,47 @@ enum class DType : uint8_t { f32, f16, bf16, i32, i64, u8 };
 
 inline size_t dtype_size(DType t) {
   switch (t) {
-    case DType::f32: return 4;
-    case DType::f16: return 2;
-    case DType::bf16: return 2;
-    case DType::i32: return 4;
-    case DType::i64: return 8;
-    case DType::u8: return 1;
+    case DType::f32:
+      return 4;
+    case DType::f16:
+      return 2;
+    case DType::bf16:
+      return 2;
+    case DType::i32:
+      return 4;
+    case DType::i64:
+      return 8;
+    case DType::u8:
+      return 1;
   }
   return 0;
 }
 
 inline const char* dtype_name(DType t) {
   switch (t) {
-    case DType::f32: return "f32";
-    case DType::f16: return "f16";
-    case DType::bf16: return "bf16";
-    case DType::i32: return "i32";
-    case DType::i64: return "i64";
-    case DType::u8: return "u8";
+    case DType::f32:
+      return "f32";
+    case DType::f16:
+      return "f16";
+    case DType::bf16:
+      return "bf16";
+    case DType::i32:
+      return "i32";
+    case DType::i64:
+      return "i64";
+    case DType::u8:
+      return "u8";
   }
   return "?";
 }
 
-inline bool is_floating(DType t) { return t == DType::f32 || t == DType::f16 || t == DType::bf16; }
+inline bool is_floating(DType t) {
+  return t == DType::f32 || t == DType::f16 || t == DType::bf16;
+}
 
-inline std::ostream& operator<<(std::ostream& os, DType t) { return os << dtype_name(t); }
+inline std::ostream& operator<<(std::ostream& os, DType t) {
+  return os << dtype_name(t);
+}
 
 // Host-side conversions for the 16-bit float formats (round to nearest even).
 float f16_to_f32(uint16_t h);

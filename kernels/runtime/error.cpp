@@ -16,8 +16,10 @@ const char* base_name(const char* path) {
 void throw_error(const char* file, int line, const char* what, const std::string& msg) {
   std::ostringstream os;
   os << msg;
-  if (what) os << " [check `" << what << "` failed";
-  else os << " [";
+  if (what)
+    os << " [check `" << what << "` failed";
+  else
+    os << " [";
   os << (what ? " at " : "at ") << base_name(file) << ":" << line << "]";
   throw Error(os.str());
 }

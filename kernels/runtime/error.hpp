@@ -23,26 +23,26 @@ void log_error(const char* file, int line, const std::string& msg) noexcept;
 }  // namespace kernels
 
 // DP_CHECK(cond, "shapes differ: " << a << " vs " << b): throws kernels::Error when cond is false.
-#define DP_CHECK(cond, msg)                                                \
-  do {                                                                     \
-    if (!(cond)) {                                                         \
-      std::ostringstream dp_check_os_;                                     \
-      dp_check_os_ << msg;                                                 \
+#define DP_CHECK(cond, msg)                                                          \
+  do {                                                                               \
+    if (!(cond)) {                                                                   \
+      std::ostringstream dp_check_os_;                                               \
+      dp_check_os_ << msg;                                                           \
       ::kernels::detail::throw_error(__FILE__, __LINE__, #cond, dp_check_os_.str()); \
-    }                                                                      \
+    }                                                                                \
   } while (0)
 
 // DP_THROW("unknown device '" << s << "'"): throws unconditionally.
-#define DP_THROW(msg)                                                      \
-  do {                                                                     \
-    std::ostringstream dp_check_os_;                                       \
-    dp_check_os_ << msg;                                                   \
+#define DP_THROW(msg)                                                                \
+  do {                                                                               \
+    std::ostringstream dp_check_os_;                                                 \
+    dp_check_os_ << msg;                                                             \
     ::kernels::detail::throw_error(__FILE__, __LINE__, nullptr, dp_check_os_.str()); \
   } while (0)
 
-#define DP_LOG_ERROR(msg)                                          \
-  do {                                                             \
-    std::ostringstream dp_check_os_;                               \
-    dp_check_os_ << msg;                                           \
+#define DP_LOG_ERROR(msg)                                                 \
+  do {                                                                    \
+    std::ostringstream dp_check_os_;                                      \
+    dp_check_os_ << msg;                                                  \
     ::kernels::detail::log_error(__FILE__, __LINE__, dp_check_os_.str()); \
   } while (0)

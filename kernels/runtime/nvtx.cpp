@@ -10,8 +10,12 @@
 namespace kernels {
 
 #if DP_HAVE_CUDA
-NvtxRange::NvtxRange(const char* name) { nvtxRangePushA(name); }
-NvtxRange::~NvtxRange() { nvtxRangePop(); }
+NvtxRange::NvtxRange(const char* name) {
+  nvtxRangePushA(name);
+}
+NvtxRange::~NvtxRange() {
+  nvtxRangePop();
+}
 void profiler_start() {
   if (cuda_device_count() > 0) cudaProfilerStart();
 }

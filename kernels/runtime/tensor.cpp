@@ -46,7 +46,8 @@ Storage::Storage(Device device, size_t bytes, HostMemory host) : device_(device)
     if (!pinned_) {
       size_t rounded = (bytes + 63) / 64 * 64;
       data_ = std::aligned_alloc(64, rounded);
-      DP_CHECK(data_ != nullptr, "out of host memory allocating " << bytes << " bytes on " << device);
+      DP_CHECK(data_ != nullptr,
+               "out of host memory allocating " << bytes << " bytes on " << device);
     }
   } else {
 #if DP_HAVE_CUDA
@@ -56,7 +57,7 @@ Storage::Storage(Device device, size_t bytes, HostMemory host) : device_(device)
     if (e != cudaSuccess) {
       cudaGetLastError();
       DP_THROW("out of memory on " << device << " allocating " << bytes
-                                    << " bytes: " << cudaGetErrorString(e));
+                                   << " bytes: " << cudaGetErrorString(e));
     }
 #else
     DP_THROW("device " << device << " is not usable: " << cuda_unavailable_reason());
@@ -109,8 +110,7 @@ Tensor Tensor::empty_pinned(const Shape& shape, DType dtype) {
   t.numel_ = shape_numel(shape);
   t.shape_ = shape;
   t.dtype_ = dtype;
-  t.storage_ =
-      std::make_shared<Storage>(Device::cpu(), t.nbytes(), Storage::HostMemory::pinned);
+  t.storage_ = std::make_shared<Storage>(Device::cpu(), t.nbytes(), Storage::HostMemory::pinned);
   return t;
 }
 
@@ -151,9 +151,9 @@ void* Tensor::raw() const {
 }
 
 Tensor Tensor::reshape(const Shape& shape) const {
-  DP_CHECK(shape_numel(shape) == numel_,
-           "reshape: " << shape_str(shape_) << " has " << numel_ << " elements, "
-                       << shape_str(shape) << " has " << shape_numel(shape));
+  DP_CHECK(shape_numel(shape) == numel_, "reshape: " << shape_str(shape_) << " has " << numel_
+                                                     << " elements, " << shape_str(shape) << " has "
+                                                     << shape_numel(shape));
   Tensor t = *this;
   t.shape_ = shape;
   return t;
@@ -196,13 +196,17 @@ Tensor Tensor::to(DType dtype) const {
   return t;
 }
 
-Tensor Tensor::clone() const { return to(dtype_); }
+Tensor Tensor::clone() const {
+  return to(dtype_);
+}
 
 std::vector<float> Tensor::to_host_f32() const {
   Tensor h = device().is_cpu() ? *this : to(Device::cpu());
   std::vector<float> out(static_cast<size_t>(numel_));
   switch (dtype_) {
-    case DType::f32: std::memcpy(out.data(), h.raw(), nbytes()); break;
+    case DType::f32:
+      std::memcpy(out.data(), h.raw(), nbytes());
+      break;
     case DType::f16:
       for (int64_t i = 0; i < numel_; ++i) out[i] = f16_to_f32(h.data<uint16_t>()[i]);
       break;
