@@ -90,6 +90,7 @@ class DistributedDataParallel {
   const std::vector<Bucket>& buckets() const { return buckets_; }
   const DdpStats& stats() const { return stats_; }
   void set_trace(Trace* trace) { trace_ = trace; }
+  Trace* trace() const { return trace_; }
 
   // Builds buckets over parameters of `numels` (registration order): reverse order, the first
   // bucket capped at first_cap bytes, the others at cap bytes. Exposed for tests.

@@ -109,6 +109,7 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   t0 = Clock::now();
   {
     kernels::NvtxRange range("ddp/step");
+    TraceScope slice(ddp_->trace(), "ddp/step", rank());
     optimizer_->step();
     context_->synchronize();
   }
