@@ -46,6 +46,10 @@ void add_flags(CLI::App& app, Options& o) {
   app.add_option("--profile-steps", o.profile_steps,
                  "a:b brackets timed steps a..b with cudaProfilerStart/Stop (nsys "
                  "--capture-range=cudaProfilerApi)");
+  app.add_option("--bucket-cap-mb", o.bucket_cap_mb, "DDP bucket cap in MiB")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--first-bucket-mb", o.first_bucket_mb, "DDP first bucket cap in MiB")
+      ->check(CLI::PositiveNumber);
   app.add_option("--baseline", o.baseline, "also run 1 device of each mode for speedup (1/0)");
 }
 

@@ -27,7 +27,9 @@ struct Options {
   std::string backend = "auto";
   uint64_t seed = 1;
   std::string json_path, trace_path, sweep, csv_path, chart_path, profile_steps;
-  int baseline = 1;  // also run N=1 of each mode for speedup (0 to skip)
+  int baseline = 1;
+  double bucket_cap_mb = 25, first_bucket_mb = 1;  // DDP buckets (PyTorch's defaults)  // also run
+                                                   // N=1 of each mode for speedup (0 to skip)
 };
 
 // The resolved device type and counts of a run.

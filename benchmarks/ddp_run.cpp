@@ -94,7 +94,10 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   int n = std::atoi(n_env);
 
   Setup s = resolve(o);
-  dp::dist::DdpTrainer trainer(s.type, o.backend);
+  dp::dist::DdpOptions ddp_options;
+  ddp_options.bucket_cap_bytes = static_cast<int64_t>(o.bucket_cap_mb * (1 << 20));
+  ddp_options.first_bucket_bytes = static_cast<int64_t>(o.first_bucket_mb * (1 << 20));
+  dp::dist::DdpTrainer trainer(s.type, o.backend, ddp_options);
   DP_CHECK(trainer.world_size() == n, "dp_bench worker: world size " << trainer.world_size()
                                                                      << " but " << n
                                                                      << " ranks were asked for");
@@ -132,6 +135,8 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
     const auto& t = trainer.last_times();
     r.step_ms.push_back(t.total);
     r.losses.push_back(loss);
+    r.buckets = trainer.ddp().stats().buckets;
+    r.buckets_overlapped = trainer.ddp().stats().launched_before_backward_end;
     phases["forward"].push_back(t.forward);
     phases["backward"].push_back(t.backward);
     phases["allreduce_exposed"].push_back(t.allreduce_wait);

@@ -106,6 +106,9 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
   for (auto& r : runs) {
     os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << r.gpus << " ";
     for (auto& [name, ms] : r.phases_ms) os << " " << name << " " << std::setprecision(3) << ms;
+    if (r.mode == "ddp" && r.gpus > 1)
+      os << "  (buckets " << r.buckets << ", " << r.buckets_overlapped
+         << " launched while backward ran on)";
     os << "\n";
   }
   os << "\n bytes moved per step (MiB): measured vs theory"
@@ -186,7 +189,9 @@ nlohmann::json run_to_json(const RunResult& r) {
           {"bytes_theory", r.bytes_theory},
           {"peak_mem_bytes", r.peak_mem_bytes},
           {"losses", r.losses},
-          {"final_loss", r.final_loss}};
+          {"final_loss", r.final_loss},
+          {"buckets", r.buckets},
+          {"buckets_overlapped", r.buckets_overlapped}};
 }
 
 RunResult run_from_json(const nlohmann::json& j) {
@@ -202,6 +207,8 @@ RunResult run_from_json(const nlohmann::json& j) {
   r.peak_mem_bytes = j.at("peak_mem_bytes").get<std::vector<int64_t>>();
   r.losses = j.at("losses").get<std::vector<float>>();
   r.final_loss = j.at("final_loss").get<float>();
+  r.buckets = j.value("buckets", 0);
+  r.buckets_overlapped = j.value("buckets_overlapped", 0);
   return r;
 }
 

@@ -26,6 +26,8 @@ struct RunResult {
   std::vector<int64_t> peak_mem_bytes;      // one per device
   std::vector<float> losses;                // per timed step
   float final_loss = 0;
+  int buckets = 0;             // DDP: gradient buckets per step
+  int buckets_overlapped = 0;  // DDP: of which launched while backward still ran
 
   double step_ms_median() const;
   double step_ms_p90() const;

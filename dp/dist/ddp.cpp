@@ -185,7 +185,10 @@ void DistributedDataParallel::launch_ready_buckets() {
     kernels::NvtxRange range("ddp/allreduce[bucket " + std::to_string(k) + "]");
     kernels::scale(slice, slice, share_);
     pending_[k] = group_.all_reduce(slice, ReduceOp::sum);
-    if (in_backward_) ++stats_.launched_before_backward_end;
+    // The last bucket (the first layers) lands with backward's final layer: nothing is left
+    // to hide it behind. Every other bucket launched from backward overlaps what remains.
+    if (in_backward_ && k + 1 < static_cast<int>(buckets_.size()))
+      ++stats_.launched_before_backward_end;
     if (trace_)
       trace_->add({"ddp/allreduce[bucket " + std::to_string(k) + "] launch", group_.rank(),
                    trace_->now_us(), 1.0});

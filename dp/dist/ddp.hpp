@@ -50,7 +50,7 @@ struct Bucket {
 // Counters of the last backward, to see the overlap.
 struct DdpStats {
   int buckets = 0;
-  int launched_before_backward_end = 0;  // all-reduces started while backward still ran
+  int launched_before_backward_end = 0;  // all-reduces started while layers were left to run
   double allreduce_wait_ms = 0;          // time finish() waited: communication not hidden
 };
 
