@@ -50,6 +50,13 @@ void add_flags(CLI::App& app, Options& o) {
       ->check(CLI::PositiveNumber);
   app.add_option("--first-bucket-mb", o.first_bucket_mb, "DDP first bucket cap in MiB")
       ->check(CLI::PositiveNumber);
+  app.add_option("--nnodes", o.nnodes, "DDP: nodes (run dp_bench on each with its --node-rank)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--node-rank", o.node_rank, "DDP: this node's index in [0, nnodes)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--master-addr", o.master_addr, "DDP: node 0's address (rendezvous store)");
+  app.add_option("--master-port", o.master_port, "DDP: node 0's port (0: a free one, one node)")
+      ->check(CLI::Range(0, 65535));
   app.add_option("--baseline", o.baseline, "also run 1 device of each mode for speedup (1/0)");
 }
 
@@ -222,7 +229,15 @@ void write_chart(const Options& o, const std::string& csv, const std::string& no
 int run(const Options& o, int argc, char** argv) {
   if (dp::dist::worker_env_from_environment()) return ddp_worker_main(o, argc, argv);
   Setup s = resolve(o);
-  std::vector<int> counts = sweep_counts(o, s);
+  if (o.nnodes > 1) {
+    DP_CHECK(o.mode == "ddp", "--nnodes " << o.nnodes << ": only --mode ddp spans nodes (DP is "
+                                          << "one process by definition)");
+    DP_CHECK(o.master_port > 0 && o.sweep.empty(),
+             "--nnodes " << o.nnodes << ": give --master-addr/--master-port, and no --sweep");
+    DP_CHECK(o.node_rank < o.nnodes,
+             "--node-rank " << o.node_rank << " is not in [0, " << o.nnodes << ")");
+  }
+  std::vector<int> counts = o.nnodes > 1 ? std::vector<int>{s.gpus} : sweep_counts(o, s);
   int max_n = *std::max_element(counts.begin(), counts.end());
   if (s.type == DeviceType::cuda)
     dp::warn_if_oversubscribed(kernels::make_devices(DeviceType::cuda, max_n));
@@ -235,14 +250,21 @@ int run(const Options& o, int argc, char** argv) {
     if ((mode[1] == 'p' && !want_dp) || (mode[1] == 'd' && !want_ddp)) continue;
     for (int n : counts) {
       dp::Trace trace;
-      RunResult r = mode[1] == 'p' ? run_dp(o, s, n, tracing ? &trace : nullptr)
-                                   : run_ddp(o, s, n, argc, argv, tracing ? &trace : nullptr);
+      std::optional<RunResult> got = mode[1] == 'p'
+                                         ? run_dp(o, s, n, tracing ? &trace : nullptr)
+                                         : run_ddp(o, s, n, argc, argv, tracing ? &trace : nullptr);
+      if (!got) {
+        std::printf("dp_bench: node %d ran its %d ranks; node 0 prints the report\n", o.node_rank,
+                    n);
+        return 0;
+      }
+      RunResult r = std::move(*got);
       if (!isatty(fileno(stderr)))
-        std::fprintf(stderr, "dp_bench: %s N=%d: %.3f ms/step, final loss %.6f\n", mode, n,
+        std::fprintf(stderr, "dp_bench: %s N=%d: %.3f ms/step, final loss %.6f\n", mode, r.gpus,
                      r.step_ms_median(), r.final_loss);
       runs.push_back(std::move(r));
       if (tracing)
-        traces.emplace_back(std::string(mode) + " N=" + std::to_string(n), trace.events());
+        traces.emplace_back(std::string(mode) + " N=" + std::to_string(r.gpus), trace.events());
     }
   }
 

@@ -28,8 +28,12 @@ struct Options {
   uint64_t seed = 1;
   std::string json_path, trace_path, sweep, csv_path, chart_path, profile_steps;
   int baseline = 1;
-  double bucket_cap_mb = 25, first_bucket_mb = 1;  // DDP buckets (PyTorch's defaults)  // also run
-                                                   // N=1 of each mode for speedup (0 to skip)
+  double bucket_cap_mb = 25, first_bucket_mb = 1;  // DDP buckets (PyTorch's defaults)
+  // DDP across nodes: every node runs dp_bench with the same flags and its own --node-rank.
+  int nnodes = 1, node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;  // also run
+                        // N=1 of each mode for speedup (0 to skip)
 };
 
 // The resolved device type and counts of a run.

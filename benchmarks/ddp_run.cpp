@@ -39,22 +39,31 @@ int64_t now_ns() {
 
 }  // namespace
 
-RunResult run_ddp(const Options& o, const Setup& s, int n, int argc, char** argv,
-                  dp::Trace* trace) {
+std::optional<RunResult> run_ddp(const Options& o, const Setup& s, int n, int argc, char** argv,
+                                 dp::Trace* trace) {
   std::string result = temp_file("ddp");
   dp::dist::DdpTrainerOptions t;
   t.nproc = n;
+  t.nnodes = o.nnodes;
+  t.node_rank = o.node_rank;
+  t.master_addr = o.master_addr;
+  t.master_port = o.master_port;
   // The workers re-run this program with the same flags plus these: they read the worker
   // environment, train their shard and rank 0 writes the figures to `result`.
   t.extra_env = {{"DP_BENCH_DDP_RESULT", result},
-                 {"DP_BENCH_DDP_N", std::to_string(n)},
+                 {"DP_BENCH_DDP_N", std::to_string(n * o.nnodes)},
                  {"DP_BENCH_TRACE_ORIGIN_NS", trace ? std::to_string(now_ns()) : ""}};
   (void)s;
   std::optional<int> rc = dp::dist::launch_if_parent(t, argc, argv);
   DP_CHECK(rc.has_value(), "dp_bench: DDP launch from a worker process");
   if (*rc != 0) {
     std::remove(result.c_str());
-    DP_THROW("dp_bench: the DDP run on " << n << " ranks failed (launcher exit " << *rc << ")");
+    DP_THROW("dp_bench: the DDP run on " << n * o.nnodes << " ranks failed (launcher exit " << *rc
+                                         << ")");
+  }
+  if (o.node_rank != 0) {  // rank 0, and so the figures, live on node 0
+    std::remove(result.c_str());
+    return std::nullopt;
   }
   std::ifstream f(result);
   nlohmann::json j;
@@ -67,7 +76,7 @@ RunResult run_ddp(const Options& o, const Setup& s, int n, int argc, char** argv
   RunResult r = run_from_json(j);
   if (trace) {
     // One track per rank, merged here from the files the ranks wrote.
-    for (int rank = 0; rank < n; ++rank) {
+    for (int rank = 0; rank < n; ++rank) {  // this node's ranks (node 0: 0..n-1)
       std::string path = trace_file_of(result, rank);
       std::ifstream tf(path);
       if (!tf) continue;

@@ -34,7 +34,10 @@ struct Flags {
   float lr = -1;  // per model default
   uint64_t seed = 1;
   std::string backend = "auto";
-  std::string optim;  // default: sgd for the MLP, adamw for the convolutional models
+  std::string optim;
+  int nnodes = 1, node_rank = 0, master_port = 0;
+  std::string master_addr =
+      "127.0.0.1";  // default: sgd for the MLP, adamw for the convolutional models
 };
 
 nn::ModulePtr make_model(const std::string& name) {
@@ -105,6 +108,10 @@ int main(int argc, char** argv) {
   app.add_option("--mode", f.mode, "single|dp|ddp")->check(CLI::IsMember({"single", "dp", "ddp"}));
   app.add_option("--gpus", f.gpus, "devices for dp/ddp")->check(CLI::PositiveNumber);
   app.add_option("--backend", f.backend, "ddp: auto|nccl|gloo");
+  app.add_option("--nnodes", f.nnodes, "ddp: nodes (run on each with its --node-rank)");
+  app.add_option("--node-rank", f.node_rank, "ddp: this node's index");
+  app.add_option("--master-addr", f.master_addr, "ddp: node 0's address");
+  app.add_option("--master-port", f.master_port, "ddp: node 0's port (0: a free one, one node)");
   app.add_option("--limit-batches", f.limit_batches,
                  "stop each epoch after this many batches (smoke runs)");
   try {
@@ -119,6 +126,10 @@ int main(int argc, char** argv) {
     if (f.mode == "ddp") {
       dp::dist::DdpTrainerOptions t;
       t.nproc = f.gpus;
+      t.nnodes = f.nnodes;
+      t.node_rank = f.node_rank;
+      t.master_addr = f.master_addr;
+      t.master_port = f.master_port;
       t.backend = f.backend;
       t.device_type = device_type(f.device);
       // The ranks re-run this program; each trains its shard of every global batch.

@@ -37,6 +37,10 @@ int run_bench(const std::string& args) {
   return rc;
 }
 
+void throw_if(int rc) {
+  if (rc != 0) throw std::runtime_error("non-zero exit");
+}
+
 }  // namespace
 
 TEST_CASE("bench.theory: bytes moved per step") {
@@ -158,6 +162,31 @@ TEST_CASE("bench.cli: sweep writes a CSV row per mode and count") {
   CHECK(lines[2].rfind("dp,2,", 0) == 0);
   std::remove(csv.c_str());
   std::remove(chart.c_str());
+}
+
+TEST_CASE("bench.cli: DDP over two nodes of two ranks equals four ranks on one node") {
+  int port = 20000 + static_cast<int>(getpid() % 20000);
+  std::string common =
+      "--device cpu --mode ddp --gpus 2 --steps 3 --warmup 0 --batch 24 "
+      "--nnodes 2 --master-port " +
+      std::to_string(port);
+  std::string json = temp_path("nodes.json"), one = temp_path("one.json");
+  // Node 1 in the background, node 0 in the foreground; both launch two ranks on loopback.
+  // (timeout: node 1 must not outlive a failed node 0)
+  std::string node1 = "timeout 120 " + std::string(DP_BENCH_PATH) + " " + common +
+                      " --node-rank 1 > " + temp_path("node1.txt") + " 2>&1 &";
+  REQUIRE(std::system(node1.c_str()) == 0);
+  REQUIRE(run_bench(common + " --node-rank 0 --json " + json) == 0);
+  REQUIRE(run_bench("--device cpu --mode ddp --gpus 4 --steps 3 --warmup 0 --batch 24 "
+                    "--baseline 0 --json " +
+                    one) == 0);
+  auto nodes = read_json(json)["runs"][0], single = read_json(one)["runs"][0];
+  CHECK(nodes["gpus"] == 4);
+  CHECK(nodes["losses"] == single["losses"]);
+  CHECK_THROWS_AS(throw_if(run_bench("--device cpu --mode dp --nnodes 2 --master-port 1234")),
+                  std::runtime_error);
+  std::remove(json.c_str());
+  std::remove(one.c_str());
 }
 
 TEST_CASE("bench.cli: bad flags give a clear error") {
