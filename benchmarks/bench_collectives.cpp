@@ -33,10 +33,11 @@ struct Flags {
 };
 
 kernels::DeviceType device_type(const Flags& f) {
-  bool gpu = kernels::cuda_device_count() > 0;
-  if (f.device == "cuda") DP_CHECK(gpu, "--device cuda: " << kernels::cuda_unavailable_reason());
-  return (f.device == "cuda" || (f.device == "auto" && gpu)) ? kernels::DeviceType::cuda
-                                                             : kernels::DeviceType::cpu;
+  std::string fallback;
+  kernels::DeviceType t = kernels::choose_device_type(f.device, &fallback);
+  if (!fallback.empty() && !dp::dist::worker_env_from_environment())
+    std::fprintf(stderr, "bench_collectives: %s\n", fallback.c_str());
+  return t;
 }
 
 std::vector<int64_t> sizes(const Flags& f, kernels::DeviceType t) {

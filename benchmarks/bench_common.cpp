@@ -62,18 +62,10 @@ void add_flags(CLI::App& app, Options& o) {
 
 Setup resolve(const Options& o) {
   Setup s;
-  bool have_gpu = kernels::cuda_device_count() > 0;
-  if (o.device == "cuda") {
-    DP_CHECK(have_gpu, "--device cuda: " << kernels::cuda_unavailable_reason());
-    s.type = DeviceType::cuda;
-  } else if (o.device == "cpu") {
-    s.type = DeviceType::cpu;
-  } else {
-    s.type = have_gpu ? DeviceType::cuda : DeviceType::cpu;
-    if (!have_gpu && !dp::dist::worker_env_from_environment())
-      std::fprintf(stderr, "dp_bench: no usable GPU (%s): running on CPU devices\n",
-                   kernels::cuda_unavailable_reason().c_str());
-  }
+  std::string fallback;
+  s.type = kernels::choose_device_type(o.device, &fallback);
+  if (!fallback.empty() && !dp::dist::worker_env_from_environment())
+    std::fprintf(stderr, "dp_bench: %s devices\n", fallback.c_str());
   s.physical = s.type == DeviceType::cuda ? kernels::cuda_device_count()
                                           : static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
   s.gpus = o.gpus > 0 ? o.gpus : (s.type == DeviceType::cuda ? s.physical : 4);

@@ -238,17 +238,15 @@ class Bench {
 // The device to measure: cuda:0 for "cuda", cpu:0 for "cpu", and for "auto" the first GPU if
 // any, else the CPU with one line saying why.
 std::optional<Device> pick_device(const std::string& choice) {
-  if (choice == "cpu") return Device::cpu(0);
-  if (choice == "cuda") {
-    if (cuda_device_count() > 0) return Device::cuda(0);
-    std::fprintf(stderr, "bench_kernels: --device cuda, but no GPU is usable: %s\n",
-                 cuda_unavailable_reason().c_str());
+  try {
+    std::string fallback;
+    DeviceType t = choose_device_type(choice, &fallback);
+    if (!fallback.empty()) std::printf("auto: %s\n", fallback.c_str());
+    return Device{t, 0};
+  } catch (const Error& e) {
+    std::fprintf(stderr, "bench_kernels: %s\n", e.what());
     return std::nullopt;
   }
-  if (cuda_device_count() > 0) return Device::cuda(0);
-  std::printf("auto: no usable CUDA device (%s); measuring the CPU\n",
-              cuda_unavailable_reason().c_str());
-  return Device::cpu(0);
 }
 
 }  // namespace

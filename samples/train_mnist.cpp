@@ -55,15 +55,10 @@ float default_lr(const std::string& optim) {
 }
 
 kernels::DeviceType device_type(const std::string& flag) {
-  bool gpu = kernels::cuda_device_count() > 0;
-  if (flag == "cuda") {
-    DP_CHECK(gpu, "--device cuda: " << kernels::cuda_unavailable_reason());
-    return kernels::DeviceType::cuda;
-  }
-  if (flag == "auto" && !gpu)
-    std::fprintf(stderr, "train_mnist: no usable GPU (%s): training on the CPU\n",
-                 kernels::cuda_unavailable_reason().c_str());
-  return flag == "cpu" || !gpu ? kernels::DeviceType::cpu : kernels::DeviceType::cuda;
+  std::string fallback;
+  kernels::DeviceType t = kernels::choose_device_type(flag, &fallback);
+  if (!fallback.empty()) std::fprintf(stderr, "train_mnist: %s\n", fallback.c_str());
+  return t;
 }
 
 // One line of progress: a redrawn bar on a terminal, a plain line every 20% otherwise.

@@ -27,6 +27,21 @@ TEST_CASE("runtime.device: CUDA is detected at run time") {
   }
 }
 
+TEST_CASE("runtime.device: --device flags choose a type, auto falls back with a reason") {
+  std::string why;
+  CHECK(choose_device_type("cpu", &why) == DeviceType::cpu);
+  CHECK(why.empty());
+  CHECK_THROWS_WITH_AS(choose_device_type("tpu"), doctest::Contains("tpu"), Error);
+  if (cuda_device_count() == 0) {
+    CHECK(choose_device_type("auto", &why) == DeviceType::cpu);
+    CHECK(why.find(cuda_unavailable_reason()) != std::string::npos);
+    CHECK_THROWS_WITH_AS(choose_device_type("cuda"), doctest::Contains("no usable GPU"), Error);
+  } else {
+    CHECK(choose_device_type("auto", &why) == DeviceType::cuda);
+    CHECK(choose_device_type("cuda") == DeviceType::cuda);
+  }
+}
+
 TEST_CASE("runtime.tensor: views share memory and check bounds") {
   Tensor t = Tensor::from_vector({0, 1, 2, 3, 4, 5}, {3, 2});
   CHECK(t.numel() == 6);

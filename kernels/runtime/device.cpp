@@ -85,6 +85,19 @@ std::string gpu_name(int physical) {
   return "none";
 }
 
+DeviceType choose_device_type(const std::string& flag, std::string* fallback) {
+  bool gpu = cuda_device_count() > 0;
+  if (flag == "cpu") return DeviceType::cpu;
+  if (flag == "cuda") {
+    DP_CHECK(gpu, "--device cuda: no usable GPU: " << cuda_unavailable_reason());
+    return DeviceType::cuda;
+  }
+  DP_CHECK(flag == "auto", "--device '" << flag << "': expected auto, cuda or cpu");
+  if (gpu) return DeviceType::cuda;
+  if (fallback) *fallback = "no usable GPU (" + cuda_unavailable_reason() + "): running on the CPU";
+  return DeviceType::cpu;
+}
+
 int physical_gpu(const Device& d) {
   DP_CHECK(d.is_cuda(), "physical_gpu: " << d << " is not a CUDA device");
   int n = cuda_device_count();

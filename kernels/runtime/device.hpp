@@ -42,6 +42,11 @@ bool built_with_cuda();
 // The name of physical GPU `physical` ("NVIDIA H100 80GB HBM3"), or "none" without one.
 std::string gpu_name(int physical);
 
+// The device type a `--device` flag names: "cpu"; "cuda" (throws with the reason when no GPU is
+// usable); "auto": cuda when a GPU is usable, else cpu, and then, if `fallback` is given, it
+// receives one line saying why. Throws naming any other text.
+DeviceType choose_device_type(const std::string& flag, std::string* fallback = nullptr);
+
 // The physical GPU that logical device cuda:i runs on (round-robin). Throws if no GPU.
 int physical_gpu(const Device& d);
 
