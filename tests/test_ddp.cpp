@@ -8,7 +8,7 @@
 #include "dp/dist/launcher.hpp"
 #include "dp/dist/sampler.hpp"
 #include "nn/nn.hpp"
-#include "tests/test_util.hpp"
+#include "tests/train_util.hpp"
 
 using namespace kernels;
 using dp::dist::DistributedDataParallel;
@@ -76,23 +76,6 @@ void ddp_step(DistributedDataParallel& ddp, nn::Optimizer& opt, const Tensor& x,
   opt.step();
 }
 
-std::vector<float> single_device(int steps, int64_t batch) {
-  auto m = nn::mlp({6, 16, 5});
-  m->materialize(Device::cpu(0), kSeed);
-  nn::SGD opt(*m, sgd());
-  for (int s = 0; s < steps; ++s) {
-    auto [x, y] = dp_test::toy_batch(batch, 100 + s);
-    m->zero_grad();
-    Tensor out = m->forward(x);
-    Tensor loss = Tensor::empty({1}, DType::f32, Device::cpu(0));
-    Tensor dl = Tensor::empty(out.shape(), DType::f32, Device::cpu(0));
-    softmax_cross_entropy(loss, dl, out, y);
-    m->backward(dl);
-    opt.step();
-  }
-  return m->flat_params().to_host_f32();
-}
-
 }  // namespace
 
 TEST_CASE("ddp.buckets: reverse registration order, small first bucket, cap") {
@@ -116,7 +99,7 @@ TEST_CASE("ddp.equivalence: 2-4 ranks follow the single-device run, replicas bit
     for (int64_t batch : {12, 10}) {
       CAPTURE(world);
       CAPTURE(batch);
-      auto ref = single_device(4, batch);
+      auto ref = dp_test::train_single(nn::mlp({6, 16, 5}), kSeed, 4, batch, sgd());
       std::vector<std::vector<float>> params(world);
       run_ranks(world, [&](int r, dp::dist::ProcessGroup& pg) {
         auto m = nn::mlp({6, 16, 5});
@@ -190,13 +173,7 @@ TEST_CASE("ddp.no_sync: accumulated micro-batches equal one step on their union"
   m->materialize(Device::cpu(0), kSeed);
   nn::SGD opt(*m, sgd());
   auto [x, y] = dp_test::toy_batch(8, 9);
-  m->zero_grad();
-  Tensor out = m->forward(x);
-  Tensor loss = Tensor::empty({1}, DType::f32, Device::cpu(0));
-  Tensor dl = Tensor::empty(out.shape(), DType::f32, Device::cpu(0));
-  softmax_cross_entropy(loss, dl, out, y);
-  m->backward(dl);
-  opt.step();
+  dp_test::single_step(*m, opt, x, y);
   CHECK(dp_test::rel_diff(synced, m->flat_params().to_host_f32()) <= 1e-5f);
 }
 

@@ -4,7 +4,7 @@
 
 #include "dp/data_parallel.hpp"
 #include "nn/nn.hpp"
-#include "tests/test_util.hpp"
+#include "tests/train_util.hpp"
 
 using namespace kernels;
 
@@ -14,25 +14,6 @@ constexpr uint64_t kSeed = 1234;
 
 nn::ModulePtr small_mlp() {
   return nn::mlp({6, 16, 5});
-}
-
-// One device, the whole batch at once: the curve DP must follow.
-std::vector<float> train_single(nn::ModulePtr m, int steps, int64_t batch, SgdConfig cfg,
-                                std::vector<float>* losses = nullptr) {
-  m->materialize(Device::cpu(0), kSeed);
-  nn::SGD opt(*m, cfg);
-  for (int s = 0; s < steps; ++s) {
-    auto [x, y] = dp_test::toy_batch(batch, 100 + s);
-    m->zero_grad();
-    Tensor out = m->forward(x);
-    Tensor loss = Tensor::empty({1}, DType::f32, Device::cpu(0));
-    Tensor dlogits = Tensor::empty(out.shape(), DType::f32, Device::cpu(0));
-    softmax_cross_entropy(loss, dlogits, out, y);
-    if (losses) losses->push_back(loss.item());
-    m->backward(dlogits);
-    opt.step();
-  }
-  return m->flat_params().to_host_f32();
 }
 
 std::vector<float> train_dp(nn::ModulePtr m, int n_dev, int steps, int64_t batch, SgdConfig cfg,
@@ -83,7 +64,7 @@ TEST_CASE("dp.averaging: replica i filled with i gives the chunk-weighted mean")
 TEST_CASE("dp.equivalence: 1-4 CPU devices follow the single-device run (even and uneven)") {
   for (int64_t batch : {12, 10}) {  // 10 over 3 or 4 devices gives uneven chunks
     std::vector<float> ref_losses;
-    auto ref = train_single(small_mlp(), 5, batch, momentum_sgd(), &ref_losses);
+    auto ref = dp_test::train_single(small_mlp(), kSeed, 5, batch, momentum_sgd(), &ref_losses);
     for (int n : {1, 2, 3, 4}) {
       CAPTURE(batch);
       CAPTURE(n);
@@ -245,7 +226,7 @@ TEST_CASE("dp.failure: a worker's exception names its device and the engine stay
 
 TEST_CASE("dp.cuda: logical CUDA devices on one GPU follow the CPU run") {
   DP_REQUIRE_GPU();
-  auto ref = train_single(small_mlp(), 3, 10, momentum_sgd());
+  auto ref = dp_test::train_single(small_mlp(), kSeed, 3, 10, momentum_sgd());
   auto m = small_mlp();
   m->materialize(Device::cuda(0), kSeed);
   nn::SGD opt(*m, momentum_sgd());
