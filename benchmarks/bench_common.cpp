@@ -103,6 +103,17 @@ std::string gpu_name() {
   return kernels::gpu_name(0);
 }
 
+Header make_header(const Options& o, const Setup& s, int logical) {
+  Header h;
+  h.device = s.type == DeviceType::cuda ? gpu_name() : "cpu";
+  h.physical = s.physical;
+  h.logical = logical;
+  h.model = o.model;
+  h.params = make_model(o.model)->num_parameters();
+  h.dtype = o.dtype;
+  return h;
+}
+
 std::pair<int, int> profile_range(const Options& o) {
   if (o.profile_steps.empty()) return {-1, -1};
   int a = -1, b = -1;
@@ -260,13 +271,7 @@ int run(const Options& o, int argc, char** argv) {
     }
   }
 
-  Header h;
-  h.device = s.type == DeviceType::cuda ? gpu_name() : "cpu";
-  h.physical = s.physical;
-  h.logical = max_n;
-  h.model = o.model;
-  h.params = make_model(o.model)->num_parameters();
-  h.dtype = o.dtype;
+  Header h = make_header(o, s, max_n);
   print_table(std::cout, h, runs);
   print_projection(std::cout, runs);
 

@@ -58,6 +58,7 @@ dp::data::SyntheticDataset bench_dataset(const Options& o, int64_t batch);
 std::pair<int, int> profile_range(const Options& o);
 void progress(const std::string& label, int step, int total);
 std::string gpu_name();
+Header make_header(const Options& o, const Setup& s, int logical);
 
 RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace);
 int run(const Options& o, int argc, char** argv);

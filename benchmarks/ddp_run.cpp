@@ -94,19 +94,24 @@ std::optional<RunResult> run_ddp(const Options& o, const Setup& s, int n, int ar
 int ddp_worker_main(const Options& o, int argc, char** argv) {
   (void)argc;
   (void)argv;
+  // Started by our own launcher (run_ddp), or by an external one (torchrun, mpirun, Slurm):
+  // then rank 0 prints the report itself.
   const char* result_env = std::getenv("DP_BENCH_DDP_RESULT");
   const char* n_env = std::getenv("DP_BENCH_DDP_N");
-  DP_CHECK(result_env && n_env, "dp_bench worker: DP_BENCH_DDP_RESULT/N are unset");
+  bool external = !result_env || !n_env;
   const char* origin_env = std::getenv("DP_BENCH_TRACE_ORIGIN_NS");
-  bool tracing = origin_env && *origin_env;
-  std::string result = result_env;
-  int n = std::atoi(n_env);
+  bool tracing = !external && origin_env && *origin_env;
+  std::string result = external ? "" : result_env;
+  DP_CHECK(!external || o.mode != "dp",
+           "dp_bench: started as rank of an external launcher (RANK is set): only --mode ddp "
+           "runs that way; DP is one process");
 
   Setup s = resolve(o);
   dp::dist::DdpOptions ddp_options;
   ddp_options.bucket_cap_bytes = static_cast<int64_t>(o.bucket_cap_mb * (1 << 20));
   ddp_options.first_bucket_bytes = static_cast<int64_t>(o.first_bucket_mb * (1 << 20));
   dp::dist::DdpTrainer trainer(s.type, o.backend, ddp_options);
+  int n = external ? trainer.world_size() : std::atoi(n_env);
   DP_CHECK(trainer.world_size() == n, "dp_bench worker: world size " << trainer.world_size()
                                                                      << " but " << n
                                                                      << " ranks were asked for");
@@ -173,10 +178,19 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
     std::ofstream tf(trace_file_of(result, trainer.rank()));
     tf << events.dump() << "\n";
   }
-  if (trainer.rank() == 0) {
+  if (trainer.rank() == 0 && !external) {
     std::ofstream f(result);
     DP_CHECK(f, "dp_bench worker: cannot write " << result);
     f << run_to_json(r).dump() << "\n";
+  } else if (trainer.rank() == 0) {
+    Header h = make_header(o, s, trainer.env().local_world_size);
+    print_table(std::cout, h, {r});
+    print_projection(std::cout, {r});
+    if (!o.json_path.empty()) {
+      std::ofstream f(o.json_path);
+      DP_CHECK(f, "--json: cannot write '" << o.json_path << "'");
+      f << to_json(h, {r}).dump(2) << "\n";
+    }
   }
   trainer.group().barrier()->wait();  // every trace file is written before the parent reads
   return 0;

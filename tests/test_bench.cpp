@@ -189,6 +189,27 @@ TEST_CASE("bench.cli: DDP over two nodes of two ranks equals four ranks on one n
   std::remove(one.c_str());
 }
 
+TEST_CASE("bench.cli: ranks started by an external launcher join and rank 0 reports") {
+  int port = 20000 + static_cast<int>((getpid() + 7919) % 20000);
+  std::string json = temp_path("external.json"), ref = temp_path("external_ref.json");
+  std::string env =
+      "WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port);
+  std::string args = " --device cpu --mode ddp --steps 3 --warmup 0 --batch 24";
+  // torchrun's environment, set by hand: rank 1 in the background, rank 0 in the foreground.
+  std::string rank1 = env + " RANK=1 LOCAL_RANK=1 timeout 120 " + std::string(DP_BENCH_PATH) +
+                      args + " > " + temp_path("rank1.txt") + " 2>&1 &";
+  REQUIRE(std::system(rank1.c_str()) == 0);
+  std::string rank0 = env + " RANK=0 LOCAL_RANK=0 timeout 120 " + std::string(DP_BENCH_PATH) +
+                      args + " --json " + json + " > " + temp_path("rank0.txt") + " 2>&1";
+  REQUIRE(std::system(rank0.c_str()) == 0);
+  REQUIRE(run_bench(args + " --gpus 2 --baseline 0 --json " + ref) == 0);
+  auto external = read_json(json)["runs"][0], launched = read_json(ref)["runs"][0];
+  CHECK(external["gpus"] == 2);
+  CHECK(external["losses"] == launched["losses"]);
+  std::remove(json.c_str());
+  std::remove(ref.c_str());
+}
+
 TEST_CASE("bench.cli: bad flags give a clear error") {
   CHECK(run_bench("--mode tp") != 0);
   CHECK(run_bench("--device cpu --sweep 1,x") != 0);
