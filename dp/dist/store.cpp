@@ -17,8 +17,6 @@
 
 namespace dp::dist {
 
-namespace {
-
 std::string keys_text(const std::vector<std::string>& keys) {
   std::ostringstream os;
   os << "[";
@@ -26,8 +24,6 @@ std::string keys_text(const std::vector<std::string>& keys) {
   os << "]";
   return os.str();
 }
-
-}  // namespace
 
 // ---- PrefixStore ----------------------------------------------------------------------------
 

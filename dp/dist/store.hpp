@@ -25,6 +25,9 @@ namespace dp::dist {
 using Millis = std::chrono::milliseconds;
 constexpr Millis kDefaultTimeout = std::chrono::seconds(300);
 
+// "['a', 'b']": keys as error messages name them.
+std::string keys_text(const std::vector<std::string>& keys);
+
 class Store : public gloo::rendezvous::Store {
  public:
   explicit Store(Millis timeout = kDefaultTimeout) : timeout_(timeout.count()) {}

@@ -27,14 +27,6 @@ using net::Clock;
 
 namespace {
 
-std::string keys_text(const std::vector<std::string>& keys) {
-  std::ostringstream os;
-  os << "[";
-  for (size_t i = 0; i < keys.size(); ++i) os << (i ? ", " : "") << "'" << keys[i] << "'";
-  os << "]";
-  return os.str();
-}
-
 // Strict decimal int64 ("-12"); false for anything else.
 bool parse_int64(const std::string& s, int64_t& out) {
   if (s.empty() || s.size() > 20) return false;
