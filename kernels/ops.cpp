@@ -9,8 +9,10 @@
 #include "kernels/cpu/cpu_ops.hpp"
 #if DP_HAVE_CUDA
 #include "kernels/cuda/cuda_ops.hpp"
-#define DP_CUDA_DISPATCH(call) call
-#define DP_CUDA_DISPATCH_VALUE(type, call) call
+// The context's GPU is made current first: launches and library calls go to its stream and
+// handles, which belong to that GPU (a thread may use several).
+#define DP_CUDA_DISPATCH(call) (ctx.make_current(), call)
+#define DP_CUDA_DISPATCH_VALUE(type, call) (ctx.make_current(), call)
 #else
 #define DP_CUDA_DISPATCH(call) no_cuda(ctx)
 #define DP_CUDA_DISPATCH_VALUE(type, call) (no_cuda(ctx), type{})

@@ -98,9 +98,18 @@ tbb::task_arena& DeviceContext::arena() {
   return *arena_;
 }
 
+void DeviceContext::make_current() const {
+#if DP_HAVE_CUDA
+  if (device_.is_cuda()) DP_CUDA_CHECK(cudaSetDevice(physical_gpu(device_)));
+#endif
+}
+
 void DeviceContext::synchronize() {
 #if DP_HAVE_CUDA
-  if (stream_) DP_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)));
+  if (stream_) {
+    make_current();
+    DP_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)));
+  }
 #endif
 }
 

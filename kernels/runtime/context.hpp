@@ -68,6 +68,9 @@ class DeviceContext {
 
   // Waits until all work queued on this context's stream has finished (no-op on CPU).
   void synchronize();
+  // CUDA: makes this context's physical GPU the calling thread's current device (its stream and
+  // handles belong to it). No-op on CPU devices.
+  void make_current() const;
 
  private:
   Device device_;
