@@ -116,12 +116,8 @@ void DataParallel::scatter(const Tensor& images, const Tensor& labels,
         Tensor y = labels.slice(begin, begin + sizes[i]);
         PerDevice& pd = per_device_[i];
         // Chunk buffers persist between steps; they are remade only when the shape changes.
-        if (!pd.input.defined() || pd.input.shape() != x.shape())
-          pd.input = Tensor::empty(x.shape(), x.dtype(), devices_[i]);
-        if (!pd.labels.defined() || pd.labels.shape() != y.shape())
-          pd.labels = Tensor::empty(y.shape(), y.dtype(), devices_[i]);
-        kernels::copy(pd.input, x);
-        kernels::copy(pd.labels, y);
+        kernels::copy(kernels::ensure(pd.input, x.shape(), x.dtype(), devices_[i]), x);
+        kernels::copy(kernels::ensure(pd.labels, y.shape(), y.dtype(), devices_[i]), y);
         pool_.context(i).synchronize();  // the caller may reuse the host batch after the step
       },
       static_cast<int>(sizes.size()));
@@ -205,13 +201,10 @@ void DataParallel::forward_and_loss(int i, nn::Mode mode) {
     m.eval();
   }
   pd.output = m.forward(pd.input);
-  if (!pd.loss.defined()) pd.loss = Tensor::empty({1}, kernels::DType::f32, devices_[i]);
+  kernels::ensure(pd.loss, {1}, kernels::DType::f32, devices_[i]);
   Tensor dlogits;  // undefined: forward only
-  if (mode == nn::Mode::train) {
-    if (!pd.dlogits.defined() || pd.dlogits.shape() != pd.output.shape())
-      pd.dlogits = Tensor::empty(pd.output.shape(), kernels::DType::f32, devices_[i]);
-    dlogits = pd.dlogits;
-  }
+  if (mode == nn::Mode::train)
+    dlogits = kernels::ensure(pd.dlogits, pd.output.shape(), kernels::DType::f32, devices_[i]);
   kernels::softmax_cross_entropy(pd.loss, dlogits, pd.output, pd.labels, Tensor(),
                                  options_.label_smoothing);
   pd.correct = kernels::count_correct(pd.output, pd.labels);

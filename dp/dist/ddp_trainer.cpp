@@ -72,8 +72,13 @@ std::pair<kernels::Tensor, kernels::Tensor> DdpTrainer::my_chunk(const kernels::
   auto sizes = chunk_sizes(batch, world_size());
   int64_t begin = chunk_begin(sizes, rank());
   if (share) *share = chunk_share(sizes[rank()], batch);
-  return {images.slice(begin, begin + sizes[rank()]).to(device_),
-          labels.slice(begin, begin + sizes[rank()]).to(device_)};
+  kernels::Tensor x = images.slice(begin, begin + sizes[rank()]);
+  kernels::Tensor y = labels.slice(begin, begin + sizes[rank()]);
+  // Input buffers persist between steps; they are remade only when the shape changes.
+  kernels::copy(kernels::ensure(input_, x.shape(), x.dtype(), device_), x);
+  kernels::copy(kernels::ensure(labels_, y.shape(), y.dtype(), device_), y);
+  context_->synchronize();  // the caller may reuse the host batch once the step returns
+  return {input_, labels_};
 }
 
 float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tensor& labels) {
@@ -90,8 +95,8 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   nn::Module& m = ddp_->module();
   m.zero_grad();
   kernels::Tensor out = ddp_->forward(x);
-  kernels::Tensor loss = kernels::Tensor::empty({1}, kernels::DType::f32, device_);
-  kernels::Tensor dlogits = kernels::Tensor::empty(out.shape(), kernels::DType::f32, device_);
+  kernels::Tensor& loss = kernels::ensure(loss_, {1}, kernels::DType::f32, device_);
+  kernels::Tensor& dlogits = kernels::ensure(dlogits_, out.shape(), kernels::DType::f32, device_);
   kernels::softmax_cross_entropy(loss, dlogits, out, y);
   context_->synchronize();
   times_.forward = ms_since(t0);

@@ -77,6 +77,7 @@ class DdpTrainer {
   DdpOptions ddp_options_;
   std::unique_ptr<DistributedDataParallel> ddp_;
   nn::Optimizer* optimizer_ = nullptr;
+  kernels::Tensor input_, labels_, loss_, dlogits_;  // this rank's step buffers, reused
   DdpStepTimes times_;
 };
 

@@ -239,6 +239,12 @@ float Tensor::item() const {
   return to_host_f32()[0];
 }
 
+Tensor& ensure(Tensor& t, const Shape& shape, DType dtype, Device device) {
+  if (!t.defined() || t.shape() != shape || t.dtype() != dtype || t.device() != device)
+    t = Tensor::empty(shape, dtype, device);
+  return t;
+}
+
 std::ostream& operator<<(std::ostream& os, const Tensor& t) {
   if (!t.defined()) return os << "Tensor(undefined)";
   return os << "Tensor(" << t.dtype() << ", " << t.device() << ", " << shape_str(t.shape()) << ")";

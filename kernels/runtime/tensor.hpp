@@ -109,6 +109,11 @@ class Tensor {
   DType dtype_ = DType::f32;
 };
 
-std::ostream& operator<<(std::ostream& os, const Tensor& t);  // "Tensor(f32, cpu:0, [2, 3])"
+std::ostream& operator<<(std::ostream& os, const Tensor& t);
+
+// For buffers reused from step to step: keeps `t` when it already has this shape, dtype and
+// device, else replaces it with a new uninitialised tensor. Returns t.
+Tensor& ensure(Tensor& t, const Shape& shape, DType dtype,
+               Device device);  // "Tensor(f32, cpu:0, [2, 3])"
 
 }  // namespace kernels
