@@ -15,8 +15,8 @@
 
 #include "benchmarks/report.hpp"
 #include "dp/data_parallel.hpp"
-#include "dp/dist/launcher.hpp"
-#include "dp/dist/process_group.hpp"
+#include "dp/distributed/launcher.hpp"
+#include "dp/distributed/process_group.hpp"
 #include "nn/nn.hpp"
 
 namespace {

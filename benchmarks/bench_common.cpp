@@ -11,7 +11,7 @@
 #include "benchmarks/ddp_run.hpp"
 #include "dp/data/loader.hpp"
 #include "dp/data_parallel.hpp"
-#include "dp/dist/launcher.hpp"
+#include "dp/distributed/launcher.hpp"
 #include "nn/nn.hpp"
 
 namespace bench {

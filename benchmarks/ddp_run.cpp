@@ -9,7 +9,7 @@
 
 #include "dp/chunks.hpp"
 #include "dp/data/loader.hpp"
-#include "dp/dist/ddp_trainer.hpp"
+#include "dp/distributed/ddp_trainer.hpp"
 #include "nn/nn.hpp"
 
 namespace bench {

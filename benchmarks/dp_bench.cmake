@@ -2,15 +2,15 @@
 add_library(dp_bench_report STATIC ${CMAKE_CURRENT_SOURCE_DIR}/report.cpp)
 target_link_libraries(dp_bench_report PUBLIC dp_kernels nlohmann_json::nlohmann_json)
 
-if(TARGET dp_dist AND TARGET dp_data)
+if(TARGET dp_distributed AND TARGET dp_data)
   add_executable(dp_bench
     ${CMAKE_CURRENT_SOURCE_DIR}/dp_bench.cpp
     ${CMAKE_CURRENT_SOURCE_DIR}/bench_common.cpp
     ${CMAKE_CURRENT_SOURCE_DIR}/ddp_run.cpp)
-  target_link_libraries(dp_bench PRIVATE dp_bench_report dp_engine dp_dist dp_data CLI11::CLI11)
+  target_link_libraries(dp_bench PRIVATE dp_bench_report dp_engine dp_distributed dp_data CLI11::CLI11)
 endif()
 
-if(TARGET dp_dist)
+if(TARGET dp_distributed)
   add_executable(bench_collectives ${CMAKE_CURRENT_SOURCE_DIR}/bench_collectives.cpp)
-  target_link_libraries(bench_collectives PRIVATE dp_bench_report dp_engine dp_dist CLI11::CLI11)
+  target_link_libraries(bench_collectives PRIVATE dp_bench_report dp_engine dp_distributed CLI11::CLI11)
 endif()

@@ -7,6 +7,7 @@
 #include <initializer_list>
 
 #include "kernels/cpu/cpu_ops.hpp"
+#include "kernels/runtime/memory.hpp"
 #if DP_HAVE_CUDA
 #include "kernels/cuda/cuda_ops.hpp"
 // The context's GPU is made current first: launches and library calls go to its stream and
@@ -106,12 +107,15 @@ void copy(Tensor& dst, const Tensor& src) {
     DP_CHECK(is_floating(dst.dtype()) && is_floating(src.dtype()),
              "copy: converts only between f32, f16 and bf16: " << src << " into " << dst);
   if (dst.numel() == 0) return;
-  if (dst.device().is_cpu() && src.device().is_cpu()) {
-    DeviceContext& ctx = context(dst.device());
-    return run_cpu(ctx, [&] { cpu::copy(dst, src); });
-  }
-  DeviceContext& ctx = context(dst.device().is_cuda() ? dst.device() : src.device());
-  DP_CUDA_DISPATCH(cuda::copy(dst, src, ctx));
+  if (dst.dtype() == src.dtype()) return copy_bytes(dst, src);
+  DP_DISPATCH(dst.device(), cast, dst, src);
+}
+
+Tensor cast(const Tensor& x, DType dtype) {
+  check_defined("cast", x, "x");
+  Tensor y = Tensor::empty(x.shape(), dtype, x.device());
+  copy(y, x);
+  return y;
 }
 
 void fill(Tensor& y, float value) {

@@ -31,6 +31,9 @@ enum class Nesterov { no, yes };
 // the dtypes must match, on one device f32/f16/bf16 convert. ensures dst = src, ordered on the
 // dst device's stream for H2D/D2D and on the src stream for D2H, waited for when it ends on host.
 void copy(Tensor& dst, const Tensor& src);
+// requires x floating, dtype f32/f16/bf16. ensures a new tensor on x's device holding x
+// converted to dtype (a copy when the dtypes match).
+Tensor cast(const Tensor& x, DType dtype);
 // ensures every element of y = value (any dtype; integer dtypes take the truncated value).
 void fill(Tensor& y, float value);
 // requires a, b, y same shape. ensures y = a + b.

@@ -18,8 +18,8 @@
 
 #include <CLI/CLI.hpp>
 
-#include "dp/dist/launcher.hpp"
-#include "dp/dist/process_group.hpp"
+#include "dp/distributed/launcher.hpp"
+#include "dp/distributed/process_group.hpp"
 #include "kernels/ops.hpp"
 
 using dp::dist::ProcessGroup;

@@ -18,7 +18,7 @@
 #include "dp/data/loader.hpp"
 #include "dp/data/mnist.hpp"
 #include "dp/data_parallel.hpp"
-#include "dp/dist/ddp_trainer.hpp"
+#include "dp/distributed/ddp_trainer.hpp"
 #include "nn/nn.hpp"
 
 using kernels::Device;

@@ -15,8 +15,8 @@
 #include <string>
 #include <thread>
 
-#include "dp/dist/launcher.hpp"
-#include "dp/dist/process_group.hpp"
+#include "dp/distributed/launcher.hpp"
+#include "dp/distributed/process_group.hpp"
 
 using namespace dp::dist;
 using kernels::Tensor;

@@ -4,9 +4,9 @@
 #include <thread>
 
 #include "dp/chunks.hpp"
-#include "dp/dist/ddp.hpp"
-#include "dp/dist/launcher.hpp"
-#include "dp/dist/sampler.hpp"
+#include "dp/distributed/ddp.hpp"
+#include "dp/distributed/launcher.hpp"
+#include "dp/distributed/sampler.hpp"
 #include "nn/nn.hpp"
 #include "tests/train_util.hpp"
 

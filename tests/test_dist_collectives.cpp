@@ -4,7 +4,7 @@
 #include <condition_variable>
 #include <mutex>
 
-#include "dp/dist/gloo_process_group.hpp"
+#include "dp/distributed/gloo_process_group.hpp"
 #include "tests/test_dist_util.hpp"
 
 using namespace dp::dist;

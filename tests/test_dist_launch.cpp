@@ -8,7 +8,7 @@
 
 #include <fstream>
 
-#include "dp/dist/launcher.hpp"
+#include "dp/distributed/launcher.hpp"
 #include "tests/test_dist_util.hpp"
 
 extern char** environ;

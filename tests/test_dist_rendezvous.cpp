@@ -1,6 +1,6 @@
 // Init methods (env://, tcp://, file://) and the launcher's environment parsing.
-#include "dp/dist/launcher.hpp"
-#include "dp/dist/rendezvous.hpp"
+#include "dp/distributed/launcher.hpp"
+#include "dp/distributed/rendezvous.hpp"
 #include "tests/test_dist_util.hpp"
 
 using namespace dp::dist;

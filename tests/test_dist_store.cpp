@@ -6,9 +6,9 @@
 #include <atomic>
 #include <random>
 
-#include "dp/dist/socket.hpp"
-#include "dp/dist/store.hpp"
-#include "dp/dist/store_protocol.hpp"
+#include "dp/distributed/socket.hpp"
+#include "dp/distributed/store.hpp"
+#include "dp/distributed/store_protocol.hpp"
 #include "tests/test_dist_util.hpp"
 
 using namespace dp::dist;

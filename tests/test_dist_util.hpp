@@ -13,8 +13,8 @@
 #include <thread>
 #include <vector>
 
-#include "dp/dist/process_group.hpp"
-#include "dp/dist/store.hpp"
+#include "dp/distributed/process_group.hpp"
+#include "dp/distributed/store.hpp"
 #include "tests/test_util.hpp"
 
 namespace dist_test {

@@ -40,6 +40,22 @@ Shape stored(int64_t rows, int64_t cols, Transpose t) {
 
 }  // namespace
 
+TEST_CASE("kernels.cast: f32, f16 and bf16 convert on one device, same dtype copies") {
+  Tensor t = Tensor::from_vector({1.f, 0.5f, -3.f, 1e6f}, {4}, Device::cpu(), DType::bf16);
+  Tensor h = cast(t, DType::f16);
+  CHECK(h.dtype() == DType::f16);
+  std::vector<float> back = cast(h, DType::f32).to_host_f32();
+  CHECK(back[0] == 1.f);
+  CHECK(back[1] == 0.5f);
+  CHECK(back[2] == -3.f);
+  CHECK(std::isinf(back[3]));  // bf16 holds 1e6 (as 999424); f16 overflows to inf
+  Tensor same = cast(t, DType::bf16);
+  CHECK_FALSE(same.same_storage(t));
+  CHECK(same.to_host_f32() == t.to_host_f32());
+  Tensor ints = Tensor::from_ints({1, 2}, {2});
+  CHECK_THROWS_WITH_AS(cast(ints, DType::f32), doctest::Contains("converts only between"), Error);
+}
+
 TEST_CASE("kernels.elementwise: add, mul, scale, axpy (odd sizes, in place)") {
   for (int64_t n : {int64_t{1}, int64_t{13}, int64_t{100003}}) {
     Tensor a = random_tensor({n}, 1), b = random_tensor({n}, 2), y = zeros({n});
@@ -159,7 +175,7 @@ TEST_CASE("kernels.gemm: f16 and bf16 operands accumulate in f32") {
   const int64_t m = 9, k = 31, n = 6;
   for (DType dt : {DType::f16, DType::bf16}) {
     CAPTURE(dt);
-    Tensor a = random_tensor({m, k}, 30).to(dt), b = random_tensor({n, k}, 31).to(dt);
+    Tensor a = cast(random_tensor({m, k}, 30), dt), b = cast(random_tensor({n, k}, 31), dt);
     Tensor c32 = zeros({m, n});
     // The reference uses the rounded 16-bit inputs, so only the product's rounding differs.
     std::vector<double> want =

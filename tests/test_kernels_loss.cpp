@@ -173,11 +173,11 @@ TEST_CASE("kernels.all_finite: NaN and inf anywhere, any floating dtype") {
     Tensor y = x.clone();
     y.data<float>()[n - 1] = bad;
     CHECK_FALSE(all_finite(y));
-    CHECK_FALSE(all_finite(y.to(DType::bf16)));
-    CHECK_FALSE(all_finite(y.to(DType::f16)));
+    CHECK_FALSE(all_finite(cast(y, DType::bf16)));
+    CHECK_FALSE(all_finite(cast(y, DType::f16)));
   }
-  CHECK(all_finite(x.to(DType::f16)));
-  CHECK_FALSE(all_finite(tensor({1e6f}, {1}).to(DType::f16)));  // overflows f16
+  CHECK(all_finite(cast(x, DType::f16)));
+  CHECK_FALSE(all_finite(cast(tensor({1e6f}, {1}), DType::f16)));  // overflows f16
 }
 
 TEST_CASE("kernels.sgd_update: plain, weight decay, momentum, dampening, nesterov") {

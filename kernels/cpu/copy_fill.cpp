@@ -1,5 +1,4 @@
 #include <algorithm>
-#include <cstring>
 
 #include <tbb/parallel_for.h>
 
@@ -39,27 +38,7 @@ inline void store(Tensor& t, int64_t i, float v) {
 constexpr int64_t kGrain = 1 << 14;
 }  // namespace
 
-void copy(Tensor& dst, const Tensor& src) {
-  if (dst.dtype() == src.dtype()) {
-    if (dst.raw() == src.raw()) return;
-    auto* d = static_cast<char*>(dst.raw());
-    const auto* s = static_cast<const char*>(src.raw());
-    size_t bytes = dst.nbytes();
-    // Disjoint buffers (the usual case: replicas, staging) copy in parallel chunks; overlapping
-    // views keep memmove's semantics.
-    auto da = reinterpret_cast<uintptr_t>(d), sa = reinterpret_cast<uintptr_t>(s);
-    bool overlap = da < sa + bytes && sa < da + bytes;
-    constexpr size_t kChunk = size_t(1) << 20;
-    if (overlap || bytes <= kChunk) {
-      std::memmove(d, s, bytes);
-      return;
-    }
-    tbb::parallel_for(size_t(0), (bytes + kChunk - 1) / kChunk, [&](size_t c) {
-      size_t begin = c * kChunk;
-      std::memcpy(d + begin, s + begin, std::min(kChunk, bytes - begin));
-    });
-    return;
-  }
+void cast(Tensor& dst, const Tensor& src) {
   tbb::parallel_for(tbb::blocked_range<int64_t>(0, dst.numel(), kGrain), [&](auto r) {
     for (int64_t i = r.begin(); i < r.end(); ++i) store(dst, i, load(src, i));
   });

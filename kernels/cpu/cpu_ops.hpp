@@ -8,8 +8,8 @@
 
 namespace kernels::cpu {
 
-// Host to host; dtypes may differ (f32/f16/bf16 convert).
-void copy(Tensor& dst, const Tensor& src);
+// f32/f16/bf16 conversion on one device (same-dtype copies are the runtime's copy_bytes).
+void cast(Tensor& dst, const Tensor& src);
 void fill(Tensor& y, float value);
 void add(Tensor& y, const Tensor& a, const Tensor& b);
 void mul(Tensor& y, const Tensor& a, const Tensor& b);

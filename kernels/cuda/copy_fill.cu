@@ -1,4 +1,5 @@
-// Copies between any devices with a CUDA side, casts between floating dtypes, fill.
+// Casts between floating dtypes on one GPU, and fill. Byte copies between devices are the
+// runtime's (kernels/runtime/memory.hpp).
 #include "kernels/cuda/cuda_common.cuh"
 
 namespace kernels::cuda {
@@ -42,40 +43,22 @@ void launch_fill(Tensor& y, T v, cudaStream_t s) {
 
 }  // namespace
 
-void copy(Tensor& dst, const Tensor& src, DeviceContext& ctx) {
-  NvtxRange range("kernels/copy");
+void cast(Tensor& dst, const Tensor& src, DeviceContext& ctx) {
+  NvtxRange range("kernels/cast");
   cudaStream_t s = stream_of(ctx);
-  Device d = dst.device(), sd = src.device();
-  if (d == sd && dst.dtype() != src.dtype()) {
-    switch (src.dtype()) {
-      case DType::f32:
-        cast_from(dst, src.data<float>(), s);
-        break;
-      case DType::f16:
-        cast_from(dst, src.data<__half>(), s);
-        break;
-      case DType::bf16:
-        cast_from(dst, src.data<__nv_bfloat16>(), s);
-        break;
-      default:
-        DP_THROW("cast from " << src.dtype() << " is not supported");
-    }
-    return;
+  switch (src.dtype()) {
+    case DType::f32:
+      cast_from(dst, src.data<float>(), s);
+      break;
+    case DType::f16:
+      cast_from(dst, src.data<__half>(), s);
+      break;
+    case DType::bf16:
+      cast_from(dst, src.data<__nv_bfloat16>(), s);
+      break;
+    default:
+      DP_THROW("cast from " << src.dtype() << " is not supported");
   }
-  size_t bytes = dst.nbytes();
-  if (d.is_cuda() && sd.is_cuda()) {
-    int dg = physical_gpu(d), sg = physical_gpu(sd);
-    if (dg == sg) {  // logical devices on one GPU: a plain device-to-device copy
-      DP_CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src.raw(), bytes, cudaMemcpyDeviceToDevice, s));
-    } else {  // peer copy (staged by the driver when P2P is off)
-      DP_CUDA_CHECK(cudaMemcpyPeerAsync(dst.raw(), dg, src.raw(), sg, bytes, s));
-    }
-    return;
-  }
-  cudaMemcpyKind kind = d.is_cuda() ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost;
-  DP_CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src.raw(), bytes, kind, s));
-  // A copy that ends on the host is waited for: the caller reads the data next.
-  if (d.is_cpu()) DP_CUDA_CHECK(cudaStreamSynchronize(s));
 }
 
 void fill(Tensor& y, float value, DeviceContext& ctx) {

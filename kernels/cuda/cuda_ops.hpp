@@ -9,11 +9,9 @@
 
 namespace kernels::cuda {
 
-// Every copy with a CUDA side: H2D, D2H, D2D on one GPU (logical devices sharing it
-// included), peer copies between GPUs, and f32/f16/bf16 casts on one device. `ctx` is the
-// context of the CUDA side (dst's for H2D and D2D, src's for D2H); a copy that ends on the
-// host waits for it.
-void copy(Tensor& dst, const Tensor& src, DeviceContext& ctx);
+// f32/f16/bf16 conversion on one GPU. Byte copies between devices (H2D, D2H, D2D, peer) are
+// the runtime's copy_bytes (kernels/runtime/memory.hpp).
+void cast(Tensor& dst, const Tensor& src, DeviceContext& ctx);
 void fill(Tensor& y, float value, DeviceContext& ctx);
 void add(Tensor& y, const Tensor& a, const Tensor& b, DeviceContext& ctx);
 void mul(Tensor& y, const Tensor& a, const Tensor& b, DeviceContext& ctx);

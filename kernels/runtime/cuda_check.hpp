@@ -1,5 +1,5 @@
 // Checked-call macros for the CUDA libraries. Include only from code built with the CUDA
-// backend (kernels/runtime/*.cpp under DP_HAVE_CUDA, kernels/cuda/*.cu, dp/dist NCCL code).
+// backend (kernels/runtime/*.cpp under DP_HAVE_CUDA, kernels/cuda/*.cu, dp/distributed NCCL code).
 #pragma once
 
 #include <cublasLt.h>

@@ -4,8 +4,8 @@
 #include <cstring>
 #include <sstream>
 
-#include "kernels/ops.hpp"
 #include "kernels/runtime/context.hpp"
+#include "kernels/runtime/memory.hpp"
 
 #if DP_HAVE_CUDA
 #include "kernels/runtime/cuda_check.hpp"
@@ -101,7 +101,7 @@ Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
 
 Tensor Tensor::zeros(const Shape& shape, DType dtype, Device device) {
   Tensor t = empty(shape, dtype, device);
-  fill(t, 0.f);
+  fill_bytes(t, 0);  // all-zero bytes are 0 in every dtype
   return t;
 }
 
@@ -119,9 +119,17 @@ Tensor Tensor::from_vector(const std::vector<float>& v, const Shape& shape, Devi
   DP_CHECK(static_cast<int64_t>(v.size()) == shape_numel(shape),
            "from_vector: " << v.size() << " values for shape " << shape_str(shape));
   DP_CHECK(is_floating(dtype), "from_vector: float data into dtype " << dtype);
-  Tensor host = empty(shape, DType::f32, Device::cpu());
-  if (!v.empty()) std::memcpy(host.raw(), v.data(), v.size() * sizeof(float));
-  if (dtype != DType::f32) host = host.to(dtype);
+  Tensor host = empty(shape, dtype, Device::cpu());
+  switch (dtype) {
+    case DType::f16:
+      for (size_t i = 0; i < v.size(); ++i) host.data<uint16_t>()[i] = f32_to_f16(v[i]);
+      break;
+    case DType::bf16:
+      for (size_t i = 0; i < v.size(); ++i) host.data<uint16_t>()[i] = f32_to_bf16(v[i]);
+      break;
+    default:
+      if (!v.empty()) std::memcpy(host.raw(), v.data(), v.size() * sizeof(float));
+  }
   return device == Device::cpu() ? host : host.to(device);
 }
 
@@ -185,19 +193,15 @@ Tensor Tensor::view(int64_t offset_elems, const Shape& shape) const {
 
 Tensor Tensor::to(Device device) const {
   Tensor t = empty(shape_, dtype_, device);
-  copy(t, *this);
+  copy_bytes(t, *this);
   if (device.is_cuda()) context(device).synchronize();
   return t;
 }
 
-Tensor Tensor::to(DType dtype) const {
-  Tensor t = empty(shape_, dtype, device());
-  copy(t, *this);
-  return t;
-}
-
 Tensor Tensor::clone() const {
-  return to(dtype_);
+  Tensor t = empty(shape_, dtype_, device());
+  copy_bytes(t, *this);
+  return t;
 }
 
 std::vector<float> Tensor::to_host_f32() const {

@@ -90,8 +90,7 @@ class Tensor {
 
   // A new tensor on `device` with the same contents (waits for the copy to finish).
   Tensor to(Device device) const;
-  // A new tensor with the same contents converted to `dtype` (floating types).
-  Tensor to(DType dtype) const;
+  // (Converting to another dtype is an op of the layer above: kernels::cast(x, dtype).)
   Tensor clone() const;
   // Host copies for tests and reporting; floating types are converted to float.
   std::vector<float> to_host_f32() const;

@@ -1,4 +1,4 @@
-// CUDA helpers of dp/dist with a plain C++ interface (no CUDA types; no-ops without CUDA).
+// CUDA helpers of dp/distributed with a plain C++ interface (no CUDA types; no-ops without CUDA).
 #pragma once
 
 #include <memory>

@@ -1,4 +1,4 @@
-#include "dp/dist/env.hpp"
+#include "dp/distributed/env.hpp"
 
 #include <cerrno>
 #include <cstdlib>

@@ -1,4 +1,4 @@
-#include "dp/dist/socket.hpp"
+#include "dp/distributed/socket.hpp"
 
 #include <arpa/inet.h>
 #include <fcntl.h>

@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "dp/dist/env.hpp"
+#include "dp/distributed/env.hpp"
 
 namespace dp::dist {
 

@@ -1,4 +1,4 @@
-// Wire protocol of the TCP key-value store (dp/dist/store.hpp: StoreServer, TcpStore).
+// Wire protocol of the TCP key-value store (dp/distributed/store.hpp: StoreServer, TcpStore).
 //
 // Every message, both ways, is one frame:
 //   header  8 bytes: magic 0xD7, version 1, opcode, flags 0, payload length (u32 big-endian)

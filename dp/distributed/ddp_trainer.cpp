@@ -1,4 +1,4 @@
-#include "dp/dist/ddp_trainer.hpp"
+#include "dp/distributed/ddp_trainer.hpp"
 
 #include <algorithm>
 #include <chrono>

@@ -1,4 +1,4 @@
-#include "dp/dist/launcher.hpp"
+#include "dp/distributed/launcher.hpp"
 
 #include <signal.h>
 #include <sys/prctl.h>
@@ -14,7 +14,7 @@
 #include <set>
 #include <thread>
 
-#include "dp/dist/socket.hpp"
+#include "dp/distributed/socket.hpp"
 #include "kernels/runtime/error.hpp"
 
 extern char** environ;

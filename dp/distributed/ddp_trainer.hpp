@@ -15,9 +15,9 @@
 #include <utility>
 #include <vector>
 
-#include "dp/dist/ddp.hpp"
-#include "dp/dist/launcher.hpp"
-#include "dp/dist/process_group.hpp"
+#include "dp/distributed/ddp.hpp"
+#include "dp/distributed/launcher.hpp"
+#include "dp/distributed/process_group.hpp"
 #include "nn/optim.hpp"
 
 namespace dp::dist {

@@ -1,4 +1,4 @@
-#include "dp/dist/gloo_process_group.hpp"
+#include "dp/distributed/gloo_process_group.hpp"
 
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
@@ -19,8 +19,8 @@
 #include <sstream>
 #include <thread>
 
-#include "dp/dist/cuda_util.hpp"
-#include "dp/dist/store.hpp"
+#include "dp/distributed/cuda_util.hpp"
+#include "dp/distributed/store.hpp"
 #include "kernels/ops.hpp"
 
 namespace dp::dist {

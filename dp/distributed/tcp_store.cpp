@@ -16,8 +16,8 @@
 #include <thread>
 #include <unordered_map>
 
-#include "dp/dist/store.hpp"
-#include "dp/dist/store_protocol.hpp"
+#include "dp/distributed/store.hpp"
+#include "dp/distributed/store_protocol.hpp"
 #include "kernels/runtime/error.hpp"
 
 namespace dp::dist {

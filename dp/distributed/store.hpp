@@ -18,7 +18,7 @@
 
 #include <gloo/rendezvous/store.h>
 
-#include "dp/dist/socket.hpp"
+#include "dp/distributed/socket.hpp"
 
 namespace dp::dist {
 

@@ -10,7 +10,7 @@
 #include <chrono>
 #include <memory>
 
-#include "dp/dist/process_group.hpp"
+#include "dp/distributed/process_group.hpp"
 
 namespace dp::dist {
 

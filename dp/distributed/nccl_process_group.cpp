@@ -1,6 +1,6 @@
-#include "dp/dist/nccl_process_group.hpp"
+#include "dp/distributed/nccl_process_group.hpp"
 
-#include "dp/dist/store.hpp"
+#include "dp/distributed/store.hpp"
 #include "kernels/runtime/error.hpp"
 
 #if DP_HAVE_NCCL

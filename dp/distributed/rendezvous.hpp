@@ -10,7 +10,7 @@
 #include <memory>
 #include <string>
 
-#include "dp/dist/env.hpp"
+#include "dp/distributed/env.hpp"
 
 namespace dp::dist {
 

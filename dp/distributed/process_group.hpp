@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "dp/dist/env.hpp"
+#include "dp/distributed/env.hpp"
 #include "kernels/runtime/tensor.hpp"
 
 namespace dp::dist {

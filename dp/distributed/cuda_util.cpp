@@ -1,4 +1,4 @@
-#include "dp/dist/cuda_util.hpp"
+#include "dp/distributed/cuda_util.hpp"
 
 #include <unistd.h>
 

@@ -1,5 +1,5 @@
 // Store base helpers, PrefixStore and FileStore. (TcpStore and StoreServer: tcp_store.cpp.)
-#include "dp/dist/store.hpp"
+#include "dp/distributed/store.hpp"
 
 #include <fcntl.h>
 #include <sys/file.h>

@@ -1,10 +1,10 @@
-#include "dp/dist/rendezvous.hpp"
+#include "dp/distributed/rendezvous.hpp"
 
 #include <map>
 #include <sstream>
 
-#include "dp/dist/launcher.hpp"
-#include "dp/dist/store.hpp"
+#include "dp/distributed/launcher.hpp"
+#include "dp/distributed/store.hpp"
 #include "kernels/runtime/error.hpp"
 
 namespace dp::dist {

@@ -1,4 +1,4 @@
-// Small POSIX TCP helpers shared by the store and the launcher (internal to dp/dist).
+// Small POSIX TCP helpers shared by the store and the launcher (internal to dp/distributed).
 // Every blocking call takes a deadline and throws kernels::Error naming the peer and what it
 // was doing; send never raises SIGPIPE.
 #pragma once

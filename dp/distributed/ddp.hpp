@@ -23,7 +23,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "dp/dist/process_group.hpp"
+#include "dp/distributed/process_group.hpp"
 #include "dp/trace.hpp"
 #include "nn/module.hpp"
 

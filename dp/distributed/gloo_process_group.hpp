@@ -7,7 +7,7 @@
 #include <memory>
 #include <string>
 
-#include "dp/dist/process_group.hpp"
+#include "dp/distributed/process_group.hpp"
 
 namespace dp::dist {
 

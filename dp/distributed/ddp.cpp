@@ -1,4 +1,4 @@
-#include "dp/dist/ddp.hpp"
+#include "dp/distributed/ddp.hpp"
 
 #include <functional>
 #include <string>

@@ -1,4 +1,4 @@
-#include "dp/dist/process_group.hpp"
+#include "dp/distributed/process_group.hpp"
 
 #include <unistd.h>
 
@@ -6,12 +6,12 @@
 #include <set>
 #include <sstream>
 
-#include "dp/dist/cuda_util.hpp"
-#include "dp/dist/gloo_process_group.hpp"
-#include "dp/dist/nccl_process_group.hpp"
-#include "dp/dist/rendezvous.hpp"
-#include "dp/dist/socket.hpp"
-#include "dp/dist/store.hpp"
+#include "dp/distributed/cuda_util.hpp"
+#include "dp/distributed/gloo_process_group.hpp"
+#include "dp/distributed/nccl_process_group.hpp"
+#include "dp/distributed/rendezvous.hpp"
+#include "dp/distributed/socket.hpp"
+#include "dp/distributed/store.hpp"
 #include "kernels/runtime/error.hpp"
 
 namespace dp::dist {

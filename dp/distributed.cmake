@@ -1,0 +1,15 @@
+# dp_distributed: rendezvous stores, process groups (Gloo always, NCCL with the CUDA backend)
+# and the worker launcher. The NCCL code is compiled only when DP_HAVE_CUDA (DP_HAVE_NCCL=1);
+# the headers stay plain C++ either way.
+file(GLOB DP_DISTRIBUTED_SOURCES CONFIGURE_DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/distributed/*.cpp)
+add_library(dp_distributed STATIC ${DP_DISTRIBUTED_SOURCES})
+target_include_directories(dp_distributed PUBLIC ${PROJECT_SOURCE_DIR})
+target_link_libraries(dp_distributed PUBLIC dp_kernels gloo Threads::Threads)
+target_compile_options(dp_distributed PRIVATE -Wall -Wextra)
+if(DP_HAVE_CUDA)
+  target_compile_definitions(dp_distributed PRIVATE DP_HAVE_NCCL=1)
+  target_include_directories(dp_distributed PRIVATE ${NCCL_INCLUDE_DIR})
+  target_link_libraries(dp_distributed PUBLIC ${NCCL_LIBRARY})
+else()
+  target_compile_definitions(dp_distributed PRIVATE DP_HAVE_NCCL=0)
+endif()

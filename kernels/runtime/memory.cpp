@@ -1,0 +1,101 @@
+#include "kernels/runtime/memory.hpp"
+
+#include <algorithm>
+#include <cstring>
+
+#include <tbb/parallel_for.h>
+
+#include "kernels/runtime/context.hpp"
+#include "kernels/runtime/error.hpp"
+#include "kernels/runtime/nvtx.hpp"
+#include "kernels/runtime/tensor.hpp"
+
+#if DP_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "kernels/runtime/cuda_check.hpp"
+#endif
+
+namespace kernels {
+
+namespace {
+
+// Host to host. Disjoint buffers (the usual case: replicas, staging) copy in parallel 1 MiB
+// chunks inside the device's arena; overlapping views keep memmove's semantics.
+void copy_host(char* d, const char* s, size_t bytes, DeviceContext& ctx) {
+  auto da = reinterpret_cast<uintptr_t>(d), sa = reinterpret_cast<uintptr_t>(s);
+  bool overlap = da < sa + bytes && sa < da + bytes;
+  constexpr size_t kChunk = size_t(1) << 20;
+  if (overlap || bytes <= kChunk) {
+    std::memmove(d, s, bytes);
+    return;
+  }
+  ctx.arena().execute([&] {
+    tbb::parallel_for(size_t(0), (bytes + kChunk - 1) / kChunk, [&](size_t c) {
+      size_t begin = c * kChunk;
+      std::memcpy(d + begin, s + begin, std::min(kChunk, bytes - begin));
+    });
+  });
+}
+
+}  // namespace
+
+void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes,
+                DeviceContext& ctx) {
+  if (bytes == 0 || dst == src) return;
+  if (dst_device.is_cpu() && src_device.is_cpu())
+    return copy_host(static_cast<char*>(dst), static_cast<const char*>(src), bytes, ctx);
+#if DP_HAVE_CUDA
+  NvtxRange range("runtime/copy_bytes");
+  ctx.make_current();
+  auto s = static_cast<cudaStream_t>(ctx.stream());
+  if (dst_device.is_cuda() && src_device.is_cuda()) {
+    int dg = physical_gpu(dst_device), sg = physical_gpu(src_device);
+    if (dg == sg)  // logical devices on one GPU: a plain device-to-device copy
+      DP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s));
+    else  // peer copy (staged through the host by the driver when peer access is off)
+      DP_CUDA_CHECK(cudaMemcpyPeerAsync(dst, dg, src, sg, bytes, s));
+    return;
+  }
+  cudaMemcpyKind kind = dst_device.is_cuda() ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost;
+  DP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, s));
+  // A copy that ends on the host is waited for: the caller reads the data next.
+  if (dst_device.is_cpu()) DP_CUDA_CHECK(cudaStreamSynchronize(s));
+#else
+  (void)ctx;
+  DP_THROW("copy between " << src_device << " and " << dst_device
+                           << ": no CUDA backend: " << cuda_unavailable_reason());
+#endif
+}
+
+void fill_bytes(void* y, Device device, uint8_t value, size_t bytes, DeviceContext& ctx) {
+  if (bytes == 0) return;
+  if (device.is_cpu()) {
+    std::memset(y, value, bytes);
+    return;
+  }
+#if DP_HAVE_CUDA
+  ctx.make_current();
+  DP_CUDA_CHECK(cudaMemsetAsync(y, value, bytes, static_cast<cudaStream_t>(ctx.stream())));
+#else
+  (void)ctx;
+  DP_THROW("fill on " << device << ": no CUDA backend: " << cuda_unavailable_reason());
+#endif
+}
+
+void copy_bytes(Tensor& dst, const Tensor& src) {
+  DP_CHECK(dst.defined() && src.defined(), "copy_bytes: undefined tensor");
+  DP_CHECK(dst.numel() == src.numel() && dst.dtype() == src.dtype(),
+           "copy_bytes: " << src << " into " << dst << ": element counts or dtypes differ");
+  Device d = dst.device(), s = src.device();
+  // The GPU side's context orders the copy; dst's when both sides are alike.
+  DeviceContext& ctx = context(s.is_cuda() && d.is_cpu() ? s : d);
+  copy_bytes(dst.raw(), d, src.raw(), s, dst.nbytes(), ctx);
+}
+
+void fill_bytes(Tensor& y, uint8_t value) {
+  DP_CHECK(y.defined(), "fill_bytes: undefined tensor");
+  fill_bytes(y.raw(), y.device(), value, y.nbytes(), context(y.device()));
+}
+
+}  // namespace kernels

@@ -1,0 +1,33 @@
+// Byte movement at the runtime's own level: copy between any two devices and fill with a byte.
+// These are what the runtime needs for Tensor::to(Device), zeroed tensors and host copies;
+// dtype casts are ops (kernels::cast, in the op layer), not runtime.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/runtime/device.hpp"
+
+namespace kernels {
+
+class DeviceContext;
+class Tensor;
+
+// requires dst and src each hold `bytes` bytes on their devices.
+// ensures the bytes are copied, queued on `ctx`'s stream when either side is a GPU (a plain
+// device-to-device copy on one GPU, a peer copy across GPUs, H2D or D2H otherwise); a copy that
+// ends on the host is waited for, because the caller reads it next. CPU to CPU copies run in
+// `ctx`'s arena, in parallel chunks when the buffers are large and disjoint (memmove semantics
+// otherwise). `ctx` is the context of the GPU side (either side's for CPU to CPU).
+void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes,
+                DeviceContext& ctx);
+// requires y holds `bytes` bytes on `device`. ensures every byte is `value` (memset), queued on
+// ctx's stream for a GPU.
+void fill_bytes(void* y, Device device, uint8_t value, size_t bytes, DeviceContext& ctx);
+
+// Tensor forms. requires same numel and dtype (copy), defined tensors. The context is this
+// thread's for the GPU side (or dst's device when both are CPU).
+void copy_bytes(Tensor& dst, const Tensor& src);
+void fill_bytes(Tensor& y, uint8_t value);
+
+}  // namespace kernels
