@@ -16,6 +16,7 @@
 #include "benchmarks/report.hpp"
 #include "dp/data_parallel.hpp"
 #include "dp/distributed/launcher.hpp"
+#include "dp/distributed/mpi_process_group.hpp"
 #include "dp/distributed/process_group.hpp"
 #include "nn/nn.hpp"
 
@@ -144,7 +145,8 @@ int main(int argc, char** argv) {
   app.add_option("--gpus,-n", f.n, "devices (dp) or ranks (ddp)")->check(CLI::Range(1, 64));
   app.add_option("--device", f.device)->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--mode", f.what, "dp|ddp|both")->check(CLI::IsMember({"dp", "ddp", "both"}));
-  app.add_option("--backend", f.backend)->check(CLI::IsMember({"auto", "gloo", "nccl"}));
+  app.add_option("--backend", f.backend, "auto|gloo|nccl|mpi (mpi: under mpirun)")
+      ->check(CLI::IsMember({"auto", "gloo", "nccl", "mpi"}));
   app.add_option("--min-bytes", f.min_bytes)->check(CLI::PositiveNumber);
   app.add_option("--max-bytes", f.max_bytes, "largest message (default 256 MiB GPU, 64 MiB CPU)");
   app.add_option("--iters", f.iters)->check(CLI::PositiveNumber);
@@ -160,6 +162,7 @@ int main(int argc, char** argv) {
       dp::warn_if_oversubscribed(kernels::make_devices(type, f.n));
     if (f.what != "ddp") bench_dp(f, type);
     if (f.what != "dp") {
+      dp::dist::check_launchable(f.backend, "bench_collectives");
       std::fflush(stdout);
       dp::dist::LaunchOptions lo;
       lo.nproc_per_node = f.n;

@@ -12,6 +12,7 @@
 #include "dp/data/loader.hpp"
 #include "dp/data_parallel.hpp"
 #include "dp/distributed/launcher.hpp"
+#include "dp/distributed/mpi_process_group.hpp"
 #include "nn/nn.hpp"
 
 namespace bench {
@@ -34,8 +35,8 @@ void add_flags(CLI::App& app, Options& o) {
   app.add_option("--warmup", o.warmup, "untimed steps first")->check(CLI::NonNegativeNumber);
   app.add_option("--dtype", o.dtype, "fp32|tf32|bf16")
       ->check(CLI::IsMember({"fp32", "tf32", "bf16"}));
-  app.add_option("--backend", o.backend, "DDP backend: auto|nccl|gloo")
-      ->check(CLI::IsMember({"auto", "nccl", "gloo"}));
+  app.add_option("--backend", o.backend, "DDP backend: auto|nccl|gloo|mpi (mpi: under mpirun)")
+      ->check(CLI::IsMember({"auto", "nccl", "gloo", "mpi"}));
   app.add_option("--seed", o.seed, "model and data seed");
   app.add_option("--json", o.json_path, "write the report as JSON");
   app.add_option("--trace", o.trace_path, "write a Chrome/Perfetto trace (one track per device)");
@@ -231,6 +232,7 @@ void write_chart(const Options& o, const std::string& csv, const std::string& no
 
 int run(const Options& o, int argc, char** argv) {
   if (dp::dist::worker_env_from_environment()) return ddp_worker_main(o, argc, argv);
+  if (o.mode != "dp") dp::dist::check_launchable(o.backend, "dp_bench");
   Setup s = resolve(o);
   if (o.nnodes > 1) {
     DP_CHECK(o.mode == "ddp", "--nnodes " << o.nnodes << ": only --mode ddp spans nodes (DP is "

@@ -102,7 +102,8 @@ int main(int argc, char** argv) {
   app.add_option("--json", f.json, "write {test_accuracy, train_loss[], seconds} here");
   app.add_option("--mode", f.mode, "single|dp|ddp")->check(CLI::IsMember({"single", "dp", "ddp"}));
   app.add_option("--gpus", f.gpus, "devices for dp/ddp")->check(CLI::PositiveNumber);
-  app.add_option("--backend", f.backend, "ddp: auto|nccl|gloo");
+  app.add_option("--backend", f.backend, "ddp: auto|nccl|gloo|mpi (mpi: under mpirun)")
+      ->check(CLI::IsMember({"auto", "nccl", "gloo", "mpi"}));
   app.add_option("--nnodes", f.nnodes, "ddp: nodes (run on each with its --node-rank)");
   app.add_option("--node-rank", f.node_rank, "ddp: this node's index");
   app.add_option("--master-addr", f.master_addr, "ddp: node 0's address");

@@ -7,6 +7,7 @@ packages=(
   libtbb-dev libopenblas-dev zlib1g-dev
   doctest-dev libcli11-dev nlohmann-json3-dev
   libgloo-dev
+  libopenmpi-dev openmpi-bin
   dataset-fashion-mnist
   gnuplot-nox
 )

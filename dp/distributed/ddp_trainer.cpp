@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "dp/chunks.hpp"
+#include "dp/distributed/mpi_process_group.hpp"
 
 namespace dp::dist {
 
@@ -17,6 +18,7 @@ double ms_since(Clock::time_point t0) {
 
 std::optional<int> launch_if_parent(const DdpTrainerOptions& o, int argc, char** argv) {
   if (worker_env_from_environment()) return std::nullopt;
+  check_launchable(o.backend, argc > 0 ? argv[0] : "this program");
   LaunchOptions lo;
   lo.nproc_per_node = o.nproc;
   lo.nnodes = o.nnodes;

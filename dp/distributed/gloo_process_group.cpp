@@ -20,6 +20,8 @@
 #include <thread>
 
 #include "dp/distributed/cuda_util.hpp"
+#include "dp/distributed/host_reduce.hpp"
+#include "dp/distributed/signalled_work.hpp"
 #include "dp/distributed/store.hpp"
 #include "kernels/ops.hpp"
 
@@ -35,103 +37,6 @@ namespace {
 // Point-to-point slots live apart from the collectives' (gloo::Slot::build puts a small
 // prefix in the top byte): user tag t uses slot kP2PSlotBase + t.
 constexpr uint64_t kP2PSlotBase = uint64_t(0xD0) << 56;
-
-// ---- element-wise reductions for gloo (c may alias a) ---------------------------------------
-
-struct SumOp {
-  template <class T>
-  static T apply(T a, T b) {
-    return static_cast<T>(a + b);
-  }
-};
-struct MinOp {
-  template <class T>
-  static T apply(T a, T b) {
-    return b < a ? b : a;
-  }
-};
-struct MaxOp {
-  template <class T>
-  static T apply(T a, T b) {
-    return a < b ? b : a;
-  }
-};
-
-template <class T, class Op>
-void reduce_plain(void* c, const void* a, const void* b, size_t n) {
-  auto* cc = static_cast<T*>(c);
-  const auto* aa = static_cast<const T*>(a);
-  const auto* bb = static_cast<const T*>(b);
-  for (size_t i = 0; i < n; ++i) cc[i] = Op::apply(aa[i], bb[i]);
-}
-
-// f16 and bf16 reduce in f32 and round back.
-template <float (*Load)(uint16_t), uint16_t (*Store)(float), class Op>
-void reduce_half(void* c, const void* a, const void* b, size_t n) {
-  auto* cc = static_cast<uint16_t*>(c);
-  const auto* aa = static_cast<const uint16_t*>(a);
-  const auto* bb = static_cast<const uint16_t*>(b);
-  for (size_t i = 0; i < n; ++i) cc[i] = Store(Op::apply(Load(aa[i]), Load(bb[i])));
-}
-
-using ReduceFn = std::function<void(void*, const void*, const void*, size_t)>;
-
-template <class Op>
-ReduceFn reduce_fn_for(DType dt) {
-  switch (dt) {
-    case DType::f32:
-      return reduce_plain<float, Op>;
-    case DType::i32:
-      return reduce_plain<int32_t, Op>;
-    case DType::i64:
-      return reduce_plain<int64_t, Op>;
-    case DType::u8:
-      return reduce_plain<uint8_t, Op>;
-    case DType::f16:
-      return reduce_half<kernels::f16_to_f32, kernels::f32_to_f16, Op>;
-    case DType::bf16:
-      return reduce_half<kernels::bf16_to_f32, kernels::f32_to_bf16, Op>;
-  }
-  DP_THROW("no reduction for dtype " << dt);
-}
-
-ReduceFn reduce_fn(DType dt, ReduceOp op) {
-  switch (op) {
-    case ReduceOp::sum:
-    case ReduceOp::avg:
-      return reduce_fn_for<SumOp>(dt);
-    case ReduceOp::min:
-      return reduce_fn_for<MinOp>(dt);
-    case ReduceOp::max:
-      return reduce_fn_for<MaxOp>(dt);
-  }
-  DP_THROW("unknown reduce op");
-}
-
-// Averaging: the sum scaled by 1/size, here and nowhere else in the Gloo group.
-void scale_host(void* p, DType dt, int64_t n, float factor) {
-  switch (dt) {
-    case DType::f32: {
-      auto* x = static_cast<float*>(p);
-      for (int64_t i = 0; i < n; ++i) x[i] *= factor;
-      return;
-    }
-    case DType::f16: {
-      auto* x = static_cast<uint16_t*>(p);
-      for (int64_t i = 0; i < n; ++i)
-        x[i] = kernels::f32_to_f16(kernels::f16_to_f32(x[i]) * factor);
-      return;
-    }
-    case DType::bf16: {
-      auto* x = static_cast<uint16_t*>(p);
-      for (int64_t i = 0; i < n; ++i)
-        x[i] = kernels::f32_to_bf16(kernels::bf16_to_f32(x[i]) * factor);
-      return;
-    }
-    default:
-      DP_THROW("avg of dtype " << dt << " (floating types only)");
-  }
-}
 
 // Gloo's typed setters only use sizeof(T): pick an unsigned type of the element's size.
 template <class Opts>
@@ -183,32 +88,6 @@ std::string failure_message(const std::string& what, int rank, int size, Millis 
        << timeout.count() << " ms): " << why;
   return os.str();
 }
-
-// Completion of an op the worker runs to its end.
-class GlooWork final : public Work {
- public:
-  void wait() override {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return done_; });
-    if (error_) std::rethrow_exception(error_);
-  }
-  bool is_completed() const override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return done_;
-  }
-  void finish(std::exception_ptr error) {
-    std::lock_guard<std::mutex> lock(mu_);
-    done_ = true;
-    error_ = error;
-    cv_.notify_all();
-  }
-
- private:
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  bool done_ = false;
-  std::exception_ptr error_;
-};
 
 enum class TaskKind { collective, point_to_point };
 
@@ -473,7 +352,7 @@ GlooProcessGroup::~GlooProcessGroup() {
 
 std::shared_ptr<Work> GlooProcessGroup::all_reduce(Tensor& t, ReduceOp op) {
   check_reducible("all_reduce", t, op);
-  auto work = std::make_shared<GlooWork>();
+  auto work = std::make_shared<SignalledWork>();
   State* s = state_.get();
   std::string what = std::string("all_reduce(") + reduce_op_name(op) + ") of " + describe_tensor(t);
   Millis to = timeout();
@@ -489,13 +368,13 @@ std::shared_ptr<Work> GlooProcessGroup::all_reduce(Tensor& t, ReduceOp op) {
     if (s->size > 1) {
       gloo::AllreduceOptions o(s->ctx);
       set_output(o, h.raw(), static_cast<size_t>(h.numel()), kernels::dtype_size(h.dtype()));
-      o.setReduceFunction(reduce_fn(h.dtype(), op));
+      o.setReduceFunction(host::reduce_fn(h.dtype(), op));
       o.setTag(tag);
       o.setTimeout(to);
       gloo::allreduce(o);
     }
     if (op == ReduceOp::avg && s->size > 1)
-      scale_host(h.raw(), h.dtype(), h.numel(), 1.f / s->size);
+      host::scale_host(h.raw(), h.dtype(), h.numel(), 1.f / s->size);
     State::store_back(t, h);
   };
   state_->enqueue(std::move(task));
@@ -506,7 +385,7 @@ std::shared_ptr<Work> GlooProcessGroup::broadcast(Tensor& t, int root) {
   DP_CHECK(t.defined(), "broadcast: undefined tensor");
   DP_CHECK(root >= 0 && root < size(),
            "broadcast: root " << root << " not in [0, " << size() << ")");
-  auto work = std::make_shared<GlooWork>();
+  auto work = std::make_shared<SignalledWork>();
   State* s = state_.get();
   Millis to = timeout();
   std::string what = "broadcast(root " + std::to_string(root) + ") of " + describe_tensor(t);
@@ -535,7 +414,7 @@ std::shared_ptr<Work> GlooProcessGroup::broadcast(Tensor& t, int root) {
 std::shared_ptr<Work> GlooProcessGroup::reduce(Tensor& t, int root, ReduceOp op) {
   check_reducible("reduce", t, op);
   DP_CHECK(root >= 0 && root < size(), "reduce: root " << root << " not in [0, " << size() << ")");
-  auto work = std::make_shared<GlooWork>();
+  auto work = std::make_shared<SignalledWork>();
   State* s = state_.get();
   Millis to = timeout();
   std::string what = std::string("reduce(") + reduce_op_name(op) + ", root " +
@@ -550,14 +429,14 @@ std::shared_ptr<Work> GlooProcessGroup::reduce(Tensor& t, int root, ReduceOp op)
       gloo::ReduceOptions o(s->ctx);
       set_output(o, h.raw(), static_cast<size_t>(h.numel()), kernels::dtype_size(h.dtype()));
       o.setRoot(root);
-      o.setReduceFunction(reduce_fn(h.dtype(), op));
+      o.setReduceFunction(host::reduce_fn(h.dtype(), op));
       o.setTag(tag);
       o.setTimeout(to);
       gloo::reduce(o);
     }
     if (s->rank == root) {
       if (op == ReduceOp::avg && s->size > 1)
-        scale_host(h.raw(), h.dtype(), h.numel(), 1.f / s->size);
+        host::scale_host(h.raw(), h.dtype(), h.numel(), 1.f / s->size);
       State::store_back(t, h);
     }
   };
@@ -572,7 +451,7 @@ std::shared_ptr<Work> GlooProcessGroup::all_gather(Tensor& out, const Tensor& in
   DP_CHECK(out.numel() == in.numel() * size(), "all_gather: out has "
                                                    << out.numel() << " elements, needs " << size()
                                                    << " x " << in.numel());
-  auto work = std::make_shared<GlooWork>();
+  auto work = std::make_shared<SignalledWork>();
   State* s = state_.get();
   Millis to = timeout();
   std::string what = "all_gather of " + describe_tensor(in);
@@ -610,7 +489,7 @@ std::shared_ptr<Work> GlooProcessGroup::reduce_scatter(Tensor& out, const Tensor
   DP_CHECK(in.numel() == out.numel() * size(), "reduce_scatter: in has "
                                                    << in.numel() << " elements, needs " << size()
                                                    << " x " << out.numel());
-  auto work = std::make_shared<GlooWork>();
+  auto work = std::make_shared<SignalledWork>();
   State* s = state_.get();
   Millis to = timeout();
   std::string what =
@@ -634,14 +513,14 @@ std::shared_ptr<Work> GlooProcessGroup::reduce_scatter(Tensor& out, const Tensor
       gloo::AllreduceOptions o(s->ctx);
       set_output(o, scratch.raw(), static_cast<size_t>(scratch.numel()),
                  kernels::dtype_size(in.dtype()));
-      o.setReduceFunction(reduce_fn(in.dtype(), op));
+      o.setReduceFunction(host::reduce_fn(in.dtype(), op));
       o.setTag(tag);
       o.setTimeout(to);
       gloo::allreduce(o);
     }
     Tensor mine = scratch.view(s->rank * out.numel(), {out.numel()});
     if (op == ReduceOp::avg && s->size > 1)
-      scale_host(mine.raw(), mine.dtype(), mine.numel(), 1.f / s->size);
+      host::scale_host(mine.raw(), mine.dtype(), mine.numel(), 1.f / s->size);
     if (out.device().is_cpu()) {
       std::memcpy(out.raw(), mine.raw(), out.nbytes());
     } else {
@@ -721,7 +600,7 @@ std::shared_ptr<Work> GlooProcessGroup::recv(Tensor& t, int src, uint32_t tag) {
 }
 
 std::shared_ptr<Work> GlooProcessGroup::barrier() {
-  auto work = std::make_shared<GlooWork>();
+  auto work = std::make_shared<SignalledWork>();
   State* s = state_.get();
   Millis to = timeout();
   Task task{TaskKind::collective, "barrier", to, nullptr, nullptr, [work](std::exception_ptr e) {

@@ -8,6 +8,7 @@
 
 #include "dp/distributed/cuda_util.hpp"
 #include "dp/distributed/gloo_process_group.hpp"
+#include "dp/distributed/mpi_process_group.hpp"
 #include "dp/distributed/nccl_process_group.hpp"
 #include "dp/distributed/rendezvous.hpp"
 #include "dp/distributed/socket.hpp"
@@ -96,7 +97,8 @@ Backend parse_backend(const std::string& text) {
   if (text == "auto") return Backend::auto_select;
   if (text == "nccl") return Backend::nccl;
   if (text == "gloo") return Backend::gloo;
-  DP_THROW("unknown backend '" << text << "': expected auto, nccl or gloo");
+  if (text == "mpi") return Backend::mpi;
+  DP_THROW("unknown backend '" << text << "': expected auto, nccl, gloo or mpi");
 }
 
 const char* backend_text(Backend b) {
@@ -107,6 +109,8 @@ const char* backend_text(Backend b) {
       return "nccl";
     case Backend::gloo:
       return "gloo";
+    case Backend::mpi:
+      return "mpi";
   }
   return "?";
 }
@@ -170,6 +174,16 @@ std::unique_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
   EnvLookup env = env_or_process(o.env);
   DP_CHECK(o.timeout.count() > 0, "init_process_group: timeout must be positive");
   DP_CHECK(!o.group_name.empty(), "init_process_group: group_name is empty");
+  if (o.backend == Backend::mpi) {
+    // mpirun started the ranks and MPI_Init meets them: no store, no rendezvous.
+    std::unique_ptr<ProcessGroup> pg = make_mpi_process_group(o.device, o.timeout);
+    DP_CHECK(
+        (o.rank < 0 || o.rank == pg->rank()) && (o.world_size < 0 || o.world_size == pg->size()),
+        "backend mpi: MPI says rank " << pg->rank() << " of " << pg->size()
+                                      << ", but the caller asked for rank " << o.rank << " of "
+                                      << o.world_size);
+    return pg;
+  }
   std::shared_ptr<Store> store = o.store;
   int rank = o.rank, size = o.world_size;
   std::string master_host;

@@ -56,7 +56,7 @@ class ProcessGroup {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
-  virtual std::string backend_name() const = 0;  // "gloo" or "nccl"
+  virtual std::string backend_name() const = 0;  // "gloo", "nccl" or "mpi"
 
   // Timeout of each op issued from now on (default 300 s).
   std::chrono::milliseconds timeout() const;
@@ -99,14 +99,15 @@ class ProcessGroup {
 
 // ---- creating a group -----------------------------------------------------------------------
 
-enum class Backend { auto_select, nccl, gloo };
-// "auto", "nccl", "gloo" (throws naming the text otherwise).
+enum class Backend { auto_select, nccl, gloo, mpi };
+// "auto", "nccl", "gloo", "mpi" (throws naming the text otherwise).
 Backend parse_backend(const std::string& text);
 const char* backend_text(Backend b);
 
 struct InitOptions {
   // auto: NCCL when `device` is CUDA on every rank and every rank owns a distinct physical
-  // GPU, else Gloo (CUDA tensors then travel through pinned host memory).
+  // GPU, else Gloo (CUDA tensors then travel through pinned host memory). mpi: ranks started
+  // by mpirun; MPI_Init is the rendezvous (init_method, store and group_name are unused).
   Backend backend = Backend::auto_select;
   // env:// (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE; or mpirun/Slurm variables),
   // tcp://host:port or file:///path. Ignored when `store` is set.
