@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "benchmarks/ddp_run.hpp"
+#include "benchmarks/ps_run.hpp"
 #include "dp/data/loader.hpp"
 #include "dp/data_parallel.hpp"
 #include "dp/distributed/launcher.hpp"
@@ -24,7 +25,13 @@ void add_flags(CLI::App& app, Options& o) {
   app.add_option("--gpus", o.gpus, "devices (DP) or ranks (DDP); 0: all GPUs, or 4 CPU devices");
   app.add_option("--device", o.device, "auto|cuda|cpu")
       ->check(CLI::IsMember({"auto", "cuda", "cpu"}));
-  app.add_option("--mode", o.mode, "dp|ddp|both")->check(CLI::IsMember({"dp", "ddp", "both"}));
+  app.add_option("--mode", o.mode, "dp|ddp|both, or ps (parameter server beside dp)")
+      ->check(CLI::IsMember({"dp", "ddp", "both", "ps"}));
+  app.add_option("--max-staleness", o.max_staleness,
+                 "--mode ps: a worker waits while this many newer updates are outstanding "
+                 "(-1: unbounded; 0: synchronous per update)")
+      ->check(CLI::Range(-1, 1 << 20));
+  app.add_flag("--staleness-lr", o.scale_lr, "--mode ps: each update's lr / (1 + staleness)");
   app.add_option("--model", o.model, "mlp|cnn|resnet")
       ->check(CLI::IsMember({"mlp", "cnn", "resnet"}));
   auto* b = app.add_option("--batch", o.batch, "global batch")->check(CLI::PositiveNumber);
@@ -234,6 +241,7 @@ int run(const Options& o, int argc, char** argv) {
   if (dp::dist::worker_env_from_environment()) return ddp_worker_main(o, argc, argv);
   if (o.mode != "dp") dp::dist::check_launchable(o.backend, "dp_bench");
   Setup s = resolve(o);
+  if (o.mode == "ps") return run_ps_mode(o, s);
   if (o.nnodes > 1) {
     DP_CHECK(o.mode == "ddp", "--nnodes " << o.nnodes << ": only --mode ddp spans nodes (DP is "
                                           << "one process by definition)");

@@ -32,8 +32,10 @@ struct Options {
   // DDP across nodes: every node runs dp_bench with the same flags and its own --node-rank.
   int nnodes = 1, node_rank = 0;
   std::string master_addr = "127.0.0.1";
-  int master_port = 0;  // also run
-                        // N=1 of each mode for speedup (0 to skip)
+  int master_port = 0;
+  // --mode ps: bounded staleness (-1: unbounded), and lr / (1 + staleness) per update.
+  int max_staleness = -1;
+  bool scale_lr = false;
 };
 
 // The resolved device type and counts of a run.

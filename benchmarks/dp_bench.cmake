@@ -6,7 +6,8 @@ if(TARGET dp_distributed AND TARGET dp_data)
   add_executable(dp_bench
     ${CMAKE_CURRENT_SOURCE_DIR}/dp_bench.cpp
     ${CMAKE_CURRENT_SOURCE_DIR}/bench_common.cpp
-    ${CMAKE_CURRENT_SOURCE_DIR}/ddp_run.cpp)
+    ${CMAKE_CURRENT_SOURCE_DIR}/ddp_run.cpp
+    ${CMAKE_CURRENT_SOURCE_DIR}/ps_run.cpp)
   target_link_libraries(dp_bench PRIVATE dp_bench_report dp_engine dp_distributed dp_data CLI11::CLI11)
 endif()
 

@@ -4,6 +4,7 @@
 //   bin/train_mnist --model mlp --epochs 1
 //   bin/train_mnist --model cnn --epochs 3 --mode dp --gpus 2
 //   bin/train_mnist --model mlp --mode ddp --gpus 2 --json out.json
+//   bin/train_mnist --model mlp --mode ps --gpus 4 --max-staleness 2
 #include <unistd.h>
 
 #include <chrono>
@@ -19,6 +20,7 @@
 #include "dp/data/mnist.hpp"
 #include "dp/data_parallel.hpp"
 #include "dp/distributed/ddp_trainer.hpp"
+#include "dp/parameter_server.hpp"
 #include "nn/nn.hpp"
 
 using kernels::Device;
@@ -35,6 +37,8 @@ struct Flags {
   uint64_t seed = 1;
   std::string backend = "auto";
   std::string optim;
+  int max_staleness = -1;  // ps: -1 unbounded
+  bool staleness_lr = false;
   int nnodes = 1, node_rank = 0, master_port = 0;
   std::string master_addr =
       "127.0.0.1";  // default: sgd for the MLP, adamw for the convolutional models
@@ -100,7 +104,12 @@ int main(int argc, char** argv) {
   app.add_option("--data", f.data, "directory of the IDX files")
       ->default_str(dp::data::kDefaultFashionMnistDir);
   app.add_option("--json", f.json, "write {test_accuracy, train_loss[], seconds} here");
-  app.add_option("--mode", f.mode, "single|dp|ddp")->check(CLI::IsMember({"single", "dp", "ddp"}));
+  app.add_option("--mode", f.mode, "single|dp|ddp|ps (asynchronous parameter server)")
+      ->check(CLI::IsMember({"single", "dp", "ddp", "ps"}));
+  app.add_option("--max-staleness", f.max_staleness,
+                 "ps: a worker waits while this many newer updates are outstanding (-1: unbounded)")
+      ->check(CLI::Range(-1, 1 << 20));
+  app.add_flag("--staleness-lr", f.staleness_lr, "ps: each update's lr / (1 + staleness)");
   app.add_option("--gpus", f.gpus, "devices for dp/ddp")->check(CLI::PositiveNumber);
   app.add_option("--backend", f.backend, "ddp: auto|nccl|gloo|mpi (mpi: under mpirun)")
       ->check(CLI::IsMember({"auto", "nccl", "gloo", "mpi"}));
@@ -160,6 +169,13 @@ int main(int argc, char** argv) {
 
     Engine engine;
     std::unique_ptr<dp::DataParallel> dp_engine;
+    std::unique_ptr<dp::ParameterServer> ps;
+    if (f.mode == "ps") {
+      dp::PsOptions po;
+      po.max_staleness = f.max_staleness;
+      if (f.staleness_lr) po.lr = dp::PsOptions::StalenessLr::scaled;
+      ps = std::make_unique<dp::ParameterServer>(model, opt, devices, po);
+    }
     if (f.mode == "dp") {
       dp_engine = std::make_unique<dp::DataParallel>(model, opt, devices);
       engine.train_step = [&](const Tensor& x, const Tensor& y) {
@@ -174,7 +190,7 @@ int main(int argc, char** argv) {
       engine.count_correct = [&](const Tensor& x, const Tensor& y) {
         return ddp->count_correct(x, y);
       };
-    } else {
+    } else if (!ps) {
       Tensor loss = Tensor::empty({1}, kernels::DType::f32, home);
       engine.train_step = [&, loss](const Tensor& x, const Tensor& y) mutable {
         Tensor xd = x.to(home), yd = y.to(home);
@@ -186,6 +202,8 @@ int main(int argc, char** argv) {
         opt.step();
         return loss.item();
       };
+    }
+    if (f.mode == "single" || ps) {  // the server's weights are the model's, on devices[0]
       engine.count_correct = [&](const Tensor& x, const Tensor& y) {
         model->eval();
         int64_t c = kernels::count_correct(model->forward(x.to(home)), y.to(home));
@@ -207,15 +225,38 @@ int main(int argc, char** argv) {
       int64_t n = 0, total = loader.num_batches();
       if (f.limit_batches > 0) total = std::min(total, f.limit_batches);
       auto te = std::chrono::steady_clock::now();
-      for (auto& batch : loader) {
-        float l = engine.train_step(batch.images, batch.labels);
-        sum += l;
-        ++n;
-        double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - te).count();
-        if (chatty)
-          progress(e, n, total, static_cast<float>(sum / n), n * f.batch / std::max(s, 1e-9));
-        if (n == total) break;  // --limit-batches
+      if (ps) {
+        // The shared sampler: each worker takes the next batch of the epoch's order (the
+        // loader's, so every mode visits the same batches) and trains it on the weights it
+        // pulled; the server applies the gradients as they arrive.
+        std::vector<int64_t> order = loader.epoch_order(e);
+        auto batch_of = [&](int64_t k) {
+          int64_t begin = k * f.batch;
+          int64_t end = std::min<int64_t>(begin + f.batch, static_cast<int64_t>(order.size()));
+          auto b = dp::data::make_batch(
+              train, std::vector<int64_t>(order.begin() + begin, order.begin() + end));
+          return std::make_pair(b.images, b.labels);
+        };
+        dp::PsReport r = ps->run(batch_of, 0, total);
+        for (const auto& u : r.updates) sum += u.loss;
+        n = r.pushes;
+        int64_t max_stale = static_cast<int64_t>(r.staleness_histogram.size()) - 1;
+        progress(e, n, total, static_cast<float>(sum / std::max<int64_t>(n, 1)),
+                 n * f.batch / std::max(r.seconds, 1e-9));
+        std::fprintf(stderr, "epoch %d: %lld updates at %.0f/s, staleness max %lld\n", e,
+                     static_cast<long long>(r.pushes), r.pushes / std::max(r.seconds, 1e-9),
+                     static_cast<long long>(max_stale));
       }
+      if (!ps)
+        for (auto& batch : loader) {
+          float l = engine.train_step(batch.images, batch.labels);
+          sum += l;
+          ++n;
+          double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - te).count();
+          if (chatty)
+            progress(e, n, total, static_cast<float>(sum / n), n * f.batch / std::max(s, 1e-9));
+          if (n == total) break;  // --limit-batches
+        }
       epoch_loss.push_back(static_cast<float>(sum / std::max<int64_t>(n, 1)));
     }
     double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

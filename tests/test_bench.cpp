@@ -215,3 +215,34 @@ TEST_CASE("bench.cli: bad flags give a clear error") {
   CHECK(run_bench("--device cpu --sweep 1,x") != 0);
   CHECK(run_bench("--device cpu --dtype bf16") != 0);
 }
+
+TEST_CASE("bench.ps: --mode ps sets the parameter server beside DP on the same samples") {
+  std::string json = temp_path("ps.json"), trace = temp_path("ps_trace.json");
+  REQUIRE(run_bench("--device cpu --mode ps --gpus 3 --steps 4 --warmup 1 --batch 30 --json " +
+                    json + " --trace " + trace) == 0);
+  auto j = read_json(json);
+  CHECK(j["mode"] == "ps");
+  CHECK(j["samples"] == 150);
+  CHECK(j["dp"]["updates"] == 5);
+  CHECK(j["dp"]["curve"].size() == 5);
+  CHECK(j["ps"]["updates"] == 15);  // 150 samples in batches of 30 / 3
+  CHECK(j["ps"]["curve"].size() == 15);
+  CHECK(j["ps"]["curve"].back()["samples"] == 150);
+  int64_t hist = 0;
+  for (auto c : j["ps"]["staleness_histogram"]) hist += c.get<int64_t>();
+  CHECK(hist == 15);
+  int64_t pushes = 0;
+  for (auto c : j["ps"]["pushes_per_worker"]) pushes += c.get<int64_t>();
+  CHECK(pushes == 15);
+  std::set<int> tracks;
+  auto events = read_json(trace)["traceEvents"];
+  for (auto& e : events)
+    if (e["ph"] == "X") tracks.insert(e["tid"].get<int>());
+  CHECK(tracks == std::set<int>{0, 1, 2, 3});  // three workers and the server
+  REQUIRE(run_bench("--device cpu --mode ps --gpus 2 --steps 2 --warmup 0 --batch 8 "
+                    "--max-staleness 0 --json " +
+                    json) == 0);
+  CHECK(read_json(json)["ps"]["staleness_histogram"] == nlohmann::json::array({4}));
+  std::remove(json.c_str());
+  std::remove(trace.c_str());
+}

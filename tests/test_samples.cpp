@@ -32,19 +32,19 @@ nlohmann::json train(const std::string& args) {
   return j;
 }
 
-bool have_fashion_mnist() {
+// True (and the case counted as skipped, with the reason) without Debian's data set.
+bool skip_without_fashion_mnist() {
   struct stat st {};
-  return stat("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz", &st) == 0;
+  if (stat("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz", &st) == 0) return false;
+  std::printf("SKIPPED: /usr/share/datasets/fashion-mnist is missing (dataset-fashion-mnist)\n");
+  ++dp_test::skipped_cases();
+  return true;
 }
 
 }  // namespace
 
 TEST_CASE("samples.train_mnist: single device and DP and DDP follow one loss curve") {
-  if (!have_fashion_mnist()) {
-    std::printf("SKIPPED: /usr/share/datasets/fashion-mnist is missing (dataset-fashion-mnist)\n");
-    ++dp_test::skipped_cases();
-    return;
-  }
+  if (skip_without_fashion_mnist()) return;
   const std::string common = "--device cpu --model mlp --epochs 2 --limit-batches 40 --batch 30";
   auto single = train(common);
   auto dp = train(common + " --mode dp --gpus 4");  // 30 rows over 4 devices: uneven chunks
@@ -69,4 +69,21 @@ TEST_CASE("samples.train_mnist: a missing data directory is a clear error") {
   std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
   CHECK(text.find("/nonexistent/dir") != std::string::npos);
   std::remove(temp_path("err.txt").c_str());
+}
+
+TEST_CASE("samples.train_mnist: --mode ps with one worker at staleness 0 is the single run") {
+  if (skip_without_fashion_mnist()) return;
+  const std::string common = "--device cpu --model mlp --epochs 2 --limit-batches 40 --batch 30";
+  auto single = train(common);
+  auto ps = train(common + " --mode ps --gpus 1 --max-staleness 0");
+  CHECK(ps["mode"] == "ps");
+  CHECK(ps["train_loss"] == single["train_loss"]);
+  CHECK(ps["test_accuracy"] == single["test_accuracy"]);
+}
+
+TEST_CASE("samples.train_mnist: --mode ps on 4 workers reaches 84% in one epoch (MLP)") {
+  if (skip_without_fashion_mnist()) return;
+  auto ps = train("--device cpu --model mlp --epochs 1 --mode ps --gpus 4");
+  CHECK(ps["devices"] == 4);
+  CHECK(ps["test_accuracy"].get<double>() >= 0.84);
 }
