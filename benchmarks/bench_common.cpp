@@ -65,6 +65,10 @@ void add_flags(CLI::App& app, Options& o) {
   app.add_option("--master-addr", o.master_addr, "DDP: node 0's address (rendezvous store)");
   app.add_option("--master-port", o.master_port, "DDP: node 0's port (0: a free one, one node)")
       ->check(CLI::Range(0, 65535));
+  app.add_option("--optim", o.optim, "sgd (momentum 0.9) | adamw")
+      ->check(CLI::IsMember({"sgd", "adamw"}));
+  app.add_option("--zero", o.zero, "DDP: 1 shards the optimizer state across ranks (ZeRO-1)")
+      ->check(CLI::IsMember({0, 1}));
   app.add_option("--baseline", o.baseline, "also run 1 device of each mode for speedup (1/0)");
 }
 
@@ -98,6 +102,15 @@ kernels::SgdConfig optimizer_config() {
   c.lr = 0.05f;
   c.momentum = 0.9f;
   return c;
+}
+
+std::unique_ptr<nn::Optimizer> make_optimizer(const Options& o, nn::Module& model) {
+  if (o.optim == "adamw") {
+    kernels::AdamWConfig c;
+    c.lr = 1e-3f;
+    return std::make_unique<nn::AdamW>(model, c);
+  }
+  return std::make_unique<nn::SGD>(model, optimizer_config());
 }
 
 dp::data::SyntheticDataset bench_dataset(const Options& o, int64_t batch) {
@@ -147,13 +160,16 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace) {
   auto model = make_model(o.model);
   auto devices = kernels::make_devices(s.type, n);
   model->materialize(devices[0], o.seed);
-  nn::SGD opt(*model, optimizer_config());
+  auto optimizer = make_optimizer(o, *model);
+  nn::Optimizer& opt = *optimizer;
   dp::DataParallelOptions dopt;
   dopt.math = s.math;
   dp::DataParallel engine(model, opt, devices, dopt);
 
   RunResult r;
   r.mode = "dp";
+  r.optim = o.optim;
+  r.optimizer_state_bytes = {opt.state_bytes()};  // device 0 alone steps
   r.gpus = n;
   r.batch = batch;
   r.param_bytes = engine.parameter_bytes();
@@ -283,6 +299,7 @@ int run(const Options& o, int argc, char** argv) {
 
   Header h = make_header(o, s, max_n);
   print_table(std::cout, h, runs);
+  print_memory_model(std::cout, runs);
   print_projection(std::cout, runs);
 
   if (!o.json_path.empty()) {

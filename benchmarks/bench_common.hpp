@@ -11,6 +11,7 @@
 #include "dp/trace.hpp"
 #include "kernels/ops.hpp"
 #include "nn/module.hpp"
+#include "nn/optim.hpp"
 
 namespace bench {
 
@@ -33,6 +34,8 @@ struct Options {
   int nnodes = 1, node_rank = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = 0;
+  std::string optim = "sgd";  // sgd (momentum 0.9) or adamw
+  int zero = 0;               // DDP: 1 shards the optimizer state (ZeRO stage 1)
   // --mode ps: bounded staleness (-1: unbounded), and lr / (1 + staleness) per update.
   int max_staleness = -1;
   bool scale_lr = false;
@@ -51,6 +54,8 @@ Setup resolve(const Options& o);
 int64_t global_batch(const Options& o, int n);
 nn::ModulePtr make_model(const std::string& name);
 kernels::SgdConfig optimizer_config();
+// The run's optimizer (--optim) on `model`.
+std::unique_ptr<nn::Optimizer> make_optimizer(const Options& o, nn::Module& model);
 // Prototype scale of the benchmark's synthetic data: hard enough that the loss falls over the
 // default 35 steps instead of collapsing to zero in ten (torch_ref/ref_common.py mirrors it).
 constexpr float kBenchSignal = 0.12f;

@@ -119,7 +119,9 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   const auto data = bench_dataset(o, batch);
   auto model = make_model(o.model);
   model->materialize(trainer.device(), o.seed);
-  nn::SGD opt(*model, optimizer_config());
+  auto optimizer = make_optimizer(o, *model);
+  nn::Optimizer& opt = *optimizer;
+  trainer.set_zero_stage(o.zero);
   trainer.wrap(model, opt);
   if (s.math == kernels::MathMode::tf32) kernels::context(trainer.device()).set_math(s.math);
 
@@ -131,6 +133,8 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   }
   RunResult r;
   r.mode = "ddp";
+  r.optim = o.optim;
+  r.zero = o.zero;
   r.gpus = n;
   r.batch = batch;
   r.param_bytes = model->flat_params().nbytes();
@@ -170,6 +174,14 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   kernels::Tensor all = kernels::Tensor::empty({n}, kernels::DType::f32, trainer.device());
   trainer.group().all_gather(all, one)->wait();
   for (float kib : all.to_host_f32()) r.peak_mem_bytes.push_back(static_cast<int64_t>(kib) * 1024);
+  // Optimizer state of every rank (a whole copy each, or one shard each under ZeRO-1).
+  kernels::Tensor state = kernels::Tensor::empty({1}, kernels::DType::i64, kernels::Device::cpu());
+  state.data<int64_t>()[0] = opt.state_bytes();
+  kernels::Tensor state_dev = state.to(trainer.device());
+  kernels::Tensor states = kernels::Tensor::empty({n}, kernels::DType::i64, trainer.device());
+  trainer.group().all_gather(states, state_dev)->wait();
+  kernels::Tensor host = states.to(kernels::Device::cpu());
+  r.optimizer_state_bytes.assign(host.data<int64_t>(), host.data<int64_t>() + n);
 
   if (trace) {
     nlohmann::json events = nlohmann::json::array();
@@ -185,6 +197,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   } else if (trainer.rank() == 0) {
     Header h = make_header(o, s, trainer.env().local_world_size);
     print_table(std::cout, h, {r});
+    print_memory_model(std::cout, {r});
     print_projection(std::cout, {r});
     if (!o.json_path.empty()) {
       std::ofstream f(o.json_path);

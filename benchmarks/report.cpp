@@ -122,6 +122,27 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
   }
 }
 
+void print_memory_model(std::ostream& os, const std::vector<RunResult>& runs) {
+  bool header = false;
+  for (const auto& r : runs) {
+    if (r.optimizer_state_bytes.empty()) continue;
+    if (!header) {
+      os << "\n optimizer state (MiB) per " << (r.mode == "dp" ? "device" : "rank")
+         << ", and the model per rank: params 4P + grads 4P + state KP (/ N under ZeRO-1)\n";
+      header = true;
+    }
+    int64_t p = r.param_bytes / 4;
+    int64_t k = r.optim == "adamw" ? 8 : 4;
+    int n = r.gpus;
+    int64_t state_model = r.zero == 1 ? (k * p + n - 1) / n : k * p;
+    os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << n << " "
+       << r.optim << (r.zero ? " zero-1" : "") << ":";
+    for (int64_t b : r.optimizer_state_bytes) os << " " << mib(b);
+    os << "   model: 4P + 4P + " << k << "P" << (r.zero ? "/" + std::to_string(n) : "") << " = "
+       << mib(8 * p + state_model) << " (state " << mib(state_model) << ")\n";
+  }
+}
+
 namespace {
 
 // The run a mode's projection starts from: its fewest devices (1 when a baseline ran), where
@@ -191,7 +212,10 @@ nlohmann::json run_to_json(const RunResult& r) {
           {"losses", r.losses},
           {"final_loss", r.final_loss},
           {"buckets", r.buckets},
-          {"buckets_overlapped", r.buckets_overlapped}};
+          {"buckets_overlapped", r.buckets_overlapped},
+          {"optim", r.optim},
+          {"zero", r.zero},
+          {"optimizer_state_bytes", r.optimizer_state_bytes}};
 }
 
 RunResult run_from_json(const nlohmann::json& j) {
@@ -209,6 +233,9 @@ RunResult run_from_json(const nlohmann::json& j) {
   r.final_loss = j.at("final_loss").get<float>();
   r.buckets = j.value("buckets", 0);
   r.buckets_overlapped = j.value("buckets_overlapped", 0);
+  r.optim = j.value("optim", std::string("sgd"));
+  r.zero = j.value("zero", 0);
+  r.optimizer_state_bytes = j.value("optimizer_state_bytes", std::vector<int64_t>{});
   return r;
 }
 

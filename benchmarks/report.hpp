@@ -28,6 +28,9 @@ struct RunResult {
   float final_loss = 0;
   int buckets = 0;             // DDP: gradient buckets per step
   int buckets_overlapped = 0;  // DDP: of which launched while backward still ran
+  std::string optim = "sgd";
+  int zero = 0;                                // DDP: ZeRO stage (0 or 1)
+  std::vector<int64_t> optimizer_state_bytes;  // per device (DP: device 0) or rank
 
   double step_ms_median() const;
   double step_ms_p90() const;
@@ -82,6 +85,10 @@ struct Header {
 bool oversubscribed(const Header& h);
 
 void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>& runs);
+// Optimizer state per device or rank, beside the ZeRO paper's model of memory per rank in
+// f32: parameters 4P + gradients 4P + optimizer state K P (K = 4 bytes for SGD's momentum, 8
+// for AdamW's two moments), the last divided by N under ZeRO-1.
+void print_memory_model(std::ostream& os, const std::vector<RunResult>& runs);
 void print_projection(std::ostream& os, const std::vector<RunResult>& runs);
 nlohmann::json to_json(const Header& h, const std::vector<RunResult>& runs);
 nlohmann::json run_to_json(const RunResult& r);

@@ -45,19 +45,52 @@ class Optimizer {
   }
   Module& module() { return module_; }
 
+  // ZeRO stage 1: from now on this optimizer updates only flat elements [begin, end) of the
+  // module and keeps state for those alone (the state is remade, zeroed, for the shard).
+  // requires 0 <= begin <= end <= P and no step taken yet.
+  void set_shard(int64_t begin, int64_t end) {
+    int64_t p = module_.flat_params().numel();
+    DP_CHECK(0 <= begin && begin <= end && end <= p, "optimizer shard [" << begin << ", " << end
+                                                                         << ") is not within the "
+                                                                         << p << " parameters");
+    DP_CHECK(step_ == 0, "optimizer shard: set it before the first step (taken " << step_ << ")");
+    begin_ = begin;
+    end_ = end;
+    reset_state();
+  }
+  int64_t shard_begin() const { return begin_; }
+  int64_t shard_end() const { return end_ < 0 ? module_.flat_params().numel() : end_; }
+  // Bytes of optimizer state this optimizer holds.
+  int64_t state_bytes() {
+    int64_t bytes = 0;
+    for (auto& [name, t] : state()) bytes += static_cast<int64_t>(t.nbytes());
+    return bytes;
+  }
+
  protected:
   // requires m materialised (the optimizer allocates its state on m's device).
   Optimizer(Module& m, float lr) : module_(m), lr_(lr) {
     DP_CHECK(m.materialized(),
              "optimizer: " << m.type_name() << " has no storage; call materialize() first");
   }
+  // State shaped like the parameters this optimizer updates (all, or its shard), zeroed.
   Tensor zeros_like_params() {
-    return Tensor::zeros({module_.flat_params().numel()}, DType::f32, module_.device());
+    return Tensor::zeros({shard_end() - shard_begin()}, DType::f32, module_.device());
   }
+  // Views of the parameters and gradients this optimizer updates.
+  Tensor params_to_update() {
+    return module_.flat_params().view(shard_begin(), {shard_end() - shard_begin()});
+  }
+  Tensor grads_to_update() {
+    return module_.flat_grads().view(shard_begin(), {shard_end() - shard_begin()});
+  }
+  // Remakes the state for the current shard (zeros).
+  virtual void reset_state() = 0;
 
   Module& module_;
   float lr_;
   int64_t step_ = 0;
+  int64_t begin_ = 0, end_ = -1;  // end < 0: every parameter
 };
 
 // PyTorch's SGD: momentum, dampening, Nesterov and (coupled) weight decay; see
@@ -71,18 +104,25 @@ class SGD : public Optimizer {
     DP_CHECK(config.nesterov == kernels::Nesterov::no ||
                  (config.momentum > 0.f && config.dampening == 0.f),
              "SGD: Nesterov momentum requires momentum > 0 and dampening 0");
-    if (config_.momentum != 0.f) momentum_ = zeros_like_params();
+    reset_state();
   }
 
   void step() override {
     config_.lr = lr_;
-    kernels::sgd_update(module_.flat_params(), module_.flat_grads(), momentum_, config_, ++step_);
+    Tensor p = params_to_update(), g = grads_to_update();
+    ++step_;
+    if (p.numel() > 0) kernels::sgd_update(p, g, momentum_, config_, step_);
   }
   std::vector<std::pair<std::string, Tensor>> state() override {
     if (!momentum_.defined()) return {};
     return {{"momentum", momentum_}};
   }
   const kernels::SgdConfig& config() const { return config_; }
+
+ protected:
+  void reset_state() override {
+    if (config_.momentum != 0.f) momentum_ = zeros_like_params();
+  }
 
  private:
   kernels::SgdConfig config_;
@@ -98,18 +138,25 @@ class AdamW : public Optimizer {
              "AdamW: invalid config (lr " << config.lr << ", betas " << config.beta1 << ", "
                                           << config.beta2 << ", eps " << config.eps
                                           << ", weight_decay " << config.weight_decay << ")");
-    m_ = zeros_like_params();
-    v_ = zeros_like_params();
+    reset_state();
   }
 
   void step() override {
     config_.lr = lr_;
-    kernels::adamw_update(module_.flat_params(), module_.flat_grads(), m_, v_, config_, ++step_);
+    Tensor p = params_to_update(), g = grads_to_update();
+    ++step_;
+    if (p.numel() > 0) kernels::adamw_update(p, g, m_, v_, config_, step_);
   }
   std::vector<std::pair<std::string, Tensor>> state() override {
     return {{"exp_avg", m_}, {"exp_avg_sq", v_}};
   }
   const kernels::AdamWConfig& config() const { return config_; }
+
+ protected:
+  void reset_state() override {
+    m_ = zeros_like_params();
+    v_ = zeros_like_params();
+  }
 
  private:
   kernels::AdamWConfig config_;

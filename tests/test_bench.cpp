@@ -246,3 +246,28 @@ TEST_CASE("bench.ps: --mode ps sets the parameter server beside DP on the same s
   std::remove(json.c_str());
   std::remove(trace.c_str());
 }
+
+TEST_CASE("bench.zero: --zero 1 holds 1/N of the optimizer state per rank, same losses") {
+  std::string plain = temp_path("plain.json"), zero = temp_path("zero.json");
+  std::string args =
+      "--device cpu --mode ddp --gpus 3 --optim adamw --steps 3 --warmup 1 "
+      "--batch 30 --baseline 0 --json ";
+  REQUIRE(run_bench(args + plain) == 0);
+  REQUIRE(run_bench(args + zero + " --zero 1") == 0);
+  auto p = read_json(plain)["runs"][0], z = read_json(zero)["runs"][0];
+  CHECK(z["zero"] == 1);
+  CHECK(z["optim"] == "adamw");
+  int64_t whole = p["optimizer_state_bytes"][0].get<int64_t>(), sum = 0;
+  for (auto b : p["optimizer_state_bytes"]) CHECK(b.get<int64_t>() == whole);
+  for (auto b : z["optimizer_state_bytes"]) {
+    CHECK(b.get<int64_t>() <= whole / 3 + 8 * 64 * 3);  // a third, and the last rank's tail
+    sum += b.get<int64_t>();
+  }
+  CHECK(sum == whole);
+  REQUIRE(z["losses"].size() == p["losses"].size());
+  for (size_t i = 0; i < p["losses"].size(); ++i)
+    CHECK(z["losses"][i].get<double>() ==
+          doctest::Approx(p["losses"][i].get<double>()).epsilon(1e-5));
+  std::remove(plain.c_str());
+  std::remove(zero.c_str());
+}

@@ -7,6 +7,7 @@
 #include "dp/distributed/ddp.hpp"
 #include "dp/distributed/launcher.hpp"
 #include "dp/distributed/sampler.hpp"
+#include "dp/distributed/zero.hpp"
 #include "nn/nn.hpp"
 #include "tests/train_util.hpp"
 
@@ -257,4 +258,113 @@ TEST_CASE("ddp.sampler: PyTorch's DistributedSampler semantics") {
   s.set_epoch(0);
   CHECK(s.indices() == e0);
   CHECK_THROWS_AS(DistributedSampler(10, 4, 4), Error);
+}
+
+namespace {
+
+// Rank r's step under ZeRO-1: local backward (DDP's no_sync), then the ZeRO exchange.
+void zero_step(DistributedDataParallel& ddp, dp::dist::ZeroStage1& zero, const Tensor& x,
+               const Tensor& y, int rank, int world) {
+  auto sizes = dp::chunk_sizes(x.dim(0), world);
+  int64_t b = dp::chunk_begin(sizes, rank);
+  Tensor xs = x.slice(b, b + sizes[rank]).to(Device::cpu(rank));
+  Tensor ys = y.slice(b, b + sizes[rank]).to(Device::cpu(rank));
+  ddp.module().zero_grad();
+  Tensor out = ddp.forward(xs);
+  Tensor loss = Tensor::empty({1}, DType::f32, Device::cpu(rank));
+  Tensor dl = Tensor::empty(out.shape(), DType::f32, Device::cpu(rank));
+  softmax_cross_entropy(loss, dl, out, ys);
+  {
+    auto local_only = ddp.no_sync();
+    ddp.backward(dl);
+  }
+  zero.step(dp::chunk_share(sizes[rank], x.dim(0)));
+}
+
+AdamWConfig adamw() {
+  AdamWConfig c;
+  c.lr = 0.01f;
+  c.weight_decay = 0.01f;
+  return c;
+}
+
+// Final parameters of every rank after 4 steps of plain DDP (zero false) or ZeRO-1 (true);
+// `state_bytes` gets each rank's optimizer state bytes.
+std::vector<std::vector<float>> train_ddp(int world, int64_t batch, bool adam, bool zero,
+                                          std::vector<int64_t>* state_bytes = nullptr) {
+  std::vector<std::vector<float>> params(world);
+  if (state_bytes) state_bytes->assign(world, 0);
+  run_ranks(world, [&](int r, dp::dist::ProcessGroup& pg) {
+    auto m = nn::mlp({6, 40, 16, 5});
+    m->materialize(Device::cpu(r), kSeed + r);
+    std::unique_ptr<nn::Optimizer> opt;
+    if (adam)
+      opt = std::make_unique<nn::AdamW>(*m, adamw());
+    else
+      opt = std::make_unique<nn::SGD>(*m, sgd());
+    DistributedDataParallel ddp(m, pg);
+    std::unique_ptr<dp::dist::ZeroStage1> z;
+    if (zero) z = std::make_unique<dp::dist::ZeroStage1>(pg, *m, *opt);
+    for (int s = 0; s < 4; ++s) {
+      auto [x, y] = dp_test::toy_batch(batch, 100 + s);
+      if (zero)
+        zero_step(ddp, *z, x, y, r, world);
+      else
+        ddp_step(ddp, *opt, x, y, r, world);
+    }
+    params[r] = m->flat_params().to_host_f32();
+    if (state_bytes) (*state_bytes)[r] = opt->state_bytes();
+  });
+  return params;
+}
+
+}  // namespace
+
+TEST_CASE("ddp.zero: ZeRO-1 on 2-4 ranks equals plain DDP (SGD momentum and AdamW, uneven)") {
+  for (int world : {2, 3, 4}) {
+    for (bool adam : {false, true}) {
+      CAPTURE(world);
+      CAPTURE(adam);
+      const int64_t batch = 10;  // uneven over 3 and 4 ranks
+      auto plain = train_ddp(world, batch, adam, false);
+      auto zero = train_ddp(world, batch, adam, true);
+      CHECK(dp_test::rel_diff(zero[0], plain[0]) <= 1e-6f);
+      for (int r = 1; r < world; ++r) CHECK(zero[r] == zero[0]);  // replicas stay bitwise equal
+    }
+  }
+}
+
+TEST_CASE("ddp.zero: each rank holds 1/N of the optimizer state") {
+  const int64_t p = nn::mlp({6, 40, 16, 5})->num_parameters();
+  for (int world : {1, 2, 4}) {
+    CAPTURE(world);
+    std::vector<int64_t> plain, zero;
+    train_ddp(world, 8, true, false, &plain);
+    train_ddp(world, 8, true, true, &zero);
+    auto plan = dp::dist::make_zero_plan(p, world);
+    int64_t total = 0;
+    for (int r = 0; r < world; ++r) {
+      CHECK(plain[r] == 2 * p * 4);  // AdamW: m and v, f32
+      CHECK(zero[r] == 2 * (plan.end(r) - plan.begin(r)) * 4);
+      CHECK(zero[r] <= 2 * (p / world + 64 * world) * 4);  // P / N, and the last rank's tail
+      total += zero[r];
+    }
+    CHECK(total == 2 * p * 4);  // the shards cover the state exactly once
+  }
+}
+
+TEST_CASE("ddp.zero: a rank with a different shard plan is refused, named") {
+  std::vector<std::string> errors(2);
+  run_ranks(2, [&](int r, dp::dist::ProcessGroup& pg) {
+    auto m = nn::mlp({6, r == 0 ? 40 : 41, 5});
+    m->materialize(Device::cpu(r), kSeed);
+    nn::SGD opt(*m, sgd());
+    try {
+      dp::dist::ZeroStage1 z(pg, *m, opt);
+    } catch (const Error& e) {
+      errors[r] = e.what();
+    }
+  });
+  CHECK(errors[0].find("ZeRO-1: rank 1 has a different shard plan") != std::string::npos);
+  CHECK(errors[1].find("ZeRO-1: rank 0 has a different shard plan") != std::string::npos);
 }

@@ -56,9 +56,16 @@ DdpTrainer::~DdpTrainer() {
   if (context_) context_->synchronize();
 }
 
+void DdpTrainer::set_zero_stage(int stage) {
+  DP_CHECK(stage == 0 || stage == 1, "--zero " << stage << ": stages 0 (off) and 1 are supported");
+  DP_CHECK(!ddp_, "DdpTrainer::set_zero_stage after wrap()");
+  zero_stage_ = stage;
+}
+
 void DdpTrainer::wrap(nn::ModulePtr model, nn::Optimizer& optimizer) {
   ddp_ = std::make_unique<DistributedDataParallel>(std::move(model), *group_, ddp_options_);
   optimizer_ = &optimizer;
+  if (zero_stage_ == 1) zero_ = std::make_unique<ZeroStage1>(*group_, ddp_->module(), optimizer);
   // The initial weights were broadcast from rank 0 through this rank's stream.
   context_->synchronize();
 }
@@ -104,9 +111,25 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   times_.forward = ms_since(t0);
 
   t0 = Clock::now();
-  ddp_->backward(dlogits);
+  if (zero_) {
+    // ZeRO-1 communicates after backward (reduce_scatter, shard step, all_gather).
+    auto local_only = ddp_->no_sync();
+    ddp_->backward(dlogits);
+  } else {
+    ddp_->backward(dlogits);
+  }
   context_->synchronize();
   times_.backward = ms_since(t0);
+
+  if (zero_) {
+    zero_->step(share);
+    if (ddp_options_.buffer_sync == BufferSync::average && m.flat_buffers().numel() > 0)
+      group_->all_reduce(m.flat_buffers(), ReduceOp::avg)->wait();
+    times_.allreduce_wait = zero_->last_times().reduce_scatter + zero_->last_times().all_gather;
+    times_.optimizer = zero_->last_times().step;
+    times_.total = ms_since(t_step);
+    return report_loss(loss, share);
+  }
 
   t0 = Clock::now();
   ddp_->finish_gradient_sync();
@@ -122,7 +145,10 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   }
   times_.optimizer = ms_since(t0);
   times_.total = ms_since(t_step);
+  return report_loss(loss, share);
+}
 
+float DdpTrainer::report_loss(kernels::Tensor& loss, float share) {
   // The global mean loss, for reporting: outside the timed step.
   kernels::scale(loss, loss, share);
   group_->all_reduce(loss, ReduceOp::sum)->wait();

@@ -18,6 +18,7 @@
 #include "dp/distributed/ddp.hpp"
 #include "dp/distributed/launcher.hpp"
 #include "dp/distributed/process_group.hpp"
+#include "dp/distributed/zero.hpp"
 #include "nn/optim.hpp"
 
 namespace dp::dist {
@@ -56,7 +57,13 @@ class DdpTrainer {
   kernels::Device device() const { return device_; }
   ProcessGroup& group() { return *group_; }
   DistributedDataParallel& ddp() { return *ddp_; }
+  // The ZeRO-1 stage when on, else nullptr.
+  const ZeroStage1* zero() const { return zero_.get(); }
 
+  // ZeRO: 0 (off: every rank keeps the whole optimizer state) or 1 (dp/distributed/zero.hpp:
+  // state sharded, reduce_scatter + all_gather instead of the bucketed all-reduce).
+  // requires 0 or 1, called before wrap().
+  void set_zero_stage(int stage);
   // requires model materialised on device(); optimizer built on it.
   void wrap(nn::ModulePtr model, nn::Optimizer& optimizer);
   // One step on this rank's chunk of the global host batch. Returns the global mean loss.
@@ -66,6 +73,8 @@ class DdpTrainer {
   const DdpStepTimes& last_times() const { return times_; }
 
  private:
+  // The global batch's mean loss from this rank's chunk loss and share (a collective).
+  float report_loss(kernels::Tensor& loss, float share);
   std::pair<kernels::Tensor, kernels::Tensor> my_chunk(const kernels::Tensor& images,
                                                        const kernels::Tensor& labels, float* share);
 
@@ -77,6 +86,8 @@ class DdpTrainer {
   DdpOptions ddp_options_;
   std::unique_ptr<DistributedDataParallel> ddp_;
   nn::Optimizer* optimizer_ = nullptr;
+  int zero_stage_ = 0;
+  std::unique_ptr<ZeroStage1> zero_;
   kernels::Tensor input_, labels_, loss_, dlogits_;  // this rank's step buffers, reused
   DdpStepTimes times_;
 };

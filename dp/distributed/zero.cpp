@@ -1,0 +1,110 @@
+#include "dp/distributed/zero.hpp"
+
+#include <algorithm>
+#include <chrono>
+
+#include "kernels/ops.hpp"
+
+namespace dp::dist {
+
+using kernels::DType;
+using kernels::Tensor;
+
+namespace {
+using Clock = std::chrono::steady_clock;
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+constexpr int64_t kShardAlign = 64;  // elements: 256 bytes of f32
+}  // namespace
+
+ZeroShardPlan make_zero_plan(int64_t numel, int world) {
+  DP_CHECK(numel >= 0 && world >= 1,
+           "ZeRO plan: " << numel << " parameters over " << world << " ranks");
+  ZeroShardPlan p;
+  p.numel = numel;
+  p.world = world;
+  p.shard = numel / world / kShardAlign * kShardAlign;
+  return p;
+}
+
+ZeroStage1::ZeroStage1(ProcessGroup& group, nn::Module& module, nn::Optimizer& optimizer)
+    : group_(group),
+      module_(module),
+      optimizer_(optimizer),
+      plan_(make_zero_plan(module.flat_params().numel(), group.size())) {
+  DP_CHECK(&optimizer.module() == &module, "ZeroStage1: the optimizer is not built on the module");
+  kernels::Device dev = module.device();
+  // Every rank's plan, side by side: (P, N, S) as f32 would round; send them as i64.
+  Tensor mine = Tensor::empty({3}, DType::i64, kernels::Device::cpu());
+  mine.data<int64_t>()[0] = plan_.numel;
+  mine.data<int64_t>()[1] = plan_.world;
+  mine.data<int64_t>()[2] = plan_.shard;
+  Tensor mine_dev = mine.to(dev);
+  Tensor all = Tensor::empty({3 * group.size()}, DType::i64, dev);
+  group.all_gather(all, mine_dev)->wait();
+  Tensor host = all.to(kernels::Device::cpu());
+  for (int r = 0; r < group.size(); ++r) {
+    const int64_t* p = host.data<int64_t>() + 3 * r;
+    DP_CHECK(p[0] == plan_.numel && p[1] == plan_.world && p[2] == plan_.shard,
+             "ZeRO-1: rank " << r << " has a different shard plan (" << p[0] << " parameters, "
+                             << p[1] << " ranks, shard " << p[2] << ") from rank " << group.rank()
+                             << " (" << plan_.numel << ", " << plan_.world << ", " << plan_.shard
+                             << "): every rank must wrap the same model");
+  }
+  int r = group.rank();
+  optimizer.set_shard(plan_.begin(r), plan_.end(r));
+  if (plan_.world == 1) return;  // one rank: its shard is everything, nothing to exchange
+  grad_shard_ = Tensor::zeros({plan_.shard}, DType::f32, dev);
+  mine_ = Tensor::zeros({plan_.shard}, DType::f32, dev);
+}
+
+void ZeroStage1::step(float share) {
+  const int r = group_.rank(), last = plan_.world - 1;
+  const int64_t s = plan_.shard, body = s * plan_.world, tail = plan_.numel - body;
+  Tensor& params = module_.flat_params();
+  Tensor& grads = module_.flat_grads();
+  if (plan_.world == 1) {
+    times_ = {};
+    auto t0 = Clock::now();
+    optimizer_.step();
+    times_.step = ms_since(t0);
+    return;
+  }
+  auto t0 = Clock::now();
+  {
+    kernels::NvtxRange range("zero/reduce_scatter");
+    kernels::scale(grads, grads, share);  // the sum over ranks is then the global mean's
+    std::vector<std::shared_ptr<Work>> works;
+    if (s > 0) works.push_back(group_.reduce_scatter(grad_shard_, grads.view(0, {body})));
+    Tensor tail_grads = grads.view(body, {tail});
+    if (tail > 0) works.push_back(group_.all_reduce(tail_grads));
+    wait_all(works);
+    if (s > 0) {
+      Tensor mine = grads.view(r * s, {s});
+      kernels::copy(mine, grad_shard_);
+    }
+  }
+  times_.reduce_scatter = ms_since(t0);
+  t0 = Clock::now();
+  {
+    kernels::NvtxRange range("zero/step");
+    optimizer_.step();  // [r S, (r + 1) S), and the tail on the last rank
+    if (s > 0) kernels::copy(mine_, params.view(r * s, {s}));
+  }
+  times_.step = ms_since(t0);
+  t0 = Clock::now();
+  {
+    kernels::NvtxRange range("zero/all_gather");
+    std::vector<std::shared_ptr<Work>> works;
+    Tensor gathered = params.view(0, {body});
+    if (s > 0) works.push_back(group_.all_gather(gathered, mine_));
+    Tensor tail_params = params.view(body, {tail});
+    if (tail > 0) works.push_back(group_.broadcast(tail_params, last));
+    wait_all(works);
+    kernels::context(module_.device()).synchronize();
+  }
+  times_.all_gather = ms_since(t0);
+}
+
+}  // namespace dp::dist

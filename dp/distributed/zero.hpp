@@ -1,0 +1,69 @@
+// ZeRO stage 1 (Rajbhandari et al., 2020): the optimizer state sharded across DDP ranks.
+//
+// Rank r owns a contiguous shard [r S, (r + 1) S) of the flat parameter buffer, S = P / N
+// rounded down to 64 elements (256 bytes); the last rank also owns the tail [N S, P), fewer
+// than 64 N elements. Its optimizer keeps state for its shard alone: AdamW's 2P floats become
+// about 2P/N per rank. A step, in place on the module's flat buffers:
+//   zero/reduce_scatter  each rank scales its local gradient by its share of the global batch
+//                        (B_r / B, as DDP does), then reduce_scatter(sum) of [0, N S) gives
+//                        every rank the global gradient of its shard (the tail: all_reduce)
+//   zero/step            the optimizer steps the shard (params and state of the shard only)
+//   zero/all_gather      every rank's updated shard is gathered into the full flat parameters
+//                        (the tail: broadcast from the last rank)
+// Beyond DDP, a rank holds two shard-sized buffers (S each), not a second copy of P.
+// Communication per step is reduce_scatter + all_gather, 2 (N-1)/N P: the same as one ring
+// all-reduce. The gradient of the whole model is computed as in DDP (backward runs in
+// DDP's no_sync, then this class communicates); the exchange is not overlapped with backward.
+#pragma once
+
+#include <cstdint>
+
+#include "dp/distributed/process_group.hpp"
+#include "nn/module.hpp"
+#include "nn/optim.hpp"
+
+namespace dp::dist {
+
+struct ZeroShardPlan {
+  int64_t numel = 0;  // P
+  int world = 1;      // N
+  int64_t shard = 0;  // S: elements of every rank's shard (a multiple of 64; may be 0)
+  int64_t begin(int rank) const { return rank * shard; }
+  // The last rank's shard runs to P: it owns the tail too.
+  int64_t end(int rank) const { return rank == world - 1 ? numel : (rank + 1) * shard; }
+};
+// requires numel >= 0, world >= 1.
+ZeroShardPlan make_zero_plan(int64_t numel, int world);
+
+// Milliseconds of the last step's phases.
+struct ZeroStepTimes {
+  double reduce_scatter = 0, step = 0, all_gather = 0;
+};
+
+class ZeroStage1 {
+ public:
+  // Checks that every rank computed the same plan (same P and N; the error names the first
+  // rank that differs), then shards `optimizer` (which must not have stepped yet).
+  // requires module materialised on this rank's device, optimizer built on it; `group`,
+  // `module` and `optimizer` outlive this object. Collective: every rank constructs one.
+  ZeroStage1(ProcessGroup& group, nn::Module& module, nn::Optimizer& optimizer);
+
+  // requires the module's flat grads hold this rank's local gradient (of its rows' mean loss)
+  // and share = B_r / B. ensures every rank's flat params hold the result of one optimizer
+  // step on the global batch's gradient. Collective.
+  void step(float share);
+
+  const ZeroShardPlan& plan() const { return plan_; }
+  const ZeroStepTimes& last_times() const { return times_; }
+
+ private:
+  ProcessGroup& group_;
+  nn::Module& module_;
+  nn::Optimizer& optimizer_;
+  ZeroShardPlan plan_;
+  kernels::Tensor grad_shard_;  // (S): this rank's shard of the global gradient
+  kernels::Tensor mine_;        // (S): this rank's updated shard, sent to the others
+  ZeroStepTimes times_;
+};
+
+}  // namespace dp::dist
