@@ -5,6 +5,7 @@
 #   scripts/gpu_check.sh --bundle [DEST]          build here for sm_90 and pack a self-contained
 #                                                 folder and DEST.tar.gz (default
 #                                                 build-sm90/gpu_check_bundle)
+#   scripts/gpu_check.sh --cuda-lib-dirs          print where it looks for the CUDA libraries
 #
 # BUILD_DIR is a CMake build tree (its bin/ holds the programs) or an unpacked bundle (bin/,
 # lib/, torch_ref/, this script at its top: run `bash gpu_check.sh . results`). The steps:
@@ -64,13 +65,13 @@ make_bundle() {
     launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
   fi
   echo "gpu_check --bundle: building ${bundle_targets[*]} for sm_90 in $build"
+  mkdir -p "$build"
   cmake -S "$repo" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
-    "${launcher[@]}" > "$build.configure.log" 2>&1 || {
-    cat "$build.configure.log" >&2
+    "${launcher[@]}" > "$build/configure.log" 2>&1 || {
+    cat "$build/configure.log" >&2
     echo "gpu_check --bundle: configuring failed" >&2
     exit 1
   }
-  rm -f "$build.configure.log"
   cmake --build "$build" -j"$(nproc)" --target "${bundle_targets[@]}" || {
     echo "gpu_check --bundle: the build failed" >&2
     exit 1
@@ -134,6 +135,30 @@ make_bundle() {
   fi
 }
 
+# Folders holding the CUDA libraries the programs need: Python's site-packages (PyTorch's
+# wheels: nvidia/cudnn/lib, nvidia/nccl/lib, nvidia/cublas/lib ...), the toolkit, else a search.
+cuda_lib_dirs() {
+  local d
+  {
+    if command -v python3 > /dev/null; then
+      python3 - 2> /dev/null << 'EOF'
+import site, sys, glob, os
+roots = list(site.getsitepackages()) + [site.getusersitepackages()] + sys.path
+for r in roots:
+    for lib in glob.glob(os.path.join(r, "nvidia", "*", "lib")):
+        print(os.path.realpath(lib))
+EOF
+    fi
+    for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/*/lib; do
+      [[ -d $d ]] && echo "$d"
+    done
+  } | awk '!seen[$0]++'
+}
+
+if [[ ${1:-} == --cuda-lib-dirs ]]; then  # what the run would search first (for tests)
+  cuda_lib_dirs
+  exit 0
+fi
 if [[ ${1:-} == --bundle ]]; then
   make_bundle "${2:-}"
   exit 0
@@ -165,26 +190,6 @@ for t in test_kernels_cuda bench_kernels dp_bench; do
 done
 
 # ---- the CUDA libraries ----------------------------------------------------------------------
-
-# Folders holding the CUDA libraries the programs need: Python's site-packages (PyTorch's
-# wheels: nvidia/cudnn/lib, nvidia/nccl/lib, nvidia/cublas/lib ...), the toolkit, else a search.
-cuda_lib_dirs() {
-  local d
-  {
-    if command -v python3 > /dev/null; then
-      python3 - 2> /dev/null << 'EOF'
-import site, sys, glob, os
-roots = list(site.getsitepackages()) + [site.getusersitepackages()] + sys.path
-for r in roots:
-    for lib in glob.glob(os.path.join(r, "nvidia", "*", "lib")):
-        print(os.path.realpath(lib))
-EOF
-    fi
-    for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/*/lib /usr/lib/x86_64-linux-gnu; do
-      [[ -d $d ]] && echo "$d"
-    done
-  } | awk '!seen[$0]++'
-}
 
 lib_path=""
 add_lib_dir() { [[ -d $1 ]] && lib_path="${lib_path:+$lib_path:}$1"; }

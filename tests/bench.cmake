@@ -10,3 +10,8 @@ add_test(NAME "bench.gpu_check: exits 2 without a GPU"
                  ${PROJECT_SOURCE_DIR}/scripts/gpu_check.sh ${CMAKE_BINARY_DIR})
 set_tests_properties("bench.gpu_check: exits 2 without a GPU"
                      PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 60)
+add_test(NAME "bench.gpu_check: finds the CUDA libraries of PyTorch's wheels"
+         COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/gpu_check_libs.sh
+                 ${PROJECT_SOURCE_DIR}/scripts/gpu_check.sh)
+set_tests_properties("bench.gpu_check: finds the CUDA libraries of PyTorch's wheels"
+                     PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 60)

@@ -245,6 +245,12 @@ void launch_channel_sums(int64_t batch, int64_t channels, int64_t inner, F f, G 
   DP_CUDA_CHECK_LAUNCH();
 }
 
+// The plain channel sum: f = (x[index], 0).
+struct ReadChannelValue {
+  const float* x;
+  __device__ float2 operator()(int64_t idx, int64_t) const { return make_float2(x[idx], 0.f); }
+};
+
 inline size_t channel_sum_scratch_bytes(int64_t batch, int64_t channels, int64_t inner) {
   return sizeof(float2) *
          static_cast<size_t>(channels * channel_sum_chunks(channels, batch * inner));

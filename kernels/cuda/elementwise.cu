@@ -28,10 +28,6 @@ __global__ void add_bias_kernel(float* y, const float* bias, int64_t n, int64_t 
 }
 
 // db[c] (+)= sum over (n, s) of dy (N, C, inner), for launch_channel_sums.
-struct ReadChannel {
-  const float* dy;
-  __device__ float2 operator()(int64_t idx, int64_t) const { return make_float2(dy[idx], 0.f); }
-};
 struct SetBiasGrad {
   float* db;
   bool accumulate;
@@ -125,7 +121,7 @@ void bias_backward(Tensor& db, const Tensor& dy, Accumulate acc, DeviceContext& 
   // (N, C, H, W): chunks of every channel in parallel, coalesced within each (n, c) plane.
   auto* scratch =
       static_cast<float2*>(ctx.workspace(channel_sum_scratch_bytes(batch, channels, inner)));
-  launch_channel_sums(batch, channels, inner, ReadChannel{dy.data<float>()},
+  launch_channel_sums(batch, channels, inner, ReadChannelValue{dy.data<float>()},
                       SetBiasGrad{db.data<float>(), accumulate}, scratch, s);
 }
 

@@ -14,11 +14,6 @@ namespace {
 // partials added in a fixed order. Forward: mean, then the biased variance around it (two
 // passes), then y elementwise. Backward: sum dy and sum dy xhat, then dx elementwise.
 
-struct ReadX {
-  const float* x;
-  __device__ float2 operator()(int64_t idx, int64_t) const { return make_float2(x[idx], 0.f); }
-};
-
 struct SetMean {
   float* mean;
   float count;
@@ -207,7 +202,7 @@ void batch_norm_forward_train(Tensor& y, Tensor& save_mean, Tensor& save_invstd,
   auto* scratch = static_cast<float2*>(
       ctx.workspace(channel_sum_scratch_bytes(sh.batch, sh.channels, sh.inner)));
   float* mean = save_mean.data<float>();
-  launch_channel_sums(sh.batch, sh.channels, sh.inner, ReadX{x.data<float>()},
+  launch_channel_sums(sh.batch, sh.channels, sh.inner, ReadChannelValue{x.data<float>()},
                       SetMean{mean, static_cast<float>(count)}, scratch, s);
   launch_channel_sums(sh.batch, sh.channels, sh.inner, SquaredDeviation{x.data<float>(), mean},
                       SetVariance{save_invstd.data<float>(), running_mean.data<float>(),
