@@ -2,6 +2,8 @@
 // kernels mirroring kernels/cpu/pool.cpp; the backward passes gather per input element, so they
 // need no atomics and are deterministic).
 #include <array>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #include "kernels/cuda/cuda_common.cuh"
@@ -132,6 +134,30 @@ int pick_algo(const std::vector<Perf>& perf, int count, bool strict) {
 template <class Perf>
 void set_math(const ConvDescHandle& conv, const Perf& p, bool strict) {
   DP_CUDNN_CHECK(cudnnSetConvolutionMathType(conv.get(), strict ? CUDNN_FMA_MATH : p.mathType));
+}
+
+// Completes the plan of one pass from its descriptors: cuDNN's ranked algorithms
+// (find(plan, max, &count, perf), at most max_count() of them), the pick, its math type and its
+// workspace (workspace(plan, algo, &bytes)). `none` is the error text when no algorithm fits.
+template <class Perf, class MaxCount, class Find, class Workspace>
+ConvPlan complete_plan(ConvPlan pl, bool strict, MaxCount max_count, Find find, Workspace workspace,
+                       const std::string& none) {
+  int max = max_count(), count = 0;
+  std::vector<Perf> perf(static_cast<size_t>(max));
+  find(pl, max, &count, perf.data());
+  int pick = pick_algo(perf, count, strict);
+  DP_CHECK(pick >= 0, none);
+  set_math(pl.conv, perf[pick], strict);
+  pl.algo = static_cast<int>(perf[pick].algo);
+  workspace(pl, perf[pick].algo, &pl.ws_bytes);
+  return pl;
+}
+
+// Text of the error when cuDNN offers no algorithm.
+std::string no_algorithm(const char* op, const Tensor& a, const Tensor& b) {
+  std::ostringstream os;
+  os << op << ": cuDNN offers no algorithm for " << a << ", " << b;
+  return os.str();
 }
 
 // Output gradient or result with nothing to add up: zero it, or leave it when accumulating.
@@ -290,20 +316,22 @@ void conv2d_forward(Tensor& y, const Tensor& x, const Tensor& w, const Conv2dPar
   bool strict = strict_math(ctx);
   ConvKey key = conv_key(ConvPass::forward, x, w, y, p, strict);
   ConvPlan& plan = ctx.state<ConvPlans>().cache.get(key, [&] {
-    ConvPlan pl{tensor_desc(x), tensor_desc(y), filter_desc(w), conv_desc(p, strict)};
-    int max_count = 0, count = 0;
-    DP_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(handle, &max_count));
-    std::vector<cudnnConvolutionFwdAlgoPerf_t> perf(static_cast<size_t>(max_count));
-    DP_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(
-        handle, pl.x.get(), pl.w.get(), pl.conv.get(), pl.y.get(), max_count, &count, perf.data()));
-    int pick = pick_algo(perf, count, strict);
-    DP_CHECK(pick >= 0, "conv2d_forward: cuDNN offers no algorithm for " << x << " * " << w);
-    set_math(pl.conv, perf[pick], strict);
-    pl.algo = static_cast<int>(perf[pick].algo);
-    DP_CUDNN_CHECK(cudnnGetConvolutionForwardWorkspaceSize(
-        handle, pl.x.get(), pl.w.get(), pl.conv.get(), pl.y.get(),
-        static_cast<cudnnConvolutionFwdAlgo_t>(pl.algo), &pl.ws_bytes));
-    return pl;
+    return complete_plan<cudnnConvolutionFwdAlgoPerf_t>(
+        ConvPlan{tensor_desc(x), tensor_desc(y), filter_desc(w), conv_desc(p, strict)}, strict,
+        [&] {
+          int n = 0;
+          DP_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(handle, &n));
+          return n;
+        },
+        [&](const ConvPlan& pl, int max, int* count, cudnnConvolutionFwdAlgoPerf_t* perf) {
+          DP_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(
+              handle, pl.x.get(), pl.w.get(), pl.conv.get(), pl.y.get(), max, count, perf));
+        },
+        [&](const ConvPlan& pl, cudnnConvolutionFwdAlgo_t algo, size_t* bytes) {
+          DP_CUDNN_CHECK(cudnnGetConvolutionForwardWorkspaceSize(
+              handle, pl.x.get(), pl.w.get(), pl.conv.get(), pl.y.get(), algo, bytes));
+        },
+        no_algorithm("conv2d_forward", x, w));
   });
   void* ws = plan.ws_bytes ? ctx.workspace(plan.ws_bytes) : nullptr;
   float alpha = 1.f, beta = 0.f;
@@ -325,20 +353,22 @@ void conv2d_backward_data(Tensor& dx, const Tensor& dy, const Tensor& w, const C
   bool strict = strict_math(ctx);
   ConvKey key = conv_key(ConvPass::backward_data, dx, w, dy, p, strict);
   ConvPlan& plan = ctx.state<ConvPlans>().cache.get(key, [&] {
-    ConvPlan pl{tensor_desc(dx), tensor_desc(dy), filter_desc(w), conv_desc(p, strict)};
-    int max_count = 0, count = 0;
-    DP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithmMaxCount(handle, &max_count));
-    std::vector<cudnnConvolutionBwdDataAlgoPerf_t> perf(static_cast<size_t>(max_count));
-    DP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(
-        handle, pl.w.get(), pl.y.get(), pl.conv.get(), pl.x.get(), max_count, &count, perf.data()));
-    int pick = pick_algo(perf, count, strict);
-    DP_CHECK(pick >= 0, "conv2d_backward_data: cuDNN offers no algorithm for " << dy << ", " << w);
-    set_math(pl.conv, perf[pick], strict);
-    pl.algo = static_cast<int>(perf[pick].algo);
-    DP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataWorkspaceSize(
-        handle, pl.w.get(), pl.y.get(), pl.conv.get(), pl.x.get(),
-        static_cast<cudnnConvolutionBwdDataAlgo_t>(pl.algo), &pl.ws_bytes));
-    return pl;
+    return complete_plan<cudnnConvolutionBwdDataAlgoPerf_t>(
+        ConvPlan{tensor_desc(dx), tensor_desc(dy), filter_desc(w), conv_desc(p, strict)}, strict,
+        [&] {
+          int n = 0;
+          DP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithmMaxCount(handle, &n));
+          return n;
+        },
+        [&](const ConvPlan& pl, int max, int* count, cudnnConvolutionBwdDataAlgoPerf_t* perf) {
+          DP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(
+              handle, pl.w.get(), pl.y.get(), pl.conv.get(), pl.x.get(), max, count, perf));
+        },
+        [&](const ConvPlan& pl, cudnnConvolutionBwdDataAlgo_t algo, size_t* bytes) {
+          DP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataWorkspaceSize(
+              handle, pl.w.get(), pl.y.get(), pl.conv.get(), pl.x.get(), algo, bytes));
+        },
+        no_algorithm("conv2d_backward_data", dy, w));
   });
   void* ws = plan.ws_bytes ? ctx.workspace(plan.ws_bytes) : nullptr;
   float alpha = 1.f, beta = acc == Accumulate::yes ? 1.f : 0.f;
@@ -360,21 +390,22 @@ void conv2d_backward_filter(Tensor& dw, const Tensor& dy, const Tensor& x, const
   bool strict = strict_math(ctx);
   ConvKey key = conv_key(ConvPass::backward_filter, x, dw, dy, p, strict);
   ConvPlan& plan = ctx.state<ConvPlans>().cache.get(key, [&] {
-    ConvPlan pl{tensor_desc(x), tensor_desc(dy), filter_desc(dw), conv_desc(p, strict)};
-    int max_count = 0, count = 0;
-    DP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(handle, &max_count));
-    std::vector<cudnnConvolutionBwdFilterAlgoPerf_t> perf(static_cast<size_t>(max_count));
-    DP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(
-        handle, pl.x.get(), pl.y.get(), pl.conv.get(), pl.w.get(), max_count, &count, perf.data()));
-    int pick = pick_algo(perf, count, strict);
-    DP_CHECK(pick >= 0,
-             "conv2d_backward_filter: cuDNN offers no algorithm for " << dy << ", " << x);
-    set_math(pl.conv, perf[pick], strict);
-    pl.algo = static_cast<int>(perf[pick].algo);
-    DP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterWorkspaceSize(
-        handle, pl.x.get(), pl.y.get(), pl.conv.get(), pl.w.get(),
-        static_cast<cudnnConvolutionBwdFilterAlgo_t>(pl.algo), &pl.ws_bytes));
-    return pl;
+    return complete_plan<cudnnConvolutionBwdFilterAlgoPerf_t>(
+        ConvPlan{tensor_desc(x), tensor_desc(dy), filter_desc(dw), conv_desc(p, strict)}, strict,
+        [&] {
+          int n = 0;
+          DP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(handle, &n));
+          return n;
+        },
+        [&](const ConvPlan& pl, int max, int* count, cudnnConvolutionBwdFilterAlgoPerf_t* perf) {
+          DP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(
+              handle, pl.x.get(), pl.y.get(), pl.conv.get(), pl.w.get(), max, count, perf));
+        },
+        [&](const ConvPlan& pl, cudnnConvolutionBwdFilterAlgo_t algo, size_t* bytes) {
+          DP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterWorkspaceSize(
+              handle, pl.x.get(), pl.y.get(), pl.conv.get(), pl.w.get(), algo, bytes));
+        },
+        no_algorithm("conv2d_backward_filter", dy, x));
   });
   void* ws = plan.ws_bytes ? ctx.workspace(plan.ws_bytes) : nullptr;
   float alpha = 1.f, beta = acc == Accumulate::yes ? 1.f : 0.f;
