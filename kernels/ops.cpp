@@ -2,6 +2,8 @@
 // context's task arena, CUDA ops get the context (stream, handles) of the calling thread.
 #include "kernels/ops.hpp"
 
+#include <sstream>
+
 #include <cmath>
 #include <cstring>
 #include <initializer_list>
@@ -285,6 +287,13 @@ void check_logits_labels(const char* op, const Tensor& logits, const Tensor& lab
            op << ": logits " << shape_str(logits.shape()) << " have no classes");
 }
 }  // namespace
+
+std::string bad_label_text(int64_t label, int64_t row, int64_t batch, int64_t classes) {
+  std::ostringstream os;
+  os << "softmax_cross_entropy: label " << label << " of row " << row << " is outside [0, "
+     << classes << ") for logits " << shape_str({batch, classes});
+  return os.str();
+}
 
 void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
                            const Tensor& labels, const Tensor& weights, float label_smoothing) {

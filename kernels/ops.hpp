@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "kernels/runtime/context.hpp"
 #include "kernels/runtime/device.hpp"
@@ -78,17 +79,23 @@ void tanh_backward(Tensor& dx, const Tensor& dy, const Tensor& y, Accumulate acc
 // With target t = (1 - ls) onehot(label) + ls / C, and w_i = weights[i] (or 1):
 // ensures loss = (1/B) sum_i w_i * sum_c -t_c log softmax(logits_i)_c   (0 when B == 0)
 //         dlogits_i = (w_i / B) (softmax(logits_i) - t).
-// A label outside [0, C) throws (CPU) or is reported by the next checked call (CUDA).
+// A label outside [0, C) throws bad_label_text of the first such row: at once on the CPU; on
+// CUDA at the next read to the host on the same context (loss.item()), and the engine stays
+// usable (a device-side fault record, not a trap).
 void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
                            const Tensor& labels, const Tensor& weights = Tensor(),
                            float label_smoothing = 0.f);
+// The error text of softmax_cross_entropy for row `row` of logits (batch, classes) whose label
+// is outside [0, classes), the same on every backend.
+std::string bad_label_text(int64_t label, int64_t row, int64_t batch, int64_t classes);
 // requires pred, target same shape (B, ...), loss (1), dpred like pred or undefined.
 // ensures loss = mean((pred - target)^2) over all elements; dpred = 2 (pred - target) / numel.
 void mse_loss(Tensor& loss, Tensor& dpred, const Tensor& pred, const Tensor& target);
 // requires out (1). ensures out = sum of x / mean of x (0 for an empty x).
 void sum(Tensor& out, const Tensor& x);
 void mean(Tensor& out, const Tensor& x);
-// requires x (B, C), out (B) i32. ensures out_i = argmax_c x_ic (first on ties).
+// requires x (B, C), out (B) i32. ensures out_i = argmax_c x_ic (first on ties). NaN: out_i = 0
+// when x_i0 is NaN; other NaNs are skipped (the left-to-right scan `x[c] > x[best]`).
 void argmax(Tensor& out, const Tensor& x);
 // requires logits (B, C), labels (B) i32. Returns how many rows have argmax == label (waits).
 int64_t count_correct(const Tensor& logits, const Tensor& labels);

@@ -86,11 +86,24 @@ inline std::vector<float> init_values(const InitSpec& spec, int64_t count, uint6
   return v;
 }
 
+// Every parameter's and buffer's first element in the flat buffers sits at a multiple of
+// kFlatAlignBytes: cuBLASLt's fastest kernels and its fused bias epilogue need 16-byte (better
+// 256-byte) aligned operands, and a view at any 4-byte offset would forgo them. The gaps between
+// views are zero when allocated and belong to no parameter; nothing writes them but whole-buffer
+// ops (zero_grad, reductions, the fused optimizer, DDP buckets), which keep zeros zero: a zero
+// gradient with a zero weight takes a zero step in SGD and AdamW alike.
+constexpr int64_t kFlatAlignBytes = 256;
+constexpr int64_t kFlatAlignElems = kFlatAlignBytes / static_cast<int64_t>(sizeof(float));
+// The first offset (in f32 elements) at or after n that is kFlatAlignBytes-aligned.
+inline int64_t align_flat_offset(int64_t n) {
+  return (n + kFlatAlignElems - 1) / kFlatAlignElems * kFlatAlignElems;
+}
+
 struct Parameter {
   std::string name;  // local name ("weight"); named_parameters() gives the full path
   Shape shape;
   InitSpec init;
-  int64_t offset = 0;  // first element in the flat buffers
+  int64_t offset = 0;  // first element in the flat buffers (a multiple of kFlatAlignElems)
   Tensor value;        // view into the flat parameter buffer
   Tensor grad;         // view into the flat gradient buffer
   int64_t numel() const { return kernels::shape_numel(shape); }
@@ -156,7 +169,7 @@ class Module {
   bool is_training() const { return mode_ == Mode::train; }
 
   // Parameters of the whole tree, depth first in registration order, with hierarchical names
-  // ("layer1.conv.weight"). This order is the order in the flat buffers.
+  // ("layer1.conv.weight"). This order is the order in the flat buffers (with aligned gaps).
   std::vector<std::pair<std::string, Parameter*>> named_parameters() {
     std::vector<std::pair<std::string, Parameter*>> out;
     visit("", [&](const std::string& prefix, Module& m) {
@@ -301,9 +314,10 @@ class Module {
     state->rng_key = kernels::philox::mix_key(seed, 0x5eed, static_cast<uint64_t>(device.index));
     int64_t np = 0, nb = 0;
     visit("", [&](const std::string&, Module& m) {
-      for (auto& p : m.params_) p.offset = np, np += p.numel();
-      for (auto& b : m.buffers_) b.offset = nb, nb += b.numel();
+      for (auto& p : m.params_) p.offset = align_flat_offset(np), np = p.offset + p.numel();
+      for (auto& b : m.buffers_) b.offset = align_flat_offset(nb), nb = b.offset + b.numel();
     });
+    // Parameters and buffers get their values (and the gaps zeros) in reinitialize().
     state->params = Tensor::empty({np}, DType::f32, device);
     state->grads = Tensor::zeros({np}, DType::f32, device);
     state->buffers = Tensor::empty({nb}, DType::f32, device);
@@ -337,5 +351,14 @@ class Module {
 };
 
 using ModulePtr = std::shared_ptr<Module>;
+
+// The parameter elements of `flat` (a host copy of m's flat parameter or gradient buffer), in
+// flat order without the alignment gaps: what torch's concatenated model.parameters() holds.
+inline std::vector<float> packed_parameters(Module& m, const std::vector<float>& flat) {
+  std::vector<float> out;
+  for (auto& [name, p] : m.named_parameters())
+    out.insert(out.end(), flat.begin() + p->offset, flat.begin() + p->offset + p->numel());
+  return out;
+}
 
 }  // namespace nn

@@ -3,3 +3,15 @@ if(TARGET dp_bench)
   target_compile_definitions(test_bench PRIVATE DP_BENCH_PATH="$<TARGET_FILE:dp_bench>")
   add_dependencies(test_bench dp_bench)
 endif()
+
+# scripts/gpu_check.sh on a machine without a GPU: exit 2 at once, one line (skipped with a GPU).
+add_test(NAME "bench.gpu_check: exits 2 without a GPU"
+         COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/gpu_check_no_gpu.sh
+                 ${PROJECT_SOURCE_DIR}/scripts/gpu_check.sh ${CMAKE_BINARY_DIR})
+set_tests_properties("bench.gpu_check: exits 2 without a GPU"
+                     PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 60)
+add_test(NAME "bench.gpu_check: finds the CUDA libraries of PyTorch's wheels"
+         COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/gpu_check_libs.sh
+                 ${PROJECT_SOURCE_DIR}/scripts/gpu_check.sh)
+set_tests_properties("bench.gpu_check: finds the CUDA libraries of PyTorch's wheels"
+                     PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 60)

@@ -59,4 +59,25 @@ inline std::vector<float> host(const Tensor& t) {
   return t.to_host_f32();
 }
 
+// m's parameter values or gradients, packed (flat order, no alignment gaps).
+inline std::vector<float> packed_values(nn::Module& m) {
+  return nn::packed_parameters(m, host(m.flat_params()));
+}
+inline std::vector<float> packed_grads(nn::Module& m) {
+  return nn::packed_parameters(m, host(m.flat_grads()));
+}
+// Sets m's parameter values (or gradients) from packed values.
+enum class Which { values, grads };
+inline void set_packed(nn::Module& m, Which which, const std::vector<float>& v) {
+  size_t at = 0;
+  for (auto& [name, p] : m.named_parameters()) {
+    auto n = static_cast<size_t>(p->numel());
+    REQUIRE(at + n <= v.size());
+    nn::set_values(which == Which::values ? p->value : p->grad,
+                   std::vector<float>(v.begin() + at, v.begin() + at + n));
+    at += n;
+  }
+  REQUIRE(at == v.size());
+}
+
 }  // namespace nn_test

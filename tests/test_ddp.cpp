@@ -111,6 +111,13 @@ TEST_CASE("ddp.equivalence: 2-4 ranks follow the single-device run, replicas bit
         o.bucket_cap_bytes = 512;
         DistributedDataParallel ddp(m, pg, o);
         CHECK(ddp.buckets().size() > 1);
+        // The buckets tile the whole gradient buffer, the views' alignment gaps included.
+        int64_t end = m->flat_grads().numel();
+        for (const auto& b : ddp.buckets()) {  // reverse order: each ends where the last began
+          CHECK(b.offset + b.numel == end);
+          end = b.offset;
+        }
+        CHECK(end == 0);
         for (int s = 0; s < 4; ++s) {
           auto [x, y] = dp_test::toy_batch(batch, 100 + s);
           ddp_step(ddp, opt, x, y, r, world);

@@ -294,5 +294,14 @@ TEST_CASE("dist.collectives: CUDA tensors through Gloo (ranks sharing one GPU)")
     Tensor y = Tensor::from_vector(std::vector<float>(10, -1.f), {10}, dev);
     pg->send_recv(x, 1 - r, y, 1 - r, 3)->wait();
     for (float v : y.to_host_f32()) RANK_CHECK(v == float(1 - r + 5), "cuda send_recv");
+    // Pooled pinned staging reused across sizes (a small message in a larger buffer, then a
+    // larger one than any before): the data stays right.
+    for (int64_t n : {int64_t{4096}, int64_t{7}, int64_t{5000}, int64_t{4096}}) {
+      Tensor xs = Tensor::from_vector(std::vector<float>(n, float(10 * r + n % 9)), {n}, dev);
+      Tensor ys = Tensor::from_vector(std::vector<float>(n, -1.f), {n}, dev);
+      pg->send_recv(xs, 1 - r, ys, 1 - r, 4)->wait();
+      for (float v : ys.to_host_f32())
+        RANK_CHECK(v == float(10 * (1 - r) + n % 9), "cuda send_recv through the staging pool");
+    }
   });
 }

@@ -2,15 +2,20 @@
 // inputs (odd sizes, empty batches, accumulation), bitwise reproducibility of the reductions,
 // logical devices sharing one GPU, and memory returning to its start value. Each case skips,
 // visibly, without a GPU.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <limits>
 #include <random>
+#include <string>
+#include <tuple>
 
 #include "tests/test_util.hpp"
 
 #if DP_HAVE_CUDA
+#include <cuda_runtime.h>
+
 #include "kernels/cuda/cuda_ops.hpp"
 #endif
 
@@ -120,7 +125,9 @@ TEST_CASE("kernels.cuda.elementwise: add, mul, scale, axpy match CPU (odd sizes,
 TEST_CASE("kernels.cuda.bias: add_bias and bias_backward match CPU ((N, C), (N, C, H, W))") {
   DP_REQUIRE_GPU();
   // 1000 rows use several row chunks of the column sums; 3 rows use one.
-  for (Shape s : {Shape{3, 37}, Shape{1000, 37}, Shape{5, 7, 3, 11}, Shape{2, 300, 1, 1}}) {
+  // (8, 3, 64, 64): 32768 elements per channel, split in 16 chunks per channel.
+  for (Shape s : {Shape{3, 37}, Shape{1000, 37}, Shape{5, 7, 3, 11}, Shape{2, 300, 1, 1},
+                  Shape{8, 3, 64, 64}}) {
     CAPTURE(shape_str(s));
     check_matches_cpu(
         [&](Device d) {
@@ -211,15 +218,36 @@ TEST_CASE("kernels.cuda.gemm: f16 and bf16 operands, f32 or 16-bit output") {
           return Outputs{c32};
         },
         1e-4f);  // same rounded operands, f32 accumulation: only the order differs
-    check_matches_cpu(
-        [&](Device d) {
-          Tensor a = rnd(d, {k, m}, 20, -1.f, 1.f, t), b = rnd(d, {k, n}, 21, -1.f, 1.f, t);
-          Tensor bias = rnd(d, {n}, 22);
-          Tensor c16 = Tensor::zeros({m, n}, t, d);
-          gemm(c16, a, Transpose::yes, b, Transpose::no, 1.f, 0.f, bias);
-          return Outputs{c16};
-        },
-        t == DType::bf16 ? 6e-2f : 8e-3f);  // one 16-bit rounding of values up to ~8
+    auto run16 = [&](Device d) {
+      Tensor a = rnd(d, {k, m}, 20, -1.f, 1.f, t), b = rnd(d, {k, n}, 21, -1.f, 1.f, t);
+      Tensor bias = rnd(d, {n}, 22);
+      Tensor c16 = Tensor::zeros({m, n}, t, d);
+      gemm(c16, a, Transpose::yes, b, Transpose::no, 1.f, 0.f, bias);
+      return Outputs{c16};
+    };
+    // The tolerance, from the rounding steps. With s the exact product a^T b (the operands are
+    // already 16-bit values, so exact in f32), bias b_j in [-1, 1) and u the unit roundoff of
+    // the output type (2^-11 for f16, 2^-8 for bf16; |fl(v) - v| <= u |v|):
+    //   CPU: c = fl16(s1 + b), one 16-bit rounding of the f32 sum s1 = s + e1;
+    //   GPU: g = fl16(fl16(s2) + b): cuBLASLt rounds the product s2 = s + e2 to 16 bits, then
+    //        the bias kernel adds the bias in f32 and rounds again (a 16-bit output has no
+    //        fused epilogue).
+    // With M a bound on |s| and |s + b|, and |e1|, |e2| <= k^2 2^-24 (f32 accumulation of k
+    // terms of size <= 1, in any order; a bound of 2.4e-4 here, an order of magnitude below
+    // the 16-bit terms):
+    //   |g - c| <= u M (first GPU rounding) + u M (1 + u) (second GPU rounding)
+    //              + u M (the CPU's rounding) + |e1| + |e2| + 2^-24 M (the f32 bias add)
+    //           <= 3 u M (1 + u) + 2 k^2 2^-24 + 2^-24 M.
+    // M is taken from the data: the CPU result's largest magnitude plus 1 (|b| < 1) and its
+    // own half-ulp slack, so the bound holds for these operands, not for an assumed range.
+    float m_bound = 1.f;
+    for (float v : run16(kCpu)[0].to_host_f32()) m_bound = std::max(m_bound, std::fabs(v) + 1.f);
+    const double u = t == DType::bf16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
+    const double f32u = std::ldexp(1.0, -24);
+    const double tol16 = 3 * u * m_bound * (1 + u) * (1 + u) + 2.0 * k * k * f32u + f32u * m_bound;
+    CAPTURE(m_bound);
+    CAPTURE(tol16);
+    check_matches_cpu(run16, static_cast<float>(tol16));
   }
 }
 
@@ -364,6 +392,31 @@ TEST_CASE("kernels.cuda.argmax and count_correct: first maximum on ties, match C
     CHECK(got[0].to_host_i32() == got[1].to_host_i32());
     CHECK(correct[0] == correct[1]);
   }
+  // NaN: the CPU's left-to-right rule (x[0] NaN gives 0; other NaNs are skipped), in rows
+  // wider than a warp too, with the NaN at a lane's first column and elsewhere.
+  {
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    const int64_t classes = 70;
+    std::vector<float> v(static_cast<size_t>(6 * classes));
+    for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>((i * 37) % 11);
+    v[0 * classes + 0] = nan;    // row 0: NaN first
+    v[1 * classes + 3] = nan;    // row 1: NaN seeds lane 3
+    v[1 * classes + 40] = 20.f;  //        the maximum is after it
+    v[2 * classes + 35] = nan;   // row 2: NaN in a lane's second column
+    for (int64_t c = 0; c < classes; ++c) v[3 * classes + c] = nan;  // row 3: all NaN
+    for (int64_t c = 1; c < classes; ++c) v[4 * classes + c] = nan;  // row 4: one number first
+    v[4 * classes + 0] = -1.f;
+    v[5 * classes + 69] = nan;  // row 5: NaN last
+    Outputs got;
+    for (Device d : {kGpu, kCpu}) {
+      Tensor out = Tensor::zeros({6}, DType::i32, d);
+      argmax(out, Tensor::from_vector(v, {6, classes}, d));
+      got.push_back(out);
+    }
+    CHECK(got[0].to_host_i32() == got[1].to_host_i32());
+    CHECK(got[1].to_host_i32()[0] == 0);
+    CHECK(got[1].to_host_i32()[1] == 40);
+  }
   // Every label right, then none: the count is exact.
   Tensor x = rnd(kGpu, {50, 6}, 40);
   Tensor idx = Tensor::zeros({50}, DType::i32, kGpu);
@@ -479,7 +532,8 @@ TEST_CASE("kernels.cuda.pool2d: max and average pooling match CPU (ties, overlap
 
 TEST_CASE("kernels.cuda.batch_norm: train, eval, backward match CPU ((N, C), (N, C, H, W))") {
   DP_REQUIRE_GPU();
-  for (Shape s : {Shape{37, 5}, Shape{3, 7, 5, 9}, Shape{2, 3, 40, 41}}) {
+  // (16, 4, 64, 64): 65536 elements per channel, split in 32 chunks per channel.
+  for (Shape s : {Shape{37, 5}, Shape{3, 7, 5, 9}, Shape{2, 3, 40, 41}, Shape{16, 4, 64, 64}}) {
     CAPTURE(shape_str(s));
     int64_t c = s[1];
     check_matches_cpu(
@@ -692,5 +746,110 @@ TEST_CASE("kernels.cuda.empty: the backend itself handles zero-sized inputs") {
   cuda::conv2d_backward_filter(dw, zeros(kGpu, {0, 2, 4, 4}), zeros(kGpu, {0, 3, 4, 4}),
                                Conv2dParams{1, 1, 1, 1}, Accumulate::no, ctx);
   CHECK(dw.to_host_f32() == std::vector<float>(54, 0.f));
+}
+
+TEST_CASE("kernels.cuda.softmax_cross_entropy: a bad label throws the CPU's text at the read") {
+  DP_REQUIRE_GPU();
+  Tensor logits = rnd(kGpu, {2, 3}, 90);
+  Tensor loss = zeros(kGpu, {1}), dlogits = zeros(kGpu, {2, 3});
+  // The same text as the CPU backend, which tests/test_kernels_loss.cpp pins; the first bad
+  // row wins when there are several.
+  for (auto [lab, row, label] :
+       {std::tuple<std::vector<int32_t>, int, int>{{0, 3}, 1, 3}, {{-1, 7}, 0, -1}}) {
+    softmax_cross_entropy(loss, dlogits, logits, Tensor::from_ints(lab, {2}, kGpu));
+    std::string what;
+    try {
+      (void)loss.item();  // the host read reports the device-side fault
+    } catch (const Error& e) {
+      what = e.what();
+    }
+    CHECK(what == bad_label_text(label, row, 2, 3));
+    CHECK(what == "softmax_cross_entropy: label " + std::to_string(label) + " of row " +
+                      std::to_string(row) + " is outside [0, 3) for logits [2, 3]");
+  }
+  // No trap: the context, and every logical device sharing the GPU, stays usable.
+  softmax_cross_entropy(loss, dlogits, logits, Tensor::from_ints({0, 2}, {2}, kGpu));
+  CHECK(std::isfinite(loss.item()));
+  Tensor y = zeros(Device::cuda(1), {4});
+  fill(y, 2.f);
+  CHECK(y.to_host_f32() == std::vector<float>(4, 2.f));
+}
+
+TEST_CASE("kernels.cuda.plans: GEMM and convolution plans are built once per shape and context") {
+  DP_REQUIRE_GPU();
+  DeviceContext& ctx = context(kGpu);
+  Tensor a = rnd(kGpu, {40, 24}, 91), b = rnd(kGpu, {16, 24}, 92), bias = rnd(kGpu, {16}, 93);
+  Tensor c = zeros(kGpu, {40, 16});
+  gemm(c, a, Transpose::no, b, Transpose::yes, 1.f, 0.f, bias);
+  cuda::PlanCounts g0 = cuda::gemm_plan_counts(ctx);
+  for (int i = 0; i < 3; ++i) gemm(c, a, Transpose::no, b, Transpose::yes, 1.f, 0.f, bias);
+  cuda::PlanCounts g1 = cuda::gemm_plan_counts(ctx);
+  CHECK(g1.hits == g0.hits + 3);
+  CHECK(g1.misses == g0.misses);
+  Tensor c2 = zeros(kGpu, {41, 16}), a2 = rnd(kGpu, {41, 24}, 94);
+  gemm(c2, a2, Transpose::no, b, Transpose::yes);  // another shape: one more plan
+  CHECK(cuda::gemm_plan_counts(ctx).misses == g1.misses + 1);
+
+  Tensor x = rnd(kGpu, {2, 3, 9, 9}, 95), w = rnd(kGpu, {4, 3, 3, 3}, 96);
+  Tensor y = zeros(kGpu, {2, 4, 9, 9}), dx = zeros(kGpu, {2, 3, 9, 9});
+  Tensor dw = zeros(kGpu, {4, 3, 3, 3});
+  Conv2dParams p{1, 1, 1, 1};
+  auto pass = [&] {
+    conv2d_forward(y, x, w, p);
+    conv2d_backward_data(dx, y, w, p, Accumulate::no);
+    conv2d_backward_filter(dw, y, x, p, Accumulate::no);
+  };
+  pass();
+  cuda::PlanCounts c0 = cuda::conv_plan_counts(ctx);
+  pass();
+  pass();
+  cuda::PlanCounts c1 = cuda::conv_plan_counts(ctx);
+  CHECK(c1.hits == c0.hits + 6);
+  CHECK(c1.misses == c0.misses);
+  // Another context has its own plans (no global cache).
+  DeviceContext other(kGpu);
+  {
+    ContextScope scope(other);
+    pass();
+  }
+  CHECK(cuda::conv_plan_counts(other).misses == 3);
+  CHECK(cuda::conv_plan_counts(ctx).misses == c1.misses);
+}
+
+TEST_CASE("kernels.cuda.runtime: pool release threshold, peer access, current GPU, stale errors") {
+  DP_REQUIRE_GPU();
+  DeviceContext& ctx = context(kGpu);
+  int gpu = physical_gpu(kGpu);
+  cudaMemPool_t pool = nullptr;
+  REQUIRE(cudaDeviceGetDefaultMemPool(&pool, gpu) == cudaSuccess);
+  uint64_t threshold = 0;
+  REQUIRE(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold) ==
+          cudaSuccess);
+  CHECK(threshold == UINT64_MAX);  // synchronize() no longer unmaps the pool
+  // Peer access is on for every pair that allows it (enabling it again says so).
+  for (int peer = 0; peer < cuda_device_count(); ++peer) {
+    int can = 0;
+    cudaDeviceCanAccessPeer(&can, gpu, peer);
+    if (peer == gpu || !can) continue;
+    DeviceContext peer_ctx(Device::cuda(peer));  // prepares the peer GPU too
+    cudaSetDevice(gpu);
+    CHECK(cudaDeviceEnablePeerAccess(peer, 0) == cudaErrorPeerAccessAlreadyEnabled);
+    cudaGetLastError();
+  }
+  // Freeing a tensor of another GPU leaves the thread's current GPU as it was.
+  int last = cuda_device_count() - 1;
+  {
+    Tensor far = zeros(Device::cuda(last), {8});
+    cudaSetDevice(0);
+  }
+  int current = -1;
+  cudaGetDevice(&current);
+  CHECK(current == 0);
+  // A failed workspace allocation leaves no stale error for the next launch on this thread.
+  CHECK_THROWS_WITH_AS(ctx.workspace(size_t{1} << 52), doctest::Contains("out of memory"), Error);
+  CHECK(cudaPeekAtLastError() == cudaSuccess);
+  Tensor t = zeros(kGpu, {1000});
+  fill(t, 3.f);
+  CHECK(t.to_host_f32() == std::vector<float>(1000, 3.f));
 }
 #endif

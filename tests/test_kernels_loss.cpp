@@ -1,5 +1,10 @@
 // kernels.*: losses, reductions, metrics and optimizer steps against references in double and
 // hand-computed values.
+#include <cmath>
+#include <limits>
+#include <string>
+#include <utility>
+
 #include "tests/test_kernels_util.hpp"
 
 using namespace kernels;
@@ -88,6 +93,42 @@ TEST_CASE("kernels.softmax_cross_entropy: stable for huge logits, forward only, 
                        doctest::Contains("label 3 of row 1 is outside [0, 3)"), Error);
   Tensor negative = Tensor::from_ints({-1, 0}, {2});
   CHECK_THROWS_AS(softmax_cross_entropy(loss, no_grad, logits, negative), Error);
+}
+
+TEST_CASE("kernels.softmax_cross_entropy: a bad label's error text, the first bad row") {
+  // The CUDA backend throws this same text (at the next host read), so it is pinned here.
+  Tensor logits = tensor({1.f, 2.f, 3.f, 4.f, 5.f, 6.f}, {2, 3});
+  Tensor loss = scalar(), dlogits = zeros({2, 3});
+  for (auto [labels, text] :
+       {std::pair<std::vector<int32_t>, std::string>{
+            {0, 3}, "softmax_cross_entropy: label 3 of row 1 is outside [0, 3) for logits [2, 3]"},
+        {{-1, 7},
+         "softmax_cross_entropy: label -1 of row 0 is outside [0, 3) for logits [2, 3]"}}) {
+    CAPTURE(text);
+    std::string what;
+    try {
+      softmax_cross_entropy(loss, dlogits, logits, Tensor::from_ints(labels, {2}));
+    } catch (const Error& e) {
+      what = e.what();
+    }
+    CHECK(what.substr(0, what.rfind(" [")) == text);  // the text, before " [check ... at file]"
+    CHECK(bad_label_text(labels[0] < 0 ? -1 : 3, labels[0] < 0 ? 0 : 1, 2, 3) == text);
+  }
+  // The engine stays usable: a good call right after works.
+  softmax_cross_entropy(loss, dlogits, logits, Tensor::from_ints({0, 2}, {2}));
+  CHECK(std::isfinite(loss.item()));
+}
+
+TEST_CASE("kernels.argmax: NaN follows the left-to-right scan (x[c] > x[best])") {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  Tensor x = tensor({nan, 5, 7, 1,        //  NaN first: it stays the answer
+                     1, nan, 7, 7,        //  NaNs elsewhere are skipped
+                     nan, nan, nan, nan,  //
+                     -3, -2, nan, -2},
+                    {4, 4});
+  Tensor out = Tensor::zeros({4}, DType::i32, Device::cpu());
+  argmax(out, x);
+  CHECK(out.to_host_i32() == std::vector<int32_t>{0, 2, 0, 1});
 }
 
 TEST_CASE("kernels.mse_loss: mean of squares and its gradient") {

@@ -194,8 +194,9 @@ TEST_CASE("nn.gradients: on_grad_ready fires per parameter in reverse layer orde
   net->flat().on_grad_ready = [&](const nn::Parameter& p) { offsets.push_back(p.offset); };
   net->forward(uniform({2, 3}, 1));
   net->backward(uniform({2, 2}, 2));
-  // Layer "2" (weight at 16, bias at 24) before layer "0" (weight at 0, bias at 12).
-  CHECK(offsets == std::vector<int64_t>{16, 24, 0, 12});
+  // Layer "2" (weight, bias) before layer "0" (weight at 0, bias next); every view starts on
+  // its own 256-byte boundary (64 floats).
+  CHECK(offsets == std::vector<int64_t>{128, 192, 0, 64});
 }
 
 TEST_CASE("nn.batchnorm: running statistics in training, used in eval") {

@@ -19,8 +19,8 @@ namespace {
 std::shared_ptr<nn::Linear> tiny(const std::vector<float>& params,
                                  const std::vector<float>& grads) {
   auto m = materialized(make_shared<nn::Linear>(2, 1));
-  nn::set_values(m->flat_params(), params);
-  nn::set_values(m->flat_grads(), grads);
+  set_packed(*m, Which::values, params);
+  set_packed(*m, Which::grads, grads);
   return m;
 }
 
@@ -74,14 +74,14 @@ TEST_CASE("nn.optim: SGD plain and with weight decay") {
   nn::SGD sgd(*m, c);
   CHECK(sgd.state().empty());
   sgd.step();
-  check_close(host(m->flat_params()), {0.95, -2.1, 0.65});
+  check_close(packed_values(*m), {0.95, -2.1, 0.65});
   CHECK(sgd.step_count() == 1);
 
   auto w = tiny({1, -2, 0.5f}, {0.1f, 0.2f, -0.3f});
   c.weight_decay = 0.1f;
   nn::SGD sgd_wd(*w, c);
   sgd_wd.step();  // g = grad + 0.1 p
-  check_close(host(w->flat_params()), {1 - 0.5 * 0.2, -2 - 0.5 * 0.0, 0.5 - 0.5 * (-0.25)});
+  check_close(packed_values(*w), {1 - 0.5 * 0.2, -2 - 0.5 * 0.0, 0.5 - 0.5 * (-0.25)});
 }
 
 TEST_CASE("nn.optim: SGD momentum and Nesterov over two steps") {
@@ -105,7 +105,7 @@ TEST_CASE("nn.optim: SGD momentum and Nesterov over two steps") {
       d = nesterov == kernels::Nesterov::yes ? g[i] + 0.9 * buf : buf;
       want[i] = p - 0.05 * d;
     }
-    check_close(host(m->flat_params()), want, 1e-5);
+    check_close(packed_values(*m), want, 1e-5);
     REQUIRE(sgd.state().size() == 1);
     CHECK(host(sgd.state()[0].second)[0] == doctest::Approx(1.9 * 0.1));
   }
@@ -123,7 +123,7 @@ TEST_CASE("nn.optim: AdamW over two steps") {
   c.weight_decay = 0.1f;
   nn::AdamW adam(*m, c);
   adam.step();
-  nn::set_values(m->flat_grads(), {-0.2f, 0.05f, 0.4f});
+  set_packed(*m, Which::grads, {-0.2f, 0.05f, 0.4f});
   adam.step();
   std::vector<double> want(3);
   for (int i = 0; i < 3; ++i) {
@@ -138,7 +138,7 @@ TEST_CASE("nn.optim: AdamW over two steps") {
     }
     want[i] = p;
   }
-  check_close(host(m->flat_params()), want, 1e-5);
+  check_close(packed_values(*m), want, 1e-5);
   CHECK(adam.step_count() == 2);
   CHECK(adam.state().size() == 2);
 }
@@ -234,30 +234,112 @@ TEST_CASE("nn.layout: views alias one flat buffer, with hierarchical names") {
                                           make_shared<nn::Residual>(make_shared<nn::Linear>(4, 4)),
                                           make_shared<nn::Linear>(4, 2, Bias::no)}));
   std::vector<std::string> names;
-  int64_t expected_offset = 0;
+  int64_t expected_offset = 0, end = 0;
   for (auto& [name, p] : net->named_parameters()) {
     names.push_back(name);
+    expected_offset = nn::align_flat_offset(end);  // the next 256-byte boundary
     CHECK(p->offset == expected_offset);
-    expected_offset += p->numel();
+    end = expected_offset + p->numel();
     CHECK(p->value.same_storage(net->flat_params()));
     CHECK(p->grad.same_storage(net->flat_grads()));
   }
   CHECK(names == std::vector<std::string>{"0.weight", "0.bias", "1.weight", "1.bias",
                                           "3.block.weight", "3.block.bias", "4.weight"});
-  CHECK(expected_offset == net->flat_params().numel());
+  CHECK(end == net->flat_params().numel());
   CHECK(net->num_parameters() == 12 + 4 + 4 + 4 + 16 + 4 + 8);
   std::vector<std::string> buffers;
   for (auto& [name, b] : net->named_buffers()) buffers.push_back(name);
   CHECK(buffers == std::vector<std::string>{"1.running_mean", "1.running_var"});
-  CHECK(net->flat_buffers().numel() == 8);
+  CHECK(net->flat_buffers().numel() == 64 + 4);  // running_var on the next 256-byte boundary
 
   // A write through the flat buffer shows in the view, and the other way round.
   std::vector<float> flat = host(net->flat_params());
-  flat[12] = 123.f;  // first element of 0.bias
+  flat[64] = 123.f;  // first element of 0.bias
   nn::set_values(net->flat_params(), flat);
   CHECK(host(nn::find_parameter(*net, "0.bias").value)[0] == 123.f);
   nn::set_values(nn::find_parameter(*net, "4.weight"), std::vector<float>(8, -1.f));
-  CHECK(host(net->flat_params())[expected_offset - 1] == -1.f);
+  CHECK(host(net->flat_params())[end - 1] == -1.f);
+}
+
+TEST_CASE("nn.layout: every view starts on a 256-byte boundary, the gaps are never a parameter") {
+  // Odd sizes everywhere (3x5 weights, 5 biases, BatchNorm's 5-element statistics).
+  auto net = materialized(nn::sequential(
+      {make_shared<nn::Linear>(3, 5), make_shared<nn::BatchNorm1d>(5), make_shared<nn::ReLU>(),
+       make_shared<nn::Linear>(5, 7), make_shared<nn::Linear>(7, 2, Bias::no)}));
+  const int64_t total = net->flat_params().numel();
+  std::vector<int> owner(static_cast<size_t>(total), -1);  // which parameter holds element i
+  int index = 0, n_params = 0;
+  for (auto& [name, p] : net->named_parameters()) {
+    CAPTURE(name);
+    CHECK(p->value.offset_bytes() % nn::kFlatAlignBytes == 0);
+    CHECK(p->grad.offset_bytes() % nn::kFlatAlignBytes == 0);
+    CHECK(reinterpret_cast<uintptr_t>(p->value.raw()) % nn::kFlatAlignBytes == 0);
+    for (int64_t i = p->offset; i < p->offset + p->numel(); ++i) {
+      REQUIRE(owner[i] == -1);  // no two parameters share an element
+      owner[i] = index;
+    }
+    n_params += static_cast<int>(p->numel());
+    ++index;
+  }
+  for (auto& [name, b] : net->named_buffers()) {
+    CAPTURE(name);
+    CHECK(b->value.offset_bytes() % nn::kFlatAlignBytes == 0);
+  }
+  // The gaps: fewer than 64 floats each, only before an aligned view, and zero.
+  const int64_t gaps = total - n_params;
+  CHECK(gaps > 0);
+  CHECK(n_params == net->num_parameters());
+  auto check_gaps_zero = [&](const char* when) {
+    CAPTURE(when);
+    std::vector<float> params = host(net->flat_params()), grads = host(net->flat_grads());
+    for (int64_t i = 0; i < total; ++i)
+      if (owner[i] < 0) {
+        CAPTURE(i);
+        REQUIRE(params[i] == 0.f);
+        REQUIRE(grads[i] == 0.f);
+      }
+  };
+  check_gaps_zero("materialised");
+
+  // Training steps over the whole flat buffers (SGD with momentum and weight decay, AdamW):
+  // every parameter element moves, the gaps stay zero.
+  const std::vector<float> before = packed_values(*net);
+  nn::CrossEntropyLoss loss_fn;
+  Tensor x = uniform({4, 3}, 5);
+  Tensor y = Tensor::from_ints({0, 1, 1, 0}, {4});
+  kernels::SgdConfig sc;
+  sc.lr = 0.1f;
+  sc.momentum = 0.9f;
+  sc.weight_decay = 0.01f;
+  nn::SGD sgd(*net, sc);
+  kernels::AdamWConfig ac;
+  ac.weight_decay = 0.1f;
+  nn::AdamW adam(*net, ac);
+  for (int step = 0; step < 4; ++step) {
+    net->zero_grad();
+    loss_fn.forward(net->forward(x), y);
+    net->backward(loss_fn.backward());
+    check_gaps_zero("after backward");
+    step % 2 ? adam.step() : sgd.step();
+    check_gaps_zero("after a step");
+  }
+  const std::vector<float> after = packed_values(*net);
+  for (size_t i = 0; i < after.size(); ++i) CHECK(after[i] != before[i]);
+
+  // clone_to and checkpoints carry the same layout and values.
+  auto replica = net->clone_to(Device::cpu(1));
+  CHECK(host(replica->flat_params()) == host(net->flat_params()));
+  const std::string path = temp_path("aligned.ckpt");
+  nn::save_checkpoint(*net, path);
+  auto loaded =
+      materialized(nn::sequential({make_shared<nn::Linear>(3, 5), make_shared<nn::BatchNorm1d>(5),
+                                   make_shared<nn::ReLU>(), make_shared<nn::Linear>(5, 7),
+                                   make_shared<nn::Linear>(7, 2, Bias::no)}),
+                   9);
+  nn::load_checkpoint(*loaded, path);
+  std::remove(path.c_str());
+  CHECK(packed_values(*loaded) == after);
+  CHECK(host(loaded->flat_buffers()) == host(net->flat_buffers()));
 }
 
 // ---- checkpoints ---------------------------------------------------------------------------

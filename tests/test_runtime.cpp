@@ -1,7 +1,10 @@
 // Runtime: devices, tensors and views, dtype conversions, errors, contexts.
+#include <array>
 #include <thread>
 
+#include "kernels/runtime/handle.hpp"
 #include "kernels/runtime/memory.hpp"
+#include "kernels/runtime/plan_cache.hpp"
 #include "tests/test_util.hpp"
 
 using namespace kernels;
@@ -135,4 +138,135 @@ TEST_CASE("runtime.memory: copy_bytes and fill_bytes between CPU devices, overla
   CHECK(v.to_host_f32() == std::vector<float>{0, 0, 1, 2, 3, 5});
   Tensor i = Tensor::from_ints({1}, {1});
   CHECK_THROWS_WITH_AS(copy_bytes(i, v.view(0, {1})), doctest::Contains("dtypes differ"), Error);
+}
+
+// ---- UniqueHandle and PlanCache, with fake create/destroy functions ------------------------
+
+namespace {
+
+// A fake C library: handles are pointers to its objects; it counts creations and destructions.
+struct FakeObject {
+  int id = 0;
+};
+using FakeHandle = FakeObject*;
+enum class FakeStatus { ok, bad };
+int fake_created = 0, fake_destroyed = 0;
+bool fake_destroy_fails = false;
+
+FakeStatus fake_create(FakeHandle* h) {
+  *h = new FakeObject{++fake_created};
+  return FakeStatus::ok;
+}
+FakeStatus fake_destroy(FakeHandle h) {
+  delete h;
+  ++fake_destroyed;
+  return fake_destroy_fails ? FakeStatus::bad : FakeStatus::ok;
+}
+FakeStatus fake_set(FakeHandle, int value) {
+  return value < 0 ? FakeStatus::bad : FakeStatus::ok;
+}
+
+using FakeUnique = UniqueHandle<FakeHandle, FakeStatus, fake_destroy, FakeStatus::ok>;
+
+// The shape of the cuDNN descriptor owners: create, adopt at once, then "set" calls that may
+// throw from inside the constructor.
+struct FakeDescriptorPair {
+  FakeUnique a, b;
+  FakeDescriptorPair(int value_a, int value_b) {
+    FakeHandle raw = nullptr;
+    fake_create(&raw);
+    a = FakeUnique(raw);
+    DP_CHECK(fake_set(a.get(), value_a) == FakeStatus::ok, "set a: " << value_a);
+    fake_create(&raw);
+    b = FakeUnique(raw);
+    DP_CHECK(fake_set(b.get(), value_b) == FakeStatus::ok, "set b: " << value_b);
+  }
+};
+
+void reset_fake() {
+  fake_created = fake_destroyed = 0;
+  fake_destroy_fails = false;
+}
+
+}  // namespace
+
+TEST_CASE("runtime.handle: a set call that throws in a constructor leaks no descriptor") {
+  reset_fake();
+  { FakeDescriptorPair ok(1, 2); }
+  CHECK(fake_created == 2);
+  CHECK(fake_destroyed == 2);
+  reset_fake();
+  CHECK_THROWS_WITH_AS(FakeDescriptorPair(-1, 2), doctest::Contains("set a: -1"), Error);
+  CHECK(fake_created == 1);
+  CHECK(fake_destroyed == 1);
+  reset_fake();
+  CHECK_THROWS_WITH_AS(FakeDescriptorPair(1, -2), doctest::Contains("set b: -2"), Error);
+  CHECK(fake_created == 2);
+  CHECK(fake_destroyed == 2);
+}
+
+TEST_CASE("runtime.handle: moves transfer ownership, destroy runs once, a failure only logs") {
+  reset_fake();
+  {
+    FakeHandle raw = nullptr;
+    fake_create(&raw);
+    FakeUnique a(raw);
+    FakeUnique b(std::move(a));
+    CHECK(!a);
+    CHECK(b.get() == raw);
+    FakeUnique c;
+    c = std::move(b);
+    CHECK(c.get() == raw);
+    fake_create(&raw);
+    c = FakeUnique(raw);  // the old one is destroyed at the assignment
+    CHECK(fake_destroyed == 1);
+    fake_destroy_fails = true;  // logged, not thrown (destructors never throw)
+  }
+  CHECK(fake_created == 2);
+  CHECK(fake_destroyed == 2);
+  reset_fake();
+}
+
+TEST_CASE("runtime.plan_cache: hits and misses, a throwing build stores nothing, capacity") {
+  PlanCache<std::array<int64_t, 2>, FakeUnique> cache(3);
+  int built = 0;
+  auto make = [&] {
+    ++built;
+    FakeHandle raw = nullptr;
+    fake_create(&raw);
+    return FakeUnique(raw);
+  };
+  reset_fake();
+  FakeHandle first = cache.get({1, 2}, make).get();
+  CHECK(cache.get({1, 2}, make).get() == first);  // the same plan, not rebuilt
+  CHECK(cache.get({2, 1}, make).get() != first);
+  CHECK(built == 2);
+  CHECK(cache.hits() == 1);
+  CHECK(cache.misses() == 2);
+  CHECK(cache.size() == 2);
+  CHECK_THROWS_WITH_AS(cache.get({9, 9}, []() -> FakeUnique { DP_THROW("no algorithm"); }),
+                       doctest::Contains("no algorithm"), Error);
+  CHECK(cache.size() == 2);
+  CHECK(cache.misses() == 3);
+  cache.get({3, 3}, make);  // the third plan fills the cache
+  CHECK(cache.size() == 3);
+  cache.get({4, 4}, make);  // a miss on a full cache drops the old plans (destroyed) first
+  CHECK(cache.size() == 1);
+  CHECK(fake_destroyed == 3);
+  cache.clear();
+  CHECK(fake_destroyed == 4);
+  CHECK(fake_created == 4);
+  reset_fake();
+}
+
+TEST_CASE("runtime.context: state<T> is one object per context, destroyed with it") {
+  struct Counted {
+    int uses = 0;
+  };
+  DeviceContext a(Device::cpu(5), {1}), b(Device::cpu(5), {1});
+  a.state<Counted>().uses++;
+  a.state<Counted>().uses++;
+  CHECK(a.state<Counted>().uses == 2);
+  CHECK(b.state<Counted>().uses == 0);  // per context, never shared
+  CHECK(&a.state<Counted>() != &b.state<Counted>());
 }

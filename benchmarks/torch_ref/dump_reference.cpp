@@ -109,7 +109,9 @@ json params_section(uint64_t seed) {
       {"resnet", nn::resnet(8, 1, 10)}};
   for (auto& [name, model] : models) {
     model->materialize(kernels::Device::cpu(), seed);
-    std::vector<float> flat = model->flat_params().to_host_f32();
+    // The parameters packed in flat order, without the buffer's alignment gaps (as torch's
+    // concatenated model.parameters()).
+    std::vector<float> flat = nn::packed_parameters(*model, model->flat_params().to_host_f32());
     json names = json::array();
     for (auto& [pname, p] : model->named_parameters())
       names.push_back({{"name", pname}, {"shape", p->shape}});

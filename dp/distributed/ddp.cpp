@@ -62,10 +62,17 @@ DistributedDataParallel::DistributedDataParallel(nn::ModulePtr module, ProcessGr
     group_.broadcast(module_->flat_params(), 0)->wait();
     if (module_->flat_buffers().numel() > 0) group_.broadcast(module_->flat_buffers(), 0)->wait();
   }
-  std::vector<int64_t> numels;
+  // Each parameter's span runs to the next one's offset (the last one's to the buffer's end),
+  // so the buckets tile the whole flat gradient buffer, the zero alignment gaps included
+  // (nn::kFlatAlignBytes): all-reducing a gap keeps it zero.
+  std::vector<int64_t> spans;
   auto params = module_->named_parameters();
-  for (auto& [name, p] : params) numels.push_back(p->numel());
-  buckets_ = make_buckets(numels, options_.first_bucket_bytes, options_.bucket_cap_bytes);
+  for (size_t i = 0; i < params.size(); ++i) {
+    int64_t end =
+        i + 1 < params.size() ? params[i + 1].second->offset : module_->flat_grads().numel();
+    spans.push_back(end - params[i].second->offset);
+  }
+  buckets_ = make_buckets(spans, options_.first_bucket_bytes, options_.bucket_cap_bytes);
   for (size_t i = 0; i < params.size(); ++i) {
     const nn::Parameter* p = params[i].second;
     int bucket = -1;

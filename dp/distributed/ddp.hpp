@@ -92,8 +92,9 @@ class DistributedDataParallel {
   void set_trace(Trace* trace) { trace_ = trace; }
   Trace* trace() const { return trace_; }
 
-  // Builds buckets over parameters of `numels` (registration order): reverse order, the first
-  // bucket capped at first_cap bytes, the others at cap bytes. Exposed for tests.
+  // Builds buckets over consecutive spans of the flat buffer, one per parameter (its elements
+  // and the alignment gap after them), given as `numels` in registration order: reverse order,
+  // the first bucket capped at first_cap bytes, the others at cap bytes. Exposed for tests.
   static std::vector<Bucket> make_buckets(const std::vector<int64_t>& numels, int64_t first_cap,
                                           int64_t cap);
 

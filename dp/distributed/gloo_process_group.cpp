@@ -18,6 +18,7 @@
 #include <mutex>
 #include <sstream>
 #include <thread>
+#include <vector>
 
 #include "dp/distributed/cuda_util.hpp"
 #include "dp/distributed/host_reduce.hpp"
@@ -150,6 +151,33 @@ struct GlooProcessGroup::State {
     return h;
   }
 
+  // Pinned staging of point-to-point ops on CUDA tensors. A send or recv stays in flight after
+  // the worker moves on, so it cannot share the collectives' two slots: it takes a buffer from
+  // this pool and its work gives it back once the transfer is done (not per call a
+  // cudaMallocHost, which costs milliseconds and serialises the driver).
+  std::mutex p2p_mu;
+  std::vector<Tensor> p2p_free;  // whole buffers, grow-only in size, at most kP2PPoolSize
+  static constexpr size_t kP2PPoolSize = 8;
+
+  // A pinned buffer of at least numel elements of dtype (its first numel elements are used).
+  Tensor take_p2p_staging(int64_t numel, DType dtype) {
+    {
+      std::lock_guard<std::mutex> lock(p2p_mu);
+      for (size_t i = 0; i < p2p_free.size(); ++i)
+        if (p2p_free[i].dtype() == dtype && p2p_free[i].numel() >= numel) {
+          Tensor t = std::move(p2p_free[i]);
+          p2p_free.erase(p2p_free.begin() + static_cast<std::ptrdiff_t>(i));
+          return t;
+        }
+    }
+    return Tensor::empty_pinned({std::max<int64_t>(numel, 1)}, dtype);
+  }
+  void give_back_p2p_staging(Tensor buf) {
+    if (!buf.defined()) return;
+    std::lock_guard<std::mutex> lock(p2p_mu);
+    if (p2p_free.size() < kP2PPoolSize) p2p_free.push_back(std::move(buf));
+  }
+
   // Copies a staged result back to its CUDA tensor and waits for the copy.
   static void store_back(Tensor& t, const Tensor& h) {
     if (t.device().is_cpu()) return;
@@ -212,12 +240,14 @@ class GlooP2PWork final : public Work {
         is_send_(is_send),
         user_(std::move(user)) {}
 
-  // Worker: the buffer is posted (or there was nothing to move).
-  void posted(std::unique_ptr<gloo::transport::UnboundBuffer> buf, Tensor host,
+  // Worker: the buffer is posted (or there was nothing to move). `staging` is the pooled
+  // pinned buffer `host` views (undefined for CPU tensors); wait() gives it back when done.
+  void posted(std::unique_ptr<gloo::transport::UnboundBuffer> buf, Tensor host, Tensor staging,
               std::shared_ptr<gloo::Context> ctx) {
     std::lock_guard<std::mutex> lock(mu_);
     buf_ = std::move(buf);
     host_ = std::move(host);
+    staging_ = std::move(staging);
     ctx_ = std::move(ctx);
     deadline_ = Clock::now() + timeout_;
     posted_ = true;
@@ -250,6 +280,9 @@ class GlooP2PWork final : public Work {
           kernels::copy(user_, host_);
           kernels::context(user_.device()).synchronize();
         }
+        buf_.reset();  // the transfer is over: the staging buffer is free again
+        host_ = Tensor();
+        state_->give_back_p2p_staging(std::move(staging_));
       }
       std::lock_guard<std::mutex> lock(mu_);
       done_ = true;
@@ -275,6 +308,7 @@ class GlooP2PWork final : public Work {
   bool is_send_;
   Tensor user_;
   Tensor host_;
+  Tensor staging_;
   std::shared_ptr<gloo::Context> ctx_;  // keeps the transport alive while buf_ is
   std::unique_ptr<gloo::transport::UnboundBuffer> buf_;
   Clock::time_point deadline_;
@@ -551,18 +585,20 @@ std::shared_ptr<Work> GlooProcessGroup::send(const Tensor& t, int dst, uint32_t 
             }};
   task.run = [s, t, dst, tag, work](uint32_t) {
     if (t.nbytes() == 0) {
-      work->posted(nullptr, Tensor(), nullptr);
+      work->posted(nullptr, Tensor(), Tensor(), nullptr);
       return;
     }
-    // A send stays in flight after the worker moves on: stage in its own pinned buffer.
-    Tensor h = t;
+    // A send stays in flight after the worker moves on: stage in a pooled pinned buffer of
+    // its own until its work completes.
+    Tensor h = t, staging;
     if (t.device().is_cuda()) {
-      h = Tensor::empty_pinned({t.numel()}, t.dtype());
-      kernels::copy(h, t);
+      staging = s->take_p2p_staging(t.numel(), t.dtype());
+      h = staging.view(0, {t.numel()});
+      kernels::copy(h, t);  // D2H on this thread's stream, waited for
     }
     auto buf = s->ctx->createUnboundBuffer(h.raw(), h.nbytes());
     buf->send(dst, kP2PSlotBase + tag);
-    work->posted(std::move(buf), h, s->ctx);
+    work->posted(std::move(buf), h, std::move(staging), s->ctx);
   };
   state_->enqueue(std::move(task));
   return work;
@@ -587,13 +623,17 @@ std::shared_ptr<Work> GlooProcessGroup::recv(Tensor& t, int src, uint32_t tag) {
             }};
   task.run = [s, t, src, tag, work](uint32_t) {
     if (t.nbytes() == 0) {
-      work->posted(nullptr, Tensor(), nullptr);
+      work->posted(nullptr, Tensor(), Tensor(), nullptr);
       return;
     }
-    Tensor h = t.device().is_cuda() ? Tensor::empty_pinned({t.numel()}, t.dtype()) : t;
+    Tensor h = t, staging;
+    if (t.device().is_cuda()) {
+      staging = s->take_p2p_staging(t.numel(), t.dtype());
+      h = staging.view(0, {t.numel()});
+    }
     auto buf = s->ctx->createUnboundBuffer(h.raw(), h.nbytes());
     buf->recv(src, kP2PSlotBase + tag);
-    work->posted(std::move(buf), h, s->ctx);
+    work->posted(std::move(buf), h, std::move(staging), s->ctx);
   };
   state_->enqueue(std::move(task));
   return work;

@@ -143,8 +143,11 @@ struct Comm {
       auto deadline = Clock::now() + std::chrono::seconds(30);
       int round = 0;
       cudaError_t q;
-      while ((q = cudaStreamQuery(stream)) == cudaErrorNotReady && Clock::now() < deadline)
+      while ((q = cudaStreamQuery(stream)) == cudaErrorNotReady && Clock::now() < deadline) {
+        cudaGetLastError();  // NotReady is an answer, not a failure: clear it, as PyTorch does
         poll_pause(round);
+      }
+      if (q == cudaErrorNotReady) cudaGetLastError();
       bool drained = q == cudaSuccess;
       if (drained) {
         try {
@@ -174,11 +177,15 @@ struct Comm {
 
 class NcclWork final : public Work {
  public:
-  NcclWork(std::shared_ptr<Comm> comm, std::string what, cudaEvent_t done, Millis timeout,
-           Clock::time_point deadline, std::vector<Tensor> keep)
+  // `caller` is the stream the op was launched from (kept alive by `caller_owner`): wait() and
+  // an un-waited destruction order that stream after the op, whichever thread runs them.
+  NcclWork(std::shared_ptr<Comm> comm, std::string what, cudaEvent_t done,
+           std::shared_ptr<void> caller_owner, Millis timeout, Clock::time_point deadline,
+           std::vector<Tensor> keep)
       : comm_(std::move(comm)),
         what_(std::move(what)),
         done_(done),
+        caller_owner_(std::move(caller_owner)),
         timeout_(timeout),
         deadline_(deadline),
         keep_(std::move(keep)) {}
@@ -187,13 +194,13 @@ class NcclWork final : public Work {
     // Not waited for: order the caller's stream after the op anyway, so that memory the kept
     // tensors free (stream-ordered, on that stream) is not reused while NCCL still uses it.
     if (!waited_) {
-      try {
-        cudaSetDevice(comm_->gpu);
-        cudaStreamWaitEvent(static_cast<cudaStream_t>(kernels::context(comm_->device).stream()),
-                            done_, 0);
-      } catch (const std::exception& e) {
-        DP_LOG_ERROR("nccl " << what_
-                             << ": ordering the caller's stream at destruction: " << e.what());
+      kernels::CurrentGpuGuard on(comm_->gpu);
+      cudaError_t e = cudaStreamWaitEvent(caller(), done_, 0);
+      if (e != cudaSuccess) {
+        cudaGetLastError();
+        if (e != cudaErrorCudartUnloading)
+          DP_LOG_ERROR("nccl " << what_ << ": ordering the caller's stream at destruction: "
+                               << cudaGetErrorString(e));
       }
     }
     cudaError_t e = cudaEventDestroy(done_);
@@ -214,24 +221,28 @@ class NcclWork final : public Work {
       }
       finished_ = true;
     }
-    // Later work on the caller's stream runs after the op.
-    DP_CUDA_CHECK(cudaStreamWaitEvent(
-        static_cast<cudaStream_t>(kernels::context(comm_->device).stream()), done_, 0));
+    // Later work on the launching stream runs after the op.
+    DP_CUDA_CHECK(cudaStreamWaitEvent(caller(), done_, 0));
     waited_ = true;
   }
 
   bool is_completed() const override {
     std::lock_guard<std::mutex> lock(wait_mu_);
     if (finished_ || error_) return true;
-    return cudaEventQuery(done_) == cudaSuccess;
+    cudaError_t q = cudaEventQuery(done_);
+    if (q != cudaSuccess) cudaGetLastError();  // NotReady (or an error wait() reports): clear
+    return q == cudaSuccess;
   }
 
  private:
+  cudaStream_t caller() const { return static_cast<cudaStream_t>(caller_owner_.get()); }
+
   void poll_until_done() {
     int round = 0;
     while (true) {
       cudaError_t q = cudaEventQuery(done_);
       if (q == cudaSuccess) return;
+      cudaGetLastError();  // NotReady is an answer: clear it so the next launch starts clean
       if (q != cudaErrorNotReady)
         DP_THROW("nccl " << what_ << " on " << comm_->where() << ": " << cudaGetErrorString(q));
       {
@@ -262,6 +273,7 @@ class NcclWork final : public Work {
   std::shared_ptr<Comm> comm_;
   std::string what_;
   cudaEvent_t done_;
+  std::shared_ptr<void> caller_owner_;  // the launching stream, alive while this work is
   Millis timeout_;
   Clock::time_point deadline_;
   std::vector<Tensor> keep_;  // alive until the op is done
@@ -478,7 +490,8 @@ class NcclProcessGroup final : public ProcessGroup {
     DP_CHECK(!c.aborted, "nccl " << what << " on " << c.where()
                                  << " not run: the communicator was aborted: " << c.broken);
     DP_CUDA_CHECK(cudaSetDevice(c.gpu));
-    auto caller = static_cast<cudaStream_t>(kernels::context(c.device).stream());
+    kernels::DeviceContext& caller_ctx = kernels::context(c.device);
+    auto caller = static_cast<cudaStream_t>(caller_ctx.stream());
     cudaEvent_t ready = nullptr, done = nullptr;
     DP_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
     cudaError_t e = cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
@@ -493,7 +506,8 @@ class NcclProcessGroup final : public ProcessGroup {
       c.settle_locked(call(c.comm, c.stream), what, to, deadline);
       DP_CUDA_CHECK(cudaEventRecord(done, c.stream));
       cudaEventDestroy(ready);  // released once the wait above is satisfied
-      return std::make_shared<NcclWork>(comm_, what, done, to, deadline, std::move(keep));
+      return std::make_shared<NcclWork>(comm_, what, done, caller_ctx.stream_owner(), to, deadline,
+                                        std::move(keep));
     } catch (...) {
       cudaEventDestroy(ready);
       cudaEventDestroy(done);

@@ -18,10 +18,7 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
   const float* pw = weights.defined() ? weights.data<float>() : nullptr;
   float* pd = dlogits.defined() ? dlogits.data<float>() : nullptr;
   for (int64_t i = 0; i < batch; ++i)
-    DP_CHECK(pl[i] >= 0 && pl[i] < classes, "softmax_cross_entropy: label "
-                                                << pl[i] << " of row " << i << " is outside [0, "
-                                                << classes << ") for logits "
-                                                << shape_str(logits.shape()));
+    DP_CHECK(pl[i] >= 0 && pl[i] < classes, bad_label_text(pl[i], i, batch, classes));
   const double ls = label_smoothing;
   std::vector<double> row_loss(static_cast<size_t>(batch));
   int64_t grain = std::max<int64_t>(1, kElementwiseGrain / classes);

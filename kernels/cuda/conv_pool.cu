@@ -1,75 +1,112 @@
 // 2-D convolution (cuDNN, NCHW f32 cross-correlation) and max/average pooling (hand-written
 // kernels mirroring kernels/cpu/pool.cpp; the backward passes gather per input element, so they
 // need no atomics and are deterministic).
+#include <array>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/runtime/handle.hpp"
+#include "kernels/runtime/plan_cache.hpp"
 
 namespace kernels::cuda {
 
 namespace {
 
-// ---- cuDNN descriptors (made per call, nothing cached) -------------------------------------
+// ---- cuDNN descriptors and plans ----------------------------------------------------------
+// A descriptor is owned by a UniqueHandle from its create call on, so a cudnnSet* that throws
+// (a shape cuDNN rejects) destroys it; plans keep their descriptors for the context's life.
 
 int to_int(int64_t v, const char* what) {
   DP_CHECK(v >= 0 && v <= INT32_MAX, "conv2d: " << what << " = " << v << " does not fit cuDNN");
   return static_cast<int>(v);
 }
 
-struct TensorDesc {
-  cudnnTensorDescriptor_t d = nullptr;
-  explicit TensorDesc(const Tensor& t) {
-    DP_CUDNN_CHECK(cudnnCreateTensorDescriptor(&d));
-    DP_CUDNN_CHECK(cudnnSetTensor4dDescriptor(d, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT,
-                                              to_int(t.dim(0), "N"), to_int(t.dim(1), "C"),
-                                              to_int(t.dim(2), "H"), to_int(t.dim(3), "W")));
-  }
-  ~TensorDesc() {
-    cudnnStatus_t st = cudnnDestroyTensorDescriptor(d);
-    if (st != CUDNN_STATUS_SUCCESS)
-      DP_LOG_ERROR("cudnnDestroyTensorDescriptor: " << cudnnGetErrorString(st));
-  }
-  TensorDesc(const TensorDesc&) = delete;
-  TensorDesc& operator=(const TensorDesc&) = delete;
-};
+using TensorDescHandle = UniqueHandle<cudnnTensorDescriptor_t, cudnnStatus_t,
+                                      cudnnDestroyTensorDescriptor, CUDNN_STATUS_SUCCESS>;
+using FilterDescHandle = UniqueHandle<cudnnFilterDescriptor_t, cudnnStatus_t,
+                                      cudnnDestroyFilterDescriptor, CUDNN_STATUS_SUCCESS>;
+using ConvDescHandle = UniqueHandle<cudnnConvolutionDescriptor_t, cudnnStatus_t,
+                                    cudnnDestroyConvolutionDescriptor, CUDNN_STATUS_SUCCESS>;
 
-struct FilterDesc {
-  cudnnFilterDescriptor_t d = nullptr;
-  explicit FilterDesc(const Tensor& w) {  // (K, C, R, S)
-    DP_CUDNN_CHECK(cudnnCreateFilterDescriptor(&d));
-    DP_CUDNN_CHECK(cudnnSetFilter4dDescriptor(d, CUDNN_DATA_FLOAT, CUDNN_TENSOR_NCHW,
-                                              to_int(w.dim(0), "K"), to_int(w.dim(1), "C"),
-                                              to_int(w.dim(2), "R"), to_int(w.dim(3), "S")));
-  }
-  ~FilterDesc() {
-    cudnnStatus_t st = cudnnDestroyFilterDescriptor(d);
-    if (st != CUDNN_STATUS_SUCCESS)
-      DP_LOG_ERROR("cudnnDestroyFilterDescriptor: " << cudnnGetErrorString(st));
-  }
-  FilterDesc(const FilterDesc&) = delete;
-  FilterDesc& operator=(const FilterDesc&) = delete;
-};
+TensorDescHandle tensor_desc(const Tensor& t) {  // (N, C, H, W) f32, contiguous
+  cudnnTensorDescriptor_t raw = nullptr;
+  DP_CUDNN_CHECK(cudnnCreateTensorDescriptor(&raw));
+  TensorDescHandle d(raw);
+  DP_CUDNN_CHECK(cudnnSetTensor4dDescriptor(d.get(), CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT,
+                                            to_int(t.dim(0), "N"), to_int(t.dim(1), "C"),
+                                            to_int(t.dim(2), "H"), to_int(t.dim(3), "W")));
+  return d;
+}
+
+FilterDescHandle filter_desc(const Tensor& w) {  // (K, C, R, S)
+  cudnnFilterDescriptor_t raw = nullptr;
+  DP_CUDNN_CHECK(cudnnCreateFilterDescriptor(&raw));
+  FilterDescHandle d(raw);
+  DP_CUDNN_CHECK(cudnnSetFilter4dDescriptor(d.get(), CUDNN_DATA_FLOAT, CUDNN_TENSOR_NCHW,
+                                            to_int(w.dim(0), "K"), to_int(w.dim(1), "C"),
+                                            to_int(w.dim(2), "R"), to_int(w.dim(3), "S")));
+  return d;
+}
 
 // Strict f32 math uses FMA kernels only (cuDNN's default math would allow TF32 on Ampere+).
 bool strict_math(DeviceContext& ctx) {
   return ctx.math() == MathMode::strict;
 }
 
-struct ConvDesc {
-  cudnnConvolutionDescriptor_t d = nullptr;
-  ConvDesc(const Conv2dParams& p, bool strict) {
-    DP_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&d));
-    DP_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(d, p.pad_h, p.pad_w, p.stride_h, p.stride_w, 1,
-                                                   1, CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
-    DP_CUDNN_CHECK(cudnnSetConvolutionMathType(d, strict ? CUDNN_FMA_MATH : CUDNN_DEFAULT_MATH));
-  }
-  ~ConvDesc() {
-    cudnnStatus_t st = cudnnDestroyConvolutionDescriptor(d);
-    if (st != CUDNN_STATUS_SUCCESS)
-      DP_LOG_ERROR("cudnnDestroyConvolutionDescriptor: " << cudnnGetErrorString(st));
-  }
-  ConvDesc(const ConvDesc&) = delete;
-  ConvDesc& operator=(const ConvDesc&) = delete;
+ConvDescHandle conv_desc(const Conv2dParams& p, bool strict) {
+  cudnnConvolutionDescriptor_t raw = nullptr;
+  DP_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&raw));
+  ConvDescHandle d(raw);
+  DP_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(d.get(), p.pad_h, p.pad_w, p.stride_h, p.stride_w,
+                                                 1, 1, CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
+  DP_CUDNN_CHECK(
+      cudnnSetConvolutionMathType(d.get(), strict ? CUDNN_FMA_MATH : CUDNN_DEFAULT_MATH));
+  return d;
+}
+
+enum class ConvPass { forward, backward_data, backward_filter };
+
+// What a convolution call needs besides its pointers: the descriptors, the chosen algorithm
+// (the math type is set on `conv`) and its workspace size. Searched once per key and context.
+struct ConvPlan {
+  TensorDescHandle x, y;  // input and output activations (dx, dy for the backward passes)
+  FilterDescHandle w;
+  ConvDescHandle conv;
+  int algo = 0;
+  size_t ws_bytes = 0;
+};
+
+// pass, x (N, C, H, W), w (K, C, R, S), y (N, K, P, Q), stride, padding, strict math. Tensors are
+// contiguous NCHW f32, so shapes fix strides and dtype.
+using ConvKey = std::array<int64_t, 18>;
+
+ConvKey conv_key(ConvPass pass, const Tensor& x, const Tensor& w, const Tensor& y,
+                 const Conv2dParams& p, bool strict) {
+  return {static_cast<int64_t>(pass),
+          x.dim(0),
+          x.dim(1),
+          x.dim(2),
+          x.dim(3),
+          w.dim(0),
+          w.dim(1),
+          w.dim(2),
+          w.dim(3),
+          y.dim(0),
+          y.dim(1),
+          y.dim(2),
+          y.dim(3),
+          p.stride_h,
+          p.stride_w,
+          p.pad_h,
+          p.pad_w,
+          strict ? 1 : 0};
+}
+
+// The convolution plans of one DeviceContext (ctx.state<ConvPlans>()).
+struct ConvPlans {
+  PlanCache<ConvKey, ConvPlan> cache;
 };
 
 // Algorithms needing more workspace than this are skipped.
@@ -95,8 +132,32 @@ int pick_algo(const std::vector<Perf>& perf, int count, bool strict) {
 
 // The math type to run the chosen algorithm with.
 template <class Perf>
-void set_math(const ConvDesc& conv, const Perf& p, bool strict) {
-  DP_CUDNN_CHECK(cudnnSetConvolutionMathType(conv.d, strict ? CUDNN_FMA_MATH : p.mathType));
+void set_math(const ConvDescHandle& conv, const Perf& p, bool strict) {
+  DP_CUDNN_CHECK(cudnnSetConvolutionMathType(conv.get(), strict ? CUDNN_FMA_MATH : p.mathType));
+}
+
+// Completes the plan of one pass from its descriptors: cuDNN's ranked algorithms
+// (find(plan, max, &count, perf), at most max_count() of them), the pick, its math type and its
+// workspace (workspace(plan, algo, &bytes)). `none` is the error text when no algorithm fits.
+template <class Perf, class MaxCount, class Find, class Workspace>
+ConvPlan complete_plan(ConvPlan pl, bool strict, MaxCount max_count, Find find, Workspace workspace,
+                       const std::string& none) {
+  int max = max_count(), count = 0;
+  std::vector<Perf> perf(static_cast<size_t>(max));
+  find(pl, max, &count, perf.data());
+  int pick = pick_algo(perf, count, strict);
+  DP_CHECK(pick >= 0, none);
+  set_math(pl.conv, perf[pick], strict);
+  pl.algo = static_cast<int>(perf[pick].algo);
+  workspace(pl, perf[pick].algo, &pl.ws_bytes);
+  return pl;
+}
+
+// Text of the error when cuDNN offers no algorithm.
+std::string no_algorithm(const char* op, const Tensor& a, const Tensor& b) {
+  std::ostringstream os;
+  os << op << ": cuDNN offers no algorithm for " << a << ", " << b;
+  return os.str();
 }
 
 // Output gradient or result with nothing to add up: zero it, or leave it when accumulating.
@@ -238,6 +299,11 @@ __global__ void avg_pool_backward_kernel(float* dx, const float* dy, PoolGeometr
 
 // ---- convolution ---------------------------------------------------------------------------
 
+PlanCounts conv_plan_counts(DeviceContext& ctx) {
+  auto& c = ctx.state<ConvPlans>().cache;
+  return {c.hits(), c.misses()};
+}
+
 // x (N, C, H, W) * w (K, C, R, S) -> y (N, K, P, Q)
 void conv2d_forward(Tensor& y, const Tensor& x, const Tensor& w, const Conv2dParams& p,
                     DeviceContext& ctx) {
@@ -248,26 +314,31 @@ void conv2d_forward(Tensor& y, const Tensor& x, const Tensor& w, const Conv2dPar
   if (x.numel() == 0 || w.numel() == 0) return zero_unless_accumulating(y, Accumulate::no, s);
   auto handle = static_cast<cudnnHandle_t>(ctx.cudnn());
   bool strict = strict_math(ctx);
-  TensorDesc xd(x), yd(y);
-  FilterDesc wd(w);
-  ConvDesc conv(p, strict);
-
-  int max_count = 0, count = 0;
-  DP_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(handle, &max_count));
-  std::vector<cudnnConvolutionFwdAlgoPerf_t> perf(static_cast<size_t>(max_count));
-  DP_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(handle, xd.d, wd.d, conv.d, yd.d, max_count,
-                                                        &count, perf.data()));
-  int pick = pick_algo(perf, count, strict);
-  DP_CHECK(pick >= 0, "conv2d_forward: cuDNN offers no algorithm for " << x << " * " << w);
-  set_math(conv, perf[pick], strict);
-  cudnnConvolutionFwdAlgo_t algo = perf[pick].algo;
-  size_t ws_bytes = 0;
-  DP_CUDNN_CHECK(
-      cudnnGetConvolutionForwardWorkspaceSize(handle, xd.d, wd.d, conv.d, yd.d, algo, &ws_bytes));
-  void* ws = ws_bytes ? ctx.workspace(ws_bytes) : nullptr;
+  ConvKey key = conv_key(ConvPass::forward, x, w, y, p, strict);
+  ConvPlan& plan = ctx.state<ConvPlans>().cache.get(key, [&] {
+    return complete_plan<cudnnConvolutionFwdAlgoPerf_t>(
+        ConvPlan{tensor_desc(x), tensor_desc(y), filter_desc(w), conv_desc(p, strict)}, strict,
+        [&] {
+          int n = 0;
+          DP_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(handle, &n));
+          return n;
+        },
+        [&](const ConvPlan& pl, int max, int* count, cudnnConvolutionFwdAlgoPerf_t* perf) {
+          DP_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(
+              handle, pl.x.get(), pl.w.get(), pl.conv.get(), pl.y.get(), max, count, perf));
+        },
+        [&](const ConvPlan& pl, cudnnConvolutionFwdAlgo_t algo, size_t* bytes) {
+          DP_CUDNN_CHECK(cudnnGetConvolutionForwardWorkspaceSize(
+              handle, pl.x.get(), pl.w.get(), pl.conv.get(), pl.y.get(), algo, bytes));
+        },
+        no_algorithm("conv2d_forward", x, w));
+  });
+  void* ws = plan.ws_bytes ? ctx.workspace(plan.ws_bytes) : nullptr;
   float alpha = 1.f, beta = 0.f;
-  DP_CUDNN_CHECK(cudnnConvolutionForward(handle, &alpha, xd.d, x.raw(), wd.d, w.raw(), conv.d, algo,
-                                         ws, ws_bytes, &beta, yd.d, y.raw()));
+  DP_CUDNN_CHECK(cudnnConvolutionForward(handle, &alpha, plan.x.get(), x.raw(), plan.w.get(),
+                                         w.raw(), plan.conv.get(),
+                                         static_cast<cudnnConvolutionFwdAlgo_t>(plan.algo), ws,
+                                         plan.ws_bytes, &beta, plan.y.get(), y.raw()));
 }
 
 // dy (N, K, P, Q), w (K, C, R, S) -> dx (N, C, H, W)
@@ -280,26 +351,31 @@ void conv2d_backward_data(Tensor& dx, const Tensor& dy, const Tensor& w, const C
   if (dy.numel() == 0 || w.numel() == 0) return zero_unless_accumulating(dx, acc, s);
   auto handle = static_cast<cudnnHandle_t>(ctx.cudnn());
   bool strict = strict_math(ctx);
-  TensorDesc dxd(dx), dyd(dy);
-  FilterDesc wd(w);
-  ConvDesc conv(p, strict);
-
-  int max_count = 0, count = 0;
-  DP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithmMaxCount(handle, &max_count));
-  std::vector<cudnnConvolutionBwdDataAlgoPerf_t> perf(static_cast<size_t>(max_count));
-  DP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(handle, wd.d, dyd.d, conv.d, dxd.d,
-                                                             max_count, &count, perf.data()));
-  int pick = pick_algo(perf, count, strict);
-  DP_CHECK(pick >= 0, "conv2d_backward_data: cuDNN offers no algorithm for " << dy << ", " << w);
-  set_math(conv, perf[pick], strict);
-  cudnnConvolutionBwdDataAlgo_t algo = perf[pick].algo;
-  size_t ws_bytes = 0;
-  DP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataWorkspaceSize(handle, wd.d, dyd.d, conv.d, dxd.d,
-                                                              algo, &ws_bytes));
-  void* ws = ws_bytes ? ctx.workspace(ws_bytes) : nullptr;
+  ConvKey key = conv_key(ConvPass::backward_data, dx, w, dy, p, strict);
+  ConvPlan& plan = ctx.state<ConvPlans>().cache.get(key, [&] {
+    return complete_plan<cudnnConvolutionBwdDataAlgoPerf_t>(
+        ConvPlan{tensor_desc(dx), tensor_desc(dy), filter_desc(w), conv_desc(p, strict)}, strict,
+        [&] {
+          int n = 0;
+          DP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithmMaxCount(handle, &n));
+          return n;
+        },
+        [&](const ConvPlan& pl, int max, int* count, cudnnConvolutionBwdDataAlgoPerf_t* perf) {
+          DP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(
+              handle, pl.w.get(), pl.y.get(), pl.conv.get(), pl.x.get(), max, count, perf));
+        },
+        [&](const ConvPlan& pl, cudnnConvolutionBwdDataAlgo_t algo, size_t* bytes) {
+          DP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataWorkspaceSize(
+              handle, pl.w.get(), pl.y.get(), pl.conv.get(), pl.x.get(), algo, bytes));
+        },
+        no_algorithm("conv2d_backward_data", dy, w));
+  });
+  void* ws = plan.ws_bytes ? ctx.workspace(plan.ws_bytes) : nullptr;
   float alpha = 1.f, beta = acc == Accumulate::yes ? 1.f : 0.f;
-  DP_CUDNN_CHECK(cudnnConvolutionBackwardData(handle, &alpha, wd.d, w.raw(), dyd.d, dy.raw(),
-                                              conv.d, algo, ws, ws_bytes, &beta, dxd.d, dx.raw()));
+  DP_CUDNN_CHECK(cudnnConvolutionBackwardData(handle, &alpha, plan.w.get(), w.raw(), plan.y.get(),
+                                              dy.raw(), plan.conv.get(),
+                                              static_cast<cudnnConvolutionBwdDataAlgo_t>(plan.algo),
+                                              ws, plan.ws_bytes, &beta, plan.x.get(), dx.raw()));
 }
 
 // dy (N, K, P, Q), x (N, C, H, W) -> dw (K, C, R, S)
@@ -312,27 +388,31 @@ void conv2d_backward_filter(Tensor& dw, const Tensor& dy, const Tensor& x, const
   if (dy.numel() == 0 || x.numel() == 0) return zero_unless_accumulating(dw, acc, s);
   auto handle = static_cast<cudnnHandle_t>(ctx.cudnn());
   bool strict = strict_math(ctx);
-  TensorDesc xd(x), dyd(dy);
-  FilterDesc dwd(dw);
-  ConvDesc conv(p, strict);
-
-  int max_count = 0, count = 0;
-  DP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(handle, &max_count));
-  std::vector<cudnnConvolutionBwdFilterAlgoPerf_t> perf(static_cast<size_t>(max_count));
-  DP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(handle, xd.d, dyd.d, conv.d, dwd.d,
-                                                               max_count, &count, perf.data()));
-  int pick = pick_algo(perf, count, strict);
-  DP_CHECK(pick >= 0, "conv2d_backward_filter: cuDNN offers no algorithm for " << dy << ", " << x);
-  set_math(conv, perf[pick], strict);
-  cudnnConvolutionBwdFilterAlgo_t algo = perf[pick].algo;
-  size_t ws_bytes = 0;
-  DP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterWorkspaceSize(handle, xd.d, dyd.d, conv.d, dwd.d,
-                                                                algo, &ws_bytes));
-  void* ws = ws_bytes ? ctx.workspace(ws_bytes) : nullptr;
+  ConvKey key = conv_key(ConvPass::backward_filter, x, dw, dy, p, strict);
+  ConvPlan& plan = ctx.state<ConvPlans>().cache.get(key, [&] {
+    return complete_plan<cudnnConvolutionBwdFilterAlgoPerf_t>(
+        ConvPlan{tensor_desc(x), tensor_desc(dy), filter_desc(dw), conv_desc(p, strict)}, strict,
+        [&] {
+          int n = 0;
+          DP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(handle, &n));
+          return n;
+        },
+        [&](const ConvPlan& pl, int max, int* count, cudnnConvolutionBwdFilterAlgoPerf_t* perf) {
+          DP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(
+              handle, pl.x.get(), pl.y.get(), pl.conv.get(), pl.w.get(), max, count, perf));
+        },
+        [&](const ConvPlan& pl, cudnnConvolutionBwdFilterAlgo_t algo, size_t* bytes) {
+          DP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterWorkspaceSize(
+              handle, pl.x.get(), pl.y.get(), pl.conv.get(), pl.w.get(), algo, bytes));
+        },
+        no_algorithm("conv2d_backward_filter", dy, x));
+  });
+  void* ws = plan.ws_bytes ? ctx.workspace(plan.ws_bytes) : nullptr;
   float alpha = 1.f, beta = acc == Accumulate::yes ? 1.f : 0.f;
-  DP_CUDNN_CHECK(cudnnConvolutionBackwardFilter(handle, &alpha, xd.d, x.raw(), dyd.d, dy.raw(),
-                                                conv.d, algo, ws, ws_bytes, &beta, dwd.d,
-                                                dw.raw()));
+  DP_CUDNN_CHECK(cudnnConvolutionBackwardFilter(
+      handle, &alpha, plan.x.get(), x.raw(), plan.y.get(), dy.raw(), plan.conv.get(),
+      static_cast<cudnnConvolutionBwdFilterAlgo_t>(plan.algo), ws, plan.ws_bytes, &beta,
+      plan.w.get(), dw.raw()));
 }
 
 // ---- pooling -------------------------------------------------------------------------------

@@ -178,3 +178,82 @@ void launch_column_sums(float* out, int64_t rows, int64_t cols, F f, bool accumu
 }
 
 }  // namespace kernels::cuda
+
+namespace kernels::cuda {
+
+// ---- deterministic per-channel sums --------------------------------------------------------
+// For x viewed as (N, C, inner) (BatchNorm, the bias gradient of (N, C, H, W)): two sums per
+// channel c over its N * inner elements of f(index, c), a float2. Each channel's elements are
+// split in `chunks` fixed ranges, one block each (grid (C, chunks)), so that a few channels still
+// fill every SM; a second kernel adds each channel's partials in chunk order and hands the two
+// sums to g(c, sum_x, sum_y). The chunk count depends on the shape only: same bits every run.
+
+// Chunks per channel for `count` elements each: at least ~2048 elements per block, and no more
+// chunks than ~1024 blocks in all need.
+inline int64_t channel_sum_chunks(int64_t channels, int64_t count) {
+  int64_t by_size = (count + 2047) / 2048;
+  int64_t by_grid = channels > 0 ? (1024 + channels - 1) / channels : 1;
+  int64_t c = by_size < by_grid ? by_size : by_grid;
+  return c < 1 ? 1 : (c > 256 ? 256 : c);
+}
+
+template <class F>
+__global__ void channel_partial_sums_kernel(float2* partial, int64_t channels, int64_t inner,
+                                            int64_t count, int64_t per_chunk, F f) {
+  int64_t c = blockIdx.x, k = blockIdx.y, chunks = gridDim.y;
+  int64_t begin = k * per_chunk;
+  int64_t end = begin + per_chunk < count ? begin + per_chunk : count;
+  float a = 0.f, b = 0.f;
+  for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
+    int64_t n = j / inner, s = j - n * inner;
+    float2 v = f((n * channels + c) * inner + s, c);
+    a += v.x;
+    b += v.y;
+  }
+  a = block_reduce_sum(a);
+  b = block_reduce_sum(b);
+  if (threadIdx.x == 0) partial[c * chunks + k] = make_float2(a, b);
+}
+
+template <class G>
+__global__ void channel_finish_kernel(const float2* partial, int64_t channels, int64_t chunks,
+                                      G g) {
+  DP_GRID_STRIDE_LOOP(c, channels) {
+    float a = 0.f, b = 0.f;
+    for (int64_t k = 0; k < chunks; ++k) {
+      float2 v = partial[c * chunks + k];
+      a += v.x;
+      b += v.y;
+    }
+    g(c, a, b);
+  }
+}
+
+// Queues g(c, sum f.x, sum f.y) for every channel on s; `scratch` holds
+// channels * channel_sum_chunks(channels, batch * inner) float2.
+template <class F, class G>
+void launch_channel_sums(int64_t batch, int64_t channels, int64_t inner, F f, G g, float2* scratch,
+                         cudaStream_t s) {
+  if (channels == 0) return;
+  int64_t count = batch * inner, chunks = channel_sum_chunks(channels, count);
+  int64_t per_chunk = (count + chunks - 1) / chunks;
+  dim3 grid(static_cast<unsigned>(channels), static_cast<unsigned>(chunks));
+  channel_partial_sums_kernel<<<grid, kThreads, 0, s>>>(scratch, channels, inner, count, per_chunk,
+                                                        f);
+  DP_CUDA_CHECK_LAUNCH();
+  channel_finish_kernel<<<blocks_for(channels), kThreads, 0, s>>>(scratch, channels, chunks, g);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+// The plain channel sum: f = (x[index], 0).
+struct ReadChannelValue {
+  const float* x;
+  __device__ float2 operator()(int64_t idx, int64_t) const { return make_float2(x[idx], 0.f); }
+};
+
+inline size_t channel_sum_scratch_bytes(int64_t batch, int64_t channels, int64_t inner) {
+  return sizeof(float2) *
+         static_cast<size_t>(channels * channel_sum_chunks(channels, batch * inner));
+}
+
+}  // namespace kernels::cuda

@@ -9,6 +9,13 @@
 
 namespace kernels::cuda {
 
+// Lookups of a context's plan caches: found a cached plan (hit) or built one (miss).
+struct PlanCounts {
+  int64_t hits = 0, misses = 0;
+};
+PlanCounts gemm_plan_counts(DeviceContext& ctx);  // cuBLASLt matmul plans
+PlanCounts conv_plan_counts(DeviceContext& ctx);  // cuDNN convolution plans (all three passes)
+
 // f32/f16/bf16 conversion on one GPU. Byte copies between devices (H2D, D2H, D2D, peer) are
 // the runtime's copy_bytes (kernels/runtime/memory.hpp).
 void cast(Tensor& dst, const Tensor& src, DeviceContext& ctx);

@@ -27,18 +27,14 @@ __global__ void add_bias_kernel(float* y, const float* bias, int64_t n, int64_t 
   DP_GRID_STRIDE_LOOP(i, n) y[i] += bias[(i / inner) % channels];
 }
 
-// One block per channel c: db[c] (+)= sum over (n, s) of dy (N, C, inner) in a fixed order.
-__global__ void bias_backward_channel_kernel(float* db, const float* dy, int64_t batch,
-                                             int64_t channels, int64_t inner, bool accumulate) {
-  int64_t c = blockIdx.x, per_channel = batch * inner;
-  float acc = 0.f;
-  for (int64_t j = threadIdx.x; j < per_channel; j += blockDim.x) {
-    int64_t n = j / inner, s = j - n * inner;
-    acc += dy[(n * channels + c) * inner + s];
+// db[c] (+)= sum over (n, s) of dy (N, C, inner), for launch_channel_sums.
+struct SetBiasGrad {
+  float* db;
+  bool accumulate;
+  __device__ void operator()(int64_t c, float sum, float) const {
+    db[c] = accumulate ? db[c] + sum : sum;
   }
-  acc = block_reduce_sum(acc);
-  if (threadIdx.x == 0) db[c] = accumulate ? db[c] + acc : acc;
-}
+};
 
 // Reads dy (rows, cols) for launch_column_sums.
 struct ReadMatrix {
@@ -122,10 +118,11 @@ void bias_backward(Tensor& db, const Tensor& dy, Accumulate acc, DeviceContext& 
                        accumulate, scratch, s);
     return;
   }
-  // (N, C, H, W): one block per channel, coalesced within each (n, c) plane.
-  bias_backward_channel_kernel<<<static_cast<unsigned>(channels), kThreads, 0, s>>>(
-      db.data<float>(), dy.data<float>(), batch, channels, inner, accumulate);
-  DP_CUDA_CHECK_LAUNCH();
+  // (N, C, H, W): chunks of every channel in parallel, coalesced within each (n, c) plane.
+  auto* scratch =
+      static_cast<float2*>(ctx.workspace(channel_sum_scratch_bytes(batch, channels, inner)));
+  launch_channel_sums(batch, channels, inner, ReadChannelValue{dy.data<float>()},
+                      SetBiasGrad{db.data<float>(), accumulate}, scratch, s);
 }
 
 }  // namespace kernels::cuda

@@ -4,7 +4,11 @@
 // C^T = op(B)^T op(A)^T, so we ask cuBLASLt for D = op_lt(b) op_lt(a): its "A" is our b, its
 // "B" is our a, and its (M, N, K) is (n, m, k). The bias epilogue adds a vector of length M =
 // n (rows of column-major D) broadcast over its columns, i.e. bias[j] to column j of row-major C.
+#include <array>
+
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/runtime/handle.hpp"
+#include "kernels/runtime/plan_cache.hpp"
 
 namespace kernels::cuda {
 
@@ -31,52 +35,54 @@ uint32_t alignment_of(const void* p) {
   return al;
 }
 
-// Owners of the per-call cuBLASLt descriptors (nothing is cached between calls).
-struct MatmulDesc {
+using MatmulDescHandle = UniqueHandle<cublasLtMatmulDesc_t, cublasStatus_t,
+                                      cublasLtMatmulDescDestroy, CUBLAS_STATUS_SUCCESS>;
+using LayoutHandle = UniqueHandle<cublasLtMatrixLayout_t, cublasStatus_t,
+                                  cublasLtMatrixLayoutDestroy, CUBLAS_STATUS_SUCCESS>;
+using PreferenceHandle = UniqueHandle<cublasLtMatmulPreference_t, cublasStatus_t,
+                                      cublasLtMatmulPreferenceDestroy, CUBLAS_STATUS_SUCCESS>;
+
+MatmulDescHandle make_matmul_desc(cublasComputeType_t compute) {
   cublasLtMatmulDesc_t d = nullptr;
-  explicit MatmulDesc(cublasComputeType_t compute) {
-    DP_CUBLAS_CHECK(cublasLtMatmulDescCreate(&d, compute, CUDA_R_32F));
-  }
-  ~MatmulDesc() {
-    if (cublasLtMatmulDescDestroy(d) != CUBLAS_STATUS_SUCCESS)
-      DP_LOG_ERROR("cublasLtMatmulDescDestroy failed");
-  }
-  template <class T>
-  void set(cublasLtMatmulDescAttributes_t attr, const T& value) {
-    DP_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, attr, &value, sizeof(value)));
-  }
-  MatmulDesc(const MatmulDesc&) = delete;
-  MatmulDesc& operator=(const MatmulDesc&) = delete;
-};
+  DP_CUBLAS_CHECK(cublasLtMatmulDescCreate(&d, compute, CUDA_R_32F));
+  return MatmulDescHandle(d);
+}
 
-struct Layout {
+template <class T>
+void set_attr(const MatmulDescHandle& d, cublasLtMatmulDescAttributes_t attr, const T& value) {
+  DP_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.get(), attr, &value, sizeof(value)));
+}
+
+// Column-major rows x cols with leading dimension ld.
+LayoutHandle make_layout(cudaDataType_t type, int64_t rows, int64_t cols, int64_t ld) {
   cublasLtMatrixLayout_t l = nullptr;
-  // Column-major rows x cols with leading dimension ld.
-  Layout(cudaDataType_t type, int64_t rows, int64_t cols, int64_t ld) {
-    DP_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l, type, static_cast<uint64_t>(rows),
-                                               static_cast<uint64_t>(cols), ld));
-  }
-  ~Layout() {
-    if (cublasLtMatrixLayoutDestroy(l) != CUBLAS_STATUS_SUCCESS)
-      DP_LOG_ERROR("cublasLtMatrixLayoutDestroy failed");
-  }
-  Layout(const Layout&) = delete;
-  Layout& operator=(const Layout&) = delete;
+  DP_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l, type, static_cast<uint64_t>(rows),
+                                             static_cast<uint64_t>(cols), ld));
+  return LayoutHandle(l);
+}
+
+template <class T>
+void set_pref(const PreferenceHandle& p, cublasLtMatmulPreferenceAttributes_t attr,
+              const T& value) {
+  DP_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(p.get(), attr, &value, sizeof(value)));
+}
+
+// Everything cublasLtMatmul needs but the pointers, for one (shape, transposes, dtypes, math,
+// epilogue, alignments): built and searched once per context, then reused. The bias pointer is
+// the one attribute that changes between calls; it is set on the cached descriptor per call.
+struct GemmPlan {
+  MatmulDescHandle desc;
+  LayoutHandle lt_a, lt_b, lt_c;
+  cublasLtMatmulHeuristicResult_t result{};
+  bool fused_bias = false;
 };
 
-struct Preference {
-  cublasLtMatmulPreference_t p = nullptr;
-  Preference() { DP_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&p)); }
-  ~Preference() {
-    if (cublasLtMatmulPreferenceDestroy(p) != CUBLAS_STATUS_SUCCESS)
-      DP_LOG_ERROR("cublasLtMatmulPreferenceDestroy failed");
-  }
-  template <class T>
-  void set(cublasLtMatmulPreferenceAttributes_t attr, const T& value) {
-    DP_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(p, attr, &value, sizeof(value)));
-  }
-  Preference(const Preference&) = delete;
-  Preference& operator=(const Preference&) = delete;
+// m, n, k, ta, tb, in dtype, out dtype, compute type, bias wanted, alignments of a, b, c, bias.
+using GemmKey = std::array<int64_t, 13>;
+
+// The GEMM plans of one DeviceContext (ctx.state<GemmPlans>()).
+struct GemmPlans {
+  PlanCache<GemmKey, GemmPlan> cache;
 };
 
 // c (rows, cols) row-major: c = (scale_c ? beta * c : c) + bias[col]. With scale_c and beta == 0
@@ -120,6 +126,11 @@ constexpr size_t kGemmWorkspaceBytes = 32u << 20;
 
 }  // namespace
 
+PlanCounts gemm_plan_counts(DeviceContext& ctx) {
+  auto& c = ctx.state<GemmPlans>().cache;
+  return {c.hits(), c.misses()};
+}
+
 // (m, k) x (k, n) -> (m, n), with op() applied to a and b as asked.
 void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose tb, float alpha,
           float beta, const Tensor& bias, DeviceContext& ctx) {
@@ -144,58 +155,79 @@ void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose t
   cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
   if (a.dtype() == DType::f32 && ctx.math() == MathMode::tf32)
     compute = CUBLAS_COMPUTE_32F_FAST_TF32;
-  MatmulDesc desc(compute);
-  cublasOperation_t op_lt_a = tb == Transpose::no ? CUBLAS_OP_N : CUBLAS_OP_T;  // our b
-  cublasOperation_t op_lt_b = ta == Transpose::no ? CUBLAS_OP_N : CUBLAS_OP_T;  // our a
-  desc.set(CUBLASLT_MATMUL_DESC_TRANSA, op_lt_a);
-  desc.set(CUBLASLT_MATMUL_DESC_TRANSB, op_lt_b);
-
-  // Column-major views: b (k, n) row-major is (n, k) ld n; b^T stored (n, k) is (k, n) ld k.
-  // a (m, k) row-major is (k, m) ld k; a^T stored (k, m) is (m, k) ld m.
-  Layout lt_a = tb == Transpose::no ? Layout(in_type, n, k, n) : Layout(in_type, k, n, k);
-  Layout lt_b = ta == Transpose::no ? Layout(in_type, k, m, k) : Layout(in_type, m, k, m);
-  Layout lt_c(out_type, n, m, n);  // C^T, also D (in place)
-
-  Preference pref;
-  pref.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, static_cast<uint64_t>(kGemmWorkspaceBytes));
-  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment_of(b.raw()));
-  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment_of(a.raw()));
-  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment_of(c.raw()));
-  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment_of(c.raw()));
-
+  // The fused bias epilogue is tried for f32 outputs when the vector is 16-byte aligned;
+  // otherwise (or when no algorithm supports it) a separate kernel adds it after the product.
+  bool want_fused = bias_ptr && c.dtype() == DType::f32 && alignment_of(bias_ptr) >= 16;
+  GemmKey key{m,
+              n,
+              k,
+              static_cast<int64_t>(ta),
+              static_cast<int64_t>(tb),
+              static_cast<int64_t>(a.dtype()),
+              static_cast<int64_t>(c.dtype()),
+              static_cast<int64_t>(compute),
+              want_fused ? 1 : 0,
+              alignment_of(a.raw()),
+              alignment_of(b.raw()),
+              alignment_of(c.raw()),
+              want_fused ? alignment_of(bias_ptr) : 0};
   cublasLtHandle_t handle = static_cast<cublasLtHandle_t>(ctx.cublaslt());
-  auto find_algo = [&](cublasLtMatmulHeuristicResult_t& result) {
-    int found = 0;
-    cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle, desc.d, lt_a.l, lt_b.l, lt_c.l,
-                                                       lt_c.l, pref.p, 1, &result, &found);
-    return st == CUBLAS_STATUS_SUCCESS && found > 0;
-  };
+  GemmPlan& plan = ctx.state<GemmPlans>().cache.get(key, [&] {
+    GemmPlan pl;
+    pl.desc = make_matmul_desc(compute);
+    cublasOperation_t op_lt_a = tb == Transpose::no ? CUBLAS_OP_N : CUBLAS_OP_T;  // our b
+    cublasOperation_t op_lt_b = ta == Transpose::no ? CUBLAS_OP_N : CUBLAS_OP_T;  // our a
+    set_attr(pl.desc, CUBLASLT_MATMUL_DESC_TRANSA, op_lt_a);
+    set_attr(pl.desc, CUBLASLT_MATMUL_DESC_TRANSB, op_lt_b);
+    // Column-major views: b (k, n) row-major is (n, k) ld n; b^T stored (n, k) is (k, n) ld k.
+    // a (m, k) row-major is (k, m) ld k; a^T stored (k, m) is (m, k) ld m.
+    pl.lt_a = tb == Transpose::no ? make_layout(in_type, n, k, n) : make_layout(in_type, k, n, k);
+    pl.lt_b = ta == Transpose::no ? make_layout(in_type, k, m, k) : make_layout(in_type, m, k, m);
+    pl.lt_c = make_layout(out_type, n, m, n);  // C^T, also D (in place)
 
-  // Fused bias for f32 outputs when the vector is 16-byte aligned; otherwise (or when no
-  // algorithm supports the epilogue) a separate kernel adds it after the product.
-  bool fused_bias = bias_ptr && c.dtype() == DType::f32 && alignment_of(bias_ptr) >= 16;
-  cublasLtMatmulHeuristicResult_t result{};
-  bool found = false;
-  if (fused_bias) {
-    desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE, static_cast<uint32_t>(CUBLASLT_EPILOGUE_BIAS));
-    desc.set(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, static_cast<int32_t>(CUDA_R_32F));
-    desc.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(bias_ptr));
-    found = find_algo(result);
-    if (!found) {
-      fused_bias = false;
-      desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE, static_cast<uint32_t>(CUBLASLT_EPILOGUE_DEFAULT));
+    cublasLtMatmulPreference_t raw_pref = nullptr;
+    DP_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&raw_pref));
+    PreferenceHandle pref(raw_pref);
+    set_pref(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+             static_cast<uint64_t>(kGemmWorkspaceBytes));
+    set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment_of(b.raw()));
+    set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment_of(a.raw()));
+    set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment_of(c.raw()));
+    set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment_of(c.raw()));
+
+    auto find_algo = [&] {
+      int found = 0;
+      cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(
+          handle, pl.desc.get(), pl.lt_a.get(), pl.lt_b.get(), pl.lt_c.get(), pl.lt_c.get(),
+          pref.get(), 1, &pl.result, &found);
+      return st == CUBLAS_STATUS_SUCCESS && found > 0;
+    };
+    bool found = false;
+    if (want_fused) {
+      set_attr(pl.desc, CUBLASLT_MATMUL_DESC_EPILOGUE,
+               static_cast<uint32_t>(CUBLASLT_EPILOGUE_BIAS));
+      set_attr(pl.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, static_cast<int32_t>(CUDA_R_32F));
+      set_attr(pl.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(bias_ptr));
+      found = pl.fused_bias = find_algo();
+      if (!found)
+        set_attr(pl.desc, CUBLASLT_MATMUL_DESC_EPILOGUE,
+                 static_cast<uint32_t>(CUBLASLT_EPILOGUE_DEFAULT));
     }
-  }
-  if (!found && !find_algo(result))
-    DP_THROW("gemm: cuBLASLt has no algorithm for "
-             << a << (ta == Transpose::yes ? "^T" : "") << " x " << b
-             << (tb == Transpose::yes ? "^T" : "") << " -> " << c);
+    if (!found && !find_algo())
+      DP_THROW("gemm: cuBLASLt has no algorithm for "
+               << a << (ta == Transpose::yes ? "^T" : "") << " x " << b
+               << (tb == Transpose::yes ? "^T" : "") << " -> " << c);
+    return pl;
+  });
+  if (plan.fused_bias)  // the one per-call attribute
+    set_attr(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(bias_ptr));
 
   void* workspace = ctx.workspace(kGemmWorkspaceBytes);
-  DP_CUBLAS_CHECK(cublasLtMatmul(handle, desc.d, &alpha, b.raw(), lt_a.l, a.raw(), lt_b.l, &beta,
-                                 c.raw(), lt_c.l, c.raw(), lt_c.l, &result.algo, workspace,
-                                 kGemmWorkspaceBytes, s));
-  if (bias_ptr && !fused_bias) launch_scale_add_bias(c, bias_ptr, 1.f, /*scale_c=*/false, s);
+  DP_CUBLAS_CHECK(cublasLtMatmul(handle, plan.desc.get(), &alpha, b.raw(), plan.lt_a.get(), a.raw(),
+                                 plan.lt_b.get(), &beta, c.raw(), plan.lt_c.get(), c.raw(),
+                                 plan.lt_c.get(), &plan.result.algo, workspace, kGemmWorkspaceBytes,
+                                 s));
+  if (bias_ptr && !plan.fused_bias) launch_scale_add_bias(c, bias_ptr, 1.f, /*scale_c=*/false, s);
 }
 
 }  // namespace kernels::cuda

@@ -1,7 +1,8 @@
 // Losses (fused softmax + cross-entropy, MSE), reductions (sum, mean) and metrics (argmax,
 // count_correct). Every floating reduction is deterministic: per-block partials in a fixed
 // layout, then one block adds them in a fixed order (no float atomics).
-#include <cstdio>
+#include <cstdint>
+#include <string>
 
 #include "kernels/cuda/cuda_common.cuh"
 
@@ -76,16 +77,24 @@ size_t aligned_bytes(size_t bytes) {
 //   dlogits_i = (w / B) (softmax(x) - t)
 __global__ void softmax_xent_kernel(float* row_loss, float* dlogits, const float* logits,
                                     const int32_t* labels, const float* weights, int64_t batch,
-                                    int64_t classes, float ls) {
+                                    int64_t classes, float ls, unsigned long long* fault) {
   int64_t i = blockIdx.x;
   const float* x = logits + i * classes;
   int32_t label = labels[i];
   if (label < 0 || label >= classes) {
-    // Reported by the next checked CUDA call on this device (as a device-side assert is).
-    if (threadIdx.x == 0)
-      printf("softmax_cross_entropy: label %d of row %lld is outside [0, %lld)\n", label,
-             static_cast<long long>(i), static_cast<long long>(classes));
-    __trap();
+    // No __trap(): it would end the CUDA context every logical device on this GPU shares. The
+    // fault record keeps the first bad row (the smallest (row, label) word wins) for the host,
+    // which throws the CPU backend's text at its next read (bad_label_text).
+    if (threadIdx.x == 0) {
+      atomicMin(&fault[0], (static_cast<unsigned long long>(i) << 32) |
+                               static_cast<unsigned long long>(static_cast<uint32_t>(label)));
+      fault[1] = static_cast<unsigned long long>(batch);
+      fault[2] = static_cast<unsigned long long>(classes);
+      row_loss[i] = NAN;
+    }
+    if (dlogits)
+      for (int64_t c = threadIdx.x; c < classes; c += blockDim.x) dlogits[i * classes + c] = NAN;
+    return;  // the whole block leaves: no block reduction below is entered
   }
   float max_x = -INFINITY;
   for (int64_t c = threadIdx.x; c < classes; c += blockDim.x) max_x = fmaxf(max_x, x[c]);
@@ -115,20 +124,20 @@ __global__ void softmax_xent_kernel(float* row_loss, float* dlogits, const float
 
 constexpr int kRowsPerBlock = kThreads / 32;  // one warp per row
 
-// First index of the row's maximum, valid in lane 0. Each lane scans its strided columns in
-// increasing order keeping the first max (strict >); lanes then merge, ties to the lower index.
+// The CPU's rule (kernels/cpu/reduce.cpp: best = 0, then best = c when x[c] > x[best]), valid
+// in lane 0: index 0 when x[0] is NaN; otherwise the first index of the maximum over the
+// non-NaN entries (a NaN never compares greater, so the scan skips it). Each lane keeps the
+// first maximum of its strided non-NaN columns; lanes then merge, ties to the lower index.
 __device__ long long warp_row_argmax(const float* x, int64_t classes, int lane) {
   float best = -INFINITY;
-  long long idx = classes;  // sentinel, loses every tie
-  if (lane < classes) {
-    best = x[lane];
-    idx = lane;
-  }
-  for (int64_t c = lane + 32; c < classes; c += 32)
-    if (x[c] > best) {
-      best = x[c];
+  long long idx = classes;  // sentinel: no non-NaN column yet; loses every tie
+  for (int64_t c = lane; c < classes; c += 32) {
+    float v = x[c];
+    if (!isnan(v) && (idx == classes || v > best)) {
+      best = v;
       idx = c;
     }
+  }
   for (int o = 16; o > 0; o >>= 1) {
     float ob = __shfl_down_sync(0xffffffffu, best, o);
     long long oi = __shfl_down_sync(0xffffffffu, idx, o);
@@ -137,6 +146,7 @@ __device__ long long warp_row_argmax(const float* x, int64_t classes, int lane) 
       idx = oi;
     }
   }
+  if (classes > 0 && isnan(x[0])) idx = 0;  // the CPU's scan never leaves a NaN x[0]
   return idx;
 }
 
@@ -156,6 +166,14 @@ __global__ void count_correct_kernel(unsigned long long* count, const float* x,
   if (row >= batch) return;
   long long idx = warp_row_argmax(x + row * classes, classes, lane);
   if (lane == 0 && idx == labels[row]) atomicAdd(count, 1ull);
+}
+
+// The host side of softmax_xent_kernel's fault record: word 0 packs (row << 32 | label).
+std::string bad_label_fault_text(const uint64_t* record) {
+  auto row = static_cast<int64_t>(record[0] >> 32);
+  auto label = static_cast<int32_t>(static_cast<uint32_t>(record[0] & 0xffffffffu));
+  return bad_label_text(label, row, static_cast<int64_t>(record[1]),
+                        static_cast<int64_t>(record[2]));
 }
 
 unsigned row_warp_blocks(int64_t rows) {
@@ -182,10 +200,12 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
   auto* row_loss = reinterpret_cast<float*>(ws);
   auto* partials = reinterpret_cast<float*>(ws + rows_bytes);
   if (batch > 0) {
+    auto* fault = reinterpret_cast<unsigned long long*>(ctx.fault_record());
     softmax_xent_kernel<<<static_cast<unsigned>(batch), row_block_threads(classes), 0, s>>>(
         row_loss, data_or_null<float>(dlogits), logits.data<float>(), labels.data<int32_t>(),
-        data_or_null<const float>(weights), batch, classes, label_smoothing);
+        data_or_null<const float>(weights), batch, classes, label_smoothing, fault);
     DP_CUDA_CHECK_LAUNCH();
+    ctx.arm_fault_check(bad_label_fault_text);
   }
   // loss = (sum_i row_loss[i]) / B, 0 for an empty batch.
   float divisor = batch > 0 ? static_cast<float>(batch) : 1.f;

@@ -1,6 +1,6 @@
 // BatchNorm (statistics over every dim but 1) and LayerNorm (over the last dim), hand-written.
-// Each reduction has a fixed shape (one block per channel or row, fixed block size, or the
-// chunked column sums of cuda_common.cuh), so results are bitwise reproducible.
+// Each reduction has a fixed shape (the chunked channel sums and column sums of
+// cuda_common.cuh, one block per LayerNorm row), so results are bitwise reproducible.
 #include "kernels/cuda/cuda_common.cuh"
 
 namespace kernels::cuda {
@@ -10,43 +10,50 @@ namespace {
 // ---- batch norm ----------------------------------------------------------------------------
 // x viewed as (N, C, inner); channel c holds count = N * inner elements.
 
-__device__ __forceinline__ int64_t channel_index(int64_t j, int64_t c, int64_t channels,
-                                                 int64_t inner) {
-  int64_t n = j / inner, s = j - n * inner;
-  return (n * channels + c) * inner + s;
-}
+// Channel sums for launch_channel_sums (cuda_common.cuh): chunks of every channel in parallel,
+// partials added in a fixed order. Forward: mean, then the biased variance around it (two
+// passes), then y elementwise. Backward: sum dy and sum dy xhat, then dx elementwise.
 
-// One block per channel: batch mean, biased variance (two passes), y, saved statistics and the
-// running averages (PyTorch: r = (1 - m) r + m stat, unbiased variance for the running one).
-__global__ void bn_forward_train_kernel(float* y, float* save_mean, float* save_invstd,
-                                        float* running_mean, float* running_var, const float* x,
-                                        const float* gamma, const float* beta, int64_t batch,
-                                        int64_t channels, int64_t inner, float momentum,
-                                        float eps) {
-  int64_t c = blockIdx.x, count = batch * inner;
-  float s = 0.f;
-  for (int64_t j = threadIdx.x; j < count; j += blockDim.x)
-    s += x[channel_index(j, c, channels, inner)];
-  float mean = block_reduce_sum(s) / static_cast<float>(count);
-  float sq = 0.f;
-  for (int64_t j = threadIdx.x; j < count; j += blockDim.x) {
-    float d = x[channel_index(j, c, channels, inner)] - mean;
-    sq += d * d;
+struct SetMean {
+  float* mean;
+  float count;
+  __device__ void operator()(int64_t c, float sum, float) const { mean[c] = sum / count; }
+};
+
+struct SquaredDeviation {
+  const float* x;
+  const float* mean;
+  __device__ float2 operator()(int64_t idx, int64_t c) const {
+    float d = x[idx] - mean[c];
+    return make_float2(d * d, 0.f);
   }
-  float var = block_reduce_sum(sq) / static_cast<float>(count);
-  float invstd = 1.f / sqrtf(var + eps);
-  if (threadIdx.x == 0) {
-    save_mean[c] = mean;
-    save_invstd[c] = invstd;
+};
+
+// invstd from the biased variance; running averages as PyTorch (r = (1 - m) r + m stat, the
+// unbiased variance for the running one).
+struct SetVariance {
+  float* save_invstd;
+  float* running_mean;
+  float* running_var;
+  const float* mean;
+  int64_t count;
+  float momentum, eps;
+  __device__ void operator()(int64_t c, float sum_sq, float) const {
+    float var = sum_sq / static_cast<float>(count);
+    save_invstd[c] = 1.f / sqrtf(var + eps);
     float unbiased =
         count > 1 ? var * static_cast<float>(count) / static_cast<float>(count - 1) : var;
-    running_mean[c] = (1.f - momentum) * running_mean[c] + momentum * mean;
+    running_mean[c] = (1.f - momentum) * running_mean[c] + momentum * mean[c];
     running_var[c] = (1.f - momentum) * running_var[c] + momentum * unbiased;
   }
-  float g = gamma[c], b = beta[c];
-  for (int64_t j = threadIdx.x; j < count; j += blockDim.x) {
-    int64_t idx = channel_index(j, c, channels, inner);
-    y[idx] = (x[idx] - mean) * invstd * g + b;
+};
+
+__global__ void bn_normalize_kernel(float* y, const float* x, const float* mean,
+                                    const float* invstd, const float* gamma, const float* beta,
+                                    int64_t n, int64_t channels, int64_t inner) {
+  DP_GRID_STRIDE_LOOP(i, n) {
+    int64_t c = (i / inner) % channels;
+    y[i] = (x[i] - mean[c]) * invstd[c] * gamma[c] + beta[c];
   }
 }
 
@@ -61,35 +68,42 @@ __global__ void bn_forward_eval_kernel(float* y, const float* x, const float* ga
   }
 }
 
-// One block per channel, with xhat = (x - mean) invstd:
-//   dbeta (+)= sum dy, dgamma (+)= sum dy xhat,
-//   dx = gamma invstd (dy - sum dy / count - xhat sum(dy xhat) / count).
-__global__ void bn_backward_kernel(float* dx, float* dgamma, float* dbeta, const float* dy,
-                                   const float* x, const float* gamma, const float* save_mean,
-                                   const float* save_invstd, int64_t batch, int64_t channels,
-                                   int64_t inner, bool accumulate) {
-  int64_t c = blockIdx.x, count = batch * inner;
-  float mean = save_mean[c], invstd = save_invstd[c];
-  float sum_dy = 0.f, sum_dy_xhat = 0.f;
-  for (int64_t j = threadIdx.x; j < count; j += blockDim.x) {
-    int64_t idx = channel_index(j, c, channels, inner);
+// (dy, dy xhat) with xhat = (x - mean) invstd.
+struct DyAndDyXhat {
+  const float* dy;
+  const float* x;
+  const float* mean;
+  const float* invstd;
+  __device__ float2 operator()(int64_t idx, int64_t c) const {
     float g = dy[idx];
-    sum_dy += g;
-    sum_dy_xhat += g * (x[idx] - mean) * invstd;
+    return make_float2(g, g * (x[idx] - mean[c]) * invstd[c]);
   }
-  sum_dy = block_reduce_sum(sum_dy);
-  sum_dy_xhat = block_reduce_sum(sum_dy_xhat);
-  if (threadIdx.x == 0) {
+};
+
+// dbeta (+)= sum dy, dgamma (+)= sum dy xhat; the two sums are kept for dx.
+struct SetBnGrads {
+  float* dgamma;
+  float* dbeta;
+  float* sums;  // (2, C): sum dy, sum dy xhat
+  int64_t channels;
+  bool accumulate;
+  __device__ void operator()(int64_t c, float sum_dy, float sum_dy_xhat) const {
     dbeta[c] = accumulate ? dbeta[c] + sum_dy : sum_dy;
     dgamma[c] = accumulate ? dgamma[c] + sum_dy_xhat : sum_dy_xhat;
+    sums[c] = sum_dy;
+    sums[channels + c] = sum_dy_xhat;
   }
-  if (count == 0) return;
-  float k = gamma[c] * invstd, mean_dy = sum_dy / static_cast<float>(count),
-        mean_dy_xhat = sum_dy_xhat / static_cast<float>(count);
-  for (int64_t j = threadIdx.x; j < count; j += blockDim.x) {
-    int64_t idx = channel_index(j, c, channels, inner);
-    float xhat = (x[idx] - mean) * invstd;
-    dx[idx] = k * (dy[idx] - mean_dy - xhat * mean_dy_xhat);
+};
+
+// dx = gamma invstd (dy - sum dy / count - xhat sum(dy xhat) / count).
+__global__ void bn_backward_dx_kernel(float* dx, const float* dy, const float* x,
+                                      const float* gamma, const float* mean, const float* invstd,
+                                      const float* sums, int64_t n, int64_t channels, int64_t inner,
+                                      float count) {
+  DP_GRID_STRIDE_LOOP(i, n) {
+    int64_t c = (i / inner) % channels;
+    float xhat = (x[i] - mean[c]) * invstd[c];
+    dx[i] = gamma[c] * invstd[c] * (dy[i] - sums[c] / count - xhat * (sums[channels + c] / count));
   }
 }
 
@@ -183,10 +197,21 @@ void batch_norm_forward_train(Tensor& y, Tensor& save_mean, Tensor& save_invstd,
   BatchNormShape sh = bn_shape(x);
   // No elements: no statistics, and the running averages stay as they are.
   if (x.numel() == 0) return;
-  bn_forward_train_kernel<<<static_cast<unsigned>(sh.channels), kThreads, 0, stream_of(ctx)>>>(
-      y.data<float>(), save_mean.data<float>(), save_invstd.data<float>(),
-      running_mean.data<float>(), running_var.data<float>(), x.data<float>(), gamma.data<float>(),
-      beta.data<float>(), sh.batch, sh.channels, sh.inner, momentum, eps);
+  cudaStream_t s = stream_of(ctx);
+  int64_t count = sh.batch * sh.inner;
+  auto* scratch = static_cast<float2*>(
+      ctx.workspace(channel_sum_scratch_bytes(sh.batch, sh.channels, sh.inner)));
+  float* mean = save_mean.data<float>();
+  launch_channel_sums(sh.batch, sh.channels, sh.inner, ReadChannelValue{x.data<float>()},
+                      SetMean{mean, static_cast<float>(count)}, scratch, s);
+  launch_channel_sums(sh.batch, sh.channels, sh.inner, SquaredDeviation{x.data<float>(), mean},
+                      SetVariance{save_invstd.data<float>(), running_mean.data<float>(),
+                                  running_var.data<float>(), mean, count, momentum, eps},
+                      scratch, s);
+  int64_t n = x.numel();
+  bn_normalize_kernel<<<blocks_for(n), kThreads, 0, s>>>(
+      y.data<float>(), x.data<float>(), mean, save_invstd.data<float>(), gamma.data<float>(),
+      beta.data<float>(), n, sh.channels, sh.inner);
   DP_CUDA_CHECK_LAUNCH();
 }
 
@@ -213,10 +238,24 @@ void batch_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor
   BatchNormShape sh = bn_shape(x);
   if (sh.channels == 0) return;
   // An empty batch still writes dgamma = dbeta = 0 (or leaves them when accumulating).
-  bn_backward_kernel<<<static_cast<unsigned>(sh.channels), kThreads, 0, stream_of(ctx)>>>(
-      dx.data<float>(), dgamma.data<float>(), dbeta.data<float>(), dy.data<float>(),
-      x.data<float>(), gamma.data<float>(), save_mean.data<float>(), save_invstd.data<float>(),
-      sh.batch, sh.channels, sh.inner, acc == Accumulate::yes);
+  cudaStream_t s = stream_of(ctx);
+  size_t partial_bytes = channel_sum_scratch_bytes(sh.batch, sh.channels, sh.inner);
+  size_t sums_offset = (partial_bytes + 255) / 256 * 256;
+  char* ws = static_cast<char*>(ctx.workspace(sums_offset + sizeof(float) * 2 * sh.channels));
+  auto* scratch = reinterpret_cast<float2*>(ws);
+  auto* sums = reinterpret_cast<float*>(ws + sums_offset);
+  launch_channel_sums(sh.batch, sh.channels, sh.inner,
+                      DyAndDyXhat{dy.data<float>(), x.data<float>(), save_mean.data<float>(),
+                                  save_invstd.data<float>()},
+                      SetBnGrads{dgamma.data<float>(), dbeta.data<float>(), sums, sh.channels,
+                                 acc == Accumulate::yes},
+                      scratch, s);
+  int64_t n = x.numel();
+  if (n == 0) return;
+  bn_backward_dx_kernel<<<blocks_for(n), kThreads, 0, s>>>(
+      dx.data<float>(), dy.data<float>(), x.data<float>(), gamma.data<float>(),
+      save_mean.data<float>(), save_invstd.data<float>(), sums, n, sh.channels, sh.inner,
+      static_cast<float>(sh.batch * sh.inner));
   DP_CUDA_CHECK_LAUNCH();
 }
 

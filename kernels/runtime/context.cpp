@@ -1,7 +1,9 @@
 #include "kernels/runtime/context.hpp"
 
 #include <algorithm>
+#include <cstdint>
 #include <map>
+#include <mutex>
 #include <thread>
 
 #include "kernels/runtime/error.hpp"
@@ -15,6 +17,67 @@
 #endif
 
 namespace kernels {
+
+#if DP_HAVE_CUDA
+namespace {
+
+// Per-process driver state of one physical GPU, set once however many logical devices and
+// contexts use it:
+//   - the default memory pool keeps what it has mapped (release threshold UINT64_MAX): with the
+//     default threshold 0 every synchronize() would unmap the step's activations and the next
+//     step would map them again;
+//   - peer access to every GPU that cudaDeviceCanAccessPeer allows, for the device and for its
+//     pool (cudaMallocAsync memory needs cudaMemPoolSetAccess as well), so copies between two
+//     GPUs go directly instead of through host memory.
+// The once-flags are function-local statics: the driver state they guard is itself per process,
+// so this is the one place the runtime keeps process-wide state; nothing else reads it.
+void prepare_gpu(int gpu) {
+  int n = cuda_device_count();
+  DP_CUDA_CHECK(cudaSetDevice(gpu));
+  cudaMemPool_t pool = nullptr;
+  DP_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, gpu));
+  uint64_t keep_all = UINT64_MAX;
+  DP_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_all));
+  for (int peer = 0; peer < n; ++peer) {
+    if (peer == gpu) continue;
+    int can = 0;
+    DP_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, gpu, peer));
+    if (!can) continue;
+    // Peer access only speeds copies up: a failure is logged (and the per-thread error
+    // cleared, so the next launch does not report it), never fatal.
+    cudaError_t e = cudaDeviceEnablePeerAccess(peer, 0);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      if (e != cudaErrorPeerAccessAlreadyEnabled)
+        DP_LOG_ERROR("GPU " << gpu << ": peer access to GPU " << peer
+                            << " not enabled: " << cudaGetErrorString(e));
+    }
+    // `peer` may read and write memory that `gpu`'s pool hands out.
+    int back = 0;
+    DP_CUDA_CHECK(cudaDeviceCanAccessPeer(&back, peer, gpu));
+    if (back) {
+      cudaMemAccessDesc access{};
+      access.location.type = cudaMemLocationTypeDevice;
+      access.location.id = peer;
+      access.flags = cudaMemAccessFlagsProtReadWrite;
+      e = cudaMemPoolSetAccess(pool, &access, 1);
+      if (e != cudaSuccess) {
+        cudaGetLastError();
+        DP_LOG_ERROR("GPU " << gpu << ": its memory pool is not accessible from GPU " << peer
+                            << ": " << cudaGetErrorString(e));
+      }
+    }
+  }
+}
+
+void prepare_gpu_once(int gpu) {
+  static const int n = cuda_device_count();
+  static std::unique_ptr<std::once_flag[]> flags(new std::once_flag[n > 0 ? n : 1]);
+  std::call_once(flags[gpu], prepare_gpu, gpu);  // a throw leaves the flag unset: retried
+}
+
+}  // namespace
+#endif
 
 void MemoryStats::on_alloc(int64_t bytes) {
   int64_t now = current.fetch_add(bytes) + bytes;
@@ -32,6 +95,7 @@ DeviceContext::DeviceContext(Device device, ContextOptions options)
     return;
   }
 #if DP_HAVE_CUDA
+  prepare_gpu_once(physical_gpu(device));
   DP_CUDA_CHECK(cudaSetDevice(physical_gpu(device)));
   cudaStream_t s = nullptr;
   DP_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -66,6 +130,10 @@ DeviceContext::~DeviceContext() {
         DP_LOG_ERROR(what << ": " << cudaGetErrorString(e));
     };
     cudaSetDevice(physical_gpu(device_));
+    states_.clear();  // the plan caches' descriptors go before the handles
+    if (fault_record_)
+      quiet(cudaFreeAsync(fault_record_, static_cast<cudaStream_t>(stream_)),
+            "cudaFreeAsync(fault record)");
     if (workspace_)
       quiet(cudaFreeAsync(workspace_, static_cast<cudaStream_t>(stream_)),
             "cudaFreeAsync(workspace)");
@@ -86,11 +154,47 @@ void* DeviceContext::workspace(size_t bytes) {
     if (workspace_) DP_CUDA_CHECK(cudaFreeAsync(workspace_, s));
     workspace_ = nullptr;
     workspace_bytes_ = 0;
-    DP_CUDA_CHECK(cudaMallocAsync(&workspace_, bytes, s));
+    cudaError_t e = cudaMallocAsync(&workspace_, bytes, s);
+    if (e != cudaSuccess) {
+      workspace_ = nullptr;
+      cudaGetLastError();  // handled here: the next launch on this thread must not report it
+      DP_THROW("out of memory on " << device_ << " allocating a workspace of " << bytes
+                                   << " bytes: " << cudaGetErrorString(e));
+    }
     workspace_bytes_ = bytes;
   }
 #endif
   return workspace_;
+}
+
+uint64_t* DeviceContext::fault_record() {
+  DP_CHECK(device_.is_cuda(), "fault_record: only CUDA contexts have one, not " << device_);
+#if DP_HAVE_CUDA
+  if (!fault_record_) {
+    auto s = static_cast<cudaStream_t>(stream_);
+    make_current();
+    void* p = nullptr;
+    DP_CUDA_CHECK(cudaMallocAsync(&p, sizeof(uint64_t) * kFaultWords, s));
+    fault_record_ = static_cast<uint64_t*>(p);
+    DP_CUDA_CHECK(cudaMemsetAsync(fault_record_, 0xff, sizeof(uint64_t) * kFaultWords, s));
+  }
+#endif
+  return fault_record_;
+}
+
+void DeviceContext::check_faults() {
+#if DP_HAVE_CUDA
+  if (!fault_text_ || !fault_record_) return;
+  FaultText text = fault_text_;
+  fault_text_ = nullptr;  // disarmed: reads until the next armed op cost nothing
+  auto s = static_cast<cudaStream_t>(stream_);
+  uint64_t record[kFaultWords];
+  DP_CUDA_CHECK(cudaMemcpyAsync(record, fault_record_, sizeof record, cudaMemcpyDeviceToHost, s));
+  DP_CUDA_CHECK(cudaStreamSynchronize(s));
+  if (record[0] == ~uint64_t{0}) return;
+  DP_CUDA_CHECK(cudaMemsetAsync(fault_record_, 0xff, sizeof record, s));  // usable again
+  throw Error(text(record));
+#endif
 }
 
 tbb::task_arena& DeviceContext::arena() {
@@ -109,6 +213,7 @@ void DeviceContext::synchronize() {
   if (stream_) {
     make_current();
     DP_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)));
+    check_faults();
   }
 #endif
 }

@@ -13,7 +13,10 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <string>
+#include <typeindex>
 
 #include <tbb/task_arena.h>
 
@@ -66,7 +69,31 @@ class DeviceContext {
   // so a tensor may outlive the context that made it. Empty on CPU devices.
   const std::shared_ptr<void>& stream_owner() const { return stream_owner_; }
 
-  // Waits until all work queued on this context's stream has finished (no-op on CPU).
+  // Per-context state of the op layer (the cuBLASLt and cuDNN plan caches), one T per context:
+  // made on first use, destroyed with the context before its library handles. T is default
+  // constructible; only the context's own thread uses it, like the handles.
+  template <class T>
+  T& state() {
+    std::shared_ptr<void>& slot = states_[std::type_index(typeid(T))];
+    if (!slot) slot = std::make_shared<T>();
+    return *static_cast<T*>(slot.get());
+  }
+
+  // Deferred device-side errors, for kernels that must not __trap() (a trap ends the CUDA
+  // context that every logical device on the GPU shares). A kernel writes a record of
+  // kFaultWords words into fault_record() (all bits set: no fault); the op arms the check with a
+  // function that turns a record into the error text; the next host read on this context (a
+  // copy to the host, synchronize()) reads the record and, when a fault was written, resets it
+  // and throws that text. CUDA contexts only.
+  static constexpr int kFaultWords = 4;
+  using FaultText = std::string (*)(const uint64_t* record);
+  uint64_t* fault_record();
+  void arm_fault_check(FaultText text) { fault_text_ = text; }
+  // requires the stream's work is finished. ensures no armed fault is pending (throws its text).
+  void check_faults();
+
+  // Waits until all work queued on this context's stream has finished (no-op on CPU), then
+  // reports an armed device-side fault (check_faults).
   void synchronize();
   // CUDA: makes this context's physical GPU the calling thread's current device (its stream and
   // handles belong to it). No-op on CPU devices.
@@ -82,8 +109,11 @@ class DeviceContext {
   void* cudnn_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
+  uint64_t* fault_record_ = nullptr;
+  FaultText fault_text_ = nullptr;
   std::unique_ptr<tbb::task_arena> arena_;
   std::shared_ptr<MemoryStats> memory_;
+  std::map<std::type_index, std::shared_ptr<void>> states_;
 };
 
 // Binds `ctx` as this thread's context for ctx.device() until the scope ends.

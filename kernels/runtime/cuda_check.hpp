@@ -37,3 +37,29 @@
           __FILE__, __LINE__, nullptr,                                    \
           std::string(#call) + " failed: " + cudnnGetErrorString(dp_s_)); \
   } while (0)
+
+namespace kernels {
+
+// Makes `gpu` the calling thread's current device for the guard's scope and restores the
+// previous one at its end (for destructors and other code that must not change the caller's
+// device). Never throws: failures are ignored, as a destructor must.
+class CurrentGpuGuard {
+ public:
+  explicit CurrentGpuGuard(int gpu) noexcept {
+    if (cudaGetDevice(&previous_) != cudaSuccess) {
+      cudaGetLastError();
+      previous_ = -1;
+    }
+    if (previous_ != gpu) cudaSetDevice(gpu);
+  }
+  ~CurrentGpuGuard() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+  CurrentGpuGuard(const CurrentGpuGuard&) = delete;
+  CurrentGpuGuard& operator=(const CurrentGpuGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
+}  // namespace kernels

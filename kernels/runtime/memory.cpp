@@ -60,7 +60,11 @@ void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device
   cudaMemcpyKind kind = dst_device.is_cuda() ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost;
   DP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, s));
   // A copy that ends on the host is waited for: the caller reads the data next.
-  if (dst_device.is_cpu()) DP_CUDA_CHECK(cudaStreamSynchronize(s));
+  // An armed device-side fault (a bad label in the loss) is reported at this read.
+  if (dst_device.is_cpu()) {
+    DP_CUDA_CHECK(cudaStreamSynchronize(s));
+    ctx.check_faults();
+  }
 #else
   (void)ctx;
   DP_THROW("copy between " << src_device << " and " << dst_device

@@ -44,8 +44,9 @@ Storage::Storage(Device device, size_t bytes, HostMemory host) : device_(device)
     }
 #endif
     if (!pinned_) {
-      size_t rounded = (bytes + 63) / 64 * 64;
-      data_ = std::aligned_alloc(64, rounded);
+      // 256-byte aligned, as cudaMalloc's blocks are: flat-buffer views keep their alignment.
+      size_t rounded = (bytes + 255) / 256 * 256;
+      data_ = std::aligned_alloc(256, rounded);
       DP_CHECK(data_ != nullptr,
                "out of host memory allocating " << bytes << " bytes on " << device);
     }
@@ -78,7 +79,8 @@ Storage::~Storage() {
   if (pinned_) {
     e = cudaFreeHost(data_);
   } else {
-    cudaSetDevice(physical_gpu(device_));
+    // The caller's current GPU is left as it was (a thread may hold tensors of several GPUs).
+    CurrentGpuGuard on(physical_gpu(device_));
     // Stream-ordered free on the stream the block was allocated on: work queued there that
     // still reads it finishes first. The stream stays alive while this storage holds it.
     e = cudaFreeAsync(data_, static_cast<cudaStream_t>(stream_.get()));

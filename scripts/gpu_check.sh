@@ -1,0 +1,386 @@
+#!/usr/bin/env bash
+# gpu_check.sh: one command that proves a GPU machine, and makes this project's GPU figures.
+#
+#   scripts/gpu_check.sh BUILD_DIR RESULTS_DIR   run every check; one verdict line per step
+#   scripts/gpu_check.sh --bundle [DEST]          build here for sm_90 and pack a self-contained
+#                                                 folder and DEST.tar.gz (default
+#                                                 build-sm90/gpu_check_bundle)
+#   scripts/gpu_check.sh --cuda-lib-dirs          print where it looks for the CUDA libraries
+#
+# BUILD_DIR is a CMake build tree (its bin/ holds the programs) or an unpacked bundle (bin/,
+# lib/, torch_ref/, this script at its top: run `bash gpu_check.sh . results`). The steps:
+#   1. nvidia-smi, and the device name;
+#   2. the CUDA tests (ctest -R cuda in a build tree; the doctest binaries with their
+#      test-case filters in a bundle);
+#   3. compute-sanitizer: memcheck on the CUDA kernel tests, racecheck on the block reductions;
+#   4. bench_kernels: TF32 and bf16 GEMM against the device's peak;
+#   5. dp_bench --device cuda --mode both, --gpus 1 and --gpus 4, MLP and CNN, --json each;
+#   6. the PyTorch side by side (benchmarks/torch_ref) where torch imports with CUDA.
+# Everything goes to RESULTS_DIR/DATE_DEVICE/ (logs, JSON, summary.txt), ready to commit to
+# benchmarks/results/. Exit status: 0 when no step failed, 1 when one did, 2 when there is no
+# GPU (at once, with one line) or the arguments are wrong.
+#
+# The CUDA libraries (cuBLASLt, cuDNN, NCCL) are found where they are: PyTorch's pip wheels
+# (site-packages/nvidia/*/lib), /usr/local/cuda, else a search of the file system; the script
+# puts their folders on LD_LIBRARY_PATH. A bundle carries every other shared library its
+# programs need (TBB, Gloo, OpenBLAS, ...) in lib/.
+set -uo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+
+usage() {
+  echo "usage: $0 BUILD_DIR RESULTS_DIR | $0 --bundle [DEST]" >&2
+  exit 2
+}
+
+# ---- --bundle: build here for sm_90 and pack ------------------------------------------------
+
+# The programs the check runs.
+bundle_targets=(test_kernels_cuda test_nn test_dp bench_kernels dp_bench)
+
+# Shared libraries a GPU machine provides itself: the C library family, and the CUDA libraries
+# (present there in PyTorch's wheels or the toolkit; the script finds them at run time).
+provided_lib() {
+  case "$1" in
+    linux-vdso.so* | ld-linux*.so* | libc.so* | libm.so* | libpthread.so* | libdl.so* | \
+      librt.so* | libresolv.so* | libutil.so*) return 0 ;;
+    libcuda.so* | libcudart.so* | libcublas*.so* | libcudnn*.so* | libnccl*.so* | \
+      libnvrtc*.so* | libnvJitLink*.so* | libnvToolsExt*.so* | libcufft*.so* | \
+      libcurand*.so* | libcusparse*.so* | libcusolver*.so*) return 0 ;;
+  esac
+  return 1
+}
+
+make_bundle() {
+  local repo dest build size_kib limit_kib=$((60 * 1024))
+  repo=$(cd "$here/.." && pwd)
+  build=$repo/build-sm90
+  dest=${1:-$build/gpu_check_bundle}
+  [[ -f $repo/CMakeLists.txt && -d $repo/benchmarks/torch_ref ]] || {
+    echo "gpu_check --bundle: run it from the source tree (scripts/gpu_check.sh)" >&2
+    exit 2
+  }
+  local launcher=()
+  if command -v ccache > /dev/null; then
+    launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+  fi
+  echo "gpu_check --bundle: building ${bundle_targets[*]} for sm_90 in $build"
+  mkdir -p "$build"
+  cmake -S "$repo" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
+    "${launcher[@]}" > "$build/configure.log" 2>&1 || {
+    cat "$build/configure.log" >&2
+    echo "gpu_check --bundle: configuring failed" >&2
+    exit 1
+  }
+  cmake --build "$build" -j"$(nproc)" --target "${bundle_targets[@]}" || {
+    echo "gpu_check --bundle: the build failed" >&2
+    exit 1
+  }
+  ldd "$build/bin/dp_bench" | grep -q libcudnn || {
+    echo "gpu_check --bundle: dp_bench was built without the CUDA backend (no nvcc here?)" >&2
+    exit 1
+  }
+
+  rm -rf "$dest"
+  mkdir -p "$dest/bin" "$dest/lib/compat" "$dest/torch_ref"
+  local t
+  for t in "${bundle_targets[@]}"; do
+    cp "$build/bin/$t" "$dest/bin/"
+    strip --strip-unneeded "$dest/bin/$t"
+  done
+  # Every shared library the programs load (ldd resolves the whole tree), but the ones the GPU
+  # machine has. libstdc++ and libgcc_s go to lib/compat: used only when the machine's own are
+  # older than the build's.
+  local lib name
+  while read -r lib; do
+    name=$(basename "$lib")
+    provided_lib "$name" && continue
+    case "$name" in
+      libstdc++.so* | libgcc_s.so*) cp -L "$lib" "$dest/lib/compat/$name" ;;
+      *) cp -L "$lib" "$dest/lib/$name" ;;
+    esac
+  done < <(for t in "${bundle_targets[@]}"; do ldd "$build/bin/$t"; done |
+    awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u)
+  strip --strip-unneeded "$dest"/lib/*.so* "$dest"/lib/compat/*.so* 2> /dev/null
+  # What the programs expect of the CUDA libraries, so the run can say what it looks for.
+  for t in "${bundle_targets[@]}"; do ldd "$build/bin/$t"; done |
+    awk '{print $1}' | while read -r name; do provided_lib "$name" && echo "$name"; done |
+    grep -v '^\(linux-vdso\|ld-linux\|libc\.\|libm\.\|libpthread\|libdl\|librt\|libresolv\|libutil\)' |
+    sort -u > "$dest/lib/cuda_needed.txt"
+
+  cp "$here/gpu_check.sh" "$dest/gpu_check.sh"
+  cp "$repo"/benchmarks/torch_ref/*.py "$repo"/benchmarks/torch_ref/*.sh \
+    "$repo"/benchmarks/torch_ref/README.md "$dest/torch_ref/"
+  {
+    echo "gpu_check bundle"
+    echo "source: $(git -C "$repo" describe --always --dirty 2> /dev/null || echo unknown)"
+    echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ) for sm_90 on $(. /etc/os-release && echo "$PRETTY_NAME")"
+    echo "run: bash gpu_check.sh . results"
+    echo "CUDA libraries it expects on the GPU machine: $(tr '\n' ' ' < "$dest/lib/cuda_needed.txt")"
+  } > "$dest/VERSION"
+
+  tar -C "$(dirname "$dest")" -czf "$dest.tar.gz" "$(basename "$dest")"
+  size_kib=$(du -sk "$dest" | cut -f1)
+  echo "gpu_check --bundle: $dest: $((size_kib / 1024)) MiB ($size_kib KiB) unpacked," \
+    "$(($(stat -c %s "$dest.tar.gz") / 1024)) KiB as $dest.tar.gz"
+  local f listing=""
+  for f in "$dest"/bin/* "$dest"/lib/*.so* "$dest"/lib/compat/*.so*; do
+    [[ -e $f ]] && listing+="  ${f#"$dest"/} $(($(stat -c %s "$f") / 1024)) KiB"$'\n'
+  done
+  echo "  contents:"
+  printf '%s' "$listing"
+  if ((size_kib >= limit_kib)); then
+    echo "gpu_check --bundle: the bundle is over the 60 MiB limit" >&2
+    exit 1
+  fi
+}
+
+# Folders holding the CUDA libraries the programs need: Python's site-packages (PyTorch's
+# wheels: nvidia/cudnn/lib, nvidia/nccl/lib, nvidia/cublas/lib ...), the toolkit, else a search.
+cuda_lib_dirs() {
+  local d
+  {
+    if command -v python3 > /dev/null; then
+      python3 - 2> /dev/null << 'EOF'
+import site, sys, glob, os
+roots = list(site.getsitepackages()) + [site.getusersitepackages()] + sys.path
+for r in roots:
+    for lib in glob.glob(os.path.join(r, "nvidia", "*", "lib")):
+        print(os.path.realpath(lib))
+EOF
+    fi
+    for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/*/lib; do
+      [[ -d $d ]] && echo "$d"
+    done
+  } | awk '!seen[$0]++'
+}
+
+if [[ ${1:-} == --cuda-lib-dirs ]]; then  # what the run would search first (for tests)
+  cuda_lib_dirs
+  exit 0
+fi
+if [[ ${1:-} == --bundle ]]; then
+  make_bundle "${2:-}"
+  exit 0
+fi
+[[ ${1:-} == -h || ${1:-} == --help ]] && usage
+
+# ---- no GPU: one line, exit 2 ----------------------------------------------------------------
+
+if ! command -v nvidia-smi > /dev/null 2>&1; then
+  echo "gpu_check: no NVIDIA GPU here (nvidia-smi is not installed): nothing to check" >&2
+  exit 2
+fi
+if ! gpu_list=$(nvidia-smi -L 2> /dev/null) || ! grep -q '^GPU ' <<< "$gpu_list"; then
+  echo "gpu_check: no NVIDIA GPU here (nvidia-smi -L lists none): nothing to check" >&2
+  exit 2
+fi
+
+[[ $# -eq 2 ]] || usage
+build=$(cd "$1" 2> /dev/null && pwd) || {
+  echo "gpu_check: build folder '$1' does not exist" >&2
+  exit 2
+}
+results_root=$2
+for t in test_kernels_cuda bench_kernels dp_bench; do
+  [[ -x $build/bin/$t ]] || {
+    echo "gpu_check: $build/bin/$t is missing: build it (cmake --build $1) or use a bundle" >&2
+    exit 2
+  }
+done
+
+# ---- the CUDA libraries ----------------------------------------------------------------------
+
+lib_path=""
+add_lib_dir() { [[ -d $1 ]] && lib_path="${lib_path:+$lib_path:}$1"; }
+bundle_lib=""
+if [[ -d $build/lib ]]; then  # a bundle
+  bundle_lib=$build/lib
+  add_lib_dir "$bundle_lib"
+fi
+while read -r d; do add_lib_dir "$d"; done < <(cuda_lib_dirs)
+export LD_LIBRARY_PATH="$lib_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+missing_libs() { ldd "$build/bin/$1" 2> /dev/null | awk '/not found/ {print $1}' | sort -u; }
+if [[ -n $(missing_libs dp_bench) ]]; then  # last resort: look everywhere
+  while read -r f; do add_lib_dir "$(dirname "$f")"; done < <(
+    timeout 120 find / -xdev \( -name 'libcudnn.so*' -o -name 'libnccl.so*' -o \
+      -name 'libcublasLt.so*' \) 2> /dev/null | awk '!seen[$0]++')
+  export LD_LIBRARY_PATH="$lib_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+# The bundle's libstdc++/libgcc_s only where the machine's own are older than the build's
+# (ldd then reports a GLIBCXX/CXXABI/GCC version as not found): a newer system libstdc++ must
+# win, since LD_LIBRARY_PATH goes before the system folders.
+if [[ -n $bundle_lib ]] && ldd "$build/bin/dp_bench" 2>&1 | grep -q "\(GLIBCXX\|CXXABI\|GCC\)_.*not found"; then
+  export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$bundle_lib/compat"
+fi
+
+# ---- results folder --------------------------------------------------------------------------
+
+gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -1)
+n_gpus=$(grep -c '^GPU ' <<< "$gpu_list")
+slug=$(tr '[:upper:]' '[:lower:]' <<< "${gpu_name:-gpu}" | tr -cs 'a-z0-9' '-' | sed 's/^-//;s/-$//')
+out=$results_root/$(date -u +%Y-%m-%d)_$slug
+mkdir -p "$out" || {
+  echo "gpu_check: cannot make $out" >&2
+  exit 2
+}
+out=$(cd "$out" && pwd)
+summary=$out/summary.txt
+: > "$summary"
+failures=0
+
+# One verdict line per step, on the terminal and in summary.txt.
+verdict() {  # STATUS STEP DETAILS...
+  local status=$1 step=$2
+  shift 2
+  printf '%-4s  %-28s %s\n' "$status" "$step" "$*" | tee -a "$summary"
+  [[ $status == FAIL ]] && failures=$((failures + 1))
+  return 0
+}
+
+# Runs a command with its output in LOG; the exit status is the command's.
+logged() {  # LOG CMD...
+  local log=$1
+  shift
+  echo "\$ $*" > "$log"
+  "$@" >> "$log" 2>&1
+}
+
+echo "gpu_check: $n_gpus GPU(s), $gpu_name; results in $out"
+{
+  echo "gpu_check of $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)"
+  [[ -f $build/VERSION ]] && sed -n '2,3p' "$build/VERSION"
+  echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+} > "$out/environment.txt"
+
+# 1. nvidia-smi and the device
+if logged "$out/nvidia-smi.txt" nvidia-smi; then
+  driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)
+  verdict ok nvidia-smi "$n_gpus GPU(s): $gpu_name, driver $driver"
+else
+  verdict FAIL nvidia-smi "nvidia-smi failed: see nvidia-smi.txt"
+fi
+if [[ -n $(missing_libs dp_bench) ]]; then
+  verdict FAIL libraries "not found: $(missing_libs dp_bench | tr '\n' ' ')(install PyTorch's CUDA wheels or the CUDA toolkit)"
+else
+  verdict ok libraries "every shared library of dp_bench resolves (ldd)"
+fi
+
+# 2. the CUDA tests
+cuda_tests=("test_kernels_cuda:kernels.cuda*" "test_nn:nn.cuda*" "test_dp:dp.cuda*")
+if [[ -f $build/CTestTestfile.cmake ]] && command -v ctest > /dev/null; then
+  if logged "$out/cuda_tests.txt" ctest --test-dir "$build" -R cuda --output-on-failure; then
+    verdict ok "CUDA tests (ctest -R cuda)" "$(grep -o '[0-9]*% tests passed.*' "$out/cuda_tests.txt")"
+  else
+    verdict FAIL "CUDA tests (ctest -R cuda)" "$(grep -o '[0-9]*% tests passed.*' "$out/cuda_tests.txt"): see cuda_tests.txt"
+  fi
+else
+  : > "$out/cuda_tests.txt"
+  ok=1 counts=""
+  for spec in "${cuda_tests[@]}"; do
+    bin=${spec%%:*} filter=${spec#*:}
+    [[ -x $build/bin/$bin ]] || continue
+    echo "\$ $bin -tc='$filter'" >> "$out/cuda_tests.txt"
+    "$build/bin/$bin" -tc="$filter" >> "$out/cuda_tests.txt" 2>&1 || ok=0
+    counts+="$bin: $(grep 'test cases:' "$out/cuda_tests.txt" | tail -1 | tr -s ' ' | cut -c1-80); "
+  done
+  if ((ok)); then verdict ok "CUDA tests (doctest)" "$counts"; else
+    verdict FAIL "CUDA tests (doctest)" "$counts see cuda_tests.txt"
+  fi
+fi
+
+# 3. compute-sanitizer
+if command -v compute-sanitizer > /dev/null; then
+  if logged "$out/memcheck.txt" compute-sanitizer --tool memcheck --error-exitcode 99 \
+    "$build/bin/test_kernels_cuda" -tc='kernels.cuda*'; then
+    verdict ok "memcheck (kernel tests)" "$(grep -o 'ERROR SUMMARY.*' "$out/memcheck.txt" | tail -1)"
+  else
+    verdict FAIL "memcheck (kernel tests)" "$(grep -o 'ERROR SUMMARY.*' "$out/memcheck.txt" | tail -1): see memcheck.txt"
+  fi
+  # The kernels with shared-memory reductions and chunked sums.
+  race='kernels.cuda.mse_loss*,kernels.cuda.batch_norm*,kernels.cuda.layer_norm*,kernels.cuda.bias*,kernels.cuda.softmax_cross_entropy: matches*'
+  if logged "$out/racecheck.txt" compute-sanitizer --tool racecheck --error-exitcode 99 \
+    "$build/bin/test_kernels_cuda" -tc="$race"; then
+    verdict ok "racecheck (reductions)" "$(grep -o 'RACECHECK SUMMARY.*\|ERROR SUMMARY.*' "$out/racecheck.txt" | tail -1)"
+  else
+    verdict FAIL "racecheck (reductions)" "see racecheck.txt"
+  fi
+else
+  verdict SKIP compute-sanitizer "not installed (it comes with the CUDA toolkit)"
+fi
+
+# 4. bench_kernels: GEMM against peak
+if logged "$out/bench_kernels.txt" "$build/bin/bench_kernels" --device cuda \
+  --json "$out/bench_kernels.json"; then
+  line=$(python3 - "$out/bench_kernels.json" 2> /dev/null << 'EOF'
+import json, sys
+j = json.load(open(sys.argv[1]))
+rows = j["results"]
+best = {}
+for r in rows:
+    if r.get("kind") == "gemm" and r.get("dtype") in ("tf32", "bf16"):
+        d = r["dtype"]
+        if d not in best or r["gflops"] > best[d]["gflops"]:
+            best[d] = r
+out = []
+for d in ("tf32", "bf16"):
+    if d in best:
+        r = best[d]
+        tf = r["gflops"] / 1e3
+        peak = r.get("peak_tflops") or 0
+        out.append(f"{d} {tf:.0f} TFLOP/s at n={r['n']}" +
+                   (f" ({100 * tf / peak:.0f}% of {peak:g})" if peak else " (peak unknown)"))
+print(", ".join(out))
+EOF
+  )
+  verdict ok "bench_kernels (GEMM)" "${line:-see bench_kernels.txt}"
+else
+  verdict FAIL "bench_kernels (GEMM)" "see bench_kernels.txt"
+fi
+
+# 5. dp_bench: DP and DDP, 1 and 4 logical GPUs, MLP and CNN
+for model in mlp cnn; do
+  for g in 1 4; do
+    name=dp_bench_${model}_gpus$g
+    if logged "$out/$name.txt" "$build/bin/dp_bench" --device cuda --mode both --gpus "$g" \
+      --model "$model" --json "$out/$name.json"; then
+      line=$(python3 - "$out/$name.json" 2> /dev/null << 'EOF'
+import json, sys
+j = json.load(open(sys.argv[1]))
+runs = [f"{r['mode']} x{r['gpus']} {r['step_ms_median']:.2f} ms/step" for r in j["runs"]]
+note = " (logical GPUs share hardware: overhead, not scaling)" if j.get("oversubscribed") else ""
+print(", ".join(runs) + note)
+EOF
+      )
+      verdict ok "dp_bench $model --gpus $g" "${line:-see $name.txt}"
+    else
+      verdict FAIL "dp_bench $model --gpus $g" "see $name.txt"
+    fi
+  done
+done
+
+# 6. PyTorch side by side
+torch_ref=$here/torch_ref
+[[ -d $torch_ref ]] || torch_ref=$here/../benchmarks/torch_ref
+if python3 -c 'import torch, numpy, sys; sys.exit(0 if torch.cuda.is_available() else 1)' \
+  > /dev/null 2>&1; then
+  n_side=$((n_gpus < 4 ? n_gpus : 4))
+  for model in mlp cnn; do
+    if OUT_DIR=$out/torch_side_by_side_$model logged "$out/torch_side_by_side_$model.txt" \
+      bash "$torch_ref/side_by_side.sh" "$build" "$n_side" --device cuda --model "$model"; then
+      verdict ok "PyTorch side by side $model" "N=$n_side: see torch_side_by_side_$model.txt"
+    else
+      verdict FAIL "PyTorch side by side $model" "see torch_side_by_side_$model.txt"
+    fi
+  done
+else
+  verdict SKIP "PyTorch side by side" "torch (with CUDA) or numpy does not import in python3"
+fi
+
+if ((failures)); then
+  echo "gpu_check: $failures step(s) failed; everything is in $out" | tee -a "$summary"
+  exit 1
+fi
+echo "gpu_check: every step passed; commit $out to benchmarks/results/" | tee -a "$summary"
+exit 0
