@@ -7,6 +7,14 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <set>
+#include <string>
+
 #include "tests/test_util.hpp"
 
 namespace dp_test {
@@ -17,6 +25,35 @@ int& skipped_cases() {
 
 namespace {
 int started_cases = 0;
+
+// The paths temp_path handed out, removed at exit (the suites run their cases on one thread;
+// the lock is for helpers that call temp_path from rank threads).
+class TempPaths {
+ public:
+  ~TempPaths() {
+    for (const auto& p : paths_) std::remove(p.c_str());
+  }
+  void add(const std::string& p) {
+    std::lock_guard<std::mutex> lock(mu_);
+    paths_.insert(p);
+  }
+
+ private:
+  std::mutex mu_;
+  std::set<std::string> paths_;
+};
+TempPaths temp_paths;
+}  // namespace
+
+std::string temp_path(const std::string& suite, const std::string& name) {
+  const char* dir = std::getenv("TMPDIR");
+  std::string path = std::string(dir && *dir ? dir : "/tmp") + "/dp_test_" + suite + "_" +
+                     std::to_string(::getpid()) + "_" + name;
+  temp_paths.add(path);
+  return path;
+}
+
+namespace {
 
 struct CountCases : doctest::IReporter {
   explicit CountCases(const doctest::ContextOptions&) {}
