@@ -148,7 +148,7 @@ void validate(const Options& o, const Setup& s, const std::vector<int>& counts) 
         const int on_gpu0 = (n + s.physical - 1) / s.physical;
         dp::cli::check_fits(flag + " (" + std::to_string(on_gpu0) + " chunk(s) of " +
                                 std::to_string(chunk) + " rows on GPU 0)",
-                            chunk * row_bytes * on_gpu0, "GPU 0", kernels::gpu_memory_available(0),
+                            chunk * row_bytes * on_gpu0, "GPU 0", kernels::gpu_memory(0),
                             "give a smaller batch");
       }
     }

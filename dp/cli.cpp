@@ -139,9 +139,9 @@ std::string human_bytes(int64_t bytes) {
 void check_fits(const std::string& what, int64_t need, const std::string& where,
                 const kernels::AvailableMemory& available, const std::string& hint) {
   DP_CHECK(need <= available.bytes, what << " needs at least " << human_bytes(need) << ", but "
-                                         << where << " has " << human_bytes(available.bytes)
-                                         << " available (" << available.source << ")"
-                                         << (hint.empty() ? "" : "; ") << hint);
+                                         << where << " has " << human_bytes(available.bytes) << " ("
+                                         << available.source << ")" << (hint.empty() ? "" : "; ")
+                                         << hint);
 }
 
 }  // namespace dp::cli

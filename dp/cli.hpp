@@ -48,8 +48,8 @@ int64_t checked_product(int64_t a, const std::string& a_name, int64_t b, const s
 std::string human_bytes(int64_t bytes);
 
 // Throws kernels::Error when `need` bytes are more than `available` holds:
-//   "<what> needs at least 2.8 TiB, but the host has 19.3 GiB available (MemAvailable in
-//    /proc/meminfo); <hint>"
+//   "<what> needs at least 2.8 TiB, but the host has 19.3 GiB (MemAvailable in /proc/meminfo);
+//    <hint>"
 // `where` names the memory: "the host", "GPU 0".
 void check_fits(const std::string& what, int64_t need, const std::string& where,
                 const kernels::AvailableMemory& available, const std::string& hint);

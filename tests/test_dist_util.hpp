@@ -5,10 +5,8 @@
 
 #include <chrono>
 #include <exception>
-#include <filesystem>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -78,30 +76,6 @@ inline std::unique_ptr<dp::dist::ProcessGroup> gloo_group(
   return dp::dist::init_process_group(o);
 }
 
-// Directories to remove, with everything in them, when the test program exits.
-class TempDirs {
- public:
-  ~TempDirs() {
-    for (const auto& d : dirs_) {
-      std::error_code ignored;  // never throws
-      std::filesystem::remove_all(d, ignored);
-    }
-  }
-  void add(const std::string& dir) {
-    std::lock_guard<std::mutex> lock(mu_);
-    dirs_.push_back(dir);
-  }
-
- private:
-  std::mutex mu_;
-  std::vector<std::string> dirs_;
-};
-
-inline TempDirs& temp_dirs() {
-  static TempDirs dirs;  // test code only: lives until exit, then removes what it holds
-  return dirs;
-}
-
 // A fresh directory under /tmp, removed when the test program exits.
 inline std::string make_temp_dir(const char* tag) {
   std::string pattern = std::string("/tmp/dp_dist_") + tag + "_XXXXXX";
@@ -109,7 +83,7 @@ inline std::string make_temp_dir(const char* tag) {
   buf.push_back('\0');
   char* dir = mkdtemp(buf.data());
   if (!dir) throw std::runtime_error("mkdtemp failed");
-  temp_dirs().add(dir);
+  dp_test::remove_at_exit(dir);
   return dir;
 }
 

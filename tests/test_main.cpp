@@ -11,6 +11,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <mutex>
 #include <set>
 #include <string>
@@ -26,12 +27,15 @@ int& skipped_cases() {
 namespace {
 int started_cases = 0;
 
-// The paths temp_path handed out, removed at exit (the suites run their cases on one thread;
-// the lock is for helpers that call temp_path from rank threads).
-class TempPaths {
+// Paths to remove when the test program ends (the suites run their cases on one thread; the
+// lock is for helpers called from rank threads).
+class RemoveAtExit {
  public:
-  ~TempPaths() {
-    for (const auto& p : paths_) std::remove(p.c_str());
+  ~RemoveAtExit() {
+    for (const auto& p : paths_) {
+      std::error_code ignored;  // never throws
+      std::filesystem::remove_all(p, ignored);
+    }
   }
   void add(const std::string& p) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -42,14 +46,18 @@ class TempPaths {
   std::mutex mu_;
   std::set<std::string> paths_;
 };
-TempPaths temp_paths;
+RemoveAtExit remove_at_exit_paths;
 }  // namespace
+
+void remove_at_exit(const std::string& path) {
+  remove_at_exit_paths.add(path);
+}
 
 std::string temp_path(const std::string& suite, const std::string& name) {
   const char* dir = std::getenv("TMPDIR");
   std::string path = std::string(dir && *dir ? dir : "/tmp") + "/dp_test_" + suite + "_" +
                      std::to_string(::getpid()) + "_" + name;
-  temp_paths.add(path);
+  remove_at_exit(path);
   return path;
 }
 

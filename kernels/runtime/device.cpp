@@ -142,22 +142,18 @@ AvailableMemory host_memory_available() {
   return m;
 }
 
-AvailableMemory gpu_memory_available(int physical) {
+AvailableMemory gpu_memory(int physical) {
   DP_CHECK(physical >= 0 && physical < cuda_device_count(),
            "GPU " << physical << " is not usable: " << cuda_device_count() << " GPU(s) visible"
                   << (cuda_device_count() ? "" : " (" + cuda_unavailable_reason() + ")"));
   AvailableMemory m;
 #if DP_HAVE_CUDA
-  int before = 0;
-  cudaGetDevice(&before);
-  size_t free_bytes = 0, total = 0;
-  cudaError_t e = cudaSetDevice(physical);
-  if (e == cudaSuccess) e = cudaMemGetInfo(&free_bytes, &total);
-  cudaSetDevice(before);
+  cudaDeviceProp prop{};
+  cudaError_t e = cudaGetDeviceProperties(&prop, physical);
   DP_CHECK(e == cudaSuccess,
-           "cudaMemGetInfo on GPU " << physical << " failed: " << cudaGetErrorString(e));
-  m.bytes = static_cast<int64_t>(free_bytes);
-  m.source = "cudaMemGetInfo on GPU " + std::to_string(physical);
+           "cudaGetDeviceProperties on GPU " << physical << " failed: " << cudaGetErrorString(e));
+  m.bytes = static_cast<int64_t>(prop.totalGlobalMem);
+  m.source = "the total memory of GPU " + std::to_string(physical) + ", " + prop.name;
 #endif
   return m;
 }

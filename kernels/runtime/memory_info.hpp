@@ -16,7 +16,9 @@ struct AvailableMemory {
 // The host: /proc/meminfo's MemAvailable (sysconf's free pages without it), capped by the
 // cgroup v2 limit (memory.max less memory.current) when this process runs under one.
 AvailableMemory host_memory_available();
-// Free memory on physical GPU `physical` (cudaMemGetInfo); throws without a usable GPU.
-AvailableMemory gpu_memory_available(int physical);
+// The memory of physical GPU `physical`: its total (cudaGetDeviceProperties), because asking
+// for the free memory (cudaMemGetInfo) would create a CUDA context in the calling process, a
+// cost a DDP launcher should not pay. Throws without a usable GPU.
+AvailableMemory gpu_memory(int physical);
 
 }  // namespace kernels
