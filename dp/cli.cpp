@@ -81,7 +81,7 @@ std::string output_file_problem(const std::string& path) {
 
 CLI::Validator whole_number(int64_t lo, int64_t hi) {
   return CLI::Validator([lo, hi](std::string& text) { return whole_number_problem(text, lo, hi); },
-                        "INT in " + range_text(lo, hi));
+                        range_text(lo, hi));
 }
 
 CLI::Validator positive_number(double hi) {
@@ -97,7 +97,7 @@ CLI::Validator positive_number(double hi) {
           return text + " is not allowed: " + allowed;
         return "";
       },
-      "NUMBER in (0, " + number_text(hi) + "]");
+      "(0, " + number_text(hi) + "]");
 }
 
 CLI::Validator output_file() {

@@ -236,7 +236,11 @@ int main(int argc, char** argv) {
     lo.batch_size = f.batch;
     lo.seed = f.seed;
     lo.drop_last = f.last_batch == "drop" ? dp::data::DropLast::yes : dp::data::DropLast::no;
-    lo.pad_last_batch_to = ddp ? ddp->world_size() : split;
+    // A launcher other than ours (torchrun, mpirun) decides the world size: checked here too.
+    const int world = ddp ? ddp->world_size() : split;
+    DP_CHECK(f.batch >= world, "--batch " << f.batch << " leaves some of the " << world
+                                          << " ranks without rows: give --batch >= " << world);
+    lo.pad_last_batch_to = world;
     std::vector<int64_t> subset(static_cast<size_t>(
         f.train_samples ? std::min(*f.train_samples, train.size()) : train.size()));
     std::iota(subset.begin(), subset.end(), int64_t{0});
