@@ -160,13 +160,15 @@ TEST_CASE("dist.launch: bad launch options are errors") {
 TEST_CASE("dist.launcher: more ranks than the machine can start are refused before any starts") {
   std::string dir = dist_test::make_temp_dir("limit");
   // 4096 ranks: past 4 per core below 1024 cores, or 128 MiB each below 512 GiB.
-  LaunchOptions o = worker_options(4096);
-  CHECK_THROWS_WITH_AS(launch_workers(o, {kWorker, "--mode", "sleep", "--pid-dir", dir}),
-                       doctest::Contains("ranks on this node is more than this machine can start"),
-                       kernels::Error);
   LocalRankLimit limit = local_rank_limit();
   CHECK(limit.ranks >= 1);
   CHECK(limit.reason.find("per core") != std::string::npos);
+  LaunchOptions o = worker_options(4096);
+  if (limit.ranks < 4096)  // a machine that can start them all would
+    CHECK_THROWS_WITH_AS(launch_workers(o, {kWorker, "--mode", "sleep", "--pid-dir", dir}),
+                         doctest::Contains("ranks on this node is more than this machine can "
+                                           "start"),
+                         kernels::Error);
   o = worker_options(3);
   o.max_local_ranks = 2;  // the override, both ways
   CHECK_THROWS_WITH_AS(launch_workers(o, {kWorker, "--mode", "sleep", "--pid-dir", dir}),
