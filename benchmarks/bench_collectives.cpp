@@ -10,10 +10,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <optional>
 
 #include <CLI/CLI.hpp>
 
 #include "benchmarks/report.hpp"
+#include "dp/cli.hpp"
 #include "dp/data_parallel.hpp"
 #include "dp/distributed/launcher.hpp"
 #include "dp/distributed/mpi_process_group.hpp"
@@ -29,9 +31,13 @@ using kernels::Tensor;
 struct Flags {
   int n = 4;
   std::string device = "auto", what = "both", backend = "auto";
-  int64_t min_bytes = 4 << 10, max_bytes = 0;
+  int64_t min_bytes = 4 << 10;
+  std::optional<int64_t> max_bytes;  // unset: 256 MiB on GPUs, 64 MiB on CPUs
   int iters = 5;
+  std::optional<int> max_local_ranks;  // unset: dp::dist::local_rank_limit()
 };
+
+constexpr int64_t kMaxMessageBytes = int64_t(16) << 30;
 
 kernels::DeviceType device_type(const Flags& f) {
   std::string fallback;
@@ -43,7 +49,7 @@ kernels::DeviceType device_type(const Flags& f) {
 
 std::vector<int64_t> sizes(const Flags& f, kernels::DeviceType t) {
   int64_t max =
-      f.max_bytes > 0 ? f.max_bytes : (t == kernels::DeviceType::cuda ? 256ll << 20 : 64ll << 20);
+      f.max_bytes ? *f.max_bytes : (t == kernels::DeviceType::cuda ? 256ll << 20 : 64ll << 20);
   std::vector<int64_t> out;
   for (int64_t b = f.min_bytes; b <= max; b *= 4) out.push_back(b);
   return out;
@@ -142,20 +148,28 @@ int bench_ddp_worker(const Flags& f, kernels::DeviceType type, const dp::dist::W
 int main(int argc, char** argv) {
   Flags f;
   CLI::App app{"bench_collectives: bandwidth of the DP copies and the DDP collectives"};
-  app.add_option("--gpus,-n", f.n, "devices (dp) or ranks (ddp)")->check(CLI::Range(1, 64));
+  using dp::cli::whole_number;
+  app.add_option("--gpus,-n", f.n, "devices (dp) or ranks (ddp)")->check(whole_number(1, 64));
   app.add_option("--device", f.device)->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--mode", f.what, "dp|ddp|both")->check(CLI::IsMember({"dp", "ddp", "both"}));
   app.add_option("--backend", f.backend, "auto|gloo|nccl|mpi (mpi: under mpirun)")
       ->check(CLI::IsMember({"auto", "gloo", "nccl", "mpi"}));
-  app.add_option("--min-bytes", f.min_bytes)->check(CLI::PositiveNumber);
-  app.add_option("--max-bytes", f.max_bytes, "largest message (default 256 MiB GPU, 64 MiB CPU)");
-  app.add_option("--iters", f.iters)->check(CLI::PositiveNumber);
+  app.add_option("--min-bytes", f.min_bytes, "smallest message")
+      ->check(whole_number(4, kMaxMessageBytes));
+  app.add_option("--max-bytes", f.max_bytes, "largest message (default 256 MiB GPU, 64 MiB CPU)")
+      ->check(whole_number(4, kMaxMessageBytes));
+  app.add_option("--iters", f.iters)->check(whole_number(1, 100000));
+  app.add_option("--max-local-ranks", f.max_local_ranks,
+                 "ddp: most ranks to start on this node (default: from its cores and memory)")
+      ->check(whole_number(1, 4096));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
   try {
+    DP_CHECK(!f.max_bytes || f.min_bytes <= *f.max_bytes,
+             "--min-bytes " << f.min_bytes << " is more than --max-bytes " << *f.max_bytes);
     kernels::DeviceType type = device_type(f);
     if (auto env = dp::dist::worker_env_from_environment()) return bench_ddp_worker(f, type, *env);
     if (type == kernels::DeviceType::cuda)
@@ -166,6 +180,7 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
       dp::dist::LaunchOptions lo;
       lo.nproc_per_node = f.n;
+      lo.max_local_ranks = f.max_local_ranks;
       return dp::dist::launch_workers(lo, std::vector<std::string>(argv, argv + argc));
     }
     return 0;

@@ -2,14 +2,17 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <sstream>
 
 #include "benchmarks/ddp_run.hpp"
 #include "benchmarks/ps_run.hpp"
+#include "dp/cli.hpp"
 #include "dp/data/loader.hpp"
 #include "dp/data_parallel.hpp"
 #include "dp/distributed/launcher.hpp"
@@ -21,8 +24,17 @@ namespace bench {
 using kernels::Device;
 using kernels::DeviceType;
 
+namespace {
+constexpr int kMaxDevices = 1024;  // devices (DP), ranks and nodes (DDP)
+constexpr int kMaxSteps = 10'000'000;
+constexpr double kMaxBucketMb = 65536;
+}  // namespace
+
 void add_flags(CLI::App& app, Options& o) {
-  app.add_option("--gpus", o.gpus, "devices (DP) or ranks (DDP); 0: all GPUs, or 4 CPU devices");
+  using dp::cli::whole_number;
+  app.add_option("--gpus", o.gpus,
+                 "devices (DP) or ranks (DDP); default: all GPUs, or 4 CPU devices")
+      ->check(whole_number(1, kMaxDevices));
   app.add_option("--device", o.device, "auto|cuda|cpu")
       ->check(CLI::IsMember({"auto", "cuda", "cpu"}));
   app.add_option("--mode", o.mode, "dp|ddp|both, or ps (parameter server beside dp)")
@@ -30,46 +42,55 @@ void add_flags(CLI::App& app, Options& o) {
   app.add_option("--max-staleness", o.max_staleness,
                  "--mode ps: a worker waits while this many newer updates are outstanding "
                  "(-1: unbounded; 0: synchronous per update)")
-      ->check(CLI::Range(-1, 1 << 20));
+      ->check(whole_number(-1, 1 << 20));
   app.add_flag("--staleness-lr", o.scale_lr, "--mode ps: each update's lr / (1 + staleness)");
   app.add_option("--model", o.model, "mlp|cnn|resnet")
       ->check(CLI::IsMember({"mlp", "cnn", "resnet"}));
-  auto* b = app.add_option("--batch", o.batch, "global batch")->check(CLI::PositiveNumber);
+  auto* b =
+      app.add_option("--batch", o.batch, "global batch")->check(whole_number(1, dp::cli::kMaxRows));
   app.add_option("--batch-per-device", o.batch_per_device, "per-device batch (global = N x this)")
-      ->check(CLI::PositiveNumber)
+      ->check(whole_number(1, dp::cli::kMaxRows))
       ->excludes(b);
-  app.add_option("--steps", o.steps, "timed steps")->check(CLI::PositiveNumber);
-  app.add_option("--warmup", o.warmup, "untimed steps first")->check(CLI::NonNegativeNumber);
+  app.add_option("--steps", o.steps, "timed steps")->check(whole_number(1, kMaxSteps));
+  app.add_option("--warmup", o.warmup, "untimed steps first")->check(whole_number(0, kMaxSteps));
   app.add_option("--dtype", o.dtype, "fp32|tf32|bf16")
       ->check(CLI::IsMember({"fp32", "tf32", "bf16"}));
   app.add_option("--backend", o.backend, "DDP backend: auto|nccl|gloo|mpi (mpi: under mpirun)")
       ->check(CLI::IsMember({"auto", "nccl", "gloo", "mpi"}));
-  app.add_option("--seed", o.seed, "model and data seed");
-  app.add_option("--json", o.json_path, "write the report as JSON");
-  app.add_option("--trace", o.trace_path, "write a Chrome/Perfetto trace (one track per device)");
+  app.add_option("--seed", o.seed, "model and data seed")
+      ->check(whole_number(0, std::numeric_limits<int64_t>::max()));
+  app.add_option("--json", o.json_path, "write the report as JSON")->check(dp::cli::output_file());
+  app.add_option("--trace", o.trace_path, "write a Chrome/Perfetto trace (one track per device)")
+      ->check(dp::cli::output_file());
   app.add_option("--sweep", o.sweep, "device counts to sweep, e.g. 1,2,4 (writes CSV + chart)");
-  app.add_option("--csv", o.csv_path, "sweep CSV path (default dp_bench_sweep.csv)");
+  app.add_option("--csv", o.csv_path, "sweep CSV path (default dp_bench_sweep.csv)")
+      ->check(dp::cli::output_file());
   app.add_option("--chart", o.chart_path,
-                 "sweep chart path, PNG or SVG (default dp_bench_sweep.svg)");
+                 "sweep chart path, PNG or SVG (default dp_bench_sweep.svg)")
+      ->check(dp::cli::output_file());
   app.add_option("--profile-steps", o.profile_steps,
                  "a:b brackets timed steps a..b with cudaProfilerStart/Stop (nsys "
                  "--capture-range=cudaProfilerApi)");
   app.add_option("--bucket-cap-mb", o.bucket_cap_mb, "DDP bucket cap in MiB")
-      ->check(CLI::PositiveNumber);
+      ->check(dp::cli::positive_number(kMaxBucketMb));
   app.add_option("--first-bucket-mb", o.first_bucket_mb, "DDP first bucket cap in MiB")
-      ->check(CLI::PositiveNumber);
+      ->check(dp::cli::positive_number(kMaxBucketMb));
   app.add_option("--nnodes", o.nnodes, "DDP: nodes (run dp_bench on each with its --node-rank)")
-      ->check(CLI::PositiveNumber);
+      ->check(whole_number(1, kMaxDevices));
   app.add_option("--node-rank", o.node_rank, "DDP: this node's index in [0, nnodes)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(whole_number(0, kMaxDevices - 1));
   app.add_option("--master-addr", o.master_addr, "DDP: node 0's address (rendezvous store)");
   app.add_option("--master-port", o.master_port, "DDP: node 0's port (0: a free one, one node)")
-      ->check(CLI::Range(0, 65535));
+      ->check(whole_number(0, 65535));
+  app.add_option("--max-local-ranks", o.max_local_ranks,
+                 "DDP: most ranks to start on this node (default: from its cores and memory)")
+      ->check(whole_number(1, kMaxDevices));
   app.add_option("--optim", o.optim, "sgd (momentum 0.9) | adamw")
       ->check(CLI::IsMember({"sgd", "adamw"}));
   app.add_option("--zero", o.zero, "DDP: 1 shards the optimizer state across ranks (ZeRO-1)")
-      ->check(CLI::IsMember({0, 1}));
-  app.add_option("--baseline", o.baseline, "also run 1 device of each mode for speedup (1/0)");
+      ->check(whole_number(0, 1));
+  app.add_option("--baseline", o.baseline, "also run 1 device of each mode for speedup (1/0)")
+      ->check(whole_number(0, 1));
 }
 
 Setup resolve(const Options& o) {
@@ -80,15 +101,74 @@ Setup resolve(const Options& o) {
     std::fprintf(stderr, "dp_bench: %s devices\n", fallback.c_str());
   s.physical = s.type == DeviceType::cuda ? kernels::cuda_device_count()
                                           : static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
-  s.gpus = o.gpus > 0 ? o.gpus : (s.type == DeviceType::cuda ? s.physical : 4);
+  s.gpus = o.gpus ? *o.gpus : (s.type == DeviceType::cuda ? s.physical : 4);
   DP_CHECK(o.dtype != "bf16",
            "--dtype bf16: mixed-precision training is not implemented yet; use fp32 or tf32");
   s.math = o.dtype == "tf32" ? kernels::MathMode::tf32 : kernels::MathMode::strict;
   return s;
 }
 
+void validate(const Options& o, const Setup& s, const std::vector<int>& counts) {
+  profile_range(o);        // throws on a malformed --profile-steps
+  if (!o.sweep.empty()) {  // the default names, in the working directory
+    dp::cli::check_output_file("--csv", o.csv_path.empty() ? "dp_bench_sweep.csv" : o.csv_path);
+    dp::cli::check_output_file("--chart",
+                               o.chart_path.empty() ? "dp_bench_sweep.svg" : o.chart_path);
+  }
+  // A synthetic sample: a 1x28x28 f32 image and an i32 label.
+  const int64_t row_bytes = 28 * 28 * 4 + 4;
+  const int64_t steps = int64_t(o.steps) + o.warmup;
+  const kernels::AvailableMemory host = kernels::host_memory_available();
+  const char* type = s.type == DeviceType::cuda ? "cuda" : "cpu";
+  // The largest count first: its products are the largest.
+  std::vector<int> largest_first = counts;
+  std::sort(largest_first.rbegin(), largest_first.rend());
+  for (const char* mode : {"dp", "ddp"}) {
+    const bool ddp = mode[1] == 'd';
+    if ((ddp && o.mode == "dp") || (!ddp && o.mode == "ddp")) continue;
+    for (int n : largest_first) {
+      // DDP's global batch is split across the ranks of every node.
+      const int world = ddp ? n * o.nnodes : n;
+      const std::string split =
+          std::to_string(world) + (ddp ? " rank" : " device") + (world == 1 ? "" : "s");
+      int64_t batch = o.batch;
+      std::string flag = "--batch " + std::to_string(batch);
+      if (o.batch_per_device) {
+        batch =
+            dp::cli::checked_product(*o.batch_per_device, "--batch-per-device", world,
+                                     o.nnodes > 1 && ddp ? "ranks" : "--gpus", dp::cli::kMaxRows);
+        flag = "--batch-per-device " + std::to_string(*o.batch_per_device);
+      }
+      DP_CHECK(batch >= world, "--batch " << batch << " leaves some of the " << split
+                                          << " without rows: give --batch >= " << world);
+      if (ddp) dp::dist::check_local_ranks(n, o.max_local_ranks);  // before the memory figures
+      // Samples of the synthetic set: one global batch per step.
+      dp::cli::checked_product(steps, "--steps + --warmup", batch, "the global batch",
+                               std::numeric_limits<int64_t>::max());
+      // The inputs alone, before any allocation: the host batch (assembled by every rank of
+      // this node in DDP) and, on CPU devices, the chunks copied into the devices' memory.
+      const int host_copies = (ddp ? n : 1) + (s.type == DeviceType::cpu ? 1 : 0);
+      const int64_t batch_bytes = batch * row_bytes;  // batch <= 2^31: no overflow
+      dp::cli::check_fits(flag + " (" + std::string(ddp ? "DDP" : "DP") + " on " + split + " (" +
+                              type + "): " + std::to_string(host_copies) + " x " +
+                              std::to_string(batch) + " rows of " + std::to_string(row_bytes) +
+                              " B for the input batches)",
+                          batch_bytes * host_copies, "the host", host, "give a smaller batch");
+      if (s.type == DeviceType::cuda) {
+        // Logical devices share the physical GPUs round-robin: GPU 0 holds the most chunks.
+        const int64_t chunk = (batch + world - 1) / world;
+        const int on_gpu0 = (n + s.physical - 1) / s.physical;
+        dp::cli::check_fits(flag + " (" + std::to_string(on_gpu0) + " chunk(s) of " +
+                                std::to_string(chunk) + " rows on GPU 0)",
+                            chunk * row_bytes * on_gpu0, "GPU 0", kernels::gpu_memory(0),
+                            "give a smaller batch");
+      }
+    }
+  }
+}
+
 int64_t global_batch(const Options& o, int n) {
-  return o.batch_per_device > 0 ? o.batch_per_device * n : o.batch;
+  return o.batch_per_device ? *o.batch_per_device * n : o.batch;
 }
 
 nn::ModulePtr make_model(const std::string& name) {
@@ -257,7 +337,6 @@ int run(const Options& o, int argc, char** argv) {
   if (dp::dist::worker_env_from_environment()) return ddp_worker_main(o, argc, argv);
   if (o.mode != "dp") dp::dist::check_launchable(o.backend, "dp_bench");
   Setup s = resolve(o);
-  if (o.mode == "ps") return run_ps_mode(o, s);
   if (o.nnodes > 1) {
     DP_CHECK(o.mode == "ddp", "--nnodes " << o.nnodes << ": only --mode ddp spans nodes (DP is "
                                           << "one process by definition)");
@@ -267,6 +346,8 @@ int run(const Options& o, int argc, char** argv) {
              "--node-rank " << o.node_rank << " is not in [0, " << o.nnodes << ")");
   }
   std::vector<int> counts = o.nnodes > 1 ? std::vector<int>{s.gpus} : sweep_counts(o, s);
+  validate(o, s, counts);
+  if (o.mode == "ps") return run_ps_mode(o, s);
   int max_n = *std::max_element(counts.begin(), counts.end());
   if (s.type == DeviceType::cuda)
     dp::warn_if_oversubscribed(kernels::make_devices(DeviceType::cuda, max_n));

@@ -1,6 +1,7 @@
 // dp_bench's flags and runs, shared by its main and its DDP worker processes.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -16,29 +17,37 @@
 namespace bench {
 
 struct Options {
-  int gpus = 0;  // 0: all visible GPUs, or 4 CPU devices
+  std::optional<int> gpus;  // unset: all visible GPUs, or 4 CPU devices
   std::string device = "auto";
   std::string mode = "both";
   std::string model = "mlp";
   int64_t batch = 256;
-  int64_t batch_per_device = 0;
+  std::optional<int64_t> batch_per_device;  // set: the global batch is N x this
   int steps = 30;
   int warmup = 5;
   std::string dtype = "fp32";
   std::string backend = "auto";
   uint64_t seed = 1;
   std::string json_path, trace_path, sweep, csv_path, chart_path, profile_steps;
-  int baseline = 1;
+  int baseline = 1;  // also run N=1 of each mode for speedup (0 to skip)
   double bucket_cap_mb = 25, first_bucket_mb = 1;  // DDP buckets (PyTorch's defaults)
   // DDP across nodes: every node runs dp_bench with the same flags and its own --node-rank.
   int nnodes = 1, node_rank = 0;
   std::string master_addr = "127.0.0.1";
-  int master_port = 0;
-  std::string optim = "sgd";  // sgd (momentum 0.9) or adamw
-  int zero = 0;               // DDP: 1 shards the optimizer state (ZeRO stage 1)
+  int master_port = 0;                 // 0: a free one (one node)
+  std::optional<int> max_local_ranks;  // DDP: unset: dp::dist::local_rank_limit()
+  std::string optim = "sgd";           // sgd (momentum 0.9) or adamw
+  int zero = 0;                        // DDP: 1 shards the optimizer state (ZeRO stage 1)
   // --mode ps: bounded staleness (-1: unbounded), and lr / (1 + staleness) per update.
   int max_staleness = -1;
   bool scale_lr = false;
+};
+
+// dp_bench exits with this code (130 for SIGINT, 143 for SIGTERM) when the DDP launcher was
+// stopped by a signal.
+struct Interrupted : kernels::Error {
+  Interrupted(const std::string& what, int code) : kernels::Error(what), exit_code(code) {}
+  int exit_code;
 };
 
 // The resolved device type and counts of a run.
@@ -51,6 +60,10 @@ struct Setup {
 
 void add_flags(CLI::App& app, Options& o);
 Setup resolve(const Options& o);
+// Checks what each flag alone cannot (products, batches against device counts, default output
+// paths, memory for the batches), before any work. Throws kernels::Error saying what is wrong
+// and what is allowed.
+void validate(const Options& o, const Setup& s, const std::vector<int>& counts);
 int64_t global_batch(const Options& o, int n);
 nn::ModulePtr make_model(const std::string& name);
 kernels::SgdConfig optimizer_config();

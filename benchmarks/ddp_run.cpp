@@ -1,11 +1,19 @@
 #include "benchmarks/ddp_run.hpp"
 
+#include <signal.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
+#include <fcntl.h>
+
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
+#include <memory>
+#include <sstream>
 
 #include "dp/chunks.hpp"
 #include "dp/data/loader.hpp"
@@ -16,19 +24,54 @@ namespace bench {
 
 namespace {
 
-std::string temp_file(const char* what) {
-  const char* dir = std::getenv("TMPDIR");
-  std::string path = std::string(dir ? dir : "/tmp") + "/dp_bench_" + what + "_XXXXXX";
-  std::vector<char> buf(path.begin(), path.end());
-  buf.push_back('\0');
-  int fd = mkstemp(buf.data());
-  DP_CHECK(fd >= 0, "cannot create a temporary file like " << path);
-  close(fd);
-  return buf.data();
-}
+// A file in memory with no name (memfd), shared with the workers through its inherited
+// descriptor: rank 0 writes the figures, each rank its trace. Nothing lands on disk, so nothing
+// is left behind however the launcher or the workers end (kill -9 included): the file goes when
+// the last process holding it does.
+class SharedFile {
+ public:
+  explicit SharedFile(const char* name) : fd_(::memfd_create(name, 0)) {  // no CLOEXEC: inherited
+    DP_CHECK(fd_ >= 0, "dp_bench: memfd_create failed: " << std::strerror(errno));
+  }
+  ~SharedFile() { ::close(fd_); }
+  SharedFile(const SharedFile&) = delete;
+  SharedFile& operator=(const SharedFile&) = delete;
+  int fd() const { return fd_; }
+  std::string read() const { return read_fd(fd_); }
 
-std::string trace_file_of(const std::string& result_file, int rank) {
-  return result_file + ".trace" + std::to_string(rank);
+  static std::string read_fd(int fd) {
+    std::string text;
+    char buf[1 << 16];
+    for (off_t at = 0;;) {
+      ssize_t n = ::pread(fd, buf, sizeof(buf), at);
+      if (n < 0 && errno == EINTR) continue;
+      DP_CHECK(n >= 0, "dp_bench: reading a worker's result failed: " << std::strerror(errno));
+      if (n == 0) return text;
+      text.append(buf, static_cast<size_t>(n));
+      at += n;
+    }
+  }
+  static void write_fd(int fd, const std::string& text) {
+    DP_CHECK(::ftruncate(fd, 0) == 0, "dp_bench worker: ftruncate: " << std::strerror(errno));
+    for (size_t at = 0; at < text.size();) {
+      ssize_t n = ::pwrite(fd, text.data() + at, text.size() - at, static_cast<off_t>(at));
+      if (n < 0 && errno == EINTR) continue;
+      DP_CHECK(n > 0, "dp_bench worker: writing the result failed: " << std::strerror(errno));
+      at += static_cast<size_t>(n);
+    }
+  }
+
+ private:
+  int fd_;
+};
+
+// The descriptor a variable names, checked: it must be one the launcher passed down.
+int fd_from_env(const char* text, const char* what) {
+  char* end = nullptr;
+  long fd = std::strtol(text, &end, 10);
+  DP_CHECK(end && *end == '\0' && fd >= 0 && ::fcntl(static_cast<int>(fd), F_GETFD) != -1,
+           "dp_bench worker: " << what << " '" << text << "' is not an open descriptor");
+  return static_cast<int>(fd);
 }
 
 int64_t now_ns() {
@@ -41,52 +84,50 @@ int64_t now_ns() {
 
 std::optional<RunResult> run_ddp(const Options& o, const Setup& s, int n, int argc, char** argv,
                                  dp::Trace* trace) {
-  std::string result = temp_file("ddp");
+  SharedFile result("dp_bench_ddp_result");
+  std::vector<std::unique_ptr<SharedFile>> traces;
+  std::string trace_fds;
+  for (int rank = 0; trace && rank < n; ++rank) {  // this node's ranks
+    traces.push_back(std::make_unique<SharedFile>("dp_bench_ddp_trace"));
+    trace_fds += (rank ? "," : "") + std::to_string(traces.back()->fd());
+  }
   dp::dist::DdpTrainerOptions t;
   t.nproc = n;
   t.nnodes = o.nnodes;
   t.node_rank = o.node_rank;
   t.master_addr = o.master_addr;
   t.master_port = o.master_port;
+  t.max_local_ranks = o.max_local_ranks;
   // The workers re-run this program with the same flags plus these: they read the worker
-  // environment, train their shard and rank 0 writes the figures to `result`.
-  t.extra_env = {{"DP_BENCH_DDP_RESULT", result},
+  // environment, train their shard and rank 0 writes the figures to the `result` descriptor.
+  t.extra_env = {{"DP_BENCH_DDP_RESULT_FD", std::to_string(result.fd())},
+                 {"DP_BENCH_DDP_TRACE_FDS", trace_fds},
                  {"DP_BENCH_DDP_N", std::to_string(n * o.nnodes)},
                  {"DP_BENCH_TRACE_ORIGIN_NS", trace ? std::to_string(now_ns()) : ""}};
   (void)s;
   std::optional<int> rc = dp::dist::launch_if_parent(t, argc, argv);
   DP_CHECK(rc.has_value(), "dp_bench: DDP launch from a worker process");
-  if (*rc != 0) {
-    std::remove(result.c_str());
-    DP_THROW("dp_bench: the DDP run on " << n * o.nnodes << " ranks failed (launcher exit " << *rc
-                                         << ")");
-  }
-  if (o.node_rank != 0) {  // rank 0, and so the figures, live on node 0
-    std::remove(result.c_str());
-    return std::nullopt;
-  }
-  std::ifstream f(result);
+  if (*rc == 128 + SIGINT || *rc == 128 + SIGTERM)
+    throw Interrupted("the DDP run on " + std::to_string(n * o.nnodes) + " ranks was stopped by " +
+                          (*rc == 128 + SIGINT ? "SIGINT" : "SIGTERM"),
+                      *rc);
+  DP_CHECK(*rc == 0, "dp_bench: the DDP run on " << n * o.nnodes << " ranks failed (launcher exit "
+                                                 << *rc << ")");
+  if (o.node_rank != 0) return std::nullopt;  // rank 0, and so the figures, live on node 0
   nlohmann::json j;
   try {
-    f >> j;
+    j = nlohmann::json::parse(result.read());
   } catch (const std::exception& e) {
-    DP_THROW("dp_bench: rank 0 of the DDP run wrote no result to " << result << ": " << e.what());
+    DP_THROW("dp_bench: rank 0 of the DDP run wrote no result: " << e.what());
   }
-  std::remove(result.c_str());
   RunResult r = run_from_json(j);
-  if (trace) {
-    // One track per rank, merged here from the files the ranks wrote.
-    for (int rank = 0; rank < n; ++rank) {  // this node's ranks (node 0: 0..n-1)
-      std::string path = trace_file_of(result, rank);
-      std::ifstream tf(path);
-      if (!tf) continue;
-      nlohmann::json events;
-      tf >> events;
-      for (auto& e : events)
-        trace->add({e.at("name").get<std::string>(), rank, e.at("ts").get<double>(),
-                    e.at("dur").get<double>()});
-      std::remove(path.c_str());
-    }
+  // One track per rank, merged here from what the ranks wrote.
+  for (int rank = 0; rank < static_cast<int>(traces.size()); ++rank) {
+    std::string text = traces[rank]->read();
+    if (text.empty()) continue;
+    for (auto& e : nlohmann::json::parse(text))
+      trace->add({e.at("name").get<std::string>(), rank, e.at("ts").get<double>(),
+                  e.at("dur").get<double>()});
   }
   return r;
 }
@@ -96,12 +137,12 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   (void)argv;
   // Started by our own launcher (run_ddp), or by an external one (torchrun, mpirun, Slurm):
   // then rank 0 prints the report itself.
-  const char* result_env = std::getenv("DP_BENCH_DDP_RESULT");
+  const char* result_env = std::getenv("DP_BENCH_DDP_RESULT_FD");
   const char* n_env = std::getenv("DP_BENCH_DDP_N");
   bool external = !result_env || !n_env;
   const char* origin_env = std::getenv("DP_BENCH_TRACE_ORIGIN_NS");
-  bool tracing = !external && origin_env && *origin_env;
-  std::string result = external ? "" : result_env;
+  const char* trace_fds_env = std::getenv("DP_BENCH_DDP_TRACE_FDS");
+  bool tracing = !external && origin_env && *origin_env && trace_fds_env;
   DP_CHECK(!external || o.mode != "dp",
            "dp_bench: started as rank of an external launcher (RANK is set): only --mode ddp "
            "runs that way; DP is one process");
@@ -187,13 +228,15 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
     nlohmann::json events = nlohmann::json::array();
     for (auto& e : trace->events())
       events.push_back({{"name", e.name}, {"ts", e.begin_us}, {"dur", e.duration_us}});
-    std::ofstream tf(trace_file_of(result, trainer.rank()));
-    tf << events.dump() << "\n";
+    // This node's ranks' descriptors, in local rank order.
+    std::stringstream fds(trace_fds_env);
+    std::string item;
+    for (int i = 0; std::getline(fds, item, ','); ++i)
+      if (i == trainer.env().local_rank)
+        SharedFile::write_fd(fd_from_env(item.c_str(), "DP_BENCH_DDP_TRACE_FDS"), events.dump());
   }
   if (trainer.rank() == 0 && !external) {
-    std::ofstream f(result);
-    DP_CHECK(f, "dp_bench worker: cannot write " << result);
-    f << run_to_json(r).dump() << "\n";
+    SharedFile::write_fd(fd_from_env(result_env, "DP_BENCH_DDP_RESULT_FD"), run_to_json(r).dump());
   } else if (trainer.rank() == 0) {
     Header h = make_header(o, s, trainer.env().local_world_size);
     print_table(std::cout, h, {r});

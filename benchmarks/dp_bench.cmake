@@ -8,10 +8,10 @@ if(TARGET dp_distributed AND TARGET dp_data)
     ${CMAKE_CURRENT_SOURCE_DIR}/bench_common.cpp
     ${CMAKE_CURRENT_SOURCE_DIR}/ddp_run.cpp
     ${CMAKE_CURRENT_SOURCE_DIR}/ps_run.cpp)
-  target_link_libraries(dp_bench PRIVATE dp_bench_report dp_engine dp_distributed dp_data CLI11::CLI11)
+  target_link_libraries(dp_bench PRIVATE dp_bench_report dp_engine dp_distributed dp_data dp_cli)
 endif()
 
 if(TARGET dp_distributed)
   add_executable(bench_collectives ${CMAKE_CURRENT_SOURCE_DIR}/bench_collectives.cpp)
-  target_link_libraries(bench_collectives PRIVATE dp_bench_report dp_engine dp_distributed CLI11::CLI11)
+  target_link_libraries(bench_collectives PRIVATE dp_bench_report dp_engine dp_distributed dp_cli)
 endif()

@@ -23,6 +23,9 @@ int main(int argc, char** argv) {
   }
   try {
     return bench::run(o, argc, argv);
+  } catch (const bench::Interrupted& e) {
+    std::fprintf(stderr, "dp_bench: %s\n", e.what());
+    return e.exit_code;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dp_bench: error: %s\n", e.what());
     return 1;

@@ -18,6 +18,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "dp/cli.hpp"
 #include "dp/distributed/launcher.hpp"
 #include "dp/distributed/process_group.hpp"
 #include "kernels/ops.hpp"
@@ -225,20 +226,29 @@ int run_worker(const Flags& f, const dp::dist::WorkerEnv& env) {
 int main(int argc, char** argv) {
   CLI::App app("communication: dp::dist collectives across processes, and a ring all-reduce");
   Flags f;
-  app.add_option("--nproc", f.nproc, "worker processes")->check(CLI::Range(2, 4));
+  using dp::cli::whole_number;
+  app.add_option("--nproc", f.nproc, "worker processes")->check(whole_number(2, 4));
   app.add_option("--backend", f.backend, "auto, gloo or nccl")
       ->check(CLI::IsMember({"auto", "gloo", "nccl"}));
   app.add_option("--device", f.device, "where the tensors live")
       ->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--elements", f.elements, "floats in the all-reduce comparison")
-      ->check(CLI::Range(int64_t(1), int64_t(1) << 28));
+      ->check(whole_number(1, int64_t(1) << 28));
   app.add_option("--chunk", f.chunk, "ring pipeline chunk, in floats")
-      ->check(CLI::Range(int64_t(1), int64_t(1) << 28));
+      ->check(whole_number(1, int64_t(1) << 28));
   app.add_option("--reps", f.reps, "timed repetitions (the median is printed)")
-      ->check(CLI::Range(1, 1000));
+      ->check(whole_number(1, 1000));
   CLI11_PARSE(app, argc, argv);
   try {
     if (auto env = dp::dist::worker_env_from_environment()) return run_worker(f, *env);
+    // Every rank fills a host vector of --elements floats, and on CPU devices holds four more
+    // buffers of about that size (the original, the ring's, the library's and the scratch).
+    const int host_buffers = f.device == "cpu" ? 5 : 1;
+    dp::cli::check_fits("--elements " + std::to_string(f.elements) + " (" +
+                            std::to_string(f.nproc) + " ranks x " + std::to_string(host_buffers) +
+                            " buffers of that many floats)",
+                        f.elements * 4 * host_buffers * f.nproc, "the host",
+                        kernels::host_memory_available(), "give fewer --elements");
     dp::dist::LaunchOptions lo;
     lo.nproc_per_node = f.nproc;
     return dp::dist::launch_workers(lo, std::vector<std::string>(argv, argv + argc));

@@ -1,5 +1,5 @@
 if(TARGET dp_distributed AND TARGET dp_data)
   add_executable(train_mnist ${CMAKE_CURRENT_SOURCE_DIR}/train_mnist.cpp)
-  target_link_libraries(train_mnist PRIVATE dp_engine dp_distributed dp_data CLI11::CLI11
+  target_link_libraries(train_mnist PRIVATE dp_engine dp_distributed dp_data dp_cli
                         nlohmann_json::nlohmann_json)
 endif()

@@ -11,11 +11,14 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <limits>
+#include <numeric>
 #include <optional>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "dp/cli.hpp"
 #include "dp/data/loader.hpp"
 #include "dp/data/mnist.hpp"
 #include "dp/data_parallel.hpp"
@@ -31,18 +34,22 @@ namespace {
 struct Flags {
   std::string model = "mlp", device = "auto", mode = "single", data, json;
   int epochs = 1, gpus = 1;
-  int64_t limit_batches = 0;  // 0: whole epochs
+  std::optional<int64_t> limit_batches;  // unset: whole epochs
+  std::optional<int64_t> train_samples;  // unset: the whole training set
   int64_t batch = 32;
-  float lr = -1;  // per model default
+  std::optional<float> lr;  // unset: the optimizer's default
   uint64_t seed = 1;
   std::string backend = "auto";
-  std::string optim;
+  std::string optim;  // unset: sgd for the MLP, adamw for the convolutional models
+  std::string last_batch = "pad";
   int max_staleness = -1;  // ps: -1 unbounded
   bool staleness_lr = false;
   int nnodes = 1, node_rank = 0, master_port = 0;
-  std::string master_addr =
-      "127.0.0.1";  // default: sgd for the MLP, adamw for the convolutional models
+  std::string master_addr = "127.0.0.1";
+  std::optional<int> max_local_ranks;  // ddp; unset: dp::dist::local_rank_limit()
 };
+
+constexpr int kMaxDevices = 1024;
 
 nn::ModulePtr make_model(const std::string& name) {
   if (name == "mlp") return nn::mlp({784, 256, 10});
@@ -90,43 +97,72 @@ struct Engine {
 
 int main(int argc, char** argv) {
   Flags f;
+  using dp::cli::whole_number;
   CLI::App app{"train_mnist: Fashion-MNIST on one device, DP or DDP"};
   app.add_option("--model", f.model, "mlp|cnn|resnet")
       ->check(CLI::IsMember({"mlp", "cnn", "resnet"}));
-  app.add_option("--epochs", f.epochs)->check(CLI::PositiveNumber);
-  app.add_option("--batch", f.batch, "global batch")->check(CLI::PositiveNumber);
-  app.add_option("--lr", f.lr, "learning rate (default 0.01 for sgd, 1e-3 for adamw)");
+  app.add_option("--epochs", f.epochs)->check(whole_number(1, 100000));
+  app.add_option("--batch", f.batch, "global batch")->check(whole_number(1, dp::cli::kMaxRows));
+  app.add_option("--lr", f.lr, "learning rate (default 0.01 for sgd, 1e-3 for adamw)")
+      ->check(dp::cli::positive_number(100));
   app.add_option("--optim", f.optim, "sgd (momentum 0.9) | adamw; default sgd for mlp, adamw else")
       ->check(CLI::IsMember({"sgd", "adamw"}));
   app.add_option("--device", f.device, "auto|cpu|cuda")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
-  app.add_option("--seed", f.seed);
+  app.add_option("--seed", f.seed)->check(whole_number(0, std::numeric_limits<int64_t>::max()));
   app.add_option("--data", f.data, "directory of the IDX files")
-      ->default_str(dp::data::kDefaultFashionMnistDir);
-  app.add_option("--json", f.json, "write {test_accuracy, train_loss[], seconds} here");
+      ->default_str(dp::data::kDefaultFashionMnistDir)
+      ->check(CLI::ExistingDirectory);
+  app.add_option("--json", f.json, "write {test_accuracy, train_loss[], seconds} here")
+      ->check(dp::cli::output_file());
   app.add_option("--mode", f.mode, "single|dp|ddp|ps (asynchronous parameter server)")
       ->check(CLI::IsMember({"single", "dp", "ddp", "ps"}));
   app.add_option("--max-staleness", f.max_staleness,
                  "ps: a worker waits while this many newer updates are outstanding (-1: unbounded)")
-      ->check(CLI::Range(-1, 1 << 20));
+      ->check(whole_number(-1, 1 << 20));
   app.add_flag("--staleness-lr", f.staleness_lr, "ps: each update's lr / (1 + staleness)");
-  app.add_option("--gpus", f.gpus, "devices for dp/ddp")->check(CLI::PositiveNumber);
+  app.add_option("--gpus", f.gpus, "devices for dp/ddp/ps")->check(whole_number(1, kMaxDevices));
+  app.add_option("--last-batch", f.last_batch,
+                 "dp/ddp: a last batch too short for every device to get a row is padded by "
+                 "wrapping round to the epoch's start (pad), or dropped (drop)")
+      ->check(CLI::IsMember({"pad", "drop"}));
   app.add_option("--backend", f.backend, "ddp: auto|nccl|gloo|mpi (mpi: under mpirun)")
       ->check(CLI::IsMember({"auto", "nccl", "gloo", "mpi"}));
-  app.add_option("--nnodes", f.nnodes, "ddp: nodes (run on each with its --node-rank)");
-  app.add_option("--node-rank", f.node_rank, "ddp: this node's index");
+  app.add_option("--nnodes", f.nnodes, "ddp: nodes (run on each with its --node-rank)")
+      ->check(whole_number(1, kMaxDevices));
+  app.add_option("--node-rank", f.node_rank, "ddp: this node's index")
+      ->check(whole_number(0, kMaxDevices - 1));
   app.add_option("--master-addr", f.master_addr, "ddp: node 0's address");
-  app.add_option("--master-port", f.master_port, "ddp: node 0's port (0: a free one, one node)");
+  app.add_option("--master-port", f.master_port, "ddp: node 0's port (0: a free one, one node)")
+      ->check(whole_number(0, 65535));
+  app.add_option("--max-local-ranks", f.max_local_ranks,
+                 "ddp: most ranks to start on this node (default: from its cores and memory)")
+      ->check(whole_number(1, kMaxDevices));
   app.add_option("--limit-batches", f.limit_batches,
-                 "stop each epoch after this many batches (smoke runs)");
+                 "stop each epoch after this many batches (smoke runs)")
+      ->check(whole_number(1, std::numeric_limits<int64_t>::max()));
+  app.add_option("--train-samples", f.train_samples,
+                 "train on the first N samples of the training set only (smoke runs)")
+      ->check(whole_number(1, dp::cli::kMaxRows));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
   try {
+    // What no single flag can check, before any work.
+    // Rows every global batch is split into (a parameter server's workers each take whole
+    // batches).
+    const int split = f.mode == "single" || f.mode == "ps" ? 1 : f.gpus * f.nnodes;
+    DP_CHECK(f.mode == "ddp" || f.nnodes == 1,
+             "--nnodes " << f.nnodes << ": only --mode ddp spans nodes");
+    DP_CHECK(f.node_rank < f.nnodes,
+             "--node-rank " << f.node_rank << " is not in [0, --nnodes " << f.nnodes << ")");
+    DP_CHECK(f.batch >= split, "--batch " << f.batch << " leaves some of the " << split
+                                          << (f.mode == "ddp" ? " ranks" : " devices")
+                                          << " without rows: give --batch >= " << split);
     if (f.optim.empty()) f.optim = default_optim(f.model);
-    if (f.lr < 0) f.lr = default_lr(f.optim);
+    const float lr = f.lr ? *f.lr : default_lr(f.optim);
     std::string dir = f.data.empty() ? dp::data::kDefaultFashionMnistDir : f.data;
     if (f.mode == "ddp") {
       dp::dist::DdpTrainerOptions t;
@@ -137,6 +173,7 @@ int main(int argc, char** argv) {
       t.master_port = f.master_port;
       t.backend = f.backend;
       t.device_type = device_type(f.device);
+      t.max_local_ranks = f.max_local_ranks;
       // The ranks re-run this program; each trains its shard of every global batch.
       std::optional<int> rc = dp::dist::launch_if_parent(t, argc, argv);
       if (rc) return *rc;
@@ -157,11 +194,11 @@ int main(int argc, char** argv) {
     std::unique_ptr<nn::Optimizer> optimizer;
     if (f.optim == "adamw") {
       kernels::AdamWConfig cfg;
-      cfg.lr = f.lr;
+      cfg.lr = lr;
       optimizer = std::make_unique<nn::AdamW>(*model, cfg);
     } else {
       kernels::SgdConfig cfg;
-      cfg.lr = f.lr;
+      cfg.lr = lr;
       cfg.momentum = 0.9f;
       optimizer = std::make_unique<nn::SGD>(*model, cfg);
     }
@@ -213,17 +250,29 @@ int main(int argc, char** argv) {
     }
 
     bool chatty = !ddp || ddp->rank() == 0;
+    // Every device or rank gets rows of every batch: DP and DDP split the same global batches,
+    // the last one padded (or dropped) alike, so both train the same rows at every step.
     dp::data::LoaderOptions lo;
     lo.batch_size = f.batch;
     lo.seed = f.seed;
-    dp::data::Loader loader(train, lo);
+    lo.drop_last = f.last_batch == "drop" ? dp::data::DropLast::yes : dp::data::DropLast::no;
+    // A launcher other than ours (torchrun, mpirun) decides the world size: checked here too.
+    const int world = ddp ? ddp->world_size() : split;
+    DP_CHECK(f.batch >= world, "--batch " << f.batch << " leaves some of the " << world
+                                          << " ranks without rows: give --batch >= " << world);
+    lo.pad_last_batch_to = world;
+    std::vector<int64_t> subset(static_cast<size_t>(
+        f.train_samples ? std::min(*f.train_samples, train.size()) : train.size()));
+    std::iota(subset.begin(), subset.end(), int64_t{0});
+    dp::data::Loader loader(train, std::move(subset), lo);
     std::vector<float> epoch_loss;
+    int64_t rows_trained = 0;  // padding rows included: they are trained too
     auto t0 = std::chrono::steady_clock::now();
     for (int e = 0; e < f.epochs; ++e) {
       loader.set_epoch(e);
       double sum = 0;
-      int64_t n = 0, total = loader.num_batches();
-      if (f.limit_batches > 0) total = std::min(total, f.limit_batches);
+      int64_t n = 0, rows = 0, total = loader.num_batches();
+      if (f.limit_batches) total = std::min(total, *f.limit_batches);
       auto te = std::chrono::steady_clock::now();
       if (ps) {
         // The shared sampler: each worker takes the next batch of the epoch's order (the
@@ -238,11 +287,15 @@ int main(int argc, char** argv) {
           return std::make_pair(b.images, b.labels);
         };
         dp::PsReport r = ps->run(batch_of, 0, total);
-        for (const auto& u : r.updates) sum += u.loss;
+        for (const auto& u : r.updates) {
+          sum += u.loss;
+          rows += u.samples;
+        }
         n = r.pushes;
         int64_t max_stale = static_cast<int64_t>(r.staleness_histogram.size()) - 1;
-        progress(e, n, total, static_cast<float>(sum / std::max<int64_t>(n, 1)),
-                 n * f.batch / std::max(r.seconds, 1e-9));
+        if (chatty)
+          progress(e, n, total, static_cast<float>(sum / std::max<int64_t>(n, 1)),
+                   rows / std::max(r.seconds, 1e-9));
         std::fprintf(stderr, "epoch %d: %lld updates at %.0f/s, staleness max %lld\n", e,
                      static_cast<long long>(r.pushes), r.pushes / std::max(r.seconds, 1e-9),
                      static_cast<long long>(max_stale));
@@ -252,11 +305,12 @@ int main(int argc, char** argv) {
           float l = engine.train_step(batch.images, batch.labels);
           sum += l;
           ++n;
+          rows += batch.size();
           double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - te).count();
-          if (chatty)
-            progress(e, n, total, static_cast<float>(sum / n), n * f.batch / std::max(s, 1e-9));
+          if (chatty) progress(e, n, total, static_cast<float>(sum / n), rows / std::max(s, 1e-9));
           if (n == total) break;  // --limit-batches
         }
+      rows_trained += rows;
       epoch_loss.push_back(static_cast<float>(sum / std::max<int64_t>(n, 1)));
     }
     double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -281,6 +335,8 @@ int main(int argc, char** argv) {
         out << nlohmann::json{{"test_accuracy", accuracy},
                               {"train_loss", epoch_loss},
                               {"seconds", seconds},
+                              {"rows_trained", rows_trained},
+                              {"samples_per_s", rows_trained / std::max(seconds, 1e-9)},
                               {"model", f.model},
                               {"mode", f.mode},
                               {"devices", devices.size()}}

@@ -15,3 +15,12 @@ add_test(NAME "bench.gpu_check: finds the CUDA libraries of PyTorch's wheels"
                  ${PROJECT_SOURCE_DIR}/scripts/gpu_check.sh)
 set_tests_properties("bench.gpu_check: finds the CUDA libraries of PyTorch's wheels"
                      PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 60)
+
+# bench_collectives checks its flags before any work, in plain words.
+if(TARGET bench_collectives)
+  add_test(NAME "bench.flags: bench_collectives refuses --iters 0 and --max-bytes abc"
+           COMMAND sh -c "! $<TARGET_FILE:bench_collectives> --iters 0 && ! $<TARGET_FILE:bench_collectives> --max-bytes abc")
+  set_tests_properties("bench.flags: bench_collectives refuses --iters 0 and --max-bytes abc"
+    PROPERTIES TIMEOUT 30
+    PASS_REGULAR_EXPRESSION "--iters: 0 is out of range: give a whole number in \\[1, 100000\\].*--max-bytes: 'abc' is not a whole number")
+endif()

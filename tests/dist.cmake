@@ -15,4 +15,8 @@ if(TARGET communication)
   add_test(NAME "dist.sample: communication --nproc 3"
            COMMAND communication --nproc 3 --elements 100003 --chunk 4096 --reps 1)
   set_tests_properties("dist.sample: communication --nproc 3" PROPERTIES TIMEOUT 120)
+  add_test(NAME "dist.sample: communication refuses --nproc 9 in plain words"
+           COMMAND communication --nproc 9)
+  set_tests_properties("dist.sample: communication refuses --nproc 9 in plain words" PROPERTIES
+    TIMEOUT 30 PASS_REGULAR_EXPRESSION "--nproc: 9 is out of range: give a whole number in \\[2, 4\\]")
 endif()

@@ -87,6 +87,7 @@ int main(int argc, char** argv) {
   app.add_option("--master-addr", lo.master_addr);
   app.add_option("--master-port", lo.master_port);
   app.add_option("--grace-ms", grace_ms);
+  app.add_option("--max-local-ranks", lo.max_local_ranks);
   CLI11_PARSE(app, argc, argv);
   lo.grace_period = std::chrono::milliseconds(grace_ms);
 

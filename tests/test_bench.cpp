@@ -1,6 +1,7 @@
 // dp_bench: the report's formulas, and the command's JSON, trace and sweep outputs.
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -10,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "benchmarks/report.hpp"
+#include "tests/process_util.hpp"
 #include "tests/test_util.hpp"
 
 namespace {
@@ -21,9 +23,7 @@ nlohmann::json read_json(const std::string& path) {
 }
 
 std::string temp_path(const std::string& name) {
-  const char* dir = std::getenv("TMPDIR");
-  return std::string(dir ? dir : "/tmp") + "/dp_test_bench_" + std::to_string(getpid()) + "_" +
-         name;
+  return dp_test::temp_path("bench", name);
 }
 
 int run_bench(const std::string& args) {
@@ -35,6 +35,27 @@ int run_bench(const std::string& args) {
   ss << out.rdbuf();
   MESSAGE(ss.str());
   return rc;
+}
+
+// Runs dp_bench; returns its exit code as a shell reports it, and what it printed.
+std::pair<int, std::string> bench_output(const std::string& args) {
+  std::string out = temp_path("flags.txt");
+  int status =
+      std::system((std::string(DP_BENCH_PATH) + " " + args + " > " + out + " 2>&1").c_str());
+  std::ifstream f(out);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return {dp_test::shell_code(status), ss.str()};
+}
+
+// dp_bench refuses `args` before any run, saying `says`.
+void refused(const std::string& args, const std::string& says) {
+  auto [rc, text] = bench_output(args);
+  INFO("dp_bench " << args << "\n" << text);
+  CHECK(rc != 0);
+  CHECK(text.find(says) != std::string::npos);
+  CHECK(text.find("179769313486") == std::string::npos);  // CLI11's DBL_MAX range message
+  CHECK(text.find("ms/step") == std::string::npos);       // no run happened
 }
 
 void throw_if(int rc) {
@@ -270,4 +291,115 @@ TEST_CASE("bench.zero: --zero 1 holds 1/N of the optimizer state per rank, same 
           doctest::Approx(p["losses"][i].get<double>()).epsilon(1e-5));
   std::remove(plain.c_str());
   std::remove(zero.c_str());
+}
+
+TEST_CASE("bench.flags: zero, negative, text and huge values are refused in plain words") {
+  const std::string cpu = "--device cpu --steps 1 --warmup 0 ";
+  refused(cpu + "--batch 0", "--batch: 0 is out of range: give a whole number in [1, 2147483648]");
+  refused(cpu + "--batch -8", "--batch: -8 is out of range");
+  refused(cpu + "--batch 99999999999999999999", "--batch: 99999999999999999999 is out of range");
+  refused(cpu + "--gpus -1", "--gpus: -1 is out of range: give a whole number in [1, 1024]");
+  refused(cpu + "--gpus 0", "--gpus: 0 is out of range");
+  refused("--device cpu --steps abc", "--steps: 'abc' is not a whole number: give one in [1, ");
+  refused("--device cpu --steps 2147483647", "--steps: 2147483647 is out of range");
+  refused("--device cpu --warmup -5", "--warmup: -5 is out of range");
+  refused(cpu + "--seed -1", "--seed: -1 is out of range");
+  refused(cpu + "--baseline 2", "--baseline: 2 is out of range: give a whole number in [0, 1]");
+  refused(cpu + "--bucket-cap-mb -1", "--bucket-cap-mb: -1 is not allowed: give a number > 0");
+  refused(cpu + "--first-bucket-mb nan", "--first-bucket-mb: nan is not allowed");
+  refused(cpu + "--master-port 70000", "--master-port: 70000 is out of range");
+  // Products: per-device batch x devices, checked instead of wrapping round.
+  refused(cpu + "--mode dp --gpus 4 --batch-per-device 1073741824",
+          "--batch-per-device 1073741824 x --gpus 4 = 4294967296 is more than the 2147483648 "
+          "allowed");
+  refused(cpu + "--mode dp --gpus 4 --batch-per-device 4611686018427387904",
+          "--batch-per-device: 4611686018427387904 is out of range");
+  // A device or rank without rows.
+  refused(cpu + "--mode ddp --gpus 4 --batch 3",
+          "--batch 3 leaves some of the 4 ranks without rows: give --batch >= 4");
+}
+
+TEST_CASE("bench.flags: output paths are checked before the run") {
+  std::string dir = temp_path("outdir");
+  REQUIRE(std::system(("mkdir -p " + dir).c_str()) == 0);
+  const std::string cpu = "--device cpu --mode dp --gpus 1 --baseline 0 --steps 1 --warmup 0 ";
+  refused(cpu + "--json " + dir,
+          "--json: '" + dir + "' is a directory: give a file name inside it");
+  refused(cpu + "--trace /nonexistent_dp_dir/t.json",
+          "--trace: cannot write '/nonexistent_dp_dir/t.json': its directory "
+          "'/nonexistent_dp_dir' does not exist");
+  std::string file = temp_path("plain.txt");
+  std::ofstream(file) << "x\n";
+  refused(cpu + "--json " + file + "/out.json", "is not a directory");
+  refused(cpu + "--json /proc/dp_bench_test.json",
+          "--json: cannot create '/proc/dp_bench_test.json'");
+  refused(cpu + "--sweep 1 --csv " + dir, "--csv: '" + dir + "' is a directory");
+  refused(cpu + "--sweep 1 --csv " + temp_path("s.csv") + " --chart " + dir,
+          "--chart: '" + dir + "' is a directory");
+  std::filesystem::remove_all(dir);
+  // A writable path is accepted, and not left behind by the check when the run fails later.
+  std::string json = temp_path("never.json");
+  refused(cpu + "--json " + json + " --profile-steps 5", "--profile-steps '5'");
+  CHECK(!std::filesystem::exists(json));
+}
+
+TEST_CASE("bench.flags: a batch too large for memory is refused before anything is allocated") {
+  // Under a 6 GiB address-space limit: building the batch first (an 8 GB index vector, 3 TB of
+  // images) would fail differently, and could not take the machine down.
+  const std::string limit = "ulimit -v 6291456; ";
+  std::string out = temp_path("memory.txt");
+  for (const char* mode : {"dp", "ddp"}) {
+    CAPTURE(mode);
+    std::string cmd = limit + DP_BENCH_PATH + " --device cpu --gpus 2 --baseline 0 --mode " + mode +
+                      " --batch 1000000000 --steps 1 --warmup 0 > " + out + " 2>&1";
+    int status = std::system(("bash -c '" + cmd + "'").c_str());
+    std::ifstream f(out);
+    std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    INFO(text);
+    CHECK(dp_test::shell_code(status) == 1);
+    CHECK(text.find("--batch 1000000000 (" +
+                    std::string(mode[1] == 'd' ? "DDP on 2 ranks" : "DP on 2 devices")) !=
+          std::string::npos);
+    CHECK(text.find("needs at least") != std::string::npos);
+    CHECK(text.find("but the host has") != std::string::npos);
+    CHECK(text.find("give a smaller batch") != std::string::npos);
+    CHECK(text.find("launch_workers") == std::string::npos);  // no rank was started
+  }
+}
+
+TEST_CASE("bench.flags: DDP refuses more ranks than allowed, before starting any") {
+  refused("--device cpu --mode ddp --gpus 3 --max-local-ranks 2 --batch 6 --steps 1 --warmup 0",
+          "3 ranks on this node is more than the 2 allowed by --max-local-ranks");
+  // 1024 ranks: more than 4 per core below 256 cores (a larger machine would start them).
+  if (sysconf(_SC_NPROCESSORS_ONLN) < 256)
+    refused("--device cpu --mode ddp --gpus 1024 --batch-per-device 1 --steps 1 --warmup 0",
+            "ranks on this node is more than this machine can start");
+}
+
+TEST_CASE("bench.exit: SIGINT and SIGTERM give 130 and 143, workers are named, no file is left") {
+  // TMPDIR is a fresh directory: whatever dp_bench leaves in it shows.
+  std::string tmp = temp_path("tmpdir");
+  std::filesystem::create_directories(tmp);
+  auto start = [&] {
+    pid_t pid =
+        dp_test::spawn({DP_BENCH_PATH, "--device", "cpu", "--mode", "ddp", "--gpus", "2",
+                        "--baseline", "0", "--batch", "8", "--steps", "10000000", "--warmup", "0"},
+                       {"TMPDIR=" + tmp});
+    REQUIRE(pid > 0);
+    auto workers = dp_test::wait_for_workers(pid, 2, "LOCAL_RANK=", std::chrono::seconds(30));
+    REQUIRE(workers.size() == 2);
+    return std::make_pair(pid, workers);
+  };
+  for (int sig : {SIGINT, SIGTERM, SIGKILL}) {
+    CAPTURE(sig);
+    auto [launcher, workers] = start();
+    for (pid_t w : workers) CHECK(dp_test::process_name(w) == "dp_bench");  // not "exe"
+    ::kill(launcher, sig);
+    int status = dp_test::wait_child(launcher, std::chrono::seconds(30));
+    REQUIRE(status != -1);
+    CHECK(dp_test::shell_code(status) == 128 + sig);
+    CHECK(dp_test::all_gone_within(workers, std::chrono::seconds(10)));
+    CHECK(std::filesystem::is_empty(tmp));
+  }
+  std::filesystem::remove_all(tmp);
 }

@@ -4,6 +4,9 @@
 #include <thread>
 
 #include "dp/chunks.hpp"
+#include "dp/data/loader.hpp"
+#include "dp/data/synthetic.hpp"
+#include "dp/data_parallel.hpp"
 #include "dp/distributed/ddp.hpp"
 #include "dp/distributed/launcher.hpp"
 #include "dp/distributed/sampler.hpp"
@@ -365,7 +368,7 @@ TEST_CASE("ddp.zero: each rank holds 1/N of the optimizer state") {
 TEST_CASE("ddp.zero: a rank with a different shard plan is refused, named") {
   std::vector<std::string> errors(2);
   run_ranks(2, [&](int r, dp::dist::ProcessGroup& pg) {
-    auto m = nn::mlp({6, r == 0 ? 40 : 41, 5});
+    auto m = nn::mlp({6, r == 0 ? 40 : 200, 5});  // flat buffers of different sizes
     m->materialize(Device::cpu(r), kSeed);
     nn::SGD opt(*m, sgd());
     try {
@@ -376,4 +379,92 @@ TEST_CASE("ddp.zero: a rank with a different shard plan is refused, named") {
   });
   CHECK(errors[0].find("ZeRO-1: rank 1 has a different shard plan") != std::string::npos);
   CHECK(errors[1].find("ZeRO-1: rank 0 has a different shard plan") != std::string::npos);
+}
+
+TEST_CASE("ddp.sampler: a short last batch is padded by wrapping round, or dropped") {
+  using dp::data::Loader;
+  dp::data::SyntheticDataset data(10, {6}, 5, kSeed);
+  auto indices_of = [](Loader& loader) {
+    std::vector<std::vector<int64_t>> out;
+    for (auto& b : loader) out.push_back(b.indices);
+    return out;
+  };
+  dp::data::LoaderOptions lo;
+  lo.batch_size = 7;
+  lo.shuffle = dp::data::Shuffle::no;
+  lo.pad_last_batch_to = 4;  // 4 ranks: a last batch of 3 rows would leave rank 3 without one
+  Loader plain(data, lo);
+  auto batches = indices_of(plain);
+  REQUIRE(batches.size() == 2);
+  CHECK(batches[0].size() == 7);
+  CHECK(batches[1] == std::vector<int64_t>{7, 8, 9, 0});  // wrapped round to the epoch's start
+  for (int64_t rows : dp::chunk_sizes(static_cast<int64_t>(batches[1].size()), 4)) CHECK(rows == 1);
+  CHECK(plain.padding() == 1);
+
+  // Shuffled: the padding repeats the first samples of the epoch's own order.
+  lo.shuffle = dp::data::Shuffle::yes;
+  lo.seed = 3;
+  Loader shuffled(data, lo);
+  auto order = shuffled.epoch_order(0);
+  REQUIRE(order.size() == 11);
+  batches = indices_of(shuffled);
+  REQUIRE(batches.size() == 2);
+  CHECK(batches[1] == std::vector<int64_t>{order[7], order[8], order[9], order[0]});
+
+  // Fewer samples than ranks: the wrap goes round more than once.
+  dp::data::SyntheticDataset two(2, {6}, 5, kSeed);
+  lo.shuffle = dp::data::Shuffle::no;
+  lo.batch_size = 4;
+  Loader tiny(two, lo);
+  CHECK(indices_of(tiny) == std::vector<std::vector<int64_t>>{{0, 1, 0, 1}});
+
+  // A last batch with a row for each rank is left alone; drop_last drops a short one instead.
+  lo.batch_size = 7;
+  lo.pad_last_batch_to = 3;
+  Loader enough(data, lo);
+  CHECK(indices_of(enough).back() == std::vector<int64_t>{7, 8, 9});
+  lo.pad_last_batch_to = 4;
+  lo.drop_last = dp::data::DropLast::yes;
+  Loader dropped(data, lo);
+  batches = indices_of(dropped);
+  REQUIRE(batches.size() == 1);
+  CHECK(batches[0].size() == 7);
+  lo.pad_last_batch_to = 8;  // more than a batch holds
+  CHECK_THROWS_WITH_AS(Loader(data, lo), doctest::Contains("pad_last_batch_to"), Error);
+}
+
+TEST_CASE("ddp.sampler: DP and DDP train the same rows of a padded last batch, to one result") {
+  // 31 samples in batches of 7 over 4 devices or ranks: 31 mod 7 = 3 rows are left, padded to
+  // 4 so that each rank trains one (the case of train_mnist --batch 7 --gpus 4 on 60000).
+  dp::data::SyntheticDataset data(31, {6}, 5, kSeed);
+  dp::data::LoaderOptions lo;
+  lo.batch_size = 7;
+  lo.seed = 9;
+  lo.pad_last_batch_to = 4;
+  dp::data::Loader loader(data, lo);
+  std::vector<dp::data::Batch> batches;
+  for (auto& b : loader) batches.push_back(b);
+  REQUIRE(batches.size() == 5);
+  CHECK(batches.back().size() == 4);
+
+  auto dp_model = nn::mlp({6, 16, 5});
+  dp_model->materialize(Device::cpu(0), kSeed);
+  nn::SGD dp_opt(*dp_model, sgd());
+  {
+    dp::DataParallel engine(dp_model, dp_opt, make_devices(DeviceType::cpu, 4));
+    for (auto& b : batches) engine.train_step(b.images, b.labels);
+  }
+  std::vector<float> dp_params = dp_model->flat_params().to_host_f32();
+
+  std::vector<std::vector<float>> params(4);
+  run_ranks(4, [&](int r, dp::dist::ProcessGroup& pg) {
+    auto m = nn::mlp({6, 16, 5});
+    m->materialize(Device::cpu(r), kSeed);
+    nn::SGD opt(*m, sgd());
+    DistributedDataParallel ddp(m, pg, {});
+    for (auto& b : batches) ddp_step(ddp, opt, b.images, b.labels, r, 4);
+    params[r] = m->flat_params().to_host_f32();
+  });
+  CHECK(dp_test::rel_diff(params[0], dp_params) <= 1e-5f);
+  for (int r = 1; r < 4; ++r) CHECK(params[r] == params[0]);
 }

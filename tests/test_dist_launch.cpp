@@ -9,9 +9,8 @@
 #include <fstream>
 
 #include "dp/distributed/launcher.hpp"
+#include "tests/process_util.hpp"
 #include "tests/test_dist_util.hpp"
-
-extern char** environ;
 
 using namespace dp::dist;
 using namespace std::chrono_literals;
@@ -37,26 +36,8 @@ std::vector<pid_t> wait_for_pids(const std::string& dir, int n, std::chrono::mil
   return {};
 }
 
-// Gone: no such process, or a zombie whose parent died (waiting for init to reap it).
-bool process_gone(pid_t pid) {
-  if (::kill(pid, 0) != 0 && errno == ESRCH) return true;
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string text;
-  std::getline(stat, text);
-  auto close = text.rfind(')');
-  return close != std::string::npos && close + 2 < text.size() && text[close + 2] == 'Z';
-}
-
-bool all_gone_within(const std::vector<pid_t>& pids, std::chrono::milliseconds within) {
-  auto deadline = Clock::now() + within;
-  while (Clock::now() < deadline) {
-    bool all = true;
-    for (pid_t p : pids) all = all && process_gone(p);
-    if (all) return true;
-    std::this_thread::sleep_for(10ms);
-  }
-  return false;
-}
+using dp_test::all_gone_within;
+using dp_test::wait_child;
 
 LaunchOptions worker_options(int nproc) {
   LaunchOptions o;
@@ -70,27 +51,9 @@ LaunchOptions worker_options(int nproc) {
 pid_t spawn_launcher(const std::vector<std::string>& args) {
   std::vector<std::string> all = {kWorker};
   all.insert(all.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (auto& a : all) argv.push_back(const_cast<char*>(a.c_str()));
-  argv.push_back(nullptr);
-  pid_t pid = -1;
-  int rc = posix_spawn(&pid, kWorker.c_str(), nullptr, nullptr, argv.data(), environ);
-  REQUIRE(rc == 0);
+  pid_t pid = dp_test::spawn(all);
+  REQUIRE(pid > 0);
   return pid;
-}
-
-// Waits for a child up to `within`; returns its status, or -1 on timeout (then kills it).
-int wait_child(pid_t pid, std::chrono::milliseconds within) {
-  auto deadline = Clock::now() + within;
-  int status = 0;
-  while (Clock::now() < deadline) {
-    pid_t r = ::waitpid(pid, &status, WNOHANG);
-    if (r == pid) return status;
-    std::this_thread::sleep_for(10ms);
-  }
-  ::kill(pid, SIGKILL);
-  ::waitpid(pid, &status, 0);
-  return -1;
 }
 
 }  // namespace
@@ -192,4 +155,51 @@ TEST_CASE("dist.launch: bad launch options are errors") {
   o.node_rank = 1;
   CHECK_THROWS_AS(launch_workers(o, {kWorker}), kernels::Error);
   CHECK_THROWS_AS(launch_workers(worker_options(2), {}), kernels::Error);
+}
+
+TEST_CASE("dist.launcher: more ranks than the machine can start are refused before any starts") {
+  std::string dir = dist_test::make_temp_dir("limit");
+  // 4096 ranks: past 4 per core below 1024 cores, or 128 MiB each below 512 GiB.
+  LocalRankLimit limit = local_rank_limit();
+  CHECK(limit.ranks >= 1);
+  CHECK(limit.reason.find("per core") != std::string::npos);
+  LaunchOptions o = worker_options(4096);
+  if (limit.ranks < 4096)  // a machine that can start them all would
+    CHECK_THROWS_WITH_AS(launch_workers(o, {kWorker, "--mode", "sleep", "--pid-dir", dir}),
+                         doctest::Contains("ranks on this node is more than this machine can "
+                                           "start"),
+                         kernels::Error);
+  o = worker_options(3);
+  o.max_local_ranks = 2;  // the override, both ways
+  CHECK_THROWS_WITH_AS(launch_workers(o, {kWorker, "--mode", "sleep", "--pid-dir", dir}),
+                       doctest::Contains("3 ranks on this node is more than the 2 allowed by "
+                                         "--max-local-ranks"),
+                       kernels::Error);
+  CHECK(wait_for_pids(dir, 1, 200ms).empty());  // nothing was started
+  o.max_local_ranks = 3;
+  CHECK(launch_workers(o, {kWorker, "--mode", "exit3", "--pid-dir", dir}) == 3);
+}
+
+TEST_CASE("dist.launcher: SIGINT while workers start stops them all, workers carry its name") {
+  std::string dir = dist_test::make_temp_dir("start");
+  // Many workers, so that the signal may land while the launcher is still starting them.
+  const int n = 24;
+  pid_t launcher =
+      spawn_launcher({"--mode", "sleep", "--nproc", std::to_string(n), "--max-local-ranks",
+                      std::to_string(n), "--pid-dir", dir, "--grace-ms", "1000"});
+  auto first = wait_for_pids(dir, 1, 20s);
+  REQUIRE(first.size() == 1);
+  // ps shows the program's name, not "exe" (the launcher runs its real path).
+  CHECK(dp_test::process_name(first[0]) == "dist_worker");
+  ::kill(launcher, SIGINT);
+  int status = wait_child(launcher, 20s);
+  REQUIRE(status != -1);
+  CHECK(dp_test::shell_code(status) == 128 + SIGINT);
+  std::vector<pid_t> started;
+  for (int r = 0; r < n; ++r) {
+    std::ifstream f(dir + "/rank_" + std::to_string(r) + ".pid");
+    long pid = 0;
+    if (f >> pid) started.push_back(static_cast<pid_t>(pid));
+  }
+  CHECK(all_gone_within(started, 5s));
 }

@@ -76,13 +76,14 @@ inline std::unique_ptr<dp::dist::ProcessGroup> gloo_group(
   return dp::dist::init_process_group(o);
 }
 
-// A fresh directory under /tmp.
+// A fresh directory under /tmp, removed when the test program exits.
 inline std::string make_temp_dir(const char* tag) {
   std::string pattern = std::string("/tmp/dp_dist_") + tag + "_XXXXXX";
   std::vector<char> buf(pattern.begin(), pattern.end());
   buf.push_back('\0');
   char* dir = mkdtemp(buf.data());
   if (!dir) throw std::runtime_error("mkdtemp failed");
+  dp_test::remove_at_exit(dir);
   return dir;
 }
 

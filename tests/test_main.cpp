@@ -7,6 +7,15 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <mutex>
+#include <set>
+#include <string>
+
 #include "tests/test_util.hpp"
 
 namespace dp_test {
@@ -17,6 +26,42 @@ int& skipped_cases() {
 
 namespace {
 int started_cases = 0;
+
+// Paths to remove when the test program ends (the suites run their cases on one thread; the
+// lock is for helpers called from rank threads).
+class RemoveAtExit {
+ public:
+  ~RemoveAtExit() {
+    for (const auto& p : paths_) {
+      std::error_code ignored;  // never throws
+      std::filesystem::remove_all(p, ignored);
+    }
+  }
+  void add(const std::string& p) {
+    std::lock_guard<std::mutex> lock(mu_);
+    paths_.insert(p);
+  }
+
+ private:
+  std::mutex mu_;
+  std::set<std::string> paths_;
+};
+RemoveAtExit remove_at_exit_paths;
+}  // namespace
+
+void remove_at_exit(const std::string& path) {
+  remove_at_exit_paths.add(path);
+}
+
+std::string temp_path(const std::string& suite, const std::string& name) {
+  const char* dir = std::getenv("TMPDIR");
+  std::string path = std::string(dir && *dir ? dir : "/tmp") + "/dp_test_" + suite + "_" +
+                     std::to_string(::getpid()) + "_" + name;
+  remove_at_exit(path);
+  return path;
+}
+
+namespace {
 
 struct CountCases : doctest::IReporter {
   explicit CountCases(const doctest::ContextOptions&) {}

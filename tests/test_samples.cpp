@@ -7,14 +7,13 @@
 
 #include <nlohmann/json.hpp>
 
+#include "tests/process_util.hpp"
 #include "tests/test_util.hpp"
 
 namespace {
 
 std::string temp_path(const std::string& name) {
-  const char* dir = std::getenv("TMPDIR");
-  return std::string(dir ? dir : "/tmp") + "/dp_test_samples_" + std::to_string(getpid()) + "_" +
-         name;
+  return dp_test::temp_path("samples", name);
 }
 
 nlohmann::json train(const std::string& args) {
@@ -86,4 +85,80 @@ TEST_CASE("samples.train_mnist: --mode ps on 4 workers reaches 84% in one epoch 
   auto ps = train("--device cpu --model mlp --epochs 1 --mode ps --gpus 4");
   CHECK(ps["devices"] == 4);
   CHECK(ps["test_accuracy"].get<double>() >= 0.84);
+}
+
+TEST_CASE("samples.train_mnist: DDP pads a last batch too short for its ranks, as DP does") {
+  if (skip_without_fashion_mnist()) return;
+  // 31 samples in batches of 7 leave 3 rows for 4 ranks (as 60000 does): padded to 4 by
+  // wrapping round, so the epoch ends with an accuracy and a JSON report.
+  const std::string common =
+      "--device cpu --model mlp --epochs 1 --train-samples 31 --batch 7 "
+      "--gpus 4";
+  auto ddp = train(common + " --mode ddp");
+  auto dp = train(common + " --mode dp");
+  for (const auto* j : {&ddp, &dp}) {
+    CHECK((*j)["rows_trained"] == 32);  // 4 x 7 + 3, and 1 row of padding
+    CHECK((*j)["test_accuracy"].get<double>() > 0);
+    // Throughput from the rows actually trained.
+    CHECK((*j)["samples_per_s"].get<double>() * (*j)["seconds"].get<double>() ==
+          doctest::Approx(32).epsilon(1e-6));
+  }
+  // DP and DDP train the same rows at every step: the same loss.
+  CHECK(ddp["train_loss"][0].get<double>() ==
+        doctest::Approx(dp["train_loss"][0].get<double>()).epsilon(1e-4));
+  auto dropped = train(common + " --mode ddp --last-batch drop");
+  CHECK(dropped["rows_trained"] == 28);
+}
+
+TEST_CASE("samples.train_mnist: bad flags are refused in plain words, before any work") {
+  std::string dir = temp_path("outdir");
+  REQUIRE(std::system(("mkdir -p " + dir).c_str()) == 0);
+  struct Case {
+    std::string args, says;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"--epochs abc", "--epochs: 'abc' is not a whole number: give one in [1, 100000]"},
+           {"--epochs 0", "--epochs: 0 is out of range: give a whole number in [1, 100000]"},
+           {"--batch 0", "--batch: 0 is out of range"},
+           {"--lr -0.1", "--lr: -0.1 is not allowed: give a number > 0 and <= 100"},
+           {"--lr abc", "--lr: 'abc' is not a number"},
+           {"--gpus -1", "--gpus: -1 is out of range"},
+           {"--limit-batches 0", "--limit-batches: 0 is out of range"},
+           {"--json " + dir, "--json: '" + dir + "' is a directory"},
+           {"--mode dp --gpus 4 --batch 3",
+            "--batch 3 leaves some of the 4 devices without rows: give --batch >= 4"},
+           {"--mode ddp --gpus 3 --max-local-ranks 2",
+            "3 ranks on this node is more than the 2 allowed by --max-local-ranks"},
+       }) {
+    std::string out = temp_path("flags.txt");
+    int status = std::system(
+        (std::string(DP_TRAIN_MNIST_PATH) + " --device cpu " + c.args + " > " + out + " 2>&1")
+            .c_str());
+    std::ifstream f(out);
+    std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    INFO(c.args << "\n" << text);
+    CHECK(dp_test::shell_code(status) != 0);
+    CHECK(text.find(c.says) != std::string::npos);
+    CHECK(text.find("179769313486") == std::string::npos);
+    CHECK(text.find("epoch 0") == std::string::npos);  // nothing was trained
+  }
+  std::remove(dir.c_str());
+}
+
+TEST_CASE("samples.train_mnist: SIGINT and SIGTERM to a DDP run give 130 and 143") {
+  if (skip_without_fashion_mnist()) return;
+  for (int sig : {SIGINT, SIGTERM}) {
+    CAPTURE(sig);
+    pid_t pid = dp_test::spawn({DP_TRAIN_MNIST_PATH, "--device", "cpu", "--mode", "ddp", "--gpus",
+                                "2", "--epochs", "1000"});
+    REQUIRE(pid > 0);
+    auto workers = dp_test::wait_for_workers(pid, 2, "LOCAL_RANK=", std::chrono::seconds(30));
+    REQUIRE(workers.size() == 2);
+    for (pid_t w : workers) CHECK(dp_test::process_name(w) == "train_mnist");
+    ::kill(pid, sig);
+    int status = dp_test::wait_child(pid, std::chrono::seconds(30));
+    REQUIRE(status != -1);
+    CHECK(dp_test::shell_code(status) == 128 + sig);
+    CHECK(dp_test::all_gone_within(workers, std::chrono::seconds(10)));
+  }
 }

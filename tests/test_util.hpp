@@ -17,6 +17,12 @@ namespace dp_test {
 
 int& skipped_cases();
 
+// Removes `path` (a file, or a directory with all it holds) when the test program ends.
+void remove_at_exit(const std::string& path);
+// A path for a file the test writes: $TMPDIR (or /tmp)/dp_test_<suite>_<pid>_<name>. Every path
+// handed out is removed when the test program ends, so no case leaves files behind.
+std::string temp_path(const std::string& suite, const std::string& name);
+
 inline bool gpu_available() {
   return kernels::cuda_device_count() > 0;
 }

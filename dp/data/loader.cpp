@@ -147,6 +147,9 @@ Loader::Loader(const Dataset& dataset, LoaderOptions options)
            "Loader: batch_size must be >= 1, got " << options_.batch_size);
   DP_CHECK(options_.prefetch >= 1, "Loader: prefetch must be >= 1, got " << options_.prefetch);
   DP_CHECK(options_.threads >= 0, "Loader: threads must be >= 0, got " << options_.threads);
+  DP_CHECK(options_.pad_last_batch_to >= 1 && options_.pad_last_batch_to <= options_.batch_size,
+           "Loader: pad_last_batch_to must be in [1, batch_size "
+               << options_.batch_size << "], got " << options_.pad_last_batch_to);
   if (options_.threads > 0) arena_ = std::make_unique<tbb::task_arena>(options_.threads);
   // The queue's batches, the one being filled, and two the caller may still hold.
   pool_->capacity = static_cast<size_t>(options_.prefetch) + 3;
@@ -182,6 +185,13 @@ int64_t Loader::num_batches() const {
   return options_.drop_last == DropLast::yes ? n / b : (n + b - 1) / b;
 }
 
+int64_t Loader::padding() const {
+  const int64_t n = num_samples(), b = options_.batch_size;
+  if (n == 0 || options_.drop_last == DropLast::yes) return 0;
+  const int64_t last = n - (num_batches() - 1) * b;
+  return std::max<int64_t>(0, options_.pad_last_batch_to - last);
+}
+
 std::vector<int64_t> Loader::epoch_order(int64_t epoch) const {
   const int64_t n = num_samples();
   std::vector<int64_t> order;
@@ -193,6 +203,10 @@ std::vector<int64_t> Loader::epoch_order(int64_t epoch) const {
   }
   if (subset_)
     for (int64_t& k : order) k = (*subset_)[static_cast<size_t>(k)];
+  // Wrapping round: the epoch's first samples again (all of them, and more, when the pass is
+  // shorter than the padding).
+  const int64_t pad = padding();
+  for (int64_t i = 0; i < pad; ++i) order.push_back(order[static_cast<size_t>(i % n)]);
   return order;
 }
 

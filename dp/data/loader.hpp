@@ -42,6 +42,11 @@ struct LoaderOptions {
   int prefetch = 2;  // batches assembled ahead of the consumer (>= 1)
   int threads = 0;   // oneTBB concurrency for filling a batch; 0 = the default arena
   RecycleBuffers recycle = RecycleBuffers::no;
+  // A last batch with fewer rows than this is padded up to it by wrapping round to the start of
+  // the epoch's order (as PyTorch's DistributedSampler pads), so that split across this many
+  // devices or ranks it gives each a row. 1: never pads. requires 1 <= it <= batch_size;
+  // no effect with DropLast::yes (the short batch is dropped instead).
+  int64_t pad_last_batch_to = 1;
 };
 
 struct Batch {
@@ -84,7 +89,9 @@ class Loader {
   // Samples per pass, and batches per pass (the last may be short unless DropLast::yes).
   int64_t num_samples() const;
   int64_t num_batches() const;
-  // The data set indices of one pass, in visiting order, for `epoch`.
+  // Rows the last batch of a pass is padded with (see LoaderOptions::pad_last_batch_to).
+  int64_t padding() const;
+  // The data set indices of one pass, in visiting order, for `epoch`, padding included.
   std::vector<int64_t> epoch_order(int64_t epoch) const;
 
   // The next batch of the current pass, starting the pass if none is running; nullopt at its

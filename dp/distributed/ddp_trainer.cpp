@@ -26,6 +26,7 @@ std::optional<int> launch_if_parent(const DdpTrainerOptions& o, int argc, char**
   lo.master_addr = o.master_addr;
   lo.master_port = o.master_port;
   lo.extra_env = o.extra_env;
+  lo.max_local_ranks = o.max_local_ranks;
   return launch_workers(lo, std::vector<std::string>(argv, argv + argc));
 }
 
@@ -95,9 +96,11 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   auto t_step = Clock::now();
   float share = 0;
   auto [x, y] = my_chunk(images, labels, &share);
-  DP_CHECK(x.dim(0) > 0, "DdpTrainer: a global batch of " << images.dim(0) << " rows leaves rank "
-                                                          << rank() << " of " << world_size()
-                                                          << " without rows");
+  DP_CHECK(x.dim(0) > 0, "DdpTrainer: a global batch of "
+                             << images.dim(0) << " rows leaves rank " << rank() << " of "
+                             << world_size() << " without rows: pad a short last batch to "
+                             << world_size() << " rows (LoaderOptions::pad_last_batch_to) or "
+                             << "drop it");
   ddp_->set_batch_share(x.dim(0), images.dim(0));
 
   auto t0 = Clock::now();

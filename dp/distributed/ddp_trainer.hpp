@@ -31,6 +31,7 @@ struct DdpTrainerOptions {
   std::string master_addr = "127.0.0.1";
   int master_port = 0;  // 0: a free port (one node)
   std::vector<std::pair<std::string, std::string>> extra_env;
+  std::optional<int> max_local_ranks;  // nullopt: local_rank_limit() (see launcher.hpp)
 };
 
 // In a process started as a worker (RANK etc. set, by us, torchrun, mpirun or Slurm): nullopt,
@@ -67,6 +68,8 @@ class DdpTrainer {
   // requires model materialised on device(); optimizer built on it.
   void wrap(nn::ModulePtr model, nn::Optimizer& optimizer);
   // One step on this rank's chunk of the global host batch. Returns the global mean loss.
+  // requires at least world_size() rows, so that every rank has one (a loader pads a short
+  // last batch with LoaderOptions::pad_last_batch_to = world_size(), or drops it).
   float train_step(const kernels::Tensor& images, const kernels::Tensor& labels);
   // Rows of the global batch whose argmax equals the label (each rank counts its chunk).
   int64_t count_correct(const kernels::Tensor& images, const kernels::Tensor& labels);

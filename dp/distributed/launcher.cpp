@@ -1,11 +1,13 @@
 #include "dp/distributed/launcher.hpp"
 
+#include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
@@ -16,6 +18,7 @@
 
 #include "dp/distributed/socket.hpp"
 #include "kernels/runtime/error.hpp"
+#include "kernels/runtime/memory_info.hpp"
 
 extern char** environ;
 
@@ -175,6 +178,8 @@ class SignalWatch {
       sigaction(SIGTERM, &g_old_term, nullptr);
     }
   }
+  // Whether a signal came since the last poll() (which still reports it).
+  bool pending() const { return g_signal_count.load() != seen_; }
   // The signal received since the last call, or 0.
   int poll() {
     unsigned now = g_signal_count.load();
@@ -222,7 +227,70 @@ void signal_all(std::vector<Child>& children, int sig) {
     if (c.alive) ::kill(c.pid, sig);
 }
 
+// Whether one of the started children has failed (exited non-zero or been killed), without
+// reaping it: the watch loop does, and names it.
+bool any_failed(const std::vector<Child>& children) {
+  for (const auto& c : children) {
+    if (!c.alive) continue;
+    siginfo_t info{};
+    if (::waitid(P_PID, static_cast<id_t>(c.pid), &info, WEXITED | WNOHANG | WNOWAIT) == 0 &&
+        info.si_pid != 0 && !(info.si_code == CLD_EXITED && info.si_status == 0))
+      return true;
+  }
+  return false;
+}
+
+// This program's real path, so that `ps` names the workers after it rather than "exe";
+// /proc/self/exe when the file is gone (rebuilt while running) or cannot be read.
+std::string self_program() {
+  char buf[4096];
+  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n <= 0) return "/proc/self/exe";
+  std::string path(buf, static_cast<size_t>(n));
+  if (::access(path.c_str(), X_OK) != 0) return "/proc/self/exe";  // "... (deleted)"
+  return path;
+}
+
+int usable_cores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1, static_cast<int>(::sysconf(_SC_NPROCESSORS_ONLN)));
+}
+
 }  // namespace
+
+LocalRankLimit local_rank_limit() {
+  LocalRankLimit l;
+  const int cores = usable_cores();
+  const kernels::AvailableMemory mem = kernels::host_memory_available();
+  const int64_t by_memory = mem.bytes / LocalRankLimit::kBytesPerRank;
+  const int64_t by_cores = int64_t(LocalRankLimit::kRanksPerCore) * cores;
+  l.ranks = static_cast<int>(std::max<int64_t>(1, std::min(by_cores, by_memory)));
+  l.reason = std::to_string(LocalRankLimit::kRanksPerCore) + " per core on " +
+             std::to_string(cores) + " core(s) allow " + std::to_string(by_cores) + "; " +
+             std::to_string(mem.bytes >> 20) + " MiB of memory available (" + mem.source + ") at " +
+             std::to_string(LocalRankLimit::kBytesPerRank >> 20) + " MiB per rank allow " +
+             std::to_string(by_memory);
+  return l;
+}
+
+void check_local_ranks(int nproc, std::optional<int> max_local_ranks) {
+  if (max_local_ranks) {
+    DP_CHECK(*max_local_ranks >= 1,
+             "launch_workers: max_local_ranks=" << *max_local_ranks << " must be >= 1");
+    DP_CHECK(nproc <= *max_local_ranks, "launch_workers: " << nproc
+                                                           << " ranks on this node is more than the "
+                                                           << *max_local_ranks
+                                                           << " allowed by --max-local-ranks");
+    return;
+  }
+  LocalRankLimit limit = local_rank_limit();
+  DP_CHECK(nproc <= limit.ranks,
+           "launch_workers: " << nproc << " ranks on this node is more than this machine can "
+                              << "start: at most " << limit.ranks << " (" << limit.reason
+                              << "); give fewer ranks, or raise the limit with --max-local-ranks");
+}
 
 int launch_workers(const LaunchOptions& o, const std::vector<std::string>& argv) {
   DP_CHECK(!argv.empty(), "launch_workers: argv is empty (it needs at least argv[0])");
@@ -235,6 +303,7 @@ int launch_workers(const LaunchOptions& o, const std::vector<std::string>& argv)
   DP_CHECK(o.master_port >= 0 && o.master_port <= 65535,
            "launch_workers: master_port=" << o.master_port << " is not a port");
   DP_CHECK(!o.master_addr.empty(), "launch_workers: master_addr is empty");
+  check_local_ranks(o.nproc_per_node, o.max_local_ranks);
   int port = o.master_port;
   if (port == 0) {
     DP_CHECK(o.nnodes == 1, "launch_workers: a master port is required with nnodes="
@@ -242,7 +311,7 @@ int launch_workers(const LaunchOptions& o, const std::vector<std::string>& argv)
     port = find_free_port(o.master_addr);
   }
   const int world = o.nnodes * o.nproc_per_node;
-  const std::string program = o.program.empty() ? "/proc/self/exe" : o.program;
+  const std::string program = o.program.empty() ? self_program() : o.program;
 
   // Everything the children need is built before the first fork: after fork() the child only
   // makes async-signal-safe calls.
@@ -281,7 +350,17 @@ int launch_workers(const LaunchOptions& o, const std::vector<std::string>& argv)
 
   SignalWatch signals;
   const pid_t launcher = ::getpid();
+  int started = 0;
   for (int i = 0; i < o.nproc_per_node; ++i) {
+    // A signal, or a worker that has already failed, ends the starting here: the watch loop
+    // below handles both, stopping the workers started so far.
+    if (started == 0 && signals.pending()) {
+      int sig = signals.poll();
+      std::fprintf(stderr, "launch_workers: got signal %d (%s) before starting any worker\n", sig,
+                   strsignal(sig));
+      return 128 + sig;
+    }
+    if (signals.pending() || any_failed(children)) break;
     pid_t pid = ::fork();
     if (pid == 0) {
       // Child: die with the launching thread; the parent may already be gone.
@@ -301,6 +380,7 @@ int launch_workers(const LaunchOptions& o, const std::vector<std::string>& argv)
     }
     children[i].pid = pid;
     children[i].alive = true;
+    ++started;
   }
 
   using Clock = std::chrono::steady_clock;
@@ -308,7 +388,7 @@ int launch_workers(const LaunchOptions& o, const std::vector<std::string>& argv)
   int interrupted = 0;
   bool stopping = false, killed = false;
   Clock::time_point kill_at;
-  size_t alive = children.size();
+  size_t alive = static_cast<size_t>(started);
   auto begin_stop = [&](int sig) {
     stopping = true;
     signal_all(children, sig);
@@ -344,7 +424,7 @@ int launch_workers(const LaunchOptions& o, const std::vector<std::string>& argv)
 
   if (interrupted) {
     std::fprintf(stderr, "launch_workers: got signal %d (%s); stopped %d workers\n", interrupted,
-                 strsignal(interrupted), o.nproc_per_node);
+                 strsignal(interrupted), started);
     std::fflush(stderr);
     return 128 + interrupted;
   }
@@ -353,7 +433,7 @@ int launch_workers(const LaunchOptions& o, const std::vector<std::string>& argv)
                  "launch_workers: rank %d (local rank %d, pid %d) %s; stopped the other %d "
                  "worker(s)\n",
                  failed->rank, failed->local_rank, static_cast<int>(failed->pid),
-                 describe_status(failed->status).c_str(), o.nproc_per_node - 1);
+                 describe_status(failed->status).c_str(), started - 1);
     std::fflush(stderr);
     int code = exit_code_of(failed->status);
     return code == 0 ? 1 : code;

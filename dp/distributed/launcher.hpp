@@ -50,15 +50,35 @@ struct LaunchOptions {
   std::string program;
   // Extra variables for every worker.
   std::vector<std::pair<std::string, std::string>> extra_env;
+  // The most workers this node may start (--max-local-ranks); nullopt: local_rank_limit().
+  std::optional<int> max_local_ranks;
 };
+
+// How many workers this machine can start without running out of cores or memory: the smaller
+// of kRanksPerCore per core this process may run on and the host memory available (see
+// kernels::host_memory_available) over kBytesPerRank, and at least 1. `reason` says how.
+struct LocalRankLimit {
+  static constexpr int kRanksPerCore = 4;
+  static constexpr int64_t kBytesPerRank = int64_t(128) << 20;
+  int ranks = 1;
+  std::string reason;
+};
+LocalRankLimit local_rank_limit();
+// Throws kernels::Error saying what is allowed when `nproc` ranks on this node are more than
+// `max_local_ranks` (when given) or local_rank_limit() (otherwise). launch_workers calls it
+// before starting anything; programs call it earlier still, with their other flag checks.
+void check_local_ranks(int nproc, std::optional<int> max_local_ranks);
 
 // Runs nproc_per_node workers (global ranks node_rank * nproc_per_node + local) with `argv`
 // (argv[0] included) and the launcher's environment plus the worker variables, and watches
 // them. Returns 0 when every worker exited 0. When one exits non-zero or is killed, stops the
 // others (SIGTERM, then SIGKILL after the grace period), prints one line naming the rank and
 // its exit status or signal, and returns its exit code (128 + signal when killed). SIGINT or
-// SIGTERM to the launcher is forwarded to the workers and returns 128 + that signal.
-// Workers get PR_SET_PDEATHSIG(SIGKILL): they die with the launching thread. Never exits.
+// SIGTERM to the launcher is forwarded to the workers and returns 128 + that signal, also while
+// the workers are being started (no more are started then, nor after one has exited).
+// Refuses, before starting any, more workers than options.max_local_ranks or local_rank_limit().
+// Workers get PR_SET_PDEATHSIG(SIGKILL): they die with the launching thread. They run the
+// program's real path (not /proc/self/exe), so `ps` shows its name. Never exits.
 int launch_workers(const LaunchOptions& options, const std::vector<std::string>& argv);
 
 // A TCP port free on `host` a moment ago (see socket.hpp); for MASTER_PORT.

@@ -1,8 +1,14 @@
 #include "kernels/runtime/device.hpp"
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstdlib>
+#include <fstream>
+#include <sstream>
 
 #include "kernels/runtime/error.hpp"
+#include "kernels/runtime/memory_info.hpp"
 
 #if DP_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -96,6 +102,60 @@ DeviceType choose_device_type(const std::string& flag, std::string* fallback) {
   if (gpu) return DeviceType::cuda;
   if (fallback) *fallback = "no usable GPU (" + cuda_unavailable_reason() + "): running on the CPU";
   return DeviceType::cpu;
+}
+
+namespace {
+// The first number on the line of `path` that starts with `key` (whole file when key is
+// empty); nullopt when the file or the key is missing or the value is not a number.
+bool read_number(const std::string& path, const std::string& key, int64_t* out) {
+  std::ifstream f(path);
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind(key, 0) != 0) continue;
+    std::istringstream is(line.substr(key.size()));
+    long long v = 0;
+    if (!(is >> v)) return false;
+    *out = v;
+    return true;
+  }
+  return false;
+}
+}  // namespace
+
+AvailableMemory host_memory_available() {
+  AvailableMemory m;
+  int64_t kib = 0;
+  if (read_number("/proc/meminfo", "MemAvailable:", &kib)) {
+    m.bytes = kib * 1024;
+    m.source = "MemAvailable in /proc/meminfo";
+  } else {
+    m.bytes = static_cast<int64_t>(sysconf(_SC_AVPHYS_PAGES)) * sysconf(_SC_PAGESIZE);
+    m.source = "free pages (sysconf)";
+  }
+  // cgroup v2: "max" (no limit) does not parse as a number and is skipped.
+  int64_t limit = 0, used = 0;
+  if (read_number("/sys/fs/cgroup/memory.max", "", &limit) &&
+      read_number("/sys/fs/cgroup/memory.current", "", &used) && limit - used < m.bytes) {
+    m.bytes = std::max<int64_t>(0, limit - used);
+    m.source = "the cgroup's memory.max less memory.current";
+  }
+  return m;
+}
+
+AvailableMemory gpu_memory(int physical) {
+  DP_CHECK(physical >= 0 && physical < cuda_device_count(),
+           "GPU " << physical << " is not usable: " << cuda_device_count() << " GPU(s) visible"
+                  << (cuda_device_count() ? "" : " (" + cuda_unavailable_reason() + ")"));
+  AvailableMemory m;
+#if DP_HAVE_CUDA
+  cudaDeviceProp prop{};
+  cudaError_t e = cudaGetDeviceProperties(&prop, physical);
+  DP_CHECK(e == cudaSuccess,
+           "cudaGetDeviceProperties on GPU " << physical << " failed: " << cudaGetErrorString(e));
+  m.bytes = static_cast<int64_t>(prop.totalGlobalMem);
+  m.source = "the total memory of GPU " + std::to_string(physical) + ", " + prop.name;
+#endif
+  return m;
 }
 
 int physical_gpu(const Device& d) {

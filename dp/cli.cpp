@@ -1,0 +1,147 @@
+#include "dp/cli.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+#include "kernels/runtime/error.hpp"
+
+namespace dp::cli {
+
+namespace {
+
+std::string range_text(int64_t lo, int64_t hi) {
+  return "[" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
+}
+
+// What is wrong with `text` as a whole number in [lo, hi], or "".
+std::string whole_number_problem(const std::string& text, int64_t lo, int64_t hi) {
+  const char* b = text.data();
+  const char* e = b + text.size();
+  if (b != e && *b == '+') ++b;  // from_chars takes '-' but not '+'
+  int64_t v = 0;
+  auto [end, ec] = std::from_chars(b, e, v);
+  if (ec == std::errc::result_out_of_range)
+    return text + " is out of range: give a whole number in " + range_text(lo, hi);
+  if (ec != std::errc() || end != e || b == e)
+    return "'" + text + "' is not a whole number: give one in " + range_text(lo, hi);
+  if (v < lo || v > hi)
+    return text + " is out of range: give a whole number in " + range_text(lo, hi);
+  return "";
+}
+
+std::string number_text(double v) {
+  std::ostringstream os;
+  os << v;
+  return os.str();
+}
+
+std::string parent_directory(const std::string& path) {
+  auto slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  if (slash == 0) return "/";
+  return path.substr(0, slash);
+}
+
+// What stops `path` from being written, or "".
+std::string output_file_problem(const std::string& path) {
+  if (path.empty()) return "the path is empty: give a file name";
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0) {
+    if (S_ISDIR(st.st_mode))
+      return "'" + path + "' is a directory: give a file name inside it, e.g. " + path +
+             (path.back() == '/' ? "" : "/") + "out.json";
+    // O_NONBLOCK: a FIFO without a reader fails at once instead of blocking.
+    int fd = ::open(path.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) return "'" + path + "' cannot be written: " + std::strerror(errno);
+    ::close(fd);
+    return "";
+  }
+  std::string dir = parent_directory(path);
+  struct stat ds {};
+  if (::stat(dir.c_str(), &ds) != 0)
+    return "cannot write '" + path + "': its directory '" + dir + "' " +
+           (errno == ENOENT ? std::string("does not exist") : std::strerror(errno));
+  if (!S_ISDIR(ds.st_mode)) return "cannot write '" + path + "': '" + dir + "' is not a directory";
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) return "cannot create '" + path + "': " + std::strerror(errno);
+  ::close(fd);
+  ::unlink(path.c_str());  // only a probe: the run writes the file at its end
+  return "";
+}
+
+}  // namespace
+
+CLI::Validator whole_number(int64_t lo, int64_t hi) {
+  return CLI::Validator([lo, hi](std::string& text) { return whole_number_problem(text, lo, hi); },
+                        range_text(lo, hi));
+}
+
+CLI::Validator positive_number(double hi) {
+  return CLI::Validator(
+      [hi](std::string& text) -> std::string {
+        const std::string allowed = "give a number > 0 and <= " + number_text(hi);
+        char* end = nullptr;
+        errno = 0;
+        double v = std::strtod(text.c_str(), &end);
+        if (text.empty() || !end || *end != '\0')
+          return "'" + text + "' is not a number: " + allowed;
+        if (!std::isfinite(v) || errno == ERANGE || !(v > 0) || v > hi)
+          return text + " is not allowed: " + allowed;
+        return "";
+      },
+      "(0, " + number_text(hi) + "]");
+}
+
+CLI::Validator output_file() {
+  return CLI::Validator([](std::string& path) { return output_file_problem(path); }, "FILE");
+}
+
+void check_output_file(const std::string& flag, const std::string& path) {
+  std::string problem = output_file_problem(path);
+  DP_CHECK(problem.empty(), flag << ": " << problem);
+}
+
+int64_t checked_product(int64_t a, const std::string& a_name, int64_t b, const std::string& b_name,
+                        int64_t hi) {
+  DP_CHECK(a >= 0 && b >= 0 && hi > 0,
+           "checked_product: " << a_name << " " << a << " x " << b_name << " " << b);
+  int64_t p = 0;
+  bool overflow = __builtin_mul_overflow(a, b, &p);
+  DP_CHECK(!overflow && p <= hi,
+           a_name << " " << a << " x " << b_name << " " << b << " = "
+                  << (overflow ? std::string("more than 2^63") : std::to_string(p))
+                  << " is more than the " << hi << " allowed");
+  return p;
+}
+
+std::string human_bytes(int64_t bytes) {
+  static const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  double v = static_cast<double>(bytes);
+  int u = 0;
+  while (std::fabs(v) >= 1024 && u < 6) {
+    v /= 1024;
+    ++u;
+  }
+  std::ostringstream os;
+  os.precision(u == 0 ? 0 : 1);
+  os << std::fixed << v << " " << kUnits[u];
+  return os.str();
+}
+
+void check_fits(const std::string& what, int64_t need, const std::string& where,
+                const kernels::AvailableMemory& available, const std::string& hint) {
+  DP_CHECK(need <= available.bytes, what << " needs at least " << human_bytes(need) << ", but "
+                                         << where << " has " << human_bytes(available.bytes) << " ("
+                                         << available.source << ")" << (hint.empty() ? "" : "; ")
+                                         << hint);
+}
+
+}  // namespace dp::cli

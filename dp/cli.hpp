@@ -1,0 +1,57 @@
+// Checks for what a user types, shared by dp_bench, train_mnist, bench_collectives and the
+// samples: CLI11 validators with readable messages, output paths opened before the run,
+// overflow-checked products and memory sanity checks. All of it runs where input enters,
+// before any work; the code behind it then assumes valid input.
+//
+//   app.add_option("--batch", o.batch)->check(dp::cli::whole_number(1, dp::cli::kMaxRows));
+//   app.add_option("--json", o.json)->check(dp::cli::output_file());
+//   int64_t rows = dp::cli::checked_product(per_device, "--batch-per-device", gpus, "--gpus",
+//                                           dp::cli::kMaxRows);
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "kernels/runtime/memory_info.hpp"
+
+namespace dp::cli {
+
+// The most rows a batch may have (2^31): far past any memory, and small enough that products
+// with a row's size and a step count stay well inside int64.
+constexpr int64_t kMaxRows = int64_t(1) << 31;
+
+// A whole number in [lo, hi]. Refuses text, fractions and out-of-range values (negative ones
+// included) by saying what was given and what is allowed:
+//   "--batch: 0 is out of range: give a whole number in [1, 2147483648]"
+//   "--epochs: 'abc' is not a whole number: give one in [1, 100000]"
+CLI::Validator whole_number(int64_t lo, int64_t hi);
+
+// A finite number in (0, hi]: "--lr: -0.1 is not allowed: give a number > 0 and <= 10".
+CLI::Validator positive_number(double hi);
+
+// An output file that can be written: refuses an empty path, a directory, a missing parent
+// directory, and a path that cannot be opened for writing (with the system's reason). The check
+// opens the file without truncating it; a file that did not exist is created and removed again.
+CLI::Validator output_file();
+// The same check for a path that is not a flag's text (a default name, say); throws
+// kernels::Error naming `flag`.
+void check_output_file(const std::string& flag, const std::string& path);
+
+// a x b, refused when it exceeds `hi` (or int64): "--batch-per-device 1073741824 x --gpus 4 =
+// 4294967296 rows is more than 2147483648". requires a, b >= 0, hi > 0.
+int64_t checked_product(int64_t a, const std::string& a_name, int64_t b, const std::string& b_name,
+                        int64_t hi);
+
+// "1.5 GiB", "640 KiB", "12 B".
+std::string human_bytes(int64_t bytes);
+
+// Throws kernels::Error when `need` bytes are more than `available` holds:
+//   "<what> needs at least 2.8 TiB, but the host has 19.3 GiB (MemAvailable in /proc/meminfo);
+//    <hint>"
+// `where` names the memory: "the host", "GPU 0".
+void check_fits(const std::string& what, int64_t need, const std::string& where,
+                const kernels::AvailableMemory& available, const std::string& hint);
+
+}  // namespace dp::cli
