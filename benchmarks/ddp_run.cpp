@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -158,6 +159,23 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   }
   trainer.ddp().set_trace(nullptr);
   for (auto& [name, v] : phases) r.phases_ms[name] = percentile(v, 0.5);
+  // A synchronous step ends when its last rank ends: the step time is the slowest rank's, per
+  // step, gathered from every rank (rank 0 alone would flatter the figures).
+  if (!r.step_ms.empty()) {
+    const int64_t steps = static_cast<int64_t>(r.step_ms.size());
+    std::vector<float> mine(r.step_ms.begin(), r.step_ms.end());
+    kernels::Tensor local = kernels::Tensor::from_vector(mine, {steps}, trainer.device());
+    kernels::Tensor all =
+        kernels::Tensor::empty({n * steps}, kernels::DType::f32, trainer.device());
+    trainer.group().all_gather(all, local)->wait();
+    auto every = all.to_host_f32();
+    for (int64_t s = 0; s < steps; ++s) {
+      double slowest = 0;
+      for (int rank = 0; rank < n; ++rank)
+        slowest = std::max<double>(slowest, every[rank * steps + s]);
+      r.step_ms[s] = slowest;
+    }
+  }
   r.final_loss = r.losses.empty() ? 0 : r.losses.back();
   // Payload each rank all-reduces per step (gradients, and buffers when averaged), under the
   // ring model: 2 (N-1)/N of it crosses each rank's link.
@@ -184,12 +202,13 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
     f << run_to_json(r).dump() << "\n";
   } else if (trainer.rank() == 0) {
     Header h = make_header(o, s, trainer.env().local_world_size);
+    ProjectionInput projection = projection_input(h, {r}, o.project_from);
     print_table(std::cout, h, {r});
-    print_projection(std::cout, {r});
+    print_projection(std::cout, projection);
     if (!o.json_path.empty()) {
       std::ofstream f(o.json_path);
       DP_CHECK(f, "--json: cannot write '" << o.json_path << "'");
-      f << to_json(h, {r}).dump(2) << "\n";
+      f << to_json(h, {r}, projection).dump(2) << "\n";
     }
   }
   trainer.group().barrier()->wait();  // every trace file is written before the parent reads

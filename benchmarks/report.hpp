@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -26,8 +27,11 @@ struct RunResult {
   std::vector<int64_t> peak_mem_bytes;      // one per device
   std::vector<float> losses;                // per timed step
   float final_loss = 0;
-  int buckets = 0;             // DDP: gradient buckets per step
-  int buckets_overlapped = 0;  // DDP: of which launched while backward still ran
+  int buckets = 0;                  // gradient buckets per step
+  int buckets_overlapped = 0;       // DDP: launched while backward still ran; DP: first pulled
+                                    // before the last device's backward ended (median over steps)
+  std::string reduce;               // DP: "star" or "tree"
+  std::vector<int64_t> link_bytes;  // DP: bytes in + out of each device per step
 
   double step_ms_median() const;
   double step_ms_p90() const;
@@ -81,9 +85,27 @@ struct Header {
 };
 bool oversubscribed(const Header& h);
 
+// Engine overhead per added device: (t_N - t_1) / N in microseconds, from the medians of the
+// run and of its mode's 1-device run; nullopt without a baseline or for N = 1.
+std::optional<double> overhead_us_per_device(const std::vector<RunResult>& runs,
+                                             const RunResult& r);
+
+// The compute a projection starts from: measured GPU runs, or the runs of a GPU results file
+// (--project-from). CPU compute beside NVLink figures would read like a GPU prediction, so
+// then there is none, and `why_not` says so.
+struct ProjectionInput {
+  std::vector<RunResult> runs;  // empty: no projection
+  std::string source;           // "measured on <gpu>" or "<file> (<gpu>)"
+  std::string why_not;
+};
+// requires project_from empty or a dp_bench JSON file (throws naming the file otherwise).
+ProjectionInput projection_input(const Header& h, const std::vector<RunResult>& runs,
+                                 const std::string& project_from);
+
 void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>& runs);
-void print_projection(std::ostream& os, const std::vector<RunResult>& runs);
-nlohmann::json to_json(const Header& h, const std::vector<RunResult>& runs);
+void print_projection(std::ostream& os, const ProjectionInput& in);
+nlohmann::json to_json(const Header& h, const std::vector<RunResult>& runs,
+                       const ProjectionInput& projection);
 nlohmann::json run_to_json(const RunResult& r);
 RunResult run_from_json(const nlohmann::json& j);
 // CSV of a sweep: mode,gpus,step_ms_median,step_ms_p90,samples_per_s,speedup,efficiency,...
