@@ -239,6 +239,14 @@ void DataParallel::advance_reduction(int i, bool blocking) {
   PerDevice& pd = per_device_[i];
   kernels::DeviceContext& ctx = pool_.context(i);
   const std::vector<int>& sources = sources_[i];
+  // Once every other device has finished its part of the step, device 0's remaining pulls
+  // have the whole CPU to themselves: they run with all the cores.
+  std::unique_ptr<kernels::ContextScope> wide;
+  auto others_done = [&] {
+    for (int r = 1; r < static_cast<int>(sources_.size()); ++r)
+      if (!signals_.done[r]) return false;
+    return true;
+  };
   while (pd.next_bucket < pd.own_ready) {
     const int k = pd.next_bucket;
     const Bucket& b = plan_.buckets[k];
@@ -254,6 +262,10 @@ void DataParallel::advance_reduction(int i, bool blocking) {
         const int s = sources[pd.next_source];
         if (blocking) {
           wait_for([&] { return signals_.complete[s] > k; });
+          if (i == 0 && wide_context_ && !wide) {
+            std::lock_guard<std::mutex> lock(signal_mutex_);
+            if (others_done()) wide = std::make_unique<kernels::ContextScope>(*wide_context_);
+          }
         } else {
           std::lock_guard<std::mutex> lock(signal_mutex_);
           if (signals_.complete[s] <= k) return;  // not there yet: backward goes on
