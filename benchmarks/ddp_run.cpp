@@ -168,13 +168,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
     kernels::Tensor all =
         kernels::Tensor::empty({n * steps}, kernels::DType::f32, trainer.device());
     trainer.group().all_gather(all, local)->wait();
-    auto every = all.to_host_f32();
-    for (int64_t s = 0; s < steps; ++s) {
-      double slowest = 0;
-      for (int rank = 0; rank < n; ++rank)
-        slowest = std::max<double>(slowest, every[rank * steps + s]);
-      r.step_ms[s] = slowest;
-    }
+    r.step_ms = slowest_per_step(all.to_host_f32(), n, steps);
   }
   r.final_loss = r.losses.empty() ? 0 : r.losses.back();
   // Payload each rank all-reduces per step (gradients, and buffers when averaged), under the

@@ -20,6 +20,17 @@ double percentile(std::vector<double> v, double q) {
   return v[lo] + (v[hi] - v[lo]) * (pos - static_cast<double>(lo));
 }
 
+std::vector<double> slowest_per_step(const std::vector<float>& all, int ranks, int64_t steps) {
+  DP_CHECK(ranks >= 1 && steps >= 0 && all.size() == static_cast<size_t>(ranks * steps),
+           "slowest_per_step: " << all.size() << " times for " << ranks << " ranks of " << steps
+                                << " steps");
+  std::vector<double> out(static_cast<size_t>(steps), 0.0);
+  for (int r = 0; r < ranks; ++r)
+    for (int64_t s = 0; s < steps; ++s)
+      out[s] = std::max<double>(out[s], all[static_cast<size_t>(r * steps + s)]);
+  return out;
+}
+
 double RunResult::step_ms_median() const {
   return percentile(step_ms, 0.5);
 }

@@ -41,6 +41,11 @@ struct RunResult {
 // q-quantile (0..1) by linear interpolation; 0 for an empty list.
 double percentile(std::vector<double> values, double q);
 
+// Step times of a synchronous run from every rank's: `all` holds rank r's `steps` times at
+// [r steps, (r+1) steps). A step ends when its last rank ends: the result is each step's
+// slowest time.
+std::vector<double> slowest_per_step(const std::vector<float>& all, int ranks, int64_t steps);
+
 // Bytes per step, P = parameter bytes. DP through device 0: the root sends P to and receives
 // P from each of the N-1 replicas: 2 (N-1) P. Ring all-reduce: each device sends (and
 // receives) 2 (N-1)/N P.

@@ -163,6 +163,14 @@ TEST_CASE("bench.overhead: (t_N - t_1) / N per mode, none without a baseline") {
   CHECK_FALSE(j["runs"][0].contains("overhead_us_per_device"));
 }
 
+TEST_CASE("bench.ddp: a step's time is its slowest rank's") {
+  // Two ranks, three steps: rank 1 is slower on steps 0 and 2.
+  std::vector<float> all{1.0f, 2.0f, 1.0f, 1.5f, 1.0f, 3.0f};
+  CHECK(bench::slowest_per_step(all, 2, 3) == std::vector<double>{1.5, 2.0, 3.0});
+  CHECK(bench::slowest_per_step({}, 4, 0).empty());
+  CHECK_THROWS_AS(bench::slowest_per_step(all, 4, 3), kernels::Error);
+}
+
 TEST_CASE("bench.stats: percentiles and throughput") {
   CHECK(bench::percentile({}, 0.5) == 0);
   CHECK(bench::percentile({3, 1, 2}, 0.5) == 2);
