@@ -90,7 +90,8 @@ struct StepStats {
 class DataParallel {
  public:
   // requires module materialised on devices[0], optimizer built on that module's flat buffers,
-  // devices non-empty and distinct. Builds the replicas once (clone_to) on their workers.
+  // devices non-empty and distinct. Builds the replicas once (clone_to) on their workers, and
+  // owns the module's on_grad_ready hook until destroyed (the reduction starts from it).
   DataParallel(nn::ModulePtr module, nn::Optimizer& optimizer, std::vector<Device> devices,
                DataParallelOptions options = {});
   ~DataParallel();
