@@ -157,6 +157,10 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
        << "   " << std::setw(9) << mib(r.bytes_per_step) << " vs " << std::setw(9)
        << mib(r.bytes_theory) << "   peak MiB per device:";
     for (int64_t b : r.peak_mem_bytes) os << " " << mib(b);
+    if (!r.link_bytes.empty() && r.gpus > 1) {
+      os << "   link MiB per device (in + out, " << r.reduce << "):";
+      for (int64_t b : r.link_bytes) os << " " << mib(b);
+    }
     os << "\n";
   }
 }

@@ -245,7 +245,11 @@ TEST_CASE("bench.cli: the DP trace shows bucket reductions overlapping backward"
     auto run = read_json(json)["runs"][0];
     CHECK(run["reduce"] == reduce);
     CHECK(run["buckets"].get<int>() >= 3);
-    CHECK(run["link_bytes"].size() == 4);
+    REQUIRE(run["link_bytes"].size() == 4);
+    // Device 0 sends its parameters to three replicas and takes in three gradients (star) or
+    // two (tree: 1 -> 0, 3 -> 2, 2 -> 0).
+    int64_t p = run["param_bytes"].get<int64_t>();
+    CHECK(run["link_bytes"][0].get<int64_t>() == (std::string(reduce) == "star" ? 6 : 5) * p);
     std::map<int64_t, double> first_reduce, last_backward_end;
     auto events = read_json(trace);
     for (auto& e : events["traceEvents"]) {
