@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -71,10 +72,17 @@ void add_flags(CLI::App& app, Options& o) {
   app.add_option("--profile-steps", o.profile_steps,
                  "a:b brackets timed steps a..b with cudaProfilerStart/Stop (nsys "
                  "--capture-range=cudaProfilerApi)");
-  app.add_option("--bucket-cap-mb", o.bucket_cap_mb, "DDP bucket cap in MiB")
+  app.add_option("--bucket-cap-mb", o.bucket_cap_mb, "DP and DDP gradient bucket cap in MiB")
       ->check(dp::cli::positive_number(kMaxBucketMb));
-  app.add_option("--first-bucket-mb", o.first_bucket_mb, "DDP first bucket cap in MiB")
+  app.add_option("--first-bucket-mb", o.first_bucket_mb, "DP and DDP first bucket cap in MiB")
       ->check(dp::cli::positive_number(kMaxBucketMb));
+  app.add_option("--dp-reduce", o.dp_reduce,
+                 "DP gradient reduction to device 0: star (each replica to device 0) or tree "
+                 "(pairwise, log2 N rounds)")
+      ->check(CLI::IsMember({"star", "tree"}));
+  app.add_option("--project-from", o.project_from,
+                 "dp_bench JSON of a GPU run whose compute the NVLink/PCIe projection uses")
+      ->check(CLI::ExistingFile);
   app.add_option("--nnodes", o.nnodes, "DDP: nodes (run dp_bench on each with its --node-rank)")
       ->check(whole_number(1, kMaxDevices));
   app.add_option("--node-rank", o.node_rank, "DDP: this node's index in [0, nnodes)")
@@ -244,17 +252,22 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace) {
   nn::Optimizer& opt = *optimizer;
   dp::DataParallelOptions dopt;
   dopt.math = s.math;
+  dopt.reduce = o.dp_reduce == "tree" ? dp::ReduceTopology::tree : dp::ReduceTopology::star;
+  dopt.first_bucket_bytes = static_cast<int64_t>(o.first_bucket_mb * (1 << 20));
+  dopt.bucket_cap_bytes = static_cast<int64_t>(o.bucket_cap_mb * (1 << 20));
   dp::DataParallel engine(model, opt, devices, dopt);
 
   RunResult r;
   r.mode = "dp";
   r.optim = o.optim;
   r.optimizer_state_bytes = {opt.state_bytes()};  // device 0 alone steps
+  r.reduce = o.dp_reduce;
   r.gpus = n;
   r.batch = batch;
   r.param_bytes = engine.parameter_bytes();
   r.bytes_theory = dp_bytes_theory(n, r.param_bytes);
   std::map<std::string, std::vector<double>> phases;
+  std::vector<double> overlapped;
   auto [pa, pb] = profile_range(o);
   std::string label = "dp N=" + std::to_string(n);
   for (int step = 0; step < o.warmup + o.steps; ++step) {
@@ -269,15 +282,20 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace) {
     r.step_ms.push_back(st.ms.total);
     r.losses.push_back(st.loss);
     r.bytes_per_step = st.bytes_moved;
+    r.link_bytes = st.link_bytes;
+    r.buckets = st.buckets;
+    overlapped.push_back(st.buckets_overlapped);
     phases["scatter"].push_back(st.ms.scatter);
     phases["replicate"].push_back(st.ms.replicate);
     phases["forward"].push_back(st.ms.forward);
     phases["backward"].push_back(st.ms.backward);
     phases["reduce"].push_back(st.ms.reduce);
+    phases["reduce_in_backward"].push_back(st.ms.reduce_in_backward);
     phases["optimizer"].push_back(st.ms.step);
   }
   engine.set_trace(nullptr);
   for (auto& [name, v] : phases) r.phases_ms[name] = percentile(v, 0.5);
+  r.buckets_overlapped = static_cast<int>(std::lround(percentile(overlapped, 0.5)));
   r.final_loss = r.losses.empty() ? 0 : r.losses.back();
   r.peak_mem_bytes = engine.peak_memory_bytes();
   return r;
@@ -379,14 +397,15 @@ int run(const Options& o, int argc, char** argv) {
   }
 
   Header h = make_header(o, s, max_n);
+  ProjectionInput projection = projection_input(h, runs, o.project_from);
   print_table(std::cout, h, runs);
   print_memory_model(std::cout, runs);
-  print_projection(std::cout, runs);
+  print_projection(std::cout, projection);
 
   if (!o.json_path.empty()) {
     std::ofstream f(o.json_path);
     DP_CHECK(f, "--json: cannot write '" << o.json_path << "'");
-    f << to_json(h, runs).dump(2) << "\n";
+    f << to_json(h, runs, projection).dump(2) << "\n";
     std::printf("json: %s\n", o.json_path.c_str());
   }
   if (tracing) {

@@ -30,7 +30,9 @@ struct Options {
   uint64_t seed = 1;
   std::string json_path, trace_path, sweep, csv_path, chart_path, profile_steps;
   int baseline = 1;  // also run N=1 of each mode for speedup (0 to skip)
-  double bucket_cap_mb = 25, first_bucket_mb = 1;  // DDP buckets (PyTorch's defaults)
+  double bucket_cap_mb = 25, first_bucket_mb = 1;  // DP and DDP buckets (PyTorch's defaults)
+  std::string dp_reduce = "star";                  // DP: star|tree
+  std::string project_from;                        // GPU results file for the projection
   // DDP across nodes: every node runs dp_bench with the same flags and its own --node-rank.
   int nnodes = 1, node_rank = 0;
   std::string master_addr = "127.0.0.1";

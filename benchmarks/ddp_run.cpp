@@ -6,6 +6,7 @@
 
 #include <fcntl.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -203,6 +204,17 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   }
   trainer.ddp().set_trace(nullptr);
   for (auto& [name, v] : phases) r.phases_ms[name] = percentile(v, 0.5);
+  // A synchronous step ends when its last rank ends: the step time is the slowest rank's, per
+  // step, gathered from every rank (rank 0 alone would flatter the figures).
+  if (!r.step_ms.empty()) {
+    const int64_t steps = static_cast<int64_t>(r.step_ms.size());
+    std::vector<float> mine(r.step_ms.begin(), r.step_ms.end());
+    kernels::Tensor local = kernels::Tensor::from_vector(mine, {steps}, trainer.device());
+    kernels::Tensor all =
+        kernels::Tensor::empty({n * steps}, kernels::DType::f32, trainer.device());
+    trainer.group().all_gather(all, local)->wait();
+    r.step_ms = slowest_per_step(all.to_host_f32(), n, steps);
+  }
   r.final_loss = r.losses.empty() ? 0 : r.losses.back();
   // Payload each rank all-reduces per step (gradients, and buffers when averaged), under the
   // ring model: 2 (N-1)/N of it crosses each rank's link.
@@ -239,13 +251,14 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
     SharedFile::write_fd(fd_from_env(result_env, "DP_BENCH_DDP_RESULT_FD"), run_to_json(r).dump());
   } else if (trainer.rank() == 0) {
     Header h = make_header(o, s, trainer.env().local_world_size);
+    ProjectionInput projection = projection_input(h, {r}, o.project_from);
     print_table(std::cout, h, {r});
     print_memory_model(std::cout, {r});
-    print_projection(std::cout, {r});
+    print_projection(std::cout, projection);
     if (!o.json_path.empty()) {
       std::ofstream f(o.json_path);
       DP_CHECK(f, "--json: cannot write '" << o.json_path << "'");
-      f << to_json(h, {r}).dump(2) << "\n";
+      f << to_json(h, {r}, projection).dump(2) << "\n";
     }
   }
   trainer.group().barrier()->wait();  // every trace file is written before the parent reads

@@ -3,8 +3,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <iomanip>
 #include <sstream>
+
+#include "kernels/runtime/error.hpp"
 
 namespace bench {
 
@@ -15,6 +18,17 @@ double percentile(std::vector<double> v, double q) {
   size_t lo = static_cast<size_t>(std::floor(pos));
   size_t hi = std::min(lo + 1, v.size() - 1);
   return v[lo] + (v[hi] - v[lo]) * (pos - static_cast<double>(lo));
+}
+
+std::vector<double> slowest_per_step(const std::vector<float>& all, int ranks, int64_t steps) {
+  DP_CHECK(ranks >= 1 && steps >= 0 && all.size() == static_cast<size_t>(ranks * steps),
+           "slowest_per_step: " << all.size() << " times for " << ranks << " ranks of " << steps
+                                << " steps");
+  std::vector<double> out(static_cast<size_t>(steps), 0.0);
+  for (int r = 0; r < ranks; ++r)
+    for (int64_t s = 0; s < steps; ++s)
+      out[s] = std::max<double>(out[s], all[static_cast<size_t>(r * steps + s)]);
+  return out;
 }
 
 double RunResult::step_ms_median() const {
@@ -75,6 +89,13 @@ double phase(const RunResult& r, const char* name) {
 
 }  // namespace
 
+std::optional<double> overhead_us_per_device(const std::vector<RunResult>& runs,
+                                             const RunResult& r) {
+  const RunResult* base = baseline_of(runs, r.mode);
+  if (!base || r.gpus < 2) return std::nullopt;
+  return (r.step_ms_median() - base->step_ms_median()) * 1000.0 / r.gpus;
+}
+
 void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>& runs) {
   os << "dp_bench: model " << h.model << " (" << h.params << " parameters, " << mib(h.params * 4)
      << " MiB), dtype " << h.dtype << ", device " << h.device << "\n";
@@ -109,8 +130,26 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
     if (r.mode == "ddp" && r.gpus > 1)
       os << "  (buckets " << r.buckets << ", " << r.buckets_overlapped
          << " launched while backward ran on)";
+    if (r.mode == "dp" && r.gpus > 1)
+      os << "  (" << r.reduce << " reduce, buckets " << r.buckets << ", " << r.buckets_overlapped
+         << " pulled while backward ran on)";
     os << "\n";
   }
+  bool any_overhead = false;
+  for (auto& r : runs) any_overhead = any_overhead || overhead_us_per_device(runs, r).has_value();
+  if (any_overhead) {
+    os << "\n overhead per added device, (t_N - t_1) / N (us):\n";
+    for (auto& r : runs)
+      if (auto us = overhead_us_per_device(runs, r))
+        os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << r.gpus
+           << "   " << std::setprecision(1) << *us << "\n";
+  }
+  for (auto& r : runs)
+    if (r.mode == "ddp") {
+      os << "\n DDP step time is the slowest rank's, per step (a synchronous step ends with its "
+            "last rank)\n";
+      break;
+    }
   os << "\n bytes moved per step (MiB): measured vs theory"
         " [DP through device 0: 2(N-1)P; ring all-reduce: 2(N-1)/N P per device]\n";
   for (auto& r : runs) {
@@ -118,6 +157,10 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
        << "   " << std::setw(9) << mib(r.bytes_per_step) << " vs " << std::setw(9)
        << mib(r.bytes_theory) << "   peak MiB per device:";
     for (int64_t b : r.peak_mem_bytes) os << " " << mib(b);
+    if (!r.link_bytes.empty() && r.gpus > 1) {
+      os << "   link MiB per device (in + out, " << r.reduce << "):";
+      for (int64_t b : r.link_bytes) os << " " << mib(b);
+    }
     os << "\n";
   }
 }
@@ -182,14 +225,52 @@ std::vector<Projection> project(const std::vector<RunResult>& runs) {
   return out;
 }
 
-void print_projection(std::ostream& os, const std::vector<RunResult>& runs) {
-  os << "\n projection to real interconnects (alpha-beta model):\n"
-        "   compute(N) = (forward + backward measured on n devices) * n / N\n"
+ProjectionInput projection_input(const Header& h, const std::vector<RunResult>& runs,
+                                 const std::string& project_from) {
+  ProjectionInput in;
+  if (!project_from.empty()) {
+    std::ifstream f(project_from);
+    DP_CHECK(f, "--project-from '" << project_from << "': cannot read the file");
+    nlohmann::json j;
+    try {
+      f >> j;
+      std::string device = j.at("device").get<std::string>();
+      if (device == "cpu") {
+        in.why_not = "--project-from '" + project_from +
+                     "' holds CPU compute; the projection needs a GPU's results file";
+        return in;
+      }
+      for (auto& r : j.at("runs")) in.runs.push_back(run_from_json(r));
+      in.source = project_from + " (" + device + ")";
+    } catch (const nlohmann::json::exception& e) {
+      DP_THROW("--project-from '" << project_from << "': not a dp_bench JSON report (" << e.what()
+                                  << ")");
+    }
+    return in;
+  }
+  if (h.device == "cpu") {
+    in.why_not =
+        "the compute was measured on CPU devices, and CPU compute beside NVLink/PCIe figures "
+        "is no GPU prediction; run on a GPU, or pass --project-from GPU_RESULTS.json";
+    return in;
+  }
+  in.runs = runs;
+  in.source = "measured on " + h.device;
+  return in;
+}
+
+void print_projection(std::ostream& os, const ProjectionInput& in) {
+  if (in.runs.empty()) {
+    os << "\n projection to NVLink/PCIe: left out: " << in.why_not << "\n";
+    return;
+  }
+  os << "\n projection to real interconnects (alpha-beta model), compute " << in.source << ":\n"
+     << "   compute(N) = (forward + backward measured on n devices) * n / N\n"
         "   DP : t = compute(N) + opt + 2(N-1)(alpha + P/bw)        [star through device 0]\n"
         "   DDP: t = compute(N) + opt + 2(N-1)(alpha + P/(N bw))    [ring, no overlap assumed]\n"
         "   links: NVLink4 450 GB/s each way, alpha 5 us; PCIe Gen5 64 GB/s each way, alpha 10 "
         "us\n";
-  for (auto& p : project(runs))
+  for (auto& p : project(in.runs))
     os << "   " << std::left << std::setw(4) << p.mode << std::right << std::setw(10) << p.link
        << " N=" << p.gpus << ": " << std::setprecision(3) << p.step_s * 1000
        << " ms  (from n=" << p.source_gpus << ": compute " << p.compute_s * 1000 << " ms, opt "
@@ -213,6 +294,8 @@ nlohmann::json run_to_json(const RunResult& r) {
           {"final_loss", r.final_loss},
           {"buckets", r.buckets},
           {"buckets_overlapped", r.buckets_overlapped},
+          {"reduce", r.reduce},
+          {"link_bytes", r.link_bytes},
           {"optim", r.optim},
           {"zero", r.zero},
           {"optimizer_state_bytes", r.optimizer_state_bytes}};
@@ -233,13 +316,16 @@ RunResult run_from_json(const nlohmann::json& j) {
   r.final_loss = j.at("final_loss").get<float>();
   r.buckets = j.value("buckets", 0);
   r.buckets_overlapped = j.value("buckets_overlapped", 0);
+  r.reduce = j.value("reduce", std::string());
+  r.link_bytes = j.value("link_bytes", std::vector<int64_t>());
   r.optim = j.value("optim", std::string("sgd"));
   r.zero = j.value("zero", 0);
   r.optimizer_state_bytes = j.value("optimizer_state_bytes", std::vector<int64_t>{});
   return r;
 }
 
-nlohmann::json to_json(const Header& h, const std::vector<RunResult>& runs) {
+nlohmann::json to_json(const Header& h, const std::vector<RunResult>& runs,
+                       const ProjectionInput& projection) {
   nlohmann::json j = {{"device", h.device},
                       {"physical_devices", h.physical},
                       {"logical_devices", h.logical},
@@ -248,8 +334,11 @@ nlohmann::json to_json(const Header& h, const std::vector<RunResult>& runs) {
                       {"params", h.params},
                       {"dtype", h.dtype},
                       {"runs", nlohmann::json::array()},
-                      {"projection", nlohmann::json::array()}};
-  for (auto& p : project(runs))
+                      {"projection", nlohmann::json::array()},
+                      {"projection_source", projection.source},
+                      {"projection_left_out", projection.why_not},
+                      {"ddp_step_time", "slowest rank per step"}};
+  for (auto& p : project(projection.runs))
     j["projection"].push_back({{"mode", p.mode},
                                {"link", p.link},
                                {"gpus", p.gpus},
@@ -266,6 +355,7 @@ nlohmann::json to_json(const Header& h, const std::vector<RunResult>& runs) {
       jr["speedup"] = s;
       jr["efficiency"] = s / r.gpus;
     }
+    if (auto us = overhead_us_per_device(runs, r)) jr["overhead_us_per_device"] = *us;
     j["runs"].push_back(jr);
   }
   return j;
@@ -273,13 +363,15 @@ nlohmann::json to_json(const Header& h, const std::vector<RunResult>& runs) {
 
 void write_sweep_csv(std::ostream& os, const std::vector<RunResult>& runs) {
   os << "mode,gpus,batch,step_ms_median,step_ms_p90,samples_per_s,speedup,efficiency,"
-        "bytes_per_step,bytes_theory,final_loss\n";
+        "bytes_per_step,bytes_theory,final_loss,overhead_us_per_device\n";
   for (auto& r : runs) {
     const RunResult* base = baseline_of(runs, r.mode);
     double s = base && r.step_ms_median() > 0 ? base->step_ms_median() / r.step_ms_median() : 0;
     os << r.mode << "," << r.gpus << "," << r.batch << "," << r.step_ms_median() << ","
        << r.step_ms_p90() << "," << r.samples_per_s() << "," << s << "," << s / r.gpus << ","
-       << r.bytes_per_step << "," << r.bytes_theory << "," << r.final_loss << "\n";
+       << r.bytes_per_step << "," << r.bytes_theory << "," << r.final_loss << ",";
+    if (auto us = overhead_us_per_device(runs, r)) os << *us;
+    os << "\n";
   }
 }
 
@@ -300,12 +392,10 @@ nlohmann::json chrome_trace(
                           {"tid", e.track},
                           {"args", {{"name", "device " + std::to_string(e.track)}}}});
       }
-      events.push_back({{"name", e.name},
-                        {"ph", "X"},
-                        {"pid", pid},
-                        {"tid", e.track},
-                        {"ts", e.begin_us},
-                        {"dur", e.duration_us}});
+      nlohmann::json slice = {{"name", e.name}, {"ph", "X"},        {"pid", pid},
+                              {"tid", e.track}, {"ts", e.begin_us}, {"dur", e.duration_us}};
+      if (e.step >= 0) slice["args"] = nlohmann::json::object({{"step", e.step}});
+      events.push_back(slice);
     }
     ++pid;
   }

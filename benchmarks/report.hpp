@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -26,8 +27,11 @@ struct RunResult {
   std::vector<int64_t> peak_mem_bytes;      // one per device
   std::vector<float> losses;                // per timed step
   float final_loss = 0;
-  int buckets = 0;             // DDP: gradient buckets per step
-  int buckets_overlapped = 0;  // DDP: of which launched while backward still ran
+  int buckets = 0;                  // gradient buckets per step
+  int buckets_overlapped = 0;       // DDP: launched while backward still ran; DP: first pulled
+                                    // before the last device's backward ended (median over steps)
+  std::string reduce;               // DP: "star" or "tree"
+  std::vector<int64_t> link_bytes;  // DP: bytes in + out of each device per step
   std::string optim = "sgd";
   int zero = 0;                                // DDP: ZeRO stage (0 or 1)
   std::vector<int64_t> optimizer_state_bytes;  // per device (DP: device 0) or rank
@@ -39,6 +43,11 @@ struct RunResult {
 
 // q-quantile (0..1) by linear interpolation; 0 for an empty list.
 double percentile(std::vector<double> values, double q);
+
+// Step times of a synchronous run from every rank's: `all` holds rank r's `steps` times at
+// [r steps, (r+1) steps). A step ends when its last rank ends: the result is each step's
+// slowest time.
+std::vector<double> slowest_per_step(const std::vector<float>& all, int ranks, int64_t steps);
 
 // Bytes per step, P = parameter bytes. DP through device 0: the root sends P to and receives
 // P from each of the N-1 replicas: 2 (N-1) P. Ring all-reduce: each device sends (and
@@ -84,13 +93,31 @@ struct Header {
 };
 bool oversubscribed(const Header& h);
 
+// Engine overhead per added device: (t_N - t_1) / N in microseconds, from the medians of the
+// run and of its mode's 1-device run; nullopt without a baseline or for N = 1.
+std::optional<double> overhead_us_per_device(const std::vector<RunResult>& runs,
+                                             const RunResult& r);
+
+// The compute a projection starts from: measured GPU runs, or the runs of a GPU results file
+// (--project-from). CPU compute beside NVLink figures would read like a GPU prediction, so
+// then there is none, and `why_not` says so.
+struct ProjectionInput {
+  std::vector<RunResult> runs;  // empty: no projection
+  std::string source;           // "measured on <gpu>" or "<file> (<gpu>)"
+  std::string why_not;
+};
+// requires project_from empty or a dp_bench JSON file (throws naming the file otherwise).
+ProjectionInput projection_input(const Header& h, const std::vector<RunResult>& runs,
+                                 const std::string& project_from);
+
 void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>& runs);
 // Optimizer state per device or rank, beside the ZeRO paper's model of memory per rank in
 // f32: parameters 4P + gradients 4P + optimizer state K P (K = 4 bytes for SGD's momentum, 8
 // for AdamW's two moments), the last divided by N under ZeRO-1.
 void print_memory_model(std::ostream& os, const std::vector<RunResult>& runs);
-void print_projection(std::ostream& os, const std::vector<RunResult>& runs);
-nlohmann::json to_json(const Header& h, const std::vector<RunResult>& runs);
+void print_projection(std::ostream& os, const ProjectionInput& in);
+nlohmann::json to_json(const Header& h, const std::vector<RunResult>& runs,
+                       const ProjectionInput& projection);
 nlohmann::json run_to_json(const RunResult& r);
 RunResult run_from_json(const nlohmann::json& j);
 // CSV of a sweep: mode,gpus,step_ms_median,step_ms_p90,samples_per_s,speedup,efficiency,...

@@ -67,26 +67,44 @@ DataParallel::DataParallel(nn::ModulePtr module, nn::Optimizer& optimizer,
   replicas_.resize(n);
   per_device_.resize(n);
   replicas_[0] = std::move(module);
+  plan_ = make_bucket_plan(*replicas_[0], options_.first_bucket_bytes, options_.bucket_cap_bytes);
   // Replicas are built once, each on its own worker, so their memory is counted there.
   pool_.run("dp/clone", [&](int i) {
     if (i > 0) replicas_[i] = replicas_[0]->clone_to(devices_[i]);
   });
+  for (int i = 0; i < n; ++i) {
+    PerDevice& pd = per_device_[i];
+    pd.own_count.assign(plan_.buckets.size(), 0);
+    pd.bucket_done.resize(plan_.buckets.size());
+    replicas_[i]->flat().on_grad_ready = [this, i](const nn::Parameter& p) { on_grad_ready(i, p); };
+  }
   pool_.run("dp/staging", [&](int i) {
     if (i != 0 || n == 1) return;
-    staging_grads_ =
-        Tensor::empty({replicas_[0]->flat_grads().numel()}, kernels::DType::f32, devices_[0]);
     staging_buffers_ =
         Tensor::empty({replicas_[0]->flat_buffers().numel()}, kernels::DType::f32, devices_[0]);
+    // The optimizer step runs while the other workers are idle: on a CPU device 0 it gets
+    // every core, not device 0's share of them.
+    int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    if (devices_[0].is_cpu() && pool_.context(0).cpu_threads() < hw) {
+      kernels::ContextOptions wide;
+      wide.cpu_threads = hw;
+      wide.math = options_.math;
+      wide_context_ = std::make_unique<kernels::DeviceContext>(devices_[0], wide);
+    }
   });
 }
 
 DataParallel::~DataParallel() {
-  // Replicas and staging die on their own workers (device memory freed by its owner).
+  // Replicas, staging and events die on their own workers (device memory freed by its owner).
   try {
+    if (replicas_[0] && replicas_[0]->materialized()) replicas_[0]->flat().on_grad_ready = nullptr;
     pool_.run("dp/teardown", [&](int i) {
       per_device_[i] = PerDevice{};
       if (i > 0) replicas_[i].reset();
-      if (i == 0) staging_grads_ = staging_buffers_ = Tensor();
+      if (i == 0) {
+        staging_buffers_ = Tensor();
+        wide_context_.reset();
+      }
       pool_.context(i).synchronize();
     });
   } catch (const std::exception& e) {
@@ -105,22 +123,23 @@ int DataParallel::devices_for(int64_t batch) {
   return static_cast<int>(batch);
 }
 
-void DataParallel::scatter(const Tensor& images, const Tensor& labels,
-                           const std::vector<int64_t>& sizes) {
-  kernels::NvtxRange range("dp/scatter");
-  pool_.run(
-      "dp/scatter",
-      [&](int i) {
-        int64_t begin = chunk_begin(sizes, i);
-        Tensor x = images.slice(begin, begin + sizes[i]);
-        Tensor y = labels.slice(begin, begin + sizes[i]);
-        PerDevice& pd = per_device_[i];
-        // Chunk buffers persist between steps; they are remade only when the shape changes.
-        kernels::copy(kernels::ensure(pd.input, x.shape(), x.dtype(), devices_[i]), x);
-        kernels::copy(kernels::ensure(pd.labels, y.shape(), y.dtype(), devices_[i]), y);
-        pool_.context(i).synchronize();  // the caller may reuse the host batch after the step
-      },
-      static_cast<int>(sizes.size()));
+void DataParallel::scatter_chunk(int i, const Tensor& images, const Tensor& labels,
+                                 const std::vector<int64_t>& sizes) {
+  int64_t begin = chunk_begin(sizes, i);
+  Tensor x = images.slice(begin, begin + sizes[i]);
+  Tensor y = labels.slice(begin, begin + sizes[i]);
+  PerDevice& pd = per_device_[i];
+  // Chunk buffers persist between steps; they are remade only when the shape changes.
+  kernels::copy(kernels::ensure(pd.input, x.shape(), x.dtype(), devices_[i]), x);
+  kernels::copy(kernels::ensure(pd.labels, y.shape(), y.dtype(), devices_[i]), y);
+}
+
+void DataParallel::replicate(int i) {
+  // One copy per buffer: device 0's parameters (final since the last step, whose job ended
+  // with device 0's stream drained) to replica i, on replica i's stream.
+  kernels::copy(replicas_[i]->flat_params(), replicas_[0]->flat_params());
+  if (replicas_[i]->flat_buffers().numel() > 0)
+    kernels::copy(replicas_[i]->flat_buffers(), replicas_[0]->flat_buffers());
 }
 
 void DataParallel::broadcast_params(int n_used) {
@@ -130,35 +149,149 @@ void DataParallel::broadcast_params(int n_used) {
       "dp/replicate",
       [&](int i) {
         if (i == 0) return;
-        // One copy per buffer: device 0's parameters (final since the last step) to replica i.
-        kernels::copy(replicas_[i]->flat_params(), replicas_[0]->flat_params());
-        if (replicas_[i]->flat_buffers().numel() > 0)
-          kernels::copy(replicas_[i]->flat_buffers(), replicas_[0]->flat_buffers());
+        replicate(i);
         pool_.context(i).synchronize();
       },
       n_used);
 }
 
-void DataParallel::weighted_sum_to_root(Tensor& (nn::Module::*buffer)(), Tensor& staging,
-                                        const std::vector<int64_t>& sizes) {
+template <class Pred>
+void DataParallel::wait_for(Pred pred) {
+  std::unique_lock<std::mutex> lock(signal_mutex_);
+  signal_cv_.wait(lock, [&] { return signals_.abort || pred(); });
+  if (!pred()) throw Abandoned{};
+}
+
+void DataParallel::publish(int i, int complete_buckets) {
+  {
+    std::lock_guard<std::mutex> lock(signal_mutex_);
+    signals_.complete[i] = complete_buckets;
+  }
+  signal_cv_.notify_all();
+}
+
+void DataParallel::begin_step(const std::vector<int64_t>& sizes) {
+  const int n = static_cast<int>(sizes.size());
   int64_t total = 0;
   for (int64_t s : sizes) total += s;
-  DP_CHECK(total > 0, "weighted_sum_to_root: empty batch");
+  shares_.assign(n, 0.f);
+  for (int i = 0; i < n; ++i) shares_[i] = chunk_share(sizes[i], total);
+  // Who pulls from whom, in order. Star: 0 <- 1, 2, ..., n-1. Tree: in round s = 1, 2, 4, ...
+  // device i (a multiple of 2s) pulls from i + s: 0 <- 1, 2 <- 3, then 0 <- 2.
+  sources_.assign(n, {});
+  if (options_.reduce == ReduceTopology::star) {
+    for (int r = 1; r < n; ++r) sources_[0].push_back(r);
+  } else {
+    for (int s = 1; s < n; s *= 2)
+      for (int i = 0; i + s < n; i += 2 * s) sources_[i].push_back(i + s);
+  }
+  signals_.complete.assign(n_devices(), 0);
+  signals_.replicated.assign(n_devices(), 0);
+  signals_.done.assign(n_devices(), 0);
+  signals_.abort = false;
+  for (int i = 0; i < n; ++i) {
+    PerDevice& pd = per_device_[i];
+    std::fill(pd.own_count.begin(), pd.own_count.end(), 0);
+    pd.own_ready = 0;
+    pd.next_bucket = 0;
+    pd.next_source = -1;
+    pd.n_pulls = 0;
+  }
+}
+
+void DataParallel::run_step(const char* phase, int n, const std::function<void(int)>& job) {
   pool_.run(
-      "dp/reduce",
+      phase,
       [&](int i) {
-        if (i != 0) return;
-        Tensor& root = (replicas_[0].get()->*buffer)();
-        // Each replica holds its chunk's MEAN (gradient or statistic); weighting chunk i by
-        // B_i / B turns the sum into the global batch's mean.
-        kernels::scale(root, root, chunk_share(sizes[0], total));
-        for (size_t r = 1; r < sizes.size(); ++r) {
-          kernels::copy(staging, (replicas_[r].get()->*buffer)());
-          kernels::axpy(root, chunk_share(sizes[r], total), staging);
+        try {
+          job(i);
+        } catch (const Abandoned&) {
+          // Another worker failed and ended the step: its error is the one reported.
+        } catch (...) {
+          per_device_[i].in_step = false;
+          {
+            std::lock_guard<std::mutex> lock(signal_mutex_);
+            signals_.abort = true;
+          }
+          signal_cv_.notify_all();
+          throw;
         }
-        pool_.context(0).synchronize();
       },
-      1);
+      n);
+}
+
+void DataParallel::on_grad_ready(int i, const nn::Parameter& p) {
+  PerDevice& pd = per_device_[i];
+  if (!pd.in_step || p.numel() == 0) return;
+  const auto& buckets = plan_.buckets;
+  const int n_buckets = static_cast<int>(buckets.size());
+  for (int k = 0; k < n_buckets; ++k)
+    if (p.offset >= buckets[k].offset && p.offset < buckets[k].offset + buckets[k].numel) {
+      ++pd.own_count[k];
+      break;
+    }
+  while (pd.own_ready < n_buckets && pd.own_count[pd.own_ready] >= buckets[pd.own_ready].n_params)
+    ++pd.own_ready;
+  advance_reduction(i, false);
+}
+
+void DataParallel::advance_reduction(int i, bool blocking) {
+  PerDevice& pd = per_device_[i];
+  kernels::DeviceContext& ctx = pool_.context(i);
+  const std::vector<int>& sources = sources_[i];
+  // Once every other device has finished its part of the step, device 0's remaining pulls
+  // have the whole CPU to themselves: they run with all the cores.
+  std::unique_ptr<kernels::ContextScope> wide;
+  auto others_done = [&] {
+    for (int r = 1; r < static_cast<int>(sources_.size()); ++r)
+      if (!signals_.done[r]) return false;
+    return true;
+  };
+  while (pd.next_bucket < pd.own_ready) {
+    const int k = pd.next_bucket;
+    const Bucket& b = plan_.buckets[k];
+    if (!sources.empty()) {
+      Tensor mine = replicas_[i]->flat_grads().view(b.offset, {b.numel});
+      if (pd.next_source < 0) {
+        // Each chunk's mean gradient is weighted by its share B_i / B; the sum of the
+        // weighted gradients is the global batch's mean gradient.
+        kernels::scale(mine, mine, shares_[i]);
+        pd.next_source = 0;
+      }
+      while (pd.next_source < static_cast<int>(sources.size())) {
+        const int s = sources[pd.next_source];
+        if (blocking) {
+          wait_for([&] { return signals_.complete[s] > k; });
+          if (i == 0 && wide_context_ && !wide) {
+            std::lock_guard<std::mutex> lock(signal_mutex_);
+            if (others_done()) wide = std::make_unique<kernels::ContextScope>(*wide_context_);
+          }
+        } else {
+          std::lock_guard<std::mutex> lock(signal_mutex_);
+          if (signals_.complete[s] <= k) return;  // not there yet: backward goes on
+        }
+        per_device_[s].bucket_done[k].wait(ctx);  // s's bucket k is summed on s's stream
+        if (pd.n_pulls == static_cast<int>(pd.pulls.size())) pd.pulls.emplace_back();
+        Pull& pull = pd.pulls[pd.n_pulls++];
+        pull.bucket = k;
+        pull.source = s;
+        pull.begin.record(ctx);
+        Tensor staged = pd.staging.view(b.offset, {b.numel});
+        kernels::copy(staged, replicas_[s]->flat_grads().view(b.offset, {b.numel}));
+        // A leaf holds its chunk's plain mean: weight it here. An inner device of the tree
+        // has weighted its own part and summed its sources: weight 1.
+        kernels::axpy(mine, sources_[s].empty() ? shares_[s] : 1.f, staged);
+        pull.end.record(ctx);
+        ++pd.next_source;
+      }
+    }
+    ++pd.next_bucket;
+    pd.next_source = -1;
+    if (i != 0) {
+      pd.bucket_done[k].record(ctx);
+      publish(i, pd.next_bucket);
+    }
+  }
 }
 
 void DataParallel::reduce_grads_to_root(const std::vector<int64_t>& sizes) {
@@ -166,13 +299,37 @@ void DataParallel::reduce_grads_to_root(const std::vector<int64_t>& sizes) {
       !sizes.empty() && static_cast<int>(sizes.size()) <= n_devices(),
       "reduce_grads_to_root: " << sizes.size() << " chunk sizes for " << n_devices() << " devices");
   kernels::NvtxRange range("dp/reduce");
-  weighted_sum_to_root(&nn::Module::flat_grads, staging_grads_, sizes);
+  begin_step(sizes);
+  run_step("dp/reduce", static_cast<int>(sizes.size()), [&](int i) {
+    PerDevice& pd = per_device_[i];
+    if (!sources_[i].empty())
+      kernels::ensure(pd.staging, {replicas_[i]->flat_grads().numel()}, kernels::DType::f32,
+                      devices_[i]);
+    pd.own_ready = static_cast<int>(plan_.buckets.size());  // every gradient is final
+    advance_reduction(i, true);
+    pool_.context(i).synchronize();  // the caller reads the result next
+  });
 }
 
-void DataParallel::average_buffers_to_root(const std::vector<int64_t>& sizes) {
-  if (sizes.size() < 2 || replicas_[0]->flat_buffers().numel() == 0) return;
-  if (options_.buffer_sync == BufferSync::root_only) return;
-  weighted_sum_to_root(&nn::Module::flat_buffers, staging_buffers_, sizes);
+void DataParallel::average_buffers_on_root(const std::vector<int64_t>& sizes) {
+  Tensor& root = replicas_[0]->flat_buffers();
+  if (options_.buffer_sync == BufferSync::root_only || root.numel() == 0) return;
+  const int n = static_cast<int>(sizes.size());
+  kernels::DeviceContext& ctx = pool_.context(0);
+  // Each replica's statistics are final once its forward ran: wait for every device's end.
+  wait_for([&] {
+    for (int r = 1; r < n; ++r)
+      if (!signals_.done[r]) return false;
+    return true;
+  });
+  // Each replica holds its chunk's mean statistic; weighting chunk i by B_i / B gives the
+  // global batch's.
+  kernels::scale(root, root, shares_[0]);
+  for (int r = 1; r < n; ++r) {
+    per_device_[r].marks[kReduced].wait(ctx);
+    kernels::copy(staging_buffers_, replicas_[r]->flat_buffers());
+    kernels::axpy(root, shares_[r], staging_buffers_);
+  }
 }
 
 std::vector<int64_t> DataParallel::split_batch(const char* what, const Tensor& images,
@@ -207,9 +364,14 @@ void DataParallel::forward_and_loss(int i, nn::Mode mode) {
     dlogits = kernels::ensure(pd.dlogits, pd.output.shape(), kernels::DType::f32, devices_[i]);
   kernels::softmax_cross_entropy(pd.loss, dlogits, pd.output, pd.labels, Tensor(),
                                  options_.label_smoothing);
-  pd.correct = kernels::count_correct(pd.output, pd.labels);
-  pd.loss_value = pd.loss.item();  // waits for the device: ends the phase
   if (mode != nn::Mode::train) m.train();
+}
+
+void DataParallel::read_metrics(int i) {
+  PerDevice& pd = per_device_[i];
+  // Read back at the end of the worker's part, so the reads do not stall its launches.
+  pd.correct = kernels::count_correct(pd.output, pd.labels);
+  pd.loss_value = pd.loss.item();
 }
 
 void DataParallel::gather_metrics(const std::vector<int64_t>& sizes, StepStats& stats) {
@@ -219,74 +381,195 @@ void DataParallel::gather_metrics(const std::vector<int64_t>& sizes, StepStats& 
   }
 }
 
+void DataParallel::train_job(int i, const Tensor& images, const Tensor& labels,
+                             const std::vector<int64_t>& sizes) {
+  PerDevice& pd = per_device_[i];
+  kernels::DeviceContext& ctx = pool_.context(i);
+  nn::Module& m = *replicas_[i];
+  const int n = static_cast<int>(sizes.size());
+  const bool has_buffers = m.flat_buffers().numel() > 0;
+  pd.marks[kBegin].record(ctx);
+  {
+    kernels::NvtxRange range("dp/scatter");
+    scatter_chunk(i, images, labels, sizes);
+  }
+  pd.marks[kScattered].record(ctx);
+  if (i > 0) {
+    kernels::NvtxRange range("dp/replicate");
+    replicate(i);
+  }
+  pd.marks[kReplicated].record(ctx);
+  if (i > 0 && has_buffers) {
+    {
+      std::lock_guard<std::mutex> lock(signal_mutex_);
+      signals_.replicated[i] = 1;
+    }
+    signal_cv_.notify_all();
+  }
+  if (i == 0 && has_buffers && n > 1) {
+    // Device 0's forward updates its running statistics in place: every replica takes its
+    // copy of them first (the one dependency before forward, and only for models with buffers).
+    wait_for([&] {
+      for (int r = 1; r < n; ++r)
+        if (!signals_.replicated[r]) return false;
+      return true;
+    });
+    for (int r = 1; r < n; ++r) per_device_[r].marks[kReplicated].wait(ctx);
+  }
+  {
+    kernels::NvtxRange range("dp/forward");
+    forward_and_loss(i, nn::Mode::train);
+  }
+  pd.marks[kForwarded].record(ctx);
+  if (!sources_[i].empty())
+    kernels::ensure(pd.staging, {m.flat_grads().numel()}, kernels::DType::f32, devices_[i]);
+  {
+    kernels::NvtxRange range("dp/backward");
+    pd.in_step = true;  // from here the hooks hand buckets on as they become ready
+    m.backward(pd.dlogits);
+    pd.in_step = false;
+  }
+  pd.marks[kBackwarded].record(ctx);
+  {
+    kernels::NvtxRange range("dp/reduce");
+    pd.own_ready = static_cast<int>(plan_.buckets.size());  // also buckets of unused layers
+    advance_reduction(i, true);
+    if (i == 0 && n > 1) average_buffers_on_root(sizes);
+  }
+  pd.marks[kReduced].record(ctx);
+  if (i > 0) {
+    {
+      std::lock_guard<std::mutex> lock(signal_mutex_);
+      signals_.done[i] = 1;
+    }
+    signal_cv_.notify_all();
+  } else {
+    kernels::NvtxRange range("dp/step");
+    std::unique_ptr<kernels::ContextScope> wide;
+    if (wide_context_) wide = std::make_unique<kernels::ContextScope>(*wide_context_);
+    optimizer_.step();
+    wide.reset();
+    pd.marks[kStepped].record(ctx);
+  }
+  read_metrics(i);
+  // The one host wait of the step: the caller may reuse the host batch, and read device 0's
+  // module from its own stream, once train_step returns.
+  ctx.synchronize();
+}
+
+void DataParallel::eval_job(int i, const Tensor& images, const Tensor& labels,
+                            const std::vector<int64_t>& sizes) {
+  scatter_chunk(i, images, labels, sizes);
+  if (i > 0) replicate(i);  // eval reads device 0's buffers but does not change them
+  forward_and_loss(i, nn::Mode::eval);
+  read_metrics(i);
+  pool_.context(i).synchronize();
+}
+
 StepStats DataParallel::train_step(const Tensor& images, const Tensor& labels) {
   StepStats stats;
   std::vector<int64_t> sizes = split_batch("train_step", images, labels, stats);
   const int n_used = stats.devices_used;
   auto t_step = Clock::now();
-
-  auto t0 = Clock::now();
-  scatter(images, labels, sizes);
-  stats.ms.scatter = ms_since(t0);
-
-  t0 = Clock::now();
-  broadcast_params(n_used);
-  stats.ms.replicate = ms_since(t0);
-
-  t0 = Clock::now();
-  {
-    kernels::NvtxRange range("dp/forward");
-    pool_.run(
-        "dp/forward", [&](int i) { forward_and_loss(i, nn::Mode::train); }, n_used);
-  }
-  stats.ms.forward = ms_since(t0);
-
-  t0 = Clock::now();
-  {
-    kernels::NvtxRange range("dp/backward");
-    pool_.run(
-        "dp/backward",
-        [&](int i) {
-          replicas_[i]->backward(per_device_[i].dlogits);
-          pool_.context(i).synchronize();
-        },
-        n_used);
-  }
-  stats.ms.backward = ms_since(t0);
-
-  t0 = Clock::now();
-  if (n_used > 1) reduce_grads_to_root(sizes);
-  average_buffers_to_root(sizes);
-  stats.ms.reduce = ms_since(t0);
-
-  t0 = Clock::now();
-  {
-    kernels::NvtxRange range("dp/step");
-    pool_.run(
-        "dp/step",
-        [&](int i) {
-          optimizer_.step();
-          pool_.context(i).synchronize();
-        },
-        1);
-  }
-  stats.ms.step = ms_since(t0);
+  begin_step(sizes);
+  run_step("dp/train_step", n_used, [&](int i) { train_job(i, images, labels, sizes); });
+  stats.ms.total = ms_since(t_step);
 
   gather_metrics(sizes, stats);
+  collect_step(n_used, stats);
   int64_t p = parameter_bytes(), b = replicas_[0]->flat_buffers().nbytes();
   stats.bytes_moved = (n_used - 1) * (2 * p + b);  // params out, grads in, buffers out
   if (options_.buffer_sync == BufferSync::average) stats.bytes_moved += (n_used - 1) * b;
-  stats.ms.total = ms_since(t_step);
+  stats.link_bytes = link_bytes(n_used);
+  ++step_index_;
   return stats;
+}
+
+void DataParallel::collect_step(int n, StepStats& stats) {
+  using kernels::Event;
+  auto between = [&](int i, Mark a, Mark b) {
+    return Event::elapsed_ms(per_device_[i].marks[a], per_device_[i].marks[b]);
+  };
+  // A device's event as a host time point: its step's first mark plus the device time since.
+  auto at = [&](int i, const Event& e) {
+    const Event& begin = per_device_[i].marks[kBegin];
+    return begin.host_time() +
+           std::chrono::duration_cast<Clock::duration>(
+               std::chrono::duration<double, std::milli>(Event::elapsed_ms(begin, e)));
+  };
+  PhaseTimes& t = stats.ms;
+  Clock::time_point last_backward_end{};
+  for (int i = 0; i < n; ++i) {
+    const PerDevice& pd = per_device_[i];
+    t.scatter = std::max(t.scatter, between(i, kBegin, kScattered));
+    t.replicate = std::max(t.replicate, between(i, kScattered, kReplicated));
+    t.forward = std::max(t.forward, between(i, kReplicated, kForwarded));
+    // Pulls done inside backward (from the hooks) are reduction, not backward.
+    double pulled = 0;
+    for (int j = 0; j < pd.n_pulls; ++j)
+      if (Event::elapsed_ms(pd.pulls[j].begin, pd.marks[kBackwarded]) > 0)
+        pulled += Event::elapsed_ms(pd.pulls[j].begin, pd.pulls[j].end);
+    t.backward = std::max(t.backward, between(i, kForwarded, kBackwarded) - pulled);
+    if (i == 0) t.reduce_in_backward = pulled;
+    last_backward_end = std::max(last_backward_end, at(i, pd.marks[kBackwarded]));
+  }
+  t.reduce = between(0, kBackwarded, kReduced);
+  t.step = between(0, kReduced, kStepped);
+
+  const int n_buckets = static_cast<int>(plan_.buckets.size());
+  stats.buckets = n > 1 ? n_buckets : 0;
+  std::vector<Clock::time_point> first_pull(n_buckets, Clock::time_point::max());
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < per_device_[i].n_pulls; ++j) {
+      const Pull& pull = per_device_[i].pulls[j];
+      first_pull[pull.bucket] = std::min(first_pull[pull.bucket], at(i, pull.begin));
+    }
+  for (int k = 0; k < stats.buckets; ++k)
+    stats.buckets_overlapped += first_pull[k] < last_backward_end;
+
+  if (!trace_) return;
+  auto slice = [&](const std::string& name, int i, const Event& a, const Event& b) {
+    double begin = trace_->to_us(at(i, a));
+    trace_->add({name, i, begin, trace_->to_us(at(i, b)) - begin, step_index_});
+  };
+  for (int i = 0; i < n; ++i) {
+    const PerDevice& pd = per_device_[i];
+    slice("dp/scatter", i, pd.marks[kBegin], pd.marks[kScattered]);
+    if (i > 0) slice("dp/replicate", i, pd.marks[kScattered], pd.marks[kReplicated]);
+    slice("dp/forward", i, pd.marks[kReplicated], pd.marks[kForwarded]);
+    slice("dp/backward", i, pd.marks[kForwarded], pd.marks[kBackwarded]);
+    if (!sources_[i].empty()) slice("dp/reduce", i, pd.marks[kBackwarded], pd.marks[kReduced]);
+    for (int j = 0; j < pd.n_pulls; ++j)
+      slice("dp/reduce[bucket " + std::to_string(pd.pulls[j].bucket) + " from " +
+                std::to_string(pd.pulls[j].source) + "]",
+            i, pd.pulls[j].begin, pd.pulls[j].end);
+    if (i == 0) slice("dp/step", i, pd.marks[kReduced], pd.marks[kStepped]);
+  }
+}
+
+std::vector<int64_t> DataParallel::link_bytes(int n) const {
+  std::vector<int64_t> out(n, 0);
+  nn::Module& root = *replicas_[0];
+  const int64_t p = root.flat_params().nbytes(), g = root.flat_grads().nbytes(),
+                b = root.flat_buffers().nbytes();
+  const bool average = options_.buffer_sync == BufferSync::average && b > 0;
+  for (int r = 1; r < n; ++r) {  // replicate: device 0 sends its parameters and buffers
+    out[0] += p + b + (average ? b : 0);
+    out[r] += p + b + (average ? b : 0);
+  }
+  for (int i = 0; i < n; ++i)
+    for (int s : sources_[i]) {  // each pull moves one gradient from s to i
+      out[i] += g;
+      out[s] += g;
+    }
+  return out;
 }
 
 StepStats DataParallel::evaluate(const Tensor& images, const Tensor& labels) {
   StepStats stats;
   std::vector<int64_t> sizes = split_batch("evaluate", images, labels, stats);
-  scatter(images, labels, sizes);
-  broadcast_params(stats.devices_used);
-  pool_.run(
-      "dp/evaluate", [&](int i) { forward_and_loss(i, nn::Mode::eval); }, stats.devices_used);
+  begin_step(sizes);
+  run_step("dp/evaluate", stats.devices_used, [&](int i) { eval_job(i, images, labels, sizes); });
   gather_metrics(sizes, stats);
   return stats;
 }

@@ -1,32 +1,45 @@
 // dp::DataParallel: one process, one persistent worker thread per device (PyTorch's
 // nn.DataParallel, without re-cloning replicas every step).
 //
-// One train_step, each phase an NVTX range and a timed phase of the returned stats:
-//   dp/scatter    split the host batch along dim 0 (uneven chunks allowed), H2D per worker
-//   dp/replicate  copy device 0's flat parameters (and buffers) into every replica: one copy
-//                 each. This is steps 2 and 6 of the design, done once per step before forward,
-//                 so weights the caller changes between steps (a loaded checkpoint) take effect.
-//   dp/forward    forward + fused softmax cross-entropy on every device at once
-//   dp/backward   backward on every device at once (gradients of each chunk's mean loss)
-//   dp/reduce     device 0 pulls each replica's flat gradient and sums it in, weighted by the
-//                 chunk's share of the batch: the result equals the single-device gradient of
-//                 the same global batch, also for uneven chunks. BatchNorm running statistics
-//                 are averaged into device 0 the same way (or left as device 0's, PyTorch's
-//                 behaviour, with BufferSync::root_only).
-//   dp/step       one optimizer step on device 0's flat buffers
+// One train_step is ONE hand-off per worker: the caller posts the step, every worker runs its
+// part end to end, and the caller waits for them. No barrier separates the phases. Worker i:
+//   dp/scatter    copies its chunk of the host batch (uneven chunks allowed) to its device
+//   dp/replicate  (i > 0) copies device 0's flat parameters and buffers into its replica: one
+//                 copy each, before forward, so weights the caller changes between steps (a
+//                 loaded checkpoint) take effect
+//   dp/forward    forward + fused softmax cross-entropy of its chunk
+//   dp/backward   backward. The gradient buckets (dp/bucket_plan.hpp: reverse layer order,
+//                 1 MiB first, 25 MiB cap) become ready one by one, reported by the module's
+//                 on_grad_ready hooks; each is handed to the device that reduces it.
+//   dp/reduce     a device with sources pulls each source's bucket as it becomes ready and sums
+//                 it in, weighted by the chunk's share of the batch, while backward goes on
+//                 elsewhere: star (device 0 pulls from 1..N-1) or tree (pairwise, log2 N
+//                 rounds: 1->0, 3->2, then 2->0, ...). The result equals the single-device
+//                 gradient of the same global batch, also for uneven chunks. BatchNorm running
+//                 statistics are averaged into device 0 the same way (or left as device 0's,
+//                 PyTorch's behaviour, with BufferSync::root_only).
+//   dp/step       (device 0) one optimizer step on its flat buffers; on a CPU device with all
+//                 the cores, since the other workers are idle by then
+// Order between devices comes from kernels::Event (CUDA: events between streams, no host
+// sync); phase times come from the events each worker records, not from barriers.
 //
 // Replicas run BatchNorm on their own chunk ("ghost" batch statistics), as PyTorch DP does; a
 // BatchNorm model therefore matches one device that runs the same chunks one after another and
 // accumulates their weighted gradients, not one that normalises the whole batch at once.
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
+#include "dp/bucket_plan.hpp"
 #include "dp/chunks.hpp"
 #include "dp/worker_pool.hpp"
+#include "kernels/runtime/event.hpp"
 #include "nn/module.hpp"
 #include "nn/optim.hpp"
 
@@ -38,17 +51,28 @@ using kernels::Tensor;
 // What happens to non-parameter buffers (BatchNorm running stats) after a step.
 enum class BufferSync { average, root_only };
 
+// How replica gradients reach device 0: every replica to device 0 (star), or pairwise in
+// ceil(log2 N) rounds (tree), where device 2 sums 3's bucket before passing the pair on.
+enum class ReduceTopology { star, tree };
+
 struct DataParallelOptions {
   BufferSync buffer_sync = BufferSync::average;
   float label_smoothing = 0.f;
   kernels::MathMode math = kernels::MathMode::strict;
   int cpu_threads_per_device = 0;  // 0: the hardware threads split evenly among CPU devices
+  ReduceTopology reduce = ReduceTopology::star;
+  int64_t first_bucket_bytes = 1ll << 20;  // the bucket plan shared with DDP
+  int64_t bucket_cap_bytes = 25ll << 20;
 };
 
-// Milliseconds of each phase of one step, measured on the host around phases that end with
-// their devices' work finished (each worker waits for its stream at the end of a phase).
+// Milliseconds of each phase of one step, from the events each worker records (device time on
+// a GPU). Per-device phases give the slowest device's; reduce and step are device 0's.
 struct PhaseTimes {
-  double scatter = 0, replicate = 0, forward = 0, backward = 0, reduce = 0, step = 0, total = 0;
+  double scatter = 0, replicate = 0, forward = 0, backward = 0;
+  double reduce = 0;              // on device 0 after its own backward: the reduction not hidden
+  double reduce_in_backward = 0;  // on device 0 while its own backward ran (hidden)
+  double step = 0;
+  double total = 0;  // host wall time of train_step
 };
 
 struct StepStats {
@@ -57,13 +81,17 @@ struct StepStats {
   int64_t samples = 0;   // global batch size
   int devices_used = 0;  // fewer than n_devices() when the batch is smaller than the count
   PhaseTimes ms;
-  int64_t bytes_moved = 0;  // parameter and gradient bytes copied between devices this step
+  int64_t bytes_moved = 0;          // parameter and gradient bytes copied between devices this step
+  std::vector<int64_t> link_bytes;  // per device used: bytes in + out of it this step
+  int buckets = 0;                  // gradient buckets reduced (0 on one device)
+  int buckets_overlapped = 0;       // of which the first pull began before the last backward ended
 };
 
 class DataParallel {
  public:
   // requires module materialised on devices[0], optimizer built on that module's flat buffers,
-  // devices non-empty and distinct. Builds the replicas once (clone_to) on their workers.
+  // devices non-empty and distinct. Builds the replicas once (clone_to) on their workers, and
+  // owns the module's on_grad_ready hook until destroyed (the reduction starts from it).
   DataParallel(nn::ModulePtr module, nn::Optimizer& optimizer, std::vector<Device> devices,
                DataParallelOptions options = {});
   ~DataParallel();
@@ -83,9 +111,13 @@ class DataParallel {
   // Copies device 0's flat parameters and buffers into replicas 1..n-1 (all when n < 0): the
   // replicate phase of a step, one copy per replica. Public for benchmarks and tests.
   void broadcast_params(int n = -1);
-  // Device 0's gradient := sum_i (chunk_sizes[i] / sum) * replica i's gradient. The one place
-  // where DP averaging is defined. Public so that tests can drive it directly.
+  // Device 0's gradient := sum_i (chunk_sizes[i] / sum) * replica i's gradient, bucket by
+  // bucket over the configured topology: the same code train_step runs, here with every
+  // gradient final from the start. Public so that tests can drive it directly. Under the tree,
+  // inner devices' gradients hold their partial sums afterwards; under the star, replicas are
+  // untouched.
   void reduce_grads_to_root(const std::vector<int64_t>& chunk_sizes);
+  const std::vector<Bucket>& buckets() const { return plan_.buckets; }
   // Balanced split of a batch of `batch` rows over `n` devices (dp/chunks.hpp).
   static std::vector<int64_t> chunk_sizes(int64_t batch, int n) {
     return dp::chunk_sizes(batch, n);
@@ -94,39 +126,104 @@ class DataParallel {
   // Peak bytes allocated per device: through each worker's context, plus, on device 0, the
   // module's flat state (made before the workers started).
   std::vector<int64_t> peak_memory_bytes();
-  // Records every phase of every worker into `trace` (null: off). Set between steps.
-  void set_trace(Trace* trace) { pool_.set_trace(trace); }
+  // Records every phase of every worker into `trace` (null: off), each slice tagged with its
+  // step. Set between steps.
+  void set_trace(Trace* trace) { trace_ = trace; }
   // Bytes of one flat parameter copy (P * 4).
   int64_t parameter_bytes() { return replicas_[0]->flat_params().nbytes(); }
 
  private:
+  // The points each worker marks in a step, in order.
+  enum Mark {
+    kBegin,
+    kScattered,
+    kReplicated,
+    kForwarded,
+    kBackwarded,
+    kReduced,
+    kStepped,
+    kMarks
+  };
+  // One pull of one bucket from a source into a receiving device.
+  struct Pull {
+    int bucket = 0, source = 0;
+    kernels::Event begin, end;
+  };
+  struct PerDevice {
+    Tensor input, labels;  // this step's chunk on the device
+    Tensor output, loss, dlogits;
+    float loss_value = 0;
+    int64_t correct = 0;
+    Tensor staging;  // receivers: one source's gradient, bucket k at its own offset
+    // Touched by this device's worker only, during a step:
+    std::vector<int> own_count;  // per bucket: parameters whose gradient is final
+    int own_ready = 0;           // leading buckets whose own gradient is final
+    int next_bucket = 0;         // the reducer's position: bucket, and source within it
+    int next_source = 0;
+    bool in_step = false;
+    std::vector<kernels::Event> bucket_done;  // bucket k summed here (own + sources)
+    kernels::Event marks[kMarks];
+    std::vector<Pull> pulls;
+    int n_pulls = 0;
+  };
+  // Progress that devices publish to each other, under signal_mutex_.
+  struct Signals {
+    std::vector<int> complete;     // per device: leading buckets published
+    std::vector<char> replicated;  // per device: its copy of device 0's state is taken
+    std::vector<char> done;        // per device: forward, backward and its reductions queued
+    bool abort = false;            // a worker failed: the others stop waiting
+  };
+  struct Abandoned {};  // thrown inside a worker whose step another worker's failure ended
+
+  void train_job(int i, const Tensor& images, const Tensor& labels,
+                 const std::vector<int64_t>& sizes);
+  void eval_job(int i, const Tensor& images, const Tensor& labels,
+                const std::vector<int64_t>& sizes);
+  // Runs `job` on the first n workers; a failure aborts the step for the others.
+  void run_step(const char* phase, int n, const std::function<void(int)>& job);
+  void begin_step(const std::vector<int64_t>& sizes);
   // Copies chunk i of (images, labels) to worker i's device.
-  void scatter(const Tensor& images, const Tensor& labels, const std::vector<int64_t>& sizes);
-  void average_buffers_to_root(const std::vector<int64_t>& chunk_sizes);
-  // root's (buffer)() := sum_i share_i * replica i's, pulled through `staging` on device 0.
-  void weighted_sum_to_root(Tensor& (nn::Module::*buffer)(), Tensor& staging,
-                            const std::vector<int64_t>& chunk_sizes);
+  void scatter_chunk(int i, const Tensor& images, const Tensor& labels,
+                     const std::vector<int64_t>& sizes);
+  void replicate(int i);
+  void on_grad_ready(int i, const nn::Parameter& p);
+  // Reduces what can be reduced on device i, in bucket order and source order (the sum order
+  // is fixed, so runs are reproducible). blocking: waits until every bucket is published.
+  void advance_reduction(int i, bool blocking);
+  void publish(int i, int complete_buckets);
+  // Waits until pred() holds under signal_mutex_; throws Abandoned on abort.
+  template <class Pred>
+  void wait_for(Pred pred);
+  void average_buffers_on_root(const std::vector<int64_t>& sizes);
   int devices_for(int64_t batch);
   // Checks a host batch, fills stats.samples/devices_used and returns the chunk sizes.
   std::vector<int64_t> split_batch(const char* what, const Tensor& images, const Tensor& labels,
                                    StepStats& stats);
-  // On worker i: forward, fused softmax cross-entropy (with dlogits in train mode), metrics.
   void forward_and_loss(int i, nn::Mode mode);
-  void gather_metrics(const std::vector<int64_t>& chunk_sizes, StepStats& stats);
+  void read_metrics(int i);
+  void gather_metrics(const std::vector<int64_t>& sizes, StepStats& stats);
+  // After a step: phase times, overlap count and trace slices from the workers' events.
+  void collect_step(int n_used, StepStats& stats);
+  std::vector<int64_t> link_bytes(int n_used) const;
 
   std::vector<Device> devices_;
   DataParallelOptions options_;
   nn::Optimizer& optimizer_;
   WorkerPool pool_;
   std::vector<nn::ModulePtr> replicas_;  // [0] is the caller's module
-  struct PerDevice {
-    Tensor input, labels;  // this step's chunk on the device
-    Tensor output, loss, dlogits;
-    float loss_value = 0;
-    int64_t correct = 0;
-  };
   std::vector<PerDevice> per_device_;
-  Tensor staging_grads_, staging_buffers_;  // on device 0: one replica's gradient/buffers
+  BucketPlan plan_;
+  // The step's reduction: who pulls from whom (in order), and with which weight.
+  std::vector<std::vector<int>> sources_;
+  std::vector<float> shares_;
+  std::mutex signal_mutex_;
+  std::condition_variable signal_cv_;
+  Signals signals_;
+  // CPU device 0: a context with all the cores, for the optimizer step (null otherwise).
+  std::unique_ptr<kernels::DeviceContext> wide_context_;
+  Tensor staging_buffers_;  // on device 0: one replica's buffers
+  Trace* trace_ = nullptr;
+  int64_t step_index_ = 0;
   bool warned_small_batch_ = false;
 };
 

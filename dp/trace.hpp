@@ -15,6 +15,7 @@ struct TraceEvent {
   int track = 0;     // device index or rank
   double begin_us = 0;
   double duration_us = 0;
+  int64_t step = -1;  // the training step it belongs to (-1: not tagged)
 };
 
 class Trace {
@@ -22,8 +23,10 @@ class Trace {
   using Clock = std::chrono::steady_clock;
   explicit Trace(Clock::time_point origin = Clock::now()) : origin_(origin) {}
 
-  double now_us() const {
-    return std::chrono::duration<double, std::micro>(Clock::now() - origin_).count();
+  double now_us() const { return to_us(Clock::now()); }
+  // Microseconds from the trace's origin to t.
+  double to_us(Clock::time_point t) const {
+    return std::chrono::duration<double, std::micro>(t - origin_).count();
   }
   void add(TraceEvent e) {
     std::lock_guard<std::mutex> lock(mutex_);

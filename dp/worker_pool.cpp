@@ -30,7 +30,7 @@ void WorkerPool::shutdown() noexcept {
     if (stopping_) return;
     stopping_ = true;
   }
-  wake_.notify_all();
+  for (auto& w : workers_) w->wake.notify_all();
   for (auto& w : workers_)
     if (w->thread.joinable()) w->thread.join();
 }
@@ -51,7 +51,7 @@ void WorkerPool::loop(int index, kernels::ContextOptions options) {
     Trace* trace = nullptr;
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      wake_.wait(lock, [&] { return stopping_ || w.posted > w.done; });
+      w.wake.wait(lock, [&] { return stopping_ || w.posted > w.done; });
       if (w.posted == w.done) break;  // stopping with nothing left to run
       job = w.job;
       phase = w.phase;
@@ -89,7 +89,8 @@ void WorkerPool::run(const char* phase, const std::function<void(int)>& job, int
       ++workers_[i]->posted;
     }
   }
-  wake_.notify_all();
+  // Worker 0 first: in DP it has the longest part of the step (it reduces and steps).
+  for (int i = 0; i < n; ++i) workers_[i]->wake.notify_one();
   std::vector<std::exception_ptr> errors(n);
   {
     std::unique_lock<std::mutex> lock(mutex_);

@@ -48,13 +48,14 @@ class WorkerPool {
     const char* phase = "";
     uint64_t posted = 0, done = 0;
     std::exception_ptr error;
+    std::condition_variable wake;  // its own, so that run() wakes the workers in index order
   };
   void loop(int index, kernels::ContextOptions options);
   void shutdown() noexcept;  // stops and joins every worker (idempotent)
 
   std::vector<std::unique_ptr<Worker>> workers_;
   std::mutex mutex_;
-  std::condition_variable wake_, finished_;
+  std::condition_variable finished_;
   bool stopping_ = false;
   Trace* trace_ = nullptr;  // set between runs only
 };

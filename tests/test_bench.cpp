@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <set>
 #include <sstream>
 
@@ -110,6 +111,87 @@ TEST_CASE("bench.projection: compute scales from the fewest-device run") {
   CHECK(pcie8.step_s == doctest::Approx(0.010 + 0.002 + 14 * (10e-6 + 64e6 / 64e9)));
 }
 
+TEST_CASE("bench.projection: printed only from GPU compute, else one line saying why") {
+  bench::RunResult one;
+  one.mode = "dp";
+  one.gpus = 1;
+  one.param_bytes = 64'000'000;
+  one.phases_ms = {{"forward", 30}, {"backward", 50}, {"optimizer", 2}};
+  bench::Header cpu;
+  cpu.device = "cpu";
+  auto none = bench::projection_input(cpu, {one}, "");
+  CHECK(none.runs.empty());
+  std::ostringstream text;
+  bench::print_projection(text, none);
+  CHECK(text.str().find("left out") != std::string::npos);
+  CHECK(text.str().find("CPU devices") != std::string::npos);
+  CHECK(text.str().find("NVLink4 N=") == std::string::npos);
+  CHECK(bench::to_json(cpu, {one}, none)["projection"].empty());
+
+  bench::Header gpu = cpu;
+  gpu.device = "NVIDIA H100 80GB HBM3";
+  auto measured = bench::projection_input(gpu, {one}, "");
+  REQUIRE(measured.runs.size() == 1);
+  std::ostringstream gtext;
+  bench::print_projection(gtext, measured);
+  CHECK(gtext.str().find("NVLink4 N=4") != std::string::npos);
+  CHECK(bench::to_json(gpu, {one}, measured)["projection"].size() == 4);
+
+  // A CPU run projects from a GPU results file; a CPU results file is refused with a reason.
+  std::string file = temp_path("gpu.json");
+  {
+    std::ofstream f(file);
+    f << bench::to_json(gpu, {one}, measured).dump();
+  }
+  auto from_file = bench::projection_input(cpu, {}, file);
+  REQUIRE(from_file.runs.size() == 1);
+  CHECK(from_file.source.find("H100") != std::string::npos);
+  CHECK(bench::project(from_file.runs)[0].compute_s == doctest::Approx(0.080 / 4));
+  {
+    std::ofstream f(file);
+    f << bench::to_json(cpu, {one}, none).dump();
+  }
+  auto from_cpu = bench::projection_input(cpu, {}, file);
+  CHECK(from_cpu.runs.empty());
+  CHECK(from_cpu.why_not.find("CPU compute") != std::string::npos);
+  {
+    std::ofstream f(file);
+    f << "not json";
+  }
+  CHECK_THROWS_WITH_AS(bench::projection_input(cpu, {}, file), doctest::Contains("--project-from"),
+                       kernels::Error);
+  std::remove(file.c_str());
+}
+
+TEST_CASE("bench.overhead: (t_N - t_1) / N per mode, none without a baseline") {
+  bench::RunResult one, four, ddp4;
+  one.mode = four.mode = "dp";
+  ddp4.mode = "ddp";
+  one.gpus = 1;
+  four.gpus = ddp4.gpus = 4;
+  one.step_ms = {1.0, 1.0, 1.0};
+  four.step_ms = {1.2, 1.4, 1.2};
+  ddp4.step_ms = {2.0};
+  std::vector<bench::RunResult> runs{one, four, ddp4};
+  CHECK_FALSE(bench::overhead_us_per_device(runs, one).has_value());
+  REQUIRE(bench::overhead_us_per_device(runs, four).has_value());
+  CHECK(*bench::overhead_us_per_device(runs, four) == doctest::Approx(50.0));  // 200 us / 4
+  CHECK_FALSE(bench::overhead_us_per_device(runs, ddp4).has_value());
+  bench::Header h;
+  h.device = "cpu";
+  auto j = bench::to_json(h, runs, bench::projection_input(h, runs, ""));
+  CHECK(j["runs"][1]["overhead_us_per_device"].get<double>() == doctest::Approx(50.0));
+  CHECK_FALSE(j["runs"][0].contains("overhead_us_per_device"));
+}
+
+TEST_CASE("bench.ddp: a step's time is its slowest rank's") {
+  // Two ranks, three steps: rank 1 is slower on steps 0 and 2.
+  std::vector<float> all{1.0f, 2.0f, 1.0f, 1.5f, 1.0f, 3.0f};
+  CHECK(bench::slowest_per_step(all, 2, 3) == std::vector<double>{1.5, 2.0, 3.0});
+  CHECK(bench::slowest_per_step({}, 4, 0).empty());
+  CHECK_THROWS_AS(bench::slowest_per_step(all, 4, 3), kernels::Error);
+}
+
 TEST_CASE("bench.stats: percentiles and throughput") {
   CHECK(bench::percentile({}, 0.5) == 0);
   CHECK(bench::percentile({3, 1, 2}, 0.5) == 2);
@@ -164,9 +246,49 @@ TEST_CASE("bench.cli: JSON schema and trace for both modes on CPU devices") {
   }
   CHECK(names.count("dp/forward") == 1);
   CHECK(names.count("dp/reduce") == 1);
+  CHECK(names.count("dp/reduce[bucket 0 from 1]") == 1);
   CHECK(names.count("ddp/backward") == 1);
   std::remove(json.c_str());
   std::remove(trace.c_str());
+}
+
+TEST_CASE("bench.cli: the DP trace shows bucket reductions overlapping backward") {
+  // Small buckets (forced by flags) and both reduce topologies. A step overlaps when one of
+  // its reduce slices starts before its last backward slice ends; the report counts buckets
+  // the same way.
+  for (const char* reduce : {"star", "tree"}) {
+    CAPTURE(reduce);
+    std::string trace = temp_path("overlap.json"), json = temp_path("overlap_run.json");
+    REQUIRE(run_bench(std::string("--device cpu --mode dp --gpus 4 --baseline 0 --model mlp "
+                                  "--batch 64 --steps 8 --warmup 1 --first-bucket-mb 0.01 "
+                                  "--bucket-cap-mb 0.05 --dp-reduce ") +
+                      reduce + " --trace " + trace + " --json " + json) == 0);
+    auto run = read_json(json)["runs"][0];
+    CHECK(run["reduce"] == reduce);
+    CHECK(run["buckets"].get<int>() >= 3);
+    REQUIRE(run["link_bytes"].size() == 4);
+    // Device 0 sends its parameters to three replicas and takes in three gradients (star) or
+    // two (tree: 1 -> 0, 3 -> 2, 2 -> 0).
+    int64_t p = run["param_bytes"].get<int64_t>();
+    CHECK(run["link_bytes"][0].get<int64_t>() == (std::string(reduce) == "star" ? 6 : 5) * p);
+    std::map<int64_t, double> first_reduce, last_backward_end;
+    auto events = read_json(trace);
+    for (auto& e : events["traceEvents"]) {
+      if (e["ph"] != "X" || !e.contains("args")) continue;
+      int64_t step = e["args"]["step"].get<int64_t>();
+      std::string name = e["name"].get<std::string>();
+      double ts = e["ts"].get<double>(), end = ts + e["dur"].get<double>();
+      if (name.rfind("dp/reduce[", 0) == 0)
+        first_reduce[step] = first_reduce.count(step) ? std::min(first_reduce[step], ts) : ts;
+      if (name == "dp/backward") last_backward_end[step] = std::max(last_backward_end[step], end);
+    }
+    REQUIRE(first_reduce.size() == 8);
+    int overlapped = 0;
+    for (auto& [step, ts] : first_reduce) overlapped += ts < last_backward_end[step];
+    CHECK(overlapped > 0);
+    std::remove(trace.c_str());
+    std::remove(json.c_str());
+  }
 }
 
 TEST_CASE("bench.cli: sweep writes a CSV row per mode and count") {
@@ -181,6 +303,7 @@ TEST_CASE("bench.cli: sweep writes a CSV row per mode and count") {
   CHECK(lines[0].rfind("mode,gpus,", 0) == 0);
   CHECK(lines[1].rfind("dp,1,", 0) == 0);
   CHECK(lines[2].rfind("dp,2,", 0) == 0);
+  CHECK(lines[0].find("overhead_us_per_device") != std::string::npos);
   std::remove(csv.c_str());
   std::remove(chart.c_str());
 }
@@ -235,6 +358,8 @@ TEST_CASE("bench.cli: bad flags give a clear error") {
   CHECK(run_bench("--mode tp") != 0);
   CHECK(run_bench("--device cpu --sweep 1,x") != 0);
   CHECK(run_bench("--device cpu --dtype bf16") != 0);
+  CHECK(run_bench("--device cpu --dp-reduce ring") != 0);
+  CHECK(run_bench("--device cpu --project-from /nonexistent/gpu.json") != 0);
 }
 
 TEST_CASE("bench.ps: --mode ps sets the parameter server beside DP on the same samples") {

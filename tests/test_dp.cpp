@@ -16,11 +16,21 @@ nn::ModulePtr small_mlp() {
   return nn::mlp({6, 16, 5});
 }
 
+// Small buckets, so that even the toy models reduce in several pieces.
+dp::DataParallelOptions small_buckets(dp::ReduceTopology reduce) {
+  dp::DataParallelOptions o;
+  o.reduce = reduce;
+  o.first_bucket_bytes = 64;
+  o.bucket_cap_bytes = 256;
+  return o;
+}
+
 std::vector<float> train_dp(nn::ModulePtr m, int n_dev, int steps, int64_t batch, SgdConfig cfg,
-                            std::vector<float>* losses = nullptr) {
+                            std::vector<float>* losses = nullptr,
+                            dp::DataParallelOptions options = {}) {
   m->materialize(Device::cpu(0), kSeed);
   nn::SGD opt(*m, cfg);
-  dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, n_dev));
+  dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, n_dev), options);
   for (int s = 0; s < steps; ++s) {
     auto [x, y] = dp_test::toy_batch(batch, 100 + s);
     dp::StepStats st = engine.train_step(x, y);
@@ -65,14 +75,106 @@ TEST_CASE("dp.equivalence: 1-4 CPU devices follow the single-device run (even an
   for (int64_t batch : {12, 10}) {  // 10 over 3 or 4 devices gives uneven chunks
     std::vector<float> ref_losses;
     auto ref = dp_test::train_single(small_mlp(), kSeed, 5, batch, momentum_sgd(), &ref_losses);
-    for (int n : {1, 2, 3, 4}) {
-      CAPTURE(batch);
-      CAPTURE(n);
-      std::vector<float> losses;
-      auto got = train_dp(small_mlp(), n, 5, batch, momentum_sgd(), &losses);
-      CHECK(dp_test::rel_diff(got, ref) <= 1e-5f);
-      for (size_t s = 0; s < losses.size(); ++s)
-        CHECK(losses[s] == doctest::Approx(ref_losses[s]).epsilon(1e-5));
+    for (int n : {1, 2, 3, 4})
+      for (auto reduce : {dp::ReduceTopology::star, dp::ReduceTopology::tree})
+        for (bool small : {false, true}) {
+          CAPTURE(batch);
+          CAPTURE(n);
+          CAPTURE(static_cast<int>(reduce));
+          CAPTURE(small);
+          dp::DataParallelOptions o = small ? small_buckets(reduce) : dp::DataParallelOptions{};
+          o.reduce = reduce;
+          std::vector<float> losses;
+          auto got = train_dp(small_mlp(), n, 5, batch, momentum_sgd(), &losses, o);
+          CHECK(dp_test::rel_diff(got, ref) <= 1e-5f);
+          for (size_t s = 0; s < losses.size(); ++s)
+            CHECK(losses[s] == doctest::Approx(ref_losses[s]).epsilon(1e-5));
+        }
+  }
+}
+
+TEST_CASE("dp.bucket_plan: reverse order, caps, and ranges that tile the buffer across gaps") {
+  // Parameters of 100, 300, 0, 50, 200 floats at padded offsets; the buffer ends at 768.
+  std::vector<dp::ParamExtent> params{{0, 100}, {128, 300}, {448, 0}, {448, 50}, {512, 200}};
+  auto plan = dp::make_bucket_plan(params, 768, 800, 1600);
+  REQUIRE(plan.buckets.size() == 2);
+  // The last parameter and the padding after it: 256 floats = 1024 bytes >= the first cap.
+  CHECK(plan.buckets[0].offset == 512);
+  CHECK(plan.buckets[0].numel == 256);
+  CHECK(plan.buckets[0].n_params == 1);
+  // The rest, gaps included, up to where bucket 0 begins.
+  CHECK(plan.buckets[1].offset == 0);
+  CHECK(plan.buckets[1].numel == 512);
+  CHECK(plan.buckets[1].n_params == 3);
+  CHECK(plan.bucket_of == std::vector<int>{1, 1, -1, 1, 0});
+  // A leading gap belongs to the last bucket; every parameter larger than the cap gets its own.
+  auto each = dp::make_bucket_plan({{16, 10}, {32, 10}}, 48, 4, 4);
+  REQUIRE(each.buckets.size() == 2);
+  CHECK(each.buckets[1].offset == 0);
+  CHECK(each.buckets[1].numel == 32);
+  CHECK(each.buckets[0].numel == 16);
+  CHECK_THROWS_AS(dp::make_bucket_plan({{0, 10}, {5, 10}}, 20, 4, 4), Error);
+  // On a module: the buckets tile its flat gradient buffer, in reverse order.
+  auto m = nn::mlp({6, 16, 16, 5});
+  m->materialize(Device::cpu(0), kSeed);
+  auto mp = dp::make_bucket_plan(*m, 64, 256);
+  REQUIRE(mp.buckets.size() > 2);
+  int64_t end = m->flat_grads().numel();
+  for (auto& b : mp.buckets) {
+    CHECK(b.offset + b.numel == end);
+    end = b.offset;
+  }
+  CHECK(end == 0);
+}
+
+TEST_CASE("dp.averaging: the tree equals the star, with uneven chunks and N = 2 to 5") {
+  for (int n : {2, 3, 4, 5}) {
+    CAPTURE(n);
+    std::vector<int64_t> sizes = dp::chunk_sizes(7 * n - 2, n);  // uneven
+    std::vector<std::vector<float>> results;
+    std::vector<float> expected;
+    for (auto reduce : {dp::ReduceTopology::star, dp::ReduceTopology::tree}) {
+      auto m = nn::mlp({6, 16, 16, 5});
+      m->materialize(Device::cpu(0), kSeed);
+      nn::SGD opt(*m, SgdConfig{});
+      dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, n), small_buckets(reduce));
+      REQUIRE(engine.buckets().size() > 2);
+      const int64_t numel = m->flat_grads().numel();
+      expected.assign(numel, 0.f);
+      int64_t total = 7 * n - 2;
+      for (int i = 0; i < n; ++i) {
+        std::vector<float> g(numel);
+        for (int64_t e = 0; e < numel; ++e) g[e] = std::sin(0.37f * e + 1.3f * i) + i;
+        Tensor host = Tensor::from_vector(g, {numel});
+        copy(engine.replica(i).flat_grads(), host);
+        for (int64_t e = 0; e < numel; ++e)
+          expected[e] += g[e] * static_cast<float>(sizes[i]) / static_cast<float>(total);
+      }
+      engine.reduce_grads_to_root(sizes);
+      results.push_back(engine.module().flat_grads().to_host_f32());
+    }
+    CHECK(max_abs_diff(results[0], expected) <= 1e-5f);
+    CHECK(max_abs_diff(results[1], expected) <= 1e-5f);
+    CHECK(max_abs_diff(results[0], results[1]) <= 1e-5f);
+  }
+}
+
+TEST_CASE("dp.links: bytes each device's link carries, star against tree") {
+  for (auto reduce : {dp::ReduceTopology::star, dp::ReduceTopology::tree}) {
+    auto m = small_mlp();
+    m->materialize(Device::cpu(0), kSeed);
+    nn::SGD opt(*m, SgdConfig{});
+    dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, 4), small_buckets(reduce));
+    auto [x, y] = dp_test::toy_batch(8, 3);
+    dp::StepStats st = engine.train_step(x, y);
+    const int64_t p = engine.parameter_bytes();  // parameters and gradients: the same size
+    CHECK(st.bytes_moved == 3 * 2 * p);
+    CHECK(st.buckets == static_cast<int>(engine.buckets().size()));
+    CHECK(st.buckets_overlapped <= st.buckets);
+    if (reduce == dp::ReduceTopology::star) {
+      CHECK(st.link_bytes == std::vector<int64_t>{6 * p, 2 * p, 2 * p, 2 * p});
+    } else {  // 1 -> 0 and 3 -> 2, then 2 -> 0: device 0 takes in two gradients, not three
+      CHECK(st.link_bytes == std::vector<int64_t>{5 * p, 2 * p, 3 * p, 2 * p});
     }
   }
 }
@@ -116,18 +218,21 @@ TEST_CASE("dp.equivalence: a CNN with BatchNorm matches per-chunk accumulation o
     ref_opt.step();
   }
 
-  auto m = make();
-  m->materialize(Device::cpu(0), kSeed);
-  nn::SGD opt(*m, momentum_sgd());
-  dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, n));
-  for (int s = 0; s < steps; ++s) {
-    auto [x, y] = dp_test::toy_batch(batch, 100 + s);
-    engine.train_step(x, y);
+  for (auto reduce : {dp::ReduceTopology::star, dp::ReduceTopology::tree}) {
+    CAPTURE(static_cast<int>(reduce));
+    auto m = make();
+    m->materialize(Device::cpu(0), kSeed);
+    nn::SGD opt(*m, momentum_sgd());
+    dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, n), small_buckets(reduce));
+    for (int s = 0; s < steps; ++s) {
+      auto [x, y] = dp_test::toy_batch(batch, 100 + s);
+      engine.train_step(x, y);
+    }
+    CHECK(dp_test::rel_diff(m->flat_params().to_host_f32(), ref->flat_params().to_host_f32()) <=
+          1e-5f);
+    CHECK(dp_test::rel_diff(m->flat_buffers().to_host_f32(), ref->flat_buffers().to_host_f32()) <=
+          1e-5f);
   }
-  CHECK(dp_test::rel_diff(m->flat_params().to_host_f32(), ref->flat_params().to_host_f32()) <=
-        1e-5f);
-  CHECK(dp_test::rel_diff(m->flat_buffers().to_host_f32(), ref->flat_buffers().to_host_f32()) <=
-        1e-5f);
 }
 
 TEST_CASE("dp.buffers: root_only keeps device 0's running stats (PyTorch's behaviour)") {

@@ -30,23 +30,13 @@ void put_hash(float* out, uint64_t h) {
 
 std::vector<Bucket> DistributedDataParallel::make_buckets(const std::vector<int64_t>& numels,
                                                           int64_t first_cap, int64_t cap) {
-  std::vector<Bucket> out;
+  std::vector<ParamExtent> extents;
   int64_t end = 0;
-  for (int64_t n : numels) end += n;
-  Bucket b;
-  b.offset = end;
-  for (size_t k = numels.size(); k-- > 0;) {  // reverse registration order
-    b.offset -= numels[k];
-    b.numel += numels[k];
-    ++b.n_params;
-    // As PyTorch: a bucket closes once it reaches its cap (the first one a smaller cap).
-    if (b.numel * 4 >= (out.empty() ? first_cap : cap)) {
-      out.push_back(b);
-      b = Bucket{b.offset, 0, 0};
-    }
+  for (int64_t n : numels) {
+    extents.push_back({end, n});
+    end += n;
   }
-  if (b.n_params > 0) out.push_back(b);
-  return out;
+  return make_bucket_plan(extents, end, first_cap, cap).buckets;
 }
 
 DistributedDataParallel::DistributedDataParallel(nn::ModulePtr module, ProcessGroup& group,
@@ -62,30 +52,13 @@ DistributedDataParallel::DistributedDataParallel(nn::ModulePtr module, ProcessGr
     group_.broadcast(module_->flat_params(), 0)->wait();
     if (module_->flat_buffers().numel() > 0) group_.broadcast(module_->flat_buffers(), 0)->wait();
   }
-  // Each parameter's span runs to the next one's offset (the last one's to the buffer's end),
-  // so the buckets tile the whole flat gradient buffer, the zero alignment gaps included
-  // (nn::kFlatAlignBytes): all-reducing a gap keeps it zero.
-  std::vector<int64_t> spans;
+  BucketPlan plan =
+      make_bucket_plan(*module_, options_.first_bucket_bytes, options_.bucket_cap_bytes);
+  buckets_ = plan.buckets;
   auto params = module_->named_parameters();
-  for (size_t i = 0; i < params.size(); ++i) {
-    int64_t end =
-        i + 1 < params.size() ? params[i + 1].second->offset : module_->flat_grads().numel();
-    spans.push_back(end - params[i].second->offset);
-  }
-  buckets_ = make_buckets(spans, options_.first_bucket_bytes, options_.bucket_cap_bytes);
-  for (size_t i = 0; i < params.size(); ++i) {
-    const nn::Parameter* p = params[i].second;
-    int bucket = -1;
-    for (size_t k = 0; k < buckets_.size(); ++k)
-      if (p->offset >= buckets_[k].offset && p->offset < buckets_[k].offset + buckets_[k].numel &&
-          p->numel() > 0)
-        bucket = static_cast<int>(k);
-    bucket_index_.emplace(p, bucket);
-  }
-  // Parameters with no elements are ready from the start.
-  for (auto& b : buckets_) b.n_params = 0;
-  for (auto& [p, k] : bucket_index_)
-    if (k >= 0) ++buckets_[k].n_params;
+  // Parameters with no elements (bucket -1) are ready from the start.
+  for (size_t i = 0; i < params.size(); ++i)
+    bucket_index_.emplace(params[i].second, plan.bucket_of[i]);
   ready_count_.assign(buckets_.size(), 0);
   pending_.resize(buckets_.size());
   module_->flat().on_grad_ready = [this](const nn::Parameter& p) { on_grad_ready(p); };

@@ -23,6 +23,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "dp/bucket_plan.hpp"
 #include "dp/distributed/process_group.hpp"
 #include "dp/trace.hpp"
 #include "nn/module.hpp"
@@ -40,12 +41,8 @@ struct DdpOptions {
   BufferSync buffer_sync = BufferSync::broadcast;
 };
 
-// A slice [offset, offset + numel) of the flat gradient buffer.
-struct Bucket {
-  int64_t offset = 0;
-  int64_t numel = 0;
-  int n_params = 0;
-};
+// A slice [offset, offset + numel) of the flat gradient buffer (dp/bucket_plan.hpp).
+using dp::Bucket;
 
 // Counters of the last backward, to see the overlap.
 struct DdpStats {
@@ -92,9 +89,9 @@ class DistributedDataParallel {
   void set_trace(Trace* trace) { trace_ = trace; }
   Trace* trace() const { return trace_; }
 
-  // Builds buckets over consecutive spans of the flat buffer, one per parameter (its elements
-  // and the alignment gap after them), given as `numels` in registration order: reverse order,
-  // the first bucket capped at first_cap bytes, the others at cap bytes. Exposed for tests.
+  // The shared bucket plan (dp/bucket_plan.hpp) over contiguous parameters of `numels`
+  // (registration order): reverse order, the first bucket capped at first_cap bytes, the
+  // others at cap bytes. Exposed for tests.
   static std::vector<Bucket> make_buckets(const std::vector<int64_t>& numels, int64_t first_cap,
                                           int64_t cap);
 

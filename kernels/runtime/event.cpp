@@ -1,0 +1,117 @@
+#include "kernels/runtime/event.hpp"
+
+#include <utility>
+
+#include "kernels/runtime/context.hpp"
+#include "kernels/runtime/error.hpp"
+
+#if DP_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "kernels/runtime/cuda_check.hpp"
+#endif
+
+namespace kernels {
+
+Event::~Event() {
+  release();
+}
+
+Event::Event(Event&& other) noexcept
+    : device_(other.device_),
+      event_(std::exchange(other.event_, nullptr)),
+      gpu_(other.gpu_),
+      recorded_(std::exchange(other.recorded_, false)),
+      host_(other.host_) {}
+
+Event& Event::operator=(Event&& other) noexcept {
+  if (this != &other) {
+    release();
+    device_ = other.device_;
+    event_ = std::exchange(other.event_, nullptr);
+    gpu_ = other.gpu_;
+    recorded_ = std::exchange(other.recorded_, false);
+    host_ = other.host_;
+  }
+  return *this;
+}
+
+void Event::release() noexcept {
+#if DP_HAVE_CUDA
+  if (event_) {
+    cudaSetDevice(gpu_);
+    cudaError_t e = cudaEventDestroy(static_cast<cudaEvent_t>(event_));
+    if (e != cudaSuccess && e != cudaErrorCudartUnloading)
+      DP_LOG_ERROR("destroying a CUDA event: " << cudaGetErrorString(e));
+  }
+#endif
+  event_ = nullptr;
+  recorded_ = false;
+}
+
+void Event::record(DeviceContext& ctx) {
+  host_ = Clock::now();
+  if (ctx.device().is_cpu()) {
+    release();
+    device_ = ctx.device();
+    recorded_ = true;
+    return;
+  }
+#if DP_HAVE_CUDA
+  ctx.make_current();
+  int gpu = physical_gpu(ctx.device());
+  if (event_ && gpu != gpu_) release();  // an event belongs to one GPU
+  if (!event_) {
+    cudaEvent_t e = nullptr;
+    DP_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDefault));  // timing on
+    event_ = e;
+    gpu_ = gpu;
+  }
+  device_ = ctx.device();
+  DP_CUDA_CHECK(
+      cudaEventRecord(static_cast<cudaEvent_t>(event_), static_cast<cudaStream_t>(ctx.stream())));
+  recorded_ = true;
+#else
+  DP_THROW("Event::record on " << ctx.device()
+                               << ": no CUDA backend: " << cuda_unavailable_reason());
+#endif
+}
+
+void Event::wait(DeviceContext& ctx) const {
+  DP_CHECK(recorded_, "Event::wait on " << ctx.device() << ": the event was never recorded");
+  if (!event_ || ctx.device().is_cpu()) {
+    // A CPU event's work is done. A CPU context waiting on a GPU event must block the host.
+    if (event_) synchronize();
+    return;
+  }
+#if DP_HAVE_CUDA
+  ctx.make_current();
+  DP_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(ctx.stream()),
+                                    static_cast<cudaEvent_t>(event_), 0));
+#endif
+}
+
+void Event::synchronize() const {
+  DP_CHECK(recorded_, "Event::synchronize: the event was never recorded");
+#if DP_HAVE_CUDA
+  if (event_) DP_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(event_)));
+#endif
+}
+
+double Event::elapsed_ms(const Event& a, const Event& b) {
+  DP_CHECK(a.recorded_ && b.recorded_, "Event::elapsed_ms: an event was never recorded");
+  DP_CHECK(a.device_ == b.device_, "Event::elapsed_ms: events on " << a.device_ << " and "
+                                                                   << b.device_
+                                                                   << " (one device required)");
+#if DP_HAVE_CUDA
+  if (a.event_ && b.event_) {
+    float ms = 0;
+    DP_CUDA_CHECK(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(a.event_),
+                                       static_cast<cudaEvent_t>(b.event_)));
+    return ms;
+  }
+#endif
+  return std::chrono::duration<double, std::milli>(b.host_ - a.host_).count();
+}
+
+}  // namespace kernels

@@ -1,0 +1,56 @@
+// Event: a point in one device's queue of work, for ordering across streams and for timing.
+//
+//   ready.record(ctx_a);   // after the work queued so far on a's stream
+//   ready.wait(ctx_b);     // work queued on b from here on runs after that point
+//
+// On a GPU that is cudaEventRecord / cudaStreamWaitEvent: the host does not wait. CPU kernels
+// have finished when they return, so on a CPU device record() only notes the host time and
+// wait() has nothing to do. Handing a recorded event to another thread needs the usual
+// happens-before (a mutex or an atomic), as for any other data.
+#pragma once
+
+#include <chrono>
+
+#include "kernels/runtime/device.hpp"
+
+namespace kernels {
+
+class DeviceContext;
+
+class Event {
+ public:
+  using Clock = std::chrono::steady_clock;
+  Event() = default;
+  ~Event();  // never throws
+  Event(Event&& other) noexcept;
+  Event& operator=(Event&& other) noexcept;
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+
+  // ensures the event marks the end of the work queued so far on ctx (re-recording moves it).
+  void record(DeviceContext& ctx);
+  // requires record() was called. ensures work queued on ctx after this call starts once the
+  // recorded point is reached (no host wait).
+  void wait(DeviceContext& ctx) const;
+  // requires record() was called. Blocks the host until the recorded point is reached.
+  void synchronize() const;
+  bool recorded() const { return recorded_; }
+  Device device() const { return device_; }
+  // Host time of the last record() call.
+  Clock::time_point host_time() const { return host_; }
+
+  // Milliseconds from a to b. requires both recorded on the same device, and (CUDA) both
+  // reached. CPU devices: the host times of the two record() calls.
+  static double elapsed_ms(const Event& a, const Event& b);
+
+ private:
+  void release() noexcept;
+
+  Device device_;
+  void* event_ = nullptr;  // cudaEvent_t on CUDA devices, made on first record()
+  int gpu_ = -1;           // the physical GPU the CUDA event belongs to
+  bool recorded_ = false;
+  Clock::time_point host_{};
+};
+
+}  // namespace kernels
