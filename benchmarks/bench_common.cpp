@@ -57,6 +57,10 @@ void add_flags(CLI::App& app, Options& o) {
   app.add_option("--master-addr", o.master_addr, "DDP: node 0's address (rendezvous store)");
   app.add_option("--master-port", o.master_port, "DDP: node 0's port (0: a free one, one node)")
       ->check(CLI::Range(0, 65535));
+  app.add_option("--timeout", o.timeout_s,
+                 "DDP: seconds the rendezvous and each collective may take (default: DP_TIMEOUT, "
+                 "else 60 s to rendezvous and 300 s per collective)")
+      ->check(CLI::Range(0.001, 604800.0));
   app.add_option("--baseline", o.baseline, "also run 1 device of each mode for speedup (1/0)");
 }
 

@@ -32,8 +32,9 @@ struct Options {
   // DDP across nodes: every node runs dp_bench with the same flags and its own --node-rank.
   int nnodes = 1, node_rank = 0;
   std::string master_addr = "127.0.0.1";
-  int master_port = 0;  // also run
-                        // N=1 of each mode for speedup (0 to skip)
+  double timeout_s = 0;  // DDP rendezvous and collectives; 0: DP_TIMEOUT or the defaults
+  int master_port = 0;   // also run
+                         // N=1 of each mode for speedup (0 to skip)
 };
 
 // The resolved device type and counts of a run.

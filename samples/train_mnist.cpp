@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -36,6 +37,7 @@ struct Flags {
   std::string backend = "auto";
   std::string optim;
   int nnodes = 1, node_rank = 0, master_port = 0;
+  double timeout_s = 0;  // ddp rendezvous and collectives; 0: DP_TIMEOUT or the defaults
   std::string master_addr =
       "127.0.0.1";  // default: sgd for the MLP, adamw for the convolutional models
 };
@@ -107,6 +109,10 @@ int main(int argc, char** argv) {
   app.add_option("--node-rank", f.node_rank, "ddp: this node's index");
   app.add_option("--master-addr", f.master_addr, "ddp: node 0's address");
   app.add_option("--master-port", f.master_port, "ddp: node 0's port (0: a free one, one node)");
+  app.add_option("--timeout", f.timeout_s,
+                 "ddp: seconds the rendezvous and each collective may take (default: DP_TIMEOUT, "
+                 "else 60 s to rendezvous and 300 s per collective)")
+      ->check(CLI::Range(0.001, 604800.0));
   app.add_option("--limit-batches", f.limit_batches,
                  "stop each epoch after this many batches (smoke runs)");
   try {
@@ -140,7 +146,9 @@ int main(int argc, char** argv) {
     std::unique_ptr<dp::dist::DdpTrainer> ddp;
     Device home = devices[0];
     if (f.mode == "ddp") {
-      ddp = std::make_unique<dp::dist::DdpTrainer>(type, f.backend);
+      ddp = std::make_unique<dp::dist::DdpTrainer>(
+          type, f.backend, dp::dist::DdpOptions{},
+          std::chrono::milliseconds(std::llround(f.timeout_s * 1000)));
       home = ddp->device();
     }
     model->materialize(home, f.seed);

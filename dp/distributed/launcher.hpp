@@ -50,6 +50,9 @@ struct LaunchOptions {
   std::string program;
   // Extra variables for every worker.
   std::vector<std::pair<std::string, std::string>> extra_env;
+  // A worker whose heartbeat (through the store, heartbeat.hpp) stops for this long is named
+  // hung, and the job is stopped. 0: DP_HEARTBEAT_TIMEOUT (seconds) when set, else 5 s.
+  std::chrono::milliseconds heartbeat_timeout{0};
 };
 
 // Runs nproc_per_node workers (global ranks node_rank * nproc_per_node + local) with `argv`
@@ -59,6 +62,12 @@ struct LaunchOptions {
 // its exit status or signal, and returns its exit code (128 + signal when killed). SIGINT or
 // SIGTERM to the launcher is forwarded to the workers and returns 128 + that signal.
 // Workers get PR_SET_PDEATHSIG(SIGKILL): they die with the launching thread. Never exits.
+// Job identity: workers get DP_JOB_TOKEN (the launcher's own when set, else a random one on one
+// node, else one derived from DP_JOB_ID / TORCHELASTIC_RUN_ID / SLURM_JOB_ID), which the store
+// checks at connect, so ranks of another job on the same port are refused. Hung workers: with
+// DP_HEARTBEAT_MS set they beat through the store; one silent for heartbeat_timeout (a
+// SIGSTOP, a livelock of the whole process) is named ("rank 1 (pid N) sent no heartbeat for
+// 5 s: hung"), killed, and the others stopped; the launcher returns 1.
 int launch_workers(const LaunchOptions& options, const std::vector<std::string>& argv);
 
 // A TCP port free on `host` a moment ago (see socket.hpp); for MASTER_PORT.
