@@ -9,20 +9,23 @@ std::string heartbeat_key(int rank) {
   return "dp/heartbeat/" + std::to_string(rank);
 }
 
-// ---- Heartbeat ------------------------------------------------------------------------------
+// ---- Periodic -------------------------------------------------------------------------------
 
-Heartbeat::Heartbeat(std::shared_ptr<Store> connection, std::shared_ptr<Store> keep_alive, int rank,
-                     std::chrono::milliseconds interval)
-    : connection_(std::move(connection)),
-      keep_alive_(std::move(keep_alive)),
-      rank_(rank),
-      interval_(interval) {
-  DP_CHECK(connection_ && interval_.count() > 0,
-           "Heartbeat: needs a store and a positive interval, got " << interval_.count() << " ms");
-  thread_ = std::thread([this] { run(); });
+Periodic::Periodic(std::chrono::milliseconds interval, std::function<void()> fn) {
+  DP_CHECK(interval.count() > 0,
+           "Periodic: the interval must be positive, got " << interval.count() << " ms");
+  thread_ = std::thread([this, interval, fn = std::move(fn)] {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stop_) {
+      lock.unlock();
+      fn();
+      lock.lock();
+      cv_.wait_for(lock, interval, [this] { return stop_; });
+    }
+  });
 }
 
-Heartbeat::~Heartbeat() {
+Periodic::~Periodic() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
@@ -31,23 +34,25 @@ Heartbeat::~Heartbeat() {
   thread_.join();
 }
 
-void Heartbeat::run() {
-  const std::string key = heartbeat_key(rank_);
-  int64_t beat = 0;
-  std::unique_lock<std::mutex> lock(mu_);
-  while (!stop_) {
-    lock.unlock();
+// ---- Heartbeat ------------------------------------------------------------------------------
+
+Heartbeat::Heartbeat(std::shared_ptr<Store> connection, std::shared_ptr<Store> keep_alive, int rank,
+                     std::chrono::milliseconds interval)
+    : connection_(std::move(connection)), keep_alive_(std::move(keep_alive)), rank_(rank) {
+  DP_CHECK(connection_ != nullptr, "Heartbeat: needs a store");
+  thread_ = std::make_unique<Periodic>(interval, [this] {
     try {
-      connection_->set_string(key, std::to_string(++beat));
+      connection_->set_string(heartbeat_key(rank_), std::to_string(++beats_));
     } catch (const std::exception&) {
-      // The store may be busy or restarting; the watcher judges the silence, not us.
+      // The store may be busy; the watcher judges the silence, not us.
     }
-    lock.lock();
-    cv_.wait_for(lock, interval_, [this] { return stop_; });
-  }
-  lock.unlock();
+  });
+}
+
+Heartbeat::~Heartbeat() {
+  thread_.reset();
   try {
-    connection_->set_string(key, "done");
+    connection_->set_string(heartbeat_key(rank_), "done");
   } catch (const std::exception&) {
     // The store is gone already (rank 0 finished first): nobody is watching.
   }
@@ -62,57 +67,36 @@ HeartbeatWatch::HeartbeatWatch(std::string host, int port, std::string job_token
       token_(std::move(job_token)),
       ranks_(std::move(ranks)),
       interval_(interval) {
-  DP_CHECK(interval_.count() > 0,
-           "HeartbeatWatch: the interval must be positive, got " << interval_.count() << " ms");
-  thread_ = std::thread([this] { run(); });
+  thread_ = std::make_unique<Periodic>(interval_, [this] {
+    try {
+      poll();
+    } catch (const std::exception&) {
+      store_.reset();  // not up yet, or gone: reconnect on the next round
+    }
+  });
 }
 
 HeartbeatWatch::~HeartbeatWatch() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-  }
-  cv_.notify_all();
-  thread_.join();
+  thread_.reset();
 }
 
-void HeartbeatWatch::poll_once(std::unique_ptr<TcpStore>& store) {
-  // Each request waits at most two intervals, so that the thread notices stop_ soon.
-  const auto request_timeout = 2 * interval_;
-  if (!store)
-    store = std::make_unique<TcpStore>(host_, port_, StoreRole::client, request_timeout,
-                                       JobIdentity{token_, -1});
+void HeartbeatWatch::poll() {
+  // Each request waits at most two intervals, so that the thread stops soon when asked.
+  if (!store_)
+    store_ = std::make_unique<TcpStore>(host_, port_, StoreRole::client, 2 * interval_,
+                                        JobIdentity{token_, -1});
   std::vector<std::pair<int, std::string>> values;
   for (int r : ranks_) {
     const std::string key = heartbeat_key(r);
-    if (store->check({key})) values.emplace_back(r, store->get_string(key));
+    if (store_->check({key})) values.emplace_back(r, store_->get_string(key));
   }
   auto now = HeartbeatClock::now();
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& [r, v] : values) {
     auto it = seen_.find(r);
-    if (it == seen_.end()) {
-      seen_[r] = {v, now, v == "done"};
-    } else if (it->second.value != v) {
-      it->second = {v, now, v == "done"};
-    }
+    if (it == seen_.end() || it->second.value != v) seen_[r] = {v, now, v == "done"};
   }
   ok_ = now;
-}
-
-void HeartbeatWatch::run() {
-  std::unique_ptr<TcpStore> store;
-  std::unique_lock<std::mutex> lock(mu_);
-  while (!stop_) {
-    lock.unlock();
-    try {
-      poll_once(store);
-    } catch (const std::exception&) {
-      store.reset();  // not up yet, or gone: reconnect on the next round
-    }
-    lock.lock();
-    cv_.wait_for(lock, interval_, [this] { return stop_; });
-  }
 }
 
 std::optional<SilentRank> HeartbeatWatch::silent(std::chrono::milliseconds timeout) const {

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -28,6 +29,22 @@ using HeartbeatClock = std::chrono::steady_clock;
 // The key a rank beats on.
 std::string heartbeat_key(int rank);
 
+// Runs fn() on a thread of its own at once and then every `interval` until destroyed; the
+// destructor waits for the call in progress. fn must not throw.
+class Periodic {
+ public:
+  Periodic(std::chrono::milliseconds interval, std::function<void()> fn);
+  ~Periodic();
+  Periodic(const Periodic&) = delete;
+  Periodic& operator=(const Periodic&) = delete;
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
 // Beats on `connection` (a store client of its own, so that a long wait of the rank's main
 // store never delays a beat) every `interval` until destroyed, then writes "done" so that the
 // watcher stops watching. `keep_alive` (the rank's main store, which may host the server) is
@@ -41,14 +58,10 @@ class Heartbeat {
   Heartbeat& operator=(const Heartbeat&) = delete;
 
  private:
-  void run();
   std::shared_ptr<Store> connection_, keep_alive_;
   int rank_;
-  std::chrono::milliseconds interval_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ = false;
-  std::thread thread_;
+  int64_t beats_ = 0;
+  std::unique_ptr<Periodic> thread_;
 };
 
 // A rank that fell silent, and for how long (as of the watcher's latest look at the store).
@@ -64,7 +77,7 @@ class HeartbeatWatch {
  public:
   HeartbeatWatch(std::string host, int port, std::string job_token, std::vector<int> ranks,
                  std::chrono::milliseconds interval);
-  ~HeartbeatWatch();
+  ~HeartbeatWatch();  // stops the thread
   HeartbeatWatch(const HeartbeatWatch&) = delete;
   HeartbeatWatch& operator=(const HeartbeatWatch&) = delete;
 
@@ -78,20 +91,18 @@ class HeartbeatWatch {
     HeartbeatClock::time_point changed;
     bool done = false;
   };
-  void run();
-  void poll_once(std::unique_ptr<TcpStore>& store);
+  void poll();
 
   std::string host_;
   int port_;
   std::string token_;
   std::vector<int> ranks_;
   std::chrono::milliseconds interval_;
+  std::unique_ptr<TcpStore> store_;  // used by the thread only
   mutable std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ = false;
   std::map<int, Seen> seen_;                      // ranks that beat at least once
   std::optional<HeartbeatClock::time_point> ok_;  // last complete poll
-  std::thread thread_;
+  std::unique_ptr<Periodic> thread_;              // last: stopped before the rest goes
 };
 
 }  // namespace dp::dist

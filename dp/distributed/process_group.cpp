@@ -174,11 +174,10 @@ Timeouts resolve_timeouts(const InitOptions& o, const EnvLookup& env) {
 }
 
 // "rank 2" or "ranks 2, 5, 7 (and 3 more)": the ranks of `size` without an arrived/<r> key.
-std::string missing_ranks(Store& group, int size, int* count) {
+std::string missing_ranks(Store& group, int size) {
   std::vector<int> missing;
   for (int r = 0; r < size && r < 4096; ++r)
     if (!group.check({"arrived/" + std::to_string(r)})) missing.push_back(r);
-  *count = static_cast<int>(missing.size());
   std::ostringstream os;
   os << (missing.size() == 1 ? "rank " : "ranks ");
   for (size_t i = 0; i < missing.size() && i < 8; ++i) os << (i ? ", " : "") << missing[i];
@@ -188,32 +187,39 @@ std::string missing_ranks(Store& group, int size, int* count) {
 
 // Every rank marks its arrival, then waits until all `size` have arrived. Rank 0 prints a
 // progress line every 10 s; after `timeout` every waiting rank throws naming the missing ranks.
+// Rank 0 hosts a tcp store, so it gives up a little later than the others: they can still
+// read which ranks are missing when their own time runs out.
 void wait_for_all_ranks(Store& group, int rank, int size, std::chrono::milliseconds timeout,
                         const std::string& where) {
   using Clock = std::chrono::steady_clock;
+  using std::chrono::milliseconds;
   group.set_string("arrived/" + std::to_string(rank), "1");
   group.add("arrived", 1);
   const auto start = Clock::now();
   auto next_progress = start + std::chrono::seconds(10);
-  const auto poll = std::clamp<std::chrono::milliseconds>(
-      timeout / 50, std::chrono::milliseconds(10), std::chrono::milliseconds(200));
+  const auto poll = std::clamp<milliseconds>(timeout / 50, milliseconds(10), milliseconds(200));
+  const auto linger = rank == 0
+                          ? std::min<milliseconds>(timeout / 4 + 2 * poll, std::chrono::seconds(2))
+                          : milliseconds(0);
   for (int64_t arrived; (arrived = group.add("arrived", 0)) < size;) {
     auto now = Clock::now();
-    if (now - start >= timeout) {
-      int n = 0;
-      std::string who = missing_ranks(group, size, &n);
+    if (now - start >= timeout + linger) {
+      std::string who;
+      try {
+        who = missing_ranks(group, size);
+      } catch (const kernels::Error&) {  // the store's host (rank 0) gave up first
+        who = std::to_string(size - arrived) + " rank(s)";
+      }
       DP_THROW(who << " of " << size << " never joined within " << seconds_text(timeout) << " ("
                    << arrived << " of " << size << " arrived at " << where << "; set the "
                    << "timeout with --timeout or DP_TIMEOUT=seconds)");
     }
     if (rank == 0 && now >= next_progress) {
-      int n = 0;
-      std::string who = missing_ranks(group, size, &n);
-      auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - start);
-      std::fprintf(stderr,
-                   "dp: rendezvous at %s: %lld of %d ranks joined; waiting for %s (%s of %s)\n",
-                   where.c_str(), static_cast<long long>(arrived), size, who.c_str(),
-                   seconds_text(waited).c_str(), seconds_text(timeout).c_str());
+      auto waited = std::chrono::duration_cast<milliseconds>(now - start);
+      std::fprintf(
+          stderr, "dp: rendezvous at %s: %lld of %d ranks joined; waiting for %s (%s of %s)\n",
+          where.c_str(), static_cast<long long>(arrived), size, missing_ranks(group, size).c_str(),
+          seconds_text(waited).c_str(), seconds_text(timeout).c_str());
       next_progress += std::chrono::seconds(10);
     }
     std::this_thread::sleep_for(poll);

@@ -301,6 +301,11 @@ std::string StoreServer::Impl::handle_frame(uint64_t id, Conn& c, uint8_t opcode
 }
 
 std::string StoreServer::Impl::process_frames(uint64_t id, Conn& c) {
+  if (!c.close_after_reply.empty()) {  // refused: whatever else it sends is dropped unread
+    c.in.clear();
+    c.in_off = 0;
+    return {};
+  }
   while (c.in.size() - c.in_off >= wire::kHeaderBytes) {
     const char* base = c.in.data() + c.in_off;
     wire::Header h = wire::parse_header(base);
@@ -316,11 +321,7 @@ std::string StoreServer::Impl::process_frames(uint64_t id, Conn& c) {
     if (!c.doom.empty()) return c.doom;
     c.in_off += frame;
     c.partial = false;
-    if (!c.close_after_reply.empty()) {  // nothing more is read from it
-      c.in.clear();
-      c.in_off = 0;
-      return {};
-    }
+    if (!c.close_after_reply.empty()) return process_frames(id, c);  // drops the rest
   }
   if (c.in_off == c.in.size()) {
     c.in.clear();
