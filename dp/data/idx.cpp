@@ -189,7 +189,8 @@ GzHandle open_with_header(const std::string& path, IdxArray& out) {
   GzHandle file(gzopen(path.c_str(), "rb"));
   DP_CHECK(file != nullptr,
            path << ": cannot open: " << (errno ? std::strerror(errno) : "out of memory"));
-  gzbuffer(file.get(), 1u << 20);
+  // Large buffers pay off on data sets; small files keep zlib's default (8 KiB).
+  if (raw.size > (1u << 20)) gzbuffer(file.get(), 1u << 20);
   out.path = path;
   size_t header_bytes = read_header(file.get(), path, out);
   check_plausible(path, raw, header_bytes, out);
