@@ -282,16 +282,25 @@ TEST_CASE("dist.store: two jobs on one master port: the second fails clearly, th
 }
 
 TEST_CASE("dist.launch: a hung rank (SIGSTOP) is named by its heartbeat and the job stopped") {
-  std::string dir = dist_test::make_temp_dir("hung");
-  RemoveDir cleanup{dir};
-  CapturedLauncher l(dir, "hung", {"--mode", "hang", "--nproc", "3", "--pid-dir", dir},
-                     {"DP_HEARTBEAT_TIMEOUT=2"});
-  Finished f = l.wait(40s);  // the barrier's own timeout is 60 s
-  CHECK(exited_with(f.status, 1));
-  std::vector<pid_t> pids = wait_for_pids(dir, 3, 1s);
-  REQUIRE(pids.size() == 3);
-  CHECK(f.output.find("rank 1 (local rank 1, pid " + std::to_string(pids[1]) +
-                      ") sent no heartbeat for ") != std::string::npos);
-  CHECK(f.output.find(": hung; killed it and stopped the other 2 worker(s)") != std::string::npos);
-  CHECK(all_gone_within(pids, 2s));  // no orphans, the stopped one included
+  for (int hung : {1, 0}) {  // rank 0 also hosts the store: its silence is the store's
+    CAPTURE(hung);
+    std::string dir = dist_test::make_temp_dir("hung");
+    RemoveDir cleanup{dir};
+    CapturedLauncher l(
+        dir, "hung",
+        {"--mode", "hang", "--hang-rank", std::to_string(hung), "--nproc", "3", "--pid-dir", dir},
+        {"DP_HEARTBEAT_TIMEOUT=2"});
+    Finished f = l.wait(40s);  // the barrier's own timeout is 60 s
+    CHECK(exited_with(f.status, 1));
+    std::vector<pid_t> pids = wait_for_pids(dir, 3, 1s);
+    REQUIRE(pids.size() == 3);
+    const std::string who = "rank " + std::to_string(hung) + " (local rank " +
+                            std::to_string(hung) + ", pid " + std::to_string(pids[hung]) +
+                            ") sent no heartbeat for ";
+    CHECK(f.output.find(who) != std::string::npos);
+    CHECK(f.output.find("killed it and stopped the other 2 worker(s)") != std::string::npos);
+    if (hung == 0)
+      CHECK(f.output.find("the store it hosts stopped answering") != std::string::npos);
+    CHECK(all_gone_within(pids, 2s));  // no orphans, the stopped one included
+  }
 }
