@@ -163,16 +163,6 @@ std::unique_ptr<ProcessGroup> make_gloo_group(const InitOptions& o,
                                               const std::shared_ptr<Store>& group, int rank,
                                               int size, const std::string& master_host);
 
-struct Timeouts {
-  std::chrono::milliseconds rendezvous, ops;
-};
-
-Timeouts resolve_timeouts(const InitOptions& o, const EnvLookup& env) {
-  if (o.timeout.count() > 0) return {o.timeout, o.timeout};
-  if (auto t = env_seconds(env, "DP_TIMEOUT")) return {*t, *t};
-  return {kDefaultRendezvousTimeout, kDefaultOpTimeout};
-}
-
 // "rank 2" or "ranks 2, 5, 7 (and 3 more)": the ranks of `size` without an arrived/<r> key.
 std::string missing_ranks(Store& group, int size) {
   std::vector<int> missing;
@@ -234,11 +224,17 @@ std::string this_host_name() {
 
 }  // namespace
 
+Timeouts resolve_timeouts(const InitOptions& o) {
+  if (o.timeout.count() > 0) return {o.timeout, o.timeout};
+  if (auto t = env_seconds(env_or_process(o.env), "DP_TIMEOUT")) return {*t, *t};
+  return {kDefaultRendezvousTimeout, kDefaultOpTimeout};
+}
+
 std::unique_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
   EnvLookup env = env_or_process(o.env);
   DP_CHECK(o.timeout.count() >= 0, "init_process_group: timeout must be positive");
   DP_CHECK(!o.group_name.empty(), "init_process_group: group_name is empty");
-  const Timeouts timeouts = resolve_timeouts(o, env);
+  const Timeouts timeouts = resolve_timeouts(o);
   std::shared_ptr<Store> store = o.store;
   int rank = o.rank, size = o.world_size;
   std::string master_host;

@@ -139,6 +139,13 @@ struct InitOptions {
 constexpr std::chrono::milliseconds kDefaultRendezvousTimeout = std::chrono::seconds(60);
 constexpr std::chrono::milliseconds kDefaultOpTimeout = std::chrono::seconds(300);
 
+// The timeouts a group made from `options` uses: options.timeout for both when set (> 0), else
+// DP_TIMEOUT (seconds) from options.env, else the two defaults. Throws naming a bad DP_TIMEOUT.
+struct Timeouts {
+  std::chrono::milliseconds rendezvous, ops;
+};
+Timeouts resolve_timeouts(const InitOptions& options);
+
 // Meets the other ranks and connects them. Blocks until every rank arrived or the rendezvous
 // timeout ran out: then throws naming the ranks that never joined ("rank 2 of 3 never joined
 // within 10 s"); rank 0 prints a progress line every 10 s while it waits. With DP_HEARTBEAT_MS
