@@ -232,7 +232,9 @@ Timeouts resolve_timeouts(const InitOptions& o) {
 
 std::unique_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
   EnvLookup env = env_or_process(o.env);
-  DP_CHECK(o.timeout.count() >= 0, "init_process_group: timeout must be positive");
+  DP_CHECK(o.timeout.count() >= 0, "init_process_group: timeout " << o.timeout.count()
+                                                                  << " ms is negative (0: "
+                                                                  << "DP_TIMEOUT or the defaults)");
   DP_CHECK(!o.group_name.empty(), "init_process_group: group_name is empty");
   const Timeouts timeouts = resolve_timeouts(o);
   std::shared_ptr<Store> store = o.store;
