@@ -227,6 +227,8 @@ TEST_CASE("ddp.timeout: dp_bench --timeout names the rank that never joined") {
   CHECK(rc != 0);
   CHECK(WEXITSTATUS(rc) != 124);  // not the outer `timeout 60`
   CHECK_MESSAGE(text.find("rank 1 of 2 never joined within 2 s") != std::string::npos, text);
+  // While it waits, rank 0 says for whom (every timeout / 3 here, every 10 s by default).
+  CHECK_MESSAGE(text.find("1 of 2 ranks joined; waiting for rank 1") != std::string::npos, text);
   CHECK(run_bench("--device cpu --mode ddp --timeout 0") != 0);  // a zero timeout is refused
 }
 

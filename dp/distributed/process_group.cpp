@@ -176,9 +176,9 @@ std::string missing_ranks(Store& group, int size) {
 }
 
 // Every rank marks its arrival, then waits until all `size` have arrived. Rank 0 prints a
-// progress line every 10 s; after `timeout` every waiting rank throws naming the missing ranks.
-// Rank 0 hosts a tcp store, so it gives up a little later than the others: they can still
-// read which ranks are missing when their own time runs out.
+// progress line every 10 s (or timeout / 3); after `timeout` every waiting rank throws naming the
+// missing ranks. Rank 0 hosts a tcp store, so it gives up a little later than the others: they can
+// still read which ranks are missing when their own time runs out.
 void wait_for_all_ranks(Store& group, int rank, int size, std::chrono::milliseconds timeout,
                         const std::string& where) {
   using Clock = std::chrono::steady_clock;
@@ -186,7 +186,9 @@ void wait_for_all_ranks(Store& group, int rank, int size, std::chrono::milliseco
   group.set_string("arrived/" + std::to_string(rank), "1");
   group.add("arrived", 1);
   const auto start = Clock::now();
-  auto next_progress = start + std::chrono::seconds(10);
+  // A progress line every 10 s (a third of the timeout when that is shorter).
+  const auto progress_every = std::min<milliseconds>(std::chrono::seconds(10), timeout / 3);
+  auto next_progress = start + progress_every;
   const auto poll = std::clamp<milliseconds>(timeout / 50, milliseconds(10), milliseconds(200));
   const auto linger = rank == 0
                           ? std::min<milliseconds>(timeout / 4 + 2 * poll, std::chrono::seconds(2))
@@ -210,7 +212,7 @@ void wait_for_all_ranks(Store& group, int rank, int size, std::chrono::milliseco
           stderr, "dp: rendezvous at %s: %lld of %d ranks joined; waiting for %s (%s of %s)\n",
           where.c_str(), static_cast<long long>(arrived), size, missing_ranks(group, size).c_str(),
           seconds_text(waited).c_str(), seconds_text(timeout).c_str());
-      next_progress += std::chrono::seconds(10);
+      next_progress += progress_every;
     }
     std::this_thread::sleep_for(poll);
   }

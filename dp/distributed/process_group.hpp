@@ -148,9 +148,10 @@ Timeouts resolve_timeouts(const InitOptions& options);
 
 // Meets the other ranks and connects them. Blocks until every rank arrived or the rendezvous
 // timeout ran out: then throws naming the ranks that never joined ("rank 2 of 3 never joined
-// within 10 s"); rank 0 prints a progress line every 10 s while it waits. With DP_HEARTBEAT_MS
-// set (by launch_workers) and a tcp store, the rank beats its heartbeat for the group's life.
-// An explicit nccl request on a CPU device or on ranks sharing a GPU throws with the reason.
+// within 10 s"); rank 0 prints a progress line every 10 s (timeout / 3 when shorter) while
+// it waits. With DP_HEARTBEAT_MS set (by launch_workers) and a tcp store, the rank beats its
+// heartbeat for the group's life. An explicit nccl request on a CPU device or on ranks sharing
+// a GPU throws with the reason.
 std::unique_ptr<ProcessGroup> init_process_group(const InitOptions& options);
 
 }  // namespace dp::dist
