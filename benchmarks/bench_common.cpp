@@ -93,6 +93,10 @@ void add_flags(CLI::App& app, Options& o) {
   app.add_option("--max-local-ranks", o.max_local_ranks,
                  "DDP: most ranks to start on this node (default: from its cores and memory)")
       ->check(whole_number(1, kMaxDevices));
+  app.add_option("--timeout", o.timeout_s,
+                 "DDP: seconds the rendezvous and each collective may take (default: DP_TIMEOUT, "
+                 "else 60 s to rendezvous and 300 s per collective)")
+      ->check(dp::cli::positive_number(604800));
   app.add_option("--optim", o.optim, "sgd (momentum 0.9) | adamw")
       ->check(CLI::IsMember({"sgd", "adamw"}));
   app.add_option("--zero", o.zero, "DDP: 1 shards the optimizer state across ranks (ZeRO-1)")

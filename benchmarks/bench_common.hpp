@@ -36,7 +36,8 @@ struct Options {
   // DDP across nodes: every node runs dp_bench with the same flags and its own --node-rank.
   int nnodes = 1, node_rank = 0;
   std::string master_addr = "127.0.0.1";
-  int master_port = 0;                 // 0: a free one (one node)
+  int master_port = 0;   // 0: a free one (one node)
+  double timeout_s = 0;  // DDP rendezvous and collectives; 0: DP_TIMEOUT or the defaults
   std::optional<int> max_local_ranks;  // DDP: unset: dp::dist::local_rank_limit()
   std::string optim = "sgd";           // sgd (momentum 0.9) or adamw
   int zero = 0;                        // DDP: 1 shards the optimizer state (ZeRO stage 1)

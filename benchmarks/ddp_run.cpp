@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -152,7 +153,8 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   dp::dist::DdpOptions ddp_options;
   ddp_options.bucket_cap_bytes = static_cast<int64_t>(o.bucket_cap_mb * (1 << 20));
   ddp_options.first_bucket_bytes = static_cast<int64_t>(o.first_bucket_mb * (1 << 20));
-  dp::dist::DdpTrainer trainer(s.type, o.backend, ddp_options);
+  dp::dist::DdpTrainer trainer(s.type, o.backend, ddp_options,
+                               std::chrono::milliseconds(std::llround(o.timeout_s * 1000)));
   int n = external ? trainer.world_size() : std::atoi(n_env);
   DP_CHECK(trainer.world_size() == n, "dp_bench worker: world size " << trainer.world_size()
                                                                      << " but " << n

@@ -70,11 +70,25 @@ std::string output_file_problem(const std::string& path) {
     return "cannot write '" + path + "': its directory '" + dir + "' " +
            (errno == ENOENT ? std::string("does not exist") : std::strerror(errno));
   if (!S_ISDIR(ds.st_mode)) return "cannot write '" + path + "': '" + dir + "' is not a directory";
-  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0) return "cannot create '" + path + "': " + std::strerror(errno);
-  ::close(fd);
-  ::unlink(path.c_str());  // only a probe: the run writes the file at its end
-  return "";
+  // A probe, created and removed: the run writes the file at its end. DDP ranks parse the same
+  // flags at once, so another process may hold the probe right now (EEXIST): then the file is
+  // checked as an existing one, and the probe tried again if it went away meanwhile.
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd >= 0) {
+      ::close(fd);
+      ::unlink(path.c_str());
+      return "";
+    }
+    if (errno != EEXIST) return "cannot create '" + path + "': " + std::strerror(errno);
+    fd = ::open(path.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd >= 0) {
+      ::close(fd);
+      return "";
+    }
+    if (errno != ENOENT) return "'" + path + "' cannot be written: " + std::strerror(errno);
+  }
+  return "cannot create '" + path + "': it keeps appearing and vanishing";
 }
 
 }  // namespace

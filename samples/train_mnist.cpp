@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -47,6 +48,7 @@ struct Flags {
   int nnodes = 1, node_rank = 0, master_port = 0;
   std::string master_addr = "127.0.0.1";
   std::optional<int> max_local_ranks;  // ddp; unset: dp::dist::local_rank_limit()
+  double timeout_s = 0;  // ddp rendezvous and collectives; 0: DP_TIMEOUT or the defaults
 };
 
 constexpr int kMaxDevices = 1024;
@@ -138,6 +140,10 @@ int main(int argc, char** argv) {
   app.add_option("--max-local-ranks", f.max_local_ranks,
                  "ddp: most ranks to start on this node (default: from its cores and memory)")
       ->check(whole_number(1, kMaxDevices));
+  app.add_option("--timeout", f.timeout_s,
+                 "ddp: seconds the rendezvous and each collective may take (default: DP_TIMEOUT, "
+                 "else 60 s to rendezvous and 300 s per collective)")
+      ->check(dp::cli::positive_number(604800));
   app.add_option("--limit-batches", f.limit_batches,
                  "stop each epoch after this many batches (smoke runs)")
       ->check(whole_number(1, std::numeric_limits<int64_t>::max()));
@@ -187,7 +193,9 @@ int main(int argc, char** argv) {
     std::unique_ptr<dp::dist::DdpTrainer> ddp;
     Device home = devices[0];
     if (f.mode == "ddp") {
-      ddp = std::make_unique<dp::dist::DdpTrainer>(type, f.backend);
+      ddp = std::make_unique<dp::dist::DdpTrainer>(
+          type, f.backend, dp::dist::DdpOptions{},
+          std::chrono::milliseconds(std::llround(f.timeout_s * 1000)));
       home = ddp->device();
     }
     model->materialize(home, f.seed);

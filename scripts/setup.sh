@@ -10,6 +10,7 @@ packages=(
   libopenmpi-dev openmpi-bin
   dataset-fashion-mnist
   gnuplot-nox
+  clang-14 libclang-rt-14-dev
 )
 missing=()
 for p in "${packages[@]}"; do
@@ -25,5 +26,6 @@ if [ ${#missing[@]} -gt 0 ]; then
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
+# clang-14 and libclang-rt-14-dev (libFuzzer, ASan, UBSan) build the fuzz targets (tests/fuzz).
 # The CUDA toolkit is not a Debian package here: when nvcc is on PATH or under
 # /usr/local/cuda the build compiles the CUDA backend, otherwise it builds CPU-only.

@@ -5,6 +5,9 @@
 //   die          rank 1 kills itself with SIGKILL after 300 ms; the others sleep
 //   exit3        rank 1 exits with status 3 after 200 ms; the others sleep
 //   stubborn     everyone ignores SIGTERM; rank 1 exits with status 5 after 200 ms
+//   hang         env:// Gloo group; rank --hang-rank (1) stops itself (SIGSTOP), the others wait
+//                in a barrier
+// --hold-ms T: collectives wait T ms after joining the group (a job that stays up a while).
 #include <signal.h>
 #include <unistd.h>
 
@@ -37,11 +40,25 @@ void sleep_forever() {
   for (int i = 0; i < 600; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
 }
 
-int run_collectives(const WorkerEnv& w) {
+int run_hang(const WorkerEnv& w, int hang_rank) {
+  InitOptions o;
+  o.backend = Backend::gloo;
+  o.timeout = std::chrono::seconds(60);
+  auto pg = init_process_group(o);
+  // The launcher's watch tells a store that stopped answering (rank 0 hung) from one not up
+  // yet only after one answered poll: hang once it has had a few poll intervals for that.
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  if (w.rank == hang_rank) ::raise(SIGSTOP);
+  pg->barrier()->wait();
+  return 0;
+}
+
+int run_collectives(const WorkerEnv& w, int hold_ms) {
   InitOptions o;
   o.backend = Backend::gloo;
   o.timeout = std::chrono::seconds(30);
   auto pg = init_process_group(o);
+  std::this_thread::sleep_for(std::chrono::milliseconds(hold_ms));
   const int n = pg->size(), r = pg->rank();
   if (n != w.world_size || r != w.rank) return 1;
   Tensor t = Tensor::from_vector(std::vector<float>(1000, float(r + 1)), {1000});
@@ -78,7 +95,7 @@ int main(int argc, char** argv) {
   CLI::App app("dist_worker: launcher test helper");
   std::string mode = "collectives", pid_dir;
   LaunchOptions lo;
-  int grace_ms = 3000;
+  int grace_ms = 3000, hold_ms = 0, hang_rank = 1;
   app.add_option("--mode", mode);
   app.add_option("--pid-dir", pid_dir);
   app.add_option("--nproc", lo.nproc_per_node);
@@ -88,6 +105,8 @@ int main(int argc, char** argv) {
   app.add_option("--master-port", lo.master_port);
   app.add_option("--grace-ms", grace_ms);
   app.add_option("--max-local-ranks", lo.max_local_ranks);
+  app.add_option("--hold-ms", hold_ms);
+  app.add_option("--hang-rank", hang_rank);
   CLI11_PARSE(app, argc, argv);
   lo.grace_period = std::chrono::milliseconds(grace_ms);
 
@@ -95,7 +114,8 @@ int main(int argc, char** argv) {
     std::optional<WorkerEnv> w = worker_env_from_environment();
     if (!w) return launch_workers(lo, std::vector<std::string>(argv, argv + argc));
     write_pid(pid_dir, w->rank);
-    if (mode == "collectives") return run_collectives(*w);
+    if (mode == "collectives") return run_collectives(*w, hold_ms);
+    if (mode == "hang") return run_hang(*w, hang_rank);
     if (mode == "stubborn") ::signal(SIGTERM, SIG_IGN);
     if (w->rank == 1) {
       std::this_thread::sleep_for(std::chrono::milliseconds(mode == "die" ? 300 : 200));

@@ -3,10 +3,12 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <set>
 #include <sstream>
 
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
@@ -352,6 +354,26 @@ TEST_CASE("bench.cli: ranks started by an external launcher join and rank 0 repo
   CHECK(external["losses"] == launched["losses"]);
   std::remove(json.c_str());
   std::remove(ref.c_str());
+}
+
+TEST_CASE("ddp.timeout: dp_bench --timeout names the rank that never joined") {
+  // WORLD_SIZE=2 with only rank 0 started: it names rank 1 after 2 s instead of waiting 300 s.
+  int port = 20000 + static_cast<int>((getpid() + 104729) % 20000);
+  std::string out = temp_path("timeout.txt");
+  std::string cmd =
+      "WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
+      " RANK=0 LOCAL_RANK=0 timeout 60 " + std::string(DP_BENCH_PATH) +
+      " --device cpu --mode ddp --steps 1 --warmup 0 --batch 8 --timeout 2 > " + out + " 2>&1";
+  int rc = std::system(cmd.c_str());
+  std::ifstream in(out);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::remove(out.c_str());
+  CHECK(rc != 0);
+  CHECK(WEXITSTATUS(rc) != 124);  // not the outer `timeout 60`
+  CHECK_MESSAGE(text.find("rank 1 of 2 never joined within 2 s") != std::string::npos, text);
+  // While it waits, rank 0 says for whom (every timeout / 3 here, every 10 s by default).
+  CHECK_MESSAGE(text.find("1 of 2 ranks joined; waiting for rank 1") != std::string::npos, text);
+  CHECK(run_bench("--device cpu --mode ddp --timeout 0") != 0);  // a zero timeout is refused
 }
 
 TEST_CASE("bench.cli: bad flags give a clear error") {

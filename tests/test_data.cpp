@@ -1,5 +1,6 @@
 // dp::data: IDX reader (good, truncated, corrupt files), MNIST-format and synthetic data sets,
 // and the prefetching loader (determinism, coverage, drop_last, shutdown, error propagation).
+#include <sys/resource.h>
 #include <zlib.h>
 
 #include <unistd.h>
@@ -305,6 +306,54 @@ TEST_CASE("data.mnist: count mismatch and bad labels and missing files name the 
   CHECK_ERROR_HAS(msg, nowhere);
   CHECK_ERROR_HAS(msg, "dataset-fashion-mnist");
   CHECK_ERROR_HAS(msg, "--data DIR");
+}
+
+TEST_CASE("data.idx: a header declaring more than the file can hold fails before the body") {
+  TempDir dir;
+  // 60000 x 28 x 28 declared, 1000 bytes given: a plain file says so from its size, a gzip
+  // file from deflate's maximum ratio (a 1 KB stream cannot expand to 47 MB).
+  auto bytes = idx_bytes({60000, 28, 28}, ramp(1000));
+  std::string plain = dir.file("liar"), gz = dir.file("liar.gz");
+  write_bytes(plain, bytes, Compression::none);
+  write_bytes(gz, bytes, Compression::gzip);
+  std::string msg = error_of([&] { read_idx(plain); });
+  CHECK_ERROR_HAS(msg, plain);
+  CHECK_ERROR_HAS(msg, "truncated: expected 47040000 bytes of data, got 1000");
+  for (auto* read : {&read_idx, &read_idx_header}) {
+    msg = error_of([&] { (*read)(gz); });
+    CHECK_ERROR_HAS(msg, gz);
+    CHECK_ERROR_HAS(msg, "declares 60000 x 28 x 28 = 47040000 bytes of data, more than a");
+    CHECK_ERROR_HAS(msg, "deflate's maximum ratio of 1032:1");
+  }
+  CHECK_ERROR_HAS(error_of([&] { read_idx("/dev/zero"); }), "not a regular file");
+  // A consistent file's header reads without its body.
+  write_bytes(plain, idx_bytes({10, 2}, ramp(20)), Compression::gzip);
+  IdxArray h = read_idx_header(plain);
+  CHECK(h.dims == std::vector<int64_t>{10, 2});
+  CHECK(h.bytes.empty());
+}
+
+TEST_CASE("data.mnist: a 4 MB .gz whose header claims 5.4 M images fails at once") {
+  TempDir dir;
+  // 4 MB of incompressible pixels behind a header claiming 5,400,000 images; 60000 labels.
+  std::vector<uint8_t> noise(4u << 20);
+  std::mt19937 gen(7);
+  for (auto& b : noise) b = static_cast<uint8_t>(gen());
+  write_bytes(dir.file("train-images-idx3-ubyte.gz"), idx_bytes({5400000, 28, 28}, noise),
+              Compression::gzip);
+  std::vector<uint8_t> labels(60000);
+  for (size_t i = 0; i < labels.size(); ++i) labels[i] = static_cast<uint8_t>(i % 10);
+  write_bytes(dir.file("train-labels-idx1-ubyte.gz"), idx_bytes({60000}, labels),
+              Compression::gzip);
+  rusage before{}, after{};
+  getrusage(RUSAGE_SELF, &before);
+  std::string msg = error_of([&] { MnistDataset(dir.path.string(), Split::train); });
+  getrusage(RUSAGE_SELF, &after);
+  CHECK_ERROR_HAS(msg, "image/label count mismatch");
+  CHECK_ERROR_HAS(msg, "5400000 images");
+  CHECK_ERROR_HAS(msg, "60000 labels");
+  // The old reader decompressed the body first: 4.4 GB and 17 s.
+  CHECK(after.ru_maxrss - before.ru_maxrss < 64 * 1024);
 }
 
 TEST_CASE("data.mnist: the installed Fashion-MNIST loads with the right sizes") {

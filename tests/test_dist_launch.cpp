@@ -6,9 +6,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <fcntl.h>
+
+#include <filesystem>
 #include <fstream>
+#include <iterator>
 
 #include "dp/distributed/launcher.hpp"
+#include "dp/distributed/socket.hpp"
 #include "tests/process_util.hpp"
 #include "tests/test_dist_util.hpp"
 
@@ -54,6 +59,66 @@ pid_t spawn_launcher(const std::vector<std::string>& args) {
   pid_t pid = dp_test::spawn(all);
   REQUIRE(pid > 0);
   return pid;
+}
+
+struct Finished {
+  int status = -1;  // wait status, -1 when it ran past its time (then killed)
+  std::string output;
+};
+
+// Starts dist_worker as a launcher with `args` and `extra_env` added to this environment,
+// stdout and stderr to a file under `dir`. wait() collects it (bounded by `within`).
+struct CapturedLauncher {
+  pid_t pid = -1;
+  std::string log;
+  CapturedLauncher(const std::string& dir, const std::string& name,
+                   const std::vector<std::string>& args,
+                   const std::vector<std::string>& extra_env = {}) {
+    log = dir + "/" + name + ".log";
+    std::vector<std::string> all = {kWorker};
+    all.insert(all.end(), args.begin(), args.end());
+    std::vector<char*> argv;
+    for (auto& a : all) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    std::vector<std::string> env_strings = extra_env;
+    for (char** e = environ; *e; ++e) env_strings.push_back(*e);
+    std::vector<char*> envp;
+    for (auto& e : env_strings) envp.push_back(const_cast<char*>(e.c_str()));
+    envp.push_back(nullptr);
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    posix_spawn_file_actions_adddup2(&fa, 1, 2);
+    int rc = posix_spawn(&pid, kWorker.c_str(), &fa, nullptr, argv.data(), envp.data());
+    posix_spawn_file_actions_destroy(&fa);
+    REQUIRE(rc == 0);
+  }
+  Finished wait(std::chrono::milliseconds within) {
+    Finished f;
+    f.status = wait_child(pid, within);
+    std::ifstream in(log);
+    f.output.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    MESSAGE(log << ":\n" << f.output);
+    return f;
+  }
+};
+
+struct RemoveDir {
+  std::string path;
+  ~RemoveDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+};
+
+bool exited_with(int status, int code) {
+  return status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == code;
+}
+
+int count_of(const std::string& text, const std::string& part) {
+  int n = 0;
+  for (auto at = text.find(part); at != std::string::npos; at = text.find(part, at + 1)) ++n;
+  return n;
 }
 
 }  // namespace
@@ -202,4 +267,50 @@ TEST_CASE("dist.launcher: SIGINT while workers start stops them all, workers car
     if (f >> pid) started.push_back(static_cast<pid_t>(pid));
   }
   CHECK(all_gone_within(started, 5s));
+}
+
+TEST_CASE("dist.store: two jobs on one master port: the second fails clearly, the first finishes") {
+  std::string dir = dist_test::make_temp_dir("twojobs");
+  RemoveDir cleanup{dir};
+  const std::string port = std::to_string(find_free_port());
+  // Job A joins, holds its group for 3 s, then runs its collectives.
+  CapturedLauncher a(dir, "a",
+                     {"--mode", "collectives", "--nproc", "3", "--master-port", port, "--hold-ms",
+                      "3000", "--pid-dir", dir});
+  REQUIRE(wait_for_pids(dir, 3, 20s).size() == 3);
+  // Once a connection succeeds, A's rank 0 owns the port.
+  net::connect_tcp("127.0.0.1", std::stoi(port), Clock::now() + 20s);
+  // Job B on the same port: its rank 0 cannot bind, its ranks 1 and 2 reach A's store.
+  CapturedLauncher b(dir, "b", {"--mode", "collectives", "--nproc", "3", "--master-port", port});
+  Finished fb = b.wait(30s);
+  Finished fa = a.wait(30s);
+  CHECK(fb.status != -1);
+  CHECK_FALSE(exited_with(fb.status, 0));
+  CHECK(fb.output.find("another job") != std::string::npos);
+  CHECK(exited_with(fa.status, 0));  // undisturbed
+  CHECK(count_of(fa.output, "collectives ok") == 3);
+}
+
+TEST_CASE("dist.launch: a hung rank (SIGSTOP) is named by its heartbeat and the job stopped") {
+  for (int hung : {1, 0}) {  // rank 0 also hosts the store: its silence is the store's
+    CAPTURE(hung);
+    std::string dir = dist_test::make_temp_dir("hung");
+    RemoveDir cleanup{dir};
+    CapturedLauncher l(
+        dir, "hung",
+        {"--mode", "hang", "--hang-rank", std::to_string(hung), "--nproc", "3", "--pid-dir", dir},
+        {"DP_HEARTBEAT_TIMEOUT=2"});
+    Finished f = l.wait(40s);  // the barrier's own timeout is 60 s
+    CHECK(exited_with(f.status, 1));
+    std::vector<pid_t> pids = wait_for_pids(dir, 3, 1s);
+    REQUIRE(pids.size() == 3);
+    const std::string who = "rank " + std::to_string(hung) + " (local rank " +
+                            std::to_string(hung) + ", pid " + std::to_string(pids[hung]) +
+                            ") sent no heartbeat for ";
+    CHECK(f.output.find(who) != std::string::npos);
+    CHECK(f.output.find("killed it and stopped the other 2 worker(s)") != std::string::npos);
+    if (hung == 0)
+      CHECK(f.output.find("the store it hosts stopped answering") != std::string::npos);
+    CHECK(all_gone_within(pids, 2s));  // no orphans, the stopped one included
+  }
 }

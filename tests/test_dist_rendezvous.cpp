@@ -253,3 +253,65 @@ TEST_CASE("dist.rendezvous: groups meet through env://, tcp:// and file://") {
     });
   }
 }
+
+namespace {
+
+// Runs init_process_group on `ranks` threads of a tcp:// job of `world` ranks (a free port,
+// DP_TIMEOUT from `timeout_env`); returns each thread's error message ("" when it joined).
+std::vector<std::string> join_partial(const std::vector<int>& ranks, int world,
+                                      const std::string& timeout_env) {
+  const int port = find_free_port();
+  std::vector<std::string> errors(ranks.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < ranks.size(); ++i)
+    threads.emplace_back([&, i] {
+      errors[i] = error_of([&] {
+        InitOptions o;
+        o.backend = Backend::gloo;
+        o.init_method = "tcp://127.0.0.1:" + std::to_string(port);
+        o.rank = ranks[i];
+        o.world_size = world;
+        o.env = map_env({{"DP_TIMEOUT", timeout_env}});  // o.timeout 0: the variable decides
+        init_process_group(o);
+      });
+    });
+  for (auto& t : threads) t.join();
+  return errors;
+}
+
+}  // namespace
+
+TEST_CASE("dist.rendezvous: a rank that never joins is named when DP_TIMEOUT runs out") {
+  // WORLD_SIZE=3 with only ranks 0 and 1 started: both name rank 2, after 1.5 s, not 300.
+  for (const std::string& e : join_partial({0, 1}, 3, "1.5")) {
+    CHECK_MESSAGE(e.find("rank 2 of 3 never joined within 1.5 s") != std::string::npos, e);
+    CHECK_MESSAGE(e.find("2 of 3 arrived") != std::string::npos, e);
+  }
+  // Several missing ranks are listed; rank 0 missing means no store at all.
+  for (const std::string& e : join_partial({1}, 4, "1"))
+    CHECK_MESSAGE(e.find("rank 0 of 4 never joined within 1 s: no store server answered") !=
+                      std::string::npos,
+                  e);
+  for (const std::string& e : join_partial({0}, 4, "1"))
+    CHECK_MESSAGE(e.find("ranks 1, 2, 3 of 4 never joined within 1 s") != std::string::npos, e);
+  // A bad DP_TIMEOUT is refused before anything waits.
+  for (const std::string& e : join_partial({0}, 2, "soon"))
+    CHECK_MESSAGE(e.find("DP_TIMEOUT='soon' is not a number of seconds") != std::string::npos, e);
+  for (const std::string& e : join_partial({0}, 2, "0"))
+    CHECK_MESSAGE(e.find("DP_TIMEOUT=0 s is not in [0.001, 604800] seconds") != std::string::npos,
+                  e);
+}
+
+TEST_CASE("dist.rendezvous: job tokens come from DP_JOB_TOKEN, else a launcher's job id") {
+  CHECK(job_token_from_env(map_env({{"DP_JOB_TOKEN", "t1"}, {"DP_JOB_ID", "9"}})) == "t1");
+  CHECK(job_token_from_env(map_env({{"TORCHELASTIC_RUN_ID", "r7"}})) == "id:r7");
+  CHECK(job_token_from_env(map_env({{"SLURM_JOB_ID", "1234"}})) == "id:1234");
+  CHECK(job_token_from_env(map_env({})).empty());
+  auto spec =
+      parse_init_method("tcp://h:1?rank=0&world_size=1", -1, -1, map_env({{"DP_JOB_ID", "abc"}}));
+  CHECK(spec.job_token == "id:abc");
+  CHECK(error_of([] {
+          parse_init_method("tcp://h:1?rank=0&world_size=1", -1, -1,
+                            map_env({{"DP_JOB_TOKEN", std::string(300, 'x')}}));
+        }).find("at most 256") != std::string::npos);
+}

@@ -266,3 +266,33 @@ TEST_CASE("dist.store: PrefixStore keeps namespaces apart") {
   std::string err = error_of([&] { a.get("missing"); });
   CHECK(err.find("a/missing") != std::string::npos);
 }
+
+TEST_CASE("dist.store: a client of another job is refused and the job's keys stay untouched") {
+  TcpStore ours("127.0.0.1", 0, StoreRole::server, 5s, JobIdentity{"job-a", 0});
+  ours.set("weights", bytes("A"));
+  TcpStore peer("127.0.0.1", ours.port(), StoreRole::client, 5s, JobIdentity{"job-a", 1});
+  CHECK(peer.get_string("weights") == "A");
+
+  // A rank of job B, with its own token: refused at connect, before any request.
+  std::string e = error_of([&] {
+    TcpStore("127.0.0.1", ours.port(), StoreRole::client, 5s, JobIdentity{"job-b", 1});
+  });
+  CHECK_MESSAGE(e.find("belongs to another job") != std::string::npos, e);
+  CHECK_MESSAGE(e.find("MASTER_PORT") != std::string::npos, e);
+  // A client without the token's hello (an old or foreign client): its set never lands.
+  auto deadline = [] { return net::Clock::now() + 2s; };
+  net::Socket s = net::connect_tcp("127.0.0.1", ours.port(), deadline());
+  auto frame = wire::Writer(wire::kSet).str("weights").str("B").finish();
+  net::send_all(s.fd(), frame.data(), frame.size(), deadline(), "set");
+  char h[wire::kHeaderBytes];
+  net::recv_all(s.fd(), h, sizeof h, deadline(), "reply");
+  CHECK(wire::parse_header(h).opcode == wire::kError);
+  CHECK(closed_by_peer(s.fd(), 2s));
+
+  CHECK(ours.get_string("weights") == "A");  // the running job is undisturbed
+  CHECK(peer.add("step", 1) == 1);
+  CHECK(ours.server()->rejected_connections() == 2);
+  // An empty token on our side cannot pass either.
+  e = error_of([&] { TcpStore("127.0.0.1", ours.port(), StoreRole::client, 5s); });
+  CHECK_MESSAGE(e.find("belongs to another job") != std::string::npos, e);
+}

@@ -87,20 +87,41 @@ int64_t IdxArray::item_size() const {
   return n;
 }
 
-IdxArray read_idx(const std::string& path) {
+namespace {
+
+// What the file on disk is: its size and whether it holds a gzip stream (by its first bytes).
+struct RawFile {
+  uint64_t size = 0;
+  bool gzip = false;
+};
+
+RawFile inspect(const std::string& path) {
   std::error_code ec;
   DP_CHECK(std::filesystem::exists(path, ec), path << ": no such file");
   DP_CHECK(!std::filesystem::is_directory(path, ec), path << ": is a directory, not an IDX file");
-  errno = 0;
-  GzHandle file(gzopen(path.c_str(), "rb"));
-  DP_CHECK(file != nullptr,
-           path << ": cannot open: " << (errno ? std::strerror(errno) : "out of memory"));
-  gzFile f = file.get();
-  gzbuffer(f, 1u << 20);
+  DP_CHECK(std::filesystem::is_regular_file(path, ec),
+           path << ": not a regular file (a device, FIFO or socket), not an IDX file");
+  RawFile raw;
+  raw.size = std::filesystem::file_size(path, ec);
+  DP_CHECK(!ec, path << ": cannot read its size: " << ec.message());
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  DP_CHECK(f != nullptr, path << ": cannot open: " << std::strerror(errno));
+  unsigned char two[2] = {0, 0};
+  size_t got = std::fread(two, 1, 2, f);
+  std::fclose(f);
+  raw.gzip = got == 2 && two[0] == 0x1f && two[1] == 0x8b;
+  return raw;
+}
 
-  IdxArray out;
-  out.path = path;
+std::string dims_text(const std::vector<int64_t>& dims) {
+  std::ostringstream os;
+  for (size_t k = 0; k < dims.size(); ++k) os << (k ? " x " : "") << dims[k];
+  return os.str();
+}
 
+// Reads the magic and dims from `f` (at the start of the stream) into out.dims; returns the
+// header's size in bytes. Throws on a bad or absurd header.
+size_t read_header(gzFile f, const std::string& path, IdxArray& out) {
   uint8_t magic[4];
   size_t got = read_some(f, path, magic, 4);
   DP_CHECK(got == 4, path << ": truncated header: expected a 4-byte magic number, got " << got
@@ -131,13 +152,64 @@ IdxArray read_idx(const std::string& path) {
     DP_CHECK(size > 0, path << ": dimension " << d << " of " << ndims << " is zero");
     out.dims.push_back(size);
     if (size > kMaxIdxBytes / total) {
-      std::ostringstream dims;
-      for (size_t k = 0; k < out.dims.size(); ++k) dims << (k ? " x " : "") << out.dims[k];
-      DP_THROW(path << ": absurd dimensions " << dims.str() << (d + 1 < ndims ? " x ..." : "")
-                    << ": more than " << kMaxIdxBytes << " bytes of data; corrupt header?");
+      DP_THROW(path << ": absurd dimensions " << dims_text(out.dims)
+                    << (d + 1 < ndims ? " x ..." : "") << ": more than " << kMaxIdxBytes
+                    << " bytes of data; corrupt header?");
     }
     total *= size;
   }
+  return 4 + header.size();
+}
+
+// Throws when the data the header declares cannot be in a file of raw.size bytes: more than
+// the rest of a plain file, or more than deflate's maximum ratio allows for a gzip file.
+void check_plausible(const std::string& path, const RawFile& raw, size_t header_bytes,
+                     const IdxArray& a) {
+  const uint64_t data = static_cast<uint64_t>(a.count()) * static_cast<uint64_t>(a.item_size());
+  if (!raw.gzip) {
+    const uint64_t have = raw.size > header_bytes ? raw.size - header_bytes : 0;
+    DP_CHECK(data <= have, path << ": truncated: expected " << data << " bytes of data, got "
+                                << have << " (dims " << dims_text(a.dims) << ", a " << raw.size
+                                << "-byte file)");
+    return;
+  }
+  const uint64_t bound = raw.size * kMaxDeflateRatio + 4096;
+  DP_CHECK(header_bytes + data <= bound, path << ": the header declares " << dims_text(a.dims)
+                                              << " = " << data << " bytes of data, more than a "
+                                              << raw.size << "-byte gzip file can hold (at most "
+                                              << bound << " at deflate's maximum ratio of "
+                                              << kMaxDeflateRatio << ":1); corrupt header?");
+}
+
+// Opens `path` and reads its header into out (path, dims), refusing an implausible one;
+// returns the stream positioned at the first data byte.
+GzHandle open_with_header(const std::string& path, IdxArray& out) {
+  RawFile raw = inspect(path);
+  errno = 0;
+  GzHandle file(gzopen(path.c_str(), "rb"));
+  DP_CHECK(file != nullptr,
+           path << ": cannot open: " << (errno ? std::strerror(errno) : "out of memory"));
+  // Large buffers pay off on data sets; small files keep zlib's default (8 KiB).
+  if (raw.size > (1u << 20)) gzbuffer(file.get(), 1u << 20);
+  out.path = path;
+  size_t header_bytes = read_header(file.get(), path, out);
+  check_plausible(path, raw, header_bytes, out);
+  return file;
+}
+
+}  // namespace
+
+IdxArray read_idx_header(const std::string& path) {
+  IdxArray out;
+  open_with_header(path, out);
+  return out;
+}
+
+IdxArray read_idx(const std::string& path) {
+  IdxArray out;
+  GzHandle file = open_with_header(path, out);
+  gzFile f = file.get();
+  const int64_t total = out.count() * out.item_size();
 
   // Grows the buffer as data arrives, so that a lying header cannot make us allocate 4 GiB.
   size_t expected = static_cast<size_t>(total);

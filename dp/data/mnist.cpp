@@ -39,9 +39,9 @@ MnistDataset::MnistDataset(const std::string& dir, Split split, MnistOptions opt
   images_path_ = find_file(dir, prefix + "-images-idx3-ubyte");
   labels_path_ = find_file(dir, prefix + "-labels-idx1-ubyte");
 
-  IdxArray images, labels;
-  tbb::parallel_invoke([&] { images = read_idx(images_path_); },
-                       [&] { labels = read_idx(labels_path_); });
+  // The headers first: files that disagree are refused before either body is read.
+  IdxArray images = read_idx_header(images_path_);
+  IdxArray labels = read_idx_header(labels_path_);
   DP_CHECK(images.dims.size() == 3, images_path_ << ": expected 3 dims (count, rows, cols) for "
                                                  << "images, got " << images.dims.size());
   DP_CHECK(labels.dims.size() == 1,
@@ -50,6 +50,11 @@ MnistDataset::MnistDataset(const std::string& dir, Split split, MnistOptions opt
            "image/label count mismatch: " << images_path_ << " has " << images.count()
                                           << " images, " << labels_path_ << " has "
                                           << labels.count() << " labels");
+  tbb::parallel_invoke([&] { images = read_idx(images_path_); },
+                       [&] { labels = read_idx(labels_path_); });
+  // The files may have changed between the two reads.
+  DP_CHECK(images.dims.size() == 3 && labels.dims.size() == 1 && images.count() == labels.count(),
+           images_path_ << " or " << labels_path_ << " changed while being read");
   for (size_t i = 0; i < labels.bytes.size(); ++i)
     DP_CHECK(labels.bytes[i] < num_classes(),
              labels_path_ << ": label " << int{labels.bytes[i]} << " at index " << i

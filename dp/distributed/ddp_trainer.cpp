@@ -30,7 +30,8 @@ std::optional<int> launch_if_parent(const DdpTrainerOptions& o, int argc, char**
   return launch_workers(lo, std::vector<std::string>(argv, argv + argc));
 }
 
-DdpTrainer::DdpTrainer(kernels::DeviceType type, const std::string& backend, DdpOptions ddp)
+DdpTrainer::DdpTrainer(kernels::DeviceType type, const std::string& backend, DdpOptions ddp,
+                       std::chrono::milliseconds timeout)
     : ddp_options_(ddp) {
   auto env = worker_env_from_environment();
   DP_CHECK(env,
@@ -48,6 +49,7 @@ DdpTrainer::DdpTrainer(kernels::DeviceType type, const std::string& backend, Ddp
   io.device = device_;
   io.rank = env_.rank;
   io.world_size = env_.world_size;
+  io.timeout = timeout;
   group_ = init_process_group(io);
 }
 

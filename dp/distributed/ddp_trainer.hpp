@@ -9,6 +9,7 @@
 // device r), scaled by its share, so DDP follows the same loss curve as DP and as one device.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <optional>
 #include <string>
@@ -48,8 +49,10 @@ class DdpTrainer {
  public:
   // Joins the group described by the environment (throws naming what is missing). The rank's
   // device is cuda:LOCAL_RANK (logical: several may share a GPU) or cpu:LOCAL_RANK, with its
-  // context bound to this thread for the trainer's life.
-  DdpTrainer(kernels::DeviceType type, const std::string& backend, DdpOptions ddp = {});
+  // context bound to this thread for the trainer's life. `timeout` bounds the rendezvous and
+  // each collective (0: DP_TIMEOUT, else the defaults of init_process_group).
+  DdpTrainer(kernels::DeviceType type, const std::string& backend, DdpOptions ddp = {},
+             std::chrono::milliseconds timeout = {});
   ~DdpTrainer();
 
   int rank() const { return env_.rank; }

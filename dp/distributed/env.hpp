@@ -2,6 +2,7 @@
 // with per-rank variables while ranks run as threads of one process.
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <map>
 #include <optional>
@@ -26,5 +27,14 @@ inline EnvLookup env_or_process(const EnvLookup& env) {
 std::optional<int> env_int(const EnvLookup& env, const std::string& name, int lo, int hi);
 // Parses a whole decimal integer in [lo, hi]; throws naming `what` and the text otherwise.
 int parse_int(const std::string& text, int lo, int hi, const std::string& what);
+
+// The longest timeout accepted anywhere (a week).
+constexpr std::chrono::milliseconds kMaxTimeout = std::chrono::hours(24 * 7);
+// Parses seconds ("10", "0.5") in (0, kMaxTimeout]; throws naming `what` and the text otherwise.
+std::chrono::milliseconds parse_seconds(const std::string& text, const std::string& what);
+// Variable `name` as seconds (parse_seconds), nullopt when unset.
+std::optional<std::chrono::milliseconds> env_seconds(const EnvLookup& env, const std::string& name);
+// "10 s", "0.5 s": a duration as messages print it.
+std::string seconds_text(std::chrono::milliseconds d);
 
 }  // namespace dp::dist

@@ -13,9 +13,12 @@
 #include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <random>
 #include <set>
 #include <thread>
 
+#include "dp/distributed/heartbeat.hpp"
+#include "dp/distributed/rendezvous.hpp"
 #include "dp/distributed/socket.hpp"
 #include "kernels/runtime/error.hpp"
 #include "kernels/runtime/memory_info.hpp"
@@ -26,118 +29,6 @@ namespace dp::dist {
 
 int find_free_port(const std::string& host) {
   return net::find_free_port(host);
-}
-
-// ---- worker_env_from_environment ------------------------------------------------------------
-
-namespace {
-
-constexpr int kMaxRanks = 1 << 20;
-
-struct VarNames {
-  const char* rank;
-  const char* world;
-  const char* local_rank;
-  const char* local_world;
-};
-
-void check_consistent(const WorkerEnv& w, const VarNames& n) {
-  DP_CHECK(w.rank < w.world_size,
-           n.rank << "=" << w.rank << " is not in [0, " << n.world << "=" << w.world_size << ")");
-  DP_CHECK(w.local_world_size <= w.world_size, n.local_world << "=" << w.local_world_size
-                                                             << " exceeds " << n.world << "="
-                                                             << w.world_size);
-  DP_CHECK(w.local_rank < w.local_world_size, n.local_rank << "=" << w.local_rank
-                                                           << " is not in [0, " << n.local_world
-                                                           << "=" << w.local_world_size << ")");
-}
-
-// MASTER_ADDR / MASTER_PORT with defaults on one node; required on several.
-void read_master(WorkerEnv& w, const EnvLookup& env, bool multi_node, bool required) {
-  std::optional<std::string> addr = env("MASTER_ADDR");
-  std::optional<int> port = env_int(env, "MASTER_PORT", 1, 65535);
-  if (addr && !addr->empty())
-    w.master_addr = *addr;
-  else
-    DP_CHECK(!(required || multi_node), "MASTER_ADDR is not set ("
-                                            << w.source << " job with " << w.world_size << " ranks"
-                                            << (multi_node ? " on several nodes" : "")
-                                            << "): set it to rank 0's host");
-  if (port)
-    w.master_port = *port;
-  else
-    DP_CHECK(!required, "MASTER_PORT is not set ("
-                            << w.source << " job with " << w.world_size
-                            << " ranks): set it to a free port on rank 0's host");
-}
-
-}  // namespace
-
-std::optional<WorkerEnv> worker_env_from_environment(const EnvLookup& env_in) {
-  EnvLookup env = env_or_process(env_in);
-  WorkerEnv w;
-  if (env("RANK") || env("WORLD_SIZE")) {
-    VarNames n{"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"};
-    w.source = "torchrun";
-    std::optional<int> rank = env_int(env, "RANK", 0, kMaxRanks);
-    std::optional<int> world = env_int(env, "WORLD_SIZE", 1, kMaxRanks);
-    DP_CHECK(rank, "WORLD_SIZE is set but RANK is not");
-    DP_CHECK(world, "RANK is set but WORLD_SIZE is not");
-    w.rank = *rank;
-    w.world_size = *world;
-    std::optional<int> local_rank = env_int(env, "LOCAL_RANK", 0, kMaxRanks);
-    std::optional<int> local_world = env_int(env, "LOCAL_WORLD_SIZE", 1, kMaxRanks);
-    // Without LOCAL_* the job is taken as one node.
-    w.local_world_size = local_world ? *local_world : w.world_size;
-    w.local_rank = local_rank ? *local_rank : w.rank % w.local_world_size;
-    std::optional<int> group = env_int(env, "GROUP_RANK", 0, kMaxRanks);
-    if (!group) group = env_int(env, "NODE_RANK", 0, kMaxRanks);
-    w.node_rank = group ? *group : w.rank / w.local_world_size;
-    check_consistent(w, n);
-    read_master(w, env, w.local_world_size<w.world_size, w.world_size> 1);
-    return w;
-  }
-  if (env("OMPI_COMM_WORLD_RANK")) {
-    VarNames n{"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-               "OMPI_COMM_WORLD_LOCAL_SIZE"};
-    w.source = "mpirun";
-    w.rank = *env_int(env, n.rank, 0, kMaxRanks);
-    std::optional<int> world = env_int(env, n.world, 1, kMaxRanks);
-    DP_CHECK(world, n.rank << " is set but " << n.world << " is not");
-    w.world_size = *world;
-    std::optional<int> local_rank = env_int(env, n.local_rank, 0, kMaxRanks);
-    std::optional<int> local_world = env_int(env, n.local_world, 1, kMaxRanks);
-    w.local_rank = local_rank ? *local_rank : w.rank;
-    w.local_world_size = local_world ? *local_world : w.world_size;
-    w.node_rank = w.rank / w.local_world_size;  // mpirun's default by-slot placement
-    check_consistent(w, n);
-    read_master(w, env, w.local_world_size < w.world_size, false);
-    return w;
-  }
-  if (env("SLURM_PROCID")) {
-    VarNames n{"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"};
-    w.source = "slurm";
-    w.rank = *env_int(env, n.rank, 0, kMaxRanks);
-    std::optional<int> world = env_int(env, n.world, 1, kMaxRanks);
-    DP_CHECK(world, n.rank << " is set but " << n.world << " is not");
-    w.world_size = *world;
-    std::optional<int> local_rank = env_int(env, n.local_rank, 0, kMaxRanks);
-    w.local_rank = local_rank ? *local_rank : 0;
-    int nnodes = env_int(env, "SLURM_NNODES", 1, kMaxRanks).value_or(1);
-    // SLURM_NTASKS_PER_NODE is a plain number only with --ntasks-per-node.
-    std::optional<std::string> per_node = env("SLURM_NTASKS_PER_NODE");
-    bool plain = per_node && !per_node->empty() &&
-                 per_node->find_first_not_of("0123456789") == std::string::npos;
-    w.local_world_size = plain ? parse_int(*per_node, 1, kMaxRanks, "SLURM_NTASKS_PER_NODE")
-                               : (w.world_size + nnodes - 1) / nnodes;
-    w.node_rank = env_int(env, "SLURM_NODEID", 0, kMaxRanks).value_or(0);
-    DP_CHECK(w.node_rank < nnodes,
-             "SLURM_NODEID=" << w.node_rank << " is not in [0, SLURM_NNODES=" << nnodes << ")");
-    check_consistent(w, n);
-    read_master(w, env, nnodes > 1, false);
-    return w;
-  }
-  return std::nullopt;
 }
 
 // ---- launch_workers -------------------------------------------------------------------------
@@ -215,11 +106,28 @@ int exit_code_of(int status) {
 }
 
 bool is_worker_var(const std::string& entry) {
-  static const char* kVars[] = {"RANK=",       "WORLD_SIZE=", "LOCAL_RANK=",  "LOCAL_WORLD_SIZE=",
-                                "GROUP_RANK=", "NODE_RANK=",  "MASTER_ADDR=", "MASTER_PORT="};
+  static const char* kVars[] = {
+      "RANK=",      "WORLD_SIZE=",  "LOCAL_RANK=",  "LOCAL_WORLD_SIZE=", "GROUP_RANK=",
+      "NODE_RANK=", "MASTER_ADDR=", "MASTER_PORT=", "DP_JOB_TOKEN=",     "DP_HEARTBEAT_MS="};
   for (const char* v : kVars)
     if (entry.rfind(v, 0) == 0) return true;
   return false;
+}
+
+// The token the workers of this launch present to the store (see launch_workers).
+std::string launch_job_token(const LaunchOptions& o) {
+  std::string token = job_token_from_env({});
+  if (!token.empty() && token.rfind("id:", 0) != 0) return token;  // DP_JOB_TOKEN given
+  if (o.nnodes > 1) return token;  // every node must agree: only an id they share will do
+  std::random_device rd;
+  char buf[33];
+  std::snprintf(buf, sizeof buf, "%08x%08x%08x%08x", rd(), rd(), rd(), rd());
+  return std::string("launch:") + buf;
+}
+
+std::chrono::milliseconds heartbeat_timeout_of(const LaunchOptions& o) {
+  if (o.heartbeat_timeout.count() > 0) return o.heartbeat_timeout;
+  return env_seconds(process_env(), "DP_HEARTBEAT_TIMEOUT").value_or(std::chrono::seconds(5));
 }
 
 void signal_all(std::vector<Child>& children, int sig) {
@@ -279,10 +187,9 @@ void check_local_ranks(int nproc, std::optional<int> max_local_ranks) {
   if (max_local_ranks) {
     DP_CHECK(*max_local_ranks >= 1,
              "launch_workers: max_local_ranks=" << *max_local_ranks << " must be >= 1");
-    DP_CHECK(nproc <= *max_local_ranks, "launch_workers: " << nproc
-                                                           << " ranks on this node is more than the "
-                                                           << *max_local_ranks
-                                                           << " allowed by --max-local-ranks");
+    DP_CHECK(nproc <= *max_local_ranks,
+             "launch_workers: " << nproc << " ranks on this node is more than the "
+                                << *max_local_ranks << " allowed by --max-local-ranks");
     return;
   }
   LocalRankLimit limit = local_rank_limit();
@@ -312,6 +219,10 @@ int launch_workers(const LaunchOptions& o, const std::vector<std::string>& argv)
   }
   const int world = o.nnodes * o.nproc_per_node;
   const std::string program = o.program.empty() ? self_program() : o.program;
+  const std::string job_token = launch_job_token(o);
+  const std::chrono::milliseconds hb_timeout = heartbeat_timeout_of(o);
+  const std::chrono::milliseconds hb_interval = std::clamp<std::chrono::milliseconds>(
+      hb_timeout / 5, std::chrono::milliseconds(50), std::chrono::seconds(1));
 
   // Everything the children need is built before the first fork: after fork() the child only
   // makes async-signal-safe calls.
@@ -343,6 +254,8 @@ int launch_workers(const LaunchOptions& o, const std::vector<std::string>& argv)
     env.push_back("GROUP_RANK=" + std::to_string(o.node_rank));
     env.push_back("MASTER_ADDR=" + o.master_addr);
     env.push_back("MASTER_PORT=" + std::to_string(port));
+    if (!job_token.empty()) env.push_back("DP_JOB_TOKEN=" + job_token);
+    env.push_back("DP_HEARTBEAT_MS=" + std::to_string(hb_interval.count()));
     for (auto& s : env) envps[i].push_back(const_cast<char*>(s.c_str()));
     envps[i].push_back(nullptr);
   }
@@ -383,6 +296,11 @@ int launch_workers(const LaunchOptions& o, const std::vector<std::string>& argv)
     ++started;
   }
 
+  std::vector<int> local_ranks;
+  for (const auto& c : children) local_ranks.push_back(c.rank);
+  HeartbeatWatch heartbeats(o.master_addr, port, job_token, local_ranks, hb_interval);
+  std::optional<SilentRank> hung;
+
   using Clock = std::chrono::steady_clock;
   const Child* failed = nullptr;
   int interrupted = 0;
@@ -408,6 +326,17 @@ int launch_workers(const LaunchOptions& o, const std::vector<std::string>& argv)
         if (!stopping) begin_stop(SIGTERM);
       }
     }
+    if (!stopping && !interrupted && !failed) {
+      if (std::optional<SilentRank> silent = heartbeats.silent(hb_timeout)) {
+        for (auto& c : children)
+          if (c.rank == silent->rank && c.alive) {
+            hung = silent;
+            failed = &c;
+            ::kill(c.pid, SIGKILL);  // a stopped process would never act on SIGTERM
+            begin_stop(SIGTERM);
+          }
+      }
+    }
     if (int sig = signals.poll(); sig != 0 && !interrupted) {
       interrupted = sig;
       if (!stopping)
@@ -427,6 +356,17 @@ int launch_workers(const LaunchOptions& o, const std::vector<std::string>& argv)
                  strsignal(interrupted), started);
     std::fflush(stderr);
     return 128 + interrupted;
+  }
+  if (hung) {
+    std::fprintf(
+        stderr,
+        "launch_workers: rank %d (local rank %d, pid %d) sent no heartbeat for %s: hung%s; "
+        "killed it and stopped the other %d worker(s)\n",
+        failed->rank, failed->local_rank, static_cast<int>(failed->pid),
+        seconds_text(hung->silent_for).c_str(),
+        hung->store_down ? " (the store it hosts stopped answering)" : "", o.nproc_per_node - 1);
+    std::fflush(stderr);
+    return 1;
   }
   if (failed) {
     std::fprintf(stderr,

@@ -52,6 +52,9 @@ struct LaunchOptions {
   std::vector<std::pair<std::string, std::string>> extra_env;
   // The most workers this node may start (--max-local-ranks); nullopt: local_rank_limit().
   std::optional<int> max_local_ranks;
+  // A worker whose heartbeat (through the store, heartbeat.hpp) stops for this long is named
+  // hung, and the job is stopped. 0: DP_HEARTBEAT_TIMEOUT (seconds) when set, else 5 s.
+  std::chrono::milliseconds heartbeat_timeout{0};
 };
 
 // How many workers this machine can start without running out of cores or memory: the smaller
@@ -79,6 +82,12 @@ void check_local_ranks(int nproc, std::optional<int> max_local_ranks);
 // Refuses, before starting any, more workers than options.max_local_ranks or local_rank_limit().
 // Workers get PR_SET_PDEATHSIG(SIGKILL): they die with the launching thread. They run the
 // program's real path (not /proc/self/exe), so `ps` shows its name. Never exits.
+// Job identity: workers get DP_JOB_TOKEN (the launcher's own when set, else a random one on one
+// node, else one derived from DP_JOB_ID / TORCHELASTIC_RUN_ID / SLURM_JOB_ID), which the store
+// checks at connect, so ranks of another job on the same port are refused. Hung workers: with
+// DP_HEARTBEAT_MS set they beat through the store; one silent for heartbeat_timeout (a
+// SIGSTOP, a livelock of the whole process) is named ("rank 1 (pid N) sent no heartbeat for
+// 5 s: hung"), killed, and the others stopped; the launcher returns 1.
 int launch_workers(const LaunchOptions& options, const std::vector<std::string>& argv);
 
 // A TCP port free on `host` a moment ago (see socket.hpp); for MASTER_PORT.

@@ -2,12 +2,15 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "dp/distributed/cuda_util.hpp"
 #include "dp/distributed/gloo_process_group.hpp"
+#include "dp/distributed/heartbeat.hpp"
 #include "dp/distributed/mpi_process_group.hpp"
 #include "dp/distributed/nccl_process_group.hpp"
 #include "dp/distributed/rendezvous.hpp"
@@ -158,9 +161,66 @@ Backend choose_backend(Backend requested, Store& store, int rank, int size,
   return Backend::gloo;
 }
 
-std::unique_ptr<ProcessGroup> make_gloo_group(const InitOptions& o, const EnvLookup& env,
+std::unique_ptr<ProcessGroup> make_gloo_group(const InitOptions& o,
+                                              std::chrono::milliseconds timeout,
+                                              const EnvLookup& env,
                                               const std::shared_ptr<Store>& group, int rank,
                                               int size, const std::string& master_host);
+
+// "rank 2" or "ranks 2, 5, 7 (and 3 more)": the ranks of `size` without an arrived/<r> key.
+std::string missing_ranks(Store& group, int size) {
+  std::vector<int> missing;
+  for (int r = 0; r < size && r < 4096; ++r)
+    if (!group.check({"arrived/" + std::to_string(r)})) missing.push_back(r);
+  std::ostringstream os;
+  os << (missing.size() == 1 ? "rank " : "ranks ");
+  for (size_t i = 0; i < missing.size() && i < 8; ++i) os << (i ? ", " : "") << missing[i];
+  if (missing.size() > 8) os << " (and " << missing.size() - 8 << " more)";
+  return os.str();
+}
+
+// Every rank marks its arrival, then waits until all `size` have arrived. Rank 0 prints a
+// progress line every 10 s (or timeout / 3); after `timeout` every waiting rank throws naming the
+// missing ranks. Rank 0 hosts a tcp store, so it gives up a little later than the others: they can
+// still read which ranks are missing when their own time runs out.
+void wait_for_all_ranks(Store& group, int rank, int size, std::chrono::milliseconds timeout,
+                        const std::string& where) {
+  using Clock = std::chrono::steady_clock;
+  using std::chrono::milliseconds;
+  group.set_string("arrived/" + std::to_string(rank), "1");
+  group.add("arrived", 1);
+  const auto start = Clock::now();
+  // A progress line every 10 s (a third of the timeout when that is shorter).
+  const auto progress_every = std::min<milliseconds>(std::chrono::seconds(10), timeout / 3);
+  auto next_progress = start + progress_every;
+  const auto poll = std::clamp<milliseconds>(timeout / 50, milliseconds(10), milliseconds(200));
+  const auto linger = rank == 0
+                          ? std::min<milliseconds>(timeout / 4 + 2 * poll, std::chrono::seconds(2))
+                          : milliseconds(0);
+  for (int64_t arrived; (arrived = group.add("arrived", 0)) < size;) {
+    auto now = Clock::now();
+    if (now - start >= timeout + linger) {
+      std::string who;
+      try {
+        who = missing_ranks(group, size);
+      } catch (const kernels::Error&) {  // the store's host (rank 0) gave up first
+        who = std::to_string(size - arrived) + " rank(s)";
+      }
+      DP_THROW(who << " of " << size << " never joined within " << seconds_text(timeout) << " ("
+                   << arrived << " of " << size << " arrived at " << where << "; set the "
+                   << "timeout with --timeout or DP_TIMEOUT=seconds)");
+    }
+    if (rank == 0 && now >= next_progress) {
+      auto waited = std::chrono::duration_cast<milliseconds>(now - start);
+      std::fprintf(
+          stderr, "dp: rendezvous at %s: %lld of %d ranks joined; waiting for %s (%s of %s)\n",
+          where.c_str(), static_cast<long long>(arrived), size, missing_ranks(group, size).c_str(),
+          seconds_text(waited).c_str(), seconds_text(timeout).c_str());
+      next_progress += progress_every;
+    }
+    std::this_thread::sleep_for(poll);
+  }
+}
 
 std::string this_host_name() {
   char host[256] = {0};
@@ -170,13 +230,22 @@ std::string this_host_name() {
 
 }  // namespace
 
+Timeouts resolve_timeouts(const InitOptions& o) {
+  if (o.timeout.count() > 0) return {o.timeout, o.timeout};
+  if (auto t = env_seconds(env_or_process(o.env), "DP_TIMEOUT")) return {*t, *t};
+  return {kDefaultRendezvousTimeout, kDefaultOpTimeout};
+}
+
 std::unique_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
   EnvLookup env = env_or_process(o.env);
-  DP_CHECK(o.timeout.count() > 0, "init_process_group: timeout must be positive");
+  DP_CHECK(o.timeout.count() >= 0, "init_process_group: timeout " << o.timeout.count()
+                                                                  << " ms is negative (0: "
+                                                                  << "DP_TIMEOUT or the defaults)");
   DP_CHECK(!o.group_name.empty(), "init_process_group: group_name is empty");
+  const Timeouts timeouts = resolve_timeouts(o);
   if (o.backend == Backend::mpi) {
     // mpirun started the ranks and MPI_Init meets them: no store, no rendezvous.
-    std::unique_ptr<ProcessGroup> pg = make_mpi_process_group(o.device, o.timeout);
+    std::unique_ptr<ProcessGroup> pg = make_mpi_process_group(o.device, timeouts.ops);
     DP_CHECK(
         (o.rank < 0 || o.rank == pg->rank()) && (o.world_size < 0 || o.world_size == pg->size()),
         "backend mpi: MPI says rank " << pg->rank() << " of " << pg->size()
@@ -187,6 +256,7 @@ std::unique_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
   std::shared_ptr<Store> store = o.store;
   int rank = o.rank, size = o.world_size;
   std::string master_host;
+  std::shared_ptr<Heartbeat> heartbeat;
   if (store) {
     DP_CHECK(size >= 1 && rank >= 0 && rank < size,
              "init_process_group with a store needs rank in [0, world_size): got rank "
@@ -197,35 +267,47 @@ std::unique_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
     rank = spec.rank;
     size = spec.world_size;
     if (spec.kind == RendezvousSpec::Kind::tcp) master_host = spec.host;
-    store = make_store(spec, o.timeout);
+    store = make_store(spec, timeouts.rendezvous);
+    std::optional<int> beat_ms = env_int(env, "DP_HEARTBEAT_MS", 1, 3600 * 1000);
+    if (beat_ms && spec.kind == RendezvousSpec::Kind::tcp) {
+      auto connection =
+          std::make_shared<TcpStore>(spec.host, spec.port, StoreRole::client, timeouts.rendezvous,
+                                     JobIdentity{spec.job_token, spec.rank});
+      heartbeat =
+          std::make_shared<Heartbeat>(connection, store, rank, std::chrono::milliseconds(*beat_ms));
+    }
   }
   auto group = std::make_shared<PrefixStore>("dp/" + o.group_name, store);
-  group->set_timeout(o.timeout);
+  group->set_timeout(timeouts.rendezvous);
+  wait_for_all_ranks(*group, rank, size, timeouts.rendezvous, store->describe());
 
   Backend backend = o.backend;
   if (backend != Backend::gloo) backend = choose_backend(backend, *group, rank, size, o.device);
   std::unique_ptr<ProcessGroup> pg;
   if (backend == Backend::nccl)
     pg = make_nccl_process_group(std::make_shared<PrefixStore>("nccl", group), rank, size, o.device,
-                                 o.timeout);
+                                 timeouts.ops);
   else
-    pg = make_gloo_group(o, env, group, rank, size, master_host);
+    pg = make_gloo_group(o, timeouts.ops, env, group, rank, size, master_host);
   // Every rank has finished its rendezvous reads before any returns: rank 0 hosts the store
   // and may exit as soon as it is done, which would strand a rank still reading addresses.
   group->set_string("joined/" + std::to_string(rank), "1");
   std::vector<std::string> joined;
   for (int r = 0; r < size; ++r) joined.push_back("joined/" + std::to_string(r));
   group->wait(joined);
+  if (heartbeat) pg->attach_heartbeat(std::move(heartbeat));
   return pg;
 }
 
 namespace {
 
-std::unique_ptr<ProcessGroup> make_gloo_group(const InitOptions& o, const EnvLookup& env,
+std::unique_ptr<ProcessGroup> make_gloo_group(const InitOptions& o,
+                                              std::chrono::milliseconds timeout,
+                                              const EnvLookup& env,
                                               const std::shared_ptr<Store>& group, int rank,
                                               int size, const std::string& master_host) {
   GlooOptions g;
-  g.timeout = o.timeout;
+  g.timeout = timeout;
   std::optional<std::string> ifname = env("GLOO_SOCKET_IFNAME");
   if (!o.gloo_interface.empty())
     g.interface = o.gloo_interface;
@@ -238,7 +320,7 @@ std::unique_ptr<ProcessGroup> make_gloo_group(const InitOptions& o, const EnvLoo
   else
     g.hostname = this_host_name();
   auto gloo_store = std::make_shared<PrefixStore>("gloo", group);
-  gloo_store->set_timeout(o.timeout);
+  gloo_store->set_timeout(timeout);
   return std::make_unique<GlooProcessGroup>(gloo_store, rank, size, g);
 }
 

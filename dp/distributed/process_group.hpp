@@ -27,6 +27,7 @@
 namespace dp::dist {
 
 class Store;
+class Heartbeat;
 
 enum class ReduceOp { sum, avg, min, max };
 const char* reduce_op_name(ReduceOp op);
@@ -91,7 +92,12 @@ class ProcessGroup {
   // "all_reduce(avg) of 1024 x f32" style description for messages.
   static std::string describe_tensor(const kernels::Tensor& t);
 
+ public:
+  // Keeps this rank's heartbeat beating for the group's life (init_process_group).
+  void attach_heartbeat(std::shared_ptr<Heartbeat> h) { heartbeat_ = std::move(h); }
+
  private:
+  std::shared_ptr<Heartbeat> heartbeat_;  // destroyed last: the group's stores are gone first
   int rank_;
   int size_;
   std::atomic<int64_t> timeout_ms_;
@@ -116,7 +122,9 @@ struct InitOptions {
   int world_size = -1;  // -1: from the init method / environment
   // The device this rank's tensors live on (cpu:i or cuda:i).
   kernels::Device device = kernels::Device::cpu();
-  std::chrono::milliseconds timeout = std::chrono::seconds(300);  // rendezvous and every op
+  // The rendezvous (every rank arrives) and every op. 0: DP_TIMEOUT (seconds) when set, else
+  // kDefaultRendezvousTimeout for the rendezvous and kDefaultOpTimeout for ops.
+  std::chrono::milliseconds timeout{0};
   // A store to meet in instead of init_method (rank and world_size are then required).
   std::shared_ptr<Store> store;
   // Groups sharing one store need distinct names.
@@ -129,9 +137,22 @@ struct InitOptions {
   EnvLookup env;
 };
 
-// Meets the other ranks and connects them. Blocks until every rank arrived or the timeout
-// ran out (kernels::Error naming what was missing). An explicit nccl request on a CPU device
-// or on ranks sharing a GPU throws with the reason.
+constexpr std::chrono::milliseconds kDefaultRendezvousTimeout = std::chrono::seconds(60);
+constexpr std::chrono::milliseconds kDefaultOpTimeout = std::chrono::seconds(300);
+
+// The timeouts a group made from `options` uses: options.timeout for both when set (> 0), else
+// DP_TIMEOUT (seconds) from options.env, else the two defaults. Throws naming a bad DP_TIMEOUT.
+struct Timeouts {
+  std::chrono::milliseconds rendezvous, ops;
+};
+Timeouts resolve_timeouts(const InitOptions& options);
+
+// Meets the other ranks and connects them. Blocks until every rank arrived or the rendezvous
+// timeout ran out: then throws naming the ranks that never joined ("rank 2 of 3 never joined
+// within 10 s"); rank 0 prints a progress line every 10 s (timeout / 3 when shorter) while
+// it waits. With DP_HEARTBEAT_MS set (by launch_workers) and a tcp store, the rank beats its
+// heartbeat for the group's life. An explicit nccl request on a CPU device or on ranks sharing
+// a GPU throws with the reason.
 std::unique_ptr<ProcessGroup> init_process_group(const InitOptions& options);
 
 }  // namespace dp::dist

@@ -4,7 +4,6 @@
 #include <sstream>
 
 #include "dp/distributed/launcher.hpp"
-#include "dp/distributed/store.hpp"
 #include "kernels/runtime/error.hpp"
 
 namespace dp::dist {
@@ -50,6 +49,14 @@ std::string RendezvousSpec::describe() const {
   if (kind == Kind::file) return "file://" + path;
   bool v6 = host.find(':') != std::string::npos;
   return "tcp://" + (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
+}
+
+std::string job_token_from_env(const EnvLookup& env_in) {
+  EnvLookup env = env_or_process(env_in);
+  if (auto t = env("DP_JOB_TOKEN"); t && !t->empty()) return *t;
+  for (const char* name : {"DP_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"})
+    if (auto id = env(name); id && !id->empty()) return "id:" + *id;
+  return {};
 }
 
 RendezvousSpec parse_init_method(const std::string& init_method, int rank, int world_size,
@@ -126,14 +133,11 @@ RendezvousSpec parse_init_method(const std::string& init_method, int rank, int w
   }
   DP_CHECK(spec.rank < spec.world_size,
            "rank " << spec.rank << " is not in [0, world size " << spec.world_size << ")");
+  spec.job_token = job_token_from_env(env);
+  DP_CHECK(spec.job_token.size() <= 256, "the job token (DP_JOB_TOKEN, DP_JOB_ID, ...) has "
+                                             << spec.job_token.size()
+                                             << " bytes; at most 256 are allowed");
   return spec;
-}
-
-std::shared_ptr<Store> make_store(const RendezvousSpec& spec, std::chrono::milliseconds timeout) {
-  if (spec.kind == RendezvousSpec::Kind::file)
-    return std::make_shared<FileStore>(spec.path, timeout);
-  StoreRole role = spec.rank == 0 ? StoreRole::server : StoreRole::client;
-  return std::make_shared<TcpStore>(spec.host, spec.port, role, timeout);
 }
 
 }  // namespace dp::dist

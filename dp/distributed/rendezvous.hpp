@@ -25,8 +25,15 @@ struct RendezvousSpec {
   int rank = -1;
   int world_size = -1;
   int local_rank = -1;           // -1 when unknown
+  std::string job_token;         // tcp: presented at connect (job_token_from_env)
   std::string describe() const;  // "tcp://127.0.0.1:29500" or "file:///tmp/x"
 };
+
+// The job token this process presents to the store, so that ranks of two jobs that meet on one
+// port never mix: DP_JOB_TOKEN (launch_workers sets a random one for its workers), else
+// "id:" + the first of DP_JOB_ID, TORCHELASTIC_RUN_ID, SLURM_JOB_ID that is set (external
+// launchers), else empty (no check).
+std::string job_token_from_env(const EnvLookup& env);
 
 // Parses `init_method`; rank / world_size >= 0 override what the method or environment says.
 // ensures 0 <= rank < world_size. Throws kernels::Error naming the missing or bad part
@@ -34,7 +41,8 @@ struct RendezvousSpec {
 RendezvousSpec parse_init_method(const std::string& init_method, int rank = -1, int world_size = -1,
                                  const EnvLookup& env = {});
 
-// The store a spec names: a TcpStore (the server on rank 0) or a FileStore.
+// The store a spec names: a TcpStore (the server on rank 0) or a FileStore. A tcp client that
+// finds no server within `timeout` throws naming rank 0 as the rank that never came up.
 std::shared_ptr<Store> make_store(const RendezvousSpec& spec, std::chrono::milliseconds timeout);
 
 }  // namespace dp::dist

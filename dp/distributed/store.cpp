@@ -13,6 +13,7 @@
 #include <sstream>
 #include <thread>
 
+#include "dp/distributed/rendezvous.hpp"
 #include "kernels/runtime/error.hpp"
 
 namespace dp::dist {
@@ -226,6 +227,26 @@ int64_t FileStore::add(const std::string& key, int64_t delta) {
 
 bool FileStore::remove(const std::string& key) {
   return ::unlink(path_of(key).c_str()) == 0;
+}
+
+// ---- make_store (rendezvous.hpp) ------------------------------------------------------------
+
+std::shared_ptr<Store> make_store(const RendezvousSpec& spec, std::chrono::milliseconds timeout) {
+  if (spec.kind == RendezvousSpec::Kind::file)
+    return std::make_shared<FileStore>(spec.path, timeout);
+  StoreRole role = spec.rank == 0 ? StoreRole::server : StoreRole::client;
+  try {
+    return std::make_shared<TcpStore>(spec.host, spec.port, role, timeout,
+                                      JobIdentity{spec.job_token, spec.rank});
+  } catch (const kernels::Error& e) {
+    if (role == StoreRole::server ||
+        std::string(e.what()).find("no store server") == std::string::npos)
+      throw;
+    DP_THROW("rank 0 of " << spec.world_size << " never joined within " << seconds_text(timeout)
+                          << ": no store server answered at " << spec.describe()
+                          << " (rank 0 hosts it; set the timeout with --timeout or "
+                          << "DP_TIMEOUT=seconds): " << e.what());
+  }
 }
 
 }  // namespace dp::dist

@@ -120,7 +120,10 @@ struct StoreServerLimits {
 class StoreServer {
  public:
   // Listens on host:port (port 0: an ephemeral port, see port()). Throws if it cannot bind.
-  StoreServer(const std::string& host, int port, StoreServerLimits limits = {});
+  // With a job token, every connection must open with a hello carrying it (store_protocol.hpp):
+  // clients of another job are refused and closed without touching the keys.
+  StoreServer(const std::string& host, int port, StoreServerLimits limits = {},
+              std::string job_token = {});
   ~StoreServer();  // stops the thread and closes every connection
   StoreServer(const StoreServer&) = delete;
   StoreServer& operator=(const StoreServer&) = delete;
@@ -138,13 +141,23 @@ class StoreServer {
 
 enum class StoreRole { client, server };
 
+// Who a TcpStore client is: the job token it presents at every connect (the server's must
+// match when it has one) and its rank, for the server's log.
+struct JobIdentity {
+  std::string token;
+  int rank = -1;
+};
+
 // Client of a StoreServer at host:port; with StoreRole::server it first starts that server in
 // this process (rank 0). Requests are serialised (one connection, one request at a time);
 // a request that fails or times out drops the connection and the next one reconnects.
 class TcpStore : public Store {
  public:
-  // Connects, retrying until `timeout` while the server is not up yet.
-  TcpStore(std::string host, int port, StoreRole role, Millis timeout = kDefaultTimeout);
+  // Connects, retrying until `timeout` while the server is not up yet, and says hello with
+  // job.token (a server role gets that token too). Throws naming the store when it is
+  // unreachable or belongs to another job.
+  TcpStore(std::string host, int port, StoreRole role, Millis timeout = kDefaultTimeout,
+           JobIdentity job = {});
   ~TcpStore() override;
 
   void set(const std::string& key, const std::vector<char>& value) override;
@@ -168,10 +181,13 @@ class TcpStore : public Store {
     std::vector<char> payload;
   };
   Reply request(const std::vector<char>& frame, Millis timeout, const std::string& what);
+  // (Re)connects and says hello; requires mu_ held.
+  void connect_locked(net::Clock::time_point deadline, Millis timeout);
 
   std::unique_ptr<StoreServer> server_;
   std::string host_;
   int port_ = 0;
+  JobIdentity job_;
   std::mutex mu_;
   net::Socket sock_;
 };

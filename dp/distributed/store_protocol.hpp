@@ -12,6 +12,10 @@
 //   wait    u32 n, n keys                    -> ready, sent once every key exists (no timeout on
 //                                               the server: the client gives up and reconnects)
 //   remove  key                              -> boolean(u8): whether it existed
+//   hello   token, i64 rank (-1: unknown)    -> ok | error (another job: the token differs)
+// A server with a job token refuses every connection whose first frame is not a hello with
+// that token: it replies error and closes, so a rank of another job that reaches it (two jobs
+// on one port) never touches its keys. A server without a token accepts any connection.
 // A counter made by `add` holds its value as decimal text, readable with `get`.
 // The server closes a connection on any malformed frame (bad magic or version, unknown opcode,
 // non-zero flags, a length over the opcode's bound, fields overrunning or not filling the
@@ -38,6 +42,7 @@ enum Opcode : uint8_t {
   kCheck = 0x04,
   kWait = 0x05,
   kRemove = 0x06,
+  kHello = 0x07,
   // replies
   kOk = 0x81,
   kValue = 0x82,
@@ -53,6 +58,7 @@ constexpr size_t kMaxKeyBytes = 4096;
 constexpr size_t kMaxValueBytes = size_t(64) << 20;  // 64 MiB
 constexpr size_t kMaxKeysPerRequest = 1024;
 constexpr size_t kMaxErrorBytes = 4096;
+constexpr size_t kMaxTokenBytes = 256;
 
 // Largest payload a request with `opcode` may carry; 0 for an unknown opcode.
 inline size_t max_request_payload(uint8_t opcode) {
@@ -67,6 +73,8 @@ inline size_t max_request_payload(uint8_t opcode) {
     case kCheck:
     case kWait:
       return 4 + kMaxKeysPerRequest * (4 + kMaxKeyBytes);
+    case kHello:
+      return 4 + kMaxTokenBytes + 8;
     default:
       return 0;
   }
@@ -180,5 +188,85 @@ class Reader {
   size_t n_;
   bool ok_ = true;
 };
+
+// ---- decoding requests (the server's parser; tests/fuzz/fuzz_store_frame.cpp fuzzes it) -----
+
+// Why a request with header h must be refused ("" when its payload may be read): bad magic or
+// version, non-zero flags, an unknown opcode, a length over the opcode's bound.
+inline std::string check_request_header(const Header& h) {
+  static const char kHex[] = "0123456789abcdef";
+  if (h.magic != kMagic)
+    return std::string("bad magic byte 0x") + kHex[h.magic >> 4] + kHex[h.magic & 15] +
+           " (expected 0xd7)";
+  if (h.version != kVersion) return "unsupported protocol version " + std::to_string(h.version);
+  if (h.flags != 0) return "non-zero flags " + std::to_string(h.flags);
+  size_t bound = max_request_payload(h.opcode);
+  if (bound == 0) return "unknown opcode " + std::to_string(h.opcode);
+  if (h.length > bound)
+    return "frame of " + std::to_string(h.length) + " bytes exceeds the bound of " +
+           std::to_string(bound) + " for opcode " + std::to_string(h.opcode);
+  return {};
+}
+
+// One decoded request: the fields its opcode carries.
+struct Request {
+  uint8_t opcode = 0;
+  std::string key;                // set, get, add, remove
+  std::string value;              // set
+  std::vector<std::string> keys;  // check, wait
+  int64_t delta = 0;              // add
+  std::string token;              // hello
+  int64_t rank = -1;              // hello
+};
+
+// requires check_request_header passed for (opcode, n). ensures out holds the fields; returns
+// "" or why the payload is malformed (fields overrunning it, over a bound, or bytes left over).
+inline std::string decode_request(uint8_t opcode, const char* p, size_t n, Request& out) {
+  Reader r(p, n);
+  out.opcode = opcode;
+  const char* name = "?";
+  switch (opcode) {
+    case kSet:
+      name = "set";
+      out.key = r.str(kMaxKeyBytes);
+      out.value = r.str(kMaxValueBytes);
+      break;
+    case kGet:
+    case kRemove:
+      name = opcode == kGet ? "get" : "remove";
+      out.key = r.str(kMaxKeyBytes);
+      break;
+    case kAdd:
+      name = "add";
+      out.key = r.str(kMaxKeyBytes);
+      out.delta = r.i64();
+      break;
+    case kCheck:
+    case kWait: {
+      name = opcode == kCheck ? "check" : "wait";
+      uint32_t count = r.u32();
+      // Each key takes at least its 4-byte length: a count the payload cannot hold is refused
+      // before anything is reserved.
+      if (!r.ok() || count > kMaxKeysPerRequest || count > n / 4)
+        return std::string("malformed ") + name + " request (a count of " + std::to_string(count) +
+               " keys in a " + std::to_string(n) + "-byte payload, at most " +
+               std::to_string(kMaxKeysPerRequest) + ")";
+      out.keys.reserve(count);
+      for (uint32_t i = 0; i < count && r.ok(); ++i) out.keys.push_back(r.str(kMaxKeyBytes));
+      break;
+    }
+    case kHello:
+      name = "hello";
+      out.token = r.str(kMaxTokenBytes);
+      out.rank = r.i64();
+      break;
+    default:
+      return "unknown opcode " + std::to_string(opcode);
+  }
+  if (!r.ok() || !r.at_end())
+    return std::string("malformed ") + name + " request (" + std::to_string(n) +
+           "-byte payload whose fields overrun it, exceed a bound or leave bytes over)";
+  return {};
+}
 
 }  // namespace dp::dist::store_wire

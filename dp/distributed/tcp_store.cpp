@@ -55,8 +55,10 @@ struct StoreServer::Impl {
     std::vector<char> out;
     size_t out_off = 0;
     size_t pending_waits = 0;
-    bool partial = false;  // part of a frame received
-    std::string doom;      // set when the connection must close (a bound was hit)
+    bool partial = false;           // part of a frame received
+    bool greeted = false;           // sent a hello with the job token
+    std::string doom;               // set when the connection must close (a bound was hit)
+    std::string close_after_reply;  // set when it must close once its replies are sent
     Clock::time_point partial_since;
   };
   struct Waiter {
@@ -67,6 +69,7 @@ struct StoreServer::Impl {
   std::string host;
   int port = 0;
   StoreServerLimits limits;
+  std::string job_token;
   net::Socket listener;
   int wake[2] = {-1, -1};
   std::thread thread;
@@ -203,23 +206,34 @@ void StoreServer::Impl::wake_waiters() {
 
 std::string StoreServer::Impl::handle_frame(uint64_t id, Conn& c, uint8_t opcode, const char* p,
                                             size_t n) {
-  wire::Reader r(p, n);
-  auto malformed = [&](const char* op) {
-    return std::string("malformed ") + op + " request (" + std::to_string(n) +
-           "-byte payload whose fields overrun it, exceed a bound or leave bytes over)";
-  };
-  auto read_keys = [&](std::vector<std::string>& keys) {
-    uint32_t count = r.u32();
-    if (!r.ok() || count > wire::kMaxKeysPerRequest) return false;
-    keys.reserve(count);
-    for (uint32_t i = 0; i < count && r.ok(); ++i) keys.push_back(r.str(wire::kMaxKeyBytes));
-    return r.ok();
-  };
+  wire::Request req;
+  std::string bad = wire::decode_request(opcode, p, n, req);
+  if (!bad.empty()) return bad;
+  const std::string& key = req.key;
+  if (opcode == wire::kHello) {
+    const int64_t rank = req.rank;
+    if (job_token.empty() || req.token == job_token) {
+      c.greeted = true;
+      return queue_reply(c, wire::Writer(wire::kOk).finish());
+    }
+    std::string who =
+        rank >= 0 ? "rank " + std::to_string(rank) + " of another job" : "a client of another job";
+    c.close_after_reply = who + " (its job token differs from this job's): refused";
+    return queue_reply(c, wire::Writer(wire::kError)
+                              .str("the store at " + host + ":" + std::to_string(port) +
+                                   " belongs to another job (the job tokens differ)")
+                              .finish());
+  }
+  if (!job_token.empty() && !c.greeted) {
+    c.close_after_reply = "a request before the hello with the job token: refused";
+    return queue_reply(c,
+                       wire::Writer(wire::kError)
+                           .str("this store requires a hello with the job token before any request")
+                           .finish());
+  }
   switch (opcode) {
     case wire::kSet: {
-      std::string key = r.str(wire::kMaxKeyBytes);
-      std::string value = r.str(wire::kMaxValueBytes);
-      if (!r.ok() || !r.at_end()) return malformed("set");
+      const std::string& value = req.value;
       auto it = data.find(key);
       size_t old = it == data.end() ? 0 : key.size() + it->second.size();
       if (total_bytes - old + key.size() + value.size() > limits.max_total_bytes)
@@ -234,17 +248,13 @@ std::string StoreServer::Impl::handle_frame(uint64_t id, Conn& c, uint8_t opcode
       return why;
     }
     case wire::kGet: {
-      std::string key = r.str(wire::kMaxKeyBytes);
-      if (!r.ok() || !r.at_end()) return malformed("get");
       auto it = data.find(key);
       if (it == data.end()) return queue_reply(c, wire::Writer(wire::kNotFound).finish());
       return queue_reply(
           c, wire::Writer(wire::kValue).bytes(it->second.data(), it->second.size()).finish());
     }
     case wire::kAdd: {
-      std::string key = r.str(wire::kMaxKeyBytes);
-      int64_t delta = r.i64();
-      if (!r.ok() || !r.at_end()) return malformed("add");
+      const int64_t delta = req.delta;
       int64_t value = 0;
       auto it = data.find(key);
       if (it != data.end() &&
@@ -265,24 +275,18 @@ std::string StoreServer::Impl::handle_frame(uint64_t id, Conn& c, uint8_t opcode
       return why;
     }
     case wire::kCheck: {
-      std::vector<std::string> keys;
-      if (!read_keys(keys) || !r.at_end()) return malformed("check");
-      return queue_reply(c, wire::Writer(wire::kBoolean).u8(has_all(keys) ? 1 : 0).finish());
+      return queue_reply(c, wire::Writer(wire::kBoolean).u8(has_all(req.keys) ? 1 : 0).finish());
     }
     case wire::kWait: {
-      std::vector<std::string> keys;
-      if (!read_keys(keys) || !r.at_end()) return malformed("wait");
-      if (has_all(keys)) return queue_reply(c, wire::Writer(wire::kReady).finish());
+      if (has_all(req.keys)) return queue_reply(c, wire::Writer(wire::kReady).finish());
       if (c.pending_waits >= limits.max_pending_waits_per_connection)
         return "more than " + std::to_string(limits.max_pending_waits_per_connection) +
                " pending wait requests";
       ++c.pending_waits;
-      waiters.push_back({id, std::move(keys)});
+      waiters.push_back({id, std::move(req.keys)});
       return {};
     }
     case wire::kRemove: {
-      std::string key = r.str(wire::kMaxKeyBytes);
-      if (!r.ok() || !r.at_end()) return malformed("remove");
       auto it = data.find(key);
       bool existed = it != data.end();
       if (existed) {
@@ -297,23 +301,16 @@ std::string StoreServer::Impl::handle_frame(uint64_t id, Conn& c, uint8_t opcode
 }
 
 std::string StoreServer::Impl::process_frames(uint64_t id, Conn& c) {
+  if (!c.close_after_reply.empty()) {  // refused: whatever else it sends is dropped unread
+    c.in.clear();
+    c.in_off = 0;
+    return {};
+  }
   while (c.in.size() - c.in_off >= wire::kHeaderBytes) {
     const char* base = c.in.data() + c.in_off;
     wire::Header h = wire::parse_header(base);
-    if (h.magic != wire::kMagic) {
-      std::ostringstream os;
-      os << "bad magic byte 0x" << std::hex << int(h.magic) << " (expected 0x" << int(wire::kMagic)
-         << ")";
-      return os.str();
-    }
-    if (h.version != wire::kVersion)
-      return "unsupported protocol version " + std::to_string(h.version);
-    if (h.flags != 0) return "non-zero flags " + std::to_string(h.flags);
-    size_t bound = wire::max_request_payload(h.opcode);
-    if (bound == 0) return "unknown opcode " + std::to_string(h.opcode);
-    if (h.length > bound)
-      return "frame of " + std::to_string(h.length) + " bytes exceeds the bound of " +
-             std::to_string(bound) + " for opcode " + std::to_string(h.opcode);
+    std::string bad = wire::check_request_header(h);
+    if (!bad.empty()) return bad;
     size_t frame = wire::kHeaderBytes + h.length;
     if (c.in.size() - c.in_off < frame) {
       c.in.reserve(c.in_off + frame);
@@ -324,6 +321,7 @@ std::string StoreServer::Impl::process_frames(uint64_t id, Conn& c) {
     if (!c.doom.empty()) return c.doom;
     c.in_off += frame;
     c.partial = false;
+    if (!c.close_after_reply.empty()) return process_frames(id, c);  // drops the rest
   }
   if (c.in_off == c.in.size()) {
     c.in.clear();
@@ -413,6 +411,8 @@ void StoreServer::Impl::loop() {
     std::vector<std::pair<uint64_t, std::string>> to_close;
     for (auto& [id, c] : conns) {
       std::string why = c.doom.empty() ? flush(c) : c.doom;
+      if (why.empty() && !c.close_after_reply.empty() && c.out_off == c.out.size())
+        why = c.close_after_reply;
       if (why.empty() && c.partial && now - c.partial_since > limits.stall_timeout)
         why = "truncated frame: " + std::to_string(c.in.size() - c.in_off) +
               " bytes of an incomplete frame and nothing more for " +
@@ -423,10 +423,15 @@ void StoreServer::Impl::loop() {
   }
 }
 
-StoreServer::StoreServer(const std::string& host, int port, StoreServerLimits limits)
+StoreServer::StoreServer(const std::string& host, int port, StoreServerLimits limits,
+                         std::string job_token)
     : impl_(std::make_unique<Impl>()) {
+  DP_CHECK(job_token.size() <= wire::kMaxTokenBytes, "store server: a job token of "
+                                                         << job_token.size() << " bytes exceeds "
+                                                         << wire::kMaxTokenBytes);
   impl_->host = host;
   impl_->limits = limits;
+  impl_->job_token = std::move(job_token);
   impl_->listener = net::listen_tcp(host, port);
   net::set_nonblocking(impl_->listener.fd());
   impl_->port = net::local_port(impl_->listener);
@@ -462,20 +467,59 @@ int64_t StoreServer::accepted_connections() const {
 
 // ---- TcpStore -------------------------------------------------------------------------------
 
-TcpStore::TcpStore(std::string host, int port, StoreRole role, Millis timeout)
-    : Store(timeout), host_(std::move(host)), port_(port) {
+TcpStore::TcpStore(std::string host, int port, StoreRole role, Millis timeout, JobIdentity job)
+    : Store(timeout), host_(std::move(host)), port_(port), job_(std::move(job)) {
+  DP_CHECK(job_.token.size() <= wire::kMaxTokenBytes, "TcpStore: a job token of "
+                                                          << job_.token.size() << " bytes exceeds "
+                                                          << wire::kMaxTokenBytes);
   if (role == StoreRole::server) {
-    server_ = std::make_unique<StoreServer>(host_, port_);
+    try {
+      server_ = std::make_unique<StoreServer>(host_, port_, StoreServerLimits{}, job_.token);
+    } catch (const kernels::Error& e) {
+      DP_THROW("TcpStore: cannot start the store server: "
+               << e.what() << " (is another job using port " << port_
+               << "? give each job its own MASTER_PORT / --master-port)");
+    }
     port_ = server_->port();
   }
   DP_CHECK(port_ > 0 && port_ <= 65535,
            "TcpStore: bad port " << port_ << " for host '" << host_ << "'");
   std::lock_guard<std::mutex> lock(mu_);
+  connect_locked(Clock::now() + timeout, timeout);
+}
+
+void TcpStore::connect_locked(net::Clock::time_point deadline, Millis timeout) {
   try {
-    sock_ = net::connect_tcp(host_, port_, Clock::now() + timeout);
+    sock_ = net::connect_tcp(host_, port_, deadline);
   } catch (const kernels::Error& e) {
     DP_THROW("TcpStore: no store server reachable at " << host_ << ":" << port_ << " within "
                                                        << timeout.count() << " ms: " << e.what());
+  }
+  const std::string what = "store hello to " + describe();
+  auto frame = wire::Writer(wire::kHello).str(job_.token).i64(job_.rank).finish();
+  char header[wire::kHeaderBytes];
+  std::vector<char> payload;
+  try {
+    net::send_all(sock_.fd(), frame.data(), frame.size(), deadline, what);
+    net::recv_all(sock_.fd(), header, sizeof(header), deadline, what);
+    wire::Header h = wire::parse_header(header);
+    DP_CHECK(h.magic == wire::kMagic && h.version == wire::kVersion &&
+                 h.length <= wire::kMaxErrorBytes + 4,
+             what << ": the server sent a malformed reply (not a dptrain store?)");
+    payload.resize(h.length);
+    if (h.length) net::recv_all(sock_.fd(), payload.data(), h.length, deadline, what);
+    if (h.opcode == wire::kError) {
+      wire::Reader r(payload.data(), payload.size());
+      DP_THROW("TcpStore: refused by " << describe() << ": " << r.str(wire::kMaxErrorBytes)
+                                       << ". Is another job using port " << port_
+                                       << "? Give each job its own MASTER_PORT / --master-port "
+                                          "(this rank's job token comes from DP_JOB_TOKEN, "
+                                          "DP_JOB_ID, TORCHELASTIC_RUN_ID or SLURM_JOB_ID)");
+    }
+    DP_CHECK(h.opcode == wire::kOk, what << ": unexpected reply " << int(h.opcode));
+  } catch (...) {
+    sock_.reset();
+    throw;
   }
 }
 
@@ -491,7 +535,7 @@ TcpStore::Reply TcpStore::request(const std::vector<char>& frame, Millis timeout
   auto deadline = Clock::now() + timeout;
   Reply reply;
   try {
-    if (!sock_.valid()) sock_ = net::connect_tcp(host_, port_, deadline);
+    if (!sock_.valid()) connect_locked(deadline, timeout);
     net::send_all(sock_.fd(), frame.data(), frame.size(), deadline, what);
     char header[wire::kHeaderBytes];
     net::recv_all(sock_.fd(), header, sizeof(header), deadline, what);
