@@ -97,6 +97,9 @@ void add_flags(CLI::App& app, Options& o) {
                  "DDP: seconds the rendezvous and each collective may take (default: DP_TIMEOUT, "
                  "else 60 s to rendezvous and 300 s per collective)")
       ->check(dp::cli::positive_number(604800));
+  app.add_flag("--sync-bn", o.sync_bn,
+               "BatchNorm normalises with the whole batch's statistics, combined across devices "
+               "(DP) and ranks (DDP); default: each its own chunk, as PyTorch");
   app.add_option("--optim", o.optim, "sgd (momentum 0.9) | adamw")
       ->check(CLI::IsMember({"sgd", "adamw"}));
   app.add_option("--zero", o.zero, "DDP: 1 shards the optimizer state across ranks (ZeRO-1)")
@@ -259,6 +262,7 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace) {
   dopt.reduce = o.dp_reduce == "tree" ? dp::ReduceTopology::tree : dp::ReduceTopology::star;
   dopt.first_bucket_bytes = static_cast<int64_t>(o.first_bucket_mb * (1 << 20));
   dopt.bucket_cap_bytes = static_cast<int64_t>(o.bucket_cap_mb * (1 << 20));
+  if (o.sync_bn) dopt.batch_norm = dp::BatchNormStats::synced;
   dp::DataParallel engine(model, opt, devices, dopt);
 
   RunResult r;
@@ -266,6 +270,7 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace) {
   r.optim = o.optim;
   r.optimizer_state_bytes = {opt.state_bytes()};  // device 0 alone steps
   r.reduce = o.dp_reduce;
+  if (o.sync_bn) r.sync_bn_values = nn::batch_norm_sync_values_per_step(*model);
   r.gpus = n;
   r.batch = batch;
   r.param_bytes = engine.parameter_bytes();
@@ -404,6 +409,7 @@ int run(const Options& o, int argc, char** argv) {
   ProjectionInput projection = projection_input(h, runs, o.project_from);
   print_table(std::cout, h, runs);
   print_memory_model(std::cout, runs);
+  print_sync_bn(std::cout, runs);
   print_projection(std::cout, projection);
 
   if (!o.json_path.empty()) {

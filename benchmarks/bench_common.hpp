@@ -42,6 +42,7 @@ struct Options {
   std::string optim = "sgd";           // sgd (momentum 0.9) or adamw
   int zero = 0;                        // DDP: 1 shards the optimizer state (ZeRO stage 1)
   // --mode ps: bounded staleness (-1: unbounded), and lr / (1 + staleness) per update.
+  bool sync_bn = false;  // BatchNorm statistics combined across devices (DP) and ranks (DDP)
   int max_staleness = -1;
   bool scale_lr = false;
 };

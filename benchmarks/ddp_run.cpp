@@ -166,6 +166,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   auto optimizer = make_optimizer(o, *model);
   nn::Optimizer& opt = *optimizer;
   trainer.set_zero_stage(o.zero);
+  trainer.set_sync_batch_norm(o.sync_bn);
   trainer.wrap(model, opt);
   if (s.math == kernels::MathMode::tf32) kernels::context(trainer.device()).set_math(s.math);
 
@@ -179,6 +180,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   r.mode = "ddp";
   r.optim = o.optim;
   r.zero = o.zero;
+  if (o.sync_bn) r.sync_bn_values = nn::batch_norm_sync_values_per_step(*model);
   r.gpus = n;
   r.batch = batch;
   r.param_bytes = model->flat_params().nbytes();
@@ -256,6 +258,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
     ProjectionInput projection = projection_input(h, {r}, o.project_from);
     print_table(std::cout, h, {r});
     print_memory_model(std::cout, {r});
+    print_sync_bn(std::cout, {r});
     print_projection(std::cout, projection);
     if (!o.json_path.empty()) {
       std::ofstream f(o.json_path);

@@ -165,6 +165,16 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
   }
 }
 
+void print_sync_bn(std::ostream& os, const std::vector<RunResult>& runs) {
+  for (const auto& r : runs) {
+    if (r.sync_bn_values == 0 || r.gpus < 2) continue;
+    os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << r.gpus
+       << " SyncBatchNorm: " << r.sync_bn_values << " values (" << r.sync_bn_values * 4
+       << " bytes as f32) combined per device per step, one exchange per layer and pass"
+       << (r.mode == "dp" ? " (through host memory)" : " (all_reduce)") << "\n";
+  }
+}
+
 void print_memory_model(std::ostream& os, const std::vector<RunResult>& runs) {
   bool header = false;
   for (const auto& r : runs) {
@@ -298,7 +308,9 @@ nlohmann::json run_to_json(const RunResult& r) {
           {"link_bytes", r.link_bytes},
           {"optim", r.optim},
           {"zero", r.zero},
-          {"optimizer_state_bytes", r.optimizer_state_bytes}};
+          {"optimizer_state_bytes", r.optimizer_state_bytes},
+          {"sync_bn_values_per_step", r.sync_bn_values},
+          {"sync_bn_bytes_per_step", r.sync_bn_values * 4}};
 }
 
 RunResult run_from_json(const nlohmann::json& j) {
@@ -321,6 +333,7 @@ RunResult run_from_json(const nlohmann::json& j) {
   r.optim = j.value("optim", std::string("sgd"));
   r.zero = j.value("zero", 0);
   r.optimizer_state_bytes = j.value("optimizer_state_bytes", std::vector<int64_t>{});
+  r.sync_bn_values = j.value("sync_bn_values_per_step", int64_t{0});
   return r;
 }
 

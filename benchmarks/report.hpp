@@ -35,6 +35,7 @@ struct RunResult {
   std::string optim = "sgd";
   int zero = 0;                                // DDP: ZeRO stage (0 or 1)
   std::vector<int64_t> optimizer_state_bytes;  // per device (DP: device 0) or rank
+  int64_t sync_bn_values = 0;  // --sync-bn: values each device or rank combines per step
 
   double step_ms_median() const;
   double step_ms_p90() const;
@@ -115,6 +116,8 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
 // f32: parameters 4P + gradients 4P + optimizer state K P (K = 4 bytes for SGD's momentum, 8
 // for AdamW's two moments), the last divided by N under ZeRO-1.
 void print_memory_model(std::ostream& os, const std::vector<RunResult>& runs);
+// --sync-bn: what the BatchNorm layers exchange per step.
+void print_sync_bn(std::ostream& os, const std::vector<RunResult>& runs);
 void print_projection(std::ostream& os, const ProjectionInput& in);
 nlohmann::json to_json(const Header& h, const std::vector<RunResult>& runs,
                        const ProjectionInput& projection);

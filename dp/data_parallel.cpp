@@ -72,6 +72,10 @@ DataParallel::DataParallel(nn::ModulePtr module, nn::Optimizer& optimizer,
   pool_.run("dp/clone", [&](int i) {
     if (i > 0) replicas_[i] = replicas_[0]->clone_to(devices_[i]);
   });
+  if (options_.batch_norm == BatchNormStats::synced) {
+    stats_sync_ = std::make_unique<ThreadStatsSync>(n);
+    for (int i = 0; i < n; ++i) nn::set_batch_norm_sync(*replicas_[i], stats_sync_->participant(i));
+  }
   for (int i = 0; i < n; ++i) {
     PerDevice& pd = per_device_[i];
     pd.own_count.assign(plan_.buckets.size(), 0);
@@ -98,6 +102,7 @@ DataParallel::~DataParallel() {
   // Replicas, staging and events die on their own workers (device memory freed by its owner).
   try {
     if (replicas_[0] && replicas_[0]->materialized()) replicas_[0]->flat().on_grad_ready = nullptr;
+    if (replicas_[0] && stats_sync_) nn::set_batch_norm_sync(*replicas_[0], nullptr);
     pool_.run("dp/teardown", [&](int i) {
       per_device_[i] = PerDevice{};
       if (i > 0) replicas_[i].reset();
@@ -209,11 +214,17 @@ void DataParallel::run_step(const char* phase, int n, const std::function<void(i
           // Another worker failed and ended the step: its error is the one reported.
         } catch (...) {
           per_device_[i].in_step = false;
+          bool first = false;
           {
             std::lock_guard<std::mutex> lock(signal_mutex_);
+            first = !signals_.abort;
             signals_.abort = true;
           }
           signal_cv_.notify_all();
+          // A replica waiting for this one in a SyncBatchNorm layer is released too.
+          if (stats_sync_) stats_sync_->abort("device " + devices_[i].str() + " failed");
+          // Released by another worker's failure: that error is the one reported.
+          if (!first) return;
           throw;
         }
       },
@@ -472,6 +483,7 @@ StepStats DataParallel::train_step(const Tensor& images, const Tensor& labels) {
   const int n_used = stats.devices_used;
   auto t_step = Clock::now();
   begin_step(sizes);
+  if (stats_sync_) stats_sync_->set_participants(n_used);
   run_step("dp/train_step", n_used, [&](int i) { train_job(i, images, labels, sizes); });
   stats.ms.total = ms_since(t_step);
 

@@ -38,6 +38,7 @@
 
 #include "dp/bucket_plan.hpp"
 #include "dp/chunks.hpp"
+#include "dp/stats_sync.hpp"
 #include "dp/worker_pool.hpp"
 #include "kernels/runtime/event.hpp"
 #include "nn/module.hpp"
@@ -55,6 +56,10 @@ enum class BufferSync { average, root_only };
 // ceil(log2 N) rounds (tree), where device 2 sums 3's bucket before passing the pair on.
 enum class ReduceTopology { star, tree };
 
+// BatchNorm in training: each device normalises its own chunk (ghost statistics, PyTorch DP's
+// behaviour), or the replicas combine their statistics (SyncBatchNorm: the full batch's).
+enum class BatchNormStats { per_device, synced };
+
 struct DataParallelOptions {
   BufferSync buffer_sync = BufferSync::average;
   float label_smoothing = 0.f;
@@ -63,6 +68,7 @@ struct DataParallelOptions {
   ReduceTopology reduce = ReduceTopology::star;
   int64_t first_bucket_bytes = 1ll << 20;  // the bucket plan shared with DDP
   int64_t bucket_cap_bytes = 25ll << 20;
+  BatchNormStats batch_norm = BatchNormStats::per_device;
 };
 
 // Milliseconds of each phase of one step, from the events each worker records (device time on
@@ -221,7 +227,8 @@ class DataParallel {
   Signals signals_;
   // CPU device 0: a context with all the cores, for the optimizer step (null otherwise).
   std::unique_ptr<kernels::DeviceContext> wide_context_;
-  Tensor staging_buffers_;  // on device 0: one replica's buffers
+  std::unique_ptr<ThreadStatsSync> stats_sync_;  // BatchNormStats::synced
+  Tensor staging_buffers_;                       // on device 0: one replica's buffers
   Trace* trace_ = nullptr;
   int64_t step_index_ = 0;
   bool warned_small_batch_ = false;

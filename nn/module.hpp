@@ -184,6 +184,11 @@ class Module {
     });
     return out;
   }
+  // Calls f on this module and every descendant, depth first in registration order.
+  template <class F>
+  void for_each_module(F&& f) {
+    visit("", [&](const std::string&, Module& m) { f(m); });
+  }
   // This module's own parameters (not its children's).
   std::deque<Parameter>& own_parameters() { return params_; }
   const std::vector<std::pair<std::string, std::shared_ptr<Module>>>& children() const {

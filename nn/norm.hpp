@@ -1,12 +1,26 @@
 // Normalisation layers: BatchNorm1d, BatchNorm2d, LayerNorm.
 #pragma once
 
+#include <cmath>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "nn/module.hpp"
 
 namespace nn {
+
+// How BatchNorm replicas combine their statistics (SyncBatchNorm). nn/ declares it and dp/
+// implements it, for the devices of a DP step (threads) and the ranks of a DDP job: a model
+// does not know how it is parallelised.
+class StatsSync {
+ public:
+  virtual ~StatsSync() = default;
+  // Collective over the replicas of one step, called by each in the same layer order.
+  // requires every replica passes the same number of values. ensures values[k] = the sum of
+  // every replica's values[k].
+  virtual void all_reduce_sum(std::vector<double>& values) = 0;
+};
 
 // BatchNorm over every dim but 1, PyTorch semantics: gamma (C) = 1, beta (C) = 0; buffers
 // running_mean (C) = 0 and running_var (C) = 1. Training normalises with the batch statistics
@@ -21,6 +35,14 @@ class BatchNormBase : public Module {
   Parameter& bias() { return *beta_; }
   Buffer& running_mean() { return *running_mean_; }
   Buffer& running_var() { return *running_var_; }
+  // SyncBatchNorm: with a sync, training normalises with the statistics of every replica's
+  // rows together (count, sum and sum of squares combined in one all_reduce), and backward
+  // combines the sums of dy and dy xhat the same way; the running variance takes the global
+  // unbiased variance. Without one (nullptr, the default) each replica normalises its own rows.
+  // A replica's gradients stay those of its own rows' mean loss, so DP and DDP weigh them by
+  // the rows' share of the batch as for any layer.
+  void set_sync(std::shared_ptr<StatsSync> sync) { sync_ = std::move(sync); }
+  bool synced() const { return sync_ != nullptr; }
 
  protected:
   BatchNormBase(int64_t num_features, float momentum, float eps)
@@ -39,6 +61,7 @@ class BatchNormBase : public Module {
     x_ = x;
     Tensor y = Tensor::empty(x.shape(), DType::f32, x.device());
     train_forward_ = is_training();
+    if (train_forward_ && sync_) return normalize_synced(x, y);
     if (train_forward_) {
       DP_CHECK(x.numel() / c_ > 1, type_name() << "(" << c_ << "): training needs more than one "
                                                << "value per channel, got input "
@@ -58,6 +81,7 @@ class BatchNormBase : public Module {
   Tensor normalize_backward(const Tensor& dy) {
     DP_CHECK(x_.defined(), type_name() << "::backward called before forward");
     Tensor dx = Tensor::empty(x_.shape(), DType::f32, dy.device());
+    if (train_forward_ && sync_) return normalize_backward_synced(dy, dx);
     if (train_forward_) {
       kernels::batch_norm_backward(dx, gamma_->grad, beta_->grad, dy, x_, gamma_->value, save_mean_,
                                    save_invstd_, kernels::Accumulate::yes);
@@ -84,6 +108,110 @@ class BatchNormBase : public Module {
   float momentum_, eps_;
 
  private:
+  // y[n, c, ...] = scale[c] x[n, c, ...] + shift[c], through the eval-mode op (running mean 0,
+  // running variance 1 - eps, so that its 1 / sqrt(var + eps) is 1).
+  static void channel_affine(Tensor& y, const Tensor& x, const std::vector<double>& scale,
+                             const std::vector<double>& shift, float eps) {
+    int64_t c = static_cast<int64_t>(scale.size());
+    Device d = x.device();
+    Tensor s = Tensor::from_vector(std::vector<float>(scale.begin(), scale.end()), {c}, d);
+    Tensor b = Tensor::from_vector(std::vector<float>(shift.begin(), shift.end()), {c}, d);
+    Tensor zero = Tensor::zeros({c}, DType::f32, d);
+    Tensor one = Tensor::from_vector(std::vector<float>(c, 1.f - eps), {c}, d);
+    kernels::batch_norm_forward_eval(y, x, s, b, zero, one, eps);
+  }
+  static std::vector<double> to_doubles(const Tensor& t) {
+    std::vector<float> f = t.to_host_f32();
+    return std::vector<double>(f.begin(), f.end());
+  }
+
+  // Training forward with the statistics of every replica. The sums are taken around the
+  // running mean (the same on every replica), which keeps E[x^2] - E[x]^2 from cancelling.
+  Tensor normalize_synced(const Tensor& x, Tensor& y) {
+    const Device d = x.device();
+    n_local_ = x.numel() / c_;
+    std::vector<double> shift = to_doubles(running_mean_->value);
+    std::vector<double> neg_shift(shift.size()), ones(shift.size(), 1.0);
+    for (size_t k = 0; k < shift.size(); ++k) neg_shift[k] = -shift[k];
+    Tensor xs = Tensor::empty(x.shape(), DType::f32, d);
+    channel_affine(xs, x, ones, neg_shift, eps_);  // x - shift
+    Tensor s1 = Tensor::empty({c_}, DType::f32, d), s2 = Tensor::empty({c_}, DType::f32, d);
+    kernels::bias_backward(s1, xs, kernels::Accumulate::no);
+    kernels::mul(xs, xs, xs);
+    kernels::bias_backward(s2, xs, kernels::Accumulate::no);
+    // Packed: count, then the sums, then the sums of squares: one all_reduce.
+    std::vector<double> packed(1 + 2 * c_);
+    packed[0] = static_cast<double>(n_local_);
+    std::vector<double> h1 = to_doubles(s1), h2 = to_doubles(s2);
+    std::copy(h1.begin(), h1.end(), packed.begin() + 1);
+    std::copy(h2.begin(), h2.end(), packed.begin() + 1 + c_);
+    sync_->all_reduce_sum(packed);
+    const double n = packed[0];
+    DP_CHECK(n > 1, type_name() << "(" << c_ << "): training needs more than one value per "
+                                << "channel across the replicas, got " << n);
+    n_total_ = static_cast<int64_t>(std::llround(n));
+    std::vector<double> mean(c_), var(c_), invstd(c_);
+    std::vector<double> rm = shift, rv = to_doubles(running_var_->value);
+    for (int64_t k = 0; k < c_; ++k) {
+      double m1 = packed[1 + k] / n;
+      mean[k] = shift[k] + m1;
+      var[k] = std::max(0.0, packed[1 + c_ + k] / n - m1 * m1);  // biased
+      invstd[k] = 1.0 / std::sqrt(var[k] + eps_);
+      rm[k] = (1 - momentum_) * rm[k] + momentum_ * mean[k];
+      rv[k] = (1 - momentum_) * rv[k] + momentum_ * var[k] * n / (n - 1);  // unbiased
+    }
+    auto to_tensor = [&](const std::vector<double>& v) {
+      return Tensor::from_vector(std::vector<float>(v.begin(), v.end()), {c_}, d);
+    };
+    save_mean_ = to_tensor(mean);
+    save_var_ = to_tensor(var);
+    save_invstd_ = to_tensor(invstd);
+    kernels::copy(running_mean_->value, to_tensor(rm));
+    kernels::copy(running_var_->value, to_tensor(rv));
+    kernels::batch_norm_forward_eval(y, x, gamma_->value, beta_->value, save_mean_, save_var_,
+                                     eps_);
+    return y;
+  }
+
+  // dx = gamma invstd (dy - (S_dy + xhat S_dyxhat) / n_local), where S_* sum share_r times
+  // replica r's sums (share_r = n_r / n_total: each replica's dy is of its own rows' mean).
+  Tensor normalize_backward_synced(const Tensor& dy, Tensor& dx) {
+    const Device d = dy.device();
+    Tensor xhat = Tensor::empty(x_.shape(), DType::f32, d);
+    Tensor one = Tensor::from_vector(std::vector<float>(c_, 1.f), {c_}, d);
+    Tensor zero = Tensor::zeros({c_}, DType::f32, d);
+    kernels::batch_norm_forward_eval(xhat, x_, one, zero, save_mean_, save_var_, eps_);
+    Tensor dy_xhat = Tensor::empty(x_.shape(), DType::f32, d);
+    kernels::mul(dy_xhat, dy, xhat);
+    Tensor sdy = Tensor::empty({c_}, DType::f32, d), sdyx = Tensor::empty({c_}, DType::f32, d);
+    kernels::bias_backward(sdy, dy, kernels::Accumulate::no);
+    kernels::bias_backward(sdyx, dy_xhat, kernels::Accumulate::no);
+    kernels::axpy(beta_->grad, 1.f, sdy);  // this replica's rows, like any parameter
+    kernels::axpy(gamma_->grad, 1.f, sdyx);
+    const double share = static_cast<double>(n_local_) / static_cast<double>(n_total_);
+    std::vector<double> packed(2 * c_), h1 = to_doubles(sdy), h2 = to_doubles(sdyx);
+    for (int64_t k = 0; k < c_; ++k) {
+      packed[k] = share * h1[k];
+      packed[c_ + k] = share * h2[k];
+    }
+    sync_->all_reduce_sum(packed);
+    std::vector<double> a(c_), b(c_), g = to_doubles(gamma_->value), gi(c_), zeros(c_, 0.0);
+    std::vector<double> invstd = to_doubles(save_invstd_);
+    for (int64_t k = 0; k < c_; ++k) {
+      a[k] = -packed[k] / static_cast<double>(n_local_);
+      b[k] = -packed[c_ + k] / static_cast<double>(n_local_);
+      gi[k] = g[k] * invstd[k];
+    }
+    Tensor u = Tensor::empty(x_.shape(), DType::f32, d);
+    channel_affine(u, xhat, b, a, eps_);  // -(S_dy + xhat S_dyxhat) / n_local
+    kernels::add(u, u, dy);
+    channel_affine(dx, u, gi, zeros, eps_);
+    return dx;
+  }
+
+  std::shared_ptr<StatsSync> sync_;
+  int64_t n_local_ = 0, n_total_ = 0;
+  Tensor save_var_;  // (C) the global biased variance of the cached synced forward
   Parameter* gamma_ = nullptr;
   Parameter* beta_ = nullptr;
   Buffer* running_mean_ = nullptr;
@@ -92,6 +220,23 @@ class BatchNormBase : public Module {
   Tensor x_;                        // cached input (N, C, ...)
   Tensor save_mean_, save_invstd_;  // (C) batch statistics of the cached forward
 };
+
+// Sets (or clears, with nullptr) the statistics sync of every BatchNorm layer under `root`.
+inline void set_batch_norm_sync(Module& root, const std::shared_ptr<StatsSync>& sync) {
+  root.for_each_module([&](Module& m) {
+    if (auto* bn = dynamic_cast<BatchNormBase*>(&m)) bn->set_sync(sync);
+  });
+}
+
+// Values each replica combines per training step in the BatchNorm layers of `root` when they
+// are synced: forward (count, sums, sums of squares: 1 + 2C) and backward (2C) per layer.
+inline int64_t batch_norm_sync_values_per_step(Module& root) {
+  int64_t values = 0;
+  root.for_each_module([&](Module& m) {
+    if (auto* bn = dynamic_cast<BatchNormBase*>(&m)) values += 1 + 4 * bn->num_features();
+  });
+  return values;
+}
 
 // x (N, C) or (N, C, L).
 class BatchNorm1d : public BatchNormBase {

@@ -45,6 +45,7 @@ struct Flags {
   std::string last_batch = "pad";
   int max_staleness = -1;  // ps: -1 unbounded
   bool staleness_lr = false;
+  bool sync_bn = false;
   int nnodes = 1, node_rank = 0, master_port = 0;
   std::string master_addr = "127.0.0.1";
   std::optional<int> max_local_ranks;  // ddp; unset: dp::dist::local_rank_limit()
@@ -123,6 +124,9 @@ int main(int argc, char** argv) {
                  "ps: a worker waits while this many newer updates are outstanding (-1: unbounded)")
       ->check(whole_number(-1, 1 << 20));
   app.add_flag("--staleness-lr", f.staleness_lr, "ps: each update's lr / (1 + staleness)");
+  app.add_flag("--sync-bn", f.sync_bn,
+               "dp/ddp: BatchNorm normalises with the whole batch's statistics (default: each "
+               "device or rank its own chunk, as PyTorch)");
   app.add_option("--gpus", f.gpus, "devices for dp/ddp/ps")->check(whole_number(1, kMaxDevices));
   app.add_option("--last-batch", f.last_batch,
                  "dp/ddp: a last batch too short for every device to get a row is padded by "
@@ -197,6 +201,7 @@ int main(int argc, char** argv) {
           type, f.backend, dp::dist::DdpOptions{},
           std::chrono::milliseconds(std::llround(f.timeout_s * 1000)));
       home = ddp->device();
+      ddp->set_sync_batch_norm(f.sync_bn);
     }
     model->materialize(home, f.seed);
     std::unique_ptr<nn::Optimizer> optimizer;
@@ -222,7 +227,9 @@ int main(int argc, char** argv) {
       ps = std::make_unique<dp::ParameterServer>(model, opt, devices, po);
     }
     if (f.mode == "dp") {
-      dp_engine = std::make_unique<dp::DataParallel>(model, opt, devices);
+      dp::DataParallelOptions dopt;
+      if (f.sync_bn) dopt.batch_norm = dp::BatchNormStats::synced;
+      dp_engine = std::make_unique<dp::DataParallel>(model, opt, devices, dopt);
       engine.train_step = [&](const Tensor& x, const Tensor& y) {
         return dp_engine->train_step(x, y).loss;
       };

@@ -550,3 +550,26 @@ TEST_CASE("bench.exit: SIGINT and SIGTERM give 130 and 143, workers are named, n
   }
   std::filesystem::remove_all(tmp);
 }
+
+TEST_CASE("bench.sync_bn: --sync-bn in DP and DDP follows one device and reports the exchange") {
+  std::string json = temp_path("syncbn.json");
+  REQUIRE(run_bench("--device cpu --model resnet --mode both --gpus 4 --steps 2 --warmup 0 "
+                    "--batch 10 --sync-bn --json " +
+                    json) == 0);
+  auto runs = read_json(json)["runs"];
+  REQUIRE(runs.size() == 4);  // dp 1, dp 4, ddp 1, ddp 4
+  for (auto& r : runs) {
+    CAPTURE(r["mode"]);
+    CHECK(r["sync_bn_values_per_step"].get<int64_t>() > 0);
+    // ResNet-8 (width 16): 9 BatchNorm layers (3 of 16 channels, 3 of 32, 3 of 64), 1 + 4C
+    // values each.
+    CHECK(r["sync_bn_values_per_step"] == 9 + 4 * (16 * 3 + 32 * 3 + 64 * 3));
+  }
+  for (int k : {1, 3}) {  // N = 4 against N = 1 of the same mode: the full batch's statistics
+    auto one = runs[k - 1]["losses"], four = runs[k]["losses"];
+    REQUIRE(one.size() == four.size());
+    for (size_t i = 0; i < one.size(); ++i)
+      CHECK(four[i].get<double>() == doctest::Approx(one[i].get<double>()).epsilon(1e-4));
+  }
+  std::remove(json.c_str());
+}

@@ -10,6 +10,7 @@
 #include "dp/distributed/ddp.hpp"
 #include "dp/distributed/launcher.hpp"
 #include "dp/distributed/sampler.hpp"
+#include "dp/distributed/sync_batch_norm.hpp"
 #include "dp/distributed/zero.hpp"
 #include "nn/nn.hpp"
 #include "tests/train_util.hpp"
@@ -467,4 +468,45 @@ TEST_CASE("ddp.sampler: DP and DDP train the same rows of a padded last batch, t
   });
   CHECK(dp_test::rel_diff(params[0], dp_params) <= 1e-5f);
   for (int r = 1; r < 4; ++r) CHECK(params[r] == params[0]);
+}
+
+namespace {
+
+nn::ModulePtr small_resnet() {
+  return nn::resnet(8, 1, 10, 4);
+}
+
+}  // namespace
+
+TEST_CASE("ddp.sync_bn: 4 ranks with SyncBatchNorm follow one device on the full batch") {
+  const int world = 4, steps = 3;
+  const int64_t batch = 10;  // chunks of 3, 3, 2, 2 rows
+  auto ref = small_resnet();
+  ref->materialize(Device::cpu(0), kSeed);
+  nn::SGD ref_opt(*ref, sgd());
+  std::vector<float> ref_losses;
+  for (int s = 0; s < steps; ++s) {
+    auto [x, y] = dp_test::image_batch(batch, s);
+    ref_losses.push_back(dp_test::single_step(*ref, ref_opt, x, y));
+  }
+  std::vector<std::vector<float>> params(world), buffers(world);
+  run_ranks(world, [&](int r, dp::dist::ProcessGroup& pg) {
+    auto m = small_resnet();
+    m->materialize(Device::cpu(r), kSeed);
+    nn::set_batch_norm_sync(*m, std::make_shared<dp::dist::GroupStatsSync>(pg, Device::cpu(r)));
+    nn::SGD opt(*m, sgd());
+    DistributedDataParallel ddp(m, pg);
+    for (int s = 0; s < steps; ++s) {
+      auto [x, y] = dp_test::image_batch(batch, s);
+      ddp_step(ddp, opt, x, y, r, world);
+    }
+    params[r] = m->flat_params().to_host_f32();
+    buffers[r] = m->flat_buffers().to_host_f32();
+  });
+  CHECK(dp_test::rel_diff(params[0], ref->flat_params().to_host_f32()) <= 1e-4f);
+  CHECK(dp_test::rel_diff(buffers[0], ref->flat_buffers().to_host_f32()) <= 1e-4f);
+  for (int r = 1; r < world; ++r) {
+    CHECK(params[r] == params[0]);
+    CHECK(buffers[r] == buffers[0]);
+  }
 }

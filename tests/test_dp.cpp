@@ -285,35 +285,11 @@ TEST_CASE("dp.batch: a batch smaller than the device count uses fewer devices") 
                        doctest::Contains("first dimension"), Error);
 }
 
-namespace {
-// Throws from forward on one chosen device while `armed` is set.
-class Faulty : public nn::Module {
- public:
-  Faulty(Device victim, std::shared_ptr<std::atomic<bool>> armed)
-      : victim_(victim), armed_(std::move(armed)) {}
-  std::string type_name() const override { return "Faulty"; }
-
- protected:
-  Tensor forward_impl(const Tensor& x) override {
-    if (*armed_ && x.device() == victim_) throw Error("injected fault");
-    return x;
-  }
-  Tensor backward_impl(const Tensor& dy) override { return dy; }
-  std::shared_ptr<nn::Module> clone_config() const override {
-    return std::make_shared<Faulty>(victim_, armed_);
-  }
-
- private:
-  Device victim_;
-  std::shared_ptr<std::atomic<bool>> armed_;
-};
-}  // namespace
-
 TEST_CASE("dp.failure: a worker's exception names its device and the engine stays usable") {
   auto armed = std::make_shared<std::atomic<bool>>(true);
   auto s = std::make_shared<nn::Sequential>();
   s->add(std::make_shared<nn::Linear>(6, 5));
-  s->add(std::make_shared<Faulty>(Device::cpu(2), armed));
+  s->add(std::make_shared<dp_test::Faulty>(Device::cpu(2), armed));
   s->materialize(Device::cpu(0), kSeed);
   nn::SGD opt(*s, SgdConfig{});
   {

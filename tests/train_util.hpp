@@ -1,6 +1,9 @@
 // The single-device reference the DP and DDP suites compare against.
 #pragma once
 
+#include <atomic>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "nn/nn.hpp"
@@ -37,5 +40,36 @@ inline std::vector<float> train_single(nn::ModulePtr m, uint64_t seed, int steps
   }
   return m->flat_params().to_host_f32();
 }
+
+// Step s's image batch: (batch, 1, 8, 8) and labels in [0, 10).
+inline std::pair<kernels::Tensor, kernels::Tensor> image_batch(int64_t batch, int s) {
+  kernels::Tensor x =
+      kernels::Tensor::from_vector(random_vector(batch * 64, 300 + s), {batch, 1, 8, 8});
+  std::vector<int32_t> y(static_cast<size_t>(batch));
+  for (int64_t i = 0; i < batch; ++i) y[i] = static_cast<int32_t>((i * 7 + s) % 10);
+  return {x, kernels::Tensor::from_ints(y, {batch})};
+}
+
+// A layer that throws from forward on one chosen device while `armed` is set (failure tests).
+class Faulty : public nn::Module {
+ public:
+  Faulty(kernels::Device victim, std::shared_ptr<std::atomic<bool>> armed)
+      : victim_(victim), armed_(std::move(armed)) {}
+  std::string type_name() const override { return "Faulty"; }
+
+ protected:
+  kernels::Tensor forward_impl(const kernels::Tensor& x) override {
+    if (*armed_ && x.device() == victim_) throw kernels::Error("injected fault");
+    return x;
+  }
+  kernels::Tensor backward_impl(const kernels::Tensor& dy) override { return dy; }
+  std::shared_ptr<nn::Module> clone_config() const override {
+    return std::make_shared<Faulty>(victim_, armed_);
+  }
+
+ private:
+  kernels::Device victim_;
+  std::shared_ptr<std::atomic<bool>> armed_;
+};
 
 }  // namespace dp_test

@@ -6,6 +6,7 @@
 
 #include "dp/chunks.hpp"
 #include "dp/distributed/mpi_process_group.hpp"
+#include "dp/distributed/sync_batch_norm.hpp"
 
 namespace dp::dist {
 
@@ -65,7 +66,13 @@ void DdpTrainer::set_zero_stage(int stage) {
   zero_stage_ = stage;
 }
 
+void DdpTrainer::set_sync_batch_norm(bool on) {
+  DP_CHECK(!ddp_, "DdpTrainer::set_sync_batch_norm after wrap()");
+  sync_bn_ = on;
+}
+
 void DdpTrainer::wrap(nn::ModulePtr model, nn::Optimizer& optimizer) {
+  if (sync_bn_) nn::set_batch_norm_sync(*model, std::make_shared<GroupStatsSync>(*group_, device_));
   ddp_ = std::make_unique<DistributedDataParallel>(std::move(model), *group_, ddp_options_);
   optimizer_ = &optimizer;
   if (zero_stage_ == 1) zero_ = std::make_unique<ZeroStage1>(*group_, ddp_->module(), optimizer);

@@ -68,6 +68,10 @@ class DdpTrainer {
   // state sharded, reduce_scatter + all_gather instead of the bucketed all-reduce).
   // requires 0 or 1, called before wrap().
   void set_zero_stage(int stage);
+  // SyncBatchNorm: the model's BatchNorm layers normalise with the statistics of every rank's
+  // rows (dp/distributed/sync_batch_norm.hpp). Off by default (each rank its own rows, as
+  // PyTorch's BatchNorm under DDP). Call before wrap().
+  void set_sync_batch_norm(bool on);
   // requires model materialised on device(); optimizer built on it.
   void wrap(nn::ModulePtr model, nn::Optimizer& optimizer);
   // One step on this rank's chunk of the global host batch. Returns the global mean loss.
@@ -93,6 +97,7 @@ class DdpTrainer {
   std::unique_ptr<DistributedDataParallel> ddp_;
   nn::Optimizer* optimizer_ = nullptr;
   int zero_stage_ = 0;
+  bool sync_bn_ = false;
   std::unique_ptr<ZeroStage1> zero_;
   kernels::Tensor input_, labels_, loss_, dlogits_;  // this rank's step buffers, reused
   DdpStepTimes times_;
