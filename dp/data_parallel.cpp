@@ -117,6 +117,19 @@ DataParallel::~DataParallel() {
   }
 }
 
+std::vector<uint64_t> DataParallel::rng_offsets() {
+  std::vector<uint64_t> out;
+  for (auto& r : replicas_) out.push_back(r->flat().rng_offset);
+  return out;
+}
+
+void DataParallel::set_rng_offsets(const std::vector<uint64_t>& offsets) {
+  DP_CHECK(
+      offsets.size() == replicas_.size(),
+      "set_rng_offsets: " << offsets.size() << " offsets for " << replicas_.size() << " devices");
+  for (size_t i = 0; i < replicas_.size(); ++i) replicas_[i]->flat().rng_offset = offsets[i];
+}
+
 int DataParallel::devices_for(int64_t batch) {
   int n = n_devices();
   if (batch >= n) return n;

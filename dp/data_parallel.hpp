@@ -135,6 +135,10 @@ class DataParallel {
   // Records every phase of every worker into `trace` (null: off), each slice tagged with its
   // step. Set between steps.
   void set_trace(Trace* trace) { trace_ = trace; }
+  // Each replica's dropout stream offset (device order), to save and restore a run exactly.
+  // Call between steps.
+  std::vector<uint64_t> rng_offsets();
+  void set_rng_offsets(const std::vector<uint64_t>& offsets);
   // Bytes of one flat parameter copy (P * 4).
   int64_t parameter_bytes() { return replicas_[0]->flat_params().nbytes(); }
 

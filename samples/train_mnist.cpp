@@ -26,6 +26,7 @@
 #include "dp/distributed/ddp_trainer.hpp"
 #include "dp/parameter_server.hpp"
 #include "nn/nn.hpp"
+#include "nn/train_state.hpp"
 
 using kernels::Device;
 using kernels::Tensor;
@@ -46,6 +47,11 @@ struct Flags {
   int max_staleness = -1;  // ps: -1 unbounded
   bool staleness_lr = false;
   bool sync_bn = false;
+  // Training state: saved every save_every steps (and at the end) into checkpoint_dir, keeping
+  // the newest `keep`; resumed from a file or "latest".
+  std::string checkpoint_dir, resume;
+  std::optional<int64_t> save_every;
+  int keep = 3;
   int nnodes = 1, node_rank = 0, master_port = 0;
   std::string master_addr = "127.0.0.1";
   std::optional<int> max_local_ranks;  // ddp; unset: dp::dist::local_rank_limit()
@@ -148,6 +154,17 @@ int main(int argc, char** argv) {
                  "ddp: seconds the rendezvous and each collective may take (default: DP_TIMEOUT, "
                  "else 60 s to rendezvous and 300 s per collective)")
       ->check(dp::cli::positive_number(604800));
+  app.add_option("--checkpoint-dir", f.checkpoint_dir,
+                 "single/dp/ddp: write the whole training state here (step_N.safetensors; rank 0 "
+                 "writes), every --save-every steps and at the end")
+      ->check(CLI::ExistingDirectory);
+  app.add_option("--save-every", f.save_every, "steps between checkpoints (needs --checkpoint-dir)")
+      ->check(whole_number(1, std::numeric_limits<int32_t>::max()));
+  app.add_option("--keep", f.keep, "checkpoints to keep in --checkpoint-dir, newest first")
+      ->check(whole_number(1, 1000));
+  app.add_option("--resume", f.resume,
+                 "resume from a training state file, or 'latest' in --checkpoint-dir (the same "
+                 "mode, --gpus, model, optimizer and --batch are required)");
   app.add_option("--limit-batches", f.limit_batches,
                  "stop each epoch after this many batches (smoke runs)")
       ->check(whole_number(1, std::numeric_limits<int64_t>::max()));
@@ -161,6 +178,13 @@ int main(int argc, char** argv) {
   }
   try {
     // What no single flag can check, before any work.
+    DP_CHECK(!f.save_every || !f.checkpoint_dir.empty(),
+             "--save-every needs --checkpoint-dir (where to write)");
+    DP_CHECK(f.resume != "latest" || !f.checkpoint_dir.empty(),
+             "--resume latest needs --checkpoint-dir (where to look)");
+    DP_CHECK(f.mode != "ps" || (f.checkpoint_dir.empty() && f.resume.empty()),
+             "--mode ps: checkpoints are not supported yet (the server's pending pushes would be "
+             "lost); drop --checkpoint-dir/--resume");
     // Rows every global batch is split into (a parameter server's workers each take whole
     // batches).
     const int split = f.mode == "single" || f.mode == "ps" ? 1 : f.gpus * f.nnodes;
@@ -281,9 +305,62 @@ int main(int argc, char** argv) {
     std::iota(subset.begin(), subset.end(), int64_t{0});
     dp::data::Loader loader(train, std::move(subset), lo);
     std::vector<float> epoch_loss;
-    int64_t rows_trained = 0;  // padding rows included: they are trained too
+    std::vector<float> step_losses;  // every step this process trained, from first_step on
+    int64_t rows_trained = 0;        // padding rows included: they are trained too
+    // The training state: where this run starts, and how it saves.
+    nn::TrainingProgress run_state;
+    run_state.mode = f.mode;
+    run_state.world_size = world;
+    run_state.config = {
+        {"model", f.model}, {"batch", std::to_string(f.batch)}, {"seed", std::to_string(f.seed)}};
+    const int my_index = ddp ? ddp->rank() : 0;
+    auto rng_offsets = [&]() {
+      if (dp_engine) return dp_engine->rng_offsets();
+      std::vector<uint64_t> mine{model->flat().rng_offset};
+      if (!ddp) return mine;
+      Tensor one = Tensor::empty({1}, kernels::DType::i64, Device::cpu());
+      one.data<int64_t>()[0] = static_cast<int64_t>(mine[0]);
+      Tensor one_dev = one.to(home);
+      Tensor all = Tensor::empty({world}, kernels::DType::i64, home);
+      ddp->group().all_gather(all, one_dev)->wait();
+      Tensor host = all.to(Device::cpu());
+      return std::vector<uint64_t>(host.data<int64_t>(), host.data<int64_t>() + world);
+    };
+    auto save_state = [&](int64_t epoch, int64_t batches_done) {
+      run_state.epoch = epoch;
+      run_state.batches_done = batches_done;
+      run_state.rng_offsets = rng_offsets();  // collective in DDP
+      if (my_index == 0) {
+        nn::save_training_state(nn::checkpoint_file(f.checkpoint_dir, run_state.step), *model, opt,
+                                run_state);
+        nn::prune_checkpoints(f.checkpoint_dir, f.keep);
+      }
+      // Nobody reads a half-written file: every rank waits until rank 0 has written it.
+      if (ddp) ddp->group().barrier()->wait();
+    };
+    int start_epoch = 0;
+    int64_t skip_batches = 0;
+    if (!f.resume.empty()) {
+      std::string path = f.resume;
+      if (path == "latest") {
+        auto all = nn::list_checkpoints(f.checkpoint_dir);
+        DP_CHECK(!all.empty(), "--resume latest: no step_*.safetensors in --checkpoint-dir '"
+                                   << f.checkpoint_dir << "'");
+        path = all.back();
+      }
+      nn::TrainingProgress got = nn::load_training_state(path, *model, opt, run_state, my_index);
+      if (dp_engine) dp_engine->set_rng_offsets(got.rng_offsets);
+      run_state.step = got.step;
+      start_epoch = static_cast<int>(got.epoch);
+      skip_batches = got.batches_done;
+      if (chatty)
+        std::fprintf(stderr, "train_mnist: resumed from %s at step %lld (epoch %d, batch %lld)\n",
+                     path.c_str(), static_cast<long long>(got.step), start_epoch,
+                     static_cast<long long>(skip_batches));
+    }
+    const int64_t first_step = run_state.step;
     auto t0 = std::chrono::steady_clock::now();
-    for (int e = 0; e < f.epochs; ++e) {
+    for (int e = start_epoch; e < f.epochs; ++e) {
       loader.set_epoch(e);
       double sum = 0;
       int64_t n = 0, rows = 0, total = loader.num_batches();
@@ -315,19 +392,31 @@ int main(int argc, char** argv) {
                      static_cast<long long>(r.pushes), r.pushes / std::max(r.seconds, 1e-9),
                      static_cast<long long>(max_stale));
       }
+      int64_t skip = e == start_epoch ? skip_batches : 0;  // trained before the resume
       if (!ps)
         for (auto& batch : loader) {
+          if (skip > 0) {
+            --skip;
+            if (++n == total) break;
+            continue;
+          }
           float l = engine.train_step(batch.images, batch.labels);
           sum += l;
           ++n;
+          ++run_state.step;
+          step_losses.push_back(l);
           rows += batch.size();
+          if (f.save_every && run_state.step % *f.save_every == 0 && n < total) save_state(e, n);
           double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - te).count();
           if (chatty) progress(e, n, total, static_cast<float>(sum / n), rows / std::max(s, 1e-9));
           if (n == total) break;  // --limit-batches
         }
       rows_trained += rows;
-      epoch_loss.push_back(static_cast<float>(sum / std::max<int64_t>(n, 1)));
+      const int64_t trained = n - (e == start_epoch ? skip_batches : 0);
+      epoch_loss.push_back(static_cast<float>(sum / std::max<int64_t>(ps ? n : trained, 1)));
+      if (f.save_every && !ps && run_state.step % *f.save_every == 0) save_state(e + 1, 0);
     }
+    if (!f.checkpoint_dir.empty()) save_state(f.epochs, 0);  // the end of the run
     double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
     int64_t correct = 0;
@@ -351,6 +440,8 @@ int main(int argc, char** argv) {
                               {"train_loss", epoch_loss},
                               {"seconds", seconds},
                               {"rows_trained", rows_trained},
+                              {"first_step", first_step},
+                              {"step_losses", step_losses},
                               {"samples_per_s", rows_trained / std::max(seconds, 1e-9)},
                               {"model", f.model},
                               {"mode", f.mode},

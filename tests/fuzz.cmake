@@ -1,12 +1,12 @@
-# fuzz: libFuzzer targets for the IDX reader, the checkpoint reader, the store's frame parser and
-# the rendezvous URL/env parsing (tests/fuzz/). libFuzzer needs clang while the main build uses
-# GCC, so a small clang sub-build (ExternalProject, CPU only, just those sources) makes them;
+# fuzz: libFuzzer targets for the IDX reader, the checkpoint and training-state readers, the
+# store's frame parser and the rendezvous URL/env parsing (tests/fuzz/). libFuzzer needs clang
+# while the main build uses GCC, so a small clang sub-build (ExternalProject, CPU only, just those sources) makes them;
 # ctest runs each for DP_FUZZ_SECONDS on seeds that make_seeds writes (fixture fuzz.seeds) and
 # fails on a crash, a leak, a timeout or a broken contract. Without clang and libFuzzer
 # (clang-14, libclang-rt-14-dev: scripts/setup.sh) the tests are reported as skipped.
 option(DP_FUZZ "Build and run the libFuzzer targets when clang with libFuzzer is found" ON)
 set(DP_FUZZ_SECONDS 20 CACHE STRING "Seconds each fuzz.* test fuzzes")
-set(DP_FUZZ_TARGETS idx checkpoint store_frame rendezvous)
+set(DP_FUZZ_TARGETS idx checkpoint train_state store_frame rendezvous)
 
 set(dp_fuzz_skip "")
 if(NOT DP_FUZZ)

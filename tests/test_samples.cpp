@@ -3,10 +3,12 @@
 
 #include <sys/stat.h>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 
 #include <nlohmann/json.hpp>
 
+#include "nn/train_state.hpp"
 #include "tests/process_util.hpp"
 #include "tests/test_util.hpp"
 
@@ -160,5 +162,43 @@ TEST_CASE("samples.train_mnist: SIGINT and SIGTERM to a DDP run give 130 and 143
     REQUIRE(status != -1);
     CHECK(dp_test::shell_code(status) == 128 + sig);
     CHECK(dp_test::all_gone_within(workers, std::chrono::seconds(10)));
+  }
+}
+
+TEST_CASE("samples.train_mnist: a resume mid-epoch gives the uninterrupted run, bit for bit") {
+  if (skip_without_fashion_mnist()) return;
+  const std::string common =
+      "--device cpu --model mlp --train-samples 200 --batch 16 --seed 3 --epochs 3";
+  for (const std::string mode : {"", " --mode dp --gpus 4", " --mode ddp --gpus 3"}) {
+    CAPTURE(mode);
+    std::string whole_dir = temp_path("ck_whole"), part_dir = temp_path("ck_part");
+    std::filesystem::create_directories(whole_dir);
+    std::filesystem::create_directories(part_dir);
+    auto whole = train(common + mode + " --checkpoint-dir " + whole_dir + " --save-every 5");
+    // A run that saves at step 30 (epoch 2, batch 4 of 13), and a second process resuming from
+    // there into its own folder.
+    train(common + mode + " --checkpoint-dir " + part_dir + " --save-every 30 --keep 10");
+    std::string resumed_dir = temp_path("ck_resumed");
+    std::filesystem::create_directories(resumed_dir);
+    auto rest = train(common + mode + " --checkpoint-dir " + resumed_dir + " --resume " +
+                      nn::checkpoint_file(part_dir, 30));
+    CHECK(rest["first_step"] == 30);
+    std::vector<float> tail(whole["step_losses"].begin() + 30, whole["step_losses"].end());
+    CHECK(rest["step_losses"].get<std::vector<float>>() == tail);
+    CHECK(rest["test_accuracy"] == whole["test_accuracy"]);
+    // The final states are the same file, byte for byte (weights, optimizer, RNG, position).
+    auto bytes = [](const std::string& p) {
+      std::ifstream f(p, std::ios::binary);
+      return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    };
+    std::string end_whole = nn::checkpoint_file(whole_dir, 39);
+    std::string end_rest = nn::checkpoint_file(resumed_dir, 39);
+    REQUIRE(std::filesystem::exists(end_whole));
+    REQUIRE(std::filesystem::exists(end_rest));
+    CHECK(bytes(end_whole) == bytes(end_rest));
+    CHECK(nn::list_checkpoints(whole_dir).size() == 3);  // --keep 3 by default
+    std::filesystem::remove_all(whole_dir);
+    std::filesystem::remove_all(part_dir);
+    std::filesystem::remove_all(resumed_dir);
   }
 }

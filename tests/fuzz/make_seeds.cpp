@@ -88,6 +88,18 @@ std::string checkpoint() {
   return s;
 }
 
+// A training state in safetensors layout: one tensor "param.w" [2] and its metadata.
+std::string train_state() {
+  const std::string header = R"({"param.w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                             R"("__metadata__":{"format":"dptrain-training-state-1","step":"3"}})";
+  std::string s;
+  put<uint64_t>(s, header.size());
+  s += header;
+  const float values[2] = {1.5f, -2.f};
+  s.append(reinterpret_cast<const char*>(values), sizeof values);
+  return s;
+}
+
 std::string frames() {
   std::string s;
   auto add = [&](std::vector<char> f) { s.append(f.begin(), f.end()); };
@@ -109,7 +121,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string out = argv[1];
-  for (const char* t : {"idx", "checkpoint", "store_frame", "rendezvous"}) {
+  for (const char* t : {"idx", "checkpoint", "train_state", "store_frame", "rendezvous"}) {
     mkdirs(out + "/seeds/" + t);
     mkdirs(out + "/corpus/" + t);
     mkdirs(out + "/artifacts");
@@ -120,6 +132,7 @@ int main(int argc, char** argv) {
   write(out + "/seeds/idx/images.gz", gzip(images));
   write(out + "/seeds/idx/labels.gz", gzip(labels));
   write(out + "/seeds/checkpoint/linear.ckpt", checkpoint());
+  write(out + "/seeds/train_state/step_3.safetensors", train_state());
   write(out + "/seeds/store_frame/session", frames());
   const char* rendezvous[] = {
       "tcp://127.0.0.1:29500?rank=1&world_size=4\nDP_TIMEOUT=1.5\nDP_JOB_ID=7\n",
