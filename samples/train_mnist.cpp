@@ -340,22 +340,26 @@ int main(int argc, char** argv) {
     };
     int start_epoch = 0;
     int64_t skip_batches = 0;
-    if (!f.resume.empty()) {
-      std::string path = f.resume;
-      if (path == "latest") {
-        auto all = nn::list_checkpoints(f.checkpoint_dir);
-        DP_CHECK(!all.empty(), "--resume latest: no step_*.safetensors in --checkpoint-dir '"
-                                   << f.checkpoint_dir << "'");
-        path = all.back();
-      }
-      nn::TrainingProgress got = nn::load_training_state(path, *model, opt, run_state, my_index);
+    std::string resume_path = f.resume;
+    if (resume_path == "latest") {
+      // The newest checkpoint, or none yet: a first attempt (or one restarted before its first
+      // save) starts from step 0.
+      auto all = nn::list_checkpoints(f.checkpoint_dir);
+      resume_path = all.empty() ? "" : all.back();
+      if (all.empty() && chatty)
+        std::fprintf(stderr, "train_mnist: no checkpoint in %s yet: starting from step 0\n",
+                     f.checkpoint_dir.c_str());
+    }
+    if (!resume_path.empty()) {
+      nn::TrainingProgress got =
+          nn::load_training_state(resume_path, *model, opt, run_state, my_index);
       if (dp_engine) dp_engine->set_rng_offsets(got.rng_offsets);
       run_state.step = got.step;
       start_epoch = static_cast<int>(got.epoch);
       skip_batches = got.batches_done;
       if (chatty)
         std::fprintf(stderr, "train_mnist: resumed from %s at step %lld (epoch %d, batch %lld)\n",
-                     path.c_str(), static_cast<long long>(got.step), start_epoch,
+                     resume_path.c_str(), static_cast<long long>(got.step), start_epoch,
                      static_cast<long long>(skip_batches));
     }
     const int64_t first_step = run_state.step;
