@@ -1,6 +1,6 @@
 // launch_workers with real processes (tests/dist_worker.cpp): collectives across processes,
 // two "nodes" on loopback, and the failure paths (a killed worker, a non-zero exit, workers
-// ignoring SIGTERM, the launcher killed, Ctrl-C forwarded).
+// ignoring SIGTERM, the launcher killed, Ctrl-C forwarded, restarts after a failure).
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -121,6 +121,27 @@ int count_of(const std::string& text, const std::string& part) {
   return n;
 }
 
+// For workers without a store: the launcher's heartbeat watch waits two intervals for a store
+// that never comes, holding each attempt's end up 0.4 s (1 s / 5 x 2) instead of 2 s.
+const std::vector<std::string> kFastWatch = {"DP_HEARTBEAT_TIMEOUT=1"};
+
+// The pid rank `rank` wrote in attempt `restart` (DP_RESTART_COUNT), or -1 when it wrote none.
+pid_t attempt_pid(const std::string& dir, int restart, int rank) {
+  std::ifstream f(dir + "/attempt_" + std::to_string(restart) + ".rank_" + std::to_string(rank));
+  long pid = -1;
+  f >> pid;
+  return static_cast<pid_t>(pid);
+}
+
+// Every pid the workers of attempts [0, restarts] wrote.
+std::vector<pid_t> attempt_pids(const std::string& dir, int restarts, int nproc) {
+  std::vector<pid_t> pids;
+  for (int a = 0; a <= restarts; ++a)
+    for (int r = 0; r < nproc; ++r)
+      if (pid_t pid = attempt_pid(dir, a, r); pid > 0) pids.push_back(pid);
+  return pids;
+}
+
 }  // namespace
 
 TEST_CASE("dist.launch: three worker processes run Gloo collectives") {
@@ -220,6 +241,15 @@ TEST_CASE("dist.launch: bad launch options are errors") {
   o.node_rank = 1;
   CHECK_THROWS_AS(launch_workers(o, {kWorker}), kernels::Error);
   CHECK_THROWS_AS(launch_workers(worker_options(2), {}), kernels::Error);
+  o = worker_options(2);
+  o.max_restarts = -1;
+  CHECK_THROWS_WITH_AS(launch_workers(o, {kWorker}), doctest::Contains("max_restarts=-1"),
+                       kernels::Error);
+  o.max_restarts = 1;  // restarts are per node launcher: refused across nodes
+  o.nnodes = 2;
+  o.master_port = find_free_port();
+  CHECK_THROWS_WITH_AS(launch_workers(o, {kWorker}), doctest::Contains("one node only"),
+                       kernels::Error);
 }
 
 TEST_CASE("dist.launcher: more ranks than the machine can start are refused before any starts") {
@@ -313,4 +343,82 @@ TEST_CASE("dist.launch: a hung rank (SIGSTOP) is named by its heartbeat and the 
       CHECK(f.output.find("the store it hosts stopped answering") != std::string::npos);
     CHECK(all_gone_within(pids, 2s));  // no orphans, the stopped one included
   }
+}
+
+TEST_CASE("dist.launch: with max_restarts 1 a failed job runs again with DP_RESTART_COUNT=1") {
+  std::string dir = dist_test::make_temp_dir("restart");
+  RemoveDir cleanup{dir};
+  CapturedLauncher l(dir, "restart",
+                     {"--mode", "fail-once", "--nproc", "2", "--pid-dir", dir, "--max-restarts",
+                      "1", "--grace-ms", "1000"},
+                     kFastWatch);
+  Finished f = l.wait(30s);
+  CHECK(exited_with(f.status, 0));
+  for (int rank : {0, 1}) {  // both ranks ran twice: DP_RESTART_COUNT 0, then 1
+    CAPTURE(rank);
+    CHECK(attempt_pid(dir, 0, rank) > 0);
+    CHECK(attempt_pid(dir, 1, rank) > 0);
+    CHECK(attempt_pid(dir, 1, rank) != attempt_pid(dir, 0, rank));
+    CHECK(attempt_pid(dir, 2, rank) == -1);
+  }
+  CHECK(count_of(f.output, "launch_workers: restart 1 of 1 after rank 1 exited with status 3") ==
+        1);
+  CHECK(count_of(f.output, "launch_workers: restart ") == 1);
+  CHECK(all_gone_within(attempt_pids(dir, 1, 2), 2s));
+}
+
+TEST_CASE("dist.launch: with max_restarts 0 a failed job is not restarted and returns its code") {
+  std::string dir = dist_test::make_temp_dir("norestart");
+  RemoveDir cleanup{dir};
+  CapturedLauncher l(
+      dir, "norestart",
+      {"--mode", "fail-once", "--nproc", "2", "--pid-dir", dir, "--grace-ms", "1000"}, kFastWatch);
+  Finished f = l.wait(30s);
+  CHECK(exited_with(f.status, 3));
+  CHECK(attempt_pid(dir, 0, 1) > 0);
+  CHECK(attempt_pid(dir, 1, 0) == -1);
+  CHECK(attempt_pid(dir, 1, 1) == -1);
+  CHECK(f.output.find("restart") == std::string::npos);
+  CHECK(all_gone_within(attempt_pids(dir, 0, 2), 2s));
+}
+
+TEST_CASE("dist.launch: a rank that always fails uses every restart, then its code is returned") {
+  std::string dir = dist_test::make_temp_dir("always");
+  RemoveDir cleanup{dir};
+  CapturedLauncher l(dir, "always",
+                     {"--mode", "exit3", "--nproc", "2", "--pid-dir", dir, "--max-restarts", "2",
+                      "--grace-ms", "1000"},
+                     kFastWatch);
+  Finished f = l.wait(30s);
+  CHECK(exited_with(f.status, 3));
+  for (int restart : {0, 1, 2}) {  // rank 1 ran 3 times (rank 0 may be stopped before it writes)
+    CAPTURE(restart);
+    CHECK(attempt_pid(dir, restart, 1) > 0);
+  }
+  CHECK(attempt_pid(dir, 3, 1) == -1);
+  CHECK(count_of(f.output, "launch_workers: restart 1 of 2 after rank 1 exited with status 3") ==
+        1);
+  CHECK(count_of(f.output, "launch_workers: restart 2 of 2 after rank 1 exited with status 3") ==
+        1);
+  CHECK(count_of(f.output, "launch_workers: restart ") == 2);
+  CHECK(count_of(f.output, "no restarts left (2 of 2 used); exit code 3") == 1);
+  CHECK(all_gone_within(attempt_pids(dir, 2, 2), 2s));
+}
+
+TEST_CASE("dist.launch: SIGINT to the launcher with restarts left stops the job, no restart") {
+  std::string dir = dist_test::make_temp_dir("intrestart");
+  RemoveDir cleanup{dir};
+  CapturedLauncher l(dir, "intrestart",
+                     {"--mode", "sleep", "--nproc", "2", "--pid-dir", dir, "--max-restarts", "2",
+                      "--grace-ms", "1000"},
+                     kFastWatch);
+  auto pids = wait_for_pids(dir, 2, 10s);
+  REQUIRE(pids.size() == 2);
+  ::kill(l.pid, SIGINT);
+  Finished f = l.wait(10s);
+  CHECK(exited_with(f.status, 128 + SIGINT));
+  CHECK(attempt_pid(dir, 1, 0) == -1);
+  CHECK(attempt_pid(dir, 1, 1) == -1);
+  CHECK(f.output.find("restart") == std::string::npos);
+  CHECK(all_gone_within(pids, 2s));
 }
