@@ -133,14 +133,34 @@ pid_t attempt_pid(const std::string& dir, int restart, int rank) {
   return static_cast<pid_t>(pid);
 }
 
-// Every pid the workers of attempts [0, restarts] wrote.
-std::vector<pid_t> attempt_pids(const std::string& dir, int restarts, int nproc) {
-  std::vector<pid_t> pids;
-  for (int a = 0; a <= restarts; ++a)
-    for (int r = 0; r < nproc; ++r)
-      if (pid_t pid = attempt_pid(dir, a, r); pid > 0) pids.push_back(pid);
-  return pids;
-}
+// A launcher process running 2 dist_worker ranks of `mode` with `max_restarts`, its pid files
+// and log in a fresh directory that goes with it.
+struct RestartJob {
+  static constexpr int kRanks = 2;
+  std::string dir;
+  RemoveDir cleanup;
+  CapturedLauncher launcher;
+  RestartJob(const std::string& mode, int max_restarts)
+      : dir(dist_test::make_temp_dir("restart")),
+        cleanup{dir},
+        launcher(dir, mode,
+                 {"--mode", mode, "--nproc", std::to_string(kRanks), "--pid-dir", dir,
+                  "--max-restarts", std::to_string(max_restarts), "--grace-ms", "1000"},
+                 kFastWatch) {}
+  // How many attempts `rank` started: its attempt files for DP_RESTART_COUNT 0, 1, ...
+  int attempts(int rank) const {
+    int n = 0;
+    while (attempt_pid(dir, n, rank) > 0) ++n;
+    return n;
+  }
+  // Whether every worker of every attempt is gone (within 2 s).
+  bool workers_gone() const {
+    std::vector<pid_t> pids;
+    for (int r = 0; r < kRanks; ++r)
+      for (int a = 0; a < attempts(r); ++a) pids.push_back(attempt_pid(dir, a, r));
+    return all_gone_within(pids, 2s);
+  }
+};
 
 }  // namespace
 
@@ -346,79 +366,52 @@ TEST_CASE("dist.launch: a hung rank (SIGSTOP) is named by its heartbeat and the 
 }
 
 TEST_CASE("dist.launch: with max_restarts 1 a failed job runs again with DP_RESTART_COUNT=1") {
-  std::string dir = dist_test::make_temp_dir("restart");
-  RemoveDir cleanup{dir};
-  CapturedLauncher l(dir, "restart",
-                     {"--mode", "fail-once", "--nproc", "2", "--pid-dir", dir, "--max-restarts",
-                      "1", "--grace-ms", "1000"},
-                     kFastWatch);
-  Finished f = l.wait(30s);
+  RestartJob job("fail-once", 1);
+  Finished f = job.launcher.wait(30s);
   CHECK(exited_with(f.status, 0));
   for (int rank : {0, 1}) {  // both ranks ran twice: DP_RESTART_COUNT 0, then 1
     CAPTURE(rank);
-    CHECK(attempt_pid(dir, 0, rank) > 0);
-    CHECK(attempt_pid(dir, 1, rank) > 0);
-    CHECK(attempt_pid(dir, 1, rank) != attempt_pid(dir, 0, rank));
-    CHECK(attempt_pid(dir, 2, rank) == -1);
+    CHECK(job.attempts(rank) == 2);
+    CHECK(attempt_pid(job.dir, 1, rank) != attempt_pid(job.dir, 0, rank));
   }
   CHECK(count_of(f.output, "launch_workers: restart 1 of 1 after rank 1 exited with status 3") ==
         1);
   CHECK(count_of(f.output, "launch_workers: restart ") == 1);
-  CHECK(all_gone_within(attempt_pids(dir, 1, 2), 2s));
+  CHECK(job.workers_gone());
 }
 
 TEST_CASE("dist.launch: with max_restarts 0 a failed job is not restarted and returns its code") {
-  std::string dir = dist_test::make_temp_dir("norestart");
-  RemoveDir cleanup{dir};
-  CapturedLauncher l(
-      dir, "norestart",
-      {"--mode", "fail-once", "--nproc", "2", "--pid-dir", dir, "--grace-ms", "1000"}, kFastWatch);
-  Finished f = l.wait(30s);
+  RestartJob job("fail-once", 0);
+  Finished f = job.launcher.wait(30s);
   CHECK(exited_with(f.status, 3));
-  CHECK(attempt_pid(dir, 0, 1) > 0);
-  CHECK(attempt_pid(dir, 1, 0) == -1);
-  CHECK(attempt_pid(dir, 1, 1) == -1);
+  CHECK(job.attempts(0) == 1);
+  CHECK(job.attempts(1) == 1);
   CHECK(f.output.find("restart") == std::string::npos);
-  CHECK(all_gone_within(attempt_pids(dir, 0, 2), 2s));
+  CHECK(job.workers_gone());
 }
 
 TEST_CASE("dist.launch: a rank that always fails uses every restart, then its code is returned") {
-  std::string dir = dist_test::make_temp_dir("always");
-  RemoveDir cleanup{dir};
-  CapturedLauncher l(dir, "always",
-                     {"--mode", "exit3", "--nproc", "2", "--pid-dir", dir, "--max-restarts", "2",
-                      "--grace-ms", "1000"},
-                     kFastWatch);
-  Finished f = l.wait(30s);
+  RestartJob job("exit3", 2);
+  Finished f = job.launcher.wait(30s);
   CHECK(exited_with(f.status, 3));
-  for (int restart : {0, 1, 2}) {  // rank 1 ran 3 times (rank 0 may be stopped before it writes)
-    CAPTURE(restart);
-    CHECK(attempt_pid(dir, restart, 1) > 0);
-  }
-  CHECK(attempt_pid(dir, 3, 1) == -1);
-  CHECK(count_of(f.output, "launch_workers: restart 1 of 2 after rank 1 exited with status 3") ==
-        1);
-  CHECK(count_of(f.output, "launch_workers: restart 2 of 2 after rank 1 exited with status 3") ==
-        1);
+  CHECK(job.attempts(1) == 3);  // rank 0 may be stopped before it writes its file
+  for (int restart : {1, 2})
+    CHECK(count_of(f.output, "launch_workers: restart " + std::to_string(restart) +
+                                 " of 2 after rank 1 exited with status 3") == 1);
   CHECK(count_of(f.output, "launch_workers: restart ") == 2);
   CHECK(count_of(f.output, "no restarts left (2 of 2 used); exit code 3") == 1);
-  CHECK(all_gone_within(attempt_pids(dir, 2, 2), 2s));
+  CHECK(job.workers_gone());
 }
 
 TEST_CASE("dist.launch: SIGINT to the launcher with restarts left stops the job, no restart") {
-  std::string dir = dist_test::make_temp_dir("intrestart");
-  RemoveDir cleanup{dir};
-  CapturedLauncher l(dir, "intrestart",
-                     {"--mode", "sleep", "--nproc", "2", "--pid-dir", dir, "--max-restarts", "2",
-                      "--grace-ms", "1000"},
-                     kFastWatch);
-  auto pids = wait_for_pids(dir, 2, 10s);
+  RestartJob job("sleep", 2);
+  auto pids = wait_for_pids(job.dir, 2, 10s);
   REQUIRE(pids.size() == 2);
-  ::kill(l.pid, SIGINT);
-  Finished f = l.wait(10s);
+  ::kill(job.launcher.pid, SIGINT);
+  Finished f = job.launcher.wait(10s);
   CHECK(exited_with(f.status, 128 + SIGINT));
-  CHECK(attempt_pid(dir, 1, 0) == -1);
-  CHECK(attempt_pid(dir, 1, 1) == -1);
+  CHECK(job.attempts(0) == 1);
+  CHECK(job.attempts(1) == 1);
   CHECK(f.output.find("restart") == std::string::npos);
-  CHECK(all_gone_within(pids, 2s));
+  CHECK(job.workers_gone());
 }
