@@ -93,6 +93,10 @@ void add_flags(CLI::App& app, Options& o) {
   app.add_option("--max-local-ranks", o.max_local_ranks,
                  "DDP: most ranks to start on this node (default: from its cores and memory)")
       ->check(whole_number(1, kMaxDevices));
+  app.add_option("--max-restarts", o.max_restarts,
+                 "DDP: start all ranks again after one fails, up to this many times (one node; "
+                 "workers see DP_RESTART_COUNT)")
+      ->check(whole_number(0, dp::dist::kMaxRestarts));
   app.add_option("--timeout", o.timeout_s,
                  "DDP: seconds the rendezvous and each collective may take (default: DP_TIMEOUT, "
                  "else 60 s to rendezvous and 300 s per collective)")
@@ -371,6 +375,12 @@ int run(const Options& o, int argc, char** argv) {
              "--nnodes " << o.nnodes << ": give --master-addr/--master-port, and no --sweep");
     DP_CHECK(o.node_rank < o.nnodes,
              "--node-rank " << o.node_rank << " is not in [0, " << o.nnodes << ")");
+  }
+  if (o.max_restarts > 0) {
+    DP_CHECK(o.mode == "ddp" || o.mode == "both",
+             "--max-restarts " << o.max_restarts << ": only DDP (--mode ddp or both) has worker "
+                               << "processes to restart");
+    dp::dist::check_restarts_allowed(o.max_restarts, o.nnodes);
   }
   std::vector<int> counts = o.nnodes > 1 ? std::vector<int>{s.gpus} : sweep_counts(o, s);
   validate(o, s, counts);

@@ -39,6 +39,7 @@ struct Options {
   int master_port = 0;   // 0: a free one (one node)
   double timeout_s = 0;  // DDP rendezvous and collectives; 0: DP_TIMEOUT or the defaults
   std::optional<int> max_local_ranks;  // DDP: unset: dp::dist::local_rank_limit()
+  int max_restarts = 0;                // DDP: restarts after a failed attempt (one node)
   std::string optim = "sgd";           // sgd (momentum 0.9) or adamw
   int zero = 0;                        // DDP: 1 shards the optimizer state (ZeRO stage 1)
   // --mode ps: bounded staleness (-1: unbounded), and lr / (1 + staleness) per update.

@@ -100,6 +100,7 @@ std::optional<RunResult> run_ddp(const Options& o, const Setup& s, int n, int ar
   t.master_addr = o.master_addr;
   t.master_port = o.master_port;
   t.max_local_ranks = o.max_local_ranks;
+  t.max_restarts = o.max_restarts;
   // The workers re-run this program with the same flags plus these: they read the worker
   // environment, train their shard and rank 0 writes the figures to the `result` descriptor.
   t.extra_env = {{"DP_BENCH_DDP_RESULT_FD", std::to_string(result.fd())},

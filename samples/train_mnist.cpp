@@ -55,6 +55,7 @@ struct Flags {
   int nnodes = 1, node_rank = 0, master_port = 0;
   std::string master_addr = "127.0.0.1";
   std::optional<int> max_local_ranks;  // ddp; unset: dp::dist::local_rank_limit()
+  int max_restarts = 0;                // ddp: restarts after a failed attempt (one node)
   double timeout_s = 0;  // ddp rendezvous and collectives; 0: DP_TIMEOUT or the defaults
 };
 
@@ -150,6 +151,10 @@ int main(int argc, char** argv) {
   app.add_option("--max-local-ranks", f.max_local_ranks,
                  "ddp: most ranks to start on this node (default: from its cores and memory)")
       ->check(whole_number(1, kMaxDevices));
+  app.add_option("--max-restarts", f.max_restarts,
+                 "ddp: start all ranks again after one fails, up to this many times (one node; "
+                 "workers see DP_RESTART_COUNT)")
+      ->check(whole_number(0, dp::dist::kMaxRestarts));
   app.add_option("--timeout", f.timeout_s,
                  "ddp: seconds the rendezvous and each collective may take (default: DP_TIMEOUT, "
                  "else 60 s to rendezvous and 300 s per collective)")
@@ -190,6 +195,10 @@ int main(int argc, char** argv) {
     const int split = f.mode == "single" || f.mode == "ps" ? 1 : f.gpus * f.nnodes;
     DP_CHECK(f.mode == "ddp" || f.nnodes == 1,
              "--nnodes " << f.nnodes << ": only --mode ddp spans nodes");
+    DP_CHECK(f.mode == "ddp" || f.max_restarts == 0,
+             "--max-restarts " << f.max_restarts << ": only --mode ddp has worker processes to "
+                               << "restart");
+    dp::dist::check_restarts_allowed(f.max_restarts, f.nnodes);
     DP_CHECK(f.node_rank < f.nnodes,
              "--node-rank " << f.node_rank << " is not in [0, --nnodes " << f.nnodes << ")");
     DP_CHECK(f.batch >= split, "--batch " << f.batch << " leaves some of the " << split
@@ -208,6 +217,7 @@ int main(int argc, char** argv) {
       t.backend = f.backend;
       t.device_type = device_type(f.device);
       t.max_local_ranks = f.max_local_ranks;
+      t.max_restarts = f.max_restarts;
       // The ranks re-run this program; each trains its shard of every global batch.
       std::optional<int> rc = dp::dist::launch_if_parent(t, argc, argv);
       if (rc) return *rc;
@@ -226,6 +236,12 @@ int main(int argc, char** argv) {
           std::chrono::milliseconds(std::llround(f.timeout_s * 1000)));
       home = ddp->device();
       ddp->set_sync_batch_norm(f.sync_bn);
+      // A restarted job goes on from its newest checkpoint with --resume latest; without it,
+      // it trains again from the start.
+      if (ddp->rank() == 0 && ddp->env().restart_count > 0)
+        std::fprintf(
+            stderr, "train_mnist: restart %d: %s\n", ddp->env().restart_count,
+            f.resume.empty() ? "training again from the start (no --resume latest)" : "resuming");
     }
     model->materialize(home, f.seed);
     std::unique_ptr<nn::Optimizer> optimizer;

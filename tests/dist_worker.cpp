@@ -1,13 +1,17 @@
 // Test helper for the launcher tests: a launcher (no worker variables set) or one of its
-// workers. Workers write <pid-dir>/rank_<r>.pid, then act out --mode:
+// workers. Workers write <pid-dir>/rank_<r>.pid and, for each attempt of a restarted job,
+// <pid-dir>/attempt_<DP_RESTART_COUNT>.rank_<r> (both hold the pid), then act out --mode:
 //   collectives  env:// Gloo group; all_reduce/broadcast/all_gather/send_recv checks; exit 0/1
 //   sleep        sleep (until killed)
 //   die          rank 1 kills itself with SIGKILL after 300 ms; the others sleep
 //   exit3        rank 1 exits with status 3 after 200 ms; the others sleep
 //   stubborn     everyone ignores SIGTERM; rank 1 exits with status 5 after 200 ms
+//   fail-once    DP_RESTART_COUNT 0: rank 1 exits with status 3 once every rank has written its
+//                attempt file, the others sleep; DP_RESTART_COUNT >= 1: every rank exits 0
 //   hang         env:// Gloo group; rank --hang-rank (1) stops itself (SIGSTOP), the others wait
 //                in a barrier
 // --hold-ms T: collectives wait T ms after joining the group (a job that stays up a while).
+// --max-restarts K: the launcher's LaunchOptions::max_restarts.
 #include <signal.h>
 #include <unistd.h>
 
@@ -26,14 +30,36 @@ using kernels::Tensor;
 
 namespace {
 
-void write_pid(const std::string& dir, int rank) {
-  if (dir.empty()) return;
-  std::string tmp = dir + "/.rank_" + std::to_string(rank) + ".tmp";
+// Writes this process's pid to `dir`/`name`, whole or not at all.
+void write_pid_file(const std::string& dir, const std::string& name) {
+  std::string tmp = dir + "/." + name + ".tmp";
   {
     std::ofstream f(tmp);
     f << ::getpid() << "\n";
   }
-  std::rename(tmp.c_str(), (dir + "/rank_" + std::to_string(rank) + ".pid").c_str());
+  std::rename(tmp.c_str(), (dir + "/" + name).c_str());
+}
+
+std::string attempt_file(int restart_count, int rank) {
+  return "attempt_" + std::to_string(restart_count) + ".rank_" + std::to_string(rank);
+}
+
+void write_pid(const std::string& dir, const WorkerEnv& w) {
+  if (dir.empty()) return;
+  write_pid_file(dir, "rank_" + std::to_string(w.rank) + ".pid");
+  write_pid_file(dir, attempt_file(w.restart_count, w.rank));
+}
+
+// Waits (10 s at most) until every rank of this attempt has written its attempt file, so that
+// a failure comes while all of them run.
+void wait_for_attempt(const std::string& dir, const WorkerEnv& w) {
+  for (int i = 0; i < 1000; ++i) {
+    int there = 0;
+    for (int r = 0; r < w.world_size; ++r)
+      there += std::ifstream(dir + "/" + attempt_file(w.restart_count, r)).good();
+    if (there == w.world_size) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
 }
 
 void sleep_forever() {
@@ -107,13 +133,23 @@ int main(int argc, char** argv) {
   app.add_option("--max-local-ranks", lo.max_local_ranks);
   app.add_option("--hold-ms", hold_ms);
   app.add_option("--hang-rank", hang_rank);
+  app.add_option("--max-restarts", lo.max_restarts);
   CLI11_PARSE(app, argc, argv);
   lo.grace_period = std::chrono::milliseconds(grace_ms);
 
   try {
     std::optional<WorkerEnv> w = worker_env_from_environment();
     if (!w) return launch_workers(lo, std::vector<std::string>(argv, argv + argc));
-    write_pid(pid_dir, w->rank);
+    write_pid(pid_dir, *w);
+    if (mode == "fail-once") {
+      if (w->restart_count >= 1) return 0;
+      if (w->rank == 1) {
+        wait_for_attempt(pid_dir, *w);
+        return 3;
+      }
+      sleep_forever();
+      return 0;
+    }
     if (mode == "collectives") return run_collectives(*w, hold_ms);
     if (mode == "hang") return run_hang(*w, hang_rank);
     if (mode == "stubborn") ::signal(SIGTERM, SIG_IGN);

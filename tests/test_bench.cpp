@@ -40,11 +40,12 @@ int run_bench(const std::string& args) {
   return rc;
 }
 
-// Runs dp_bench; returns its exit code as a shell reports it, and what it printed.
-std::pair<int, std::string> bench_output(const std::string& args) {
+// Runs dp_bench with `env` ("NAME=value ...") added; returns its exit code as a shell reports
+// it, and what it printed.
+std::pair<int, std::string> bench_output(const std::string& args, const std::string& env = "") {
   std::string out = temp_path("flags.txt");
   int status =
-      std::system((std::string(DP_BENCH_PATH) + " " + args + " > " + out + " 2>&1").c_str());
+      std::system((env + " " + DP_BENCH_PATH + " " + args + " > " + out + " 2>&1").c_str());
   std::ifstream f(out);
   std::stringstream ss;
   ss << f.rdbuf();
@@ -512,6 +513,30 @@ TEST_CASE("bench.flags: a batch too large for memory is refused before anything 
     CHECK(text.find("give a smaller batch") != std::string::npos);
     CHECK(text.find("launch_workers") == std::string::npos);  // no rank was started
   }
+}
+
+TEST_CASE("bench.flags: --max-restarts is bounded, DDP only and one node only") {
+  const std::string cpu = "--device cpu --steps 1 --warmup 0 --batch 8 ";
+  refused(cpu + "--mode ddp --max-restarts -1",
+          "--max-restarts: -1 is out of range: give a whole number in [0, 1000]");
+  refused(cpu + "--mode ddp --max-restarts 1001", "--max-restarts: 1001 is out of range");
+  refused(cpu + "--mode dp --max-restarts 1", "--max-restarts 1: only DDP");
+  refused(cpu + "--mode ddp --nnodes 2 --master-port 29999 --max-restarts 1",
+          "--max-restarts 1 with --nnodes 2: restarts are for one node only");
+}
+
+TEST_CASE("bench.ddp: --max-restarts reaches the launcher: failing ranks are restarted") {
+  // Every rank fails at once on a bad DP_TIMEOUT; the launcher's DP_HEARTBEAT_TIMEOUT keeps
+  // its watch's wait for a store short.
+  auto [rc, text] = bench_output(
+      "--device cpu --mode ddp --gpus 2 --baseline 0 --steps 1 --warmup 0 --batch 8 "
+      "--max-restarts 2",
+      "DP_TIMEOUT=abc DP_HEARTBEAT_TIMEOUT=1");
+  INFO(text);
+  CHECK(rc != 0);
+  CHECK(text.find("launch_workers: restart 1 of 2 after rank ") != std::string::npos);
+  CHECK(text.find("launch_workers: restart 2 of 2 after rank ") != std::string::npos);
+  CHECK(text.find("no restarts left (2 of 2 used); exit code 1") != std::string::npos);
 }
 
 TEST_CASE("bench.flags: DDP refuses more ranks than allowed, before starting any") {

@@ -1,6 +1,6 @@
 // launch_workers with real processes (tests/dist_worker.cpp): collectives across processes,
 // two "nodes" on loopback, and the failure paths (a killed worker, a non-zero exit, workers
-// ignoring SIGTERM, the launcher killed, Ctrl-C forwarded).
+// ignoring SIGTERM, the launcher killed, Ctrl-C forwarded, restarts after a failure).
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -121,6 +121,47 @@ int count_of(const std::string& text, const std::string& part) {
   return n;
 }
 
+// For workers without a store: the launcher's heartbeat watch waits two intervals for a store
+// that never comes, holding each attempt's end up 0.4 s (1 s / 5 x 2) instead of 2 s.
+const std::vector<std::string> kFastWatch = {"DP_HEARTBEAT_TIMEOUT=1"};
+
+// The pid rank `rank` wrote in attempt `restart` (DP_RESTART_COUNT), or -1 when it wrote none.
+pid_t attempt_pid(const std::string& dir, int restart, int rank) {
+  std::ifstream f(dir + "/attempt_" + std::to_string(restart) + ".rank_" + std::to_string(rank));
+  long pid = -1;
+  f >> pid;
+  return static_cast<pid_t>(pid);
+}
+
+// A launcher process running 2 dist_worker ranks of `mode` with `max_restarts`, its pid files
+// and log in a fresh directory that goes with it.
+struct RestartJob {
+  static constexpr int kRanks = 2;
+  std::string dir;
+  RemoveDir cleanup;
+  CapturedLauncher launcher;
+  RestartJob(const std::string& mode, int max_restarts)
+      : dir(dist_test::make_temp_dir("restart")),
+        cleanup{dir},
+        launcher(dir, mode,
+                 {"--mode", mode, "--nproc", std::to_string(kRanks), "--pid-dir", dir,
+                  "--max-restarts", std::to_string(max_restarts), "--grace-ms", "1000"},
+                 kFastWatch) {}
+  // How many attempts `rank` started: its attempt files for DP_RESTART_COUNT 0, 1, ...
+  int attempts(int rank) const {
+    int n = 0;
+    while (attempt_pid(dir, n, rank) > 0) ++n;
+    return n;
+  }
+  // Whether every worker of every attempt is gone (within 2 s).
+  bool workers_gone() const {
+    std::vector<pid_t> pids;
+    for (int r = 0; r < kRanks; ++r)
+      for (int a = 0; a < attempts(r); ++a) pids.push_back(attempt_pid(dir, a, r));
+    return all_gone_within(pids, 2s);
+  }
+};
+
 }  // namespace
 
 TEST_CASE("dist.launch: three worker processes run Gloo collectives") {
@@ -220,6 +261,15 @@ TEST_CASE("dist.launch: bad launch options are errors") {
   o.node_rank = 1;
   CHECK_THROWS_AS(launch_workers(o, {kWorker}), kernels::Error);
   CHECK_THROWS_AS(launch_workers(worker_options(2), {}), kernels::Error);
+  o = worker_options(2);
+  o.max_restarts = -1;
+  CHECK_THROWS_WITH_AS(launch_workers(o, {kWorker}), doctest::Contains("max_restarts=-1"),
+                       kernels::Error);
+  o.max_restarts = 1;  // restarts are per node launcher: refused across nodes
+  o.nnodes = 2;
+  o.master_port = find_free_port();
+  CHECK_THROWS_WITH_AS(launch_workers(o, {kWorker}), doctest::Contains("one node only"),
+                       kernels::Error);
 }
 
 TEST_CASE("dist.launcher: more ranks than the machine can start are refused before any starts") {
@@ -313,4 +363,55 @@ TEST_CASE("dist.launch: a hung rank (SIGSTOP) is named by its heartbeat and the 
       CHECK(f.output.find("the store it hosts stopped answering") != std::string::npos);
     CHECK(all_gone_within(pids, 2s));  // no orphans, the stopped one included
   }
+}
+
+TEST_CASE("dist.launch: with max_restarts 1 a failed job runs again with DP_RESTART_COUNT=1") {
+  RestartJob job("fail-once", 1);
+  Finished f = job.launcher.wait(30s);
+  CHECK(exited_with(f.status, 0));
+  for (int rank : {0, 1}) {  // both ranks ran twice: DP_RESTART_COUNT 0, then 1
+    CAPTURE(rank);
+    CHECK(job.attempts(rank) == 2);
+    CHECK(attempt_pid(job.dir, 1, rank) != attempt_pid(job.dir, 0, rank));
+  }
+  CHECK(count_of(f.output, "launch_workers: restart 1 of 1 after rank 1 exited with status 3") ==
+        1);
+  CHECK(count_of(f.output, "launch_workers: restart ") == 1);
+  CHECK(job.workers_gone());
+}
+
+TEST_CASE("dist.launch: with max_restarts 0 a failed job is not restarted and returns its code") {
+  RestartJob job("fail-once", 0);
+  Finished f = job.launcher.wait(30s);
+  CHECK(exited_with(f.status, 3));
+  CHECK(job.attempts(0) == 1);
+  CHECK(job.attempts(1) == 1);
+  CHECK(f.output.find("restart") == std::string::npos);
+  CHECK(job.workers_gone());
+}
+
+TEST_CASE("dist.launch: a rank that always fails uses every restart, then its code is returned") {
+  RestartJob job("exit3", 2);
+  Finished f = job.launcher.wait(30s);
+  CHECK(exited_with(f.status, 3));
+  CHECK(job.attempts(1) == 3);  // rank 0 may be stopped before it writes its file
+  for (int restart : {1, 2})
+    CHECK(count_of(f.output, "launch_workers: restart " + std::to_string(restart) +
+                                 " of 2 after rank 1 exited with status 3") == 1);
+  CHECK(count_of(f.output, "launch_workers: restart ") == 2);
+  CHECK(count_of(f.output, "no restarts left (2 of 2 used); exit code 3") == 1);
+  CHECK(job.workers_gone());
+}
+
+TEST_CASE("dist.launch: SIGINT to the launcher with restarts left stops the job, no restart") {
+  RestartJob job("sleep", 2);
+  auto pids = wait_for_pids(job.dir, 2, 10s);
+  REQUIRE(pids.size() == 2);
+  ::kill(job.launcher.pid, SIGINT);
+  Finished f = job.launcher.wait(10s);
+  CHECK(exited_with(f.status, 128 + SIGINT));
+  CHECK(job.attempts(0) == 1);
+  CHECK(job.attempts(1) == 1);
+  CHECK(f.output.find("restart") == std::string::npos);
+  CHECK(job.workers_gone());
 }

@@ -158,6 +158,25 @@ TEST_CASE("dist.launcher: worker environments from torchrun, mpirun and Slurm va
   CHECK(both->rank == 1);
 }
 
+TEST_CASE("dist.launcher: the restart count comes from DP_RESTART_COUNT, else torchrun's") {
+  Vars base = {{"RANK", "0"}, {"WORLD_SIZE", "1"}};
+  auto with = [&](Vars extra) {
+    Vars v = base;
+    v.insert(extra.begin(), extra.end());
+    auto w = worker_env_from_environment(map_env(v));
+    REQUIRE(w);
+    return w->restart_count;
+  };
+  CHECK(with({}) == 0);
+  CHECK(with({{"DP_RESTART_COUNT", "2"}}) == 2);
+  CHECK(with({{"TORCHELASTIC_RESTART_COUNT", "3"}}) == 3);
+  CHECK(with({{"DP_RESTART_COUNT", "1"}, {"TORCHELASTIC_RESTART_COUNT", "3"}}) == 1);
+  Vars bad = base;
+  bad["DP_RESTART_COUNT"] = "-1";
+  CHECK(error_of([&] { worker_env_from_environment(map_env(bad)); }).find("DP_RESTART_COUNT") !=
+        std::string::npos);
+}
+
 TEST_CASE("dist.launcher: inconsistent worker variables are errors naming them") {
   auto err = [](Vars v) { return error_of([&] { worker_env_from_environment(map_env(v)); }); };
   CHECK(err({{"RANK", "0"}}).find("WORLD_SIZE is not") != std::string::npos);

@@ -131,6 +131,11 @@ TEST_CASE("samples.train_mnist: bad flags are refused in plain words, before any
             "--batch 3 leaves some of the 4 devices without rows: give --batch >= 4"},
            {"--mode ddp --gpus 3 --max-local-ranks 2",
             "3 ranks on this node is more than the 2 allowed by --max-local-ranks"},
+           {"--mode ddp --max-restarts -1",
+            "--max-restarts: -1 is out of range: give a whole number in [0, 1000]"},
+           {"--mode dp --max-restarts 1", "--max-restarts 1: only --mode ddp"},
+           {"--mode ddp --nnodes 2 --master-port 29999 --max-restarts 1",
+            "--max-restarts 1 with --nnodes 2: restarts are for one node only"},
        }) {
     std::string out = temp_path("flags.txt");
     int status = std::system(
@@ -201,4 +206,20 @@ TEST_CASE("samples.train_mnist: a resume mid-epoch gives the uninterrupted run, 
     std::filesystem::remove_all(part_dir);
     std::filesystem::remove_all(resumed_dir);
   }
+}
+
+TEST_CASE("samples.train_mnist: --max-restarts reaches the launcher: failing ranks are restarted") {
+  // Every rank fails at once on a bad DP_TIMEOUT (or on missing data); the launcher's
+  // DP_HEARTBEAT_TIMEOUT keeps its watch's wait for a store short.
+  std::string out = temp_path("restarts.txt");
+  int status =
+      std::system(("DP_TIMEOUT=abc DP_HEARTBEAT_TIMEOUT=1 " + std::string(DP_TRAIN_MNIST_PATH) +
+                   " --device cpu --mode ddp --gpus 2 --max-restarts 1 > " + out + " 2>&1")
+                      .c_str());
+  std::ifstream f(out);
+  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  INFO(text);
+  CHECK(dp_test::shell_code(status) == 1);
+  CHECK(text.find("launch_workers: restart 1 of 1 after rank ") != std::string::npos);
+  CHECK(text.find("no restarts left (1 of 1 used); exit code 1") != std::string::npos);
 }

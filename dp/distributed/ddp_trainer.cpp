@@ -28,6 +28,7 @@ std::optional<int> launch_if_parent(const DdpTrainerOptions& o, int argc, char**
   lo.master_port = o.master_port;
   lo.extra_env = o.extra_env;
   lo.max_local_ranks = o.max_local_ranks;
+  lo.max_restarts = o.max_restarts;
   return launch_workers(lo, std::vector<std::string>(argv, argv + argc));
 }
 

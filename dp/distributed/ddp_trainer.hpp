@@ -33,6 +33,7 @@ struct DdpTrainerOptions {
   int master_port = 0;  // 0: a free port (one node)
   std::vector<std::pair<std::string, std::string>> extra_env;
   std::optional<int> max_local_ranks;  // nullopt: local_rank_limit() (see launcher.hpp)
+  int max_restarts = 0;                // LaunchOptions::max_restarts: one node only
 };
 
 // In a process started as a worker (RANK etc. set, by us, torchrun, mpirun or Slurm): nullopt,

@@ -107,8 +107,9 @@ int exit_code_of(int status) {
 
 bool is_worker_var(const std::string& entry) {
   static const char* kVars[] = {
-      "RANK=",      "WORLD_SIZE=",  "LOCAL_RANK=",  "LOCAL_WORLD_SIZE=", "GROUP_RANK=",
-      "NODE_RANK=", "MASTER_ADDR=", "MASTER_PORT=", "DP_JOB_TOKEN=",     "DP_HEARTBEAT_MS="};
+      "RANK=",         "WORLD_SIZE=",      "LOCAL_RANK=",      "LOCAL_WORLD_SIZE=",
+      "GROUP_RANK=",   "NODE_RANK=",       "MASTER_ADDR=",     "MASTER_PORT=",
+      "DP_JOB_TOKEN=", "DP_HEARTBEAT_MS=", "DP_RESTART_COUNT="};
   for (const char* v : kVars)
     if (entry.rfind(v, 0) == 0) return true;
   return false;
@@ -166,6 +167,186 @@ int usable_cores() {
   return std::max(1, static_cast<int>(::sysconf(_SC_NPROCESSORS_ONLN)));
 }
 
+// What launch_workers works out once; every attempt starts its workers from it.
+struct LaunchPlan {
+  const LaunchOptions* options = nullptr;
+  std::vector<std::string> argv;
+  std::string program;
+  std::vector<std::string> base_env;  // the launcher's, less the worker variables, plus extra_env
+  int port = 0;
+  std::chrono::milliseconds hb_timeout{0}, hb_interval{0};
+};
+
+// How one attempt ended.
+struct AttemptEnd {
+  int code = 0;         // what launch_workers returns for it (see launcher.hpp)
+  int interrupted = 0;  // the signal to the launcher that stopped it, or 0
+  int rank = -1;        // the rank that failed, when one did
+  std::string cause;    // how it failed: "exited with status 3", "hung (no heartbeat for 5 s)"
+};
+
+// Starts the plan's workers with DP_RESTART_COUNT=restart_count, watches them until all have
+// ended, and prints what ended them (launch_workers' lines). Throws when a fork fails.
+AttemptEnd run_attempt(const LaunchPlan& plan, int restart_count, SignalWatch& signals) {
+  const LaunchOptions& o = *plan.options;
+  const int world = o.nnodes * o.nproc_per_node;
+  const std::string job_token = launch_job_token(o);  // fresh per attempt on one node
+
+  // Everything the children need is built before the first fork: after fork() the child only
+  // makes async-signal-safe calls.
+  std::vector<char*> child_argv;
+  for (const auto& a : plan.argv) child_argv.push_back(const_cast<char*>(a.c_str()));
+  child_argv.push_back(nullptr);
+  std::vector<std::vector<std::string>> envs(o.nproc_per_node, plan.base_env);
+  std::vector<std::vector<char*>> envps(o.nproc_per_node);
+  std::vector<Child> children(o.nproc_per_node);
+  for (int i = 0; i < o.nproc_per_node; ++i) {
+    int rank = o.node_rank * o.nproc_per_node + i;
+    children[i].local_rank = i;
+    children[i].rank = rank;
+    auto& env = envs[i];
+    env.push_back("RANK=" + std::to_string(rank));
+    env.push_back("WORLD_SIZE=" + std::to_string(world));
+    env.push_back("LOCAL_RANK=" + std::to_string(i));
+    env.push_back("LOCAL_WORLD_SIZE=" + std::to_string(o.nproc_per_node));
+    env.push_back("GROUP_RANK=" + std::to_string(o.node_rank));
+    env.push_back("MASTER_ADDR=" + o.master_addr);
+    env.push_back("MASTER_PORT=" + std::to_string(plan.port));
+    if (!job_token.empty()) env.push_back("DP_JOB_TOKEN=" + job_token);
+    env.push_back("DP_HEARTBEAT_MS=" + std::to_string(plan.hb_interval.count()));
+    env.push_back("DP_RESTART_COUNT=" + std::to_string(restart_count));
+    for (auto& s : env) envps[i].push_back(const_cast<char*>(s.c_str()));
+    envps[i].push_back(nullptr);
+  }
+  static const char kExecFailed[] = "launch_workers: exec of the worker program failed\n";
+
+  const pid_t launcher = ::getpid();
+  int started = 0;
+  for (int i = 0; i < o.nproc_per_node; ++i) {
+    // A signal, or a worker that has already failed, ends the starting here: the watch loop
+    // below handles both, stopping the workers started so far.
+    if (started == 0 && signals.pending()) {
+      AttemptEnd end;
+      end.interrupted = signals.poll();
+      end.code = 128 + end.interrupted;
+      std::fprintf(stderr, "launch_workers: got signal %d (%s) before starting any worker\n",
+                   end.interrupted, strsignal(end.interrupted));
+      return end;
+    }
+    if (signals.pending() || any_failed(children)) break;
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      // Child: die with the launching thread; the parent may already be gone.
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != launcher) ::_exit(128 + SIGKILL);
+      ::execve(plan.program.c_str(), child_argv.data(), envps[i].data());
+      ssize_t ignored = ::write(2, kExecFailed, sizeof(kExecFailed) - 1);
+      (void)ignored;
+      ::_exit(127);
+    }
+    if (pid < 0) {
+      int e = errno;
+      signal_all(children, SIGKILL);
+      for (auto& c : children)
+        if (c.alive) ::waitpid(c.pid, &c.status, 0);
+      DP_THROW("launch_workers: fork of local rank " << i << " failed: " << std::strerror(e));
+    }
+    children[i].pid = pid;
+    children[i].alive = true;
+    ++started;
+  }
+
+  std::vector<int> local_ranks;
+  for (const auto& c : children) local_ranks.push_back(c.rank);
+  HeartbeatWatch heartbeats(o.master_addr, plan.port, job_token, local_ranks, plan.hb_interval);
+  std::optional<SilentRank> hung;
+
+  using Clock = std::chrono::steady_clock;
+  const Child* failed = nullptr;
+  int interrupted = 0;
+  bool stopping = false, killed = false;
+  Clock::time_point kill_at;
+  size_t alive = static_cast<size_t>(started);
+  auto begin_stop = [&](int sig) {
+    stopping = true;
+    signal_all(children, sig);
+    kill_at = Clock::now() + o.grace_period;
+  };
+  while (alive > 0) {
+    for (auto& c : children) {
+      if (!c.alive) continue;
+      pid_t r = ::waitpid(c.pid, &c.status, WNOHANG);
+      if (r == 0 || (r < 0 && errno == EINTR)) continue;
+      c.alive = false;
+      --alive;
+      if (r < 0) c.status = 0;  // not ours any more (someone else reaped it)
+      bool bad = WIFSIGNALED(c.status) || (WIFEXITED(c.status) && WEXITSTATUS(c.status) != 0);
+      if (bad && !failed && !interrupted) {
+        failed = &c;
+        if (!stopping) begin_stop(SIGTERM);
+      }
+    }
+    if (!stopping && !interrupted && !failed) {
+      if (std::optional<SilentRank> silent = heartbeats.silent(plan.hb_timeout)) {
+        for (auto& c : children)
+          if (c.rank == silent->rank && c.alive) {
+            hung = silent;
+            failed = &c;
+            ::kill(c.pid, SIGKILL);  // a stopped process would never act on SIGTERM
+            begin_stop(SIGTERM);
+          }
+      }
+    }
+    if (int sig = signals.poll(); sig != 0 && !interrupted) {
+      interrupted = sig;
+      if (!stopping)
+        begin_stop(sig);
+      else
+        signal_all(children, sig);
+    }
+    if (stopping && !killed && alive > 0 && Clock::now() >= kill_at) {
+      signal_all(children, SIGKILL);
+      killed = true;
+    }
+    if (alive > 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+
+  AttemptEnd end;
+  if (interrupted) {
+    std::fprintf(stderr, "launch_workers: got signal %d (%s); stopped %d workers\n", interrupted,
+                 strsignal(interrupted), started);
+    std::fflush(stderr);
+    end.interrupted = interrupted;
+    end.code = 128 + interrupted;
+    return end;
+  }
+  if (!failed) return end;
+  end.rank = failed->rank;
+  if (hung) {
+    std::fprintf(
+        stderr,
+        "launch_workers: rank %d (local rank %d, pid %d) sent no heartbeat for %s: hung%s; "
+        "killed it and stopped the other %d worker(s)\n",
+        failed->rank, failed->local_rank, static_cast<int>(failed->pid),
+        seconds_text(hung->silent_for).c_str(),
+        hung->store_down ? " (the store it hosts stopped answering)" : "", o.nproc_per_node - 1);
+    std::fflush(stderr);
+    end.code = 1;
+    end.cause = "hung (no heartbeat for " + seconds_text(hung->silent_for) + ")";
+    return end;
+  }
+  std::fprintf(stderr,
+               "launch_workers: rank %d (local rank %d, pid %d) %s; stopped the other %d "
+               "worker(s)\n",
+               failed->rank, failed->local_rank, static_cast<int>(failed->pid),
+               describe_status(failed->status).c_str(), started - 1);
+  std::fflush(stderr);
+  int code = exit_code_of(failed->status);
+  end.code = code == 0 ? 1 : code;
+  end.cause = describe_status(failed->status);
+  return end;
+}
+
 }  // namespace
 
 LocalRankLimit local_rank_limit() {
@@ -199,6 +380,15 @@ void check_local_ranks(int nproc, std::optional<int> max_local_ranks) {
                               << "); give fewer ranks, or raise the limit with --max-local-ranks");
 }
 
+void check_restarts_allowed(int max_restarts, int nnodes) {
+  DP_CHECK(max_restarts == 0 || nnodes == 1,
+           "launch_workers: --max-restarts "
+               << max_restarts << " with --nnodes " << nnodes
+               << ": restarts are for one node only (a node's launcher "
+                  "cannot stop and restart the ranks of the others); run several "
+                  "nodes without restarts, or restart the whole job from outside");
+}
+
 int launch_workers(const LaunchOptions& o, const std::vector<std::string>& argv) {
   DP_CHECK(!argv.empty(), "launch_workers: argv is empty (it needs at least argv[0])");
   DP_CHECK(o.nproc_per_node >= 1 && o.nproc_per_node <= 4096,
@@ -210,175 +400,49 @@ int launch_workers(const LaunchOptions& o, const std::vector<std::string>& argv)
   DP_CHECK(o.master_port >= 0 && o.master_port <= 65535,
            "launch_workers: master_port=" << o.master_port << " is not a port");
   DP_CHECK(!o.master_addr.empty(), "launch_workers: master_addr is empty");
+  DP_CHECK(o.max_restarts >= 0 && o.max_restarts <= kMaxRestarts,
+           "launch_workers: max_restarts=" << o.max_restarts << " is not in [0, " << kMaxRestarts
+                                           << "]");
+  check_restarts_allowed(o.max_restarts, o.nnodes);
   check_local_ranks(o.nproc_per_node, o.max_local_ranks);
-  int port = o.master_port;
-  if (port == 0) {
+  LaunchPlan plan;
+  plan.options = &o;
+  plan.argv = argv;
+  plan.port = o.master_port;
+  if (plan.port == 0) {
     DP_CHECK(o.nnodes == 1, "launch_workers: a master port is required with nnodes="
                                 << o.nnodes << " (every node must use the same one)");
-    port = find_free_port(o.master_addr);
+    plan.port = find_free_port(o.master_addr);  // kept for every attempt
   }
-  const int world = o.nnodes * o.nproc_per_node;
-  const std::string program = o.program.empty() ? self_program() : o.program;
-  const std::string job_token = launch_job_token(o);
-  const std::chrono::milliseconds hb_timeout = heartbeat_timeout_of(o);
-  const std::chrono::milliseconds hb_interval = std::clamp<std::chrono::milliseconds>(
-      hb_timeout / 5, std::chrono::milliseconds(50), std::chrono::seconds(1));
-
-  // Everything the children need is built before the first fork: after fork() the child only
-  // makes async-signal-safe calls.
-  std::vector<std::string> base_env;
+  plan.program = o.program.empty() ? self_program() : o.program;
+  plan.hb_timeout = heartbeat_timeout_of(o);
+  plan.hb_interval = std::clamp<std::chrono::milliseconds>(
+      plan.hb_timeout / 5, std::chrono::milliseconds(50), std::chrono::seconds(1));
   for (char** e = environ; e && *e; ++e) {
     std::string entry(*e);
     bool overridden = is_worker_var(entry);
     for (const auto& kv : o.extra_env)
       if (entry.rfind(kv.first + "=", 0) == 0) overridden = true;
-    if (!overridden) base_env.push_back(entry);
+    if (!overridden) plan.base_env.push_back(entry);
   }
-  for (const auto& kv : o.extra_env) base_env.push_back(kv.first + "=" + kv.second);
-  std::vector<char*> child_argv;
-  for (const auto& a : argv) child_argv.push_back(const_cast<char*>(a.c_str()));
-  child_argv.push_back(nullptr);
-
-  std::vector<std::vector<std::string>> envs(o.nproc_per_node, base_env);
-  std::vector<std::vector<char*>> envps(o.nproc_per_node);
-  std::vector<Child> children(o.nproc_per_node);
-  for (int i = 0; i < o.nproc_per_node; ++i) {
-    int rank = o.node_rank * o.nproc_per_node + i;
-    children[i].local_rank = i;
-    children[i].rank = rank;
-    auto& env = envs[i];
-    env.push_back("RANK=" + std::to_string(rank));
-    env.push_back("WORLD_SIZE=" + std::to_string(world));
-    env.push_back("LOCAL_RANK=" + std::to_string(i));
-    env.push_back("LOCAL_WORLD_SIZE=" + std::to_string(o.nproc_per_node));
-    env.push_back("GROUP_RANK=" + std::to_string(o.node_rank));
-    env.push_back("MASTER_ADDR=" + o.master_addr);
-    env.push_back("MASTER_PORT=" + std::to_string(port));
-    if (!job_token.empty()) env.push_back("DP_JOB_TOKEN=" + job_token);
-    env.push_back("DP_HEARTBEAT_MS=" + std::to_string(hb_interval.count()));
-    for (auto& s : env) envps[i].push_back(const_cast<char*>(s.c_str()));
-    envps[i].push_back(nullptr);
-  }
-  static const char kExecFailed[] = "launch_workers: exec of the worker program failed\n";
+  for (const auto& kv : o.extra_env) plan.base_env.push_back(kv.first + "=" + kv.second);
 
   SignalWatch signals;
-  const pid_t launcher = ::getpid();
-  int started = 0;
-  for (int i = 0; i < o.nproc_per_node; ++i) {
-    // A signal, or a worker that has already failed, ends the starting here: the watch loop
-    // below handles both, stopping the workers started so far.
-    if (started == 0 && signals.pending()) {
-      int sig = signals.poll();
-      std::fprintf(stderr, "launch_workers: got signal %d (%s) before starting any worker\n", sig,
-                   strsignal(sig));
-      return 128 + sig;
-    }
-    if (signals.pending() || any_failed(children)) break;
-    pid_t pid = ::fork();
-    if (pid == 0) {
-      // Child: die with the launching thread; the parent may already be gone.
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (::getppid() != launcher) ::_exit(128 + SIGKILL);
-      ::execve(program.c_str(), child_argv.data(), envps[i].data());
-      ssize_t ignored = ::write(2, kExecFailed, sizeof(kExecFailed) - 1);
-      (void)ignored;
-      ::_exit(127);
-    }
-    if (pid < 0) {
-      int e = errno;
-      signal_all(children, SIGKILL);
-      for (auto& c : children)
-        if (c.alive) ::waitpid(c.pid, &c.status, 0);
-      DP_THROW("launch_workers: fork of local rank " << i << " failed: " << std::strerror(e));
-    }
-    children[i].pid = pid;
-    children[i].alive = true;
-    ++started;
-  }
-
-  std::vector<int> local_ranks;
-  for (const auto& c : children) local_ranks.push_back(c.rank);
-  HeartbeatWatch heartbeats(o.master_addr, port, job_token, local_ranks, hb_interval);
-  std::optional<SilentRank> hung;
-
-  using Clock = std::chrono::steady_clock;
-  const Child* failed = nullptr;
-  int interrupted = 0;
-  bool stopping = false, killed = false;
-  Clock::time_point kill_at;
-  size_t alive = static_cast<size_t>(started);
-  auto begin_stop = [&](int sig) {
-    stopping = true;
-    signal_all(children, sig);
-    kill_at = Clock::now() + o.grace_period;
-  };
-  while (alive > 0) {
-    for (auto& c : children) {
-      if (!c.alive) continue;
-      pid_t r = ::waitpid(c.pid, &c.status, WNOHANG);
-      if (r == 0 || (r < 0 && errno == EINTR)) continue;
-      c.alive = false;
-      --alive;
-      if (r < 0) c.status = 0;  // not ours any more (someone else reaped it)
-      bool bad = WIFSIGNALED(c.status) || (WIFEXITED(c.status) && WEXITSTATUS(c.status) != 0);
-      if (bad && !failed && !interrupted) {
-        failed = &c;
-        if (!stopping) begin_stop(SIGTERM);
+  for (int restart = 0;; ++restart) {
+    AttemptEnd end = run_attempt(plan, restart, signals);
+    if (end.code == 0 || end.interrupted) return end.code;
+    if (restart == o.max_restarts) {
+      if (o.max_restarts > 0) {
+        std::fprintf(stderr, "launch_workers: no restarts left (%d of %d used); exit code %d\n",
+                     restart, o.max_restarts, end.code);
+        std::fflush(stderr);
       }
+      return end.code;
     }
-    if (!stopping && !interrupted && !failed) {
-      if (std::optional<SilentRank> silent = heartbeats.silent(hb_timeout)) {
-        for (auto& c : children)
-          if (c.rank == silent->rank && c.alive) {
-            hung = silent;
-            failed = &c;
-            ::kill(c.pid, SIGKILL);  // a stopped process would never act on SIGTERM
-            begin_stop(SIGTERM);
-          }
-      }
-    }
-    if (int sig = signals.poll(); sig != 0 && !interrupted) {
-      interrupted = sig;
-      if (!stopping)
-        begin_stop(sig);
-      else
-        signal_all(children, sig);
-    }
-    if (stopping && !killed && alive > 0 && Clock::now() >= kill_at) {
-      signal_all(children, SIGKILL);
-      killed = true;
-    }
-    if (alive > 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-
-  if (interrupted) {
-    std::fprintf(stderr, "launch_workers: got signal %d (%s); stopped %d workers\n", interrupted,
-                 strsignal(interrupted), started);
+    std::fprintf(stderr, "launch_workers: restart %d of %d after rank %d %s\n", restart + 1,
+                 o.max_restarts, end.rank, end.cause.c_str());
     std::fflush(stderr);
-    return 128 + interrupted;
   }
-  if (hung) {
-    std::fprintf(
-        stderr,
-        "launch_workers: rank %d (local rank %d, pid %d) sent no heartbeat for %s: hung%s; "
-        "killed it and stopped the other %d worker(s)\n",
-        failed->rank, failed->local_rank, static_cast<int>(failed->pid),
-        seconds_text(hung->silent_for).c_str(),
-        hung->store_down ? " (the store it hosts stopped answering)" : "", o.nproc_per_node - 1);
-    std::fflush(stderr);
-    return 1;
-  }
-  if (failed) {
-    std::fprintf(stderr,
-                 "launch_workers: rank %d (local rank %d, pid %d) %s; stopped the other %d "
-                 "worker(s)\n",
-                 failed->rank, failed->local_rank, static_cast<int>(failed->pid),
-                 describe_status(failed->status).c_str(), started - 1);
-    std::fflush(stderr);
-    int code = exit_code_of(failed->status);
-    return code == 0 ? 1 : code;
-  }
-  return 0;
 }
 
 }  // namespace dp::dist

@@ -27,6 +27,10 @@ struct WorkerEnv {
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
   std::string source;  // "torchrun" (also launch_workers), "mpirun" or "slurm"
+  // How many times the launcher restarted the job before this attempt (0 on the first):
+  // DP_RESTART_COUNT, else torchrun's TORCHELASTIC_RESTART_COUNT. A program resumes from its
+  // latest checkpoint when it is > 0.
+  int restart_count = 0;
 };
 
 // Reads, in this order of precedence: torchrun-style RANK, WORLD_SIZE, LOCAL_RANK,
@@ -34,9 +38,13 @@ struct WorkerEnv {
 // _SIZE, _LOCAL_RANK, _LOCAL_SIZE; Slurm's SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,
 // SLURM_NTASKS_PER_NODE/SLURM_NNODES, SLURM_NODEID. For mpirun and Slurm, MASTER_ADDR
 // defaults to 127.0.0.1 on one node (required on several) and MASTER_PORT to 29500.
+// restart_count from DP_RESTART_COUNT or TORCHELASTIC_RESTART_COUNT (0 when both are unset).
 // Returns nullopt when none of RANK, OMPI_COMM_WORLD_RANK, SLURM_PROCID is set.
 // Throws kernels::Error naming the variable for missing or inconsistent values.
 std::optional<WorkerEnv> worker_env_from_environment(const EnvLookup& env = {});
+
+// The most restarts LaunchOptions::max_restarts (--max-restarts) may ask for.
+constexpr int kMaxRestarts = 1000;
 
 struct LaunchOptions {
   int nproc_per_node = 1;
@@ -55,6 +63,10 @@ struct LaunchOptions {
   // A worker whose heartbeat (through the store, heartbeat.hpp) stops for this long is named
   // hung, and the job is stopped. 0: DP_HEARTBEAT_TIMEOUT (seconds) when set, else 5 s.
   std::chrono::milliseconds heartbeat_timeout{0};
+  // After a failed attempt (a worker died, exited non-zero or was named hung), start all the
+  // workers again, up to this many times, as torchrun's --max-restarts. In [0, kMaxRestarts];
+  // one node only (check_restarts_allowed).
+  int max_restarts = 0;
 };
 
 // How many workers this machine can start without running out of cores or memory: the smaller
@@ -72,6 +84,11 @@ LocalRankLimit local_rank_limit();
 // before starting anything; programs call it earlier still, with their other flag checks.
 void check_local_ranks(int nproc, std::optional<int> max_local_ranks);
 
+// Throws kernels::Error when max_restarts > 0 with nnodes > 1: each node's launcher sees only
+// its own ranks, so it could restart them but not the other nodes' ranks, and the two would no
+// longer form one job; a multi-node job is restarted from outside (its scheduler) instead.
+void check_restarts_allowed(int max_restarts, int nnodes);
+
 // Runs nproc_per_node workers (global ranks node_rank * nproc_per_node + local) with `argv`
 // (argv[0] included) and the launcher's environment plus the worker variables, and watches
 // them. Returns 0 when every worker exited 0. When one exits non-zero or is killed, stops the
@@ -88,6 +105,11 @@ void check_local_ranks(int nproc, std::optional<int> max_local_ranks);
 // DP_HEARTBEAT_MS set they beat through the store; one silent for heartbeat_timeout (a
 // SIGSTOP, a livelock of the whole process) is named ("rank 1 (pid N) sent no heartbeat for
 // 5 s: hung"), killed, and the others stopped; the launcher returns 1.
+// Restarts: after a failed attempt with restarts left, all workers are started again with the
+// same argv and port, a fresh job token (unless DP_JOB_TOKEN was given) and DP_RESTART_COUNT
+// one higher (0 on the first attempt), logging "launch_workers: restart 1 of K after rank R
+// exited with status 3". A signal to the launcher never restarts. When the last allowed attempt
+// fails, says how many restarts were used and returns that attempt's code.
 int launch_workers(const LaunchOptions& options, const std::vector<std::string>& argv);
 
 // A TCP port free on `host` a moment ago (see socket.hpp); for MASTER_PORT.

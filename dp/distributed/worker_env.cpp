@@ -49,10 +49,8 @@ void read_master(WorkerEnv& w, const EnvLookup& env, bool multi_node, bool requi
                             << " ranks): set it to a free port on rank 0's host");
 }
 
-}  // namespace
-
-std::optional<WorkerEnv> worker_env_from_environment(const EnvLookup& env_in) {
-  EnvLookup env = env_or_process(env_in);
+// The worker variables of whichever launcher started this process, restart count aside.
+std::optional<WorkerEnv> worker_env_of(const EnvLookup& env) {
   WorkerEnv w;
   if (env("RANK") || env("WORLD_SIZE")) {
     VarNames n{"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"};
@@ -116,6 +114,18 @@ std::optional<WorkerEnv> worker_env_from_environment(const EnvLookup& env_in) {
     return w;
   }
   return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<WorkerEnv> worker_env_from_environment(const EnvLookup& env_in) {
+  EnvLookup env = env_or_process(env_in);
+  std::optional<WorkerEnv> w = worker_env_of(env);
+  if (!w) return w;
+  std::optional<int> restarts = env_int(env, "DP_RESTART_COUNT", 0, kMaxRanks);
+  if (!restarts) restarts = env_int(env, "TORCHELASTIC_RESTART_COUNT", 0, kMaxRanks);
+  w->restart_count = restarts.value_or(0);
+  return w;
 }
 
 }  // namespace dp::dist
