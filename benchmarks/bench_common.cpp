@@ -93,6 +93,17 @@ void add_flags(CLI::App& app, Options& o) {
   app.add_option("--max-local-ranks", o.max_local_ranks,
                  "DDP: most ranks to start on this node (default: from its cores and memory)")
       ->check(whole_number(1, kMaxDevices));
+  app.add_option("--checkpoint-dir", o.checkpoint_dir,
+                 "write the whole training state here (step_N.safetensors), every --save-every "
+                 "steps and at the end; one run at a time (--mode dp|ddp --baseline 0)")
+      ->check(CLI::ExistingDirectory);
+  app.add_option("--save-every", o.save_every, "steps between checkpoints (needs --checkpoint-dir)")
+      ->check(whole_number(1, kMaxSteps));
+  app.add_option("--keep", o.keep, "checkpoints to keep in --checkpoint-dir, newest first")
+      ->check(whole_number(1, 1000));
+  app.add_option("--resume", o.resume,
+                 "resume from a training state file, or 'latest' in --checkpoint-dir (same mode, "
+                 "--gpus, model, --batch and seed)");
   app.add_option("--max-restarts", o.max_restarts,
                  "DDP: start all ranks again after one fails, up to this many times (one node; "
                  "workers see DP_RESTART_COUNT)")
@@ -203,6 +214,17 @@ kernels::SgdConfig optimizer_config() {
   return c;
 }
 
+nn::TrainingProgress bench_state(const Options& o, const char* mode, int n) {
+  nn::TrainingProgress st;
+  st.mode = mode;
+  st.world_size = n;
+  st.config = {{"program", "dp_bench"},
+               {"model", o.model},
+               {"batch", std::to_string(global_batch(o, n))},
+               {"seed", std::to_string(o.seed)}};
+  return st;
+}
+
 std::unique_ptr<nn::Optimizer> make_optimizer(const Options& o, nn::Module& model) {
   if (o.optim == "adamw") {
     kernels::AdamWConfig c;
@@ -283,13 +305,26 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace) {
   std::vector<double> overlapped;
   auto [pa, pb] = profile_range(o);
   std::string label = "dp N=" + std::to_string(n);
-  for (int step = 0; step < o.warmup + o.steps; ++step) {
+  nn::TrainingProgress state = bench_state(o, "dp", n);
+  int first = 0;
+  if (const std::string path = nn::resolve_resume(o.resume, o.checkpoint_dir); !path.empty()) {
+    nn::TrainingProgress got = nn::load_training_state(path, *model, opt, state);
+    engine.set_rng_offsets(got.rng_offsets);
+    first = static_cast<int>(got.step);
+  }
+  auto save = [&](int step) {
+    state.step = step;
+    state.rng_offsets = engine.rng_offsets();
+    nn::save_checkpoint_in(o.checkpoint_dir, o.keep, *model, opt, state);
+  };
+  for (int step = first; step < o.warmup + o.steps; ++step) {
     int timed = step - o.warmup;
     auto b = dp::data::make_batch(data, step * batch, batch);
     if (timed == pa) kernels::profiler_start();
     if (timed == 0) engine.set_trace(trace);
     dp::StepStats st = engine.train_step(b.images, b.labels);
     if (timed == pb) kernels::profiler_stop();
+    if (o.save_every && (step + 1) % *o.save_every == 0) save(step + 1);
     progress(label, step + 1, o.warmup + o.steps);
     if (timed < 0) continue;
     r.step_ms.push_back(st.ms.total);
@@ -306,6 +341,7 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace) {
     phases["reduce_in_backward"].push_back(st.ms.reduce_in_backward);
     phases["optimizer"].push_back(st.ms.step);
   }
+  if (!o.checkpoint_dir.empty()) save(o.warmup + o.steps);  // the end of the run
   engine.set_trace(nullptr);
   for (auto& [name, v] : phases) r.phases_ms[name] = percentile(v, 0.5);
   r.buckets_overlapped = static_cast<int>(std::lround(percentile(overlapped, 0.5)));
@@ -376,6 +412,17 @@ int run(const Options& o, int argc, char** argv) {
     DP_CHECK(o.node_rank < o.nnodes,
              "--node-rank " << o.node_rank << " is not in [0, " << o.nnodes << ")");
   }
+  if (!o.checkpoint_dir.empty() || !o.resume.empty()) {
+    DP_CHECK(
+        (o.mode == "dp" || o.mode == "ddp") && o.sweep.empty() &&
+            (o.baseline == 0 || s.gpus == 1) && o.zero == 0,
+        "--checkpoint-dir/--resume: one run at a time: give --mode dp or ddp, --baseline 0 and "
+        "no --sweep (and no --zero 1: its sharded optimizer state is not gathered yet)");
+    DP_CHECK(o.resume != "latest" || !o.checkpoint_dir.empty(),
+             "--resume latest needs --checkpoint-dir (where to look)");
+  }
+  DP_CHECK(!o.save_every || !o.checkpoint_dir.empty(),
+           "--save-every needs --checkpoint-dir (where to write)");
   if (o.max_restarts > 0) {
     DP_CHECK(o.mode == "ddp" || o.mode == "both",
              "--max-restarts " << o.max_restarts << ": only DDP (--mode ddp or both) has worker "

@@ -13,6 +13,7 @@
 #include "kernels/ops.hpp"
 #include "nn/module.hpp"
 #include "nn/optim.hpp"
+#include "nn/train_state.hpp"
 
 namespace bench {
 
@@ -39,9 +40,14 @@ struct Options {
   int master_port = 0;   // 0: a free one (one node)
   double timeout_s = 0;  // DDP rendezvous and collectives; 0: DP_TIMEOUT or the defaults
   std::optional<int> max_local_ranks;  // DDP: unset: dp::dist::local_rank_limit()
-  int max_restarts = 0;                // DDP: restarts after a failed attempt (one node)
-  std::string optim = "sgd";           // sgd (momentum 0.9) or adamw
-  int zero = 0;                        // DDP: 1 shards the optimizer state (ZeRO stage 1)
+  // Training state: saved every save_every steps and at the end into checkpoint_dir (the newest
+  // `keep` kept), resumed from a file or "latest" there. One run at a time.
+  std::string checkpoint_dir, resume;
+  std::optional<int> save_every;
+  int keep = 3;
+  int max_restarts = 0;       // DDP: restarts after a failed attempt (one node)
+  std::string optim = "sgd";  // sgd (momentum 0.9) or adamw
+  int zero = 0;               // DDP: 1 shards the optimizer state (ZeRO stage 1)
   // --mode ps: bounded staleness (-1: unbounded), and lr / (1 + staleness) per update.
   bool sync_bn = false;  // BatchNorm statistics combined across devices (DP) and ranks (DDP)
   int max_staleness = -1;
@@ -72,6 +78,9 @@ void validate(const Options& o, const Setup& s, const std::vector<int>& counts);
 int64_t global_batch(const Options& o, int n);
 nn::ModulePtr make_model(const std::string& name);
 kernels::SgdConfig optimizer_config();
+// What a checkpoint of this run records and must match on resume: the mode, the world size,
+// and the model, batch and seed.
+nn::TrainingProgress bench_state(const Options& o, const char* mode, int n);
 // The run's optimizer (--optim) on `model`.
 std::unique_ptr<nn::Optimizer> make_optimizer(const Options& o, nn::Module& model);
 // Prototype scale of the benchmark's synthetic data: hard enough that the loss falls over the

@@ -188,13 +188,26 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   r.bytes_theory = ring_bytes_theory(n, r.param_bytes);
   std::map<std::string, std::vector<double>> phases;
   auto [pa, pb] = profile_range(o);
-  for (int step = 0; step < o.warmup + o.steps; ++step) {
+  nn::TrainingProgress state = bench_state(o, "ddp", n);
+  int first = 0;
+  if (const std::string path = nn::resolve_resume(o.resume, o.checkpoint_dir); !path.empty()) {
+    nn::TrainingProgress got = nn::load_training_state(path, *model, opt, state, trainer.rank());
+    first = static_cast<int>(got.step);
+  }
+  auto save = [&](int step) {  // collective: rank 0 writes, the others wait for it
+    state.step = step;
+    state.rng_offsets = trainer.all_gather(model->flat().rng_offset);
+    if (trainer.rank() == 0) nn::save_checkpoint_in(o.checkpoint_dir, o.keep, *model, opt, state);
+    trainer.group().barrier()->wait();
+  };
+  for (int step = first; step < o.warmup + o.steps; ++step) {
     int timed = step - o.warmup;
     auto b = dp::data::make_batch(data, step * batch, batch);
     if (timed == pa) kernels::profiler_start();
     if (timed == 0) trainer.ddp().set_trace(trace.get());
     float loss = trainer.train_step(b.images, b.labels);
     if (timed == pb) kernels::profiler_stop();
+    if (o.save_every && (step + 1) % *o.save_every == 0) save(step + 1);
     if (trainer.rank() == 0) progress("ddp N=" + std::to_string(n), step + 1, o.warmup + o.steps);
     if (timed < 0) continue;
     const auto& t = trainer.last_times();
@@ -208,6 +221,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
     phases["optimizer"].push_back(t.optimizer);
   }
   trainer.ddp().set_trace(nullptr);
+  if (!o.checkpoint_dir.empty()) save(o.warmup + o.steps);  // the end of the run
   for (auto& [name, v] : phases) r.phases_ms[name] = percentile(v, 0.5);
   // A synchronous step ends when its last rank ends: the step time is the slowest rank's, per
   // step, gathered from every rank (rank 0 alone would flatter the figures).
@@ -233,13 +247,8 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   trainer.group().all_gather(all, one)->wait();
   for (float kib : all.to_host_f32()) r.peak_mem_bytes.push_back(static_cast<int64_t>(kib) * 1024);
   // Optimizer state of every rank (a whole copy each, or one shard each under ZeRO-1).
-  kernels::Tensor state = kernels::Tensor::empty({1}, kernels::DType::i64, kernels::Device::cpu());
-  state.data<int64_t>()[0] = opt.state_bytes();
-  kernels::Tensor state_dev = state.to(trainer.device());
-  kernels::Tensor states = kernels::Tensor::empty({n}, kernels::DType::i64, trainer.device());
-  trainer.group().all_gather(states, state_dev)->wait();
-  kernels::Tensor host = states.to(kernels::Device::cpu());
-  r.optimizer_state_bytes.assign(host.data<int64_t>(), host.data<int64_t>() + n);
+  for (uint64_t b : trainer.all_gather(static_cast<uint64_t>(opt.state_bytes())))
+    r.optimizer_state_bytes.push_back(static_cast<int64_t>(b));
 
   if (trace) {
     nlohmann::json events = nlohmann::json::array();

@@ -235,4 +235,22 @@ inline void prune_checkpoints(const std::string& dir, int keep) {
   }
 }
 
+// `resume` as a file to load: "latest" is the newest checkpoint in `dir`, or "" when there is
+// none yet (a first attempt, or one restarted before its first save); anything else is itself.
+inline std::string resolve_resume(const std::string& resume, const std::string& dir) {
+  if (resume != "latest") return resume;
+  auto all = list_checkpoints(dir);
+  return all.empty() ? "" : all.back();
+}
+
+// Writes the state as <dir>/step_<step>.safetensors and keeps the newest `keep` checkpoints.
+// Returns the file's name.
+inline std::string save_checkpoint_in(const std::string& dir, int keep, Module& m, Optimizer& opt,
+                                      const TrainingProgress& progress) {
+  const std::string path = checkpoint_file(dir, progress.step);
+  save_training_state(path, m, opt, progress);
+  prune_checkpoints(dir, keep);
+  return path;
+}
+
 }  // namespace nn

@@ -330,42 +330,23 @@ int main(int argc, char** argv) {
     run_state.config = {
         {"model", f.model}, {"batch", std::to_string(f.batch)}, {"seed", std::to_string(f.seed)}};
     const int my_index = ddp ? ddp->rank() : 0;
-    auto rng_offsets = [&]() {
-      if (dp_engine) return dp_engine->rng_offsets();
-      std::vector<uint64_t> mine{model->flat().rng_offset};
-      if (!ddp) return mine;
-      Tensor one = Tensor::empty({1}, kernels::DType::i64, Device::cpu());
-      one.data<int64_t>()[0] = static_cast<int64_t>(mine[0]);
-      Tensor one_dev = one.to(home);
-      Tensor all = Tensor::empty({world}, kernels::DType::i64, home);
-      ddp->group().all_gather(all, one_dev)->wait();
-      Tensor host = all.to(Device::cpu());
-      return std::vector<uint64_t>(host.data<int64_t>(), host.data<int64_t>() + world);
-    };
     auto save_state = [&](int64_t epoch, int64_t batches_done) {
       run_state.epoch = epoch;
       run_state.batches_done = batches_done;
-      run_state.rng_offsets = rng_offsets();  // collective in DDP
-      if (my_index == 0) {
-        nn::save_training_state(nn::checkpoint_file(f.checkpoint_dir, run_state.step), *model, opt,
-                                run_state);
-        nn::prune_checkpoints(f.checkpoint_dir, f.keep);
-      }
+      // Each device's or rank's dropout stream (a collective in DDP).
+      run_state.rng_offsets = dp_engine ? dp_engine->rng_offsets()
+                              : ddp     ? ddp->all_gather(model->flat().rng_offset)
+                                        : std::vector<uint64_t>{model->flat().rng_offset};
+      if (my_index == 0) nn::save_checkpoint_in(f.checkpoint_dir, f.keep, *model, opt, run_state);
       // Nobody reads a half-written file: every rank waits until rank 0 has written it.
       if (ddp) ddp->group().barrier()->wait();
     };
     int start_epoch = 0;
     int64_t skip_batches = 0;
-    std::string resume_path = f.resume;
-    if (resume_path == "latest") {
-      // The newest checkpoint, or none yet: a first attempt (or one restarted before its first
-      // save) starts from step 0.
-      auto all = nn::list_checkpoints(f.checkpoint_dir);
-      resume_path = all.empty() ? "" : all.back();
-      if (all.empty() && chatty)
-        std::fprintf(stderr, "train_mnist: no checkpoint in %s yet: starting from step 0\n",
-                     f.checkpoint_dir.c_str());
-    }
+    const std::string resume_path = nn::resolve_resume(f.resume, f.checkpoint_dir);
+    if (!f.resume.empty() && resume_path.empty() && chatty)
+      std::fprintf(stderr, "train_mnist: no checkpoint in %s yet: starting from step 0\n",
+                   f.checkpoint_dir.c_str());
     if (!resume_path.empty()) {
       nn::TrainingProgress got =
           nn::load_training_state(resume_path, *model, opt, run_state, my_index);

@@ -2,9 +2,11 @@
 #include <unistd.h>
 
 #include <sys/stat.h>
+#include <csignal>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -84,9 +86,19 @@ TEST_CASE("samples.train_mnist: --mode ps with one worker at staleness 0 is the 
 
 TEST_CASE("samples.train_mnist: --mode ps on 4 workers reaches 84% in one epoch (MLP)") {
   if (skip_without_fashion_mnist()) return;
-  auto ps = train("--device cpu --model mlp --epochs 1 --mode ps --gpus 4");
-  CHECK(ps["devices"] == 4);
-  CHECK(ps["test_accuracy"].get<double>() >= 0.84);
+  // Asynchronous: the order in which updates land depends on thread timing, so single runs
+  // spread (84.2-85.1% measured). The mean of three independent runs is held to 84%, each run
+  // to 83%.
+  double sum = 0;
+  for (int run = 0; run < 3; ++run) {
+    auto ps = train("--device cpu --model mlp --epochs 1 --mode ps --gpus 4");
+    CHECK(ps["devices"] == 4);
+    double acc = ps["test_accuracy"].get<double>();
+    CAPTURE(acc);
+    CHECK(acc >= 0.83);
+    sum += acc;
+  }
+  CHECK(sum / 3 >= 0.84);
 }
 
 TEST_CASE("samples.train_mnist: DDP pads a last batch too short for its ranks, as DP does") {
@@ -222,4 +234,77 @@ TEST_CASE("samples.train_mnist: --max-restarts reaches the launcher: failing ran
   CHECK(dp_test::shell_code(status) == 1);
   CHECK(text.find("launch_workers: restart 1 of 1 after rank ") != std::string::npos);
   CHECK(text.find("no restarts left (1 of 1 used); exit code 1") != std::string::npos);
+}
+
+TEST_CASE(
+    "samples.train_mnist: a rank killed mid-run, restarted from its checkpoint, loses nothing") {
+  if (skip_without_fashion_mnist()) return;
+  // 800 samples in batches of 8 on 2 ranks: 100 steps an epoch, 200 in all, a save every 5.
+  const std::vector<std::string> common = {DP_TRAIN_MNIST_PATH,
+                                           "--device",
+                                           "cpu",
+                                           "--model",
+                                           "mlp",
+                                           "--train-samples",
+                                           "800",
+                                           "--batch",
+                                           "8",
+                                           "--epochs",
+                                           "2",
+                                           "--mode",
+                                           "ddp",
+                                           "--gpus",
+                                           "2",
+                                           "--save-every",
+                                           "5",
+                                           "--seed",
+                                           "5"};
+  std::string whole_dir = temp_path("kill_whole"), killed_dir = temp_path("kill_restarted");
+  std::filesystem::create_directories(whole_dir);
+  std::filesystem::create_directories(killed_dir);
+  auto args_with = [&](const std::vector<std::string>& more) {
+    std::vector<std::string> a = common;
+    a.insert(a.end(), more.begin(), more.end());
+    return a;
+  };
+  std::string whole_cmd = "exec";
+  for (const auto& a : args_with({"--checkpoint-dir", whole_dir})) whole_cmd += " " + a;
+  pid_t whole = dp_test::spawn({"/bin/sh", "-c", whole_cmd + " > /dev/null 2>&1"});
+  REQUIRE(whole > 0);
+  REQUIRE(dp_test::shell_code(dp_test::wait_child(whole, std::chrono::seconds(120))) == 0);
+
+  std::string log = temp_path("kill_log.txt");
+  std::string cmd = "exec";
+  for (const auto& a :
+       args_with({"--checkpoint-dir", killed_dir, "--resume", "latest", "--max-restarts", "1"}))
+    cmd += " " + a;
+  pid_t run = dp_test::spawn({"/bin/sh", "-c", cmd + " > " + log + " 2>&1"});  // exec: same pid
+  REQUIRE(run > 0);
+  // Once step 20 is saved, rank 1 is killed (SIGKILL): the launcher stops rank 0 and starts
+  // both again, and they go on from the newest checkpoint.
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!std::filesystem::exists(nn::checkpoint_file(killed_dir, 20)) &&
+         std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  auto ranks = dp_test::wait_for_workers(run, 1, "LOCAL_RANK=1", std::chrono::seconds(10));
+  REQUIRE(!ranks.empty());
+  ::kill(ranks[0], SIGKILL);
+  int status = dp_test::wait_child(run, std::chrono::seconds(120));
+  std::ifstream f(log);
+  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  INFO(text);
+  CHECK(dp_test::shell_code(status) == 0);
+  CHECK(text.find("launch_workers: restart 1 of 1 after rank 1") != std::string::npos);
+  CHECK(text.find("train_mnist: resumed from") != std::string::npos);
+  auto bytes = [](const std::string& p) {
+    std::ifstream in(p, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  };
+  const std::string a = nn::checkpoint_file(whole_dir, 200);
+  const std::string b = nn::checkpoint_file(killed_dir, 200);
+  REQUIRE(std::filesystem::exists(a));
+  REQUIRE(std::filesystem::exists(b));
+  CHECK(bytes(a) == bytes(b));  // the same final weights, optimizer state and position
+  std::filesystem::remove_all(whole_dir);
+  std::filesystem::remove_all(killed_dir);
 }

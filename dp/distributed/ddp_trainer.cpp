@@ -168,6 +168,16 @@ float DdpTrainer::report_loss(kernels::Tensor& loss, float share) {
   return loss.item();
 }
 
+std::vector<uint64_t> DdpTrainer::all_gather(uint64_t value) {
+  kernels::Tensor one = kernels::Tensor::empty({1}, kernels::DType::i64, kernels::Device::cpu());
+  one.data<int64_t>()[0] = static_cast<int64_t>(value);
+  kernels::Tensor mine = one.to(device_);
+  kernels::Tensor all = kernels::Tensor::empty({world_size()}, kernels::DType::i64, device_);
+  group_->all_gather(all, mine)->wait();
+  kernels::Tensor host = all.to(kernels::Device::cpu());
+  return std::vector<uint64_t>(host.data<int64_t>(), host.data<int64_t>() + world_size());
+}
+
 int64_t DdpTrainer::count_correct(const kernels::Tensor& images, const kernels::Tensor& labels) {
   DP_CHECK(ddp_, "DdpTrainer::count_correct before wrap()");
   auto [x, y] = my_chunk(images, labels, nullptr);

@@ -81,6 +81,8 @@ class DdpTrainer {
   float train_step(const kernels::Tensor& images, const kernels::Tensor& labels);
   // Rows of the global batch whose argmax equals the label (each rank counts its chunk).
   int64_t count_correct(const kernels::Tensor& images, const kernels::Tensor& labels);
+  // Every rank's `value`, in rank order (a collective: every rank calls it).
+  std::vector<uint64_t> all_gather(uint64_t value);
   const DdpStepTimes& last_times() const { return times_; }
 
  private:
