@@ -13,6 +13,7 @@
 #include "dp/distributed/sync_batch_norm.hpp"
 #include "dp/distributed/zero.hpp"
 #include "nn/nn.hpp"
+#include "nn/train_state.hpp"
 #include "tests/train_util.hpp"
 
 using namespace kernels;
@@ -508,5 +509,60 @@ TEST_CASE("ddp.sync_bn: 4 ranks with SyncBatchNorm follow one device on the full
   for (int r = 1; r < world; ++r) {
     CHECK(params[r] == params[0]);
     CHECK(buffers[r] == buffers[0]);
+  }
+}
+
+TEST_CASE("ddp.train_state: 4 ranks with dropout resume bit for bit (SGD momentum, AdamW)") {
+  auto dropout_net = [] {
+    auto s = std::make_shared<nn::Sequential>();
+    s->add(std::make_shared<nn::Linear>(6, 32));
+    s->add(std::make_shared<nn::ReLU>());
+    s->add(std::make_shared<nn::Dropout>(0.3f));
+    s->add(std::make_shared<nn::Linear>(32, 5));
+    return s;
+  };
+  for (bool adam : {false, true}) {
+    CAPTURE(adam);
+    const int world = 4;
+    const std::string path = dp_test::temp_path("ddp", adam ? "state_adam" : "state_sgd");
+    // Steps [from, 7) on every rank; `save_at` writes the state (rank 0) after that step, `load`
+    // starts from it. Returns rank r's final parameters.
+    auto train = [&](int from, int save_at, bool load) {
+      std::vector<std::vector<float>> params(world);
+      run_ranks(world, [&](int r, dp::dist::ProcessGroup& pg) {
+        auto m = dropout_net();
+        m->materialize(Device::cpu(r), kSeed);
+        std::unique_ptr<nn::Optimizer> opt;
+        if (adam)
+          opt = std::make_unique<nn::AdamW>(*m, AdamWConfig{});
+        else
+          opt = std::make_unique<nn::SGD>(*m, sgd());
+        nn::TrainingProgress state;
+        state.mode = "ddp";
+        state.world_size = world;
+        if (load) nn::load_training_state(path, *m, *opt, state, r);
+        DistributedDataParallel ddp(m, pg);
+        for (int s = from; s < 7; ++s) {
+          auto [x, y] = dp_test::toy_batch(10, 600 + s);  // 3, 3, 2, 2 rows
+          ddp_step(ddp, *opt, x, y, r, world);
+          if (s + 1 != save_at) continue;
+          // Every rank's dropout offset, gathered; rank 0 writes, the others wait.
+          Tensor mine = Tensor::empty({1}, DType::i64, Device::cpu(r));
+          mine.data<int64_t>()[0] = static_cast<int64_t>(m->flat().rng_offset);
+          Tensor all = Tensor::empty({world}, DType::i64, Device::cpu(r));
+          pg.all_gather(all, mine)->wait();
+          state.step = s + 1;
+          for (int q = 0; q < world; ++q) state.rng_offsets.push_back(all.data<int64_t>()[q]);
+          if (r == 0) nn::save_training_state(path, *m, *opt, state);
+          pg.barrier()->wait();
+        }
+        params[r] = m->flat_params().to_host_f32();
+      });
+      return params;
+    };
+    auto whole = train(0, 4, false);  // saves after step 4 on the way
+    auto resumed = train(4, -1, true);
+    for (int r = 0; r < world; ++r) CHECK(resumed[r] == whole[r]);
+    CHECK(whole[1] == whole[0]);
   }
 }
