@@ -95,8 +95,7 @@ class FileReader {
     }
     if (!S_ISREG(st.st_mode)) {
       ::close(fd_);
-      DP_THROW(where() << ": is " << file_kind(st.st_mode)
-                       << ", not a regular file");
+      DP_THROW(where() << ": is " << file_kind(st.st_mode) << ", not a regular file");
     }
     size_ = static_cast<uint64_t>(st.st_size);
   }
@@ -207,8 +206,7 @@ inline void write_file_atomically(const std::string& path, const std::string& by
   const std::string name = where(context, path);
   struct stat st {};
   if (::stat(path.c_str(), &st) == 0)
-    DP_CHECK(!S_ISDIR(st.st_mode),
-             name << ": is a directory; give the name of a file to write");
+    DP_CHECK(!S_ISDIR(st.st_mode), name << ": is a directory; give the name of a file to write");
   const std::string dir = detail::parent_dir(path);
   detail::TempFile tmp;
   tmp.name = dir + "/." + detail::base_name(path) + ".tmp.XXXXXX";

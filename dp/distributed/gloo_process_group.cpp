@@ -22,6 +22,7 @@
 
 #include "dp/distributed/cuda_util.hpp"
 #include "dp/distributed/host_reduce.hpp"
+#include "dp/distributed/pinned_pool.hpp"
 #include "dp/distributed/signalled_work.hpp"
 #include "dp/distributed/store.hpp"
 #include "kernels/ops.hpp"
@@ -153,30 +154,8 @@ struct GlooProcessGroup::State {
 
   // Pinned staging of point-to-point ops on CUDA tensors. A send or recv stays in flight after
   // the worker moves on, so it cannot share the collectives' two slots: it takes a buffer from
-  // this pool and its work gives it back once the transfer is done (not per call a
-  // cudaMallocHost, which costs milliseconds and serialises the driver).
-  std::mutex p2p_mu;
-  std::vector<Tensor> p2p_free;  // whole buffers, grow-only in size, at most kP2PPoolSize
-  static constexpr size_t kP2PPoolSize = 8;
-
-  // A pinned buffer of at least numel elements of dtype (its first numel elements are used).
-  Tensor take_p2p_staging(int64_t numel, DType dtype) {
-    {
-      std::lock_guard<std::mutex> lock(p2p_mu);
-      for (size_t i = 0; i < p2p_free.size(); ++i)
-        if (p2p_free[i].dtype() == dtype && p2p_free[i].numel() >= numel) {
-          Tensor t = std::move(p2p_free[i]);
-          p2p_free.erase(p2p_free.begin() + static_cast<std::ptrdiff_t>(i));
-          return t;
-        }
-    }
-    return Tensor::empty_pinned({std::max<int64_t>(numel, 1)}, dtype);
-  }
-  void give_back_p2p_staging(Tensor buf) {
-    if (!buf.defined()) return;
-    std::lock_guard<std::mutex> lock(p2p_mu);
-    if (p2p_free.size() < kP2PPoolSize) p2p_free.push_back(std::move(buf));
-  }
+  // this pool and its work gives it back once the transfer is done.
+  PinnedPool p2p_staging;
 
   // Copies a staged result back to its CUDA tensor and waits for the copy.
   static void store_back(Tensor& t, const Tensor& h) {
@@ -282,7 +261,7 @@ class GlooP2PWork final : public Work {
         }
         buf_.reset();  // the transfer is over: the staging buffer is free again
         host_ = Tensor();
-        state_->give_back_p2p_staging(std::move(staging_));
+        state_->p2p_staging.give_back(std::move(staging_));
       }
       std::lock_guard<std::mutex> lock(mu_);
       done_ = true;
@@ -592,7 +571,7 @@ std::shared_ptr<Work> GlooProcessGroup::send(const Tensor& t, int dst, uint32_t 
     // its own until its work completes.
     Tensor h = t, staging;
     if (t.device().is_cuda()) {
-      staging = s->take_p2p_staging(t.numel(), t.dtype());
+      staging = s->p2p_staging.take(t.numel(), t.dtype());
       h = staging.view(0, {t.numel()});
       kernels::copy(h, t);  // D2H on this thread's stream, waited for
     }
@@ -628,7 +607,7 @@ std::shared_ptr<Work> GlooProcessGroup::recv(Tensor& t, int src, uint32_t tag) {
     }
     Tensor h = t, staging;
     if (t.device().is_cuda()) {
-      staging = s->take_p2p_staging(t.numel(), t.dtype());
+      staging = s->p2p_staging.take(t.numel(), t.dtype());
       h = staging.view(0, {t.numel()});
     }
     auto buf = s->ctx->createUnboundBuffer(h.raw(), h.nbytes());

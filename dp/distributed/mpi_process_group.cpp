@@ -20,6 +20,7 @@
 
 #include "dp/distributed/cuda_util.hpp"
 #include "dp/distributed/host_reduce.hpp"
+#include "dp/distributed/pinned_pool.hpp"
 #include "dp/distributed/signalled_work.hpp"
 #include "kernels/ops.hpp"
 #endif
@@ -160,6 +161,7 @@ struct Task {
   std::function<void(MPI_Request*)> issue;  // progress thread: stage in, post the MPI_I* call
   std::function<void()> complete;           // progress thread, after it finished
   std::shared_ptr<SignalledWork> work;
+  std::vector<Tensor> staging;  // pooled pinned buffers the op stages through (CUDA tensors)
 };
 
 struct InFlight {
@@ -352,11 +354,14 @@ class MpiProcessGroup final : public ProcessGroup {
   }
 
  private:
-  // The host memory an op works on: the tensor itself on the CPU, else a pinned copy of it
-  // (filled from the device when `load`). Runs on the progress thread.
-  static Tensor stage_in(const Tensor& t, bool load = true) {
+  // The host memory an op works on: the tensor itself on the CPU, else a pooled pinned buffer
+  // (filled from the device when `load`), recorded in the op being issued so that it goes back
+  // to the pool when the op completes. Runs on the progress thread, inside Task::issue.
+  Tensor stage_in(const Tensor& t, bool load = true) {
     if (t.device().is_cpu()) return t;
-    Tensor h = Tensor::empty_pinned({t.numel()}, t.dtype());
+    Tensor buf = staging_.take(t.numel(), t.dtype());
+    issuing_->push_back(buf);
+    Tensor h = buf.view(0, {t.numel()});
     if (load) kernels::copy(h, t);  // D2H, waited for
     return h;
   }
@@ -470,6 +475,7 @@ class MpiProcessGroup final : public ProcessGroup {
         try {
           if (task.ready) task.ready->wait_host();
           MPI_Request req = MPI_REQUEST_NULL;
+          issuing_ = &task.staging;
           task.issue(&req);
           in_flight.push_back({std::move(task), req, Clock::now() + timeout, timeout});
         } catch (const std::exception& e) {
@@ -491,6 +497,8 @@ class MpiProcessGroup final : public ProcessGroup {
         } else if (done) {
           try {
             op.task.complete();
+            // Done with its staging (a failed or abandoned op keeps it: MPI may still write).
+            for (Tensor& buf : op.task.staging) staging_.give_back(std::move(buf));
             op.task.work->finish(nullptr);
           } catch (const std::exception& e) {
             fail(op.task, failure_message(op.task.what, op.timeout, e.what()));
@@ -536,6 +544,8 @@ class MpiProcessGroup final : public ProcessGroup {
   std::deque<Task> queue_;
   bool stopping_ = false;
   std::string broken_;
+  PinnedPool staging_;
+  std::vector<Tensor>* issuing_ = nullptr;  // progress thread only: the op being issued
   std::thread worker_;
 };
 
