@@ -175,10 +175,12 @@ struct SgdConfig {
   float dampening = 0.f;
   float weight_decay = 0.f;
   Nesterov nesterov = Nesterov::no;
+  // Every gradient is multiplied by this first (1 / loss scale under mixed precision; 1: as is).
+  float grad_unscale = 1.f;
 };
-// PyTorch's SGD: g = grad + wd * p; if momentum: buf = first_step ? g : m buf + (1 - damp) g,
-// g = nesterov ? g + m buf : buf; p -= lr * g. `momentum_buf` is unused when momentum == 0.
-// requires params, grads, momentum_buf same shape, f32; step t >= 1 (t == 1: first step).
+// PyTorch's SGD: g = grad * unscale + wd * p; if momentum: buf = first_step ? g : m buf + (1 -
+// damp) g, g = nesterov ? g + m buf : buf; p -= lr * g. `momentum_buf` is unused when momentum ==
+// 0. requires params, grads, momentum_buf same shape, f32; step t >= 1 (t == 1: first step).
 void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const SgdConfig& c,
                 int64_t step);
 
@@ -187,10 +189,12 @@ struct AdamWConfig {
   float beta1 = 0.9f, beta2 = 0.999f;
   float eps = 1e-8f;
   float weight_decay = 1e-2f;
+  // Every gradient is multiplied by this first (1 / loss scale under mixed precision; 1: as is).
+  float grad_unscale = 1.f;
 };
 // PyTorch's AdamW (decoupled weight decay): p *= 1 - lr wd; m = b1 m + (1-b1) g;
-// v = b2 v + (1-b2) g^2; p -= lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps).
-// requires params, grads, m, v same shape, f32; step t >= 1.
+// v = b2 v + (1-b2) g^2 with g = grad * unscale; p -= lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) +
+// eps). requires params, grads, m, v same shape, f32; step t >= 1.
 void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, const AdamWConfig& c,
                   int64_t step);
 // True when every element of x is finite (waits for the result).

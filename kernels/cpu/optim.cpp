@@ -7,7 +7,7 @@
 
 namespace kernels::cpu {
 
-// g = grad + wd p; buf = first ? g : m buf + (1 - damp) g; g = nesterov ? g + m buf : buf;
+// g = grad unscale + wd p; buf = first ? g : m buf + (1 - damp) g; g = nesterov ? g + m buf : buf;
 // p -= lr g.
 void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const SgdConfig& c,
                 int64_t step) {
@@ -18,7 +18,8 @@ void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const
   float keep = 1.f - c.dampening;
   parallel_range(params.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      float d = c.weight_decay != 0.f ? g[i] + c.weight_decay * p[i] : g[i];
+      float gi = g[i] * c.grad_unscale;
+      float d = c.weight_decay != 0.f ? gi + c.weight_decay * p[i] : gi;
       if (buf) {
         buf[i] = first_step ? d : c.momentum * buf[i] + keep * d;
         d = c.nesterov == Nesterov::yes ? d + c.momentum * buf[i] : buf[i];
@@ -44,8 +45,9 @@ void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, con
   parallel_range(params.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       p[i] *= decay;
-      pm[i] = c.beta1 * pm[i] + one_minus_b1 * g[i];
-      pv[i] = c.beta2 * pv[i] + one_minus_b2 * g[i] * g[i];
+      float gi = g[i] * c.grad_unscale;
+      pm[i] = c.beta1 * pm[i] + one_minus_b1 * gi;
+      pv[i] = c.beta2 * pv[i] + one_minus_b2 * gi * gi;
       float denom = std::sqrt(pv[i]) / correction2_sqrt + c.eps;
       p[i] -= step_size * pm[i] / denom;
     }

@@ -8,13 +8,14 @@ namespace kernels::cuda {
 
 namespace {
 
-// g = grad + wd p; buf = first ? g : m buf + (1 - damp) g; g = nesterov ? g + m buf : buf;
+// g = grad unscale + wd p; buf = first ? g : m buf + (1 - damp) g; g = nesterov ? g + m buf : buf;
 // p -= lr g. buf is nullptr without momentum.
-__global__ void sgd_kernel(float* p, const float* grad, float* buf, float lr, float momentum,
-                           float keep, float weight_decay, bool nesterov, bool first_step,
-                           int64_t n) {
+__global__ void sgd_kernel(float* p, const float* grad, float unscale, float* buf, float lr,
+                           float momentum, float keep, float weight_decay, bool nesterov,
+                           bool first_step, int64_t n) {
   DP_GRID_STRIDE_LOOP(i, n) {
-    float d = weight_decay != 0.f ? grad[i] + weight_decay * p[i] : grad[i];
+    float g = grad[i] * unscale;
+    float d = weight_decay != 0.f ? g + weight_decay * p[i] : g;
     if (buf) {
       float b = first_step ? d : momentum * buf[i] + keep * d;
       buf[i] = b;
@@ -26,11 +27,12 @@ __global__ void sgd_kernel(float* p, const float* grad, float* buf, float lr, fl
 
 // p *= 1 - lr wd; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
 // p -= step_size m / (sqrt(v) / sqrt(1 - b2^t) + eps), step_size = lr / (1 - b1^t).
-__global__ void adamw_kernel(float* p, const float* grad, float* m, float* v, float decay,
-                             float beta1, float beta2, float one_minus_b1, float one_minus_b2,
-                             float step_size, float correction2_sqrt, float eps, int64_t n) {
+__global__ void adamw_kernel(float* p, const float* grad, float unscale, float* m, float* v,
+                             float decay, float beta1, float beta2, float one_minus_b1,
+                             float one_minus_b2, float step_size, float correction2_sqrt, float eps,
+                             int64_t n) {
   DP_GRID_STRIDE_LOOP(i, n) {
-    float g = grad[i];
+    float g = grad[i] * unscale;
     float pi = p[i] * decay;
     float mi = beta1 * m[i] + one_minus_b1 * g;
     float vi = beta2 * v[i] + one_minus_b2 * g * g;
@@ -64,8 +66,8 @@ void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const
   int64_t n = params.numel();
   if (n == 0) return;
   sgd_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
-      params.data<float>(), grads.data<float>(), buf, c.lr, c.momentum, 1.f - c.dampening,
-      c.weight_decay, c.nesterov == Nesterov::yes, step == 1, n);
+      params.data<float>(), grads.data<float>(), c.grad_unscale, buf, c.lr, c.momentum,
+      1.f - c.dampening, c.weight_decay, c.nesterov == Nesterov::yes, step == 1, n);
   DP_CUDA_CHECK_LAUNCH();
 }
 
@@ -81,8 +83,8 @@ void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, con
   float step_size = static_cast<float>(c.lr / (1.0 - std::pow(double{c.beta1}, t)));
   float correction2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(double{c.beta2}, t)));
   adamw_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
-      params.data<float>(), grads.data<float>(), m.data<float>(), v.data<float>(), decay, c.beta1,
-      c.beta2, 1.f - c.beta1, 1.f - c.beta2, step_size, correction2_sqrt, c.eps, n);
+      params.data<float>(), grads.data<float>(), c.grad_unscale, m.data<float>(), v.data<float>(),
+      decay, c.beta1, c.beta2, 1.f - c.beta1, 1.f - c.beta2, step_size, correction2_sqrt, c.eps, n);
   DP_CUDA_CHECK_LAUNCH();
 }
 
