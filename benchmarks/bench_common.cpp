@@ -54,8 +54,14 @@ void add_flags(CLI::App& app, Options& o) {
       ->excludes(b);
   app.add_option("--steps", o.steps, "timed steps")->check(whole_number(1, kMaxSteps));
   app.add_option("--warmup", o.warmup, "untimed steps first")->check(whole_number(0, kMaxSteps));
-  app.add_option("--dtype", o.dtype, "fp32|tf32|bf16")
-      ->check(CLI::IsMember({"fp32", "tf32", "bf16"}));
+  app.add_option("--dtype", o.dtype,
+                 "fp32 | tf32 (TF32 GEMMs on a GPU) | bf16 | fp16: mixed precision, f32 master "
+                 "weights (fp16 with loss scaling)")
+      ->check(CLI::IsMember({"fp32", "tf32", "bf16", "fp16"}));
+  app.add_option("--comm-dtype", o.comm_dtype,
+                 "fp32 | bf16: gradients travel between devices (DP) and ranks (DDP) in bf16, as "
+                 "PyTorch's bf16 compress hook")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
   app.add_option("--backend", o.backend, "DDP backend: auto|nccl|gloo|mpi (mpi: under mpirun)")
       ->check(CLI::IsMember({"auto", "nccl", "gloo", "mpi"}));
   app.add_option("--seed", o.seed, "model and data seed")
@@ -132,9 +138,9 @@ Setup resolve(const Options& o) {
   s.physical = s.type == DeviceType::cuda ? kernels::cuda_device_count()
                                           : static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
   s.gpus = o.gpus ? *o.gpus : (s.type == DeviceType::cuda ? s.physical : 4);
-  DP_CHECK(o.dtype != "bf16",
-           "--dtype bf16: mixed-precision training is not implemented yet; use fp32 or tf32");
-  s.math = o.dtype == "tf32" ? kernels::MathMode::tf32 : kernels::MathMode::strict;
+  s.precision = nn::parse_precision(o.dtype);
+  s.math = nn::math_mode(s.precision);
+  s.comm_dtype = o.comm_dtype == "bf16" ? kernels::DType::bf16 : kernels::DType::f32;
   return s;
 }
 
@@ -221,7 +227,8 @@ nn::TrainingProgress bench_state(const Options& o, const char* mode, int n) {
   st.config = {{"program", "dp_bench"},
                {"model", o.model},
                {"batch", std::to_string(global_batch(o, n))},
-               {"seed", std::to_string(o.seed)}};
+               {"seed", std::to_string(o.seed)},
+               {"dtype", o.dtype}};
   return st;
 }
 
@@ -285,6 +292,8 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace) {
   nn::Optimizer& opt = *optimizer;
   dp::DataParallelOptions dopt;
   dopt.math = s.math;
+  dopt.precision = s.precision;
+  dopt.comm_dtype = s.comm_dtype;
   dopt.reduce = o.dp_reduce == "tree" ? dp::ReduceTopology::tree : dp::ReduceTopology::star;
   dopt.first_bucket_bytes = static_cast<int64_t>(o.first_bucket_mb * (1 << 20));
   dopt.bucket_cap_bytes = static_cast<int64_t>(o.bucket_cap_mb * (1 << 20));
@@ -294,6 +303,7 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace) {
   RunResult r;
   r.mode = "dp";
   r.optim = o.optim;
+  r.comm_dtype = o.comm_dtype;
   r.optimizer_state_bytes = {opt.state_bytes()};  // device 0 alone steps
   r.reduce = o.dp_reduce;
   if (o.sync_bn) r.sync_bn_values = nn::batch_norm_sync_values_per_step(*model);
@@ -310,11 +320,13 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace) {
   if (const std::string path = nn::resolve_resume(o.resume, o.checkpoint_dir); !path.empty()) {
     nn::TrainingProgress got = nn::load_training_state(path, *model, opt, state);
     engine.set_rng_offsets(got.rng_offsets);
+    if (got.scaler) engine.scaler().set_state(*got.scaler);
     first = static_cast<int>(got.step);
   }
   auto save = [&](int step) {
     state.step = step;
     state.rng_offsets = engine.rng_offsets();
+    state.scaler = engine.scaler().state();
     nn::save_checkpoint_in(o.checkpoint_dir, o.keep, *model, opt, state);
   };
   for (int step = first; step < o.warmup + o.steps; ++step) {
@@ -329,6 +341,8 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace) {
     if (timed < 0) continue;
     r.step_ms.push_back(st.ms.total);
     r.losses.push_back(st.loss);
+    r.loss_scale = engine.scaler().scale();
+    r.skipped_steps = st.skipped_steps;
     r.bytes_per_step = st.bytes_moved;
     r.link_bytes = st.link_bytes;
     r.buckets = st.buckets;

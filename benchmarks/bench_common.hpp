@@ -11,6 +11,7 @@
 #include "dp/data/synthetic.hpp"
 #include "dp/trace.hpp"
 #include "kernels/ops.hpp"
+#include "nn/amp.hpp"
 #include "nn/module.hpp"
 #include "nn/optim.hpp"
 #include "nn/train_state.hpp"
@@ -26,7 +27,8 @@ struct Options {
   std::optional<int64_t> batch_per_device;  // set: the global batch is N x this
   int steps = 30;
   int warmup = 5;
-  std::string dtype = "fp32";
+  std::string dtype = "fp32";       // fp32|tf32|bf16|fp16 (nn/amp.hpp)
+  std::string comm_dtype = "fp32";  // fp32|bf16: the dtype gradients travel in
   std::string backend = "auto";
   uint64_t seed = 1;
   std::string json_path, trace_path, sweep, csv_path, chart_path, profile_steps;
@@ -67,6 +69,8 @@ struct Setup {
   int physical = 0;  // GPUs, or cores for CPU devices
   int gpus = 1;
   kernels::MathMode math = kernels::MathMode::strict;
+  nn::Precision precision = nn::Precision::fp32;
+  kernels::DType comm_dtype = kernels::DType::f32;
 };
 
 void add_flags(CLI::App& app, Options& o);

@@ -154,6 +154,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   dp::dist::DdpOptions ddp_options;
   ddp_options.bucket_cap_bytes = static_cast<int64_t>(o.bucket_cap_mb * (1 << 20));
   ddp_options.first_bucket_bytes = static_cast<int64_t>(o.first_bucket_mb * (1 << 20));
+  ddp_options.comm_dtype = s.comm_dtype;
   dp::dist::DdpTrainer trainer(s.type, o.backend, ddp_options,
                                std::chrono::milliseconds(std::llround(o.timeout_s * 1000)));
   int n = external ? trainer.world_size() : std::atoi(n_env);
@@ -168,6 +169,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   nn::Optimizer& opt = *optimizer;
   trainer.set_zero_stage(o.zero);
   trainer.set_sync_batch_norm(o.sync_bn);
+  trainer.set_precision(s.precision);
   trainer.wrap(model, opt);
   if (s.math == kernels::MathMode::tf32) kernels::context(trainer.device()).set_math(s.math);
 
@@ -180,6 +182,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   RunResult r;
   r.mode = "ddp";
   r.optim = o.optim;
+  r.comm_dtype = o.comm_dtype;
   r.zero = o.zero;
   if (o.sync_bn) r.sync_bn_values = nn::batch_norm_sync_values_per_step(*model);
   r.gpus = n;
@@ -192,11 +195,13 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   int first = 0;
   if (const std::string path = nn::resolve_resume(o.resume, o.checkpoint_dir); !path.empty()) {
     nn::TrainingProgress got = nn::load_training_state(path, *model, opt, state, trainer.rank());
+    if (got.scaler) trainer.scaler().set_state(*got.scaler);
     first = static_cast<int>(got.step);
   }
   auto save = [&](int step) {  // collective: rank 0 writes, the others wait for it
     state.step = step;
     state.rng_offsets = trainer.all_gather(model->flat().rng_offset);
+    state.scaler = trainer.scaler().state();
     if (trainer.rank() == 0) nn::save_checkpoint_in(o.checkpoint_dir, o.keep, *model, opt, state);
     trainer.group().barrier()->wait();
   };
@@ -213,6 +218,8 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
     const auto& t = trainer.last_times();
     r.step_ms.push_back(t.total);
     r.losses.push_back(loss);
+    r.loss_scale = trainer.scaler().scale();
+    r.skipped_steps = trainer.scaler().skipped_steps();
     r.buckets = trainer.ddp().stats().buckets;
     r.buckets_overlapped = trainer.ddp().stats().launched_before_backward_end;
     phases["forward"].push_back(t.forward);
@@ -237,7 +244,8 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   r.final_loss = r.losses.empty() ? 0 : r.losses.back();
   // Payload each rank all-reduces per step (gradients, and buffers when averaged), under the
   // ring model: 2 (N-1)/N of it crosses each rank's link.
-  r.bytes_per_step = ring_bytes_theory(n, model->flat_grads().nbytes());
+  r.bytes_per_step = ring_bytes_theory(
+      n, model->flat_grads().numel() * static_cast<int64_t>(kernels::dtype_size(s.comm_dtype)));
 
   // Peak memory of every rank, gathered to rank 0.
   float mine = static_cast<float>(kernels::context(trainer.device()).memory()->peak.load() +

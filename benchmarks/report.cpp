@@ -144,6 +144,19 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
         os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << r.gpus
            << "   " << std::setprecision(1) << *us << "\n";
   }
+  if (h.dtype == "bf16" || h.dtype == "fp16") {
+    os << "\n mixed precision (" << h.dtype << " GEMMs and convolutions, f32 master weights):\n";
+    for (auto& r : runs)
+      os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << r.gpus
+         << "   loss scale " << std::setprecision(0) << r.loss_scale << ", skipped steps "
+         << r.skipped_steps << "\n";
+  }
+  for (auto& r : runs)
+    if (r.comm_dtype != "fp32" && r.gpus > 1 && r.param_bytes > 0)
+      os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << r.gpus
+         << "   gradients travel in " << r.comm_dtype << ": half the gradient bytes of f32 ("
+         << mib(r.param_bytes / 2) << " MiB saved per " << (r.mode == "dp" ? "replica" : "rank")
+         << " per step)\n";
   for (auto& r : runs)
     if (r.mode == "ddp") {
       os << "\n DDP step time is the slowest rank's, per step (a synchronous step ends with its "
@@ -310,7 +323,10 @@ nlohmann::json run_to_json(const RunResult& r) {
           {"zero", r.zero},
           {"optimizer_state_bytes", r.optimizer_state_bytes},
           {"sync_bn_values_per_step", r.sync_bn_values},
-          {"sync_bn_bytes_per_step", r.sync_bn_values * 4}};
+          {"sync_bn_bytes_per_step", r.sync_bn_values * 4},
+          {"loss_scale", r.loss_scale},
+          {"skipped_steps", r.skipped_steps},
+          {"comm_dtype", r.comm_dtype}};
 }
 
 RunResult run_from_json(const nlohmann::json& j) {
@@ -334,6 +350,9 @@ RunResult run_from_json(const nlohmann::json& j) {
   r.zero = j.value("zero", 0);
   r.optimizer_state_bytes = j.value("optimizer_state_bytes", std::vector<int64_t>{});
   r.sync_bn_values = j.value("sync_bn_values_per_step", int64_t{0});
+  r.loss_scale = j.value("loss_scale", 1.f);
+  r.skipped_steps = j.value("skipped_steps", int64_t{0});
+  r.comm_dtype = j.value("comm_dtype", std::string("fp32"));
   return r;
 }
 

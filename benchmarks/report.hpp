@@ -35,7 +35,10 @@ struct RunResult {
   std::string optim = "sgd";
   int zero = 0;                                // DDP: ZeRO stage (0 or 1)
   std::vector<int64_t> optimizer_state_bytes;  // per device (DP: device 0) or rank
-  int64_t sync_bn_values = 0;  // --sync-bn: values each device or rank combines per step
+  int64_t sync_bn_values = 0;       // --sync-bn: values each device or rank combines per step
+  float loss_scale = 1;             // mixed precision: the loss scale after the last step
+  int64_t skipped_steps = 0;        // steps skipped for a non-finite gradient (warmup included)
+  std::string comm_dtype = "fp32";  // the dtype gradients travelled in
 
   double step_ms_median() const;
   double step_ms_p90() const;

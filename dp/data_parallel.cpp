@@ -50,7 +50,8 @@ DataParallel::DataParallel(nn::ModulePtr module, nn::Optimizer& optimizer,
     : devices_(std::move(devices)),
       options_(options),
       optimizer_(optimizer),
-      pool_(devices_, context_options(devices_, options)) {
+      pool_(devices_, context_options(devices_, options)),
+      scaler_(options.scaler ? *options.scaler : nn::GradScaler::options_for(options.precision)) {
   DP_CHECK(module && module->materialized(), "DataParallel: the module must be materialised on "
                                                  << devices_[0] << " (call materialize first)");
   DP_CHECK(module->device() == devices_[0], "DataParallel: the module lives on "
@@ -58,6 +59,11 @@ DataParallel::DataParallel(nn::ModulePtr module, nn::Optimizer& optimizer,
                                                 << devices_[0]);
   std::set<Device> seen(devices_.begin(), devices_.end());
   DP_CHECK(seen.size() == devices_.size(), "DataParallel: a device is listed twice");
+  DP_CHECK(
+      options_.comm_dtype == kernels::DType::f32 || options_.comm_dtype == kernels::DType::bf16,
+      "DataParallel: gradients travel in f32 or bf16, not " << options_.comm_dtype);
+  // Replicas inherit the compute dtype from device 0's module (clone_to).
+  module->set_compute_dtype(nn::compute_dtype(options_.precision));
   warn_if_oversubscribed(devices_);
   // Work the caller queued on device 0 (initialisation, optimizer state) finishes before any
   // worker reads those buffers from its own stream.
@@ -301,7 +307,10 @@ void DataParallel::advance_reduction(int i, bool blocking) {
         pull.source = s;
         pull.begin.record(ctx);
         Tensor staged = pd.staging.view(b.offset, {b.numel});
-        kernels::copy(staged, replicas_[s]->flat_grads().view(b.offset, {b.numel}));
+        const PerDevice& src = per_device_[s];
+        kernels::copy(staged, src.outbox.defined()
+                                  ? src.outbox.view(b.offset, {b.numel})
+                                  : replicas_[s]->flat_grads().view(b.offset, {b.numel}));
         // A leaf holds its chunk's plain mean: weight it here. An inner device of the tree
         // has weighted its own part and summed its sources: weight 1.
         kernels::axpy(mine, sources_[s].empty() ? shares_[s] : 1.f, staged);
@@ -312,6 +321,10 @@ void DataParallel::advance_reduction(int i, bool blocking) {
     ++pd.next_bucket;
     pd.next_source = -1;
     if (i != 0) {
+      if (pd.outbox.defined()) {  // rounded once, here, where the sum is final
+        Tensor out = pd.outbox.view(b.offset, {b.numel});
+        kernels::copy(out, replicas_[i]->flat_grads().view(b.offset, {b.numel}));
+      }
       pd.bucket_done[k].record(ctx);
       publish(i, pd.next_bucket);
     }
@@ -326,13 +339,24 @@ void DataParallel::reduce_grads_to_root(const std::vector<int64_t>& sizes) {
   begin_step(sizes);
   run_step("dp/reduce", static_cast<int>(sizes.size()), [&](int i) {
     PerDevice& pd = per_device_[i];
-    if (!sources_[i].empty())
-      kernels::ensure(pd.staging, {replicas_[i]->flat_grads().numel()}, kernels::DType::f32,
-                      devices_[i]);
+    prepare_reduction(i);
     pd.own_ready = static_cast<int>(plan_.buckets.size());  // every gradient is final
     advance_reduction(i, true);
     pool_.context(i).synchronize();  // the caller reads the result next
   });
+}
+
+void DataParallel::prepare_reduction(int i) {
+  PerDevice& pd = per_device_[i];
+  const int64_t p = replicas_[i]->flat_grads().numel();
+  if (!sources_[i].empty()) kernels::ensure(pd.staging, {p}, options_.comm_dtype, devices_[i]);
+  if (i != 0 && options_.comm_dtype != kernels::DType::f32)
+    kernels::ensure(pd.outbox, {p}, options_.comm_dtype, devices_[i]);
+}
+
+int64_t DataParallel::comm_grad_bytes() const {
+  return replicas_[0]->flat_grads().numel() *
+         static_cast<int64_t>(kernels::dtype_size(options_.comm_dtype));
 }
 
 void DataParallel::average_buffers_on_root(const std::vector<int64_t>& sizes) {
@@ -388,6 +412,8 @@ void DataParallel::forward_and_loss(int i, nn::Mode mode) {
     dlogits = kernels::ensure(pd.dlogits, pd.output.shape(), kernels::DType::f32, devices_[i]);
   kernels::softmax_cross_entropy(pd.loss, dlogits, pd.output, pd.labels, Tensor(),
                                  options_.label_smoothing);
+  // fp16: the loss gradient carries the step's scale (1 otherwise: nothing to do).
+  if (dlogits.defined() && step_scale_ != 1.f) kernels::scale(dlogits, dlogits, step_scale_);
   if (mode != nn::Mode::train) m.train();
 }
 
@@ -445,8 +471,7 @@ void DataParallel::train_job(int i, const Tensor& images, const Tensor& labels,
     forward_and_loss(i, nn::Mode::train);
   }
   pd.marks[kForwarded].record(ctx);
-  if (!sources_[i].empty())
-    kernels::ensure(pd.staging, {m.flat_grads().numel()}, kernels::DType::f32, devices_[i]);
+  prepare_reduction(i);
   {
     kernels::NvtxRange range("dp/backward");
     pd.in_step = true;  // from here the hooks hand buckets on as they become ready
@@ -471,7 +496,8 @@ void DataParallel::train_job(int i, const Tensor& images, const Tensor& labels,
     kernels::NvtxRange range("dp/step");
     std::unique_ptr<kernels::ContextScope> wide;
     if (wide_context_) wide = std::make_unique<kernels::ContextScope>(*wide_context_);
-    optimizer_.step();
+    // One decision for every device: device 0's reduced gradient is checked (under AMP).
+    step_taken_ = scaler_.step(optimizer_, m.flat_grads());
     wide.reset();
     pd.marks[kStepped].record(ctx);
   }
@@ -497,13 +523,18 @@ StepStats DataParallel::train_step(const Tensor& images, const Tensor& labels) {
   auto t_step = Clock::now();
   begin_step(sizes);
   if (stats_sync_) stats_sync_->set_participants(n_used);
+  step_scale_ = scaler_.scale();
   run_step("dp/train_step", n_used, [&](int i) { train_job(i, images, labels, sizes); });
   stats.ms.total = ms_since(t_step);
+  stats.loss_scale = step_scale_;
+  stats.skipped = !step_taken_;
+  stats.skipped_steps = scaler_.skipped_steps();
 
   gather_metrics(sizes, stats);
   collect_step(n_used, stats);
   int64_t p = parameter_bytes(), b = replicas_[0]->flat_buffers().nbytes();
-  stats.bytes_moved = (n_used - 1) * (2 * p + b);  // params out, grads in, buffers out
+  // Parameters out, gradients in (in the comm dtype), buffers out.
+  stats.bytes_moved = (n_used - 1) * (p + comm_grad_bytes() + b);
   if (options_.buffer_sync == BufferSync::average) stats.bytes_moved += (n_used - 1) * b;
   stats.link_bytes = link_bytes(n_used);
   ++step_index_;
@@ -575,7 +606,7 @@ void DataParallel::collect_step(int n, StepStats& stats) {
 std::vector<int64_t> DataParallel::link_bytes(int n) const {
   std::vector<int64_t> out(n, 0);
   nn::Module& root = *replicas_[0];
-  const int64_t p = root.flat_params().nbytes(), g = root.flat_grads().nbytes(),
+  const int64_t p = root.flat_params().nbytes(), g = comm_grad_bytes(),
                 b = root.flat_buffers().nbytes();
   const bool average = options_.buffer_sync == BufferSync::average && b > 0;
   for (int r = 1; r < n; ++r) {  // replicate: device 0 sends its parameters and buffers

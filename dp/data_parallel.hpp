@@ -33,6 +33,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -41,6 +42,7 @@
 #include "dp/stats_sync.hpp"
 #include "dp/worker_pool.hpp"
 #include "kernels/runtime/event.hpp"
+#include "nn/amp.hpp"
 #include "nn/module.hpp"
 #include "nn/optim.hpp"
 
@@ -69,6 +71,14 @@ struct DataParallelOptions {
   int64_t first_bucket_bytes = 1ll << 20;  // the bucket plan shared with DDP
   int64_t bucket_cap_bytes = 25ll << 20;
   BatchNormStats batch_norm = BatchNormStats::per_device;
+  // Mixed precision (nn/amp.hpp): bf16/fp16 GEMMs and convolutions on every replica, and the
+  // GradScaler's check (and fp16 loss scale) on device 0's reduced gradient, so that one
+  // decision holds for every device. `scaler` overrides GradScaler::options_for(precision).
+  nn::Precision precision = nn::Precision::fp32;
+  std::optional<nn::GradScalerOptions> scaler;
+  // The dtype replica gradients travel in: f32, or bf16 (half the bytes; each source rounds its
+  // bucket once and the receiver adds it into its f32 sum), as PyTorch's bf16 compress hook.
+  kernels::DType comm_dtype = kernels::DType::f32;
 };
 
 // Milliseconds of each phase of one step, from the events each worker records (device time on
@@ -91,6 +101,9 @@ struct StepStats {
   std::vector<int64_t> link_bytes;  // per device used: bytes in + out of it this step
   int buckets = 0;                  // gradient buckets reduced (0 on one device)
   int buckets_overlapped = 0;       // of which the first pull began before the last backward ended
+  float loss_scale = 1;             // the loss scale this step used (nn/amp.hpp)
+  bool skipped = false;             // the gradient was not finite: no optimizer step
+  int64_t skipped_steps = 0;        // skipped so far
 };
 
 class DataParallel {
@@ -141,6 +154,8 @@ class DataParallel {
   void set_rng_offsets(const std::vector<uint64_t>& offsets);
   // Bytes of one flat parameter copy (P * 4).
   int64_t parameter_bytes() { return replicas_[0]->flat_params().nbytes(); }
+  // The loss scaler device 0 steps with: its state goes into checkpoints.
+  nn::GradScaler& scaler() { return scaler_; }
 
  private:
   // The points each worker marks in a step, in order.
@@ -164,7 +179,8 @@ class DataParallel {
     Tensor output, loss, dlogits;
     float loss_value = 0;
     int64_t correct = 0;
-    Tensor staging;  // receivers: one source's gradient, bucket k at its own offset
+    Tensor staging;  // receivers: one source's gradient (comm dtype), bucket k at its offset
+    Tensor outbox;   // sources with a 16-bit comm dtype: their gradient, rounded, bucket by bucket
     // Touched by this device's worker only, during a step:
     std::vector<int> own_count;  // per bucket: parameters whose gradient is final
     int own_ready = 0;           // leading buckets whose own gradient is final
@@ -205,6 +221,10 @@ class DataParallel {
   template <class Pred>
   void wait_for(Pred pred);
   void average_buffers_on_root(const std::vector<int64_t>& sizes);
+  // Allocates device i's staging (receivers) and outbox (sources, 16-bit comm) once.
+  void prepare_reduction(int i);
+  // Bytes of one gradient as it travels between devices.
+  int64_t comm_grad_bytes() const;
   int devices_for(int64_t batch);
   // Checks a host batch, fills stats.samples/devices_used and returns the chunk sizes.
   std::vector<int64_t> split_batch(const char* what, const Tensor& images, const Tensor& labels,
@@ -233,6 +253,9 @@ class DataParallel {
   std::unique_ptr<kernels::DeviceContext> wide_context_;
   std::unique_ptr<ThreadStatsSync> stats_sync_;  // BatchNormStats::synced
   Tensor staging_buffers_;                       // on device 0: one replica's buffers
+  nn::GradScaler scaler_;
+  float step_scale_ = 1.f;  // the loss scale of the step in progress (read by every worker)
+  bool step_taken_ = true;  // device 0's decision of the step in progress
   Trace* trace_ = nullptr;
   int64_t step_index_ = 0;
   bool warned_small_batch_ = false;

@@ -47,9 +47,9 @@ class Conv2d : public Module {
     const int64_t ow = kernels::conv_out_size(x.dim(3), k_, p_.stride_w, p_.pad_w);
     DP_CHECK(oh > 0 && ow > 0, describe() << ": input " << kernels::shape_str(x.shape())
                                           << " is smaller than the kernel");
-    x_ = x;
+    x_ = to_compute(x);  // 16-bit under mixed precision
     Tensor y = Tensor::empty({x.dim(0), out_, oh, ow}, DType::f32, x.device());  // (N, K, P, Q)
-    kernels::conv2d_forward(y, x, weight_->value, p_);
+    kernels::conv2d_forward(y, x_, weight_->compute, p_);
     if (bias_) kernels::add_bias(y, bias_->value);
     return y;
   }
@@ -57,8 +57,10 @@ class Conv2d : public Module {
   Tensor backward_impl(const Tensor& dy) override {
     DP_CHECK(x_.defined(), "Conv2d::backward called before forward");
     Tensor dx = Tensor::empty(x_.shape(), DType::f32, dy.device());  // (N, C, H, W)
-    kernels::conv2d_backward_data(dx, dy, weight_->value, p_, kernels::Accumulate::no);
-    kernels::conv2d_backward_filter(weight_->grad, dy, x_, p_, kernels::Accumulate::yes);
+    Tensor dyc = to_compute(dy);
+    kernels::conv2d_backward_data(dx, dyc, weight_->compute, p_, kernels::Accumulate::no);
+    kernels::conv2d_backward_filter(weight_->grad, dyc, x_, p_, kernels::Accumulate::yes);
+    // The bias gradient is a reduction: f32.
     if (bias_) kernels::bias_backward(bias_->grad, dy, kernels::Accumulate::yes);
     return dx;
   }
@@ -80,7 +82,7 @@ class Conv2d : public Module {
   kernels::Conv2dParams p_;
   Parameter* weight_ = nullptr;
   Parameter* bias_ = nullptr;
-  Tensor x_;  // cached input (N, C, H, W)
+  Tensor x_;  // cached input (N, C, H, W), in the compute dtype
 };
 
 }  // namespace nn

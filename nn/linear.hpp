@@ -38,11 +38,12 @@ class Linear : public Module {
                        << kernels::shape_str(weight_->shape));
     x_shape_ = x.shape();
     const int64_t rows = x.numel() / in_;
-    x2_ = x.reshape({rows, in_});                                    // (M, in)
+    // Under mixed precision the product takes 16-bit x and W (f32 accumulation, f32 y).
+    x2_ = to_compute(x.reshape({rows, in_}));                        // (M, in)
     Tensor y = Tensor::empty({rows, out_}, DType::f32, x.device());  // (M, out)
     // (M, in) x (out, in)^T + b -> (M, out)
-    kernels::gemm(y, x2_, kernels::Transpose::no, weight_->value, kernels::Transpose::yes, 1.f, 0.f,
-                  bias_ ? bias_->value : Tensor());
+    kernels::gemm(y, x2_, kernels::Transpose::no, weight_->compute, kernels::Transpose::yes, 1.f,
+                  0.f, bias_ ? bias_->value : Tensor());
     Shape y_shape = x_shape_;
     y_shape.back() = out_;
     return y.reshape(y_shape);
@@ -55,12 +56,14 @@ class Linear : public Module {
                                                   << kernels::shape_str(dy.shape())
                                                   << " does not match the forward output");
     Tensor dy2 = dy.reshape({rows, out_});                            // (M, out)
+    Tensor dy2c = to_compute(dy2);                                    // 16-bit under AMP
     Tensor dx = Tensor::empty({rows, in_}, DType::f32, dy.device());  // (M, in)
     // (M, out) x (out, in) -> (M, in)
-    kernels::gemm(dx, dy2, kernels::Transpose::no, weight_->value, kernels::Transpose::no);
-    // dW += (M, out)^T x (M, in) -> (out, in)
-    kernels::gemm(weight_->grad, dy2, kernels::Transpose::yes, x2_, kernels::Transpose::no, 1.f,
+    kernels::gemm(dx, dy2c, kernels::Transpose::no, weight_->compute, kernels::Transpose::no);
+    // dW += (M, out)^T x (M, in) -> (out, in), accumulated into the f32 gradient
+    kernels::gemm(weight_->grad, dy2c, kernels::Transpose::yes, x2_, kernels::Transpose::no, 1.f,
                   1.f);
+    // The bias gradient is a reduction: f32.
     if (bias_) kernels::bias_backward(bias_->grad, dy2, kernels::Accumulate::yes);
     return dx.reshape(x_shape_);
   }
@@ -75,7 +78,7 @@ class Linear : public Module {
   Parameter* weight_ = nullptr;
   Parameter* bias_ = nullptr;
   Shape x_shape_;
-  Tensor x2_;  // cached input as (M, in)
+  Tensor x2_;  // cached input as (M, in), in the compute dtype
 };
 
 }  // namespace nn

@@ -106,6 +106,9 @@ struct Parameter {
   int64_t offset = 0;  // first element in the flat buffers (a multiple of kFlatAlignElems)
   Tensor value;        // view into the flat parameter buffer
   Tensor grad;         // view into the flat gradient buffer
+  // The value GEMMs and convolutions read: `value` itself, or under mixed precision its view in
+  // the 16-bit copy of the flat buffer (Module::set_compute_dtype, nn/amp.hpp).
+  Tensor compute;
   int64_t numel() const { return kernels::shape_numel(shape); }
 };
 
@@ -131,6 +134,11 @@ struct FlatState {
   // Stream of random numbers for stochastic layers (dropout): (rng_key, rng_offset).
   uint64_t rng_key = 0;
   uint64_t rng_offset = 0;
+  // Mixed precision: the dtype GEMM and convolution inputs take (f32: off), and the 16-bit copy
+  // of `params` they read, remade by one cast at the start of each outermost forward.
+  DType compute_dtype = DType::f32;
+  Tensor compute_params;  // (P) compute_dtype; undefined when compute_dtype is f32
+  int forward_depth = 0;  // forwards in progress: 0 outside, 1 in the outermost
 };
 
 enum class Mode { train, eval };
@@ -146,6 +154,16 @@ class Module {
   Tensor forward(const Tensor& x) {
     DP_CHECK(flat_ != nullptr, type_name() << "::forward: no storage; call materialize() first");
     kernels::NvtxRange r(type_name());
+    // The outermost forward refreshes the 16-bit weights: whatever changed the f32 masters
+    // since (an optimizer step, a DP replicate, a loaded checkpoint) is seen, once per step.
+    struct Depth {
+      FlatState& f;
+      ~Depth() { --f.forward_depth; }
+    } depth{*flat_};
+    if (flat_->forward_depth++ == 0 && flat_->compute_params.defined()) {
+      kernels::NvtxRange cast("amp/cast_weights");
+      kernels::copy(flat_->compute_params, flat_->params);
+    }
     return forward_impl(x);
   }
   // requires forward() ran on this input. ensures the input gradient is returned and the
@@ -239,9 +257,32 @@ class Module {
     std::shared_ptr<Module> copy = clone_structure();
     copy->allocate(device, flat_->seed);
     copy->set_mode(mode_);
+    copy->set_compute_dtype(flat_->compute_dtype);
     copy_tensor_across(copy->flat_->params, flat_->params);
     copy_tensor_across(copy->flat_->buffers, flat_->buffers);
     return copy;
+  }
+
+  // Mixed precision (nn/amp.hpp): GEMMs and convolutions of the whole tree take `dtype` (f16 or
+  // bf16) inputs from here on, reading a 16-bit copy of the flat parameters; f32 turns it off.
+  // requires materialised. Replicas made by clone_to() inherit it.
+  void set_compute_dtype(DType dtype) {
+    DP_CHECK(dtype == DType::f32 || dtype == DType::f16 || dtype == DType::bf16,
+             "set_compute_dtype(" << dtype << "): choose f32, f16 or bf16");
+    FlatState& f = flat();
+    f.compute_dtype = dtype;
+    f.compute_params =
+        dtype == DType::f32 ? Tensor() : Tensor::zeros({f.params.numel()}, dtype, f.device);
+    visit("", [&](const std::string&, Module& m) {
+      for (auto& p : m.params_)
+        p.compute = dtype == DType::f32 ? p.value : f.compute_params.view(p.offset, p.shape);
+    });
+  }
+  DType compute_dtype() { return flat().compute_dtype; }
+  // x in the compute dtype: x itself under f32 (or when it already is), else a 16-bit copy.
+  Tensor to_compute(const Tensor& x) {
+    DType d = flat().compute_dtype;
+    return x.dtype() == d ? x : kernels::cast(x, d);
   }
 
   FlatState& flat() {
@@ -278,7 +319,8 @@ class Module {
 
   Parameter& register_parameter(std::string name, Shape shape, InitSpec init) {
     DP_CHECK(!materialized(), "register_parameter(" << name << ") after materialize()");
-    params_.push_back(Parameter{std::move(name), std::move(shape), init, 0, Tensor(), Tensor()});
+    params_.push_back(
+        Parameter{std::move(name), std::move(shape), init, 0, Tensor(), Tensor(), Tensor()});
     return params_.back();
   }
   Buffer& register_buffer(std::string name, Shape shape, float init_value) {
@@ -331,6 +373,7 @@ class Module {
       for (auto& p : m.params_) {
         p.value = state->params.view(p.offset, p.shape);
         p.grad = state->grads.view(p.offset, p.shape);
+        p.compute = p.value;
       }
       for (auto& b : m.buffers_) b.value = state->buffers.view(b.offset, b.shape);
       m.on_bind();

@@ -36,6 +36,13 @@ class Optimizer {
   void zero_grad() { module_.zero_grad(); }
   float lr() const { return lr_; }
   void set_lr(float lr) { lr_ = lr; }
+  // The factor every gradient is multiplied by inside the fused step: 1 / loss scale under
+  // mixed precision (nn/amp.hpp), 1 otherwise.
+  float grad_unscale() const { return grad_unscale_; }
+  void set_grad_unscale(float f) {
+    DP_CHECK(f > 0.f && std::isfinite(f), "set_grad_unscale(" << f << "): must be finite and > 0");
+    grad_unscale_ = f;
+  }
   // Steps taken so far (the next step is number step_count() + 1).
   int64_t step_count() const { return step_; }
   // For resuming from a checkpoint.
@@ -89,6 +96,7 @@ class Optimizer {
 
   Module& module_;
   float lr_;
+  float grad_unscale_ = 1.f;
   int64_t step_ = 0;
   int64_t begin_ = 0, end_ = -1;  // end < 0: every parameter
 };
@@ -109,6 +117,7 @@ class SGD : public Optimizer {
 
   void step() override {
     config_.lr = lr_;
+    config_.grad_unscale = grad_unscale_;
     Tensor p = params_to_update(), g = grads_to_update();
     ++step_;
     if (p.numel() > 0) kernels::sgd_update(p, g, momentum_, config_, step_);
@@ -143,6 +152,7 @@ class AdamW : public Optimizer {
 
   void step() override {
     config_.lr = lr_;
+    config_.grad_unscale = grad_unscale_;
     Tensor p = params_to_update(), g = grads_to_update();
     ++step_;
     if (p.numel() > 0) kernels::adamw_update(p, g, m_, v_, config_, step_);

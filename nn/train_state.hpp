@@ -17,14 +17,18 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "nn/amp.hpp"
 #include "nn/file_io.hpp"
 #include "nn/module.hpp"
 #include "nn/optim.hpp"
@@ -42,6 +46,8 @@ struct TrainingProgress {
   // Each device's (DP) or rank's (DDP) dropout stream offset, index = device or rank.
   std::vector<uint64_t> rng_offsets;
   std::map<std::string, std::string> config;  // what must match on resume (model, batch, ...)
+  // Mixed precision: the loss scaler's state (saved when set; absent in older files).
+  std::optional<GradScalerState> scaler;
 };
 
 namespace detail {
@@ -113,6 +119,13 @@ inline void save_training_state(const std::string& path, Module& m, Optimizer& o
                          {"lr", std::to_string(opt.lr())},
                          {"parameters", std::to_string(m.flat_params().numel())}};
   for (const auto& [k, v] : progress.config) meta["config." + k] = v;
+  if (progress.scaler) {
+    char scale[32];
+    std::snprintf(scale, sizeof scale, "%a", static_cast<double>(progress.scaler->scale));  // exact
+    meta["scaler.scale"] = scale;
+    meta["scaler.growth_tracker"] = std::to_string(progress.scaler->growth_tracker);
+    meta["scaler.skipped_steps"] = std::to_string(progress.scaler->skipped_steps);
+  }
   header["__metadata__"] = meta;
   std::string text = header.dump();
   while ((8 + text.size()) % 8 != 0) text += ' ';  // the data starts 8-byte aligned
@@ -177,6 +190,19 @@ inline TrainingProgress load_training_state(const std::string& path, Module& m, 
                    << (it != file.metadata.end() ? it->second : std::string("(none)"))
                    << ", this run has " << v);
     got.config[k] = v;
+  }
+  if (file.metadata.count("scaler.scale")) {
+    GradScalerState st;
+    const std::string scale = text("scaler.scale");
+    char* end = nullptr;
+    const double v = std::strtod(scale.c_str(), &end);
+    DP_CHECK(!scale.empty() && end && *end == '\0' && v > 0 && v <= 3.4e38,
+             where << ": metadata 'scaler.scale' = '" << io::printable(scale)
+                   << "' is not a positive float");
+    st.scale = static_cast<float>(v);
+    st.growth_tracker = number("scaler.growth_tracker");
+    st.skipped_steps = number("scaler.skipped_steps");
+    got.scaler = st;
   }
 
   auto load_into = [&](const std::string& name, Tensor& dst) {

@@ -46,6 +46,9 @@ DistributedDataParallel::DistributedDataParallel(nn::ModulePtr module, ProcessGr
            "DistributedDataParallel: the module must be materialised on this rank's device "
            "(call materialize first)");
   share_ = 1.f / static_cast<float>(group_.size());
+  DP_CHECK(
+      options_.comm_dtype == kernels::DType::f32 || options_.comm_dtype == kernels::DType::bf16,
+      "DDP: buckets are all-reduced in f32 or bf16, not " << options_.comm_dtype);
   verify_same_model();
   {
     kernels::NvtxRange range("ddp/broadcast_params");
@@ -61,6 +64,9 @@ DistributedDataParallel::DistributedDataParallel(nn::ModulePtr module, ProcessGr
     bucket_index_.emplace(params[i].second, plan.bucket_of[i]);
   ready_count_.assign(buckets_.size(), 0);
   pending_.resize(buckets_.size());
+  if (options_.comm_dtype != kernels::DType::f32)
+    for (const Bucket& b : buckets_)
+      comm_buffers_.push_back(Tensor::empty({b.numel}, options_.comm_dtype, module_->device()));
   module_->flat().on_grad_ready = [this](const nn::Parameter& p) { on_grad_ready(p); };
 }
 
@@ -164,7 +170,13 @@ void DistributedDataParallel::launch_ready_buckets() {
     Tensor slice = module_->flat_grads().view(b.offset, {b.numel});
     kernels::NvtxRange range("ddp/allreduce[bucket " + std::to_string(k) + "]");
     kernels::scale(slice, slice, share_);
-    pending_[k] = group_.all_reduce(slice, ReduceOp::sum);
+    if (comm_buffers_.empty()) {
+      pending_[k] = group_.all_reduce(slice, ReduceOp::sum);
+    } else {
+      kernels::copy(comm_buffers_[k], slice);  // rounded to the comm dtype once
+      pending_[k] = group_.all_reduce(comm_buffers_[k], ReduceOp::sum);
+    }
+    stats_.comm_bytes += b.numel * static_cast<int64_t>(kernels::dtype_size(options_.comm_dtype));
     // The last bucket (the first layers) lands with backward's final layer: nothing is left
     // to hide it behind. Every other bucket launched from backward overlaps what remains.
     if (in_backward_ && k + 1 < static_cast<int>(buckets_.size()))
@@ -184,9 +196,14 @@ void DistributedDataParallel::finish_gradient_sync() {
   {
     kernels::NvtxRange range("ddp/allreduce_wait");
     TraceScope slice(trace_, "ddp/allreduce_wait", group_.rank());
-    for (auto& w : pending_) {
-      if (w) w->wait();
-      w.reset();
+    for (size_t k = 0; k < pending_.size(); ++k) {
+      if (!pending_[k]) continue;
+      pending_[k]->wait();
+      pending_[k].reset();
+      if (!comm_buffers_.empty()) {  // the 16-bit sum, widened back into the f32 gradient
+        Tensor slice = module_->flat_grads().view(buckets_[k].offset, {buckets_[k].numel});
+        kernels::copy(slice, comm_buffers_[k]);
+      }
     }
   }
   if (options_.buffer_sync == BufferSync::average && module_->flat_buffers().numel() > 0)

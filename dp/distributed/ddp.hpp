@@ -39,6 +39,10 @@ struct DdpOptions {
   int64_t bucket_cap_bytes = 25ll << 20;   // PyTorch's bucket_cap_mb = 25
   int64_t first_bucket_bytes = 1ll << 20;  // a small first bucket starts communication early
   BufferSync buffer_sync = BufferSync::broadcast;
+  // The dtype buckets are all-reduced in: f32, or bf16 as PyTorch's bf16_compress_hook (each
+  // rank rounds its scaled bucket once, the sum runs in the backend, the result is widened back
+  // into the f32 gradient): half the bytes on the wire.
+  kernels::DType comm_dtype = kernels::DType::f32;
 };
 
 // A slice [offset, offset + numel) of the flat gradient buffer (dp/bucket_plan.hpp).
@@ -49,6 +53,7 @@ struct DdpStats {
   int buckets = 0;
   int launched_before_backward_end = 0;  // all-reduces started while layers were left to run
   double allreduce_wait_ms = 0;          // time finish() waited: communication not hidden
+  int64_t comm_bytes = 0;                // bytes of the buckets all-reduced (in the comm dtype)
 };
 
 class DistributedDataParallel {
@@ -107,6 +112,7 @@ class DistributedDataParallel {
   std::unordered_map<const nn::Parameter*, int> bucket_index_;  // -1: no elements
   std::vector<int> ready_count_;
   std::vector<std::shared_ptr<Work>> pending_;
+  std::vector<Tensor> comm_buffers_;  // per bucket, 16-bit comm dtype only
   int next_to_launch_ = 0;
   bool sync_enabled_ = true;
   bool in_backward_ = false;

@@ -72,7 +72,18 @@ void DdpTrainer::set_sync_batch_norm(bool on) {
   sync_bn_ = on;
 }
 
+void DdpTrainer::set_precision(nn::Precision p, std::optional<nn::GradScalerOptions> scaler) {
+  DP_CHECK(!ddp_, "DdpTrainer::set_precision after wrap()");
+  precision_ = p;
+  scaler_ = nn::GradScaler(scaler ? *scaler : nn::GradScaler::options_for(p));
+}
+
 void DdpTrainer::wrap(nn::ModulePtr model, nn::Optimizer& optimizer) {
+  DP_CHECK(zero_stage_ == 0 || nn::compute_dtype(precision_) == kernels::DType::f32,
+           "--zero 1 with --dtype " << nn::precision_name(precision_)
+                                    << ": mixed precision with ZeRO-1 is not supported yet (each "
+                                       "rank would check only its shard of the gradient)");
+  model->set_compute_dtype(nn::compute_dtype(precision_));
   if (sync_bn_) nn::set_batch_norm_sync(*model, std::make_shared<GroupStatsSync>(*group_, device_));
   ddp_ = std::make_unique<DistributedDataParallel>(std::move(model), *group_, ddp_options_);
   optimizer_ = &optimizer;
@@ -120,6 +131,8 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   kernels::Tensor& loss = kernels::ensure(loss_, {1}, kernels::DType::f32, device_);
   kernels::Tensor& dlogits = kernels::ensure(dlogits_, out.shape(), kernels::DType::f32, device_);
   kernels::softmax_cross_entropy(loss, dlogits, out, y);
+  last_scale_ = scaler_.scale();
+  scaler_.scale_loss_grad(dlogits);  // fp16: the loss gradient carries the scale
   context_->synchronize();
   times_.forward = ms_since(t0);
 
@@ -153,7 +166,8 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   {
     kernels::NvtxRange range("ddp/step");
     TraceScope slice(ddp_->trace(), "ddp/step", rank());
-    optimizer_->step();
+    // The all-reduced gradient is the same on every rank: so is the decision.
+    last_skipped_ = !scaler_.step(*optimizer_, m.flat_grads());
     context_->synchronize();
   }
   times_.optimizer = ms_since(t0);

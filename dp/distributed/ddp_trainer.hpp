@@ -20,6 +20,7 @@
 #include "dp/distributed/launcher.hpp"
 #include "dp/distributed/process_group.hpp"
 #include "dp/distributed/zero.hpp"
+#include "nn/amp.hpp"
 #include "nn/optim.hpp"
 
 namespace dp::dist {
@@ -73,6 +74,11 @@ class DdpTrainer {
   // rows (dp/distributed/sync_batch_norm.hpp). Off by default (each rank its own rows, as
   // PyTorch's BatchNorm under DDP). Call before wrap().
   void set_sync_batch_norm(bool on);
+  // Mixed precision (nn/amp.hpp): the model's GEMMs and convolutions run in bf16/fp16, and the
+  // GradScaler checks the all-reduced gradient, the same bytes on every rank, so every rank
+  // takes or skips the same step. `scaler` overrides GradScaler::options_for(p). Not with ZeRO
+  // (each rank would check only its shard). Call before wrap().
+  void set_precision(nn::Precision p, std::optional<nn::GradScalerOptions> scaler = {});
   // requires model materialised on device(); optimizer built on it.
   void wrap(nn::ModulePtr model, nn::Optimizer& optimizer);
   // One step on this rank's chunk of the global host batch. Returns the global mean loss.
@@ -84,6 +90,10 @@ class DdpTrainer {
   // Every rank's `value`, in rank order (a collective: every rank calls it).
   std::vector<uint64_t> all_gather(uint64_t value);
   const DdpStepTimes& last_times() const { return times_; }
+  nn::GradScaler& scaler() { return scaler_; }
+  // The loss scale the last step used, and whether it skipped its optimizer step.
+  float last_loss_scale() const { return last_scale_; }
+  bool last_skipped() const { return last_skipped_; }
 
  private:
   // The global batch's mean loss from this rank's chunk loss and share (a collective).
@@ -101,6 +111,10 @@ class DdpTrainer {
   nn::Optimizer* optimizer_ = nullptr;
   int zero_stage_ = 0;
   bool sync_bn_ = false;
+  nn::Precision precision_ = nn::Precision::fp32;
+  nn::GradScaler scaler_{nn::Precision::fp32};
+  float last_scale_ = 1.f;
+  bool last_skipped_ = false;
   std::unique_ptr<ZeroStage1> zero_;
   kernels::Tensor input_, labels_, loss_, dlogits_;  // this rank's step buffers, reused
   DdpStepTimes times_;

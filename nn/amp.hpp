@@ -1,0 +1,161 @@
+// Mixed precision, as PyTorch's autocast and GradScaler do it.
+//
+// The policy (Module::set_compute_dtype): master weights stay f32 in the flat parameter
+// buffer; once per step (the first forward after any change) ONE cast kernel makes a 16-bit
+// copy of the whole buffer, and Linear and Conv2d multiply 16-bit inputs with those 16-bit
+// weights, accumulating in f32. Activations between layers stay f32: softmax/cross-entropy,
+// normalisation, reductions and the optimizer see f32 as before, and each GEMM or convolution
+// casts its input once (the cast input is what backward keeps, at half the bytes).
+//
+// Loss scaling (GradScaler): fp16 has 5 exponent bits, so small gradients flush to zero. The
+// loss gradient is multiplied by a scale S (2^16 at first); the gradient buffer then holds
+// S * grad, which the fused optimizer unscales (grad_unscale = 1 / S). A step whose gradient
+// holds an inf or NaN is skipped and S halves; after 2000 good steps in a row S doubles.
+// bf16 has f32's exponent range and needs no scale (S stays 1), but takes the same check.
+//
+//   nn::GradScaler scaler(nn::Precision::fp16);
+//   net->set_compute_dtype(nn::compute_dtype(nn::Precision::fp16));
+//   for each batch: zero_grad; logits = net->forward(x); softmax_cross_entropy(loss, dlogits..);
+//                   scaler.scale_loss_grad(dlogits); net->backward(dlogits);
+//                   scaler.step(opt, net->flat_grads());   // checks, unscales, steps or skips
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "nn/module.hpp"
+#include "nn/optim.hpp"
+
+namespace nn {
+
+// What a run computes in: f32; f32 with TF32 tensor-core GEMMs (GPU); or the autocast policy
+// above with bf16 or fp16.
+enum class Precision { fp32, tf32, bf16, fp16 };
+
+inline const char* precision_name(Precision p) {
+  switch (p) {
+    case Precision::fp32:
+      return "fp32";
+    case Precision::tf32:
+      return "tf32";
+    case Precision::bf16:
+      return "bf16";
+    case Precision::fp16:
+      return "fp16";
+  }
+  return "?";
+}
+
+// Parses "fp32", "tf32", "bf16" or "fp16"; throws naming the flag and the choices otherwise.
+inline Precision parse_precision(const std::string& s, const std::string& flag = "--dtype") {
+  for (Precision p : {Precision::fp32, Precision::tf32, Precision::bf16, Precision::fp16})
+    if (s == precision_name(p)) return p;
+  DP_THROW(flag << " " << s << ": choose fp32, tf32, bf16 or fp16");
+}
+
+// The dtype GEMMs and convolutions take their inputs in.
+inline DType compute_dtype(Precision p) {
+  return p == Precision::bf16 ? DType::bf16 : p == Precision::fp16 ? DType::f16 : DType::f32;
+}
+
+// The math mode of f32 products: TF32 for tf32, strict otherwise.
+inline kernels::MathMode math_mode(Precision p) {
+  return p == Precision::tf32 ? kernels::MathMode::tf32 : kernels::MathMode::strict;
+}
+
+// The state of a GradScaler, for checkpoints and reports.
+struct GradScalerState {
+  float scale = 1.f;           // the loss scale of the next step
+  int64_t growth_tracker = 0;  // good steps since the scale last changed
+  int64_t skipped_steps = 0;   // steps skipped for a non-finite gradient, in all
+};
+
+struct GradScalerOptions {
+  bool check = true;            // check gradients and skip non-finite steps
+  bool scaling = true;          // scale the loss (fp16); false: the scale stays 1
+  float init_scale = 65536.f;   // 2^16
+  float growth_factor = 2.f;    // after growth_interval good steps in a row
+  float backoff_factor = 0.5f;  // after a non-finite gradient
+  int64_t growth_interval = 2000;
+};
+
+class GradScaler {
+ public:
+  // fp16: scaling and checks; bf16: checks only (scale 1); fp32/tf32: off (every step taken,
+  // no check: PyTorch's default without a scaler).
+  static GradScalerOptions options_for(Precision p) {
+    GradScalerOptions o;
+    o.check = p == Precision::bf16 || p == Precision::fp16;
+    o.scaling = p == Precision::fp16;
+    return o;
+  }
+  explicit GradScaler(Precision p) : GradScaler(options_for(p)) {}
+  explicit GradScaler(GradScalerOptions o) : options_(o) {
+    DP_CHECK(o.init_scale > 0.f && o.growth_factor >= 1.f && o.backoff_factor > 0.f &&
+                 o.backoff_factor < 1.f && o.growth_interval > 0,
+             "GradScaler: init_scale " << o.init_scale << ", growth_factor " << o.growth_factor
+                                       << ", backoff_factor " << o.backoff_factor
+                                       << ", growth_interval " << o.growth_interval
+                                       << " (need > 0, >= 1, in (0, 1), > 0)");
+    state_.scale = o.scaling ? o.init_scale : 1.f;
+  }
+
+  bool enabled() const { return options_.check; }
+  bool scaling() const { return options_.scaling; }
+  float scale() const { return state_.scale; }
+  int64_t skipped_steps() const { return state_.skipped_steps; }
+  const GradScalerState& state() const { return state_; }
+  // For resuming. requires scale > 0.
+  void set_state(const GradScalerState& s) {
+    DP_CHECK(
+        s.scale > 0.f && std::isfinite(s.scale) && s.growth_tracker >= 0 && s.skipped_steps >= 0,
+        "GradScaler: invalid state (scale " << s.scale << ", growth_tracker " << s.growth_tracker
+                                            << ", skipped " << s.skipped_steps << ")");
+    state_ = s;
+    if (!options_.scaling) state_.scale = 1.f;
+  }
+
+  // dlogits *= scale (nothing when the scale is 1).
+  void scale_loss_grad(Tensor& dlogits) const {
+    if (state_.scale != 1.f) kernels::scale(dlogits, dlogits, state_.scale);
+  }
+
+  // requires `grads` the step's final gradient (DP: device 0's reduced one; DDP: this rank's
+  // after the all-reduce, the same bytes on every rank), scaled by scale(). Checks it, then
+  // either steps `opt` with the gradients unscaled inside its fused kernel, or skips the step;
+  // then updates the scale. Returns whether the step was taken. Waits for the check.
+  bool step(Optimizer& opt, const Tensor& grads) {
+    bool finite = !options_.check || kernels::all_finite(grads);
+    if (finite) {
+      opt.set_grad_unscale(1.f / state_.scale);
+      opt.step();
+    }
+    update(finite);
+    return finite;
+  }
+
+  // The scale's rule alone: a non-finite step backs off and resets the count; 2000 good steps
+  // in a row grow the scale.
+  void update(bool finite) {
+    if (!options_.check) return;
+    if (!finite) {
+      ++state_.skipped_steps;
+      state_.growth_tracker = 0;
+      if (options_.scaling) state_.scale *= options_.backoff_factor;
+      return;
+    }
+    if (!options_.scaling) return;
+    if (++state_.growth_tracker == options_.growth_interval) {
+      const float grown = state_.scale * options_.growth_factor;
+      if (std::isfinite(grown)) state_.scale = grown;
+      state_.growth_tracker = 0;
+    }
+  }
+
+ private:
+  GradScalerOptions options_;
+  GradScalerState state_;
+};
+
+}  // namespace nn
