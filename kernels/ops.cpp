@@ -168,7 +168,10 @@ void scale(Tensor& y, const Tensor& x, float alpha) {
 }
 
 void axpy(Tensor& y, float alpha, const Tensor& x) {
-  check_unary("axpy", y, x);
+  check_devices("axpy", {{"y", y}, {"x", x}});
+  check_dtype("axpy", {"y", y}, DType::f32);
+  DP_CHECK(is_floating(x.dtype()), "axpy: x must be f32, f16 or bf16, got " << x);
+  check_same_shape("axpy", {"x", x}, {"y", y});
   if (y.numel() == 0) return;
   DP_DISPATCH(y.device(), axpy, y, alpha, x);
 }
@@ -388,10 +391,23 @@ int64_t conv_out_size(int64_t in, int64_t k, int stride, int pad) {
 }
 
 namespace {
-// x (N, C, H, W), w (K, C, R, S), y (N, K, P, Q): f32, one device, sizes consistent with p.
+// The two inputs of a convolution pass f32, f16 or bf16 of one dtype; the output f32 or theirs.
+void check_conv_dtypes(const char* op, const Arg& out, const Arg& in1, const Arg& in2) {
+  DP_CHECK(is_floating(in1.t.dtype()) && in1.t.dtype() == in2.t.dtype(),
+           op << ": " << in1.name << " and " << in2.name
+              << " must be f32, f16 or bf16 of one dtype, got " << in1.name << " " << in1.t.dtype()
+              << " and " << in2.name << " " << in2.t.dtype() << " (" << in1.t << ", " << in2.t
+              << ")");
+  DType in = in1.t.dtype();
+  DP_CHECK(out.t.dtype() == DType::f32 || out.t.dtype() == in,
+           op << ": " << out.name << " must be f32" << (in != DType::f32 ? " or " : "")
+              << (in != DType::f32 ? dtype_name(in) : "") << " for " << in1.name << " and "
+              << in2.name << " of " << in << ", got " << out.t);
+}
+
+// x (N, C, H, W), w (K, C, R, S), y (N, K, P, Q): one device, sizes consistent with p.
 void check_conv(const char* op, const Arg& y, const Arg& x, const Arg& w, const Conv2dParams& p) {
   check_devices(op, {y, x, w});
-  check_f32(op, {y, x, w});
   check_ndim(op, x, 4);
   check_ndim(op, w, 4);
   check_ndim(op, y, 4);
@@ -409,6 +425,7 @@ void check_conv(const char* op, const Arg& y, const Arg& x, const Arg& w, const 
 
 void conv2d_forward(Tensor& y, const Tensor& x, const Tensor& w, const Conv2dParams& p) {
   check_conv("conv2d_forward", {"y", y}, {"x", x}, {"w", w}, p);
+  check_conv_dtypes("conv2d_forward", {"y", y}, {"x", x}, {"w", w});
   if (y.numel() == 0) return;
   if (x.dim(1) == 0) return fill(y, 0.f);  // no input channels: the sum is empty
   DP_DISPATCH(y.device(), conv2d_forward, y, x, w, p);
@@ -417,6 +434,7 @@ void conv2d_forward(Tensor& y, const Tensor& x, const Tensor& w, const Conv2dPar
 void conv2d_backward_data(Tensor& dx, const Tensor& dy, const Tensor& w, const Conv2dParams& p,
                           Accumulate acc) {
   check_conv("conv2d_backward_data", {"dy", dy}, {"dx", dx}, {"w", w}, p);
+  check_conv_dtypes("conv2d_backward_data", {"dx", dx}, {"dy", dy}, {"w", w});
   if (dx.numel() == 0) return;
   if (dy.numel() == 0) {  // no output channels: nothing flows back
     if (acc == Accumulate::no) fill(dx, 0.f);
@@ -428,6 +446,7 @@ void conv2d_backward_data(Tensor& dx, const Tensor& dy, const Tensor& w, const C
 void conv2d_backward_filter(Tensor& dw, const Tensor& dy, const Tensor& x, const Conv2dParams& p,
                             Accumulate acc) {
   check_conv("conv2d_backward_filter", {"dy", dy}, {"x", x}, {"dw", dw}, p);
+  check_conv_dtypes("conv2d_backward_filter", {"dw", dw}, {"dy", dy}, {"x", x});
   if (dw.numel() == 0) return;
   if (dy.numel() == 0) {  // an empty batch contributes nothing
     if (acc == Accumulate::no) fill(dw, 0.f);

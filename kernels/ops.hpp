@@ -43,7 +43,7 @@ void add(Tensor& y, const Tensor& a, const Tensor& b);
 void mul(Tensor& y, const Tensor& a, const Tensor& b);
 // requires x, y same shape (y may alias x). ensures y = alpha * x.
 void scale(Tensor& y, const Tensor& x, float alpha);
-// requires x, y same shape. ensures y += alpha * x.
+// requires x, y same shape; y f32, x f32, f16 or bf16. ensures y += alpha * float(x).
 void axpy(Tensor& y, float alpha, const Tensor& x);
 // requires y (N, C, ...) and bias (C). ensures y[n, c, ...] += bias[c].
 void add_bias(Tensor& y, const Tensor& bias);
@@ -109,6 +109,12 @@ struct Conv2dParams {
 // Output spatial size: (in + 2 pad - k) / stride + 1.
 int64_t conv_out_size(int64_t in, int64_t k, int stride, int pad);
 
+// Dtypes of the three passes: the two tensor inputs (x, w / dy, w / dy, x) are f32, f16 or bf16
+// of one dtype; the output is f32 or the inputs' dtype; accumulation is f32. With 16-bit inputs
+// the f32 result is rounded once to the inputs' dtype before it is stored or (Accumulate::yes)
+// added to the output (a 16-bit output rounds that sum again), as cuDNN's pseudo-16-bit configs
+// do; the CPU widens the inputs, runs its f32 code and rounds, so both backends agree on that.
+//
 // requires x (N, C, H, W), w (K, C, R, S), y (N, K, P, Q) with P, Q from conv_out_size.
 // ensures y = cross-correlation of x with w (no bias; add it with add_bias).
 void conv2d_forward(Tensor& y, const Tensor& x, const Tensor& w, const Conv2dParams& p);

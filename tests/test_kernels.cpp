@@ -81,6 +81,25 @@ TEST_CASE("kernels.elementwise: add, mul, scale, axpy (odd sizes, in place)") {
   }
 }
 
+// alpha = 0.75 has two significant bits, so alpha * float(x) is exact in f32 for a 16-bit x
+// (8 or 11 bits): the sum is one f32 rounding on every backend, fused or not.
+TEST_CASE("kernels.axpy: a bf16 or f16 x adds into an f32 y (odd sizes)") {
+  for (DType t : {DType::bf16, DType::f16})
+    for (int64_t n : {int64_t{1}, int64_t{13}, int64_t{100003}}) {
+      CAPTURE(std::string(dtype_name(t)));
+      CAPTURE(n);
+      Tensor y = random_tensor({n}, 3), x = cast(random_tensor({n}, 4, -8.f, 8.f), t);
+      std::vector<float> before = y.to_host_f32(), widened = x.to_host_f32(), want(n);
+      for (int64_t i = 0; i < n; ++i) want[i] = before[i] + 0.75f * widened[i];
+      axpy(y, 0.75f, x);
+      CHECK(y.to_host_f32() == want);
+    }
+  Tensor y16 = zeros({4}, DType::bf16), x16 = zeros({4}, DType::bf16);
+  CHECK_THROWS_WITH_AS(axpy(y16, 1.f, x16), doctest::Contains("axpy: y must be f32"), Error);
+  Tensor y = zeros({4}), xi = zeros({4}, DType::i32);
+  CHECK_THROWS_WITH_AS(axpy(y, 1.f, xi), doctest::Contains("x must be f32, f16 or bf16"), Error);
+}
+
 TEST_CASE("kernels.bias: add_bias and bias_backward over (N, C) and (N, C, H, W)") {
   for (Shape shape : {Shape{7, 5}, Shape{3, 4, 5, 7}, Shape{2, 3, 1}}) {
     int64_t channels = shape[1], inner = shape_numel(shape) / (shape[0] * channels);

@@ -145,6 +145,116 @@ TEST_CASE("kernels.conv2d: empty batch, bad shapes") {
 
 namespace {
 
+// The f32 values a 16-bit tensor holds: x rounded to `t` and widened back (exact).
+Tensor rounded_f32(const Tensor& x, DType t) {
+  return cast(cast(x, t), DType::f32);
+}
+
+float round_to(DType t, float v) {
+  return t == DType::bf16 ? bf16_to_f32(f32_to_bf16(v)) : f16_to_f32(f32_to_f16(v));
+}
+
+// The contract of a 16-bit pass: out (+)= round_t(result), where `result` is the f32 pass on the
+// (exactly widened) 16-bit inputs; a 16-bit out rounds the f32 sum once more.
+std::vector<float> expected_16bit(const Tensor& result, DType t, const Tensor& prev,
+                                  DType out_dtype, Accumulate acc) {
+  std::vector<float> r = result.to_host_f32(), before = prev.to_host_f32(), want(r.size());
+  for (size_t i = 0; i < r.size(); ++i) {
+    float v = round_to(t, r[i]);
+    if (acc == Accumulate::yes) v = before[i] + v;
+    want[i] = out_dtype == DType::f32 ? v : round_to(t, v);
+  }
+  return want;
+}
+
+// An output of `dtype` holding `values` (rounded when 16-bit).
+Tensor output_like(const Tensor& values, DType dtype) {
+  return dtype == DType::f32 ? values.clone() : cast(values, dtype);
+}
+
+}  // namespace
+
+// Bitwise by construction: the 16-bit path widens its inputs exactly to the values of the
+// pre-rounded f32 inputs used here, runs the same f32 code on the same shapes (whose tiling and
+// image groups depend on the shape only, never on the thread count), and the last steps (one
+// rounding to the 16-bit type, one f32 add, one more rounding for a 16-bit output) are the same
+// IEEE operations in the same order. A double-precision check against the direct loops guards
+// the f32 code itself: one 16-bit rounding, u |v| with u = 2^-8 (bf16) or 2^-11 (f16), plus
+// the f32 slack of the tests above.
+TEST_CASE("kernels.conv2d: f16 and bf16 inputs round the f32 result once (all passes)") {
+  for (const ConvCase& t : kConvCases)
+    for (DType dt : {DType::bf16, DType::f16})
+      for (DType out : {DType::f32, dt}) {
+        CAPTURE(shape_str(t.x_shape()));
+        CAPTURE(shape_str(t.w_shape()));
+        CAPTURE(std::string(dtype_name(dt)));
+        CAPTURE(std::string(dtype_name(out)));
+        Tensor x = random_tensor(t.x_shape(), 140), w = random_tensor(t.w_shape(), 141);
+        Tensor dy = random_tensor(t.y_shape(), 142);
+        Tensor x16 = cast(x, dt), w16 = cast(w, dt), dy16 = cast(dy, dt);
+        Tensor xr = rounded_f32(x, dt), wr = rounded_f32(w, dt), dyr = rounded_f32(dy, dt);
+        ConvReference ref = ref_conv(t, xr, wr, dyr);
+        const double u = dt == DType::bf16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
+
+        Tensor y_f32 = zeros(t.y_shape()), y = Tensor::empty(t.y_shape(), out, Device::cpu());
+        conv2d_forward(y_f32, xr, wr, t.p);
+        conv2d_forward(y, x16, w16, t.p);
+        CHECK(y.to_host_f32() == expected_16bit(y_f32, dt, y_f32, out, Accumulate::no));
+        CHECK(max_error(y, ref.y) <= u + 1e-5);
+
+        Tensor dx_f32 = zeros(t.x_shape());
+        conv2d_backward_data(dx_f32, dyr, wr, t.p, Accumulate::no);
+        Tensor dw_f32 = zeros(t.w_shape());
+        conv2d_backward_filter(dw_f32, dyr, xr, t.p, Accumulate::no);
+        for (Accumulate acc : {Accumulate::no, Accumulate::yes}) {
+          CAPTURE(acc == Accumulate::yes);
+          Tensor dx_prev = output_like(random_tensor(t.x_shape(), 143), out);
+          Tensor dx = dx_prev.clone();
+          conv2d_backward_data(dx, dy16, w16, t.p, acc);
+          CHECK(dx.to_host_f32() == expected_16bit(dx_f32, dt, dx_prev, out, acc));
+          Tensor dw_prev = output_like(random_tensor(t.w_shape(), 144), out);
+          Tensor dw = dw_prev.clone();
+          conv2d_backward_filter(dw, dy16, x16, t.p, acc);
+          CHECK(dw.to_host_f32() == expected_16bit(dw_f32, dt, dw_prev, out, acc));
+          if (acc == Accumulate::no) {
+            CHECK(max_error(dx, ref.dx) <= u + 1e-5);
+            CHECK(max_error(dw, ref.dw) <= u + 1e-5);
+          }
+        }
+      }
+}
+
+TEST_CASE("kernels.conv2d: mixed input dtypes and a wrong output dtype name the dtypes") {
+  ConvCase t = kConvCases[1];
+  Tensor x = zeros(t.x_shape(), DType::bf16), w = zeros(t.w_shape(), DType::f16);
+  Tensor y = zeros(t.y_shape()), dy = zeros(t.y_shape(), DType::bf16);
+  CHECK_THROWS_WITH_AS(
+      conv2d_forward(y, x, w, t.p),
+      doctest::Contains("conv2d_forward: x and w must be f32, f16 or bf16 of one dtype, got x "
+                        "bf16 and w f16"),
+      Error);
+  Tensor dx = zeros(t.x_shape());
+  CHECK_THROWS_WITH_AS(conv2d_backward_data(dx, zeros(t.y_shape()), w, t.p, Accumulate::no),
+                       doctest::Contains("conv2d_backward_data: dy and w must be f32, f16 or bf16 "
+                                         "of one dtype, got dy f32 and w f16"),
+                       Error);
+  Tensor dw = zeros(t.w_shape(), DType::f16);
+  CHECK_THROWS_WITH_AS(
+      conv2d_backward_filter(dw, dy, x, t.p, Accumulate::no),
+      doctest::Contains("conv2d_backward_filter: dw must be f32 or bf16 for dy and x of bf16"),
+      Error);
+  Tensor xi = zeros(t.x_shape(), DType::i32), wi = zeros(t.w_shape(), DType::i32);
+  CHECK_THROWS_WITH_AS(conv2d_forward(y, xi, wi, t.p), doctest::Contains("got x i32 and w i32"),
+                       Error);
+  // f32 inputs take an f32 output only.
+  Tensor y16 = zeros(t.y_shape(), DType::bf16);
+  CHECK_THROWS_WITH_AS(conv2d_forward(y16, zeros(t.x_shape()), zeros(t.w_shape()), t.p),
+                       doctest::Contains("y must be f32 for x and w of f32, got Tensor(bf16"),
+                       Error);
+}
+
+namespace {
+
 // Max or average pooling of one plane layout (N, C, H, W) by direct loops in double. Max pooling
 // takes the first maximum of each window (padding never wins) and routes dy there; average
 // pooling divides by the full window.

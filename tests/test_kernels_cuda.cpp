@@ -122,6 +122,24 @@ TEST_CASE("kernels.cuda.elementwise: add, mul, scale, axpy match CPU (odd sizes,
   }
 }
 
+// alpha = 0.75 (two significant bits) times a 16-bit x is exact in f32, so y + alpha x is one
+// f32 rounding whether or not the GPU fuses it: the same bits as the CPU.
+TEST_CASE("kernels.cuda.axpy: a bf16 or f16 x adds into an f32 y like the CPU, bit for bit") {
+  DP_REQUIRE_GPU();
+  for (DType t : {DType::bf16, DType::f16})
+    for (int64_t n : {int64_t{1}, int64_t{1237}, int64_t{300007}}) {
+      CAPTURE(std::string(dtype_name(t)));
+      CAPTURE(n);
+      check_matches_cpu(
+          [&](Device d) {
+            Tensor y = rnd(d, {n}, 4), x = rnd(d, {n}, 5, -8.f, 8.f, t);
+            axpy(y, 0.75f, x);
+            return Outputs{y};
+          },
+          0.f);
+    }
+}
+
 TEST_CASE("kernels.cuda.bias: add_bias and bias_backward match CPU ((N, C), (N, C, H, W))") {
   DP_REQUIRE_GPU();
   // 1000 rows use several row chunks of the column sums; 3 rows use one.
@@ -253,6 +271,31 @@ TEST_CASE("kernels.cuda.gemm: f16 and bf16 operands, f32 or 16-bit output") {
     CAPTURE(tol16);
     check_matches_cpu(run16, static_cast<float>(tol16));
   }
+}
+
+// c f32 = alpha a b + beta c with 16-bit a, b. The products are exact in f32, so the backends
+// differ only in the order of the k f32 additions (|e| <= k 2^-24 sum |a_i b_i| <= k^2 2^-24 each
+// for |a|, |b| <= 1) and in the f32 roundings of alpha (.) and + beta c (2^-24 of a result of
+// magnitude <= k + 1 each): 2 k^2 2^-24 + 4 (k + 1) 2^-24, about 3e-4 for k = 47.
+TEST_CASE("kernels.cuda.gemm: f16 and bf16 operands into f32 c with beta 0 and 1") {
+  DP_REQUIRE_GPU();
+  const int64_t m = 29, n = 71, k = 47;
+  const double f32u = std::ldexp(1.0, -24);
+  const float tol = static_cast<float>(2.0 * k * k * f32u + 4.0 * (k + 1) * f32u);
+  for (DType t : {DType::f16, DType::bf16})
+    for (float beta : {0.f, 1.f}) {
+      CAPTURE(std::string(dtype_name(t)));
+      CAPTURE(beta);
+      check_matches_cpu(
+          [&](Device d) {
+            Tensor a = rnd(d, {k, m}, 23, -1.f, 1.f, t), b = rnd(d, {n, k}, 24, -1.f, 1.f, t);
+            Tensor c = rnd(d, {m, n}, 25), c_bias = rnd(d, {m, n}, 26);
+            gemm(c, a, Transpose::yes, b, Transpose::yes, 0.5f, beta);
+            gemm(c_bias, a, Transpose::yes, b, Transpose::yes, 1.f, beta, rnd(d, {n}, 27));
+            return Outputs{c, c_bias};
+          },
+          tol);
+    }
 }
 
 TEST_CASE("kernels.cuda.gemm: empty products (k == 0 gives beta c + bias - empty batch)") {
@@ -497,6 +540,110 @@ TEST_CASE("kernels.cuda.conv2d: weight views at any offset - same bits on every 
   CHECK(same_bits(dw1, dw2));
 }
 
+namespace {
+
+// One unit in the last place of a 16-bit dtype at magnitude v >= 0: 2^(e - 7) (bf16) or
+// 2^(e - 10) (f16) for 2^e <= v < 2^(e + 1); f16 subnormals have 2^-24.
+double ulp16(DType t, double v) {
+  int e = v > 0 ? std::ilogb(v) : -126;
+  double ulp = std::ldexp(1.0, e - (t == DType::bf16 ? 7 : 10));
+  return t == DType::f16 ? std::max(ulp, std::ldexp(1.0, -24)) : ulp;
+}
+
+Tensor abs_on_cpu(const Tensor& t) {
+  std::vector<float> v = t.to_host_f32();
+  for (float& x : v) x = std::fabs(x);
+  return Tensor::from_vector(v, t.shape(), kCpu);
+}
+
+// The bound on |GPU - CPU| for one output of a 16-bit convolution pass, per element i.
+// The inputs are 16-bit values, so every product is exact in f32 (8 x 8 or 11 x 11 significant
+// bits); with S_i the sum of the |products| of element i (the same pass on |inputs|) and n its
+// number of terms, each backend's f32 sum is within n 2^-23 S_i of the exact one (one f32 ulp
+// per addition, in any order, also for tensor cores that truncate), so the two f32 results differ
+// by at most b = 2 n 2^-23 S_i. Each is rounded once to 16 bits (half a 16-bit ulp each, at most
+// one ulp of M = |r_cpu| (1 + 2^-7) + b, a bound on both magnitudes):
+//   |r_gpu - r_cpu| <= t_r = ulp16(M) + b.
+// Accumulate::yes adds both to the same prev: an f32 output rounds each sum once more (2^-24 of
+// its magnitude each, 2^-23 m with m = |out_cpu| + t_r), a 16-bit output rounds each to 16 bits
+// again (one more ulp of m (1 + 2^-7)).
+void check_16bit_pass(const char* what, const Tensor& on_gpu, const Tensor& on_cpu,
+                      const Tensor& cpu_result, const Tensor& sums, int64_t terms, DType dt,
+                      DType out, Accumulate acc) {
+  INFO(what, (acc == Accumulate::yes ? " (accumulate)" : ""));
+  CHECK(on_gpu.device() == kGpu);
+  CHECK(on_gpu.dtype() == out);
+  std::vector<float> g = on_gpu.to_host_f32(), c = on_cpu.to_host_f32();
+  std::vector<float> r = cpu_result.to_host_f32(), sum = sums.to_host_f32();
+  REQUIRE(g.size() == c.size());
+  REQUIRE(r.size() == c.size());
+  const double f32_ulp = std::ldexp(1.0, -23), widen = 1.0 + std::ldexp(1.0, -7);
+  int64_t outside = 0;
+  std::string first;
+  for (size_t i = 0; i < g.size(); ++i) {
+    double b = 2.0 * static_cast<double>(terms) * f32_ulp * sum[i];
+    double tol = ulp16(dt, std::fabs(r[i]) * widen + b) + b;
+    if (acc == Accumulate::yes) {
+      double m = std::fabs(c[i]) + tol;
+      tol += out == DType::f32 ? f32_ulp * m : ulp16(dt, m * widen);
+    }
+    if (std::fabs(static_cast<double>(g[i]) - c[i]) <= tol) continue;
+    if (outside++ == 0)
+      first = "element " + std::to_string(i) + ": gpu " + std::to_string(g[i]) + " cpu " +
+              std::to_string(c[i]) + " tol " + std::to_string(tol);
+  }
+  INFO(first);
+  CHECK(outside == 0);
+}
+
+}  // namespace
+
+TEST_CASE("kernels.cuda.conv2d: f16 and bf16 inputs match CPU (f32 or 16-bit output, accumulate)") {
+  DP_REQUIRE_GPU();
+  std::vector<ConvCase> cases = {
+      {{3, 5, 11, 9}, {7, 5, 3, 2}, {1, 1, 0, 0}},     {{2, 3, 13, 12}, {4, 3, 3, 3}, {2, 2, 1, 1}},
+      {{1, 8, 7, 7}, {6, 8, 1, 1}, {1, 1, 0, 0}},      {{4, 2, 9, 10}, {3, 2, 5, 3}, {2, 1, 2, 1}},
+      {{2, 16, 12, 12}, {32, 16, 3, 3}, {1, 1, 1, 1}},  // tensor-core friendly channel counts
+  };
+  for (const ConvCase& c : cases)
+    for (DType dt : {DType::bf16, DType::f16})
+      for (DType out : {DType::f32, dt}) {
+        CAPTURE(shape_str(c.x));
+        CAPTURE(shape_str(c.w));
+        CAPTURE(std::string(dtype_name(dt)));
+        CAPTURE(std::string(dtype_name(out)));
+        Shape ys = conv_out(c);
+        auto run = [&](Device d) {
+          Tensor x = rnd(d, c.x, 81, -1.f, 1.f, dt), w = rnd(d, c.w, 82, -1.f, 1.f, dt);
+          Tensor dy = rnd(d, ys, 83, -1.f, 1.f, dt);
+          Tensor y = Tensor::empty(ys, out, d), dx = Tensor::empty(c.x, out, d);
+          Tensor dw = Tensor::empty(c.w, out, d);
+          conv2d_forward(y, x, w, c.p);
+          conv2d_backward_data(dx, dy, w, c.p, Accumulate::no);
+          conv2d_backward_filter(dw, dy, x, c.p, Accumulate::no);
+          Tensor dx_acc = rnd(d, c.x, 84, -1.f, 1.f, out), dw_acc = rnd(d, c.w, 85, -1.f, 1.f, out);
+          conv2d_backward_data(dx_acc, dy, w, c.p, Accumulate::yes);
+          conv2d_backward_filter(dw_acc, dy, x, c.p, Accumulate::yes);
+          return Outputs{y, dx, dw, dx_acc, dw_acc, x, w, dy};
+        };
+        Outputs gpu = run(kGpu), cpu = run(kCpu);
+        // Sums of |products| per output element: the f32 passes on |inputs| (16-bit values).
+        Tensor ax = abs_on_cpu(cpu[5]), aw = abs_on_cpu(cpu[6]), ady = abs_on_cpu(cpu[7]);
+        Tensor sy = Tensor::zeros(ys, DType::f32, kCpu), sdx = Tensor::zeros(c.x, DType::f32, kCpu);
+        Tensor sdw = Tensor::zeros(c.w, DType::f32, kCpu);
+        conv2d_forward(sy, ax, aw, c.p);
+        conv2d_backward_data(sdx, ady, aw, c.p, Accumulate::no);
+        conv2d_backward_filter(sdw, ady, ax, c.p, Accumulate::no);
+        const int64_t fwd_terms = c.w[1] * c.w[2] * c.w[3], data_terms = c.w[0] * c.w[2] * c.w[3];
+        const int64_t filter_terms = ys[0] * ys[2] * ys[3];
+        check_16bit_pass("y", gpu[0], cpu[0], cpu[0], sy, fwd_terms, dt, out, Accumulate::no);
+        check_16bit_pass("dx", gpu[1], cpu[1], cpu[1], sdx, data_terms, dt, out, Accumulate::no);
+        check_16bit_pass("dw", gpu[2], cpu[2], cpu[2], sdw, filter_terms, dt, out, Accumulate::no);
+        check_16bit_pass("dx", gpu[3], cpu[3], cpu[1], sdx, data_terms, dt, out, Accumulate::yes);
+        check_16bit_pass("dw", gpu[4], cpu[4], cpu[2], sdw, filter_terms, dt, out, Accumulate::yes);
+      }
+}
+
 TEST_CASE("kernels.cuda.pool2d: max and average pooling match CPU (ties, overlap, padding)") {
   DP_REQUIRE_GPU();
   std::vector<std::pair<Shape, Pool2dParams>> cases = {
@@ -642,6 +789,35 @@ TEST_CASE("kernels.cuda.sgd_update and adamw_update: three steps match CPU") {
         Tensor p = rnd(d, {n}, 73), m = zeros(d, {n}), v = zeros(d, {n});
         for (int64_t step = 1; step <= 3; ++step)
           adamw_update(p, rnd(d, {n}, 74 + static_cast<uint32_t>(step)), m, v, c, step);
+        return Outputs{p, m, v};
+      },
+      1e-6f);
+}
+
+TEST_CASE("kernels.cuda.sgd_update and adamw_update: grad_unscale != 1 matches CPU") {
+  DP_REQUIRE_GPU();
+  const int64_t n = 1237;
+  const float unscale = 1.f / 1024.f;  // loss scale 1024: gradients of up to ~1e3
+  SgdConfig sgd{0.05f, 0.9f, 0.1f, 1e-2f, Nesterov::yes};
+  sgd.grad_unscale = unscale;
+  check_matches_cpu(
+      [&](Device d) {
+        Tensor p = rnd(d, {n}, 75), buf = zeros(d, {n});
+        for (int64_t step = 1; step <= 3; ++step)
+          sgd_update(p, rnd(d, {n}, 76 + static_cast<uint32_t>(step), -1024.f, 1024.f), buf, sgd,
+                     step);
+        return Outputs{p, buf};
+      },
+      1e-6f);
+  AdamWConfig adam;
+  adam.lr = 1e-2f;
+  adam.grad_unscale = 0.3f;  // not a power of two: the product rounds the same on both
+  check_matches_cpu(
+      [&](Device d) {
+        Tensor p = rnd(d, {n}, 80), m = zeros(d, {n}), v = zeros(d, {n});
+        for (int64_t step = 1; step <= 3; ++step)
+          adamw_update(p, rnd(d, {n}, 81 + static_cast<uint32_t>(step), -4.f, 4.f), m, v, adam,
+                       step);
         return Outputs{p, m, v};
       },
       1e-6f);
@@ -818,6 +994,22 @@ TEST_CASE("kernels.cuda.plans: GEMM and convolution plans are built once per sha
   }
   CHECK(cuda::conv_plan_counts(other).misses == 3);
   CHECK(cuda::conv_plan_counts(ctx).misses == c1.misses);
+}
+
+TEST_CASE("kernels.cuda.conv2d: plans are keyed on the dtype - f32, bf16, f16 plans apart") {
+  DP_REQUIRE_GPU();
+  DeviceContext ctx(kGpu);
+  ContextScope scope(ctx);
+  ConvCase c{{2, 8, 10, 10}, {8, 8, 3, 3}, {1, 1, 1, 1}};
+  Shape ys = conv_out(c);
+  for (DType dt : {DType::f32, DType::bf16, DType::f16, DType::bf16}) {
+    Tensor x = rnd(kGpu, c.x, 86, -1.f, 1.f, dt), w = rnd(kGpu, c.w, 87, -1.f, 1.f, dt);
+    Tensor y = zeros(kGpu, ys);
+    conv2d_forward(y, x, w, c.p);
+  }
+  cuda::PlanCounts counts = cuda::conv_plan_counts(ctx);
+  CHECK(counts.misses == 3);  // one plan per dtype; the second bf16 call finds its plan
+  CHECK(counts.hits == 1);
 }
 
 TEST_CASE("kernels.cuda.runtime: pool release threshold, peer access, current GPU, stale errors") {

@@ -274,6 +274,44 @@ TEST_CASE("kernels.sgd_update: plain, weight decay, momentum, dampening, nestero
                        doctest::Contains("params [2] vs grads [3]"), Error);
 }
 
+// Multiplying by 0.25 is exact in f32 (a power of two, no subnormals here), so a step on grads
+// with grad_unscale = 0.25 and a step on grads * 0.25 with grad_unscale = 1 see the same g: the
+// same bits, for SGD (weight decay, momentum, nesterov) and AdamW, over three steps.
+TEST_CASE("kernels.sgd_update and adamw_update: grad_unscale multiplies the gradients first") {
+  const int64_t n = 1000;
+  auto grads_at = [&](int64_t step, float scale) {
+    Tensor g = random_tensor({n}, 230 + static_cast<uint32_t>(step), -4.f, 4.f);
+    kernels::scale(g, g, scale);
+    return g;
+  };
+  SgdConfig sgd;
+  sgd.lr = 0.05f;
+  sgd.momentum = 0.9f;
+  sgd.weight_decay = 1e-2f;
+  sgd.nesterov = Nesterov::yes;
+  SgdConfig sgd_unscaled = sgd;
+  sgd_unscaled.grad_unscale = 0.25f;
+  Tensor p1 = random_tensor({n}, 229), p2 = p1.clone(), b1 = zeros({n}), b2 = zeros({n});
+  AdamWConfig adam;
+  adam.lr = 1e-2f;
+  AdamWConfig adam_unscaled = adam;
+  adam_unscaled.grad_unscale = 0.25f;
+  Tensor q1 = random_tensor({n}, 228), q2 = q1.clone();
+  Tensor m1 = zeros({n}), m2 = zeros({n}), v1 = zeros({n}), v2 = zeros({n});
+  for (int64_t step = 1; step <= 3; ++step) {
+    sgd_update(p1, grads_at(step, 1.f), b1, sgd_unscaled, step);
+    sgd_update(p2, grads_at(step, 0.25f), b2, sgd, step);
+    adamw_update(q1, grads_at(step, 1.f), m1, v1, adam_unscaled, step);
+    adamw_update(q2, grads_at(step, 0.25f), m2, v2, adam, step);
+  }
+  CHECK(bitwise_equal(p1, p2));
+  CHECK(bitwise_equal(b1, b2));
+  CHECK(bitwise_equal(q1, q2));
+  CHECK(bitwise_equal(m1, m2));
+  CHECK(bitwise_equal(v1, v2));
+  CHECK_FALSE(bitwise_equal(p1, random_tensor({n}, 229)));  // the steps did move p
+}
+
 TEST_CASE("kernels.adamw_update: two steps against hand-computed values") {
   AdamWConfig c;
   c.lr = 0.01f;

@@ -4,6 +4,9 @@
 //   backward filter dw (K, CRS)  (+)= sum_n dy_n (K, PQ) x col(x_n)^T (PQ, CRS)
 // Images run in parallel, each with its own column buffer. The filter gradient sums fixed
 // groups of images into their own buffers and adds those in group order: deterministic.
+// f16/bf16 inputs are widened to f32 (exact), run through the same f32 code into f32 scratch,
+// and each result is rounded once to the inputs' dtype before it is stored or added (as cuDNN's
+// pseudo-16-bit configurations round their 16-bit output).
 #include <cstring>
 
 #include "kernels/cpu/cpu_ops.hpp"
@@ -78,14 +81,10 @@ void col2im_add(const float* col, const ConvGeometry& g, float* x) {
       }
 }
 
-}  // namespace
-
-void conv2d_forward(Tensor& y, const Tensor& x, const Tensor& w, const Conv2dParams& p) {
-  ConvGeometry g = geometry(x, w, y, p);
-  const float* px = x.data<float>();
-  const float* pw = w.data<float>();
-  float* py = y.data<float>();
-  parallel_range(x.dim(0), 1, [&](int64_t first, int64_t last) {
+// y (N, K, P, Q) = w (K, CRS) x col(x_n) for every image.
+void forward_f32(const ConvGeometry& g, int64_t batch, const float* px, const float* pw,
+                 float* py) {
+  parallel_range(batch, 1, [&](int64_t first, int64_t last) {
     std::vector<float> col(g.is_pointwise() ? 0 : static_cast<size_t>(g.col_rows() * g.col_cols()));
     for (int64_t n = first; n < last; ++n) {
       const float* x_n = px + n * g.image_size();
@@ -98,13 +97,10 @@ void conv2d_forward(Tensor& y, const Tensor& x, const Tensor& w, const Conv2dPar
   });
 }
 
-void conv2d_backward_data(Tensor& dx, const Tensor& dy, const Tensor& w, const Conv2dParams& p,
-                          Accumulate acc) {
-  ConvGeometry g = geometry(dx, w, dy, p);
-  const float* pdy = dy.data<float>();
-  const float* pw = w.data<float>();
-  float* pdx = dx.data<float>();
-  parallel_range(dx.dim(0), 1, [&](int64_t first, int64_t last) {
+// dx (N, C, H, W) (+)= col2im(w^T dy_n) for every image.
+void backward_data_f32(const ConvGeometry& g, int64_t batch, const float* pdy, const float* pw,
+                       float* pdx, Accumulate acc) {
+  parallel_range(batch, 1, [&](int64_t first, int64_t last) {
     std::vector<float> dcol(g.is_pointwise() ? 0
                                              : static_cast<size_t>(g.col_rows() * g.col_cols()));
     for (int64_t n = first; n < last; ++n) {
@@ -122,16 +118,12 @@ void conv2d_backward_data(Tensor& dx, const Tensor& dy, const Tensor& w, const C
   });
 }
 
-void conv2d_backward_filter(Tensor& dw, const Tensor& dy, const Tensor& x, const Conv2dParams& p,
-                            Accumulate acc) {
-  ConvGeometry g = geometry(x, dw, dy, p);
-  int64_t batch = x.dim(0);
+// dw (K, CRS) (+)= sum_n dy_n col(x_n)^T, summed in fixed groups of images.
+void backward_filter_f32(const ConvGeometry& g, int64_t batch, const float* pdy, const float* px,
+                         float* pdw, Accumulate acc) {
   int64_t per_group = (batch + kMaxFilterPartials - 1) / kMaxFilterPartials;
   int64_t groups = (batch + per_group - 1) / per_group;
-  int64_t dw_size = dw.numel();
-  const float* px = x.data<float>();
-  const float* pdy = dy.data<float>();
-  float* pdw = dw.data<float>();
+  int64_t dw_size = g.filters * g.col_rows();
   // One group writes dw directly; several write partials that are added in group order.
   std::vector<float> partials(groups > 1 ? static_cast<size_t>(groups * dw_size) : 0);
   parallel_range(groups, 1, [&](int64_t first, int64_t last) {
@@ -159,6 +151,68 @@ void conv2d_backward_filter(Tensor& dw, const Tensor& dy, const Tensor& x, const
       pdw[i] = total;
     }
   });
+}
+
+// out (+)= result rounded to `inputs` (an f16/bf16 dtype); a 16-bit out rounds the sum again.
+void store_rounded(Tensor& out, const std::vector<float>& result, DType inputs, Accumulate acc) {
+  bool add = acc == Accumulate::yes;
+  if (out.dtype() == DType::f32) {
+    float* po = out.data<float>();
+    parallel_range(out.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        float r = round_to(inputs, result[i]);
+        po[i] = add ? po[i] + r : r;
+      }
+    });
+    return;
+  }
+  std::vector<float> sum(static_cast<size_t>(out.numel()));
+  const float* prev = add ? as_f32(out, sum) : nullptr;  // fills sum with out when adding
+  parallel_range(out.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float r = round_to(inputs, result[i]);
+      sum[i] = add ? prev[i] + r : r;
+    }
+  });
+  store_from_f32(out, sum.data());
+}
+
+}  // namespace
+
+// x (N, C, H, W) * w (K, C, R, S) -> y (N, K, P, Q)
+void conv2d_forward(Tensor& y, const Tensor& x, const Tensor& w, const Conv2dParams& p) {
+  ConvGeometry g = geometry(x, w, y, p);
+  if (x.dtype() == DType::f32)
+    return forward_f32(g, x.dim(0), x.data<float>(), w.data<float>(), y.data<float>());
+  std::vector<float> x_f32, w_f32, y_f32(static_cast<size_t>(y.numel()));
+  forward_f32(g, x.dim(0), as_f32(x, x_f32), as_f32(w, w_f32), y_f32.data());
+  store_rounded(y, y_f32, x.dtype(), Accumulate::no);
+}
+
+// dy (N, K, P, Q), w (K, C, R, S) -> dx (N, C, H, W)
+void conv2d_backward_data(Tensor& dx, const Tensor& dy, const Tensor& w, const Conv2dParams& p,
+                          Accumulate acc) {
+  ConvGeometry g = geometry(dx, w, dy, p);
+  if (dy.dtype() == DType::f32)
+    return backward_data_f32(g, dx.dim(0), dy.data<float>(), w.data<float>(), dx.data<float>(),
+                             acc);
+  std::vector<float> dy_f32, w_f32, dx_f32(static_cast<size_t>(dx.numel()));
+  backward_data_f32(g, dx.dim(0), as_f32(dy, dy_f32), as_f32(w, w_f32), dx_f32.data(),
+                    Accumulate::no);
+  store_rounded(dx, dx_f32, dy.dtype(), acc);
+}
+
+// dy (N, K, P, Q), x (N, C, H, W) -> dw (K, C, R, S)
+void conv2d_backward_filter(Tensor& dw, const Tensor& dy, const Tensor& x, const Conv2dParams& p,
+                            Accumulate acc) {
+  ConvGeometry g = geometry(x, dw, dy, p);
+  if (x.dtype() == DType::f32)
+    return backward_filter_f32(g, x.dim(0), dy.data<float>(), x.data<float>(), dw.data<float>(),
+                               acc);
+  std::vector<float> dy_f32, x_f32, dw_f32(static_cast<size_t>(dw.numel()));
+  backward_filter_f32(g, x.dim(0), as_f32(dy, dy_f32), as_f32(x, x_f32), dw_f32.data(),
+                      Accumulate::no);
+  store_rounded(dw, dw_f32, x.dtype(), acc);
 }
 
 }  // namespace kernels::cpu

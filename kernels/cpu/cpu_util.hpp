@@ -44,6 +44,24 @@ double chunked_sum(int64_t n, int64_t chunk, Partial&& partial) {
   return total;
 }
 
+// The elements of a floating tensor (f32, f16, bf16) as f32: a view of the data when it is f32,
+// else `scratch` filled with the exact widened values.
+const float* as_f32(const Tensor& t, std::vector<float>& scratch);
+// requires t f16 or bf16 with t.numel() values at src. ensures t = src rounded to nearest even.
+void store_from_f32(Tensor& t, const float* src);
+
+// v rounded to the nearest (even) value of a floating dtype, as f32 (v itself for f32).
+inline float round_to(DType t, float v) {
+  switch (t) {
+    case DType::f16:
+      return f16_to_f32(f32_to_f16(v));
+    case DType::bf16:
+      return bf16_to_f32(f32_to_bf16(v));
+    default:
+      return v;
+  }
+}
+
 // Sets OpenBLAS to one thread, once per process: every CPU device parallelises its GEMMs itself
 // inside its own arena, so BLAS threads would oversubscribe the cores.
 void use_single_threaded_blas();

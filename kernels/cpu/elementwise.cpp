@@ -1,4 +1,5 @@
-// Elementwise arithmetic and the bias helpers of linear/conv layers (f32).
+// Elementwise arithmetic and the bias helpers of linear/conv layers (f32; axpy also takes an
+// f16/bf16 x).
 #include <algorithm>
 
 #include "kernels/cpu/cpu_ops.hpp"
@@ -32,11 +33,21 @@ void scale(Tensor& y, const Tensor& x, float alpha) {
   });
 }
 
+// y f32 += alpha * x, x f32 or widened from f16/bf16 (exact) element by element.
 void axpy(Tensor& y, float alpha, const Tensor& x) {
-  const float* px = x.data<float>();
   float* py = y.data<float>();
+  if (x.dtype() == DType::f32) {
+    const float* px = x.data<float>();
+    parallel_range(y.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) py[i] += alpha * px[i];
+    });
+    return;
+  }
+  const uint16_t* px = x.data<uint16_t>();
+  bool is_bf16 = x.dtype() == DType::bf16;
   parallel_range(y.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) py[i] += alpha * px[i];
+    for (int64_t i = begin; i < end; ++i)
+      py[i] += alpha * (is_bf16 ? bf16_to_f32(px[i]) : f16_to_f32(px[i]));
   });
 }
 

@@ -51,28 +51,6 @@ CBLAS_TRANSPOSE blas_op(Transpose t) {
   return t == Transpose::yes ? CblasTrans : CblasNoTrans;
 }
 
-// The elements of a floating tensor as f32 (a view of the data when it already is f32).
-const float* as_f32(const Tensor& t, std::vector<float>& scratch) {
-  if (t.dtype() == DType::f32) return t.data<float>();
-  scratch.resize(static_cast<size_t>(t.numel()));
-  const uint16_t* src = t.data<uint16_t>();
-  bool is_bf16 = t.dtype() == DType::bf16;
-  parallel_range(t.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i)
-      scratch[i] = is_bf16 ? bf16_to_f32(src[i]) : f16_to_f32(src[i]);
-  });
-  return scratch.data();
-}
-
-void store_from_f32(Tensor& t, const float* src) {
-  uint16_t* dst = t.data<uint16_t>();
-  bool is_bf16 = t.dtype() == DType::bf16;
-  parallel_range(t.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i)
-      dst[i] = is_bf16 ? f32_to_bf16(src[i]) : f32_to_f16(src[i]);
-  });
-}
-
 // c (m, n) = beta c + bias: the product term of a GEMM with k == 0.
 void scale_rows(float* c, int64_t m, int64_t n, float beta) {
   parallel_range(m * n, kElementwiseGrain, [&](int64_t begin, int64_t end) {
@@ -92,6 +70,27 @@ void add_row_bias(float* c, int64_t m, int64_t n, const float* bias) {
 void use_single_threaded_blas() {
   static std::once_flag once;
   std::call_once(once, [] { openblas_set_num_threads(1); });
+}
+
+const float* as_f32(const Tensor& t, std::vector<float>& scratch) {
+  if (t.dtype() == DType::f32) return t.data<float>();
+  scratch.resize(static_cast<size_t>(t.numel()));
+  const uint16_t* src = t.data<uint16_t>();
+  bool is_bf16 = t.dtype() == DType::bf16;
+  parallel_range(t.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      scratch[i] = is_bf16 ? bf16_to_f32(src[i]) : f16_to_f32(src[i]);
+  });
+  return scratch.data();
+}
+
+void store_from_f32(Tensor& t, const float* src) {
+  uint16_t* dst = t.data<uint16_t>();
+  bool is_bf16 = t.dtype() == DType::bf16;
+  parallel_range(t.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      dst[i] = is_bf16 ? f32_to_bf16(src[i]) : f32_to_f16(src[i]);
+  });
 }
 
 void sgemm_serial(Transpose ta, Transpose tb, int64_t m, int64_t n, int64_t k, float alpha,

@@ -1,6 +1,9 @@
-// 2-D convolution (cuDNN, NCHW f32 cross-correlation) and max/average pooling (hand-written
+// 2-D convolution (cuDNN, NCHW cross-correlation) and max/average pooling (hand-written
 // kernels mirroring kernels/cpu/pool.cpp; the backward passes gather per input element, so they
 // need no atomics and are deterministic).
+// f16/bf16 convolutions run cuDNN's pseudo-16-bit configuration (16-bit x, w, y descriptors, f32
+// compute, tensor-op math allowed): cuDNN writes a 16-bit result, straight into a 16-bit output
+// without accumulation, else into scratch that a small kernel stores or adds into the output.
 #include <array>
 #include <sstream>
 #include <string>
@@ -30,29 +33,44 @@ using FilterDescHandle = UniqueHandle<cudnnFilterDescriptor_t, cudnnStatus_t,
 using ConvDescHandle = UniqueHandle<cudnnConvolutionDescriptor_t, cudnnStatus_t,
                                     cudnnDestroyConvolutionDescriptor, CUDNN_STATUS_SUCCESS>;
 
-TensorDescHandle tensor_desc(const Tensor& t) {  // (N, C, H, W) f32, contiguous
+cudnnDataType_t cudnn_dtype(DType t) {
+  switch (t) {
+    case DType::f32:
+      return CUDNN_DATA_FLOAT;
+    case DType::f16:
+      return CUDNN_DATA_HALF;
+    case DType::bf16:
+      return CUDNN_DATA_BFLOAT16;
+    default:
+      DP_THROW("conv2d: cuDNN convolutions take f32, f16 or bf16, got " << t);
+  }
+}
+
+// (N, C, H, W) contiguous, of the convolution's data type (its inputs' dtype).
+TensorDescHandle tensor_desc(const Tensor& t, DType dtype) {
   cudnnTensorDescriptor_t raw = nullptr;
   DP_CUDNN_CHECK(cudnnCreateTensorDescriptor(&raw));
   TensorDescHandle d(raw);
-  DP_CUDNN_CHECK(cudnnSetTensor4dDescriptor(d.get(), CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT,
+  DP_CUDNN_CHECK(cudnnSetTensor4dDescriptor(d.get(), CUDNN_TENSOR_NCHW, cudnn_dtype(dtype),
                                             to_int(t.dim(0), "N"), to_int(t.dim(1), "C"),
                                             to_int(t.dim(2), "H"), to_int(t.dim(3), "W")));
   return d;
 }
 
-FilterDescHandle filter_desc(const Tensor& w) {  // (K, C, R, S)
+FilterDescHandle filter_desc(const Tensor& w, DType dtype) {  // (K, C, R, S)
   cudnnFilterDescriptor_t raw = nullptr;
   DP_CUDNN_CHECK(cudnnCreateFilterDescriptor(&raw));
   FilterDescHandle d(raw);
-  DP_CUDNN_CHECK(cudnnSetFilter4dDescriptor(d.get(), CUDNN_DATA_FLOAT, CUDNN_TENSOR_NCHW,
+  DP_CUDNN_CHECK(cudnnSetFilter4dDescriptor(d.get(), cudnn_dtype(dtype), CUDNN_TENSOR_NCHW,
                                             to_int(w.dim(0), "K"), to_int(w.dim(1), "C"),
                                             to_int(w.dim(2), "R"), to_int(w.dim(3), "S")));
   return d;
 }
 
 // Strict f32 math uses FMA kernels only (cuDNN's default math would allow TF32 on Ampere+).
-bool strict_math(DeviceContext& ctx) {
-  return ctx.math() == MathMode::strict;
+// 16-bit inputs always allow tensor-op math: their products are exact in f32 either way.
+bool strict_math(DeviceContext& ctx, DType inputs) {
+  return ctx.math() == MathMode::strict && inputs == DType::f32;
 }
 
 ConvDescHandle conv_desc(const Conv2dParams& p, bool strict) {
@@ -60,7 +78,8 @@ ConvDescHandle conv_desc(const Conv2dParams& p, bool strict) {
   DP_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&raw));
   ConvDescHandle d(raw);
   DP_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(d.get(), p.pad_h, p.pad_w, p.stride_h, p.stride_w,
-                                                 1, 1, CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
+                                                 1, 1, CUDNN_CROSS_CORRELATION,
+                                                 CUDNN_DATA_FLOAT));  // f32 compute, any dtype
   DP_CUDNN_CHECK(
       cudnnSetConvolutionMathType(d.get(), strict ? CUDNN_FMA_MATH : CUDNN_DEFAULT_MATH));
   return d;
@@ -78,13 +97,15 @@ struct ConvPlan {
   size_t ws_bytes = 0;
 };
 
-// pass, x (N, C, H, W), w (K, C, R, S), y (N, K, P, Q), stride, padding, strict math. Tensors are
-// contiguous NCHW f32, so shapes fix strides and dtype.
-using ConvKey = std::array<int64_t, 18>;
+// pass, data type (the inputs' dtype, which the plan's x, w and y descriptors all take),
+// x (N, C, H, W), w (K, C, R, S), y (N, K, P, Q), stride, padding, strict math. Tensors are
+// contiguous NCHW, so shapes fix strides.
+using ConvKey = std::array<int64_t, 19>;
 
-ConvKey conv_key(ConvPass pass, const Tensor& x, const Tensor& w, const Tensor& y,
+ConvKey conv_key(ConvPass pass, DType dtype, const Tensor& x, const Tensor& w, const Tensor& y,
                  const Conv2dParams& p, bool strict) {
   return {static_cast<int64_t>(pass),
+          static_cast<int64_t>(dtype),
           x.dim(0),
           x.dim(1),
           x.dim(2),
@@ -169,6 +190,66 @@ void require_conv_f32(const char* op, const Tensor& a, const Tensor& b, const Te
   require_f32(op, a);
   require_f32(op, b);
   require_f32(op, c);
+}
+
+// ---- the output of a convolution pass ------------------------------------------------------
+
+// out (+)= result, with result a 16-bit value (cuDNN's rounded output); a 16-bit out rounds the
+// f32 sum once more.
+template <class Out, class T>
+__global__ void store_rounded_kernel(Out* out, const T* result, int64_t n, bool accumulate) {
+  DP_GRID_STRIDE_LOOP(i, n) {
+    float r = to_float<T>(result[i]);
+    out[i] = from_float<Out>(accumulate ? to_float<Out>(out[i]) + r : r);
+  }
+}
+
+template <class T>
+void launch_store_rounded(Tensor& out, const void* result, bool accumulate, cudaStream_t s) {
+  int64_t n = out.numel();
+  const T* r = static_cast<const T*>(result);
+  if (out.dtype() == DType::f32)
+    store_rounded_kernel<<<blocks_for(n), kThreads, 0, s>>>(out.data<float>(), r, n, accumulate);
+  else
+    store_rounded_kernel<<<blocks_for(n), kThreads, 0, s>>>(out.data<T>(), r, n, accumulate);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+// Where cuDNN writes one pass: the plan's workspace and the result buffer with its beta. The
+// result is `out` itself for f32 inputs, and for 16-bit inputs into a 16-bit output without
+// accumulation; otherwise 16-bit scratch placed after the workspace (one ctx.workspace), which
+// finish() then stores or adds into `out`.
+struct ConvOutput {
+  void* workspace = nullptr;
+  void* result = nullptr;
+  float beta = 0.f;
+  bool staged = false;
+};
+
+ConvOutput conv_output(const ConvPlan& plan, Tensor& out, DType inputs, Accumulate acc,
+                       DeviceContext& ctx) {
+  bool staged = inputs != DType::f32 && (out.dtype() == DType::f32 || acc == Accumulate::yes);
+  constexpr size_t kAlign = 256;
+  size_t ws_bytes = (plan.ws_bytes + kAlign - 1) / kAlign * kAlign;
+  size_t scratch_bytes = staged ? static_cast<size_t>(out.numel()) * dtype_size(inputs) : 0;
+  size_t total = ws_bytes + scratch_bytes;
+  auto* base = static_cast<char*>(total ? ctx.workspace(total) : nullptr);
+  ConvOutput o;
+  o.workspace = plan.ws_bytes ? base : nullptr;
+  o.staged = staged;
+  o.result = staged ? base + ws_bytes : out.raw();
+  o.beta = !staged && acc == Accumulate::yes ? 1.f : 0.f;
+  return o;
+}
+
+// After cuDNN wrote o.result: out (+)= the staged 16-bit result (nothing when not staged).
+void finish(const ConvOutput& o, Tensor& out, DType inputs, Accumulate acc, cudaStream_t s) {
+  if (!o.staged) return;
+  bool accumulate = acc == Accumulate::yes;
+  if (inputs == DType::f16)
+    launch_store_rounded<__half>(out, o.result, accumulate, s);
+  else
+    launch_store_rounded<__nv_bfloat16>(out, o.result, accumulate, s);
 }
 
 // ---- pooling kernels ------------------------------------------------------------------------
@@ -308,16 +389,17 @@ PlanCounts conv_plan_counts(DeviceContext& ctx) {
 void conv2d_forward(Tensor& y, const Tensor& x, const Tensor& w, const Conv2dParams& p,
                     DeviceContext& ctx) {
   NvtxRange range("kernels/conv2d_forward");
-  require_conv_f32("conv2d_forward", y, x, w);
   cudaStream_t s = stream_of(ctx);
   if (y.numel() == 0) return;
   if (x.numel() == 0 || w.numel() == 0) return zero_unless_accumulating(y, Accumulate::no, s);
   auto handle = static_cast<cudnnHandle_t>(ctx.cudnn());
-  bool strict = strict_math(ctx);
-  ConvKey key = conv_key(ConvPass::forward, x, w, y, p, strict);
+  DType dt = x.dtype();
+  bool strict = strict_math(ctx, dt);
+  ConvKey key = conv_key(ConvPass::forward, dt, x, w, y, p, strict);
   ConvPlan& plan = ctx.state<ConvPlans>().cache.get(key, [&] {
     return complete_plan<cudnnConvolutionFwdAlgoPerf_t>(
-        ConvPlan{tensor_desc(x), tensor_desc(y), filter_desc(w), conv_desc(p, strict)}, strict,
+        ConvPlan{tensor_desc(x, dt), tensor_desc(y, dt), filter_desc(w, dt), conv_desc(p, strict)},
+        strict,
         [&] {
           int n = 0;
           DP_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(handle, &n));
@@ -333,28 +415,31 @@ void conv2d_forward(Tensor& y, const Tensor& x, const Tensor& w, const Conv2dPar
         },
         no_algorithm("conv2d_forward", x, w));
   });
-  void* ws = plan.ws_bytes ? ctx.workspace(plan.ws_bytes) : nullptr;
-  float alpha = 1.f, beta = 0.f;
-  DP_CUDNN_CHECK(cudnnConvolutionForward(handle, &alpha, plan.x.get(), x.raw(), plan.w.get(),
-                                         w.raw(), plan.conv.get(),
-                                         static_cast<cudnnConvolutionFwdAlgo_t>(plan.algo), ws,
-                                         plan.ws_bytes, &beta, plan.y.get(), y.raw()));
+  ConvOutput out = conv_output(plan, y, dt, Accumulate::no, ctx);
+  float alpha = 1.f;
+  DP_CUDNN_CHECK(
+      cudnnConvolutionForward(handle, &alpha, plan.x.get(), x.raw(), plan.w.get(), w.raw(),
+                              plan.conv.get(), static_cast<cudnnConvolutionFwdAlgo_t>(plan.algo),
+                              out.workspace, plan.ws_bytes, &out.beta, plan.y.get(), out.result));
+  finish(out, y, dt, Accumulate::no, s);
 }
 
 // dy (N, K, P, Q), w (K, C, R, S) -> dx (N, C, H, W)
 void conv2d_backward_data(Tensor& dx, const Tensor& dy, const Tensor& w, const Conv2dParams& p,
                           Accumulate acc, DeviceContext& ctx) {
   NvtxRange range("kernels/conv2d_backward_data");
-  require_conv_f32("conv2d_backward_data", dx, dy, w);
   cudaStream_t s = stream_of(ctx);
   if (dx.numel() == 0) return;
   if (dy.numel() == 0 || w.numel() == 0) return zero_unless_accumulating(dx, acc, s);
   auto handle = static_cast<cudnnHandle_t>(ctx.cudnn());
-  bool strict = strict_math(ctx);
-  ConvKey key = conv_key(ConvPass::backward_data, dx, w, dy, p, strict);
+  DType dt = dy.dtype();
+  bool strict = strict_math(ctx, dt);
+  ConvKey key = conv_key(ConvPass::backward_data, dt, dx, w, dy, p, strict);
   ConvPlan& plan = ctx.state<ConvPlans>().cache.get(key, [&] {
     return complete_plan<cudnnConvolutionBwdDataAlgoPerf_t>(
-        ConvPlan{tensor_desc(dx), tensor_desc(dy), filter_desc(w), conv_desc(p, strict)}, strict,
+        ConvPlan{tensor_desc(dx, dt), tensor_desc(dy, dt), filter_desc(w, dt),
+                 conv_desc(p, strict)},
+        strict,
         [&] {
           int n = 0;
           DP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithmMaxCount(handle, &n));
@@ -370,28 +455,31 @@ void conv2d_backward_data(Tensor& dx, const Tensor& dy, const Tensor& w, const C
         },
         no_algorithm("conv2d_backward_data", dy, w));
   });
-  void* ws = plan.ws_bytes ? ctx.workspace(plan.ws_bytes) : nullptr;
-  float alpha = 1.f, beta = acc == Accumulate::yes ? 1.f : 0.f;
-  DP_CUDNN_CHECK(cudnnConvolutionBackwardData(handle, &alpha, plan.w.get(), w.raw(), plan.y.get(),
-                                              dy.raw(), plan.conv.get(),
-                                              static_cast<cudnnConvolutionBwdDataAlgo_t>(plan.algo),
-                                              ws, plan.ws_bytes, &beta, plan.x.get(), dx.raw()));
+  ConvOutput out = conv_output(plan, dx, dt, acc, ctx);
+  float alpha = 1.f;
+  DP_CUDNN_CHECK(cudnnConvolutionBackwardData(
+      handle, &alpha, plan.w.get(), w.raw(), plan.y.get(), dy.raw(), plan.conv.get(),
+      static_cast<cudnnConvolutionBwdDataAlgo_t>(plan.algo), out.workspace, plan.ws_bytes,
+      &out.beta, plan.x.get(), out.result));
+  finish(out, dx, dt, acc, s);
 }
 
 // dy (N, K, P, Q), x (N, C, H, W) -> dw (K, C, R, S)
 void conv2d_backward_filter(Tensor& dw, const Tensor& dy, const Tensor& x, const Conv2dParams& p,
                             Accumulate acc, DeviceContext& ctx) {
   NvtxRange range("kernels/conv2d_backward_filter");
-  require_conv_f32("conv2d_backward_filter", dw, dy, x);
   cudaStream_t s = stream_of(ctx);
   if (dw.numel() == 0) return;
   if (dy.numel() == 0 || x.numel() == 0) return zero_unless_accumulating(dw, acc, s);
   auto handle = static_cast<cudnnHandle_t>(ctx.cudnn());
-  bool strict = strict_math(ctx);
-  ConvKey key = conv_key(ConvPass::backward_filter, x, dw, dy, p, strict);
+  DType dt = x.dtype();
+  bool strict = strict_math(ctx, dt);
+  ConvKey key = conv_key(ConvPass::backward_filter, dt, x, dw, dy, p, strict);
   ConvPlan& plan = ctx.state<ConvPlans>().cache.get(key, [&] {
     return complete_plan<cudnnConvolutionBwdFilterAlgoPerf_t>(
-        ConvPlan{tensor_desc(x), tensor_desc(dy), filter_desc(dw), conv_desc(p, strict)}, strict,
+        ConvPlan{tensor_desc(x, dt), tensor_desc(dy, dt), filter_desc(dw, dt),
+                 conv_desc(p, strict)},
+        strict,
         [&] {
           int n = 0;
           DP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(handle, &n));
@@ -407,12 +495,13 @@ void conv2d_backward_filter(Tensor& dw, const Tensor& dy, const Tensor& x, const
         },
         no_algorithm("conv2d_backward_filter", dy, x));
   });
-  void* ws = plan.ws_bytes ? ctx.workspace(plan.ws_bytes) : nullptr;
-  float alpha = 1.f, beta = acc == Accumulate::yes ? 1.f : 0.f;
+  ConvOutput out = conv_output(plan, dw, dt, acc, ctx);
+  float alpha = 1.f;
   DP_CUDNN_CHECK(cudnnConvolutionBackwardFilter(
       handle, &alpha, plan.x.get(), x.raw(), plan.y.get(), dy.raw(), plan.conv.get(),
-      static_cast<cudnnConvolutionBwdFilterAlgo_t>(plan.algo), ws, plan.ws_bytes, &beta,
-      plan.w.get(), dw.raw()));
+      static_cast<cudnnConvolutionBwdFilterAlgo_t>(plan.algo), out.workspace, plan.ws_bytes,
+      &out.beta, plan.w.get(), out.result));
+  finish(out, dw, dt, acc, s);
 }
 
 // ---- pooling -------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-// Elementwise arithmetic (add, mul, scale, axpy), per-channel bias and its gradient.
+// Elementwise arithmetic (add, mul, scale, axpy; axpy also takes an f16/bf16 x), per-channel
+// bias and its gradient.
 #include "kernels/cuda/cuda_common.cuh"
 
 namespace kernels::cuda {
@@ -17,8 +18,10 @@ __global__ void scale_kernel(float* y, const float* x, float alpha, int64_t n) {
   DP_GRID_STRIDE_LOOP(i, n) y[i] = alpha * x[i];
 }
 
-__global__ void axpy_kernel(float* y, float alpha, const float* x, int64_t n) {
-  DP_GRID_STRIDE_LOOP(i, n) y[i] += alpha * x[i];
+// y f32 += alpha * float(x), x f32, __half or __nv_bfloat16.
+template <class T>
+__global__ void axpy_kernel(float* y, float alpha, const T* x, int64_t n) {
+  DP_GRID_STRIDE_LOOP(i, n) y[i] += alpha * to_float<T>(x[i]);
 }
 
 // y (N, C, inner) += bias[c].
@@ -84,11 +87,24 @@ void scale(Tensor& y, const Tensor& x, float alpha, DeviceContext& ctx) {
 
 void axpy(Tensor& y, float alpha, const Tensor& x, DeviceContext& ctx) {
   NvtxRange range("kernels/axpy");
-  check_elementwise("axpy", y, x);
+  require_f32("axpy", y);
   int64_t n = y.numel();
   if (n == 0) return;
-  axpy_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(y.data<float>(), alpha,
-                                                              x.data<float>(), n);
+  unsigned blocks = blocks_for(n);
+  cudaStream_t s = stream_of(ctx);
+  switch (x.dtype()) {
+    case DType::f32:
+      axpy_kernel<<<blocks, kThreads, 0, s>>>(y.data<float>(), alpha, x.data<float>(), n);
+      break;
+    case DType::f16:
+      axpy_kernel<<<blocks, kThreads, 0, s>>>(y.data<float>(), alpha, x.data<__half>(), n);
+      break;
+    case DType::bf16:
+      axpy_kernel<<<blocks, kThreads, 0, s>>>(y.data<float>(), alpha, x.data<__nv_bfloat16>(), n);
+      break;
+    default:
+      DP_THROW("axpy: x must be f32, f16 or bf16, got " << x);
+  }
   DP_CUDA_CHECK_LAUNCH();
 }
 
