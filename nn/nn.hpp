@@ -1,7 +1,8 @@
 // The nn API in one include: Module and seeded init, layers, losses, optimizers and schedules,
-// the model zoo, gradient checking and checkpoints.
+// mixed precision, the model zoo, gradient checking and checkpoints.
 #pragma once
 
+#include "nn/amp.hpp"
 #include "nn/checkpoint.hpp"
 #include "nn/gradcheck.hpp"
 #include "nn/init.hpp"

@@ -47,6 +47,8 @@ struct Flags {
   int max_staleness = -1;  // ps: -1 unbounded
   bool staleness_lr = false;
   bool sync_bn = false;
+  std::string dtype = "fp32";       // nn/amp.hpp: fp32|tf32|bf16|fp16
+  std::string comm_dtype = "fp32";  // dp/ddp: fp32|bf16 gradient communication
   // Training state: saved every save_every steps (and at the end) into checkpoint_dir, keeping
   // the newest `keep`; resumed from a file or "latest".
   std::string checkpoint_dir, resume;
@@ -134,6 +136,12 @@ int main(int argc, char** argv) {
   app.add_flag("--sync-bn", f.sync_bn,
                "dp/ddp: BatchNorm normalises with the whole batch's statistics (default: each "
                "device or rank its own chunk, as PyTorch)");
+  app.add_option("--dtype", f.dtype,
+                 "fp32 | tf32 (TF32 GEMMs on a GPU) | bf16 | fp16: mixed precision with f32 master "
+                 "weights (fp16 with loss scaling)")
+      ->check(CLI::IsMember({"fp32", "tf32", "bf16", "fp16"}));
+  app.add_option("--comm-dtype", f.comm_dtype, "dp/ddp: fp32 | bf16 gradients between devices")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
   app.add_option("--gpus", f.gpus, "devices for dp/ddp/ps")->check(whole_number(1, kMaxDevices));
   app.add_option("--last-batch", f.last_batch,
                  "dp/ddp: a last batch too short for every device to get a row is padded by "
@@ -190,6 +198,13 @@ int main(int argc, char** argv) {
     DP_CHECK(f.mode != "ps" || (f.checkpoint_dir.empty() && f.resume.empty()),
              "--mode ps: checkpoints are not supported yet (the server's pending pushes would be "
              "lost); drop --checkpoint-dir/--resume");
+    const nn::Precision precision = nn::parse_precision(f.dtype);
+    const kernels::DType comm_dtype =
+        f.comm_dtype == "bf16" ? kernels::DType::bf16 : kernels::DType::f32;
+    DP_CHECK(f.mode != "ps" || nn::compute_dtype(precision) == kernels::DType::f32,
+             "--mode ps with --dtype " << f.dtype << ": the parameter server trains in f32 only");
+    DP_CHECK(comm_dtype == kernels::DType::f32 || f.mode == "dp" || f.mode == "ddp",
+             "--comm-dtype " << f.comm_dtype << ": only --mode dp and ddp communicate gradients");
     // Rows every global batch is split into (a parameter server's workers each take whole
     // batches).
     const int split = f.mode == "single" || f.mode == "ps" ? 1 : f.gpus * f.nnodes;
@@ -231,11 +246,15 @@ int main(int argc, char** argv) {
     std::unique_ptr<dp::dist::DdpTrainer> ddp;
     Device home = devices[0];
     if (f.mode == "ddp") {
+      dp::dist::DdpOptions ddp_options;
+      ddp_options.comm_dtype = comm_dtype;
       ddp = std::make_unique<dp::dist::DdpTrainer>(
-          type, f.backend, dp::dist::DdpOptions{},
+          type, f.backend, ddp_options,
           std::chrono::milliseconds(std::llround(f.timeout_s * 1000)));
       home = ddp->device();
       ddp->set_sync_batch_norm(f.sync_bn);
+      ddp->set_precision(precision);
+      kernels::context(home).set_math(nn::math_mode(precision));
       // A restarted job goes on from its newest checkpoint with --resume latest; without it,
       // it trains again from the start.
       if (ddp->rank() == 0 && ddp->env().restart_count > 0)
@@ -258,6 +277,8 @@ int main(int argc, char** argv) {
     nn::Optimizer& opt = *optimizer;
 
     Engine engine;
+    nn::GradScaler single_scaler(precision);  // --mode single
+    nn::GradScaler* scaler = &single_scaler;
     std::unique_ptr<dp::DataParallel> dp_engine;
     std::unique_ptr<dp::ParameterServer> ps;
     if (f.mode == "ps") {
@@ -269,7 +290,11 @@ int main(int argc, char** argv) {
     if (f.mode == "dp") {
       dp::DataParallelOptions dopt;
       if (f.sync_bn) dopt.batch_norm = dp::BatchNormStats::synced;
+      dopt.precision = precision;
+      dopt.math = nn::math_mode(precision);
+      dopt.comm_dtype = comm_dtype;
       dp_engine = std::make_unique<dp::DataParallel>(model, opt, devices, dopt);
+      scaler = &dp_engine->scaler();
       engine.train_step = [&](const Tensor& x, const Tensor& y) {
         return dp_engine->train_step(x, y).loss;
       };
@@ -278,11 +303,14 @@ int main(int argc, char** argv) {
       };
     } else if (f.mode == "ddp") {
       ddp->wrap(model, opt);
+      scaler = &ddp->scaler();
       engine.train_step = [&](const Tensor& x, const Tensor& y) { return ddp->train_step(x, y); };
       engine.count_correct = [&](const Tensor& x, const Tensor& y) {
         return ddp->count_correct(x, y);
       };
     } else if (!ps) {
+      kernels::context(home).set_math(nn::math_mode(precision));
+      model->set_compute_dtype(nn::compute_dtype(precision));
       Tensor loss = Tensor::empty({1}, kernels::DType::f32, home);
       engine.train_step = [&, loss](const Tensor& x, const Tensor& y) mutable {
         Tensor xd = x.to(home), yd = y.to(home);
@@ -290,8 +318,9 @@ int main(int argc, char** argv) {
         Tensor out = model->forward(xd);
         Tensor dlogits = Tensor::empty(out.shape(), kernels::DType::f32, home);
         kernels::softmax_cross_entropy(loss, dlogits, out, yd);
+        single_scaler.scale_loss_grad(dlogits);
         model->backward(dlogits);
-        opt.step();
+        single_scaler.step(opt, model->flat_grads());  // checks, unscales, steps or skips
         return loss.item();
       };
     }
@@ -327,8 +356,10 @@ int main(int argc, char** argv) {
     nn::TrainingProgress run_state;
     run_state.mode = f.mode;
     run_state.world_size = world;
-    run_state.config = {
-        {"model", f.model}, {"batch", std::to_string(f.batch)}, {"seed", std::to_string(f.seed)}};
+    run_state.config = {{"model", f.model},
+                        {"batch", std::to_string(f.batch)},
+                        {"seed", std::to_string(f.seed)},
+                        {"dtype", f.dtype}};
     const int my_index = ddp ? ddp->rank() : 0;
     auto save_state = [&](int64_t epoch, int64_t batches_done) {
       run_state.epoch = epoch;
@@ -337,6 +368,7 @@ int main(int argc, char** argv) {
       run_state.rng_offsets = dp_engine ? dp_engine->rng_offsets()
                               : ddp     ? ddp->all_gather(model->flat().rng_offset)
                                         : std::vector<uint64_t>{model->flat().rng_offset};
+      if (scaler->enabled()) run_state.scaler = scaler->state();
       if (my_index == 0) nn::save_checkpoint_in(f.checkpoint_dir, f.keep, *model, opt, run_state);
       // Nobody reads a half-written file: every rank waits until rank 0 has written it.
       if (ddp) ddp->group().barrier()->wait();
@@ -351,6 +383,7 @@ int main(int argc, char** argv) {
       nn::TrainingProgress got =
           nn::load_training_state(resume_path, *model, opt, run_state, my_index);
       if (dp_engine) dp_engine->set_rng_offsets(got.rng_offsets);
+      if (got.scaler) scaler->set_state(*got.scaler);
       run_state.step = got.step;
       start_epoch = static_cast<int>(got.epoch);
       skip_batches = got.batches_done;
@@ -446,6 +479,10 @@ int main(int argc, char** argv) {
                               {"samples_per_s", rows_trained / std::max(seconds, 1e-9)},
                               {"model", f.model},
                               {"mode", f.mode},
+                              {"dtype", f.dtype},
+                              {"comm_dtype", f.comm_dtype},
+                              {"loss_scale", scaler->scale()},
+                              {"skipped_steps", scaler->skipped_steps()},
                               {"devices", devices.size()}}
                    .dump(2)
             << "\n";

@@ -15,6 +15,7 @@
 #   3. compute-sanitizer: memcheck on the CUDA kernel tests, racecheck on the block reductions;
 #   4. bench_kernels: TF32 and bf16 GEMM against the device's peak;
 #   5. dp_bench --device cuda --mode both, --gpus 1 and --gpus 4, MLP and CNN, --json each;
+#      then --gpus 1 in fp32, bf16 and fp16 (mixed precision);
 #   6. the PyTorch side by side (benchmarks/torch_ref) where torch imports with CUDA.
 # Everything goes to RESULTS_DIR/DATE_DEVICE/ (logs, JSON, summary.txt), ready to commit to
 # benchmarks/results/. Exit status: 0 when no step failed, 1 when one did, 2 when there is no
@@ -361,6 +362,27 @@ EOF
   done
 done
 
+# 5b. mixed precision: the MLP and CNN on one GPU in fp32, bf16 and fp16 (same flags otherwise)
+for model in mlp cnn; do
+  for dtype in fp32 bf16 fp16; do
+    name=dp_bench_${model}_${dtype}
+    if logged "$out/$name.txt" "$build/bin/dp_bench" --device cuda --mode both --gpus 1 \
+      --baseline 0 --model "$model" --dtype "$dtype" --json "$out/$name.json"; then
+      line=$(python3 - "$out/$name.json" 2> /dev/null << 'EOF'
+import json, sys
+j = json.load(open(sys.argv[1]))
+runs = [f"{r['mode']} {r['step_ms_median']:.3f} ms/step, loss {r['final_loss']:.4f}, scale "
+        f"{r.get('loss_scale', 1):g}, skipped {r.get('skipped_steps', 0)}" for r in j["runs"]]
+print(", ".join(runs))
+EOF
+      )
+      verdict ok "dp_bench $model --dtype $dtype" "${line:-see $name.txt}"
+    else
+      verdict FAIL "dp_bench $model --dtype $dtype" "see $name.txt"
+    fi
+  done
+done
+
 # 6. PyTorch side by side
 torch_ref=$here/torch_ref
 [[ -d $torch_ref ]] || torch_ref=$here/../benchmarks/torch_ref
@@ -368,12 +390,16 @@ if python3 -c 'import torch, numpy, sys; sys.exit(0 if torch.cuda.is_available()
   > /dev/null 2>&1; then
   n_side=$((n_gpus < 4 ? n_gpus : 4))
   for model in mlp cnn; do
-    if OUT_DIR=$out/torch_side_by_side_$model logged "$out/torch_side_by_side_$model.txt" \
-      bash "$torch_ref/side_by_side.sh" "$build" "$n_side" --device cuda --model "$model"; then
-      verdict ok "PyTorch side by side $model" "N=$n_side: see torch_side_by_side_$model.txt"
-    else
-      verdict FAIL "PyTorch side by side $model" "see torch_side_by_side_$model.txt"
-    fi
+    for dtype in fp32 bf16; do  # bf16: our policy against torch.autocast
+      tag=${model}${dtype/fp32/}
+      if OUT_DIR=$out/torch_side_by_side_$tag logged "$out/torch_side_by_side_$tag.txt" \
+        bash "$torch_ref/side_by_side.sh" "$build" "$n_side" --device cuda --model "$model" \
+        --dtype "$dtype"; then
+        verdict ok "PyTorch side by side $model $dtype" "N=$n_side: see torch_side_by_side_$tag.txt"
+      else
+        verdict FAIL "PyTorch side by side $model $dtype" "see torch_side_by_side_$tag.txt"
+      fi
+    done
   done
 else
   verdict SKIP "PyTorch side by side" "torch (with CUDA) or numpy does not import in python3"

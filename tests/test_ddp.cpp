@@ -14,6 +14,7 @@
 #include "dp/distributed/zero.hpp"
 #include "nn/nn.hpp"
 #include "nn/train_state.hpp"
+#include "tests/amp_util.hpp"
 #include "tests/train_util.hpp"
 
 using namespace kernels;
@@ -564,5 +565,115 @@ TEST_CASE("ddp.train_state: 4 ranks with dropout resume bit for bit (SGD momentu
     auto resumed = train(4, -1, true);
     for (int r = 0; r < world; ++r) CHECK(resumed[r] == whole[r]);
     CHECK(whole[1] == whole[0]);
+  }
+}
+
+// ---- mixed precision: what DdpTrainer does each step, on ranks as threads --------------------
+
+namespace {
+
+// One rank's step as DdpTrainer::train_step takes it: the loss gradient scaled, backward with
+// the bucket all-reduces, then the scaler's check of the reduced gradient and the step or skip.
+// Returns the global mean loss.
+float ddp_amp_step(DistributedDataParallel& ddp, nn::Optimizer& opt, nn::GradScaler& scaler,
+                   dp::dist::ProcessGroup& pg, const Tensor& x, const Tensor& y, int rank,
+                   int world) {
+  auto sizes = dp::chunk_sizes(x.dim(0), world);
+  int64_t b = dp::chunk_begin(sizes, rank);
+  Tensor xs = x.slice(b, b + sizes[rank]).to(Device::cpu(rank));
+  Tensor ys = y.slice(b, b + sizes[rank]).to(Device::cpu(rank));
+  ddp.set_batch_share(sizes[rank], x.dim(0));
+  ddp.module().zero_grad();
+  Tensor out = ddp.forward(xs);
+  Tensor loss = Tensor::empty({1}, DType::f32, Device::cpu(rank));
+  Tensor dl = Tensor::empty(out.shape(), DType::f32, Device::cpu(rank));
+  softmax_cross_entropy(loss, dl, out, ys);
+  scaler.scale_loss_grad(dl);
+  ddp.backward(dl);
+  ddp.finish_gradient_sync();
+  scaler.step(opt, ddp.module().flat_grads());
+  scale(loss, loss, dp::chunk_share(sizes[rank], x.dim(0)));
+  pg.all_reduce(loss, dp::dist::ReduceOp::sum)->wait();
+  return loss.item();
+}
+
+}  // namespace
+
+TEST_CASE("ddp.amp: 4 ranks follow the single-device bf16 loss curve within the rounding bound") {
+  const int world = 4, steps = 6;
+  for (int64_t batch : {32, 30}) {
+    CAPTURE(batch);
+    auto single = nn::mlp({6, 64, 64, 5});
+    single->materialize(Device::cpu(0), kSeed);
+    single->set_compute_dtype(DType::bf16);
+    nn::SGD single_opt(*single, sgd());
+    nn::GradScaler single_scaler(nn::Precision::bf16);
+    std::vector<float> ref;
+    std::vector<double> bound;
+    for (int s = 0; s < steps; ++s) {
+      auto [x, y] = dp_test::toy_batch(batch, 100 + s);
+      bound.push_back(2 * dp_test::mixed_precision_loss_bound(*single, x, DType::bf16));
+      ref.push_back(dp_test::amp_step(*single, single_opt, single_scaler, x, y));
+    }
+    std::vector<std::vector<float>> losses(world), params(world);
+    run_ranks(world, [&](int r, dp::dist::ProcessGroup& pg) {
+      auto m = nn::mlp({6, 64, 64, 5});
+      m->materialize(Device::cpu(r), kSeed);
+      m->set_compute_dtype(DType::bf16);
+      nn::SGD opt(*m, sgd());
+      nn::GradScaler scaler(nn::Precision::bf16);
+      dp::dist::DdpOptions o;
+      o.first_bucket_bytes = 256;
+      o.bucket_cap_bytes = 4096;
+      DistributedDataParallel ddp(m, pg, o);
+      for (int s = 0; s < steps; ++s) {
+        auto [x, y] = dp_test::toy_batch(batch, 100 + s);
+        losses[r].push_back(ddp_amp_step(ddp, opt, scaler, pg, x, y, r, world));
+      }
+      params[r] = m->flat_params().to_host_f32();
+    });
+    double worst = 0;
+    for (int s = 0; s < steps; ++s) {
+      CAPTURE(s);
+      CHECK(std::fabs(losses[0][s] - ref[s]) <= bound[s]);
+      worst = std::max(worst, std::fabs(losses[0][s] - ref[s]) / bound[s]);
+    }
+    MESSAGE("largest |loss_ddp - loss_single| / bound: " << worst);
+    for (int r = 1; r < world; ++r) CHECK(params[r] == params[0]);  // one decision, one update
+  }
+}
+
+TEST_CASE(
+    "ddp.amp: every rank skips an overflowing fp16 step alike; bf16 buckets halve the bytes") {
+  const int world = 4;
+  std::vector<std::vector<float>> before(world), after(world);
+  std::vector<float> scales(world);
+  std::vector<int64_t> skipped(world), comm_bytes(world), grad_bytes(world);
+  run_ranks(world, [&](int r, dp::dist::ProcessGroup& pg) {
+    auto m = nn::mlp({6, 16, 5});
+    m->materialize(Device::cpu(r), kSeed);
+    m->set_compute_dtype(DType::f16);
+    nn::SGD opt(*m, sgd());
+    nn::GradScalerOptions so = nn::GradScaler::options_for(nn::Precision::fp16);
+    so.init_scale = std::ldexp(1.f, 40);
+    nn::GradScaler scaler(so);
+    dp::dist::DdpOptions o;
+    o.comm_dtype = DType::bf16;
+    DistributedDataParallel ddp(m, pg, o);
+    before[r] = m->flat_params().to_host_f32();
+    auto [x, y] = dp_test::toy_batch(30, 1);
+    ddp_amp_step(ddp, opt, scaler, pg, x, y, r, world);
+    after[r] = m->flat_params().to_host_f32();
+    scales[r] = scaler.scale();
+    skipped[r] = scaler.skipped_steps();
+    comm_bytes[r] = ddp.stats().comm_bytes;
+    grad_bytes[r] = m->flat_grads().nbytes();
+  });
+  for (int r = 0; r < world; ++r) {
+    CAPTURE(r);
+    CHECK(after[r] == before[r]);
+    CHECK(scales[r] == std::ldexp(1.f, 39));
+    CHECK(skipped[r] == 1);
+    CHECK(comm_bytes[r] * 2 == grad_bytes[r]);
   }
 }

@@ -4,6 +4,7 @@
 
 #include "dp/data_parallel.hpp"
 #include "nn/nn.hpp"
+#include "tests/amp_util.hpp"
 #include "tests/train_util.hpp"
 
 using namespace kernels;
@@ -323,4 +324,125 @@ TEST_CASE("dp.cuda: logical CUDA devices on one GPU follow the CPU run") {
     }
   }
   CHECK(dp_test::rel_diff(m->flat_params().to_host_f32(), ref) <= 1e-4f);
+}
+
+// ---- mixed precision -------------------------------------------------------------------------
+
+TEST_CASE("dp.amp: 4 devices follow the single-device bf16 loss curve within the rounding bound") {
+  // A model wide enough for bf16 rounding to show, batches even (32) and uneven (30: 8, 8, 7, 7).
+  const int steps = 8;
+  for (int64_t batch : {32, 30}) {
+    CAPTURE(batch);
+    auto make = [] { return nn::mlp({6, 64, 64, 5}); };
+    auto single = make();
+    single->materialize(Device::cpu(0), kSeed);
+    single->set_compute_dtype(DType::bf16);
+    nn::SGD single_opt(*single, momentum_sgd());
+    nn::GradScaler single_scaler(nn::Precision::bf16);
+    std::vector<float> ref;
+    std::vector<double> bound;
+    for (int s = 0; s < steps; ++s) {
+      auto [x, y] = dp_test::toy_batch(batch, 100 + s);
+      bound.push_back(2 * dp_test::mixed_precision_loss_bound(*single, x, DType::bf16));
+      ref.push_back(dp_test::amp_step(*single, single_opt, single_scaler, x, y));
+    }
+    auto m = make();
+    m->materialize(Device::cpu(0), kSeed);
+    nn::SGD opt(*m, momentum_sgd());
+    dp::DataParallelOptions o = small_buckets(dp::ReduceTopology::star);
+    o.precision = nn::Precision::bf16;
+    dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, 4), o);
+    double worst = 0;
+    for (int s = 0; s < steps; ++s) {
+      auto [x, y] = dp_test::toy_batch(batch, 100 + s);
+      dp::StepStats st = engine.train_step(x, y);
+      CAPTURE(s);
+      CHECK(std::fabs(st.loss - ref[s]) <= bound[s]);
+      CHECK_FALSE(st.skipped);
+      worst = std::max(worst, std::fabs(st.loss - ref[s]) / bound[s]);
+    }
+    MESSAGE("largest |loss_dp - loss_single| / bound: " << worst << " (bound at step 0: "
+                                                        << bound[0] << ")");
+  }
+}
+
+TEST_CASE(
+    "dp.amp: every device skips an overflowing step alike; the weights stay, the scale halves") {
+  SUBCASE("fp16 with a loss scale of 2^40") {
+    auto m = nn::mlp({6, 16, 5});
+    m->materialize(Device::cpu(0), kSeed);
+    nn::SGD opt(*m, momentum_sgd());
+    dp::DataParallelOptions o;
+    o.precision = nn::Precision::fp16;
+    o.scaler = nn::GradScaler::options_for(nn::Precision::fp16);
+    o.scaler->init_scale = std::ldexp(1.f, 40);
+    dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, 4), o);
+    auto before = m->flat_params().to_host_f32();
+    auto [x, y] = dp_test::toy_batch(30, 1);
+    dp::StepStats st = engine.train_step(x, y);
+    CHECK(st.skipped);
+    CHECK(st.loss_scale == std::ldexp(1.f, 40));
+    CHECK(engine.scaler().scale() == std::ldexp(1.f, 39));
+    CHECK(st.skipped_steps == 1);
+    CHECK(m->flat_params().to_host_f32() == before);
+    CHECK(opt.step_count() == 0);
+    // The next step replicates the unchanged weights to every device.
+    engine.train_step(x, y);
+    for (int i = 1; i < 4; ++i) CHECK(engine.replica(i).flat_params().to_host_f32() == before);
+  }
+  SUBCASE("bf16 with a NaN in the rows of the last device only") {
+    auto m = nn::mlp({6, 16, 5});
+    m->materialize(Device::cpu(0), kSeed);
+    nn::SGD opt(*m, momentum_sgd());
+    dp::DataParallelOptions o;
+    o.precision = nn::Precision::bf16;
+    dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, 4), o);
+    auto before = m->flat_params().to_host_f32();
+    auto [x, y] = dp_test::toy_batch(32, 1);
+    x.data<float>()[31 * 6] = std::nanf("");  // row 31: device 3's chunk
+    dp::StepStats st = engine.train_step(x, y);
+    CHECK(st.skipped);
+    CHECK(engine.scaler().scale() == 1.f);
+    CHECK(m->flat_params().to_host_f32() == before);
+    auto [x2, y2] = dp_test::toy_batch(32, 2);
+    CHECK_FALSE(engine.train_step(x2, y2).skipped);
+    CHECK(m->flat_params().to_host_f32() != before);
+  }
+}
+
+TEST_CASE("dp.amp: bf16 gradient communication halves the gradient bytes, loss near f32's") {
+  const int steps = 6;
+  const int64_t batch = 30;
+  std::vector<float> f32_comm, bf16_comm;
+  int64_t bytes[2] = {0, 0};
+  double bound = 0;
+  for (int k = 0; k < 2; ++k) {
+    auto m = nn::mlp({6, 64, 64, 5});
+    m->materialize(Device::cpu(0), kSeed);
+    nn::SGD opt(*m, momentum_sgd());
+    dp::DataParallelOptions o = small_buckets(dp::ReduceTopology::tree);
+    o.comm_dtype = k == 0 ? DType::f32 : DType::bf16;
+    dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, 4), o);
+    for (int s = 0; s < steps; ++s) {
+      auto [x, y] = dp_test::toy_batch(batch, 100 + s);
+      if (k == 0) bound = std::max(bound, dp_test::mixed_precision_loss_bound(*m, x, DType::bf16));
+      dp::StepStats st = engine.train_step(x, y);
+      (k == 0 ? f32_comm : bf16_comm).push_back(st.loss);
+      bytes[k] = st.bytes_moved;
+    }
+  }
+  const int64_t p = [] {
+    auto m = nn::mlp({6, 64, 64, 5});
+    m->materialize(Device::cpu(0), kSeed);
+    return m->flat_params().nbytes();
+  }();
+  CHECK(bytes[0] - bytes[1] == 3 * p / 2);  // 3 replicas each send P/2 fewer gradient bytes
+  double worst = 0;
+  for (int s = 0; s < steps; ++s)
+    worst = std::max<double>(worst, std::fabs(f32_comm[s] - bf16_comm[s]));
+  MESSAGE("bf16 communication: largest loss difference from f32 " << worst << ", bytes " << bytes[1]
+                                                                  << " instead of " << bytes[0]);
+  CHECK(f32_comm[0] == bf16_comm[0]);  // the first forward precedes any communication
+  // Rounding each gradient once to bf16 moves the curve less than bf16 GEMMs would.
+  CHECK(worst <= bound);
 }

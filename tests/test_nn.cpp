@@ -2,6 +2,7 @@
 #include <cmath>
 #include <memory>
 
+#include "tests/amp_util.hpp"
 #include "tests/nn_test_util.hpp"
 
 using namespace nn_test;
@@ -276,4 +277,99 @@ TEST_CASE("nn.gradcheck: a wrong backward fails, naming the parameter") {
   CHECK(r.worst.rfind("bias[", 0) == 0);
   CHECK(r.message.find("FAILED") != std::string::npos);
   CHECK(r.max_rel_error > 0.03);
+}
+
+// ---- mixed precision (nn/amp.hpp) ------------------------------------------------------------
+
+TEST_CASE(
+    "nn.amp: GradScaler's rules: 2^16 first, halve and skip on inf or NaN, double after 2000") {
+  nn::GradScaler fp16(nn::Precision::fp16);
+  CHECK(fp16.scale() == 65536.f);
+  fp16.update(false);
+  CHECK(fp16.scale() == 32768.f);
+  CHECK(fp16.skipped_steps() == 1);
+  for (int i = 0; i < 1999; ++i) fp16.update(true);
+  CHECK(fp16.scale() == 32768.f);
+  fp16.update(false);  // a bad step resets the count of good ones
+  CHECK(fp16.scale() == 16384.f);
+  CHECK(fp16.state().growth_tracker == 0);
+  for (int i = 0; i < 2000; ++i) fp16.update(true);
+  CHECK(fp16.scale() == 32768.f);
+  CHECK(fp16.skipped_steps() == 2);
+  nn::GradScaler bf16(nn::Precision::bf16);  // checked, never scaled
+  CHECK(bf16.enabled());
+  bf16.update(false);
+  CHECK(bf16.scale() == 1.f);
+  CHECK(bf16.skipped_steps() == 1);
+  CHECK_FALSE(nn::GradScaler(nn::Precision::fp32).enabled());
+  CHECK_THROWS_WITH_AS(nn::parse_precision("fp8"),
+                       doctest::Contains("--dtype fp8: choose fp32, tf32, bf16 or fp16"),
+                       kernels::Error);
+}
+
+TEST_CASE("nn.amp: a bf16 Linear computes the f32 product of bf16-rounded weights and inputs") {
+  auto round_bf16 = [](Tensor t) {
+    Tensor r = kernels::cast(kernels::cast(t, DType::bf16), DType::f32);
+    kernels::copy(t, r);
+  };
+  auto low = nn::mlp({6, 5}), ref = nn::mlp({6, 5});  // Flatten, Linear(6, 5)
+  low->materialize(Device::cpu(), 3);
+  ref->materialize(Device::cpu(), 3);
+  low->set_compute_dtype(DType::bf16);
+  // ref: f32 throughout, with its weight (not its bias: biases stay f32) and input pre-rounded.
+  round_bf16(dynamic_cast<nn::Linear&>(*ref->children()[1].second).weight().value);
+  Tensor x = Tensor::from_vector(dp_test::random_vector(4 * 6, 9), {4, 6});
+  Tensor xr = x.clone();
+  round_bf16(xr);
+  // Rounding to bf16 is exact in f32, and the CPU widens 16-bit operands to f32: bit for bit.
+  std::vector<float> got = low->forward(x).to_host_f32();
+  CHECK(got == ref->forward(xr).to_host_f32());
+  // An optimizer step changes the f32 masters; the next forward sees it (one cast per forward).
+  nn::SGD opt(*low, kernels::SgdConfig{});
+  kernels::fill(low->flat_grads(), 1.f);
+  opt.step();
+  std::vector<float> after = low->forward(x).to_host_f32();
+  CHECK(after != got);
+  std::vector<float> masters = low->flat_params().to_host_f32();
+  std::vector<float> copy16 = low->flat().compute_params.to_host_f32();
+  for (size_t i = 0; i < masters.size(); ++i)
+    CHECK(copy16[i] == kernels::bf16_to_f32(kernels::f32_to_bf16(masters[i])));
+}
+
+TEST_CASE(
+    "nn.amp: an overflowing fp16 step and a poisoned bf16 step are skipped, weights unchanged") {
+  SUBCASE("fp16: a loss scale of 2^40 overflows f16; the scale halves per skipped step") {
+    auto m = nn::mlp({6, 16, 5});
+    m->materialize(Device::cpu(), 5);
+    m->set_compute_dtype(DType::f16);
+    nn::SGD opt(*m, kernels::SgdConfig{});
+    nn::GradScalerOptions o = nn::GradScaler::options_for(nn::Precision::fp16);
+    o.init_scale = std::ldexp(1.f, 40);
+    nn::GradScaler scaler(o);
+    auto before = m->flat_params().to_host_f32();
+    auto [x, y] = dp_test::toy_batch(8, 1);
+    dp_test::amp_step(*m, opt, scaler, x, y);
+    CHECK(m->flat_params().to_host_f32() == before);
+    CHECK(scaler.scale() == std::ldexp(1.f, 39));
+    CHECK(scaler.skipped_steps() == 1);
+    CHECK(opt.step_count() == 0);
+  }
+  SUBCASE("bf16: a NaN in the batch poisons the gradient; the step is skipped, scale stays 1") {
+    auto m = nn::mlp({6, 16, 5});
+    m->materialize(Device::cpu(), 5);
+    m->set_compute_dtype(DType::bf16);
+    nn::SGD opt(*m, kernels::SgdConfig{});
+    nn::GradScaler scaler(nn::Precision::bf16);
+    auto [x, y] = dp_test::toy_batch(8, 1);
+    x.data<float>()[3] = std::nanf("");
+    auto before = m->flat_params().to_host_f32();
+    dp_test::amp_step(*m, opt, scaler, x, y);
+    CHECK(m->flat_params().to_host_f32() == before);
+    CHECK(scaler.scale() == 1.f);
+    CHECK(scaler.skipped_steps() == 1);
+    auto [x2, y2] = dp_test::toy_batch(8, 2);  // a clean batch steps again
+    dp_test::amp_step(*m, opt, scaler, x2, y2);
+    CHECK(m->flat_params().to_host_f32() != before);
+    CHECK(opt.step_count() == 1);
+  }
 }

@@ -6,6 +6,7 @@
 
 #include <unistd.h>
 
+#include "tests/amp_util.hpp"
 #include "tests/nn_test_util.hpp"
 
 using namespace nn_test;
@@ -85,4 +86,57 @@ TEST_CASE("nn.cuda: a checkpoint saved from the GPU loads on the CPU") {
   CHECK(host(cpu->flat_params()) == host(gpu->flat_params()));
   CHECK(host(cpu->flat_buffers()) == host(gpu->flat_buffers()));
   std::remove(path.c_str());
+}
+
+TEST_CASE("nn.cuda.amp: bf16 and fp16 steps on cuda:0 follow the CPU within the rounding bound") {
+  DP_REQUIRE_GPU();
+  for (DType dtype : {DType::bf16, DType::f16}) {
+    CAPTURE(std::string(kernels::dtype_name(dtype)));
+    const nn::Precision p = dtype == DType::bf16 ? nn::Precision::bf16 : nn::Precision::fp16;
+    auto cpu = nn::mlp({6, 64, 64, 5});
+    cpu->materialize(Device::cpu(), 11);
+    auto gpu = cpu->clone_to(Device::cuda(0));
+    cpu->set_compute_dtype(dtype);
+    gpu->set_compute_dtype(dtype);
+    kernels::SgdConfig c;
+    c.lr = 0.1f;
+    nn::SGD cpu_opt(*cpu, c), gpu_opt(*gpu, c);
+    nn::GradScaler cpu_scaler(p), gpu_scaler(p);
+    for (int s = 0; s < 4; ++s) {
+      auto [x, y] = dp_test::toy_batch(32, 40 + s);
+      // Both within the bound of the CPU's f32 forward of its masters (derived in amp_util).
+      const double bound = 2 * dp_test::mixed_precision_loss_bound(*cpu, x, dtype);
+      float lc = dp_test::amp_step(*cpu, cpu_opt, cpu_scaler, x, y);
+      float lg = dp_test::amp_step(*gpu, gpu_opt, gpu_scaler, x, y);
+      CAPTURE(s);
+      CHECK(std::fabs(lc - lg) <= bound);
+    }
+    CHECK(gpu_scaler.skipped_steps() == 0);
+    CHECK(gpu_scaler.scale() == cpu_scaler.scale());
+  }
+}
+
+TEST_CASE(
+    "nn.cuda.amp: an fp16 network with convolutions trains on cuda:0; an overflow is skipped") {
+  DP_REQUIRE_GPU();
+  auto gpu = materialized(small_net(), 5)->clone_to(Device::cuda(0));
+  gpu->set_compute_dtype(DType::f16);
+  nn::SGD opt(*gpu, kernels::SgdConfig{});
+  nn::GradScalerOptions o = nn::GradScaler::options_for(nn::Precision::fp16);
+  o.init_scale = std::ldexp(1.f, 40);  // f16 overflows at once
+  nn::GradScaler scaler(o);
+  Tensor x = uniform({4, 2, 8, 8}, 1);
+  Tensor t = Tensor::from_ints({0, 1, 2, 1}, {4});
+  auto before = gpu->flat_params().to_host_f32();
+  dp_test::amp_step(*gpu, opt, scaler, x, t);
+  CHECK(scaler.skipped_steps() == 1);
+  CHECK(gpu->flat_params().to_host_f32() == before);
+  for (int s = 0; s < 40 && scaler.skipped_steps() == s + 1; ++s)
+    dp_test::amp_step(*gpu, opt, scaler, x, t);  // halves until f16 holds the gradient
+  CHECK(scaler.scale() < std::ldexp(1.f, 30));
+  float first = dp_test::amp_step(*gpu, opt, scaler, x, t), last = first;
+  for (int s = 0; s < 20; ++s) last = dp_test::amp_step(*gpu, opt, scaler, x, t);
+  CHECK(std::isfinite(last));
+  CHECK(last < first);  // it trains
+  CHECK(gpu->flat_params().to_host_f32() != before);
 }

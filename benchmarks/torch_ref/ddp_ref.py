@@ -90,6 +90,7 @@ def main():
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     step_ms, local_losses = [], []
+    amp = rc.Amp(args.dtype, device.type)
     for step in range(args.warmup + args.steps):
         x, y = rc.host_batch(ds, step * batch + first, count, pin=device.type == "cuda")
         if device.type == "cuda":
@@ -97,9 +98,9 @@ def main():
         t0 = time.perf_counter()
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(net(x), y)  # mean over this rank's chunk
-        (loss * (share * world)).backward()  # DDP averages over ranks
-        opt.step()
+        with amp.autocast():
+            loss = F.cross_entropy(net(x), y)  # mean over this rank's chunk
+        amp.backward_and_step(loss * (share * world), opt)  # DDP averages over ranks
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         ms = (time.perf_counter() - t0) * 1000.0

@@ -50,6 +50,7 @@ def run_dp(args, n, batch, use_cuda):
         if d.type == "cuda":
             torch.cuda.reset_peak_memory_stats(d)
     step_ms, losses = [], []
+    amp = rc.Amp(args.dtype, devices[0].type)
     for step in range(args.warmup + args.steps):
         x, y = rc.host_batch(ds, step * batch, batch, pin=use_cuda)
         sync(devices)
@@ -58,9 +59,9 @@ def run_dp(args, n, batch, use_cuda):
         if not use_cuda:
             x = x.to(devices[0])
         opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(net(x), y)  # output gathered on device 0: the global-batch mean
-        loss.backward()
-        opt.step()
+        with amp.autocast():
+            loss = F.cross_entropy(net(x), y)  # output gathered on device 0: the global mean
+        amp.backward_and_step(loss, opt)
         value = loss.item()
         sync(devices)
         ms = (time.perf_counter() - t0) * 1000.0

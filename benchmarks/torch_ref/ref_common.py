@@ -22,7 +22,8 @@ def add_flags(ap):
                     help="per-device batch (global = N x this); overrides --batch")
     ap.add_argument("--steps", type=int, default=30, help="timed steps")
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps first")
-    ap.add_argument("--dtype", default="fp32", choices=["fp32", "tf32"])
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "tf32", "bf16", "fp16"],
+                    help="bf16/fp16: torch.autocast around forward and loss (fp16 with GradScaler)")
     ap.add_argument("--seed", type=int, default=1, help="model and data seed")
     ap.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"],
                     help="DDP backend (DP ignores it)")
@@ -43,6 +44,23 @@ def set_math(dtype):
     tf32 = dtype == "tf32"
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
+
+
+class Amp:
+    """torch.autocast and GradScaler for --dtype bf16/fp16; a no-op for fp32/tf32."""
+
+    def __init__(self, dtype, device_type):
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
+        self.device_type = device_type
+        self.scaler = torch.amp.GradScaler(device_type, enabled=dtype == "fp16")
+
+    def autocast(self):
+        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype is not None)
+
+    def backward_and_step(self, loss, opt):
+        self.scaler.scale(loss).backward()
+        self.scaler.step(opt)
+        self.scaler.update()
 
 
 def dataset(args, batch):
