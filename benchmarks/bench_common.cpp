@@ -443,6 +443,14 @@ int run(const Options& o, int argc, char** argv) {
                                << "processes to restart");
     dp::dist::check_restarts_allowed(o.max_restarts, o.nnodes);
   }
+  const bool low_precision = nn::compute_dtype(s.precision) != kernels::DType::f32;
+  DP_CHECK(!(low_precision && o.zero == 1) || o.mode == "dp",
+           "--zero 1 with --dtype "
+               << o.dtype << ": mixed precision with ZeRO-1 is not supported "
+               << "yet (each rank would check only its shard of the gradient)");
+  DP_CHECK(!(low_precision || s.comm_dtype != kernels::DType::f32) || o.mode != "ps",
+           "--mode ps with --dtype " << o.dtype << " --comm-dtype " << o.comm_dtype
+                                     << ": the parameter server trains and sends f32 only");
   std::vector<int> counts = o.nnodes > 1 ? std::vector<int>{s.gpus} : sweep_counts(o, s);
   validate(o, s, counts);
   if (o.mode == "ps") return run_ps_mode(o, s);

@@ -382,7 +382,8 @@ TEST_CASE("ddp.timeout: dp_bench --timeout names the rank that never joined") {
 TEST_CASE("bench.cli: bad flags give a clear error") {
   CHECK(run_bench("--mode tp") != 0);
   CHECK(run_bench("--device cpu --sweep 1,x") != 0);
-  CHECK(run_bench("--device cpu --dtype bf16") != 0);
+  CHECK(run_bench("--device cpu --dtype fp8") != 0);
+  CHECK(run_bench("--device cpu --comm-dtype fp16") != 0);
   CHECK(run_bench("--device cpu --dp-reduce ring") != 0);
   CHECK(run_bench("--device cpu --project-from /nonexistent/gpu.json") != 0);
 }
@@ -630,4 +631,46 @@ TEST_CASE("bench.checkpoint: dp_bench resumes DP and DDP runs bit for bit") {
   refused("--device cpu --mode both --checkpoint-dir /tmp", "one run at a time");
   refused("--device cpu --mode dp --baseline 0 --save-every 3",
           "--save-every needs --checkpoint-dir");
+}
+
+TEST_CASE(
+    "bench.amp: --dtype bf16 and fp16 report fp32's fields plus loss scale and skipped steps") {
+  std::map<std::string, nlohmann::json> got;
+  for (const char* dtype : {"fp32", "bf16", "fp16"}) {
+    std::string json = temp_path(std::string("amp_") + dtype + ".json");
+    REQUIRE(run_bench("--device cpu --gpus 2 --mode both --steps 3 --warmup 1 --batch 32 --dtype " +
+                      std::string(dtype) + " --json " + json) == 0);
+    got[dtype] = read_json(json);
+    std::remove(json.c_str());
+  }
+  for (const char* dtype : {"bf16", "fp16"}) {
+    CAPTURE(dtype);
+    const auto& j = got[dtype];
+    CHECK(j["dtype"] == dtype);
+    REQUIRE(j["runs"].size() == got["fp32"]["runs"].size());
+    for (size_t i = 0; i < j["runs"].size(); ++i) {
+      const auto& r = j["runs"][i];
+      for (auto& [key, value] : got["fp32"]["runs"][i].items()) CHECK_MESSAGE(r.contains(key), key);
+      CHECK(r["skipped_steps"] == 0);
+      CHECK(r["loss_scale"].get<double>() == (std::string(dtype) == "fp16" ? 65536.0 : 1.0));
+      // Rounding moves the curve a little, not a lot: within 1% of fp32's loss after 4 steps.
+      CHECK(r["final_loss"].get<double>() ==
+            doctest::Approx(got["fp32"]["runs"][i]["final_loss"].get<double>()).epsilon(0.01));
+    }
+  }
+  auto [rc, text] = bench_output(
+      "--device cpu --gpus 2 --mode dp --steps 2 --warmup 0 --batch 32 "
+      "--dtype bf16 --comm-dtype bf16");
+  CHECK(rc == 0);
+  CHECK(text.find("loss scale 1, skipped steps 0") != std::string::npos);
+  CHECK(text.find("gradients travel in bf16") != std::string::npos);
+}
+
+TEST_CASE("bench.flags: mixed precision is refused with --zero 1 and --mode ps, before any work") {
+  auto [rc, text] = bench_output("--device cpu --gpus 2 --mode ddp --zero 1 --dtype bf16");
+  CHECK(rc != 0);
+  CHECK(text.find("--zero 1 with --dtype bf16") != std::string::npos);
+  auto [rc2, text2] = bench_output("--device cpu --gpus 2 --mode ps --dtype fp16");
+  CHECK(rc2 != 0);
+  CHECK(text2.find("--mode ps with --dtype fp16") != std::string::npos);
 }

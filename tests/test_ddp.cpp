@@ -644,7 +644,7 @@ TEST_CASE("ddp.amp: 4 ranks follow the single-device bf16 loss curve within the 
 }
 
 TEST_CASE(
-    "ddp.amp: every rank skips an overflowing fp16 step alike; bf16 buckets halve the bytes") {
+    "ddp.amp: every rank skips an overflowing fp16 step alike, bf16 buckets halve the bytes") {
   const int world = 4;
   std::vector<std::vector<float>> before(world), after(world);
   std::vector<float> scales(world);

@@ -367,7 +367,7 @@ TEST_CASE("dp.amp: 4 devices follow the single-device bf16 loss curve within the
 }
 
 TEST_CASE(
-    "dp.amp: every device skips an overflowing step alike; the weights stay, the scale halves") {
+    "dp.amp: every device skips an overflowing step alike, the weights stay, the scale halves") {
   SUBCASE("fp16 with a loss scale of 2^40") {
     auto m = nn::mlp({6, 16, 5});
     m->materialize(Device::cpu(0), kSeed);

@@ -117,7 +117,7 @@ TEST_CASE("nn.cuda.amp: bf16 and fp16 steps on cuda:0 follow the CPU within the 
 }
 
 TEST_CASE(
-    "nn.cuda.amp: an fp16 network with convolutions trains on cuda:0; an overflow is skipped") {
+    "nn.cuda.amp: an fp16 network with convolutions trains on cuda:0, an overflow is skipped") {
   DP_REQUIRE_GPU();
   auto gpu = materialized(small_net(), 5)->clone_to(Device::cuda(0));
   gpu->set_compute_dtype(DType::f16);

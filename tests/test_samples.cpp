@@ -308,3 +308,18 @@ TEST_CASE(
   std::filesystem::remove_all(whole_dir);
   std::filesystem::remove_all(killed_dir);
 }
+
+TEST_CASE("samples.train_mnist: amp bf16 and fp16 reach fp32's test accuracy within 0.5 points") {
+  if (skip_without_fashion_mnist()) return;
+  const std::string common = "--model mlp --epochs 1 --batch 64 --device cpu";
+  const double fp32 = train(common + " --dtype fp32")["test_accuracy"].get<double>();
+  for (const char* dtype : {"bf16", "fp16"}) {
+    CAPTURE(dtype);
+    nlohmann::json j = train(common + " --dtype " + dtype);
+    const double acc = j["test_accuracy"].get<double>();
+    MESSAGE(std::string(dtype) << ": test accuracy " << acc << " (fp32 " << fp32 << "), loss scale "
+                               << j["loss_scale"] << ", skipped " << j["skipped_steps"]);
+    CHECK(std::fabs(acc - fp32) <= 0.005);
+    CHECK(j["dtype"] == dtype);
+  }
+}
