@@ -326,7 +326,7 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace) {
   auto save = [&](int step) {
     state.step = step;
     state.rng_offsets = engine.rng_offsets();
-    state.scaler = engine.scaler().state();
+    if (engine.scaler().enabled()) state.scaler = engine.scaler().state();
     nn::save_checkpoint_in(o.checkpoint_dir, o.keep, *model, opt, state);
   };
   for (int step = first; step < o.warmup + o.steps; ++step) {

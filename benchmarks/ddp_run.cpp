@@ -201,7 +201,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   auto save = [&](int step) {  // collective: rank 0 writes, the others wait for it
     state.step = step;
     state.rng_offsets = trainer.all_gather(model->flat().rng_offset);
-    state.scaler = trainer.scaler().state();
+    if (trainer.scaler().enabled()) state.scaler = trainer.scaler().state();
     if (trainer.rank() == 0) nn::save_checkpoint_in(o.checkpoint_dir, o.keep, *model, opt, state);
     trainer.group().barrier()->wait();
   };

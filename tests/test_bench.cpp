@@ -602,15 +602,18 @@ TEST_CASE("bench.sync_bn: --sync-bn in DP and DDP follows one device and reports
   std::remove(json.c_str());
 }
 
-TEST_CASE("bench.checkpoint: dp_bench resumes DP and DDP runs bit for bit") {
-  for (const std::string mode : {"dp", "ddp"}) {
+TEST_CASE("bench.checkpoint: dp_bench resumes DP and DDP runs bit for bit (fp32, amp fp16)") {
+  // fp16: the loss scaler's state travels in the file too.
+  for (const auto& [mode, dtype] : std::vector<std::pair<std::string, std::string>>{
+           {"dp", "fp32"}, {"ddp", "fp32"}, {"dp", "fp16"}, {"ddp", "fp16"}}) {
     CAPTURE(mode);
-    std::string a = temp_path("ck_a_" + mode), b = temp_path("ck_b_" + mode);
+    CAPTURE(dtype);
+    std::string a = temp_path("ck_a_" + mode + dtype), b = temp_path("ck_b_" + mode + dtype);
     std::filesystem::create_directories(a);
     std::filesystem::create_directories(b);
-    const std::string common = "--device cpu --mode " + mode + " --gpus " +
-                               (mode == "dp" ? "4" : "2") +
-                               " --baseline 0 --steps 6 --warmup 0 --batch 10 --optim adamw ";
+    const std::string common =
+        "--device cpu --mode " + mode + " --gpus " + (mode == "dp" ? "4" : "2") +
+        " --baseline 0 --steps 6 --warmup 0 --batch 10 --optim adamw " + "--dtype " + dtype + " ";
     std::string whole = temp_path("ck_whole.json"), rest = temp_path("ck_rest.json");
     REQUIRE(run_bench(common + "--checkpoint-dir " + a + " --save-every 3 --json " + whole) == 0);
     REQUIRE(run_bench(common + "--checkpoint-dir " + b + " --resume " + nn::checkpoint_file(a, 3) +

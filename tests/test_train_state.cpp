@@ -231,3 +231,29 @@ TEST_CASE("nn.train_state: a writer killed while saving leaves the previous stat
     if (e.path().filename().string().rfind("." + p.filename().string() + ".tmp.", 0) == 0)
       std::filesystem::remove(e.path());
 }
+
+TEST_CASE("nn.train_state: amp, the loss scaler's state is saved exactly and restored") {
+  auto m = net();
+  m->materialize(Device::cpu(0), 42);
+  auto opt = optimizer(*m, false);
+  nn::TrainingProgress p;
+  p.mode = "single";
+  p.rng_offsets = {0};
+  const std::string path = state_path("scaler");
+  // A scale that is no power of two and needs all 24 bits: written as a hexadecimal float.
+  p.scaler = nn::GradScalerState{std::nextafter(3000.f, 4000.f), 1234, 7};
+  nn::save_training_state(path, *m, *opt, p);
+  nn::TrainingProgress got = nn::load_training_state(path, *m, *opt, p);
+  REQUIRE(got.scaler.has_value());
+  CHECK(got.scaler->scale == p.scaler->scale);
+  CHECK(got.scaler->growth_tracker == 1234);
+  CHECK(got.scaler->skipped_steps == 7);
+  nn::GradScaler scaler(nn::Precision::fp16);
+  scaler.set_state(*got.scaler);
+  CHECK(scaler.scale() == p.scaler->scale);
+  // A run without a scaler (fp32) writes none, and a file without one restores none.
+  p.scaler.reset();
+  nn::save_training_state(path, *m, *opt, p);
+  CHECK_FALSE(nn::load_training_state(path, *m, *opt, p).scaler.has_value());
+  std::remove(path.c_str());
+}
