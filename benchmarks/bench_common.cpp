@@ -310,7 +310,10 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace) {
   r.gpus = n;
   r.batch = batch;
   r.param_bytes = engine.parameter_bytes();
-  r.bytes_theory = dp_bytes_theory(n, r.param_bytes);
+  // Gradients travel in the comm dtype (half of P in bf16).
+  r.bytes_theory =
+      dp_bytes_theory(n, r.param_bytes,
+                      r.param_bytes / 4 * static_cast<int64_t>(kernels::dtype_size(s.comm_dtype)));
   std::map<std::string, std::vector<double>> phases;
   std::vector<double> overlapped;
   auto [pa, pb] = profile_range(o);

@@ -188,7 +188,8 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   r.gpus = n;
   r.batch = batch;
   r.param_bytes = model->flat_params().nbytes();
-  r.bytes_theory = ring_bytes_theory(n, r.param_bytes);
+  r.bytes_theory = ring_bytes_theory(
+      n, r.param_bytes / 4 * static_cast<int64_t>(kernels::dtype_size(s.comm_dtype)));
   std::map<std::string, std::vector<double>> phases;
   auto [pa, pb] = profile_range(o);
   nn::TrainingProgress state = bench_state(o, "ddp", n);

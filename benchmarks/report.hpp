@@ -54,9 +54,10 @@ double percentile(std::vector<double> values, double q);
 std::vector<double> slowest_per_step(const std::vector<float>& all, int ranks, int64_t steps);
 
 // Bytes per step, P = parameter bytes. DP through device 0: the root sends P to and receives
-// P from each of the N-1 replicas: 2 (N-1) P. Ring all-reduce: each device sends (and
-// receives) 2 (N-1)/N P.
-int64_t dp_bytes_theory(int n, int64_t p);
+// P from each of the N-1 replicas: 2 (N-1) P; with gradients sent as G bytes (G = P/2 in bf16,
+// --comm-dtype), (N-1) (P + G). Ring all-reduce: each device sends (and receives) 2 (N-1)/N P
+// (pass G for a bf16 all-reduce).
+int64_t dp_bytes_theory(int n, int64_t p, int64_t g = -1);
 int64_t ring_bytes_theory(int n, int64_t p);
 
 // Alpha-beta model of one link: a message of b bytes takes alpha + b / bandwidth.

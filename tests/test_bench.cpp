@@ -72,7 +72,8 @@ void throw_if(int rc) {
 TEST_CASE("bench.theory: bytes moved per step") {
   const int64_t p = 1000;
   CHECK(bench::dp_bytes_theory(1, p) == 0);
-  CHECK(bench::dp_bytes_theory(4, p) == 6000);  // 2 (N-1) P
+  CHECK(bench::dp_bytes_theory(4, p) == 6000);         // 2 (N-1) P
+  CHECK(bench::dp_bytes_theory(4, p, p / 2) == 4500);  // bf16 gradients: (N-1) (P + P/2)
   CHECK(bench::ring_bytes_theory(1, p) == 0);
   CHECK(bench::ring_bytes_theory(4, p) == 1500);  // 2 (N-1)/N P
   CHECK(bench::ring_bytes_theory(8, 8000) == 14000);
@@ -661,12 +662,23 @@ TEST_CASE(
             doctest::Approx(got["fp32"]["runs"][i]["final_loss"].get<double>()).epsilon(0.01));
     }
   }
+  std::string json = temp_path("amp_comm.json");
   auto [rc, text] = bench_output(
-      "--device cpu --gpus 2 --mode dp --steps 2 --warmup 0 --batch 32 "
-      "--dtype bf16 --comm-dtype bf16");
+      "--device cpu --gpus 2 --mode both --baseline 0 --steps 2 "
+      "--warmup 0 --batch 32 --dtype bf16 --comm-dtype bf16 --json " +
+      json);
   CHECK(rc == 0);
   CHECK(text.find("loss scale 1, skipped steps 0") != std::string::npos);
   CHECK(text.find("gradients travel in bf16") != std::string::npos);
+  for (auto& r : read_json(json)["runs"]) {
+    CAPTURE(r["mode"].get<std::string>());
+    const int64_t p = r["param_bytes"].get<int64_t>();
+    // DP: P out and P/2 back per replica; DDP: the ring over P/2 bytes of bf16 buckets.
+    CHECK(r["bytes_theory"] == (r["mode"] == "dp" ? p + p / 2 : p / 2));
+    CHECK(r["bytes_per_step"] == r["bytes_theory"]);
+    CHECK(r["comm_dtype"] == "bf16");
+  }
+  std::remove(json.c_str());
 }
 
 TEST_CASE("bench.flags: mixed precision is refused with --zero 1 and --mode ps, before any work") {
