@@ -447,10 +447,10 @@ int run(const Options& o, int argc, char** argv) {
     dp::dist::check_restarts_allowed(o.max_restarts, o.nnodes);
   }
   const bool low_precision = nn::compute_dtype(s.precision) != kernels::DType::f32;
-  DP_CHECK(!(low_precision && o.zero == 1) || o.mode == "dp",
-           "--zero 1 with --dtype "
-               << o.dtype << ": mixed precision with ZeRO-1 is not supported "
-               << "yet (each rank would check only its shard of the gradient)");
+  DP_CHECK(o.zero == 0 || s.comm_dtype == kernels::DType::f32 || o.mode == "dp",
+           "--zero 1 with --comm-dtype " << o.comm_dtype
+                                         << ": ZeRO-1's reduce_scatter and all_gather run in f32 "
+                                            "(bf16 communication is for the bucketed all-reduce)");
   DP_CHECK(!(low_precision || s.comm_dtype != kernels::DType::f32) || o.mode != "ps",
            "--mode ps with --dtype " << o.dtype << " --comm-dtype " << o.comm_dtype
                                      << ": the parameter server trains and sends f32 only");

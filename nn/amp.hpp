@@ -126,7 +126,11 @@ class GradScaler {
   // either steps `opt` with the gradients unscaled inside its fused kernel, or skips the step;
   // then updates the scale. Returns whether the step was taken. Waits for the check.
   bool step(Optimizer& opt, const Tensor& grads) {
-    bool finite = !options_.check || kernels::all_finite(grads);
+    return step_if(opt, !options_.check || kernels::all_finite(grads));
+  }
+  // The same with the check already made (ZeRO-1: every rank's shard, combined): steps `opt`
+  // unscaled when `finite`, skips otherwise, then updates the scale.
+  bool step_if(Optimizer& opt, bool finite) {
     if (finite) {
       opt.set_grad_unscale(1.f / state_.scale);
       opt.step();

@@ -681,10 +681,10 @@ TEST_CASE(
   std::remove(json.c_str());
 }
 
-TEST_CASE("bench.flags: mixed precision is refused with --zero 1 and --mode ps, before any work") {
-  auto [rc, text] = bench_output("--device cpu --gpus 2 --mode ddp --zero 1 --dtype bf16");
+TEST_CASE("bench.flags: --zero 1 refuses bf16 communication, --mode ps mixed precision") {
+  auto [rc, text] = bench_output("--device cpu --gpus 2 --mode ddp --zero 1 --comm-dtype bf16");
   CHECK(rc != 0);
-  CHECK(text.find("--zero 1 with --dtype bf16") != std::string::npos);
+  CHECK(text.find("--zero 1 with --comm-dtype bf16") != std::string::npos);
   auto [rc2, text2] = bench_output("--device cpu --gpus 2 --mode ps --dtype fp16");
   CHECK(rc2 != 0);
   CHECK(text2.find("--mode ps with --dtype fp16") != std::string::npos);

@@ -677,3 +677,74 @@ TEST_CASE(
     CHECK(comm_bytes[r] * 2 == grad_bytes[r]);
   }
 }
+
+TEST_CASE("ddp.zero: amp, bf16 ZeRO-1 follows bf16 DDP, and a NaN in one shard stops every rank") {
+  const int world = 4, steps = 4;
+  const int64_t batch = 10;  // 3, 3, 2, 2 rows
+  // The reference: plain bf16 DDP, with the rounding bound of each step's loss.
+  std::vector<float> plain_losses;
+  std::vector<double> bound;
+  run_ranks(world, [&](int r, dp::dist::ProcessGroup& pg) {
+    auto m = nn::mlp({6, 40, 16, 5});
+    m->materialize(Device::cpu(r), kSeed);
+    m->set_compute_dtype(DType::bf16);
+    nn::AdamW opt(*m, adamw());
+    nn::GradScaler scaler(nn::Precision::bf16);
+    DistributedDataParallel ddp(m, pg);
+    for (int s = 0; s < steps; ++s) {
+      auto [x, y] = dp_test::toy_batch(batch, 100 + s);
+      if (r == 0) bound.push_back(2 * dp_test::mixed_precision_loss_bound(*m, x, DType::bf16));
+      float l = ddp_amp_step(ddp, opt, scaler, pg, x, y, r, world);
+      if (r == 0) plain_losses.push_back(l);
+    }
+  });
+  // ZeRO-1: rank 0 poisons, at step 2, one gradient element of rank 3's shard.
+  std::vector<std::vector<float>> before(world), after(world);
+  std::vector<int64_t> skipped(world);
+  std::vector<float> zero_losses;
+  run_ranks(world, [&](int r, dp::dist::ProcessGroup& pg) {
+    auto m = nn::mlp({6, 40, 16, 5});
+    m->materialize(Device::cpu(r), kSeed);
+    m->set_compute_dtype(DType::bf16);
+    nn::AdamW opt(*m, adamw());
+    nn::GradScaler scaler(nn::Precision::bf16);
+    DistributedDataParallel ddp(m, pg);
+    dp::dist::ZeroStage1 zero(pg, *m, opt);
+    for (int s = 0; s < steps + 1; ++s) {
+      auto [x, y] = dp_test::toy_batch(batch, 100 + (s < 2 ? s : s - 1));
+      auto sizes = dp::chunk_sizes(batch, world);
+      int64_t b = dp::chunk_begin(sizes, r);
+      Tensor xs = x.slice(b, b + sizes[r]).to(Device::cpu(r));
+      Tensor ys = y.slice(b, b + sizes[r]).to(Device::cpu(r));
+      m->zero_grad();
+      Tensor out = ddp.forward(xs);
+      Tensor loss = Tensor::empty({1}, DType::f32, Device::cpu(r));
+      Tensor dl = Tensor::empty(out.shape(), DType::f32, Device::cpu(r));
+      softmax_cross_entropy(loss, dl, out, ys);
+      {
+        auto local_only = ddp.no_sync();
+        ddp.backward(dl);
+      }
+      const bool poison = s == 2;
+      if (poison && r == 0) m->flat_grads().data<float>()[zero.plan().begin(3)] = std::nanf("");
+      if (poison) before[r] = m->flat_params().to_host_f32();
+      const bool taken = zero.step(dp::chunk_share(sizes[r], batch), &scaler);
+      CHECK(taken == !poison);
+      if (poison) after[r] = m->flat_params().to_host_f32();
+      scale(loss, loss, dp::chunk_share(sizes[r], batch));
+      pg.all_reduce(loss, dp::dist::ReduceOp::sum)->wait();
+      if (r == 0 && !poison) zero_losses.push_back(loss.item());
+    }
+    skipped[r] = scaler.skipped_steps();
+  });
+  REQUIRE(zero_losses.size() == plain_losses.size());
+  for (int s = 0; s < steps; ++s) {
+    CAPTURE(s);
+    CHECK(std::fabs(zero_losses[s] - plain_losses[s]) <= bound[s]);
+  }
+  for (int r = 0; r < world; ++r) {
+    CAPTURE(r);
+    CHECK(skipped[r] == 1);
+    CHECK(after[r] == before[r]);  // without the combined verdict, ranks 0-2 would have stepped
+  }
+}

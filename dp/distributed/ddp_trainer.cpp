@@ -79,10 +79,10 @@ void DdpTrainer::set_precision(nn::Precision p, std::optional<nn::GradScalerOpti
 }
 
 void DdpTrainer::wrap(nn::ModulePtr model, nn::Optimizer& optimizer) {
-  DP_CHECK(zero_stage_ == 0 || nn::compute_dtype(precision_) == kernels::DType::f32,
-           "--zero 1 with --dtype " << nn::precision_name(precision_)
-                                    << ": mixed precision with ZeRO-1 is not supported yet (each "
-                                       "rank would check only its shard of the gradient)");
+  DP_CHECK(zero_stage_ == 0 || ddp_options_.comm_dtype == kernels::DType::f32,
+           "--zero 1 with --comm-dtype " << kernels::dtype_name(ddp_options_.comm_dtype)
+                                         << ": ZeRO-1's reduce_scatter and all_gather run in f32 "
+                                            "(bf16 communication is for the bucketed all-reduce)");
   model->set_compute_dtype(nn::compute_dtype(precision_));
   if (sync_bn_) nn::set_batch_norm_sync(*model, std::make_shared<GroupStatsSync>(*group_, device_));
   ddp_ = std::make_unique<DistributedDataParallel>(std::move(model), *group_, ddp_options_);
@@ -148,7 +148,7 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   times_.backward = ms_since(t0);
 
   if (zero_) {
-    zero_->step(share);
+    last_skipped_ = !zero_->step(share, &scaler_);
     if (ddp_options_.buffer_sync == BufferSync::average && m.flat_buffers().numel() > 0)
       group_->all_reduce(m.flat_buffers(), ReduceOp::avg)->wait();
     times_.allreduce_wait = zero_->last_times().reduce_scatter + zero_->last_times().all_gather;

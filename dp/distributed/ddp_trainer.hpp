@@ -76,8 +76,8 @@ class DdpTrainer {
   void set_sync_batch_norm(bool on);
   // Mixed precision (nn/amp.hpp): the model's GEMMs and convolutions run in bf16/fp16, and the
   // GradScaler checks the all-reduced gradient, the same bytes on every rank, so every rank
-  // takes or skips the same step. `scaler` overrides GradScaler::options_for(p). Not with ZeRO
-  // (each rank would check only its shard). Call before wrap().
+  // takes or skips the same step (under ZeRO-1 the ranks combine their shards' verdicts).
+  // `scaler` overrides GradScaler::options_for(p). Call before wrap().
   void set_precision(nn::Precision p, std::optional<nn::GradScalerOptions> scaler = {});
   // requires model materialised on device(); optimizer built on it.
   void wrap(nn::ModulePtr model, nn::Optimizer& optimizer);

@@ -59,7 +59,7 @@ ZeroStage1::ZeroStage1(ProcessGroup& group, nn::Module& module, nn::Optimizer& o
   mine_ = Tensor::zeros({plan_.shard}, DType::f32, dev);
 }
 
-void ZeroStage1::step(float share) {
+bool ZeroStage1::step(float share, nn::GradScaler* scaler) {
   const int r = group_.rank(), last = plan_.world - 1;
   const int64_t s = plan_.shard, body = s * plan_.world, tail = plan_.numel - body;
   Tensor& params = module_.flat_params();
@@ -67,9 +67,9 @@ void ZeroStage1::step(float share) {
   if (plan_.world == 1) {
     times_ = {};
     auto t0 = Clock::now();
-    optimizer_.step();
+    const bool taken = scaler ? scaler->step(optimizer_, grads) : (optimizer_.step(), true);
     times_.step = ms_since(t0);
-    return;
+    return taken;
   }
   auto t0 = Clock::now();
   {
@@ -87,9 +87,25 @@ void ZeroStage1::step(float share) {
   }
   times_.reduce_scatter = ms_since(t0);
   t0 = Clock::now();
+  bool finite = true;
+  if (scaler && scaler->enabled()) {
+    // This rank sees only its shard's reduced gradient: the verdict is combined, one float.
+    kernels::NvtxRange range("zero/check");
+    const int64_t begin = optimizer_.shard_begin(), end = optimizer_.shard_end();
+    Tensor verdict = Tensor::from_vector(
+        {kernels::all_finite(grads.view(begin, {end - begin})) ? 1.f : 0.f}, {1}, params.device());
+    group_.all_reduce(verdict, ReduceOp::min)->wait();
+    finite = verdict.item() == 1.f;
+  }
   {
     kernels::NvtxRange range("zero/step");
-    optimizer_.step();  // [r S, (r + 1) S), and the tail on the last rank
+    // [r S, (r + 1) S), and the tail on the last rank
+    const bool taken = scaler ? scaler->step_if(optimizer_, finite) : (optimizer_.step(), true);
+    if (!taken) {  // every rank skips: the parameters stay as they are, nothing to gather
+      times_.step = ms_since(t0);
+      times_.all_gather = 0;
+      return false;
+    }
     if (s > 0) kernels::copy(mine_, params.view(r * s, {s}));
   }
   times_.step = ms_since(t0);
@@ -105,6 +121,7 @@ void ZeroStage1::step(float share) {
     kernels::context(module_.device()).synchronize();
   }
   times_.all_gather = ms_since(t0);
+  return true;
 }
 
 }  // namespace dp::dist

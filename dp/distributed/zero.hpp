@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "dp/distributed/process_group.hpp"
+#include "nn/amp.hpp"
 #include "nn/module.hpp"
 #include "nn/optim.hpp"
 
@@ -51,7 +52,10 @@ class ZeroStage1 {
   // requires the module's flat grads hold this rank's local gradient (of its rows' mean loss)
   // and share = B_r / B. ensures every rank's flat params hold the result of one optimizer
   // step on the global batch's gradient. Collective.
-  void step(float share);
+  // With a `scaler` (mixed precision): each rank checks the reduced gradient of its shard, one
+  // all_reduce(min) of that verdict makes it every rank's, and the step is taken (unscaled) or
+  // skipped by all alike; a skipped step gathers nothing. Returns whether the step was taken.
+  bool step(float share, nn::GradScaler* scaler = nullptr);
 
   const ZeroShardPlan& plan() const { return plan_; }
   const ZeroStepTimes& last_times() const { return times_; }
