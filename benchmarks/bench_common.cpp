@@ -54,14 +54,7 @@ void add_flags(CLI::App& app, Options& o) {
       ->excludes(b);
   app.add_option("--steps", o.steps, "timed steps")->check(whole_number(1, kMaxSteps));
   app.add_option("--warmup", o.warmup, "untimed steps first")->check(whole_number(0, kMaxSteps));
-  app.add_option("--dtype", o.dtype,
-                 "fp32 | tf32 (TF32 GEMMs on a GPU) | bf16 | fp16: mixed precision, f32 master "
-                 "weights (fp16 with loss scaling)")
-      ->check(CLI::IsMember({"fp32", "tf32", "bf16", "fp16"}));
-  app.add_option("--comm-dtype", o.comm_dtype,
-                 "fp32 | bf16: gradients travel between devices (DP) and ranks (DDP) in bf16, as "
-                 "PyTorch's bf16 compress hook")
-      ->check(CLI::IsMember({"fp32", "bf16"}));
+  dp::cli::add_precision_flags(app, o.dtype, o.comm_dtype);
   app.add_option("--backend", o.backend, "DDP backend: auto|nccl|gloo|mpi (mpi: under mpirun)")
       ->check(CLI::IsMember({"auto", "nccl", "gloo", "mpi"}));
   app.add_option("--seed", o.seed, "model and data seed")
@@ -140,7 +133,7 @@ Setup resolve(const Options& o) {
   s.gpus = o.gpus ? *o.gpus : (s.type == DeviceType::cuda ? s.physical : 4);
   s.precision = nn::parse_precision(o.dtype);
   s.math = nn::math_mode(s.precision);
-  s.comm_dtype = o.comm_dtype == "bf16" ? kernels::DType::bf16 : kernels::DType::f32;
+  s.comm_dtype = dp::cli::comm_dtype(o.comm_dtype);
   return s;
 }
 

@@ -93,6 +93,22 @@ std::string output_file_problem(const std::string& path) {
 
 }  // namespace
 
+void add_precision_flags(CLI::App& app, std::string& dtype, std::string& comm_dtype) {
+  app.add_option("--dtype", dtype,
+                 "fp32 | tf32 (TF32 GEMMs on a GPU) | bf16 | fp16: mixed precision with f32 master "
+                 "weights (fp16 with loss scaling)")
+      ->check(CLI::IsMember({"fp32", "tf32", "bf16", "fp16"}));
+  app.add_option("--comm-dtype", comm_dtype,
+                 "fp32 | bf16: gradients travel between devices (DP) and ranks (DDP) in bf16, as "
+                 "PyTorch's bf16 compress hook")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
+}
+
+kernels::DType comm_dtype(const std::string& value) {
+  DP_CHECK(value == "fp32" || value == "bf16", "--comm-dtype " << value << ": choose fp32 or bf16");
+  return value == "bf16" ? kernels::DType::bf16 : kernels::DType::f32;
+}
+
 CLI::Validator whole_number(int64_t lo, int64_t hi) {
   return CLI::Validator([lo, hi](std::string& text) { return whole_number_problem(text, lo, hi); },
                         range_text(lo, hi));

@@ -14,6 +14,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "kernels/runtime/dtype.hpp"
 #include "kernels/runtime/memory_info.hpp"
 
 namespace dp::cli {
@@ -30,6 +31,12 @@ CLI::Validator whole_number(int64_t lo, int64_t hi);
 
 // A finite number in (0, hi]: "--lr: -0.1 is not allowed: give a number > 0 and <= 10".
 CLI::Validator positive_number(double hi);
+
+// Mixed precision (nn/amp.hpp), one spelling for every program: --dtype fp32|tf32|bf16|fp16
+// into `dtype` and --comm-dtype fp32|bf16 into `comm_dtype`, refused at parse time otherwise.
+void add_precision_flags(CLI::App& app, std::string& dtype, std::string& comm_dtype);
+// The dtype gradients travel in for a --comm-dtype value: f32 or bf16.
+kernels::DType comm_dtype(const std::string& value);
 
 // An output file that can be written: refuses an empty path, a directory, a missing parent
 // directory, and a path that cannot be opened for writing (with the system's reason). The check

@@ -102,7 +102,6 @@ class GradScaler {
   }
 
   bool enabled() const { return options_.check; }
-  bool scaling() const { return options_.scaling; }
   float scale() const { return state_.scale; }
   int64_t skipped_steps() const { return state_.skipped_steps; }
   const GradScalerState& state() const { return state_; }

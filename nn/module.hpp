@@ -134,10 +134,9 @@ struct FlatState {
   // Stream of random numbers for stochastic layers (dropout): (rng_key, rng_offset).
   uint64_t rng_key = 0;
   uint64_t rng_offset = 0;
-  // Mixed precision: the dtype GEMM and convolution inputs take (f32: off), and the 16-bit copy
-  // of `params` they read, remade by one cast at the start of each outermost forward.
-  DType compute_dtype = DType::f32;
-  Tensor compute_params;  // (P) compute_dtype; undefined when compute_dtype is f32
+  // Mixed precision: the 16-bit copy of `params` that GEMMs and convolutions read (its dtype is
+  // theirs), remade by one cast at the start of each outermost forward; undefined under f32.
+  Tensor compute_params;
   int forward_depth = 0;  // forwards in progress: 0 outside, 1 in the outermost
 };
 
@@ -257,7 +256,7 @@ class Module {
     std::shared_ptr<Module> copy = clone_structure();
     copy->allocate(device, flat_->seed);
     copy->set_mode(mode_);
-    copy->set_compute_dtype(flat_->compute_dtype);
+    copy->set_compute_dtype(compute_dtype());
     copy_tensor_across(copy->flat_->params, flat_->params);
     copy_tensor_across(copy->flat_->buffers, flat_->buffers);
     return copy;
@@ -270,18 +269,21 @@ class Module {
     DP_CHECK(dtype == DType::f32 || dtype == DType::f16 || dtype == DType::bf16,
              "set_compute_dtype(" << dtype << "): choose f32, f16 or bf16");
     FlatState& f = flat();
-    f.compute_dtype = dtype;
+    // Filled by the next outermost forward, before anything reads it.
     f.compute_params =
-        dtype == DType::f32 ? Tensor() : Tensor::zeros({f.params.numel()}, dtype, f.device);
+        dtype == DType::f32 ? Tensor() : Tensor::empty({f.params.numel()}, dtype, f.device);
     visit("", [&](const std::string&, Module& m) {
       for (auto& p : m.params_)
         p.compute = dtype == DType::f32 ? p.value : f.compute_params.view(p.offset, p.shape);
     });
   }
-  DType compute_dtype() { return flat().compute_dtype; }
+  DType compute_dtype() {
+    const Tensor& c = flat().compute_params;
+    return c.defined() ? c.dtype() : DType::f32;
+  }
   // x in the compute dtype: x itself under f32 (or when it already is), else a 16-bit copy.
   Tensor to_compute(const Tensor& x) {
-    DType d = flat().compute_dtype;
+    const DType d = compute_dtype();
     return x.dtype() == d ? x : kernels::cast(x, d);
   }
 

@@ -136,12 +136,7 @@ int main(int argc, char** argv) {
   app.add_flag("--sync-bn", f.sync_bn,
                "dp/ddp: BatchNorm normalises with the whole batch's statistics (default: each "
                "device or rank its own chunk, as PyTorch)");
-  app.add_option("--dtype", f.dtype,
-                 "fp32 | tf32 (TF32 GEMMs on a GPU) | bf16 | fp16: mixed precision with f32 master "
-                 "weights (fp16 with loss scaling)")
-      ->check(CLI::IsMember({"fp32", "tf32", "bf16", "fp16"}));
-  app.add_option("--comm-dtype", f.comm_dtype, "dp/ddp: fp32 | bf16 gradients between devices")
-      ->check(CLI::IsMember({"fp32", "bf16"}));
+  dp::cli::add_precision_flags(app, f.dtype, f.comm_dtype);
   app.add_option("--gpus", f.gpus, "devices for dp/ddp/ps")->check(whole_number(1, kMaxDevices));
   app.add_option("--last-batch", f.last_batch,
                  "dp/ddp: a last batch too short for every device to get a row is padded by "
@@ -199,8 +194,7 @@ int main(int argc, char** argv) {
              "--mode ps: checkpoints are not supported yet (the server's pending pushes would be "
              "lost); drop --checkpoint-dir/--resume");
     const nn::Precision precision = nn::parse_precision(f.dtype);
-    const kernels::DType comm_dtype =
-        f.comm_dtype == "bf16" ? kernels::DType::bf16 : kernels::DType::f32;
+    const kernels::DType comm_dtype = dp::cli::comm_dtype(f.comm_dtype);
     DP_CHECK(f.mode != "ps" || nn::compute_dtype(precision) == kernels::DType::f32,
              "--mode ps with --dtype " << f.dtype << ": the parameter server trains in f32 only");
     DP_CHECK(comm_dtype == kernels::DType::f32 || f.mode == "dp" || f.mode == "ddp",

@@ -1,5 +1,5 @@
-// Mixed-precision helpers shared by the nn, DP and DDP suites: a training step with a
-// GradScaler, and the loss difference that 16-bit rounding allows between two runs.
+// Mixed-precision helpers shared by the nn, DP and DDP suites: the loss difference that 16-bit
+// rounding allows between two runs, and the single-device curve the engines are held to.
 #pragma once
 
 #include <algorithm>
@@ -7,25 +7,9 @@
 #include <vector>
 
 #include "nn/nn.hpp"
-#include "tests/test_util.hpp"
+#include "tests/train_util.hpp"
 
 namespace dp_test {
-
-// One single-device step under the GradScaler: zero_grad, forward, cross-entropy, the scale
-// into the loss gradient, backward, then the scaler's check and (unscaled) step or skip.
-inline float amp_step(nn::Module& m, nn::Optimizer& opt, nn::GradScaler& scaler,
-                      const kernels::Tensor& x, const kernels::Tensor& y) {
-  kernels::Device d = m.device();
-  m.zero_grad();
-  kernels::Tensor out = m.forward(x.to(d));
-  kernels::Tensor loss = kernels::Tensor::empty({1}, kernels::DType::f32, d);
-  kernels::Tensor dlogits = kernels::Tensor::empty(out.shape(), kernels::DType::f32, d);
-  kernels::softmax_cross_entropy(loss, dlogits, out, y.to(d));
-  scaler.scale_loss_grad(dlogits);
-  m.backward(dlogits);
-  scaler.step(opt, m.flat_grads());
-  return loss.item();
-}
 
 // The unit roundoff of a 16-bit format: half the distance between 1 and the next value
 // (bf16: 8 significand bits, 2^-8; f16: 11 bits, 2^-11).
@@ -93,6 +77,30 @@ inline double mixed_precision_loss_bound(nn::Module& mlp, const kernels::Tensor&
   for (int64_t i = 0; i < batch; ++i)
     sum += 2 * *std::max_element(e.begin() + i * width, e.begin() + (i + 1) * width);
   return sum / static_cast<double>(batch);
+}
+
+// A single-device run in `dtype`: losses[s] of each step, and bounds[s], how far another run's
+// loss at that step may lie from it (twice mixed_precision_loss_bound at the step's weights).
+struct MixedPrecisionCurve {
+  std::vector<float> losses;
+  std::vector<double> bounds;
+};
+// `m` materialised on cpu:0 from `seed`, trained with SGD `cfg` on toy batches 100, 101, ... of
+// `batch` rows under the GradScaler of `dtype`.
+inline MixedPrecisionCurve mixed_precision_curve(nn::ModulePtr m, uint64_t seed,
+                                                 kernels::SgdConfig cfg, int64_t batch, int steps,
+                                                 kernels::DType dtype) {
+  m->materialize(kernels::Device::cpu(0), seed);
+  m->set_compute_dtype(dtype);
+  nn::SGD opt(*m, cfg);
+  nn::GradScaler scaler(dtype == kernels::DType::bf16 ? nn::Precision::bf16 : nn::Precision::fp16);
+  MixedPrecisionCurve c;
+  for (int s = 0; s < steps; ++s) {
+    auto [x, y] = toy_batch(batch, 100 + s);
+    c.bounds.push_back(2 * mixed_precision_loss_bound(*m, x, dtype));
+    c.losses.push_back(amp_step(*m, opt, scaler, x, y));
+  }
+  return c;
 }
 
 }  // namespace dp_test

@@ -65,9 +65,16 @@ SgdConfig sgd() {
   return c;
 }
 
-// One step of rank r on its chunk of the global batch; returns nothing, updates the module.
-void ddp_step(DistributedDataParallel& ddp, nn::Optimizer& opt, const Tensor& x, const Tensor& y,
-              int rank, int world) {
+// Rank r's share of a global batch of `batch` rows (B_r / B).
+float share_of(int64_t batch, int rank, int world) {
+  return dp::chunk_share(dp::chunk_sizes(batch, world)[rank], batch);
+}
+
+// Rank r's part of a step up to its optimizer: forward of its chunk of (x, y), the loss gradient
+// times `loss_scale`, backward (launching the bucket all-reduces, or local only, for ZeRO).
+// Returns rank r's loss weighted by its share: their sum over ranks is the global mean loss.
+Tensor chunk_backward(DistributedDataParallel& ddp, const Tensor& x, const Tensor& y, int rank,
+                      int world, float loss_scale = 1.f, bool local_only = false) {
   auto sizes = dp::chunk_sizes(x.dim(0), world);
   int64_t b = dp::chunk_begin(sizes, rank);
   Tensor xs = x.slice(b, b + sizes[rank]).to(Device::cpu(rank));
@@ -78,7 +85,21 @@ void ddp_step(DistributedDataParallel& ddp, nn::Optimizer& opt, const Tensor& x,
   Tensor loss = Tensor::empty({1}, DType::f32, Device::cpu(rank));
   Tensor dl = Tensor::empty(out.shape(), DType::f32, Device::cpu(rank));
   softmax_cross_entropy(loss, dl, out, ys);
-  ddp.backward(dl);
+  if (loss_scale != 1.f) scale(dl, dl, loss_scale);
+  if (local_only) {
+    auto no_sync = ddp.no_sync();
+    ddp.backward(dl);
+  } else {
+    ddp.backward(dl);
+  }
+  scale(loss, loss, share_of(x.dim(0), rank, world));
+  return loss;
+}
+
+// One step of rank r on its chunk of the global batch; returns nothing, updates the module.
+void ddp_step(DistributedDataParallel& ddp, nn::Optimizer& opt, const Tensor& x, const Tensor& y,
+              int rank, int world) {
+  chunk_backward(ddp, x, y, rank, world);
   ddp.finish_gradient_sync();
   opt.step();
 }
@@ -278,20 +299,8 @@ namespace {
 // Rank r's step under ZeRO-1: local backward (DDP's no_sync), then the ZeRO exchange.
 void zero_step(DistributedDataParallel& ddp, dp::dist::ZeroStage1& zero, const Tensor& x,
                const Tensor& y, int rank, int world) {
-  auto sizes = dp::chunk_sizes(x.dim(0), world);
-  int64_t b = dp::chunk_begin(sizes, rank);
-  Tensor xs = x.slice(b, b + sizes[rank]).to(Device::cpu(rank));
-  Tensor ys = y.slice(b, b + sizes[rank]).to(Device::cpu(rank));
-  ddp.module().zero_grad();
-  Tensor out = ddp.forward(xs);
-  Tensor loss = Tensor::empty({1}, DType::f32, Device::cpu(rank));
-  Tensor dl = Tensor::empty(out.shape(), DType::f32, Device::cpu(rank));
-  softmax_cross_entropy(loss, dl, out, ys);
-  {
-    auto local_only = ddp.no_sync();
-    ddp.backward(dl);
-  }
-  zero.step(dp::chunk_share(sizes[rank], x.dim(0)));
+  chunk_backward(ddp, x, y, rank, world, 1.f, /*local_only=*/true);
+  zero.step(share_of(x.dim(0), rank, world));
 }
 
 AdamWConfig adamw() {
@@ -578,21 +587,9 @@ namespace {
 float ddp_amp_step(DistributedDataParallel& ddp, nn::Optimizer& opt, nn::GradScaler& scaler,
                    dp::dist::ProcessGroup& pg, const Tensor& x, const Tensor& y, int rank,
                    int world) {
-  auto sizes = dp::chunk_sizes(x.dim(0), world);
-  int64_t b = dp::chunk_begin(sizes, rank);
-  Tensor xs = x.slice(b, b + sizes[rank]).to(Device::cpu(rank));
-  Tensor ys = y.slice(b, b + sizes[rank]).to(Device::cpu(rank));
-  ddp.set_batch_share(sizes[rank], x.dim(0));
-  ddp.module().zero_grad();
-  Tensor out = ddp.forward(xs);
-  Tensor loss = Tensor::empty({1}, DType::f32, Device::cpu(rank));
-  Tensor dl = Tensor::empty(out.shape(), DType::f32, Device::cpu(rank));
-  softmax_cross_entropy(loss, dl, out, ys);
-  scaler.scale_loss_grad(dl);
-  ddp.backward(dl);
+  Tensor loss = chunk_backward(ddp, x, y, rank, world, scaler.scale());
   ddp.finish_gradient_sync();
   scaler.step(opt, ddp.module().flat_grads());
-  scale(loss, loss, dp::chunk_share(sizes[rank], x.dim(0)));
   pg.all_reduce(loss, dp::dist::ReduceOp::sum)->wait();
   return loss.item();
 }
@@ -603,18 +600,10 @@ TEST_CASE("ddp.amp: 4 ranks follow the single-device bf16 loss curve within the 
   const int world = 4, steps = 6;
   for (int64_t batch : {32, 30}) {
     CAPTURE(batch);
-    auto single = nn::mlp({6, 64, 64, 5});
-    single->materialize(Device::cpu(0), kSeed);
-    single->set_compute_dtype(DType::bf16);
-    nn::SGD single_opt(*single, sgd());
-    nn::GradScaler single_scaler(nn::Precision::bf16);
-    std::vector<float> ref;
-    std::vector<double> bound;
-    for (int s = 0; s < steps; ++s) {
-      auto [x, y] = dp_test::toy_batch(batch, 100 + s);
-      bound.push_back(2 * dp_test::mixed_precision_loss_bound(*single, x, DType::bf16));
-      ref.push_back(dp_test::amp_step(*single, single_opt, single_scaler, x, y));
-    }
+    const dp_test::MixedPrecisionCurve single = dp_test::mixed_precision_curve(
+        nn::mlp({6, 64, 64, 5}), kSeed, sgd(), batch, steps, DType::bf16);
+    const std::vector<float>& ref = single.losses;
+    const std::vector<double>& bound = single.bounds;
     std::vector<std::vector<float>> losses(world), params(world);
     run_ranks(world, [&](int r, dp::dist::ProcessGroup& pg) {
       auto m = nn::mlp({6, 64, 64, 5});
@@ -712,26 +701,13 @@ TEST_CASE("ddp.zero: amp, bf16 ZeRO-1 follows bf16 DDP, and a NaN in one shard s
     dp::dist::ZeroStage1 zero(pg, *m, opt);
     for (int s = 0; s < steps + 1; ++s) {
       auto [x, y] = dp_test::toy_batch(batch, 100 + (s < 2 ? s : s - 1));
-      auto sizes = dp::chunk_sizes(batch, world);
-      int64_t b = dp::chunk_begin(sizes, r);
-      Tensor xs = x.slice(b, b + sizes[r]).to(Device::cpu(r));
-      Tensor ys = y.slice(b, b + sizes[r]).to(Device::cpu(r));
-      m->zero_grad();
-      Tensor out = ddp.forward(xs);
-      Tensor loss = Tensor::empty({1}, DType::f32, Device::cpu(r));
-      Tensor dl = Tensor::empty(out.shape(), DType::f32, Device::cpu(r));
-      softmax_cross_entropy(loss, dl, out, ys);
-      {
-        auto local_only = ddp.no_sync();
-        ddp.backward(dl);
-      }
+      Tensor loss = chunk_backward(ddp, x, y, r, world, scaler.scale(), /*local_only=*/true);
       const bool poison = s == 2;
       if (poison && r == 0) m->flat_grads().data<float>()[zero.plan().begin(3)] = std::nanf("");
       if (poison) before[r] = m->flat_params().to_host_f32();
-      const bool taken = zero.step(dp::chunk_share(sizes[r], batch), &scaler);
+      const bool taken = zero.step(share_of(batch, r, world), &scaler);
       CHECK(taken == !poison);
       if (poison) after[r] = m->flat_params().to_host_f32();
-      scale(loss, loss, dp::chunk_share(sizes[r], batch));
       pg.all_reduce(loss, dp::dist::ReduceOp::sum)->wait();
       if (r == 0 && !poison) zero_losses.push_back(loss.item());
     }

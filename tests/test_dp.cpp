@@ -334,18 +334,8 @@ TEST_CASE("dp.amp: 4 devices follow the single-device bf16 loss curve within the
   for (int64_t batch : {32, 30}) {
     CAPTURE(batch);
     auto make = [] { return nn::mlp({6, 64, 64, 5}); };
-    auto single = make();
-    single->materialize(Device::cpu(0), kSeed);
-    single->set_compute_dtype(DType::bf16);
-    nn::SGD single_opt(*single, momentum_sgd());
-    nn::GradScaler single_scaler(nn::Precision::bf16);
-    std::vector<float> ref;
-    std::vector<double> bound;
-    for (int s = 0; s < steps; ++s) {
-      auto [x, y] = dp_test::toy_batch(batch, 100 + s);
-      bound.push_back(2 * dp_test::mixed_precision_loss_bound(*single, x, DType::bf16));
-      ref.push_back(dp_test::amp_step(*single, single_opt, single_scaler, x, y));
-    }
+    auto [ref, bound] =
+        dp_test::mixed_precision_curve(make(), kSeed, momentum_sgd(), batch, steps, DType::bf16);
     auto m = make();
     m->materialize(Device::cpu(0), kSeed);
     nn::SGD opt(*m, momentum_sgd());

@@ -11,19 +11,28 @@
 
 namespace dp_test {
 
-// One step on one device: zero_grad, forward, fused softmax cross-entropy over the whole
-// batch, backward, optimizer step. Returns the batch's mean loss.
-inline float single_step(nn::Module& m, nn::Optimizer& opt, const kernels::Tensor& x,
-                         const kernels::Tensor& y) {
+// One step on one device under `scaler`: zero_grad, forward, fused softmax cross-entropy over
+// the whole batch, the loss scale into its gradient, backward, then the scaler's check and
+// (unscaled) optimizer step or skip. Returns the batch's mean loss.
+inline float amp_step(nn::Module& m, nn::Optimizer& opt, nn::GradScaler& scaler,
+                      const kernels::Tensor& x, const kernels::Tensor& y) {
   kernels::Device d = m.device();
   m.zero_grad();
   kernels::Tensor out = m.forward(x.to(d));
   kernels::Tensor loss = kernels::Tensor::empty({1}, kernels::DType::f32, d);
   kernels::Tensor dlogits = kernels::Tensor::empty(out.shape(), kernels::DType::f32, d);
   kernels::softmax_cross_entropy(loss, dlogits, out, y.to(d));
+  scaler.scale_loss_grad(dlogits);
   m.backward(dlogits);
-  opt.step();
+  scaler.step(opt, m.flat_grads());
   return loss.item();
+}
+
+// The same in f32: the scaler is off (scale 1, no check), so the optimizer always steps.
+inline float single_step(nn::Module& m, nn::Optimizer& opt, const kernels::Tensor& x,
+                         const kernels::Tensor& y) {
+  nn::GradScaler off(nn::Precision::fp32);
+  return amp_step(m, opt, off, x, y);
 }
 
 // Materialises `m` on cpu:0 from `seed` and trains it on toy batches 100, 101, ... of `batch`

@@ -131,7 +131,6 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   kernels::Tensor& loss = kernels::ensure(loss_, {1}, kernels::DType::f32, device_);
   kernels::Tensor& dlogits = kernels::ensure(dlogits_, out.shape(), kernels::DType::f32, device_);
   kernels::softmax_cross_entropy(loss, dlogits, out, y);
-  last_scale_ = scaler_.scale();
   scaler_.scale_loss_grad(dlogits);  // fp16: the loss gradient carries the scale
   context_->synchronize();
   times_.forward = ms_since(t0);
@@ -148,7 +147,7 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   times_.backward = ms_since(t0);
 
   if (zero_) {
-    last_skipped_ = !zero_->step(share, &scaler_);
+    zero_->step(share, &scaler_);
     if (ddp_options_.buffer_sync == BufferSync::average && m.flat_buffers().numel() > 0)
       group_->all_reduce(m.flat_buffers(), ReduceOp::avg)->wait();
     times_.allreduce_wait = zero_->last_times().reduce_scatter + zero_->last_times().all_gather;
@@ -167,7 +166,7 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
     kernels::NvtxRange range("ddp/step");
     TraceScope slice(ddp_->trace(), "ddp/step", rank());
     // The all-reduced gradient is the same on every rank: so is the decision.
-    last_skipped_ = !scaler_.step(*optimizer_, m.flat_grads());
+    scaler_.step(*optimizer_, m.flat_grads());
     context_->synchronize();
   }
   times_.optimizer = ms_since(t0);

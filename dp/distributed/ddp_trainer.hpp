@@ -91,9 +91,6 @@ class DdpTrainer {
   std::vector<uint64_t> all_gather(uint64_t value);
   const DdpStepTimes& last_times() const { return times_; }
   nn::GradScaler& scaler() { return scaler_; }
-  // The loss scale the last step used, and whether it skipped its optimizer step.
-  float last_loss_scale() const { return last_scale_; }
-  bool last_skipped() const { return last_skipped_; }
 
  private:
   // The global batch's mean loss from this rank's chunk loss and share (a collective).
@@ -113,8 +110,6 @@ class DdpTrainer {
   bool sync_bn_ = false;
   nn::Precision precision_ = nn::Precision::fp32;
   nn::GradScaler scaler_{nn::Precision::fp32};
-  float last_scale_ = 1.f;
-  bool last_skipped_ = false;
   std::unique_ptr<ZeroStage1> zero_;
   kernels::Tensor input_, labels_, loss_, dlogits_;  // this rank's step buffers, reused
   DdpStepTimes times_;
