@@ -84,21 +84,28 @@ TEST_CASE("samples.train_mnist: --mode ps with one worker at staleness 0 is the 
   CHECK(ps["test_accuracy"] == single["test_accuracy"]);
 }
 
-TEST_CASE("samples.train_mnist: --mode ps on 4 workers reaches 84% in one epoch (MLP)") {
+TEST_CASE(
+    "samples.train_mnist: --mode ps on 4 async workers stays within 2.5 points of one device") {
   if (skip_without_fashion_mnist()) return;
-  // Asynchronous: the order in which updates land depends on thread timing, so single runs
-  // spread (84.2-85.1% measured). The mean of three independent runs is held to 84%, each run
-  // to 83%.
+  // Asynchronous: the order in which updates land depends on thread timing, so runs spread.
+  // Measured (MLP, one epoch): one device 85.8%; sixteen async runs on 4 workers 83.8-85.0%,
+  // mean 84.5%, sd 0.35 points, idle or with six runs sharing two cores. A fixed 84% floor on
+  // the mean of three failed by chance in CI (83.9%), so the mean is held to the deterministic
+  // single-device run less 2.5 points (about six sd of a mean of three), each run to less 4.
+  const std::string common = "--device cpu --model mlp --epochs 1";
+  const double single = train(common)["test_accuracy"].get<double>();
   double sum = 0;
   for (int run = 0; run < 3; ++run) {
-    auto ps = train("--device cpu --model mlp --epochs 1 --mode ps --gpus 4");
+    auto ps = train(common + " --mode ps --gpus 4");
     CHECK(ps["devices"] == 4);
     double acc = ps["test_accuracy"].get<double>();
     CAPTURE(acc);
-    CHECK(acc >= 0.83);
+    CAPTURE(single);
+    CHECK(acc >= single - 0.04);
     sum += acc;
   }
-  CHECK(sum / 3 >= 0.84);
+  CHECK(sum / 3 >= single - 0.025);
+  CHECK(single >= 0.85);
 }
 
 TEST_CASE("samples.train_mnist: DDP pads a last batch too short for its ranks, as DP does") {
