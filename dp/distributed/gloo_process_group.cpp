@@ -546,72 +546,52 @@ std::shared_ptr<Work> GlooProcessGroup::reduce_scatter(Tensor& out, const Tensor
 }
 
 std::shared_ptr<Work> GlooProcessGroup::send(const Tensor& t, int dst, uint32_t tag) {
-  DP_CHECK(t.defined(), "send: undefined tensor");
-  DP_CHECK(dst >= 0 && dst < size() && dst != rank(),
-           "send: destination " << dst << " must be another rank in [0, " << size() << ")");
-  Millis to = timeout();
-  std::string what = "send(to rank " + std::to_string(dst) + ", tag " + std::to_string(tag) +
-                     ") of " + describe_tensor(t);
-  auto work = std::make_shared<GlooP2PWork>(state_, what, to, true, t);
-  State* s = state_.get();
-  Task task{TaskKind::point_to_point,
-            what,
-            to,
-            ready_marker("send", {&t}),
-            nullptr,
-            [work](std::exception_ptr e) {
-              if (e) work->failed(e);
-            }};
-  task.run = [s, t, dst, tag, work](uint32_t) {
-    if (t.nbytes() == 0) {
-      work->posted(nullptr, Tensor(), Tensor(), nullptr);
-      return;
-    }
-    // A send stays in flight after the worker moves on: stage in a pooled pinned buffer of
-    // its own until its work completes.
-    Tensor h = t, staging;
-    if (t.device().is_cuda()) {
-      staging = s->p2p_staging.take(t.numel(), t.dtype());
-      h = staging.view(0, {t.numel()});
-      kernels::copy(h, t);  // D2H on this thread's stream, waited for
-    }
-    auto buf = s->ctx->createUnboundBuffer(h.raw(), h.nbytes());
-    buf->send(dst, kP2PSlotBase + tag);
-    work->posted(std::move(buf), h, std::move(staging), s->ctx);
-  };
-  state_->enqueue(std::move(task));
-  return work;
+  return point_to_point(t, dst, tag, true);
 }
 
 std::shared_ptr<Work> GlooProcessGroup::recv(Tensor& t, int src, uint32_t tag) {
-  DP_CHECK(t.defined(), "recv: undefined tensor");
-  DP_CHECK(src >= 0 && src < size() && src != rank(),
-           "recv: source " << src << " must be another rank in [0, " << size() << ")");
+  return point_to_point(t, src, tag, false);
+}
+
+std::shared_ptr<Work> GlooProcessGroup::point_to_point(const Tensor& t, int peer, uint32_t tag,
+                                                       bool is_send) {
+  const char* op = is_send ? "send" : "recv";
+  DP_CHECK(t.defined(), op << ": undefined tensor");
+  DP_CHECK(peer >= 0 && peer < size() && peer != rank(),
+           op << ": " << (is_send ? "destination " : "source ") << peer
+              << " must be another rank in [0, " << size() << ")");
   Millis to = timeout();
-  std::string what = "recv(from rank " + std::to_string(src) + ", tag " + std::to_string(tag) +
-                     ") of " + describe_tensor(t);
-  auto work = std::make_shared<GlooP2PWork>(state_, what, to, false, t);
+  std::string what = std::string(op) + (is_send ? "(to rank " : "(from rank ") +
+                     std::to_string(peer) + ", tag " + std::to_string(tag) + ") of " +
+                     describe_tensor(t);
+  auto work = std::make_shared<GlooP2PWork>(state_, what, to, is_send, t);
   State* s = state_.get();
   Task task{TaskKind::point_to_point,
             what,
             to,
-            ready_marker("recv", {&t}),
+            ready_marker(op, {&t}),
             nullptr,
             [work](std::exception_ptr e) {
               if (e) work->failed(e);
             }};
-  task.run = [s, t, src, tag, work](uint32_t) {
+  task.run = [s, t, peer, tag, is_send, work](uint32_t) {
     if (t.nbytes() == 0) {
       work->posted(nullptr, Tensor(), Tensor(), nullptr);
       return;
     }
+    // A send stays in flight after the worker moves on, and a receive lands after it: a CUDA
+    // tensor travels through a pooled pinned buffer of its own until its work completes.
     Tensor h = t, staging;
     if (t.device().is_cuda()) {
       staging = s->p2p_staging.take(t.numel(), t.dtype());
       h = staging.view(0, {t.numel()});
+      if (is_send) kernels::copy(h, t);  // D2H on this thread's stream, waited for
     }
     auto buf = s->ctx->createUnboundBuffer(h.raw(), h.nbytes());
-    buf->recv(src, kP2PSlotBase + tag);
+    if (is_send)
+      buf->send(peer, kP2PSlotBase + tag);
+    else
+      buf->recv(peer, kP2PSlotBase + tag);
     work->posted(std::move(buf), h, std::move(staging), s->ctx);
   };
   state_->enqueue(std::move(task));

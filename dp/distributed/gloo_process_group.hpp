@@ -41,6 +41,10 @@ class GlooProcessGroup final : public ProcessGroup {
   struct State;  // the gloo context and the worker queue (shared with pending works)
 
  private:
+  // send (is_send) or recv of `t` with `peer`; `t` is only read when sending.
+  std::shared_ptr<Work> point_to_point(const kernels::Tensor& t, int peer, uint32_t tag,
+                                       bool is_send);
+
   std::shared_ptr<State> state_;
 };
 
