@@ -82,16 +82,7 @@ void add_flags(CLI::App& app, Options& o) {
   app.add_option("--project-from", o.project_from,
                  "dp_bench JSON of a GPU run whose compute the NVLink/PCIe projection uses")
       ->check(CLI::ExistingFile);
-  app.add_option("--nnodes", o.nnodes, "DDP: nodes (run dp_bench on each with its --node-rank)")
-      ->check(whole_number(1, kMaxDevices));
-  app.add_option("--node-rank", o.node_rank, "DDP: this node's index in [0, nnodes)")
-      ->check(whole_number(0, kMaxDevices - 1));
-  app.add_option("--master-addr", o.master_addr, "DDP: node 0's address (rendezvous store)");
-  app.add_option("--master-port", o.master_port, "DDP: node 0's port (0: a free one, one node)")
-      ->check(whole_number(0, 65535));
-  app.add_option("--max-local-ranks", o.max_local_ranks,
-                 "DDP: most ranks to start on this node (default: from its cores and memory)")
-      ->check(whole_number(1, kMaxDevices));
+  dp::cli::add_launch_flags(app, o.launch, kMaxDevices);
   app.add_option("--checkpoint-dir", o.checkpoint_dir,
                  "write the whole training state here (step_N.safetensors), every --save-every "
                  "steps and at the end; one run at a time (--mode dp|ddp --baseline 0)")
@@ -103,10 +94,6 @@ void add_flags(CLI::App& app, Options& o) {
   app.add_option("--resume", o.resume,
                  "resume from a training state file, or 'latest' in --checkpoint-dir (same mode, "
                  "--gpus, model, --batch and seed)");
-  app.add_option("--max-restarts", o.max_restarts,
-                 "DDP: start all ranks again after one fails, up to this many times (one node; "
-                 "workers see DP_RESTART_COUNT)")
-      ->check(whole_number(0, dp::dist::kMaxRestarts));
   app.add_option("--timeout", o.timeout_s,
                  "DDP: seconds the rendezvous and each collective may take (default: DP_TIMEOUT, "
                  "else 60 s to rendezvous and 300 s per collective)")
@@ -157,20 +144,21 @@ void validate(const Options& o, const Setup& s, const std::vector<int>& counts) 
     if ((ddp && o.mode == "dp") || (!ddp && o.mode == "ddp")) continue;
     for (int n : largest_first) {
       // DDP's global batch is split across the ranks of every node.
-      const int world = ddp ? n * o.nnodes : n;
+      const int world = ddp ? n * o.launch.nnodes : n;
       const std::string split =
           std::to_string(world) + (ddp ? " rank" : " device") + (world == 1 ? "" : "s");
       int64_t batch = o.batch;
       std::string flag = "--batch " + std::to_string(batch);
       if (o.batch_per_device) {
-        batch =
-            dp::cli::checked_product(*o.batch_per_device, "--batch-per-device", world,
-                                     o.nnodes > 1 && ddp ? "ranks" : "--gpus", dp::cli::kMaxRows);
+        batch = dp::cli::checked_product(*o.batch_per_device, "--batch-per-device", world,
+                                         o.launch.nnodes > 1 && ddp ? "ranks" : "--gpus",
+                                         dp::cli::kMaxRows);
         flag = "--batch-per-device " + std::to_string(*o.batch_per_device);
       }
       DP_CHECK(batch >= world, "--batch " << batch << " leaves some of the " << split
                                           << " without rows: give --batch >= " << world);
-      if (ddp) dp::dist::check_local_ranks(n, o.max_local_ranks);  // before the memory figures
+      if (ddp)
+        dp::dist::check_local_ranks(n, o.launch.max_local_ranks);  // before the memory figures
       // Samples of the synthetic set: one global batch per step.
       dp::cli::checked_product(steps, "--steps + --warmup", batch, "the global batch",
                                std::numeric_limits<int64_t>::max());
@@ -414,13 +402,15 @@ int run(const Options& o, int argc, char** argv) {
   if (dp::dist::worker_env_from_environment()) return ddp_worker_main(o, argc, argv);
   if (o.mode != "dp") dp::dist::check_launchable(o.backend, "dp_bench");
   Setup s = resolve(o);
-  if (o.nnodes > 1) {
-    DP_CHECK(o.mode == "ddp", "--nnodes " << o.nnodes << ": only --mode ddp spans nodes (DP is "
+  if (o.launch.nnodes > 1) {
+    DP_CHECK(o.mode == "ddp", "--nnodes " << o.launch.nnodes
+                                          << ": only --mode ddp spans nodes (DP is "
                                           << "one process by definition)");
-    DP_CHECK(o.master_port > 0 && o.sweep.empty(),
-             "--nnodes " << o.nnodes << ": give --master-addr/--master-port, and no --sweep");
-    DP_CHECK(o.node_rank < o.nnodes,
-             "--node-rank " << o.node_rank << " is not in [0, " << o.nnodes << ")");
+    DP_CHECK(
+        o.launch.master_port > 0 && o.sweep.empty(),
+        "--nnodes " << o.launch.nnodes << ": give --master-addr/--master-port, and no --sweep");
+    DP_CHECK(o.launch.node_rank < o.launch.nnodes,
+             "--node-rank " << o.launch.node_rank << " is not in [0, " << o.launch.nnodes << ")");
   }
   if (!o.checkpoint_dir.empty() || !o.resume.empty()) {
     DP_CHECK(
@@ -433,11 +423,12 @@ int run(const Options& o, int argc, char** argv) {
   }
   DP_CHECK(!o.save_every || !o.checkpoint_dir.empty(),
            "--save-every needs --checkpoint-dir (where to write)");
-  if (o.max_restarts > 0) {
+  if (o.launch.max_restarts > 0) {
     DP_CHECK(o.mode == "ddp" || o.mode == "both",
-             "--max-restarts " << o.max_restarts << ": only DDP (--mode ddp or both) has worker "
+             "--max-restarts " << o.launch.max_restarts
+                               << ": only DDP (--mode ddp or both) has worker "
                                << "processes to restart");
-    dp::dist::check_restarts_allowed(o.max_restarts, o.nnodes);
+    dp::dist::check_restarts_allowed(o.launch.max_restarts, o.launch.nnodes);
   }
   const bool low_precision = nn::compute_dtype(s.precision) != kernels::DType::f32;
   DP_CHECK(o.zero == 0 || s.comm_dtype == kernels::DType::f32 || o.mode == "dp",
@@ -447,7 +438,7 @@ int run(const Options& o, int argc, char** argv) {
   DP_CHECK(!(low_precision || s.comm_dtype != kernels::DType::f32) || o.mode != "ps",
            "--mode ps with --dtype " << o.dtype << " --comm-dtype " << o.comm_dtype
                                      << ": the parameter server trains and sends f32 only");
-  std::vector<int> counts = o.nnodes > 1 ? std::vector<int>{s.gpus} : sweep_counts(o, s);
+  std::vector<int> counts = o.launch.nnodes > 1 ? std::vector<int>{s.gpus} : sweep_counts(o, s);
   validate(o, s, counts);
   if (o.mode == "ps") return run_ps_mode(o, s);
   int max_n = *std::max_element(counts.begin(), counts.end());
@@ -466,8 +457,8 @@ int run(const Options& o, int argc, char** argv) {
                                          ? run_dp(o, s, n, tracing ? &trace : nullptr)
                                          : run_ddp(o, s, n, argc, argv, tracing ? &trace : nullptr);
       if (!got) {
-        std::printf("dp_bench: node %d ran its %d ranks; node 0 prints the report\n", o.node_rank,
-                    n);
+        std::printf("dp_bench: node %d ran its %d ranks; node 0 prints the report\n",
+                    o.launch.node_rank, n);
         return 0;
       }
       RunResult r = std::move(*got);

@@ -9,6 +9,7 @@
 
 #include "benchmarks/report.hpp"
 #include "dp/data/synthetic.hpp"
+#include "dp/distributed/launcher.hpp"
 #include "dp/trace.hpp"
 #include "kernels/ops.hpp"
 #include "nn/amp.hpp"
@@ -37,17 +38,14 @@ struct Options {
   std::string dp_reduce = "star";                  // DP: star|tree
   std::string project_from;                        // GPU results file for the projection
   // DDP across nodes: every node runs dp_bench with the same flags and its own --node-rank.
-  int nnodes = 1, node_rank = 0;
-  std::string master_addr = "127.0.0.1";
-  int master_port = 0;   // 0: a free one (one node)
+  // DDP launch flags (dp::cli::add_launch_flags); nproc_per_node is set per run.
+  dp::dist::LaunchOptions launch;
   double timeout_s = 0;  // DDP rendezvous and collectives; 0: DP_TIMEOUT or the defaults
-  std::optional<int> max_local_ranks;  // DDP: unset: dp::dist::local_rank_limit()
   // Training state: saved every save_every steps and at the end into checkpoint_dir (the newest
   // `keep` kept), resumed from a file or "latest" there. One run at a time.
   std::string checkpoint_dir, resume;
   std::optional<int> save_every;
   int keep = 3;
-  int max_restarts = 0;       // DDP: restarts after a failed attempt (one node)
   std::string optim = "sgd";  // sgd (momentum 0.9) or adamw
   int zero = 0;               // DDP: 1 shards the optimizer state (ZeRO stage 1)
   // --mode ps: bounded staleness (-1: unbounded), and lr / (1 + staleness) per update.

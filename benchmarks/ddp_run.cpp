@@ -94,29 +94,25 @@ std::optional<RunResult> run_ddp(const Options& o, const Setup& s, int n, int ar
     trace_fds += (rank ? "," : "") + std::to_string(traces.back()->fd());
   }
   dp::dist::DdpTrainerOptions t;
-  t.nproc = n;
-  t.nnodes = o.nnodes;
-  t.node_rank = o.node_rank;
-  t.master_addr = o.master_addr;
-  t.master_port = o.master_port;
-  t.max_local_ranks = o.max_local_ranks;
-  t.max_restarts = o.max_restarts;
+  t.backend = o.backend;
+  t.launch = o.launch;
+  t.launch.nproc_per_node = n;
   // The workers re-run this program with the same flags plus these: they read the worker
   // environment, train their shard and rank 0 writes the figures to the `result` descriptor.
-  t.extra_env = {{"DP_BENCH_DDP_RESULT_FD", std::to_string(result.fd())},
-                 {"DP_BENCH_DDP_TRACE_FDS", trace_fds},
-                 {"DP_BENCH_DDP_N", std::to_string(n * o.nnodes)},
-                 {"DP_BENCH_TRACE_ORIGIN_NS", trace ? std::to_string(now_ns()) : ""}};
+  t.launch.extra_env = {{"DP_BENCH_DDP_RESULT_FD", std::to_string(result.fd())},
+                        {"DP_BENCH_DDP_TRACE_FDS", trace_fds},
+                        {"DP_BENCH_DDP_N", std::to_string(n * o.launch.nnodes)},
+                        {"DP_BENCH_TRACE_ORIGIN_NS", trace ? std::to_string(now_ns()) : ""}};
   (void)s;
   std::optional<int> rc = dp::dist::launch_if_parent(t, argc, argv);
   DP_CHECK(rc.has_value(), "dp_bench: DDP launch from a worker process");
   if (*rc == 128 + SIGINT || *rc == 128 + SIGTERM)
-    throw Interrupted("the DDP run on " + std::to_string(n * o.nnodes) + " ranks was stopped by " +
-                          (*rc == 128 + SIGINT ? "SIGINT" : "SIGTERM"),
+    throw Interrupted("the DDP run on " + std::to_string(n * o.launch.nnodes) +
+                          " ranks was stopped by " + (*rc == 128 + SIGINT ? "SIGINT" : "SIGTERM"),
                       *rc);
-  DP_CHECK(*rc == 0, "dp_bench: the DDP run on " << n * o.nnodes << " ranks failed (launcher exit "
-                                                 << *rc << ")");
-  if (o.node_rank != 0) return std::nullopt;  // rank 0, and so the figures, live on node 0
+  DP_CHECK(*rc == 0, "dp_bench: the DDP run on " << n * o.launch.nnodes
+                                                 << " ranks failed (launcher exit " << *rc << ")");
+  if (o.launch.node_rank != 0) return std::nullopt;  // rank 0, and so the figures, live on node 0
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(result.read());

@@ -14,6 +14,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "dp/distributed/launcher.hpp"
 #include "kernels/runtime/dtype.hpp"
 #include "kernels/runtime/memory_info.hpp"
 
@@ -35,6 +36,10 @@ CLI::Validator positive_number(double hi);
 // Mixed precision (nn/amp.hpp), one spelling for every program: --dtype fp32|tf32|bf16|fp16
 // into `dtype` and --comm-dtype fp32|bf16 into `comm_dtype`, refused at parse time otherwise.
 void add_precision_flags(CLI::App& app, std::string& dtype, std::string& comm_dtype);
+// Where DDP workers run, one spelling for every program that launches them: --nnodes,
+// --node-rank, --master-addr, --master-port, --max-local-ranks and --max-restarts, bound into
+// `launch` and bounded at parse time (nodes and ranks by `max_ranks`).
+void add_launch_flags(CLI::App& app, dp::dist::LaunchOptions& launch, int max_ranks);
 // The dtype gradients travel in for a --comm-dtype value: f32 or bf16.
 kernels::DType comm_dtype(const std::string& value);
 

@@ -54,11 +54,8 @@ struct Flags {
   std::string checkpoint_dir, resume;
   std::optional<int64_t> save_every;
   int keep = 3;
-  int nnodes = 1, node_rank = 0, master_port = 0;
-  std::string master_addr = "127.0.0.1";
-  std::optional<int> max_local_ranks;  // ddp; unset: dp::dist::local_rank_limit()
-  int max_restarts = 0;                // ddp: restarts after a failed attempt (one node)
-  double timeout_s = 0;  // ddp rendezvous and collectives; 0: DP_TIMEOUT or the defaults
+  dp::dist::LaunchOptions launch;  // ddp (dp::cli::add_launch_flags); nproc_per_node: --gpus
+  double timeout_s = 0;            // ddp rendezvous and collectives; 0: DP_TIMEOUT or the defaults
 };
 
 constexpr int kMaxDevices = 1024;
@@ -144,20 +141,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"pad", "drop"}));
   app.add_option("--backend", f.backend, "ddp: auto|nccl|gloo|mpi (mpi: under mpirun)")
       ->check(CLI::IsMember({"auto", "nccl", "gloo", "mpi"}));
-  app.add_option("--nnodes", f.nnodes, "ddp: nodes (run on each with its --node-rank)")
-      ->check(whole_number(1, kMaxDevices));
-  app.add_option("--node-rank", f.node_rank, "ddp: this node's index")
-      ->check(whole_number(0, kMaxDevices - 1));
-  app.add_option("--master-addr", f.master_addr, "ddp: node 0's address");
-  app.add_option("--master-port", f.master_port, "ddp: node 0's port (0: a free one, one node)")
-      ->check(whole_number(0, 65535));
-  app.add_option("--max-local-ranks", f.max_local_ranks,
-                 "ddp: most ranks to start on this node (default: from its cores and memory)")
-      ->check(whole_number(1, kMaxDevices));
-  app.add_option("--max-restarts", f.max_restarts,
-                 "ddp: start all ranks again after one fails, up to this many times (one node; "
-                 "workers see DP_RESTART_COUNT)")
-      ->check(whole_number(0, dp::dist::kMaxRestarts));
+  dp::cli::add_launch_flags(app, f.launch, kMaxDevices);
   app.add_option("--timeout", f.timeout_s,
                  "ddp: seconds the rendezvous and each collective may take (default: DP_TIMEOUT, "
                  "else 60 s to rendezvous and 300 s per collective)")
@@ -201,15 +185,17 @@ int main(int argc, char** argv) {
              "--comm-dtype " << f.comm_dtype << ": only --mode dp and ddp communicate gradients");
     // Rows every global batch is split into (a parameter server's workers each take whole
     // batches).
-    const int split = f.mode == "single" || f.mode == "ps" ? 1 : f.gpus * f.nnodes;
-    DP_CHECK(f.mode == "ddp" || f.nnodes == 1,
-             "--nnodes " << f.nnodes << ": only --mode ddp spans nodes");
-    DP_CHECK(f.mode == "ddp" || f.max_restarts == 0,
-             "--max-restarts " << f.max_restarts << ": only --mode ddp has worker processes to "
+    const int split = f.mode == "single" || f.mode == "ps" ? 1 : f.gpus * f.launch.nnodes;
+    DP_CHECK(f.mode == "ddp" || f.launch.nnodes == 1,
+             "--nnodes " << f.launch.nnodes << ": only --mode ddp spans nodes");
+    DP_CHECK(f.mode == "ddp" || f.launch.max_restarts == 0,
+             "--max-restarts " << f.launch.max_restarts
+                               << ": only --mode ddp has worker processes to "
                                << "restart");
-    dp::dist::check_restarts_allowed(f.max_restarts, f.nnodes);
-    DP_CHECK(f.node_rank < f.nnodes,
-             "--node-rank " << f.node_rank << " is not in [0, --nnodes " << f.nnodes << ")");
+    dp::dist::check_restarts_allowed(f.launch.max_restarts, f.launch.nnodes);
+    DP_CHECK(f.launch.node_rank < f.launch.nnodes, "--node-rank " << f.launch.node_rank
+                                                                  << " is not in [0, --nnodes "
+                                                                  << f.launch.nnodes << ")");
     DP_CHECK(f.batch >= split, "--batch " << f.batch << " leaves some of the " << split
                                           << (f.mode == "ddp" ? " ranks" : " devices")
                                           << " without rows: give --batch >= " << split);
@@ -218,15 +204,9 @@ int main(int argc, char** argv) {
     std::string dir = f.data.empty() ? dp::data::kDefaultFashionMnistDir : f.data;
     if (f.mode == "ddp") {
       dp::dist::DdpTrainerOptions t;
-      t.nproc = f.gpus;
-      t.nnodes = f.nnodes;
-      t.node_rank = f.node_rank;
-      t.master_addr = f.master_addr;
-      t.master_port = f.master_port;
       t.backend = f.backend;
-      t.device_type = device_type(f.device);
-      t.max_local_ranks = f.max_local_ranks;
-      t.max_restarts = f.max_restarts;
+      t.launch = f.launch;
+      t.launch.nproc_per_node = f.gpus;
       // The ranks re-run this program; each trains its shard of every global batch.
       std::optional<int> rc = dp::dist::launch_if_parent(t, argc, argv);
       if (rc) return *rc;

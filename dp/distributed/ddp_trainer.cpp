@@ -20,16 +20,7 @@ double ms_since(Clock::time_point t0) {
 std::optional<int> launch_if_parent(const DdpTrainerOptions& o, int argc, char** argv) {
   if (worker_env_from_environment()) return std::nullopt;
   check_launchable(o.backend, argc > 0 ? argv[0] : "this program");
-  LaunchOptions lo;
-  lo.nproc_per_node = o.nproc;
-  lo.nnodes = o.nnodes;
-  lo.node_rank = o.node_rank;
-  lo.master_addr = o.master_addr;
-  lo.master_port = o.master_port;
-  lo.extra_env = o.extra_env;
-  lo.max_local_ranks = o.max_local_ranks;
-  lo.max_restarts = o.max_restarts;
-  return launch_workers(lo, std::vector<std::string>(argv, argv + argc));
+  return launch_workers(o.launch, std::vector<std::string>(argv, argv + argc));
 }
 
 DdpTrainer::DdpTrainer(kernels::DeviceType type, const std::string& backend, DdpOptions ddp,

@@ -26,20 +26,13 @@
 namespace dp::dist {
 
 struct DdpTrainerOptions {
-  int nproc = 1;  // ranks on this node
-  std::string backend = "auto";
-  kernels::DeviceType device_type = kernels::DeviceType::cpu;
-  int nnodes = 1, node_rank = 0;
-  std::string master_addr = "127.0.0.1";
-  int master_port = 0;  // 0: a free port (one node)
-  std::vector<std::pair<std::string, std::string>> extra_env;
-  std::optional<int> max_local_ranks;  // nullopt: local_rank_limit() (see launcher.hpp)
-  int max_restarts = 0;                // LaunchOptions::max_restarts: one node only
+  std::string backend = "auto";  // mpi is refused: its ranks come from mpirun
+  LaunchOptions launch;          // launch.nproc_per_node: ranks on this node
 };
 
 // In a process started as a worker (RANK etc. set, by us, torchrun, mpirun or Slurm): nullopt,
-// go on as a worker. Otherwise: runs options.nproc workers of this program with the same
-// arguments, waits for them, and returns the launcher's exit code.
+// go on as a worker. Otherwise: runs options.launch.nproc_per_node workers of this program with the
+// same arguments, waits for them, and returns the launcher's exit code.
 std::optional<int> launch_if_parent(const DdpTrainerOptions& options, int argc, char** argv);
 
 // Milliseconds of the phases of the last step on this rank.
