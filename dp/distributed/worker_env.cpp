@@ -30,6 +30,16 @@ void check_consistent(const WorkerEnv& w, const VarNames& n) {
                                                            << "=" << w.local_world_size << ")");
 }
 
+// The rank and the world size, both required (either one set names the launcher).
+void read_rank_world(WorkerEnv& w, const EnvLookup& env, const VarNames& n) {
+  std::optional<int> rank = env_int(env, n.rank, 0, kMaxRanks);
+  std::optional<int> world = env_int(env, n.world, 1, kMaxRanks);
+  DP_CHECK(rank, n.world << " is set but " << n.rank << " is not");
+  DP_CHECK(world, n.rank << " is set but " << n.world << " is not");
+  w.rank = *rank;
+  w.world_size = *world;
+}
+
 // MASTER_ADDR / MASTER_PORT with defaults on one node; required on several.
 void read_master(WorkerEnv& w, const EnvLookup& env, bool multi_node, bool required) {
   std::optional<std::string> addr = env("MASTER_ADDR");
@@ -55,12 +65,7 @@ std::optional<WorkerEnv> worker_env_of(const EnvLookup& env) {
   if (env("RANK") || env("WORLD_SIZE")) {
     VarNames n{"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"};
     w.source = "torchrun";
-    std::optional<int> rank = env_int(env, "RANK", 0, kMaxRanks);
-    std::optional<int> world = env_int(env, "WORLD_SIZE", 1, kMaxRanks);
-    DP_CHECK(rank, "WORLD_SIZE is set but RANK is not");
-    DP_CHECK(world, "RANK is set but WORLD_SIZE is not");
-    w.rank = *rank;
-    w.world_size = *world;
+    read_rank_world(w, env, n);
     std::optional<int> local_rank = env_int(env, "LOCAL_RANK", 0, kMaxRanks);
     std::optional<int> local_world = env_int(env, "LOCAL_WORLD_SIZE", 1, kMaxRanks);
     // Without LOCAL_* the job is taken as one node.
@@ -70,17 +75,15 @@ std::optional<WorkerEnv> worker_env_of(const EnvLookup& env) {
     if (!group) group = env_int(env, "NODE_RANK", 0, kMaxRanks);
     w.node_rank = group ? *group : w.rank / w.local_world_size;
     check_consistent(w, n);
-    read_master(w, env, w.local_world_size<w.world_size, w.world_size> 1);
+    const bool multi_node = w.local_world_size < w.world_size;
+    read_master(w, env, multi_node, w.world_size > 1);
     return w;
   }
   if (env("OMPI_COMM_WORLD_RANK")) {
     VarNames n{"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
                "OMPI_COMM_WORLD_LOCAL_SIZE"};
     w.source = "mpirun";
-    w.rank = *env_int(env, n.rank, 0, kMaxRanks);
-    std::optional<int> world = env_int(env, n.world, 1, kMaxRanks);
-    DP_CHECK(world, n.rank << " is set but " << n.world << " is not");
-    w.world_size = *world;
+    read_rank_world(w, env, n);
     std::optional<int> local_rank = env_int(env, n.local_rank, 0, kMaxRanks);
     std::optional<int> local_world = env_int(env, n.local_world, 1, kMaxRanks);
     w.local_rank = local_rank ? *local_rank : w.rank;
@@ -93,10 +96,7 @@ std::optional<WorkerEnv> worker_env_of(const EnvLookup& env) {
   if (env("SLURM_PROCID")) {
     VarNames n{"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"};
     w.source = "slurm";
-    w.rank = *env_int(env, n.rank, 0, kMaxRanks);
-    std::optional<int> world = env_int(env, n.world, 1, kMaxRanks);
-    DP_CHECK(world, n.rank << " is set but " << n.world << " is not");
-    w.world_size = *world;
+    read_rank_world(w, env, n);
     std::optional<int> local_rank = env_int(env, n.local_rank, 0, kMaxRanks);
     w.local_rank = local_rank ? *local_rank : 0;
     int nnodes = env_int(env, "SLURM_NNODES", 1, kMaxRanks).value_or(1);
