@@ -523,14 +523,6 @@ TEST_CASE("ddp.sync_bn: 4 ranks with SyncBatchNorm follow one device on the full
 }
 
 TEST_CASE("ddp.train_state: 4 ranks with dropout resume bit for bit (SGD momentum, AdamW)") {
-  auto dropout_net = [] {
-    auto s = std::make_shared<nn::Sequential>();
-    s->add(std::make_shared<nn::Linear>(6, 32));
-    s->add(std::make_shared<nn::ReLU>());
-    s->add(std::make_shared<nn::Dropout>(0.3f));
-    s->add(std::make_shared<nn::Linear>(32, 5));
-    return s;
-  };
   for (bool adam : {false, true}) {
     CAPTURE(adam);
     const int world = 4;
@@ -540,7 +532,7 @@ TEST_CASE("ddp.train_state: 4 ranks with dropout resume bit for bit (SGD momentu
     auto train = [&](int from, int save_at, bool load) {
       std::vector<std::vector<float>> params(world);
       run_ranks(world, [&](int r, dp::dist::ProcessGroup& pg) {
-        auto m = dropout_net();
+        auto m = dp_test::dropout_mlp();
         m->materialize(Device::cpu(r), kSeed);
         std::unique_ptr<nn::Optimizer> opt;
         if (adam)

@@ -18,15 +18,6 @@ using namespace kernels;
 
 namespace {
 
-nn::ModulePtr net() {
-  auto s = std::make_shared<nn::Sequential>();
-  s->add(std::make_shared<nn::Linear>(6, 32));
-  s->add(std::make_shared<nn::ReLU>());
-  s->add(std::make_shared<nn::Dropout>(0.3f));
-  s->add(std::make_shared<nn::Linear>(32, 5));
-  return s;
-}
-
 std::unique_ptr<nn::Optimizer> optimizer(nn::Module& m, bool adam) {
   if (adam) {
     AdamWConfig c;
@@ -53,7 +44,7 @@ struct Run {
 // (uneven over 4). With `save` the state is written after the last step; with `load` the run
 // starts from it.
 Run run(int n, bool adam, int from, int to, const std::string& save, const std::string& load) {
-  auto m = net();
+  auto m = dp_test::dropout_mlp();
   m->materialize(Device::cpu(0), 42);
   m->train();
   auto opt = optimizer(*m, adam);
@@ -118,7 +109,7 @@ TEST_CASE("nn.train_state: a different model, optimizer, world size or a damaged
   single.mode = "single";
   CHECK_THROWS_WITH_AS(nn::load_training_state(path, *other, *opt, single),
                        doctest::Contains("parameters (flat), this model has"), Error);
-  auto m = net();
+  auto m = dp_test::dropout_mlp();
   m->materialize(Device::cpu(0), 1);
   auto adam = optimizer(*m, true);
   CHECK_THROWS_WITH_AS(nn::load_training_state(path, *m, *adam, single),
@@ -154,7 +145,7 @@ TEST_CASE("nn.train_state: a reader written from the safetensors specification r
   }
   std::string path = state_path("python");
   run(0, true, 0, 3, path, "");
-  auto m = net();
+  auto m = dp_test::dropout_mlp();
   m->materialize(Device::cpu(0), 1);
   auto opt = optimizer(*m, true);
   nn::TrainingProgress single;
@@ -215,7 +206,7 @@ TEST_CASE("nn.train_state: a writer killed while saving leaves the previous stat
   int status = 0;
   ::waitpid(child, &status, 0);
   CHECK(WIFSIGNALED(status));
-  auto m = net();
+  auto m = dp_test::dropout_mlp();
   m->materialize(Device::cpu(0), 1);
   auto opt = optimizer(*m, false);
   nn::TrainingProgress single;
@@ -233,7 +224,7 @@ TEST_CASE("nn.train_state: a writer killed while saving leaves the previous stat
 }
 
 TEST_CASE("nn.train_state: amp, the loss scaler's state is saved exactly and restored") {
-  auto m = net();
+  auto m = dp_test::dropout_mlp();
   m->materialize(Device::cpu(0), 42);
   auto opt = optimizer(*m, false);
   nn::TrainingProgress p;

@@ -11,6 +11,17 @@
 
 namespace dp_test {
 
+// Linear(6, 32), ReLU, Dropout(0.3), Linear(32, 5): an MLP of toy_batch's shapes whose steps
+// draw random numbers (what a bit-exact resume must restore).
+inline nn::ModulePtr dropout_mlp() {
+  auto s = std::make_shared<nn::Sequential>();
+  s->add(std::make_shared<nn::Linear>(6, 32));
+  s->add(std::make_shared<nn::ReLU>());
+  s->add(std::make_shared<nn::Dropout>(0.3f));
+  s->add(std::make_shared<nn::Linear>(32, 5));
+  return s;
+}
+
 // One step on one device under `scaler`: zero_grad, forward, fused softmax cross-entropy over
 // the whole batch, the loss scale into its gradient, backward, then the scaler's check and
 // (unscaled) optimizer step or skip. Returns the batch's mean loss.
