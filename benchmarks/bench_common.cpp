@@ -26,7 +26,7 @@ using kernels::Device;
 using kernels::DeviceType;
 
 namespace {
-constexpr int kMaxDevices = 1024;  // devices (DP), ranks and nodes (DDP)
+using dp::cli::kMaxDevices;
 constexpr int kMaxSteps = 10'000'000;
 constexpr double kMaxBucketMb = 65536;
 }  // namespace
@@ -82,7 +82,7 @@ void add_flags(CLI::App& app, Options& o) {
   app.add_option("--project-from", o.project_from,
                  "dp_bench JSON of a GPU run whose compute the NVLink/PCIe projection uses")
       ->check(CLI::ExistingFile);
-  dp::cli::add_launch_flags(app, o.launch, kMaxDevices);
+  dp::cli::add_launch_flags(app, o.launch);
   app.add_option("--checkpoint-dir", o.checkpoint_dir,
                  "write the whole training state here (step_N.safetensors), every --save-every "
                  "steps and at the end; one run at a time (--mode dp|ddp --baseline 0)")

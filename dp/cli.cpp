@@ -104,19 +104,19 @@ void add_precision_flags(CLI::App& app, std::string& dtype, std::string& comm_dt
       ->check(CLI::IsMember({"fp32", "bf16"}));
 }
 
-void add_launch_flags(CLI::App& app, dp::dist::LaunchOptions& launch, int max_ranks) {
+void add_launch_flags(CLI::App& app, dp::dist::LaunchOptions& launch) {
   app.add_option("--nnodes", launch.nnodes,
                  "ddp: nodes (run this program on each with its --node-rank)")
-      ->check(whole_number(1, max_ranks));
+      ->check(whole_number(1, kMaxDevices));
   app.add_option("--node-rank", launch.node_rank, "ddp: this node's index in [0, nnodes)")
-      ->check(whole_number(0, max_ranks - 1));
+      ->check(whole_number(0, kMaxDevices - 1));
   app.add_option("--master-addr", launch.master_addr, "ddp: node 0's address (rendezvous store)");
   app.add_option("--master-port", launch.master_port,
                  "ddp: node 0's port (0: a free one, one node)")
       ->check(whole_number(0, 65535));
   app.add_option("--max-local-ranks", launch.max_local_ranks,
                  "ddp: most ranks to start on this node (default: from its cores and memory)")
-      ->check(whole_number(1, max_ranks));
+      ->check(whole_number(1, kMaxDevices));
   app.add_option("--max-restarts", launch.max_restarts,
                  "ddp: start all ranks again after one fails, up to this many times (one node; "
                  "workers see DP_RESTART_COUNT)")

@@ -23,6 +23,8 @@ namespace dp::cli {
 // The most rows a batch may have (2^31): far past any memory, and small enough that products
 // with a row's size and a step count stay well inside int64.
 constexpr int64_t kMaxRows = int64_t(1) << 31;
+// The most devices (DP), ranks or nodes (DDP) a flag may ask for.
+constexpr int kMaxDevices = 1024;
 
 // A whole number in [lo, hi]. Refuses text, fractions and out-of-range values (negative ones
 // included) by saying what was given and what is allowed:
@@ -38,8 +40,8 @@ CLI::Validator positive_number(double hi);
 void add_precision_flags(CLI::App& app, std::string& dtype, std::string& comm_dtype);
 // Where DDP workers run, one spelling for every program that launches them: --nnodes,
 // --node-rank, --master-addr, --master-port, --max-local-ranks and --max-restarts, bound into
-// `launch` and bounded at parse time (nodes and ranks by `max_ranks`).
-void add_launch_flags(CLI::App& app, dp::dist::LaunchOptions& launch, int max_ranks);
+// `launch` and bounded at parse time (nodes and ranks by kMaxDevices).
+void add_launch_flags(CLI::App& app, dp::dist::LaunchOptions& launch);
 // The dtype gradients travel in for a --comm-dtype value: f32 or bf16.
 kernels::DType comm_dtype(const std::string& value);
 

@@ -58,7 +58,7 @@ struct Flags {
   double timeout_s = 0;            // ddp rendezvous and collectives; 0: DP_TIMEOUT or the defaults
 };
 
-constexpr int kMaxDevices = 1024;
+using dp::cli::kMaxDevices;
 
 nn::ModulePtr make_model(const std::string& name) {
   if (name == "mlp") return nn::mlp({784, 256, 10});
@@ -141,7 +141,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"pad", "drop"}));
   app.add_option("--backend", f.backend, "ddp: auto|nccl|gloo|mpi (mpi: under mpirun)")
       ->check(CLI::IsMember({"auto", "nccl", "gloo", "mpi"}));
-  dp::cli::add_launch_flags(app, f.launch, kMaxDevices);
+  dp::cli::add_launch_flags(app, f.launch);
   app.add_option("--timeout", f.timeout_s,
                  "ddp: seconds the rendezvous and each collective may take (default: DP_TIMEOUT, "
                  "else 60 s to rendezvous and 300 s per collective)")
