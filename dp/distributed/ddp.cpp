@@ -136,6 +136,7 @@ Tensor DistributedDataParallel::forward(const Tensor& x) {
 Tensor DistributedDataParallel::backward(const Tensor& dy) {
   stats_ = DdpStats{};
   stats_.buckets = static_cast<int>(buckets_.size());
+  backward_begin_ = Clock::now();
   Tensor dx;
   {
     kernels::NvtxRange range("ddp/backward");
@@ -149,6 +150,8 @@ Tensor DistributedDataParallel::backward(const Tensor& dy) {
     }
     in_backward_ = false;
   }
+  stats_.backward_ms =
+      std::chrono::duration<double, std::milli>(Clock::now() - backward_begin_).count();
   return dx;
 }
 
@@ -176,7 +179,11 @@ void DistributedDataParallel::launch_ready_buckets() {
       kernels::copy(comm_buffers_[k], slice);  // rounded to the comm dtype once
       pending_[k] = group_.all_reduce(comm_buffers_[k], ReduceOp::sum);
     }
-    stats_.comm_bytes += b.numel * static_cast<int64_t>(kernels::dtype_size(options_.comm_dtype));
+    const int64_t bytes = b.numel * static_cast<int64_t>(kernels::dtype_size(options_.comm_dtype));
+    stats_.comm_bytes += bytes;
+    stats_.bucket_bytes.push_back(bytes);
+    stats_.bucket_ready_ms.push_back(
+        std::chrono::duration<double, std::milli>(Clock::now() - backward_begin_).count());
     // The last bucket (the first layers) lands with backward's final layer: nothing is left
     // to hide it behind. Every other bucket launched from backward overlaps what remains.
     if (in_backward_ && k + 1 < static_cast<int>(buckets_.size()))

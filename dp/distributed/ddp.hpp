@@ -54,6 +54,12 @@ struct DdpStats {
   int launched_before_backward_end = 0;  // all-reduces started while layers were left to run
   double allreduce_wait_ms = 0;          // time finish() waited: communication not hidden
   int64_t comm_bytes = 0;                // bytes of the buckets all-reduced (in the comm dtype)
+  // Per bucket, in launch order: its bytes (in the comm dtype), and when its all-reduce was
+  // issued, in ms after backward began (host time: on CUDA, when the work was enqueued). What
+  // the projection's overlap bound starts from.
+  std::vector<int64_t> bucket_bytes;
+  std::vector<double> bucket_ready_ms;
+  double backward_ms = 0;  // backward's host time, the ready times' scale
 };
 
 class DistributedDataParallel {
@@ -116,6 +122,7 @@ class DistributedDataParallel {
   int next_to_launch_ = 0;
   bool sync_enabled_ = true;
   bool in_backward_ = false;
+  std::chrono::steady_clock::time_point backward_begin_;  // of the current step's backward
   float share_ = 1.f;
   DdpStats stats_;
   Trace* trace_ = nullptr;

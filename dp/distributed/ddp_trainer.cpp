@@ -106,6 +106,7 @@ std::pair<kernels::Tensor, kernels::Tensor> DdpTrainer::my_chunk(const kernels::
 float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tensor& labels) {
   DP_CHECK(ddp_, "DdpTrainer::train_step before wrap()");
   auto t_step = Clock::now();
+  const int64_t payload_before = group_->payload_bytes();
   float share = 0;
   auto [x, y] = my_chunk(images, labels, &share);
   DP_CHECK(x.dim(0) > 0, "DdpTrainer: a global batch of "
@@ -144,6 +145,7 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
     times_.allreduce_wait = zero_->last_times().reduce_scatter + zero_->last_times().all_gather;
     times_.optimizer = zero_->last_times().step;
     times_.total = ms_since(t_step);
+    last_payload_bytes_ = group_->payload_bytes() - payload_before;
     return report_loss(loss, share);
   }
 
@@ -162,6 +164,7 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   }
   times_.optimizer = ms_since(t0);
   times_.total = ms_since(t_step);
+  last_payload_bytes_ = group_->payload_bytes() - payload_before;
   return report_loss(loss, share);
 }
 

@@ -83,6 +83,10 @@ class DdpTrainer {
   // Every rank's `value`, in rank order (a collective: every rank calls it).
   std::vector<uint64_t> all_gather(uint64_t value);
   const DdpStepTimes& last_times() const { return times_; }
+  // Bytes the last train_step handed to the process group (ProcessGroup::payload_bytes):
+  // gradient buckets in the comm dtype, averaged buffers, SyncBN statistics, ZeRO-1's
+  // reduce_scatter and all_gather. The reported loss's all-reduce, after the step, is not in it.
+  int64_t last_payload_bytes() const { return last_payload_bytes_; }
   nn::GradScaler& scaler() { return scaler_; }
 
  private:
@@ -106,6 +110,7 @@ class DdpTrainer {
   std::unique_ptr<ZeroStage1> zero_;
   kernels::Tensor input_, labels_, loss_, dlogits_;  // this rank's step buffers, reused
   DdpStepTimes times_;
+  int64_t last_payload_bytes_ = 0;
 };
 
 }  // namespace dp::dist

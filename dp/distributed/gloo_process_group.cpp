@@ -363,7 +363,7 @@ GlooProcessGroup::~GlooProcessGroup() {
   if (state_->worker.joinable()) state_->worker.join();
 }
 
-std::shared_ptr<Work> GlooProcessGroup::all_reduce(Tensor& t, ReduceOp op) {
+std::shared_ptr<Work> GlooProcessGroup::do_all_reduce(Tensor& t, ReduceOp op) {
   check_reducible("all_reduce", t, op);
   auto work = std::make_shared<SignalledWork>();
   State* s = state_.get();
@@ -394,7 +394,7 @@ std::shared_ptr<Work> GlooProcessGroup::all_reduce(Tensor& t, ReduceOp op) {
   return work;
 }
 
-std::shared_ptr<Work> GlooProcessGroup::broadcast(Tensor& t, int root) {
+std::shared_ptr<Work> GlooProcessGroup::do_broadcast(Tensor& t, int root) {
   DP_CHECK(t.defined(), "broadcast: undefined tensor");
   DP_CHECK(root >= 0 && root < size(),
            "broadcast: root " << root << " not in [0, " << size() << ")");
@@ -424,7 +424,7 @@ std::shared_ptr<Work> GlooProcessGroup::broadcast(Tensor& t, int root) {
   return work;
 }
 
-std::shared_ptr<Work> GlooProcessGroup::reduce(Tensor& t, int root, ReduceOp op) {
+std::shared_ptr<Work> GlooProcessGroup::do_reduce(Tensor& t, int root, ReduceOp op) {
   check_reducible("reduce", t, op);
   DP_CHECK(root >= 0 && root < size(), "reduce: root " << root << " not in [0, " << size() << ")");
   auto work = std::make_shared<SignalledWork>();
@@ -457,7 +457,7 @@ std::shared_ptr<Work> GlooProcessGroup::reduce(Tensor& t, int root, ReduceOp op)
   return work;
 }
 
-std::shared_ptr<Work> GlooProcessGroup::all_gather(Tensor& out, const Tensor& in) {
+std::shared_ptr<Work> GlooProcessGroup::do_all_gather(Tensor& out, const Tensor& in) {
   DP_CHECK(out.defined() && in.defined(), "all_gather: undefined tensor");
   DP_CHECK(out.dtype() == in.dtype(),
            "all_gather: out is " << out.dtype() << ", in is " << in.dtype());
@@ -495,7 +495,8 @@ std::shared_ptr<Work> GlooProcessGroup::all_gather(Tensor& out, const Tensor& in
   return work;
 }
 
-std::shared_ptr<Work> GlooProcessGroup::reduce_scatter(Tensor& out, const Tensor& in, ReduceOp op) {
+std::shared_ptr<Work> GlooProcessGroup::do_reduce_scatter(Tensor& out, const Tensor& in,
+                                                          ReduceOp op) {
   check_reducible("reduce_scatter", in, op);
   DP_CHECK(out.defined() && out.dtype() == in.dtype(),
            "reduce_scatter: out must be a " << in.dtype() << " tensor");
@@ -545,11 +546,11 @@ std::shared_ptr<Work> GlooProcessGroup::reduce_scatter(Tensor& out, const Tensor
   return work;
 }
 
-std::shared_ptr<Work> GlooProcessGroup::send(const Tensor& t, int dst, uint32_t tag) {
+std::shared_ptr<Work> GlooProcessGroup::do_send(const Tensor& t, int dst, uint32_t tag) {
   return point_to_point(t, dst, tag, true);
 }
 
-std::shared_ptr<Work> GlooProcessGroup::recv(Tensor& t, int src, uint32_t tag) {
+std::shared_ptr<Work> GlooProcessGroup::do_recv(Tensor& t, int src, uint32_t tag) {
   return point_to_point(t, src, tag, false);
 }
 
@@ -598,7 +599,7 @@ std::shared_ptr<Work> GlooProcessGroup::point_to_point(const Tensor& t, int peer
   return work;
 }
 
-std::shared_ptr<Work> GlooProcessGroup::barrier() {
+std::shared_ptr<Work> GlooProcessGroup::do_barrier() {
   auto work = std::make_shared<SignalledWork>();
   State* s = state_.get();
   Millis to = timeout();

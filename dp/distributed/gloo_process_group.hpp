@@ -28,15 +28,16 @@ class GlooProcessGroup final : public ProcessGroup {
   ~GlooProcessGroup() override;
 
   std::string backend_name() const override { return "gloo"; }
-  std::shared_ptr<Work> all_reduce(kernels::Tensor& t, ReduceOp op = ReduceOp::sum) override;
-  std::shared_ptr<Work> broadcast(kernels::Tensor& t, int root) override;
-  std::shared_ptr<Work> reduce(kernels::Tensor& t, int root, ReduceOp op = ReduceOp::sum) override;
-  std::shared_ptr<Work> all_gather(kernels::Tensor& out, const kernels::Tensor& in) override;
-  std::shared_ptr<Work> reduce_scatter(kernels::Tensor& out, const kernels::Tensor& in,
-                                       ReduceOp op = ReduceOp::sum) override;
-  std::shared_ptr<Work> send(const kernels::Tensor& t, int dst, uint32_t tag = 0) override;
-  std::shared_ptr<Work> recv(kernels::Tensor& t, int src, uint32_t tag = 0) override;
-  std::shared_ptr<Work> barrier() override;
+  std::shared_ptr<Work> do_all_reduce(kernels::Tensor& t, ReduceOp op = ReduceOp::sum) override;
+  std::shared_ptr<Work> do_broadcast(kernels::Tensor& t, int root) override;
+  std::shared_ptr<Work> do_reduce(kernels::Tensor& t, int root,
+                                  ReduceOp op = ReduceOp::sum) override;
+  std::shared_ptr<Work> do_all_gather(kernels::Tensor& out, const kernels::Tensor& in) override;
+  std::shared_ptr<Work> do_reduce_scatter(kernels::Tensor& out, const kernels::Tensor& in,
+                                          ReduceOp op = ReduceOp::sum) override;
+  std::shared_ptr<Work> do_send(const kernels::Tensor& t, int dst, uint32_t tag = 0) override;
+  std::shared_ptr<Work> do_recv(kernels::Tensor& t, int src, uint32_t tag = 0) override;
+  std::shared_ptr<Work> do_barrier() override;
 
   struct State;  // the gloo context and the worker queue (shared with pending works)
 

@@ -210,7 +210,7 @@ class MpiProcessGroup final : public ProcessGroup {
 
   std::string backend_name() const override { return "mpi"; }
 
-  std::shared_ptr<Work> all_reduce(Tensor& t, ReduceOp op) override {
+  std::shared_ptr<Work> do_all_reduce(Tensor& t, ReduceOp op) override {
     check_reducible("all_reduce", t, op);
     auto host = std::make_shared<Tensor>();
     Tensor user = t;
@@ -229,7 +229,7 @@ class MpiProcessGroup final : public ProcessGroup {
     return enqueue(std::move(task), {t});
   }
 
-  std::shared_ptr<Work> broadcast(Tensor& t, int root) override {
+  std::shared_ptr<Work> do_broadcast(Tensor& t, int root) override {
     check_root("broadcast", root);
     auto host = std::make_shared<Tensor>();
     Tensor user = t;
@@ -247,7 +247,7 @@ class MpiProcessGroup final : public ProcessGroup {
     return enqueue(std::move(task), {t});
   }
 
-  std::shared_ptr<Work> reduce(Tensor& t, int root, ReduceOp op) override {
+  std::shared_ptr<Work> do_reduce(Tensor& t, int root, ReduceOp op) override {
     check_reducible("reduce", t, op);
     check_root("reduce", root);
     auto host = std::make_shared<Tensor>();
@@ -272,7 +272,7 @@ class MpiProcessGroup final : public ProcessGroup {
     return enqueue(std::move(task), {t});
   }
 
-  std::shared_ptr<Work> all_gather(Tensor& out, const Tensor& in) override {
+  std::shared_ptr<Work> do_all_gather(Tensor& out, const Tensor& in) override {
     check_pair("all_gather", out, in, out.numel() == in.numel() * size(),
                "out must hold size x in's elements");
     auto hin = std::make_shared<Tensor>(), hout = std::make_shared<Tensor>();
@@ -290,7 +290,7 @@ class MpiProcessGroup final : public ProcessGroup {
     return enqueue(std::move(task), {in, out});
   }
 
-  std::shared_ptr<Work> reduce_scatter(Tensor& out, const Tensor& in, ReduceOp op) override {
+  std::shared_ptr<Work> do_reduce_scatter(Tensor& out, const Tensor& in, ReduceOp op) override {
     check_reducible("reduce_scatter", in, op);
     check_pair("reduce_scatter", out, in, in.numel() == out.numel() * size(),
                "in must hold size x out's elements");
@@ -313,7 +313,7 @@ class MpiProcessGroup final : public ProcessGroup {
     return enqueue(std::move(task), {in, out});
   }
 
-  std::shared_ptr<Work> send(const Tensor& t, int dst, uint32_t tag) override {
+  std::shared_ptr<Work> do_send(const Tensor& t, int dst, uint32_t tag) override {
     check_peer("send", dst, tag);
     auto host = std::make_shared<Tensor>();
     Tensor user = t;
@@ -329,7 +329,7 @@ class MpiProcessGroup final : public ProcessGroup {
     return enqueue(std::move(task), {t});
   }
 
-  std::shared_ptr<Work> recv(Tensor& t, int src, uint32_t tag) override {
+  std::shared_ptr<Work> do_recv(Tensor& t, int src, uint32_t tag) override {
     check_peer("recv", src, tag);
     auto host = std::make_shared<Tensor>();
     Tensor user = t;
@@ -345,7 +345,7 @@ class MpiProcessGroup final : public ProcessGroup {
     return enqueue(std::move(task), {t});
   }
 
-  std::shared_ptr<Work> barrier() override {
+  std::shared_ptr<Work> do_barrier() override {
     Task task;
     task.what = "barrier";
     task.issue = [this](MPI_Request* req) { DP_MPI_CHECK(MPI_Ibarrier(comm_, req)); };

@@ -329,7 +329,7 @@ class NcclProcessGroup final : public ProcessGroup {
 
   std::string backend_name() const override { return "nccl"; }
 
-  std::shared_ptr<Work> all_reduce(Tensor& t, ReduceOp op) override {
+  std::shared_ptr<Work> do_all_reduce(Tensor& t, ReduceOp op) override {
     check(t, "all_reduce");
     DP_CHECK(op != ReduceOp::avg || kernels::is_floating(t.dtype()),
              "all_reduce(avg) needs a floating tensor, not " << t.dtype());
@@ -342,7 +342,7 @@ class NcclProcessGroup final : public ProcessGroup {
                   });
   }
 
-  std::shared_ptr<Work> broadcast(Tensor& t, int root) override {
+  std::shared_ptr<Work> do_broadcast(Tensor& t, int root) override {
     check(t, "broadcast");
     check_rank(root, "broadcast root");
     void* p = t.raw();
@@ -353,7 +353,7 @@ class NcclProcessGroup final : public ProcessGroup {
         [=](ncclComm_t comm, cudaStream_t s) { return ncclBroadcast(p, p, n, ty, root, comm, s); });
   }
 
-  std::shared_ptr<Work> reduce(Tensor& t, int root, ReduceOp op) override {
+  std::shared_ptr<Work> do_reduce(Tensor& t, int root, ReduceOp op) override {
     check(t, "reduce");
     check_rank(root, "reduce root");
     DP_CHECK(op != ReduceOp::avg || kernels::is_floating(t.dtype()),
@@ -368,7 +368,7 @@ class NcclProcessGroup final : public ProcessGroup {
                   });
   }
 
-  std::shared_ptr<Work> all_gather(Tensor& out, const Tensor& in) override {
+  std::shared_ptr<Work> do_all_gather(Tensor& out, const Tensor& in) override {
     check(out, "all_gather");
     check(in, "all_gather");
     DP_CHECK(out.dtype() == in.dtype(),
@@ -385,7 +385,7 @@ class NcclProcessGroup final : public ProcessGroup {
         [=](ncclComm_t comm, cudaStream_t s) { return ncclAllGather(src, dst, n, ty, comm, s); });
   }
 
-  std::shared_ptr<Work> reduce_scatter(Tensor& out, const Tensor& in, ReduceOp op) override {
+  std::shared_ptr<Work> do_reduce_scatter(Tensor& out, const Tensor& in, ReduceOp op) override {
     check(out, "reduce_scatter");
     check(in, "reduce_scatter");
     DP_CHECK(out.dtype() == in.dtype(),
@@ -406,7 +406,7 @@ class NcclProcessGroup final : public ProcessGroup {
         });
   }
 
-  std::shared_ptr<Work> send(const Tensor& t, int dst, uint32_t tag) override {
+  std::shared_ptr<Work> do_send(const Tensor& t, int dst, uint32_t tag) override {
     check(t, "send");
     check_peer(dst, "send destination");
     const void* p = t.raw();
@@ -418,7 +418,7 @@ class NcclProcessGroup final : public ProcessGroup {
         {t}, [=](ncclComm_t comm, cudaStream_t s) { return ncclSend(p, n, ty, dst, comm, s); });
   }
 
-  std::shared_ptr<Work> recv(Tensor& t, int src, uint32_t tag) override {
+  std::shared_ptr<Work> do_recv(Tensor& t, int src, uint32_t tag) override {
     check(t, "recv");
     check_peer(src, "recv source");
     void* p = t.raw();
@@ -431,8 +431,8 @@ class NcclProcessGroup final : public ProcessGroup {
   }
 
   // One NCCL group: both transfers progress together, so a ring step cannot deadlock.
-  std::shared_ptr<Work> send_recv(const Tensor& to_send, int dst, Tensor& to_recv, int src,
-                                  uint32_t tag) override {
+  std::shared_ptr<Work> do_send_recv(const Tensor& to_send, int dst, Tensor& to_recv, int src,
+                                     uint32_t tag) override {
     check(to_send, "send_recv");
     check(to_recv, "send_recv");
     check_peer(dst, "send_recv destination");
@@ -459,7 +459,7 @@ class NcclProcessGroup final : public ProcessGroup {
   }
 
   // NCCL has no barrier: an all-reduce of one float; wait() returns once every rank joined.
-  std::shared_ptr<Work> barrier() override {
+  std::shared_ptr<Work> do_barrier() override {
     void* p = comm_->scratch;
     return launch("barrier", {}, [=](ncclComm_t comm, cudaStream_t s) {
       return ncclAllReduce(p, p, 1, ncclFloat32, ncclSum, comm, s);

@@ -64,11 +64,11 @@ class WorkList final : public Work {
 };
 }  // namespace
 
-std::shared_ptr<Work> ProcessGroup::send_recv(const kernels::Tensor& to_send, int dst,
-                                              kernels::Tensor& to_recv, int src, uint32_t tag) {
+std::shared_ptr<Work> ProcessGroup::do_send_recv(const kernels::Tensor& to_send, int dst,
+                                                 kernels::Tensor& to_recv, int src, uint32_t tag) {
   std::vector<std::shared_ptr<Work>> works;
-  works.push_back(send(to_send, dst, tag));
-  works.push_back(recv(to_recv, src, tag));
+  works.push_back(do_send(to_send, dst, tag));
+  works.push_back(do_recv(to_recv, src, tag));
   return std::make_shared<WorkList>(std::move(works));
 }
 

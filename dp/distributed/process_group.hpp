@@ -64,29 +64,73 @@ class ProcessGroup {
   void set_timeout(std::chrono::milliseconds timeout);
 
   // ensures t = op over every rank's t (avg: sum then scale by 1/size; floating types only).
-  virtual std::shared_ptr<Work> all_reduce(kernels::Tensor& t, ReduceOp op = ReduceOp::sum) = 0;
+  std::shared_ptr<Work> all_reduce(kernels::Tensor& t, ReduceOp op = ReduceOp::sum) {
+    count_payload(t);
+    return do_all_reduce(t, op);
+  }
   // requires 0 <= root < size. ensures t = root's t on every rank.
-  virtual std::shared_ptr<Work> broadcast(kernels::Tensor& t, int root) = 0;
+  std::shared_ptr<Work> broadcast(kernels::Tensor& t, int root) {
+    count_payload(t);
+    return do_broadcast(t, root);
+  }
   // ensures root's t = op over every rank's t; other ranks' t is unspecified afterwards.
-  virtual std::shared_ptr<Work> reduce(kernels::Tensor& t, int root,
-                                       ReduceOp op = ReduceOp::sum) = 0;
+  std::shared_ptr<Work> reduce(kernels::Tensor& t, int root, ReduceOp op = ReduceOp::sum) {
+    count_payload(t);
+    return do_reduce(t, root, op);
+  }
   // requires out (size * n), in (n) elements, same dtype.
   // ensures out[r*n, (r+1)*n) = rank r's in.
-  virtual std::shared_ptr<Work> all_gather(kernels::Tensor& out, const kernels::Tensor& in) = 0;
+  std::shared_ptr<Work> all_gather(kernels::Tensor& out, const kernels::Tensor& in) {
+    count_payload(in);
+    return do_all_gather(out, in);
+  }
   // requires out (n), in (size * n) elements, same dtype.
   // ensures out = op over every rank's in[rank*n, (rank+1)*n).
-  virtual std::shared_ptr<Work> reduce_scatter(kernels::Tensor& out, const kernels::Tensor& in,
-                                               ReduceOp op = ReduceOp::sum) = 0;
+  std::shared_ptr<Work> reduce_scatter(kernels::Tensor& out, const kernels::Tensor& in,
+                                       ReduceOp op = ReduceOp::sum) {
+    count_payload(in);
+    return do_reduce_scatter(out, in, op);
+  }
   // Point to point: a send matches the recv of the same (src, dst, tag) with the same byte
   // count (NCCL matches by issue order and ignores tag). t must not change until wait().
-  virtual std::shared_ptr<Work> send(const kernels::Tensor& t, int dst, uint32_t tag = 0) = 0;
-  virtual std::shared_ptr<Work> recv(kernels::Tensor& t, int src, uint32_t tag = 0) = 0;
+  std::shared_ptr<Work> send(const kernels::Tensor& t, int dst, uint32_t tag = 0) {
+    count_payload(t);
+    return do_send(t, dst, tag);
+  }
+  std::shared_ptr<Work> recv(kernels::Tensor& t, int src, uint32_t tag = 0) {
+    return do_recv(t, src, tag);
+  }
   // A send to dst and a recv from src issued together (one ring step). NCCL runs them as one
   // group, so a ring where every rank sends before it receives cannot deadlock.
-  virtual std::shared_ptr<Work> send_recv(const kernels::Tensor& to_send, int dst,
-                                          kernels::Tensor& to_recv, int src, uint32_t tag = 0);
+  std::shared_ptr<Work> send_recv(const kernels::Tensor& to_send, int dst, kernels::Tensor& to_recv,
+                                  int src, uint32_t tag = 0) {
+    count_payload(to_send);
+    return do_send_recv(to_send, dst, to_recv, src, tag);
+  }
   // ensures every rank has issued barrier() before any rank's barrier completes.
-  virtual std::shared_ptr<Work> barrier() = 0;
+  std::shared_ptr<Work> barrier() { return do_barrier(); }
+
+  // The bytes of every tensor this rank handed to the group so far: each collective's input
+  // (all_reduce, broadcast and reduce: t; all_gather and reduce_scatter: in) and each sent
+  // tensor. What the caller asked to communicate, not what crossed a wire (that depends on
+  // the backend's algorithm). Thread-safe; the difference of two reads is what was handed over
+  // between them.
+  int64_t payload_bytes() const { return payload_bytes_.load(std::memory_order_relaxed); }
+
+ protected:
+  // The backends' implementations of the ops above, same contracts.
+  virtual std::shared_ptr<Work> do_all_reduce(kernels::Tensor& t, ReduceOp op) = 0;
+  virtual std::shared_ptr<Work> do_broadcast(kernels::Tensor& t, int root) = 0;
+  virtual std::shared_ptr<Work> do_reduce(kernels::Tensor& t, int root, ReduceOp op) = 0;
+  virtual std::shared_ptr<Work> do_all_gather(kernels::Tensor& out, const kernels::Tensor& in) = 0;
+  virtual std::shared_ptr<Work> do_reduce_scatter(kernels::Tensor& out, const kernels::Tensor& in,
+                                                  ReduceOp op) = 0;
+  virtual std::shared_ptr<Work> do_send(const kernels::Tensor& t, int dst, uint32_t tag) = 0;
+  virtual std::shared_ptr<Work> do_recv(kernels::Tensor& t, int src, uint32_t tag) = 0;
+  // Default: do_send then do_recv, waited for together.
+  virtual std::shared_ptr<Work> do_send_recv(const kernels::Tensor& to_send, int dst,
+                                             kernels::Tensor& to_recv, int src, uint32_t tag);
+  virtual std::shared_ptr<Work> do_barrier() = 0;
 
  protected:
   // "all_reduce(avg) of 1024 x f32" style description for messages.
@@ -97,7 +141,12 @@ class ProcessGroup {
   void attach_heartbeat(std::shared_ptr<Heartbeat> h) { heartbeat_ = std::move(h); }
 
  private:
+  void count_payload(const kernels::Tensor& t) {
+    payload_bytes_.fetch_add(static_cast<int64_t>(t.nbytes()), std::memory_order_relaxed);
+  }
+
   std::shared_ptr<Heartbeat> heartbeat_;  // destroyed last: the group's stores are gone first
+  std::atomic<int64_t> payload_bytes_{0};
   int rank_;
   int size_;
   std::atomic<int64_t> timeout_ms_;
