@@ -3,9 +3,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <limits>
@@ -33,6 +35,7 @@ constexpr double kMaxBucketMb = 65536;
 
 void add_flags(CLI::App& app, Options& o) {
   using dp::cli::whole_number;
+  app.option_defaults()->always_capture_default();  // --help shows every default
   app.add_option("--gpus", o.gpus,
                  "devices (DP) or ranks (DDP); default: all GPUs, or 4 CPU devices")
       ->check(whole_number(1, kMaxDevices));
@@ -107,6 +110,10 @@ void add_flags(CLI::App& app, Options& o) {
       ->check(whole_number(0, 1));
   app.add_option("--baseline", o.baseline, "also run 1 device of each mode for speedup (1/0)")
       ->check(whole_number(0, 1));
+  app.add_option("--repeat", o.repeat,
+                 "run every mode and device count K times, interleaved (N=1, N, N=1, N, ...): "
+                 "medians with 95% bootstrap CIs over the repeats")
+      ->check(whole_number(1, 1000));
 }
 
 Setup resolve(const Options& o) {
@@ -131,8 +138,9 @@ void validate(const Options& o, const Setup& s, const std::vector<int>& counts) 
     dp::cli::check_output_file("--chart",
                                o.chart_path.empty() ? "dp_bench_sweep.svg" : o.chart_path);
   }
-  // A synthetic sample: a 1x28x28 f32 image and an i32 label.
-  const int64_t row_bytes = 28 * 28 * 4 + 4;
+  // A sample: its f32 values and an i32 label (the built-in data: 1x28x28 images).
+  const int64_t row_bytes =
+      (o.workload ? dataset_of(o, 1)->sample_numel() : int64_t{28 * 28}) * 4 + 4;
   const int64_t steps = int64_t(o.steps) + o.warmup;
   const kernels::AvailableMemory host = kernels::host_memory_available();
   const char* type = s.type == DeviceType::cuda ? "cuda" : "cpu";
@@ -201,12 +209,38 @@ kernels::SgdConfig optimizer_config() {
   return c;
 }
 
+nn::ModulePtr model_of(const Options& o) {
+  return o.workload ? o.workload->make_model() : make_model(o.model);
+}
+
+std::string model_name(const Options& o) {
+  return o.workload ? o.workload->name : o.model;
+}
+
+std::unique_ptr<dp::data::Dataset> dataset_of(const Options& o, int64_t batch) {
+  if (!o.workload) return std::make_unique<dp::data::SyntheticDataset>(bench_dataset(o, batch));
+  const int64_t samples = (o.steps + o.warmup) * batch;
+  auto data = o.workload->make_dataset(samples);
+  DP_CHECK(data && data->size() > 0, "workload '"
+                                         << o.workload->name
+                                         << "': its data set is empty; give samples to train on");
+  return data;
+}
+
+dp::data::Batch step_batch(const dp::data::Dataset& data, int64_t step, int64_t batch) {
+  const int64_t first = step * batch;
+  if (first + batch <= data.size()) return dp::data::make_batch(data, first, batch);
+  std::vector<int64_t> indices(static_cast<size_t>(batch));
+  for (int64_t i = 0; i < batch; ++i) indices[i] = (first + i) % data.size();
+  return dp::data::make_batch(data, std::move(indices));
+}
+
 nn::TrainingProgress bench_state(const Options& o, const char* mode, int n) {
   nn::TrainingProgress st;
   st.mode = mode;
   st.world_size = n;
   st.config = {{"program", "dp_bench"},
-               {"model", o.model},
+               {"model", model_name(o)},
                {"batch", std::to_string(global_batch(o, n))},
                {"seed", std::to_string(o.seed)},
                {"dtype", o.dtype}};
@@ -238,8 +272,8 @@ Header make_header(const Options& o, const Setup& s, int logical) {
   h.device = s.type == DeviceType::cuda ? gpu_name() : "cpu";
   h.physical = s.physical;
   h.logical = logical;
-  h.model = o.model;
-  h.params = make_model(o.model)->num_parameters();
+  h.model = model_name(o);
+  h.params = model_of(o)->num_parameters();
   h.dtype = o.dtype;
   return h;
 }
@@ -265,8 +299,8 @@ void progress(const std::string& label, int step, int total) {
 
 RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace) {
   int64_t batch = global_batch(o, n);
-  const auto data = bench_dataset(o, batch);
-  auto model = make_model(o.model);
+  const auto data = dataset_of(o, batch);
+  auto model = model_of(o);
   auto devices = kernels::make_devices(s.type, n);
   model->materialize(devices[0], o.seed);
   auto optimizer = make_optimizer(o, *model);
@@ -315,7 +349,7 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace) {
   };
   for (int step = first; step < o.warmup + o.steps; ++step) {
     int timed = step - o.warmup;
-    auto b = dp::data::make_batch(data, step * batch, batch);
+    auto b = step_batch(*data, step, batch);
     if (timed == pa) kernels::profiler_start();
     if (timed == 0) engine.set_trace(trace);
     dp::StepStats st = engine.train_step(b.images, b.labels);
@@ -346,6 +380,15 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace) {
   r.final_loss = r.losses.empty() ? 0 : r.losses.back();
   r.peak_mem_bytes = engine.peak_memory_bytes();
   return r;
+}
+
+void write_text(const std::string& flag, const std::string& path, const std::string& text) {
+  std::FILE* f = std::fopen(path.c_str(), "wb");
+  DP_CHECK(f, flag << ": cannot open '" << path << "' for writing: " << std::strerror(errno));
+  // A full disk may only show at the flush in fclose: both are checked.
+  int err = std::fwrite(text.data(), 1, text.size(), f) == text.size() ? 0 : errno;
+  if (std::fclose(f) != 0 && err == 0) err = errno;
+  DP_CHECK(err == 0, flag << ": writing '" << path << "' failed: " << std::strerror(err));
 }
 
 namespace {
@@ -400,7 +443,19 @@ void write_chart(const Options& o, const std::string& csv, const std::string& no
 
 int run(const Options& o, int argc, char** argv) {
   if (dp::dist::worker_env_from_environment()) return ddp_worker_main(o, argc, argv);
+  // Flags that only one mode reads are refused with the others, not ignored.
+  DP_CHECK(o.zero == 0 || o.mode == "ddp" || o.mode == "both",
+           "--zero " << o.zero << " with --mode " << o.mode
+                     << ": ZeRO-1 shards DDP's optimizer state; give --mode ddp or both");
+  DP_CHECK(o.backend != "mpi" || o.mode == "ddp",
+           "--backend mpi with --mode " << o.mode
+                                        << ": MPI carries DDP's collectives, and only --mode ddp "
+                                           "runs under mpirun");
   if (o.mode != "dp") dp::dist::check_launchable(o.backend, "dp_bench");
+  DP_CHECK(!o.workload || o.mode != "ps",
+           "--mode ps: the parameter server runs dp_bench's built-in models only; give --mode "
+           "dp, ddp or both for "
+               << o.workload->name);
   Setup s = resolve(o);
   if (o.launch.nnodes > 1) {
     DP_CHECK(o.mode == "ddp", "--nnodes " << o.launch.nnodes
@@ -418,6 +473,9 @@ int run(const Options& o, int argc, char** argv) {
             (o.baseline == 0 || s.gpus == 1) && o.zero == 0,
         "--checkpoint-dir/--resume: one run at a time: give --mode dp or ddp, --baseline 0 and "
         "no --sweep (and no --zero 1: its sharded optimizer state is not gathered yet)");
+    DP_CHECK(o.repeat == 1, "--repeat " << o.repeat
+                                        << " with --checkpoint-dir/--resume: a training state "
+                                           "belongs to one run; give --repeat 1");
     DP_CHECK(o.resume != "latest" || !o.checkpoint_dir.empty(),
              "--resume latest needs --checkpoint-dir (where to look)");
   }
@@ -447,55 +505,84 @@ int run(const Options& o, int argc, char** argv) {
   bool want_dp = o.mode != "ddp", want_ddp = o.mode != "dp";
   bool tracing = !o.trace_path.empty();
 
+  // Every (mode, N) run, K times, interleaved so that drift of the machine hits all alike. Each
+  // repeat's median step is one sample of the run's confidence interval; the rest of the
+  // figures are the last repeat's. The trace is the first repeat's.
   std::vector<RunResult> runs;
-  std::vector<std::pair<std::string, std::vector<dp::TraceEvent>>> traces;
-  for (const char* mode : {"dp", "ddp"}) {
-    if ((mode[1] == 'p' && !want_dp) || (mode[1] == 'd' && !want_ddp)) continue;
-    for (int n : counts) {
-      dp::Trace trace;
-      std::optional<RunResult> got = mode[1] == 'p'
-                                         ? run_dp(o, s, n, tracing ? &trace : nullptr)
-                                         : run_ddp(o, s, n, argc, argv, tracing ? &trace : nullptr);
-      if (!got) {
-        std::printf("dp_bench: node %d ran its %d ranks; node 0 prints the report\n",
-                    o.launch.node_rank, n);
-        return 0;
+  std::vector<dp::TracedRun> traces;
+  bool other_node = false;
+  for (int k = 0; k < o.repeat; ++k) {
+    size_t slot = 0;
+    for (const char* mode : {"dp", "ddp"}) {
+      if ((mode[1] == 'p' && !want_dp) || (mode[1] == 'd' && !want_ddp)) continue;
+      for (int n : counts) {
+        dp::Trace trace;
+        const bool trace_this = tracing && k == 0;
+        std::optional<RunResult> got =
+            mode[1] == 'p' ? run_dp(o, s, n, trace_this ? &trace : nullptr)
+                           : run_ddp(o, s, n, argc, argv, trace_this ? &trace : nullptr);
+        if (!got) {  // this node's ranks ran; node 0 has the figures
+          other_node = true;
+          continue;
+        }
+        RunResult r = std::move(*got);
+        if (!isatty(fileno(stderr)))
+          std::fprintf(stderr, "dp_bench: %s N=%d%s: %.3f ms/step, final loss %.6f\n", mode, r.gpus,
+                       o.repeat > 1 ? (" repeat " + std::to_string(k + 1)).c_str() : "",
+                       median(r.step_ms), r.final_loss);
+        if (trace_this)
+          traces.push_back({std::string(mode) + " N=" + std::to_string(r.gpus), trace.events()});
+        if (k == 0) {
+          runs.push_back(std::move(r));
+        } else {
+          r.repeat_ms = std::move(runs[slot].repeat_ms);
+          runs[slot] = std::move(r);
+        }
+        runs[slot].repeat_ms.push_back(median(runs[slot].step_ms));
+        ++slot;
       }
-      RunResult r = std::move(*got);
-      if (!isatty(fileno(stderr)))
-        std::fprintf(stderr, "dp_bench: %s N=%d: %.3f ms/step, final loss %.6f\n", mode, r.gpus,
-                     r.step_ms_median(), r.final_loss);
-      runs.push_back(std::move(r));
-      if (tracing)
-        traces.emplace_back(std::string(mode) + " N=" + std::to_string(r.gpus), trace.events());
     }
   }
+  if (other_node) {
+    std::printf("dp_bench: node %d ran its %d ranks; node 0 prints the report\n",
+                o.launch.node_rank, s.gpus);
+    return 0;
+  }
 
+  // The projection's per-rank compute: one device at the per-rank batch of N = 4 and 8, host
+  // time included. Only where the projection uses this machine's compute (a GPU).
+  std::vector<RunResult> compute_runs;
+  if (s.type == DeviceType::cuda && o.project_from.empty() && !runs.empty()) {
+    for (int n : {4, 8}) {
+      Options per_rank = o;
+      per_rank.batch = (runs[0].batch + n - 1) / n;
+      per_rank.batch_per_device.reset();
+      per_rank.checkpoint_dir.clear();
+      per_rank.resume.clear();
+      per_rank.save_every.reset();
+      compute_runs.push_back(run_dp(per_rank, s, 1, nullptr));
+    }
+  }
   Header h = make_header(o, s, max_n);
-  ProjectionInput projection = projection_input(h, runs, o.project_from);
+  ProjectionInput projection = projection_input(h, runs, o.project_from, compute_runs);
   print_table(std::cout, h, runs);
   print_memory_model(std::cout, runs);
   print_sync_bn(std::cout, runs);
   print_projection(std::cout, projection);
 
   if (!o.json_path.empty()) {
-    std::ofstream f(o.json_path);
-    DP_CHECK(f, "--json: cannot write '" << o.json_path << "'");
-    f << to_json(h, runs, projection).dump(2) << "\n";
+    write_text("--json", o.json_path, to_json(h, runs, projection).dump(2) + "\n");
     std::printf("json: %s\n", o.json_path.c_str());
   }
   if (tracing) {
-    std::ofstream f(o.trace_path);
-    DP_CHECK(f, "--trace: cannot write '" << o.trace_path << "'");
-    f << chrome_trace(traces).dump() << "\n";
+    dp::write_chrome_trace(o.trace_path, traces);
     std::printf("trace: %s (open in ui.perfetto.dev or chrome://tracing)\n", o.trace_path.c_str());
   }
   if (!o.sweep.empty()) {
     std::string csv = o.csv_path.empty() ? "dp_bench_sweep.csv" : o.csv_path;
-    std::ofstream f(csv);
-    DP_CHECK(f, "--csv: cannot write '" << csv << "'");
-    write_sweep_csv(f, runs);
-    f.close();
+    std::ostringstream table;
+    write_sweep_csv(table, runs);
+    write_text("--csv", csv, table.str());
     std::printf("sweep: %s\n", csv.c_str());
     std::string note;
     if (h.device == "cpu")

@@ -1,6 +1,8 @@
 // dp_bench's flags and runs, shared by its main and its DDP worker processes.
 #pragma once
 
+#include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -8,6 +10,7 @@
 #include <CLI/CLI.hpp>
 
 #include "benchmarks/report.hpp"
+#include "dp/data/loader.hpp"
 #include "dp/data/synthetic.hpp"
 #include "dp/distributed/launcher.hpp"
 #include "dp/trace.hpp"
@@ -18,6 +21,19 @@
 #include "nn/train_state.hpp"
 
 namespace bench {
+
+// What to train: a model and its data. dp_bench's built-in ones are --model's (mlp, cnn,
+// resnet) on synthetic 28x28 images; a research user passes their own (samples/
+// compare_my_model.cpp). The loss is softmax cross-entropy over the data set's classes: the
+// engines' loss.
+struct Workload {
+  std::string name;  // in the report and the checkpoint config
+  // A fresh, unmaterialised model; the runs materialise it from --seed, on every device alike.
+  std::function<nn::ModulePtr()> make_model;
+  // A data set of at least `samples` samples (fewer are used modulo their count): the global
+  // batch of step s is samples [s B, (s+1) B).
+  std::function<std::unique_ptr<dp::data::Dataset>(int64_t samples)> make_dataset;
+};
 
 struct Options {
   std::optional<int> gpus;  // unset: all visible GPUs, or 4 CPU devices
@@ -34,6 +50,7 @@ struct Options {
   uint64_t seed = 1;
   std::string json_path, trace_path, sweep, csv_path, chart_path, profile_steps;
   int baseline = 1;  // also run N=1 of each mode for speedup (0 to skip)
+  int repeat = 1;    // interleaved repeats of every run, for confidence intervals
   double bucket_cap_mb = 25, first_bucket_mb = 1;  // DP and DDP buckets (PyTorch's defaults)
   std::string dp_reduce = "star";                  // DP: star|tree
   std::string project_from;                        // GPU results file for the projection
@@ -52,13 +69,18 @@ struct Options {
   bool sync_bn = false;  // BatchNorm statistics combined across devices (DP) and ranks (DDP)
   int max_staleness = -1;
   bool scale_lr = false;
+  // Set by compare() for a user's workload; null: --model's built-in model and synthetic data.
+  std::shared_ptr<const Workload> workload;
 };
 
-// dp_bench exits with this code (130 for SIGINT, 143 for SIGTERM) when the DDP launcher was
-// stopped by a signal.
-struct Interrupted : kernels::Error {
-  Interrupted(const std::string& what, int code) : kernels::Error(what), exit_code(code) {}
+// dp_bench exits with `exit_code` after this: the DDP launcher's own code when its ranks failed
+// (the last attempt's under --max-restarts, as torchrun), 130 or 143 when it was stopped by
+// SIGINT or SIGTERM (`interrupted`).
+struct RunFailed : kernels::Error {
+  RunFailed(const std::string& what, int code, bool stopped_by_signal)
+      : kernels::Error(what), exit_code(code), interrupted(stopped_by_signal) {}
   int exit_code;
+  bool interrupted;
 };
 
 // The resolved device type and counts of a run.
@@ -79,6 +101,12 @@ Setup resolve(const Options& o);
 void validate(const Options& o, const Setup& s, const std::vector<int>& counts);
 int64_t global_batch(const Options& o, int n);
 nn::ModulePtr make_model(const std::string& name);
+// The run's model (the workload's, or --model's) and its name; its data set for `batch` rows
+// per step (sized for warm-up and timed steps); the global batch of step `step`.
+nn::ModulePtr model_of(const Options& o);
+std::string model_name(const Options& o);
+std::unique_ptr<dp::data::Dataset> dataset_of(const Options& o, int64_t batch);
+dp::data::Batch step_batch(const dp::data::Dataset& data, int64_t step, int64_t batch);
 kernels::SgdConfig optimizer_config();
 // What a checkpoint of this run records and must match on resume: the mode, the world size,
 // and the model, batch and seed.
@@ -96,7 +124,13 @@ void progress(const std::string& label, int step, int total);
 std::string gpu_name();
 Header make_header(const Options& o, const Setup& s, int logical);
 
+// Writes `text` to `path`, checking the write and the close (a full disk shows at either).
+// Throws kernels::Error naming `flag` and the file.
+void write_text(const std::string& flag, const std::string& path, const std::string& text);
+
 RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace);
+// Runs what the options ask for and prints the report (or, in a DDP worker process, trains its
+// rank). Returns the exit code.
 int run(const Options& o, int argc, char** argv);
 
 }  // namespace bench

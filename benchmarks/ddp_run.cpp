@@ -106,12 +106,13 @@ std::optional<RunResult> run_ddp(const Options& o, const Setup& s, int n, int ar
   (void)s;
   std::optional<int> rc = dp::dist::launch_if_parent(t, argc, argv);
   DP_CHECK(rc.has_value(), "dp_bench: DDP launch from a worker process");
+  const std::string ranks = "the DDP run on " + std::to_string(n * o.launch.nnodes) + " ranks";
   if (*rc == 128 + SIGINT || *rc == 128 + SIGTERM)
-    throw Interrupted("the DDP run on " + std::to_string(n * o.launch.nnodes) +
-                          " ranks was stopped by " + (*rc == 128 + SIGINT ? "SIGINT" : "SIGTERM"),
-                      *rc);
-  DP_CHECK(*rc == 0, "dp_bench: the DDP run on " << n * o.launch.nnodes
-                                                 << " ranks failed (launcher exit " << *rc << ")");
+    throw RunFailed(ranks + " was stopped by " + (*rc == 128 + SIGINT ? "SIGINT" : "SIGTERM"), *rc,
+                    true);
+  if (*rc != 0)
+    throw RunFailed("error: " + ranks + " failed (launcher exit " + std::to_string(*rc) + ")", *rc,
+                    false);
   if (o.launch.node_rank != 0) return std::nullopt;  // rank 0, and so the figures, live on node 0
   nlohmann::json j;
   try {
@@ -158,8 +159,8 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
                                                                      << " but " << n
                                                                      << " ranks were asked for");
   int64_t batch = global_batch(o, n);
-  const auto data = bench_dataset(o, batch);
-  auto model = make_model(o.model);
+  const auto data = dataset_of(o, batch);
+  auto model = model_of(o);
   model->materialize(trainer.device(), o.seed);
   auto optimizer = make_optimizer(o, *model);
   nn::Optimizer& opt = *optimizer;
@@ -184,9 +185,8 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   r.gpus = n;
   r.batch = batch;
   r.param_bytes = model->flat_params().nbytes();
-  r.bytes_theory = ring_bytes_theory(
-      n, r.param_bytes / 4 * static_cast<int64_t>(kernels::dtype_size(s.comm_dtype)));
   std::map<std::string, std::vector<double>> phases;
+  std::vector<std::vector<double>> ready_frac;  // per bucket, one per timed step
   auto [pa, pb] = profile_range(o);
   nn::TrainingProgress state = bench_state(o, "ddp", n);
   int first = 0;
@@ -204,7 +204,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   };
   for (int step = first; step < o.warmup + o.steps; ++step) {
     int timed = step - o.warmup;
-    auto b = dp::data::make_batch(data, step * batch, batch);
+    auto b = step_batch(*data, step, batch);
     if (timed == pa) kernels::profiler_start();
     if (timed == 0) trainer.ddp().set_trace(trace.get());
     float loss = trainer.train_step(b.images, b.labels);
@@ -217,8 +217,15 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
     r.losses.push_back(loss);
     r.loss_scale = trainer.scaler().scale();
     r.skipped_steps = trainer.scaler().skipped_steps();
+    r.bytes_per_step = trainer.last_payload_bytes();
     r.buckets = trainer.ddp().stats().buckets;
     r.buckets_overlapped = trainer.ddp().stats().launched_before_backward_end;
+    const dp::dist::DdpStats& ds = trainer.ddp().stats();
+    r.bucket_bytes = ds.bucket_bytes;
+    ready_frac.resize(ds.bucket_ready_ms.size());
+    for (size_t k = 0; k < ds.bucket_ready_ms.size(); ++k)
+      ready_frac[k].push_back(
+          ds.backward_ms > 0 ? std::min(1.0, ds.bucket_ready_ms[k] / ds.backward_ms) : 1.0);
     phases["forward"].push_back(t.forward);
     phases["backward"].push_back(t.backward);
     phases["allreduce_exposed"].push_back(t.allreduce_wait);
@@ -227,6 +234,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   trainer.ddp().set_trace(nullptr);
   if (!o.checkpoint_dir.empty()) save(o.warmup + o.steps);  // the end of the run
   for (auto& [name, v] : phases) r.phases_ms[name] = percentile(v, 0.5);
+  for (auto& f : ready_frac) r.bucket_ready_frac.push_back(median(f));
   // A synchronous step ends when its last rank ends: the step time is the slowest rank's, per
   // step, gathered from every rank (rank 0 alone would flatter the figures).
   if (!r.step_ms.empty()) {
@@ -239,10 +247,9 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
     r.step_ms = slowest_per_step(all.to_host_f32(), n, steps);
   }
   r.final_loss = r.losses.empty() ? 0 : r.losses.back();
-  // Payload each rank all-reduces per step (gradients, and buffers when averaged), under the
-  // ring model: 2 (N-1)/N of it crosses each rank's link.
-  r.bytes_per_step = ring_bytes_theory(
-      n, model->flat_grads().numel() * static_cast<int64_t>(kernels::dtype_size(s.comm_dtype)));
+  // The payload handed to the group was counted (the last step's); the ring model says
+  // 2 (N-1)/N of it crosses each rank's link.
+  r.bytes_theory = ring_bytes_theory(n, r.bytes_per_step);
 
   // Peak memory of every rank, gathered to rank 0.
   float mine = static_cast<float>(kernels::context(trainer.device()).memory()->peak.load() +
@@ -275,11 +282,8 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
     print_memory_model(std::cout, {r});
     print_sync_bn(std::cout, {r});
     print_projection(std::cout, projection);
-    if (!o.json_path.empty()) {
-      std::ofstream f(o.json_path);
-      DP_CHECK(f, "--json: cannot write '" << o.json_path << "'");
-      f << to_json(h, {r}, projection).dump(2) << "\n";
-    }
+    if (!o.json_path.empty())
+      write_text("--json", o.json_path, to_json(h, {r}, projection).dump(2) + "\n");
   }
   trainer.group().barrier()->wait();  // every trace file is written before the parent reads
   return 0;

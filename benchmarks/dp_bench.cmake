@@ -1,14 +1,20 @@
-# dp_bench: the main command. Its report/projection code is a library so tests can check it.
-add_library(dp_bench_report STATIC ${CMAKE_CURRENT_SOURCE_DIR}/report.cpp)
+# dp_bench: the main command. Its report/projection code is a library so tests can check it;
+# the runs behind it (dp_bench_lib) are a library so any program can compare DP and DDP on its
+# own model (benchmarks/compare.hpp, samples/compare_my_model.cpp).
+add_library(dp_bench_report STATIC ${CMAKE_CURRENT_SOURCE_DIR}/report.cpp
+                                   ${CMAKE_CURRENT_SOURCE_DIR}/stats.cpp)
 target_link_libraries(dp_bench_report PUBLIC dp_kernels nlohmann_json::nlohmann_json)
 
 if(TARGET dp_distributed AND TARGET dp_data)
-  add_executable(dp_bench
-    ${CMAKE_CURRENT_SOURCE_DIR}/dp_bench.cpp
+  add_library(dp_bench_lib STATIC
+    ${CMAKE_CURRENT_SOURCE_DIR}/compare.cpp
     ${CMAKE_CURRENT_SOURCE_DIR}/bench_common.cpp
     ${CMAKE_CURRENT_SOURCE_DIR}/ddp_run.cpp
     ${CMAKE_CURRENT_SOURCE_DIR}/ps_run.cpp)
-  target_link_libraries(dp_bench PRIVATE dp_bench_report dp_engine dp_distributed dp_data dp_cli)
+  target_link_libraries(dp_bench_lib PUBLIC dp_bench_report dp_engine dp_distributed dp_data
+                                             dp_cli)
+  add_executable(dp_bench ${CMAKE_CURRENT_SOURCE_DIR}/dp_bench.cpp)
+  target_link_libraries(dp_bench PRIVATE dp_bench_lib)
 endif()
 
 if(TARGET dp_distributed)

@@ -168,28 +168,13 @@ int run_ps_mode(const Options& o, const Setup& s) {
                           {"staleness_mean", mean_stale},
                           {"pushes_per_worker", r.pushes_per_worker},
                           {"curve", curve_json(ps_curve)}}}};
-    std::ofstream f(o.json_path);
-    DP_CHECK(f, "--json: cannot write '" << o.json_path << "'");
-    f << j.dump(2) << "\n";
+    write_text("--json", o.json_path, j.dump(2) + "\n");
   }
   if (!o.trace_path.empty()) {
-    nlohmann::json events = nlohmann::json::array();
-    for (const auto& e : trace.events())
-      events.push_back({{"name", e.name},
-                        {"ph", "X"},
-                        {"pid", 0},
-                        {"tid", e.track},
-                        {"ts", e.begin_us},
-                        {"dur", e.duration_us}});
+    dp::TracedRun run{"ps N=" + std::to_string(n), trace.events(), {}};
     for (int w = 0; w <= n; ++w)
-      events.push_back({{"name", "thread_name"},
-                        {"ph", "M"},
-                        {"pid", 0},
-                        {"tid", w},
-                        {"args", {{"name", w < n ? "worker " + std::to_string(w) : "server"}}}});
-    std::ofstream f(o.trace_path);
-    DP_CHECK(f, "--trace: cannot write '" << o.trace_path << "'");
-    f << nlohmann::json{{"traceEvents", events}}.dump() << "\n";
+      run.track_names[w] = w < n ? "worker " + std::to_string(w) : "server";
+    dp::write_chrome_trace(o.trace_path, {run});
   }
   return 0;
 }

@@ -11,15 +11,6 @@
 
 namespace bench {
 
-double percentile(std::vector<double> v, double q) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  double pos = q * static_cast<double>(v.size() - 1);
-  size_t lo = static_cast<size_t>(std::floor(pos));
-  size_t hi = std::min(lo + 1, v.size() - 1);
-  return v[lo] + (v[hi] - v[lo]) * (pos - static_cast<double>(lo));
-}
-
 std::vector<double> slowest_per_step(const std::vector<float>& all, int ranks, int64_t steps) {
   DP_CHECK(ranks >= 1 && steps >= 0 && all.size() == static_cast<size_t>(ranks * steps),
            "slowest_per_step: " << all.size() << " times for " << ranks << " ranks of " << steps
@@ -32,7 +23,7 @@ std::vector<double> slowest_per_step(const std::vector<float>& all, int ranks, i
 }
 
 double RunResult::step_ms_median() const {
-  return percentile(step_ms, 0.5);
+  return repeat_ms.size() >= 2 ? median(repeat_ms) : median(step_ms);
 }
 double RunResult::step_ms_p90() const {
   return percentile(step_ms, 0.9);
@@ -68,6 +59,17 @@ bool oversubscribed(const Header& h) {
   return h.device != "cpu" && h.logical > h.physical;
 }
 
+bool time_sliced(const Header& h, int n) {
+  return n > 1 && (h.device == "cpu" || n > h.physical);
+}
+
+std::string time_sliced_label(const Header& h, const std::string& mode, int n) {
+  if (!time_sliced(h, n)) return "";
+  if (mode == "ddp" && h.device != "cpu")
+    return "correctness only: ranks time-slice one GPU through host staging";
+  return "time-sliced: overhead, not scaling";
+}
+
 namespace {
 
 const RunResult* baseline_of(const std::vector<RunResult>& runs, const std::string& mode) {
@@ -96,6 +98,110 @@ std::optional<double> overhead_us_per_device(const std::vector<RunResult>& runs,
   return (r.step_ms_median() - base->step_ms_median()) * 1000.0 / r.gpus;
 }
 
+namespace {
+
+// The samples a run's estimates come from: its repeats' medians, else its steps.
+const std::vector<double>& samples_of(const RunResult& r) {
+  return r.repeat_ms.size() >= 2 ? r.repeat_ms : r.step_ms;
+}
+
+// Repeat k of two runs ran back to back: paired. Steps of two runs are not.
+Pairing pairing_of(const RunResult& a, const RunResult& b) {
+  return a.repeat_ms.size() >= 2 && a.repeat_ms.size() == b.repeat_ms.size() ? Pairing::paired
+                                                                             : Pairing::independent;
+}
+
+}  // namespace
+
+Estimate step_estimate(const RunResult& r) {
+  return median_ci(samples_of(r));
+}
+
+std::optional<Estimate> ratio_to_one(const std::vector<RunResult>& runs, const RunResult& r) {
+  const RunResult* base = baseline_of(runs, r.mode);
+  if (!base || r.gpus < 2 || samples_of(r).empty() || samples_of(*base).empty())
+    return std::nullopt;
+  return ratio_ci(samples_of(r), samples_of(*base), pairing_of(r, *base));
+}
+
+std::optional<Estimate> overhead_ci(const std::vector<RunResult>& runs, const RunResult& r) {
+  const RunResult* base = baseline_of(runs, r.mode);
+  if (!base || r.gpus < 2 || samples_of(r).empty() || samples_of(*base).empty())
+    return std::nullopt;
+  Estimate e =
+      difference_ci(samples_of(r), samples_of(*base), 1000.0 / r.gpus, pairing_of(r, *base));
+  e.value = *overhead_us_per_device(runs, r);  // the point estimate the table has always printed
+  return e;
+}
+
+std::string describe(const Estimate& e, double null_value, int digits) {
+  if (e.contains(null_value)) {
+    char buf[96];
+    std::snprintf(buf, sizeof(buf), "within noise (95%% CI %.*f to %.*f)", digits, e.lo, digits,
+                  e.hi);
+    return buf;
+  }
+  return format_ci(e, digits);
+}
+
+namespace {
+
+// Exposed communication of a run (ms): DP's scatter, replicate and the reduce not hidden by
+// backward; DDP's all-reduce wait.
+double communication_ms(const RunResult& r) {
+  if (r.mode == "ddp") return phase(r, "allreduce_exposed");
+  return phase(r, "scatter") + phase(r, "replicate") + phase(r, "reduce");
+}
+
+const RunResult* largest_of(const std::vector<RunResult>& runs, const std::string& mode, int n) {
+  for (auto& r : runs)
+    if (r.mode == mode && r.gpus == n) return &r;
+  return nullptr;
+}
+
+}  // namespace
+
+std::string verdict(const Header& h, const std::vector<RunResult>& runs) {
+  int n = 0;
+  for (auto& r : runs)
+    if (r.mode == "dp" && largest_of(runs, "ddp", r.gpus)) n = std::max(n, r.gpus);
+  if (n == 0) return "";
+  const RunResult& dp = *largest_of(runs, "dp", n);
+  const RunResult& ddp = *largest_of(runs, "ddp", n);
+  if (samples_of(dp).empty() || samples_of(ddp).empty()) return "";
+  std::ostringstream os;
+  os << std::fixed << h.model << ", batch " << dp.batch << ", " << n
+     << (n == 1 ? " device" : " devices") << " here";
+  if (time_sliced(h, n)) os << " (time-sliced)";
+  os << ": ";
+  // t_DP / t_DDP: above 1, DDP is faster.
+  Estimate e = ratio_ci(samples_of(dp), samples_of(ddp), pairing_of(dp, ddp));
+  if (e.contains(1.0)) {
+    os << "DP and DDP are within noise of each other (t_DP / t_DDP " << describe(e, 1.0, 2) << ")";
+    return os.str();
+  }
+  const bool ddp_wins = e.value > 1;
+  const RunResult& slow = ddp_wins ? dp : ddp;
+  const RunResult& fast = ddp_wins ? ddp : dp;
+  Estimate speed = ddp_wins ? e : Estimate{1 / e.value, 1 / e.hi, 1 / e.lo, e.samples};
+  os << std::setprecision(2) << (ddp_wins ? "DDP" : "DP") << " is " << speed.value
+     << "x faster than " << (ddp_wins ? "DP" : "DDP") << " (95% CI " << speed.lo << " to "
+     << speed.hi << ")";
+  // Where the slower one loses: the phase group with the largest gap.
+  const double compute_gap = (phase(slow, "forward") + phase(slow, "backward")) -
+                             (phase(fast, "forward") + phase(fast, "backward"));
+  const double comm_gap = communication_ms(slow) - communication_ms(fast);
+  const double opt_gap = phase(slow, "optimizer") - phase(fast, "optimizer");
+  os << "; " << (ddp_wins ? "DP" : "DDP") << " loses in ";
+  if (comm_gap >= compute_gap && comm_gap >= opt_gap)
+    os << "communication (" << communication_ms(slow) << " ms exposed)";
+  else if (compute_gap >= opt_gap)
+    os << "forward + backward (+" << compute_gap << " ms)";
+  else
+    os << "the optimizer step (+" << opt_gap << " ms)";
+  return os.str();
+}
+
 void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>& runs) {
   os << "dp_bench: model " << h.model << " (" << h.params << " parameters, " << mib(h.params * 4)
      << " MiB), dtype " << h.dtype << ", device " << h.device << "\n";
@@ -106,22 +212,38 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
     os << "note: " << h.logical << " logical GPUs share " << h.physical
        << " physical GPU(s): figures measure ENGINE OVERHEAD, NOT SCALING\n";
   }
+  const int repeats = runs.empty() ? 1 : std::max<int>(1, runs[0].repeat_ms.size());
+  os << "step times: "
+     << (repeats >= 2 ? "median of " + std::to_string(repeats) +
+                            " interleaved repeats' medians, 95% bootstrap CI "
+                            "over the repeats"
+                      : std::string("one run, 95% bootstrap CI over its steps "
+                                    "(run-to-run noise is larger: --repeat 5)"))
+     << "\n";
   os << std::fixed;
-  os << "\n mode  N   batch  step ms (med / p90)   samples/s   speedup  eff.   final loss\n";
+  os << "\n mode  N   batch  step ms median (95% CI)       p90   samples/s  speedup  eff.   final "
+        "loss\n";
   for (auto& r : runs) {
     const RunResult* base = baseline_of(runs, r.mode);
+    Estimate e = step_estimate(r);
+    std::ostringstream ci;
+    ci << std::fixed << std::setprecision(3) << e.value << " (" << e.lo << "-" << e.hi << ")";
     os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << r.gpus
-       << std::setw(8) << r.batch << std::setw(11) << std::setprecision(2) << r.step_ms_median()
-       << " / " << std::setw(7) << r.step_ms_p90() << std::setw(12) << std::setprecision(0)
-       << r.samples_per_s();
-    if (base && base->step_ms_median() > 0) {
+       << std::setw(8) << r.batch << "  " << std::left << std::setw(27) << ci.str() << std::right
+       << std::setw(8) << std::setprecision(3) << r.step_ms_p90() << std::setw(12)
+       << std::setprecision(0) << r.samples_per_s();
+    if (base && base->step_ms_median() > 0 && !time_sliced(h, r.gpus)) {
       double speedup = base->step_ms_median() / r.step_ms_median();
       os << std::setw(9) << std::setprecision(2) << speedup << std::setw(6) << std::setprecision(0)
          << 100 * speedup / r.gpus << "%";
     } else {
       os << std::setw(9) << "-" << std::setw(7) << "-";
     }
-    os << std::setw(13) << std::setprecision(6) << r.final_loss << "\n";
+    os << std::setw(13) << std::setprecision(6) << r.final_loss;
+    if (noisy(r.step_ms)) os << "  NOISY (p90 > 1.5x median)";
+    if (std::string label = time_sliced_label(h, r.mode, r.gpus); !label.empty())
+      os << "  [" << label << "]";
+    os << "\n";
   }
   os << "\n phases, median ms:\n";
   for (auto& r : runs) {
@@ -136,13 +258,15 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
     os << "\n";
   }
   bool any_overhead = false;
-  for (auto& r : runs) any_overhead = any_overhead || overhead_us_per_device(runs, r).has_value();
+  for (auto& r : runs) any_overhead = any_overhead || overhead_ci(runs, r).has_value();
   if (any_overhead) {
-    os << "\n overhead per added device, (t_N - t_1) / N (us):\n";
+    os << "\n against 1 device: t_N / t_1, and overhead per added device (t_N - t_1) / N in us:\n";
     for (auto& r : runs)
-      if (auto us = overhead_us_per_device(runs, r))
+      if (auto us = overhead_ci(runs, r)) {
         os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << r.gpus
-           << "   " << std::setprecision(1) << *us << "\n";
+           << "   t_N / t_1 " << describe(*ratio_to_one(runs, r), 1.0, 2) << ";  overhead "
+           << describe(*us, 0.0, 1) << " us\n";
+      }
   }
   if (h.dtype == "bf16" || h.dtype == "fp16") {
     os << "\n mixed precision (" << h.dtype << " GEMMs and convolutions, f32 master weights):\n";
@@ -163,12 +287,14 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
             "last rank)\n";
       break;
     }
-  os << "\n bytes moved per step (MiB): measured vs theory"
-        " [DP through device 0: 2(N-1)P; ring all-reduce: 2(N-1)/N P per device]\n";
+  os << "\n bytes per step (MiB). DP: counted copies vs the model 2(N-1)P through device 0. DDP: "
+        "payload counted by the process group vs the ring model's wire bytes per rank, "
+        "2(N-1)/N x payload\n";
   for (auto& r : runs) {
     os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << r.gpus
-       << "   " << std::setw(9) << mib(r.bytes_per_step) << " vs " << std::setw(9)
-       << mib(r.bytes_theory) << "   peak MiB per device:";
+       << "   " << (r.mode == "ddp" ? "payload " : "copied ") << std::setw(9)
+       << mib(r.bytes_per_step) << " (counted)   model " << std::setw(9) << mib(r.bytes_theory)
+       << (r.mode == "ddp" ? " (ring, per rank)" : " (star)") << "   peak MiB per device:";
     for (int64_t b : r.peak_mem_bytes) os << " " << mib(b);
     if (!r.link_bytes.empty() && r.gpus > 1) {
       os << "   link MiB per device (in + out, " << r.reduce << "):";
@@ -176,6 +302,7 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
     }
     os << "\n";
   }
+  if (std::string v = verdict(h, runs); !v.empty()) os << "\n verdict: " << v << "\n";
 }
 
 void print_sync_bn(std::ostream& os, const std::vector<RunResult>& runs) {
@@ -222,15 +349,40 @@ const RunResult* projection_source(const std::vector<RunResult>& runs, const std
 
 }  // namespace
 
-std::vector<Projection> project(const std::vector<RunResult>& runs) {
+namespace {
+
+// The bucket plan the projection communicates: the DDP run's, else one bucket of P ready when
+// backward ends.
+void bucket_plan(const std::vector<RunResult>& runs, int64_t p, std::vector<int64_t>* bytes,
+                 std::vector<double>* ready) {
+  for (auto& r : runs)
+    if (r.mode == "ddp" && !r.bucket_bytes.empty() &&
+        r.bucket_bytes.size() == r.bucket_ready_frac.size()) {
+      *bytes = r.bucket_bytes;
+      *ready = r.bucket_ready_frac;
+      return;
+    }
+  *bytes = {p};
+  *ready = {1.0};
+}
+
+const RunResult* compute_run(const std::vector<RunResult>& compute_runs, int64_t batch) {
+  for (auto& c : compute_runs)
+    if (c.gpus == 1 && c.batch == batch) return &c;
+  return nullptr;
+}
+
+}  // namespace
+
+std::vector<Projection> project(const std::vector<RunResult>& runs,
+                                const std::vector<RunResult>& compute_runs) {
   std::vector<Projection> out;
   for (const char* mode : {"dp", "ddp"}) {
     const RunResult* r = projection_source(runs, mode);
     if (!r) continue;
-    // Measured forward + backward of one device at batch B / n_meas; at N devices each takes
-    // B / N rows: compute(N) = compute_meas * n_meas / N (linear in rows).
-    double compute_meas_s = (phase(*r, "forward") + phase(*r, "backward")) / 1000.0;
-    double opt_s = phase(*r, "optimizer") / 1000.0;
+    std::vector<int64_t> bytes;
+    std::vector<double> ready;
+    bucket_plan(runs, r->param_bytes, &bytes, &ready);
     for (auto& link : default_links())
       for (int n : {4, 8}) {
         Projection p;
@@ -238,10 +390,38 @@ std::vector<Projection> project(const std::vector<RunResult>& runs) {
         p.link = link.name;
         p.gpus = n;
         p.source_gpus = r->gpus;
-        p.compute_s = compute_meas_s * r->gpus / n;
-        p.optimizer_s = opt_s;
         p.param_bytes = r->param_bytes;
-        p.step_s = projected_step_s(mode, n, p.compute_s, opt_s, r->param_bytes, link);
+        p.buckets = static_cast<int>(bytes.size());
+        double backward_s = 0;
+        const int64_t per_rank = (r->batch + n - 1) / n;
+        if (const RunResult* c = compute_run(compute_runs, per_rank)) {
+          p.optimizer_s = phase(*c, "optimizer") / 1000.0;
+          p.compute_s = c->step_ms_median() / 1000.0 - p.optimizer_s;
+          backward_s = phase(*c, "backward") / 1000.0;
+          p.compute_from = "1-device run at batch " + std::to_string(per_rank);
+        } else {
+          // Forward + backward of one device at batch B / n_meas; at N devices each takes
+          // B / N rows: compute(N) = compute_meas * n_meas / N (linear in rows).
+          p.compute_s = (phase(*r, "forward") + phase(*r, "backward")) / 1000.0 * r->gpus / n;
+          p.optimizer_s = phase(*r, "optimizer") / 1000.0;
+          backward_s = phase(*r, "backward") / 1000.0 * r->gpus / n;
+          p.compute_from = "scaled linearly from n=" + std::to_string(r->gpus);
+        }
+        const bool dp = p.mode == "dp";
+        const double replicate =
+            dp ? (n - 1) * (link.alpha_s + r->param_bytes / link.bandwidth_bytes_per_s) : 0;
+        double sum = 0, end = 0;
+        for (size_t i = 0; i < bytes.size(); ++i) {
+          const double b = static_cast<double>(bytes[i]);
+          const double c =
+              dp ? (n - 1) * (link.alpha_s + b / link.bandwidth_bytes_per_s)
+                 : 2.0 * (n - 1) * (link.alpha_s + b / (n * link.bandwidth_bytes_per_s));
+          sum += c;
+          end = std::max(end, ready[i] * backward_s) + c;
+        }
+        const double base = p.compute_s + p.optimizer_s + replicate;
+        p.step_s = base + sum;
+        p.overlap_s = base + std::max(0.0, end - backward_s);
         out.push_back(p);
       }
   }
@@ -249,7 +429,8 @@ std::vector<Projection> project(const std::vector<RunResult>& runs) {
 }
 
 ProjectionInput projection_input(const Header& h, const std::vector<RunResult>& runs,
-                                 const std::string& project_from) {
+                                 const std::string& project_from,
+                                 const std::vector<RunResult>& compute_runs) {
   ProjectionInput in;
   if (!project_from.empty()) {
     std::ifstream f(project_from);
@@ -264,6 +445,8 @@ ProjectionInput projection_input(const Header& h, const std::vector<RunResult>& 
         return in;
       }
       for (auto& r : j.at("runs")) in.runs.push_back(run_from_json(r));
+      for (auto& r : j.value("compute_runs", nlohmann::json::array()))
+        in.compute_runs.push_back(run_from_json(r));
       in.source = project_from + " (" + device + ")";
     } catch (const nlohmann::json::exception& e) {
       DP_THROW("--project-from '" << project_from << "': not a dp_bench JSON report (" << e.what()
@@ -278,6 +461,7 @@ ProjectionInput projection_input(const Header& h, const std::vector<RunResult>& 
     return in;
   }
   in.runs = runs;
+  in.compute_runs = compute_runs;
   in.source = "measured on " + h.device;
   return in;
 }
@@ -287,17 +471,22 @@ void print_projection(std::ostream& os, const ProjectionInput& in) {
     os << "\n projection to NVLink/PCIe: left out: " << in.why_not << "\n";
     return;
   }
-  os << "\n projection to real interconnects (alpha-beta model), compute " << in.source << ":\n"
-     << "   compute(N) = (forward + backward measured on n devices) * n / N\n"
-        "   DP : t = compute(N) + opt + 2(N-1)(alpha + P/bw)        [star through device 0]\n"
-        "   DDP: t = compute(N) + opt + 2(N-1)(alpha + P/(N bw))    [ring, no overlap assumed]\n"
-        "   links: NVLink4 450 GB/s each way, alpha 5 us; PCIe Gen5 64 GB/s each way, alpha 10 "
-        "us\n";
-  for (auto& p : project(in.runs))
+  os << std::fixed
+     << "\n projection to real interconnects (alpha-beta model per gradient bucket), compute "
+     << in.source << ":\n"
+     << "   compute(N): a 1-device run at batch ceil(B/N), host time included (else the measured\n"
+        "   forward + backward scaled by rows); per bucket of b bytes: DP (N-1)(alpha + b/bw) "
+        "into\n"
+        "   device 0 plus (N-1)(alpha + P/bw) to replicate; DDP ring 2(N-1)(alpha + b/(N bw)).\n"
+        "   Range: full overlap (each bucket sent from its measured ready time in backward) to\n"
+        "   none (t = compute + opt + all communication). Links: NVLink4 450 GB/s each way,\n"
+        "   alpha 5 us; PCIe Gen5 64 GB/s each way, alpha 10 us\n";
+  for (auto& p : project(in.runs, in.compute_runs))
     os << "   " << std::left << std::setw(4) << p.mode << std::right << std::setw(10) << p.link
-       << " N=" << p.gpus << ": " << std::setprecision(3) << p.step_s * 1000
-       << " ms  (from n=" << p.source_gpus << ": compute " << p.compute_s * 1000 << " ms, opt "
-       << p.optimizer_s * 1000 << " ms, P " << mib(p.param_bytes) << " MiB)\n";
+       << " N=" << p.gpus << ": " << std::setprecision(3) << p.overlap_s * 1000 << "-"
+       << p.step_s * 1000 << " ms  (compute " << p.compute_s * 1000 << " ms from " << p.compute_from
+       << ", opt " << p.optimizer_s * 1000 << " ms, " << p.buckets
+       << (p.buckets == 1 ? " bucket" : " buckets") << ", P " << mib(p.param_bytes) << " MiB)\n";
 }
 
 nlohmann::json run_to_json(const RunResult& r) {
@@ -305,6 +494,7 @@ nlohmann::json run_to_json(const RunResult& r) {
           {"gpus", r.gpus},
           {"batch", r.batch},
           {"step_ms", r.step_ms},
+          {"repeat_ms", r.repeat_ms},
           {"step_ms_median", r.step_ms_median()},
           {"step_ms_p90", r.step_ms_p90()},
           {"samples_per_s", r.samples_per_s()},
@@ -326,7 +516,9 @@ nlohmann::json run_to_json(const RunResult& r) {
           {"sync_bn_bytes_per_step", r.sync_bn_values * 4},
           {"loss_scale", r.loss_scale},
           {"skipped_steps", r.skipped_steps},
-          {"comm_dtype", r.comm_dtype}};
+          {"comm_dtype", r.comm_dtype},
+          {"bucket_bytes", r.bucket_bytes},
+          {"bucket_ready_frac", r.bucket_ready_frac}};
 }
 
 RunResult run_from_json(const nlohmann::json& j) {
@@ -335,6 +527,7 @@ RunResult run_from_json(const nlohmann::json& j) {
   r.gpus = j.at("gpus").get<int>();
   r.batch = j.at("batch").get<int64_t>();
   r.step_ms = j.at("step_ms").get<std::vector<double>>();
+  r.repeat_ms = j.value("repeat_ms", std::vector<double>{});
   r.phases_ms = j.at("phases_ms").get<std::map<std::string, double>>();
   r.param_bytes = j.at("param_bytes").get<int64_t>();
   r.bytes_per_step = j.at("bytes_per_step").get<int64_t>();
@@ -353,6 +546,8 @@ RunResult run_from_json(const nlohmann::json& j) {
   r.loss_scale = j.value("loss_scale", 1.f);
   r.skipped_steps = j.value("skipped_steps", int64_t{0});
   r.comm_dtype = j.value("comm_dtype", std::string("fp32"));
+  r.bucket_bytes = j.value("bucket_bytes", std::vector<int64_t>{});
+  r.bucket_ready_frac = j.value("bucket_ready_frac", std::vector<double>{});
   return r;
 }
 
@@ -369,25 +564,46 @@ nlohmann::json to_json(const Header& h, const std::vector<RunResult>& runs,
                       {"projection", nlohmann::json::array()},
                       {"projection_source", projection.source},
                       {"projection_left_out", projection.why_not},
-                      {"ddp_step_time", "slowest rank per step"}};
-  for (auto& p : project(projection.runs))
+                      {"ddp_step_time", "slowest rank per step"},
+                      {"repeats", runs.empty() ? 1 : std::max<size_t>(1, runs[0].repeat_ms.size())},
+                      {"verdict", verdict(h, runs)}};
+  for (auto& p : project(projection.runs, projection.compute_runs))
     j["projection"].push_back({{"mode", p.mode},
                                {"link", p.link},
                                {"gpus", p.gpus},
                                {"from_gpus", p.source_gpus},
                                {"compute_ms", p.compute_s * 1000},
+                               {"compute_from", p.compute_from},
                                {"optimizer_ms", p.optimizer_s * 1000},
                                {"param_bytes", p.param_bytes},
-                               {"step_ms", p.step_s * 1000}});
+                               {"buckets", p.buckets},
+                               {"step_ms", p.step_s * 1000},
+                               {"step_ms_full_overlap", p.overlap_s * 1000}});
+  j["compute_runs"] = nlohmann::json::array();
+  for (auto& c : projection.compute_runs) j["compute_runs"].push_back(run_to_json(c));
   for (auto& r : runs) {
     nlohmann::json jr = run_to_json(r);
     const RunResult* base = baseline_of(runs, r.mode);
-    if (base && r.step_ms_median() > 0) {
+    const Estimate step = step_estimate(r);
+    jr["step_ms_ci95"] = {step.lo, step.hi};
+    jr["noisy"] = noisy(r.step_ms);
+    jr["time_sliced"] = time_sliced(h, r.gpus);
+    if (std::string label = time_sliced_label(h, r.mode, r.gpus); !label.empty())
+      jr["time_sliced_note"] = label;
+    if (base && r.step_ms_median() > 0 && !time_sliced(h, r.gpus)) {
       double s = base->step_ms_median() / r.step_ms_median();
       jr["speedup"] = s;
       jr["efficiency"] = s / r.gpus;
     }
-    if (auto us = overhead_us_per_device(runs, r)) jr["overhead_us_per_device"] = *us;
+    if (auto ratio = ratio_to_one(runs, r))
+      jr["ratio_to_one"] = {{"value", ratio->value},
+                            {"ci95", {ratio->lo, ratio->hi}},
+                            {"within_noise", ratio->contains(1.0)}};
+    if (auto us = overhead_ci(runs, r)) {
+      jr["overhead_us_per_device"] = us->value;
+      jr["overhead_us_per_device_ci95"] = {us->lo, us->hi};
+      jr["overhead_within_noise"] = us->contains(0.0);
+    }
     j["runs"].push_back(jr);
   }
   return j;
@@ -395,43 +611,31 @@ nlohmann::json to_json(const Header& h, const std::vector<RunResult>& runs,
 
 void write_sweep_csv(std::ostream& os, const std::vector<RunResult>& runs) {
   os << "mode,gpus,batch,step_ms_median,step_ms_p90,samples_per_s,speedup,efficiency,"
-        "bytes_per_step,bytes_theory,final_loss,overhead_us_per_device\n";
+        "bytes_per_step,bytes_theory,final_loss,overhead_us_per_device,step_ms_ci_lo,"
+        "step_ms_ci_hi,ratio_to_one,ratio_ci_lo,ratio_ci_hi,overhead_ci_lo,overhead_ci_hi,"
+        "repeats,noisy\n";
   for (auto& r : runs) {
     const RunResult* base = baseline_of(runs, r.mode);
     double s = base && r.step_ms_median() > 0 ? base->step_ms_median() / r.step_ms_median() : 0;
     os << r.mode << "," << r.gpus << "," << r.batch << "," << r.step_ms_median() << ","
        << r.step_ms_p90() << "," << r.samples_per_s() << "," << s << "," << s / r.gpus << ","
        << r.bytes_per_step << "," << r.bytes_theory << "," << r.final_loss << ",";
-    if (auto us = overhead_us_per_device(runs, r)) os << *us;
-    os << "\n";
+    std::optional<Estimate> us = overhead_ci(runs, r), ratio = ratio_to_one(runs, r);
+    if (us) os << us->value;
+    const Estimate step = step_estimate(r);
+    os << "," << step.lo << "," << step.hi << ",";
+    if (ratio)
+      os << ratio->value << "," << ratio->lo << "," << ratio->hi;
+    else
+      os << ",,";
+    os << ",";
+    if (us)
+      os << us->lo << "," << us->hi;
+    else
+      os << ",";
+    os << "," << std::max<size_t>(1, r.repeat_ms.size()) << "," << (noisy(r.step_ms) ? 1 : 0)
+       << "\n";
   }
-}
-
-nlohmann::json chrome_trace(
-    const std::vector<std::pair<std::string, std::vector<dp::TraceEvent>>>& runs) {
-  nlohmann::json events = nlohmann::json::array();
-  int pid = 0;
-  for (auto& [name, evs] : runs) {
-    events.push_back(
-        {{"name", "process_name"}, {"ph", "M"}, {"pid", pid}, {"args", {{"name", name}}}});
-    std::vector<int> tracks;
-    for (auto& e : evs) {
-      if (std::find(tracks.begin(), tracks.end(), e.track) == tracks.end()) {
-        tracks.push_back(e.track);
-        events.push_back({{"name", "thread_name"},
-                          {"ph", "M"},
-                          {"pid", pid},
-                          {"tid", e.track},
-                          {"args", {{"name", "device " + std::to_string(e.track)}}}});
-      }
-      nlohmann::json slice = {{"name", e.name}, {"ph", "X"},        {"pid", pid},
-                              {"tid", e.track}, {"ts", e.begin_us}, {"dur", e.duration_us}};
-      if (e.step >= 0) slice["args"] = nlohmann::json::object({{"step", e.step}});
-      events.push_back(slice);
-    }
-    ++pid;
-  }
-  return {{"traceEvents", events}, {"displayTimeUnit", "ms"}};
 }
 
 }  // namespace bench

@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "benchmarks/stats.hpp"
 #include "dp/trace.hpp"
 
 namespace bench {
@@ -19,13 +20,18 @@ struct RunResult {
   std::string mode;                         // "dp" or "ddp"
   int gpus = 1;                             // devices (DP) or ranks (DDP)
   int64_t batch = 0;                        // global batch
-  std::vector<double> step_ms;              // one per timed step
+  std::vector<double> step_ms;              // one per timed step (of the last repeat)
+  std::vector<double> repeat_ms;            // --repeat K >= 2: each repeat's median step, in order
   std::map<std::string, double> phases_ms;  // median per phase
   int64_t param_bytes = 0;                  // P: one flat parameter copy
-  int64_t bytes_per_step = 0;               // measured: what the engine copied
-  int64_t bytes_theory = 0;                 // the formula for this mode
-  std::vector<int64_t> peak_mem_bytes;      // one per device
-  std::vector<float> losses;                // per timed step
+  // Measured. DP: what the engine copied; DDP: the payload handed to the process group (every
+  // collective's tensors, counted by the group), summed over buckets and buffers.
+  int64_t bytes_per_step = 0;
+  // A model. DP: the formula through device 0; DDP: the wire bytes per rank of a ring
+  // all-reduce of the counted payload.
+  int64_t bytes_theory = 0;
+  std::vector<int64_t> peak_mem_bytes;  // one per device
+  std::vector<float> losses;            // per timed step
   float final_loss = 0;
   int buckets = 0;                  // gradient buckets per step
   int buckets_overlapped = 0;       // DDP: launched while backward still ran; DP: first pulled
@@ -39,14 +45,16 @@ struct RunResult {
   float loss_scale = 1;             // mixed precision: the loss scale after the last step
   int64_t skipped_steps = 0;        // steps skipped for a non-finite gradient (warmup included)
   std::string comm_dtype = "fp32";  // the dtype gradients travelled in
+  // DDP, per gradient bucket in launch order: its bytes (comm dtype) and when it was ready, as a
+  // fraction of backward's time (median over the timed steps): the projection's overlap input.
+  std::vector<int64_t> bucket_bytes;
+  std::vector<double> bucket_ready_frac;
 
+  // The median over repeats of each repeat's median step (--repeat K >= 2), else over steps.
   double step_ms_median() const;
-  double step_ms_p90() const;
+  double step_ms_p90() const;  // of the steps (the last repeat's)
   double samples_per_s() const;
 };
-
-// q-quantile (0..1) by linear interpolation; 0 for an empty list.
-double percentile(std::vector<double> values, double q);
 
 // Step times of a synchronous run from every rank's: `all` holds rank r's `steps` times at
 // [r steps, (r+1) steps). A step ends when its last rank ends: the result is each step's
@@ -68,25 +76,39 @@ struct Link {
 };
 std::vector<Link> default_links();  // NVLink4 450 GB/s, PCIe Gen5 64 GB/s
 
-// Projected step time of `mode` on n devices:
+// Projected step time of `mode` on n devices, with no overlap and the whole of P as one message:
 //   DP  (star through device 0, which serialises every transfer on its one link):
 //       t = compute + optimizer + 2 (n-1) (alpha + P / bw)
-//   DDP (ring all-reduce of P bytes in 2 (n-1) messages of P/n, no overlap assumed):
+//   DDP (ring all-reduce of P bytes in 2 (n-1) messages of P/n):
 //       t = compute + optimizer + 2 (n-1) (alpha + P / (n bw))
 // compute = forward + backward per device at the per-device batch, in seconds.
 double projected_step_s(const std::string& mode, int n, double compute_s, double optimizer_s,
                         int64_t p, const Link& link);
 
-// One projected step time: `mode` on `gpus` devices over `link`, from the measured run of
-// `source_gpus` devices.
+// One projected step time: `mode` on `gpus` devices over `link`, as a range from full overlap
+// of the gradient communication with backward (`overlap_s`) to none (`step_s`).
+//   per bucket i of b_i bytes:  DP c_i = (N-1)(alpha + b_i/bw)      [into device 0]
+//                               DDP c_i = 2(N-1)(alpha + b_i/(N bw)) [ring]
+//   DP also replicates P to the N-1 replicas before forward: r = (N-1)(alpha + P/bw).
+//   no overlap:   t = compute + optimizer + r + sum c_i
+//   full overlap: bucket i starts at max(its ready time, the previous bucket's end), ready
+//                 time = its measured fraction of backward x backward(N); t = compute +
+//                 optimizer + r + max(0, last end - backward(N))
+// compute(N) comes from a 1-device run at the per-rank batch ceil(B/N) (its whole step less
+// the optimizer: host time included) when one ran, else the source run's forward + backward
+// scaled linearly in rows (`compute_from` says which).
 struct Projection {
   std::string mode, link;
   int gpus = 0, source_gpus = 0;
-  double compute_s = 0, optimizer_s = 0, step_s = 0;
+  double compute_s = 0, optimizer_s = 0, step_s = 0, overlap_s = 0;
   int64_t param_bytes = 0;
+  int buckets = 0;
+  std::string compute_from;
 };
-// For each mode present: N = 4 and 8 on every default link.
-std::vector<Projection> project(const std::vector<RunResult>& runs);
+// For each mode present: N = 4 and 8 on every default link. `compute_runs`: 1-device DP runs
+// at per-rank batches; buckets come from the DDP run (else one bucket of P, ready at the end).
+std::vector<Projection> project(const std::vector<RunResult>& runs,
+                                const std::vector<RunResult>& compute_runs = {});
 
 struct Header {
   std::string device;  // "cpu" or the GPU's name
@@ -97,6 +119,29 @@ struct Header {
   std::string dtype;
 };
 bool oversubscribed(const Header& h);
+// Devices or ranks that share hardware take turns on it: every CPU device runs on all cores, so
+// any N > 1 on CPU devices, and more logical than physical GPUs. Their times measure overhead,
+// not scaling: the report then leaves speedup and efficiency out.
+bool time_sliced(const Header& h, int n);
+// The line the report prints for such a run, or "" when it is not time-sliced.
+std::string time_sliced_label(const Header& h, const std::string& mode, int n);
+
+// The run's step time with its 95% CI: over the repeats' medians (--repeat K >= 2), else over
+// the steps of its one run.
+Estimate step_estimate(const RunResult& r);
+// t_N / t_1 against its mode's 1-device run, and the overhead per added device
+// (t_N - t_1) / N in microseconds, each with its CI; nullopt without a baseline or for N = 1.
+// Repeats are paired (the N=1 and N runs of repeat k ran one after the other).
+std::optional<Estimate> ratio_to_one(const std::vector<RunResult>& runs, const RunResult& r);
+std::optional<Estimate> overhead_ci(const std::vector<RunResult>& runs, const RunResult& r);
+// "1.83 (95% CI 1.62 to 2.05)", or "within noise (95% CI 0.97 to 1.04)" when the interval holds
+// `null_value` (1 for a ratio, 0 for an overhead).
+std::string describe(const Estimate& e, double null_value, int digits);
+
+// One line comparing DP and DDP at the largest device count both ran, e.g. "mlp, batch 256, 4
+// devices here: DDP is 1.80x faster than DP (95% CI 1.62 to 2.01); DP loses in communication
+// (0.44 ms exposed)", or that they are within noise of each other; "" unless both modes ran.
+std::string verdict(const Header& h, const std::vector<RunResult>& runs);
 
 // Engine overhead per added device: (t_N - t_1) / N in microseconds, from the medians of the
 // run and of its mode's 1-device run; nullopt without a baseline or for N = 1.
@@ -107,13 +152,15 @@ std::optional<double> overhead_us_per_device(const std::vector<RunResult>& runs,
 // (--project-from). CPU compute beside NVLink figures would read like a GPU prediction, so
 // then there is none, and `why_not` says so.
 struct ProjectionInput {
-  std::vector<RunResult> runs;  // empty: no projection
-  std::string source;           // "measured on <gpu>" or "<file> (<gpu>)"
+  std::vector<RunResult> runs;          // empty: no projection
+  std::vector<RunResult> compute_runs;  // 1-device runs at the per-rank batches
+  std::string source;                   // "measured on <gpu>" or "<file> (<gpu>)"
   std::string why_not;
 };
 // requires project_from empty or a dp_bench JSON file (throws naming the file otherwise).
 ProjectionInput projection_input(const Header& h, const std::vector<RunResult>& runs,
-                                 const std::string& project_from);
+                                 const std::string& project_from,
+                                 const std::vector<RunResult>& compute_runs = {});
 
 void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>& runs);
 // Optimizer state per device or rank, beside the ZeRO paper's model of memory per rank in
@@ -129,8 +176,5 @@ nlohmann::json run_to_json(const RunResult& r);
 RunResult run_from_json(const nlohmann::json& j);
 // CSV of a sweep: mode,gpus,step_ms_median,step_ms_p90,samples_per_s,speedup,efficiency,...
 void write_sweep_csv(std::ostream& os, const std::vector<RunResult>& runs);
-// Chrome/Perfetto trace: one process per run, one thread (track) per device or rank.
-nlohmann::json chrome_trace(
-    const std::vector<std::pair<std::string, std::vector<dp::TraceEvent>>>& runs);
 
 }  // namespace bench

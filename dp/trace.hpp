@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -42,6 +43,20 @@ class Trace {
   mutable std::mutex mutex_;
   std::vector<TraceEvent> events_;
 };
+
+// One named run's events, e.g. {"dp N=4", trace.events()}.
+struct TracedRun {
+  std::string name;
+  std::vector<TraceEvent> events;
+  std::map<int, std::string> track_names;  // default: "device <track>"
+};
+// The Chrome/Perfetto trace JSON of `runs`: one process per run, one thread (track) per device
+// or rank, each event a complete slice ("ph": "X") tagged with its step when it has one. Open
+// it in ui.perfetto.dev or chrome://tracing.
+std::string chrome_trace(const std::vector<TracedRun>& runs);
+// Writes chrome_trace(runs) to `path`. Throws kernels::Error naming the file when it cannot be
+// opened, written or closed (a full disk included).
+void write_chrome_trace(const std::string& path, const std::vector<TracedRun>& runs);
 
 // Records one slice on `track` from construction to destruction (no-op for a null trace).
 class TraceScope {

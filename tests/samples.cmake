@@ -3,3 +3,19 @@ if(TARGET train_mnist)
   target_compile_definitions(test_samples PRIVATE DP_TRAIN_MNIST_PATH="$<TARGET_FILE:train_mnist>")
   add_dependencies(test_samples train_mnist)
 endif()
+
+# samples/compare_my_model: a user's own model through dp_bench's library, DP and DDP on CPU
+# devices, with the same report (both modes follow one loss curve: equal final losses).
+if(TARGET compare_my_model)
+  add_test(NAME "samples.compare_my_model: DP and DDP on a user-defined model, same report"
+           COMMAND $<TARGET_FILE:compare_my_model> --device cpu --gpus 2 --mode both --steps 4
+                   --warmup 1 --batch 24 --repeat 2)
+  set_tests_properties("samples.compare_my_model: DP and DDP on a user-defined model, same report"
+    PROPERTIES TIMEOUT 120
+    PASS_REGULAR_EXPRESSION "dp_bench: model residual_mlp \\(23910 parameters.*dp    2      24.*ddp   2      24.*verdict: residual_mlp, batch 24, 2 devices here \\(time-sliced\\)")
+  add_test(NAME "samples.compare_my_model: refuses --model, which the workload replaces"
+           COMMAND $<TARGET_FILE:compare_my_model> --device cpu --model cnn)
+  set_tests_properties("samples.compare_my_model: refuses --model, which the workload replaces"
+    PROPERTIES TIMEOUT 30
+    PASS_REGULAR_EXPRESSION "--model: 'cnn' is not used: this program trains residual_mlp")
+endif()

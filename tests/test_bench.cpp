@@ -5,6 +5,7 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <random>
 #include <set>
 #include <sstream>
 
@@ -537,7 +538,7 @@ TEST_CASE("bench.ddp: --max-restarts reaches the launcher: failing ranks are res
       "--max-restarts 2",
       "DP_TIMEOUT=abc DP_HEARTBEAT_TIMEOUT=1");
   INFO(text);
-  CHECK(rc != 0);
+  CHECK(rc == 1);  // the last attempt's exit code, which the launcher names
   CHECK(text.find("launch_workers: restart 1 of 2 after rank ") != std::string::npos);
   CHECK(text.find("launch_workers: restart 2 of 2 after rank ") != std::string::npos);
   CHECK(text.find("no restarts left (2 of 2 used); exit code 1") != std::string::npos);
@@ -673,12 +674,22 @@ TEST_CASE(
   for (auto& r : read_json(json)["runs"]) {
     CAPTURE(r["mode"].get<std::string>());
     const int64_t p = r["param_bytes"].get<int64_t>();
-    // DP: P out and P/2 back per replica; DDP: the ring over P/2 bytes of bf16 buckets.
+    // DP: P out and P/2 back per replica, counted as copied; DDP: P/2 bytes of bf16 buckets
+    // handed to the group, which the ring model at N=2 puts on each rank's link whole.
     CHECK(r["bytes_theory"] == (r["mode"] == "dp" ? p + p / 2 : p / 2));
     CHECK(r["bytes_per_step"] == r["bytes_theory"]);
     CHECK(r["comm_dtype"] == "bf16");
   }
   std::remove(json.c_str());
+}
+
+TEST_CASE("bench.flags: flags another mode reads are refused, not ignored") {
+  refused("--device cpu --gpus 2 --mode dp --zero 1",
+          "--zero 1 with --mode dp: ZeRO-1 shards DDP's optimizer state");
+  refused("--device cpu --gpus 2 --mode ps --zero 1", "--zero 1 with --mode ps");
+  refused("--device cpu --gpus 2 --mode dp --backend mpi",
+          "--backend mpi with --mode dp: MPI carries DDP's collectives");
+  refused("--device cpu --gpus 2 --mode both --backend mpi", "--backend mpi with --mode both");
 }
 
 TEST_CASE("bench.flags: --zero 1 refuses bf16 communication, --mode ps mixed precision") {
@@ -688,4 +699,259 @@ TEST_CASE("bench.flags: --zero 1 refuses bf16 communication, --mode ps mixed pre
   auto [rc2, text2] = bench_output("--device cpu --gpus 2 --mode ps --dtype fp16");
   CHECK(rc2 != 0);
   CHECK(text2.find("--mode ps with --dtype fp16") != std::string::npos);
+}
+
+TEST_CASE("bench.stats: the 95% bootstrap CI covers a known median about 95% of the time") {
+  // Log-normal step times with median exp(mu) exactly: over many trials of K samples the
+  // percentile bootstrap's interval must hold the true median (and the true ratio) in about 95%
+  // of them. A broken resampler (too narrow, off-centre) fails this by a wide margin.
+  std::mt19937_64 rng(7);
+  std::lognormal_distribution<double> a_ms(std::log(2.0), 0.3), b_ms(std::log(0.5), 0.3);
+  const int trials = 300, k = 25;
+  int median_hits = 0, ratio_hits = 0;
+  double width = 0;
+  for (int t = 0; t < trials; ++t) {
+    std::vector<double> a(k), b(k);
+    for (int i = 0; i < k; ++i) a[i] = a_ms(rng), b[i] = b_ms(rng);
+    bench::Estimate m = bench::median_ci(a, 100 + t);
+    median_hits += m.contains(2.0);
+    width += (m.hi - m.lo) / trials;
+    bench::Estimate r = bench::ratio_ci(a, b, bench::Pairing::independent, 100 + t);
+    ratio_hits += r.contains(4.0);
+    CHECK(m.lo <= m.value);
+    CHECK(m.value <= m.hi);
+  }
+  CHECK(median_hits >= 0.88 * trials);
+  CHECK(median_hits <= 0.995 * trials);
+  CHECK(ratio_hits >= 0.88 * trials);
+  CHECK(ratio_hits <= 0.995 * trials);
+  // sigma 0.3 at K = 25: the median's standard error is about 1.25 * 0.3 / 5 = 7.5% of it,
+  // so the 95% interval is about 30% of 2.0 wide; a degenerate one would be near 0.
+  CHECK(width == doctest::Approx(0.6).epsilon(0.35));
+  // Reproducible: the same seed gives the same interval.
+  std::vector<double> xs = {1, 2, 3, 4, 5, 6, 7};
+  CHECK(bench::median_ci(xs, 3).lo == bench::median_ci(xs, 3).lo);
+  CHECK(bench::median_ci(xs, 3).hi == bench::median_ci(xs, 3).hi);
+  CHECK(bench::median_ci({}).samples == 0);
+}
+
+TEST_CASE("bench.stats: equal inputs are within noise, a clear difference is not") {
+  std::vector<double> x = {1.10, 0.95, 1.02, 1.30, 0.98};
+  bench::Estimate same = bench::ratio_ci(x, x, bench::Pairing::paired);
+  CHECK(same.value == 1.0);
+  CHECK(same.contains(1.0));
+  CHECK(bench::describe(same, 1.0, 2).rfind("within noise (95% CI 1.00 to 1.00)", 0) == 0);
+  bench::Estimate zero = bench::difference_ci(x, x, 1000.0 / 4, bench::Pairing::paired);
+  CHECK(zero.contains(0.0));
+  CHECK(bench::describe(zero, 0.0, 1).rfind("within noise", 0) == 0);
+  std::vector<double> twice;
+  for (double v : x) twice.push_back(2 * v);
+  bench::Estimate two = bench::ratio_ci(twice, x, bench::Pairing::paired);
+  CHECK(two.value == doctest::Approx(2.0));
+  CHECK_FALSE(two.contains(1.0));
+  CHECK(bench::describe(two, 1.0, 2) == "2.00 (95% CI 2.00 to 2.00)");
+  CHECK_THROWS_WITH_AS(bench::ratio_ci({1, 2}, {1}, bench::Pairing::paired),
+                       doctest::Contains("bootstrap: paired samples of 2 and 1 values"),
+                       kernels::Error);
+  // Noisy: p90 above 1.5 x the median.
+  CHECK_FALSE(bench::noisy({1, 1, 1, 1, 1, 1, 1, 1, 1, 1.4}));
+  CHECK(bench::noisy({1, 1, 1, 1, 1, 1, 1, 1, 3, 3}));
+}
+
+namespace {
+
+bench::RunResult timed_run(const std::string& mode, int n, std::vector<double> repeats) {
+  bench::RunResult r;
+  r.mode = mode;
+  r.gpus = n;
+  r.batch = 256;
+  r.step_ms = {repeats.front()};
+  r.repeat_ms = std::move(repeats);
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("bench.report: time-sliced runs are named and get no speedup or efficiency") {
+  bench::Header cpu{"cpu", 2, 4, "mlp", 1000, "fp32"};
+  CHECK(bench::time_sliced_label(cpu, "dp", 1).empty());
+  CHECK(bench::time_sliced_label(cpu, "dp", 4) == "time-sliced: overhead, not scaling");
+  CHECK(bench::time_sliced_label(cpu, "ddp", 4) == "time-sliced: overhead, not scaling");
+  bench::Header one_gpu{"NVIDIA H100", 1, 4, "mlp", 1000, "fp32"};
+  CHECK(bench::time_sliced_label(one_gpu, "dp", 4) == "time-sliced: overhead, not scaling");
+  CHECK(bench::time_sliced_label(one_gpu, "ddp", 4) ==
+        "correctness only: ranks time-slice one GPU through host staging");
+  bench::Header four_gpus{"NVIDIA H100", 4, 4, "mlp", 1000, "fp32"};
+  CHECK(bench::time_sliced_label(four_gpus, "dp", 4).empty());
+  CHECK(bench::time_sliced_label(four_gpus, "ddp", 4).empty());
+
+  std::vector<bench::RunResult> runs = {
+      timed_run("dp", 1, {1.0, 1.1, 0.9}), timed_run("dp", 4, {0.5, 0.55, 0.45}),
+      timed_run("ddp", 1, {1.0, 1.0, 1.0}), timed_run("ddp", 4, {0.4, 0.4, 0.4})};
+  for (const bench::Header& h : {cpu, one_gpu, four_gpus}) {
+    CAPTURE(h.physical);
+    nlohmann::json j = bench::to_json(h, runs, {});
+    std::ostringstream table;
+    bench::print_table(table, h, runs);
+    const bool sliced = h.device == "cpu" || h.physical < 4;
+    for (auto& r : j["runs"]) {
+      if (r["gpus"] == 1) continue;
+      CHECK(r["time_sliced"] == sliced);
+      CHECK(r.contains("speedup") == !sliced);
+      CHECK(r.contains("efficiency") == !sliced);
+      CHECK(r.contains("ratio_to_one"));  // the ratio stays: overhead is what it measures
+    }
+    CHECK((table.str().find("[time-sliced: overhead, not scaling]") != std::string::npos) ==
+          sliced);
+  }
+}
+
+TEST_CASE("bench.report: the verdict names the faster mode, its CI and where the other loses") {
+  bench::Header four_gpus{"NVIDIA H100", 4, 4, "mlp", 1000, "fp32"};
+  auto dp = timed_run("dp", 4, {2.0, 2.1, 1.9, 2.05, 1.95});
+  auto ddp = timed_run("ddp", 4, {1.0, 1.05, 0.95, 1.0, 1.02});
+  dp.phases_ms = {{"forward", 0.3}, {"backward", 0.5}, {"reduce", 0.9}, {"replicate", 0.2}};
+  ddp.phases_ms = {{"forward", 0.3}, {"backward", 0.5}, {"allreduce_exposed", 0.1}};
+  std::string v = bench::verdict(four_gpus, {dp, ddp});
+  INFO(v);
+  CHECK(v.rfind("mlp, batch 256, 4 devices here: DDP is 2.00x faster than DP (95% CI ", 0) == 0);
+  CHECK(v.find("; DP loses in communication (1.10 ms exposed)") != std::string::npos);
+
+  auto same = timed_run("ddp", 4, {2.0, 2.1, 1.9, 2.05, 1.95});
+  v = bench::verdict(four_gpus, {dp, same});
+  CHECK(v.find("DP and DDP are within noise of each other (t_DP / t_DDP within noise") !=
+        std::string::npos);
+  bench::Header cpu{"cpu", 2, 4, "mlp", 1000, "fp32"};
+  CHECK(bench::verdict(cpu, {dp, ddp}).find("4 devices here (time-sliced): DDP is") !=
+        std::string::npos);
+  CHECK(bench::verdict(cpu, {dp}).empty());  // one mode: nothing to compare
+}
+
+TEST_CASE("bench.bytes: DDP counts the payload handed to the group, fp32 and bf16") {
+  for (const char* comm : {"fp32", "bf16"}) {
+    CAPTURE(comm);
+    std::string json = temp_path(std::string("payload_") + comm + ".json");
+    REQUIRE(run_bench("--device cpu --gpus 4 --mode ddp --baseline 0 --steps 2 --warmup 0 "
+                      "--batch 32 --comm-dtype " +
+                      std::string(comm) + " --json " + json) == 0);
+    auto j = read_json(json);
+    std::remove(json.c_str());
+    REQUIRE(j["runs"].size() == 1);
+    const auto& r = j["runs"][0];
+    const int64_t p = r["param_bytes"].get<int64_t>();
+    // The MLP has no buffers: the payload is the gradient buckets, whole, in the comm dtype.
+    const int64_t payload = std::string(comm) == "bf16" ? p / 2 : p;
+    CHECK(r["bytes_per_step"].get<int64_t>() == payload);
+    CHECK(r["bytes_theory"].get<int64_t>() == bench::ring_bytes_theory(4, payload));
+  }
+  // A model with BatchNorm buffers (ResNet-8, buffers averaged after each step) hands more.
+  std::string json = temp_path("payload_resnet.json");
+  REQUIRE(run_bench("--device cpu --gpus 2 --mode ddp --baseline 0 --steps 1 --warmup 0 "
+                    "--batch 4 --model resnet --json " +
+                    json) == 0);
+  auto r = read_json(json)["runs"][0];
+  std::remove(json.c_str());
+  CHECK(r["bytes_per_step"].get<int64_t>() > r["param_bytes"].get<int64_t>());
+}
+
+TEST_CASE("bench.cli: --repeat interleaves runs and reports CIs in text, JSON and CSV") {
+  std::string json = temp_path("repeat.json"), csv = temp_path("repeat.csv");
+  auto [rc, text] = bench_output(
+      "--device cpu --gpus 2 --mode both --steps 3 --warmup 1 "
+      "--batch 16 --repeat 3 --json " +
+      json + " --sweep 1,2 --csv " + csv + " --chart " + temp_path("repeat.svg"));
+  INFO(text);
+  REQUIRE(rc == 0);
+  CHECK(text.find("median of 3 interleaved repeats' medians") != std::string::npos);
+  CHECK(text.find("t_N / t_1 ") != std::string::npos);
+  CHECK(text.find("verdict: mlp, batch 16, 2 devices here (time-sliced): ") != std::string::npos);
+  auto j = read_json(json);
+  CHECK(j["repeats"] == 3);
+  CHECK(j["verdict"].get<std::string>().rfind("mlp, batch 16, 2 devices here", 0) == 0);
+  for (auto& r : j["runs"]) {
+    REQUIRE(r["repeat_ms"].size() == 3);
+    CHECK(r["step_ms_ci95"][0].get<double>() <= r["step_ms_median"].get<double>());
+    CHECK(r["step_ms_median"].get<double>() <= r["step_ms_ci95"][1].get<double>());
+    if (r["gpus"] == 2) {
+      CHECK(r.contains("overhead_us_per_device_ci95"));
+      CHECK(r["ratio_to_one"].contains("within_noise"));
+    }
+  }
+  std::ifstream f(csv);
+  std::string header;
+  std::getline(f, header);
+  CHECK(header.find(",step_ms_ci_lo,step_ms_ci_hi,ratio_to_one,ratio_ci_lo,ratio_ci_hi,"
+                    "overhead_ci_lo,overhead_ci_hi,repeats,noisy") != std::string::npos);
+  std::remove(json.c_str());
+  std::remove(csv.c_str());
+  std::remove(temp_path("repeat.svg").c_str());
+  // A training state belongs to one run.
+  refused("--device cpu --mode dp --baseline 0 --repeat 2 --resume latest --checkpoint-dir /tmp",
+          "--repeat 2 with --checkpoint-dir/--resume");
+  // --help shows the defaults.
+  auto [hrc, help] = bench_output("--help");
+  CHECK(hrc == 0);
+  CHECK(help.find("=256") != std::string::npos);   // --batch
+  CHECK(help.find("=both") != std::string::npos);  // --mode
+  CHECK(help.find("--repeat INT:[1, 1000]=1") != std::string::npos);
+}
+
+TEST_CASE("bench.projection: a range from full overlap to none, from a fixed JSON report") {
+  // A GPU report: DP at 1 device and DDP at 4 ranks (batch 256, P = 64 MB, two buckets of 16
+  // and 48 MB, ready halfway through backward and at its end), and the per-rank compute runs
+  // at batch 64 (N=4: step 20 ms, of which backward 12 ms and optimizer 2 ms) and 32 (N=8).
+  const char* report = R"({"device": "NVIDIA H100 80GB HBM3", "runs": [
+    {"mode": "dp", "gpus": 1, "batch": 256, "step_ms": [82.0], "param_bytes": 64000000,
+     "phases_ms": {"forward": 30, "backward": 50, "optimizer": 2}, "bytes_per_step": 0,
+     "bytes_theory": 0, "peak_mem_bytes": [0], "losses": [1.0], "final_loss": 1.0},
+    {"mode": "ddp", "gpus": 4, "batch": 256, "step_ms": [25.0], "param_bytes": 64000000,
+     "phases_ms": {"forward": 8, "backward": 13, "optimizer": 2}, "bytes_per_step": 64000000,
+     "bytes_theory": 96000000, "peak_mem_bytes": [0], "losses": [1.0], "final_loss": 1.0,
+     "bucket_bytes": [16000000, 48000000], "bucket_ready_frac": [0.5, 1.0]}],
+   "compute_runs": [
+    {"mode": "dp", "gpus": 1, "batch": 64, "step_ms": [20.0], "param_bytes": 64000000,
+     "phases_ms": {"forward": 6, "backward": 12, "optimizer": 2}, "bytes_per_step": 0,
+     "bytes_theory": 0, "peak_mem_bytes": [0], "losses": [1.0], "final_loss": 1.0},
+    {"mode": "dp", "gpus": 1, "batch": 32, "step_ms": [11.0], "param_bytes": 64000000,
+     "phases_ms": {"forward": 3, "backward": 6, "optimizer": 2}, "bytes_per_step": 0,
+     "bytes_theory": 0, "peak_mem_bytes": [0], "losses": [1.0], "final_loss": 1.0}]})";
+  std::string file = temp_path("fixed_projection.json");
+  {
+    std::ofstream f(file);
+    f << report;
+  }
+  bench::Header cpu{"cpu", 2, 1, "mlp", 16000000, "fp32"};
+  auto in = bench::projection_input(cpu, {}, file);
+  std::remove(file.c_str());
+  REQUIRE(in.runs.size() == 2);
+  REQUIRE(in.compute_runs.size() == 2);
+  auto ps = bench::project(in.runs, in.compute_runs);
+  REQUIRE(ps.size() == 8);  // dp and ddp, N = 4 and 8, NVLink4 and PCIe Gen5
+  const bench::Projection* ddp4 = nullptr;
+  const bench::Projection* dp4 = nullptr;
+  for (auto& p : ps) {
+    CHECK(p.overlap_s <= p.step_s);
+    CHECK(p.compute_from == "1-device run at batch " + std::to_string(256 / p.gpus));
+    CHECK(p.buckets == 2);
+    if (p.link == "NVLink4" && p.gpus == 4) (p.mode == "ddp" ? ddp4 : dp4) = &p;
+  }
+  REQUIRE(ddp4);
+  REQUIRE(dp4);
+  // compute 20 - 2 = 18 ms, optimizer 2 ms. DDP ring on NVLink4 (450 GB/s, 5 us), N=4:
+  // bucket 1: 6 (5 us + 16 MB / 1.8 TB/s) = 83.33 us; bucket 2: 6 (5 us + 26.67 us) = 190 us.
+  CHECK(ddp4->compute_s == doctest::Approx(0.018));
+  CHECK(ddp4->optimizer_s == doctest::Approx(0.002));
+  CHECK(ddp4->step_s == doctest::Approx(0.020 + 83.3333e-6 + 190e-6).epsilon(1e-6));
+  // Full overlap: bucket 1 leaves at 6 ms (half of backward's 12) and is done by 6.08 ms;
+  // bucket 2 leaves at 12 ms, when backward ends, and 190 us of it stay exposed.
+  CHECK(ddp4->overlap_s == doctest::Approx(0.020 + 190e-6).epsilon(1e-6));
+  // DP on NVLink4, N=4: replicate 3 (5 us + 64 MB / 450 GB/s) = 441.67 us before forward;
+  // buckets into device 0: 3 (5 us + 35.56 us) = 121.67 us and 3 (5 us + 106.67 us) = 335 us.
+  CHECK(dp4->step_s == doctest::Approx(0.020 + 441.667e-6 + 121.667e-6 + 335e-6).epsilon(1e-6));
+  CHECK(dp4->overlap_s == doctest::Approx(0.020 + 441.667e-6 + 335e-6).epsilon(1e-6));
+  // The report prints the range and where compute came from.
+  std::ostringstream text;
+  bench::print_projection(text, in);
+  CHECK(text.str().find("ddp    NVLink4 N=4: 20.190-20.273 ms  (compute 18.000 ms from 1-device "
+                        "run at batch 64, opt 2.000 ms, 2 buckets") != std::string::npos);
 }
