@@ -143,6 +143,12 @@ class FileReader {
     read(s.data(), n, what);
     return s;
   }
+  // requires nothing. ensures pos() == offset; throws "truncated" when offset is past the end.
+  void seek(uint64_t offset) {
+    DP_CHECK(offset <= size_, where() << ": offset " << offset << " is past the end of the file ("
+                                      << size_ << " bytes)");
+    pos_ = offset;
+  }
   // Throws "truncated" unless n more bytes exist.
   void require(uint64_t n, const char* what) const {
     DP_CHECK(n <= remaining(), where() << ": file truncated while reading " << what << ": " << n
