@@ -427,7 +427,7 @@ TEST_CASE(
 
 TEST_CASE(
     "samples.train_mnist: a second job on one --checkpoint-dir is refused at once, naming "
-    "the holder; a missing folder is created") {
+    "the holder, and a missing folder is created") {
   const std::string dir = temp_path("locked") + "/deeper/still";
   std::filesystem::remove_all(temp_path("locked"));
   {

@@ -506,7 +506,7 @@ TEST_CASE("nn.train_state: the fp16 loss scale stops at 2^-24 and a state saved 
   std::remove(path.c_str());
 }
 
-TEST_CASE("nn.amp: more than 5% skipped steps warns; --max-skip-fraction makes it an error") {
+TEST_CASE("nn.amp: more than 5% skipped steps warns, --max-skip-fraction makes it an error") {
   CHECK(nn::check_skipped_steps(0, 100, std::nullopt).empty());
   CHECK(nn::check_skipped_steps(5, 100, std::nullopt).empty());  // 5% is not more than 5%
   const std::string w = nn::check_skipped_steps(6, 100, std::nullopt);
