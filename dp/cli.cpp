@@ -7,11 +7,13 @@
 #include <cerrno>
 #include <charconv>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
 
 #include "kernels/runtime/error.hpp"
+#include "nn/file_io.hpp"
 
 namespace dp::cli {
 
@@ -104,6 +106,22 @@ void add_precision_flags(CLI::App& app, std::string& dtype, std::string& comm_dt
       ->check(CLI::IsMember({"fp32", "bf16"}));
 }
 
+void add_max_skip_fraction_flag(CLI::App& app, std::optional<double>& max_skip_fraction) {
+  app.add_option("--max-skip-fraction", max_skip_fraction,
+                 "fp16/bf16: fail the run (non-zero exit) when more than this fraction of its "
+                 "steps were skipped for non-finite gradients (default: no limit; over 0.05 warns)")
+      ->check(CLI::Validator(
+          [](std::string& text) -> std::string {
+            char* end = nullptr;
+            errno = 0;
+            const double v = std::strtod(text.c_str(), &end);
+            if (text.empty() || !end || *end != '\0' || errno == ERANGE || !(v >= 0) || v > 1)
+              return "'" + text + "' is not a fraction: give a number in [0, 1]";
+            return "";
+          },
+          "[0, 1]"));
+}
+
 void add_launch_flags(CLI::App& app, dp::dist::LaunchOptions& launch) {
   app.add_option("--nnodes", launch.nnodes,
                  "ddp: nodes (run this program on each with its --node-rank)")
@@ -156,6 +174,47 @@ CLI::Validator output_file() {
 void check_output_file(const std::string& flag, const std::string& path) {
   std::string problem = output_file_problem(path);
   DP_CHECK(problem.empty(), flag << ": " << problem);
+}
+
+CLI::Validator checkpoint_dir() {
+  return CLI::Validator(
+      [](std::string& dir) -> std::string {
+        if (dir.empty()) return "the path is empty: give a folder";
+        struct stat st {};
+        if (::stat(dir.c_str(), &st) == 0)
+          return S_ISDIR(st.st_mode) ? "" : "'" + dir + "' exists and is not a folder";
+        // Missing: created at the start of the run, unless something on its way is a file.
+        std::string up = dir;
+        while (true) {
+          std::string parent = parent_directory(up);
+          if (parent == up) break;
+          if (::stat(parent.c_str(), &st) == 0) {
+            if (!S_ISDIR(st.st_mode))
+              return "cannot create '" + dir + "': '" + parent + "' is not a folder";
+            break;
+          }
+          up = parent;
+          if (up == "." || up == "/") break;
+        }
+        return "";
+      },
+      "DIR");
+}
+
+CLI::Option* add_checkpoint_dir_flag(CLI::App& app, std::string& dir, const std::string& help) {
+  return app.add_option("--checkpoint-dir", dir, help)->check(checkpoint_dir());
+}
+
+void write_output(const std::string& flag, const std::string& path, const std::string& text) {
+  nn::io::write_output_file(path, text, flag);
+}
+
+void check_stdout(const std::string& program) {
+  errno = 0;
+  const bool ok = std::fflush(stdout) == 0 && !std::ferror(stdout);
+  const int e = errno;
+  DP_CHECK(ok, program << ": writing to stdout failed: "
+                       << (e ? std::strerror(e) : "the stream is in error"));
 }
 
 int64_t checked_product(int64_t a, const std::string& a_name, int64_t b, const std::string& b_name,

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -38,6 +39,11 @@ CLI::Validator positive_number(double hi);
 // Mixed precision (nn/amp.hpp), one spelling for every program: --dtype fp32|tf32|bf16|fp16
 // into `dtype` and --comm-dtype fp32|bf16 into `comm_dtype`, refused at parse time otherwise.
 void add_precision_flags(CLI::App& app, std::string& dtype, std::string& comm_dtype);
+// --max-skip-fraction F in [0, 1], into `max_skip_fraction` (unset: no limit). A run whose share
+// of skipped steps (non-finite gradients, nn::check_skipped_steps) exceeds it ends with an error
+// naming both fractions; over 5% is a warning either way. Beside the precision flags, for every
+// program that trains.
+void add_max_skip_fraction_flag(CLI::App& app, std::optional<double>& max_skip_fraction);
 // Where DDP workers run, one spelling for every program that launches them: --nnodes,
 // --node-rank, --master-addr, --master-port, --max-local-ranks and --max-restarts, bound into
 // `launch` and bounded at parse time (nodes and ranks by kMaxDevices).
@@ -52,6 +58,24 @@ CLI::Validator output_file();
 // The same check for a path that is not a flag's text (a default name, say); throws
 // kernels::Error naming `flag`.
 void check_output_file(const std::string& flag, const std::string& path);
+
+// The folder checkpoints go to, one spelling for every program: --checkpoint-dir DIR, with a
+// validator that refuses an empty path, a path that is a file, and one under a file; a missing
+// folder is accepted (nn::CheckpointDirLock creates it with its parents, proves it writable and
+// locks it for the job before any work). Returns the option, for ->excludes() and the like.
+CLI::Option* add_checkpoint_dir_flag(CLI::App& app, std::string& dir, const std::string& help);
+// That validator alone.
+CLI::Validator checkpoint_dir();
+
+// The one way a program writes an output file (--json, --trace, --csv, a chart, a log):
+// writes `text` to `path`, checking every write, the flush and the close; a regular file is
+// replaced atomically (a failure leaves no partial file). Throws kernels::Error naming `flag`,
+// the file and the system's reason ("--json(/dev/full): writing failed after 0 of 812 bytes:
+// No space left on device"). Print "json: PATH" only after it returned.
+void write_output(const std::string& flag, const std::string& path, const std::string& text);
+// Flushes stdout and throws kernels::Error naming `program` when anything printed to it was
+// lost (stdout redirected to a full disk or /dev/full, a closed pipe): call before exiting 0.
+void check_stdout(const std::string& program);
 
 // a x b, refused when it exceeds `hi` (or int64): "--batch-per-device 1073741824 x --gpus 4 =
 // 4294967296 rows is more than 2147483648". requires a, b >= 0, hi > 0.

@@ -10,7 +10,8 @@
 // Loss scaling (GradScaler): fp16 has 5 exponent bits, so small gradients flush to zero. The
 // loss gradient is multiplied by a scale S (2^16 at first); the gradient buffer then holds
 // S * grad, which the fused optimizer unscales (grad_unscale = 1 / S). A step whose gradient
-// holds an inf or NaN is skipped and S halves; after 2000 good steps in a row S doubles.
+// holds an inf or NaN is skipped and S halves (never below kMinLossScale, 2^-24); after 2000
+// good steps in a row S doubles.
 // bf16 has f32's exponent range and needs no scale (S stays 1), but takes the same check.
 //
 //   nn::GradScaler scaler(nn::Precision::fp16);
@@ -20,8 +21,11 @@
 //                   scaler.step(opt, net->flat_grads());   // checks, unscales, steps or skips
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <optional>
 #include <string>
 
 #include "nn/module.hpp"
@@ -63,6 +67,19 @@ inline DType compute_dtype(Precision p) {
 inline kernels::MathMode math_mode(Precision p) {
   return p == Precision::tf32 ? kernels::MathMode::tf32 : kernels::MathMode::strict;
 }
+
+// The loss scale never goes below 2^-24 (about 6e-8). Backing off past it cannot help: fp16's
+// smallest step (its smallest subnormal) is 2^-24, so at this scale every loss-gradient entry of
+// magnitude <= 1 (softmax cross-entropy's always are) already rounds to zero once cast to fp16,
+// and a smaller scale only carries zeros. Without a floor, a run whose gradients stay non-finite
+// halves the scale ~150 times to 0.0, which is no scale at all (and which a training-state file
+// cannot hold: the loader requires a positive float). 2^-24 is a normal float, written and read
+// back exactly.
+constexpr float kMinLossScale = 1.f / 16777216.f;  // 2^-24
+
+// More than this share of skipped steps is worth a warning (PyTorch users see a handful at the
+// start of an fp16 run while the scale settles; a twentieth of the run is not that).
+constexpr double kSkipWarnFraction = 0.05;
 
 // The state of a GradScaler, for checkpoints and reports.
 struct GradScalerState {
@@ -113,6 +130,7 @@ class GradScaler {
                                             << ", skipped " << s.skipped_steps << ")");
     state_ = s;
     if (!options_.scaling) state_.scale = 1.f;
+    state_.scale = std::max(state_.scale, kMinLossScale);
   }
 
   // dlogits *= scale (nothing when the scale is 1).
@@ -145,7 +163,8 @@ class GradScaler {
     if (!finite) {
       ++state_.skipped_steps;
       state_.growth_tracker = 0;
-      if (options_.scaling) state_.scale *= options_.backoff_factor;
+      if (options_.scaling)
+        state_.scale = std::max(state_.scale * options_.backoff_factor, kMinLossScale);
       return;
     }
     if (!options_.scaling) return;
@@ -160,5 +179,23 @@ class GradScaler {
   GradScalerOptions options_;
   GradScalerState state_;
 };
+
+// The verdict on a run's skipped steps (a non-finite gradient each): `skipped` of `steps`.
+// Returns a warning line when more than kSkipWarnFraction of them were skipped ("" otherwise);
+// throws kernels::Error naming both fractions when `max_fraction` is given and exceeded
+// (--max-skip-fraction). requires 0 <= skipped <= steps.
+inline std::string check_skipped_steps(int64_t skipped, int64_t steps,
+                                       std::optional<double> max_fraction) {
+  if (steps <= 0 || skipped <= 0) return "";
+  const double fraction = static_cast<double>(skipped) / static_cast<double>(steps);
+  char text[256];
+  std::snprintf(text, sizeof text,
+                "%lld of %lld steps (%.1f%%) were skipped for a non-finite gradient (loss "
+                "scaling: fp16 overflow, or a diverging run)",
+                static_cast<long long>(skipped), static_cast<long long>(steps), 100 * fraction);
+  DP_CHECK(!max_fraction || fraction <= *max_fraction,
+           text << "; more than --max-skip-fraction " << *max_fraction << " allows");
+  return fraction > kSkipWarnFraction ? std::string("warning: ") + text : std::string();
+}
 
 }  // namespace nn

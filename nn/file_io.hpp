@@ -143,6 +143,12 @@ class FileReader {
     read(s.data(), n, what);
     return s;
   }
+  // requires nothing. ensures pos() == offset; throws "truncated" when offset is past the end.
+  void seek(uint64_t offset) {
+    DP_CHECK(offset <= size_, where() << ": offset " << offset << " is past the end of the file ("
+                                      << size_ << " bytes)");
+    pos_ = offset;
+  }
   // Throws "truncated" unless n more bytes exist.
   void require(uint64_t n, const char* what) const {
     DP_CHECK(n <= remaining(), where() << ": file truncated while reading " << what << ": " << n
@@ -246,6 +252,54 @@ inline void write_file_atomically(const std::string& path, const std::string& by
   // Some file systems cannot fsync a directory (EINVAL); the rename happened all the same.
   DP_CHECK(rc == 0 || e == EINVAL || e == EROFS,
            name << ": fsync of the directory " << printable(dir) << " failed: " << errno_text(e));
+}
+
+// requires nothing. ensures `path` holds exactly `bytes`, or throws naming `context`, the file
+// and the system's reason (a full disk, /dev/full, a closed pipe): every write, the flush to
+// disk and the close are checked. A regular file (or a new one) is written atomically
+// (write_file_atomically: a failure leaves the old file, or none, never a partial one; a
+// symbolic link is followed and its target replaced); anything else that can be opened for
+// writing (a FIFO, /dev/stdout, a character device) is written in place.
+inline void write_output_file(const std::string& path, const std::string& bytes,
+                              const std::string& context) {
+  check_path(path, context);
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0 || S_ISREG(st.st_mode)) {
+    std::string target = path;
+    struct stat lst {};
+    if (::lstat(path.c_str(), &lst) == 0 && S_ISLNK(lst.st_mode)) {
+      char* real = ::realpath(path.c_str(), nullptr);  // exists: stat followed the link
+      if (real) {
+        target = real;
+        std::free(real);
+      }
+    }
+    write_file_atomically(target, bytes, context);
+    return;
+  }
+  const std::string name = where(context, path);
+  DP_CHECK(!S_ISDIR(st.st_mode), name << ": is a directory; give the name of a file to write");
+  int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC | O_NOCTTY);
+  DP_CHECK(fd >= 0, name << ": cannot open it for writing: " << errno_text(errno));
+  size_t done = 0;
+  while (done < bytes.size()) {
+    ssize_t w = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) {
+      int e = w < 0 ? errno : EIO;
+      ::close(fd);
+      DP_THROW(name << ": writing failed after " << done << " of " << bytes.size()
+                    << " bytes: " << errno_text(e));
+    }
+    done += static_cast<size_t>(w);
+  }
+  // A pipe or a terminal cannot be fsync'ed (EINVAL); what was written has been accepted.
+  if (::fsync(fd) != 0 && errno != EINVAL && errno != EROFS) {
+    int e = errno;
+    ::close(fd);
+    DP_THROW(name << ": flushing failed: " << errno_text(e));
+  }
+  DP_CHECK(::close(fd) == 0, name << ": closing failed: " << errno_text(errno));
 }
 
 }  // namespace nn::io

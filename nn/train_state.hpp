@@ -15,14 +15,21 @@
 // what differs.
 #pragma once
 
+#include <sys/file.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cctype>
+#include <charconv>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -62,22 +69,6 @@ inline std::string join_u64(const std::vector<uint64_t>& v) {
   std::string s;
   for (size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + std::to_string(v[i]);
   return s;
-}
-
-inline std::vector<uint64_t> split_u64(const std::string& s, const std::string& where) {
-  std::vector<uint64_t> out;
-  size_t at = 0;
-  while (at < s.size()) {
-    size_t end = s.find(',', at);
-    if (end == std::string::npos) end = s.size();
-    const std::string item = s.substr(at, end - at);
-    DP_CHECK(!item.empty() && item.find_first_not_of("0123456789") == std::string::npos &&
-                 item.size() <= 20,
-             where << ": rng_offsets item '" << io::printable(item) << "' is not a number");
-    out.push_back(std::stoull(item));
-    at = end + 1;
-  }
-  return out;
 }
 
 }  // namespace detail
@@ -143,7 +134,11 @@ inline void save_training_state(const std::string& path, Module& m, Optimizer& o
 // requires m and opt built like the saving run's (same model, optimizer, shapes); `expected`
 // holds the mode, world size and config of this run. ensures m's parameters and buffers and
 // opt's state and step count are the saved ones, m's dropout offset is rng_offsets[index],
-// and returns the saved progress. Throws naming the file and what differs or is malformed.
+// and returns the saved progress. Reads the header, then each tensor's byte range alone (a
+// file's memory cost is its header and one tensor). Throws naming the file and what differs or
+// is malformed: a tensor missing, of another shape (a transposed weight too) or unknown to this
+// model and optimizer; metadata out of range; a config key (model, batch, program, data set
+// size, ...) that differs.
 inline TrainingProgress load_training_state(const std::string& path, Module& m, Optimizer& opt,
                                             const TrainingProgress& expected, int index = 0) {
   io::FileReader r(path, "load_training_state");
@@ -154,24 +149,24 @@ inline TrainingProgress load_training_state(const std::string& path, Module& m, 
     DP_CHECK(it != file.metadata.end(), where << ": metadata '" << key << "' is missing");
     return it->second;
   };
-  auto number = [&](const std::string& key) -> int64_t {
-    const std::string s = text(key);
-    DP_CHECK(!s.empty() && s.size() <= 18 && s.find_first_not_of("0123456789") == std::string::npos,
-             where << ": metadata '" << key << "' = '" << io::printable(s) << "' is not a count");
-    return std::stoll(s);
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
+  auto number = [&](const std::string& key, int64_t lo, int64_t hi) {
+    return safetensors::metadata_count(file, where, key, lo, hi);
   };
   DP_CHECK(file.metadata.count("format") && text("format") == "dptrain-training-state-1",
            where << ": not a training state (no __metadata__ format dptrain-training-state-1)");
   TrainingProgress got;
-  got.step = number("step");
-  got.epoch = number("epoch");
-  got.batches_done = number("batches_done");
+  got.step = number("step", 0, kMax);
+  got.epoch = number("epoch", 0, kMaxInt);
+  got.batches_done = number("batches_done", 0, kMax);
   got.mode = text("mode");
-  got.world_size = static_cast<int>(number("world_size"));
-  got.rng_offsets = detail::split_u64(text("rng_offsets"), where);
+  got.world_size = static_cast<int>(number("world_size", 1, kMaxInt));
+  got.rng_offsets = safetensors::metadata_u64_list(file, where, "rng_offsets");
   // What must match: the model, the optimizer, the mode and the world size.
-  DP_CHECK(number("parameters") == m.flat_params().numel(),
-           where << ": saved from a model with " << number("parameters")
+  const int64_t parameters = number("parameters", 0, kMax);
+  DP_CHECK(parameters == m.flat_params().numel(),
+           where << ": saved from a model with " << parameters
                  << " parameters (flat), this model has " << m.flat_params().numel());
   DP_CHECK(text("optimizer") == detail::optimizer_name(opt),
            where << ": saved with optimizer " << text("optimizer") << ", this run uses "
@@ -180,15 +175,16 @@ inline TrainingProgress load_training_state(const std::string& path, Module& m, 
            where << ": saved by a " << got.mode << " run on " << got.world_size
                  << " device(s)/rank(s); this is a " << expected.mode << " run on "
                  << expected.world_size << ": resume with the same mode and --gpus");
-  DP_CHECK(static_cast<int>(got.rng_offsets.size()) == got.world_size,
+  DP_CHECK(static_cast<int64_t>(got.rng_offsets.size()) == got.world_size,
            where << ": " << got.rng_offsets.size() << " dropout offsets for world size "
                  << got.world_size);
   for (const auto& [k, v] : expected.config) {
     auto it = file.metadata.find("config." + k);
-    DP_CHECK(it != file.metadata.end() && it->second == v,
-             where << ": saved with " << k << " "
-                   << (it != file.metadata.end() ? it->second : std::string("(none)"))
-                   << ", this run has " << v);
+    DP_CHECK(
+        it != file.metadata.end() && it->second == v,
+        where << ": saved with " << k << " "
+              << (it != file.metadata.end() ? io::printable(it->second) : std::string("(none)"))
+              << ", this run has " << v << ": resume with the run's own settings");
     got.config[k] = v;
   }
   if (file.metadata.count("scaler.scale")) {
@@ -200,51 +196,107 @@ inline TrainingProgress load_training_state(const std::string& path, Module& m, 
              where << ": metadata 'scaler.scale' = '" << io::printable(scale)
                    << "' is not a positive float");
     st.scale = static_cast<float>(v);
-    st.growth_tracker = number("scaler.growth_tracker");
-    st.skipped_steps = number("scaler.skipped_steps");
+    st.growth_tracker = number("scaler.growth_tracker", 0, kMax);
+    st.skipped_steps = number("scaler.skipped_steps", 0, kMax);
     got.scaler = st;
   }
+  const int64_t optimizer_steps = number("optimizer_steps", 0, kMax);
+  DP_CHECK(index >= 0 && index < got.world_size,
+           where << ": device/rank " << index << " of a world of " << got.world_size);
 
+  // Every tensor of the file goes somewhere, with the shape it has here.
+  std::set<std::string> loaded;
   auto load_into = [&](const std::string& name, Tensor& dst) {
     auto it = file.tensors.find(name);
     DP_CHECK(it != file.tensors.end(), where << ": tensor '" << name << "' is missing");
     const safetensors::TensorEntry& e = it->second;
-    DP_CHECK(e.numel == dst.numel(), where << ": tensor '" << name << "' is "
-                                           << kernels::shape_str(e.shape) << ", expected "
-                                           << kernels::shape_str(dst.shape()));
+    DP_CHECK(e.shape == dst.shape(), where << ": tensor '" << name << "' is "
+                                           << kernels::shape_str(e.shape) << " in the file, "
+                                           << kernels::shape_str(dst.shape()) << " here");
     std::vector<float> host(static_cast<size_t>(dst.numel()));
-    if (!host.empty()) std::memcpy(host.data(), file.data.data() + e.begin, e.end - e.begin);
+    safetensors::read_tensor(r, file, e, host.data(), "a tensor");
     kernels::copy(dst, Tensor::from_vector(host, dst.shape(), dst.device()));
+    loaded.insert(name);
   };
-  for (auto& [name, p] : m.named_parameters()) load_into("param." + name, p->value);
-  for (auto& [name, b] : m.named_buffers()) load_into("buffer." + name, b->value);
-  for (auto& [name, t] : opt.state()) load_into("optim." + name, t);
-  opt.set_step_count(number("optimizer_steps"));
-  DP_CHECK(index >= 0 && index < got.world_size,
-           where << ": device/rank " << index << " of a world of " << got.world_size);
+  std::vector<std::pair<std::string, Tensor*>> targets;
+  for (auto& [name, p] : m.named_parameters()) targets.emplace_back("param." + name, &p->value);
+  for (auto& [name, b] : m.named_buffers()) targets.emplace_back("buffer." + name, &b->value);
+  auto state = opt.state();
+  for (auto& [name, t] : state) targets.emplace_back("optim." + name, &t);
+  // Unknown tensors first, before anything is changed.
+  for (const auto& [name, t] : file.tensors) {
+    bool known = false;
+    for (const auto& target : targets) known = known || target.first == name;
+    DP_CHECK(known, where << ": tensor '" << io::printable(name)
+                          << "' is not a parameter, buffer or optimizer state of this model ("
+                          << m.type_name() << ") and optimizer (" << detail::optimizer_name(opt)
+                          << ")");
+  }
+  for (auto& [name, t] : targets) load_into(name, *t);
+  opt.set_step_count(optimizer_steps);
   m.flat().rng_offset = got.rng_offsets[index];
   return got;
 }
 
+// When a resumed run has nothing left to train (its checkpoint is at or past the last step),
+// the line to print instead of training: "nothing left to train: checkpoint at step 39 of 39
+// (PATH); give more --epochs (or --steps) to train further". Returns nullopt when steps remain.
+inline std::optional<std::string> nothing_left_to_train(int64_t saved_step, int64_t total_steps,
+                                                        const std::string& path,
+                                                        const std::string& how_to_go_on) {
+  if (saved_step < total_steps) return std::nullopt;
+  return "nothing left to train: checkpoint at step " + std::to_string(saved_step) + " of " +
+         std::to_string(total_steps) + " (" + io::printable(path) + "); " + how_to_go_on;
+}
+
 // ---- a folder of checkpoints ------------------------------------------------------------
 
-// "<dir>/step_00000042.safetensors".
+// "<dir>/step_00000042.safetensors": at least 8 digits, more from step 10^8 on.
 inline std::string checkpoint_file(const std::string& dir, int64_t step) {
   char name[64];
   std::snprintf(name, sizeof name, "step_%08lld.safetensors", static_cast<long long>(step));
   return dir + "/" + name;
 }
 
-// The checkpoints in `dir` (step_*.safetensors), oldest step first; empty when there are none.
+namespace detail {
+
+// The step of a file name "step_<digits>.safetensors" (any number of digits up to int64), or -1.
+inline int64_t checkpoint_step(const std::string& name) {
+  const std::string prefix = "step_", suffix = ".safetensors";
+  if (name.size() <= prefix.size() + suffix.size() || name.rfind(prefix, 0) != 0 ||
+      name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0)
+    return -1;
+  const char* b = name.data() + prefix.size();
+  const char* e = name.data() + name.size() - suffix.size();
+  if (*b == '+' || *b == '-') return -1;
+  int64_t step = 0;
+  auto [end, ec] = std::from_chars(b, e, step);
+  return ec == std::errc() && end == e ? step : -1;
+}
+
+// Whether `name` is a temporary file that write_file_atomically makes for a checkpoint:
+// ".step_<digits>.safetensors.tmp.XXXXXX" (mkstemp's six letters and digits).
+inline bool is_checkpoint_temporary(const std::string& name) {
+  const std::string marker = ".tmp.";
+  auto at = name.rfind(marker);
+  if (name.empty() || name[0] != '.' || at == std::string::npos) return false;
+  const std::string tail = name.substr(at + marker.size());
+  if (tail.size() != 6) return false;
+  for (char c : tail)
+    if (!std::isalnum(static_cast<unsigned char>(c))) return false;
+  return checkpoint_step(name.substr(1, at - 1)) >= 0;
+}
+
+}  // namespace detail
+
+// The checkpoints in `dir` (step_<N>.safetensors, N of any width), oldest step first; empty
+// when there are none.
 inline std::vector<std::string> list_checkpoints(const std::string& dir) {
   std::vector<std::pair<int64_t, std::string>> found;
   std::error_code ec;
   for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
-    const std::string name = e.path().filename().string();
-    if (name.size() != 25 || name.rfind("step_", 0) != 0 || name.substr(13) != ".safetensors" ||
-        name.substr(5, 8).find_first_not_of("0123456789") != std::string::npos)
-      continue;
-    found.emplace_back(std::stoll(name.substr(5, 8)), e.path().string());
+    const int64_t step = detail::checkpoint_step(e.path().filename().string());
+    if (step >= 0) found.emplace_back(step, e.path().string());
   }
   std::sort(found.begin(), found.end());
   std::vector<std::string> out;
@@ -269,14 +321,131 @@ inline std::string resolve_resume(const std::string& resume, const std::string& 
   return all.empty() ? "" : all.back();
 }
 
+// One job's hold on a checkpoint folder, so that two jobs never write, prune or clean up each
+// other's checkpoints (as two runs given one --checkpoint-dir would). Taken before any work:
+// creates the folder with its parents when missing, proves it writable (a probe file created
+// and removed), then takes an advisory lock, flock(2) on <dir>/.lock, whose contents name the
+// holder ("pid 1234 host node7 program train_mnist"). A second job is refused at once, naming
+// the holder. The kernel drops the lock when the holder exits however it ends (SIGKILL too);
+// the file stays, and a later job takes it over.
+//
+// A DDP job: the launcher (node 0) takes the lock for the job's life, restarts included; its
+// workers see it held by their parent process, which counts as held by the job
+// (held_by_parent()). Ranks started by another launcher (torchrun, mpirun): rank 0 takes it.
+class CheckpointDirLock {
+ public:
+  // Throws kernels::Error naming the folder and the reason (cannot create it, not writable, a
+  // file, held by another job: "pid 1234 host node7 program dp_bench").
+  CheckpointDirLock(const std::string& dir, const std::string& program) : dir_(dir) {
+    io::check_path(dir, "--checkpoint-dir");
+    const std::string name = "--checkpoint-dir " + io::printable(dir);
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    DP_CHECK(std::filesystem::is_directory(dir),
+             name << ": cannot create the folder: "
+                  << (ec ? ec.message() : std::string("it exists and is not a folder")));
+    std::string probe = dir + "/.probe.XXXXXX";
+    int pfd = ::mkostemp(probe.data(), O_CLOEXEC);
+    DP_CHECK(pfd >= 0, name << ": cannot write in the folder: " << io::errno_text(errno));
+    ::close(pfd);
+    ::unlink(probe.c_str());
+
+    const std::string lock_path = dir + "/.lock";
+    fd_ = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOCTTY, 0644);
+    DP_CHECK(fd_ >= 0, name << ": cannot open the lock file " << io::printable(lock_path) << ": "
+                            << io::errno_text(errno));
+    if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+      const int e = errno;
+      const std::string holder = read_holder();
+      ::close(fd_);
+      fd_ = -1;
+      DP_CHECK(e == EWOULDBLOCK,
+               name << ": cannot lock " << io::printable(lock_path) << ": " << io::errno_text(e));
+      if (holder_is_parent(holder)) {
+        parent_holds_ = true;
+        return;
+      }
+      DP_THROW(name << ": in use by another job ("
+                    << (holder.empty() ? std::string("holder unknown") : io::printable(holder))
+                    << ", which holds " << io::printable(lock_path)
+                    << "): give each job its own --checkpoint-dir");
+    }
+    const std::string me =
+        "pid " + std::to_string(::getpid()) + " host " + host_name() + " program " + program + "\n";
+    if (::ftruncate(fd_, 0) != 0 ||
+        ::pwrite(fd_, me.data(), me.size(), 0) != static_cast<ssize_t>(me.size())) {
+      const int e = errno;
+      ::close(fd_);
+      fd_ = -1;
+      DP_THROW(name << ": cannot write the lock file " << io::printable(lock_path) << ": "
+                    << io::errno_text(e));
+    }
+  }
+  ~CheckpointDirLock() {
+    if (fd_ >= 0) ::close(fd_);  // drops the lock
+  }
+  CheckpointDirLock(const CheckpointDirLock&) = delete;
+  CheckpointDirLock& operator=(const CheckpointDirLock&) = delete;
+
+  const std::string& dir() const { return dir_; }
+  // True when this process's parent (the DDP launcher) holds the lock for the job.
+  bool held_by_parent() const { return parent_holds_; }
+
+ private:
+  static std::string host_name() {
+    char host[256] = {};
+    if (::gethostname(host, sizeof host - 1) != 0) return "?";
+    return host;
+  }
+  // The lock file's first line ("pid 1234 host node7 program train_mnist"), or "".
+  std::string read_holder() const {
+    char buf[512] = {};
+    ssize_t n = ::pread(fd_, buf, sizeof buf - 1, 0);
+    std::string s = n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string();
+    auto nl = s.find('\n');
+    return nl == std::string::npos ? s : s.substr(0, nl);
+  }
+  static bool holder_is_parent(const std::string& holder) {
+    const std::string mine = "pid " + std::to_string(::getppid()) + " host " + host_name() + " ";
+    return holder.rfind(mine, 0) == 0;
+  }
+
+  std::string dir_;
+  int fd_ = -1;
+  bool parent_holds_ = false;
+};
+
+// Removes the temporary files (.step_N.safetensors.tmp.XXXXXX) that a save killed mid-write
+// (SIGKILL, a power cut) left in the locked folder: the lock proves no other process of another
+// job is writing there, and this job writes from one process at a time. Only names of that
+// pattern are touched. Returns how many were removed.
+inline int remove_stale_temporaries(const CheckpointDirLock& lock) {
+  int removed = 0;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(lock.dir(), ec)) {
+    if (!detail::is_checkpoint_temporary(e.path().filename().string())) continue;
+    std::error_code rm;
+    if (std::filesystem::remove(e.path(), rm)) ++removed;
+  }
+  return removed;
+}
+
 // Writes the state as <dir>/step_<step>.safetensors and keeps the newest `keep` checkpoints.
-// Returns the file's name.
+// Returns the file's name. Prefer the overload below, which also cleans up after killed saves.
 inline std::string save_checkpoint_in(const std::string& dir, int keep, Module& m, Optimizer& opt,
                                       const TrainingProgress& progress) {
   const std::string path = checkpoint_file(dir, progress.step);
   save_training_state(path, m, opt, progress);
   prune_checkpoints(dir, keep);
   return path;
+}
+
+// The same in the folder this job has locked: first removes the temporary files a killed save
+// left (remove_stale_temporaries), then saves and prunes.
+inline std::string save_checkpoint_in(const CheckpointDirLock& lock, int keep, Module& m,
+                                      Optimizer& opt, const TrainingProgress& progress) {
+  remove_stale_temporaries(lock);
+  return save_checkpoint_in(lock.dir(), keep, m, opt, progress);
 }
 
 }  // namespace nn

@@ -10,7 +10,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <iostream>
 #include <limits>
 #include <numeric>
@@ -47,8 +46,9 @@ struct Flags {
   int max_staleness = -1;  // ps: -1 unbounded
   bool staleness_lr = false;
   bool sync_bn = false;
-  std::string dtype = "fp32";       // nn/amp.hpp: fp32|tf32|bf16|fp16
-  std::string comm_dtype = "fp32";  // dp/ddp: fp32|bf16 gradient communication
+  std::string dtype = "fp32";               // nn/amp.hpp: fp32|tf32|bf16|fp16
+  std::optional<double> max_skip_fraction;  // fp16/bf16: fail above this share of skipped steps
+  std::string comm_dtype = "fp32";          // dp/ddp: fp32|bf16 gradient communication
   // Training state: saved every save_every steps (and at the end) into checkpoint_dir, keeping
   // the newest `keep`; resumed from a file or "latest".
   std::string checkpoint_dir, resume;
@@ -134,6 +134,7 @@ int main(int argc, char** argv) {
                "dp/ddp: BatchNorm normalises with the whole batch's statistics (default: each "
                "device or rank its own chunk, as PyTorch)");
   dp::cli::add_precision_flags(app, f.dtype, f.comm_dtype);
+  dp::cli::add_max_skip_fraction_flag(app, f.max_skip_fraction);
   app.add_option("--gpus", f.gpus, "devices for dp/ddp/ps")->check(whole_number(1, kMaxDevices));
   app.add_option("--last-batch", f.last_batch,
                  "dp/ddp: a last batch too short for every device to get a row is padded by "
@@ -146,10 +147,10 @@ int main(int argc, char** argv) {
                  "ddp: seconds the rendezvous and each collective may take (default: DP_TIMEOUT, "
                  "else 60 s to rendezvous and 300 s per collective)")
       ->check(dp::cli::positive_number(604800));
-  app.add_option("--checkpoint-dir", f.checkpoint_dir,
-                 "single/dp/ddp: write the whole training state here (step_N.safetensors; rank 0 "
-                 "writes), every --save-every steps and at the end")
-      ->check(CLI::ExistingDirectory);
+  dp::cli::add_checkpoint_dir_flag(
+      app, f.checkpoint_dir,
+      "single/dp/ddp: write the whole training state here (step_N.safetensors; rank 0 writes), "
+      "every --save-every steps and at the end; created when missing, one job at a time");
   app.add_option("--save-every", f.save_every, "steps between checkpoints (needs --checkpoint-dir)")
       ->check(whole_number(1, std::numeric_limits<int32_t>::max()));
   app.add_option("--keep", f.keep, "checkpoints to keep in --checkpoint-dir, newest first")
@@ -181,6 +182,9 @@ int main(int argc, char** argv) {
     const kernels::DType comm_dtype = dp::cli::comm_dtype(f.comm_dtype);
     DP_CHECK(f.mode != "ps" || nn::compute_dtype(precision) == kernels::DType::f32,
              "--mode ps with --dtype " << f.dtype << ": the parameter server trains in f32 only");
+    DP_CHECK(f.backend == "auto" || f.mode == "ddp",
+             "--backend " << f.backend << " with --mode " << f.mode
+                          << ": only --mode ddp has a communication backend; drop --backend");
     DP_CHECK(comm_dtype == kernels::DType::f32 || f.mode == "dp" || f.mode == "ddp",
              "--comm-dtype " << f.comm_dtype << ": only --mode dp and ddp communicate gradients");
     // Rows every global batch is split into (a parameter server's workers each take whole
@@ -202,6 +206,14 @@ int main(int argc, char** argv) {
     if (f.optim.empty()) f.optim = default_optim(f.model);
     const float lr = f.lr ? *f.lr : default_lr(f.optim);
     std::string dir = f.data.empty() ? dp::data::kDefaultFashionMnistDir : f.data;
+    // The checkpoint folder is this job's alone, from before any work to the end: created when
+    // missing, proven writable and locked (nn::CheckpointDirLock) here by a single, DP or PS
+    // run, or by the DDP launcher of node 0 for all its ranks and restarts; ranks started by
+    // another launcher take it as rank 0, below.
+    std::optional<nn::CheckpointDirLock> checkpoint_lock;
+    const bool ddp_worker = f.mode == "ddp" && dp::dist::worker_env_from_environment().has_value();
+    if (!f.checkpoint_dir.empty() && !ddp_worker && f.launch.node_rank == 0)
+      checkpoint_lock.emplace(f.checkpoint_dir, "train_mnist");
     if (f.mode == "ddp") {
       dp::dist::DdpTrainerOptions t;
       t.backend = f.backend;
@@ -213,6 +225,16 @@ int main(int argc, char** argv) {
     }
     dp::data::MnistDataset train(dir, dp::data::Split::train);
     dp::data::MnistDataset test(dir, dp::data::Split::test);
+    // The models take 1x28x28 images (the MLP 784 inputs, LeNet's layers are sized for it).
+    const kernels::Shape image_shape = {1, 28, 28};
+    DP_CHECK(train.sample_shape() == test.sample_shape(),
+             "--data " << dir << ": the training images are "
+                       << kernels::shape_str(train.sample_shape()) << " but the test images "
+                       << kernels::shape_str(test.sample_shape()) << "; both must be the same");
+    DP_CHECK(train.sample_shape() == image_shape,
+             "--data " << dir << ": the images are " << kernels::shape_str(train.sample_shape())
+                       << ", but --model " << f.model << " takes "
+                       << kernels::shape_str(image_shape) << " (MNIST's 28x28 grey images)");
     kernels::DeviceType type = device_type(f.device);
     auto devices = kernels::make_devices(type, f.mode == "single" ? 1 : f.gpus);
 
@@ -231,6 +253,8 @@ int main(int argc, char** argv) {
       kernels::context(home).set_math(nn::math_mode(precision));
       // A restarted job goes on from its newest checkpoint with --resume latest; without it,
       // it trains again from the start.
+      if (ddp->rank() == 0 && !f.checkpoint_dir.empty() && !checkpoint_lock)
+        checkpoint_lock.emplace(f.checkpoint_dir, "train_mnist");  // held by our launcher, or ours
       if (ddp->rank() == 0 && ddp->env().restart_count > 0)
         std::fprintf(
             stderr, "train_mnist: restart %d: %s\n", ddp->env().restart_count,
@@ -330,10 +354,16 @@ int main(int argc, char** argv) {
     nn::TrainingProgress run_state;
     run_state.mode = f.mode;
     run_state.world_size = world;
-    run_state.config = {{"model", f.model},
+    // What a resume must match. The program and the data set too: a dp_bench state (its own
+    // synthetic data) or one from a smaller --train-samples (which would drop the rest of the
+    // epoch) is refused, naming what differs.
+    run_state.config = {{"program", "train_mnist"},
+                        {"model", f.model},
                         {"batch", std::to_string(f.batch)},
                         {"seed", std::to_string(f.seed)},
-                        {"dtype", f.dtype}};
+                        {"dtype", f.dtype},
+                        {"dataset_size", std::to_string(train.size())},
+                        {"train_samples", std::to_string(loader.num_samples())}};
     const int my_index = ddp ? ddp->rank() : 0;
     auto save_state = [&](int64_t epoch, int64_t batches_done) {
       run_state.epoch = epoch;
@@ -343,7 +373,7 @@ int main(int argc, char** argv) {
                               : ddp     ? ddp->all_gather(model->flat().rng_offset)
                                         : std::vector<uint64_t>{model->flat().rng_offset};
       if (scaler->enabled()) run_state.scaler = scaler->state();
-      if (my_index == 0) nn::save_checkpoint_in(f.checkpoint_dir, f.keep, *model, opt, run_state);
+      if (my_index == 0) nn::save_checkpoint_in(*checkpoint_lock, f.keep, *model, opt, run_state);
       // Nobody reads a half-written file: every rank waits until rank 0 has written it.
       if (ddp) ddp->group().barrier()->wait();
     };
@@ -366,9 +396,23 @@ int main(int argc, char** argv) {
                      resume_path.c_str(), static_cast<long long>(got.step), start_epoch,
                      static_cast<long long>(skip_batches));
     }
+    // Batches per epoch, and whether the checkpoint already holds the whole run.
+    const int64_t per_epoch =
+        f.limit_batches ? std::min(loader.num_batches(), *f.limit_batches) : loader.num_batches();
+    const bool nothing_left =
+        !resume_path.empty() && !ps &&
+        (start_epoch >= f.epochs || (start_epoch == f.epochs - 1 && skip_batches >= per_epoch));
+    if (nothing_left && chatty)
+      std::fprintf(stderr,
+                   "train_mnist: nothing left to train: checkpoint at step %lld of %lld (epoch "
+                   "%d, batch %lld, of --epochs %d) in %s; give more --epochs to train further\n",
+                   static_cast<long long>(run_state.step),
+                   static_cast<long long>(std::max<int64_t>(f.epochs * per_epoch, run_state.step)),
+                   start_epoch, static_cast<long long>(skip_batches), f.epochs,
+                   resume_path.c_str());
     const int64_t first_step = run_state.step;
     auto t0 = std::chrono::steady_clock::now();
-    for (int e = start_epoch; e < f.epochs; ++e) {
+    for (int e = start_epoch; e < f.epochs && !nothing_left; ++e) {
       loader.set_epoch(e);
       double sum = 0;
       int64_t n = 0, rows = 0, total = loader.num_batches();
@@ -401,6 +445,7 @@ int main(int argc, char** argv) {
                      static_cast<long long>(max_stale));
       }
       int64_t skip = e == start_epoch ? skip_batches : 0;  // trained before the resume
+      int64_t trained_here = 0;                            // batches this process trained
       if (!ps)
         for (auto& batch : loader) {
           if (skip > 0) {
@@ -411,20 +456,21 @@ int main(int argc, char** argv) {
           float l = engine.train_step(batch.images, batch.labels);
           sum += l;
           ++n;
+          ++trained_here;
           ++run_state.step;
           step_losses.push_back(l);
           rows += batch.size();
           if (f.save_every && run_state.step % *f.save_every == 0 && n < total) save_state(e, n);
           double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - te).count();
-          if (chatty) progress(e, n, total, static_cast<float>(sum / n), rows / std::max(s, 1e-9));
+          if (chatty)
+            progress(e, n, total, static_cast<float>(sum / trained_here), rows / std::max(s, 1e-9));
           if (n == total) break;  // --limit-batches
         }
       rows_trained += rows;
-      const int64_t trained = n - (e == start_epoch ? skip_batches : 0);
-      epoch_loss.push_back(static_cast<float>(sum / std::max<int64_t>(ps ? n : trained, 1)));
+      epoch_loss.push_back(static_cast<float>(sum / std::max<int64_t>(ps ? n : trained_here, 1)));
       if (f.save_every && !ps && run_state.step % *f.save_every == 0) save_state(e + 1, 0);
     }
-    if (!f.checkpoint_dir.empty()) save_state(f.epochs, 0);  // the end of the run
+    if (!f.checkpoint_dir.empty() && !nothing_left) save_state(f.epochs, 0);  // the run's end
     double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
     int64_t correct = 0;
@@ -434,34 +480,45 @@ int main(int argc, char** argv) {
     }
     double accuracy = static_cast<double>(correct) / test.size();
     if (chatty) {
+      char last_loss[64] = "none trained";
+      if (!epoch_loss.empty())
+        std::snprintf(last_loss, sizeof last_loss, "%.4f", epoch_loss.back());
       std::printf(
           "train_mnist: model %s, mode %s on %d x %s, %d epoch(s): test accuracy %.4f, "
-          "last epoch loss %.4f, %.1f s\n",
+          "last epoch loss %s, %.1f s\n",
           f.model.c_str(), f.mode.c_str(),
           ddp ? ddp->world_size() : static_cast<int>(devices.size()),
-          type == kernels::DeviceType::cuda ? "cuda" : "cpu", f.epochs, accuracy, epoch_loss.back(),
+          type == kernels::DeviceType::cuda ? "cuda" : "cpu", f.epochs, accuracy, last_loss,
           seconds);
       if (!f.json.empty()) {
-        std::ofstream out(f.json);
-        DP_CHECK(out, "--json: cannot write '" << f.json << "'");
-        out << nlohmann::json{{"test_accuracy", accuracy},
-                              {"train_loss", epoch_loss},
-                              {"seconds", seconds},
-                              {"rows_trained", rows_trained},
-                              {"first_step", first_step},
-                              {"step_losses", step_losses},
-                              {"samples_per_s", rows_trained / std::max(seconds, 1e-9)},
-                              {"model", f.model},
-                              {"mode", f.mode},
-                              {"dtype", f.dtype},
-                              {"comm_dtype", f.comm_dtype},
-                              {"loss_scale", scaler->scale()},
-                              {"skipped_steps", scaler->skipped_steps()},
-                              {"devices", devices.size()}}
-                   .dump(2)
-            << "\n";
+        dp::cli::write_output(
+            "--json", f.json,
+            nlohmann::json{{"test_accuracy", accuracy},
+                           {"train_loss", epoch_loss},
+                           {"seconds", seconds},
+                           {"rows_trained", rows_trained},
+                           {"first_step", first_step},
+                           {"step_losses", step_losses},
+                           {"samples_per_s", rows_trained / std::max(seconds, 1e-9)},
+                           {"model", f.model},
+                           {"mode", f.mode},
+                           {"dtype", f.dtype},
+                           {"comm_dtype", f.comm_dtype},
+                           {"loss_scale", scaler->scale()},
+                           {"skipped_steps", scaler->skipped_steps()},
+                           {"devices", devices.size()}}
+                    .dump(2) +
+                "\n");
       }
     }
+    // Skipped steps (non-finite gradients) over the whole run, resumed parts included: a
+    // warning past 5%, an error past --max-skip-fraction.
+    if (!ps) {
+      const std::string warning =
+          nn::check_skipped_steps(scaler->skipped_steps(), run_state.step, f.max_skip_fraction);
+      if (!warning.empty() && chatty) std::fprintf(stderr, "train_mnist: %s\n", warning.c_str());
+    }
+    dp::cli::check_stdout("train_mnist");
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "train_mnist: error: %s\n", e.what());

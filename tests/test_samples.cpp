@@ -2,11 +2,14 @@
 #include <unistd.h>
 
 #include <sys/stat.h>
+#include <chrono>
+#include <cmath>
 #include <csignal>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <thread>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 
@@ -153,6 +156,12 @@ TEST_CASE("samples.train_mnist: bad flags are refused in plain words, before any
            {"--mode ddp --max-restarts -1",
             "--max-restarts: -1 is out of range: give a whole number in [0, 1000]"},
            {"--mode dp --max-restarts 1", "--max-restarts 1: only --mode ddp"},
+           {"--mode dp --backend mpi",
+            "--backend mpi with --mode dp: only --mode ddp has a communication backend"},
+           {"--backend gloo", "--backend gloo with --mode single"},
+           {"--max-skip-fraction 2",
+            "--max-skip-fraction: '2' is not a fraction: give a number "
+            "in [0, 1]"},
            {"--mode ddp --nnodes 2 --master-port 29999 --max-restarts 1",
             "--max-restarts 1 with --nnodes 2: restarts are for one node only"},
        }) {
@@ -329,4 +338,255 @@ TEST_CASE("samples.train_mnist: amp bf16 and fp16 reach fp32's test accuracy wit
     CHECK(std::fabs(acc - fp32) <= 0.005);
     CHECK(j["dtype"] == dtype);
   }
+}
+
+namespace {
+
+// Runs train_mnist with `args` (stdout and stderr to a file); returns its exit code and output.
+std::pair<int, std::string> run_mnist(const std::string& args, const std::string& redirect = "") {
+  const std::string out = temp_path("run.txt");
+  const std::string cmd =
+      std::string(DP_TRAIN_MNIST_PATH) + " " + args +
+      (redirect.empty() ? " > " + out + " 2>&1" : " " + redirect + " 2> " + out);
+  std::remove(out.c_str());
+  const int status = std::system(cmd.c_str());
+  std::ifstream f(out);
+  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::remove(out.c_str());
+  return {dp_test::shell_code(status), text};
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// A folder of MNIST-format IDX files (uncompressed): `n` images of rows x cols for train and
+// test, labels 0.
+void write_idx_set(const std::string& dir, int64_t train_rows, int64_t train_cols,
+                   int64_t test_rows, int64_t test_cols) {
+  std::filesystem::create_directories(dir);
+  auto be32 = [](std::string& s, uint32_t v) {
+    for (int i = 3; i >= 0; --i) s += static_cast<char>((v >> (8 * i)) & 0xff);
+  };
+  auto images = [&](const std::string& name, int64_t rows, int64_t cols) {
+    std::string s;
+    be32(s, 0x803);
+    be32(s, 4);
+    be32(s, static_cast<uint32_t>(rows));
+    be32(s, static_cast<uint32_t>(cols));
+    s += std::string(static_cast<size_t>(4 * rows * cols), '\x10');
+    std::ofstream(dir + "/" + name, std::ios::binary) << s;
+  };
+  auto labels = [&](const std::string& name) {
+    std::string s;
+    be32(s, 0x801);
+    be32(s, 4);
+    s += std::string(4, '\0');
+    std::ofstream(dir + "/" + name, std::ios::binary) << s;
+  };
+  images("train-images-idx3-ubyte", train_rows, train_cols);
+  images("t10k-images-idx3-ubyte", test_rows, test_cols);
+  labels("train-labels-idx1-ubyte");
+  labels("t10k-labels-idx1-ubyte");
+}
+
+const std::string kSmall = "--device cpu --model mlp --train-samples 64 --batch 16 --seed 2";
+
+}  // namespace
+
+TEST_CASE(
+    "samples.train_mnist: --resume latest of a finished run has nothing left to train, "
+    "and exits 0") {
+  if (skip_without_fashion_mnist()) return;
+  const std::string dir = temp_path("finished");
+  std::filesystem::remove_all(dir);
+  train(kSmall + " --epochs 1 --checkpoint-dir " + dir);  // 4 steps, saved at its end
+  REQUIRE(std::filesystem::exists(nn::checkpoint_file(dir, 4)));
+  const std::string json = temp_path("finished.json");
+  for (int attempt = 0; attempt < 2; ++attempt) {  // again and again: no crash loop
+    auto [rc, text] = run_mnist(kSmall + " --epochs 1 --checkpoint-dir " + dir +
+                                " --resume latest --json " + json);
+    INFO(text);
+    CHECK(rc == 0);  // was 139: epoch_loss.back() on an empty vector
+    CHECK(text.find("train_mnist: nothing left to train: checkpoint at step 4 of 4") !=
+          std::string::npos);
+    CHECK(text.find("last epoch loss none trained") != std::string::npos);
+    std::ifstream f(json);
+    nlohmann::json j = nlohmann::json::parse(f);
+    CHECK(j["train_loss"].empty());
+    CHECK(j["first_step"] == 4);
+  }
+  CHECK(nn::list_checkpoints(dir).size() == 1);  // nothing new was written
+  // More epochs: it trains on from there.
+  auto more = train(kSmall + " --epochs 2 --checkpoint-dir " + dir + " --resume latest");
+  CHECK(more["first_step"] == 4);
+  CHECK(more["step_losses"].size() == 4);
+  std::remove(json.c_str());
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE(
+    "samples.train_mnist: a second job on one --checkpoint-dir is refused at once, naming "
+    "the holder, and a missing folder is created") {
+  const std::string dir = temp_path("locked") + "/deeper/still";
+  std::filesystem::remove_all(temp_path("locked"));
+  {
+    nn::CheckpointDirLock holder(dir, "holder_test");  // another job, holding the folder
+    for (const std::string mode : {"", " --mode dp --gpus 2", " --mode ddp --gpus 2"}) {
+      CAPTURE(mode);
+      const auto t0 = std::chrono::steady_clock::now();
+      auto [rc, text] = run_mnist("--device cpu --checkpoint-dir " + dir + mode);
+      INFO(text);
+      CHECK(rc == 1);
+      CHECK(text.find("in use by another job (pid " + std::to_string(::getpid())) !=
+            std::string::npos);
+      CHECK(text.find("program holder_test") != std::string::npos);
+      CHECK(text.find("epoch 0") == std::string::npos);  // refused before any work
+      CHECK(seconds_since(t0) < 10);
+    }
+  }
+  CHECK(std::filesystem::is_directory(dir));  // created with its parents
+  // A path under a file is refused when the flag is parsed.
+  const std::string file = temp_path("locked") + "/file";
+  std::ofstream(file) << "x";
+  auto [rc, text] = run_mnist("--device cpu --checkpoint-dir " + file);
+  CHECK(rc != 0);
+  CHECK(text.find("'" + file + "' exists and is not a folder") != std::string::npos);
+  std::filesystem::remove_all(temp_path("locked"));
+}
+
+TEST_CASE("samples.train_mnist: an output that cannot be written is an error naming it") {
+  if (skip_without_fashion_mnist()) return;
+  auto [rc, text] = run_mnist(kSmall + " --epochs 1 --json /dev/full");
+  INFO(text);
+  CHECK(rc == 1);
+  CHECK(text.find("--json(/dev/full): writing failed after 0 of ") != std::string::npos);
+  CHECK(text.find("No space left on device") != std::string::npos);
+  // stdout on a full device: the report was lost, so the run failed.
+  auto [rc2, text2] = run_mnist(kSmall + " --epochs 1", "> /dev/full");
+  INFO(text2);
+  CHECK(rc2 == 1);
+  CHECK(text2.find("train_mnist: writing to stdout failed") != std::string::npos);
+  // A regular file is replaced whole.
+  const std::string json = temp_path("whole.json");
+  auto [rc3, text3] = run_mnist(kSmall + " --epochs 1 --json " + json);
+  CHECK(rc3 == 0);
+  std::ifstream f(json);
+  CHECK(nlohmann::json::parse(f)["train_loss"].size() == 1);
+  std::remove(json.c_str());
+}
+
+TEST_CASE(
+    "samples.train_mnist: --data holding a FIFO or a link to /dev/zero, or images of "
+    "another size, are refused saying what they are") {
+  const std::string dir = temp_path("odd_data");
+  std::filesystem::remove_all(dir);
+  write_idx_set(dir, 28, 28, 28, 28);
+  const std::string images = dir + "/train-images-idx3-ubyte";
+  struct Case {
+    std::string make, says;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"rm -f " + images + " && mkfifo " + images,
+            images + " is a FIFO (named pipe), not a regular file"},
+           {"rm -f " + images + " && ln -s /dev/zero " + images,
+            images + " is a symbolic link to a character device, not a regular file"},
+       }) {
+    REQUIRE(std::system(c.make.c_str()) == 0);
+    const auto t0 = std::chrono::steady_clock::now();
+    auto [rc, text] = run_mnist("--device cpu --data " + dir);
+    INFO(text);
+    CHECK(rc == 1);
+    CHECK(text.find(c.says) != std::string::npos);
+    CHECK(text.find("neither") == std::string::npos);
+    CHECK(seconds_since(t0) < 10);  // nothing was read from the FIFO or /dev/zero
+  }
+  std::filesystem::remove_all(dir);
+  write_idx_set(dir, 28, 29, 28, 28);
+  auto [rc, text] = run_mnist("--device cpu --model resnet --data " + dir);
+  CHECK(rc == 1);
+  CHECK(text.find("the training images are [1, 28, 29] but the test images [1, 28, 28]") !=
+        std::string::npos);
+  std::filesystem::remove_all(dir);
+  write_idx_set(dir, 28, 29, 28, 29);
+  std::tie(rc, text) = run_mnist("--device cpu --model resnet --data " + dir);
+  CHECK(rc == 1);
+  CHECK(text.find("the images are [1, 28, 29], but --model resnet takes [1, 28, 28]") !=
+        std::string::npos);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE(
+    "samples.train_mnist: a resume refuses another program's state or a smaller "
+    "--train-samples, and its progress loss counts only the batches it trained") {
+  if (skip_without_fashion_mnist()) return;
+  const std::string dir = temp_path("resume_cfg");
+  std::filesystem::remove_all(dir);
+  train(kSmall + " --epochs 2 --checkpoint-dir " + dir + " --save-every 2 --keep 10");
+  const std::string mid = nn::checkpoint_file(dir, 2);  // epoch 0, batch 2 of 4
+  REQUIRE(std::filesystem::exists(mid));
+  auto [rc, text] = run_mnist(
+      "--device cpu --model mlp --train-samples 32 --batch 16 --seed 2 --epochs 2 --resume " + mid);
+  CHECK(rc == 1);
+  CHECK(text.find("saved with train_samples 64, this run has 32") != std::string::npos);
+  // A dp_bench state (its own program and data) is not this program's.
+  std::ifstream in(mid, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string from = "\"config.program\":\"train_mnist\"";
+  REQUIRE(bytes.find(from) != std::string::npos);
+  bytes.replace(bytes.find(from), from.size(), "\"config.program\":\"dp_bench\"\x20\x20\x20");
+  const std::string other = temp_path("other_program.safetensors");
+  std::ofstream(other, std::ios::binary) << bytes;
+  std::tie(rc, text) = run_mnist(kSmall + " --epochs 2 --resume " + other);
+  CHECK(rc == 1);
+  CHECK(text.find("saved with program dp_bench, this run has train_mnist") != std::string::npos);
+  // The resumed epoch's progress line averages its 2 trained batches, as its train_loss does.
+  const std::string json = temp_path("resumed.json");
+  std::tie(rc, text) = run_mnist(kSmall + " --epochs 2 --resume " + mid + " --json " + json);
+  INFO(text);
+  REQUIRE(rc == 0);
+  std::ifstream jf(json);
+  const double loss0 = nlohmann::json::parse(jf)["train_loss"][0].get<double>();
+  const std::string line = "epoch 0: 4/4 batches, loss ";
+  REQUIRE(text.find(line) != std::string::npos);
+  const double shown = std::stod(text.substr(text.find(line) + line.size()));
+  CHECK(shown == doctest::Approx(loss0).epsilon(1e-3));
+  std::remove(json.c_str());
+  std::remove(other.c_str());
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE(
+    "samples.train_mnist: a diverging fp16 run: the loss scale stops at 2^-24, its "
+    "checkpoints load, skips warn past 5% and fail past --max-skip-fraction") {
+  if (skip_without_fashion_mnist()) return;
+  // lr 100 diverges at once; then every step overflows and the scale halves each time: 192
+  // halvings from 2^16 reached 0.0 before the floor.
+  const std::string common =
+      "--device cpu --model mlp --train-samples 3072 --batch 16 --seed 2 "
+      "--dtype fp16 --lr 100";
+  const std::string dir = temp_path("diverging");
+  std::filesystem::remove_all(dir);
+  const std::string json = temp_path("diverging.json");
+  auto [rc, text] = run_mnist(common + " --epochs 1 --checkpoint-dir " + dir + " --json " + json);
+  INFO(text);
+  REQUIRE(rc == 0);
+  CHECK(text.find("train_mnist: warning: ") != std::string::npos);
+  CHECK(text.find(" of 192 steps (") != std::string::npos);
+  std::ifstream f(json);
+  const nlohmann::json j = nlohmann::json::parse(f);
+  CHECK(j["loss_scale"].get<double>() == std::ldexp(1.0, -24));
+  CHECK(j["skipped_steps"].get<int>() > 150);
+  // The state saved at the floor loads: the run goes on.
+  std::tie(rc, text) =
+      run_mnist(common + " --epochs 2 --checkpoint-dir " + dir + " --resume latest");
+  CHECK(rc == 0);
+  CHECK(text.find("resumed from") != std::string::npos);
+  // --max-skip-fraction: an error naming the fraction, after the report.
+  std::tie(rc, text) = run_mnist(common + " --epochs 1 --max-skip-fraction 0.5 --json " + json);
+  CHECK(rc == 1);
+  CHECK(text.find("steps (") != std::string::npos);
+  CHECK(text.find("more than --max-skip-fraction 0.5 allows") != std::string::npos);
+  std::remove(json.c_str());
+  std::filesystem::remove_all(dir);
 }

@@ -1,12 +1,18 @@
 // The training state in safetensors layout: resuming is bit-exact (single device and DP on 4
-// devices, SGD momentum and AdamW, dropout, uneven batches); mismatches and damage are refused.
+// devices, SGD momentum and AdamW, dropout, uneven batches); mismatches and damage are refused;
+// the reader reads the header and the declared ranges only; the checkpoint folder is one job's.
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <thread>
 
@@ -213,8 +219,9 @@ TEST_CASE("nn.train_state: a writer killed while saving leaves the previous stat
   single.mode = "single";
   nn::TrainingProgress got = nn::load_training_state(path, *m, *opt, single);  // a whole file
   CHECK(got.step >= 0);
-  // The killed writer's temporary file stays behind (nothing can remove it), and does not
-  // stop later saves.
+  // The killed writer's temporary file stays behind (save_training_state alone cannot know
+  // that no other process writes it; save_checkpoint_in with the folder's lock removes it), and
+  // does not stop later saves.
   run(0, false, 0, 2, path, "");
   CHECK_NOTHROW(nn::load_training_state(path, *m, *opt, single));
   const std::filesystem::path p(path);
@@ -247,4 +254,336 @@ TEST_CASE("nn.train_state: amp, the loss scaler's state is saved exactly and res
   nn::save_training_state(path, *m, *opt, p);
   CHECK_FALSE(nn::load_training_state(path, *m, *opt, p).scaler.has_value());
   std::remove(path.c_str());
+}
+
+namespace {
+
+std::string read_bytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+}
+
+void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f << bytes;
+  REQUIRE(f.good());
+}
+
+// A training state's header (JSON text) and data, split.
+struct Parts {
+  std::string header, data;
+};
+Parts split(const std::string& bytes) {
+  uint64_t n = 0;
+  std::memcpy(&n, bytes.data(), 8);
+  return {bytes.substr(8, n), bytes.substr(8 + n)};
+}
+std::string join(const std::string& header, const std::string& data) {
+  std::string out(8, '\0');
+  const uint64_t n = header.size();
+  std::memcpy(out.data(), &n, 8);
+  return out + header + data;
+}
+
+// The message of what `f` throws, or "(no error)".
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const kernels::Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+long peak_rss_kb() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_maxrss;
+}
+
+// A model and optimizer like run()'s, to load into.
+struct Target {
+  std::shared_ptr<nn::Module> m = dp_test::dropout_mlp();
+  std::unique_ptr<nn::Optimizer> opt;
+  nn::TrainingProgress single;
+  Target() {
+    m->materialize(Device::cpu(0), 1);
+    opt = optimizer(*m, false);
+    single.mode = "single";
+  }
+  std::string load(const std::string& path) {
+    return error_of([&] { nn::load_training_state(path, *m, *opt, single); });
+  }
+};
+
+}  // namespace
+
+TEST_CASE("nn.train_state: a padded file is refused from its header alone, in bounded memory") {
+  const std::string path = state_path("padded");
+  run(0, false, 0, 2, path, "");
+  Target t;
+  REQUIRE(t.load(path) == "(no error)");
+  const uint64_t size = std::filesystem::file_size(path);
+  for (uint64_t padded : {uint64_t{3} << 30, uint64_t{40} << 30}) {  // sparse: no disk used
+    CAPTURE(padded);
+    REQUIRE(::truncate(path.c_str(), static_cast<off_t>(padded)) == 0);
+    const long before = peak_rss_kb();
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::string e = t.load(path);
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    CHECK(e.find(path) != std::string::npos);
+    CHECK(e.find("trailing bytes") != std::string::npos);
+    CHECK(e.find("must end exactly at the file's end") != std::string::npos);
+    CHECK(peak_rss_kb() - before < 64 * 1024);  // the old reader took 3.3 GB, or bad_alloc
+    CHECK(seconds < 2.0);
+  }
+  REQUIRE(::truncate(path.c_str(), static_cast<off_t>(size)) == 0);
+  CHECK(t.load(path) == "(no error)");
+  std::remove(path.c_str());
+}
+
+TEST_CASE(
+    "nn.train_state: duplicate keys, overlapping or gapped offsets, a transposed weight and an "
+    "unknown tensor are refused, naming the tensor") {
+  const std::string path = state_path("tamper");
+  run(0, false, 0, 2, path, "");
+  const Parts good = split(read_bytes(path));
+  const nlohmann::json header = nlohmann::json::parse(good.header);
+  Target t;
+  const std::string w0 = "param." + t.m->named_parameters()[0].first;  // [32, 6]
+  const std::string out = state_path("tampered");
+  auto refused = [&](const nlohmann::json& h, const std::string& data) {
+    write_bytes(out, join(h.dump(), data));
+    return t.load(out);
+  };
+  // A key twice: nlohmann would keep the last silently.
+  {
+    std::string text = header.dump();
+    const std::string step = "\"step\":\"2\"";
+    REQUIRE(text.find(step) != std::string::npos);
+    text.replace(text.find(step), step.size(), step + ",\"step\":\"9\"");
+    write_bytes(out, join(text, good.data));
+    const std::string e = t.load(out);
+    CHECK(e.find("the key 'step' twice in one object") != std::string::npos);
+    CHECK(e.find(out) != std::string::npos);
+  }
+  // Two tensors on the same bytes: another tensor given the first weight's range [0, 768).
+  {
+    nlohmann::json h = header;
+    REQUIRE(h[w0]["data_offsets"] == nlohmann::json({0, 32 * 6 * 4}));
+    std::string other;
+    for (auto it = h.begin(); it != h.end(); ++it)
+      if (it.key() != w0 && it.key() != "__metadata__") other = it.key();
+    h[other]["shape"] = {32 * 6};
+    h[other]["data_offsets"] = {0, 32 * 6 * 4};
+    const std::string e = refused(h, good.data);
+    CHECK(e.find("overlapping tensor") != std::string::npos);
+  }
+  // A gap: the last tensor moved 4 bytes on, the file 4 bytes longer.
+  {
+    nlohmann::json h = header;
+    std::string last;
+    uint64_t last_end = 0;
+    for (auto it = h.begin(); it != h.end(); ++it)
+      if (it.key() != "__metadata__" && it.value()["data_offsets"][1].get<uint64_t>() > last_end) {
+        last = it.key();
+        last_end = it.value()["data_offsets"][1];
+      }
+    const uint64_t b = h[last]["data_offsets"][0];
+    h[last]["data_offsets"] = {b + 4, last_end + 4};
+    const std::string e = refused(h, good.data + std::string(4, '\0'));
+    CHECK(e.find("tensor '" + last + "'") != std::string::npos);
+    CHECK(e.find("leaving a gap") != std::string::npos);
+  }
+  // A transposed weight: the same 192 floats, shape [6, 32].
+  {
+    nlohmann::json h = header;
+    h[w0]["shape"] = {6, 32};
+    const std::string e = refused(h, good.data);
+    CHECK(e.find("tensor '" + w0 + "' is [6, 32] in the file, [32, 6] here") != std::string::npos);
+  }
+  // A tensor this model and optimizer do not have.
+  {
+    nlohmann::json h = header;
+    const uint64_t end = good.data.size();
+    h["param.extra"] = {{"dtype", "F32"}, {"shape", {1}}, {"data_offsets", {end, end + 4}}};
+    const std::string e = refused(h, good.data + std::string(4, '\0'));
+    CHECK(e.find("tensor 'param.extra' is not a parameter, buffer or optimizer state") !=
+          std::string::npos);
+  }
+  // The untampered file still loads: the checks above can pass.
+  write_bytes(out, join(header.dump(), good.data));
+  CHECK(t.load(out) == "(no error)");
+  std::remove(out.c_str());
+  std::remove(path.c_str());
+}
+
+TEST_CASE(
+    "nn.train_state: metadata numbers are range-checked 64-bit, every message names the "
+    "file and the field") {
+  const std::string path = state_path("meta");
+  run(0, false, 0, 2, path, "");
+  const Parts good = split(read_bytes(path));
+  const nlohmann::json header = nlohmann::json::parse(good.header);
+  Target t;
+  const std::string out = state_path("meta_out");
+  struct Case {
+    std::string key, value, says;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"epoch", "2147483648",
+            "metadata 'epoch' = '2147483648' is out of range [0, 2147483647]"},
+           {"world_size", "4294967297", "metadata 'world_size' = '4294967297' is out of range"},
+           {"step", "99999999999999999999", "metadata 'step' = '99999999999999999999' is out of"},
+           {"step", "-1", "metadata 'step' = '-1' is not a whole number"},
+           {"batches_done", "12abc", "metadata 'batches_done' = '12abc' is not a whole number"},
+           {"rng_offsets", "99999999999999999999",
+            "metadata 'rng_offsets' item 0 = '99999999999999999999' is not a whole number in "
+            "[0, 2^64)"},
+       }) {
+    CAPTURE(c.key);
+    nlohmann::json h = header;
+    h["__metadata__"][c.key] = c.value;
+    write_bytes(out, join(h.dump(), good.data));
+    const std::string e = t.load(out);
+    CHECK(e.find(c.says) != std::string::npos);
+    CHECK(e.find(out) != std::string::npos);
+  }
+  // A 20-digit data offset: named, with the file, not a bare "stoull".
+  {
+    std::string text = header.dump();
+    const std::string key = "\"data_offsets\":[0,";
+    REQUIRE(text.find(key) != std::string::npos);
+    text.replace(text.find(key), key.size(), "\"data_offsets\":[99999999999999999999,");
+    write_bytes(out, join(text, good.data));
+    const std::string e = t.load(out);
+    CHECK(e.find("data_offsets[0] = ") != std::string::npos);
+    CHECK(e.find("is not a count") != std::string::npos);
+    CHECK(e.find(out) != std::string::npos);
+  }
+  // A header over the 64 MiB cap in a file big enough to hold it: the cap is named, not the file.
+  {
+    std::string bytes(8, '\0');
+    const uint64_t n = uint64_t{100} << 20;
+    std::memcpy(bytes.data(), &n, 8);
+    write_bytes(out, bytes);
+    REQUIRE(::truncate(out.c_str(), static_cast<off_t>(n + 1024)) == 0);
+    const std::string e = t.load(out);
+    CHECK(e.find("header length 104857600 is more than the 67108864 bytes (64 MiB) this reader "
+                 "accepts") != std::string::npos);
+    CHECK(e.find("exceeds the file") == std::string::npos);
+  }
+  std::remove(out.c_str());
+  std::remove(path.c_str());
+}
+
+TEST_CASE("nn.train_state: the fp16 loss scale stops at 2^-24 and a state saved there loads") {
+  nn::GradScaler scaler(nn::Precision::fp16);
+  for (int i = 0; i < 200; ++i) scaler.update(false);  // 2^16 halved 200 times would reach 0
+  CHECK(scaler.scale() == nn::kMinLossScale);
+  CHECK(nn::kMinLossScale == std::ldexp(1.f, -24));
+  CHECK(scaler.skipped_steps() == 200);
+  auto m = dp_test::dropout_mlp();
+  m->materialize(Device::cpu(0), 42);
+  auto opt = optimizer(*m, false);
+  nn::TrainingProgress p;
+  p.mode = "single";
+  p.rng_offsets = {0};
+  p.scaler = scaler.state();
+  const std::string path = state_path("floor");
+  nn::save_training_state(path, *m, *opt, p);
+  nn::TrainingProgress got = nn::load_training_state(path, *m, *opt, p);
+  REQUIRE(got.scaler.has_value());
+  CHECK(got.scaler->scale == nn::kMinLossScale);
+  // Good steps still grow it again.
+  nn::GradScalerOptions o = nn::GradScaler::options_for(nn::Precision::fp16);
+  o.growth_interval = 1;
+  nn::GradScaler grows(o);
+  grows.set_state(*got.scaler);
+  grows.update(true);
+  CHECK(grows.scale() == 2 * nn::kMinLossScale);
+  std::remove(path.c_str());
+}
+
+TEST_CASE("nn.amp: more than 5% skipped steps warns, --max-skip-fraction makes it an error") {
+  CHECK(nn::check_skipped_steps(0, 100, std::nullopt).empty());
+  CHECK(nn::check_skipped_steps(5, 100, std::nullopt).empty());  // 5% is not more than 5%
+  const std::string w = nn::check_skipped_steps(6, 100, std::nullopt);
+  CHECK(w.find("warning: 6 of 100 steps (6.0%) were skipped") != std::string::npos);
+  CHECK(nn::check_skipped_steps(6, 100, 0.1) == w);
+  const std::string e = error_of([] { nn::check_skipped_steps(30, 100, 0.25); });
+  CHECK(e.find("30 of 100 steps (30.0%) were skipped") != std::string::npos);
+  CHECK(e.find("more than --max-skip-fraction 0.25 allows") != std::string::npos);
+}
+
+TEST_CASE(
+    "nn.train_state: a checkpoint folder: names of any width, one job's lock, stale temporaries "
+    "removed") {
+  const std::string dir = dp_test::temp_path("train_state", "folder") + "/a/b";
+  std::filesystem::remove_all(dp_test::temp_path("train_state", "folder"));
+  {
+    nn::CheckpointDirLock lock(dir, "test_train_state");  // creates the folder with parents
+    CHECK(std::filesystem::is_directory(dir));
+    CHECK_FALSE(lock.held_by_parent());
+    // A second holder in this process is another open file: refused, naming the holder.
+    const std::string e = error_of([&] { nn::CheckpointDirLock second(dir, "other"); });
+    CHECK(e.find("in use by another job (pid " + std::to_string(::getpid())) != std::string::npos);
+    CHECK(e.find("program test_train_state") != std::string::npos);
+    CHECK(e.find("give each job its own --checkpoint-dir") != std::string::npos);
+    // A child (a DDP worker under our launcher) sees it held by its parent: the same job.
+    pid_t child = ::fork();
+    REQUIRE(child >= 0);
+    if (child == 0) {
+      int rc = 3;
+      try {
+        nn::CheckpointDirLock worker(dir, "worker");
+        rc = worker.held_by_parent() ? 0 : 4;
+      } catch (...) {
+      }
+      ::_exit(rc);
+    }
+    int status = 0;
+    ::waitpid(child, &status, 0);
+    CHECK(WIFEXITED(status));
+    CHECK(WEXITSTATUS(status) == 0);
+
+    // 8 and 9 digits (step 10^8 and on): ordered by number, not by name.
+    for (int64_t step : {int64_t{99999999}, int64_t{100000000}, int64_t{7}})
+      write_bytes(nn::checkpoint_file(dir, step), "x");
+    CHECK(nn::checkpoint_file(dir, 100000000) == dir + "/step_100000000.safetensors");
+    auto all = nn::list_checkpoints(dir);
+    REQUIRE(all.size() == 3);
+    CHECK(all.back() == nn::checkpoint_file(dir, 100000000));
+    CHECK(nn::resolve_resume("latest", dir) == nn::checkpoint_file(dir, 100000000));
+    // A killed save's temporary goes at the next save; files of other patterns stay.
+    const std::vector<std::string> stale = {".step_00000005.safetensors.tmp.AbC123",
+                                            ".step_100000001.safetensors.tmp.x9Y8z7"};
+    const std::vector<std::string> others = {"notes.tmp.abcdef", ".step_00000005.safetensors.tmp",
+                                             ".model.safetensors.tmp.AbC123", "step_x.safetensors"};
+    for (const auto& n : stale) write_bytes(dir + "/" + n, "partial");
+    for (const auto& n : others) write_bytes(dir + "/" + n, "keep");
+    auto m = dp_test::dropout_mlp();
+    m->materialize(Device::cpu(0), 42);
+    auto opt = optimizer(*m, false);
+    nn::TrainingProgress p;
+    p.mode = "single";
+    p.rng_offsets = {0};
+    p.step = 100000002;
+    nn::save_checkpoint_in(lock, 2, *m, *opt, p);
+    for (const auto& n : stale) CHECK_FALSE(std::filesystem::exists(dir + "/" + n));
+    for (const auto& n : others) CHECK(std::filesystem::exists(dir + "/" + n));
+    all = nn::list_checkpoints(dir);  // --keep 2: the two newest, by number
+    REQUIRE(all.size() == 2);
+    CHECK(all[0] == nn::checkpoint_file(dir, 100000000));
+    CHECK(all[1] == nn::checkpoint_file(dir, 100000002));
+  }
+  // Released with its holder: the next job takes it.
+  CHECK_NOTHROW(nn::CheckpointDirLock(dir, "next"));
+  // A folder under a file cannot be made.
+  write_bytes(dir + "/file", "x");
+  const std::string e = error_of([&] { nn::CheckpointDirLock bad(dir + "/file/sub", "x"); });
+  CHECK(e.find("--checkpoint-dir " + dir + "/file/sub: cannot create the folder") !=
+        std::string::npos);
+  std::filesystem::remove_all(dp_test::temp_path("train_state", "folder"));
 }

@@ -1,5 +1,7 @@
 #include "dp/data/mnist.hpp"
 
+#include <sys/stat.h>
+
 #include <tbb/parallel_invoke.h>
 
 #include <filesystem>
@@ -15,16 +17,39 @@ constexpr const char* kHowToGetIt =
     "install the Debian package dataset-fashion-mnist (apt install dataset-fashion-mnist) or "
     "pass --data DIR with the four MNIST-format files";
 
-// `dir`/`stem`, or `dir`/`stem`.gz, whichever exists (the plain one first).
+// What a path that is not a regular file is, for messages ("a FIFO (named pipe)").
+const char* file_kind(const struct stat& st) {
+  if (S_ISDIR(st.st_mode)) return "a directory";
+  if (S_ISCHR(st.st_mode)) return "a character device";
+  if (S_ISBLK(st.st_mode)) return "a block device";
+  if (S_ISFIFO(st.st_mode)) return "a FIFO (named pipe)";
+  if (S_ISSOCK(st.st_mode)) return "a socket";
+  return "not a regular file";
+}
+
+// `dir`/`stem`, or `dir`/`stem`.gz, whichever exists (the plain one first). Refuses, before
+// anything is read, one that exists but is not a regular file (a FIFO, a symbolic link to
+// /dev/zero), saying what it is.
 std::string find_file(const std::string& dir, const std::string& stem) {
   namespace fs = std::filesystem;
-  std::error_code ec;
-  fs::path plain = fs::path(dir) / stem;
-  fs::path gz = fs::path(dir) / (stem + ".gz");
-  if (fs::is_regular_file(plain, ec)) return plain.string();
-  if (fs::is_regular_file(gz, ec)) return gz.string();
-  DP_THROW("MNIST data set: neither " << plain.string() << " nor " << gz.string() << " exists; "
-                                      << kHowToGetIt);
+  const std::string plain = (fs::path(dir) / stem).string();
+  const std::string gz = (fs::path(dir) / (stem + ".gz")).string();
+  for (const std::string& path : {plain, gz}) {
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0) {
+      struct stat lst {};
+      DP_CHECK(::lstat(path.c_str(), &lst) != 0,
+               "MNIST data set: " << path << " is a symbolic link to nothing (dangling)");
+      continue;
+    }
+    struct stat lst {};
+    const bool link = ::lstat(path.c_str(), &lst) == 0 && S_ISLNK(lst.st_mode);
+    DP_CHECK(S_ISREG(st.st_mode), "MNIST data set: " << path << " is "
+                                                     << (link ? "a symbolic link to " : "")
+                                                     << file_kind(st) << ", not a regular file");
+    return path;
+  }
+  DP_THROW("MNIST data set: neither " << plain << " nor " << gz << " exists; " << kHowToGetIt);
 }
 
 }  // namespace
