@@ -66,6 +66,30 @@ void row(int64_t bytes, double seconds, double bus_factor) {
               algbw * bus_factor);
 }
 
+// The largest message's buffers, before any: about two copies of it per device or rank (DP:
+// parameters and gradients of each replica; DDP: the tensor and the backend's scratch). A
+// message that cannot fit is refused with the figures instead of growing until it is killed.
+void check_memory(const Flags& f, kernels::DeviceType t) {
+  const std::vector<int64_t> all = sizes(f, t);
+  if (all.empty()) return;
+  const int64_t largest = all.back();
+  const std::string what = "--max-bytes " + std::to_string(largest) + " (" + std::to_string(f.n) +
+                           (f.what == "dp" ? " devices" : " devices or ranks") + " x 2 buffers)";
+  const std::string hint = "give a smaller --max-bytes or fewer --gpus";
+  if (t == kernels::DeviceType::cpu) {
+    dp::cli::check_fits(what, 2 * largest * f.n, "the host", kernels::host_memory_available(),
+                        hint);
+    return;
+  }
+  // Logical devices share the GPUs round-robin: GPU 0 holds the most; Gloo and MPI stage CUDA
+  // tensors through one pinned host copy per rank.
+  const int physical = std::max(1, kernels::cuda_device_count());
+  const int on_gpu0 = (f.n + physical - 1) / physical;
+  dp::cli::check_fits(what, 2 * largest * on_gpu0, "GPU 0", kernels::gpu_memory(0), hint);
+  if (f.what != "dp")
+    dp::cli::check_fits(what, largest * f.n, "the host", kernels::host_memory_available(), hint);
+}
+
 template <class F>
 double time_it(int iters, F&& f) {
   f();  // warm-up
@@ -172,6 +196,7 @@ int main(int argc, char** argv) {
              "--min-bytes " << f.min_bytes << " is more than --max-bytes " << *f.max_bytes);
     kernels::DeviceType type = device_type(f);
     if (auto env = dp::dist::worker_env_from_environment()) return bench_ddp_worker(f, type, *env);
+    check_memory(f, type);
     if (type == kernels::DeviceType::cuda)
       dp::warn_if_oversubscribed(kernels::make_devices(type, f.n));
     if (f.what != "ddp") bench_dp(f, type);
@@ -181,8 +206,11 @@ int main(int argc, char** argv) {
       dp::dist::LaunchOptions lo;
       lo.nproc_per_node = f.n;
       lo.max_local_ranks = f.max_local_ranks;
-      return dp::dist::launch_workers(lo, std::vector<std::string>(argv, argv + argc));
+      const int rc = dp::dist::launch_workers(lo, std::vector<std::string>(argv, argv + argc));
+      if (rc == 0) dp::cli::check_stdout("bench_collectives");
+      return rc;
     }
+    dp::cli::check_stdout("bench_collectives");
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_collectives: error: %s\n", e.what());

@@ -58,6 +58,7 @@ void add_flags(CLI::App& app, Options& o) {
   app.add_option("--steps", o.steps, "timed steps")->check(whole_number(1, kMaxSteps));
   app.add_option("--warmup", o.warmup, "untimed steps first")->check(whole_number(0, kMaxSteps));
   dp::cli::add_precision_flags(app, o.dtype, o.comm_dtype);
+  dp::cli::add_max_skip_fraction_flag(app, o.max_skip_fraction);
   app.add_option("--backend", o.backend, "DDP backend: auto|nccl|gloo|mpi (mpi: under mpirun)")
       ->check(CLI::IsMember({"auto", "nccl", "gloo", "mpi"}));
   app.add_option("--seed", o.seed, "model and data seed")
@@ -86,10 +87,11 @@ void add_flags(CLI::App& app, Options& o) {
                  "dp_bench JSON of a GPU run whose compute the NVLink/PCIe projection uses")
       ->check(CLI::ExistingFile);
   dp::cli::add_launch_flags(app, o.launch);
-  app.add_option("--checkpoint-dir", o.checkpoint_dir,
-                 "write the whole training state here (step_N.safetensors), every --save-every "
-                 "steps and at the end; one run at a time (--mode dp|ddp --baseline 0)")
-      ->check(CLI::ExistingDirectory);
+  dp::cli::add_checkpoint_dir_flag(
+      app, o.checkpoint_dir,
+      "write the whole training state here (step_N.safetensors), every --save-every steps and "
+      "at the end; created when missing, locked for the job; one run at a time (--mode dp|ddp "
+      "--baseline 0)");
   app.add_option("--save-every", o.save_every, "steps between checkpoints (needs --checkpoint-dir)")
       ->check(whole_number(1, kMaxSteps));
   app.add_option("--keep", o.keep, "checkpoints to keep in --checkpoint-dir, newest first")
@@ -297,7 +299,8 @@ void progress(const std::string& label, int step, int total) {
   std::fflush(stderr);
 }
 
-RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace) {
+RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
+                 const nn::CheckpointDirLock* lock) {
   int64_t batch = global_batch(o, n);
   const auto data = dataset_of(o, batch);
   auto model = model_of(o);
@@ -337,15 +340,20 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace) {
   int first = 0;
   if (const std::string path = nn::resolve_resume(o.resume, o.checkpoint_dir); !path.empty()) {
     nn::TrainingProgress got = nn::load_training_state(path, *model, opt, state);
+    if (auto msg = nn::nothing_left_to_train(got.step, o.warmup + o.steps, path,
+                                             "give more --steps to train further")) {
+      r.nothing_left = *msg;
+      return r;
+    }
     engine.set_rng_offsets(got.rng_offsets);
     if (got.scaler) engine.scaler().set_state(*got.scaler);
-    first = static_cast<int>(got.step);
+    first = static_cast<int>(got.step);  // < warmup + steps
   }
   auto save = [&](int step) {
     state.step = step;
     state.rng_offsets = engine.rng_offsets();
     if (engine.scaler().enabled()) state.scaler = engine.scaler().state();
-    nn::save_checkpoint_in(o.checkpoint_dir, o.keep, *model, opt, state);
+    nn::save_checkpoint_in(*lock, o.keep, *model, opt, state);
   };
   for (int step = first; step < o.warmup + o.steps; ++step) {
     int timed = step - o.warmup;
@@ -382,15 +390,6 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace) {
   return r;
 }
 
-void write_text(const std::string& flag, const std::string& path, const std::string& text) {
-  std::FILE* f = std::fopen(path.c_str(), "wb");
-  DP_CHECK(f, flag << ": cannot open '" << path << "' for writing: " << std::strerror(errno));
-  // A full disk may only show at the flush in fclose: both are checked.
-  int err = std::fwrite(text.data(), 1, text.size(), f) == text.size() ? 0 : errno;
-  if (std::fclose(f) != 0 && err == 0) err = errno;
-  DP_CHECK(err == 0, flag << ": writing '" << path << "' failed: " << std::strerror(err));
-}
-
 namespace {
 
 std::vector<int> sweep_counts(const Options& o, const Setup& s) {
@@ -420,7 +419,7 @@ void write_chart(const Options& o, const std::string& csv, const std::string& no
   }
   bool png = chart.size() > 4 && chart.substr(chart.size() - 4) == ".png";
   std::string script = chart + ".gp";
-  std::ofstream gp(script);
+  std::ostringstream gp;
   gp << "set terminal " << (png ? "pngcairo size 900,500" : "svg size 900,500") << "\n"
      << "set output '" << chart << "'\nset datafile separator ','\n"
      << "set termoption noenhanced\n"
@@ -430,7 +429,7 @@ void write_chart(const Options& o, const std::string& csv, const std::string& no
      << "set xtics 1\nset yrange [0:*]\n"
      << "plot '" << csv << "' using 2:(strcol(1) eq 'dp' ? $6 : 1/0) with linespoints title 'DP', '"
      << csv << "' using 2:(strcol(1) eq 'ddp' ? $6 : 1/0) with linespoints title 'DDP'\n";
-  gp.close();
+  dp::cli::write_output("--chart", script, gp.str());
   int rc = std::system(("gnuplot '" + script + "' 2>/dev/null").c_str());
   std::remove(script.c_str());
   if (rc == 0)
@@ -504,6 +503,10 @@ int run(const Options& o, int argc, char** argv) {
     dp::warn_if_oversubscribed(kernels::make_devices(DeviceType::cuda, max_n));
   bool want_dp = o.mode != "ddp", want_ddp = o.mode != "dp";
   bool tracing = !o.trace_path.empty();
+  // One job per checkpoint folder, for the whole run (DDP workers see it held by this process).
+  std::optional<nn::CheckpointDirLock> lock;
+  if (!o.checkpoint_dir.empty() && o.launch.node_rank == 0)
+    lock.emplace(o.checkpoint_dir, "dp_bench");
 
   // Every (mode, N) run, K times, interleaved so that drift of the machine hits all alike. Each
   // repeat's median step is one sample of the run's confidence interval; the rest of the
@@ -519,13 +522,18 @@ int run(const Options& o, int argc, char** argv) {
         dp::Trace trace;
         const bool trace_this = tracing && k == 0;
         std::optional<RunResult> got =
-            mode[1] == 'p' ? run_dp(o, s, n, trace_this ? &trace : nullptr)
+            mode[1] == 'p' ? run_dp(o, s, n, trace_this ? &trace : nullptr, lock ? &*lock : nullptr)
                            : run_ddp(o, s, n, argc, argv, trace_this ? &trace : nullptr);
         if (!got) {  // this node's ranks ran; node 0 has the figures
           other_node = true;
           continue;
         }
         RunResult r = std::move(*got);
+        if (!r.nothing_left.empty()) {  // a resumed run with no step left: no report of zeros
+          std::printf("dp_bench: %s\n", r.nothing_left.c_str());
+          dp::cli::check_stdout("dp_bench");
+          return 0;
+        }
         if (!isatty(fileno(stderr)))
           std::fprintf(stderr, "dp_bench: %s N=%d%s: %.3f ms/step, final loss %.6f\n", mode, r.gpus,
                        o.repeat > 1 ? (" repeat " + std::to_string(k + 1)).c_str() : "",
@@ -571,7 +579,7 @@ int run(const Options& o, int argc, char** argv) {
   print_projection(std::cout, projection);
 
   if (!o.json_path.empty()) {
-    write_text("--json", o.json_path, to_json(h, runs, projection).dump(2) + "\n");
+    dp::cli::write_output("--json", o.json_path, to_json(h, runs, projection).dump(2) + "\n");
     std::printf("json: %s\n", o.json_path.c_str());
   }
   if (tracing) {
@@ -582,7 +590,7 @@ int run(const Options& o, int argc, char** argv) {
     std::string csv = o.csv_path.empty() ? "dp_bench_sweep.csv" : o.csv_path;
     std::ostringstream table;
     write_sweep_csv(table, runs);
-    write_text("--csv", csv, table.str());
+    dp::cli::write_output("--csv", csv, table.str());
     std::printf("sweep: %s\n", csv.c_str());
     std::string note;
     if (h.device == "cpu")
@@ -591,6 +599,20 @@ int run(const Options& o, int argc, char** argv) {
       note = "(logical GPUs sharing one: engine overhead, not scaling)";
     write_chart(o, csv, note);
   }
+  // After the report and its files: a mixed-precision run that skipped too many steps warns
+  // (over 5%) or fails (over --max-skip-fraction), naming the run.
+  for (const RunResult& r : runs) {
+    const int64_t steps = int64_t(o.warmup) + o.steps;  // skipped_steps counts warm-up too
+    try {
+      if (std::string warning =
+              nn::check_skipped_steps(r.skipped_steps, steps, o.max_skip_fraction);
+          !warning.empty())
+        std::fprintf(stderr, "dp_bench: %s N=%d: %s\n", r.mode.c_str(), r.gpus, warning.c_str());
+    } catch (const kernels::Error& e) {
+      DP_THROW(r.mode << " N=" << r.gpus << ": " << e.what());
+    }
+  }
+  dp::cli::check_stdout("dp_bench");
   return 0;
 }
 

@@ -51,6 +51,7 @@ struct Options {
   std::string json_path, trace_path, sweep, csv_path, chart_path, profile_steps;
   int baseline = 1;  // also run N=1 of each mode for speedup (0 to skip)
   int repeat = 1;    // interleaved repeats of every run, for confidence intervals
+  std::optional<double> max_skip_fraction;  // mixed precision: more skipped steps is an error
   double bucket_cap_mb = 25, first_bucket_mb = 1;  // DP and DDP buckets (PyTorch's defaults)
   std::string dp_reduce = "star";                  // DP: star|tree
   std::string project_from;                        // GPU results file for the projection
@@ -124,11 +125,9 @@ void progress(const std::string& label, int step, int total);
 std::string gpu_name();
 Header make_header(const Options& o, const Setup& s, int logical);
 
-// Writes `text` to `path`, checking the write and the close (a full disk shows at either).
-// Throws kernels::Error naming `flag` and the file.
-void write_text(const std::string& flag, const std::string& path, const std::string& text);
-
-RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace);
+// `lock`: the --checkpoint-dir lock this process holds (null without --checkpoint-dir).
+RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
+                 const nn::CheckpointDirLock* lock = nullptr);
 // Runs what the options ask for and prints the report (or, in a DDP worker process, trains its
 // rank). Returns the exit code.
 int run(const Options& o, int argc, char** argv);

@@ -22,6 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include "kernels/ops.hpp"
+#include "nn/file_io.hpp"
 
 #if DP_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -274,13 +275,10 @@ int main(int argc, char** argv) {
     Bench bench(o, *device);
     bench.run_all();
     if (!o.json_path.empty()) {
-      std::ofstream out(o.json_path);
-      out << nlohmann::json{{"device", device->str()}, {"results", bench.results()}}.dump(2)
-          << "\n";
-      if (!out) {
-        std::fprintf(stderr, "bench_kernels: cannot write %s\n", o.json_path.c_str());
-        return 1;
-      }
+      nn::io::write_output_file(
+          o.json_path,
+          nlohmann::json{{"device", device->str()}, {"results", bench.results()}}.dump(2) + "\n",
+          "--json");
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_kernels: %s\n", e.what());

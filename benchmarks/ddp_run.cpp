@@ -18,6 +18,7 @@
 #include <sstream>
 
 #include "dp/chunks.hpp"
+#include "dp/cli.hpp"
 #include "dp/data/loader.hpp"
 #include "dp/distributed/ddp_trainer.hpp"
 #include "nn/nn.hpp"
@@ -189,17 +190,33 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   std::vector<std::vector<double>> ready_frac;  // per bucket, one per timed step
   auto [pa, pb] = profile_range(o);
   nn::TrainingProgress state = bench_state(o, "ddp", n);
+  // Rank 0 writes the checkpoints: it holds the folder's lock (held by the launcher when ours
+  // started it: then this only checks that).
+  std::optional<nn::CheckpointDirLock> lock;
+  if (!o.checkpoint_dir.empty() && trainer.rank() == 0) lock.emplace(o.checkpoint_dir, "dp_bench");
   int first = 0;
   if (const std::string path = nn::resolve_resume(o.resume, o.checkpoint_dir); !path.empty()) {
     nn::TrainingProgress got = nn::load_training_state(path, *model, opt, state, trainer.rank());
+    // Every rank reads the same file, so every rank takes this way out alike.
+    if (auto msg = nn::nothing_left_to_train(got.step, o.warmup + o.steps, path,
+                                             "give more --steps to train further")) {
+      r.nothing_left = *msg;
+      if (trainer.rank() == 0 && !external)
+        SharedFile::write_fd(fd_from_env(result_env, "DP_BENCH_DDP_RESULT_FD"),
+                             run_to_json(r).dump());
+      else if (trainer.rank() == 0)
+        std::printf("dp_bench: %s\n", msg->c_str());
+      trainer.group().barrier()->wait();
+      return 0;
+    }
     if (got.scaler) trainer.scaler().set_state(*got.scaler);
-    first = static_cast<int>(got.step);
+    first = static_cast<int>(got.step);  // < warmup + steps
   }
   auto save = [&](int step) {  // collective: rank 0 writes, the others wait for it
     state.step = step;
     state.rng_offsets = trainer.all_gather(model->flat().rng_offset);
     if (trainer.scaler().enabled()) state.scaler = trainer.scaler().state();
-    if (trainer.rank() == 0) nn::save_checkpoint_in(o.checkpoint_dir, o.keep, *model, opt, state);
+    if (trainer.rank() == 0) nn::save_checkpoint_in(*lock, o.keep, *model, opt, state);
     trainer.group().barrier()->wait();
   };
   for (int step = first; step < o.warmup + o.steps; ++step) {
@@ -283,7 +300,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
     print_sync_bn(std::cout, {r});
     print_projection(std::cout, projection);
     if (!o.json_path.empty())
-      write_text("--json", o.json_path, to_json(h, {r}, projection).dump(2) + "\n");
+      dp::cli::write_output("--json", o.json_path, to_json(h, {r}, projection).dump(2) + "\n");
   }
   trainer.group().barrier()->wait();  // every trace file is written before the parent reads
   return 0;

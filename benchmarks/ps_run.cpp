@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "dp/cli.hpp"
 #include "dp/data/loader.hpp"
 #include "dp/data_parallel.hpp"
 #include "dp/parameter_server.hpp"
@@ -168,7 +169,7 @@ int run_ps_mode(const Options& o, const Setup& s) {
                           {"staleness_mean", mean_stale},
                           {"pushes_per_worker", r.pushes_per_worker},
                           {"curve", curve_json(ps_curve)}}}};
-    write_text("--json", o.json_path, j.dump(2) + "\n");
+    dp::cli::write_output("--json", o.json_path, j.dump(2) + "\n");
   }
   if (!o.trace_path.empty()) {
     dp::TracedRun run{"ps N=" + std::to_string(n), trace.events(), {}};

@@ -518,7 +518,8 @@ nlohmann::json run_to_json(const RunResult& r) {
           {"skipped_steps", r.skipped_steps},
           {"comm_dtype", r.comm_dtype},
           {"bucket_bytes", r.bucket_bytes},
-          {"bucket_ready_frac", r.bucket_ready_frac}};
+          {"bucket_ready_frac", r.bucket_ready_frac},
+          {"nothing_left", r.nothing_left}};
 }
 
 RunResult run_from_json(const nlohmann::json& j) {
@@ -548,6 +549,7 @@ RunResult run_from_json(const nlohmann::json& j) {
   r.comm_dtype = j.value("comm_dtype", std::string("fp32"));
   r.bucket_bytes = j.value("bucket_bytes", std::vector<int64_t>{});
   r.bucket_ready_frac = j.value("bucket_ready_frac", std::vector<double>{});
+  r.nothing_left = j.value("nothing_left", std::string());
   return r;
 }
 

@@ -45,6 +45,9 @@ struct RunResult {
   float loss_scale = 1;             // mixed precision: the loss scale after the last step
   int64_t skipped_steps = 0;        // steps skipped for a non-finite gradient (warmup included)
   std::string comm_dtype = "fp32";  // the dtype gradients travelled in
+  // Resumed at or past the last step: what to print instead of a report (nn::
+  // nothing_left_to_train); empty when the run trained.
+  std::string nothing_left;
   // DDP, per gradient bucket in launch order: its bytes (comm dtype) and when it was ready, as a
   // fraction of backward's time (median over the timed steps): the projection's overlap input.
   std::vector<int64_t> bucket_bytes;

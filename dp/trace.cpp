@@ -1,13 +1,10 @@
 #include "dp/trace.hpp"
 
 #include <algorithm>
-#include <cerrno>
-#include <cstdio>
-#include <cstring>
 
 #include <nlohmann/json.hpp>
 
-#include "kernels/runtime/error.hpp"
+#include "nn/file_io.hpp"
 
 namespace dp {
 
@@ -41,13 +38,7 @@ std::string chrome_trace(const std::vector<TracedRun>& runs) {
 }
 
 void write_chrome_trace(const std::string& path, const std::vector<TracedRun>& runs) {
-  const std::string text = chrome_trace(runs) + "\n";
-  std::FILE* f = std::fopen(path.c_str(), "wb");
-  DP_CHECK(f, "trace: cannot open '" << path << "' for writing: " << std::strerror(errno));
-  // A full disk may only show at the flush in fclose: both are checked.
-  int err = std::fwrite(text.data(), 1, text.size(), f) == text.size() ? 0 : errno;
-  if (std::fclose(f) != 0 && err == 0) err = errno;
-  DP_CHECK(err == 0, "trace: writing '" << path << "' failed: " << std::strerror(err));
+  nn::io::write_output_file(path, chrome_trace(runs) + "\n", "trace");
 }
 
 }  // namespace dp

@@ -54,8 +54,8 @@ struct TracedRun {
 // or rank, each event a complete slice ("ph": "X") tagged with its step when it has one. Open
 // it in ui.perfetto.dev or chrome://tracing.
 std::string chrome_trace(const std::vector<TracedRun>& runs);
-// Writes chrome_trace(runs) to `path`. Throws kernels::Error naming the file when it cannot be
-// opened, written or closed (a full disk included).
+// Writes chrome_trace(runs) to `path` (nn::io::write_output_file: atomic for a regular file,
+// every write, flush and close checked). Throws kernels::Error naming the file and the reason.
 void write_chrome_trace(const std::string& path, const std::vector<TracedRun>& runs);
 
 // Records one slice on `track` from construction to destruction (no-op for a null trace).

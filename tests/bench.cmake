@@ -24,3 +24,13 @@ if(TARGET bench_collectives)
     PROPERTIES TIMEOUT 30
     PASS_REGULAR_EXPRESSION "--iters: 0 is out of range: give a whole number in \\[1, 100000\\].*--max-bytes: 'abc' is not a whole number")
 endif()
+
+# bench_collectives checks that its largest message fits before allocating anything.
+if(TARGET bench_collectives)
+  add_test(NAME "bench.flags: bench_collectives refuses a message larger than memory, at once"
+           COMMAND $<TARGET_FILE:bench_collectives> --device cpu --mode ddp --gpus 4
+                   --min-bytes 17179869184 --max-bytes 17179869184)
+  set_tests_properties("bench.flags: bench_collectives refuses a message larger than memory, at once"
+    PROPERTIES TIMEOUT 10
+    PASS_REGULAR_EXPRESSION "--max-bytes 17179869184 \\(4 devices or ranks x 2 buffers\\).*the host.*give a smaller --max-bytes")
+endif()

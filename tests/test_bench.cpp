@@ -955,3 +955,45 @@ TEST_CASE("bench.projection: a range from full overlap to none, from a fixed JSO
   CHECK(text.str().find("ddp    NVLink4 N=4: 20.190-20.273 ms  (compute 18.000 ms from 1-device "
                         "run at batch 64, opt 2.000 ms, 2 buckets") != std::string::npos);
 }
+
+TEST_CASE("bench.checkpoint: a finished run resumed has nothing left to train and exits 0") {
+  // The folder does not exist yet: dp_bench creates it (with its parent) and locks it.
+  const std::string dir = temp_path("finished") + "/ck";
+  std::filesystem::remove_all(temp_path("finished"));
+  for (const char* mode : {"dp", "ddp"}) {
+    CAPTURE(mode);
+    const std::string args = std::string(
+                                 "--device cpu --gpus 2 --baseline 0 --steps 2 --warmup 0 "
+                                 "--batch 8 --mode ") +
+                             mode + " --checkpoint-dir " + dir;
+    REQUIRE(run_bench(args) == 0);
+    CHECK(std::filesystem::exists(dir + "/step_2.safetensors"));
+    auto [rc, text] = bench_output(args + " --resume latest");
+    INFO(text);
+    CHECK(rc == 0);
+    CHECK(text.find("nothing left to train: checkpoint at step 2 of 2") != std::string::npos);
+    CHECK(text.find("give more --steps to train further") != std::string::npos);
+    CHECK(text.find("ms/step") == std::string::npos);  // no report of zeros
+    CHECK(text.find("final loss 0.000000") == std::string::npos);
+    std::filesystem::remove_all(dir);
+  }
+  std::filesystem::remove_all(temp_path("finished"));
+}
+
+TEST_CASE("bench.exit: an output that cannot be written is an error naming it") {
+  auto [rc, text] = bench_output(
+      "--device cpu --gpus 2 --mode dp --steps 1 --warmup 0 "
+      "--batch 8 --json /dev/full");
+  INFO(text);
+  CHECK(rc == 1);
+  CHECK(text.find("--json") != std::string::npos);
+  CHECK(text.find("/dev/full") != std::string::npos);
+  CHECK(text.find("No space left on device") != std::string::npos);
+  CHECK(text.find("json: /dev/full") == std::string::npos);  // never claimed as written
+  auto [rc2, text2] = bench_output(
+      "--device cpu --gpus 2 --mode dp --steps 1 --warmup 0 "
+      "--batch 8 --trace /dev/full");
+  CHECK(rc2 == 1);
+  CHECK(text2.find("trace: /dev/full") == std::string::npos);
+  CHECK(text2.find("No space left on device") != std::string::npos);
+}
