@@ -1,5 +1,6 @@
 # benchmarks/torch_ref (Python): the bootstrap interval of stats.py on cases with a known answer
-# (standard library only, so it runs on any python3). `ctest -R bench.torch_ref` runs them.
+# (standard library only, so it runs on any python3), and side_by_side.sh's one-line skip where
+# torch is not installed. `ctest -R bench.torch_ref` runs them.
 find_program(DP_PYTHON3 python3)
 if(DP_PYTHON3)
   set(torch_ref_dir ${PROJECT_SOURCE_DIR}/benchmarks/torch_ref)
@@ -23,3 +24,8 @@ if(DP_PYTHON3)
   endforeach()
 endif()
 
+add_test(NAME "bench.torch_ref: side_by_side.sh without torch prints one line and exits 0"
+         COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/torch_ref_no_torch.sh
+                 ${PROJECT_SOURCE_DIR}/benchmarks/torch_ref/side_by_side.sh ${CMAKE_BINARY_DIR})
+set_tests_properties("bench.torch_ref: side_by_side.sh without torch prints one line and exits 0"
+                     PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 60)
