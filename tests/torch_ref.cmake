@@ -1,0 +1,31 @@
+# benchmarks/torch_ref (Python): the bootstrap interval of stats.py on cases with a known answer
+# (standard library only, so it runs on any python3), and side_by_side.sh's one-line skip where
+# torch is not installed. `ctest -R bench.torch_ref` runs them.
+find_program(DP_PYTHON3 python3)
+if(DP_PYTHON3)
+  set(torch_ref_dir ${PROJECT_SOURCE_DIR}/benchmarks/torch_ref)
+  foreach(case
+      "Median.test_odd_even_and_empty|median of odd, even and empty lists"
+      "BootstrapRatioCi.test_contains_the_known_ratio_and_is_narrow_for_large_k|bootstrap CI holds the known median ratio and is narrow at K=200"
+      "BootstrapRatioCi.test_narrows_as_k_grows|bootstrap CI narrows as K grows"
+      "BootstrapRatioCi.test_covers_the_known_ratio_about_95_percent_of_the_time|bootstrap CI covers the known ratio in at least 85 of 100 draws"
+      "BootstrapRatioCi.test_equal_inputs_are_within_noise|equal inputs give an interval holding 1, within noise"
+      "BootstrapRatioCi.test_same_distribution_k5_is_within_noise|two K=5 draws of one distribution are within noise"
+      "BootstrapRatioCi.test_clearly_slower_at_k5|a 2x slower K=5 sample is ours slower"
+      "BootstrapRatioCi.test_fixed_seed_is_reproducible|the fixed seed gives the same interval twice"
+      "BootstrapRatioCi.test_refuses_bad_input|bootstrap refuses empty, non-positive and too few resamples")
+    string(REPLACE "|" ";" parts "${case}")
+    list(GET parts 0 method)
+    list(GET parts 1 title)
+    add_test(NAME "bench.torch_ref: ${title}"
+             COMMAND ${DP_PYTHON3} -B -m unittest -v test_stats.${method}
+             WORKING_DIRECTORY ${torch_ref_dir})
+    set_tests_properties("bench.torch_ref: ${title}" PROPERTIES TIMEOUT 120)
+  endforeach()
+endif()
+
+add_test(NAME "bench.torch_ref: side_by_side.sh without torch prints one line and exits 0"
+         COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/torch_ref_no_torch.sh
+                 ${PROJECT_SOURCE_DIR}/benchmarks/torch_ref/side_by_side.sh ${CMAKE_BINARY_DIR})
+set_tests_properties("bench.torch_ref: side_by_side.sh without torch prints one line and exits 0"
+                     PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 60)
