@@ -967,7 +967,7 @@ TEST_CASE("bench.checkpoint: a finished run resumed has nothing left to train an
                                  "--batch 8 --mode ") +
                              mode + " --checkpoint-dir " + dir;
     REQUIRE(run_bench(args) == 0);
-    CHECK(std::filesystem::exists(dir + "/step_2.safetensors"));
+    CHECK(std::filesystem::exists(nn::checkpoint_file(dir, 2)));
     auto [rc, text] = bench_output(args + " --resume latest");
     INFO(text);
     CHECK(rc == 0);
