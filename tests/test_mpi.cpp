@@ -194,6 +194,16 @@ TEST_CASE("bench.mpi: DDP over MPI under mpirun follows DP's and Gloo DDP's loss
   for (const auto& p : {mpi, dp, gloo}) std::remove(p.c_str());
 }
 
+TEST_CASE("bench.mpi: dp_bench ranks started with different --batch (MPMD) fail naming it") {
+  std::string bench = std::string(DP_BENCH_PATH) +
+                      " --mode ddp --backend mpi --device cpu --steps 2 --warmup 0 --baseline 0 ";
+  Run r = run(mpirun(1) + bench + "--batch 256 : -np 1 " + bench + "--batch 128", 60);
+  CHECK(r.rc != 0);
+  CHECK(r.rc != 124);
+  CHECK(r.output.find("config mismatch: field \"batch\": rank 0 has 256, rank 1 has 128") !=
+        std::string::npos);
+}
+
 TEST_CASE("bench.mpi: --backend mpi without mpirun says how to start the ranks") {
   Run r = run(std::string(DP_BENCH_PATH) + " --mode ddp --backend mpi --device cpu --steps 1");
   CHECK(r.rc == 1);
