@@ -18,6 +18,7 @@
 #include <iterator>
 #include <mutex>
 
+#include "dp/cli.hpp"
 #include "dp/distributed/config_check.hpp"
 #include "dp/distributed/gloo_process_group.hpp"
 #include "dp/distributed/socket.hpp"
@@ -449,4 +450,29 @@ TEST_CASE("dist.rendezvous: a rank waiting for rank 0's store says so, then fail
         2);
   CHECK(contains(out, "rank 0 of 2 never joined within 3 s"));
   CHECK(s < 8.0);
+}
+
+// ---- the --timeout flag -----------------------------------------------------------------------
+
+TEST_CASE("dist.cli: a --timeout below the 1 ms resolution is refused, not taken as the default") {
+  auto parse = [](const std::string& value) -> std::string {
+    CLI::App app("t");
+    double seconds = 0;
+    app.add_option("--timeout", seconds)->check(dp::cli::timeout_seconds(604800));
+    std::vector<std::string> args = {value, "--timeout"};  // CLI11 parses from the back
+    try {
+      app.parse(args);
+    } catch (const CLI::ParseError& e) {
+      return e.what();
+    }
+    return "ok";
+  };
+  CHECK(parse("0.001") == "ok");
+  CHECK(parse("30") == "ok");
+  CHECK(parse("0.0001") ==
+        "--timeout: 0.0001 is below the resolution of 0.001 s (it would round "
+        "to 0, the default): give seconds in [0.001, 604800]");
+  CHECK(contains(parse("0"), "0 is not allowed: give seconds in [0.001, 604800]"));
+  CHECK(contains(parse("abc"), "'abc' is not a number"));
+  CHECK(contains(parse("1e9"), "is not allowed"));
 }
