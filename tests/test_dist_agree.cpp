@@ -193,6 +193,7 @@ TEST_CASE("dist.config: a rank that sends no configuration is named within the t
     seconds = seconds_since(t0);
     done = true;
   });
+  INFO(error);
   CHECK(contains(error, "rank 0 of 2: rank 1 sent no config within 1 s"));
   CHECK(seconds >= 0.9);
   CHECK(seconds < 4.0);

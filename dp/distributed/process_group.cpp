@@ -98,34 +98,33 @@ std::vector<std::string> ProcessGroup::exchange_text(const std::string& name,
   Store& store = *rendezvous_store_;
   const std::string prefix = "exchange/" + name + "/";
   store.set_string(prefix + std::to_string(rank()), mine);
-  // Polled rank by rank (not one wait for all keys) so that a timeout names the ranks missing.
+  // One wait for every key (in requests of at most 1024), then one read each; a timeout names
+  // the ranks whose key is missing.
   const auto start = Clock::now();
   const auto poll = std::clamp<milliseconds>(timeout / 50, milliseconds(5), milliseconds(100));
-  std::vector<std::string> out(static_cast<size_t>(size()));
-  std::vector<bool> have(static_cast<size_t>(size()), false);
-  for (int left = size();;) {
-    for (int r = 0; r < size(); ++r) {
-      if (have[r]) continue;
-      const std::string key = prefix + std::to_string(r);
-      if (!store.check({key})) continue;
-      out[r] = store.get_string(key);
-      have[r] = true;
-      --left;
+  std::vector<std::string> keys;
+  for (int r = 0; r < size(); ++r) keys.push_back(prefix + std::to_string(r));
+  try {
+    for (size_t at = 0; at < keys.size(); at += 1024) {
+      auto left = std::chrono::duration_cast<milliseconds>(timeout - (Clock::now() - start));
+      store.wait(std::vector<std::string>(keys.begin() + at,
+                                          keys.begin() + std::min(keys.size(), at + 1024)),
+                 std::max(left, milliseconds(1)));
     }
-    if (left == 0) break;
-    if (Clock::now() - start >= timeout) {
-      std::ostringstream who;
-      int shown = 0;
-      for (int r = 0; r < size() && shown < 8; ++r)
-        if (!have[r]) who << (shown++ ? ", " : "") << r;
-      DP_THROW("rank " << rank() << " of " << size() << ": " << (left == 1 ? "rank " : "ranks ")
-                       << who.str() << (left > 8 ? " (and more)" : "") << " sent no " << name
-                       << " within " << seconds_text(timeout) << " through " << store.describe()
-                       << " (do all ranks run the same program? set the timeout with --timeout "
-                       << "or DP_TIMEOUT=seconds)");
-    }
-    std::this_thread::sleep_for(poll);
+  } catch (const kernels::Error& e) {
+    std::ostringstream who;
+    int missing = 0;
+    for (int r = 0; r < size(); ++r)
+      if (!store.check({keys[r]}) && missing++ < 8) who << (missing > 1 ? ", " : "") << r;
+    if (missing == 0) throw;  // the store failed, not a rank
+    DP_THROW("rank " << rank() << " of " << size() << ": " << (missing == 1 ? "rank " : "ranks ")
+                     << who.str() << (missing > 8 ? " (and more)" : "") << " sent no " << name
+                     << " within " << seconds_text(timeout) << " through " << store.describe()
+                     << " (do all ranks run the same program? set the timeout with --timeout "
+                     << "or DP_TIMEOUT=seconds)");
   }
+  std::vector<std::string> out;
+  for (const auto& key : keys) out.push_back(store.get_string(key));
   // Rank 0 hosts a tcp store: it stays until every rank has read, so that a rank about to fail
   // on what it read (a config mismatch, say) cannot take the store from under a slower one.
   store.add(prefix + "read", 1);
