@@ -102,7 +102,7 @@ void add_flags(CLI::App& app, Options& o) {
   app.add_option("--timeout", o.timeout_s,
                  "DDP: seconds the rendezvous and each collective may take (default: DP_TIMEOUT, "
                  "else 60 s to rendezvous and 300 s per collective)")
-      ->check(dp::cli::positive_number(604800));
+      ->check(dp::cli::timeout_seconds(604800));
   app.add_flag("--sync-bn", o.sync_bn,
                "BatchNorm normalises with the whole batch's statistics, combined across devices "
                "(DP) and ranks (DDP); default: each its own chunk, as PyTorch");
@@ -151,7 +151,8 @@ void validate(const Options& o, const Setup& s, const std::vector<int>& counts) 
   std::sort(largest_first.rbegin(), largest_first.rend());
   for (const char* mode : {"dp", "ddp"}) {
     const bool ddp = mode[1] == 'd';
-    if ((ddp && o.mode == "dp") || (!ddp && o.mode == "ddp")) continue;
+    // --mode ps runs threads (the DP checks), never DDP ranks.
+    if ((ddp && (o.mode == "dp" || o.mode == "ps")) || (!ddp && o.mode == "ddp")) continue;
     for (int n : largest_first) {
       // DDP's global batch is split across the ranks of every node.
       const int world = ddp ? n * o.launch.nnodes : n;
@@ -450,7 +451,9 @@ int run(const Options& o, int argc, char** argv) {
            "--backend mpi with --mode " << o.mode
                                         << ": MPI carries DDP's collectives, and only --mode ddp "
                                            "runs under mpirun");
-  if (o.mode != "dp") dp::dist::check_launchable(o.backend, "dp_bench");
+  if (o.mode == "ddp" || o.mode == "both")
+    dp::dist::check_launchable(o.backend, "dp_bench",
+                               (o.gpus ? *o.gpus : 4) * std::max(1, o.launch.nnodes));
   DP_CHECK(!o.workload || o.mode != "ps",
            "--mode ps: the parameter server runs dp_bench's built-in models only; give --mode "
            "dp, ddp or both for "

@@ -168,6 +168,22 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   trainer.set_zero_stage(o.zero);
   trainer.set_sync_batch_norm(o.sync_bn);
   trainer.set_precision(s.precision);
+  // What every rank must agree on, verified by wrap() before the weights are broadcast.
+  trainer.set_run_config({{"program", "dp_bench"},
+                          {"model", model_name(o)},
+                          {"dataset_size", std::to_string(data->size())},
+                          {"repeat", std::to_string(o.repeat)},
+                          {"batch", std::to_string(batch)},
+                          {"steps", std::to_string(o.steps)},
+                          {"warmup", std::to_string(o.warmup)},
+                          {"dtype", o.dtype},
+                          {"comm_dtype", o.comm_dtype},
+                          {"optim", o.optim},
+                          {"seed", std::to_string(o.seed)},
+                          {"zero", std::to_string(o.zero)},
+                          {"sync_bn", o.sync_bn ? "on" : "off"},
+                          {"bucket_cap_mb", std::to_string(o.bucket_cap_mb)},
+                          {"first_bucket_mb", std::to_string(o.first_bucket_mb)}});
   trainer.wrap(model, opt);
   if (s.math == kernels::MathMode::tf32) kernels::context(trainer.device()).set_math(s.math);
 

@@ -167,6 +167,25 @@ CLI::Validator positive_number(double hi) {
       "(0, " + number_text(hi) + "]");
 }
 
+CLI::Validator timeout_seconds(double hi) {
+  return CLI::Validator(
+      [hi](std::string& text) -> std::string {
+        const std::string allowed = "give seconds in [0.001, " + number_text(hi) + "]";
+        char* end = nullptr;
+        errno = 0;
+        double v = std::strtod(text.c_str(), &end);
+        if (text.empty() || !end || *end != '\0')
+          return "'" + text + "' is not a number: " + allowed;
+        if (!std::isfinite(v) || errno == ERANGE || !(v > 0) || v > hi)
+          return text + " is not allowed: " + allowed;
+        if (v * 1000.0 < 1.0)
+          return text + " is below the resolution of 0.001 s (it would round to 0, the " +
+                 "default): " + allowed;
+        return "";
+      },
+      "[0.001, " + number_text(hi) + "]");
+}
+
 CLI::Validator output_file() {
   return CLI::Validator([](std::string& path) { return output_file_problem(path); }, "FILE");
 }

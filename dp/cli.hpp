@@ -36,6 +36,11 @@ CLI::Validator whole_number(int64_t lo, int64_t hi);
 // A finite number in (0, hi]: "--lr: -0.1 is not allowed: give a number > 0 and <= 10".
 CLI::Validator positive_number(double hi);
 
+// A timeout in seconds, in [0.001, hi]: the engine counts milliseconds, so a value below one
+// (which would round to 0, "use the default") is refused, as DP_TIMEOUT refuses it:
+//   "0.0001 is below the resolution of 0.001 s: give seconds in [0.001, 604800]"
+CLI::Validator timeout_seconds(double hi);
+
 // Mixed precision (nn/amp.hpp), one spelling for every program: --dtype fp32|tf32|bf16|fp16
 // into `dtype` and --comm-dtype fp32|bf16 into `comm_dtype`, refused at parse time otherwise.
 void add_precision_flags(CLI::App& app, std::string& dtype, std::string& comm_dtype);

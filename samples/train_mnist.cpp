@@ -146,7 +146,7 @@ int main(int argc, char** argv) {
   app.add_option("--timeout", f.timeout_s,
                  "ddp: seconds the rendezvous and each collective may take (default: DP_TIMEOUT, "
                  "else 60 s to rendezvous and 300 s per collective)")
-      ->check(dp::cli::positive_number(604800));
+      ->check(dp::cli::timeout_seconds(604800));
   dp::cli::add_checkpoint_dir_flag(
       app, f.checkpoint_dir,
       "single/dp/ddp: write the whole training state here (step_N.safetensors; rank 0 writes), "
@@ -300,6 +300,23 @@ int main(int argc, char** argv) {
         return dp_engine->evaluate(x, y).correct;
       };
     } else if (f.mode == "ddp") {
+      // What every rank must agree on: wrap() verifies it before the weights are broadcast.
+      auto opt_text = [](const auto& v) { return v ? std::to_string(*v) : std::string("all"); };
+      ddp->set_run_config({{"program", "train_mnist"},
+                           {"model", f.model},
+                           {"batch", std::to_string(f.batch)},
+                           {"epochs", std::to_string(f.epochs)},
+                           {"limit_batches", opt_text(f.limit_batches)},
+                           {"train_samples", std::to_string(train.size())},
+                           {"train_samples_used", opt_text(f.train_samples)},
+                           {"optim", f.optim},
+                           {"lr", std::to_string(lr)},
+                           {"seed", std::to_string(f.seed)},
+                           {"dtype", f.dtype},
+                           {"comm_dtype", f.comm_dtype},
+                           {"last_batch", f.last_batch},
+                           {"sync_bn", f.sync_bn ? "on" : "off"},
+                           {"resume", f.resume}});
       ddp->wrap(model, opt);
       scaler = &ddp->scaler();
       engine.train_step = [&](const Tensor& x, const Tensor& y) { return ddp->train_step(x, y); };

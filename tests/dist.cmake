@@ -4,8 +4,8 @@ add_executable(dist_worker dist_worker.cpp)
 target_link_libraries(dist_worker PRIVATE dp_distributed CLI11::CLI11)
 dp_add_test(test_dist
   SOURCES test_dist_store.cpp test_dist_rendezvous.cpp test_dist_collectives.cpp
-          test_dist_launch.cpp
-  LIBS dp_distributed)
+          test_dist_launch.cpp test_dist_agree.cpp
+  LIBS dp_distributed dp_cli)
 target_compile_definitions(test_dist PRIVATE DP_DIST_WORKER_PATH="$<TARGET_FILE:dist_worker>")
 add_dependencies(test_dist dist_worker)
 

@@ -10,6 +10,11 @@
 //                attempt file, the others sleep; DP_RESTART_COUNT >= 1: every rank exits 0
 //   hang         env:// Gloo group; rank --hang-rank (1) stops itself (SIGSTOP), the others wait
 //                in a barrier
+//   ddp          a DdpTrainer (--backend gloo|mpi, CPU) whose run config is {batch: --batch,
+//                steps: --steps};
+//                wrap() verifies it across ranks, then --steps steps on a fixed batch; prints
+//                "[rank r] ddp ok loss L", then holds its group --hold-ms (started by hand:
+//                RANK, WORLD_SIZE, MASTER_* set)
 // --hold-ms T: collectives wait T ms after joining the group (a job that stays up a while).
 // --max-restarts K: the launcher's LaunchOptions::max_restarts.
 #include <signal.h>
@@ -22,8 +27,10 @@
 #include <string>
 #include <thread>
 
+#include "dp/distributed/ddp_trainer.hpp"
 #include "dp/distributed/launcher.hpp"
 #include "dp/distributed/process_group.hpp"
+#include "nn/nn.hpp"
 
 using namespace dp::dist;
 using kernels::Tensor;
@@ -115,13 +122,42 @@ int run_collectives(const WorkerEnv& w, int hold_ms) {
   return 0;
 }
 
+int run_ddp(int64_t batch, int steps, int hold_ms, const std::string& backend) {
+  DdpTrainer trainer(kernels::DeviceType::cpu, backend);
+  trainer.set_run_config({{"program", "dist_worker"},
+                          {"batch", std::to_string(batch)},
+                          {"steps", std::to_string(steps)}});
+  auto model = nn::mlp({4, 8, 3});
+  model->materialize(trainer.device(), 1);
+  kernels::SgdConfig cfg;
+  cfg.lr = 0.1f;
+  nn::SGD opt(*model, cfg);
+  trainer.wrap(model, opt);
+  std::vector<float> x(static_cast<size_t>(batch * 4));
+  std::vector<int32_t> y(static_cast<size_t>(batch));
+  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>((i * 7) % 11) / 11.f;
+  for (size_t i = 0; i < y.size(); ++i) y[i] = static_cast<int32_t>(i % 3);
+  Tensor images = Tensor::from_vector(x, {batch, 4});
+  Tensor labels = Tensor::empty({batch}, kernels::DType::i32, kernels::Device::cpu());
+  std::copy(y.begin(), y.end(), labels.data<int32_t>());
+  float loss = 0;
+  for (int s = 0; s < steps; ++s) loss = trainer.train_step(images, labels);
+  std::printf("[rank %d] ddp ok loss %.6f\n", trainer.rank(), loss);
+  std::fflush(stdout);
+  std::this_thread::sleep_for(std::chrono::milliseconds(hold_ms));  // a job that stays up
+  trainer.group().barrier()->wait();  // rank 0 hosts the store: the others leave first
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app("dist_worker: launcher test helper");
   std::string mode = "collectives", pid_dir;
   LaunchOptions lo;
-  int grace_ms = 3000, hold_ms = 0, hang_rank = 1;
+  int grace_ms = 3000, hold_ms = 0, hang_rank = 1, steps = 2;
+  int64_t batch = 8;
+  std::string backend = "gloo", job_tag;
   app.add_option("--mode", mode);
   app.add_option("--pid-dir", pid_dir);
   app.add_option("--nproc", lo.nproc_per_node);
@@ -134,6 +170,10 @@ int main(int argc, char** argv) {
   app.add_option("--hold-ms", hold_ms);
   app.add_option("--hang-rank", hang_rank);
   app.add_option("--max-restarts", lo.max_restarts);
+  app.add_option("--batch", batch);
+  app.add_option("--steps", steps);
+  app.add_option("--backend", backend);
+  app.add_option("--job-tag", job_tag, "ignored: lets a test find this job's processes");
   CLI11_PARSE(app, argc, argv);
   lo.grace_period = std::chrono::milliseconds(grace_ms);
 
@@ -151,6 +191,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (mode == "collectives") return run_collectives(*w, hold_ms);
+    if (mode == "ddp") return run_ddp(batch, steps, hold_ms, backend);
     if (mode == "hang") return run_hang(*w, hang_rank);
     if (mode == "stubborn") ::signal(SIGTERM, SIG_IGN);
     if (w->rank == 1) {

@@ -19,8 +19,9 @@ if(DP_HAVE_MPI)
   dp_add_test(test_mpi SOURCES test_mpi.cpp)
   target_compile_definitions(test_mpi PRIVATE DP_MPIRUN="${DP_MPIRUN_TEXT}"
                              DP_MPI_WORKER_PATH="$<TARGET_FILE:mpi_worker>"
+                             DP_DIST_WORKER_PATH="$<TARGET_FILE:dist_worker>"
                              $<$<TARGET_EXISTS:dp_bench>:DP_BENCH_PATH="$<TARGET_FILE:dp_bench>">)
-  add_dependencies(test_mpi mpi_worker)
+  add_dependencies(test_mpi mpi_worker dist_worker)
   if(TARGET dp_bench)
     add_dependencies(test_mpi dp_bench)
   endif()

@@ -3,6 +3,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -80,6 +81,89 @@ TEST_CASE("dist.mpi: an op a rank never joins times out, is named, and ends the 
   CHECK_FALSE(any_process_with(tag));
 }
 
+// ---- ranks prove they agree before they talk (dp/distributed/config_check.hpp) ---------------
+
+// `mpirun -np 1 dist_worker ... <a> : -np 1 dist_worker ... <b>`: two ranks of one job whose
+// command lines differ (MPMD), as a hand-edited job script makes them.
+std::string mpmd(const std::string& tag, const std::string& a, const std::string& b) {
+  std::string worker =
+      std::string(DP_DIST_WORKER_PATH) + " --mode ddp --backend mpi --job-tag " + tag + " ";
+  return mpirun(1) + worker + a + " : -np 1 " + worker + b;
+}
+
+TEST_CASE("dist.mpi: MPMD ranks with different --batch fail together, naming the field") {
+  std::string tag = "batch_" + std::to_string(getpid());
+  auto t0 = std::chrono::steady_clock::now();
+  Run r = run(mpmd(tag, "--batch 256", "--batch 128"), 60);
+  double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(r.rc != 0);
+  CHECK(r.rc != 124);  // ended by the check, not by the test's time limit
+  for (const char* rank : {"rank 0 of 2", "rank 1 of 2"})
+    CHECK(r.output.find(std::string(rank) + ": config mismatch: field \"batch\": rank 0 has 256, "
+                                            "rank 1 has 128") != std::string::npos);
+  CHECK(r.output.find("ddp ok") == std::string::npos);
+  CHECK(s < 30);
+  CHECK_FALSE(any_process_with(tag));
+}
+
+TEST_CASE("dist.mpi: MPMD ranks with different --steps fail together, not inside Open MPI") {
+  // Unchecked, rank 1 would run collectives rank 0 never issues (NBC_Progress segfaults,
+  // MPI_ERR_TRUNCATE): the handshake stops both before the first.
+  std::string tag = "steps_" + std::to_string(getpid());
+  Run r = run(mpmd(tag, "--steps 3", "--steps 2"), 60);
+  CHECK(r.rc != 0);
+  CHECK(r.rc != 124);
+  CHECK(r.output.find("config mismatch: field \"steps\": rank 0 has 3, rank 1 has 2") !=
+        std::string::npos);
+  CHECK(r.output.find("MPI_ERR") == std::string::npos);
+  CHECK(r.output.find("ddp ok") == std::string::npos);
+  CHECK_FALSE(any_process_with(tag));
+}
+
+TEST_CASE("dist.mpi: MPMD ranks that agree train over MPI") {
+  std::string tag = "agree_" + std::to_string(getpid());
+  Run r = run(mpmd(tag, "--batch 8 --steps 2", "--batch 8 --steps 2"), 60);
+  CHECK(r.rc == 0);
+  CHECK(r.output.find("[rank 0] ddp ok") != std::string::npos);
+  CHECK(r.output.find("[rank 1] ddp ok") != std::string::npos);
+}
+
+TEST_CASE(
+    "dist.mpi: two mpirun jobs on one MASTER_PORT (gloo): the second is refused, the "
+    "first trains") {
+  // Each mpirun job's ranks share its PMIX_NAMESPACE, their job id: job B's rank 1 reaches job
+  // A's store and is refused at connect; B's rank 0 cannot bind the port; A is undisturbed.
+  std::string tag = "twojobs_" + std::to_string(getpid());
+  int port = 20000 + getpid() % 20000;
+  std::string env =
+      " -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=" + std::to_string(port) + " -x DP_TIMEOUT=15 ";
+  std::string worker =
+      std::string(DP_DIST_WORKER_PATH) + " --mode ddp --backend gloo --job-tag " + tag;
+  std::string a = temp_path("job_a.txt"), b = temp_path("job_b.txt");
+  std::string script = "(" + mpirun(2) + env + worker + " --batch 8 --hold-ms 6000 > " + a +
+                       " 2>&1; echo \"job A exit $?\" >> " + a + ") & sleep 3; " + mpirun(2) + env +
+                       worker + " --batch 8 > " + b + " 2>&1; echo \"job B exit $?\" >> " + b +
+                       "; wait";
+  Run r = run("sh -c '" + script + "'", 90);
+  auto slurp = [](const std::string& path) {
+    std::ifstream f(path);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    std::remove(path.c_str());
+    return ss.str();
+  };
+  std::string oa = slurp(a), ob = slurp(b);
+  MESSAGE("job A:\n" << oa << "job B:\n" << ob);
+  CHECK(r.rc == 0);  // the script itself ended in time
+  CHECK(oa.find("job A exit 0") != std::string::npos);
+  CHECK(oa.find("[rank 0] ddp ok") != std::string::npos);
+  CHECK(oa.find("[rank 1] ddp ok") != std::string::npos);
+  CHECK(ob.find("job B exit 0") == std::string::npos);
+  CHECK(ob.find("ddp ok") == std::string::npos);
+  CHECK(ob.find("belongs to another job") != std::string::npos);
+  CHECK_FALSE(any_process_with(tag));
+}
+
 #ifdef DP_BENCH_PATH
 TEST_CASE("bench.mpi: DDP over MPI under mpirun follows DP's and Gloo DDP's losses") {
   std::string args = " --device cpu --steps 4 --warmup 1 --batch 42 --baseline 0 --json ";
@@ -108,6 +192,16 @@ TEST_CASE("bench.mpi: DDP over MPI under mpirun follows DP's and Gloo DDP's loss
     CHECK(std::abs(lm - lg) <= 1e-5 * std::abs(lg));
   }
   for (const auto& p : {mpi, dp, gloo}) std::remove(p.c_str());
+}
+
+TEST_CASE("bench.mpi: dp_bench ranks started with different --batch (MPMD) fail naming it") {
+  std::string bench = std::string(DP_BENCH_PATH) +
+                      " --mode ddp --backend mpi --device cpu --steps 2 --warmup 0 --baseline 0 ";
+  Run r = run(mpirun(1) + bench + "--batch 256 : -np 1 " + bench + "--batch 128", 60);
+  CHECK(r.rc != 0);
+  CHECK(r.rc != 124);
+  CHECK(r.output.find("config mismatch: field \"batch\": rank 0 has 256, rank 1 has 128") !=
+        std::string::npos);
 }
 
 TEST_CASE("bench.mpi: --backend mpi without mpirun says how to start the ranks") {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <thread>
 
 #include "dp/chunks.hpp"
@@ -19,7 +20,8 @@ double ms_since(Clock::time_point t0) {
 
 std::optional<int> launch_if_parent(const DdpTrainerOptions& o, int argc, char** argv) {
   if (worker_env_from_environment()) return std::nullopt;
-  check_launchable(o.backend, argc > 0 ? argv[0] : "this program");
+  check_launchable(o.backend, argc > 0 ? argv[0] : "this program",
+                   o.launch.nproc_per_node * o.launch.nnodes);
   return launch_workers(o.launch, std::vector<std::string>(argv, argv + argc));
 }
 
@@ -69,7 +71,76 @@ void DdpTrainer::set_precision(nn::Precision p, std::optional<nn::GradScalerOpti
   scaler_ = nn::GradScaler(scaler ? *scaler : nn::GradScaler::options_for(p));
 }
 
+void DdpTrainer::set_run_config(RunConfig fields) {
+  DP_CHECK(!ddp_, "DdpTrainer::set_run_config after wrap(): the configuration is verified there");
+  for (const auto& kv : fields)
+    DP_CHECK(kv.first.rfind("engine.", 0) != 0, "DdpTrainer::set_run_config: field '"
+                                                    << kv.first << "': names starting with "
+                                                    << "'engine.' are the engine's own");
+  run_config_ = std::move(fields);
+}
+
+namespace {
+
+// FNV-1a, 64 bits: a digest of texts every rank builds the same way.
+struct Fnv {
+  uint64_t h = 1469598103934665603ull;
+  Fnv& add(const std::string& s) {
+    for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+    h = (h ^ 0xff) * 1099511628211ull;  // a separator, so that ("ab", "c") != ("a", "bc")
+    return *this;
+  }
+  std::string hex() const {
+    char buf[17];
+    std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(h));
+    return buf;
+  }
+};
+
+}  // namespace
+
+RunConfig DdpTrainer::engine_config(nn::Module& model) const {
+  RunConfig c;
+  c["engine.world_size"] = std::to_string(world_size());
+  c["engine.backend"] = group_->backend_name();
+  c["engine.zero"] = std::to_string(zero_stage_);
+  c["engine.sync_bn"] = sync_bn_ ? "on" : "off";
+  c["engine.precision"] = nn::precision_name(precision_);
+  c["engine.comm_dtype"] = kernels::dtype_name(ddp_options_.comm_dtype);
+  c["engine.bucket_cap_bytes"] = std::to_string(ddp_options_.bucket_cap_bytes);
+  c["engine.first_bucket_bytes"] = std::to_string(ddp_options_.first_bucket_bytes);
+  c["engine.buffer_sync"] =
+      ddp_options_.buffer_sync == BufferSync::average ? "average" : "broadcast";
+  Fnv shapes;
+  int64_t count = 0, numel = 0;
+  for (auto& [name, p] : model.named_parameters()) {
+    std::string shape;
+    for (int64_t d : p->shape) shape += std::to_string(d) + "x";
+    shapes.add(name).add(shape);
+    ++count;
+    numel += p->numel();
+  }
+  c["engine.params.count"] = std::to_string(count);
+  c["engine.params.numel"] = std::to_string(numel);
+  c["engine.params.shapes"] = shapes.hex();
+  c["engine.buffers.numel"] = std::to_string(model.flat_buffers().numel());
+  BucketPlan plan =
+      make_bucket_plan(model, ddp_options_.first_bucket_bytes, ddp_options_.bucket_cap_bytes);
+  Fnv buckets;
+  for (const Bucket& b : plan.buckets)
+    buckets.add(std::to_string(b.offset) + "+" + std::to_string(b.numel));
+  c["engine.buckets"] = std::to_string(plan.buckets.size()) + " (" + buckets.hex() + ")";
+  return c;
+}
+
 void DdpTrainer::wrap(nn::ModulePtr model, nn::Optimizer& optimizer) {
+  DP_CHECK(model && model->materialized(), "DdpTrainer::wrap: the model is not materialised");
+  // Before any collective (the weight broadcast is the first): the ranks prove they agree.
+  RunConfig fields = run_config_;
+  for (auto& kv : engine_config(*model)) fields.insert(kv);
+  verify_same_config(*group_, fields, group_->rendezvous_timeout());
+  verified_config_ = std::move(fields);
+
   DP_CHECK(zero_stage_ == 0 || ddp_options_.comm_dtype == kernels::DType::f32,
            "--zero 1 with --comm-dtype " << kernels::dtype_name(ddp_options_.comm_dtype)
                                          << ": ZeRO-1's reduce_scatter and all_gather run in f32 "

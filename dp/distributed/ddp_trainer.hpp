@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "dp/distributed/config_check.hpp"
 #include "dp/distributed/ddp.hpp"
 #include "dp/distributed/launcher.hpp"
 #include "dp/distributed/process_group.hpp"
@@ -72,8 +73,18 @@ class DdpTrainer {
   // takes or skips the same step (under ZeRO-1 the ranks combine their shards' verdicts).
   // `scaler` overrides GradScaler::options_for(p). Call before wrap().
   void set_precision(nn::Precision p, std::optional<nn::GradScalerOptions> scaler = {});
+  // The program's run configuration (program, mode, model, batch, steps, seed, ...: what every
+  // rank must agree on), verified across ranks by wrap(). Call before wrap().
+  void set_run_config(RunConfig fields);
   // requires model materialised on device(); optimizer built on it.
+  // First the ranks prove they agree (config_check.hpp): the run configuration plus the fields
+  // the engine adds ("engine.*": world size, backend, parameter count, shapes and their hash,
+  // the bucket plan, ZeRO, SyncBN, precision, comm dtype) are exchanged out of band, bounded by
+  // the rendezvous timeout, and any difference throws on every rank naming the field and the
+  // ranks. Then rank 0's weights are broadcast.
   void wrap(nn::ModulePtr model, nn::Optimizer& optimizer);
+  // The fields wrap() verified: the run configuration and the engine's (empty before wrap()).
+  const RunConfig& verified_config() const { return verified_config_; }
   // One step on this rank's chunk of the global host batch. Returns the global mean loss.
   // requires at least world_size() rows, so that every rank has one (a loader pads a short
   // last batch with LoaderOptions::pad_last_batch_to = world_size(), or drops it).
@@ -90,6 +101,8 @@ class DdpTrainer {
   nn::GradScaler& scaler() { return scaler_; }
 
  private:
+  // The fields wrap() adds to the run configuration ("engine.*").
+  RunConfig engine_config(nn::Module& model) const;
   // The global batch's mean loss from this rank's chunk loss and share (a collective).
   float report_loss(kernels::Tensor& loss, float share);
   std::pair<kernels::Tensor, kernels::Tensor> my_chunk(const kernels::Tensor& images,
@@ -108,6 +121,7 @@ class DdpTrainer {
   nn::Precision precision_ = nn::Precision::fp32;
   nn::GradScaler scaler_{nn::Precision::fp32};
   std::unique_ptr<ZeroStage1> zero_;
+  RunConfig run_config_, verified_config_;
   kernels::Tensor input_, labels_, loss_, dlogits_;  // this rank's step buffers, reused
   DdpStepTimes times_;
   int64_t last_payload_bytes_ = 0;

@@ -324,6 +324,37 @@ std::shared_ptr<StreamMarker> ready_marker(const char* op,
 
 }  // namespace
 
+// ---- connecting the full mesh ---------------------------------------------------------------
+
+// The store connectFullMesh reads the peers' addresses through: every wait runs to one deadline
+// (the connect timeout from the start of the set-up), whatever timeout gloo passes.
+namespace {
+class DeadlineStore final : public gloo::rendezvous::Store {
+ public:
+  DeadlineStore(dp::dist::Store& base, Clock::time_point deadline)
+      : base_(base), deadline_(deadline) {}
+  void set(const std::string& key, const std::vector<char>& value) override {
+    base_.set(key, value);
+  }
+  std::vector<char> get(const std::string& key) override {
+    wait({key});
+    return base_.get(key);
+  }
+  void wait(const std::vector<std::string>& keys) override { base_.wait(keys, left()); }
+  void wait(const std::vector<std::string>& keys, const Millis&) override {
+    base_.wait(keys, left());
+  }
+
+ private:
+  Millis left() const {
+    auto d = std::chrono::duration_cast<Millis>(deadline_ - Clock::now());
+    return std::max(d, Millis(1));
+  }
+  dp::dist::Store& base_;
+  Clock::time_point deadline_;
+};
+}  // namespace
+
 // ---- GlooProcessGroup -----------------------------------------------------------------------
 
 GlooProcessGroup::GlooProcessGroup(std::shared_ptr<Store> store, int rank, int size,
@@ -341,12 +372,19 @@ GlooProcessGroup::GlooProcessGroup(std::shared_ptr<Store> store, int rank, int s
       attr.hostname = options.hostname;
     state_->device = gloo::transport::tcp::CreateDevice(attr);
     state_->ctx = std::make_shared<gloo::rendezvous::Context>(rank, size);
+    // This gloo's tcp pairs wait 5 x the context's timeout for their connection (pair.h,
+    // waitUntil): pairs are made with a fifth of the connect timeout, so that a peer that never
+    // connects fails the set-up within it, and the address reads run to the same deadline.
+    // Ops then get the op timeout (each passes its own as well).
+    DeadlineStore store(*state_->store, Clock::now() + options.connect_timeout);
+    state_->ctx->setTimeout(std::max(Millis(1), options.connect_timeout / 5));
+    state_->ctx->connectFullMesh(store, state_->device);
     state_->ctx->setTimeout(options.timeout);
-    state_->ctx->connectFullMesh(*state_->store, state_->device);
   } catch (const std::exception& e) {
     DP_THROW("gloo rendezvous of rank "
              << rank << " of " << size << " through " << state_->store->describe()
-             << " failed (timeout " << options.timeout.count() << " ms, transport address '"
+             << " failed (connect timeout " << seconds_text(options.connect_timeout)
+             << ", transport address '"
              << (options.interface.empty() ? options.hostname : "iface " + options.interface)
              << "'): " << e.what());
   }

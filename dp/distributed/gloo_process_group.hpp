@@ -16,13 +16,17 @@ class Store;
 struct GlooOptions {
   std::string hostname = "127.0.0.1";  // address peers connect to (ignored with interface)
   std::string interface;               // network interface name, e.g. "eth0"
-  std::chrono::milliseconds timeout = std::chrono::seconds(300);
+  std::chrono::milliseconds timeout = std::chrono::seconds(300);  // each op
+  // Connecting the full mesh: reading every peer's address and connecting every pair. A peer
+  // that publishes no address, or never connects, fails the set-up within about this long.
+  std::chrono::milliseconds connect_timeout = std::chrono::seconds(60);
 };
 
 class GlooProcessGroup final : public ProcessGroup {
  public:
   // requires 0 <= rank < size; `store` private to this group (a PrefixStore).
-  // Connects the full mesh through the store; blocks until every rank arrived or the timeout.
+  // Connects the full mesh through the store; blocks until every rank connected, or throws
+  // after options.connect_timeout.
   GlooProcessGroup(std::shared_ptr<Store> store, int rank, int size, const GlooOptions& options);
   // Runs the ops still queued (each bounded by its timeout), then closes the connections.
   ~GlooProcessGroup() override;

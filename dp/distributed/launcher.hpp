@@ -100,8 +100,9 @@ void check_restarts_allowed(int max_restarts, int nnodes);
 // Workers get PR_SET_PDEATHSIG(SIGKILL): they die with the launching thread. They run the
 // program's real path (not /proc/self/exe), so `ps` shows its name. Never exits.
 // Job identity: workers get DP_JOB_TOKEN (the launcher's own when set, else a random one on one
-// node, else one derived from DP_JOB_ID / TORCHELASTIC_RUN_ID / SLURM_JOB_ID), which the store
-// checks at connect, so ranks of another job on the same port are refused. Hung workers: with
+// node, else one derived from DP_JOB_ID / TORCHELASTIC_RUN_ID / SLURM_JOB_ID / PMIX_NAMESPACE:
+// rendezvous.hpp), which the store checks at connect, so ranks of another job on the same port
+// are refused. Hung workers: with
 // DP_HEARTBEAT_MS set they beat through the store; one silent for heartbeat_timeout (a
 // SIGSTOP, a livelock of the whole process) is named ("rank 1 (pid N) sent no heartbeat for
 // 5 s: hung"), killed, and the others stopped; the launcher returns 1.

@@ -1,5 +1,7 @@
 #include "dp/distributed/mpi_process_group.hpp"
 
+#include <algorithm>
+
 #include "kernels/runtime/error.hpp"
 
 #if DP_HAVE_MPI
@@ -36,9 +38,10 @@ bool started_by_mpirun(const EnvLookup& env_in) {
   return env("OMPI_COMM_WORLD_SIZE").has_value() || env("PMIX_RANK").has_value();
 }
 
-void check_launchable(const std::string& backend, const std::string& program) {
+void check_launchable(const std::string& backend, const std::string& program, int nproc) {
   DP_CHECK(backend != "mpi", "--backend mpi: MPI ranks are started by mpirun, not by "
-                                 << program << " itself; run: mpirun -np 4 " << program
+                                 << program << " itself; run: mpirun -np " << std::max(1, nproc)
+                                 << " " << program
                                  << " ... --backend mpi (as root add --allow-run-as-root; with "
                                  << "more ranks than cores add --oversubscribe)");
 }
@@ -351,6 +354,41 @@ class MpiProcessGroup final : public ProcessGroup {
     task.issue = [this](MPI_Request* req) { DP_MPI_CHECK(MPI_Ibarrier(comm_, req)); };
     task.complete = [] {};
     return enqueue(std::move(task), {});
+  }
+
+  // MPI_Init was the rendezvous, so there is no store: the texts travel in two MPI_Iallgather
+  // on this group's communicator (their lengths, then the texts padded to the longest), each
+  // bounded by `timeout`. Every rank calls this first, before any other op.
+  std::vector<std::string> exchange_text(const std::string& name, const std::string& mine,
+                                         Millis timeout) override {
+    const Millis ops_timeout = this->timeout();
+    set_timeout(timeout);  // read by the progress thread as it posts the two ops below
+    try {
+      const kernels::Device cpu = kernels::Device::cpu();
+      Tensor len = Tensor::empty({1}, DType::i64, cpu);
+      len.data<int64_t>()[0] = static_cast<int64_t>(mine.size());
+      Tensor lens = Tensor::empty({size()}, DType::i64, cpu);
+      all_gather(lens, len)->wait();
+      int64_t longest = 1;
+      for (int r = 0; r < size(); ++r) longest = std::max(longest, lens.data<int64_t>()[r]);
+      DP_CHECK(longest <= (int64_t(64) << 20),
+               "exchange of " << name << ": a rank sent " << longest << " bytes (at most 64 MiB)");
+      Tensor padded = Tensor::zeros({longest}, DType::u8, cpu);
+      std::copy(mine.begin(), mine.end(), padded.data<char>());
+      Tensor all = Tensor::empty({longest * size()}, DType::u8, cpu);
+      all_gather(all, padded)->wait();
+      std::vector<std::string> out;
+      for (int r = 0; r < size(); ++r)
+        out.emplace_back(all.data<char>() + r * longest,
+                         static_cast<size_t>(lens.data<int64_t>()[r]));
+      set_timeout(ops_timeout);
+      return out;
+    } catch (const kernels::Error& e) {
+      set_timeout(ops_timeout);
+      DP_THROW("rank " << rank() << " of " << size() << ": the exchange of " << name
+                       << " through MPI_Allgather failed (do all ranks run the same program?): "
+                       << e.what());
+    }
   }
 
  private:

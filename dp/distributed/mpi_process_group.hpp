@@ -33,9 +33,10 @@ bool started_by_mpirun(const EnvLookup& env = {});
 // a group over a duplicate of MPI_COMM_WORLD. `device` is where this rank's tensors live.
 // Throws kernels::Error when the build has no MPI, the process was not started by mpirun, or
 // the MPI library cannot give MPI_THREAD_MULTIPLE.
-// For a program about to launch its own ranks: throws, with the mpirun line to use instead,
-// when `backend` is "mpi" (MPI ranks are started by mpirun, never by our launcher).
-void check_launchable(const std::string& backend, const std::string& program);
+// For a program about to launch its own ranks: throws, with the mpirun line to use instead
+// (`mpirun -np <nproc> <program> ...`), when `backend` is "mpi" (MPI ranks are started by
+// mpirun, never by our launcher). `nproc`: the ranks the program was asked for.
+void check_launchable(const std::string& backend, const std::string& program, int nproc = 4);
 
 std::unique_ptr<ProcessGroup> make_mpi_process_group(const kernels::Device& device,
                                                      std::chrono::milliseconds timeout);

@@ -80,6 +80,60 @@ ProcessGroup::ProcessGroup(int rank, int size, std::chrono::milliseconds timeout
            "process group: timeout must be positive, got " << timeout.count() << " ms");
 }
 
+void ProcessGroup::set_rendezvous(std::shared_ptr<Store> store, std::chrono::milliseconds timeout) {
+  DP_CHECK(timeout.count() > 0,
+           "set_rendezvous: timeout must be positive, got " << timeout.count() << " ms");
+  rendezvous_store_ = std::move(store);
+  rendezvous_timeout_ = timeout;
+}
+
+std::vector<std::string> ProcessGroup::exchange_text(const std::string& name,
+                                                     const std::string& mine,
+                                                     std::chrono::milliseconds timeout) {
+  DP_CHECK(rendezvous_store_, "exchange_text('" << name << "'): this " << backend_name()
+                                                << " group has no rendezvous store (make it with "
+                                                << "init_process_group)");
+  using Clock = std::chrono::steady_clock;
+  using std::chrono::milliseconds;
+  Store& store = *rendezvous_store_;
+  const std::string prefix = "exchange/" + name + "/";
+  store.set_string(prefix + std::to_string(rank()), mine);
+  // One wait for every key (in requests of at most 1024), then one read each; a timeout names
+  // the ranks whose key is missing.
+  const auto start = Clock::now();
+  const auto poll = std::clamp<milliseconds>(timeout / 50, milliseconds(5), milliseconds(100));
+  std::vector<std::string> keys;
+  for (int r = 0; r < size(); ++r) keys.push_back(prefix + std::to_string(r));
+  try {
+    for (size_t at = 0; at < keys.size(); at += 1024) {
+      auto left = std::chrono::duration_cast<milliseconds>(timeout - (Clock::now() - start));
+      store.wait(std::vector<std::string>(keys.begin() + at,
+                                          keys.begin() + std::min(keys.size(), at + 1024)),
+                 std::max(left, milliseconds(1)));
+    }
+  } catch (const kernels::Error& e) {
+    std::ostringstream who;
+    int missing = 0;
+    for (int r = 0; r < size(); ++r)
+      if (!store.check({keys[r]}) && missing++ < 8) who << (missing > 1 ? ", " : "") << r;
+    if (missing == 0) throw;  // the store failed, not a rank
+    DP_THROW("rank " << rank() << " of " << size() << ": " << (missing == 1 ? "rank " : "ranks ")
+                     << who.str() << (missing > 8 ? " (and more)" : "") << " sent no " << name
+                     << " within " << seconds_text(timeout) << " through " << store.describe()
+                     << " (do all ranks run the same program? set the timeout with --timeout "
+                     << "or DP_TIMEOUT=seconds)");
+  }
+  std::vector<std::string> out;
+  for (const auto& key : keys) out.push_back(store.get_string(key));
+  // Rank 0 hosts a tcp store: it stays until every rank has read, so that a rank about to fail
+  // on what it read (a config mismatch, say) cannot take the store from under a slower one.
+  store.add(prefix + "read", 1);
+  if (rank() == 0)
+    while (store.add(prefix + "read", 0) < size() && Clock::now() - start < timeout)
+      std::this_thread::sleep_for(poll);
+  return out;
+}
+
 std::chrono::milliseconds ProcessGroup::timeout() const {
   return std::chrono::milliseconds(timeout_ms_.load());
 }
@@ -161,8 +215,7 @@ Backend choose_backend(Backend requested, Store& store, int rank, int size,
   return Backend::gloo;
 }
 
-std::unique_ptr<ProcessGroup> make_gloo_group(const InitOptions& o,
-                                              std::chrono::milliseconds timeout,
+std::unique_ptr<ProcessGroup> make_gloo_group(const InitOptions& o, const Timeouts& timeouts,
                                               const EnvLookup& env,
                                               const std::shared_ptr<Store>& group, int rank,
                                               int size, const std::string& master_host);
@@ -177,6 +230,49 @@ std::string missing_ranks(Store& group, int size) {
   for (size_t i = 0; i < missing.size() && i < 8; ++i) os << (i ? ", " : "") << missing[i];
   if (missing.size() > 8) os << " (and " << missing.size() - 8 << " more)";
   return os.str();
+}
+
+// Throws the collision a second claimant of a rank published (claim_rank), if any.
+void throw_if_rank_claimed_twice(Store& group) {
+  if (!group.check({"duplicate"})) return;
+  DP_THROW(group.get_string("duplicate") << ": this job stops; give each job its own "
+                                         << "MASTER_PORT / --master-port, or a job id "
+                                         << "(DP_JOB_ID)");
+}
+
+// Each rank id is claimed once per job, atomically: the first process to add 1 to claim/<r>
+// owns rank r. A second claimant (a rank of another job on the same port, or RANK given twice)
+// is refused at once, and publishes the collision under "duplicate". Ranks poll it while they
+// rendezvous, and rank 0 seals the rendezvous with one verdict every rank reads (seal_rendezvous):
+// a collision before the seal stops the whole job, rather than let it train with a stranger; a
+// claimant after it is refused alone, and the job, whole, goes on.
+void claim_rank(Store& group, int rank, const std::string& where) {
+  const int64_t claims = group.add("claim/" + std::to_string(rank), 1);
+  if (claims == 1) return;
+  std::ostringstream why;
+  why << "rank " << rank << " was claimed by " << claims << " processes at " << where
+      << " (two jobs on one port, or the same RANK given to two processes)";
+  try {
+    group.set_string("duplicate", why.str());
+  } catch (const kernels::Error&) {  // the store is going away: this rank's error says it all
+  }
+  DP_THROW("rank " << rank << " is already taken: another process registered as rank " << rank
+                   << " at " << where << " first (two jobs on one port, or the same RANK "
+                   << "given to two processes?); give each job its own MASTER_PORT / "
+                   << "--master-port, or a job id (DP_JOB_ID)");
+}
+
+// Rank 0 decides, once every rank arrived (or once it saw a collision), whether a rank id was
+// claimed twice, and every rank reads that one verdict: they all stop, or all go on.
+void seal_rendezvous(Store& group, int rank) {
+  if (rank == 0) {
+    std::string verdict = "ok";
+    if (group.check({"duplicate"})) verdict = group.get_string("duplicate");
+    group.set_string("verdict", verdict);
+  }
+  std::string verdict = group.get_string("verdict");  // bounded by the rendezvous timeout
+  DP_CHECK(verdict == "ok", verdict << ": this job stops; give each job its own MASTER_PORT / "
+                                    << "--master-port, or a job id (DP_JOB_ID)");
 }
 
 // Every rank marks its arrival, then waits until all `size` have arrived. Rank 0 prints a
@@ -198,6 +294,8 @@ void wait_for_all_ranks(Store& group, int rank, int size, std::chrono::milliseco
                           ? std::min<milliseconds>(timeout / 4 + 2 * poll, std::chrono::seconds(2))
                           : milliseconds(0);
   for (int64_t arrived; (arrived = group.add("arrived", 0)) < size;) {
+    if (rank == 0 && group.check({"duplicate"})) seal_rendezvous(group, rank);  // throws
+    throw_if_rank_claimed_twice(group);
     auto now = Clock::now();
     if (now - start >= timeout + linger) {
       std::string who;
@@ -251,6 +349,7 @@ std::unique_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
         "backend mpi: MPI says rank " << pg->rank() << " of " << pg->size()
                                       << ", but the caller asked for rank " << o.rank << " of "
                                       << o.world_size);
+    pg->set_rendezvous(nullptr, timeouts.rendezvous);  // bounds exchange_text (MPI_Allgather)
     return pg;
   }
   std::shared_ptr<Store> store = o.store;
@@ -279,7 +378,9 @@ std::unique_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
   }
   auto group = std::make_shared<PrefixStore>("dp/" + o.group_name, store);
   group->set_timeout(timeouts.rendezvous);
+  claim_rank(*group, rank, store->describe());
   wait_for_all_ranks(*group, rank, size, timeouts.rendezvous, store->describe());
+  seal_rendezvous(*group, rank);
 
   Backend backend = o.backend;
   if (backend != Backend::gloo) backend = choose_backend(backend, *group, rank, size, o.device);
@@ -288,7 +389,7 @@ std::unique_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
     pg = make_nccl_process_group(std::make_shared<PrefixStore>("nccl", group), rank, size, o.device,
                                  timeouts.ops);
   else
-    pg = make_gloo_group(o, timeouts.ops, env, group, rank, size, master_host);
+    pg = make_gloo_group(o, timeouts, env, group, rank, size, master_host);
   // Every rank has finished its rendezvous reads before any returns: rank 0 hosts the store
   // and may exit as soon as it is done, which would strand a rank still reading addresses.
   group->set_string("joined/" + std::to_string(rank), "1");
@@ -296,18 +397,20 @@ std::unique_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
   for (int r = 0; r < size; ++r) joined.push_back("joined/" + std::to_string(r));
   group->wait(joined);
   if (heartbeat) pg->attach_heartbeat(std::move(heartbeat));
+  pg->set_rendezvous(group, timeouts.rendezvous);
   return pg;
 }
 
 namespace {
 
-std::unique_ptr<ProcessGroup> make_gloo_group(const InitOptions& o,
-                                              std::chrono::milliseconds timeout,
+std::unique_ptr<ProcessGroup> make_gloo_group(const InitOptions& o, const Timeouts& timeouts,
                                               const EnvLookup& env,
                                               const std::shared_ptr<Store>& group, int rank,
                                               int size, const std::string& master_host) {
+  const std::chrono::milliseconds timeout = timeouts.ops;
   GlooOptions g;
   g.timeout = timeout;
+  g.connect_timeout = timeouts.rendezvous;
   std::optional<std::string> ifname = env("GLOO_SOCKET_IFNAME");
   if (!o.gloo_interface.empty())
     g.interface = o.gloo_interface;

@@ -132,6 +132,18 @@ class ProcessGroup {
                                              kernels::Tensor& to_recv, int src, uint32_t tag);
   virtual std::shared_ptr<Work> do_barrier() = 0;
 
+ public:
+  // Every rank's `mine`, in rank order, exchanged outside the group's ops: through the store the
+  // group met in (Gloo, NCCL), or MPI_Allgather (MPI). Safe before the first collective, and
+  // when ranks disagree on what their collectives will be. `name` keys the exchange (each name
+  // once per group). Throws naming the ranks that sent nothing within `timeout`.
+  virtual std::vector<std::string> exchange_text(const std::string& name, const std::string& mine,
+                                                 std::chrono::milliseconds timeout);
+  // The store the group met in (init_process_group sets it) and the rendezvous timeout, which
+  // bounds the start-up exchanges (exchange_text) of programs built on the group.
+  void set_rendezvous(std::shared_ptr<Store> store, std::chrono::milliseconds timeout);
+  std::chrono::milliseconds rendezvous_timeout() const { return rendezvous_timeout_; }
+
  protected:
   // "all_reduce(avg) of 1024 x f32" style description for messages.
   static std::string describe_tensor(const kernels::Tensor& t);
@@ -147,6 +159,8 @@ class ProcessGroup {
 
   std::shared_ptr<Heartbeat> heartbeat_;  // destroyed last: the group's stores are gone first
   std::atomic<int64_t> payload_bytes_{0};
+  std::shared_ptr<Store> rendezvous_store_;
+  std::chrono::milliseconds rendezvous_timeout_{std::chrono::seconds(60)};
   int rank_;
   int size_;
   std::atomic<int64_t> timeout_ms_;

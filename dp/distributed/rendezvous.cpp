@@ -54,7 +54,7 @@ std::string RendezvousSpec::describe() const {
 std::string job_token_from_env(const EnvLookup& env_in) {
   EnvLookup env = env_or_process(env_in);
   if (auto t = env("DP_JOB_TOKEN"); t && !t->empty()) return *t;
-  for (const char* name : {"DP_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"})
+  for (const char* name : {"DP_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "PMIX_NAMESPACE"})
     if (auto id = env(name); id && !id->empty()) return "id:" + *id;
   return {};
 }

@@ -31,8 +31,22 @@ struct RendezvousSpec {
 
 // The job token this process presents to the store, so that ranks of two jobs that meet on one
 // port never mix: DP_JOB_TOKEN (launch_workers sets a random one for its workers), else
-// "id:" + the first of DP_JOB_ID, TORCHELASTIC_RUN_ID, SLURM_JOB_ID that is set (external
-// launchers), else empty (no check).
+// "id:" + the first of DP_JOB_ID, TORCHELASTIC_RUN_ID, SLURM_JOB_ID, PMIX_NAMESPACE (mpirun's
+// job) that is set (external launchers), else empty.
+//
+// Without a job id (ranks started by hand with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, as
+// torchrun's env:// allows) the ranks share no secret to tell their job from another's on the
+// same port, so the job is kept whole by what they must share anyway:
+//   - the port: a second job's rank 0 cannot bind it and fails at once;
+//   - the rank ids: each is claimed once, atomically (init_process_group); a second claimant is
+//     refused at once and publishes the collision, which stops every rank of the job still
+//     rendezvousing or exchanging its configuration;
+//   - the configuration: the ranks exchange it before any collective (config_check.hpp) and
+//     any difference (batch, steps, model, world size, ...) fails them all, naming the field.
+// So a rank of another job either is refused, or stops the job, or, where its configuration is
+// the same in every field and it took a rank id no one else had claimed yet, trains exactly as
+// the missing rank would have. A random token would refuse even that, but ranks started by hand
+// cannot agree on one; give each job its own port, or DP_JOB_ID, to rule it out.
 std::string job_token_from_env(const EnvLookup& env);
 
 // Parses `init_method`; rank / world_size >= 0 override what the method or environment says.

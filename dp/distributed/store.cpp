@@ -6,8 +6,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -235,17 +237,40 @@ std::shared_ptr<Store> make_store(const RendezvousSpec& spec, std::chrono::milli
   if (spec.kind == RendezvousSpec::Kind::file)
     return std::make_shared<FileStore>(spec.path, timeout);
   StoreRole role = spec.rank == 0 ? StoreRole::server : StoreRole::client;
-  try {
-    return std::make_shared<TcpStore>(spec.host, spec.port, role, timeout,
-                                      JobIdentity{spec.job_token, spec.rank});
-  } catch (const kernels::Error& e) {
-    if (role == StoreRole::server ||
-        std::string(e.what()).find("no store server") == std::string::npos)
-      throw;
-    DP_THROW("rank 0 of " << spec.world_size << " never joined within " << seconds_text(timeout)
-                          << ": no store server answered at " << spec.describe()
-                          << " (rank 0 hosts it; set the timeout with --timeout or "
-                          << "DP_TIMEOUT=seconds): " << e.what());
+  const JobIdentity job{spec.job_token, spec.rank};
+  if (role == StoreRole::server)
+    return std::make_shared<TcpStore>(spec.host, spec.port, role, timeout, job);
+  // A client tries in slices of 10 s (a third of the timeout when that is shorter), and says
+  // after each that it is still waiting, so a rank 0 that is slow to come up is visible.
+  using Clock = std::chrono::steady_clock;
+  using std::chrono::milliseconds;
+  const auto start = Clock::now();
+  const auto slice =
+      std::max(milliseconds(1), std::min<milliseconds>(std::chrono::seconds(10), timeout / 3));
+  auto next_progress = slice;
+  while (true) {
+    const auto waited = std::chrono::duration_cast<milliseconds>(Clock::now() - start);
+    const auto attempt = std::max(milliseconds(1), std::min(next_progress, timeout) - waited);
+    try {
+      auto store = std::make_shared<TcpStore>(spec.host, spec.port, role, attempt, job);
+      store->set_timeout(timeout);
+      return store;
+    } catch (const kernels::Error& e) {
+      if (std::string(e.what()).find("no store server") == std::string::npos) throw;
+      const auto now = std::chrono::duration_cast<milliseconds>(Clock::now() - start);
+      if (now >= timeout)
+        DP_THROW("rank 0 of " << spec.world_size << " never joined within " << seconds_text(timeout)
+                              << ": no store server answered at " << spec.describe()
+                              << " (rank 0 hosts it; set the timeout with "
+                              << "--timeout or DP_TIMEOUT=seconds): " << e.what());
+      if (now >= next_progress) {
+        std::fprintf(stderr,
+                     "dp: rank %d: waiting for the store at %s:%d (rank 0 hosts it): %s of %s\n",
+                     spec.rank, spec.host.c_str(), spec.port, seconds_text(now).c_str(),
+                     seconds_text(timeout).c_str());
+        next_progress += slice;
+      }
+    }
   }
 }
 

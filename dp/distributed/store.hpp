@@ -113,10 +113,17 @@ struct StoreServerLimits {
   size_t max_output_bytes_per_connection = size_t(256) << 20;  // replies not read yet
   size_t max_total_bytes = size_t(1) << 30;                    // keys + values held
   Millis stall_timeout = std::chrono::seconds(30);             // for a partly received frame
+  // A connection whose first frame (the hello) is not in within this is closed: idle
+  // connections cannot fill the table.
+  Millis hello_timeout = std::chrono::seconds(5);
+  // Refused and closed connections are logged once per source address per interval; the next
+  // line from that source (or a line at the interval's end) says how many were not logged.
+  Millis log_interval = std::chrono::seconds(10);
 };
 
 // The TCP store server: one thread polling a listening socket and its clients. Malformed
-// frames close that client's connection with a logged error; other clients are unaffected.
+// frames close that client's connection with a logged error (rate-limited per source address:
+// StoreServerLimits::log_interval); other clients are unaffected.
 class StoreServer {
  public:
   // Listens on host:port (port 0: an ephemeral port, see port()). Throws if it cannot bind.

@@ -16,6 +16,8 @@
 // A server with a job token refuses every connection whose first frame is not a hello with
 // that token: it replies error and closes, so a rank of another job that reaches it (two jobs
 // on one port) never touches its keys. A server without a token accepts any connection.
+// Every connection's first frame (the hello) must arrive within the server's hello timeout
+// (5 s by default), or the connection is closed: idle connections cannot fill its table.
 // A counter made by `add` holds its value as decimal text, readable with `get`.
 // The server closes a connection on any malformed frame (bad magic or version, unknown opcode,
 // non-zero flags, a length over the opcode's bound, fields overrunning or not filling the

@@ -16,6 +16,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "dp/distributed/env.hpp"
 #include "dp/distributed/store.hpp"
 #include "dp/distributed/store_protocol.hpp"
 #include "kernels/runtime/error.hpp"
@@ -55,8 +56,11 @@ struct StoreServer::Impl {
     std::vector<char> out;
     size_t out_off = 0;
     size_t pending_waits = 0;
-    bool partial = false;           // part of a frame received
-    bool greeted = false;           // sent a hello with the job token
+    bool partial = false;         // part of a frame received
+    bool greeted = false;         // sent a hello with the job token
+    bool said_something = false;  // a whole frame arrived (the hello, on a tokenless server
+                                  // any request): the hello timeout no longer applies
+    Clock::time_point opened;
     std::string doom;               // set when the connection must close (a bound was hit)
     std::string close_after_reply;  // set when it must close once its replies are sent
     Clock::time_point partial_since;
@@ -83,6 +87,18 @@ struct StoreServer::Impl {
   std::unordered_map<std::string, std::vector<char>> data;
   size_t total_bytes = 0;
   std::list<Waiter> waiters;
+  // Log lines per source address (the peer without its port): when the last was written, and
+  // how many were not written since.
+  struct LogState {
+    Clock::time_point last;
+    int64_t suppressed = 0;
+  };
+  std::map<std::string, LogState> log_by_source;
+
+  // Logs `what` about a connection from `peer`, at most once per source per log_interval.
+  void log_refusal(const std::string& peer, const std::string& what);
+  // Writes the counts of lines not logged for sources whose interval has run out.
+  void flush_suppressed(Clock::time_point now);
 
   void run() noexcept;
   void loop();
@@ -113,13 +129,60 @@ void StoreServer::Impl::run() noexcept {
   }
 }
 
+namespace {
+// "10.0.0.2" for "10.0.0.2:5123", "::1" for "[::1]:5123".
+std::string source_of(const std::string& peer) {
+  auto colon = peer.rfind(':');
+  std::string host = colon == std::string::npos ? peer : peer.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']')
+    host = host.substr(1, host.size() - 2);
+  return host;
+}
+}  // namespace
+
+void StoreServer::Impl::log_refusal(const std::string& peer, const std::string& what) {
+  const auto now = Clock::now();
+  const std::string source = source_of(peer);
+  auto it = log_by_source.find(source);
+  if (it != log_by_source.end() && now - it->second.last < limits.log_interval) {
+    ++it->second.suppressed;
+    return;
+  }
+  // A flood from many sources: forget the quiet ones first, so the table stays small.
+  if (it == log_by_source.end() && log_by_source.size() >= 4096) {
+    flush_suppressed(now);
+    for (auto s = log_by_source.begin(); s != log_by_source.end();)
+      s = now - s->second.last >= limits.log_interval ? log_by_source.erase(s) : std::next(s);
+    if (log_by_source.size() >= 4096) return;  // still full: not logged, the counts say enough
+  }
+  LogState& state = log_by_source[source];
+  std::string more;
+  if (state.suppressed > 0)
+    more = " (" + std::to_string(state.suppressed) + " more from " + source + " not logged)";
+  DP_LOG_ERROR("store server " << host << ":" << port << ": " << what << more);
+  state.last = now;
+  state.suppressed = 0;
+}
+
+void StoreServer::Impl::flush_suppressed(Clock::time_point now) {
+  for (auto& [source, state] : log_by_source) {
+    if (state.suppressed == 0 || now - state.last < limits.log_interval) continue;
+    DP_LOG_ERROR("store server " << host << ":" << port << ": " << state.suppressed
+                                 << " more connection(s) from " << source
+                                 << " refused or closed in the last "
+                                 << seconds_text(limits.log_interval)
+                                 << " (not logged one by one)");
+    state.last = now;
+    state.suppressed = 0;
+  }
+}
+
 void StoreServer::Impl::close_conn(uint64_t id, const std::string& why, bool violation) {
   auto it = conns.find(id);
   if (it == conns.end()) return;
   if (violation) {
     ++rejected;
-    DP_LOG_ERROR("store server " << host << ":" << port << ": closing the connection from "
-                                 << it->second.peer << ": " << why);
+    log_refusal(it->second.peer, "closing the connection from " + it->second.peer + ": " + why);
   }
   for (auto w = waiters.begin(); w != waiters.end();) {
     if (w->conn == id)
@@ -143,14 +206,16 @@ void StoreServer::Impl::accept_all() {
     net::Socket s(fd);
     if (conns.size() >= limits.max_connections) {
       ++rejected;
-      DP_LOG_ERROR("store server " << host << ":" << port << ": refusing " << net::peer_name(fd)
-                                   << ": already " << conns.size() << " connections");
+      const std::string peer = net::peer_name(fd);
+      log_refusal(
+          peer, "refusing " + peer + ": already " + std::to_string(conns.size()) + " connections");
       continue;
     }
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     ++accepted;
     Conn c;
+    c.opened = Clock::now();
     c.peer = net::peer_name(fd);
     c.sock = std::move(s);
     conns.emplace(next_id++, std::move(c));
@@ -317,6 +382,7 @@ std::string StoreServer::Impl::process_frames(uint64_t id, Conn& c) {
       break;
     }
     std::string why = handle_frame(id, c, h.opcode, base + wire::kHeaderBytes, h.length);
+    c.said_something = true;
     if (!why.empty()) return why;
     if (!c.doom.empty()) return c.doom;
     c.in_off += frame;
@@ -372,7 +438,8 @@ std::string StoreServer::Impl::on_readable(uint64_t id, Conn& c) {
 void StoreServer::Impl::loop() {
   std::vector<pollfd> fds;
   std::vector<uint64_t> ids;
-  int tick = static_cast<int>(std::clamp<int64_t>(limits.stall_timeout.count() / 4, 10, 1000));
+  int tick = static_cast<int>(std::clamp<int64_t>(
+      std::min(limits.stall_timeout, limits.hello_timeout).count() / 4, 10, 1000));
   while (!stop.load()) {
     fds.clear();
     ids.clear();
@@ -413,6 +480,9 @@ void StoreServer::Impl::loop() {
       std::string why = c.doom.empty() ? flush(c) : c.doom;
       if (why.empty() && !c.close_after_reply.empty() && c.out_off == c.out.size())
         why = c.close_after_reply;
+      if (why.empty() && !c.said_something && now - c.opened > limits.hello_timeout)
+        why = "no hello within " + std::to_string(limits.hello_timeout.count()) +
+              " ms of connecting (" + std::to_string(c.in.size() - c.in_off) + " bytes received)";
       if (why.empty() && c.partial && now - c.partial_since > limits.stall_timeout)
         why = "truncated frame: " + std::to_string(c.in.size() - c.in_off) +
               " bytes of an incomplete frame and nothing more for " +
@@ -420,6 +490,7 @@ void StoreServer::Impl::loop() {
       if (!why.empty()) to_close.emplace_back(id, why);
     }
     for (auto& [id, why] : to_close) close_conn(id, why, true);
+    flush_suppressed(now);
   }
 }
 
@@ -514,7 +585,8 @@ void TcpStore::connect_locked(net::Clock::time_point deadline, Millis timeout) {
                                        << ". Is another job using port " << port_
                                        << "? Give each job its own MASTER_PORT / --master-port "
                                           "(this rank's job token comes from DP_JOB_TOKEN, "
-                                          "DP_JOB_ID, TORCHELASTIC_RUN_ID or SLURM_JOB_ID)");
+                                          "DP_JOB_ID, TORCHELASTIC_RUN_ID, SLURM_JOB_ID or "
+                                          "PMIX_NAMESPACE)");
     }
     DP_CHECK(h.opcode == wire::kOk, what << ": unexpected reply " << int(h.opcode));
   } catch (...) {

@@ -1,0 +1,121 @@
+#include "dp/distributed/config_check.hpp"
+
+#include <algorithm>
+#include <set>
+#include <sstream>
+
+#include "dp/distributed/process_group.hpp"
+#include "kernels/runtime/error.hpp"
+
+namespace dp::dist {
+
+namespace {
+
+void put(std::string& out, const std::string& s) {
+  out += std::to_string(s.size());
+  out += ':';
+  out += s;
+}
+
+// Reads "<length>:<bytes>" at pos; false when the text is not that.
+bool take(const std::string& text, size_t& pos, std::string& out) {
+  size_t colon = text.find(':', pos);
+  if (colon == std::string::npos || colon == pos || colon - pos > 9) return false;
+  size_t n = 0;
+  for (size_t i = pos; i < colon; ++i) {
+    if (text[i] < '0' || text[i] > '9') return false;
+    n = n * 10 + static_cast<size_t>(text[i] - '0');
+  }
+  if (n > text.size() - colon - 1) return false;
+  out = text.substr(colon + 1, n);
+  pos = colon + 1 + n;
+  return true;
+}
+
+// A value as a message shows it: at most 80 bytes.
+std::string shown(const std::string& v) {
+  return v.size() <= 80 ? v : v.substr(0, 77) + "...";
+}
+
+}  // namespace
+
+std::string encode_config(const RunConfig& fields) {
+  std::string out;
+  for (const auto& [name, value] : fields) {
+    put(out, name);
+    put(out, value);
+  }
+  return out;
+}
+
+RunConfig decode_config(const std::string& text, int rank) {
+  RunConfig fields;
+  for (size_t pos = 0; pos < text.size();) {
+    std::string name, value;
+    DP_CHECK(take(text, pos, name) && take(text, pos, value),
+             "the configuration rank " << rank << " sent is malformed at byte " << pos
+                                       << " (a different build of this program?)");
+    fields[name] = value;
+  }
+  return fields;
+}
+
+std::string describe_config_mismatch(const std::vector<RunConfig>& per_rank) {
+  std::set<std::string> names;
+  for (const auto& c : per_rank)
+    for (const auto& kv : c) names.insert(kv.first);
+  const std::string unset = "(unset)";
+  auto value_of = [&](size_t r, const std::string& name) -> const std::string& {
+    auto it = per_rank[r].find(name);
+    return it == per_rank[r].end() ? unset : it->second;
+  };
+  std::vector<std::string> differing;
+  for (const auto& name : names)
+    for (size_t r = 1; r < per_rank.size(); ++r)
+      if (value_of(r, name) != value_of(0, name)) {
+        differing.push_back(name);
+        break;
+      }
+  if (differing.empty()) return {};
+  const std::string& name = differing.front();
+  // Ranks grouped by value, in order of each value's first rank.
+  std::vector<std::pair<std::string, std::vector<size_t>>> groups;
+  for (size_t r = 0; r < per_rank.size(); ++r) {
+    const std::string& v = value_of(r, name);
+    auto it =
+        std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == v; });
+    if (it == groups.end())
+      groups.push_back({v, {r}});
+    else
+      it->second.push_back(r);
+  }
+  std::ostringstream os;
+  os << "config mismatch: field \"" << name << "\": ";
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const auto& ranks = groups[g].second;
+    os << (g ? ", " : "") << (ranks.size() == 1 ? "rank " : "ranks ");
+    for (size_t i = 0; i < ranks.size() && i < 8; ++i) os << (i ? ", " : "") << ranks[i];
+    if (ranks.size() > 8) os << " (and " << ranks.size() - 8 << " more)";
+    os << (ranks.size() == 1 ? " has " : " have ") << shown(groups[g].first);
+  }
+  if (differing.size() > 1) {
+    os << " (also differ:";
+    for (size_t i = 1; i < differing.size() && i <= 8; ++i) os << " \"" << differing[i] << "\"";
+    if (differing.size() > 9) os << " and " << differing.size() - 9 << " more";
+    os << ")";
+  }
+  return os.str();
+}
+
+void verify_same_config(ProcessGroup& group, const RunConfig& mine,
+                        std::chrono::milliseconds timeout) {
+  std::vector<std::string> texts = group.exchange_text("config", encode_config(mine), timeout);
+  std::vector<RunConfig> per_rank;
+  for (size_t r = 0; r < texts.size(); ++r)
+    per_rank.push_back(decode_config(texts[r], static_cast<int>(r)));
+  std::string mismatch = describe_config_mismatch(per_rank);
+  DP_CHECK(mismatch.empty(), "rank " << group.rank() << " of " << group.size() << ": " << mismatch
+                                     << "; every rank must run the same configuration");
+}
+
+}  // namespace dp::dist

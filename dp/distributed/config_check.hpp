@@ -1,0 +1,40 @@
+// Ranks prove they agree before they talk (STYLE.md rule 17): every rank's run configuration
+// (the program's flags, and what the engine derives: parameter shapes, the bucket plan, the
+// world size) is exchanged before the first collective, and any difference fails every rank
+// with the same message, as PyTorch's DDP verifies parameter shapes across processes:
+//
+//   config mismatch: field "batch": rank 0 has 256, rank 1 has 128
+//
+// DdpTrainer does this in wrap() (DdpTrainer::set_run_config adds the program's fields).
+#pragma once
+
+#include <chrono>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace dp::dist {
+
+class ProcessGroup;
+
+// Field name -> value, compared as text. Names and values may hold any bytes.
+using RunConfig = std::map<std::string, std::string>;
+
+// The fields as one string (each name and value length-prefixed) and back. decode throws
+// kernels::Error naming `rank` when the text is not an encoding.
+std::string encode_config(const RunConfig& fields);
+RunConfig decode_config(const std::string& text, int rank);
+
+// "" when every rank has the same fields; else the first differing field (in name order) with
+// every rank's value grouped, and the names of the others that differ:
+//   config mismatch: field "batch": rank 0 has 256, ranks 1, 2 have 128 (also differ: "steps")
+// A field a rank lacks reads "(unset)".
+std::string describe_config_mismatch(const std::vector<RunConfig>& per_rank);
+
+// Exchanges `mine` with every rank of `group` (group.exchange_text, bounded by `timeout`) and
+// throws kernels::Error with describe_config_mismatch's message, on every rank alike, when any
+// field differs. requires every rank of the group to call it, before any op of the group.
+void verify_same_config(ProcessGroup& group, const RunConfig& mine,
+                        std::chrono::milliseconds timeout);
+
+}  // namespace dp::dist

@@ -1,0 +1,479 @@
+// Ranks prove they agree before they talk: the configuration handshake (config_check.hpp), each
+// rank id claimed once per job, Gloo's connection set-up bounded by the rendezvous timeout, and
+// the store's defences against idle and refused connections. Ranks run as threads, and as
+// processes of tests/dist_worker.cpp started by hand (RANK, WORLD_SIZE, MASTER_ADDR,
+// MASTER_PORT and no job id, as torchrun's env:// allows).
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <gloo/transport/tcp/address.h>
+
+#include <atomic>
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <mutex>
+
+#include "dp/cli.hpp"
+#include "dp/distributed/config_check.hpp"
+#include "dp/distributed/gloo_process_group.hpp"
+#include "dp/distributed/socket.hpp"
+#include "tests/process_util.hpp"
+#include "tests/test_dist_util.hpp"
+
+using namespace dp::dist;
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+const std::string kWorker = DP_DIST_WORKER_PATH;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+int count_of(const std::string& text, const std::string& part) {
+  int n = 0;
+  for (auto at = text.find(part); at != std::string::npos; at = text.find(part, at + 1)) ++n;
+  return n;
+}
+
+// What a rank thread ended with: "" when it returned, else its error.
+struct Outcome {
+  std::string error;
+  double seconds = 0;
+};
+
+// One process of dist_worker started by hand as rank `rank` of `world` at 127.0.0.1:`port`
+// (no job id), its stdout and stderr in `log`.
+struct HandRank {
+  pid_t pid = -1;
+  std::string log;
+  HandRank(const std::string& dir, const std::string& name, int rank, int world, int port,
+           const std::vector<std::string>& args, const std::string& timeout_s = "10") {
+    log = dir + "/" + name + ".log";
+    std::vector<std::string> all = {kWorker};
+    all.insert(all.end(), args.begin(), args.end());
+    std::vector<std::string> env = {"RANK=" + std::to_string(rank),
+                                    "WORLD_SIZE=" + std::to_string(world),
+                                    "LOCAL_RANK=" + std::to_string(rank),
+                                    "LOCAL_WORLD_SIZE=" + std::to_string(world),
+                                    "MASTER_ADDR=127.0.0.1",
+                                    "MASTER_PORT=" + std::to_string(port),
+                                    "DP_TIMEOUT=" + timeout_s};
+    // No job id of any kind: this test's own environment may not lend one.
+    for (char** e = environ; *e; ++e) {
+      std::string entry(*e);
+      bool drop = false;
+      for (const char* name :
+           {"RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "LOCAL_WORLD_SIZE=", "MASTER_ADDR=",
+            "MASTER_PORT=", "DP_TIMEOUT=", "DP_JOB_TOKEN=", "DP_JOB_ID=", "TORCHELASTIC_RUN_ID=",
+            "SLURM_JOB_ID=", "PMIX_NAMESPACE=", "OMPI_COMM_WORLD_SIZE=", "DP_HEARTBEAT_MS="})
+        if (entry.rfind(name, 0) == 0) drop = true;
+      if (!drop) env.push_back(entry);
+    }
+    std::vector<char*> argv, envp;
+    for (auto& a : all) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    for (auto& e : env) envp.push_back(const_cast<char*>(e.c_str()));
+    envp.push_back(nullptr);
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    posix_spawn_file_actions_adddup2(&fa, 1, 2);
+    int rc = posix_spawn(&pid, kWorker.c_str(), &fa, nullptr, argv.data(), envp.data());
+    posix_spawn_file_actions_destroy(&fa);
+    REQUIRE(rc == 0);
+  }
+  // Waits (killing it after `within`); returns the exit code, -1 when it ran past `within` or
+  // died of a signal.
+  int wait(std::chrono::milliseconds within) {
+    int status = dp_test::wait_child(pid, within);
+    pid = -1;
+    return status != -1 && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+  std::string output() const {
+    std::ifstream in(log);
+    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  ~HandRank() {
+    if (pid > 0) dp_test::wait_child(pid, 0ms);  // never orphaned: killed and reaped
+  }
+};
+
+}  // namespace
+
+// ---- the configuration handshake ----------------------------------------------------------------
+
+TEST_CASE("dist.config: a mismatch names the field, the ranks and their values") {
+  RunConfig a = {{"batch", "256"}, {"model", "mlp"}, {"steps", "30"}};
+  RunConfig b = {{"batch", "128"}, {"model", "mlp"}, {"steps", "20"}};
+  CHECK(describe_config_mismatch({a, a, a}).empty());
+  CHECK(describe_config_mismatch({a, b}) ==
+        "config mismatch: field \"batch\": rank 0 has 256, rank 1 has 128 (also differ: "
+        "\"steps\")");
+  CHECK(describe_config_mismatch({a, b, b, a}) ==
+        "config mismatch: field \"batch\": ranks 0, 3 have 256, ranks 1, 2 have 128 (also differ: "
+        "\"steps\")");
+  RunConfig c = a;
+  c.erase("model");
+  CHECK(describe_config_mismatch({a, c}) ==
+        "config mismatch: field \"model\": rank 0 has mlp, rank 1 has (unset)");
+  // The encoding carries any bytes, and refuses text that is not one.
+  RunConfig odd = {{"a:b", "1:2"}, {"", ""}, {"new\nline", std::string("\0x", 2)}};
+  CHECK(decode_config(encode_config(odd), 0) == odd);
+  CHECK_THROWS_WITH(decode_config("3:abc4:xy", 2),
+                    doctest::Contains("the configuration rank 2 sent is malformed"));
+}
+
+TEST_CASE("dist.config: ranks that differ in one field all fail at once with the same message") {
+  const int n = 3;
+  std::vector<Outcome> out(n);
+  auto t0 = Clock::now();
+  dist_test::run_ranks(n, [&](int r, std::shared_ptr<Store> store) {
+    auto pg = dist_test::gloo_group(r, n, store, 20s);
+    RunConfig mine = {{"batch", r == 2 ? "128" : "256"}, {"steps", "30"}};
+    try {
+      verify_same_config(*pg, mine, pg->rendezvous_timeout());
+    } catch (const kernels::Error& e) {
+      out[r].error = e.what();
+    }
+    out[r].seconds = seconds_since(t0);
+  });
+  for (int r = 0; r < n; ++r) {
+    CAPTURE(r);
+    CHECK(contains(out[r].error, "rank " + std::to_string(r) +
+                                     " of 3: config mismatch: field "
+                                     "\"batch\": ranks 0, 1 have 256, rank 2 has 128"));
+    CHECK(out[r].seconds < 5.0);  // at once, not after the 20 s timeout
+  }
+}
+
+TEST_CASE("dist.config: ranks that agree pass, and the exchange is keyed per name") {
+  const int n = 2;
+  dist_test::run_ranks(n, [&](int r, std::shared_ptr<Store> store) {
+    auto pg = dist_test::gloo_group(r, n, store, 20s);
+    verify_same_config(*pg, {{"batch", "64"}}, 5s);
+    auto texts = pg->exchange_text("greeting", "hello from " + std::to_string(r), 5s);
+    RANK_CHECK(texts.size() == 2 && texts[0] == "hello from 0" && texts[1] == "hello from 1",
+               "got " << texts.size() << " texts");
+    // The group still works after the exchanges.
+    kernels::Tensor t = kernels::Tensor::from_vector({float(r + 1)}, {1});
+    pg->all_reduce(t)->wait();
+    RANK_CHECK(t.item() == 3.f, "all_reduce gave " << t.item());
+  });
+}
+
+TEST_CASE("dist.config: a rank that sends no configuration is named within the timeout") {
+  const int n = 2;
+  std::string error;
+  double seconds = 0;
+  std::atomic<bool> done{false};
+  dist_test::run_ranks(n, [&](int r, std::shared_ptr<Store> store) {
+    auto pg = dist_test::gloo_group(r, n, store, 20s);
+    if (r == 1) {  // never exchanges; keeps its group until rank 0 has given up
+      while (!done.load()) std::this_thread::sleep_for(10ms);
+      return;
+    }
+    auto t0 = Clock::now();
+    try {
+      verify_same_config(*pg, {{"batch", "64"}}, 1s);
+    } catch (const kernels::Error& e) {
+      error = e.what();
+    }
+    seconds = seconds_since(t0);
+    done = true;
+  });
+  INFO(error);
+  CHECK(contains(error, "rank 0 of 2: rank 1 sent no config within 1 s"));
+  CHECK(seconds >= 0.9);
+  CHECK(seconds < 4.0);
+}
+
+// ---- each rank id is claimed once -----------------------------------------------------------
+
+TEST_CASE("dist.claim: a second claimant of a rank is refused at once, and the job stops") {
+  // World 3: ranks 0 and 1 arrive, a second rank 1 arrives, rank 2 never does. Without claims
+  // the rendezvous would count 3 arrivals and go on with a stranger; here the second rank 1 is
+  // refused, and the others stop well before their 20 s rendezvous timeout.
+  StoreServer server("127.0.0.1", 0);
+  const int ranks[] = {0, 1, 1};
+  std::vector<Outcome> out(3);
+  std::vector<std::thread> threads;
+  auto t0 = Clock::now();
+  for (int i = 0; i < 3; ++i) {
+    threads.emplace_back([&, i] {
+      if (i == 2) std::this_thread::sleep_for(300ms);  // the intruder comes second
+      try {
+        auto store = std::make_shared<TcpStore>("127.0.0.1", server.port(), StoreRole::client, 20s);
+        auto pg = dist_test::gloo_group(ranks[i], 3, store, 20s);
+        out[i].error = "(joined)";
+      } catch (const kernels::Error& e) {
+        out[i].error = e.what();
+      }
+      out[i].seconds = seconds_since(t0);
+    });
+  }
+  for (auto& t : threads) t.join();
+  CHECK(contains(out[2].error, "rank 1 is already taken: another process registered as rank 1"));
+  CHECK(out[2].seconds < 3.0);
+  for (int i : {0, 1}) {
+    CAPTURE(i);
+    CHECK(contains(out[i].error, "rank 1 was claimed by 2 processes"));
+    CHECK(contains(out[i].error, "this job stops"));
+    CHECK(out[i].seconds < 5.0);
+  }
+}
+
+// ---- Gloo's connection set-up is bounded --------------------------------------------------------
+
+TEST_CASE(
+    "dist.gloo: a peer that publishes its address but never connects fails within the "
+    "connect timeout") {
+  // Rank 1's address is published, as a peer that stopped right after would have left it, but
+  // nothing ever connects from it. 127.0.0.2 sorts after rank 0's 127.0.0.1, which makes rank 0
+  // the pair's listening side: it waits for a connection that never comes.
+  auto store = std::make_shared<FileStore>(dist_test::make_temp_dir("gloo_connect"), 10s);
+  sockaddr_storage ss{};
+  auto* in = reinterpret_cast<sockaddr_in*>(&ss);
+  in->sin_family = AF_INET;
+  in->sin_port = htons(9);
+  in->sin_addr.s_addr = htonl(0x7f000002);
+  store->set("1", gloo::transport::tcp::Address(ss).bytes());
+  GlooOptions o;
+  o.hostname = "127.0.0.1";
+  o.timeout = 300s;  // the op timeout: not what bounds the set-up
+  o.connect_timeout = 2s;
+  auto t0 = Clock::now();
+  std::string error;
+  try {
+    GlooProcessGroup pg(store, 0, 2, o);
+  } catch (const kernels::Error& e) {
+    error = e.what();
+  }
+  const double s = seconds_since(t0);
+  CHECK(contains(error, "gloo rendezvous of rank 0 of 2"));
+  CHECK(contains(error, "connect timeout 2 s"));
+  CHECK(s >= 1.5);  // it did wait for the peer ...
+  CHECK(s < 5.0);   // ... within the bound (2 s and the pair's rounding), not 5 x 300 s
+}
+
+TEST_CASE(
+    "dist.gloo: a peer that never publishes its address fails within the connect "
+    "timeout") {
+  auto store = std::make_shared<FileStore>(dist_test::make_temp_dir("gloo_absent"), 10s);
+  GlooOptions o;
+  o.hostname = "127.0.0.1";
+  o.timeout = 300s;
+  o.connect_timeout = 1s;
+  auto t0 = Clock::now();
+  CHECK_THROWS_WITH(GlooProcessGroup(store, 0, 2, o),
+                    doctest::Contains("gloo rendezvous of rank 0 of 2"));
+  CHECK(seconds_since(t0) < 4.0);
+}
+
+// ---- the store's defences ---------------------------------------------------------------------
+
+TEST_CASE("dist.store: connections that send no hello are closed after the hello timeout") {
+  StoreServerLimits limits;
+  limits.hello_timeout = 300ms;
+  StoreServer server("127.0.0.1", 0, limits);
+  std::vector<net::Socket> idle;
+  for (int i = 0; i < 40; ++i)
+    idle.push_back(net::connect_tcp("127.0.0.1", server.port(), Clock::now() + 5s));
+  auto t0 = Clock::now();
+  // Every idle connection is closed by the server: a read sees the end of the stream.
+  int closed = 0;
+  for (auto& s : idle) {
+    char c;
+    timeval tv{5, 0};
+    setsockopt(s.fd(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    if (::recv(s.fd(), &c, 1, 0) == 0) ++closed;
+  }
+  CHECK(closed == 40);
+  CHECK(seconds_since(t0) < 3.0);
+  CHECK(server.rejected_connections() >= 40);
+  // A client that says hello at once is served as before.
+  TcpStore client("127.0.0.1", server.port(), StoreRole::client, 5s);
+  client.set_string("k", "v");
+  std::this_thread::sleep_for(600ms);  // past the hello timeout: a greeted connection stays
+  CHECK(client.get_string("k") == "v");
+}
+
+TEST_CASE("dist.store: refused connections are logged once per source per interval, counted") {
+  StoreServerLimits limits;
+  limits.log_interval = 1500ms;
+  StoreServer server("127.0.0.1", 0, limits, "token-of-job-a");
+  // Stderr into a file while the flood runs.
+  const std::string path = dist_test::make_temp_dir("storelog") + "/stderr.txt";
+  std::fflush(stderr);
+  int saved = ::dup(2);
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  REQUIRE(fd >= 0);
+  ::dup2(fd, 2);
+  ::close(fd);
+  const int flood = 300;
+  auto t0 = Clock::now();
+  for (int i = 0; i < flood; ++i) {
+    net::Socket s = net::connect_tcp("127.0.0.1", server.port(), Clock::now() + 5s);
+    const char garbage[8] = {'G', 'E', 'T', ' ', '/', ' ', 'H', 'T'};
+    ::send(s.fd(), garbage, sizeof(garbage), MSG_NOSIGNAL);
+  }
+  // Every one is refused; then the interval ends and one line counts the rest.
+  for (int i = 0; i < 500 && server.rejected_connections() < flood; ++i)
+    std::this_thread::sleep_for(10ms);
+  const double flood_s = seconds_since(t0);
+  std::this_thread::sleep_for(limits.log_interval + 1s);
+  std::fflush(stderr);
+  ::dup2(saved, 2);
+  ::close(saved);
+  std::ifstream in(path);
+  std::string log((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  MESSAGE("flood of " << flood << " in " << flood_s << " s; log:\n" << log);
+  CHECK(server.rejected_connections() == flood);
+  const int lines = count_of(log, "store server 127.0.0.1:");
+  CHECK(lines >= 2);  // the first refusal, and the count of the others
+  CHECK(lines <= 2 + static_cast<int>(flood_s / 1.5) * 2);
+  CHECK(contains(log, "bad magic byte"));
+  CHECK(
+      contains(log, "from 127.0.0.1 refused or closed in the last 1.5 s (not logged one by one)"));
+}
+
+// ---- processes started by hand (torchrun-style env://, no job id) -----------------------------
+
+TEST_CASE("dist.config: hand-launched ranks with different --batch fail together naming it") {
+  std::string dir = dist_test::make_temp_dir("batch_mismatch");
+  const int port = net::find_free_port();
+  auto t0 = Clock::now();
+  HandRank r0(dir, "r0", 0, 2, port, {"--mode", "ddp", "--batch", "8"});
+  HandRank r1(dir, "r1", 1, 2, port, {"--mode", "ddp", "--batch", "6"});
+  int c0 = r0.wait(30s), c1 = r1.wait(30s);
+  const double s = seconds_since(t0);
+  MESSAGE("rank 0:\n" << r0.output() << "rank 1:\n" << r1.output());
+  CHECK(c0 == 1);
+  CHECK(c1 == 1);
+  const std::string want = "config mismatch: field \"batch\": rank 0 has 8, rank 1 has 6";
+  CHECK(contains(r0.output(), want));
+  CHECK(contains(r1.output(), want));
+  CHECK_FALSE(contains(r0.output() + r1.output(), "ddp ok"));
+  CHECK(s < 10.0);  // together and at once, not after the 10 s DP_TIMEOUT
+}
+
+TEST_CASE("dist.config: hand-launched ranks that agree train, without a job id") {
+  std::string dir = dist_test::make_temp_dir("batch_match");
+  const int port = net::find_free_port();
+  HandRank r0(dir, "r0", 0, 2, port, {"--mode", "ddp", "--batch", "8", "--steps", "3"});
+  HandRank r1(dir, "r1", 1, 2, port, {"--mode", "ddp", "--batch", "8", "--steps", "3"});
+  CHECK(r0.wait(30s) == 0);
+  CHECK(r1.wait(30s) == 0);
+  CHECK(contains(r0.output(), "[rank 0] ddp ok loss"));
+  CHECK(contains(r1.output(), "[rank 1] ddp ok loss"));
+}
+
+TEST_CASE(
+    "dist.claim: two hand-launched jobs on one port, no job id: no rank trains with the "
+    "other job's") {
+  // Job A (batch 8) and job B (batch 6), each of 2 ranks, on one port. A's rank 0 hosts the
+  // store (and holds it 3 s once it trained); B's rank 0 cannot bind the port.
+  // Round 0: B's rank 1 comes before A's and takes rank 1; A's rank 1 comes 0.2 s later. A's
+  // rank 0 and B's rank 1 stop, naming the batch, or, when A's rank 1 collided before the
+  // rendezvous was sealed, the collision. Round 1: job A assembled and trained first; B's rank 1
+  // is refused at once and A is undisturbed. Either way B never trains, no rank of A trains
+  // with B's, and every process ends well within the bounds (DP_TIMEOUT 10 s).
+  for (int round = 0; round < 2; ++round) {
+    CAPTURE(round);
+    std::string dir = dist_test::make_temp_dir("two_jobs");
+    const int port = net::find_free_port();
+    const std::vector<std::string> job_a = {"--mode", "ddp", "--batch", "8", "--hold-ms", "3000"};
+    const std::vector<std::string> job_b = {"--mode", "ddp", "--batch", "6"};
+    auto t0 = Clock::now();
+    HandRank a0(dir, "a0", 0, 2, port, job_a);
+    std::unique_ptr<HandRank> a1, b0, b1;
+    if (round == 0) {
+      std::this_thread::sleep_for(200ms);
+      b0 = std::make_unique<HandRank>(dir, "b0", 0, 2, port, job_b);
+      b1 = std::make_unique<HandRank>(dir, "b1", 1, 2, port, job_b);
+      std::this_thread::sleep_for(200ms);
+      a1 = std::make_unique<HandRank>(dir, "a1", 1, 2, port, job_a, "3");
+    } else {
+      a1 = std::make_unique<HandRank>(dir, "a1", 1, 2, port, job_a);
+      for (int i = 0; i < 2000 && !contains(a0.output(), "ddp ok"); ++i)
+        std::this_thread::sleep_for(10ms);
+      REQUIRE(contains(a0.output(), "ddp ok"));
+      b0 = std::make_unique<HandRank>(dir, "b0", 0, 2, port, job_b);
+      b1 = std::make_unique<HandRank>(dir, "b1", 1, 2, port, job_b);
+    }
+    int ca0 = a0.wait(40s), ca1 = a1->wait(40s), cb0 = b0->wait(40s), cb1 = b1->wait(40s);
+    const double s = seconds_since(t0);
+    const std::string oa0 = a0.output(), oa1 = a1->output(), ob0 = b0->output(), ob1 = b1->output();
+    MESSAGE("a0:\n" << oa0 << "a1:\n" << oa1 << "b0:\n" << ob0 << "b1:\n" << ob1);
+    CHECK(cb0 == 1);
+    CHECK(cb1 == 1);  // B never trains
+    CHECK(contains(ob0, "cannot start the store server"));
+    CHECK_FALSE(contains(ob1, "ddp ok"));
+    if (round == 0) {
+      CHECK(ca0 == 1);
+      CHECK(ca1 == 1);
+      CHECK_FALSE(contains(oa0 + oa1, "ddp ok"));
+      const std::string mismatch = "config mismatch: field \"batch\": rank 0 has 8, rank 1 has 6";
+      const std::string collision = "rank 1 was claimed by 2 processes";
+      CHECK((contains(oa0, mismatch) || contains(oa0, collision)));
+      CHECK((contains(ob1, mismatch) || contains(ob1, collision)));
+    } else {
+      CHECK(ca0 == 0);
+      CHECK(ca1 == 0);
+      CHECK(contains(ob1, "rank 1 is already taken"));
+    }
+    CHECK(s < 20.0);
+  }
+}
+
+TEST_CASE("dist.rendezvous: a rank waiting for rank 0's store says so, then fails in time") {
+  std::string dir = dist_test::make_temp_dir("wait_store");
+  const int port = net::find_free_port();
+  auto t0 = Clock::now();
+  HandRank r1(dir, "r1", 1, 2, port, {"--mode", "ddp"}, "3");
+  int code = r1.wait(20s);
+  const double s = seconds_since(t0);
+  const std::string out = r1.output();
+  MESSAGE(out);
+  CHECK(code == 1);
+  CHECK(count_of(out, "dp: rank 1: waiting for the store at 127.0.0.1:" + std::to_string(port)) >=
+        2);
+  CHECK(contains(out, "rank 0 of 2 never joined within 3 s"));
+  CHECK(s < 8.0);
+}
+
+// ---- the --timeout flag -----------------------------------------------------------------------
+
+TEST_CASE("dist.cli: a --timeout below the 1 ms resolution is refused, not taken as the default") {
+  auto parse = [](const std::string& value) -> std::string {
+    CLI::App app("t");
+    double seconds = 0;
+    app.add_option("--timeout", seconds)->check(dp::cli::timeout_seconds(604800));
+    std::vector<std::string> args = {value, "--timeout"};  // CLI11 parses from the back
+    try {
+      app.parse(args);
+    } catch (const CLI::ParseError& e) {
+      return e.what();
+    }
+    return "ok";
+  };
+  CHECK(parse("0.001") == "ok");
+  CHECK(parse("30") == "ok");
+  CHECK(parse("0.0001") ==
+        "--timeout: 0.0001 is below the resolution of 0.001 s (it would round "
+        "to 0, the default): give seconds in [0.001, 604800]");
+  CHECK(contains(parse("0"), "0 is not allowed: give seconds in [0.001, 604800]"));
+  CHECK(contains(parse("abc"), "'abc' is not a number"));
+  CHECK(contains(parse("1e9"), "is not allowed"));
+}
