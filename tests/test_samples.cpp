@@ -589,47 +589,48 @@ TEST_CASE(
   CHECK(text.find("more than --max-skip-fraction 0.5 allows") != std::string::npos);
   std::remove(json.c_str());
   std::filesystem::remove_all(dir);
+}
 
-  TEST_CASE("samples.train_mnist: hand-launched DDP ranks with different --batch fail naming it") {
-    if (skip_without_fashion_mnist()) return;
-    // torchrun-style: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set by hand, no job id.
-    const std::string port = std::to_string(20000 + getpid() % 20000);
-    std::string log0 = temp_path("rank0.txt"), log1 = temp_path("rank1.txt");
-    auto rank_cmd = [&](int rank, const std::string& batch, const std::string& log) {
-      return "env -u DP_JOB_ID -u DP_JOB_TOKEN -u TORCHELASTIC_RUN_ID -u SLURM_JOB_ID RANK=" +
-             std::to_string(rank) + " WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port +
-             " DP_TIMEOUT=20 " + DP_TRAIN_MNIST_PATH +
-             " --device cpu --mode ddp --gpus 2 --limit-batches 2 --batch " + batch + " > " + log +
-             " 2>&1";
-    };
-    auto t0 = std::chrono::steady_clock::now();
-    std::string script = "timeout -k 5 60 sh -c '(" + rank_cmd(0, "64", log0) +
-                         "; echo \"exit $?\" >> " + log0 + ") & " + rank_cmd(1, "32", log1) +
-                         "; echo \"exit $?\" >> " + log1 + "; wait'";
-    REQUIRE(std::system(script.c_str()) == 0);
-    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    for (const auto& log : {log0, log1}) {
-      std::ifstream f(log);
-      std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-      INFO(text);
-      CHECK(text.find("config mismatch: field \"batch\": rank 0 has 64, rank 1 has 32") !=
-            std::string::npos);
-      CHECK(text.find("exit 1") != std::string::npos);
-      CHECK(text.find("epoch 0") == std::string::npos);  // nothing was trained
-      std::remove(log.c_str());
-    }
-    CHECK(s < 20);  // together, not after DP_TIMEOUT
-  }
-
-  TEST_CASE("samples.train_mnist: --backend mpi without mpirun names the ranks asked for") {
-    std::string out = temp_path("mpirun.txt");
-    int status = std::system((std::string(DP_TRAIN_MNIST_PATH) +
-                              " --device cpu --mode ddp --gpus 2 --backend mpi > " + out + " 2>&1")
-                                 .c_str());
-    std::ifstream f(out);
+TEST_CASE("samples.train_mnist: hand-launched DDP ranks with different --batch fail naming it") {
+  if (skip_without_fashion_mnist()) return;
+  // torchrun-style: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set by hand, no job id.
+  const std::string port = std::to_string(20000 + getpid() % 20000);
+  std::string log0 = temp_path("rank0.txt"), log1 = temp_path("rank1.txt");
+  auto rank_cmd = [&](int rank, const std::string& batch, const std::string& log) {
+    return "env -u DP_JOB_ID -u DP_JOB_TOKEN -u TORCHELASTIC_RUN_ID -u SLURM_JOB_ID RANK=" +
+           std::to_string(rank) + " WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port +
+           " DP_TIMEOUT=20 " + DP_TRAIN_MNIST_PATH +
+           " --device cpu --mode ddp --gpus 2 --limit-batches 2 --batch " + batch + " > " + log +
+           " 2>&1";
+  };
+  auto t0 = std::chrono::steady_clock::now();
+  std::string script = "timeout -k 5 60 sh -c '(" + rank_cmd(0, "64", log0) +
+                       "; echo \"exit $?\" >> " + log0 + ") & " + rank_cmd(1, "32", log1) +
+                       "; echo \"exit $?\" >> " + log1 + "; wait'";
+  REQUIRE(std::system(script.c_str()) == 0);
+  double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (const auto& log : {log0, log1}) {
+    std::ifstream f(log);
     std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
     INFO(text);
-    CHECK(dp_test::shell_code(status) != 0);
-    CHECK(text.find("mpirun -np 2 ") != std::string::npos);
-    CHECK(text.find("mpirun -np 4") == std::string::npos);
+    CHECK(text.find("config mismatch: field \"batch\": rank 0 has 64, rank 1 has 32") !=
+          std::string::npos);
+    CHECK(text.find("exit 1") != std::string::npos);
+    CHECK(text.find("epoch 0") == std::string::npos);  // nothing was trained
+    std::remove(log.c_str());
   }
+  CHECK(s < 20);  // together, not after DP_TIMEOUT
+}
+
+TEST_CASE("samples.train_mnist: --backend mpi without mpirun names the ranks asked for") {
+  std::string out = temp_path("mpirun.txt");
+  int status = std::system((std::string(DP_TRAIN_MNIST_PATH) +
+                            " --device cpu --mode ddp --gpus 2 --backend mpi > " + out + " 2>&1")
+                               .c_str());
+  std::ifstream f(out);
+  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  INFO(text);
+  CHECK(dp_test::shell_code(status) != 0);
+  CHECK(text.find("mpirun -np 2 ") != std::string::npos);
+  CHECK(text.find("mpirun -np 4") == std::string::npos);
+}
