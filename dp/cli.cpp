@@ -151,18 +151,28 @@ CLI::Validator whole_number(int64_t lo, int64_t hi) {
                         range_text(lo, hi));
 }
 
+namespace {
+
+// "" when `text` is a finite number in (0, hi] (stored in *value); else what is wrong with it,
+// ending with `allowed`.
+std::string positive_number_problem(const std::string& text, double hi, const std::string& allowed,
+                                    double* value) {
+  char* end = nullptr;
+  errno = 0;
+  *value = std::strtod(text.c_str(), &end);
+  if (text.empty() || !end || *end != '\0') return "'" + text + "' is not a number: " + allowed;
+  if (!std::isfinite(*value) || errno == ERANGE || !(*value > 0) || *value > hi)
+    return text + " is not allowed: " + allowed;
+  return "";
+}
+
+}  // namespace
+
 CLI::Validator positive_number(double hi) {
   return CLI::Validator(
-      [hi](std::string& text) -> std::string {
-        const std::string allowed = "give a number > 0 and <= " + number_text(hi);
-        char* end = nullptr;
-        errno = 0;
-        double v = std::strtod(text.c_str(), &end);
-        if (text.empty() || !end || *end != '\0')
-          return "'" + text + "' is not a number: " + allowed;
-        if (!std::isfinite(v) || errno == ERANGE || !(v > 0) || v > hi)
-          return text + " is not allowed: " + allowed;
-        return "";
+      [hi](std::string& text) {
+        double v = 0;
+        return positive_number_problem(text, hi, "give a number > 0 and <= " + number_text(hi), &v);
       },
       "(0, " + number_text(hi) + "]");
 }
@@ -171,13 +181,9 @@ CLI::Validator timeout_seconds(double hi) {
   return CLI::Validator(
       [hi](std::string& text) -> std::string {
         const std::string allowed = "give seconds in [0.001, " + number_text(hi) + "]";
-        char* end = nullptr;
-        errno = 0;
-        double v = std::strtod(text.c_str(), &end);
-        if (text.empty() || !end || *end != '\0')
-          return "'" + text + "' is not a number: " + allowed;
-        if (!std::isfinite(v) || errno == ERANGE || !(v > 0) || v > hi)
-          return text + " is not allowed: " + allowed;
+        double v = 0;
+        if (std::string problem = positive_number_problem(text, hi, allowed, &v); !problem.empty())
+          return problem;
         if (v * 1000.0 < 1.0)
           return text + " is below the resolution of 0.001 s (it would round to 0, the " +
                  "default): " + allowed;

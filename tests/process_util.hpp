@@ -3,6 +3,7 @@
 #pragma once
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -41,6 +42,26 @@ inline pid_t spawn(const std::vector<std::string>& argv, const std::vector<std::
   if (posix_spawn(&pid, argv[0].c_str(), nullptr, nullptr, args.data(), envp.data()) != 0)
     return -1;
   return pid;
+}
+
+// Starts `argv` (argv[0] is the program) with exactly the environment `env` ("NAME=value"
+// each), its stdout and stderr into the file `log` (created or truncated). Returns the pid, or
+// -1.
+inline pid_t spawn_logged(const std::vector<std::string>& argv, const std::vector<std::string>& env,
+                          const std::string& log) {
+  std::vector<char*> args, envp;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  for (const auto& e : env) envp.push_back(const_cast<char*>(e.c_str()));
+  envp.push_back(nullptr);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  posix_spawn_file_actions_adddup2(&fa, 1, 2);
+  pid_t pid = -1;
+  const int rc = posix_spawn(&pid, argv[0].c_str(), &fa, nullptr, args.data(), envp.data());
+  posix_spawn_file_actions_destroy(&fa);
+  return rc == 0 ? pid : -1;
 }
 
 // Waits for a child up to `within`; returns its status, or -1 on timeout (then kills it).

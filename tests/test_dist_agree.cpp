@@ -81,18 +81,8 @@ struct HandRank {
         if (entry.rfind(name, 0) == 0) drop = true;
       if (!drop) env.push_back(entry);
     }
-    std::vector<char*> argv, envp;
-    for (auto& a : all) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    for (auto& e : env) envp.push_back(const_cast<char*>(e.c_str()));
-    envp.push_back(nullptr);
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-    posix_spawn_file_actions_adddup2(&fa, 1, 2);
-    int rc = posix_spawn(&pid, kWorker.c_str(), &fa, nullptr, argv.data(), envp.data());
-    posix_spawn_file_actions_destroy(&fa);
-    REQUIRE(rc == 0);
+    pid = dp_test::spawn_logged(all, env, log);
+    REQUIRE(pid > 0);
   }
   // Waits (killing it after `within`); returns the exit code, -1 when it ran past `within` or
   // died of a signal.

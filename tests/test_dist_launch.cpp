@@ -77,21 +77,10 @@ struct CapturedLauncher {
     log = dir + "/" + name + ".log";
     std::vector<std::string> all = {kWorker};
     all.insert(all.end(), args.begin(), args.end());
-    std::vector<char*> argv;
-    for (auto& a : all) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    std::vector<std::string> env_strings = extra_env;
-    for (char** e = environ; *e; ++e) env_strings.push_back(*e);
-    std::vector<char*> envp;
-    for (auto& e : env_strings) envp.push_back(const_cast<char*>(e.c_str()));
-    envp.push_back(nullptr);
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-    posix_spawn_file_actions_adddup2(&fa, 1, 2);
-    int rc = posix_spawn(&pid, kWorker.c_str(), &fa, nullptr, argv.data(), envp.data());
-    posix_spawn_file_actions_destroy(&fa);
-    REQUIRE(rc == 0);
+    std::vector<std::string> env = extra_env;  // first: a variable's first entry wins
+    for (char** e = environ; *e; ++e) env.push_back(*e);
+    pid = dp_test::spawn_logged(all, env, log);
+    REQUIRE(pid > 0);
   }
   Finished wait(std::chrono::milliseconds within) {
     Finished f;

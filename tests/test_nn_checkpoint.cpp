@@ -39,14 +39,7 @@ struct TempDir {
   }
 };
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const kernels::Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using dp_test::error_of;
 
 bool contains(const std::string& s, const std::string& part) {
   return s.find(part) != std::string::npos;

@@ -285,15 +285,7 @@ std::string join(const std::string& header, const std::string& data) {
   return out + header + data;
 }
 
-// The message of what `f` throws, or "(no error)".
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const kernels::Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using dp_test::error_of;
 
 long peak_rss_kb() {
   rusage u{};

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <random>
 #include <string>
 #include <utility>
@@ -14,6 +15,16 @@
 #include "kernels/ops.hpp"
 
 namespace dp_test {
+
+// The message of what `f` throws as kernels::Error, or "(no error)".
+inline std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const kernels::Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
 
 int& skipped_cases();
 
