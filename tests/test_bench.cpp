@@ -997,3 +997,13 @@ TEST_CASE("bench.exit: an output that cannot be written is an error naming it") 
   CHECK(text2.find("trace: /dev/full") == std::string::npos);
   CHECK(text2.find("No space left on device") != std::string::npos);
 }
+
+TEST_CASE("bench.ps: --mode ps --gpus 64 runs 64 worker threads, no DDP rank limit applies") {
+  // The parameter server's workers are threads: the per-node rank limit of DDP is not theirs.
+  auto [rc, text] =
+      bench_output("--device cpu --mode ps --gpus 64 --steps 1 --warmup 0 --batch 64");
+  INFO(text);
+  CHECK(rc == 0);
+  CHECK(text.find("ranks") == std::string::npos);
+  CHECK(text.find("pushes per worker:") != std::string::npos);
+}
