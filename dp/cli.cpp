@@ -55,16 +55,21 @@ std::string parent_directory(const std::string& path) {
 // What stops `path` from being written, or "".
 std::string output_file_problem(const std::string& path) {
   if (path.empty()) return "the path is empty: give a file name";
-  struct stat st {};
-  if (::stat(path.c_str(), &st) == 0) {
+  // An existing file is opened for writing. It may vanish between stat and open (another DDP
+  // rank's probe, below, removed again): then look again, and it is checked as a new file.
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0) break;
     if (S_ISDIR(st.st_mode))
       return "'" + path + "' is a directory: give a file name inside it, e.g. " + path +
              (path.back() == '/' ? "" : "/") + "out.json";
     // O_NONBLOCK: a FIFO without a reader fails at once instead of blocking.
     int fd = ::open(path.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
-    if (fd < 0) return "'" + path + "' cannot be written: " + std::strerror(errno);
-    ::close(fd);
-    return "";
+    if (fd >= 0) {
+      ::close(fd);
+      return "";
+    }
+    if (errno != ENOENT) return "'" + path + "' cannot be written: " + std::strerror(errno);
   }
   std::string dir = parent_directory(path);
   struct stat ds {};

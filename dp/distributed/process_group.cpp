@@ -271,6 +271,21 @@ void seal_rendezvous(Store& group, int rank) {
     group.set_string("verdict", verdict);
   }
   std::string verdict = group.get_string("verdict");  // bounded by the rendezvous timeout
+  if (verdict != "ok") {
+    if (rank != 0) {
+      try {
+        group.add("verdict_read", 1);
+      } catch (const kernels::Error&) {  // rank 0 stopped waiting: the verdict is read anyway
+      }
+    } else {
+      // Rank 0 hosts the store: it stays up until every rank that arrived has read the verdict
+      // (2 s at most), so that they stop with it rather than with a closed connection.
+      using Clock = std::chrono::steady_clock;
+      const auto until = Clock::now() + std::chrono::seconds(2);
+      while (Clock::now() < until && group.add("verdict_read", 0) < group.add("arrived", 0) - 1)
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
   DP_CHECK(verdict == "ok", verdict << ": this job stops; give each job its own MASTER_PORT / "
                                     << "--master-port, or a job id (DP_JOB_ID)");
 }
