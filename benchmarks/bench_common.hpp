@@ -74,14 +74,12 @@ struct Options {
   std::shared_ptr<const Workload> workload;
 };
 
-// dp_bench exits with `exit_code` after this: the DDP launcher's own code when its ranks failed
-// (the last attempt's under --max-restarts, as torchrun), 130 or 143 when it was stopped by
-// SIGINT or SIGTERM (`interrupted`).
+// dp_bench prints the message and exits with `exit_code` after this: the DDP launcher's own
+// code when its ranks failed (the last attempt's under --max-restarts, as torchrun), 130 or 143
+// when it was stopped by SIGINT or SIGTERM.
 struct RunFailed : kernels::Error {
-  RunFailed(const std::string& what, int code, bool stopped_by_signal)
-      : kernels::Error(what), exit_code(code), interrupted(stopped_by_signal) {}
+  RunFailed(const std::string& what, int code) : kernels::Error(what), exit_code(code) {}
   int exit_code;
-  bool interrupted;
 };
 
 // The resolved device type and counts of a run.

@@ -109,11 +109,9 @@ std::optional<RunResult> run_ddp(const Options& o, const Setup& s, int n, int ar
   DP_CHECK(rc.has_value(), "dp_bench: DDP launch from a worker process");
   const std::string ranks = "the DDP run on " + std::to_string(n * o.launch.nnodes) + " ranks";
   if (*rc == 128 + SIGINT || *rc == 128 + SIGTERM)
-    throw RunFailed(ranks + " was stopped by " + (*rc == 128 + SIGINT ? "SIGINT" : "SIGTERM"), *rc,
-                    true);
+    throw RunFailed(ranks + " was stopped by " + (*rc == 128 + SIGINT ? "SIGINT" : "SIGTERM"), *rc);
   if (*rc != 0)
-    throw RunFailed("error: " + ranks + " failed (launcher exit " + std::to_string(*rc) + ")", *rc,
-                    false);
+    throw RunFailed("error: " + ranks + " failed (launcher exit " + std::to_string(*rc) + ")", *rc);
   if (o.launch.node_rank != 0) return std::nullopt;  // rank 0, and so the figures, live on node 0
   nlohmann::json j;
   try {
@@ -251,14 +249,14 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
     r.loss_scale = trainer.scaler().scale();
     r.skipped_steps = trainer.scaler().skipped_steps();
     r.bytes_per_step = trainer.last_payload_bytes();
-    r.buckets = trainer.ddp().stats().buckets;
-    r.buckets_overlapped = trainer.ddp().stats().launched_before_backward_end;
     const dp::dist::DdpStats& ds = trainer.ddp().stats();
-    r.bucket_bytes = ds.bucket_bytes;
+    r.buckets = ds.buckets;
+    r.buckets_overlapped = ds.launched_before_backward_end;
     ready_frac.resize(ds.bucket_ready_ms.size());
     for (size_t k = 0; k < ds.bucket_ready_ms.size(); ++k)
-      ready_frac[k].push_back(
-          ds.backward_ms > 0 ? std::min(1.0, ds.bucket_ready_ms[k] / ds.backward_ms) : 1.0);
+      ready_frac[k].push_back(ds.backward_ms > 0 && ds.bucket_ready_ms[k] >= 0
+                                  ? std::min(1.0, ds.bucket_ready_ms[k] / ds.backward_ms)
+                                  : 1.0);  // not issued in backward: ready at its end
     phases["forward"].push_back(t.forward);
     phases["backward"].push_back(t.backward);
     phases["allreduce_exposed"].push_back(t.allreduce_wait);
@@ -268,6 +266,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   if (!o.checkpoint_dir.empty()) save(o.warmup + o.steps);  // the end of the run
   for (auto& [name, v] : phases) r.phases_ms[name] = percentile(v, 0.5);
   for (auto& f : ready_frac) r.bucket_ready_frac.push_back(median(f));
+  r.bucket_bytes = trainer.ddp().bucket_bytes();
   // A synchronous step ends when its last rank ends: the step time is the slowest rank's, per
   // step, gathered from every rank (rank 0 alone would flatter the figures).
   if (!r.step_ms.empty()) {

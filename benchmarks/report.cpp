@@ -117,21 +117,28 @@ Estimate step_estimate(const RunResult& r) {
   return median_ci(samples_of(r));
 }
 
-std::optional<Estimate> ratio_to_one(const std::vector<RunResult>& runs, const RunResult& r) {
+namespace {
+
+// The 1-device run `r` is compared with, when both have samples and r has N > 1.
+const RunResult* comparable_base(const std::vector<RunResult>& runs, const RunResult& r) {
   const RunResult* base = baseline_of(runs, r.mode);
-  if (!base || r.gpus < 2 || samples_of(r).empty() || samples_of(*base).empty())
-    return std::nullopt;
+  return base && r.gpus > 1 && !samples_of(r).empty() && !samples_of(*base).empty() ? base
+                                                                                    : nullptr;
+}
+
+}  // namespace
+
+std::optional<Estimate> ratio_to_one(const std::vector<RunResult>& runs, const RunResult& r) {
+  const RunResult* base = comparable_base(runs, r);
+  if (!base) return std::nullopt;
   return ratio_ci(samples_of(r), samples_of(*base), pairing_of(r, *base));
 }
 
+// Its value is overhead_us_per_device's: the same medians of the same samples.
 std::optional<Estimate> overhead_ci(const std::vector<RunResult>& runs, const RunResult& r) {
-  const RunResult* base = baseline_of(runs, r.mode);
-  if (!base || r.gpus < 2 || samples_of(r).empty() || samples_of(*base).empty())
-    return std::nullopt;
-  Estimate e =
-      difference_ci(samples_of(r), samples_of(*base), 1000.0 / r.gpus, pairing_of(r, *base));
-  e.value = *overhead_us_per_device(runs, r);  // the point estimate the table has always printed
-  return e;
+  const RunResult* base = comparable_base(runs, r);
+  if (!base) return std::nullopt;
+  return difference_ci(samples_of(r), samples_of(*base), 1000.0 / r.gpus, pairing_of(r, *base));
 }
 
 std::string describe(const Estimate& e, double null_value, int digits) {

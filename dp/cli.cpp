@@ -23,6 +23,22 @@ std::string range_text(int64_t lo, int64_t hi) {
   return "[" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
 }
 
+enum class Low { open, closed };  // whether `lo` itself is allowed
+
+// "" when `text` is a finite number in (lo, hi] or [lo, hi] (stored in *value); else what is
+// wrong with it, ending with `allowed`.
+std::string number_problem(const std::string& text, double lo, Low low, double hi,
+                           const std::string& allowed, double* value) {
+  char* end = nullptr;
+  errno = 0;
+  *value = std::strtod(text.c_str(), &end);
+  if (text.empty() || !end || *end != '\0') return "'" + text + "' is not a number: " + allowed;
+  const bool above_lo = low == Low::open ? *value > lo : *value >= lo;
+  if (!std::isfinite(*value) || errno == ERANGE || !above_lo || *value > hi)
+    return text + " is not allowed: " + allowed;
+  return "";
+}
+
 // What is wrong with `text` as a whole number in [lo, hi], or "".
 std::string whole_number_problem(const std::string& text, int64_t lo, int64_t hi) {
   const char* b = text.data();
@@ -116,13 +132,11 @@ void add_max_skip_fraction_flag(CLI::App& app, std::optional<double>& max_skip_f
                  "fp16/bf16: fail the run (non-zero exit) when more than this fraction of its "
                  "steps were skipped for non-finite gradients (default: no limit; over 0.05 warns)")
       ->check(CLI::Validator(
-          [](std::string& text) -> std::string {
-            char* end = nullptr;
-            errno = 0;
-            const double v = std::strtod(text.c_str(), &end);
-            if (text.empty() || !end || *end != '\0' || errno == ERANGE || !(v >= 0) || v > 1)
-              return "'" + text + "' is not a fraction: give a number in [0, 1]";
-            return "";
+          [](std::string& text) {
+            double v = 0;
+            return number_problem(text, 0, Low::closed, 1, "", &v).empty()
+                       ? std::string()
+                       : "'" + text + "' is not a fraction: give a number in [0, 1]";
           },
           "[0, 1]"));
 }
@@ -156,28 +170,12 @@ CLI::Validator whole_number(int64_t lo, int64_t hi) {
                         range_text(lo, hi));
 }
 
-namespace {
-
-// "" when `text` is a finite number in (0, hi] (stored in *value); else what is wrong with it,
-// ending with `allowed`.
-std::string positive_number_problem(const std::string& text, double hi, const std::string& allowed,
-                                    double* value) {
-  char* end = nullptr;
-  errno = 0;
-  *value = std::strtod(text.c_str(), &end);
-  if (text.empty() || !end || *end != '\0') return "'" + text + "' is not a number: " + allowed;
-  if (!std::isfinite(*value) || errno == ERANGE || !(*value > 0) || *value > hi)
-    return text + " is not allowed: " + allowed;
-  return "";
-}
-
-}  // namespace
-
 CLI::Validator positive_number(double hi) {
   return CLI::Validator(
       [hi](std::string& text) {
         double v = 0;
-        return positive_number_problem(text, hi, "give a number > 0 and <= " + number_text(hi), &v);
+        return number_problem(text, 0, Low::open, hi, "give a number > 0 and <= " + number_text(hi),
+                              &v);
       },
       "(0, " + number_text(hi) + "]");
 }
@@ -187,7 +185,8 @@ CLI::Validator timeout_seconds(double hi) {
       [hi](std::string& text) -> std::string {
         const std::string allowed = "give seconds in [0.001, " + number_text(hi) + "]";
         double v = 0;
-        if (std::string problem = positive_number_problem(text, hi, allowed, &v); !problem.empty())
+        if (std::string problem = number_problem(text, 0, Low::open, hi, allowed, &v);
+            !problem.empty())
           return problem;
         if (v * 1000.0 < 1.0)
           return text + " is below the resolution of 0.001 s (it would round to 0, the " +

@@ -308,6 +308,25 @@ struct Target {
   }
 };
 
+// A training state saved by a 2-step run, split for tampering: tampered copies go to `out` and
+// `t` loads them. Both files are removed at the end.
+struct SavedState {
+  explicit SavedState(const std::string& tag)
+      : path(state_path(tag)), out(state_path(tag + "_out")) {
+    run(0, false, 0, 2, path, "");
+    good = split(read_bytes(path));
+    header = nlohmann::json::parse(good.header);
+  }
+  ~SavedState() {
+    std::remove(out.c_str());
+    std::remove(path.c_str());
+  }
+  std::string path, out;
+  Parts good;
+  nlohmann::json header;
+  Target t;
+};
+
 }  // namespace
 
 TEST_CASE("nn.train_state: a padded file is refused from its header alone, in bounded memory") {
@@ -338,13 +357,12 @@ TEST_CASE("nn.train_state: a padded file is refused from its header alone, in bo
 TEST_CASE(
     "nn.train_state: duplicate keys, overlapping or gapped offsets, a transposed weight and an "
     "unknown tensor are refused, naming the tensor") {
-  const std::string path = state_path("tamper");
-  run(0, false, 0, 2, path, "");
-  const Parts good = split(read_bytes(path));
-  const nlohmann::json header = nlohmann::json::parse(good.header);
-  Target t;
+  SavedState saved("tamper");
+  const std::string &path = saved.path, &out = saved.out;
+  const Parts& good = saved.good;
+  const nlohmann::json& header = saved.header;
+  Target& t = saved.t;
   const std::string w0 = "param." + t.m->named_parameters()[0].first;  // [32, 6]
-  const std::string out = state_path("tampered");
   auto refused = [&](const nlohmann::json& h, const std::string& data) {
     write_bytes(out, join(h.dump(), data));
     return t.load(out);
@@ -407,19 +425,16 @@ TEST_CASE(
   // The untampered file still loads: the checks above can pass.
   write_bytes(out, join(header.dump(), good.data));
   CHECK(t.load(out) == "(no error)");
-  std::remove(out.c_str());
-  std::remove(path.c_str());
 }
 
 TEST_CASE(
     "nn.train_state: metadata numbers are range-checked 64-bit, every message names the "
     "file and the field") {
-  const std::string path = state_path("meta");
-  run(0, false, 0, 2, path, "");
-  const Parts good = split(read_bytes(path));
-  const nlohmann::json header = nlohmann::json::parse(good.header);
-  Target t;
-  const std::string out = state_path("meta_out");
+  SavedState saved("meta");
+  const std::string &path = saved.path, &out = saved.out;
+  const Parts& good = saved.good;
+  const nlohmann::json& header = saved.header;
+  Target& t = saved.t;
   struct Case {
     std::string key, value, says;
   };
@@ -466,8 +481,6 @@ TEST_CASE(
                  "accepts") != std::string::npos);
     CHECK(e.find("exceeds the file") == std::string::npos);
   }
-  std::remove(out.c_str());
-  std::remove(path.c_str());
 }
 
 TEST_CASE("nn.train_state: the fp16 loss scale stops at 2^-24 and a state saved there loads") {

@@ -304,7 +304,7 @@ def parse_args():
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma-separated subset of {','.join(VARIANTS)}")
     ap.add_argument("--resamples", type=int, default=stats.DEFAULT_RESAMPLES,
-                    help="bootstrap resamples (>= 2000)")
+                    help="bootstrap resamples (2000 to 1000000)")
     ap.add_argument("--out-dir", default=os.environ.get("OUT_DIR"),
                     help="where dp_bench's reports go (default $OUT_DIR, else a new temp folder)")
     ap.add_argument("--torch-threads", type=int, default=0,
@@ -326,8 +326,8 @@ def parse_args():
                  f"runs dp_ref.py and ddp_ref.py)")
     if not 0 <= args.torch_threads <= 4096:
         ap.error(f"--torch-threads {args.torch_threads}: give a whole number in [0, 4096]")
-    if args.resamples < 2000:
-        ap.error(f"--resamples {args.resamples}: give at least 2000")
+    if not 2000 <= args.resamples <= 1_000_000:
+        ap.error(f"--resamples {args.resamples}: give a whole number in [2000, 1000000]")
     if args.steps < 1 or args.warmup < 0 or args.batch < 1 or args.batch_per_device < 0:
         ap.error("--steps and --batch must be >= 1, --warmup and --batch-per-device >= 0")
     bench = os.path.join(args.build, "bin", "dp_bench")

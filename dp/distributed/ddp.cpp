@@ -134,7 +134,11 @@ Tensor DistributedDataParallel::forward(const Tensor& x) {
 }
 
 Tensor DistributedDataParallel::backward(const Tensor& dy) {
+  // A new step's figures; the per-bucket times keep their storage.
+  std::vector<double> ready = std::move(stats_.bucket_ready_ms);
   stats_ = DdpStats{};
+  ready.assign(buckets_.size(), -1.0);
+  stats_.bucket_ready_ms = std::move(ready);
   stats_.buckets = static_cast<int>(buckets_.size());
   backward_begin_ = Clock::now();
   Tensor dx;
@@ -153,6 +157,13 @@ Tensor DistributedDataParallel::backward(const Tensor& dy) {
   stats_.backward_ms =
       std::chrono::duration<double, std::milli>(Clock::now() - backward_begin_).count();
   return dx;
+}
+
+std::vector<int64_t> DistributedDataParallel::bucket_bytes() const {
+  std::vector<int64_t> out;
+  for (const Bucket& b : buckets_)
+    out.push_back(b.numel * static_cast<int64_t>(kernels::dtype_size(options_.comm_dtype)));
+  return out;
 }
 
 void DistributedDataParallel::on_grad_ready(const nn::Parameter& p) {
@@ -179,11 +190,9 @@ void DistributedDataParallel::launch_ready_buckets() {
       kernels::copy(comm_buffers_[k], slice);  // rounded to the comm dtype once
       pending_[k] = group_.all_reduce(comm_buffers_[k], ReduceOp::sum);
     }
-    const int64_t bytes = b.numel * static_cast<int64_t>(kernels::dtype_size(options_.comm_dtype));
-    stats_.comm_bytes += bytes;
-    stats_.bucket_bytes.push_back(bytes);
-    stats_.bucket_ready_ms.push_back(
-        std::chrono::duration<double, std::milli>(Clock::now() - backward_begin_).count());
+    stats_.comm_bytes += b.numel * static_cast<int64_t>(kernels::dtype_size(options_.comm_dtype));
+    stats_.bucket_ready_ms[k] =
+        std::chrono::duration<double, std::milli>(Clock::now() - backward_begin_).count();
     // The last bucket (the first layers) lands with backward's final layer: nothing is left
     // to hide it behind. Every other bucket launched from backward overlaps what remains.
     if (in_backward_ && k + 1 < static_cast<int>(buckets_.size()))

@@ -54,10 +54,10 @@ struct DdpStats {
   int launched_before_backward_end = 0;  // all-reduces started while layers were left to run
   double allreduce_wait_ms = 0;          // time finish() waited: communication not hidden
   int64_t comm_bytes = 0;                // bytes of the buckets all-reduced (in the comm dtype)
-  // Per bucket, in launch order: its bytes (in the comm dtype), and when its all-reduce was
-  // issued, in ms after backward began (host time: on CUDA, when the work was enqueued). What
-  // the projection's overlap bound starts from.
-  std::vector<int64_t> bucket_bytes;
+  // Per bucket (DistributedDataParallel::bucket_bytes' order): when its all-reduce was issued,
+  // in ms after backward began (host time: on CUDA, when the work was enqueued). What the
+  // projection's overlap bound starts from; -1 for a bucket not issued this step (under
+  // no_sync, or ZeRO-1, which communicates after backward). Sized once: no allocation per step.
   std::vector<double> bucket_ready_ms;
   double backward_ms = 0;  // backward's host time, the ready times' scale
 };
@@ -97,6 +97,8 @@ class DistributedDataParallel {
   nn::Module& module() { return *module_; }
   const std::vector<Bucket>& buckets() const { return buckets_; }
   const DdpStats& stats() const { return stats_; }
+  // Each gradient bucket's bytes as all-reduced (in the comm dtype), in launch order.
+  std::vector<int64_t> bucket_bytes() const;
   void set_trace(Trace* trace) { trace_ = trace; }
   Trace* trace() const { return trace_; }
 

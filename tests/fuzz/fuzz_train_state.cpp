@@ -43,8 +43,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     // The metadata a training state reads, range-checked.
     for (const char* key : {"step", "epoch", "world_size"}) {
       try {
-        const int64_t v = nn::safetensors::metadata_count(f, path, key, 1,
-                                                          std::numeric_limits<int32_t>::max());
+        const int64_t v =
+            nn::safetensors::metadata_count(f, path, key, 1, std::numeric_limits<int32_t>::max());
         DP_FUZZ_ASSERT(v >= 1 && v <= std::numeric_limits<int32_t>::max());
       } catch (const kernels::Error& e) {
         DP_FUZZ_ASSERT(std::string(e.what()).find(path) != std::string::npos);
