@@ -300,6 +300,17 @@ void progress(const std::string& label, int step, int total) {
   std::fflush(stderr);
 }
 
+void take_replay_counts(std::map<std::string, std::vector<double>>& per_step, RunResult& r) {
+  auto take = [&](const char* name, double& out) {
+    auto it = per_step.find(name);
+    if (it == per_step.end()) return;
+    out = percentile(it->second, 0.5);
+    per_step.erase(it);
+  };
+  take("allocations", r.allocations_per_step);
+  take("host_syncs", r.host_syncs_per_step);
+}
+
 RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
                  const nn::CheckpointDirLock* lock) {
   int64_t batch = global_batch(o, n);
@@ -374,6 +385,8 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
     r.link_bytes = st.link_bytes;
     r.buckets = st.buckets;
     overlapped.push_back(st.buckets_overlapped);
+    phases["allocations"].push_back(static_cast<double>(st.allocations));
+    phases["host_syncs"].push_back(static_cast<double>(st.host_syncs));
     phases["scatter"].push_back(st.ms.scatter);
     phases["replicate"].push_back(st.ms.replicate);
     phases["forward"].push_back(st.ms.forward);
@@ -384,6 +397,7 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
   }
   if (!o.checkpoint_dir.empty()) save(o.warmup + o.steps);  // the end of the run
   engine.set_trace(nullptr);
+  take_replay_counts(phases, r);
   for (auto& [name, v] : phases) r.phases_ms[name] = percentile(v, 0.5);
   r.buckets_overlapped = static_cast<int>(std::lround(percentile(overlapped, 0.5)));
   r.final_loss = r.losses.empty() ? 0 : r.losses.back();

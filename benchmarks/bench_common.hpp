@@ -2,6 +2,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -119,6 +120,9 @@ constexpr float kBenchSignal = 0.12f;
 // and device count, so all runs follow one loss curve.
 dp::data::SyntheticDataset bench_dataset(const Options& o, int64_t batch);
 std::pair<int, int> profile_range(const Options& o);
+// Moves the per-step runtime counts ("allocations", "host_syncs") out of `per_step` into the
+// run's medians (RunResult::allocations_per_step, host_syncs_per_step).
+void take_replay_counts(std::map<std::string, std::vector<double>>& per_step, RunResult& r);
 void progress(const std::string& label, int step, int total);
 std::string gpu_name();
 Header make_header(const Options& o, const Setup& s, int logical);

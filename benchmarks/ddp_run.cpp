@@ -261,9 +261,12 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
     phases["backward"].push_back(t.backward);
     phases["allreduce_exposed"].push_back(t.allreduce_wait);
     phases["optimizer"].push_back(t.optimizer);
+    phases["allocations"].push_back(static_cast<double>(t.allocations));
+    phases["host_syncs"].push_back(static_cast<double>(t.host_syncs));
   }
   trainer.ddp().set_trace(nullptr);
   if (!o.checkpoint_dir.empty()) save(o.warmup + o.steps);  // the end of the run
+  take_replay_counts(phases, r);
   for (auto& [name, v] : phases) r.phases_ms[name] = percentile(v, 0.5);
   for (auto& f : ready_frac) r.bucket_ready_frac.push_back(median(f));
   r.bucket_bytes = trainer.ddp().bucket_bytes();

@@ -275,6 +275,11 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
            << describe(*us, 0.0, 1) << " us\n";
       }
   }
+  os << "\n replay, per step after warm-up (median): allocations and host syncs (goal 0 and 1)\n";
+  for (auto& r : runs)
+    os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << r.gpus
+       << "   allocations " << std::setprecision(0) << r.allocations_per_step << ", host syncs "
+       << r.host_syncs_per_step << "\n";
   if (h.dtype == "bf16" || h.dtype == "fp16") {
     os << "\n mixed precision (" << h.dtype << " GEMMs and convolutions, f32 master weights):\n";
     for (auto& r : runs)
@@ -526,6 +531,8 @@ nlohmann::json run_to_json(const RunResult& r) {
           {"comm_dtype", r.comm_dtype},
           {"bucket_bytes", r.bucket_bytes},
           {"bucket_ready_frac", r.bucket_ready_frac},
+          {"allocations_per_step", r.allocations_per_step},
+          {"host_syncs_per_step", r.host_syncs_per_step},
           {"nothing_left", r.nothing_left}};
 }
 
@@ -556,6 +563,8 @@ RunResult run_from_json(const nlohmann::json& j) {
   r.comm_dtype = j.value("comm_dtype", std::string("fp32"));
   r.bucket_bytes = j.value("bucket_bytes", std::vector<int64_t>{});
   r.bucket_ready_frac = j.value("bucket_ready_frac", std::vector<double>{});
+  r.allocations_per_step = j.value("allocations_per_step", 0.0);
+  r.host_syncs_per_step = j.value("host_syncs_per_step", 0.0);
   r.nothing_left = j.value("nothing_left", std::string());
   return r;
 }

@@ -52,6 +52,10 @@ struct RunResult {
   // fraction of backward's time (median over the timed steps): the projection's overlap input.
   std::vector<int64_t> bucket_bytes;
   std::vector<double> bucket_ready_frac;
+  // Counted by the runtime, median over the timed steps (DP: every device's context; DDP: rank
+  // 0's): memory taken from a device, and host waits or reads. A replayed step has 0 and 1.
+  double allocations_per_step = 0;
+  double host_syncs_per_step = 0;
 
   // The median over repeats of each repeat's median step (--repeat K >= 2), else over steps.
   double step_ms_median() const;

@@ -6,9 +6,14 @@
 #include <set>
 #include <thread>
 
+#include "kernels/runtime/memory.hpp"
+
 namespace dp {
 
 namespace {
+
+// Entries of a device's metrics buffer: loss, correct count, non-finite verdict.
+constexpr int64_t kMetrics = 3;
 
 using Clock = std::chrono::steady_clock;
 double ms_since(Clock::time_point t0) {
@@ -28,6 +33,7 @@ kernels::ContextOptions context_options(const std::vector<Device>& devices,
   kernels::ContextOptions c;
   c.cpu_threads = cpu_threads_for(devices, o.cpu_threads_per_device);
   c.math = o.math;
+  c.caching = kernels::Caching::on;  // every step repeats the last one's allocations
   return c;
 }
 
@@ -85,7 +91,8 @@ DataParallel::DataParallel(nn::ModulePtr module, nn::Optimizer& optimizer,
   for (int i = 0; i < n; ++i) {
     PerDevice& pd = per_device_[i];
     pd.own_count.assign(plan_.buckets.size(), 0);
-    pd.bucket_done.resize(plan_.buckets.size());
+    for (size_t k = 0; k < plan_.buckets.size(); ++k)
+      pd.bucket_done.emplace_back(kernels::Event::Timing::off);  // ordering only
     replicas_[i]->flat().on_grad_ready = [this, i](const nn::Parameter& p) { on_grad_ready(i, p); };
   }
   pool_.run("dp/staging", [&](int i) {
@@ -99,6 +106,7 @@ DataParallel::DataParallel(nn::ModulePtr module, nn::Optimizer& optimizer,
       kernels::ContextOptions wide;
       wide.cpu_threads = hw;
       wide.math = options_.math;
+      wide.caching = kernels::Caching::on;
       wide_context_ = std::make_unique<kernels::DeviceContext>(devices_[0], wide);
     }
   });
@@ -218,7 +226,6 @@ void DataParallel::begin_step(const std::vector<int64_t>& sizes) {
     std::fill(pd.own_count.begin(), pd.own_count.end(), 0);
     pd.own_ready = 0;
     pd.next_bucket = 0;
-    pd.next_source = -1;
     pd.n_pulls = 0;
   }
 }
@@ -269,7 +276,7 @@ void DataParallel::advance_reduction(int i, bool blocking) {
   PerDevice& pd = per_device_[i];
   kernels::DeviceContext& ctx = pool_.context(i);
   const std::vector<int>& sources = sources_[i];
-  // Once every other device has finished its part of the step, device 0's remaining pulls
+  // Once every other device has finished its part of the step, device 0's remaining sums
   // have the whole CPU to themselves: they run with all the cores.
   std::unique_ptr<kernels::ContextScope> wide;
   auto others_done = [&] {
@@ -281,45 +288,50 @@ void DataParallel::advance_reduction(int i, bool blocking) {
     const int k = pd.next_bucket;
     const Bucket& b = plan_.buckets[k];
     if (!sources.empty()) {
-      Tensor mine = replicas_[i]->flat_grads().view(b.offset, {b.numel});
-      if (pd.next_source < 0) {
-        // Each chunk's mean gradient is weighted by its share B_i / B; the sum of the
-        // weighted gradients is the global batch's mean gradient.
-        kernels::scale(mine, mine, shares_[i]);
-        pd.next_source = 0;
-      }
-      while (pd.next_source < static_cast<int>(sources.size())) {
-        const int s = sources[pd.next_source];
-        if (blocking) {
-          wait_for([&] { return signals_.complete[s] > k; });
-          if (i == 0 && wide_context_ && !wide) {
-            std::lock_guard<std::mutex> lock(signal_mutex_);
-            if (others_done()) wide = std::make_unique<kernels::ContextScope>(*wide_context_);
-          }
-        } else {
+      auto published = [&] {
+        for (int s : sources)
+          if (signals_.complete[s] <= k) return false;
+        return true;
+      };
+      if (blocking) {
+        wait_for(published);
+        if (i == 0 && wide_context_ && !wide) {
           std::lock_guard<std::mutex> lock(signal_mutex_);
-          if (signals_.complete[s] <= k) return;  // not there yet: backward goes on
+          if (others_done()) wide = std::make_unique<kernels::ContextScope>(*wide_context_);
         }
-        per_device_[s].bucket_done[k].wait(ctx);  // s's bucket k is summed on s's stream
-        if (pd.n_pulls == static_cast<int>(pd.pulls.size())) pd.pulls.emplace_back();
-        Pull& pull = pd.pulls[pd.n_pulls++];
-        pull.bucket = k;
-        pull.source = s;
-        pull.begin.record(ctx);
-        Tensor staged = pd.staging.view(b.offset, {b.numel});
+      } else {
+        std::lock_guard<std::mutex> lock(signal_mutex_);
+        if (!published()) return;  // not there yet: backward goes on
+      }
+      if (pd.n_pulls == static_cast<int>(pd.pulls.size())) pd.pulls.emplace_back();
+      Pull& pull = pd.pulls[pd.n_pulls++];
+      pull.bucket = k;
+      pull.begin.record(ctx);
+      std::vector<Tensor> from;
+      std::vector<float> weights;
+      for (size_t j = 0; j < sources.size(); ++j) {
+        const int s = sources[j];
+        per_device_[s].bucket_done[k].wait(ctx);  // s's bucket k is final on s's stream
         const PerDevice& src = per_device_[s];
-        kernels::copy(staged, src.outbox.defined()
-                                  ? src.outbox.view(b.offset, {b.numel})
-                                  : replicas_[s]->flat_grads().view(b.offset, {b.numel}));
+        Tensor theirs = src.outbox.defined() ? src.outbox.view(b.offset, {b.numel})
+                                             : replicas_[s]->flat_grads().view(b.offset, {b.numel});
+        if (pd.staging[j].defined()) {  // no direct access: one copy over the link first
+          Tensor staged = pd.staging[j].view(b.offset, {b.numel});
+          kernels::copy(staged, theirs);
+          theirs = staged;
+        }
+        from.push_back(theirs);
         // A leaf holds its chunk's plain mean: weight it here. An inner device of the tree
         // has weighted its own part and summed its sources: weight 1.
-        kernels::axpy(mine, sources_[s].empty() ? shares_[s] : 1.f, staged);
-        pull.end.record(ctx);
-        ++pd.next_source;
+        weights.push_back(sources_[s].empty() ? shares_[s] : 1.f);
       }
+      // Each chunk's mean gradient is weighted by its share B_i / B; the sum of the weighted
+      // gradients is the global batch's mean gradient.
+      Tensor mine = replicas_[i]->flat_grads().view(b.offset, {b.numel});
+      kernels::weighted_sum(mine, shares_[i], from, weights);
+      pull.end.record(ctx);
     }
     ++pd.next_bucket;
-    pd.next_source = -1;
     if (i != 0) {
       if (pd.outbox.defined()) {  // rounded once, here, where the sum is final
         Tensor out = pd.outbox.view(b.offset, {b.numel});
@@ -349,7 +361,10 @@ void DataParallel::reduce_grads_to_root(const std::vector<int64_t>& sizes) {
 void DataParallel::prepare_reduction(int i) {
   PerDevice& pd = per_device_[i];
   const int64_t p = replicas_[i]->flat_grads().numel();
-  if (!sources_[i].empty()) kernels::ensure(pd.staging, {p}, options_.comm_dtype, devices_[i]);
+  pd.staging.resize(sources_[i].size());
+  for (size_t j = 0; j < sources_[i].size(); ++j)
+    if (!kernels::direct_access(devices_[i], devices_[sources_[i][j]]))
+      kernels::ensure(pd.staging[j], {p}, options_.comm_dtype, devices_[i]);
   if (i != 0 && options_.comm_dtype != kernels::DType::f32)
     kernels::ensure(pd.outbox, {p}, options_.comm_dtype, devices_[i]);
 }
@@ -406,29 +421,57 @@ void DataParallel::forward_and_loss(int i, nn::Mode mode) {
     m.eval();
   }
   pd.output = m.forward(pd.input);
-  kernels::ensure(pd.loss, {1}, kernels::DType::f32, devices_[i]);
+  kernels::ensure(pd.metrics, {kMetrics}, kernels::DType::f32, devices_[i]);
+  Tensor loss = pd.metrics.view(0, {1}), correct = pd.metrics.view(1, {1});
   Tensor dlogits;  // undefined: forward only
   if (mode == nn::Mode::train)
     dlogits = kernels::ensure(pd.dlogits, pd.output.shape(), kernels::DType::f32, devices_[i]);
-  kernels::softmax_cross_entropy(pd.loss, dlogits, pd.output, pd.labels, Tensor(),
+  kernels::softmax_cross_entropy(loss, dlogits, pd.output, pd.labels, Tensor(),
                                  options_.label_smoothing);
+  kernels::count_correct_into(correct, pd.output, pd.labels);
   // fp16: the loss gradient carries the step's scale (1 otherwise: nothing to do).
   if (dlogits.defined() && step_scale_ != 1.f) kernels::scale(dlogits, dlogits, step_scale_);
   if (mode != nn::Mode::train) m.train();
 }
 
-void DataParallel::read_metrics(int i) {
-  PerDevice& pd = per_device_[i];
-  // Read back at the end of the worker's part, so the reads do not stall its launches.
-  pd.correct = kernels::count_correct(pd.output, pd.labels);
-  pd.loss_value = pd.loss.item();
+void DataParallel::read_step_metrics(int n) {
+  kernels::DeviceContext& ctx = pool_.context(0);
+  // Every device's metrics are final once its part of the step is: wait for each one's end.
+  wait_for([&] {
+    for (int r = 1; r < n; ++r)
+      if (!signals_.done[r]) return false;
+    return true;
+  });
+  kernels::ensure(gathered_metrics_, {kMetrics * n}, kernels::DType::f32, devices_[0]);
+  if (!host_metrics_.defined() || host_metrics_.numel() != gathered_metrics_.numel())
+    host_metrics_ = Tensor::empty_pinned(gathered_metrics_.shape(), kernels::DType::f32);
+  for (int r = 0; r < n; ++r) {
+    if (r > 0) per_device_[r].marks[kReduced].wait(ctx);
+    Tensor slot = gathered_metrics_.view(kMetrics * r, {kMetrics});
+    kernels::copy(slot, per_device_[r].metrics);
+  }
+  // The step's one host wait: a copy to the host waits for device 0's stream, which waited
+  // for every other device's last event.
+  kernels::read_back(host_metrics_, gathered_metrics_);
 }
 
 void DataParallel::gather_metrics(const std::vector<int64_t>& sizes, StepStats& stats) {
+  const float* m = host_metrics_.data<float>();
   for (size_t i = 0; i < sizes.size(); ++i) {
-    stats.loss += per_device_[i].loss_value * chunk_share(sizes[i], stats.samples);
-    stats.correct += per_device_[i].correct;
+    stats.loss += m[kMetrics * i] * chunk_share(sizes[i], stats.samples);
+    stats.correct += static_cast<int64_t>(m[kMetrics * i + 1]);
   }
+}
+
+std::pair<int64_t, int64_t> DataParallel::runtime_counts() {
+  int64_t allocations = 0, syncs = 0;
+  auto add = [&](kernels::DeviceContext& c) {
+    allocations += c.memory()->allocations.load();
+    syncs += c.host_syncs();
+  };
+  for (int i = 0; i < n_devices(); ++i) add(pool_.context(i));
+  if (wide_context_) add(*wide_context_);
+  return {allocations, syncs};
 }
 
 void DataParallel::train_job(int i, const Tensor& images, const Tensor& labels,
@@ -496,15 +539,17 @@ void DataParallel::train_job(int i, const Tensor& images, const Tensor& labels,
     kernels::NvtxRange range("dp/step");
     std::unique_ptr<kernels::ContextScope> wide;
     if (wide_context_) wide = std::make_unique<kernels::ContextScope>(*wide_context_);
-    // One decision for every device: device 0's reduced gradient is checked (under AMP).
-    step_taken_ = scaler_.step(optimizer_, m.flat_grads());
+    // One decision for every device: device 0's reduced gradient is checked (under AMP), on
+    // the device; the update skips itself when it is not finite, and the host learns the
+    // verdict with the metrics (settled in train_step).
+    Tensor non_finite = pd.metrics.view(2, {1});
+    scaler_.step_deferred(optimizer_, m.flat_grads(), non_finite);
     wide.reset();
     pd.marks[kStepped].record(ctx);
+    // The one host wait of the step: the caller may reuse the host batch, and read device 0's
+    // module from its own stream, once train_step returns.
+    read_step_metrics(n);
   }
-  read_metrics(i);
-  // The one host wait of the step: the caller may reuse the host batch, and read device 0's
-  // module from its own stream, once train_step returns.
-  ctx.synchronize();
 }
 
 void DataParallel::eval_job(int i, const Tensor& images, const Tensor& labels,
@@ -512,8 +557,16 @@ void DataParallel::eval_job(int i, const Tensor& images, const Tensor& labels,
   scatter_chunk(i, images, labels, sizes);
   if (i > 0) replicate(i);  // eval reads device 0's buffers but does not change them
   forward_and_loss(i, nn::Mode::eval);
-  read_metrics(i);
-  pool_.context(i).synchronize();
+  if (i > 0) {
+    per_device_[i].marks[kReduced].record(pool_.context(i));  // its part ends here
+    {
+      std::lock_guard<std::mutex> lock(signal_mutex_);
+      signals_.done[i] = 1;
+    }
+    signal_cv_.notify_all();
+  } else {
+    read_step_metrics(static_cast<int>(sizes.size()));
+  }
 }
 
 StepStats DataParallel::train_step(const Tensor& images, const Tensor& labels) {
@@ -524,9 +577,14 @@ StepStats DataParallel::train_step(const Tensor& images, const Tensor& labels) {
   begin_step(sizes);
   if (stats_sync_) stats_sync_->set_participants(n_used);
   step_scale_ = scaler_.scale();
+  const auto before = runtime_counts();
   run_step("dp/train_step", n_used, [&](int i) { train_job(i, images, labels, sizes); });
   stats.ms.total = ms_since(t_step);
+  const auto after = runtime_counts();
+  stats.allocations = after.first - before.first;
+  stats.host_syncs = after.second - before.second;
   stats.loss_scale = step_scale_;
+  step_taken_ = scaler_.settle(optimizer_, host_metrics_.data<float>()[2] == 0.f);
   stats.skipped = !step_taken_;
   stats.skipped_steps = scaler_.skipped_steps();
 
@@ -596,9 +654,8 @@ void DataParallel::collect_step(int n, StepStats& stats) {
     slice("dp/backward", i, pd.marks[kForwarded], pd.marks[kBackwarded]);
     if (!sources_[i].empty()) slice("dp/reduce", i, pd.marks[kBackwarded], pd.marks[kReduced]);
     for (int j = 0; j < pd.n_pulls; ++j)
-      slice("dp/reduce[bucket " + std::to_string(pd.pulls[j].bucket) + " from " +
-                std::to_string(pd.pulls[j].source) + "]",
-            i, pd.pulls[j].begin, pd.pulls[j].end);
+      slice("dp/reduce[bucket " + std::to_string(pd.pulls[j].bucket) + "]", i, pd.pulls[j].begin,
+            pd.pulls[j].end);
     if (i == 0) slice("dp/step", i, pd.marks[kReduced], pd.marks[kStepped]);
   }
 }

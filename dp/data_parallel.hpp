@@ -11,17 +11,23 @@
 //   dp/backward   backward. The gradient buckets (dp/bucket_plan.hpp: reverse layer order,
 //                 1 MiB first, 25 MiB cap) become ready one by one, reported by the module's
 //                 on_grad_ready hooks; each is handed to the device that reduces it.
-//   dp/reduce     a device with sources pulls each source's bucket as it becomes ready and sums
-//                 it in, weighted by the chunk's share of the batch, while backward goes on
-//                 elsewhere: star (device 0 pulls from 1..N-1) or tree (pairwise, log2 N
-//                 rounds: 1->0, 3->2, then 2->0, ...). The result equals the single-device
-//                 gradient of the same global batch, also for uneven chunks. BatchNorm running
-//                 statistics are averaged into device 0 the same way (or left as device 0's,
-//                 PyTorch's behaviour, with BufferSync::root_only).
+//   dp/reduce     a device with sources sums bucket k of all of them into its own, weighted by
+//                 each chunk's share of the batch, in one fused kernel that reads the sources'
+//                 memory in place (same GPU, peer access, or host), as soon as every source
+//                 has published it, while backward goes on elsewhere: star (device 0 from
+//                 1..N-1) or tree (pairwise, log2 N rounds: 1->0, 3->2, then 2->0, ...). The result
+//                 equals the single-device gradient of the same global batch, also for uneven
+//                 chunks. BatchNorm running statistics are averaged into device 0 the same way (or
+//                 left as device 0's, PyTorch's behaviour, with BufferSync::root_only).
 //   dp/step       (device 0) one optimizer step on its flat buffers; on a CPU device with all
 //                 the cores, since the other workers are idle by then
 // Order between devices comes from kernels::Event (CUDA: events between streams, no host
 // sync); phase times come from the events each worker records, not from barriers.
+//
+// The step is a replay: workers' contexts cache their blocks (kernels::Caching::on), so after
+// the first step of a chunk shape nothing is allocated; each device writes its loss and
+// correct count into a small device buffer, and device 0 reads them all at the end with the
+// step's one host wait. StepStats::allocations and host_syncs count both, per step.
 //
 // Replicas run BatchNorm on their own chunk ("ghost" batch statistics), as PyTorch DP does; a
 // BatchNorm model therefore matches one device that runs the same chunks one after another and
@@ -35,6 +41,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dp/bucket_plan.hpp"
@@ -102,8 +109,12 @@ struct StepStats {
   int buckets = 0;                  // gradient buckets reduced (0 on one device)
   int buckets_overlapped = 0;       // of which the first pull began before the last backward ended
   float loss_scale = 1;             // the loss scale this step used (nn/amp.hpp)
-  bool skipped = false;             // the gradient was not finite: no optimizer step
-  int64_t skipped_steps = 0;        // skipped so far
+  // Counted by the runtime over every device's context during the step: memory taken from a
+  // device (0 once each shape's blocks are cached) and host waits or reads (1: the metrics).
+  int64_t allocations = 0;
+  int64_t host_syncs = 0;
+  bool skipped = false;       // the gradient was not finite: no optimizer step
+  int64_t skipped_steps = 0;  // skipped so far
 };
 
 class DataParallel {
@@ -169,23 +180,25 @@ class DataParallel {
     kStepped,
     kMarks
   };
-  // One pull of one bucket from a source into a receiving device.
+  // One fused reduction of one bucket from every source of a receiving device.
   struct Pull {
-    int bucket = 0, source = 0;
+    int bucket = 0;
     kernels::Event begin, end;
   };
   struct PerDevice {
     Tensor input, labels;  // this step's chunk on the device
-    Tensor output, loss, dlogits;
-    float loss_value = 0;
-    int64_t correct = 0;
-    Tensor staging;  // receivers: one source's gradient (comm dtype), bucket k at its offset
-    Tensor outbox;   // sources with a 16-bit comm dtype: their gradient, rounded, bucket by bucket
+    Tensor output, dlogits;
+    // (3) f32 on the device: the chunk's mean loss and correct count, and (device 0) whether the
+    // reduced gradient held a non-finite value (the GradScaler's verdict, read with the rest).
+    Tensor metrics;
+    // Receivers: per source (in sources_ order), its gradient staged here when this device
+    // cannot read the source's memory in place (GPUs without peer access); else undefined.
+    std::vector<Tensor> staging;
+    Tensor outbox;  // sources with a 16-bit comm dtype: their gradient, rounded, bucket by bucket
     // Touched by this device's worker only, during a step:
     std::vector<int> own_count;  // per bucket: parameters whose gradient is final
     int own_ready = 0;           // leading buckets whose own gradient is final
-    int next_bucket = 0;         // the reducer's position: bucket, and source within it
-    int next_source = 0;
+    int next_bucket = 0;         // the reducer's position
     bool in_step = false;
     std::vector<kernels::Event> bucket_done;  // bucket k summed here (own + sources)
     kernels::Event marks[kMarks];
@@ -213,8 +226,9 @@ class DataParallel {
                      const std::vector<int64_t>& sizes);
   void replicate(int i);
   void on_grad_ready(int i, const nn::Parameter& p);
-  // Reduces what can be reduced on device i, in bucket order and source order (the sum order
-  // is fixed, so runs are reproducible). blocking: waits until every bucket is published.
+  // Reduces what can be reduced on device i, in bucket order: bucket k once every source has
+  // published it, in one fused kernel over all of them (the sum order is fixed, so runs are
+  // reproducible). blocking: waits until every bucket is published.
   void advance_reduction(int i, bool blocking);
   void publish(int i, int complete_buckets);
   // Waits until pred() holds under signal_mutex_; throws Abandoned on abort.
@@ -230,8 +244,13 @@ class DataParallel {
   std::vector<int64_t> split_batch(const char* what, const Tensor& images, const Tensor& labels,
                                    StepStats& stats);
   void forward_and_loss(int i, nn::Mode mode);
-  void read_metrics(int i);
+  // Device 0, at the end of a step: gathers every device's metrics and reads them to the host,
+  // the step's one host wait (which also covers every other device's work: device 0 waited on
+  // each one's last event first).
+  void read_step_metrics(int n);
   void gather_metrics(const std::vector<int64_t>& sizes, StepStats& stats);
+  // Allocations and host syncs so far, over every context of the engine.
+  std::pair<int64_t, int64_t> runtime_counts();
   // After a step: phase times, overlap count and trace slices from the workers' events.
   void collect_step(int n_used, StepStats& stats);
   std::vector<int64_t> link_bytes(int n_used) const;
@@ -253,6 +272,8 @@ class DataParallel {
   std::unique_ptr<kernels::DeviceContext> wide_context_;
   std::unique_ptr<ThreadStatsSync> stats_sync_;  // BatchNormStats::synced
   Tensor staging_buffers_;                       // on device 0: one replica's buffers
+  Tensor gathered_metrics_;                      // on device 0: (3 N) every device's metrics
+  Tensor host_metrics_;                          // pinned host copy of gathered_metrics_
   nn::GradScaler scaler_;
   float step_scale_ = 1.f;  // the loss scale of the step in progress (read by every worker)
   bool step_taken_ = true;  // device 0's decision of the step in progress

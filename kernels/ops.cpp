@@ -374,9 +374,39 @@ int64_t count_correct(const Tensor& logits, const Tensor& labels) {
   check_logits_labels("count_correct", logits, labels);
   if (logits.dim(0) == 0) return 0;
   DeviceContext& ctx = context(logits.device());
+  ctx.note_host_sync();  // the count comes back to the host
   if (logits.device().is_cpu())
     return run_cpu(ctx, [&] { return cpu::count_correct(logits, labels); });
   return DP_CUDA_DISPATCH_VALUE(int64_t, cuda::count_correct(logits, labels, ctx));
+}
+
+void count_correct_into(Tensor& out, const Tensor& logits, const Tensor& labels) {
+  check_logits_labels("count_correct_into", logits, labels);
+  check_devices("count_correct_into", {{"logits", logits}, {"out", out}});
+  check_dtype("count_correct_into", {"out", out}, DType::f32);
+  check_shape("count_correct_into", {"out", out}, {1});
+  DP_DISPATCH(logits.device(), count_correct_into, out, logits, labels);
+}
+
+void weighted_sum(Tensor& y, float y_weight, const std::vector<Tensor>& xs,
+                  const std::vector<float>& weights) {
+  const char* op = "weighted_sum";
+  check_defined(op, y, "y");
+  check_dtype(op, {"y", y}, DType::f32);
+  DP_CHECK(xs.size() == weights.size(),
+           op << ": " << xs.size() << " sources but " << weights.size() << " weights");
+  for (size_t k = 0; k < xs.size(); ++k) {
+    check_defined(op, xs[k], "xs[k]");
+    DP_CHECK(xs[k].numel() == y.numel(),
+             op << ": source " << k << " " << xs[k] << " and y " << y << " differ in size");
+    DP_CHECK(xs[k].dtype() == xs[0].dtype() &&
+                 (xs[k].dtype() == DType::f32 || xs[k].dtype() == DType::bf16),
+             op << ": sources must all be f32 or all bf16, source " << k << " is " << xs[k]);
+    DP_CHECK(direct_access(y.device(), xs[k].device()),
+             op << ": " << y.device() << " cannot read source " << k << " on " << xs[k].device()
+                << " directly (stage it first)");
+  }
+  DP_DISPATCH(y.device(), weighted_sum, y, y_weight, xs, weights);
 }
 
 // ---- convolution and pooling ---------------------------------------------------------------
@@ -687,6 +717,16 @@ void dropout_forward(Tensor& y, Tensor& mask, const Tensor& x, float p, uint64_t
 
 // ---- optimizers ----------------------------------------------------------------------------
 
+namespace {
+// requires skip_if undefined, or (1) f32 on the parameters' device.
+void check_skip_flag(const char* op, const Tensor& params, const Tensor& skip_if) {
+  if (!skip_if.defined()) return;
+  check_devices(op, {{"params", params}, {"skip_if", skip_if}});
+  check_dtype(op, {"skip_if", skip_if}, DType::f32);
+  check_shape(op, {"skip_if", skip_if}, {1});
+}
+}  // namespace
+
 void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const SgdConfig& c,
                 int64_t step) {
   const char* op = "sgd_update";
@@ -699,6 +739,7 @@ void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const
     check_same_shape(op, {"params", params}, {"momentum_buf", momentum_buf});
   }
   DP_CHECK(step >= 1, op << ": step must be >= 1 (1 is the first step), got " << step);
+  check_skip_flag(op, params, c.skip_if);
   if (params.numel() == 0) return;
   DP_DISPATCH(params.device(), sgd_update, params, grads, momentum_buf, c, step);
 }
@@ -712,6 +753,7 @@ void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, con
   check_same_shape(op, {"params", params}, {"m", m});
   check_same_shape(op, {"params", params}, {"v", v});
   DP_CHECK(step >= 1, op << ": step must be >= 1 (1 is the first step), got " << step);
+  check_skip_flag(op, params, c.skip_if);
   if (params.numel() == 0) return;
   DP_DISPATCH(params.device(), adamw_update, params, grads, m, v, c, step);
 }
@@ -720,8 +762,17 @@ bool all_finite(const Tensor& x) {
   check_defined("all_finite", x, "x");
   if (x.numel() == 0) return true;
   DeviceContext& ctx = context(x.device());
+  ctx.note_host_sync();  // the verdict comes back to the host
   if (x.device().is_cpu()) return run_cpu(ctx, [&] { return cpu::all_finite(x); });
   return DP_CUDA_DISPATCH_VALUE(bool, cuda::all_finite(x, ctx));
+}
+
+void non_finite_into(Tensor& flag, const Tensor& x) {
+  const char* op = "non_finite_into";
+  check_devices(op, {{"x", x}, {"flag", flag}});
+  check_dtype(op, {"flag", flag}, DType::f32);
+  check_shape(op, {"flag", flag}, {1});
+  DP_DISPATCH(x.device(), non_finite_into, flag, x);
 }
 
 // ---- helpers for tests ---------------------------------------------------------------------

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "kernels/runtime/context.hpp"
 #include "kernels/runtime/device.hpp"
@@ -99,6 +100,17 @@ void mean(Tensor& out, const Tensor& x);
 void argmax(Tensor& out, const Tensor& x);
 // requires logits (B, C), labels (B) i32. Returns how many rows have argmax == label (waits).
 int64_t count_correct(const Tensor& logits, const Tensor& labels);
+// The same without a host read: requires out (1) f32 on the logits' device. ensures out = the
+// count (exact up to 2^24 rows), queued on the device.
+void count_correct_into(Tensor& out, const Tensor& logits, const Tensor& labels);
+
+// The reduction of data parallelism in one pass (one kernel on a GPU), reading every source
+// where it lies: y = y_weight * y + sum_k weights[k] * xs[k], added in k order with f32
+// accumulation. requires y f32; xs all f32 or all bf16, each of y's numel, readable from y's
+// device (direct_access), as many weights as xs. The sources' producers must be ordered
+// before this call on y's stream (events).
+void weighted_sum(Tensor& y, float y_weight, const std::vector<Tensor>& xs,
+                  const std::vector<float>& weights);
 
 // ---- convolution and pooling (NCHW) --------------------------------------------------------
 
@@ -183,6 +195,9 @@ struct SgdConfig {
   Nesterov nesterov = Nesterov::no;
   // Every gradient is multiplied by this first (1 / loss scale under mixed precision; 1: as is).
   float grad_unscale = 1.f;
+  // Undefined, or (1) f32 on the parameters' device: the update does nothing when it holds a
+  // nonzero value (a non-finite gradient, non_finite_into), read by the kernel, not the host.
+  Tensor skip_if;
 };
 // PyTorch's SGD: g = grad * unscale + wd * p; if momentum: buf = first_step ? g : m buf + (1 -
 // damp) g, g = nesterov ? g + m buf : buf; p -= lr * g. `momentum_buf` is unused when momentum ==
@@ -197,6 +212,7 @@ struct AdamWConfig {
   float weight_decay = 1e-2f;
   // Every gradient is multiplied by this first (1 / loss scale under mixed precision; 1: as is).
   float grad_unscale = 1.f;
+  Tensor skip_if;  // as SgdConfig::skip_if
 };
 // PyTorch's AdamW (decoupled weight decay): p *= 1 - lr wd; m = b1 m + (1-b1) g;
 // v = b2 v + (1-b2) g^2 with g = grad * unscale; p -= lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) +
@@ -205,6 +221,9 @@ void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, con
                   int64_t step);
 // True when every element of x is finite (waits for the result).
 bool all_finite(const Tensor& x);
+// The same verdict left on the device: requires flag (1) f32 on x's device. ensures flag = 0
+// when every element of x is finite, 1 otherwise, queued on the device (no host read).
+void non_finite_into(Tensor& flag, const Tensor& x);
 
 // ---- helpers for tests ---------------------------------------------------------------------
 

@@ -145,6 +145,30 @@ class GradScaler {
   bool step(Optimizer& opt, const Tensor& grads) {
     return step_if(opt, !options_.check || kernels::all_finite(grads));
   }
+  // step() without its host wait: the verdict goes to `non_finite` ((1) f32 on the gradients'
+  // device: 1 when some gradient is not finite, 0 otherwise) and the fused update reads it
+  // there, skipping itself. The caller reads the verdict later, with the step's other metrics,
+  // and calls settle() before the next step.
+  void step_deferred(Optimizer& opt, const Tensor& grads, Tensor& non_finite) {
+    opt.set_grad_unscale(1.f / state_.scale);
+    if (!options_.check) {
+      kernels::fill(non_finite, 0.f);
+      opt.step();
+      return;
+    }
+    kernels::non_finite_into(non_finite, grads);
+    opt.set_skip_if(non_finite);
+    opt.step();
+    opt.set_skip_if(Tensor());
+  }
+  // requires step_deferred ran and `finite` is its verdict as read. ensures the step count and
+  // the scale are what step() leaves. Returns whether the step was taken.
+  bool settle(Optimizer& opt, bool finite) {
+    if (!finite) opt.set_step_count(opt.step_count() - 1);  // the kernel skipped it
+    update(finite);
+    return finite;
+  }
+
   // The same with the check already made (ZeRO-1: every rank's shard, combined): steps `opt`
   // unscaled when `finite`, skips otherwise, then updates the scale.
   bool step_if(Optimizer& opt, bool finite) {

@@ -43,6 +43,9 @@ class Optimizer {
     DP_CHECK(f > 0.f && std::isfinite(f), "set_grad_unscale(" << f << "): must be finite and > 0");
     grad_unscale_ = f;
   }
+  // Undefined, or a (1) f32 flag on the module's device that the next steps' fused kernels read:
+  // nonzero skips the update there (GradScaler::step_deferred), without a host read.
+  void set_skip_if(Tensor flag) { skip_if_ = std::move(flag); }
   // Steps taken so far (the next step is number step_count() + 1).
   int64_t step_count() const { return step_; }
   // For resuming from a checkpoint.
@@ -97,6 +100,7 @@ class Optimizer {
   Module& module_;
   float lr_;
   float grad_unscale_ = 1.f;
+  Tensor skip_if_;
   int64_t step_ = 0;
   int64_t begin_ = 0, end_ = -1;  // end < 0: every parameter
 };
@@ -118,6 +122,7 @@ class SGD : public Optimizer {
   void step() override {
     config_.lr = lr_;
     config_.grad_unscale = grad_unscale_;
+    config_.skip_if = skip_if_;
     Tensor p = params_to_update(), g = grads_to_update();
     ++step_;
     if (p.numel() > 0) kernels::sgd_update(p, g, momentum_, config_, step_);
@@ -153,6 +158,7 @@ class AdamW : public Optimizer {
   void step() override {
     config_.lr = lr_;
     config_.grad_unscale = grad_unscale_;
+    config_.skip_if = skip_if_;
     Tensor p = params_to_update(), g = grads_to_update();
     ++step_;
     if (p.numel() > 0) kernels::adamw_update(p, g, m_, v_, config_, step_);

@@ -436,3 +436,61 @@ TEST_CASE("dp.amp: bf16 gradient communication halves the gradient bytes, loss n
   // Rounding each gradient once to bf16 moves the curve less than bf16 GEMMs would.
   CHECK(worst <= bound);
 }
+
+// Two steps warm a shape up: layers keep the last step's activations for backward until their
+// next forward replaces them, so the second step's blocks are made while the first's are held.
+TEST_CASE("dp.replay: after two steps of a shape, nothing is allocated and one host sync") {
+  auto m = small_mlp();
+  m->materialize(Device::cpu(0), kSeed);
+  nn::SGD opt(*m, momentum_sgd());
+  dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, 4),
+                          small_buckets(dp::ReduceTopology::star));
+  auto step = [&](int64_t batch, int s) {
+    auto [x, y] = dp_test::toy_batch(batch, 200 + s);
+    return engine.train_step(x, y);
+  };
+  dp::StepStats first = step(10, 0);  // uneven: 3, 3, 2, 2
+  CHECK(first.allocations > 0);       // the shape's blocks are made once
+  step(10, 1);
+  for (int s = 2; s < 5; ++s) {
+    dp::StepStats st = step(10, s);
+    CHECK(st.allocations == 0);
+    CHECK(st.host_syncs == 1);
+  }
+  // A new shape (the last short batch of an epoch) makes its blocks once, then replays too.
+  dp::StepStats short_batch = step(7, 10);
+  CHECK(short_batch.allocations > 0);
+  CHECK(short_batch.host_syncs == 1);
+  step(7, 11);
+  CHECK(step(7, 12).allocations == 0);
+  CHECK(step(10, 13).allocations == 0);  // the first shape's blocks are still cached
+}
+
+TEST_CASE("dp.replay: the tree, bf16 communication and mixed precision replay too") {
+  struct Case {
+    const char* name;
+    dp::ReduceTopology reduce;
+    DType comm;
+    nn::Precision precision;
+  };
+  for (const Case& c :
+       {Case{"tree", dp::ReduceTopology::tree, DType::f32, nn::Precision::fp32},
+        Case{"bf16 comm", dp::ReduceTopology::star, DType::bf16, nn::Precision::fp32},
+        Case{"bf16", dp::ReduceTopology::star, DType::f32, nn::Precision::bf16},
+        Case{"fp16", dp::ReduceTopology::star, DType::f32, nn::Precision::fp16}}) {
+    CAPTURE(c.name);
+    auto m = small_mlp();
+    m->materialize(Device::cpu(0), kSeed);
+    nn::SGD opt(*m, momentum_sgd());
+    dp::DataParallelOptions o = small_buckets(c.reduce);
+    o.comm_dtype = c.comm;
+    o.precision = c.precision;
+    dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, 3), o);
+    for (int s = 0; s < 4; ++s) {
+      auto [x, y] = dp_test::toy_batch(11, 300 + s);
+      dp::StepStats st = engine.train_step(x, y);
+      CHECK(st.host_syncs == 1);
+      if (s >= 2) CHECK(st.allocations == 0);
+    }
+  }
+}

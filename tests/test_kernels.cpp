@@ -351,3 +351,48 @@ TEST_CASE("kernels.errors: wrong dtypes and devices") {
   add(o2, other, other);
   CHECK(o2.to_host_f32() == std::vector<float>(6, 2.f));
 }
+
+TEST_CASE("kernels.weighted_sum: y = w0 y + sum w_k x_k against double, f32 and bf16 sources") {
+  for (DType t : {DType::f32, DType::bf16})
+    for (int n_src : {0, 1, 3, 17}) {
+      CAPTURE(std::string(dtype_name(t)));
+      CAPTURE(n_src);
+      const int64_t n = 100003;
+      Tensor y = random_tensor({n}, 7);
+      std::vector<Tensor> xs;
+      std::vector<float> w;
+      for (int k = 0; k < n_src; ++k) {
+        xs.push_back(cast(random_tensor({n}, 10 + k, -4.f, 4.f), t));
+        w.push_back(0.125f * static_cast<float>(k + 1));
+      }
+      std::vector<double> want = to_double(y);
+      for (double& v : want) v *= 0.3;
+      for (int k = 0; k < n_src; ++k) {
+        std::vector<double> xk = to_double(xs[k]);
+        for (int64_t i = 0; i < n; ++i) want[i] += w[k] * xk[i];
+      }
+      weighted_sum(y, 0.3f, xs, w);
+      // One f32 rounding per term, of terms below 4 * sum(w) + 1 in size.
+      CHECK(max_error(y, want) <= (n_src + 1) * 6e-7 * (1 + 4 * 0.125 * 17 * 18 / 2));
+    }
+  Tensor y = zeros({4}), a = zeros({4}), short_x = zeros({3});
+  CHECK_THROWS_WITH_AS(weighted_sum(y, 1.f, {a}, {}), doctest::Contains("1 sources but 0 weights"),
+                       Error);
+  CHECK_THROWS_WITH_AS(weighted_sum(y, 1.f, {short_x}, {1.f}), doctest::Contains("differ in size"),
+                       Error);
+  Tensor mixed = zeros({4}, DType::bf16);
+  CHECK_THROWS_WITH_AS(weighted_sum(y, 1.f, {a, mixed}, {1.f, 1.f}),
+                       doctest::Contains("must all be f32 or all bf16"), Error);
+}
+
+TEST_CASE("kernels.count_correct_into: the count on the device equals count_correct") {
+  Tensor x = random_tensor({37, 5}, 21);
+  std::vector<int32_t> l(37);
+  for (int i = 0; i < 37; ++i) l[i] = i % 5;
+  Tensor labels = Tensor::from_ints(l, {37});
+  Tensor out = zeros({1});
+  count_correct_into(out, x, labels);
+  CHECK(out.item() == static_cast<float>(count_correct(x, labels)));
+  Tensor wrong = zeros({2});
+  CHECK_THROWS_WITH_AS(count_correct_into(wrong, x, labels), doctest::Contains("out"), Error);
+}

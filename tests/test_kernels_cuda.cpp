@@ -1049,3 +1049,39 @@ TEST_CASE("kernels.cuda.runtime: pool release threshold, peer access, current GP
   CHECK(t.to_host_f32() == std::vector<float>(1000, 3.f));
 }
 #endif
+
+// Sources on other logical devices of the same GPU are read in place; more than one launch's
+// worth (16) keeps the order of the sum. Each term is one f32 FMA or multiply-add: allow the
+// CPU's rounding to differ by an ulp per term.
+TEST_CASE("kernels.cuda.weighted_sum: sources on other logical devices, f32 and bf16, match CPU") {
+  DP_REQUIRE_GPU();
+  for (DType t : {DType::f32, DType::bf16})
+    for (int n_src : {1, 3, 17}) {
+      CAPTURE(std::string(dtype_name(t)));
+      CAPTURE(n_src);
+      const int64_t n = 300007;
+      Outputs got;
+      for (Device d : {kGpu, kCpu}) {
+        Tensor y = rnd(d, {n}, 6);
+        std::vector<Tensor> xs;
+        std::vector<float> w;
+        for (int k = 0; k < n_src; ++k) {
+          Device src = d.is_cuda() ? Device::cuda(k % 4) : d;
+          xs.push_back(rnd(src, {n}, 40 + k, -4.f, 4.f, t));
+          w.push_back(0.25f * static_cast<float>(k + 1));
+        }
+        weighted_sum(y, 0.5f, xs, w);
+        got.push_back(y);
+      }
+      CHECK(max_abs_diff(got[0].to_host_f32(), got[1].to_host_f32()) <= 2e-6f * n_src * 40);
+    }
+}
+
+TEST_CASE("kernels.cuda.count_correct_into: matches count_correct without a host read") {
+  DP_REQUIRE_GPU();
+  Tensor x = small_ints(kGpu, {301, 10}, 38, 4);
+  Tensor l = labels(kGpu, 301, 10, 39);
+  Tensor out = Tensor::zeros({1}, DType::f32, kGpu);
+  count_correct_into(out, x, l);
+  CHECK(out.item() == static_cast<float>(count_correct(x, l)));
+}

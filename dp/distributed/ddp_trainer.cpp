@@ -8,6 +8,7 @@
 #include "dp/chunks.hpp"
 #include "dp/distributed/mpi_process_group.hpp"
 #include "dp/distributed/sync_batch_norm.hpp"
+#include "kernels/runtime/memory.hpp"
 
 namespace dp::dist {
 
@@ -37,6 +38,7 @@ DdpTrainer::DdpTrainer(kernels::DeviceType type, const std::string& backend, Ddp
   kernels::ContextOptions co;
   int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   co.cpu_threads = std::max(1, hw / std::max(1, env_.local_world_size));
+  co.caching = kernels::Caching::on;  // every step repeats the last one's allocations
   context_ = std::make_unique<kernels::DeviceContext>(device_, co);
   scope_ = std::make_unique<kernels::ContextScope>(*context_);
   InitOptions io;
@@ -167,10 +169,11 @@ std::pair<kernels::Tensor, kernels::Tensor> DdpTrainer::my_chunk(const kernels::
   if (share) *share = chunk_share(sizes[rank()], batch);
   kernels::Tensor x = images.slice(begin, begin + sizes[rank()]);
   kernels::Tensor y = labels.slice(begin, begin + sizes[rank()]);
-  // Input buffers persist between steps; they are remade only when the shape changes.
+  // Input buffers persist between steps; they are remade only when the shape changes. The
+  // caller may reuse the host batch once the step returns: the step ends with a host read on
+  // this stream (a copy from pageable memory is staged before cudaMemcpyAsync returns anyway).
   kernels::copy(kernels::ensure(input_, x.shape(), x.dtype(), device_), x);
   kernels::copy(kernels::ensure(labels_, y.shape(), y.dtype(), device_), y);
-  context_->synchronize();  // the caller may reuse the host batch once the step returns
   return {input_, labels_};
 }
 
@@ -178,6 +181,10 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   DP_CHECK(ddp_, "DdpTrainer::train_step before wrap()");
   auto t_step = Clock::now();
   const int64_t payload_before = group_->payload_bytes();
+  const int64_t allocations_before = context_->memory()->allocations.load();
+  const int64_t syncs_before = context_->host_syncs();
+  kernels::DeviceContext& ctx = *context_;
+  marks_[0].record(ctx);
   float share = 0;
   auto [x, y] = my_chunk(images, labels, &share);
   DP_CHECK(x.dim(0) > 0, "DdpTrainer: a global batch of "
@@ -186,19 +193,18 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
                              << world_size() << " rows (LoaderOptions::pad_last_batch_to) or "
                              << "drop it");
   ddp_->set_batch_share(x.dim(0), images.dim(0));
+  marks_[1].record(ctx);
 
-  auto t0 = Clock::now();
   nn::Module& m = ddp_->module();
   m.zero_grad();
   kernels::Tensor out = ddp_->forward(x);
-  kernels::Tensor& loss = kernels::ensure(loss_, {1}, kernels::DType::f32, device_);
+  kernels::ensure(metrics_, {2}, kernels::DType::f32, device_);
+  kernels::Tensor loss = metrics_.view(0, {1}), non_finite = metrics_.view(1, {1});
   kernels::Tensor& dlogits = kernels::ensure(dlogits_, out.shape(), kernels::DType::f32, device_);
   kernels::softmax_cross_entropy(loss, dlogits, out, y);
   scaler_.scale_loss_grad(dlogits);  // fp16: the loss gradient carries the scale
-  context_->synchronize();
-  times_.forward = ms_since(t0);
+  marks_[2].record(ctx);
 
-  t0 = Clock::now();
   if (zero_) {
     // ZeRO-1 communicates after backward (reduce_scatter, shard step, all_gather).
     auto local_only = ddp_->no_sync();
@@ -206,44 +212,54 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   } else {
     ddp_->backward(dlogits);
   }
-  context_->synchronize();
-  times_.backward = ms_since(t0);
+  marks_[3].record(ctx);
 
   if (zero_) {
+    // ZeRO-1 decides on the host (every rank's shard, combined) inside its step.
     zero_->step(share, &scaler_);
     if (ddp_options_.buffer_sync == BufferSync::average && m.flat_buffers().numel() > 0)
       group_->all_reduce(m.flat_buffers(), ReduceOp::avg)->wait();
-    times_.allreduce_wait = zero_->last_times().reduce_scatter + zero_->last_times().all_gather;
-    times_.optimizer = zero_->last_times().step;
-    times_.total = ms_since(t_step);
-    last_payload_bytes_ = group_->payload_bytes() - payload_before;
-    return report_loss(loss, share);
-  }
-
-  t0 = Clock::now();
-  ddp_->finish_gradient_sync();
-  context_->synchronize();
-  times_.allreduce_wait = ms_since(t0);
-
-  t0 = Clock::now();
-  {
+    kernels::fill(non_finite, 0.f);
+  } else {
+    ddp_->finish_gradient_sync();
+    marks_[4].record(ctx);
     kernels::NvtxRange range("ddp/step");
     TraceScope slice(ddp_->trace(), "ddp/step", rank());
-    // The all-reduced gradient is the same on every rank: so is the decision.
-    scaler_.step(*optimizer_, m.flat_grads());
-    context_->synchronize();
+    // The all-reduced gradient is the same on every rank: so is the decision, made on the
+    // device (the update skips itself) and learnt with the loss.
+    scaler_.step_deferred(*optimizer_, m.flat_grads(), non_finite);
   }
-  times_.optimizer = ms_since(t0);
+  marks_[5].record(ctx);
+  last_payload_bytes_ = group_->payload_bytes() - payload_before;  // the loss's is not in it
+  const float global_loss = report_loss(share);
+  if (!zero_) scaler_.settle(*optimizer_, host_metrics_.data<float>()[1] == 0.f);
+
+  // Phase times from the events (device time on a GPU; every event is reached by now).
+  using kernels::Event;
+  if (zero_) {
+    times_.allreduce_wait = zero_->last_times().reduce_scatter + zero_->last_times().all_gather;
+    times_.optimizer = zero_->last_times().step;
+  } else {
+    times_.allreduce_wait = Event::elapsed_ms(marks_[3], marks_[4]);
+    times_.optimizer = Event::elapsed_ms(marks_[4], marks_[5]);
+  }
+  times_.forward = Event::elapsed_ms(marks_[1], marks_[2]);
+  times_.backward = Event::elapsed_ms(marks_[2], marks_[3]);
   times_.total = ms_since(t_step);
-  last_payload_bytes_ = group_->payload_bytes() - payload_before;
-  return report_loss(loss, share);
+  times_.allocations = context_->memory()->allocations.load() - allocations_before;
+  times_.host_syncs = context_->host_syncs() - syncs_before;
+  return global_loss;
 }
 
-float DdpTrainer::report_loss(kernels::Tensor& loss, float share) {
-  // The global mean loss, for reporting: outside the timed step.
+float DdpTrainer::report_loss(float share) {
+  // The global mean loss, and the verdict (the same on every rank; summed, still 0 or not).
+  kernels::Tensor loss = metrics_.view(0, {1});
   kernels::scale(loss, loss, share);
-  group_->all_reduce(loss, ReduceOp::sum)->wait();
-  return loss.item();
+  group_->all_reduce(metrics_, ReduceOp::sum)->wait();
+  if (!host_metrics_.defined())
+    host_metrics_ = kernels::Tensor::empty_pinned({2}, kernels::DType::f32);
+  kernels::read_back(host_metrics_, metrics_);  // the step's one host wait
+  return host_metrics_.data<float>()[0];
 }
 
 std::vector<uint64_t> DdpTrainer::all_gather(uint64_t value) {

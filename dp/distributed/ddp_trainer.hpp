@@ -21,6 +21,7 @@
 #include "dp/distributed/launcher.hpp"
 #include "dp/distributed/process_group.hpp"
 #include "dp/distributed/zero.hpp"
+#include "kernels/runtime/event.hpp"
 #include "nn/amp.hpp"
 #include "nn/optim.hpp"
 
@@ -39,6 +40,9 @@ std::optional<int> launch_if_parent(const DdpTrainerOptions& options, int argc, 
 // Milliseconds of the phases of the last step on this rank.
 struct DdpStepTimes {
   double forward = 0, backward = 0, allreduce_wait = 0, optimizer = 0, total = 0;
+  // Counted by the runtime on this rank's context during the step: memory taken from the
+  // device (0 once the shape's blocks are cached) and host waits or reads (1: the metrics).
+  int64_t allocations = 0, host_syncs = 0;
 };
 
 class DdpTrainer {
@@ -103,8 +107,9 @@ class DdpTrainer {
  private:
   // The fields wrap() adds to the run configuration ("engine.*").
   RunConfig engine_config(nn::Module& model) const;
-  // The global batch's mean loss from this rank's chunk loss and share (a collective).
-  float report_loss(kernels::Tensor& loss, float share);
+  // The global batch's mean loss from this rank's chunk loss (metrics_[0]) and share, and
+  // whether the gradient was finite (metrics_[1]): one small all-reduce and the step's one read.
+  float report_loss(float share);
   std::pair<kernels::Tensor, kernels::Tensor> my_chunk(const kernels::Tensor& images,
                                                        const kernels::Tensor& labels, float* share);
 
@@ -122,7 +127,12 @@ class DdpTrainer {
   nn::GradScaler scaler_{nn::Precision::fp32};
   std::unique_ptr<ZeroStage1> zero_;
   RunConfig run_config_, verified_config_;
-  kernels::Tensor input_, labels_, loss_, dlogits_;  // this rank's step buffers, reused
+  kernels::Tensor input_, labels_, dlogits_;  // this rank's step buffers, reused
+  kernels::Tensor metrics_;       // (2) f32 on the device: chunk loss, non-finite verdict
+  kernels::Tensor host_metrics_;  // its pinned host copy
+  // Phase boundaries of a step on this rank's stream: begin, scattered, forward, backward,
+  // gradients synchronised, stepped.
+  kernels::Event marks_[6];
   DdpStepTimes times_;
   int64_t last_payload_bytes_ = 0;
 };

@@ -32,6 +32,9 @@ void sum(Tensor& out, const Tensor& x);
 void mean(Tensor& out, const Tensor& x);
 void argmax(Tensor& out, const Tensor& x);
 int64_t count_correct(const Tensor& logits, const Tensor& labels);
+void count_correct_into(Tensor& out, const Tensor& logits, const Tensor& labels);
+void weighted_sum(Tensor& y, float y_weight, const std::vector<Tensor>& xs,
+                  const std::vector<float>& weights);
 void conv2d_forward(Tensor& y, const Tensor& x, const Tensor& w, const Conv2dParams& p);
 void conv2d_backward_data(Tensor& dx, const Tensor& dy, const Tensor& w, const Conv2dParams& p,
                           Accumulate acc);
@@ -62,5 +65,6 @@ void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const
 void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, const AdamWConfig& c,
                   int64_t step);
 bool all_finite(const Tensor& x);
+void non_finite_into(Tensor& flag, const Tensor& x);
 
 }  // namespace kernels::cpu

@@ -9,8 +9,16 @@ namespace kernels::cpu {
 
 // g = grad unscale + wd p; buf = first ? g : m buf + (1 - damp) g; g = nesterov ? g + m buf : buf;
 // p -= lr g.
+namespace {
+// The device-side verdict of SgdConfig::skip_if (on a CPU device, read when the update runs).
+bool skipped(const Tensor& skip_if) {
+  return skip_if.defined() && skip_if.data<float>()[0] != 0.f;
+}
+}  // namespace
+
 void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const SgdConfig& c,
                 int64_t step) {
+  if (skipped(c.skip_if)) return;
   float* p = params.data<float>();
   const float* g = grads.data<float>();
   float* buf = c.momentum != 0.f ? momentum_buf.data<float>() : nullptr;
@@ -33,6 +41,7 @@ void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const
 // p -= (lr / (1 - b1^t)) m / (sqrt(v) / sqrt(1 - b2^t) + eps).
 void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, const AdamWConfig& c,
                   int64_t step) {
+  if (skipped(c.skip_if)) return;
   float* p = params.data<float>();
   const float* g = grads.data<float>();
   float* pm = m.data<float>();
@@ -52,6 +61,10 @@ void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, con
       p[i] -= step_size * pm[i] / denom;
     }
   });
+}
+
+void non_finite_into(Tensor& flag, const Tensor& x) {
+  flag.data<float>()[0] = cpu::all_finite(x) ? 0.f : 1.f;
 }
 
 }  // namespace kernels::cpu

@@ -46,6 +46,10 @@ void sum(Tensor& out, const Tensor& x, DeviceContext& ctx);
 void mean(Tensor& out, const Tensor& x, DeviceContext& ctx);
 void argmax(Tensor& out, const Tensor& x, DeviceContext& ctx);
 int64_t count_correct(const Tensor& logits, const Tensor& labels, DeviceContext& ctx);
+void count_correct_into(Tensor& out, const Tensor& logits, const Tensor& labels,
+                        DeviceContext& ctx);
+void weighted_sum(Tensor& y, float y_weight, const std::vector<Tensor>& xs,
+                  const std::vector<float>& weights, DeviceContext& ctx);
 void conv2d_forward(Tensor& y, const Tensor& x, const Tensor& w, const Conv2dParams& p,
                     DeviceContext& ctx);
 void conv2d_backward_data(Tensor& dx, const Tensor& dy, const Tensor& w, const Conv2dParams& p,
@@ -80,5 +84,6 @@ void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const
 void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, const AdamWConfig& c,
                   int64_t step, DeviceContext& ctx);
 bool all_finite(const Tensor& x, DeviceContext& ctx);
+void non_finite_into(Tensor& flag, const Tensor& x, DeviceContext& ctx);
 
 }  // namespace kernels::cuda

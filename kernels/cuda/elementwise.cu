@@ -108,6 +108,58 @@ void axpy(Tensor& y, float alpha, const Tensor& x, DeviceContext& ctx) {
   DP_CUDA_CHECK_LAUNCH();
 }
 
+namespace {
+
+// Up to kMaxSources sources per launch (more: further launches, which keep the sum's order).
+constexpr int kMaxSources = 16;
+template <class T>
+struct Sources {
+  const T* x[kMaxSources];
+  float w[kMaxSources];
+  int n;
+};
+
+// y = y_weight * y + sum_k w_k x_k, in k order, f32 accumulation.
+template <class T>
+__global__ void weighted_sum_kernel(float* y, float y_weight, Sources<T> src, int64_t n) {
+  DP_GRID_STRIDE_LOOP(i, n) {
+    float acc = y[i] * y_weight;
+    for (int k = 0; k < src.n; ++k) acc += src.w[k] * to_float(src.x[k][i]);
+    y[i] = acc;
+  }
+}
+
+template <class T>
+void launch_weighted_sum(Tensor& y, float y_weight, const std::vector<Tensor>& xs,
+                         const std::vector<float>& weights, cudaStream_t s) {
+  const int64_t n = y.numel();
+  size_t k = 0;
+  do {
+    Sources<T> src{};
+    for (; k < xs.size() && src.n < kMaxSources; ++src.n, ++k) {
+      src.x[src.n] = xs[k].data<T>();
+      src.w[src.n] = weights[k];
+    }
+    weighted_sum_kernel<<<blocks_for(n), kThreads, 0, s>>>(y.data<float>(), y_weight, src, n);
+    DP_CUDA_CHECK_LAUNCH();
+    y_weight = 1.f;  // a further launch adds to the partial sum
+  } while (k < xs.size());
+}
+
+}  // namespace
+
+void weighted_sum(Tensor& y, float y_weight, const std::vector<Tensor>& xs,
+                  const std::vector<float>& weights, DeviceContext& ctx) {
+  NvtxRange range("kernels/weighted_sum");
+  require_f32("weighted_sum", y);
+  if (y.numel() == 0) return;
+  cudaStream_t s = stream_of(ctx);
+  if (xs.empty() || xs[0].dtype() == DType::f32)
+    launch_weighted_sum<float>(y, y_weight, xs, weights, s);
+  else
+    launch_weighted_sum<__nv_bfloat16>(y, y_weight, xs, weights, s);
+}
+
 void add_bias(Tensor& y, const Tensor& bias, DeviceContext& ctx) {
   NvtxRange range("kernels/add_bias");
   check_elementwise("add_bias", y, bias);

@@ -159,13 +159,15 @@ __global__ void argmax_kernel(int32_t* out, const float* x, int64_t batch, int64
 }
 
 // Integer atomics are exact, so the count is the same whatever the order.
-__global__ void count_correct_kernel(unsigned long long* count, const float* x,
-                                     const int32_t* labels, int64_t batch, int64_t classes) {
+// Count: unsigned long long, or float (exact up to 2^24: adding 1s is then order-free too).
+template <class Count>
+__global__ void count_correct_kernel(Count* count, const float* x, const int32_t* labels,
+                                     int64_t batch, int64_t classes) {
   int lane = threadIdx.x & 31;
   int64_t row = blockIdx.x * static_cast<int64_t>(kRowsPerBlock) + (threadIdx.x >> 5);
   if (row >= batch) return;
   long long idx = warp_row_argmax(x + row * classes, classes, lane);
-  if (lane == 0 && idx == labels[row]) atomicAdd(count, 1ull);
+  if (lane == 0 && idx == labels[row]) atomicAdd(count, Count(1));
 }
 
 // The host side of softmax_xent_kernel's fault record: word 0 packs (row << 32 | label).
@@ -274,6 +276,19 @@ int64_t count_correct(const Tensor& logits, const Tensor& labels, DeviceContext&
   // The op returns a host value: wait for the count to arrive.
   DP_CUDA_CHECK(cudaStreamSynchronize(s));
   return static_cast<int64_t>(host_count);
+}
+
+void count_correct_into(Tensor& out, const Tensor& logits, const Tensor& labels,
+                        DeviceContext& ctx) {
+  NvtxRange range("kernels/count_correct_into");
+  require_f32("count_correct_into", {&logits, &out});
+  int64_t batch = logits.dim(0), classes = logits.dim(1);
+  cudaStream_t s = stream_of(ctx);
+  DP_CUDA_CHECK(cudaMemsetAsync(out.data<float>(), 0, sizeof(float), s));
+  if (batch == 0) return;
+  count_correct_kernel<<<row_warp_blocks(batch), kThreads, 0, s>>>(
+      out.data<float>(), logits.data<float>(), labels.data<int32_t>(), batch, classes);
+  DP_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace kernels::cuda

@@ -12,7 +12,8 @@ namespace {
 // p -= lr g. buf is nullptr without momentum.
 __global__ void sgd_kernel(float* p, const float* grad, float unscale, float* buf, float lr,
                            float momentum, float keep, float weight_decay, bool nesterov,
-                           bool first_step, int64_t n) {
+                           bool first_step, const float* skip, int64_t n) {
+  if (skip && *skip != 0.f) return;  // a non-finite gradient: no update
   DP_GRID_STRIDE_LOOP(i, n) {
     float g = grad[i] * unscale;
     float d = weight_decay != 0.f ? g + weight_decay * p[i] : g;
@@ -30,7 +31,8 @@ __global__ void sgd_kernel(float* p, const float* grad, float unscale, float* bu
 __global__ void adamw_kernel(float* p, const float* grad, float unscale, float* m, float* v,
                              float decay, float beta1, float beta2, float one_minus_b1,
                              float one_minus_b2, float step_size, float correction2_sqrt, float eps,
-                             int64_t n) {
+                             const float* skip, int64_t n) {
+  if (skip && *skip != 0.f) return;  // a non-finite gradient: no update
   DP_GRID_STRIDE_LOOP(i, n) {
     float g = grad[i] * unscale;
     float pi = p[i] * decay;
@@ -44,11 +46,36 @@ __global__ void adamw_kernel(float* p, const float* grad, float unscale, float* 
 }
 
 // Sets *flag when some element is not finite (every writer writes the same value).
-template <class T>
-__global__ void non_finite_kernel(int* flag, const T* x, int64_t n) {
+template <class Flag, class T>
+__global__ void non_finite_kernel(Flag* flag, const T* x, int64_t n) {
   DP_GRID_STRIDE_LOOP(i, n) {
-    if (!isfinite(to_float(x[i]))) *flag = 1;
+    if (!isfinite(to_float(x[i]))) *flag = Flag(1);
   }
+}
+
+// Launches non_finite_kernel over a floating x (flag zeroed first).
+template <class Flag>
+void launch_non_finite(Flag* flag, const Tensor& x, cudaStream_t s) {
+  int64_t n = x.numel();
+  DP_CUDA_CHECK(cudaMemsetAsync(flag, 0, sizeof(Flag), s));
+  switch (x.dtype()) {  // floating dtypes, as the CPU backend
+    case DType::f32:
+      non_finite_kernel<<<blocks_for(n), kThreads, 0, s>>>(flag, x.data<float>(), n);
+      break;
+    case DType::f16:
+      non_finite_kernel<<<blocks_for(n), kThreads, 0, s>>>(flag, x.data<__half>(), n);
+      break;
+    case DType::bf16:
+      non_finite_kernel<<<blocks_for(n), kThreads, 0, s>>>(flag, x.data<__nv_bfloat16>(), n);
+      break;
+    default:
+      DP_THROW("all_finite: dtype " << x.dtype() << " is not supported");
+  }
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+const float* skip_pointer(const Tensor& skip_if) {
+  return skip_if.defined() ? skip_if.data<float>() : nullptr;
 }
 
 }  // namespace
@@ -67,7 +94,8 @@ void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const
   if (n == 0) return;
   sgd_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
       params.data<float>(), grads.data<float>(), c.grad_unscale, buf, c.lr, c.momentum,
-      1.f - c.dampening, c.weight_decay, c.nesterov == Nesterov::yes, step == 1, n);
+      1.f - c.dampening, c.weight_decay, c.nesterov == Nesterov::yes, step == 1,
+      skip_pointer(c.skip_if), n);
   DP_CUDA_CHECK_LAUNCH();
 }
 
@@ -84,7 +112,8 @@ void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, con
   float correction2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(double{c.beta2}, t)));
   adamw_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
       params.data<float>(), grads.data<float>(), c.grad_unscale, m.data<float>(), v.data<float>(),
-      decay, c.beta1, c.beta2, 1.f - c.beta1, 1.f - c.beta2, step_size, correction2_sqrt, c.eps, n);
+      decay, c.beta1, c.beta2, 1.f - c.beta1, 1.f - c.beta2, step_size, correction2_sqrt, c.eps,
+      skip_pointer(c.skip_if), n);
   DP_CUDA_CHECK_LAUNCH();
 }
 
@@ -94,26 +123,23 @@ bool all_finite(const Tensor& x, DeviceContext& ctx) {
   if (n == 0 || !is_floating(x.dtype())) return true;  // integers are always finite
   cudaStream_t s = stream_of(ctx);
   auto* flag = static_cast<int*>(ctx.workspace(sizeof(int)));
-  DP_CUDA_CHECK(cudaMemsetAsync(flag, 0, sizeof(int), s));
-  switch (x.dtype()) {  // floating dtypes, as the CPU backend
-    case DType::f32:
-      non_finite_kernel<<<blocks_for(n), kThreads, 0, s>>>(flag, x.data<float>(), n);
-      break;
-    case DType::f16:
-      non_finite_kernel<<<blocks_for(n), kThreads, 0, s>>>(flag, x.data<__half>(), n);
-      break;
-    case DType::bf16:
-      non_finite_kernel<<<blocks_for(n), kThreads, 0, s>>>(flag, x.data<__nv_bfloat16>(), n);
-      break;
-    default:
-      DP_THROW("all_finite: dtype " << x.dtype() << " is not supported");
-  }
-  DP_CUDA_CHECK_LAUNCH();
+  launch_non_finite(flag, x, s);
   int host_flag = 0;
   DP_CUDA_CHECK(cudaMemcpyAsync(&host_flag, flag, sizeof(int), cudaMemcpyDeviceToHost, s));
   // The op returns a host value: wait for the flag to arrive.
   DP_CUDA_CHECK(cudaStreamSynchronize(s));
   return host_flag == 0;
+}
+
+void non_finite_into(Tensor& flag, const Tensor& x, DeviceContext& ctx) {
+  NvtxRange range("kernels/non_finite_into");
+  require_f32("non_finite_into", flag);
+  cudaStream_t s = stream_of(ctx);
+  if (x.numel() == 0 || !is_floating(x.dtype())) {
+    DP_CUDA_CHECK(cudaMemsetAsync(flag.data<float>(), 0, sizeof(float), s));
+    return;
+  }
+  launch_non_finite(flag.data<float>(), x, s);
 }
 
 }  // namespace kernels::cuda

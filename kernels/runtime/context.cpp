@@ -6,6 +6,7 @@
 #include <mutex>
 #include <thread>
 
+#include "kernels/runtime/block_cache.hpp"
 #include "kernels/runtime/error.hpp"
 
 #if DP_HAVE_CUDA
@@ -92,6 +93,8 @@ DeviceContext::DeviceContext(Device device, ContextOptions options)
     int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     cpu_threads_ = options.cpu_threads > 0 ? std::min(options.cpu_threads, hw) : hw;
     arena_ = std::make_unique<tbb::task_arena>(cpu_threads_);
+    if (options.caching == Caching::on)
+      block_cache_ = std::make_shared<BlockCache>(device, nullptr, memory_);
     return;
   }
 #if DP_HAVE_CUDA
@@ -116,6 +119,8 @@ DeviceContext::DeviceContext(Device device, ContextOptions options)
   DP_CUDNN_CHECK(cudnnCreate(&dnn));
   DP_CUDNN_CHECK(cudnnSetStream(dnn, s));
   cudnn_ = dnn;
+  if (options.caching == Caching::on)
+    block_cache_ = std::make_shared<BlockCache>(device, stream_owner_, memory_);
 #else
   DP_THROW("device " << device << " is not usable: " << cuda_unavailable_reason());
 #endif
@@ -209,12 +214,27 @@ void DeviceContext::make_current() const {
 }
 
 void DeviceContext::synchronize() {
+  note_host_sync();
 #if DP_HAVE_CUDA
   if (stream_) {
     make_current();
     DP_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)));
     check_faults();
   }
+#endif
+}
+
+bool direct_access(Device reader, Device owner) {
+  if (reader.is_cpu() || owner.is_cpu()) return reader.is_cpu() && owner.is_cpu();
+#if DP_HAVE_CUDA
+  const int r = physical_gpu(reader), o = physical_gpu(owner);
+  if (r == o) return true;
+  prepare_gpu_once(r);  // enables the peer access this answer relies on
+  int can = 0;
+  DP_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, r, o));
+  return can != 0;
+#else
+  return false;
 #endif
 }
 

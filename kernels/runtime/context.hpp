@@ -24,10 +24,13 @@
 
 namespace kernels {
 
-// Bytes allocated on one logical device through one context, now and at the peak.
+// Bytes allocated on one logical device through one context, now and at the peak (tensors in
+// use: blocks a BlockCache keeps for reuse are not counted), and how many times memory was
+// taken from the device (cudaMallocAsync or the host heap; a block reused from a cache is not).
 struct MemoryStats {
   std::atomic<int64_t> current{0};
   std::atomic<int64_t> peak{0};
+  std::atomic<int64_t> allocations{0};
   void on_alloc(int64_t bytes);
   void on_free(int64_t bytes) { current.fetch_sub(bytes); }
 };
@@ -35,10 +38,17 @@ struct MemoryStats {
 // How matrix products may round: strict f32, or TF32 tensor cores for f32 inputs (GPU only).
 enum class MathMode { strict, tf32 };
 
+// Whether freed tensors' memory is kept for the next request of the same size (BlockCache):
+// on for engine workers, whose steps repeat; off for one-off work.
+enum class Caching { off, on };
+
 struct ContextOptions {
   int cpu_threads = 0;  // CPU devices: arena concurrency; 0 = all hardware threads
   MathMode math = MathMode::strict;
+  Caching caching = Caching::off;
 };
+
+class BlockCache;
 
 class DeviceContext {
  public:
@@ -65,6 +75,15 @@ class DeviceContext {
   void set_math(MathMode m) { options_.math = m; }
 
   const std::shared_ptr<MemoryStats>& memory() const { return memory_; }
+  // The cache tensors allocated through this context draw from (null: Caching::off).
+  const std::shared_ptr<BlockCache>& block_cache() const { return block_cache_; }
+
+  // Times the host waited for this context's device work or read a result back: synchronize(),
+  // a copy that ends on the host, an op that returns a value (count_correct, all_finite), a
+  // host read of one of its tensors (item, to_host_*). Counted on CPU devices too, where
+  // the work is done already, so that a step's count is the same on every backend.
+  int64_t host_syncs() const { return host_syncs_.load(); }
+  void note_host_sync() { host_syncs_.fetch_add(1, std::memory_order_relaxed); }
   // Shares ownership of the CUDA stream: memory allocated on it keeps it alive until freed,
   // so a tensor may outlive the context that made it. Empty on CPU devices.
   const std::shared_ptr<void>& stream_owner() const { return stream_owner_; }
@@ -113,6 +132,8 @@ class DeviceContext {
   FaultText fault_text_ = nullptr;
   std::unique_ptr<tbb::task_arena> arena_;
   std::shared_ptr<MemoryStats> memory_;
+  std::shared_ptr<BlockCache> block_cache_;
+  std::atomic<int64_t> host_syncs_{0};
   std::map<std::type_index, std::shared_ptr<void>> states_;
 };
 
@@ -128,6 +149,11 @@ class ContextScope {
   DeviceContext* previous_;
   Device device_;
 };
+
+// Whether a kernel running on `reader` can read memory of `owner` in place: both CPU devices,
+// two logical devices of one GPU, or two GPUs with peer access (enabled by the runtime where
+// cudaDeviceCanAccessPeer allows it).
+bool direct_access(Device reader, Device owner);
 
 // This thread's context for `device`: the bound one, else a default one made on first use.
 DeviceContext& context(Device device);

@@ -19,6 +19,7 @@ Event::~Event() {
 
 Event::Event(Event&& other) noexcept
     : device_(other.device_),
+      timing_(other.timing_),
       event_(std::exchange(other.event_, nullptr)),
       gpu_(other.gpu_),
       recorded_(std::exchange(other.recorded_, false)),
@@ -28,6 +29,7 @@ Event& Event::operator=(Event&& other) noexcept {
   if (this != &other) {
     release();
     device_ = other.device_;
+    timing_ = other.timing_;
     event_ = std::exchange(other.event_, nullptr);
     gpu_ = other.gpu_;
     recorded_ = std::exchange(other.recorded_, false);
@@ -63,7 +65,8 @@ void Event::record(DeviceContext& ctx) {
   if (event_ && gpu != gpu_) release();  // an event belongs to one GPU
   if (!event_) {
     cudaEvent_t e = nullptr;
-    DP_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDefault));  // timing on
+    DP_CUDA_CHECK(cudaEventCreateWithFlags(
+        &e, timing_ == Timing::on ? cudaEventDefault : cudaEventDisableTiming));
     event_ = e;
     gpu_ = gpu;
   }
@@ -100,6 +103,8 @@ void Event::synchronize() const {
 
 double Event::elapsed_ms(const Event& a, const Event& b) {
   DP_CHECK(a.recorded_ && b.recorded_, "Event::elapsed_ms: an event was never recorded");
+  DP_CHECK(a.timing_ == Timing::on && b.timing_ == Timing::on,
+           "Event::elapsed_ms: an event was made with Timing::off (ordering only)");
   DP_CHECK(a.device_ == b.device_, "Event::elapsed_ms: events on " << a.device_ << " and "
                                                                    << b.device_
                                                                    << " (one device required)");

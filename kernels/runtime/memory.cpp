@@ -62,6 +62,7 @@ void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device
   // A copy that ends on the host is waited for: the caller reads the data next.
   // An armed device-side fault (a bad label in the loss) is reported at this read.
   if (dst_device.is_cpu()) {
+    ctx.note_host_sync();
     DP_CUDA_CHECK(cudaStreamSynchronize(s));
     ctx.check_faults();
   }
@@ -95,6 +96,14 @@ void copy_bytes(Tensor& dst, const Tensor& src) {
   // The GPU side's context orders the copy; dst's when both sides are alike.
   DeviceContext& ctx = context(s.is_cuda() && d.is_cpu() ? s : d);
   copy_bytes(dst.raw(), d, src.raw(), s, dst.nbytes(), ctx);
+}
+
+void read_back(Tensor& host, const Tensor& src) {
+  DP_CHECK(host.defined() && host.device().is_cpu(),
+           "read_back: " << host << " is not on the host");
+  copy_bytes(host, src);
+  if (src.device().is_cpu())
+    if (DeviceContext* ctx = existing_context(src.device())) ctx->note_host_sync();
 }
 
 void fill_bytes(Tensor& y, uint8_t value) {

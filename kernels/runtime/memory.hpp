@@ -30,4 +30,9 @@ void fill_bytes(void* y, Device device, uint8_t value, size_t bytes, DeviceConte
 void copy_bytes(Tensor& dst, const Tensor& src);
 void fill_bytes(Tensor& y, uint8_t value);
 
+// A step's read of its results: requires host a host tensor of src's numel and dtype. ensures
+// host = src, and one host sync counted on src's context on every backend (from a GPU the copy
+// waits for the stream; on a CPU device the work is done, and the read counts alike).
+void read_back(Tensor& host, const Tensor& src);
+
 }  // namespace kernels

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "kernels/runtime/block_cache.hpp"
 #include "kernels/runtime/context.hpp"
 #include "kernels/runtime/memory.hpp"
 
@@ -36,33 +37,20 @@ Storage::Storage(Device device, size_t bytes, HostMemory host) : device_(device)
   DeviceContext& ctx = context(device);
   stats_ = ctx.memory();
   if (bytes == 0) return;
-  if (device.is_cpu()) {
 #if DP_HAVE_CUDA
-    if (host == HostMemory::pinned && cuda_device_count() > 0) {
-      DP_CUDA_CHECK(cudaMallocHost(&data_, bytes));
-      pinned_ = true;
-    }
-#endif
-    if (!pinned_) {
-      // 256-byte aligned, as cudaMalloc's blocks are: flat-buffer views keep their alignment.
-      size_t rounded = (bytes + 255) / 256 * 256;
-      data_ = std::aligned_alloc(256, rounded);
-      DP_CHECK(data_ != nullptr,
-               "out of host memory allocating " << bytes << " bytes on " << device);
-    }
-  } else {
-#if DP_HAVE_CUDA
-    DP_CUDA_CHECK(cudaSetDevice(physical_gpu(device)));
-    stream_ = ctx.stream_owner();
-    cudaError_t e = cudaMallocAsync(&data_, bytes, static_cast<cudaStream_t>(ctx.stream()));
-    if (e != cudaSuccess) {
-      cudaGetLastError();
-      DP_THROW("out of memory on " << device << " allocating " << bytes
-                                   << " bytes: " << cudaGetErrorString(e));
-    }
+  if (device.is_cpu() && host == HostMemory::pinned && cuda_device_count() > 0) {
+    DP_CUDA_CHECK(cudaMallocHost(&data_, bytes));
+    stats_->allocations.fetch_add(1);
+    pinned_ = true;
+  }
 #else
-    DP_THROW("device " << device << " is not usable: " << cuda_unavailable_reason());
+  (void)host;
 #endif
+  if (!pinned_) {
+    stream_ = ctx.stream_owner();  // CUDA: the stream it is allocated on, and freed on
+    cache_ = ctx.block_cache();
+    data_ =
+        cache_ ? cache_->take(bytes) : allocate_device_bytes(device, bytes, stream_.get(), *stats_);
   }
   stats_->on_alloc(static_cast<int64_t>(bytes));
 }
@@ -70,23 +58,18 @@ Storage::Storage(Device device, size_t bytes, HostMemory host) : device_(device)
 Storage::~Storage() {
   if (!data_) return;
   stats_->on_free(static_cast<int64_t>(bytes_));
-  if (device_.is_cpu() && !pinned_) {
-    std::free(data_);
+  if (cache_) {
+    cache_->give_back(data_, bytes_);
+    return;
+  }
+  if (!pinned_) {
+    free_device_bytes(device_, data_, bytes_, stream_.get());
     return;
   }
 #if DP_HAVE_CUDA
-  cudaError_t e;
-  if (pinned_) {
-    e = cudaFreeHost(data_);
-  } else {
-    // The caller's current GPU is left as it was (a thread may hold tensors of several GPUs).
-    CurrentGpuGuard on(physical_gpu(device_));
-    // Stream-ordered free on the stream the block was allocated on: work queued there that
-    // still reads it finishes first. The stream stays alive while this storage holds it.
-    e = cudaFreeAsync(data_, static_cast<cudaStream_t>(stream_.get()));
-  }
+  cudaError_t e = cudaFreeHost(data_);
   if (e != cudaSuccess && e != cudaErrorCudartUnloading)
-    DP_LOG_ERROR("freeing " << bytes_ << " bytes on " << device_ << ": " << cudaGetErrorString(e));
+    DP_LOG_ERROR("freeing " << bytes_ << " pinned bytes: " << cudaGetErrorString(e));
 #endif
 }
 
@@ -206,7 +189,16 @@ Tensor Tensor::clone() const {
   return t;
 }
 
+namespace {
+// A host read of a CPU tensor counts as a host sync of its device's context, as a copy from a
+// GPU does (when this thread has a context for it; a read made where none exists is no step's).
+void note_cpu_read(const Tensor& t) {
+  if (DeviceContext* ctx = existing_context(t.device())) ctx->note_host_sync();
+}
+}  // namespace
+
 std::vector<float> Tensor::to_host_f32() const {
+  if (device().is_cpu()) note_cpu_read(*this);
   Tensor h = device().is_cpu() ? *this : to(Device::cpu());
   std::vector<float> out(static_cast<size_t>(numel_));
   switch (dtype_) {
@@ -233,6 +225,7 @@ std::vector<float> Tensor::to_host_f32() const {
 }
 
 std::vector<int32_t> Tensor::to_host_i32() const {
+  if (device().is_cpu()) note_cpu_read(*this);
   DP_CHECK(dtype_ == DType::i32, "to_host_i32 of a " << dtype_ << " tensor");
   Tensor h = device().is_cpu() ? *this : to(Device::cpu());
   std::vector<int32_t> out(static_cast<size_t>(numel_));

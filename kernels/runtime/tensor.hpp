@@ -22,10 +22,13 @@ std::string shape_str(const Shape& s);
 int64_t shape_numel(const Shape& s);
 
 struct MemoryStats;
+class BlockCache;
 
 // One allocation on one device. Freed when the last Tensor viewing it goes away.
 // CUDA memory comes from the stream-ordered pool (cudaMallocAsync) on the allocating
-// thread's stream; host memory is page-locked when `pinned` (staging for H2D/D2H).
+// thread's stream; host memory is page-locked when `pinned` (staging for H2D/D2H). When the
+// allocating thread's context caches blocks (Caching::on), the block comes from and goes back
+// to its BlockCache.
 class Storage {
  public:
   enum class HostMemory { pageable, pinned };
@@ -46,6 +49,7 @@ class Storage {
   bool pinned_ = false;
   std::shared_ptr<void> stream_;  // CUDA: the stream it was allocated on, freed there too
   std::shared_ptr<MemoryStats> stats_;
+  std::shared_ptr<BlockCache> cache_;  // set when the block came from a context's cache
 };
 
 class Tensor {

@@ -1,0 +1,101 @@
+#include "kernels/runtime/block_cache.hpp"
+
+#include <cstdlib>
+
+#include "kernels/runtime/context.hpp"
+#include "kernels/runtime/error.hpp"
+
+#if DP_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "kernels/runtime/cuda_check.hpp"
+#endif
+
+namespace kernels {
+
+void* allocate_device_bytes(Device device, size_t bytes, void* stream, MemoryStats& stats) {
+  void* p = nullptr;
+  if (device.is_cpu()) {
+    // 256-byte aligned, as cudaMalloc's blocks are: flat-buffer views keep their alignment.
+    size_t rounded = (bytes + 255) / 256 * 256;
+    p = std::aligned_alloc(256, rounded);
+    DP_CHECK(p != nullptr, "out of host memory allocating " << bytes << " bytes on " << device);
+  } else {
+#if DP_HAVE_CUDA
+    CurrentGpuGuard on(physical_gpu(device));
+    cudaError_t e = cudaMallocAsync(&p, bytes, static_cast<cudaStream_t>(stream));
+    if (e != cudaSuccess) {
+      cudaGetLastError();  // handled here: the next launch on this thread must not report it
+      DP_THROW("out of memory on " << device << " allocating " << bytes
+                                   << " bytes: " << cudaGetErrorString(e));
+    }
+#else
+    (void)stream;
+    DP_THROW("device " << device << " is not usable: " << cuda_unavailable_reason());
+#endif
+  }
+  stats.allocations.fetch_add(1);
+  return p;
+}
+
+void free_device_bytes(Device device, void* p, size_t bytes, void* stream) noexcept {
+  if (!p) return;
+  if (device.is_cpu()) {
+    std::free(p);
+    return;
+  }
+#if DP_HAVE_CUDA
+  // The caller's current GPU is left as it was (a thread may hold tensors of several GPUs).
+  CurrentGpuGuard on(physical_gpu(device));
+  // Stream-ordered free on the stream the block was allocated on: work queued there that still
+  // reads it finishes first.
+  cudaError_t e = cudaFreeAsync(p, static_cast<cudaStream_t>(stream));
+  if (e != cudaSuccess && e != cudaErrorCudartUnloading)
+    DP_LOG_ERROR("freeing " << bytes << " bytes on " << device << ": " << cudaGetErrorString(e));
+#else
+  (void)bytes;
+  (void)stream;
+#endif
+}
+
+BlockCache::BlockCache(Device device, std::shared_ptr<void> stream_owner,
+                       std::shared_ptr<MemoryStats> stats)
+    : device_(device), stream_owner_(std::move(stream_owner)), stats_(std::move(stats)) {}
+
+BlockCache::~BlockCache() {
+  for (auto& [bytes, blocks] : free_)
+    for (void* p : blocks) free_device_bytes(device_, p, bytes, stream_owner_.get());
+}
+
+void* BlockCache::take(size_t bytes) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = free_.find(bytes);
+    if (it != free_.end() && !it->second.empty()) {
+      void* p = it->second.back();
+      it->second.pop_back();
+      return p;
+    }
+  }
+  void* p = allocate_device_bytes(device_, bytes, stream_owner_.get(), *stats_);
+  std::lock_guard<std::mutex> lock(mutex_);
+  reserved_ += static_cast<int64_t>(bytes);
+  return p;
+}
+
+void BlockCache::give_back(void* p, size_t bytes) noexcept {
+  std::lock_guard<std::mutex> lock(mutex_);
+  try {
+    free_[bytes].push_back(p);
+  } catch (...) {  // no memory for the list: the block goes back to the device instead
+    reserved_ -= static_cast<int64_t>(bytes);
+    free_device_bytes(device_, p, bytes, stream_owner_.get());
+  }
+}
+
+int64_t BlockCache::reserved_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return reserved_;
+}
+
+}  // namespace kernels

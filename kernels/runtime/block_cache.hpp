@@ -1,0 +1,56 @@
+// BlockCache: the memory of a context that runs the same step again and again (an engine's
+// worker thread). A freed block goes back to the cache, and the next request of exactly its
+// size takes it (the last one freed first). From the second step of a shape on, a step
+// therefore allocates nothing, and the same sequence of requests gets the same addresses,
+// which is what a captured CUDA graph needs. A new shape makes its blocks once.
+//
+// CUDA blocks come from cudaMallocAsync on the context's stream and are reused only on that
+// stream (stream order makes the reuse safe, as for the driver's own pool); host blocks are
+// 256-byte aligned, as cudaMalloc's are. The cache frees its blocks when the last tensor that
+// holds one and the context are both gone.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "kernels/runtime/device.hpp"
+
+namespace kernels {
+
+struct MemoryStats;
+
+// One allocation from the device (host heap or cudaMallocAsync on `stream`), counted in
+// stats.allocations; throws naming the device and size when it fails.
+void* allocate_device_bytes(Device device, size_t bytes, void* stream, MemoryStats& stats);
+// Frees what allocate_device_bytes returned (stream-ordered on `stream` for CUDA). Never throws.
+void free_device_bytes(Device device, void* p, size_t bytes, void* stream) noexcept;
+
+class BlockCache {
+ public:
+  // `stream_owner` keeps the CUDA stream alive as long as the cache (empty on CPU devices).
+  BlockCache(Device device, std::shared_ptr<void> stream_owner, std::shared_ptr<MemoryStats> stats);
+  ~BlockCache();
+  BlockCache(const BlockCache&) = delete;
+  BlockCache& operator=(const BlockCache&) = delete;
+
+  // ensures a block of `bytes` bytes: a cached one of exactly that size, else a new one.
+  void* take(size_t bytes);
+  // requires p came from take(bytes). ensures the next take(bytes) may return it.
+  void give_back(void* p, size_t bytes) noexcept;
+  // Bytes held by the cache, in use or free.
+  int64_t reserved_bytes() const;
+
+ private:
+  Device device_;
+  std::shared_ptr<void> stream_owner_;
+  std::shared_ptr<MemoryStats> stats_;
+  mutable std::mutex mutex_;  // a tensor may die on another thread than the one that made it
+  std::map<size_t, std::vector<void*>> free_;
+  int64_t reserved_ = 0;
+};
+
+}  // namespace kernels
