@@ -68,8 +68,10 @@ DataParallel::DataParallel(nn::ModulePtr module, nn::Optimizer& optimizer,
   DP_CHECK(
       options_.comm_dtype == kernels::DType::f32 || options_.comm_dtype == kernels::DType::bf16,
       "DataParallel: gradients travel in f32 or bf16, not " << options_.comm_dtype);
-  // Replicas inherit the compute dtype from device 0's module (clone_to).
+  // Replicas inherit the compute dtype from device 0's module (clone_to), and that the input
+  // gradient is not needed (the input is data: the first layer skips that product).
   module->set_compute_dtype(nn::compute_dtype(options_.precision));
+  module->set_input_grad(nn::InputGrad::not_needed);
   warn_if_oversubscribed(devices_);
   // Work the caller queued on device 0 (initialisation, optimizer state) finishes before any
   // worker reads those buffers from its own stream.

@@ -120,8 +120,10 @@ struct StepStats {
 class DataParallel {
  public:
   // requires module materialised on devices[0], optimizer built on that module's flat buffers,
-  // devices non-empty and distinct. Builds the replicas once (clone_to) on their workers, and
-  // owns the module's on_grad_ready hook until destroyed (the reduction starts from it).
+  // devices non-empty and distinct. Marks the module's input gradient not needed (its
+  // backward returns none from then on: the input is data). Builds the replicas once (clone_to) on
+  // their workers, and owns the module's on_grad_ready hook until destroyed (the reduction starts
+  // from it).
   DataParallel(nn::ModulePtr module, nn::Optimizer& optimizer, std::vector<Device> devices,
                DataParallelOptions options = {});
   ~DataParallel();

@@ -61,11 +61,27 @@ class Sequential : public Module {
   }
   Tensor backward_impl(const Tensor& dy) override {
     Tensor g = dy;
-    for (auto it = children().rbegin(); it != children().rend(); ++it) g = it->second->backward(g);
-    return g;
+    // Without an input gradient, backward ends at the first layer with parameters: the
+    // parameterless layers before it (Flatten, a first activation) would only feed it.
+    const size_t stop = input_grad_needed() ? 0 : first_with_parameters();
+    for (size_t i = children().size(); i-- > stop;) g = children()[i].second->backward(g);
+    return input_grad_needed() ? g : Tensor();
+  }
+  void on_input_grad(InputGrad g) override {
+    const size_t first = first_with_parameters();
+    for (size_t i = 0; i < children().size(); ++i)
+      children()[i].second->set_input_grad(i <= first ? g : InputGrad::needed);
   }
   // Empty: clone_structure() clones and registers the children in order.
   std::shared_ptr<Module> clone_config() const override { return std::make_shared<Sequential>(); }
+
+ private:
+  // Index of the first child holding parameters (size() when none does).
+  size_t first_with_parameters() const {
+    for (size_t i = 0; i < children().size(); ++i)
+      if (!children()[i].second->named_parameters().empty()) return i;
+    return children().size();
+  }
 };
 
 inline std::shared_ptr<Sequential> sequential(std::initializer_list<ModulePtr> layers) {

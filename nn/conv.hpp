@@ -56,9 +56,12 @@ class Conv2d : public Module {
 
   Tensor backward_impl(const Tensor& dy) override {
     DP_CHECK(x_.defined(), "Conv2d::backward called before forward");
-    Tensor dx = Tensor::empty(x_.shape(), DType::f32, dy.device());  // (N, C, H, W)
+    Tensor dx;
     Tensor dyc = to_compute(dy);
-    kernels::conv2d_backward_data(dx, dyc, weight_->compute, p_, kernels::Accumulate::no);
+    if (input_grad_needed()) {
+      dx = Tensor::empty(x_.shape(), DType::f32, dy.device());  // (N, C, H, W)
+      kernels::conv2d_backward_data(dx, dyc, weight_->compute, p_, kernels::Accumulate::no);
+    }
     kernels::conv2d_backward_filter(weight_->grad, dyc, x_, p_, kernels::Accumulate::yes);
     // The bias gradient is a reduction: f32.
     if (bias_) kernels::bias_backward(bias_->grad, dy, kernels::Accumulate::yes);

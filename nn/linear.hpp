@@ -55,17 +55,20 @@ class Linear : public Module {
     DP_CHECK(dy.numel() == rows * out_, "Linear(" << in_ << " -> " << out_ << "): dy "
                                                   << kernels::shape_str(dy.shape())
                                                   << " does not match the forward output");
-    Tensor dy2 = dy.reshape({rows, out_});                            // (M, out)
-    Tensor dy2c = to_compute(dy2);                                    // 16-bit under AMP
-    Tensor dx = Tensor::empty({rows, in_}, DType::f32, dy.device());  // (M, in)
-    // (M, out) x (out, in) -> (M, in)
-    kernels::gemm(dx, dy2c, kernels::Transpose::no, weight_->compute, kernels::Transpose::no);
+    Tensor dy2 = dy.reshape({rows, out_});  // (M, out)
+    Tensor dy2c = to_compute(dy2);          // 16-bit under AMP
+    Tensor dx;
+    if (input_grad_needed()) {
+      dx = Tensor::empty({rows, in_}, DType::f32, dy.device());  // (M, in)
+      // (M, out) x (out, in) -> (M, in)
+      kernels::gemm(dx, dy2c, kernels::Transpose::no, weight_->compute, kernels::Transpose::no);
+    }
     // dW += (M, out)^T x (M, in) -> (out, in), accumulated into the f32 gradient
     kernels::gemm(weight_->grad, dy2c, kernels::Transpose::yes, x2_, kernels::Transpose::no, 1.f,
                   1.f);
     // The bias gradient is a reduction: f32.
     if (bias_) kernels::bias_backward(bias_->grad, dy2, kernels::Accumulate::yes);
-    return dx.reshape(x_shape_);
+    return dx.defined() ? dx.reshape(x_shape_) : dx;
   }
 
   std::shared_ptr<Module> clone_config() const override {

@@ -142,6 +142,11 @@ struct FlatState {
 
 enum class Mode { train, eval };
 
+// Whether backward must return the gradient of the module's input. A model's input is data,
+// so its first layer's input gradient is read by nothing: the engines mark the root
+// not_needed, and layers then skip that product (a Linear's dx GEMM, a Conv2d's backward data).
+enum class InputGrad { needed, not_needed };
+
 class Module {
  public:
   virtual ~Module() = default;
@@ -306,8 +311,17 @@ class Module {
     if (m->children_.empty())
       for (auto& [name, child] : children_) m->register_module(name, child->clone_structure());
     m->mode_ = mode_;
+    m->set_input_grad(input_grad_);
     return m;
   }
+
+  // requires backward's result is unused when g is not_needed. Containers pass it on to the
+  // layers that see the input first (Sequential: up to its first layer with parameters).
+  void set_input_grad(InputGrad g) {
+    input_grad_ = g;
+    on_input_grad(g);
+  }
+  bool input_grad_needed() const { return input_grad_ == InputGrad::needed; }
 
  protected:
   virtual Tensor forward_impl(const Tensor& x) = 0;
@@ -318,6 +332,7 @@ class Module {
   // Called after the flat buffers are bound (views are valid from here on).
   virtual void on_bind() {}
   virtual void on_mode(Mode) {}
+  virtual void on_input_grad(InputGrad) {}
 
   Parameter& register_parameter(std::string name, Shape shape, InitSpec init) {
     DP_CHECK(!materialized(), "register_parameter(" << name << ") after materialize()");
@@ -398,6 +413,7 @@ class Module {
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
   std::shared_ptr<FlatState> flat_;
   Mode mode_ = Mode::train;
+  InputGrad input_grad_ = InputGrad::needed;
 };
 
 using ModulePtr = std::shared_ptr<Module>;

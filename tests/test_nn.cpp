@@ -373,3 +373,30 @@ TEST_CASE(
     CHECK(opt.step_count() == 1);
   }
 }
+
+TEST_CASE("nn.input_grad: a model marked not_needed skips its first layers' input gradient") {
+  struct Case {
+    nn::ModulePtr (*make)();
+    Shape x;
+  };
+  for (const Case& c :
+       {Case{+[]() -> nn::ModulePtr {
+               return nn::mlp({6, 8, 3});
+             },
+             {2, 6}},
+        Case{+[]() -> nn::ModulePtr { return nn::lenet(1, 4, 12); }, {2, 1, 12, 12}}}) {
+    auto full = materialized(c.make(), 7), lean = materialized(c.make(), 7);
+    lean->set_input_grad(nn::InputGrad::not_needed);
+    Tensor x = uniform(c.x, 3);
+    Tensor y_full = full->forward(x);
+    lean->forward(x);
+    Tensor dy = uniform(y_full.shape(), 4);
+    full->zero_grad();
+    lean->zero_grad();
+    CHECK(full->backward(dy).defined());
+    CHECK_FALSE(lean->backward(dy).defined());
+    // The parameter gradients are the same bits: only the unread product was skipped.
+    CHECK(full->flat_grads().to_host_f32() == lean->flat_grads().to_host_f32());
+    CHECK_FALSE(lean->clone_to(Device::cpu())->input_grad_needed());
+  }
+}
