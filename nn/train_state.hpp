@@ -485,6 +485,21 @@ inline Resumed resume_training_state(const std::string& resume, const std::strin
                                            << io::printable(dir) << " loads:" << reasons);
 }
 
+// The lines a program prints about a resume (each after its "program: " prefix): every
+// checkpoint skipped and why, the file loaded, and what was re-sharded (resume_note).
+inline std::vector<std::string> resume_report(const Resumed& r, const TrainingProgress& now) {
+  std::vector<std::string> lines;
+  for (const auto& s : r.skipped) lines.push_back("--resume latest: skipped " + s);
+  if (r.path.empty()) return lines;
+  if (!r.skipped.empty())
+    lines.push_back("--resume latest: resuming from " + io::printable(r.path) +
+                    ", the newest "
+                    "whole checkpoint (step " +
+                    std::to_string(r.progress.step) + ")");
+  if (std::string note = resume_note(r.progress, now); !note.empty()) lines.push_back(note);
+  return lines;
+}
+
 // One job's hold on a checkpoint folder, so that two jobs never write, prune or clean up each
 // other's checkpoints (as two runs given one --checkpoint-dir would). Taken before any work:
 // creates the folder with its parents when missing, proves it writable (a probe file created
