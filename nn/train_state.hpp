@@ -326,10 +326,11 @@ inline TrainingProgress load_training_state(const std::string& path, Module& m, 
 
 // What a resume onto `now` (this run) changes of `saved` (load_training_state's result), for
 // the log; "" when the mode, world size and optimizer shards are the saving run's. E.g.
-// "re-sharded a ddp checkpoint of 4 ranks onto dp on 3 devices: parameters and optimizer state
-// are whole in the file (the optimizer state was gathered from 4 ZeRO-1 shards, kept whole
-// here); the sampler goes on at global step 6 with the same global batch; dropout streams are
-// re-derived per device (from offset 480), so the continuation is not bit-exact".
+// "re-sharded a ddp checkpoint of 4 ranks onto dp on 3 devices: the parameters and the
+// optimizer state are whole in the file; the optimizer state was split into 4 ZeRO-1 shards
+// there and is whole here; the sampler goes on at global step 6 with the same global batch;
+// dropout streams are re-derived per device (each from offset 480) and the batch's gradient is
+// summed in another order, so the continuation is not bit-exact".
 inline std::string resume_note(const TrainingProgress& saved, const TrainingProgress& now) {
   if (saved.mode == now.mode && saved.world_size == now.world_size &&
       saved.optimizer_shards == now.optimizer_shards)
@@ -340,21 +341,22 @@ inline std::string resume_note(const TrainingProgress& saved, const TrainingProg
   std::string note = "re-sharded a " + saved.mode + " checkpoint of " +
                      detail::world_text(saved.mode, saved.world_size) + " onto " + now.mode +
                      " on " + detail::world_text(now.mode, now.world_size) +
-                     ": the parameters and the optimizer state are whole in the file; the "
-                     "optimizer state was " +
-                     shards(saved.optimizer_shards) + " there and is " +
-                     shards(now.optimizer_shards) + " here; the sampler goes on at global step " +
-                     std::to_string(saved.step) + " with the same global batch; ";
+                     ": the parameters and the optimizer state are whole in the file";
+  if (saved.optimizer_shards > 1 || now.optimizer_shards > 1)
+    note += "; the optimizer state was " + shards(saved.optimizer_shards) + " there and is " +
+            shards(now.optimizer_shards) + " here";
+  note += "; the sampler goes on at global step " + std::to_string(saved.step) +
+          " with the same global batch; ";
   if (saved.world_size != now.world_size)
     note += "dropout streams are re-derived per " +
             std::string(now.mode == "ddp" ? "rank" : "device") + " (each from offset " +
             std::to_string(saved.rng_offsets.empty() ? 0 : saved.rng_offsets[0]) +
-            ") and the gradient is reduced in another order, so the continuation is not "
+            ") and the batch's gradient is summed in another order, so the continuation is not "
             "bit-exact";
   else
     note +=
-        "the dropout streams go on per device, but the gradient is reduced in another "
-        "order, so the continuation is not bit-exact";
+        "the dropout streams go on per device, but the batch's gradient is summed in "
+        "another order, so the continuation is not bit-exact";
   return note;
 }
 

@@ -663,7 +663,7 @@ std::vector<float> saved_params(const std::string& path) {
 
 TEST_CASE(
     "bench.checkpoint: --zero 1 resumes bit for bit at 2 and 4 ranks, and its 4-rank state "
-    "resumes on 2 and 3 ranks and on DP with 3 devices, following the run") {
+    "resumes on 2 and 3 ranks and on DP with 3 devices and 1, following the run") {
   const std::string common =
       "--device cpu --baseline 0 --steps 6 --warmup 0 --batch 12 --optim adamw ";
   const std::string whole_json = temp_path("z_whole.json"), rest_json = temp_path("z_rest.json");
@@ -694,7 +694,7 @@ TEST_CASE(
   const std::vector<float> end_weights = saved_params(nn::checkpoint_file(dirs[4], 6));
   for (const std::string& run :
        {std::string("--mode ddp --zero 1 --gpus 2"), std::string("--mode ddp --zero 1 --gpus 3"),
-        std::string("--mode dp --gpus 3")}) {
+        std::string("--mode dp --gpus 3"), std::string("--mode dp --gpus 1")}) {
     CAPTURE(run);
     const std::string c = temp_path("z_c");
     std::filesystem::remove_all(c);
