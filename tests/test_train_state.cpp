@@ -37,6 +37,14 @@ std::unique_ptr<nn::Optimizer> optimizer(nn::Module& m, bool adam) {
   return std::make_unique<nn::SGD>(m, c);
 }
 
+// A single-device run's progress at step 0: one dropout stream, at offset 0.
+nn::TrainingProgress single_progress() {
+  nn::TrainingProgress p;
+  p.mode = "single";
+  p.rng_offsets = {0};
+  return p;
+}
+
 std::string state_path(const std::string& tag) {
   return dp_test::temp_path("train_state", tag + ".safetensors");
 }
@@ -237,9 +245,7 @@ TEST_CASE("nn.train_state: amp, the loss scaler's state is saved exactly and res
   auto m = dp_test::dropout_mlp();
   m->materialize(Device::cpu(0), 42);
   auto opt = optimizer(*m, false);
-  nn::TrainingProgress p;
-  p.mode = "single";
-  p.rng_offsets = {0};
+  nn::TrainingProgress p = single_progress();
   const std::string path = state_path("scaler");
   // A scale that is no power of two and needs all 24 bits: written as a hexadecimal float.
   p.scaler = nn::GradScalerState{std::nextafter(3000.f, 4000.f), 1234, 7};
@@ -495,9 +501,7 @@ TEST_CASE("nn.train_state: the fp16 loss scale stops at 2^-24 and a state saved 
   auto m = dp_test::dropout_mlp();
   m->materialize(Device::cpu(0), 42);
   auto opt = optimizer(*m, false);
-  nn::TrainingProgress p;
-  p.mode = "single";
-  p.rng_offsets = {0};
+  nn::TrainingProgress p = single_progress();
   p.scaler = scaler.state();
   const std::string path = state_path("floor");
   nn::save_training_state(path, *m, *opt, p);
@@ -605,9 +609,7 @@ TEST_CASE(
   auto m = dp_test::dropout_mlp();
   m->materialize(Device::cpu(0), 42);
   auto opt = optimizer(*m, true);
-  nn::TrainingProgress p;
-  p.mode = "single";
-  p.rng_offsets = {0};
+  nn::TrainingProgress p = single_progress();
   std::vector<std::vector<float>> saved_params;
   for (int step : {2, 4, 6}) {  // the weights differ from one checkpoint to the next
     auto [x, y] = dp_test::toy_batch(10, 900 + step);
