@@ -97,8 +97,9 @@ void add_flags(CLI::App& app, Options& o) {
   app.add_option("--keep", o.keep, "checkpoints to keep in --checkpoint-dir, newest first")
       ->check(whole_number(1, 1000));
   app.add_option("--resume", o.resume,
-                 "resume from a training state file, or 'latest' in --checkpoint-dir (same mode, "
-                 "--gpus, model, --batch and seed)");
+                 "resume from a training state file, or the newest whole one in --checkpoint-dir "
+                 "(latest: damaged ones are skipped, named); same model, global batch and seed, "
+                 "any --mode dp|ddp, --gpus and --zero (re-sharded, said so)");
   app.add_option("--timeout", o.timeout_s,
                  "DDP: seconds the rendezvous and each collective may take (default: DP_TIMEOUT, "
                  "else 60 s to rendezvous and 300 s per collective)")
@@ -238,10 +239,16 @@ dp::data::Batch step_batch(const dp::data::Dataset& data, int64_t step, int64_t 
   return dp::data::make_batch(data, std::move(indices));
 }
 
+void print_resume_report(const nn::Resumed& resumed, const nn::TrainingProgress& now) {
+  for (const std::string& line : nn::resume_report(resumed, now))
+    std::fprintf(stderr, "dp_bench: %s\n", line.c_str());
+}
+
 nn::TrainingProgress bench_state(const Options& o, const char* mode, int n) {
   nn::TrainingProgress st;
   st.mode = mode;
   st.world_size = n;
+  st.optimizer_shards = o.zero == 1 && std::string(mode) == "ddp" ? n : 1;
   st.config = {{"program", "dp_bench"},
                {"model", model_name(o)},
                {"batch", std::to_string(global_batch(o, n))},
@@ -350,8 +357,11 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
   std::string label = "dp N=" + std::to_string(n);
   nn::TrainingProgress state = bench_state(o, "dp", n);
   int first = 0;
-  if (const std::string path = nn::resolve_resume(o.resume, o.checkpoint_dir); !path.empty()) {
-    nn::TrainingProgress got = nn::load_training_state(path, *model, opt, state);
+  const nn::Resumed resumed =
+      nn::resume_training_state(o.resume, o.checkpoint_dir, *model, opt, state);
+  print_resume_report(resumed, state);
+  if (const std::string& path = resumed.path; !path.empty()) {
+    const nn::TrainingProgress& got = resumed.progress;
     if (auto msg = nn::nothing_left_to_train(got.step, o.warmup + o.steps, path,
                                              "give more --steps to train further")) {
       r.nothing_left = *msg;
@@ -485,10 +495,9 @@ int run(const Options& o, int argc, char** argv) {
   }
   if (!o.checkpoint_dir.empty() || !o.resume.empty()) {
     DP_CHECK(
-        (o.mode == "dp" || o.mode == "ddp") && o.sweep.empty() &&
-            (o.baseline == 0 || s.gpus == 1) && o.zero == 0,
-        "--checkpoint-dir/--resume: one run at a time: give --mode dp or ddp, --baseline 0 and "
-        "no --sweep (and no --zero 1: its sharded optimizer state is not gathered yet)");
+        (o.mode == "dp" || o.mode == "ddp") && o.sweep.empty() && (o.baseline == 0 || s.gpus == 1),
+        "--checkpoint-dir/--resume: one run at a time: give --mode dp or ddp, --baseline 0 "
+        "and no --sweep");
     DP_CHECK(o.repeat == 1, "--repeat " << o.repeat
                                         << " with --checkpoint-dir/--resume: a training state "
                                            "belongs to one run; give --repeat 1");

@@ -111,6 +111,8 @@ kernels::SgdConfig optimizer_config();
 // What a checkpoint of this run records and must match on resume: the mode, the world size,
 // and the model, batch and seed.
 nn::TrainingProgress bench_state(const Options& o, const char* mode, int n);
+// Prints on stderr what nn::resume_report says: checkpoints skipped, what was re-sharded.
+void print_resume_report(const nn::Resumed& resumed, const nn::TrainingProgress& now);
 // The run's optimizer (--optim) on `model`.
 std::unique_ptr<nn::Optimizer> make_optimizer(const Options& o, nn::Module& model);
 // Prototype scale of the benchmark's synthetic data: hard enough that the loss falls over the

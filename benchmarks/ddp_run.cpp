@@ -209,8 +209,13 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   std::optional<nn::CheckpointDirLock> lock;
   if (!o.checkpoint_dir.empty() && trainer.rank() == 0) lock.emplace(o.checkpoint_dir, "dp_bench");
   int first = 0;
-  if (const std::string path = nn::resolve_resume(o.resume, o.checkpoint_dir); !path.empty()) {
-    nn::TrainingProgress got = nn::load_training_state(path, *model, opt, state, trainer.rank());
+  // After wrap(): under ZeRO-1 each rank takes its shard of the file's whole optimizer state.
+  // Every rank reads the same folder, so every rank skips the same damaged files.
+  const nn::Resumed resumed =
+      nn::resume_training_state(o.resume, o.checkpoint_dir, *model, opt, state, trainer.rank());
+  if (trainer.rank() == 0) print_resume_report(resumed, state);
+  if (const std::string& path = resumed.path; !path.empty()) {
+    const nn::TrainingProgress& got = resumed.progress;
     // Every rank reads the same file, so every rank takes this way out alike.
     if (auto msg = nn::nothing_left_to_train(got.step, o.warmup + o.steps, path,
                                              "give more --steps to train further")) {
@@ -230,7 +235,11 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
     state.step = step;
     state.rng_offsets = trainer.all_gather(model->flat().rng_offset);
     if (trainer.scaler().enabled()) state.scaler = trainer.scaler().state();
-    if (trainer.rank() == 0) nn::save_checkpoint_in(*lock, o.keep, *model, opt, state);
+    // ZeRO-1: the shards gathered into the whole state (collective), so the file does not
+    // depend on the world size.
+    const nn::OptimizerState whole =
+        trainer.zero() ? trainer.zero()->gather_optimizer_state() : nn::OptimizerState{};
+    if (trainer.rank() == 0) nn::save_checkpoint_in(*lock, o.keep, *model, opt, state, whole);
     trainer.group().barrier()->wait();
   };
   for (int step = first; step < o.warmup + o.steps; ++step) {

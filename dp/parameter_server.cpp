@@ -82,6 +82,14 @@ ParameterServer::ParameterServer(nn::ModulePtr module, nn::Optimizer& optimizer,
                                                                   << ", the server's device");
   std::set<Device> seen(devices_.begin(), devices_.end());
   DP_CHECK(seen.size() == devices_.size(), "ParameterServer: devices must be distinct");
+  rng_offsets_.assign(devices_.size(), 0);
+}
+
+void ParameterServer::set_rng_offsets(const std::vector<uint64_t>& offsets) {
+  DP_CHECK(offsets.size() == devices_.size(),
+           "ParameterServer::set_rng_offsets: " << offsets.size() << " offsets for "
+                                                << devices_.size() << " workers");
+  rng_offsets_ = offsets;
 }
 
 PsReport ParameterServer::run(const PsBatchFn& batches, int64_t first, int64_t n_batches,
@@ -122,6 +130,7 @@ PsReport ParameterServer::run(const PsBatchFn& batches, int64_t first, int64_t n
       kernels::ContextScope scope(ctx);
       nn::ModulePtr replica = module_->clone_to(dev);
       replica->train();
+      replica->flat().rng_offset = rng_offsets_[i];  // its dropout stream goes on
       {  // every replica is made before the server may write the weights it was cloned from
         std::unique_lock<std::mutex> lock(sh.mu);
         ++sh.workers_ready;
@@ -130,17 +139,28 @@ PsReport ParameterServer::run(const PsBatchFn& batches, int64_t first, int64_t n
       }
       Tensor input, labels, loss, dlogits;
       while (true) {
-        int64_t b = next_batch.fetch_add(1);
+        // Unbounded: the next batch, first come first served. Bounded: drawn with the ticket.
+        int64_t b = bound < 0 ? next_batch.fetch_add(1) : first;
         if (b >= end_batch) break;
         Push push;
         push.worker = i;
-        push.batch_index = b;
         double begin = trace ? trace->now_us() : 0;
         {
           std::unique_lock<std::mutex> lock(sh.mu);
-          // Bounded staleness: at most S + 1 gradients outstanding, this one included.
-          sh.cv.wait(lock, [&] { return sh.failed || bound < 0 || sh.outstanding <= bound; });
+          // Bounded staleness: at most S + 1 gradients outstanding, this one included; at S = 0
+          // the workers pull in turn (batch b is worker b mod n's, however run() is split), or
+          // leave once every batch is drawn.
+          sh.cv.wait(lock, [&] {
+            return sh.failed || bound < 0 ||
+                   (sh.outstanding <= bound && (bound > 0 || (first + sh.next_ticket) % n == i ||
+                                                sh.next_ticket >= n_batches));
+          });
           if (sh.failed) break;
+          if (bound >= 0) {
+            if (sh.next_ticket >= n_batches) break;
+            b = first + sh.next_ticket;
+          }
+          push.batch_index = b;
           push.ticket = sh.next_ticket++;
           push.pulled_version = sh.version;
           ++sh.outstanding;
@@ -185,6 +205,7 @@ PsReport ParameterServer::run(const PsBatchFn& batches, int64_t first, int64_t n
         }
         trace_phase(trace, "ps/push", i, begin);
       }
+      rng_offsets_[i] = replica->flat().rng_offset;  // this worker's slot; read after the join
     } catch (...) {
       std::ostringstream where;
       where << devices_[i];

@@ -13,8 +13,20 @@
 //
 // Bounded staleness (max_staleness = S >= 0): a worker waits before its pull while S + 1
 // gradients are outstanding, and the server applies gradients in pull order, so no update is
-// more than S versions stale. S = 0 is synchronous per update: each gradient is computed on
-// the weights it is applied to, as on one device.
+// more than S versions stale. The batch index is drawn with the pull's ticket: update k of a
+// run() trains batch first + k. S = 0 is synchronous per update: each gradient is computed on
+// the weights it is applied to, as on one device, and the workers take the pulls in turn
+// (worker i trains the batches b = i mod n, however the batches are split into run() calls),
+// so the whole run, dropout masks included, is reproducible.
+//
+// What is reproducible, and so what a checkpoint between run() calls restores (the server's
+// weights, optimizer state and update count, the batch position, each worker's dropout stream
+// offset, rng_offsets()):
+//   S = 0      everything: resuming gives the uninterrupted run's weights, bit for bit.
+//   S > 0      which batch each update applies (k -> first + k) and the order of application;
+//              not the version each gradient was computed on (its staleness races), so a
+//              resumed run, like any two runs, follows the same curve only statistically.
+//   S < 0      the set of batches applied, each once; not their order, nor their staleness.
 #pragma once
 
 #include <cstdint>
@@ -77,12 +89,18 @@ class ParameterServer {
   // The server's module: the master weights, for evaluation and saving.
   nn::Module& module() { return *module_; }
   int n_workers() const { return static_cast<int>(devices_.size()); }
+  // Each worker's dropout stream offset, index = worker: kept from one run() to the next (a
+  // worker's replica goes on where the last run left it), for checkpoints.
+  const std::vector<uint64_t>& rng_offsets() const { return rng_offsets_; }
+  // requires offsets.size() == n_workers().
+  void set_rng_offsets(const std::vector<uint64_t>& offsets);
 
  private:
   nn::ModulePtr module_;
   nn::Optimizer& optimizer_;
   std::vector<Device> devices_;
   PsOptions options_;
+  std::vector<uint64_t> rng_offsets_;  // per worker
 };
 
 }  // namespace dp

@@ -127,9 +127,10 @@ inline File read(io::FileReader& r) {
     }
     t.begin = e["data_offsets"][0].get<uint64_t>();
     t.end = e["data_offsets"][1].get<uint64_t>();
-    DP_CHECK(t.begin <= t.end && t.end <= f.data_size, what << ": data_offsets [" << t.begin << ", "
-                                                            << t.end << ") lie outside the "
-                                                            << f.data_size << " data bytes");
+    DP_CHECK(t.begin <= t.end && t.end <= f.data_size,
+             what << ": data_offsets [" << t.begin << ", " << t.end << ") lie outside the "
+                  << f.data_size << " data bytes"
+                  << (t.begin <= t.end ? " (truncated, or corrupt offsets)" : ""));
     DP_CHECK(t.end - t.begin == static_cast<uint64_t>(t.numel) * 4,
              what << ": data_offsets [" << t.begin << ", " << t.end << ") hold " << t.end - t.begin
                   << " bytes, not its " << t.numel << " floats (" << t.numel * 4 << " bytes)");

@@ -7,12 +7,14 @@
 //   the data   every tensor's raw little-endian bytes, at its offsets
 //
 // Tensors: "param.<name>" per parameter (its own shape), "buffer.<name>" per buffer, and
-// "optim.<state>" per optimizer state tensor (flat, over the module's flat parameter buffer).
+// "optim.<state>" per optimizer state tensor (flat, over the module's whole flat parameter
+// buffer: a ZeRO-1 run gathers its shards first, so the file does not depend on the world size).
 // Metadata: the step, epoch and position in the epoch, the optimizer, the world size and mode
-// the run used, each device's or rank's dropout stream offset, and the model's signature.
-// Writing is atomic and durable (nn/file_io.hpp); reading bounds every field by the file's
-// size before allocating and refuses a file whose model, optimizer or world size differ, naming
-// what differs.
+// the run used, each device's or rank's dropout stream offset, the model's signature and an
+// FNV-1a hash of the data. Writing is atomic and durable (nn/file_io.hpp); reading bounds every
+// field by the file's size before allocating, checks the hash before changing anything, and
+// refuses a file whose model, optimizer or run settings (global batch, ...) differ, naming what
+// differs. Another mode or world size is accepted (resume_note() says what that changes).
 #pragma once
 
 #include <sys/file.h>
@@ -36,6 +38,7 @@
 #include <nlohmann/json.hpp>
 
 #include "nn/amp.hpp"
+#include "nn/checkpoint_format.hpp"
 #include "nn/file_io.hpp"
 #include "nn/module.hpp"
 #include "nn/optim.hpp"
@@ -55,7 +58,14 @@ struct TrainingProgress {
   std::map<std::string, std::string> config;  // what must match on resume (model, batch, ...)
   // Mixed precision: the loss scaler's state (saved when set; absent in older files).
   std::optional<GradScalerState> scaler;
+  // ZeRO-1: the shards the optimizer state is split into while training (1: kept whole). The
+  // file holds the whole state either way.
+  int optimizer_shards = 1;
 };
+
+// Optimizer state tensors by name ("momentum", "exp_avg", ...), each over the whole flat
+// parameter buffer.
+using OptimizerState = std::vector<std::pair<std::string, Tensor>>;
 
 namespace detail {
 
@@ -71,12 +81,25 @@ inline std::string join_u64(const std::vector<uint64_t>& v) {
   return s;
 }
 
+constexpr uint64_t kFnvOffsetBasis = 0xcbf29ce484222325ull;  // FNV-1a's start (fnv1a's default)
+
+// 16 lower-case hex digits.
+inline std::string hex64(uint64_t v) {
+  char text[17];
+  std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(v));
+  return text;
+}
+
 }  // namespace detail
 
 // requires m materialised, optimizer built on m, every rank's model equal (the caller saves
-// from one device or rank). ensures `path` holds the whole state, atomically and durably.
+// from one device or rank). `whole_state`: the optimizer state to write when opt holds a ZeRO-1
+// shard only (gathered from every rank, dp::dist::ZeroStage1::gather_optimizer_state); empty:
+// opt.state(), which must then be whole. ensures `path` holds the whole state, atomically and
+// durably.
 inline void save_training_state(const std::string& path, Module& m, Optimizer& opt,
-                                const TrainingProgress& progress) {
+                                const TrainingProgress& progress,
+                                const OptimizerState& whole_state = {}) {
   struct Entry {
     std::string name;
     Shape shape;
@@ -87,16 +110,24 @@ inline void save_training_state(const std::string& path, Module& m, Optimizer& o
     entries.push_back({"param." + name, p->shape, p->value.to_host_f32()});
   for (auto& [name, b] : m.named_buffers())
     entries.push_back({"buffer." + name, b->shape, b->value.to_host_f32()});
-  for (auto& [name, t] : opt.state())
+  const int64_t n_params = m.flat_params().numel();
+  for (auto& [name, t] : whole_state.empty() ? opt.state() : whole_state) {
+    DP_CHECK(t.numel() == n_params,
+             io::where("save_training_state", path)
+                 << ": optimizer state '" << name << "' holds " << t.numel() << " of the "
+                 << n_params << " parameters' values (a ZeRO-1 shard?): gather the whole state "
+                 << "first (ZeroStage1::gather_optimizer_state)");
     entries.push_back({"optim." + name, t.shape(), t.to_host_f32()});
+  }
 
   nlohmann::json header = nlohmann::json::object();
-  uint64_t offset = 0;
+  uint64_t offset = 0, hash = detail::kFnvOffsetBasis;
   for (const auto& e : entries) {
     const uint64_t bytes = e.values.size() * sizeof(float);
     header[e.name] = {
         {"dtype", "F32"}, {"shape", e.shape}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
+    hash = detail::fnv1a(e.values.data(), bytes, hash);
   }
   nlohmann::json meta = {{"format", "dptrain-training-state-1"},
                          {"step", std::to_string(progress.step)},
@@ -104,11 +135,13 @@ inline void save_training_state(const std::string& path, Module& m, Optimizer& o
                          {"batches_done", std::to_string(progress.batches_done)},
                          {"mode", progress.mode},
                          {"world_size", std::to_string(progress.world_size)},
+                         {"optimizer_shards", std::to_string(progress.optimizer_shards)},
                          {"rng_offsets", detail::join_u64(progress.rng_offsets)},
                          {"optimizer", detail::optimizer_name(opt)},
                          {"optimizer_steps", std::to_string(opt.step_count())},
                          {"lr", std::to_string(opt.lr())},
-                         {"parameters", std::to_string(m.flat_params().numel())}};
+                         {"parameters", std::to_string(n_params)},
+                         {"data_fnv1a64", detail::hex64(hash)}};
   for (const auto& [k, v] : progress.config) meta["config." + k] = v;
   if (progress.scaler) {
     char scale[32];
@@ -131,14 +164,30 @@ inline void save_training_state(const std::string& path, Module& m, Optimizer& o
   io::write_file_atomically(path, out, "save_training_state");
 }
 
+namespace detail {
+
+// "4 ranks", "1 device": how many of what a run of `mode` spreads over.
+inline std::string world_text(const std::string& mode, int world) {
+  const char* unit = mode == "ddp" ? " rank" : mode == "ps" ? " worker" : " device";
+  return std::to_string(world) + unit + (world == 1 ? "" : "s");
+}
+
+}  // namespace detail
+
 // requires m and opt built like the saving run's (same model, optimizer, shapes); `expected`
-// holds the mode, world size and config of this run. ensures m's parameters and buffers and
-// opt's state and step count are the saved ones, m's dropout offset is rng_offsets[index],
-// and returns the saved progress. Reads the header, then each tensor's byte range alone (a
-// file's memory cost is its header and one tensor). Throws naming the file and what differs or
-// is malformed: a tensor missing, of another shape (a transposed weight too) or unknown to this
-// model and optimizer; metadata out of range; a config key (model, batch, program, data set
-// size, ...) that differs.
+// holds this run's mode, world size, optimizer shards and config; index < expected.world_size.
+// ensures m's parameters and buffers and opt's state (its ZeRO-1 shard of the file's whole
+// state when opt holds a shard) and step count are the saved ones, and returns the saved
+// progress with rng_offsets for this run's world: the saved ones when the world size is the
+// same, else re-derived (every device or rank goes on from the largest saved offset, past every
+// mask drawn before); m's dropout offset is rng_offsets[index]. The mode and world size may
+// differ from the saving run's (resume_note() says what changes); the config may not.
+// Reads the header, checks everything, including the data's hash, before changing anything,
+// then reads each tensor's byte range alone (a file's memory cost is its header and one
+// tensor). Throws naming the file and what differs or is malformed: a tensor missing, of
+// another shape (a transposed weight too) or unknown to this model and optimizer; metadata out
+// of range; a config key (model, global batch, program, data set size, ...) that differs; data
+// that does not match its hash (a corrupt file).
 inline TrainingProgress load_training_state(const std::string& path, Module& m, Optimizer& opt,
                                             const TrainingProgress& expected, int index = 0) {
   io::FileReader r(path, "load_training_state");
@@ -162,19 +211,19 @@ inline TrainingProgress load_training_state(const std::string& path, Module& m, 
   got.batches_done = number("batches_done", 0, kMax);
   got.mode = text("mode");
   got.world_size = static_cast<int>(number("world_size", 1, kMaxInt));
+  got.optimizer_shards = file.metadata.count("optimizer_shards")
+                             ? static_cast<int>(number("optimizer_shards", 1, kMaxInt))
+                             : 1;
   got.rng_offsets = safetensors::metadata_u64_list(file, where, "rng_offsets");
-  // What must match: the model, the optimizer, the mode and the world size.
+  // What must match: the model, the optimizer and the run's settings (the global batch among
+  // them). The mode and world size may differ: the state does not depend on them.
+  const int64_t n_params = m.flat_params().numel();
   const int64_t parameters = number("parameters", 0, kMax);
-  DP_CHECK(parameters == m.flat_params().numel(),
-           where << ": saved from a model with " << parameters
-                 << " parameters (flat), this model has " << m.flat_params().numel());
+  DP_CHECK(parameters == n_params, where << ": saved from a model with " << parameters
+                                         << " parameters (flat), this model has " << n_params);
   DP_CHECK(text("optimizer") == detail::optimizer_name(opt),
            where << ": saved with optimizer " << text("optimizer") << ", this run uses "
                  << detail::optimizer_name(opt));
-  DP_CHECK(got.mode == expected.mode && got.world_size == expected.world_size,
-           where << ": saved by a " << got.mode << " run on " << got.world_size
-                 << " device(s)/rank(s); this is a " << expected.mode << " run on "
-                 << expected.world_size << ": resume with the same mode and --gpus");
   DP_CHECK(static_cast<int64_t>(got.rng_offsets.size()) == got.world_size,
            where << ": " << got.rng_offsets.size() << " dropout offsets for world size "
                  << got.world_size);
@@ -201,41 +250,114 @@ inline TrainingProgress load_training_state(const std::string& path, Module& m, 
     got.scaler = st;
   }
   const int64_t optimizer_steps = number("optimizer_steps", 0, kMax);
-  DP_CHECK(index >= 0 && index < got.world_size,
-           where << ": device/rank " << index << " of a world of " << got.world_size);
+  DP_CHECK(index >= 0 && index < expected.world_size,
+           where << ": device/rank " << index << " of a world of " << expected.world_size);
 
-  // Every tensor of the file goes somewhere, with the shape it has here.
-  std::set<std::string> loaded;
-  auto load_into = [&](const std::string& name, Tensor& dst) {
-    auto it = file.tensors.find(name);
-    DP_CHECK(it != file.tensors.end(), where << ": tensor '" << name << "' is missing");
-    const safetensors::TensorEntry& e = it->second;
-    DP_CHECK(e.shape == dst.shape(), where << ": tensor '" << name << "' is "
-                                           << kernels::shape_str(e.shape) << " in the file, "
-                                           << kernels::shape_str(dst.shape()) << " here");
-    std::vector<float> host(static_cast<size_t>(dst.numel()));
-    safetensors::read_tensor(r, file, e, host.data(), "a tensor");
-    kernels::copy(dst, Tensor::from_vector(host, dst.shape(), dst.device()));
-    loaded.insert(name);
+  // Every tensor of the file goes somewhere, with the shape it has here. Optimizer state is
+  // whole in the file; a ZeRO-1 shard here takes its range [shard_begin, shard_end) of it.
+  struct Target {
+    std::string name;
+    Tensor* dst;
+    Shape file_shape;
+    int64_t first = 0;  // the element of the file's tensor that dst[0] takes
   };
-  std::vector<std::pair<std::string, Tensor*>> targets;
-  for (auto& [name, p] : m.named_parameters()) targets.emplace_back("param." + name, &p->value);
-  for (auto& [name, b] : m.named_buffers()) targets.emplace_back("buffer." + name, &b->value);
+  std::vector<Target> targets;
+  for (auto& [name, p] : m.named_parameters())
+    targets.push_back({"param." + name, &p->value, p->value.shape()});
+  for (auto& [name, b] : m.named_buffers())
+    targets.push_back({"buffer." + name, &b->value, b->value.shape()});
   auto state = opt.state();
-  for (auto& [name, t] : state) targets.emplace_back("optim." + name, &t);
-  // Unknown tensors first, before anything is changed.
+  const int64_t shard_begin = opt.shard_begin();
+  const bool sharded = opt.shard_end() - shard_begin != n_params;
+  for (auto& [name, t] : state)
+    targets.push_back(
+        {"optim." + name, &t, sharded ? Shape{n_params} : t.shape(), sharded ? shard_begin : 0});
+  // Unknown tensors, missing ones and shapes first, before anything is changed.
   for (const auto& [name, t] : file.tensors) {
     bool known = false;
-    for (const auto& target : targets) known = known || target.first == name;
+    for (const auto& target : targets) known = known || target.name == name;
     DP_CHECK(known, where << ": tensor '" << io::printable(name)
                           << "' is not a parameter, buffer or optimizer state of this model ("
                           << m.type_name() << ") and optimizer (" << detail::optimizer_name(opt)
                           << ")");
   }
-  for (auto& [name, t] : targets) load_into(name, *t);
+  for (const auto& target : targets) {
+    auto it = file.tensors.find(target.name);
+    DP_CHECK(it != file.tensors.end(), where << ": tensor '" << target.name << "' is missing");
+    DP_CHECK(it->second.shape == target.file_shape,
+             where << ": tensor '" << target.name << "' is " << kernels::shape_str(it->second.shape)
+                   << " in the file, " << kernels::shape_str(target.file_shape) << " here");
+  }
+  // The data's hash (files of older versions have none), read in bounded chunks.
+  if (file.metadata.count("data_fnv1a64")) {
+    uint64_t hash = detail::kFnvOffsetBasis;
+    std::vector<char> chunk(std::min<uint64_t>(file.data_size, uint64_t{1} << 20));
+    r.seek(file.data_offset);
+    for (uint64_t left = file.data_size; left > 0;) {
+      const uint64_t n = std::min<uint64_t>(left, chunk.size());
+      r.read(chunk.data(), n, "the data");
+      hash = detail::fnv1a(chunk.data(), n, hash);
+      left -= n;
+    }
+    DP_CHECK(detail::hex64(hash) == text("data_fnv1a64"),
+             where << ": the data does not match its hash (data_fnv1a64 "
+                   << io::printable(text("data_fnv1a64")) << ", the bytes give "
+                   << detail::hex64(hash) << "): the file is corrupt");
+  }
+  for (const auto& target : targets) {
+    const safetensors::TensorEntry& e = file.tensors.at(target.name);
+    std::vector<float> host(static_cast<size_t>(e.numel));
+    safetensors::read_tensor(r, file, e, host.data(), "a tensor");
+    Tensor& dst = *target.dst;
+    std::vector<float> mine(host.begin() + target.first, host.begin() + target.first + dst.numel());
+    kernels::copy(dst, Tensor::from_vector(mine, dst.shape(), dst.device()));
+  }
   opt.set_step_count(optimizer_steps);
+  // Dropout streams: each device's or rank's own when the world is the same; else every one
+  // goes on past the furthest any saved stream reached (a device's key is its index's).
+  const std::vector<uint64_t> saved_offsets = got.rng_offsets;
+  if (got.world_size != expected.world_size) {
+    const uint64_t furthest = *std::max_element(saved_offsets.begin(), saved_offsets.end());
+    got.rng_offsets.assign(static_cast<size_t>(expected.world_size), furthest);
+  }
   m.flat().rng_offset = got.rng_offsets[index];
   return got;
+}
+
+// What a resume onto `now` (this run) changes of `saved` (load_training_state's result), for
+// the log; "" when the mode, world size and optimizer shards are the saving run's. E.g.
+// "re-sharded a ddp checkpoint of 4 ranks onto dp on 3 devices: the parameters and the
+// optimizer state are whole in the file; the optimizer state was split into 4 ZeRO-1 shards
+// there and is whole here; the sampler goes on at global step 6 with the same global batch;
+// dropout streams are re-derived per device (each from offset 480) and the batch's gradient is
+// summed in another order, so the continuation is not bit-exact".
+inline std::string resume_note(const TrainingProgress& saved, const TrainingProgress& now) {
+  if (saved.mode == now.mode && saved.world_size == now.world_size &&
+      saved.optimizer_shards == now.optimizer_shards)
+    return "";
+  auto shards = [](int n) {
+    return n > 1 ? "split into " + std::to_string(n) + " ZeRO-1 shards" : std::string("whole");
+  };
+  std::string note = "re-sharded a " + saved.mode + " checkpoint of " +
+                     detail::world_text(saved.mode, saved.world_size) + " onto " + now.mode +
+                     " on " + detail::world_text(now.mode, now.world_size) +
+                     ": the parameters and the optimizer state are whole in the file";
+  if (saved.optimizer_shards > 1 || now.optimizer_shards > 1)
+    note += "; the optimizer state was " + shards(saved.optimizer_shards) + " there and is " +
+            shards(now.optimizer_shards) + " here";
+  note += "; the sampler goes on at global step " + std::to_string(saved.step) +
+          " with the same global batch; ";
+  if (saved.world_size != now.world_size)
+    note += "dropout streams are re-derived per " +
+            std::string(now.mode == "ddp" ? "rank" : "device") + " (each from offset " +
+            std::to_string(saved.rng_offsets.empty() ? 0 : saved.rng_offsets[0]) +
+            ") and the batch's gradient is summed in another order, so the continuation is not "
+            "bit-exact";
+  else
+    note +=
+        "the dropout streams go on per device, but the batch's gradient is summed in "
+        "another order, so the continuation is not bit-exact";
+  return note;
 }
 
 // When a resumed run has nothing left to train (its checkpoint is at or past the last step),
@@ -319,6 +441,65 @@ inline std::string resolve_resume(const std::string& resume, const std::string& 
   if (resume != "latest") return resume;
   auto all = list_checkpoints(dir);
   return all.empty() ? "" : all.back();
+}
+
+// The outcome of a --resume: the file loaded ("" when `latest` found no checkpoint yet), what
+// it held (load_training_state's result), and the newer checkpoints skipped on the way, each
+// "PATH: reason".
+struct Resumed {
+  std::string path;
+  TrainingProgress progress;
+  std::vector<std::string> skipped;
+};
+
+// `resume` naming a file: loads it (load_training_state); any fault is an error, since the user
+// named that file. `resume` "latest": loads the newest checkpoint in `dir` that passes every
+// check of load_training_state, skipping (and recording, with the reason) each newer one that
+// fails: truncated, corrupt (its data does not match its hash), a wrong shape, another model,
+// optimizer or global batch. Throws naming every one when none loads; returns an empty path
+// when `dir` has none. A failure cut short by an I/O error may have changed part of m and
+// opt; the load that then succeeds sets all of it. Every DDP rank reading the same folder
+// comes to the same choice.
+inline Resumed resume_training_state(const std::string& resume, const std::string& dir, Module& m,
+                                     Optimizer& opt, const TrainingProgress& expected,
+                                     int index = 0) {
+  Resumed out;
+  if (resume.empty()) return out;
+  if (resume != "latest") {
+    out.path = resume;
+    out.progress = load_training_state(resume, m, opt, expected, index);
+    return out;
+  }
+  const std::vector<std::string> all = list_checkpoints(dir);
+  for (auto it = all.rbegin(); it != all.rend(); ++it) {
+    try {
+      out.progress = load_training_state(*it, m, opt, expected, index);
+      out.path = *it;
+      return out;
+    } catch (const kernels::Error& e) {
+      out.skipped.push_back(io::printable(*it) + ": " + e.what());
+    }
+  }
+  if (all.empty()) return out;
+  std::string reasons;
+  for (const auto& s : out.skipped) reasons += "\n  skipped " + s;
+  DP_THROW("--resume latest: none of the " << all.size() << " checkpoint(s) in "
+                                           << io::printable(dir) << " loads:" << reasons);
+}
+
+// The lines a program prints about a resume (each after its "program: " prefix): every
+// checkpoint skipped and why, the file loaded, and what was re-sharded (resume_note).
+inline std::vector<std::string> resume_report(const Resumed& r, const TrainingProgress& now) {
+  std::vector<std::string> lines;
+  for (const auto& s : r.skipped) lines.push_back("--resume latest: skipped " + s);
+  if (r.path.empty()) return lines;
+  if (!r.skipped.empty())
+    lines.push_back("--resume latest: resuming from " + io::printable(r.path) +
+                    ", the newest "
+                    "whole checkpoint (step " +
+                    std::to_string(r.progress.step) + ")");
+  if (std::string note = resume_note(r.progress, now); !note.empty()) lines.push_back(note);
+  return lines;
 }
 
 // One job's hold on a checkpoint folder, so that two jobs never write, prune or clean up each
@@ -432,10 +613,12 @@ inline int remove_stale_temporaries(const CheckpointDirLock& lock) {
 
 // Writes the state as <dir>/step_<step>.safetensors and keeps the newest `keep` checkpoints.
 // Returns the file's name. Prefer the overload below, which also cleans up after killed saves.
+// `whole_state`: as save_training_state's.
 inline std::string save_checkpoint_in(const std::string& dir, int keep, Module& m, Optimizer& opt,
-                                      const TrainingProgress& progress) {
+                                      const TrainingProgress& progress,
+                                      const OptimizerState& whole_state = {}) {
   const std::string path = checkpoint_file(dir, progress.step);
-  save_training_state(path, m, opt, progress);
+  save_training_state(path, m, opt, progress, whole_state);
   prune_checkpoints(dir, keep);
   return path;
 }
@@ -443,9 +626,10 @@ inline std::string save_checkpoint_in(const std::string& dir, int keep, Module& 
 // The same in the folder this job has locked: first removes the temporary files a killed save
 // left (remove_stale_temporaries), then saves and prunes.
 inline std::string save_checkpoint_in(const CheckpointDirLock& lock, int keep, Module& m,
-                                      Optimizer& opt, const TrainingProgress& progress) {
+                                      Optimizer& opt, const TrainingProgress& progress,
+                                      const OptimizerState& whole_state = {}) {
   remove_stale_temporaries(lock);
-  return save_checkpoint_in(lock.dir(), keep, m, opt, progress);
+  return save_checkpoint_in(lock.dir(), keep, m, opt, progress, whole_state);
 }
 
 }  // namespace nn

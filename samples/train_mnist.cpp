@@ -149,15 +149,17 @@ int main(int argc, char** argv) {
       ->check(dp::cli::timeout_seconds(604800));
   dp::cli::add_checkpoint_dir_flag(
       app, f.checkpoint_dir,
-      "single/dp/ddp: write the whole training state here (step_N.safetensors; rank 0 writes), "
-      "every --save-every steps and at the end; created when missing, one job at a time");
+      "write the whole training state here (step_N.safetensors; rank 0 or the parameter server "
+      "writes), every --save-every steps and at the end; created when missing, one job at a "
+      "time");
   app.add_option("--save-every", f.save_every, "steps between checkpoints (needs --checkpoint-dir)")
       ->check(whole_number(1, std::numeric_limits<int32_t>::max()));
   app.add_option("--keep", f.keep, "checkpoints to keep in --checkpoint-dir, newest first")
       ->check(whole_number(1, 1000));
   app.add_option("--resume", f.resume,
-                 "resume from a training state file, or 'latest' in --checkpoint-dir (the same "
-                 "mode, --gpus, model, optimizer and --batch are required)");
+                 "resume from a training state file, or the newest whole one in --checkpoint-dir "
+                 "(latest: damaged ones are skipped, named); the same model, optimizer, --batch "
+                 "and seed are required, another --mode or --gpus is re-sharded (said so)");
   app.add_option("--limit-batches", f.limit_batches,
                  "stop each epoch after this many batches (smoke runs)")
       ->check(whole_number(1, std::numeric_limits<int64_t>::max()));
@@ -175,9 +177,6 @@ int main(int argc, char** argv) {
              "--save-every needs --checkpoint-dir (where to write)");
     DP_CHECK(f.resume != "latest" || !f.checkpoint_dir.empty(),
              "--resume latest needs --checkpoint-dir (where to look)");
-    DP_CHECK(f.mode != "ps" || (f.checkpoint_dir.empty() && f.resume.empty()),
-             "--mode ps: checkpoints are not supported yet (the server's pending pushes would be "
-             "lost); drop --checkpoint-dir/--resume");
     const nn::Precision precision = nn::parse_precision(f.dtype);
     const kernels::DType comm_dtype = dp::cli::comm_dtype(f.comm_dtype);
     DP_CHECK(f.mode != "ps" || nn::compute_dtype(precision) == kernels::DType::f32,
@@ -370,7 +369,7 @@ int main(int argc, char** argv) {
     // The training state: where this run starts, and how it saves.
     nn::TrainingProgress run_state;
     run_state.mode = f.mode;
-    run_state.world_size = world;
+    run_state.world_size = ps ? f.gpus : world;  // a parameter server's workers
     // What a resume must match. The program and the data set too: a dp_bench state (its own
     // synthetic data) or one from a smaller --train-samples (which would drop the rest of the
     // epoch) is refused, naming what differs.
@@ -387,6 +386,7 @@ int main(int argc, char** argv) {
       run_state.batches_done = batches_done;
       // Each device's or rank's dropout stream (a collective in DDP).
       run_state.rng_offsets = dp_engine ? dp_engine->rng_offsets()
+                              : ps      ? ps->rng_offsets()
                               : ddp     ? ddp->all_gather(model->flat().rng_offset)
                                         : std::vector<uint64_t>{model->flat().rng_offset};
       if (scaler->enabled()) run_state.scaler = scaler->state();
@@ -396,14 +396,20 @@ int main(int argc, char** argv) {
     };
     int start_epoch = 0;
     int64_t skip_batches = 0;
-    const std::string resume_path = nn::resolve_resume(f.resume, f.checkpoint_dir);
+    // "latest" skips damaged checkpoints (every rank reads the same folder: the same choice).
+    const nn::Resumed resumed =
+        nn::resume_training_state(f.resume, f.checkpoint_dir, *model, opt, run_state, my_index);
+    const std::string& resume_path = resumed.path;
+    if (chatty)
+      for (const std::string& line : nn::resume_report(resumed, run_state))
+        std::fprintf(stderr, "train_mnist: %s\n", line.c_str());
     if (!f.resume.empty() && resume_path.empty() && chatty)
       std::fprintf(stderr, "train_mnist: no checkpoint in %s yet: starting from step 0\n",
                    f.checkpoint_dir.c_str());
     if (!resume_path.empty()) {
-      nn::TrainingProgress got =
-          nn::load_training_state(resume_path, *model, opt, run_state, my_index);
+      const nn::TrainingProgress& got = resumed.progress;
       if (dp_engine) dp_engine->set_rng_offsets(got.rng_offsets);
+      if (ps) ps->set_rng_offsets(got.rng_offsets);
       if (got.scaler) scaler->set_state(*got.scaler);
       run_state.step = got.step;
       start_epoch = static_cast<int>(got.epoch);
@@ -417,7 +423,7 @@ int main(int argc, char** argv) {
     const int64_t per_epoch =
         f.limit_batches ? std::min(loader.num_batches(), *f.limit_batches) : loader.num_batches();
     const bool nothing_left =
-        !resume_path.empty() && !ps &&
+        !resume_path.empty() &&
         (start_epoch >= f.epochs || (start_epoch == f.epochs - 1 && skip_batches >= per_epoch));
     if (nothing_left && chatty)
       std::fprintf(stderr,
@@ -435,10 +441,14 @@ int main(int argc, char** argv) {
       int64_t n = 0, rows = 0, total = loader.num_batches();
       if (f.limit_batches) total = std::min(total, *f.limit_batches);
       auto te = std::chrono::steady_clock::now();
+      int64_t skip = e == start_epoch ? skip_batches : 0;  // trained before the resume
+      int64_t trained_here = 0;                            // batches this process trained
       if (ps) {
         // The shared sampler: each worker takes the next batch of the epoch's order (the
         // loader's, so every mode visits the same batches) and trains it on the weights it
-        // pulled; the server applies the gradients as they arrive.
+        // pulled; the server applies the gradients as they arrive. The epoch runs in pieces
+        // that end where a checkpoint is due: run() returns with every drawn gradient applied,
+        // a quiet point to save (at --max-staleness 0 the pieces change nothing).
         std::vector<int64_t> order = loader.epoch_order(e);
         auto batch_of = [&](int64_t k) {
           int64_t begin = k * f.batch;
@@ -447,22 +457,34 @@ int main(int argc, char** argv) {
               train, std::vector<int64_t>(order.begin() + begin, order.begin() + end));
           return std::make_pair(b.images, b.labels);
         };
-        dp::PsReport r = ps->run(batch_of, 0, total);
-        for (const auto& u : r.updates) {
-          sum += u.loss;
-          rows += u.samples;
+        n = skip;
+        int64_t max_stale = 0;
+        double ps_seconds = 0;
+        while (n < total) {
+          int64_t piece = total - n;
+          if (f.save_every)
+            piece = std::min<int64_t>(piece, *f.save_every - run_state.step % *f.save_every);
+          dp::PsReport r = ps->run(batch_of, n, piece);
+          for (const auto& u : r.updates) {
+            sum += u.loss;
+            rows += u.samples;
+            step_losses.push_back(u.loss);
+          }
+          n += piece;
+          trained_here += r.pushes;
+          run_state.step += piece;
+          ps_seconds += r.seconds;
+          max_stale =
+              std::max<int64_t>(max_stale, static_cast<int64_t>(r.staleness_histogram.size()) - 1);
+          if (f.save_every && run_state.step % *f.save_every == 0 && n < total) save_state(e, n);
         }
-        n = r.pushes;
-        int64_t max_stale = static_cast<int64_t>(r.staleness_histogram.size()) - 1;
         if (chatty)
-          progress(e, n, total, static_cast<float>(sum / std::max<int64_t>(n, 1)),
-                   rows / std::max(r.seconds, 1e-9));
+          progress(e, n, total, static_cast<float>(sum / std::max<int64_t>(trained_here, 1)),
+                   rows / std::max(ps_seconds, 1e-9));
         std::fprintf(stderr, "epoch %d: %lld updates at %.0f/s, staleness max %lld\n", e,
-                     static_cast<long long>(r.pushes), r.pushes / std::max(r.seconds, 1e-9),
-                     static_cast<long long>(max_stale));
+                     static_cast<long long>(trained_here),
+                     trained_here / std::max(ps_seconds, 1e-9), static_cast<long long>(max_stale));
       }
-      int64_t skip = e == start_epoch ? skip_batches : 0;  // trained before the resume
-      int64_t trained_here = 0;                            // batches this process trained
       if (!ps)
         for (auto& batch : loader) {
           if (skip > 0) {
@@ -484,8 +506,8 @@ int main(int argc, char** argv) {
           if (n == total) break;  // --limit-batches
         }
       rows_trained += rows;
-      epoch_loss.push_back(static_cast<float>(sum / std::max<int64_t>(ps ? n : trained_here, 1)));
-      if (f.save_every && !ps && run_state.step % *f.save_every == 0) save_state(e + 1, 0);
+      epoch_loss.push_back(static_cast<float>(sum / std::max<int64_t>(trained_here, 1)));
+      if (f.save_every && run_state.step % *f.save_every == 0) save_state(e + 1, 0);
     }
     if (!f.checkpoint_dir.empty() && !nothing_left) save_state(f.epochs, 0);  // the run's end
     double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

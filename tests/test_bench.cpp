@@ -638,6 +638,129 @@ TEST_CASE("bench.checkpoint: dp_bench resumes DP and DDP runs bit for bit (fp32,
           "--save-every needs --checkpoint-dir");
 }
 
+namespace {
+
+std::string file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// Every "param." tensor of a training state file, in name order, concatenated.
+std::vector<float> saved_params(const std::string& path) {
+  nn::io::FileReader r(path, "saved_params");
+  const nn::safetensors::File f = nn::safetensors::read(r);
+  std::vector<float> out;
+  for (const auto& [name, t] : f.tensors) {
+    if (name.rfind("param.", 0) != 0) continue;
+    std::vector<float> v(static_cast<size_t>(t.numel));
+    nn::safetensors::read_tensor(r, f, t, v.data(), "a tensor");
+    out.insert(out.end(), v.begin(), v.end());
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "bench.checkpoint: --zero 1 resumes bit for bit at 2 and 4 ranks, and its 4-rank state "
+    "resumes on 2 and 3 ranks and on DP with 3 devices and 1, following the run") {
+  const std::string common =
+      "--device cpu --baseline 0 --steps 6 --warmup 0 --batch 12 --optim adamw ";
+  const std::string whole_json = temp_path("z_whole.json"), rest_json = temp_path("z_rest.json");
+  std::map<int, std::string> dirs;
+  for (int ranks : {2, 4}) {
+    CAPTURE(ranks);
+    const std::string a = temp_path("z_a" + std::to_string(ranks)), b = temp_path("z_b");
+    std::filesystem::remove_all(b);
+    const std::string zero = common + "--mode ddp --zero 1 --gpus " + std::to_string(ranks) + " ";
+    REQUIRE(run_bench(zero + "--checkpoint-dir " + a + " --save-every 3 --json " + whole_json) ==
+            0);
+    REQUIRE(run_bench(zero + "--checkpoint-dir " + b + " --resume " + nn::checkpoint_file(a, 3) +
+                      " --json " + rest_json) == 0);
+    auto w = read_json(whole_json)["runs"][0]["losses"],
+         r = read_json(rest_json)["runs"][0]["losses"];
+    REQUIRE(w.size() == 6);
+    REQUIRE(r.size() == 3);
+    for (size_t i = 0; i < 3; ++i) CHECK(r[i] == w[i + 3]);
+    const std::string end_a = file_bytes(nn::checkpoint_file(a, 6));
+    CHECK(!end_a.empty());
+    CHECK(end_a == file_bytes(nn::checkpoint_file(b, 6)));  // state and step, bit for bit
+    std::filesystem::remove_all(b);
+    dirs[ranks] = a;
+  }
+  // The 4-rank state on another world: the same weights at the start (the file's), then the
+  // uninterrupted run's losses and weights to float tolerance (another reduction order).
+  const auto whole = read_json(whole_json)["runs"][0]["losses"];  // the 4-rank run, last
+  const std::vector<float> end_weights = saved_params(nn::checkpoint_file(dirs[4], 6));
+  for (const std::string& run :
+       {std::string("--mode ddp --zero 1 --gpus 2"), std::string("--mode ddp --zero 1 --gpus 3"),
+        std::string("--mode dp --gpus 3"), std::string("--mode dp --gpus 1")}) {
+    CAPTURE(run);
+    const std::string c = temp_path("z_c");
+    std::filesystem::remove_all(c);
+    auto [rc, text] = bench_output(common + run + " --checkpoint-dir " + c + " --resume " +
+                                   nn::checkpoint_file(dirs[4], 3) + " --json " + rest_json);
+    INFO(text);
+    REQUIRE(rc == 0);
+    CHECK(text.find("dp_bench: re-sharded a ddp checkpoint of 4 ranks onto") != std::string::npos);
+    CHECK(text.find("so the continuation is not bit-exact") != std::string::npos);
+    auto r = read_json(rest_json)["runs"][0]["losses"];
+    REQUIRE(r.size() == 3);
+    // The first step runs on the file's weights: the same loss but for the reduction order.
+    CHECK(r[0].get<double>() == doctest::Approx(whole[3].get<double>()).epsilon(1e-6));
+    for (size_t i = 0; i < 3; ++i)
+      CHECK(r[i].get<double>() == doctest::Approx(whole[i + 3].get<double>()).epsilon(1e-5));
+    const std::vector<float> got = saved_params(nn::checkpoint_file(c, 6));
+    REQUIRE(got.size() == end_weights.size());
+    CHECK(dp_test::rel_diff(got, end_weights) < 1e-4f);
+    std::filesystem::remove_all(c);
+  }
+  // Another global batch stays refused, naming it.
+  refused(
+      "--device cpu --baseline 0 --steps 6 --warmup 0 --batch 10 --optim adamw --mode dp "
+      "--gpus 2 --resume " +
+          nn::checkpoint_file(dirs[4], 3),
+      "saved with batch 12, this run has 10");
+  for (auto& [n, dir] : dirs) std::filesystem::remove_all(dir);
+}
+
+TEST_CASE(
+    "bench.checkpoint: --resume latest under --max-restarts skips a truncated newest checkpoint "
+    "and goes on from the previous one; a named damaged file is an error") {
+  const std::string a = temp_path("trunc_a"), b = temp_path("trunc_b");
+  std::filesystem::remove_all(a);
+  std::filesystem::remove_all(b);
+  const std::string common =
+      "--device cpu --mode ddp --gpus 2 --baseline 0 --steps 6 --warmup 0 --batch 8 --optim adamw "
+      "--save-every 2 ";
+  REQUIRE(run_bench(common + "--checkpoint-dir " + a) == 0);
+  const std::string end = file_bytes(nn::checkpoint_file(a, 6));
+  REQUIRE(!end.empty());
+  // A copy of the run's folder, its newest checkpoint cut short (a disk that lost its tail).
+  std::filesystem::create_directories(b);
+  for (int step : {2, 4}) std::filesystem::copy(nn::checkpoint_file(a, step), b);
+  const std::string cut = nn::checkpoint_file(b, 6);
+  std::ofstream(cut, std::ios::binary) << end.substr(0, end.size() / 2);
+  auto [rc, text] =
+      bench_output(common + "--checkpoint-dir " + b + " --resume latest --max-restarts 1");
+  INFO(text);
+  CHECK(rc == 0);
+  CHECK(text.find("dp_bench: --resume latest: skipped " + cut + ": ") != std::string::npos);
+  CHECK(text.find("truncated") != std::string::npos);
+  CHECK(text.find("resuming from " + nn::checkpoint_file(b, 4)) != std::string::npos);
+  CHECK(text.find("launch_workers: restart") == std::string::npos);  // the first attempt went on
+  CHECK(file_bytes(cut) == end);  // steps 4 and 5 again: the run's own end, bit for bit
+  // The damaged file named by --resume: an error naming it, no fallback.
+  std::ofstream(cut, std::ios::binary) << end.substr(0, end.size() / 2);
+  refused(
+      "--device cpu --mode dp --gpus 2 --baseline 0 --steps 6 --warmup 0 --batch 8 --optim "
+      "adamw --resume " +
+          cut,
+      "truncated");
+  std::filesystem::remove_all(a);
+  std::filesystem::remove_all(b);
+}
+
 TEST_CASE(
     "bench.amp: --dtype bf16 and fp16 report fp32's fields plus loss scale and skipped steps") {
   std::map<std::string, nlohmann::json> got;

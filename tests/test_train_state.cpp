@@ -37,6 +37,14 @@ std::unique_ptr<nn::Optimizer> optimizer(nn::Module& m, bool adam) {
   return std::make_unique<nn::SGD>(m, c);
 }
 
+// A single-device run's progress at step 0: one dropout stream, at offset 0.
+nn::TrainingProgress single_progress() {
+  nn::TrainingProgress p;
+  p.mode = "single";
+  p.rng_offsets = {0};
+  return p;
+}
+
 std::string state_path(const std::string& tag) {
   return dp_test::temp_path("train_state", tag + ".safetensors");
 }
@@ -104,7 +112,8 @@ TEST_CASE("nn.train_state: N steps then a resume for M equal N + M steps, bit fo
   }
 }
 
-TEST_CASE("nn.train_state: a different model, optimizer, world size or a damaged file is refused") {
+TEST_CASE(
+    "nn.train_state: a different model, optimizer, global batch or a damaged file is refused") {
   std::string path = state_path("refuse");
   run(0, false, 0, 2, path, "");
   auto other = std::make_shared<nn::Sequential>();
@@ -121,13 +130,15 @@ TEST_CASE("nn.train_state: a different model, optimizer, world size or a damaged
   CHECK_THROWS_WITH_AS(nn::load_training_state(path, *m, *adam, single),
                        doctest::Contains("saved with optimizer sgd, this run uses adamw"), Error);
   auto sgd = optimizer(*m, false);
+  // Another global batch is refused; another world size is not (it re-shards).
+  nn::TrainingProgress other_batch = single;
+  other_batch.config = {{"batch", "20"}};
+  CHECK_THROWS_WITH_AS(nn::load_training_state(path, *m, *sgd, other_batch),
+                       doctest::Contains("saved with batch (none), this run has 20"), Error);
   nn::TrainingProgress four;
   four.mode = "dp";
   four.world_size = 4;
-  CHECK_THROWS_WITH_AS(nn::load_training_state(path, *m, *sgd, four),
-                       doctest::Contains("saved by a single run on 1 device(s)/rank(s); this is a "
-                                         "dp run on 4"),
-                       Error);
+  CHECK(nn::load_training_state(path, *m, *sgd, four).rng_offsets.size() == 4);
   // Damage: a cut file, and a header that is not JSON.
   std::ifstream in(path, std::ios::binary);
   std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -234,9 +245,7 @@ TEST_CASE("nn.train_state: amp, the loss scaler's state is saved exactly and res
   auto m = dp_test::dropout_mlp();
   m->materialize(Device::cpu(0), 42);
   auto opt = optimizer(*m, false);
-  nn::TrainingProgress p;
-  p.mode = "single";
-  p.rng_offsets = {0};
+  nn::TrainingProgress p = single_progress();
   const std::string path = state_path("scaler");
   // A scale that is no power of two and needs all 24 bits: written as a hexadecimal float.
   p.scaler = nn::GradScalerState{std::nextafter(3000.f, 4000.f), 1234, 7};
@@ -492,9 +501,7 @@ TEST_CASE("nn.train_state: the fp16 loss scale stops at 2^-24 and a state saved 
   auto m = dp_test::dropout_mlp();
   m->materialize(Device::cpu(0), 42);
   auto opt = optimizer(*m, false);
-  nn::TrainingProgress p;
-  p.mode = "single";
-  p.rng_offsets = {0};
+  nn::TrainingProgress p = single_progress();
   p.scaler = scaler.state();
   const std::string path = state_path("floor");
   nn::save_training_state(path, *m, *opt, p);
@@ -591,4 +598,117 @@ TEST_CASE(
   CHECK(e.find("--checkpoint-dir " + dir + "/file/sub: cannot create the folder") !=
         std::string::npos);
   std::filesystem::remove_all(dp_test::temp_path("train_state", "folder"));
+}
+
+TEST_CASE(
+    "nn.train_state: --resume latest skips a truncated or corrupt newest checkpoint, naming it, "
+    "and a named damaged file stays an error") {
+  const std::string dir = dp_test::temp_path("train_state", "fallback");
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  auto m = dp_test::dropout_mlp();
+  m->materialize(Device::cpu(0), 42);
+  auto opt = optimizer(*m, true);
+  nn::TrainingProgress p = single_progress();
+  std::vector<std::vector<float>> saved_params;
+  for (int step : {2, 4, 6}) {  // the weights differ from one checkpoint to the next
+    auto [x, y] = dp_test::toy_batch(10, 900 + step);
+    dp_test::single_step(*m, *opt, x, y);
+    p.step = step;
+    p.rng_offsets = {m->flat().rng_offset};
+    nn::save_checkpoint_in(dir, 10, *m, *opt, p);
+    saved_params.push_back(m->flat_params().to_host_f32());
+  }
+  const std::string s4 = nn::checkpoint_file(dir, 4), s6 = nn::checkpoint_file(dir, 6);
+  const std::string good6 = read_bytes(s6);
+  write_bytes(s6, good6.substr(0, good6.size() - 100));  // truncated: the data cut short
+  std::string bad4 = read_bytes(s4);
+  bad4[bad4.size() - 3] ^= 0x10;  // corrupt: one flipped bit in the data
+  write_bytes(s4, bad4);
+
+  auto fresh = dp_test::dropout_mlp();
+  fresh->materialize(Device::cpu(0), 7);
+  auto fresh_opt = optimizer(*fresh, true);
+  nn::TrainingProgress expect;
+  expect.mode = "single";
+  nn::Resumed got = nn::resume_training_state("latest", dir, *fresh, *fresh_opt, expect);
+  CHECK(got.path == nn::checkpoint_file(dir, 2));
+  CHECK(got.progress.step == 2);
+  CHECK(fresh->flat_params().to_host_f32() == saved_params[0]);
+  REQUIRE(got.skipped.size() == 2);
+  CHECK(got.skipped[0].rfind(s6 + ": ", 0) == 0);  // newest first, each named with its reason
+  CHECK(got.skipped[0].find("truncated") != std::string::npos);
+  CHECK(got.skipped[1].rfind(s4 + ": ", 0) == 0);
+  CHECK(got.skipped[1].find("does not match its hash") != std::string::npos);
+  // A damaged file named on its own is an error, not a fallback.
+  const std::string e =
+      error_of([&] { nn::resume_training_state(s6, dir, *fresh, *fresh_opt, expect); });
+  CHECK(e.find(s6) != std::string::npos);
+  CHECK(e.find("truncated") != std::string::npos);
+  // None whole: an error naming every one; no checkpoint yet: nothing to load.
+  std::filesystem::remove(nn::checkpoint_file(dir, 2));
+  const std::string none =
+      error_of([&] { nn::resume_training_state("latest", dir, *fresh, *fresh_opt, expect); });
+  CHECK(none.find("none of the 2 checkpoint(s)") != std::string::npos);
+  CHECK(none.find("skipped " + s4) != std::string::npos);
+  std::filesystem::remove(s4);
+  std::filesystem::remove(s6);
+  CHECK(nn::resume_training_state("latest", dir, *fresh, *fresh_opt, expect).path.empty());
+  // The whole file again loads from the named path: the checks above can pass.
+  write_bytes(s6, good6);
+  CHECK(nn::resume_training_state(s6, dir, *fresh, *fresh_opt, expect).progress.step == 6);
+  CHECK(fresh->flat_params().to_host_f32() == saved_params[2]);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE(
+    "nn.train_state: a state resumes on another world size: the optimizer shard is the file's "
+    "range, dropout streams are re-derived and the note says so") {
+  const std::string path = state_path("reshard");
+  Run four = run(4, true, 0, 3, path, "");  // DP on 4 devices, AdamW
+  auto m = dp_test::dropout_mlp();
+  m->materialize(Device::cpu(0), 1);
+  const int64_t P = m->flat_params().numel();
+  auto whole = optimizer(*m, true);
+  nn::TrainingProgress dp4;
+  dp4.mode = "dp";
+  dp4.world_size = 4;
+  nn::TrainingProgress same = nn::load_training_state(path, *m, *whole, dp4);
+  CHECK(same.rng_offsets == four.rng);
+  CHECK(nn::resume_note(same, dp4).empty());  // the same run shape: nothing re-sharded
+  const std::vector<float> exp_avg = whole->state()[0].second.to_host_f32();
+  REQUIRE(static_cast<int64_t>(exp_avg.size()) == P);
+  // A ZeRO-1 shard of 3 ranks (rank 1: [S, 2S)) takes its range of the whole state.
+  for (int rank : {0, 1, 2}) {
+    CAPTURE(rank);
+    auto shard = optimizer(*m, true);
+    const int64_t s = P / 3 / 64 * 64;
+    const int64_t b = rank * s, e = rank == 2 ? P : (rank + 1) * s;
+    shard->set_shard(b, e);
+    nn::TrainingProgress ddp3;
+    ddp3.mode = "ddp";
+    ddp3.world_size = 3;
+    ddp3.optimizer_shards = 3;
+    nn::TrainingProgress got = nn::load_training_state(path, *m, *shard, ddp3, rank);
+    CHECK(shard->state()[0].second.to_host_f32() ==
+          std::vector<float>(exp_avg.begin() + b, exp_avg.begin() + e));
+    CHECK(shard->step_count() == 3);
+    // Every rank goes on from the furthest saved dropout offset.
+    const uint64_t furthest = *std::max_element(four.rng.begin(), four.rng.end());
+    CHECK(got.rng_offsets == std::vector<uint64_t>(3, furthest));
+    CHECK(m->flat().rng_offset == furthest);
+    const std::string note = nn::resume_note(got, ddp3);
+    CHECK(note.find("re-sharded a dp checkpoint of 4 devices onto ddp on 3 ranks") !=
+          std::string::npos);
+    CHECK(note.find("split into 3 ZeRO-1 shards here") != std::string::npos);
+    CHECK(note.find("not bit-exact") != std::string::npos);
+  }
+  // A shard saved without gathering it first is refused, naming the way out.
+  auto shard = optimizer(*m, true);
+  shard->set_shard(0, 64);
+  const std::string e = error_of([&] { nn::save_training_state(path, *m, *shard, dp4); });
+  CHECK(e.find("holds 64 of the " + std::to_string(P) + " parameters' values") !=
+        std::string::npos);
+  CHECK(e.find("gather_optimizer_state") != std::string::npos);
+  std::remove(path.c_str());
 }

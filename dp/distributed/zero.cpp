@@ -124,4 +124,31 @@ bool ZeroStage1::step(float share, nn::GradScaler* scaler) {
   return true;
 }
 
+std::vector<std::pair<std::string, Tensor>> ZeroStage1::gather_optimizer_state() const {
+  kernels::NvtxRange range("zero/gather_state");
+  const int r = group_.rank(), last = plan_.world - 1;
+  const int64_t s = plan_.shard, body = s * plan_.world, tail = plan_.numel - body;
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (auto& [name, mine] : optimizer_.state()) {
+    DP_CHECK(mine.numel() == plan_.end(r) - plan_.begin(r),
+             "ZeRO-1: optimizer state '" << name << "' holds " << mine.numel() << " values, rank "
+                                         << r << "'s shard " << plan_.end(r) - plan_.begin(r));
+    Tensor whole = Tensor::zeros({plan_.numel}, DType::f32, mine.device());
+    if (plan_.world == 1) {
+      kernels::copy(whole, mine);
+    } else {
+      std::vector<std::shared_ptr<Work>> works;
+      Tensor gathered = whole.view(0, {body});
+      if (s > 0) works.push_back(group_.all_gather(gathered, mine.view(0, {s})));
+      Tensor whole_tail = whole.view(body, {tail});
+      if (r == last && tail > 0) kernels::copy(whole_tail, mine.view(s, {tail}));
+      if (tail > 0) works.push_back(group_.broadcast(whole_tail, last));
+      wait_all(works);
+    }
+    out.emplace_back(name, whole);
+  }
+  kernels::context(module_.device()).synchronize();
+  return out;
+}
+
 }  // namespace dp::dist

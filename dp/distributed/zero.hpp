@@ -17,6 +17,9 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "dp/distributed/process_group.hpp"
 #include "nn/amp.hpp"
@@ -56,6 +59,12 @@ class ZeroStage1 {
   // all_reduce(min) of that verdict makes it every rank's, and the step is taken (unscaled) or
   // skipped by all alike; a skipped step gathers nothing. Returns whether the step was taken.
   bool step(float share, nn::GradScaler* scaler = nullptr);
+
+  // The whole optimizer state, gathered from every rank's shard (all_gather of the equal
+  // shards, the tail broadcast from the last rank), for a checkpoint that does not depend on
+  // the world size: (name, (P) tensor on this rank's device) per state tensor, the same bytes
+  // on every rank. Collective; allocates P floats per state tensor (a save, not a step).
+  std::vector<std::pair<std::string, kernels::Tensor>> gather_optimizer_state() const;
 
   const ZeroShardPlan& plan() const { return plan_; }
   const ZeroStepTimes& last_times() const { return times_; }
