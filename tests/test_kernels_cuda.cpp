@@ -311,7 +311,7 @@ TEST_CASE("kernels.cuda.gemm: dimensions of 1 and k = 10, 47, 84 in f32, bf16, f
   struct Mnk {
     int64_t m, n, k;
   };
-  const Mnk shapes[] = {{1, 10, 47}, {33, 1, 84}, {17, 12, 1}, {1, 1, 10},
+  const Mnk shapes[] = {{1, 10, 47}, {33, 1, 84},  {17, 12, 1}, {1, 1, 10},
                         {8, 10, 84}, {64, 47, 10}, {5, 84, 47}};
   uint32_t seed = 300;
   for (DType t : {DType::f32, DType::bf16, DType::f16})
@@ -323,8 +323,7 @@ TEST_CASE("kernels.cuda.gemm: dimensions of 1 and k = 10, 47, 84 in f32, bf16, f
         CAPTURE(s.k);
         CAPTURE(tb == Transpose::yes);
         seed += 4;
-        const float tol =
-            static_cast<float>(2.0 * s.k * s.k * f32u + 6.0 * (s.k + 1) * f32u);
+        const float tol = static_cast<float>(2.0 * s.k * s.k * f32u + 6.0 * (s.k + 1) * f32u);
         check_matches_cpu(
             [&](Device d) {
               Tensor a = rnd(d, {s.m, s.k}, seed, -1.f, 1.f, t);
