@@ -321,6 +321,22 @@ void finish(const ConvOutput& o, Tensor& out, DType inputs, Accumulate acc, cuda
     launch_store_rounded<__nv_bfloat16>(out, o.result, accumulate, s);
 }
 
+// Runs one pass with the plan's chosen algorithm, and the next ones while cuDNN answers
+// NOT_SUPPORTED: sets the candidate's math type, places its workspace and result buffer, makes
+// the cuDNN call (`call(candidate, output)` returns its status; `name` names it in errors) and
+// stores the result into `out`.
+template <class Call>
+void run_pass(ConvPlan& plan, Tensor& out, DType inputs, Accumulate acc, bool strict,
+              DeviceContext& ctx, const char* name, Call call) {
+  plan.choice.run([&](const AlgoCandidate& c) {
+    set_math(plan.conv, c, strict);
+    ConvOutput o = conv_output(c.workspace_bytes, out, inputs, acc, ctx);
+    AlgoAttempt a = cudnn_attempt(call(c, o), name);
+    if (a.outcome == AlgoAttempt::Outcome::ok) finish(o, out, inputs, acc, stream_of(ctx));
+    return a;
+  });
+}
+
 // ---- pooling kernels ------------------------------------------------------------------------
 
 struct PoolGeometry {
@@ -481,19 +497,14 @@ void conv2d_forward(Tensor& y, const Tensor& x, const Tensor& w, const Conv2dPar
         },
         plan_what(ConvPass::forward, x, w, strict));
   });
-  plan.choice.run([&](const AlgoCandidate& c) {
-    set_math(plan.conv, c, strict);
-    ConvOutput out = conv_output(c.workspace_bytes, y, dt, Accumulate::no, ctx);
-    float alpha = 1.f;
-    AlgoAttempt a =
-        cudnn_attempt(cudnnConvolutionForward(
-                          handle, &alpha, plan.x.get(), x.raw(), plan.w.get(), w.raw(),
-                          plan.conv.get(), static_cast<cudnnConvolutionFwdAlgo_t>(c.id),
-                          out.workspace, c.workspace_bytes, &out.beta, plan.y.get(), out.result),
-                      "cudnnConvolutionForward");
-    if (a.outcome == AlgoAttempt::Outcome::ok) finish(out, y, dt, Accumulate::no, s);
-    return a;
-  });
+  run_pass(plan, y, dt, Accumulate::no, strict, ctx, "cudnnConvolutionForward",
+           [&](const AlgoCandidate& c, const ConvOutput& o) {
+             float alpha = 1.f;
+             return cudnnConvolutionForward(
+                 handle, &alpha, plan.x.get(), x.raw(), plan.w.get(), w.raw(), plan.conv.get(),
+                 static_cast<cudnnConvolutionFwdAlgo_t>(c.id), o.workspace, c.workspace_bytes,
+                 &o.beta, plan.y.get(), o.result);
+           });
 }
 
 // dy (N, K, P, Q), w (K, C, R, S) -> dx (N, C, H, W)
@@ -523,19 +534,14 @@ void conv2d_backward_data(Tensor& dx, const Tensor& dy, const Tensor& w, const C
         },
         plan_what(ConvPass::backward_data, dy, w, strict));
   });
-  plan.choice.run([&](const AlgoCandidate& c) {
-    set_math(plan.conv, c, strict);
-    ConvOutput out = conv_output(c.workspace_bytes, dx, dt, acc, ctx);
-    float alpha = 1.f;
-    AlgoAttempt a =
-        cudnn_attempt(cudnnConvolutionBackwardData(
-                          handle, &alpha, plan.w.get(), w.raw(), plan.y.get(), dy.raw(),
-                          plan.conv.get(), static_cast<cudnnConvolutionBwdDataAlgo_t>(c.id),
-                          out.workspace, c.workspace_bytes, &out.beta, plan.x.get(), out.result),
-                      "cudnnConvolutionBackwardData");
-    if (a.outcome == AlgoAttempt::Outcome::ok) finish(out, dx, dt, acc, s);
-    return a;
-  });
+  run_pass(plan, dx, dt, acc, strict, ctx, "cudnnConvolutionBackwardData",
+           [&](const AlgoCandidate& c, const ConvOutput& o) {
+             float alpha = 1.f;
+             return cudnnConvolutionBackwardData(
+                 handle, &alpha, plan.w.get(), w.raw(), plan.y.get(), dy.raw(), plan.conv.get(),
+                 static_cast<cudnnConvolutionBwdDataAlgo_t>(c.id), o.workspace, c.workspace_bytes,
+                 &o.beta, plan.x.get(), o.result);
+           });
 }
 
 // dy (N, K, P, Q), x (N, C, H, W) -> dw (K, C, R, S)
@@ -565,19 +571,14 @@ void conv2d_backward_filter(Tensor& dw, const Tensor& dy, const Tensor& x, const
         },
         plan_what(ConvPass::backward_filter, dy, x, strict));
   });
-  plan.choice.run([&](const AlgoCandidate& c) {
-    set_math(plan.conv, c, strict);
-    ConvOutput out = conv_output(c.workspace_bytes, dw, dt, acc, ctx);
-    float alpha = 1.f;
-    AlgoAttempt a =
-        cudnn_attempt(cudnnConvolutionBackwardFilter(
-                          handle, &alpha, plan.x.get(), x.raw(), plan.y.get(), dy.raw(),
-                          plan.conv.get(), static_cast<cudnnConvolutionBwdFilterAlgo_t>(c.id),
-                          out.workspace, c.workspace_bytes, &out.beta, plan.w.get(), out.result),
-                      "cudnnConvolutionBackwardFilter");
-    if (a.outcome == AlgoAttempt::Outcome::ok) finish(out, dw, dt, acc, s);
-    return a;
-  });
+  run_pass(plan, dw, dt, acc, strict, ctx, "cudnnConvolutionBackwardFilter",
+           [&](const AlgoCandidate& c, const ConvOutput& o) {
+             float alpha = 1.f;
+             return cudnnConvolutionBackwardFilter(
+                 handle, &alpha, plan.x.get(), x.raw(), plan.y.get(), dy.raw(), plan.conv.get(),
+                 static_cast<cudnnConvolutionBwdFilterAlgo_t>(c.id), o.workspace, c.workspace_bytes,
+                 &o.beta, plan.w.get(), o.result);
+           });
 }
 
 // ---- pooling -------------------------------------------------------------------------------
