@@ -18,8 +18,9 @@
 #   sanitizer  compute-sanitizer: memcheck on the CUDA kernel tests, racecheck on the block
 #              reductions;
 #   amp        the CUDA AMP tests (16-bit kernels, nn.cuda.amp), then dp_bench --dtype fp32, bf16
-#              and fp16 for the MLP and CNN at --gpus 1, and bf16, fp16 at --gpus 4
-#              --comm-dtype bf16: step time, loss, loss scale and skipped steps in the summary;
+#              and fp16 for the MLP and CNN at --gpus 1 (bf16 also with --activations bf16), and
+#              bf16, fp16 at --gpus 4 --comm-dtype bf16: step time, loss, loss scale, skipped
+#              steps and peak memory in the summary;
 #   bench      bench_kernels (TF32 and bf16 GEMM against peak); dp_bench --mode both, --gpus 1
 #              and 4, MLP and CNN;
 #   torch      the PyTorch side by side (benchmarks/torch_ref) where torch imports with CUDA;
@@ -321,7 +322,8 @@ bench_line() {  # JSON
 import json, sys
 j = json.load(open(sys.argv[1]))
 runs = [f"{r['mode']} x{r['gpus']} {r['step_ms_median']:.3f} ms/step, loss {r['final_loss']:.4f}, "
-        f"scale {r.get('loss_scale', 1):g}, skipped {r.get('skipped_steps', 0)}" for r in j["runs"]]
+        f"scale {r.get('loss_scale', 1):g}, skipped {r.get('skipped_steps', 0)}, peak "
+        f"{max(r.get('peak_mem_bytes') or [0]) / 2**20:.1f} MiB" for r in j["runs"]]
 note = " (logical GPUs share hardware: overhead, not scaling)" if j.get("oversubscribed") else ""
 print(", ".join(runs) + note)
 EOF
@@ -425,6 +427,10 @@ stage_amp() {
       bench_step "amp_${model}_${dtype}_gpus1" "amp $model $dtype --gpus 1" --mode both \
         --gpus 1 --baseline 0 --model "$model" --dtype "$dtype"
     done
+    # bf16 activations between layers (--activations bf16): step time and peak memory against
+    # the bf16 run above, whose activations are f32
+    bench_step "amp_${model}_bf16_actbf16_gpus1" "amp $model bf16 --activations bf16" \
+      --mode both --gpus 1 --baseline 0 --model "$model" --dtype bf16 --activations bf16
     for dtype in bf16 fp16; do
       bench_step "amp_${model}_${dtype}_gpus4_commbf16" "amp $model $dtype --gpus 4 comm bf16" \
         --mode both --gpus 4 --baseline 0 --model "$model" --dtype "$dtype" --comm-dtype bf16
