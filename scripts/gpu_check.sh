@@ -94,7 +94,9 @@ make_bundle() {
     echo "gpu_check --bundle: the build failed" >&2
     exit 1
   }
-  ldd "$build/bin/dp_bench" | grep -q libcudnn || {
+  # grep reads all of ldd's output: with pipefail, `grep -q` stopping at the first match could
+  # fail the pipeline by ldd's SIGPIPE.
+  ldd "$build/bin/dp_bench" | grep libcudnn > /dev/null || {
     echo "gpu_check --bundle: dp_bench was built without the CUDA backend (no nvcc here?)" >&2
     exit 1
   }
@@ -258,7 +260,7 @@ fi
 # The bundle's libstdc++/libgcc_s only where the machine's own are older than the build's
 # (ldd then reports a GLIBCXX/CXXABI/GCC version as not found): a newer system libstdc++ must
 # win, since LD_LIBRARY_PATH goes before the system folders.
-if [[ -n $bundle_lib ]] && ldd "$build/bin/dp_bench" 2>&1 | grep -q "\(GLIBCXX\|CXXABI\|GCC\)_.*not found"; then
+if [[ -n $bundle_lib ]] && ldd "$build/bin/dp_bench" 2>&1 | grep "\(GLIBCXX\|CXXABI\|GCC\)_.*not found" > /dev/null; then
   export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$bundle_lib/compat"
 fi
 
