@@ -58,6 +58,7 @@ void add_flags(CLI::App& app, Options& o) {
   app.add_option("--steps", o.steps, "timed steps")->check(whole_number(1, kMaxSteps));
   app.add_option("--warmup", o.warmup, "untimed steps first")->check(whole_number(0, kMaxSteps));
   dp::cli::add_precision_flags(app, o.dtype, o.comm_dtype);
+  dp::cli::add_activations_flag(app, o.activations);
   dp::cli::add_max_skip_fraction_flag(app, o.max_skip_fraction);
   app.add_option("--backend", o.backend, "DDP backend: auto|nccl|gloo|mpi (mpi: under mpirun)")
       ->check(CLI::IsMember({"auto", "nccl", "gloo", "mpi"}));
@@ -131,6 +132,7 @@ Setup resolve(const Options& o) {
   s.precision = nn::parse_precision(o.dtype);
   s.math = nn::math_mode(s.precision);
   s.comm_dtype = dp::cli::comm_dtype(o.comm_dtype);
+  s.activations = dp::cli::activations_dtype(o.activations, o.dtype);
   return s;
 }
 
@@ -325,6 +327,7 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
   auto model = model_of(o);
   auto devices = kernels::make_devices(s.type, n);
   model->materialize(devices[0], o.seed);
+  if (s.activations != kernels::DType::f32) model->set_activations(nn::Activations::compute);
   auto optimizer = make_optimizer(o, *model);
   nn::Optimizer& opt = *optimizer;
   dp::DataParallelOptions dopt;

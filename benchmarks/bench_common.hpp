@@ -47,6 +47,7 @@ struct Options {
   int warmup = 5;
   std::string dtype = "fp32";       // fp32|tf32|bf16|fp16 (nn/amp.hpp)
   std::string comm_dtype = "fp32";  // fp32|bf16: the dtype gradients travel in
+  std::string activations = "f32";  // f32|bf16: the dtype activations travel in between layers
   std::string backend = "auto";
   uint64_t seed = 1;
   std::string json_path, trace_path, sweep, csv_path, chart_path, profile_steps;
@@ -91,6 +92,7 @@ struct Setup {
   kernels::MathMode math = kernels::MathMode::strict;
   nn::Precision precision = nn::Precision::fp32;
   kernels::DType comm_dtype = kernels::DType::f32;
+  kernels::DType activations = kernels::DType::f32;  // bf16: nn::Activations::compute
 };
 
 void add_flags(CLI::App& app, Options& o);

@@ -161,6 +161,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   const auto data = dataset_of(o, batch);
   auto model = model_of(o);
   model->materialize(trainer.device(), o.seed);
+  if (s.activations != kernels::DType::f32) model->set_activations(nn::Activations::compute);
   auto optimizer = make_optimizer(o, *model);
   nn::Optimizer& opt = *optimizer;
   trainer.set_zero_stage(o.zero);

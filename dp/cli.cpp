@@ -165,6 +165,24 @@ kernels::DType comm_dtype(const std::string& value) {
   return value == "bf16" ? kernels::DType::bf16 : kernels::DType::f32;
 }
 
+void add_activations_flag(CLI::App& app, std::string& activations) {
+  app.add_option("--activations", activations,
+                 "f32 | bf16: with --dtype bf16, Linear, Conv, the activations, pooling, dropout "
+                 "and bias-add keep bf16 outputs between layers (loss, normalisation and the "
+                 "optimizer stay f32)")
+      ->check(CLI::IsMember({"f32", "bf16"}));
+}
+
+kernels::DType activations_dtype(const std::string& activations, const std::string& dtype) {
+  DP_CHECK(activations == "f32" || activations == "bf16",
+           "--activations " << activations << ": choose f32 or bf16");
+  DP_CHECK(activations == "f32" || dtype == "bf16",
+           "--activations bf16 with --dtype " << dtype
+                                              << ": bf16 activations need --dtype bf16 (they take "
+                                                 "the compute dtype)");
+  return activations == "bf16" ? kernels::DType::bf16 : kernels::DType::f32;
+}
+
 CLI::Validator whole_number(int64_t lo, int64_t hi) {
   return CLI::Validator([lo, hi](std::string& text) { return whole_number_problem(text, lo, hi); },
                         range_text(lo, hi));

@@ -55,6 +55,12 @@ void add_max_skip_fraction_flag(CLI::App& app, std::optional<double>& max_skip_f
 void add_launch_flags(CLI::App& app, dp::dist::LaunchOptions& launch);
 // The dtype gradients travel in for a --comm-dtype value: f32 or bf16.
 kernels::DType comm_dtype(const std::string& value);
+// --activations f32|bf16 into `activations`, refused at parse time otherwise: bf16 keeps the
+// activations between layers in bf16 (nn::Activations::compute), as PyTorch's autocast.
+void add_activations_flag(CLI::App& app, std::string& activations);
+// The dtype activations travel in for an --activations value with a --dtype value: f32, or
+// bf16 (which needs --dtype bf16: the activations take the compute dtype). Throws naming both.
+kernels::DType activations_dtype(const std::string& activations, const std::string& dtype);
 
 // An output file that can be written: refuses an empty path, a directory, a missing parent
 // directory, and a path that cannot be opened for writing (with the system's reason). The check

@@ -68,6 +68,36 @@ void check_dtype(const char* op, const Arg& a, DType want) {
   DP_CHECK(a.t.dtype() == want, op << ": " << a.name << " must be " << want << ", got " << a.t);
 }
 
+// ---- 16-bit activations through the f32 kernels ---------------------------------------------
+// The elementwise, bias, pooling and dropout ops take f16/bf16 activations (16-bit activations,
+// nn::Activations::compute) on both backends by widening: each 16-bit input becomes an f32
+// copy, each 16-bit output is computed in f32 (from its widened value when accumulating) and
+// rounded once into place. The result is the f32 op on the 16-bit values, rounded once: what a
+// native 16-bit kernel that computes in f32 gives.
+
+bool is_16bit(const Tensor& t) {
+  return t.defined() && (t.dtype() == DType::f16 || t.dtype() == DType::bf16);
+}
+bool any_16bit(std::initializer_list<const Tensor*> ts) {
+  for (const Tensor* t : ts)
+    if (is_16bit(*t)) return true;
+  return false;
+}
+// x itself when f32 (or undefined), else an f32 copy.
+Tensor widen(const Tensor& x) {
+  return is_16bit(x) ? cast(x, DType::f32) : x;
+}
+// The f32 stand-in for output `out`: out itself when f32, else its widened copy (accumulating)
+// or a fresh f32 tensor. round_into() stores it back.
+Tensor f32_out(const Tensor& out, Accumulate acc = Accumulate::no) {
+  if (!is_16bit(out)) return out;
+  return acc == Accumulate::yes ? cast(out, DType::f32)
+                                : Tensor::empty(out.shape(), DType::f32, out.device());
+}
+void round_into(Tensor& out, const Tensor& f32) {
+  if (is_16bit(out)) copy(out, f32);
+}
+
 void check_f32(const char* op, std::initializer_list<Arg> args) {
   for (const Arg& a : args) check_dtype(op, a, DType::f32);
 }
@@ -150,12 +180,22 @@ void check_channel_vector(const char* op, const Arg& t, const Arg& vec) {
 }  // namespace
 
 void add(Tensor& y, const Tensor& a, const Tensor& b) {
+  if (any_16bit({&y, &a, &b})) {
+    Tensor y32 = f32_out(y);
+    add(y32, widen(a), widen(b));
+    return round_into(y, y32);
+  }
   check_binary("add", y, a, b);
   if (y.numel() == 0) return;
   DP_DISPATCH(y.device(), add, y, a, b);
 }
 
 void mul(Tensor& y, const Tensor& a, const Tensor& b) {
+  if (any_16bit({&y, &a, &b})) {
+    Tensor y32 = f32_out(y);
+    mul(y32, widen(a), widen(b));
+    return round_into(y, y32);
+  }
   check_binary("mul", y, a, b);
   if (y.numel() == 0) return;
   DP_DISPATCH(y.device(), mul, y, a, b);
@@ -177,6 +217,11 @@ void axpy(Tensor& y, float alpha, const Tensor& x) {
 }
 
 void add_bias(Tensor& y, const Tensor& bias) {
+  if (any_16bit({&y, &bias})) {
+    Tensor y32 = f32_out(y, Accumulate::yes);
+    add_bias(y32, widen(bias));
+    return round_into(y, y32);
+  }
   check_devices("add_bias", {{"y", y}, {"bias", bias}});
   check_f32("add_bias", {{"y", y}, {"bias", bias}});
   check_channel_vector("add_bias", {"y", y}, {"bias", bias});
@@ -185,6 +230,11 @@ void add_bias(Tensor& y, const Tensor& bias) {
 }
 
 void bias_backward(Tensor& db, const Tensor& dy, Accumulate acc) {
+  if (any_16bit({&db, &dy})) {
+    Tensor db32 = f32_out(db, acc);
+    bias_backward(db32, widen(dy), acc);
+    return round_into(db, db32);
+  }
   check_devices("bias_backward", {{"db", db}, {"dy", dy}});
   check_f32("bias_backward", {{"db", db}, {"dy", dy}});
   check_channel_vector("bias_backward", {"dy", dy}, {"db", db});
@@ -241,36 +291,66 @@ void check_activation_backward(const char* op, const Tensor& dx, const Tensor& d
 }  // namespace
 
 void relu(Tensor& y, const Tensor& x) {
+  if (any_16bit({&y, &x})) {
+    Tensor y32 = f32_out(y);
+    relu(y32, widen(x));
+    return round_into(y, y32);
+  }
   check_unary("relu", y, x);
   if (y.numel() == 0) return;
   DP_DISPATCH(y.device(), relu, y, x);
 }
 
 void relu_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc) {
+  if (any_16bit({&dx, &dy, &x})) {
+    Tensor dx32 = f32_out(dx, acc);
+    relu_backward(dx32, widen(dy), widen(x), acc);
+    return round_into(dx, dx32);
+  }
   check_activation_backward("relu_backward", dx, dy, x, "x");
   if (dx.numel() == 0) return;
   DP_DISPATCH(dx.device(), relu_backward, dx, dy, x, acc);
 }
 
 void gelu(Tensor& y, const Tensor& x) {
+  if (any_16bit({&y, &x})) {
+    Tensor y32 = f32_out(y);
+    gelu(y32, widen(x));
+    return round_into(y, y32);
+  }
   check_unary("gelu", y, x);
   if (y.numel() == 0) return;
   DP_DISPATCH(y.device(), gelu, y, x);
 }
 
 void gelu_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc) {
+  if (any_16bit({&dx, &dy, &x})) {
+    Tensor dx32 = f32_out(dx, acc);
+    gelu_backward(dx32, widen(dy), widen(x), acc);
+    return round_into(dx, dx32);
+  }
   check_activation_backward("gelu_backward", dx, dy, x, "x");
   if (dx.numel() == 0) return;
   DP_DISPATCH(dx.device(), gelu_backward, dx, dy, x, acc);
 }
 
 void tanh(Tensor& y, const Tensor& x) {
+  if (any_16bit({&y, &x})) {
+    Tensor y32 = f32_out(y);
+    tanh(y32, widen(x));
+    return round_into(y, y32);
+  }
   check_unary("tanh", y, x);
   if (y.numel() == 0) return;
   DP_DISPATCH(y.device(), tanh, y, x);
 }
 
 void tanh_backward(Tensor& dx, const Tensor& dy, const Tensor& y, Accumulate acc) {
+  if (any_16bit({&dx, &dy, &y})) {
+    Tensor dx32 = f32_out(dx, acc);
+    tanh_backward(dx32, widen(dy), widen(y), acc);
+    return round_into(dx, dx32);
+  }
   check_activation_backward("tanh_backward", dx, dy, y, "y");
   if (dx.numel() == 0) return;
   DP_DISPATCH(dx.device(), tanh_backward, dx, dy, y, acc);
@@ -506,6 +586,11 @@ void check_pool(const char* op, const Arg& y, const Arg& x, const Pool2dParams& 
 }  // namespace
 
 void max_pool2d_forward(Tensor& y, const Tensor& x, const Pool2dParams& p) {
+  if (any_16bit({&y, &x})) {
+    Tensor y32 = f32_out(y);
+    max_pool2d_forward(y32, widen(x), p);
+    return round_into(y, y32);
+  }
   check_pool("max_pool2d_forward", {"y", y}, {"x", x}, p);
   if (y.numel() == 0) return;
   DP_DISPATCH(y.device(), max_pool2d_forward, y, x, p);
@@ -513,6 +598,11 @@ void max_pool2d_forward(Tensor& y, const Tensor& x, const Pool2dParams& p) {
 
 void max_pool2d_backward(Tensor& dx, const Tensor& dy, const Tensor& x, const Tensor& y,
                          const Pool2dParams& p, Accumulate acc) {
+  if (any_16bit({&dx, &dy, &x, &y})) {  // the maximum's position is found on the 16-bit values
+    Tensor dx32 = f32_out(dx, acc);
+    max_pool2d_backward(dx32, widen(dy), widen(x), widen(y), p, acc);
+    return round_into(dx, dx32);
+  }
   const char* op = "max_pool2d_backward";
   check_pool(op, {"y", y}, {"x", x}, p);
   check_devices(op, {{"x", x}, {"dx", dx}, {"dy", dy}});
@@ -524,12 +614,22 @@ void max_pool2d_backward(Tensor& dx, const Tensor& dy, const Tensor& x, const Te
 }
 
 void avg_pool2d_forward(Tensor& y, const Tensor& x, const Pool2dParams& p) {
+  if (any_16bit({&y, &x})) {
+    Tensor y32 = f32_out(y);
+    avg_pool2d_forward(y32, widen(x), p);
+    return round_into(y, y32);
+  }
   check_pool("avg_pool2d_forward", {"y", y}, {"x", x}, p);
   if (y.numel() == 0) return;
   DP_DISPATCH(y.device(), avg_pool2d_forward, y, x, p);
 }
 
 void avg_pool2d_backward(Tensor& dx, const Tensor& dy, const Pool2dParams& p, Accumulate acc) {
+  if (any_16bit({&dx, &dy})) {
+    Tensor dx32 = f32_out(dx, acc);
+    avg_pool2d_backward(dx32, widen(dy), p, acc);
+    return round_into(dx, dx32);
+  }
   check_pool("avg_pool2d_backward", {"dy", dy}, {"dx", dx}, p);
   if (dx.numel() == 0) return;
   DP_DISPATCH(dx.device(), avg_pool2d_backward, dx, dy, p, acc);
@@ -705,6 +805,11 @@ void layer_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor
 
 void dropout_forward(Tensor& y, Tensor& mask, const Tensor& x, float p, uint64_t seed,
                      uint64_t offset) {
+  if (any_16bit({&y, &x})) {  // the mask stays f32 (keep / (1 - p))
+    Tensor y32 = f32_out(y);
+    dropout_forward(y32, mask, widen(x), p, seed, offset);
+    return round_into(y, y32);
+  }
   const char* op = "dropout_forward";
   check_devices(op, {{"x", x}, {"y", y}, {"mask", mask}});
   check_f32(op, {{"x", x}, {"y", y}, {"mask", mask}});

@@ -38,6 +38,10 @@ void copy(Tensor& dst, const Tensor& src);
 Tensor cast(const Tensor& x, DType dtype);
 // ensures every element of y = value (any dtype; integer dtypes take the truncated value).
 void fill(Tensor& y, float value);
+// 16-bit activations: add, mul, add_bias, bias_backward, the activations, pooling and
+// dropout_forward also take f16/bf16 tensors (any mix with f32; dropout's mask stays f32). They
+// compute in f32 from the widened values and round each 16-bit output once.
+
 // requires a, b, y same shape. ensures y = a + b.
 void add(Tensor& y, const Tensor& a, const Tensor& b);
 // requires a, b, y same shape. ensures y = a * b (elementwise).

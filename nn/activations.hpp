@@ -1,4 +1,5 @@
-// Elementwise activations: ReLU, GELU (exact, erf form), Tanh. Shapes are preserved.
+// Elementwise activations: ReLU, GELU (exact, erf form), Tanh. Shapes and dtypes are preserved
+// (16-bit activations stay 16-bit; dx takes the input's dtype).
 #pragma once
 
 #include <memory>
@@ -16,13 +17,13 @@ class ReLU : public Module {
  protected:
   Tensor forward_impl(const Tensor& x) override {
     x_ = x;
-    Tensor y = Tensor::empty(x.shape(), DType::f32, x.device());
+    Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());
     kernels::relu(y, x);
     return y;
   }
   Tensor backward_impl(const Tensor& dy) override {
     DP_CHECK(x_.defined(), "ReLU::backward called before forward");
-    Tensor dx = Tensor::empty(x_.shape(), DType::f32, dy.device());
+    Tensor dx = Tensor::empty(x_.shape(), x_.dtype(), dy.device());
     kernels::relu_backward(dx, dy, x_, kernels::Accumulate::no);
     return dx;
   }
@@ -40,13 +41,13 @@ class GELU : public Module {
  protected:
   Tensor forward_impl(const Tensor& x) override {
     x_ = x;
-    Tensor y = Tensor::empty(x.shape(), DType::f32, x.device());
+    Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());
     kernels::gelu(y, x);
     return y;
   }
   Tensor backward_impl(const Tensor& dy) override {
     DP_CHECK(x_.defined(), "GELU::backward called before forward");
-    Tensor dx = Tensor::empty(x_.shape(), DType::f32, dy.device());
+    Tensor dx = Tensor::empty(x_.shape(), x_.dtype(), dy.device());
     kernels::gelu_backward(dx, dy, x_, kernels::Accumulate::no);
     return dx;
   }
@@ -63,13 +64,13 @@ class Tanh : public Module {
 
  protected:
   Tensor forward_impl(const Tensor& x) override {
-    y_ = Tensor::empty(x.shape(), DType::f32, x.device());
+    y_ = Tensor::empty(x.shape(), x.dtype(), x.device());
     kernels::tanh(y_, x);
     return y_;
   }
   Tensor backward_impl(const Tensor& dy) override {
     DP_CHECK(y_.defined(), "Tanh::backward called before forward");
-    Tensor dx = Tensor::empty(y_.shape(), DType::f32, dy.device());
+    Tensor dx = Tensor::empty(y_.shape(), y_.dtype(), dy.device());
     kernels::tanh_backward(dx, dy, y_, kernels::Accumulate::no);
     return dx;
   }

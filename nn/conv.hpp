@@ -47,8 +47,10 @@ class Conv2d : public Module {
     const int64_t ow = kernels::conv_out_size(x.dim(3), k_, p_.stride_w, p_.pad_w);
     DP_CHECK(oh > 0 && ow > 0, describe() << ": input " << kernels::shape_str(x.shape())
                                           << " is smaller than the kernel");
+    x_dtype_ = x.dtype();
     x_ = to_compute(x);  // 16-bit under mixed precision
-    Tensor y = Tensor::empty({x.dim(0), out_, oh, ow}, DType::f32, x.device());  // (N, K, P, Q)
+    // f32, or 16-bit under 16-bit activations. (N, K, P, Q)
+    Tensor y = Tensor::empty({x.dim(0), out_, oh, ow}, activation_dtype(), x.device());
     kernels::conv2d_forward(y, x_, weight_->compute, p_);
     if (bias_) kernels::add_bias(y, bias_->value);
     return y;
@@ -59,11 +61,11 @@ class Conv2d : public Module {
     Tensor dx;
     Tensor dyc = to_compute(dy);
     if (input_grad_needed()) {
-      dx = Tensor::empty(x_.shape(), DType::f32, dy.device());  // (N, C, H, W)
+      dx = Tensor::empty(x_.shape(), x_dtype_, dy.device());  // (N, C, H, W), x's dtype
       kernels::conv2d_backward_data(dx, dyc, weight_->compute, p_, kernels::Accumulate::no);
     }
     kernels::conv2d_backward_filter(weight_->grad, dyc, x_, p_, kernels::Accumulate::yes);
-    // The bias gradient is a reduction: f32.
+    // The bias gradient is a reduction into f32 (a 16-bit dy is widened).
     if (bias_) kernels::bias_backward(bias_->grad, dy, kernels::Accumulate::yes);
     return dx;
   }
@@ -85,7 +87,8 @@ class Conv2d : public Module {
   kernels::Conv2dParams p_;
   Parameter* weight_ = nullptr;
   Parameter* bias_ = nullptr;
-  Tensor x_;  // cached input (N, C, H, W), in the compute dtype
+  DType x_dtype_ = DType::f32;  // the input's dtype, which dx takes
+  Tensor x_;                    // cached input (N, C, H, W), in the compute dtype
 };
 
 }  // namespace nn

@@ -27,14 +27,15 @@ class Dropout : public Module {
     if (!masked_) return x;
     FlatState& s = flat();
     mask_ = Tensor::empty(x.shape(), DType::f32, x.device());
-    Tensor y = Tensor::empty(x.shape(), DType::f32, x.device());
+    Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());  // x's dtype (16-bit activations)
+    x_dtype_ = x.dtype();
     kernels::dropout_forward(y, mask_, x, p_, s.rng_key, s.rng_offset);
     s.rng_offset += static_cast<uint64_t>(x.numel());
     return y;
   }
   Tensor backward_impl(const Tensor& dy) override {
     if (!masked_) return dy;
-    Tensor dx = Tensor::empty(mask_.shape(), DType::f32, dy.device());
+    Tensor dx = Tensor::empty(mask_.shape(), x_dtype_, dy.device());
     kernels::mul(dx, dy, mask_);
     return dx;
   }
@@ -43,7 +44,8 @@ class Dropout : public Module {
  private:
   float p_;
   bool masked_ = false;  // whether the cached forward applied a mask
-  Tensor mask_;          // keep / (1 - p), shaped like the input
+  Tensor mask_;          // keep / (1 - p), shaped like the input, f32
+  DType x_dtype_ = DType::f32;
 };
 
 }  // namespace nn

@@ -37,10 +37,12 @@ class Linear : public Module {
                        << " must be (..., " << in_ << "), weight is "
                        << kernels::shape_str(weight_->shape));
     x_shape_ = x.shape();
+    x_dtype_ = x.dtype();
     const int64_t rows = x.numel() / in_;
-    // Under mixed precision the product takes 16-bit x and W (f32 accumulation, f32 y).
-    x2_ = to_compute(x.reshape({rows, in_}));                        // (M, in)
-    Tensor y = Tensor::empty({rows, out_}, DType::f32, x.device());  // (M, out)
+    // Under mixed precision the product takes 16-bit x and W (f32 accumulation); y is f32, or
+    // 16-bit under 16-bit activations (rounded once, after the bias).
+    x2_ = to_compute(x.reshape({rows, in_}));                                // (M, in)
+    Tensor y = Tensor::empty({rows, out_}, activation_dtype(), x.device());  // (M, out)
     // (M, in) x (out, in)^T + b -> (M, out)
     kernels::gemm(y, x2_, kernels::Transpose::no, weight_->compute, kernels::Transpose::yes, 1.f,
                   0.f, bias_ ? bias_->value : Tensor());
@@ -59,14 +61,14 @@ class Linear : public Module {
     Tensor dy2c = to_compute(dy2);          // 16-bit under AMP
     Tensor dx;
     if (input_grad_needed()) {
-      dx = Tensor::empty({rows, in_}, DType::f32, dy.device());  // (M, in)
+      dx = Tensor::empty({rows, in_}, x_dtype_, dy.device());  // (M, in), x's dtype
       // (M, out) x (out, in) -> (M, in)
       kernels::gemm(dx, dy2c, kernels::Transpose::no, weight_->compute, kernels::Transpose::no);
     }
     // dW += (M, out)^T x (M, in) -> (out, in), accumulated into the f32 gradient
     kernels::gemm(weight_->grad, dy2c, kernels::Transpose::yes, x2_, kernels::Transpose::no, 1.f,
                   1.f);
-    // The bias gradient is a reduction: f32.
+    // The bias gradient is a reduction into f32 (a 16-bit dy is widened).
     if (bias_) kernels::bias_backward(bias_->grad, dy2, kernels::Accumulate::yes);
     return dx.defined() ? dx.reshape(x_shape_) : dx;
   }
@@ -81,7 +83,8 @@ class Linear : public Module {
   Parameter* weight_ = nullptr;
   Parameter* bias_ = nullptr;
   Shape x_shape_;
-  Tensor x2_;  // cached input as (M, in), in the compute dtype
+  DType x_dtype_ = DType::f32;  // the input's dtype, which dx takes
+  Tensor x2_;                   // cached input as (M, in), in the compute dtype
 };
 
 }  // namespace nn

@@ -121,6 +121,11 @@ struct Buffer {
   int64_t numel() const { return kernels::shape_numel(shape); }
 };
 
+// What dtype activations travel in between layers: f32 (the default), or the compute dtype of
+// mixed precision (as PyTorch's autocast: Linear, Conv2d, the activations, pooling, dropout and
+// bias-add keep 16-bit outputs; normalisation and the loss take f32).
+enum class Activations { f32, compute };
+
 // The storage of one replica, shared by every module of its tree.
 struct FlatState {
   Device device;
@@ -137,6 +142,9 @@ struct FlatState {
   // Mixed precision: the 16-bit copy of `params` that GEMMs and convolutions read (its dtype is
   // theirs), remade by one cast at the start of each outermost forward; undefined under f32.
   Tensor compute_params;
+  // 16-bit activations (Module::set_activations): Linear and Conv2d write their outputs in the
+  // compute dtype, and the layers between them keep it.
+  Activations activations = Activations::f32;
   int forward_depth = 0;  // forwards in progress: 0 outside, 1 in the outermost
 };
 
@@ -164,11 +172,17 @@ class Module {
       FlatState& f;
       ~Depth() { --f.forward_depth; }
     } depth{*flat_};
-    if (flat_->forward_depth++ == 0 && flat_->compute_params.defined()) {
+    const bool outermost = flat_->forward_depth++ == 0;
+    if (outermost && flat_->compute_params.defined()) {
       kernels::NvtxRange cast("amp/cast_weights");
       kernels::copy(flat_->compute_params, flat_->params);
     }
-    return forward_impl(x);
+    Tensor y = forward_impl(x);
+    // 16-bit activations end at the model's output: the loss and metrics read f32 (the
+    // backward of the last layer takes the f32 gradient as it is).
+    if (outermost && y.dtype() != DType::f32 && kernels::is_floating(y.dtype()))
+      y = kernels::cast(y, DType::f32);
+    return y;
   }
   // requires forward() ran on this input. ensures the input gradient is returned and the
   // parameter gradients are ADDED into grad views; then on_grad_ready fires for each of this
@@ -262,6 +276,7 @@ class Module {
     copy->allocate(device, flat_->seed);
     copy->set_mode(mode_);
     copy->set_compute_dtype(compute_dtype());
+    copy->set_activations(activations());
     copy_tensor_across(copy->flat_->params, flat_->params);
     copy_tensor_across(copy->flat_->buffers, flat_->buffers);
     return copy;
@@ -285,6 +300,20 @@ class Module {
   DType compute_dtype() {
     const Tensor& c = flat().compute_params;
     return c.defined() ? c.dtype() : DType::f32;
+  }
+  // 16-bit activations for the whole tree (with a 16-bit compute dtype; under f32 compute they
+  // stay f32). requires materialised. Survives set_compute_dtype; replicas made by clone_to()
+  // inherit it.
+  void set_activations(Activations a) { flat().activations = a; }
+  Activations activations() { return flat().activations; }
+  // x as f32 (f32-only layers under 16-bit activations: normalisation), and back to dtype `d`.
+  static Tensor as_f32(const Tensor& x) { return as_dtype(x, DType::f32); }
+  static Tensor as_dtype(const Tensor& x, DType d) {
+    return x.dtype() == d ? x : kernels::cast(x, d);
+  }
+  // The dtype Linear and Conv2d write their outputs in.
+  DType activation_dtype() {
+    return flat().activations == Activations::compute ? compute_dtype() : DType::f32;
   }
   // x in the compute dtype: x itself under f32 (or when it already is), else a 16-bit copy.
   Tensor to_compute(const Tensor& x) {

@@ -56,6 +56,10 @@ class BatchNormBase : public Module {
     running_var_ = &register_buffer("running_var", {c_}, 1.f);
   }
 
+  // Under 16-bit activations the input is widened: the statistics and y are f32, and dx takes
+  // the input's dtype again.
+  DType x_dtype_ = DType::f32;
+
   // requires x4 (N, C, ...) with dim 1 == C (checked by the subclass).
   Tensor normalize(const Tensor& x) {
     x_ = x;
@@ -251,13 +255,14 @@ class BatchNorm1d : public BatchNormBase {
              "BatchNorm1d(" << c_ << "): input " << kernels::shape_str(x.shape()) << " must be (N, "
                             << c_ << ") or (N, " << c_ << ", L)");
     x_shape_ = x.shape();
+    x_dtype_ = x.dtype();
     // (N, C, L) runs as (N, C, L, 1): the op normalises over every dim but 1 either way.
     Tensor x4 = x.ndim() == 3 ? x.reshape({x.dim(0), c_, x.dim(2), 1}) : x;
-    return normalize(x4).reshape(x_shape_);
+    return normalize(as_f32(x4)).reshape(x_shape_);
   }
   Tensor backward_impl(const Tensor& dy) override {
     Tensor dy4 = x_shape_.size() == 3 ? dy.reshape({x_shape_[0], c_, x_shape_[2], 1}) : dy;
-    return normalize_backward(dy4).reshape(x_shape_);
+    return as_dtype(normalize_backward(as_f32(dy4)).reshape(x_shape_), x_dtype_);
   }
   std::shared_ptr<Module> clone_config() const override {
     return std::make_shared<BatchNorm1d>(c_, momentum_, eps_);
@@ -279,9 +284,12 @@ class BatchNorm2d : public BatchNormBase {
     DP_CHECK(x.ndim() == 4 && x.dim(1) == c_, "BatchNorm2d(" << c_ << "): input "
                                                              << kernels::shape_str(x.shape())
                                                              << " must be (N, " << c_ << ", H, W)");
-    return normalize(x);
+    x_dtype_ = x.dtype();
+    return normalize(as_f32(x));
   }
-  Tensor backward_impl(const Tensor& dy) override { return normalize_backward(dy); }
+  Tensor backward_impl(const Tensor& dy) override {
+    return as_dtype(normalize_backward(as_f32(dy)), x_dtype_);
+  }
   std::shared_ptr<Module> clone_config() const override {
     return std::make_shared<BatchNorm2d>(c_, momentum_, eps_);
   }
@@ -306,8 +314,9 @@ class LayerNorm : public Module {
                                                             << kernels::shape_str(x.shape())
                                                             << " must be (..., " << d_ << ")");
     x_shape_ = x.shape();
+    x_dtype_ = x.dtype();
     const int64_t rows = x.numel() / d_;
-    x2_ = x.reshape({rows, d_});  // (M, D)
+    x2_ = as_f32(x.reshape({rows, d_}));  // (M, D), f32: the statistics are f32
     save_mean_ = Tensor::empty({rows}, DType::f32, x.device());
     save_rstd_ = Tensor::empty({rows}, DType::f32, x.device());
     Tensor y = Tensor::empty({rows, d_}, DType::f32, x.device());
@@ -317,9 +326,10 @@ class LayerNorm : public Module {
   Tensor backward_impl(const Tensor& dy) override {
     DP_CHECK(x2_.defined(), "LayerNorm::backward called before forward");
     Tensor dx = Tensor::empty(x2_.shape(), DType::f32, dy.device());
-    kernels::layer_norm_backward(dx, gamma_->grad, beta_->grad, dy.reshape(x2_.shape()), x2_,
-                                 gamma_->value, save_mean_, save_rstd_, kernels::Accumulate::yes);
-    return dx.reshape(x_shape_);
+    kernels::layer_norm_backward(dx, gamma_->grad, beta_->grad, as_f32(dy.reshape(x2_.shape())),
+                                 x2_, gamma_->value, save_mean_, save_rstd_,
+                                 kernels::Accumulate::yes);
+    return as_dtype(dx.reshape(x_shape_), x_dtype_);
   }
   std::shared_ptr<Module> clone_config() const override {
     return std::make_shared<LayerNorm>(d_, eps_);
@@ -331,7 +341,8 @@ class LayerNorm : public Module {
   Parameter* gamma_ = nullptr;
   Parameter* beta_ = nullptr;
   Shape x_shape_;
-  Tensor x2_;                     // cached input as (M, D)
+  DType x_dtype_ = DType::f32;    // the input's dtype, which dx takes (the statistics are f32)
+  Tensor x2_;                     // cached input as (M, D), f32
   Tensor save_mean_, save_rstd_;  // (M)
 };
 

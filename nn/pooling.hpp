@@ -44,7 +44,7 @@ class MaxPool2d : public Module {
 
  protected:
   Tensor forward_impl(const Tensor& x) override {
-    Tensor y = Tensor::empty(detail::pool_out_shape(x, p_, "MaxPool2d"), DType::f32, x.device());
+    Tensor y = Tensor::empty(detail::pool_out_shape(x, p_, "MaxPool2d"), x.dtype(), x.device());
     kernels::max_pool2d_forward(y, x, p_);
     x_ = x;
     y_ = y;
@@ -52,7 +52,7 @@ class MaxPool2d : public Module {
   }
   Tensor backward_impl(const Tensor& dy) override {
     DP_CHECK(x_.defined(), "MaxPool2d::backward called before forward");
-    Tensor dx = Tensor::empty(x_.shape(), DType::f32, dy.device());
+    Tensor dx = Tensor::empty(x_.shape(), x_.dtype(), dy.device());
     kernels::max_pool2d_backward(dx, dy, x_, y_, p_, kernels::Accumulate::no);
     return dx;
   }
@@ -74,14 +74,15 @@ class AvgPool2d : public Module {
 
  protected:
   Tensor forward_impl(const Tensor& x) override {
-    Tensor y = Tensor::empty(detail::pool_out_shape(x, p_, "AvgPool2d"), DType::f32, x.device());
+    Tensor y = Tensor::empty(detail::pool_out_shape(x, p_, "AvgPool2d"), x.dtype(), x.device());
     kernels::avg_pool2d_forward(y, x, p_);
     x_shape_ = x.shape();
+    x_dtype_ = x.dtype();
     return y;
   }
   Tensor backward_impl(const Tensor& dy) override {
     DP_CHECK(!x_shape_.empty(), "AvgPool2d::backward called before forward");
-    Tensor dx = Tensor::empty(x_shape_, DType::f32, dy.device());
+    Tensor dx = Tensor::empty(x_shape_, x_dtype_, dy.device());
     kernels::avg_pool2d_backward(dx, dy, p_, kernels::Accumulate::no);
     return dx;
   }
@@ -92,6 +93,7 @@ class AvgPool2d : public Module {
  private:
   kernels::Pool2dParams p_;
   Shape x_shape_;
+  DType x_dtype_ = DType::f32;
 };
 
 // (N, C, H, W) -> (N, C): the mean over each channel's H x W plane (one H x W average pool).
@@ -105,13 +107,14 @@ class GlobalAvgPool : public Module {
              "GlobalAvgPool: input " << kernels::shape_str(x.shape()) << " must be (N, C, H, W)");
     x_shape_ = x.shape();
     p_ = window(x_shape_);
-    Tensor y = Tensor::empty({x.dim(0), x.dim(1), 1, 1}, DType::f32, x.device());  // (N, C, 1, 1)
+    x_dtype_ = x.dtype();
+    Tensor y = Tensor::empty({x.dim(0), x.dim(1), 1, 1}, x_dtype_, x.device());  // (N, C, 1, 1)
     kernels::avg_pool2d_forward(y, x, p_);
     return y.reshape({x.dim(0), x.dim(1)});
   }
   Tensor backward_impl(const Tensor& dy) override {
     DP_CHECK(!x_shape_.empty(), "GlobalAvgPool::backward called before forward");
-    Tensor dx = Tensor::empty(x_shape_, DType::f32, dy.device());  // (N, C, H, W)
+    Tensor dx = Tensor::empty(x_shape_, x_dtype_, dy.device());  // (N, C, H, W)
     kernels::avg_pool2d_backward(dx, dy.reshape({x_shape_[0], x_shape_[1], 1, 1}), p_,
                                  kernels::Accumulate::no);
     return dx;
@@ -130,6 +133,7 @@ class GlobalAvgPool : public Module {
   }
   kernels::Pool2dParams p_;
   Shape x_shape_;
+  DType x_dtype_ = DType::f32;
 };
 
 }  // namespace nn

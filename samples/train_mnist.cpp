@@ -49,6 +49,7 @@ struct Flags {
   std::string dtype = "fp32";               // nn/amp.hpp: fp32|tf32|bf16|fp16
   std::optional<double> max_skip_fraction;  // fp16/bf16: fail above this share of skipped steps
   std::string comm_dtype = "fp32";          // dp/ddp: fp32|bf16 gradient communication
+  std::string activations = "f32";          // f32|bf16: activations between layers
   // Training state: saved every save_every steps (and at the end) into checkpoint_dir, keeping
   // the newest `keep`; resumed from a file or "latest".
   std::string checkpoint_dir, resume;
@@ -134,6 +135,7 @@ int main(int argc, char** argv) {
                "dp/ddp: BatchNorm normalises with the whole batch's statistics (default: each "
                "device or rank its own chunk, as PyTorch)");
   dp::cli::add_precision_flags(app, f.dtype, f.comm_dtype);
+  dp::cli::add_activations_flag(app, f.activations);
   dp::cli::add_max_skip_fraction_flag(app, f.max_skip_fraction);
   app.add_option("--gpus", f.gpus, "devices for dp/ddp/ps")->check(whole_number(1, kMaxDevices));
   app.add_option("--last-batch", f.last_batch,
@@ -179,6 +181,7 @@ int main(int argc, char** argv) {
              "--resume latest needs --checkpoint-dir (where to look)");
     const nn::Precision precision = nn::parse_precision(f.dtype);
     const kernels::DType comm_dtype = dp::cli::comm_dtype(f.comm_dtype);
+    const kernels::DType activations = dp::cli::activations_dtype(f.activations, f.dtype);
     DP_CHECK(f.mode != "ps" || nn::compute_dtype(precision) == kernels::DType::f32,
              "--mode ps with --dtype " << f.dtype << ": the parameter server trains in f32 only");
     DP_CHECK(f.backend == "auto" || f.mode == "ddp",
@@ -260,6 +263,7 @@ int main(int argc, char** argv) {
             f.resume.empty() ? "training again from the start (no --resume latest)" : "resuming");
     }
     model->materialize(home, f.seed);
+    if (activations != kernels::DType::f32) model->set_activations(nn::Activations::compute);
     std::unique_ptr<nn::Optimizer> optimizer;
     if (f.optim == "adamw") {
       kernels::AdamWConfig cfg;

@@ -1,27 +1,39 @@
 #!/usr/bin/env bash
-# gpu_check.sh: one command that proves a GPU machine, and makes this project's GPU figures.
+# gpu_check.sh: proves a GPU machine and makes this project's GPU figures, one stage per call
+# (a GPU machine allows 10 minutes a command: each stage is sized to end well under 8).
 #
-#   scripts/gpu_check.sh BUILD_DIR RESULTS_DIR   run every check; one verdict line per step
+#   scripts/gpu_check.sh [--stage NAME] BUILD_DIR RESULTS_DIR
+#                                                 run one stage (default: all, in order)
 #   scripts/gpu_check.sh --bundle [DEST]          build here for sm_90 and pack a self-contained
 #                                                 folder and DEST.tar.gz (default
 #                                                 build-sm90/gpu_check_bundle)
 #   scripts/gpu_check.sh --cuda-lib-dirs          print where it looks for the CUDA libraries
 #
 # BUILD_DIR is a CMake build tree (its bin/ holds the programs) or an unpacked bundle (bin/,
-# lib/, torch_ref/, this script at its top: run `bash gpu_check.sh . results`). The steps:
-#   1. nvidia-smi, and the device name;
-#   2. the CUDA tests (ctest -R cuda in a build tree; the doctest binaries with their
-#      test-case filters in a bundle);
-#   3. compute-sanitizer: memcheck on the CUDA kernel tests, racecheck on the block reductions;
-#   4. bench_kernels: TF32 and bf16 GEMM against the device's peak;
-#   5. dp_bench --device cuda --mode both, --gpus 1 and --gpus 4, MLP and CNN, --json each;
-#      then --gpus 1 in fp32, bf16 and fp16 (mixed precision);
-#   6. the PyTorch side by side (benchmarks/torch_ref) where torch imports with CUDA.
-# Everything goes to RESULTS_DIR/DATE_DEVICE/ (logs, JSON, summary.txt), ready to commit to
-# benchmarks/results/. Exit status: 0 when no step failed, 1 when one did, 2 when there is no
-# GPU (at once, with one line) or the arguments are wrong.
+# lib/, torch_ref/, this script at its top: run `bash gpu_check.sh --stage tests . results`).
+# The stages, in the order `--stage all` runs them:
+#   tests      nvidia-smi and the libraries; the CUDA tests (ctest -R cuda in a build tree; the
+#              doctest binaries with their filters in a bundle), test_dist's CUDA cases (Gloo
+#              staging of CUDA tensors, NCCL at one rank) included;
+#   sanitizer  compute-sanitizer: memcheck on the CUDA kernel tests, racecheck on the block
+#              reductions;
+#   amp        the CUDA AMP tests (16-bit kernels, nn.cuda.amp), then dp_bench --dtype fp32, bf16
+#              and fp16 for the MLP and CNN at --gpus 1 (bf16 also with --activations bf16), and
+#              bf16, fp16 at --gpus 4 --comm-dtype bf16: step time, loss, loss scale, skipped
+#              steps and peak memory in the summary;
+#   bench      bench_kernels (TF32 and bf16 GEMM against peak); dp_bench --mode both, --gpus 1
+#              and 4, MLP and CNN;
+#   torch      the PyTorch side by side (benchmarks/torch_ref) where torch imports with CUDA;
+#   profile    ncu --clock-control none on one replica's backward (NVTX dp/backward, the first
+#              worker) and on the reduce (dp/reduce), a few kernels each.
+# Every stage writes into RESULTS_DIR/DATE_DEVICE/ (logs, JSON) and appends its verdict lines to
+# summary.txt there, so stages run in separate calls end up in one folder, ready to commit to
+# benchmarks/results/. A stage stops starting steps once it has run STAGE_BUDGET_S seconds
+# (default 420); a step cut off by the budget fails naming it. Exit status: 0 when no step
+# failed, 1 when one did, 2 when there is no GPU (at once, with one line) or the arguments are
+# wrong.
 #
-# The CUDA libraries (cuBLASLt, cuDNN, NCCL) are found where they are: PyTorch's pip wheels
+# The CUDA libraries (cuBLAS(Lt), cuDNN, NCCL) are found where they are: PyTorch's pip wheels
 # (site-packages/nvidia/*/lib), /usr/local/cuda, else a search of the file system; the script
 # puts their folders on LD_LIBRARY_PATH. A bundle carries every other shared library its
 # programs need (TBB, Gloo, OpenBLAS, ...) in lib/.
@@ -29,15 +41,18 @@ set -uo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
+stages=(tests sanitizer amp bench torch profile)
+
 usage() {
-  echo "usage: $0 BUILD_DIR RESULTS_DIR | $0 --bundle [DEST]" >&2
+  echo "usage: $0 [--stage $(IFS='|' && echo "${stages[*]}")|all] BUILD_DIR RESULTS_DIR" \
+    "| $0 --bundle [DEST] | $0 --cuda-lib-dirs" >&2
   exit 2
 }
 
 # ---- --bundle: build here for sm_90 and pack ------------------------------------------------
 
 # The programs the check runs.
-bundle_targets=(test_kernels_cuda test_nn test_dp bench_kernels dp_bench)
+bundle_targets=(test_kernels_cuda test_nn test_dp test_dist bench_kernels dp_bench)
 
 # Shared libraries a GPU machine provides itself: the C library family, and the CUDA libraries
 # (present there in PyTorch's wheels or the toolkit; the script finds them at run time).
@@ -67,8 +82,10 @@ make_bundle() {
   fi
   echo "gpu_check --bundle: building ${bundle_targets[*]} for sm_90 in $build"
   mkdir -p "$build"
+  # Without MPI: the GPU machine has no mpirun, and Open MPI's libraries (libmpi, open-pal,
+  # open-rte, hwloc, libevent: about 3.4 MiB) would take the bundle past 60 MiB.
   cmake -S "$repo" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
-    "${launcher[@]}" > "$build/configure.log" 2>&1 || {
+    -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON "${launcher[@]}" > "$build/configure.log" 2>&1 || {
     cat "$build/configure.log" >&2
     echo "gpu_check --bundle: configuring failed" >&2
     exit 1
@@ -77,7 +94,9 @@ make_bundle() {
     echo "gpu_check --bundle: the build failed" >&2
     exit 1
   }
-  ldd "$build/bin/dp_bench" | grep -q libcudnn || {
+  # grep reads all of ldd's output: with pipefail, `grep -q` stopping at the first match could
+  # fail the pipeline by ldd's SIGPIPE.
+  ldd "$build/bin/dp_bench" | grep libcudnn > /dev/null || {
     echo "gpu_check --bundle: dp_bench was built without the CUDA backend (no nvcc here?)" >&2
     exit 1
   }
@@ -166,6 +185,22 @@ if [[ ${1:-} == --bundle ]]; then
 fi
 [[ ${1:-} == -h || ${1:-} == --help ]] && usage
 
+# ---- the stage (checked before anything else, so a typo is named even without a GPU) --------
+
+stage=all
+if [[ ${1:-} == --stage ]]; then
+  [[ $# -ge 2 ]] || usage
+  stage=$2
+  shift 2
+elif [[ ${1:-} == --stage=* ]]; then
+  stage=${1#--stage=}
+  shift
+fi
+if [[ $stage != all && " ${stages[*]} " != *" $stage "* ]]; then
+  echo "gpu_check: unknown --stage '$stage': give one of ${stages[*]} or all" >&2
+  exit 2
+fi
+
 # ---- no GPU: one line, exit 2 ----------------------------------------------------------------
 
 if ! command -v nvidia-smi > /dev/null 2>&1; then
@@ -183,11 +218,24 @@ build=$(cd "$1" 2> /dev/null && pwd) || {
   exit 2
 }
 results_root=$2
-for t in test_kernels_cuda bench_kernels dp_bench; do
-  [[ -x $build/bin/$t ]] || {
-    echo "gpu_check: $build/bin/$t is missing: build it (cmake --build $1) or use a bundle" >&2
-    exit 2
-  }
+# The programs each stage needs.
+needed_programs() {
+  case "$1" in
+    tests | sanitizer) echo test_kernels_cuda ;;
+    amp) echo test_kernels_cuda dp_bench ;;
+    bench) echo bench_kernels dp_bench ;;
+    torch | profile) echo dp_bench ;;
+  esac
+}
+run_stages=("${stages[@]}")
+[[ $stage != all ]] && run_stages=("$stage")
+for st in "${run_stages[@]}"; do
+  for t in $(needed_programs "$st"); do
+    [[ -x $build/bin/$t ]] || {
+      echo "gpu_check: $build/bin/$t is missing (stage $st): build it (cmake --build $1) or use a bundle" >&2
+      exit 2
+    }
+  done
 done
 
 # ---- the CUDA libraries ----------------------------------------------------------------------
@@ -212,7 +260,7 @@ fi
 # The bundle's libstdc++/libgcc_s only where the machine's own are older than the build's
 # (ldd then reports a GLIBCXX/CXXABI/GCC version as not found): a newer system libstdc++ must
 # win, since LD_LIBRARY_PATH goes before the system folders.
-if [[ -n $bundle_lib ]] && ldd "$build/bin/dp_bench" 2>&1 | grep -q "\(GLIBCXX\|CXXABI\|GCC\)_.*not found"; then
+if [[ -n $bundle_lib ]] && ldd "$build/bin/dp_bench" 2>&1 | grep "\(GLIBCXX\|CXXABI\|GCC\)_.*not found" > /dev/null; then
   export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$bundle_lib/compat"
 fi
 
@@ -228,94 +276,178 @@ mkdir -p "$out" || {
 }
 out=$(cd "$out" && pwd)
 summary=$out/summary.txt
-: > "$summary"
 failures=0
+stage_budget_s=${STAGE_BUDGET_S:-420}
+stage_start=$SECONDS
 
-# One verdict line per step, on the terminal and in summary.txt.
+# One verdict line per step, on the terminal and appended to summary.txt.
 verdict() {  # STATUS STEP DETAILS...
   local status=$1 step=$2
   shift 2
-  printf '%-4s  %-28s %s\n' "$status" "$step" "$*" | tee -a "$summary"
+  printf '%-4s  %-34s %s\n' "$status" "$step" "$*" | tee -a "$summary"
   [[ $status == FAIL ]] && failures=$((failures + 1))
   return 0
 }
 
-# Runs a command with its output in LOG; the exit status is the command's.
+# Runs a command with its output in LOG, within what is left of the stage's budget; the exit
+# status is the command's (124 when the budget cut it off, 125 when none was left to start it).
 logged() {  # LOG CMD...
-  local log=$1
+  local log=$1 left=$((stage_budget_s - (SECONDS - stage_start)))
   shift
   echo "\$ $*" > "$log"
-  "$@" >> "$log" 2>&1
+  if ((left <= 0)); then
+    echo "gpu_check: the stage's ${stage_budget_s} s budget is spent: not started" >> "$log"
+    return 125
+  fi
+  timeout --kill-after=10 "$left" "$@" >> "$log" 2>&1
 }
 
-echo "gpu_check: $n_gpus GPU(s), $gpu_name; results in $out"
+# What to say after the exit status of a step that logged() stopped, else nothing.
+budget_note() {  # STATUS
+  case "$1" in
+    124 | 137) echo " (cut off by the ${stage_budget_s} s stage budget)" ;;
+    125) echo " (not started: the ${stage_budget_s} s stage budget was spent)" ;;
+  esac
+}
+
+echo "gpu_check: $n_gpus GPU(s), $gpu_name; stage $stage; results in $out"
 {
-  echo "gpu_check of $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)"
+  echo "gpu_check --stage $stage of $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)"
   [[ -f $build/VERSION ]] && sed -n '2,3p' "$build/VERSION"
   echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
-} > "$out/environment.txt"
+} >> "$out/environment.txt"
 
-# 1. nvidia-smi and the device
-if logged "$out/nvidia-smi.txt" nvidia-smi; then
-  driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)
-  verdict ok nvidia-smi "$n_gpus GPU(s): $gpu_name, driver $driver"
-else
-  verdict FAIL nvidia-smi "nvidia-smi failed: see nvidia-smi.txt"
-fi
-if [[ -n $(missing_libs dp_bench) ]]; then
-  verdict FAIL libraries "not found: $(missing_libs dp_bench | tr '\n' ' ')(install PyTorch's CUDA wheels or the CUDA toolkit)"
-else
-  verdict ok libraries "every shared library of dp_bench resolves (ldd)"
-fi
+# dp_bench's --json as one summary line: per run, mode, replicas, step time, loss, loss scale
+# and skipped steps.
+bench_line() {  # JSON
+  python3 - "$1" 2> /dev/null << 'EOF'
+import json, sys
+j = json.load(open(sys.argv[1]))
+runs = [f"{r['mode']} x{r['gpus']} {r['step_ms_median']:.3f} ms/step, loss {r['final_loss']:.4f}, "
+        f"scale {r.get('loss_scale', 1):g}, skipped {r.get('skipped_steps', 0)}, peak "
+        f"{max(r.get('peak_mem_bytes') or [0]) / 2**20:.1f} MiB" for r in j["runs"]]
+note = " (logical GPUs share hardware: overhead, not scaling)" if j.get("oversubscribed") else ""
+print(", ".join(runs) + note)
+EOF
+}
 
-# 2. the CUDA tests
-cuda_tests=("test_kernels_cuda:kernels.cuda*" "test_nn:nn.cuda*" "test_dp:dp.cuda*")
-if [[ -f $build/CTestTestfile.cmake ]] && command -v ctest > /dev/null; then
-  if logged "$out/cuda_tests.txt" ctest --test-dir "$build" -R cuda --output-on-failure; then
-    verdict ok "CUDA tests (ctest -R cuda)" "$(grep -o '[0-9]*% tests passed.*' "$out/cuda_tests.txt")"
+# One dp_bench run as a step: NAME LABEL ARGS...
+bench_step() {
+  local name=$1 label=$2 rc line
+  shift 2
+  logged "$out/$name.txt" "$build/bin/dp_bench" --device cuda --json "$out/$name.json" "$@"
+  rc=$?
+  if ((rc == 0)); then
+    line=$(bench_line "$out/$name.json")
+    verdict ok "$label" "${line:-see $name.txt}"
   else
-    verdict FAIL "CUDA tests (ctest -R cuda)" "$(grep -o '[0-9]*% tests passed.*' "$out/cuda_tests.txt"): see cuda_tests.txt"
+    verdict FAIL "$label" "exit $rc$(budget_note $rc): see $name.txt"
   fi
-else
-  : > "$out/cuda_tests.txt"
-  ok=1 counts=""
-  for spec in "${cuda_tests[@]}"; do
-    bin=${spec%%:*} filter=${spec#*:}
-    [[ -x $build/bin/$bin ]] || continue
-    echo "\$ $bin -tc='$filter'" >> "$out/cuda_tests.txt"
-    "$build/bin/$bin" -tc="$filter" >> "$out/cuda_tests.txt" 2>&1 || ok=0
-    counts+="$bin: $(grep 'test cases:' "$out/cuda_tests.txt" | tail -1 | tr -s ' ' | cut -c1-80); "
-  done
-  if ((ok)); then verdict ok "CUDA tests (doctest)" "$counts"; else
-    verdict FAIL "CUDA tests (doctest)" "$counts see cuda_tests.txt"
-  fi
-fi
+}
 
-# 3. compute-sanitizer. API errors are not reported: the tests provoke some on purpose (an
-# allocation larger than the GPU must fail with a clear error); memory and race errors are.
-if command -v compute-sanitizer > /dev/null; then
-  if logged "$out/memcheck.txt" compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 99 \
-    "$build/bin/test_kernels_cuda" -tc='kernels.cuda*'; then
+# Doctest binaries with their test-case filters, into one log: LOG LABEL BIN:FILTER...
+doctest_step() {
+  local log=$1 label=$2 ok=1 counts="" spec bin filter rc
+  shift 2
+  : > "$out/$log"
+  for spec in "$@"; do
+    bin=${spec%%:*} filter=${spec#*:}
+    if [[ ! -x $build/bin/$bin ]]; then
+      counts+="$bin: missing; "
+      ok=0
+      continue
+    fi
+    logged "$out/$log.part" "$build/bin/$bin" -tc="$filter"
+    rc=$?
+    cat "$out/$log.part" >> "$out/$log"
+    rm -f "$out/$log.part"
+    ((rc == 0)) || ok=0
+    counts+="$bin: $(grep 'test cases:' "$out/$log" | tail -1 | tr -s ' ' | cut -c1-80)$(budget_note $rc); "
+  done
+  if ((ok)); then verdict ok "$label" "$counts"; else verdict FAIL "$label" "$counts see $log"; fi
+}
+
+# ---- stages ----------------------------------------------------------------------------------
+
+stage_tests() {
+  local driver
+  if logged "$out/nvidia-smi.txt" nvidia-smi; then
+    driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)
+    verdict ok nvidia-smi "$n_gpus GPU(s): $gpu_name, driver $driver"
+  else
+    verdict FAIL nvidia-smi "nvidia-smi failed: see nvidia-smi.txt"
+  fi
+  if [[ -n $(missing_libs test_kernels_cuda) ]]; then
+    verdict FAIL libraries "not found: $(missing_libs test_kernels_cuda | tr '\n' ' ')(install PyTorch's CUDA wheels or the CUDA toolkit)"
+  else
+    verdict ok libraries "every shared library of the programs resolves (ldd)"
+  fi
+  # The doctest binaries with their filters, in a build tree as in a bundle (ctest -R cuda
+  # would miss test_dist's CUDA cases, one ctest entry per binary). Filters ignore case.
+  doctest_step cuda_tests.txt "CUDA tests (doctest)" "test_kernels_cuda:kernels.cuda*" \
+    "test_nn:nn.cuda*" "test_dp:dp.cuda*" "test_dist:*cuda*"
+}
+
+stage_sanitizer() {
+  # API errors are not reported: the tests provoke some on purpose (an allocation larger than
+  # the GPU must fail with a clear error); memory and race errors are.
+  if ! command -v compute-sanitizer > /dev/null; then
+    verdict SKIP compute-sanitizer "not installed (it comes with the CUDA toolkit)"
+    return
+  fi
+  local rc
+  logged "$out/memcheck.txt" compute-sanitizer --tool memcheck --report-api-errors no \
+    --error-exitcode 99 "$build/bin/test_kernels_cuda" -tc='kernels.cuda*'
+  rc=$?
+  if ((rc == 0)); then
     verdict ok "memcheck (kernel tests)" "$(grep -o 'ERROR SUMMARY.*' "$out/memcheck.txt" | tail -1)"
   else
-    verdict FAIL "memcheck (kernel tests)" "$(grep -o 'ERROR SUMMARY.*' "$out/memcheck.txt" | tail -1): see memcheck.txt"
+    verdict FAIL "memcheck (kernel tests)" "$(grep -o 'ERROR SUMMARY.*' "$out/memcheck.txt" | tail -1)$(budget_note $rc): see memcheck.txt"
   fi
   # The kernels with shared-memory reductions and chunked sums.
-  race='kernels.cuda.mse_loss*,kernels.cuda.batch_norm*,kernels.cuda.layer_norm*,kernels.cuda.bias*,kernels.cuda.softmax_cross_entropy: matches*'
-  if logged "$out/racecheck.txt" compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 99 \
-    "$build/bin/test_kernels_cuda" -tc="$race"; then
+  local race='kernels.cuda.mse_loss*,kernels.cuda.batch_norm*,kernels.cuda.layer_norm*,kernels.cuda.bias*,kernels.cuda.softmax_cross_entropy: matches*'
+  logged "$out/racecheck.txt" compute-sanitizer --tool racecheck --report-api-errors no \
+    --error-exitcode 99 "$build/bin/test_kernels_cuda" -tc="$race"
+  rc=$?
+  if ((rc == 0)); then
     verdict ok "racecheck (reductions)" "$(grep -o 'RACECHECK SUMMARY.*\|ERROR SUMMARY.*' "$out/racecheck.txt" | tail -1)"
   else
-    verdict FAIL "racecheck (reductions)" "see racecheck.txt"
+    verdict FAIL "racecheck (reductions)" "exit $rc$(budget_note $rc): see racecheck.txt"
   fi
-else
-  verdict SKIP compute-sanitizer "not installed (it comes with the CUDA toolkit)"
-fi
+}
 
-# 4. bench_kernels: GEMM against peak
-if logged "$out/bench_kernels.txt" "$build/bin/bench_kernels" --device cuda \
-  --json "$out/bench_kernels.json"; then
-  line=$(python3 - "$out/bench_kernels.json" 2> /dev/null << 'EOF'
+stage_amp() {
+  # The CUDA AMP tests: the 16-bit kernel cases (bf16 and f16 GEMM, convolution, axpy,
+  # all_finite) and nn.cuda.amp (bf16 and fp16 steps against the CPU).
+  doctest_step amp_tests.txt "CUDA AMP tests (doctest)" \
+    "test_kernels_cuda:*f16*,*16-bit*" "test_nn:nn.cuda.amp*"
+  local model dtype
+  for model in mlp cnn; do
+    # fp32 is the reference step time. LeNet's channel counts (1, 6, 16) are not multiples of
+    # 8: expect bf16 slower than fp32 on the CNN, and read it as such.
+    for dtype in fp32 bf16 fp16; do
+      bench_step "amp_${model}_${dtype}_gpus1" "amp $model $dtype --gpus 1" --mode both \
+        --gpus 1 --baseline 0 --model "$model" --dtype "$dtype"
+    done
+    # bf16 activations between layers (--activations bf16): step time and peak memory against
+    # the bf16 run above, whose activations are f32
+    bench_step "amp_${model}_bf16_actbf16_gpus1" "amp $model bf16 --activations bf16" \
+      --mode both --gpus 1 --baseline 0 --model "$model" --dtype bf16 --activations bf16
+    for dtype in bf16 fp16; do
+      bench_step "amp_${model}_${dtype}_gpus4_commbf16" "amp $model $dtype --gpus 4 comm bf16" \
+        --mode both --gpus 4 --baseline 0 --model "$model" --dtype "$dtype" --comm-dtype bf16
+    done
+  done
+}
+
+stage_bench() {
+  local rc line model g
+  logged "$out/bench_kernels.txt" "$build/bin/bench_kernels" --device cuda \
+    --json "$out/bench_kernels.json"
+  rc=$?
+  if ((rc == 0)); then
+    line=$(
+      python3 - "$out/bench_kernels.json" 2> /dev/null << 'EOF'
 import json, sys
 j = json.load(open(sys.argv[1]))
 rows = j["results"]
@@ -335,79 +467,81 @@ for d in ("tf32", "bf16"):
                    (f" ({100 * tf / peak:.0f}% of {peak:g})" if peak else " (peak unknown)"))
 print(", ".join(out))
 EOF
-  )
-  verdict ok "bench_kernels (GEMM)" "${line:-see bench_kernels.txt}"
-else
-  verdict FAIL "bench_kernels (GEMM)" "see bench_kernels.txt"
-fi
-
-# 5. dp_bench: DP and DDP, 1 and 4 logical GPUs, MLP and CNN
-for model in mlp cnn; do
-  for g in 1 4; do
-    name=dp_bench_${model}_gpus$g
-    if logged "$out/$name.txt" "$build/bin/dp_bench" --device cuda --mode both --gpus "$g" \
-      --model "$model" --json "$out/$name.json"; then
-      line=$(python3 - "$out/$name.json" 2> /dev/null << 'EOF'
-import json, sys
-j = json.load(open(sys.argv[1]))
-runs = [f"{r['mode']} x{r['gpus']} {r['step_ms_median']:.2f} ms/step" for r in j["runs"]]
-note = " (logical GPUs share hardware: overhead, not scaling)" if j.get("oversubscribed") else ""
-print(", ".join(runs) + note)
-EOF
-      )
-      verdict ok "dp_bench $model --gpus $g" "${line:-see $name.txt}"
-    else
-      verdict FAIL "dp_bench $model --gpus $g" "see $name.txt"
-    fi
+    )
+    verdict ok "bench_kernels (GEMM)" "${line:-see bench_kernels.txt}"
+  else
+    verdict FAIL "bench_kernels (GEMM)" "exit $rc$(budget_note $rc): see bench_kernels.txt"
+  fi
+  # DP and DDP, 1 and 4 logical GPUs, MLP and CNN
+  for model in mlp cnn; do
+    for g in 1 4; do
+      bench_step "dp_bench_${model}_gpus$g" "dp_bench $model --gpus $g" --mode both \
+        --gpus "$g" --model "$model"
+    done
   done
-done
+}
 
-# 5b. mixed precision: the MLP and CNN on one GPU in fp32, bf16 and fp16 (same flags otherwise)
-for model in mlp cnn; do
-  for dtype in fp32 bf16 fp16; do
-    name=dp_bench_${model}_${dtype}
-    if logged "$out/$name.txt" "$build/bin/dp_bench" --device cuda --mode both --gpus 1 \
-      --baseline 0 --model "$model" --dtype "$dtype" --json "$out/$name.json"; then
-      line=$(python3 - "$out/$name.json" 2> /dev/null << 'EOF'
-import json, sys
-j = json.load(open(sys.argv[1]))
-runs = [f"{r['mode']} {r['step_ms_median']:.3f} ms/step, loss {r['final_loss']:.4f}, scale "
-        f"{r.get('loss_scale', 1):g}, skipped {r.get('skipped_steps', 0)}" for r in j["runs"]]
-print(", ".join(runs))
-EOF
-      )
-      verdict ok "dp_bench $model --dtype $dtype" "${line:-see $name.txt}"
-    else
-      verdict FAIL "dp_bench $model --dtype $dtype" "see $name.txt"
-    fi
-  done
-done
-
-# 6. PyTorch side by side
-torch_ref=$here/torch_ref
-[[ -d $torch_ref ]] || torch_ref=$here/../benchmarks/torch_ref
-if python3 -c 'import torch, numpy, sys; sys.exit(0 if torch.cuda.is_available() else 1)' \
-  > /dev/null 2>&1; then
+stage_torch() {
+  local torch_ref=$here/torch_ref n_side model dtype tag rc
+  [[ -d $torch_ref ]] || torch_ref=$here/../benchmarks/torch_ref
+  if ! python3 -c 'import torch, numpy, sys; sys.exit(0 if torch.cuda.is_available() else 1)' \
+    > /dev/null 2>&1; then
+    verdict SKIP "PyTorch side by side" "torch (with CUDA) or numpy does not import in python3"
+    return
+  fi
   n_side=$((n_gpus < 4 ? n_gpus : 4))
   for model in mlp cnn; do
     for dtype in fp32 bf16; do  # bf16: our policy against torch.autocast
       tag=${model}${dtype/fp32/}
-      if OUT_DIR=$out/torch_side_by_side_$tag logged "$out/torch_side_by_side_$tag.txt" \
+      OUT_DIR=$out/torch_side_by_side_$tag logged "$out/torch_side_by_side_$tag.txt" \
         bash "$torch_ref/side_by_side.sh" "$build" "$n_side" --device cuda --model "$model" \
-        --dtype "$dtype"; then
+        --dtype "$dtype"
+      rc=$?
+      if ((rc == 0)); then
         verdict ok "PyTorch side by side $model $dtype" "N=$n_side: see torch_side_by_side_$tag.txt"
       else
-        verdict FAIL "PyTorch side by side $model $dtype" "see torch_side_by_side_$tag.txt"
+        verdict FAIL "PyTorch side by side $model $dtype" "exit $rc$(budget_note $rc): see torch_side_by_side_$tag.txt"
       fi
     done
   done
-else
-  verdict SKIP "PyTorch side by side" "torch (with CUDA) or numpy does not import in python3"
-fi
+}
+
+# Nsight Compute on the kernels inside one NVTX range of a short DP run of the CNN on 2 logical
+# GPUs: dp/backward (the workers' ranges are named by phase; --launch-count keeps the first
+# kernels, one replica's backward) and dp/reduce. --clock-control none keeps the GPU's own
+# clocks, as in the timed runs. ncu's filter reads "/" as nesting, so the one inside our range
+# names is escaped: "dp\/backward/" is the push/pop range named dp/backward.
+stage_profile() {
+  local ncu_bin rc what
+  ncu_bin=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2> /dev/null | head -1)
+  if [[ -z $ncu_bin ]]; then
+    verdict SKIP "ncu (profile)" "Nsight Compute (ncu) is not installed (it comes with the CUDA toolkit)"
+    return
+  fi
+  for what in backward reduce; do
+    logged "$out/ncu_$what.txt" "$ncu_bin" --clock-control none --nvtx \
+      --nvtx-include "dp\\/$what/" --launch-count 12 --section SpeedOfLight --section LaunchStats \
+      --csv --page details "$build/bin/dp_bench" --device cuda --mode dp --gpus 2 --baseline 0 \
+      --model cnn --warmup 1 --steps 2
+    rc=$?
+    if ((rc == 0)) && grep -q 'Duration' "$out/ncu_$what.txt"; then
+      verdict ok "ncu dp/$what" "$(grep -c '"Duration"' "$out/ncu_$what.txt") kernels profiled: see ncu_$what.txt"
+    else
+      verdict FAIL "ncu dp/$what" "exit $rc$(budget_note $rc), or no kernel in the range: see ncu_$what.txt"
+    fi
+  done
+}
+
+for st in "${run_stages[@]}"; do
+  stage_start=$SECONDS
+  echo "== stage $st ($(date -u +%Y-%m-%dT%H:%M:%SZ)) ==" | tee -a "$summary"
+  "stage_$st"
+  echo "   stage $st took $((SECONDS - stage_start)) s" | tee -a "$summary"
+done
 
 if ((failures)); then
-  echo "gpu_check: $failures step(s) failed; everything is in $out" | tee -a "$summary"
+  echo "gpu_check: $failures step(s) failed in stage $stage; everything is in $out" | tee -a "$summary"
   exit 1
 fi
-echo "gpu_check: every step passed; commit $out to benchmarks/results/" | tee -a "$summary"
+echo "gpu_check: stage $stage passed; commit $out to benchmarks/results/" | tee -a "$summary"
 exit 0

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # ctest "bench.gpu_check: exits 2 without a GPU": on a machine without a GPU, scripts/gpu_check.sh
-# must exit 2 at once with exactly one line naming the reason, and make no results folder.
-# Skipped (77) where a GPU is present.
+# must exit 2 at once with exactly one line naming the reason, and make no results folder: with
+# no --stage and with each --stage (tests, sanitizer, amp, bench, torch, profile, all). An
+# unknown stage is named, also with exit 2. Skipped (77) where a GPU is present.
 #   bash tests/gpu_check_no_gpu.sh SCRIPT BUILD_DIR
 set -u
 script=$1
@@ -12,13 +13,26 @@ if command -v nvidia-smi > /dev/null 2>&1 && nvidia-smi -L 2> /dev/null | grep -
 fi
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
-bash "$script" "$build" "$scratch/results" > "$scratch/out" 2>&1
-rc=$?
-lines=$(wc -l < "$scratch/out")
-cat "$scratch/out"
 fail=0
-[[ $rc -eq 2 ]] || { echo "FAIL: exit status $rc, expected 2"; fail=1; }
-[[ $lines -eq 1 ]] || { echo "FAIL: $lines lines of output, expected one"; fail=1; }
-grep -q 'no NVIDIA GPU' "$scratch/out" || { echo "FAIL: the line does not say 'no NVIDIA GPU'"; fail=1; }
-[[ ! -e $scratch/results ]] || { echo "FAIL: it made a results folder"; fail=1; }
+# One run: ARGS... ; expects exit 2, one line containing $want, no results folder, within 10 s.
+check() {
+  local start=$SECONDS rc lines
+  bash "$script" "$@" "$build" "$scratch/results" > "$scratch/out" 2>&1
+  rc=$?
+  lines=$(wc -l < "$scratch/out")
+  echo "[$*] $(cat "$scratch/out")"
+  [[ $rc -eq 2 ]] || { echo "FAIL [$*]: exit status $rc, expected 2"; fail=1; }
+  [[ $lines -eq 1 ]] || { echo "FAIL [$*]: $lines lines of output, expected one"; fail=1; }
+  grep -q "$want" "$scratch/out" || { echo "FAIL [$*]: the line does not say '$want'"; fail=1; }
+  [[ ! -e $scratch/results ]] || { echo "FAIL [$*]: it made a results folder"; fail=1; }
+  ((SECONDS - start <= 10)) || { echo "FAIL [$*]: took $((SECONDS - start)) s, not at once"; fail=1; }
+}
+want='no NVIDIA GPU'
+check
+for stage in tests sanitizer amp bench torch profile all; do
+  check --stage "$stage"
+done
+check --stage=amp
+want="unknown --stage 'gpu'"
+check --stage gpu
 exit $fail

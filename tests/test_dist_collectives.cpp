@@ -277,6 +277,29 @@ TEST_CASE("dist.collectives: backend auto picks gloo for CPU tensors, nccl on CP
   });
 }
 
+// NCCL needs one GPU per rank; at one rank it runs anywhere a GPU is, and proves the build's
+// NCCL loads, initialises and runs a collective and a broadcast on the rank's stream.
+TEST_CASE("dist.collectives: CUDA tensors through NCCL at one rank") {
+  DP_REQUIRE_GPU();
+  dist_test::run_ranks(1, [&](int r, std::shared_ptr<Store> store) {
+    InitOptions o;
+    o.backend = Backend::nccl;
+    o.rank = r;
+    o.world_size = 1;
+    o.store = store;
+    o.group_name = "nccl1";
+    o.device = kernels::Device::cuda(0);
+    auto pg = init_process_group(o);
+    RANK_CHECK(pg->backend_name() == "nccl", "backend " << pg->backend_name());
+    Tensor t = Tensor::from_vector(rank_values(r, 1000), {1000}, o.device);
+    pg->all_reduce(t, ReduceOp::sum)->wait();
+    std::vector<float> want = rank_values(r, 1000), got = t.to_host_f32();
+    RANK_CHECK(got == want, "nccl sum at one rank is the identity");
+    pg->broadcast(t, 0)->wait();
+    RANK_CHECK(t.to_host_f32() == want, "nccl broadcast at one rank");
+  });
+}
+
 TEST_CASE("dist.collectives: CUDA tensors through Gloo (ranks sharing one GPU)") {
   DP_REQUIRE_GPU();
   dist_test::run_ranks(2, [&](int r, std::shared_ptr<Store> store) {

@@ -396,3 +396,62 @@ TEST_CASE("kernels.count_correct_into: the count on the device equals count_corr
   Tensor wrong = zeros({2});
   CHECK_THROWS_WITH_AS(count_correct_into(wrong, x, labels), doctest::Contains("out"), Error);
 }
+
+// 16-bit activations: each op on bf16/f16 tensors is the f32 op on the same (widened) values,
+// rounded once into the 16-bit output, accumulation included.
+TEST_CASE(
+    "kernels.activations16: relu, gelu, pooling, dropout, bias on 16-bit tensors round once") {
+  const Device cpu = Device::cpu(0);
+  for (DType t : {DType::bf16, DType::f16}) {
+    CAPTURE(dtype_name(t));
+    const Shape s{2, 3, 4, 4};
+    // 16-bit inputs and their exact f32 values
+    Tensor x16 = cast(Tensor::from_vector(dp_test::random_vector(96, 41, -2.f, 2.f), s), t);
+    Tensor x = cast(x16, DType::f32);
+    auto rounded = [&](const Tensor& f32) { return cast(cast(f32, t), DType::f32).to_host_f32(); };
+    auto host = [](const Tensor& v) { return cast(v, DType::f32).to_host_f32(); };
+
+    Tensor y16 = Tensor::empty(s, t, cpu), y = Tensor::empty(s, DType::f32, cpu);
+    relu(y16, x16);
+    relu(y, x);
+    CHECK(host(y16) == rounded(y));
+    gelu(y16, x16);
+    gelu(y, x);
+    CHECK(host(y16) == rounded(y));
+    // backward with accumulation into a 16-bit dx: widened, accumulated in f32, rounded once
+    Tensor dy16 = cast(Tensor::from_vector(dp_test::random_vector(96, 42, -1.f, 1.f), s), t);
+    Tensor dx16 = cast(Tensor::from_vector(dp_test::random_vector(96, 43, -1.f, 1.f), s), t);
+    Tensor dx = cast(dx16, DType::f32);
+    gelu_backward(dx16, dy16, x16, Accumulate::yes);
+    gelu_backward(dx, cast(dy16, DType::f32), x, Accumulate::yes);
+    CHECK(host(dx16) == rounded(dx));
+
+    Pool2dParams p;
+    p.kernel_h = p.kernel_w = p.stride_h = p.stride_w = 2;
+    Tensor m16 = Tensor::empty({2, 3, 2, 2}, t, cpu),
+           m = Tensor::empty({2, 3, 2, 2}, DType::f32, cpu);
+    max_pool2d_forward(m16, x16, p);
+    max_pool2d_forward(m, x, p);
+    CHECK(host(m16) == host(m));  // a maximum of 16-bit values is one of them: exact
+    avg_pool2d_forward(m16, x16, p);
+    avg_pool2d_forward(m, x, p);
+    CHECK(host(m16) == rounded(m));
+
+    Tensor bias = Tensor::from_vector({0.1f, -0.2f, 0.3f}, {3});
+    Tensor b16 = cast(x16, t);
+    add_bias(b16, bias);
+    Tensor b = cast(x16, DType::f32);
+    add_bias(b, bias);
+    CHECK(host(b16) == rounded(b));
+    Tensor db = Tensor::zeros({3}, DType::f32, cpu), db_ref = Tensor::zeros({3}, DType::f32, cpu);
+    bias_backward(db, dy16, Accumulate::no);
+    bias_backward(db_ref, cast(dy16, DType::f32), Accumulate::no);
+    CHECK(db.to_host_f32() == db_ref.to_host_f32());  // an f32 reduction of the same values
+
+    Tensor mask16 = Tensor::empty(s, DType::f32, cpu), mask = Tensor::empty(s, DType::f32, cpu);
+    dropout_forward(y16, mask16, x16, 0.3f, 5, 0);
+    dropout_forward(y, mask, x, 0.3f, 5, 0);
+    CHECK(mask16.to_host_f32() == mask.to_host_f32());  // the same f32 mask
+    CHECK(host(y16) == rounded(y));
+  }
+}

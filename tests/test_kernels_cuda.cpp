@@ -298,6 +298,46 @@ TEST_CASE("kernels.cuda.gemm: f16 and bf16 operands into f32 c with beta 0 and 1
     }
 }
 
+// The shapes cuBLASLt's heuristic may have nothing for (a dimension of 1: a one-row DP chunk,
+// a layer with one output) and the leading dimensions that are not 16-byte multiples in our
+// models (k = 10, 47, 84): every one runs (cuBLASLt, else the cublasGemmEx fallback) and
+// matches the CPU in f32, bf16 and f16. Operands in [-1, 1], strict f32 math: the backends differ
+// in the order of k f32 additions (<= k^2 2^-24), the f32 roundings of the products (16-bit
+// products are exact), of alpha, beta c and the bias (<= 6 (k + 1) 2^-24 together).
+TEST_CASE("kernels.cuda.gemm: dimensions of 1 and k = 10, 47, 84 in f32, bf16, f16 match CPU") {
+  DP_REQUIRE_GPU();
+  MathScope strict(context(kGpu), MathMode::strict);
+  const double f32u = std::ldexp(1.0, -24);
+  struct Mnk {
+    int64_t m, n, k;
+  };
+  const Mnk shapes[] = {{1, 10, 47}, {33, 1, 84},  {17, 12, 1}, {1, 1, 10},
+                        {8, 10, 84}, {64, 47, 10}, {5, 84, 47}};
+  uint32_t seed = 300;
+  for (DType t : {DType::f32, DType::bf16, DType::f16})
+    for (const Mnk& s : shapes)
+      for (Transpose tb : {Transpose::no, Transpose::yes}) {
+        CAPTURE(dtype_name(t));
+        CAPTURE(s.m);
+        CAPTURE(s.n);
+        CAPTURE(s.k);
+        CAPTURE(tb == Transpose::yes);
+        seed += 4;
+        const float tol = static_cast<float>(2.0 * s.k * s.k * f32u + 6.0 * (s.k + 1) * f32u);
+        check_matches_cpu(
+            [&](Device d) {
+              Tensor a = rnd(d, {s.m, s.k}, seed, -1.f, 1.f, t);
+              Tensor b = rnd(d, stored(s.k, s.n, tb), seed + 1, -1.f, 1.f, t);
+              Tensor bias = rnd(d, {s.n}, seed + 2);
+              Tensor c = zeros(d, {s.m, s.n}), c_beta = rnd(d, {s.m, s.n}, seed + 3);
+              gemm(c, a, Transpose::no, b, tb, 1.f, 0.f, bias);
+              gemm(c_beta, a, Transpose::no, b, tb, 0.5f, 1.f);
+              return Outputs{c, c_beta};
+            },
+            tol);
+      }
+}
+
 TEST_CASE("kernels.cuda.gemm: empty products (k == 0 gives beta c + bias - empty batch)") {
   DP_REQUIRE_GPU();
   check_matches_cpu(

@@ -1,6 +1,10 @@
 // 2-D convolution (cuDNN, NCHW cross-correlation) and max/average pooling (hand-written
 // kernels mirroring kernels/cpu/pool.cpp; the backward passes gather per input element, so they
 // need no atomics and are deterministic).
+// Each plan keeps cuDNN's ranked algorithms that the numerics policy admits
+// (kernels/runtime/algo_select.hpp: no Winograd or FFT in 16-bit, never FP32 -> FP16
+// down-conversion, no tensor cores under strict f32); a call runs the chosen one and, when cuDNN
+// answers NOT_SUPPORTED, the next. DP_LOG=debug logs the choice per shape and dtype.
 // f16/bf16 convolutions run cuDNN's pseudo-16-bit configuration (16-bit x, w, y descriptors, f32
 // compute, tensor-op math allowed): cuDNN writes a 16-bit result, straight into a 16-bit output
 // without accumulation, else into scratch that a small kernel stores or adds into the output.
@@ -10,6 +14,7 @@
 #include <vector>
 
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/runtime/algo_select.hpp"
 #include "kernels/runtime/handle.hpp"
 #include "kernels/runtime/plan_cache.hpp"
 
@@ -87,14 +92,25 @@ ConvDescHandle conv_desc(const Conv2dParams& p, bool strict) {
 
 enum class ConvPass { forward, backward_data, backward_filter };
 
-// What a convolution call needs besides its pointers: the descriptors, the chosen algorithm
-// (the math type is set on `conv`) and its workspace size. Searched once per key and context.
+const char* pass_name(ConvPass pass) {
+  switch (pass) {
+    case ConvPass::forward:
+      return "conv2d_forward";
+    case ConvPass::backward_data:
+      return "conv2d_backward_data";
+    default:
+      return "conv2d_backward_filter";
+  }
+}
+
+// What a convolution call needs besides its pointers: the descriptors and the algorithm choice
+// (the admissible candidates with their math types and workspace sizes; the math type is set
+// on `conv` per run). Searched once per key and context.
 struct ConvPlan {
   TensorDescHandle x, y;  // input and output activations (dx, dy for the backward passes)
   FilterDescHandle w;
   ConvDescHandle conv;
-  int algo = 0;
-  size_t ws_bytes = 0;
+  AlgoChoice choice;
 };
 
 // pass, data type (the inputs' dtype, which the plan's x, w and y descriptors all take),
@@ -133,51 +149,104 @@ struct ConvPlans {
 // Algorithms needing more workspace than this are skipped.
 constexpr size_t kMaxConvWorkspace = size_t{256} << 20;
 
-// Index of the first (fastest by cuDNN's heuristic) usable entry: status success, no tensor-op
-// math under strict f32, workspace within the cap; deterministic algorithms preferred (replicas
-// must compute bitwise-equal gradients from equal inputs). -1 when none.
-template <class Perf>
-int pick_algo(const std::vector<Perf>& perf, int count, bool strict) {
-  for (int pass = 0; pass < 2; ++pass)
-    for (int i = 0; i < count; ++i) {
-      const Perf& p = perf[i];
-      if (p.status != CUDNN_STATUS_SUCCESS || p.memory > kMaxConvWorkspace) continue;
-      if (strict && (p.mathType == CUDNN_TENSOR_OP_MATH ||
-                     p.mathType == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION))
-        continue;
-      if (pass == 0 && p.determinism != CUDNN_DETERMINISTIC) continue;
-      return i;
-    }
-  return -1;
+// The numerical and behaviour notes of a legacy cuDNN algorithm: the Winograd and FFT engines
+// by their algorithm ids (the notes the backend API reports for them), down-conversion and
+// tensor cores by the math type, determinism as ranked.
+uint32_t algo_notes(ConvPass pass, int algo, cudnnMathType_t math, cudnnDeterminism_t det) {
+  uint32_t notes = 0;
+  switch (pass) {
+    case ConvPass::forward:
+      if (algo == CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD ||
+          algo == CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD_NONFUSED)
+        notes |= kNoteWinograd;
+      if (algo == CUDNN_CONVOLUTION_FWD_ALGO_FFT || algo == CUDNN_CONVOLUTION_FWD_ALGO_FFT_TILING)
+        notes |= kNoteFft;
+      break;
+    case ConvPass::backward_data:
+      if (algo == CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD ||
+          algo == CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD_NONFUSED)
+        notes |= kNoteWinograd;
+      if (algo == CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT ||
+          algo == CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT_TILING)
+        notes |= kNoteFft;
+      break;
+    case ConvPass::backward_filter:
+      if (algo == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_WINOGRAD_NONFUSED) notes |= kNoteWinograd;
+      if (algo == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT ||
+          algo == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT_TILING)
+        notes |= kNoteFft;
+      break;
+  }
+  if (math == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION) notes |= kNoteDownConvert | kNoteTensorCore;
+  if (math == CUDNN_TENSOR_OP_MATH) notes |= kNoteTensorCore;
+  if (det != CUDNN_DETERMINISTIC) notes |= kNoteNondeterministic;
+  return notes;
 }
 
-// The math type to run the chosen algorithm with.
-template <class Perf>
-void set_math(const ConvDescHandle& conv, const Perf& p, bool strict) {
-  DP_CUDNN_CHECK(cudnnSetConvolutionMathType(conv.get(), strict ? CUDNN_FMA_MATH : p.mathType));
+const char* algo_name(ConvPass pass, int algo) {
+  static const char* const kFwd[] = {
+      "IMPLICIT_GEMM", "IMPLICIT_PRECOMP_GEMM", "GEMM", "DIRECT", "FFT", "FFT_TILING",
+      "WINOGRAD",      "WINOGRAD_NONFUSED"};
+  static const char* const kData[] = {"ALGO_0",     "ALGO_1",   "FFT",
+                                      "FFT_TILING", "WINOGRAD", "WINOGRAD_NONFUSED"};
+  static const char* const kFilter[] = {
+      "ALGO_0", "ALGO_1", "FFT", "ALGO_3", "WINOGRAD", "WINOGRAD_NONFUSED", "FFT_TILING"};
+  auto pick = [&](const char* const* names, int n) {
+    return algo >= 0 && algo < n ? names[algo] : "?";
+  };
+  switch (pass) {
+    case ConvPass::forward:
+      return pick(kFwd, 8);
+    case ConvPass::backward_data:
+      return pick(kData, 6);
+    default:
+      return pick(kFilter, 7);
+  }
+}
+
+// The math type to run a candidate with.
+void set_math(const ConvDescHandle& conv, const AlgoCandidate& c, bool strict) {
+  DP_CUDNN_CHECK(cudnnSetConvolutionMathType(
+      conv.get(), strict ? CUDNN_FMA_MATH : static_cast<cudnnMathType_t>(c.math)));
 }
 
 // Completes the plan of one pass from its descriptors: cuDNN's ranked algorithms
-// (find(plan, max, &count, perf), at most max_count() of them), the pick, its math type and its
-// workspace (workspace(plan, algo, &bytes)). `none` is the error text when no algorithm fits.
-template <class Perf, class MaxCount, class Find, class Workspace>
-ConvPlan complete_plan(ConvPlan pl, bool strict, MaxCount max_count, Find find, Workspace workspace,
-                       const std::string& none) {
+// (find(plan, max, &count, perf), at most max_count() of them), as candidates that the numerics
+// policy of `dtype` and `strict` filters. `what` names the pass, shapes and dtype.
+template <class Perf, class MaxCount, class Find>
+ConvPlan complete_plan(ConvPlan pl, ConvPass pass, DType dtype, bool strict, MaxCount max_count,
+                       Find find, const std::string& what) {
   int max = max_count(), count = 0;
   std::vector<Perf> perf(static_cast<size_t>(max));
   find(pl, max, &count, perf.data());
-  int pick = pick_algo(perf, count, strict);
-  DP_CHECK(pick >= 0, none);
-  set_math(pl.conv, perf[pick], strict);
-  pl.algo = static_cast<int>(perf[pick].algo);
-  workspace(pl, perf[pick].algo, &pl.ws_bytes);
+  std::vector<AlgoCandidate> ranked;
+  for (int i = 0; i < count; ++i) {
+    const Perf& p = perf[i];
+    if (p.status != CUDNN_STATUS_SUCCESS) continue;
+    int id = static_cast<int>(p.algo);
+    ranked.push_back({id, algo_name(pass, id), p.memory,
+                      algo_notes(pass, id, p.mathType, p.determinism),
+                      static_cast<int>(p.mathType)});
+  }
+  pl.choice = AlgoChoice(admissible(ranked, numerics_policy(dtype, strict, kMaxConvWorkspace)),
+                         what, ranked.size());
   return pl;
 }
 
-// Text of the error when cuDNN offers no algorithm.
-std::string no_algorithm(const char* op, const Tensor& a, const Tensor& b) {
+// A cuDNN execution's status as an attempt: NOT_SUPPORTED (any sub-code) means "try the next
+// algorithm" (nothing was written, so even an accumulating call may retry); other failures
+// throw, naming `call`.
+AlgoAttempt cudnn_attempt(cudnnStatus_t st, const char* call) {
+  if (st == CUDNN_STATUS_SUCCESS) return AlgoAttempt::success();
+  if (CUDNN_STATUS_CATEGORY(st) == CUDNN_STATUS_NOT_SUPPORTED)
+    return AlgoAttempt::unsupported(cudnnGetErrorString(st));
+  DP_THROW(call << " failed: " << cudnnGetErrorString(st));
+}
+
+// Names one plan in logs and errors: the pass, its two operands (shape and dtype) and the math.
+std::string plan_what(ConvPass pass, const Tensor& a, const Tensor& b, bool strict) {
   std::ostringstream os;
-  os << op << ": cuDNN offers no algorithm for " << a << ", " << b;
+  os << pass_name(pass) << " " << a << ", " << b << (strict ? " (strict f32)" : "");
   return os.str();
 }
 
@@ -226,16 +295,16 @@ struct ConvOutput {
   bool staged = false;
 };
 
-ConvOutput conv_output(const ConvPlan& plan, Tensor& out, DType inputs, Accumulate acc,
+ConvOutput conv_output(size_t plan_ws_bytes, Tensor& out, DType inputs, Accumulate acc,
                        DeviceContext& ctx) {
   bool staged = inputs != DType::f32 && (out.dtype() == DType::f32 || acc == Accumulate::yes);
   constexpr size_t kAlign = 256;
-  size_t ws_bytes = (plan.ws_bytes + kAlign - 1) / kAlign * kAlign;
+  size_t ws_bytes = (plan_ws_bytes + kAlign - 1) / kAlign * kAlign;
   size_t scratch_bytes = staged ? static_cast<size_t>(out.numel()) * dtype_size(inputs) : 0;
   size_t total = ws_bytes + scratch_bytes;
   auto* base = static_cast<char*>(total ? ctx.workspace(total) : nullptr);
   ConvOutput o;
-  o.workspace = plan.ws_bytes ? base : nullptr;
+  o.workspace = plan_ws_bytes ? base : nullptr;
   o.staged = staged;
   o.result = staged ? base + ws_bytes : out.raw();
   o.beta = !staged && acc == Accumulate::yes ? 1.f : 0.f;
@@ -250,6 +319,22 @@ void finish(const ConvOutput& o, Tensor& out, DType inputs, Accumulate acc, cuda
     launch_store_rounded<__half>(out, o.result, accumulate, s);
   else
     launch_store_rounded<__nv_bfloat16>(out, o.result, accumulate, s);
+}
+
+// Runs one pass with the plan's chosen algorithm, and the next ones while cuDNN answers
+// NOT_SUPPORTED: sets the candidate's math type, places its workspace and result buffer, makes
+// the cuDNN call (`call(candidate, output)` returns its status; `name` names it in errors) and
+// stores the result into `out`.
+template <class Call>
+void run_pass(ConvPlan& plan, Tensor& out, DType inputs, Accumulate acc, bool strict,
+              DeviceContext& ctx, const char* name, Call call) {
+  plan.choice.run([&](const AlgoCandidate& c) {
+    set_math(plan.conv, c, strict);
+    ConvOutput o = conv_output(c.workspace_bytes, out, inputs, acc, ctx);
+    AlgoAttempt a = cudnn_attempt(call(c, o), name);
+    if (a.outcome == AlgoAttempt::Outcome::ok) finish(o, out, inputs, acc, stream_of(ctx));
+    return a;
+  });
 }
 
 // ---- pooling kernels ------------------------------------------------------------------------
@@ -398,8 +483,9 @@ void conv2d_forward(Tensor& y, const Tensor& x, const Tensor& w, const Conv2dPar
   ConvKey key = conv_key(ConvPass::forward, dt, x, w, y, p, strict);
   ConvPlan& plan = ctx.state<ConvPlans>().cache.get(key, [&] {
     return complete_plan<cudnnConvolutionFwdAlgoPerf_t>(
-        ConvPlan{tensor_desc(x, dt), tensor_desc(y, dt), filter_desc(w, dt), conv_desc(p, strict)},
-        strict,
+        ConvPlan{tensor_desc(x, dt), tensor_desc(y, dt), filter_desc(w, dt), conv_desc(p, strict),
+                 AlgoChoice()},
+        ConvPass::forward, dt, strict,
         [&] {
           int n = 0;
           DP_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(handle, &n));
@@ -409,19 +495,16 @@ void conv2d_forward(Tensor& y, const Tensor& x, const Tensor& w, const Conv2dPar
           DP_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(
               handle, pl.x.get(), pl.w.get(), pl.conv.get(), pl.y.get(), max, count, perf));
         },
-        [&](const ConvPlan& pl, cudnnConvolutionFwdAlgo_t algo, size_t* bytes) {
-          DP_CUDNN_CHECK(cudnnGetConvolutionForwardWorkspaceSize(
-              handle, pl.x.get(), pl.w.get(), pl.conv.get(), pl.y.get(), algo, bytes));
-        },
-        no_algorithm("conv2d_forward", x, w));
+        plan_what(ConvPass::forward, x, w, strict));
   });
-  ConvOutput out = conv_output(plan, y, dt, Accumulate::no, ctx);
-  float alpha = 1.f;
-  DP_CUDNN_CHECK(
-      cudnnConvolutionForward(handle, &alpha, plan.x.get(), x.raw(), plan.w.get(), w.raw(),
-                              plan.conv.get(), static_cast<cudnnConvolutionFwdAlgo_t>(plan.algo),
-                              out.workspace, plan.ws_bytes, &out.beta, plan.y.get(), out.result));
-  finish(out, y, dt, Accumulate::no, s);
+  run_pass(plan, y, dt, Accumulate::no, strict, ctx, "cudnnConvolutionForward",
+           [&](const AlgoCandidate& c, const ConvOutput& o) {
+             float alpha = 1.f;
+             return cudnnConvolutionForward(
+                 handle, &alpha, plan.x.get(), x.raw(), plan.w.get(), w.raw(), plan.conv.get(),
+                 static_cast<cudnnConvolutionFwdAlgo_t>(c.id), o.workspace, c.workspace_bytes,
+                 &o.beta, plan.y.get(), o.result);
+           });
 }
 
 // dy (N, K, P, Q), w (K, C, R, S) -> dx (N, C, H, W)
@@ -437,9 +520,9 @@ void conv2d_backward_data(Tensor& dx, const Tensor& dy, const Tensor& w, const C
   ConvKey key = conv_key(ConvPass::backward_data, dt, dx, w, dy, p, strict);
   ConvPlan& plan = ctx.state<ConvPlans>().cache.get(key, [&] {
     return complete_plan<cudnnConvolutionBwdDataAlgoPerf_t>(
-        ConvPlan{tensor_desc(dx, dt), tensor_desc(dy, dt), filter_desc(w, dt),
-                 conv_desc(p, strict)},
-        strict,
+        ConvPlan{tensor_desc(dx, dt), tensor_desc(dy, dt), filter_desc(w, dt), conv_desc(p, strict),
+                 AlgoChoice()},
+        ConvPass::backward_data, dt, strict,
         [&] {
           int n = 0;
           DP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithmMaxCount(handle, &n));
@@ -449,19 +532,16 @@ void conv2d_backward_data(Tensor& dx, const Tensor& dy, const Tensor& w, const C
           DP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(
               handle, pl.w.get(), pl.y.get(), pl.conv.get(), pl.x.get(), max, count, perf));
         },
-        [&](const ConvPlan& pl, cudnnConvolutionBwdDataAlgo_t algo, size_t* bytes) {
-          DP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataWorkspaceSize(
-              handle, pl.w.get(), pl.y.get(), pl.conv.get(), pl.x.get(), algo, bytes));
-        },
-        no_algorithm("conv2d_backward_data", dy, w));
+        plan_what(ConvPass::backward_data, dy, w, strict));
   });
-  ConvOutput out = conv_output(plan, dx, dt, acc, ctx);
-  float alpha = 1.f;
-  DP_CUDNN_CHECK(cudnnConvolutionBackwardData(
-      handle, &alpha, plan.w.get(), w.raw(), plan.y.get(), dy.raw(), plan.conv.get(),
-      static_cast<cudnnConvolutionBwdDataAlgo_t>(plan.algo), out.workspace, plan.ws_bytes,
-      &out.beta, plan.x.get(), out.result));
-  finish(out, dx, dt, acc, s);
+  run_pass(plan, dx, dt, acc, strict, ctx, "cudnnConvolutionBackwardData",
+           [&](const AlgoCandidate& c, const ConvOutput& o) {
+             float alpha = 1.f;
+             return cudnnConvolutionBackwardData(
+                 handle, &alpha, plan.w.get(), w.raw(), plan.y.get(), dy.raw(), plan.conv.get(),
+                 static_cast<cudnnConvolutionBwdDataAlgo_t>(c.id), o.workspace, c.workspace_bytes,
+                 &o.beta, plan.x.get(), o.result);
+           });
 }
 
 // dy (N, K, P, Q), x (N, C, H, W) -> dw (K, C, R, S)
@@ -477,9 +557,9 @@ void conv2d_backward_filter(Tensor& dw, const Tensor& dy, const Tensor& x, const
   ConvKey key = conv_key(ConvPass::backward_filter, dt, x, dw, dy, p, strict);
   ConvPlan& plan = ctx.state<ConvPlans>().cache.get(key, [&] {
     return complete_plan<cudnnConvolutionBwdFilterAlgoPerf_t>(
-        ConvPlan{tensor_desc(x, dt), tensor_desc(dy, dt), filter_desc(dw, dt),
-                 conv_desc(p, strict)},
-        strict,
+        ConvPlan{tensor_desc(x, dt), tensor_desc(dy, dt), filter_desc(dw, dt), conv_desc(p, strict),
+                 AlgoChoice()},
+        ConvPass::backward_filter, dt, strict,
         [&] {
           int n = 0;
           DP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(handle, &n));
@@ -489,19 +569,16 @@ void conv2d_backward_filter(Tensor& dw, const Tensor& dy, const Tensor& x, const
           DP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(
               handle, pl.x.get(), pl.y.get(), pl.conv.get(), pl.w.get(), max, count, perf));
         },
-        [&](const ConvPlan& pl, cudnnConvolutionBwdFilterAlgo_t algo, size_t* bytes) {
-          DP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterWorkspaceSize(
-              handle, pl.x.get(), pl.y.get(), pl.conv.get(), pl.w.get(), algo, bytes));
-        },
-        no_algorithm("conv2d_backward_filter", dy, x));
+        plan_what(ConvPass::backward_filter, dy, x, strict));
   });
-  ConvOutput out = conv_output(plan, dw, dt, acc, ctx);
-  float alpha = 1.f;
-  DP_CUDNN_CHECK(cudnnConvolutionBackwardFilter(
-      handle, &alpha, plan.x.get(), x.raw(), plan.y.get(), dy.raw(), plan.conv.get(),
-      static_cast<cudnnConvolutionBwdFilterAlgo_t>(plan.algo), out.workspace, plan.ws_bytes,
-      &out.beta, plan.w.get(), out.result));
-  finish(out, dw, dt, acc, s);
+  run_pass(plan, dw, dt, acc, strict, ctx, "cudnnConvolutionBackwardFilter",
+           [&](const AlgoCandidate& c, const ConvOutput& o) {
+             float alpha = 1.f;
+             return cudnnConvolutionBackwardFilter(
+                 handle, &alpha, plan.x.get(), x.raw(), plan.y.get(), dy.raw(), plan.conv.get(),
+                 static_cast<cudnnConvolutionBwdFilterAlgo_t>(c.id), o.workspace, c.workspace_bytes,
+                 &o.beta, plan.w.get(), o.result);
+           });
 }
 
 // ---- pooling -------------------------------------------------------------------------------

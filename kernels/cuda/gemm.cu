@@ -4,9 +4,20 @@
 // C^T = op(B)^T op(A)^T, so we ask cuBLASLt for D = op_lt(b) op_lt(a): its "A" is our b, its
 // "B" is our a, and its (M, N, K) is (n, m, k). The bias epilogue adds a vector of length M =
 // n (rows of column-major D) broadcast over its columns, i.e. bias[j] to column j of row-major C.
+//
+// The plan's candidates (kernels/runtime/algo_select.hpp): cuBLASLt with the bias epilogue and
+// plain cuBLASLt, each when its heuristic finds an algorithm, then always cublasGemmEx with the
+// same operand, output and compute types. A shape the heuristic has nothing for (a dimension of
+// 1, leading dimensions that are not 16-byte multiples), or a cuBLASLt run that answers
+// NOT_SUPPORTED or INVALID_VALUE, falls through to the next. DP_LOG=debug logs the choice.
+#include <cublas_v2.h>
+
+#include <algorithm>
 #include <array>
+#include <sstream>
 
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/runtime/algo_select.hpp"
 #include "kernels/runtime/handle.hpp"
 #include "kernels/runtime/plan_cache.hpp"
 
@@ -71,10 +82,10 @@ void set_pref(const PreferenceHandle& p, cublasLtMatmulPreferenceAttributes_t at
 // epilogue, alignments): built and searched once per context, then reused. The bias pointer is
 // the one attribute that changes between calls; it is set on the cached descriptor per call.
 struct GemmPlan {
-  MatmulDescHandle desc;
+  MatmulDescHandle desc_fused, desc;  // with the bias epilogue (when wanted), without
   LayoutHandle lt_a, lt_b, lt_c;
-  cublasLtMatmulHeuristicResult_t result{};
-  bool fused_bias = false;
+  cublasLtMatmulHeuristicResult_t result_fused{}, result{};
+  AlgoChoice choice;  // over kGemmLtFusedBias, kGemmLt, kGemmEx
 };
 
 // m, n, k, ta, tb, in dtype, out dtype, compute type, bias wanted, alignments of a, b, c, bias.
@@ -84,6 +95,24 @@ using GemmKey = std::array<int64_t, 13>;
 struct GemmPlans {
   PlanCache<GemmKey, GemmPlan> cache;
 };
+
+using CublasHandle =
+    UniqueHandle<cublasHandle_t, cublasStatus_t, cublasDestroy, CUBLAS_STATUS_SUCCESS>;
+
+// The cuBLAS handle of the cublasGemmEx fallback, made on first use on the context's device.
+struct GemmExHandle {
+  CublasHandle handle;
+};
+
+// A cuBLAS(Lt) execution's status as an attempt: NOT_SUPPORTED and INVALID_VALUE (a
+// configuration the algorithm rejects before launching) mean "try the next path"; other
+// failures throw, naming `call`.
+AlgoAttempt cublas_attempt(cublasStatus_t st, const char* call) {
+  if (st == CUBLAS_STATUS_SUCCESS) return AlgoAttempt::success();
+  if (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE)
+    return AlgoAttempt::unsupported(std::string("cublas status ") + std::to_string(st));
+  DP_THROW(call << " failed: cublas status " << static_cast<int>(st));
+}
 
 // c (rows, cols) row-major: c = (scale_c ? beta * c : c) + bias[col]. With scale_c and beta == 0
 // c is not read (it may hold NaN). bias may be nullptr.
@@ -172,15 +201,13 @@ void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose t
               alignment_of(c.raw()),
               want_fused ? alignment_of(bias_ptr) : 0};
   cublasLtHandle_t handle = static_cast<cublasLtHandle_t>(ctx.cublaslt());
+  cublasOperation_t op_lt_a = tb == Transpose::no ? CUBLAS_OP_N : CUBLAS_OP_T;  // our b
+  cublasOperation_t op_lt_b = ta == Transpose::no ? CUBLAS_OP_N : CUBLAS_OP_T;  // our a
+  // Column-major views: b (k, n) row-major is (n, k) ld n; b^T stored (n, k) is (k, n) ld k.
+  // a (m, k) row-major is (k, m) ld k; a^T stored (k, m) is (m, k) ld m.
+  int64_t ld_a = tb == Transpose::no ? n : k, ld_b = ta == Transpose::no ? k : m;
   GemmPlan& plan = ctx.state<GemmPlans>().cache.get(key, [&] {
     GemmPlan pl;
-    pl.desc = make_matmul_desc(compute);
-    cublasOperation_t op_lt_a = tb == Transpose::no ? CUBLAS_OP_N : CUBLAS_OP_T;  // our b
-    cublasOperation_t op_lt_b = ta == Transpose::no ? CUBLAS_OP_N : CUBLAS_OP_T;  // our a
-    set_attr(pl.desc, CUBLASLT_MATMUL_DESC_TRANSA, op_lt_a);
-    set_attr(pl.desc, CUBLASLT_MATMUL_DESC_TRANSB, op_lt_b);
-    // Column-major views: b (k, n) row-major is (n, k) ld n; b^T stored (n, k) is (k, n) ld k.
-    // a (m, k) row-major is (k, m) ld k; a^T stored (k, m) is (m, k) ld m.
     pl.lt_a = tb == Transpose::no ? make_layout(in_type, n, k, n) : make_layout(in_type, k, n, k);
     pl.lt_b = ta == Transpose::no ? make_layout(in_type, k, m, k) : make_layout(in_type, m, k, m);
     pl.lt_c = make_layout(out_type, n, m, n);  // C^T, also D (in place)
@@ -195,39 +222,84 @@ void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose t
     set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment_of(c.raw()));
     set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment_of(c.raw()));
 
-    auto find_algo = [&] {
+    auto new_desc = [&] {
+      MatmulDescHandle d = make_matmul_desc(compute);
+      set_attr(d, CUBLASLT_MATMUL_DESC_TRANSA, op_lt_a);
+      set_attr(d, CUBLASLT_MATMUL_DESC_TRANSB, op_lt_b);
+      return d;
+    };
+    // The heuristic's best algorithm for `desc`; false when it has none (or answers an error,
+    // e.g. INVALID_VALUE for a dimension of 1).
+    auto find_algo = [&](const MatmulDescHandle& desc, cublasLtMatmulHeuristicResult_t* result) {
       int found = 0;
       cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(
-          handle, pl.desc.get(), pl.lt_a.get(), pl.lt_b.get(), pl.lt_c.get(), pl.lt_c.get(),
-          pref.get(), 1, &pl.result, &found);
+          handle, desc.get(), pl.lt_a.get(), pl.lt_b.get(), pl.lt_c.get(), pl.lt_c.get(),
+          pref.get(), 1, result, &found);
       return st == CUBLAS_STATUS_SUCCESS && found > 0;
     };
-    bool found = false;
+    bool fused_found = false;
     if (want_fused) {
-      set_attr(pl.desc, CUBLASLT_MATMUL_DESC_EPILOGUE,
+      pl.desc_fused = new_desc();
+      set_attr(pl.desc_fused, CUBLASLT_MATMUL_DESC_EPILOGUE,
                static_cast<uint32_t>(CUBLASLT_EPILOGUE_BIAS));
-      set_attr(pl.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, static_cast<int32_t>(CUDA_R_32F));
-      set_attr(pl.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(bias_ptr));
-      found = pl.fused_bias = find_algo();
-      if (!found)
-        set_attr(pl.desc, CUBLASLT_MATMUL_DESC_EPILOGUE,
-                 static_cast<uint32_t>(CUBLASLT_EPILOGUE_DEFAULT));
+      set_attr(pl.desc_fused, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+               static_cast<int32_t>(CUDA_R_32F));
+      set_attr(pl.desc_fused, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+               static_cast<const void*>(bias_ptr));
+      fused_found = find_algo(pl.desc_fused, &pl.result_fused);
     }
-    if (!found && !find_algo())
-      DP_THROW("gemm: cuBLASLt has no algorithm for "
-               << a << (ta == Transpose::yes ? "^T" : "") << " x " << b
-               << (tb == Transpose::yes ? "^T" : "") << " -> " << c);
+    pl.desc = new_desc();
+    bool plain_found = find_algo(pl.desc, &pl.result);
+    std::ostringstream what;
+    what << "gemm " << a << (ta == Transpose::yes ? "^T" : "") << " x " << b
+         << (tb == Transpose::yes ? "^T" : "") << " -> " << c << " (m " << m << ", n " << n
+         << ", k " << k << (compute == CUBLAS_COMPUTE_32F_FAST_TF32 ? ", tf32)" : ")");
+    pl.choice = AlgoChoice(gemm_candidates(fused_found, pl.result_fused.workspaceSize, plain_found,
+                                           pl.result.workspaceSize),
+                           what.str(), 3);
     return pl;
   });
-  if (plan.fused_bias)  // the one per-call attribute
-    set_attr(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(bias_ptr));
 
   void* workspace = ctx.workspace(kGemmWorkspaceBytes);
-  DP_CUBLAS_CHECK(cublasLtMatmul(handle, plan.desc.get(), &alpha, b.raw(), plan.lt_a.get(), a.raw(),
-                                 plan.lt_b.get(), &beta, c.raw(), plan.lt_c.get(), c.raw(),
-                                 plan.lt_c.get(), &plan.result.algo, workspace, kGemmWorkspaceBytes,
-                                 s));
-  if (bias_ptr && !plan.fused_bias) launch_scale_add_bias(c, bias_ptr, 1.f, /*scale_c=*/false, s);
+  const AlgoCandidate& ran = plan.choice.run([&](const AlgoCandidate& cand) {
+    switch (cand.id) {
+      case kGemmLtFusedBias:
+        set_attr(plan.desc_fused, CUBLASLT_MATMUL_DESC_BIAS_POINTER,  // the per-call attribute
+                 static_cast<const void*>(bias_ptr));
+        return cublas_attempt(
+            cublasLtMatmul(handle, plan.desc_fused.get(), &alpha, b.raw(), plan.lt_a.get(), a.raw(),
+                           plan.lt_b.get(), &beta, c.raw(), plan.lt_c.get(), c.raw(),
+                           plan.lt_c.get(), &plan.result_fused.algo, workspace, kGemmWorkspaceBytes,
+                           s),
+            "cublasLtMatmul");
+      case kGemmLt:
+        return cublas_attempt(
+            cublasLtMatmul(handle, plan.desc.get(), &alpha, b.raw(), plan.lt_a.get(), a.raw(),
+                           plan.lt_b.get(), &beta, c.raw(), plan.lt_c.get(), c.raw(),
+                           plan.lt_c.get(), &plan.result.algo, workspace, kGemmWorkspaceBytes, s),
+            "cublasLtMatmul");
+      default: {
+        if (std::max({m, n, k}) > INT32_MAX)
+          return AlgoAttempt::unsupported("a dimension exceeds cublasGemmEx's int range");
+        CublasHandle& h = ctx.state<GemmExHandle>().handle;
+        if (!h) {
+          cublasHandle_t raw = nullptr;
+          DP_CUBLAS_CHECK(cublasCreate(&raw));
+          h = CublasHandle(raw);
+        }
+        DP_CUBLAS_CHECK(cublasSetStream(h.get(), s));
+        DP_CUBLAS_CHECK(cublasSetWorkspace(h.get(), workspace, kGemmWorkspaceBytes));
+        return cublas_attempt(
+            cublasGemmEx(h.get(), op_lt_a, op_lt_b, static_cast<int>(n), static_cast<int>(m),
+                         static_cast<int>(k), &alpha, b.raw(), in_type, static_cast<int>(ld_a),
+                         a.raw(), in_type, static_cast<int>(ld_b), &beta, c.raw(), out_type,
+                         static_cast<int>(n), compute, CUBLAS_GEMM_DEFAULT),
+            "cublasGemmEx");
+      }
+    }
+  });
+  if (bias_ptr && ran.id != kGemmLtFusedBias)
+    launch_scale_add_bias(c, bias_ptr, 1.f, /*scale_c=*/false, s);
 }
 
 }  // namespace kernels::cuda
