@@ -15,7 +15,7 @@
 #include <CLI/CLI.hpp>
 
 #include "benchmarks/report.hpp"
-#include "dp/cli.hpp"
+#include "dp/cli/cli.hpp"
 #include "dp/data_parallel.hpp"
 #include "dp/distributed/launcher.hpp"
 #include "dp/distributed/mpi_process_group.hpp"

@@ -15,7 +15,7 @@
 
 #include "benchmarks/ddp_run.hpp"
 #include "benchmarks/ps_run.hpp"
-#include "dp/cli.hpp"
+#include "dp/cli/cli.hpp"
 #include "dp/data/loader.hpp"
 #include "dp/data_parallel.hpp"
 #include "dp/distributed/launcher.hpp"

@@ -18,7 +18,7 @@
 #include <sstream>
 
 #include "dp/chunks.hpp"
-#include "dp/cli.hpp"
+#include "dp/cli/cli.hpp"
 #include "dp/data/loader.hpp"
 #include "dp/distributed/ddp_trainer.hpp"
 #include "nn/nn.hpp"

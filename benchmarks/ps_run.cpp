@@ -12,7 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "dp/cli.hpp"
+#include "dp/cli/cli.hpp"
 #include "dp/data/loader.hpp"
 #include "dp/data_parallel.hpp"
 #include "dp/parameter_server.hpp"

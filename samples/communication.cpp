@@ -18,7 +18,7 @@
 
 #include <CLI/CLI.hpp>
 
-#include "dp/cli.hpp"
+#include "dp/cli/cli.hpp"
 #include "dp/distributed/launcher.hpp"
 #include "dp/distributed/process_group.hpp"
 #include "kernels/ops.hpp"

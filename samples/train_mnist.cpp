@@ -18,7 +18,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
-#include "dp/cli.hpp"
+#include "dp/cli/cli.hpp"
 #include "dp/data/loader.hpp"
 #include "dp/data/mnist.hpp"
 #include "dp/data_parallel.hpp"

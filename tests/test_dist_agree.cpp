@@ -18,7 +18,7 @@
 #include <iterator>
 #include <mutex>
 
-#include "dp/cli.hpp"
+#include "dp/cli/cli.hpp"
 #include "dp/distributed/config_check.hpp"
 #include "dp/distributed/gloo_process_group.hpp"
 #include "dp/distributed/socket.hpp"
