@@ -10,6 +10,7 @@
 #include <CLI/CLI.hpp>
 
 #include "benchmarks/report.hpp"
+#include "dp/cli/progress.hpp"
 #include "dp/data/loader.hpp"
 #include "dp/data/synthetic.hpp"
 #include "dp/distributed/launcher.hpp"
@@ -119,7 +120,9 @@ constexpr float kBenchSignal = 0.12f;
 // and device count, so all runs follow one loss curve.
 dp::data::SyntheticDataset bench_dataset(const Options& o, int64_t batch);
 std::pair<int, int> profile_range(const Options& o);
-void progress(const std::string& label, int step, int total);
+// A run's progress line (dp/cli/progress.hpp): redrawn with rate and ETA on a terminal, plain
+// lines every 10 s otherwise.
+std::unique_ptr<dp::cli::ProgressLine> progress_line(const std::string& label, int total);
 std::string gpu_name();
 Header make_header(const Options& o, const Setup& s, int logical);
 
