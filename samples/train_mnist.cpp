@@ -84,7 +84,8 @@ kernels::DeviceType device_type(const std::string& flag) {
 }
 
 // An epoch's progress (dp/cli/progress.hpp): one redrawn line with rate and ETA on a terminal,
-// plain lines every 10 s otherwise. `line` is the epoch's, made at its first step.
+// plain lines every 10 s and a summary at the epoch's end otherwise. `line` is the epoch's,
+// made at its first step.
 void progress(std::unique_ptr<dp::cli::ProgressLine>& line, int epoch, int64_t done, int64_t total,
               float loss, double samples_per_s) {
   if (!line)
@@ -92,6 +93,9 @@ void progress(std::unique_ptr<dp::cli::ProgressLine>& line, int epoch, int64_t d
   char detail[96];
   std::snprintf(detail, sizeof detail, "loss %.4f  %.0f samples/s", loss, samples_per_s);
   line->update(done, detail);
+  if (done == total && !line->redrawn())  // a log keeps one summary line per epoch
+    std::fprintf(stderr, "epoch %d: %lld/%lld batches, loss %.4f, %.0f samples/s\n", epoch,
+                 static_cast<long long>(done), static_cast<long long>(total), loss, samples_per_s);
 }
 
 // One training step and one evaluation over a host batch, whatever the mode.
