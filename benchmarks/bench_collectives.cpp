@@ -15,7 +15,7 @@
 #include <CLI/CLI.hpp>
 
 #include "benchmarks/report.hpp"
-#include "dp/cli.hpp"
+#include "dp/cli/cli.hpp"
 #include "dp/data_parallel.hpp"
 #include "dp/distributed/launcher.hpp"
 #include "dp/distributed/mpi_process_group.hpp"
@@ -172,6 +172,7 @@ int bench_ddp_worker(const Flags& f, kernels::DeviceType type, const dp::dist::W
 int main(int argc, char** argv) {
   Flags f;
   CLI::App app{"bench_collectives: bandwidth of the DP copies and the DDP collectives"};
+  app.option_defaults()->always_capture_default();  // --help shows every default
   using dp::cli::whole_number;
   app.add_option("--gpus,-n", f.n, "devices (dp) or ranks (ddp)")->check(whole_number(1, 64));
   app.add_option("--device", f.device)->check(CLI::IsMember({"auto", "cpu", "cuda"}));

@@ -15,7 +15,7 @@
 
 #include "benchmarks/ddp_run.hpp"
 #include "benchmarks/ps_run.hpp"
-#include "dp/cli.hpp"
+#include "dp/cli/cli.hpp"
 #include "dp/data/loader.hpp"
 #include "dp/data_parallel.hpp"
 #include "dp/distributed/launcher.hpp"
@@ -300,13 +300,8 @@ std::pair<int, int> profile_range(const Options& o) {
   return {a, b};
 }
 
-void progress(const std::string& label, int step, int total) {
-  if (!isatty(fileno(stderr))) return;
-  int width = 30, done = total ? step * width / total : width;
-  std::fprintf(stderr, "\r%-10s [%s%s] %d/%d", label.c_str(), std::string(done, '#').c_str(),
-               std::string(width - done, '.').c_str(), step, total);
-  if (step == total) std::fprintf(stderr, "\r%*s\r", 60, "");
-  std::fflush(stderr);
+std::unique_ptr<dp::cli::ProgressLine> progress_line(const std::string& label, int total) {
+  return std::make_unique<dp::cli::ProgressLine>(label, total);
 }
 
 void take_replay_counts(std::map<std::string, std::vector<double>>& per_step, RunResult& r) {
@@ -380,6 +375,7 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
     if (engine.scaler().enabled()) state.scaler = engine.scaler().state();
     nn::save_checkpoint_in(*lock, o.keep, *model, opt, state);
   };
+  auto bar = progress_line(label, o.warmup + o.steps);
   for (int step = first; step < o.warmup + o.steps; ++step) {
     int timed = step - o.warmup;
     auto b = step_batch(*data, step, batch);
@@ -388,7 +384,7 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
     dp::StepStats st = engine.train_step(b.images, b.labels);
     if (timed == pb) kernels::profiler_stop();
     if (o.save_every && (step + 1) % *o.save_every == 0) save(step + 1);
-    progress(label, step + 1, o.warmup + o.steps);
+    bar->update(step + 1);
     if (timed < 0) continue;
     r.step_ms.push_back(st.ms.total);
     r.losses.push_back(st.loss);

@@ -11,6 +11,7 @@
 #include <CLI/CLI.hpp>
 
 #include "benchmarks/report.hpp"
+#include "dp/cli/progress.hpp"
 #include "dp/data/loader.hpp"
 #include "dp/data/synthetic.hpp"
 #include "dp/distributed/launcher.hpp"
@@ -127,7 +128,9 @@ std::pair<int, int> profile_range(const Options& o);
 // Moves the per-step runtime counts ("allocations", "host_syncs") out of `per_step` into the
 // run's medians (RunResult::allocations_per_step, host_syncs_per_step).
 void take_replay_counts(std::map<std::string, std::vector<double>>& per_step, RunResult& r);
-void progress(const std::string& label, int step, int total);
+// A run's progress line (dp/cli/progress.hpp): redrawn with rate and ETA on a terminal, plain
+// lines every 10 s otherwise.
+std::unique_ptr<dp::cli::ProgressLine> progress_line(const std::string& label, int total);
 std::string gpu_name();
 Header make_header(const Options& o, const Setup& s, int logical);
 

@@ -254,6 +254,7 @@ std::optional<Device> pick_device(const std::string& choice) {
 
 int main(int argc, char** argv) {
   CLI::App app{"GEMM throughput and memory bandwidth of the kernels on one device"};
+  app.option_defaults()->always_capture_default();  // --help shows every default
   Options o;
   app.add_option("--device", o.device, "cpu, cuda or auto (cuda when a GPU is usable)")
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}));

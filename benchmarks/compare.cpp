@@ -15,6 +15,7 @@ int parse_and_run(std::shared_ptr<const Workload> workload, int argc, char** arg
   CLI::App app{o.workload ? "compare DP (threads) and DDP (processes) on " + o.workload->name
                           : "dp_bench: DP (threads) and DDP (processes) on the same model, "
                             "side by side"};
+  app.option_defaults()->always_capture_default();  // --help shows every default
   add_flags(app, o);
   try {
     app.parse(argc, argv);

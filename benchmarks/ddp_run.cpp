@@ -18,7 +18,7 @@
 #include <sstream>
 
 #include "dp/chunks.hpp"
-#include "dp/cli.hpp"
+#include "dp/cli/cli.hpp"
 #include "dp/data/loader.hpp"
 #include "dp/distributed/ddp_trainer.hpp"
 #include "nn/nn.hpp"
@@ -243,6 +243,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
     if (trainer.rank() == 0) nn::save_checkpoint_in(*lock, o.keep, *model, opt, state, whole);
     trainer.group().barrier()->wait();
   };
+  auto bar = progress_line("ddp N=" + std::to_string(n), o.warmup + o.steps);
   for (int step = first; step < o.warmup + o.steps; ++step) {
     int timed = step - o.warmup;
     auto b = step_batch(*data, step, batch);
@@ -251,7 +252,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
     float loss = trainer.train_step(b.images, b.labels);
     if (timed == pb) kernels::profiler_stop();
     if (o.save_every && (step + 1) % *o.save_every == 0) save(step + 1);
-    if (trainer.rank() == 0) progress("ddp N=" + std::to_string(n), step + 1, o.warmup + o.steps);
+    if (trainer.rank() == 0) bar->update(step + 1);
     if (timed < 0) continue;
     const auto& t = trainer.last_times();
     r.step_ms.push_back(t.total);

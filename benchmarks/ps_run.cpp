@@ -12,7 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "dp/cli.hpp"
+#include "dp/cli/cli.hpp"
 #include "dp/data/loader.hpp"
 #include "dp/data_parallel.hpp"
 #include "dp/parameter_server.hpp"
@@ -71,12 +71,13 @@ int run_ps_mode(const Options& o, const Setup& s) {
     dopt.math = s.math;
     dp::DataParallel engine(model, opt, devices, dopt);
     auto t0 = Clock::now();
+    auto bar = progress_line("dp N=" + std::to_string(n), steps);
     for (int step = 0; step < steps; ++step) {
       auto b = dp::data::make_batch(data, step * batch, batch);
       float loss = engine.train_step(b.images, b.labels).loss;
       double t = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
       dp_curve.push_back({t, (step + 1) * batch, loss});
-      progress("dp N=" + std::to_string(n), step + 1, steps);
+      bar->update(step + 1);
     }
     dp_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   }

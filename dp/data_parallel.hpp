@@ -52,6 +52,7 @@
 #include "nn/amp.hpp"
 #include "nn/module.hpp"
 #include "nn/optim.hpp"
+#include "nn/train_state.hpp"
 
 namespace dp {
 
@@ -169,6 +170,15 @@ class DataParallel {
   int64_t parameter_bytes() { return replicas_[0]->flat_params().nbytes(); }
   // The loss scaler device 0 steps with: its state goes into checkpoints.
   nn::GradScaler& scaler() { return scaler_; }
+  // The whole training state (nn/train_state.hpp, safetensors layout): device 0's weights and
+  // buffers, the optimizer's state and step, every replica's dropout offset, the loss scaler
+  // and the step (train_steps so far unless `position.step` says otherwise); `position` adds
+  // the caller's epoch, batches done and config. Written atomically. Call between steps.
+  void save(const std::string& path, const nn::TrainingProgress& position = {});
+  // Restores what save() wrote, bit for bit; refuses, naming what differs, a file from another
+  // model, optimizer or device count, or whose config differs from `expected.config`. Returns
+  // the saved position (step, epoch, batches done). Call between steps.
+  nn::TrainingProgress load(const std::string& path, const nn::TrainingProgress& expected = {});
 
  private:
   // The points each worker marks in a step, in order.

@@ -160,16 +160,26 @@ void fill(Tensor& y, float value) {
 
 namespace {
 // y, a, b: same device, f32, same shape.
-void check_binary(const char* op, const Tensor& y, const Tensor& a, const Tensor& b) {
-  check_devices(op, {{"y", y}, {"a", a}, {"b", b}});
-  check_f32(op, {{"y", y}, {"a", a}, {"b", b}});
-  check_same_shape(op, {"a", a}, {"b", b});
-  check_same_shape(op, {"a", a}, {"y", y});
+// Whether `tail` is the last dims of `shape` (fewer dims than it).
+bool is_trailing_shape(const Shape& tail, const Shape& shape) {
+  return tail.size() < shape.size() &&
+         std::equal(tail.begin(), tail.end(), shape.end() - tail.size());
 }
 void check_unary(const char* op, const Tensor& y, const Tensor& x) {
   check_devices(op, {{"y", y}, {"x", x}});
   check_f32(op, {{"y", y}, {"x", x}});
   check_same_shape(op, {"x", x}, {"y", y});
+}
+// y, a same shape; b a's shape (returns false) or a's trailing dims (returns true: broadcast).
+bool check_broadcast_binary(const char* op, const Tensor& y, const Tensor& a, const Tensor& b) {
+  check_devices(op, {{"y", y}, {"a", a}, {"b", b}});
+  check_f32(op, {{"y", y}, {"a", a}, {"b", b}});
+  check_same_shape(op, {"a", a}, {"y", y});
+  if (b.shape() == a.shape()) return false;
+  DP_CHECK(is_trailing_shape(b.shape(), a.shape()),
+           op << ": shapes differ: a " << shape_str(a.shape()) << " vs b " << shape_str(b.shape())
+              << ", and b is not a's trailing dims (b broadcasts over a's leading dims only)");
+  return true;
 }
 // A (C) vector over dim 1 of an (N, C, ...) tensor.
 void check_channel_vector(const char* op, const Arg& t, const Arg& vec) {
@@ -185,9 +195,13 @@ void add(Tensor& y, const Tensor& a, const Tensor& b) {
     add(y32, widen(a), widen(b));
     return round_into(y, y32);
   }
-  check_binary("add", y, a, b);
+  const bool broadcast = check_broadcast_binary("add", y, a, b);
   if (y.numel() == 0) return;
-  DP_DISPATCH(y.device(), add, y, a, b);
+  if (broadcast) {
+    DP_DISPATCH(y.device(), add_trailing, y, a, b);
+  } else {
+    DP_DISPATCH(y.device(), add, y, a, b);
+  }
 }
 
 void mul(Tensor& y, const Tensor& a, const Tensor& b) {
@@ -196,9 +210,27 @@ void mul(Tensor& y, const Tensor& a, const Tensor& b) {
     mul(y32, widen(a), widen(b));
     return round_into(y, y32);
   }
-  check_binary("mul", y, a, b);
+  const bool broadcast = check_broadcast_binary("mul", y, a, b);
   if (y.numel() == 0) return;
-  DP_DISPATCH(y.device(), mul, y, a, b);
+  if (broadcast) {
+    DP_DISPATCH(y.device(), mul_trailing, y, a, b);
+  } else {
+    DP_DISPATCH(y.device(), mul, y, a, b);
+  }
+}
+
+void sum_leading(Tensor& out, const Tensor& x, Accumulate acc) {
+  check_devices("sum_leading", {{"out", out}, {"x", x}});
+  check_f32("sum_leading", {{"out", out}, {"x", x}});
+  DP_CHECK(out.shape() == x.shape() || is_trailing_shape(out.shape(), x.shape()),
+           "sum_leading: out " << shape_str(out.shape()) << " is not x's " << shape_str(x.shape())
+                               << " trailing dims");
+  if (out.numel() == 0) return;
+  if (x.numel() == 0) {  // no rows: the sum is 0
+    if (acc == Accumulate::no) fill(out, 0.f);
+    return;
+  }
+  DP_DISPATCH(out.device(), sum_leading, out, x, acc);
 }
 
 void scale(Tensor& y, const Tensor& x, float alpha) {
@@ -354,6 +386,24 @@ void tanh_backward(Tensor& dx, const Tensor& dy, const Tensor& y, Accumulate acc
   check_activation_backward("tanh_backward", dx, dy, y, "y");
   if (dx.numel() == 0) return;
   DP_DISPATCH(dx.device(), tanh_backward, dx, dy, y, acc);
+}
+
+void sigmoid(Tensor& y, const Tensor& x) {
+  check_unary("sigmoid", y, x);
+  if (y.numel() == 0) return;
+  DP_DISPATCH(y.device(), sigmoid, y, x);
+}
+
+void sigmoid_backward(Tensor& dx, const Tensor& dy, const Tensor& y, Accumulate acc) {
+  check_activation_backward("sigmoid_backward", dx, dy, y, "y");
+  if (dx.numel() == 0) return;
+  DP_DISPATCH(dx.device(), sigmoid_backward, dx, dy, y, acc);
+}
+
+void exp(Tensor& y, const Tensor& x) {
+  check_unary("exp", y, x);
+  if (y.numel() == 0) return;
+  DP_DISPATCH(y.device(), exp, y, x);
 }
 
 // ---- losses, reductions, metrics -----------------------------------------------------------

@@ -42,10 +42,15 @@ void fill(Tensor& y, float value);
 // dropout_forward also take f16/bf16 tensors (any mix with f32; dropout's mask stays f32). They
 // compute in f32 from the widened values and round each 16-bit output once.
 
-// requires a, b, y same shape. ensures y = a + b.
+// requires y, a same shape; b a's shape or a's trailing dims (a (N, T, D) with b (D) or (T, D)).
+// ensures y = a + b, b broadcast over a's leading dims. Gradient of b: sum_leading.
 void add(Tensor& y, const Tensor& a, const Tensor& b);
-// requires a, b, y same shape. ensures y = a * b (elementwise).
+// requires y, a same shape; b a's shape or a's trailing dims. ensures y = a * b (elementwise, b
+// broadcast over a's leading dims, as a per-feature scale).
 void mul(Tensor& y, const Tensor& a, const Tensor& b);
+// requires out's shape = x's trailing dims (x (N, T, D), out (D) or (T, D)).
+// ensures out (+)= sum of x over its leading dims: the gradient of a broadcast b.
+void sum_leading(Tensor& out, const Tensor& x, Accumulate acc);
 // requires x, y same shape (y may alias x). ensures y = alpha * x.
 void scale(Tensor& y, const Tensor& x, float alpha);
 // requires x, y same shape; y f32, x f32, f16 or bf16. ensures y += alpha * float(x).
@@ -75,6 +80,12 @@ void gelu_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc
 void tanh(Tensor& y, const Tensor& x);
 // Takes the forward output y: dx (+)= dy * (1 - y^2).
 void tanh_backward(Tensor& dx, const Tensor& dy, const Tensor& y, Accumulate acc);
+// 1 / (1 + e^-x), without overflow for any x.
+void sigmoid(Tensor& y, const Tensor& x);
+// Takes the forward output y: dx (+)= dy * y (1 - y).
+void sigmoid_backward(Tensor& dx, const Tensor& dy, const Tensor& y, Accumulate acc);
+// requires x, y same shape (y may alias x). ensures y = e^x. Backward: mul(dx, dy, y).
+void exp(Tensor& y, const Tensor& x);
 
 // ---- losses, reductions, metrics -----------------------------------------------------------
 

@@ -100,6 +100,15 @@ inline std::string hex64(uint64_t v) {
 inline void save_training_state(const std::string& path, Module& m, Optimizer& opt,
                                 const TrainingProgress& progress,
                                 const OptimizerState& whole_state = {}) {
+  // One device needs no offsets from the caller: they are the module's. More must be given.
+  std::vector<uint64_t> rng_offsets = progress.rng_offsets;
+  if (rng_offsets.empty() && progress.world_size == 1) rng_offsets = {m.flat().rng_offset};
+  DP_CHECK(static_cast<int64_t>(rng_offsets.size()) == progress.world_size,
+           "save_training_state(" << io::printable(path) << "): progress.rng_offsets has "
+                                  << rng_offsets.size() << " dropout offsets for world size "
+                                  << progress.world_size << ": give one per device or rank "
+                                  << "(DataParallel::rng_offsets()), or save with "
+                                  << "DataParallel::save / DdpTrainer::save");
   struct Entry {
     std::string name;
     Shape shape;
@@ -136,7 +145,7 @@ inline void save_training_state(const std::string& path, Module& m, Optimizer& o
                          {"mode", progress.mode},
                          {"world_size", std::to_string(progress.world_size)},
                          {"optimizer_shards", std::to_string(progress.optimizer_shards)},
-                         {"rng_offsets", detail::join_u64(progress.rng_offsets)},
+                         {"rng_offsets", detail::join_u64(rng_offsets)},
                          {"optimizer", detail::optimizer_name(opt)},
                          {"optimizer_steps", std::to_string(opt.step_count())},
                          {"lr", std::to_string(opt.lr())},

@@ -18,7 +18,7 @@
 
 #include <CLI/CLI.hpp>
 
-#include "dp/cli.hpp"
+#include "dp/cli/cli.hpp"
 #include "dp/distributed/launcher.hpp"
 #include "dp/distributed/process_group.hpp"
 #include "kernels/ops.hpp"
@@ -225,6 +225,7 @@ int run_worker(const Flags& f, const dp::dist::WorkerEnv& env) {
 
 int main(int argc, char** argv) {
   CLI::App app("communication: dp::dist collectives across processes, and a ring all-reduce");
+  app.option_defaults()->always_capture_default();  // --help shows every default
   Flags f;
   using dp::cli::whole_number;
   app.add_option("--nproc", f.nproc, "worker processes")->check(whole_number(2, 4));

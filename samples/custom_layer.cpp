@@ -1,8 +1,8 @@
 // A user-defined layer built from the public op set, checked with nn::gradcheck.
 //
-// GatedLinear: y = (x W1^T + b1) * sigmoid(x W2^T + b2)   x (N, in) -> y (N, out)
-// The op set has no sigmoid, so it is composed from tanh: sigmoid(z) = (1 + tanh(z / 2)) / 2,
-// and sigmoid'(z) = (1 - tanh(z / 2)^2) / 4.
+// GatedLinear: y = (x W1^T + b1) * sigmoid(x W2^T + b2) * scale   x (N, in) -> y (N, out)
+// with a learned per-feature scale (out): kernels::mul broadcasts it over the rows, and
+// kernels::sum_leading sums its gradient back over them.
 //
 // Everything a layer needs: register parameters with init specs in the constructor, cache what
 // backward needs in forward_impl, return dx and ADD parameter gradients in backward_impl,
@@ -25,6 +25,7 @@ class GatedLinear : public nn::Module {
     b1_ = &register_parameter("value_bias", {out}, nn::torch_default(in));
     w2_ = &register_parameter("gate_weight", {out, in}, nn::kaiming_uniform(in, std::sqrt(5.f)));
     b2_ = &register_parameter("gate_bias", {out}, nn::torch_default(in));
+    scale_ = &register_parameter("scale", {out}, nn::InitSpec::constant(1.f));
   }
   std::string type_name() const override { return "GatedLinear"; }
 
@@ -40,27 +41,28 @@ class GatedLinear : public nn::Module {
     Tensor z = Tensor::empty({n, out_}, DType::f32, dev);
     kernels::gemm(a_, x, Transpose::no, w1_->value, Transpose::yes, 1.f, 0.f, b1_->value);
     kernels::gemm(z, x, Transpose::no, w2_->value, Transpose::yes, 1.f, 0.f, b2_->value);
-    t_ = Tensor::empty({n, out_}, DType::f32, dev);  // tanh(z / 2)
-    kernels::scale(z, z, 0.5f);
-    kernels::tanh(t_, z);
-    s_ = Tensor::empty({n, out_}, DType::f32, dev);  // sigmoid(z) = 0.5 + 0.5 t
-    kernels::fill(s_, 0.5f);
-    kernels::axpy(s_, 0.5f, t_);
+    s_ = Tensor::empty({n, out_}, DType::f32, dev);  // the gate, sigmoid(z)
+    kernels::sigmoid(s_, z);
+    g_ = Tensor::empty({n, out_}, DType::f32, dev);  // a * sigmoid(z)
+    kernels::mul(g_, a_, s_);
     Tensor y = Tensor::empty({n, out_}, DType::f32, dev);
-    kernels::mul(y, a_, s_);
+    kernels::mul(y, g_, scale_->value);  // (N, out) * (out): the scale broadcast over rows
     return y;
   }
 
   Tensor backward_impl(const Tensor& dy) override {
     const int64_t n = x_.dim(0);
     auto dev = dy.device();
-    Tensor da = Tensor::empty({n, out_}, DType::f32, dev);  // dy * s
-    kernels::mul(da, dy, s_);
-    Tensor ds = Tensor::empty({n, out_}, DType::f32, dev);  // dy * a
-    kernels::mul(ds, dy, a_);
-    Tensor dz = Tensor::empty({n, out_}, DType::f32, dev);  // ds (1 - t^2) / 4
-    kernels::tanh_backward(dz, ds, t_, Accumulate::no);
-    kernels::scale(dz, dz, 0.25f);
+    Tensor t = Tensor::empty({n, out_}, DType::f32, dev);
+    kernels::mul(t, dy, g_);  // d scale = sum over rows of dy * g
+    kernels::sum_leading(scale_->grad, t, Accumulate::yes);
+    Tensor dg = Tensor::empty({n, out_}, DType::f32, dev);  // dy * scale
+    kernels::mul(dg, dy, scale_->value);
+    Tensor da = Tensor::empty({n, out_}, DType::f32, dev);  // dg * s
+    kernels::mul(da, dg, s_);
+    kernels::mul(t, dg, a_);  // dg * a, through the gate: dz = t s (1 - s)
+    Tensor dz = Tensor::empty({n, out_}, DType::f32, dev);
+    kernels::sigmoid_backward(dz, t, s_, Accumulate::no);
     // Parameter gradients accumulate: (N, out)^T x (N, in) -> (out, in).
     kernels::gemm(w1_->grad, da, Transpose::yes, x_, Transpose::no, 1.f, 1.f);
     kernels::bias_backward(b1_->grad, da, Accumulate::yes);
@@ -78,8 +80,8 @@ class GatedLinear : public nn::Module {
 
  private:
   int64_t in_, out_;
-  nn::Parameter *w1_, *b1_, *w2_, *b2_;
-  Tensor x_, a_, t_, s_;  // cached input, value branch, tanh(z / 2), gate
+  nn::Parameter *w1_, *b1_, *w2_, *b2_, *scale_;
+  Tensor x_, a_, s_, g_;  // cached input, value branch, gate, gated value
 };
 
 int main() {

@@ -18,7 +18,8 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
-#include "dp/cli.hpp"
+#include "dp/cli/cli.hpp"
+#include "dp/cli/progress.hpp"
 #include "dp/data/loader.hpp"
 #include "dp/data/mnist.hpp"
 #include "dp/data_parallel.hpp"
@@ -34,6 +35,7 @@ namespace {
 
 struct Flags {
   std::string model = "mlp", device = "auto", mode = "single", data, json;
+  std::string log;  // --log FILE.jsonl: one JSON object per step
   int epochs = 1, gpus = 1;
   std::optional<int64_t> limit_batches;  // unset: whole epochs
   std::optional<int64_t> train_samples;  // unset: the whole training set
@@ -82,19 +84,19 @@ kernels::DeviceType device_type(const std::string& flag) {
   return t;
 }
 
-// One line of progress: a redrawn bar on a terminal, a plain line every 20% otherwise.
-void progress(int epoch, int64_t done, int64_t total, float loss, double samples_per_s) {
-  bool tty = isatty(fileno(stderr));
-  if (tty) {
-    int width = 30, filled = static_cast<int>(width * done / std::max<int64_t>(total, 1));
-    std::fprintf(stderr, "\repoch %d [%s%s] %lld/%lld loss %.4f %.0f samples/s", epoch,
-                 std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(),
-                 static_cast<long long>(done), static_cast<long long>(total), loss, samples_per_s);
-    if (done == total) std::fprintf(stderr, "\n");
-  } else if (done == total || (done * 5 / total) != ((done - 1) * 5 / total)) {
+// An epoch's progress (dp/cli/progress.hpp): one redrawn line with rate and ETA on a terminal,
+// plain lines every 10 s and a summary at the epoch's end otherwise. `line` is the epoch's,
+// made at its first step.
+void progress(std::unique_ptr<dp::cli::ProgressLine>& line, int epoch, int64_t done, int64_t total,
+              float loss, double samples_per_s) {
+  if (!line)
+    line = std::make_unique<dp::cli::ProgressLine>("epoch " + std::to_string(epoch), total);
+  char detail[96];
+  std::snprintf(detail, sizeof detail, "loss %.4f  %.0f samples/s", loss, samples_per_s);
+  line->update(done, detail);
+  if (done == total && !line->redrawn())  // a log keeps one summary line per epoch
     std::fprintf(stderr, "epoch %d: %lld/%lld batches, loss %.4f, %.0f samples/s\n", epoch,
                  static_cast<long long>(done), static_cast<long long>(total), loss, samples_per_s);
-  }
 }
 
 // One training step and one evaluation over a host batch, whatever the mode.
@@ -109,6 +111,7 @@ int main(int argc, char** argv) {
   Flags f;
   using dp::cli::whole_number;
   CLI::App app{"train_mnist: Fashion-MNIST on one device, DP or DDP"};
+  app.option_defaults()->always_capture_default();  // --help shows every default
   app.add_option("--model", f.model, "mlp|cnn|resnet")
       ->check(CLI::IsMember({"mlp", "cnn", "resnet"}));
   app.add_option("--epochs", f.epochs)->check(whole_number(1, 100000));
@@ -162,6 +165,10 @@ int main(int argc, char** argv) {
                  "resume from a training state file, or the newest whole one in --checkpoint-dir "
                  "(latest: damaged ones are skipped, named); the same model, optimizer, --batch "
                  "and seed are required, another --mode or --gpus is re-sharded (said so)");
+  app.add_option("--log", f.log,
+                 "write one JSON object per step here (step, loss, lr, grad_norm, samples_per_s, "
+                 "loss_scale; rank 0 in DDP; not with --mode ps)")
+      ->check(dp::cli::output_file());
   app.add_option("--limit-batches", f.limit_batches,
                  "stop each epoch after this many batches (smoke runs)")
       ->check(whole_number(1, std::numeric_limits<int64_t>::max()));
@@ -352,6 +359,10 @@ int main(int argc, char** argv) {
     }
 
     bool chatty = !ddp || ddp->rank() == 0;
+    DP_CHECK(f.log.empty() || f.mode != "ps",
+             "--log with --mode ps: the server's pushes are not steps; drop --log");
+    std::optional<dp::cli::StepLog> step_log;
+    if (!f.log.empty() && chatty) step_log.emplace("--log", f.log);
     // Every device or rank gets rows of every batch: DP and DDP split the same global batches,
     // the last one padded (or dropped) alike, so both train the same rows at every step.
     dp::data::LoaderOptions lo;
@@ -447,6 +458,7 @@ int main(int argc, char** argv) {
       auto te = std::chrono::steady_clock::now();
       int64_t skip = e == start_epoch ? skip_batches : 0;  // trained before the resume
       int64_t trained_here = 0;                            // batches this process trained
+      std::unique_ptr<dp::cli::ProgressLine> bar;  // this epoch's
       if (ps) {
         // The shared sampler: each worker takes the next batch of the epoch's order (the
         // loader's, so every mode visits the same batches) and trains it on the weights it
@@ -483,7 +495,7 @@ int main(int argc, char** argv) {
           if (f.save_every && run_state.step % *f.save_every == 0 && n < total) save_state(e, n);
         }
         if (chatty)
-          progress(e, n, total, static_cast<float>(sum / std::max<int64_t>(trained_here, 1)),
+          progress(bar, e, n, total, static_cast<float>(sum / std::max<int64_t>(trained_here, 1)),
                    rows / std::max(ps_seconds, 1e-9));
         std::fprintf(stderr, "epoch %d: %lld updates at %.0f/s, staleness max %lld\n", e,
                      static_cast<long long>(trained_here),
@@ -496,17 +508,25 @@ int main(int argc, char** argv) {
             if (++n == total) break;
             continue;
           }
+          const auto t_step = std::chrono::steady_clock::now();
           float l = engine.train_step(batch.images, batch.labels);
           sum += l;
           ++n;
           ++trained_here;
           ++run_state.step;
           step_losses.push_back(l);
+          if (step_log) {
+            const double dt =
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - t_step).count();
+            step_log->write({run_state.step, l, opt.lr(), std::nullopt,
+                             batch.size() / std::max(dt, 1e-9), scaler->scale()});
+          }
           rows += batch.size();
           if (f.save_every && run_state.step % *f.save_every == 0 && n < total) save_state(e, n);
           double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - te).count();
           if (chatty)
-            progress(e, n, total, static_cast<float>(sum / trained_here), rows / std::max(s, 1e-9));
+            progress(bar, e, n, total, static_cast<float>(sum / trained_here),
+                     rows / std::max(s, 1e-9));
           if (n == total) break;  // --limit-batches
         }
       rows_trained += rows;
@@ -514,6 +534,7 @@ int main(int argc, char** argv) {
       if (f.save_every && run_state.step % *f.save_every == 0) save_state(e + 1, 0);
     }
     if (!f.checkpoint_dir.empty() && !nothing_left) save_state(f.epochs, 0);  // the run's end
+    if (step_log) step_log->close();  // a log that did not reach the disk is an error
     double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
     int64_t correct = 0;

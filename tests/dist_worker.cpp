@@ -14,7 +14,9 @@
 //                steps: --steps};
 //                wrap() verifies it across ranks, then --steps steps on a fixed batch; prints
 //                "[rank r] ddp ok loss L", then holds its group --hold-ms (started by hand:
-//                RANK, WORLD_SIZE, MASTER_* set)
+//                RANK, WORLD_SIZE, MASTER_* set). With --save FILE --save-at K it saves the
+//                training state (DdpTrainer::save) after step K; with --load FILE it starts from
+//                it (DdpTrainer::load); either way it prints "weights H", a hash of its weights
 // --hold-ms T: collectives wait T ms after joining the group (a job that stays up a while).
 // --max-restarts K: the launcher's LaunchOptions::max_restarts.
 #include <signal.h>
@@ -122,7 +124,17 @@ int run_collectives(const WorkerEnv& w, int hold_ms) {
   return 0;
 }
 
-int run_ddp(int64_t batch, int steps, int hold_ms, const std::string& backend) {
+// FNV-1a over the bytes of the weights: equal hashes, equal bits.
+uint64_t weights_hash(nn::Module& m) {
+  std::vector<float> w = m.flat_params().to_host_f32();
+  uint64_t h = 1469598103934665603ull;
+  const auto* p = reinterpret_cast<const unsigned char*>(w.data());
+  for (size_t i = 0; i < w.size() * sizeof(float); ++i) h = (h ^ p[i]) * 1099511628211ull;
+  return h;
+}
+
+int run_ddp(int64_t batch, int steps, int hold_ms, const std::string& backend,
+            const std::string& save, int save_at, const std::string& load) {
   DdpTrainer trainer(kernels::DeviceType::cpu, backend);
   trainer.set_run_config({{"program", "dist_worker"},
                           {"batch", std::to_string(batch)},
@@ -141,8 +153,14 @@ int run_ddp(int64_t batch, int steps, int hold_ms, const std::string& backend) {
   Tensor labels = Tensor::empty({batch}, kernels::DType::i32, kernels::Device::cpu());
   std::copy(y.begin(), y.end(), labels.data<int32_t>());
   float loss = 0;
-  for (int s = 0; s < steps; ++s) loss = trainer.train_step(images, labels);
-  std::printf("[rank %d] ddp ok loss %.6f\n", trainer.rank(), loss);
+  int first = 0;
+  if (!load.empty()) first = static_cast<int>(trainer.load(load).step);
+  for (int s = first; s < steps; ++s) {
+    loss = trainer.train_step(images, labels);
+    if (!save.empty() && s + 1 == save_at) trainer.save(save);
+  }
+  std::printf("[rank %d] ddp ok loss %.6f weights %016llx\n", trainer.rank(), loss,
+              static_cast<unsigned long long>(weights_hash(*model)));
   std::fflush(stdout);
   std::this_thread::sleep_for(std::chrono::milliseconds(hold_ms));  // a job that stays up
   trainer.group().barrier()->wait();  // rank 0 hosts the store: the others leave first
@@ -157,7 +175,8 @@ int main(int argc, char** argv) {
   LaunchOptions lo;
   int grace_ms = 3000, hold_ms = 0, hang_rank = 1, steps = 2;
   int64_t batch = 8;
-  std::string backend = "gloo", job_tag;
+  std::string backend = "gloo", job_tag, save, load;
+  int save_at = 0;
   app.add_option("--mode", mode);
   app.add_option("--pid-dir", pid_dir);
   app.add_option("--nproc", lo.nproc_per_node);
@@ -173,6 +192,9 @@ int main(int argc, char** argv) {
   app.add_option("--batch", batch);
   app.add_option("--steps", steps);
   app.add_option("--backend", backend);
+  app.add_option("--save", save);
+  app.add_option("--save-at", save_at);
+  app.add_option("--load", load);
   app.add_option("--job-tag", job_tag, "ignored: lets a test find this job's processes");
   CLI11_PARSE(app, argc, argv);
   lo.grace_period = std::chrono::milliseconds(grace_ms);
@@ -191,7 +213,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (mode == "collectives") return run_collectives(*w, hold_ms);
-    if (mode == "ddp") return run_ddp(batch, steps, hold_ms, backend);
+    if (mode == "ddp") return run_ddp(batch, steps, hold_ms, backend, save, save_at, load);
     if (mode == "hang") return run_hang(*w, hang_rank);
     if (mode == "stubborn") ::signal(SIGTERM, SIG_IGN);
     if (w->rank == 1) {

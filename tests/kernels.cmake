@@ -1,3 +1,3 @@
 # kernels.*: every op of kernels/ops.hpp against plain-loop references (CPU backend).
 dp_add_test(test_kernels SOURCES test_kernels.cpp test_kernels_loss.cpp test_kernels_conv.cpp
-            test_kernels_norm.cpp)
+            test_kernels_norm.cpp test_kernels_pointwise.cpp)

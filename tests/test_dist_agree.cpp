@@ -18,7 +18,7 @@
 #include <iterator>
 #include <mutex>
 
-#include "dp/cli.hpp"
+#include "dp/cli/cli.hpp"
 #include "dp/distributed/config_check.hpp"
 #include "dp/distributed/gloo_process_group.hpp"
 #include "dp/distributed/socket.hpp"
@@ -356,6 +356,31 @@ TEST_CASE("dist.config: hand-launched ranks with different --batch fail together
   CHECK(contains(r1.output(), want));
   CHECK_FALSE(contains(r0.output() + r1.output(), "ddp ok"));
   CHECK(s < 10.0);  // together and at once, not after the 10 s DP_TIMEOUT
+}
+
+TEST_CASE("dist.state: DdpTrainer::save then load resumes bit for bit on every rank") {
+  std::string dir = dist_test::make_temp_dir("ddp_state");
+  const std::string file = dir + "/state.safetensors";
+  auto weights = [](const std::string& out) {
+    auto at = out.find(" weights ");
+    return at == std::string::npos ? std::string("none") : out.substr(at + 9, 16);
+  };
+  int port = net::find_free_port();
+  HandRank a0(dir, "a0", 0, 2, port,
+              {"--mode", "ddp", "--steps", "4", "--save", file, "--save-at", "2"});
+  HandRank a1(dir, "a1", 1, 2, port,
+              {"--mode", "ddp", "--steps", "4", "--save", file, "--save-at", "2"});
+  REQUIRE(a0.wait(30s) == 0);
+  REQUIRE(a1.wait(30s) == 0);
+  port = net::find_free_port();
+  HandRank b0(dir, "b0", 0, 2, port, {"--mode", "ddp", "--steps", "4", "--load", file});
+  HandRank b1(dir, "b1", 1, 2, port, {"--mode", "ddp", "--steps", "4", "--load", file});
+  REQUIRE(b0.wait(30s) == 0);
+  REQUIRE(b1.wait(30s) == 0);
+  CHECK(weights(a0.output()) != "none");
+  CHECK(weights(b0.output()) == weights(a0.output()));
+  CHECK(weights(b1.output()) == weights(a1.output()));
+  CHECK(weights(a1.output()) == weights(a0.output()));
 }
 
 TEST_CASE("dist.config: hand-launched ranks that agree train, without a job id") {

@@ -24,6 +24,7 @@
 #include "kernels/runtime/event.hpp"
 #include "nn/amp.hpp"
 #include "nn/optim.hpp"
+#include "nn/train_state.hpp"
 
 namespace dp::dist {
 
@@ -103,6 +104,13 @@ class DdpTrainer {
   // reduce_scatter and all_gather. The reported loss's all-reduce, after the step, is not in it.
   int64_t last_payload_bytes() const { return last_payload_bytes_; }
   nn::GradScaler& scaler() { return scaler_; }
+  // The whole training state, as DataParallel::save: every rank's dropout offset is gathered
+  // and rank 0 writes; a failed write throws on every rank. Collectives: every rank calls them.
+  // requires wrap() done, ZeRO off (its sharded state is not saved here).
+  void save(const std::string& path, const nn::TrainingProgress& position = {});
+  // Every rank reads `path` (each its own dropout offset); refuses another model, optimizer or
+  // world size, naming what differs. Returns the saved position.
+  nn::TrainingProgress load(const std::string& path, const nn::TrainingProgress& expected = {});
 
  private:
   // The fields wrap() adds to the run configuration ("engine.*").

@@ -25,6 +25,13 @@ void gelu(Tensor& y, const Tensor& x);
 void gelu_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc);
 void tanh(Tensor& y, const Tensor& x);
 void tanh_backward(Tensor& dx, const Tensor& dy, const Tensor& y, Accumulate acc);
+// pointwise.cpp: b broadcast over a's leading dims (b.numel() divides a.numel()).
+void add_trailing(Tensor& y, const Tensor& a, const Tensor& b);
+void mul_trailing(Tensor& y, const Tensor& a, const Tensor& b);
+void sum_leading(Tensor& out, const Tensor& x, Accumulate acc);
+void sigmoid(Tensor& y, const Tensor& x);
+void sigmoid_backward(Tensor& dx, const Tensor& dy, const Tensor& y, Accumulate acc);
+void exp(Tensor& y, const Tensor& x);
 void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
                            const Tensor& labels, const Tensor& weights, float label_smoothing);
 void mse_loss(Tensor& loss, Tensor& dpred, const Tensor& pred, const Tensor& target);

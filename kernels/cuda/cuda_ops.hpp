@@ -37,6 +37,14 @@ void gelu_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc
 void tanh(Tensor& y, const Tensor& x, DeviceContext& ctx);
 void tanh_backward(Tensor& dx, const Tensor& dy, const Tensor& y, Accumulate acc,
                    DeviceContext& ctx);
+// pointwise.cu: b broadcast over a's leading dims (b.numel() divides a.numel()).
+void add_trailing(Tensor& y, const Tensor& a, const Tensor& b, DeviceContext& ctx);
+void mul_trailing(Tensor& y, const Tensor& a, const Tensor& b, DeviceContext& ctx);
+void sum_leading(Tensor& out, const Tensor& x, Accumulate acc, DeviceContext& ctx);
+void sigmoid(Tensor& y, const Tensor& x, DeviceContext& ctx);
+void sigmoid_backward(Tensor& dx, const Tensor& dy, const Tensor& y, Accumulate acc,
+                      DeviceContext& ctx);
+void exp(Tensor& y, const Tensor& x, DeviceContext& ctx);
 void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
                            const Tensor& labels, const Tensor& weights, float label_smoothing,
                            DeviceContext& ctx);

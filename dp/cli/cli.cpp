@@ -1,4 +1,4 @@
-#include "dp/cli.hpp"
+#include "dp/cli/cli.hpp"
 
 #include <fcntl.h>
 #include <sys/stat.h>

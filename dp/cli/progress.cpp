@@ -1,0 +1,136 @@
+#include "dp/cli/progress.hpp"
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+
+#include <nlohmann/json.hpp>
+
+#include "kernels/runtime/error.hpp"
+
+namespace dp::cli {
+
+std::string duration_text(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  const int64_t s = static_cast<int64_t>(seconds);
+  char buf[48];
+  if (s < 60)
+    std::snprintf(buf, sizeof buf, "%llds", static_cast<long long>(s));
+  else if (s < 3600)
+    std::snprintf(buf, sizeof buf, "%lldm%02llds", static_cast<long long>(s / 60),
+                  static_cast<long long>(s % 60));
+  else
+    std::snprintf(buf, sizeof buf, "%lldh%02lldm", static_cast<long long>(s / 3600),
+                  static_cast<long long>(s / 60 % 60));
+  return buf;
+}
+
+ProgressLine::ProgressLine(std::string label, int64_t total, std::string unit, Style style,
+                           std::FILE* out, std::chrono::milliseconds every)
+    : label_(std::move(label)),
+      unit_(std::move(unit)),
+      total_(total),
+      redrawn_(style == Style::redrawn ||
+               (style == Style::automatic && out && isatty(fileno(out)))),
+      out_(out),
+      every_(every) {}
+
+ProgressLine::~ProgressLine() {
+  finish();
+}
+
+std::string ProgressLine::text(int64_t done, const std::string& detail, double elapsed) const {
+  const double rate = elapsed > 0 ? (done - start_done_) / elapsed : 0;
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "%s  %lld/%lld %s  %.1f %s/s  ETA %s", label_.c_str(),
+                static_cast<long long>(done), static_cast<long long>(total_), unit_.c_str(), rate,
+                unit_.c_str(), rate > 0 ? duration_text((total_ - done) / rate).c_str() : "?");
+  std::string line = buf;
+  if (!detail.empty()) line += "  " + detail;
+  return line;
+}
+
+void ProgressLine::update(int64_t done, const std::string& detail) {
+  if (!out_) return;
+  const auto now = Clock::now();
+  if (!start_) {
+    start_ = now;
+    start_done_ = done > 0 ? done - 1 : 0;  // the unit just done counts towards the rate
+    // A redrawn line shows at once; plain lines come every `every_`, so a short run in a log
+    // stays silent.
+    last_print_ = redrawn_ ? now - std::chrono::seconds(1) : now;
+  }
+  const bool last = done >= total_;
+  const auto due = redrawn_ ? std::chrono::milliseconds(100) : every_;
+  const bool on_schedule = now - last_print_ >= due;
+  if (!(on_schedule || (last && (redrawn_ || printed_)))) return;
+  last_print_ = now;
+  printed_ = true;
+  const double elapsed = std::chrono::duration<double>(now - *start_).count();
+  const std::string line = text(done, detail, elapsed);
+  if (redrawn_) {
+    // \r and clear to the end of the line: a shorter line leaves nothing of the longer one.
+    std::fprintf(out_, "\r%s\033[K", line.c_str());
+    open_line_ = true;
+    if (last) finish();
+  } else {
+    std::fprintf(out_, "%s\n", line.c_str());
+  }
+  std::fflush(out_);
+}
+
+void ProgressLine::finish() {
+  if (open_line_ && out_) {
+    std::fputc('\n', out_);
+    std::fflush(out_);
+  }
+  open_line_ = false;
+}
+
+StepLog::StepLog(const std::string& flag, const std::string& path, std::string rate_key)
+    : flag_(flag), path_(path), rate_key_(std::move(rate_key)) {
+  file_ = std::fopen(path.c_str(), "w");
+  DP_CHECK(file_,
+           flag_ << "(" << path_ << "): cannot open it for writing: " << std::strerror(errno));
+}
+
+StepLog::~StepLog() {
+  try {
+    close();
+  } catch (const std::exception& e) {
+    DP_LOG_ERROR(e.what());
+  }
+}
+
+void StepLog::write(const StepRecord& r) {
+  if (!file_) return;
+  nlohmann::ordered_json o;  // keys in the order written
+  o["step"] = r.step;
+  o["loss"] = r.loss;
+  o["lr"] = r.lr ? nlohmann::ordered_json(*r.lr) : nlohmann::ordered_json(nullptr);
+  o["grad_norm"] =
+      r.grad_norm ? nlohmann::ordered_json(*r.grad_norm) : nlohmann::ordered_json(nullptr);
+  o[rate_key_] = r.rate;
+  o["loss_scale"] = r.loss_scale;
+  const std::string line = o.dump() + "\n";
+  errno = 0;
+  const bool ok =
+      std::fwrite(line.data(), 1, line.size(), file_) == line.size() && std::fflush(file_) == 0;
+  DP_CHECK(ok, flag_ << "(" << path_ << "): writing step " << r.step
+                     << " failed: " << (errno ? std::strerror(errno) : "short write"));
+}
+
+void StepLog::close() {
+  if (!file_) return;
+  std::FILE* f = file_;
+  file_ = nullptr;
+  errno = 0;
+  const bool flushed = std::fflush(f) == 0;
+  const bool closed = std::fclose(f) == 0;
+  DP_CHECK(flushed && closed, flag_ << "(" << path_ << "): closing it failed: "
+                                    << (errno ? std::strerror(errno) : "unknown error"));
+}
+
+}  // namespace dp::cli

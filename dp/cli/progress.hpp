@@ -1,0 +1,91 @@
+// What long runs show and write as they go, shared by the programs:
+//
+// ProgressLine: on a terminal, one line redrawn in place (at most 10 times a second) with the
+// count, the rate and the time left; otherwise (a log file, CI) a plain line every `every`
+// (10 s by default), and one at the end when there was one before, so that logs stay readable
+// and short runs quiet:
+//   train_mnist epoch 1  412/938 steps  61.3 steps/s  ETA 8s  loss 0.5121
+//
+// StepLog (--log FILE.jsonl): one JSON object per step, flushed as written, so that a run that
+// dies leaves every step it took:
+//   {"step":12,"loss":0.4312,"lr":0.01,"grad_norm":null,"samples_per_s":5123.4,"loss_scale":1}
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <optional>
+#include <string>
+
+namespace dp::cli {
+
+// "45s", "3m05s", "2h07m" (rounded down to the second); "?" for a negative or non-finite time.
+std::string duration_text(double seconds);
+
+class ProgressLine {
+ public:
+  enum class Style { automatic, redrawn, plain };  // automatic: redrawn when `out` is a terminal
+  // `total` units (steps, batches) to do; `unit` names them in the line.
+  ProgressLine(std::string label, int64_t total, std::string unit = "steps",
+               Style style = Style::automatic, std::FILE* out = stderr,
+               std::chrono::milliseconds every = std::chrono::seconds(10));
+  ~ProgressLine();  // ends a redrawn line
+  ProgressLine(const ProgressLine&) = delete;
+  ProgressLine& operator=(const ProgressLine&) = delete;
+
+  // `done` units so far (of total); `detail` follows the rate ("loss 0.5121"). Prints when due
+  // (redrawn: at most every 0.1 s, and at done == total; plain: see above). Rate and ETA count from
+  // the first call, so that a resumed run's skipped units do not inflate the rate.
+  void update(int64_t done, const std::string& detail = "");
+  // Ends the line (a newline after a redrawn one); later updates start a new one.
+  void finish();
+  bool redrawn() const { return redrawn_; }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  std::string text(int64_t done, const std::string& detail, double elapsed) const;
+
+  std::string label_, unit_;
+  int64_t total_;
+  bool redrawn_;
+  std::FILE* out_;
+  std::chrono::milliseconds every_;
+  std::optional<Clock::time_point> start_;
+  int64_t start_done_ = 0;
+  Clock::time_point last_print_{};
+  bool open_line_ = false;  // a redrawn line is on the terminal without its newline
+  bool printed_ = false;    // a line was printed: the last one is printed too
+};
+
+// One step's record for StepLog. Absent values are written as null.
+struct StepRecord {
+  int64_t step = 0;
+  double loss = 0;
+  std::optional<double> lr, grad_norm;
+  double rate = 0;  // samples (or tokens) per second
+  double loss_scale = 1;
+};
+
+class StepLog {
+ public:
+  StepLog() = default;  // off: write() does nothing
+  // Creates or truncates `path`; throws naming `flag` and the file when it cannot. `rate_key`
+  // names the rate ("samples_per_s" or "tokens_per_s").
+  StepLog(const std::string& flag, const std::string& path, std::string rate_key = "samples_per_s");
+  ~StepLog();  // closes; an error there is logged (close() reports it)
+  StepLog(const StepLog&) = delete;
+  StepLog& operator=(const StepLog&) = delete;
+
+  bool enabled() const { return file_ != nullptr; }
+  // Appends the record as one line and flushes it; throws naming the flag and the file when the
+  // write or the flush fails (a full disk).
+  void write(const StepRecord& r);
+  // Closes the file, checking that everything reached it. Idempotent.
+  void close();
+
+ private:
+  std::string flag_, path_, rate_key_;
+  std::FILE* file_ = nullptr;
+};
+
+}  // namespace dp::cli

@@ -1,0 +1,7 @@
+# pkg.consumer: `cmake --install` into a prefix under the build folder, then tests/consumer/ (a
+# project of its own) built against it with find_package(dptrain) and run; see consumer/run.cmake.
+add_test(NAME pkg.consumer
+         COMMAND ${CMAKE_COMMAND} -DBUILD_DIR=${PROJECT_BINARY_DIR} -DSOURCE_DIR=${PROJECT_SOURCE_DIR}
+                 -DCXX=${CMAKE_CXX_COMPILER} "-DLAUNCHER=${CMAKE_CXX_COMPILER_LAUNCHER}"
+                 -P ${CMAKE_CURRENT_SOURCE_DIR}/consumer/run.cmake)
+set_tests_properties(pkg.consumer PROPERTIES TIMEOUT 600 RUN_SERIAL ON)

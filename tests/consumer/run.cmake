@@ -1,0 +1,72 @@
+# pkg.consumer: install this build into an empty prefix under the build folder, build
+# tests/consumer/ against it with find_package(dptrain), run it, and check that the program
+# links no CUDA library and that the pkg-config file compiles and links a program too.
+#   cmake -DBUILD_DIR=<build> -DSOURCE_DIR=<source> -DCXX=<c++> [-DLAUNCHER=ccache] -P run.cmake
+set(work ${BUILD_DIR}/pkg_consumer)
+set(prefix ${work}/prefix)
+file(REMOVE_RECURSE ${work})
+
+function(run)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+  if(NOT rc EQUAL 0)
+    string(JOIN " " cmd ${ARGN})
+    message(FATAL_ERROR "pkg.consumer: `${cmd}` failed (${rc}):\n${out}")
+  endif()
+  set(out "${out}" PARENT_SCOPE)
+endfunction()
+
+run(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix})
+foreach(f include/dptrain/nn/nn.hpp include/dptrain/dp/data_parallel.hpp
+          include/dptrain/kernels/ops.hpp lib/cmake/dptrain/dptrainConfig.cmake
+          lib/cmake/dptrain/dptrainConfigVersion.cmake lib/pkgconfig/dptrain.pc)
+  if(NOT EXISTS ${prefix}/${f})
+    message(FATAL_ERROR "pkg.consumer: the install has no ${f}")
+  endif()
+endforeach()
+if(EXISTS ${prefix}/include/dptrain/dp/cli)
+  message(FATAL_ERROR "pkg.consumer: dp/cli/ (the programs' flags) was installed")
+endif()
+
+set(args -S ${SOURCE_DIR}/tests/consumer -B ${work}/build -DCMAKE_PREFIX_PATH=${prefix}
+         -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER=${CXX})
+if(LAUNCHER)
+  list(APPEND args -DCMAKE_CXX_COMPILER_LAUNCHER=${LAUNCHER})
+endif()
+run(${CMAKE_COMMAND} ${args})
+run(${CMAKE_COMMAND} --build ${work}/build -j2)
+run(${work}/build/consumer ${work}/state.safetensors)
+message(STATUS "${out}")
+execute_process(COMMAND ${work}/build/readme_example WORKING_DIRECTORY ${work} RESULT_VARIABLE rc
+                OUTPUT_VARIABLE out ERROR_VARIABLE out)
+if(NOT rc EQUAL 0 OR NOT EXISTS ${work}/my_model.safetensors)
+  message(FATAL_ERROR "pkg.consumer: the README's program failed (${rc}):\n${out}")
+endif()
+# The README prints that program: it must be the one built here, character for character.
+file(READ ${SOURCE_DIR}/tests/consumer/readme.cpp program)
+file(READ ${SOURCE_DIR}/README.md readme)
+string(FIND "${readme}" "${program}" at)
+if(at EQUAL -1)
+  message(FATAL_ERROR "pkg.consumer: README.md no longer shows tests/consumer/readme.cpp as is")
+endif()
+
+# A CPU-only consumer carries no CUDA code: no CUDA runtime, cuBLAS, cuDNN or NCCL symbol.
+find_program(NM nm)
+if(NM)
+  run(${NM} ${work}/build/consumer)
+  string(REGEX MATCH "[ \t](cuda[A-Z][A-Za-z]*|cudnn[A-Z][A-Za-z]*|cublas[A-Za-z]*|nccl[A-Z][A-Za-z]*)" cuda "${out}")
+  if(cuda)
+    message(FATAL_ERROR "pkg.consumer: the CPU-only consumer links CUDA code (${cuda})")
+  endif()
+endif()
+
+# pkg-config: the same install, flags from dptrain.pc, a small program on the op set.
+find_program(PKG_CONFIG pkg-config)
+if(PKG_CONFIG)
+  set(ENV{PKG_CONFIG_PATH} ${prefix}/lib/pkgconfig)
+  run(${PKG_CONFIG} --cflags --libs dptrain)
+  separate_arguments(flags UNIX_COMMAND "${out}")
+  run(${CXX} -std=c++17 -O1 ${SOURCE_DIR}/tests/consumer/pkg_config_check.cpp ${flags}
+      -o ${work}/pkg_config_check)
+  run(${work}/pkg_config_check)
+  message(STATUS "pkg-config: ${out}")
+endif()

@@ -1,0 +1,104 @@
+// bench.progress: the programs' progress line (redrawn on a terminal, plain periodic lines
+// otherwise) and the --log JSONL step log.
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "dp/cli/progress.hpp"
+#include "tests/test_util.hpp"
+
+namespace {
+
+// What `f` printed to a temporary FILE.
+template <class F>
+std::string captured(F f) {
+  std::FILE* out = std::tmpfile();
+  REQUIRE(out);
+  f(out);
+  std::fflush(out);
+  std::rewind(out);
+  std::string text;
+  char buf[4096];
+  for (size_t n; (n = std::fread(buf, 1, sizeof buf, out)) > 0;) text.append(buf, n);
+  std::fclose(out);
+  return text;
+}
+
+size_t count(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("bench.progress: plain lines on schedule and at the end, with rate and ETA") {
+  using dp::cli::ProgressLine;
+  std::string text = captured([](std::FILE* out) {
+    ProgressLine p("epoch 0", 5, "steps", ProgressLine::Style::plain, out,
+                   std::chrono::milliseconds(0));
+    for (int i = 1; i <= 5; ++i) p.update(i, "loss 0.5");
+  });
+  CHECK(count(text, "\n") == 5);  // a period of 0: every update
+  CHECK(count(text, "\r") == 0);
+  CHECK(text.find("epoch 0  1/5 steps") != std::string::npos);
+  CHECK(text.find("5/5 steps") != std::string::npos);
+  CHECK(text.find("steps/s  ETA ") != std::string::npos);
+  CHECK(text.find("loss 0.5") != std::string::npos);
+  // A run shorter than the period prints nothing, not even its end.
+  std::string quiet = captured([](std::FILE* out) {
+    ProgressLine p("epoch 0", 1000, "steps", ProgressLine::Style::plain, out,
+                   std::chrono::hours(1));
+    for (int i = 1; i <= 1000; ++i) p.update(i);
+  });
+  CHECK(quiet.empty());
+}
+
+TEST_CASE("bench.progress: a redrawn line returns to its start and ends with one newline") {
+  using dp::cli::ProgressLine;
+  std::string text = captured([](std::FILE* out) {
+    ProgressLine p("dp N=4", 3, "steps", ProgressLine::Style::redrawn, out);
+    p.update(1);
+    std::this_thread::sleep_for(std::chrono::milliseconds(120));
+    p.update(2);
+    p.update(3);
+  });
+  CHECK(count(text, "\r") == 3);
+  CHECK(count(text, "\n") == 1);
+  CHECK(text.back() == '\n');
+  CHECK(text.find("3/3 steps") != std::string::npos);
+  CHECK(dp::cli::duration_text(3725) == "1h02m");
+  CHECK(dp::cli::duration_text(65) == "1m05s");
+  CHECK(dp::cli::duration_text(-1) == "?");
+}
+
+TEST_CASE("bench.progress: --log writes one JSON object per step, and a full disk is an error") {
+  const std::string path = dp_test::temp_path("cli", "steps.jsonl");
+  {
+    dp::cli::StepLog log("--log", path);
+    log.write({1, 2.5, 0.01, std::nullopt, 1000.0, 1.0});
+    log.write({2, 2.25, 0.01, 0.75, 1200.0, 65536.0});
+    log.close();
+  }
+  std::ifstream in(path);
+  std::string line;
+  std::vector<nlohmann::json> rows;
+  while (std::getline(in, line)) rows.push_back(nlohmann::json::parse(line));
+  REQUIRE(rows.size() == 2);
+  CHECK(rows[0]["step"] == 1);
+  CHECK(rows[0]["grad_norm"].is_null());
+  CHECK(rows[1]["grad_norm"] == 0.75);
+  CHECK(rows[1]["samples_per_s"] == 1200.0);
+  CHECK(rows[1]["loss_scale"] == 65536.0);
+  CHECK(rows[1]["lr"] == 0.01);
+
+  dp::cli::StepLog full("--log", "/dev/full");
+  CHECK_THROWS_WITH_AS(full.write({1, 1.0, {}, {}, 1.0, 1.0}),
+                       doctest::Contains("--log(/dev/full): writing step 1 failed"),
+                       kernels::Error);
+  CHECK_THROWS_WITH_AS(dp::cli::StepLog("--log", "/nonexistent/dir/x.jsonl"),
+                       doctest::Contains("cannot open it for writing"), kernels::Error);
+}
