@@ -458,7 +458,7 @@ int main(int argc, char** argv) {
       auto te = std::chrono::steady_clock::now();
       int64_t skip = e == start_epoch ? skip_batches : 0;  // trained before the resume
       int64_t trained_here = 0;                            // batches this process trained
-      std::unique_ptr<dp::cli::ProgressLine> bar;  // this epoch's
+      std::unique_ptr<dp::cli::ProgressLine> bar;          // this epoch's
       if (ps) {
         // The shared sampler: each worker takes the next batch of the epoch's order (the
         // loader's, so every mode visits the same batches) and trains it on the weights it

@@ -726,7 +726,7 @@ TEST_CASE(
 
 TEST_CASE(
     "bench.checkpoint: --resume latest under --max-restarts skips a truncated newest checkpoint "
-    "and goes on from the previous one; a named damaged file is an error") {
+    "and goes on from the previous one, and a named damaged file is an error") {
   const std::string a = temp_path("trunc_a"), b = temp_path("trunc_b");
   std::filesystem::remove_all(a);
   std::filesystem::remove_all(b);

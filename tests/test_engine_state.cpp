@@ -65,8 +65,11 @@ TEST_CASE("dp.state: DataParallel::save then load resumes bit for bit") {
     CHECK(f.tensors.at("param." + name).shape == p->shape);
   }
 
+  // Another device count re-shards (nn::resume_note says so): the weights load, each device
+  // gets a dropout stream.
   Engine two(2);
-  CHECK_THROWS_WITH_AS(two.dp->load(path), doctest::Contains("saved by a dp run on 4"), Error);
+  two.dp->load(path);
+  CHECK(two.dp->rng_offsets().size() == 2);
 }
 
 TEST_CASE("dp.state: the minimal save_training_state loads, and a missing offset is refused") {
