@@ -228,6 +228,7 @@ void DataParallel::begin_step(const std::vector<int64_t>& sizes) {
     std::fill(pd.own_count.begin(), pd.own_count.end(), 0);
     pd.own_ready = 0;
     pd.next_bucket = 0;
+    pd.next_source = 0;
     pd.n_pulls = 0;
   }
 }
@@ -289,21 +290,29 @@ void DataParallel::advance_reduction(int i, bool blocking) {
   while (pd.next_bucket < pd.own_ready) {
     const int k = pd.next_bucket;
     const Bucket& b = plan_.buckets[k];
-    if (!sources.empty()) {
-      auto published = [&] {
-        for (int s : sources)
-          if (signals_.complete[s] <= k) return false;
-        return true;
+    const int n_sources = static_cast<int>(sources.size());
+    while (pd.next_source < n_sources) {
+      // The run of sources, from the next one on, that have published bucket k: summed in one
+      // fused kernel as soon as there is one, so a source that ends early is not held up by
+      // the last. The terms are added in source order whatever the runs, so the sum has the
+      // same bits as one kernel over every source.
+      int ready = 0;
+      auto count_ready = [&] {
+        ready = 0;
+        while (pd.next_source + ready < n_sources &&
+               signals_.complete[sources[pd.next_source + ready]] > k)
+          ++ready;
+        return ready > 0;
       };
       if (blocking) {
-        wait_for(published);
+        wait_for(count_ready);
         if (i == 0 && wide_context_ && !wide) {
           std::lock_guard<std::mutex> lock(signal_mutex_);
           if (others_done()) wide = std::make_unique<kernels::ContextScope>(*wide_context_);
         }
       } else {
         std::lock_guard<std::mutex> lock(signal_mutex_);
-        if (!published()) return;  // not there yet: backward goes on
+        if (!count_ready()) return;  // not there yet: backward goes on
       }
       if (pd.n_pulls == static_cast<int>(pd.pulls.size())) pd.pulls.emplace_back();
       Pull& pull = pd.pulls[pd.n_pulls++];
@@ -311,7 +320,7 @@ void DataParallel::advance_reduction(int i, bool blocking) {
       pull.begin.record(ctx);
       std::vector<Tensor> from;
       std::vector<float> weights;
-      for (size_t j = 0; j < sources.size(); ++j) {
+      for (int j = pd.next_source; j < pd.next_source + ready; ++j) {
         const int s = sources[j];
         per_device_[s].bucket_done[k].wait(ctx);  // s's bucket k is final on s's stream
         const PerDevice& src = per_device_[s];
@@ -327,12 +336,14 @@ void DataParallel::advance_reduction(int i, bool blocking) {
         // has weighted its own part and summed its sources: weight 1.
         weights.push_back(sources_[s].empty() ? shares_[s] : 1.f);
       }
-      // Each chunk's mean gradient is weighted by its share B_i / B; the sum of the weighted
-      // gradients is the global batch's mean gradient.
+      // Each chunk's mean gradient is weighted by its share B_i / B (this device's own, once,
+      // with the first run); the sum of the weighted gradients is the global batch's mean.
       Tensor mine = replicas_[i]->flat_grads().view(b.offset, {b.numel});
-      kernels::weighted_sum(mine, shares_[i], from, weights);
+      kernels::weighted_sum(mine, pd.next_source == 0 ? shares_[i] : 1.f, from, weights);
       pull.end.record(ctx);
+      pd.next_source += ready;
     }
+    pd.next_source = 0;
     ++pd.next_bucket;
     if (i != 0) {
       if (pd.outbox.defined()) {  // rounded once, here, where the sum is final

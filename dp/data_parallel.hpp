@@ -11,14 +11,15 @@
 //   dp/backward   backward. The gradient buckets (dp/bucket_plan.hpp: reverse layer order,
 //                 1 MiB first, 25 MiB cap) become ready one by one, reported by the module's
 //                 on_grad_ready hooks; each is handed to the device that reduces it.
-//   dp/reduce     a device with sources sums bucket k of all of them into its own, weighted by
-//                 each chunk's share of the batch, in one fused kernel that reads the sources'
-//                 memory in place (same GPU, peer access, or host), as soon as every source
-//                 has published it, while backward goes on elsewhere: star (device 0 from
-//                 1..N-1) or tree (pairwise, log2 N rounds: 1->0, 3->2, then 2->0, ...). The result
-//                 equals the single-device gradient of the same global batch, also for uneven
-//                 chunks. BatchNorm running statistics are averaged into device 0 the same way (or
-//                 left as device 0's, PyTorch's behaviour, with BufferSync::root_only).
+//   dp/reduce     a device with sources sums bucket k of its sources into its own, weighted by
+//                 each chunk's share of the batch, in fused kernels that read the sources'
+//                 memory in place (same GPU, peer access, or host): one per run of sources
+//                 that have published it, in source order, while backward goes on elsewhere: star
+//                 (device 0 from 1..N-1) or tree (pairwise, log2 N rounds: 1->0, 3->2, then 2->0,
+//                 ...). The result equals the single-device gradient of the same global batch, also
+//                 for uneven chunks. BatchNorm running statistics are averaged into device 0 the
+//                 same way (or left as device 0's, PyTorch's behaviour, with
+//                 BufferSync::root_only).
 //   dp/step       (device 0) one optimizer step on its flat buffers; on a CPU device with all
 //                 the cores, since the other workers are idle by then
 // Order between devices comes from kernels::Event (CUDA: events between streams, no host
@@ -210,7 +211,8 @@ class DataParallel {
     // Touched by this device's worker only, during a step:
     std::vector<int> own_count;  // per bucket: parameters whose gradient is final
     int own_ready = 0;           // leading buckets whose own gradient is final
-    int next_bucket = 0;         // the reducer's position
+    int next_bucket = 0;         // the reducer's position: bucket, and source within it
+    int next_source = 0;
     bool in_step = false;
     std::vector<kernels::Event> bucket_done;  // bucket k summed here (own + sources)
     kernels::Event marks[kMarks];
@@ -238,9 +240,9 @@ class DataParallel {
                      const std::vector<int64_t>& sizes);
   void replicate(int i);
   void on_grad_ready(int i, const nn::Parameter& p);
-  // Reduces what can be reduced on device i, in bucket order: bucket k once every source has
-  // published it, in one fused kernel over all of them (the sum order is fixed, so runs are
-  // reproducible). blocking: waits until every bucket is published.
+  // Reduces what can be reduced on device i, in bucket order: bucket k of each run of sources
+  // that have published it, in one fused kernel per run, in source order (the sum order is
+  // fixed, so runs are reproducible). blocking: waits until every bucket is published.
   void advance_reduction(int i, bool blocking);
   void publish(int i, int complete_buckets);
   // Waits until pred() holds under signal_mutex_; throws Abandoned on abort.
