@@ -304,15 +304,10 @@ std::unique_ptr<dp::cli::ProgressLine> progress_line(const std::string& label, i
   return std::make_unique<dp::cli::ProgressLine>(label, total);
 }
 
-void take_replay_counts(std::map<std::string, std::vector<double>>& per_step, RunResult& r) {
-  auto take = [&](const char* name, double& out) {
-    auto it = per_step.find(name);
-    if (it == per_step.end()) return;
-    out = percentile(it->second, 0.5);
-    per_step.erase(it);
-  };
-  take("allocations", r.allocations_per_step);
-  take("host_syncs", r.host_syncs_per_step);
+void ReplayCounts::report(RunResult& r) const {
+  if (allocations.empty()) return;
+  r.allocations_per_step = percentile(allocations, 0.5);
+  r.host_syncs_per_step = percentile(host_syncs, 0.5);
 }
 
 RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
@@ -350,6 +345,7 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
       dp_bytes_theory(n, r.param_bytes,
                       r.param_bytes / 4 * static_cast<int64_t>(kernels::dtype_size(s.comm_dtype)));
   std::map<std::string, std::vector<double>> phases;
+  ReplayCounts replay;
   std::vector<double> overlapped;
   auto [pa, pb] = profile_range(o);
   std::string label = "dp N=" + std::to_string(n);
@@ -394,8 +390,7 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
     r.link_bytes = st.link_bytes;
     r.buckets = st.buckets;
     overlapped.push_back(st.buckets_overlapped);
-    phases["allocations"].push_back(static_cast<double>(st.allocations));
-    phases["host_syncs"].push_back(static_cast<double>(st.host_syncs));
+    replay.add(st.allocations, st.host_syncs);
     phases["scatter"].push_back(st.ms.scatter);
     phases["replicate"].push_back(st.ms.replicate);
     phases["forward"].push_back(st.ms.forward);
@@ -406,7 +401,7 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
   }
   if (!o.checkpoint_dir.empty()) save(o.warmup + o.steps);  // the end of the run
   engine.set_trace(nullptr);
-  take_replay_counts(phases, r);
+  replay.report(r);
   for (auto& [name, v] : phases) r.phases_ms[name] = percentile(v, 0.5);
   r.buckets_overlapped = static_cast<int>(std::lround(percentile(overlapped, 0.5)));
   r.final_loss = r.losses.empty() ? 0 : r.losses.back();

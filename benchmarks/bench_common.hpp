@@ -2,7 +2,6 @@
 #pragma once
 
 #include <functional>
-#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -125,9 +124,16 @@ constexpr float kBenchSignal = 0.12f;
 // and device count, so all runs follow one loss curve.
 dp::data::SyntheticDataset bench_dataset(const Options& o, int64_t batch);
 std::pair<int, int> profile_range(const Options& o);
-// Moves the per-step runtime counts ("allocations", "host_syncs") out of `per_step` into the
-// run's medians (RunResult::allocations_per_step, host_syncs_per_step).
-void take_replay_counts(std::map<std::string, std::vector<double>>& per_step, RunResult& r);
+// The runtime's counts of each timed step (allocations, host syncs), reported as the run's
+// medians (RunResult::allocations_per_step, host_syncs_per_step).
+struct ReplayCounts {
+  std::vector<double> allocations, host_syncs;
+  void add(int64_t step_allocations, int64_t step_host_syncs) {
+    allocations.push_back(static_cast<double>(step_allocations));
+    host_syncs.push_back(static_cast<double>(step_host_syncs));
+  }
+  void report(RunResult& r) const;
+};
 // A run's progress line (dp/cli/progress.hpp): redrawn with rate and ETA on a terminal, plain
 // lines every 10 s otherwise.
 std::unique_ptr<dp::cli::ProgressLine> progress_line(const std::string& label, int total);

@@ -202,6 +202,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   r.batch = batch;
   r.param_bytes = model->flat_params().nbytes();
   std::map<std::string, std::vector<double>> phases;
+  ReplayCounts replay;
   std::vector<std::vector<double>> ready_frac;  // per bucket, one per timed step
   auto [pa, pb] = profile_range(o);
   nn::TrainingProgress state = bench_state(o, "ddp", n);
@@ -272,12 +273,11 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
     phases["backward"].push_back(t.backward);
     phases["allreduce_exposed"].push_back(t.allreduce_wait);
     phases["optimizer"].push_back(t.optimizer);
-    phases["allocations"].push_back(static_cast<double>(t.allocations));
-    phases["host_syncs"].push_back(static_cast<double>(t.host_syncs));
+    replay.add(t.allocations, t.host_syncs);
   }
   trainer.ddp().set_trace(nullptr);
   if (!o.checkpoint_dir.empty()) save(o.warmup + o.steps);  // the end of the run
-  take_replay_counts(phases, r);
+  replay.report(r);
   for (auto& [name, v] : phases) r.phases_ms[name] = percentile(v, 0.5);
   for (auto& f : ready_frac) r.bucket_ready_frac.push_back(median(f));
   r.bucket_bytes = trainer.ddp().bucket_bytes();

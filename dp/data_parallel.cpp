@@ -318,8 +318,10 @@ void DataParallel::advance_reduction(int i, bool blocking) {
       Pull& pull = pd.pulls[pd.n_pulls++];
       pull.bucket = k;
       pull.begin.record(ctx);
-      std::vector<Tensor> from;
-      std::vector<float> weights;
+      std::vector<Tensor>& from = pd.sum_from;
+      std::vector<float>& weights = pd.sum_weights;
+      from.clear();
+      weights.clear();
       for (int j = pd.next_source; j < pd.next_source + ready; ++j) {
         const int s = sources[j];
         per_device_[s].bucket_done[k].wait(ctx);  // s's bucket k is final on s's stream
@@ -455,17 +457,21 @@ void DataParallel::read_step_metrics(int n) {
       if (!signals_.done[r]) return false;
     return true;
   });
-  kernels::ensure(gathered_metrics_, {kMetrics * n}, kernels::DType::f32, devices_[0]);
-  if (!host_metrics_.defined() || host_metrics_.numel() != gathered_metrics_.numel())
-    host_metrics_ = Tensor::empty_pinned(gathered_metrics_.shape(), kernels::DType::f32);
-  for (int r = 0; r < n; ++r) {
-    if (r > 0) per_device_[r].marks[kReduced].wait(ctx);
-    Tensor slot = gathered_metrics_.view(kMetrics * r, {kMetrics});
-    kernels::copy(slot, per_device_[r].metrics);
+  if (!host_metrics_.defined() || host_metrics_.numel() != kMetrics * n)
+    host_metrics_ = Tensor::empty_pinned({kMetrics * n}, kernels::DType::f32);
+  const Tensor* all = &per_device_[0].metrics;  // one device: its own buffer, as it is
+  if (n > 1) {
+    kernels::ensure(gathered_metrics_, {kMetrics * n}, kernels::DType::f32, devices_[0]);
+    for (int r = 0; r < n; ++r) {
+      if (r > 0) per_device_[r].marks[kReduced].wait(ctx);
+      Tensor slot = gathered_metrics_.view(kMetrics * r, {kMetrics});
+      kernels::copy(slot, per_device_[r].metrics);
+    }
+    all = &gathered_metrics_;
   }
   // The step's one host wait: a copy to the host waits for device 0's stream, which waited
   // for every other device's last event.
-  kernels::read_back(host_metrics_, gathered_metrics_);
+  kernels::read_back(host_metrics_, *all);
 }
 
 void DataParallel::gather_metrics(const std::vector<int64_t>& sizes, StepStats& stats) {

@@ -208,6 +208,9 @@ class DataParallel {
     // cannot read the source's memory in place (GPUs without peer access); else undefined.
     std::vector<Tensor> staging;
     Tensor outbox;  // sources with a 16-bit comm dtype: their gradient, rounded, bucket by bucket
+    // The sources and weights of the fused sum in progress (kept to keep their capacity).
+    std::vector<Tensor> sum_from;
+    std::vector<float> sum_weights;
     // Touched by this device's worker only, during a step:
     std::vector<int> own_count;  // per bucket: parameters whose gradient is final
     int own_ready = 0;           // leading buckets whose own gradient is final

@@ -148,11 +148,11 @@ class GradScaler {
   // step() without its host wait: the verdict goes to `non_finite` ((1) f32 on the gradients'
   // device: 1 when some gradient is not finite, 0 otherwise) and the fused update reads it
   // there, skipping itself. The caller reads the verdict later, with the step's other metrics,
-  // and calls settle() before the next step.
+  // and calls settle() before the next step. Without a check (enabled() false) nothing is
+  // written to `non_finite` and settle() does not look at it.
   void step_deferred(Optimizer& opt, const Tensor& grads, Tensor& non_finite) {
     opt.set_grad_unscale(1.f / state_.scale);
     if (!options_.check) {
-      kernels::fill(non_finite, 0.f);
       opt.step();
       return;
     }
@@ -161,9 +161,11 @@ class GradScaler {
     opt.step();
     opt.set_skip_if(Tensor());
   }
-  // requires step_deferred ran and `finite` is its verdict as read. ensures the step count and
-  // the scale are what step() leaves. Returns whether the step was taken.
+  // requires step_deferred ran and `finite` is its verdict as read (ignored without a check).
+  // ensures the step count and the scale are what step() leaves. Returns whether the step was
+  // taken.
   bool settle(Optimizer& opt, bool finite) {
+    if (!options_.check) return true;
     if (!finite) opt.set_step_count(opt.step_count() - 1);  // the kernel skipped it
     update(finite);
     return finite;

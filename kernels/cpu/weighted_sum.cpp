@@ -9,19 +9,18 @@ void weighted_sum(Tensor& y, float y_weight, const std::vector<Tensor>& xs,
                   const std::vector<float>& weights) {
   float* py = y.data<float>();
   const bool wide = xs.empty() || xs[0].dtype() == DType::f32;
-  std::vector<const void*> src(xs.size());
-  for (size_t k = 0; k < xs.size(); ++k) src[k] = xs[k].raw();
   // A chunk of y stays in cache while every source is added into it, in source order: one
-  // rounding per term, the same sum on every run and thread count.
+  // rounding per term, the same sum on every run and thread count. (Pointers are taken per
+  // chunk and source, outside the element loops, which then vectorise.)
   parallel_range(y.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) py[i] *= y_weight;
-    for (size_t k = 0; k < src.size(); ++k) {
+    for (size_t k = 0; k < xs.size(); ++k) {
       const float w = weights[k];
       if (wide) {
-        const float* px = static_cast<const float*>(src[k]);
+        const float* px = xs[k].data<float>();
         for (int64_t i = begin; i < end; ++i) py[i] += w * px[i];
       } else {
-        const uint16_t* px = static_cast<const uint16_t*>(src[k]);
+        const uint16_t* px = xs[k].data<uint16_t>();
         for (int64_t i = begin; i < end; ++i) py[i] += w * bf16_to_f32(px[i]);
       }
     }

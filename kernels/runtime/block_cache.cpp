@@ -77,10 +77,7 @@ void* BlockCache::take(size_t bytes) {
       return p;
     }
   }
-  void* p = allocate_device_bytes(device_, bytes, stream_owner_.get(), *stats_);
-  std::lock_guard<std::mutex> lock(mutex_);
-  reserved_ += static_cast<int64_t>(bytes);
-  return p;
+  return allocate_device_bytes(device_, bytes, stream_owner_.get(), *stats_);
 }
 
 void BlockCache::give_back(void* p, size_t bytes) noexcept {
@@ -88,14 +85,8 @@ void BlockCache::give_back(void* p, size_t bytes) noexcept {
   try {
     free_[bytes].push_back(p);
   } catch (...) {  // no memory for the list: the block goes back to the device instead
-    reserved_ -= static_cast<int64_t>(bytes);
     free_device_bytes(device_, p, bytes, stream_owner_.get());
   }
-}
-
-int64_t BlockCache::reserved_bytes() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return reserved_;
 }
 
 }  // namespace kernels

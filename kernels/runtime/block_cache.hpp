@@ -41,16 +41,13 @@ class BlockCache {
   void* take(size_t bytes);
   // requires p came from take(bytes). ensures the next take(bytes) may return it.
   void give_back(void* p, size_t bytes) noexcept;
-  // Bytes held by the cache, in use or free.
-  int64_t reserved_bytes() const;
 
  private:
   Device device_;
   std::shared_ptr<void> stream_owner_;
   std::shared_ptr<MemoryStats> stats_;
-  mutable std::mutex mutex_;  // a tensor may die on another thread than the one that made it
+  std::mutex mutex_;  // a tensor may die on another thread than the one that made it
   std::map<size_t, std::vector<void*>> free_;
-  int64_t reserved_ = 0;
 };
 
 }  // namespace kernels
