@@ -25,6 +25,15 @@ void gelu(Tensor& y, const Tensor& x);
 void gelu_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc);
 void tanh(Tensor& y, const Tensor& x);
 void tanh_backward(Tensor& dx, const Tensor& dy, const Tensor& y, Accumulate acc);
+void gelu_tanh(Tensor& y, const Tensor& x);
+void gelu_tanh_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc);
+void embedding_forward(Tensor& y, const Tensor& ids, const Tensor& table);
+void embedding_backward(Tensor& dtable, const Tensor& dy, const Tensor& ids);
+void attention_forward(Tensor& y, Tensor& lse, const Tensor& qkv, const AttentionParams& p);
+void attention_backward(Tensor& dqkv, const Tensor& dy, const Tensor& qkv, const Tensor& y,
+                        const Tensor& lse, const AttentionParams& p);
+void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
+                         const Tensor& targets, int32_t ignore_index);
 void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
                            const Tensor& labels, const Tensor& weights, float label_smoothing);
 void mse_loss(Tensor& loss, Tensor& dpred, const Tensor& pred, const Tensor& target);

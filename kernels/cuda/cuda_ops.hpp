@@ -37,6 +37,17 @@ void gelu_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc
 void tanh(Tensor& y, const Tensor& x, DeviceContext& ctx);
 void tanh_backward(Tensor& dx, const Tensor& dy, const Tensor& y, Accumulate acc,
                    DeviceContext& ctx);
+void gelu_tanh(Tensor& y, const Tensor& x, DeviceContext& ctx);
+void gelu_tanh_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc,
+                        DeviceContext& ctx);
+void embedding_forward(Tensor& y, const Tensor& ids, const Tensor& table, DeviceContext& ctx);
+void embedding_backward(Tensor& dtable, const Tensor& dy, const Tensor& ids, DeviceContext& ctx);
+void attention_forward(Tensor& y, Tensor& lse, const Tensor& qkv, const AttentionParams& p,
+                       DeviceContext& ctx);
+void attention_backward(Tensor& dqkv, const Tensor& dy, const Tensor& qkv, const Tensor& y,
+                        const Tensor& lse, const AttentionParams& p, DeviceContext& ctx);
+void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
+                         const Tensor& targets, int32_t ignore_index, DeviceContext& ctx);
 void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
                            const Tensor& labels, const Tensor& weights, float label_smoothing,
                            DeviceContext& ctx);
