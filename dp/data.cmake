@@ -1,6 +1,7 @@
 # dp_data: IDX reader, MNIST-format and synthetic data sets, and the prefetching loader.
 add_library(dp_data STATIC
-  data/idx.cpp data/dataset.cpp data/mnist.cpp data/synthetic.cpp data/loader.cpp)
+  data/idx.cpp data/dataset.cpp data/mnist.cpp data/synthetic.cpp data/loader.cpp
+  data/text.cpp)
 target_include_directories(dp_data PUBLIC ${PROJECT_SOURCE_DIR})
 target_link_libraries(dp_data PUBLIC dp_kernels ZLIB::ZLIB TBB::tbb)
 target_compile_options(dp_data PRIVATE -Wall -Wextra)

@@ -338,8 +338,8 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
       cuda::softmax_cross_entropy(loss, dlogits, logits, labels, weights, label_smoothing, ctx));
 }
 
-void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
-                         const Tensor& targets, int32_t ignore_index) {
+void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, const Tensor& targets,
+                         int32_t ignore_index) {
   const char* op = "token_cross_entropy";
   check_logits_labels(op, logits, targets);
   check_devices(op, {{"logits", logits}, {"loss", loss}});
@@ -386,6 +386,14 @@ void mean(Tensor& out, const Tensor& x) {
   check_scalar_out("mean", {"out", out});
   if (x.numel() == 0) return fill(out, 0.f);
   DP_DISPATCH(x.device(), mean, out, x);
+}
+
+void sum_squares(Tensor& out, const Tensor& x) {
+  check_devices("sum_squares", {{"x", x}, {"out", out}});
+  check_dtype("sum_squares", {"x", x}, DType::f32);
+  check_scalar_out("sum_squares", {"out", out});
+  if (x.numel() == 0) return fill(out, 0.f);
+  DP_DISPATCH(x.device(), sum_squares, out, x);
 }
 
 void argmax(Tensor& out, const Tensor& x) {
@@ -747,6 +755,26 @@ void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, con
   DP_DISPATCH(params.device(), adamw_update, params, grads, m, v, c, step);
 }
 
+void adamw_update_grouped(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v,
+                          const Tensor& group_of, const AdamWConfig& c, const AdamWGroups& groups,
+                          int64_t step) {
+  const char* op = "adamw_update_grouped";
+  check_devices(op,
+                {{"params", params}, {"grads", grads}, {"m", m}, {"v", v}, {"group_of", group_of}});
+  check_f32(op, {{"params", params}, {"grads", grads}, {"m", m}, {"v", v}});
+  check_dtype(op, {"group_of", group_of}, DType::u8);
+  check_same_shape(op, {"params", params}, {"grads", grads});
+  check_same_shape(op, {"params", params}, {"m", m});
+  check_same_shape(op, {"params", params}, {"v", v});
+  check_same_shape(op, {"params", params}, {"group_of", group_of});
+  DP_CHECK(groups.count >= 1 && groups.count <= kMaxAdamWGroups,
+           op << ": " << groups.count << " groups; 1 to " << kMaxAdamWGroups << " are supported");
+  DP_CHECK(step >= 1, op << ": step must be >= 1 (1 is the first step), got " << step);
+  if (params.numel() == 0) return;
+  DP_DISPATCH(params.device(), adamw_update_grouped, params, grads, m, v, group_of, c, groups,
+              step);
+}
+
 bool all_finite(const Tensor& x) {
   check_defined("all_finite", x, "x");
   if (x.numel() == 0) return true;
@@ -782,9 +810,9 @@ void check_attention(const char* op, const Tensor& qkv, const Tensor& y, const T
   DP_CHECK(qkv.dim(2) % 3 == 0, op << ": qkv " << shape_str(qkv.shape())
                                    << " must be (B, T, 3 D): its last dim is not a multiple of 3");
   const int64_t d = qkv.dim(2) / 3;
-  DP_CHECK(p.heads >= 1 && d % p.heads == 0,
-           op << ": " << p.heads << " heads do not divide the width " << d << " of qkv "
-              << shape_str(qkv.shape()));
+  DP_CHECK(p.heads >= 1 && d % p.heads == 0, op << ": " << p.heads
+                                                << " heads do not divide the width " << d
+                                                << " of qkv " << shape_str(qkv.shape()));
   DP_CHECK(std::isfinite(p.scale), op << ": scale " << p.scale << " is not finite");
   check_shape(op, {"y", y}, {b, t, d});
   check_shape(op, {"lse", lse}, {b, p.heads, t});

@@ -125,8 +125,8 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
 // ensures loss = (1/n) sum_{i kept} -log softmax(logits_i)_{t_i}   (0 when n == 0)
 //         dlogits_i = (softmax(logits_i) - onehot(t_i)) / n for kept rows, 0 for ignored ones.
 // A target outside [0, V) (other than ignore_index) throws bad_label_text as above.
-void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
-                         const Tensor& targets, int32_t ignore_index);
+void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, const Tensor& targets,
+                         int32_t ignore_index);
 // The error text of softmax_cross_entropy for row `row` of logits (batch, classes) whose label
 // is outside [0, classes), the same on every backend.
 std::string bad_label_text(int64_t label, int64_t row, int64_t batch, int64_t classes);
@@ -136,6 +136,8 @@ void mse_loss(Tensor& loss, Tensor& dpred, const Tensor& pred, const Tensor& tar
 // requires out (1). ensures out = sum of x / mean of x (0 for an empty x).
 void sum(Tensor& out, const Tensor& x);
 void mean(Tensor& out, const Tensor& x);
+// requires out (1) f32, x f32. ensures out = sum of x^2 (0 for an empty x), in a fixed order.
+void sum_squares(Tensor& out, const Tensor& x);
 // requires x (B, C), out (B) i32. ensures out_i = argmax_c x_ic (first on ties). NaN: out_i = 0
 // when x_i0 is NaN; other NaNs are skipped (the left-to-right scan `x[c] > x[best]`).
 void argmax(Tensor& out, const Tensor& x);
@@ -245,6 +247,22 @@ struct AdamWConfig {
 // eps). requires params, grads, m, v same shape, f32; step t >= 1.
 void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, const AdamWConfig& c,
                   int64_t step);
+// Parameter groups of one flat buffer (nanoGPT's: weight decay on matrices only), each with
+// its learning-rate scale and weight decay. A group is a set of ranges; group_of names each
+// element's group, so the grouped step stays one pass over the buffer.
+constexpr int kMaxAdamWGroups = 8;
+struct AdamWGroups {
+  int count = 1;
+  float lr_scale[kMaxAdamWGroups] = {1, 1, 1, 1, 1, 1, 1, 1};
+  float weight_decay[kMaxAdamWGroups] = {};
+};
+// requires as adamw_update; group_of (P) u8 like params with values < groups.count,
+// 1 <= groups.count <= kMaxAdamWGroups. ensures adamw_update's step on each element with
+// lr = c.lr * lr_scale[g] and weight_decay = weight_decay[g] of its group g (c.weight_decay is
+// not used).
+void adamw_update_grouped(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v,
+                          const Tensor& group_of, const AdamWConfig& c, const AdamWGroups& groups,
+                          int64_t step);
 // True when every element of x is finite (waits for the result).
 bool all_finite(const Tensor& x);
 

@@ -1,4 +1,5 @@
-// Elementwise activations: ReLU, GELU (exact erf form, or GPT-2's tanh approximation), Tanh. Shapes are preserved.
+// Elementwise activations: ReLU, GELU (exact erf form, or GPT-2's tanh approximation), Tanh. Shapes
+// are preserved.
 #pragma once
 
 #include <memory>

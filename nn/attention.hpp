@@ -43,15 +43,15 @@ class CausalSelfAttention : public Module {
              "CausalSelfAttention(" << dim_ << "): input " << kernels::shape_str(x.shape())
                                     << " must be (B, T, " << dim_ << ")");
     const int64_t b = x.dim(0), t = x.dim(1);
-    qkv_ = c_attn_->forward(x);                                       // (B, T, 3 D)
-    a_ = Tensor::empty({b, t, dim_}, DType::f32, x.device());         // (B, T, D)
-    lse_ = Tensor::empty({b, heads_, t}, DType::f32, x.device());     // (B, H, T)
+    qkv_ = c_attn_->forward(x);                                    // (B, T, 3 D)
+    a_ = Tensor::empty({b, t, dim_}, DType::f32, x.device());      // (B, T, D)
+    lse_ = Tensor::empty({b, heads_, t}, DType::f32, x.device());  // (B, H, T)
     kernels::attention_forward(a_, lse_, qkv_, params());
     return drop_->forward(c_proj_->forward(a_));
   }
   Tensor backward_impl(const Tensor& dy) override {
     DP_CHECK(qkv_.defined(), "CausalSelfAttention::backward called before forward");
-    Tensor da = c_proj_->backward(drop_->backward(dy));               // (B, T, D)
+    Tensor da = c_proj_->backward(drop_->backward(dy));                  // (B, T, D)
     Tensor dqkv = Tensor::empty(qkv_.shape(), DType::f32, dy.device());  // (B, T, 3 D)
     kernels::attention_backward(dqkv, da, qkv_, a_, lse_, params());
     return c_attn_->backward(dqkv);

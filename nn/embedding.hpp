@@ -15,8 +15,7 @@ class Embedding : public Module {
  public:
   // requires num, dim > 0.
   Embedding(int64_t num_embeddings, int64_t dim) : num_(num_embeddings), dim_(dim) {
-    DP_CHECK(num_ > 0 && dim_ > 0,
-             "Embedding(" << num_ << ", " << dim_ << "): sizes must be > 0");
+    DP_CHECK(num_ > 0 && dim_ > 0, "Embedding(" << num_ << ", " << dim_ << "): sizes must be > 0");
     weight_ = &register_parameter("weight", {num_, dim_}, InitSpec::normal(1.f));
   }
   std::string type_name() const override { return "Embedding"; }

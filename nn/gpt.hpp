@@ -57,8 +57,7 @@ struct GptConfig {
   // Training FLOPs per token (PaLM's estimate, as llm.c and nanoGPT use for MFU):
   // 6 P + 12 L T D at sequence length T.
   double flops_per_token(int64_t seq) const {
-    return 6.0 * static_cast<double>(parameters()) +
-           12.0 * static_cast<double>(layers * seq * dim);
+    return 6.0 * static_cast<double>(parameters()) + 12.0 * static_cast<double>(layers * seq * dim);
   }
 };
 
@@ -198,8 +197,8 @@ class Gpt : public Module {
     Tensor dx = Tensor::empty({rows, c_.dim}, DType::f32, dlogits.device());
     // (B T, V) x (V, D) -> (B T, D);  dwte += (B T, V)^T x (B T, D) -> (V, D)
     kernels::gemm(dx, dl, kernels::Transpose::no, wte_->weight().compute, kernels::Transpose::no);
-    kernels::gemm(wte_->weight().grad, dl, kernels::Transpose::yes, hidden_,
-                  kernels::Transpose::no, 1.f, 1.f);
+    kernels::gemm(wte_->weight().grad, dl, kernels::Transpose::yes, hidden_, kernels::Transpose::no,
+                  1.f, 1.f);
     Tensor g = drop_->backward(h_->backward(ln_f_->backward(dx.reshape({b, t, c_.dim}))));
     Tensor dwpe = wpe_->grad.view(0, {t * c_.dim});
     kernels::bias_backward(dwpe, g.reshape({b, t * c_.dim}), kernels::Accumulate::yes);

@@ -113,10 +113,9 @@ class MSELoss : public Loss {
   int64_t denominator(const Tensor& target) const override { return target.numel(); }
   void compute(Tensor& loss, Tensor& dpred, const Tensor& pred,
                const Tensor& target) const override {
-    DP_CHECK(pred.numel() == target.numel(), "mse: pred " << kernels::shape_str(pred.shape())
-                                                          << " and target "
-                                                          << kernels::shape_str(target.shape())
-                                                          << " differ in size");
+    DP_CHECK(pred.numel() == target.numel(),
+             "mse: pred " << kernels::shape_str(pred.shape()) << " and target "
+                          << kernels::shape_str(target.shape()) << " differ in size");
     kernels::mse_loss(loss, dpred, pred, target.reshape(pred.shape()));
   }
 

@@ -33,7 +33,8 @@ RefAttention reference_attention(const std::vector<float>& qkv, const std::vecto
         double m = -1e300, z = 0;
         for (int64_t j = 0; j <= i; ++j) {
           double s = 0;
-          for (int64_t c = 0; c < hd; ++c) s += double(qkv[at(b, i, 0, h, c)]) * qkv[at(b, j, 1, h, c)];
+          for (int64_t c = 0; c < hd; ++c)
+            s += double(qkv[at(b, i, 0, h, c)]) * qkv[at(b, j, 1, h, c)];
           p[j] = s * scale;
           m = std::max(m, p[j]);
         }
@@ -163,8 +164,7 @@ TEST_CASE("nn.loss: token cross-entropy averages over the kept tokens") {
     for (int64_t c = 0; c < v; ++c) m = std::max(m, double(x[r * v + c]));
     for (int64_t c = 0; c < v; ++c) z += std::exp(x[r * v + c] - m);
     for (int64_t c = 0; c < v; ++c) {
-      double want_g =
-          tg[r] < 0 ? 0.0 : (std::exp(x[r * v + c] - m) / z - (c == tg[r] ? 1 : 0)) / 4;
+      double want_g = tg[r] < 0 ? 0.0 : (std::exp(x[r * v + c] - m) / z - (c == tg[r] ? 1 : 0)) / 4;
       CHECK(g[r * v + c] == doctest::Approx(want_g).epsilon(1e-5));
     }
     if (tg[r] >= 0) want += (m + std::log(z) - x[r * v + tg[r]]) / 4;

@@ -26,7 +26,10 @@ std::string bad_id_text(int64_t id, int64_t position, const Tensor& ids, int64_t
 struct AttentionShape {
   int64_t batch, seq, heads, head_dim, width;
   explicit AttentionShape(const Tensor& qkv, int64_t h)
-      : batch(qkv.dim(0)), seq(qkv.dim(1)), heads(h), head_dim(qkv.dim(2) / 3 / h),
+      : batch(qkv.dim(0)),
+        seq(qkv.dim(1)),
+        heads(h),
+        head_dim(qkv.dim(2) / 3 / h),
         width(qkv.dim(2) / 3) {}
   // Offsets of q, k, v of head h of batch b in qkv (row stride 3 D), and of y (row stride D).
   int64_t q(int64_t b, int64_t h) const { return b * seq * 3 * width + h * head_dim; }

@@ -32,13 +32,14 @@ void embedding_backward(Tensor& dtable, const Tensor& dy, const Tensor& ids);
 void attention_forward(Tensor& y, Tensor& lse, const Tensor& qkv, const AttentionParams& p);
 void attention_backward(Tensor& dqkv, const Tensor& dy, const Tensor& qkv, const Tensor& y,
                         const Tensor& lse, const AttentionParams& p);
-void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
-                         const Tensor& targets, int32_t ignore_index);
+void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, const Tensor& targets,
+                         int32_t ignore_index);
 void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
                            const Tensor& labels, const Tensor& weights, float label_smoothing);
 void mse_loss(Tensor& loss, Tensor& dpred, const Tensor& pred, const Tensor& target);
 void sum(Tensor& out, const Tensor& x);
 void mean(Tensor& out, const Tensor& x);
+void sum_squares(Tensor& out, const Tensor& x);
 void argmax(Tensor& out, const Tensor& x);
 int64_t count_correct(const Tensor& logits, const Tensor& labels);
 void conv2d_forward(Tensor& y, const Tensor& x, const Tensor& w, const Conv2dParams& p);
@@ -70,6 +71,9 @@ void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const
                 int64_t step);
 void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, const AdamWConfig& c,
                   int64_t step);
+void adamw_update_grouped(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v,
+                          const Tensor& group_of, const AdamWConfig& c, const AdamWGroups& groups,
+                          int64_t step);
 bool all_finite(const Tensor& x);
 
 }  // namespace kernels::cpu

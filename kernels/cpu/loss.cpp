@@ -52,8 +52,8 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
 
 // As softmax_cross_entropy without smoothing or weights, over the rows whose target is not
 // ignore_index, divided by their count n (ignored rows: no loss, zero gradient).
-void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
-                         const Tensor& targets, int32_t ignore_index) {
+void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, const Tensor& targets,
+                         int32_t ignore_index) {
   int64_t rows = logits.dim(0), classes = logits.dim(1);
   const float* px = logits.data<float>();
   const int32_t* pt = targets.data<int32_t>();

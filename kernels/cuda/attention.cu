@@ -91,7 +91,8 @@ __global__ void attention_forward_kernel(float* y, float* lse, const float* qkv,
   float* out = y + g.y_row(b, i) + h * g.head_dim;
   for (int64_t c = threadIdx.x; c < g.head_dim; c += blockDim.x) {
     float acc = 0.f;
-    for (int64_t j = 0; j < n; ++j) acc += s[j] * qkv[g.qkv_row(b, j) + 2 * g.width + h * g.head_dim + c];
+    for (int64_t j = 0; j < n; ++j)
+      acc += s[j] * qkv[g.qkv_row(b, j) + 2 * g.width + h * g.head_dim + c];
     out[c] = acc;
   }
 }
@@ -124,7 +125,8 @@ __global__ void attention_backward_kernel(float* dqkv, const float* dy, const fl
   float* dqi = dqkv + g.qkv_row(b, i) + h * g.head_dim;
   for (int64_t c = threadIdx.x; c < g.head_dim; c += blockDim.x) {
     float acc = 0.f;
-    for (int64_t j = 0; j < n; ++j) acc += ds[j] * qkv[g.qkv_row(b, j) + g.width + h * g.head_dim + c];
+    for (int64_t j = 0; j < n; ++j)
+      acc += ds[j] * qkv[g.qkv_row(b, j) + g.width + h * g.head_dim + c];
     dqi[c] = g.scale * acc;
   }
   for (int64_t e = threadIdx.x; e < n * g.head_dim; e += blockDim.x) {
@@ -137,8 +139,8 @@ __global__ void attention_backward_kernel(float* dqkv, const float* dy, const fl
 
 Geometry geometry(const Tensor& qkv, const AttentionParams& p) {
   const int64_t width = qkv.dim(2) / 3;
-  return Geometry{qkv.dim(1),         p.heads, width / p.heads, width,
-                  p.mask == AttentionMask::causal, p.scale};
+  return Geometry{qkv.dim(1), p.heads, width / p.heads, width, p.mask == AttentionMask::causal,
+                  p.scale};
 }
 
 void check_shared(const char* op, size_t bytes) {

@@ -51,6 +51,10 @@ struct ReadValue {
   const float* x;
   __device__ float operator()(int64_t i) const { return x[i]; }
 };
+struct SquareValue {
+  const float* x;
+  __device__ float operator()(int64_t i) const { return x[i] * x[i]; }
+};
 
 // (pred - target)^2, writing dpred = grad_scale (pred - target) on the way when asked.
 struct SquaredError {
@@ -234,8 +238,8 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
   launch_sum(loss.data<float>(), batch, ReadValue{row_loss}, divisor, partials, s);
 }
 
-void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
-                         const Tensor& targets, int32_t ignore_index, DeviceContext& ctx) {
+void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, const Tensor& targets,
+                         int32_t ignore_index, DeviceContext& ctx) {
   NvtxRange range("kernels/token_cross_entropy");
   require_f32("token_cross_entropy", {&loss, &logits});
   if (dlogits.defined()) require_f32("token_cross_entropy", dlogits);
@@ -243,8 +247,7 @@ void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
   int64_t rows = logits.dim(0), classes = logits.dim(1);
   // Workspace: per-row losses, the kept-row count, then the partial sums.
   size_t rows_bytes = aligned_bytes(sizeof(float) * static_cast<size_t>(rows));
-  char* ws =
-      static_cast<char*>(ctx.workspace(rows_bytes + 256 + sizeof(float) * kMaxPartials));
+  char* ws = static_cast<char*>(ctx.workspace(rows_bytes + 256 + sizeof(float) * kMaxPartials));
   auto* row_loss = reinterpret_cast<float*>(ws);
   auto* count = reinterpret_cast<float*>(ws + rows_bytes);
   auto* partials = reinterpret_cast<float*>(ws + rows_bytes + 256);
@@ -292,6 +295,14 @@ void mean(Tensor& out, const Tensor& x, DeviceContext& ctx) {
   auto* partials = static_cast<float*>(ctx.workspace(sizeof(float) * kMaxPartials));
   float divisor = n > 0 ? static_cast<float>(n) : 1.f;
   launch_sum(out.data<float>(), n, ReadValue{x.data<float>()}, divisor, partials, stream_of(ctx));
+}
+
+void sum_squares(Tensor& out, const Tensor& x, DeviceContext& ctx) {
+  NvtxRange range("kernels/sum_squares");
+  require_f32("sum_squares", {&out, &x});
+  auto* partials = static_cast<float*>(ctx.workspace(sizeof(float) * kMaxPartials));
+  launch_sum(out.data<float>(), x.numel(), SquareValue{x.data<float>()}, 1.f, partials,
+             stream_of(ctx));
 }
 
 void argmax(Tensor& out, const Tensor& x, DeviceContext& ctx) {
