@@ -11,9 +11,11 @@
 #include "dp/distributed/launcher.hpp"
 #include "dp/distributed/zero.hpp"
 #include "nn/nn.hpp"
+#include "tests/ddp_ranks.hpp"
 #include "tests/train_util.hpp"
 
 using namespace kernels;
+using ddp_test::run_ranks;
 
 namespace {
 
@@ -65,31 +67,6 @@ std::vector<float> train_single(int64_t batch, bool ignored, std::vector<float>*
     losses->push_back(loss.item());
   }
   return m->flat_params().to_host_f32();
-}
-
-void run_ranks(int world, const std::function<void(int, dp::dist::ProcessGroup&)>& fn) {
-  int port = dp::dist::find_free_port();
-  std::vector<std::exception_ptr> errors(world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        dp::dist::InitOptions io;
-        io.backend = dp::dist::Backend::gloo;
-        io.init_method = "tcp://127.0.0.1:" + std::to_string(port);
-        io.rank = r;
-        io.world_size = world;
-        io.device = Device::cpu(r);
-        io.timeout = std::chrono::seconds(60);
-        auto pg = dp::dist::init_process_group(io);
-        fn(r, *pg);
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-    });
-  for (auto& t : threads) t.join();
-  for (int r = 0; r < world; ++r)
-    if (errors[r]) std::rethrow_exception(errors[r]);
 }
 
 }  // namespace
