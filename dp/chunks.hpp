@@ -32,4 +32,16 @@ inline float chunk_share(int64_t rows, int64_t total) {
   return static_cast<float>(rows) / static_cast<float>(total);
 }
 
+// Each chunk's weight in the global mean of a loss: its share of the batch's loss denominator
+// (rows, kept tokens or elements: nn::Loss::denominator of its targets). All zero when the
+// batch's denominator is 0 (every token ignored: a zero loss and gradient).
+inline std::vector<float> loss_shares(const std::vector<int64_t>& denominators) {
+  int64_t total = 0;
+  for (int64_t d : denominators) total += d;
+  std::vector<float> shares(denominators.size(), 0.f);
+  if (total == 0) return shares;
+  for (size_t i = 0; i < shares.size(); ++i) shares[i] = chunk_share(denominators[i], total);
+  return shares;
+}
+
 }  // namespace dp

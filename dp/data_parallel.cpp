@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "kernels/runtime/memory.hpp"
+#include "nn/clip.hpp"
 
 namespace dp {
 
@@ -70,6 +71,8 @@ DataParallel::DataParallel(nn::ModulePtr module, nn::Optimizer& optimizer,
       "DataParallel: gradients travel in f32 or bf16, not " << options_.comm_dtype);
   // Replicas inherit the compute dtype from device 0's module (clone_to), and that the input
   // gradient is not needed (the input is data: the first layer skips that product).
+  if (!options_.loss)
+    options_.loss = std::make_shared<nn::CrossEntropyLoss>(options_.label_smoothing);
   module->set_compute_dtype(nn::compute_dtype(options_.precision));
   module->set_input_grad(nn::InputGrad::not_needed);
   warn_if_oversubscribed(devices_);
@@ -208,8 +211,9 @@ void DataParallel::begin_step(const std::vector<int64_t>& sizes) {
   const int n = static_cast<int>(sizes.size());
   int64_t total = 0;
   for (int64_t s : sizes) total += s;
-  shares_.assign(n, 0.f);
-  for (int i = 0; i < n; ++i) shares_[i] = chunk_share(sizes[i], total);
+  DP_CHECK(denominators_.size() == sizes.size() && total > 0,
+           "begin_step: the loss denominators do not match the split batch");
+  shares_ = loss_shares(denominators_);
   // Who pulls from whom, in order. Star: 0 <- 1, 2, ..., n-1. Tree: in round s = 1, 2, 4, ...
   // device i (a multiple of 2s) pulls from i + s: 0 <- 1, 2 <- 3, then 0 <- 2.
   sources_.assign(n, {});
@@ -363,6 +367,7 @@ void DataParallel::reduce_grads_to_root(const std::vector<int64_t>& sizes) {
       !sizes.empty() && static_cast<int>(sizes.size()) <= n_devices(),
       "reduce_grads_to_root: " << sizes.size() << " chunk sizes for " << n_devices() << " devices");
   kernels::NvtxRange range("dp/reduce");
+  denominators_ = sizes;  // the chunks' rows: shares B_i / B
   begin_step(sizes);
   run_step("dp/reduce", static_cast<int>(sizes.size()), [&](int i) {
     PerDevice& pd = per_device_[i];
@@ -415,15 +420,18 @@ std::vector<int64_t> DataParallel::split_batch(const char* what, const Tensor& i
   DP_CHECK(
       images.defined() && labels.defined() && images.device().is_cpu() && labels.device().is_cpu(),
       what << ": images and labels must be host tensors, got " << images << " and " << labels);
-  DP_CHECK(images.ndim() >= 1 && labels.ndim() == 1 && labels.dim(0) == images.dim(0),
+  DP_CHECK(images.ndim() >= 1 && labels.ndim() >= 1 && labels.dim(0) == images.dim(0),
            what << ": images " << kernels::shape_str(images.shape()) << " and labels "
                 << kernels::shape_str(labels.shape()) << " must share their first dimension");
-  DP_CHECK(labels.dtype() == kernels::DType::i32,
-           what << ": labels must be i32, got " << labels.dtype());
+  options_.loss->check_target(labels);
   DP_CHECK(images.dim(0) >= 1, what << ": empty batch");
   stats.samples = images.dim(0);
   stats.devices_used = devices_for(stats.samples);
-  return chunk_sizes(stats.samples, stats.devices_used);
+  std::vector<int64_t> sizes = chunk_sizes(stats.samples, stats.devices_used);
+  denominators_.assign(sizes.size(), 0);
+  for (size_t i = 0, begin = 0; i < sizes.size(); begin += sizes[i++])
+    denominators_[i] = options_.loss->denominator(labels.slice(begin, begin + sizes[i]));
+  return sizes;
 }
 
 void DataParallel::forward_and_loss(int i, nn::Mode mode) {
@@ -441,9 +449,8 @@ void DataParallel::forward_and_loss(int i, nn::Mode mode) {
   Tensor dlogits;  // undefined: forward only
   if (mode == nn::Mode::train)
     dlogits = kernels::ensure(pd.dlogits, pd.output.shape(), kernels::DType::f32, devices_[i]);
-  kernels::softmax_cross_entropy(loss, dlogits, pd.output, pd.labels, Tensor(),
-                                 options_.label_smoothing);
-  kernels::count_correct_into(correct, pd.output, pd.labels);
+  options_.loss->compute(loss, dlogits, pd.output, pd.labels);
+  options_.loss->count_correct_into(correct, pd.output, pd.labels);
   // fp16: the loss gradient carries the step's scale (1 otherwise: nothing to do).
   if (dlogits.defined() && step_scale_ != 1.f) kernels::scale(dlogits, dlogits, step_scale_);
   if (mode != nn::Mode::train) m.train();
@@ -477,7 +484,7 @@ void DataParallel::read_step_metrics(int n) {
 void DataParallel::gather_metrics(const std::vector<int64_t>& sizes, StepStats& stats) {
   const float* m = host_metrics_.data<float>();
   for (size_t i = 0; i < sizes.size(); ++i) {
-    stats.loss += m[kMetrics * i] * chunk_share(sizes[i], stats.samples);
+    stats.loss += m[kMetrics * i] * shares_[i];
     stats.correct += static_cast<int64_t>(m[kMetrics * i + 1]);
   }
 }
@@ -560,7 +567,10 @@ void DataParallel::train_job(int i, const Tensor& images, const Tensor& labels,
     if (wide_context_) wide = std::make_unique<kernels::ContextScope>(*wide_context_);
     // One decision for every device: device 0's reduced gradient is checked (under AMP), on
     // the device; the update skips itself when it is not finite, and the host learns the
-    // verdict with the metrics (settled in train_step).
+    // verdict with the metrics (settled in train_step). Clipping reads the norm on the host
+    // (one more wait per step when on).
+    if (options_.clip_grad_norm > 0.f)
+      grad_norm_ = nn::clip_grad_norm(m.flat_grads(), options_.clip_grad_norm, 1.f / step_scale_);
     Tensor non_finite = pd.metrics.view(2, {1});
     scaler_.step_deferred(optimizer_, m.flat_grads(), non_finite);
     wide.reset();
@@ -604,6 +614,7 @@ StepStats DataParallel::train_step(const Tensor& images, const Tensor& labels) {
   stats.host_syncs = after.second - before.second;
   stats.loss_scale = step_scale_;
   step_taken_ = scaler_.settle(optimizer_, host_metrics_.data<float>()[2] == 0.f);
+  stats.grad_norm = grad_norm_;
   stats.skipped = !step_taken_;
   stats.skipped_steps = scaler_.skipped_steps();
 

@@ -51,6 +51,7 @@
 #include "dp/worker_pool.hpp"
 #include "kernels/runtime/event.hpp"
 #include "nn/amp.hpp"
+#include "nn/loss.hpp"
 #include "nn/module.hpp"
 #include "nn/optim.hpp"
 #include "nn/train_state.hpp"
@@ -74,6 +75,12 @@ enum class BatchNormStats { per_device, synced };
 struct DataParallelOptions {
   BufferSync buffer_sync = BufferSync::average;
   float label_smoothing = 0.f;
+  // The loss of each chunk (nn/loss.hpp); null: row cross-entropy with label_smoothing. Each
+  // chunk's mean is weighted by its share of the batch's loss denominator (rows or tokens).
+  nn::LossPtr loss;
+  // > 0: device 0's reduced gradient is clipped to this global 2-norm before the step
+  // (nn/clip.hpp); StepStats::grad_norm reports the norm either way when on.
+  float clip_grad_norm = 0.f;
   kernels::MathMode math = kernels::MathMode::strict;
   int cpu_threads_per_device = 0;  // 0: the hardware threads split evenly among CPU devices
   ReduceTopology reduce = ReduceTopology::star;
@@ -115,6 +122,7 @@ struct StepStats {
   // device (0 once each shape's blocks are cached) and host waits or reads (1: the metrics).
   int64_t allocations = 0;
   int64_t host_syncs = 0;
+  float grad_norm = 0;        // the gradient's global norm before clipping (clip on)
   bool skipped = false;       // the gradient was not finite: no optimizer step
   int64_t skipped_steps = 0;  // skipped so far
 };
@@ -130,7 +138,8 @@ class DataParallel {
                DataParallelOptions options = {});
   ~DataParallel();
 
-  // requires images (B, ...) f32 and labels (B) i32 on the host, B >= 1. Pinned memory lets the
+  // requires images (B, ...) and labels (B, ...) on the host as the model and the loss take
+  // them (f32 images and (B) i32 labels for the default loss), B >= 1. Pinned memory lets the
   // scatter overlap; pageable works too.
   StepStats train_step(const Tensor& images, const Tensor& labels);
   // Forward in eval mode over the batch, split across devices. Returns loss and correct count.
@@ -282,6 +291,7 @@ class DataParallel {
   // The step's reduction: who pulls from whom (in order), and with which weight.
   std::vector<std::vector<int>> sources_;
   std::vector<float> shares_;
+  std::vector<int64_t> denominators_;  // the step's chunks' loss denominators (split_batch)
   std::mutex signal_mutex_;
   std::condition_variable signal_cv_;
   Signals signals_;
@@ -293,6 +303,7 @@ class DataParallel {
   Tensor host_metrics_;                          // pinned host copy of gathered_metrics_
   nn::GradScaler scaler_;
   float step_scale_ = 1.f;  // the loss scale of the step in progress (read by every worker)
+  float grad_norm_ = 0.f;   // device 0's gradient norm of the step (clipping on)
   bool step_taken_ = true;  // device 0's decision of the step in progress
   Trace* trace_ = nullptr;
   int64_t step_index_ = 0;

@@ -109,6 +109,9 @@ PsReport ParameterServer::run(const PsBatchFn& batches, int64_t first, int64_t n
   const int threads = cpu_threads_for(devices_, options_.cpu_threads_per_device);
   const float base_lr = optimizer_.lr();
   const int64_t bound = options_.max_staleness;
+  const nn::LossPtr loss_ptr =
+      options_.loss ? options_.loss : std::make_shared<nn::CrossEntropyLoss>();
+  const nn::Loss& loss_fn = *loss_ptr;
 
   PsReport report;
   report.pushes_per_worker.assign(static_cast<size_t>(n), 0);
@@ -182,7 +185,7 @@ PsReport ParameterServer::run(const PsBatchFn& batches, int64_t first, int64_t n
           Tensor out = replica->forward(input);
           kernels::ensure(loss, {1}, kernels::DType::f32, dev);
           kernels::ensure(dlogits, out.shape(), kernels::DType::f32, dev);
-          kernels::softmax_cross_entropy(loss, dlogits, out, labels);
+          loss_fn.compute(loss, dlogits, out, labels);
           replica->backward(dlogits);
           push.loss = loss.item();  // waits for this device's stream
         }

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "dp/trace.hpp"
+#include "nn/loss.hpp"
 #include "nn/module.hpp"
 #include "nn/optim.hpp"
 
@@ -49,6 +50,8 @@ struct PsOptions {
   // Each update's learning rate is lr / (1 + staleness) when on.
   enum class StalenessLr { constant, scaled } lr = StalenessLr::constant;
   int cpu_threads_per_device = 0;  // 0: the hardware threads split evenly among CPU workers
+  // Each worker's loss (nn/loss.hpp); null: row cross-entropy. Every push is one whole batch.
+  nn::LossPtr loss;
 };
 
 // One applied update, in application order.

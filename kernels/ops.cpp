@@ -366,6 +366,28 @@ void gelu_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc
   DP_DISPATCH(dx.device(), gelu_backward, dx, dy, x, acc);
 }
 
+void gelu_tanh(Tensor& y, const Tensor& x) {
+  if (any_16bit({&y, &x})) {
+    Tensor y32 = f32_out(y);
+    gelu_tanh(y32, widen(x));
+    return round_into(y, y32);
+  }
+  check_unary("gelu_tanh", y, x);
+  if (y.numel() == 0) return;
+  DP_DISPATCH(y.device(), gelu_tanh, y, x);
+}
+
+void gelu_tanh_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc) {
+  if (any_16bit({&dx, &dy, &x})) {
+    Tensor dx32 = f32_out(dx, acc);
+    gelu_tanh_backward(dx32, widen(dy), widen(x), acc);
+    return round_into(dx, dx32);
+  }
+  check_activation_backward("gelu_tanh_backward", dx, dy, x, "x");
+  if (dx.numel() == 0) return;
+  DP_DISPATCH(dx.device(), gelu_tanh_backward, dx, dy, x, acc);
+}
+
 void tanh(Tensor& y, const Tensor& x) {
   if (any_16bit({&y, &x})) {
     Tensor y32 = f32_out(y);
@@ -456,6 +478,25 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
       cuda::softmax_cross_entropy(loss, dlogits, logits, labels, weights, label_smoothing, ctx));
 }
 
+void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, const Tensor& targets,
+                         int32_t ignore_index) {
+  const char* op = "token_cross_entropy";
+  check_logits_labels(op, logits, targets);
+  check_devices(op, {{"logits", logits}, {"loss", loss}});
+  check_scalar_out(op, {"loss", loss});
+  if (dlogits.defined()) {
+    check_devices(op, {{"logits", logits}, {"dlogits", dlogits}});
+    check_dtype(op, {"dlogits", dlogits}, DType::f32);
+    check_same_shape(op, {"logits", logits}, {"dlogits", dlogits});
+  }
+  if (logits.dim(0) == 0) return fill(loss, 0.f);
+  DeviceContext& ctx = context(logits.device());
+  if (logits.device().is_cpu())
+    return run_cpu(ctx,
+                   [&] { cpu::token_cross_entropy(loss, dlogits, logits, targets, ignore_index); });
+  DP_CUDA_DISPATCH(cuda::token_cross_entropy(loss, dlogits, logits, targets, ignore_index, ctx));
+}
+
 void mse_loss(Tensor& loss, Tensor& dpred, const Tensor& pred, const Tensor& target) {
   const char* op = "mse_loss";
   check_devices(op, {{"pred", pred}, {"target", target}, {"loss", loss}});
@@ -485,6 +526,14 @@ void mean(Tensor& out, const Tensor& x) {
   check_scalar_out("mean", {"out", out});
   if (x.numel() == 0) return fill(out, 0.f);
   DP_DISPATCH(x.device(), mean, out, x);
+}
+
+void sum_squares(Tensor& out, const Tensor& x) {
+  check_devices("sum_squares", {{"x", x}, {"out", out}});
+  check_dtype("sum_squares", {"x", x}, DType::f32);
+  check_scalar_out("sum_squares", {"out", out});
+  if (x.numel() == 0) return fill(out, 0.f);
+  DP_DISPATCH(x.device(), sum_squares, out, x);
 }
 
 void argmax(Tensor& out, const Tensor& x) {
@@ -913,6 +962,27 @@ void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, con
   DP_DISPATCH(params.device(), adamw_update, params, grads, m, v, c, step);
 }
 
+void adamw_update_grouped(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v,
+                          const Tensor& group_of, const AdamWConfig& c, const AdamWGroups& groups,
+                          int64_t step) {
+  const char* op = "adamw_update_grouped";
+  check_devices(op,
+                {{"params", params}, {"grads", grads}, {"m", m}, {"v", v}, {"group_of", group_of}});
+  check_f32(op, {{"params", params}, {"grads", grads}, {"m", m}, {"v", v}});
+  check_dtype(op, {"group_of", group_of}, DType::u8);
+  check_same_shape(op, {"params", params}, {"grads", grads});
+  check_same_shape(op, {"params", params}, {"m", m});
+  check_same_shape(op, {"params", params}, {"v", v});
+  check_same_shape(op, {"params", params}, {"group_of", group_of});
+  DP_CHECK(groups.count >= 1 && groups.count <= kMaxAdamWGroups,
+           op << ": " << groups.count << " groups; 1 to " << kMaxAdamWGroups << " are supported");
+  DP_CHECK(step >= 1, op << ": step must be >= 1 (1 is the first step), got " << step);
+  check_skip_flag(op, params, c.skip_if);
+  if (params.numel() == 0) return;
+  DP_DISPATCH(params.device(), adamw_update_grouped, params, grads, m, v, group_of, c, groups,
+              step);
+}
+
 bool all_finite(const Tensor& x) {
   check_defined("all_finite", x, "x");
   if (x.numel() == 0) return true;
@@ -928,6 +998,73 @@ void non_finite_into(Tensor& flag, const Tensor& x) {
   check_dtype(op, {"flag", flag}, DType::f32);
   check_shape(op, {"flag", flag}, {1});
   DP_DISPATCH(x.device(), non_finite_into, flag, x);
+}
+
+// ---- transformer ops -----------------------------------------------------------------------
+
+namespace {
+
+// ids (...) i32, table (V, D) f32, rows (..., D) f32 with ids.numel() rows of D.
+void check_embedding(const char* op, const Tensor& rows, const char* rows_name, const Tensor& ids,
+                     const Tensor& table, const char* table_name) {
+  check_devices(op, {{table_name, table}, {"ids", ids}, {rows_name, rows}});
+  check_dtype(op, {"ids", ids}, DType::i32);
+  check_f32(op, {{table_name, table}, {rows_name, rows}});
+  check_ndim(op, {table_name, table}, 2);
+  DP_CHECK(rows.ndim() >= 1 && rows.dim(-1) == table.dim(1) &&
+               rows.numel() == ids.numel() * table.dim(1),
+           op << ": " << rows_name << " " << shape_str(rows.shape()) << " must be (..., "
+              << table.dim(1) << ") with one row per id of " << shape_str(ids.shape()));
+}
+
+// qkv (B, T, 3 D), y (B, T, D), lse (B, H, T), all f32 on one device.
+void check_attention(const char* op, const Tensor& qkv, const Tensor& y, const Tensor& lse,
+                     const AttentionParams& p) {
+  check_devices(op, {{"qkv", qkv}, {"y", y}, {"lse", lse}});
+  check_f32(op, {{"qkv", qkv}, {"y", y}, {"lse", lse}});
+  check_ndim(op, {"qkv", qkv}, 3);
+  const int64_t b = qkv.dim(0), t = qkv.dim(1);
+  DP_CHECK(qkv.dim(2) % 3 == 0, op << ": qkv " << shape_str(qkv.shape())
+                                   << " must be (B, T, 3 D): its last dim is not a multiple of 3");
+  const int64_t d = qkv.dim(2) / 3;
+  DP_CHECK(p.heads >= 1 && d % p.heads == 0, op << ": " << p.heads
+                                                << " heads do not divide the width " << d
+                                                << " of qkv " << shape_str(qkv.shape()));
+  DP_CHECK(std::isfinite(p.scale), op << ": scale " << p.scale << " is not finite");
+  check_shape(op, {"y", y}, {b, t, d});
+  check_shape(op, {"lse", lse}, {b, p.heads, t});
+}
+
+}  // namespace
+
+void embedding_forward(Tensor& y, const Tensor& ids, const Tensor& table) {
+  check_embedding("embedding_forward", y, "y", ids, table, "table");
+  if (ids.numel() == 0) return;
+  DP_DISPATCH(y.device(), embedding_forward, y, ids, table);
+}
+
+void embedding_backward(Tensor& dtable, const Tensor& dy, const Tensor& ids) {
+  check_embedding("embedding_backward", dy, "dy", ids, dtable, "dtable");
+  if (ids.numel() == 0) return;
+  DP_DISPATCH(dy.device(), embedding_backward, dtable, dy, ids);
+}
+
+void attention_forward(Tensor& y, Tensor& lse, const Tensor& qkv, const AttentionParams& p) {
+  check_attention("attention_forward", qkv, y, lse, p);
+  if (y.numel() == 0) return;
+  DP_DISPATCH(y.device(), attention_forward, y, lse, qkv, p);
+}
+
+void attention_backward(Tensor& dqkv, const Tensor& dy, const Tensor& qkv, const Tensor& y,
+                        const Tensor& lse, const AttentionParams& p) {
+  const char* op = "attention_backward";
+  check_attention(op, qkv, y, lse, p);
+  check_devices(op, {{"qkv", qkv}, {"dqkv", dqkv}, {"dy", dy}});
+  check_f32(op, {{"dqkv", dqkv}, {"dy", dy}});
+  check_same_shape(op, {"qkv", qkv}, {"dqkv", dqkv});
+  check_same_shape(op, {"y", y}, {"dy", dy});
+  if (y.numel() == 0) return;
+  DP_DISPATCH(dy.device(), attention_backward, dqkv, dy, qkv, y, lse, p);
 }
 
 // ---- helpers for tests ---------------------------------------------------------------------

@@ -87,6 +87,39 @@ void sigmoid_backward(Tensor& dx, const Tensor& dy, const Tensor& y, Accumulate 
 // requires x, y same shape (y may alias x). ensures y = e^x. Backward: mul(dx, dy, y).
 void exp(Tensor& y, const Tensor& x);
 
+// GELU, tanh approximation (GPT-2's, PyTorch's approximate="tanh"):
+// y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+void gelu_tanh(Tensor& y, const Tensor& x);
+// requires dx, dy, x same shape. ensures dx (+)= dy * d gelu_tanh(x) / dx.
+void gelu_tanh_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc);
+
+// ---- transformer: embedding lookup and scaled dot-product attention ------------------------
+
+// requires ids (...) i32 in [0, V), table (V, D) f32, y (..., D) f32 (ids.numel() rows).
+// ensures y[n] = table[ids[n]]. An id outside [0, V) throws, naming it and its position.
+void embedding_forward(Tensor& y, const Tensor& ids, const Tensor& table);
+// requires dtable (V, D), dy (..., D) f32, ids as in forward. ensures dtable[ids[n]] += dy[n]
+// for every n (gradients accumulate). CPU: exact order; CUDA: float atomics (order may vary).
+void embedding_backward(Tensor& dtable, const Tensor& dy, const Tensor& ids);
+
+enum class AttentionMask { none, causal };
+struct AttentionParams {
+  int64_t heads = 1;
+  float scale = 1.f;  // multiplies q . k; 1 / sqrt(head_dim) in GPT-2
+  AttentionMask mask = AttentionMask::causal;
+};
+// Multi-head scaled dot-product attention on a fused QKV projection.
+// requires qkv (B, T, 3 D) f32 holding [q | k | v] along the last dim, each (H, D / H) head by
+// head (the output of one Linear(D, 3 D)); y (B, T, D) f32; lse (B, H, T) f32; H divides D.
+// ensures per batch b and head h, with s_ij = scale q_i . k_j (j <= i under the causal mask):
+//   y[b, i, h] = sum_j softmax_j(s_i.) v_j,  lse[b, h, i] = log sum_j exp s_ij (for backward).
+// CPU: exact softmax in f32 per (b, h), oneTBB over batch and heads.
+void attention_forward(Tensor& y, Tensor& lse, const Tensor& qkv, const AttentionParams& p);
+// requires the forward's qkv, y and lse; dy like y; dqkv like qkv.
+// ensures dqkv = the gradient of sum(y * dy) w.r.t. qkv (overwritten).
+void attention_backward(Tensor& dqkv, const Tensor& dy, const Tensor& qkv, const Tensor& y,
+                        const Tensor& lse, const AttentionParams& p);
+
 // ---- losses, reductions, metrics -----------------------------------------------------------
 
 // Fused, numerically stable softmax + cross-entropy, forward and backward in one pass.
@@ -101,6 +134,15 @@ void exp(Tensor& y, const Tensor& x);
 void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
                            const Tensor& labels, const Tensor& weights = Tensor(),
                            float label_smoothing = 0.f);
+// Token cross-entropy: softmax_cross_entropy over rows (N, V) (a [B, T, V] output flattened),
+// averaged over the rows whose target is not `ignore_index`.
+// requires logits (N, V) f32, targets (N) i32 in [0, V) or == ignore_index, loss (1) f32,
+// dlogits (N, V) f32 or undefined. With n = the count of non-ignored rows:
+// ensures loss = (1/n) sum_{i kept} -log softmax(logits_i)_{t_i}   (0 when n == 0)
+//         dlogits_i = (softmax(logits_i) - onehot(t_i)) / n for kept rows, 0 for ignored ones.
+// A target outside [0, V) (other than ignore_index) throws bad_label_text as above.
+void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, const Tensor& targets,
+                         int32_t ignore_index);
 // The error text of softmax_cross_entropy for row `row` of logits (batch, classes) whose label
 // is outside [0, classes), the same on every backend.
 std::string bad_label_text(int64_t label, int64_t row, int64_t batch, int64_t classes);
@@ -110,6 +152,8 @@ void mse_loss(Tensor& loss, Tensor& dpred, const Tensor& pred, const Tensor& tar
 // requires out (1). ensures out = sum of x / mean of x (0 for an empty x).
 void sum(Tensor& out, const Tensor& x);
 void mean(Tensor& out, const Tensor& x);
+// requires out (1) f32, x f32. ensures out = sum of x^2 (0 for an empty x), in a fixed order.
+void sum_squares(Tensor& out, const Tensor& x);
 // requires x (B, C), out (B) i32. ensures out_i = argmax_c x_ic (first on ties). NaN: out_i = 0
 // when x_i0 is NaN; other NaNs are skipped (the left-to-right scan `x[c] > x[best]`).
 void argmax(Tensor& out, const Tensor& x);
@@ -234,6 +278,22 @@ struct AdamWConfig {
 // eps). requires params, grads, m, v same shape, f32; step t >= 1.
 void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, const AdamWConfig& c,
                   int64_t step);
+// Parameter groups of one flat buffer (nanoGPT's: weight decay on matrices only), each with
+// its learning-rate scale and weight decay. A group is a set of ranges; group_of names each
+// element's group, so the grouped step stays one pass over the buffer.
+constexpr int kMaxAdamWGroups = 8;
+struct AdamWGroups {
+  int count = 1;
+  float lr_scale[kMaxAdamWGroups] = {1, 1, 1, 1, 1, 1, 1, 1};
+  float weight_decay[kMaxAdamWGroups] = {};
+};
+// requires as adamw_update; group_of (P) u8 like params with values < groups.count,
+// 1 <= groups.count <= kMaxAdamWGroups. ensures adamw_update's step on each element with
+// lr = c.lr * lr_scale[g] and weight_decay = weight_decay[g] of its group g (c.weight_decay is
+// not used).
+void adamw_update_grouped(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v,
+                          const Tensor& group_of, const AdamWConfig& c, const AdamWGroups& groups,
+                          int64_t step);
 // True when every element of x is finite (waits for the result).
 bool all_finite(const Tensor& x);
 // The same verdict left on the device: requires flag (1) f32 on x's device. ensures flag = 0

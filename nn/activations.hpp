@@ -1,5 +1,5 @@
-// Elementwise activations: ReLU, GELU (exact, erf form), Tanh. Shapes and dtypes are preserved
-// (16-bit activations stay 16-bit; dx takes the input's dtype).
+// Elementwise activations: ReLU, GELU (exact erf form, or GPT-2's tanh approximation), Tanh.
+// Shapes and dtypes are preserved (16-bit activations stay 16-bit; dx takes the input's dtype).
 #pragma once
 
 #include <memory>
@@ -33,27 +33,45 @@ class ReLU : public Module {
   Tensor x_;
 };
 
-// y = x Phi(x) (PyTorch's default GELU). Caches x.
+// Which GELU: exact (x Phi(x), PyTorch's default) or the tanh approximation (GPT-2's,
+// PyTorch's approximate="tanh").
+enum class GeluApproximation { none, tanh };
+
+// y = x Phi(x), or its tanh approximation. Caches x.
 class GELU : public Module {
  public:
-  std::string type_name() const override { return "GELU"; }
+  explicit GELU(GeluApproximation approximate = GeluApproximation::none)
+      : approximate_(approximate) {}
+  std::string type_name() const override {
+    return approximate_ == GeluApproximation::tanh ? "GELU(tanh)" : "GELU";
+  }
+  GeluApproximation approximation() const { return approximate_; }
 
  protected:
   Tensor forward_impl(const Tensor& x) override {
     x_ = x;
     Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());
-    kernels::gelu(y, x);
+    if (approximate_ == GeluApproximation::tanh)
+      kernels::gelu_tanh(y, x);
+    else
+      kernels::gelu(y, x);
     return y;
   }
   Tensor backward_impl(const Tensor& dy) override {
     DP_CHECK(x_.defined(), "GELU::backward called before forward");
     Tensor dx = Tensor::empty(x_.shape(), x_.dtype(), dy.device());
-    kernels::gelu_backward(dx, dy, x_, kernels::Accumulate::no);
+    if (approximate_ == GeluApproximation::tanh)
+      kernels::gelu_tanh_backward(dx, dy, x_, kernels::Accumulate::no);
+    else
+      kernels::gelu_backward(dx, dy, x_, kernels::Accumulate::no);
     return dx;
   }
-  std::shared_ptr<Module> clone_config() const override { return std::make_shared<GELU>(); }
+  std::shared_ptr<Module> clone_config() const override {
+    return std::make_shared<GELU>(approximate_);
+  }
 
  private:
+  GeluApproximation approximate_;
   Tensor x_;
 };
 

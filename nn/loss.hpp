@@ -1,15 +1,54 @@
-// Losses: forward returns the loss as a (1) tensor on the device (no host sync; call .item()
-// when the value is needed), backward returns the gradient of that loss w.r.t. pred, computed
-// in the same fused kernel as the forward.
+// Losses. Each implements nn::Loss, the interface the engines (single device, DP, DDP, ZeRO-1,
+// the parameter server) call: the value and gradient in one call, and the loss's denominator,
+// from which each chunk of a batch gets its exact share. The classes also keep their own
+// forward/backward pair for plain training loops: forward returns the loss as a (1) tensor on
+// the device (no host sync), backward the gradient w.r.t. pred.
 #pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
 
 #include "nn/module.hpp"
 
 namespace nn {
 
+// A loss as the engines see it: a mean over a denominator (rows, kept tokens, elements).
+// Implement it for a user-defined loss; the engines split a batch along dim 0, call compute on
+// each chunk, and weight chunk i's mean by denominator(chunk i) / denominator(batch), so the
+// result equals the loss of the whole batch on one device.
+class Loss {
+ public:
+  virtual ~Loss() = default;
+  virtual std::string name() const = 0;
+  // requires target a host tensor (B, ...). Throws naming the shape or dtype it does not take.
+  virtual void check_target(const Tensor& target) const = 0;
+  // requires target a host tensor accepted by check_target. ensures the count this loss's mean
+  // divides by for that target: rows, tokens not ignored, or elements. May be 0.
+  virtual int64_t denominator(const Tensor& target) const = 0;
+  // requires pred and target on one device; loss (1) f32; dpred like pred (f32) or undefined.
+  // ensures loss = the mean over denominator(target) (0 when it is 0) and, when dpred is
+  // defined, dpred = d loss / d pred; queued on the device, no host sync.
+  virtual void compute(Tensor& loss, Tensor& dpred, const Tensor& pred,
+                       const Tensor& target) const = 0;
+  // requires correct (1) f32 on pred's device. ensures correct = the predictions that are right
+  // (rows or tokens), for reporting; 0 where that means nothing. Queued, no host sync.
+  virtual void count_correct_into(Tensor& correct, const Tensor& pred, const Tensor& target) const {
+    (void)pred, (void)target;
+    kernels::fill(correct, 0.f);
+  }
+  // count_correct_into read back to the host (waits).
+  int64_t count_correct(const Tensor& pred, const Tensor& target) const {
+    Tensor correct = Tensor::empty({1}, DType::f32, pred.device());
+    count_correct_into(correct, pred, target);
+    return static_cast<int64_t>(correct.item());
+  }
+};
+using LossPtr = std::shared_ptr<const Loss>;
+
 // Softmax cross-entropy with optional label smoothing, averaged over the batch.
 // pred (B, C) logits, target (B) i32 class indices in [0, C).
-class CrossEntropyLoss {
+class CrossEntropyLoss : public Loss {
  public:
   // requires 0 <= label_smoothing < 1.
   explicit CrossEntropyLoss(float label_smoothing = 0.f) : smoothing_(label_smoothing) {
@@ -36,13 +75,28 @@ class CrossEntropyLoss {
   }
   float label_smoothing() const { return smoothing_; }
 
+  std::string name() const override { return "cross_entropy"; }
+  void check_target(const Tensor& target) const override {
+    DP_CHECK(target.ndim() == 1 && target.dtype() == DType::i32,
+             "cross_entropy: labels " << target << " must be (B) i32");
+  }
+  int64_t denominator(const Tensor& target) const override { return target.dim(0); }
+  void compute(Tensor& loss, Tensor& dpred, const Tensor& pred,
+               const Tensor& target) const override {
+    kernels::softmax_cross_entropy(loss, dpred, pred, target, Tensor(), smoothing_);
+  }
+  void count_correct_into(Tensor& correct, const Tensor& pred,
+                          const Tensor& target) const override {
+    kernels::count_correct_into(correct, pred, target);
+  }
+
  private:
   float smoothing_;
   Tensor dpred_;
 };
 
 // Mean squared error over all elements: pred and target the same shape.
-class MSELoss {
+class MSELoss : public Loss {
  public:
   Tensor forward(const Tensor& pred, const Tensor& target) {
     DP_CHECK(pred.shape() == target.shape(),
@@ -58,8 +112,67 @@ class MSELoss {
     return dpred_;
   }
 
+  std::string name() const override { return "mse"; }
+  void check_target(const Tensor& target) const override {
+    DP_CHECK(target.ndim() >= 1 && target.dtype() == DType::f32,
+             "mse: targets " << target << " must be (B, ...) f32");
+  }
+  int64_t denominator(const Tensor& target) const override { return target.numel(); }
+  void compute(Tensor& loss, Tensor& dpred, const Tensor& pred,
+               const Tensor& target) const override {
+    DP_CHECK(pred.numel() == target.numel(),
+             "mse: pred " << kernels::shape_str(pred.shape()) << " and target "
+                          << kernels::shape_str(target.shape()) << " differ in size");
+    kernels::mse_loss(loss, dpred, pred, target.reshape(pred.shape()));
+  }
+
  private:
   Tensor dpred_;
+};
+
+// Token cross-entropy of a language model: logits (B, T, V), targets (B, T) i32, the mean over
+// the tokens whose target is not ignore_index (PyTorch's F.cross_entropy(logits.view(-1, V),
+// targets.view(-1), ignore_index=...)).
+class TokenCrossEntropyLoss : public Loss {
+ public:
+  explicit TokenCrossEntropyLoss(int32_t ignore_index = -1) : ignore_(ignore_index) {}
+  int32_t ignore_index() const { return ignore_; }
+
+  std::string name() const override { return "token_cross_entropy"; }
+  void check_target(const Tensor& target) const override {
+    DP_CHECK(target.ndim() == 2 && target.dtype() == DType::i32,
+             "token_cross_entropy: targets " << target << " must be (B, T) i32");
+  }
+  int64_t denominator(const Tensor& target) const override {
+    DP_CHECK(target.device().is_cpu() && target.dtype() == DType::i32,
+             "token_cross_entropy: denominator needs host i32 targets, got " << target);
+    const int32_t* t = target.data<int32_t>();
+    int64_t kept = 0;
+    for (int64_t i = 0; i < target.numel(); ++i) kept += t[i] != ignore_ ? 1 : 0;
+    return kept;
+  }
+  void compute(Tensor& loss, Tensor& dpred, const Tensor& pred,
+               const Tensor& target) const override {
+    const int64_t v = pred.ndim() >= 1 ? pred.dim(-1) : 0;
+    DP_CHECK(pred.ndim() == 3 && target.ndim() == 2 && pred.dim(0) == target.dim(0) &&
+                 pred.dim(1) == target.dim(1),
+             "token_cross_entropy: logits " << kernels::shape_str(pred.shape())
+                                            << " must be (B, T, V) and targets "
+                                            << kernels::shape_str(target.shape()) << " (B, T)");
+    const int64_t rows = target.numel();
+    Tensor d2 = dpred.defined() ? dpred.reshape({rows, v}) : Tensor();
+    kernels::token_cross_entropy(loss, d2, pred.reshape({rows, v}), target.reshape({rows}),
+                                 ignore_);
+  }
+  void count_correct_into(Tensor& correct, const Tensor& pred,
+                          const Tensor& target) const override {
+    const int64_t rows = target.numel();
+    kernels::count_correct_into(correct, pred.reshape({rows, pred.dim(-1)}),
+                                target.reshape({rows}));
+  }
+
+ private:
+  int32_t ignore_;
 };
 
 }  // namespace nn

@@ -4,10 +4,12 @@
 
 #include "nn/amp.hpp"
 #include "nn/checkpoint.hpp"
+#include "nn/clip.hpp"
 #include "nn/gradcheck.hpp"
 #include "nn/init.hpp"
 #include "nn/layers.hpp"
 #include "nn/loss.hpp"
 #include "nn/module.hpp"
 #include "nn/optim.hpp"
+#include "nn/param_groups.hpp"
 #include "nn/zoo.hpp"

@@ -4,6 +4,7 @@
 #include <memory>
 #include <vector>
 
+#include "nn/gpt.hpp"
 #include "nn/layers.hpp"
 
 namespace nn {
@@ -84,6 +85,12 @@ inline std::shared_ptr<Sequential> resnet(int depth, int64_t in_channels, int64_
   net->add(std::make_shared<GlobalAvgPool>());  // (N, 4 width)
   net->add(std::make_shared<Linear>(channels, classes));
   return net;
+}
+
+// A GPT-2 model (nn/gpt.hpp): ids (B, T) i32 -> logits (B, T, vocab).
+//   nn::gpt(nn::GptConfig::preset("124m"))
+inline std::shared_ptr<Gpt> gpt(const GptConfig& config) {
+  return std::make_shared<Gpt>(config);
 }
 
 }  // namespace nn

@@ -9,6 +9,7 @@ packages=(
   libgloo-dev
   libopenmpi-dev openmpi-bin
   dataset-fashion-mnist
+  fortunes-min
   gnuplot-nox
   clang-14 libclang-rt-14-dev
 )
@@ -26,6 +27,7 @@ if [ ${#missing[@]} -gt 0 ]; then
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
+# fortunes-min is the English text train_text trains its byte-level GPT on (dp/data/text.hpp).
 # clang-14 and libclang-rt-14-dev (libFuzzer, ASan, UBSan) build the fuzz targets (tests/fuzz).
 # The CUDA toolkit is not a Debian package here: when nvcc is on PATH or under
 # /usr/local/cuda the build compiles the CUDA backend, otherwise it builds CPU-only.

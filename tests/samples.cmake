@@ -19,3 +19,10 @@ if(TARGET compare_my_model)
     PROPERTIES TIMEOUT 30
     PASS_REGULAR_EXPRESSION "--model: 'cnn' is not used: this program trains residual_mlp")
 endif()
+
+# samples/train_text: a byte-level GPT on fortunes-min beats a bigram model; DP and resume.
+if(TARGET train_text)
+  dp_add_test(test_train_text SOURCES test_train_text.cpp LIBS dp_data)
+  target_compile_definitions(test_train_text PRIVATE DP_TRAIN_TEXT_PATH="$<TARGET_FILE:train_text>")
+  add_dependencies(test_train_text train_text)
+endif()

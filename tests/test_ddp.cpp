@@ -15,48 +15,16 @@
 #include "nn/nn.hpp"
 #include "nn/train_state.hpp"
 #include "tests/amp_util.hpp"
+#include "tests/ddp_ranks.hpp"
 #include "tests/train_util.hpp"
 
 using namespace kernels;
+using ddp_test::run_ranks;
 using dp::dist::DistributedDataParallel;
 
 namespace {
 
 constexpr uint64_t kSeed = 77;
-
-// Runs fn(rank, group) on `world` threads; rethrows the first failure after all joined.
-void run_ranks(int world, const std::function<void(int, dp::dist::ProcessGroup&)>& fn) {
-  int port = dp::dist::find_free_port();
-  std::vector<std::exception_ptr> errors(world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        dp::dist::InitOptions io;
-        io.backend = dp::dist::Backend::gloo;
-        io.init_method = "tcp://127.0.0.1:" + std::to_string(port);
-        io.rank = r;
-        io.world_size = world;
-        io.device = Device::cpu(r);
-        io.timeout = std::chrono::seconds(60);
-        auto pg = dp::dist::init_process_group(io);
-        fn(r, *pg);
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-    });
-  for (auto& t : threads) t.join();
-  std::string failures;
-  for (int r = 0; r < world; ++r) {
-    if (!errors[r]) continue;
-    try {
-      std::rethrow_exception(errors[r]);
-    } catch (const std::exception& e) {
-      failures += "rank " + std::to_string(r) + ": " + e.what() + "\n";
-    }
-  }
-  if (!failures.empty()) throw Error(failures);
-}
 
 SgdConfig sgd() {
   SgdConfig c;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <thread>
 
@@ -9,6 +10,7 @@
 #include "dp/distributed/mpi_process_group.hpp"
 #include "dp/distributed/sync_batch_norm.hpp"
 #include "kernels/runtime/memory.hpp"
+#include "nn/clip.hpp"
 
 namespace dp::dist {
 
@@ -28,7 +30,7 @@ std::optional<int> launch_if_parent(const DdpTrainerOptions& o, int argc, char**
 
 DdpTrainer::DdpTrainer(kernels::DeviceType type, const std::string& backend, DdpOptions ddp,
                        std::chrono::milliseconds timeout)
-    : ddp_options_(ddp) {
+    : ddp_options_(ddp), loss_fn_(std::make_shared<nn::CrossEntropyLoss>()) {
   auto env = worker_env_from_environment();
   DP_CHECK(env,
            "DdpTrainer: this process was not started as a worker (RANK, WORLD_SIZE, "
@@ -71,6 +73,18 @@ void DdpTrainer::set_precision(nn::Precision p, std::optional<nn::GradScalerOpti
   DP_CHECK(!ddp_, "DdpTrainer::set_precision after wrap()");
   precision_ = p;
   scaler_ = nn::GradScaler(scaler ? *scaler : nn::GradScaler::options_for(p));
+}
+
+void DdpTrainer::set_loss(nn::LossPtr loss) {
+  DP_CHECK(loss != nullptr, "DdpTrainer::set_loss: null loss");
+  loss_fn_ = std::move(loss);
+}
+
+void DdpTrainer::set_clip_grad_norm(float max_norm) {
+  DP_CHECK(!ddp_, "DdpTrainer::set_clip_grad_norm after wrap()");
+  DP_CHECK(max_norm >= 0.f && std::isfinite(max_norm),
+           "DdpTrainer::set_clip_grad_norm(" << max_norm << "): must be finite and >= 0");
+  clip_grad_norm_ = max_norm;
 }
 
 void DdpTrainer::set_run_config(RunConfig fields) {
@@ -152,7 +166,10 @@ void DdpTrainer::wrap(nn::ModulePtr model, nn::Optimizer& optimizer) {
   if (sync_bn_) nn::set_batch_norm_sync(*model, std::make_shared<GroupStatsSync>(*group_, device_));
   ddp_ = std::make_unique<DistributedDataParallel>(std::move(model), *group_, ddp_options_);
   optimizer_ = &optimizer;
-  if (zero_stage_ == 1) zero_ = std::make_unique<ZeroStage1>(*group_, ddp_->module(), optimizer);
+  if (zero_stage_ == 1) {
+    zero_ = std::make_unique<ZeroStage1>(*group_, ddp_->module(), optimizer);
+    zero_->set_clip_grad_norm(clip_grad_norm_);
+  }
   // The initial weights were broadcast from rank 0 through this rank's stream.
   context_->synchronize();
 }
@@ -161,13 +178,24 @@ std::pair<kernels::Tensor, kernels::Tensor> DdpTrainer::my_chunk(const kernels::
                                                                  const kernels::Tensor& labels,
                                                                  float* share) {
   DP_CHECK(
-      images.defined() && labels.defined() && labels.ndim() == 1 && images.dim(0) == labels.dim(0),
+      images.defined() && labels.defined() && labels.ndim() >= 1 && images.dim(0) == labels.dim(0),
       "DdpTrainer: images " << images << " and labels " << labels
                             << " must share their first dimension");
+  loss_fn_->check_target(labels);
   int64_t batch = images.dim(0);
   auto sizes = chunk_sizes(batch, world_size());
   int64_t begin = chunk_begin(sizes, rank());
-  if (share) *share = chunk_share(sizes[rank()], batch);
+  if (share) {  // this rank's share of the batch's loss denominator (rows or kept tokens)
+    std::vector<int64_t> denominators(sizes.size());
+    for (int r = 0; r < world_size(); ++r) {
+      int64_t b = chunk_begin(sizes, r);
+      denominators[r] = loss_fn_->denominator(labels.slice(b, b + sizes[r]));
+    }
+    *share = loss_shares(denominators)[rank()];
+    my_denominator_ = denominators[rank()];
+    total_denominator_ = 0;
+    for (int64_t d : denominators) total_denominator_ += d;
+  }
   kernels::Tensor x = images.slice(begin, begin + sizes[rank()]);
   kernels::Tensor y = labels.slice(begin, begin + sizes[rank()]);
   // Input buffers persist between steps; they are remade only when the shape changes. The
@@ -193,7 +221,8 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
                              << world_size() << " without rows: pad a short last batch to "
                              << world_size() << " rows (LoaderOptions::pad_last_batch_to) or "
                              << "drop it");
-  ddp_->set_batch_share(x.dim(0), images.dim(0));
+  ddp_->set_batch_share(total_denominator_ > 0 ? my_denominator_ : 0,
+                        std::max<int64_t>(total_denominator_, 1));
   marks_[1].record(ctx);
 
   nn::Module& m = ddp_->module();
@@ -202,7 +231,7 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   kernels::ensure(metrics_, {2}, kernels::DType::f32, device_);
   kernels::Tensor loss = metrics_.view(0, {1}), non_finite = metrics_.view(1, {1});
   kernels::Tensor& dlogits = kernels::ensure(dlogits_, out.shape(), kernels::DType::f32, device_);
-  kernels::softmax_cross_entropy(loss, dlogits, out, y);
+  loss_fn_->compute(loss, dlogits, out, y);
   scaler_.scale_loss_grad(dlogits);  // fp16: the loss gradient carries the scale
   marks_[2].record(ctx);
 
@@ -218,6 +247,7 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   if (zero_) {
     // ZeRO-1 decides on the host (every rank's shard, combined) inside its step.
     zero_->step(share, &scaler_);
+    grad_norm_ = zero_->last_grad_norm();
     if (ddp_options_.buffer_sync == BufferSync::average && m.flat_buffers().numel() > 0)
       group_->all_reduce(m.flat_buffers(), ReduceOp::avg)->wait();
     kernels::fill(non_finite, 0.f);
@@ -226,8 +256,11 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
     marks_[4].record(ctx);
     kernels::NvtxRange range("ddp/step");
     TraceScope slice(ddp_->trace(), "ddp/step", rank());
-    // The all-reduced gradient is the same on every rank: so is the decision, made on the
-    // device (the update skips itself) and learnt with the loss.
+    // The all-reduced gradient is the same on every rank: so are its norm and the decision,
+    // made on the device (the update skips itself) and learnt with the loss. Clipping reads
+    // the norm on the host (one more wait per step when on).
+    if (clip_grad_norm_ > 0.f)
+      grad_norm_ = nn::clip_grad_norm(m.flat_grads(), clip_grad_norm_, 1.f / scaler_.scale());
     scaler_.step_deferred(*optimizer_, m.flat_grads(), non_finite);
   }
   marks_[5].record(ctx);
@@ -278,7 +311,7 @@ int64_t DdpTrainer::count_correct(const kernels::Tensor& images, const kernels::
   auto [x, y] = my_chunk(images, labels, nullptr);
   nn::Module& m = ddp_->module();
   m.eval();
-  float mine = x.dim(0) > 0 ? static_cast<float>(kernels::count_correct(m.forward(x), y)) : 0.f;
+  float mine = x.dim(0) > 0 ? static_cast<float>(loss_fn_->count_correct(m.forward(x), y)) : 0.f;
   m.train();
   kernels::Tensor c = kernels::Tensor::from_vector({mine}, {1}, device_);
   group_->all_reduce(c, ReduceOp::sum)->wait();

@@ -23,6 +23,7 @@
 #include "dp/distributed/zero.hpp"
 #include "kernels/runtime/event.hpp"
 #include "nn/amp.hpp"
+#include "nn/loss.hpp"
 #include "nn/optim.hpp"
 #include "nn/train_state.hpp"
 
@@ -81,6 +82,15 @@ class DdpTrainer {
   // The program's run configuration (program, mode, model, batch, steps, seed, ...: what every
   // rank must agree on), verified across ranks by wrap(). Call before wrap().
   void set_run_config(RunConfig fields);
+  // The loss each rank computes on its chunk (nn/loss.hpp; default row cross-entropy). Each
+  // rank's gradient is weighted by its chunk's share of the batch's loss denominator.
+  void set_loss(nn::LossPtr loss);
+  // > 0: the all-reduced gradient (the same on every rank) is clipped to this global 2-norm
+  // before the step; under ZeRO-1 from one all-reduce of the shards' squared norms. 0: off.
+  // Call before wrap().
+  void set_clip_grad_norm(float max_norm);
+  // The global gradient norm of the last step, before clipping (0 with clipping off).
+  float last_grad_norm() const { return grad_norm_; }
   // requires model materialised on device(); optimizer built on it.
   // First the ranks prove they agree (config_check.hpp): the run configuration plus the fields
   // the engine adds ("engine.*": world size, backend, parameter count, shapes and their hash,
@@ -141,6 +151,9 @@ class DdpTrainer {
   // Phase boundaries of a step on this rank's stream: begin, scattered, forward, backward,
   // gradients synchronised, stepped.
   kernels::Event marks_[6];
+  nn::LossPtr loss_fn_;
+  float clip_grad_norm_ = 0.f, grad_norm_ = 0.f;
+  int64_t my_denominator_ = 0, total_denominator_ = 0;  // of the last my_chunk with a share
   DdpStepTimes times_;
   int64_t last_payload_bytes_ = 0;
 };

@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 
 #include "kernels/ops.hpp"
+#include "nn/clip.hpp"
 
 namespace dp::dist {
 
@@ -64,9 +66,11 @@ bool ZeroStage1::step(float share, nn::GradScaler* scaler) {
   const int64_t s = plan_.shard, body = s * plan_.world, tail = plan_.numel - body;
   Tensor& params = module_.flat_params();
   Tensor& grads = module_.flat_grads();
+  const float unscale = scaler && scaler->enabled() ? 1.f / scaler->scale() : 1.f;
   if (plan_.world == 1) {
     times_ = {};
     auto t0 = Clock::now();
+    if (clip_ > 0.f) grad_norm_ = nn::clip_grad_norm(grads, clip_, unscale);
     const bool taken = scaler ? scaler->step(optimizer_, grads) : (optimizer_.step(), true);
     times_.step = ms_since(t0);
     return taken;
@@ -87,6 +91,19 @@ bool ZeroStage1::step(float share, nn::GradScaler* scaler) {
   }
   times_.reduce_scatter = ms_since(t0);
   t0 = Clock::now();
+  if (clip_ > 0.f) {
+    // The global norm from every rank's shard: one float all-reduced, one factor for all.
+    kernels::NvtxRange range("zero/clip");
+    const int64_t begin = optimizer_.shard_begin(), end = optimizer_.shard_end();
+    Tensor shard = grads.view(begin, {end - begin});
+    Tensor sq = Tensor::empty({1}, DType::f32, params.device());
+    kernels::sum_squares(sq, shard);
+    group_.all_reduce(sq, ReduceOp::sum)->wait();
+    const double norm = std::sqrt(static_cast<double>(sq.item())) * unscale;
+    grad_norm_ = static_cast<float>(norm);
+    const float factor = nn::clip_factor(norm, clip_);
+    if (factor != 1.f) kernels::scale(shard, shard, factor);
+  }
   bool finite = true;
   if (scaler && scaler->enabled()) {
     // This rank sees only its shard's reduced gradient: the verdict is combined, one float.

@@ -66,6 +66,11 @@ class ZeroStage1 {
   // on every rank. Collective; allocates P floats per state tensor (a save, not a step).
   std::vector<std::pair<std::string, kernels::Tensor>> gather_optimizer_state() const;
 
+  // > 0: the reduced gradient is clipped to this global 2-norm before the shard step: each
+  // rank's shard's squared norm, one all_reduce(sum), the same factor on every rank. 0: off.
+  void set_clip_grad_norm(float max_norm) { clip_ = max_norm; }
+  // The global gradient norm of the last step (before clipping; 0 with clipping off).
+  float last_grad_norm() const { return grad_norm_; }
   const ZeroShardPlan& plan() const { return plan_; }
   const ZeroStepTimes& last_times() const { return times_; }
 
@@ -77,6 +82,7 @@ class ZeroStage1 {
   kernels::Tensor grad_shard_;  // (S): this rank's shard of the global gradient
   kernels::Tensor mine_;        // (S): this rank's updated shard, sent to the others
   ZeroStepTimes times_;
+  float clip_ = 0.f, grad_norm_ = 0.f;
 };
 
 }  // namespace dp::dist

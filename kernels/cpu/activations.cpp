@@ -10,6 +10,8 @@ namespace {
 
 constexpr float kInvSqrt2 = 0.70710678118654752440f;
 constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
+constexpr float kSqrt2OverPi = 0.79788456080286535588f;
+constexpr float kGeluCubic = 0.044715f;
 
 // y[i] = f(x[i]) over the whole tensor.
 template <class F>
@@ -56,6 +58,22 @@ void gelu_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc
     float cdf = 0.5f * (1.f + std::erf(v * kInvSqrt2));
     float pdf = kInvSqrt2Pi * std::exp(-0.5f * v * v);
     return cdf + v * pdf;
+  });
+}
+
+// 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3).
+void gelu_tanh(Tensor& y, const Tensor& x) {
+  map(y, x, [](float v) {
+    return 0.5f * v * (1.f + std::tanh(kSqrt2OverPi * (v + kGeluCubic * v * v * v)));
+  });
+}
+
+// d/dx = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) sqrt(2/pi) (1 + 3 0.044715 x^2).
+void gelu_tanh_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc) {
+  backward(dx, dy, x, acc, [](float v) {
+    float t = std::tanh(kSqrt2OverPi * (v + kGeluCubic * v * v * v));
+    return 0.5f * (1.f + t) +
+           0.5f * v * (1.f - t * t) * kSqrt2OverPi * (1.f + 3.f * kGeluCubic * v * v);
   });
 }
 

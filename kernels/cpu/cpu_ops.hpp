@@ -32,11 +32,21 @@ void sum_leading(Tensor& out, const Tensor& x, Accumulate acc);
 void sigmoid(Tensor& y, const Tensor& x);
 void sigmoid_backward(Tensor& dx, const Tensor& dy, const Tensor& y, Accumulate acc);
 void exp(Tensor& y, const Tensor& x);
+void gelu_tanh(Tensor& y, const Tensor& x);
+void gelu_tanh_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc);
+void embedding_forward(Tensor& y, const Tensor& ids, const Tensor& table);
+void embedding_backward(Tensor& dtable, const Tensor& dy, const Tensor& ids);
+void attention_forward(Tensor& y, Tensor& lse, const Tensor& qkv, const AttentionParams& p);
+void attention_backward(Tensor& dqkv, const Tensor& dy, const Tensor& qkv, const Tensor& y,
+                        const Tensor& lse, const AttentionParams& p);
+void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, const Tensor& targets,
+                         int32_t ignore_index);
 void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
                            const Tensor& labels, const Tensor& weights, float label_smoothing);
 void mse_loss(Tensor& loss, Tensor& dpred, const Tensor& pred, const Tensor& target);
 void sum(Tensor& out, const Tensor& x);
 void mean(Tensor& out, const Tensor& x);
+void sum_squares(Tensor& out, const Tensor& x);
 void argmax(Tensor& out, const Tensor& x);
 int64_t count_correct(const Tensor& logits, const Tensor& labels);
 void count_correct_into(Tensor& out, const Tensor& logits, const Tensor& labels);
@@ -71,6 +81,9 @@ void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const
                 int64_t step);
 void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, const AdamWConfig& c,
                   int64_t step);
+void adamw_update_grouped(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v,
+                          const Tensor& group_of, const AdamWConfig& c, const AdamWGroups& groups,
+                          int64_t step);
 bool all_finite(const Tensor& x);
 void non_finite_into(Tensor& flag, const Tensor& x);
 

@@ -50,6 +50,49 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
   loss.data<float>()[0] = static_cast<float>(total / static_cast<double>(batch));
 }
 
+// As softmax_cross_entropy without smoothing or weights, over the rows whose target is not
+// ignore_index, divided by their count n (ignored rows: no loss, zero gradient).
+void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, const Tensor& targets,
+                         int32_t ignore_index) {
+  int64_t rows = logits.dim(0), classes = logits.dim(1);
+  const float* px = logits.data<float>();
+  const int32_t* pt = targets.data<int32_t>();
+  float* pd = dlogits.defined() ? dlogits.data<float>() : nullptr;
+  int64_t kept = 0;
+  for (int64_t i = 0; i < rows; ++i) {
+    if (pt[i] == ignore_index) continue;
+    DP_CHECK(pt[i] >= 0 && pt[i] < classes, bad_label_text(pt[i], i, rows, classes));
+    ++kept;
+  }
+  const double inv_n = kept > 0 ? 1.0 / static_cast<double>(kept) : 0.0;
+  std::vector<double> row_loss(static_cast<size_t>(rows), 0.0);
+  int64_t grain = std::max<int64_t>(1, kElementwiseGrain / classes);
+  parallel_range(rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* x = px + i * classes;
+      float* d = pd ? pd + i * classes : nullptr;
+      if (pt[i] == ignore_index) {
+        if (d) std::fill(d, d + classes, 0.f);
+        continue;
+      }
+      float max_x = x[0];
+      for (int64_t c = 1; c < classes; ++c) max_x = std::max(max_x, x[c]);
+      double sum_exp = 0.0;
+      for (int64_t c = 0; c < classes; ++c) sum_exp += std::exp(static_cast<double>(x[c]) - max_x);
+      const double lse = max_x + std::log(sum_exp);
+      row_loss[i] = lse - x[pt[i]];
+      if (!d) continue;
+      for (int64_t c = 0; c < classes; ++c) {
+        double prob = std::exp(static_cast<double>(x[c]) - lse);
+        d[c] = static_cast<float>(inv_n * (prob - (c == pt[i] ? 1.0 : 0.0)));
+      }
+    }
+  });
+  double total = 0.0;
+  for (double l : row_loss) total += l;
+  loss.data<float>()[0] = static_cast<float>(total * inv_n);
+}
+
 // loss = mean (pred - target)^2, dpred = 2 (pred - target) / numel.
 void mse_loss(Tensor& loss, Tensor& dpred, const Tensor& pred, const Tensor& target) {
   int64_t n = pred.numel();

@@ -67,4 +67,36 @@ void non_finite_into(Tensor& flag, const Tensor& x) {
   flag.data<float>()[0] = cpu::all_finite(x) ? 0.f : 1.f;
 }
 
+// adamw_update per element, with its group's learning rate and weight decay.
+void adamw_update_grouped(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v,
+                          const Tensor& group_of, const AdamWConfig& c, const AdamWGroups& groups,
+                          int64_t step) {
+  if (skipped(c.skip_if)) return;
+  float* p = params.data<float>();
+  const float* g = grads.data<float>();
+  const uint8_t* grp = group_of.data<uint8_t>();
+  float* pm = m.data<float>();
+  float* pv = v.data<float>();
+  double t = static_cast<double>(step);
+  float decay[kMaxAdamWGroups], step_size[kMaxAdamWGroups];
+  for (int k = 0; k < groups.count; ++k) {
+    const double lr = static_cast<double>(c.lr) * groups.lr_scale[k];
+    decay[k] = static_cast<float>(1.0 - lr * groups.weight_decay[k]);
+    step_size[k] = static_cast<float>(lr / (1.0 - std::pow(double{c.beta1}, t)));
+  }
+  float correction2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(double{c.beta2}, t)));
+  float one_minus_b1 = 1.f - c.beta1, one_minus_b2 = 1.f - c.beta2;
+  parallel_range(params.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int k = grp[i];
+      p[i] *= decay[k];
+      float gi = g[i] * c.grad_unscale;
+      pm[i] = c.beta1 * pm[i] + one_minus_b1 * gi;
+      pv[i] = c.beta2 * pv[i] + one_minus_b2 * gi * gi;
+      float denom = std::sqrt(pv[i]) / correction2_sqrt + c.eps;
+      p[i] -= step_size[k] * pm[i] / denom;
+    }
+  });
+}
+
 }  // namespace kernels::cpu

@@ -36,6 +36,16 @@ void mean(Tensor& out, const Tensor& x) {
   out.data<float>()[0] = static_cast<float>(total(x) / static_cast<double>(x.numel()));
 }
 
+void sum_squares(Tensor& out, const Tensor& x) {
+  const float* px = x.data<float>();
+  out.data<float>()[0] =
+      static_cast<float>(chunked_sum(x.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
+        double s = 0.0;
+        for (int64_t i = begin; i < end; ++i) s += static_cast<double>(px[i]) * px[i];
+        return s;
+      }));
+}
+
 void argmax(Tensor& out, const Tensor& x) {
   int64_t rows = x.dim(0), cols = x.dim(1);
   const float* px = x.data<float>();

@@ -25,6 +25,20 @@ struct GeluGrad {  // Phi(x) + x phi(x), of the forward input
     return cdf + v * pdf;
   }
 };
+constexpr float kSqrt2OverPi = 0.79788456080286535588f;
+constexpr float kGeluCubic = 0.044715f;
+struct GeluTanh {  // 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+  __device__ float operator()(float v) const {
+    return 0.5f * v * (1.f + tanhf(kSqrt2OverPi * (v + kGeluCubic * v * v * v)));
+  }
+};
+struct GeluTanhGrad {  // of the forward input
+  __device__ float operator()(float v) const {
+    float t = tanhf(kSqrt2OverPi * (v + kGeluCubic * v * v * v));
+    return 0.5f * (1.f + t) +
+           0.5f * v * (1.f - t * t) * kSqrt2OverPi * (1.f + 3.f * kGeluCubic * v * v);
+  }
+};
 struct Tanh {
   __device__ float operator()(float v) const { return tanhf(v); }
 };
@@ -93,6 +107,17 @@ void gelu_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc
                    DeviceContext& ctx) {
   NvtxRange range("kernels/gelu_backward");
   launch_backward("gelu_backward", dx, dy, x, acc, GeluGrad{}, ctx);
+}
+
+void gelu_tanh(Tensor& y, const Tensor& x, DeviceContext& ctx) {
+  NvtxRange range("kernels/gelu_tanh");
+  launch_map("gelu_tanh", y, x, GeluTanh{}, ctx);
+}
+
+void gelu_tanh_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc,
+                        DeviceContext& ctx) {
+  NvtxRange range("kernels/gelu_tanh_backward");
+  launch_backward("gelu_tanh_backward", dx, dy, x, acc, GeluTanhGrad{}, ctx);
 }
 
 void tanh(Tensor& y, const Tensor& x, DeviceContext& ctx) {

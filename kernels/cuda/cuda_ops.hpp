@@ -45,6 +45,17 @@ void sigmoid(Tensor& y, const Tensor& x, DeviceContext& ctx);
 void sigmoid_backward(Tensor& dx, const Tensor& dy, const Tensor& y, Accumulate acc,
                       DeviceContext& ctx);
 void exp(Tensor& y, const Tensor& x, DeviceContext& ctx);
+void gelu_tanh(Tensor& y, const Tensor& x, DeviceContext& ctx);
+void gelu_tanh_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc,
+                        DeviceContext& ctx);
+void embedding_forward(Tensor& y, const Tensor& ids, const Tensor& table, DeviceContext& ctx);
+void embedding_backward(Tensor& dtable, const Tensor& dy, const Tensor& ids, DeviceContext& ctx);
+void attention_forward(Tensor& y, Tensor& lse, const Tensor& qkv, const AttentionParams& p,
+                       DeviceContext& ctx);
+void attention_backward(Tensor& dqkv, const Tensor& dy, const Tensor& qkv, const Tensor& y,
+                        const Tensor& lse, const AttentionParams& p, DeviceContext& ctx);
+void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, const Tensor& targets,
+                         int32_t ignore_index, DeviceContext& ctx);
 void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
                            const Tensor& labels, const Tensor& weights, float label_smoothing,
                            DeviceContext& ctx);
@@ -52,6 +63,7 @@ void mse_loss(Tensor& loss, Tensor& dpred, const Tensor& pred, const Tensor& tar
               DeviceContext& ctx);
 void sum(Tensor& out, const Tensor& x, DeviceContext& ctx);
 void mean(Tensor& out, const Tensor& x, DeviceContext& ctx);
+void sum_squares(Tensor& out, const Tensor& x, DeviceContext& ctx);
 void argmax(Tensor& out, const Tensor& x, DeviceContext& ctx);
 int64_t count_correct(const Tensor& logits, const Tensor& labels, DeviceContext& ctx);
 void count_correct_into(Tensor& out, const Tensor& logits, const Tensor& labels,
@@ -91,6 +103,9 @@ void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const
                 int64_t step, DeviceContext& ctx);
 void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, const AdamWConfig& c,
                   int64_t step, DeviceContext& ctx);
+void adamw_update_grouped(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v,
+                          const Tensor& group_of, const AdamWConfig& c, const AdamWGroups& groups,
+                          int64_t step, DeviceContext& ctx);
 bool all_finite(const Tensor& x, DeviceContext& ctx);
 void non_finite_into(Tensor& flag, const Tensor& x, DeviceContext& ctx);
 

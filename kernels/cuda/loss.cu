@@ -51,6 +51,10 @@ struct ReadValue {
   const float* x;
   __device__ float operator()(int64_t i) const { return x[i]; }
 };
+struct SquareValue {
+  const float* x;
+  __device__ float operator()(int64_t i) const { return x[i] * x[i]; }
+};
 
 // (pred - target)^2, writing dpred = grad_scale (pred - target) on the way when asked.
 struct SquaredError {
@@ -75,12 +79,22 @@ size_t aligned_bytes(size_t bytes) {
 // One block per row i of logits (B, C). With lse = log sum exp x, t = (1 - ls) onehot + ls / C:
 //   row_loss[i] = w ((1 - ls)(lse - x_label) + ls (lse - mean_c x_c))
 //   dlogits_i = (w / B) (softmax(x) - t)
+// Token cross-entropy (count_of_kept not null): rows whose label is ignore_index get no loss
+// and a zero gradient, and the gradient divisor is the count of the others (*count_of_kept).
 __global__ void softmax_xent_kernel(float* row_loss, float* dlogits, const float* logits,
                                     const int32_t* labels, const float* weights, int64_t batch,
-                                    int64_t classes, float ls, unsigned long long* fault) {
+                                    int64_t classes, float ls, unsigned long long* fault,
+                                    int32_t ignore_index = 0,
+                                    const float* count_of_kept = nullptr) {
   int64_t i = blockIdx.x;
   const float* x = logits + i * classes;
   int32_t label = labels[i];
+  if (count_of_kept && label == ignore_index) {
+    if (threadIdx.x == 0) row_loss[i] = 0.f;
+    if (dlogits)
+      for (int64_t c = threadIdx.x; c < classes; c += blockDim.x) dlogits[i * classes + c] = 0.f;
+    return;
+  }
   if (label < 0 || label >= classes) {
     // No __trap(): it would end the CUDA context every logical device on this GPU shares. The
     // fault record keeps the first bad row (the smallest (row, label) word wins) for the host,
@@ -111,13 +125,25 @@ __global__ void softmax_xent_kernel(float* row_loss, float* dlogits, const float
   if (threadIdx.x == 0)
     row_loss[i] = w * ((1.f - ls) * (lse - x[label]) + ls * (lse - sum_x / classes));
   if (!dlogits) return;
-  float scale = w / static_cast<float>(batch);
+  float scale = w / (count_of_kept ? fmaxf(*count_of_kept, 1.f) : static_cast<float>(batch));
   float off = ls / static_cast<float>(classes), on = (1.f - ls) + off;
   float* d = dlogits + i * classes;
   for (int64_t c = threadIdx.x; c < classes; c += blockDim.x) {
     float prob = expf(x[c] - lse);
     d[c] = scale * (prob - (c == label ? on : off));
   }
+}
+
+// Rows whose label is not ignore_index, as a float (exact below 2^24 rows).
+struct KeptRow {
+  const int32_t* labels;
+  int32_t ignore_index;
+  __device__ float operator()(int64_t i) const { return labels[i] != ignore_index ? 1.f : 0.f; }
+};
+
+// *loss /= max(*count, 1).
+__global__ void divide_by_count_kernel(float* loss, const float* count) {
+  *loss = *loss / fmaxf(*count, 1.f);
 }
 
 // ---- argmax --------------------------------------------------------------------------------
@@ -214,6 +240,31 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
   launch_sum(loss.data<float>(), batch, ReadValue{row_loss}, divisor, partials, s);
 }
 
+void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, const Tensor& targets,
+                         int32_t ignore_index, DeviceContext& ctx) {
+  NvtxRange range("kernels/token_cross_entropy");
+  require_f32("token_cross_entropy", {&loss, &logits});
+  if (dlogits.defined()) require_f32("token_cross_entropy", dlogits);
+  cudaStream_t s = stream_of(ctx);
+  int64_t rows = logits.dim(0), classes = logits.dim(1);
+  // Workspace: per-row losses, the kept-row count, then the partial sums.
+  size_t rows_bytes = aligned_bytes(sizeof(float) * static_cast<size_t>(rows));
+  char* ws = static_cast<char*>(ctx.workspace(rows_bytes + 256 + sizeof(float) * kMaxPartials));
+  auto* row_loss = reinterpret_cast<float*>(ws);
+  auto* count = reinterpret_cast<float*>(ws + rows_bytes);
+  auto* partials = reinterpret_cast<float*>(ws + rows_bytes + 256);
+  launch_sum(count, rows, KeptRow{targets.data<int32_t>(), ignore_index}, 1.f, partials, s);
+  auto* fault = reinterpret_cast<unsigned long long*>(ctx.fault_record());
+  softmax_xent_kernel<<<static_cast<unsigned>(rows), row_block_threads(classes), 0, s>>>(
+      row_loss, data_or_null<float>(dlogits), logits.data<float>(), targets.data<int32_t>(),
+      nullptr, rows, classes, 0.f, fault, ignore_index, count);
+  DP_CUDA_CHECK_LAUNCH();
+  ctx.arm_fault_check(bad_label_fault_text);
+  launch_sum(loss.data<float>(), rows, ReadValue{row_loss}, 1.f, partials, s);
+  divide_by_count_kernel<<<1, 1, 0, s>>>(loss.data<float>(), count);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
 void mse_loss(Tensor& loss, Tensor& dpred, const Tensor& pred, const Tensor& target,
               DeviceContext& ctx) {
   NvtxRange range("kernels/mse_loss");
@@ -246,6 +297,14 @@ void mean(Tensor& out, const Tensor& x, DeviceContext& ctx) {
   auto* partials = static_cast<float*>(ctx.workspace(sizeof(float) * kMaxPartials));
   float divisor = n > 0 ? static_cast<float>(n) : 1.f;
   launch_sum(out.data<float>(), n, ReadValue{x.data<float>()}, divisor, partials, stream_of(ctx));
+}
+
+void sum_squares(Tensor& out, const Tensor& x, DeviceContext& ctx) {
+  NvtxRange range("kernels/sum_squares");
+  require_f32("sum_squares", {&out, &x});
+  auto* partials = static_cast<float*>(ctx.workspace(sizeof(float) * kMaxPartials));
+  launch_sum(out.data<float>(), x.numel(), SquareValue{x.data<float>()}, 1.f, partials,
+             stream_of(ctx));
 }
 
 void argmax(Tensor& out, const Tensor& x, DeviceContext& ctx) {

@@ -45,6 +45,31 @@ __global__ void adamw_kernel(float* p, const float* grad, float unscale, float* 
   }
 }
 
+// Per-group scalars of adamw_update_grouped, passed by value.
+struct GroupScalars {
+  float decay[kMaxAdamWGroups];
+  float step_size[kMaxAdamWGroups];
+};
+
+__global__ void adamw_grouped_kernel(float* p, const float* grad, const uint8_t* group_of,
+                                     float unscale, float* m, float* v, GroupScalars gs,
+                                     float beta1, float beta2, float one_minus_b1,
+                                     float one_minus_b2, float correction2_sqrt, float eps,
+                                     const float* skip, int64_t n) {
+  if (skip && *skip != 0.f) return;  // a non-finite gradient: no update
+  DP_GRID_STRIDE_LOOP(i, n) {
+    const int k = group_of[i];
+    float g = grad[i] * unscale;
+    float pi = p[i] * gs.decay[k];
+    float mi = beta1 * m[i] + one_minus_b1 * g;
+    float vi = beta2 * v[i] + one_minus_b2 * g * g;
+    m[i] = mi;
+    v[i] = vi;
+    float denom = sqrtf(vi) / correction2_sqrt + eps;
+    p[i] = pi - gs.step_size[k] * mi / denom;
+  }
+}
+
 // Sets *flag when some element is not finite (every writer writes the same value).
 template <class Flag, class T>
 __global__ void non_finite_kernel(Flag* flag, const T* x, int64_t n) {
@@ -114,6 +139,28 @@ void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, con
       params.data<float>(), grads.data<float>(), c.grad_unscale, m.data<float>(), v.data<float>(),
       decay, c.beta1, c.beta2, 1.f - c.beta1, 1.f - c.beta2, step_size, correction2_sqrt, c.eps,
       skip_pointer(c.skip_if), n);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void adamw_update_grouped(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v,
+                          const Tensor& group_of, const AdamWConfig& c, const AdamWGroups& groups,
+                          int64_t step, DeviceContext& ctx) {
+  NvtxRange range("kernels/adamw_update_grouped");
+  require_f32("adamw_update_grouped", {&params, &grads, &m, &v});
+  int64_t n = params.numel();
+  if (n == 0) return;
+  double t = static_cast<double>(step);
+  GroupScalars gs{};
+  for (int k = 0; k < groups.count; ++k) {
+    const double lr = static_cast<double>(c.lr) * groups.lr_scale[k];
+    gs.decay[k] = static_cast<float>(1.0 - lr * groups.weight_decay[k]);
+    gs.step_size[k] = static_cast<float>(lr / (1.0 - std::pow(double{c.beta1}, t)));
+  }
+  float correction2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(double{c.beta2}, t)));
+  adamw_grouped_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
+      params.data<float>(), grads.data<float>(), group_of.data<uint8_t>(), c.grad_unscale,
+      m.data<float>(), v.data<float>(), gs, c.beta1, c.beta2, 1.f - c.beta1, 1.f - c.beta2,
+      correction2_sqrt, c.eps, skip_pointer(c.skip_if), n);
   DP_CUDA_CHECK_LAUNCH();
 }
 

@@ -1,0 +1,163 @@
+// Transformer ops on the CPU: embedding lookup and multi-head scaled dot-product attention.
+// Attention runs one task per (batch, head), each with single-threaded sgemm calls on strided
+// views of the fused qkv tensor, and an exact f32 softmax: the same bits for any thread count.
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/cpu_ops.hpp"
+#include "kernels/cpu/cpu_util.hpp"
+
+namespace kernels::cpu {
+
+namespace {
+
+std::string bad_id_text(int64_t id, int64_t position, const Tensor& ids, int64_t vocab) {
+  std::ostringstream os;
+  os << "embedding: id " << id << " at position " << position << " of ids "
+     << shape_str(ids.shape()) << " is outside [0, " << vocab << ")";
+  return os.str();
+}
+
+// The shape of one attention call: B, T, H, head dim, width D = H Dh.
+struct AttentionShape {
+  int64_t batch, seq, heads, head_dim, width;
+  explicit AttentionShape(const Tensor& qkv, int64_t h)
+      : batch(qkv.dim(0)),
+        seq(qkv.dim(1)),
+        heads(h),
+        head_dim(qkv.dim(2) / 3 / h),
+        width(qkv.dim(2) / 3) {}
+  // Offsets of q, k, v of head h of batch b in qkv (row stride 3 D), and of y (row stride D).
+  int64_t q(int64_t b, int64_t h) const { return b * seq * 3 * width + h * head_dim; }
+  int64_t k(int64_t b, int64_t h) const { return q(b, h) + width; }
+  int64_t v(int64_t b, int64_t h) const { return q(b, h) + 2 * width; }
+  int64_t y(int64_t b, int64_t h) const { return b * seq * width + h * head_dim; }
+  int64_t lse(int64_t b, int64_t h) const { return (b * heads + h) * seq; }
+};
+
+// Columns of row i the mask lets through: [0, i] (causal) or [0, T).
+int64_t visible(const AttentionParams& p, int64_t i, int64_t seq) {
+  return p.mask == AttentionMask::causal ? i + 1 : seq;
+}
+
+// s (T, T) = scale q k^T for one (b, h); rows then hold probabilities P = softmax(s) over the
+// visible columns (zeros beyond). Writes lse[i] when lse is not null; else reads it.
+void attention_probs(std::vector<float>& s, const float* q, const float* k, float* lse,
+                     const float* lse_in, const AttentionShape& a, const AttentionParams& p) {
+  const int64_t t = a.seq, ld = 3 * a.width;
+  sgemm_serial(Transpose::no, Transpose::yes, t, t, a.head_dim, p.scale, q, ld, k, ld, 0.f,
+               s.data(), t);
+  for (int64_t i = 0; i < t; ++i) {
+    float* row = s.data() + i * t;
+    const int64_t n = visible(p, i, t);
+    float row_lse;
+    if (lse_in) {
+      row_lse = lse_in[i];
+    } else {
+      float m = row[0];
+      for (int64_t j = 1; j < n; ++j) m = std::max(m, row[j]);
+      float sum = 0.f;
+      for (int64_t j = 0; j < n; ++j) sum += std::exp(row[j] - m);
+      row_lse = m + std::log(sum);
+      lse[i] = row_lse;
+    }
+    for (int64_t j = 0; j < n; ++j) row[j] = std::exp(row[j] - row_lse);
+    for (int64_t j = n; j < t; ++j) row[j] = 0.f;
+  }
+}
+
+}  // namespace
+
+void embedding_forward(Tensor& y, const Tensor& ids, const Tensor& table) {
+  const int64_t n = ids.numel(), vocab = table.dim(0), d = table.dim(1);
+  const int32_t* pi = ids.data<int32_t>();
+  for (int64_t i = 0; i < n; ++i)
+    DP_CHECK(pi[i] >= 0 && pi[i] < vocab, bad_id_text(pi[i], i, ids, vocab));
+  const float* pt = table.data<float>();
+  float* py = y.data<float>();
+  parallel_range(n, std::max<int64_t>(1, kElementwiseGrain / d), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      std::memcpy(py + i * d, pt + pi[i] * d, sizeof(float) * static_cast<size_t>(d));
+  });
+}
+
+// Columns split across tasks; each task adds the rows in id order: bitwise reproducible.
+void embedding_backward(Tensor& dtable, const Tensor& dy, const Tensor& ids) {
+  const int64_t n = ids.numel(), vocab = dtable.dim(0), d = dtable.dim(1);
+  const int32_t* pi = ids.data<int32_t>();
+  for (int64_t i = 0; i < n; ++i)
+    DP_CHECK(pi[i] >= 0 && pi[i] < vocab, bad_id_text(pi[i], i, ids, vocab));
+  const float* pdy = dy.data<float>();
+  float* pt = dtable.data<float>();
+  parallel_range(d, std::max<int64_t>(1, kElementwiseGrain / std::max<int64_t>(n, 1)),
+                 [&](int64_t c0, int64_t c1) {
+                   for (int64_t i = 0; i < n; ++i) {
+                     float* dst = pt + pi[i] * d;
+                     const float* src = pdy + i * d;
+                     for (int64_t c = c0; c < c1; ++c) dst[c] += src[c];
+                   }
+                 });
+}
+
+void attention_forward(Tensor& y, Tensor& lse, const Tensor& qkv, const AttentionParams& p) {
+  const AttentionShape a(qkv, p.heads);
+  const float* px = qkv.data<float>();
+  float* py = y.data<float>();
+  float* pl = lse.data<float>();
+  parallel_range(a.batch * a.heads, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> s(static_cast<size_t>(a.seq * a.seq));
+    for (int64_t task = first; task < last; ++task) {
+      const int64_t b = task / a.heads, h = task % a.heads;
+      attention_probs(s, px + a.q(b, h), px + a.k(b, h), pl + a.lse(b, h), nullptr, a, p);
+      // y (T, Dh) = P (T, T) v (T, Dh)
+      sgemm_serial(Transpose::no, Transpose::no, a.seq, a.head_dim, a.seq, 1.f, s.data(), a.seq,
+                   px + a.v(b, h), 3 * a.width, 0.f, py + a.y(b, h), a.width);
+    }
+  });
+}
+
+// With P recomputed from q, k and lse, per (b, h):
+//   dV = P^T dY,  dP = dY V^T,  dS = P * (dP - rowsum(P * dP)),  dQ = scale dS K,
+//   dK = scale dS^T Q.
+void attention_backward(Tensor& dqkv, const Tensor& dy, const Tensor& qkv, const Tensor&,
+                        const Tensor& lse, const AttentionParams& p) {
+  const AttentionShape a(qkv, p.heads);
+  const float* px = qkv.data<float>();
+  const float* pdy = dy.data<float>();
+  const float* pl = lse.data<float>();
+  float* pdx = dqkv.data<float>();
+  const int64_t t = a.seq, ld = 3 * a.width;
+  parallel_range(a.batch * a.heads, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> prob(static_cast<size_t>(t * t)), dp(static_cast<size_t>(t * t));
+    for (int64_t task = first; task < last; ++task) {
+      const int64_t b = task / a.heads, h = task % a.heads;
+      attention_probs(prob, px + a.q(b, h), px + a.k(b, h), nullptr, pl + a.lse(b, h), a, p);
+      // dV (T, Dh) = P^T (T, T) dY (T, Dh)
+      sgemm_serial(Transpose::yes, Transpose::no, t, a.head_dim, t, 1.f, prob.data(), t,
+                   pdy + a.y(b, h), a.width, 0.f, pdx + a.v(b, h), ld);
+      // dP (T, T) = dY (T, Dh) V^T
+      sgemm_serial(Transpose::no, Transpose::yes, t, t, a.head_dim, 1.f, pdy + a.y(b, h), a.width,
+                   px + a.v(b, h), ld, 0.f, dp.data(), t);
+      for (int64_t i = 0; i < t; ++i) {
+        float* pr = prob.data() + i * t;
+        float* dr = dp.data() + i * t;
+        const int64_t n = visible(p, i, t);
+        float dot = 0.f;
+        for (int64_t j = 0; j < n; ++j) dot += pr[j] * dr[j];
+        for (int64_t j = 0; j < n; ++j) dr[j] = pr[j] * (dr[j] - dot);
+        for (int64_t j = n; j < t; ++j) dr[j] = 0.f;
+      }
+      // dQ (T, Dh) = scale dS (T, T) K (T, Dh);  dK (T, Dh) = scale dS^T Q
+      sgemm_serial(Transpose::no, Transpose::no, t, a.head_dim, t, p.scale, dp.data(), t,
+                   px + a.k(b, h), ld, 0.f, pdx + a.q(b, h), ld);
+      sgemm_serial(Transpose::yes, Transpose::no, t, a.head_dim, t, p.scale, dp.data(), t,
+                   px + a.q(b, h), ld, 0.f, pdx + a.k(b, h), ld);
+    }
+  });
+}
+
+}  // namespace kernels::cpu

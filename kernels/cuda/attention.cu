@@ -1,0 +1,197 @@
+// Transformer ops on CUDA: embedding lookup and the plain (f32) attention path, mirroring
+// kernels/cpu/attention.cpp. Attention gives one block to each query row of each (batch,
+// head): the row's scores live in shared memory, the softmax is exact in f32, and backward
+// adds the key and value gradients with float atomics (their order may vary between runs).
+// The fused cuDNN SDPA path for bf16/fp16 is not built yet (issue 27).
+#include <cstdint>
+#include <string>
+
+#include "kernels/cuda/cuda_common.cuh"
+
+namespace kernels::cuda {
+
+namespace {
+
+// A bad id sets the fault record (the smallest position wins) instead of trapping.
+__global__ void embedding_forward_kernel(float* y, const int32_t* ids, const float* table,
+                                         int64_t n, int64_t vocab, int64_t d,
+                                         unsigned long long* fault) {
+  DP_GRID_STRIDE_LOOP(e, n * d) {
+    int64_t i = e / d, c = e % d;
+    int32_t id = ids[i];
+    if (id < 0 || id >= vocab) {
+      if (c == 0) {
+        atomicMin(&fault[0], (static_cast<unsigned long long>(i) << 32) |
+                                 static_cast<unsigned long long>(static_cast<uint32_t>(id)));
+        fault[1] = static_cast<unsigned long long>(n);
+        fault[2] = static_cast<unsigned long long>(vocab);
+      }
+      y[e] = NAN;
+      continue;
+    }
+    y[e] = table[static_cast<int64_t>(id) * d + c];
+  }
+}
+
+__global__ void embedding_backward_kernel(float* dtable, const float* dy, const int32_t* ids,
+                                          int64_t n, int64_t vocab, int64_t d) {
+  DP_GRID_STRIDE_LOOP(e, n * d) {
+    int64_t i = e / d, c = e % d;
+    int32_t id = ids[i];
+    if (id >= 0 && id < vocab) atomicAdd(&dtable[static_cast<int64_t>(id) * d + c], dy[e]);
+  }
+}
+
+std::string bad_id_fault_text(const uint64_t* record) {
+  auto position = static_cast<int64_t>(record[0] >> 32);
+  auto id = static_cast<int32_t>(static_cast<uint32_t>(record[0] & 0xffffffffu));
+  return "embedding: id " + std::to_string(id) + " at position " + std::to_string(position) +
+         " of " + std::to_string(record[1]) + " ids is outside [0, " + std::to_string(record[2]) +
+         ")";
+}
+
+// Geometry shared by the attention kernels: blockIdx.x = query row i, blockIdx.y = b H + h.
+struct Geometry {
+  int64_t seq, heads, head_dim, width;
+  bool causal;
+  float scale;
+  __device__ int64_t qkv_row(int64_t b, int64_t t) const { return (b * seq + t) * 3 * width; }
+  __device__ int64_t y_row(int64_t b, int64_t t) const { return (b * seq + t) * width; }
+  __device__ int64_t visible(int64_t i) const { return causal ? i + 1 : seq; }
+};
+
+// Scores s_j = scale q_i . k_j for the visible j into s (shared), one thread per j.
+__device__ void row_scores(float* s, const float* qkv, const Geometry& g, int64_t b, int64_t h,
+                           int64_t i, int64_t n) {
+  const float* q = qkv + g.qkv_row(b, i) + h * g.head_dim;
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+    const float* k = qkv + g.qkv_row(b, j) + g.width + h * g.head_dim;
+    float acc = 0.f;
+    for (int64_t c = 0; c < g.head_dim; ++c) acc += q[c] * k[c];
+    s[j] = g.scale * acc;
+  }
+  __syncthreads();
+}
+
+__global__ void attention_forward_kernel(float* y, float* lse, const float* qkv, Geometry g) {
+  extern __shared__ float s[];  // (T) scores, then probabilities
+  const int64_t i = blockIdx.x, bh = blockIdx.y, b = bh / g.heads, h = bh % g.heads;
+  const int64_t n = g.visible(i);
+  row_scores(s, qkv, g, b, h, i, n);
+  float m = -INFINITY;
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) m = fmaxf(m, s[j]);
+  m = block_reduce_max(m);
+  float sum = 0.f;
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) sum += expf(s[j] - m);
+  sum = block_reduce_sum(sum);
+  const float row_lse = m + logf(sum);
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) s[j] = expf(s[j] - row_lse);
+  if (threadIdx.x == 0) lse[bh * g.seq + i] = row_lse;
+  __syncthreads();
+  float* out = y + g.y_row(b, i) + h * g.head_dim;
+  for (int64_t c = threadIdx.x; c < g.head_dim; c += blockDim.x) {
+    float acc = 0.f;
+    for (int64_t j = 0; j < n; ++j)
+      acc += s[j] * qkv[g.qkv_row(b, j) + 2 * g.width + h * g.head_dim + c];
+    out[c] = acc;
+  }
+}
+
+// Row i: P_j from lse, dP_j = dy_i . v_j, dS_j = P_j (dP_j - sum_j P_j dP_j);
+// dq_i = scale sum_j dS_j k_j; dk_j += scale dS_j q_i; dv_j += P_j dy_i. dqkv starts at zero.
+__global__ void attention_backward_kernel(float* dqkv, const float* dy, const float* qkv,
+                                          const float* lse, Geometry g) {
+  extern __shared__ float s[];  // (T) probabilities, then (T) dS
+  float* ds = s + g.seq;
+  const int64_t i = blockIdx.x, bh = blockIdx.y, b = bh / g.heads, h = bh % g.heads;
+  const int64_t n = g.visible(i);
+  row_scores(s, qkv, g, b, h, i, n);
+  const float row_lse = lse[bh * g.seq + i];
+  const float* dyi = dy + g.y_row(b, i) + h * g.head_dim;
+  float dot = 0.f;
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+    float p = expf(s[j] - row_lse);
+    const float* v = qkv + g.qkv_row(b, j) + 2 * g.width + h * g.head_dim;
+    float dp = 0.f;
+    for (int64_t c = 0; c < g.head_dim; ++c) dp += dyi[c] * v[c];
+    s[j] = p;
+    ds[j] = dp;
+    dot += p * dp;
+  }
+  dot = block_reduce_sum(dot);
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) ds[j] = s[j] * (ds[j] - dot);
+  __syncthreads();
+  const float* qi = qkv + g.qkv_row(b, i) + h * g.head_dim;
+  float* dqi = dqkv + g.qkv_row(b, i) + h * g.head_dim;
+  for (int64_t c = threadIdx.x; c < g.head_dim; c += blockDim.x) {
+    float acc = 0.f;
+    for (int64_t j = 0; j < n; ++j)
+      acc += ds[j] * qkv[g.qkv_row(b, j) + g.width + h * g.head_dim + c];
+    dqi[c] = g.scale * acc;
+  }
+  for (int64_t e = threadIdx.x; e < n * g.head_dim; e += blockDim.x) {
+    int64_t j = e / g.head_dim, c = e % g.head_dim;
+    float* row = dqkv + g.qkv_row(b, j) + h * g.head_dim;
+    atomicAdd(row + g.width + c, g.scale * ds[j] * qi[c]);
+    atomicAdd(row + 2 * g.width + c, s[j] * dyi[c]);
+  }
+}
+
+Geometry geometry(const Tensor& qkv, const AttentionParams& p) {
+  const int64_t width = qkv.dim(2) / 3;
+  return Geometry{qkv.dim(1), p.heads, width / p.heads, width, p.mask == AttentionMask::causal,
+                  p.scale};
+}
+
+void check_shared(const char* op, size_t bytes) {
+  DP_CHECK(bytes <= 48 * 1024, op << ": sequence too long for the plain CUDA attention path ("
+                                  << bytes << " bytes of shared memory per row; at most 48 KiB)");
+}
+
+}  // namespace
+
+void embedding_forward(Tensor& y, const Tensor& ids, const Tensor& table, DeviceContext& ctx) {
+  NvtxRange range("kernels/embedding_forward");
+  const int64_t n = ids.numel(), vocab = table.dim(0), d = table.dim(1);
+  auto* fault = reinterpret_cast<unsigned long long*>(ctx.fault_record());
+  embedding_forward_kernel<<<blocks_for(n * d), kThreads, 0, stream_of(ctx)>>>(
+      y.data<float>(), ids.data<int32_t>(), table.data<float>(), n, vocab, d, fault);
+  DP_CUDA_CHECK_LAUNCH();
+  ctx.arm_fault_check(bad_id_fault_text);
+}
+
+void embedding_backward(Tensor& dtable, const Tensor& dy, const Tensor& ids, DeviceContext& ctx) {
+  NvtxRange range("kernels/embedding_backward");
+  const int64_t n = ids.numel(), vocab = dtable.dim(0), d = dtable.dim(1);
+  embedding_backward_kernel<<<blocks_for(n * d), kThreads, 0, stream_of(ctx)>>>(
+      dtable.data<float>(), dy.data<float>(), ids.data<int32_t>(), n, vocab, d);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void attention_forward(Tensor& y, Tensor& lse, const Tensor& qkv, const AttentionParams& p,
+                       DeviceContext& ctx) {
+  NvtxRange range("kernels/attention_forward");
+  const Geometry g = geometry(qkv, p);
+  const size_t shared = sizeof(float) * static_cast<size_t>(g.seq);
+  check_shared("attention_forward", shared);
+  dim3 grid(static_cast<unsigned>(g.seq), static_cast<unsigned>(qkv.dim(0) * g.heads));
+  attention_forward_kernel<<<grid, 128, shared, stream_of(ctx)>>>(
+      y.data<float>(), lse.data<float>(), qkv.data<float>(), g);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void attention_backward(Tensor& dqkv, const Tensor& dy, const Tensor& qkv, const Tensor&,
+                        const Tensor& lse, const AttentionParams& p, DeviceContext& ctx) {
+  NvtxRange range("kernels/attention_backward");
+  const Geometry g = geometry(qkv, p);
+  const size_t shared = 2 * sizeof(float) * static_cast<size_t>(g.seq);
+  check_shared("attention_backward", shared);
+  cudaStream_t s = stream_of(ctx);
+  DP_CUDA_CHECK(cudaMemsetAsync(dqkv.data<float>(), 0, dqkv.nbytes(), s));
+  dim3 grid(static_cast<unsigned>(g.seq), static_cast<unsigned>(qkv.dim(0) * g.heads));
+  attention_backward_kernel<<<grid, 128, shared, s>>>(dqkv.data<float>(), dy.data<float>(),
+                                                      qkv.data<float>(), lse.data<float>(), g);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace kernels::cuda

@@ -1,0 +1,71 @@
+// nn::CausalSelfAttention: multi-head self-attention with a fused QKV projection, as GPT-2.
+#pragma once
+
+#include <cmath>
+#include <memory>
+#include <string>
+
+#include "nn/dropout.hpp"
+#include "nn/linear.hpp"
+
+namespace nn {
+
+// x (B, T, D) -> y (B, T, D):
+//   qkv = c_attn(x)                          (B, T, 3 D), [q | k | v], heads inside each
+//   a   = softmax(q k^T / sqrt(D / H) + causal mask) v, per head   (kernels::attention_*)
+//   y   = dropout(c_proj(a))
+// Children "c_attn" (Linear(D, 3 D)), "c_proj" (Linear(D, D)), "resid_drop" (Dropout(p)).
+// Dropout on the attention probabilities is not applied (nanoGPT's default p is 0).
+class CausalSelfAttention : public Module {
+ public:
+  // requires heads divides dim; 0 <= dropout < 1.
+  CausalSelfAttention(int64_t dim, int64_t heads, float dropout = 0.f)
+      : dim_(dim), heads_(heads), dropout_(dropout) {
+    DP_CHECK(dim > 0 && heads > 0 && dim % heads == 0,
+             "CausalSelfAttention(" << dim << ", " << heads << " heads): heads must divide dim");
+    c_attn_ = register_module("c_attn", std::make_shared<Linear>(dim, 3 * dim));
+    c_proj_ = register_module("c_proj", std::make_shared<Linear>(dim, dim));
+    drop_ = register_module("resid_drop", std::make_shared<Dropout>(dropout));
+  }
+  std::string type_name() const override { return "CausalSelfAttention"; }
+  int64_t dim() const { return dim_; }
+  int64_t heads() const { return heads_; }
+  Linear& c_attn() { return *c_attn_; }
+  Linear& c_proj() { return *c_proj_; }
+  kernels::AttentionParams params() const {
+    return {heads_, 1.f / std::sqrt(static_cast<float>(dim_ / heads_)),
+            kernels::AttentionMask::causal};
+  }
+
+ protected:
+  Tensor forward_impl(const Tensor& x) override {
+    DP_CHECK(x.ndim() == 3 && x.dim(2) == dim_,
+             "CausalSelfAttention(" << dim_ << "): input " << kernels::shape_str(x.shape())
+                                    << " must be (B, T, " << dim_ << ")");
+    const int64_t b = x.dim(0), t = x.dim(1);
+    qkv_ = c_attn_->forward(x);                                    // (B, T, 3 D)
+    a_ = Tensor::empty({b, t, dim_}, DType::f32, x.device());      // (B, T, D)
+    lse_ = Tensor::empty({b, heads_, t}, DType::f32, x.device());  // (B, H, T)
+    kernels::attention_forward(a_, lse_, qkv_, params());
+    return drop_->forward(c_proj_->forward(a_));
+  }
+  Tensor backward_impl(const Tensor& dy) override {
+    DP_CHECK(qkv_.defined(), "CausalSelfAttention::backward called before forward");
+    Tensor da = c_proj_->backward(drop_->backward(dy));                  // (B, T, D)
+    Tensor dqkv = Tensor::empty(qkv_.shape(), DType::f32, dy.device());  // (B, T, 3 D)
+    kernels::attention_backward(dqkv, da, qkv_, a_, lse_, params());
+    return c_attn_->backward(dqkv);
+  }
+  std::shared_ptr<Module> clone_config() const override {
+    return std::make_shared<CausalSelfAttention>(dim_, heads_, dropout_);
+  }
+
+ private:
+  int64_t dim_, heads_;
+  float dropout_;
+  std::shared_ptr<Linear> c_attn_, c_proj_;
+  std::shared_ptr<Dropout> drop_;
+  Tensor qkv_, a_, lse_;  // cached for backward
+};
+
+}  // namespace nn

@@ -1,0 +1,219 @@
+// nn::Gpt: a GPT-2 decoder (pre-LayerNorm blocks, GELU-tanh MLP, learned positions, LM head
+// tied to the token embedding), laid out and initialised as nanoGPT's model.
+//
+//   auto net = nn::gpt(nn::GptConfig::preset("tiny"));   // nn/zoo.hpp
+//   net->materialize(Device::cpu(), seed);
+//   Tensor logits = net->forward(ids);                    // ids (B, T) i32 -> (B, T, vocab)
+#pragma once
+
+#include <cmath>
+#include <memory>
+#include <string>
+
+#include "nn/activations.hpp"
+#include "nn/attention.hpp"
+#include "nn/containers.hpp"
+#include "nn/dropout.hpp"
+#include "nn/embedding.hpp"
+#include "nn/linear.hpp"
+#include "nn/norm.hpp"
+
+namespace nn {
+
+struct GptConfig {
+  int64_t vocab = 256;
+  int64_t context = 128;  // the longest sequence (rows of the position embedding)
+  int64_t layers = 4;
+  int64_t heads = 4;
+  int64_t dim = 128;
+  float dropout = 0.f;
+  std::string name = "custom";
+
+  // "tiny" (byte vocabulary, about 0.8M parameters, for CI), "124m" (GPT-2 small: 12 layers,
+  // 12 heads, 768 wide, context 1024, vocabulary 50257 padded to 50304), "350m" (GPT-2 medium:
+  // 24 layers, 16 heads, 1024 wide). Throws naming the choices for anything else.
+  static GptConfig preset(const std::string& name) {
+    GptConfig c;
+    c.name = name;
+    if (name == "tiny") return c;
+    c.vocab = 50304;
+    c.context = 1024;
+    if (name == "124m") {
+      c.layers = 12, c.heads = 12, c.dim = 768;
+      return c;
+    }
+    if (name == "350m") {
+      c.layers = 24, c.heads = 16, c.dim = 1024;
+      return c;
+    }
+    DP_THROW("GptConfig::preset(\"" << name << "\"): choose tiny, 124m or 350m");
+  }
+  // Parameters of the model (the LM head is tied: counted once).
+  int64_t parameters() const {
+    const int64_t per_layer = 2 * 2 * dim + (3 * dim * dim + 3 * dim) + (dim * dim + dim) +
+                              (4 * dim * dim + 4 * dim) + (4 * dim * dim + dim);
+    return vocab * dim + context * dim + layers * per_layer + 2 * dim;
+  }
+  // Training FLOPs per token (PaLM's estimate, as llm.c and nanoGPT use for MFU):
+  // 6 P + 12 L T D at sequence length T.
+  double flops_per_token(int64_t seq) const {
+    return 6.0 * static_cast<double>(parameters()) + 12.0 * static_cast<double>(layers * seq * dim);
+  }
+};
+
+// fc (D -> 4 D), GELU (tanh), proj (4 D -> D), dropout.
+class GptMlp : public Module {
+ public:
+  GptMlp(int64_t dim, float dropout) : dim_(dim), dropout_(dropout) {
+    c_fc_ = register_module("c_fc", std::make_shared<Linear>(dim, 4 * dim));
+    gelu_ = register_module("gelu", std::make_shared<GELU>(GeluApproximation::tanh));
+    c_proj_ = register_module("c_proj", std::make_shared<Linear>(4 * dim, dim));
+    drop_ = register_module("drop", std::make_shared<Dropout>(dropout));
+  }
+  std::string type_name() const override { return "GptMlp"; }
+  Linear& c_fc() { return *c_fc_; }
+  Linear& c_proj() { return *c_proj_; }
+
+ protected:
+  Tensor forward_impl(const Tensor& x) override {
+    return drop_->forward(c_proj_->forward(gelu_->forward(c_fc_->forward(x))));
+  }
+  Tensor backward_impl(const Tensor& dy) override {
+    return c_fc_->backward(gelu_->backward(c_proj_->backward(drop_->backward(dy))));
+  }
+  std::shared_ptr<Module> clone_config() const override {
+    return std::make_shared<GptMlp>(dim_, dropout_);
+  }
+
+ private:
+  int64_t dim_;
+  float dropout_;
+  std::shared_ptr<Linear> c_fc_, c_proj_;
+  std::shared_ptr<GELU> gelu_;
+  std::shared_ptr<Dropout> drop_;
+};
+
+// Pre-LN residual block: x + attn(ln_1(x)), then x + mlp(ln_2(x)). (B, T, D) -> (B, T, D).
+class GptBlock : public Module {
+ public:
+  GptBlock(int64_t dim, int64_t heads, float dropout) : dim_(dim), heads_(heads), p_(dropout) {
+    ln_1_ = register_module("ln_1", std::make_shared<LayerNorm>(dim));
+    attn_ = register_module("attn", std::make_shared<CausalSelfAttention>(dim, heads, dropout));
+    ln_2_ = register_module("ln_2", std::make_shared<LayerNorm>(dim));
+    mlp_ = register_module("mlp", std::make_shared<GptMlp>(dim, dropout));
+  }
+  std::string type_name() const override { return "GptBlock"; }
+  CausalSelfAttention& attn() { return *attn_; }
+  GptMlp& mlp() { return *mlp_; }
+
+ protected:
+  Tensor forward_impl(const Tensor& x) override {
+    Tensor h = residual_sum(x, attn_->forward(ln_1_->forward(x)));
+    return residual_sum(h, mlp_->forward(ln_2_->forward(h)));
+  }
+  // Reverse order: the MLP branch, then the attention branch; the skips pass dy through.
+  Tensor backward_impl(const Tensor& dy) override {
+    Tensor dh = residual_sum(dy, ln_2_->backward(mlp_->backward(dy)));
+    return residual_sum(dh, ln_1_->backward(attn_->backward(dh)));
+  }
+  std::shared_ptr<Module> clone_config() const override {
+    return std::make_shared<GptBlock>(dim_, heads_, p_);
+  }
+
+ private:
+  static Tensor residual_sum(const Tensor& a, const Tensor& b) {
+    Tensor y = Tensor::empty(a.shape(), DType::f32, a.device());
+    kernels::add(y, a, b);
+    return y;
+  }
+  int64_t dim_, heads_;
+  float p_;
+  std::shared_ptr<LayerNorm> ln_1_, ln_2_;
+  std::shared_ptr<CausalSelfAttention> attn_;
+  std::shared_ptr<GptMlp> mlp_;
+};
+
+// ids (B, T) i32 with T <= context -> logits (B, T, vocab) f32.
+//   x = dropout(wte[ids] + wpe[0:T]);  x = h.0(...h.L-1(x));  logits = ln_f(x) wte^T
+// Parameters in flat order: wpe (context, D), wte.weight (vocab, D), h.*, ln_f.*; the LM head
+// reads wte (tied), so its gradient sums both uses. Init (GptConfig, as GPT-2 / nanoGPT):
+// embeddings and Linear weights N(0, 0.02), biases 0, LayerNorm 1 and 0, and the residual
+// projections (attn.c_proj, mlp.c_proj) N(0, 0.02 / sqrt(2 layers)).
+class Gpt : public Module {
+ public:
+  explicit Gpt(GptConfig c) : c_(std::move(c)) {
+    DP_CHECK(c_.vocab > 0 && c_.context > 0 && c_.layers > 0 && c_.heads > 0 && c_.dim > 0 &&
+                 c_.dim % c_.heads == 0 && c_.dropout >= 0.f && c_.dropout < 1.f,
+             "Gpt(" << c_.name << "): vocab " << c_.vocab << ", context " << c_.context << ", "
+                    << c_.layers << " layers, " << c_.heads << " heads, dim " << c_.dim
+                    << ", dropout " << c_.dropout
+                    << ": sizes must be > 0, heads must divide dim, dropout in [0, 1)");
+    const InitSpec w = InitSpec::normal(0.02f);
+    const InitSpec w_resid =
+        InitSpec::normal(0.02f / std::sqrt(2.f * static_cast<float>(c_.layers)));
+    wpe_ = &register_parameter("wpe", {c_.context, c_.dim}, w);
+    wte_ = register_module("wte", std::make_shared<Embedding>(c_.vocab, c_.dim));
+    wte_->weight().init = w;
+    drop_ = register_module("drop", std::make_shared<Dropout>(c_.dropout));
+    h_ = register_module("h", std::make_shared<Sequential>());
+    for (int64_t l = 0; l < c_.layers; ++l) {
+      auto block = h_->add(std::make_shared<GptBlock>(c_.dim, c_.heads, c_.dropout));
+      for (Linear* lin : {&block->attn().c_attn(), &block->attn().c_proj(), &block->mlp().c_fc(),
+                          &block->mlp().c_proj()}) {
+        lin->weight().init = w;
+        lin->bias()->init = InitSpec::constant(0.f);
+      }
+      block->attn().c_proj().weight().init = w_resid;
+      block->mlp().c_proj().weight().init = w_resid;
+    }
+    ln_f_ = register_module("ln_f", std::make_shared<LayerNorm>(c_.dim));
+  }
+  std::string type_name() const override { return "Gpt"; }
+  const GptConfig& config() const { return c_; }
+  Embedding& wte() { return *wte_; }
+
+ protected:
+  Tensor forward_impl(const Tensor& ids) override {
+    DP_CHECK(ids.ndim() == 2 && ids.dtype() == DType::i32 && ids.dim(1) <= c_.context,
+             "Gpt(" << c_.name << "): ids " << ids << " must be (B, T) i32 with T <= context "
+                    << c_.context);
+    const int64_t b = ids.dim(0), t = ids.dim(1);
+    Tensor x = wte_->forward(ids);  // (B, T, D)
+    // + wpe[0:T]: the first T rows of wpe are its first T D elements, a bias over (B, T D).
+    Tensor x2 = x.reshape({b, t * c_.dim});
+    kernels::add_bias(x2, wpe_->value.view(0, {t * c_.dim}));
+    x = ln_f_->forward(h_->forward(drop_->forward(x)));
+    hidden_ = to_compute(x.reshape({b * t, c_.dim}));  // (B T, D)
+    Tensor logits = Tensor::empty({b * t, c_.vocab}, DType::f32, ids.device());
+    // (B T, D) x (V, D)^T -> (B T, V)
+    kernels::gemm(logits, hidden_, kernels::Transpose::no, wte_->weight().compute,
+                  kernels::Transpose::yes);
+    return logits.reshape({b, t, c_.vocab});
+  }
+  Tensor backward_impl(const Tensor& dlogits) override {
+    DP_CHECK(hidden_.defined(), "Gpt::backward called before forward");
+    const int64_t rows = hidden_.dim(0), b = dlogits.dim(0), t = rows / b;
+    Tensor dl = to_compute(dlogits.reshape({rows, c_.vocab}));  // (B T, V)
+    Tensor dx = Tensor::empty({rows, c_.dim}, DType::f32, dlogits.device());
+    // (B T, V) x (V, D) -> (B T, D);  dwte += (B T, V)^T x (B T, D) -> (V, D)
+    kernels::gemm(dx, dl, kernels::Transpose::no, wte_->weight().compute, kernels::Transpose::no);
+    kernels::gemm(wte_->weight().grad, dl, kernels::Transpose::yes, hidden_, kernels::Transpose::no,
+                  1.f, 1.f);
+    Tensor g = drop_->backward(h_->backward(ln_f_->backward(dx.reshape({b, t, c_.dim}))));
+    Tensor dwpe = wpe_->grad.view(0, {t * c_.dim});
+    kernels::bias_backward(dwpe, g.reshape({b, t * c_.dim}), kernels::Accumulate::yes);
+    return wte_->backward(g);
+  }
+  std::shared_ptr<Module> clone_config() const override { return std::make_shared<Gpt>(c_); }
+
+ private:
+  GptConfig c_;
+  Parameter* wpe_ = nullptr;
+  std::shared_ptr<Embedding> wte_;
+  std::shared_ptr<Dropout> drop_;
+  std::shared_ptr<Sequential> h_;
+  std::shared_ptr<LayerNorm> ln_f_;
+  Tensor hidden_;  // ln_f output as (B T, D), in the compute dtype
+};
+
+}  // namespace nn

@@ -1,0 +1,268 @@
+// train_text: trains a byte-level GPT on English text (Debian's fortunes-min), on one device,
+// through DP (threads) or DDP (processes), and prints train and validation loss, tokens/s and a
+// short greedy or top-k sample.
+//
+//   bin/train_text --gpt-config tiny --steps 200
+//   bin/train_text --mode dp --gpus 2 --steps 200 --save run.safetensors
+//   bin/train_text --mode ddp --gpus 2 --steps 100 --resume run.safetensors --top-k 5
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <optional>
+
+#include <CLI/CLI.hpp>
+
+#include "dp/cli/cli.hpp"
+#include "dp/data/text.hpp"
+#include "dp/data_parallel.hpp"
+#include "dp/distributed/ddp_trainer.hpp"
+#include "nn/nn.hpp"
+#include "nn/train_state.hpp"
+
+using kernels::Device;
+using kernels::Tensor;
+
+namespace {
+
+struct Flags {
+  std::string model = "gpt", gpt_config = "tiny", device = "auto", mode = "single";
+  std::string data = dp::data::kDefaultTextDir, save, resume;
+  int gpus = 1;
+  int64_t steps = 200, batch = 16, seq = 64, eval_every = 50, val_batches = 8;
+  float lr = 1e-2f, weight_decay = 0.1f, clip_grad = 1.f;
+  int64_t warmup = 20;  // linear warm-up steps, then cosine decay to lr / 10 at --steps
+  uint64_t seed = 1;
+  int64_t sample_bytes = 120, top_k = 1;  // top_k 1: greedy
+  std::string backend = "auto";
+  dp::dist::LaunchOptions launch;
+};
+
+double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+// Mean token cross-entropy of `m` over the first val_batches batches of validation windows.
+double val_loss(nn::Module& m, const std::vector<uint8_t>& val, const Flags& f) {
+  nn::TokenCrossEntropyLoss loss_fn;
+  const Device dev = m.device();
+  m.eval();
+  double sum = 0;
+  int64_t tokens = 0;
+  for (int64_t b = 0; b < f.val_batches; ++b) {
+    auto [x, y] = dp::data::text_windows(val, b * f.batch, f.batch, f.seq);
+    if (x.numel() == 0) break;
+    Tensor out = m.forward(x.to(dev));
+    Tensor loss = Tensor::empty({1}, kernels::DType::f32, dev);
+    Tensor none;
+    loss_fn.compute(loss, none, out, y.to(dev));
+    sum += static_cast<double>(loss.item()) * static_cast<double>(y.numel());
+    tokens += y.numel();
+  }
+  m.train();
+  return tokens > 0 ? sum / static_cast<double>(tokens) : NAN;
+}
+
+// `n` bytes continuing `prompt`: the argmax (top_k 1) or a draw from the k most likely bytes.
+std::string sample_text(nn::Module& m, const std::string& prompt, int64_t n, int64_t top_k,
+                        int64_t context, uint64_t seed) {
+  const Device dev = m.device();
+  m.eval();
+  std::vector<int32_t> ids(prompt.begin(), prompt.end());
+  for (int64_t s = 0; s < n; ++s) {
+    const auto len = std::min<int64_t>(static_cast<int64_t>(ids.size()), context);
+    std::vector<int32_t> window(ids.end() - len, ids.end());
+    Tensor out = m.forward(Tensor::from_ints(window, {1, len}).to(dev));
+    std::vector<float> logits = out.to_host_f32();
+    const int64_t v = out.dim(2);
+    std::vector<std::pair<float, int32_t>> last;
+    for (int64_t c = 0; c < v; ++c) last.emplace_back(logits[(len - 1) * v + c], c);
+    const auto k = std::min<int64_t>(std::max<int64_t>(top_k, 1), v);
+    std::partial_sort(last.begin(), last.begin() + k, last.end(),
+                      [](auto& a, auto& b) { return a.first > b.first; });
+    double z = 0;
+    for (int64_t i = 0; i < k; ++i) z += std::exp(last[i].first - last[0].first);
+    double u = kernels::philox::uniform(seed, static_cast<uint64_t>(s)) * z;
+    int64_t pick = 0;
+    for (; pick + 1 < k; ++pick) {
+      u -= std::exp(last[pick].first - last[0].first);
+      if (u <= 0) break;
+    }
+    ids.push_back(last[pick].second);
+  }
+  m.train();
+  std::string out;
+  for (size_t i = prompt.size(); i < ids.size(); ++i) {
+    const auto c = static_cast<unsigned char>(ids[i]);
+    out += (c == '\n' || c == '\t' || (c >= 32 && c < 127)) ? static_cast<char>(c) : '?';
+  }
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Flags f;
+  CLI::App app{"train_text: a byte-level GPT on English text, single, DP or DDP"};
+  app.add_option("--model", f.model, "model (gpt)")->check(CLI::IsMember({"gpt"}));
+  app.add_option("--gpt-config", f.gpt_config, "GPT preset")
+      ->check(CLI::IsMember({"tiny", "124m", "350m"}));
+  app.add_option("--mode", f.mode, "single, dp or ddp")
+      ->check(CLI::IsMember({"single", "dp", "ddp"}));
+  app.add_option("--device", f.device, "auto, cpu or cuda")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  app.add_option("--gpus", f.gpus, "devices (dp) or ranks (ddp)")->check(CLI::Range(1, 64));
+  app.add_option("--data", f.data, "a text file or a directory of them")->check(CLI::ExistingPath);
+  app.add_option("--steps", f.steps, "optimizer steps")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
+  app.add_option("--batch", f.batch, "sequences per global batch")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  app.add_option("--seq", f.seq, "tokens per sequence (at most the model's context)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  app.add_option("--lr", f.lr, "AdamW learning rate")->check(CLI::Range(0.f, 10.f));
+  app.add_option("--weight-decay", f.weight_decay, "AdamW weight decay (matrices only)")
+      ->check(CLI::Range(0.f, 1.f));
+  app.add_option("--warmup", f.warmup, "linear warm-up steps before the cosine decay")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
+  app.add_option("--clip-grad", f.clip_grad, "clip the gradient to this global norm (0: off)")
+      ->check(CLI::Range(0.f, 1e6f));
+  app.add_option("--eval-every", f.eval_every, "steps between validation losses")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
+  app.add_option("--val-batches", f.val_batches, "validation batches per evaluation")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  app.add_option("--seed", f.seed, "seed of the weights and the batches");
+  app.add_option("--save", f.save, "training state written at the end (safetensors)")
+      ->check(dp::cli::output_file());
+  app.add_option("--resume", f.resume, "training state to go on from")->check(CLI::ExistingFile);
+  app.add_option("--sample-bytes", f.sample_bytes, "bytes generated at the end (0: none)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 16));
+  app.add_option("--top-k", f.top_k, "sample among the k most likely bytes (1: greedy)")
+      ->check(CLI::Range(int64_t{1}, int64_t{256}));
+  app.add_option("--backend", f.backend, "ddp: auto, nccl or gloo")
+      ->check(CLI::IsMember({"auto", "nccl", "gloo"}));
+  dp::cli::add_launch_flags(app, f.launch);
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    if (f.mode == "ddp") {
+      dp::dist::DdpTrainerOptions t;
+      t.backend = f.backend;
+      t.launch = f.launch;
+      t.launch.nproc_per_node = f.gpus;
+      if (std::optional<int> rc = dp::dist::launch_if_parent(t, argc, argv)) return *rc;
+    }
+    const nn::GptConfig config = nn::GptConfig::preset(f.gpt_config);
+    DP_CHECK(f.seq <= config.context, "--seq " << f.seq << " is longer than --gpt-config "
+                                               << f.gpt_config << "'s context " << config.context);
+    DP_CHECK(config.vocab >= 256, "--gpt-config " << f.gpt_config << ": bytes need 256 tokens");
+    dp::data::TextCorpus corpus = dp::data::read_text_corpus(f.data);
+    std::string fallback;
+    const kernels::DeviceType type = kernels::choose_device_type(f.device, &fallback);
+    if (!fallback.empty()) std::fprintf(stderr, "train_text: %s\n", fallback.c_str());
+
+    auto model = nn::gpt(config);
+    auto loss_fn = std::make_shared<nn::TokenCrossEntropyLoss>();
+    std::unique_ptr<dp::dist::DdpTrainer> ddp;
+    Device home = Device::cpu(0);
+    if (f.mode == "ddp") {
+      ddp = std::make_unique<dp::dist::DdpTrainer>(type, f.backend);
+      home = ddp->device();
+    } else {
+      home = kernels::make_devices(type, 1)[0];
+    }
+    const bool leader = !ddp || ddp->rank() == 0;
+    model->materialize(home, f.seed);
+    kernels::AdamWConfig adamw;
+    adamw.lr = f.lr;
+    adamw.weight_decay = f.weight_decay;
+    adamw.beta2 = 0.95f;
+    // Weight decay on matrices only (no decay on biases, LayerNorm and embeddings).
+    nn::GroupedAdamW opt(*model, adamw, nn::decay_matrices_only(*model, f.weight_decay));
+    const nn::LinearWarmup schedule(
+        nn::CosineLR(f.lr, std::max<int64_t>(f.steps - f.warmup, 1), f.lr / 10), f.warmup);
+
+    nn::TrainingProgress progress;
+    progress.mode = f.mode;
+    progress.world_size = ddp ? ddp->world_size() : (f.mode == "dp" ? f.gpus : 1);
+    progress.config = {{"program", "train_text"},
+                       {"model", "gpt-" + f.gpt_config},
+                       {"batch", std::to_string(f.batch)},
+                       {"seq", std::to_string(f.seq)}};
+    progress.rng_offsets.assign(static_cast<size_t>(progress.world_size), 0);
+    int64_t first_step = 0;
+    if (!f.resume.empty()) {
+      nn::TrainingProgress got = nn::load_training_state(f.resume, *model, opt, progress);
+      first_step = got.step;
+      if (leader)
+        std::printf("resumed %s at step %lld\n", f.resume.c_str(),
+                    static_cast<long long>(first_step));
+    }
+
+    std::unique_ptr<dp::DataParallel> engine;
+    if (ddp) {
+      ddp->set_loss(loss_fn);
+      ddp->set_clip_grad_norm(f.clip_grad);
+      ddp->wrap(model, opt);
+    } else {
+      dp::DataParallelOptions o;
+      o.loss = loss_fn;
+      o.clip_grad_norm = f.clip_grad;
+      engine = std::make_unique<dp::DataParallel>(
+          model, opt, kernels::make_devices(type, f.mode == "dp" ? f.gpus : 1), o);
+    }
+    nn::Module& trained = ddp ? ddp->ddp().module() : engine->module();
+    if (leader)
+      std::printf(
+          "train_text: gpt-%s, %lld parameters, %s on %d device(s), %zu train / %zu "
+          "validation bytes from %zu file(s)\n",
+          f.gpt_config.c_str(), static_cast<long long>(trained.num_parameters()), f.mode.c_str(),
+          progress.world_size, corpus.train.size(), corpus.val.size(), corpus.files.size());
+
+    auto t_run = std::chrono::steady_clock::now();
+    double train_time = 0, val = NAN;
+    int64_t tokens = 0;
+    float last_loss = NAN, grad_norm = 0;
+    for (int64_t step = first_step; step < f.steps; ++step) {
+      auto [x, y] = dp::data::text_batch(corpus.train, f.batch, f.seq, f.seed, step);
+      opt.set_lr(schedule.lr(step));  // stateless in the step: a resumed run takes the same
+      auto t0 = std::chrono::steady_clock::now();
+      if (ddp) {
+        last_loss = ddp->train_step(x, y);
+        grad_norm = ddp->last_grad_norm();
+      } else {
+        dp::StepStats st = engine->train_step(x, y);
+        last_loss = st.loss;
+        grad_norm = st.grad_norm;
+      }
+      train_time += seconds_since(t0);
+      tokens += y.numel();
+      if ((step + 1) % f.eval_every == 0 || step + 1 == f.steps) {
+        val = val_loss(trained, corpus.val, f);
+        if (leader)
+          std::printf(
+              "step %lld train loss %.4f val loss %.4f grad norm %.3f lr %.2e %.0f "
+              "tokens/s\n",
+              static_cast<long long>(step + 1), last_loss, val, grad_norm, opt.lr(),
+              static_cast<double>(tokens) / std::max(train_time, 1e-9));
+        std::fflush(stdout);
+      }
+    }
+    if (std::isnan(val)) val = val_loss(trained, corpus.val, f);
+    if (leader)
+      std::printf("final val loss %.4f after %lld steps, %.1f s\n", val,
+                  static_cast<long long>(f.steps), seconds_since(t_run));
+    if (!f.save.empty() && leader) {
+      progress.step = f.steps;
+      nn::save_training_state(f.save, trained, opt, progress);
+      std::printf("saved %s\n", f.save.c_str());
+    }
+    if (f.sample_bytes > 0 && leader)
+      std::printf(
+          "sample (%s): %s\n", f.top_k == 1 ? "greedy" : "top-k",
+          sample_text(trained, "The ", f.sample_bytes, f.top_k, config.context, f.seed).c_str());
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "train_text: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,188 @@
+// A GPT trained through the engines with the token cross-entropy (nn::Loss): DP on 4 devices
+// and DDP on 4 ranks (plain and ZeRO-1) follow one device, on even and uneven batches and with
+// ignored tokens, whose chunk shares are their share of the kept tokens; and with gradient
+// clipping by global norm (device 0 after the DP reduce, ZeRO-1 from the shards' norms).
+#include <functional>
+#include <thread>
+
+#include "dp/chunks.hpp"
+#include "dp/data_parallel.hpp"
+#include "dp/distributed/ddp.hpp"
+#include "dp/distributed/launcher.hpp"
+#include "dp/distributed/zero.hpp"
+#include "nn/nn.hpp"
+#include "tests/ddp_ranks.hpp"
+#include "tests/train_util.hpp"
+
+using namespace kernels;
+using ddp_test::run_ranks;
+
+namespace {
+
+constexpr uint64_t kSeed = 27;
+constexpr int kSteps = 3;
+
+nn::GptConfig micro() {
+  nn::GptConfig c;
+  c.vocab = 13, c.context = 8, c.layers = 2, c.heads = 2, c.dim = 16;
+  return c;
+}
+
+AdamWConfig adamw() {
+  AdamWConfig c;
+  c.lr = 3e-3f;
+  c.weight_decay = 0.1f;
+  return c;
+}
+
+// Step s: ids (B, T) and next-token targets (B, T) with some targets ignored (-1) when asked.
+std::pair<Tensor, Tensor> token_batch(int64_t batch, int64_t t, int s, bool with_ignored) {
+  std::vector<int32_t> ids(static_cast<size_t>(batch * t)), tg(ids.size());
+  for (int64_t i = 0; i < batch * t; ++i) {
+    ids[i] = static_cast<int32_t>((i * 5 + s * 3 + i / 7) % 13);
+    tg[i] = static_cast<int32_t>((i * 3 + s + 1) % 13);
+    // Rows differ in how many they ignore, so shares by tokens differ from shares by rows.
+    if (with_ignored && (i / t) % 3 == 0 && i % t >= (i / t) % t) tg[i] = -1;
+  }
+  return {Tensor::from_ints(ids, {batch, t}), Tensor::from_ints(tg, {batch, t})};
+}
+
+// One device; with clip > 0 the gradient is clipped to that global norm before each step.
+std::vector<float> train_single(int64_t batch, bool ignored, std::vector<float>* losses,
+                                float clip = 0.f, std::vector<float>* norms = nullptr) {
+  auto m = nn::gpt(micro());
+  m->materialize(Device::cpu(0), kSeed);
+  nn::AdamW opt(*m, adamw());
+  nn::TokenCrossEntropyLoss loss_fn;
+  for (int s = 0; s < kSteps; ++s) {
+    auto [x, y] = token_batch(batch, 6, s, ignored);
+    m->zero_grad();
+    Tensor out = m->forward(x);
+    Tensor loss = Tensor::empty({1}, DType::f32, Device::cpu(0));
+    Tensor dl = Tensor::empty(out.shape(), DType::f32, Device::cpu(0));
+    loss_fn.compute(loss, dl, out, y);
+    m->backward(dl);
+    if (clip > 0.f) norms->push_back(nn::clip_grad_norm(m->flat_grads(), clip));
+    opt.step();
+    losses->push_back(loss.item());
+  }
+  return m->flat_params().to_host_f32();
+}
+
+}  // namespace
+
+TEST_CASE("dp.gpt: 4 devices with the token cross-entropy follow one device (uneven, ignored)") {
+  for (int64_t batch : {8, 7}) {
+    for (bool ignored : {false, true}) {
+      // Clipping on device 0 after the reduce, to a norm the gradients exceed.
+      const float clip = batch == 7 && ignored ? 0.05f : 0.f;
+      CAPTURE(batch);
+      CAPTURE(ignored);
+      std::vector<float> ref_losses, losses, ref_norms;
+      auto ref = train_single(batch, ignored, &ref_losses, clip, &ref_norms);
+      auto m = nn::gpt(micro());
+      m->materialize(Device::cpu(0), kSeed);
+      nn::AdamW opt(*m, adamw());
+      dp::DataParallelOptions o;
+      o.loss = std::make_shared<nn::TokenCrossEntropyLoss>();
+      o.first_bucket_bytes = 1024;  // several buckets
+      o.bucket_cap_bytes = 4096;
+      o.clip_grad_norm = clip;
+      dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, 4), o);
+      for (int s = 0; s < kSteps; ++s) {
+        auto [x, y] = token_batch(batch, 6, s, ignored);
+        dp::StepStats st = engine.train_step(x, y);
+        losses.push_back(st.loss);
+        if (clip > 0.f) {
+          CHECK(st.grad_norm > clip);  // the clip was active
+          CHECK(st.grad_norm == doctest::Approx(ref_norms[s]).epsilon(1e-5));
+        }
+      }
+      CHECK(dp_test::rel_diff(engine.module().flat_params().to_host_f32(), ref) <= 1e-5f);
+      for (int s = 0; s < kSteps; ++s)
+        CHECK(losses[s] == doctest::Approx(ref_losses[s]).epsilon(1e-5));
+    }
+  }
+}
+
+TEST_CASE("ddp.gpt: 4 ranks (plain and ZeRO-1) with the token cross-entropy follow one device") {
+  const int world = 4;
+  for (bool zero : {false, true}) {
+    for (int64_t batch : {8, 7}) {
+      CAPTURE(zero);
+      CAPTURE(batch);
+      // ZeRO-1 clips from one all-reduce of the shards' squared norms; plain DDP after its
+      // all-reduce: both as one device clipping its whole gradient.
+      const float clip = batch == 7 ? 0.05f : 0.f;
+      std::vector<float> ref_losses, ref_norms;
+      auto ref = train_single(batch, true, &ref_losses, clip, &ref_norms);
+      std::vector<float> norms0;
+      std::vector<std::vector<float>> params(world);
+      std::vector<std::vector<float>> losses(world);
+      run_ranks(world, [&](int r, dp::dist::ProcessGroup& pg) {
+        const Device dev = Device::cpu(r);
+        auto m = nn::gpt(micro());
+        m->materialize(dev, kSeed + r);  // rank 0's weights win
+        nn::AdamW opt(*m, adamw());
+        dp::dist::DdpOptions o;
+        o.first_bucket_bytes = 1024;
+        o.bucket_cap_bytes = 4096;
+        dp::dist::DistributedDataParallel ddp(m, pg, o);
+        std::unique_ptr<dp::dist::ZeroStage1> zero1;
+        if (zero) {
+          zero1 = std::make_unique<dp::dist::ZeroStage1>(pg, ddp.module(), opt);
+          zero1->set_clip_grad_norm(clip);
+        }
+        nn::TokenCrossEntropyLoss loss_fn;
+        for (int s = 0; s < kSteps; ++s) {
+          auto [x, y] = token_batch(batch, 6, s, true);
+          // As DdpTrainer: rank r's share is its chunk's share of the kept tokens.
+          auto sizes = dp::chunk_sizes(batch, world);
+          std::vector<int64_t> denominators(world);
+          for (int q = 0; q < world; ++q) {
+            int64_t b = dp::chunk_begin(sizes, q);
+            denominators[q] = loss_fn.denominator(y.slice(b, b + sizes[q]));
+          }
+          int64_t total = 0;
+          for (int64_t d : denominators) total += d;
+          const float share = dp::loss_shares(denominators)[r];
+          int64_t b = dp::chunk_begin(sizes, r);
+          Tensor xs = x.slice(b, b + sizes[r]).to(dev), ys = y.slice(b, b + sizes[r]).to(dev);
+          ddp.set_batch_share(denominators[r], total);
+          ddp.module().zero_grad();
+          Tensor out = ddp.forward(xs);
+          Tensor loss = Tensor::empty({1}, DType::f32, dev);
+          Tensor dl = Tensor::empty(out.shape(), DType::f32, dev);
+          loss_fn.compute(loss, dl, out, ys);
+          if (zero1) {
+            auto local_only = ddp.no_sync();
+            ddp.backward(dl);
+          } else {
+            ddp.backward(dl);
+          }
+          float norm = 0.f;
+          if (zero1) {
+            zero1->step(share);
+            norm = zero1->last_grad_norm();
+          } else {
+            ddp.finish_gradient_sync();
+            if (clip > 0.f) norm = nn::clip_grad_norm(m->flat_grads(), clip);
+            opt.step();
+          }
+          if (r == 0 && clip > 0.f) norms0.push_back(norm);
+          scale(loss, loss, share);
+          pg.all_reduce(loss, dp::dist::ReduceOp::sum)->wait();
+          losses[r].push_back(loss.item());
+        }
+        params[r] = m->flat_params().to_host_f32();
+      });
+      CHECK(dp_test::rel_diff(params[0], ref) <= 1e-5f);
+      for (int r = 1; r < world; ++r) CHECK(params[r] == params[0]);
+      for (int s = 0; s < kSteps; ++s)
+        CHECK(losses[0][s] == doctest::Approx(ref_losses[s]).epsilon(1e-5));
+      for (size_t s = 0; s < norms0.size(); ++s)
+        CHECK(norms0[s] == doctest::Approx(ref_norms[s]).epsilon(1e-5));
+      CHECK(norms0.size() == (clip > 0.f ? static_cast<size_t>(kSteps) : 0u));
+    }
+  }
+}

@@ -1,0 +1,225 @@
+// GPT pieces: attention against a double-precision loop, gradient checks of the new layers,
+// token cross-entropy with an ignore index, the GPT model's layout, init and presets.
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include "tests/nn_test_util.hpp"
+
+using namespace nn_test;
+using std::make_shared;
+
+namespace {
+
+// Reference attention in double: qkv (B, T, 3 D) -> y (B, T, D), and the gradient of
+// sum(y * dy) w.r.t. qkv, straight from the definition (causal mask).
+struct RefAttention {
+  std::vector<double> y, dqkv;
+};
+RefAttention reference_attention(const std::vector<float>& qkv, const std::vector<float>& dy,
+                                 int64_t b_n, int64_t t_n, int64_t heads, int64_t d) {
+  const int64_t hd = d / heads;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  RefAttention r;
+  r.y.assign(static_cast<size_t>(b_n * t_n * d), 0.0);
+  r.dqkv.assign(qkv.size(), 0.0);
+  auto at = [&](int64_t b, int64_t t, int64_t part, int64_t h, int64_t c) {
+    return static_cast<size_t>((b * t_n + t) * 3 * d + part * d + h * hd + c);
+  };
+  for (int64_t b = 0; b < b_n; ++b)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t i = 0; i < t_n; ++i) {
+        std::vector<double> p(static_cast<size_t>(i + 1));
+        double m = -1e300, z = 0;
+        for (int64_t j = 0; j <= i; ++j) {
+          double s = 0;
+          for (int64_t c = 0; c < hd; ++c)
+            s += double(qkv[at(b, i, 0, h, c)]) * qkv[at(b, j, 1, h, c)];
+          p[j] = s * scale;
+          m = std::max(m, p[j]);
+        }
+        for (auto& v : p) z += (v = std::exp(v - m));
+        for (auto& v : p) v /= z;
+        const size_t yi = static_cast<size_t>((b * t_n + i) * d + h * hd);
+        for (int64_t c = 0; c < hd; ++c)
+          for (int64_t j = 0; j <= i; ++j) r.y[yi + c] += p[j] * qkv[at(b, j, 2, h, c)];
+        // Backward of row i.
+        std::vector<double> dp(static_cast<size_t>(i + 1));
+        double dot = 0;
+        for (int64_t j = 0; j <= i; ++j) {
+          for (int64_t c = 0; c < hd; ++c) dp[j] += double(dy[yi + c]) * qkv[at(b, j, 2, h, c)];
+          dot += p[j] * dp[j];
+        }
+        for (int64_t j = 0; j <= i; ++j) {
+          const double ds = p[j] * (dp[j] - dot) * scale;
+          for (int64_t c = 0; c < hd; ++c) {
+            r.dqkv[at(b, i, 0, h, c)] += ds * qkv[at(b, j, 1, h, c)];
+            r.dqkv[at(b, j, 1, h, c)] += ds * qkv[at(b, i, 0, h, c)];
+            r.dqkv[at(b, j, 2, h, c)] += p[j] * dy[yi + c];
+          }
+        }
+      }
+  return r;
+}
+
+double max_diff(const std::vector<float>& a, const std::vector<double>& b) {
+  REQUIRE(a.size() == b.size());
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(a[i] - b[i]));
+  return m;
+}
+
+nn::GptConfig micro_config() {
+  nn::GptConfig c;
+  c.vocab = 11, c.context = 8, c.layers = 2, c.heads = 2, c.dim = 8;
+  return c;
+}
+
+Tensor token_ids(const Shape& s, int64_t vocab, uint32_t seed) {
+  std::vector<float> r = dp_test::random_vector(numel(s), seed, 0.f, static_cast<float>(vocab));
+  std::vector<int32_t> ids(r.size());
+  for (size_t i = 0; i < r.size(); ++i)
+    ids[i] = std::min<int32_t>(static_cast<int32_t>(r[i]), static_cast<int32_t>(vocab - 1));
+  return Tensor::from_ints(ids, s);
+}
+
+}  // namespace
+
+TEST_CASE("nn.attention: CPU forward and backward match a double-precision loop") {
+  const int64_t b = 2, t = 7, heads = 3, d = 12;
+  Tensor qkv = uniform({b, t, 3 * d}, 5, -1.5f, 1.5f);
+  Tensor dy = uniform({b, t, d}, 6);
+  kernels::AttentionParams p{heads, 1.f / std::sqrt(4.f), kernels::AttentionMask::causal};
+  Tensor y = Tensor::empty({b, t, d}, DType::f32, Device::cpu());
+  Tensor lse = Tensor::empty({b, heads, t}, DType::f32, Device::cpu());
+  kernels::attention_forward(y, lse, qkv, p);
+  Tensor dqkv = Tensor::empty(qkv.shape(), DType::f32, Device::cpu());
+  kernels::attention_backward(dqkv, dy, qkv, y, lse, p);
+  RefAttention ref = reference_attention(host(qkv), host(dy), b, t, heads, d);
+  CHECK(max_diff(host(y), ref.y) < 1e-5);
+  CHECK(max_diff(host(dqkv), ref.dqkv) < 1e-5);
+  // Row 0 sees only itself: y[0] = v[0] for every head.
+  std::vector<float> yh = host(y), xh = host(qkv);
+  for (int64_t c = 0; c < d; ++c) CHECK(yh[c] == doctest::Approx(xh[2 * d + c]).epsilon(1e-6));
+}
+
+TEST_CASE("nn.attention: bad shapes are refused naming them") {
+  Tensor qkv = uniform({1, 4, 3 * 6}, 1);
+  Tensor y = Tensor::empty({1, 4, 6}, DType::f32, Device::cpu());
+  Tensor lse = Tensor::empty({1, 4, 4}, DType::f32, Device::cpu());
+  kernels::AttentionParams p{4, 1.f, kernels::AttentionMask::causal};  // 4 does not divide 6
+  CHECK_THROWS_WITH_AS(kernels::attention_forward(y, lse, qkv, p),
+                       doctest::Contains("4 heads do not divide the width 6"), kernels::Error);
+}
+
+TEST_CASE("nn.gradcheck: Embedding, GELU(tanh), CausalSelfAttention, GptBlock") {
+  auto emb = materialized(make_shared<nn::Embedding>(7, 5));
+  nn::GradcheckOptions no_input;
+  no_input.check_input = nn::CheckInput::no;
+  check_grads(*emb, token_ids({2, 3}, 7, 3), no_input);
+
+  auto gelu = materialized(make_shared<nn::GELU>(nn::GeluApproximation::tanh));
+  check_grads(*gelu, uniform({3, 8}, 4, -3.f, 3.f));
+
+  auto attn = materialized(make_shared<nn::CausalSelfAttention>(8, 2));
+  check_grads(*attn, uniform({2, 5, 8}, 7));
+
+  auto block = materialized(make_shared<nn::GptBlock>(8, 2, 0.f));
+  check_grads(*block, uniform({2, 4, 8}, 8));
+}
+
+TEST_CASE("nn.gradcheck: GPT with a tied head") {
+  auto net = materialized(nn::gpt(micro_config()), 3);
+  nn::GradcheckOptions o;
+  o.check_input = nn::CheckInput::no;
+  check_grads(*net, token_ids({2, 6}, 11, 9), o);
+}
+
+TEST_CASE("nn.gpt: GELU(tanh) is GPT-2's formula") {
+  Tensor x = Tensor::from_vector({-2.f, -0.5f, 0.f, 1.f, 3.f}, {5});
+  Tensor y = Tensor::empty({5}, DType::f32, Device::cpu());
+  kernels::gelu_tanh(y, x);
+  std::vector<float> xh = host(x), yh = host(y);
+  for (size_t i = 0; i < xh.size(); ++i) {
+    double v = xh[i];
+    double want = 0.5 * v * (1 + std::tanh(std::sqrt(2 / M_PI) * (v + 0.044715 * v * v * v)));
+    CHECK(yh[i] == doctest::Approx(want).epsilon(1e-6));
+  }
+}
+
+TEST_CASE("nn.loss: token cross-entropy averages over the kept tokens") {
+  const int64_t b = 2, t = 3, v = 5;
+  Tensor logits = uniform({b, t, v}, 11, -2.f, 2.f);
+  Tensor targets = Tensor::from_ints({1, -1, 4, 0, 2, -1}, {b, t});
+  nn::TokenCrossEntropyLoss loss_fn(-1);
+  CHECK(loss_fn.denominator(targets) == 4);
+  Tensor loss = Tensor::empty({1}, DType::f32, Device::cpu());
+  Tensor dl = Tensor::empty(logits.shape(), DType::f32, Device::cpu());
+  loss_fn.compute(loss, dl, logits, targets);
+  std::vector<float> x = host(logits), g = host(dl);
+  const std::vector<int> tg = {1, -1, 4, 0, 2, -1};
+  double want = 0;
+  for (int64_t r = 0; r < b * t; ++r) {
+    double m = -1e300, z = 0;
+    for (int64_t c = 0; c < v; ++c) m = std::max(m, double(x[r * v + c]));
+    for (int64_t c = 0; c < v; ++c) z += std::exp(x[r * v + c] - m);
+    for (int64_t c = 0; c < v; ++c) {
+      double want_g = tg[r] < 0 ? 0.0 : (std::exp(x[r * v + c] - m) / z - (c == tg[r] ? 1 : 0)) / 4;
+      CHECK(g[r * v + c] == doctest::Approx(want_g).epsilon(1e-5));
+    }
+    if (tg[r] >= 0) want += (m + std::log(z) - x[r * v + tg[r]]) / 4;
+  }
+  CHECK(loss.item() == doctest::Approx(want).epsilon(1e-6));
+  // Every token ignored: loss 0, gradient 0, denominator 0.
+  Tensor none = Tensor::from_ints({-1, -1, -1, -1, -1, -1}, {b, t});
+  CHECK(loss_fn.denominator(none) == 0);
+  loss_fn.compute(loss, dl, logits, none);
+  CHECK(loss.item() == 0.f);
+  for (float e : host(dl)) CHECK(e == 0.f);
+  // A target outside [0, V) that is not the ignore index is named.
+  Tensor bad = Tensor::from_ints({1, 7, 4, 0, 2, -1}, {b, t});
+  CHECK_THROWS_WITH_AS(loss_fn.compute(loss, dl, logits, bad), doctest::Contains("label 7"),
+                       kernels::Error);
+}
+
+TEST_CASE("nn.gpt: presets, parameter count, tied head and GPT-2 init") {
+  CHECK_THROWS_WITH_AS(nn::GptConfig::preset("2b"), doctest::Contains("tiny, 124m or 350m"),
+                       kernels::Error);
+  nn::GptConfig big = nn::GptConfig::preset("124m");
+  CHECK(big.layers == 12);
+  CHECK(big.dim == 768);
+  CHECK(big.vocab == 50304);
+  CHECK(nn::gpt(big)->num_parameters() == big.parameters());  // declared, not allocated
+  CHECK(big.parameters() > 124000000);
+  CHECK(big.parameters() < 125000000);
+  CHECK(nn::gpt(nn::GptConfig::preset("350m"))->num_parameters() > 350000000);
+
+  nn::GptConfig tiny = nn::GptConfig::preset("tiny");
+  auto net = materialized(nn::gpt(tiny), 1);
+  CHECK(net->num_parameters() == tiny.parameters());
+  CHECK(tiny.parameters() > 500000);
+  CHECK(tiny.parameters() < 1500000);
+  // Init: std 0.02 for embeddings and weights, 0.02 / sqrt(2 L) for the residual projections.
+  auto std_of = [&](const std::string& name) {
+    for (auto& [n, p] : net->named_parameters())
+      if (n == name) {
+        std::vector<float> v = host(p->value);
+        double s = 0;
+        for (float e : v) s += double(e) * e;
+        return std::sqrt(s / v.size());
+      }
+    FAIL("no parameter " << name);
+    return 0.0;
+  };
+  CHECK(std_of("wte.weight") == doctest::Approx(0.02).epsilon(0.05));
+  CHECK(std_of("h.0.attn.c_attn.weight") == doctest::Approx(0.02).epsilon(0.05));
+  CHECK(std_of("h.1.mlp.c_proj.weight") ==
+        doctest::Approx(0.02 / std::sqrt(2.0 * tiny.layers)).epsilon(0.05));
+  CHECK(std_of("h.0.attn.c_attn.bias") == 0.0);
+  // The head is tied: no separate lm_head parameter, logits (B, T, V).
+  for (auto& [n, p] : net->named_parameters()) CHECK(n.find("lm_head") == std::string::npos);
+  Tensor logits = net->forward(token_ids({2, 5}, tiny.vocab, 4));
+  CHECK(logits.shape() == Shape{2, 5, tiny.vocab});
+  CHECK_THROWS_WITH_AS(net->forward(token_ids({1, tiny.context + 1}, tiny.vocab, 4)),
+                       doctest::Contains("T <= context"), kernels::Error);
+}

@@ -1,0 +1,126 @@
+// samples/train_text on Debian's fortunes-min: the tiny GPT learns (past a unigram model in 50
+// steps; past a bigram model's validation loss on the same split in a long run), DP follows
+// the single run, and a saved run resumes.
+#include <sys/stat.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <regex>
+#include <string>
+
+#include "dp/data/text.hpp"
+#include "tests/test_util.hpp"
+
+namespace {
+
+bool skip_without_fortunes() {
+  struct stat st {};
+  if (stat(dp::data::kDefaultTextDir, &st) == 0) return false;
+  std::printf("SKIPPED: %s is missing (fortunes-min, scripts/setup.sh)\n",
+              dp::data::kDefaultTextDir);
+  ++dp_test::skipped_cases();
+  return true;
+}
+
+// Runs train_text with `args`; returns its output (stdout and stderr) and requires exit 0.
+std::string run_train_text(const std::string& args) {
+  const std::string log = dp_test::temp_path("train_text", "log.txt");
+  const std::string cmd = std::string(DP_TRAIN_TEXT_PATH) + " " + args + " > " + log + " 2>&1";
+  const int rc = std::system(cmd.c_str());
+  std::ifstream f(log);
+  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  INFO(text);
+  REQUIRE(rc == 0);
+  return text;
+}
+
+double final_val_loss(const std::string& out) {
+  std::smatch m;
+  REQUIRE(std::regex_search(out, m, std::regex("final val loss ([0-9.]+)")));
+  return std::stod(m[1]);
+}
+
+// Validation cross-entropy (nats per byte) of a bigram byte model fitted on train with add-k
+// smoothing, at the k in a small grid that does best on validation (a generous baseline).
+double bigram_val_loss(const dp::data::TextCorpus& c) {
+  std::vector<double> counts(256 * 256, 0.0), rows(256, 0.0);
+  for (size_t i = 0; i + 1 < c.train.size(); ++i) {
+    counts[c.train[i] * 256 + c.train[i + 1]] += 1;
+    rows[c.train[i]] += 1;
+  }
+  double best = INFINITY;
+  for (double k : {0.003, 0.01, 0.03, 0.1, 0.3, 1.0}) {
+    double nll = 0;
+    for (size_t i = 0; i + 1 < c.val.size(); ++i) {
+      const int a = c.val[i], b = c.val[i + 1];
+      nll -= std::log((counts[a * 256 + b] + k) / (rows[a] + 256 * k));
+    }
+    best = std::min(best, nll / static_cast<double>(c.val.size() - 1));
+  }
+  return best;
+}
+
+}  // namespace
+
+// Validation cross-entropy of the unigram byte distribution of train (add-one smoothing).
+double unigram_val_loss(const dp::data::TextCorpus& c) {
+  std::vector<double> counts(256, 1.0);
+  for (uint8_t b : c.train) counts[b] += 1;
+  const double total = static_cast<double>(c.train.size()) + 256;
+  double nll = 0;
+  for (uint8_t b : c.val) nll -= std::log(counts[b] / total);
+  return nll / static_cast<double>(c.val.size());
+}
+
+TEST_CASE("samples.train_text: the tiny GPT learns past a unigram byte model in 50 steps") {
+  if (skip_without_fortunes()) return;
+  const dp::data::TextCorpus corpus = dp::data::read_text_corpus(dp::data::kDefaultTextDir);
+  const double unigram = unigram_val_loss(corpus);
+  CHECK(unigram > 3.0);  // English bytes: about 3.4 nats
+  const std::string out = run_train_text(
+      "--device cpu --gpt-config tiny --steps 50 --batch 8 --seq 64 "
+      "--eval-every 25 --sample-bytes 40");
+  INFO(out);
+  CHECK(final_val_loss(out) < unigram);
+  CHECK(out.find("tokens/s") != std::string::npos);
+  CHECK(out.find("grad norm") != std::string::npos);
+  CHECK(out.find("sample (greedy): ") != std::string::npos);
+}
+
+// The goal, long on 2 shared cores (DP_LONG_TESTS=1 runs it): beating a bigram model
+// takes far more than the 50 steps above (README: what train_text reaches and how long).
+TEST_CASE("samples.train_text: the tiny GPT beats a bigram byte model on held-out text") {
+  if (skip_without_fortunes()) return;
+  if (!std::getenv("DP_LONG_TESTS")) {
+    std::printf("SKIPPED: long (minutes on 2 cores); set DP_LONG_TESTS=1 to run it\n");
+    ++dp_test::skipped_cases();
+    return;
+  }
+  const dp::data::TextCorpus corpus = dp::data::read_text_corpus(dp::data::kDefaultTextDir);
+  const double bigram = bigram_val_loss(corpus);
+  CHECK(bigram > 1.0);  // English bytes: about 2.5 nats under a bigram model
+  CHECK(bigram < 4.0);
+  const std::string out = run_train_text(
+      "--device cpu --gpt-config tiny --steps 3000 --batch 8 --seq 64 "
+      "--eval-every 500 --sample-bytes 40");
+  INFO(out);
+  CHECK(final_val_loss(out) < bigram);
+}
+
+TEST_CASE("samples.train_text: DP and a resumed run follow the single run") {
+  if (skip_without_fortunes()) return;
+  const std::string state = dp_test::temp_path("train_text", "state.safetensors");
+  const std::string common =
+      "--device cpu --gpt-config tiny --batch 6 --seq 16 --eval-every 4 "
+      "--val-batches 2 --sample-bytes 0";
+  const double single = final_val_loss(run_train_text(common + " --steps 8"));
+  const double dp = final_val_loss(run_train_text(common + " --steps 8 --mode dp --gpus 4"));
+  CHECK(dp == doctest::Approx(single).epsilon(1e-4));
+  run_train_text(common + " --steps 4 --save " + state);
+  const std::string resumed = run_train_text(common + " --steps 8 --resume " + state);
+  CHECK(resumed.find("resumed") != std::string::npos);
+  CHECK(final_val_loss(resumed) == doctest::Approx(single).epsilon(1e-4));
+  std::remove(state.c_str());
+}
