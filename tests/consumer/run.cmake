@@ -36,6 +36,9 @@ run(${CMAKE_COMMAND} ${args})
 run(${CMAKE_COMMAND} --build ${work}/build -j2)
 run(${work}/build/consumer ${work}/state.safetensors)
 message(STATUS "${out}")
+if(NOT out MATCHES "backend: cpu;")
+  message(FATAL_ERROR "pkg.consumer: the CPU-only consumer does not report the CPU backend")
+endif()
 execute_process(COMMAND ${work}/build/readme_example WORKING_DIRECTORY ${work} RESULT_VARIABLE rc
                 OUTPUT_VARIABLE out ERROR_VARIABLE out)
 if(NOT rc EQUAL 0 OR NOT EXISTS ${work}/my_model.safetensors)
@@ -57,6 +60,24 @@ if(NM)
   if(cuda)
     message(FATAL_ERROR "pkg.consumer: the CPU-only consumer links CUDA code (${cuda})")
   endif()
+endif()
+
+# COMPONENTS cuda: when the install has the CUDA backend, the same program linked against it
+# (cudart, cuBLAS(Lt), cuDNN, NCCL) runs here too, on CPU devices when no GPU is present.
+file(STRINGS ${prefix}/lib/cmake/dptrain/dptrainConfig.cmake have_cuda
+     REGEX "set\\(dptrain_HAVE_CUDA ON\\)")
+if(have_cuda)
+  set(cuda_args ${args})
+  list(TRANSFORM cuda_args REPLACE "^${work}/build$" "${work}/build_cuda")
+  run(${CMAKE_COMMAND} ${cuda_args} -DCONSUMER_CUDA=ON)
+  run(${CMAKE_COMMAND} --build ${work}/build_cuda -j2 --target consumer)
+  run(${work}/build_cuda/consumer ${work}/state_cuda.safetensors)
+  message(STATUS "COMPONENTS cuda: ${out}")
+  if(NOT out MATCHES "backend: cuda;")
+    message(FATAL_ERROR "pkg.consumer: COMPONENTS cuda did not link the CUDA backend:\n${out}")
+  endif()
+else()
+  message(STATUS "pkg.consumer: the install has no CUDA backend: COMPONENTS cuda not tried")
 endif()
 
 # pkg-config: the same install, flags from dptrain.pc, a small program on the op set.
