@@ -44,4 +44,13 @@ inline std::vector<float> loss_shares(const std::vector<int64_t>& denominators) 
   return shares;
 }
 
+// The same against a larger whole: each chunk's share of `total` (the global batch's
+// denominator, of which these chunks are one node's part). All zero when total is 0.
+inline std::vector<float> loss_shares(const std::vector<int64_t>& denominators, int64_t total) {
+  std::vector<float> shares(denominators.size(), 0.f);
+  if (total == 0) return shares;
+  for (size_t i = 0; i < shares.size(); ++i) shares[i] = chunk_share(denominators[i], total);
+  return shares;
+}
+
 }  // namespace dp

@@ -76,9 +76,16 @@ DataParallel::DataParallel(nn::ModulePtr module, nn::Optimizer& optimizer,
   module->set_compute_dtype(nn::compute_dtype(options_.precision));
   module->set_input_grad(nn::InputGrad::not_needed);
   warn_if_oversubscribed(devices_);
+  DP_CHECK(!options_.cross_node || options_.batch_norm == BatchNormStats::per_device,
+           "DataParallel: SyncBatchNorm across the nodes of a hybrid run is not supported (each "
+           "node's devices would sync among themselves only)");
   // Work the caller queued on device 0 (initialisation, optimizer state) finishes before any
   // worker reads those buffers from its own stream.
   kernels::context(devices_[0]).synchronize();
+  if (options_.cross_node) {  // hybrid: every node starts from node 0's weights
+    options_.cross_node->broadcast(module->flat_params());
+    if (module->flat_buffers().numel() > 0) options_.cross_node->broadcast(module->flat_buffers());
+  }
 
   int n = n_devices();
   replicas_.resize(n);
@@ -213,7 +220,10 @@ void DataParallel::begin_step(const std::vector<int64_t>& sizes) {
   for (int64_t s : sizes) total += s;
   DP_CHECK(denominators_.size() == sizes.size() && total > 0,
            "begin_step: the loss denominators do not match the split batch");
-  shares_ = loss_shares(denominators_);
+  // Hybrid: each chunk's share of the global batch's denominator (this node's chunks hold part
+  // of it); the sum over nodes then makes the global mean.
+  shares_ = options_.cross_node ? loss_shares(denominators_, global_denominator_)
+                                : loss_shares(denominators_);
   // Who pulls from whom, in order. Star: 0 <- 1, 2, ..., n-1. Tree: in round s = 1, 2, 4, ...
   // device i (a multiple of 2s) pulls from i + s: 0 <- 1, 2 <- 3, then 0 <- 2.
   sources_.assign(n, {});
@@ -351,6 +361,11 @@ void DataParallel::advance_reduction(int i, bool blocking) {
     }
     pd.next_source = 0;
     ++pd.next_bucket;
+    if (i == 0 && options_.cross_node) {  // hybrid: the node's sum, summed over the nodes
+      Tensor mine = replicas_[0]->flat_grads().view(b.offset, {b.numel});
+      if (sources.empty() && shares_[0] != 1.f) kernels::scale(mine, mine, shares_[0]);
+      options_.cross_node->start_sum(mine);
+    }
     if (i != 0) {
       if (pd.outbox.defined()) {  // rounded once, here, where the sum is final
         Tensor out = pd.outbox.view(b.offset, {b.numel});
@@ -366,6 +381,8 @@ void DataParallel::reduce_grads_to_root(const std::vector<int64_t>& sizes) {
   DP_CHECK(
       !sizes.empty() && static_cast<int>(sizes.size()) <= n_devices(),
       "reduce_grads_to_root: " << sizes.size() << " chunk sizes for " << n_devices() << " devices");
+  DP_CHECK(!options_.cross_node,
+           "reduce_grads_to_root: drives one node's reduction alone; not in a hybrid run");
   kernels::NvtxRange range("dp/reduce");
   denominators_ = sizes;  // the chunks' rows: shares B_i / B
   begin_step(sizes);
@@ -415,8 +432,8 @@ void DataParallel::average_buffers_on_root(const std::vector<int64_t>& sizes) {
   }
 }
 
-std::vector<int64_t> DataParallel::split_batch(const char* what, const Tensor& images,
-                                               const Tensor& labels, StepStats& stats) {
+std::vector<int64_t> DataParallel::split_batch(const char* what, Tensor& images, Tensor& labels,
+                                               StepStats& stats) {
   DP_CHECK(
       images.defined() && labels.defined() && images.device().is_cpu() && labels.device().is_cpu(),
       what << ": images and labels must be host tensors, got " << images << " and " << labels);
@@ -426,8 +443,19 @@ std::vector<int64_t> DataParallel::split_batch(const char* what, const Tensor& i
   options_.loss->check_target(labels);
   DP_CHECK(images.dim(0) >= 1, what << ": empty batch");
   stats.samples = images.dim(0);
-  stats.devices_used = devices_for(stats.samples);
-  std::vector<int64_t> sizes = chunk_sizes(stats.samples, stats.devices_used);
+  if (const CrossNode* cross = options_.cross_node.get()) {  // hybrid: this node's chunk
+    const std::vector<int64_t> nodes = chunk_sizes(stats.samples, cross->nodes());
+    const int64_t rows = nodes[cross->node()], begin = chunk_begin(nodes, cross->node());
+    DP_CHECK(rows >= 1, what << ": a global batch of " << stats.samples << " rows leaves node "
+                             << cross->node() << " of " << cross->nodes()
+                             << " without rows: give at least one row per node");
+    global_denominator_ = options_.loss->denominator(labels);
+    images = images.slice(begin, begin + rows);
+    labels = labels.slice(begin, begin + rows);
+  }
+  stats.node_samples = images.dim(0);
+  stats.devices_used = devices_for(stats.node_samples);
+  std::vector<int64_t> sizes = chunk_sizes(stats.node_samples, stats.devices_used);
   denominators_.assign(sizes.size(), 0);
   for (size_t i = 0, begin = 0; i < sizes.size(); begin += sizes[i++])
     denominators_[i] = options_.loss->denominator(labels.slice(begin, begin + sizes[i]));
@@ -464,17 +492,35 @@ void DataParallel::read_step_metrics(int n) {
       if (!signals_.done[r]) return false;
     return true;
   });
-  if (!host_metrics_.defined() || host_metrics_.numel() != kMetrics * n)
-    host_metrics_ = Tensor::empty_pinned({kMetrics * n}, kernels::DType::f32);
+  CrossNode* cross = options_.cross_node.get();
+  // Hybrid: two more slots, the node's weighted loss and correct count, summed over the nodes.
+  const int64_t slots = kMetrics * n + (cross ? 2 : 0);
+  if (!host_metrics_.defined() || host_metrics_.numel() != slots)
+    host_metrics_ = Tensor::empty_pinned({slots}, kernels::DType::f32);
   const Tensor* all = &per_device_[0].metrics;  // one device: its own buffer, as it is
-  if (n > 1) {
-    kernels::ensure(gathered_metrics_, {kMetrics * n}, kernels::DType::f32, devices_[0]);
+  if (n > 1 || cross) {
+    kernels::ensure(gathered_metrics_, {slots}, kernels::DType::f32, devices_[0]);
     for (int r = 0; r < n; ++r) {
       if (r > 0) per_device_[r].marks[kReduced].wait(ctx);
       Tensor slot = gathered_metrics_.view(kMetrics * r, {kMetrics});
       kernels::copy(slot, per_device_[r].metrics);
     }
     all = &gathered_metrics_;
+  }
+  if (cross) {
+    Tensor node = gathered_metrics_.view(kMetrics * n, {2});
+    std::vector<Tensor> losses, corrects;
+    for (int r = 0; r < n; ++r) {
+      losses.push_back(gathered_metrics_.view(kMetrics * r, {1}));
+      corrects.push_back(gathered_metrics_.view(kMetrics * r + 1, {1}));
+    }
+    kernels::fill(node, 0.f);
+    Tensor loss = node.view(0, {1}), correct = node.view(1, {1});
+    kernels::weighted_sum(loss, 1.f, losses,
+                          std::vector<float>(shares_.begin(), shares_.begin() + n));
+    kernels::weighted_sum(correct, 1.f, corrects, std::vector<float>(n, 1.f));
+    cross->start_sum(node);
+    cross->finish();
   }
   // The step's one host wait: a copy to the host waits for device 0's stream, which waited
   // for every other device's last event.
@@ -483,6 +529,12 @@ void DataParallel::read_step_metrics(int n) {
 
 void DataParallel::gather_metrics(const std::vector<int64_t>& sizes, StepStats& stats) {
   const float* m = host_metrics_.data<float>();
+  if (options_.cross_node) {  // summed over the nodes on the device
+    const size_t at = kMetrics * sizes.size();
+    stats.loss = m[at];
+    stats.correct = static_cast<int64_t>(m[at + 1]);
+    return;
+  }
   for (size_t i = 0; i < sizes.size(); ++i) {
     stats.loss += m[kMetrics * i] * shares_[i];
     stats.correct += static_cast<int64_t>(m[kMetrics * i + 1]);
@@ -553,6 +605,7 @@ void DataParallel::train_job(int i, const Tensor& images, const Tensor& labels,
     pd.own_ready = static_cast<int>(plan_.buckets.size());  // also buckets of unused layers
     advance_reduction(i, true);
     if (i == 0 && n > 1) average_buffers_on_root(sizes);
+    if (i == 0 && options_.cross_node) finish_cross_node(n);
   }
   pd.marks[kReduced].record(ctx);
   if (i > 0) {
@@ -581,6 +634,26 @@ void DataParallel::train_job(int i, const Tensor& images, const Tensor& labels,
   }
 }
 
+void DataParallel::finish_cross_node(int n) {
+  kernels::NvtxRange range("dp/cross_node");
+  auto t0 = Clock::now();
+  CrossNode& cross = *options_.cross_node;
+  cross.finish();  // every bucket summed over the nodes
+  Tensor& buffers = replicas_[0]->flat_buffers();
+  if (buffers.numel() > 0) {
+    if (options_.buffer_sync == BufferSync::average) {
+      // Device 0 holds the node's share of the global statistics (its own chunk's, weighted,
+      // when it is the node's only device): the sum over nodes is the global batch's.
+      if (n == 1) kernels::scale(buffers, buffers, shares_[0]);
+      cross.start_sum(buffers);
+      cross.finish();
+    } else {
+      cross.broadcast(buffers);  // root_only: node 0's device 0's, everywhere
+    }
+  }
+  cross_wait_ms_ = ms_since(t0);
+}
+
 void DataParallel::eval_job(int i, const Tensor& images, const Tensor& labels,
                             const std::vector<int64_t>& sizes) {
   scatter_chunk(i, images, labels, sizes);
@@ -598,9 +671,12 @@ void DataParallel::eval_job(int i, const Tensor& images, const Tensor& labels,
   }
 }
 
-StepStats DataParallel::train_step(const Tensor& images, const Tensor& labels) {
+StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& batch_labels) {
   StepStats stats;
+  Tensor images = batch_images, labels = batch_labels;  // hybrid: narrowed to the node's chunk
   std::vector<int64_t> sizes = split_batch("train_step", images, labels, stats);
+  const int64_t cross_before = options_.cross_node ? options_.cross_node->payload_bytes() : 0;
+  cross_wait_ms_ = 0;
   const int n_used = stats.devices_used;
   auto t_step = Clock::now();
   begin_step(sizes);
@@ -613,6 +689,10 @@ StepStats DataParallel::train_step(const Tensor& images, const Tensor& labels) {
   stats.allocations = after.first - before.first;
   stats.host_syncs = after.second - before.second;
   stats.loss_scale = step_scale_;
+  if (options_.cross_node) {
+    stats.ms.cross_node = cross_wait_ms_;
+    stats.cross_node_bytes = options_.cross_node->payload_bytes() - cross_before;
+  }
   step_taken_ = scaler_.settle(optimizer_, host_metrics_.data<float>()[2] == 0.f);
   stats.grad_norm = grad_norm_;
   stats.skipped = !step_taken_;
@@ -708,8 +788,9 @@ std::vector<int64_t> DataParallel::link_bytes(int n) const {
   return out;
 }
 
-StepStats DataParallel::evaluate(const Tensor& images, const Tensor& labels) {
+StepStats DataParallel::evaluate(const Tensor& batch_images, const Tensor& batch_labels) {
   StepStats stats;
+  Tensor images = batch_images, labels = batch_labels;
   std::vector<int64_t> sizes = split_batch("evaluate", images, labels, stats);
   begin_step(sizes);
   run_step("dp/evaluate", stats.devices_used, [&](int i) { eval_job(i, images, labels, sizes); });

@@ -47,6 +47,7 @@
 
 #include "dp/bucket_plan.hpp"
 #include "dp/chunks.hpp"
+#include "dp/cross_node.hpp"
 #include "dp/stats_sync.hpp"
 #include "dp/worker_pool.hpp"
 #include "kernels/runtime/event.hpp"
@@ -95,6 +96,11 @@ struct DataParallelOptions {
   // The dtype replica gradients travel in: f32, or bf16 (half the bytes; each source rounds its
   // bucket once and the receiver adds it into its f32 sum), as PyTorch's bf16 compress hook.
   kernels::DType comm_dtype = kernels::DType::f32;
+  // Hybrid mode (dp/cross_node.hpp): this engine is one node of several; null: alone. Every
+  // node is handed the same global batch and takes its chunk; the weights are node 0's from
+  // construction on; device 0's summed buckets are summed over the nodes (in f32) while
+  // backward goes on, and the loss, correct count and buffers too.
+  std::shared_ptr<CrossNode> cross_node;
 };
 
 // Milliseconds of each phase of one step, from the events each worker records (device time on
@@ -104,14 +110,17 @@ struct PhaseTimes {
   double reduce = 0;              // on device 0 after its own backward: the reduction not hidden
   double reduce_in_backward = 0;  // on device 0 while its own backward ran (hidden)
   double step = 0;
-  double total = 0;  // host wall time of train_step
+  double cross_node = 0;  // hybrid: device 0's wait for the sums over nodes after its reduce
+  double total = 0;       // host wall time of train_step
 };
 
 struct StepStats {
-  float loss = 0;        // mean loss over the global batch
-  int64_t correct = 0;   // rows whose argmax equals the label
-  int64_t samples = 0;   // global batch size
-  int devices_used = 0;  // fewer than n_devices() when the batch is smaller than the count
+  float loss = 0;                // mean loss over the global batch
+  int64_t correct = 0;           // rows whose argmax equals the label
+  int64_t samples = 0;           // global batch size (hybrid: over every node)
+  int64_t node_samples = 0;      // hybrid: this node's chunk of it (samples otherwise)
+  int64_t cross_node_bytes = 0;  // hybrid: bytes this node handed to the collectives this step
+  int devices_used = 0;          // fewer than n_devices() when the batch is smaller than the count
   PhaseTimes ms;
   int64_t bytes_moved = 0;          // parameter and gradient bytes copied between devices this step
   std::vector<int64_t> link_bytes;  // per device used: bytes in + out of it this step
@@ -267,7 +276,8 @@ class DataParallel {
   int64_t comm_grad_bytes() const;
   int devices_for(int64_t batch);
   // Checks a host batch, fills stats.samples/devices_used and returns the chunk sizes.
-  std::vector<int64_t> split_batch(const char* what, const Tensor& images, const Tensor& labels,
+  // Hybrid: narrows images and labels to this node's chunk first.
+  std::vector<int64_t> split_batch(const char* what, Tensor& images, Tensor& labels,
                                    StepStats& stats);
   void forward_and_loss(int i, nn::Mode mode);
   // Device 0, at the end of a step: gathers every device's metrics and reads them to the host,
@@ -275,6 +285,9 @@ class DataParallel {
   // each one's last event first).
   void read_step_metrics(int n);
   void gather_metrics(const std::vector<int64_t>& sizes, StepStats& stats);
+  // Hybrid, on device 0 after its reduce: waits for the bucket sums over nodes, then sums the
+  // buffers over nodes too.
+  void finish_cross_node(int n);
   // Allocations and host syncs so far, over every context of the engine.
   std::pair<int64_t, int64_t> runtime_counts();
   // After a step: phase times, overlap count and trace slices from the workers' events.
@@ -292,6 +305,8 @@ class DataParallel {
   std::vector<std::vector<int>> sources_;
   std::vector<float> shares_;
   std::vector<int64_t> denominators_;  // the step's chunks' loss denominators (split_batch)
+  int64_t global_denominator_ = 0;     // hybrid: the global batch's (split_batch)
+  double cross_wait_ms_ = 0;           // hybrid: finish_cross_node's wait this step
   std::mutex signal_mutex_;
   std::condition_variable signal_cv_;
   Signals signals_;

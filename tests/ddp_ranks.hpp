@@ -14,8 +14,10 @@
 
 namespace ddp_test {
 
-// Runs fn(rank, group) on `world` threads; rethrows the first failure after all joined.
-inline void run_ranks(int world, const std::function<void(int, dp::dist::ProcessGroup&)>& fn) {
+// Runs fn(rank, group) on `world` threads; rethrows the first failure after all joined. Rank r's
+// group lives on device_of(r) (cpu:r by default).
+inline void run_ranks(int world, const std::function<void(int, dp::dist::ProcessGroup&)>& fn,
+                      const std::function<kernels::Device(int)>& device_of = {}) {
   int port = dp::dist::find_free_port();
   std::vector<std::exception_ptr> errors(world);
   std::vector<std::thread> threads;
@@ -27,7 +29,7 @@ inline void run_ranks(int world, const std::function<void(int, dp::dist::Process
         io.init_method = "tcp://127.0.0.1:" + std::to_string(port);
         io.rank = r;
         io.world_size = world;
-        io.device = kernels::Device::cpu(r);
+        io.device = device_of ? device_of(r) : kernels::Device::cpu(r);
         io.timeout = std::chrono::seconds(60);
         auto pg = dp::dist::init_process_group(io);
         fn(r, *pg);

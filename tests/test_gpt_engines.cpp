@@ -7,6 +7,7 @@
 
 #include "dp/chunks.hpp"
 #include "dp/data_parallel.hpp"
+#include "dp/distributed/cross_node_group.hpp"
 #include "dp/distributed/ddp.hpp"
 #include "dp/distributed/launcher.hpp"
 #include "dp/distributed/zero.hpp"
@@ -185,4 +186,74 @@ TEST_CASE("ddp.gpt: 4 ranks (plain and ZeRO-1) with the token cross-entropy foll
       CHECK(norms0.size() == (clip > 0.f ? static_cast<size_t>(kSteps) : 0u));
     }
   }
+}
+
+// Hybrid: DataParallel inside each node, device 0's buckets summed over the nodes (Gloo over
+// loopback; each node a thread here, a process on a real cluster). Nodes of 2, 1 and 3 devices
+// on batches of 8 and 7 rows: uneven nodes, uneven chunks, a node with one device (its own
+// share scales its gradient), a node with fewer rows than devices, ignored tokens (shares by
+// kept tokens of the global batch) and clipping after the sum over nodes.
+TEST_CASE("hybrid.gpt: nodes of 2, 1 and 3 CPU devices follow one device (uneven, ignored)") {
+  const std::vector<std::vector<int>> node_devices = {{0, 1}, {2}, {3, 4, 5}};
+  const int nodes = static_cast<int>(node_devices.size());
+  for (int64_t batch : {8, 7}) {
+    CAPTURE(batch);
+    const float clip = batch == 7 ? 0.05f : 0.f;
+    std::vector<float> ref_losses, ref_norms;
+    auto ref = train_single(batch, true, &ref_losses, clip, &ref_norms);
+    std::vector<std::vector<float>> params(nodes), losses(nodes), norms(nodes);
+    std::vector<int64_t> cross_bytes(nodes);
+    run_ranks(
+        nodes,
+        [&](int r, dp::dist::ProcessGroup& pg) {
+          std::vector<Device> devices;
+          for (int d : node_devices[r]) devices.push_back(Device::cpu(d));
+          auto m = nn::gpt(micro());
+          m->materialize(devices[0], kSeed + r);  // node 0's weights win
+          nn::AdamW opt(*m, adamw());
+          dp::DataParallelOptions o;
+          o.loss = std::make_shared<nn::TokenCrossEntropyLoss>();
+          o.first_bucket_bytes = 1024;  // several buckets, summed over nodes one by one
+          o.bucket_cap_bytes = 4096;
+          o.clip_grad_norm = clip;
+          o.cross_node = std::make_shared<dp::dist::GroupCrossNode>(pg);
+          dp::DataParallel engine(m, opt, devices, o);
+          for (int s = 0; s < kSteps; ++s) {
+            auto [x, y] = token_batch(batch, 6, s, true);
+            dp::StepStats st = engine.train_step(x, y);
+            losses[r].push_back(st.loss);
+            if (clip > 0.f) norms[r].push_back(st.grad_norm);
+            CHECK(st.samples == batch);
+            cross_bytes[r] = st.cross_node_bytes;
+          }
+          params[r] = engine.module().flat_params().to_host_f32();
+        },
+        [&](int r) { return Device::cpu(node_devices[r][0]); });
+    CHECK(dp_test::rel_diff(params[0], ref) <= 1e-5f);
+    for (int r = 0; r < nodes; ++r) {
+      CAPTURE(r);
+      CHECK(params[r] == params[0]);  // every node took the same step
+      for (int s = 0; s < kSteps; ++s)
+        CHECK(losses[r][s] == doctest::Approx(ref_losses[s]).epsilon(1e-5));
+      for (size_t s = 0; s < norms[r].size(); ++s)
+        CHECK(norms[r][s] == doctest::Approx(ref_norms[s]).epsilon(1e-5));
+      // The gradient (P floats) and the 2 metric floats crossed once per step.
+      CHECK(cross_bytes[r] == static_cast<int64_t>(ref.size() + 2) * 4);
+    }
+  }
+}
+
+TEST_CASE("hybrid.errors: a batch with fewer rows than nodes is refused by name") {
+  run_ranks(2, [&](int r, dp::dist::ProcessGroup& pg) {
+    auto m = nn::gpt(micro());
+    m->materialize(Device::cpu(r), kSeed);
+    nn::AdamW opt(*m, adamw());
+    dp::DataParallelOptions o;
+    o.loss = std::make_shared<nn::TokenCrossEntropyLoss>();
+    o.cross_node = std::make_shared<dp::dist::GroupCrossNode>(pg);
+    dp::DataParallel engine(m, opt, {Device::cpu(r)}, o);
+    auto [x, y] = token_batch(1, 6, 0, false);
+    if (r == 1)
+      CHECK_THROWS_WITH_AS(engine.train_step(x, y), doctest::Contains("leaves node 1 of 2"), Error);
+  });
 }

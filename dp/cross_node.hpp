@@ -1,0 +1,39 @@
+// Hybrid data parallelism: the threaded DataParallel inside a node, and its device 0 joined to
+// the other nodes' device 0 (one process per node) through a collective library, as Horovod's
+// hierarchical all-reduce and NCCL's intra/inter-node split do. The engine sees only this
+// interface; dp/distributed implements it on a ProcessGroup (dp::dist::GroupCrossNode: Gloo,
+// MPI or NCCL).
+//
+// In a hybrid step every node is handed the same global batch. Node r takes its chunk
+// (dp::chunk_sizes over the nodes), splits it over its devices, and weights each device's
+// gradient by its share of the GLOBAL loss denominator; device 0 sums its devices' buckets as
+// usual, and each bucket, once summed, is summed over the nodes while backward goes on. Every
+// node then holds the global batch's mean gradient and takes the same optimizer step.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/runtime/tensor.hpp"
+
+namespace dp {
+
+class CrossNode {
+ public:
+  virtual ~CrossNode() = default;
+  virtual int nodes() const = 0;  // >= 1
+  virtual int node() const = 0;   // in [0, nodes())
+  // Collectives: every node calls them in the same order, from one thread at a time; t lives on
+  // this node's device 0.
+  // ensures t = node 0's t on every node (waits).
+  virtual void broadcast(kernels::Tensor& t) = 0;
+  // Starts t = the sum over nodes of t. The caller leaves t alone until finish().
+  virtual void start_sum(kernels::Tensor& t) = 0;
+  // Waits for every start_sum since the last finish(); throws naming the node and the op on a
+  // failure or a timeout (a dead node stops the run, it does not hang it).
+  virtual void finish() = 0;
+  // The bytes handed to the collectives so far (what crosses between nodes, before the
+  // library's algorithm).
+  virtual int64_t payload_bytes() const = 0;
+};
+
+}  // namespace dp
