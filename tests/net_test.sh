@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# net: jobs across network namespaces made by scripts/cluster.sh (each node its own address,
+# a rate-limited link through a bridge). One case per run:
+#   net_test.sh cluster_up_down | ddp_gloo | ddp_mpi | restart
+# Paths come from the environment (tests/net.cmake): CLUSTER (scripts/cluster.sh), DP_BENCH,
+# MPIRUN (empty without MPI). Exits 77 (ctest: skipped), saying why, when not root or without
+# ip netns. Every cluster has a prefix of its own (the case and this PID) and is removed on exit.
+set -uo pipefail
+
+case_name=${1:?give a case: cluster_up_down, ddp_gloo, ddp_mpi or restart}
+skip() {
+  echo "net.$case_name: SKIPPED: $*"
+  exit 77
+}
+fail() {
+  echo "net.$case_name: FAILED: $*" >&2
+  exit 1
+}
+[ "$(id -u)" -eq 0 ] || skip "needs root (network namespaces, veth, tc)"
+command -v ip > /dev/null && command -v tc > /dev/null || skip "iproute2 (ip, tc) is missing"
+probe="dpprobe$$"
+ip netns add "$probe" 2> /dev/null || skip "'ip netns add' is not allowed here"
+ip netns del "$probe"
+
+prefix="t$$${case_name:0:1}"
+work=$(mktemp -d "${TMPDIR:-/tmp}/net_$case_name.XXXXXX")
+cleanup() {
+  "$CLUSTER" down --prefix "$prefix"
+  rm -rf "$work"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+node() {  # node I CMD...: CMD inside node I
+  local i=$1
+  shift
+  "$CLUSTER" exec "$i" --prefix "$prefix" "$@"
+}
+
+# The losses of the first run in dp_bench's --json file, one a line.
+losses() { jq -c '.runs[0].losses[]' "$1"; }
+
+# Whether two loss lists agree within a relative 1e-5 (another summation order).
+close_losses() {
+  paste "$1" "$2" | awk '{ d = $1 - $2; if (d < 0) d = -d; m = $2 < 0 ? -$2 : $2;
+    if (d > 1e-5 * m) { print "loss " NR ": " $1 " vs " $2; bad = 1 } } END { exit bad }'
+}
+
+bench_args=(--device cpu --baseline 0 --steps 4 --warmup 0 --batch 24)
+
+# DDP over Gloo, one rank per node: node 1 in the background, node 0 in the foreground.
+# `env...` are extra variables for both nodes.
+two_nodes() {
+  local json=$1
+  shift
+  local master
+  master=$("$CLUSTER" addr 0 --prefix "$prefix")
+  node 1 env "$@" timeout 60 "$DP_BENCH" "${bench_args[@]}" --mode ddp --gpus 1 --nnodes 2 --node-rank 1 \
+    --master-addr "$master" --master-port 29500 > "$work/node1.txt" 2>&1 &
+  local pid1=$!
+  node 0 env "$@" timeout 60 "$DP_BENCH" "${bench_args[@]}" --mode ddp --gpus 1 --nnodes 2 --node-rank 0 \
+    --master-addr "$master" --master-port 29500 --json "$json" > "$work/node0.txt" 2>&1
+  local rc0=$? rc1=0
+  wait $pid1 || rc1=$?
+  [ $rc0 -eq 0 ] && [ $rc1 -eq 0 ] ||
+    fail "node 0 exited $rc0, node 1 exited $rc1: $(tail -5 "$work/node0.txt" "$work/node1.txt")"
+}
+
+case $case_name in
+  cluster_up_down)
+    "$CLUSTER" up 2 --rate 100mbit --prefix "$prefix" || fail "up 2"
+    [ "$("$CLUSTER" addr 1 --prefix "$prefix")" = 10.29.0.2 ] || fail "node 1's address"
+    node 1 tc qdisc show dev eth0 | grep -q "tbf.*rate 100Mbit" || fail "no tbf on node 1"
+    # Node 0 reaches node 1 through the bridge (bash's /dev/tcp against a listener).
+    node 1 timeout 10 python3 -c "import socket; s = socket.create_server(('10.29.0.2', 7777)); \
+c, _ = s.accept(); c.sendall(c.recv(5))" &
+    sleep 0.5
+    got=$(node 0 timeout 5 python3 -c "import socket, time; c = socket.create_connection(\
+('10.29.0.2', 7777), timeout=5); c.sendall(b'hello'); print(c.recv(5).decode())")
+    wait
+    [ "$got" = hello ] || fail "node 0 could not talk to node 1 (got '$got')"
+    "$CLUSTER" up 2 --prefix "$prefix" 2> "$work/again.txt" && fail "a second up succeeded"
+    grep -q "exists already" "$work/again.txt" || fail "second up: $(cat "$work/again.txt")"
+    "$CLUSTER" up 0 --prefix "${prefix}x" > "$work/zero.txt" 2>&1 && fail "up 0 succeeded"
+    grep -q "give a whole number of nodes" "$work/zero.txt" || fail "up 0: $(cat "$work/zero.txt")"
+    "$CLUSTER" up 2 --rate fast --prefix "${prefix}x" > "$work/fast.txt" 2>&1 &&
+      fail "--rate fast succeeded"
+    grep -q "give a number and a unit" "$work/fast.txt" || fail "--rate fast: $(cat "$work/fast.txt")"
+    node 0 sleep 60 &
+    "$CLUSTER" down --prefix "$prefix" || fail "down"
+    wait 2> /dev/null  # the sleep inside node 0 was stopped by down
+    "$CLUSTER" down --prefix "$prefix" || fail "a second down"
+    [ -z "$(ip netns list | grep "^$prefix-")" ] || fail "namespaces left: $(ip netns list)"
+    ;;
+  ddp_gloo)
+    "$CLUSTER" up 2 --rate 1gbit --prefix "$prefix" > /dev/null || fail "up 2"
+    "$DP_BENCH" "${bench_args[@]}" --mode ddp --gpus 2 --json "$work/one_node.json" > "$work/ref.txt" 2>&1 ||
+      fail "2 ranks on one node: $(tail -5 "$work/ref.txt")"
+    "$DP_BENCH" "${bench_args[@]}" --mode dp --gpus 1 --json "$work/one_device.json" > "$work/ref.txt" 2>&1 ||
+      fail "1 device: $(tail -5 "$work/ref.txt")"
+    losses "$work/one_node.json" > "$work/one_node.txt"
+    losses "$work/one_device.json" > "$work/one_device.txt"
+    # The interface named (DP_SOCKET_IFNAME, GLOO_SOCKET_IFNAME), then none: the address this
+    # node reaches the master from.
+    for how in DP_SOCKET_IFNAME=eth0 GLOO_SOCKET_IFNAME=eth0 DP_UNUSED=1; do
+      two_nodes "$work/nodes.json" "$how"
+      losses "$work/nodes.json" > "$work/nodes.txt"
+      [ "$(wc -l < "$work/nodes.txt")" -eq 4 ] || fail "$how: $(cat "$work/nodes.txt")"
+      cmp -s "$work/nodes.txt" "$work/one_node.txt" ||
+        fail "$how: two nodes $(tr '\n' ' ' < "$work/nodes.txt") differ from 2 ranks on one node" \
+          "$(tr '\n' ' ' < "$work/one_node.txt")"
+      close_losses "$work/nodes.txt" "$work/one_device.txt" || fail "$how: against 1 device"
+      echo "net.ddp_gloo: $how: the losses of 2 ranks on 2 nodes equal those on one node"
+    done
+    ;;
+  *) fail "unknown case '$case_name'" ;;
+esac
+echo "net.$case_name: passed"
