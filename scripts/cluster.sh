@@ -10,6 +10,9 @@
 #                                                            them (idempotent)
 #   scripts/cluster.sh exec NODE [--prefix NAME] CMD...      run CMD inside node NODE
 #   scripts/cluster.sh addr NODE [--prefix NAME]             print node NODE's address
+#   scripts/cluster.sh rsh [--prefix NAME] ADDR CMD...       run the shell command CMD inside
+#                                        the node of address ADDR: an rsh/ssh stand-in for
+#                                        mpirun (-mca plm_rsh_agent "cluster.sh rsh --prefix P")
 #
 # Namespaces are "<prefix>-sw" and "<prefix>-n<i>"; the default prefix is "dpnet" (also
 # DP_CLUSTER_PREFIX). Give each concurrent cluster its own prefix (tests use one with their PID).
@@ -26,7 +29,7 @@ die() {
 }
 
 usage() {
-  sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 
@@ -153,11 +156,11 @@ while [ $# -gt 0 ]; do
       shift 2
       ;;
     *)
-      if [ "$sub" = exec ] && [ -n "$node" ]; then
+      if { [ "$sub" = exec ] || [ "$sub" = rsh ]; } && [ -n "$node" ]; then
         args+=("$@")  # the command, untouched
         break
       fi
-      if [ "$sub" = exec ] || [ "$sub" = addr ]; then
+      if [ "$sub" = exec ] || [ "$sub" = addr ] || [ "$sub" = rsh ]; then
         [ -z "$node" ] && node=$1 && shift && continue
       fi
       args+=("$1")
@@ -188,6 +191,16 @@ case $sub in
     check_root
     check_node "$node"
     echo "$kSubnet.$((node + 1))"
+    ;;
+  rsh)
+    [ -n "$node" ] && [ ${#args[@]} -ge 1 ] || die "rsh: give an address and a command: rsh ADDR CMD..."
+    [[ $node =~ ^$kSubnet\.([0-9]+)$ ]] && [ "${BASH_REMATCH[1]}" -ge 1 ] ||
+      die "rsh: '$node' is not a node address ($kSubnet.1, $kSubnet.2, ...)"
+    node=$((BASH_REMATCH[1] - 1))
+    check_root
+    check_node "$node"
+    # As ssh does: the words are one command line for a shell on the node.
+    exec ip netns exec "$(node_ns "$node")" /bin/sh -c "${args[*]}"
     ;;
   -h | --help | help) usage ;;
   *) die "unknown command '$sub': give up, down, exec or addr (--help)" ;;

@@ -113,6 +113,28 @@ c, _ = s.accept(); c.sendall(c.recv(5))" &
       echo "net.ddp_gloo: $how: the losses of 2 ranks on 2 nodes equal those on one node"
     done
     ;;
+  ddp_mpi)
+    [ -n "${MPIRUN:-}" ] || skip "this build has no MPI (install libopenmpi-dev, openmpi-bin)"
+    "$CLUSTER" up 2 --rate 1gbit --prefix "$prefix" > /dev/null || fail "up 2"
+    "$DP_BENCH" "${bench_args[@]}" --mode ddp --gpus 2 --json "$work/one_node.json" > "$work/ref.txt" 2>&1 ||
+      fail "2 ranks on one node: $(tail -5 "$work/ref.txt")"
+    losses "$work/one_node.json" > "$work/one_node.txt"
+    printf '%s slots=1\n' "$("$CLUSTER" addr 0 --prefix "$prefix")" \
+      "$("$CLUSTER" addr 1 --prefix "$prefix")" > "$work/hosts"
+    # mpirun in node 0; its orted on node 1 is started by cluster.sh rsh (an ssh stand-in that
+    # enters the node's namespace), so both talk over eth0 only.
+    node 0 timeout 60 "$MPIRUN" --allow-run-as-root -np 2 --hostfile "$work/hosts" --display-map \
+      --mca plm_rsh_agent "$CLUSTER rsh --prefix $prefix" --mca btl self,tcp \
+      --mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 \
+      -x MASTER_ADDR="$("$CLUSTER" addr 0 --prefix "$prefix")" -x MASTER_PORT=29500 \
+      "$DP_BENCH" "${bench_args[@]}" --mode ddp --backend mpi --json "$work/mpi.json" \
+      > "$work/mpi.txt" 2>&1 || fail "mpirun: $(tail -20 "$work/mpi.txt")"
+    grep -q "10.29.0.2" "$work/mpi.txt" || fail "no rank on node 1: $(head -20 "$work/mpi.txt")"
+    losses "$work/mpi.json" > "$work/mpi_losses.txt"
+    [ "$(wc -l < "$work/mpi_losses.txt")" -eq 4 ] || fail "losses: $(cat "$work/mpi_losses.txt")"
+    close_losses "$work/mpi_losses.txt" "$work/one_node.txt" || fail "MPI on 2 nodes vs Gloo on one"
+    echo "net.ddp_mpi: 2 ranks on 2 nodes over MPI follow 2 ranks on one node over Gloo"
+    ;;
   *) fail "unknown case '$case_name'" ;;
 esac
 echo "net.$case_name: passed"
