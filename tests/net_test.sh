@@ -26,7 +26,7 @@ prefix="t$$${case_name:0:1}"
 work=$(mktemp -d "${TMPDIR:-/tmp}/net_$case_name.XXXXXX")
 cleanup() {
   "$CLUSTER" down --prefix "$prefix"
-  rm -rf "$work"
+  [ -n "${NET_KEEP:-}" ] || rm -rf "$work"
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
@@ -46,7 +46,8 @@ close_losses() {
     if (d > 1e-5 * m) { print "loss " NR ": " $1 " vs " $2; bad = 1 } } END { exit bad }'
 }
 
-bench_args=(--device cpu --baseline 0 --steps 4 --warmup 0 --batch 24)
+bench_args=(--device cpu --baseline 0 --warmup 0 --batch 24)
+short=(--steps 4)
 
 # DDP over Gloo, one rank per node: node 1 in the background, node 0 in the foreground.
 # `env...` are extra variables for both nodes.
@@ -55,10 +56,10 @@ two_nodes() {
   shift
   local master
   master=$("$CLUSTER" addr 0 --prefix "$prefix")
-  node 1 env "$@" timeout 60 "$DP_BENCH" "${bench_args[@]}" --mode ddp --gpus 1 --nnodes 2 --node-rank 1 \
+  node 1 env "$@" timeout 60 "$DP_BENCH" "${bench_args[@]}" "${short[@]}" --mode ddp --gpus 1 --nnodes 2 --node-rank 1 \
     --master-addr "$master" --master-port 29500 > "$work/node1.txt" 2>&1 &
   local pid1=$!
-  node 0 env "$@" timeout 60 "$DP_BENCH" "${bench_args[@]}" --mode ddp --gpus 1 --nnodes 2 --node-rank 0 \
+  node 0 env "$@" timeout 60 "$DP_BENCH" "${bench_args[@]}" "${short[@]}" --mode ddp --gpus 1 --nnodes 2 --node-rank 0 \
     --master-addr "$master" --master-port 29500 --json "$json" > "$work/node0.txt" 2>&1
   local rc0=$? rc1=0
   wait $pid1 || rc1=$?
@@ -94,9 +95,9 @@ c, _ = s.accept(); c.sendall(c.recv(5))" &
     ;;
   ddp_gloo)
     "$CLUSTER" up 2 --rate 1gbit --prefix "$prefix" > /dev/null || fail "up 2"
-    "$DP_BENCH" "${bench_args[@]}" --mode ddp --gpus 2 --json "$work/one_node.json" > "$work/ref.txt" 2>&1 ||
+    "$DP_BENCH" "${bench_args[@]}" "${short[@]}" --mode ddp --gpus 2 --json "$work/one_node.json" > "$work/ref.txt" 2>&1 ||
       fail "2 ranks on one node: $(tail -5 "$work/ref.txt")"
-    "$DP_BENCH" "${bench_args[@]}" --mode dp --gpus 1 --json "$work/one_device.json" > "$work/ref.txt" 2>&1 ||
+    "$DP_BENCH" "${bench_args[@]}" "${short[@]}" --mode dp --gpus 1 --json "$work/one_device.json" > "$work/ref.txt" 2>&1 ||
       fail "1 device: $(tail -5 "$work/ref.txt")"
     losses "$work/one_node.json" > "$work/one_node.txt"
     losses "$work/one_device.json" > "$work/one_device.txt"
@@ -116,7 +117,7 @@ c, _ = s.accept(); c.sendall(c.recv(5))" &
   ddp_mpi)
     [ -n "${MPIRUN:-}" ] || skip "this build has no MPI (install libopenmpi-dev, openmpi-bin)"
     "$CLUSTER" up 2 --rate 1gbit --prefix "$prefix" > /dev/null || fail "up 2"
-    "$DP_BENCH" "${bench_args[@]}" --mode ddp --gpus 2 --json "$work/one_node.json" > "$work/ref.txt" 2>&1 ||
+    "$DP_BENCH" "${bench_args[@]}" "${short[@]}" --mode ddp --gpus 2 --json "$work/one_node.json" > "$work/ref.txt" 2>&1 ||
       fail "2 ranks on one node: $(tail -5 "$work/ref.txt")"
     losses "$work/one_node.json" > "$work/one_node.txt"
     printf '%s slots=1\n' "$("$CLUSTER" addr 0 --prefix "$prefix")" \
@@ -127,13 +128,64 @@ c, _ = s.accept(); c.sendall(c.recv(5))" &
       --mca plm_rsh_agent "$CLUSTER rsh --prefix $prefix" --mca btl self,tcp \
       --mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 \
       -x MASTER_ADDR="$("$CLUSTER" addr 0 --prefix "$prefix")" -x MASTER_PORT=29500 \
-      "$DP_BENCH" "${bench_args[@]}" --mode ddp --backend mpi --json "$work/mpi.json" \
+      "$DP_BENCH" "${bench_args[@]}" "${short[@]}" --mode ddp --backend mpi --json "$work/mpi.json" \
       > "$work/mpi.txt" 2>&1 || fail "mpirun: $(tail -20 "$work/mpi.txt")"
     grep -q "10.29.0.2" "$work/mpi.txt" || fail "no rank on node 1: $(head -20 "$work/mpi.txt")"
     losses "$work/mpi.json" > "$work/mpi_losses.txt"
     [ "$(wc -l < "$work/mpi_losses.txt")" -eq 4 ] || fail "losses: $(cat "$work/mpi_losses.txt")"
     close_losses "$work/mpi_losses.txt" "$work/one_node.txt" || fail "MPI on 2 nodes vs Gloo on one"
     echo "net.ddp_mpi: 2 ranks on 2 nodes over MPI follow 2 ranks on one node over Gloo"
+    ;;
+  restart)
+    # 300 steps, a checkpoint every 10; rank 1 (node 1) is killed once step 40 is saved.
+    steps=(--optim adamw --steps 300 --save-every 10)
+    "$DP_BENCH" "${bench_args[@]}" "${steps[@]}" --mode ddp --gpus 2 --checkpoint-dir "$work/whole" \
+      --json "$work/whole.json" \
+      > "$work/whole.txt" 2>&1 || fail "the uninterrupted run: $(tail -5 "$work/whole.txt")"
+    "$CLUSTER" up 2 --rate 1gbit --prefix "$prefix" > /dev/null || fail "up 2"
+    master=$("$CLUSTER" addr 0 --prefix "$prefix")
+    for i in 1 0; do
+      node $i timeout 60 "$DP_BENCH" "${bench_args[@]}" "${steps[@]}" --mode ddp --gpus 1 \
+        --nnodes 2 --node-rank $i --master-addr "$master" --master-port 29500 --max-restarts 1 \
+        --checkpoint-dir "$work/run" --resume latest --json "$work/node$i.json" \
+        > "$work/node$i.txt" 2>&1 &
+      eval "pid$i=\$!"
+    done
+    for _ in $(seq 300); do
+      [ -e "$work/run/step_00000040.safetensors" ] && break
+      sleep 0.05
+    done
+    [ -e "$work/run/step_00000040.safetensors" ] || fail "no checkpoint of step 40 in 15 s"
+    rank1=""
+    for p in $(ip netns pids "$prefix-n1"); do
+      tr '\0' '\n' < "/proc/$p/environ" 2> /dev/null | grep -qx "RANK=1" && rank1=$p
+    done
+    [ -n "$rank1" ] || fail "rank 1 is not running on node 1 (finished already?)"
+    kill -KILL "$rank1"
+    rc0=0 rc1=0
+    wait "$pid0" || rc0=$?
+    wait "$pid1" || rc1=$?
+    [ $rc0 -eq 0 ] && [ $rc1 -eq 0 ] ||
+      fail "node 0 exited $rc0, node 1 $rc1: $(tail -8 "$work/node0.txt" "$work/node1.txt")"
+    for i in 0 1; do
+      grep -q "launch_workers: restart 1 of 1 after rank 1 (node 1) was killed by signal 9" \
+        "$work/node$i.txt" || fail "node $i did not restart: $(tail -8 "$work/node$i.txt")"
+    done
+    # The second attempt went on from a checkpoint: it ran fewer steps than the whole run, and
+    # its losses are the whole run's last ones.
+    losses "$work/whole.json" > "$work/whole_losses.txt"
+    losses "$work/node0.json" > "$work/resumed_losses.txt"
+    n=$(wc -l < "$work/resumed_losses.txt")
+    [ "$n" -gt 0 ] && [ "$n" -le 260 ] || fail "the second attempt ran $n steps, not a resumed few"
+    tail -n "$n" "$work/whole_losses.txt" | cmp -s - "$work/resumed_losses.txt" ||
+      fail "the resumed losses differ from the uninterrupted run's last $n"
+    cmp -s "$work/whole/step_00000300.safetensors" "$work/run/step_00000300.safetensors" ||
+      fail "the restarted job's final checkpoint differs from the uninterrupted run's"
+    for i in 0 1; do
+      [ -z "$(ip netns pids "$prefix-n$i")" ] || fail "processes left on node $i"
+    done
+    echo "net.restart: rank 1 killed on node 1, both nodes restarted, the final state is the" \
+      "uninterrupted run's bit for bit"
     ;;
   *) fail "unknown case '$case_name'" ;;
 esac
