@@ -195,7 +195,8 @@ class NodeAgreement {
 
   // Says that `attempt` failed here (the first node to say it is the one every node names).
   void publish_failure(int attempt, const std::string& cause) {
-    if (store_->add(key(attempt, "failures"), 1) == 1) store_->set_string(key(attempt, "failed"), cause);
+    if (store_->add(key(attempt, "failures"), 1) == 1)
+      store_->set_string(key(attempt, "failed"), cause);
   }
   void publish_stop(int attempt, const std::string& cause) {
     store_->set_string(key(attempt, "stop"), cause);
@@ -213,20 +214,25 @@ class NodeAgreement {
     std::string cause;    // the failure every node names
     int interrupted = 0;  // a signal to this launcher ended the wait
   };
-  // Publishes this node's end of `attempt` (its code) and waits for every node's; a signal to
-  // this launcher ends the wait (publishing a stop). Throws when the store stops answering or
-  // a node's end is not in within kEndTimeout.
-  Outcome agree(int attempt, int code, SignalWatch& signals) {
+  // Says that this node's workers of `attempt` have all ended, with `code`.
+  void publish_end(int attempt, int code) {
     store_->set_string(key(attempt, "end/" + std::to_string(node_)), std::to_string(code));
+  }
+  // Publishes this node's end of `attempt` (its code) and waits for every node's, or for a
+  // stop; a signal to this launcher ends the wait (out.interrupted). Throws when the store
+  // stops answering or a node's end is not in within kEndTimeout.
+  Outcome agree(int attempt, int code, SignalWatch& signals) {
+    publish_end(attempt, code);
     std::vector<std::string> ends, seen;
     for (int n = 0; n < nnodes_; ++n) {
       ends.push_back(key(attempt, "end/" + std::to_string(n)));
       if (n > 0) seen.push_back(key(attempt, "seen/" + std::to_string(n)));
     }
     Outcome out;
-    if (!wait_for(ends, signals, out, "the other nodes' launchers to end attempt")) return out;
+    if (!wait_for(attempt, ends, signals, out, "the other nodes' launchers to end attempt"))
+      return out;
     for (int n = 0; n < nnodes_; ++n)
-      if (store_->get_string(ends[n]) != "0") out.failed = true;
+      if (!store_->check({ends[n]}) || store_->get_string(ends[n]) != "0") out.failed = true;
     if (auto f = failure(attempt)) {
       out.failed = true;
       out.cause = *f;
@@ -234,11 +240,11 @@ class NodeAgreement {
       out.cause = "a node's workers failed";
     }
     out.stop = store_->check({key(attempt, "stop")});
-    if (node_ > 0) {
+    if (out.stop) return out;  // no next attempt: the signalled node may not read any more
+    if (node_ > 0)
       store_->set_string(key(attempt, "seen/" + std::to_string(node_)), "1");
-    } else if (!wait_for(seen, signals, out, "the other nodes' launchers to read attempt")) {
-      return out;
-    }
+    else
+      wait_for(attempt, seen, signals, out, "the other nodes' launchers to read attempt");
     return out;
   }
 
@@ -246,18 +252,19 @@ class NodeAgreement {
   std::string key(int attempt, const std::string& what) const {
     return "launch/" + std::to_string(attempt) + "/" + what;
   }
-  // Polls until every key exists. False when a signal came (out.interrupted, a stop published).
-  bool wait_for(const std::vector<std::string>& keys, SignalWatch& signals, Outcome& out,
-                const char* what) {
+  // Polls until every key exists, or a node published a stop. False when a signal to this
+  // launcher came first (out.interrupted).
+  bool wait_for(int attempt, const std::vector<std::string>& keys, SignalWatch& signals,
+                Outcome& out, const char* what) {
     const auto deadline = std::chrono::steady_clock::now() + kEndTimeout;
-    while (!store_->check(keys)) {
+    while (!store_->check(keys) && !store_->check({key(attempt, "stop")})) {
       if (int sig = signals.poll()) {
         out.interrupted = sig;
         return false;
       }
       DP_CHECK(std::chrono::steady_clock::now() < deadline,
-               "launch_workers: node " << node_ << " waited " << kEndTimeout.count()
-                                       << " s for " << what << " (" << keys_text(keys)
+               "launch_workers: node " << node_ << " waited " << kEndTimeout.count() << " s for "
+                                       << what << " " << attempt << " (" << keys_text(keys)
                                        << " on " << store_->describe() << ")");
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
@@ -435,8 +442,9 @@ AttemptEnd run_attempt(const LaunchPlan& plan, int restart_count, SignalWatch& s
     }
     if (nodes && failed && !published) {
       published = true;
-      std::string cause = hung ? "sent no heartbeat for " + seconds_text(hung->silent_for) + ": hung"
-                               : describe_status(failed->status);
+      std::string cause = hung
+                              ? "sent no heartbeat for " + seconds_text(hung->silent_for) + ": hung"
+                              : describe_status(failed->status);
       try {
         nodes->publish_failure(restart_count, "rank " + std::to_string(failed->rank) + " (node " +
                                                   std::to_string(o.node_rank) + ") " + cause);
@@ -593,6 +601,12 @@ int launch_workers(const LaunchOptions& o, const std::vector<std::string>& argv)
   for (int restart = 0;; ++restart) {
     AttemptEnd end = run_attempt(plan, restart, signals, nodes.get());
     std::string after = "rank " + std::to_string(end.rank) + " " + end.cause;
+    if (nodes && end.interrupted) {
+      try {  // the others wait for every node's end
+        nodes->publish_end(restart, end.code);
+      } catch (const std::exception&) {
+      }
+    }
     if (nodes && !end.interrupted) {
       if (end.agreement_lost) return end.code;  // run_attempt said why
       NodeAgreement::Outcome agreed;
@@ -604,6 +618,7 @@ int launch_workers(const LaunchOptions& o, const std::vector<std::string>& argv)
         return end.code != 0 ? end.code : 1;
       }
       if (agreed.interrupted) {
+        publish_stop(nodes.get(), restart, o.node_rank, agreed.interrupted);
         std::fprintf(stderr, "launch_workers: got signal %d (%s) while the nodes agreed\n",
                      agreed.interrupted, strsignal(agreed.interrupted));
         std::fflush(stderr);
@@ -631,8 +646,8 @@ int launch_workers(const LaunchOptions& o, const std::vector<std::string>& argv)
       }
       return end.code;
     }
-    std::fprintf(stderr, "launch_workers: restart %d of %d after %s\n", restart + 1,
-                 o.max_restarts, after.c_str());
+    std::fprintf(stderr, "launch_workers: restart %d of %d after %s\n", restart + 1, o.max_restarts,
+                 after.c_str());
     std::fflush(stderr);
   }
 }
