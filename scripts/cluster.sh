@@ -80,18 +80,19 @@ check_node() {
 }
 
 cmd_down() {
-  local ns pids
+  local ns
+  local -a pids
   for ns in $(existing); do
     # What still runs inside keeps the namespace alive after its name is gone: stop it first.
-    pids=$(ip netns pids "$ns" 2> /dev/null || true)
-    if [ -n "$pids" ]; then
-      kill -TERM $pids 2> /dev/null || true
+    mapfile -t pids < <(ip netns pids "$ns" 2> /dev/null || true)
+    if [ ${#pids[@]} -gt 0 ]; then
+      kill -TERM "${pids[@]}" 2> /dev/null || true
       for _ in $(seq 20); do
-        pids=$(ip netns pids "$ns" 2> /dev/null || true)
-        [ -z "$pids" ] && break
+        mapfile -t pids < <(ip netns pids "$ns" 2> /dev/null || true)
+        [ ${#pids[@]} -eq 0 ] && break
         sleep 0.1
       done
-      [ -n "$pids" ] && kill -KILL $pids 2> /dev/null || true
+      if [ ${#pids[@]} -gt 0 ]; then kill -KILL "${pids[@]}" 2> /dev/null || true; fi
     fi
     ip netns del "$ns" 2> /dev/null || true
   done
@@ -107,6 +108,7 @@ cmd_up() {
     die "a cluster with prefix '$prefix' exists already ($(existing | tr '\n' ' ')); run" \
       "'$0 down --prefix $prefix' first, or give another --prefix"
   # A failure half-way removes what was made.
+  # shellcheck disable=SC2154  # status is the trap's own
   trap 'status=$?; trap - EXIT; if [ $status -ne 0 ]; then cmd_down; echo "cluster.sh: up failed; removed cluster $prefix" >&2; fi; exit $status' EXIT
   trap 'exit 130' INT TERM
   local sw

@@ -144,12 +144,13 @@ c, _ = s.accept(); c.sendall(c.recv(5))" &
       > "$work/whole.txt" 2>&1 || fail "the uninterrupted run: $(tail -5 "$work/whole.txt")"
     "$CLUSTER" up 2 --rate 1gbit --prefix "$prefix" > /dev/null || fail "up 2"
     master=$("$CLUSTER" addr 0 --prefix "$prefix")
+    pids=()
     for i in 1 0; do
       node $i timeout 60 "$DP_BENCH" "${bench_args[@]}" "${steps[@]}" --mode ddp --gpus 1 \
         --nnodes 2 --node-rank $i --master-addr "$master" --master-port 29500 --max-restarts 1 \
         --checkpoint-dir "$work/run" --resume latest --json "$work/node$i.json" \
         > "$work/node$i.txt" 2>&1 &
-      eval "pid$i=\$!"
+      pids[i]=$!
     done
     for _ in $(seq 300); do
       [ -e "$work/run/step_00000040.safetensors" ] && break
@@ -163,8 +164,8 @@ c, _ = s.accept(); c.sendall(c.recv(5))" &
     [ -n "$rank1" ] || fail "rank 1 is not running on node 1 (finished already?)"
     kill -KILL "$rank1"
     rc0=0 rc1=0
-    wait "$pid0" || rc0=$?
-    wait "$pid1" || rc1=$?
+    wait "${pids[0]}" || rc0=$?
+    wait "${pids[1]}" || rc1=$?
     [ $rc0 -eq 0 ] && [ $rc1 -eq 0 ] ||
       fail "node 0 exited $rc0, node 1 $rc1: $(tail -8 "$work/node0.txt" "$work/node1.txt")"
     for i in 0 1; do

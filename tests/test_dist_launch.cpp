@@ -372,7 +372,15 @@ TEST_CASE("dist.launch: with max_restarts 1 a failed job runs again with DP_REST
 TEST_CASE("dist.launch: two nodes with restarts: a failure on node 1 restarts or stops both") {
   std::string dir = dist_test::make_temp_dir("nodes_restart");
   RemoveDir cleanup{dir};
-  const int port = find_free_port();  // the workers' store; the launchers' is at port + 1
+  // The workers' store's port, with port + 1 (the launchers' store) free as well.
+  int port = find_free_port();
+  for (int tries = 0; tries < 20 && port < 65535; ++tries, port = find_free_port()) {
+    try {
+      net::listen_tcp("127.0.0.1", port + 1);  // closed at once: free a moment ago
+      break;
+    } catch (const kernels::Error&) {
+    }
+  }
   auto node = [&](int rank, const std::string& mode) {
     return CapturedLauncher(
         dir, "node" + std::to_string(rank),

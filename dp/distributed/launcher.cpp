@@ -191,7 +191,6 @@ class NodeAgreement {
                                         kConnectTimeout, JobIdentity{job_token, -1});
     store_->set_timeout(kRequestTimeout);
   }
-  std::string describe() const { return store_->describe(); }
 
   // Says that `attempt` failed here (the first node to say it is the one every node names).
   void publish_failure(int attempt, const std::string& cause) {
@@ -605,6 +604,7 @@ int launch_workers(const LaunchOptions& o, const std::vector<std::string>& argv)
       try {  // the others wait for every node's end
         nodes->publish_end(restart, end.code);
       } catch (const std::exception&) {
+        // the store is gone (node 0's launcher ended): the others find that out themselves
       }
     }
     if (nodes && !end.interrupted) {
