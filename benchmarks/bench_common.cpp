@@ -505,7 +505,7 @@ int run(const Options& o, int argc, char** argv) {
              "--max-restarts " << o.launch.max_restarts
                                << ": only DDP (--mode ddp or both) has worker "
                                << "processes to restart");
-    dp::dist::check_restarts_allowed(o.launch.max_restarts, o.launch.nnodes);
+    dp::dist::check_restarts_allowed(o.launch.max_restarts, o.launch.nnodes, o.launch.master_port);
   }
   const bool low_precision = nn::compute_dtype(s.precision) != kernels::DType::f32;
   DP_CHECK(o.zero == 0 || s.comm_dtype == kernels::DType::f32 || o.mode == "dp",

@@ -205,7 +205,7 @@ int main(int argc, char** argv) {
              "--max-restarts " << f.launch.max_restarts
                                << ": only --mode ddp has worker processes to "
                                << "restart");
-    dp::dist::check_restarts_allowed(f.launch.max_restarts, f.launch.nnodes);
+    dp::dist::check_restarts_allowed(f.launch.max_restarts, f.launch.nnodes, f.launch.master_port);
     DP_CHECK(f.launch.node_rank < f.launch.nnodes, "--node-rank " << f.launch.node_rank
                                                                   << " is not in [0, --nnodes "
                                                                   << f.launch.nnodes << ")");

@@ -520,14 +520,15 @@ TEST_CASE("bench.flags: a batch too large for memory is refused before anything 
   }
 }
 
-TEST_CASE("bench.flags: --max-restarts is bounded, DDP only and one node only") {
+TEST_CASE("bench.flags: --max-restarts is bounded, DDP only, and needs a port for its nodes") {
   const std::string cpu = "--device cpu --steps 1 --warmup 0 --batch 8 ";
   refused(cpu + "--mode ddp --max-restarts -1",
           "--max-restarts: -1 is out of range: give a whole number in [0, 1000]");
   refused(cpu + "--mode ddp --max-restarts 1001", "--max-restarts: 1001 is out of range");
   refused(cpu + "--mode dp --max-restarts 1", "--max-restarts 1: only DDP");
-  refused(cpu + "--mode ddp --nnodes 2 --master-port 29999 --max-restarts 1",
-          "--max-restarts 1 with --nnodes 2: restarts are for one node only");
+  refused(cpu + "--mode ddp --nnodes 2 --master-port 65535 --max-restarts 1",
+          "--max-restarts 1 with --nnodes 2 and --master-port 65535: the node launchers agree on "
+          "restarts through a store on node 0 at the master port + 1");
 }
 
 TEST_CASE("bench.ddp: --max-restarts reaches the launcher: failing ranks are restarted") {

@@ -254,11 +254,11 @@ TEST_CASE("dist.launch: bad launch options are errors") {
   o.max_restarts = -1;
   CHECK_THROWS_WITH_AS(launch_workers(o, {kWorker}), doctest::Contains("max_restarts=-1"),
                        kernels::Error);
-  o.max_restarts = 1;  // restarts are per node launcher: refused across nodes
+  o.max_restarts = 1;  // across nodes the launchers' store takes master_port + 1
   o.nnodes = 2;
-  o.master_port = find_free_port();
-  CHECK_THROWS_WITH_AS(launch_workers(o, {kWorker}), doctest::Contains("one node only"),
-                       kernels::Error);
+  o.master_port = 65535;
+  CHECK_THROWS_WITH_AS(launch_workers(o, {kWorker}),
+                       doctest::Contains("give a --master-port in [1, 65534]"), kernels::Error);
 }
 
 TEST_CASE("dist.launcher: more ranks than the machine can start are refused before any starts") {
@@ -367,6 +367,59 @@ TEST_CASE("dist.launch: with max_restarts 1 a failed job runs again with DP_REST
         1);
   CHECK(count_of(f.output, "launch_workers: restart ") == 1);
   CHECK(job.workers_gone());
+}
+
+TEST_CASE("dist.launch: two nodes with restarts: a failure on node 1 restarts or stops both") {
+  std::string dir = dist_test::make_temp_dir("nodes_restart");
+  RemoveDir cleanup{dir};
+  // The workers' store's port, with port + 1 (the launchers' store) free as well.
+  int port = find_free_port();
+  for (int tries = 0; tries < 20 && port < 65535; ++tries, port = find_free_port()) {
+    try {
+      net::listen_tcp("127.0.0.1", port + 1);  // closed at once: free a moment ago
+      break;
+    } catch (const kernels::Error&) {
+    }
+  }
+  auto node = [&](int rank, const std::string& mode) {
+    return CapturedLauncher(
+        dir, "node" + std::to_string(rank),
+        {"--mode", mode, "--nproc", "1", "--nnodes", "2", "--node-rank", std::to_string(rank),
+         "--master-addr", "127.0.0.1", "--master-port", std::to_string(port), "--pid-dir", dir,
+         "--max-restarts", "1", "--grace-ms", "1000"},
+        kFastWatch);
+  };
+  SUBCASE("rank 1 (node 1) exits 3 once: node 0 stops its rank, both nodes start attempt 2") {
+    CapturedLauncher n1 = node(1, "fail-once"), n0 = node(0, "fail-once");
+    Finished f0 = n0.wait(30s), f1 = n1.wait(30s);
+    CHECK(exited_with(f0.status, 0));
+    CHECK(exited_with(f1.status, 0));
+    for (int rank : {0, 1}) {
+      CAPTURE(rank);
+      CHECK(attempt_pid(dir, 0, rank) > 0);
+      CHECK(attempt_pid(dir, 1, rank) > 0);
+    }
+    for (const Finished* f : {&f0, &f1})
+      CHECK(count_of(f->output,
+                     "launch_workers: restart 1 of 1 after rank 1 (node 1) exited with status 3") ==
+            1);
+    CHECK(f0.output.find("another node failed: rank 1 (node 1)") != std::string::npos);
+    CHECK(all_gone_within({attempt_pid(dir, 0, 0), attempt_pid(dir, 0, 1)}, 2s));
+  }
+  SUBCASE("SIGTERM to node 1's launcher stops both nodes, without restart") {
+    CapturedLauncher n1 = node(1, "sleep"), n0 = node(0, "sleep");
+    std::vector<pid_t> pids = wait_for_pids(dir, 2, 10s);
+    REQUIRE(pids.size() == 2);
+    ::kill(n1.pid, SIGTERM);
+    Finished f1 = n1.wait(30s), f0 = n0.wait(30s);
+    CHECK(exited_with(f1.status, 128 + SIGTERM));
+    CHECK(f0.status != -1);
+    CHECK(!exited_with(f0.status, 0));
+    CHECK(f0.output.find("node 1's launcher got signal 15") != std::string::npos);
+    CHECK(f0.output.find("no restart") != std::string::npos);
+    CHECK(count_of(f0.output + f1.output, "launch_workers: restart ") == 0);
+    CHECK(all_gone_within(pids, 2s));
+  }
 }
 
 TEST_CASE("dist.launch: with max_restarts 0 a failed job is not restarted and returns its code") {

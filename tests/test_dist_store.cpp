@@ -76,6 +76,12 @@ std::vector<char> header(uint8_t magic, uint8_t version, uint8_t opcode, uint32_
 
 }  // namespace
 
+TEST_CASE("dist.socket: the local address towards a host is the source its route picks") {
+  CHECK(net::local_address_towards("127.0.0.1") == "127.0.0.1");
+  CHECK(net::local_address_towards("127.0.0.5") == "127.0.0.1");  // 127/8 leaves from lo's
+  CHECK(net::local_address_towards("no-such-host.invalid").empty());
+}
+
 TEST_CASE("dist.store: TcpStore set, get, add, check and remove") {
   TcpStore server_side("127.0.0.1", 0, StoreRole::server, 5s);
   REQUIRE(server_side.port() > 0);

@@ -166,8 +166,8 @@ TEST_CASE("samples.train_mnist: bad flags are refused in plain words, before any
             "--activations bf16 with --dtype fp32: bf16 activations need "
             "--dtype bf16"},
            {"--activations f16", "--activations: f16 not in {f32,bf16}"},
-           {"--mode ddp --nnodes 2 --master-port 29999 --max-restarts 1",
-            "--max-restarts 1 with --nnodes 2: restarts are for one node only"},
+           {"--mode ddp --nnodes 2 --master-port 65535 --max-restarts 1",
+            "--max-restarts 1 with --nnodes 2 and --master-port 65535: the node launchers agree"},
        }) {
     std::string out = temp_path("flags.txt");
     int status = std::system(

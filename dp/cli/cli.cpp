@@ -155,8 +155,9 @@ void add_launch_flags(CLI::App& app, dp::dist::LaunchOptions& launch) {
                  "ddp: most ranks to start on this node (default: from its cores and memory)")
       ->check(whole_number(1, kMaxDevices));
   app.add_option("--max-restarts", launch.max_restarts,
-                 "ddp: start all ranks again after one fails, up to this many times (one node; "
-                 "workers see DP_RESTART_COUNT)")
+                 "ddp: start all ranks again after one fails, up to this many times (several "
+                 "nodes agree through node 0 at --master-port + 1; workers see "
+                 "DP_RESTART_COUNT)")
       ->check(whole_number(0, dp::dist::kMaxRestarts));
 }
 

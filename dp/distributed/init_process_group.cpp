@@ -276,7 +276,9 @@ std::unique_ptr<ProcessGroup> make_gloo_group(const InitOptions& o, const Timeou
   GlooOptions g;
   g.timeout = timeout;
   g.connect_timeout = timeouts.rendezvous;
-  std::optional<std::string> ifname = env("GLOO_SOCKET_IFNAME");
+  std::optional<std::string> ifname = env("DP_SOCKET_IFNAME");
+  if (!ifname || ifname->empty()) ifname = env("GLOO_SOCKET_IFNAME");
+  std::string towards_master;  // this host's address on the route to the master
   if (!o.gloo_interface.empty())
     g.interface = o.gloo_interface;
   else if (!o.gloo_hostname.empty())
@@ -285,6 +287,9 @@ std::unique_ptr<ProcessGroup> make_gloo_group(const InitOptions& o, const Timeou
     g.interface = *ifname;
   else if (!master_host.empty() && net::is_loopback_host(master_host))
     g.hostname = "127.0.0.1";
+  else if (!master_host.empty() &&
+           !(towards_master = net::local_address_towards(master_host)).empty())
+    g.hostname = towards_master;
   else
     g.hostname = this_host_name();
   auto gloo_store = std::make_shared<PrefixStore>("gloo", group);

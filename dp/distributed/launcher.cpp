@@ -20,6 +20,7 @@
 #include "dp/distributed/heartbeat.hpp"
 #include "dp/distributed/rendezvous.hpp"
 #include "dp/distributed/socket.hpp"
+#include "dp/distributed/store.hpp"
 #include "kernels/runtime/error.hpp"
 #include "kernels/runtime/memory_info.hpp"
 
@@ -167,6 +168,112 @@ int usable_cores() {
   return std::max(1, static_cast<int>(::sysconf(_SC_NPROCESSORS_ONLN)));
 }
 
+// The node launchers of a job of several nodes with restarts agreeing on how each attempt
+// ended, through a store that node 0's launcher hosts at master_addr:(master_port + 1) (the
+// workers' own store, on rank 0, comes and goes with each attempt). Keys, per attempt a:
+//   "launch/<a>/failed"     the first failure a node saw ("rank 3 (node 1) exited with ..."):
+//                           every node's launcher polls it and stops its workers when it appears
+//   "launch/<a>/stop"       a launcher got SIGINT/SIGTERM: the job ends, no node restarts
+//   "launch/<a>/end/<n>"    node n's workers have all ended, with that exit code
+//   "launch/<a>/seen/<n>"   node n (> 0) has read every end: node 0 waits for these before its
+//                           store may go away (it returns) or the next attempt starts
+// So every node decides the same: restart when any node failed, else done; and no node starts
+// the next attempt's workers before every node has stopped the last ones.
+class NodeAgreement {
+ public:
+  // How long a node waits for the others' ends, and node 0 for their reads.
+  static constexpr std::chrono::seconds kEndTimeout{60}, kConnectTimeout{60}, kRequestTimeout{10};
+
+  NodeAgreement(const LaunchOptions& o, int port, const std::string& job_token)
+      : node_(o.node_rank), nnodes_(o.nnodes) {
+    store_ = std::make_unique<TcpStore>(o.master_addr, port,
+                                        o.node_rank == 0 ? StoreRole::server : StoreRole::client,
+                                        kConnectTimeout, JobIdentity{job_token, -1});
+    store_->set_timeout(kRequestTimeout);
+  }
+
+  // Says that `attempt` failed here (the first node to say it is the one every node names).
+  void publish_failure(int attempt, const std::string& cause) {
+    if (store_->add(key(attempt, "failures"), 1) == 1)
+      store_->set_string(key(attempt, "failed"), cause);
+  }
+  void publish_stop(int attempt, const std::string& cause) {
+    store_->set_string(key(attempt, "stop"), cause);
+    publish_failure(attempt, cause);
+  }
+  // The failure of `attempt` a node published, if any (does not wait).
+  std::optional<std::string> failure(int attempt) {
+    if (!store_->check({key(attempt, "failed")})) return std::nullopt;
+    return store_->get_string(key(attempt, "failed"));
+  }
+
+  struct Outcome {
+    bool failed = false;  // some node's attempt failed: restart (unless stop)
+    bool stop = false;    // a launcher was signalled: no restart
+    std::string cause;    // the failure every node names
+    int interrupted = 0;  // a signal to this launcher ended the wait
+  };
+  // Says that this node's workers of `attempt` have all ended, with `code`.
+  void publish_end(int attempt, int code) {
+    store_->set_string(key(attempt, "end/" + std::to_string(node_)), std::to_string(code));
+  }
+  // Publishes this node's end of `attempt` (its code) and waits for every node's, or for a
+  // stop; a signal to this launcher ends the wait (out.interrupted). Throws when the store
+  // stops answering or a node's end is not in within kEndTimeout.
+  Outcome agree(int attempt, int code, SignalWatch& signals) {
+    publish_end(attempt, code);
+    std::vector<std::string> ends, seen;
+    for (int n = 0; n < nnodes_; ++n) {
+      ends.push_back(key(attempt, "end/" + std::to_string(n)));
+      if (n > 0) seen.push_back(key(attempt, "seen/" + std::to_string(n)));
+    }
+    Outcome out;
+    if (!wait_for(attempt, ends, signals, out, "the other nodes' launchers to end attempt"))
+      return out;
+    for (int n = 0; n < nnodes_; ++n)
+      if (!store_->check({ends[n]}) || store_->get_string(ends[n]) != "0") out.failed = true;
+    if (auto f = failure(attempt)) {
+      out.failed = true;
+      out.cause = *f;
+    } else if (out.failed) {
+      out.cause = "a node's workers failed";
+    }
+    out.stop = store_->check({key(attempt, "stop")});
+    if (out.stop) return out;  // no next attempt: the signalled node may not read any more
+    if (node_ > 0)
+      store_->set_string(key(attempt, "seen/" + std::to_string(node_)), "1");
+    else
+      wait_for(attempt, seen, signals, out, "the other nodes' launchers to read attempt");
+    return out;
+  }
+
+ private:
+  std::string key(int attempt, const std::string& what) const {
+    return "launch/" + std::to_string(attempt) + "/" + what;
+  }
+  // Polls until every key exists, or a node published a stop. False when a signal to this
+  // launcher came first (out.interrupted).
+  bool wait_for(int attempt, const std::vector<std::string>& keys, SignalWatch& signals,
+                Outcome& out, const char* what) {
+    const auto deadline = std::chrono::steady_clock::now() + kEndTimeout;
+    while (!store_->check(keys) && !store_->check({key(attempt, "stop")})) {
+      if (int sig = signals.poll()) {
+        out.interrupted = sig;
+        return false;
+      }
+      DP_CHECK(std::chrono::steady_clock::now() < deadline,
+               "launch_workers: node " << node_ << " waited " << kEndTimeout.count() << " s for "
+                                       << what << " " << attempt << " (" << keys_text(keys)
+                                       << " on " << store_->describe() << ")");
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return true;
+  }
+
+  int node_, nnodes_;
+  std::unique_ptr<TcpStore> store_;
+};
+
 // What launch_workers works out once; every attempt starts its workers from it.
 struct LaunchPlan {
   const LaunchOptions* options = nullptr;
@@ -183,11 +290,31 @@ struct AttemptEnd {
   int interrupted = 0;  // the signal to the launcher that stopped it, or 0
   int rank = -1;        // the rank that failed, when one did
   std::string cause;    // how it failed: "exited with status 3", "hung (no heartbeat for 5 s)"
+  // Several nodes: the failure another node published, which stopped this node's workers
+  // ("rank 3 (node 1) exited with status 3"), and whether the launchers' store was lost (then
+  // no node can agree on a restart).
+  std::string remote;
+  bool agreement_lost = false;
 };
 
+// Tells the other nodes (when there are, with restarts) that a signal to this launcher ends the
+// job. Never throws: the other nodes find a store that went away too.
+void publish_stop(NodeAgreement* nodes, int attempt, int node_rank, int sig) {
+  if (!nodes) return;
+  try {
+    nodes->publish_stop(attempt, "node " + std::to_string(node_rank) + "'s launcher got signal " +
+                                     std::to_string(sig) + " (" + strsignal(sig) + ")");
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "launch_workers: could not tell the other nodes: %s\n", e.what());
+  }
+}
+
 // Starts the plan's workers with DP_RESTART_COUNT=restart_count, watches them until all have
-// ended, and prints what ended them (launch_workers' lines). Throws when a fork fails.
-AttemptEnd run_attempt(const LaunchPlan& plan, int restart_count, SignalWatch& signals) {
+// ended, and prints what ended them (launch_workers' lines). With `nodes` (several nodes with
+// restarts) it also publishes this node's failure or signal, and stops its workers when another
+// node publishes one. Throws when a fork fails.
+AttemptEnd run_attempt(const LaunchPlan& plan, int restart_count, SignalWatch& signals,
+                       NodeAgreement* nodes) {
   const LaunchOptions& o = *plan.options;
   const int world = o.nnodes * o.nproc_per_node;
   const std::string job_token = launch_job_token(o);  // fresh per attempt on one node
@@ -228,6 +355,7 @@ AttemptEnd run_attempt(const LaunchPlan& plan, int restart_count, SignalWatch& s
     if (started == 0 && signals.pending()) {
       AttemptEnd end;
       end.interrupted = signals.poll();
+      publish_stop(nodes, restart_count, o.node_rank, end.interrupted);
       end.code = 128 + end.interrupted;
       std::fprintf(stderr, "launch_workers: got signal %d (%s) before starting any worker\n",
                    end.interrupted, strsignal(end.interrupted));
@@ -263,6 +391,10 @@ AttemptEnd run_attempt(const LaunchPlan& plan, int restart_count, SignalWatch& s
 
   using Clock = std::chrono::steady_clock;
   const Child* failed = nullptr;
+  bool published = false;  // this node's failure, to the other nodes
+  std::optional<std::string> remote;
+  bool agreement_lost = false;
+  Clock::time_point next_poll = Clock::now();
   int interrupted = 0;
   bool stopping = false, killed = false;
   Clock::time_point kill_at;
@@ -281,10 +413,20 @@ AttemptEnd run_attempt(const LaunchPlan& plan, int restart_count, SignalWatch& s
       --alive;
       if (r < 0) c.status = 0;  // not ours any more (someone else reaped it)
       bool bad = WIFSIGNALED(c.status) || (WIFEXITED(c.status) && WEXITSTATUS(c.status) != 0);
-      if (bad && !failed && !interrupted) {
+      if (bad && !failed && !interrupted && !remote) {
         failed = &c;
         if (!stopping) begin_stop(SIGTERM);
       }
+    }
+    if (nodes && !stopping && !interrupted && !failed && Clock::now() >= next_poll) {
+      next_poll = Clock::now() + std::chrono::milliseconds(100);
+      try {
+        remote = nodes->failure(restart_count);
+      } catch (const std::exception& e) {
+        remote = std::string("the launchers' store stopped answering: ") + e.what();
+        agreement_lost = true;
+      }
+      if (remote) begin_stop(SIGTERM);
     }
     if (!stopping && !interrupted && !failed) {
       if (std::optional<SilentRank> silent = heartbeats.silent(plan.hb_timeout)) {
@@ -297,8 +439,22 @@ AttemptEnd run_attempt(const LaunchPlan& plan, int restart_count, SignalWatch& s
           }
       }
     }
+    if (nodes && failed && !published) {
+      published = true;
+      std::string cause = hung
+                              ? "sent no heartbeat for " + seconds_text(hung->silent_for) + ": hung"
+                              : describe_status(failed->status);
+      try {
+        nodes->publish_failure(restart_count, "rank " + std::to_string(failed->rank) + " (node " +
+                                                  std::to_string(o.node_rank) + ") " + cause);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "launch_workers: could not tell the other nodes: %s\n", e.what());
+        agreement_lost = true;
+      }
+    }
     if (int sig = signals.poll(); sig != 0 && !interrupted) {
       interrupted = sig;
+      publish_stop(nodes, restart_count, o.node_rank, sig);
       if (!stopping)
         begin_stop(sig);
       else
@@ -318,6 +474,15 @@ AttemptEnd run_attempt(const LaunchPlan& plan, int restart_count, SignalWatch& s
     std::fflush(stderr);
     end.interrupted = interrupted;
     end.code = 128 + interrupted;
+    return end;
+  }
+  end.agreement_lost = agreement_lost;
+  if (remote) {
+    std::fprintf(stderr, "launch_workers: %s%s; stopped this node's %d worker(s)\n",
+                 agreement_lost ? "" : "another node failed: ", remote->c_str(), started);
+    std::fflush(stderr);
+    end.code = 1;
+    end.remote = *remote;
     return end;
   }
   if (!failed) return end;
@@ -380,13 +545,13 @@ void check_local_ranks(int nproc, std::optional<int> max_local_ranks) {
                               << "); give fewer ranks, or raise the limit with --max-local-ranks");
 }
 
-void check_restarts_allowed(int max_restarts, int nnodes) {
-  DP_CHECK(max_restarts == 0 || nnodes == 1,
+void check_restarts_allowed(int max_restarts, int nnodes, int master_port) {
+  DP_CHECK(max_restarts == 0 || nnodes == 1 || (master_port > 0 && master_port < 65535),
            "launch_workers: --max-restarts "
-               << max_restarts << " with --nnodes " << nnodes
-               << ": restarts are for one node only (a node's launcher "
-                  "cannot stop and restart the ranks of the others); run several "
-                  "nodes without restarts, or restart the whole job from outside");
+               << max_restarts << " with --nnodes " << nnodes << " and --master-port "
+               << master_port
+               << ": the node launchers agree on restarts through a store on node 0 at the "
+                  "master port + 1; give a --master-port in [1, 65534]");
 }
 
 int launch_workers(const LaunchOptions& o, const std::vector<std::string>& argv) {
@@ -403,7 +568,7 @@ int launch_workers(const LaunchOptions& o, const std::vector<std::string>& argv)
   DP_CHECK(o.max_restarts >= 0 && o.max_restarts <= kMaxRestarts,
            "launch_workers: max_restarts=" << o.max_restarts << " is not in [0, " << kMaxRestarts
                                            << "]");
-  check_restarts_allowed(o.max_restarts, o.nnodes);
+  check_restarts_allowed(o.max_restarts, o.nnodes, o.master_port);
   check_local_ranks(o.nproc_per_node, o.max_local_ranks);
   LaunchPlan plan;
   plan.options = &o;
@@ -428,8 +593,50 @@ int launch_workers(const LaunchOptions& o, const std::vector<std::string>& argv)
   for (const auto& kv : o.extra_env) plan.base_env.push_back(kv.first + "=" + kv.second);
 
   SignalWatch signals;
+  // Several nodes with restarts: node 0's launcher hosts the store they agree through.
+  std::unique_ptr<NodeAgreement> nodes;
+  if (o.nnodes > 1 && o.max_restarts > 0)
+    nodes = std::make_unique<NodeAgreement>(o, plan.port + 1, launch_job_token(o));
   for (int restart = 0;; ++restart) {
-    AttemptEnd end = run_attempt(plan, restart, signals);
+    AttemptEnd end = run_attempt(plan, restart, signals, nodes.get());
+    std::string after = "rank " + std::to_string(end.rank) + " " + end.cause;
+    if (nodes && end.interrupted) {
+      try {  // the others wait for every node's end
+        nodes->publish_end(restart, end.code);
+      } catch (const std::exception&) {
+        // the store is gone (node 0's launcher ended): the others find that out themselves
+      }
+    }
+    if (nodes && !end.interrupted) {
+      if (end.agreement_lost) return end.code;  // run_attempt said why
+      NodeAgreement::Outcome agreed;
+      try {
+        agreed = nodes->agree(restart, end.code, signals);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "launch_workers: %s; no restart\n", e.what());
+        std::fflush(stderr);
+        return end.code != 0 ? end.code : 1;
+      }
+      if (agreed.interrupted) {
+        publish_stop(nodes.get(), restart, o.node_rank, agreed.interrupted);
+        std::fprintf(stderr, "launch_workers: got signal %d (%s) while the nodes agreed\n",
+                     agreed.interrupted, strsignal(agreed.interrupted));
+        std::fflush(stderr);
+        return 128 + agreed.interrupted;
+      }
+      if (!agreed.failed) return end.code;
+      if (end.code == 0) {
+        std::fprintf(stderr, "launch_workers: this node's workers ended well, but %s\n",
+                     agreed.cause.c_str());
+        end.code = 1;
+      }
+      if (agreed.stop) {
+        std::fprintf(stderr, "launch_workers: %s: no restart\n", agreed.cause.c_str());
+        std::fflush(stderr);
+        return end.code;
+      }
+      after = agreed.cause;
+    }
     if (end.code == 0 || end.interrupted) return end.code;
     if (restart == o.max_restarts) {
       if (o.max_restarts > 0) {
@@ -439,8 +646,8 @@ int launch_workers(const LaunchOptions& o, const std::vector<std::string>& argv)
       }
       return end.code;
     }
-    std::fprintf(stderr, "launch_workers: restart %d of %d after rank %d %s\n", restart + 1,
-                 o.max_restarts, end.rank, end.cause.c_str());
+    std::fprintf(stderr, "launch_workers: restart %d of %d after %s\n", restart + 1, o.max_restarts,
+                 after.c_str());
     std::fflush(stderr);
   }
 }

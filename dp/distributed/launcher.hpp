@@ -64,8 +64,10 @@ struct LaunchOptions {
   // hung, and the job is stopped. 0: DP_HEARTBEAT_TIMEOUT (seconds) when set, else 5 s.
   std::chrono::milliseconds heartbeat_timeout{0};
   // After a failed attempt (a worker died, exited non-zero or was named hung), start all the
-  // workers again, up to this many times, as torchrun's --max-restarts. In [0, kMaxRestarts];
-  // one node only (check_restarts_allowed).
+  // workers again, up to this many times, as torchrun's --max-restarts. In [0, kMaxRestarts].
+  // With nnodes > 1 the node launchers agree through a store node 0's launcher hosts at
+  // master_addr:(master_port + 1) (check_restarts_allowed): a failure on one node stops the
+  // workers of every node, and all start the next attempt together.
   int max_restarts = 0;
 };
 
@@ -84,10 +86,9 @@ LocalRankLimit local_rank_limit();
 // before starting anything; programs call it earlier still, with their other flag checks.
 void check_local_ranks(int nproc, std::optional<int> max_local_ranks);
 
-// Throws kernels::Error when max_restarts > 0 with nnodes > 1: each node's launcher sees only
-// its own ranks, so it could restart them but not the other nodes' ranks, and the two would no
-// longer form one job; a multi-node job is restarted from outside (its scheduler) instead.
-void check_restarts_allowed(int max_restarts, int nnodes);
+// Throws kernels::Error when max_restarts > 0 with nnodes > 1 and no master_port + 1 to host
+// the launchers' store on (master_port must be in [1, 65534]).
+void check_restarts_allowed(int max_restarts, int nnodes, int master_port);
 
 // Runs nproc_per_node workers (global ranks node_rank * nproc_per_node + local) with `argv`
 // (argv[0] included) and the launcher's environment plus the worker variables, and watches
@@ -111,6 +112,12 @@ void check_restarts_allowed(int max_restarts, int nnodes);
 // one higher (0 on the first attempt), logging "launch_workers: restart 1 of K after rank R
 // exited with status 3". A signal to the launcher never restarts. When the last allowed attempt
 // fails, says how many restarts were used and returns that attempt's code.
+// Several nodes: node 0's launcher hosts a store at master_port + 1 (others wait up to 60 s for
+// it); a node whose worker fails publishes it ("rank 3 (node 1) was killed by signal 9"), the
+// others stop their workers within ~0.1 s plus the grace period, every node waits (up to 60 s)
+// for all nodes' attempts to end, and all restart (or all stop) together. A signal to one
+// node's launcher stops every node, without restart; a lost store stops a node, without
+// restart. Returns 1 on a node whose own workers ended well when another node failed last.
 int launch_workers(const LaunchOptions& options, const std::vector<std::string>& argv);
 
 // A TCP port free on `host` a moment ago (see socket.hpp); for MASTER_PORT.

@@ -192,8 +192,9 @@ struct InitOptions {
   std::shared_ptr<Store> store;
   // Groups sharing one store need distinct names.
   std::string group_name = "default";
-  // Gloo transport: the address other ranks reach this one at. Empty: GLOO_SOCKET_IFNAME's
-  // interface when set, 127.0.0.1 when the master address is loopback, else this host's name.
+  // Gloo transport: the address other ranks reach this one at. Empty: DP_SOCKET_IFNAME's (else
+  // GLOO_SOCKET_IFNAME's) interface when set, 127.0.0.1 when the master address is loopback,
+  // else the address this host reaches the master from (its route), else this host's name.
   std::string gloo_hostname;
   std::string gloo_interface;
   // Where environment variables come from (empty: the process environment).

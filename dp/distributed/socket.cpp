@@ -211,4 +211,27 @@ bool is_loopback_host(const std::string& host) {
   return false;
 }
 
+std::string local_address_towards(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* res = nullptr;
+  if (getaddrinfo(host.c_str(), "9", &hints, &res) != 0 || !res) return {};
+  std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> owned(res, freeaddrinfo);
+  for (addrinfo* a = res; a; a = a->ai_next) {
+    Socket s(::socket(a->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+    if (s.fd() < 0 || ::connect(s.fd(), a->ai_addr, a->ai_addrlen) != 0) continue;
+    sockaddr_storage local{};
+    socklen_t len = sizeof(local);
+    if (::getsockname(s.fd(), reinterpret_cast<sockaddr*>(&local), &len) != 0) continue;
+    char text[INET6_ADDRSTRLEN] = {0};
+    const void* src =
+        local.ss_family == AF_INET
+            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr)
+            : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr);
+    if (inet_ntop(local.ss_family, src, text, sizeof(text))) return text;
+  }
+  return {};
+}
+
 }  // namespace dp::dist::net

@@ -65,6 +65,11 @@ int find_free_port(const std::string& host = "127.0.0.1");
 // True when `host` names a loopback address (127.0.0.0/8, ::1, "localhost").
 bool is_loopback_host(const std::string& host);
 
+// The address of this machine that a packet to `host` (an address or a name) leaves from: the
+// source address the kernel's route to it picks (a UDP connect, which sends nothing). Empty
+// when `host` does not resolve or no route reaches it.
+std::string local_address_towards(const std::string& host);
+
 // Milliseconds left until `deadline` (>= 0), for poll().
 int millis_until(Clock::time_point deadline);
 

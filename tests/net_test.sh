@@ -1,0 +1,193 @@
+#!/usr/bin/env bash
+# net: jobs across network namespaces made by scripts/cluster.sh (each node its own address,
+# a rate-limited link through a bridge). One case per run:
+#   net_test.sh cluster_up_down | ddp_gloo | ddp_mpi | restart
+# Paths come from the environment (tests/net.cmake): CLUSTER (scripts/cluster.sh), DP_BENCH,
+# MPIRUN (empty without MPI). Exits 77 (ctest: skipped), saying why, when not root or without
+# ip netns. Every cluster has a prefix of its own (the case and this PID) and is removed on exit.
+set -uo pipefail
+
+case_name=${1:?give a case: cluster_up_down, ddp_gloo, ddp_mpi or restart}
+skip() {
+  echo "net.$case_name: SKIPPED: $*"
+  exit 77
+}
+fail() {
+  echo "net.$case_name: FAILED: $*" >&2
+  exit 1
+}
+[ "$(id -u)" -eq 0 ] || skip "needs root (network namespaces, veth, tc)"
+command -v ip > /dev/null && command -v tc > /dev/null || skip "iproute2 (ip, tc) is missing"
+probe="dpprobe$$"
+ip netns add "$probe" 2> /dev/null || skip "'ip netns add' is not allowed here"
+ip netns del "$probe"
+
+prefix="t$$${case_name:0:1}"
+work=$(mktemp -d "${TMPDIR:-/tmp}/net_$case_name.XXXXXX")
+cleanup() {
+  "$CLUSTER" down --prefix "$prefix"
+  [ -n "${NET_KEEP:-}" ] || rm -rf "$work"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+node() {  # node I CMD...: CMD inside node I
+  local i=$1
+  shift
+  "$CLUSTER" exec "$i" --prefix "$prefix" "$@"
+}
+
+# The losses of the first run in dp_bench's --json file, one a line.
+losses() { jq -c '.runs[0].losses[]' "$1"; }
+
+# Whether two loss lists agree within a relative 1e-5 (another summation order).
+close_losses() {
+  paste "$1" "$2" | awk '{ d = $1 - $2; if (d < 0) d = -d; m = $2 < 0 ? -$2 : $2;
+    if (d > 1e-5 * m) { print "loss " NR ": " $1 " vs " $2; bad = 1 } } END { exit bad }'
+}
+
+bench_args=(--device cpu --baseline 0 --warmup 0 --batch 24)
+short=(--steps 4)
+
+# DDP over Gloo, one rank per node: node 1 in the background, node 0 in the foreground.
+# `env...` are extra variables for both nodes.
+two_nodes() {
+  local json=$1
+  shift
+  local master
+  master=$("$CLUSTER" addr 0 --prefix "$prefix")
+  node 1 env "$@" timeout 60 "$DP_BENCH" "${bench_args[@]}" "${short[@]}" --mode ddp --gpus 1 --nnodes 2 --node-rank 1 \
+    --master-addr "$master" --master-port 29500 > "$work/node1.txt" 2>&1 &
+  local pid1=$!
+  node 0 env "$@" timeout 60 "$DP_BENCH" "${bench_args[@]}" "${short[@]}" --mode ddp --gpus 1 --nnodes 2 --node-rank 0 \
+    --master-addr "$master" --master-port 29500 --json "$json" > "$work/node0.txt" 2>&1
+  local rc0=$? rc1=0
+  wait $pid1 || rc1=$?
+  [ $rc0 -eq 0 ] && [ $rc1 -eq 0 ] ||
+    fail "node 0 exited $rc0, node 1 exited $rc1: $(tail -5 "$work/node0.txt" "$work/node1.txt")"
+}
+
+case $case_name in
+  cluster_up_down)
+    "$CLUSTER" up 2 --rate 100mbit --prefix "$prefix" || fail "up 2"
+    [ "$("$CLUSTER" addr 1 --prefix "$prefix")" = 10.29.0.2 ] || fail "node 1's address"
+    node 1 tc qdisc show dev eth0 | grep -q "tbf.*rate 100Mbit" || fail "no tbf on node 1"
+    # Node 0 reaches node 1 through the bridge (bash's /dev/tcp against a listener).
+    node 1 timeout 10 python3 -c "import socket; s = socket.create_server(('10.29.0.2', 7777)); \
+c, _ = s.accept(); c.sendall(c.recv(5))" &
+    sleep 0.5
+    got=$(node 0 timeout 5 python3 -c "import socket, time; c = socket.create_connection(\
+('10.29.0.2', 7777), timeout=5); c.sendall(b'hello'); print(c.recv(5).decode())")
+    wait
+    [ "$got" = hello ] || fail "node 0 could not talk to node 1 (got '$got')"
+    "$CLUSTER" up 2 --prefix "$prefix" 2> "$work/again.txt" && fail "a second up succeeded"
+    grep -q "exists already" "$work/again.txt" || fail "second up: $(cat "$work/again.txt")"
+    "$CLUSTER" up 0 --prefix "${prefix}x" > "$work/zero.txt" 2>&1 && fail "up 0 succeeded"
+    grep -q "give a whole number of nodes" "$work/zero.txt" || fail "up 0: $(cat "$work/zero.txt")"
+    "$CLUSTER" up 2 --rate fast --prefix "${prefix}x" > "$work/fast.txt" 2>&1 &&
+      fail "--rate fast succeeded"
+    grep -q "give a number and a unit" "$work/fast.txt" || fail "--rate fast: $(cat "$work/fast.txt")"
+    node 0 sleep 60 &
+    "$CLUSTER" down --prefix "$prefix" || fail "down"
+    wait 2> /dev/null  # the sleep inside node 0 was stopped by down
+    "$CLUSTER" down --prefix "$prefix" || fail "a second down"
+    [ -z "$(ip netns list | grep "^$prefix-")" ] || fail "namespaces left: $(ip netns list)"
+    ;;
+  ddp_gloo)
+    "$CLUSTER" up 2 --rate 1gbit --prefix "$prefix" > /dev/null || fail "up 2"
+    "$DP_BENCH" "${bench_args[@]}" "${short[@]}" --mode ddp --gpus 2 --json "$work/one_node.json" > "$work/ref.txt" 2>&1 ||
+      fail "2 ranks on one node: $(tail -5 "$work/ref.txt")"
+    "$DP_BENCH" "${bench_args[@]}" "${short[@]}" --mode dp --gpus 1 --json "$work/one_device.json" > "$work/ref.txt" 2>&1 ||
+      fail "1 device: $(tail -5 "$work/ref.txt")"
+    losses "$work/one_node.json" > "$work/one_node.txt"
+    losses "$work/one_device.json" > "$work/one_device.txt"
+    # The interface named (DP_SOCKET_IFNAME, GLOO_SOCKET_IFNAME), then none: the address this
+    # node reaches the master from.
+    for how in DP_SOCKET_IFNAME=eth0 GLOO_SOCKET_IFNAME=eth0 DP_UNUSED=1; do
+      two_nodes "$work/nodes.json" "$how"
+      losses "$work/nodes.json" > "$work/nodes.txt"
+      [ "$(wc -l < "$work/nodes.txt")" -eq 4 ] || fail "$how: $(cat "$work/nodes.txt")"
+      cmp -s "$work/nodes.txt" "$work/one_node.txt" ||
+        fail "$how: two nodes $(tr '\n' ' ' < "$work/nodes.txt") differ from 2 ranks on one node" \
+          "$(tr '\n' ' ' < "$work/one_node.txt")"
+      close_losses "$work/nodes.txt" "$work/one_device.txt" || fail "$how: against 1 device"
+      echo "net.ddp_gloo: $how: the losses of 2 ranks on 2 nodes equal those on one node"
+    done
+    ;;
+  ddp_mpi)
+    [ -n "${MPIRUN:-}" ] || skip "this build has no MPI (install libopenmpi-dev, openmpi-bin)"
+    "$CLUSTER" up 2 --rate 1gbit --prefix "$prefix" > /dev/null || fail "up 2"
+    "$DP_BENCH" "${bench_args[@]}" "${short[@]}" --mode ddp --gpus 2 --json "$work/one_node.json" > "$work/ref.txt" 2>&1 ||
+      fail "2 ranks on one node: $(tail -5 "$work/ref.txt")"
+    losses "$work/one_node.json" > "$work/one_node.txt"
+    printf '%s slots=1\n' "$("$CLUSTER" addr 0 --prefix "$prefix")" \
+      "$("$CLUSTER" addr 1 --prefix "$prefix")" > "$work/hosts"
+    # mpirun in node 0; its orted on node 1 is started by cluster.sh rsh (an ssh stand-in that
+    # enters the node's namespace), so both talk over eth0 only.
+    node 0 timeout 60 "$MPIRUN" --allow-run-as-root -np 2 --hostfile "$work/hosts" --display-map \
+      --mca plm_rsh_agent "$CLUSTER rsh --prefix $prefix" --mca btl self,tcp \
+      --mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 \
+      -x MASTER_ADDR="$("$CLUSTER" addr 0 --prefix "$prefix")" -x MASTER_PORT=29500 \
+      "$DP_BENCH" "${bench_args[@]}" "${short[@]}" --mode ddp --backend mpi --json "$work/mpi.json" \
+      > "$work/mpi.txt" 2>&1 || fail "mpirun: $(tail -20 "$work/mpi.txt")"
+    grep -q "10.29.0.2" "$work/mpi.txt" || fail "no rank on node 1: $(head -20 "$work/mpi.txt")"
+    losses "$work/mpi.json" > "$work/mpi_losses.txt"
+    [ "$(wc -l < "$work/mpi_losses.txt")" -eq 4 ] || fail "losses: $(cat "$work/mpi_losses.txt")"
+    close_losses "$work/mpi_losses.txt" "$work/one_node.txt" || fail "MPI on 2 nodes vs Gloo on one"
+    echo "net.ddp_mpi: 2 ranks on 2 nodes over MPI follow 2 ranks on one node over Gloo"
+    ;;
+  restart)
+    # 300 steps, a checkpoint every 10; rank 1 (node 1) is killed once step 40 is saved.
+    steps=(--optim adamw --steps 300 --save-every 10)
+    "$DP_BENCH" "${bench_args[@]}" "${steps[@]}" --mode ddp --gpus 2 --checkpoint-dir "$work/whole" \
+      --json "$work/whole.json" \
+      > "$work/whole.txt" 2>&1 || fail "the uninterrupted run: $(tail -5 "$work/whole.txt")"
+    "$CLUSTER" up 2 --rate 1gbit --prefix "$prefix" > /dev/null || fail "up 2"
+    master=$("$CLUSTER" addr 0 --prefix "$prefix")
+    pids=()
+    for i in 1 0; do
+      node $i timeout 60 "$DP_BENCH" "${bench_args[@]}" "${steps[@]}" --mode ddp --gpus 1 \
+        --nnodes 2 --node-rank $i --master-addr "$master" --master-port 29500 --max-restarts 1 \
+        --checkpoint-dir "$work/run" --resume latest --json "$work/node$i.json" \
+        > "$work/node$i.txt" 2>&1 &
+      pids[i]=$!
+    done
+    for _ in $(seq 300); do
+      [ -e "$work/run/step_00000040.safetensors" ] && break
+      sleep 0.05
+    done
+    [ -e "$work/run/step_00000040.safetensors" ] || fail "no checkpoint of step 40 in 15 s"
+    rank1=""
+    for p in $(ip netns pids "$prefix-n1"); do
+      tr '\0' '\n' < "/proc/$p/environ" 2> /dev/null | grep -qx "RANK=1" && rank1=$p
+    done
+    [ -n "$rank1" ] || fail "rank 1 is not running on node 1 (finished already?)"
+    kill -KILL "$rank1"
+    rc0=0 rc1=0
+    wait "${pids[0]}" || rc0=$?
+    wait "${pids[1]}" || rc1=$?
+    [ $rc0 -eq 0 ] && [ $rc1 -eq 0 ] ||
+      fail "node 0 exited $rc0, node 1 $rc1: $(tail -8 "$work/node0.txt" "$work/node1.txt")"
+    for i in 0 1; do
+      grep -q "launch_workers: restart 1 of 1 after rank 1 (node 1) was killed by signal 9" \
+        "$work/node$i.txt" || fail "node $i did not restart: $(tail -8 "$work/node$i.txt")"
+    done
+    # The second attempt went on from a checkpoint: it ran fewer steps than the whole run, and
+    # its losses are the whole run's last ones.
+    losses "$work/whole.json" > "$work/whole_losses.txt"
+    losses "$work/node0.json" > "$work/resumed_losses.txt"
+    n=$(wc -l < "$work/resumed_losses.txt")
+    [ "$n" -gt 0 ] && [ "$n" -le 260 ] || fail "the second attempt ran $n steps, not a resumed few"
+    tail -n "$n" "$work/whole_losses.txt" | cmp -s - "$work/resumed_losses.txt" ||
+      fail "the resumed losses differ from the uninterrupted run's last $n"
+    cmp -s "$work/whole/step_00000300.safetensors" "$work/run/step_00000300.safetensors" ||
+      fail "the restarted job's final checkpoint differs from the uninterrupted run's"
+    for i in 0 1; do
+      [ -z "$(ip netns pids "$prefix-n$i")" ] || fail "processes left on node $i"
+    done
+    echo "net.restart: rank 1 killed on node 1, both nodes restarted, the final state is the" \
+      "uninterrupted run's bit for bit"
+    ;;
+  *) fail "unknown case '$case_name'" ;;
+esac
+echo "net.$case_name: passed"
