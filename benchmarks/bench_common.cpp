@@ -41,8 +41,14 @@ void add_flags(CLI::App& app, Options& o) {
       ->check(whole_number(1, kMaxDevices));
   app.add_option("--device", o.device, "auto|cuda|cpu")
       ->check(CLI::IsMember({"auto", "cuda", "cpu"}));
-  app.add_option("--mode", o.mode, "dp|ddp|both, or ps (parameter server beside dp)")
-      ->check(CLI::IsMember({"dp", "ddp", "both", "ps"}));
+  app.add_option("--mode", o.mode,
+                 "dp|ddp|both, hybrid (DP in each node, its device 0 joined across nodes), or ps "
+                 "(parameter server beside dp)")
+      ->check(CLI::IsMember({"dp", "ddp", "both", "hybrid", "ps"}));
+  app.add_option("--hybrid-procs", o.hybrid_procs,
+                 "--mode hybrid: node processes started here, each a DP engine over --gpus "
+                 "devices (0: 2 with --nnodes 1, to try it on one machine; 1 per real node)")
+      ->check(whole_number(0, 64));
   app.add_option("--max-staleness", o.max_staleness,
                  "--mode ps: a worker waits while this many newer updates are outstanding "
                  "(-1: unbounded; 0: synchronous per update)")
@@ -310,6 +316,18 @@ void ReplayCounts::report(RunResult& r) const {
   r.host_syncs_per_step = percentile(host_syncs, 0.5);
 }
 
+dp::DataParallelOptions dp_options(const Options& o, const Setup& s) {
+  dp::DataParallelOptions dopt;
+  dopt.math = s.math;
+  dopt.precision = s.precision;
+  dopt.comm_dtype = s.comm_dtype;
+  dopt.reduce = o.dp_reduce == "tree" ? dp::ReduceTopology::tree : dp::ReduceTopology::star;
+  dopt.first_bucket_bytes = static_cast<int64_t>(o.first_bucket_mb * (1 << 20));
+  dopt.bucket_cap_bytes = static_cast<int64_t>(o.bucket_cap_mb * (1 << 20));
+  if (o.sync_bn) dopt.batch_norm = dp::BatchNormStats::synced;
+  return dopt;
+}
+
 RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
                  const nn::CheckpointDirLock* lock) {
   int64_t batch = global_batch(o, n);
@@ -320,15 +338,7 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
   if (s.activations != kernels::DType::f32) model->set_activations(nn::Activations::compute);
   auto optimizer = make_optimizer(o, *model);
   nn::Optimizer& opt = *optimizer;
-  dp::DataParallelOptions dopt;
-  dopt.math = s.math;
-  dopt.precision = s.precision;
-  dopt.comm_dtype = s.comm_dtype;
-  dopt.reduce = o.dp_reduce == "tree" ? dp::ReduceTopology::tree : dp::ReduceTopology::star;
-  dopt.first_bucket_bytes = static_cast<int64_t>(o.first_bucket_mb * (1 << 20));
-  dopt.bucket_cap_bytes = static_cast<int64_t>(o.bucket_cap_mb * (1 << 20));
-  if (o.sync_bn) dopt.batch_norm = dp::BatchNormStats::synced;
-  dp::DataParallel engine(model, opt, devices, dopt);
+  dp::DataParallel engine(model, opt, devices, dp_options(o, s));
 
   RunResult r;
   r.mode = "dp";
@@ -460,7 +470,11 @@ void write_chart(const Options& o, const std::string& csv, const std::string& no
 }  // namespace
 
 int run(const Options& o, int argc, char** argv) {
-  if (dp::dist::worker_env_from_environment()) return ddp_worker_main(o, argc, argv);
+  if (dp::dist::worker_env_from_environment())
+    return o.mode == "hybrid" ? hybrid_worker_main(o) : ddp_worker_main(o, argc, argv);
+  DP_CHECK(o.hybrid_procs == 0 || o.mode == "hybrid",
+           "--hybrid-procs " << o.hybrid_procs << " with --mode " << o.mode
+                             << ": only --mode hybrid starts node processes");
   // Flags that only one mode reads are refused with the others, not ignored.
   DP_CHECK(o.zero == 0 || o.mode == "ddp" || o.mode == "both",
            "--zero " << o.zero << " with --mode " << o.mode
@@ -472,15 +486,18 @@ int run(const Options& o, int argc, char** argv) {
   if (o.mode == "ddp" || o.mode == "both")
     dp::dist::check_launchable(o.backend, "dp_bench",
                                (o.gpus ? *o.gpus : 4) * std::max(1, o.launch.nnodes));
+  if (o.mode == "hybrid")
+    dp::dist::check_launchable(o.backend, "dp_bench", hybrid_procs(o) * o.launch.nnodes);
   DP_CHECK(!o.workload || o.mode != "ps",
            "--mode ps: the parameter server runs dp_bench's built-in models only; give --mode "
            "dp, ddp or both for "
                << o.workload->name);
   Setup s = resolve(o);
   if (o.launch.nnodes > 1) {
-    DP_CHECK(o.mode == "ddp", "--nnodes " << o.launch.nnodes
-                                          << ": only --mode ddp spans nodes (DP is "
-                                          << "one process by definition)");
+    DP_CHECK(o.mode == "ddp" || o.mode == "hybrid",
+             "--nnodes " << o.launch.nnodes
+                         << ": only --mode ddp and hybrid span nodes (DP is one process by "
+                            "definition)");
     DP_CHECK(
         o.launch.master_port > 0 && o.sweep.empty(),
         "--nnodes " << o.launch.nnodes << ": give --master-addr/--master-port, and no --sweep");
@@ -521,7 +538,8 @@ int run(const Options& o, int argc, char** argv) {
   int max_n = *std::max_element(counts.begin(), counts.end());
   if (s.type == DeviceType::cuda)
     dp::warn_if_oversubscribed(kernels::make_devices(DeviceType::cuda, max_n));
-  bool want_dp = o.mode != "ddp", want_ddp = o.mode != "dp";
+  bool want_dp = o.mode == "dp" || o.mode == "both", want_ddp = o.mode == "ddp" || o.mode == "both";
+  bool want_hybrid = o.mode == "hybrid";
   bool tracing = !o.trace_path.empty();
   // One job per checkpoint folder, for the whole run (DDP workers see it held by this process).
   std::optional<nn::CheckpointDirLock> lock;
@@ -536,14 +554,17 @@ int run(const Options& o, int argc, char** argv) {
   bool other_node = false;
   for (int k = 0; k < o.repeat; ++k) {
     size_t slot = 0;
-    for (const char* mode : {"dp", "ddp"}) {
-      if ((mode[1] == 'p' && !want_dp) || (mode[1] == 'd' && !want_ddp)) continue;
+    for (const std::string mode : {"dp", "ddp", "hybrid"}) {
+      if ((mode == "dp" && !want_dp) || (mode == "ddp" && !want_ddp) ||
+          (mode == "hybrid" && !want_hybrid))
+        continue;
       for (int n : counts) {
         dp::Trace trace;
         const bool trace_this = tracing && k == 0;
-        std::optional<RunResult> got =
-            mode[1] == 'p' ? run_dp(o, s, n, trace_this ? &trace : nullptr, lock ? &*lock : nullptr)
-                           : run_ddp(o, s, n, argc, argv, trace_this ? &trace : nullptr);
+        dp::Trace* t = trace_this ? &trace : nullptr;
+        std::optional<RunResult> got = mode == "dp"    ? run_dp(o, s, n, t, lock ? &*lock : nullptr)
+                                       : mode == "ddp" ? run_ddp(o, s, n, argc, argv, t)
+                                                       : run_hybrid(o, s, n, argc, argv, t);
         if (!got) {  // this node's ranks ran; node 0 has the figures
           other_node = true;
           continue;
@@ -555,11 +576,10 @@ int run(const Options& o, int argc, char** argv) {
           return 0;
         }
         if (!isatty(fileno(stderr)))
-          std::fprintf(stderr, "dp_bench: %s N=%d%s: %.3f ms/step, final loss %.6f\n", mode, r.gpus,
-                       o.repeat > 1 ? (" repeat " + std::to_string(k + 1)).c_str() : "",
+          std::fprintf(stderr, "dp_bench: %s N=%d%s: %.3f ms/step, final loss %.6f\n", mode.c_str(),
+                       r.gpus, o.repeat > 1 ? (" repeat " + std::to_string(k + 1)).c_str() : "",
                        median(r.step_ms), r.final_loss);
-        if (trace_this)
-          traces.push_back({std::string(mode) + " N=" + std::to_string(r.gpus), trace.events()});
+        if (trace_this) traces.push_back({mode + " N=" + std::to_string(r.gpus), trace.events()});
         if (k == 0) {
           runs.push_back(std::move(r));
         } else {

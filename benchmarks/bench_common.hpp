@@ -13,6 +13,7 @@
 #include "dp/cli/progress.hpp"
 #include "dp/data/loader.hpp"
 #include "dp/data/synthetic.hpp"
+#include "dp/data_parallel.hpp"
 #include "dp/distributed/launcher.hpp"
 #include "dp/trace.hpp"
 #include "kernels/ops.hpp"
@@ -51,8 +52,9 @@ struct Options {
   std::string backend = "auto";
   uint64_t seed = 1;
   std::string json_path, trace_path, sweep, csv_path, chart_path, profile_steps;
-  int baseline = 1;  // also run N=1 of each mode for speedup (0 to skip)
-  int repeat = 1;    // interleaved repeats of every run, for confidence intervals
+  int baseline = 1;      // also run N=1 of each mode for speedup (0 to skip)
+  int hybrid_procs = 0;  // --mode hybrid: node processes started here (0: see hybrid_procs())
+  int repeat = 1;        // interleaved repeats of every run, for confidence intervals
   std::optional<double> max_skip_fraction;  // mixed precision: more skipped steps is an error
   double bucket_cap_mb = 25, first_bucket_mb = 1;  // DP and DDP buckets (PyTorch's defaults)
   std::string dp_reduce = "star";                  // DP: star|tree
@@ -117,6 +119,8 @@ nn::TrainingProgress bench_state(const Options& o, const char* mode, int n);
 void print_resume_report(const nn::Resumed& resumed, const nn::TrainingProgress& now);
 // The run's optimizer (--optim) on `model`.
 std::unique_ptr<nn::Optimizer> make_optimizer(const Options& o, nn::Module& model);
+// The DP engine's options from the flags (math, precision, comm dtype, topology, buckets).
+dp::DataParallelOptions dp_options(const Options& o, const Setup& s);
 // Prototype scale of the benchmark's synthetic data: hard enough that the loss falls over the
 // default 35 steps instead of collapsing to zero in ten (torch_ref/ref_common.py mirrors it).
 constexpr float kBenchSignal = 0.12f;

@@ -1,5 +1,7 @@
 #include "benchmarks/ddp_run.hpp"
 
+#include "benchmarks/shared_file.hpp"
+
 #include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -25,68 +27,14 @@
 
 namespace bench {
 
-namespace {
-
-// A file in memory with no name (memfd), shared with the workers through its inherited
-// descriptor: rank 0 writes the figures, each rank its trace. Nothing lands on disk, so nothing
-// is left behind however the launcher or the workers end (kill -9 included): the file goes when
-// the last process holding it does.
-class SharedFile {
- public:
-  explicit SharedFile(const char* name) : fd_(::memfd_create(name, 0)) {  // no CLOEXEC: inherited
-    DP_CHECK(fd_ >= 0, "dp_bench: memfd_create failed: " << std::strerror(errno));
-  }
-  ~SharedFile() { ::close(fd_); }
-  SharedFile(const SharedFile&) = delete;
-  SharedFile& operator=(const SharedFile&) = delete;
-  int fd() const { return fd_; }
-  std::string read() const { return read_fd(fd_); }
-
-  static std::string read_fd(int fd) {
-    std::string text;
-    char buf[1 << 16];
-    for (off_t at = 0;;) {
-      ssize_t n = ::pread(fd, buf, sizeof(buf), at);
-      if (n < 0 && errno == EINTR) continue;
-      DP_CHECK(n >= 0, "dp_bench: reading a worker's result failed: " << std::strerror(errno));
-      if (n == 0) return text;
-      text.append(buf, static_cast<size_t>(n));
-      at += n;
-    }
-  }
-  static void write_fd(int fd, const std::string& text) {
-    DP_CHECK(::ftruncate(fd, 0) == 0, "dp_bench worker: ftruncate: " << std::strerror(errno));
-    for (size_t at = 0; at < text.size();) {
-      ssize_t n = ::pwrite(fd, text.data() + at, text.size() - at, static_cast<off_t>(at));
-      if (n < 0 && errno == EINTR) continue;
-      DP_CHECK(n > 0, "dp_bench worker: writing the result failed: " << std::strerror(errno));
-      at += static_cast<size_t>(n);
-    }
-  }
-
- private:
-  int fd_;
-};
-
-// The descriptor a variable names, checked: it must be one the launcher passed down.
-int fd_from_env(const char* text, const char* what) {
-  char* end = nullptr;
-  long fd = std::strtol(text, &end, 10);
-  DP_CHECK(end && *end == '\0' && fd >= 0 && ::fcntl(static_cast<int>(fd), F_GETFD) != -1,
-           "dp_bench worker: " << what << " '" << text << "' is not an open descriptor");
-  return static_cast<int>(fd);
-}
-
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-}  // namespace
-
 std::optional<RunResult> run_ddp(const Options& o, const Setup& s, int n, int argc, char** argv,
                                  dp::Trace* trace) {
+  (void)s;
+  return run_workers(o, n, "the DDP run", argc, argv, trace);
+}
+
+std::optional<RunResult> run_workers(const Options& o, int n, const std::string& what, int argc,
+                                     char** argv, dp::Trace* trace) {
   SharedFile result("dp_bench_ddp_result");
   std::vector<std::unique_ptr<SharedFile>> traces;
   std::string trace_fds;
@@ -104,10 +52,9 @@ std::optional<RunResult> run_ddp(const Options& o, const Setup& s, int n, int ar
                         {"DP_BENCH_DDP_TRACE_FDS", trace_fds},
                         {"DP_BENCH_DDP_N", std::to_string(n * o.launch.nnodes)},
                         {"DP_BENCH_TRACE_ORIGIN_NS", trace ? std::to_string(now_ns()) : ""}};
-  (void)s;
   std::optional<int> rc = dp::dist::launch_if_parent(t, argc, argv);
-  DP_CHECK(rc.has_value(), "dp_bench: DDP launch from a worker process");
-  const std::string ranks = "the DDP run on " + std::to_string(n * o.launch.nnodes) + " ranks";
+  DP_CHECK(rc.has_value(), "dp_bench: a launch from a worker process");
+  const std::string ranks = what + " on " + std::to_string(n * o.launch.nnodes) + " ranks";
   if (*rc == 128 + SIGINT || *rc == 128 + SIGTERM)
     throw RunFailed(ranks + " was stopped by " + (*rc == 128 + SIGINT ? "SIGINT" : "SIGTERM"), *rc);
   if (*rc != 0)
@@ -117,7 +64,7 @@ std::optional<RunResult> run_ddp(const Options& o, const Setup& s, int n, int ar
   try {
     j = nlohmann::json::parse(result.read());
   } catch (const std::exception& e) {
-    DP_THROW("dp_bench: rank 0 of the DDP run wrote no result: " << e.what());
+    DP_THROW("dp_bench: rank 0 of " << what << " wrote no result: " << e.what());
   }
   RunResult r = run_from_json(j);
   // One track per rank, merged here from what the ranks wrote.

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <optional>
+#include <string>
 
 #include "benchmarks/bench_common.hpp"
 
@@ -14,5 +15,21 @@ namespace bench {
 std::optional<RunResult> run_ddp(const Options& o, const Setup& s, int n, int argc, char** argv,
                                  dp::Trace* trace);
 int ddp_worker_main(const Options& o, int argc, char** argv);
+
+// The launch both runs share: n processes of this program on this node (n x nnodes in all),
+// rank 0's figures back through a result file, each rank's trace merged. `what` names the run
+// in errors ("the DDP run").
+std::optional<RunResult> run_workers(const Options& o, int n, const std::string& what, int argc,
+                                     char** argv, dp::Trace* trace);
+
+// dp_bench's hybrid mode: node processes (hybrid_procs(o) on this node, one per node on a real
+// cluster), each the threaded DP engine over --gpus devices, their device 0s joined through
+// the process group (dp::dist::GroupCrossNode). N = devices per node x nodes.
+std::optional<RunResult> run_hybrid(const Options& o, const Setup& s, int n, int argc, char** argv,
+                                    dp::Trace* trace);
+int hybrid_worker_main(const Options& o);
+// Node processes started on this machine: --hybrid-procs, or 2 with --nnodes 1 (two nodes
+// simulated on one machine) and 1 per real node.
+int hybrid_procs(const Options& o);
 
 }  // namespace bench

@@ -304,12 +304,17 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
         "2(N-1)/N x payload\n";
   for (auto& r : runs) {
     os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << r.gpus
-       << "   " << (r.mode == "ddp" ? "payload " : "copied ") << std::setw(9)
-       << mib(r.bytes_per_step) << " (counted)   model " << std::setw(9) << mib(r.bytes_theory)
-       << (r.mode == "ddp" ? " (ring, per rank)" : " (star)") << "   peak MiB per device:";
+       << "   " << (r.mode == "dp" ? "copied " : "payload ") << std::setw(9)
+       << mib(r.bytes_per_step) << " (counted" << (r.mode == "hybrid" ? ", across nodes)" : ")")
+       << "   model " << std::setw(9) << mib(r.bytes_theory)
+       << (r.mode == "ddp"      ? " (ring, per rank)"
+           : r.mode == "hybrid" ? " (ring over nodes, per node)"
+                                : " (star)")
+       << "   peak MiB per device:";
     for (int64_t b : r.peak_mem_bytes) os << " " << mib(b);
     if (!r.link_bytes.empty() && r.gpus > 1) {
-      os << "   link MiB per device (in + out, " << r.reduce << "):";
+      os << "   " << (r.mode == "hybrid" ? "in-node " : "") << "link MiB per device (in + out, "
+         << r.reduce << "):";
       for (int64_t b : r.link_bytes) os << " " << mib(b);
     }
     os << "\n";

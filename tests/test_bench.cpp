@@ -1149,3 +1149,32 @@ TEST_CASE("bench.replay: after warm-up, DP and DDP steps allocate nothing and sy
     std::remove(json.c_str());
   }
 }
+
+TEST_CASE("bench.hybrid: 2 node processes x 2 devices and 3 x 1 follow DP on one process") {
+  // Uneven: 61 rows over 2 nodes (31, 30) and their devices (16 + 15, 15 + 15); over 3 nodes
+  // of one device each (21, 20, 20).
+  const std::string common = "--device cpu --steps 4 --warmup 1 --batch 61 --baseline 0 ";
+  std::string two = temp_path("hybrid2.json"), three = temp_path("hybrid3.json"),
+              ref = temp_path("hybrid_ref.json");
+  REQUIRE(run_bench(common + "--mode hybrid --gpus 2 --json " + two) == 0);
+  REQUIRE(run_bench(common + "--mode hybrid --gpus 1 --hybrid-procs 3 --json " + three) == 0);
+  REQUIRE(run_bench(common + "--mode dp --gpus 1 --json " + ref) == 0);
+  auto a = read_json(two)["runs"][0], b = read_json(three)["runs"][0],
+       single = read_json(ref)["runs"][0];
+  CHECK(a["mode"] == "hybrid");
+  CHECK(a["gpus"] == 4);
+  CHECK(b["gpus"] == 3);
+  const std::vector<double> want = single["losses"];
+  for (auto* run : {&a, &b}) {
+    const std::vector<double> got = (*run)["losses"];
+    REQUIRE(got.size() == want.size());
+    for (size_t s = 0; s < want.size(); ++s)
+      CHECK(got[s] == doctest::Approx(want[s]).epsilon(1e-5));
+    // What crosses between nodes: the gradient (P floats) and 2 metric floats per step.
+    CHECK((*run)["bytes_per_step"] == (*run)["param_bytes"].get<int64_t>() + 8);
+  }
+  auto [rc, text] = bench_output("--device cpu --mode dp --hybrid-procs 2");
+  CHECK(rc != 0);
+  CHECK(text.find("only --mode hybrid starts node processes") != std::string::npos);
+  for (auto& p : {two, three, ref}) std::remove(p.c_str());
+}

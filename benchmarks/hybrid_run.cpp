@@ -1,0 +1,126 @@
+// dp_bench --mode hybrid: one process per node runs the threaded DP engine over its devices;
+// the nodes' device 0s sum each reduced bucket over the process group while backward goes on
+// (dp/cross_node.hpp). Launched as DDP is (benchmarks/ddp_run.cpp): by our launcher, one per
+// node with --nnodes, or by torchrun with one process per node.
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <memory>
+
+#include "benchmarks/ddp_run.hpp"
+#include "benchmarks/shared_file.hpp"
+#include "dp/cli/cli.hpp"
+#include "dp/distributed/cross_node_group.hpp"
+#include "dp/distributed/launcher.hpp"
+#include "nn/nn.hpp"
+
+namespace bench {
+
+int hybrid_procs(const Options& o) {
+  if (o.hybrid_procs > 0) return o.hybrid_procs;
+  return o.launch.nnodes == 1 ? 2 : 1;
+}
+
+std::optional<RunResult> run_hybrid(const Options& o, const Setup& s, int n, int argc, char** argv,
+                                    dp::Trace* trace) {
+  (void)s;
+  (void)n;  // each node process reads --gpus itself
+  return run_workers(o, hybrid_procs(o), "the hybrid run", argc, argv, trace);
+}
+
+int hybrid_worker_main(const Options& o) {
+  const char* result_env = std::getenv("DP_BENCH_DDP_RESULT_FD");
+  const bool external = !result_env;  // torchrun & co.: node 0 prints the report itself
+  auto env = dp::dist::worker_env_from_environment();
+  DP_CHECK(env, "dp_bench --mode hybrid: not started as a worker");
+  Setup s = resolve(o);
+  const int local = s.gpus;
+  auto devices = kernels::make_devices(s.type, local);
+  dp::dist::InitOptions io;
+  io.backend = dp::dist::parse_backend(o.backend);
+  io.device = devices[0];
+  io.rank = env->rank;
+  io.world_size = env->world_size;
+  if (o.timeout_s > 0) io.timeout = std::chrono::milliseconds(std::llround(o.timeout_s * 1000));
+  std::unique_ptr<dp::dist::ProcessGroup> group = dp::dist::init_process_group(io);
+  const int nodes = group->size(), n = local * nodes;
+
+  const int64_t batch = global_batch(o, n);
+  const auto data = dataset_of(o, batch);
+  auto model = model_of(o);
+  model->materialize(devices[0], o.seed);
+  if (s.activations != kernels::DType::f32) model->set_activations(nn::Activations::compute);
+  auto optimizer = make_optimizer(o, *model);
+  dp::DataParallelOptions dopt = dp_options(o, s);
+  dopt.cross_node = std::make_shared<dp::dist::GroupCrossNode>(*group);
+  dp::DataParallel engine(model, *optimizer, devices, dopt);
+
+  RunResult r;
+  r.mode = "hybrid";
+  r.optim = o.optim;
+  r.comm_dtype = o.comm_dtype;
+  r.reduce = o.dp_reduce;
+  r.gpus = n;
+  r.batch = batch;
+  r.param_bytes = engine.parameter_bytes();
+  r.optimizer_state_bytes = {optimizer->state_bytes()};  // each node's device 0 steps
+  std::map<std::string, std::vector<double>> phases;
+  ReplayCounts replay;
+  std::vector<double> overlapped;
+  auto bar = progress_line("hybrid " + std::to_string(nodes) + "x" + std::to_string(local),
+                           o.warmup + o.steps);
+  for (int step = 0; step < o.warmup + o.steps; ++step) {
+    auto b = step_batch(*data, step, batch);
+    dp::StepStats st = engine.train_step(b.images, b.labels);
+    if (group->rank() == 0) bar->update(step + 1);
+    if (step < o.warmup) continue;
+    r.step_ms.push_back(st.ms.total);
+    r.losses.push_back(st.loss);
+    r.loss_scale = engine.scaler().scale();
+    r.skipped_steps = st.skipped_steps;
+    r.bytes_per_step = st.cross_node_bytes;  // across nodes; inside the node: link_bytes
+    r.link_bytes = st.link_bytes;
+    r.buckets = st.buckets;
+    overlapped.push_back(st.buckets_overlapped);
+    replay.add(st.allocations, st.host_syncs);
+    phases["scatter"].push_back(st.ms.scatter);
+    phases["replicate"].push_back(st.ms.replicate);
+    phases["forward"].push_back(st.ms.forward);
+    phases["backward"].push_back(st.ms.backward);
+    phases["reduce"].push_back(st.ms.reduce);
+    phases["cross_node_exposed"].push_back(st.ms.cross_node);
+    phases["optimizer"].push_back(st.ms.step);
+  }
+  replay.report(r);
+  for (auto& [name, v] : phases) r.phases_ms[name] = percentile(v, 0.5);
+  r.buckets_overlapped = static_cast<int>(std::lround(percentile(overlapped, 0.5)));
+  r.final_loss = r.losses.empty() ? 0 : r.losses.back();
+  r.bytes_theory = ring_bytes_theory(nodes, r.bytes_per_step);  // per node, over the link
+  // The step ends with the slowest node's; node 0's devices' peaks stand for each node's.
+  const int64_t steps = static_cast<int64_t>(r.step_ms.size());
+  if (steps > 0) {
+    std::vector<float> mine(r.step_ms.begin(), r.step_ms.end());
+    kernels::Tensor here = kernels::Tensor::from_vector(mine, {steps}, devices[0]);
+    kernels::Tensor all = kernels::Tensor::empty({nodes * steps}, kernels::DType::f32, devices[0]);
+    group->all_gather(all, here)->wait();
+    r.step_ms = slowest_per_step(all.to_host_f32(), nodes, steps);
+  }
+  r.peak_mem_bytes = engine.peak_memory_bytes();
+
+  if (group->rank() == 0 && !external) {
+    SharedFile::write_fd(fd_from_env(result_env, "DP_BENCH_DDP_RESULT_FD"), run_to_json(r).dump());
+  } else if (group->rank() == 0) {
+    Header h = make_header(o, s, n);
+    ProjectionInput projection = projection_input(h, {r}, o.project_from);
+    print_table(std::cout, h, {r});
+    print_projection(std::cout, projection);
+    if (!o.json_path.empty())
+      dp::cli::write_output("--json", o.json_path, to_json(h, {r}, projection).dump(2) + "\n");
+  }
+  group->barrier()->wait();
+  return 0;
+}
+
+}  // namespace bench
