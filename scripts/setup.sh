@@ -11,6 +11,7 @@ packages=(
   dataset-fashion-mnist
   fortunes-min
   gnuplot-nox
+  iproute2 jq python3
   clang-14 libclang-rt-14-dev
 )
 missing=()

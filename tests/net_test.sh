@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # net: jobs across network namespaces made by scripts/cluster.sh (each node its own address,
 # a rate-limited link through a bridge). One case per run:
-#   net_test.sh cluster_up_down | ddp_gloo | ddp_mpi | restart
+#   net_test.sh cluster_up_down | ddp_gloo | hybrid | ddp_mpi | restart
 # Paths come from the environment (tests/net.cmake): CLUSTER (scripts/cluster.sh), DP_BENCH,
 # MPIRUN (empty without MPI). Exits 77 (ctest: skipped), saying why, when not root or without
 # ip netns. Every cluster has a prefix of its own (the case and this PID) and is removed on exit.
@@ -48,6 +48,7 @@ close_losses() {
 
 bench_args=(--device cpu --baseline 0 --warmup 0 --batch 24)
 short=(--steps 4)
+mode_args=(--mode ddp --gpus 1)  # what two_nodes runs on each node
 
 # DDP over Gloo, one rank per node: node 1 in the background, node 0 in the foreground.
 # `env...` are extra variables for both nodes.
@@ -56,10 +57,10 @@ two_nodes() {
   shift
   local master
   master=$("$CLUSTER" addr 0 --prefix "$prefix")
-  node 1 env "$@" timeout 60 "$DP_BENCH" "${bench_args[@]}" "${short[@]}" --mode ddp --gpus 1 --nnodes 2 --node-rank 1 \
+  node 1 env "$@" timeout 60 "$DP_BENCH" "${bench_args[@]}" "${short[@]}" "${mode_args[@]}" --nnodes 2 --node-rank 1 \
     --master-addr "$master" --master-port 29500 > "$work/node1.txt" 2>&1 &
   local pid1=$!
-  node 0 env "$@" timeout 60 "$DP_BENCH" "${bench_args[@]}" "${short[@]}" --mode ddp --gpus 1 --nnodes 2 --node-rank 0 \
+  node 0 env "$@" timeout 60 "$DP_BENCH" "${bench_args[@]}" "${short[@]}" "${mode_args[@]}" --nnodes 2 --node-rank 0 \
     --master-addr "$master" --master-port 29500 --json "$json" > "$work/node0.txt" 2>&1
   local rc0=$? rc1=0
   wait $pid1 || rc1=$?
@@ -113,6 +114,22 @@ c, _ = s.accept(); c.sendall(c.recv(5))" &
       close_losses "$work/nodes.txt" "$work/one_device.txt" || fail "$how: against 1 device"
       echo "net.ddp_gloo: $how: the losses of 2 ranks on 2 nodes equal those on one node"
     done
+    ;;
+  hybrid)
+    # DP over 2 devices inside each node, device 0s joined over the link: 4 devices in all,
+    # an uneven batch (23 rows: 12 and 11 per node), equal to one device on the global batch.
+    "$CLUSTER" up 2 --rate 1gbit --prefix "$prefix" > /dev/null || fail "up 2"
+    bench_args=(--device cpu --baseline 0 --warmup 0 --batch 23)
+    "$DP_BENCH" "${bench_args[@]}" "${short[@]}" --mode dp --gpus 1 --json "$work/one_device.json" > "$work/ref.txt" 2>&1 ||
+      fail "1 device: $(tail -5 "$work/ref.txt")"
+    losses "$work/one_device.json" > "$work/one_device.txt"
+    mode_args=(--mode hybrid --gpus 2)
+    two_nodes "$work/nodes.json" DP_SOCKET_IFNAME=eth0
+    losses "$work/nodes.json" > "$work/nodes.txt"
+    [ "$(wc -l < "$work/nodes.txt")" -eq 4 ] || fail "hybrid: $(cat "$work/nodes.txt")"
+    [ "$(jq '.runs[0].gpus' "$work/nodes.json")" -eq 4 ] || fail "hybrid: not 4 devices in all"
+    close_losses "$work/nodes.txt" "$work/one_device.txt" || fail "hybrid against 1 device"
+    echo "net.hybrid: 2 nodes x 2 devices follow one device: $(tr '\n' ' ' < "$work/nodes.txt")"
     ;;
   ddp_mpi)
     [ -n "${MPIRUN:-}" ] || skip "this build has no MPI (install libopenmpi-dev, openmpi-bin)"
