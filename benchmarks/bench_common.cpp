@@ -45,10 +45,7 @@ void add_flags(CLI::App& app, Options& o) {
                  "dp|ddp|both, hybrid (DP in each node, its device 0 joined across nodes), or ps "
                  "(parameter server beside dp)")
       ->check(CLI::IsMember({"dp", "ddp", "both", "hybrid", "ps"}));
-  app.add_option("--hybrid-procs", o.hybrid_procs,
-                 "--mode hybrid: node processes started here, each a DP engine over --gpus "
-                 "devices (0: 2 with --nnodes 1, to try it on one machine; 1 per real node)")
-      ->check(whole_number(0, 64));
+  dp::cli::add_hybrid_procs_flag(app, o.hybrid_procs);
   app.add_option("--max-staleness", o.max_staleness,
                  "--mode ps: a worker waits while this many newer updates are outstanding "
                  "(-1: unbounded; 0: synchronous per update)")

@@ -19,8 +19,7 @@
 namespace bench {
 
 int hybrid_procs(const Options& o) {
-  if (o.hybrid_procs > 0) return o.hybrid_procs;
-  return o.launch.nnodes == 1 ? 2 : 1;
+  return dp::cli::hybrid_procs(o.hybrid_procs, o.launch.nnodes);
 }
 
 std::optional<RunResult> run_hybrid(const Options& o, const Setup& s, int n, int argc, char** argv,

@@ -23,6 +23,7 @@
 #include "dp/data/loader.hpp"
 #include "dp/data/mnist.hpp"
 #include "dp/data_parallel.hpp"
+#include "dp/distributed/cross_node_group.hpp"
 #include "dp/distributed/ddp_trainer.hpp"
 #include "dp/parameter_server.hpp"
 #include "nn/nn.hpp"
@@ -46,6 +47,7 @@ struct Flags {
   std::string optim;  // unset: sgd for the MLP, adamw for the convolutional models
   std::string last_batch = "pad";
   int max_staleness = -1;  // ps: -1 unbounded
+  int hybrid_procs = 0;    // hybrid: node processes started here (0: automatic)
   bool staleness_lr = false;
   bool sync_bn = false;
   std::string dtype = "fp32";               // nn/amp.hpp: fp32|tf32|bf16|fp16
@@ -128,8 +130,11 @@ int main(int argc, char** argv) {
       ->check(CLI::ExistingDirectory);
   app.add_option("--json", f.json, "write {test_accuracy, train_loss[], seconds} here")
       ->check(dp::cli::output_file());
-  app.add_option("--mode", f.mode, "single|dp|ddp|ps (asynchronous parameter server)")
-      ->check(CLI::IsMember({"single", "dp", "ddp", "ps"}));
+  app.add_option("--mode", f.mode,
+                 "single|dp|ddp|hybrid (DP in each node, nodes joined like DDP)|ps (asynchronous "
+                 "parameter server)")
+      ->check(CLI::IsMember({"single", "dp", "ddp", "hybrid", "ps"}));
+  dp::cli::add_hybrid_procs_flag(app, f.hybrid_procs);
   app.add_option("--max-staleness", f.max_staleness,
                  "ps: a worker waits while this many newer updates are outstanding (-1: unbounded)")
       ->check(whole_number(-1, 1 << 20));
@@ -191,16 +196,27 @@ int main(int argc, char** argv) {
     const kernels::DType activations = dp::cli::activations_dtype(f.activations, f.dtype);
     DP_CHECK(f.mode != "ps" || nn::compute_dtype(precision) == kernels::DType::f32,
              "--mode ps with --dtype " << f.dtype << ": the parameter server trains in f32 only");
-    DP_CHECK(f.backend == "auto" || f.mode == "ddp",
+    const bool hybrid = f.mode == "hybrid";
+    DP_CHECK(f.backend == "auto" || f.mode == "ddp" || hybrid,
              "--backend " << f.backend << " with --mode " << f.mode
-                          << ": only --mode ddp has a communication backend; drop --backend");
-    DP_CHECK(comm_dtype == kernels::DType::f32 || f.mode == "dp" || f.mode == "ddp",
-             "--comm-dtype " << f.comm_dtype << ": only --mode dp and ddp communicate gradients");
+                          << ": only --mode ddp and hybrid have a communication backend; drop "
+                             "--backend");
+    DP_CHECK(comm_dtype == kernels::DType::f32 || f.mode == "dp" || f.mode == "ddp" || hybrid,
+             "--comm-dtype " << f.comm_dtype
+                             << ": only --mode dp, ddp and hybrid communicate gradients");
+    DP_CHECK(f.hybrid_procs == 0 || hybrid, "--hybrid-procs "
+                                                << f.hybrid_procs << " with --mode " << f.mode
+                                                << ": only --mode hybrid starts node processes");
+    DP_CHECK(!hybrid || (f.checkpoint_dir.empty() && f.resume.empty() && !f.sync_bn),
+             "--mode hybrid trains without --checkpoint-dir, --resume and --sync-bn (not "
+             "supported across nodes yet)");
+    const int node_procs = hybrid ? dp::cli::hybrid_procs(f.hybrid_procs, f.launch.nnodes) : 1;
     // Rows every global batch is split into (a parameter server's workers each take whole
     // batches).
-    const int split = f.mode == "single" || f.mode == "ps" ? 1 : f.gpus * f.launch.nnodes;
-    DP_CHECK(f.mode == "ddp" || f.launch.nnodes == 1,
-             "--nnodes " << f.launch.nnodes << ": only --mode ddp spans nodes");
+    const int split =
+        f.mode == "single" || f.mode == "ps" ? 1 : f.gpus * f.launch.nnodes * node_procs;
+    DP_CHECK(f.mode == "ddp" || hybrid || f.launch.nnodes == 1,
+             "--nnodes " << f.launch.nnodes << ": only --mode ddp and hybrid span nodes");
     DP_CHECK(f.mode == "ddp" || f.launch.max_restarts == 0,
              "--max-restarts " << f.launch.max_restarts
                                << ": only --mode ddp has worker processes to "
@@ -223,11 +239,11 @@ int main(int argc, char** argv) {
     const bool ddp_worker = f.mode == "ddp" && dp::dist::worker_env_from_environment().has_value();
     if (!f.checkpoint_dir.empty() && !ddp_worker && f.launch.node_rank == 0)
       checkpoint_lock.emplace(f.checkpoint_dir, "train_mnist");
-    if (f.mode == "ddp") {
+    if (f.mode == "ddp" || hybrid) {
       dp::dist::DdpTrainerOptions t;
       t.backend = f.backend;
       t.launch = f.launch;
-      t.launch.nproc_per_node = f.gpus;
+      t.launch.nproc_per_node = hybrid ? node_procs : f.gpus;
       // The ranks re-run this program; each trains its shard of every global batch.
       std::optional<int> rc = dp::dist::launch_if_parent(t, argc, argv);
       if (rc) return *rc;
@@ -289,14 +305,27 @@ int main(int argc, char** argv) {
     nn::GradScaler* scaler = &single_scaler;
     std::unique_ptr<dp::DataParallel> dp_engine;
     std::unique_ptr<dp::ParameterServer> ps;
+    std::unique_ptr<dp::dist::ProcessGroup> nodes;  // hybrid: one rank per node process
+    if (hybrid) {
+      auto env = dp::dist::worker_env_from_environment();
+      DP_CHECK(env, "train_mnist --mode hybrid: not started as a node process");
+      dp::dist::InitOptions io;
+      io.backend = dp::dist::parse_backend(f.backend);
+      io.device = home;
+      io.rank = env->rank;
+      io.world_size = env->world_size;
+      if (f.timeout_s > 0) io.timeout = std::chrono::milliseconds(std::llround(f.timeout_s * 1000));
+      nodes = dp::dist::init_process_group(io);
+    }
     if (f.mode == "ps") {
       dp::PsOptions po;
       po.max_staleness = f.max_staleness;
       if (f.staleness_lr) po.lr = dp::PsOptions::StalenessLr::scaled;
       ps = std::make_unique<dp::ParameterServer>(model, opt, devices, po);
     }
-    if (f.mode == "dp") {
+    if (f.mode == "dp" || hybrid) {
       dp::DataParallelOptions dopt;
+      if (nodes) dopt.cross_node = std::make_shared<dp::dist::GroupCrossNode>(*nodes);
       if (f.sync_bn) dopt.batch_norm = dp::BatchNormStats::synced;
       dopt.precision = precision;
       dopt.math = nn::math_mode(precision);
@@ -358,7 +387,7 @@ int main(int argc, char** argv) {
       };
     }
 
-    bool chatty = !ddp || ddp->rank() == 0;
+    bool chatty = (!ddp || ddp->rank() == 0) && (!nodes || nodes->rank() == 0);
     DP_CHECK(f.log.empty() || f.mode != "ps",
              "--log with --mode ps: the server's pushes are not steps; drop --log");
     std::optional<dp::cli::StepLog> step_log;
@@ -370,7 +399,9 @@ int main(int argc, char** argv) {
     lo.seed = f.seed;
     lo.drop_last = f.last_batch == "drop" ? dp::data::DropLast::yes : dp::data::DropLast::no;
     // A launcher other than ours (torchrun, mpirun) decides the world size: checked here too.
-    const int world = ddp ? ddp->world_size() : split;
+    const int world = ddp     ? ddp->world_size()
+                      : nodes ? nodes->size() * static_cast<int>(devices.size())
+                              : split;
     DP_CHECK(f.batch >= world, "--batch " << f.batch << " leaves some of the " << world
                                           << " ranks without rows: give --batch >= " << world);
     lo.pad_last_batch_to = world;
@@ -551,7 +582,9 @@ int main(int argc, char** argv) {
           "train_mnist: model %s, mode %s on %d x %s, %d epoch(s): test accuracy %.4f, "
           "last epoch loss %s, %.1f s\n",
           f.model.c_str(), f.mode.c_str(),
-          ddp ? ddp->world_size() : static_cast<int>(devices.size()),
+          ddp     ? ddp->world_size()
+          : nodes ? nodes->size() * static_cast<int>(devices.size())
+                  : static_cast<int>(devices.size()),
           type == kernels::DeviceType::cuda ? "cuda" : "cpu", f.epochs, accuracy, last_loss,
           seconds);
       if (!f.json.empty()) {

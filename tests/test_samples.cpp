@@ -67,6 +67,18 @@ TEST_CASE("samples.train_mnist: single device and DP and DDP follow one loss cur
   CHECK(single["train_loss"][1].get<double>() < single["train_loss"][0].get<double>());
 }
 
+TEST_CASE("samples.train_mnist: --mode hybrid (2 node processes x 2 devices) is the single run") {
+  if (skip_without_fashion_mnist()) return;
+  // 31 rows: nodes of 16 and 15, devices of 8 + 8 and 8 + 7.
+  const std::string common = "--device cpu --model mlp --epochs 1 --limit-batches 30 --batch 31";
+  auto single = train(common);
+  auto hybrid = train(common + " --mode hybrid --gpus 2");
+  const std::vector<double> want = single["step_losses"], got = hybrid["step_losses"];
+  REQUIRE(got.size() == want.size());
+  for (size_t s = 0; s < want.size(); ++s) CHECK(got[s] == doctest::Approx(want[s]).epsilon(1e-5));
+  CHECK(hybrid["test_accuracy"] == single["test_accuracy"]);
+}
+
 TEST_CASE("samples.train_mnist: a missing data directory is a clear error") {
   std::string cmd = std::string(DP_TRAIN_MNIST_PATH) + " --data /nonexistent/dir > " +
                     temp_path("err.txt") + " 2>&1";
@@ -142,6 +154,9 @@ TEST_CASE("samples.train_mnist: bad flags are refused in plain words, before any
   };
   for (const Case& c : std::vector<Case>{
            {"--epochs abc", "--epochs: 'abc' is not a whole number: give one in [1, 100000]"},
+           {"--mode dp --hybrid-procs 2", "only --mode hybrid starts node processes"},
+           {"--mode hybrid --resume latest --checkpoint-dir " + dir,
+            "--mode hybrid trains without --checkpoint-dir"},
            {"--epochs 0", "--epochs: 0 is out of range: give a whole number in [1, 100000]"},
            {"--batch 0", "--batch: 0 is out of range"},
            {"--lr -0.1", "--lr: -0.1 is not allowed: give a number > 0 and <= 100"},
@@ -157,7 +172,8 @@ TEST_CASE("samples.train_mnist: bad flags are refused in plain words, before any
             "--max-restarts: -1 is out of range: give a whole number in [0, 1000]"},
            {"--mode dp --max-restarts 1", "--max-restarts 1: only --mode ddp"},
            {"--mode dp --backend mpi",
-            "--backend mpi with --mode dp: only --mode ddp has a communication backend"},
+            "--backend mpi with --mode dp: only --mode ddp and hybrid have a communication "
+            "backend"},
            {"--backend gloo", "--backend gloo with --mode single"},
            {"--max-skip-fraction 2",
             "--max-skip-fraction: '2' is not a fraction: give a number "

@@ -166,6 +166,17 @@ kernels::DType comm_dtype(const std::string& value) {
   return value == "bf16" ? kernels::DType::bf16 : kernels::DType::f32;
 }
 
+void add_hybrid_procs_flag(CLI::App& app, int& procs) {
+  app.add_option("--hybrid-procs", procs,
+                 "--mode hybrid: node processes started here, each a DP engine over --gpus "
+                 "devices (0: 2 with --nnodes 1, to try it on one machine; 1 per real node)")
+      ->check(whole_number(0, 64));
+}
+
+int hybrid_procs(int flag, int nnodes) {
+  return flag > 0 ? flag : nnodes == 1 ? 2 : 1;
+}
+
 void add_activations_flag(CLI::App& app, std::string& activations) {
   app.add_option("--activations", activations,
                  "f32 | bf16: with --dtype bf16, Linear, Conv, the activations, pooling, dropout "

@@ -58,6 +58,11 @@ kernels::DType comm_dtype(const std::string& value);
 // --activations f32|bf16 into `activations`, refused at parse time otherwise: bf16 keeps the
 // activations between layers in bf16 (nn::Activations::compute), as PyTorch's autocast.
 void add_activations_flag(CLI::App& app, std::string& activations);
+// --hybrid-procs K: node processes --mode hybrid starts on this machine (0: automatic).
+void add_hybrid_procs_flag(CLI::App& app, int& procs);
+// The node processes to start here: the flag's K, else 2 with one node (hybrid tried on one
+// machine) and 1 per real node.
+int hybrid_procs(int flag, int nnodes);
 // The dtype activations travel in for an --activations value with a --dtype value: f32, or
 // bf16 (which needs --dtype bf16: the activations take the compute dtype). Throws naming both.
 kernels::DType activations_dtype(const std::string& activations, const std::string& dtype);
