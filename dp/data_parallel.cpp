@@ -444,11 +444,14 @@ std::vector<int64_t> DataParallel::split_batch(const char* what, Tensor& images,
   DP_CHECK(images.dim(0) >= 1, what << ": empty batch");
   stats.samples = images.dim(0);
   if (const CrossNode* cross = options_.cross_node.get()) {  // hybrid: this node's chunk
+    // Checked alike on every node (each knows the batch and the node count), so no node goes on
+    // into a collective that another one left.
+    DP_CHECK(stats.samples >= cross->nodes(),
+             what << ": a global batch of " << stats.samples << " rows leaves node "
+                  << stats.samples << " of " << cross->nodes()
+                  << " without rows: give at least one row per node");
     const std::vector<int64_t> nodes = chunk_sizes(stats.samples, cross->nodes());
     const int64_t rows = nodes[cross->node()], begin = chunk_begin(nodes, cross->node());
-    DP_CHECK(rows >= 1, what << ": a global batch of " << stats.samples << " rows leaves node "
-                             << cross->node() << " of " << cross->nodes()
-                             << " without rows: give at least one row per node");
     global_denominator_ = options_.loss->denominator(labels);
     images = images.slice(begin, begin + rows);
     labels = labels.slice(begin, begin + rows);
