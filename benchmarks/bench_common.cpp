@@ -46,6 +46,11 @@ void add_flags(CLI::App& app, Options& o) {
                  "(parameter server beside dp)")
       ->check(CLI::IsMember({"dp", "ddp", "both", "hybrid", "ps"}));
   dp::cli::add_hybrid_procs_flag(app, o.hybrid_procs);
+  app.add_option("--link-gbps", o.link_gbps,
+                 "ddp/hybrid over several nodes: the link's measured rate in Gbit/s "
+                 "(bench_collectives across the nodes); the report adds the bytes out of each "
+                 "node per step and their time at that rate")
+      ->check(dp::cli::positive_number(1e6));
   app.add_option("--max-staleness", o.max_staleness,
                  "--mode ps: a worker waits while this many newer updates are outstanding "
                  "(-1: unbounded; 0: synchronous per update)")
@@ -614,9 +619,15 @@ int run(const Options& o, int argc, char** argv) {
   print_memory_model(std::cout, runs);
   print_sync_bn(std::cout, runs);
   print_projection(std::cout, projection);
+  // The nodes a run spans: DDP's launchers, or hybrid's node processes on every launcher.
+  const int nodes = o.mode == "hybrid" ? hybrid_procs(o) * o.launch.nnodes : o.launch.nnodes;
+  const std::vector<LinkTime> link = link_times(runs, nodes, o.link_gbps);
+  print_link_times(std::cout, link, nodes, o.link_gbps);
 
   if (!o.json_path.empty()) {
-    dp::cli::write_output("--json", o.json_path, to_json(h, runs, projection).dump(2) + "\n");
+    nlohmann::json j = to_json(h, runs, projection);
+    if (!link.empty()) j["link"] = link_times_json(link, nodes, o.link_gbps);
+    dp::cli::write_output("--json", o.json_path, j.dump(2) + "\n");
     std::printf("json: %s\n", o.json_path.c_str());
   }
   if (tracing) {

@@ -53,6 +53,7 @@ struct Options {
   uint64_t seed = 1;
   std::string json_path, trace_path, sweep, csv_path, chart_path, profile_steps;
   int baseline = 1;      // also run N=1 of each mode for speedup (0 to skip)
+  double link_gbps = 0;  // > 0: the report adds what crosses between nodes and its time
   int hybrid_procs = 0;  // --mode hybrid: node processes started here (0: see hybrid_procs())
   int repeat = 1;        // interleaved repeats of every run, for confidence intervals
   std::optional<double> max_skip_fraction;  // mixed precision: more skipped steps is an error

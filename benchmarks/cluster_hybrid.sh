@@ -4,16 +4,21 @@
 # DP process per node over G devices, the same global batch and steps. Writes dp_bench's JSON
 # per (rate, mode, round) into OUT and prints one line each. Run as root from the repository
 # root after a build:
-#   benchmarks/cluster_hybrid.sh OUT [--rates "1gbit 10gbit"] [--gpus 4] [--rounds 2] -- DP_BENCH_ARGS...
+#   benchmarks/cluster_hybrid.sh OUT [--rates "1gbit 10gbit"] [--gpus 4] [--rounds 2]
+#       [--measured "1gbit=0.952"] -- DP_BENCH_ARGS...
+# --measured gives, per rate, the link's Gbit/s measured by bench_collectives across the nodes
+# (benchmarks/results/2026-11-24_netns-link/): dp_bench's report then adds the bytes out of each
+# node and their time at that rate (--link-gbps).
 set -euo pipefail
 out=${1:?give an output folder}
 shift
-rates="1gbit 10gbit" gpus=4 rounds=2
+rates="1gbit 10gbit" gpus=4 rounds=2 measured=""
 while [ $# -gt 0 ]; do
   case $1 in
     --rates) rates=$2; shift 2 ;;
     --gpus) gpus=$2; shift 2 ;;
     --rounds) rounds=$2; shift 2 ;;
+    --measured) measured=$2; shift 2 ;;
     --) shift; break ;;
     *) echo "cluster_hybrid: unknown flag $1" >&2; exit 2 ;;
   esac
@@ -26,11 +31,12 @@ mkdir -p "$out"
 prefix="hb$$"
 trap '"$cluster" down --prefix "$prefix"' EXIT
 
-run_pair() {  # run_pair MODE JSON: node 1 in the background, node 0 in the foreground
-  local mode=$1 json=$2 master
+run_pair() {  # run_pair MODE JSON RATE: node 1 in the background, node 0 in the foreground
+  local mode=$1 json=$2 rate=$3 master link=()
   master=$("$cluster" addr 0 --prefix "$prefix")
+  for m in $measured; do [ "${m%%=*}" = "$rate" ] && link=(--link-gbps "${m#*=}"); done
   local common=(--device cpu --mode "$mode" --gpus "$gpus" --baseline 0 --nnodes 2
-    --master-addr "$master" --master-port 29600 "${bench_args[@]}")
+    --master-addr "$master" --master-port 29600 "${link[@]}" "${bench_args[@]}")
   "$cluster" exec 1 --prefix "$prefix" env DP_SOCKET_IFNAME=eth0 timeout 600 "$dp_bench" \
     "${common[@]}" --node-rank 1 > "$json.node1.txt" 2>&1 &
   local pid=$!
@@ -45,7 +51,7 @@ for round in $(seq 1 "$rounds"); do
     "$cluster" up 2 --rate "$rate" --prefix "$prefix" > /dev/null
     for mode in ddp hybrid; do  # alternated within a round, so drift hits both
       json="$out/${rate}_${mode}_r${round}.json"
-      run_pair "$mode" "$json"
+      run_pair "$mode" "$json" "$rate"
       jq -r --arg f "$json" '.runs[0] | "\($f): \(.mode) N=\(.gpus) median \(.step_ms_median) ms, final loss \(.final_loss), bytes/step \(.bytes_per_step)"' "$json"
     done
     "$cluster" down --prefix "$prefix" > /dev/null

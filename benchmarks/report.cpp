@@ -661,4 +661,48 @@ void write_sweep_csv(std::ostream& os, const std::vector<RunResult>& runs) {
   }
 }
 
+std::vector<LinkTime> link_times(const std::vector<RunResult>& runs, int nodes, double gbps) {
+  std::vector<LinkTime> out;
+  if (nodes < 2 || gbps <= 0) return out;
+  for (const RunResult& r : runs) {
+    if (r.mode != "ddp" && r.mode != "hybrid") continue;
+    const int ring = r.mode == "ddp" ? r.gpus : nodes;  // the ring that crosses the link
+    LinkTime t;
+    t.mode = r.mode;
+    t.gpus = r.gpus;
+    t.bytes = static_cast<int64_t>(2.0 * (ring - 1) / ring * static_cast<double>(r.bytes_per_step));
+    t.ms = static_cast<double>(t.bytes) / (gbps * 1e9 / 8) * 1e3;
+    t.step_ms = r.step_ms_median();
+    out.push_back(t);
+  }
+  return out;
+}
+
+void print_link_times(std::ostream& os, const std::vector<LinkTime>& times, int nodes,
+                      double gbps) {
+  if (times.empty()) return;
+  os << "\n over the link between " << nodes << " nodes at " << std::setprecision(3) << gbps
+     << " Gbit/s (--link-gbps): bytes out of each node per step, and their time\n";
+  for (const LinkTime& t : times)
+    os << " " << std::left << std::setw(6) << t.mode << std::right << std::setw(2) << t.gpus
+       << "   " << std::fixed << std::setprecision(2) << static_cast<double>(t.bytes) / 1e6
+       << " MB -> " << std::setprecision(2) << t.ms << " ms of the measured " << t.step_ms
+       << " ms step"
+       << (t.mode == "ddp" ? " (ring of all ranks: 2(N-1)/N x payload)"
+                           : " (ring of the nodes: 2(M-1)/M x payload)")
+       << "\n"
+       << std::defaultfloat;
+}
+
+nlohmann::json link_times_json(const std::vector<LinkTime>& times, int nodes, double gbps) {
+  nlohmann::json runs = nlohmann::json::array();
+  for (const LinkTime& t : times)
+    runs.push_back({{"mode", t.mode},
+                    {"gpus", t.gpus},
+                    {"bytes_per_node", t.bytes},
+                    {"link_ms", t.ms},
+                    {"step_ms_median", t.step_ms}});
+  return {{"nodes", nodes}, {"gbps", gbps}, {"runs", runs}};
+}
+
 }  // namespace bench

@@ -177,6 +177,22 @@ void print_memory_model(std::ostream& os, const std::vector<RunResult>& runs);
 // --sync-bn: what the BatchNorm layers exchange per step.
 void print_sync_bn(std::ostream& os, const std::vector<RunResult>& runs);
 void print_projection(std::ostream& os, const ProjectionInput& in);
+
+// What crosses between nodes per step, per node and direction, and its time on a link of
+// `gbps` Gbit/s of payload (measured: bench_collectives across the nodes). DDP of N ranks in
+// `nodes` nodes of N / nodes ranks each: one ring, whose edge out of each node carries
+// 2 (N-1)/N x the payload; hybrid of `nodes` node processes: 2 (nodes-1)/nodes x the payload
+// (the gradient once summed in the node). DP runs cross nothing and are left out.
+struct LinkTime {
+  std::string mode;
+  int gpus = 0;
+  int64_t bytes = 0;   // per node per step, out of the node
+  double ms = 0;       // bytes at the link's rate
+  double step_ms = 0;  // the run's measured median step, beside it
+};
+std::vector<LinkTime> link_times(const std::vector<RunResult>& runs, int nodes, double gbps);
+void print_link_times(std::ostream& os, const std::vector<LinkTime>& times, int nodes, double gbps);
+nlohmann::json link_times_json(const std::vector<LinkTime>& times, int nodes, double gbps);
 nlohmann::json to_json(const Header& h, const std::vector<RunResult>& runs,
                        const ProjectionInput& projection);
 nlohmann::json run_to_json(const RunResult& r);

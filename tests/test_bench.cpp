@@ -1178,3 +1178,23 @@ TEST_CASE("bench.hybrid: 2 node processes x 2 devices and 3 x 1 follow DP on one
   CHECK(text.find("only --mode hybrid starts node processes") != std::string::npos);
   for (auto& p : {two, three, ref}) std::remove(p.c_str());
 }
+
+TEST_CASE("bench.link: bytes out of each node and their time, flat DDP against hybrid") {
+  bench::RunResult ddp, hybrid, dp;
+  ddp.mode = "ddp", ddp.gpus = 8, ddp.bytes_per_step = 1000000;
+  hybrid.mode = "hybrid", hybrid.gpus = 8, hybrid.bytes_per_step = 1000000;
+  dp.mode = "dp", dp.gpus = 4, dp.bytes_per_step = 1000000;
+  auto t = bench::link_times({ddp, hybrid, dp}, 2, 1.0);
+  REQUIRE(t.size() == 2);                   // DP crosses no link
+  CHECK(t[0].bytes == 1750000);             // a ring of 8: 2 (8-1)/8 of the payload
+  CHECK(t[0].ms == doctest::Approx(14.0));  // 1.75 MB at 125 MB/s
+  CHECK(t[1].bytes == 1000000);             // a ring of 2 nodes: 2 (2-1)/2
+  CHECK(t[1].ms == doctest::Approx(8.0));
+  CHECK(bench::link_times({ddp}, 1, 1.0).empty());  // one node: nothing crosses
+  std::ostringstream os;
+  bench::print_link_times(os, t, 2, 1.0);
+  CHECK(os.str().find("1.75 MB -> 14.00 ms") != std::string::npos);
+  auto [rc, text] = bench_output("--device cpu --mode dp --link-gbps 0");
+  CHECK(rc != 0);
+  CHECK(text.find("--link-gbps") != std::string::npos);
+}
