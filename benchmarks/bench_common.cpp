@@ -330,6 +330,33 @@ dp::DataParallelOptions dp_options(const Options& o, const Setup& s) {
   return dopt;
 }
 
+void DpSteps::add(RunResult& r, const dp::StepStats& st, float loss_scale) {
+  r.step_ms.push_back(st.ms.total);
+  r.losses.push_back(st.loss);
+  r.loss_scale = loss_scale;
+  r.skipped_steps = st.skipped_steps;
+  r.bytes_per_step = st.cross_node_bytes > 0 ? st.cross_node_bytes : st.bytes_moved;
+  r.link_bytes = st.link_bytes;
+  r.buckets = st.buckets;
+  overlapped.push_back(st.buckets_overlapped);
+  replay.add(st.allocations, st.host_syncs);
+  phases["scatter"].push_back(st.ms.scatter);
+  phases["replicate"].push_back(st.ms.replicate);
+  phases["forward"].push_back(st.ms.forward);
+  phases["backward"].push_back(st.ms.backward);
+  phases["reduce"].push_back(st.ms.reduce);
+  phases["reduce_in_backward"].push_back(st.ms.reduce_in_backward);
+  if (st.cross_node_bytes > 0) phases["cross_node_exposed"].push_back(st.ms.cross_node);
+  phases["optimizer"].push_back(st.ms.step);
+}
+
+void DpSteps::finish(RunResult& r) const {
+  replay.report(r);
+  for (auto& [name, v] : phases) r.phases_ms[name] = percentile(v, 0.5);
+  r.buckets_overlapped = static_cast<int>(std::lround(percentile(overlapped, 0.5)));
+  r.final_loss = r.losses.empty() ? 0 : r.losses.back();
+}
+
 RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
                  const nn::CheckpointDirLock* lock) {
   int64_t batch = global_batch(o, n);
@@ -356,9 +383,7 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
   r.bytes_theory =
       dp_bytes_theory(n, r.param_bytes,
                       r.param_bytes / 4 * static_cast<int64_t>(kernels::dtype_size(s.comm_dtype)));
-  std::map<std::string, std::vector<double>> phases;
-  ReplayCounts replay;
-  std::vector<double> overlapped;
+  DpSteps steps;
   auto [pa, pb] = profile_range(o);
   std::string label = "dp N=" + std::to_string(n);
   nn::TrainingProgress state = bench_state(o, "dp", n);
@@ -394,29 +419,11 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
     if (o.save_every && (step + 1) % *o.save_every == 0) save(step + 1);
     bar->update(step + 1);
     if (timed < 0) continue;
-    r.step_ms.push_back(st.ms.total);
-    r.losses.push_back(st.loss);
-    r.loss_scale = engine.scaler().scale();
-    r.skipped_steps = st.skipped_steps;
-    r.bytes_per_step = st.bytes_moved;
-    r.link_bytes = st.link_bytes;
-    r.buckets = st.buckets;
-    overlapped.push_back(st.buckets_overlapped);
-    replay.add(st.allocations, st.host_syncs);
-    phases["scatter"].push_back(st.ms.scatter);
-    phases["replicate"].push_back(st.ms.replicate);
-    phases["forward"].push_back(st.ms.forward);
-    phases["backward"].push_back(st.ms.backward);
-    phases["reduce"].push_back(st.ms.reduce);
-    phases["reduce_in_backward"].push_back(st.ms.reduce_in_backward);
-    phases["optimizer"].push_back(st.ms.step);
+    steps.add(r, st, engine.scaler().scale());
   }
   if (!o.checkpoint_dir.empty()) save(o.warmup + o.steps);  // the end of the run
   engine.set_trace(nullptr);
-  replay.report(r);
-  for (auto& [name, v] : phases) r.phases_ms[name] = percentile(v, 0.5);
-  r.buckets_overlapped = static_cast<int>(std::lround(percentile(overlapped, 0.5)));
-  r.final_loss = r.losses.empty() ? 0 : r.losses.back();
+  steps.finish(r);
   r.peak_mem_bytes = engine.peak_memory_bytes();
   return r;
 }

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -138,6 +139,16 @@ struct ReplayCounts {
     host_syncs.push_back(static_cast<double>(step_host_syncs));
   }
   void report(RunResult& r) const;
+};
+// The figures of a DP engine's timed steps (plain DP, or one node of a hybrid run): added step by
+// step, and their medians written into the run's result at the end.
+struct DpSteps {
+  std::map<std::string, std::vector<double>> phases;
+  ReplayCounts replay;
+  std::vector<double> overlapped;
+  // Hybrid steps report the bytes across nodes (in-node links: RunResult::link_bytes).
+  void add(RunResult& r, const dp::StepStats& st, float loss_scale);
+  void finish(RunResult& r) const;
 };
 // A run's progress line (dp/cli/progress.hpp): redrawn with rate and ETA on a terminal, plain
 // lines every 10 s otherwise.

@@ -65,9 +65,7 @@ int hybrid_worker_main(const Options& o) {
   r.batch = batch;
   r.param_bytes = engine.parameter_bytes();
   r.optimizer_state_bytes = {optimizer->state_bytes()};  // each node's device 0 steps
-  std::map<std::string, std::vector<double>> phases;
-  ReplayCounts replay;
-  std::vector<double> overlapped;
+  DpSteps timed;
   auto bar = progress_line("hybrid " + std::to_string(nodes) + "x" + std::to_string(local),
                            o.warmup + o.steps);
   for (int step = 0; step < o.warmup + o.steps; ++step) {
@@ -75,27 +73,9 @@ int hybrid_worker_main(const Options& o) {
     dp::StepStats st = engine.train_step(b.images, b.labels);
     if (group->rank() == 0) bar->update(step + 1);
     if (step < o.warmup) continue;
-    r.step_ms.push_back(st.ms.total);
-    r.losses.push_back(st.loss);
-    r.loss_scale = engine.scaler().scale();
-    r.skipped_steps = st.skipped_steps;
-    r.bytes_per_step = st.cross_node_bytes;  // across nodes; inside the node: link_bytes
-    r.link_bytes = st.link_bytes;
-    r.buckets = st.buckets;
-    overlapped.push_back(st.buckets_overlapped);
-    replay.add(st.allocations, st.host_syncs);
-    phases["scatter"].push_back(st.ms.scatter);
-    phases["replicate"].push_back(st.ms.replicate);
-    phases["forward"].push_back(st.ms.forward);
-    phases["backward"].push_back(st.ms.backward);
-    phases["reduce"].push_back(st.ms.reduce);
-    phases["cross_node_exposed"].push_back(st.ms.cross_node);
-    phases["optimizer"].push_back(st.ms.step);
+    timed.add(r, st, engine.scaler().scale());
   }
-  replay.report(r);
-  for (auto& [name, v] : phases) r.phases_ms[name] = percentile(v, 0.5);
-  r.buckets_overlapped = static_cast<int>(std::lround(percentile(overlapped, 0.5)));
-  r.final_loss = r.losses.empty() ? 0 : r.losses.back();
+  timed.finish(r);
   r.bytes_theory = ring_bytes_theory(nodes, r.bytes_per_step);  // per node, over the link
   // The step ends with the slowest node's; node 0's devices' peaks stand for each node's.
   const int64_t steps = static_cast<int64_t>(r.step_ms.size());
