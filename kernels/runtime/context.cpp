@@ -90,7 +90,15 @@ void MemoryStats::on_alloc(int64_t bytes) {
 DeviceContext::DeviceContext(Device device, ContextOptions options)
     : device_(device), options_(options), memory_(std::make_shared<MemoryStats>()) {
   if (device.is_cpu()) {
-    int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+#ifdef DP_TSAN_ONE_THREAD
+    // ThreadSanitizer build: each CPU context runs its parallel loops on the calling thread
+    // alone. Debian's oneTBB is not instrumented, so TSAN cannot see its task hand-offs and
+    // reports every reused task object as a race; what this build checks is the engine's own
+    // threads (workers, process groups, launcher), which stay as many as without it.
+    const int hw = 1;
+#else
+    const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+#endif
     cpu_threads_ = options.cpu_threads > 0 ? std::min(options.cpu_threads, hw) : hw;
     arena_ = std::make_unique<tbb::task_arena>(cpu_threads_);
     if (options.caching == Caching::on)
