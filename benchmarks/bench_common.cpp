@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -29,6 +30,44 @@ using kernels::DeviceType;
 
 namespace {
 using dp::cli::kMaxDevices;
+
+// Dense tensor-core peaks of the GPUs we run on, from NVIDIA's data sheets (TFLOP/s, no
+// sparsity), by the run's dtype; nullopt for any other device.
+std::optional<double> data_sheet_tflops(const std::string& device, const std::string& dtype) {
+  struct Sheet {
+    const char* name;
+    double fp32, tf32, half;
+  };
+  // H100 SXM and H200 share the compute; H100 PCIe is slower.
+  static const Sheet sheets[] = {{"H100 PCIe", 51.2, 378, 756},
+                                 {"H100", 66.9, 494.7, 989.4},
+                                 {"H200", 66.9, 494.7, 989.4},
+                                 {"A100", 19.5, 156, 312}};
+  for (const Sheet& g : sheets)
+    if (device.find(g.name) != std::string::npos)
+      return dtype == "fp32" ? g.fp32 : dtype == "tf32" ? g.tf32 : g.half;
+  return std::nullopt;
+}
+
+// The best of 5 (1024 x 1024) x (1024 x 1024) GEMMs on `dev` in `dtype`, in TFLOP/s.
+double measured_gemm_tflops(const kernels::Device& dev, kernels::DType dtype) {
+  constexpr int64_t n = 1024;
+  kernels::Tensor a = kernels::Tensor::empty({n, n}, dtype, dev);
+  kernels::Tensor b = kernels::Tensor::empty({n, n}, dtype, dev);
+  kernels::Tensor c = kernels::Tensor::empty({n, n}, kernels::DType::f32, dev);
+  kernels::fill(a, 0.5f);
+  kernels::fill(b, 0.25f);
+  double best_s = 1e30;
+  for (int i = 0; i < 6; ++i) {
+    kernels::context(dev).synchronize();
+    const auto t0 = std::chrono::steady_clock::now();
+    kernels::gemm(c, a, kernels::Transpose::no, b, kernels::Transpose::no);
+    kernels::context(dev).synchronize();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (i > 0) best_s = std::min(best_s, s);  // the first warms up
+  }
+  return 2.0 * n * n * n / best_s / 1e12;
+}
 constexpr int kMaxSteps = 10'000'000;
 constexpr double kMaxBucketMb = 65536;
 }  // namespace
@@ -56,8 +95,19 @@ void add_flags(CLI::App& app, Options& o) {
                  "(-1: unbounded; 0: synchronous per update)")
       ->check(whole_number(-1, 1 << 20));
   app.add_flag("--staleness-lr", o.scale_lr, "--mode ps: each update's lr / (1 + staleness)");
-  app.add_option("--model", o.model, "mlp|cnn|resnet")
-      ->check(CLI::IsMember({"mlp", "cnn", "resnet"}));
+  app.add_option("--model", o.model, "mlp|cnn|resnet on 28x28 images, or gpt on tokens")
+      ->check(CLI::IsMember({"mlp", "cnn", "resnet", "gpt"}));
+  app.add_option("--gpt-config", o.gpt_config, "--model gpt: tiny|124m|350m (nn/gpt.hpp)")
+      ->check(CLI::IsMember({"tiny", "124m", "350m"}));
+  app.add_option("--seq", o.seq, "--model gpt: tokens per sequence (default: the context)")
+      ->check(whole_number(1, 1 << 20));
+  app.add_option("--dropout", o.dropout,
+                 "--model gpt: dropout p on embeddings, attention and residuals (GPT-2: 0.1)")
+      ->check(CLI::Range(0.0, 0.99));
+  app.add_option("--peak-tflops", o.peak_tflops,
+                 "--model gpt: the peak TFLOP/s per GPU (or of the CPU) that MFU divides by "
+                 "(default: the GPU's data sheet, else a GEMM measured at start)")
+      ->check(dp::cli::positive_number(1e6));
   auto* b =
       app.add_option("--batch", o.batch, "global batch")->check(whole_number(1, dp::cli::kMaxRows));
   app.add_option("--batch-per-device", o.batch_per_device, "per-device batch (global = N x this)")
@@ -151,9 +201,15 @@ void validate(const Options& o, const Setup& s, const std::vector<int>& counts) 
     dp::cli::check_output_file("--chart",
                                o.chart_path.empty() ? "dp_bench_sweep.svg" : o.chart_path);
   }
-  // A sample: its f32 values and an i32 label (the built-in data: 1x28x28 images).
-  const int64_t row_bytes =
-      (o.workload ? dataset_of(o, 1)->sample_numel() : int64_t{28 * 28}) * 4 + 4;
+  // A sample: its f32 values and an i32 label (the built-in data: 1x28x28 images), or the
+  // workload's one row of inputs and targets.
+  int64_t row_bytes = int64_t{28 * 28} * 4 + 4;
+  if (o.workload && o.workload->make_batch) {
+    const dp::data::Batch one = o.workload->make_batch(0, 1);
+    row_bytes = one.images.nbytes() + one.labels.nbytes();
+  } else if (o.workload) {
+    row_bytes = dataset_of(o, 1)->sample_numel() * 4 + 4;
+  }
   const int64_t steps = int64_t(o.steps) + o.warmup;
   const kernels::AvailableMemory host = kernels::host_memory_available();
   const char* type = s.type == DeviceType::cuda ? "cuda" : "cpu";
@@ -232,6 +288,8 @@ std::string model_name(const Options& o) {
 }
 
 std::unique_ptr<dp::data::Dataset> dataset_of(const Options& o, int64_t batch) {
+  DP_CHECK(!o.workload || o.workload->make_dataset,
+           "workload '" << o.workload->name << "' has batches, not a data set (StepBatches)");
   if (!o.workload) return std::make_unique<dp::data::SyntheticDataset>(bench_dataset(o, batch));
   const int64_t samples = (o.steps + o.warmup) * batch;
   auto data = o.workload->make_dataset(samples);
@@ -247,6 +305,23 @@ dp::data::Batch step_batch(const dp::data::Dataset& data, int64_t step, int64_t 
   std::vector<int64_t> indices(static_cast<size_t>(batch));
   for (int64_t i = 0; i < batch; ++i) indices[i] = (first + i) % data.size();
   return dp::data::make_batch(data, std::move(indices));
+}
+
+StepBatches::StepBatches(const Options& o, int64_t batch)
+    : workload_(o.workload), batch_(batch), steps_(int64_t(o.steps) + o.warmup) {
+  if (!workload_ || !workload_->make_batch) data_ = dataset_of(o, batch);
+}
+
+dp::data::Batch StepBatches::at(int64_t step) const {
+  return data_ ? step_batch(*data_, step, batch_) : workload_->make_batch(step, batch_);
+}
+
+int64_t StepBatches::size() const {
+  return data_ ? data_->size() : steps_ * batch_;
+}
+
+nn::LossPtr loss_of(const Options& o) {
+  return o.workload ? o.workload->loss : nullptr;
 }
 
 void print_resume_report(const nn::Resumed& resumed, const nn::TrainingProgress& now) {
@@ -295,6 +370,21 @@ Header make_header(const Options& o, const Setup& s, int logical) {
   h.model = model_name(o);
   h.params = model_of(o)->num_parameters();
   h.dtype = o.dtype;
+  if (o.workload && o.workload->flops_per_token > 0) {
+    h.tokens_per_sample = o.workload->tokens_per_sample;
+    h.flops_per_token = o.workload->flops_per_token;
+    if (o.peak_tflops) {
+      h.peak_tflops = *o.peak_tflops;
+      h.peak_source = "--peak-tflops";
+    } else if (auto sheet = data_sheet_tflops(h.device, o.dtype)) {
+      h.peak_tflops = *sheet;
+      h.peak_source = "data sheet (" + h.device + ", " + o.dtype + ", dense)";
+    } else {
+      const kernels::Device dev = kernels::make_devices(s.type, 1)[0];
+      h.peak_tflops = measured_gemm_tflops(dev, nn::compute_dtype(s.precision));
+      h.peak_source = "measured: best of 5 GEMMs of 1024^3 on " + dev.str() + " in " + o.dtype;
+    }
+  }
   return h;
 }
 
@@ -327,6 +417,7 @@ dp::DataParallelOptions dp_options(const Options& o, const Setup& s) {
   dopt.first_bucket_bytes = static_cast<int64_t>(o.first_bucket_mb * (1 << 20));
   dopt.bucket_cap_bytes = static_cast<int64_t>(o.bucket_cap_mb * (1 << 20));
   if (o.sync_bn) dopt.batch_norm = dp::BatchNormStats::synced;
+  dopt.loss = loss_of(o);
   return dopt;
 }
 
@@ -360,7 +451,7 @@ void DpSteps::finish(RunResult& r) const {
 RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
                  const nn::CheckpointDirLock* lock) {
   int64_t batch = global_batch(o, n);
-  const auto data = dataset_of(o, batch);
+  const StepBatches data(o, batch);
   auto model = model_of(o);
   auto devices = kernels::make_devices(s.type, n);
   model->materialize(devices[0], o.seed);
@@ -411,7 +502,7 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
   auto bar = progress_line(label, o.warmup + o.steps);
   for (int step = first; step < o.warmup + o.steps; ++step) {
     int timed = step - o.warmup;
-    auto b = step_batch(*data, step, batch);
+    auto b = data.at(step);
     if (timed == pa) kernels::profiler_start();
     if (timed == 0) engine.set_trace(trace);
     dp::StepStats st = engine.train_step(b.images, b.labels);

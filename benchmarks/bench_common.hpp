@@ -19,16 +19,17 @@
 #include "dp/trace.hpp"
 #include "kernels/ops.hpp"
 #include "nn/amp.hpp"
+#include "nn/loss.hpp"
 #include "nn/module.hpp"
 #include "nn/optim.hpp"
 #include "nn/train_state.hpp"
 
 namespace bench {
 
-// What to train: a model and its data. dp_bench's built-in ones are --model's (mlp, cnn,
-// resnet) on synthetic 28x28 images; a research user passes their own (samples/
-// compare_my_model.cpp). The loss is softmax cross-entropy over the data set's classes: the
-// engines' loss.
+// What to train: a model, its data and its loss. dp_bench's built-in ones are --model's (mlp,
+// cnn, resnet) on synthetic 28x28 images and --model gpt on synthetic tokens
+// (benchmarks/gpt_workload.hpp); a research user passes their own (samples/
+// compare_my_model.cpp). The default loss is softmax cross-entropy over the data set's classes.
 struct Workload {
   std::string name;  // in the report and the checkpoint config
   // A fresh, unmaterialised model; the runs materialise it from --seed, on every device alike.
@@ -36,6 +37,14 @@ struct Workload {
   // A data set of at least `samples` samples (fewer are used modulo their count): the global
   // batch of step s is samples [s B, (s+1) B).
   std::function<std::unique_ptr<dp::data::Dataset>(int64_t samples)> make_dataset;
+  // In place of make_dataset, for inputs that are not images and labels (token ids): the global
+  // batch of step `step` of `batch` rows as host tensors (inputs, targets), the same for every
+  // mode and device count. `images` and `labels` are then those two; `indices` is unused.
+  std::function<dp::data::Batch(int64_t step, int64_t batch)> make_batch;
+  nn::LossPtr loss;  // null: softmax cross-entropy
+  // Language models: tokens per sample and training FLOPs per token, for tokens/s and MFU.
+  int64_t tokens_per_sample = 0;
+  double flops_per_token = 0;
 };
 
 struct Options {
@@ -43,6 +52,10 @@ struct Options {
   std::string device = "auto";
   std::string mode = "both";
   std::string model = "mlp";
+  std::string gpt_config = "tiny";    // --model gpt: nn::GptConfig::preset
+  std::optional<int64_t> seq;         // --model gpt: tokens per sequence (default: the context)
+  float dropout = 0;                  // --model gpt: GPT-2's dropout p (embeddings, residuals)
+  std::optional<double> peak_tflops;  // MFU's peak per GPU (or the CPU); unset: found
   int64_t batch = 256;
   std::optional<int64_t> batch_per_device;  // set: the global batch is N x this
   int steps = 30;
@@ -113,6 +126,21 @@ nn::ModulePtr model_of(const Options& o);
 std::string model_name(const Options& o);
 std::unique_ptr<dp::data::Dataset> dataset_of(const Options& o, int64_t batch);
 dp::data::Batch step_batch(const dp::data::Dataset& data, int64_t step, int64_t batch);
+// The global batches of a run: the data set's samples, or the workload's make_batch.
+class StepBatches {
+ public:
+  StepBatches(const Options& o, int64_t batch);
+  dp::data::Batch at(int64_t step) const;
+  // The samples behind the batches (make_batch: every step's fresh, so steps x batch).
+  int64_t size() const;
+
+ private:
+  std::shared_ptr<const Workload> workload_;
+  std::unique_ptr<dp::data::Dataset> data_;
+  int64_t batch_, steps_;
+};
+// The run's loss: the workload's, or null (the engines' softmax cross-entropy).
+nn::LossPtr loss_of(const Options& o);
 kernels::SgdConfig optimizer_config();
 // What a checkpoint of this run records and must match on resume: the mode, the world size,
 // and the model, batch and seed.
@@ -154,6 +182,8 @@ struct DpSteps {
 // lines every 10 s otherwise.
 std::unique_ptr<dp::cli::ProgressLine> progress_line(const std::string& label, int total);
 std::string gpu_name();
+// The workload's tokens and FLOPs per token, and for those the peak MFU divides by:
+// --peak-tflops, else the GPU's data sheet in the run's dtype, else a GEMM measured here.
 Header make_header(const Options& o, const Setup& s, int logical);
 
 // `lock`: the --checkpoint-dir lock this process holds (null without --checkpoint-dir).

@@ -5,6 +5,9 @@
 
 #include <CLI/CLI.hpp>
 
+#include "benchmarks/gpt_workload.hpp"
+#include "nn/gpt.hpp"
+
 namespace bench {
 
 namespace {
@@ -22,6 +25,23 @@ int parse_and_run(std::shared_ptr<const Workload> workload, int argc, char** arg
     if (o.workload && app.count("--model"))
       throw CLI::ValidationError("--model", "'" + o.model + "' is not used: this program trains " +
                                                 o.workload->name + "; leave --model out");
+    for (const char* flag : {"--gpt-config", "--seq", "--dropout", "--peak-tflops"})
+      if (app.count(flag) && (o.workload || o.model != "gpt"))
+        throw CLI::ValidationError(flag, std::string("is for --model gpt; this run trains ") +
+                                             (o.workload ? o.workload->name : o.model));
+    if (!o.workload && o.model == "gpt") {
+      // A language model's defaults: 8 sequences per batch and AdamW, unless given.
+      if (!app.count("--batch") && !app.count("--batch-per-device")) o.batch = 8;
+      if (!app.count("--optim")) o.optim = "adamw";
+      const int64_t context = nn::GptConfig::preset(o.gpt_config).context;
+      const int64_t seq = o.seq ? *o.seq : context;
+      if (seq > context)
+        throw CLI::ValidationError("--seq", std::to_string(seq) + " is longer than --gpt-config " +
+                                                o.gpt_config + "'s context " +
+                                                std::to_string(context) + ": give at most that");
+      o.workload =
+          std::make_shared<const Workload>(gpt_workload(o.gpt_config, seq, o.dropout, o.seed));
+    }
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }

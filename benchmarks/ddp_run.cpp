@@ -105,7 +105,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
                                                                      << " but " << n
                                                                      << " ranks were asked for");
   int64_t batch = global_batch(o, n);
-  const auto data = dataset_of(o, batch);
+  const StepBatches data(o, batch);
   auto model = model_of(o);
   model->materialize(trainer.device(), o.seed);
   if (s.activations != kernels::DType::f32) model->set_activations(nn::Activations::compute);
@@ -114,10 +114,11 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   trainer.set_zero_stage(o.zero);
   trainer.set_sync_batch_norm(o.sync_bn);
   trainer.set_precision(s.precision);
+  if (nn::LossPtr loss = loss_of(o)) trainer.set_loss(std::move(loss));
   // What every rank must agree on, verified by wrap() before the weights are broadcast.
   trainer.set_run_config({{"program", "dp_bench"},
                           {"model", model_name(o)},
-                          {"dataset_size", std::to_string(data->size())},
+                          {"dataset_size", std::to_string(data.size())},
                           {"repeat", std::to_string(o.repeat)},
                           {"batch", std::to_string(batch)},
                           {"steps", std::to_string(o.steps)},
@@ -194,7 +195,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   auto bar = progress_line("ddp N=" + std::to_string(n), o.warmup + o.steps);
   for (int step = first; step < o.warmup + o.steps; ++step) {
     int timed = step - o.warmup;
-    auto b = step_batch(*data, step, batch);
+    auto b = data.at(step);
     if (timed == pa) kernels::profiler_start();
     if (timed == 0) trainer.ddp().set_trace(trace.get());
     float loss = trainer.train_step(b.images, b.labels);

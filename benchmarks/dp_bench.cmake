@@ -11,6 +11,7 @@ if(TARGET dp_distributed AND TARGET dp_data)
     ${CMAKE_CURRENT_SOURCE_DIR}/bench_common.cpp
     ${CMAKE_CURRENT_SOURCE_DIR}/ddp_run.cpp
     ${CMAKE_CURRENT_SOURCE_DIR}/hybrid_run.cpp
+    ${CMAKE_CURRENT_SOURCE_DIR}/gpt_workload.cpp
     ${CMAKE_CURRENT_SOURCE_DIR}/ps_run.cpp)
   target_link_libraries(dp_bench_lib PUBLIC dp_bench_report dp_engine dp_distributed dp_data
                                              dp_cli)

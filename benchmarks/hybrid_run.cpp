@@ -47,7 +47,7 @@ int hybrid_worker_main(const Options& o) {
   const int nodes = group->size(), n = local * nodes;
 
   const int64_t batch = global_batch(o, n);
-  const auto data = dataset_of(o, batch);
+  const StepBatches data(o, batch);
   auto model = model_of(o);
   model->materialize(devices[0], o.seed);
   if (s.activations != kernels::DType::f32) model->set_activations(nn::Activations::compute);
@@ -69,7 +69,7 @@ int hybrid_worker_main(const Options& o) {
   auto bar = progress_line("hybrid " + std::to_string(nodes) + "x" + std::to_string(local),
                            o.warmup + o.steps);
   for (int step = 0; step < o.warmup + o.steps; ++step) {
-    auto b = step_batch(*data, step, batch);
+    auto b = data.at(step);
     dp::StepStats st = engine.train_step(b.images, b.labels);
     if (group->rank() == 0) bar->update(step + 1);
     if (step < o.warmup) continue;

@@ -59,6 +59,16 @@ bool oversubscribed(const Header& h) {
   return h.device != "cpu" && h.logical > h.physical;
 }
 
+double tokens_per_s(const Header& h, const RunResult& r) {
+  return r.samples_per_s() * static_cast<double>(h.tokens_per_sample);
+}
+
+double mfu(const Header& h, const RunResult& r) {
+  const int hardware = h.device == "cpu" ? 1 : std::max(1, std::min(r.gpus, h.physical));
+  const double peak = h.peak_tflops * 1e12 * hardware;
+  return peak > 0 ? h.flops_per_token * tokens_per_s(h, r) / peak : 0;
+}
+
 bool time_sliced(const Header& h, int n) {
   return n > 1 && (h.device == "cpu" || n > h.physical);
 }
@@ -263,6 +273,15 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
       os << "  (" << r.reduce << " reduce, buckets " << r.buckets << ", " << r.buckets_overlapped
          << " pulled while backward ran on)";
     os << "\n";
+  }
+  if (h.tokens_per_sample > 0) {
+    os << "\n tokens/s and MFU (" << std::setprecision(3) << h.flops_per_token / 1e6
+       << " MFLOP per token = 6 P + 12 L T D; peak " << std::setprecision(2) << h.peak_tflops
+       << " TFLOP/s per " << (h.device == "cpu" ? "CPU" : "GPU") << ", " << h.peak_source << "):\n";
+    for (auto& r : runs)
+      os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << r.gpus
+         << "   " << std::setprecision(0) << tokens_per_s(h, r) << " tokens/s, MFU "
+         << std::setprecision(2) << 100 * mfu(h, r) << "%\n";
   }
   bool any_overhead = false;
   for (auto& r : runs) any_overhead = any_overhead || overhead_ci(runs, r).has_value();
@@ -583,6 +602,10 @@ nlohmann::json to_json(const Header& h, const std::vector<RunResult>& runs,
                       {"model", h.model},
                       {"params", h.params},
                       {"dtype", h.dtype},
+                      {"tokens_per_sample", h.tokens_per_sample},
+                      {"flops_per_token", h.flops_per_token},
+                      {"peak_tflops", h.peak_tflops},
+                      {"peak_source", h.peak_source},
                       {"runs", nlohmann::json::array()},
                       {"projection", nlohmann::json::array()},
                       {"projection_source", projection.source},
@@ -611,6 +634,10 @@ nlohmann::json to_json(const Header& h, const std::vector<RunResult>& runs,
     jr["step_ms_ci95"] = {step.lo, step.hi};
     jr["noisy"] = noisy(r.step_ms);
     jr["time_sliced"] = time_sliced(h, r.gpus);
+    if (h.tokens_per_sample > 0) {
+      jr["tokens_per_s"] = tokens_per_s(h, r);
+      jr["mfu"] = mfu(h, r);
+    }
     if (std::string label = time_sliced_label(h, r.mode, r.gpus); !label.empty())
       jr["time_sliced_note"] = label;
     if (base && r.step_ms_median() > 0 && !time_sliced(h, r.gpus)) {

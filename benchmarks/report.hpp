@@ -124,8 +124,21 @@ struct Header {
   std::string model;
   int64_t params = 0;
   std::string dtype;
+  // Language-model workloads (--model gpt): tokens per sample (the sequence length) and
+  // training FLOPs per token, 6 P + 12 L T D (nanoGPT's and llm.c's count); 0 otherwise.
+  int64_t tokens_per_sample = 0;
+  double flops_per_token = 0;
+  // The peak MFU divides by, in TFLOP/s per physical device (a GPU, or the whole CPU), and
+  // where it came from: --peak-tflops, the GPU's data sheet, or a GEMM measured here.
+  double peak_tflops = 0;
+  std::string peak_source;
 };
 bool oversubscribed(const Header& h);
+// Tokens per second of a run (0 unless the workload has tokens).
+double tokens_per_s(const Header& h, const RunResult& r);
+// Model FLOPs utilisation: flops_per_token x tokens/s over the peak of the hardware the run
+// used (min(N, physical) GPUs; CPU devices share one CPU, so its one peak). 0 without a peak.
+double mfu(const Header& h, const RunResult& r);
 // Devices or ranks that share hardware take turns on it: every CPU device runs on all cores, so
 // any N > 1 on CPU devices, and more logical than physical GPUs. Their times measure overhead,
 // not scaling: the report then leaves speedup and efficiency out.

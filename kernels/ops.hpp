@@ -107,16 +107,22 @@ struct AttentionParams {
   int64_t heads = 1;
   float scale = 1.f;  // multiplies q . k; 1 / sqrt(head_dim) in GPT-2
   AttentionMask mask = AttentionMask::causal;
+  // Dropout on the probabilities (training; 0: off): P[b, h, i, j] is kept iff
+  // philox::uniform(dropout_seed, dropout_offset + ((b H + h) T + i) T + j) >= dropout, and
+  // scaled by 1 / (1 - dropout): the same mask on CPU and CUDA. A call uses B H T T counters.
+  float dropout = 0.f;
+  uint64_t dropout_seed = 0, dropout_offset = 0;
 };
 // Multi-head scaled dot-product attention on a fused QKV projection.
 // requires qkv (B, T, 3 D) f32 holding [q | k | v] along the last dim, each (H, D / H) head by
 // head (the output of one Linear(D, 3 D)); y (B, T, D) f32; lse (B, H, T) f32; H divides D.
 // ensures per batch b and head h, with s_ij = scale q_i . k_j (j <= i under the causal mask):
-//   y[b, i, h] = sum_j softmax_j(s_i.) v_j,  lse[b, h, i] = log sum_j exp s_ij (for backward).
+//   y[b, i, h] = sum_j softmax_j(s_i.) m_ij v_j,  lse[b, h, i] = log sum_j exp s_ij (for
+//   backward), with m_ij the dropout mask's keep / (1 - p) (1 without dropout).
 // CPU: exact softmax in f32 per (b, h), oneTBB over batch and heads.
 void attention_forward(Tensor& y, Tensor& lse, const Tensor& qkv, const AttentionParams& p);
-// requires the forward's qkv, y and lse; dy like y; dqkv like qkv.
-// ensures dqkv = the gradient of sum(y * dy) w.r.t. qkv (overwritten).
+// requires the forward's qkv, y and lse, and its params (the same dropout mask); dy like y;
+// dqkv like qkv. ensures dqkv = the gradient of sum(y * dy) w.r.t. qkv (overwritten).
 void attention_backward(Tensor& dqkv, const Tensor& dy, const Tensor& qkv, const Tensor& y,
                         const Tensor& lse, const AttentionParams& p);
 

@@ -12,10 +12,11 @@ namespace nn {
 
 // x (B, T, D) -> y (B, T, D):
 //   qkv = c_attn(x)                          (B, T, 3 D), [q | k | v], heads inside each
-//   a   = softmax(q k^T / sqrt(D / H) + causal mask) v, per head   (kernels::attention_*)
+//   a   = dropout(softmax(q k^T / sqrt(D / H) + causal mask)) v, per head (kernels::attention_*)
 //   y   = dropout(c_proj(a))
 // Children "c_attn" (Linear(D, 3 D)), "c_proj" (Linear(D, D)), "resid_drop" (Dropout(p)).
-// Dropout on the attention probabilities is not applied (nanoGPT's default p is 0).
+// In training with p > 0 the probabilities' mask comes from the tree's random stream, as
+// nn::Dropout's (B H T T counters per call), so CPU and CUDA drop the same entries.
 class CausalSelfAttention : public Module {
  public:
   // requires heads divides dim; 0 <= dropout < 1.
@@ -46,14 +47,22 @@ class CausalSelfAttention : public Module {
     qkv_ = c_attn_->forward(x);                                    // (B, T, 3 D)
     a_ = Tensor::empty({b, t, dim_}, DType::f32, x.device());      // (B, T, D)
     lse_ = Tensor::empty({b, heads_, t}, DType::f32, x.device());  // (B, H, T)
-    kernels::attention_forward(a_, lse_, qkv_, params());
+    used_ = params();
+    if (is_training() && dropout_ > 0.f) {
+      FlatState& st = flat();
+      used_.dropout = dropout_;
+      used_.dropout_seed = st.rng_key;
+      used_.dropout_offset = st.rng_offset;
+      st.rng_offset += static_cast<uint64_t>(b * heads_ * t * t);
+    }
+    kernels::attention_forward(a_, lse_, qkv_, used_);
     return drop_->forward(c_proj_->forward(a_));
   }
   Tensor backward_impl(const Tensor& dy) override {
     DP_CHECK(qkv_.defined(), "CausalSelfAttention::backward called before forward");
     Tensor da = c_proj_->backward(drop_->backward(dy));                  // (B, T, D)
     Tensor dqkv = Tensor::empty(qkv_.shape(), DType::f32, dy.device());  // (B, T, 3 D)
-    kernels::attention_backward(dqkv, da, qkv_, a_, lse_, params());
+    kernels::attention_backward(dqkv, da, qkv_, a_, lse_, used_);        // the forward's mask
     return c_attn_->backward(dqkv);
   }
   std::shared_ptr<Module> clone_config() const override {
@@ -65,7 +74,8 @@ class CausalSelfAttention : public Module {
   float dropout_;
   std::shared_ptr<Linear> c_attn_, c_proj_;
   std::shared_ptr<Dropout> drop_;
-  Tensor qkv_, a_, lse_;  // cached for backward
+  Tensor qkv_, a_, lse_;           // cached for backward
+  kernels::AttentionParams used_;  // the forward's, dropout mask included
 };
 
 }  // namespace nn

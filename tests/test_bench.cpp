@@ -1,4 +1,5 @@
 // dp_bench: the report's formulas, and the command's JSON, trace and sweep outputs.
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -1197,4 +1198,45 @@ TEST_CASE("bench.link: bytes out of each node and their time, flat DDP against h
   auto [rc, text] = bench_output("--device cpu --mode dp --link-gbps 0");
   CHECK(rc != 0);
   CHECK(text.find("--link-gbps") != std::string::npos);
+}
+
+TEST_CASE("bench.gpt: --model gpt reports tokens/s and MFU, DP and DDP follow one device") {
+  std::string json = temp_path("gpt.json");
+  REQUIRE(run_bench("--device cpu --model gpt --gpt-config tiny --seq 16 --gpus 2 --mode both "
+                    "--steps 3 --warmup 1 --batch 4 --peak-tflops 0.5 --json " +
+                    json) == 0);
+  auto j = read_json(json);
+  CHECK(j["model"] == "gpt-tiny");
+  CHECK(j["tokens_per_sample"] == 16);
+  CHECK(j["peak_tflops"].get<double>() == doctest::Approx(0.5));
+  CHECK(j["peak_source"] == "--peak-tflops");
+  // 6 P + 12 L T D: the tiny preset has 4 layers of width 128.
+  const double p = j["params"].get<double>();
+  CHECK(j["flops_per_token"].get<double>() == doctest::Approx(6 * p + 12.0 * 4 * 16 * 128));
+  REQUIRE(j["runs"].size() == 4);
+  std::vector<float> single;
+  for (auto& r : j["runs"]) {
+    for (const char* key : {"tokens_per_s", "mfu", "phases_ms", "bytes_per_step",
+                            "allocations_per_step", "host_syncs_per_step", "losses"})
+      CHECK_MESSAGE(r.contains(key), key);
+    CHECK(r["optim"] == "adamw");
+    const double tokens_per_s = r["tokens_per_s"].get<double>();
+    CHECK(tokens_per_s == doctest::Approx(r["samples_per_s"].get<double>() * 16));
+    // One CPU's peak for every N (CPU devices share it).
+    CHECK(r["mfu"].get<double>() ==
+          doctest::Approx(j["flops_per_token"].get<double>() * tokens_per_s / 0.5e12));
+    auto losses = r["losses"].get<std::vector<float>>();
+    REQUIRE(losses.size() == 3);
+    if (r["mode"] == "dp" && r["gpus"] == 1) single = losses;
+  }
+  REQUIRE(single.size() == 3);
+  CHECK(single[0] == doctest::Approx(std::log(256.0)).epsilon(0.05));  // uniform tokens
+  for (auto& r : j["runs"]) {
+    auto losses = r["losses"].get<std::vector<float>>();
+    for (size_t i = 0; i < 3; ++i) CHECK(losses[i] == doctest::Approx(single[i]).epsilon(1e-5));
+  }
+  std::remove(json.c_str());
+  // The GPT flags are checked where they enter.
+  refused("--device cpu --model gpt --gpt-config tiny --seq 129", "--seq: 129 is longer than");
+  refused("--device cpu --model mlp --seq 16", "--seq: is for --model gpt");
 }

@@ -801,6 +801,26 @@ TEST_CASE("kernels.cuda.dropout: the same mask as the CPU bit for bit (any offse
   }
 }
 
+TEST_CASE("kernels.cuda.attention: forward and backward match CPU, dropout mask included") {
+  DP_REQUIRE_GPU();
+  for (float drop : {0.f, 0.25f}) {
+    CAPTURE(drop);
+    check_matches_cpu(
+        [&](Device d) {
+          const int64_t b = 2, t = 11, heads = 2, width = 16;
+          AttentionParams p{heads, 0.3f, AttentionMask::causal};
+          p.dropout = drop, p.dropout_seed = 0xabcull, p.dropout_offset = 7;
+          Tensor qkv = rnd(d, {b, t, 3 * width}, 71), dy = rnd(d, {b, t, width}, 72);
+          Tensor y = zeros(d, {b, t, width}), lse = zeros(d, {b, heads, t});
+          Tensor dqkv = zeros(d, {b, t, 3 * width});
+          attention_forward(y, lse, qkv, p);
+          attention_backward(dqkv, dy, qkv, y, lse, p);
+          return Outputs{y, lse, dqkv};
+        },
+        1e-5f);
+  }
+}
+
 // ---- optimizers ----------------------------------------------------------------------------
 
 TEST_CASE("kernels.cuda.sgd_update and adamw_update: three steps match CPU") {

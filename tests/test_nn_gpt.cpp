@@ -4,6 +4,7 @@
 #include <memory>
 #include <vector>
 
+#include "kernels/philox.hpp"
 #include "tests/nn_test_util.hpp"
 
 using namespace nn_test;
@@ -12,12 +13,22 @@ using std::make_shared;
 namespace {
 
 // Reference attention in double: qkv (B, T, 3 D) -> y (B, T, D), and the gradient of
-// sum(y * dy) w.r.t. qkv, straight from the definition (causal mask).
+// sum(y * dy) w.r.t. qkv, straight from the definition (causal mask; with p.dropout, P[b, h,
+// i, j] times keep / (1 - p) by kernels/ops.hpp's counter formula).
 struct RefAttention {
   std::vector<double> y, dqkv;
 };
 RefAttention reference_attention(const std::vector<float>& qkv, const std::vector<float>& dy,
-                                 int64_t b_n, int64_t t_n, int64_t heads, int64_t d) {
+                                 int64_t b_n, int64_t t_n, int64_t heads, int64_t d,
+                                 const kernels::AttentionParams& drop = {}) {
+  auto mask = [&](int64_t b, int64_t h, int64_t i, int64_t j) {
+    if (drop.dropout <= 0.f) return 1.0;
+    const uint64_t counter =
+        drop.dropout_offset + static_cast<uint64_t>(((b * heads + h) * t_n + i) * t_n + j);
+    return kernels::philox::uniform(drop.dropout_seed, counter) >= drop.dropout
+               ? 1.0 / (1.0 - drop.dropout)
+               : 0.0;
+  };
   const int64_t hd = d / heads;
   const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
   RefAttention r;
@@ -42,12 +53,14 @@ RefAttention reference_attention(const std::vector<float>& qkv, const std::vecto
         for (auto& v : p) v /= z;
         const size_t yi = static_cast<size_t>((b * t_n + i) * d + h * hd);
         for (int64_t c = 0; c < hd; ++c)
-          for (int64_t j = 0; j <= i; ++j) r.y[yi + c] += p[j] * qkv[at(b, j, 2, h, c)];
-        // Backward of row i.
+          for (int64_t j = 0; j <= i; ++j)
+            r.y[yi + c] += p[j] * mask(b, h, i, j) * qkv[at(b, j, 2, h, c)];
+        // Backward of row i: dP_j = (dy . v_j) m_j.
         std::vector<double> dp(static_cast<size_t>(i + 1));
         double dot = 0;
         for (int64_t j = 0; j <= i; ++j) {
           for (int64_t c = 0; c < hd; ++c) dp[j] += double(dy[yi + c]) * qkv[at(b, j, 2, h, c)];
+          dp[j] *= mask(b, h, i, j);
           dot += p[j] * dp[j];
         }
         for (int64_t j = 0; j <= i; ++j) {
@@ -55,7 +68,7 @@ RefAttention reference_attention(const std::vector<float>& qkv, const std::vecto
           for (int64_t c = 0; c < hd; ++c) {
             r.dqkv[at(b, i, 0, h, c)] += ds * qkv[at(b, j, 1, h, c)];
             r.dqkv[at(b, j, 1, h, c)] += ds * qkv[at(b, i, 0, h, c)];
-            r.dqkv[at(b, j, 2, h, c)] += p[j] * dy[yi + c];
+            r.dqkv[at(b, j, 2, h, c)] += p[j] * mask(b, h, i, j) * dy[yi + c];
           }
         }
       }
@@ -101,6 +114,34 @@ TEST_CASE("nn.attention: CPU forward and backward match a double-precision loop"
   // Row 0 sees only itself: y[0] = v[0] for every head.
   std::vector<float> yh = host(y), xh = host(qkv);
   for (int64_t c = 0; c < d; ++c) CHECK(yh[c] == doctest::Approx(xh[2 * d + c]).epsilon(1e-6));
+}
+
+TEST_CASE("nn.attention: dropout on the probabilities matches the loop with the same mask") {
+  const int64_t b = 2, t = 9, heads = 2, d = 8;
+  Tensor qkv = uniform({b, t, 3 * d}, 15, -1.5f, 1.5f);
+  Tensor dy = uniform({b, t, d}, 16);
+  kernels::AttentionParams p{heads, 1.f / std::sqrt(4.f), kernels::AttentionMask::causal};
+  p.dropout = 0.3f, p.dropout_seed = 0x5eedull, p.dropout_offset = (1ull << 32) + 5;
+  Tensor y = Tensor::empty({b, t, d}, DType::f32, Device::cpu());
+  Tensor lse = Tensor::empty({b, heads, t}, DType::f32, Device::cpu());
+  kernels::attention_forward(y, lse, qkv, p);
+  Tensor dqkv = Tensor::empty(qkv.shape(), DType::f32, Device::cpu());
+  kernels::attention_backward(dqkv, dy, qkv, y, lse, p);
+  RefAttention ref = reference_attention(host(qkv), host(dy), b, t, heads, d, p);
+  CHECK(max_diff(host(y), ref.y) < 1e-5);
+  CHECK(max_diff(host(dqkv), ref.dqkv) < 1e-5);
+  // The mask matters: without it the output differs.
+  RefAttention plain = reference_attention(host(qkv), host(dy), b, t, heads, d);
+  CHECK(max_diff(host(y), plain.y) > 1e-2);
+  // A layer in training draws its mask from the tree's stream: one draw per call (the offset
+  // moves by B H T T), none in eval; backward uses the forward's mask (gradcheck).
+  auto attn = materialized(make_shared<nn::CausalSelfAttention>(8, 2, 0.3f));
+  const uint64_t before = attn->flat().rng_offset;
+  attn->forward(uniform({2, 5, 8}, 7));
+  CHECK(attn->flat().rng_offset == before + 2 * 2 * 5 * 5 + 2 * 5 * 8);  // + resid_drop's
+  attn->eval();
+  attn->forward(uniform({2, 5, 8}, 7));
+  CHECK(attn->flat().rng_offset == before + 2 * 2 * 5 * 5 + 2 * 5 * 8);
 }
 
 TEST_CASE("nn.attention: bad shapes are refused naming them") {

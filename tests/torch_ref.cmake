@@ -29,3 +29,13 @@ add_test(NAME "bench.torch_ref: side_by_side.sh without torch prints one line an
                  ${PROJECT_SOURCE_DIR}/benchmarks/torch_ref/side_by_side.sh ${CMAKE_BINARY_DIR})
 set_tests_properties("bench.torch_ref: side_by_side.sh without torch prints one line and exits 0"
                      PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 60)
+
+# variants.py --model gpt: torch's GPT does dp_bench's work (same-work check); skipped (77)
+# where python3 (or $PYTHON) has no torch.
+if(TARGET dp_bench)
+  add_test(NAME "bench.torch_ref: gpt-tiny in torch does the same work as dp_bench --model gpt"
+           COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/torch_ref_gpt.sh
+                   ${PROJECT_SOURCE_DIR}/benchmarks/torch_ref/variants.py ${CMAKE_BINARY_DIR})
+  set_tests_properties("bench.torch_ref: gpt-tiny in torch does the same work as dp_bench --model gpt"
+                       PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 120)
+endif()

@@ -58,6 +58,9 @@ def main():
     ap.add_argument("--baseline", type=int, default=0,
                     help="accepted for dp_bench's flags; ignored (torchrun fixes the rank count)")
     args = ap.parse_args()
+    if args.model == "gpt":  # its loss, optimizer and data are variants.py's (N = 1) only
+        ap.error("--model gpt: the N > 1 references train the image models only; run "
+                 "variants.py (one device) for GPT")
     for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
                  ("LOCAL_WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511")):
         os.environ.setdefault(k, v)

@@ -78,6 +78,9 @@ def main():
     ap.add_argument("--baseline", type=int, default=1,
                     help="also run 1 device for speedup (1/0), as dp_bench does")
     args = ap.parse_args()
+    if args.model == "gpt":  # its loss, optimizer and data are variants.py's (N = 1) only
+        ap.error("--model gpt: the N > 1 references train the image models only; run "
+                 "variants.py (one device) for GPT")
     rc.set_math(args.dtype)
     have_gpu = torch.cuda.is_available() and torch.cuda.device_count() > 0
     if args.device == "cuda" and not have_gpu:

@@ -169,10 +169,21 @@ def torch_default(fan_in):
 SQRT5 = np.sqrt(f32(5.0))  # std::sqrt(5.f)
 
 
-def init_values(spec, count, key):
-    """nn::init_values: `count` float32 values of spec (kind, scale) under `key`."""
+def init_values(spec, count, key, chunk=1 << 22):
+    """nn::init_values: `count` float32 values of spec (kind, scale) under `key` (made `chunk`
+    values at a time, so a GPT-2 embedding does not take gigabytes of temporaries)."""
     kind, scale = spec
-    i = np.arange(count, dtype=np.uint64)
+    if count > chunk and kind != "constant":
+        return np.concatenate([_init_range(spec, a, min(a + chunk, count), key)
+                               for a in range(0, count, chunk)])
+    return _init_range(spec, 0, count, key)
+
+
+def _init_range(spec, first, end, key):
+    """Values first..end-1 of init_values(spec, ., key)."""
+    kind, scale = spec
+    count = end - first
+    i = np.arange(first, end, dtype=np.uint64)
     if kind == "constant":
         return np.full(count, scale, dtype=f32)
     if kind == "uniform":
@@ -245,8 +256,74 @@ def resnet_params(depth=8, in_channels=1, classes=10, width=16):
     return out + _linear(f"{index}.", channels, classes)
 
 
+# ---- nn/gpt.hpp: GptConfig presets and the parameter list of nn::Gpt -------------------------
+
+GPT_PRESETS = {  # name: (vocab, context, layers, heads, dim)
+    "tiny": (256, 128, 4, 4, 128),
+    "124m": (50304, 1024, 12, 12, 768),
+    "350m": (50304, 1024, 24, 16, 1024),
+}
+
+
+def normal(std):
+    return ("normal", f32(std))
+
+
+def gpt_params(config):
+    """nn::Gpt's parameters in flat order: wpe, wte.weight, h.<l>.{ln_1, attn.c_attn,
+    attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj}.{weight, bias}, ln_f.{weight, bias}. Init as
+    GPT-2: N(0, 0.02), residual projections N(0, 0.02 / sqrt(2 L)), biases 0, LayerNorm 1, 0."""
+    vocab, context, layers, _, d = GPT_PRESETS[config]
+    w = normal(0.02)
+    w_resid = normal(f32(0.02) / np.sqrt(f32(2.0) * f32(layers)))
+    zero, one = constant(0.0), constant(1.0)
+    out = [("wpe", (context, d), w), ("wte.weight", (vocab, d), w)]
+
+    def ln(prefix):
+        return [(prefix + "weight", (d,), one), (prefix + "bias", (d,), zero)]
+
+    for l in range(layers):
+        p = f"h.{l}."
+        out += ln(p + "ln_1.")
+        out += [(p + "attn.c_attn.weight", (3 * d, d), w), (p + "attn.c_attn.bias", (3 * d,), zero),
+                (p + "attn.c_proj.weight", (d, d), w_resid), (p + "attn.c_proj.bias", (d,), zero)]
+        out += ln(p + "ln_2.")
+        out += [(p + "mlp.c_fc.weight", (4 * d, d), w), (p + "mlp.c_fc.bias", (4 * d,), zero),
+                (p + "mlp.c_proj.weight", (d, 4 * d), w_resid), (p + "mlp.c_proj.bias", (d,), zero)]
+    return out + ln("ln_f.")
+
+
+def gpt_flops_per_token(config, seq):
+    """nn::GptConfig::flops_per_token: 6 P + 12 L T D."""
+    vocab, context, layers, _, d = GPT_PRESETS[config]
+    params = sum(int(np.prod(shape)) for _, shape, _ in gpt_params(config))
+    return 6.0 * params + 12.0 * layers * seq * d
+
+
+def synthetic_token_batch(batch, seq, vocab, seed, step):
+    """dp::data::synthetic_token_batch: (ids, targets) int32 (batch, seq) from (seed, step):
+    a stream of batch (seq + 1) tokens min(floor(uniform * vocab), vocab - 1), row b its
+    window [b (seq + 1), (b + 1)(seq + 1)), targets the next token."""
+    u = uniform(mix_key(seed, step), np.arange(batch * (seq + 1), dtype=np.uint64))
+    stream = np.minimum(np.floor(u.astype(np.float64) * vocab), vocab - 1).astype(np.int32)
+    stream = stream.reshape(batch, seq + 1)
+    return stream[:, :seq].copy(), stream[:, 1:].copy()
+
+
+class SyntheticTokens:
+    """dp_bench --model gpt's data: batch(first, count) is step first / count's token batch."""
+
+    def __init__(self, vocab, seq, seed):
+        self.vocab, self.seq, self.seed = int(vocab), int(seq), int(seed)
+
+    def batch(self, first, count):
+        return synthetic_token_batch(count, self.seq, self.vocab, self.seed, first // count)
+
+
 def model_params(name):
-    """The bench models of benchmarks/bench_common.cpp make_model()."""
+    """The bench models of benchmarks/bench_common.cpp make_model(), and gpt-<preset>."""
+    if name.startswith("gpt-"):
+        return gpt_params(name[4:])
     if name == "mlp":
         return mlp_params((784, 256, 256, 10))
     if name == "cnn":

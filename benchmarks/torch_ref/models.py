@@ -8,6 +8,7 @@ weight/bias (C) with running_mean 0 / running_var 1, momentum 0.1, eps 1e-5.
 """
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import engine_compat as ec
@@ -76,8 +77,70 @@ def resnet(depth=8, in_channels=1, classes=10, width=16):
     return nn.Sequential(*layers)
 
 
+class GptAttention(nn.Module):
+    """nn::CausalSelfAttention: qkv = c_attn(x) as [q | k | v], heads inside each; causal SDPA
+    with scale 1 / sqrt(D / H); c_proj."""
+
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.c_proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.c_attn(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class GptMlp(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.c_fc = nn.Linear(d, 4 * d)
+        self.c_proj = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class GptBlock(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(d, eps=1e-5)
+        self.attn = GptAttention(d, heads)
+        self.ln_2 = nn.LayerNorm(d, eps=1e-5)
+        self.mlp = GptMlp(d)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class Gpt(nn.Module):
+    """nn::Gpt (nn/gpt.hpp): ids (B, T) -> logits (B, T, vocab); LM head tied to wte; no dropout
+    (dp_bench's default, nanoGPT's). Parameter names and order are the engine's."""
+
+    def __init__(self, config):
+        super().__init__()
+        vocab, context, layers, heads, d = ec.GPT_PRESETS[config]
+        self.wpe = nn.Parameter(torch.empty(context, d))
+        self.wte = nn.Embedding(vocab, d)
+        self.h = nn.ModuleList(GptBlock(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d, eps=1e-5)
+
+    def forward(self, ids):
+        x = self.wte(ids) + self.wpe[: ids.shape[1]]
+        for block in self.h:
+            x = block(x)
+        return self.ln_f(x) @ self.wte.weight.t()
+
+
 def make_model(name):
-    """benchmarks/bench_common.cpp make_model(): mlp | cnn | resnet."""
+    """benchmarks/bench_common.cpp make_model(): mlp | cnn | resnet, or gpt-<preset>."""
+    if name.startswith("gpt-"):
+        return Gpt(name[4:])
     if name == "mlp":
         return mlp((784, 256, 256, 10))
     if name == "cnn":

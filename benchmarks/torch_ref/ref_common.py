@@ -16,7 +16,11 @@ def add_flags(ap):
     ap.add_argument("--gpus", type=int, default=0,
                     help="devices (DP) or ranks (DDP); 0: all visible GPUs, or 1 on the CPU")
     ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    ap.add_argument("--model", default="mlp", choices=["mlp", "cnn", "resnet"])
+    ap.add_argument("--model", default="mlp", choices=["mlp", "cnn", "resnet", "gpt"])
+    ap.add_argument("--gpt-config", default="tiny", choices=sorted(ec.GPT_PRESETS),
+                    help="--model gpt: the nn/gpt.hpp preset")
+    ap.add_argument("--seq", type=int, default=0,
+                    help="--model gpt: tokens per sequence (0: the preset's context)")
     ap.add_argument("--batch", type=int, default=256, help="global batch")
     ap.add_argument("--batch-per-device", type=int, default=0,
                     help="per-device batch (global = N x this); overrides --batch")
@@ -33,6 +37,23 @@ def add_flags(ap):
 
 def parser(description):
     return add_flags(argparse.ArgumentParser(description=description))
+
+
+def model_name(args):
+    """dp_bench's model name: mlp | cnn | resnet, or gpt-<preset>."""
+    return f"gpt-{args.gpt_config}" if args.model == "gpt" else args.model
+
+
+def seq_len(args):
+    return args.seq or ec.GPT_PRESETS[args.gpt_config][1]
+
+
+def bench_flags(args):
+    """The flags that give dp_bench this model and optimizer (dp_bench's GPT default: AdamW)."""
+    if args.model != "gpt":
+        return ["--model", args.model]
+    return ["--model", "gpt", "--gpt-config", args.gpt_config, "--seq", str(seq_len(args)),
+            "--optim", "adamw"]
 
 
 def global_batch(args, n):
@@ -64,21 +85,40 @@ class Amp:
 
 
 def dataset(args, batch):
-    """bench_dataset(): samples [s B, (s + 1) B) are the global batch of step s."""
+    """bench_dataset(): samples [s B, (s + 1) B) are the global batch of step s; --model gpt:
+    dp::data::synthetic_token_batch of step s."""
+    if args.model == "gpt":
+        return ec.SyntheticTokens(ec.GPT_PRESETS[args.gpt_config][0], seq_len(args), args.seed)
     # dp_bench's data set: signal kBenchSignal = 0.12 (benchmarks/bench_common.hpp), noise 1.
     return ec.SyntheticDataset((args.steps + args.warmup) * batch, (1, 28, 28), 10, args.seed,
                                signal=0.12)
 
 
 def host_batch(ds, first, count, pin):
-    """(images float32 (count, 1, 28, 28), labels int64 (count)) as CPU tensors."""
+    """(images float32 (count, 1, 28, 28), labels int64 (count)) as CPU tensors; tokens:
+    (ids, targets) int64 (count, seq)."""
     x, y = ds.batch(first, count)
+    if x.dtype.kind == "i":
+        x = x.astype("int64")
     x, y = torch.from_numpy(x), torch.from_numpy(y.astype("int64"))
     return (x.pin_memory(), y.pin_memory()) if pin else (x, y)
 
 
 def sgd(model):
     return torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+
+
+# bench_common.cpp make_optimizer() for --optim adamw: kernels::AdamWConfig's defaults.
+ADAMW = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
+
+
+def loss_fn(pred, target):
+    """The engines' loss: row cross-entropy, or token cross-entropy over (B, T, V) logits (the
+    mean over every token, nn::TokenCrossEntropyLoss)."""
+    if pred.dim() == 3:
+        return torch.nn.functional.cross_entropy(pred.reshape(-1, pred.shape[-1]),
+                                                 target.reshape(-1))
+    return torch.nn.functional.cross_entropy(pred, target)
 
 
 def percentile(values, q):
@@ -141,4 +181,4 @@ def report(args, device, physical, logical, runs, notes):
 
 
 def build_model(args):
-    return models.build(args.model, args.seed)
+    return models.build(model_name(args), args.seed)

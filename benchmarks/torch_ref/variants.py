@@ -38,7 +38,6 @@ import tempfile
 import time
 
 import torch
-import torch.nn.functional as F
 
 import ref_common as rc
 import stats
@@ -89,6 +88,26 @@ def sgd(params, device, capturable=False):
     return opt, notes + ["optimizer SGD foreach"]
 
 
+def adamw(params, device, capturable=False):
+    """AdamW with dp_bench's settings (ref_common.ADAMW), fused where this build allows it on
+    `device`, else foreach; capturable=True for graph capture (its step count stays on the
+    device). Returns (optimizer, notes saying which)."""
+    params = list(params)
+    extra = {"capturable": True} if capturable else {}
+    try:
+        opt = torch.optim.AdamW(params, fused=True, **rc.ADAMW, **extra)
+        return opt, ["optimizer AdamW fused"]
+    except (RuntimeError, ValueError, TypeError) as e:
+        note = f"AdamW(fused=True) refused on {device.type} ({one_line(e)}): foreach used"
+    opt = torch.optim.AdamW(params, foreach=True, **rc.ADAMW, **extra)
+    return opt, [note, "optimizer AdamW foreach"]
+
+
+def optimizer(args, params, device, capturable=False):
+    """dp_bench's optimizer for the model: SGD, or AdamW for --model gpt."""
+    return (adamw if args.model == "gpt" else sgd)(params, device, capturable)
+
+
 def timed_steps(args, ds, batch, device, step_fn, first=0):
     """Runs steps first..warmup+steps-1; step_fn(x, y) takes the host batch, trains one step and
     returns the loss tensor. Returns (step_ms, losses) of the timed steps."""
@@ -119,7 +138,7 @@ def eager_step(net, opt, amp, device, begin=None):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         opt.zero_grad(set_to_none=True)
         with amp.autocast():
-            loss = F.cross_entropy(net(x), y)
+            loss = rc.loss_fn(net(x), y)
         amp.backward_and_step(loss, opt)
         return loss
     return step
@@ -127,7 +146,7 @@ def eager_step(net, opt, amp, device, begin=None):
 
 def run_eager(args, ds, batch, device, state):
     model = rc.build_model(args).to(device)
-    opt, notes = sgd(model.parameters(), device)
+    opt, notes = optimizer(args, model.parameters(), device)
     step_ms, losses = timed_steps(args, ds, batch, device,
                                   eager_step(model, opt, rc.Amp(args.dtype, device.type), device))
     return step_ms, losses, notes
@@ -154,10 +173,12 @@ def run_graph(args, ds, batch, device, state):
 
     model = rc.build_model(args).to(device)
     # SGD keeps no host-side step count (unlike Adam): its step is capturable as it is. Where
-    # this torch's SGD takes capturable=, it is set, as the recipe says.
-    opt, notes = sgd(model.parameters(), device, capturable=True)
-    static_x = torch.empty((batch, 1, 28, 28), dtype=torch.float32, device=device)
-    static_y = torch.empty((batch,), dtype=torch.int64, device=device)
+    # this torch's SGD takes capturable=, it is set, as the recipe says. AdamW (--model gpt)
+    # needs capturable=True: its step count then lives on the device.
+    opt, notes = optimizer(args, model.parameters(), device, capturable=True)
+    x0, y0 = rc.host_batch(ds, 0, batch, pin=False)
+    static_x = torch.empty(x0.shape, dtype=x0.dtype, device=device)
+    static_y = torch.empty(y0.shape, dtype=y0.dtype, device=device)
 
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
@@ -168,7 +189,7 @@ def run_graph(args, ds, batch, device, state):
             static_y.copy_(y, non_blocking=True)
             opt.zero_grad(set_to_none=True)
             with autocast():
-                loss = F.cross_entropy(model(static_x), static_y)
+                loss = rc.loss_fn(model(static_x), static_y)
             loss.backward()
             opt.step()
             side.synchronize()  # the pinned host batch lives until its copy is done
@@ -178,7 +199,7 @@ def run_graph(args, ds, batch, device, state):
     opt.zero_grad(set_to_none=True)  # backward in the capture allocates .grad from its pool
     with torch.cuda.graph(graph):
         with autocast():
-            static_loss = F.cross_entropy(model(static_x), static_y)
+            static_loss = rc.loss_fn(model(static_x), static_y)
         static_loss.backward()
         opt.step()  # capture records the work; nothing ran, so the weights are unchanged
 
@@ -211,7 +232,7 @@ def run_compile(args, ds, batch, device, state):
                 p.copy_(q)
             for b, c in zip(model.buffers(), fresh.buffers()):
                 b.copy_(c)
-    opt, notes = sgd(model.parameters(), device)
+    opt, notes = optimizer(args, model.parameters(), device)
     begin = None
     if device.type == "cuda" and hasattr(torch, "compiler") and hasattr(
             torch.compiler, "cudagraph_mark_step_begin"):
@@ -229,7 +250,7 @@ RUNNERS = {"eager": run_eager, "graph": run_graph, "compile": run_compile}
 def run_ours(args, bench, batch, path, log_path):
     """One dp_bench process: --mode dp --gpus 1 --baseline 0 with the same work; its run."""
     cmd = [bench, "--mode", "dp", "--gpus", "1", "--baseline", "0", "--json", path,
-           "--device", args.device, "--model", args.model, "--batch", str(batch),
+           "--device", args.device, *rc.bench_flags(args), "--batch", str(batch),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--dtype", args.dtype,
            "--seed", str(args.seed)]
     with open(log_path, "w") as log:
@@ -391,7 +412,8 @@ def main():
     json_path = args.json_path or os.path.join(out_dir, "variants.json")
     tolerance = LOSS_TOLERANCE[args.dtype]
 
-    print(f"variants: {args.model}, batch {batch}, {args.steps} timed steps after "
+    print(f"variants: {rc.model_name(args)}"
+          f"{f' seq {rc.seq_len(args)}' if args.model == 'gpt' else ''}, batch {batch}, {args.steps} timed steps after "
           f"{args.warmup} warm-up, {args.dtype}, torch on {device}"
           f"{f' ({torch.get_num_threads()} threads)' if device.type == 'cpu' else ''}, "
           f"{args.repeat} repeats; reports in {out_dir}")
@@ -463,7 +485,15 @@ def main():
     if (ours_device == "cpu") != (device.type == "cpu"):
         print(f"!! ours ran on {ours_device!r}, torch on {torch_device!r}: not the same device")
 
-    out = {"model": args.model, "batch": batch, "steps": args.steps, "warmup": args.warmup,
+    if args.model == "gpt":  # tokens/s of ours and each variant, from the median steps
+        tokens = batch * rc.seq_len(args)
+        for v in table:
+            table[v]["tokens_per_s_ours"] = tokens * 1000.0 / table[v]["ours_ms"]
+            table[v]["tokens_per_s_torch"] = tokens * 1000.0 / table[v]["torch_ms"]
+            print(f"tokens/s: {v}: ours {table[v]['tokens_per_s_ours']:.0f}, torch "
+                  f"{table[v]['tokens_per_s_torch']:.0f}")
+    out = {"model": rc.model_name(args), "batch": batch,
+           "seq": rc.seq_len(args) if args.model == "gpt" else None, "steps": args.steps, "warmup": args.warmup,
            "dtype": args.dtype, "seed": args.seed, "repeat": args.repeat,
            "resamples": args.resamples, "ci_level": 0.95, "loss_tolerance": tolerance,
            "ours_device": ours_device, "torch_device": torch_device,

@@ -10,6 +10,7 @@
 
 #include "kernels/cpu/cpu_ops.hpp"
 #include "kernels/cpu/cpu_util.hpp"
+#include "kernels/philox.hpp"
 
 namespace kernels::cpu {
 
@@ -70,6 +71,23 @@ void attention_probs(std::vector<float>& s, const float* q, const float* k, floa
   }
 }
 
+// m (T, T) of task bh = b H + h: the dropout mask's keep / (1 - p) for the visible columns
+// (ops.hpp: counter dropout_offset + (bh T + i) T + j).
+void dropout_scales(std::vector<float>& m, int64_t bh, const AttentionShape& a,
+                    const AttentionParams& p) {
+  const int64_t t = a.seq;
+  const float keep_scale = 1.f / (1.f - p.dropout);
+  for (int64_t i = 0; i < t; ++i) {
+    const uint64_t row = p.dropout_offset + static_cast<uint64_t>((bh * t + i) * t);
+    const int64_t n = visible(p, i, t);
+    for (int64_t j = 0; j < n; ++j)
+      m[i * t + j] = philox::uniform(p.dropout_seed, row + static_cast<uint64_t>(j)) >= p.dropout
+                         ? keep_scale
+                         : 0.f;
+    for (int64_t j = n; j < t; ++j) m[i * t + j] = 0.f;
+  }
+}
+
 }  // namespace
 
 void embedding_forward(Tensor& y, const Tensor& ids, const Tensor& table) {
@@ -109,10 +127,15 @@ void attention_forward(Tensor& y, Tensor& lse, const Tensor& qkv, const Attentio
   float* py = y.data<float>();
   float* pl = lse.data<float>();
   parallel_range(a.batch * a.heads, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> s(static_cast<size_t>(a.seq * a.seq));
+    std::vector<float> s(static_cast<size_t>(a.seq * a.seq)), m;
+    if (p.dropout > 0.f) m.resize(s.size());
     for (int64_t task = first; task < last; ++task) {
       const int64_t b = task / a.heads, h = task % a.heads;
       attention_probs(s, px + a.q(b, h), px + a.k(b, h), pl + a.lse(b, h), nullptr, a, p);
+      if (p.dropout > 0.f) {  // P <- P * m
+        dropout_scales(m, task, a, p);
+        for (size_t e = 0; e < s.size(); ++e) s[e] *= m[e];
+      }
       // y (T, Dh) = P (T, T) v (T, Dh)
       sgemm_serial(Transpose::no, Transpose::no, a.seq, a.head_dim, a.seq, 1.f, s.data(), a.seq,
                    px + a.v(b, h), 3 * a.width, 0.f, py + a.y(b, h), a.width);
@@ -132,16 +155,26 @@ void attention_backward(Tensor& dqkv, const Tensor& dy, const Tensor& qkv, const
   float* pdx = dqkv.data<float>();
   const int64_t t = a.seq, ld = 3 * a.width;
   parallel_range(a.batch * a.heads, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> prob(static_cast<size_t>(t * t)), dp(static_cast<size_t>(t * t));
+    std::vector<float> prob(static_cast<size_t>(t * t)), dp(static_cast<size_t>(t * t)), m, pm;
+    if (p.dropout > 0.f) m.resize(prob.size()), pm.resize(prob.size());
     for (int64_t task = first; task < last; ++task) {
       const int64_t b = task / a.heads, h = task % a.heads;
       attention_probs(prob, px + a.q(b, h), px + a.k(b, h), nullptr, pl + a.lse(b, h), a, p);
+      // Under dropout the forward used P m: dV takes P m, and dP = (dY V^T) m.
+      const float* used = prob.data();
+      if (p.dropout > 0.f) {
+        dropout_scales(m, task, a, p);
+        for (size_t e = 0; e < prob.size(); ++e) pm[e] = prob[e] * m[e];
+        used = pm.data();
+      }
       // dV (T, Dh) = P^T (T, T) dY (T, Dh)
-      sgemm_serial(Transpose::yes, Transpose::no, t, a.head_dim, t, 1.f, prob.data(), t,
-                   pdy + a.y(b, h), a.width, 0.f, pdx + a.v(b, h), ld);
+      sgemm_serial(Transpose::yes, Transpose::no, t, a.head_dim, t, 1.f, used, t, pdy + a.y(b, h),
+                   a.width, 0.f, pdx + a.v(b, h), ld);
       // dP (T, T) = dY (T, Dh) V^T
       sgemm_serial(Transpose::no, Transpose::yes, t, t, a.head_dim, 1.f, pdy + a.y(b, h), a.width,
                    px + a.v(b, h), ld, 0.f, dp.data(), t);
+      if (p.dropout > 0.f)
+        for (size_t e = 0; e < dp.size(); ++e) dp[e] *= m[e];
       for (int64_t i = 0; i < t; ++i) {
         float* pr = prob.data() + i * t;
         float* dr = dp.data() + i * t;

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/philox.hpp"
 
 namespace kernels::cuda {
 
@@ -55,9 +56,17 @@ struct Geometry {
   int64_t seq, heads, head_dim, width;
   bool causal;
   float scale;
+  float dropout;  // on the probabilities; 0: off (kernels/ops.hpp AttentionParams)
+  uint64_t dropout_seed, dropout_offset;
   __device__ int64_t qkv_row(int64_t b, int64_t t) const { return (b * seq + t) * 3 * width; }
   __device__ int64_t y_row(int64_t b, int64_t t) const { return (b * seq + t) * width; }
   __device__ int64_t visible(int64_t i) const { return causal ? i + 1 : seq; }
+  // The dropout mask's keep / (1 - p) for P[b H + h, i, j], as the CPU's dropout_scales.
+  __device__ float keep(int64_t bh, int64_t i, int64_t j) const {
+    if (dropout <= 0.f) return 1.f;
+    const uint64_t counter = dropout_offset + static_cast<uint64_t>((bh * seq + i) * seq + j);
+    return philox::uniform(dropout_seed, counter) >= dropout ? 1.f / (1.f - dropout) : 0.f;
+  }
 };
 
 // Scores s_j = scale q_i . k_j for the visible j into s (shared), one thread per j.
@@ -85,7 +94,8 @@ __global__ void attention_forward_kernel(float* y, float* lse, const float* qkv,
   for (int64_t j = threadIdx.x; j < n; j += blockDim.x) sum += expf(s[j] - m);
   sum = block_reduce_sum(sum);
   const float row_lse = m + logf(sum);
-  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) s[j] = expf(s[j] - row_lse);
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x)
+    s[j] = expf(s[j] - row_lse) * g.keep(bh, i, j);
   if (threadIdx.x == 0) lse[bh * g.seq + i] = row_lse;
   __syncthreads();
   float* out = y + g.y_row(b, i) + h * g.head_dim;
@@ -97,8 +107,9 @@ __global__ void attention_forward_kernel(float* y, float* lse, const float* qkv,
   }
 }
 
-// Row i: P_j from lse, dP_j = dy_i . v_j, dS_j = P_j (dP_j - sum_j P_j dP_j);
-// dq_i = scale sum_j dS_j k_j; dk_j += scale dS_j q_i; dv_j += P_j dy_i. dqkv starts at zero.
+// Row i: P_j from lse, dP_j = (dy_i . v_j) m_j, dS_j = P_j (dP_j - sum_j P_j dP_j);
+// dq_i = scale sum_j dS_j k_j; dk_j += scale dS_j q_i; dv_j += P_j m_j dy_i (m_j: the dropout
+// mask's keep / (1 - p), 1 without dropout). dqkv starts at zero.
 __global__ void attention_backward_kernel(float* dqkv, const float* dy, const float* qkv,
                                           const float* lse, Geometry g) {
   extern __shared__ float s[];  // (T) probabilities, then (T) dS
@@ -115,11 +126,14 @@ __global__ void attention_backward_kernel(float* dqkv, const float* dy, const fl
     float dp = 0.f;
     for (int64_t c = 0; c < g.head_dim; ++c) dp += dyi[c] * v[c];
     s[j] = p;
-    ds[j] = dp;
-    dot += p * dp;
+    ds[j] = dp * g.keep(bh, i, j);  // dropout: the gradient w.r.t. P is (dy . v_j) m_j
+    dot += p * ds[j];
   }
   dot = block_reduce_sum(dot);
-  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) ds[j] = s[j] * (ds[j] - dot);
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+    ds[j] = s[j] * (ds[j] - dot);
+    if (g.dropout > 0.f) s[j] *= g.keep(bh, i, j);  // dv_j takes the P m of the forward
+  }
   __syncthreads();
   const float* qi = qkv + g.qkv_row(b, i) + h * g.head_dim;
   float* dqi = dqkv + g.qkv_row(b, i) + h * g.head_dim;
@@ -139,8 +153,9 @@ __global__ void attention_backward_kernel(float* dqkv, const float* dy, const fl
 
 Geometry geometry(const Tensor& qkv, const AttentionParams& p) {
   const int64_t width = qkv.dim(2) / 3;
-  return Geometry{qkv.dim(1), p.heads, width / p.heads, width, p.mask == AttentionMask::causal,
-                  p.scale};
+  return Geometry{
+      qkv.dim(1), p.heads,   width / p.heads, width,           p.mask == AttentionMask::causal,
+      p.scale,    p.dropout, p.dropout_seed,  p.dropout_offset};
 }
 
 void check_shared(const char* op, size_t bytes) {

@@ -1,0 +1,33 @@
+#include "benchmarks/gpt_workload.hpp"
+
+#include <memory>
+
+#include "dp/data/text.hpp"
+#include "nn/gpt.hpp"
+#include "nn/loss.hpp"
+
+namespace bench {
+
+Workload gpt_workload(const std::string& config, int64_t seq, float dropout, uint64_t seed) {
+  nn::GptConfig c = nn::GptConfig::preset(config);
+  c.dropout = dropout;
+  DP_CHECK(seq >= 1 && seq <= c.context, "--seq " << seq << " with --gpt-config " << config
+                                                  << ": give 1 to the context, " << c.context);
+  Workload w;
+  w.name = "gpt-" + config;
+  w.make_model = [c] { return std::make_shared<nn::Gpt>(c); };
+  w.make_batch = [vocab = c.vocab, seq, seed](int64_t step, int64_t batch) {
+    auto [ids, targets] = dp::data::synthetic_token_batch(batch, seq, vocab, seed, step);
+    dp::data::Batch b;
+    b.images = std::move(ids);
+    b.labels = std::move(targets);
+    b.first_index = step * batch;
+    return b;
+  };
+  w.loss = std::make_shared<nn::TokenCrossEntropyLoss>();
+  w.tokens_per_sample = seq;
+  w.flops_per_token = c.flops_per_token(seq);
+  return w;
+}
+
+}  // namespace bench

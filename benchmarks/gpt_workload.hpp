@@ -1,0 +1,18 @@
+// dp_bench's language-model workload (--model gpt): nn::Gpt of a preset on synthetic tokens
+// (dp::data::synthetic_token_batch), token cross-entropy over (B, T, vocab), and the FLOPs per
+// token that tokens/s and MFU are reported with.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "benchmarks/bench_common.hpp"
+
+namespace bench {
+
+// requires config a GptConfig preset name; 1 <= seq <= its context (throws naming both
+// otherwise); 0 <= dropout < 1. ensures a workload named "gpt-<config>" whose batch of step s
+// is (ids, targets) (B, seq) i32 from (seed, s), the same for every mode and device count.
+Workload gpt_workload(const std::string& config, int64_t seq, float dropout, uint64_t seed);
+
+}  // namespace bench
