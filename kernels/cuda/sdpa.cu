@@ -65,7 +65,6 @@ struct SdpaPlans {
 // (B, T, H, hd) of an attention call.
 struct SdpaShape {
   int64_t b, t, h, hd;
-  int64_t width() const { return h * hd; }
 };
 
 SdpaShape sdpa_shape(const Tensor& qkv, const AttentionParams& p) {
@@ -117,7 +116,7 @@ struct SdpaLayout {
 };
 
 SdpaLayout sdpa_layout(const SdpaShape& s) {
-  const int64_t d = s.width();
+  const int64_t d = s.h * s.hd;  // D
   return {{s.b, s.h, s.t, s.hd},
           {s.t * 3 * d, s.hd, 3 * d, 1},
           {s.t * d, s.hd, d, 1},
@@ -138,6 +137,14 @@ void mark_output(const FeTensor& t, SdpaUid uid, const std::vector<int64_t>& dim
   t->set_output(true).set_uid(uid).set_dim(dims).set_stride(strides);
 }
 
+// The causal mask: key j is visible to query i when j <= i (the band's right bound is the
+// diagonal, aligned top left: T_q = T_kv here).
+template <class Attributes>
+void mask_future(Attributes& options) {
+  options.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
+      .set_diagonal_band_right_bound(0);
+}
+
 // The graph of one pass, not yet lowered.
 std::shared_ptr<fe::graph::Graph> describe(SdpaPass pass, DType dtype, const SdpaShape& s,
                                            const AttentionParams& p) {
@@ -151,11 +158,10 @@ std::shared_ptr<fe::graph::Graph> describe(SdpaPass pass, DType dtype, const Sdp
   FeTensor k = input(*g, "K", kK, l.dims, l.qkv_strides);
   FeTensor v = input(*g, "V", kV, l.dims, l.qkv_strides);
   if (pass == SdpaPass::forward) {
-    auto options = fe::graph::SDPA_attributes()
-                       .set_name("dp_sdpa")
-                       .set_generate_stats(true)
-                       .set_attn_scale(p.scale)
-                       .set_causal_mask(causal);
+    auto options =
+        fe::graph::SDPA_attributes().set_name("dp_sdpa").set_generate_stats(true).set_attn_scale(
+            p.scale);
+    if (causal) mask_future(options);
     auto [o, stats] = g->sdpa(q, k, v, options);
     mark_output(o, kO, l.dims, l.y_strides);
     mark_output(stats, kStats, l.stats_dims, l.stats_strides);
@@ -165,10 +171,9 @@ std::shared_ptr<fe::graph::Graph> describe(SdpaPass pass, DType dtype, const Sdp
     FeTensor d_o = input(*g, "dO", kDO, l.dims, l.y_strides);
     FeTensor stats = input(*g, "Stats", kStats, l.stats_dims, l.stats_strides);
     stats->set_data_type(fe::DataType_t::FLOAT);
-    auto options = fe::graph::SDPA_backward_attributes()
-                       .set_name("dp_sdpa_backward")
-                       .set_attn_scale(p.scale)
-                       .set_causal_mask(causal);
+    auto options =
+        fe::graph::SDPA_backward_attributes().set_name("dp_sdpa_backward").set_attn_scale(p.scale);
+    if (causal) mask_future(options);
     auto [dq, dk, dv] = g->sdpa_backward(q, k, v, o, d_o, stats, options);
     mark_output(dq, kDQ, l.dims, l.qkv_strides);
     mark_output(dk, kDK, l.dims, l.qkv_strides);
