@@ -1017,11 +1017,14 @@ void check_embedding(const char* op, const Tensor& rows, const char* rows_name, 
               << table.dim(1) << ") with one row per id of " << shape_str(ids.shape()));
 }
 
-// qkv (B, T, 3 D), y (B, T, D), lse (B, H, T), all f32 on one device.
+// qkv (B, T, 3 D) and y (B, T, D) of one dtype (f32, f16 or bf16), lse (B, H, T) f32, all on
+// one device.
 void check_attention(const char* op, const Tensor& qkv, const Tensor& y, const Tensor& lse,
                      const AttentionParams& p) {
   check_devices(op, {{"qkv", qkv}, {"y", y}, {"lse", lse}});
-  check_f32(op, {{"qkv", qkv}, {"y", y}, {"lse", lse}});
+  DP_CHECK(is_floating(qkv.dtype()), op << ": qkv must be f32, f16 or bf16, got " << qkv);
+  check_dtype(op, {"y", y}, qkv.dtype());
+  check_f32(op, {{"lse", lse}});
   check_ndim(op, {"qkv", qkv}, 3);
   const int64_t b = qkv.dim(0), t = qkv.dim(1);
   DP_CHECK(qkv.dim(2) % 3 == 0, op << ": qkv " << shape_str(qkv.shape())
@@ -1049,9 +1052,16 @@ void embedding_backward(Tensor& dtable, const Tensor& dy, const Tensor& ids) {
   DP_DISPATCH(dy.device(), embedding_backward, dtable, dy, ids);
 }
 
+// 16-bit qkv: CUDA runs cuDNN's fused SDPA where it accepts the shape (kernels/cuda/sdpa.cu),
+// else widens itself; the CPU backend has f32 kernels only, so its inputs are widened here.
 void attention_forward(Tensor& y, Tensor& lse, const Tensor& qkv, const AttentionParams& p) {
   check_attention("attention_forward", qkv, y, lse, p);
   if (y.numel() == 0) return;
+  if (is_16bit(qkv) && y.device().is_cpu()) {
+    Tensor y32 = f32_out(y);
+    attention_forward(y32, lse, widen(qkv), p);
+    return round_into(y, y32);
+  }
   DP_DISPATCH(y.device(), attention_forward, y, lse, qkv, p);
 }
 
@@ -1060,10 +1070,16 @@ void attention_backward(Tensor& dqkv, const Tensor& dy, const Tensor& qkv, const
   const char* op = "attention_backward";
   check_attention(op, qkv, y, lse, p);
   check_devices(op, {{"qkv", qkv}, {"dqkv", dqkv}, {"dy", dy}});
-  check_f32(op, {{"dqkv", dqkv}, {"dy", dy}});
+  check_dtype(op, {"dqkv", dqkv}, qkv.dtype());
+  check_dtype(op, {"dy", dy}, qkv.dtype());
   check_same_shape(op, {"qkv", qkv}, {"dqkv", dqkv});
   check_same_shape(op, {"y", y}, {"dy", dy});
   if (y.numel() == 0) return;
+  if (is_16bit(qkv) && dy.device().is_cpu()) {
+    Tensor dqkv32 = f32_out(dqkv);
+    attention_backward(dqkv32, widen(dy), widen(qkv), widen(y), lse, p);
+    return round_into(dqkv, dqkv32);
+  }
   DP_DISPATCH(dy.device(), attention_backward, dqkv, dy, qkv, y, lse, p);
 }
 

@@ -114,15 +114,20 @@ struct AttentionParams {
   uint64_t dropout_seed = 0, dropout_offset = 0;
 };
 // Multi-head scaled dot-product attention on a fused QKV projection.
-// requires qkv (B, T, 3 D) f32 holding [q | k | v] along the last dim, each (H, D / H) head by
-// head (the output of one Linear(D, 3 D)); y (B, T, D) f32; lse (B, H, T) f32; H divides D.
+// requires qkv (B, T, 3 D) f32, f16 or bf16 holding [q | k | v] along the last dim, each
+// (H, D / H) head by head (the output of one Linear(D, 3 D)); y (B, T, D) of qkv's dtype;
+// lse (B, H, T) f32; H divides D.
 // ensures per batch b and head h, with s_ij = scale q_i . k_j (j <= i under the causal mask):
 //   y[b, i, h] = sum_j softmax_j(s_i.) m_ij v_j,  lse[b, h, i] = log sum_j exp s_ij (for
 //   backward), with m_ij the dropout mask's keep / (1 - p) (1 without dropout).
-// CPU: exact softmax in f32 per (b, h), oneTBB over batch and heads.
+// CPU: exact softmax in f32 per (b, h), oneTBB over batch and heads (16-bit qkv widened).
+// CUDA: f32 on the plain kernels; f16/bf16 without dropout on cuDNN's fused SDPA (flash
+// attention) when cuDNN accepts the shape (head dim a multiple of 8, at most 128), else widened
+// to the plain kernels.
 void attention_forward(Tensor& y, Tensor& lse, const Tensor& qkv, const AttentionParams& p);
-// requires the forward's qkv, y and lse, and its params (the same dropout mask); dy like y;
-// dqkv like qkv. ensures dqkv = the gradient of sum(y * dy) w.r.t. qkv (overwritten).
+// requires the forward's qkv, y and lse, and its params (the same dropout mask); dy like y,
+// dqkv like qkv (shape and dtype). ensures dqkv = the gradient of sum(y * dy) w.r.t. qkv
+// (overwritten).
 void attention_backward(Tensor& dqkv, const Tensor& dy, const Tensor& qkv, const Tensor& y,
                         const Tensor& lse, const AttentionParams& p);
 

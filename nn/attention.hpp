@@ -44,8 +44,9 @@ class CausalSelfAttention : public Module {
              "CausalSelfAttention(" << dim_ << "): input " << kernels::shape_str(x.shape())
                                     << " must be (B, T, " << dim_ << ")");
     const int64_t b = x.dim(0), t = x.dim(1);
+    // Under 16-bit activations qkv and a are 16-bit: cuDNN's fused attention on CUDA.
     qkv_ = c_attn_->forward(x);                                    // (B, T, 3 D)
-    a_ = Tensor::empty({b, t, dim_}, DType::f32, x.device());      // (B, T, D)
+    a_ = Tensor::empty({b, t, dim_}, qkv_.dtype(), x.device());    // (B, T, D)
     lse_ = Tensor::empty({b, heads_, t}, DType::f32, x.device());  // (B, H, T)
     used_ = params();
     if (is_training() && dropout_ > 0.f) {
@@ -60,9 +61,9 @@ class CausalSelfAttention : public Module {
   }
   Tensor backward_impl(const Tensor& dy) override {
     DP_CHECK(qkv_.defined(), "CausalSelfAttention::backward called before forward");
-    Tensor da = c_proj_->backward(drop_->backward(dy));                  // (B, T, D)
-    Tensor dqkv = Tensor::empty(qkv_.shape(), DType::f32, dy.device());  // (B, T, 3 D)
-    kernels::attention_backward(dqkv, da, qkv_, a_, lse_, used_);        // the forward's mask
+    Tensor da = c_proj_->backward(drop_->backward(dy));                    // (B, T, D)
+    Tensor dqkv = Tensor::empty(qkv_.shape(), qkv_.dtype(), dy.device());  // (B, T, 3 D)
+    kernels::attention_backward(dqkv, da, qkv_, a_, lse_, used_);          // the forward's mask
     return c_attn_->backward(dqkv);
   }
   std::shared_ptr<Module> clone_config() const override {

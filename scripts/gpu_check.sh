@@ -254,7 +254,7 @@ missing_libs() { ldd "$build/bin/$1" 2> /dev/null | awk '/not found/ {print $1}'
 if [[ -n $(missing_libs dp_bench) ]]; then  # last resort: look everywhere
   while read -r f; do add_lib_dir "$(dirname "$f")"; done < <(
     timeout 120 find / -xdev \( -name 'libcudnn.so*' -o -name 'libnccl.so*' -o \
-      -name 'libcublasLt.so*' \) 2> /dev/null | awk '!seen[$0]++')
+      -name 'libcublasLt.so*' -o -name 'libnvrtc.so*' \) 2> /dev/null | awk '!seen[$0]++')
   export LD_LIBRARY_PATH="$lib_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
 # The bundle's libstdc++/libgcc_s only where the machine's own are older than the build's

@@ -17,6 +17,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/cuda_ops.hpp"
+#include "kernels/cuda/sdpa.hpp"
 #endif
 
 using namespace kernels;
@@ -1144,4 +1145,136 @@ TEST_CASE("kernels.cuda.count_correct_into: matches count_correct without a host
   Tensor out = Tensor::zeros({1}, DType::f32, kGpu);
   count_correct_into(out, x, l);
   CHECK(out.item() == static_cast<float>(count_correct(x, l)));
+}
+
+// ---- attention: the plain f32 kernels and cuDNN's fused SDPA for 16-bit qkv -----------------
+
+namespace {
+
+struct AttentionRun {
+  Tensor y, lse, dqkv;
+};
+
+// Forward and backward of attention on d: qkv (B, T, 3 D) and dy (B, T, D) uniform in [-1, 1)
+// from fixed seeds, of dtype `dt` (16-bit values are the rounded f32 ones on every device).
+AttentionRun run_attention(Device d, DType dt, int64_t b, int64_t t, int64_t heads, int64_t width,
+                           uint32_t seed) {
+  AttentionParams p{heads, 1.f / std::sqrt(static_cast<float>(width / heads)),
+                    AttentionMask::causal};
+  Tensor qkv = rnd(d, {b, t, 3 * width}, seed, -1.f, 1.f, dt);
+  Tensor dy = rnd(d, {b, t, width}, seed + 1, -1.f, 1.f, dt);
+  AttentionRun r{Tensor::empty({b, t, width}, dt, d), Tensor::empty({b, heads, t}, DType::f32, d),
+                 Tensor::empty(qkv.shape(), dt, d)};
+  attention_forward(r.y, r.lse, qkv, p);
+  attention_backward(r.dqkv, dy, qkv, r.y, r.lse, p);
+  return r;
+}
+
+float max_abs(const Tensor& t) {
+  float m = 0.f;
+  for (float v : t.to_host_f32()) m = std::max(m, std::fabs(v));
+  return m;
+}
+
+// The 16-bit unit roundoff: half an ulp at 1 (bf16 8 significant bits, f16 11).
+float unit_roundoff(DType dt) {
+  return dt == DType::bf16 ? std::ldexp(1.f, -8) : std::ldexp(1.f, -11);
+}
+
+}  // namespace
+
+TEST_CASE("kernels.cuda.attention: the plain f32 path matches CPU (causal, T up to 70)") {
+  DP_REQUIRE_GPU();
+  for (int64_t t : {int64_t{1}, int64_t{17}, int64_t{70}}) {
+    CAPTURE(t);
+    AttentionRun g = run_attention(kGpu, DType::f32, 2, t, 3, 24, 71);
+    AttentionRun c = run_attention(kCpu, DType::f32, 2, t, 3, 24, 71);
+    CHECK(diff(g.y, c.y) <= 1e-5f);
+    CHECK(diff(g.lse, c.lse) <= 1e-5f);
+    CHECK(diff(g.dqkv, c.dqkv) <= 1e-4f);
+  }
+}
+
+// The CPU widens the 16-bit inputs, computes in f32 and rounds each output once. cuDNN's fused
+// kernels read the same 16-bit values, accumulate in f32 (products of 16-bit values are exact),
+// but round the probabilities P to 16 bits before P V (relative error <= u each) and round y
+// once. So |y_gpu - y_cpu| <= u sum_j P_j |v_j| (P) + u |y| on each side (rounding) <=
+// 3 u max|v| = 3 u here (|v| <= 1); 4 u leaves room for the f32 sums' order. lse is f32 on both
+// sides from the same exact products: only summation order differs. Backward also rounds dS to
+// 16 bits before dS K and dS^T Q, and takes D = rowsum(dO * O) from the 16-bit O: each output
+// is a sum of products with one factor off by a relative u, plus the output rounding, and these
+// inputs keep the sums of absolute terms within twice the largest reference value, giving
+// 3 u + 2 (2 u) ~ 8 u max|ref|.
+TEST_CASE(
+    "kernels.cuda.sdpa: bf16 and f16 forward and backward match CPU within the 16-bit bound") {
+  DP_REQUIRE_GPU();
+  DeviceContext& ctx = context(kGpu);
+  for (DType dt : {DType::bf16, DType::f16})
+    for (auto [t, heads, width] :
+         {std::tuple<int64_t, int64_t, int64_t>{64, 2, 128}, {37, 4, 128}, {129, 1, 128}}) {
+      CAPTURE(std::string(dtype_name(dt)));
+      CAPTURE(t);
+      CAPTURE(width / heads);
+      const float u = unit_roundoff(dt);
+      cuda::SdpaCounts before = cuda::sdpa_counts(ctx);
+      AttentionRun g = run_attention(kGpu, dt, 2, t, heads, width, 72);
+      AttentionRun c = run_attention(kCpu, dt, 2, t, heads, width, 72);
+      cuda::SdpaCounts after = cuda::sdpa_counts(ctx);
+      if (cuda::sdpa_built()) {
+        CHECK(after.fused == before.fused + 2);  // forward and backward both fused
+        CHECK(after.refused == before.refused);
+      } else {
+        MESSAGE("built without the cuDNN frontend: the 16-bit plain path is checked instead");
+      }
+      CHECK(diff(g.y, c.y) <= 4.f * u);
+      CHECK(diff(g.lse, c.lse) <= 1e-4f * (1.f + max_abs(c.lse)));
+      CHECK(diff(g.dqkv, c.dqkv) <= 8.f * u * max_abs(c.dqkv));
+    }
+}
+
+TEST_CASE("kernels.cuda.sdpa: causal - changing the last token leaves every earlier row alone") {
+  DP_REQUIRE_GPU();
+  const int64_t b = 1, t = 48, width = 64;
+  AttentionParams p{2, 1.f / std::sqrt(32.f), AttentionMask::causal};
+  std::vector<float> host =
+      dp_test::random_vector(static_cast<size_t>(b * t * 3 * width), 73, -1.f, 1.f);
+  auto forward = [&](const std::vector<float>& v) {
+    Tensor qkv = Tensor::from_vector(v, {b, t, 3 * width}, kGpu, DType::bf16);
+    Tensor y = Tensor::empty({b, t, width}, DType::bf16, kGpu);
+    Tensor lse = Tensor::empty({b, 2, t}, DType::f32, kGpu);
+    attention_forward(y, lse, qkv, p);
+    return y.to_host_f32();
+  };
+  std::vector<float> y0 = forward(host);
+  for (int64_t c = 0; c < 3 * width; ++c)
+    host[static_cast<size_t>((t - 1) * 3 * width + c)] *= -3.f;
+  std::vector<float> y1 = forward(host);
+  const size_t earlier = static_cast<size_t>((t - 1) * width);
+  CHECK(std::memcmp(y0.data(), y1.data(), earlier * sizeof(float)) == 0);  // rows 0 .. T-2
+  CHECK(std::memcmp(y0.data() + earlier, y1.data() + earlier, width * sizeof(float)) != 0);
+}
+
+// Head dim 12 is no multiple of 8: cuDNN is not asked; the plain path runs on the widened
+// values and rounds once, which is the f32 path's result rounded (forward bit for bit; the
+// backward's float atomics may move a sum across a rounding boundary: one ulp).
+TEST_CASE("kernels.cuda.sdpa: a refused shape falls back to the plain path with its result") {
+  DP_REQUIRE_GPU();
+  DeviceContext& ctx = context(kGpu);
+  cuda::SdpaCounts before = cuda::sdpa_counts(ctx);
+  AttentionRun half = run_attention(kGpu, DType::bf16, 2, 33, 2, 24, 74);
+  CHECK(cuda::sdpa_counts(ctx).refused == before.refused + 2);
+  CHECK(cuda::sdpa_counts(ctx).fused == before.fused);
+  // The f32 path on the same (bf16-rounded) values, rounded to bf16.
+  const int64_t b = 2, t = 33, width = 24;
+  AttentionParams p{2, 1.f / std::sqrt(12.f), AttentionMask::causal};
+  Tensor qkv = cast(rnd(kGpu, {b, t, 3 * width}, 74, -1.f, 1.f, DType::bf16), DType::f32);
+  Tensor dy = cast(rnd(kGpu, {b, t, width}, 75, -1.f, 1.f, DType::bf16), DType::f32);
+  Tensor y = Tensor::empty({b, t, width}, DType::f32, kGpu);
+  Tensor lse = Tensor::empty({b, 2, t}, DType::f32, kGpu);
+  Tensor dqkv = Tensor::empty(qkv.shape(), DType::f32, kGpu);
+  attention_forward(y, lse, qkv, p);
+  attention_backward(dqkv, dy, qkv, y, lse, p);
+  CHECK(same_bits(half.y, cast(y, DType::bf16)));
+  CHECK(same_bits(half.lse, lse));
+  CHECK(diff(half.dqkv, cast(dqkv, DType::bf16)) <= std::ldexp(1.f, -7) * max_abs(dqkv));
 }

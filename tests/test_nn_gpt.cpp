@@ -144,6 +144,36 @@ TEST_CASE("nn.attention: dropout on the probabilities matches the loop with the 
   CHECK(attn->flat().rng_offset == before + 2 * 2 * 5 * 5 + 2 * 5 * 8);
 }
 
+TEST_CASE(
+    "nn.attention: bf16 and f16 qkv on CPU are the f32 result on their values, rounded once") {
+  const int64_t b = 2, t = 5, heads = 2, d = 8;
+  kernels::AttentionParams p{heads, 0.5f, kernels::AttentionMask::causal};
+  for (DType dt : {DType::bf16, DType::f16}) {
+    CAPTURE(kernels::dtype_name(dt));
+    Tensor qkv = kernels::cast(uniform({b, t, 3 * d}, 8), dt),
+           dy = kernels::cast(uniform({b, t, d}, 9), dt);
+    Tensor y = Tensor::empty({b, t, d}, dt, Device::cpu());
+    Tensor lse = Tensor::empty({b, heads, t}, DType::f32, Device::cpu());
+    Tensor dqkv = Tensor::empty(qkv.shape(), dt, Device::cpu());
+    kernels::attention_forward(y, lse, qkv, p);
+    kernels::attention_backward(dqkv, dy, qkv, y, lse, p);
+    Tensor qkv32 = kernels::cast(qkv, DType::f32), dy32 = kernels::cast(dy, DType::f32);
+    Tensor y32 = Tensor::empty({b, t, d}, DType::f32, Device::cpu());
+    Tensor lse32 = Tensor::empty({b, heads, t}, DType::f32, Device::cpu());
+    Tensor dqkv32 = Tensor::empty(qkv.shape(), DType::f32, Device::cpu());
+    kernels::attention_forward(y32, lse32, qkv32, p);
+    kernels::attention_backward(dqkv32, dy32, qkv32, kernels::cast(y, DType::f32), lse32, p);
+    CHECK(host(y) == host(kernels::cast(y32, dt)));
+    CHECK(host(lse) == host(lse32));
+    CHECK(host(dqkv) == host(kernels::cast(dqkv32, dt)));
+  }
+  Tensor mixed = Tensor::empty({b, t, d}, DType::f32, Device::cpu());
+  Tensor lse = Tensor::empty({b, heads, t}, DType::f32, Device::cpu());
+  CHECK_THROWS_WITH_AS(kernels::attention_forward(
+                           mixed, lse, kernels::cast(uniform({b, t, 3 * d}, 8), DType::bf16), p),
+                       doctest::Contains("y must be bf16"), kernels::Error);
+}
+
 TEST_CASE("nn.attention: bad shapes are refused naming them") {
   Tensor qkv = uniform({1, 4, 3 * 6}, 1);
   Tensor y = Tensor::empty({1, 4, 6}, DType::f32, Device::cpu());

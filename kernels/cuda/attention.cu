@@ -2,12 +2,14 @@
 // kernels/cpu/attention.cpp. Attention gives one block to each query row of each (batch,
 // head): the row's scores live in shared memory, the softmax is exact in f32, and backward
 // adds the key and value gradients with float atomics (their order may vary between runs).
-// The fused cuDNN SDPA path for bf16/fp16 is not built yet (issue 27).
+// f16/bf16 qkv go to cuDNN's fused SDPA (kernels/cuda/sdpa.cu) when cuDNN accepts the shape;
+// otherwise they are widened to f32 for the plain kernels and the results rounded once.
 #include <cstdint>
 #include <string>
 
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/philox.hpp"
+#include "kernels/cuda/sdpa.hpp"
 
 namespace kernels::cuda {
 
@@ -183,8 +185,30 @@ void embedding_backward(Tensor& dtable, const Tensor& dy, const Tensor& ids, Dev
   DP_CUDA_CHECK_LAUNCH();
 }
 
+namespace {
+
+// A 16-bit tensor's f32 copy (widened on ctx's stream), or a fresh f32 tensor of its shape.
+Tensor widened(const Tensor& t, DeviceContext& ctx) {
+  Tensor w = Tensor::empty(t.shape(), DType::f32, t.device());
+  cast(w, t, ctx);
+  return w;
+}
+Tensor f32_like(const Tensor& t) {
+  return Tensor::empty(t.shape(), DType::f32, t.device());
+}
+
+}  // namespace
+
+// 16-bit qkv without dropout: the fused path (cuDNN's dropout draws another mask than the
+// CPU's), else the plain one on widened copies.
 void attention_forward(Tensor& y, Tensor& lse, const Tensor& qkv, const AttentionParams& p,
                        DeviceContext& ctx) {
+  if (qkv.dtype() != DType::f32) {
+    if (p.dropout <= 0.f && sdpa_forward(y, lse, qkv, p, ctx)) return;
+    Tensor y32 = f32_like(y);
+    attention_forward(y32, lse, widened(qkv, ctx), p, ctx);
+    return cast(y, y32, ctx);
+  }
   NvtxRange range("kernels/attention_forward");
   const Geometry g = geometry(qkv, p);
   const size_t shared = sizeof(float) * static_cast<size_t>(g.seq);
@@ -195,8 +219,14 @@ void attention_forward(Tensor& y, Tensor& lse, const Tensor& qkv, const Attentio
   DP_CUDA_CHECK_LAUNCH();
 }
 
-void attention_backward(Tensor& dqkv, const Tensor& dy, const Tensor& qkv, const Tensor&,
+void attention_backward(Tensor& dqkv, const Tensor& dy, const Tensor& qkv, const Tensor& y,
                         const Tensor& lse, const AttentionParams& p, DeviceContext& ctx) {
+  if (qkv.dtype() != DType::f32) {
+    if (p.dropout <= 0.f && sdpa_backward(dqkv, dy, qkv, y, lse, p, ctx)) return;
+    Tensor dqkv32 = f32_like(dqkv);
+    attention_backward(dqkv32, widened(dy, ctx), widened(qkv, ctx), Tensor(), lse, p, ctx);
+    return cast(dqkv, dqkv32, ctx);
+  }
   NvtxRange range("kernels/attention_backward");
   const Geometry g = geometry(qkv, p);
   const size_t shared = 2 * sizeof(float) * static_cast<size_t>(g.seq);
