@@ -9,11 +9,13 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <memory>
 #include <optional>
 
 #include <CLI/CLI.hpp>
 
 #include "dp/cli/cli.hpp"
+#include "dp/cli/progress.hpp"
 #include "dp/data/text.hpp"
 #include "dp/data_parallel.hpp"
 #include "dp/distributed/ddp_trainer.hpp"
@@ -27,7 +29,7 @@ namespace {
 
 struct Flags {
   std::string model = "gpt", gpt_config = "tiny", device = "auto", mode = "single";
-  std::string data = dp::data::kDefaultTextDir, save, resume;
+  std::string data = dp::data::kDefaultTextDir, save, resume, log;
   int gpus = 1;
   int64_t steps = 200, batch = 16, seq = 64, eval_every = 50, val_batches = 8;
   // lr 3e-3: the tiny preset beats a bigram byte model in 200 steps of 8 x 64; at 6e-3 and
@@ -136,6 +138,10 @@ int main(int argc, char** argv) {
   app.add_option("--val-batches", f.val_batches, "validation batches per evaluation")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   app.add_option("--seed", f.seed, "seed of the weights and the batches");
+  app.add_option("--log", f.log,
+                 "write one JSON object per step here (step, loss, lr, grad_norm, tokens_per_s, "
+                 "loss_scale; rank 0 in DDP)")
+      ->check(dp::cli::output_file());
   app.add_option("--save", f.save, "training state written at the end (safetensors)")
       ->check(dp::cli::output_file());
   app.add_option("--resume", f.resume, "training state to go on from")->check(CLI::ExistingFile);
@@ -224,6 +230,11 @@ int main(int argc, char** argv) {
           f.gpt_config.c_str(), static_cast<long long>(trained.num_parameters()), f.mode.c_str(),
           progress.world_size, corpus.train.size(), corpus.val.size(), corpus.files.size());
 
+    std::optional<dp::cli::StepLog> step_log;
+    if (!f.log.empty() && leader) step_log.emplace("--log", f.log, "tokens_per_s");
+    // One redrawn line on a terminal (plain lines every 10 s otherwise), between the
+    // evaluations' lines.
+    std::unique_ptr<dp::cli::ProgressLine> bar;
     auto t_run = std::chrono::steady_clock::now();
     double train_time = 0, val = NAN;
     int64_t tokens = 0;
@@ -240,9 +251,21 @@ int main(int argc, char** argv) {
         last_loss = st.loss;
         grad_norm = st.grad_norm;
       }
-      train_time += seconds_since(t0);
+      const double dt = seconds_since(t0);
+      train_time += dt;
       tokens += y.numel();
+      if (step_log)
+        step_log->write({step + 1, last_loss, opt.lr(),
+                         f.clip_grad > 0.f ? std::optional<double>(grad_norm) : std::nullopt,
+                         static_cast<double>(y.numel()) / std::max(dt, 1e-9), 1.0});
+      if (leader) {
+        if (!bar) bar = std::make_unique<dp::cli::ProgressLine>("train", f.steps - first_step);
+        char detail[48];
+        std::snprintf(detail, sizeof detail, "loss %.4f", last_loss);
+        bar->update(step + 1 - first_step, detail);
+      }
       if ((step + 1) % f.eval_every == 0 || step + 1 == f.steps) {
+        if (bar) bar->finish();
         val = val_loss(trained, corpus.val, f);
         if (leader)
           std::printf(
@@ -253,6 +276,8 @@ int main(int argc, char** argv) {
         std::fflush(stdout);
       }
     }
+    if (bar) bar->finish();
+    if (step_log) step_log->close();  // a log that did not reach the disk is an error
     if (std::isnan(val)) val = val_loss(trained, corpus.val, f);
     if (leader)
       std::printf("final val loss %.4f after %lld steps, %.1f s\n", val,

@@ -10,6 +10,8 @@
 #include <regex>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 #include "dp/data/text.hpp"
 #include "tests/test_util.hpp"
 
@@ -124,4 +126,25 @@ TEST_CASE("samples.train_text: DP and a resumed run follow the single run") {
   CHECK(resumed.find("resumed") != std::string::npos);
   CHECK(final_val_loss(resumed) == doctest::Approx(single).epsilon(1e-4));
   std::remove(state.c_str());
+}
+
+TEST_CASE("samples.train_text: --log writes one JSON object per step, with the clipped norm") {
+  if (skip_without_fortunes()) return;
+  const std::string log = dp_test::temp_path("train_text", "steps.jsonl");
+  run_train_text(
+      "--device cpu --gpt-config tiny --batch 4 --seq 16 --steps 5 --eval-every 5 "
+      "--val-batches 1 --sample-bytes 0 --clip-grad 1.0 --log " +
+      log);
+  std::ifstream f(log);
+  std::string line;
+  int64_t steps = 0;
+  while (std::getline(f, line)) {
+    nlohmann::json j = nlohmann::json::parse(line);
+    CHECK(j["step"] == ++steps);
+    CHECK(j["loss"].get<double>() > 0);
+    CHECK(j["grad_norm"].get<double>() > 0);  // clipping on: the norm is known
+    CHECK(j["tokens_per_s"].get<double>() > 0);
+  }
+  CHECK(steps == 5);
+  std::remove(log.c_str());
 }
