@@ -22,8 +22,10 @@
 #              bf16, fp16 at --gpus 4 --comm-dtype bf16: step time, loss, loss scale, skipped
 #              steps and peak memory in the summary;
 #   bench      bench_kernels (TF32 and bf16 GEMM against peak); dp_bench --mode both, --gpus 1
-#              and 4, MLP and CNN;
-#   torch      the PyTorch side by side (benchmarks/torch_ref) where torch imports with CUDA;
+#              and 4, MLP and CNN; GPT-2 124M bf16 on one GPU (tokens/s, MFU) and the tiny GPT
+#              at --gpus 4;
+#   torch      the PyTorch side by side (benchmarks/torch_ref) where torch imports with CUDA,
+#              GPT-2 124M included;
 #   profile    ncu --clock-control none on one replica's backward (NVTX dp/backward, the first
 #              worker) and on the reduce (dp/reduce), a few kernels each.
 # Every stage writes into RESULTS_DIR/DATE_DEVICE/ (logs, JSON) and appends its verdict lines to
@@ -479,6 +481,13 @@ EOF
         --gpus "$g" --model "$model"
     done
   done
+  # GPT-2 124M in bf16 (bf16 activations: attention on cuDNN's fused SDPA), tokens/s and MFU;
+  # the tiny GPT through DP and DDP on 4 logical GPUs.
+  bench_step dp_bench_gpt124m_bf16 "dp_bench gpt-124m bf16 --gpus 1" --mode dp --gpus 1 \
+    --baseline 0 --model gpt --gpt-config 124m --seq 1024 --batch 8 --dtype bf16 \
+    --activations bf16 --steps 20 --warmup 3
+  bench_step dp_bench_gpt_tiny_gpus4 "dp_bench gpt-tiny --gpus 4" --mode both --gpus 4 \
+    --model gpt --gpt-config tiny
 }
 
 stage_torch() {
@@ -504,6 +513,16 @@ stage_torch() {
       fi
     done
   done
+  # GPT-2 124M on one GPU: ours against torch eager, CUDA graph and torch.compile.
+  OUT_DIR=$out/torch_side_by_side_gpt124m logged "$out/torch_side_by_side_gpt124m.txt" \
+    bash "$torch_ref/side_by_side.sh" "$build" 1 --device cuda --model gpt --gpt-config 124m \
+    --seq 1024 --batch 8 --dtype bf16 --steps 30 --warmup 5 --repeat 3
+  rc=$?
+  if ((rc == 0)); then
+    verdict ok "PyTorch side by side gpt-124m bf16" "N=1: see torch_side_by_side_gpt124m.txt"
+  else
+    verdict FAIL "PyTorch side by side gpt-124m bf16" "exit $rc$(budget_note $rc): see torch_side_by_side_gpt124m.txt"
+  fi
 }
 
 # Nsight Compute on the kernels inside one NVTX range of a short DP run of the CNN on 2 logical
