@@ -8,8 +8,8 @@
 #include <string>
 
 #include "kernels/cuda/cuda_common.cuh"
-#include "kernels/philox.hpp"
 #include "kernels/cuda/sdpa.hpp"
+#include "kernels/philox.hpp"
 
 namespace kernels::cuda {
 
