@@ -575,6 +575,10 @@ int run(const Options& o, int argc, char** argv) {
   DP_CHECK(o.hybrid_procs == 0 || o.mode == "hybrid",
            "--hybrid-procs " << o.hybrid_procs << " with --mode " << o.mode
                              << ": only --mode hybrid starts node processes");
+  DP_CHECK(o.link_gbps == 0 || o.mode == "hybrid" || (o.mode == "ddp" && o.launch.nnodes > 1),
+           "--link-gbps " << o.link_gbps << " with --mode " << o.mode << " on " << o.launch.nnodes
+                          << " node(s): nothing crosses a link between nodes; give --mode ddp "
+                             "with --nnodes > 1, or --mode hybrid");
   // Flags that only one mode reads are refused with the others, not ignored.
   DP_CHECK(o.zero == 0 || o.mode == "ddp" || o.mode == "both",
            "--zero " << o.zero << " with --mode " << o.mode

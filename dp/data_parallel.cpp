@@ -512,16 +512,18 @@ void DataParallel::read_step_metrics(int n) {
   }
   if (cross) {
     Tensor node = gathered_metrics_.view(kMetrics * n, {2});
-    std::vector<Tensor> losses, corrects;
-    for (int r = 0; r < n; ++r) {
-      losses.push_back(gathered_metrics_.view(kMetrics * r, {1}));
-      corrects.push_back(gathered_metrics_.view(kMetrics * r + 1, {1}));
-    }
+    // Device 0's source and weight lists, idle once its reductions are done: no vectors per step.
+    std::vector<Tensor>& from = per_device_[0].sum_from;
+    std::vector<float>& ones = per_device_[0].sum_weights;
     kernels::fill(node, 0.f);
     Tensor loss = node.view(0, {1}), correct = node.view(1, {1});
-    kernels::weighted_sum(loss, 1.f, losses,
-                          std::vector<float>(shares_.begin(), shares_.begin() + n));
-    kernels::weighted_sum(correct, 1.f, corrects, std::vector<float>(n, 1.f));
+    from.clear();
+    for (int r = 0; r < n; ++r) from.push_back(gathered_metrics_.view(kMetrics * r, {1}));
+    kernels::weighted_sum(loss, 1.f, from, shares_);  // shares_: one per device used (n)
+    from.clear();
+    for (int r = 0; r < n; ++r) from.push_back(gathered_metrics_.view(kMetrics * r + 1, {1}));
+    ones.assign(n, 1.f);
+    kernels::weighted_sum(correct, 1.f, from, ones);
     cross->start_sum(node);
     cross->finish();
   }

@@ -1198,6 +1198,8 @@ TEST_CASE("bench.link: bytes out of each node and their time, flat DDP against h
   auto [rc, text] = bench_output("--device cpu --mode dp --link-gbps 0");
   CHECK(rc != 0);
   CHECK(text.find("--link-gbps") != std::string::npos);
+  refused("--device cpu --mode dp --link-gbps 1", "nothing crosses a link between nodes");
+  refused("--device cpu --mode ddp --link-gbps 1", "nothing crosses a link between nodes");
 }
 
 TEST_CASE("bench.gpt: --model gpt reports tokens/s and MFU, DP and DDP follow one device") {
