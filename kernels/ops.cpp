@@ -23,11 +23,21 @@
 
 // The one dispatch point: kernels::cpu::op(args...) inside the device's task arena, or
 // kernels::cuda::op(args..., ctx) on the calling thread's context for the device.
-#define DP_DISPATCH(device, op, ...)                                           \
-  do {                                                                         \
-    DeviceContext& ctx = context(device);                                      \
-    if ((device).is_cpu()) return run_cpu(ctx, [&] { cpu::op(__VA_ARGS__); }); \
-    DP_CUDA_DISPATCH(cuda::op(__VA_ARGS__, ctx));                              \
+#define DP_DISPATCH(device, op, ...)                              \
+  do {                                                            \
+    DeviceContext& ctx = context(device);                         \
+    if ((device).is_cpu()) DP_RUN_CPU(ctx, cpu::op(__VA_ARGS__)); \
+    DP_CUDA_DISPATCH(cuda::op(__VA_ARGS__, ctx));                 \
+  } while (0)
+
+// A CPU op's call (a statement over the op's arguments): run inside the device's arena now, or,
+// while a graph captures on the context (kernels/runtime/graph.hpp), recorded with its arguments
+// copied (tensors keep sharing their memory) to run at each replay, as a CUDA graph replays a
+// launch with the arguments it was captured with.
+#define DP_RUN_CPU(ctx, ...)                                                    \
+  do {                                                                          \
+    if ((ctx).capturing()) return (ctx).record([=]() mutable { __VA_ARGS__; }); \
+    return run_cpu((ctx), [&] { __VA_ARGS__; });                                \
   } while (0)
 
 namespace kernels {
@@ -38,9 +48,12 @@ namespace {
   DP_THROW("device " << ctx.device() << " is not usable: " << cuda_unavailable_reason());
 }
 
-// Runs f inside the CPU device's arena and returns its result.
+// Runs f inside the CPU device's arena and returns its result. Not while capturing: what
+// returns a value to the host (count_correct, all_finite) cannot be captured; the rest goes
+// through DP_RUN_CPU.
 template <class F>
 decltype(auto) run_cpu(DeviceContext& ctx, F&& f) {
+  ctx.refuse_in_capture("an op that returns a value to the host");
   return ctx.arena().execute(std::forward<F>(f));
 }
 
@@ -471,9 +484,8 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
   if (logits.dim(0) == 0) return fill(loss, 0.f);  // the loss of an empty batch is 0
   DeviceContext& ctx = context(logits.device());
   if (logits.device().is_cpu())
-    return run_cpu(ctx, [&] {
-      cpu::softmax_cross_entropy(loss, dlogits, logits, labels, weights, label_smoothing);
-    });
+    DP_RUN_CPU(ctx,
+               cpu::softmax_cross_entropy(loss, dlogits, logits, labels, weights, label_smoothing));
   DP_CUDA_DISPATCH(
       cuda::softmax_cross_entropy(loss, dlogits, logits, labels, weights, label_smoothing, ctx));
 }
@@ -492,8 +504,7 @@ void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, co
   if (logits.dim(0) == 0) return fill(loss, 0.f);
   DeviceContext& ctx = context(logits.device());
   if (logits.device().is_cpu())
-    return run_cpu(ctx,
-                   [&] { cpu::token_cross_entropy(loss, dlogits, logits, targets, ignore_index); });
+    DP_RUN_CPU(ctx, cpu::token_cross_entropy(loss, dlogits, logits, targets, ignore_index));
   DP_CUDA_DISPATCH(cuda::token_cross_entropy(loss, dlogits, logits, targets, ignore_index, ctx));
 }
 
@@ -774,10 +785,8 @@ void batch_norm_forward_train(Tensor& y, Tensor& save_mean, Tensor& save_invstd,
            op << ": expected more than one value per channel, got x " << shape_str(x.shape()));
   DeviceContext& ctx = context(x.device());
   if (x.device().is_cpu())
-    return run_cpu(ctx, [&] {
-      cpu::batch_norm_forward_train(y, save_mean, save_invstd, running_mean, running_var, x, gamma,
-                                    beta, momentum, eps);
-    });
+    DP_RUN_CPU(ctx, cpu::batch_norm_forward_train(y, save_mean, save_invstd, running_mean,
+                                                  running_var, x, gamma, beta, momentum, eps));
   DP_CUDA_DISPATCH(cuda::batch_norm_forward_train(y, save_mean, save_invstd, running_mean,
                                                   running_var, x, gamma, beta, momentum, eps, ctx));
 }
@@ -797,9 +806,8 @@ void batch_norm_forward_eval(Tensor& y, const Tensor& x, const Tensor& gamma, co
   if (x.numel() == 0) return;
   DeviceContext& ctx = context(x.device());
   if (x.device().is_cpu())
-    return run_cpu(ctx, [&] {
-      cpu::batch_norm_forward_eval(y, x, gamma, beta, running_mean, running_var, eps);
-    });
+    DP_RUN_CPU(ctx,
+               cpu::batch_norm_forward_eval(y, x, gamma, beta, running_mean, running_var, eps));
   DP_CUDA_DISPATCH(
       cuda::batch_norm_forward_eval(y, x, gamma, beta, running_mean, running_var, eps, ctx));
 }
@@ -827,9 +835,8 @@ void batch_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor
   }
   DeviceContext& ctx = context(x.device());
   if (x.device().is_cpu())
-    return run_cpu(ctx, [&] {
-      cpu::batch_norm_backward(dx, dgamma, dbeta, dy, x, gamma, save_mean, save_invstd, acc);
-    });
+    DP_RUN_CPU(ctx, cpu::batch_norm_backward(dx, dgamma, dbeta, dy, x, gamma, save_mean,
+                                             save_invstd, acc));
   DP_CUDA_DISPATCH(
       cuda::batch_norm_backward(dx, dgamma, dbeta, dy, x, gamma, save_mean, save_invstd, acc, ctx));
 }
@@ -868,8 +875,7 @@ void layer_norm_forward(Tensor& y, Tensor& save_mean, Tensor& save_rstd, const T
   if (x.numel() == 0) return;
   DeviceContext& ctx = context(x.device());
   if (x.device().is_cpu())
-    return run_cpu(ctx,
-                   [&] { cpu::layer_norm_forward(y, save_mean, save_rstd, x, gamma, beta, eps); });
+    DP_RUN_CPU(ctx, cpu::layer_norm_forward(y, save_mean, save_rstd, x, gamma, beta, eps));
   DP_CUDA_DISPATCH(cuda::layer_norm_forward(y, save_mean, save_rstd, x, gamma, beta, eps, ctx));
 }
 
@@ -893,9 +899,8 @@ void layer_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor
   }
   DeviceContext& ctx = context(x.device());
   if (x.device().is_cpu())
-    return run_cpu(ctx, [&] {
-      cpu::layer_norm_backward(dx, dgamma, dbeta, dy, x, gamma, save_mean, save_rstd, acc);
-    });
+    DP_RUN_CPU(
+        ctx, cpu::layer_norm_backward(dx, dgamma, dbeta, dy, x, gamma, save_mean, save_rstd, acc));
   DP_CUDA_DISPATCH(
       cuda::layer_norm_backward(dx, dgamma, dbeta, dy, x, gamma, save_mean, save_rstd, acc, ctx));
 }

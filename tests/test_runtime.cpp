@@ -2,6 +2,8 @@
 #include <array>
 #include <thread>
 
+#include "kernels/runtime/event.hpp"
+#include "kernels/runtime/graph.hpp"
 #include "kernels/runtime/handle.hpp"
 #include "kernels/runtime/memory.hpp"
 #include "kernels/runtime/plan_cache.hpp"
@@ -269,4 +271,102 @@ TEST_CASE("runtime.context: state<T> is one object per context, destroyed with i
   CHECK(a.state<Counted>().uses == 2);
   CHECK(b.state<Counted>().uses == 0);  // per context, never shared
   CHECK(&a.state<Counted>() != &b.state<Counted>());
+}
+
+// ---- graphs (kernels/runtime/graph.hpp) ----------------------------------------------------
+
+namespace {
+// A small piece of work: y = 2 (x + b), z = sum of squares of y.
+void graph_body(Tensor& y, Tensor& z, const Tensor& x, const Tensor& b) {
+  add(y, x, b);
+  scale(y, y, 2.f);
+  sum_squares(z, y);
+}
+}  // namespace
+
+TEST_CASE("runtime.graph: a CPU capture records without running; replays read current contents") {
+  DeviceContext ctx(Device::cpu(0), {.cpu_threads = 2, .caching = Caching::on});
+  ContextScope scope(ctx);
+  Tensor x = Tensor::from_vector({1, 2, 3}, {3}, Device::cpu(0));
+  Tensor b = Tensor::from_vector({10, 20, 30}, {3}, Device::cpu(0));
+  Tensor y = Tensor::zeros({3}, DType::f32, Device::cpu(0));
+  Tensor z = Tensor::zeros({1}, DType::f32, Device::cpu(0));
+  Graph g;
+  CHECK(!g.captured());
+  g.capture(ctx, [&] { graph_body(y, z, x, b); });
+  CHECK(g.captured());
+  CHECK(g.nodes() == 3);
+  CHECK(y.to_host_f32() == std::vector<float>{0, 0, 0});  // recorded, not run
+  g.replay();
+  CHECK(y.to_host_f32() == std::vector<float>{22, 44, 66});
+  CHECK(z.item() == 22.f * 22 + 44.f * 44 + 66.f * 66);
+  // The recording holds the tensors, not their values: new contents of x give a new result,
+  // while the scalar argument (2) stays what it was when captured.
+  fill(x, 0.f);
+  g.replay();
+  CHECK(y.to_host_f32() == std::vector<float>{20, 40, 60});
+  g.reset();
+  CHECK(!g.captured());
+  CHECK_THROWS_WITH_AS(g.replay(), doctest::Contains("nothing captured"), Error);
+}
+
+TEST_CASE("runtime.graph: host reads, events and a second capture are refused; ctx stays usable") {
+  DeviceContext ctx(Device::cpu(0), {.cpu_threads = 1, .caching = Caching::on});
+  ContextScope scope(ctx);
+  Tensor x = Tensor::from_vector({1, 2}, {2}, Device::cpu(0));
+  Tensor y = Tensor::zeros({2}, DType::f32, Device::cpu(0));
+  Graph g;
+  CHECK_THROWS_WITH_AS(g.capture(ctx, [&] { (void)all_finite(x); }),
+                       doctest::Contains("not capturable"), Error);
+  CHECK_THROWS_WITH_AS(g.capture(ctx, [&] { ctx.synchronize(); }),
+                       doctest::Contains("host read or wait on cpu:0"), Error);
+  Event e(Event::Timing::off);
+  CHECK_THROWS_WITH_AS(g.capture(ctx, [&] { e.record(ctx); }),
+                       doctest::Contains("recording an event"), Error);
+  Graph other;
+  CHECK_THROWS_WITH_AS(g.capture(ctx, [&] { other.capture(ctx, [] {}); }),
+                       doctest::Contains("captures there already"), Error);
+  CHECK(!g.captured());
+  CHECK(!ctx.capturing());
+  // Not this thread's context for the device: its ops would go elsewhere.
+  DeviceContext stray(Device::cpu(0), {.cpu_threads = 1});
+  CHECK_THROWS_WITH_AS(g.capture(stray, [] {}), doctest::Contains("not the one this thread"),
+                       Error);
+  scale(y, x, 3.f);  // the context runs work again
+  CHECK(y.to_host_f32() == std::vector<float>{3, 6});
+  CHECK(all_finite(y));
+}
+
+TEST_CASE("runtime.graph: blocks taken while capturing stay the graph's until it is destroyed") {
+  DeviceContext ctx(Device::cpu(0), {.cpu_threads = 1, .caching = Caching::on});
+  ContextScope scope(ctx);
+  const Shape s{1000};
+  Tensor x = Tensor::from_vector(std::vector<float>(1000, 1.f), s, Device::cpu(0));
+  Tensor out = Tensor::zeros({1}, DType::f32, Device::cpu(0));
+  const void* warm = nullptr;
+  {
+    Tensor t = Tensor::empty(s, DType::f32, Device::cpu(0));
+    warm = t.raw();
+  }  // cached
+  const int64_t allocations = ctx.memory()->allocations.load();
+  Graph g;
+  const void* temp_block = nullptr;
+  g.capture(ctx, [&] {
+    Tensor temp = Tensor::empty(s, DType::f32, Device::cpu(0));  // the cached block
+    temp_block = temp.raw();
+    scale(temp, x, 2.f);
+    sum_squares(out, temp);
+  });
+  CHECK(temp_block == warm);
+  CHECK(ctx.memory()->allocations.load() == allocations);  // a warm cache: nothing new
+  {
+    // The graph's block is not handed out while the graph lives: a replay writes it.
+    Tensor other = Tensor::empty(s, DType::f32, Device::cpu(0));
+    CHECK(other.raw() != temp_block);
+  }
+  g.replay();
+  CHECK(out.item() == 4000.f);
+  g.reset();
+  Tensor again = Tensor::empty(s, DType::f32, Device::cpu(0));
+  CHECK(again.raw() == temp_block);  // back in the cache with the graph gone
 }

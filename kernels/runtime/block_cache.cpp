@@ -23,6 +23,14 @@ void* allocate_device_bytes(Device device, size_t bytes, void* stream, MemorySta
   } else {
 #if DP_HAVE_CUDA
     CurrentGpuGuard on(physical_gpu(device));
+    // Inside a capture this would become the graph's own allocation, which the cache cannot
+    // hand back: a captured step must find its blocks cached (kernels/runtime/graph.hpp).
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capture) == cudaSuccess &&
+        capture != cudaStreamCaptureStatusNone)
+      DP_THROW("allocating " << bytes << " bytes on " << device
+                             << " while a graph captures: the work takes memory the cache "
+                                "does not hold (run it once uncaptured first)");
     cudaError_t e = cudaMallocAsync(&p, bytes, static_cast<cudaStream_t>(stream));
     if (e != cudaSuccess) {
       cudaGetLastError();  // handled here: the next launch on this thread must not report it
@@ -67,26 +75,82 @@ BlockCache::~BlockCache() {
     for (void* p : blocks) free_device_bytes(device_, p, bytes, stream_owner_.get());
 }
 
+namespace {
+// The last block of `bytes` in `lists`, taken out; nullptr when there is none.
+void* pop_block(std::map<size_t, std::vector<void*>>& lists, size_t bytes) {
+  auto it = lists.find(bytes);
+  if (it == lists.end() || it->second.empty()) return nullptr;
+  void* p = it->second.back();
+  it->second.pop_back();
+  return p;
+}
+}  // namespace
+
 void* BlockCache::take(size_t bytes) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto it = free_.find(bytes);
-    if (it != free_.end() && !it->second.empty()) {
-      void* p = it->second.back();
-      it->second.pop_back();
+    void* p = active_ ? pop_block(active_->free_, bytes) : nullptr;
+    if (p) return p;  // already the reservation's
+    p = pop_block(free_, bytes);
+    if (p) {
+      if (active_) {
+        active_->owned_.insert(p);
+        owner_[p] = active_;
+      }
       return p;
     }
   }
-  return allocate_device_bytes(device_, bytes, stream_owner_.get(), *stats_);
+  void* p = allocate_device_bytes(device_, bytes, stream_owner_.get(), *stats_);
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (active_) {
+    active_->owned_.insert(p);
+    owner_[p] = active_;
+  }
+  return p;
 }
 
 void BlockCache::give_back(void* p, size_t bytes) noexcept {
   std::lock_guard<std::mutex> lock(mutex_);
   try {
-    free_[bytes].push_back(p);
+    auto it = owner_.find(p);
+    if (it != owner_.end())
+      it->second->free_[bytes].push_back(p);
+    else
+      free_[bytes].push_back(p);
   } catch (...) {  // no memory for the list: the block goes back to the device instead
+    if (auto it = owner_.find(p); it != owner_.end()) {
+      it->second->owned_.erase(p);
+      owner_.erase(it);
+    }
     free_device_bytes(device_, p, bytes, stream_owner_.get());
   }
+}
+
+std::shared_ptr<BlockReservation> BlockCache::begin_reservation() {
+  auto r = std::make_shared<BlockReservation>();
+  r->cache_ = shared_from_this();
+  std::lock_guard<std::mutex> lock(mutex_);
+  DP_CHECK(active_ == nullptr, "BlockCache on " << device_ << ": a reservation is active already");
+  active_ = r.get();
+  return r;
+}
+
+void BlockCache::end_reservation() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  active_ = nullptr;
+}
+
+BlockReservation::~BlockReservation() {
+  BlockCache& cache = *cache_;
+  std::lock_guard<std::mutex> lock(cache.mutex_);
+  if (cache.active_ == this) cache.active_ = nullptr;
+  for (void* p : owned_) cache.owner_.erase(p);  // live blocks go to the cache when freed
+  for (auto& [bytes, blocks] : free_)
+    for (void* p : blocks) try {
+        cache.free_[bytes].push_back(p);
+      } catch (...) {  // no memory for the list: the block goes back to the device
+        free_device_bytes(cache.device_, p, bytes, cache.stream_owner_.get());
+      }
 }
 
 }  // namespace kernels

@@ -15,6 +15,8 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "kernels/runtime/device.hpp"
@@ -29,7 +31,24 @@ void* allocate_device_bytes(Device device, size_t bytes, void* stream, MemorySta
 // Frees what allocate_device_bytes returned (stream-ordered on `stream` for CUDA). Never throws.
 void free_device_bytes(Device device, void* p, size_t bytes, void* stream) noexcept;
 
-class BlockCache {
+class BlockCache;
+
+// The blocks a captured graph (kernels/runtime/graph.hpp) uses: every block taken while the
+// reservation is active is its own; freed, the block goes back to the reservation's list (reused
+// only by takes during the reservation), so nothing outside the graph is handed memory a replay
+// writes. When the reservation dies (with its graph) its blocks return to the cache.
+class BlockReservation {
+ public:
+  ~BlockReservation();
+
+ private:
+  friend class BlockCache;
+  std::shared_ptr<BlockCache> cache_;
+  std::map<size_t, std::vector<void*>> free_;
+  std::unordered_set<void*> owned_;
+};
+
+class BlockCache : public std::enable_shared_from_this<BlockCache> {
  public:
   // `stream_owner` keeps the CUDA stream alive as long as the cache (empty on CPU devices).
   BlockCache(Device device, std::shared_ptr<void> stream_owner, std::shared_ptr<MemoryStats> stats);
@@ -42,12 +61,20 @@ class BlockCache {
   // requires p came from take(bytes). ensures the next take(bytes) may return it.
   void give_back(void* p, size_t bytes) noexcept;
 
+  // requires no reservation active. ensures the blocks taken until end_reservation() belong to
+  // the returned reservation.
+  std::shared_ptr<BlockReservation> begin_reservation();
+  void end_reservation();
+
  private:
+  friend class BlockReservation;
   Device device_;
   std::shared_ptr<void> stream_owner_;
   std::shared_ptr<MemoryStats> stats_;
   std::mutex mutex_;  // a tensor may die on another thread than the one that made it
   std::map<size_t, std::vector<void*>> free_;
+  BlockReservation* active_ = nullptr;
+  std::unordered_map<void*, BlockReservation*> owner_;  // blocks of live reservations
 };
 
 }  // namespace kernels

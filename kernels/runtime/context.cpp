@@ -232,6 +232,11 @@ void DeviceContext::synchronize() {
 #endif
 }
 
+void DeviceContext::refuse_in_capture(const char* what) const {
+  DP_CHECK(!capturing(), what << " on " << device_
+                              << " while a graph captures there: the work is not capturable");
+}
+
 bool direct_access(Device reader, Device owner) {
   if (reader.is_cpu() || owner.is_cpu()) return reader.is_cpu() && owner.is_cpu();
 #if DP_HAVE_CUDA

@@ -13,10 +13,12 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
 #include <typeindex>
+#include <vector>
 
 #include <tbb/task_arena.h>
 
@@ -83,7 +85,20 @@ class DeviceContext {
   // host read of one of its tensors (item, to_host_*). Counted on CPU devices too, where
   // the work is done already, so that a step's count is the same on every backend.
   int64_t host_syncs() const { return host_syncs_.load(); }
-  void note_host_sync() { host_syncs_.fetch_add(1, std::memory_order_relaxed); }
+  // Throws while a graph captures on this context: a host wait cannot be captured.
+  void note_host_sync() {
+    refuse_in_capture("a host read or wait");
+    host_syncs_.fetch_add(1, std::memory_order_relaxed);
+  }
+
+  // Capture (kernels/runtime/graph.hpp): whether a Graph is capturing on this context. Then
+  // the op layer records CPU ops (record) instead of running them, and CUDA work goes into the
+  // stream's capture.
+  bool capturing() const { return recording_ != nullptr; }
+  // requires capturing(), a CPU device. ensures `op` runs at each replay, in order.
+  void record(std::function<void()> op) { recording_->push_back(std::move(op)); }
+  // Throws, naming `what` and the device, while capturing.
+  void refuse_in_capture(const char* what) const;
   // Shares ownership of the CUDA stream: memory allocated on it keeps it alive until freed,
   // so a tensor may outlive the context that made it. Empty on CPU devices.
   const std::shared_ptr<void>& stream_owner() const { return stream_owner_; }
@@ -135,6 +150,9 @@ class DeviceContext {
   std::shared_ptr<BlockCache> block_cache_;
   std::atomic<int64_t> host_syncs_{0};
   std::map<std::type_index, std::shared_ptr<void>> states_;
+  // The capture in progress (Graph::capture): CPU ops go here; non-null on CUDA too, as the flag.
+  std::vector<std::function<void()>>* recording_ = nullptr;
+  friend class Graph;
 };
 
 // Binds `ctx` as this thread's context for ctx.device() until the scope ends.

@@ -52,6 +52,7 @@ void Event::release() noexcept {
 }
 
 void Event::record(DeviceContext& ctx) {
+  ctx.refuse_in_capture("recording an event");  // a replay would not record it
   host_ = Clock::now();
   if (ctx.device().is_cpu()) {
     release();
@@ -82,6 +83,7 @@ void Event::record(DeviceContext& ctx) {
 
 void Event::wait(DeviceContext& ctx) const {
   DP_CHECK(recorded_, "Event::wait on " << ctx.device() << ": the event was never recorded");
+  ctx.refuse_in_capture("waiting on an event");  // order a graph's launch from outside it
   if (!event_ || ctx.device().is_cpu()) {
     // A CPU event's work is done. A CPU context waiting on a GPU event must block the host.
     if (event_) synchronize();

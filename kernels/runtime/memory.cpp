@@ -43,8 +43,11 @@ void copy_host(char* d, const char* s, size_t bytes, DeviceContext& ctx) {
 void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes,
                 DeviceContext& ctx) {
   if (bytes == 0 || dst == src) return;
-  if (dst_device.is_cpu() && src_device.is_cpu())
+  if (dst_device.is_cpu() && src_device.is_cpu()) {
+    // A capture records the Tensor overload's copy, which keeps both buffers alive.
+    ctx.refuse_in_capture("a copy between raw host pointers");
     return copy_host(static_cast<char*>(dst), static_cast<const char*>(src), bytes, ctx);
+  }
 #if DP_HAVE_CUDA
   NvtxRange range("runtime/copy_bytes");
   ctx.make_current();
@@ -58,6 +61,7 @@ void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device
     return;
   }
   cudaMemcpyKind kind = dst_device.is_cuda() ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost;
+  if (dst_device.is_cpu()) ctx.refuse_in_capture("a copy to the host");
   DP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, s));
   // A copy that ends on the host is waited for: the caller reads the data next.
   // An armed device-side fault (a bad label in the loss) is reported at this read.
@@ -76,6 +80,7 @@ void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device
 void fill_bytes(void* y, Device device, uint8_t value, size_t bytes, DeviceContext& ctx) {
   if (bytes == 0) return;
   if (device.is_cpu()) {
+    ctx.refuse_in_capture("a fill of a raw host pointer");
     std::memset(y, value, bytes);
     return;
   }
@@ -95,6 +100,13 @@ void copy_bytes(Tensor& dst, const Tensor& src) {
   Device d = dst.device(), s = src.device();
   // The GPU side's context orders the copy; dst's when both sides are alike.
   DeviceContext& ctx = context(s.is_cuda() && d.is_cpu() ? s : d);
+  if (ctx.capturing() && d.is_cpu() && s.is_cpu()) {
+    DeviceContext* c = &ctx;
+    return ctx.record([dst, src, c]() mutable {
+      copy_host(static_cast<char*>(dst.raw()), static_cast<const char*>(src.raw()), dst.nbytes(),
+                *c);
+    });
+  }
   copy_bytes(dst.raw(), d, src.raw(), s, dst.nbytes(), ctx);
 }
 
@@ -108,7 +120,10 @@ void read_back(Tensor& host, const Tensor& src) {
 
 void fill_bytes(Tensor& y, uint8_t value) {
   DP_CHECK(y.defined(), "fill_bytes: undefined tensor");
-  fill_bytes(y.raw(), y.device(), value, y.nbytes(), context(y.device()));
+  DeviceContext& ctx = context(y.device());
+  if (ctx.capturing() && y.device().is_cpu())
+    return ctx.record([y, value]() mutable { std::memset(y.raw(), value, y.nbytes()); });
+  fill_bytes(y.raw(), y.device(), value, y.nbytes(), ctx);
 }
 
 }  // namespace kernels

@@ -1,0 +1,122 @@
+#include "kernels/runtime/graph.hpp"
+
+#include <utility>
+
+#include "kernels/runtime/block_cache.hpp"
+#include "kernels/runtime/error.hpp"
+#include "kernels/runtime/nvtx.hpp"
+
+#if DP_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "kernels/runtime/cuda_check.hpp"
+#endif
+
+namespace kernels {
+
+Graph::~Graph() {
+  reset();
+}
+
+Graph::Graph(Graph&& other) noexcept {
+  *this = std::move(other);
+}
+
+Graph& Graph::operator=(Graph&& other) noexcept {
+  if (this != &other) {
+    reset();
+    ctx_ = std::exchange(other.ctx_, nullptr);
+    ops_ = std::move(other.ops_);
+    exec_ = std::exchange(other.exec_, nullptr);
+    nodes_ = std::exchange(other.nodes_, 0);
+    reservation_ = std::move(other.reservation_);
+  }
+  return *this;
+}
+
+void Graph::reset() {
+#if DP_HAVE_CUDA
+  if (exec_) {
+    // An executable graph still running is freed when it completes.
+    cudaError_t e = cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(exec_));
+    if (e != cudaSuccess && e != cudaErrorCudartUnloading)
+      DP_LOG_ERROR("destroying a CUDA graph: " << cudaGetErrorString(e));
+  }
+#endif
+  exec_ = nullptr;
+  ops_.clear();
+  ctx_ = nullptr;
+  nodes_ = 0;
+  reservation_.reset();  // after the ops: the tensors they hold return their blocks to it first
+}
+
+void Graph::capture(DeviceContext& ctx, const std::function<void()>& body) {
+  DP_CHECK(!ctx.capturing(),
+           "Graph::capture on " << ctx.device() << ": a graph captures there already");
+  DP_CHECK(&context(ctx.device()) == &ctx,
+           "Graph::capture on " << ctx.device()
+                                << ": the context is not the one this thread's ops use there");
+  reset();
+  NvtxRange range("runtime/graph_capture");
+  std::vector<std::function<void()>> ops;
+  std::shared_ptr<BlockReservation> reservation;
+  if (ctx.block_cache()) reservation = ctx.block_cache()->begin_reservation();
+  // Ends the capture state whatever happens: the context must stay usable after a failure.
+  struct Ending {
+    DeviceContext& ctx;
+    bool cache;
+    ~Ending() {
+      ctx.recording_ = nullptr;
+      if (cache) ctx.block_cache()->end_reservation();
+    }
+  } ending{ctx, reservation != nullptr};
+  ctx.recording_ = &ops;
+  if (ctx.device().is_cpu()) {
+    body();
+    ops_ = std::move(ops);
+    nodes_ = static_cast<int64_t>(ops_.size());
+  } else {
+#if DP_HAVE_CUDA
+    ctx.make_current();
+    auto s = static_cast<cudaStream_t>(ctx.stream());
+    DP_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    cudaGraph_t graph = nullptr;
+    try {
+      body();
+    } catch (...) {
+      cudaStreamEndCapture(s, &graph);  // ends the (invalidated) capture; the error is body's
+      if (graph) cudaGraphDestroy(graph);
+      cudaGetLastError();
+      throw;
+    }
+    DP_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+    size_t n = 0;
+    cudaGraphGetNodes(graph, nullptr, &n);
+    cudaGraphExec_t exec = nullptr;
+    cudaError_t e = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    DP_CUDA_CHECK(e);
+    exec_ = exec;
+    nodes_ = static_cast<int64_t>(n);
+#endif
+  }
+  ctx_ = &ctx;
+  reservation_ = std::move(reservation);
+}
+
+void Graph::replay() {
+  DP_CHECK(captured(), "Graph::replay: nothing captured");
+  if (ctx_->device().is_cpu()) {
+    ctx_->arena().execute([&] {
+      for (auto& op : ops_) op();
+    });
+    return;
+  }
+#if DP_HAVE_CUDA
+  ctx_->make_current();
+  DP_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(exec_),
+                                static_cast<cudaStream_t>(ctx_->stream())));
+#endif
+}
+
+}  // namespace kernels

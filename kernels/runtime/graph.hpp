@@ -1,0 +1,62 @@
+// kernels::Graph: a piece of one context's work, captured once and replayed: a CUDA graph on a
+// CUDA device, and the same interface on a CPU device, where the op layer records each op with
+// its arguments copied and a replay runs the recording. What a replay does is therefore what the
+// capture saw: the same kernels, the same tensors (the same memory) and the same scalar
+// arguments. A value that changes from one step to the next must live in device memory, written
+// outside the graph, for a replay to see it; on CPU devices a value baked in by mistake replays
+// stale exactly as it would on the GPU, so CI catches what is not capturable.
+//
+//     kernels::Graph g;
+//     body();                      // once eagerly: the context's BlockCache learns the sizes
+//     g.capture(ctx, body);        // recorded, not run
+//     g.replay();                  // each step: the captured work, queued on ctx
+//
+// While a graph captures, a host read on its context (a copy to the host, an op that returns a
+// value, synchronize()) and an allocation from a CUDA device (a BlockCache miss) throw: the work
+// is not capturable. Tensors made while capturing keep their memory for the graph (the cache's
+// reservation) until it is destroyed, so nothing outside the graph is handed memory a replay
+// writes.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "kernels/runtime/context.hpp"
+
+namespace kernels {
+
+class BlockReservation;
+
+class Graph {
+ public:
+  Graph() = default;
+  ~Graph();
+  Graph(Graph&& other) noexcept;
+  Graph& operator=(Graph&& other) noexcept;
+  Graph(const Graph&) = delete;
+  Graph& operator=(const Graph&) = delete;
+
+  // requires ctx is the calling thread's context for its device, nothing is capturing on it,
+  // and `body` queues work only on ctx, reads nothing back and, on a CUDA device, takes no new
+  // memory (run it once first). ensures the work `body` queued is captured (not run) and
+  // replaces what this graph held. Throws, leaving the graph empty and ctx usable, when `body`
+  // throws or the work is not capturable.
+  void capture(DeviceContext& ctx, const std::function<void()>& body);
+  // requires captured(). ensures the captured work is queued on the context (CPU: runs now).
+  void replay();
+  bool captured() const { return ctx_ != nullptr; }
+  // Ops recorded (CPU) or kernel and copy nodes (CUDA).
+  int64_t nodes() const { return nodes_; }
+  void reset();
+
+ private:
+  DeviceContext* ctx_ = nullptr;
+  std::vector<std::function<void()>> ops_;  // CPU
+  void* exec_ = nullptr;                    // CUDA: cudaGraphExec_t
+  int64_t nodes_ = 0;
+  std::shared_ptr<BlockReservation> reservation_;
+};
+
+}  // namespace kernels
