@@ -4,6 +4,7 @@
 
 #include <sstream>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <initializer_list>
@@ -934,10 +935,71 @@ void check_skip_flag(const char* op, const Tensor& params, const Tensor& skip_if
   check_dtype(op, {"skip_if", skip_if}, DType::f32);
   check_shape(op, {"skip_if", skip_if}, {1});
 }
+
+// requires scalars f32 on the parameters' device with at least `count` elements.
+void check_scalars(const char* op, const Tensor& params, const Tensor& scalars, int count) {
+  check_devices(op, {{"params", params}, {"scalars", scalars}});
+  check_dtype(op, {"scalars", scalars}, DType::f32);
+  DP_CHECK(scalars.numel() >= count,
+           op << ": scalars " << scalars << " must hold at least " << count << " values");
+}
+
+void check_step(const char* op, int64_t step) {
+  DP_CHECK(step >= 1, op << ": step must be >= 1 (1 is the first step), got " << step);
+}
 }  // namespace
 
+void set_values(Tensor& dst, const float* values, int n) {
+  const char* op = "set_values";
+  check_defined(op, dst, "dst");
+  check_dtype(op, {"dst", dst}, DType::f32);
+  DP_CHECK(n >= 0 && n <= kMaxValues && n <= dst.numel(),
+           op << ": " << n << " values into dst " << dst << " (at most " << kMaxValues << ")");
+  if (n == 0) return;
+  Values vals;  // by value from here on: the caller's array is not read again
+  std::copy(values, values + n, vals.v);
+  vals.n = n;
+  DP_DISPATCH(dst.device(), set_values, dst, vals);
+}
+
+std::array<float, SgdScalar::count> sgd_scalars(const SgdConfig& c, int64_t step) {
+  check_step("sgd_scalars", step);
+  std::array<float, SgdScalar::count> s{};
+  s[SgdScalar::lr] = c.lr;
+  s[SgdScalar::grad_unscale] = c.grad_unscale;
+  s[SgdScalar::first_step] = step == 1 ? 1.f : 0.f;
+  return s;
+}
+
+AdamWGroups single_group(const AdamWConfig& c) {
+  AdamWGroups g;
+  g.count = 1;
+  g.weight_decay[0] = c.weight_decay;
+  return g;
+}
+
+// Scalars in double, as PyTorch computes them in Python, rounded to float once.
+std::array<float, AdamWScalar::count> adamw_scalars(const AdamWConfig& c, const AdamWGroups& groups,
+                                                    int64_t step) {
+  const char* op = "adamw_scalars";
+  check_step(op, step);
+  DP_CHECK(groups.count >= 1 && groups.count <= kMaxAdamWGroups,
+           op << ": " << groups.count << " groups; 1 to " << kMaxAdamWGroups << " are supported");
+  const double t = static_cast<double>(step);
+  std::array<float, AdamWScalar::count> s{};
+  s[AdamWScalar::grad_unscale] = c.grad_unscale;
+  s[AdamWScalar::correction2_sqrt] =
+      static_cast<float>(std::sqrt(1.0 - std::pow(double{c.beta2}, t)));
+  for (int k = 0; k < groups.count; ++k) {
+    const double lr = static_cast<double>(c.lr) * groups.lr_scale[k];
+    s[AdamWScalar::decay + k] = static_cast<float>(1.0 - lr * groups.weight_decay[k]);
+    s[AdamWScalar::step_size + k] = static_cast<float>(lr / (1.0 - std::pow(double{c.beta1}, t)));
+  }
+  return s;
+}
+
 void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const SgdConfig& c,
-                int64_t step) {
+                const Tensor& scalars) {
   const char* op = "sgd_update";
   check_devices(op, {{"params", params}, {"grads", grads}});
   check_f32(op, {{"params", params}, {"grads", grads}});
@@ -947,45 +1009,42 @@ void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const
     check_dtype(op, {"momentum_buf", momentum_buf}, DType::f32);
     check_same_shape(op, {"params", params}, {"momentum_buf", momentum_buf});
   }
-  DP_CHECK(step >= 1, op << ": step must be >= 1 (1 is the first step), got " << step);
+  check_scalars(op, params, scalars, SgdScalar::count);
   check_skip_flag(op, params, c.skip_if);
   if (params.numel() == 0) return;
-  DP_DISPATCH(params.device(), sgd_update, params, grads, momentum_buf, c, step);
+  DP_DISPATCH(params.device(), sgd_update, params, grads, momentum_buf, c, scalars);
 }
 
-void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, const AdamWConfig& c,
-                  int64_t step) {
-  const char* op = "adamw_update";
+namespace {
+void check_adamw(const char* op, const Tensor& params, const Tensor& grads, const Tensor& m,
+                 const Tensor& v, const AdamWConfig& c, const Tensor& scalars) {
   check_devices(op, {{"params", params}, {"grads", grads}, {"m", m}, {"v", v}});
   check_f32(op, {{"params", params}, {"grads", grads}, {"m", m}, {"v", v}});
   check_same_shape(op, {"params", params}, {"grads", grads});
   check_same_shape(op, {"params", params}, {"m", m});
   check_same_shape(op, {"params", params}, {"v", v});
-  DP_CHECK(step >= 1, op << ": step must be >= 1 (1 is the first step), got " << step);
+  check_scalars(op, params, scalars, AdamWScalar::count);
   check_skip_flag(op, params, c.skip_if);
+}
+}  // namespace
+
+void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, const AdamWConfig& c,
+                  const Tensor& scalars) {
+  check_adamw("adamw_update", params, grads, m, v, c, scalars);
   if (params.numel() == 0) return;
-  DP_DISPATCH(params.device(), adamw_update, params, grads, m, v, c, step);
+  const Tensor no_groups;  // every element in group 0
+  DP_DISPATCH(params.device(), adamw_update, params, grads, m, v, no_groups, c, scalars);
 }
 
 void adamw_update_grouped(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v,
-                          const Tensor& group_of, const AdamWConfig& c, const AdamWGroups& groups,
-                          int64_t step) {
+                          const Tensor& group_of, const AdamWConfig& c, const Tensor& scalars) {
   const char* op = "adamw_update_grouped";
-  check_devices(op,
-                {{"params", params}, {"grads", grads}, {"m", m}, {"v", v}, {"group_of", group_of}});
-  check_f32(op, {{"params", params}, {"grads", grads}, {"m", m}, {"v", v}});
+  check_adamw(op, params, grads, m, v, c, scalars);
+  check_devices(op, {{"params", params}, {"group_of", group_of}});
   check_dtype(op, {"group_of", group_of}, DType::u8);
-  check_same_shape(op, {"params", params}, {"grads", grads});
-  check_same_shape(op, {"params", params}, {"m", m});
-  check_same_shape(op, {"params", params}, {"v", v});
   check_same_shape(op, {"params", params}, {"group_of", group_of});
-  DP_CHECK(groups.count >= 1 && groups.count <= kMaxAdamWGroups,
-           op << ": " << groups.count << " groups; 1 to " << kMaxAdamWGroups << " are supported");
-  DP_CHECK(step >= 1, op << ": step must be >= 1 (1 is the first step), got " << step);
-  check_skip_flag(op, params, c.skip_if);
   if (params.numel() == 0) return;
-  DP_DISPATCH(params.device(), adamw_update_grouped, params, grads, m, v, group_of, c, groups,
-              step);
+  DP_DISPATCH(params.device(), adamw_update, params, grads, m, v, group_of, c, scalars);
 }
 
 bool all_finite(const Tensor& x) {

@@ -9,6 +9,7 @@
 // given in the contract. Empty tensors (a zero dimension) are valid and do nothing.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -255,7 +256,25 @@ void layer_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor
 void dropout_forward(Tensor& y, Tensor& mask, const Tensor& x, float p, uint64_t seed,
                      uint64_t offset);
 
+// ---- small values in device memory ------------------------------------------------------
+
+// Up to kMaxValues floats carried by value: in a kernel's launch arguments on CUDA (so the
+// values are fixed when the launch is queued, and a captured launch replays them).
+constexpr int kMaxValues = 32;
+struct Values {
+  float v[kMaxValues] = {};
+  int n = 0;
+};
+// requires dst f32 on its device with at least n elements, 0 <= n <= kMaxValues.
+// ensures dst[0, n) = values[0, n), queued on dst's device in ONE launch whose arguments hold the
+// values (`values` may change as soon as this returns). Allocates nothing.
+void set_values(Tensor& dst, const float* values, int n);
+
 // ---- fused optimizer updates over one flat buffer ------------------------------------------
+// An update reads its per-step scalars (learning rate, gradient unscale, step-count terms) from a
+// small f32 tensor on the parameters' device when it runs, not from its arguments: the host
+// computes them (sgd_scalars, adamw_scalars) and writes them there (set_values) before queueing
+// the update, so a captured update replays with the current step's values.
 
 struct SgdConfig {
   float lr = 0.01f;
@@ -269,11 +288,19 @@ struct SgdConfig {
   // nonzero value (a non-finite gradient, non_finite_into), read by the kernel, not the host.
   Tensor skip_if;
 };
+// SGD's per-step scalars, at these indices of the scalars tensor.
+struct SgdScalar {
+  static constexpr int lr = 0, grad_unscale = 1, first_step = 2 /* 1 or 0 */, count = 3;
+};
+// requires step t >= 1. ensures the SgdScalar values of step t under c (c.lr, c.grad_unscale).
+std::array<float, SgdScalar::count> sgd_scalars(const SgdConfig& c, int64_t step);
 // PyTorch's SGD: g = grad * unscale + wd * p; if momentum: buf = first_step ? g : m buf + (1 -
-// damp) g, g = nesterov ? g + m buf : buf; p -= lr * g. `momentum_buf` is unused when momentum ==
-// 0. requires params, grads, momentum_buf same shape, f32; step t >= 1 (t == 1: first step).
+// damp) g, g = nesterov ? g + m buf : buf; p -= lr * g. lr, unscale and first_step are read
+// from `scalars` (sgd_scalars there) when the update runs; c's other fields are constants.
+// `momentum_buf` is unused when momentum == 0. requires params, grads, momentum_buf same shape,
+// f32; scalars f32 with >= SgdScalar::count elements, on the parameters' device.
 void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const SgdConfig& c,
-                int64_t step);
+                const Tensor& scalars);
 
 struct AdamWConfig {
   float lr = 1e-3f;
@@ -284,11 +311,6 @@ struct AdamWConfig {
   float grad_unscale = 1.f;
   Tensor skip_if;  // as SgdConfig::skip_if
 };
-// PyTorch's AdamW (decoupled weight decay): p *= 1 - lr wd; m = b1 m + (1-b1) g;
-// v = b2 v + (1-b2) g^2 with g = grad * unscale; p -= lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) +
-// eps). requires params, grads, m, v same shape, f32; step t >= 1.
-void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, const AdamWConfig& c,
-                  int64_t step);
 // Parameter groups of one flat buffer (nanoGPT's: weight decay on matrices only), each with
 // its learning-rate scale and weight decay. A group is a set of ranges; group_of names each
 // element's group, so the grouped step stays one pass over the buffer.
@@ -298,13 +320,31 @@ struct AdamWGroups {
   float lr_scale[kMaxAdamWGroups] = {1, 1, 1, 1, 1, 1, 1, 1};
   float weight_decay[kMaxAdamWGroups] = {};
 };
-// requires as adamw_update; group_of (P) u8 like params with values < groups.count,
-// 1 <= groups.count <= kMaxAdamWGroups. ensures adamw_update's step on each element with
-// lr = c.lr * lr_scale[g] and weight_decay = weight_decay[g] of its group g (c.weight_decay is
-// not used).
+// One group with c's weight decay: what adamw_update does.
+AdamWGroups single_group(const AdamWConfig& c);
+// AdamW's per-step scalars, at these indices of the scalars tensor: the gradient unscale,
+// sqrt(1 - b2^t), and per group k: decay[k] = 1 - lr_k wd_k, step_size[k] = lr_k / (1 - b1^t).
+struct AdamWScalar {
+  static constexpr int grad_unscale = 0, correction2_sqrt = 1, decay = 2,
+                       step_size = decay + kMaxAdamWGroups, count = step_size + kMaxAdamWGroups;
+};
+// requires step t >= 1, 1 <= groups.count <= kMaxAdamWGroups. ensures the AdamWScalar values of
+// step t, computed in double as PyTorch does in Python and rounded to float once, with
+// lr_k = c.lr * groups.lr_scale[k] (c.weight_decay is not used: the groups hold theirs).
+std::array<float, AdamWScalar::count> adamw_scalars(const AdamWConfig& c, const AdamWGroups& groups,
+                                                    int64_t step);
+// PyTorch's AdamW (decoupled weight decay): p *= 1 - lr wd; m = b1 m + (1-b1) g;
+// v = b2 v + (1-b2) g^2 with g = grad * unscale; p -= lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) +
+// eps), with group 0's scalars of adamw_scalars(c, single_group(c), t) read from `scalars` when
+// it runs (betas and eps are c's). requires params, grads, m, v same shape, f32; scalars f32 with
+// >= AdamWScalar::count elements, on the parameters' device.
+void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, const AdamWConfig& c,
+                  const Tensor& scalars);
+// requires as adamw_update; group_of (P) u8 like params with values < the groups' count in
+// `scalars` (adamw_scalars(c, groups, t)). ensures adamw_update's step on each element with
+// the scalars of its group.
 void adamw_update_grouped(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v,
-                          const Tensor& group_of, const AdamWConfig& c, const AdamWGroups& groups,
-                          int64_t step);
+                          const Tensor& group_of, const AdamWConfig& c, const Tensor& scalars);
 // True when every element of x is finite (waits for the result).
 bool all_finite(const Tensor& x);
 // The same verdict left on the device: requires flag (1) f32 on x's device. ensures flag = 0

@@ -151,14 +151,25 @@ class GradScaler {
   // and calls settle() before the next step. Without a check (enabled() false) nothing is
   // written to `non_finite` and settle() does not look at it.
   void step_deferred(Optimizer& opt, const Tensor& grads, Tensor& non_finite) {
+    prepare_deferred(opt);
+    apply_deferred(opt, grads, non_finite);
+  }
+  // The host half of step_deferred, outside any captured region: sets opt's unscale to
+  // 1 / scale() and calls opt.prepare_step(). requires settle() of the previous step done.
+  void prepare_deferred(Optimizer& opt) {
     opt.set_grad_unscale(1.f / state_.scale);
+    opt.prepare_step();
+  }
+  // The device half: queues the check into `non_finite` (with a check) and opt.apply_step(),
+  // which skips itself on the flag. Capturable. requires prepare_deferred(opt) for this step.
+  void apply_deferred(Optimizer& opt, const Tensor& grads, Tensor& non_finite) {
     if (!options_.check) {
-      opt.step();
+      opt.apply_step();
       return;
     }
     kernels::non_finite_into(non_finite, grads);
     opt.set_skip_if(non_finite);
-    opt.step();
+    opt.apply_step();
     opt.set_skip_if(Tensor());
   }
   // requires step_deferred ran and `finite` is its verdict as read (ignored without a check).

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <memory>
 #include <string>
@@ -29,7 +30,26 @@ class Optimizer {
 
   // requires the module's flat grads hold the gradient of this step. ensures the flat params
   // are updated in one kernel queued on the module's device; step_count() grows by one.
-  virtual void step() = 0;
+  void step() {
+    prepare_step();
+    apply_step();
+  }
+  // The host half of step(), outside any captured region: step_count() grows by one and this
+  // step's scalars (learning rate, grad unscale, step-count terms; see kernels::sgd_scalars,
+  // adamw_scalars) are written into step_scalars() by ONE launch that carries them by value.
+  // Allocates nothing.
+  void prepare_step() {
+    ++step_;
+    const int n = compute_step_scalars(host_scalars_.data());
+    kernels::set_values(scalars_, host_scalars_.data(), n);
+  }
+  // The device half: queues the fused update alone. It reads its per-step scalars from
+  // step_scalars() and the skip flag (set_skip_if) when it runs; no host value that changes
+  // between steps is among its arguments, so a captured apply_step replays correctly after each
+  // prepare_step. requires prepare_step() for this step.
+  virtual void apply_step() = 0;
+  // (kernels::kMaxValues) f32 on the module's device: the per-step scalars apply_step reads.
+  const Tensor& step_scalars() const { return scalars_; }
   // Named optimizer state tensors (flat, shaped like the parameters), e.g. for checkpoints.
   virtual std::vector<std::pair<std::string, Tensor>> state() = 0;
 
@@ -82,7 +102,11 @@ class Optimizer {
   Optimizer(Module& m, float lr) : module_(m), lr_(lr) {
     DP_CHECK(m.materialized(),
              "optimizer: " << m.type_name() << " has no storage; call materialize() first");
+    scalars_ = Tensor::zeros({kernels::kMaxValues}, DType::f32, m.device());
   }
+  // Writes the scalars of step step_count() (lr(), grad_unscale()) into `out` (kMaxValues
+  // floats) in the layout apply_step's kernel reads; returns how many.
+  virtual int compute_step_scalars(float* out) = 0;
   // State shaped like the parameters this optimizer updates (all, or its shard), zeroed.
   Tensor zeros_like_params() {
     return Tensor::zeros({shard_end() - shard_begin()}, DType::f32, module_.device());
@@ -101,6 +125,8 @@ class Optimizer {
   float lr_;
   float grad_unscale_ = 1.f;
   Tensor skip_if_;
+  Tensor scalars_;  // (kMaxValues) f32 on the module's device
+  std::array<float, kernels::kMaxValues> host_scalars_{};
   int64_t step_ = 0;
   int64_t begin_ = 0, end_ = -1;  // end < 0: every parameter
 };
@@ -119,13 +145,10 @@ class SGD : public Optimizer {
     reset_state();
   }
 
-  void step() override {
-    config_.lr = lr_;
-    config_.grad_unscale = grad_unscale_;
+  void apply_step() override {
     config_.skip_if = skip_if_;
     Tensor p = params_to_update(), g = grads_to_update();
-    ++step_;
-    if (p.numel() > 0) kernels::sgd_update(p, g, momentum_, config_, step_);
+    if (p.numel() > 0) kernels::sgd_update(p, g, momentum_, config_, scalars_);
   }
   std::vector<std::pair<std::string, Tensor>> state() override {
     if (!momentum_.defined()) return {};
@@ -134,6 +157,13 @@ class SGD : public Optimizer {
   const kernels::SgdConfig& config() const { return config_; }
 
  protected:
+  int compute_step_scalars(float* out) override {
+    config_.lr = lr_;
+    config_.grad_unscale = grad_unscale_;
+    const auto s = kernels::sgd_scalars(config_, step_);
+    std::copy(s.begin(), s.end(), out);
+    return static_cast<int>(s.size());
+  }
   void reset_state() override {
     if (config_.momentum != 0.f) momentum_ = zeros_like_params();
   }
@@ -146,7 +176,8 @@ class SGD : public Optimizer {
 // PyTorch's AdamW (decoupled weight decay); see kernels::adamw_update. m, v (P).
 class AdamW : public Optimizer {
  public:
-  AdamW(Module& m, kernels::AdamWConfig config) : Optimizer(m, config.lr), config_(config) {
+  AdamW(Module& m, kernels::AdamWConfig config)
+      : Optimizer(m, config.lr), config_(config), groups_table_(kernels::single_group(config)) {
     DP_CHECK(config.lr >= 0.f && config.beta1 >= 0.f && config.beta1 < 1.f && config.beta2 >= 0.f &&
                  config.beta2 < 1.f && config.eps > 0.f && config.weight_decay >= 0.f,
              "AdamW: invalid config (lr " << config.lr << ", betas " << config.beta1 << ", "
@@ -155,13 +186,10 @@ class AdamW : public Optimizer {
     reset_state();
   }
 
-  void step() override {
-    config_.lr = lr_;
-    config_.grad_unscale = grad_unscale_;
+  void apply_step() override {
     config_.skip_if = skip_if_;
     Tensor p = params_to_update(), g = grads_to_update();
-    ++step_;
-    if (p.numel() > 0) kernels::adamw_update(p, g, m_, v_, config_, step_);
+    if (p.numel() > 0) kernels::adamw_update(p, g, m_, v_, config_, scalars_);
   }
   std::vector<std::pair<std::string, Tensor>> state() override {
     return {{"exp_avg", m_}, {"exp_avg_sq", v_}};
@@ -169,13 +197,22 @@ class AdamW : public Optimizer {
   const kernels::AdamWConfig& config() const { return config_; }
 
  protected:
+  int compute_step_scalars(float* out) override {
+    config_.lr = lr_;
+    config_.grad_unscale = grad_unscale_;
+    const auto s = kernels::adamw_scalars(config_, groups_table_, step_);
+    std::copy(s.begin(), s.end(), out);
+    return static_cast<int>(s.size());
+  }
   void reset_state() override {
     m_ = zeros_like_params();
     v_ = zeros_like_params();
   }
 
- private:
   kernels::AdamWConfig config_;
+  // The groups the scalars are computed for: one with config_.weight_decay (GroupedAdamW: its
+  // own).
+  kernels::AdamWGroups groups_table_;
   Tensor m_, v_;  // (P) first and second moments
 };
 

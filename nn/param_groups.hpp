@@ -1,7 +1,8 @@
 // Parameter groups for AdamW as ranges of the flat buffer: weight decay on matrices only (the
 // weights of Linear and Conv2d layers; no decay on biases, norms and embeddings), and a
 // learning-rate scale per group. The fused step stays one pass: each flat element carries its
-// group's index (one byte), and kernels::adamw_update_grouped reads the group's scalars.
+// group's index (one byte), and kernels::adamw_update_grouped reads the group's scalars
+// (kernels::adamw_scalars, in the optimizer's step_scalars()).
 //
 //   nn::GroupedAdamW opt(*model, cfg, nn::decay_matrices_only(*model, cfg.weight_decay));
 #pragma once
@@ -67,10 +68,10 @@ class GroupedAdamW : public AdamW {
                "GroupedAdamW: group " << groups_[k].name << " has lr_scale " << groups_[k].lr_scale
                                       << ", weight_decay " << groups_[k].weight_decay
                                       << "; both must be >= 0");
-      table_.lr_scale[k] = groups_[k].lr_scale;
-      table_.weight_decay[k] = groups_[k].weight_decay;
+      groups_table_.lr_scale[k] = groups_[k].lr_scale;
+      groups_table_.weight_decay[k] = groups_[k].weight_decay;
     }
-    table_.count = n;
+    groups_table_.count = n;
     // Alignment gaps hold zeros that any group leaves at zero: they take group 0.
     Tensor host = Tensor::zeros({m.flat_params().numel()}, DType::u8, Device::cpu());
     uint8_t* h = host.data<uint8_t>();
@@ -83,22 +84,17 @@ class GroupedAdamW : public AdamW {
     group_of_ = host.to(m.device());
   }
 
-  void step() override {
-    kernels::AdamWConfig c = config();
-    c.lr = lr_;
-    c.grad_unscale = grad_unscale_;
+  void apply_step() override {
+    config_.skip_if = skip_if_;
     Tensor p = params_to_update(), g = grads_to_update();
-    ++step_;
     if (p.numel() == 0) return;
-    auto st = state();  // exp_avg, exp_avg_sq: views of AdamW's own tensors
     Tensor groups = group_of_.view(shard_begin(), {p.numel()});
-    kernels::adamw_update_grouped(p, g, st[0].second, st[1].second, groups, c, table_, step_);
+    kernels::adamw_update_grouped(p, g, m_, v_, groups, config_, scalars_);
   }
   const std::vector<ParamGroup>& groups() const { return groups_; }
 
  private:
   std::vector<ParamGroup> groups_;
-  kernels::AdamWGroups table_;
   Tensor group_of_;  // (P) u8, each element's group
 };
 

@@ -12,6 +12,7 @@
 #include <tuple>
 
 #include "kernels/runtime/graph.hpp"
+#include "tests/optim_test_util.hpp"
 #include "tests/test_util.hpp"
 
 #if DP_HAVE_CUDA
@@ -839,7 +840,7 @@ TEST_CASE("kernels.cuda.sgd_update and adamw_update: three steps match CPU") {
         [&](Device d) {
           Tensor p = rnd(d, {n}, 68), buf = zeros(d, {n});
           for (int64_t step = 1; step <= 3; ++step)
-            sgd_update(p, rnd(d, {n}, 69 + static_cast<uint32_t>(step)), buf, sgd[i], step);
+            dp_test::sgd_step(p, rnd(d, {n}, 69 + static_cast<uint32_t>(step)), buf, sgd[i], step);
           return Outputs{p, buf};
         },
         1e-6f);
@@ -850,7 +851,7 @@ TEST_CASE("kernels.cuda.sgd_update and adamw_update: three steps match CPU") {
         c.lr = 1e-2f;
         Tensor p = rnd(d, {n}, 73), m = zeros(d, {n}), v = zeros(d, {n});
         for (int64_t step = 1; step <= 3; ++step)
-          adamw_update(p, rnd(d, {n}, 74 + static_cast<uint32_t>(step)), m, v, c, step);
+          dp_test::adamw_step(p, rnd(d, {n}, 74 + static_cast<uint32_t>(step)), m, v, c, step);
         return Outputs{p, m, v};
       },
       1e-6f);
@@ -866,8 +867,8 @@ TEST_CASE("kernels.cuda.sgd_update and adamw_update: grad_unscale != 1 matches C
       [&](Device d) {
         Tensor p = rnd(d, {n}, 75), buf = zeros(d, {n});
         for (int64_t step = 1; step <= 3; ++step)
-          sgd_update(p, rnd(d, {n}, 76 + static_cast<uint32_t>(step), -1024.f, 1024.f), buf, sgd,
-                     step);
+          dp_test::sgd_step(p, rnd(d, {n}, 76 + static_cast<uint32_t>(step), -1024.f, 1024.f), buf,
+                            sgd, step);
         return Outputs{p, buf};
       },
       1e-6f);
@@ -878,11 +879,55 @@ TEST_CASE("kernels.cuda.sgd_update and adamw_update: grad_unscale != 1 matches C
       [&](Device d) {
         Tensor p = rnd(d, {n}, 80), m = zeros(d, {n}), v = zeros(d, {n});
         for (int64_t step = 1; step <= 3; ++step)
-          adamw_update(p, rnd(d, {n}, 81 + static_cast<uint32_t>(step), -4.f, 4.f), m, v, adam,
-                       step);
+          dp_test::adamw_step(p, rnd(d, {n}, 81 + static_cast<uint32_t>(step), -4.f, 4.f), m, v,
+                              adam, step);
         return Outputs{p, m, v};
       },
       1e-6f);
+}
+
+TEST_CASE("kernels.cuda.adamw_update_grouped: three steps with per-group scalars match CPU") {
+  DP_REQUIRE_GPU();
+  const int64_t n = 1237;
+  AdamWConfig c;
+  AdamWGroups groups;
+  groups.count = 3;
+  groups.lr_scale[1] = 0.5f;
+  groups.weight_decay[0] = 0.1f;
+  groups.weight_decay[2] = 0.01f;
+  Tensor ids = Tensor::zeros({n}, DType::u8, kCpu);
+  for (int64_t i = 0; i < n; ++i) ids.data<uint8_t>()[i] = static_cast<uint8_t>(i * 7 % 3);
+  check_matches_cpu(
+      [&](Device d) {
+        Tensor p = rnd(d, {n}, 83), m = zeros(d, {n}), v = zeros(d, {n});
+        Tensor group_of = ids.to(d);
+        Tensor scalars = zeros(d, {kMaxValues});
+        for (int64_t step = 1; step <= 3; ++step) {
+          c.lr = 1e-2f / static_cast<float>(step);
+          const auto s = adamw_scalars(c, groups, step);
+          set_values(scalars, s.data(), static_cast<int>(s.size()));
+          adamw_update_grouped(p, rnd(d, {n}, 84 + static_cast<uint32_t>(step)), m, v, group_of, c,
+                               scalars);
+        }
+        return Outputs{p, m, v};
+      },
+      1e-6f);
+}
+
+// The values travel in the launch's arguments: the host array is overwritten right after the
+// call, before the stream runs the kernel, and the tensor still gets the first values.
+TEST_CASE("kernels.cuda.set_values: writes the values given at the call, bit for bit") {
+  DP_REQUIRE_GPU();
+  Tensor dst = full(kGpu, {40}, -1.f);
+  std::vector<float> values(kMaxValues);
+  for (int i = 0; i < kMaxValues; ++i) values[i] = 1.f / static_cast<float>(i + 3);
+  const std::vector<float> want = values;
+  set_values(dst, values.data(), kMaxValues);
+  std::fill(values.begin(), values.end(), 99.f);
+  set_values(dst, values.data(), 0);  // nothing
+  const std::vector<float> got = dst.to_host_f32();
+  for (int i = 0; i < kMaxValues; ++i) CHECK(got[i] == want[i]);
+  for (int i = kMaxValues; i < 40; ++i) CHECK(got[i] == -1.f);
 }
 
 TEST_CASE("kernels.cuda.all_finite: NaN and inf anywhere, f32 and 16-bit") {

@@ -1,10 +1,12 @@
 // kernels.*: losses, reductions, metrics and optimizer steps against references in double and
 // hand-computed values.
+#include <array>
 #include <cmath>
 #include <limits>
 #include <string>
 #include <utility>
 
+#include "tests/optim_test_util.hpp"
 #include "tests/test_kernels_util.hpp"
 
 using namespace kernels;
@@ -221,6 +223,55 @@ TEST_CASE("kernels.all_finite: NaN and inf anywhere, any floating dtype") {
   CHECK_FALSE(all_finite(cast(tensor({1e6f}, {1}), DType::f16)));  // overflows f16
 }
 
+TEST_CASE("kernels.set_values: writes n values, leaves the rest, checks its arguments") {
+  Tensor dst = filled({40}, -1.f);
+  std::vector<float> values(kMaxValues);
+  for (int i = 0; i < kMaxValues; ++i) values[i] = 1.f / static_cast<float>(i + 3);
+  set_values(dst, values.data(), 5);
+  std::vector<float> got = dst.to_host_f32();
+  for (int i = 0; i < 5; ++i) CHECK(got[i] == values[i]);
+  CHECK(got[5] == -1.f);
+  set_values(dst, values.data(), kMaxValues);
+  got = dst.to_host_f32();
+  CHECK(std::vector<float>(got.begin(), got.begin() + kMaxValues) == values);
+  CHECK(got[kMaxValues] == -1.f);
+  std::vector<float> more(kMaxValues + 1, 0.f);
+  CHECK_THROWS_WITH_AS(set_values(dst, more.data(), kMaxValues + 1),
+                       doctest::Contains("33 values into dst"), Error);
+  Tensor small = zeros({2});
+  CHECK_THROWS_WITH_AS(set_values(small, values.data(), 3), doctest::Contains("3 values into dst"),
+                       Error);
+  Tensor ints = Tensor::zeros({4}, DType::i32, Device::cpu());
+  CHECK_THROWS_WITH_AS(set_values(ints, values.data(), 1), doctest::Contains("dst must be f32"),
+                       Error);
+}
+
+TEST_CASE("kernels.sgd_scalars and adamw_scalars: the host formulas, step checked") {
+  SgdConfig sgd;
+  sgd.lr = 0.25f;
+  sgd.grad_unscale = 0.5f;
+  CHECK(sgd_scalars(sgd, 1) == std::array<float, SgdScalar::count>{0.25f, 0.5f, 1.f});
+  CHECK(sgd_scalars(sgd, 2)[SgdScalar::first_step] == 0.f);
+  AdamWConfig c;
+  c.lr = 0.01f;
+  c.beta1 = 0.9f;
+  c.beta2 = 0.99f;
+  AdamWGroups groups;
+  groups.count = 2;
+  groups.lr_scale[1] = 0.5f;
+  groups.weight_decay[0] = 0.1f;
+  const auto s = adamw_scalars(c, groups, 3);
+  CHECK(s[AdamWScalar::correction2_sqrt] ==
+        static_cast<float>(std::sqrt(1.0 - std::pow(double{0.99f}, 3.0))));
+  CHECK(s[AdamWScalar::decay] == static_cast<float>(1.0 - double{0.01f} * double{0.1f}));
+  CHECK(s[AdamWScalar::decay + 1] == 1.f);
+  CHECK(s[AdamWScalar::step_size + 1] ==
+        static_cast<float>(double{0.01f} * 0.5 / (1.0 - std::pow(double{0.9f}, 3.0))));
+  CHECK_THROWS_WITH_AS(adamw_scalars(c, groups, 0), doctest::Contains("step must be >= 1"), Error);
+  groups.count = kMaxAdamWGroups + 1;
+  CHECK_THROWS_WITH_AS(adamw_scalars(c, groups, 1), doctest::Contains("9 groups"), Error);
+}
+
 TEST_CASE("kernels.sgd_update: plain, weight decay, momentum, dampening, nesterov") {
   Tensor grads = tensor({0.5f, -1.f}, {2});
   SUBCASE("plain with weight decay") {
@@ -228,7 +279,7 @@ TEST_CASE("kernels.sgd_update: plain, weight decay, momentum, dampening, nestero
     SgdConfig c;
     c.lr = 0.1f;
     c.weight_decay = 0.01f;
-    sgd_update(p, grads, unused, c, 1);
+    dp_test::sgd_step(p, grads, unused, c, 1);
     // g = grad + 0.01 p: (0.51, -0.98); p -= 0.1 g
     CHECK(p.to_host_f32()[0] == doctest::Approx(1.f - 0.051f));
     CHECK(p.to_host_f32()[1] == doctest::Approx(2.f + 0.098f));
@@ -239,10 +290,10 @@ TEST_CASE("kernels.sgd_update: plain, weight decay, momentum, dampening, nestero
     c.lr = 0.1f;
     c.momentum = 0.9f;
     c.dampening = 0.5f;
-    sgd_update(p, grads, buf, c, 1);
+    dp_test::sgd_step(p, grads, buf, c, 1);
     CHECK(buf.to_host_f32() == std::vector<float>{0.5f, -1.f});
     CHECK(p.to_host_f32()[0] == doctest::Approx(0.95));
-    sgd_update(p, grads, buf, c, 2);
+    dp_test::sgd_step(p, grads, buf, c, 2);
     // buf = 0.9 buf + 0.5 g = (0.7, -1.4); p -= 0.1 buf
     CHECK(buf.to_host_f32()[0] == doctest::Approx(0.7));
     CHECK(buf.to_host_f32()[1] == doctest::Approx(-1.4));
@@ -255,10 +306,10 @@ TEST_CASE("kernels.sgd_update: plain, weight decay, momentum, dampening, nestero
     c.lr = 0.1f;
     c.momentum = 0.9f;
     c.nesterov = Nesterov::yes;
-    sgd_update(p, grads, buf, c, 1);
+    dp_test::sgd_step(p, grads, buf, c, 1);
     // buf = g; step = g + 0.9 buf = 1.9 g
     CHECK(p.to_host_f32()[0] == doctest::Approx(1.0 - 0.1 * 1.9 * 0.5));
-    sgd_update(p, grads, buf, c, 2);
+    dp_test::sgd_step(p, grads, buf, c, 2);
     // buf = 0.9 g + g = 1.9 g; step = g + 0.9 * 1.9 g = 2.71 g
     CHECK(buf.to_host_f32()[1] == doctest::Approx(-1.9));
     CHECK(p.to_host_f32()[1] == doctest::Approx(2.0 + 0.19 + 0.271));
@@ -266,11 +317,11 @@ TEST_CASE("kernels.sgd_update: plain, weight decay, momentum, dampening, nestero
   Tensor p = zeros({2}), unused;
   SgdConfig momentum;
   momentum.momentum = 0.9f;
-  CHECK_THROWS_WITH_AS(sgd_update(p, grads, unused, momentum, 1), doctest::Contains("momentum_buf"),
-                       Error);
-  CHECK_THROWS_WITH_AS(sgd_update(p, grads, unused, SgdConfig{}, 0),
+  CHECK_THROWS_WITH_AS(dp_test::sgd_step(p, grads, unused, momentum, 1),
+                       doctest::Contains("momentum_buf"), Error);
+  CHECK_THROWS_WITH_AS(dp_test::sgd_step(p, grads, unused, SgdConfig{}, 0),
                        doctest::Contains("step must be >= 1"), Error);
-  CHECK_THROWS_WITH_AS(sgd_update(p, zeros({3}), unused, SgdConfig{}, 1),
+  CHECK_THROWS_WITH_AS(dp_test::sgd_step(p, zeros({3}), unused, SgdConfig{}, 1),
                        doctest::Contains("params [2] vs grads [3]"), Error);
 }
 
@@ -299,10 +350,10 @@ TEST_CASE("kernels.sgd_update and adamw_update: grad_unscale multiplies the grad
   Tensor q1 = random_tensor({n}, 228), q2 = q1.clone();
   Tensor m1 = zeros({n}), m2 = zeros({n}), v1 = zeros({n}), v2 = zeros({n});
   for (int64_t step = 1; step <= 3; ++step) {
-    sgd_update(p1, grads_at(step, 1.f), b1, sgd_unscaled, step);
-    sgd_update(p2, grads_at(step, 0.25f), b2, sgd, step);
-    adamw_update(q1, grads_at(step, 1.f), m1, v1, adam_unscaled, step);
-    adamw_update(q2, grads_at(step, 0.25f), m2, v2, adam, step);
+    dp_test::sgd_step(p1, grads_at(step, 1.f), b1, sgd_unscaled, step);
+    dp_test::sgd_step(p2, grads_at(step, 0.25f), b2, sgd, step);
+    dp_test::adamw_step(q1, grads_at(step, 1.f), m1, v1, adam_unscaled, step);
+    dp_test::adamw_step(q2, grads_at(step, 0.25f), m2, v2, adam, step);
   }
   CHECK(bitwise_equal(p1, p2));
   CHECK(bitwise_equal(b1, b2));
@@ -324,7 +375,7 @@ TEST_CASE("kernels.adamw_update: two steps against hand-computed values") {
   std::vector<double> P{1.0, -2.0, 0.0}, M(3, 0.0), V(3, 0.0);
   const std::vector<double> G[2] = {{0.5, 0.25, -1.0}, {-0.5, 0.5, 2.0}};
   for (int t = 1; t <= 2; ++t) {
-    adamw_update(p, t == 1 ? g1 : g2, m, v, c, t);
+    dp_test::adamw_step(p, t == 1 ? g1 : g2, m, v, c, t);
     for (int i = 0; i < 3; ++i) {
       const double g = G[t - 1][i];
       P[i] *= 1.0 - 0.01 * 0.1;
@@ -340,6 +391,6 @@ TEST_CASE("kernels.adamw_update: two steps against hand-computed values") {
     if (t == 1) CHECK(p.to_host_f32()[2] == doctest::Approx(0.01).epsilon(1e-5));
   }
   Tensor wrong = zeros({3}, DType::bf16);
-  CHECK_THROWS_WITH_AS(adamw_update(p, g1, wrong, v, c, 1), doctest::Contains("m must be f32"),
-                       Error);
+  CHECK_THROWS_WITH_AS(dp_test::adamw_step(p, g1, wrong, v, c, 1),
+                       doctest::Contains("m must be f32"), Error);
 }

@@ -77,13 +77,12 @@ void layer_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor
                          const Tensor& save_rstd, Accumulate acc);
 void dropout_forward(Tensor& y, Tensor& mask, const Tensor& x, float p, uint64_t seed,
                      uint64_t offset);
+void set_values(Tensor& dst, const Values& values);
 void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const SgdConfig& c,
-                int64_t step);
-void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, const AdamWConfig& c,
-                  int64_t step);
-void adamw_update_grouped(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v,
-                          const Tensor& group_of, const AdamWConfig& c, const AdamWGroups& groups,
-                          int64_t step);
+                const Tensor& scalars);
+// group_of undefined: every element in group 0.
+void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, const Tensor& group_of,
+                  const AdamWConfig& c, const Tensor& scalars);
 bool all_finite(const Tensor& x);
 void non_finite_into(Tensor& flag, const Tensor& x);
 

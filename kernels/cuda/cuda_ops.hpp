@@ -99,13 +99,12 @@ void layer_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor
                          const Tensor& save_rstd, Accumulate acc, DeviceContext& ctx);
 void dropout_forward(Tensor& y, Tensor& mask, const Tensor& x, float p, uint64_t seed,
                      uint64_t offset, DeviceContext& ctx);
+void set_values(Tensor& dst, const Values& values, DeviceContext& ctx);
 void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const SgdConfig& c,
-                int64_t step, DeviceContext& ctx);
-void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, const AdamWConfig& c,
-                  int64_t step, DeviceContext& ctx);
-void adamw_update_grouped(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v,
-                          const Tensor& group_of, const AdamWConfig& c, const AdamWGroups& groups,
-                          int64_t step, DeviceContext& ctx);
+                const Tensor& scalars, DeviceContext& ctx);
+// group_of undefined: every element in group 0.
+void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, const Tensor& group_of,
+                  const AdamWConfig& c, const Tensor& scalars, DeviceContext& ctx);
 bool all_finite(const Tensor& x, DeviceContext& ctx);
 void non_finite_into(Tensor& flag, const Tensor& x, DeviceContext& ctx);
 

@@ -1,5 +1,6 @@
 // Fused optimizer steps over one flat f32 buffer (PyTorch's SGD and AdamW, with the operation
-// order and double-precision scalars of kernels/cpu/optim.cpp), and the finiteness check.
+// order of kernels/cpu/optim.cpp; the per-step scalars are read from device memory when the
+// kernel runs), the finiteness check, and small by-value writes (set_values).
 #include <cmath>
 
 #include "kernels/cuda/cuda_common.cuh"
@@ -8,12 +9,21 @@ namespace kernels::cuda {
 
 namespace {
 
+// dst[i] = values.v[i]: the values travel in the launch's arguments.
+__global__ void set_values_kernel(float* dst, Values values) {
+  const int i = static_cast<int>(threadIdx.x);
+  if (i < values.n) dst[i] = values.v[i];
+}
+
 // g = grad unscale + wd p; buf = first ? g : m buf + (1 - damp) g; g = nesterov ? g + m buf : buf;
-// p -= lr g. buf is nullptr without momentum.
-__global__ void sgd_kernel(float* p, const float* grad, float unscale, float* buf, float lr,
+// p -= lr g. buf is nullptr without momentum; lr, unscale and first come from `scalars`
+// (SgdScalar), read when the kernel runs.
+__global__ void sgd_kernel(float* p, const float* grad, float* buf, const float* scalars,
                            float momentum, float keep, float weight_decay, bool nesterov,
-                           bool first_step, const float* skip, int64_t n) {
+                           const float* skip, int64_t n) {
   if (skip && *skip != 0.f) return;  // a non-finite gradient: no update
+  const float lr = scalars[SgdScalar::lr], unscale = scalars[SgdScalar::grad_unscale];
+  const bool first_step = scalars[SgdScalar::first_step] != 0.f;
   DP_GRID_STRIDE_LOOP(i, n) {
     float g = grad[i] * unscale;
     float d = weight_decay != 0.f ? g + weight_decay * p[i] : g;
@@ -26,47 +36,28 @@ __global__ void sgd_kernel(float* p, const float* grad, float unscale, float* bu
   }
 }
 
-// p *= 1 - lr wd; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
-// p -= step_size m / (sqrt(v) / sqrt(1 - b2^t) + eps), step_size = lr / (1 - b1^t).
-__global__ void adamw_kernel(float* p, const float* grad, float unscale, float* m, float* v,
-                             float decay, float beta1, float beta2, float one_minus_b1,
-                             float one_minus_b2, float step_size, float correction2_sqrt, float eps,
-                             const float* skip, int64_t n) {
+// Per element of group k (group_of nullptr: group 0): p *= decay[k]; m = b1 m + (1 - b1) g;
+// v = b2 v + (1 - b2) g^2; p -= step_size[k] m / (sqrt(v) / sqrt(1 - b2^t) + eps), with the
+// per-step scalars (AdamWScalar) read from `scalars` when the kernel runs.
+__global__ void adamw_kernel(float* p, const float* grad, const uint8_t* group_of, float* m,
+                             float* v, const float* scalars, float beta1, float beta2,
+                             float one_minus_b1, float one_minus_b2, float eps, const float* skip,
+                             int64_t n) {
   if (skip && *skip != 0.f) return;  // a non-finite gradient: no update
+  const float unscale = scalars[AdamWScalar::grad_unscale];
+  const float correction2_sqrt = scalars[AdamWScalar::correction2_sqrt];
+  const float* decay = scalars + AdamWScalar::decay;
+  const float* step_size = scalars + AdamWScalar::step_size;
   DP_GRID_STRIDE_LOOP(i, n) {
+    const int k = group_of ? group_of[i] : 0;
     float g = grad[i] * unscale;
-    float pi = p[i] * decay;
+    float pi = p[i] * decay[k];
     float mi = beta1 * m[i] + one_minus_b1 * g;
     float vi = beta2 * v[i] + one_minus_b2 * g * g;
     m[i] = mi;
     v[i] = vi;
     float denom = sqrtf(vi) / correction2_sqrt + eps;
-    p[i] = pi - step_size * mi / denom;
-  }
-}
-
-// Per-group scalars of adamw_update_grouped, passed by value.
-struct GroupScalars {
-  float decay[kMaxAdamWGroups];
-  float step_size[kMaxAdamWGroups];
-};
-
-__global__ void adamw_grouped_kernel(float* p, const float* grad, const uint8_t* group_of,
-                                     float unscale, float* m, float* v, GroupScalars gs,
-                                     float beta1, float beta2, float one_minus_b1,
-                                     float one_minus_b2, float correction2_sqrt, float eps,
-                                     const float* skip, int64_t n) {
-  if (skip && *skip != 0.f) return;  // a non-finite gradient: no update
-  DP_GRID_STRIDE_LOOP(i, n) {
-    const int k = group_of[i];
-    float g = grad[i] * unscale;
-    float pi = p[i] * gs.decay[k];
-    float mi = beta1 * m[i] + one_minus_b1 * g;
-    float vi = beta2 * v[i] + one_minus_b2 * g * g;
-    m[i] = mi;
-    v[i] = vi;
-    float denom = sqrtf(vi) / correction2_sqrt + eps;
-    p[i] = pi - gs.step_size[k] * mi / denom;
+    p[i] = pi - step_size[k] * mi / denom;
   }
 }
 
@@ -105,11 +96,17 @@ const float* skip_pointer(const Tensor& skip_if) {
 
 }  // namespace
 
+void set_values(Tensor& dst, const Values& values, DeviceContext& ctx) {
+  NvtxRange range("kernels/set_values");
+  require_f32("set_values", dst);
+  set_values_kernel<<<1, kMaxValues, 0, stream_of(ctx)>>>(dst.data<float>(), values);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
 void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const SgdConfig& c,
-                int64_t step, DeviceContext& ctx) {
+                const Tensor& scalars, DeviceContext& ctx) {
   NvtxRange range("kernels/sgd_update");
-  require_f32("sgd_update", params);
-  require_f32("sgd_update", grads);
+  require_f32("sgd_update", {&params, &grads, &scalars});
   float* buf = nullptr;
   if (c.momentum != 0.f) {
     require_f32("sgd_update", momentum_buf);
@@ -118,49 +115,22 @@ void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const
   int64_t n = params.numel();
   if (n == 0) return;
   sgd_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
-      params.data<float>(), grads.data<float>(), c.grad_unscale, buf, c.lr, c.momentum,
-      1.f - c.dampening, c.weight_decay, c.nesterov == Nesterov::yes, step == 1,
-      skip_pointer(c.skip_if), n);
+      params.data<float>(), grads.data<float>(), buf, scalars.data<float>(), c.momentum,
+      1.f - c.dampening, c.weight_decay, c.nesterov == Nesterov::yes, skip_pointer(c.skip_if), n);
   DP_CUDA_CHECK_LAUNCH();
 }
 
-void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, const AdamWConfig& c,
-                  int64_t step, DeviceContext& ctx) {
-  NvtxRange range("kernels/adamw_update");
-  require_f32("adamw_update", {&params, &grads, &m, &v});
+void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, const Tensor& group_of,
+                  const AdamWConfig& c, const Tensor& scalars, DeviceContext& ctx) {
+  NvtxRange range(group_of.defined() ? "kernels/adamw_update_grouped" : "kernels/adamw_update");
+  require_f32("adamw_update", {&params, &grads, &m, &v, &scalars});
   int64_t n = params.numel();
   if (n == 0) return;
-  // Scalars in double, as PyTorch computes them in Python.
-  double t = static_cast<double>(step);
-  float decay = static_cast<float>(1.0 - static_cast<double>(c.lr) * c.weight_decay);
-  float step_size = static_cast<float>(c.lr / (1.0 - std::pow(double{c.beta1}, t)));
-  float correction2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(double{c.beta2}, t)));
   adamw_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
-      params.data<float>(), grads.data<float>(), c.grad_unscale, m.data<float>(), v.data<float>(),
-      decay, c.beta1, c.beta2, 1.f - c.beta1, 1.f - c.beta2, step_size, correction2_sqrt, c.eps,
+      params.data<float>(), grads.data<float>(),
+      group_of.defined() ? group_of.data<uint8_t>() : nullptr, m.data<float>(), v.data<float>(),
+      scalars.data<float>(), c.beta1, c.beta2, 1.f - c.beta1, 1.f - c.beta2, c.eps,
       skip_pointer(c.skip_if), n);
-  DP_CUDA_CHECK_LAUNCH();
-}
-
-void adamw_update_grouped(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v,
-                          const Tensor& group_of, const AdamWConfig& c, const AdamWGroups& groups,
-                          int64_t step, DeviceContext& ctx) {
-  NvtxRange range("kernels/adamw_update_grouped");
-  require_f32("adamw_update_grouped", {&params, &grads, &m, &v});
-  int64_t n = params.numel();
-  if (n == 0) return;
-  double t = static_cast<double>(step);
-  GroupScalars gs{};
-  for (int k = 0; k < groups.count; ++k) {
-    const double lr = static_cast<double>(c.lr) * groups.lr_scale[k];
-    gs.decay[k] = static_cast<float>(1.0 - lr * groups.weight_decay[k]);
-    gs.step_size[k] = static_cast<float>(lr / (1.0 - std::pow(double{c.beta1}, t)));
-  }
-  float correction2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(double{c.beta2}, t)));
-  adamw_grouped_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
-      params.data<float>(), grads.data<float>(), group_of.data<uint8_t>(), c.grad_unscale,
-      m.data<float>(), v.data<float>(), gs, c.beta1, c.beta2, 1.f - c.beta1, 1.f - c.beta2,
-      correction2_sqrt, c.eps, skip_pointer(c.skip_if), n);
   DP_CUDA_CHECK_LAUNCH();
 }
 
