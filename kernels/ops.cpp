@@ -548,6 +548,18 @@ void sum_squares(Tensor& out, const Tensor& x) {
   DP_DISPATCH(x.device(), sum_squares, out, x);
 }
 
+void clip_by_norm(Tensor& grads, Tensor& norm_out, const Tensor& sum_squares, float max_norm,
+                  float unscale) {
+  const char* op = "clip_by_norm";
+  check_devices(op, {{"grads", grads}, {"norm_out", norm_out}, {"sum_squares", sum_squares}});
+  check_dtype(op, {"grads", grads}, DType::f32);
+  check_scalar_out(op, {"norm_out", norm_out});
+  check_scalar_out(op, {"sum_squares", sum_squares});
+  DP_CHECK(max_norm > 0.f && std::isfinite(max_norm),
+           op << ": max_norm " << max_norm << " must be finite and > 0");
+  DP_DISPATCH(grads.device(), clip_by_norm, grads, norm_out, sum_squares, max_norm, unscale);
+}
+
 void argmax(Tensor& out, const Tensor& x) {
   const char* op = "argmax";
   check_devices(op, {{"x", x}, {"out", out}});

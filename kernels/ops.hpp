@@ -166,6 +166,15 @@ void sum(Tensor& out, const Tensor& x);
 void mean(Tensor& out, const Tensor& x);
 // requires out (1) f32, x f32. ensures out = sum of x^2 (0 for an empty x), in a fixed order.
 void sum_squares(Tensor& out, const Tensor& x);
+// Gradient clipping by global norm on the device, without a host read (nn::clip_grad_norm_into).
+// requires grads f32; sum_squares (1) f32 holding the sum of squares of grads (sum_squares(ss,
+// grads), or that sum over every shard of a gradient); norm_out (1) f32; all on one device;
+// max_norm finite and > 0. norm_out may alias sum_squares.
+// ensures, with the host's arithmetic (kernels/clip_norm.hpp) computed on the device:
+//   norm = sqrt(double(ss)) * double(unscale), norm_out = float(norm), and grads scaled by
+//   clip::factor(norm, max_norm) (untouched when that is 1: norm <= max_norm or not finite).
+void clip_by_norm(Tensor& grads, Tensor& norm_out, const Tensor& sum_squares, float max_norm,
+                  float unscale);
 // requires x (B, C), out (B) i32. ensures out_i = argmax_c x_ic (first on ties). NaN: out_i = 0
 // when x_i0 is NaN; other NaNs are skipped (the left-to-right scan `x[c] > x[best]`).
 void argmax(Tensor& out, const Tensor& x);

@@ -17,6 +17,8 @@
 //                RANK, WORLD_SIZE, MASTER_* set). With --save FILE --save-at K it saves the
 //                training state (DdpTrainer::save) after step K; with --load FILE it starts from
 //                it (DdpTrainer::load); either way it prints "weights H", a hash of its weights
+//                With --clip-grad C the gradient is clipped to norm C; it then prints the last
+//                step's "norm N syncs S allocations A" (DdpStepTimes), clipping on or off
 // --hold-ms T: collectives wait T ms after joining the group (a job that stays up a while).
 // --max-restarts K: the launcher's LaunchOptions::max_restarts.
 #include <signal.h>
@@ -134,8 +136,9 @@ uint64_t weights_hash(nn::Module& m) {
 }
 
 int run_ddp(int64_t batch, int steps, int hold_ms, const std::string& backend,
-            const std::string& save, int save_at, const std::string& load) {
+            const std::string& save, int save_at, const std::string& load, float clip_grad) {
   DdpTrainer trainer(kernels::DeviceType::cpu, backend);
+  trainer.set_clip_grad_norm(clip_grad);
   trainer.set_run_config({{"program", "dist_worker"},
                           {"batch", std::to_string(batch)},
                           {"steps", std::to_string(steps)}});
@@ -161,6 +164,9 @@ int run_ddp(int64_t batch, int steps, int hold_ms, const std::string& backend,
   }
   std::printf("[rank %d] ddp ok loss %.6f weights %016llx\n", trainer.rank(), loss,
               static_cast<unsigned long long>(weights_hash(*model)));
+  std::printf("[rank %d] norm %.9g syncs %lld allocations %lld\n", trainer.rank(),
+              trainer.last_grad_norm(), static_cast<long long>(trainer.last_times().host_syncs),
+              static_cast<long long>(trainer.last_times().allocations));
   std::fflush(stdout);
   std::this_thread::sleep_for(std::chrono::milliseconds(hold_ms));  // a job that stays up
   trainer.group().barrier()->wait();  // rank 0 hosts the store: the others leave first
@@ -177,6 +183,7 @@ int main(int argc, char** argv) {
   int64_t batch = 8;
   std::string backend = "gloo", job_tag, save, load;
   int save_at = 0;
+  float clip_grad = 0.f;
   app.add_option("--mode", mode);
   app.add_option("--pid-dir", pid_dir);
   app.add_option("--nproc", lo.nproc_per_node);
@@ -195,6 +202,7 @@ int main(int argc, char** argv) {
   app.add_option("--save", save);
   app.add_option("--save-at", save_at);
   app.add_option("--load", load);
+  app.add_option("--clip-grad", clip_grad)->check(CLI::NonNegativeNumber);
   app.add_option("--job-tag", job_tag, "ignored: lets a test find this job's processes");
   CLI11_PARSE(app, argc, argv);
   lo.grace_period = std::chrono::milliseconds(grace_ms);
@@ -213,7 +221,8 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (mode == "collectives") return run_collectives(*w, hold_ms);
-    if (mode == "ddp") return run_ddp(batch, steps, hold_ms, backend, save, save_at, load);
+    if (mode == "ddp")
+      return run_ddp(batch, steps, hold_ms, backend, save, save_at, load, clip_grad);
     if (mode == "hang") return run_hang(*w, hang_rank);
     if (mode == "stubborn") ::signal(SIGTERM, SIG_IGN);
     if (w->rank == 1) {

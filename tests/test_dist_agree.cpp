@@ -394,6 +394,55 @@ TEST_CASE("dist.config: hand-launched ranks that agree train, without a job id")
   CHECK(contains(r1.output(), "[rank 1] ddp ok loss"));
 }
 
+TEST_CASE("ddp.clip: clipping on the device keeps DdpTrainer's step at one host read") {
+  // Two hand-launched ranks, 3 steps, clipping off and on (to a norm far below the gradient's):
+  // the last step reads the host once either way (the metrics, which bring the norm along),
+  // allocates nothing, and every rank reports the same norm and takes the same clipped step.
+  struct Last {
+    float norm = -1.f;
+    long long syncs = -1, allocations = -1;
+    std::string weights;
+  };
+  auto last = [](const std::string& out, int rank) {
+    Last l;
+    const std::string tag = "[rank " + std::to_string(rank) + "] ";
+    auto at = out.find(tag + "norm ");
+    if (at != std::string::npos)
+      std::sscanf(out.c_str() + at + tag.size(), "norm %f syncs %lld allocations %lld", &l.norm,
+                  &l.syncs, &l.allocations);
+    at = out.find(" weights ");
+    if (at != std::string::npos) l.weights = out.substr(at + 9, 16);
+    return l;
+  };
+  std::string dir = dist_test::make_temp_dir("ddp_clip");
+  Last off[2], on[2];
+  for (const char* clip : {"0", "0.001"}) {
+    CAPTURE(clip);
+    const int port = net::find_free_port();
+    const std::vector<std::string> args = {"--mode", "ddp", "--steps", "3", "--clip-grad", clip};
+    HandRank r0(dir, std::string("c0_") + clip, 0, 2, port, args);
+    HandRank r1(dir, std::string("c1_") + clip, 1, 2, port, args);
+    REQUIRE(r0.wait(30s) == 0);
+    REQUIRE(r1.wait(30s) == 0);
+    Last* into = std::string(clip) == "0" ? off : on;
+    into[0] = last(r0.output(), 0);
+    into[1] = last(r1.output(), 1);
+  }
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    CHECK(off[r].syncs == 1);
+    CHECK(on[r].syncs == off[r].syncs);
+    CHECK(off[r].allocations == 0);
+    CHECK(on[r].allocations == 0);
+    CHECK(off[r].norm == 0.f);
+    CHECK(on[r].norm > 0.001f);  // the clip was active
+    CHECK(on[r].norm == on[0].norm);
+    CHECK(on[r].weights == on[0].weights);
+  }
+  CHECK(on[0].weights.size() == 16);
+  CHECK(on[0].weights != off[0].weights);
+}
+
 TEST_CASE(
     "dist.claim: two hand-launched jobs on one port, no job id: no rank trains with the "
     "other job's") {

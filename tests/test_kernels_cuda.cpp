@@ -980,6 +980,47 @@ TEST_CASE("kernels.cuda.devices: logical devices cuda:0 and cuda:1 share a GPU -
   CHECK(diff(back, twice) <= 4e-5f);
 }
 
+TEST_CASE("kernels.cuda.clip_by_norm: the host formula's bits, computed on the device") {
+  DP_REQUIRE_GPU();
+  DeviceContext& ctx = context(kGpu);
+  for (float max_norm : {0.5f, 100.f}) {
+    for (float unscale : {1.f, 1.f / 128.f}) {
+      for (bool nan : {false, true}) {
+        CAPTURE(max_norm);
+        CAPTURE(unscale);
+        CAPTURE(nan);
+        std::vector<float> v = rnd(kCpu, {5000}, 91, -0.3f, 0.3f).to_host_f32();
+        if (nan) v[4321] = std::nanf("");
+        // Before: the sum of squares read to the host, the norm and factor computed there.
+        Tensor before = Tensor::from_vector(v, {5000}, kGpu);
+        Tensor ss = zeros(kGpu, {1});
+        sum_squares(ss, before);
+        const double norm = std::sqrt(static_cast<double>(ss.item())) * unscale;
+        if (std::isfinite(norm) && norm > max_norm)
+          scale(before, before, static_cast<float>(max_norm / (norm + 1e-6)));
+        // Now: the same on the device, the norm left in a slot, no host read.
+        Tensor now = Tensor::from_vector(v, {5000}, kGpu);
+        Tensor metrics = zeros(kGpu, {3}), slot = metrics.view(1, {1});
+        const int64_t syncs = ctx.host_syncs();
+        sum_squares(slot, now);
+        clip_by_norm(now, slot, slot, max_norm, unscale);
+        CHECK(ctx.host_syncs() == syncs);
+        CHECK(same_bits(now, before));
+        CHECK(same_bits(slot, Tensor::from_vector({static_cast<float>(norm)}, {1})));
+        CHECK(metrics.to_host_f32()[0] == 0.f);
+        // From one sum of squares, the CPU and CUDA ops agree bit for bit.
+        Tensor on_cpu = Tensor::from_vector(v, {5000}, kCpu), cpu_norm = zeros(kCpu, {1});
+        Tensor gpu_norm = zeros(kGpu, {1});
+        clip_by_norm(on_cpu, cpu_norm, ss.to(kCpu), max_norm, unscale);
+        Tensor on_gpu = Tensor::from_vector(v, {5000}, kGpu);
+        clip_by_norm(on_gpu, gpu_norm, ss, max_norm, unscale);
+        CHECK(same_bits(on_gpu, on_cpu));
+        CHECK(same_bits(gpu_norm, cpu_norm));
+      }
+    }
+  }
+}
+
 TEST_CASE("kernels.cuda.memory: per-step allocations return to the start value") {
   DP_REQUIRE_GPU();
   DeviceContext& ctx = context(kGpu);

@@ -178,6 +178,33 @@ TEST_CASE("kernels.reduce: sum and mean, bitwise equal for any thread count") {
   CHECK_THROWS_WITH_AS(kernels::sum(two, x), doctest::Contains("one element, got [2]"), Error);
 }
 
+TEST_CASE("kernels.clip_by_norm: norm and factor from a sum of squares on the device") {
+  // ss = 100, unscale 0.5: norm 5; over max_norm 2 the factor is 2 / (5 + 1e-6).
+  Tensor g = tensor({6.f, -8.f}, {2}), ss = tensor({100.f}, {1}), norm = scalar();
+  clip_by_norm(g, norm, ss, 2.f, 0.5f);
+  CHECK(norm.item() == 5.f);
+  const float factor = static_cast<float>(2.0 / (5.0 + 1e-6));
+  CHECK(g.to_host_f32() == std::vector<float>{factor * 6.f, factor * -8.f});
+  // At or under the bound, or a non-finite norm: untouched.
+  for (float bad : {25.f, NAN, INFINITY}) {
+    CAPTURE(bad);
+    Tensor kept = tensor({6.f, -8.f}, {2}), s = tensor({bad}, {1});
+    clip_by_norm(kept, s, s, 5.f, 1.f);  // the norm overwrites the sum it came from
+    CHECK(kept.to_host_f32() == std::vector<float>{6.f, -8.f});
+    CHECK((std::isnan(bad) ? std::isnan(s.item()) : s.item() == std::sqrt(bad)));
+  }
+  Tensor empty = zeros({0});
+  clip_by_norm(empty, norm, tensor({0.f}, {1}), 1.f, 1.f);
+  CHECK(norm.item() == 0.f);
+  CHECK_THROWS_WITH_AS(clip_by_norm(g, norm, ss, 0.f, 1.f), doctest::Contains("max_norm 0"), Error);
+  Tensor two = zeros({2});
+  CHECK_THROWS_WITH_AS(clip_by_norm(g, two, ss, 1.f, 1.f),
+                       doctest::Contains("norm_out must have one element, got [2]"), Error);
+  Tensor ints = Tensor::zeros({2}, DType::i32, Device::cpu());
+  CHECK_THROWS_WITH_AS(clip_by_norm(ints, norm, ss, 1.f, 1.f),
+                       doctest::Contains("grads must be f32"), Error);
+}
+
 TEST_CASE("kernels.argmax and count_correct: first maximum on ties") {
   Tensor x = tensor({1, 3, 3, 0,      //
                      -5, -7, -5, -6,  //

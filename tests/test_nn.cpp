@@ -245,6 +245,80 @@ TEST_CASE("nn.dropout: masks advance the random stream, eval is the identity") {
   CHECK(m->flat().rng_offset == offset0 + 4000);
 }
 
+TEST_CASE("nn.dropout: the mask is kept between steps, remade for a new shape") {
+  // Without a block cache every request is an allocation: after the first step of a shape,
+  // Dropout's forward and backward allocate the output and dx, not the mask.
+  kernels::DeviceContext plain(Device::cpu(1), {1});
+  kernels::ContextScope scope(plain);
+  auto m = materialized(make_shared<nn::Dropout>(0.4f), 3, Device::cpu(1));
+  for (int64_t rows : {6, 6, 6, 9}) {  // 9: a new shape remakes the buffers
+    CAPTURE(rows);
+    Tensor x = uniform({rows, 5}, 40 + static_cast<uint32_t>(rows), -1.f, 1.f, Device::cpu(1));
+    Tensor dy = uniform({rows, 5}, 50, -1.f, 1.f, Device::cpu(1));
+    const uint64_t offset = m->flat().rng_offset;
+    const int64_t before = plain.memory()->allocations.load();
+    Tensor y = m->forward(x);
+    Tensor dx = m->backward(dy);
+    const int64_t allocated = plain.memory()->allocations.load() - before;
+    // The same results as before the buffers were kept: the mask of (key, offset).
+    Tensor want_y = Tensor::empty(x.shape(), DType::f32, Device::cpu(1));
+    Tensor mask = Tensor::empty(x.shape(), DType::f32, Device::cpu(1));
+    kernels::dropout_forward(want_y, mask, x, 0.4f, m->flat().rng_key, offset);
+    Tensor want_dx = Tensor::empty(x.shape(), DType::f32, Device::cpu(1));
+    kernels::mul(want_dx, dy, mask);
+    CHECK(host(y) == host(want_y));
+    CHECK(host(dx) == host(want_dx));
+    if (offset > 0 && rows == 6)
+      CHECK(allocated == 2);  // y, dx
+    else
+      CHECK(allocated == 3);  // y, the mask, dx
+  }
+}
+
+TEST_CASE("nn.dropout: on a caching context a training step allocates nothing after the first") {
+  kernels::ContextOptions o;
+  o.cpu_threads = 1;
+  o.caching = kernels::Caching::on;
+  kernels::DeviceContext cached(Device::cpu(1), o);
+  kernels::ContextScope scope(cached);
+  auto m =
+      materialized(nn::sequential({make_shared<nn::Linear>(5, 16), make_shared<nn::ReLU>(),
+                                   make_shared<nn::Dropout>(0.3f), make_shared<nn::Linear>(16, 3)}),
+                   4, Device::cpu(1));
+  nn::CrossEntropyLoss loss;
+  Tensor x = uniform({8, 5}, 60, -1.f, 1.f, Device::cpu(1));
+  Tensor labels = Tensor::from_ints({0, 1, 2, 0, 1, 2, 0, 1}, {8}, Device::cpu(1));
+  Tensor l = Tensor::empty({1}, DType::f32, Device::cpu(1));
+  Tensor dlogits = Tensor::empty({8, 3}, DType::f32, Device::cpu(1));
+  std::vector<int64_t> allocations;
+  for (int step = 0; step < 3; ++step) {
+    const int64_t before = cached.memory()->allocations.load();
+    m->zero_grad();
+    Tensor out = m->forward(x);
+    loss.compute(l, dlogits, out, labels);
+    m->backward(dlogits);
+    allocations.push_back(cached.memory()->allocations.load() - before);
+  }
+  CHECK(allocations[0] > 0);
+  CHECK(allocations[1] == 0);
+  CHECK(allocations[2] == 0);
+  // And every step's tensors get the same blocks (what a captured step needs): a mask made anew
+  // while the last one was held made the output's address alternate between two blocks.
+  auto drop = materialized(make_shared<nn::Dropout>(0.3f), 5, Device::cpu(1));
+  std::vector<const void*> ys, dxs;
+  for (int step = 0; step < 4; ++step) {
+    Tensor y = drop->forward(x);
+    Tensor dx = drop->backward(x);
+    ys.push_back(y.data<float>());
+    dxs.push_back(dx.data<float>());
+  }
+  for (int step = 2; step < 4; ++step) {
+    CAPTURE(step);
+    CHECK(ys[step] == ys[1]);
+    CHECK(dxs[step] == dxs[1]);
+  }
+}
+
 TEST_CASE("nn.residual: a shape mismatch without projection throws") {
   auto m = materialized(make_shared<nn::Residual>(make_shared<nn::Linear>(4, 5)));
   CHECK_THROWS_WITH_AS(m->forward(uniform({2, 4}, 1)), doctest::Contains("projection"),

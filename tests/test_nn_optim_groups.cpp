@@ -1,5 +1,6 @@
 // Gradient clipping by global norm and AdamW parameter groups (nn/clip.hpp, nn/param_groups.hpp).
 #include <cmath>
+#include <cstring>
 #include <memory>
 
 #include "nn/param_groups.hpp"
@@ -21,6 +22,91 @@ TEST_CASE("nn.clip: the global norm is reported and clipped to max_norm") {
   CHECK(nn::clip_grad_norm(s, 1.f, 1.f / 100.f) == doctest::Approx(5.f));
   CHECK(host(s)[1] == doctest::Approx(80.f).epsilon(1e-5));
   CHECK_THROWS_WITH_AS(nn::clip_grad_norm(s, 0.f), doctest::Contains("max_norm 0"), kernels::Error);
+}
+
+namespace {
+
+// clip_grad_norm as it was before the norm stayed on the device: the sum of squares read to the
+// host, the norm and the factor computed there, then one scale. The reference for the bits.
+float host_clip_grad_norm(Tensor& grads, float max_norm, float unscale) {
+  Tensor ss = Tensor::empty({1}, DType::f32, grads.device());
+  kernels::sum_squares(ss, grads);
+  const double norm = std::sqrt(static_cast<double>(ss.item())) * static_cast<double>(unscale);
+  float factor = 1.f;
+  if (std::isfinite(norm) && norm > static_cast<double>(max_norm))
+    factor = static_cast<float>(static_cast<double>(max_norm) / (norm + 1e-6));
+  if (factor != 1.f) kernels::scale(grads, grads, factor);
+  return static_cast<float>(norm);
+}
+
+std::vector<uint32_t> bits(const std::vector<float>& v) {
+  std::vector<uint32_t> b(v.size());
+  std::memcpy(b.data(), v.data(), v.size() * sizeof(float));
+  return b;
+}
+
+uint32_t bits(float f) {
+  return bits(std::vector<float>{f})[0];
+}
+
+}  // namespace
+
+TEST_CASE("nn.clip: clip_grad_norm_into gives the host formula's bits, with no host read") {
+  const Tensor random = uniform({1000}, 31, -0.3f, 0.3f);
+  const Tensor three_four = Tensor::from_vector({3.f, 0.f, 4.f}, {3});  // norm exactly 5
+  std::vector<float> with_nan = host(random), with_inf = host(random);
+  with_nan[17] = std::nanf("");
+  with_inf[400] = -INFINITY;
+  struct Case {
+    const char* name;
+    Tensor grads;
+    float max_norm, unscale;
+  };
+  Tensor probe = random.clone();
+  const float random_norm = host_clip_grad_norm(probe, 1e9f, 1.f);
+  const std::vector<Case> cases = {
+      {"above", random, 0.5f, 1.f},
+      {"above, loss-scaled", random, 0.01f, 1.f / 128.f},
+      {"below", random, 100.f, 1.f},
+      {"exactly at", three_four, 5.f, 1.f},
+      {"at the float of the norm", random, random_norm, 1.f},
+      {"NaN", Tensor::from_vector(with_nan, {1000}), 0.5f, 1.f},
+      {"infinity", Tensor::from_vector(with_inf, {1000}), 0.5f, 1.f},
+      {"empty", Tensor::empty({0}, DType::f32, Device::cpu()), 0.5f, 1.f},
+  };
+  kernels::DeviceContext& ctx = kernels::context(Device::cpu());
+  for (const Case& c : cases) {
+    CAPTURE(c.name);
+    Tensor want = c.grads.clone(), got = c.grads.clone(), wrapped = c.grads.clone();
+    const float want_norm = host_clip_grad_norm(want, c.max_norm, c.unscale);
+    // The norm lands in a slot of a metrics buffer, as the engines use it.
+    Tensor metrics = Tensor::zeros({3}, DType::f32, Device::cpu());
+    Tensor slot = metrics.view(2, {1});
+    const int64_t syncs = ctx.host_syncs();
+    nn::clip_grad_norm_into(got, c.max_norm, c.unscale, slot);
+    CHECK(ctx.host_syncs() == syncs);
+    std::vector<float> m = host(metrics);
+    CHECK(bits(m[2]) == bits(want_norm));
+    CHECK(m[0] == 0.f);
+    CHECK(m[1] == 0.f);
+    CHECK(bits(host(got)) == bits(host(want)));
+    // The wrapper: the same, and the norm read once.
+    CHECK(bits(nn::clip_grad_norm(wrapped, c.max_norm, c.unscale)) == bits(want_norm));
+    CHECK(bits(host(wrapped)) == bits(host(want)));
+  }
+  // The clip was active above the bound and not below it, at it, or for a non-finite norm.
+  Tensor g = random.clone();
+  CHECK(nn::clip_grad_norm(g, 0.5f) > 0.5f);
+  CHECK(host(g) != host(random));
+  for (const Case& c : {cases[2], cases[3], cases[5], cases[6]}) {
+    CAPTURE(c.name);
+    Tensor kept = c.grads.clone();
+    nn::clip_grad_norm(kept, c.max_norm, c.unscale);
+    CHECK(bits(host(kept)) == bits(host(c.grads)));
+  }
+  Tensor wrong = Tensor::zeros({2}, DType::f32, Device::cpu());
+  CHECK_THROWS_WITH_AS(nn::clip_grad_norm_into(g, 1.f, 1.f, wrong),
+                       doctest::Contains("must have one element"), kernels::Error);
 }
 
 TEST_CASE("nn.optim: GroupedAdamW decays matrices only, one step per group's settings") {

@@ -228,8 +228,10 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   nn::Module& m = ddp_->module();
   m.zero_grad();
   kernels::Tensor out = ddp_->forward(x);
-  kernels::ensure(metrics_, {2}, kernels::DType::f32, device_);
+  // Zeros once: the norm's slot is read back every step, written only with clipping on.
+  if (!metrics_.defined()) metrics_ = kernels::Tensor::zeros({3}, kernels::DType::f32, device_);
   kernels::Tensor loss = metrics_.view(0, {1}), non_finite = metrics_.view(1, {1});
+  kernels::Tensor grad_norm = metrics_.view(2, {1});
   kernels::Tensor& dlogits = kernels::ensure(dlogits_, out.shape(), kernels::DType::f32, device_);
   loss_fn_->compute(loss, dlogits, out, y);
   scaler_.scale_loss_grad(dlogits);  // fp16: the loss gradient carries the scale
@@ -257,16 +259,19 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
     kernels::NvtxRange range("ddp/step");
     TraceScope slice(ddp_->trace(), "ddp/step", rank());
     // The all-reduced gradient is the same on every rank: so are its norm and the decision,
-    // made on the device (the update skips itself) and learnt with the loss. Clipping reads
-    // the norm on the host (one more wait per step when on).
+    // made on the device (clipping scales itself, the update skips itself) and learnt with
+    // the loss in the step's one read.
     if (clip_grad_norm_ > 0.f)
-      grad_norm_ = nn::clip_grad_norm(m.flat_grads(), clip_grad_norm_, 1.f / scaler_.scale());
+      nn::clip_grad_norm_into(m.flat_grads(), clip_grad_norm_, 1.f / scaler_.scale(), grad_norm);
     scaler_.step_deferred(*optimizer_, m.flat_grads(), non_finite);
   }
   marks_[5].record(ctx);
   last_payload_bytes_ = group_->payload_bytes() - payload_before;  // the loss's is not in it
   const float global_loss = report_loss(share);
-  if (!zero_) scaler_.settle(*optimizer_, host_metrics_.data<float>()[1] == 0.f);
+  if (!zero_) {
+    scaler_.settle(*optimizer_, host_metrics_.data<float>()[1] == 0.f);
+    if (clip_grad_norm_ > 0.f) grad_norm_ = host_metrics_.data<float>()[2];
+  }
 
   // Phase times from the events (device time on a GPU; every event is reached by now).
   using kernels::Event;
@@ -287,11 +292,12 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
 
 float DdpTrainer::report_loss(float share) {
   // The global mean loss, and the verdict (the same on every rank; summed, still 0 or not).
-  kernels::Tensor loss = metrics_.view(0, {1});
+  // The gradient norm is the same on every rank already: it is read, not reduced.
+  kernels::Tensor loss = metrics_.view(0, {1}), summed = metrics_.view(0, {2});
   kernels::scale(loss, loss, share);
-  group_->all_reduce(metrics_, ReduceOp::sum)->wait();
+  group_->all_reduce(summed, ReduceOp::sum)->wait();
   if (!host_metrics_.defined())
-    host_metrics_ = kernels::Tensor::empty_pinned({2}, kernels::DType::f32);
+    host_metrics_ = kernels::Tensor::empty_pinned({3}, kernels::DType::f32);
   kernels::read_back(host_metrics_, metrics_);  // the step's one host wait
   return host_metrics_.data<float>()[0];
 }

@@ -126,7 +126,8 @@ class DdpTrainer {
   // The fields wrap() adds to the run configuration ("engine.*").
   RunConfig engine_config(nn::Module& model) const;
   // The global batch's mean loss from this rank's chunk loss (metrics_[0]) and share, and
-  // whether the gradient was finite (metrics_[1]): one small all-reduce and the step's one read.
+  // whether the gradient was finite (metrics_[1]): one small all-reduce and the step's one read,
+  // which also brings the gradient norm (metrics_[2], clipping on).
   float report_loss(float share);
   std::pair<kernels::Tensor, kernels::Tensor> my_chunk(const kernels::Tensor& images,
                                                        const kernels::Tensor& labels, float* share);
@@ -146,7 +147,7 @@ class DdpTrainer {
   std::unique_ptr<ZeroStage1> zero_;
   RunConfig run_config_, verified_config_;
   kernels::Tensor input_, labels_, dlogits_;  // this rank's step buffers, reused
-  kernels::Tensor metrics_;       // (2) f32 on the device: chunk loss, non-finite verdict
+  kernels::Tensor metrics_;       // (3) f32 on the device: chunk loss, non-finite, grad norm
   kernels::Tensor host_metrics_;  // its pinned host copy
   // Phase boundaries of a step on this rank's stream: begin, scattered, forward, backward,
   // gradients synchronised, stepped.

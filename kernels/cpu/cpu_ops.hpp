@@ -47,6 +47,8 @@ void mse_loss(Tensor& loss, Tensor& dpred, const Tensor& pred, const Tensor& tar
 void sum(Tensor& out, const Tensor& x);
 void mean(Tensor& out, const Tensor& x);
 void sum_squares(Tensor& out, const Tensor& x);
+void clip_by_norm(Tensor& grads, Tensor& norm_out, const Tensor& sum_squares, float max_norm,
+                  float unscale);
 void argmax(Tensor& out, const Tensor& x);
 int64_t count_correct(const Tensor& logits, const Tensor& labels);
 void count_correct_into(Tensor& out, const Tensor& logits, const Tensor& labels);

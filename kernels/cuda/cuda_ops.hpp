@@ -64,6 +64,8 @@ void mse_loss(Tensor& loss, Tensor& dpred, const Tensor& pred, const Tensor& tar
 void sum(Tensor& out, const Tensor& x, DeviceContext& ctx);
 void mean(Tensor& out, const Tensor& x, DeviceContext& ctx);
 void sum_squares(Tensor& out, const Tensor& x, DeviceContext& ctx);
+void clip_by_norm(Tensor& grads, Tensor& norm_out, const Tensor& sum_squares, float max_norm,
+                  float unscale, DeviceContext& ctx);
 void argmax(Tensor& out, const Tensor& x, DeviceContext& ctx);
 int64_t count_correct(const Tensor& logits, const Tensor& labels, DeviceContext& ctx);
 void count_correct_into(Tensor& out, const Tensor& logits, const Tensor& labels,
