@@ -73,6 +73,7 @@ struct Options {
   std::optional<double> max_skip_fraction;  // mixed precision: more skipped steps is an error
   double bucket_cap_mb = 25, first_bucket_mb = 1;  // DP and DDP buckets (PyTorch's defaults)
   std::string dp_reduce = "star";                  // DP: star|tree
+  std::string cuda_graphs = "auto";                // DP: auto|on|off (dp::Graphs)
   std::string project_from;                        // GPU results file for the projection
   // DDP across nodes: every node runs dp_bench with the same flags and its own --node-rank.
   // DDP launch flags (dp::cli::add_launch_flags); nproc_per_node is set per run.
@@ -174,6 +175,7 @@ struct DpSteps {
   std::map<std::string, std::vector<double>> phases;
   ReplayCounts replay;
   std::vector<double> overlapped;
+  int graphed = 0;  // steps that ran graphed
   // Hybrid steps report the bytes across nodes (in-node links: RunResult::link_bytes).
   void add(RunResult& r, const dp::StepStats& st, float loss_scale);
   void finish(RunResult& r) const;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <set>
 #include <thread>
 
@@ -13,8 +14,14 @@ namespace dp {
 
 namespace {
 
-// Entries of a device's metrics buffer: loss, correct count, non-finite verdict.
-constexpr int64_t kMetrics = 3;
+// Entries of a device's metrics buffer: loss, correct count, and on device 0 the non-finite
+// verdict and the gradient norm (clipping on).
+constexpr int64_t kMetrics = 4;
+constexpr int64_t kNonFinite = 2, kGradNorm = 3;
+// Graph mode: step shapes whose graphs a device keeps (a run has one or two: the full batch and
+// the last short one).
+constexpr size_t kMaxGraphShapes = 8;
+constexpr int kWarmupRuns = 2;  // a shape's steps that run uncaptured before its capture
 
 using Clock = std::chrono::steady_clock;
 double ms_since(Clock::time_point t0) {
@@ -332,30 +339,7 @@ void DataParallel::advance_reduction(int i, bool blocking) {
       Pull& pull = pd.pulls[pd.n_pulls++];
       pull.bucket = k;
       pull.begin.record(ctx);
-      std::vector<Tensor>& from = pd.sum_from;
-      std::vector<float>& weights = pd.sum_weights;
-      from.clear();
-      weights.clear();
-      for (int j = pd.next_source; j < pd.next_source + ready; ++j) {
-        const int s = sources[j];
-        per_device_[s].bucket_done[k].wait(ctx);  // s's bucket k is final on s's stream
-        const PerDevice& src = per_device_[s];
-        Tensor theirs = src.outbox.defined() ? src.outbox.view(b.offset, {b.numel})
-                                             : replicas_[s]->flat_grads().view(b.offset, {b.numel});
-        if (pd.staging[j].defined()) {  // no direct access: one copy over the link first
-          Tensor staged = pd.staging[j].view(b.offset, {b.numel});
-          kernels::copy(staged, theirs);
-          theirs = staged;
-        }
-        from.push_back(theirs);
-        // A leaf holds its chunk's plain mean: weight it here. An inner device of the tree
-        // has weighted its own part and summed its sources: weight 1.
-        weights.push_back(sources_[s].empty() ? shares_[s] : 1.f);
-      }
-      // Each chunk's mean gradient is weighted by its share B_i / B (this device's own, once,
-      // with the first run); the sum of the weighted gradients is the global batch's mean.
-      Tensor mine = replicas_[i]->flat_grads().view(b.offset, {b.numel});
-      kernels::weighted_sum(mine, pd.next_source == 0 ? shares_[i] : 1.f, from, weights);
+      sum_sources(i, k, pd.next_source, ready, false);
       pull.end.record(ctx);
       pd.next_source += ready;
     }
@@ -375,6 +359,37 @@ void DataParallel::advance_reduction(int i, bool blocking) {
       publish(i, pd.next_bucket);
     }
   }
+}
+
+void DataParallel::sum_sources(int i, int k, int j0, int count, bool ordered) {
+  PerDevice& pd = per_device_[i];
+  kernels::DeviceContext& ctx = pool_.context(i);
+  const std::vector<int>& sources = sources_[i];
+  const Bucket& b = plan_.buckets[k];
+  std::vector<Tensor>& from = pd.sum_from;
+  std::vector<float>& weights = pd.sum_weights;
+  from.clear();
+  weights.clear();
+  for (int j = j0; j < j0 + count; ++j) {
+    const int s = sources[j];
+    if (!ordered) per_device_[s].bucket_done[k].wait(ctx);  // s's bucket k is final on s's stream
+    const PerDevice& src = per_device_[s];
+    Tensor theirs = src.outbox.defined() ? src.outbox.view(b.offset, {b.numel})
+                                         : replicas_[s]->flat_grads().view(b.offset, {b.numel});
+    if (pd.staging[j].defined()) {  // no direct access: one copy over the link first
+      Tensor staged = pd.staging[j].view(b.offset, {b.numel});
+      kernels::copy(staged, theirs);
+      theirs = staged;
+    }
+    from.push_back(theirs);
+    // A leaf holds its chunk's plain mean: weight it here. An inner device of the tree has
+    // weighted its own part and summed its sources: weight 1.
+    weights.push_back(sources_[s].empty() ? shares_[s] : 1.f);
+  }
+  // Each chunk's mean gradient is weighted by its share B_i / B (this device's own, once, with
+  // the first run); the sum of the weighted gradients is the global batch's mean.
+  Tensor mine = replicas_[i]->flat_grads().view(b.offset, {b.numel});
+  kernels::weighted_sum(mine, j0 == 0 ? shares_[i] : 1.f, from, weights);
 }
 
 void DataParallel::reduce_grads_to_root(const std::vector<int64_t>& sizes) {
@@ -411,22 +426,23 @@ int64_t DataParallel::comm_grad_bytes() const {
          static_cast<int64_t>(kernels::dtype_size(options_.comm_dtype));
 }
 
-void DataParallel::average_buffers_on_root(const std::vector<int64_t>& sizes) {
+void DataParallel::average_buffers_on_root(const std::vector<int64_t>& sizes, bool ordered) {
   Tensor& root = replicas_[0]->flat_buffers();
   if (options_.buffer_sync == BufferSync::root_only || root.numel() == 0) return;
   const int n = static_cast<int>(sizes.size());
   kernels::DeviceContext& ctx = pool_.context(0);
   // Each replica's statistics are final once its forward ran: wait for every device's end.
-  wait_for([&] {
-    for (int r = 1; r < n; ++r)
-      if (!signals_.done[r]) return false;
-    return true;
-  });
+  if (!ordered)
+    wait_for([&] {
+      for (int r = 1; r < n; ++r)
+        if (!signals_.done[r]) return false;
+      return true;
+    });
   // Each replica holds its chunk's mean statistic; weighting chunk i by B_i / B gives the
   // global batch's.
   kernels::scale(root, root, shares_[0]);
   for (int r = 1; r < n; ++r) {
-    per_device_[r].marks[kReduced].wait(ctx);
+    if (!ordered) per_device_[r].marks[kReduced].wait(ctx);
     kernels::copy(staging_buffers_, replicas_[r]->flat_buffers());
     kernels::axpy(root, shares_[r], staging_buffers_);
   }
@@ -487,49 +503,54 @@ void DataParallel::forward_and_loss(int i, nn::Mode mode) {
   if (mode != nn::Mode::train) m.train();
 }
 
-void DataParallel::read_step_metrics(int n) {
-  kernels::DeviceContext& ctx = pool_.context(0);
-  // Every device's metrics are final once its part of the step is: wait for each one's end.
-  wait_for([&] {
-    for (int r = 1; r < n; ++r)
-      if (!signals_.done[r]) return false;
-    return true;
-  });
+void DataParallel::gather_metrics_on_root(int n) {
   CrossNode* cross = options_.cross_node.get();
   // Hybrid: two more slots, the node's weighted loss and correct count, summed over the nodes.
   const int64_t slots = kMetrics * n + (cross ? 2 : 0);
-  if (!host_metrics_.defined() || host_metrics_.numel() != slots)
-    host_metrics_ = Tensor::empty_pinned({slots}, kernels::DType::f32);
-  const Tensor* all = &per_device_[0].metrics;  // one device: its own buffer, as it is
-  if (n > 1 || cross) {
-    kernels::ensure(gathered_metrics_, {slots}, kernels::DType::f32, devices_[0]);
-    for (int r = 0; r < n; ++r) {
-      if (r > 0) per_device_[r].marks[kReduced].wait(ctx);
-      Tensor slot = gathered_metrics_.view(kMetrics * r, {kMetrics});
-      kernels::copy(slot, per_device_[r].metrics);
+  kernels::ensure(gathered_metrics_, {slots}, kernels::DType::f32, devices_[0]);
+  for (int r = 0; r < n; ++r) {
+    Tensor slot = gathered_metrics_.view(kMetrics * r, {kMetrics});
+    kernels::copy(slot, per_device_[r].metrics);
+  }
+  if (!cross) return;
+  Tensor node = gathered_metrics_.view(kMetrics * n, {2});
+  // Device 0's source and weight lists, idle once its reductions are done: no vectors per step.
+  std::vector<Tensor>& from = per_device_[0].sum_from;
+  std::vector<float>& ones = per_device_[0].sum_weights;
+  kernels::fill(node, 0.f);
+  Tensor loss = node.view(0, {1}), correct = node.view(1, {1});
+  from.clear();
+  for (int r = 0; r < n; ++r) from.push_back(gathered_metrics_.view(kMetrics * r, {1}));
+  kernels::weighted_sum(loss, 1.f, from, shares_);  // shares_: one per device used (n)
+  from.clear();
+  for (int r = 0; r < n; ++r) from.push_back(gathered_metrics_.view(kMetrics * r + 1, {1}));
+  ones.assign(n, 1.f);
+  kernels::weighted_sum(correct, 1.f, from, ones);
+  cross->start_sum(node);
+  cross->finish();
+}
+
+void DataParallel::read_step_metrics(int n) {
+  kernels::DeviceContext& ctx = pool_.context(0);
+  const bool gathered = n > 1 || options_.cross_node;
+  if (gathered) {
+    // Every device's metrics are final once its part of the step is: wait for each one's end.
+    wait_for([&] {
+      for (int r = 1; r < n; ++r)
+        if (!signals_.done[r]) return false;
+      return true;
+    });
+    if (!graphed_step_) {  // a graphed step gathered them inside device 0's reduce graph
+      for (int r = 1; r < n; ++r) per_device_[r].marks[kReduced].wait(ctx);
+      gather_metrics_on_root(n);
     }
-    all = &gathered_metrics_;
   }
-  if (cross) {
-    Tensor node = gathered_metrics_.view(kMetrics * n, {2});
-    // Device 0's source and weight lists, idle once its reductions are done: no vectors per step.
-    std::vector<Tensor>& from = per_device_[0].sum_from;
-    std::vector<float>& ones = per_device_[0].sum_weights;
-    kernels::fill(node, 0.f);
-    Tensor loss = node.view(0, {1}), correct = node.view(1, {1});
-    from.clear();
-    for (int r = 0; r < n; ++r) from.push_back(gathered_metrics_.view(kMetrics * r, {1}));
-    kernels::weighted_sum(loss, 1.f, from, shares_);  // shares_: one per device used (n)
-    from.clear();
-    for (int r = 0; r < n; ++r) from.push_back(gathered_metrics_.view(kMetrics * r + 1, {1}));
-    ones.assign(n, 1.f);
-    kernels::weighted_sum(correct, 1.f, from, ones);
-    cross->start_sum(node);
-    cross->finish();
-  }
+  const Tensor& all = gathered ? gathered_metrics_ : per_device_[0].metrics;
+  if (!host_metrics_.defined() || host_metrics_.numel() != all.numel())
+    host_metrics_ = Tensor::empty_pinned({all.numel()}, kernels::DType::f32);
   // The step's one host wait: a copy to the host waits for device 0's stream, which waited
   // for every other device's last event.
-  kernels::read_back(host_metrics_, *all);
+  kernels::read_back(host_metrics_, all);
 }
 
 void DataParallel::gather_metrics(const std::vector<int64_t>& sizes, StepStats& stats) {
@@ -563,7 +584,6 @@ void DataParallel::train_job(int i, const Tensor& images, const Tensor& labels,
   kernels::DeviceContext& ctx = pool_.context(i);
   nn::Module& m = *replicas_[i];
   const int n = static_cast<int>(sizes.size());
-  const bool has_buffers = m.flat_buffers().numel() > 0;
   pd.marks[kBegin].record(ctx);
   {
     kernels::NvtxRange range("dp/scatter");
@@ -575,23 +595,7 @@ void DataParallel::train_job(int i, const Tensor& images, const Tensor& labels,
     replicate(i);
   }
   pd.marks[kReplicated].record(ctx);
-  if (i > 0 && has_buffers) {
-    {
-      std::lock_guard<std::mutex> lock(signal_mutex_);
-      signals_.replicated[i] = 1;
-    }
-    signal_cv_.notify_all();
-  }
-  if (i == 0 && has_buffers && n > 1) {
-    // Device 0's forward updates its running statistics in place: every replica takes its
-    // copy of them first (the one dependency before forward, and only for models with buffers).
-    wait_for([&] {
-      for (int r = 1; r < n; ++r)
-        if (!signals_.replicated[r]) return false;
-      return true;
-    });
-    for (int r = 1; r < n; ++r) per_device_[r].marks[kReplicated].wait(ctx);
-  }
+  order_buffers_before_forward(i, n);
   {
     kernels::NvtxRange range("dp/forward");
     forward_and_loss(i, nn::Mode::train);
@@ -623,20 +627,173 @@ void DataParallel::train_job(int i, const Tensor& images, const Tensor& labels,
     kernels::NvtxRange range("dp/step");
     std::unique_ptr<kernels::ContextScope> wide;
     if (wide_context_) wide = std::make_unique<kernels::ContextScope>(*wide_context_);
-    // One decision for every device: device 0's reduced gradient is checked (under AMP), on
-    // the device; the update skips itself when it is not finite, and the host learns the
-    // verdict with the metrics (settled in train_step). Clipping reads the norm on the host
-    // (one more wait per step when on).
-    if (options_.clip_grad_norm > 0.f)
-      grad_norm_ = nn::clip_grad_norm(m.flat_grads(), options_.clip_grad_norm, 1.f / step_scale_);
-    Tensor non_finite = pd.metrics.view(2, {1});
-    scaler_.step_deferred(optimizer_, m.flat_grads(), non_finite);
+    prepare_update();
+    queue_update();
     wide.reset();
     pd.marks[kStepped].record(ctx);
     // The one host wait of the step: the caller may reuse the host batch, and read device 0's
     // module from its own stream, once train_step returns.
     read_step_metrics(n);
   }
+}
+
+void DataParallel::order_buffers_before_forward(int i, int n) {
+  if (replicas_[i]->flat_buffers().numel() == 0) return;
+  if (i > 0) {
+    {
+      std::lock_guard<std::mutex> lock(signal_mutex_);
+      signals_.replicated[i] = 1;
+    }
+    signal_cv_.notify_all();
+    return;
+  }
+  if (n == 1) return;
+  // Device 0's forward updates its running statistics in place: every replica takes its copy of
+  // them first (the one dependency before forward, and only for models with buffers).
+  wait_for([&] {
+    for (int r = 1; r < n; ++r)
+      if (!signals_.replicated[r]) return false;
+    return true;
+  });
+  for (int r = 1; r < n; ++r) per_device_[r].marks[kReplicated].wait(pool_.context(0));
+}
+
+void DataParallel::prepare_update() {
+  // The optimizer's per-step scalars (learning rate, step count, loss scale) go to the device
+  // here, outside any graph: a replayed update reads them there.
+  scaler_.prepare_deferred(optimizer_);
+}
+
+void DataParallel::queue_update() {
+  nn::Module& m = *replicas_[0];
+  // One decision for every device: device 0's reduced gradient is checked (under AMP), on the
+  // device; the update skips itself when it is not finite, and the host learns the verdict with
+  // the metrics (settled in train_step). Clipping too stays on the device: the norm is read
+  // with the metrics.
+  Tensor& metrics = per_device_[0].metrics;
+  if (options_.clip_grad_norm > 0.f) {
+    Tensor norm = metrics.view(kGradNorm, {1});
+    nn::clip_grad_norm_into(m.flat_grads(), options_.clip_grad_norm, 1.f / step_scale_, norm);
+  }
+  Tensor non_finite = metrics.view(kNonFinite, {1});
+  scaler_.apply_deferred(optimizer_, m.flat_grads(), non_finite);
+}
+
+void DataParallel::run_segment(kernels::DeviceContext& ctx, kernels::Graph& g, int runs,
+                               const std::function<void()>& body) {
+  // Uncaptured first: the caches learn the step's sizes. Two runs, because layers hold the last
+  // step's activations until their next forward replaces them (dp.replay).
+  if (runs < kWarmupRuns) return body();
+  if (!g.captured()) g.capture(ctx, body);
+  g.replay();
+}
+
+void DataParallel::graph_job(int i, const Tensor& images, const Tensor& labels,
+                             const std::vector<int64_t>& sizes) {
+  PerDevice& pd = per_device_[i];
+  kernels::DeviceContext& ctx = pool_.context(i);
+  nn::Module& m = *replicas_[i];
+  const int n = static_cast<int>(sizes.size());
+  if (pd.graphs.size() >= kMaxGraphShapes && !pd.graphs.count(graph_key_))
+    pd.graphs.clear();  // shapes keep changing: start over rather than hold every one's memory
+  GraphSet& gs = pd.graphs[graph_key_];
+  const int runs = gs.runs++;
+  // This shape's chunk buffers: the ones its graphs were captured with.
+  pd.input = gs.input;
+  pd.labels = gs.labels;
+  pd.dlogits = gs.dlogits;
+  pd.marks[kBegin].record(ctx);
+  {
+    kernels::NvtxRange range("dp/scatter");
+    scatter_chunk(i, images, labels, sizes);
+    gs.input = pd.input;
+    gs.labels = pd.labels;
+  }
+  pd.marks[kScattered].record(ctx);
+  if (i > 0) {
+    kernels::NvtxRange range("dp/replicate");
+    replicate(i);
+  }
+  pd.marks[kReplicated].record(ctx);
+  order_buffers_before_forward(i, n);
+  prepare_reduction(i);
+  {
+    kernels::NvtxRange range("dp/forward_backward");
+    run_segment(ctx, gs.compute, runs, [&] {
+      forward_and_loss(i, nn::Mode::train);
+      m.backward(pd.dlogits);
+    });
+    gs.dlogits = pd.dlogits;
+  }
+  pd.marks[kForwarded].record(ctx);
+  pd.marks[kBackwarded].record(ctx);
+  // Receivers wait for their sources' ends (device 0 for every device's: it gathers the metrics
+  // too), outside the graph; then one graph sums every bucket and, on device 0, steps.
+  if (i == 0 || !sources_[i].empty() || pd.outbox.defined()) {
+    kernels::NvtxRange range("dp/reduce");
+    std::vector<int>& waits = pd.graph_waits;
+    waits.clear();
+    if (i == 0)
+      for (int r = 1; r < n; ++r) waits.push_back(r);
+    else
+      waits = sources_[i];
+    wait_for([&] {
+      for (int r : waits)
+        if (!signals_.done[r]) return false;
+      return true;
+    });
+    for (int r : waits) per_device_[r].marks[kReduced].wait(ctx);
+    std::unique_ptr<kernels::ContextScope> wide;
+    kernels::DeviceContext* on = &ctx;
+    if (i == 0) {
+      prepare_update();
+      if (wide_context_) {  // CPU: every other device is done, device 0 gets all the cores
+        wide = std::make_unique<kernels::ContextScope>(*wide_context_);
+        on = wide_context_.get();
+      }
+    }
+    run_segment(*on, gs.reduce, runs, [&] {
+      const int n_sources = static_cast<int>(sources_[i].size());
+      if (n_sources > 0)
+        for (int k = 0; k < static_cast<int>(plan_.buckets.size()); ++k)
+          sum_sources(i, k, 0, n_sources, true);
+      if (pd.outbox.defined()) kernels::copy(pd.outbox, m.flat_grads());  // rounded once
+      if (i == 0) {
+        if (n > 1) average_buffers_on_root(sizes, true);
+        queue_update();
+        if (n > 1) gather_metrics_on_root(n);
+      }
+    });
+  }
+  pd.marks[kReduced].record(ctx);
+  if (i > 0) {
+    {
+      std::lock_guard<std::mutex> lock(signal_mutex_);
+      signals_.done[i] = 1;
+    }
+    signal_cv_.notify_all();
+    return;
+  }
+  pd.marks[kStepped].record(ctx);
+  read_step_metrics(n);
+}
+
+std::string DataParallel::graphs_blocked() const {
+  if (options_.cross_node) return "a hybrid run's collectives between nodes are not captured";
+  if (stats_sync_) return "SyncBatchNorm exchanges statistics through the host";
+  return graphs_off_reason_;
+}
+
+bool DataParallel::use_graphs() {
+  if (options_.graphs == Graphs::off) return false;
+  if (options_.graphs == Graphs::automatic && devices_[0].is_cpu()) return false;
+  const std::string why = graphs_blocked();
+  if (why.empty()) return true;
+  if (!said_graphs_off_) {
+    std::fprintf(stderr, "dp: graphs off: %s\n", why.c_str());
+    said_graphs_off_ = true;
+  }
+  return false;
 }
 
 void DataParallel::finish_cross_node(int n) {
@@ -687,8 +844,40 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
   begin_step(sizes);
   if (stats_sync_) stats_sync_->set_participants(n_used);
   step_scale_ = scaler_.scale();
+  graphed_step_ = use_graphs();
+  std::vector<uint64_t> rng_before;
+  if (graphed_step_) {
+    // The step's shape: what a graph bakes in. Chunk shapes, the loss scale and the shares (the
+    // reduce's weights) select the graphs; a new one is run uncaptured once, then captured.
+    graph_key_.assign(sizes.begin(), sizes.end());
+    for (auto* t : {&images, &labels}) {
+      graph_key_.push_back(static_cast<int64_t>(t->dtype()));
+      graph_key_.insert(graph_key_.end(), t->shape().begin() + 1, t->shape().end());
+    }
+    uint32_t bits = 0;
+    std::memcpy(&bits, &step_scale_, sizeof bits);
+    graph_key_.push_back(bits);
+    for (float share : shares_) {
+      std::memcpy(&bits, &share, sizeof bits);
+      graph_key_.push_back(bits);
+    }
+    rng_before = rng_offsets();
+  }
   const auto before = runtime_counts();
-  run_step("dp/train_step", n_used, [&](int i) { train_job(i, images, labels, sizes); });
+  run_step("dp/train_step", n_used, [&](int i) {
+    if (graphed_step_)
+      graph_job(i, images, labels, sizes);
+    else
+      train_job(i, images, labels, sizes);
+  });
+  if (graphed_step_ && rng_offsets() != rng_before) {
+    // Dropout's offsets are host values: a replay would draw the same mask every step. Caught
+    // on a shape's first step, which runs uncaptured.
+    graphs_off_reason_ =
+        "the model draws random numbers (dropout), at offsets a replay would not advance";
+    pool_.run("dp/graphs_off", [&](int i) { per_device_[i].graphs.clear(); });
+  }
+  stats.graphed = graphed_step_;
   stats.ms.total = ms_since(t_step);
   const auto after = runtime_counts();
   stats.allocations = after.first - before.first;
@@ -698,8 +887,9 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
     stats.ms.cross_node = cross_wait_ms_;
     stats.cross_node_bytes = options_.cross_node->payload_bytes() - cross_before;
   }
-  step_taken_ = scaler_.settle(optimizer_, host_metrics_.data<float>()[2] == 0.f);
-  stats.grad_norm = grad_norm_;
+  const float* m = host_metrics_.data<float>();
+  step_taken_ = scaler_.settle(optimizer_, m[kNonFinite] == 0.f);
+  if (options_.clip_grad_norm > 0.f) stats.grad_norm = m[kGradNorm];
   stats.skipped = !step_taken_;
   stats.skipped_steps = scaler_.skipped_steps();
 

@@ -38,6 +38,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -51,6 +52,7 @@
 #include "dp/stats_sync.hpp"
 #include "dp/worker_pool.hpp"
 #include "kernels/runtime/event.hpp"
+#include "kernels/runtime/graph.hpp"
 #include "nn/amp.hpp"
 #include "nn/loss.hpp"
 #include "nn/module.hpp"
@@ -68,6 +70,11 @@ enum class BufferSync { average, root_only };
 // How replica gradients reach device 0: every replica to device 0 (star), or pairwise in
 // ceil(log2 N) rounds (tree), where device 2 sums 3's bucket before passing the pair on.
 enum class ReduceTopology { star, tree };
+
+// Whether train_step replays captured graphs (kernels/runtime/graph.hpp): automatic is on for
+// CUDA devices where the step is capturable and off for CPU devices (where the same interface
+// runs the work: `on` there proves every path of the graphed step in CI).
+enum class Graphs { automatic, on, off };
 
 // BatchNorm in training: each device normalises its own chunk (ghost statistics, PyTorch DP's
 // behaviour), or the replicas combine their statistics (SyncBatchNorm: the full batch's).
@@ -101,6 +108,15 @@ struct DataParallelOptions {
   // construction on; device 0's summed buckets are summed over the nodes (in f32) while
   // backward goes on, and the loss, correct count and buffers too.
   std::shared_ptr<CrossNode> cross_node;
+  // Graphed steps: per worker and step shape, forward and backward are one captured graph, and
+  // each receiving device's reduction (device 0's with the clip, the optimizer step and the
+  // metrics) another, captured on the third step of that shape and replayed from then on (the
+  // first two run uncaptured, which warms the memory caches). The reduction then starts after
+  // backward (no overlap with it), and forward's phase time covers backward too. Results are
+  // bitwise those of graphs off. Not capturable, and run uncaptured with one line saying why:
+  // hybrid runs, SyncBatchNorm, and models that draw random numbers (dropout: the offsets are host
+  // values).
+  Graphs graphs = Graphs::automatic;
 };
 
 // Milliseconds of each phase of one step, from the events each worker records (device time on
@@ -131,6 +147,7 @@ struct StepStats {
   // device (0 once each shape's blocks are cached) and host waits or reads (1: the metrics).
   int64_t allocations = 0;
   int64_t host_syncs = 0;
+  bool graphed = false;       // replayed (or captured) graphs ran this step's work
   float grad_norm = 0;        // the gradient's global norm before clipping (clip on)
   bool skipped = false;       // the gradient was not finite: no optimizer step
   int64_t skipped_steps = 0;  // skipped so far
@@ -216,11 +233,21 @@ class DataParallel {
     int bucket = 0;
     kernels::Event begin, end;
   };
+  // Graph mode: one step shape's captured work on one device, and the chunk buffers the graphs
+  // read and write (their own per shape: a graph replays with the memory it was captured with).
+  struct GraphSet {
+    int runs = 0;  // steps of this shape so far: the first two run uncaptured
+    kernels::Graph compute, reduce;
+    Tensor input, labels, dlogits;
+  };
   struct PerDevice {
-    Tensor input, labels;  // this step's chunk on the device
+    std::map<std::vector<int64_t>, GraphSet> graphs;  // by step shape (graph_key_)
+    std::vector<int> graph_waits;                     // whose ends a graphed reduce waits for
+    Tensor input, labels;                             // this step's chunk on the device
     Tensor output, dlogits;
-    // (3) f32 on the device: the chunk's mean loss and correct count, and (device 0) whether the
-    // reduced gradient held a non-finite value (the GradScaler's verdict, read with the rest).
+    // (4) f32 on the device: the chunk's mean loss and correct count, and (device 0) whether the
+    // reduced gradient held a non-finite value (the GradScaler's verdict) and its norm (clipping
+    // on), read with the rest.
     Tensor metrics;
     // Receivers: per source (in sources_ order), its gradient staged here when this device
     // cannot read the source's memory in place (GPUs without peer access); else undefined.
@@ -251,6 +278,28 @@ class DataParallel {
 
   void train_job(int i, const Tensor& images, const Tensor& labels,
                  const std::vector<int64_t>& sizes);
+  // train_job with graphs: the same work in two captured segments per device (see Graphs).
+  void graph_job(int i, const Tensor& images, const Tensor& labels,
+                 const std::vector<int64_t>& sizes);
+  // Runs `body` uncaptured on the first two steps of a shape, captures it into `g` on the third
+  // and replays it from then on.
+  void run_segment(kernels::DeviceContext& ctx, kernels::Graph& g, int runs,
+                   const std::function<void()>& body);
+  // Device 0's work after the reduce: clip, the loss scaler's check and the optimizer step,
+  // all queued on the device. The host-side part (the optimizer's per-step scalars) runs first,
+  // outside any graph.
+  void prepare_update();
+  void queue_update();
+  // Why the step cannot run graphed (empty: it can).
+  std::string graphs_blocked() const;
+  // Whether this step runs graphed (options_.graphs and graphs_blocked); says once why not.
+  bool use_graphs();
+  // Models with buffers: replica i (> 0) tells device 0 its copy of them is taken; device 0
+  // waits for every replica's before its forward changes them.
+  void order_buffers_before_forward(int i, int n);
+  // Sums every device's metrics into device 0's gathered buffer (waits for none: the caller
+  // ordered device 0 after each device's last event).
+  void gather_metrics_on_root(int n);
   void eval_job(int i, const Tensor& images, const Tensor& labels,
                 const std::vector<int64_t>& sizes);
   // Runs `job` on the first n workers; a failure aborts the step for the others.
@@ -265,11 +314,17 @@ class DataParallel {
   // that have published it, in one fused kernel per run, in source order (the sum order is
   // fixed, so runs are reproducible). blocking: waits until every bucket is published.
   void advance_reduction(int i, bool blocking);
+  // Bucket k on device i += the sum of sources j0 .. j0 + count - 1 (in sources_[i] order),
+  // weighted, in one fused kernel; the own gradient is weighted by its share when j0 == 0.
+  // ordered: the caller ordered device i after those sources' work already; otherwise each
+  // source's bucket_done event is waited on first.
+  void sum_sources(int i, int k, int j0, int count, bool ordered);
   void publish(int i, int complete_buckets);
   // Waits until pred() holds under signal_mutex_; throws Abandoned on abort.
   template <class Pred>
   void wait_for(Pred pred);
-  void average_buffers_on_root(const std::vector<int64_t>& sizes);
+  // ordered: the caller waited for every device's end already (graph mode).
+  void average_buffers_on_root(const std::vector<int64_t>& sizes, bool ordered = false);
   // Allocates device i's staging (receivers) and outbox (sources, 16-bit comm) once.
   void prepare_reduction(int i);
   // Bytes of one gradient as it travels between devices.
@@ -314,15 +369,20 @@ class DataParallel {
   std::unique_ptr<kernels::DeviceContext> wide_context_;
   std::unique_ptr<ThreadStatsSync> stats_sync_;  // BatchNormStats::synced
   Tensor staging_buffers_;                       // on device 0: one replica's buffers
-  Tensor gathered_metrics_;                      // on device 0: (3 N) every device's metrics
+  Tensor gathered_metrics_;                      // on device 0: (4 N) every device's metrics
   Tensor host_metrics_;                          // pinned host copy of gathered_metrics_
   nn::GradScaler scaler_;
   float step_scale_ = 1.f;  // the loss scale of the step in progress (read by every worker)
-  float grad_norm_ = 0.f;   // device 0's gradient norm of the step (clipping on)
   bool step_taken_ = true;  // device 0's decision of the step in progress
   Trace* trace_ = nullptr;
   int64_t step_index_ = 0;
   bool warned_small_batch_ = false;
+  // Graph mode: whether this step runs graphed, its shape's key, and why graphs are off (said
+  // once).
+  bool graphed_step_ = false;
+  std::vector<int64_t> graph_key_;
+  std::string graphs_off_reason_;
+  bool said_graphs_off_ = false;
 };
 
 // Prints (once per call) a warning when logical CUDA devices outnumber physical GPUs: figures

@@ -22,12 +22,14 @@
 #              bf16, fp16 at --gpus 4 --comm-dtype bf16: step time, loss, loss scale, skipped
 #              steps and peak memory in the summary;
 #   bench      bench_kernels (TF32 and bf16 GEMM against peak); dp_bench --mode both, --gpus 1
-#              and 4, MLP and CNN; GPT-2 124M bf16 on one GPU (tokens/s, MFU) and the tiny GPT
+#              and 4, MLP and CNN (DP graphed: --cuda-graphs auto), and DP again with
+#              --cuda-graphs off; GPT-2 124M bf16 on one GPU (tokens/s, MFU) and the tiny GPT
 #              at --gpus 4;
 #   torch      the PyTorch side by side (benchmarks/torch_ref) where torch imports with CUDA,
 #              GPT-2 124M included;
 #   profile    ncu --clock-control none on one replica's backward (NVTX dp/backward, the first
-#              worker) and on the reduce (dp/reduce), a few kernels each.
+#              worker) and on the reduce (dp/reduce), a few kernels each (uncaptured steps:
+#              --cuda-graphs off, whose phases have their own NVTX ranges).
 # Every stage writes into RESULTS_DIR/DATE_DEVICE/ (logs, JSON) and appends its verdict lines to
 # summary.txt there, so stages run in separate calls end up in one folder, ready to commit to
 # benchmarks/results/. A stage stops starting steps once it has run STAGE_BUDGET_S seconds
@@ -481,6 +483,13 @@ EOF
         --gpus "$g" --model "$model"
     done
   done
+  # The same DP steps uncaptured (--cuda-graphs off), against the graphed runs above (auto: on)
+  for model in mlp cnn; do
+    for g in 1 4; do
+      bench_step "dp_bench_${model}_gpus${g}_nographs" "dp_bench $model --gpus $g graphs off" \
+        --mode dp --baseline 0 --gpus "$g" --model "$model" --cuda-graphs off
+    done
+  done
   # GPT-2 124M in bf16 (bf16 activations: attention on cuDNN's fused SDPA), tokens/s and MFU;
   # the tiny GPT through DP and DDP on 4 logical GPUs.
   bench_step dp_bench_gpt124m_bf16 "dp_bench gpt-124m bf16 --gpus 1" --mode dp --gpus 1 \
@@ -541,7 +550,7 @@ stage_profile() {
     logged "$out/ncu_$what.txt" "$ncu_bin" --clock-control none --nvtx \
       --nvtx-include "dp\\/$what/" --launch-count 12 --section SpeedOfLight --section LaunchStats \
       --csv --page details "$build/bin/dp_bench" --device cuda --mode dp --gpus 2 --baseline 0 \
-      --model cnn --warmup 1 --steps 2
+      --model cnn --warmup 1 --steps 2 --cuda-graphs off
     rc=$?
     if ((rc == 0)) && grep -q 'Duration' "$out/ncu_$what.txt"; then
       verdict ok "ncu dp/$what" "$(grep -c '"Duration"' "$out/ncu_$what.txt") kernels profiled: see ncu_$what.txt"

@@ -1,6 +1,7 @@
 // DataParallel: averaging, equivalence with one device, failures, logical devices.
 #include <atomic>
 #include <cmath>
+#include <cstring>
 
 #include "dp/data_parallel.hpp"
 #include "nn/nn.hpp"
@@ -491,6 +492,156 @@ TEST_CASE("dp.replay: the tree, bf16 communication and mixed precision replay to
       dp::StepStats st = engine.train_step(x, y);
       CHECK(st.host_syncs == 1);
       if (s >= 2) CHECK(st.allocations == 0);
+    }
+  }
+}
+
+// ---- graphed steps (DataParallelOptions::graphs) --------------------------------------------
+
+namespace {
+
+nn::ModulePtr batch_norm_mlp() {
+  auto s = std::make_shared<nn::Sequential>();
+  s->add(std::make_shared<nn::Linear>(6, 8));
+  s->add(std::make_shared<nn::BatchNorm1d>(8));
+  s->add(std::make_shared<nn::ReLU>());
+  s->add(std::make_shared<nn::Linear>(8, 5));
+  return s;
+}
+
+struct GraphRun {
+  std::vector<float> params, buffers, losses;
+  std::vector<dp::StepStats> stats;
+};
+
+// AdamW whose learning rate changes every step (a schedule), over batches of the given sizes
+// (a shape recurs after others: its graphs are replayed again, not remade).
+GraphRun train_graphs(nn::ModulePtr m, int n_dev, const std::vector<int64_t>& batches,
+                      dp::DataParallelOptions o, DeviceType type = DeviceType::cpu) {
+  auto devices = make_devices(type, n_dev);
+  m->materialize(devices[0], kSeed);
+  AdamWConfig cfg;
+  cfg.lr = 1e-2f;
+  cfg.weight_decay = 0.05f;
+  nn::AdamW opt(*m, cfg);
+  dp::DataParallel engine(m, opt, devices, o);
+  GraphRun run;
+  for (size_t s = 0; s < batches.size(); ++s) {
+    opt.set_lr(1e-2f / static_cast<float>(1 + s));
+    auto [x, y] = dp_test::toy_batch(batches[s], 500 + static_cast<int>(s));
+    run.stats.push_back(engine.train_step(x, y));
+    run.losses.push_back(run.stats.back().loss);
+  }
+  run.params = engine.module().flat_params().to_host_f32();
+  run.buffers = engine.module().flat_buffers().to_host_f32();
+  return run;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() &&
+         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+}
+
+}  // namespace
+
+TEST_CASE("dp.graphs: graphed steps equal uncaptured ones bit for bit, across shape changes") {
+  struct Case {
+    const char* name;
+    int devices;
+    dp::ReduceTopology reduce;
+    DType comm;
+    nn::Precision precision;
+    bool batch_norm;
+    float clip = 0.f;
+  };
+  // 10 rows (uneven chunks), then a short batch of 7 (new graphs), then 10 again (replayed).
+  const std::vector<int64_t> batches = {10, 10, 10, 10, 7, 7, 7, 7, 10, 10};
+  for (const Case& c :
+       {Case{"star", 4, dp::ReduceTopology::star, DType::f32, nn::Precision::fp32, false},
+        Case{"tree", 3, dp::ReduceTopology::tree, DType::f32, nn::Precision::fp32, false},
+        Case{"one device", 1, dp::ReduceTopology::star, DType::f32, nn::Precision::fp32, false},
+        Case{"bf16 comm, BatchNorm", 3, dp::ReduceTopology::star, DType::bf16, nn::Precision::fp32,
+             true},
+        Case{"fp16", 2, dp::ReduceTopology::star, DType::f32, nn::Precision::fp16, false},
+        Case{"clipped", 2, dp::ReduceTopology::tree, DType::f32, nn::Precision::fp32, false,
+             0.05f}}) {
+    const std::string name = c.name;
+    CAPTURE(name);
+    dp::DataParallelOptions o = small_buckets(c.reduce);
+    o.comm_dtype = c.comm;
+    o.precision = c.precision;
+    o.clip_grad_norm = c.clip;
+    auto model = [&] { return c.batch_norm ? batch_norm_mlp() : small_mlp(); };
+    o.graphs = dp::Graphs::off;
+    GraphRun eager = train_graphs(model(), c.devices, batches, o);
+    o.graphs = dp::Graphs::on;
+    GraphRun graphed = train_graphs(model(), c.devices, batches, o);
+    for (const dp::StepStats& st : graphed.stats) CHECK(st.graphed);
+    for (size_t s = 0; s < batches.size(); ++s) {
+      CHECK(!eager.stats[s].graphed);
+      // Clipping on the device: the norm comes back with the step's one read.
+      CHECK(graphed.stats[s].grad_norm == eager.stats[s].grad_norm);
+      if (c.clip > 0.f) CHECK(graphed.stats[s].grad_norm > c.clip);  // the clip is active
+      if (s >= 2) CHECK(eager.stats[s].host_syncs == 1);
+    }
+    for (size_t s = 0; s < batches.size(); ++s) {
+      CAPTURE(s);
+      CHECK(graphed.losses[s] == eager.losses[s]);
+    }
+    CHECK(same_bits(graphed.params, eager.params));
+    CHECK(same_bits(graphed.buffers, eager.buffers));
+    // Replays allocate nothing and wait on the host once; steps 2, 3 of a shape warm, 3 captures.
+    for (size_t s : {size_t{3}, size_t{7}, size_t{8}, size_t{9}}) {
+      CAPTURE(s);
+      CHECK(graphed.stats[s].allocations == 0);
+      CHECK(graphed.stats[s].host_syncs == 1);
+    }
+  }
+}
+
+TEST_CASE("dp.graphs: off where not capturable (dropout, SyncBatchNorm), automatic on CPU") {
+  const std::vector<int64_t> batches = {8, 8, 8, 8};
+  dp::DataParallelOptions o = small_buckets(dp::ReduceTopology::star);
+  // Dropout's offsets are host values: the first step finds the model drawing random numbers,
+  // and from then on the steps run uncaptured, bitwise as with graphs off.
+  o.graphs = dp::Graphs::off;
+  GraphRun eager = train_graphs(dp_test::dropout_mlp(), 2, batches, o);
+  o.graphs = dp::Graphs::on;
+  GraphRun tried = train_graphs(dp_test::dropout_mlp(), 2, batches, o);
+  CHECK(tried.stats[0].graphed);  // the first step of a shape runs uncaptured anyway
+  for (size_t s = 1; s < batches.size(); ++s) CHECK(!tried.stats[s].graphed);
+  CHECK(same_bits(tried.params, eager.params));
+
+  o.batch_norm = dp::BatchNormStats::synced;
+  GraphRun synced = train_graphs(batch_norm_mlp(), 2, batches, o);
+  for (const dp::StepStats& st : synced.stats) CHECK(!st.graphed);
+
+  o.batch_norm = dp::BatchNormStats::per_device;
+  o.graphs = dp::Graphs::automatic;  // CPU devices: graphs bring nothing there, so off
+  GraphRun automatic = train_graphs(small_mlp(), 2, batches, o);
+  for (const dp::StepStats& st : automatic.stats) CHECK(!st.graphed);
+}
+
+TEST_CASE("dp.cuda: graphed steps on logical GPUs equal uncaptured ones and follow the CPU") {
+  DP_REQUIRE_GPU();
+  const std::vector<int64_t> batches = {10, 10, 10, 10, 7, 7, 7, 10};
+  for (auto reduce : {dp::ReduceTopology::star, dp::ReduceTopology::tree}) {
+    CAPTURE(static_cast<int>(reduce));
+    dp::DataParallelOptions o = small_buckets(reduce);
+    o.graphs = dp::Graphs::off;
+    GraphRun eager = train_graphs(batch_norm_mlp(), 3, batches, o, DeviceType::cuda);
+    GraphRun cpu = train_graphs(batch_norm_mlp(), 3, batches, o);
+    o.graphs = dp::Graphs::automatic;  // on for CUDA devices
+    GraphRun graphed = train_graphs(batch_norm_mlp(), 3, batches, o, DeviceType::cuda);
+    for (const dp::StepStats& st : graphed.stats) CHECK(st.graphed);
+    CHECK(same_bits(graphed.losses, eager.losses));
+    CHECK(same_bits(graphed.params, eager.params));
+    CHECK(same_bits(graphed.buffers, eager.buffers));
+    CHECK(dp_test::rel_diff(graphed.params, cpu.params) <= 1e-4f);
+    for (size_t s : {size_t{3}, size_t{6}, size_t{7}}) {
+      CAPTURE(s);
+      CHECK(graphed.stats[s].allocations == 0);
+      CHECK(graphed.stats[s].host_syncs == 1);
     }
   }
 }

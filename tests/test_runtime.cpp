@@ -284,7 +284,8 @@ void graph_body(Tensor& y, Tensor& z, const Tensor& x, const Tensor& b) {
 }
 }  // namespace
 
-TEST_CASE("runtime.graph: a CPU capture records without running; replays read current contents") {
+TEST_CASE(
+    "runtime.graph: a CPU capture records without running, and replays read current contents") {
   DeviceContext ctx(Device::cpu(0), {.cpu_threads = 2, .caching = Caching::on});
   ContextScope scope(ctx);
   Tensor x = Tensor::from_vector({1, 2, 3}, {3}, Device::cpu(0));
@@ -310,7 +311,9 @@ TEST_CASE("runtime.graph: a CPU capture records without running; replays read cu
   CHECK_THROWS_WITH_AS(g.replay(), doctest::Contains("nothing captured"), Error);
 }
 
-TEST_CASE("runtime.graph: host reads, events and a second capture are refused; ctx stays usable") {
+TEST_CASE(
+    "runtime.graph: host reads, events and a second capture are refused, the context stays "
+    "usable") {
   DeviceContext ctx(Device::cpu(0), {.cpu_threads = 1, .caching = Caching::on});
   ContextScope scope(ctx);
   Tensor x = Tensor::from_vector({1, 2}, {2}, Device::cpu(0));
