@@ -584,18 +584,7 @@ void DataParallel::train_job(int i, const Tensor& images, const Tensor& labels,
   kernels::DeviceContext& ctx = pool_.context(i);
   nn::Module& m = *replicas_[i];
   const int n = static_cast<int>(sizes.size());
-  pd.marks[kBegin].record(ctx);
-  {
-    kernels::NvtxRange range("dp/scatter");
-    scatter_chunk(i, images, labels, sizes);
-  }
-  pd.marks[kScattered].record(ctx);
-  if (i > 0) {
-    kernels::NvtxRange range("dp/replicate");
-    replicate(i);
-  }
-  pd.marks[kReplicated].record(ctx);
-  order_buffers_before_forward(i, n);
+  begin_job(i, images, labels, sizes);
   {
     kernels::NvtxRange range("dp/forward");
     forward_and_loss(i, nn::Mode::train);
@@ -618,11 +607,7 @@ void DataParallel::train_job(int i, const Tensor& images, const Tensor& labels,
   }
   pd.marks[kReduced].record(ctx);
   if (i > 0) {
-    {
-      std::lock_guard<std::mutex> lock(signal_mutex_);
-      signals_.done[i] = 1;
-    }
-    signal_cv_.notify_all();
+    signal_done(i);
   } else {
     kernels::NvtxRange range("dp/step");
     std::unique_ptr<kernels::ContextScope> wide;
@@ -635,6 +620,32 @@ void DataParallel::train_job(int i, const Tensor& images, const Tensor& labels,
     // module from its own stream, once train_step returns.
     read_step_metrics(n);
   }
+}
+
+void DataParallel::begin_job(int i, const Tensor& images, const Tensor& labels,
+                             const std::vector<int64_t>& sizes) {
+  PerDevice& pd = per_device_[i];
+  kernels::DeviceContext& ctx = pool_.context(i);
+  pd.marks[kBegin].record(ctx);
+  {
+    kernels::NvtxRange range("dp/scatter");
+    scatter_chunk(i, images, labels, sizes);
+  }
+  pd.marks[kScattered].record(ctx);
+  if (i > 0) {
+    kernels::NvtxRange range("dp/replicate");
+    replicate(i);
+  }
+  pd.marks[kReplicated].record(ctx);
+  order_buffers_before_forward(i, static_cast<int>(sizes.size()));
+}
+
+void DataParallel::signal_done(int i) {
+  {
+    std::lock_guard<std::mutex> lock(signal_mutex_);
+    signals_.done[i] = 1;
+  }
+  signal_cv_.notify_all();
 }
 
 void DataParallel::order_buffers_before_forward(int i, int n) {
@@ -702,20 +713,9 @@ void DataParallel::graph_job(int i, const Tensor& images, const Tensor& labels,
   pd.input = gs.input;
   pd.labels = gs.labels;
   pd.dlogits = gs.dlogits;
-  pd.marks[kBegin].record(ctx);
-  {
-    kernels::NvtxRange range("dp/scatter");
-    scatter_chunk(i, images, labels, sizes);
-    gs.input = pd.input;
-    gs.labels = pd.labels;
-  }
-  pd.marks[kScattered].record(ctx);
-  if (i > 0) {
-    kernels::NvtxRange range("dp/replicate");
-    replicate(i);
-  }
-  pd.marks[kReplicated].record(ctx);
-  order_buffers_before_forward(i, n);
+  begin_job(i, images, labels, sizes);
+  gs.input = pd.input;
+  gs.labels = pd.labels;
   prepare_reduction(i);
   {
     kernels::NvtxRange range("dp/forward_backward");
@@ -767,11 +767,7 @@ void DataParallel::graph_job(int i, const Tensor& images, const Tensor& labels,
   }
   pd.marks[kReduced].record(ctx);
   if (i > 0) {
-    {
-      std::lock_guard<std::mutex> lock(signal_mutex_);
-      signals_.done[i] = 1;
-    }
-    signal_cv_.notify_all();
+    signal_done(i);
     return;
   }
   pd.marks[kStepped].record(ctx);
@@ -823,11 +819,7 @@ void DataParallel::eval_job(int i, const Tensor& images, const Tensor& labels,
   forward_and_loss(i, nn::Mode::eval);
   if (i > 0) {
     per_device_[i].marks[kReduced].record(pool_.context(i));  // its part ends here
-    {
-      std::lock_guard<std::mutex> lock(signal_mutex_);
-      signals_.done[i] = 1;
-    }
-    signal_cv_.notify_all();
+    signal_done(i);
   } else {
     read_step_metrics(static_cast<int>(sizes.size()));
   }

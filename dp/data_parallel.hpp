@@ -294,6 +294,12 @@ class DataParallel {
   std::string graphs_blocked() const;
   // Whether this step runs graphed (options_.graphs and graphs_blocked); says once why not.
   bool use_graphs();
+  // A step's start on device i: its chunk scattered, device 0's state replicated (i > 0), and
+  // the buffers ordered before forward (phase marks recorded).
+  void begin_job(int i, const Tensor& images, const Tensor& labels,
+                 const std::vector<int64_t>& sizes);
+  // Device i's part of the step is queued: tells the devices waiting for it.
+  void signal_done(int i);
   // Models with buffers: replica i (> 0) tells device 0 its copy of them is taken; device 0
   // waits for every replica's before its forward changes them.
   void order_buffers_before_forward(int i, int n);

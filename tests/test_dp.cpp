@@ -18,6 +18,16 @@ nn::ModulePtr small_mlp() {
   return nn::mlp({6, 16, 5});
 }
 
+// Linear(6, 8), BatchNorm1d(8), ReLU, Linear(8, 5): a model with buffers.
+nn::ModulePtr batch_norm_mlp() {
+  auto s = std::make_shared<nn::Sequential>();
+  s->add(std::make_shared<nn::Linear>(6, 8));
+  s->add(std::make_shared<nn::BatchNorm1d>(8));
+  s->add(std::make_shared<nn::ReLU>());
+  s->add(std::make_shared<nn::Linear>(8, 5));
+  return s;
+}
+
 // Small buckets, so that even the toy models reduce in several pieces.
 dp::DataParallelOptions small_buckets(dp::ReduceTopology reduce) {
   dp::DataParallelOptions o;
@@ -182,14 +192,7 @@ TEST_CASE("dp.links: bytes each device's link carries, star against tree") {
 }
 
 TEST_CASE("dp.equivalence: a CNN with BatchNorm matches per-chunk accumulation on one device") {
-  auto make = [] {
-    auto s = std::make_shared<nn::Sequential>();
-    s->add(std::make_shared<nn::Linear>(6, 8));
-    s->add(std::make_shared<nn::BatchNorm1d>(8));
-    s->add(std::make_shared<nn::ReLU>());
-    s->add(std::make_shared<nn::Linear>(8, 5));
-    return s;
-  };
+  auto make = batch_norm_mlp;
   const int n = 3, steps = 4;
   const int64_t batch = 11;  // chunks 4, 4, 3
   auto sizes = dp::DataParallel::chunk_sizes(batch, n);
@@ -499,15 +502,6 @@ TEST_CASE("dp.replay: the tree, bf16 communication and mixed precision replay to
 // ---- graphed steps (DataParallelOptions::graphs) --------------------------------------------
 
 namespace {
-
-nn::ModulePtr batch_norm_mlp() {
-  auto s = std::make_shared<nn::Sequential>();
-  s->add(std::make_shared<nn::Linear>(6, 8));
-  s->add(std::make_shared<nn::BatchNorm1d>(8));
-  s->add(std::make_shared<nn::ReLU>());
-  s->add(std::make_shared<nn::Linear>(8, 5));
-  return s;
-}
 
 struct GraphRun {
   std::vector<float> params, buffers, losses;
