@@ -530,7 +530,7 @@ void DataParallel::gather_metrics_on_root(int n) {
   cross->finish();
 }
 
-void DataParallel::read_step_metrics(int n) {
+void DataParallel::read_step_metrics(int n, bool gathered_in_graph) {
   kernels::DeviceContext& ctx = pool_.context(0);
   const bool gathered = n > 1 || options_.cross_node;
   if (gathered) {
@@ -540,7 +540,7 @@ void DataParallel::read_step_metrics(int n) {
         if (!signals_.done[r]) return false;
       return true;
     });
-    if (!graphed_step_) {  // a graphed step gathered them inside device 0's reduce graph
+    if (!gathered_in_graph) {
       for (int r = 1; r < n; ++r) per_device_[r].marks[kReduced].wait(ctx);
       gather_metrics_on_root(n);
     }
@@ -771,7 +771,7 @@ void DataParallel::graph_job(int i, const Tensor& images, const Tensor& labels,
     return;
   }
   pd.marks[kStepped].record(ctx);
-  read_step_metrics(n);
+  read_step_metrics(n, true);  // gathered inside device 0's reduce graph
 }
 
 std::string DataParallel::graphs_blocked() const {

@@ -344,7 +344,8 @@ class DataParallel {
   // Device 0, at the end of a step: gathers every device's metrics and reads them to the host,
   // the step's one host wait (which also covers every other device's work: device 0 waited on
   // each one's last event first).
-  void read_step_metrics(int n);
+  // gathered_in_graph: a graphed step gathered them already, inside device 0's reduce graph.
+  void read_step_metrics(int n, bool gathered_in_graph = false);
   void gather_metrics(const std::vector<int64_t>& sizes, StepStats& stats);
   // Hybrid, on device 0 after its reduce: waits for the bucket sums over nodes, then sums the
   // buffers over nodes too.
