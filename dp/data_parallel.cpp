@@ -869,7 +869,11 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
         "the model draws random numbers (dropout), at offsets a replay would not advance";
     pool_.run("dp/graphs_off", [&](int i) { per_device_[i].graphs.clear(); });
   }
-  stats.graphed = graphed_step_;
+  // Replayed: this shape's graphs were captured (a shape's first steps run uncaptured).
+  if (graphed_step_) {
+    auto it = per_device_[0].graphs.find(graph_key_);
+    stats.graphed = it != per_device_[0].graphs.end() && it->second.runs > kWarmupRuns;
+  }
   stats.ms.total = ms_since(t_step);
   const auto after = runtime_counts();
   stats.allocations = after.first - before.first;

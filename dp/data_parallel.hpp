@@ -147,7 +147,7 @@ struct StepStats {
   // device (0 once each shape's blocks are cached) and host waits or reads (1: the metrics).
   int64_t allocations = 0;
   int64_t host_syncs = 0;
-  bool graphed = false;       // replayed (or captured) graphs ran this step's work
+  bool graphed = false;       // captured graphs ran this step's work (replayed)
   float grad_norm = 0;        // the gradient's global norm before clipping (clip on)
   bool skipped = false;       // the gradient was not finite: no optimizer step
   int64_t skipped_steps = 0;  // skipped so far
