@@ -607,12 +607,12 @@ void DataParallel::train_job(int i, const Tensor& images, const Tensor& labels,
   }
   pd.marks[kReduced].record(ctx);
   if (i > 0) {
-    signal_done(i);
+    raise_signal(&Signals::done, i);
   } else {
     kernels::NvtxRange range("dp/step");
     std::unique_ptr<kernels::ContextScope> wide;
     if (wide_context_) wide = std::make_unique<kernels::ContextScope>(*wide_context_);
-    prepare_update();
+    scaler_.prepare_deferred(optimizer_);  // the optimizer's per-step scalars, to the device
     queue_update();
     wide.reset();
     pd.marks[kStepped].record(ctx);
@@ -640,24 +640,17 @@ void DataParallel::begin_job(int i, const Tensor& images, const Tensor& labels,
   order_buffers_before_forward(i, static_cast<int>(sizes.size()));
 }
 
-void DataParallel::signal_done(int i) {
+void DataParallel::raise_signal(std::vector<char> Signals::*flags, int i) {
   {
     std::lock_guard<std::mutex> lock(signal_mutex_);
-    signals_.done[i] = 1;
+    (signals_.*flags)[i] = 1;
   }
   signal_cv_.notify_all();
 }
 
 void DataParallel::order_buffers_before_forward(int i, int n) {
   if (replicas_[i]->flat_buffers().numel() == 0) return;
-  if (i > 0) {
-    {
-      std::lock_guard<std::mutex> lock(signal_mutex_);
-      signals_.replicated[i] = 1;
-    }
-    signal_cv_.notify_all();
-    return;
-  }
+  if (i > 0) return raise_signal(&Signals::replicated, i);
   if (n == 1) return;
   // Device 0's forward updates its running statistics in place: every replica takes its copy of
   // them first (the one dependency before forward, and only for models with buffers).
@@ -667,12 +660,6 @@ void DataParallel::order_buffers_before_forward(int i, int n) {
     return true;
   });
   for (int r = 1; r < n; ++r) per_device_[r].marks[kReplicated].wait(pool_.context(0));
-}
-
-void DataParallel::prepare_update() {
-  // The optimizer's per-step scalars (learning rate, step count, loss scale) go to the device
-  // here, outside any graph: a replayed update reads them there.
-  scaler_.prepare_deferred(optimizer_);
 }
 
 void DataParallel::queue_update() {
@@ -746,7 +733,9 @@ void DataParallel::graph_job(int i, const Tensor& images, const Tensor& labels,
     std::unique_ptr<kernels::ContextScope> wide;
     kernels::DeviceContext* on = &ctx;
     if (i == 0) {
-      prepare_update();
+      // The optimizer's per-step scalars (lr, step count, loss scale) go to the device here,
+      // outside the graph: the replayed update reads them there.
+      scaler_.prepare_deferred(optimizer_);
       if (wide_context_) {  // CPU: every other device is done, device 0 gets all the cores
         wide = std::make_unique<kernels::ContextScope>(*wide_context_);
         on = wide_context_.get();
@@ -767,7 +756,7 @@ void DataParallel::graph_job(int i, const Tensor& images, const Tensor& labels,
   }
   pd.marks[kReduced].record(ctx);
   if (i > 0) {
-    signal_done(i);
+    raise_signal(&Signals::done, i);
     return;
   }
   pd.marks[kStepped].record(ctx);
@@ -819,7 +808,7 @@ void DataParallel::eval_job(int i, const Tensor& images, const Tensor& labels,
   forward_and_loss(i, nn::Mode::eval);
   if (i > 0) {
     per_device_[i].marks[kReduced].record(pool_.context(i));  // its part ends here
-    signal_done(i);
+    raise_signal(&Signals::done, i);
   } else {
     read_step_metrics(static_cast<int>(sizes.size()));
   }
@@ -840,7 +829,7 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
   std::vector<uint64_t> rng_before;
   if (graphed_step_) {
     // The step's shape: what a graph bakes in. Chunk shapes, the loss scale and the shares (the
-    // reduce's weights) select the graphs; a new one is run uncaptured once, then captured.
+    // reduce's weights) select the graphs; a new one runs uncaptured twice, then is captured.
     graph_key_.assign(sizes.begin(), sizes.end());
     for (auto* t : {&images, &labels}) {
       graph_key_.push_back(static_cast<int64_t>(t->dtype()));
@@ -853,7 +842,11 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
       std::memcpy(&bits, &share, sizeof bits);
       graph_key_.push_back(bits);
     }
-    rng_before = rng_offsets();
+    auto it = per_device_[0].graphs.find(graph_key_);
+    stats.graphed = it != per_device_[0].graphs.end() && it->second.runs >= kWarmupRuns;
+    // Only an uncaptured step can show the model drawing random numbers (a replay moves no
+    // host offset).
+    if (!stats.graphed) rng_before = rng_offsets();
   }
   const auto before = runtime_counts();
   run_step("dp/train_step", n_used, [&](int i) {
@@ -862,17 +855,12 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
     else
       train_job(i, images, labels, sizes);
   });
-  if (graphed_step_ && rng_offsets() != rng_before) {
+  if (graphed_step_ && !stats.graphed && rng_offsets() != rng_before) {
     // Dropout's offsets are host values: a replay would draw the same mask every step. Caught
     // on a shape's first step, which runs uncaptured.
     graphs_off_reason_ =
         "the model draws random numbers (dropout), at offsets a replay would not advance";
     pool_.run("dp/graphs_off", [&](int i) { per_device_[i].graphs.clear(); });
-  }
-  // Replayed: this shape's graphs were captured (a shape's first steps run uncaptured).
-  if (graphed_step_) {
-    auto it = per_device_[0].graphs.find(graph_key_);
-    stats.graphed = it != per_device_[0].graphs.end() && it->second.runs > kWarmupRuns;
   }
   stats.ms.total = ms_since(t_step);
   const auto after = runtime_counts();

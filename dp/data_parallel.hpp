@@ -286,9 +286,8 @@ class DataParallel {
   void run_segment(kernels::DeviceContext& ctx, kernels::Graph& g, int runs,
                    const std::function<void()>& body);
   // Device 0's work after the reduce: clip, the loss scaler's check and the optimizer step,
-  // all queued on the device. The host-side part (the optimizer's per-step scalars) runs first,
-  // outside any graph.
-  void prepare_update();
+  // all queued on the device. The host-side part (scaler_.prepare_deferred: the optimizer's
+  // per-step scalars) runs first, outside any graph.
   void queue_update();
   // Why the step cannot run graphed (empty: it can).
   std::string graphs_blocked() const;
@@ -298,8 +297,9 @@ class DataParallel {
   // the buffers ordered before forward (phase marks recorded).
   void begin_job(int i, const Tensor& images, const Tensor& labels,
                  const std::vector<int64_t>& sizes);
-  // Device i's part of the step is queued: tells the devices waiting for it.
-  void signal_done(int i);
+  // Sets device i's flag in `flags` (done: its part of the step is queued; replicated: its copy
+  // of device 0's state is taken) and wakes the devices waiting for it.
+  void raise_signal(std::vector<char> Signals::*flags, int i);
   // Models with buffers: replica i (> 0) tells device 0 its copy of them is taken; device 0
   // waits for every replica's before its forward changes them.
   void order_buffers_before_forward(int i, int n);
