@@ -143,8 +143,8 @@ void add_flags(CLI::App& app, Options& o) {
                  "(pairwise, log2 N rounds)")
       ->check(CLI::IsMember({"star", "tree"}));
   app.add_option("--cuda-graphs", o.cuda_graphs,
-                 "DP: replay each step's captured work (auto: on for CUDA devices where the "
-                 "step is capturable; on: also on CPU devices, which run the same interface)")
+                 "DP and DDP: replay each step's captured work (auto: on for CUDA devices where "
+                 "the step is capturable; on: also on CPU devices, which run the same interface)")
       ->check(CLI::IsMember({"auto", "on", "off"}));
   app.add_option("--project-from", o.project_from,
                  "dp_bench JSON of a GPU run whose compute the NVLink/PCIe projection uses")
@@ -422,10 +422,14 @@ dp::DataParallelOptions dp_options(const Options& o, const Setup& s) {
   dopt.bucket_cap_bytes = static_cast<int64_t>(o.bucket_cap_mb * (1 << 20));
   if (o.sync_bn) dopt.batch_norm = dp::BatchNormStats::synced;
   dopt.loss = loss_of(o);
-  dopt.graphs = o.cuda_graphs == "on"    ? dp::Graphs::on
-                : o.cuda_graphs == "off" ? dp::Graphs::off
-                                         : dp::Graphs::automatic;
+  dopt.graphs = graphs_of(o);
   return dopt;
+}
+
+dp::Graphs graphs_of(const Options& o) {
+  return o.cuda_graphs == "on"    ? dp::Graphs::on
+         : o.cuda_graphs == "off" ? dp::Graphs::off
+                                  : dp::Graphs::automatic;
 }
 
 void DpSteps::add(RunResult& r, const dp::StepStats& st, float loss_scale) {
@@ -637,11 +641,11 @@ int run(const Options& o, int argc, char** argv) {
                                << "processes to restart");
     dp::dist::check_restarts_allowed(o.launch.max_restarts, o.launch.nnodes, o.launch.master_port);
   }
-  DP_CHECK(o.cuda_graphs != "on" || o.mode == "dp" || o.mode == "both",
-           "--cuda-graphs on with --mode " << o.mode
-                                           << ": graphed steps are DP's (--mode dp or both); "
-                                              "DDP, hybrid and the parameter server run "
-                                              "uncaptured");
+  DP_CHECK(o.cuda_graphs != "on" || o.mode == "dp" || o.mode == "ddp" || o.mode == "both",
+           "--cuda-graphs on with --mode "
+               << o.mode
+               << ": graphed steps are DP's and DDP's (--mode dp, ddp or both); hybrid "
+                  "and the parameter server run uncaptured");
   const bool low_precision = nn::compute_dtype(s.precision) != kernels::DType::f32;
   DP_CHECK(o.zero == 0 || s.comm_dtype == kernels::DType::f32 || o.mode == "dp",
            "--zero 1 with --comm-dtype " << o.comm_dtype

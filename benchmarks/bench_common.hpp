@@ -73,7 +73,7 @@ struct Options {
   std::optional<double> max_skip_fraction;  // mixed precision: more skipped steps is an error
   double bucket_cap_mb = 25, first_bucket_mb = 1;  // DP and DDP buckets (PyTorch's defaults)
   std::string dp_reduce = "star";                  // DP: star|tree
-  std::string cuda_graphs = "auto";                // DP: auto|on|off (dp::Graphs)
+  std::string cuda_graphs = "auto";                // DP, DDP: auto|on|off (dp::Graphs)
   std::string project_from;                        // GPU results file for the projection
   // DDP across nodes: every node runs dp_bench with the same flags and its own --node-rank.
   // DDP launch flags (dp::cli::add_launch_flags); nproc_per_node is set per run.
@@ -152,6 +152,8 @@ void print_resume_report(const nn::Resumed& resumed, const nn::TrainingProgress&
 std::unique_ptr<nn::Optimizer> make_optimizer(const Options& o, nn::Module& model);
 // The DP engine's options from the flags (math, precision, comm dtype, topology, buckets).
 dp::DataParallelOptions dp_options(const Options& o, const Setup& s);
+// --cuda-graphs as dp::Graphs (DP and DDP).
+dp::Graphs graphs_of(const Options& o);
 // Prototype scale of the benchmark's synthetic data: hard enough that the loss falls over the
 // default 35 steps instead of collapsing to zero in ten (torch_ref/ref_common.py mirrors it).
 constexpr float kBenchSignal = 0.12f;

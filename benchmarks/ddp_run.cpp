@@ -114,6 +114,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   trainer.set_zero_stage(o.zero);
   trainer.set_sync_batch_norm(o.sync_bn);
   trainer.set_precision(s.precision);
+  trainer.set_graphs(graphs_of(o));
   if (nn::LossPtr loss = loss_of(o)) trainer.set_loss(std::move(loss));
   // What every rank must agree on, verified by wrap() before the weights are broadcast.
   trainer.set_run_config({{"program", "dp_bench"},
@@ -222,6 +223,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
     phases["allreduce_exposed"].push_back(t.allreduce_wait);
     phases["optimizer"].push_back(t.optimizer);
     replay.add(t.allocations, t.host_syncs);
+    r.graphed_steps += t.graphed;
   }
   trainer.ddp().set_trace(nullptr);
   if (!o.checkpoint_dir.empty()) save(o.warmup + o.steps);  // the end of the run

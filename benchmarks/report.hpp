@@ -56,7 +56,7 @@ struct RunResult {
   // 0's): memory taken from a device, and host waits or reads. A replayed step has 0 and 1.
   double allocations_per_step = 0;
   double host_syncs_per_step = 0;
-  int graphed_steps = 0;  // DP: timed steps that ran as replayed graphs (dp::Graphs)
+  int graphed_steps = 0;  // DP, DDP: timed steps that ran as replayed graphs (dp::Graphs)
 
   // The median over repeats of each repeat's median step (--repeat K >= 2), else over steps.
   double step_ms_median() const;

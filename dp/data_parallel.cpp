@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstring>
 #include <set>
 #include <thread>
 
@@ -18,10 +17,6 @@ namespace {
 // verdict and the gradient norm (clipping on).
 constexpr int64_t kMetrics = 4;
 constexpr int64_t kNonFinite = 2, kGradNorm = 3;
-// Graph mode: step shapes whose graphs a device keeps (a run has one or two: the full batch and
-// the last short one).
-constexpr size_t kMaxGraphShapes = 8;
-constexpr int kWarmupRuns = 2;  // a shape's steps that run uncaptured before its capture
 
 using Clock = std::chrono::steady_clock;
 double ms_since(Clock::time_point t0) {
@@ -677,24 +672,13 @@ void DataParallel::queue_update() {
   scaler_.apply_deferred(optimizer_, m.flat_grads(), non_finite);
 }
 
-void DataParallel::run_segment(kernels::DeviceContext& ctx, kernels::Graph& g, int runs,
-                               const std::function<void()>& body) {
-  // Uncaptured first: the caches learn the step's sizes. Two runs, because layers hold the last
-  // step's activations until their next forward replaces them (dp.replay).
-  if (runs < kWarmupRuns) return body();
-  if (!g.captured()) g.capture(ctx, body);
-  g.replay();
-}
-
 void DataParallel::graph_job(int i, const Tensor& images, const Tensor& labels,
                              const std::vector<int64_t>& sizes) {
   PerDevice& pd = per_device_[i];
   kernels::DeviceContext& ctx = pool_.context(i);
   nn::Module& m = *replicas_[i];
   const int n = static_cast<int>(sizes.size());
-  if (pd.graphs.size() >= kMaxGraphShapes && !pd.graphs.count(graph_key_))
-    pd.graphs.clear();  // shapes keep changing: start over rather than hold every one's memory
-  GraphSet& gs = pd.graphs[graph_key_];
+  GraphSet& gs = graph_set_for(pd.graphs, graph_key_);
   const int runs = gs.runs++;
   // This shape's chunk buffers: the ones its graphs were captured with.
   pd.input = gs.input;
@@ -706,7 +690,7 @@ void DataParallel::graph_job(int i, const Tensor& images, const Tensor& labels,
   prepare_reduction(i);
   {
     kernels::NvtxRange range("dp/forward_backward");
-    run_segment(ctx, gs.compute, runs, [&] {
+    run_graph_segment(ctx, gs.compute, runs, [&] {
       forward_and_loss(i, nn::Mode::train);
       m.backward(pd.dlogits);
     });
@@ -741,7 +725,7 @@ void DataParallel::graph_job(int i, const Tensor& images, const Tensor& labels,
         on = wide_context_.get();
       }
     }
-    run_segment(*on, gs.reduce, runs, [&] {
+    run_graph_segment(*on, gs.reduce, runs, [&] {
       const int n_sources = static_cast<int>(sources_[i].size());
       if (n_sources > 0)
         for (int k = 0; k < static_cast<int>(plan_.buckets.size()); ++k)
@@ -770,8 +754,7 @@ std::string DataParallel::graphs_blocked() const {
 }
 
 bool DataParallel::use_graphs() {
-  if (options_.graphs == Graphs::off) return false;
-  if (options_.graphs == Graphs::automatic && devices_[0].is_cpu()) return false;
+  if (!graphs_requested(options_.graphs, devices_[0])) return false;
   const std::string why = graphs_blocked();
   if (why.empty()) return true;
   if (!said_graphs_off_) {
@@ -830,20 +813,13 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
   if (graphed_step_) {
     // The step's shape: what a graph bakes in. Chunk shapes, the loss scale and the shares (the
     // reduce's weights) select the graphs; a new one runs uncaptured twice, then is captured.
-    graph_key_.assign(sizes.begin(), sizes.end());
-    for (auto* t : {&images, &labels}) {
-      graph_key_.push_back(static_cast<int64_t>(t->dtype()));
-      graph_key_.insert(graph_key_.end(), t->shape().begin() + 1, t->shape().end());
-    }
-    uint32_t bits = 0;
-    std::memcpy(&bits, &step_scale_, sizeof bits);
-    graph_key_.push_back(bits);
-    for (float share : shares_) {
-      std::memcpy(&bits, &share, sizeof bits);
-      graph_key_.push_back(bits);
-    }
+    graph_key_ = GraphKey{std::vector<int64_t>(sizes.begin(), sizes.end())};
+    graph_key_.add_row_shape(images);
+    graph_key_.add_row_shape(labels);
+    graph_key_.add_bits(step_scale_);
+    for (float share : shares_) graph_key_.add_bits(share);
     auto it = per_device_[0].graphs.find(graph_key_);
-    stats.graphed = it != per_device_[0].graphs.end() && it->second.runs >= kWarmupRuns;
+    stats.graphed = it != per_device_[0].graphs.end() && it->second.runs >= kGraphWarmupRuns;
     // Only an uncaptured step can show the model drawing random numbers (a replay moves no
     // host offset).
     if (!stats.graphed) rng_before = rng_offsets();

@@ -49,6 +49,7 @@
 #include "dp/bucket_plan.hpp"
 #include "dp/chunks.hpp"
 #include "dp/cross_node.hpp"
+#include "dp/graphs.hpp"
 #include "dp/stats_sync.hpp"
 #include "dp/worker_pool.hpp"
 #include "kernels/runtime/event.hpp"
@@ -70,11 +71,6 @@ enum class BufferSync { average, root_only };
 // How replica gradients reach device 0: every replica to device 0 (star), or pairwise in
 // ceil(log2 N) rounds (tree), where device 2 sums 3's bucket before passing the pair on.
 enum class ReduceTopology { star, tree };
-
-// Whether train_step replays captured graphs (kernels/runtime/graph.hpp): automatic is on for
-// CUDA devices where the step is capturable and off for CPU devices (where the same interface
-// runs the work: `on` there proves every path of the graphed step in CI).
-enum class Graphs { automatic, on, off };
 
 // BatchNorm in training: each device normalises its own chunk (ghost statistics, PyTorch DP's
 // behaviour), or the replicas combine their statistics (SyncBatchNorm: the full batch's).
@@ -241,9 +237,9 @@ class DataParallel {
     Tensor input, labels, dlogits;
   };
   struct PerDevice {
-    std::map<std::vector<int64_t>, GraphSet> graphs;  // by step shape (graph_key_)
-    std::vector<int> graph_waits;                     // whose ends a graphed reduce waits for
-    Tensor input, labels;                             // this step's chunk on the device
+    std::map<GraphKey, GraphSet> graphs;  // by step shape (graph_key_)
+    std::vector<int> graph_waits;         // whose ends a graphed reduce waits for
+    Tensor input, labels;                 // this step's chunk on the device
     Tensor output, dlogits;
     // (4) f32 on the device: the chunk's mean loss and correct count, and (device 0) whether the
     // reduced gradient held a non-finite value (the GradScaler's verdict) and its norm (clipping
@@ -281,10 +277,6 @@ class DataParallel {
   // train_job with graphs: the same work in two captured segments per device (see Graphs).
   void graph_job(int i, const Tensor& images, const Tensor& labels,
                  const std::vector<int64_t>& sizes);
-  // Runs `body` uncaptured on the first two steps of a shape, captures it into `g` on the third
-  // and replays it from then on.
-  void run_segment(kernels::DeviceContext& ctx, kernels::Graph& g, int runs,
-                   const std::function<void()>& body);
   // Device 0's work after the reduce: clip, the loss scaler's check and the optimizer step,
   // all queued on the device. The host-side part (scaler_.prepare_deferred: the optimizer's
   // per-step scalars) runs first, outside any graph.
@@ -387,7 +379,7 @@ class DataParallel {
   // Graph mode: whether this step runs graphed, its shape's key, and why graphs are off (said
   // once).
   bool graphed_step_ = false;
-  std::vector<int64_t> graph_key_;
+  GraphKey graph_key_;
   std::string graphs_off_reason_;
   bool said_graphs_off_ = false;
 };

@@ -22,9 +22,9 @@
 #              bf16, fp16 at --gpus 4 --comm-dtype bf16: step time, loss, loss scale, skipped
 #              steps and peak memory in the summary;
 #   bench      bench_kernels (TF32 and bf16 GEMM against peak); dp_bench --mode both, --gpus 1
-#              and 4, MLP and CNN (DP graphed: --cuda-graphs auto), and DP again with
-#              --cuda-graphs off; GPT-2 124M bf16 on one GPU (tokens/s, MFU) and the tiny GPT
-#              at --gpus 4;
+#              and 4, MLP and CNN (DP and DDP graphed: --cuda-graphs auto), and again with
+#              --cuda-graphs off, whose losses must equal the graphed runs' bit for bit; GPT-2
+#              124M bf16 on one GPU (tokens/s, MFU) and the tiny GPT at --gpus 4;
 #   torch      the PyTorch side by side (benchmarks/torch_ref) where torch imports with CUDA,
 #              GPT-2 124M included;
 #   profile    ncu --clock-control none on one replica's backward (NVTX dp/backward, the first
@@ -349,6 +349,37 @@ bench_step() {
   fi
 }
 
+# Graphed against uncaptured dp_bench runs: LABEL GRAPHED_JSON UNCAPTURED_JSON. Every run of
+# the second (mode, N) must be in the first, have replayed steps there, and the same losses.
+graphs_verdict() {
+  local label=$1 line
+  line=$(
+    python3 - "$2" "$3" 2>&1 << 'EOF'
+import json, sys
+on = {(r["mode"], r["gpus"]): r for r in json.load(open(sys.argv[1]))["runs"]}
+off = {(r["mode"], r["gpus"]): r for r in json.load(open(sys.argv[2]))["runs"]}
+said, bad = [], []
+for key, r in sorted(off.items()):
+    name = f"{key[0]} N={key[1]}"
+    g = on.get(key)
+    if g is None:
+        bad.append(f"{name} missing")
+        continue
+    said.append(f"{name} {g.get('graphed_steps', 0)} of {len(g['losses'])} replayed")
+    if g.get("graphed_steps", 0) == 0:
+        bad.append(f"{name} never replayed")
+    if g["losses"] != r["losses"]:
+        bad.append(f"{name} losses differ")
+print(("FAIL " if bad or not said else "ok ") + ", ".join(said + bad))
+EOF
+  )
+  if [[ $line == "ok "* ]]; then
+    verdict ok "graphs = uncaptured, $label" "${line#ok }"
+  else
+    verdict FAIL "graphs = uncaptured, $label" "${line#FAIL }"
+  fi
+}
+
 # Doctest binaries with their test-case filters, into one log: LOG LABEL BIN:FILTER...
 doctest_step() {
   local log=$1 label=$2 ok=1 counts="" spec bin filter rc
@@ -483,11 +514,14 @@ EOF
         --gpus "$g" --model "$model"
     done
   done
-  # The same DP steps uncaptured (--cuda-graphs off), against the graphed runs above (auto: on)
+  # The same DP and DDP steps uncaptured (--cuda-graphs off), against the graphed runs above
+  # (auto: on); their losses must be the graphed runs' bit for bit.
   for model in mlp cnn; do
     for g in 1 4; do
       bench_step "dp_bench_${model}_gpus${g}_nographs" "dp_bench $model --gpus $g graphs off" \
-        --mode dp --baseline 0 --gpus "$g" --model "$model" --cuda-graphs off
+        --mode both --baseline 0 --gpus "$g" --model "$model" --cuda-graphs off
+      graphs_verdict "$model --gpus $g" "$out/dp_bench_${model}_gpus$g.json" \
+        "$out/dp_bench_${model}_gpus${g}_nographs.json"
     done
   done
   # GPT-2 124M in bf16 (bf16 activations: attention on cuDNN's fused SDPA), tokens/s and MFU;

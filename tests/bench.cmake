@@ -1,6 +1,6 @@
 if(TARGET dp_bench)
   dp_add_test(test_bench SOURCES test_bench.cpp LIBS dp_bench_report)
-  target_compile_definitions(test_bench PRIVATE DP_BENCH_PATH="$<TARGET_FILE:dp_bench>")
+  target_compile_definitions(test_bench PRIVATE DP_BENCH_BUILT="$<TARGET_FILE:dp_bench>")
   add_dependencies(test_bench dp_bench)
 endif()
 

@@ -18,13 +18,17 @@
 //                training state (DdpTrainer::save) after step K; with --load FILE it starts from
 //                it (DdpTrainer::load); either way it prints "weights H", a hash of its weights
 //                With --clip-grad C the gradient is clipped to norm C; it then prints the last
-//                step's "norm N syncs S allocations A" (DdpStepTimes), clipping on or off
+//                step's "norm N syncs S allocations A" (DdpStepTimes), clipping on or off,
+//                and "graphed G": the steps that replayed graphs (--cuda-graphs auto|on|off).
+//                --short-every K: every K-th step (the 2nd, 4th, ... for K = 2) trains on the
+//                batch's first --batch - 3 rows only, a second step shape
 // --hold-ms T: collectives wait T ms after joining the group (a job that stays up a while).
 // --max-restarts K: the launcher's LaunchOptions::max_restarts.
 #include <signal.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -135,10 +139,21 @@ uint64_t weights_hash(nn::Module& m) {
   return h;
 }
 
-int run_ddp(int64_t batch, int steps, int hold_ms, const std::string& backend,
-            const std::string& save, int save_at, const std::string& load, float clip_grad) {
-  DdpTrainer trainer(kernels::DeviceType::cpu, backend);
-  trainer.set_clip_grad_norm(clip_grad);
+struct DdpRun {
+  int64_t batch = 8;
+  int steps = 2, hold_ms = 0, save_at = 0, short_every = 0;
+  std::string backend = "gloo", save, load, graphs = "auto";
+  float clip_grad = 0.f;
+};
+
+int run_ddp(const DdpRun& o) {
+  const int64_t batch = o.batch;
+  const int steps = o.steps;
+  DdpTrainer trainer(kernels::DeviceType::cpu, o.backend);
+  trainer.set_clip_grad_norm(o.clip_grad);
+  trainer.set_graphs(o.graphs == "on"    ? dp::Graphs::on
+                     : o.graphs == "off" ? dp::Graphs::off
+                                         : dp::Graphs::automatic);
   trainer.set_run_config({{"program", "dist_worker"},
                           {"batch", std::to_string(batch)},
                           {"steps", std::to_string(steps)}});
@@ -156,19 +171,23 @@ int run_ddp(int64_t batch, int steps, int hold_ms, const std::string& backend,
   Tensor labels = Tensor::empty({batch}, kernels::DType::i32, kernels::Device::cpu());
   std::copy(y.begin(), y.end(), labels.data<int32_t>());
   float loss = 0;
-  int first = 0;
-  if (!load.empty()) first = static_cast<int>(trainer.load(load).step);
+  int first = 0, graphed = 0;
+  if (!o.load.empty()) first = static_cast<int>(trainer.load(o.load).step);
   for (int s = first; s < steps; ++s) {
-    loss = trainer.train_step(images, labels);
-    if (!save.empty() && s + 1 == save_at) trainer.save(save);
+    const bool short_step = o.short_every > 0 && (s + 1) % o.short_every == 0;
+    const int64_t rows = short_step ? std::max<int64_t>(batch - 3, 1) : batch;
+    loss = trainer.train_step(images.slice(0, rows), labels.slice(0, rows));
+    graphed += trainer.last_times().graphed;
+    if (!o.save.empty() && s + 1 == o.save_at) trainer.save(o.save);
   }
   std::printf("[rank %d] ddp ok loss %.6f weights %016llx\n", trainer.rank(), loss,
               static_cast<unsigned long long>(weights_hash(*model)));
   std::printf("[rank %d] norm %.9g syncs %lld allocations %lld\n", trainer.rank(),
               trainer.last_grad_norm(), static_cast<long long>(trainer.last_times().host_syncs),
               static_cast<long long>(trainer.last_times().allocations));
+  std::printf("[rank %d] graphed %d\n", trainer.rank(), graphed);
   std::fflush(stdout);
-  std::this_thread::sleep_for(std::chrono::milliseconds(hold_ms));  // a job that stays up
+  std::this_thread::sleep_for(std::chrono::milliseconds(o.hold_ms));  // a job that stays up
   trainer.group().barrier()->wait();  // rank 0 hosts the store: the others leave first
   return 0;
 }
@@ -179,11 +198,9 @@ int main(int argc, char** argv) {
   CLI::App app("dist_worker: launcher test helper");
   std::string mode = "collectives", pid_dir;
   LaunchOptions lo;
-  int grace_ms = 3000, hold_ms = 0, hang_rank = 1, steps = 2;
-  int64_t batch = 8;
-  std::string backend = "gloo", job_tag, save, load;
-  int save_at = 0;
-  float clip_grad = 0.f;
+  int grace_ms = 3000, hang_rank = 1;
+  DdpRun ddp;
+  std::string job_tag;
   app.add_option("--mode", mode);
   app.add_option("--pid-dir", pid_dir);
   app.add_option("--nproc", lo.nproc_per_node);
@@ -193,16 +210,18 @@ int main(int argc, char** argv) {
   app.add_option("--master-port", lo.master_port);
   app.add_option("--grace-ms", grace_ms);
   app.add_option("--max-local-ranks", lo.max_local_ranks);
-  app.add_option("--hold-ms", hold_ms);
+  app.add_option("--hold-ms", ddp.hold_ms);
   app.add_option("--hang-rank", hang_rank);
   app.add_option("--max-restarts", lo.max_restarts);
-  app.add_option("--batch", batch);
-  app.add_option("--steps", steps);
-  app.add_option("--backend", backend);
-  app.add_option("--save", save);
-  app.add_option("--save-at", save_at);
-  app.add_option("--load", load);
-  app.add_option("--clip-grad", clip_grad)->check(CLI::NonNegativeNumber);
+  app.add_option("--batch", ddp.batch);
+  app.add_option("--steps", ddp.steps);
+  app.add_option("--backend", ddp.backend);
+  app.add_option("--save", ddp.save);
+  app.add_option("--save-at", ddp.save_at);
+  app.add_option("--load", ddp.load);
+  app.add_option("--clip-grad", ddp.clip_grad)->check(CLI::NonNegativeNumber);
+  app.add_option("--cuda-graphs", ddp.graphs)->check(CLI::IsMember({"auto", "on", "off"}));
+  app.add_option("--short-every", ddp.short_every)->check(CLI::NonNegativeNumber);
   app.add_option("--job-tag", job_tag, "ignored: lets a test find this job's processes");
   CLI11_PARSE(app, argc, argv);
   lo.grace_period = std::chrono::milliseconds(grace_ms);
@@ -220,9 +239,8 @@ int main(int argc, char** argv) {
       sleep_forever();
       return 0;
     }
-    if (mode == "collectives") return run_collectives(*w, hold_ms);
-    if (mode == "ddp")
-      return run_ddp(batch, steps, hold_ms, backend, save, save_at, load, clip_grad);
+    if (mode == "collectives") return run_collectives(*w, ddp.hold_ms);
+    if (mode == "ddp") return run_ddp(ddp);
     if (mode == "hang") return run_hang(*w, hang_rank);
     if (mode == "stubborn") ::signal(SIGTERM, SIG_IGN);
     if (w->rank == 1) {

@@ -22,6 +22,14 @@
 
 namespace {
 
+// The dp_bench under test: the build's, or $DP_BENCH_PROGRAM (scripts/gpu_check.sh runs this
+// binary from a bundle, away from the tree it was built in).
+std::string bench_program() {
+  const char* e = std::getenv("DP_BENCH_PROGRAM");
+  return e && *e ? std::string(e) : std::string(DP_BENCH_BUILT);
+}
+#define DP_BENCH_PATH bench_program()
+
 nlohmann::json read_json(const std::string& path) {
   std::ifstream f(path);
   REQUIRE(f.good());
@@ -1149,6 +1157,94 @@ TEST_CASE("bench.replay: after warm-up, DP and DDP steps allocate nothing and sy
     }
     std::remove(json.c_str());
   }
+}
+
+TEST_CASE("bench.graphs: --cuda-graphs on replays DP and DDP steps, losses bitwise those of off") {
+  // CPU devices run the captured segments' recordings: every timed step (after 2 warm-up
+  // steps) replays, with one host read and no allocation, and every loss equals the
+  // uncaptured run's bit for bit. fp16 with AdamW (the loss scale and the optimizer's scalars
+  // on the device), bf16 with bf16 buckets, and uneven chunks (31 rows over 3 devices).
+  for (std::string extra : {"--dtype fp16 --optim adamw", "--dtype bf16 --comm-dtype bf16"}) {
+    CAPTURE(extra);
+    std::map<std::string, nlohmann::json> runs;
+    for (const char* graphs : {"off", "on"}) {
+      std::string json = temp_path(std::string("graphs_") + graphs + ".json");
+      REQUIRE(run_bench(std::string("--device cpu --gpus 3 --mode both --steps 4 --warmup 2 ") +
+                        "--batch 31 --cuda-graphs " + graphs + " " + extra + " --json " + json) ==
+              0);
+      runs[graphs] = read_json(json)["runs"];
+      std::remove(json.c_str());
+    }
+    REQUIRE(runs["on"].size() == 4);  // DP and DDP, 1 and 3 devices
+    REQUIRE(runs["off"].size() == runs["on"].size());
+    for (size_t i = 0; i < runs["on"].size(); ++i) {
+      const auto &on = runs["on"][i], &off = runs["off"][i];
+      CAPTURE(on["mode"].get<std::string>());
+      CAPTURE(on["gpus"].get<int>());
+      CHECK(on["graphed_steps"].get<int>() == 4);
+      CHECK(off["graphed_steps"].get<int>() == 0);
+      CHECK(on["allocations_per_step"].get<double>() == 0);
+      CHECK(on["host_syncs_per_step"].get<double>() == 1);
+      CHECK(on["losses"] == off["losses"]);
+    }
+  }
+}
+
+TEST_CASE("bench.cuda: graphed DDP steps on a GPU (NCCL at 1 rank, Gloo at 2) equal uncaptured") {
+  // The CUDA segments are real graphs here: the all-reduces between them go through NCCL (one
+  // rank) or Gloo (two logical GPUs sharing the one GPU, through pinned host memory).
+  DP_REQUIRE_GPU();
+  std::map<std::string, nlohmann::json> runs;
+  for (const char* graphs : {"off", "on"}) {
+    std::string json = temp_path(std::string("cuda_graphs_") + graphs + ".json");
+    REQUIRE(run_bench(std::string("--device cuda --gpus 2 --mode ddp --steps 4 --warmup 2 ") +
+                      "--batch 31 --dtype bf16 --optim adamw --cuda-graphs " + graphs + " --json " +
+                      json) == 0);
+    runs[graphs] = read_json(json)["runs"];
+    std::remove(json.c_str());
+  }
+  REQUIRE(runs["on"].size() == 2);
+  REQUIRE(runs["off"].size() == 2);
+  for (size_t i = 0; i < 2; ++i) {
+    const auto &on = runs["on"][i], &off = runs["off"][i];
+    CAPTURE(on["gpus"].get<int>());
+    CHECK(on["graphed_steps"].get<int>() == 4);
+    CHECK(on["allocations_per_step"].get<double>() == 0);
+    // NCCL: the metrics read only. Gloo stages CUDA buckets through the host, which waits.
+    if (on["gpus"].get<int>() == 1) CHECK(on["host_syncs_per_step"].get<double>() == 1);
+    CHECK(on["losses"] == off["losses"]);
+  }
+}
+
+TEST_CASE("bench.graphs: what cannot be captured runs uncaptured and says why, once") {
+  // Dropout (host offsets), SyncBatchNorm (collectives inside forward), ZeRO-1 (a host
+  // decision inside the step); hybrid and the parameter server are refused before any run.
+  struct Case {
+    const char* args;
+    const char* says;
+  };
+  for (const Case& c :
+       {Case{"--mode ddp --model gpt --gpt-config tiny --batch 4 --seq 16 --dropout 0.1",
+             "ddp: graphs off: the model draws random numbers (dropout)"},
+        Case{"--mode dp --model gpt --gpt-config tiny --batch 4 --seq 16 --dropout 0.1",
+             "dp: graphs off: the model draws random numbers (dropout)"},
+        Case{"--mode ddp --model cnn --batch 8 --sync-bn",
+             "ddp: graphs off: SyncBatchNorm exchanges statistics"},
+        Case{"--mode ddp --batch 8 --zero 1", "ddp: graphs off: ZeRO-1"}}) {
+    CAPTURE(std::string(c.args));
+    std::string json = temp_path("graphs_off.json");
+    auto [rc, text] = bench_output(std::string("--device cpu --gpus 2 --steps 3 --warmup 1 ") +
+                                   "--baseline 0 --cuda-graphs on --json " + json + " " + c.args);
+    INFO(text);
+    REQUIRE(rc == 0);
+    const size_t at = text.find(c.says);
+    CHECK(at != std::string::npos);
+    CHECK(text.find(c.says, at + 1) == std::string::npos);  // once
+    for (auto& r : read_json(json)["runs"]) CHECK(r["graphed_steps"].get<int>() == 0);
+    std::remove(json.c_str());
+  }
+  refused("--device cpu --gpus 2 --mode hybrid --cuda-graphs on", "hybrid");
+  refused("--device cpu --gpus 2 --mode ps --cuda-graphs on", "parameter server");
 }
 
 TEST_CASE("bench.hybrid: 2 node processes x 2 devices and 3 x 1 follow DP on one process") {

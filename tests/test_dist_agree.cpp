@@ -443,6 +443,62 @@ TEST_CASE("ddp.clip: clipping on the device keeps DdpTrainer's step at one host 
   CHECK(on[0].weights != off[0].weights);
 }
 
+TEST_CASE("ddp.graphs: DdpTrainer's graphed steps equal its uncaptured ones bit for bit") {
+  // Two hand-launched ranks, 12 steps alternating two shapes (8 rows, then 5: uneven chunks),
+  // clipping active, graphs off and on (CPU devices run the captured segments' recordings).
+  // Each shape runs uncaptured twice, is captured on its third step and replayed after: 8 of
+  // the 12 steps replay. Every rank ends with the same weights, bit for bit, either way; the
+  // last step (a replayed short one) reads the host once and allocates nothing.
+  struct Last {
+    float norm = -1.f;
+    long long syncs = -1, allocations = -1;
+    int graphed = -1;
+    std::string weights;
+  };
+  auto last = [](const std::string& out, int rank) {
+    Last l;
+    const std::string tag = "[rank " + std::to_string(rank) + "] ";
+    auto at = out.find(tag + "norm ");
+    if (at != std::string::npos)
+      std::sscanf(out.c_str() + at + tag.size(), "norm %f syncs %lld allocations %lld", &l.norm,
+                  &l.syncs, &l.allocations);
+    at = out.find(tag + "graphed ");
+    if (at != std::string::npos)
+      std::sscanf(out.c_str() + at + tag.size(), "graphed %d", &l.graphed);
+    at = out.find(" weights ");
+    if (at != std::string::npos) l.weights = out.substr(at + 9, 16);
+    return l;
+  };
+  std::string dir = dist_test::make_temp_dir("ddp_graphs");
+  Last off[2], on[2];
+  for (const char* graphs : {"off", "on"}) {
+    CAPTURE(graphs);
+    const int port = net::find_free_port();
+    const std::vector<std::string> args = {"--mode",        "ddp", "--steps",     "12",
+                                           "--short-every", "2",   "--clip-grad", "0.001",
+                                           "--cuda-graphs", graphs};
+    HandRank r0(dir, std::string("g0_") + graphs, 0, 2, port, args);
+    HandRank r1(dir, std::string("g1_") + graphs, 1, 2, port, args);
+    REQUIRE(r0.wait(30s) == 0);
+    REQUIRE(r1.wait(30s) == 0);
+    Last* into = std::string(graphs) == "off" ? off : on;
+    into[0] = last(r0.output(), 0);
+    into[1] = last(r1.output(), 1);
+  }
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    CHECK(off[r].graphed == 0);
+    CHECK(on[r].graphed == 8);
+    CHECK(on[r].syncs == 1);
+    CHECK(on[r].allocations == 0);
+    CHECK(on[r].norm > 0.001f);  // the clip was active
+    CHECK(on[r].norm == off[r].norm);
+    CHECK(on[r].weights == off[0].weights);
+    CHECK(off[r].weights == off[0].weights);
+  }
+  CHECK(off[0].weights.size() == 16);
+}
+
 TEST_CASE(
     "dist.claim: two hand-launched jobs on one port, no job id: no rank trains with the "
     "other job's") {

@@ -122,25 +122,41 @@ void DistributedDataParallel::set_batch_share(int64_t local_rows, int64_t global
   share_ = static_cast<float>(local_rows) / static_cast<float>(global_rows);
 }
 
+void DistributedDataParallel::broadcast_buffers() {
+  if (options_.buffer_sync != BufferSync::broadcast || module_->flat_buffers().numel() == 0 ||
+      !module_->is_training())
+    return;
+  kernels::NvtxRange range("ddp/broadcast_buffers");
+  group_.broadcast(module_->flat_buffers(), 0)->wait();
+}
+
+void DistributedDataParallel::average_buffers() {
+  if (options_.buffer_sync == BufferSync::average && module_->flat_buffers().numel() > 0)
+    group_.all_reduce(module_->flat_buffers(), ReduceOp::avg)->wait();
+}
+
 Tensor DistributedDataParallel::forward(const Tensor& x) {
-  if (options_.buffer_sync == BufferSync::broadcast && module_->flat_buffers().numel() > 0 &&
-      module_->is_training()) {
-    kernels::NvtxRange range("ddp/broadcast_buffers");
-    group_.broadcast(module_->flat_buffers(), 0)->wait();
-  }
+  broadcast_buffers();
+  return forward_local(x);
+}
+
+Tensor DistributedDataParallel::forward_local(const Tensor& x) {
   kernels::NvtxRange range("ddp/forward");
   TraceScope slice(trace_, "ddp/forward", group_.rank());
   return module_->forward(x);
 }
 
-Tensor DistributedDataParallel::backward(const Tensor& dy) {
-  // A new step's figures; the per-bucket times keep their storage.
+void DistributedDataParallel::reset_stats() {
   std::vector<double> ready = std::move(stats_.bucket_ready_ms);
   stats_ = DdpStats{};
   ready.assign(buckets_.size(), -1.0);
   stats_.bucket_ready_ms = std::move(ready);
   stats_.buckets = static_cast<int>(buckets_.size());
   backward_begin_ = Clock::now();
+}
+
+Tensor DistributedDataParallel::backward(const Tensor& dy) {
+  reset_stats();
   Tensor dx;
   {
     kernels::NvtxRange range("ddp/backward");
@@ -159,6 +175,36 @@ Tensor DistributedDataParallel::backward(const Tensor& dy) {
   return dx;
 }
 
+Tensor DistributedDataParallel::backward_local(const Tensor& dy) {
+  kernels::NvtxRange range("ddp/backward");
+  NoSync local(*this);
+  return module_->backward(dy);
+}
+
+void DistributedDataParallel::stage_buckets() {
+  for (int k = 0; k < static_cast<int>(buckets_.size()); ++k) stage_bucket(k);
+}
+
+void DistributedDataParallel::all_reduce_staged() {
+  reset_stats();
+  auto t0 = Clock::now();
+  for (int k = 0; k < static_cast<int>(buckets_.size()); ++k) issue_bucket(k);
+  {
+    kernels::NvtxRange range("ddp/allreduce_wait");
+    TraceScope slice(trace_, "ddp/allreduce_wait", group_.rank());
+    std::vector<std::shared_ptr<Work>> works;
+    works.swap(pending_);
+    pending_.resize(buckets_.size());
+    wait_all(works);
+  }
+  average_buffers();
+  stats_.allreduce_wait_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+void DistributedDataParallel::unstage_buckets() {
+  for (int k = 0; k < static_cast<int>(buckets_.size()); ++k) unstage_bucket(k);
+}
+
 std::vector<int64_t> DistributedDataParallel::bucket_bytes() const {
   std::vector<int64_t> out;
   for (const Bucket& b : buckets_)
@@ -175,31 +221,46 @@ void DistributedDataParallel::on_grad_ready(const nn::Parameter& p) {
   launch_ready_buckets();
 }
 
+Tensor DistributedDataParallel::grad_slice(int k) {
+  return module_->flat_grads().view(buckets_[k].offset, {buckets_[k].numel});
+}
+
+void DistributedDataParallel::stage_bucket(int k) {
+  Tensor slice = grad_slice(k);
+  kernels::scale(slice, slice, share_);
+  if (!comm_buffers_.empty()) kernels::copy(comm_buffers_[k], slice);  // rounded once
+}
+
+void DistributedDataParallel::issue_bucket(int k) {
+  kernels::NvtxRange range("ddp/allreduce[bucket " + std::to_string(k) + "]");
+  Tensor slice = comm_buffers_.empty() ? grad_slice(k) : comm_buffers_[k];
+  pending_[k] = group_.all_reduce(slice, ReduceOp::sum);
+  stats_.comm_bytes +=
+      buckets_[k].numel * static_cast<int64_t>(kernels::dtype_size(options_.comm_dtype));
+  stats_.bucket_ready_ms[k] =
+      std::chrono::duration<double, std::milli>(Clock::now() - backward_begin_).count();
+  if (trace_)
+    trace_->add({"ddp/allreduce[bucket " + std::to_string(k) + "] launch", group_.rank(),
+                 trace_->now_us(), 1.0});
+}
+
+void DistributedDataParallel::unstage_bucket(int k) {
+  if (comm_buffers_.empty()) return;
+  Tensor slice = grad_slice(k);  // the 16-bit sum, widened back into the f32 gradient
+  kernels::copy(slice, comm_buffers_[k]);
+}
+
 void DistributedDataParallel::launch_ready_buckets() {
   // In index order only: bucket k goes after k-1 on every rank, so the collectives match.
   while (next_to_launch_ < static_cast<int>(buckets_.size()) &&
          ready_count_[next_to_launch_] >= buckets_[next_to_launch_].n_params) {
     int k = next_to_launch_++;
-    const Bucket& b = buckets_[k];
-    Tensor slice = module_->flat_grads().view(b.offset, {b.numel});
-    kernels::NvtxRange range("ddp/allreduce[bucket " + std::to_string(k) + "]");
-    kernels::scale(slice, slice, share_);
-    if (comm_buffers_.empty()) {
-      pending_[k] = group_.all_reduce(slice, ReduceOp::sum);
-    } else {
-      kernels::copy(comm_buffers_[k], slice);  // rounded to the comm dtype once
-      pending_[k] = group_.all_reduce(comm_buffers_[k], ReduceOp::sum);
-    }
-    stats_.comm_bytes += b.numel * static_cast<int64_t>(kernels::dtype_size(options_.comm_dtype));
-    stats_.bucket_ready_ms[k] =
-        std::chrono::duration<double, std::milli>(Clock::now() - backward_begin_).count();
+    stage_bucket(k);
+    issue_bucket(k);
     // The last bucket (the first layers) lands with backward's final layer: nothing is left
     // to hide it behind. Every other bucket launched from backward overlaps what remains.
     if (in_backward_ && k + 1 < static_cast<int>(buckets_.size()))
       ++stats_.launched_before_backward_end;
-    if (trace_)
-      trace_->add({"ddp/allreduce[bucket " + std::to_string(k) + "] launch", group_.rank(),
-                   trace_->now_us(), 1.0});
   }
 }
 
@@ -216,14 +277,10 @@ void DistributedDataParallel::finish_gradient_sync() {
       if (!pending_[k]) continue;
       pending_[k]->wait();
       pending_[k].reset();
-      if (!comm_buffers_.empty()) {  // the 16-bit sum, widened back into the f32 gradient
-        Tensor slice = module_->flat_grads().view(buckets_[k].offset, {buckets_[k].numel});
-        kernels::copy(slice, comm_buffers_[k]);
-      }
+      unstage_bucket(static_cast<int>(k));
     }
   }
-  if (options_.buffer_sync == BufferSync::average && module_->flat_buffers().numel() > 0)
-    group_.all_reduce(module_->flat_buffers(), ReduceOp::avg)->wait();
+  average_buffers();
   stats_.allreduce_wait_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
   std::fill(ready_count_.begin(), ready_count_.end(), 0);
   next_to_launch_ = 0;

@@ -75,10 +75,33 @@ class DistributedDataParallel {
   void set_batch_share(int64_t local_rows, int64_t global_rows);
 
   Tensor forward(const Tensor& x);
+  // forward() without its buffer broadcast (broadcast_buffers()): capturable.
+  Tensor forward_local(const Tensor& x);
   // Runs backward; launches bucket all-reduces as gradients become ready (unless in no_sync).
   Tensor backward(const Tensor& dy);
   // Waits for every bucket (and averages buffers when asked). Call before optimizer.step().
   void finish_gradient_sync();
+
+  // A graphed step (dp/graphs.hpp) all-reduces after backward instead of from its hooks, so
+  // that backward and the update stay free of collectives and can be captured:
+  //   captured:  ddp.backward_local(dy); ddp.stage_buckets();
+  //   between:   ddp.all_reduce_staged();
+  //   captured:  ddp.unstage_buckets();  ... clip, optimizer step
+  // Bitwise the gradient of backward() + finish_gradient_sync(): the same scale, rounding and
+  // sums, bucket by bucket in the same order; only the overlap with backward is given up.
+  // ensures dy's backward ran with no bucket launched (forward's buffer broadcast is the
+  // caller's: broadcast_buffers(), outside the capture).
+  Tensor backward_local(const Tensor& dy);
+  // ensures every bucket is scaled by this rank's share (and rounded into the comm dtype).
+  void stage_buckets();
+  // requires stage_buckets() queued. ensures every bucket was all-reduced (issued in order,
+  // waited for) and the buffers averaged when asked; the stats say so (no bucket overlapped).
+  void all_reduce_staged();
+  // ensures a 16-bit comm dtype's sums are widened back into the gradient (else nothing).
+  void unstage_buckets();
+  // BufferSync::broadcast with buffers, in training: rank 0's buffers on every rank, as
+  // forward() does first. Otherwise nothing.
+  void broadcast_buffers();
 
   // While a NoSync is alive, backward only accumulates local gradients (gradient accumulation);
   // the first backward after it reduces everything accumulated.
@@ -112,6 +135,13 @@ class DistributedDataParallel {
   void verify_same_model();
   void on_grad_ready(const nn::Parameter& p);
   void launch_ready_buckets();
+  // A new step's counters (the per-bucket times keep their storage); backward begins now.
+  void reset_stats();
+  Tensor grad_slice(int k);
+  void stage_bucket(int k);  // scale by the share, round into the comm dtype
+  void issue_bucket(int k);  // its all-reduce, asynchronously, counted in the stats
+  void unstage_bucket(int k);
+  void average_buffers();
 
   nn::ModulePtr module_;
   ProcessGroup& group_;

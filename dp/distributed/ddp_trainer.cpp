@@ -174,9 +174,9 @@ void DdpTrainer::wrap(nn::ModulePtr model, nn::Optimizer& optimizer) {
   context_->synchronize();
 }
 
-std::pair<kernels::Tensor, kernels::Tensor> DdpTrainer::my_chunk(const kernels::Tensor& images,
-                                                                 const kernels::Tensor& labels,
-                                                                 float* share) {
+std::pair<kernels::Tensor, kernels::Tensor> DdpTrainer::slice_chunk(const kernels::Tensor& images,
+                                                                    const kernels::Tensor& labels,
+                                                                    float* share) {
   DP_CHECK(
       images.defined() && labels.defined() && labels.ndim() >= 1 && images.dim(0) == labels.dim(0),
       "DdpTrainer: images " << images << " and labels " << labels
@@ -196,14 +196,101 @@ std::pair<kernels::Tensor, kernels::Tensor> DdpTrainer::my_chunk(const kernels::
     total_denominator_ = 0;
     for (int64_t d : denominators) total_denominator_ += d;
   }
-  kernels::Tensor x = images.slice(begin, begin + sizes[rank()]);
-  kernels::Tensor y = labels.slice(begin, begin + sizes[rank()]);
+  return {images.slice(begin, begin + sizes[rank()]), labels.slice(begin, begin + sizes[rank()])};
+}
+
+void DdpTrainer::copy_in(const kernels::Tensor& x, const kernels::Tensor& y) {
   // Input buffers persist between steps; they are remade only when the shape changes. The
   // caller may reuse the host batch once the step returns: the step ends with a host read on
   // this stream (a copy from pageable memory is staged before cudaMemcpyAsync returns anyway).
   kernels::copy(kernels::ensure(input_, x.shape(), x.dtype(), device_), x);
   kernels::copy(kernels::ensure(labels_, y.shape(), y.dtype(), device_), y);
+}
+
+std::pair<kernels::Tensor, kernels::Tensor> DdpTrainer::my_chunk(const kernels::Tensor& images,
+                                                                 const kernels::Tensor& labels,
+                                                                 float* share) {
+  auto [x, y] = slice_chunk(images, labels, share);
+  copy_in(x, y);
   return {input_, labels_};
+}
+
+void DdpTrainer::set_graphs(Graphs mode) {
+  DP_CHECK(!ddp_, "DdpTrainer::set_graphs after wrap()");
+  graphs_mode_ = mode;
+}
+
+std::string DdpTrainer::graphs_blocked() const {
+  if (zero_) return "ZeRO-1 combines the shards' verdicts on the host inside its step";
+  if (sync_bn_) return "SyncBatchNorm exchanges statistics between ranks inside forward";
+  return graphs_off_reason_;
+}
+
+bool DdpTrainer::use_graphs() {
+  if (!graphs_requested(graphs_mode_, device_)) return false;
+  const std::string why = graphs_blocked();
+  if (why.empty()) return true;
+  if (!said_graphs_off_ && rank() == 0) std::fprintf(stderr, "ddp: graphs off: %s\n", why.c_str());
+  said_graphs_off_ = true;
+  return false;
+}
+
+void DdpTrainer::forward_and_loss(nn::Module& m, const kernels::Tensor& x,
+                                  const kernels::Tensor& y) {
+  m.zero_grad();
+  kernels::Tensor out = ddp_->forward_local(x);
+  kernels::Tensor loss = metrics_.view(0, {1});
+  kernels::Tensor& dlogits = kernels::ensure(dlogits_, out.shape(), kernels::DType::f32, device_);
+  loss_fn_->compute(loss, dlogits, out, y);
+  scaler_.scale_loss_grad(dlogits);  // fp16: the loss gradient carries the scale
+}
+
+void DdpTrainer::queue_update(nn::Module& m) {
+  // The all-reduced gradient is the same on every rank: so are its norm and the decision,
+  // made on the device (clipping scales itself, the update skips itself) and learnt with the
+  // loss in the step's one read.
+  kernels::Tensor non_finite = metrics_.view(1, {1}), grad_norm = metrics_.view(2, {1});
+  if (clip_grad_norm_ > 0.f)
+    nn::clip_grad_norm_into(m.flat_grads(), clip_grad_norm_, 1.f / scaler_.scale(), grad_norm);
+  scaler_.apply_deferred(*optimizer_, m.flat_grads(), non_finite);
+}
+
+void DdpTrainer::graphed_step(StepGraphs& g) {
+  kernels::DeviceContext& ctx = *context_;
+  nn::Module& m = ddp_->module();
+  const int runs = g.runs++;
+  times_.graphed = runs >= kGraphWarmupRuns;
+  const uint64_t rng_before = m.flat().rng_offset;
+  ddp_->broadcast_buffers();
+  {
+    kernels::NvtxRange range("ddp/forward_backward");
+    run_graph_segment(ctx, g.compute, runs, [&] {
+      forward_and_loss(m, input_, labels_);
+      ddp_->backward_local(dlogits_);
+      ddp_->stage_buckets();
+    });
+    g.input = input_;
+    g.labels = labels_;
+    g.dlogits = dlogits_;
+  }
+  marks_[2].record(ctx);
+  marks_[3].record(ctx);
+  ddp_->all_reduce_staged();
+  marks_[4].record(ctx);
+  kernels::NvtxRange range("ddp/step");
+  TraceScope slice(ddp_->trace(), "ddp/step", rank());
+  scaler_.prepare_deferred(*optimizer_);  // the host scalars the replayed update reads
+  run_graph_segment(ctx, g.update, runs, [&] {
+    ddp_->unstage_buckets();
+    queue_update(m);
+  });
+  if (!times_.graphed && m.flat().rng_offset != rng_before) {
+    // Dropout's offsets are host values: a replay would draw the same mask every step. Caught
+    // on a shape's first step, which runs uncaptured.
+    graphs_off_reason_ =
+        "the model draws random numbers (dropout), at offsets a replay would not advance";
+    graphs_.clear();  // g with them: not used past here
+  }
 }
 
 float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tensor& labels) {
@@ -215,55 +302,64 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   kernels::DeviceContext& ctx = *context_;
   marks_[0].record(ctx);
   float share = 0;
-  auto [x, y] = my_chunk(images, labels, &share);
-  DP_CHECK(x.dim(0) > 0, "DdpTrainer: a global batch of "
-                             << images.dim(0) << " rows leaves rank " << rank() << " of "
-                             << world_size() << " without rows: pad a short last batch to "
-                             << world_size() << " rows (LoaderOptions::pad_last_batch_to) or "
-                             << "drop it");
+  auto [hx, hy] = slice_chunk(images, labels, &share);
+  DP_CHECK(hx.dim(0) > 0, "DdpTrainer: a global batch of "
+                              << images.dim(0) << " rows leaves rank " << rank() << " of "
+                              << world_size() << " without rows: pad a short last batch to "
+                              << world_size() << " rows (LoaderOptions::pad_last_batch_to) or "
+                              << "drop it");
   ddp_->set_batch_share(total_denominator_ > 0 ? my_denominator_ : 0,
                         std::max<int64_t>(total_denominator_, 1));
+  StepGraphs* graphs = nullptr;
+  if (use_graphs()) {
+    // What the graphs bake in: the chunk's shape, the loss scale and this rank's share.
+    GraphKey key{{hx.dim(0)}};
+    key.add_row_shape(hx);
+    key.add_row_shape(hy);
+    key.add_bits(scaler_.scale());
+    key.add_bits(share);
+    graphs = &graph_set_for(graphs_, key);
+    input_ = graphs->input;  // the buffers this shape's graphs read and write
+    labels_ = graphs->labels;
+    dlogits_ = graphs->dlogits;
+  }
+  copy_in(hx, hy);
   marks_[1].record(ctx);
 
   nn::Module& m = ddp_->module();
-  m.zero_grad();
-  kernels::Tensor out = ddp_->forward(x);
   // Zeros once: the norm's slot is read back every step, written only with clipping on.
   if (!metrics_.defined()) metrics_ = kernels::Tensor::zeros({3}, kernels::DType::f32, device_);
-  kernels::Tensor loss = metrics_.view(0, {1}), non_finite = metrics_.view(1, {1});
-  kernels::Tensor grad_norm = metrics_.view(2, {1});
-  kernels::Tensor& dlogits = kernels::ensure(dlogits_, out.shape(), kernels::DType::f32, device_);
-  loss_fn_->compute(loss, dlogits, out, y);
-  scaler_.scale_loss_grad(dlogits);  // fp16: the loss gradient carries the scale
-  marks_[2].record(ctx);
-
-  if (zero_) {
-    // ZeRO-1 communicates after backward (reduce_scatter, shard step, all_gather).
-    auto local_only = ddp_->no_sync();
-    ddp_->backward(dlogits);
+  times_.graphed = false;
+  if (graphs) {
+    graphed_step(*graphs);
   } else {
-    ddp_->backward(dlogits);
-  }
-  marks_[3].record(ctx);
-
-  if (zero_) {
-    // ZeRO-1 decides on the host (every rank's shard, combined) inside its step.
-    zero_->step(share, &scaler_);
-    grad_norm_ = zero_->last_grad_norm();
-    if (ddp_options_.buffer_sync == BufferSync::average && m.flat_buffers().numel() > 0)
-      group_->all_reduce(m.flat_buffers(), ReduceOp::avg)->wait();
-    kernels::fill(non_finite, 0.f);
-  } else {
-    ddp_->finish_gradient_sync();
-    marks_[4].record(ctx);
-    kernels::NvtxRange range("ddp/step");
-    TraceScope slice(ddp_->trace(), "ddp/step", rank());
-    // The all-reduced gradient is the same on every rank: so are its norm and the decision,
-    // made on the device (clipping scales itself, the update skips itself) and learnt with
-    // the loss in the step's one read.
-    if (clip_grad_norm_ > 0.f)
-      nn::clip_grad_norm_into(m.flat_grads(), clip_grad_norm_, 1.f / scaler_.scale(), grad_norm);
-    scaler_.step_deferred(*optimizer_, m.flat_grads(), non_finite);
+    ddp_->broadcast_buffers();
+    forward_and_loss(m, input_, labels_);
+    marks_[2].record(ctx);
+    if (zero_) {
+      // ZeRO-1 communicates after backward (reduce_scatter, shard step, all_gather).
+      auto local_only = ddp_->no_sync();
+      ddp_->backward(dlogits_);
+    } else {
+      ddp_->backward(dlogits_);
+    }
+    marks_[3].record(ctx);
+    if (zero_) {
+      // ZeRO-1 decides on the host (every rank's shard, combined) inside its step.
+      zero_->step(share, &scaler_);
+      grad_norm_ = zero_->last_grad_norm();
+      if (ddp_options_.buffer_sync == BufferSync::average && m.flat_buffers().numel() > 0)
+        group_->all_reduce(m.flat_buffers(), ReduceOp::avg)->wait();
+      kernels::Tensor non_finite = metrics_.view(1, {1});
+      kernels::fill(non_finite, 0.f);
+    } else {
+      ddp_->finish_gradient_sync();
+      marks_[4].record(ctx);
+      kernels::NvtxRange range("ddp/step");
+      TraceScope slice(ddp_->trace(), "ddp/step", rank());
+      scaler_.prepare_deferred(*optimizer_);
+      queue_update(m);
+    }
   }
   marks_[5].record(ctx);
   last_payload_bytes_ = group_->payload_bytes() - payload_before;  // the loss's is not in it

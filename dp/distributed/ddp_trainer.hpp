@@ -10,6 +10,7 @@
 #pragma once
 
 #include <chrono>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -21,6 +22,7 @@
 #include "dp/distributed/launcher.hpp"
 #include "dp/distributed/process_group.hpp"
 #include "dp/distributed/zero.hpp"
+#include "dp/graphs.hpp"
 #include "kernels/runtime/event.hpp"
 #include "nn/amp.hpp"
 #include "nn/loss.hpp"
@@ -45,6 +47,7 @@ struct DdpStepTimes {
   // Counted by the runtime on this rank's context during the step: memory taken from the
   // device (0 once the shape's blocks are cached) and host waits or reads (1: the metrics).
   int64_t allocations = 0, host_syncs = 0;
+  bool graphed = false;  // captured graphs ran this step's work (replayed)
 };
 
 class DdpTrainer {
@@ -89,6 +92,14 @@ class DdpTrainer {
   // before the step; under ZeRO-1 from one all-reduce of the shards' squared norms. 0: off.
   // Call before wrap().
   void set_clip_grad_norm(float max_norm);
+  // Graphed steps (dp/graphs.hpp; default automatic: on for CUDA devices). Per step shape, a
+  // captured graph holds zero_grad, forward, the loss, backward and the buckets' scaling; the
+  // buckets are all-reduced after it (the overlap with backward is given up), then a second
+  // graph holds the clip, the scaler's check and the optimizer step. A shape's first two steps
+  // run uncaptured, the third captures. Bitwise the results of graphs off. Not capturable, run
+  // uncaptured with one line saying why: ZeRO-1, SyncBatchNorm, models that draw random
+  // numbers (dropout). Call before wrap().
+  void set_graphs(Graphs mode);
   // The global gradient norm of the last step, before clipping (0 with clipping off).
   float last_grad_norm() const { return grad_norm_; }
   // requires model materialised on device(); optimizer built on it.
@@ -129,8 +140,34 @@ class DdpTrainer {
   // whether the gradient was finite (metrics_[1]): one small all-reduce and the step's one read,
   // which also brings the gradient norm (metrics_[2], clipping on).
   float report_loss(float share);
+  // This rank's rows of the global host batch (views), and with `share` its share of the
+  // batch's loss denominator; requires labels valid for the loss.
+  std::pair<kernels::Tensor, kernels::Tensor> slice_chunk(const kernels::Tensor& images,
+                                                          const kernels::Tensor& labels,
+                                                          float* share);
+  // slice_chunk, copied into the rank's input buffers (input_, labels_).
   std::pair<kernels::Tensor, kernels::Tensor> my_chunk(const kernels::Tensor& images,
                                                        const kernels::Tensor& labels, float* share);
+  void copy_in(const kernels::Tensor& x, const kernels::Tensor& y);
+  // Graph mode: one step shape's segments and the buffers they were captured with.
+  struct StepGraphs {
+    int runs = 0;
+    kernels::Graph compute, update;
+    kernels::Tensor input, labels, dlogits;
+  };
+  // Why this step cannot run graphed (empty: it can).
+  std::string graphs_blocked() const;
+  // Whether this step runs graphed; says once why not when graphs were asked for.
+  bool use_graphs();
+  // zero_grad, forward (without the buffer broadcast) and the loss into metrics_[0] and
+  // dlogits_ (scaled by the loss scale): capturable.
+  void forward_and_loss(nn::Module& m, const kernels::Tensor& x, const kernels::Tensor& y);
+  // The clip and the scaler-checked optimizer step on the synchronised gradient: capturable.
+  // requires scaler_.prepare_deferred(*optimizer_) for this step.
+  void queue_update(nn::Module& m);
+  // The step from forward to the update through `g`'s segments (input_ and labels_ hold the
+  // chunk, in g's buffers).
+  void graphed_step(StepGraphs& g);
 
   WorkerEnv env_;
   kernels::Device device_;
@@ -156,6 +193,10 @@ class DdpTrainer {
   float clip_grad_norm_ = 0.f, grad_norm_ = 0.f;
   int64_t my_denominator_ = 0, total_denominator_ = 0;  // of the last my_chunk with a share
   DdpStepTimes times_;
+  Graphs graphs_mode_ = Graphs::automatic;
+  std::map<GraphKey, StepGraphs> graphs_;
+  std::string graphs_off_reason_;
+  bool said_graphs_off_ = false;
   int64_t last_payload_bytes_ = 0;
 };
 
