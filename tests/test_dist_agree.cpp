@@ -12,6 +12,7 @@
 
 #include <gloo/transport/tcp/address.h>
 
+#include <array>
 #include <atomic>
 #include <cstdio>
 #include <fstream>
@@ -394,40 +395,56 @@ TEST_CASE("dist.config: hand-launched ranks that agree train, without a job id")
   CHECK(contains(r1.output(), "[rank 1] ddp ok loss"));
 }
 
+namespace {
+
+// What a dist_worker --mode ddp rank printed of its last step and its run.
+struct LastStep {
+  float norm = -1.f;
+  long long syncs = -1, allocations = -1;
+  int graphed = -1;
+  std::string weights;  // the hash of its final weights, 16 hex digits
+};
+
+LastStep last_step(const std::string& out, int rank) {
+  LastStep l;
+  const std::string tag = "[rank " + std::to_string(rank) + "] ";
+  auto at = out.find(tag + "norm ");
+  if (at != std::string::npos)
+    std::sscanf(out.c_str() + at + tag.size(), "norm %f syncs %lld allocations %lld", &l.norm,
+                &l.syncs, &l.allocations);
+  at = out.find(tag + "graphed ");
+  if (at != std::string::npos) std::sscanf(out.c_str() + at + tag.size(), "graphed %d", &l.graphed);
+  at = out.find(" weights ");
+  if (at != std::string::npos) l.weights = out.substr(at + 9, 16);
+  return l;
+}
+
+// Two hand-launched dist_worker ranks with `args`, to their end; what each printed.
+std::array<LastStep, 2> ddp_pair(const std::string& dir, const std::string& name,
+                                 const std::vector<std::string>& args) {
+  const int port = net::find_free_port();
+  HandRank r0(dir, name + "_0", 0, 2, port, args);
+  HandRank r1(dir, name + "_1", 1, 2, port, args);
+  REQUIRE(r0.wait(30s) == 0);
+  REQUIRE(r1.wait(30s) == 0);
+  return {last_step(r0.output(), 0), last_step(r1.output(), 1)};
+}
+
+}  // namespace
+
 TEST_CASE("ddp.clip: clipping on the device keeps DdpTrainer's step at one host read") {
   // Two hand-launched ranks, 3 steps, clipping off and on (to a norm far below the gradient's):
   // the last step reads the host once either way (the metrics, which bring the norm along),
   // allocates nothing, and every rank reports the same norm and takes the same clipped step.
-  struct Last {
-    float norm = -1.f;
-    long long syncs = -1, allocations = -1;
-    std::string weights;
-  };
-  auto last = [](const std::string& out, int rank) {
-    Last l;
-    const std::string tag = "[rank " + std::to_string(rank) + "] ";
-    auto at = out.find(tag + "norm ");
-    if (at != std::string::npos)
-      std::sscanf(out.c_str() + at + tag.size(), "norm %f syncs %lld allocations %lld", &l.norm,
-                  &l.syncs, &l.allocations);
-    at = out.find(" weights ");
-    if (at != std::string::npos) l.weights = out.substr(at + 9, 16);
-    return l;
-  };
   std::string dir = dist_test::make_temp_dir("ddp_clip");
-  Last off[2], on[2];
-  for (const char* clip : {"0", "0.001"}) {
-    CAPTURE(clip);
-    const int port = net::find_free_port();
-    const std::vector<std::string> args = {"--mode", "ddp", "--steps", "3", "--clip-grad", clip};
-    HandRank r0(dir, std::string("c0_") + clip, 0, 2, port, args);
-    HandRank r1(dir, std::string("c1_") + clip, 1, 2, port, args);
-    REQUIRE(r0.wait(30s) == 0);
-    REQUIRE(r1.wait(30s) == 0);
-    Last* into = std::string(clip) == "0" ? off : on;
-    into[0] = last(r0.output(), 0);
-    into[1] = last(r1.output(), 1);
-  }
+  const std::vector<std::string> args = {"--mode", "ddp", "--steps", "3", "--clip-grad"};
+  auto with = [&](const std::string& clip) {
+    std::vector<std::string> all = args;
+    all.push_back(clip);
+    return all;
+  };
+  const std::array<LastStep, 2> off = ddp_pair(dir, "c_off", with("0")),
+                                on = ddp_pair(dir, "c_on", with("0.001"));
   for (int r = 0; r < 2; ++r) {
     CAPTURE(r);
     CHECK(off[r].syncs == 1);
@@ -449,42 +466,14 @@ TEST_CASE("ddp.graphs: DdpTrainer's graphed steps equal its uncaptured ones bit 
   // Each shape runs uncaptured twice, is captured on its third step and replayed after: 8 of
   // the 12 steps replay. Every rank ends with the same weights, bit for bit, either way; the
   // last step (a replayed short one) reads the host once and allocates nothing.
-  struct Last {
-    float norm = -1.f;
-    long long syncs = -1, allocations = -1;
-    int graphed = -1;
-    std::string weights;
-  };
-  auto last = [](const std::string& out, int rank) {
-    Last l;
-    const std::string tag = "[rank " + std::to_string(rank) + "] ";
-    auto at = out.find(tag + "norm ");
-    if (at != std::string::npos)
-      std::sscanf(out.c_str() + at + tag.size(), "norm %f syncs %lld allocations %lld", &l.norm,
-                  &l.syncs, &l.allocations);
-    at = out.find(tag + "graphed ");
-    if (at != std::string::npos)
-      std::sscanf(out.c_str() + at + tag.size(), "graphed %d", &l.graphed);
-    at = out.find(" weights ");
-    if (at != std::string::npos) l.weights = out.substr(at + 9, 16);
-    return l;
-  };
   std::string dir = dist_test::make_temp_dir("ddp_graphs");
-  Last off[2], on[2];
-  for (const char* graphs : {"off", "on"}) {
-    CAPTURE(graphs);
-    const int port = net::find_free_port();
-    const std::vector<std::string> args = {"--mode",        "ddp", "--steps",     "12",
-                                           "--short-every", "2",   "--clip-grad", "0.001",
-                                           "--cuda-graphs", graphs};
-    HandRank r0(dir, std::string("g0_") + graphs, 0, 2, port, args);
-    HandRank r1(dir, std::string("g1_") + graphs, 1, 2, port, args);
-    REQUIRE(r0.wait(30s) == 0);
-    REQUIRE(r1.wait(30s) == 0);
-    Last* into = std::string(graphs) == "off" ? off : on;
-    into[0] = last(r0.output(), 0);
-    into[1] = last(r1.output(), 1);
-  }
+  std::vector<std::string> args = {"--mode",      "ddp",           "--steps",
+                                   "12",          "--short-every", "2",
+                                   "--clip-grad", "0.001",         "--cuda-graphs"};
+  args.push_back("off");
+  const std::array<LastStep, 2> off = ddp_pair(dir, "g_off", args);
+  args.back() = "on";
+  const std::array<LastStep, 2> on = ddp_pair(dir, "g_on", args);
   for (int r = 0; r < 2; ++r) {
     CAPTURE(r);
     CHECK(off[r].graphed == 0);
