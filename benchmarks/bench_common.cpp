@@ -146,6 +146,10 @@ void add_flags(CLI::App& app, Options& o) {
                  "DP and DDP: replay each step's captured work (auto: on for CUDA devices where "
                  "the step is capturable; on: also on CPU devices, which run the same interface)")
       ->check(CLI::IsMember({"auto", "on", "off"}));
+  app.add_option("--phase-times", o.phase_times,
+                 "DP and DDP: time each step's phases (on), or mark them with events that only "
+                 "order the work (off: cheaper on a GPU; the report then has the step time alone)")
+      ->check(CLI::IsMember({"on", "off"}));
   app.add_option("--project-from", o.project_from,
                  "dp_bench JSON of a GPU run whose compute the NVLink/PCIe projection uses")
       ->check(CLI::ExistingFile);
@@ -423,7 +427,12 @@ dp::DataParallelOptions dp_options(const Options& o, const Setup& s) {
   if (o.sync_bn) dopt.batch_norm = dp::BatchNormStats::synced;
   dopt.loss = loss_of(o);
   dopt.graphs = graphs_of(o);
+  dopt.phase_timing = phase_timing_of(o);
   return dopt;
+}
+
+kernels::Event::Timing phase_timing_of(const Options& o) {
+  return o.phase_times == "off" ? kernels::Event::Timing::off : kernels::Event::Timing::on;
 }
 
 dp::Graphs graphs_of(const Options& o) {
@@ -443,6 +452,7 @@ void DpSteps::add(RunResult& r, const dp::StepStats& st, float loss_scale) {
   overlapped.push_back(st.buckets_overlapped);
   replay.add(st.allocations, st.host_syncs);
   graphed += st.graphed;
+  if (timing == kernels::Event::Timing::off) return;
   phases["scatter"].push_back(st.ms.scatter);
   phases["replicate"].push_back(st.ms.replicate);
   phases["forward"].push_back(st.ms.forward);
@@ -488,6 +498,7 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
       dp_bytes_theory(n, r.param_bytes,
                       r.param_bytes / 4 * static_cast<int64_t>(kernels::dtype_size(s.comm_dtype)));
   DpSteps steps;
+  steps.timing = phase_timing_of(o);
   auto [pa, pb] = profile_range(o);
   std::string label = "dp N=" + std::to_string(n);
   nn::TrainingProgress state = bench_state(o, "dp", n);
@@ -641,6 +652,8 @@ int run(const Options& o, int argc, char** argv) {
                                << "processes to restart");
     dp::dist::check_restarts_allowed(o.launch.max_restarts, o.launch.nnodes, o.launch.master_port);
   }
+  DP_CHECK(o.phase_times == "on" || o.trace_path.empty(),
+           "--trace with --phase-times off: a trace is made of the timed phases");
   DP_CHECK(o.cuda_graphs != "on" || o.mode == "dp" || o.mode == "ddp" || o.mode == "both",
            "--cuda-graphs on with --mode "
                << o.mode

@@ -74,6 +74,7 @@ struct Options {
   double bucket_cap_mb = 25, first_bucket_mb = 1;  // DP and DDP buckets (PyTorch's defaults)
   std::string dp_reduce = "star";                  // DP: star|tree
   std::string cuda_graphs = "auto";                // DP, DDP: auto|on|off (dp::Graphs)
+  std::string phase_times = "on";                  // DP, DDP: on|off (timing events or not)
   std::string project_from;                        // GPU results file for the projection
   // DDP across nodes: every node runs dp_bench with the same flags and its own --node-rank.
   // DDP launch flags (dp::cli::add_launch_flags); nproc_per_node is set per run.
@@ -154,6 +155,8 @@ std::unique_ptr<nn::Optimizer> make_optimizer(const Options& o, nn::Module& mode
 dp::DataParallelOptions dp_options(const Options& o, const Setup& s);
 // --cuda-graphs as dp::Graphs (DP and DDP).
 dp::Graphs graphs_of(const Options& o);
+// --phase-times as the timing of the engines' phase marks (DP and DDP).
+kernels::Event::Timing phase_timing_of(const Options& o);
 // Prototype scale of the benchmark's synthetic data: hard enough that the loss falls over the
 // default 35 steps instead of collapsing to zero in ten (torch_ref/ref_common.py mirrors it).
 constexpr float kBenchSignal = 0.12f;
@@ -178,6 +181,8 @@ struct DpSteps {
   ReplayCounts replay;
   std::vector<double> overlapped;
   int graphed = 0;  // steps that ran graphed
+  // off (--phase-times off): the steps' phases were not timed, and none are reported.
+  kernels::Event::Timing timing = kernels::Event::Timing::on;
   // Hybrid steps report the bytes across nodes (in-node links: RunResult::link_bytes).
   void add(RunResult& r, const dp::StepStats& st, float loss_scale);
   void finish(RunResult& r) const;

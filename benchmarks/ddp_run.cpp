@@ -115,6 +115,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   trainer.set_sync_batch_norm(o.sync_bn);
   trainer.set_precision(s.precision);
   trainer.set_graphs(graphs_of(o));
+  trainer.set_phase_timing(phase_timing_of(o));
   if (nn::LossPtr loss = loss_of(o)) trainer.set_loss(std::move(loss));
   // What every rank must agree on, verified by wrap() before the weights are broadcast.
   trainer.set_run_config({{"program", "dp_bench"},
@@ -218,11 +219,13 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
       ready_frac[k].push_back(ds.backward_ms > 0 && ds.bucket_ready_ms[k] >= 0
                                   ? std::min(1.0, ds.bucket_ready_ms[k] / ds.backward_ms)
                                   : 1.0);  // not issued in backward: ready at its end
-    phases["forward"].push_back(t.forward);
-    phases["backward"].push_back(t.backward);
-    phases["allreduce_exposed"].push_back(t.allreduce_wait);
-    phases["optimizer"].push_back(t.optimizer);
     replay.add(t.allocations, t.host_syncs);
+    if (o.phase_times == "on") {
+      phases["forward"].push_back(t.forward);
+      phases["backward"].push_back(t.backward);
+      phases["allreduce_exposed"].push_back(t.allreduce_wait);
+      phases["optimizer"].push_back(t.optimizer);
+    }
     r.graphed_steps += t.graphed;
   }
   trainer.ddp().set_trace(nullptr);

@@ -66,6 +66,7 @@ int hybrid_worker_main(const Options& o) {
   r.param_bytes = engine.parameter_bytes();
   r.optimizer_state_bytes = {optimizer->state_bytes()};  // each node's device 0 steps
   DpSteps timed;
+  timed.timing = phase_timing_of(o);
   auto bar = progress_line("hybrid " + std::to_string(nodes) + "x" + std::to_string(local),
                            o.warmup + o.steps);
   for (int step = 0; step < o.warmup + o.steps; ++step) {

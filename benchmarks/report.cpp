@@ -266,6 +266,7 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
   for (auto& r : runs) {
     os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << r.gpus << " ";
     for (auto& [name, ms] : r.phases_ms) os << " " << name << " " << std::setprecision(3) << ms;
+    if (r.phases_ms.empty()) os << " not timed (--phase-times off)";
     if (r.mode == "ddp" && r.gpus > 1)
       os << "  (buckets " << r.buckets << ", " << r.buckets_overlapped
          << " launched while backward ran on)";
@@ -497,6 +498,11 @@ ProjectionInput projection_input(const Header& h, const std::vector<RunResult>& 
         "is no GPU prediction; run on a GPU, or pass --project-from GPU_RESULTS.json";
     return in;
   }
+  for (const RunResult& r : runs)
+    if (r.phases_ms.empty()) {
+      in.why_not = "the phases were not timed (--phase-times off)";
+      return in;
+    }
   in.runs = runs;
   in.compute_runs = compute_runs;
   in.source = "measured on " + h.device;

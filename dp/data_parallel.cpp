@@ -107,6 +107,7 @@ DataParallel::DataParallel(nn::ModulePtr module, nn::Optimizer& optimizer,
     pd.own_count.assign(plan_.buckets.size(), 0);
     for (size_t k = 0; k < plan_.buckets.size(); ++k)
       pd.bucket_done.emplace_back(kernels::Event::Timing::off);  // ordering only
+    for (auto& mark : pd.marks) mark = kernels::Event(options_.phase_timing);
     replicas_[i]->flat().on_grad_ready = [this, i](const nn::Parameter& p) { on_grad_ready(i, p); };
   }
   pool_.run("dp/staging", [&](int i) {
@@ -330,7 +331,9 @@ void DataParallel::advance_reduction(int i, bool blocking) {
         std::lock_guard<std::mutex> lock(signal_mutex_);
         if (!count_ready()) return;  // not there yet: backward goes on
       }
-      if (pd.n_pulls == static_cast<int>(pd.pulls.size())) pd.pulls.emplace_back();
+      if (pd.n_pulls == static_cast<int>(pd.pulls.size()))
+        pd.pulls.push_back(
+            {0, kernels::Event(options_.phase_timing), kernels::Event(options_.phase_timing)});
       Pull& pull = pd.pulls[pd.n_pulls++];
       pull.bucket = k;
       pull.begin.record(ctx);
@@ -864,8 +867,18 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
   return stats;
 }
 
+void DataParallel::set_trace(Trace* trace) {
+  DP_CHECK(!trace || options_.phase_timing == kernels::Event::Timing::on,
+           "DataParallel::set_trace: phase timing is off (DataParallelOptions::phase_timing): "
+           "a trace is made of the timed phases");
+  trace_ = trace;
+}
+
 void DataParallel::collect_step(int n, StepStats& stats) {
   using kernels::Event;
+  const int n_buckets = static_cast<int>(plan_.buckets.size());
+  stats.buckets = n > 1 ? n_buckets : 0;
+  if (options_.phase_timing == Event::Timing::off) return;  // the marks only ordered the work
   auto between = [&](int i, Mark a, Mark b) {
     return Event::elapsed_ms(per_device_[i].marks[a], per_device_[i].marks[b]);
   };
@@ -895,8 +908,6 @@ void DataParallel::collect_step(int n, StepStats& stats) {
   t.reduce = between(0, kBackwarded, kReduced);
   t.step = between(0, kReduced, kStepped);
 
-  const int n_buckets = static_cast<int>(plan_.buckets.size());
-  stats.buckets = n > 1 ? n_buckets : 0;
   std::vector<Clock::time_point> first_pull(n_buckets, Clock::time_point::max());
   for (int i = 0; i < n; ++i)
     for (int j = 0; j < per_device_[i].n_pulls; ++j) {

@@ -113,6 +113,11 @@ struct DataParallelOptions {
   // hybrid runs, SyncBatchNorm, and models that draw random numbers (dropout: the offsets are host
   // values).
   Graphs graphs = Graphs::automatic;
+  // Whether each step's phases are timed (StepStats::ms, buckets_overlapped, a trace): the
+  // workers' marks and pulls are then timing events. off: they only order the devices' work
+  // (on a GPU, events without a timestamp, cheaper to record and wait on), StepStats::ms holds
+  // the step's total alone and set_trace is refused.
+  kernels::Event::Timing phase_timing = kernels::Event::Timing::on;
 };
 
 // Milliseconds of each phase of one step, from the events each worker records (device time on
@@ -193,7 +198,8 @@ class DataParallel {
   std::vector<int64_t> peak_memory_bytes();
   // Records every phase of every worker into `trace` (null: off), each slice tagged with its
   // step. Set between steps.
-  void set_trace(Trace* trace) { trace_ = trace; }
+  // requires phase timing on (DataParallelOptions::phase_timing) or a null trace.
+  void set_trace(Trace* trace);
   // Each replica's dropout stream offset (device order), to save and restore a run exactly.
   // Call between steps.
   std::vector<uint64_t> rng_offsets();

@@ -23,8 +23,9 @@
 #              steps and peak memory in the summary;
 #   bench      bench_kernels (TF32 and bf16 GEMM against peak); dp_bench --mode both, --gpus 1
 #              and 4, MLP and CNN (DP and DDP graphed: --cuda-graphs auto), and again with
-#              --cuda-graphs off, whose losses must equal the graphed runs' bit for bit; GPT-2
-#              124M bf16 on one GPU (tokens/s, MFU) and the tiny GPT at --gpus 4;
+#              --cuda-graphs off, whose losses must equal the graphed runs' bit for bit; DP on
+#              4 GPUs with a 0.25 MiB first bucket; GPT-2 124M bf16 on one GPU (tokens/s, MFU)
+#              and the tiny GPT at --gpus 4;
 #   torch      the PyTorch side by side (benchmarks/torch_ref) where torch imports with CUDA,
 #              GPT-2 124M included;
 #   profile    ncu --clock-control none on one replica's backward (NVTX dp/backward, the first
@@ -524,6 +525,11 @@ EOF
         "$out/dp_bench_${model}_gpus${g}_nographs.json"
     done
   done
+  # A first bucket of 0.25 MiB against the default 1 MiB, where buckets overlap backward (DP
+  # uncaptured; the MLP's 1.03 MiB of gradients make 2 buckets instead of 1): against the
+  # nographs run above.
+  bench_step dp_bench_mlp_gpus4_nographs_bucket025 "dp_bench mlp --gpus 4 graphs off, first bucket 0.25 MiB" \
+    --mode dp --baseline 0 --gpus 4 --model mlp --cuda-graphs off --first-bucket-mb 0.25
   # GPT-2 124M in bf16 (bf16 activations: attention on cuDNN's fused SDPA), tokens/s and MFU;
   # the tiny GPT through DP and DDP on 4 logical GPUs.
   bench_step dp_bench_gpt124m_bf16 "dp_bench gpt-124m bf16 --gpus 1" --mode dp --gpus 1 \

@@ -1186,6 +1186,8 @@ TEST_CASE("bench.graphs: --cuda-graphs on replays DP and DDP steps, losses bitwi
       CHECK(on["allocations_per_step"].get<double>() == 0);
       CHECK(on["host_syncs_per_step"].get<double>() == 1);
       CHECK(on["losses"] == off["losses"]);
+      // One rank hands the group nothing: a bucket's sum over one rank is the bucket.
+      if (on["mode"] == "ddp" && on["gpus"] == 1) CHECK(on["bytes_per_step"].get<int64_t>() == 0);
     }
   }
 }
@@ -1214,6 +1216,39 @@ TEST_CASE("bench.cuda: graphed DDP steps on a GPU (NCCL at 1 rank, Gloo at 2) eq
     if (on["gpus"].get<int>() == 1) CHECK(on["host_syncs_per_step"].get<double>() == 1);
     CHECK(on["losses"] == off["losses"]);
   }
+}
+
+TEST_CASE("bench.phase_times: --phase-times off reports the step time alone, the same losses") {
+  // Untimed marks (DP's workers, DDP's ranks) only order the work: the losses are the timed
+  // runs' bit for bit, and the report says the phases were not timed instead of printing zeros.
+  std::map<std::string, nlohmann::json> runs;
+  std::string untimed_text;
+  for (const char* phases : {"on", "off"}) {
+    std::string json = temp_path(std::string("phases_") + phases + ".json");
+    auto [rc, text] =
+        bench_output(std::string("--device cpu --gpus 2 --mode both --steps 3 ") +
+                     "--warmup 1 --batch 16 --phase-times " + phases + " --json " + json);
+    INFO(text);
+    REQUIRE(rc == 0);
+    runs[phases] = read_json(json)["runs"];
+    if (std::string(phases) == "off") untimed_text = text;
+    std::remove(json.c_str());
+  }
+  REQUIRE(runs["off"].size() == 4);
+  REQUIRE(runs["on"].size() == 4);
+  for (size_t i = 0; i < 4; ++i) {
+    const auto &off = runs["off"][i], &on = runs["on"][i];
+    CAPTURE(off["mode"].get<std::string>());
+    CAPTURE(off["gpus"].get<int>());
+    CHECK(off["phases_ms"].empty());
+    CHECK(!on["phases_ms"].empty());
+    CHECK(off["losses"] == on["losses"]);
+    CHECK(off["step_ms_median"].get<double>() > 0);
+  }
+  CHECK(untimed_text.find("not timed (--phase-times off)") != std::string::npos);
+  refused("--device cpu --phase-times off --trace " + temp_path("t.json"),
+          "--trace with --phase-times off");
+  refused("--device cpu --phase-times sometimes", "--phase-times");
 }
 
 TEST_CASE("bench.graphs: what cannot be captured runs uncaptured and says why, once") {

@@ -618,6 +618,57 @@ TEST_CASE("dp.graphs: off where not capturable (dropout, SyncBatchNorm), automat
   for (const dp::StepStats& st : automatic.stats) CHECK(!st.graphed);
 }
 
+namespace {
+
+// Phase timing off against on, graphs off and on, on `type` devices: the marks then only order
+// the devices' work, which must come out bitwise the same, with no phase timed.
+void check_untimed_phases(DeviceType type) {
+  const std::vector<int64_t> batches = {10, 10, 10, 10, 7};
+  for (auto graphs : {dp::Graphs::off, dp::Graphs::on}) {
+    CAPTURE(graphs == dp::Graphs::on);
+    dp::DataParallelOptions o = small_buckets(dp::ReduceTopology::star);
+    o.graphs = graphs;
+    GraphRun timed = train_graphs(batch_norm_mlp(), 3, batches, o, type);
+    o.phase_timing = kernels::Event::Timing::off;
+    GraphRun untimed = train_graphs(batch_norm_mlp(), 3, batches, o, type);
+    CHECK(same_bits(untimed.losses, timed.losses));
+    CHECK(same_bits(untimed.params, timed.params));
+    CHECK(same_bits(untimed.buffers, timed.buffers));
+    for (size_t s = 0; s < batches.size(); ++s) {
+      CAPTURE(s);
+      const dp::StepStats &u = untimed.stats[s], &t = timed.stats[s];
+      CHECK(u.graphed == t.graphed);
+      CHECK(u.ms.total > 0);
+      CHECK(u.ms.forward + u.ms.backward + u.ms.reduce + u.ms.step + u.ms.replicate == 0);
+      CHECK(t.ms.forward > 0);
+      CHECK(u.buckets == t.buckets);
+      if (s >= 2) CHECK(u.host_syncs == t.host_syncs);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE(
+    "dp.phase_timing: marks without timestamps order the same steps bitwise, a trace is refused") {
+  check_untimed_phases(DeviceType::cpu);
+  auto m = small_mlp();
+  m->materialize(Device::cpu(0), kSeed);
+  nn::SGD opt(*m, SgdConfig{});
+  dp::DataParallelOptions o;
+  o.phase_timing = kernels::Event::Timing::off;
+  dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, 2), o);
+  dp::Trace trace;
+  CHECK_THROWS_WITH_AS(engine.set_trace(&trace),
+                       doctest::Contains("set_trace: phase timing is off"), kernels::Error);
+  engine.set_trace(nullptr);  // clearing is always allowed
+}
+
+TEST_CASE("dp.cuda: phase timing off on logical GPUs: untimed events order the same steps") {
+  DP_REQUIRE_GPU();
+  check_untimed_phases(DeviceType::cuda);
+}
+
 TEST_CASE("dp.cuda: graphed steps on logical GPUs equal uncaptured ones and follow the CPU") {
   DP_REQUIRE_GPU();
   const std::vector<int64_t> batches = {10, 10, 10, 10, 7, 7, 7, 10};

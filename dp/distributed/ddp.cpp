@@ -124,14 +124,15 @@ void DistributedDataParallel::set_batch_share(int64_t local_rows, int64_t global
 
 void DistributedDataParallel::broadcast_buffers() {
   if (options_.buffer_sync != BufferSync::broadcast || module_->flat_buffers().numel() == 0 ||
-      !module_->is_training())
+      !module_->is_training() || group_.size() == 1)
     return;
   kernels::NvtxRange range("ddp/broadcast_buffers");
   group_.broadcast(module_->flat_buffers(), 0)->wait();
 }
 
 void DistributedDataParallel::average_buffers() {
-  if (options_.buffer_sync == BufferSync::average && module_->flat_buffers().numel() > 0)
+  if (options_.buffer_sync == BufferSync::average && module_->flat_buffers().numel() > 0 &&
+      group_.size() > 1)
     group_.all_reduce(module_->flat_buffers(), ReduceOp::avg)->wait();
 }
 
@@ -193,8 +194,8 @@ void DistributedDataParallel::all_reduce_staged() {
     kernels::NvtxRange range("ddp/allreduce_wait");
     TraceScope slice(trace_, "ddp/allreduce_wait", group_.rank());
     std::vector<std::shared_ptr<Work>> works;
-    works.swap(pending_);
-    pending_.resize(buckets_.size());
+    for (auto& w : pending_)
+      if (w) works.push_back(std::move(w));
     wait_all(works);
   }
   average_buffers();
@@ -232,6 +233,9 @@ void DistributedDataParallel::stage_bucket(int k) {
 }
 
 void DistributedDataParallel::issue_bucket(int k) {
+  // One rank: the sum is the bucket itself. Nothing to hand the group (its scaling and
+  // rounding happened in stage_bucket, as with peers).
+  if (group_.size() == 1) return;
   kernels::NvtxRange range("ddp/allreduce[bucket " + std::to_string(k) + "]");
   Tensor slice = comm_buffers_.empty() ? grad_slice(k) : comm_buffers_[k];
   pending_[k] = group_.all_reduce(slice, ReduceOp::sum);
@@ -259,7 +263,7 @@ void DistributedDataParallel::launch_ready_buckets() {
     issue_bucket(k);
     // The last bucket (the first layers) lands with backward's final layer: nothing is left
     // to hide it behind. Every other bucket launched from backward overlaps what remains.
-    if (in_backward_ && k + 1 < static_cast<int>(buckets_.size()))
+    if (in_backward_ && k + 1 < static_cast<int>(buckets_.size()) && pending_[k])
       ++stats_.launched_before_backward_end;
   }
 }
@@ -273,10 +277,11 @@ void DistributedDataParallel::finish_gradient_sync() {
   {
     kernels::NvtxRange range("ddp/allreduce_wait");
     TraceScope slice(trace_, "ddp/allreduce_wait", group_.rank());
-    for (size_t k = 0; k < pending_.size(); ++k) {
-      if (!pending_[k]) continue;
-      pending_[k]->wait();
-      pending_[k].reset();
+    for (size_t k = 0; k < pending_.size(); ++k) {  // every bucket was issued by now
+      if (pending_[k]) {
+        pending_[k]->wait();
+        pending_[k].reset();
+      }
       unstage_bucket(static_cast<int>(k));
     }
   }

@@ -12,6 +12,9 @@
 //   finish:    wait for every bucket; then each rank steps its own optimizer (replicas stay
 //              bitwise equal because every rank applies the same reduced gradient)
 //
+// With one rank nothing is handed to the group after the start: a bucket's sum is itself and
+// rank 0's buffers are everyone's (the scaling and the comm dtype's rounding still happen).
+//
 // Averaging is defined as in DP: each rank scales its bucket by its share of the global batch
 // (B_r / B; 1 / world by default), then the all-reduce sums. With uneven shards the result is
 // still the gradient of the global batch's mean loss.
@@ -139,7 +142,8 @@ class DistributedDataParallel {
   void reset_stats();
   Tensor grad_slice(int k);
   void stage_bucket(int k);  // scale by the share, round into the comm dtype
-  void issue_bucket(int k);  // its all-reduce, asynchronously, counted in the stats
+  // Its all-reduce, asynchronously (pending_[k]), counted in the stats; with one rank nothing.
+  void issue_bucket(int k);
   void unstage_bucket(int k);
   void average_buffers();
 

@@ -215,6 +215,12 @@ std::pair<kernels::Tensor, kernels::Tensor> DdpTrainer::my_chunk(const kernels::
   return {input_, labels_};
 }
 
+void DdpTrainer::set_phase_timing(kernels::Event::Timing timing) {
+  DP_CHECK(!ddp_, "DdpTrainer::set_phase_timing after wrap()");
+  phase_timing_ = timing;
+  for (auto& mark : marks_) mark = kernels::Event(timing);
+}
+
 void DdpTrainer::set_graphs(Graphs mode) {
   DP_CHECK(!ddp_, "DdpTrainer::set_graphs after wrap()");
   graphs_mode_ = mode;
@@ -371,6 +377,10 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
 
   // Phase times from the events (device time on a GPU; every event is reached by now).
   using kernels::Event;
+  times_.total = ms_since(t_step);
+  times_.allocations = context_->memory()->allocations.load() - allocations_before;
+  times_.host_syncs = context_->host_syncs() - syncs_before;
+  if (phase_timing_ == Event::Timing::off) return global_loss;  // the marks only ordered
   if (zero_) {
     times_.allreduce_wait = zero_->last_times().reduce_scatter + zero_->last_times().all_gather;
     times_.optimizer = zero_->last_times().step;
@@ -380,9 +390,6 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   }
   times_.forward = Event::elapsed_ms(marks_[1], marks_[2]);
   times_.backward = Event::elapsed_ms(marks_[2], marks_[3]);
-  times_.total = ms_since(t_step);
-  times_.allocations = context_->memory()->allocations.load() - allocations_before;
-  times_.host_syncs = context_->host_syncs() - syncs_before;
   return global_loss;
 }
 
@@ -391,7 +398,7 @@ float DdpTrainer::report_loss(float share) {
   // The gradient norm is the same on every rank already: it is read, not reduced.
   kernels::Tensor loss = metrics_.view(0, {1}), summed = metrics_.view(0, {2});
   kernels::scale(loss, loss, share);
-  group_->all_reduce(summed, ReduceOp::sum)->wait();
+  if (world_size() > 1) group_->all_reduce(summed, ReduceOp::sum)->wait();
   if (!host_metrics_.defined())
     host_metrics_ = kernels::Tensor::empty_pinned({3}, kernels::DType::f32);
   kernels::read_back(host_metrics_, metrics_);  // the step's one host wait

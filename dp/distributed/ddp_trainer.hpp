@@ -100,6 +100,11 @@ class DdpTrainer {
   // uncaptured with one line saying why: ZeRO-1, SyncBatchNorm, models that draw random
   // numbers (dropout). Call before wrap().
   void set_graphs(Graphs mode);
+  // Whether each step's phases are timed (last_times(): forward, backward, allreduce_wait,
+  // optimizer; default on). off: the step's marks are events without a timestamp (cheaper to
+  // record on a GPU) and last_times() holds the total, allocations and host syncs alone. Call
+  // before wrap().
+  void set_phase_timing(kernels::Event::Timing timing);
   // The global gradient norm of the last step, before clipping (0 with clipping off).
   float last_grad_norm() const { return grad_norm_; }
   // requires model materialised on device(); optimizer built on it.
@@ -189,6 +194,7 @@ class DdpTrainer {
   // Phase boundaries of a step on this rank's stream: begin, scattered, forward, backward,
   // gradients synchronised, stepped.
   kernels::Event marks_[6];
+  kernels::Event::Timing phase_timing_ = kernels::Event::Timing::on;
   nn::LossPtr loss_fn_;
   float clip_grad_norm_ = 0.f, grad_norm_ = 0.f;
   int64_t my_denominator_ = 0, total_denominator_ = 0;  // of the last my_chunk with a share
