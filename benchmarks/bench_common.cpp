@@ -150,6 +150,11 @@ void add_flags(CLI::App& app, Options& o) {
                  "DP and DDP: time each step's phases (on), or mark them with events that only "
                  "order the work (off: cheaper on a GPU; the report then has the step time alone)")
       ->check(CLI::IsMember({"on", "off"}));
+  app.add_option("--metrics-lag", o.metrics_lag,
+                 "DP: 1 reads each step's metrics one step later, so the host queues the next "
+                 "step while the devices run this one (needs --phase-times off, graphed steps, "
+                 "fp32 or tf32)")
+      ->check(CLI::Range(0, 1));
   app.add_option("--project-from", o.project_from,
                  "dp_bench JSON of a GPU run whose compute the NVLink/PCIe projection uses")
       ->check(CLI::ExistingFile);
@@ -428,6 +433,7 @@ dp::DataParallelOptions dp_options(const Options& o, const Setup& s) {
   dopt.loss = loss_of(o);
   dopt.graphs = graphs_of(o);
   dopt.phase_timing = phase_timing_of(o);
+  dopt.metrics_lag = o.metrics_lag;
   return dopt;
 }
 
@@ -535,6 +541,11 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
     bar->update(step + 1);
     if (timed < 0) continue;
     steps.add(r, st, engine.scaler().scale());
+  }
+  if (o.metrics_lag > 0 && !r.losses.empty()) {
+    // Each step reported the one before it: shift by one, the last from finish_metrics().
+    r.losses.erase(r.losses.begin());
+    r.losses.push_back(engine.finish_metrics().loss);
   }
   if (!o.checkpoint_dir.empty()) save(o.warmup + o.steps);  // the end of the run
   engine.set_trace(nullptr);
@@ -651,6 +662,19 @@ int run(const Options& o, int argc, char** argv) {
                                << ": only DDP (--mode ddp or both) has worker "
                                << "processes to restart");
     dp::dist::check_restarts_allowed(o.launch.max_restarts, o.launch.nnodes, o.launch.master_port);
+  }
+  if (o.metrics_lag > 0) {
+    DP_CHECK(o.mode == "dp", "--metrics-lag 1 with --mode " << o.mode << ": DP only");
+    DP_CHECK(o.phase_times == "off",
+             "--metrics-lag 1 needs --phase-times off: a step's phase marks are not reached "
+             "when it returns");
+    DP_CHECK(o.dtype == "fp32" || o.dtype == "tf32",
+             "--metrics-lag 1 with --dtype " << o.dtype
+                                             << ": the loss scaler's verdict on a step decides "
+                                                "the next one; use fp32 or tf32");
+    DP_CHECK(
+        o.cuda_graphs == "on" || (o.cuda_graphs == "auto" && s.type != kernels::DeviceType::cpu),
+        "--metrics-lag 1 needs graphed steps: --cuda-graphs on (auto is off on CPU devices)");
   }
   DP_CHECK(o.phase_times == "on" || o.trace_path.empty(),
            "--trace with --phase-times off: a trace is made of the timed phases");

@@ -75,6 +75,7 @@ struct Options {
   std::string dp_reduce = "star";                  // DP: star|tree
   std::string cuda_graphs = "auto";                // DP, DDP: auto|on|off (dp::Graphs)
   std::string phase_times = "on";                  // DP, DDP: on|off (timing events or not)
+  int metrics_lag = 0;                             // DP: 0|1 (DataParallelOptions::metrics_lag)
   std::string project_from;                        // GPU results file for the projection
   // DDP across nodes: every node runs dp_bench with the same flags and its own --node-rank.
   // DDP launch flags (dp::cli::add_launch_flags); nproc_per_node is set per run.

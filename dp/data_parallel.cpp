@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <limits>
 #include <set>
 #include <thread>
 
@@ -71,6 +72,23 @@ DataParallel::DataParallel(nn::ModulePtr module, nn::Optimizer& optimizer,
   DP_CHECK(
       options_.comm_dtype == kernels::DType::f32 || options_.comm_dtype == kernels::DType::bf16,
       "DataParallel: gradients travel in f32 or bf16, not " << options_.comm_dtype);
+  DP_CHECK(options_.metrics_lag == 0 || options_.metrics_lag == 1,
+           "DataParallel: metrics_lag " << options_.metrics_lag << ": 0 or 1");
+  if (options_.metrics_lag == 1) {
+    DP_CHECK(graphs_requested(options_.graphs, devices_[0]),
+             "DataParallel: metrics_lag 1 needs graphed steps (graphs on, or automatic on CUDA "
+             "devices): device 0's metrics gather is then queued with its update");
+    DP_CHECK(options_.phase_timing == kernels::Event::Timing::off,
+             "DataParallel: metrics_lag 1 with phase_timing on: a step's phase marks are not "
+             "reached when it returns; set phase_timing off");
+    DP_CHECK(!scaler_.enabled(),
+             "DataParallel: metrics_lag 1 with the loss scaler's check (precision "
+                 << nn::precision_name(options_.precision)
+                 << "): a checked step's verdict decides the next step's count and scale, so it "
+                    "is read with its step (metrics_lag 0)");
+    DP_CHECK(!options_.cross_node,
+             "DataParallel: metrics_lag 1 in a hybrid run: the nodes' sums are read with the step");
+  }
   // Replicas inherit the compute dtype from device 0's module (clone_to), and that the input
   // gradient is not needed (the input is data: the first layer skips that product).
   if (!options_.loss)
@@ -183,7 +201,9 @@ void DataParallel::scatter_chunk(int i, const Tensor& images, const Tensor& labe
 
 void DataParallel::replicate(int i) {
   // One copy per buffer: device 0's parameters (final since the last step, whose job ended
-  // with device 0's stream drained) to replica i, on replica i's stream.
+  // with device 0's stream drained, or with metrics_lag 1 once updated_ is reached) to replica
+  // i, on replica i's stream.
+  if (options_.metrics_lag > 0 && updated_.recorded()) updated_.wait(pool_.context(i));
   kernels::copy(replicas_[i]->flat_params(), replicas_[0]->flat_params());
   if (replicas_[i]->flat_buffers().numel() > 0)
     kernels::copy(replicas_[i]->flat_buffers(), replicas_[0]->flat_buffers());
@@ -528,7 +548,7 @@ void DataParallel::gather_metrics_on_root(int n) {
   cross->finish();
 }
 
-void DataParallel::read_step_metrics(int n, bool gathered_in_graph) {
+void DataParallel::read_step_metrics(int n, bool gathered_in_graph, Read read) {
   kernels::DeviceContext& ctx = pool_.context(0);
   const bool gathered = n > 1 || options_.cross_node;
   if (gathered) {
@@ -544,6 +564,17 @@ void DataParallel::read_step_metrics(int n, bool gathered_in_graph) {
     }
   }
   const Tensor& all = gathered ? gathered_metrics_ : per_device_[0].metrics;
+  if (read == Read::lagged) {
+    LaggedMetrics& slot = lagged_[step_index_ % 2];
+    if (!slot.host.defined() || slot.host.numel() != all.numel())
+      slot.host = Tensor::empty_pinned({all.numel()}, kernels::DType::f32);
+    kernels::queue_read_back(slot.host, all);
+    slot.ready.record(ctx);
+    slot.shares = shares_;
+    slot.pending = true;
+    updated_.record(ctx);  // device 0's update and gather are queued before it
+    return;
+  }
   if (!host_metrics_.defined() || host_metrics_.numel() != all.numel())
     host_metrics_ = Tensor::empty_pinned({all.numel()}, kernels::DType::f32);
   // The step's one host wait: a copy to the host waits for device 0's stream, which waited
@@ -552,17 +583,47 @@ void DataParallel::read_step_metrics(int n, bool gathered_in_graph) {
 }
 
 void DataParallel::gather_metrics(const std::vector<int64_t>& sizes, StepStats& stats) {
-  const float* m = host_metrics_.data<float>();
+  DP_CHECK(shares_.size() == sizes.size(),
+           "gather_metrics: " << sizes.size() << " chunks, " << shares_.size() << " shares");
+  gather_metrics_from(host_metrics_.data<float>(), shares_, stats);
+}
+
+void DataParallel::gather_metrics_from(const float* m, const std::vector<float>& shares,
+                                       StepStats& stats) const {
   if (options_.cross_node) {  // summed over the nodes on the device
-    const size_t at = kMetrics * sizes.size();
+    const size_t at = kMetrics * shares.size();
     stats.loss = m[at];
     stats.correct = static_cast<int64_t>(m[at + 1]);
     return;
   }
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    stats.loss += m[kMetrics * i] * shares_[i];
+  for (size_t i = 0; i < shares.size(); ++i) {
+    stats.loss += m[kMetrics * i] * shares[i];
     stats.correct += static_cast<int64_t>(m[kMetrics * i + 1]);
   }
+}
+
+void DataParallel::settle_step(const float* m, const std::vector<float>& shares, StepStats& stats) {
+  step_taken_ = scaler_.settle(optimizer_, m[kNonFinite] == 0.f);
+  if (options_.clip_grad_norm > 0.f) stats.grad_norm = m[kGradNorm];
+  stats.skipped = !step_taken_;
+  stats.skipped_steps = scaler_.skipped_steps();
+  gather_metrics_from(m, shares, stats);
+}
+
+StepStats DataParallel::finish_metrics() {
+  DP_CHECK(options_.metrics_lag > 0,
+           "finish_metrics: metrics_lag is 0: every step returned its own metrics");
+  LaggedMetrics& last = lagged_[(step_index_ + 1) % 2];
+  DP_CHECK(last.pending,
+           "finish_metrics: no step's metrics are pending (none ran since the "
+           "last were returned)");
+  // Every device's work done, a device-side fault of the step reported (on its owner).
+  pool_.run("dp/finish_metrics", [&](int i) { pool_.context(i).synchronize(); });
+  StepStats stats;
+  stats.metrics_lagged = true;
+  last.pending = false;
+  settle_step(last.host.data<float>(), last.shares, stats);
+  return stats;
 }
 
 std::pair<int64_t, int64_t> DataParallel::runtime_counts() {
@@ -616,7 +677,7 @@ void DataParallel::train_job(int i, const Tensor& images, const Tensor& labels,
     pd.marks[kStepped].record(ctx);
     // The one host wait of the step: the caller may reuse the host batch, and read device 0's
     // module from its own stream, once train_step returns.
-    read_step_metrics(n);
+    read_step_metrics(n, false, step_read());
   }
 }
 
@@ -747,7 +808,7 @@ void DataParallel::graph_job(int i, const Tensor& images, const Tensor& labels,
     return;
   }
   pd.marks[kStepped].record(ctx);
-  read_step_metrics(n, true);  // gathered inside device 0's reduce graph
+  read_step_metrics(n, true, step_read());  // gathered inside device 0's reduce graph
 }
 
 std::string DataParallel::graphs_blocked() const {
@@ -841,6 +902,17 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
         "the model draws random numbers (dropout), at offsets a replay would not advance";
     pool_.run("dp/graphs_off", [&](int i) { per_device_[i].graphs.clear(); });
   }
+  LaggedMetrics* previous = nullptr;
+  if (options_.metrics_lag > 0) {
+    // The caller may refill the host batch once this returns: wait until every device has
+    // taken this step's inputs (on a GPU: until the previous step is done there).
+    for (int i = 0; i < n_used; ++i) {
+      per_device_[i].marks[kScattered].synchronize();
+      pool_.context(i).note_host_sync();
+    }
+    previous = &lagged_[(step_index_ + 1) % 2];  // its copy is complete by now
+    if (previous->pending) previous->ready.synchronize();
+  }
   stats.ms.total = ms_since(t_step);
   const auto after = runtime_counts();
   stats.allocations = after.first - before.first;
@@ -850,13 +922,16 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
     stats.ms.cross_node = cross_wait_ms_;
     stats.cross_node_bytes = options_.cross_node->payload_bytes() - cross_before;
   }
-  const float* m = host_metrics_.data<float>();
-  step_taken_ = scaler_.settle(optimizer_, m[kNonFinite] == 0.f);
-  if (options_.clip_grad_norm > 0.f) stats.grad_norm = m[kGradNorm];
-  stats.skipped = !step_taken_;
-  stats.skipped_steps = scaler_.skipped_steps();
-
-  gather_metrics(sizes, stats);
+  if (!previous) {
+    settle_step(host_metrics_.data<float>(), shares_, stats);
+  } else if (previous->pending) {
+    stats.metrics_lagged = true;
+    previous->pending = false;
+    settle_step(previous->host.data<float>(), previous->shares, stats);
+  } else {  // a run's first step: nothing to report yet
+    stats.metrics_lagged = true;
+    stats.loss = std::numeric_limits<float>::quiet_NaN();
+  }
   collect_step(n_used, stats);
   int64_t p = parameter_bytes(), b = replicas_[0]->flat_buffers().nbytes();
   // Parameters out, gradients in (in the comm dtype), buffers out.

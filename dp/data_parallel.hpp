@@ -118,6 +118,17 @@ struct DataParallelOptions {
   // (on a GPU, events without a timestamp, cheaper to record and wait on), StepStats::ms holds
   // the step's total alone and set_trace is refused.
   kernels::Event::Timing phase_timing = kernels::Event::Timing::on;
+  // 1: train_step does not wait for its step's metrics (loss, correct count, gradient norm):
+  // it queues their copy to the host and returns what the previous step's copy brought
+  // (StepStats::metrics_lagged); finish_metrics() waits for the last step's. The host may then
+  // queue step k + 1 while the devices still run step k: it waits only for each device to have
+  // taken step k's inputs (so the caller may refill the host batch), which on a GPU means until
+  // step k - 1 is done there. requires graphs asked for (on, or automatic on CUDA devices),
+  // phase_timing off (a step's marks are not reached when it returns), no loss scaler check
+  // (fp32: a checked step's verdict decides the next one's step count and scale), not hybrid.
+  // A device-side fault (a bad label) is then reported by the next waiting read
+  // (finish_metrics, evaluate). 0: each step waits once, for its own metrics.
+  int metrics_lag = 0;
 };
 
 // Milliseconds of each phase of one step, from the events each worker records (device time on
@@ -132,6 +143,9 @@ struct PhaseTimes {
 };
 
 struct StepStats {
+  // metrics_lag 1: loss, correct, grad_norm and skipped are the previous step's (on a run's
+  // first step there are none: loss NaN); DataParallel::finish_metrics() gives the last's.
+  bool metrics_lagged = false;
   float loss = 0;                // mean loss over the global batch
   int64_t correct = 0;           // rows whose argmax equals the label
   int64_t samples = 0;           // global batch size (hybrid: over every node)
@@ -169,6 +183,10 @@ class DataParallel {
   // them (f32 images and (B) i32 labels for the default loss), B >= 1. Pinned memory lets the
   // scatter overlap; pageable works too.
   StepStats train_step(const Tensor& images, const Tensor& labels);
+  // requires metrics_lag 1 and a step whose metrics were not returned yet (the last one).
+  // ensures every device's work is done; returns that step's loss, correct count, gradient
+  // norm and verdict (metrics_lagged set), and reports a device-side fault of it.
+  StepStats finish_metrics();
   // Forward in eval mode over the batch, split across devices. Returns loss and correct count.
   StepStats evaluate(const Tensor& images, const Tensor& labels);
 
@@ -343,8 +361,18 @@ class DataParallel {
   // the step's one host wait (which also covers every other device's work: device 0 waited on
   // each one's last event first).
   // gathered_in_graph: a graphed step gathered them already, inside device 0's reduce graph.
-  void read_step_metrics(int n, bool gathered_in_graph = false);
+  // lagged (metrics_lag 1, training): the copy is queued into this step's slot of lagged_,
+  // and updated_ marks the end of device 0's part (the next step's replicas wait on it).
+  enum class Read { now, lagged };
+  Read step_read() const { return options_.metrics_lag > 0 ? Read::lagged : Read::now; }
+  void read_step_metrics(int n, bool gathered_in_graph = false, Read read = Read::now);
   void gather_metrics(const std::vector<int64_t>& sizes, StepStats& stats);
+  // The same from metrics `m` read for a step whose devices' weights were `shares`.
+  void gather_metrics_from(const float* m, const std::vector<float>& shares,
+                           StepStats& stats) const;
+  // A training step's results from its metrics `m` (and `shares`): the loss scaler settled on
+  // the verdict, the gradient norm, the loss and the correct count.
+  void settle_step(const float* m, const std::vector<float>& shares, StepStats& stats);
   // Hybrid, on device 0 after its reduce: waits for the bucket sums over nodes, then sums the
   // buffers over nodes too.
   void finish_cross_node(int n);
@@ -376,6 +404,16 @@ class DataParallel {
   Tensor staging_buffers_;                       // on device 0: one replica's buffers
   Tensor gathered_metrics_;                      // on device 0: (4 N) every device's metrics
   Tensor host_metrics_;                          // pinned host copy of gathered_metrics_
+  // metrics_lag 1: per step parity, a step's metrics on their way to the host, and what reading
+  // them needs; and the end of device 0's part of the last step.
+  struct LaggedMetrics {
+    Tensor host;  // pinned
+    kernels::Event ready{kernels::Event::Timing::off};
+    std::vector<float> shares;  // one per device the step used
+    bool pending = false;
+  };
+  LaggedMetrics lagged_[2];
+  kernels::Event updated_{kernels::Event::Timing::off};
   nn::GradScaler scaler_;
   float step_scale_ = 1.f;  // the loss scale of the step in progress (read by every worker)
   bool step_taken_ = true;  // device 0's decision of the step in progress

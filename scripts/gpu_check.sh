@@ -24,7 +24,8 @@
 #   bench      bench_kernels (TF32 and bf16 GEMM against peak); dp_bench --mode both, --gpus 1
 #              and 4, MLP and CNN (DP and DDP graphed: --cuda-graphs auto), and again with
 #              --cuda-graphs off, whose losses must equal the graphed runs' bit for bit; DP on
-#              4 GPUs with a 0.25 MiB first bucket; GPT-2 124M bf16 on one GPU (tokens/s, MFU)
+#              4 GPUs with a 0.25 MiB first bucket; the MLP with --phase-times off, and with
+#              --metrics-lag 1 too (same losses); GPT-2 124M bf16 on one GPU (tokens/s, MFU)
 #              and the tiny GPT at --gpus 4;
 #   torch      the PyTorch side by side (benchmarks/torch_ref) where torch imports with CUDA,
 #              GPT-2 124M included;
@@ -350,9 +351,9 @@ bench_step() {
   fi
 }
 
-# Graphed against uncaptured dp_bench runs: LABEL GRAPHED_JSON UNCAPTURED_JSON. Every run of
-# the second (mode, N) must be in the first, have replayed steps there, and the same losses.
-graphs_verdict() {
+# Two dp_bench runs that must train alike: LABEL GRAPHED_JSON OTHER_JSON. Every run (mode, N)
+# of the second must be in the first, have replayed steps there, and the same losses.
+same_losses_verdict() {
   local label=$1 line
   line=$(
     python3 - "$2" "$3" 2>&1 << 'EOF'
@@ -375,9 +376,9 @@ print(("FAIL " if bad or not said else "ok ") + ", ".join(said + bad))
 EOF
   )
   if [[ $line == "ok "* ]]; then
-    verdict ok "graphs = uncaptured, $label" "${line#ok }"
+    verdict ok "$label" "${line#ok }"
   else
-    verdict FAIL "graphs = uncaptured, $label" "${line#FAIL }"
+    verdict FAIL "$label" "${line#FAIL }"
   fi
 }
 
@@ -521,8 +522,8 @@ EOF
     for g in 1 4; do
       bench_step "dp_bench_${model}_gpus${g}_nographs" "dp_bench $model --gpus $g graphs off" \
         --mode both --baseline 0 --gpus "$g" --model "$model" --cuda-graphs off
-      graphs_verdict "$model --gpus $g" "$out/dp_bench_${model}_gpus$g.json" \
-        "$out/dp_bench_${model}_gpus${g}_nographs.json"
+      same_losses_verdict "graphs = uncaptured, $model --gpus $g" \
+        "$out/dp_bench_${model}_gpus$g.json" "$out/dp_bench_${model}_gpus${g}_nographs.json"
     done
   done
   # A first bucket of 0.25 MiB against the default 1 MiB, where buckets overlap backward (DP
@@ -530,6 +531,17 @@ EOF
   # nographs run above.
   bench_step dp_bench_mlp_gpus4_nographs_bucket025 "dp_bench mlp --gpus 4 graphs off, first bucket 0.25 MiB" \
     --mode dp --baseline 0 --gpus 4 --model mlp --cuda-graphs off --first-bucket-mb 0.25
+  # Graphed MLP steps with untimed marks (--phase-times off), then also with the metrics read a
+  # step late (--metrics-lag 1: the host queues step k+1 while the GPU runs step k): step times
+  # side by side, and the lagged run's losses the same as the untimed one's.
+  for g in 1 4; do
+    bench_step "dp_bench_mlp_gpus${g}_untimed" "dp_bench mlp --gpus $g --phase-times off" \
+      --mode dp --baseline 0 --gpus "$g" --model mlp --phase-times off
+    bench_step "dp_bench_mlp_gpus${g}_lag1" "dp_bench mlp --gpus $g --metrics-lag 1" \
+      --mode dp --baseline 0 --gpus "$g" --model mlp --phase-times off --metrics-lag 1
+    same_losses_verdict "metrics lag 1 = 0, mlp --gpus $g" \
+      "$out/dp_bench_mlp_gpus${g}_lag1.json" "$out/dp_bench_mlp_gpus${g}_untimed.json"
+  done
   # GPT-2 124M in bf16 (bf16 activations: attention on cuDNN's fused SDPA), tokens/s and MFU;
   # the tiny GPT through DP and DDP on 4 logical GPUs.
   bench_step dp_bench_gpt124m_bf16 "dp_bench gpt-124m bf16 --gpus 1" --mode dp --gpus 1 \

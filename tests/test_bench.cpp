@@ -1251,6 +1251,34 @@ TEST_CASE("bench.phase_times: --phase-times off reports the step time alone, the
   refused("--device cpu --phase-times sometimes", "--phase-times");
 }
 
+TEST_CASE("bench.metrics_lag: --metrics-lag 1 gives each step its own loss, as 0 does") {
+  // The engine hands each step the one before's metrics; dp_bench files every loss under its
+  // own step (the last from finish_metrics), so the curves are equal bit for bit.
+  std::map<int, nlohmann::json> runs;
+  for (int lag : {0, 1}) {
+    std::string json = temp_path("lag" + std::to_string(lag) + ".json");
+    REQUIRE(run_bench("--device cpu --gpus 2 --mode dp --steps 4 --warmup 1 --batch 16 "
+                      "--phase-times off --cuda-graphs on --metrics-lag " +
+                      std::to_string(lag) + " --json " + json) == 0);
+    runs[lag] = read_json(json)["runs"];
+    std::remove(json.c_str());
+  }
+  REQUIRE(runs[1].size() == 2);
+  REQUIRE(runs[0].size() == 2);
+  for (size_t i = 0; i < 2; ++i) {
+    CAPTURE(i);
+    CHECK(runs[1][i]["losses"].size() == 4);
+    CHECK(runs[1][i]["losses"] == runs[0][i]["losses"]);
+  }
+  refused("--device cpu --mode dp --metrics-lag 1", "--metrics-lag 1 needs --phase-times off");
+  refused("--device cpu --mode ddp --metrics-lag 1", "DP only");
+  refused("--device cpu --mode dp --metrics-lag 1 --phase-times off --cuda-graphs on --dtype bf16",
+          "use fp32 or tf32");
+  refused("--device cpu --mode dp --metrics-lag 1 --phase-times off",
+          "--metrics-lag 1 needs graphed steps");
+  refused("--device cpu --metrics-lag 2", "--metrics-lag");
+}
+
 TEST_CASE("bench.graphs: what cannot be captured runs uncaptured and says why, once") {
   // Dropout (host offsets), SyncBatchNorm (collectives inside forward), ZeRO-1 (a host
   // decision inside the step); hybrid and the parameter server are refused before any run.

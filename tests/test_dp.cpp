@@ -669,6 +669,113 @@ TEST_CASE("dp.cuda: phase timing off on logical GPUs: untimed events order the s
   check_untimed_phases(DeviceType::cuda);
 }
 
+namespace {
+
+// metrics_lag 1 against 0 (graphs on, phase timing off, clipping on), on `type` devices, with
+// an evaluation between steps: the same training bit for bit, each step reporting the one
+// before it, finish_metrics the last.
+void check_lagged_metrics(DeviceType type) {
+  const std::vector<int64_t> batches = {10, 10, 10, 10, 7, 7, 7, 10, 10};
+  auto run = [&](int lag) {
+    auto m = small_mlp();
+    auto devices = make_devices(type, 3);
+    m->materialize(devices[0], kSeed);
+    AdamWConfig cfg;
+    cfg.lr = 1e-2f;
+    nn::AdamW opt(*m, cfg);
+    dp::DataParallelOptions o = small_buckets(dp::ReduceTopology::star);
+    o.graphs = dp::Graphs::on;
+    o.phase_timing = kernels::Event::Timing::off;
+    o.clip_grad_norm = 0.05f;
+    o.metrics_lag = lag;
+    dp::DataParallel engine(m, opt, devices, o);
+    GraphRun r;
+    for (size_t s = 0; s < batches.size(); ++s) {
+      opt.set_lr(1e-2f / static_cast<float>(1 + s));
+      auto [x, y] = dp_test::toy_batch(batches[s], 500 + static_cast<int>(s));
+      r.stats.push_back(engine.train_step(x, y));
+      if (s == 5) {  // an evaluation between steps (its own shapes, read at once)
+        auto [ex, ey] = dp_test::toy_batch(9, 77);
+        r.losses.push_back(engine.evaluate(ex, ey).loss);
+      }
+    }
+    if (lag > 0) r.stats.push_back(engine.finish_metrics());
+    r.params = engine.module().flat_params().to_host_f32();
+    return r;
+  };
+  GraphRun now = run(0), lagged = run(1);
+  CHECK(same_bits(lagged.params, now.params));
+  CHECK(same_bits(lagged.losses, now.losses));  // the evaluation
+  REQUIRE(lagged.stats.size() == batches.size() + 1);
+  CHECK(std::isnan(lagged.stats[0].loss));
+  for (size_t s = 0; s < batches.size(); ++s) {
+    CAPTURE(s);
+    const dp::StepStats &late = lagged.stats[s + 1], &own = now.stats[s];
+    CHECK(late.metrics_lagged);
+    CHECK(!own.metrics_lagged);
+    CHECK(late.loss == own.loss);
+    CHECK(late.correct == own.correct);
+    CHECK(late.grad_norm == own.grad_norm);
+    CHECK(late.grad_norm > 0.05f);  // the clip was active
+    CHECK(lagged.stats[s].graphed == own.graphed);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("dp.metrics_lag: each step reports the one before, training bit for bit the same") {
+  check_lagged_metrics(DeviceType::cpu);
+}
+
+TEST_CASE("dp.metrics_lag: refused where a step's results decide the next, named") {
+  auto make = [](auto&& tweak) {
+    auto m = small_mlp();
+    m->materialize(Device::cpu(0), kSeed);
+    nn::SGD opt(*m, SgdConfig{});
+    dp::DataParallelOptions o;
+    o.graphs = dp::Graphs::on;
+    o.phase_timing = kernels::Event::Timing::off;
+    o.metrics_lag = 1;
+    tweak(o);
+    dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, 2), o);
+  };
+  CHECK_THROWS_WITH_AS(make([](auto& o) { o.metrics_lag = 2; }),
+                       doctest::Contains("metrics_lag 2: 0 or 1"), kernels::Error);
+  CHECK_THROWS_WITH_AS(make([](auto& o) { o.graphs = dp::Graphs::automatic; }),
+                       doctest::Contains("needs graphed steps"), kernels::Error);
+  CHECK_THROWS_WITH_AS(make([](auto& o) { o.phase_timing = kernels::Event::Timing::on; }),
+                       doctest::Contains("set phase_timing off"), kernels::Error);
+  CHECK_THROWS_WITH_AS(make([](auto& o) { o.precision = nn::Precision::bf16; }),
+                       doctest::Contains("loss scaler's check (precision bf16)"), kernels::Error);
+  // finish_metrics: only with a lag, and only once per step.
+  auto m = small_mlp();
+  m->materialize(Device::cpu(0), kSeed);
+  nn::SGD opt(*m, SgdConfig{});
+  dp::DataParallelOptions o;
+  dp::DataParallel plain(m, opt, make_devices(DeviceType::cpu, 2), o);
+  CHECK_THROWS_WITH_AS(plain.finish_metrics(), doctest::Contains("metrics_lag is 0"),
+                       kernels::Error);
+  auto m2 = small_mlp();
+  m2->materialize(Device::cpu(0), kSeed);
+  nn::SGD opt2(*m2, SgdConfig{});
+  o.graphs = dp::Graphs::on;
+  o.phase_timing = kernels::Event::Timing::off;
+  o.metrics_lag = 1;
+  dp::DataParallel lagged(m2, opt2, make_devices(DeviceType::cpu, 2), o);
+  CHECK_THROWS_WITH_AS(lagged.finish_metrics(), doctest::Contains("no step's metrics are pending"),
+                       kernels::Error);
+  auto [x, y] = dp_test::toy_batch(8, 1);
+  CHECK(std::isnan(lagged.train_step(x, y).loss));
+  CHECK(std::isfinite(lagged.finish_metrics().loss));
+  CHECK_THROWS_WITH_AS(lagged.finish_metrics(), doctest::Contains("no step's metrics are pending"),
+                       kernels::Error);
+}
+
+TEST_CASE("dp.cuda: metrics_lag 1 on logical GPUs trains bit for bit as 0, one step later") {
+  DP_REQUIRE_GPU();
+  check_lagged_metrics(DeviceType::cuda);
+}
+
 TEST_CASE("dp.cuda: graphed steps on logical GPUs equal uncaptured ones and follow the CPU") {
   DP_REQUIRE_GPU();
   const std::vector<int64_t> batches = {10, 10, 10, 10, 7, 7, 7, 10};

@@ -118,6 +118,24 @@ void read_back(Tensor& host, const Tensor& src) {
     if (DeviceContext* ctx = existing_context(src.device())) ctx->note_host_sync();
 }
 
+void queue_read_back(Tensor& host, const Tensor& src) {
+  DP_CHECK(host.defined() && src.defined() && host.device().is_cpu(),
+           "queue_read_back: " << host << " is not on the host");
+  DP_CHECK(host.numel() == src.numel() && host.dtype() == src.dtype(),
+           "queue_read_back: " << src << " into " << host << ": element counts or dtypes differ");
+  if (src.device().is_cpu()) return copy_bytes(host, src);
+  DP_CHECK(host.storage()->pinned(), "queue_read_back: " << host
+                                                         << " is pageable: a copy into it "
+                                                            "cannot be queued (use pinned memory)");
+#if DP_HAVE_CUDA
+  DeviceContext& ctx = context(src.device());
+  ctx.refuse_in_capture("a copy to the host");
+  ctx.make_current();
+  DP_CUDA_CHECK(cudaMemcpyAsync(host.raw(), src.raw(), host.nbytes(), cudaMemcpyDeviceToHost,
+                                static_cast<cudaStream_t>(ctx.stream())));
+#endif
+}
+
 void fill_bytes(Tensor& y, uint8_t value) {
   DP_CHECK(y.defined(), "fill_bytes: undefined tensor");
   DeviceContext& ctx = context(y.device());

@@ -34,5 +34,10 @@ void fill_bytes(Tensor& y, uint8_t value);
 // host = src, and one host sync counted on src's context on every backend (from a GPU the copy
 // waits for the stream; on a CPU device the work is done, and the read counts alike).
 void read_back(Tensor& host, const Tensor& src);
+// read_back without the wait: requires host pinned (from a GPU) and of src's numel and dtype,
+// nothing capturing. ensures the copy is queued on src's context; host = src once an event
+// recorded there after this call is reached (Event::synchronize). Counts no host sync, and
+// reports no device-side fault (the next waiting read does). From a CPU device: copied now.
+void queue_read_back(Tensor& host, const Tensor& src);
 
 }  // namespace kernels
