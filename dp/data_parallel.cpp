@@ -610,6 +610,11 @@ void DataParallel::settle_step(const float* m, const std::vector<float>& shares,
   gather_metrics_from(m, shares, stats);
 }
 
+void DataParallel::drain() {
+  // Every device's work done, a device-side fault reported (each context by its owner).
+  pool_.run("dp/drain", [&](int i) { pool_.context(i).synchronize(); });
+}
+
 StepStats DataParallel::finish_metrics() {
   DP_CHECK(options_.metrics_lag > 0,
            "finish_metrics: metrics_lag is 0: every step returned its own metrics");
@@ -617,8 +622,7 @@ StepStats DataParallel::finish_metrics() {
   DP_CHECK(last.pending,
            "finish_metrics: no step's metrics are pending (none ran since the "
            "last were returned)");
-  // Every device's work done, a device-side fault of the step reported (on its owner).
-  pool_.run("dp/finish_metrics", [&](int i) { pool_.context(i).synchronize(); });
+  drain();
   StepStats stats;
   stats.metrics_lagged = true;
   last.pending = false;

@@ -127,7 +127,9 @@ struct DataParallelOptions {
   // phase_timing off (a step's marks are not reached when it returns), no loss scaler check
   // (fp32: a checked step's verdict decides the next one's step count and scale), not hybrid.
   // A device-side fault (a bad label) is then reported by the next waiting read
-  // (finish_metrics, evaluate). 0: each step waits once, for its own metrics.
+  // (finish_metrics, evaluate), and device 0's module is final for the host once
+  // finish_metrics, save or load returns (they wait for every device; so does evaluate, in
+  // order on the devices). 0: each step waits once, for its own metrics.
   int metrics_lag = 0;
 };
 
@@ -365,6 +367,8 @@ class DataParallel {
   // and updated_ marks the end of device 0's part (the next step's replicas wait on it).
   enum class Read { now, lagged };
   Read step_read() const { return options_.metrics_lag > 0 ? Read::lagged : Read::now; }
+  // Waits for every device's queued work (metrics_lag 1: before the host touches the weights).
+  void drain();
   void read_step_metrics(int n, bool gathered_in_graph = false, Read read = Read::now);
   void gather_metrics(const std::vector<int64_t>& sizes, StepStats& stats);
   // The same from metrics `m` read for a step whose devices' weights were `shares`.

@@ -7,6 +7,7 @@
 namespace dp {
 
 void DataParallel::save(const std::string& path, const nn::TrainingProgress& position) {
+  if (options_.metrics_lag > 0) drain();  // the last step's update may still be running
   nn::TrainingProgress state = position;
   state.mode = "dp";
   state.world_size = n_devices();
@@ -18,6 +19,7 @@ void DataParallel::save(const std::string& path, const nn::TrainingProgress& pos
 
 nn::TrainingProgress DataParallel::load(const std::string& path,
                                         const nn::TrainingProgress& expected) {
+  if (options_.metrics_lag > 0) drain();  // nothing may still read or write what is loaded
   nn::TrainingProgress want = expected;
   want.mode = "dp";
   want.world_size = n_devices();

@@ -3,6 +3,9 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <functional>
+#include <iterator>
 
 #include "dp/data_parallel.hpp"
 #include "nn/nn.hpp"
@@ -507,12 +510,16 @@ namespace {
 struct GraphRun {
   std::vector<float> params, buffers, losses;
   std::vector<dp::StepStats> stats;
+  std::string saved;         // a training state file's bytes, where the run saved one
+  std::vector<float> evals;  // evaluation losses, where the run evaluated
 };
 
 // AdamW whose learning rate changes every step (a schedule), over batches of the given sizes
 // (a shape recurs after others: its graphs are replayed again, not remade).
-GraphRun train_graphs(nn::ModulePtr m, int n_dev, const std::vector<int64_t>& batches,
-                      dp::DataParallelOptions o, DeviceType type = DeviceType::cpu) {
+GraphRun train_graphs(
+    nn::ModulePtr m, int n_dev, const std::vector<int64_t>& batches, dp::DataParallelOptions o,
+    DeviceType type = DeviceType::cpu,
+    const std::function<void(dp::DataParallel&, size_t, GraphRun&)>& after_step = {}) {
   auto devices = make_devices(type, n_dev);
   m->materialize(devices[0], kSeed);
   AdamWConfig cfg;
@@ -526,6 +533,7 @@ GraphRun train_graphs(nn::ModulePtr m, int n_dev, const std::vector<int64_t>& ba
     auto [x, y] = dp_test::toy_batch(batches[s], 500 + static_cast<int>(s));
     run.stats.push_back(engine.train_step(x, y));
     run.losses.push_back(run.stats.back().loss);
+    if (after_step) after_step(engine, s, run);
   }
   run.params = engine.module().flat_params().to_host_f32();
   run.buffers = engine.module().flat_buffers().to_host_f32();
@@ -677,35 +685,33 @@ namespace {
 void check_lagged_metrics(DeviceType type) {
   const std::vector<int64_t> batches = {10, 10, 10, 10, 7, 7, 7, 10, 10};
   auto run = [&](int lag) {
-    auto m = small_mlp();
-    auto devices = make_devices(type, 3);
-    m->materialize(devices[0], kSeed);
-    AdamWConfig cfg;
-    cfg.lr = 1e-2f;
-    nn::AdamW opt(*m, cfg);
     dp::DataParallelOptions o = small_buckets(dp::ReduceTopology::star);
     o.graphs = dp::Graphs::on;
     o.phase_timing = kernels::Event::Timing::off;
     o.clip_grad_norm = 0.05f;
     o.metrics_lag = lag;
-    dp::DataParallel engine(m, opt, devices, o);
-    GraphRun r;
-    for (size_t s = 0; s < batches.size(); ++s) {
-      opt.set_lr(1e-2f / static_cast<float>(1 + s));
-      auto [x, y] = dp_test::toy_batch(batches[s], 500 + static_cast<int>(s));
-      r.stats.push_back(engine.train_step(x, y));
-      if (s == 5) {  // an evaluation between steps (its own shapes, read at once)
-        auto [ex, ey] = dp_test::toy_batch(9, 77);
-        r.losses.push_back(engine.evaluate(ex, ey).loss);
-      }
-    }
-    if (lag > 0) r.stats.push_back(engine.finish_metrics());
-    r.params = engine.module().flat_params().to_host_f32();
-    return r;
+    return train_graphs(
+        small_mlp(), 3, batches, o, type, [&](dp::DataParallel& engine, size_t s, GraphRun& r) {
+          if (s == 5) {  // an evaluation between steps (read at once)
+            auto [ex, ey] = dp_test::toy_batch(9, 77);
+            r.evals.push_back(engine.evaluate(ex, ey).loss);
+          }
+          if (s == 6) {  // a save: the weights as that step left them
+            const std::string path =
+                dp_test::temp_path("dp_lag", "lag" + std::to_string(lag) + "_6");
+            engine.save(path);
+            std::ifstream f(path, std::ios::binary);
+            r.saved.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+            std::remove(path.c_str());
+          }
+          if (lag > 0 && s + 1 == batches.size()) r.stats.push_back(engine.finish_metrics());
+        });
   };
   GraphRun now = run(0), lagged = run(1);
+  CHECK(!now.saved.empty());
+  CHECK(lagged.saved == now.saved);
   CHECK(same_bits(lagged.params, now.params));
-  CHECK(same_bits(lagged.losses, now.losses));  // the evaluation
+  CHECK(same_bits(lagged.evals, now.evals));
   REQUIRE(lagged.stats.size() == batches.size() + 1);
   CHECK(std::isnan(lagged.stats[0].loss));
   for (size_t s = 0; s < batches.size(); ++s) {
