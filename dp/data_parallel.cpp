@@ -450,12 +450,7 @@ void DataParallel::average_buffers_on_root(const std::vector<int64_t>& sizes, bo
   const int n = static_cast<int>(sizes.size());
   kernels::DeviceContext& ctx = pool_.context(0);
   // Each replica's statistics are final once its forward ran: wait for every device's end.
-  if (!ordered)
-    wait_for([&] {
-      for (int r = 1; r < n; ++r)
-        if (!signals_.done[r]) return false;
-      return true;
-    });
+  if (!ordered) wait_for_raised(&Signals::done, n);
   // Each replica holds its chunk's mean statistic; weighting chunk i by B_i / B gives the
   // global batch's.
   kernels::scale(root, root, shares_[0]);
@@ -553,11 +548,7 @@ void DataParallel::read_step_metrics(int n, bool gathered_in_graph, Read read) {
   const bool gathered = n > 1 || options_.cross_node;
   if (gathered) {
     // Every device's metrics are final once its part of the step is: wait for each one's end.
-    wait_for([&] {
-      for (int r = 1; r < n; ++r)
-        if (!signals_.done[r]) return false;
-      return true;
-    });
+    wait_for_raised(&Signals::done, n);
     if (!gathered_in_graph) {
       for (int r = 1; r < n; ++r) per_device_[r].marks[kReduced].wait(ctx);
       gather_metrics_on_root(n);
@@ -582,14 +573,8 @@ void DataParallel::read_step_metrics(int n, bool gathered_in_graph, Read read) {
   kernels::read_back(host_metrics_, all);
 }
 
-void DataParallel::gather_metrics(const std::vector<int64_t>& sizes, StepStats& stats) {
-  DP_CHECK(shares_.size() == sizes.size(),
-           "gather_metrics: " << sizes.size() << " chunks, " << shares_.size() << " shares");
-  gather_metrics_from(host_metrics_.data<float>(), shares_, stats);
-}
-
-void DataParallel::gather_metrics_from(const float* m, const std::vector<float>& shares,
-                                       StepStats& stats) const {
+void DataParallel::gather_metrics(const float* m, const std::vector<float>& shares,
+                                  StepStats& stats) const {
   if (options_.cross_node) {  // summed over the nodes on the device
     const size_t at = kMetrics * shares.size();
     stats.loss = m[at];
@@ -607,7 +592,7 @@ void DataParallel::settle_step(const float* m, const std::vector<float>& shares,
   if (options_.clip_grad_norm > 0.f) stats.grad_norm = m[kGradNorm];
   stats.skipped = !step_taken_;
   stats.skipped_steps = scaler_.skipped_steps();
-  gather_metrics_from(m, shares, stats);
+  gather_metrics(m, shares, stats);
 }
 
 void DataParallel::drain() {
@@ -711,17 +696,21 @@ void DataParallel::raise_signal(std::vector<char> Signals::*flags, int i) {
   signal_cv_.notify_all();
 }
 
+void DataParallel::wait_for_raised(std::vector<char> Signals::*flags, int n) {
+  wait_for([&] {
+    for (int r = 1; r < n; ++r)
+      if (!(signals_.*flags)[r]) return false;
+    return true;
+  });
+}
+
 void DataParallel::order_buffers_before_forward(int i, int n) {
   if (replicas_[i]->flat_buffers().numel() == 0) return;
   if (i > 0) return raise_signal(&Signals::replicated, i);
   if (n == 1) return;
   // Device 0's forward updates its running statistics in place: every replica takes its copy of
   // them first (the one dependency before forward, and only for models with buffers).
-  wait_for([&] {
-    for (int r = 1; r < n; ++r)
-      if (!signals_.replicated[r]) return false;
-    return true;
-  });
+  wait_for_raised(&Signals::replicated, n);
   for (int r = 1; r < n; ++r) per_device_[r].marks[kReplicated].wait(pool_.context(0));
 }
 
@@ -881,7 +870,7 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
   if (graphed_step_) {
     // The step's shape: what a graph bakes in. Chunk shapes, the loss scale and the shares (the
     // reduce's weights) select the graphs; a new one runs uncaptured twice, then is captured.
-    graph_key_ = GraphKey{std::vector<int64_t>(sizes.begin(), sizes.end())};
+    graph_key_.values.assign(sizes.begin(), sizes.end());  // its storage is reused
     graph_key_.add_row_shape(images);
     graph_key_.add_row_shape(labels);
     graph_key_.add_bits(step_scale_);
@@ -1039,7 +1028,7 @@ StepStats DataParallel::evaluate(const Tensor& batch_images, const Tensor& batch
   std::vector<int64_t> sizes = split_batch("evaluate", images, labels, stats);
   begin_step(sizes);
   run_step("dp/evaluate", stats.devices_used, [&](int i) { eval_job(i, images, labels, sizes); });
-  gather_metrics(sizes, stats);
+  gather_metrics(host_metrics_.data<float>(), shares_, stats);
   return stats;
 }
 

@@ -318,6 +318,8 @@ class DataParallel {
   // Sets device i's flag in `flags` (done: its part of the step is queued; replicated: its copy
   // of device 0's state is taken) and wakes the devices waiting for it.
   void raise_signal(std::vector<char> Signals::*flags, int i);
+  // Blocks until devices 1 .. n-1 have each raised their flag in `flags` (or the step aborted).
+  void wait_for_raised(std::vector<char> Signals::*flags, int n);
   // Models with buffers: replica i (> 0) tells device 0 its copy of them is taken; device 0
   // waits for every replica's before its forward changes them.
   void order_buffers_before_forward(int i, int n);
@@ -370,10 +372,9 @@ class DataParallel {
   // Waits for every device's queued work (metrics_lag 1: before the host touches the weights).
   void drain();
   void read_step_metrics(int n, bool gathered_in_graph = false, Read read = Read::now);
-  void gather_metrics(const std::vector<int64_t>& sizes, StepStats& stats);
-  // The same from metrics `m` read for a step whose devices' weights were `shares`.
-  void gather_metrics_from(const float* m, const std::vector<float>& shares,
-                           StepStats& stats) const;
+  // The loss and correct count from metrics `m` read for a step whose devices' weights were
+  // `shares` (one per device used).
+  void gather_metrics(const float* m, const std::vector<float>& shares, StepStats& stats) const;
   // A training step's results from its metrics `m` (and `shares`): the loss scaler settled on
   // the verdict, the gradient norm, the loss and the correct count.
   void settle_step(const float* m, const std::vector<float>& shares, StepStats& stats);

@@ -105,6 +105,9 @@ class DistributedDataParallel {
   // BufferSync::broadcast with buffers, in training: rank 0's buffers on every rank, as
   // forward() does first. Otherwise nothing.
   void broadcast_buffers();
+  // BufferSync::average with buffers: every rank's buffers become their mean, as
+  // finish_gradient_sync() does last. Otherwise nothing.
+  void average_buffers();
 
   // While a NoSync is alive, backward only accumulates local gradients (gradient accumulation);
   // the first backward after it reduces everything accumulated.
@@ -145,7 +148,6 @@ class DistributedDataParallel {
   // Its all-reduce, asynchronously (pending_[k]), counted in the stats; with one rank nothing.
   void issue_bucket(int k);
   void unstage_bucket(int k);
-  void average_buffers();
 
   nn::ModulePtr module_;
   ProcessGroup& group_;

@@ -319,12 +319,12 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   StepGraphs* graphs = nullptr;
   if (use_graphs()) {
     // What the graphs bake in: the chunk's shape, the loss scale and this rank's share.
-    GraphKey key{{hx.dim(0)}};
-    key.add_row_shape(hx);
-    key.add_row_shape(hy);
-    key.add_bits(scaler_.scale());
-    key.add_bits(share);
-    graphs = &graph_set_for(graphs_, key);
+    graph_key_.values.assign(1, hx.dim(0));  // the key's storage is reused step to step
+    graph_key_.add_row_shape(hx);
+    graph_key_.add_row_shape(hy);
+    graph_key_.add_bits(scaler_.scale());
+    graph_key_.add_bits(share);
+    graphs = &graph_set_for(graphs_, graph_key_);
     input_ = graphs->input;  // the buffers this shape's graphs read and write
     labels_ = graphs->labels;
     dlogits_ = graphs->dlogits;
@@ -354,8 +354,7 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
       // ZeRO-1 decides on the host (every rank's shard, combined) inside its step.
       zero_->step(share, &scaler_);
       grad_norm_ = zero_->last_grad_norm();
-      if (ddp_options_.buffer_sync == BufferSync::average && m.flat_buffers().numel() > 0)
-        group_->all_reduce(m.flat_buffers(), ReduceOp::avg)->wait();
+      ddp_->average_buffers();
       kernels::Tensor non_finite = metrics_.view(1, {1});
       kernels::fill(non_finite, 0.f);
     } else {

@@ -201,6 +201,7 @@ class DdpTrainer {
   DdpStepTimes times_;
   Graphs graphs_mode_ = Graphs::automatic;
   std::map<GraphKey, StepGraphs> graphs_;
+  GraphKey graph_key_;  // this step's
   std::string graphs_off_reason_;
   bool said_graphs_off_ = false;
   int64_t last_payload_bytes_ = 0;
