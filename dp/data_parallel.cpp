@@ -237,6 +237,22 @@ void DataParallel::publish(int i, int complete_buckets) {
   signal_cv_.notify_all();
 }
 
+void DataParallel::write_step_values(int i) {
+  PerDevice& pd = per_device_[i];
+  if (!pd.step_values.defined()) {
+    const int64_t slots = 2 + n_devices();
+    pd.step_values = Tensor::empty({slots}, kernels::DType::f32, devices_[i]);
+    pd.unscale = kernels::Scalar(pd.step_values.view(0, {1}));
+    pd.loss_scale = kernels::Scalar(pd.step_values.view(1, {1}));
+    for (int r = 0; r < n_devices(); ++r) pd.shares.emplace_back(pd.step_values.view(2 + r, {1}));
+  }
+  const int n = static_cast<int>(step_values_.size());
+  for (int at = 0; at < n; at += kernels::kMaxValues) {
+    Tensor part = pd.step_values.view(at, {std::min(kernels::kMaxValues, n - at)});
+    kernels::set_values(part, step_values_.data() + at, static_cast<int>(part.numel()));
+  }
+}
+
 void DataParallel::begin_step(const std::vector<int64_t>& sizes) {
   const int n = static_cast<int>(sizes.size());
   int64_t total = 0;
@@ -247,6 +263,8 @@ void DataParallel::begin_step(const std::vector<int64_t>& sizes) {
   // of it); the sum over nodes then makes the global mean.
   shares_ = options_.cross_node ? loss_shares(denominators_, global_denominator_)
                                 : loss_shares(denominators_);
+  step_values_.assign({1.f / step_scale_, step_scale_});
+  step_values_.insert(step_values_.end(), shares_.begin(), shares_.end());
   // Who pulls from whom, in order. Star: 0 <- 1, 2, ..., n-1. Tree: in round s = 1, 2, 4, ...
   // device i (a multiple of 2s) pulls from i + s: 0 <- 1, 2 <- 3, then 0 <- 2.
   sources_.assign(n, {});
@@ -385,7 +403,7 @@ void DataParallel::sum_sources(int i, int k, int j0, int count, bool ordered) {
   const std::vector<int>& sources = sources_[i];
   const Bucket& b = plan_.buckets[k];
   std::vector<Tensor>& from = pd.sum_from;
-  std::vector<float>& weights = pd.sum_weights;
+  std::vector<kernels::Scalar>& weights = pd.sum_weights;
   from.clear();
   weights.clear();
   for (int j = j0; j < j0 + count; ++j) {
@@ -402,12 +420,12 @@ void DataParallel::sum_sources(int i, int k, int j0, int count, bool ordered) {
     from.push_back(theirs);
     // A leaf holds its chunk's plain mean: weight it here. An inner device of the tree has
     // weighted its own part and summed its sources: weight 1.
-    weights.push_back(sources_[s].empty() ? shares_[s] : 1.f);
+    weights.push_back(sources_[s].empty() ? pd.shares[s] : kernels::Scalar(1.f));
   }
   // Each chunk's mean gradient is weighted by its share B_i / B (this device's own, once, with
   // the first run); the sum of the weighted gradients is the global batch's mean.
   Tensor mine = replicas_[i]->flat_grads().view(b.offset, {b.numel});
-  kernels::weighted_sum(mine, j0 == 0 ? shares_[i] : 1.f, from, weights);
+  kernels::weighted_sum(mine, j0 == 0 ? pd.shares[i] : kernels::Scalar(1.f), from, weights);
 }
 
 void DataParallel::reduce_grads_to_root(const std::vector<int64_t>& sizes) {
@@ -421,6 +439,7 @@ void DataParallel::reduce_grads_to_root(const std::vector<int64_t>& sizes) {
   begin_step(sizes);
   run_step("dp/reduce", static_cast<int>(sizes.size()), [&](int i) {
     PerDevice& pd = per_device_[i];
+    write_step_values(i);
     prepare_reduction(i);
     pd.own_ready = static_cast<int>(plan_.buckets.size());  // every gradient is final
     advance_reduction(i, true);
@@ -453,11 +472,12 @@ void DataParallel::average_buffers_on_root(const std::vector<int64_t>& sizes, bo
   if (!ordered) wait_for_raised(&Signals::done, n);
   // Each replica holds its chunk's mean statistic; weighting chunk i by B_i / B gives the
   // global batch's.
-  kernels::scale(root, root, shares_[0]);
+  const std::vector<kernels::Scalar>& shares = per_device_[0].shares;
+  kernels::scale(root, root, shares[0]);
   for (int r = 1; r < n; ++r) {
     if (!ordered) per_device_[r].marks[kReduced].wait(ctx);
     kernels::copy(staging_buffers_, replicas_[r]->flat_buffers());
-    kernels::axpy(root, shares_[r], staging_buffers_);
+    kernels::axpy(root, shares[r], staging_buffers_);
   }
 }
 
@@ -511,8 +531,9 @@ void DataParallel::forward_and_loss(int i, nn::Mode mode) {
     dlogits = kernels::ensure(pd.dlogits, pd.output.shape(), kernels::DType::f32, devices_[i]);
   options_.loss->compute(loss, dlogits, pd.output, pd.labels);
   options_.loss->count_correct_into(correct, pd.output, pd.labels);
-  // fp16: the loss gradient carries the step's scale (1 otherwise: nothing to do).
-  if (dlogits.defined() && step_scale_ != 1.f) kernels::scale(dlogits, dlogits, step_scale_);
+  // fp16: the loss gradient carries the step's scale (read on the device: nothing to do
+  // otherwise).
+  if (dlogits.defined()) scaler_.scale_loss_grad(dlogits, pd.loss_scale);
   if (mode != nn::Mode::train) m.train();
 }
 
@@ -529,16 +550,18 @@ void DataParallel::gather_metrics_on_root(int n) {
   Tensor node = gathered_metrics_.view(kMetrics * n, {2});
   // Device 0's source and weight lists, idle once its reductions are done: no vectors per step.
   std::vector<Tensor>& from = per_device_[0].sum_from;
-  std::vector<float>& ones = per_device_[0].sum_weights;
+  std::vector<kernels::Scalar>& weights = per_device_[0].sum_weights;
   kernels::fill(node, 0.f);
   Tensor loss = node.view(0, {1}), correct = node.view(1, {1});
   from.clear();
   for (int r = 0; r < n; ++r) from.push_back(gathered_metrics_.view(kMetrics * r, {1}));
-  kernels::weighted_sum(loss, 1.f, from, shares_);  // shares_: one per device used (n)
+  const std::vector<kernels::Scalar>& shares = per_device_[0].shares;
+  weights.assign(shares.begin(), shares.begin() + n);  // one per device used
+  kernels::weighted_sum(loss, 1.f, from, weights);
   from.clear();
   for (int r = 0; r < n; ++r) from.push_back(gathered_metrics_.view(kMetrics * r + 1, {1}));
-  ones.assign(n, 1.f);
-  kernels::weighted_sum(correct, 1.f, from, ones);
+  weights.assign(n, kernels::Scalar(1.f));
+  kernels::weighted_sum(correct, 1.f, from, weights);
   cross->start_sum(node);
   cross->finish();
 }
@@ -675,6 +698,7 @@ void DataParallel::begin_job(int i, const Tensor& images, const Tensor& labels,
   PerDevice& pd = per_device_[i];
   kernels::DeviceContext& ctx = pool_.context(i);
   pd.marks[kBegin].record(ctx);
+  write_step_values(i);
   {
     kernels::NvtxRange range("dp/scatter");
     scatter_chunk(i, images, labels, sizes);
@@ -723,7 +747,7 @@ void DataParallel::queue_update() {
   Tensor& metrics = per_device_[0].metrics;
   if (options_.clip_grad_norm > 0.f) {
     Tensor norm = metrics.view(kGradNorm, {1});
-    nn::clip_grad_norm_into(m.flat_grads(), options_.clip_grad_norm, 1.f / step_scale_, norm);
+    nn::clip_grad_norm_into(m.flat_grads(), options_.clip_grad_norm, per_device_[0].unscale, norm);
   }
   Tensor non_finite = metrics.view(kNonFinite, {1});
   scaler_.apply_deferred(optimizer_, m.flat_grads(), non_finite);
@@ -747,7 +771,7 @@ void DataParallel::graph_job(int i, const Tensor& images, const Tensor& labels,
   prepare_reduction(i);
   {
     kernels::NvtxRange range("dp/forward_backward");
-    run_graph_segment(ctx, gs.compute, runs, [&] {
+    run_drawing_segment(ctx, gs.compute, runs, m.flat(), gs.drawn, [&] {
       forward_and_loss(i, nn::Mode::train);
       m.backward(pd.dlogits);
     });
@@ -807,7 +831,7 @@ void DataParallel::graph_job(int i, const Tensor& images, const Tensor& labels,
 std::string DataParallel::graphs_blocked() const {
   if (options_.cross_node) return "a hybrid run's collectives between nodes are not captured";
   if (stats_sync_) return "SyncBatchNorm exchanges statistics through the host";
-  return graphs_off_reason_;
+  return "";
 }
 
 bool DataParallel::use_graphs() {
@@ -862,24 +886,19 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
   cross_wait_ms_ = 0;
   const int n_used = stats.devices_used;
   auto t_step = Clock::now();
+  step_scale_ = scaler_.scale();
   begin_step(sizes);
   if (stats_sync_) stats_sync_->set_participants(n_used);
-  step_scale_ = scaler_.scale();
   graphed_step_ = use_graphs();
-  std::vector<uint64_t> rng_before;
   if (graphed_step_) {
-    // The step's shape: what a graph bakes in. Chunk shapes, the loss scale and the shares (the
-    // reduce's weights) select the graphs; a new one runs uncaptured twice, then is captured.
+    // The step's shape: what a graph bakes in. The chunk shapes select the graphs (the loss
+    // scale and the shares are read on the devices); a new one runs uncaptured twice, then is
+    // captured.
     graph_key_.values.assign(sizes.begin(), sizes.end());  // its storage is reused
     graph_key_.add_row_shape(images);
     graph_key_.add_row_shape(labels);
-    graph_key_.add_bits(step_scale_);
-    for (float share : shares_) graph_key_.add_bits(share);
     auto it = per_device_[0].graphs.find(graph_key_);
     stats.graphed = it != per_device_[0].graphs.end() && it->second.runs >= kGraphWarmupRuns;
-    // Only an uncaptured step can show the model drawing random numbers (a replay moves no
-    // host offset).
-    if (!stats.graphed) rng_before = rng_offsets();
   }
   const auto before = runtime_counts();
   run_step("dp/train_step", n_used, [&](int i) {
@@ -888,13 +907,6 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
     else
       train_job(i, images, labels, sizes);
   });
-  if (graphed_step_ && !stats.graphed && rng_offsets() != rng_before) {
-    // Dropout's offsets are host values: a replay would draw the same mask every step. Caught
-    // on a shape's first step, which runs uncaptured.
-    graphs_off_reason_ =
-        "the model draws random numbers (dropout), at offsets a replay would not advance";
-    pool_.run("dp/graphs_off", [&](int i) { per_device_[i].graphs.clear(); });
-  }
   LaggedMetrics* previous = nullptr;
   if (options_.metrics_lag > 0) {
     // The caller may refill the host batch once this returns: wait until every device has

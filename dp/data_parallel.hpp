@@ -109,9 +109,9 @@ struct DataParallelOptions {
   // metrics) another, captured on the third step of that shape and replayed from then on (the
   // first two run uncaptured, which warms the memory caches). The reduction then starts after
   // backward (no overlap with it), and forward's phase time covers backward too. Results are
-  // bitwise those of graphs off. Not capturable, and run uncaptured with one line saying why:
-  // hybrid runs, SyncBatchNorm, and models that draw random numbers (dropout: the offsets are host
-  // values).
+  // bitwise those of graphs off. The loss scale, the shares and dropout's offsets are read on
+  // the devices, so they may change every step. Not capturable, and run uncaptured with one line
+  // saying why: hybrid runs and SyncBatchNorm.
   Graphs graphs = Graphs::automatic;
   // Whether each step's phases are timed (StepStats::ms, buckets_overlapped, a trace): the
   // workers' marks and pulls are then timing events. off: they only order the devices' work
@@ -261,6 +261,7 @@ class DataParallel {
     int runs = 0;  // steps of this shape so far: the first two run uncaptured
     kernels::Graph compute, reduce;
     Tensor input, labels, dlogits;
+    uint64_t drawn = 0;  // random counters the compute segment draws (dropout)
   };
   struct PerDevice {
     std::map<GraphKey, GraphSet> graphs;  // by step shape (graph_key_)
@@ -275,9 +276,15 @@ class DataParallel {
     // cannot read the source's memory in place (GPUs without peer access); else undefined.
     std::vector<Tensor> staging;
     Tensor outbox;  // sources with a 16-bit comm dtype: their gradient, rounded, bucket by bucket
+    // The step's host scalars on the device (write_step_values): (2 + devices) f32, made once
+    // so that its address, which graphs hold, never changes. Views: the gradient unscale
+    // (1 / loss scale), the loss scale, and each device's share.
+    Tensor step_values;
+    kernels::Scalar unscale, loss_scale;
+    std::vector<kernels::Scalar> shares;
     // The sources and weights of the fused sum in progress (kept to keep their capacity).
     std::vector<Tensor> sum_from;
-    std::vector<float> sum_weights;
+    std::vector<kernels::Scalar> sum_weights;
     // Touched by this device's worker only, during a step:
     std::vector<int> own_count;  // per bucket: parameters whose gradient is final
     int own_ready = 0;           // leading buckets whose own gradient is final
@@ -331,6 +338,9 @@ class DataParallel {
   // Runs `job` on the first n workers; a failure aborts the step for the others.
   void run_step(const char* phase, int n, const std::function<void(int)>& job);
   void begin_step(const std::vector<int64_t>& sizes);
+  // Queues the step's loss scale and shares (step_values_) into device i's step_values, ahead
+  // of its kernels, which read them there: no graph bakes them in.
+  void write_step_values(int i);
   // Copies chunk i of (images, labels) to worker i's device.
   void scatter_chunk(int i, const Tensor& images, const Tensor& labels,
                      const std::vector<int64_t>& sizes);
@@ -397,6 +407,8 @@ class DataParallel {
   // The step's reduction: who pulls from whom (in order), and with which weight.
   std::vector<std::vector<int>> sources_;
   std::vector<float> shares_;
+  // What write_step_values writes: 1 / step_scale_, step_scale_, then shares_.
+  std::vector<float> step_values_;
   std::vector<int64_t> denominators_;  // the step's chunks' loss denominators (split_batch)
   int64_t global_denominator_ = 0;     // hybrid: the global batch's (split_batch)
   double cross_wait_ms_ = 0;           // hybrid: finish_cross_node's wait this step
@@ -429,7 +441,6 @@ class DataParallel {
   // once).
   bool graphed_step_ = false;
   GraphKey graph_key_;
-  std::string graphs_off_reason_;
   bool said_graphs_off_ = false;
 };
 

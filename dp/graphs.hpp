@@ -1,21 +1,22 @@
 // Graphed steps, as DP (dp/data_parallel.hpp) and DDP (dp/distributed/ddp_trainer.hpp) run them:
 // the step's device work in a few captured segments (kernels/runtime/graph.hpp), selected by the
-// step's shape, with what a replay cannot do (host copies, collectives, host scalars, the metrics
-// read) between them.
+// step's shape, with what a replay cannot do (host copies, collectives, the metrics read) between
+// them. The step's host scalars (the loss scale, the shares, the optimizer's) are written to
+// device memory before the segments, whose kernels read them there (kernels::Scalar): they are
+// not part of the key, and a replay uses the current step's.
 //
-//   GraphKey key;  key.add_shape(x);  key.add_bits(loss_scale);    // what the graphs bake in
-//   StepGraphs& s = sets.at(key);                                  // a shape's segments
-//   run_graph_segment(ctx, s.compute, s.runs, body);               // uncaptured, captured,
-//   replayed
+//   GraphKey key;  key.add_row_shape(x);               // what the graphs bake in
+//   StepGraphs& s = graph_set_for(sets, key);          // a shape's segments
+//   run_graph_segment(ctx, s.compute, s.runs, body);   // uncaptured, captured, replayed
 #pragma once
 
 #include <cstdint>
-#include <cstring>
 #include <functional>
 #include <map>
 #include <vector>
 
 #include "kernels/runtime/graph.hpp"
+#include "nn/module.hpp"
 
 namespace dp {
 
@@ -38,16 +39,11 @@ constexpr int kGraphWarmupRuns = 2;
 // short one); past this, shapes keep changing and the sets start over.
 constexpr size_t kMaxGraphShapes = 8;
 
-// What a step's graphs bake in: sizes, dtypes and the bits of host scalars.
+// What a step's graphs bake in: sizes and dtypes.
 struct GraphKey {
   std::vector<int64_t> values;
 
   void add(int64_t v) { values.push_back(v); }
-  void add_bits(float v) {
-    uint32_t bits = 0;
-    std::memcpy(&bits, &v, sizeof bits);
-    values.push_back(bits);
-  }
   // The dtype and every dimension but the first (the rows, keyed on their own).
   void add_row_shape(const kernels::Tensor& t) {
     values.push_back(static_cast<int64_t>(t.dtype()));
@@ -59,11 +55,32 @@ struct GraphKey {
 // requires `runs` = how often this segment ran before for this shape; body queues only work on
 // ctx that reads nothing back. ensures body's work is queued on ctx: run eagerly for the first
 // kGraphWarmupRuns runs, captured on the next and replayed from then on (also that time).
-inline void run_graph_segment(kernels::DeviceContext& ctx, kernels::Graph& g, int runs,
+// Returns whether body ran (its host side too: eagerly, or for the capture).
+inline bool run_graph_segment(kernels::DeviceContext& ctx, kernels::Graph& g, int runs,
                               const std::function<void()>& body) {
-  if (runs < kGraphWarmupRuns) return body();
-  if (!g.captured()) g.capture(ctx, body);
+  if (runs < kGraphWarmupRuns) {
+    body();
+    return true;
+  }
+  const bool capture = !g.captured();
+  if (capture) g.capture(ctx, body);
   g.replay();
+  return capture;
+}
+
+// run_graph_segment for a segment that may draw random numbers (dropout) from `flat`, the
+// replica's stream: its draws are placed on the device (nn::FlatState::begin_rng_step), so a
+// replay draws this step's masks; a replay runs no host code, so the host offset is advanced by
+// what the segment drew when it last ran (`drawn`, the segment's own: the same every run).
+inline void run_drawing_segment(kernels::DeviceContext& ctx, kernels::Graph& g, int runs,
+                                nn::FlatState& flat, uint64_t& drawn,
+                                const std::function<void()>& body) {
+  flat.begin_rng_step();
+  const uint64_t before = flat.rng_offset;
+  if (run_graph_segment(ctx, g, runs, body))
+    drawn = flat.rng_offset - before;
+  else
+    flat.rng_offset += drawn;
 }
 
 // The segments of one step shape, by key, dropped all at once when shapes keep changing.

@@ -82,6 +82,20 @@ void check_dtype(const char* op, const Arg& a, DType want) {
   DP_CHECK(a.t.dtype() == want, op << ": " << a.name << " must be " << want << ", got " << a.t);
 }
 
+// requires a device scalar to be (1) f32 on `device` (a fixed one needs nothing).
+void check_scalar(const char* op, const char* name, const Scalar& s, const Device& device) {
+  if (!s.at.defined()) return;
+  DP_CHECK(s.at.dtype() == DType::f32 && s.at.numel() == 1 && s.at.device() == device,
+           op << ": scalar " << name << " " << s.at << " must be one f32 element on " << device);
+}
+
+// requires a device base to be (1) i64 on `device`.
+void check_rng_offset(const char* op, const RngOffset& o, const Device& device) {
+  if (!o.base.defined()) return;
+  DP_CHECK(o.base.dtype() == DType::i64 && o.base.numel() == 1 && o.base.device() == device,
+           op << ": random offset base " << o.base << " must be one i64 element on " << device);
+}
+
 // ---- 16-bit activations through the f32 kernels ---------------------------------------------
 // The elementwise, bias, pooling and dropout ops take f16/bf16 activations (16-bit activations,
 // nn::Activations::compute) on both backends by widening: each 16-bit input becomes an f32
@@ -247,14 +261,16 @@ void sum_leading(Tensor& out, const Tensor& x, Accumulate acc) {
   DP_DISPATCH(out.device(), sum_leading, out, x, acc);
 }
 
-void scale(Tensor& y, const Tensor& x, float alpha) {
+void scale(Tensor& y, const Tensor& x, Scalar alpha) {
   check_unary("scale", y, x);
+  check_scalar("scale", "alpha", alpha, y.device());
   if (y.numel() == 0) return;
   DP_DISPATCH(y.device(), scale, y, x, alpha);
 }
 
-void axpy(Tensor& y, float alpha, const Tensor& x) {
+void axpy(Tensor& y, Scalar alpha, const Tensor& x) {
   check_devices("axpy", {{"y", y}, {"x", x}});
+  check_scalar("axpy", "alpha", alpha, y.device());
   check_dtype("axpy", {"y", y}, DType::f32);
   DP_CHECK(is_floating(x.dtype()), "axpy: x must be f32, f16 or bf16, got " << x);
   check_same_shape("axpy", {"x", x}, {"y", y});
@@ -549,7 +565,7 @@ void sum_squares(Tensor& out, const Tensor& x) {
 }
 
 void clip_by_norm(Tensor& grads, Tensor& norm_out, const Tensor& sum_squares, float max_norm,
-                  float unscale) {
+                  Scalar unscale) {
   const char* op = "clip_by_norm";
   check_devices(op, {{"grads", grads}, {"norm_out", norm_out}, {"sum_squares", sum_squares}});
   check_dtype(op, {"grads", grads}, DType::f32);
@@ -557,6 +573,7 @@ void clip_by_norm(Tensor& grads, Tensor& norm_out, const Tensor& sum_squares, fl
   check_scalar_out(op, {"sum_squares", sum_squares});
   DP_CHECK(max_norm > 0.f && std::isfinite(max_norm),
            op << ": max_norm " << max_norm << " must be finite and > 0");
+  check_scalar(op, "unscale", unscale, grads.device());
   DP_DISPATCH(grads.device(), clip_by_norm, grads, norm_out, sum_squares, max_norm, unscale);
 }
 
@@ -591,13 +608,15 @@ void count_correct_into(Tensor& out, const Tensor& logits, const Tensor& labels)
   DP_DISPATCH(logits.device(), count_correct_into, out, logits, labels);
 }
 
-void weighted_sum(Tensor& y, float y_weight, const std::vector<Tensor>& xs,
-                  const std::vector<float>& weights) {
+void weighted_sum(Tensor& y, Scalar y_weight, const std::vector<Tensor>& xs,
+                  const std::vector<Scalar>& weights) {
   const char* op = "weighted_sum";
   check_defined(op, y, "y");
   check_dtype(op, {"y", y}, DType::f32);
   DP_CHECK(xs.size() == weights.size(),
            op << ": " << xs.size() << " sources but " << weights.size() << " weights");
+  check_scalar(op, "y_weight", y_weight, y.device());
+  for (const Scalar& w : weights) check_scalar(op, "weights[k]", w, y.device());
   for (size_t k = 0; k < xs.size(); ++k) {
     check_defined(op, xs[k], "xs[k]");
     DP_CHECK(xs[k].numel() == y.numel(),
@@ -921,7 +940,7 @@ void layer_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor
 // ---- dropout -------------------------------------------------------------------------------
 
 void dropout_forward(Tensor& y, Tensor& mask, const Tensor& x, float p, uint64_t seed,
-                     uint64_t offset) {
+                     RngOffset offset) {
   if (any_16bit({&y, &x})) {  // the mask stays f32 (keep / (1 - p))
     Tensor y32 = f32_out(y);
     dropout_forward(y32, mask, widen(x), p, seed, offset);
@@ -933,6 +952,7 @@ void dropout_forward(Tensor& y, Tensor& mask, const Tensor& x, float p, uint64_t
   check_same_shape(op, {"x", x}, {"y", y});
   check_same_shape(op, {"x", x}, {"mask", mask});
   DP_CHECK(p >= 0.f && p < 1.f, op << ": p must be in [0, 1), got " << p);
+  check_rng_offset(op, offset, x.device());
   if (x.numel() == 0) return;
   DP_DISPATCH(x.device(), dropout_forward, y, mask, x, p, seed, offset);
 }
@@ -972,6 +992,14 @@ void set_values(Tensor& dst, const float* values, int n) {
   std::copy(values, values + n, vals.v);
   vals.n = n;
   DP_DISPATCH(dst.device(), set_values, dst, vals);
+}
+
+void set_counter(Tensor& dst, uint64_t value) {
+  const char* op = "set_counter";
+  check_defined(op, dst, "dst");
+  check_dtype(op, {"dst", dst}, DType::i64);
+  check_shape(op, {"dst", dst}, {1});
+  DP_DISPATCH(dst.device(), set_counter, dst, value);
 }
 
 std::array<float, SgdScalar::count> sgd_scalars(const SgdConfig& c, int64_t step) {
@@ -1112,6 +1140,7 @@ void check_attention(const char* op, const Tensor& qkv, const Tensor& y, const T
   DP_CHECK(std::isfinite(p.scale), op << ": scale " << p.scale << " is not finite");
   check_shape(op, {"y", y}, {b, t, d});
   check_shape(op, {"lse", lse}, {b, p.heads, t});
+  check_rng_offset(op, p.dropout_offset, qkv.device());
 }
 
 }  // namespace

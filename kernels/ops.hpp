@@ -12,6 +12,7 @@
 #include <array>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/runtime/context.hpp"
@@ -27,6 +28,40 @@ enum class Transpose { no, yes };
 // Backward kernels either overwrite their output or add into it (gradients accumulate).
 enum class Accumulate { no, yes };
 enum class Nesterov { no, yes };
+
+// A factor an op multiplies by: a value fixed when the op is queued, or a (1) f32 tensor on the
+// op's device, read when the op runs. The second is how a captured op (kernels/runtime/graph.hpp)
+// replays with the current step's value, written there before the replay (set_values): the
+// engines' loss scale and each chunk's share.
+struct Scalar {
+  Scalar(float v = 1.f) : value(v) {}  // NOLINT(google-explicit-constructor): a fixed factor
+  explicit Scalar(Tensor t) : at(std::move(t)) {}
+  // The device's copy, or nullptr for a fixed value.
+  const float* device_value() const { return at.defined() ? at.data<float>() : nullptr; }
+  // The factor now. On a CPU device (where an op runs when it is reached, or replays later on
+  // the device's thread): the tensor's current value.
+  float read() const { return at.defined() ? at.data<float>()[0] : value; }
+
+  float value = 1.f;
+  Tensor at;  // defined: read from here when the op runs (`value` unused)
+};
+
+// Where a call's random counters start (dropout): `delta`, plus, when `base` is defined ((1) i64
+// on the op's device), the value there when the op runs, modulo 2^64. A captured op replays
+// with the base written since (set_counter): a graphed step draws new masks each step.
+struct RngOffset {
+  RngOffset(uint64_t at = 0) : delta(at) {}  // NOLINT(google-explicit-constructor): fixed
+  RngOffset(Tensor on_device, uint64_t d) : delta(d), base(std::move(on_device)) {}
+  // The base's address, or nullptr for a fixed offset.
+  const int64_t* device_base() const { return base.defined() ? base.data<int64_t>() : nullptr; }
+  // The offset now (CPU devices: the base's current value).
+  uint64_t read() const {
+    return delta + (base.defined() ? static_cast<uint64_t>(base.data<int64_t>()[0]) : 0);
+  }
+
+  uint64_t delta = 0;
+  Tensor base;
+};
 
 // ---- copies and elementwise ----------------------------------------------------------------
 
@@ -52,10 +87,11 @@ void mul(Tensor& y, const Tensor& a, const Tensor& b);
 // requires out's shape = x's trailing dims (x (N, T, D), out (D) or (T, D)).
 // ensures out (+)= sum of x over its leading dims: the gradient of a broadcast b.
 void sum_leading(Tensor& out, const Tensor& x, Accumulate acc);
-// requires x, y same shape (y may alias x). ensures y = alpha * x.
-void scale(Tensor& y, const Tensor& x, float alpha);
-// requires x, y same shape; y f32, x f32, f16 or bf16. ensures y += alpha * float(x).
-void axpy(Tensor& y, float alpha, const Tensor& x);
+// requires x, y same shape (y may alias x); a device alpha on their device. ensures y = alpha * x.
+void scale(Tensor& y, const Tensor& x, Scalar alpha);
+// requires x, y same shape; y f32, x f32, f16 or bf16; a device alpha on y's device.
+// ensures y += alpha * float(x).
+void axpy(Tensor& y, Scalar alpha, const Tensor& x);
 // requires y (N, C, ...) and bias (C). ensures y[n, c, ...] += bias[c].
 void add_bias(Tensor& y, const Tensor& bias);
 // requires dy (N, C, ...) and db (C). ensures db (+)= sum of dy over every dim but 1.
@@ -112,7 +148,8 @@ struct AttentionParams {
   // philox::uniform(dropout_seed, dropout_offset + ((b H + h) T + i) T + j) >= dropout, and
   // scaled by 1 / (1 - dropout): the same mask on CPU and CUDA. A call uses B H T T counters.
   float dropout = 0.f;
-  uint64_t dropout_seed = 0, dropout_offset = 0;
+  uint64_t dropout_seed = 0;
+  RngOffset dropout_offset;
 };
 // Multi-head scaled dot-product attention on a fused QKV projection.
 // requires qkv (B, T, 3 D) f32, f16 or bf16 holding [q | k | v] along the last dim, each
@@ -173,8 +210,9 @@ void sum_squares(Tensor& out, const Tensor& x);
 // ensures, with the host's arithmetic (kernels/clip_norm.hpp) computed on the device:
 //   norm = sqrt(double(ss)) * double(unscale), norm_out = float(norm), and grads scaled by
 //   clip::factor(norm, max_norm) (untouched when that is 1: norm <= max_norm or not finite).
+// unscale: fixed, or read on the device when the clip runs (a captured step's loss scale).
 void clip_by_norm(Tensor& grads, Tensor& norm_out, const Tensor& sum_squares, float max_norm,
-                  float unscale);
+                  Scalar unscale);
 // requires x (B, C), out (B) i32. ensures out_i = argmax_c x_ic (first on ties). NaN: out_i = 0
 // when x_i0 is NaN; other NaNs are skipped (the left-to-right scan `x[c] > x[best]`).
 void argmax(Tensor& out, const Tensor& x);
@@ -187,10 +225,11 @@ void count_correct_into(Tensor& out, const Tensor& logits, const Tensor& labels)
 // The reduction of data parallelism in one pass (one kernel on a GPU), reading every source
 // where it lies: y = y_weight * y + sum_k weights[k] * xs[k], added in k order with f32
 // accumulation. requires y f32; xs all f32 or all bf16, each of y's numel, readable from y's
-// device (direct_access), as many weights as xs. The sources' producers must be ordered
-// before this call on y's stream (events).
-void weighted_sum(Tensor& y, float y_weight, const std::vector<Tensor>& xs,
-                  const std::vector<float>& weights);
+// device (direct_access), as many weights as xs, each weight fixed or on y's device (read when
+// the sum runs). The sources' producers must be ordered before this call on y's stream (events).
+// With no sources it scales y in place.
+void weighted_sum(Tensor& y, Scalar y_weight, const std::vector<Tensor>& xs,
+                  const std::vector<Scalar>& weights);
 
 // ---- convolution and pooling (NCHW) --------------------------------------------------------
 
@@ -263,7 +302,7 @@ void layer_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor
 // requires x, y, mask same shape, 0 <= p < 1. ensures mask = keep / (1 - p), y = x * mask.
 // Backward is mul(dx, dy, mask).
 void dropout_forward(Tensor& y, Tensor& mask, const Tensor& x, float p, uint64_t seed,
-                     uint64_t offset);
+                     RngOffset offset);
 
 // ---- small values in device memory ------------------------------------------------------
 
@@ -278,6 +317,9 @@ struct Values {
 // ensures dst[0, n) = values[0, n), queued on dst's device in ONE launch whose arguments hold the
 // values (`values` may change as soon as this returns). Allocates nothing.
 void set_values(Tensor& dst, const float* values, int n);
+// requires dst (1) i64. ensures dst = value (as two's complement), queued on dst's device in one
+// launch whose arguments hold it. Allocates nothing. (An RngOffset's base.)
+void set_counter(Tensor& dst, uint64_t value);
 
 // ---- fused optimizer updates over one flat buffer ------------------------------------------
 // An update reads its per-step scalars (learning rate, gradient unscale, step-count terms) from a

@@ -137,6 +137,14 @@ class GradScaler {
   void scale_loss_grad(Tensor& dlogits) const {
     if (state_.scale != 1.f) kernels::scale(dlogits, dlogits, state_.scale);
   }
+  // Whether the loss is scaled (fp16): whether scale() can be other than 1.
+  bool scaling() const { return options_.scaling; }
+  // The same with the scale read on the device when the scaling runs: `scale` holds scale() for
+  // this step, (1) f32 on dlogits' device, so a captured step replays with the current scale.
+  // Queues nothing without scaling.
+  void scale_loss_grad(Tensor& dlogits, const kernels::Scalar& scale) const {
+    if (options_.scaling) kernels::scale(dlogits, dlogits, scale);
+  }
 
   // requires `grads` the step's final gradient (DP: device 0's reduced one; DDP: this rank's
   // after the all-reduce, the same bytes on every rank), scaled by scale(). Checks it, then

@@ -53,7 +53,7 @@ class CausalSelfAttention : public Module {
       FlatState& st = flat();
       used_.dropout = dropout_;
       used_.dropout_seed = st.rng_key;
-      used_.dropout_offset = st.rng_offset;
+      used_.dropout_offset = st.rng_at();  // read on the device in graphed steps
       st.rng_offset += static_cast<uint64_t>(b * heads_ * t * t);
     }
     kernels::attention_forward(a_, lse_, qkv_, used_);

@@ -29,11 +29,12 @@ inline double squared_norm(const Tensor& x) {
 
 // requires grads f32 on one device, norm_out (1) f32 on that device, max_norm finite and > 0;
 // grads hold the gradient divided by `unscale` (the loss scale under fp16: grad_unscale =
-// 1 / scale; 1 otherwise).
+// 1 / scale; 1 otherwise), fixed or read on the device when the clip runs (a captured step's).
 // ensures, queued on the device (no host read, nothing allocated: norm_out holds the sum of
 // squares in between): norm_out = the global 2-norm of grads * unscale (the gradient the
 // optimizer sees), and grads scaled by clip_factor(norm, max_norm).
-inline void clip_grad_norm_into(Tensor& grads, float max_norm, float unscale, Tensor& norm_out) {
+inline void clip_grad_norm_into(Tensor& grads, float max_norm, kernels::Scalar unscale,
+                                Tensor& norm_out) {
   DP_CHECK(max_norm > 0.f && std::isfinite(max_norm),
            "clip_grad_norm: max_norm " << max_norm << " must be finite and > 0");
   kernels::NvtxRange range("clip_grad_norm");

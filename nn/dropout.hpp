@@ -12,6 +12,7 @@ namespace nn {
 // stream: element i of a call keeps iff uniform(rng_key, rng_offset + i) >= p, and each call
 // advances rng_offset by numel, so two calls never reuse a mask and a replica's masks are
 // reproducible from (seed, device, call sequence). Setting rng_offset back replays a mask.
+// The offset is read on the device under an engine's graphed steps (FlatState::rng_at).
 // The mask is a buffer of the layer, remade only when the input's shape or device changes: it
 // keeps one address from step to step. The output and the input gradient are new tensors, as
 // every layer's are (a caching context hands them the same blocks each step), because the
@@ -33,7 +34,7 @@ class Dropout : public Module {
     kernels::ensure(mask_, x.shape(), DType::f32, x.device());
     Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());  // x's dtype (16-bit activations)
     x_dtype_ = x.dtype();
-    kernels::dropout_forward(y, mask_, x, p_, s.rng_key, s.rng_offset);
+    kernels::dropout_forward(y, mask_, x, p_, s.rng_key, s.rng_at());
     s.rng_offset += static_cast<uint64_t>(x.numel());
     return y;
   }

@@ -139,6 +139,25 @@ struct FlatState {
   // Stream of random numbers for stochastic layers (dropout): (rng_key, rng_offset).
   uint64_t rng_key = 0;
   uint64_t rng_offset = 0;
+  // Engines that replay captured steps (dp/graphs.hpp): rng_base ((1) i64 on `device`) holds
+  // rng_step_start, written by begin_rng_step at each step's start, and layers draw at
+  // rng_base + (rng_offset - rng_step_start), read on the device when they run: the counters
+  // rng_offset names, and in a replay the current step's. Undefined: draws start at rng_offset.
+  Tensor rng_base;
+  uint64_t rng_step_start = 0;
+
+  // Where a layer's next draw starts (it then advances rng_offset by the counters it used).
+  kernels::RngOffset rng_at() const {
+    if (!rng_base.defined()) return rng_offset;
+    return kernels::RngOffset(rng_base, rng_offset - rng_step_start);
+  }
+  // Queues rng_offset into rng_base (made on the first call) on the calling thread's context
+  // for `device`, ahead of the step's draws.
+  void begin_rng_step() {
+    if (!rng_base.defined()) rng_base = Tensor::empty({1}, kernels::DType::i64, device);
+    rng_step_start = rng_offset;
+    kernels::set_counter(rng_base, rng_offset);
+  }
   // Mixed precision: the 16-bit copy of `params` that GEMMs and convolutions read (its dtype is
   // theirs), remade by one cast at the start of each outermost forward; undefined under f32.
   Tensor compute_params;

@@ -142,6 +142,10 @@ uint64_t weights_hash(nn::Module& m) {
 struct DdpRun {
   int64_t batch = 8;
   int steps = 2, hold_ms = 0, save_at = 0, short_every = 0;
+  // > 0: rows of 2 tokens and a token loss that ignores the tokens (j + step) % K == 0 (each
+  // rank's share of the kept tokens changes from step to step), under fp16 with a scale that
+  // grows every step.
+  int moving_shares = 0;
   std::string backend = "gloo", save, load, graphs = "auto";
   float clip_grad = 0.f;
 };
@@ -151,6 +155,13 @@ int run_ddp(const DdpRun& o) {
   const int steps = o.steps;
   DdpTrainer trainer(kernels::DeviceType::cpu, o.backend);
   trainer.set_clip_grad_norm(o.clip_grad);
+  if (o.moving_shares > 0) {
+    trainer.set_loss(std::make_shared<nn::TokenCrossEntropyLoss>(-1));
+    nn::GradScalerOptions so = nn::GradScaler::options_for(nn::Precision::fp16);
+    so.init_scale = 1024.f;
+    so.growth_interval = 1;
+    trainer.set_precision(nn::Precision::fp16, so);
+  }
   trainer.set_graphs(o.graphs == "on"    ? dp::Graphs::on
                      : o.graphs == "off" ? dp::Graphs::off
                                          : dp::Graphs::automatic);
@@ -158,17 +169,27 @@ int run_ddp(const DdpRun& o) {
                           {"batch", std::to_string(batch)},
                           {"steps", std::to_string(steps)}});
   auto model = nn::mlp({4, 8, 3});
+  if (o.moving_shares > 0) {  // per token: the MLP without its Flatten
+    model = std::make_shared<nn::Sequential>();
+    model->add(std::make_shared<nn::Linear>(4, 8));
+    model->add(std::make_shared<nn::ReLU>());
+    model->add(std::make_shared<nn::Linear>(8, 3));
+  }
   model->materialize(trainer.device(), 1);
   kernels::SgdConfig cfg;
   cfg.lr = 0.1f;
   nn::SGD opt(*model, cfg);
   trainer.wrap(model, opt);
-  std::vector<float> x(static_cast<size_t>(batch * 4));
-  std::vector<int32_t> y(static_cast<size_t>(batch));
+  const int64_t tokens = o.moving_shares > 0 ? 2 : 1;  // per row
+  std::vector<float> x(static_cast<size_t>(batch * tokens * 4));
+  std::vector<int32_t> y(static_cast<size_t>(batch * tokens));
   for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>((i * 7) % 11) / 11.f;
   for (size_t i = 0; i < y.size(); ++i) y[i] = static_cast<int32_t>(i % 3);
-  Tensor images = Tensor::from_vector(x, {batch, 4});
-  Tensor labels = Tensor::empty({batch}, kernels::DType::i32, kernels::Device::cpu());
+  const kernels::Shape rows_of = tokens > 1 ? kernels::Shape{batch, tokens} : kernels::Shape{batch};
+  kernels::Shape image_shape = rows_of;
+  image_shape.push_back(4);
+  Tensor images = Tensor::from_vector(x, image_shape);
+  Tensor labels = Tensor::empty(rows_of, kernels::DType::i32, kernels::Device::cpu());
   std::copy(y.begin(), y.end(), labels.data<int32_t>());
   float loss = 0;
   int first = 0, graphed = 0;
@@ -176,6 +197,8 @@ int run_ddp(const DdpRun& o) {
   for (int s = first; s < steps; ++s) {
     const bool short_step = o.short_every > 0 && (s + 1) % o.short_every == 0;
     const int64_t rows = short_step ? std::max<int64_t>(batch - 3, 1) : batch;
+    for (int64_t j = 0; o.moving_shares > 0 && j < batch * tokens; ++j)
+      labels.data<int32_t>()[j] = (j + s) % o.moving_shares == 0 ? -1 : y[j];
     loss = trainer.train_step(images.slice(0, rows), labels.slice(0, rows));
     graphed += trainer.last_times().graphed;
     if (!o.save.empty() && s + 1 == o.save_at) trainer.save(o.save);
@@ -185,7 +208,7 @@ int run_ddp(const DdpRun& o) {
   std::printf("[rank %d] norm %.9g syncs %lld allocations %lld\n", trainer.rank(),
               trainer.last_grad_norm(), static_cast<long long>(trainer.last_times().host_syncs),
               static_cast<long long>(trainer.last_times().allocations));
-  std::printf("[rank %d] graphed %d\n", trainer.rank(), graphed);
+  std::printf("[rank %d] graphed %d scale %g\n", trainer.rank(), graphed, trainer.scaler().scale());
   std::fflush(stdout);
   std::this_thread::sleep_for(std::chrono::milliseconds(o.hold_ms));  // a job that stays up
   trainer.group().barrier()->wait();  // rank 0 hosts the store: the others leave first
@@ -222,6 +245,7 @@ int main(int argc, char** argv) {
   app.add_option("--clip-grad", ddp.clip_grad)->check(CLI::NonNegativeNumber);
   app.add_option("--cuda-graphs", ddp.graphs)->check(CLI::IsMember({"auto", "on", "off"}));
   app.add_option("--short-every", ddp.short_every)->check(CLI::NonNegativeNumber);
+  app.add_option("--moving-shares", ddp.moving_shares)->check(CLI::NonNegativeNumber);
   app.add_option("--job-tag", job_tag, "ignored: lets a test find this job's processes");
   CLI11_PARSE(app, argc, argv);
   lo.grace_period = std::chrono::milliseconds(grace_ms);

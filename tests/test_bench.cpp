@@ -1279,21 +1279,38 @@ TEST_CASE("bench.metrics_lag: --metrics-lag 1 gives each step its own loss, as 0
   refused("--device cpu --metrics-lag 2", "--metrics-lag");
 }
 
+TEST_CASE("bench.graphs: a GPT with dropout replays new masks, losses bitwise those of off") {
+  // Attention and residual dropout: the offsets are read on the devices, so every timed step
+  // replays (DP and DDP on 2 devices) and draws what an uncaptured step draws.
+  std::map<std::string, nlohmann::json> runs;
+  for (const char* graphs : {"off", "on"}) {
+    std::string json = temp_path(std::string("dropout_graphs_") + graphs + ".json");
+    REQUIRE(run_bench(std::string("--device cpu --gpus 2 --mode both --steps 3 --warmup 2 ") +
+                      "--model gpt --gpt-config tiny --batch 5 --seq 16 --dropout 0.1 " +
+                      "--baseline 0 --cuda-graphs " + graphs + " --json " + json) == 0);
+    runs[graphs] = read_json(json)["runs"];
+    std::remove(json.c_str());
+  }
+  REQUIRE(runs["on"].size() == 2);
+  REQUIRE(runs["off"].size() == runs["on"].size());
+  for (size_t i = 0; i < runs["on"].size(); ++i) {
+    const auto &on = runs["on"][i], &off = runs["off"][i];
+    CAPTURE(on["mode"].get<std::string>());
+    CHECK(on["graphed_steps"].get<int>() == 3);
+    CHECK(on["losses"] == off["losses"]);
+  }
+}
+
 TEST_CASE("bench.graphs: what cannot be captured runs uncaptured and says why, once") {
-  // Dropout (host offsets), SyncBatchNorm (collectives inside forward), ZeRO-1 (a host
-  // decision inside the step); hybrid and the parameter server are refused before any run.
+  // SyncBatchNorm (collectives inside forward), ZeRO-1 (a host decision inside the step);
+  // hybrid and the parameter server are refused before any run.
   struct Case {
     const char* args;
     const char* says;
   };
-  for (const Case& c :
-       {Case{"--mode ddp --model gpt --gpt-config tiny --batch 4 --seq 16 --dropout 0.1",
-             "ddp: graphs off: the model draws random numbers (dropout)"},
-        Case{"--mode dp --model gpt --gpt-config tiny --batch 4 --seq 16 --dropout 0.1",
-             "dp: graphs off: the model draws random numbers (dropout)"},
-        Case{"--mode ddp --model cnn --batch 8 --sync-bn",
-             "ddp: graphs off: SyncBatchNorm exchanges statistics"},
-        Case{"--mode ddp --batch 8 --zero 1", "ddp: graphs off: ZeRO-1"}}) {
+  for (const Case& c : {Case{"--mode ddp --model cnn --batch 8 --sync-bn",
+                             "ddp: graphs off: SyncBatchNorm exchanges statistics"},
+                        Case{"--mode ddp --batch 8 --zero 1", "ddp: graphs off: ZeRO-1"}}) {
     CAPTURE(std::string(c.args));
     std::string json = temp_path("graphs_off.json");
     auto [rc, text] = bench_output(std::string("--device cpu --gpus 2 --steps 3 --warmup 1 ") +

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <set>
 
 #include "dp/data_parallel.hpp"
 #include "nn/nn.hpp"
@@ -604,17 +605,85 @@ TEST_CASE("dp.graphs: graphed steps equal uncaptured ones bit for bit, across sh
   }
 }
 
-TEST_CASE("dp.graphs: off where not capturable (dropout, SyncBatchNorm), automatic on CPU") {
+TEST_CASE("dp.graphs: a loss scale that changes every step replays one graph") {
+  // One shape for 8 steps, under an fp16 scaler that grows the scale every step (and backs off
+  // when it overflows): each step has another loss scale. It is read on the devices, not baked
+  // into the graphs: every step from the third on replays the one capture, and the run equals
+  // the uncaptured one bit for bit (clipping reads the unscale there too). Shares that change
+  // every step: test_gpt_engines.cpp.
+  const int steps = 8, rows = 10;
+  dp::DataParallelOptions o = small_buckets(dp::ReduceTopology::tree);
+  o.precision = nn::Precision::fp16;
+  nn::GradScalerOptions so = nn::GradScaler::options_for(nn::Precision::fp16);
+  so.init_scale = 1024.f;
+  so.growth_interval = 1;
+  o.scaler = so;
+  o.clip_grad_norm = 0.05f;
+  auto run = [&](dp::Graphs graphs) {
+    o.graphs = graphs;
+    auto m = small_mlp();
+    auto devices = make_devices(DeviceType::cpu, 3);
+    m->materialize(devices[0], kSeed);
+    nn::SGD opt(*m, momentum_sgd());
+    dp::DataParallel engine(m, opt, devices, o);
+    GraphRun out;
+    for (int s = 0; s < steps; ++s) {
+      auto [x, y] = dp_test::toy_batch(rows, 700 + s);
+      out.stats.push_back(engine.train_step(x, y));
+      out.losses.push_back(out.stats.back().loss);
+    }
+    out.params = engine.module().flat_params().to_host_f32();
+    return out;
+  };
+  const GraphRun eager = run(dp::Graphs::off), graphed = run(dp::Graphs::on);
+  std::set<float> scales;
+  for (int s = 0; s < steps; ++s) {
+    CAPTURE(s);
+    CHECK(graphed.stats[s].graphed == (s >= 2));
+    CHECK(graphed.losses[s] == eager.losses[s]);
+    CHECK(graphed.stats[s].grad_norm == eager.stats[s].grad_norm);
+    CHECK(graphed.stats[s].loss_scale == eager.stats[s].loss_scale);
+    scales.insert(graphed.stats[s].loss_scale);
+    if (s >= 3) {
+      CHECK(graphed.stats[s].allocations == 0);
+      CHECK(graphed.stats[s].host_syncs == 1);
+    }
+  }
+  CHECK(scales.size() >= 4);  // the scale did change under the replays
+  CHECK(same_bits(graphed.params, eager.params));
+}
+
+TEST_CASE("dp.graphs: dropout replays new masks each step, bit for bit as uncaptured") {
+  // Dropout's offsets are read on the devices (nn::FlatState::begin_rng_step): each replay
+  // draws the step's own masks, as an uncaptured step does, and the host offsets advance alike
+  // (a checkpoint taken after replays resumes the same stream). A short batch (a new shape)
+  // between full ones, 3 devices with uneven chunks.
+  const std::vector<int64_t> batches = {8, 8, 8, 8, 5, 5, 5, 8, 8};
+  dp::DataParallelOptions o = small_buckets(dp::ReduceTopology::tree);
+  auto run = [&](dp::Graphs graphs, std::vector<uint64_t>& offsets) {
+    o.graphs = graphs;
+    return train_graphs(
+        dp_test::dropout_mlp(), 3, batches, o, DeviceType::cpu,
+        [&](dp::DataParallel& engine, size_t, GraphRun&) { offsets = engine.rng_offsets(); });
+  };
+  std::vector<uint64_t> eager_offsets, graphed_offsets;
+  const GraphRun eager = run(dp::Graphs::off, eager_offsets);
+  const GraphRun graphed = run(dp::Graphs::on, graphed_offsets);
+  for (size_t s = 0; s < batches.size(); ++s) {
+    CAPTURE(s);
+    CHECK(graphed.stats[s].graphed == (s == 2 || s == 3 || s == 6 || s >= 7));
+    CHECK(graphed.losses[s] == eager.losses[s]);
+  }
+  CHECK(same_bits(graphed.params, eager.params));
+  // Every device drew, and its host offset moved as far as uncaptured.
+  CHECK(graphed_offsets == eager_offsets);
+  for (uint64_t at : graphed_offsets) CHECK(at > 0);
+}
+
+TEST_CASE("dp.graphs: off where not capturable (SyncBatchNorm), automatic on CPU") {
   const std::vector<int64_t> batches = {8, 8, 8, 8};
   dp::DataParallelOptions o = small_buckets(dp::ReduceTopology::star);
-  // Dropout's offsets are host values: the first step finds the model drawing random numbers,
-  // and from then on the steps run uncaptured, bitwise as with graphs off.
-  o.graphs = dp::Graphs::off;
-  GraphRun eager = train_graphs(dp_test::dropout_mlp(), 2, batches, o);
   o.graphs = dp::Graphs::on;
-  GraphRun tried = train_graphs(dp_test::dropout_mlp(), 2, batches, o);
-  for (const dp::StepStats& st : tried.stats) CHECK(!st.graphed);
-  CHECK(same_bits(tried.params, eager.params));
 
   o.batch_norm = dp::BatchNormStats::synced;
   GraphRun synced = train_graphs(batch_norm_mlp(), 2, batches, o);
@@ -782,7 +851,7 @@ TEST_CASE("dp.cuda: metrics_lag 1 on logical GPUs trains bit for bit as 0, one s
   check_lagged_metrics(DeviceType::cuda);
 }
 
-TEST_CASE("dp.cuda: graphed steps on logical GPUs equal uncaptured ones and follow the CPU") {
+TEST_CASE("dp.cuda: graphed steps on logical GPUs (dropout too) equal uncaptured, follow the CPU") {
   DP_REQUIRE_GPU();
   const std::vector<int64_t> batches = {10, 10, 10, 10, 7, 7, 7, 10};
   for (auto reduce : {dp::ReduceTopology::star, dp::ReduceTopology::tree}) {
@@ -805,6 +874,19 @@ TEST_CASE("dp.cuda: graphed steps on logical GPUs equal uncaptured ones and foll
       CHECK(graphed.stats[s].host_syncs == 1);
     }
   }
+  // Dropout: each replay reads its offsets on the GPU and draws the step's own masks, the
+  // masks the CPU draws too (the same Philox counters).
+  dp::DataParallelOptions o = small_buckets(dp::ReduceTopology::star);
+  o.graphs = dp::Graphs::off;
+  GraphRun eager = train_graphs(dp_test::dropout_mlp(), 3, batches, o, DeviceType::cuda);
+  GraphRun cpu = train_graphs(dp_test::dropout_mlp(), 3, batches, o);
+  o.graphs = dp::Graphs::automatic;
+  GraphRun graphed = train_graphs(dp_test::dropout_mlp(), 3, batches, o, DeviceType::cuda);
+  for (size_t s = 0; s < batches.size(); ++s)
+    CHECK(graphed.stats[s].graphed == (s == 2 || s == 3 || s >= 6));
+  CHECK(same_bits(graphed.losses, eager.losses));
+  CHECK(same_bits(graphed.params, eager.params));
+  CHECK(dp_test::rel_diff(graphed.params, cpu.params) <= 1e-4f);
 }
 
 TEST_CASE("dp.graphs: evaluation and a loaded checkpoint between graphed steps keep them exact") {

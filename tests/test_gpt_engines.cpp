@@ -38,13 +38,15 @@ AdamWConfig adamw() {
 }
 
 // Step s: ids (B, T) and next-token targets (B, T) with some targets ignored (-1) when asked.
-std::pair<Tensor, Tensor> token_batch(int64_t batch, int64_t t, int s, bool with_ignored) {
+// shift moves the ignored tokens to other rows (chunks' shares of the kept tokens change).
+std::pair<Tensor, Tensor> token_batch(int64_t batch, int64_t t, int s, bool with_ignored,
+                                      int shift = 0) {
   std::vector<int32_t> ids(static_cast<size_t>(batch * t)), tg(ids.size());
   for (int64_t i = 0; i < batch * t; ++i) {
     ids[i] = static_cast<int32_t>((i * 5 + s * 3 + i / 7) % 13);
     tg[i] = static_cast<int32_t>((i * 3 + s + 1) % 13);
     // Rows differ in how many they ignore, so shares by tokens differ from shares by rows.
-    if (with_ignored && (i / t) % 3 == 0 && i % t >= (i / t) % t) tg[i] = -1;
+    if (with_ignored && (i / t + shift) % 3 == 0 && i % t >= (i / t) % t) tg[i] = -1;
   }
   return {Tensor::from_ints(ids, {batch, t}), Tensor::from_ints(tg, {batch, t})};
 }
@@ -109,9 +111,14 @@ TEST_CASE("dp.gpt: 4 devices with the token cross-entropy follow one device (une
 
 TEST_CASE("dp.graphs: a GPT's graphed steps equal uncaptured ones bit for bit (ignored tokens)") {
   // Attention, LayerNorm, GELU, embeddings, the token loss with ignored tokens (shares by kept
-  // tokens) and clipping, replayed.
-  auto run = [](dp::Graphs graphs, bool ignored) {
-    auto m = nn::gpt(micro());
+  // tokens) and clipping, replayed. The ignored tokens move to other rows every step, so each
+  // step gives the chunks other shares: they are read on the devices, so one capture replays
+  // them all, from the third step on. With dropout (attention and residual), each replay draws
+  // the step's own masks, read on the devices.
+  auto run = [](dp::Graphs graphs, bool ignored, float dropout) {
+    nn::GptConfig c = micro();
+    c.dropout = dropout;
+    auto m = nn::gpt(c);
     m->materialize(Device::cpu(0), kSeed);
     nn::AdamW opt(*m, adamw());
     dp::DataParallelOptions o;
@@ -123,11 +130,8 @@ TEST_CASE("dp.graphs: a GPT's graphed steps equal uncaptured ones bit for bit (i
     dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, 3), o);
     std::vector<float> losses;
     for (int s = 0; s < 6; ++s) {
-      auto [x, y] = token_batch(7, 6, ignored ? s : 0, ignored);
+      auto [x, y] = token_batch(7, 6, ignored ? s : 0, ignored, s);
       dp::StepStats st = engine.train_step(x, y);
-      // The ignored tokens fall alike every step here, so the shares repeat and so do the
-      // graphs: replays from a shape's third step. (Shares that change every step would make
-      // each step a new shape, run uncaptured.)
       CHECK(st.graphed == (graphs == dp::Graphs::on && s >= 2));
       losses.push_back(st.loss);
       losses.push_back(st.grad_norm);
@@ -136,10 +140,11 @@ TEST_CASE("dp.graphs: a GPT's graphed steps equal uncaptured ones bit for bit (i
     losses.insert(losses.end(), params.begin(), params.end());
     return losses;
   };
-  for (bool ignored : {false, true}) {
+  for (auto [ignored, dropout] : {std::pair{false, 0.f}, {true, 0.f}, {true, 0.2f}}) {
     CAPTURE(ignored);
-    std::vector<float> eager = run(dp::Graphs::off, ignored),
-                       graphed = run(dp::Graphs::on, ignored);
+    CAPTURE(dropout);
+    std::vector<float> eager = run(dp::Graphs::off, ignored, dropout),
+                       graphed = run(dp::Graphs::on, ignored, dropout);
     REQUIRE(eager.size() == graphed.size());
     CHECK(std::memcmp(eager.data(), graphed.data(), eager.size() * sizeof(float)) == 0);
   }

@@ -3,6 +3,7 @@
 #include <exception>
 #include <thread>
 
+#include "tests/device_scalars.hpp"
 #include "tests/test_kernels_util.hpp"
 
 using namespace kernels;
@@ -360,7 +361,7 @@ TEST_CASE("kernels.weighted_sum: y = w0 y + sum w_k x_k against double, f32 and 
       const int64_t n = 100003;
       Tensor y = random_tensor({n}, 7);
       std::vector<Tensor> xs;
-      std::vector<float> w;
+      std::vector<kernels::Scalar> w;
       for (int k = 0; k < n_src; ++k) {
         xs.push_back(cast(random_tensor({n}, 10 + k, -4.f, 4.f), t));
         w.push_back(0.125f * static_cast<float>(k + 1));
@@ -369,7 +370,7 @@ TEST_CASE("kernels.weighted_sum: y = w0 y + sum w_k x_k against double, f32 and 
       for (double& v : want) v *= 0.3;
       for (int k = 0; k < n_src; ++k) {
         std::vector<double> xk = to_double(xs[k]);
-        for (int64_t i = 0; i < n; ++i) want[i] += w[k] * xk[i];
+        for (int64_t i = 0; i < n; ++i) want[i] += w[k].value * xk[i];
       }
       weighted_sum(y, 0.3f, xs, w);
       // One f32 rounding per term, of terms below 4 * sum(w) + 1 in size.
@@ -383,6 +384,14 @@ TEST_CASE("kernels.weighted_sum: y = w0 y + sum w_k x_k against double, f32 and 
   Tensor mixed = zeros({4}, DType::bf16);
   CHECK_THROWS_WITH_AS(weighted_sum(y, 1.f, {a, mixed}, {1.f, 1.f}),
                        doctest::Contains("must all be f32 or all bf16"), Error);
+}
+
+TEST_CASE(
+    "kernels.scalar: device scalars and offsets give fixed ones' bits, captures replay new "
+    "values") {
+  DeviceContext ctx(Device::cpu(0), {.cpu_threads = 2, .caching = Caching::on});
+  ContextScope scope(ctx);
+  dp_test::check_device_scalars(ctx);
 }
 
 TEST_CASE("kernels.count_correct_into: the count on the device equals count_correct") {

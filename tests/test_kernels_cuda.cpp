@@ -12,6 +12,7 @@
 #include <tuple>
 
 #include "kernels/runtime/graph.hpp"
+#include "tests/device_scalars.hpp"
 #include "tests/optim_test_util.hpp"
 #include "tests/test_util.hpp"
 
@@ -1212,7 +1213,7 @@ TEST_CASE("kernels.cuda.weighted_sum: sources on other logical devices, f32 and 
       for (Device d : {kGpu, kCpu}) {
         Tensor y = rnd(d, {n}, 6);
         std::vector<Tensor> xs;
-        std::vector<float> w;
+        std::vector<kernels::Scalar> w;
         for (int k = 0; k < n_src; ++k) {
           Device src = d.is_cuda() ? Device::cuda(k % 4) : d;
           xs.push_back(rnd(src, {n}, 40 + k, -4.f, 4.f, t));
@@ -1223,6 +1224,14 @@ TEST_CASE("kernels.cuda.weighted_sum: sources on other logical devices, f32 and 
       }
       CHECK(max_abs_diff(got[0].to_host_f32(), got[1].to_host_f32()) <= 2e-6f * n_src * 40);
     }
+}
+
+TEST_CASE(
+    "kernels.cuda.scalar: device scalars and offsets match fixed ones, captures replay new ones") {
+  DP_REQUIRE_GPU();
+  DeviceContext ctx(kGpu, {.caching = Caching::on});
+  ContextScope scope(ctx);
+  dp_test::check_device_scalars(ctx);
 }
 
 TEST_CASE("kernels.cuda.count_correct_into: matches count_correct without a host read") {

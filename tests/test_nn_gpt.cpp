@@ -24,7 +24,7 @@ RefAttention reference_attention(const std::vector<float>& qkv, const std::vecto
   auto mask = [&](int64_t b, int64_t h, int64_t i, int64_t j) {
     if (drop.dropout <= 0.f) return 1.0;
     const uint64_t counter =
-        drop.dropout_offset + static_cast<uint64_t>(((b * heads + h) * t_n + i) * t_n + j);
+        drop.dropout_offset.read() + static_cast<uint64_t>(((b * heads + h) * t_n + i) * t_n + j);
     return kernels::philox::uniform(drop.dropout_seed, counter) >= drop.dropout
                ? 1.0 / (1.0 - drop.dropout)
                : 0.0;

@@ -46,6 +46,7 @@ DistributedDataParallel::DistributedDataParallel(nn::ModulePtr module, ProcessGr
            "DistributedDataParallel: the module must be materialised on this rank's device "
            "(call materialize first)");
   share_ = 1.f / static_cast<float>(group_.size());
+  write_share();
   DP_CHECK(
       options_.comm_dtype == kernels::DType::f32 || options_.comm_dtype == kernels::DType::bf16,
       "DDP: buckets are all-reduced in f32 or bf16, not " << options_.comm_dtype);
@@ -120,6 +121,14 @@ void DistributedDataParallel::set_batch_share(int64_t local_rows, int64_t global
   DP_CHECK(global_rows > 0 && local_rows >= 0 && local_rows <= global_rows,
            "set_batch_share: " << local_rows << " of " << global_rows << " rows");
   share_ = static_cast<float>(local_rows) / static_cast<float>(global_rows);
+  write_share();
+}
+
+void DistributedDataParallel::write_share() {
+  if (!device_share_.at.defined())
+    device_share_ =
+        kernels::Scalar(Tensor::empty({1}, kernels::DType::f32, module_->flat_params().device()));
+  kernels::set_values(device_share_.at, &share_, 1);
 }
 
 void DistributedDataParallel::broadcast_buffers() {
@@ -228,7 +237,7 @@ Tensor DistributedDataParallel::grad_slice(int k) {
 
 void DistributedDataParallel::stage_bucket(int k) {
   Tensor slice = grad_slice(k);
-  kernels::scale(slice, slice, share_);
+  kernels::scale(slice, slice, device_share_);
   if (!comm_buffers_.empty()) kernels::copy(comm_buffers_[k], slice);  // rounded once
 }
 

@@ -148,6 +148,8 @@ class DistributedDataParallel {
   // Its all-reduce, asynchronously (pending_[k]), counted in the stats; with one rank nothing.
   void issue_bucket(int k);
   void unstage_bucket(int k);
+  // Queues share_ into device_share_.
+  void write_share();
 
   nn::ModulePtr module_;
   ProcessGroup& group_;
@@ -162,6 +164,9 @@ class DistributedDataParallel {
   bool in_backward_ = false;
   std::chrono::steady_clock::time_point backward_begin_;  // of the current step's backward
   float share_ = 1.f;
+  // share_ on the device, where stage_bucket's scaling reads it (a replayed step uses the
+  // current share): (1) f32, made once, written by write_share.
+  kernels::Scalar device_share_;
   DdpStats stats_;
   Trace* trace_ = nullptr;
 };

@@ -229,7 +229,7 @@ void DdpTrainer::set_graphs(Graphs mode) {
 std::string DdpTrainer::graphs_blocked() const {
   if (zero_) return "ZeRO-1 combines the shards' verdicts on the host inside its step";
   if (sync_bn_) return "SyncBatchNorm exchanges statistics between ranks inside forward";
-  return graphs_off_reason_;
+  return "";
 }
 
 bool DdpTrainer::use_graphs() {
@@ -248,7 +248,7 @@ void DdpTrainer::forward_and_loss(nn::Module& m, const kernels::Tensor& x,
   kernels::Tensor loss = metrics_.view(0, {1});
   kernels::Tensor& dlogits = kernels::ensure(dlogits_, out.shape(), kernels::DType::f32, device_);
   loss_fn_->compute(loss, dlogits, out, y);
-  scaler_.scale_loss_grad(dlogits);  // fp16: the loss gradient carries the scale
+  scaler_.scale_loss_grad(dlogits, loss_scale_);  // fp16: the loss gradient carries the scale
 }
 
 void DdpTrainer::queue_update(nn::Module& m) {
@@ -257,7 +257,7 @@ void DdpTrainer::queue_update(nn::Module& m) {
   // loss in the step's one read.
   kernels::Tensor non_finite = metrics_.view(1, {1}), grad_norm = metrics_.view(2, {1});
   if (clip_grad_norm_ > 0.f)
-    nn::clip_grad_norm_into(m.flat_grads(), clip_grad_norm_, 1.f / scaler_.scale(), grad_norm);
+    nn::clip_grad_norm_into(m.flat_grads(), clip_grad_norm_, unscale_, grad_norm);
   scaler_.apply_deferred(*optimizer_, m.flat_grads(), non_finite);
 }
 
@@ -266,11 +266,10 @@ void DdpTrainer::graphed_step(StepGraphs& g) {
   nn::Module& m = ddp_->module();
   const int runs = g.runs++;
   times_.graphed = runs >= kGraphWarmupRuns;
-  const uint64_t rng_before = m.flat().rng_offset;
   ddp_->broadcast_buffers();
   {
     kernels::NvtxRange range("ddp/forward_backward");
-    run_graph_segment(ctx, g.compute, runs, [&] {
+    run_drawing_segment(ctx, g.compute, runs, m.flat(), g.drawn, [&] {
       forward_and_loss(m, input_, labels_);
       ddp_->backward_local(dlogits_);
       ddp_->stage_buckets();
@@ -290,13 +289,6 @@ void DdpTrainer::graphed_step(StepGraphs& g) {
     ddp_->unstage_buckets();
     queue_update(m);
   });
-  if (!times_.graphed && m.flat().rng_offset != rng_before) {
-    // Dropout's offsets are host values: a replay would draw the same mask every step. Caught
-    // on a shape's first step, which runs uncaptured.
-    graphs_off_reason_ =
-        "the model draws random numbers (dropout), at offsets a replay would not advance";
-    graphs_.clear();  // g with them: not used past here
-  }
 }
 
 float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tensor& labels) {
@@ -316,14 +308,14 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
                               << "drop it");
   ddp_->set_batch_share(total_denominator_ > 0 ? my_denominator_ : 0,
                         std::max<int64_t>(total_denominator_, 1));
+  write_scale();
   StepGraphs* graphs = nullptr;
   if (use_graphs()) {
-    // What the graphs bake in: the chunk's shape, the loss scale and this rank's share.
+    // What the graphs bake in: the chunk's shape (the loss scale and this rank's share are read
+    // on the device).
     graph_key_.values.assign(1, hx.dim(0));  // the key's storage is reused step to step
     graph_key_.add_row_shape(hx);
     graph_key_.add_row_shape(hy);
-    graph_key_.add_bits(scaler_.scale());
-    graph_key_.add_bits(share);
     graphs = &graph_set_for(graphs_, graph_key_);
     input_ = graphs->input;  // the buffers this shape's graphs read and write
     labels_ = graphs->labels;
@@ -390,6 +382,16 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   times_.forward = Event::elapsed_ms(marks_[1], marks_[2]);
   times_.backward = Event::elapsed_ms(marks_[2], marks_[3]);
   return global_loss;
+}
+
+void DdpTrainer::write_scale() {
+  if (!scale_values_.defined()) {
+    scale_values_ = kernels::Tensor::empty({2}, kernels::DType::f32, device_);
+    unscale_ = kernels::Scalar(scale_values_.view(0, {1}));
+    loss_scale_ = kernels::Scalar(scale_values_.view(1, {1}));
+  }
+  const float values[2] = {1.f / scaler_.scale(), scaler_.scale()};
+  kernels::set_values(scale_values_, values, 2);
 }
 
 float DdpTrainer::report_loss(float share) {

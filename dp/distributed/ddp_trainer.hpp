@@ -144,6 +144,8 @@ class DdpTrainer {
   // The global batch's mean loss from this rank's chunk loss (metrics_[0]) and share, and
   // whether the gradient was finite (metrics_[1]): one small all-reduce and the step's one read,
   // which also brings the gradient norm (metrics_[2], clipping on).
+  // Queues this step's 1 / scale and scale into scale_values_.
+  void write_scale();
   float report_loss(float share);
   // This rank's rows of the global host batch (views), and with `share` its share of the
   // batch's loss denominator; requires labels valid for the loss.
@@ -159,6 +161,7 @@ class DdpTrainer {
     int runs = 0;
     kernels::Graph compute, update;
     kernels::Tensor input, labels, dlogits;
+    uint64_t drawn = 0;  // random counters the compute segment draws (dropout)
   };
   // Why this step cannot run graphed (empty: it can).
   std::string graphs_blocked() const;
@@ -189,7 +192,11 @@ class DdpTrainer {
   std::unique_ptr<ZeroStage1> zero_;
   RunConfig run_config_, verified_config_;
   kernels::Tensor input_, labels_, dlogits_;  // this rank's step buffers, reused
-  kernels::Tensor metrics_;       // (3) f32 on the device: chunk loss, non-finite, grad norm
+  kernels::Tensor metrics_;  // (3) f32 on the device: chunk loss, non-finite, grad norm
+  // The step's loss scale on the device, where the kernels read it (no graph bakes it in):
+  // (2) f32, 1 / scale and scale, written at each step's start (write_scale).
+  kernels::Tensor scale_values_;
+  kernels::Scalar unscale_, loss_scale_;
   kernels::Tensor host_metrics_;  // its pinned host copy
   // Phase boundaries of a step on this rank's stream: begin, scattered, forward, backward,
   // gradients synchronised, stepped.
@@ -202,7 +209,6 @@ class DdpTrainer {
   Graphs graphs_mode_ = Graphs::automatic;
   std::map<GraphKey, StepGraphs> graphs_;
   GraphKey graph_key_;  // this step's
-  std::string graphs_off_reason_;
   bool said_graphs_off_ = false;
   int64_t last_payload_bytes_ = 0;
 };

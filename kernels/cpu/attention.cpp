@@ -78,7 +78,7 @@ void dropout_scales(std::vector<float>& m, int64_t bh, const AttentionShape& a,
   const int64_t t = a.seq;
   const float keep_scale = 1.f / (1.f - p.dropout);
   for (int64_t i = 0; i < t; ++i) {
-    const uint64_t row = p.dropout_offset + static_cast<uint64_t>((bh * t + i) * t);
+    const uint64_t row = p.dropout_offset.read() + static_cast<uint64_t>((bh * t + i) * t);
     const int64_t n = visible(p, i, t);
     for (int64_t j = 0; j < n; ++j)
       m[i * t + j] = philox::uniform(p.dropout_seed, row + static_cast<uint64_t>(j)) >= p.dropout

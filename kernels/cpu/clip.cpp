@@ -6,9 +6,9 @@
 namespace kernels::cpu {
 
 void clip_by_norm(Tensor& grads, Tensor& norm_out, const Tensor& sum_squares, float max_norm,
-                  float unscale) {
+                  Scalar unscale) {
   // Read the sum before writing the norm: norm_out may alias sum_squares.
-  const double norm = clip::norm_from_sum_squares(sum_squares.data<float>()[0], unscale);
+  const double norm = clip::norm_from_sum_squares(sum_squares.data<float>()[0], unscale.read());
   const float factor = clip::factor(norm, max_norm);
   norm_out.data<float>()[0] = static_cast<float>(norm);
   if (factor != 1.f && grads.numel() > 0) cpu::scale(grads, grads, factor);

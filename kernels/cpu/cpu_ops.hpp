@@ -13,8 +13,8 @@ void cast(Tensor& dst, const Tensor& src);
 void fill(Tensor& y, float value);
 void add(Tensor& y, const Tensor& a, const Tensor& b);
 void mul(Tensor& y, const Tensor& a, const Tensor& b);
-void scale(Tensor& y, const Tensor& x, float alpha);
-void axpy(Tensor& y, float alpha, const Tensor& x);
+void scale(Tensor& y, const Tensor& x, Scalar alpha);
+void axpy(Tensor& y, Scalar alpha, const Tensor& x);
 void add_bias(Tensor& y, const Tensor& bias);
 void bias_backward(Tensor& db, const Tensor& dy, Accumulate acc);
 void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose tb, float alpha,
@@ -48,12 +48,12 @@ void sum(Tensor& out, const Tensor& x);
 void mean(Tensor& out, const Tensor& x);
 void sum_squares(Tensor& out, const Tensor& x);
 void clip_by_norm(Tensor& grads, Tensor& norm_out, const Tensor& sum_squares, float max_norm,
-                  float unscale);
+                  Scalar unscale);
 void argmax(Tensor& out, const Tensor& x);
 int64_t count_correct(const Tensor& logits, const Tensor& labels);
 void count_correct_into(Tensor& out, const Tensor& logits, const Tensor& labels);
-void weighted_sum(Tensor& y, float y_weight, const std::vector<Tensor>& xs,
-                  const std::vector<float>& weights);
+void weighted_sum(Tensor& y, Scalar y_weight, const std::vector<Tensor>& xs,
+                  const std::vector<Scalar>& weights);
 void conv2d_forward(Tensor& y, const Tensor& x, const Tensor& w, const Conv2dParams& p);
 void conv2d_backward_data(Tensor& dx, const Tensor& dy, const Tensor& w, const Conv2dParams& p,
                           Accumulate acc);
@@ -77,8 +77,9 @@ void layer_norm_forward(Tensor& y, Tensor& save_mean, Tensor& save_rstd, const T
 void layer_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor& dy,
                          const Tensor& x, const Tensor& gamma, const Tensor& save_mean,
                          const Tensor& save_rstd, Accumulate acc);
+void set_counter(Tensor& dst, uint64_t value);
 void dropout_forward(Tensor& y, Tensor& mask, const Tensor& x, float p, uint64_t seed,
-                     uint64_t offset);
+                     RngOffset offset);
 void set_values(Tensor& dst, const Values& values);
 void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const SgdConfig& c,
                 const Tensor& scalars);

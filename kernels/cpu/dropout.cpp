@@ -7,7 +7,8 @@
 namespace kernels::cpu {
 
 void dropout_forward(Tensor& y, Tensor& mask, const Tensor& x, float p, uint64_t seed,
-                     uint64_t offset) {
+                     RngOffset at) {
+  const uint64_t offset = at.read();
   const float* px = x.data<float>();
   float* py = y.data<float>();
   float* pm = mask.data<float>();
@@ -26,6 +27,10 @@ void dropout_forward(Tensor& y, Tensor& mask, const Tensor& x, float p, uint64_t
       }
     }
   });
+}
+
+void set_counter(Tensor& dst, uint64_t value) {
+  dst.data<int64_t>()[0] = static_cast<int64_t>(value);
 }
 
 }  // namespace kernels::cpu

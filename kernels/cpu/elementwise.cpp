@@ -25,7 +25,8 @@ void mul(Tensor& y, const Tensor& a, const Tensor& b) {
   });
 }
 
-void scale(Tensor& y, const Tensor& x, float alpha) {
+void scale(Tensor& y, const Tensor& x, Scalar by) {
+  const float alpha = by.read();
   const float* px = x.data<float>();
   float* py = y.data<float>();
   parallel_range(y.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
@@ -34,7 +35,8 @@ void scale(Tensor& y, const Tensor& x, float alpha) {
 }
 
 // y f32 += alpha * x, x f32 or widened from f16/bf16 (exact) element by element.
-void axpy(Tensor& y, float alpha, const Tensor& x) {
+void axpy(Tensor& y, Scalar by, const Tensor& x) {
+  const float alpha = by.read();
   float* py = y.data<float>();
   if (x.dtype() == DType::f32) {
     const float* px = x.data<float>();

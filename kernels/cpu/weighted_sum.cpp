@@ -5,9 +5,10 @@
 
 namespace kernels::cpu {
 
-void weighted_sum(Tensor& y, float y_weight, const std::vector<Tensor>& xs,
-                  const std::vector<float>& weights) {
+void weighted_sum(Tensor& y, Scalar y_scalar, const std::vector<Tensor>& xs,
+                  const std::vector<Scalar>& weights) {
   float* py = y.data<float>();
+  const float y_weight = y_scalar.read();
   const bool wide = xs.empty() || xs[0].dtype() == DType::f32;
   // A chunk of y stays in cache while every source is added into it, in source order: one
   // rounding per term, the same sum on every run and thread count. (Pointers are taken per
@@ -15,7 +16,7 @@ void weighted_sum(Tensor& y, float y_weight, const std::vector<Tensor>& xs,
   parallel_range(y.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) py[i] *= y_weight;
     for (size_t k = 0; k < xs.size(); ++k) {
-      const float w = weights[k];
+      const float w = weights[k].read();
       if (wide) {
         const float* px = xs[k].data<float>();
         for (int64_t i = begin; i < end; ++i) py[i] += w * px[i];

@@ -59,14 +59,15 @@ struct Geometry {
   bool causal;
   float scale;
   float dropout;  // on the probabilities; 0: off (kernels/ops.hpp AttentionParams)
-  uint64_t dropout_seed, dropout_offset;
+  uint64_t dropout_seed;
+  RngOffsetArg dropout_offset;
   __device__ int64_t qkv_row(int64_t b, int64_t t) const { return (b * seq + t) * 3 * width; }
   __device__ int64_t y_row(int64_t b, int64_t t) const { return (b * seq + t) * width; }
   __device__ int64_t visible(int64_t i) const { return causal ? i + 1 : seq; }
   // The dropout mask's keep / (1 - p) for P[b H + h, i, j], as the CPU's dropout_scales.
   __device__ float keep(int64_t bh, int64_t i, int64_t j) const {
     if (dropout <= 0.f) return 1.f;
-    const uint64_t counter = dropout_offset + static_cast<uint64_t>((bh * seq + i) * seq + j);
+    const uint64_t counter = dropout_offset.get() + static_cast<uint64_t>((bh * seq + i) * seq + j);
     return philox::uniform(dropout_seed, counter) >= dropout ? 1.f / (1.f - dropout) : 0.f;
   }
 };
@@ -155,9 +156,15 @@ __global__ void attention_backward_kernel(float* dqkv, const float* dy, const fl
 
 Geometry geometry(const Tensor& qkv, const AttentionParams& p) {
   const int64_t width = qkv.dim(2) / 3;
-  return Geometry{
-      qkv.dim(1), p.heads,   width / p.heads, width,           p.mask == AttentionMask::causal,
-      p.scale,    p.dropout, p.dropout_seed,  p.dropout_offset};
+  return Geometry{qkv.dim(1),
+                  p.heads,
+                  width / p.heads,
+                  width,
+                  p.mask == AttentionMask::causal,
+                  p.scale,
+                  p.dropout,
+                  p.dropout_seed,
+                  RngOffsetArg::of(p.dropout_offset)};
 }
 
 void check_shared(const char* op, size_t bytes) {

@@ -9,23 +9,25 @@ namespace kernels::cuda {
 namespace {
 
 // g *= factor, with factor = clip::factor(norm from *ss); nothing is written when it is 1.
-__global__ void clip_scale_kernel(float* g, const float* ss, float max_norm, float unscale,
+__global__ void clip_scale_kernel(float* g, const float* ss, float max_norm, ScalarArg unscale,
                                   int64_t n) {
   __shared__ float factor;
-  if (threadIdx.x == 0) factor = clip::factor(clip::norm_from_sum_squares(*ss, unscale), max_norm);
+  if (threadIdx.x == 0)
+    factor = clip::factor(clip::norm_from_sum_squares(*ss, unscale.get()), max_norm);
   __syncthreads();
   if (factor == 1.f) return;
   DP_GRID_STRIDE_LOOP(i, n) g[i] = factor * g[i];
 }
 
-__global__ void clip_norm_kernel(float* norm_out, const float* ss, float unscale) {
-  *norm_out = __double2float_rn(clip::norm_from_sum_squares(*ss, unscale));
+__global__ void clip_norm_kernel(float* norm_out, const float* ss, ScalarArg unscale) {
+  *norm_out = __double2float_rn(clip::norm_from_sum_squares(*ss, unscale.get()));
 }
 
 }  // namespace
 
 void clip_by_norm(Tensor& grads, Tensor& norm_out, const Tensor& sum_squares, float max_norm,
-                  float unscale, DeviceContext& ctx) {
+                  Scalar scalar, DeviceContext& ctx) {
+  const ScalarArg unscale = ScalarArg::of(scalar);
   NvtxRange range("kernels/clip_by_norm");
   require_f32("clip_by_norm", {&grads, &norm_out, &sum_squares});
   cudaStream_t s = stream_of(ctx);

@@ -27,6 +27,26 @@ inline unsigned blocks_for(int64_t n) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < (n); \
        i += static_cast<int64_t>(blockDim.x) * gridDim.x)
 
+// A kernels::Scalar as a kernel argument: the fixed value, or where the device holds it (read
+// when the kernel runs, so a replayed launch sees what the host wrote there since).
+struct ScalarArg {
+  const float* at;
+  float value;
+  static ScalarArg of(const Scalar& s) { return {s.device_value(), s.value}; }
+  __device__ __forceinline__ float get() const { return at ? *at : value; }
+};
+
+// A kernels::RngOffset as a kernel argument: delta, plus the device's base when there is one
+// (read when the kernel runs).
+struct RngOffsetArg {
+  const int64_t* base;
+  uint64_t delta;
+  static RngOffsetArg of(const RngOffset& o) { return {o.device_base(), o.delta}; }
+  __device__ __forceinline__ uint64_t get() const {
+    return delta + (base ? static_cast<uint64_t>(*base) : 0);
+  }
+};
+
 // Loads and stores of floating dtypes as float.
 template <class T>
 __device__ __forceinline__ float to_float(T v);

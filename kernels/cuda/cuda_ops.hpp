@@ -22,8 +22,8 @@ void cast(Tensor& dst, const Tensor& src, DeviceContext& ctx);
 void fill(Tensor& y, float value, DeviceContext& ctx);
 void add(Tensor& y, const Tensor& a, const Tensor& b, DeviceContext& ctx);
 void mul(Tensor& y, const Tensor& a, const Tensor& b, DeviceContext& ctx);
-void scale(Tensor& y, const Tensor& x, float alpha, DeviceContext& ctx);
-void axpy(Tensor& y, float alpha, const Tensor& x, DeviceContext& ctx);
+void scale(Tensor& y, const Tensor& x, Scalar alpha, DeviceContext& ctx);
+void axpy(Tensor& y, Scalar alpha, const Tensor& x, DeviceContext& ctx);
 void add_bias(Tensor& y, const Tensor& bias, DeviceContext& ctx);
 void bias_backward(Tensor& db, const Tensor& dy, Accumulate acc, DeviceContext& ctx);
 void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose tb, float alpha,
@@ -65,13 +65,13 @@ void sum(Tensor& out, const Tensor& x, DeviceContext& ctx);
 void mean(Tensor& out, const Tensor& x, DeviceContext& ctx);
 void sum_squares(Tensor& out, const Tensor& x, DeviceContext& ctx);
 void clip_by_norm(Tensor& grads, Tensor& norm_out, const Tensor& sum_squares, float max_norm,
-                  float unscale, DeviceContext& ctx);
+                  Scalar unscale, DeviceContext& ctx);
 void argmax(Tensor& out, const Tensor& x, DeviceContext& ctx);
 int64_t count_correct(const Tensor& logits, const Tensor& labels, DeviceContext& ctx);
 void count_correct_into(Tensor& out, const Tensor& logits, const Tensor& labels,
                         DeviceContext& ctx);
-void weighted_sum(Tensor& y, float y_weight, const std::vector<Tensor>& xs,
-                  const std::vector<float>& weights, DeviceContext& ctx);
+void weighted_sum(Tensor& y, Scalar y_weight, const std::vector<Tensor>& xs,
+                  const std::vector<Scalar>& weights, DeviceContext& ctx);
 void conv2d_forward(Tensor& y, const Tensor& x, const Tensor& w, const Conv2dParams& p,
                     DeviceContext& ctx);
 void conv2d_backward_data(Tensor& dx, const Tensor& dy, const Tensor& w, const Conv2dParams& p,
@@ -99,8 +99,9 @@ void layer_norm_forward(Tensor& y, Tensor& save_mean, Tensor& save_rstd, const T
 void layer_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor& dy,
                          const Tensor& x, const Tensor& gamma, const Tensor& save_mean,
                          const Tensor& save_rstd, Accumulate acc, DeviceContext& ctx);
+void set_counter(Tensor& dst, uint64_t value, DeviceContext& ctx);
 void dropout_forward(Tensor& y, Tensor& mask, const Tensor& x, float p, uint64_t seed,
-                     uint64_t offset, DeviceContext& ctx);
+                     RngOffset offset, DeviceContext& ctx);
 void set_values(Tensor& dst, const Values& values, DeviceContext& ctx);
 void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const SgdConfig& c,
                 const Tensor& scalars, DeviceContext& ctx);

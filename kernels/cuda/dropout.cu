@@ -9,8 +9,10 @@ namespace {
 
 // One thread per Philox block: block b serves the four counters 4b .. 4b + 3 (the layout of
 // philox::random_u32), i.e. elements counter - offset that fall in [0, n).
+// n_blocks: ceil(n / 4) + 1, enough for any offset's alignment (the offset may be the device's).
 __global__ void dropout_kernel(float* y, float* mask, const float* x, float p, float keep_scale,
-                               uint64_t seed, uint64_t offset, int64_t n, int64_t n_blocks) {
+                               uint64_t seed, RngOffsetArg at, int64_t n, int64_t n_blocks) {
+  const uint64_t offset = at.get();
   uint64_t first_block = offset >> 2;
   DP_GRID_STRIDE_LOOP(t, n_blocks) {
     uint64_t block = first_block + static_cast<uint64_t>(t);
@@ -33,7 +35,7 @@ __global__ void dropout_kernel(float* y, float* mask, const float* x, float p, f
 }  // namespace
 
 void dropout_forward(Tensor& y, Tensor& mask, const Tensor& x, float p, uint64_t seed,
-                     uint64_t offset, DeviceContext& ctx) {
+                     RngOffset offset, DeviceContext& ctx) {
   NvtxRange range("kernels/dropout_forward");
   require_f32("dropout_forward", y);
   require_f32("dropout_forward", mask);
@@ -41,11 +43,22 @@ void dropout_forward(Tensor& y, Tensor& mask, const Tensor& x, float p, uint64_t
   int64_t n = x.numel();
   if (n == 0) return;
   float keep_scale = 1.f / (1.f - p);  // as the CPU backend computes it
-  int64_t n_blocks =
-      static_cast<int64_t>(((offset + static_cast<uint64_t>(n) - 1) >> 2) - (offset >> 2)) + 1;
+  const int64_t n_blocks = (n + 3) / 4 + 1;
   dropout_kernel<<<blocks_for(n_blocks), kThreads, 0, stream_of(ctx)>>>(
-      y.data<float>(), mask.data<float>(), x.data<float>(), p, keep_scale, seed, offset, n,
-      n_blocks);
+      y.data<float>(), mask.data<float>(), x.data<float>(), p, keep_scale, seed,
+      RngOffsetArg::of(offset), n, n_blocks);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+namespace {
+__global__ void set_counter_kernel(int64_t* dst, int64_t value) {
+  *dst = value;
+}
+}  // namespace
+
+void set_counter(Tensor& dst, uint64_t value, DeviceContext& ctx) {
+  NvtxRange range("kernels/set_counter");
+  set_counter_kernel<<<1, 1, 0, stream_of(ctx)>>>(dst.data<int64_t>(), static_cast<int64_t>(value));
   DP_CUDA_CHECK_LAUNCH();
 }
 

@@ -14,13 +14,15 @@ __global__ void mul_kernel(float* y, const float* a, const float* b, int64_t n) 
   DP_GRID_STRIDE_LOOP(i, n) y[i] = a[i] * b[i];
 }
 
-__global__ void scale_kernel(float* y, const float* x, float alpha, int64_t n) {
+__global__ void scale_kernel(float* y, const float* x, ScalarArg by, int64_t n) {
+  const float alpha = by.get();
   DP_GRID_STRIDE_LOOP(i, n) y[i] = alpha * x[i];
 }
 
 // y f32 += alpha * float(x), x f32, __half or __nv_bfloat16.
 template <class T>
-__global__ void axpy_kernel(float* y, float alpha, const T* x, int64_t n) {
+__global__ void axpy_kernel(float* y, ScalarArg by, const T* x, int64_t n) {
+  const float alpha = by.get();
   DP_GRID_STRIDE_LOOP(i, n) y[i] += alpha * to_float<T>(x[i]);
 }
 
@@ -75,18 +77,19 @@ void mul(Tensor& y, const Tensor& a, const Tensor& b, DeviceContext& ctx) {
   DP_CUDA_CHECK_LAUNCH();
 }
 
-void scale(Tensor& y, const Tensor& x, float alpha, DeviceContext& ctx) {
+void scale(Tensor& y, const Tensor& x, Scalar alpha, DeviceContext& ctx) {
   NvtxRange range("kernels/scale");
   check_elementwise("scale", y, x);
   int64_t n = y.numel();
   if (n == 0) return;
   scale_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(y.data<float>(), x.data<float>(),
-                                                               alpha, n);
+                                                               ScalarArg::of(alpha), n);
   DP_CUDA_CHECK_LAUNCH();
 }
 
-void axpy(Tensor& y, float alpha, const Tensor& x, DeviceContext& ctx) {
+void axpy(Tensor& y, Scalar by, const Tensor& x, DeviceContext& ctx) {
   NvtxRange range("kernels/axpy");
+  const ScalarArg alpha = ScalarArg::of(by);
   require_f32("axpy", y);
   int64_t n = y.numel();
   if (n == 0) return;
@@ -115,32 +118,36 @@ constexpr int kMaxSources = 16;
 template <class T>
 struct Sources {
   const T* x[kMaxSources];
-  float w[kMaxSources];
+  ScalarArg w[kMaxSources];
   int n;
 };
 
 // y = y_weight * y + sum_k w_k x_k, in k order, f32 accumulation.
 template <class T>
-__global__ void weighted_sum_kernel(float* y, float y_weight, Sources<T> src, int64_t n) {
+__global__ void weighted_sum_kernel(float* y, ScalarArg y_scalar, Sources<T> src, int64_t n) {
+  const float y_weight = y_scalar.get();
+  float w[kMaxSources];
+  for (int k = 0; k < src.n; ++k) w[k] = src.w[k].get();
   DP_GRID_STRIDE_LOOP(i, n) {
     float acc = y[i] * y_weight;
-    for (int k = 0; k < src.n; ++k) acc += src.w[k] * to_float(src.x[k][i]);
+    for (int k = 0; k < src.n; ++k) acc += w[k] * to_float(src.x[k][i]);
     y[i] = acc;
   }
 }
 
 template <class T>
-void launch_weighted_sum(Tensor& y, float y_weight, const std::vector<Tensor>& xs,
-                         const std::vector<float>& weights, cudaStream_t s) {
+void launch_weighted_sum(Tensor& y, Scalar y_weight, const std::vector<Tensor>& xs,
+                         const std::vector<Scalar>& weights, cudaStream_t s) {
   const int64_t n = y.numel();
   size_t k = 0;
   do {
     Sources<T> src{};
     for (; k < xs.size() && src.n < kMaxSources; ++src.n, ++k) {
       src.x[src.n] = xs[k].data<T>();
-      src.w[src.n] = weights[k];
+      src.w[src.n] = ScalarArg::of(weights[k]);
     }
-    weighted_sum_kernel<<<blocks_for(n), kThreads, 0, s>>>(y.data<float>(), y_weight, src, n);
+    weighted_sum_kernel<<<blocks_for(n), kThreads, 0, s>>>(y.data<float>(), ScalarArg::of(y_weight),
+                                                           src, n);
     DP_CUDA_CHECK_LAUNCH();
     y_weight = 1.f;  // a further launch adds to the partial sum
   } while (k < xs.size());
@@ -148,8 +155,8 @@ void launch_weighted_sum(Tensor& y, float y_weight, const std::vector<Tensor>& x
 
 }  // namespace
 
-void weighted_sum(Tensor& y, float y_weight, const std::vector<Tensor>& xs,
-                  const std::vector<float>& weights, DeviceContext& ctx) {
+void weighted_sum(Tensor& y, Scalar y_weight, const std::vector<Tensor>& xs,
+                  const std::vector<Scalar>& weights, DeviceContext& ctx) {
   NvtxRange range("kernels/weighted_sum");
   require_f32("weighted_sum", y);
   if (y.numel() == 0) return;
