@@ -549,6 +549,15 @@ EOF
     --activations bf16 --steps 20 --warmup 3
   bench_step dp_bench_gpt_tiny_gpus4 "dp_bench gpt-tiny --gpus 4" --mode both --gpus 4 \
     --model gpt --gpt-config tiny
+  # Dropout under graphs (attention and residual): the offsets are read on the GPU, so every
+  # replay draws its step's masks; the losses must equal the uncaptured run's bit for bit.
+  for graphs in on off; do
+    bench_step "dp_bench_gpt_tiny_dropout_graphs_$graphs" \
+      "dp_bench gpt-tiny --dropout 0.1 --gpus 2 graphs $graphs" --mode both --gpus 2 \
+      --baseline 0 --model gpt --gpt-config tiny --dropout 0.1 --cuda-graphs "$graphs"
+  done
+  same_losses_verdict "graphs = uncaptured, gpt-tiny --dropout 0.1 --gpus 2" \
+    "$out/dp_bench_gpt_tiny_dropout_graphs_on.json" "$out/dp_bench_gpt_tiny_dropout_graphs_off.json"
 }
 
 stage_torch() {
