@@ -151,9 +151,9 @@ void add_flags(CLI::App& app, Options& o) {
                  "order the work (off: cheaper on a GPU; the report then has the step time alone)")
       ->check(CLI::IsMember({"on", "off"}));
   app.add_option("--metrics-lag", o.metrics_lag,
-                 "DP: 1 reads each step's metrics one step later, so the host queues the next "
-                 "step while the devices run this one (needs --phase-times off, graphed steps, "
-                 "fp32 or tf32)")
+                 "DP and DDP: 1 reads each step's metrics one step later, so the host queues the "
+                 "next step while the devices run this one (needs --phase-times off, fp32 or "
+                 "tf32, and for DP graphed steps; not with --zero 1)")
       ->check(CLI::Range(0, 1));
   app.add_option("--project-from", o.project_from,
                  "dp_bench JSON of a GPU run whose compute the NVLink/PCIe projection uses")
@@ -664,7 +664,10 @@ int run(const Options& o, int argc, char** argv) {
     dp::dist::check_restarts_allowed(o.launch.max_restarts, o.launch.nnodes, o.launch.master_port);
   }
   if (o.metrics_lag > 0) {
-    DP_CHECK(o.mode == "dp", "--metrics-lag 1 with --mode " << o.mode << ": DP only");
+    DP_CHECK(o.mode == "dp" || o.mode == "ddp" || o.mode == "both",
+             "--metrics-lag 1 with --mode " << o.mode << ": DP and DDP only");
+    DP_CHECK(o.zero == 0 || o.mode == "dp",
+             "--metrics-lag 1 with --zero 1: ZeRO-1's step decides on the host");
     DP_CHECK(o.phase_times == "off",
              "--metrics-lag 1 needs --phase-times off: a step's phase marks are not reached "
              "when it returns");
@@ -672,9 +675,10 @@ int run(const Options& o, int argc, char** argv) {
              "--metrics-lag 1 with --dtype " << o.dtype
                                              << ": the loss scaler's verdict on a step decides "
                                                 "the next one; use fp32 or tf32");
-    DP_CHECK(
-        o.cuda_graphs == "on" || (o.cuda_graphs == "auto" && s.type != kernels::DeviceType::cpu),
-        "--metrics-lag 1 needs graphed steps: --cuda-graphs on (auto is off on CPU devices)");
+    DP_CHECK(o.mode == "ddp" || o.cuda_graphs == "on" ||
+                 (o.cuda_graphs == "auto" && s.type != kernels::DeviceType::cpu),
+             "--metrics-lag 1 needs graphed DP steps: --cuda-graphs on (auto is off on CPU "
+             "devices)");
   }
   DP_CHECK(o.phase_times == "on" || o.trace_path.empty(),
            "--trace with --phase-times off: a trace is made of the timed phases");

@@ -116,6 +116,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   trainer.set_precision(s.precision);
   trainer.set_graphs(graphs_of(o));
   trainer.set_phase_timing(phase_timing_of(o));
+  trainer.set_metrics_lag(o.metrics_lag);
   if (nn::LossPtr loss = loss_of(o)) trainer.set_loss(std::move(loss));
   // What every rank must agree on, verified by wrap() before the weights are broadcast.
   trainer.set_run_config({{"program", "dp_bench"},
@@ -229,6 +230,11 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
     r.graphed_steps += t.graphed;
   }
   trainer.ddp().set_trace(nullptr);
+  if (o.metrics_lag > 0 && !r.losses.empty()) {
+    // Each step returned the one before it: shift by one, the last from finish_metrics().
+    r.losses.erase(r.losses.begin());
+    r.losses.push_back(trainer.finish_metrics());
+  }
   if (!o.checkpoint_dir.empty()) save(o.warmup + o.steps);  // the end of the run
   replay.report(r);
   for (auto& [name, v] : phases) r.phases_ms[name] = percentile(v, 0.5);

@@ -531,14 +531,14 @@ EOF
   # nographs run above.
   bench_step dp_bench_mlp_gpus4_nographs_bucket025 "dp_bench mlp --gpus 4 graphs off, first bucket 0.25 MiB" \
     --mode dp --baseline 0 --gpus 4 --model mlp --cuda-graphs off --first-bucket-mb 0.25
-  # Graphed MLP steps with untimed marks (--phase-times off), then also with the metrics read a
-  # step late (--metrics-lag 1: the host queues step k+1 while the GPU runs step k): step times
-  # side by side, and the lagged run's losses the same as the untimed one's.
+  # Graphed MLP steps (DP and DDP) with untimed marks (--phase-times off), then also with the
+  # metrics read a step late (--metrics-lag 1: the host queues step k+1 while the GPU runs step
+  # k): step times side by side, and the lagged run's losses the same as the untimed one's.
   for g in 1 4; do
     bench_step "dp_bench_mlp_gpus${g}_untimed" "dp_bench mlp --gpus $g --phase-times off" \
-      --mode dp --baseline 0 --gpus "$g" --model mlp --phase-times off
+      --mode both --baseline 0 --gpus "$g" --model mlp --phase-times off
     bench_step "dp_bench_mlp_gpus${g}_lag1" "dp_bench mlp --gpus $g --metrics-lag 1" \
-      --mode dp --baseline 0 --gpus "$g" --model mlp --phase-times off --metrics-lag 1
+      --mode both --baseline 0 --gpus "$g" --model mlp --phase-times off --metrics-lag 1
     same_losses_verdict "metrics lag 1 = 0, mlp --gpus $g" \
       "$out/dp_bench_mlp_gpus${g}_lag1.json" "$out/dp_bench_mlp_gpus${g}_untimed.json"
   done

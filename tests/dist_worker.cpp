@@ -22,6 +22,9 @@
 //                and "graphed G": the steps that replayed graphs (--cuda-graphs auto|on|off).
 //                --short-every K: every K-th step (the 2nd, 4th, ... for K = 2) trains on the
 //                batch's first --batch - 3 rows only, a second step shape
+//                --moving-shares K: tokens ignored at moving places, under fp16 (see DdpRun);
+//                --metrics-lag 1: lagged metrics (DdpTrainer::set_metrics_lag). It prints
+//                "losses ...": what each step returned (then finish_metrics() with the lag).
 // --hold-ms T: collectives wait T ms after joining the group (a job that stays up a while).
 // --max-restarts K: the launcher's LaunchOptions::max_restarts.
 #include <signal.h>
@@ -139,6 +142,12 @@ uint64_t weights_hash(nn::Module& m) {
   return h;
 }
 
+std::string number(float v) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.9g", v);  // every float's own digits
+  return text;
+}
+
 struct DdpRun {
   int64_t batch = 8;
   int steps = 2, hold_ms = 0, save_at = 0, short_every = 0;
@@ -146,6 +155,7 @@ struct DdpRun {
   // rank's share of the kept tokens changes from step to step), under fp16 with a scale that
   // grows every step.
   int moving_shares = 0;
+  int metrics_lag = 0;  // DdpTrainer::set_metrics_lag (with phase timing off)
   std::string backend = "gloo", save, load, graphs = "auto";
   float clip_grad = 0.f;
 };
@@ -155,6 +165,10 @@ int run_ddp(const DdpRun& o) {
   const int steps = o.steps;
   DdpTrainer trainer(kernels::DeviceType::cpu, o.backend);
   trainer.set_clip_grad_norm(o.clip_grad);
+  if (o.metrics_lag > 0) {
+    trainer.set_metrics_lag(o.metrics_lag);
+    trainer.set_phase_timing(kernels::Event::Timing::off);
+  }
   if (o.moving_shares > 0) {
     trainer.set_loss(std::make_shared<nn::TokenCrossEntropyLoss>(-1));
     nn::GradScalerOptions so = nn::GradScaler::options_for(nn::Precision::fp16);
@@ -193,6 +207,7 @@ int run_ddp(const DdpRun& o) {
   std::copy(y.begin(), y.end(), labels.data<int32_t>());
   float loss = 0;
   int first = 0, graphed = 0;
+  std::string losses;  // every step's, as train_step returned it
   if (!o.load.empty()) first = static_cast<int>(trainer.load(o.load).step);
   for (int s = first; s < steps; ++s) {
     const bool short_step = o.short_every > 0 && (s + 1) % o.short_every == 0;
@@ -201,8 +216,14 @@ int run_ddp(const DdpRun& o) {
       labels.data<int32_t>()[j] = (j + s) % o.moving_shares == 0 ? -1 : y[j];
     loss = trainer.train_step(images.slice(0, rows), labels.slice(0, rows));
     graphed += trainer.last_times().graphed;
+    losses += " " + number(loss);
     if (!o.save.empty() && s + 1 == o.save_at) trainer.save(o.save);
   }
+  if (o.metrics_lag > 0) {
+    loss = trainer.finish_metrics();
+    losses += " " + number(loss);
+  }
+  std::printf("[rank %d] losses%s\n", trainer.rank(), losses.c_str());
   std::printf("[rank %d] ddp ok loss %.6f weights %016llx\n", trainer.rank(), loss,
               static_cast<unsigned long long>(weights_hash(*model)));
   std::printf("[rank %d] norm %.9g syncs %lld allocations %lld\n", trainer.rank(),
@@ -246,6 +267,7 @@ int main(int argc, char** argv) {
   app.add_option("--cuda-graphs", ddp.graphs)->check(CLI::IsMember({"auto", "on", "off"}));
   app.add_option("--short-every", ddp.short_every)->check(CLI::NonNegativeNumber);
   app.add_option("--moving-shares", ddp.moving_shares)->check(CLI::NonNegativeNumber);
+  app.add_option("--metrics-lag", ddp.metrics_lag)->check(CLI::Range(0, 1));
   app.add_option("--job-tag", job_tag, "ignored: lets a test find this job's processes");
   CLI11_PARSE(app, argc, argv);
   lo.grace_period = std::chrono::milliseconds(grace_ms);

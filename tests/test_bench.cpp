@@ -1252,30 +1252,36 @@ TEST_CASE("bench.phase_times: --phase-times off reports the step time alone, the
 }
 
 TEST_CASE("bench.metrics_lag: --metrics-lag 1 gives each step its own loss, as 0 does") {
-  // The engine hands each step the one before's metrics; dp_bench files every loss under its
-  // own step (the last from finish_metrics), so the curves are equal bit for bit.
+  // The engines hand each step the one before's metrics; dp_bench files every loss under its
+  // own step (the last from finish_metrics), so the curves are equal bit for bit. DP graphed,
+  // DDP uncaptured, 1 and 2 devices each.
   std::map<int, nlohmann::json> runs;
   for (int lag : {0, 1}) {
     std::string json = temp_path("lag" + std::to_string(lag) + ".json");
-    REQUIRE(run_bench("--device cpu --gpus 2 --mode dp --steps 4 --warmup 1 --batch 16 "
+    REQUIRE(run_bench("--device cpu --gpus 2 --mode both --steps 4 --warmup 1 --batch 16 "
                       "--phase-times off --cuda-graphs on --metrics-lag " +
                       std::to_string(lag) + " --json " + json) == 0);
     runs[lag] = read_json(json)["runs"];
     std::remove(json.c_str());
   }
-  REQUIRE(runs[1].size() == 2);
-  REQUIRE(runs[0].size() == 2);
-  for (size_t i = 0; i < 2; ++i) {
-    CAPTURE(i);
+  REQUIRE(runs[1].size() == 4);
+  REQUIRE(runs[0].size() == 4);
+  for (size_t i = 0; i < 4; ++i) {
+    CAPTURE(runs[1][i]["mode"].get<std::string>());
+    CAPTURE(runs[1][i]["gpus"].get<int>());
     CHECK(runs[1][i]["losses"].size() == 4);
     CHECK(runs[1][i]["losses"] == runs[0][i]["losses"]);
+    // DP waits until each device took its inputs (N waits), DDP for the step before (1).
+    const double syncs = runs[1][i]["mode"] == "dp" ? runs[1][i]["gpus"].get<double>() : 1.0;
+    CHECK(runs[1][i]["host_syncs_per_step"].get<double>() == syncs);
   }
   refused("--device cpu --mode dp --metrics-lag 1", "--metrics-lag 1 needs --phase-times off");
-  refused("--device cpu --mode ddp --metrics-lag 1", "DP only");
+  refused("--device cpu --mode hybrid --metrics-lag 1 --phase-times off", "DP and DDP only");
+  refused("--device cpu --mode ddp --metrics-lag 1 --phase-times off --zero 1", "ZeRO-1");
   refused("--device cpu --mode dp --metrics-lag 1 --phase-times off --cuda-graphs on --dtype bf16",
           "use fp32 or tf32");
   refused("--device cpu --mode dp --metrics-lag 1 --phase-times off",
-          "--metrics-lag 1 needs graphed steps");
+          "--metrics-lag 1 needs graphed DP steps");
   refused("--device cpu --metrics-lag 2", "--metrics-lag");
 }
 

@@ -14,11 +14,13 @@
 
 #include <array>
 #include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <iterator>
 #include <mutex>
+#include <sstream>
 
 #include "dp/cli/cli.hpp"
 #include "dp/distributed/config_check.hpp"
@@ -403,8 +405,9 @@ struct LastStep {
   float norm = -1.f;
   long long syncs = -1, allocations = -1;
   int graphed = -1;
-  float scale = -1.f;   // the loss scale after the last step
-  std::string weights;  // the hash of its final weights, 16 hex digits
+  float scale = -1.f;         // the loss scale after the last step
+  std::vector<float> losses;  // what each step returned (and finish_metrics, lagged)
+  std::string weights;        // the hash of its final weights, 16 hex digits
 };
 
 LastStep last_step(const std::string& out, int rank) {
@@ -417,6 +420,12 @@ LastStep last_step(const std::string& out, int rank) {
   at = out.find(tag + "graphed ");
   if (at != std::string::npos)
     std::sscanf(out.c_str() + at + tag.size(), "graphed %d scale %f", &l.graphed, &l.scale);
+  at = out.find(tag + "losses");
+  if (at != std::string::npos) {
+    const size_t begin = at + tag.size() + 6, end = out.find('\n', begin);
+    std::istringstream line(out.substr(begin, end - begin));
+    for (std::string word; line >> word;) l.losses.push_back(std::stof(word));
+  }
   at = out.find(" weights ");
   if (at != std::string::npos) l.weights = out.substr(at + 9, 16);
   return l;
@@ -511,6 +520,34 @@ TEST_CASE("ddp.graphs: DdpTrainer's graphed steps equal its uncaptured ones bit 
     CHECK(moving_on[r].scale != 1024.f);  // the scale moved
     CHECK(moving_on[r].weights == moving_off[0].weights);
     CHECK(moving_off[r].weights == moving_off[0].weights);
+  }
+}
+
+TEST_CASE("ddp.metrics_lag: each step returns the one before's loss, the run trains bit for bit") {
+  // Two hand-launched ranks, 6 steps alternating two shapes, clipping active, graphs off and
+  // on: with --metrics-lag 1 each step returns the previous step's loss (NaN first) and
+  // finish_metrics() the last, every one the loss lag 0 returned; the weights and the last
+  // norm are lag 0's, and each step waits on the host once (for the step before it).
+  std::string dir = dist_test::make_temp_dir("ddp_lag");
+  for (std::string graphs : {"off", "on"}) {
+    CAPTURE(graphs);
+    std::vector<std::string> args = {"--mode",        "ddp",   "--steps",       "6",
+                                     "--clip-grad",   "0.001", "--short-every", "2",
+                                     "--cuda-graphs", graphs};
+    const std::array<LastStep, 2> now = ddp_pair(dir, "now_" + graphs, args);
+    args.insert(args.end(), {"--metrics-lag", "1"});
+    const std::array<LastStep, 2> lagged = ddp_pair(dir, "lag_" + graphs, args);
+    for (int r = 0; r < 2; ++r) {
+      CAPTURE(r);
+      REQUIRE(now[r].losses.size() == 6);
+      REQUIRE(lagged[r].losses.size() == 7);
+      CHECK(std::isnan(lagged[r].losses[0]));
+      for (size_t s = 0; s < 6; ++s) CHECK(lagged[r].losses[s + 1] == now[r].losses[s]);
+      CHECK(lagged[r].weights == now[0].weights);
+      CHECK(lagged[r].norm == now[r].norm);
+      CHECK(lagged[r].syncs == 1);
+      CHECK(lagged[r].allocations == 0);
+    }
   }
 }
 

@@ -221,6 +221,12 @@ void DdpTrainer::set_phase_timing(kernels::Event::Timing timing) {
   for (auto& mark : marks_) mark = kernels::Event(timing);
 }
 
+void DdpTrainer::set_metrics_lag(int lag) {
+  DP_CHECK(!ddp_, "DdpTrainer::set_metrics_lag after wrap()");
+  DP_CHECK(lag == 0 || lag == 1, "DdpTrainer::set_metrics_lag(" << lag << "): 0 or 1");
+  metrics_lag_ = lag;
+}
+
 void DdpTrainer::set_graphs(Graphs mode) {
   DP_CHECK(!ddp_, "DdpTrainer::set_graphs after wrap()");
   graphs_mode_ = mode;
@@ -293,6 +299,15 @@ void DdpTrainer::graphed_step(StepGraphs& g) {
 
 float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tensor& labels) {
   DP_CHECK(ddp_, "DdpTrainer::train_step before wrap()");
+  if (metrics_lag_ > 0) {
+    DP_CHECK(!scaler_.enabled(), "DdpTrainer: metrics_lag 1 with the loss scaler's check ("
+                                     << nn::precision_name(precision_)
+                                     << "): its verdict on a step decides the next one");
+    DP_CHECK(!zero_, "DdpTrainer: metrics_lag 1 with ZeRO-1, whose step decides on the host");
+    DP_CHECK(phase_timing_ == kernels::Event::Timing::off,
+             "DdpTrainer: metrics_lag 1 with timed phases: a step's marks are not reached when "
+             "it returns (set_phase_timing(off))");
+  }
   auto t_step = Clock::now();
   const int64_t payload_before = group_->payload_bytes();
   const int64_t allocations_before = context_->memory()->allocations.load();
@@ -360,8 +375,10 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   }
   marks_[5].record(ctx);
   last_payload_bytes_ = group_->payload_bytes() - payload_before;  // the loss's is not in it
-  const float global_loss = report_loss(share);
-  if (!zero_) {
+  const float global_loss = metrics_lag_ > 0 ? report_loss_lagged(share) : report_loss(share);
+  times_.metrics_lagged = metrics_lag_ > 0;
+  ++steps_;
+  if (!zero_ && metrics_lag_ == 0) {
     scaler_.settle(*optimizer_, host_metrics_.data<float>()[1] == 0.f);
     if (clip_grad_norm_ > 0.f) grad_norm_ = host_metrics_.data<float>()[2];
   }
@@ -404,6 +421,43 @@ float DdpTrainer::report_loss(float share) {
     host_metrics_ = kernels::Tensor::empty_pinned({3}, kernels::DType::f32);
   kernels::read_back(host_metrics_, metrics_);  // the step's one host wait
   return host_metrics_.data<float>()[0];
+}
+
+float DdpTrainer::report_loss_lagged(float share) {
+  kernels::DeviceContext& ctx = *context_;
+  LaggedMetrics& slot = lagged_[steps_ % 2];
+  if (!slot.device.defined()) {
+    slot.device = kernels::Tensor::empty({3}, kernels::DType::f32, device_);
+    slot.host = kernels::Tensor::empty_pinned({3}, kernels::DType::f32);
+  }
+  // The step's metrics in a slot of their own (the next step writes metrics_ again), then what
+  // report_loss does with them, its read queued.
+  kernels::copy(slot.device, metrics_);
+  kernels::Tensor loss = slot.device.view(0, {1}), summed = slot.device.view(0, {2});
+  kernels::scale(loss, loss, share);
+  if (world_size() > 1) group_->all_reduce(summed, ReduceOp::sum)->wait();
+  kernels::queue_read_back(slot.host, slot.device);
+  slot.ready.record(ctx);
+  slot.pending = true;
+  LaggedMetrics& previous = lagged_[(steps_ + 1) % 2];
+  if (!previous.pending) return std::numeric_limits<float>::quiet_NaN();  // the first step
+  return take_lagged(previous);
+}
+
+float DdpTrainer::take_lagged(LaggedMetrics& slot) {
+  slot.ready.synchronize();  // the step's one host wait: for the step before it
+  context_->note_host_sync();
+  slot.pending = false;
+  if (clip_grad_norm_ > 0.f) grad_norm_ = slot.host.data<float>()[2];
+  return slot.host.data<float>()[0];
+}
+
+float DdpTrainer::finish_metrics() {
+  LaggedMetrics& last = lagged_[(steps_ + 1) % 2];
+  DP_CHECK(metrics_lag_ > 0 && last.pending,
+           "DdpTrainer::finish_metrics: no lagged step since the last call (metrics_lag "
+               << metrics_lag_ << ")");
+  return take_lagged(last);
 }
 
 std::vector<uint64_t> DdpTrainer::all_gather(uint64_t value) {

@@ -47,7 +47,8 @@ struct DdpStepTimes {
   // Counted by the runtime on this rank's context during the step: memory taken from the
   // device (0 once the shape's blocks are cached) and host waits or reads (1: the metrics).
   int64_t allocations = 0, host_syncs = 0;
-  bool graphed = false;  // captured graphs ran this step's work (replayed)
+  bool graphed = false;         // captured graphs ran this step's work (replayed)
+  bool metrics_lagged = false;  // the step returned the previous step's loss (metrics_lag 1)
 };
 
 class DdpTrainer {
@@ -96,15 +97,27 @@ class DdpTrainer {
   // captured graph holds zero_grad, forward, the loss, backward and the buckets' scaling; the
   // buckets are all-reduced after it (the overlap with backward is given up), then a second
   // graph holds the clip, the scaler's check and the optimizer step. A shape's first two steps
-  // run uncaptured, the third captures. Bitwise the results of graphs off. Not capturable, run
-  // uncaptured with one line saying why: ZeRO-1, SyncBatchNorm, models that draw random
-  // numbers (dropout). Call before wrap().
+  // run uncaptured, the third captures. Bitwise the results of graphs off. The loss scale, the
+  // rank's share and dropout's offsets are read on the device (each replay uses its step's).
+  // Not capturable, run uncaptured with one line saying why: ZeRO-1, SyncBatchNorm. Call before
+  // wrap().
   void set_graphs(Graphs mode);
   // Whether each step's phases are timed (last_times(): forward, backward, allreduce_wait,
   // optimizer; default on). off: the step's marks are events without a timestamp (cheaper to
   // record on a GPU) and last_times() holds the total, allocations and host syncs alone. Call
   // before wrap().
   void set_phase_timing(kernels::Event::Timing timing);
+  // 1: train_step does not wait for its step's metrics: it queues their all-reduce and read
+  // and returns the previous step's loss (NaN on the first step; last_grad_norm() the previous
+  // step's too), so the host can queue step k + 1 while the device runs step k. finish_metrics()
+  // gives the last step's. 0 (default): each step returns its own. Refused (at train_step, with
+  // the reason) with a loss scaler's check (bf16, fp16: its verdict decides the next step),
+  // ZeRO-1 (host decisions inside the step) and timed phases (the marks are not reached when the
+  // step returns). requires 0 or 1, called before wrap().
+  void set_metrics_lag(int lag);
+  // metrics_lag 1: waits for the last step's metrics; returns its loss (its norm:
+  // last_grad_norm()). requires a lagged step since the last call.
+  float finish_metrics();
   // The global gradient norm of the last step, before clipping (0 with clipping off).
   float last_grad_norm() const { return grad_norm_; }
   // requires model materialised on device(); optimizer built on it.
@@ -141,12 +154,19 @@ class DdpTrainer {
  private:
   // The fields wrap() adds to the run configuration ("engine.*").
   RunConfig engine_config(nn::Module& model) const;
+  // Queues this step's 1 / scale and scale into scale_values_.
+  void write_scale();
   // The global batch's mean loss from this rank's chunk loss (metrics_[0]) and share, and
   // whether the gradient was finite (metrics_[1]): one small all-reduce and the step's one read,
   // which also brings the gradient norm (metrics_[2], clipping on).
-  // Queues this step's 1 / scale and scale into scale_values_.
-  void write_scale();
   float report_loss(float share);
+  // metrics_lag 1: the same all-reduce on a copy of the step's metrics in a slot of their own,
+  // its read queued; then waits for the previous step's read and returns its loss (NaN on a
+  // run's first step), with its gradient norm in grad_norm_.
+  float report_loss_lagged(float share);
+  struct LaggedMetrics;
+  // Waits for a lagged slot's read; its loss (and norm into grad_norm_).
+  float take_lagged(LaggedMetrics& slot);
   // This rank's rows of the global host batch (views), and with `share` its share of the
   // batch's loss denominator; requires labels valid for the loss.
   std::pair<kernels::Tensor, kernels::Tensor> slice_chunk(const kernels::Tensor& images,
@@ -198,6 +218,15 @@ class DdpTrainer {
   kernels::Tensor scale_values_;
   kernels::Scalar unscale_, loss_scale_;
   kernels::Tensor host_metrics_;  // its pinned host copy
+  // metrics_lag 1: per step parity, a copy of the step's metrics being all-reduced and read.
+  struct LaggedMetrics {
+    kernels::Tensor device, host;  // (3) f32 on the device, pinned
+    kernels::Event ready{kernels::Event::Timing::off};
+    bool pending = false;
+  };
+  int metrics_lag_ = 0;
+  LaggedMetrics lagged_[2];
+  int64_t steps_ = 0;  // train_steps so far (the lag's parity)
   // Phase boundaries of a step on this rank's stream: begin, scattered, forward, backward,
   // gradients synchronised, stepped.
   kernels::Event marks_[6];
