@@ -45,6 +45,12 @@ void check_collectives(int n) {
       RANK_CHECK(hn[i] == base, "min[" << i << "] = " << hn[i]);
       RANK_CHECK(hx[i] == n * base, "max[" << i << "] = " << hx[i]);
     }
+    // order_stream (Gloo: a wait): a read after it sees the sum; wait() after it returns.
+    Tensor again = Tensor::from_vector(rank_values(r, m), {m});
+    auto work = pg->all_reduce(again, ReduceOp::sum);
+    work->order_stream();
+    RANK_CHECK(work->is_completed() && again.to_host_f32() == hs, "order_stream then read");
+    work->wait();
 
     // broadcast from every root in turn.
     for (int root = 0; root < n; ++root) {
@@ -295,6 +301,12 @@ TEST_CASE("dist.collectives: CUDA tensors through NCCL at one rank") {
     pg->all_reduce(t, ReduceOp::sum)->wait();
     std::vector<float> want = rank_values(r, 1000), got = t.to_host_f32();
     RANK_CHECK(got == want, "nccl sum at one rank is the identity");
+    // order_stream: the stream waits for the op (not the host); a read queued after it sees it.
+    auto work = pg->all_reduce(t, ReduceOp::sum);
+    work->order_stream();
+    RANK_CHECK(t.to_host_f32() == want, "a read after order_stream");
+    work->wait();
+    RANK_CHECK(work->is_completed(), "completed once waited");
     pg->broadcast(t, 0)->wait();
     RANK_CHECK(t.to_host_f32() == want, "nccl broadcast at one rank");
   });

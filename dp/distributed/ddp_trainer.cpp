@@ -435,7 +435,10 @@ float DdpTrainer::report_loss_lagged(float share) {
   kernels::copy(slot.device, metrics_);
   kernels::Tensor loss = slot.device.view(0, {1}), summed = slot.device.view(0, {2});
   kernels::scale(loss, loss, share);
-  if (world_size() > 1) group_->all_reduce(summed, ReduceOp::sum)->wait();
+  if (world_size() > 1) {  // NCCL: the read waits for the sum on the stream, not the host
+    slot.work = group_->all_reduce(summed, ReduceOp::sum);
+    slot.work->order_stream();
+  }
   kernels::queue_read_back(slot.host, slot.device);
   slot.ready.record(ctx);
   slot.pending = true;
@@ -445,6 +448,8 @@ float DdpTrainer::report_loss_lagged(float share) {
 }
 
 float DdpTrainer::take_lagged(LaggedMetrics& slot) {
+  if (slot.work) slot.work->wait();  // done by now (NCCL: its failure or timeout, if any)
+  slot.work.reset();
   slot.ready.synchronize();  // the step's one host wait: for the step before it
   context_->note_host_sync();
   slot.pending = false;

@@ -222,6 +222,7 @@ class DdpTrainer {
   struct LaggedMetrics {
     kernels::Tensor device, host;  // (3) f32 on the device, pinned
     kernels::Event ready{kernels::Event::Timing::off};
+    std::shared_ptr<Work> work;  // the all-reduce, world > 1 (waited when the slot is read)
     bool pending = false;
   };
   int metrics_lag_ = 0;

@@ -226,6 +226,14 @@ class NcclWork final : public Work {
     waited_ = true;
   }
 
+  void order_stream() override {
+    std::lock_guard<std::mutex> lock(wait_mu_);
+    if (error_) std::rethrow_exception(error_);
+    DP_CUDA_CHECK(cudaSetDevice(comm_->gpu));
+    DP_CUDA_CHECK(cudaStreamWaitEvent(caller(), done_, 0));
+    waited_ = true;  // the caller's stream is ordered: the destructor need not do it again
+  }
+
   bool is_completed() const override {
     std::lock_guard<std::mutex> lock(wait_mu_);
     if (finished_ || error_) return true;
