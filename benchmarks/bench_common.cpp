@@ -415,6 +415,12 @@ std::unique_ptr<dp::cli::ProgressLine> progress_line(const std::string& label, i
   return std::make_unique<dp::cli::ProgressLine>(label, total);
 }
 
+void file_lagged_losses(RunResult& r, float last) {
+  if (r.losses.empty()) return;
+  r.losses.erase(r.losses.begin());
+  r.losses.push_back(last);
+}
+
 void ReplayCounts::report(RunResult& r) const {
   if (allocations.empty()) return;
   r.allocations_per_step = percentile(allocations, 0.5);
@@ -542,11 +548,7 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
     if (timed < 0) continue;
     steps.add(r, st, engine.scaler().scale());
   }
-  if (o.metrics_lag > 0 && !r.losses.empty()) {
-    // Each step reported the one before it: shift by one, the last from finish_metrics().
-    r.losses.erase(r.losses.begin());
-    r.losses.push_back(engine.finish_metrics().loss);
-  }
+  if (o.metrics_lag > 0) file_lagged_losses(r, engine.finish_metrics().loss);
   if (!o.checkpoint_dir.empty()) save(o.warmup + o.steps);  // the end of the run
   engine.set_trace(nullptr);
   steps.finish(r);

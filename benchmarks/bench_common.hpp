@@ -165,6 +165,9 @@ constexpr float kBenchSignal = 0.12f;
 // and device count, so all runs follow one loss curve.
 dp::data::SyntheticDataset bench_dataset(const Options& o, int64_t batch);
 std::pair<int, int> profile_range(const Options& o);
+// --metrics-lag 1: each timed step reported the loss of the step before it. Files every loss
+// under its own step: drops the first, appends `last` (the engine's finish_metrics()).
+void file_lagged_losses(RunResult& r, float last);
 // The runtime's counts of each timed step (allocations, host syncs), reported as the run's
 // medians (RunResult::allocations_per_step, host_syncs_per_step).
 struct ReplayCounts {

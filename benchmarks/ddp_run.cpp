@@ -230,11 +230,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
     r.graphed_steps += t.graphed;
   }
   trainer.ddp().set_trace(nullptr);
-  if (o.metrics_lag > 0 && !r.losses.empty()) {
-    // Each step returned the one before it: shift by one, the last from finish_metrics().
-    r.losses.erase(r.losses.begin());
-    r.losses.push_back(trainer.finish_metrics());
-  }
+  if (o.metrics_lag > 0) file_lagged_losses(r, trainer.finish_metrics());
   if (!o.checkpoint_dir.empty()) save(o.warmup + o.steps);  // the end of the run
   replay.report(r);
   for (auto& [name, v] : phases) r.phases_ms[name] = percentile(v, 0.5);

@@ -245,7 +245,10 @@ void DataParallel::write_step_values(int i) {
     pd.unscale = kernels::Scalar(pd.step_values.view(0, {1}));
     pd.loss_scale = kernels::Scalar(pd.step_values.view(1, {1}));
     for (int r = 0; r < n_devices(); ++r) pd.shares.emplace_back(pd.step_values.view(2 + r, {1}));
+  } else if (pd.written_values == step_values_) {
+    return;  // the device holds them already
   }
+  pd.written_values = step_values_;  // its storage is reused
   const int n = static_cast<int>(step_values_.size());
   for (int at = 0; at < n; at += kernels::kMaxValues) {
     Tensor part = pd.step_values.view(at, {std::min(kernels::kMaxValues, n - at)});

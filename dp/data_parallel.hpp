@@ -280,6 +280,7 @@ class DataParallel {
     // so that its address, which graphs hold, never changes. Views: the gradient unscale
     // (1 / loss scale), the loss scale, and each device's share.
     Tensor step_values;
+    std::vector<float> written_values;  // what step_values holds
     kernels::Scalar unscale, loss_scale;
     std::vector<kernels::Scalar> shares;
     // The sources and weights of the fused sum in progress (kept to keep their capacity).
@@ -339,7 +340,7 @@ class DataParallel {
   void run_step(const char* phase, int n, const std::function<void(int)>& job);
   void begin_step(const std::vector<int64_t>& sizes);
   // Queues the step's loss scale and shares (step_values_) into device i's step_values, ahead
-  // of its kernels, which read them there: no graph bakes them in.
+  // of its kernels, which read them there: no graph bakes them in. Nothing when they are there.
   void write_step_values(int i);
   // Copies chunk i of (images, labels) to worker i's device.
   void scatter_chunk(int i, const Tensor& images, const Tensor& labels,

@@ -43,7 +43,6 @@ constexpr size_t kMaxGraphShapes = 8;
 struct GraphKey {
   std::vector<int64_t> values;
 
-  void add(int64_t v) { values.push_back(v); }
   // The dtype and every dimension but the first (the rows, keyed on their own).
   void add_row_shape(const kernels::Tensor& t) {
     values.push_back(static_cast<int64_t>(t.dtype()));

@@ -152,9 +152,13 @@ struct FlatState {
     return kernels::RngOffset(rng_base, rng_offset - rng_step_start);
   }
   // Queues rng_offset into rng_base (made on the first call) on the calling thread's context
-  // for `device`, ahead of the step's draws.
+  // for `device`, ahead of the step's draws; nothing when it holds rng_offset already (a model
+  // that draws nothing).
   void begin_rng_step() {
-    if (!rng_base.defined()) rng_base = Tensor::empty({1}, kernels::DType::i64, device);
+    if (!rng_base.defined())
+      rng_base = Tensor::empty({1}, kernels::DType::i64, device);
+    else if (rng_step_start == rng_offset)
+      return;
     rng_step_start = rng_offset;
     kernels::set_counter(rng_base, rng_offset);
   }

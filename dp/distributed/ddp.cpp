@@ -128,6 +128,9 @@ void DistributedDataParallel::write_share() {
   if (!device_share_.at.defined())
     device_share_ =
         kernels::Scalar(Tensor::empty({1}, kernels::DType::f32, module_->flat_params().device()));
+  else if (written_share_ == share_)
+    return;  // the device holds it already
+  written_share_ = share_;
   kernels::set_values(device_share_.at, &share_, 1);
 }
 

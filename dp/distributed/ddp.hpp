@@ -148,7 +148,7 @@ class DistributedDataParallel {
   // Its all-reduce, asynchronously (pending_[k]), counted in the stats; with one rank nothing.
   void issue_bucket(int k);
   void unstage_bucket(int k);
-  // Queues share_ into device_share_.
+  // Queues share_ into device_share_ (nothing when it holds share_ already).
   void write_share();
 
   nn::ModulePtr module_;
@@ -167,6 +167,7 @@ class DistributedDataParallel {
   // share_ on the device, where stage_bucket's scaling reads it (a replayed step uses the
   // current share): (1) f32, made once, written by write_share.
   kernels::Scalar device_share_;
+  float written_share_ = 0.f;  // what device_share_ holds
   DdpStats stats_;
   Trace* trace_ = nullptr;
 };

@@ -407,16 +407,23 @@ void DdpTrainer::write_scale() {
     unscale_ = kernels::Scalar(scale_values_.view(0, {1}));
     loss_scale_ = kernels::Scalar(scale_values_.view(1, {1}));
   }
-  const float values[2] = {1.f / scaler_.scale(), scaler_.scale()};
+  if (written_scale_ == scaler_.scale()) return;  // the device holds it already
+  written_scale_ = scaler_.scale();
+  const float values[2] = {1.f / written_scale_, written_scale_};
   kernels::set_values(scale_values_, values, 2);
 }
 
-float DdpTrainer::report_loss(float share) {
+std::shared_ptr<Work> DdpTrainer::reduce_metrics(kernels::Tensor& metrics, float share) {
   // The global mean loss, and the verdict (the same on every rank; summed, still 0 or not).
   // The gradient norm is the same on every rank already: it is read, not reduced.
-  kernels::Tensor loss = metrics_.view(0, {1}), summed = metrics_.view(0, {2});
+  kernels::Tensor loss = metrics.view(0, {1}), summed = metrics.view(0, {2});
   kernels::scale(loss, loss, share);
-  if (world_size() > 1) group_->all_reduce(summed, ReduceOp::sum)->wait();
+  if (world_size() == 1) return nullptr;
+  return group_->all_reduce(summed, ReduceOp::sum);
+}
+
+float DdpTrainer::report_loss(float share) {
+  if (auto work = reduce_metrics(metrics_, share)) work->wait();
   if (!host_metrics_.defined())
     host_metrics_ = kernels::Tensor::empty_pinned({3}, kernels::DType::f32);
   kernels::read_back(host_metrics_, metrics_);  // the step's one host wait
@@ -433,12 +440,8 @@ float DdpTrainer::report_loss_lagged(float share) {
   // The step's metrics in a slot of their own (the next step writes metrics_ again), then what
   // report_loss does with them, its read queued.
   kernels::copy(slot.device, metrics_);
-  kernels::Tensor loss = slot.device.view(0, {1}), summed = slot.device.view(0, {2});
-  kernels::scale(loss, loss, share);
-  if (world_size() > 1) {  // NCCL: the read waits for the sum on the stream, not the host
-    slot.work = group_->all_reduce(summed, ReduceOp::sum);
-    slot.work->order_stream();
-  }
+  slot.work = reduce_metrics(slot.device, share);
+  if (slot.work) slot.work->order_stream();  // NCCL: the read waits on the stream, not the host
   kernels::queue_read_back(slot.host, slot.device);
   slot.ready.record(ctx);
   slot.pending = true;

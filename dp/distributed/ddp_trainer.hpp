@@ -154,12 +154,15 @@ class DdpTrainer {
  private:
   // The fields wrap() adds to the run configuration ("engine.*").
   RunConfig engine_config(nn::Module& model) const;
-  // Queues this step's 1 / scale and scale into scale_values_.
+  // Queues this step's 1 / scale and scale into scale_values_ (nothing when they are there).
   void write_scale();
   // The global batch's mean loss from this rank's chunk loss (metrics_[0]) and share, and
   // whether the gradient was finite (metrics_[1]): one small all-reduce and the step's one read,
   // which also brings the gradient norm (metrics_[2], clipping on).
   float report_loss(float share);
+  // Scales `metrics` (3) loss by this rank's share and starts the all-reduce of the loss and the
+  // verdict; null at world size 1 (nothing to reduce).
+  std::shared_ptr<Work> reduce_metrics(kernels::Tensor& metrics, float share);
   // metrics_lag 1: the same all-reduce on a copy of the step's metrics in a slot of their own,
   // its read queued; then waits for the previous step's read and returns its loss (NaN on a
   // run's first step), with its gradient norm in grad_norm_.
@@ -217,6 +220,7 @@ class DdpTrainer {
   // (2) f32, 1 / scale and scale, written at each step's start (write_scale).
   kernels::Tensor scale_values_;
   kernels::Scalar unscale_, loss_scale_;
+  float written_scale_ = 0.f;     // what scale_values_ holds (0: nothing yet; a scale is > 0)
   kernels::Tensor host_metrics_;  // its pinned host copy
   // metrics_lag 1: per step parity, a copy of the step's metrics being all-reduced and read.
   struct LaggedMetrics {
