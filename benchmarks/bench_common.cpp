@@ -462,6 +462,7 @@ void DpSteps::add(RunResult& r, const dp::StepStats& st, float loss_scale) {
   r.link_bytes = st.link_bytes;
   r.buckets = st.buckets;
   overlapped.push_back(st.buckets_overlapped);
+  beside.push_back(st.pulls_beside_backward);
   replay.add(st.allocations, st.host_syncs);
   graphed += st.graphed;
   if (timing == kernels::Event::Timing::off) return;
@@ -480,6 +481,7 @@ void DpSteps::finish(RunResult& r) const {
   r.graphed_steps = graphed;
   for (auto& [name, v] : phases) r.phases_ms[name] = percentile(v, 0.5);
   r.buckets_overlapped = static_cast<int>(std::lround(percentile(overlapped, 0.5)));
+  r.pulls_beside_backward = static_cast<int>(std::lround(percentile(beside, 0.5)));
   r.final_loss = r.losses.empty() ? 0 : r.losses.back();
 }
 

@@ -183,8 +183,8 @@ struct ReplayCounts {
 struct DpSteps {
   std::map<std::string, std::vector<double>> phases;
   ReplayCounts replay;
-  std::vector<double> overlapped;
-  int graphed = 0;  // steps that ran graphed
+  std::vector<double> overlapped, beside;  // per step: buckets overlapped, pulls beside backward
+  int graphed = 0;                         // steps that ran graphed
   // off (--phase-times off): the steps' phases were not timed, and none are reported.
   kernels::Event::Timing timing = kernels::Event::Timing::on;
   // Hybrid steps report the bytes across nodes (in-node links: RunResult::link_bytes).

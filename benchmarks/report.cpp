@@ -272,7 +272,11 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
          << " launched while backward ran on)";
     if (r.mode == "dp" && r.gpus > 1)
       os << "  (" << r.reduce << " reduce, buckets " << r.buckets << ", " << r.buckets_overlapped
-         << " pulled while backward ran on)";
+         << " pulled while backward ran on"
+         << (r.pulls_beside_backward > 0
+                 ? ", " + std::to_string(r.pulls_beside_backward) + " pulls on a comm stream"
+                 : std::string())
+         << ")";
     os << "\n";
   }
   if (h.tokens_per_sample > 0) {
@@ -550,6 +554,7 @@ nlohmann::json run_to_json(const RunResult& r) {
           {"final_loss", r.final_loss},
           {"buckets", r.buckets},
           {"buckets_overlapped", r.buckets_overlapped},
+          {"pulls_beside_backward", r.pulls_beside_backward},
           {"reduce", r.reduce},
           {"link_bytes", r.link_bytes},
           {"optim", r.optim},
@@ -584,6 +589,7 @@ RunResult run_from_json(const nlohmann::json& j) {
   r.final_loss = j.at("final_loss").get<float>();
   r.buckets = j.value("buckets", 0);
   r.buckets_overlapped = j.value("buckets_overlapped", 0);
+  r.pulls_beside_backward = j.value("pulls_beside_backward", 0);
   r.reduce = j.value("reduce", std::string());
   r.link_bytes = j.value("link_bytes", std::vector<int64_t>());
   r.optim = j.value("optim", std::string("sgd"));

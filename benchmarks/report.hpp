@@ -36,6 +36,7 @@ struct RunResult {
   int buckets = 0;                  // gradient buckets per step
   int buckets_overlapped = 0;       // DDP: launched while backward still ran; DP: first pulled
                                     // before the last device's backward ended (median over steps)
+  int pulls_beside_backward = 0;    // DP on GPUs: pulls on a receiver's comm stream (median)
   std::string reduce;               // DP: "star" or "tree"
   std::vector<int64_t> link_bytes;  // DP: bytes in + out of each device per step
   std::string optim = "sgd";

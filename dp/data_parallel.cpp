@@ -151,6 +151,7 @@ DataParallel::~DataParallel() {
     if (replicas_[0] && replicas_[0]->materialized()) replicas_[0]->flat().on_grad_ready = nullptr;
     if (replicas_[0] && stats_sync_) nn::set_batch_norm_sync(*replicas_[0], nullptr);
     pool_.run("dp/teardown", [&](int i) {
+      per_device_[i].comm.reset();  // drains its stream first: its pulls read the buffers below
       per_device_[i] = PerDevice{};
       if (i > 0) replicas_[i].reset();
       if (i == 0) {
@@ -337,6 +338,27 @@ void DataParallel::advance_reduction(int i, bool blocking) {
   PerDevice& pd = per_device_[i];
   kernels::DeviceContext& ctx = pool_.context(i);
   const std::vector<int>& sources = sources_[i];
+  if (blocking && pd.comm_pending) {  // backward is queued: what follows waits for the pulls
+    pd.comm_done.wait(ctx);
+    pd.comm_pending = false;
+  }
+  // A GPU receiver's pulls from a hook go to its communication stream, from the first one
+  // queued: the compute stream goes on with backward while they wait for their sources.
+  kernels::DeviceContext* on = &ctx;
+  std::unique_ptr<kernels::ContextScope> comm_scope;
+  auto pull_beside = [&] {
+    if (blocking || !devices_[i].is_cuda() || comm_scope) return;
+    if (!pd.comm) {
+      kernels::ContextOptions comm;
+      comm.math = options_.math;
+      comm.caching = kernels::Caching::on;
+      pd.comm = std::make_unique<kernels::DeviceContext>(devices_[i], comm);
+    }
+    pd.own_final.record(ctx);  // every bucket's own gradient up to own_ready is queued
+    pd.own_final.wait(*pd.comm);
+    comm_scope = std::make_unique<kernels::ContextScope>(*pd.comm);
+    on = pd.comm.get();
+  };
   // Once every other device has finished its part of the step, device 0's remaining sums
   // have the whole CPU to themselves: they run with all the cores.
   std::unique_ptr<kernels::ContextScope> wide;
@@ -345,6 +367,7 @@ void DataParallel::advance_reduction(int i, bool blocking) {
       if (!signals_.done[r]) return false;
     return true;
   };
+  bool stalled = false;  // a hook's pass reached a bucket no source has published yet
   while (pd.next_bucket < pd.own_ready) {
     const int k = pd.next_bucket;
     const Bucket& b = plan_.buckets[k];
@@ -370,39 +393,47 @@ void DataParallel::advance_reduction(int i, bool blocking) {
         }
       } else {
         std::lock_guard<std::mutex> lock(signal_mutex_);
-        if (!count_ready()) return;  // not there yet: backward goes on
+        stalled = !count_ready();  // not there yet: backward goes on
       }
+      if (stalled) break;
+      pull_beside();
       if (pd.n_pulls == static_cast<int>(pd.pulls.size()))
-        pd.pulls.push_back(
-            {0, kernels::Event(options_.phase_timing), kernels::Event(options_.phase_timing)});
+        pd.pulls.push_back({0, false, kernels::Event(options_.phase_timing),
+                            kernels::Event(options_.phase_timing)});
       Pull& pull = pd.pulls[pd.n_pulls++];
       pull.bucket = k;
-      pull.begin.record(ctx);
-      sum_sources(i, k, pd.next_source, ready, false);
-      pull.end.record(ctx);
+      pull.beside = comm_scope != nullptr;
+      pull.begin.record(*on);
+      sum_sources(*on, i, k, pd.next_source, ready, false);
+      pull.end.record(*on);
       pd.next_source += ready;
     }
+    if (stalled) break;
     pd.next_source = 0;
     ++pd.next_bucket;
     if (i == 0 && options_.cross_node) {  // hybrid: the node's sum, summed over the nodes
       Tensor mine = replicas_[0]->flat_grads().view(b.offset, {b.numel});
       if (sources.empty() && shares_[0] != 1.f) kernels::scale(mine, mine, shares_[0]);
-      options_.cross_node->start_sum(mine);
+      options_.cross_node->start_sum(mine);  // ordered after the stream the sum ran on
     }
     if (i != 0) {
       if (pd.outbox.defined()) {  // rounded once, here, where the sum is final
         Tensor out = pd.outbox.view(b.offset, {b.numel});
         kernels::copy(out, replicas_[i]->flat_grads().view(b.offset, {b.numel}));
       }
-      pd.bucket_done[k].record(ctx);
+      pd.bucket_done[k].record(*on);
       publish(i, pd.next_bucket);
     }
   }
+  if (comm_scope) {  // the compute stream waits for this after backward (the blocking pass)
+    pd.comm_done.record(*on);
+    pd.comm_pending = true;
+  }
 }
 
-void DataParallel::sum_sources(int i, int k, int j0, int count, bool ordered) {
+void DataParallel::sum_sources(kernels::DeviceContext& on, int i, int k, int j0, int count,
+                               bool ordered) {
   PerDevice& pd = per_device_[i];
-  kernels::DeviceContext& ctx = pool_.context(i);
   const std::vector<int>& sources = sources_[i];
   const Bucket& b = plan_.buckets[k];
   std::vector<Tensor>& from = pd.sum_from;
@@ -411,7 +442,7 @@ void DataParallel::sum_sources(int i, int k, int j0, int count, bool ordered) {
   weights.clear();
   for (int j = j0; j < j0 + count; ++j) {
     const int s = sources[j];
-    if (!ordered) per_device_[s].bucket_done[k].wait(ctx);  // s's bucket k is final on s's stream
+    if (!ordered) per_device_[s].bucket_done[k].wait(on);  // s's bucket k is final on s's stream
     const PerDevice& src = per_device_[s];
     Tensor theirs = src.outbox.defined() ? src.outbox.view(b.offset, {b.numel})
                                          : replicas_[s]->flat_grads().view(b.offset, {b.numel});
@@ -647,7 +678,10 @@ std::pair<int64_t, int64_t> DataParallel::runtime_counts() {
     allocations += c.memory()->allocations.load();
     syncs += c.host_syncs();
   };
-  for (int i = 0; i < n_devices(); ++i) add(pool_.context(i));
+  for (int i = 0; i < n_devices(); ++i) {
+    add(pool_.context(i));
+    if (per_device_[i].comm) add(*per_device_[i].comm);
+  }
   if (wide_context_) add(*wide_context_);
   return {allocations, syncs};
 }
@@ -701,6 +735,10 @@ void DataParallel::begin_job(int i, const Tensor& images, const Tensor& labels,
   PerDevice& pd = per_device_[i];
   kernels::DeviceContext& ctx = pool_.context(i);
   pd.marks[kBegin].record(ctx);
+  if (pd.comm_pending) {  // a failed step's pulls: this step's writes wait for them
+    pd.comm_done.wait(ctx);
+    pd.comm_pending = false;
+  }
   write_step_values(i);
   {
     kernels::NvtxRange range("dp/scatter");
@@ -813,7 +851,7 @@ void DataParallel::graph_job(int i, const Tensor& images, const Tensor& labels,
       const int n_sources = static_cast<int>(sources_[i].size());
       if (n_sources > 0)
         for (int k = 0; k < static_cast<int>(plan_.buckets.size()); ++k)
-          sum_sources(i, k, 0, n_sources, true);
+          sum_sources(*on, i, k, 0, n_sources, true);
       if (pd.outbox.defined()) kernels::copy(pd.outbox, m.flat_grads());  // rounded once
       if (i == 0) {
         if (n > 1) average_buffers_on_root(sizes, true);
@@ -961,6 +999,9 @@ void DataParallel::collect_step(int n, StepStats& stats) {
   using kernels::Event;
   const int n_buckets = static_cast<int>(plan_.buckets.size());
   stats.buckets = n > 1 ? n_buckets : 0;
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < per_device_[i].n_pulls; ++j)
+      stats.pulls_beside_backward += per_device_[i].pulls[j].beside;
   if (options_.phase_timing == Event::Timing::off) return;  // the marks only ordered the work
   auto between = [&](int i, Mark a, Mark b) {
     return Event::elapsed_ms(per_device_[i].marks[a], per_device_[i].marks[b]);
@@ -979,12 +1020,16 @@ void DataParallel::collect_step(int n, StepStats& stats) {
     t.scatter = std::max(t.scatter, between(i, kBegin, kScattered));
     t.replicate = std::max(t.replicate, between(i, kScattered, kReplicated));
     t.forward = std::max(t.forward, between(i, kReplicated, kForwarded));
-    // Pulls done inside backward (from the hooks) are reduction, not backward.
-    double pulled = 0;
+    // Pulls done inside backward (from the hooks) are reduction, not backward; those on a
+    // communication stream ran beside it and took none of its stream's time.
+    double pulled = 0, pulled_inline = 0;
     for (int j = 0; j < pd.n_pulls; ++j)
-      if (Event::elapsed_ms(pd.pulls[j].begin, pd.marks[kBackwarded]) > 0)
-        pulled += Event::elapsed_ms(pd.pulls[j].begin, pd.pulls[j].end);
-    t.backward = std::max(t.backward, between(i, kForwarded, kBackwarded) - pulled);
+      if (Event::elapsed_ms(pd.pulls[j].begin, pd.marks[kBackwarded]) > 0) {
+        const double ms = Event::elapsed_ms(pd.pulls[j].begin, pd.pulls[j].end);
+        pulled += ms;
+        if (!pd.pulls[j].beside) pulled_inline += ms;
+      }
+    t.backward = std::max(t.backward, between(i, kForwarded, kBackwarded) - pulled_inline);
     if (i == 0) t.reduce_in_backward = pulled;
     last_backward_end = std::max(last_backward_end, at(i, pd.marks[kBackwarded]));
   }

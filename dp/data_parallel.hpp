@@ -159,7 +159,10 @@ struct StepStats {
   std::vector<int64_t> link_bytes;  // per device used: bytes in + out of it this step
   int buckets = 0;                  // gradient buckets reduced (0 on one device)
   int buckets_overlapped = 0;       // of which the first pull began before the last backward ended
-  float loss_scale = 1;             // the loss scale this step used (nn/amp.hpp)
+  // Fused pulls that ran on a receiver's communication stream beside its own backward (GPUs,
+  // uncaptured steps: a graphed step sums after backward); 0 on CPU devices.
+  int pulls_beside_backward = 0;
+  float loss_scale = 1;  // the loss scale this step used (nn/amp.hpp)
   // Counted by the runtime over every device's context during the step: memory taken from a
   // device (0 once each shape's blocks are cached) and host waits or reads (1: the metrics).
   int64_t allocations = 0;
@@ -253,6 +256,7 @@ class DataParallel {
   // One fused reduction of one bucket from every source of a receiving device.
   struct Pull {
     int bucket = 0;
+    bool beside = false;  // ran on the device's communication stream, beside its backward
     kernels::Event begin, end;
   };
   // Graph mode: one step shape's captured work on one device, and the chunk buffers the graphs
@@ -293,6 +297,14 @@ class DataParallel {
     int next_source = 0;
     bool in_step = false;
     std::vector<kernels::Event> bucket_done;  // bucket k summed here (own + sources)
+    // Receivers on a GPU: a second stream of their own on which the pulls made during backward
+    // run, so that waiting for a source's bucket never stalls this device's backward. It waits
+    // for `own_final` (the compute stream as the pull is queued: this bucket's own gradient is
+    // final) and each source's bucket_done; after backward the compute stream waits for
+    // `comm_done`. Null on CPU devices, whose kernels have finished when they return.
+    std::unique_ptr<kernels::DeviceContext> comm;
+    kernels::Event own_final{kernels::Event::Timing::off}, comm_done{kernels::Event::Timing::off};
+    bool comm_pending = false;  // pulls queued on `comm` that the compute stream has not waited for
     kernels::Event marks[kMarks];
     std::vector<Pull> pulls;
     int n_pulls = 0;
@@ -349,13 +361,16 @@ class DataParallel {
   void on_grad_ready(int i, const nn::Parameter& p);
   // Reduces what can be reduced on device i, in bucket order: bucket k of each run of sources
   // that have published it, in one fused kernel per run, in source order (the sum order is
-  // fixed, so runs are reproducible). blocking: waits until every bucket is published.
+  // fixed, so runs are reproducible). blocking: waits until every bucket is published (after
+  // backward, on the compute stream); otherwise (from a hook) pulls go to the device's
+  // communication stream where it has one.
   void advance_reduction(int i, bool blocking);
   // Bucket k on device i += the sum of sources j0 .. j0 + count - 1 (in sources_[i] order),
   // weighted, in one fused kernel; the own gradient is weighted by its share when j0 == 0.
   // ordered: the caller ordered device i after those sources' work already; otherwise each
-  // source's bucket_done event is waited on first.
-  void sum_sources(int i, int k, int j0, int count, bool ordered);
+  // source's bucket_done event is waited on first. Runs on `on`: device i's compute context,
+  // or its communication context (bound by the caller).
+  void sum_sources(kernels::DeviceContext& on, int i, int k, int j0, int count, bool ordered);
   void publish(int i, int complete_buckets);
   // Waits until pred() holds under signal_mutex_; throws Abandoned on abort.
   template <class Pred>

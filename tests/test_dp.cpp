@@ -854,12 +854,22 @@ TEST_CASE("dp.cuda: metrics_lag 1 on logical GPUs trains bit for bit as 0, one s
 TEST_CASE("dp.cuda: graphed steps on logical GPUs (dropout too) equal uncaptured, follow the CPU") {
   DP_REQUIRE_GPU();
   const std::vector<int64_t> batches = {10, 10, 10, 10, 7, 7, 7, 10};
+  // Uncaptured GPU steps pull from the hooks on each receiver's communication stream (beside
+  // its backward); the bits must be those of the graphed steps, which sum after backward on the
+  // compute stream. Whether a source has published by then is up to the threads: counted over
+  // every uncaptured run.
+  int beside = 0;
+  auto count_beside = [&](const GraphRun& r) {
+    for (const dp::StepStats& st : r.stats) beside += st.pulls_beside_backward;
+  };
   for (auto reduce : {dp::ReduceTopology::star, dp::ReduceTopology::tree}) {
     CAPTURE(static_cast<int>(reduce));
     dp::DataParallelOptions o = small_buckets(reduce);
     o.graphs = dp::Graphs::off;
     GraphRun eager = train_graphs(batch_norm_mlp(), 3, batches, o, DeviceType::cuda);
     GraphRun cpu = train_graphs(batch_norm_mlp(), 3, batches, o);
+    count_beside(eager);
+    for (const dp::StepStats& st : cpu.stats) CHECK(st.pulls_beside_backward == 0);
     o.graphs = dp::Graphs::automatic;  // on for CUDA devices
     GraphRun graphed = train_graphs(batch_norm_mlp(), 3, batches, o, DeviceType::cuda);
     for (size_t s = 0; s < batches.size(); ++s)
@@ -887,6 +897,10 @@ TEST_CASE("dp.cuda: graphed steps on logical GPUs (dropout too) equal uncaptured
   CHECK(same_bits(graphed.losses, eager.losses));
   CHECK(same_bits(graphed.params, eager.params));
   CHECK(dp_test::rel_diff(graphed.params, cpu.params) <= 1e-4f);
+  count_beside(eager);
+  for (const dp::StepStats& st : graphed.stats) CHECK(st.pulls_beside_backward == 0);
+  MESSAGE("pulls on a communication stream beside backward, 24 uncaptured steps: " << beside);
+  CHECK(beside > 0);
 }
 
 TEST_CASE("dp.graphs: evaluation and a loaded checkpoint between graphed steps keep them exact") {
