@@ -19,7 +19,11 @@
 //                 ...). The result equals the single-device gradient of the same global batch, also
 //                 for uneven chunks. BatchNorm running statistics are averaged into device 0 the
 //                 same way (or left as device 0's, PyTorch's behaviour, with
-//                 BufferSync::root_only).
+//                 BufferSync::root_only). On a GPU the pulls made during backward run on a
+//                 second stream of the receiver's (its communication stream): they wait for
+//                 their sources there, and its backward goes on beside them
+//                 (StepStats::pulls_beside_backward); the compute stream waits for them after
+//                 backward.
 //   dp/step       (device 0) one optimizer step on its flat buffers; on a CPU device with all
 //                 the cores, since the other workers are idle by then
 // Order between devices comes from kernels::Event (CUDA: events between streams, no host
