@@ -1046,9 +1046,10 @@ void DataParallel::collect_step(int n, StepStats& stats) {
     stats.buckets_overlapped += first_pull[k] < last_backward_end;
 
   if (!trace_) return;
-  auto slice = [&](const std::string& name, int i, const Event& a, const Event& b) {
+  // Device i's events a to b, on device i's track unless another is given.
+  auto slice = [&](const std::string& name, int i, const Event& a, const Event& b, int track = -1) {
     double begin = trace_->to_us(at(i, a));
-    trace_->add({name, i, begin, trace_->to_us(at(i, b)) - begin, step_index_});
+    trace_->add({name, track < 0 ? i : track, begin, trace_->to_us(at(i, b)) - begin, step_index_});
   };
   for (int i = 0; i < n; ++i) {
     const PerDevice& pd = per_device_[i];
@@ -1057,9 +1058,9 @@ void DataParallel::collect_step(int n, StepStats& stats) {
     slice("dp/forward", i, pd.marks[kReplicated], pd.marks[kForwarded]);
     slice("dp/backward", i, pd.marks[kForwarded], pd.marks[kBackwarded]);
     if (!sources_[i].empty()) slice("dp/reduce", i, pd.marks[kBackwarded], pd.marks[kReduced]);
-    for (int j = 0; j < pd.n_pulls; ++j)
+    for (int j = 0; j < pd.n_pulls; ++j)  // beside backward: on the comm stream's own track
       slice("dp/reduce[bucket " + std::to_string(pd.pulls[j].bucket) + "]", i, pd.pulls[j].begin,
-            pd.pulls[j].end);
+            pd.pulls[j].end, pd.pulls[j].beside ? comm_track(i) : i);
     if (i == 0) slice("dp/step", i, pd.marks[kReduced], pd.marks[kStepped]);
   }
 }

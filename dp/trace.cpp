@@ -8,6 +8,16 @@
 
 namespace dp {
 
+namespace {
+
+std::string default_track_name(int track) {
+  if (track >= kCommTrackBase)
+    return "device " + std::to_string(track - kCommTrackBase) + " comm stream";
+  return "device " + std::to_string(track);
+}
+
+}  // namespace
+
 std::string chrome_trace(const std::vector<TracedRun>& runs) {
   nlohmann::json events = nlohmann::json::array();
   int pid = 0;
@@ -18,14 +28,13 @@ std::string chrome_trace(const std::vector<TracedRun>& runs) {
     for (auto& e : evs) {
       if (std::find(tracks.begin(), tracks.end(), e.track) == tracks.end()) {
         tracks.push_back(e.track);
-        events.push_back(
-            {{"name", "thread_name"},
-             {"ph", "M"},
-             {"pid", pid},
-             {"tid", e.track},
-             {"args",
-              {{"name", track_names.count(e.track) ? track_names.at(e.track)
-                                                   : "device " + std::to_string(e.track)}}}});
+        events.push_back({{"name", "thread_name"},
+                          {"ph", "M"},
+                          {"pid", pid},
+                          {"tid", e.track},
+                          {"args",
+                           {{"name", track_names.count(e.track) ? track_names.at(e.track)
+                                                                : default_track_name(e.track)}}}});
       }
       nlohmann::json slice = {{"name", e.name}, {"ph", "X"},        {"pid", pid},
                               {"tid", e.track}, {"ts", e.begin_us}, {"dur", e.duration_us}};

@@ -11,9 +11,16 @@
 
 namespace dp {
 
+// Tracks from here on are second streams: comm_track(i) is device i's communication stream
+// (DP's pulls beside backward on a GPU), shown apart from device i's compute stream.
+constexpr int kCommTrackBase = 1000;
+constexpr int comm_track(int device) {
+  return kCommTrackBase + device;
+}
+
 struct TraceEvent {
   std::string name;  // "dp/forward"
-  int track = 0;     // device index or rank
+  int track = 0;     // device index or rank, or comm_track(device)
   double begin_us = 0;
   double duration_us = 0;
   int64_t step = -1;  // the training step it belongs to (-1: not tagged)
@@ -48,7 +55,8 @@ class Trace {
 struct TracedRun {
   std::string name;
   std::vector<TraceEvent> events;
-  std::map<int, std::string> track_names;  // default: "device <track>"
+  // default: "device <track>", "device <i> comm stream" for comm_track(i)
+  std::map<int, std::string> track_names;
 };
 // The Chrome/Perfetto trace JSON of `runs`: one process per run, one thread (track) per device
 // or rank, each event a complete slice ("ph": "X") tagged with its step when it has one. Open

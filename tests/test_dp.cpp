@@ -6,9 +6,14 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <map>
 #include <set>
+#include <string>
+
+#include <nlohmann/json.hpp>
 
 #include "dp/data_parallel.hpp"
+#include "dp/trace.hpp"
 #include "nn/nn.hpp"
 #include "tests/amp_util.hpp"
 #include "tests/train_util.hpp"
@@ -849,6 +854,24 @@ TEST_CASE("dp.metrics_lag: refused where a step's results decide the next, named
 TEST_CASE("dp.cuda: metrics_lag 1 on logical GPUs trains bit for bit as 0, one step later") {
   DP_REQUIRE_GPU();
   check_lagged_metrics(DeviceType::cuda);
+}
+
+TEST_CASE("dp.trace: tracks are named: devices, their comm streams, or the caller's names") {
+  // A GPU's pulls beside backward go to comm_track(i), shown apart from device i's slices.
+  std::vector<dp::TraceEvent> evs = {{"dp/backward", 2, 0, 5, 0},
+                                     {"dp/reduce[bucket 0]", dp::comm_track(2), 1, 2, 0},
+                                     {"ps/server", 7, 0, 1, -1}};
+  auto j = nlohmann::json::parse(dp::chrome_trace({{"dp N=3", evs, {{7, "server"}}}}));
+  std::map<int, std::string> names;
+  int slices = 0;
+  for (auto& e : j["traceEvents"]) {
+    if (e["name"] == "thread_name") names[e["tid"].get<int>()] = e["args"]["name"];
+    slices += e["ph"] == "X";
+  }
+  CHECK(slices == 3);
+  CHECK(names[2] == "device 2");
+  CHECK(names[dp::comm_track(2)] == "device 2 comm stream");
+  CHECK(names[7] == "server");
 }
 
 TEST_CASE("dp.cuda: graphed steps on logical GPUs (dropout too) equal uncaptured, follow the CPU") {
