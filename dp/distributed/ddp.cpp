@@ -240,7 +240,8 @@ Tensor DistributedDataParallel::grad_slice(int k) {
 
 void DistributedDataParallel::stage_bucket(int k) {
   Tensor slice = grad_slice(k);
-  kernels::scale(slice, slice, device_share_);
+  // Alone with the whole batch the gradient is the mean already: no pass over it (x * 1 == x).
+  if (group_.size() > 1 || share_ != 1.f) kernels::scale(slice, slice, device_share_);
   if (!comm_buffers_.empty()) kernels::copy(comm_buffers_[k], slice);  // rounded once
 }
 

@@ -74,7 +74,9 @@ class DistributedDataParallel {
   DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
 
   // This rank's share of the next step's global batch: its gradient is scaled by
-  // local / global before the sum. Default: 1 / world size (equal shards).
+  // local / global before the sum. Default: 1 / world size (equal shards). The one rank of a
+  // world of 1 holding the whole batch (share 1, always so under DdpTrainer) skips that pass:
+  // a graph captured then holds no scaling.
   void set_batch_share(int64_t local_rows, int64_t global_rows);
 
   Tensor forward(const Tensor& x);
