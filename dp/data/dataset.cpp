@@ -37,6 +37,12 @@ void fill_batch(const Dataset& dataset, const std::vector<int64_t>& indices, con
   const int64_t per_sample = dataset.sample_numel();
   float* image_data = images.data<float>();
   int32_t* label_data = labels.data<int32_t>();
+#ifdef DP_TSAN_ONE_THREAD
+  // ThreadSanitizer build: the calling thread alone, as the CPU contexts' arenas there
+  // (kernels/runtime/context.cpp): oneTBB is not instrumented, so its hand-offs are invisible.
+  for (int64_t b = 0; b < batch && !group.is_group_execution_cancelled(); ++b)
+    dataset.get(indices[b], image_data + b * per_sample, label_data + b);
+#else
   tbb::parallel_for(
       tbb::blocked_range<int64_t>(0, batch),
       [&](const tbb::blocked_range<int64_t>& r) {
@@ -44,6 +50,7 @@ void fill_batch(const Dataset& dataset, const std::vector<int64_t>& indices, con
           dataset.get(indices[b], image_data + b * per_sample, label_data + b);
       },
       group);
+#endif
 }
 
 }  // namespace dp::data

@@ -75,8 +75,13 @@ MnistDataset::MnistDataset(const std::string& dir, Split split, MnistOptions opt
            "image/label count mismatch: " << images_path_ << " has " << images.count()
                                           << " images, " << labels_path_ << " has "
                                           << labels.count() << " labels");
+#ifdef DP_TSAN_ONE_THREAD  // one thread, as fill_batch there (dp/data/dataset.cpp says why)
+  images = read_idx(images_path_);
+  labels = read_idx(labels_path_);
+#else
   tbb::parallel_invoke([&] { images = read_idx(images_path_); },
                        [&] { labels = read_idx(labels_path_); });
+#endif
   // The files may have changed between the two reads.
   DP_CHECK(images.dims.size() == 3 && labels.dims.size() == 1 && images.count() == labels.count(),
            images_path_ << " or " << labels_path_ << " changed while being read");
