@@ -1104,6 +1104,75 @@ TEST_CASE("kernels.cuda.softmax_cross_entropy: a bad label throws the CPU's text
   CHECK(y.to_host_f32() == std::vector<float>(4, 2.f));
 }
 
+TEST_CASE(
+    "kernels.cuda.token_cross_entropy: matches CPU (ignored rows, all ignored, masked logits)") {
+  DP_REQUIRE_GPU();
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int64_t vocab : {int64_t{5}, int64_t{1000}}) {
+    CAPTURE(vocab);
+    check_matches_cpu(
+        [&](Device d) {
+          const int64_t rows = 41;
+          std::vector<float> x =
+              dp_test::random_vector(static_cast<size_t>(rows * vocab), 120, -5.f, 5.f);
+          for (int64_t r = 0; r < rows; r += 3) x[r * vocab + (r + 1) % vocab] = -inf;  // masked
+          Tensor logits = Tensor::from_vector(x, {rows, vocab}, d);
+          std::vector<int32_t> t = labels(kCpu, rows, vocab, 121).to_host_i32();
+          for (int64_t r = 0; r < rows; r += 3) t[r] = static_cast<int32_t>(r % vocab);
+          for (int64_t r = 1; r < rows; r += 4) t[r] = -100;  // ignored
+          Tensor targets = Tensor::from_ints(t, {rows}, d);
+          Tensor loss = zeros(d, {1}), dlogits = full(d, {rows, vocab}, 7.f), none;
+          token_cross_entropy(loss, dlogits, logits, targets, -100);
+          Tensor forward_only = zeros(d, {1});
+          token_cross_entropy(forward_only, none, logits, targets, -100);
+          // Every row ignored: loss 0, gradient 0.
+          Tensor all_ignored = full(d, {1}, 3.f), zero_grad = full(d, {rows, vocab}, 7.f);
+          token_cross_entropy(all_ignored, zero_grad, logits,
+                              Tensor::from_ints(std::vector<int32_t>(rows, -100), {rows}, d), -100);
+          return Outputs{loss, dlogits, forward_only, all_ignored, zero_grad};
+        },
+        5e-5f);
+  }
+  // A target outside [0, V) that is not ignore_index: the CPU's text at the next read.
+  Tensor loss = zeros(kGpu, {1}), none;
+  token_cross_entropy(loss, none, rnd(kGpu, {3, 4}, 122),
+                      Tensor::from_ints({0, -100, 9}, {3}, kGpu), -100);
+  std::string what;
+  try {
+    (void)loss.item();
+  } catch (const Error& e) {
+    what = e.what();
+  }
+  CHECK(what == bad_label_text(9, 2, 3, 4));
+}
+
+TEST_CASE("kernels.cuda.gelu_tanh and non_finite_into: match CPU") {
+  DP_REQUIRE_GPU();
+  const Shape s{5, 333};
+  check_matches_cpu(
+      [&](Device d) {
+        Tensor x = rnd(d, s, 130, -6.f, 6.f), dy = rnd(d, s, 131);
+        Tensor y = zeros(d, s), dx = zeros(d, s), dx_acc = rnd(d, s, 132);
+        gelu_tanh(y, x);
+        gelu_tanh_backward(dx, dy, x, Accumulate::no);
+        gelu_tanh_backward(dx_acc, dy, x, Accumulate::yes);
+        return Outputs{y, dx, dx_acc};
+      },
+      2e-6f);
+  const float inf = std::numeric_limits<float>::infinity();
+  for (float bad : {0.f, inf, -inf, std::numeric_limits<float>::quiet_NaN()}) {
+    CAPTURE(bad);
+    for (DType dtype : {DType::f32, DType::bf16}) {
+      std::vector<float> v = dp_test::random_vector(70001, 133, -1.f, 1.f);
+      v[69999] = bad == 0.f ? v[69999] : bad;
+      Tensor x = Tensor::from_vector(v, {70001}, kGpu, dtype);
+      Tensor flag = full(kGpu, {1}, 5.f);
+      non_finite_into(flag, x);
+      CHECK(flag.item() == (bad == 0.f || std::isfinite(bad) ? 0.f : 1.f));
+    }
+  }
+}
+
 TEST_CASE("kernels.cuda.plans: GEMM and convolution plans are built once per shape and context") {
   DP_REQUIRE_GPU();
   DeviceContext& ctx = context(kGpu);

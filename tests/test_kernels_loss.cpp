@@ -95,6 +95,15 @@ TEST_CASE("kernels.softmax_cross_entropy: stable for huge logits, forward only, 
                        doctest::Contains("label 3 of row 1 is outside [0, 3)"), Error);
   Tensor negative = Tensor::from_ints({-1, 0}, {2});
   CHECK_THROWS_AS(softmax_cross_entropy(loss, no_grad, logits, negative), Error);
+
+  // A masked class (-inf logit) costs nothing without smoothing: no 0 * inf in the loss.
+  const float inf = std::numeric_limits<float>::infinity();
+  Tensor masked = tensor({2.f, -inf, 0.f}, {1, 3});
+  softmax_cross_entropy(loss, no_grad, masked, Tensor::from_ints({0}, {1}));
+  CHECK(loss.item() == doctest::Approx(std::log1p(std::exp(-2.0))));
+  Tensor token_loss = scalar();
+  token_cross_entropy(token_loss, no_grad, masked, Tensor::from_ints({0}, {1}), -100);
+  CHECK(token_loss.item() == loss.item());
 }
 
 TEST_CASE("kernels.softmax_cross_entropy: a bad label's error text, the first bad row") {

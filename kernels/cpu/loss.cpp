@@ -34,7 +34,9 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
       }
       double lse = max_x + std::log(sum_exp);
       double w = pw ? pw[i] : 1.0;
-      row_loss[i] = w * ((1.0 - ls) * (lse - x[pl[i]]) + ls * (lse - sum_x / classes));
+      // The smoothing term only with smoothing: a -inf logit would make it 0 * inf = NaN.
+      row_loss[i] = w * (ls != 0.0 ? (1.0 - ls) * (lse - x[pl[i]]) + ls * (lse - sum_x / classes)
+                                   : lse - x[pl[i]]);
       if (!pd) continue;
       double scale = w / static_cast<double>(batch);
       float* d = pd + i * classes;

@@ -113,17 +113,20 @@ __global__ void softmax_xent_kernel(float* row_loss, float* dlogits, const float
   float max_x = -INFINITY;
   for (int64_t c = threadIdx.x; c < classes; c += blockDim.x) max_x = fmaxf(max_x, x[c]);
   max_x = block_reduce_max(max_x);
+  // The smoothing term only when there is smoothing (ls is the same for the whole block): a
+  // -inf logit (a masked class) would make it 0 * inf = NaN.
   float sum_exp = 0.f, sum_x = 0.f;
   for (int64_t c = threadIdx.x; c < classes; c += blockDim.x) {
     sum_exp += expf(x[c] - max_x);
-    sum_x += x[c];
+    if (ls != 0.f) sum_x += x[c];
   }
   sum_exp = block_reduce_sum(sum_exp);
-  sum_x = block_reduce_sum(sum_x);
+  if (ls != 0.f) sum_x = block_reduce_sum(sum_x);
   float lse = max_x + logf(sum_exp);
   float w = weights ? weights[i] : 1.f;
   if (threadIdx.x == 0)
-    row_loss[i] = w * ((1.f - ls) * (lse - x[label]) + ls * (lse - sum_x / classes));
+    row_loss[i] = w * (ls != 0.f ? (1.f - ls) * (lse - x[label]) + ls * (lse - sum_x / classes)
+                                 : lse - x[label]);
   if (!dlogits) return;
   float scale = w / (count_of_kept ? fmaxf(*count_of_kept, 1.f) : static_cast<float>(batch));
   float off = ls / static_cast<float>(classes), on = (1.f - ls) + off;
@@ -247,6 +250,10 @@ void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, co
   if (dlogits.defined()) require_f32("token_cross_entropy", dlogits);
   cudaStream_t s = stream_of(ctx);
   int64_t rows = logits.dim(0), classes = logits.dim(1);
+  if (rows == 0) {  // no token: loss 0, as the CPU (and no launch of zero blocks)
+    DP_CUDA_CHECK(cudaMemsetAsync(loss.data<float>(), 0, sizeof(float), s));
+    return;
+  }
   // Workspace: per-row losses, the kept-row count, then the partial sums.
   size_t rows_bytes = aligned_bytes(sizeof(float) * static_cast<size_t>(rows));
   char* ws = static_cast<char*>(ctx.workspace(rows_bytes + 256 + sizeof(float) * kMaxPartials));
