@@ -484,7 +484,9 @@ void DataParallel::reduce_grads_to_root(const std::vector<int64_t>& sizes) {
 void DataParallel::prepare_reduction(int i) {
   PerDevice& pd = per_device_[i];
   const int64_t p = replicas_[i]->flat_grads().numel();
-  pd.staging.resize(sources_[i].size());
+  // Grown, never shrunk: a graph of a step on more devices holds the staging buffers it was
+  // captured with (an extra one staged where it is not needed still sums correctly).
+  if (pd.staging.size() < sources_[i].size()) pd.staging.resize(sources_[i].size());
   for (size_t j = 0; j < sources_[i].size(); ++j)
     if (!kernels::direct_access(devices_[i], devices_[sources_[i][j]]))
       kernels::ensure(pd.staging[j], {p}, options_.comm_dtype, devices_[i]);
@@ -574,8 +576,11 @@ void DataParallel::forward_and_loss(int i, nn::Mode mode) {
 void DataParallel::gather_metrics_on_root(int n) {
   CrossNode* cross = options_.cross_node.get();
   // Hybrid: two more slots, the node's weighted loss and correct count, summed over the nodes.
-  const int64_t slots = kMetrics * n + (cross ? 2 : 0);
-  kernels::ensure(gathered_metrics_, {slots}, kernels::DType::f32, devices_[0]);
+  // Made once, for every device: graphs of steps with fewer devices write the same tensor (a
+  // tensor made again for another count would leave the other graphs writing the old one).
+  if (!gathered_metrics_.defined())
+    gathered_metrics_ =
+        Tensor::empty({metric_slots(n_devices())}, kernels::DType::f32, devices_[0]);
   for (int r = 0; r < n; ++r) {
     Tensor slot = gathered_metrics_.view(kMetrics * r, {kMetrics});
     kernels::copy(slot, per_device_[r].metrics);
@@ -600,6 +605,10 @@ void DataParallel::gather_metrics_on_root(int n) {
   cross->finish();
 }
 
+int64_t DataParallel::metric_slots(int n) const {
+  return kMetrics * n + (options_.cross_node ? 2 : 0);
+}
+
 void DataParallel::read_step_metrics(int n, bool gathered_in_graph, Read read) {
   kernels::DeviceContext& ctx = pool_.context(0);
   const bool gathered = n > 1 || options_.cross_node;
@@ -611,23 +620,28 @@ void DataParallel::read_step_metrics(int n, bool gathered_in_graph, Read read) {
       gather_metrics_on_root(n);
     }
   }
-  const Tensor& all = gathered ? gathered_metrics_ : per_device_[0].metrics;
+  const Tensor all =
+      gathered ? gathered_metrics_.view(0, {metric_slots(n)}) : per_device_[0].metrics;
+  // The host copies hold every device's slots: made once, read through a view of this step's.
+  auto host_view = [&](Tensor& host) {
+    if (!host.defined())
+      host = Tensor::empty_pinned({metric_slots(n_devices())}, kernels::DType::f32);
+    return host.view(0, {all.numel()});
+  };
   if (read == Read::lagged) {
     LaggedMetrics& slot = lagged_[step_index_ % 2];
-    if (!slot.host.defined() || slot.host.numel() != all.numel())
-      slot.host = Tensor::empty_pinned({all.numel()}, kernels::DType::f32);
-    kernels::queue_read_back(slot.host, all);
+    Tensor host = host_view(slot.host);
+    kernels::queue_read_back(host, all);
     slot.ready.record(ctx);
     slot.shares = shares_;
     slot.pending = true;
     updated_.record(ctx);  // device 0's update and gather are queued before it
     return;
   }
-  if (!host_metrics_.defined() || host_metrics_.numel() != all.numel())
-    host_metrics_ = Tensor::empty_pinned({all.numel()}, kernels::DType::f32);
   // The step's one host wait: a copy to the host waits for device 0's stream, which waited
   // for every other device's last event.
-  kernels::read_back(host_metrics_, all);
+  Tensor host = host_view(host_metrics_);
+  kernels::read_back(host, all);
 }
 
 void DataParallel::gather_metrics(const float* m, const std::vector<float>& shares,

@@ -350,6 +350,8 @@ class DataParallel {
   // Sums every device's metrics into device 0's gathered buffer (waits for none: the caller
   // ordered device 0 after each device's last event).
   void gather_metrics_on_root(int n);
+  // The gathered metrics' length for a step on n devices (kMetrics each, + 2 in a hybrid run).
+  int64_t metric_slots(int n) const;
   void eval_job(int i, const Tensor& images, const Tensor& labels,
                 const std::vector<int64_t>& sizes);
   // Runs `job` on the first n workers; a failure aborts the step for the others.
@@ -439,8 +441,10 @@ class DataParallel {
   std::unique_ptr<kernels::DeviceContext> wide_context_;
   std::unique_ptr<ThreadStatsSync> stats_sync_;  // BatchNormStats::synced
   Tensor staging_buffers_;                       // on device 0: one replica's buffers
-  Tensor gathered_metrics_;                      // on device 0: (4 N) every device's metrics
-  Tensor host_metrics_;                          // pinned host copy of gathered_metrics_
+  // On device 0: every device's metrics (kMetrics each), then (hybrid) the node's loss and
+  // count; sized for n_devices() once, a step with n devices uses metric_slots(n) of them.
+  Tensor gathered_metrics_;
+  Tensor host_metrics_;  // pinned host copy of gathered_metrics_
   // metrics_lag 1: per step parity, a step's metrics on their way to the host, and what reading
   // them needs; and the end of device 0's part of the last step.
   struct LaggedMetrics {

@@ -610,6 +610,31 @@ TEST_CASE("dp.graphs: graphed steps equal uncaptured ones bit for bit, across sh
   }
 }
 
+TEST_CASE("dp.graphs: steps on fewer devices between graphed ones leave their metrics right") {
+  // A batch of 2 on 4 devices uses 2 of them: its own graphs, which gather fewer devices'
+  // metrics. The graphs of the 4-device steps, replayed after, must still report their own
+  // step's loss, count and norm (they once read a buffer the 2-device steps had replaced).
+  const std::vector<int64_t> batches = {8, 8, 8, 8, 2, 2, 2, 8, 8, 8};
+  for (auto reduce : {dp::ReduceTopology::star, dp::ReduceTopology::tree}) {
+    CAPTURE(static_cast<int>(reduce));
+    dp::DataParallelOptions o = small_buckets(reduce);
+    o.clip_grad_norm = 0.05f;
+    o.graphs = dp::Graphs::off;
+    GraphRun eager = train_graphs(small_mlp(), 4, batches, o);
+    o.graphs = dp::Graphs::on;
+    GraphRun graphed = train_graphs(small_mlp(), 4, batches, o);
+    for (size_t s = 0; s < batches.size(); ++s) {
+      CAPTURE(s);
+      CHECK(graphed.stats[s].devices_used == (batches[s] == 2 ? 2 : 4));
+      CHECK(graphed.stats[s].graphed == (s == 2 || s == 3 || s >= 6));
+      CHECK(graphed.losses[s] == eager.losses[s]);
+      CHECK(graphed.stats[s].correct == eager.stats[s].correct);
+      CHECK(graphed.stats[s].grad_norm == eager.stats[s].grad_norm);
+    }
+    CHECK(same_bits(graphed.params, eager.params));
+  }
+}
+
 TEST_CASE("dp.graphs: a loss scale that changes every step replays one graph") {
   // One shape for 8 steps, under an fp16 scaler that grows the scale every step (and backs off
   // when it overflows): each step has another loss scale. It is read on the devices, not baked
