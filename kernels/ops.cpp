@@ -1138,6 +1138,8 @@ void check_attention(const char* op, const Tensor& qkv, const Tensor& y, const T
                                                 << " heads do not divide the width " << d
                                                 << " of qkv " << shape_str(qkv.shape()));
   DP_CHECK(std::isfinite(p.scale), op << ": scale " << p.scale << " is not finite");
+  DP_CHECK(p.dropout >= 0.f && p.dropout < 1.f,
+           op << ": dropout must be in [0, 1), got " << p.dropout);
   check_shape(op, {"y", y}, {b, t, d});
   check_shape(op, {"lse", lse}, {b, p.heads, t});
   check_rng_offset(op, p.dropout_offset, qkv.device());

@@ -181,6 +181,12 @@ TEST_CASE("nn.attention: bad shapes are refused naming them") {
   kernels::AttentionParams p{4, 1.f, kernels::AttentionMask::causal};  // 4 does not divide 6
   CHECK_THROWS_WITH_AS(kernels::attention_forward(y, lse, qkv, p),
                        doctest::Contains("4 heads do not divide the width 6"), kernels::Error);
+  // A dropout probability outside [0, 1): NaN meant no dropout on the CPU, all dropped on a GPU.
+  for (float bad : {std::nanf(""), 1.f, -0.1f}) {
+    kernels::AttentionParams q{2, 1.f, kernels::AttentionMask::causal, bad};
+    CHECK_THROWS_WITH_AS(kernels::attention_forward(y, lse, qkv, q),
+                         doctest::Contains("dropout must be in [0, 1)"), kernels::Error);
+  }
 }
 
 TEST_CASE("nn.gradcheck: Embedding, GELU(tanh), CausalSelfAttention, GptBlock") {

@@ -1,7 +1,8 @@
 // Transformer ops on CUDA: embedding lookup and the plain (f32) attention path, mirroring
 // kernels/cpu/attention.cpp. Attention gives one block to each query row of each (batch,
-// head): the row's scores live in shared memory, the softmax is exact in f32, and backward
-// adds the key and value gradients with float atomics (their order may vary between runs).
+// head): the row's scores live in shared memory and the softmax is exact in f32. Backward gives
+// one block to each query row (dq) and one to each key row (dk, dv): no atomics, so its bits
+// are the same on every run.
 // f16/bf16 qkv go to cuDNN's fused SDPA (kernels/cuda/sdpa.cu) when cuDNN accepts the shape;
 // otherwise they are widened to f32 for the plain kernels and the results rounded once.
 #include <cstdint>
@@ -53,7 +54,8 @@ std::string bad_id_fault_text(const uint64_t* record) {
          ")";
 }
 
-// Geometry shared by the attention kernels: blockIdx.x = query row i, blockIdx.y = b H + h.
+// Geometry shared by the attention kernels: blockIdx.x = b H + h (up to 2^31 - 1 of them),
+// blockIdx.y = query row i.
 struct Geometry {
   int64_t seq, heads, head_dim, width;
   bool causal;
@@ -87,7 +89,7 @@ __device__ void row_scores(float* s, const float* qkv, const Geometry& g, int64_
 
 __global__ void attention_forward_kernel(float* y, float* lse, const float* qkv, Geometry g) {
   extern __shared__ float s[];  // (T) scores, then probabilities
-  const int64_t i = blockIdx.x, bh = blockIdx.y, b = bh / g.heads, h = bh % g.heads;
+  const int64_t i = blockIdx.y, bh = blockIdx.x, b = bh / g.heads, h = bh % g.heads;
   const int64_t n = g.visible(i);
   row_scores(s, qkv, g, b, h, i, n);
   float m = -INFINITY;
@@ -110,14 +112,19 @@ __global__ void attention_forward_kernel(float* y, float* lse, const float* qkv,
   }
 }
 
-// Row i: P_j from lse, dP_j = (dy_i . v_j) m_j, dS_j = P_j (dP_j - sum_j P_j dP_j);
-// dq_i = scale sum_j dS_j k_j; dk_j += scale dS_j q_i; dv_j += P_j m_j dy_i (m_j: the dropout
-// mask's keep / (1 - p), 1 without dropout). dqkv starts at zero.
-__global__ void attention_backward_kernel(float* dqkv, const float* dy, const float* qkv,
-                                          const float* lse, Geometry g) {
+// Backward in two kernels, without atomics, so that its bits are the same on every run (a
+// replayed graph's and an uncaptured step's too). With m_ij the dropout mask's keep / (1 - p)
+// (1 without dropout), P_ij from lse, dP_ij = (dy_i . v_j) m_ij, D_i = sum_j P_ij dP_ij and
+// dS_ij = P_ij (dP_ij - D_i):
+//   query row i (attention_backward_q_kernel): dq_i = scale sum_j dS_ij k_j, and D_i;
+//   key row j (attention_backward_kv_kernel):  dk_j = scale sum_i dS_ij q_i,
+//                                              dv_j = sum_i P_ij m_ij dy_i,
+// each sum in a fixed order by one thread.
+__global__ void attention_backward_q_kernel(float* dqkv, float* d_rows, const float* dy,
+                                            const float* qkv, const float* lse, Geometry g) {
   extern __shared__ float s[];  // (T) probabilities, then (T) dS
   float* ds = s + g.seq;
-  const int64_t i = blockIdx.x, bh = blockIdx.y, b = bh / g.heads, h = bh % g.heads;
+  const int64_t i = blockIdx.y, bh = blockIdx.x, b = bh / g.heads, h = bh % g.heads;
   const int64_t n = g.visible(i);
   row_scores(s, qkv, g, b, h, i, n);
   const float row_lse = lse[bh * g.seq + i];
@@ -133,12 +140,9 @@ __global__ void attention_backward_kernel(float* dqkv, const float* dy, const fl
     dot += p * ds[j];
   }
   dot = block_reduce_sum(dot);
-  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
-    ds[j] = s[j] * (ds[j] - dot);
-    if (g.dropout > 0.f) s[j] *= g.keep(bh, i, j);  // dv_j takes the P m of the forward
-  }
+  if (threadIdx.x == 0) d_rows[bh * g.seq + i] = dot;
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) ds[j] = s[j] * (ds[j] - dot);
   __syncthreads();
-  const float* qi = qkv + g.qkv_row(b, i) + h * g.head_dim;
   float* dqi = dqkv + g.qkv_row(b, i) + h * g.head_dim;
   for (int64_t c = threadIdx.x; c < g.head_dim; c += blockDim.x) {
     float acc = 0.f;
@@ -146,11 +150,45 @@ __global__ void attention_backward_kernel(float* dqkv, const float* dy, const fl
       acc += ds[j] * qkv[g.qkv_row(b, j) + g.width + h * g.head_dim + c];
     dqi[c] = g.scale * acc;
   }
-  for (int64_t e = threadIdx.x; e < n * g.head_dim; e += blockDim.x) {
-    int64_t j = e / g.head_dim, c = e % g.head_dim;
-    float* row = dqkv + g.qkv_row(b, j) + h * g.head_dim;
-    atomicAdd(row + g.width + c, g.scale * ds[j] * qi[c]);
-    atomicAdd(row + 2 * g.width + c, s[j] * dyi[c]);
+}
+
+// Key row j (blockIdx.y) of head b H + h (blockIdx.x): the query rows that see it, i >= j when
+// causal, each one's scale dS_ij and P_ij m_ij into shared memory (one thread per i, the score
+// computed as the forward computes it), then dk_j and dv_j (one thread per element).
+__global__ void attention_backward_kv_kernel(float* dqkv, const float* dy, const float* qkv,
+                                             const float* lse, const float* d_rows, Geometry g) {
+  extern __shared__ float s[];  // (n) scale dS_ij, then (n) P_ij m_ij
+  const int64_t j = blockIdx.y, bh = blockIdx.x, b = bh / g.heads, h = bh % g.heads;
+  const int64_t first = g.causal ? j : 0, n = g.seq - first;
+  float* pm = s + n;
+  const float* k = qkv + g.qkv_row(b, j) + g.width + h * g.head_dim;
+  const float* v = k + g.width;
+  for (int64_t r = threadIdx.x; r < n; r += blockDim.x) {
+    const int64_t i = first + r;
+    const float* q = qkv + g.qkv_row(b, i) + h * g.head_dim;
+    const float* dyi = dy + g.y_row(b, i) + h * g.head_dim;
+    float qk = 0.f, dp = 0.f;
+    for (int64_t c = 0; c < g.head_dim; ++c) {
+      qk += q[c] * k[c];
+      dp += dyi[c] * v[c];
+    }
+    // The forward's and the query kernel's roundings (no fused multiply-add): the same P_ij.
+    const float p = expf(__fmul_rn(g.scale, qk) - lse[bh * g.seq + i]), m = g.keep(bh, i, j);
+    s[r] = g.scale * (p * (__fmul_rn(dp, m) - d_rows[bh * g.seq + i]));
+    pm[r] = p * m;
+  }
+  __syncthreads();
+  float* dk = dqkv + g.qkv_row(b, j) + g.width + h * g.head_dim;
+  float* dv = dk + g.width;
+  for (int64_t c = threadIdx.x; c < g.head_dim; c += blockDim.x) {
+    float acc_k = 0.f, acc_v = 0.f;
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t i = first + r;
+      acc_k += s[r] * qkv[g.qkv_row(b, i) + h * g.head_dim + c];
+      acc_v += pm[r] * dy[g.y_row(b, i) + h * g.head_dim + c];
+    }
+    dk[c] = acc_k;
+    dv[c] = acc_v;
   }
 }
 
@@ -167,9 +205,11 @@ Geometry geometry(const Tensor& qkv, const AttentionParams& p) {
                   RngOffsetArg::of(p.dropout_offset)};
 }
 
+// The launch's dynamic shared memory, within the 48 KiB a block has by default less 1 KiB
+// for the block reductions' static shared memory (ptxas: 256 bytes at most).
 void check_shared(const char* op, size_t bytes) {
-  DP_CHECK(bytes <= 48 * 1024, op << ": sequence too long for the plain CUDA attention path ("
-                                  << bytes << " bytes of shared memory per row; at most 48 KiB)");
+  DP_CHECK(bytes <= 47 * 1024, op << ": sequence too long for the plain CUDA attention path ("
+                                  << bytes << " bytes of shared memory per row; at most 47 KiB)");
 }
 
 }  // namespace
@@ -220,7 +260,7 @@ void attention_forward(Tensor& y, Tensor& lse, const Tensor& qkv, const Attentio
   const Geometry g = geometry(qkv, p);
   const size_t shared = sizeof(float) * static_cast<size_t>(g.seq);
   check_shared("attention_forward", shared);
-  dim3 grid(static_cast<unsigned>(g.seq), static_cast<unsigned>(qkv.dim(0) * g.heads));
+  dim3 grid(static_cast<unsigned>(qkv.dim(0) * g.heads), static_cast<unsigned>(g.seq));
   attention_forward_kernel<<<grid, 128, shared, stream_of(ctx)>>>(
       y.data<float>(), lse.data<float>(), qkv.data<float>(), g);
   DP_CUDA_CHECK_LAUNCH();
@@ -239,10 +279,17 @@ void attention_backward(Tensor& dqkv, const Tensor& dy, const Tensor& qkv, const
   const size_t shared = 2 * sizeof(float) * static_cast<size_t>(g.seq);
   check_shared("attention_backward", shared);
   cudaStream_t s = stream_of(ctx);
-  DP_CUDA_CHECK(cudaMemsetAsync(dqkv.data<float>(), 0, dqkv.nbytes(), s));
-  dim3 grid(static_cast<unsigned>(g.seq), static_cast<unsigned>(qkv.dim(0) * g.heads));
-  attention_backward_kernel<<<grid, 128, shared, s>>>(dqkv.data<float>(), dy.data<float>(),
-                                                      qkv.data<float>(), lse.data<float>(), g);
+  // Every element of dqkv is written once: dq by its query row's block, dk and dv by their key
+  // row's. D_i passes from the first kernel to the second through d_rows (B, H, T).
+  Tensor d_rows = Tensor::empty({qkv.dim(0) * g.heads * g.seq}, DType::f32, qkv.device());
+  dim3 grid(static_cast<unsigned>(qkv.dim(0) * g.heads), static_cast<unsigned>(g.seq));
+  attention_backward_q_kernel<<<grid, 128, shared, s>>>(dqkv.data<float>(), d_rows.data<float>(),
+                                                        dy.data<float>(), qkv.data<float>(),
+                                                        lse.data<float>(), g);
+  DP_CUDA_CHECK_LAUNCH();
+  attention_backward_kv_kernel<<<grid, 128, shared, s>>>(dqkv.data<float>(), dy.data<float>(),
+                                                         qkv.data<float>(), lse.data<float>(),
+                                                         d_rows.data<float>(), g);
   DP_CUDA_CHECK_LAUNCH();
 }
 

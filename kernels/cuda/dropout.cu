@@ -10,19 +10,20 @@ namespace {
 // One thread per Philox block: block b serves the four counters 4b .. 4b + 3 (the layout of
 // philox::random_u32), i.e. elements counter - offset that fall in [0, n).
 // n_blocks: ceil(n / 4) + 1, enough for any offset's alignment (the offset may be the device's).
+// Counters are modulo 2^64, as on the CPU: past the last block (2^62 - 1) the next is block 0.
 __global__ void dropout_kernel(float* y, float* mask, const float* x, float p, float keep_scale,
                                uint64_t seed, RngOffsetArg at, int64_t n, int64_t n_blocks) {
   const uint64_t offset = at.get();
-  uint64_t first_block = offset >> 2;
+  const uint64_t first_block = offset >> 2, last_block = (uint64_t{1} << 62) - 1;
   DP_GRID_STRIDE_LOOP(t, n_blocks) {
-    uint64_t block = first_block + static_cast<uint64_t>(t);
+    const uint64_t block = (first_block + static_cast<uint64_t>(t)) & last_block;
     philox::Uint4 r = philox::philox4x32(seed, block);
     const uint32_t words[4] = {r.x, r.y, r.z, r.w};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      uint64_t counter = block * 4 + j;
-      if (counter < offset || counter - offset >= static_cast<uint64_t>(n)) continue;
-      int64_t i = static_cast<int64_t>(counter - offset);
+      const uint64_t element = block * 4 + j - offset;  // modulo 2^64
+      if (element >= static_cast<uint64_t>(n)) continue;
+      const auto i = static_cast<int64_t>(element);
       // philox::uniform: 24 random bits, exactly representable in f32.
       float u = static_cast<float>(words[j] >> 8) * (1.0f / 16777216.0f);
       float m = u >= p ? keep_scale : 0.f;

@@ -259,6 +259,15 @@ SdpaPlan* lookup(SdpaPass pass, const Tensor& qkv, const AttentionParams& p, Dev
   return &plan;
 }
 
+// cuDNN's fused attention moves its Q, K, V, O and gradient tensors in 16-byte vectors and
+// refuses, at execution, a pointer that is not 16-byte aligned: such views (a 16-bit tensor at
+// an offset that is not a multiple of 8 elements, or a width that is not) take the plain path.
+bool aligned16(std::initializer_list<const void*> pointers) {
+  for (const void* p : pointers)
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  return true;
+}
+
 }  // namespace
 
 bool sdpa_built() {
@@ -272,12 +281,13 @@ SdpaCounts sdpa_counts(DeviceContext& ctx) {
 
 bool sdpa_forward(Tensor& y, Tensor& lse, const Tensor& qkv, const AttentionParams& p,
                   DeviceContext& ctx) {
+  char* q = static_cast<char*>(qkv.raw());
+  const size_t third = static_cast<size_t>(qkv.dim(2) / 3) * dtype_size(qkv.dtype());
+  if (!aligned16({q, q + third, q + 2 * third, y.raw()})) return false;
   SdpaPlan* plan = lookup(SdpaPass::forward, qkv, p, ctx);
   if (!plan) return false;
 #if DP_HAVE_CUDNN_FRONTEND
   NvtxRange range("kernels/sdpa_forward");
-  char* q = static_cast<char*>(qkv.raw());
-  const size_t third = static_cast<size_t>(qkv.dim(2) / 3) * dtype_size(qkv.dtype());
   // uid order: Q, K, V, O, Stats
   execute(*plan, std::array<void*, 5>{q, q + third, q + 2 * third, y.raw(), lse.raw()}, ctx);
 #else
@@ -288,13 +298,15 @@ bool sdpa_forward(Tensor& y, Tensor& lse, const Tensor& qkv, const AttentionPara
 
 bool sdpa_backward(Tensor& dqkv, const Tensor& dy, const Tensor& qkv, const Tensor& y,
                    const Tensor& lse, const AttentionParams& p, DeviceContext& ctx) {
+  char* q = static_cast<char*>(qkv.raw());
+  char* dq = static_cast<char*>(dqkv.raw());
+  const size_t third = static_cast<size_t>(qkv.dim(2) / 3) * dtype_size(qkv.dtype());
+  if (!aligned16({q, q + third, q + 2 * third, y.raw(), dy.raw(), dq, dq + third, dq + 2 * third}))
+    return false;
   SdpaPlan* plan = lookup(SdpaPass::backward, qkv, p, ctx);
   if (!plan) return false;
 #if DP_HAVE_CUDNN_FRONTEND
   NvtxRange range("kernels/sdpa_backward");
-  char* q = static_cast<char*>(qkv.raw());
-  char* dq = static_cast<char*>(dqkv.raw());
-  const size_t third = static_cast<size_t>(qkv.dim(2) / 3) * dtype_size(qkv.dtype());
   // uid order: Q, K, V, O, Stats, dO, dQ, dK, dV
   execute(*plan,
           std::array<void*, 9>{q, q + third, q + 2 * third, y.raw(), lse.raw(), dy.raw(), dq,
