@@ -249,12 +249,12 @@ void DataParallel::write_step_values(int i) {
   } else if (pd.written_values == step_values_) {
     return;  // the device holds them already
   }
-  pd.written_values = step_values_;  // its storage is reused
   const int n = static_cast<int>(step_values_.size());
   for (int at = 0; at < n; at += kernels::kMaxValues) {
     Tensor part = pd.step_values.view(at, {std::min(kernels::kMaxValues, n - at)});
     kernels::set_values(part, step_values_.data() + at, static_cast<int>(part.numel()));
   }
+  pd.written_values = step_values_;  // once the writes are queued (its storage is reused)
 }
 
 void DataParallel::begin_step(const std::vector<int64_t>& sizes) {
@@ -338,10 +338,7 @@ void DataParallel::advance_reduction(int i, bool blocking) {
   PerDevice& pd = per_device_[i];
   kernels::DeviceContext& ctx = pool_.context(i);
   const std::vector<int>& sources = sources_[i];
-  if (blocking && pd.comm_pending) {  // backward is queued: what follows waits for the pulls
-    pd.comm_done.wait(ctx);
-    pd.comm_pending = false;
-  }
+  if (blocking) order_after_comm(i);  // backward is queued: what follows waits for the pulls
   // A GPU receiver's pulls from a hook go to its communication stream, from the first one
   // queued: the compute stream goes on with backward while they wait for their sources.
   kernels::DeviceContext* on = &ctx;
@@ -356,6 +353,7 @@ void DataParallel::advance_reduction(int i, bool blocking) {
     }
     pd.own_final.record(ctx);  // every bucket's own gradient up to own_ready is queued
     pd.own_final.wait(*pd.comm);
+    pd.comm_pending = true;  // from here, even if a pull throws
     comm_scope = std::make_unique<kernels::ContextScope>(*pd.comm);
     on = pd.comm.get();
   };
@@ -425,10 +423,14 @@ void DataParallel::advance_reduction(int i, bool blocking) {
       publish(i, pd.next_bucket);
     }
   }
-  if (comm_scope) {  // the compute stream waits for this after backward (the blocking pass)
-    pd.comm_done.record(*on);
-    pd.comm_pending = true;
-  }
+}
+
+void DataParallel::order_after_comm(int i) {
+  PerDevice& pd = per_device_[i];
+  if (!pd.comm_pending) return;
+  pd.comm_done.record(*pd.comm);  // after every pull queued there
+  pd.comm_done.wait(pool_.context(i));
+  pd.comm_pending = false;
 }
 
 void DataParallel::sum_sources(kernels::DeviceContext& on, int i, int k, int j0, int count,
@@ -749,10 +751,7 @@ void DataParallel::begin_job(int i, const Tensor& images, const Tensor& labels,
   PerDevice& pd = per_device_[i];
   kernels::DeviceContext& ctx = pool_.context(i);
   pd.marks[kBegin].record(ctx);
-  if (pd.comm_pending) {  // a failed step's pulls: this step's writes wait for them
-    pd.comm_done.wait(ctx);
-    pd.comm_pending = false;
-  }
+  order_after_comm(i);  // a failed step's pulls: this step's writes wait for them
   write_step_values(i);
   {
     kernels::NvtxRange range("dp/scatter");

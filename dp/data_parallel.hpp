@@ -308,7 +308,7 @@ class DataParallel {
     // `comm_done`. Null on CPU devices, whose kernels have finished when they return.
     std::unique_ptr<kernels::DeviceContext> comm;
     kernels::Event own_final{kernels::Event::Timing::off}, comm_done{kernels::Event::Timing::off};
-    bool comm_pending = false;  // pulls queued on `comm` that the compute stream has not waited for
+    bool comm_pending = false;  // work queued on `comm` that the compute stream has not waited for
     kernels::Event marks[kMarks];
     std::vector<Pull> pulls;
     int n_pulls = 0;
@@ -371,6 +371,9 @@ class DataParallel {
   // backward, on the compute stream); otherwise (from a hook) pulls go to the device's
   // communication stream where it has one.
   void advance_reduction(int i, bool blocking);
+  // Orders device i's compute stream after the pulls queued on its communication stream, if any
+  // are pending.
+  void order_after_comm(int i);
   // Bucket k on device i += the sum of sources j0 .. j0 + count - 1 (in sources_[i] order),
   // weighted, in one fused kernel; the own gradient is weighted by its share when j0 == 0.
   // ordered: the caller ordered device i after those sources' work already; otherwise each

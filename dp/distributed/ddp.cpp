@@ -130,8 +130,8 @@ void DistributedDataParallel::write_share() {
         kernels::Scalar(Tensor::empty({1}, kernels::DType::f32, module_->flat_params().device()));
   else if (written_share_ == share_)
     return;  // the device holds it already
-  written_share_ = share_;
   kernels::set_values(device_share_.at, &share_, 1);
+  written_share_ = share_;  // once the write is queued
 }
 
 void DistributedDataParallel::broadcast_buffers() {

@@ -9,6 +9,7 @@
 #include "dp/chunks.hpp"
 #include "dp/distributed/mpi_process_group.hpp"
 #include "dp/distributed/sync_batch_norm.hpp"
+#include "kernels/runtime/error.hpp"
 #include "kernels/runtime/memory.hpp"
 #include "nn/clip.hpp"
 
@@ -53,9 +54,24 @@ DdpTrainer::DdpTrainer(kernels::DeviceType type, const std::string& backend, Ddp
 }
 
 DdpTrainer::~DdpTrainer() {
+  // Destructors log, never throw. A lagged step's metrics all-reduce not taken (no
+  // finish_metrics) is waited for first, within the group's timeout: the stream waits for it
+  // (order_stream), and a peer that died would otherwise leave that wait unbounded.
+  for (LaggedMetrics& slot : lagged_) {
+    try {
+      if (slot.work) slot.work->wait();
+    } catch (const std::exception& e) {
+      DP_LOG_ERROR("DdpTrainer teardown: a lagged step's metrics: " << e.what());
+    }
+    slot.work.reset();
+  }
   ddp_.reset();
   group_.reset();
-  if (context_) context_->synchronize();
+  try {
+    if (context_) context_->synchronize();
+  } catch (const std::exception& e) {
+    DP_LOG_ERROR("DdpTrainer teardown: " << e.what());
+  }
 }
 
 void DdpTrainer::set_zero_stage(int stage) {
@@ -202,7 +218,8 @@ std::pair<kernels::Tensor, kernels::Tensor> DdpTrainer::slice_chunk(const kernel
 void DdpTrainer::copy_in(const kernels::Tensor& x, const kernels::Tensor& y) {
   // Input buffers persist between steps; they are remade only when the shape changes. The
   // caller may reuse the host batch once the step returns: the step ends with a host read on
-  // this stream (a copy from pageable memory is staged before cudaMemcpyAsync returns anyway).
+  // this stream, after the copy (with metrics_lag 1: a wait for this copy itself, in
+  // report_loss_lagged). A copy from pageable memory is staged before it returns anyway.
   kernels::copy(kernels::ensure(input_, x.shape(), x.dtype(), device_), x);
   kernels::copy(kernels::ensure(labels_, y.shape(), y.dtype(), device_), y);
 }
@@ -408,9 +425,9 @@ void DdpTrainer::write_scale() {
     loss_scale_ = kernels::Scalar(scale_values_.view(1, {1}));
   }
   if (written_scale_ == scaler_.scale()) return;  // the device holds it already
-  written_scale_ = scaler_.scale();
-  const float values[2] = {1.f / written_scale_, written_scale_};
+  const float values[2] = {1.f / scaler_.scale(), scaler_.scale()};
   kernels::set_values(scale_values_, values, 2);
+  written_scale_ = scaler_.scale();  // once the write is queued
 }
 
 std::shared_ptr<Work> DdpTrainer::reduce_metrics(kernels::Tensor& metrics, float share) {
@@ -445,16 +462,23 @@ float DdpTrainer::report_loss_lagged(float share) {
   kernels::queue_read_back(slot.host, slot.device);
   slot.ready.record(ctx);
   slot.pending = true;
+  // The step's one host wait: for this step's input copy, so that the caller may refill the
+  // host batch (a pinned one is copied asynchronously). It follows the previous step's metrics
+  // read on this stream, so that read is done too.
+  marks_[1].synchronize();
+  context_->note_host_sync();
   LaggedMetrics& previous = lagged_[(steps_ + 1) % 2];
   if (!previous.pending) return std::numeric_limits<float>::quiet_NaN();  // the first step
-  return take_lagged(previous);
+  return take_lagged(previous, Waited::yes);
 }
 
-float DdpTrainer::take_lagged(LaggedMetrics& slot) {
+float DdpTrainer::take_lagged(LaggedMetrics& slot, Waited waited) {
   if (slot.work) slot.work->wait();  // done by now (NCCL: its failure or timeout, if any)
   slot.work.reset();
-  slot.ready.synchronize();  // the step's one host wait: for the step before it
-  context_->note_host_sync();
+  if (waited == Waited::no) {
+    slot.ready.synchronize();  // the host wait for the step's read
+    context_->note_host_sync();
+  }
   slot.pending = false;
   if (clip_grad_norm_ > 0.f) grad_norm_ = slot.host.data<float>()[2];
   return slot.host.data<float>()[0];
@@ -465,7 +489,7 @@ float DdpTrainer::finish_metrics() {
   DP_CHECK(metrics_lag_ > 0 && last.pending,
            "DdpTrainer::finish_metrics: no lagged step since the last call (metrics_lag "
                << metrics_lag_ << ")");
-  return take_lagged(last);
+  return take_lagged(last, Waited::no);
 }
 
 std::vector<uint64_t> DdpTrainer::all_gather(uint64_t value) {

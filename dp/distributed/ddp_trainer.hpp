@@ -164,12 +164,15 @@ class DdpTrainer {
   // verdict; null at world size 1 (nothing to reduce).
   std::shared_ptr<Work> reduce_metrics(kernels::Tensor& metrics, float share);
   // metrics_lag 1: the same all-reduce on a copy of the step's metrics in a slot of their own,
-  // its read queued; then waits for the previous step's read and returns its loss (NaN on a
+  // its read queued; then waits for this step's input copy (the caller may refill the host
+  // batch), which follows the previous step's read, and returns that step's loss (NaN on a
   // run's first step), with its gradient norm in grad_norm_.
   float report_loss_lagged(float share);
   struct LaggedMetrics;
-  // Waits for a lagged slot's read; its loss (and norm into grad_norm_).
-  float take_lagged(LaggedMetrics& slot);
+  // Whether the host already waited for a point after the slot's read.
+  enum class Waited { no, yes };
+  // A lagged slot's loss (and norm into grad_norm_), after waiting for its read (unless waited).
+  float take_lagged(LaggedMetrics& slot, Waited waited);
   // This rank's rows of the global host batch (views), and with `share` its share of the
   // batch's loss denominator; requires labels valid for the loss.
   std::pair<kernels::Tensor, kernels::Tensor> slice_chunk(const kernels::Tensor& images,

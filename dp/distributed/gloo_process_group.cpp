@@ -197,6 +197,10 @@ struct GlooProcessGroup::State {
           error = std::make_exception_ptr(kernels::Error(msg));
         }
       }
+      // The op's tensors (held by run and ready) go back before the waiter wakes: a waiter
+      // that asks for a block of the same size then reuses theirs (no new allocation).
+      task.run = nullptr;
+      task.ready.reset();
       try {
         task.finish(error);
       } catch (...) {

@@ -8,6 +8,7 @@
 // f16/bf16 convolutions run cuDNN's pseudo-16-bit configuration (16-bit x, w, y descriptors, f32
 // compute, tensor-op math allowed): cuDNN writes a 16-bit result, straight into a 16-bit output
 // without accumulation, else into scratch that a small kernel stores or adds into the output.
+#include <algorithm>
 #include <array>
 #include <sstream>
 #include <string>
@@ -78,15 +79,20 @@ bool strict_math(DeviceContext& ctx, DType inputs) {
   return ctx.math() == MathMode::strict && inputs == DType::f32;
 }
 
-ConvDescHandle conv_desc(const Conv2dParams& p, bool strict) {
+// The descriptor's math type while cuDNN ranks the algorithms: it offers tensor-core ones only
+// when tensor-op math is set, so 16-bit inputs ask for it (each candidate then runs with its own
+// math type, set_math).
+ConvDescHandle conv_desc(const Conv2dParams& p, bool strict, DType inputs) {
   cudnnConvolutionDescriptor_t raw = nullptr;
   DP_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&raw));
   ConvDescHandle d(raw);
   DP_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(d.get(), p.pad_h, p.pad_w, p.stride_h, p.stride_w,
                                                  1, 1, CUDNN_CROSS_CORRELATION,
                                                  CUDNN_DATA_FLOAT));  // f32 compute, any dtype
-  DP_CUDNN_CHECK(
-      cudnnSetConvolutionMathType(d.get(), strict ? CUDNN_FMA_MATH : CUDNN_DEFAULT_MATH));
+  const cudnnMathType_t math = strict                 ? CUDNN_FMA_MATH
+                               : inputs != DType::f32 ? CUDNN_TENSOR_OP_MATH
+                                                      : CUDNN_DEFAULT_MATH;
+  DP_CUDNN_CHECK(cudnnSetConvolutionMathType(d.get(), math));
   return d;
 }
 
@@ -212,10 +218,13 @@ void set_math(const ConvDescHandle& conv, const AlgoCandidate& c, bool strict) {
 
 // Completes the plan of one pass from its descriptors: cuDNN's ranked algorithms
 // (find(plan, max, &count, perf), at most max_count() of them), as candidates that the numerics
-// policy of `dtype` and `strict` filters. `what` names the pass, shapes and dtype.
-template <class Perf, class MaxCount, class Find>
+// policy of `dtype` and `strict` filters. Each one's workspace is what cuDNN asks for with the
+// math type it will run with (workspace_size(plan, id), after set_math): the ranking's estimate
+// is for the math type it reported, which strict math overrides. `what` names the pass, shapes
+// and dtype.
+template <class Perf, class MaxCount, class Find, class WorkspaceSize>
 ConvPlan complete_plan(ConvPlan pl, ConvPass pass, DType dtype, bool strict, MaxCount max_count,
-                       Find find, const std::string& what) {
+                       Find find, WorkspaceSize workspace_size, const std::string& what) {
   int max = max_count(), count = 0;
   std::vector<Perf> perf(static_cast<size_t>(max));
   find(pl, max, &count, perf.data());
@@ -224,9 +233,13 @@ ConvPlan complete_plan(ConvPlan pl, ConvPass pass, DType dtype, bool strict, Max
     const Perf& p = perf[i];
     if (p.status != CUDNN_STATUS_SUCCESS) continue;
     int id = static_cast<int>(p.algo);
-    ranked.push_back({id, algo_name(pass, id), p.memory,
-                      algo_notes(pass, id, p.mathType, p.determinism),
-                      static_cast<int>(p.mathType)});
+    AlgoCandidate c{id, algo_name(pass, id), p.memory,
+                    algo_notes(pass, id, p.mathType, p.determinism), static_cast<int>(p.mathType)};
+    set_math(pl.conv, c, strict);
+    size_t bytes = 0;
+    if (workspace_size(pl, id, &bytes) == CUDNN_STATUS_SUCCESS)
+      c.workspace_bytes = std::max(c.workspace_bytes, bytes);
+    ranked.push_back(std::move(c));
   }
   pl.choice = AlgoChoice(admissible(ranked, numerics_policy(dtype, strict, kMaxConvWorkspace)),
                          what, ranked.size());
@@ -483,8 +496,8 @@ void conv2d_forward(Tensor& y, const Tensor& x, const Tensor& w, const Conv2dPar
   ConvKey key = conv_key(ConvPass::forward, dt, x, w, y, p, strict);
   ConvPlan& plan = ctx.state<ConvPlans>().cache.get(key, [&] {
     return complete_plan<cudnnConvolutionFwdAlgoPerf_t>(
-        ConvPlan{tensor_desc(x, dt), tensor_desc(y, dt), filter_desc(w, dt), conv_desc(p, strict),
-                 AlgoChoice()},
+        ConvPlan{tensor_desc(x, dt), tensor_desc(y, dt), filter_desc(w, dt),
+                 conv_desc(p, strict, dt), AlgoChoice()},
         ConvPass::forward, dt, strict,
         [&] {
           int n = 0;
@@ -494,6 +507,11 @@ void conv2d_forward(Tensor& y, const Tensor& x, const Tensor& w, const Conv2dPar
         [&](const ConvPlan& pl, int max, int* count, cudnnConvolutionFwdAlgoPerf_t* perf) {
           DP_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(
               handle, pl.x.get(), pl.w.get(), pl.conv.get(), pl.y.get(), max, count, perf));
+        },
+        [&](const ConvPlan& pl, int id, size_t* bytes) {
+          return cudnnGetConvolutionForwardWorkspaceSize(
+              handle, pl.x.get(), pl.w.get(), pl.conv.get(), pl.y.get(),
+              static_cast<cudnnConvolutionFwdAlgo_t>(id), bytes);
         },
         plan_what(ConvPass::forward, x, w, strict));
   });
@@ -520,8 +538,8 @@ void conv2d_backward_data(Tensor& dx, const Tensor& dy, const Tensor& w, const C
   ConvKey key = conv_key(ConvPass::backward_data, dt, dx, w, dy, p, strict);
   ConvPlan& plan = ctx.state<ConvPlans>().cache.get(key, [&] {
     return complete_plan<cudnnConvolutionBwdDataAlgoPerf_t>(
-        ConvPlan{tensor_desc(dx, dt), tensor_desc(dy, dt), filter_desc(w, dt), conv_desc(p, strict),
-                 AlgoChoice()},
+        ConvPlan{tensor_desc(dx, dt), tensor_desc(dy, dt), filter_desc(w, dt),
+                 conv_desc(p, strict, dt), AlgoChoice()},
         ConvPass::backward_data, dt, strict,
         [&] {
           int n = 0;
@@ -531,6 +549,11 @@ void conv2d_backward_data(Tensor& dx, const Tensor& dy, const Tensor& w, const C
         [&](const ConvPlan& pl, int max, int* count, cudnnConvolutionBwdDataAlgoPerf_t* perf) {
           DP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(
               handle, pl.w.get(), pl.y.get(), pl.conv.get(), pl.x.get(), max, count, perf));
+        },
+        [&](const ConvPlan& pl, int id, size_t* bytes) {
+          return cudnnGetConvolutionBackwardDataWorkspaceSize(
+              handle, pl.w.get(), pl.y.get(), pl.conv.get(), pl.x.get(),
+              static_cast<cudnnConvolutionBwdDataAlgo_t>(id), bytes);
         },
         plan_what(ConvPass::backward_data, dy, w, strict));
   });
@@ -557,8 +580,8 @@ void conv2d_backward_filter(Tensor& dw, const Tensor& dy, const Tensor& x, const
   ConvKey key = conv_key(ConvPass::backward_filter, dt, x, dw, dy, p, strict);
   ConvPlan& plan = ctx.state<ConvPlans>().cache.get(key, [&] {
     return complete_plan<cudnnConvolutionBwdFilterAlgoPerf_t>(
-        ConvPlan{tensor_desc(x, dt), tensor_desc(dy, dt), filter_desc(dw, dt), conv_desc(p, strict),
-                 AlgoChoice()},
+        ConvPlan{tensor_desc(x, dt), tensor_desc(dy, dt), filter_desc(dw, dt),
+                 conv_desc(p, strict, dt), AlgoChoice()},
         ConvPass::backward_filter, dt, strict,
         [&] {
           int n = 0;
@@ -568,6 +591,11 @@ void conv2d_backward_filter(Tensor& dw, const Tensor& dy, const Tensor& x, const
         [&](const ConvPlan& pl, int max, int* count, cudnnConvolutionBwdFilterAlgoPerf_t* perf) {
           DP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(
               handle, pl.x.get(), pl.y.get(), pl.conv.get(), pl.w.get(), max, count, perf));
+        },
+        [&](const ConvPlan& pl, int id, size_t* bytes) {
+          return cudnnGetConvolutionBackwardFilterWorkspaceSize(
+              handle, pl.x.get(), pl.y.get(), pl.conv.get(), pl.w.get(),
+              static_cast<cudnnConvolutionBwdFilterAlgo_t>(id), bytes);
         },
         plan_what(ConvPass::backward_filter, dy, x, strict));
   });

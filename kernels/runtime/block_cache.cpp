@@ -75,6 +75,33 @@ BlockCache::~BlockCache() {
     for (void* p : blocks) free_device_bytes(device_, p, bytes, stream_owner_.get());
 }
 
+bool BlockCache::capturing() const {
+#if DP_HAVE_CUDA
+  if (device_.is_cuda()) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    return cudaStreamIsCapturing(static_cast<cudaStream_t>(stream_owner_.get()), &capture) ==
+               cudaSuccess &&
+           capture != cudaStreamCaptureStatusNone;
+  }
+#endif
+  return false;
+}
+
+bool BlockCache::release_idle() noexcept {
+  std::map<size_t, std::vector<void*>> idle;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    idle.swap(free_);  // a reservation's blocks stay: its graph's replays use them
+  }
+  bool any = false;
+  for (auto& [bytes, blocks] : idle)
+    for (void* p : blocks) {
+      free_device_bytes(device_, p, bytes, stream_owner_.get());
+      any = true;
+    }
+  return any;
+}
+
 namespace {
 // The last block of `bytes` in `lists`, taken out; nullptr when there is none.
 void* pop_block(std::map<size_t, std::vector<void*>>& lists, size_t bytes) {
@@ -100,7 +127,15 @@ void* BlockCache::take(size_t bytes) {
       return p;
     }
   }
-  void* p = allocate_device_bytes(device_, bytes, stream_owner_.get(), *stats_);
+  void* p = nullptr;
+  try {
+    p = allocate_device_bytes(device_, bytes, stream_owner_.get(), *stats_);
+  } catch (const Error&) {
+    // Out of memory (or capturing, where nothing may be freed either): the idle blocks of
+    // other sizes go back to the device, then the allocation is tried once more.
+    if (capturing() || !release_idle()) throw;
+    p = allocate_device_bytes(device_, bytes, stream_owner_.get(), *stats_);
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   if (active_) {
     active_->owned_.insert(p);

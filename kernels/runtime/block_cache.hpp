@@ -56,7 +56,8 @@ class BlockCache : public std::enable_shared_from_this<BlockCache> {
   BlockCache(const BlockCache&) = delete;
   BlockCache& operator=(const BlockCache&) = delete;
 
-  // ensures a block of `bytes` bytes: a cached one of exactly that size, else a new one.
+  // ensures a block of `bytes` bytes: a cached one of exactly that size, else a new one (when
+  // the device is out of memory, after handing the idle cached blocks back to it).
   void* take(size_t bytes);
   // requires p came from take(bytes). ensures the next take(bytes) may return it.
   void give_back(void* p, size_t bytes) noexcept;
@@ -68,6 +69,11 @@ class BlockCache : public std::enable_shared_from_this<BlockCache> {
 
  private:
   friend class BlockReservation;
+  // Whether a graph captures on the cache's stream (CUDA).
+  bool capturing() const;
+  // Hands every idle block (not a reservation's) back to the device; whether there was one.
+  bool release_idle() noexcept;
+
   Device device_;
   std::shared_ptr<void> stream_owner_;
   std::shared_ptr<MemoryStats> stats_;

@@ -150,6 +150,8 @@ DeviceContext::~DeviceContext() {
     if (workspace_)
       quiet(cudaFreeAsync(workspace_, static_cast<cudaStream_t>(stream_)),
             "cudaFreeAsync(workspace)");
+    for (void* p : retired_workspaces_)
+      quiet(cudaFreeAsync(p, static_cast<cudaStream_t>(stream_)), "cudaFreeAsync(workspace)");
     if (stream_)
       quiet(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)), "cudaStreamSynchronize");
     if (cudnn_) cudnnDestroy(static_cast<cudnnHandle_t>(cudnn_));
@@ -163,8 +165,15 @@ void* DeviceContext::workspace(size_t bytes) {
   DP_CHECK(device_.is_cuda(), "workspace: only CUDA contexts have one, not " << device_);
 #if DP_HAVE_CUDA
   if (bytes > workspace_bytes_) {
+    refuse_in_capture("growing the workspace");
     auto s = static_cast<cudaStream_t>(stream_);
-    if (workspace_) DP_CUDA_CHECK(cudaFreeAsync(workspace_, s));
+    // A live graph's kernels may hold the old buffer's address: kept until none lives (freed in
+    // stream order after every replay queued so far).
+    if (workspace_) retired_workspaces_.push_back(workspace_);
+    if (live_graphs_->load() == 0) {
+      for (void* p : retired_workspaces_) DP_CUDA_CHECK(cudaFreeAsync(p, s));
+      retired_workspaces_.clear();
+    }
     workspace_ = nullptr;
     workspace_bytes_ = 0;
     cudaError_t e = cudaMallocAsync(&workspace_, bytes, s);
@@ -176,6 +185,8 @@ void* DeviceContext::workspace(size_t bytes) {
     }
     workspace_bytes_ = bytes;
   }
+#else
+  (void)bytes;
 #endif
   return workspace_;
 }
@@ -184,6 +195,7 @@ uint64_t* DeviceContext::fault_record() {
   DP_CHECK(device_.is_cuda(), "fault_record: only CUDA contexts have one, not " << device_);
 #if DP_HAVE_CUDA
   if (!fault_record_) {
+    refuse_in_capture("making the fault record");
     auto s = static_cast<cudaStream_t>(stream_);
     make_current();
     void* p = nullptr;

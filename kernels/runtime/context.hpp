@@ -65,7 +65,8 @@ class DeviceContext {
   void* stream() const { return stream_; }
   void* cublaslt() const { return cublaslt_; }
   void* cudnn() const { return cudnn_; }
-  // A device buffer of at least `bytes`, reused between calls (grows, never shrinks).
+  // A device buffer of at least `bytes`, reused between calls (grows, never shrinks). Growing
+  // throws while a graph captures (the uncaptured runs before a capture size it).
   void* workspace(size_t bytes);
   size_t workspace_bytes() const { return workspace_bytes_; }
 
@@ -152,6 +153,11 @@ class DeviceContext {
   std::map<std::type_index, std::shared_ptr<void>> states_;
   // The capture in progress (Graph::capture): CPU ops go here; non-null on CUDA too, as the flag.
   std::vector<std::function<void()>>* recording_ = nullptr;
+  // Graphs captured on this context and not reset (shared: a graph may outlive the context).
+  // While any lives, a workspace that grows keeps its old buffer (retired_workspaces_): a
+  // captured kernel holds its address. Freed once none lives, or with the context.
+  std::shared_ptr<std::atomic<int>> live_graphs_ = std::make_shared<std::atomic<int>>(0);
+  std::vector<void*> retired_workspaces_;
   friend class Graph;
 };
 

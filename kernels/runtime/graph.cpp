@@ -29,6 +29,8 @@ Graph& Graph::operator=(Graph&& other) noexcept {
     ops_ = std::move(other.ops_);
     exec_ = std::exchange(other.exec_, nullptr);
     nodes_ = std::exchange(other.nodes_, 0);
+    fault_text_ = std::exchange(other.fault_text_, nullptr);
+    live_ = std::move(other.live_);
     reservation_ = std::move(other.reservation_);
   }
   return *this;
@@ -47,6 +49,9 @@ void Graph::reset() {
   ops_.clear();
   ctx_ = nullptr;
   nodes_ = 0;
+  fault_text_ = nullptr;
+  if (live_) --*live_;  // the context may be gone: only its shared count is touched
+  live_.reset();
   reservation_.reset();  // after the ops: the tensors they hold return their blocks to it first
 }
 
@@ -71,38 +76,67 @@ void Graph::capture(DeviceContext& ctx, const std::function<void()>& body) {
     }
   } ending{ctx, reservation != nullptr};
   ctx.recording_ = &ops;
-  if (ctx.device().is_cpu()) {
-    body();
-    ops_ = std::move(ops);
-    nodes_ = static_cast<int64_t>(ops_.size());
-  } else {
-#if DP_HAVE_CUDA
-    ctx.make_current();
-    auto s = static_cast<cudaStream_t>(ctx.stream());
-    DP_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-    cudaGraph_t graph = nullptr;
-    try {
+  // The device-side fault checks the body arms (a bad label, a bad token id) are armed again at
+  // each replay, which runs no host code. The body's kernels do not run while it is captured:
+  // the context's check stays what it was before.
+  const DeviceContext::FaultText armed_before = ctx.fault_text_;
+  ctx.fault_text_ = nullptr;
+  try {
+    if (ctx.device().is_cpu()) {
       body();
-    } catch (...) {
-      cudaStreamEndCapture(s, &graph);  // ends the (invalidated) capture; the error is body's
-      if (graph) cudaGraphDestroy(graph);
-      cudaGetLastError();
-      throw;
-    }
-    DP_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
-    size_t n = 0;
-    cudaGraphGetNodes(graph, nullptr, &n);
-    cudaGraphExec_t exec = nullptr;
-    cudaError_t e = cudaGraphInstantiate(&exec, graph, 0);
-    cudaGraphDestroy(graph);
-    DP_CUDA_CHECK(e);
-    exec_ = exec;
-    nodes_ = static_cast<int64_t>(n);
+      ops_ = std::move(ops);
+      nodes_ = static_cast<int64_t>(ops_.size());
+    } else {
+#if DP_HAVE_CUDA
+      capture_cuda(ctx, body);
 #endif
+    }
+  } catch (...) {
+    ctx.fault_text_ = armed_before;
+    throw;
   }
+  fault_text_ = ctx.fault_text_;
+  ctx.fault_text_ = armed_before;
   ctx_ = &ctx;
+  live_ = ctx.live_graphs_;
+  ++*live_;
   reservation_ = std::move(reservation);
 }
+
+#if DP_HAVE_CUDA
+void Graph::capture_cuda(DeviceContext& ctx, const std::function<void()>& body) {
+  ctx.make_current();
+  auto s = static_cast<cudaStream_t>(ctx.stream());
+  // A failed capture call leaves no stale error for the next launch on this thread.
+  auto check = [&](cudaError_t e, const char* what) {
+    if (e == cudaSuccess) return;
+    cudaGetLastError();
+    DP_THROW("capturing a CUDA graph on " << ctx.device() << ": " << what << ": "
+                                          << cudaGetErrorString(e)
+                                          << " (the step is not capturable: --cuda-graphs off "
+                                             "runs it uncaptured)");
+  };
+  check(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
+  cudaGraph_t graph = nullptr;
+  try {
+    body();
+  } catch (...) {
+    cudaStreamEndCapture(s, &graph);  // ends the (invalidated) capture; the error is body's
+    if (graph) cudaGraphDestroy(graph);
+    cudaGetLastError();
+    throw;
+  }
+  check(cudaStreamEndCapture(s, &graph), "cudaStreamEndCapture");
+  size_t n = 0;
+  cudaGraphGetNodes(graph, nullptr, &n);
+  cudaGraphExec_t exec = nullptr;
+  cudaError_t e = cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphDestroy(graph);
+  check(e, "cudaGraphInstantiate");
+  exec_ = exec;
+  nodes_ = static_cast<int64_t>(n);
+}
+#endif
 
 void Graph::replay() {
   DP_CHECK(captured(), "Graph::replay: nothing captured");
@@ -116,6 +150,7 @@ void Graph::replay() {
   ctx_->make_current();
   DP_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(exec_),
                                 static_cast<cudaStream_t>(ctx_->stream())));
+  if (fault_text_) ctx_->arm_fault_check(fault_text_);  // the next host read checks the record
 #endif
 }
 

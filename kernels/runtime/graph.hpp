@@ -18,6 +18,7 @@
 // writes.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -52,10 +53,17 @@ class Graph {
   void reset();
 
  private:
+  // The CUDA half of capture (defined only where the CUDA backend is built).
+  void capture_cuda(DeviceContext& ctx, const std::function<void()>& body);
+
   DeviceContext* ctx_ = nullptr;
   std::vector<std::function<void()>> ops_;  // CPU
   void* exec_ = nullptr;                    // CUDA: cudaGraphExec_t
   int64_t nodes_ = 0;
+  // The device-side fault check the captured work arms (CUDA): armed again by each replay.
+  DeviceContext::FaultText fault_text_ = nullptr;
+  // The context's count of live graphs (it keeps retired workspaces while any exists).
+  std::shared_ptr<std::atomic<int>> live_;
   std::shared_ptr<BlockReservation> reservation_;
 };
 
