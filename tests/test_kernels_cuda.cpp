@@ -1350,7 +1350,9 @@ float unit_roundoff(DType dt) {
 
 }  // namespace
 
-TEST_CASE("kernels.cuda.attention: the plain f32 path matches CPU (causal, T up to 70), same bits on every run") {
+TEST_CASE(
+    "kernels.cuda.attention: the plain f32 path matches CPU (causal, T up to 70), same bits on "
+    "every run") {
   DP_REQUIRE_GPU();
   for (int64_t t : {int64_t{1}, int64_t{17}, int64_t{70}}) {
     CAPTURE(t);
@@ -1448,6 +1450,42 @@ TEST_CASE("kernels.cuda.sdpa: a refused shape falls back to the plain path with 
   CHECK(same_bits(half.y, cast(y, DType::bf16)));
   CHECK(same_bits(half.lse, lse));
   CHECK(diff(half.dqkv, cast(dqkv, DType::bf16)) <= std::ldexp(1.f, -7) * max_abs(dqkv));
+}
+
+TEST_CASE("kernels.cuda.graph: replays check their device faults, a grown workspace stays theirs") {
+  DP_REQUIRE_GPU();
+  DeviceContext ctx(kGpu, {.caching = Caching::on});
+  ContextScope scope(ctx);
+  Tensor logits = rnd(kGpu, {2, 3}, 140), loss = zeros(kGpu, {1}), dlogits = zeros(kGpu, {2, 3});
+  Tensor lab = Tensor::from_ints({0, 2}, {2}, kGpu);
+  auto body = [&] { softmax_cross_entropy(loss, dlogits, logits, lab); };
+  body();
+  const float good = loss.item();
+  Graph g;
+  g.capture(ctx, body);
+  g.replay();
+  CHECK(loss.item() == good);
+  // A bad label written into the captured labels: the replay's read reports it (a replay runs
+  // no host code, so the graph arms the check itself).
+  Tensor bad = Tensor::from_ints({0, 3}, {2}), fine = Tensor::from_ints({0, 2}, {2});
+  copy(lab, bad);
+  g.replay();
+  CHECK_THROWS_WITH_AS((void)loss.item(), doctest::Contains("label 3 of row 1"), Error);
+  copy(lab, fine);
+  g.replay();
+  CHECK(loss.item() == good);
+  // The context's workspace grows after the capture (the row losses of a 1M-row batch); the old
+  // buffer, which the graph's kernels use, is kept, not handed on.
+  {
+    const int64_t rows = 1'000'000;
+    Tensor big = zeros(kGpu, {rows, 3}), big_loss = zeros(kGpu, {1}), none;
+    softmax_cross_entropy(big_loss, none, big, Tensor::zeros({rows}, DType::i32, kGpu));
+    CHECK(big_loss.item() == doctest::Approx(std::log(3.0)));
+  }
+  Tensor filler = full(kGpu, {1 << 20}, 9.f);  // memory handed out after the growth
+  g.replay();
+  CHECK(loss.item() == good);
+  CHECK(filler.to_host_f32() == std::vector<float>(size_t{1} << 20, 9.f));
 }
 
 TEST_CASE("kernels.cuda.graph: a captured sequence replays bit for bit, memory stays the graph's") {

@@ -40,10 +40,10 @@ class Work {
   // Throws kernels::Error naming the op, the rank and the timeout on failure; again on every
   // later call. A recv's data is in its tensor once wait() returned.
   virtual void wait() = 0;
-  // Orders the calling thread's stream after the op, without blocking the host where the
-  // backend allows it (NCCL: a stream wait on the op's event); work queued on that stream
-  // afterwards sees its result. wait() is still needed, and reports a failure or a timeout.
-  // Other backends: wait().
+  // Orders the stream the op was launched from (the launching thread's context's) after the
+  // op, without blocking the host where the backend allows it (NCCL: a stream wait on the op's
+  // event); work queued on that stream afterwards sees its result. wait() is still needed, and
+  // reports a failure or a timeout. Other backends: wait().
   virtual void order_stream() { wait(); }
   // True once the op has finished, successfully or not. Send and recv (Gloo) only know it
   // once wait() has returned.

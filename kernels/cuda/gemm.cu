@@ -283,6 +283,7 @@ void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose t
           return AlgoAttempt::unsupported("a dimension exceeds cublasGemmEx's int range");
         CublasHandle& h = ctx.state<GemmExHandle>().handle;
         if (!h) {
+          ctx.refuse_in_capture("creating the cuBLAS handle");  // it allocates device memory
           cublasHandle_t raw = nullptr;
           DP_CUBLAS_CHECK(cublasCreate(&raw));
           h = CublasHandle(raw);
