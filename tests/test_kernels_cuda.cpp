@@ -1460,17 +1460,22 @@ TEST_CASE("kernels.cuda.graph: replays check their device faults, a grown worksp
   g.replay();
   CHECK(loss.item() == good);
   // The context's workspace grows after the capture (the row losses of a 1M-row batch); the old
-  // buffer, which the graph's kernels use, is kept, not handed on.
+  // buffer, which the graph's kernels use, is kept, not handed on: a tensor of its size made
+  // next (which the pool would give the freed buffer's memory) is left alone by the replay.
+  const size_t old_bytes = ctx.workspace_bytes();
+  REQUIRE(old_bytes % sizeof(float) == 0);
   {
     const int64_t rows = 1'000'000;
     Tensor big = zeros(kGpu, {rows, 3}), big_loss = zeros(kGpu, {1}), none;
     softmax_cross_entropy(big_loss, none, big, Tensor::zeros({rows}, DType::i32, kGpu));
     CHECK(big_loss.item() == doctest::Approx(std::log(3.0)));
   }
-  Tensor filler = full(kGpu, {1 << 20}, 9.f);  // memory handed out after the growth
+  CHECK(ctx.workspace_bytes() > old_bytes);
+  const auto n = static_cast<int64_t>(old_bytes / sizeof(float));
+  Tensor filler = full(kGpu, {n}, 9.f);
   g.replay();
   CHECK(loss.item() == good);
-  CHECK(filler.to_host_f32() == std::vector<float>(size_t{1} << 20, 9.f));
+  CHECK(filler.to_host_f32() == std::vector<float>(static_cast<size_t>(n), 9.f));
 }
 
 TEST_CASE("kernels.cuda.graph: a captured sequence replays bit for bit, memory stays the graph's") {
