@@ -13,6 +13,21 @@
 
 namespace kernels {
 
+namespace {
+// Whether a graph captures on `stream` (CUDA devices; never on CPU ones).
+bool stream_capturing(Device device, void* stream) {
+#if DP_HAVE_CUDA
+  if (device.is_cuda()) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    return cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capture) == cudaSuccess &&
+           capture != cudaStreamCaptureStatusNone;
+  }
+#endif
+  (void)device, (void)stream;
+  return false;
+}
+}  // namespace
+
 void* allocate_device_bytes(Device device, size_t bytes, void* stream, MemoryStats& stats) {
   void* p = nullptr;
   if (device.is_cpu()) {
@@ -25,9 +40,7 @@ void* allocate_device_bytes(Device device, size_t bytes, void* stream, MemorySta
     CurrentGpuGuard on(physical_gpu(device));
     // Inside a capture this would become the graph's own allocation, which the cache cannot
     // hand back: a captured step must find its blocks cached (kernels/runtime/graph.hpp).
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capture) == cudaSuccess &&
-        capture != cudaStreamCaptureStatusNone)
+    if (stream_capturing(device, stream))
       DP_THROW("allocating " << bytes << " bytes on " << device
                              << " while a graph captures: the work takes memory the cache "
                                 "does not hold (run it once uncaptured first)");
@@ -73,18 +86,6 @@ BlockCache::BlockCache(Device device, std::shared_ptr<void> stream_owner,
 BlockCache::~BlockCache() {
   for (auto& [bytes, blocks] : free_)
     for (void* p : blocks) free_device_bytes(device_, p, bytes, stream_owner_.get());
-}
-
-bool BlockCache::capturing() const {
-#if DP_HAVE_CUDA
-  if (device_.is_cuda()) {
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    return cudaStreamIsCapturing(static_cast<cudaStream_t>(stream_owner_.get()), &capture) ==
-               cudaSuccess &&
-           capture != cudaStreamCaptureStatusNone;
-  }
-#endif
-  return false;
 }
 
 bool BlockCache::release_idle() noexcept {
@@ -133,7 +134,7 @@ void* BlockCache::take(size_t bytes) {
   } catch (const Error&) {
     // Out of memory (or capturing, where nothing may be freed either): the idle blocks of
     // other sizes go back to the device, then the allocation is tried once more.
-    if (capturing() || !release_idle()) throw;
+    if (stream_capturing(device_, stream_owner_.get()) || !release_idle()) throw;
     p = allocate_device_bytes(device_, bytes, stream_owner_.get(), *stats_);
   }
   std::lock_guard<std::mutex> lock(mutex_);

@@ -69,8 +69,6 @@ class BlockCache : public std::enable_shared_from_this<BlockCache> {
 
  private:
   friend class BlockReservation;
-  // Whether a graph captures on the cache's stream (CUDA).
-  bool capturing() const;
   // Hands every idle block (not a reservation's) back to the device; whether there was one.
   bool release_idle() noexcept;
 

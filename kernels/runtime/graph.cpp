@@ -66,37 +66,32 @@ void Graph::capture(DeviceContext& ctx, const std::function<void()>& body) {
   std::vector<std::function<void()>> ops;
   std::shared_ptr<BlockReservation> reservation;
   if (ctx.block_cache()) reservation = ctx.block_cache()->begin_reservation();
-  // Ends the capture state whatever happens: the context must stay usable after a failure.
+  // Ends the capture state whatever happens: the context must stay usable after a failure. The
+  // device-side fault check the body arms (a bad label, a bad token id) is the graph's, armed
+  // again at each replay, which runs no host code; the body's kernels do not run while it is
+  // captured, so the context's check goes back to what it was.
   struct Ending {
     DeviceContext& ctx;
     bool cache;
+    DeviceContext::FaultText armed_before;
     ~Ending() {
       ctx.recording_ = nullptr;
+      ctx.fault_text_ = armed_before;
       if (cache) ctx.block_cache()->end_reservation();
     }
-  } ending{ctx, reservation != nullptr};
+  } ending{ctx, reservation != nullptr, ctx.fault_text_};
   ctx.recording_ = &ops;
-  // The device-side fault checks the body arms (a bad label, a bad token id) are armed again at
-  // each replay, which runs no host code. The body's kernels do not run while it is captured:
-  // the context's check stays what it was before.
-  const DeviceContext::FaultText armed_before = ctx.fault_text_;
   ctx.fault_text_ = nullptr;
-  try {
-    if (ctx.device().is_cpu()) {
-      body();
-      ops_ = std::move(ops);
-      nodes_ = static_cast<int64_t>(ops_.size());
-    } else {
+  if (ctx.device().is_cpu()) {
+    body();
+    ops_ = std::move(ops);
+    nodes_ = static_cast<int64_t>(ops_.size());
+  } else {
 #if DP_HAVE_CUDA
-      capture_cuda(ctx, body);
+    capture_cuda(ctx, body);
 #endif
-    }
-  } catch (...) {
-    ctx.fault_text_ = armed_before;
-    throw;
   }
   fault_text_ = ctx.fault_text_;
-  ctx.fault_text_ = armed_before;
   ctx_ = &ctx;
   live_ = ctx.live_graphs_;
   ++*live_;
