@@ -20,6 +20,84 @@ bool skipped(const Tensor& skip_if) {
 }
 }  // namespace
 
+namespace {
+// The loops below take their constants by value and their arrays as __restrict pointers: a
+// store through a float pointer may otherwise alias a config's float fields, which then are
+// reloaded on every element and keep the loop from vectorising. Branches on constants are taken
+// once per range, outside the element loops. (No FMA contraction on the baseline x86-64 ISA:
+// the same roundings, per element, as the plain loop.)
+struct SgdConstants {
+  float lr, unscale, momentum, keep, weight_decay;
+  bool first_step, nesterov;
+};
+
+template <bool kDecay>
+void sgd_range(float* __restrict p, const float* __restrict g, float* __restrict buf, int64_t begin,
+               int64_t end, const SgdConstants k) {
+  auto direction = [&](int64_t i) {
+    const float gi = g[i] * k.unscale;
+    return kDecay ? gi + k.weight_decay * p[i] : gi;
+  };
+  if (!buf) {
+    for (int64_t i = begin; i < end; ++i) p[i] -= k.lr * direction(i);
+  } else if (k.first_step) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float d = direction(i);
+      buf[i] = d;
+      p[i] -= k.lr * (k.nesterov ? d + k.momentum * d : d);
+    }
+  } else if (k.nesterov) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float d = direction(i);
+      const float b = k.momentum * buf[i] + k.keep * d;
+      buf[i] = b;
+      p[i] -= k.lr * (d + k.momentum * b);
+    }
+  } else {
+    for (int64_t i = begin; i < end; ++i) {
+      const float b = k.momentum * buf[i] + k.keep * direction(i);
+      buf[i] = b;
+      p[i] -= k.lr * b;
+    }
+  }
+}
+
+struct AdamWConstants {
+  float unscale, correction2_sqrt, beta1, beta2, one_minus_b1, one_minus_b2, eps;
+  float decay[kMaxAdamWGroups], step_size[kMaxAdamWGroups];
+};
+
+// Elements [begin, end) of one group j: its decay and step size are constants of the loop.
+void adamw_run(float* __restrict p, const float* __restrict g, float* __restrict pm,
+               float* __restrict pv, int64_t begin, int64_t end, const AdamWConstants& c, int j) {
+  const AdamWConstants k = c;  // a local copy: no store below can change it
+  const float decay = k.decay[j], step_size = k.step_size[j];
+  for (int64_t i = begin; i < end; ++i) {
+    const float gi = g[i] * k.unscale;
+    const float m = k.beta1 * pm[i] + k.one_minus_b1 * gi;
+    const float v = k.beta2 * pv[i] + k.one_minus_b2 * gi * gi;
+    pm[i] = m;
+    pv[i] = v;
+    const float denom = std::sqrt(v) / k.correction2_sqrt + k.eps;
+    const float decayed = p[i] * decay;
+    p[i] = decayed - step_size * m / denom;
+  }
+}
+
+// The elements of one tensor share a group: [begin, end) is cut into runs of one group each.
+void adamw_range(float* p, const float* g, float* pm, float* pv, const uint8_t* grp, int64_t begin,
+                 int64_t end, const AdamWConstants& k) {
+  if (!grp) return adamw_run(p, g, pm, pv, begin, end, k, 0);
+  for (int64_t i = begin; i < end;) {
+    const uint8_t j = grp[i];
+    int64_t run_end = i + 1;
+    while (run_end < end && grp[run_end] == j) ++run_end;
+    adamw_run(p, g, pm, pv, i, run_end, k, j);
+    i = run_end;
+  }
+}
+}  // namespace
+
 // g = grad unscale + wd p; buf = first ? g : m buf + (1 - damp) g; g = nesterov ? g + m buf : buf;
 // p -= lr g.
 void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const SgdConfig& c,
@@ -29,19 +107,19 @@ void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const
   const float* g = grads.data<float>();
   float* buf = c.momentum != 0.f ? momentum_buf.data<float>() : nullptr;
   const float* s = scalars.data<float>();
-  const float lr = s[SgdScalar::lr], unscale = s[SgdScalar::grad_unscale];
-  const bool first_step = s[SgdScalar::first_step] != 0.f;
-  float keep = 1.f - c.dampening;
+  const SgdConstants k{s[SgdScalar::lr],
+                       s[SgdScalar::grad_unscale],
+                       c.momentum,
+                       1.f - c.dampening,
+                       c.weight_decay,
+                       s[SgdScalar::first_step] != 0.f,
+                       c.nesterov == Nesterov::yes};
+  const bool decay = c.weight_decay != 0.f;
   parallel_range(params.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      float gi = g[i] * unscale;
-      float d = c.weight_decay != 0.f ? gi + c.weight_decay * p[i] : gi;
-      if (buf) {
-        buf[i] = first_step ? d : c.momentum * buf[i] + keep * d;
-        d = c.nesterov == Nesterov::yes ? d + c.momentum * buf[i] : buf[i];
-      }
-      p[i] -= lr * d;
-    }
+    if (decay)
+      sgd_range<true>(p, g, buf, begin, end, k);
+    else
+      sgd_range<false>(p, g, buf, begin, end, k);
   });
 }
 
@@ -50,27 +128,24 @@ void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const
 void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, const Tensor& group_of,
                   const AdamWConfig& c, const Tensor& scalars) {
   if (skipped(c.skip_if)) return;
+  const float* s = scalars.data<float>();
+  AdamWConstants k{};
+  k.unscale = s[AdamWScalar::grad_unscale];
+  k.correction2_sqrt = s[AdamWScalar::correction2_sqrt];
+  k.beta1 = c.beta1;
+  k.beta2 = c.beta2;
+  k.one_minus_b1 = 1.f - c.beta1;
+  k.one_minus_b2 = 1.f - c.beta2;
+  k.eps = c.eps;
+  std::copy_n(s + AdamWScalar::decay, kMaxAdamWGroups, k.decay);
+  std::copy_n(s + AdamWScalar::step_size, kMaxAdamWGroups, k.step_size);
   float* p = params.data<float>();
   const float* g = grads.data<float>();
   const uint8_t* grp = group_of.defined() ? group_of.data<uint8_t>() : nullptr;
   float* pm = m.data<float>();
   float* pv = v.data<float>();
-  const float* s = scalars.data<float>();
-  const float unscale = s[AdamWScalar::grad_unscale];
-  const float correction2_sqrt = s[AdamWScalar::correction2_sqrt];
-  const float* decay = s + AdamWScalar::decay;
-  const float* step_size = s + AdamWScalar::step_size;
-  float one_minus_b1 = 1.f - c.beta1, one_minus_b2 = 1.f - c.beta2;
   parallel_range(params.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int k = grp ? grp[i] : 0;
-      p[i] *= decay[k];
-      float gi = g[i] * unscale;
-      pm[i] = c.beta1 * pm[i] + one_minus_b1 * gi;
-      pv[i] = c.beta2 * pv[i] + one_minus_b2 * gi * gi;
-      float denom = std::sqrt(pv[i]) / correction2_sqrt + c.eps;
-      p[i] -= step_size[k] * pm[i] / denom;
-    }
+    adamw_range(p, g, pm, pv, grp, begin, end, k);
   });
 }
 
