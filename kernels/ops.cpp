@@ -28,7 +28,7 @@
   do {                                                            \
     DeviceContext& ctx = context(device);                         \
     if ((device).is_cpu()) DP_RUN_CPU(ctx, cpu::op(__VA_ARGS__)); \
-    DP_CUDA_DISPATCH(cuda::op(__VA_ARGS__, ctx));                 \
+    DP_RUN_CUDA(ctx, op, __VA_ARGS__);                            \
   } while (0)
 
 // A CPU op's call (a statement over the op's arguments): run inside the device's arena now, or,
@@ -41,9 +41,24 @@
     return run_cpu((ctx), [&] { __VA_ARGS__; });                                \
   } while (0)
 
+// A CUDA op, queued on ctx's stream. A captured launch keeps the raw addresses it was given, so
+// while a graph captures, the op's arguments are recorded too (copied, never run): the graph
+// holds their memory until it is destroyed, as a CPU recording does, and no buffer a replay
+// writes goes back to the cache when its owner lets it go (a layer's buffer replaced for a
+// new shape, while the old shape's graph lives on).
+#define DP_RUN_CUDA(ctx, op, ...)                                              \
+  do {                                                                         \
+    if ((ctx).capturing()) (ctx).record([=] { hold_for_graph(__VA_ARGS__); }); \
+    DP_CUDA_DISPATCH(cuda::op(__VA_ARGS__, ctx));                              \
+  } while (0)
+
 namespace kernels {
 
 namespace {
+
+// What a captured CUDA op's recording holds: its arguments (DP_RUN_CUDA).
+template <class... Args>
+void hold_for_graph(const Args&...) {}
 
 [[maybe_unused]] void no_cuda(DeviceContext& ctx) {
   DP_THROW("device " << ctx.device() << " is not usable: " << cuda_unavailable_reason());
@@ -499,12 +514,8 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
   DP_CHECK(label_smoothing >= 0.f && label_smoothing < 1.f,
            op << ": label_smoothing must be in [0, 1), got " << label_smoothing);
   if (logits.dim(0) == 0) return fill(loss, 0.f);  // the loss of an empty batch is 0
-  DeviceContext& ctx = context(logits.device());
-  if (logits.device().is_cpu())
-    DP_RUN_CPU(ctx,
-               cpu::softmax_cross_entropy(loss, dlogits, logits, labels, weights, label_smoothing));
-  DP_CUDA_DISPATCH(
-      cuda::softmax_cross_entropy(loss, dlogits, logits, labels, weights, label_smoothing, ctx));
+  DP_DISPATCH(logits.device(), softmax_cross_entropy, loss, dlogits, logits, labels, weights,
+              label_smoothing);
 }
 
 void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, const Tensor& targets,
@@ -519,10 +530,7 @@ void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, co
     check_same_shape(op, {"logits", logits}, {"dlogits", dlogits});
   }
   if (logits.dim(0) == 0) return fill(loss, 0.f);
-  DeviceContext& ctx = context(logits.device());
-  if (logits.device().is_cpu())
-    DP_RUN_CPU(ctx, cpu::token_cross_entropy(loss, dlogits, logits, targets, ignore_index));
-  DP_CUDA_DISPATCH(cuda::token_cross_entropy(loss, dlogits, logits, targets, ignore_index, ctx));
+  DP_DISPATCH(logits.device(), token_cross_entropy, loss, dlogits, logits, targets, ignore_index);
 }
 
 void mse_loss(Tensor& loss, Tensor& dpred, const Tensor& pred, const Tensor& target) {
@@ -815,12 +823,8 @@ void batch_norm_forward_train(Tensor& y, Tensor& save_mean, Tensor& save_invstd,
   if (x.numel() == 0) return;
   DP_CHECK(x.numel() / x.dim(1) > 1,
            op << ": expected more than one value per channel, got x " << shape_str(x.shape()));
-  DeviceContext& ctx = context(x.device());
-  if (x.device().is_cpu())
-    DP_RUN_CPU(ctx, cpu::batch_norm_forward_train(y, save_mean, save_invstd, running_mean,
-                                                  running_var, x, gamma, beta, momentum, eps));
-  DP_CUDA_DISPATCH(cuda::batch_norm_forward_train(y, save_mean, save_invstd, running_mean,
-                                                  running_var, x, gamma, beta, momentum, eps, ctx));
+  DP_DISPATCH(x.device(), batch_norm_forward_train, y, save_mean, save_invstd, running_mean,
+              running_var, x, gamma, beta, momentum, eps);
 }
 
 void batch_norm_forward_eval(Tensor& y, const Tensor& x, const Tensor& gamma, const Tensor& beta,
@@ -836,12 +840,8 @@ void batch_norm_forward_eval(Tensor& y, const Tensor& x, const Tensor& gamma, co
   check_same_shape(op, {"x", x}, {"y", y});
   check_eps(op, eps);
   if (x.numel() == 0) return;
-  DeviceContext& ctx = context(x.device());
-  if (x.device().is_cpu())
-    DP_RUN_CPU(ctx,
-               cpu::batch_norm_forward_eval(y, x, gamma, beta, running_mean, running_var, eps));
-  DP_CUDA_DISPATCH(
-      cuda::batch_norm_forward_eval(y, x, gamma, beta, running_mean, running_var, eps, ctx));
+  DP_DISPATCH(x.device(), batch_norm_forward_eval, y, x, gamma, beta, running_mean, running_var,
+              eps);
 }
 
 void batch_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor& dy,
@@ -865,12 +865,8 @@ void batch_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor
     }
     return;
   }
-  DeviceContext& ctx = context(x.device());
-  if (x.device().is_cpu())
-    DP_RUN_CPU(ctx, cpu::batch_norm_backward(dx, dgamma, dbeta, dy, x, gamma, save_mean,
-                                             save_invstd, acc));
-  DP_CUDA_DISPATCH(
-      cuda::batch_norm_backward(dx, dgamma, dbeta, dy, x, gamma, save_mean, save_invstd, acc, ctx));
+  DP_DISPATCH(x.device(), batch_norm_backward, dx, dgamma, dbeta, dy, x, gamma, save_mean,
+              save_invstd, acc);
 }
 
 namespace {
@@ -905,10 +901,7 @@ void layer_norm_forward(Tensor& y, Tensor& save_mean, Tensor& save_rstd, const T
   DP_CHECK(x.dim(1) > 0 || x.dim(0) == 0,
            op << ": x " << shape_str(x.shape()) << " has no features");
   if (x.numel() == 0) return;
-  DeviceContext& ctx = context(x.device());
-  if (x.device().is_cpu())
-    DP_RUN_CPU(ctx, cpu::layer_norm_forward(y, save_mean, save_rstd, x, gamma, beta, eps));
-  DP_CUDA_DISPATCH(cuda::layer_norm_forward(y, save_mean, save_rstd, x, gamma, beta, eps, ctx));
+  DP_DISPATCH(x.device(), layer_norm_forward, y, save_mean, save_rstd, x, gamma, beta, eps);
 }
 
 void layer_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor& dy,
@@ -929,12 +922,8 @@ void layer_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor
     }
     return;
   }
-  DeviceContext& ctx = context(x.device());
-  if (x.device().is_cpu())
-    DP_RUN_CPU(
-        ctx, cpu::layer_norm_backward(dx, dgamma, dbeta, dy, x, gamma, save_mean, save_rstd, acc));
-  DP_CUDA_DISPATCH(
-      cuda::layer_norm_backward(dx, dgamma, dbeta, dy, x, gamma, save_mean, save_rstd, acc, ctx));
+  DP_DISPATCH(x.device(), layer_norm_backward, dx, dgamma, dbeta, dy, x, gamma, save_mean,
+              save_rstd, acc);
 }
 
 // ---- dropout -------------------------------------------------------------------------------

@@ -1478,6 +1478,36 @@ TEST_CASE("kernels.cuda.graph: replays check their device faults, a grown worksp
   CHECK(filler.to_host_f32() == std::vector<float>(static_cast<size_t>(n), 9.f));
 }
 
+TEST_CASE("kernels.cuda.graph: a buffer made before the capture stays the graph's after its owner "
+          "drops it") {
+  DP_REQUIRE_GPU();
+  DeviceContext ctx(kGpu, {.caching = Caching::on});
+  ContextScope scope(ctx);
+  const int64_t n = 4099;
+  Tensor x = rnd(kGpu, {n}, 21), out = zeros(kGpu, {1});
+  // A layer's buffer for one shape, made on a warm-up run (as nn's `ensure`d buffers are).
+  Tensor buffer = zeros(kGpu, {n});
+  auto body = [&] {
+    scale(buffer, x, 3.f);
+    sum_squares(out, buffer);
+  };
+  body();
+  const float expected = out.item();
+  Graph g;
+  g.capture(ctx, body);
+  const void* address = buffer.raw();
+  // The owner lets the buffer go (a new shape replaced it); a tensor of its size made next is
+  // what the cache would hand the freed block. The graph holds it: the new tensor gets other
+  // memory, and a replay leaves it alone.
+  buffer = Tensor();
+  Tensor other = full(kGpu, {n}, 7.f);
+  CHECK(other.raw() != address);
+  fill(out, 0.f);
+  g.replay();
+  CHECK(out.item() == expected);
+  CHECK(other.to_host_f32() == std::vector<float>(static_cast<size_t>(n), 7.f));
+}
+
 TEST_CASE("kernels.cuda.graph: a captured sequence replays bit for bit, memory stays the graph's") {
   DP_REQUIRE_GPU();
   DeviceContext ctx(kGpu, {.caching = Caching::on});

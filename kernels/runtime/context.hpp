@@ -94,9 +94,10 @@ class DeviceContext {
 
   // Capture (kernels/runtime/graph.hpp): whether a Graph is capturing on this context. Then
   // the op layer records CPU ops (record) instead of running them, and CUDA work goes into the
-  // stream's capture.
+  // stream's capture, each op's arguments recorded beside it.
   bool capturing() const { return recording_ != nullptr; }
-  // requires capturing(), a CPU device. ensures `op` runs at each replay, in order.
+  // requires capturing(). ensures the graph keeps `op` (and what it holds) until destroyed; on a
+  // CPU device `op` runs at each replay, in order; on a CUDA device it never runs.
   void record(std::function<void()> op) { recording_->push_back(std::move(op)); }
   // Throws, naming `what` and the device, while capturing.
   void refuse_in_capture(const char* what) const;

@@ -84,13 +84,15 @@ void Graph::capture(DeviceContext& ctx, const std::function<void()>& body) {
   ctx.fault_text_ = nullptr;
   if (ctx.device().is_cpu()) {
     body();
-    ops_ = std::move(ops);
-    nodes_ = static_cast<int64_t>(ops_.size());
+    nodes_ = static_cast<int64_t>(ops.size());
   } else {
 #if DP_HAVE_CUDA
     capture_cuda(ctx, body);
 #endif
   }
+  // CPU: the ops a replay runs. CUDA: the captured ops' arguments, held so that the memory the
+  // graph's launches address stays the graph's (never run).
+  ops_ = std::move(ops);
   fault_text_ = ctx.fault_text_;
   ctx_ = &ctx;
   live_ = ctx.live_graphs_;

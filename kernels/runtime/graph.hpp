@@ -13,9 +13,11 @@
 //
 // While a graph captures, a host read on its context (a copy to the host, an op that returns a
 // value, synchronize()) and an allocation from a CUDA device (a BlockCache miss) throw: the work
-// is not capturable. Tensors made while capturing keep their memory for the graph (the cache's
-// reservation) until it is destroyed, so nothing outside the graph is handed memory a replay
-// writes.
+// is not capturable. The graph holds the memory its work addresses until it is destroyed, so
+// nothing outside it is handed memory a replay writes: tensors made while capturing keep their
+// blocks for it (the cache's reservation), and every op's tensor arguments are held by it (a CPU
+// recording copies them; a CUDA capture records them beside the launch), also when their owner
+// lets them go (a layer's buffer replaced for another shape while this shape's graph lives on).
 #pragma once
 
 #include <atomic>
@@ -57,7 +59,7 @@ class Graph {
   void capture_cuda(DeviceContext& ctx, const std::function<void()>& body);
 
   DeviceContext* ctx_ = nullptr;
-  std::vector<std::function<void()>> ops_;  // CPU
+  std::vector<std::function<void()>> ops_;  // CPU: the ops; CUDA: what holds their arguments
   void* exec_ = nullptr;                    // CUDA: cudaGraphExec_t
   int64_t nodes_ = 0;
   // The device-side fault check the captured work arms (CUDA): armed again by each replay.

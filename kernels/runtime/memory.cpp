@@ -107,6 +107,8 @@ void copy_bytes(Tensor& dst, const Tensor& src) {
                 *c);
     });
   }
+  // A captured CUDA copy keeps both addresses: the graph holds both tensors (never run).
+  if (ctx.capturing()) ctx.record([dst, src] { (void)dst.raw(), (void)src.raw(); });
   copy_bytes(dst.raw(), d, src.raw(), s, dst.nbytes(), ctx);
 }
 
@@ -141,6 +143,7 @@ void fill_bytes(Tensor& y, uint8_t value) {
   DeviceContext& ctx = context(y.device());
   if (ctx.capturing() && y.device().is_cpu())
     return ctx.record([y, value]() mutable { std::memset(y.raw(), value, y.nbytes()); });
+  if (ctx.capturing()) ctx.record([y] { (void)y.raw(); });  // held by the CUDA graph
   fill_bytes(y.raw(), y.device(), value, y.nbytes(), ctx);
 }
 
