@@ -14,10 +14,11 @@ namespace dp {
 
 namespace {
 
-// Entries of a device's metrics buffer: loss, correct count, and on device 0 the non-finite
-// verdict and the gradient norm (clipping on).
-constexpr int64_t kMetrics = 4;
-constexpr int64_t kNonFinite = 2, kGradNorm = 3;
+// Entries of a device's metrics buffer: loss, correct count, on device 0 the non-finite verdict
+// and the gradient norm (clipping on), and the first word of the device's fault record (two
+// f32: kernels::queue_fault_word), read on the host with the rest.
+constexpr int64_t kMetrics = 6;
+constexpr int64_t kNonFinite = 2, kGradNorm = 3, kFaultWord = 4;
 
 using Clock = std::chrono::steady_clock;
 double ms_since(Clock::time_point t0) {
@@ -569,6 +570,8 @@ void DataParallel::forward_and_loss(int i, nn::Mode mode) {
     dlogits = kernels::ensure(pd.dlogits, pd.output.shape(), kernels::DType::f32, devices_[i]);
   options_.loss->compute(loss, dlogits, pd.output, pd.labels);
   options_.loss->count_correct_into(correct, pd.output, pd.labels);
+  Tensor fault_word = pd.metrics.view(kFaultWord, {2});
+  kernels::queue_fault_word(fault_word, pool_.context(i));  // a bad label or token id
   // fp16: the loss gradient carries the step's scale (read on the device: nothing to do
   // otherwise).
   if (dlogits.defined()) scaler_.scale_loss_grad(dlogits, pd.loss_scale);
@@ -666,6 +669,14 @@ void DataParallel::settle_step(const float* m, const std::vector<float>& shares,
   stats.skipped = !step_taken_;
   stats.skipped_steps = scaler_.skipped_steps();
   gather_metrics(m, shares, stats);
+}
+
+void DataParallel::report_device_faults(const float* m, int n) {
+  for (int r = 0; r < n; ++r) {
+    if (!kernels::fault_written(m + kMetrics * r + kFaultWord)) continue;
+    drain();  // the faulting device's own worker reports the fault's text (and clears it)
+    DP_THROW("device " << devices_[r] << " reported a device-side fault in its step");
+  }
 }
 
 void DataParallel::drain() {
@@ -981,12 +992,19 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
     stats.ms.cross_node = cross_wait_ms_;
     stats.cross_node_bytes = options_.cross_node->payload_bytes() - cross_before;
   }
+  const float* settled = nullptr;  // the host metrics returned, and their device count
+  size_t settled_devices = 0;
   if (!previous) {
-    settle_step(host_metrics_.data<float>(), shares_, stats);
+    settled = host_metrics_.data<float>();
+    settled_devices = shares_.size();
   } else if (previous->pending) {
     stats.metrics_lagged = true;
     previous->pending = false;
-    settle_step(previous->host.data<float>(), previous->shares, stats);
+    settled = previous->host.data<float>();
+    settled_devices = previous->shares.size();
+  }
+  if (settled) {
+    settle_step(settled, previous ? previous->shares : shares_, stats);
   } else {  // a run's first step: nothing to report yet
     stats.metrics_lagged = true;
     stats.loss = std::numeric_limits<float>::quiet_NaN();
@@ -998,6 +1016,7 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
   if (options_.buffer_sync == BufferSync::average) stats.bytes_moved += (n_used - 1) * b;
   stats.link_bytes = link_bytes(n_used);
   ++step_index_;
+  if (settled) report_device_faults(settled, static_cast<int>(settled_devices));
   return stats;
 }
 
@@ -1102,6 +1121,7 @@ StepStats DataParallel::evaluate(const Tensor& batch_images, const Tensor& batch
   std::vector<int64_t> sizes = split_batch("evaluate", images, labels, stats);
   begin_step(sizes);
   run_step("dp/evaluate", stats.devices_used, [&](int i) { eval_job(i, images, labels, sizes); });
+  report_device_faults(host_metrics_.data<float>(), stats.devices_used);
   gather_metrics(host_metrics_.data<float>(), shares_, stats);
   return stats;
 }

@@ -130,8 +130,8 @@ struct DataParallelOptions {
   // step k - 1 is done there. requires graphs asked for (on, or automatic on CUDA devices),
   // phase_timing off (a step's marks are not reached when it returns), no loss scaler check
   // (fp32: a checked step's verdict decides the next one's step count and scale), not hybrid.
-  // A device-side fault (a bad label) is then reported by the next waiting read
-  // (finish_metrics, evaluate), and device 0's module is final for the host once
+  // A device-side fault (a bad label) is then reported with the step's metrics, by the next
+  // step (or finish_metrics), and device 0's module is final for the host once
   // finish_metrics, save or load returns (they wait for every device; so does evaluate, in
   // order on the devices). 0: each step waits once, for its own metrics.
   int metrics_lag = 0;
@@ -190,7 +190,9 @@ class DataParallel {
 
   // requires images (B, ...) and labels (B, ...) on the host as the model and the loss take
   // them (f32 images and (B) i32 labels for the default loss), B >= 1. Pinned memory lets the
-  // scatter overlap; pageable works too.
+  // scatter overlap; pageable works too. A device-side fault on any device (a label out of
+  // range on a GPU) throws from the step that reads its metrics, naming the device, once that
+  // step is complete (the engine stays usable).
   StepStats train_step(const Tensor& images, const Tensor& labels);
   // requires metrics_lag 1 and a step whose metrics were not returned yet (the last one).
   // ensures every device's work is done; returns that step's loss, correct count, gradient
@@ -406,6 +408,9 @@ class DataParallel {
   Read step_read() const { return options_.metrics_lag > 0 ? Read::lagged : Read::now; }
   // Waits for every device's queued work (metrics_lag 1: before the host touches the weights).
   void drain();
+  // requires m a step's host metrics over n devices. Throws when a device's fault word there says
+  // it faulted (a bad label on a GPU): its worker's report (text and device), after drain().
+  void report_device_faults(const float* m, int n);
   void read_step_metrics(int n, bool gathered_in_graph = false, Read read = Read::now);
   // The loss and correct count from metrics `m` read for a step whose devices' weights were
   // `shares` (one per device used).

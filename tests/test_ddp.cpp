@@ -143,7 +143,8 @@ TEST_CASE("ddp.overlap: bucket all-reduces start before backward ends") {
   });
 }
 
-TEST_CASE("ddp.no_sync: accumulated micro-batches equal one step on their union") {
+TEST_CASE(
+    "ddp.no_sync: accumulated micro-batches equal one step on their union, nested guards too") {
   std::vector<float> synced, ref;
   run_ranks(2, [&](int r, dp::dist::ProcessGroup& pg) {
     auto m = nn::mlp({6, 8, 5});
@@ -162,6 +163,7 @@ TEST_CASE("ddp.no_sync: accumulated micro-batches equal one step on their union"
       scale(dl, dl, 0.5f);  // two micro-batches: each is half of this rank's mean
       if (micro == 0) {
         auto guard = ddp.no_sync();
+        { auto nested = ddp.no_sync(); }  // its end leaves the outer guard in force
         ddp.backward(dl);
         CHECK(ddp.stats().launched_before_backward_end == 0);
       } else {

@@ -881,6 +881,39 @@ TEST_CASE("dp.cuda: metrics_lag 1 on logical GPUs trains bit for bit as 0, one s
   check_lagged_metrics(DeviceType::cuda);
 }
 
+TEST_CASE("dp.cuda: a label out of range on device 3 fails the step that reads it, lagged or not") {
+  DP_REQUIRE_GPU();
+  // Device 3's fault record is not device 0's: it travels with device 3's metrics. Without it,
+  // device 0's read (the step's only one) would return a loss over the bad label.
+  auto [x, y] = dp_test::toy_batch(8, 5);
+  Tensor bad = y.clone();
+  bad.data<int32_t>()[7] = 9;  // 5 classes; rows 6 and 7 are device 3's
+  for (int lag : {0, 1}) {
+    CAPTURE(lag);
+    auto m = small_mlp();
+    m->materialize(Device::cuda(0), kSeed);
+    nn::SGD opt(*m, momentum_sgd());
+    dp::DataParallelOptions o;
+    o.graphs = dp::Graphs::on;
+    o.phase_timing = kernels::Event::Timing::off;
+    o.metrics_lag = lag;
+    dp::DataParallel engine(m, opt, make_devices(DeviceType::cuda, 4), o);
+    for (int s = 0; s < 3; ++s) (void)engine.train_step(x, y);  // warm-up runs, then a capture
+    if (lag == 1) CHECK(std::isfinite(engine.train_step(x, bad).loss));  // the step before's
+    try {
+      (void)engine.train_step(x, lag == 1 ? y : bad);  // lagged: the step after reads it
+      FAIL("the bad label's step did not fail");
+    } catch (const Error& e) {
+      CHECK(std::string(e.what()).find("label 9 of row 1") != std::string::npos);
+      CHECK(std::string(e.what()).find("cuda:3") != std::string::npos);
+    }
+    // The fault is reported once; the engine trains on.
+    dp::StepStats st = engine.train_step(x, y);
+    if (lag == 1) st = engine.finish_metrics();
+    CHECK(std::isfinite(st.loss));
+  }
+}
+
 TEST_CASE("dp.trace: tracks are named: devices, their comm streams, or the caller's names") {
   // A GPU's pulls beside backward go to comm_track(i), shown apart from device i's slices.
   std::vector<dp::TraceEvent> evs = {{"dp/backward", 2, 0, 5, 0},

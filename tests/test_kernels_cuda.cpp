@@ -11,7 +11,9 @@
 #include <string>
 #include <tuple>
 
+#include "kernels/runtime/event.hpp"
 #include "kernels/runtime/graph.hpp"
+#include "kernels/runtime/memory.hpp"
 #include "tests/device_scalars.hpp"
 #include "tests/optim_test_util.hpp"
 #include "tests/test_util.hpp"
@@ -1091,7 +1093,9 @@ TEST_CASE("kernels.cuda.empty: the backend itself handles zero-sized inputs") {
   CHECK(dw.to_host_f32() == std::vector<float>(54, 0.f));
 }
 
-TEST_CASE("kernels.cuda.softmax_cross_entropy: a bad label throws the CPU's text at the read") {
+TEST_CASE(
+    "kernels.cuda.softmax_cross_entropy: a bad label throws the CPU's text at the read, or its "
+    "fault word says so") {
   DP_REQUIRE_GPU();
   Tensor logits = rnd(kGpu, {2, 3}, 90);
   Tensor loss = zeros(kGpu, {1}), dlogits = zeros(kGpu, {2, 3});
@@ -1110,6 +1114,23 @@ TEST_CASE("kernels.cuda.softmax_cross_entropy: a bad label throws the CPU's text
     CHECK(what == "softmax_cross_entropy: label " + std::to_string(label) + " of row " +
                       std::to_string(row) + " is outside [0, 3) for logits [2, 3]");
   }
+  // A read elsewhere (another device's metrics, a lagged read) takes the record's first word:
+  // it says a fault was written, and the context's synchronize() then reports its text.
+  DeviceContext& ctx = context(kGpu);
+  Tensor word = zeros(kGpu, {2});
+  queue_fault_word(word, ctx);
+  CHECK(!fault_written(word.to_host_f32().data()));
+  softmax_cross_entropy(loss, dlogits, logits, Tensor::from_ints({0, 4}, {2}, kGpu));
+  queue_fault_word(word, ctx);
+  Tensor host = Tensor::empty_pinned({2}, DType::f32);
+  queue_read_back(host, word);  // reports nothing itself
+  Event read(Event::Timing::off);
+  read.record(ctx);
+  read.synchronize();
+  CHECK(fault_written(host.data<float>()));
+  CHECK_THROWS_WITH_AS(ctx.synchronize(), doctest::Contains("label 4 of row 1"), Error);
+  queue_fault_word(word, ctx);
+  CHECK(!fault_written(word.to_host_f32().data()));  // reported once, then cleared
   // No trap: the context, and every logical device sharing the GPU, stays usable.
   softmax_cross_entropy(loss, dlogits, logits, Tensor::from_ints({0, 2}, {2}, kGpu));
   CHECK(std::isfinite(loss.item()));
@@ -1478,8 +1499,9 @@ TEST_CASE("kernels.cuda.graph: replays check their device faults, a grown worksp
   CHECK(filler.to_host_f32() == std::vector<float>(static_cast<size_t>(n), 9.f));
 }
 
-TEST_CASE("kernels.cuda.graph: a buffer made before the capture stays the graph's after its owner "
-          "drops it") {
+TEST_CASE(
+    "kernels.cuda.graph: a buffer made before the capture stays the graph's after its owner "
+    "drops it") {
   DP_REQUIRE_GPU();
   DeviceContext ctx(kGpu, {.caching = Caching::on});
   ContextScope scope(ctx);

@@ -48,6 +48,19 @@ TEST_CASE("runtime.device: --device flags choose a type, auto falls back with a 
   }
 }
 
+TEST_CASE("runtime.fault_word: a CPU device's word says no fault, other bits say one") {
+  // CPU ops throw at once: their devices have no fault record, and their word is always clear.
+  // (A CUDA context's is tested in kernels.cuda.softmax_cross_entropy.)
+  DeviceContext& ctx = context(Device::cpu(1));
+  Tensor word = Tensor::zeros({2}, DType::f32, Device::cpu(1));
+  queue_fault_word(word, ctx);
+  CHECK(!fault_written(word.data<float>()));
+  const float written[2] = {0.f, 0.f};
+  CHECK(fault_written(written));
+  Tensor wide = Tensor::zeros({3}, DType::f32, Device::cpu(1));
+  CHECK_THROWS_WITH_AS(queue_fault_word(wide, ctx), doctest::Contains("must be 8 bytes"), Error);
+}
+
 TEST_CASE("runtime.tensor: views share memory and check bounds") {
   Tensor t = Tensor::from_vector({0, 1, 2, 3, 4, 5}, {3, 2});
   CHECK(t.numel() == 6);

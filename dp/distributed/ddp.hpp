@@ -112,16 +112,20 @@ class DistributedDataParallel {
   void average_buffers();
 
   // While a NoSync is alive, backward only accumulates local gradients (gradient accumulation);
-  // the first backward after it reduces everything accumulated.
+  // the first backward after it reduces everything accumulated. Its end restores what was in
+  // force before it: a nested one leaves the outer one's no_sync on.
   class NoSync {
    public:
-    explicit NoSync(DistributedDataParallel& ddp) : ddp_(ddp) { ddp_.sync_enabled_ = false; }
-    ~NoSync() { ddp_.sync_enabled_ = true; }
+    explicit NoSync(DistributedDataParallel& ddp) : ddp_(ddp), before_(ddp.sync_enabled_) {
+      ddp_.sync_enabled_ = false;
+    }
+    ~NoSync() { ddp_.sync_enabled_ = before_; }
     NoSync(const NoSync&) = delete;
     NoSync& operator=(const NoSync&) = delete;
 
    private:
     DistributedDataParallel& ddp_;
+    bool before_;
   };
   NoSync no_sync() { return NoSync(*this); }
 

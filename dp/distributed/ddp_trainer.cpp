@@ -395,6 +395,7 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   const float global_loss = metrics_lag_ > 0 ? report_loss_lagged(share) : report_loss(share);
   times_.metrics_lagged = metrics_lag_ > 0;
   ++steps_;
+  report_lagged_fault();  // once the step is complete: the trainer stays usable
   if (!zero_ && metrics_lag_ == 0) {
     scaler_.settle(*optimizer_, host_metrics_.data<float>()[1] == 0.f);
     if (clip_grad_norm_ > 0.f) grad_norm_ = host_metrics_.data<float>()[2];
@@ -451,13 +452,16 @@ float DdpTrainer::report_loss_lagged(float share) {
   kernels::DeviceContext& ctx = *context_;
   LaggedMetrics& slot = lagged_[steps_ % 2];
   if (!slot.device.defined()) {
-    slot.device = kernels::Tensor::empty({3}, kernels::DType::f32, device_);
-    slot.host = kernels::Tensor::empty_pinned({3}, kernels::DType::f32);
+    slot.device = kernels::Tensor::empty({5}, kernels::DType::f32, device_);
+    slot.host = kernels::Tensor::empty_pinned({5}, kernels::DType::f32);
   }
-  // The step's metrics in a slot of their own (the next step writes metrics_ again), then what
-  // report_loss does with them, its read queued.
-  kernels::copy(slot.device, metrics_);
-  slot.work = reduce_metrics(slot.device, share);
+  // The step's metrics in a slot of their own (the next step writes metrics_ again), with the
+  // context's fault word (its read checks no fault), then what report_loss does with them, its
+  // read queued.
+  kernels::Tensor metrics = slot.device.view(0, {3}), fault_word = slot.device.view(3, {2});
+  kernels::copy(metrics, metrics_);
+  kernels::queue_fault_word(fault_word, ctx);
+  slot.work = reduce_metrics(metrics, share);
   if (slot.work) slot.work->order_stream();  // NCCL: the read waits on the stream, not the host
   kernels::queue_read_back(slot.host, slot.device);
   slot.ready.record(ctx);
@@ -480,8 +484,16 @@ float DdpTrainer::take_lagged(LaggedMetrics& slot, Waited waited) {
     context_->note_host_sync();
   }
   slot.pending = false;
+  lagged_fault_ = kernels::fault_written(slot.host.data<float>() + 3);
   if (clip_grad_norm_ > 0.f) grad_norm_ = slot.host.data<float>()[2];
   return slot.host.data<float>()[0];
+}
+
+void DdpTrainer::report_lagged_fault() {
+  if (!lagged_fault_) return;
+  lagged_fault_ = false;
+  context_->synchronize();  // reports the fault's text (and clears the record)
+  DP_THROW("rank " << rank() << " (" << device_ << ") reported a device-side fault in a step");
 }
 
 float DdpTrainer::finish_metrics() {
@@ -489,7 +501,9 @@ float DdpTrainer::finish_metrics() {
   DP_CHECK(metrics_lag_ > 0 && last.pending,
            "DdpTrainer::finish_metrics: no lagged step since the last call (metrics_lag "
                << metrics_lag_ << ")");
-  return take_lagged(last, Waited::no);
+  const float loss = take_lagged(last, Waited::no);
+  report_lagged_fault();
+  return loss;
 }
 
 std::vector<uint64_t> DdpTrainer::all_gather(uint64_t value) {

@@ -173,6 +173,8 @@ class DdpTrainer {
   enum class Waited { no, yes };
   // A lagged slot's loss (and norm into grad_norm_), after waiting for its read (unless waited).
   float take_lagged(LaggedMetrics& slot, Waited waited);
+  // Throws when the slot take_lagged read last held a device-side fault: the context's report.
+  void report_lagged_fault();
   // This rank's rows of the global host batch (views), and with `share` its share of the
   // batch's loss denominator; requires labels valid for the loss.
   std::pair<kernels::Tensor, kernels::Tensor> slice_chunk(const kernels::Tensor& images,
@@ -227,14 +229,15 @@ class DdpTrainer {
   kernels::Tensor host_metrics_;  // its pinned host copy
   // metrics_lag 1: per step parity, a copy of the step's metrics being all-reduced and read.
   struct LaggedMetrics {
-    kernels::Tensor device, host;  // (3) f32 on the device, pinned
+    kernels::Tensor device, host;  // (5) f32 on the device, pinned: metrics_, the fault word
     kernels::Event ready{kernels::Event::Timing::off};
     std::shared_ptr<Work> work;  // the all-reduce, world > 1 (waited when the slot is read)
     bool pending = false;
   };
   int metrics_lag_ = 0;
   LaggedMetrics lagged_[2];
-  int64_t steps_ = 0;  // train_steps so far (the lag's parity)
+  bool lagged_fault_ = false;  // the slot read last said a fault was written
+  int64_t steps_ = 0;          // train_steps so far (the lag's parity)
   // Phase boundaries of a step on this rank's stream: begin, scattered, forward, backward,
   // gradients synchronised, stepped.
   kernels::Event marks_[6];

@@ -147,4 +147,18 @@ void fill_bytes(Tensor& y, uint8_t value) {
   fill_bytes(y.raw(), y.device(), value, y.nbytes(), ctx);
 }
 
+void queue_fault_word(Tensor& word, DeviceContext& ctx) {
+  DP_CHECK(word.defined() && word.nbytes() == sizeof(uint64_t) && word.device() == ctx.device(),
+           "queue_fault_word: " << word << " must be 8 bytes on " << ctx.device());
+  if (ctx.device().is_cpu()) return fill_bytes(word, 0xff);
+  if (ctx.capturing()) ctx.record([word] { (void)word.raw(); });  // held by the CUDA graph
+  copy_bytes(word.raw(), word.device(), ctx.fault_record(), ctx.device(), sizeof(uint64_t), ctx);
+}
+
+bool fault_written(const float* word) {
+  uint64_t bits = 0;
+  std::memcpy(&bits, word, sizeof bits);
+  return bits != ~uint64_t{0};
+}
+
 }  // namespace kernels

@@ -40,4 +40,14 @@ void read_back(Tensor& host, const Tensor& src);
 // reports no device-side fault (the next waiting read does). From a CPU device: copied now.
 void queue_read_back(Tensor& host, const Tensor& src);
 
+// A device-side fault record that travels with a step's metrics, for reads that do not go
+// through the faulting context (another device's metrics gathered on device 0; a lagged read):
+// requires `word` 2 f32 on the device of ctx, this thread's context there. ensures the first
+// word of ctx's fault record (DeviceContext::fault_record) is copied into `word`, queued and
+// capturable on a CUDA device; on a CPU device (whose ops throw at once) `word` says no fault.
+void queue_fault_word(Tensor& word, DeviceContext& ctx);
+// requires `word` the host copy of a queue_fault_word result. ensures whether it says a fault was
+// written (the context's synchronize() then reports it, with its text).
+bool fault_written(const float* word);
+
 }  // namespace kernels
