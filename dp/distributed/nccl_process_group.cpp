@@ -150,8 +150,10 @@ struct Comm {
       if (q == cudaErrorNotReady) cudaGetLastError();
       bool drained = q == cudaSuccess;
       if (drained) {
-        try {
-          settle_locked(ncclCommFinalize(comm), "finalize", Millis(30000), deadline);
+        try {  // a deadline of its own: the drain may have used most of the first
+          const Millis finalize_timeout(30000);
+          settle_locked(ncclCommFinalize(comm), "finalize", finalize_timeout,
+                        Clock::now() + finalize_timeout);
         } catch (const std::exception& e) {
           DP_LOG_ERROR(e.what());
         }
