@@ -182,6 +182,42 @@ TEST_CASE(
   CHECK(dp_test::rel_diff(synced, m->flat_params().to_host_f32()) <= 1e-5f);
 }
 
+TEST_CASE(
+    "ddp.failure: a backward that throws after some buckets launched leaves the next step "
+    "right") {
+  // The last layer's buckets are counted and launched before the fault (in the middle layer's
+  // backward): the next step must launch every bucket again, in order, on every rank.
+  auto model = [](int r, std::shared_ptr<std::atomic<bool>> armed) {
+    auto s = std::make_shared<nn::Sequential>();
+    s->add(std::make_shared<nn::Linear>(6, 8));
+    s->add(
+        std::make_shared<dp_test::Faulty>(Device::cpu(r), armed, dp_test::Faulty::Pass::backward));
+    s->add(std::make_shared<nn::Linear>(8, 5));
+    s->materialize(Device::cpu(r), kSeed);
+    return s;
+  };
+  auto [x, y] = dp_test::toy_batch(8, 9);
+  std::vector<std::vector<float>> params(2);
+  run_ranks(2, [&](int r, dp::dist::ProcessGroup& pg) {
+    auto armed = std::make_shared<std::atomic<bool>>(true);
+    auto m = model(r, armed);
+    nn::SGD opt(*m, sgd());
+    dp::dist::DdpOptions o;
+    o.first_bucket_bytes = 64;  // the last Linear's parameters alone in the first buckets
+    DistributedDataParallel ddp(m, pg, o);
+    CHECK_THROWS_WITH_AS(chunk_backward(ddp, x, y, r, 2), doctest::Contains("injected fault"),
+                         Error);
+    *armed = false;
+    ddp_step(ddp, opt, x, y, r, 2);
+    params[r] = m->flat_params().to_host_f32();
+  });
+  auto m = model(0, std::make_shared<std::atomic<bool>>(false));
+  nn::SGD opt(*m, sgd());
+  dp_test::single_step(*m, opt, x, y);
+  const std::vector<float> ref = m->flat_params().to_host_f32();
+  for (int r = 0; r < 2; ++r) CHECK(dp_test::rel_diff(params[r], ref) <= 1e-5f);
+}
+
 TEST_CASE("ddp.mismatch: different models fail on every rank, naming the tensor") {
   std::vector<std::string> messages(2);
   run_ranks(2, [&](int r, dp::dist::ProcessGroup& pg) {

@@ -73,23 +73,34 @@ inline std::pair<kernels::Tensor, kernels::Tensor> image_batch(int64_t batch, in
 // A layer that throws from forward on one chosen device while `armed` is set (failure tests).
 class Faulty : public nn::Module {
  public:
-  Faulty(kernels::Device victim, std::shared_ptr<std::atomic<bool>> armed)
-      : victim_(victim), armed_(std::move(armed)) {}
+  // Where it throws: in forward, or in backward (after the layers behind it had theirs).
+  enum class Pass { forward, backward };
+  Faulty(kernels::Device victim, std::shared_ptr<std::atomic<bool>> armed,
+         Pass pass = Pass::forward)
+      : victim_(victim), armed_(std::move(armed)), pass_(pass) {}
   std::string type_name() const override { return "Faulty"; }
 
  protected:
   kernels::Tensor forward_impl(const kernels::Tensor& x) override {
-    if (*armed_ && x.device() == victim_) throw kernels::Error("injected fault");
+    throw_if(Pass::forward, x);
     return x;
   }
-  kernels::Tensor backward_impl(const kernels::Tensor& dy) override { return dy; }
+  kernels::Tensor backward_impl(const kernels::Tensor& dy) override {
+    throw_if(Pass::backward, dy);
+    return dy;
+  }
   std::shared_ptr<nn::Module> clone_config() const override {
-    return std::make_shared<Faulty>(victim_, armed_);
+    return std::make_shared<Faulty>(victim_, armed_, pass_);
   }
 
  private:
+  void throw_if(Pass pass, const kernels::Tensor& t) const {
+    if (pass == pass_ && *armed_ && t.device() == victim_) throw kernels::Error("injected fault");
+  }
+
   kernels::Device victim_;
   std::shared_ptr<std::atomic<bool>> armed_;
+  Pass pass_;
 };
 
 }  // namespace dp_test

@@ -169,6 +169,13 @@ void DistributedDataParallel::reset_stats() {
 }
 
 Tensor DistributedDataParallel::backward(const Tensor& dy) {
+  // A bucket counted or launched by an earlier backward would launch early here, or never: its
+  // collectives would no longer match the peers' (PyTorch refuses this too).
+  DP_CHECK(!sync_enabled_ || sync_idle(),
+           "DistributedDataParallel::backward on rank "
+               << group_.rank()
+               << ": the previous backward's gradients were not synchronised "
+                  "(call finish_gradient_sync() first; accumulate micro-batches under no_sync())");
   reset_stats();
   Tensor dx;
   {
@@ -179,6 +186,7 @@ Tensor DistributedDataParallel::backward(const Tensor& dy) {
       dx = module_->backward(dy);
     } catch (...) {
       in_backward_ = false;
+      abandon_sync();  // the next step starts from no bucket counted or in flight
       throw;
     }
     in_backward_ = false;
@@ -281,13 +289,34 @@ void DistributedDataParallel::launch_ready_buckets() {
   }
 }
 
+bool DistributedDataParallel::sync_idle() const {
+  if (next_to_launch_ != 0) return false;
+  for (size_t k = 0; k < buckets_.size(); ++k)
+    if (ready_count_[k] != 0 || pending_[k]) return false;
+  return true;
+}
+
+void DistributedDataParallel::abandon_sync() {
+  for (auto& w : pending_) {
+    if (!w) continue;
+    try {
+      w->wait();  // its tensors stay untouched once this returns (or the group failed)
+    } catch (const std::exception& e) {
+      DP_LOG_ERROR("ddp: an abandoned step's bucket all-reduce: " << e.what());
+    }
+    w.reset();
+  }
+  std::fill(ready_count_.begin(), ready_count_.end(), 0);
+  next_to_launch_ = 0;
+}
+
 void DistributedDataParallel::finish_gradient_sync() {
   if (!sync_enabled_) return;
   // Buckets whose parameters got no gradient this step (unused layers) still take part.
   for (size_t k = 0; k < buckets_.size(); ++k) ready_count_[k] = buckets_[k].n_params;
-  launch_ready_buckets();
   auto t0 = Clock::now();
-  {
+  try {
+    launch_ready_buckets();
     kernels::NvtxRange range("ddp/allreduce_wait");
     TraceScope slice(trace_, "ddp/allreduce_wait", group_.rank());
     for (size_t k = 0; k < pending_.size(); ++k) {  // every bucket was issued by now
@@ -297,6 +326,9 @@ void DistributedDataParallel::finish_gradient_sync() {
       }
       unstage_bucket(static_cast<int>(k));
     }
+  } catch (...) {
+    abandon_sync();
+    throw;
   }
   average_buffers();
   stats_.allreduce_wait_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();

@@ -156,6 +156,11 @@ class DistributedDataParallel {
   void unstage_bucket(int k);
   // Queues share_ into device_share_ (nothing when it holds share_ already).
   void write_share();
+  // Whether no bucket is counted ready or in flight (between steps).
+  bool sync_idle() const;
+  // After a failed backward or sync: waits for the works in flight (errors logged) and forgets
+  // what was counted, so the next step's buckets launch as on every other rank.
+  void abandon_sync();
 
   nn::ModulePtr module_;
   ProcessGroup& group_;
