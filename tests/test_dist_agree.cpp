@@ -444,6 +444,22 @@ std::array<LastStep, 2> ddp_pair(const std::string& dir, const std::string& name
 
 }  // namespace
 
+TEST_CASE("ddp.batch: a global batch with fewer rows than ranks fails on every rank at once") {
+  // Rank 1 gets no row of a 1-row batch; rank 0 gets it. Both refuse the step, naming the fix,
+  // instead of rank 0 waiting alone in the step's collectives until the group's timeout.
+  std::string dir = dist_test::make_temp_dir("ddp_short_batch");
+  const int port = net::find_free_port();
+  const std::vector<std::string> args = {"--mode", "ddp", "--steps", "1", "--batch", "1"};
+  HandRank r0(dir, "b_0", 0, 2, port, args, "60"), r1(dir, "b_1", 1, 2, port, args, "60");
+  CHECK(r0.wait(30s) == 1);
+  CHECK(r1.wait(30s) == 1);
+  for (const std::string& out : {r0.output(), r1.output()}) {
+    CAPTURE(out);
+    CHECK(out.find("a global batch of 1 rows leaves 1 of 2 ranks without rows") !=
+          std::string::npos);
+  }
+}
+
 TEST_CASE("ddp.clip: clipping on the device keeps DdpTrainer's step at one host read") {
   // Two hand-launched ranks, 3 steps, clipping off and on (to a norm far below the gradient's):
   // the last step reads the host once either way (the metrics, which bring the norm along),

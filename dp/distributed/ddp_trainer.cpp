@@ -333,11 +333,13 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   marks_[0].record(ctx);
   float share = 0;
   auto [hx, hy] = slice_chunk(images, labels, &share);
-  DP_CHECK(hx.dim(0) > 0, "DdpTrainer: a global batch of "
-                              << images.dim(0) << " rows leaves rank " << rank() << " of "
-                              << world_size() << " without rows: pad a short last batch to "
-                              << world_size() << " rows (LoaderOptions::pad_last_batch_to) or "
-                              << "drop it");
+  // Checked on the global batch, which every rank holds: all ranks refuse it together (a rank
+  // going on alone would wait in collectives its peers never enter).
+  DP_CHECK(images.dim(0) >= world_size(),
+           "DdpTrainer: a global batch of "
+               << images.dim(0) << " rows leaves " << world_size() - images.dim(0) << " of "
+               << world_size() << " ranks without rows: pad a short last batch to " << world_size()
+               << " rows (LoaderOptions::pad_last_batch_to) or drop it");
   ddp_->set_batch_share(total_denominator_ > 0 ? my_denominator_ : 0,
                         std::max<int64_t>(total_denominator_, 1));
   write_scale();
