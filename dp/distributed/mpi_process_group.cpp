@@ -174,6 +174,16 @@ struct InFlight {
   Millis timeout;
 };
 
+// An op that failed or was abandoned before MPI completed it: MPI may still write its buffers
+// (a late peer's data, at any later MPI call of the process), so they are never freed. Kept for
+// the process's life (the job is ending: a broken group aborts it).
+void keep_for_mpi(InFlight&& op) {
+  static std::mutex mu;
+  static auto* kept = new std::vector<InFlight>();
+  std::lock_guard<std::mutex> lock(mu);
+  kept->push_back(std::move(op));
+}
+
 class MpiProcessGroup final : public ProcessGroup {
  public:
   MpiProcessGroup(int rank, int size, MPI_Comm comm, std::chrono::milliseconds timeout)
@@ -525,6 +535,7 @@ class MpiProcessGroup final : public ProcessGroup {
         InFlight& op = in_flight[i];
         int done = 0;
         int rc = MPI_Test(&op.request, &done, MPI_STATUS_IGNORE);
+        if (rc != MPI_SUCCESS) done = 0;
         std::string earlier = broken_reason();
         bool finished = true;
         if (rc != MPI_SUCCESS) {
@@ -556,6 +567,7 @@ class MpiProcessGroup final : public ProcessGroup {
           finished = false;
         }
         if (finished) {
+          if (!done) keep_for_mpi(std::move(op));
           in_flight.erase(in_flight.begin() + static_cast<std::ptrdiff_t>(i));
           progressed = true;
         } else {
