@@ -535,6 +535,7 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
     state.step = step;
     state.rng_offsets = engine.rng_offsets();
     if (engine.scaler().enabled()) state.scaler = engine.scaler().state();
+    engine.drain();  // metrics_lag 1: the last step's update may still be running
     nn::save_checkpoint_in(*lock, o.keep, *model, opt, state);
   };
   auto bar = progress_line(label, o.warmup + o.steps);

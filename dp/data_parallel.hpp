@@ -242,6 +242,10 @@ class DataParallel {
   // and the step (train_steps so far unless `position.step` says otherwise); `position` adds
   // the caller's epoch, batches done and config. Written atomically. Call between steps.
   void save(const std::string& path, const nn::TrainingProgress& position = {});
+  // Waits for every device's queued work and reports a device-side fault: before the host reads
+  // or writes device 0's module itself (metrics_lag 1: a step returns before its update is done;
+  // save and load do this themselves).
+  void drain();
   // Restores what save() wrote, bit for bit; refuses, naming what differs, a file from another
   // model, optimizer or device count, or whose config differs from `expected.config`. Returns
   // the saved position (step, epoch, batches done). Call between steps.
@@ -278,9 +282,9 @@ class DataParallel {
     std::vector<int> graph_waits;         // whose ends a graphed reduce waits for
     Tensor input, labels;                 // this step's chunk on the device
     Tensor output, dlogits;
-    // (4) f32 on the device: the chunk's mean loss and correct count, and (device 0) whether the
+    // (6) f32 on the device: the chunk's mean loss and correct count, (device 0) whether the
     // reduced gradient held a non-finite value (the GradScaler's verdict) and its norm (clipping
-    // on), read with the rest.
+    // on), and the device's fault word (two f32), read with the rest.
     Tensor metrics;
     // Receivers: per source (in sources_ order), its gradient staged here when this device
     // cannot read the source's memory in place (GPUs without peer access); else undefined.
@@ -406,8 +410,6 @@ class DataParallel {
   // and updated_ marks the end of device 0's part (the next step's replicas wait on it).
   enum class Read { now, lagged };
   Read step_read() const { return options_.metrics_lag > 0 ? Read::lagged : Read::now; }
-  // Waits for every device's queued work (metrics_lag 1: before the host touches the weights).
-  void drain();
   // requires m a step's host metrics over n devices. Throws when a device's fault word there says
   // it faulted (a bad label on a GPU): its worker's report (text and device), after drain().
   void report_device_faults(const float* m, int n);

@@ -321,6 +321,9 @@ inline TrainingProgress load_training_state(const std::string& path, Module& m, 
     std::vector<float> mine(host.begin() + target.first, host.begin() + target.first + dst.numel());
     kernels::copy(dst, Tensor::from_vector(mine, dst.shape(), dst.device()));
   }
+  // The copies are queued on this thread's stream: done before another's (an engine's worker)
+  // reads what was loaded.
+  if (!targets.empty()) kernels::context(targets.front().dst->device()).synchronize();
   opt.set_step_count(optimizer_steps);
   // Dropout streams: each device's or rank's own when the world is the same; else every one
   // goes on past the furthest any saved stream reached (a device's key is its index's).
@@ -435,12 +438,31 @@ inline std::vector<std::string> list_checkpoints(const std::string& dir) {
   return out;
 }
 
-// Keeps the newest `keep` checkpoints of `dir` and removes the others.
-inline void prune_checkpoints(const std::string& dir, int keep) {
-  auto all = list_checkpoints(dir);
-  for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) {
+// requires keep >= 1 and `written` the step of the checkpoint just written in `dir`. ensures
+// the newest `keep` checkpoints of steps up to `written` stay (that one among them) and older
+// ones are removed. A checkpoint of a later step belongs to a run this one superseded (it
+// resumed from an earlier checkpoint, or skipped a damaged newer one): it is moved aside to
+// <name>.superseded, and said so on stderr, so that "latest" never picks it over this run's
+// work, and nothing of it is deleted.
+inline void prune_checkpoints(const std::string& dir, int keep, int64_t written) {
+  DP_CHECK(keep >= 1, "prune_checkpoints: keep " << keep << " would remove the new checkpoint");
+  std::vector<std::string> mine;
+  for (const std::string& path : list_checkpoints(dir)) {
+    const int64_t step = detail::checkpoint_step(std::filesystem::path(path).filename().string());
+    if (step <= written) {
+      mine.push_back(path);
+      continue;
+    }
     std::error_code ec;
-    std::filesystem::remove(all[i], ec);
+    std::filesystem::rename(path, path + ".superseded", ec);
+    std::fprintf(stderr, "checkpoint %s: %s: this run wrote step %lld from an earlier point\n",
+                 path.c_str(),
+                 ec ? ("not moved aside: " + ec.message()).c_str() : "moved aside to .superseded",
+                 static_cast<long long>(written));
+  }
+  for (size_t i = 0; i + static_cast<size_t>(keep) < mine.size(); ++i) {
+    std::error_code ec;
+    std::filesystem::remove(mine[i], ec);
   }
 }
 
@@ -628,7 +650,7 @@ inline std::string save_checkpoint_in(const std::string& dir, int keep, Module& 
                                       const OptimizerState& whole_state = {}) {
   const std::string path = checkpoint_file(dir, progress.step);
   save_training_state(path, m, opt, progress, whole_state);
-  prune_checkpoints(dir, keep);
+  prune_checkpoints(dir, keep, progress.step);
   return path;
 }
 

@@ -531,7 +531,7 @@ TEST_CASE("nn.amp: more than 5% skipped steps warns, --max-skip-fraction makes i
 
 TEST_CASE(
     "nn.train_state: a checkpoint folder: names of any width, one job's lock, stale temporaries "
-    "removed") {
+    "removed, a superseded later step moved aside") {
   const std::string dir = dp_test::temp_path("train_state", "folder") + "/a/b";
   std::filesystem::remove_all(dp_test::temp_path("train_state", "folder"));
   {
@@ -589,6 +589,17 @@ TEST_CASE(
     REQUIRE(all.size() == 2);
     CHECK(all[0] == nn::checkpoint_file(dir, 100000000));
     CHECK(all[1] == nn::checkpoint_file(dir, 100000002));
+    // A run that resumed from step 100000000 (the newer one damaged, or a roll-back) writes
+    // 100000001 under --keep 1: its file stays, the superseded 100000002 is moved aside (not
+    // deleted), and "latest" is this run's.
+    p.step = 100000001;
+    const std::string written = nn::save_checkpoint_in(lock, 1, *m, *opt, p);
+    CHECK(std::filesystem::exists(written));
+    all = nn::list_checkpoints(dir);
+    REQUIRE(all.size() == 1);
+    CHECK(all[0] == written);
+    CHECK(std::filesystem::exists(nn::checkpoint_file(dir, 100000002) + ".superseded"));
+    CHECK(nn::resolve_resume("latest", dir) == written);
   }
   // Released with its holder: the next job takes it.
   CHECK_NOTHROW(nn::CheckpointDirLock(dir, "next"));
