@@ -862,6 +862,7 @@ void DataParallel::graph_job(int i, const Tensor& images, const Tensor& labels,
     for (int r : waits) per_device_[r].marks[kReduced].wait(ctx);
     std::unique_ptr<kernels::ContextScope> wide;
     kernels::DeviceContext* on = &ctx;
+    const int64_t steps_before = optimizer_.step_count();
     if (i == 0) {
       // The optimizer's per-step scalars (lr, step count, loss scale) go to the device here,
       // outside the graph: the replayed update reads them there.
@@ -871,18 +872,25 @@ void DataParallel::graph_job(int i, const Tensor& images, const Tensor& labels,
         on = wide_context_.get();
       }
     }
-    run_graph_segment(*on, gs.reduce, runs, [&] {
-      const int n_sources = static_cast<int>(sources_[i].size());
-      if (n_sources > 0)
-        for (int k = 0; k < static_cast<int>(plan_.buckets.size()); ++k)
-          sum_sources(*on, i, k, 0, n_sources, true);
-      if (pd.outbox.defined()) kernels::copy(pd.outbox, m.flat_grads());  // rounded once
-      if (i == 0) {
-        if (n > 1) average_buffers_on_root(sizes, true);
-        queue_update();
-        if (n > 1) gather_metrics_on_root(n);
-      }
-    });
+    try {
+      run_graph_segment(*on, gs.reduce, runs, [&] {
+        const int n_sources = static_cast<int>(sources_[i].size());
+        if (n_sources > 0)
+          for (int k = 0; k < static_cast<int>(plan_.buckets.size()); ++k)
+            sum_sources(*on, i, k, 0, n_sources, true);
+        if (pd.outbox.defined()) kernels::copy(pd.outbox, m.flat_grads());  // rounded once
+        if (i == 0) {
+          if (n > 1) average_buffers_on_root(sizes, true);
+          queue_update();
+          if (n > 1) gather_metrics_on_root(n);
+        }
+      });
+    } catch (...) {
+      // A capture that failed ran nothing: no update was taken, so the step is not counted.
+      if (i == 0 && runs >= kGraphWarmupRuns && !gs.reduce.captured())
+        optimizer_.set_step_count(steps_before);
+      throw;
+    }
   }
   pd.marks[kReduced].record(ctx);
   if (i > 0) {
@@ -966,12 +974,24 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
     stats.graphed = it != per_device_[0].graphs.end() && it->second.runs >= kGraphWarmupRuns;
   }
   const auto before = runtime_counts();
-  run_step("dp/train_step", n_used, [&](int i) {
+  try {
+    run_step("dp/train_step", n_used, [&](int i) {
+      if (graphed_step_)
+        graph_job(i, images, labels, sizes);
+      else
+        train_job(i, images, labels, sizes);
+    });
+  } catch (...) {
+    // A failed step is no warm-up run of its shape: the shape runs uncaptured twice again
+    // before a capture (which needs the sizes both runs leave in the caches), whatever was
+    // captured of it already staying.
     if (graphed_step_)
-      graph_job(i, images, labels, sizes);
-    else
-      train_job(i, images, labels, sizes);
-  });
+      for (int i = 0; i < n_used; ++i) {
+        auto it = per_device_[i].graphs.find(graph_key_);
+        if (it != per_device_[i].graphs.end()) it->second.runs = 0;
+      }
+    throw;
+  }
   LaggedMetrics* previous = nullptr;
   if (options_.metrics_lag > 0) {
     // The caller may refill the host batch once this returns: wait until every device has

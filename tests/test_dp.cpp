@@ -881,6 +881,38 @@ TEST_CASE("dp.cuda: metrics_lag 1 on logical GPUs trains bit for bit as 0, one s
   check_lagged_metrics(DeviceType::cuda);
 }
 
+TEST_CASE(
+    "dp.failure: failed graphed steps are no warm-up runs, and the steps after equal uncaptured "
+    "ones") {
+  // Two steps fail (cpu:2's forward), then four succeed. The shape's first two good steps run
+  // uncaptured (on a GPU a capture needs the sizes both warm-up runs leave in the caches), the
+  // third captures; the weights and the step count are those of an uncaptured engine.
+  auto run = [&](dp::Graphs graphs) {
+    auto armed = std::make_shared<std::atomic<bool>>(true);
+    auto s = std::make_shared<nn::Sequential>();
+    s->add(std::make_shared<nn::Linear>(6, 5));
+    s->add(std::make_shared<dp_test::Faulty>(Device::cpu(2), armed));
+    s->materialize(Device::cpu(0), kSeed);
+    nn::SGD opt(*s, momentum_sgd());
+    dp::DataParallelOptions o;
+    o.graphs = graphs;
+    dp::DataParallel engine(s, opt, make_devices(DeviceType::cpu, 4), o);
+    auto [x, y] = dp_test::toy_batch(8, 1);
+    for (int f = 0; f < 2; ++f)
+      CHECK_THROWS_WITH_AS(engine.train_step(x, y), doctest::Contains("injected fault"), Error);
+    *armed = false;
+    std::vector<bool> graphed;
+    for (int k = 0; k < 4; ++k) graphed.push_back(engine.train_step(x, y).graphed);
+    CHECK(opt.step_count() == 4);
+    return std::make_pair(graphed, s->flat_params().to_host_f32());
+  };
+  auto [graphed, params] = run(dp::Graphs::on);
+  auto [never, eager] = run(dp::Graphs::off);
+  CHECK(graphed == std::vector<bool>{false, false, true, true});
+  CHECK(never == std::vector<bool>(4, false));
+  CHECK(same_bits(params, eager));
+}
+
 TEST_CASE("dp.cuda: a label out of range on device 3 fails the step that reads it, lagged or not") {
   DP_REQUIRE_GPU();
   // Device 3's fault record is not device 0's: it travels with device 3's metrics. Without it,
