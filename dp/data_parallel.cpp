@@ -242,11 +242,14 @@ void DataParallel::publish(int i, int complete_buckets) {
 void DataParallel::write_step_values(int i) {
   PerDevice& pd = per_device_[i];
   if (!pd.step_values.defined()) {
-    const int64_t slots = 2 + n_devices();
-    pd.step_values = Tensor::empty({slots}, kernels::DType::f32, devices_[i]);
+    const int d = n_devices();
+    pd.step_values = Tensor::empty({2 + 2 * d}, kernels::DType::f32, devices_[i]);
     pd.unscale = kernels::Scalar(pd.step_values.view(0, {1}));
     pd.loss_scale = kernels::Scalar(pd.step_values.view(1, {1}));
-    for (int r = 0; r < n_devices(); ++r) pd.shares.emplace_back(pd.step_values.view(2 + r, {1}));
+    for (int r = 0; r < d; ++r) {
+      pd.shares.emplace_back(pd.step_values.view(2 + r, {1}));
+      pd.row_shares.emplace_back(pd.step_values.view(2 + d + r, {1}));
+    }
   } else if (pd.written_values == step_values_) {
     return;  // the device holds them already
   }
@@ -268,8 +271,12 @@ void DataParallel::begin_step(const std::vector<int64_t>& sizes) {
   // of it); the sum over nodes then makes the global mean.
   shares_ = options_.cross_node ? loss_shares(denominators_, global_denominator_)
                                 : loss_shares(denominators_);
-  step_values_.assign({1.f / step_scale_, step_scale_});
-  step_values_.insert(step_values_.end(), shares_.begin(), shares_.end());
+  row_shares_ = loss_shares(sizes, options_.cross_node ? global_rows_ : total);
+  step_values_.assign(2 + 2 * static_cast<size_t>(n_devices()), 0.f);
+  step_values_[0] = 1.f / step_scale_;
+  step_values_[1] = step_scale_;
+  std::copy(shares_.begin(), shares_.end(), step_values_.begin() + 2);
+  std::copy(row_shares_.begin(), row_shares_.end(), step_values_.begin() + 2 + n_devices());
   // Who pulls from whom, in order. Star: 0 <- 1, 2, ..., n-1. Tree: in round s = 1, 2, 4, ...
   // device i (a multiple of 2s) pulls from i + s: 0 <- 1, 2 <- 3, then 0 <- 2.
   sources_.assign(n, {});
@@ -509,9 +516,9 @@ void DataParallel::average_buffers_on_root(const std::vector<int64_t>& sizes, bo
   kernels::DeviceContext& ctx = pool_.context(0);
   // Each replica's statistics are final once its forward ran: wait for every device's end.
   if (!ordered) wait_for_raised(&Signals::done, n);
-  // Each replica holds its chunk's mean statistic; weighting chunk i by B_i / B gives the
-  // global batch's.
-  const std::vector<kernels::Scalar>& shares = per_device_[0].shares;
+  // Each replica holds its chunk's mean statistic; weighting chunk i by its rows B_i / B gives
+  // the global batch's (not by its loss share: a chunk whose tokens are all ignored has rows).
+  const std::vector<kernels::Scalar>& shares = per_device_[0].row_shares;
   kernels::scale(root, root, shares[0]);
   for (int r = 1; r < n; ++r) {
     if (!ordered) per_device_[r].marks[kReduced].wait(ctx);
@@ -535,12 +542,13 @@ std::vector<int64_t> DataParallel::split_batch(const char* what, Tensor& images,
     // Checked alike on every node (each knows the batch and the node count), so no node goes on
     // into a collective that another one left.
     DP_CHECK(stats.samples >= cross->nodes(),
-             what << ": a global batch of " << stats.samples << " rows leaves node "
-                  << stats.samples << " of " << cross->nodes()
-                  << " without rows: give at least one row per node");
+             what << ": a global batch of " << stats.samples << " rows leaves "
+                  << cross->nodes() - stats.samples << " of " << cross->nodes()
+                  << " nodes without rows: give at least one row per node");
     const std::vector<int64_t> nodes = chunk_sizes(stats.samples, cross->nodes());
     const int64_t rows = nodes[cross->node()], begin = chunk_begin(nodes, cross->node());
     global_denominator_ = options_.loss->denominator(labels);
+    global_rows_ = stats.samples;
     images = images.slice(begin, begin + rows);
     labels = labels.slice(begin, begin + rows);
   }
@@ -928,7 +936,7 @@ void DataParallel::finish_cross_node(int n) {
     if (options_.buffer_sync == BufferSync::average) {
       // Device 0 holds the node's share of the global statistics (its own chunk's, weighted,
       // when it is the node's only device): the sum over nodes is the global batch's.
-      if (n == 1) kernels::scale(buffers, buffers, shares_[0]);
+      if (n == 1) kernels::scale(buffers, buffers, row_shares_[0]);
       cross.start_sum(buffers);
       cross.finish();
     } else {

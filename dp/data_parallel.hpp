@@ -248,7 +248,9 @@ class DataParallel {
   void drain();
   // Restores what save() wrote, bit for bit; refuses, naming what differs, a file from another
   // model, optimizer or device count, or whose config differs from `expected.config`. Returns
-  // the saved position (step, epoch, batches done). Call between steps.
+  // the saved position (step, epoch, batches done). Call between steps. metrics_lag 1: a
+  // step's metrics still pending belong to the run replaced and are dropped (finish_metrics()
+  // first keeps them); the next step, like a run's first, returns none.
   nn::TrainingProgress load(const std::string& path, const nn::TrainingProgress& expected = {});
 
  private:
@@ -290,13 +292,13 @@ class DataParallel {
     // cannot read the source's memory in place (GPUs without peer access); else undefined.
     std::vector<Tensor> staging;
     Tensor outbox;  // sources with a 16-bit comm dtype: their gradient, rounded, bucket by bucket
-    // The step's host scalars on the device (write_step_values): (2 + devices) f32, made once
-    // so that its address, which graphs hold, never changes. Views: the gradient unscale
-    // (1 / loss scale), the loss scale, and each device's share.
+    // The step's host scalars on the device (write_step_values): (2 + 2 devices) f32, made
+    // once so that its address, which graphs hold, never changes. Views: the gradient unscale
+    // (1 / loss scale), the loss scale, each device's loss share and each one's row share.
     Tensor step_values;
     std::vector<float> written_values;  // what step_values holds
     kernels::Scalar unscale, loss_scale;
-    std::vector<kernels::Scalar> shares;
+    std::vector<kernels::Scalar> shares, row_shares;
     // The sources and weights of the fused sum in progress (kept to keep their capacity).
     std::vector<Tensor> sum_from;
     std::vector<kernels::Scalar> sum_weights;
@@ -439,10 +441,15 @@ class DataParallel {
   // The step's reduction: who pulls from whom (in order), and with which weight.
   std::vector<std::vector<int>> sources_;
   std::vector<float> shares_;
-  // What write_step_values writes: 1 / step_scale_, step_scale_, then shares_.
+  // Each chunk's rows over the batch's (hybrid: the global batch's): the weights of the running
+  // statistics, which are means over rows whatever the loss divides by.
+  std::vector<float> row_shares_;
+  // What write_step_values writes: 1 / step_scale_, step_scale_, shares_, then row_shares_ (each
+  // padded to the device count).
   std::vector<float> step_values_;
   std::vector<int64_t> denominators_;  // the step's chunks' loss denominators (split_batch)
   int64_t global_denominator_ = 0;     // hybrid: the global batch's (split_batch)
+  int64_t global_rows_ = 0;            // hybrid: the global batch's rows (split_batch)
   double cross_wait_ms_ = 0;           // hybrid: finish_cross_node's wait this step
   std::mutex signal_mutex_;
   std::condition_variable signal_cv_;

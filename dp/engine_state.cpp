@@ -27,6 +27,9 @@ nn::TrainingProgress DataParallel::load(const std::string& path,
   set_rng_offsets(got.rng_offsets);
   if (got.scaler) scaler_.set_state(*got.scaler);
   step_index_ = got.step;
+  // A pending step's metrics describe the run replaced: settled after this, they would be
+  // returned as the loaded run's, and their verdict would move the loaded loss scale.
+  for (LaggedMetrics& slot : lagged_) slot.pending = false;
   return got;
 }
 

@@ -24,6 +24,11 @@ namespace {
 
 constexpr uint64_t kSeed = 1234;
 
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() &&
+         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+}
+
 nn::ModulePtr small_mlp() {
   return nn::mlp({6, 16, 5});
 }
@@ -270,6 +275,60 @@ TEST_CASE("dp.buffers: root_only keeps device 0's running stats (PyTorch's behav
     buffers[mode] = m->flat_buffers().to_host_f32();
   }
   CHECK(max_abs_diff(buffers[0], buffers[1]) > 1e-6f);
+}
+
+namespace {
+
+// Cross-entropy over rows whose label is not -1 (a token loss with one token per row): its
+// denominator is the kept rows, which may be 0 in a chunk or in the whole batch.
+class MaskedRowLoss : public nn::Loss {
+ public:
+  std::string name() const override { return "masked_rows"; }
+  void check_target(const Tensor& target) const override { token_.check_target(as_tokens(target)); }
+  int64_t denominator(const Tensor& target) const override {
+    return token_.denominator(as_tokens(target));
+  }
+  void compute(Tensor& loss, Tensor& dpred, const Tensor& pred,
+               const Tensor& target) const override {
+    Tensor d3 = dpred.defined() ? dpred.reshape({pred.dim(0), 1, pred.dim(1)}) : Tensor();
+    token_.compute(loss, d3, pred.reshape({pred.dim(0), 1, pred.dim(1)}), as_tokens(target));
+  }
+
+ private:
+  static Tensor as_tokens(const Tensor& target) { return target.reshape({target.dim(0), 1}); }
+  nn::TokenCrossEntropyLoss token_{-1};
+};
+
+}  // namespace
+
+TEST_CASE("dp.buffers: running stats are averaged over rows, whichever labels the loss ignores") {
+  // The running statistics are means over each chunk's rows: their weights are B_i / B, not the
+  // loss's shares (which are all 0 when every label is ignored, and uneven when some are).
+  auto make = [] {
+    auto s = std::make_shared<nn::Sequential>();
+    s->add(std::make_shared<nn::Linear>(6, 5));
+    s->add(std::make_shared<nn::BatchNorm1d>(5));
+    return s;
+  };
+  auto [x, y] = dp_test::toy_batch(11, 7);  // chunks 3, 3, 3, 2
+  auto buffers_after_one_step = [&, x = x](const std::vector<int32_t>& labels) {
+    auto m = make();
+    m->materialize(Device::cpu(0), kSeed);
+    nn::SGD opt(*m, SgdConfig{});
+    dp::DataParallelOptions o;
+    o.loss = std::make_shared<MaskedRowLoss>();
+    dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, 4), o);
+    Tensor t = Tensor::empty({11}, DType::i32, Device::cpu(0));
+    std::copy(labels.begin(), labels.end(), t.data<int32_t>());
+    engine.train_step(x, t);
+    return m->flat_buffers().to_host_f32();
+  };
+  std::vector<int32_t> kept(y.data<int32_t>(), y.data<int32_t>() + 11);
+  std::vector<int32_t> none(11, -1), some = kept;
+  for (int r : {0, 1, 2, 3, 4, 9}) some[r] = -1;  // chunk 0 keeps none, chunk 1 one row
+  const std::vector<float> reference = buffers_after_one_step(kept);
+  CHECK(same_bits(buffers_after_one_step(none), reference));
+  CHECK(same_bits(buffers_after_one_step(some), reference));
 }
 
 TEST_CASE("dp.replicas: bitwise equal to device 0 after every replicate") {
@@ -544,11 +603,6 @@ GraphRun train_graphs(
   run.params = engine.module().flat_params().to_host_f32();
   run.buffers = engine.module().flat_buffers().to_host_f32();
   return run;
-}
-
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() &&
-         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
 }  // namespace
@@ -830,6 +884,39 @@ void check_lagged_metrics(DeviceType type) {
 
 TEST_CASE("dp.metrics_lag: each step reports the one before, training bit for bit the same") {
   check_lagged_metrics(DeviceType::cpu);
+}
+
+TEST_CASE("dp.metrics_lag: after a load, the first step reports nothing and the next its own") {
+  // The step pending at the load is the replaced run's: it is never returned as a loaded step's.
+  const std::string path = dp_test::temp_path("dp_lag", "load_pending");
+  auto m = small_mlp();
+  m->materialize(Device::cpu(0), kSeed);
+  nn::SGD opt(*m, momentum_sgd());
+  dp::DataParallelOptions o;
+  o.graphs = dp::Graphs::on;
+  o.phase_timing = kernels::Event::Timing::off;
+  o.metrics_lag = 1;
+  dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, 3), o);
+  std::vector<float> losses;
+  for (int s = 0; s < 3; ++s) {
+    auto [x, y] = dp_test::toy_batch(10, 100 + s);
+    losses.push_back(engine.train_step(x, y).loss);
+    if (s == 0) engine.save(path);
+  }
+  losses.push_back(engine.finish_metrics().loss);  // losses[k + 1]: step k's
+  for (int s = 3; s < 5; ++s) {  // step 4's metrics pend when the load comes, in the slot
+    auto [x, y] = dp_test::toy_batch(10, 100 + s);  // that the loaded step 1 reads
+    engine.train_step(x, y);
+  }
+  engine.load(path);  // back to after step 0
+  auto [x1, y1] = dp_test::toy_batch(10, 101);
+  auto [x2, y2] = dp_test::toy_batch(10, 102);
+  CHECK(std::isnan(engine.train_step(x1, y1).loss));
+  CHECK(engine.train_step(x2, y2).loss == losses[2]);  // step 1's, as in the first run
+  CHECK(engine.finish_metrics().loss == losses[3]);
+  CHECK_THROWS_WITH_AS(engine.finish_metrics(), doctest::Contains("no step's metrics are pending"),
+                       kernels::Error);
+  std::remove(path.c_str());
 }
 
 TEST_CASE("dp.metrics_lag: refused where a step's results decide the next, named") {
