@@ -387,6 +387,64 @@ TEST_CASE("dist.state: DdpTrainer::save then load resumes bit for bit on every r
   CHECK(weights(a1.output()) == weights(a0.output()));
 }
 
+TEST_CASE(
+    "dist.state: a load that fails on one rank, or reads another state there, fails on every "
+    "rank, and a lagged step pending at a load is dropped") {
+  std::string dir = dist_test::make_temp_dir("ddp_state_ranks");
+  const std::string file = dir + "/two.safetensors", other = dir + "/three.safetensors";
+  auto run = [&](const std::string& name, const std::vector<std::string>& args0,
+                 const std::vector<std::string>& args1) {
+    const int port = net::find_free_port();
+    std::vector<std::string> common = {"--mode", "ddp", "--steps", "4"};
+    std::vector<std::string> a0 = common, a1 = common;
+    a0.insert(a0.end(), args0.begin(), args0.end());
+    a1.insert(a1.end(), args1.begin(), args1.end());
+    HandRank r0(dir, name + "0", 0, 2, port, a0, "60"), r1(dir, name + "1", 1, 2, port, a1, "60");
+    const int rc0 = r0.wait(30s), rc1 = r1.wait(30s);
+    return std::make_pair(std::make_pair(rc0, rc1), std::make_pair(r0.output(), r1.output()));
+  };
+  for (const auto& [path, at] : {std::make_pair(file, "2"), std::make_pair(other, "3")}) {
+    const std::vector<std::string> save = {"--save", path, "--save-at", at};
+    REQUIRE(run(std::string("save") + at, save, save).first == std::make_pair(0, 0));
+  }
+  // Rank 1's node lacks the file: both stop at the load, rank 0 naming rank 1.
+  {
+    auto [rc, out] = run("missing", {"--load", file}, {"--load", dir + "/absent.safetensors"});
+    CHECK(rc == std::make_pair(1, 1));
+    CAPTURE(out.first);
+    CHECK(contains(out.first, "DdpTrainer::load: rank 1 could not load " + file));
+    CHECK(contains(out.second, "absent.safetensors"));
+  }
+  // The ranks read different states (steps 2 and 3): both stop, before training on.
+  {
+    auto [rc, out] = run("differ", {"--load", file}, {"--load", other});
+    CHECK(rc == std::make_pair(1, 1));
+    for (const std::string& o : {out.first, out.second}) {
+      CAPTURE(o);
+      CHECK(contains(o, "rank 1 loaded another state than rank 0"));
+      CHECK_FALSE(contains(o, "ddp ok"));
+    }
+  }
+  // metrics_lag 1: three steps, then the load; the resumed steps report what a fresh resume
+  // does (the first nothing), not the dropped run's pending step.
+  {
+    const std::vector<std::string> lag = {"--metrics-lag", "1", "--load", file};
+    std::vector<std::string> before = lag;
+    before.insert(before.end(), {"--train-before-load", "3"});
+    auto losses = [](const std::string& out) {
+      auto at = out.find("losses");
+      return at == std::string::npos ? std::string("none")
+                                     : out.substr(at, out.find('\n', at) - at);
+    };
+    auto fresh = run("fresh", lag, lag), late = run("late", before, before);
+    REQUIRE(fresh.first == std::make_pair(0, 0));
+    REQUIRE(late.first == std::make_pair(0, 0));
+    CHECK(losses(fresh.second.first).rfind("losses nan ", 0) == 0);
+    CHECK(losses(late.second.first) == losses(fresh.second.first));
+    CHECK(losses(late.second.second) == losses(fresh.second.second));
+  }
+}
+
 TEST_CASE("dist.config: hand-launched ranks that agree train, without a job id") {
   std::string dir = dist_test::make_temp_dir("batch_match");
   const int port = net::find_free_port();

@@ -148,7 +148,9 @@ class DdpTrainer {
   // requires wrap() done, ZeRO off (its sharded state is not saved here).
   void save(const std::string& path, const nn::TrainingProgress& position = {});
   // Every rank reads `path` (each its own dropout offset); refuses another model, optimizer or
-  // world size, naming what differs. Returns the saved position.
+  // world size, naming what differs; throws on every rank when one rank could not load or the
+  // ranks loaded different states. metrics_lag 1: a pending step's metrics are dropped
+  // (finish_metrics() first keeps them). Returns the saved position. A collective.
   nn::TrainingProgress load(const std::string& path, const nn::TrainingProgress& expected = {});
 
  private:

@@ -49,11 +49,45 @@ void DdpTrainer::save(const std::string& path, const nn::TrainingProgress& posit
 nn::TrainingProgress DdpTrainer::load(const std::string& path,
                                       const nn::TrainingProgress& expected) {
   check_can_save("load", ddp_ != nullptr, zero_stage_);
+  // metrics_lag 1: the step pending belongs to the run replaced. Its all-reduce (which every
+  // rank issued) is taken and its metrics dropped: settled later, they would be returned as the
+  // loaded run's first step's.
+  for (LaggedMetrics& slot : lagged_) {
+    if (!slot.pending) continue;
+    if (slot.work) slot.work->wait();
+    slot.work.reset();
+    slot.ready.synchronize();
+    slot.pending = false;
+  }
   nn::TrainingProgress want = expected;
   want.mode = "ddp";
   want.world_size = world_size();
-  nn::TrainingProgress got =
-      nn::load_training_state(path, ddp_->module(), *optimizer_, want, rank());
+  nn::Module& m = ddp_->module();
+  nn::TrainingProgress got;
+  std::exception_ptr failed;
+  try {
+    got = nn::load_training_state(path, m, *optimizer_, want, rank());
+  } catch (...) {
+    failed = std::current_exception();
+  }
+  // Every rank learns whether every other loaded (its file may be missing on one node only),
+  // then whether they all hold the same state: no rank trains on from another's.
+  const std::vector<uint64_t> loaded = all_gather(failed ? 0 : 1);
+  if (failed) std::rethrow_exception(failed);
+  for (int r = 0; r < world_size(); ++r)
+    DP_CHECK(loaded[r] == 1, "DdpTrainer::load: rank "
+                                 << r << " could not load " << path << " (rank " << r
+                                 << "'s error says why); rank " << rank() << " stops with it");
+  const std::vector<float> params = m.flat_params().to_host_f32();
+  const uint64_t mine = nn::detail::fnv1a(params.data(), params.size() * sizeof(float),
+                                          nn::detail::fnv1a(&got.step, sizeof got.step));
+  const std::vector<uint64_t> states = all_gather(mine);
+  for (int r = 1; r < world_size(); ++r)
+    DP_CHECK(states[r] == states[0], "DdpTrainer::load: rank "
+                                         << r << " loaded another state than rank 0 from " << path
+                                         << " (its step or weights differ): every rank must read "
+                                            "the same checkpoint (a shared path, or one copy "
+                                            "per node)");
   if (got.scaler) scaler_.set_state(*got.scaler);
   return got;
 }
