@@ -90,6 +90,18 @@ inline std::string hex64(uint64_t v) {
   return text;
 }
 
+// The metadata's own hash: every key and value but "meta_fnv1a64", in key order, each ended by
+// a NUL (a step, scale or offset changed by a flipped bit reads as corrupt, not as a position).
+inline std::string metadata_hash(const std::map<std::string, std::string>& metadata) {
+  uint64_t hash = kFnvOffsetBasis;
+  for (const auto& [k, v] : metadata) {
+    if (k == "meta_fnv1a64") continue;
+    hash = fnv1a(k.c_str(), k.size() + 1, hash);
+    hash = fnv1a(v.c_str(), v.size() + 1, hash);
+  }
+  return hex64(hash);
+}
+
 }  // namespace detail
 
 // requires m materialised, optimizer built on m, every rank's model equal (the caller saves
@@ -159,6 +171,7 @@ inline void save_training_state(const std::string& path, Module& m, Optimizer& o
     meta["scaler.growth_tracker"] = std::to_string(progress.scaler->growth_tracker);
     meta["scaler.skipped_steps"] = std::to_string(progress.scaler->skipped_steps);
   }
+  meta["meta_fnv1a64"] = detail::metadata_hash(meta.get<std::map<std::string, std::string>>());
   header["__metadata__"] = meta;
   std::string text = header.dump();
   while ((8 + text.size()) % 8 != 0) text += ' ';  // the data starts 8-byte aligned
@@ -214,6 +227,13 @@ inline TrainingProgress load_training_state(const std::string& path, Module& m, 
   };
   DP_CHECK(file.metadata.count("format") && text("format") == "dptrain-training-state-1",
            where << ": not a training state (no __metadata__ format dptrain-training-state-1)");
+  if (file.metadata.count("meta_fnv1a64")) {  // files of older versions have none
+    const std::string want = detail::metadata_hash(file.metadata);
+    DP_CHECK(text("meta_fnv1a64") == want,
+             where << ": the metadata does not match its hash (meta_fnv1a64 "
+                   << io::printable(text("meta_fnv1a64")) << ", the metadata gives " << want
+                   << "): the file is corrupt");
+  }
   TrainingProgress got;
   got.step = number("step", 0, kMax);
   got.epoch = number("epoch", 0, kMaxInt);

@@ -461,10 +461,28 @@ TEST_CASE(
     CAPTURE(c.key);
     nlohmann::json h = header;
     h["__metadata__"][c.key] = c.value;
+    // With its hash, any change is corrupt; without it (older files), each field is checked.
+    write_bytes(out, join(h.dump(), good.data));
+    CHECK(t.load(out).find("the metadata does not match its hash (meta_fnv1a64 ") !=
+          std::string::npos);
+    h["__metadata__"].erase("meta_fnv1a64");
     write_bytes(out, join(h.dump(), good.data));
     const std::string e = t.load(out);
     CHECK(e.find(c.says) != std::string::npos);
     CHECK(e.find(out) != std::string::npos);
+  }
+  // A step changed to another valid step: only the hash can tell.
+  {
+    nlohmann::json h = header;
+    REQUIRE(h["__metadata__"].contains("meta_fnv1a64"));
+    h["__metadata__"]["step"] = h["__metadata__"]["step"].get<std::string>() + "0";
+    write_bytes(out, join(h.dump(), good.data));
+    const std::string e = t.load(out);
+    CHECK(e.find("the metadata does not match its hash") != std::string::npos);
+    CHECK(e.find(out) != std::string::npos);
+    h["__metadata__"].erase("meta_fnv1a64");  // an older file's: loads, with the step it says
+    write_bytes(out, join(h.dump(), good.data));
+    CHECK(t.load(out) == "(no error)");
   }
   // A 20-digit data offset: named, with the file, not a bare "stoull".
   {
