@@ -76,6 +76,20 @@ inline const char* file_kind(mode_t mode) {
   return "not a regular file";
 }
 
+// requires nothing. ensures returns when `path` is, after symbolic links, a regular file.
+// Throws "<path>: no such file" only when it is missing: "<path>: cannot stat it: <reason>" when
+// it cannot be looked at (a folder on the way not searchable, a link loop), and "<path>: is
+// <kind>, not a regular file" for a directory, device, FIFO or socket.
+inline void require_regular_file(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    const int e = errno;
+    DP_CHECK(e != ENOENT, path << ": no such file");
+    DP_THROW(path << ": cannot stat it: " << errno_text(e));
+  }
+  DP_CHECK(S_ISREG(st.st_mode), path << ": is " << file_kind(st.st_mode) << ", not a regular file");
+}
+
 // A regular file opened for reading, with its size fixed at open. Every read is checked
 // against that size before anything is allocated or read.
 class FileReader {

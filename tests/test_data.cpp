@@ -21,6 +21,7 @@
 #include "dp/data/loader.hpp"
 #include "dp/data/mnist.hpp"
 #include "dp/data/synthetic.hpp"
+#include "dp/data/text.hpp"
 #include "tests/test_util.hpp"
 
 namespace fs = std::filesystem;
@@ -249,6 +250,15 @@ TEST_CASE("data.idx: trailing garbage and missing files are reported") {
   std::string msg = error_of([&] { read_idx(missing); });
   CHECK_ERROR_HAS(msg, missing);
   CHECK_ERROR_HAS(msg, "no such file");
+  // A file that exists but cannot be looked at (here a link loop; a folder without search
+  // permission alike) is not called missing: the reason is given, for every reader.
+  std::string loop = dir.file("loop");
+  std::filesystem::create_symlink(loop, loop);
+  for (const std::string& e :
+       {error_of([&] { read_idx(loop); }), error_of([&] { read_idx_header(loop); }),
+        error_of([&] { dp::data::read_text_file(loop, 1 << 20); })}) {
+    CHECK_ERROR_HAS(e, loop + ": cannot stat it: Too many levels of symbolic links");
+  }
 }
 
 // ---- MNIST format ---------------------------------------------------------------------------
@@ -306,6 +316,16 @@ TEST_CASE("data.mnist: count mismatch and bad labels and missing files name the 
   CHECK_ERROR_HAS(msg, nowhere);
   CHECK_ERROR_HAS(msg, "dataset-fashion-mnist");
   CHECK_ERROR_HAS(msg, "--data DIR");
+
+  // An images file that cannot be looked at is named with the reason, not reported missing.
+  const std::string images = dir.file("t10k-images-idx3-ubyte");
+  std::filesystem::create_symlink(images, images);
+  msg = error_of([&] { MnistDataset(dir.path.string(), Split::test); });
+  CHECK_ERROR_HAS(msg, images + ": cannot stat it: Too many levels of symbolic links");
+  const std::string loop_dir = dir.file("loop_dir");
+  std::filesystem::create_symlink(loop_dir, loop_dir);
+  msg = error_of([&] { MnistDataset(loop_dir, Split::train); });
+  CHECK_ERROR_HAS(msg, "directory " + loop_dir + ": cannot stat it: Too many levels");
 }
 
 TEST_CASE("data.idx: a header declaring more than the file can hold fails before the body") {

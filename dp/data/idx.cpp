@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "kernels/runtime/error.hpp"
+#include "nn/file_io.hpp"
 
 namespace dp::data {
 
@@ -96,11 +97,8 @@ struct RawFile {
 };
 
 RawFile inspect(const std::string& path) {
+  nn::io::require_regular_file(path);
   std::error_code ec;
-  DP_CHECK(std::filesystem::exists(path, ec), path << ": no such file");
-  DP_CHECK(!std::filesystem::is_directory(path, ec), path << ": is a directory, not an IDX file");
-  DP_CHECK(std::filesystem::is_regular_file(path, ec),
-           path << ": not a regular file (a device, FIFO or socket), not an IDX file");
   RawFile raw;
   raw.size = std::filesystem::file_size(path, ec);
   DP_CHECK(!ec, path << ": cannot read its size: " << ec.message());

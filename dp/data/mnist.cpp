@@ -4,10 +4,12 @@
 
 #include <tbb/parallel_invoke.h>
 
+#include <cerrno>
 #include <filesystem>
 
 #include "dp/data/idx.hpp"
 #include "kernels/runtime/error.hpp"
+#include "nn/file_io.hpp"
 
 namespace dp::data {
 
@@ -16,16 +18,6 @@ namespace {
 constexpr const char* kHowToGetIt =
     "install the Debian package dataset-fashion-mnist (apt install dataset-fashion-mnist) or "
     "pass --data DIR with the four MNIST-format files";
-
-// What a path that is not a regular file is, for messages ("a FIFO (named pipe)").
-const char* file_kind(const struct stat& st) {
-  if (S_ISDIR(st.st_mode)) return "a directory";
-  if (S_ISCHR(st.st_mode)) return "a character device";
-  if (S_ISBLK(st.st_mode)) return "a block device";
-  if (S_ISFIFO(st.st_mode)) return "a FIFO (named pipe)";
-  if (S_ISSOCK(st.st_mode)) return "a socket";
-  return "not a regular file";
-}
 
 // `dir`/`stem`, or `dir`/`stem`.gz, whichever exists (the plain one first). Refuses, before
 // anything is read, one that exists but is not a regular file (a FIFO, a symbolic link to
@@ -37,6 +29,9 @@ std::string find_file(const std::string& dir, const std::string& stem) {
   for (const std::string& path : {plain, gz}) {
     struct stat st {};
     if (::stat(path.c_str(), &st) != 0) {
+      const int e = errno;  // only a missing file sends us on to the other name
+      DP_CHECK(e == ENOENT,
+               "MNIST data set: " << path << ": cannot stat it: " << nn::io::errno_text(e));
       struct stat lst {};
       DP_CHECK(::lstat(path.c_str(), &lst) != 0,
                "MNIST data set: " << path << " is a symbolic link to nothing (dangling)");
@@ -44,9 +39,9 @@ std::string find_file(const std::string& dir, const std::string& stem) {
     }
     struct stat lst {};
     const bool link = ::lstat(path.c_str(), &lst) == 0 && S_ISLNK(lst.st_mode);
-    DP_CHECK(S_ISREG(st.st_mode), "MNIST data set: " << path << " is "
-                                                     << (link ? "a symbolic link to " : "")
-                                                     << file_kind(st) << ", not a regular file");
+    DP_CHECK(S_ISREG(st.st_mode),
+             "MNIST data set: " << path << " is " << (link ? "a symbolic link to " : "")
+                                << nn::io::file_kind(st.st_mode) << ", not a regular file");
     return path;
   }
   DP_THROW("MNIST data set: neither " << plain << " nor " << gz << " exists; " << kHowToGetIt);
@@ -57,8 +52,10 @@ std::string find_file(const std::string& dir, const std::string& stem) {
 MnistDataset::MnistDataset(const std::string& dir, Split split, MnistOptions options)
     : dir_(dir), split_(split) {
   std::error_code ec;
-  DP_CHECK(std::filesystem::is_directory(dir, ec),
-           "MNIST data set: directory " << dir << " not found; " << kHowToGetIt);
+  const bool is_dir = std::filesystem::is_directory(dir, ec);
+  DP_CHECK(is_dir || !ec || ec == std::errc::no_such_file_or_directory,
+           "MNIST data set: directory " << dir << ": cannot stat it: " << ec.message());
+  DP_CHECK(is_dir, "MNIST data set: directory " << dir << " not found; " << kHowToGetIt);
   DP_CHECK(options.std > 0.f, "MnistOptions: std must be > 0, got " << options.std);
   const std::string prefix = split == Split::train ? "train" : "t10k";
   images_path_ = find_file(dir, prefix + "-images-idx3-ubyte");

@@ -9,16 +9,15 @@
 
 #include "kernels/philox.hpp"
 #include "kernels/runtime/error.hpp"
+#include "nn/file_io.hpp"
 
 namespace dp::data {
 
 namespace fs = std::filesystem;
 
 std::vector<uint8_t> read_text_file(const std::string& path, int64_t max_bytes) {
+  nn::io::require_regular_file(path);
   std::error_code ec;
-  DP_CHECK(fs::exists(path, ec), path << ": no such file");
-  DP_CHECK(fs::is_regular_file(path, ec),
-           path << ": not a regular file (a directory, device, FIFO or socket), not a text file");
   const uint64_t size = fs::file_size(path, ec);
   DP_CHECK(!ec, path << ": cannot read its size: " << ec.message());
   DP_CHECK(size <= static_cast<uint64_t>(max_bytes), path << ": " << size
