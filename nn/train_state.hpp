@@ -448,10 +448,15 @@ inline bool is_checkpoint_temporary(const std::string& name) {
 inline std::vector<std::string> list_checkpoints(const std::string& dir) {
   std::vector<std::pair<int64_t, std::string>> found;
   std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
-    const int64_t step = detail::checkpoint_step(e.path().filename().string());
-    if (step >= 0) found.emplace_back(step, e.path().string());
+  std::filesystem::directory_iterator it(dir, ec), end;
+  // A folder not made yet holds none; one that cannot be read is an error, not "none" (a resume
+  // would start over and the next save prune what it could not see).
+  for (; !ec && it != end; it.increment(ec)) {
+    const int64_t step = detail::checkpoint_step(it->path().filename().string());
+    if (step >= 0) found.emplace_back(step, it->path().string());
   }
+  DP_CHECK(!ec || ec == std::errc::no_such_file_or_directory,
+           "checkpoint folder " << io::printable(dir) << ": cannot list it: " << ec.message());
   std::sort(found.begin(), found.end());
   std::vector<std::string> out;
   for (auto& f : found) out.push_back(f.second);
@@ -501,6 +506,7 @@ struct Resumed {
   std::string path;
   TrainingProgress progress;
   std::vector<std::string> skipped;
+  std::string searched;  // `latest`: the folder searched
 };
 
 // `resume` naming a file: loads it (load_training_state); any fault is an error, since the user
@@ -521,6 +527,7 @@ inline Resumed resume_training_state(const std::string& resume, const std::strin
     out.progress = load_training_state(resume, m, opt, expected, index);
     return out;
   }
+  out.searched = dir;
   const std::vector<std::string> all = list_checkpoints(dir);
   for (auto it = all.rbegin(); it != all.rend(); ++it) {
     try {
@@ -543,6 +550,9 @@ inline Resumed resume_training_state(const std::string& resume, const std::strin
 inline std::vector<std::string> resume_report(const Resumed& r, const TrainingProgress& now) {
   std::vector<std::string> lines;
   for (const auto& s : r.skipped) lines.push_back("--resume latest: skipped " + s);
+  if (r.path.empty() && !r.searched.empty())
+    lines.push_back("--resume latest: no checkpoint in " + io::printable(r.searched) +
+                    " yet: starting from step 0");
   if (r.path.empty()) return lines;
   if (!r.skipped.empty())
     lines.push_back("--resume latest: resuming from " + io::printable(r.path) +

@@ -449,9 +449,6 @@ int main(int argc, char** argv) {
     if (chatty)
       for (const std::string& line : nn::resume_report(resumed, run_state))
         std::fprintf(stderr, "train_mnist: %s\n", line.c_str());
-    if (!f.resume.empty() && resume_path.empty() && chatty)
-      std::fprintf(stderr, "train_mnist: no checkpoint in %s yet: starting from step 0\n",
-                   f.checkpoint_dir.c_str());
     if (!resume_path.empty()) {
       const nn::TrainingProgress& got = resumed.progress;
       if (dp_engine) dp_engine->set_rng_offsets(got.rng_offsets);

@@ -682,7 +682,20 @@ TEST_CASE(
   CHECK(none.find("skipped " + s4) != std::string::npos);
   std::filesystem::remove(s4);
   std::filesystem::remove(s6);
-  CHECK(nn::resume_training_state("latest", dir, *fresh, *fresh_opt, expect).path.empty());
+  const nn::Resumed empty = nn::resume_training_state("latest", dir, *fresh, *fresh_opt, expect);
+  CHECK(empty.path.empty());
+  const std::vector<std::string> said = nn::resume_report(empty, expect);
+  REQUIRE(said.size() == 1);
+  CHECK(said[0] == "--resume latest: no checkpoint in " + dir + " yet: starting from step 0");
+  // A folder that cannot be listed (here a file; a folder without read permission alike) is an
+  // error naming it, not "no checkpoint yet".
+  const std::string not_dir = dir + "/plain_file";
+  write_bytes(not_dir, "x");
+  const std::string unlisted =
+      error_of([&] { nn::resume_training_state("latest", not_dir, *fresh, *fresh_opt, expect); });
+  CHECK(unlisted.find("checkpoint folder " + not_dir + ": cannot list it: Not a directory") !=
+        std::string::npos);
+  std::filesystem::remove(not_dir);
   // The whole file again loads from the named path: the checks above can pass.
   write_bytes(s6, good6);
   CHECK(nn::resume_training_state(s6, dir, *fresh, *fresh_opt, expect).progress.step == 6);
