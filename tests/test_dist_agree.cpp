@@ -518,6 +518,32 @@ TEST_CASE("ddp.batch: a global batch with fewer rows than ranks fails on every r
   }
 }
 
+TEST_CASE("ddp.config: ranks that clip differently, or use another loss, fail at wrap") {
+  // Each rank applies these to the same all-reduced gradient: a difference would let the ranks'
+  // weights drift apart without any collective failing.
+  std::string dir = dist_test::make_temp_dir("ddp_engine_config");
+  auto both_refuse = [&](const std::string& name, const std::vector<std::string>& extra1,
+                         const std::string& says) {
+    const int port = net::find_free_port();
+    std::vector<std::string> a1 = {"--mode", "ddp", "--steps", "1"};
+    a1.insert(a1.end(), extra1.begin(), extra1.end());
+    HandRank r0(dir, name + "0", 0, 2, port, {"--mode", "ddp", "--steps", "1"}, "60");
+    HandRank r1(dir, name + "1", 1, 2, port, a1, "60");
+    CHECK(r0.wait(30s) == 1);
+    CHECK(r1.wait(30s) == 1);
+    for (const std::string& out : {r0.output(), r1.output()}) {
+      CAPTURE(out);
+      CHECK(contains(out, says));
+      CHECK_FALSE(contains(out, "ddp ok"));
+    }
+  };
+  both_refuse("clip", {"--clip-grad", "0.5"},
+              "field \"engine.clip_grad_norm\": rank 0 has 0x0p+0, rank 1 has 0x1p-1");
+  both_refuse("lag", {"--metrics-lag", "1"}, "field \"engine.metrics_lag\": rank 0 has 0");
+  both_refuse("loss", {"--moving-shares", "3"},
+              "field \"engine.loss\": rank 0 has cross_entropy, rank 1 has token_cross_entropy");
+}
+
 TEST_CASE("ddp.clip: clipping on the device keeps DdpTrainer's step at one host read") {
   // Two hand-launched ranks, 3 steps, clipping off and on (to a norm far below the gradient's):
   // the last step reads the host once either way (the metrics, which bring the norm along),

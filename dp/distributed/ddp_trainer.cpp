@@ -12,6 +12,7 @@
 #include "kernels/runtime/error.hpp"
 #include "kernels/runtime/memory.hpp"
 #include "nn/clip.hpp"
+#include "nn/train_state.hpp"
 
 namespace dp::dist {
 
@@ -93,6 +94,7 @@ void DdpTrainer::set_precision(nn::Precision p, std::optional<nn::GradScalerOpti
 
 void DdpTrainer::set_loss(nn::LossPtr loss) {
   DP_CHECK(loss != nullptr, "DdpTrainer::set_loss: null loss");
+  DP_CHECK(!ddp_, "DdpTrainer::set_loss after wrap(): the ranks verify their loss there");
   loss_fn_ = std::move(loss);
 }
 
@@ -131,8 +133,22 @@ struct Fnv {
 
 }  // namespace
 
-RunConfig DdpTrainer::engine_config(nn::Module& model) const {
+RunConfig DdpTrainer::engine_config(nn::Module& model, nn::Optimizer& optimizer) const {
   RunConfig c;
+  // What each rank applies to the same all-reduced gradient: ranks that differ here would
+  // drift apart without a collective ever failing.
+  auto exact = [](double v) {
+    char text[40];
+    std::snprintf(text, sizeof text, "%a", v);
+    return std::string(text);
+  };
+  c["engine.optimizer"] = nn::detail::optimizer_name(optimizer) + " lr " + exact(optimizer.lr());
+  c["engine.clip_grad_norm"] = exact(clip_grad_norm_);
+  c["engine.loss"] = loss_fn_->name();
+  c["engine.metrics_lag"] = std::to_string(metrics_lag_);
+  c["engine.graphs"] = graphs_mode_ == Graphs::on    ? "on"
+                       : graphs_mode_ == Graphs::off ? "off"
+                                                     : "auto";
   c["engine.world_size"] = std::to_string(world_size());
   c["engine.backend"] = group_->backend_name();
   c["engine.zero"] = std::to_string(zero_stage_);
@@ -169,7 +185,7 @@ void DdpTrainer::wrap(nn::ModulePtr model, nn::Optimizer& optimizer) {
   DP_CHECK(model && model->materialized(), "DdpTrainer::wrap: the model is not materialised");
   // Before any collective (the weight broadcast is the first): the ranks prove they agree.
   RunConfig fields = run_config_;
-  for (auto& kv : engine_config(*model)) fields.insert(kv);
+  for (auto& kv : engine_config(*model, optimizer)) fields.insert(kv);
   verify_same_config(*group_, fields, group_->rendezvous_timeout());
   verified_config_ = std::move(fields);
 

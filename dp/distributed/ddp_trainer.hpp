@@ -87,7 +87,8 @@ class DdpTrainer {
   // rank must agree on), verified across ranks by wrap(). Call before wrap().
   void set_run_config(RunConfig fields);
   // The loss each rank computes on its chunk (nn/loss.hpp; default row cross-entropy). Each
-  // rank's gradient is weighted by its chunk's share of the batch's loss denominator.
+  // rank's gradient is weighted by its chunk's share of the batch's loss denominator. Call
+  // before wrap().
   void set_loss(nn::LossPtr loss);
   // > 0: the all-reduced gradient (the same on every rank) is clipped to this global 2-norm
   // before the step; under ZeRO-1 from one all-reduce of the shards' squared norms. 0: off.
@@ -123,7 +124,8 @@ class DdpTrainer {
   // requires model materialised on device(); optimizer built on it.
   // First the ranks prove they agree (config_check.hpp): the run configuration plus the fields
   // the engine adds ("engine.*": world size, backend, parameter count, shapes and their hash,
-  // the bucket plan, ZeRO, SyncBN, precision, comm dtype) are exchanged out of band, bounded by
+  // the bucket plan, ZeRO, SyncBN, precision, comm dtype, the optimizer and its learning rate,
+  // the clip, the loss, metrics lag and graphs) are exchanged out of band, bounded by
   // the rendezvous timeout, and any difference throws on every rank naming the field and the
   // ranks. Then rank 0's weights are broadcast.
   void wrap(nn::ModulePtr model, nn::Optimizer& optimizer);
@@ -155,7 +157,7 @@ class DdpTrainer {
 
  private:
   // The fields wrap() adds to the run configuration ("engine.*").
-  RunConfig engine_config(nn::Module& model) const;
+  RunConfig engine_config(nn::Module& model, nn::Optimizer& optimizer) const;
   // Queues this step's 1 / scale and scale into scale_values_ (nothing when they are there).
   void write_scale();
   // The global batch's mean loss from this rank's chunk loss (metrics_[0]) and share, and
