@@ -298,6 +298,8 @@ TEST_CASE("hybrid.errors: a batch with fewer rows than nodes is refused by name 
     dp::DataParallel engine(m, opt, {Device::cpu(r)}, o);
     // Refused on every node alike (none is left waiting in a collective).
     auto [x, y] = token_batch(1, 6, 0, false);
-    CHECK_THROWS_WITH_AS(engine.train_step(x, y), doctest::Contains("leaves node 1 of 2"), Error);
+    CHECK_THROWS_WITH_AS(
+        engine.train_step(x, y),
+        doctest::Contains("a global batch of 1 rows leaves 1 of 2 nodes without rows"), Error);
   });
 }
