@@ -117,6 +117,9 @@ DataParallel::DataParallel(nn::ModulePtr module, nn::Optimizer& optimizer,
   pool_.run("dp/clone", [&](int i) {
     if (i > 0) replicas_[i] = replicas_[0]->clone_to(devices_[i]);
   });
+  if (options_.cross_node)  // hybrid: node k's device i draws as device k n + i of one node
+    for (int i = 0; i < n; ++i)
+      replicas_[i]->set_rng_stream(static_cast<uint64_t>(options_.cross_node->node()) * n + i);
   if (options_.batch_norm == BatchNormStats::synced) {
     stats_sync_ = std::make_unique<ThreadStatsSync>(n);
     for (int i = 0; i < n; ++i) nn::set_batch_norm_sync(*replicas_[i], stats_sync_->participant(i));

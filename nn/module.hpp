@@ -349,6 +349,11 @@ class Module {
     return *flat_;
   }
   Device device() { return flat().device; }
+  // Draws dropout from the stream of `index`: the one a module materialised on a device of that
+  // index draws from. For engines whose devices are numbered per node (a DDP rank's local
+  // device, a hybrid node's devices): given the global rank or device, every replica across
+  // the nodes draws its own stream, as the same world on one node would.
+  void set_rng_stream(uint64_t index) { flat().rng_key = rng_key_of(flat().seed, index); }
   Tensor& flat_params() { return flat().params; }
   Tensor& flat_grads() { return flat().grads; }
   Tensor& flat_buffers() { return flat().buffers; }
@@ -421,13 +426,16 @@ class Module {
     for (auto& [name, child] : children_) child->set_mode(m);
   }
 
+  static uint64_t rng_key_of(uint64_t seed, uint64_t index) {
+    return kernels::philox::mix_key(seed, 0x5eed, index);
+  }
   // Lays out the flat buffers and binds every view.
   void allocate(Device device, uint64_t seed) {
     DP_CHECK(!materialized(), type_name() << " is already materialised on " << flat_->device);
     auto state = std::make_shared<FlatState>();
     state->device = device;
     state->seed = seed;
-    state->rng_key = kernels::philox::mix_key(seed, 0x5eed, static_cast<uint64_t>(device.index));
+    state->rng_key = rng_key_of(seed, static_cast<uint64_t>(device.index));
     int64_t np = 0, nb = 0;
     visit("", [&](const std::string&, Module& m) {
       for (auto& p : m.params_) p.offset = align_flat_offset(np), np = p.offset + p.numel();

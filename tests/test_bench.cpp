@@ -325,11 +325,11 @@ TEST_CASE("bench.cli: sweep writes a CSV row per mode and count") {
 }
 
 TEST_CASE("bench.cli: DDP over two nodes of two ranks equals four ranks on one node") {
+  // With dropout: node 1's ranks draw as ranks 2 and 3 do on one node, not as its local 0, 1.
   int port = 20000 + static_cast<int>(getpid() % 20000);
-  std::string common =
-      "--device cpu --mode ddp --gpus 2 --steps 3 --warmup 0 --batch 24 "
-      "--nnodes 2 --master-port " +
-      std::to_string(port);
+  const std::string model = "--model gpt --gpt-config tiny --seq 16 --dropout 0.1 ";
+  std::string common = "--device cpu --mode ddp --gpus 2 --steps 3 --warmup 0 --batch 24 " + model +
+                       "--nnodes 2 --master-port " + std::to_string(port);
   std::string json = temp_path("nodes.json"), one = temp_path("one.json");
   // Node 1 in the background, node 0 in the foreground; both launch two ranks on loopback.
   // (timeout: node 1 must not outlive a failed node 0)
@@ -337,9 +337,8 @@ TEST_CASE("bench.cli: DDP over two nodes of two ranks equals four ranks on one n
                       " --node-rank 1 > " + temp_path("node1.txt") + " 2>&1 &";
   REQUIRE(std::system(node1.c_str()) == 0);
   REQUIRE(run_bench(common + " --node-rank 0 --json " + json) == 0);
-  REQUIRE(run_bench("--device cpu --mode ddp --gpus 4 --steps 3 --warmup 0 --batch 24 "
-                    "--baseline 0 --json " +
-                    one) == 0);
+  REQUIRE(run_bench("--device cpu --mode ddp --gpus 4 --steps 3 --warmup 0 --batch 24 " + model +
+                    "--baseline 0 --json " + one) == 0);
   auto nodes = read_json(json)["runs"][0], single = read_json(one)["runs"][0];
   CHECK(nodes["gpus"] == 4);
   CHECK(nodes["losses"] == single["losses"]);
@@ -1356,6 +1355,17 @@ TEST_CASE("bench.hybrid: 2 node processes x 2 devices and 3 x 1 follow DP on one
     // What crosses between nodes: the gradient (P floats) and 2 metric floats per step.
     CHECK((*run)["bytes_per_step"] == (*run)["param_bytes"].get<int64_t>() + 8);
   }
+  // With dropout, node k's device i draws as device 2k + i of a 4-device DP run.
+  const std::string gpt =
+      "--device cpu --steps 3 --warmup 1 --batch 8 --baseline 0 --model gpt --gpt-config tiny "
+      "--seq 16 --dropout 0.1 ";
+  REQUIRE(run_bench(gpt + "--mode hybrid --gpus 2 --json " + two) == 0);
+  REQUIRE(run_bench(gpt + "--mode dp --gpus 4 --json " + ref) == 0);
+  const std::vector<double> hybrid = read_json(two)["runs"][0]["losses"],
+                            four = read_json(ref)["runs"][0]["losses"];
+  REQUIRE(hybrid.size() == four.size());
+  for (size_t s = 0; s < four.size(); ++s)
+    CHECK(hybrid[s] == doctest::Approx(four[s]).epsilon(1e-5));
   auto [rc, text] = bench_output("--device cpu --mode dp --hybrid-procs 2");
   CHECK(rc != 0);
   CHECK(text.find("only --mode hybrid starts node processes") != std::string::npos);

@@ -194,7 +194,8 @@ void DdpTrainer::wrap(nn::ModulePtr model, nn::Optimizer& optimizer) {
                                          << ": ZeRO-1's reduce_scatter and all_gather run in f32 "
                                             "(bf16 communication is for the bucketed all-reduce)");
   model->set_compute_dtype(nn::compute_dtype(precision_));
-  model->set_input_grad(nn::InputGrad::not_needed);  // the input is data
+  model->set_input_grad(nn::InputGrad::not_needed);      // the input is data
+  model->set_rng_stream(static_cast<uint64_t>(rank()));  // not the local device's: one per rank
   if (sync_bn_) nn::set_batch_norm_sync(*model, std::make_shared<GroupStatsSync>(*group_, device_));
   ddp_ = std::make_unique<DistributedDataParallel>(std::move(model), *group_, ddp_options_);
   optimizer_ = &optimizer;
