@@ -163,9 +163,8 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   if (!o.checkpoint_dir.empty() && trainer.rank() == 0) lock.emplace(o.checkpoint_dir, "dp_bench");
   int first = 0;
   // After wrap(): under ZeRO-1 each rank takes its shard of the file's whole optimizer state.
-  // Every rank reads the same folder, so every rank skips the same damaged files.
-  const nn::Resumed resumed =
-      nn::resume_training_state(o.resume, o.checkpoint_dir, *model, opt, state, trainer.rank());
+  // Every rank reads the same folder, so every rank skips the same damaged files (checked).
+  const nn::Resumed resumed = trainer.resume(o.resume, o.checkpoint_dir, state);
   if (trainer.rank() == 0) print_resume_report(resumed, state);
   if (const std::string& path = resumed.path; !path.empty()) {
     const nn::TrainingProgress& got = resumed.progress;

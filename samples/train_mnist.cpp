@@ -442,9 +442,11 @@ int main(int argc, char** argv) {
     };
     int start_epoch = 0;
     int64_t skip_batches = 0;
-    // "latest" skips damaged checkpoints (every rank reads the same folder: the same choice).
-    const nn::Resumed resumed =
-        nn::resume_training_state(f.resume, f.checkpoint_dir, *model, opt, run_state, my_index);
+    // "latest" skips damaged checkpoints (DDP: every rank reads the same folder, and the ranks
+    // check that they picked the same state).
+    const nn::Resumed resumed = ddp ? ddp->resume(f.resume, f.checkpoint_dir, run_state)
+                                    : nn::resume_training_state(f.resume, f.checkpoint_dir, *model,
+                                                                opt, run_state, my_index);
     const std::string& resume_path = resumed.path;
     if (chatty)
       for (const std::string& line : nn::resume_report(resumed, run_state))

@@ -157,6 +157,7 @@ struct DdpRun {
   int moving_shares = 0;
   int metrics_lag = 0;        // DdpTrainer::set_metrics_lag (with phase timing off)
   int train_before_load = 0;  // steps taken (and dropped) before the load
+  std::string resume_dir;     // DdpTrainer::resume("latest", resume_dir)
   std::string backend = "gloo", save, load, graphs = "auto";
   float clip_grad = 0.f;
 };
@@ -213,6 +214,8 @@ int run_ddp(const DdpRun& o) {
     for (int s = 0; s < o.train_before_load; ++s) trainer.train_step(images, labels);
     first = static_cast<int>(trainer.load(o.load).step);
   }
+  if (!o.resume_dir.empty())
+    first = static_cast<int>(trainer.resume("latest", o.resume_dir, {}).progress.step);
   for (int s = first; s < steps; ++s) {
     const bool short_step = o.short_every > 0 && (s + 1) % o.short_every == 0;
     const int64_t rows = short_step ? std::max<int64_t>(batch - 3, 1) : batch;
@@ -268,6 +271,7 @@ int main(int argc, char** argv) {
   app.add_option("--save-at", ddp.save_at);
   app.add_option("--load", ddp.load);
   app.add_option("--train-before-load", ddp.train_before_load)->check(CLI::NonNegativeNumber);
+  app.add_option("--resume-latest", ddp.resume_dir);
   app.add_option("--clip-grad", ddp.clip_grad)->check(CLI::NonNegativeNumber);
   app.add_option("--cuda-graphs", ddp.graphs)->check(CLI::IsMember({"auto", "on", "off"}));
   app.add_option("--short-every", ddp.short_every)->check(CLI::NonNegativeNumber);

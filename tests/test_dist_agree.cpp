@@ -26,6 +26,7 @@
 #include "dp/distributed/config_check.hpp"
 #include "dp/distributed/gloo_process_group.hpp"
 #include "dp/distributed/socket.hpp"
+#include "nn/train_state.hpp"
 #include "tests/process_util.hpp"
 #include "tests/test_dist_util.hpp"
 
@@ -412,7 +413,8 @@ TEST_CASE(
     auto [rc, out] = run("missing", {"--load", file}, {"--load", dir + "/absent.safetensors"});
     CHECK(rc == std::make_pair(1, 1));
     CAPTURE(out.first);
-    CHECK(contains(out.first, "DdpTrainer::load: rank 1 could not load " + file));
+    CHECK(contains(out.first, "DdpTrainer: rank 1 could not load its training state"));
+    CHECK(contains(out.first, "(it loaded " + file + ")"));
     CHECK(contains(out.second, "absent.safetensors"));
   }
   // The ranks read different states (steps 2 and 3): both stop, before training on.
@@ -424,6 +426,25 @@ TEST_CASE(
       CHECK(contains(o, "rank 1 loaded another state than rank 0"));
       CHECK_FALSE(contains(o, "ddp ok"));
     }
+  }
+  // --resume latest where each node's folder holds another newest checkpoint (steps 2 and 3),
+  // or where rank 1's holds none: every rank stops, naming rank 1.
+  {
+    const std::string a = dir + "/node_a", b = dir + "/node_b", empty = dir + "/node_c";
+    for (const std::string& d : {a, b, empty}) std::filesystem::create_directories(d);
+    std::filesystem::copy_file(file, nn::checkpoint_file(a, 2));
+    std::filesystem::copy_file(other, nn::checkpoint_file(b, 3));
+    auto [rc, out] = run("latest", {"--resume-latest", a}, {"--resume-latest", b});
+    CHECK(rc == std::make_pair(1, 1));
+    for (const std::string& o : {out.first, out.second}) {
+      CAPTURE(o);
+      CHECK(contains(o, "rank 1 loaded another state than rank 0 (step 3 against 2"));
+    }
+    std::tie(rc, out) = run("none", {"--resume-latest", a}, {"--resume-latest", empty});
+    CHECK(rc == std::make_pair(1, 1));
+    CHECK(contains(out.first, "rank 1 loaded another state than rank 0 (step 0 against 2"));
+    std::tie(rc, out) = run("same", {"--resume-latest", a}, {"--resume-latest", a});
+    CHECK(rc == std::make_pair(0, 0));
   }
   // metrics_lag 1: three steps, then the load; the resumed steps report what a fresh resume
   // does (the first nothing), not the dropped run's pending step.

@@ -12,7 +12,6 @@
 #include "kernels/runtime/error.hpp"
 #include "kernels/runtime/memory.hpp"
 #include "nn/clip.hpp"
-#include "nn/train_state.hpp"
 
 namespace dp::dist {
 

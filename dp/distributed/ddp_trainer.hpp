@@ -10,6 +10,7 @@
 #pragma once
 
 #include <chrono>
+#include <exception>
 #include <map>
 #include <memory>
 #include <optional>
@@ -154,8 +155,18 @@ class DdpTrainer {
   // ranks loaded different states. metrics_lag 1: a pending step's metrics are dropped
   // (finish_metrics() first keeps them). Returns the saved position. A collective.
   nn::TrainingProgress load(const std::string& path, const nn::TrainingProgress& expected = {});
+  // nn::resume_training_state on every rank (`resume` a file, "latest" in `dir`, or "" for
+  // none), into the wrapped model and optimizer; then, as load(), every rank fails when one
+  // could not load or the ranks picked different states ("latest" may differ per node).
+  // Returns what this rank loaded. A collective.
+  nn::Resumed resume(const std::string& resume, const std::string& dir,
+                     const nn::TrainingProgress& expected);
 
  private:
+  // After each rank loaded a state itself with `path` and `step` ("" and 0: none) or failed
+  // (`failed`, rethrown here): throws on every rank, naming the rank, unless every rank loaded
+  // and all hold the same step and weights. A collective.
+  void agree_on_loaded_state(const std::string& path, int64_t step, std::exception_ptr failed);
   // The fields wrap() adds to the run configuration ("engine.*").
   RunConfig engine_config(nn::Module& model, nn::Optimizer& optimizer) const;
   // Queues this step's 1 / scale and scale into scale_values_ (nothing when they are there).

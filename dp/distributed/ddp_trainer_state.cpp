@@ -62,34 +62,60 @@ nn::TrainingProgress DdpTrainer::load(const std::string& path,
   nn::TrainingProgress want = expected;
   want.mode = "ddp";
   want.world_size = world_size();
-  nn::Module& m = ddp_->module();
   nn::TrainingProgress got;
   std::exception_ptr failed;
   try {
-    got = nn::load_training_state(path, m, *optimizer_, want, rank());
+    got = nn::load_training_state(path, ddp_->module(), *optimizer_, want, rank());
   } catch (...) {
     failed = std::current_exception();
   }
-  // Every rank learns whether every other loaded (its file may be missing on one node only),
-  // then whether they all hold the same state: no rank trains on from another's.
+  agree_on_loaded_state(path, got.step, failed);
+  if (got.scaler) scaler_.set_state(*got.scaler);
+  return got;
+}
+
+nn::Resumed DdpTrainer::resume(const std::string& resume, const std::string& dir,
+                               const nn::TrainingProgress& expected) {
+  DP_CHECK(ddp_ != nullptr, "DdpTrainer::resume: call wrap(model, optimizer) first");
+  nn::Resumed out;
+  if (resume.empty()) return out;
+  nn::TrainingProgress want = expected;
+  want.mode = "ddp";
+  want.world_size = world_size();
+  std::exception_ptr failed;
+  try {
+    out = nn::resume_training_state(resume, dir, ddp_->module(), *optimizer_, want, rank());
+  } catch (...) {
+    failed = std::current_exception();
+  }
+  agree_on_loaded_state(out.path, out.progress.step, failed);
+  return out;
+}
+
+void DdpTrainer::agree_on_loaded_state(const std::string& path, int64_t step,
+                                       std::exception_ptr failed) {
+  // Whether every rank loaded (its file may be missing on one node only), then whether they all
+  // hold the same state: no rank trains on from another's.
   const std::vector<uint64_t> loaded = all_gather(failed ? 0 : 1);
   if (failed) std::rethrow_exception(failed);
   for (int r = 0; r < world_size(); ++r)
-    DP_CHECK(loaded[r] == 1, "DdpTrainer::load: rank "
-                                 << r << " could not load " << path << " (rank " << r
-                                 << "'s error says why); rank " << rank() << " stops with it");
-  const std::vector<float> params = m.flat_params().to_host_f32();
-  const uint64_t mine = nn::detail::fnv1a(params.data(), params.size() * sizeof(float),
-                                          nn::detail::fnv1a(&got.step, sizeof got.step));
-  const std::vector<uint64_t> states = all_gather(mine);
+    DP_CHECK(loaded[r] == 1, "DdpTrainer: rank " << r
+                                                 << " could not load its training state (its "
+                                                    "error says why); rank "
+                                                 << rank() << " stops with it (it loaded "
+                                                 << (path.empty() ? "nothing" : path) << ")");
+  const std::vector<float> params = ddp_->module().flat_params().to_host_f32();
+  const std::vector<uint64_t> steps = all_gather(static_cast<uint64_t>(step)),
+                              weights = all_gather(
+                                  nn::detail::fnv1a(params.data(), params.size() * sizeof(float)));
   for (int r = 1; r < world_size(); ++r)
-    DP_CHECK(states[r] == states[0], "DdpTrainer::load: rank "
-                                         << r << " loaded another state than rank 0 from " << path
-                                         << " (its step or weights differ): every rank must read "
-                                            "the same checkpoint (a shared path, or one copy "
-                                            "per node)");
-  if (got.scaler) scaler_.set_state(*got.scaler);
-  return got;
+    DP_CHECK(steps[r] == steps[0] && weights[r] == weights[0],
+             "DdpTrainer: rank " << r << " loaded another state than rank 0 (step " << steps[r]
+                                 << " against " << steps[0]
+                                 << (steps[r] == steps[0] ? ", other weights" : "") << "; rank "
+                                 << rank() << " loaded " << (path.empty() ? "nothing" : path)
+                                 << "): every rank must read the same checkpoint (a shared "
+                                    "folder, or the same files on every node)");
 }
 
 }  // namespace dp::dist
