@@ -33,6 +33,14 @@ nn::ModulePtr small_mlp() {
   return nn::mlp({6, 16, 5});
 }
 
+// Linear(6, 5), BatchNorm1d(5): running statistics of toy_batch's rows.
+nn::ModulePtr linear_batch_norm() {
+  auto s = std::make_shared<nn::Sequential>();
+  s->add(std::make_shared<nn::Linear>(6, 5));
+  s->add(std::make_shared<nn::BatchNorm1d>(5));
+  return s;
+}
+
 // Linear(6, 8), BatchNorm1d(8), ReLU, Linear(8, 5): a model with buffers.
 nn::ModulePtr batch_norm_mlp() {
   auto s = std::make_shared<nn::Sequential>();
@@ -256,12 +264,7 @@ TEST_CASE("dp.equivalence: a CNN with BatchNorm matches per-chunk accumulation o
 }
 
 TEST_CASE("dp.buffers: root_only keeps device 0's running stats (PyTorch's behaviour)") {
-  auto make = [] {
-    auto s = std::make_shared<nn::Sequential>();
-    s->add(std::make_shared<nn::Linear>(6, 5));
-    s->add(std::make_shared<nn::BatchNorm1d>(5));
-    return s;
-  };
+  auto make = linear_batch_norm;
   auto [x, y] = dp_test::toy_batch(8, 7);
   std::vector<float> buffers[2];
   for (int mode = 0; mode < 2; ++mode) {
@@ -304,12 +307,7 @@ class MaskedRowLoss : public nn::Loss {
 TEST_CASE("dp.buffers: running stats are averaged over rows, whichever labels the loss ignores") {
   // The running statistics are means over each chunk's rows: their weights are B_i / B, not the
   // loss's shares (which are all 0 when every label is ignored, and uneven when some are).
-  auto make = [] {
-    auto s = std::make_shared<nn::Sequential>();
-    s->add(std::make_shared<nn::Linear>(6, 5));
-    s->add(std::make_shared<nn::BatchNorm1d>(5));
-    return s;
-  };
+  auto make = linear_batch_norm;
   auto [x, y] = dp_test::toy_batch(11, 7);  // chunks 3, 3, 3, 2
   auto buffers_after_one_step = [&, x = x](const std::vector<int32_t>& labels) {
     auto m = make();
