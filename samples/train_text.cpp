@@ -200,16 +200,6 @@ int main(int argc, char** argv) {
                        {"model", "gpt-" + f.gpt_config},
                        {"batch", std::to_string(f.batch)},
                        {"seq", std::to_string(f.seq)}};
-    progress.rng_offsets.assign(static_cast<size_t>(progress.world_size), 0);
-    int64_t first_step = 0;
-    if (!f.resume.empty()) {
-      nn::TrainingProgress got = nn::load_training_state(f.resume, *model, opt, progress);
-      first_step = got.step;
-      if (leader)
-        std::printf("resumed %s at step %lld\n", f.resume.c_str(),
-                    static_cast<long long>(first_step));
-    }
-
     std::unique_ptr<dp::DataParallel> engine;
     if (ddp) {
       ddp->set_loss(loss_fn);
@@ -223,6 +213,15 @@ int main(int argc, char** argv) {
           model, opt, kernels::make_devices(type, f.mode == "dp" ? f.gpus : 1), o);
     }
     nn::Module& trained = ddp ? ddp->ddp().module() : engine->module();
+    // Through the engine: each device's or rank's dropout offset restored, and DDP's ranks
+    // checked to have loaded the same state.
+    int64_t first_step = 0;
+    if (!f.resume.empty()) {
+      first_step = (ddp ? ddp->load(f.resume, progress) : engine->load(f.resume, progress)).step;
+      if (leader)
+        std::printf("resumed %s at step %lld\n", f.resume.c_str(),
+                    static_cast<long long>(first_step));
+    }
     if (leader)
       std::printf(
           "train_text: gpt-%s, %lld parameters, %s on %d device(s), %zu train / %zu "
@@ -282,10 +281,13 @@ int main(int argc, char** argv) {
     if (leader)
       std::printf("final val loss %.4f after %lld steps, %.1f s\n", val,
                   static_cast<long long>(f.steps), seconds_since(t_run));
-    if (!f.save.empty() && leader) {
+    if (!f.save.empty()) {  // DDP: a collective (every rank's dropout offset; rank 0 writes)
       progress.step = f.steps;
-      nn::save_training_state(f.save, trained, opt, progress);
-      std::printf("saved %s\n", f.save.c_str());
+      if (ddp)
+        ddp->save(f.save, progress);
+      else
+        engine->save(f.save, progress);
+      if (leader) std::printf("saved %s\n", f.save.c_str());
     }
     if (f.sample_bytes > 0 && leader)
       std::printf(
