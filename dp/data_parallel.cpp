@@ -1023,19 +1023,19 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
     stats.ms.cross_node = cross_wait_ms_;
     stats.cross_node_bytes = options_.cross_node->payload_bytes() - cross_before;
   }
-  const float* settled = nullptr;  // the host metrics returned, and their device count
-  size_t settled_devices = 0;
+  const float* settled = nullptr;  // the host metrics returned, and their step's shares
+  const std::vector<float>* settled_shares = nullptr;
   if (!previous) {
     settled = host_metrics_.data<float>();
-    settled_devices = shares_.size();
+    settled_shares = &shares_;
   } else if (previous->pending) {
     stats.metrics_lagged = true;
     previous->pending = false;
     settled = previous->host.data<float>();
-    settled_devices = previous->shares.size();
+    settled_shares = &previous->shares;
   }
   if (settled) {
-    settle_step(settled, previous ? previous->shares : shares_, stats);
+    settle_step(settled, *settled_shares, stats);
   } else {  // a run's first step: nothing to report yet
     stats.metrics_lagged = true;
     stats.loss = std::numeric_limits<float>::quiet_NaN();
@@ -1047,7 +1047,7 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
   if (options_.buffer_sync == BufferSync::average) stats.bytes_moved += (n_used - 1) * b;
   stats.link_bytes = link_bytes(n_used);
   ++step_index_;
-  if (settled) report_device_faults(settled, static_cast<int>(settled_devices));
+  if (settled) report_device_faults(settled, static_cast<int>(settled_shares->size()));
   return stats;
 }
 

@@ -33,6 +33,14 @@ nn::ModulePtr small_mlp() {
   return nn::mlp({6, 16, 5});
 }
 
+// Graphed steps, untimed phases and `lag`: what metrics_lag 1 asks for.
+dp::DataParallelOptions lag_options(int lag, dp::DataParallelOptions o = {}) {
+  o.graphs = dp::Graphs::on;
+  o.phase_timing = kernels::Event::Timing::off;
+  o.metrics_lag = lag;
+  return o;
+}
+
 // Linear(6, 5), BatchNorm1d(5): running statistics of toy_batch's rows.
 nn::ModulePtr linear_batch_norm() {
   auto s = std::make_shared<nn::Sequential>();
@@ -836,11 +844,8 @@ namespace {
 void check_lagged_metrics(DeviceType type) {
   const std::vector<int64_t> batches = {10, 10, 10, 10, 7, 7, 7, 10, 10};
   auto run = [&](int lag) {
-    dp::DataParallelOptions o = small_buckets(dp::ReduceTopology::star);
-    o.graphs = dp::Graphs::on;
-    o.phase_timing = kernels::Event::Timing::off;
+    dp::DataParallelOptions o = lag_options(lag, small_buckets(dp::ReduceTopology::star));
     o.clip_grad_norm = 0.05f;
-    o.metrics_lag = lag;
     return train_graphs(
         small_mlp(), 3, batches, o, type, [&](dp::DataParallel& engine, size_t s, GraphRun& r) {
           if (s == 5) {  // an evaluation between steps (read at once)
@@ -890,11 +895,7 @@ TEST_CASE("dp.metrics_lag: after a load, the first step reports nothing and the 
   auto m = small_mlp();
   m->materialize(Device::cpu(0), kSeed);
   nn::SGD opt(*m, momentum_sgd());
-  dp::DataParallelOptions o;
-  o.graphs = dp::Graphs::on;
-  o.phase_timing = kernels::Event::Timing::off;
-  o.metrics_lag = 1;
-  dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, 3), o);
+  dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, 3), lag_options(1));
   std::vector<float> losses;
   for (int s = 0; s < 3; ++s) {
     auto [x, y] = dp_test::toy_batch(10, 100 + s);
@@ -922,10 +923,7 @@ TEST_CASE("dp.metrics_lag: refused where a step's results decide the next, named
     auto m = small_mlp();
     m->materialize(Device::cpu(0), kSeed);
     nn::SGD opt(*m, SgdConfig{});
-    dp::DataParallelOptions o;
-    o.graphs = dp::Graphs::on;
-    o.phase_timing = kernels::Event::Timing::off;
-    o.metrics_lag = 1;
+    dp::DataParallelOptions o = lag_options(1);
     tweak(o);
     dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, 2), o);
   };
@@ -948,10 +946,7 @@ TEST_CASE("dp.metrics_lag: refused where a step's results decide the next, named
   auto m2 = small_mlp();
   m2->materialize(Device::cpu(0), kSeed);
   nn::SGD opt2(*m2, SgdConfig{});
-  o.graphs = dp::Graphs::on;
-  o.phase_timing = kernels::Event::Timing::off;
-  o.metrics_lag = 1;
-  dp::DataParallel lagged(m2, opt2, make_devices(DeviceType::cpu, 2), o);
+  dp::DataParallel lagged(m2, opt2, make_devices(DeviceType::cpu, 2), lag_options(1));
   CHECK_THROWS_WITH_AS(lagged.finish_metrics(), doctest::Contains("no step's metrics are pending"),
                        kernels::Error);
   auto [x, y] = dp_test::toy_batch(8, 1);
@@ -1010,11 +1005,7 @@ TEST_CASE("dp.cuda: a label out of range on device 3 fails the step that reads i
     auto m = small_mlp();
     m->materialize(Device::cuda(0), kSeed);
     nn::SGD opt(*m, momentum_sgd());
-    dp::DataParallelOptions o;
-    o.graphs = dp::Graphs::on;
-    o.phase_timing = kernels::Event::Timing::off;
-    o.metrics_lag = lag;
-    dp::DataParallel engine(m, opt, make_devices(DeviceType::cuda, 4), o);
+    dp::DataParallel engine(m, opt, make_devices(DeviceType::cuda, 4), lag_options(lag));
     for (int s = 0; s < 3; ++s) (void)engine.train_step(x, y);  // warm-up runs, then a capture
     if (lag == 1) CHECK(std::isfinite(engine.train_step(x, bad).loss));  // the step before's
     try {

@@ -167,6 +167,8 @@ class DdpTrainer {
   // (`failed`, rethrown here): throws on every rank, naming the rank, unless every rank loaded
   // and all hold the same step and weights. A collective.
   void agree_on_loaded_state(const std::string& path, int64_t step, std::exception_ptr failed);
+  // `progress` with this run's mode ("ddp") and world size.
+  nn::TrainingProgress here(const nn::TrainingProgress& progress) const;
   // The fields wrap() adds to the run configuration ("engine.*").
   RunConfig engine_config(nn::Module& model, nn::Optimizer& optimizer) const;
   // Queues this step's 1 / scale and scale into scale_values_ (nothing when they are there).

@@ -21,12 +21,17 @@ void check_can_save(const char* what, bool wrapped, int zero_stage) {
 
 }  // namespace
 
+nn::TrainingProgress DdpTrainer::here(const nn::TrainingProgress& progress) const {
+  nn::TrainingProgress out = progress;
+  out.mode = "ddp";
+  out.world_size = world_size();
+  return out;
+}
+
 void DdpTrainer::save(const std::string& path, const nn::TrainingProgress& position) {
   check_can_save("save", ddp_ != nullptr, zero_stage_);
   nn::Module& m = ddp_->module();
-  nn::TrainingProgress state = position;
-  state.mode = "ddp";
-  state.world_size = world_size();
+  nn::TrainingProgress state = here(position);
   state.rng_offsets = all_gather(m.flat().rng_offset);  // every rank's, in rank order
   if (state.step == 0) state.step = optimizer_->step_count() + scaler_.skipped_steps();
   if (scaler_.enabled()) state.scaler = scaler_.state();
@@ -50,22 +55,15 @@ nn::TrainingProgress DdpTrainer::load(const std::string& path,
                                       const nn::TrainingProgress& expected) {
   check_can_save("load", ddp_ != nullptr, zero_stage_);
   // metrics_lag 1: the step pending belongs to the run replaced. Its all-reduce (which every
-  // rank issued) is taken and its metrics dropped: settled later, they would be returned as the
-  // loaded run's first step's.
-  for (LaggedMetrics& slot : lagged_) {
-    if (!slot.pending) continue;
-    if (slot.work) slot.work->wait();
-    slot.work.reset();
-    slot.ready.synchronize();
-    slot.pending = false;
-  }
-  nn::TrainingProgress want = expected;
-  want.mode = "ddp";
-  want.world_size = world_size();
+  // rank issued) is taken and its metrics dropped (a fault it saw still reported): settled
+  // later, they would be returned as the loaded run's first step's.
+  for (LaggedMetrics& slot : lagged_)
+    if (slot.pending) take_lagged(slot, Waited::no);
+  report_lagged_fault();
   nn::TrainingProgress got;
   std::exception_ptr failed;
   try {
-    got = nn::load_training_state(path, ddp_->module(), *optimizer_, want, rank());
+    got = nn::load_training_state(path, ddp_->module(), *optimizer_, here(expected), rank());
   } catch (...) {
     failed = std::current_exception();
   }
@@ -79,12 +77,10 @@ nn::Resumed DdpTrainer::resume(const std::string& resume, const std::string& dir
   DP_CHECK(ddp_ != nullptr, "DdpTrainer::resume: call wrap(model, optimizer) first");
   nn::Resumed out;
   if (resume.empty()) return out;
-  nn::TrainingProgress want = expected;
-  want.mode = "ddp";
-  want.world_size = world_size();
   std::exception_ptr failed;
   try {
-    out = nn::resume_training_state(resume, dir, ddp_->module(), *optimizer_, want, rank());
+    out =
+        nn::resume_training_state(resume, dir, ddp_->module(), *optimizer_, here(expected), rank());
   } catch (...) {
     failed = std::current_exception();
   }
