@@ -94,6 +94,7 @@ class Bench {
   void run_all() {
     print_header();
     gemm_section();
+    skinny_section();
     if (device_.is_cpu()) openblas_section();
     bandwidth_section();
   }
@@ -153,6 +154,55 @@ class Bench {
       }
     }
     ctx.set_math(saved);
+  }
+
+  // A replica's few rows through a weight matrix (the MLP's first layer, 784 -> 256): forward
+  // x W^T and backward dy W, through kernels::gemm and, on a CPU, OpenBLAS's sgemm on one thread
+  // (which packs all of W on every call).
+  void skinny_section() {
+    const int64_t in = 784, out = 256;
+    std::printf("\nSkinny GEMM, rows x %lld x %lld (a replica's rows through one layer), us\n",
+                static_cast<long long>(in), static_cast<long long>(out));
+    std::printf("  %-5s %12s %12s %12s %12s\n", "rows", "x W^T", "sgemm", "dy W", "sgemm");
+    Tensor w = Tensor::empty({out, in}, DType::f32, device_);
+    fill(w, 0.25f);
+    for (int64_t rows : {1, 2, 4, 8, 16}) {
+      Tensor x = Tensor::empty({rows, in}, DType::f32, device_);
+      Tensor y = Tensor::empty({rows, out}, DType::f32, device_);
+      fill(x, 0.5f);
+      fill(y, 0.5f);
+      double us[4] = {0, 0, 0, 0};
+      us[0] = 1e6 * seconds_per_call([&] { gemm(y, x, Transpose::no, w, Transpose::yes); },
+                                     [&] { sync(); }, o_.min_time);
+      us[2] = 1e6 * seconds_per_call([&] { gemm(x, y, Transpose::no, w, Transpose::no); },
+                                     [&] { sync(); }, o_.min_time);
+      if (device_.is_cpu()) {
+        openblas_set_num_threads(1);
+        const blasint m = static_cast<blasint>(rows), k = in, n = out;
+        us[1] = 1e6 * seconds_per_call(
+                          [&] {
+                            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.f,
+                                        x.data<float>(), k, w.data<float>(), k, 0.f,
+                                        y.data<float>(), n);
+                          },
+                          [] {}, o_.min_time);
+        us[3] = 1e6 * seconds_per_call(
+                          [&] {
+                            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, k, n, 1.f,
+                                        y.data<float>(), n, w.data<float>(), k, 0.f,
+                                        x.data<float>(), k);
+                          },
+                          [] {}, o_.min_time);
+      }
+      std::printf("  %-5lld %12.1f %12.1f %12.1f %12.1f\n", static_cast<long long>(rows), us[0],
+                  us[1], us[2], us[3]);
+      results_.push_back({{"kind", "skinny_gemm"},
+                          {"rows", rows},
+                          {"forward_us", us[0]},
+                          {"forward_sgemm_us", us[1]},
+                          {"backward_data_us", us[2]},
+                          {"backward_data_sgemm_us", us[3]}});
+    }
   }
 
   // OpenBLAS called directly, with its own threads: the reference for kernels::gemm on CPU.

@@ -161,6 +161,44 @@ TEST_CASE("kernels.gemm: tiled parallel path matches the reference and any threa
   }
 }
 
+TEST_CASE("kernels.gemm: skinny products (1 to 8 rows) match the reference, row by row alike") {
+  // A replica's few rows through a weight matrix, forward (x W^T) and backward (dy W): read in
+  // place, not packed. k = 45 has full 16-wide blocks and a tail; n = 37 full lane tiles and a
+  // tail. Each row must have the same bits alone as among others, on any thread count.
+  const int64_t k = 45, n = 37;
+  for (Transpose tb : {Transpose::yes, Transpose::no})
+    for (int64_t m = 1; m <= 8; ++m) {
+      CAPTURE(static_cast<int>(tb));
+      CAPTURE(m);
+      Tensor a = random_tensor({m, k}, 30 + m), b = random_tensor(stored(k, n, tb), 31);
+      Tensor bias = random_tensor({n}, 32), c = random_tensor({m, n}, 33);
+      std::vector<double> want = ref_gemm(a, Transpose::no, b, tb, 1.25f, -0.5f, c, bias);
+      Tensor c1 = c.clone();
+      gemm(c1, a, Transpose::no, b, tb, 1.25f, -0.5f, bias);
+      CHECK(max_error(c1, want) <= 1e-5);
+      Tensor d = filled({m, n}, NAN);  // beta 0 never reads c
+      gemm(d, a, Transpose::no, b, tb);
+      CHECK(max_error(d, ref_gemm(a, Transpose::no, b, tb, 1.f, 0.f, d, Tensor())) <= 1e-5);
+      for (int64_t i = 0; i < m; ++i) {
+        Tensor row = a.view(i * k, {1, k}).clone(), alone = filled({1, n}, NAN);
+        gemm(alone, row, Transpose::no, b, tb);
+        CHECK(bitwise_equal(alone, d.view(i * n, {1, n}).clone()));
+      }
+    }
+  // Large enough to be split by columns over the arena's threads.
+  const int64_t m = 6, wide_k = 333, wide_n = 2100;
+  for (Transpose tb : {Transpose::yes, Transpose::no}) {
+    Tensor a = random_tensor({m, wide_k}, 40), b = random_tensor(stored(wide_k, wide_n, tb), 41);
+    Tensor c = random_tensor({m, wide_n}, 42);
+    std::vector<double> want = ref_gemm(a, Transpose::no, b, tb, 1.f, 1.f, c, Tensor());
+    Tensor c1 = c.clone(), c2 = c.clone();
+    with_cpu_threads(1, [&] { gemm(c1, a, Transpose::no, b, tb, 1.f, 1.f); });
+    with_cpu_threads(2, [&] { gemm(c2, a, Transpose::no, b, tb, 1.f, 1.f); });
+    CHECK(max_error(c1, want) <= 1e-4);
+    CHECK(bitwise_equal(c1, c2));
+  }
+}
+
 TEST_CASE("kernels.gemm: concurrent CPU devices (one thread each) agree bit for bit") {
   // Each replica thread owns a context on its own CPU device; their single-threaded sgemm
   // calls run at the same time and must give the same bits as a lone call.

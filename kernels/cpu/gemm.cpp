@@ -47,6 +47,136 @@ Tiling tiling_for(int64_t m, int64_t n, int64_t k) {
   return t;
 }
 
+// Skinny products: op(A) has at most kSkinnyRows rows and B is read as stored (a replica's few
+// rows of a small batch through a weight matrix: forward x W^T and backward dy W). OpenBLAS packs
+// all of B on every call, which for 2 rows costs three times the product itself; these loops
+// read B in place. Every element of C is one sum over k in a fixed order, whatever m, the
+// columns a call covers or the thread count, so the tiling below never changes a bit. The file
+// builds with -ffp-contract=off and the avx2 clone enables no FMA: both clones round alike.
+constexpr int64_t kSkinnyRows = 8;
+
+typedef float Lanes __attribute__((vector_size(32)));  // 8 floats: one AVX or two SSE registers
+
+// Everything the clones call is inlined into them, so that it is compiled for the clone's ISA.
+#define DP_SKINNY inline __attribute__((always_inline))
+
+DP_SKINNY void load_lanes(Lanes& v, const float* p) {
+  __builtin_memcpy(&v, p, sizeof v);
+}
+
+DP_SKINNY void store_lanes(float* p, const Lanes& v) {
+  __builtin_memcpy(p, &v, sizeof v);
+}
+
+DP_SKINNY float scaled(float sum, float alpha, float beta, float c) {
+  return beta == 0.f ? alpha * sum : alpha * sum + beta * c;
+}
+
+// C[i, j] for rows i < R and columns j in [j0, j1), with A and B both k-contiguous (A B^T):
+// 16 partial sums per element over k (two lane vectors), added in a fixed tree, then the tail.
+template <int R>
+DP_SKINNY void skinny_nt_rows(int64_t j0, int64_t j1, int64_t k, float alpha, const float* a,
+                              int64_t lda, const float* b, int64_t ldb, float beta, float* c,
+                              int64_t ldc) {
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* bj = b + j * ldb;
+    Lanes lo[R], hi[R];
+    for (int r = 0; r < R; ++r) lo[r] = hi[r] = Lanes{};
+    int64_t q = 0;
+    for (; q + 16 <= k; q += 16) {
+      Lanes b0, b1, a0, a1;
+      load_lanes(b0, bj + q);
+      load_lanes(b1, bj + q + 8);
+      for (int r = 0; r < R; ++r) {
+        load_lanes(a0, a + r * lda + q);
+        load_lanes(a1, a + r * lda + q + 8);
+        lo[r] += a0 * b0;
+        hi[r] += a1 * b1;
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const Lanes s = lo[r] + hi[r];
+      float sum = ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
+      for (int64_t p = q; p < k; ++p) sum += a[r * lda + p] * bj[p];
+      c[r * ldc + j] = scaled(sum, alpha, beta, c[r * ldc + j]);
+    }
+  }
+}
+
+// C[i, j] for rows i < R and the W * 8 columns from j, with B n-contiguous (A B): each element
+// is summed over q in order, in its own lane.
+template <int R, int W>
+DP_SKINNY void skinny_nn_tile(int64_t j, int64_t k, float alpha, const float* a, int64_t lda,
+                              const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  Lanes acc[R][W];
+  for (int r = 0; r < R; ++r)
+    for (int w = 0; w < W; ++w) acc[r][w] = Lanes{};
+  for (int64_t q = 0; q < k; ++q) {
+    Lanes bq[W];
+    for (int w = 0; w < W; ++w) load_lanes(bq[w], b + q * ldb + j + 8 * w);
+    for (int r = 0; r < R; ++r) {
+      const Lanes x = Lanes{} + a[r * lda + q];
+      for (int w = 0; w < W; ++w) acc[r][w] += x * bq[w];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int w = 0; w < W; ++w) {
+      float* out = c + r * ldc + j + 8 * w;
+      Lanes v = acc[r][w] * alpha;
+      if (beta != 0.f) {
+        Lanes old;
+        load_lanes(old, out);
+        v += old * beta;
+      }
+      store_lanes(out, v);
+    }
+}
+
+template <int R>
+DP_SKINNY void skinny_nn_rows(int64_t j0, int64_t j1, int64_t k, float alpha, const float* a,
+                              int64_t lda, const float* b, int64_t ldb, float beta, float* c,
+                              int64_t ldc) {
+  int64_t j = j0;
+  for (; j + 16 <= j1; j += 16) skinny_nn_tile<R, 2>(j, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  for (; j + 8 <= j1; j += 8) skinny_nn_tile<R, 1>(j, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  for (; j < j1; ++j)
+    for (int r = 0; r < R; ++r) {
+      float sum = 0.f;
+      for (int64_t q = 0; q < k; ++q) sum += a[r * lda + q] * b[q * ldb + j];
+      c[r * ldc + j] = scaled(sum, alpha, beta, c[r * ldc + j]);
+    }
+}
+
+bool is_skinny(Transpose ta, int64_t m) {
+  return ta == Transpose::no && m <= kSkinnyRows;
+}
+
+// Columns [j0, j1) of a skinny product: rows four at a time (A B^T) or two (A B), so that one
+// pass over B serves several rows.
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+__attribute__((target_clones("avx2", "default")))
+#endif
+void skinny_columns(Transpose tb, int64_t m, int64_t j0, int64_t j1, int64_t k, float alpha,
+                    const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
+                    int64_t ldc) {
+  int64_t i = 0;
+  if (tb == Transpose::yes) {
+    for (; i + 4 <= m; i += 4)
+      skinny_nt_rows<4>(j0, j1, k, alpha, a + i * lda, lda, b, ldb, beta, c + i * ldc, ldc);
+    for (; i + 2 <= m; i += 2)
+      skinny_nt_rows<2>(j0, j1, k, alpha, a + i * lda, lda, b, ldb, beta, c + i * ldc, ldc);
+    for (; i < m; ++i)
+      skinny_nt_rows<1>(j0, j1, k, alpha, a + i * lda, lda, b, ldb, beta, c + i * ldc, ldc);
+  } else {
+    for (; i + 2 <= m; i += 2)
+      skinny_nn_rows<2>(j0, j1, k, alpha, a + i * lda, lda, b, ldb, beta, c + i * ldc, ldc);
+    for (; i < m; ++i)
+      skinny_nn_rows<1>(j0, j1, k, alpha, a + i * lda, lda, b, ldb, beta, c + i * ldc, ldc);
+  }
+}
+
+#undef DP_SKINNY
+
 CBLAS_TRANSPOSE blas_op(Transpose t) {
   return t == Transpose::yes ? CblasTrans : CblasNoTrans;
 }
@@ -96,6 +226,7 @@ void store_from_f32(Tensor& t, const float* src) {
 void sgemm_serial(Transpose ta, Transpose tb, int64_t m, int64_t n, int64_t k, float alpha,
                   const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
                   int64_t ldc) {
+  if (is_skinny(ta, m)) return skinny_columns(tb, m, 0, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   use_single_threaded_blas();
   cblas_sgemm(CblasRowMajor, blas_op(ta), blas_op(tb), static_cast<blasint>(m),
               static_cast<blasint>(n), static_cast<blasint>(k), alpha, a, static_cast<blasint>(lda),
@@ -107,6 +238,12 @@ void sgemm_parallel(Transpose ta, Transpose tb, int64_t m, int64_t n, int64_t k,
                     int64_t ldc) {
   if (m * n * k <= kSerialMacs)
     return sgemm_serial(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  if (is_skinny(ta, m)) {  // split by columns: each element is computed alike in any split
+    const int64_t grain = std::max<int64_t>(16, kMinTileMacs / (m * k));
+    return parallel_range(n, grain, [&](int64_t j0, int64_t j1) {
+      skinny_columns(tb, m, j0, j1, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    });
+  }
   Tiling tiling = tiling_for(m, n, k);
   parallel_range(tiling.tiles_m * tiling.tiles_n, 1, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
