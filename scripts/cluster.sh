@@ -79,23 +79,42 @@ check_node() {
     die "node $node of cluster '$prefix' does not exist ($(node_count) node(s); run 'up' first)"
 }
 
-cmd_down() {
-  local ns
-  local -a pids
-  for ns in $(existing); do
-    # What still runs inside keeps the namespace alive after its name is gone: stop it first.
-    mapfile -t pids < <(ip netns pids "$ns" 2> /dev/null || true)
-    if [ ${#pids[@]} -gt 0 ]; then
-      kill -TERM "${pids[@]}" 2> /dev/null || true
-      for _ in $(seq 20); do
-        mapfile -t pids < <(ip netns pids "$ns" 2> /dev/null || true)
-        [ ${#pids[@]} -eq 0 ] && break
-        sleep 0.1
-      done
-      if [ ${#pids[@]} -gt 0 ]; then kill -KILL "${pids[@]}" 2> /dev/null || true; fi
-    fi
-    ip netns del "$ns" 2> /dev/null || true
+# The processes whose network namespace is the one of inode $1 (what 'ip netns pids' lists,
+# found without the name, which is gone once the namespace is deleted).
+pids_in_inode() {
+  local f
+  for f in /proc/[0-9]*/ns/net; do
+    [ "$(stat -L -c %i "$f" 2> /dev/null)" = "$1" ] && basename "$(dirname "$(dirname "$f")")"
   done
+  return 0
+}
+
+# Stops the processes of namespace inode $1: TERM, up to 2 s, then KILL.
+stop_inode() {
+  local -a pids
+  mapfile -t pids < <(pids_in_inode "$1")
+  [ ${#pids[@]} -gt 0 ] || return 0
+  kill -TERM "${pids[@]}" 2> /dev/null || true
+  for _ in $(seq 20); do
+    mapfile -t pids < <(pids_in_inode "$1")
+    [ ${#pids[@]} -eq 0 ] && return 0
+    sleep 0.1
+  done
+  kill -KILL "${pids[@]}" 2> /dev/null || true
+}
+
+cmd_down() {
+  local ns inode
+  for ns in $(existing); do
+    # What still runs inside keeps the namespace alive after its name is gone: stop it first,
+    # and again after the name is gone, for a process that entered in between ('exec' started
+    # just before 'down').
+    inode=$(stat -L -c %i "/var/run/netns/$ns" 2> /dev/null || true)
+    [ -n "$inode" ] && stop_inode "$inode"
+    ip netns del "$ns" 2> /dev/null || true
+    [ -n "$inode" ] && stop_inode "$inode"
+  done
+  return 0
 }
 
 cmd_up() {

@@ -89,8 +89,22 @@ c, _ = s.accept(); c.sendall(c.recv(5))" &
       fail "--rate fast succeeded"
     grep -q "give a number and a unit" "$work/fast.txt" || fail "--rate fast: $(cat "$work/fast.txt")"
     node 0 sleep 60 &
+    sleeper=$!
+    for _ in $(seq 100); do  # inside node 0 before down, so that down has it to stop
+      [ -n "$(ip netns pids "$prefix-n0" 2> /dev/null)" ] && break
+      sleep 0.05
+    done
+    [ -n "$(ip netns pids "$prefix-n0" 2> /dev/null)" ] || fail "the sleep never ran in node 0"
     "$CLUSTER" down --prefix "$prefix" || fail "down"
-    wait 2> /dev/null  # the sleep inside node 0 was stopped by down
+    for _ in $(seq 50); do
+      kill -0 "$sleeper" 2> /dev/null || break
+      sleep 0.1
+    done
+    if kill -0 "$sleeper" 2> /dev/null; then
+      pkill -P "$sleeper" 2> /dev/null
+      fail "down left the sleep inside node 0 running"
+    fi
+    wait "$sleeper" 2> /dev/null
     "$CLUSTER" down --prefix "$prefix" || fail "a second down"
     [ -z "$(ip netns list | grep "^$prefix-")" ] || fail "namespaces left: $(ip netns list)"
     ;;
