@@ -171,29 +171,26 @@ class Bench {
       Tensor y = Tensor::empty({rows, out}, DType::f32, device_);
       fill(x, 0.5f);
       fill(y, 0.5f);
+      // us: x W^T and dy W through kernels::gemm, each followed by OpenBLAS's time for it.
       double us[4] = {0, 0, 0, 0};
-      us[0] = 1e6 * seconds_per_call([&] { gemm(y, x, Transpose::no, w, Transpose::yes); },
-                                     [&] { sync(); }, o_.min_time);
-      us[2] = 1e6 * seconds_per_call([&] { gemm(x, y, Transpose::no, w, Transpose::no); },
-                                     [&] { sync(); }, o_.min_time);
-      if (device_.is_cpu()) {
+      auto time_pair = [&](double* at, Tensor& c, const Tensor& a, Transpose tb) {
+        at[0] = 1e6 * seconds_per_call([&] { gemm(c, a, Transpose::no, w, tb); }, [&] { sync(); },
+                                       o_.min_time);
+        if (!device_.is_cpu()) return;
         openblas_set_num_threads(1);
-        const blasint m = static_cast<blasint>(rows), k = in, n = out;
-        us[1] = 1e6 * seconds_per_call(
-                          [&] {
-                            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.f,
-                                        x.data<float>(), k, w.data<float>(), k, 0.f,
-                                        y.data<float>(), n);
-                          },
-                          [] {}, o_.min_time);
-        us[3] = 1e6 * seconds_per_call(
-                          [&] {
-                            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, k, n, 1.f,
-                                        y.data<float>(), n, w.data<float>(), k, 0.f,
-                                        x.data<float>(), k);
-                          },
-                          [] {}, o_.min_time);
-      }
+        const blasint m = static_cast<blasint>(c.dim(0)), n = static_cast<blasint>(c.dim(1));
+        const blasint k = static_cast<blasint>(a.dim(1));
+        const CBLAS_TRANSPOSE op = tb == Transpose::yes ? CblasTrans : CblasNoTrans;
+        at[1] =
+            1e6 * seconds_per_call(
+                      [&] {
+                        cblas_sgemm(CblasRowMajor, CblasNoTrans, op, m, n, k, 1.f, a.data<float>(),
+                                    k, w.data<float>(), in, 0.f, c.data<float>(), n);
+                      },
+                      [] {}, o_.min_time);
+      };
+      time_pair(us, y, x, Transpose::yes);
+      time_pair(us + 2, x, y, Transpose::no);
       std::printf("  %-5lld %12.1f %12.1f %12.1f %12.1f\n", static_cast<long long>(rows), us[0],
                   us[1], us[2], us[3]);
       results_.push_back({{"kind", "skinny_gemm"},
