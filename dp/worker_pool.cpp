@@ -67,12 +67,16 @@ void WorkerPool::loop(int index, kernels::ContextOptions options) {
         error = std::current_exception();
       }
     }
+    bool last = false;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       w.error = std::move(error);  // no reference stays behind on this thread
       ++w.done;
+      last = --running_ == 0;
     }
-    finished_.notify_all();
+    // Only the last job wakes the caller: a wake per job would take a core from the devices
+    // still working (device 0 sums and steps after the replicas end).
+    if (last) finished_.notify_all();
   }
   scope.reset();
   w.context.reset();  // on its own thread: streams and handles die where they were made
@@ -82,6 +86,7 @@ void WorkerPool::run(const char* phase, const std::function<void(int)>& job, int
   if (n < 0 || n > size()) n = size();
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    running_ = n;
     for (int i = 0; i < n; ++i) {
       workers_[i]->job = &job;
       workers_[i]->phase = phase;

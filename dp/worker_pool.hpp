@@ -55,7 +55,8 @@ class WorkerPool {
 
   std::vector<std::unique_ptr<Worker>> workers_;
   std::mutex mutex_;
-  std::condition_variable finished_;
+  std::condition_variable finished_;  // notified by the last job of a run to end, once
+  int running_ = 0;                   // jobs of the current run not ended yet
   bool stopping_ = false;
   Trace* trace_ = nullptr;  // set between runs only
 };
