@@ -82,6 +82,20 @@ TEST_CASE("dist.socket: the local address towards a host is the source its route
   CHECK(net::local_address_towards("no-such-host.invalid").empty());
 }
 
+TEST_CASE("dist.socket: a free port is drawn below the ephemeral range and can be listened on") {
+  const auto [first, last] = net::ephemeral_port_range();
+  CHECK(first <= last);
+  for (int i = 0; i < 5; ++i) {
+    const int port = net::find_free_port();
+    CAPTURE(port);
+    if (first - net::kFirstChosenPort >= 1024) {
+      CHECK(port >= net::kFirstChosenPort);
+      CHECK(port < first);  // never one an outgoing connection may be given
+    }
+    CHECK_NOTHROW(net::listen_tcp("127.0.0.1", port, 1));
+  }
+}
+
 TEST_CASE("dist.store: TcpStore set, get, add, check and remove") {
   TcpStore server_side("127.0.0.1", 0, StoreRole::server, 5s);
   REQUIRE(server_side.port() > 0);

@@ -11,7 +11,9 @@
 
 #include <cerrno>
 #include <cstring>
+#include <fstream>
 #include <memory>
+#include <random>
 #include <thread>
 
 #include "kernels/runtime/error.hpp"
@@ -197,7 +199,32 @@ void recv_all(int fd, void* data, size_t n, Clock::time_point deadline, const st
   }
 }
 
+std::pair<int, int> ephemeral_port_range() {
+  std::ifstream in("/proc/sys/net/ipv4/ip_local_port_range");
+  int lo = 0, hi = 0;
+  if (in >> lo >> hi && lo > 0 && lo <= hi && hi <= 65535) return {lo, hi};
+  return {32768, 60999};  // Linux's default
+}
+
 int find_free_port(const std::string& host) {
+  // Not from the ephemeral range, which binding port 0 draws from: the kernel hands those
+  // ports to outgoing connections too (a Gloo pair of any job on the machine), and one may take
+  // this port before its store binds it. Below the range only another chooser competes, and
+  // the random draw keeps concurrent ones apart.
+  const int below = ephemeral_port_range().first;
+  if (below - kFirstChosenPort >= 1024) {
+    std::mt19937 draw(std::random_device{}());
+    std::uniform_int_distribution<int> port(kFirstChosenPort, below - 1);
+    for (int attempt = 0; attempt < 64; ++attempt) {
+      const int p = port(draw);
+      try {
+        listen_tcp(host, p, 1);
+        return p;
+      } catch (const kernels::Error&) {
+        // in use: draw again
+      }
+    }
+  }
   Socket s = listen_tcp(host, 0, 1);
   return local_port(s);
 }

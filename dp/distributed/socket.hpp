@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstddef>
 #include <string>
+#include <utility>
 
 namespace dp::dist::net {
 
@@ -58,8 +59,16 @@ void recv_all(int fd, void* data, size_t n, Clock::time_point deadline, const st
 
 void set_nonblocking(int fd);
 
-// A port that was free on `host` a moment ago (binds port 0 and closes it): the usual way to
-// pick a rendezvous port for single-node runs. Another process may take it in between.
+// The kernel's ephemeral port range [first, last] (/proc/sys/net/ipv4/ip_local_port_range;
+// Linux's default when unreadable): where port 0 binds and outgoing connections draw from.
+std::pair<int, int> ephemeral_port_range();
+
+// Ports find_free_port draws from: [kFirstChosenPort, the ephemeral range's first).
+constexpr int kFirstChosenPort = 20000;
+
+// A port that was free on `host` a moment ago, to pick a rendezvous port for single-node runs:
+// drawn at random below the ephemeral range (so that no outgoing connection takes it before
+// the store binds it), else port 0's. Another chooser may still take it in between.
 int find_free_port(const std::string& host = "127.0.0.1");
 
 // True when `host` names a loopback address (127.0.0.0/8, ::1, "localhost").
