@@ -49,10 +49,12 @@ Tiling tiling_for(int64_t m, int64_t n, int64_t k) {
 
 // Skinny products: op(A) has at most kSkinnyRows rows and B is read as stored (a replica's few
 // rows of a small batch through a weight matrix: forward x W^T and backward dy W). OpenBLAS packs
-// all of B on every call, which for 2 rows costs three times the product itself; these loops
-// read B in place. Every element of C is one sum over k in a fixed order, whatever m, the
-// columns a call covers or the thread count, so the tiling below never changes a bit. The file
-// builds with -ffp-contract=off and the avx2 clone enables no FMA: both clones round alike.
+// all of B on every call, which for 2 rows costs three times the product itself (bench_kernels'
+// skinny section); its sgemv, a row at a time, reads B once per row: as fast at 2 rows, half as
+// fast at 8. These loops read B in place, once per 4 rows (A B^T) or 2 (A B). Every element of
+// C is one sum over k in a fixed order, whatever m, the columns a call covers or the thread
+// count, so the tiling below never changes a bit. The file builds with -ffp-contract=off and
+// the avx2 clone enables no FMA: both clones round alike.
 constexpr int64_t kSkinnyRows = 8;
 
 typedef float Lanes __attribute__((vector_size(32)));  // 8 floats: one AVX or two SSE registers
