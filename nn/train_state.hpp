@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cctype>
 #include <charconv>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -88,6 +89,34 @@ inline std::string hex64(uint64_t v) {
   char text[17];
   std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(v));
   return text;
+}
+
+// v as a hexadecimal float, as printf's "%a" in the C locale ("0x1.8p+0"): exact, and the same
+// text whatever locale the program set (std::to_chars reads none).
+inline std::string exact_text(double v) {
+  char text[48];
+  char* p = text;
+  if (std::signbit(v)) {
+    *p++ = '-';
+    v = -v;
+  }
+  if (std::isfinite(v)) {
+    *p++ = '0';
+    *p++ = 'x';
+  }
+  p = std::to_chars(p, text + sizeof text, v, std::chars_format::hex).ptr;
+  return std::string(text, p);
+}
+
+// exact_text's inverse for a non-negative finite value ("0x" then hex digits); nullopt for
+// anything else. Reads no locale.
+inline std::optional<double> parse_exact(const std::string& text) {
+  if (text.size() < 3 || text.compare(0, 2, "0x") != 0) return std::nullopt;
+  double v = 0;
+  const char* end = text.data() + text.size();
+  const auto r = std::from_chars(text.data() + 2, end, v, std::chars_format::hex);
+  if (r.ec != std::errc() || r.ptr != end || !std::isfinite(v)) return std::nullopt;
+  return v;
 }
 
 // The metadata's own hash: every key and value but "meta_fnv1a64", in key order, each ended by
@@ -165,9 +194,7 @@ inline void save_training_state(const std::string& path, Module& m, Optimizer& o
                          {"data_fnv1a64", detail::hex64(hash)}};
   for (const auto& [k, v] : progress.config) meta["config." + k] = v;
   if (progress.scaler) {
-    char scale[32];
-    std::snprintf(scale, sizeof scale, "%a", static_cast<double>(progress.scaler->scale));  // exact
-    meta["scaler.scale"] = scale;
+    meta["scaler.scale"] = detail::exact_text(progress.scaler->scale);
     meta["scaler.growth_tracker"] = std::to_string(progress.scaler->growth_tracker);
     meta["scaler.skipped_steps"] = std::to_string(progress.scaler->skipped_steps);
   }
@@ -268,11 +295,9 @@ inline TrainingProgress load_training_state(const std::string& path, Module& m, 
   if (file.metadata.count("scaler.scale")) {
     GradScalerState st;
     const std::string scale = text("scaler.scale");
-    char* end = nullptr;
-    const double v = std::strtod(scale.c_str(), &end);
-    DP_CHECK(!scale.empty() && end && *end == '\0' && v > 0 && v <= 3.4e38,
-             where << ": metadata 'scaler.scale' = '" << io::printable(scale)
-                   << "' is not a positive float");
+    const double v = detail::parse_exact(scale).value_or(0.0);
+    DP_CHECK(v > 0 && v <= 3.4e38, where << ": metadata 'scaler.scale' = '" << io::printable(scale)
+                                         << "' is not a positive float");
     st.scale = static_cast<float>(v);
     st.growth_tracker = number("scaler.growth_tracker", 0, kMax);
     st.skipped_steps = number("scaler.skipped_steps", 0, kMax);

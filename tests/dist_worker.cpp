@@ -270,7 +270,7 @@ int main(int argc, char** argv) {
   app.add_option("--save", ddp.save);
   app.add_option("--save-at", ddp.save_at);
   app.add_option("--load", ddp.load);
-  app.add_option("--train-before-load", ddp.train_before_load)->check(CLI::NonNegativeNumber);
+  app.add_option("--train-before-load", ddp.train_before_load)->check(CLI::Range(0, 10000));
   app.add_option("--resume-latest", ddp.resume_dir)->check(CLI::ExistingDirectory);
   app.add_option("--clip-grad", ddp.clip_grad)->check(CLI::NonNegativeNumber);
   app.add_option("--cuda-graphs", ddp.graphs)->check(CLI::IsMember({"auto", "on", "off"}));

@@ -241,6 +241,18 @@ TEST_CASE("nn.train_state: a writer killed while saving leaves the previous stat
       std::filesystem::remove(e.path());
 }
 
+TEST_CASE("nn.train_state: exact floats are printf's %a in any locale and read back exactly") {
+  for (double v : {0.0, 1.0, 1.5, 65536.0, 0.1, 3e-4, 1.0 / 3, 2.5e38, -0.25, 1e-310}) {
+    CAPTURE(v);
+    char want[64];
+    std::snprintf(want, sizeof want, "%a", v);  // this test runs in the C locale
+    CHECK(nn::detail::exact_text(v) == want);
+    if (v >= 0) CHECK(nn::detail::parse_exact(nn::detail::exact_text(v)) == v);
+  }
+  for (const char* bad : {"", "0x", "1.8p+0", "0x1.8p+0 ", "0x1,8p+0", "-0x1p+0", "0xnan"})
+    CHECK_FALSE(nn::detail::parse_exact(bad).has_value());
+}
+
 TEST_CASE("nn.train_state: amp, the loss scaler's state is saved exactly and restored") {
   auto m = dp_test::dropout_mlp();
   m->materialize(Device::cpu(0), 42);

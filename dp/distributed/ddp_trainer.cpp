@@ -123,11 +123,7 @@ struct Fnv {
     h = (h ^ 0xff) * 1099511628211ull;  // a separator, so that ("ab", "c") != ("a", "bc")
     return *this;
   }
-  std::string hex() const {
-    char buf[17];
-    std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(h));
-    return buf;
-  }
+  std::string hex() const { return nn::detail::hex64(h); }
 };
 
 }  // namespace
@@ -136,13 +132,9 @@ RunConfig DdpTrainer::engine_config(nn::Module& model, nn::Optimizer& optimizer)
   RunConfig c;
   // What each rank applies to the same all-reduced gradient: ranks that differ here would
   // drift apart without a collective ever failing.
-  auto exact = [](double v) {
-    char text[40];
-    std::snprintf(text, sizeof text, "%a", v);
-    return std::string(text);
-  };
-  c["engine.optimizer"] = nn::detail::optimizer_name(optimizer) + " lr " + exact(optimizer.lr());
-  c["engine.clip_grad_norm"] = exact(clip_grad_norm_);
+  c["engine.optimizer"] =
+      nn::detail::optimizer_name(optimizer) + " lr " + nn::detail::exact_text(optimizer.lr());
+  c["engine.clip_grad_norm"] = nn::detail::exact_text(clip_grad_norm_);
   c["engine.loss"] = loss_fn_->name();
   c["engine.metrics_lag"] = std::to_string(metrics_lag_);
   c["engine.graphs"] = graphs_mode_ == Graphs::on    ? "on"
