@@ -517,13 +517,20 @@ float DdpTrainer::finish_metrics() {
 }
 
 std::vector<uint64_t> DdpTrainer::all_gather(uint64_t value) {
-  kernels::Tensor one = kernels::Tensor::empty({1}, kernels::DType::i64, kernels::Device::cpu());
-  one.data<int64_t>()[0] = static_cast<int64_t>(value);
-  kernels::Tensor mine = one.to(device_);
-  kernels::Tensor all = kernels::Tensor::empty({world_size()}, kernels::DType::i64, device_);
+  return all_gather(std::vector<uint64_t>{value});
+}
+
+std::vector<uint64_t> DdpTrainer::all_gather(const std::vector<uint64_t>& values) {
+  const int64_t k = static_cast<int64_t>(values.size());
+  DP_CHECK(k > 0, "DdpTrainer::all_gather: no values");
+  kernels::Tensor mine_host =
+      kernels::Tensor::empty({k}, kernels::DType::i64, kernels::Device::cpu());
+  for (int64_t j = 0; j < k; ++j) mine_host.data<int64_t>()[j] = static_cast<int64_t>(values[j]);
+  kernels::Tensor mine = mine_host.to(device_);
+  kernels::Tensor all = kernels::Tensor::empty({world_size() * k}, kernels::DType::i64, device_);
   group_->all_gather(all, mine)->wait();
   kernels::Tensor host = all.to(kernels::Device::cpu());
-  return std::vector<uint64_t>(host.data<int64_t>(), host.data<int64_t>() + world_size());
+  return std::vector<uint64_t>(host.data<int64_t>(), host.data<int64_t>() + world_size() * k);
 }
 
 int64_t DdpTrainer::count_correct(const kernels::Tensor& images, const kernels::Tensor& labels) {

@@ -140,6 +140,8 @@ class DdpTrainer {
   int64_t count_correct(const kernels::Tensor& images, const kernels::Tensor& labels);
   // Every rank's `value`, in rank order (a collective: every rank calls it).
   std::vector<uint64_t> all_gather(uint64_t value);
+  // Every rank's `values` (as many on each), rank after rank: rank r's j-th at r * size + j.
+  std::vector<uint64_t> all_gather(const std::vector<uint64_t>& values);
   const DdpStepTimes& last_times() const { return times_; }
   // Bytes the last train_step handed to the process group (ProcessGroup::payload_bytes):
   // gradient buckets in the comm dtype, averaged buffers, SyncBN statistics, ZeRO-1's

@@ -91,24 +91,34 @@ nn::Resumed DdpTrainer::resume(const std::string& resume, const std::string& dir
 void DdpTrainer::agree_on_loaded_state(const std::string& path, int64_t step,
                                        std::exception_ptr failed) {
   // Whether every rank loaded (its file may be missing on one node only), then whether they all
-  // hold the same state: no rank trains on from another's.
-  const std::vector<uint64_t> loaded = all_gather(failed ? 0 : 1);
+  // hold the same state: no rank trains on from another's. One collective: each rank's
+  // verdict, step and weights digest (a rank whose digest fails still takes part).
+  uint64_t digest = 0;
+  if (!failed) {
+    try {
+      const std::vector<float> params = ddp_->module().flat_params().to_host_f32();
+      digest = nn::detail::fnv1a(params.data(), params.size() * sizeof(float));
+    } catch (...) {
+      failed = std::current_exception();
+    }
+  }
+  const std::vector<uint64_t> got =
+      all_gather({failed ? uint64_t{0} : uint64_t{1}, static_cast<uint64_t>(step), digest});
   if (failed) std::rethrow_exception(failed);
+  auto loaded = [&](int r) { return got[3 * r]; };
+  auto steps = [&](int r) { return got[3 * r + 1]; };
+  auto weights = [&](int r) { return got[3 * r + 2]; };
   for (int r = 0; r < world_size(); ++r)
-    DP_CHECK(loaded[r] == 1, "DdpTrainer: rank " << r
+    DP_CHECK(loaded(r) == 1, "DdpTrainer: rank " << r
                                                  << " could not load its training state (its "
                                                     "error says why); rank "
                                                  << rank() << " stops with it (it loaded "
                                                  << (path.empty() ? "nothing" : path) << ")");
-  const std::vector<float> params = ddp_->module().flat_params().to_host_f32();
-  const std::vector<uint64_t> steps = all_gather(static_cast<uint64_t>(step)),
-                              weights = all_gather(
-                                  nn::detail::fnv1a(params.data(), params.size() * sizeof(float)));
   for (int r = 1; r < world_size(); ++r)
-    DP_CHECK(steps[r] == steps[0] && weights[r] == weights[0],
-             "DdpTrainer: rank " << r << " loaded another state than rank 0 (step " << steps[r]
-                                 << " against " << steps[0]
-                                 << (steps[r] == steps[0] ? ", other weights" : "") << "; rank "
+    DP_CHECK(steps(r) == steps(0) && weights(r) == weights(0),
+             "DdpTrainer: rank " << r << " loaded another state than rank 0 (step " << steps(r)
+                                 << " against " << steps(0)
+                                 << (steps(r) == steps(0) ? ", other weights" : "") << "; rank "
                                  << rank() << " loaded " << (path.empty() ? "nothing" : path)
                                  << "): every rank must read the same checkpoint (a shared "
                                     "folder, or the same files on every node)");
