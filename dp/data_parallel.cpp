@@ -394,21 +394,24 @@ void DataParallel::advance_reduction(int i, bool blocking) {
           ++ready;
         return ready > 0;
       };
-      bool alone = false;  // device 0, and every other device has ended its part
+      // CPU device 0 goes wide once every other device has ended its part, from a hook too:
+      // its thread is the busiest, so it often ends its backward last, and its sums then had
+      // one core while the others idled.
+      const bool may_widen = i == 0 && wide_context_ && !wide;
+      bool alone = false;
       if (blocking) {
         wait_for(count_ready);
-        std::lock_guard<std::mutex> lock(signal_mutex_);
-        alone = others_done();
+        if (may_widen) {
+          std::lock_guard<std::mutex> lock(signal_mutex_);
+          alone = others_done();
+        }
       } else {
         std::lock_guard<std::mutex> lock(signal_mutex_);
         stalled = !count_ready();  // not there yet: backward goes on
-        alone = others_done();
+        alone = may_widen && others_done();
       }
       if (stalled) break;
-      // From a hook too: device 0 often ends its backward last (its thread is the busiest), and
-      // its sums then had one core while the others idled.
-      if (alone && i == 0 && wide_context_ && !wide)
-        wide = std::make_unique<kernels::ContextScope>(*wide_context_);
+      if (alone) wide = std::make_unique<kernels::ContextScope>(*wide_context_);
       pull_beside();
       if (pd.n_pulls == static_cast<int>(pd.pulls.size()))
         pd.pulls.push_back({0, false, kernels::Event(options_.phase_timing),
