@@ -57,6 +57,31 @@ TEST_CASE("kernels.cast: f32, f16 and bf16 convert on one device, same dtype cop
   CHECK_THROWS_WITH_AS(cast(ints, DType::f32), doctest::Contains("converts only between"), Error);
 }
 
+TEST_CASE("kernels.fill: zero over old values in every dtype, -0.f keeps its sign, a view only") {
+  for (DType d : {DType::f32, DType::f16, DType::bf16}) {
+    CAPTURE(d);
+    Tensor t = cast(Tensor::from_vector(std::vector<float>(37, 3.f), {37}), d);
+    Tensor part = t.view(1, {35});
+    fill(part, 0.f);
+    std::vector<float> got = cast(t, DType::f32).to_host_f32();
+    CHECK(got.front() == 3.f);
+    CHECK(got.back() == 3.f);
+    for (int i = 1; i < 36; ++i) CHECK(got[i] == 0.f);
+    fill(part, 2.5f);
+    got = cast(t, DType::f32).to_host_f32();
+    CHECK(got[1] == 2.5f);
+  }
+  Tensor ints = Tensor::from_ints({7, 7, 7, 7}, {4});
+  Tensor mid = ints.view(1, {2});
+  fill(mid, 0.f);
+  CHECK(ints.to_host_i32() == std::vector<int32_t>{7, 0, 0, 7});
+  Tensor t = Tensor::from_vector({1.f, 1.f, 1.f}, {3});
+  fill(t, -0.f);
+  for (float v : t.to_host_f32()) CHECK((v == 0.f && std::signbit(v)));
+  fill(t, 0.f);
+  for (float v : t.to_host_f32()) CHECK((v == 0.f && !std::signbit(v)));
+}
+
 TEST_CASE("kernels.elementwise: add, mul, scale, axpy (odd sizes, in place)") {
   for (int64_t n : {int64_t{1}, int64_t{13}, int64_t{100003}}) {
     Tensor a = random_tensor({n}, 1), b = random_tensor({n}, 2), y = zeros({n});
