@@ -41,7 +41,7 @@ float host_clip_grad_norm(Tensor& grads, float max_norm, float unscale) {
 
 std::vector<uint32_t> bits(const std::vector<float>& v) {
   std::vector<uint32_t> b(v.size());
-  std::memcpy(b.data(), v.data(), v.size() * sizeof(float));
+  if (!v.empty()) std::memcpy(b.data(), v.data(), v.size() * sizeof(float));
   return b;
 }
 

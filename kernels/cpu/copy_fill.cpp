@@ -52,6 +52,7 @@ namespace {
 template <class T>
 void fill_with(Tensor& y, int64_t n, T v) {
   const T zero{};
+  if (n == 0) return;  // an empty tensor's pointer may be null, which memset may not take
   if (std::memcmp(&v, &zero, sizeof(T)) == 0)
     std::memset(y.data<T>(), 0, static_cast<size_t>(n) * sizeof(T));
   else

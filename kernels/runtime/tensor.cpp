@@ -203,7 +203,7 @@ std::vector<float> Tensor::to_host_f32() const {
   std::vector<float> out(static_cast<size_t>(numel_));
   switch (dtype_) {
     case DType::f32:
-      std::memcpy(out.data(), h.raw(), nbytes());
+      if (numel_) std::memcpy(out.data(), h.raw(), nbytes());  // empty: both may be null
       break;
     case DType::f16:
       for (int64_t i = 0; i < numel_; ++i) out[i] = f16_to_f32(h.data<uint16_t>()[i]);
