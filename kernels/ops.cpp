@@ -196,6 +196,10 @@ Tensor cast(const Tensor& x, DType dtype) {
 void fill(Tensor& y, float value) {
   check_defined("fill", y, "y");
   if (y.numel() == 0) return;
+  // A zero (but -0.f) is all-zero bytes in every dtype: a memset, which on a CPU writes the
+  // lines without reading them first (twice the speed of a loop of stores on a replica's 1 MiB
+  // of gradients, which zero_grad fills every step).
+  if (value == 0.f && !std::signbit(value)) return fill_bytes(y, 0);
   DP_DISPATCH(y.device(), fill, y, value);
 }
 

@@ -1,5 +1,4 @@
 #include <algorithm>
-#include <cstring>
 
 #include <tbb/parallel_for.h>
 
@@ -45,41 +44,26 @@ void cast(Tensor& dst, const Tensor& src) {
   });
 }
 
-namespace {
-// n copies of v. An all-zero v (every dtype's 0, but not -0.f) is a memset: it writes the lines
-// without reading them first, twice the speed of a loop of stores on a replica's 1 MiB of
-// gradients (zero_grad, every step).
-template <class T>
-void fill_with(Tensor& y, int64_t n, T v) {
-  const T zero{};
-  if (n == 0) return;  // an empty tensor's pointer may be null, which memset may not take
-  if (std::memcmp(&v, &zero, sizeof(T)) == 0)
-    std::memset(y.data<T>(), 0, static_cast<size_t>(n) * sizeof(T));
-  else
-    std::fill_n(y.data<T>(), n, v);
-}
-}  // namespace
-
 void fill(Tensor& y, float value) {
-  const int64_t n = y.numel();
+  int64_t n = y.numel();
   switch (y.dtype()) {
     case DType::f32:
-      fill_with(y, n, value);
+      std::fill_n(y.data<float>(), n, value);
       break;
     case DType::f16:
-      fill_with(y, n, f32_to_f16(value));
+      std::fill_n(y.data<uint16_t>(), n, f32_to_f16(value));
       break;
     case DType::bf16:
-      fill_with(y, n, f32_to_bf16(value));
+      std::fill_n(y.data<uint16_t>(), n, f32_to_bf16(value));
       break;
     case DType::i32:
-      fill_with(y, n, static_cast<int32_t>(value));
+      std::fill_n(y.data<int32_t>(), n, static_cast<int32_t>(value));
       break;
     case DType::i64:
-      fill_with(y, n, static_cast<int64_t>(value));
+      std::fill_n(y.data<int64_t>(), n, static_cast<int64_t>(value));
       break;
     case DType::u8:
-      fill_with(y, n, static_cast<uint8_t>(value));
+      std::fill_n(y.data<uint8_t>(), n, static_cast<uint8_t>(value));
       break;
   }
 }
