@@ -1,6 +1,10 @@
 // kernels.*: elementwise ops, bias helpers, GEMM and activations against plain-loop references
 // in double; argument checks. Losses, convolutions and normalisation have their own files.
+#include <cblas.h>
+
 #include <exception>
+#include <filesystem>
+#include <iterator>
 #include <thread>
 
 #include "tests/device_scalars.hpp"
@@ -184,6 +188,34 @@ TEST_CASE("kernels.gemm: tiled parallel path matches the reference and any threa
     CHECK(max_error(c1, want) <= 1e-5);
     CHECK(bitwise_equal(c1, c2));
   }
+}
+
+TEST_CASE(
+    "kernels.gemm: the first CPU GEMM ends OpenBLAS's idle pool, a threaded call restarts it") {
+  // OpenBLAS's pthread build starts openblas_get_num_threads() - 1 pool threads when it loads;
+  // kernels::gemm calls it on one thread, so the pool (which spins for about 0.1 s when idle)
+  // must be gone after the first GEMM. This case runs in its own process under ctest.
+  auto threads = [] {
+    return static_cast<int>(std::distance(std::filesystem::directory_iterator("/proc/self/task"),
+                                          std::filesystem::directory_iterator()));
+  };
+  with_cpu_threads(1, [&] {  // one thread: no TBB worker appears while threads are counted
+    const int64_t m = 300, k = 40, n = 600;  // past the skinny path: OpenBLAS's sgemm
+    Tensor a = random_tensor({m, k}, 30), b = random_tensor({k, n}, 31);
+    Tensor c = filled({m, n}, 0.f), d = filled({m, n}, 0.f);
+    const int pool = openblas_get_num_threads() - 1, before = threads();
+    gemm(c, a, Transpose::no, b, Transpose::no);
+    CHECK(openblas_get_num_threads() == 1);
+    CHECK(threads() == before - pool);
+    // A threaded call afterwards (bench_kernels' OpenBLAS baseline does one) brings the pool
+    // back, through OpenBLAS's own re-start after a fork, and computes the same product.
+    openblas_set_num_threads(2);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, k, 1.f, a.data<float>(), k,
+                b.data<float>(), n, 0.f, d.data<float>(), n);
+    openblas_set_num_threads(1);
+    CHECK(max_error(d, ref_gemm(a, Transpose::no, b, Transpose::no, 1.f, 0.f, d, Tensor())) <=
+          1e-5);
+  });
 }
 
 TEST_CASE("kernels.gemm: skinny products (1 to 8 rows) match the reference, row by row alike") {

@@ -62,8 +62,9 @@ inline float round_to(DType t, float v) {
   }
 }
 
-// Sets OpenBLAS to one thread, once per process: every CPU device parallelises its GEMMs itself
-// inside its own arena, so BLAS threads would oversubscribe the cores.
+// Sets OpenBLAS to one thread and ends its idle thread pool, once per process: every CPU device
+// parallelises its GEMMs itself inside its own arena, so BLAS threads would oversubscribe the
+// cores.
 void use_single_threaded_blas();
 
 // Row-major f32 GEMM on one thread: C (m, n) = alpha op(A) op(B) + beta C, with op(A) (m, k)

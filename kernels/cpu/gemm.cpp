@@ -1,6 +1,7 @@
 // GEMM on OpenBLAS: single-threaded sgemm calls over fixed tiles of C, run in parallel in the
 // device's arena. f16/bf16 operands are widened to f32 first (accumulation is f32 either way).
 #include <cblas.h>
+#include <dlfcn.h>
 
 #include <mutex>
 
@@ -201,7 +202,18 @@ void add_row_bias(float* c, int64_t m, int64_t n, const float* bias) {
 
 void use_single_threaded_blas() {
   static std::once_flag once;
-  std::call_once(once, [] { openblas_set_num_threads(1); });
+  std::call_once(once, [] {
+    openblas_set_num_threads(1);
+    // OpenBLAS's pthread build starts its thread pool when it loads, and an idle pool thread
+    // spins (sched_yield) for 2^28 cycles, about 0.1 s, before it sleeps: a core taken from the
+    // devices during a run's first steps. One thread needs no pool, so it ends here. The
+    // function is the one OpenBLAS runs itself before a fork; a later threaded call (a
+    // benchmark's baseline) starts the pool again. Builds without a pool (serial, OpenMP
+    // variants) may not have it, hence the lookup.
+    using Shutdown = int (*)();
+    if (auto shutdown = reinterpret_cast<Shutdown>(dlsym(RTLD_DEFAULT, "blas_thread_shutdown_")))
+      shutdown();
+  });
 }
 
 const float* as_f32(const Tensor& t, std::vector<float>& scratch) {
