@@ -803,7 +803,8 @@ TEST_CASE(
   CHECK(rc == 0);
   CHECK(text.find("loss scale 1, skipped steps 0") != std::string::npos);
   CHECK(text.find("gradients travel in bf16") != std::string::npos);
-  for (auto& r : read_json(json)["runs"]) {
+  nlohmann::json report = read_json(json);  // named: a range over a temporary's member
+  for (auto& r : report["runs"]) {          // would read it after it is freed
     CAPTURE(r["mode"].get<std::string>());
     const int64_t p = r["param_bytes"].get<int64_t>();
     // DP: P out and P/2 back per replica, counted as copied; DDP: P/2 bytes of bf16 buckets
@@ -1325,7 +1326,8 @@ TEST_CASE("bench.graphs: what cannot be captured runs uncaptured and says why, o
     const size_t at = text.find(c.says);
     CHECK(at != std::string::npos);
     CHECK(text.find(c.says, at + 1) == std::string::npos);  // once
-    for (auto& r : read_json(json)["runs"]) CHECK(r["graphed_steps"].get<int>() == 0);
+    nlohmann::json report = read_json(json);
+    for (auto& r : report["runs"]) CHECK(r["graphed_steps"].get<int>() == 0);
     std::remove(json.c_str());
   }
   refused("--device cpu --gpus 2 --mode hybrid --cuda-graphs on", "hybrid");
