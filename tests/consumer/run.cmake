@@ -1,7 +1,9 @@
 # pkg.consumer: install this build into an empty prefix under the build folder, build
 # tests/consumer/ against it with find_package(dptrain), run it, and check that the program
 # links no CUDA library and that the pkg-config file compiles and links a program too.
-#   cmake -DBUILD_DIR=<build> -DSOURCE_DIR=<source> -DCXX=<c++> [-DLAUNCHER=ccache] -P run.cmake
+#   cmake -DBUILD_DIR=<build> -DSOURCE_DIR=<source> -DCXX=<c++> [-DLAUNCHER=ccache]
+#         [-DSANITIZE=-fsanitize=...] -P run.cmake
+# SANITIZE: a sanitizer build's flag, which its installed (instrumented) libraries need at link.
 set(work ${BUILD_DIR}/pkg_consumer)
 set(prefix ${work}/prefix)
 file(REMOVE_RECURSE ${work})
@@ -31,6 +33,9 @@ set(args -S ${SOURCE_DIR}/tests/consumer -B ${work}/build -DCMAKE_PREFIX_PATH=${
          -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER=${CXX})
 if(LAUNCHER)
   list(APPEND args -DCMAKE_CXX_COMPILER_LAUNCHER=${LAUNCHER})
+endif()
+if(SANITIZE)
+  list(APPEND args -DCMAKE_CXX_FLAGS=${SANITIZE} -DCMAKE_EXE_LINKER_FLAGS=${SANITIZE})
 endif()
 run(${CMAKE_COMMAND} ${args})
 run(${CMAKE_COMMAND} --build ${work}/build -j2)
@@ -86,7 +91,7 @@ if(PKG_CONFIG)
   set(ENV{PKG_CONFIG_PATH} ${prefix}/lib/pkgconfig)
   run(${PKG_CONFIG} --cflags --libs dptrain)
   separate_arguments(flags UNIX_COMMAND "${out}")
-  run(${CXX} -std=c++17 -O1 ${SOURCE_DIR}/tests/consumer/pkg_config_check.cpp ${flags}
+  run(${CXX} -std=c++17 -O1 ${SANITIZE} ${SOURCE_DIR}/tests/consumer/pkg_config_check.cpp ${flags}
       -o ${work}/pkg_config_check)
   run(${work}/pkg_config_check)
   message(STATUS "pkg-config: ${out}")
