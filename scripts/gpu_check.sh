@@ -1,43 +1,65 @@
 #!/usr/bin/env bash
-# gpu_check.sh: proves a GPU machine and makes this project's GPU figures, one stage per call
-# (a GPU machine allows 10 minutes a command: each stage is sized to end well under 8).
+# gpu_check.sh: proves a GPU machine and makes this project's GPU figures.
 #
-#   scripts/gpu_check.sh [--stage NAME] BUILD_DIR RESULTS_DIR
-#                                                 run one stage (default: all, in order)
+#   scripts/gpu_check.sh [--stage LIST] [--lease SECONDS] [--skip-done SUMMARY] [--pack FILE]
+#                        BUILD_DIR RESULTS_DIR
 #   scripts/gpu_check.sh --bundle [DEST]          build here for sm_90 and pack a self-contained
 #                                                 folder and DEST.tar.gz (default
 #                                                 build-sm90/gpu_check_bundle)
 #   scripts/gpu_check.sh --cuda-lib-dirs          print where it looks for the CUDA libraries
 #
-# BUILD_DIR is a CMake build tree (its bin/ holds the programs) or an unpacked bundle (bin/,
-# lib/, torch_ref/, this script at its top: run `bash gpu_check.sh --stage tests . results`).
-# The stages, in the order `--stage all` runs them:
-#   tests      nvidia-smi and the libraries; the CUDA tests (ctest -R cuda in a build tree; the
-#              doctest binaries with their filters in a bundle), test_dist's CUDA cases (Gloo
-#              staging of CUDA tensors, NCCL at one rank) included;
-#   sanitizer  compute-sanitizer: memcheck on the CUDA kernel tests, racecheck on the block
-#              reductions;
-#   amp        the CUDA AMP tests (16-bit kernels, nn.cuda.amp), then dp_bench --dtype fp32, bf16
-#              and fp16 for the MLP and CNN at --gpus 1 (bf16 also with --activations bf16), and
-#              bf16, fp16 at --gpus 4 --comm-dtype bf16: step time, loss, loss scale, skipped
-#              steps and peak memory in the summary;
-#   bench      bench_kernels (TF32 and bf16 GEMM against peak); dp_bench --mode both, --gpus 1
-#              and 4, MLP and CNN (DP and DDP graphed: --cuda-graphs auto), and again with
-#              --cuda-graphs off, whose losses must equal the graphed runs' bit for bit; DP on
-#              4 GPUs with a 0.25 MiB first bucket; the MLP with --phase-times off, and with
-#              --metrics-lag 1 too (same losses); GPT-2 124M bf16 on one GPU (tokens/s, MFU)
-#              and the tiny GPT at --gpus 4;
-#   torch      the PyTorch side by side (benchmarks/torch_ref) where torch imports with CUDA,
-#              GPT-2 124M included;
-#   profile    ncu --clock-control none on one replica's backward (NVTX dp/backward, the first
-#              worker) and on the reduce (dp/reduce), a few kernels each (uncaptured steps:
+# A lent GPU comes with 15 minutes of device time for the whole task, the machine's start (a
+# minute or two) included, and 10 minutes a command. The usual run is one lease in one call:
+#   here:  scripts/gpu_check.sh --bundle   (about 20 minutes on 2 cores; no device time)
+#   there: run(timeout_s 600, carry ["build-sm90/gpu_check_bundle.tar.gz"]):
+#            tar xzf build-sm90/gpu_check_bundle.tar.gz -C /tmp && cd /tmp/gpu_check_bundle &&
+#            bash gpu_check.sh --lease 540 --pack "$OUT/gpu_check.tar.gz" . /tmp/results
+#   then give_back; unpack the tar.gz into benchmarks/results/ and commit it.
+# ($OUT brings back at most 8 files, two folders deep: the results come back packed, one file.)
+#
+# --lease S: every part below, ended within S seconds (then packed). First the parts that time
+# nothing run side by side (tests | racecheck, memcheck | amp-tests), for at most LEASE_SIDE_S
+# seconds (default 210); then the timed parts one at a time, most wanted first: graphs,
+# torch-fp32, gpt, torch-gpt, amp-runs, torch-bf16, bench-more, gemm, profile. Steps the deadline
+# cuts off or leaves unstarted are marked CUT; the last line names the parts not done and the
+# --stage list that runs them. A later lease runs that list (--lease S --stage LIST runs it in
+# order, one at a time), or all again with --skip-done OLD_SUMMARY (parts whose summary line
+# there says "done" are skipped).
+#
+# --stage LIST: stages or parts, comma-separated, run in that order (default: all, the six stages
+# in order); without --lease each item gets STAGE_BUDGET_S seconds (default 420, so a stage fits
+# a 10-minute call). The stages and their parts:
+#   tests      tests: nvidia-smi and the libraries; the CUDA doctest cases of test_kernels_cuda,
+#              test_nn, test_dp, test_dist (Gloo staging of CUDA tensors, NCCL at one rank) and
+#              test_bench (graphed DDP on a GPU);
+#   sanitizer  memcheck: compute-sanitizer memcheck on the CUDA kernel tests; racecheck: on the
+#              block reductions;
+#   amp        amp-tests: the CUDA AMP tests (16-bit kernels, nn.cuda.amp); amp-runs: dp_bench
+#              --dtype fp32, bf16 and fp16 for the MLP and CNN at --gpus 1 (bf16 also with
+#              --activations bf16), and bf16, fp16 at --gpus 4 --comm-dtype bf16: step time,
+#              loss, loss scale, skipped steps and peak memory in the summary;
+#   bench      gemm: bench_kernels (TF32 and bf16 GEMM against peak); graphs: dp_bench --mode
+#              both, --gpus 1 and 4, MLP and CNN (DP and DDP graphed: --cuda-graphs auto), and
+#              again with --cuda-graphs off, whose losses must equal the graphed runs' bit for
+#              bit; gpt: GPT-2 124M in bf16, DP on 1 and 4 logical GPUs (tokens/s, MFU, the 4/1
+#              ratio), 3 interleaved repeats; bench-more: DP on 4 GPUs with a 0.25 MiB first
+#              bucket, the MLP with --phase-times off and with --metrics-lag 1 too (same
+#              losses), the tiny GPT at --gpus 4, and with dropout graphed and not (same losses);
+#   torch      the PyTorch side by side (benchmarks/torch_ref/variants.py: ours against eager,
+#              CUDA graph and torch.compile, 5 interleaved repeats, 95% intervals) where torch
+#              imports with CUDA: torch-fp32 (MLP, CNN), torch-bf16 (MLP, CNN), torch-gpt (GPT-2
+#              124M bf16);
+#   profile    profile: ncu --clock-control none on one replica's backward (NVTX dp/backward, the
+#              first worker) and on the reduce (dp/reduce), a few kernels each (uncaptured steps:
 #              --cuda-graphs off, whose phases have their own NVTX ranges).
-# Every stage writes into RESULTS_DIR/DATE_DEVICE/ (logs, JSON) and appends its verdict lines to
-# summary.txt there, so stages run in separate calls end up in one folder, ready to commit to
-# benchmarks/results/. A stage stops starting steps once it has run STAGE_BUDGET_S seconds
-# (default 420); a step cut off by the budget fails naming it. Exit status: 0 when no step
-# failed, 1 when one did, 2 when there is no GPU (at once, with one line) or the arguments are
-# wrong.
+# Every part writes into RESULTS_DIR/DATE_DEVICE/ (logs, JSON) and appends its verdict lines (ok,
+# FAIL, SKIP, CUT) and one "== part NAME: done|not done" line to summary.txt there, so runs in
+# separate calls end up in one folder, ready to commit to benchmarks/results/. --pack FILE writes
+# that folder as a tar.gz at the end. Exit status: 0 when every step ran and none failed, 1 when
+# one failed (or the pack could not be written), 3 when none failed but some were cut off or not
+# started by the budget, 2 when there is no GPU (at once, with one line) or the arguments are
+# wrong. GPU_CHECK_DRY_RUN=1 (for this script's own test, with a stand-in nvidia-smi) runs the
+# same steps on CPU devices, shortened.
 #
 # The CUDA libraries (cuBLAS(Lt), cuDNN, NCCL) are found where they are: PyTorch's pip wheels
 # (site-packages/nvidia/*/lib), /usr/local/cuda, else a search of the file system; the script
@@ -48,17 +70,36 @@ set -uo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 stages=(tests sanitizer amp bench torch profile)
+parts=(tests memcheck racecheck amp-tests amp-runs gemm graphs gpt bench-more torch-fp32
+  torch-bf16 torch-gpt profile)
+stage_parts() {
+  case "$1" in
+    tests) echo tests ;;
+    sanitizer) echo memcheck racecheck ;;
+    amp) echo amp-tests amp-runs ;;
+    bench) echo gemm graphs gpt bench-more ;;
+    torch) echo torch-fp32 torch-bf16 torch-gpt ;;
+    profile) echo profile ;;
+  esac
+}
+# A lease: these jobs side by side first (each runs its parts in order; none times anything),
+# then the timed parts one at a time, most wanted first (issue 26's goals: the fair ratios, the
+# DP 4/1 ratio, GPT throughput).
+lease_jobs=("tests" "racecheck memcheck" "amp-tests")
+lease_timed=(graphs torch-fp32 gpt torch-gpt amp-runs torch-bf16 bench-more gemm profile)
 
 usage() {
-  echo "usage: $0 [--stage $(IFS='|' && echo "${stages[*]}")|all] BUILD_DIR RESULTS_DIR" \
-    "| $0 --bundle [DEST] | $0 --cuda-lib-dirs" >&2
+  echo "usage: $0 [--stage LIST] [--lease SECONDS] [--skip-done SUMMARY] [--pack FILE]" \
+    "BUILD_DIR RESULTS_DIR | $0 --bundle [DEST] | $0 --cuda-lib-dirs" \
+    "(LIST: all or stages and parts, comma-separated: ${stages[*]}; ${parts[*]})" >&2
   exit 2
 }
 
 # ---- --bundle: build here for sm_90 and pack ------------------------------------------------
 
-# The programs the check runs.
-bundle_targets=(test_kernels_cuda test_nn test_dp test_dist bench_kernels dp_bench)
+# The programs the check runs (test_bench for its graphed DDP case, run against the bundle's
+# dp_bench through DP_BENCH_PROGRAM).
+bundle_targets=(test_kernels_cuda test_nn test_dp test_dist test_bench bench_kernels dp_bench)
 
 # Shared libraries a GPU machine provides itself: the C library family, and the CUDA libraries
 # (present there in PyTorch's wheels or the toolkit; the script finds them at run time).
@@ -74,7 +115,7 @@ provided_lib() {
 }
 
 make_bundle() {
-  local repo dest build size_kib limit_kib=$((60 * 1024))
+  local repo dest build size_kib tgz_kib limit_kib=$((40 * 1024))
   repo=$(cd "$here/.." && pwd)
   build=$repo/build-sm90
   dest=${1:-$build/gpu_check_bundle}
@@ -155,8 +196,12 @@ make_bundle() {
   done
   echo "  contents:"
   printf '%s' "$listing"
-  if ((size_kib >= limit_kib)); then
-    echo "gpu_check --bundle: the bundle is over the 60 MiB limit" >&2
+  # What travels is the tar.gz, beside the working tree (about 11 MiB), within the device
+  # tool's 64 MiB.
+  tgz_kib=$(($(stat -c %s "$dest.tar.gz") / 1024))
+  if ((tgz_kib >= limit_kib)); then
+    echo "gpu_check --bundle: $dest.tar.gz is $((tgz_kib / 1024)) MiB, over the 40 MiB that" \
+      "leaves room for the working tree in a device call's 64 MiB" >&2
     exit 1
   fi
 }
@@ -191,20 +236,67 @@ if [[ ${1:-} == --bundle ]]; then
 fi
 [[ ${1:-} == -h || ${1:-} == --help ]] && usage
 
-# ---- the stage (checked before anything else, so a typo is named even without a GPU) --------
+# ---- arguments (checked before anything else, so a typo is named even without a GPU) ---------
 
-stage=all
-if [[ ${1:-} == --stage ]]; then
-  [[ $# -ge 2 ]] || usage
-  stage=$2
-  shift 2
-elif [[ ${1:-} == --stage=* ]]; then
-  stage=${1#--stage=}
-  shift
+stage=all lease_s="" skip_done="" pack=""
+positional=()
+while (($#)); do
+  case "$1" in
+    --stage | --lease | --skip-done | --pack)
+      [[ $# -ge 2 ]] || usage
+      case "$1" in
+        --stage) stage=$2 ;;
+        --lease) lease_s=$2 ;;
+        --skip-done) skip_done=$2 ;;
+        --pack) pack=$2 ;;
+      esac
+      shift 2
+      ;;
+    --stage=*) stage=${1#--stage=} && shift ;;
+    --lease=*) lease_s=${1#--lease=} && shift ;;
+    --skip-done=*) skip_done=${1#--skip-done=} && shift ;;
+    --pack=*) pack=${1#--pack=} && shift ;;
+    -h | --help) usage ;;
+    --*)
+      echo "gpu_check: unknown flag '$1' (flags: --stage --lease --skip-done --pack)" >&2
+      exit 2
+      ;;
+    *) positional+=("$1") && shift ;;
+  esac
+done
+
+# The parts to run, in order, from --stage; items[i] is the stage or part that gave each group.
+items=()
+if [[ $stage == all ]]; then
+  items=("${stages[@]}")
+else
+  IFS=',' read -r -a items <<< "$stage"
+  ((${#items[@]})) || usage
 fi
-if [[ $stage != all && " ${stages[*]} " != *" $stage "* ]]; then
-  echo "gpu_check: unknown --stage '$stage': give one of ${stages[*]} or all" >&2
+for item in "${items[@]}"; do
+  if [[ " ${stages[*]} " != *" $item "* && " ${parts[*]} " != *" $item "* ]]; then
+    echo "gpu_check: unknown --stage '$item': give all, or stages and parts (comma-separated):" \
+      "${stages[*]}; ${parts[*]}" >&2
+    exit 2
+  fi
+done
+item_parts() {  # ITEM: its parts
+  if [[ " ${stages[*]} " == *" $1 "* ]]; then stage_parts "$1"; else echo "$1"; fi
+}
+if [[ -n $lease_s ]] && ! [[ $lease_s =~ ^[1-9][0-9]{0,4}$ ]]; then
+  echo "gpu_check: --lease '$lease_s': give the seconds the run must end within (1 to 99999)" >&2
   exit 2
+fi
+if [[ -n $skip_done && ! -r $skip_done ]]; then
+  echo "gpu_check: --skip-done '$skip_done': no such readable file (give an earlier summary.txt)" >&2
+  exit 2
+fi
+if [[ -n $pack ]]; then
+  [[ -d $(dirname "$pack") && $pack != */ ]] || {
+    echo "gpu_check: --pack '$pack': its folder does not exist (give a file in an existing folder)" >&2
+    exit 2
+  }
+  pack=$(cd "$(dirname "$pack")" && pwd)/$(basename "$pack")
 fi
 
 # ---- no GPU: one line, exit 2 ----------------------------------------------------------------
@@ -218,31 +310,32 @@ if ! gpu_list=$(nvidia-smi -L 2> /dev/null) || ! grep -q '^GPU ' <<< "$gpu_list"
   exit 2
 fi
 
-[[ $# -eq 2 ]] || usage
-build=$(cd "$1" 2> /dev/null && pwd) || {
-  echo "gpu_check: build folder '$1' does not exist" >&2
+[[ ${#positional[@]} -eq 2 ]] || usage
+build=$(cd "${positional[0]}" 2> /dev/null && pwd) || {
+  echo "gpu_check: build folder '${positional[0]}' does not exist" >&2
   exit 2
 }
-results_root=$2
-# The programs each stage needs.
+results_root=${positional[1]}
+# The programs each part needs.
 needed_programs() {
   case "$1" in
-    tests | sanitizer) echo test_kernels_cuda ;;
-    amp) echo test_kernels_cuda dp_bench ;;
-    bench) echo bench_kernels dp_bench ;;
-    torch | profile) echo dp_bench ;;
+    tests | memcheck | racecheck | amp-tests) echo test_kernels_cuda ;;
+    gemm) echo bench_kernels ;;
+    *) echo dp_bench ;;
   esac
 }
-run_stages=("${stages[@]}")
-[[ $stage != all ]] && run_stages=("$stage")
-for st in "${run_stages[@]}"; do
-  for t in $(needed_programs "$st"); do
-    [[ -x $build/bin/$t ]] || {
-      echo "gpu_check: $build/bin/$t is missing (stage $st): build it (cmake --build $1) or use a bundle" >&2
-      exit 2
-    }
+for item in "${items[@]}"; do
+  for p in $(item_parts "$item"); do
+    for t in $(needed_programs "$p"); do
+      [[ -x $build/bin/$t ]] || {
+        echo "gpu_check: $build/bin/$t is missing (part $p): build it (cmake --build ${positional[0]}) or use a bundle" >&2
+        exit 2
+      }
+    done
   done
 done
+# test_bench's CUDA case runs this dp_bench (the path built into it is the build machine's).
+export DP_BENCH_PROGRAM=$build/bin/dp_bench
 
 # ---- the CUDA libraries ----------------------------------------------------------------------
 
@@ -282,45 +375,74 @@ mkdir -p "$out" || {
 }
 out=$(cd "$out" && pwd)
 summary=$out/summary.txt
-failures=0
+touch "$summary"
+run_from=$(wc -l < "$summary")  # this run's lines follow
 stage_budget_s=${STAGE_BUDGET_S:-420}
-stage_start=$SECONDS
+lease_side_s=${LEASE_SIDE_S:-210}
+now() { printf '%(%s)T' -1; }
+t_start=$(now)
+lease_end=0
+[[ -n $lease_s ]] && lease_end=$((t_start + lease_s))
+budget_end=0    # the epoch second by which the running part's steps must end
+budget_what=""  # which budget that is, for the CUT verdicts
+n_fail=0 n_cut=0 part_fail=0 part_cut=0  # this shell's counts (a side-by-side job has its own)
 
-# One verdict line per step, on the terminal and appended to summary.txt.
-verdict() {  # STATUS STEP DETAILS...
+dry_run=${GPU_CHECK_DRY_RUN:-0}
+bench_device=cuda
+[[ $dry_run == 1 ]] && bench_device=cpu
+
+# One verdict line per step, on the terminal and appended to summary.txt (side-by-side jobs
+# append whole lines, each one write).
+verdict() {  # STATUS STEP DETAILS...: STATUS is ok, FAIL, SKIP or CUT
   local status=$1 step=$2
   shift 2
   printf '%-4s  %-34s %s\n' "$status" "$step" "$*" | tee -a "$summary"
-  [[ $status == FAIL ]] && failures=$((failures + 1))
+  case $status in
+    FAIL) n_fail=$((n_fail + 1)) part_fail=$((part_fail + 1)) ;;
+    CUT) n_cut=$((n_cut + 1)) part_cut=$((part_cut + 1)) ;;
+  esac
   return 0
 }
 
-# Runs a command with its output in LOG, within what is left of the stage's budget; the exit
-# status is the command's (124 when the budget cut it off, 125 when none was left to start it).
+# Runs a command with its output in LOG, within what is left of the budget; the exit status is
+# the command's (124 or 137 when the budget cut it off, 125 when none was left to start it).
 logged() {  # LOG CMD...
-  local log=$1 left=$((stage_budget_s - (SECONDS - stage_start)))
+  local log=$1 left=$((budget_end - $(now)))
   shift
   echo "\$ $*" > "$log"
   if ((left <= 0)); then
-    echo "gpu_check: the stage's ${stage_budget_s} s budget is spent: not started" >> "$log"
+    echo "gpu_check: $budget_what was spent: not started" >> "$log"
     return 125
   fi
   timeout --kill-after=10 "$left" "$@" >> "$log" 2>&1
 }
 
-# What to say after the exit status of a step that logged() stopped, else nothing.
-budget_note() {  # STATUS
-  case "$1" in
-    124 | 137) echo " (cut off by the ${stage_budget_s} s stage budget)" ;;
-    125) echo " (not started: the ${stage_budget_s} s stage budget was spent)" ;;
-  esac
+# Whether an exit status of logged() means the budget stopped the step (a kill at another time,
+# by the kernel say, is a failure).
+budget_stopped() {  # STATUS
+  (($1 == 125)) || { (($1 == 124 || $1 == 137)) && (($(now) >= budget_end)); }
 }
 
-echo "gpu_check: $n_gpus GPU(s), $gpu_name; stage $stage; results in $out"
+# One step's verdict from its exit status: ok, CUT when the budget stopped it, else FAIL.
+step_verdict() {  # STATUS LABEL OK_DETAILS FAIL_DETAILS
+  local rc=$1 label=$2
+  if ((rc == 0)); then
+    verdict ok "$label" "$3"
+  elif ((rc == 125)); then
+    verdict CUT "$label" "not started: $budget_what was spent"
+  elif budget_stopped "$rc"; then
+    verdict CUT "$label" "cut off by $budget_what: $4"
+  else
+    verdict FAIL "$label" "exit $rc: $4"
+  fi
+}
+
+echo "gpu_check: $n_gpus GPU(s), $gpu_name; stage $stage${lease_s:+, lease $lease_s s}; results in $out"
 {
-  echo "gpu_check --stage $stage of $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)"
+  echo "gpu_check --stage $stage${lease_s:+ --lease $lease_s} of $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)"
   [[ -f $build/VERSION ]] && sed -n '2,3p' "$build/VERSION"
   echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+  [[ $dry_run == 1 ]] && echo "GPU_CHECK_DRY_RUN=1: CPU devices, shortened runs (the script's own test)"
 } >> "$out/environment.txt"
 
 # dp_bench's --json as one summary line: per run, mode, replicas, step time, loss, loss scale
@@ -335,20 +457,6 @@ runs = [f"{r['mode']} x{r['gpus']} {r['step_ms_median']:.3f} ms/step, loss {r['f
 note = " (logical GPUs share hardware: overhead, not scaling)" if j.get("oversubscribed") else ""
 print(", ".join(runs) + note)
 EOF
-}
-
-# One dp_bench run as a step: NAME LABEL ARGS...
-bench_step() {
-  local name=$1 label=$2 rc line
-  shift 2
-  logged "$out/$name.txt" "$build/bin/dp_bench" --device cuda --json "$out/$name.json" "$@"
-  rc=$?
-  if ((rc == 0)); then
-    line=$(bench_line "$out/$name.json")
-    verdict ok "$label" "${line:-see $name.txt}"
-  else
-    verdict FAIL "$label" "exit $rc$(budget_note $rc): see $name.txt"
-  fi
 }
 
 # Two dp_bench runs that must train alike: LABEL GRAPHED_JSON OTHER_JSON. Every run (mode, N)
@@ -382,31 +490,106 @@ EOF
   fi
 }
 
+# A dry run's dp_bench arguments: the same run, shortened (6 steps after 2, 2 repeats, GPT-2 124M
+# as the tiny preset at 64 tokens), with --cuda-graphs on where none is given (auto is on for a
+# GPU's capturable steps, off on CPU devices, which replay through the same interface when on).
+# Sets bench_args.
+dry_rewrite() {  # ARGS...
+  local a prev="" steps=0 warmup=0 graphs=0
+  bench_args=()
+  for a in "$@"; do
+    case $prev in
+      --steps) a=6 steps=1 ;;
+      --warmup) a=2 warmup=1 ;;
+      --repeat) a=2 ;;
+      --gpt-config) a=tiny ;;
+      --seq) a=64 ;;
+      --cuda-graphs) graphs=1 ;;
+    esac
+    bench_args+=("$a")
+    prev=$a
+  done
+  ((steps)) || bench_args+=(--steps 6)
+  ((warmup)) || bench_args+=(--warmup 2)
+  ((graphs)) || bench_args+=(--cuda-graphs on)
+}
+
+# One dp_bench run as a step: NAME LABEL ARGS...
+bench_step() {
+  local name=$1 label=$2 rc line
+  shift 2
+  bench_args=("$@")
+  [[ $dry_run == 1 ]] && dry_rewrite "$@"
+  logged "$out/$name.txt" "$build/bin/dp_bench" --device "$bench_device" \
+    --json "$out/$name.json" "${bench_args[@]}"
+  rc=$?
+  ((rc == 0)) && line=$(bench_line "$out/$name.json")
+  step_verdict "$rc" "$label" "${line:-see $name.txt}" "see $name.txt"
+}
+
+# Two runs of bench_step that must train alike (LABEL GRAPHED_JSON OTHER_JSON), when both ran.
+compare_step() {
+  local label=$1
+  if [[ -s $2 && -s $3 ]]; then
+    same_losses_verdict "$@"
+  else
+    verdict CUT "$label" "not compared: $(basename "${2%.json}") or $(basename "${3%.json}") did not finish"
+  fi
+}
+
 # Doctest binaries with their test-case filters, into one log: LOG LABEL BIN:FILTER...
 doctest_step() {
-  local log=$1 label=$2 ok=1 counts="" spec bin filter rc
+  local log=$1 label=$2 worst=0 counts="" spec bin filter rc
   shift 2
   : > "$out/$log"
   for spec in "$@"; do
     bin=${spec%%:*} filter=${spec#*:}
     if [[ ! -x $build/bin/$bin ]]; then
       counts+="$bin: missing; "
-      ok=0
+      worst=1
       continue
     fi
     logged "$out/$log.part" "$build/bin/$bin" -tc="$filter"
     rc=$?
     cat "$out/$log.part" >> "$out/$log"
     rm -f "$out/$log.part"
-    ((rc == 0)) || ok=0
-    counts+="$bin: $(grep 'test cases:' "$out/$log" | tail -1 | tr -s ' ' | cut -c1-80)$(budget_note $rc); "
+    counts+="$bin: $(grep 'test cases:' "$out/$log" | tail -1 | tr -s ' ' | cut -c1-80); "
+    if ((rc != 0)) && ! budget_stopped "$rc"; then
+      worst=1
+    elif ((rc != 0 && worst == 0)); then
+      worst=$rc
+    fi
   done
-  if ((ok)); then verdict ok "$label" "$counts"; else verdict FAIL "$label" "$counts see $log"; fi
+  case $worst in
+    0) verdict ok "$label" "$counts" ;;
+    1) verdict FAIL "$label" "$counts see $log" ;;
+    *) step_verdict "$worst" "$label" "" "$counts see $log" ;;
+  esac
 }
 
-# ---- stages ----------------------------------------------------------------------------------
+# Runs the PyTorch side by side (benchmarks/torch_ref/side_by_side.sh): NAME LABEL N FLAGS...
+torch_step() {
+  local name=$1 label=$2 n=$3 torch_ref=$here/torch_ref rc
+  shift 3
+  [[ -d $torch_ref ]] || torch_ref=$here/../benchmarks/torch_ref
+  OUT_DIR=$out/$name logged "$out/$name.txt" bash "$torch_ref/side_by_side.sh" "$build" "$n" \
+    --device "$bench_device" "$@"
+  rc=$?
+  step_verdict "$rc" "$label" "N=$n: see $name.txt" "see $name.txt"
+}
 
-stage_tests() {
+# Whether python3 here imports torch with CUDA (the torch parts skip without it).
+torch_usable() {
+  if ! python3 -c 'import torch, numpy, sys; sys.exit(0 if torch.cuda.is_available() else 1)' \
+    > /dev/null 2>&1; then
+    verdict SKIP "PyTorch side by side" "torch (with CUDA) or numpy does not import in python3"
+    return 1
+  fi
+}
+
+# ---- parts -----------------------------------------------------------------------------------
+
+part_tests() {
   local driver
   if logged "$out/nvidia-smi.txt" nvidia-smi; then
     driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)
@@ -422,42 +605,51 @@ stage_tests() {
   # The doctest binaries with their filters, in a build tree as in a bundle (ctest -R cuda
   # would miss test_dist's CUDA cases, one ctest entry per binary). Filters ignore case.
   doctest_step cuda_tests.txt "CUDA tests (doctest)" "test_kernels_cuda:kernels.cuda*" \
-    "test_nn:nn.cuda*" "test_dp:dp.cuda*" "test_dist:*cuda*"
+    "test_nn:nn.cuda*" "test_dp:dp.cuda*" "test_dist:*cuda*" "test_bench:bench.cuda*"
 }
 
-stage_sanitizer() {
-  # API errors are not reported: the tests provoke some on purpose (an allocation larger than
-  # the GPU must fail with a clear error); memory and race errors are.
-  if ! command -v compute-sanitizer > /dev/null; then
-    verdict SKIP compute-sanitizer "not installed (it comes with the CUDA toolkit)"
-    return
+# compute-sanitizer: API errors are not reported (the tests provoke some on purpose: an
+# allocation larger than the GPU must fail with a clear error); memory and race errors are.
+sanitizer_usable() {
+  if [[ $dry_run == 1 ]]; then
+    verdict SKIP "compute-sanitizer" "a dry run: no GPU to check"
+    return 1
   fi
-  local rc
+  if ! command -v compute-sanitizer > /dev/null; then
+    verdict SKIP "compute-sanitizer" "not installed (it comes with the CUDA toolkit)"
+    return 1
+  fi
+}
+
+part_memcheck() {
+  sanitizer_usable || return 0
   logged "$out/memcheck.txt" compute-sanitizer --tool memcheck --report-api-errors no \
     --error-exitcode 99 "$build/bin/test_kernels_cuda" -tc='kernels.cuda*'
-  rc=$?
-  if ((rc == 0)); then
-    verdict ok "memcheck (kernel tests)" "$(grep -o 'ERROR SUMMARY.*' "$out/memcheck.txt" | tail -1)"
-  else
-    verdict FAIL "memcheck (kernel tests)" "$(grep -o 'ERROR SUMMARY.*' "$out/memcheck.txt" | tail -1)$(budget_note $rc): see memcheck.txt"
-  fi
+  local rc=$? said
+  said=$(grep -o 'ERROR SUMMARY.*' "$out/memcheck.txt" | tail -1)
+  step_verdict "$rc" "memcheck (kernel tests)" "$said" "${said:+$said: }see memcheck.txt"
+}
+
+part_racecheck() {
+  sanitizer_usable || return 0
   # The kernels with shared-memory reductions and chunked sums.
   local race='kernels.cuda.mse_loss*,kernels.cuda.batch_norm*,kernels.cuda.layer_norm*,kernels.cuda.bias*,kernels.cuda.softmax_cross_entropy: matches*'
   logged "$out/racecheck.txt" compute-sanitizer --tool racecheck --report-api-errors no \
     --error-exitcode 99 "$build/bin/test_kernels_cuda" -tc="$race"
-  rc=$?
-  if ((rc == 0)); then
-    verdict ok "racecheck (reductions)" "$(grep -o 'RACECHECK SUMMARY.*\|ERROR SUMMARY.*' "$out/racecheck.txt" | tail -1)"
-  else
-    verdict FAIL "racecheck (reductions)" "exit $rc$(budget_note $rc): see racecheck.txt"
-  fi
+  local rc=$?
+  step_verdict "$rc" "racecheck (reductions)" \
+    "$(grep -o 'RACECHECK SUMMARY.*\|ERROR SUMMARY.*' "$out/racecheck.txt" | tail -1)" \
+    "see racecheck.txt"
 }
 
-stage_amp() {
-  # The CUDA AMP tests: the 16-bit kernel cases (bf16 and f16 GEMM, convolution, axpy,
-  # all_finite) and nn.cuda.amp (bf16 and fp16 steps against the CPU).
+part_amp_tests() {
+  # The 16-bit kernel cases (bf16 and f16 GEMM, convolution, axpy, all_finite) and nn.cuda.amp
+  # (bf16 and fp16 steps against the CPU).
   doctest_step amp_tests.txt "CUDA AMP tests (doctest)" \
     "test_kernels_cuda:*f16*,*16-bit*" "test_nn:nn.cuda.amp*"
+}
+
+part_amp_runs() {
   local model dtype
   for model in mlp cnn; do
     # fp32 is the reference step time. LeNet's channel counts (1, 6, 16) are not multiples of
@@ -477,9 +669,10 @@ stage_amp() {
   done
 }
 
-stage_bench() {
-  local rc line model g
-  logged "$out/bench_kernels.txt" "$build/bin/bench_kernels" --device cuda \
+part_gemm() {
+  local rc line args=(--device "$bench_device")
+  [[ $dry_run == 1 ]] && args+=(--sizes 128 --min-time 0.01 --stream-elems 65536)
+  logged "$out/bench_kernels.txt" "$build/bin/bench_kernels" "${args[@]}" \
     --json "$out/bench_kernels.json"
   rc=$?
   if ((rc == 0)); then
@@ -505,30 +698,44 @@ for d in ("tf32", "bf16"):
 print(", ".join(out))
 EOF
     )
-    verdict ok "bench_kernels (GEMM)" "${line:-see bench_kernels.txt}"
-  else
-    verdict FAIL "bench_kernels (GEMM)" "exit $rc$(budget_note $rc): see bench_kernels.txt"
   fi
-  # DP and DDP, 1 and 4 logical GPUs, MLP and CNN
+  step_verdict "$rc" "bench_kernels (GEMM)" "${line:-see bench_kernels.txt}" "see bench_kernels.txt"
+}
+
+part_graphs() {
+  local model g
+  # DP and DDP, 1 and 4 logical GPUs, MLP and CNN, graphed where the step is capturable (auto)
   for model in mlp cnn; do
     for g in 1 4; do
       bench_step "dp_bench_${model}_gpus$g" "dp_bench $model --gpus $g" --mode both \
         --gpus "$g" --model "$model"
     done
   done
-  # The same DP and DDP steps uncaptured (--cuda-graphs off), against the graphed runs above
-  # (auto: on); their losses must be the graphed runs' bit for bit.
+  # The same DP and DDP steps uncaptured (--cuda-graphs off), against the graphed runs above;
+  # their losses must be the graphed runs' bit for bit.
   for model in mlp cnn; do
     for g in 1 4; do
       bench_step "dp_bench_${model}_gpus${g}_nographs" "dp_bench $model --gpus $g graphs off" \
         --mode both --baseline 0 --gpus "$g" --model "$model" --cuda-graphs off
-      same_losses_verdict "graphs = uncaptured, $model --gpus $g" \
+      compare_step "graphs = uncaptured, $model --gpus $g" \
         "$out/dp_bench_${model}_gpus$g.json" "$out/dp_bench_${model}_gpus${g}_nographs.json"
     done
   done
+}
+
+part_gpt() {
+  # GPT-2 124M in bf16 (bf16 activations: attention on cuDNN's fused SDPA): tokens/s and MFU on
+  # one GPU, and DP on 4 logical GPUs against it (issue 26's goal: 4/1 <= 1.05), interleaved.
+  bench_step dp_bench_gpt124m_bf16 "dp_bench gpt-124m bf16 --gpus 1, 4" --mode dp --gpus 4 \
+    --model gpt --gpt-config 124m --seq 1024 --batch 8 --dtype bf16 --activations bf16 \
+    --steps 10 --warmup 3 --repeat 3
+}
+
+part_bench_more() {
+  local g graphs
   # A first bucket of 0.25 MiB against the default 1 MiB, where buckets overlap backward (DP
   # uncaptured; the MLP's 1.03 MiB of gradients make 2 buckets instead of 1): against the
-  # nographs run above.
+  # graphs part's nographs run.
   bench_step dp_bench_mlp_gpus4_nographs_bucket025 "dp_bench mlp --gpus 4 graphs off, first bucket 0.25 MiB" \
     --mode dp --baseline 0 --gpus 4 --model mlp --cuda-graphs off --first-bucket-mb 0.25
   # Graphed MLP steps (DP and DDP) with untimed marks (--phase-times off), then also with the
@@ -539,14 +746,10 @@ EOF
       --mode both --baseline 0 --gpus "$g" --model mlp --phase-times off
     bench_step "dp_bench_mlp_gpus${g}_lag1" "dp_bench mlp --gpus $g --metrics-lag 1" \
       --mode both --baseline 0 --gpus "$g" --model mlp --phase-times off --metrics-lag 1
-    same_losses_verdict "metrics lag 1 = 0, mlp --gpus $g" \
+    compare_step "metrics lag 1 = 0, mlp --gpus $g" \
       "$out/dp_bench_mlp_gpus${g}_lag1.json" "$out/dp_bench_mlp_gpus${g}_untimed.json"
   done
-  # GPT-2 124M in bf16 (bf16 activations: attention on cuDNN's fused SDPA), tokens/s and MFU;
-  # the tiny GPT through DP and DDP on 4 logical GPUs.
-  bench_step dp_bench_gpt124m_bf16 "dp_bench gpt-124m bf16 --gpus 1" --mode dp --gpus 1 \
-    --baseline 0 --model gpt --gpt-config 124m --seq 1024 --batch 8 --dtype bf16 \
-    --activations bf16 --steps 20 --warmup 3
+  # The tiny GPT through DP and DDP on 4 logical GPUs.
   bench_step dp_bench_gpt_tiny_gpus4 "dp_bench gpt-tiny --gpus 4" --mode both --gpus 4 \
     --model gpt --gpt-config tiny
   # Dropout under graphs (attention and residual): the offsets are read on the GPU, so every
@@ -556,43 +759,29 @@ EOF
       "dp_bench gpt-tiny --dropout 0.1 --gpus 2 graphs $graphs" --mode both --gpus 2 \
       --baseline 0 --model gpt --gpt-config tiny --dropout 0.1 --cuda-graphs "$graphs"
   done
-  same_losses_verdict "graphs = uncaptured, gpt-tiny --dropout 0.1 --gpus 2" \
+  compare_step "graphs = uncaptured, gpt-tiny --dropout 0.1 --gpus 2" \
     "$out/dp_bench_gpt_tiny_dropout_graphs_on.json" "$out/dp_bench_gpt_tiny_dropout_graphs_off.json"
 }
 
-stage_torch() {
-  local torch_ref=$here/torch_ref n_side model dtype tag rc
-  [[ -d $torch_ref ]] || torch_ref=$here/../benchmarks/torch_ref
-  if ! python3 -c 'import torch, numpy, sys; sys.exit(0 if torch.cuda.is_available() else 1)' \
-    > /dev/null 2>&1; then
-    verdict SKIP "PyTorch side by side" "torch (with CUDA) or numpy does not import in python3"
-    return
-  fi
-  n_side=$((n_gpus < 4 ? n_gpus : 4))
+# The side by side at N = 1 (variants.py): ours against torch eager, CUDA graph and
+# torch.compile, 5 interleaved repeats with 95% intervals, for the MLP and the CNN in DTYPE.
+torch_models() {  # DTYPE (fp32, or bf16: our policy against torch.autocast)
+  local model tag
+  torch_usable || return 0
   for model in mlp cnn; do
-    for dtype in fp32 bf16; do  # bf16: our policy against torch.autocast
-      tag=${model}${dtype/fp32/}
-      OUT_DIR=$out/torch_side_by_side_$tag logged "$out/torch_side_by_side_$tag.txt" \
-        bash "$torch_ref/side_by_side.sh" "$build" "$n_side" --device cuda --model "$model" \
-        --dtype "$dtype"
-      rc=$?
-      if ((rc == 0)); then
-        verdict ok "PyTorch side by side $model $dtype" "N=$n_side: see torch_side_by_side_$tag.txt"
-      else
-        verdict FAIL "PyTorch side by side $model $dtype" "exit $rc$(budget_note $rc): see torch_side_by_side_$tag.txt"
-      fi
-    done
+    tag=${model}${1/fp32/}
+    torch_step "torch_side_by_side_$tag" "PyTorch side by side $model $1" 1 --model "$model" \
+      --dtype "$1"
   done
+}
+part_torch_fp32() { torch_models fp32; }
+part_torch_bf16() { torch_models bf16; }
+
+part_torch_gpt() {
   # GPT-2 124M on one GPU: ours against torch eager, CUDA graph and torch.compile.
-  OUT_DIR=$out/torch_side_by_side_gpt124m logged "$out/torch_side_by_side_gpt124m.txt" \
-    bash "$torch_ref/side_by_side.sh" "$build" 1 --device cuda --model gpt --gpt-config 124m \
-    --seq 1024 --batch 8 --dtype bf16 --steps 30 --warmup 5 --repeat 3
-  rc=$?
-  if ((rc == 0)); then
-    verdict ok "PyTorch side by side gpt-124m bf16" "N=1: see torch_side_by_side_gpt124m.txt"
-  else
-    verdict FAIL "PyTorch side by side gpt-124m bf16" "exit $rc$(budget_note $rc): see torch_side_by_side_gpt124m.txt"
-  fi
+  torch_usable || return 0
+  torch_step torch_side_by_side_gpt124m "PyTorch side by side gpt-124m bf16" 1 --model gpt \
+    --gpt-config 124m --seq 1024 --batch 8 --dtype bf16 --steps 30 --warmup 5 --repeat 3
 }
 
 # Nsight Compute on the kernels inside one NVTX range of a short DP run of the CNN on 2 logical
@@ -600,9 +789,13 @@ stage_torch() {
 # kernels, one replica's backward) and dp/reduce. --clock-control none keeps the GPU's own
 # clocks, as in the timed runs. ncu's filter reads "/" as nesting, so the one inside our range
 # names is escaped: "dp\/backward/" is the push/pop range named dp/backward.
-stage_profile() {
+part_profile() {
   local ncu_bin rc what
   ncu_bin=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2> /dev/null | head -1)
+  if [[ $dry_run == 1 ]]; then
+    verdict SKIP "ncu (profile)" "a dry run: no GPU to profile"
+    return
+  fi
   if [[ -z $ncu_bin ]]; then
     verdict SKIP "ncu (profile)" "Nsight Compute (ncu) is not installed (it comes with the CUDA toolkit)"
     return
@@ -613,24 +806,99 @@ stage_profile() {
       --csv --page details "$build/bin/dp_bench" --device cuda --mode dp --gpus 2 --baseline 0 \
       --model cnn --warmup 1 --steps 2 --cuda-graphs off
     rc=$?
-    if ((rc == 0)) && grep -q 'Duration' "$out/ncu_$what.txt"; then
-      verdict ok "ncu dp/$what" "$(grep -c '"Duration"' "$out/ncu_$what.txt") kernels profiled: see ncu_$what.txt"
+    if ((rc == 0)) && ! grep -q 'Duration' "$out/ncu_$what.txt"; then
+      verdict FAIL "ncu dp/$what" "no kernel in the range: see ncu_$what.txt"
     else
-      verdict FAIL "ncu dp/$what" "exit $rc$(budget_note $rc), or no kernel in the range: see ncu_$what.txt"
+      step_verdict "$rc" "ncu dp/$what" \
+        "$(grep -c '"Duration"' "$out/ncu_$what.txt") kernels profiled: see ncu_$what.txt" \
+        "see ncu_$what.txt"
     fi
   done
 }
 
-for st in "${run_stages[@]}"; do
-  stage_start=$SECONDS
-  echo "== stage $st ($(date -u +%Y-%m-%dT%H:%M:%SZ)) ==" | tee -a "$summary"
-  "stage_$st"
-  echo "   stage $st took $((SECONDS - stage_start)) s" | tee -a "$summary"
-done
+# ---- running the parts -----------------------------------------------------------------------
 
-if ((failures)); then
-  echo "gpu_check: $failures step(s) failed in stage $stage; everything is in $out" | tee -a "$summary"
-  exit 1
+# One part: its steps, then one line saying whether it is done (every step ok or skipped).
+run_part() {  # PART
+  local p=$1 t0
+  if [[ -n $skip_done ]] && grep -q "^== part $p: done" "$skip_done"; then
+    echo "== part $p: done in an earlier run ($skip_done): skipped" | tee -a "$summary"
+    return
+  fi
+  t0=$(now)
+  part_fail=0 part_cut=0
+  echo "== part $p ($(date -u +%H:%M:%S))" | tee -a "$summary"
+  "part_${p//-/_}"
+  if ((part_fail == 0 && part_cut == 0)); then
+    echo "== part $p: done in $(($(now) - t0)) s" | tee -a "$summary"
+  else
+    echo "== part $p: not done in $(($(now) - t0)) s ($part_fail failed, $part_cut cut off or not started)" |
+      tee -a "$summary"
+  fi
+}
+
+if [[ -n $lease_s && $stage == all ]]; then
+  # The lease: the untimed jobs side by side, within the side window; then the timed parts.
+  budget_end=$((t_start + lease_side_s))
+  ((budget_end > lease_end)) && budget_end=$lease_end
+  budget_what="the lease's side-by-side window ($((budget_end - t_start)) s)"
+  pids=()
+  for job in "${lease_jobs[@]}"; do
+    (
+      for p in $job; do run_part "$p"; done
+      ((n_fail)) && exit 1
+      ((n_cut)) && exit 3
+      exit 0
+    ) &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do
+    wait "$pid"
+    case $? in
+      0) ;;
+      3) n_cut=$((n_cut + 1)) ;;
+      *) n_fail=$((n_fail + 1)) ;;
+    esac
+  done
+  budget_end=$lease_end
+  budget_what="the lease's $lease_s s"
+  for p in "${lease_timed[@]}"; do run_part "$p"; done
+else
+  for item in "${items[@]}"; do
+    if [[ -n $lease_s ]]; then
+      budget_end=$lease_end budget_what="the lease's $lease_s s"
+    else
+      budget_end=$(($(now) + stage_budget_s)) budget_what="the $item budget ($stage_budget_s s)"
+    fi
+    for p in $(item_parts "$item"); do run_part "$p"; done
+  done
 fi
-echo "gpu_check: stage $stage passed; commit $out to benchmarks/results/" | tee -a "$summary"
-exit 0
+
+# What is left, as the --stage list that runs it.
+left=$(tail -n +$((run_from + 1)) "$summary" | sed -n 's/^== part \([a-z0-9-]*\): not done.*/\1/p' |
+  paste -sd, -)
+echo "   took $(($(now) - t_start)) s" | tee -a "$summary"
+if [[ -n $left ]]; then
+  echo "gpu_check: not done: $left; run them again with --stage $left, or all with --skip-done $summary" |
+    tee -a "$summary"
+fi
+status=0
+if ((n_fail)); then
+  echo "gpu_check: step(s) failed; everything is in $out" | tee -a "$summary"
+  status=1
+elif ((n_cut)); then
+  echo "gpu_check: nothing failed, but steps were cut off or not started; everything is in $out" |
+    tee -a "$summary"
+  status=3
+else
+  echo "gpu_check: every step passed; commit $out to benchmarks/results/" | tee -a "$summary"
+fi
+if [[ -n $pack ]]; then
+  if tar -C "$(dirname "$out")" -czf "$pack" "$(basename "$out")"; then
+    echo "gpu_check: packed $out into $pack ($(($(stat -c %s "$pack") / 1024)) KiB)"
+  else
+    echo "gpu_check: could not write $pack" >&2
+    status=1
+  fi
+fi
+exit $status

@@ -10,6 +10,12 @@ add_test(NAME "bench.gpu_check: exits 2 without a GPU"
                  ${PROJECT_SOURCE_DIR}/scripts/gpu_check.sh ${CMAKE_BINARY_DIR})
 set_tests_properties("bench.gpu_check: exits 2 without a GPU"
                      PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 60)
+# The lease plan's bash, run on CPU devices with a stand-in nvidia-smi (skipped with a GPU).
+add_test(NAME "bench.gpu_check: a dry run of the lease on CPU devices packs every part, cuts at the deadline"
+         COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/gpu_check_dry_run.sh
+                 ${PROJECT_SOURCE_DIR}/scripts/gpu_check.sh ${CMAKE_BINARY_DIR})
+set_tests_properties("bench.gpu_check: a dry run of the lease on CPU devices packs every part, cuts at the deadline"
+                     PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 300)
 add_test(NAME "bench.gpu_check: finds the CUDA libraries of PyTorch's wheels"
          COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/gpu_check_libs.sh
                  ${PROJECT_SOURCE_DIR}/scripts/gpu_check.sh)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # ctest "bench.gpu_check: exits 2 without a GPU": on a machine without a GPU, scripts/gpu_check.sh
 # must exit 2 at once with exactly one line naming the reason, and make no results folder: with
-# no --stage and with each --stage (tests, sanitizer, amp, bench, torch, profile, all). An
-# unknown stage is named, also with exit 2. Skipped (77) where a GPU is present.
+# no --stage, with each --stage (tests, sanitizer, amp, bench, torch, profile, all) and with a
+# lease of parts. An unknown stage is named, also with exit 2. Skipped (77) where a GPU is
+# present.
 #   bash tests/gpu_check_no_gpu.sh SCRIPT BUILD_DIR
 set -u
 script=$1
@@ -33,6 +34,7 @@ for stage in tests sanitizer amp bench torch profile all; do
   check --stage "$stage"
 done
 check --stage=amp
+check --stage graphs,gemm --lease 540 --pack "$scratch/x.tar.gz"
 want="unknown --stage 'gpu'"
 check --stage gpu
 exit $fail
