@@ -478,10 +478,15 @@ float DdpTrainer::report_loss_lagged(float share) {
   slot.pending = true;
   // The step's one host wait: for this step's input copy, so that the caller may refill the
   // host batch (a pinned one is copied asynchronously). It follows the previous step's metrics
-  // read on this stream, so that read is done too.
+  // read on this stream, so that read is done too. That read waits on the stream for the
+  // previous step's all-reduce (NCCL's order_stream), which a dead or hung peer never ends:
+  // the host first waits for that op, bounded by the group's timeout (which aborts the
+  // communicator and throws), so that the event wait below never hangs. The op is done by the
+  // time the input copy is, so this adds no wait to a healthy step.
+  LaggedMetrics& previous = lagged_[(steps_ + 1) % 2];
+  if (previous.pending && previous.work) previous.work->wait();
   marks_[1].synchronize();
   context_->note_host_sync();
-  LaggedMetrics& previous = lagged_[(steps_ + 1) % 2];
   if (!previous.pending) return std::numeric_limits<float>::quiet_NaN();  // the first step
   return take_lagged(previous, Waited::yes);
 }
