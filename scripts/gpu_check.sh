@@ -17,10 +17,11 @@
 #   then give_back; unpack the tar.gz into benchmarks/results/ and commit it.
 # ($OUT brings back at most 8 files, two folders deep: the results come back packed, one file.)
 #
-# --lease S: every part below, ended within S seconds (then packed). First the parts that time
-# nothing run side by side (tests | racecheck, memcheck | amp-tests), for at most LEASE_SIDE_S
-# seconds (default 210); then the timed parts one at a time, most wanted first: graphs,
-# torch-fp32, gpt, torch-gpt, amp-runs, torch-bf16, bench-more, gemm, profile. Steps the deadline
+# --lease S: every part below, ended within S seconds (then packed). First three light parts
+# that time nothing run side by side (tests | amp-tests | racecheck), for at most LEASE_SIDE_S
+# seconds (default 210); then the rest one at a time, most wanted first: graphs, torch-fp32, gpt,
+# torch-gpt, memcheck (alone: GPU processes time-slice, and its slowed kernels would hold the
+# others back), amp-runs, torch-bf16, bench-more, gemm, profile. Steps the deadline
 # cuts off or leaves unstarted are marked CUT; the last line names the parts not done and the
 # --stage list that runs them. A later lease runs that list (--lease S --stage LIST runs it in
 # order, one at a time), or all again with --skip-done OLD_SUMMARY (parts whose summary line
@@ -82,11 +83,12 @@ stage_parts() {
     profile) echo profile ;;
   esac
 }
-# A lease: these jobs side by side first (each runs its parts in order; none times anything),
-# then the timed parts one at a time, most wanted first (issue 26's goals: the fair ratios, the
-# DP 4/1 ratio, GPT throughput).
-lease_jobs=("tests" "racecheck memcheck" "amp-tests")
-lease_timed=(graphs torch-fp32 gpt torch-gpt amp-runs torch-bf16 bench-more gemm profile)
+# A lease: these jobs side by side first (each runs its parts in order; none times anything, and
+# each keeps the GPU lightly loaded), then the rest one at a time, most wanted first (issue 26's
+# goals: the fair ratios, the DP 4/1 ratio, GPT throughput). memcheck runs alone: processes on
+# one GPU time-slice it, and its instrumented kernels would slow the tests beside it.
+lease_jobs=("tests" "amp-tests" "racecheck")
+lease_timed=(graphs torch-fp32 gpt torch-gpt memcheck amp-runs torch-bf16 bench-more gemm profile)
 
 usage() {
   echo "usage: $0 [--stage LIST] [--lease SECONDS] [--skip-done SUMMARY] [--pack FILE]" \
