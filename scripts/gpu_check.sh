@@ -37,12 +37,14 @@
 #              block reductions;
 #   amp        amp-tests: the CUDA AMP tests (16-bit kernels, nn.cuda.amp); amp-runs: dp_bench
 #              --dtype fp32, bf16 and fp16 for the MLP and CNN at --gpus 1 (bf16 also with
-#              --activations bf16), and bf16, fp16 at --gpus 4 --comm-dtype bf16: step time,
-#              loss, loss scale, skipped steps and peak memory in the summary;
+#              --activations bf16), bf16 and fp16 DP and DDP on 1 and 4 logical GPUs (4 must
+#              follow 1 within 5e-2), and bf16 at --gpus 4 --comm-dtype bf16: step time, loss,
+#              loss scale, skipped steps and peak memory in the summary;
 #   bench      gemm: bench_kernels (TF32 and bf16 GEMM against peak); graphs: dp_bench --mode
-#              both, --gpus 1 and 4, MLP and CNN (DP and DDP graphed: --cuda-graphs auto), and
-#              again with --cuda-graphs off, whose losses must equal the graphed runs' bit for
-#              bit; gpt: GPT-2 124M in bf16, DP on 1 and 4 logical GPUs (tokens/s, MFU, the 4/1
+#              both, --gpus 1 and 4, MLP and CNN (DP and DDP graphed: --cuda-graphs auto; 4
+#              must follow 1 within 1e-3), and again with --cuda-graphs off, whose losses must
+#              equal the graphed runs' bit for bit; gpt: GPT-2 124M in bf16, DP on 1 and 4
+#              logical GPUs (tokens/s, MFU, the 4/1
 #              ratio), 3 interleaved repeats; bench-more: DP on 4 GPUs with a 0.25 MiB first
 #              bucket, the MLP with --phase-times off and with --metrics-lag 1 too (same
 #              losses), the tiny GPT at --gpus 4, and with dropout graphed and not (same losses);
@@ -492,6 +494,38 @@ EOF
   fi
 }
 
+# One dp_bench run with its 1-device baseline (LABEL JSON TOL): per mode, the N-device loss curve
+# must follow the 1-device one, step by step, within TOL (the rounding of the dtype; the largest
+# gap is said either way).
+follows_verdict() {
+  local label=$1 line
+  line=$(
+    python3 - "$2" "$3" 2>&1 << 'EOF'
+import json, sys
+runs = json.load(open(sys.argv[1]))["runs"]
+tol = float(sys.argv[2])
+said, bad = [], []
+for mode in sorted({r["mode"] for r in runs}):
+    one = [r for r in runs if r["mode"] == mode and r["gpus"] == 1]
+    for r in (r for r in runs if r["mode"] == mode and r["gpus"] > 1):
+        name = f"{mode} N={r['gpus']}"
+        if not one or len(one[0]["losses"]) != len(r["losses"]) or not r["losses"]:
+            bad.append(f"{name}: no 1-device curve of its length")
+            continue
+        gap = max(abs(a - b) for a, b in zip(r["losses"], one[0]["losses"]))
+        said.append(f"{name} largest gap {gap:.2e}")
+        if not gap <= tol:
+            bad.append(f"{name} over {tol:g}")
+print(("FAIL " if bad or not said else "ok ") + ", ".join(said + bad))
+EOF
+  )
+  if [[ $line == "ok "* ]]; then
+    verdict ok "$label" "${line#ok }"
+  else
+    verdict FAIL "$label" "${line#FAIL }"
+  fi
+}
+
 # A dry run's dp_bench arguments: the same run, shortened (6 steps after 2, 2 repeats, GPT-2 124M
 # as the tiny preset at 64 tokens), with --cuda-graphs on where none is given (auto is on for a
 # GPU's capturable steps, off on CPU devices, which replay through the same interface when on).
@@ -536,6 +570,15 @@ compare_step() {
     same_losses_verdict "$@"
   else
     verdict CUT "$label" "not compared: $(basename "${2%.json}") or $(basename "${3%.json}") did not finish"
+  fi
+}
+
+# follows_verdict on a run of bench_step (LABEL JSON TOL), when it ran.
+follows_step() {
+  if [[ -s $2 ]]; then
+    follows_verdict "$@"
+  else
+    verdict CUT "$1" "not compared: $(basename "${2%.json}") did not finish"
   fi
 }
 
@@ -664,10 +707,16 @@ part_amp_runs() {
     # the bf16 run above, whose activations are f32
     bench_step "amp_${model}_bf16_actbf16_gpus1" "amp $model bf16 --activations bf16" \
       --mode both --gpus 1 --baseline 0 --model "$model" --dtype bf16 --activations bf16
+    # DP and DDP on 4 logical GPUs against 1 device, in 16 bits: the loss curves must follow
+    # within the dtype's rounding.
     for dtype in bf16 fp16; do
-      bench_step "amp_${model}_${dtype}_gpus4_commbf16" "amp $model $dtype --gpus 4 comm bf16" \
-        --mode both --gpus 4 --baseline 0 --model "$model" --dtype "$dtype" --comm-dtype bf16
+      bench_step "amp_${model}_${dtype}_gpus4" "amp $model $dtype --gpus 1, 4" --mode both \
+        --gpus 4 --model "$model" --dtype "$dtype"
+      follows_step "amp $model $dtype: 4 GPUs follow 1" "$out/amp_${model}_${dtype}_gpus4.json" 5e-2
     done
+    # bf16 gradients on the wire (--comm-dtype bf16): step time and bytes against the run above.
+    bench_step "amp_${model}_bf16_gpus4_commbf16" "amp $model bf16 --gpus 4 comm bf16" \
+      --mode both --gpus 4 --baseline 0 --model "$model" --dtype bf16 --comm-dtype bf16
   done
 }
 
@@ -712,6 +761,7 @@ part_graphs() {
       bench_step "dp_bench_${model}_gpus$g" "dp_bench $model --gpus $g" --mode both \
         --gpus "$g" --model "$model"
     done
+    follows_step "$model: 4 GPUs follow 1 (fp32)" "$out/dp_bench_${model}_gpus4.json" 1e-3
   done
   # The same DP and DDP steps uncaptured (--cuda-graphs off), against the graphed runs above;
   # their losses must be the graphed runs' bit for bit.

@@ -2,8 +2,9 @@
 # ctest "bench.gpu_check: a dry run of the lease ...": scripts/gpu_check.sh's plan run on CPU
 # devices (GPU_CHECK_DRY_RUN=1, a stand-in nvidia-smi), so its bash is proved here before a
 # lent GPU's few minutes are spent on it.
-#   1. --lease with every part: exit 0, each part's "done" line, the graphs and metrics-lag
-#      comparisons ok, the results packed into one tar.gz that holds the summary and the JSON.
+#   1. --lease with every part: exit 0, each part's "done" line, the graphs, metrics-lag and
+#      4-follow-1 comparisons ok, the results packed into one tar.gz that holds the summary and
+#      the JSON.
 #   2. A lease too short for its list: exit 3, CUT verdicts, and a last line naming the parts not
 #      done with the --stage list that runs them.
 #   3. --skip-done with the first summary: its parts are skipped, the others run.
@@ -49,7 +50,8 @@ for p in tests memcheck racecheck amp-tests amp-runs gemm graphs gpt bench-more 
   grep -q "^== part $p: done in" "${sum1:-/dev/null}" || no "part $p is not done"
 done
 for c in "graphs = uncaptured, mlp --gpus 4" "graphs = uncaptured, cnn --gpus 1" \
-  "metrics lag 1 = 0, mlp --gpus 4" "graphs = uncaptured, gpt-tiny --dropout 0.1"; do
+  "metrics lag 1 = 0, mlp --gpus 4" "graphs = uncaptured, gpt-tiny --dropout 0.1" \
+  "mlp: 4 GPUs follow 1 (fp32) *ddp N=4 largest gap" "amp cnn fp16: 4 GPUs follow 1 *ddp N=4"; do
   grep -q "^ok    $c" "${sum1:-/dev/null}" || no "no ok verdict for '$c'"
 done
 grep -q "^ok    dp_bench gpt-124m bf16 --gpus 1, 4 *dp x1 .*dp x4" "${sum1:-/dev/null}" ||
