@@ -463,6 +463,15 @@ print(", ".join(runs) + note)
 EOF
 }
 
+# A verdict from a check's one line, "ok DETAILS" or "FAIL DETAILS" (or a Python error): LABEL LINE
+said_verdict() {
+  if [[ $2 == "ok "* ]]; then
+    verdict ok "$1" "${2#ok }"
+  else
+    verdict FAIL "$1" "${2#FAIL }"
+  fi
+}
+
 # Two dp_bench runs that must train alike: LABEL GRAPHED_JSON OTHER_JSON. Every run (mode, N)
 # of the second must be in the first, have replayed steps there, and the same losses.
 same_losses_verdict() {
@@ -487,11 +496,7 @@ for key, r in sorted(off.items()):
 print(("FAIL " if bad or not said else "ok ") + ", ".join(said + bad))
 EOF
   )
-  if [[ $line == "ok "* ]]; then
-    verdict ok "$label" "${line#ok }"
-  else
-    verdict FAIL "$label" "${line#FAIL }"
-  fi
+  said_verdict "$label" "$line"
 }
 
 # One dp_bench run with its 1-device baseline (LABEL JSON TOL): per mode, the N-device loss curve
@@ -519,11 +524,7 @@ for mode in sorted({r["mode"] for r in runs}):
 print(("FAIL " if bad or not said else "ok ") + ", ".join(said + bad))
 EOF
   )
-  if [[ $line == "ok "* ]]; then
-    verdict ok "$label" "${line#ok }"
-  else
-    verdict FAIL "$label" "${line#FAIL }"
-  fi
+  said_verdict "$label" "$line"
 }
 
 # A dry run's dp_bench arguments: the same run, shortened (6 steps after 2, 2 repeats, GPT-2 124M

@@ -10,15 +10,8 @@
 #   3. --skip-done with the first summary: its parts are skipped, the others run.
 #   4. A bad --lease, --skip-done or --pack: exit 2 naming it, before any work.
 #   bash tests/gpu_check_dry_run.sh SCRIPT BUILD_DIR
-set -u
-script=$1
-build=$2
-if command -v nvidia-smi > /dev/null 2>&1 && nvidia-smi -L 2> /dev/null | grep -q '^GPU '; then
-  echo "SKIPPED: this machine has a GPU (gpu_check runs for real there)"
-  exit 77
-fi
-scratch=$(mktemp -d)
-trap 'rm -rf "$scratch"' EXIT
+# shellcheck source=tests/gpu_check_common.sh
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_check_common.sh" "$@"
 mkdir -p "$scratch/fake"
 cat > "$scratch/fake/nvidia-smi" << 'EOF'
 #!/usr/bin/env bash

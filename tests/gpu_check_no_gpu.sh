@@ -5,15 +5,8 @@
 # lease of parts. An unknown stage is named, also with exit 2. Skipped (77) where a GPU is
 # present.
 #   bash tests/gpu_check_no_gpu.sh SCRIPT BUILD_DIR
-set -u
-script=$1
-build=$2
-if command -v nvidia-smi > /dev/null 2>&1 && nvidia-smi -L 2> /dev/null | grep -q '^GPU '; then
-  echo "SKIPPED: this machine has a GPU"
-  exit 77
-fi
-scratch=$(mktemp -d)
-trap 'rm -rf "$scratch"' EXIT
+# shellcheck source=tests/gpu_check_common.sh
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_check_common.sh" "$@"
 fail=0
 # One run: ARGS... ; expects exit 2, one line containing $want, no results folder, within 10 s.
 check() {
