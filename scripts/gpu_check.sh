@@ -20,8 +20,8 @@
 # --lease S: every part below, ended within S seconds (then packed). First three light parts
 # that time nothing run side by side (tests | amp-tests | racecheck), for at most LEASE_SIDE_S
 # seconds (default 210); then the rest one at a time, most wanted first: graphs, torch-fp32, gpt,
-# torch-gpt, memcheck (alone: GPU processes time-slice, and its slowed kernels would hold the
-# others back), amp-runs, torch-bf16, bench-more, gemm, profile. Steps the deadline
+# torch-gpt, gpt-batch, memcheck (alone: GPU processes time-slice, and its slowed kernels would
+# hold the others back), amp-runs, torch-bf16, bench-more, gemm, profile. Steps the deadline
 # cuts off or leaves unstarted are marked CUT; the last line names the parts not done and the
 # --stage list that runs them. A later lease runs that list (--lease S --stage LIST runs it in
 # order, one at a time), or all again with --skip-done OLD_SUMMARY (parts whose summary line
@@ -44,10 +44,11 @@
 #              both, --gpus 1 and 4, MLP and CNN (DP and DDP graphed: --cuda-graphs auto; 4
 #              must follow 1 within 1e-3), and again with --cuda-graphs off, whose losses must
 #              equal the graphed runs' bit for bit; gpt: GPT-2 124M in bf16, DP on 1 and 4
-#              logical GPUs (tokens/s, MFU, the 4/1
-#              ratio), 3 interleaved repeats; bench-more: DP on 4 GPUs with a 0.25 MiB first
-#              bucket, the MLP with --phase-times off and with --metrics-lag 1 too (same
-#              losses), the tiny GPT at --gpus 4, and with dropout graphed and not (same losses);
+#              logical GPUs (tokens/s, MFU, the 4/1 ratio), 3 interleaved repeats; gpt-batch:
+#              the largest GPT-2 124M batch that fits (16, 32, ... 256), tokens/s and MFU at
+#              each; bench-more: DP on 4 GPUs with a 0.25 MiB first bucket, the MLP with
+#              --phase-times off and with --metrics-lag 1 too (same losses), the tiny GPT at
+#              --gpus 4, and with dropout graphed and not (same losses);
 #   torch      the PyTorch side by side (benchmarks/torch_ref/variants.py: ours against eager,
 #              CUDA graph and torch.compile, 5 interleaved repeats, 95% intervals) where torch
 #              imports with CUDA: torch-fp32 (MLP, CNN), torch-bf16 (MLP, CNN), torch-gpt (GPT-2
@@ -73,14 +74,14 @@ set -uo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 stages=(tests sanitizer amp bench torch profile)
-parts=(tests memcheck racecheck amp-tests amp-runs gemm graphs gpt bench-more torch-fp32
+parts=(tests memcheck racecheck amp-tests amp-runs gemm graphs gpt gpt-batch bench-more torch-fp32
   torch-bf16 torch-gpt profile)
 stage_parts() {
   case "$1" in
     tests) echo tests ;;
     sanitizer) echo memcheck racecheck ;;
     amp) echo amp-tests amp-runs ;;
-    bench) echo gemm graphs gpt bench-more ;;
+    bench) echo gemm graphs gpt gpt-batch bench-more ;;
     torch) echo torch-fp32 torch-bf16 torch-gpt ;;
     profile) echo profile ;;
   esac
@@ -90,7 +91,8 @@ stage_parts() {
 # goals: the fair ratios, the DP 4/1 ratio, GPT throughput). memcheck runs alone: processes on
 # one GPU time-slice it, and its instrumented kernels would slow the tests beside it.
 lease_jobs=("tests" "amp-tests" "racecheck")
-lease_timed=(graphs torch-fp32 gpt torch-gpt memcheck amp-runs torch-bf16 bench-more gemm profile)
+lease_timed=(graphs torch-fp32 gpt torch-gpt gpt-batch memcheck amp-runs torch-bf16 bench-more gemm
+  profile)
 
 usage() {
   echo "usage: $0 [--stage LIST] [--lease SECONDS] [--skip-done SUMMARY] [--pack FILE]" \
@@ -782,6 +784,42 @@ part_gpt() {
   bench_step dp_bench_gpt124m_bf16 "dp_bench gpt-124m bf16 --gpus 1, 4" --mode dp --gpus 4 \
     --model gpt --gpt-config 124m --seq 1024 --batch 8 --dtype bf16 --activations bf16 \
     --steps 10 --warmup 3 --repeat 3
+}
+
+# The largest batch of GPT-2 124M (bf16, sequences of 1024) that fits one GPU, doubling from 16
+# (issue 26), with tokens/s, MFU and peak memory at each size that fits. A size that runs out of
+# memory ends the search; any other failure fails the step.
+part_gpt_batch() {
+  local b rc name fits=0 sizes=(16 32 64 128 256) said="" why="" label="gpt-124m largest batch"
+  [[ $dry_run == 1 ]] && sizes=(16 32)
+  for b in "${sizes[@]}"; do
+    name=dp_bench_gpt124m_bf16_batch$b
+    bench_args=(--mode dp --gpus 1 --baseline 0 --model gpt --gpt-config 124m --seq 1024
+      --batch "$b" --dtype bf16 --activations bf16 --steps 3 --warmup 2)
+    [[ $dry_run == 1 ]] && dry_rewrite "${bench_args[@]}"
+    logged "$out/$name.txt" "$build/bin/dp_bench" --device "$bench_device" \
+      --json "$out/$name.json" "${bench_args[@]}"
+    rc=$?
+    if ((rc == 0)); then
+      fits=$b
+      said+="$(
+        python3 - "$out/$name.json" "$b" 2> /dev/null << 'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))["runs"][0]
+print(f"batch {sys.argv[2]} {r['tokens_per_s']:.0f} tok/s, MFU {100 * r['mfu']:.1f}%, "
+      f"peak {max(r.get('peak_mem_bytes') or [0]) / 2**30:.1f} GiB", end="")
+EOF
+      ); "
+    elif ! budget_stopped "$rc" &&
+      grep -qi 'out of memory\|ALLOC_FAILED\|cudaErrorMemoryAllocation' "$out/$name.txt"; then
+      why="batch $b does not fit: $(grep -i -m1 'out of memory\|ALLOC_FAILED\|cudaErrorMemoryAllocation' "$out/$name.txt" | cut -c1-160)"
+      break
+    else
+      step_verdict "$rc" "$label" "" "batch $b: see $name.txt"
+      return
+    fi
+  done
+  verdict ok "$label" "$fits (of ${sizes[*]})${why:+; $why}: $said"
 }
 
 part_bench_more() {

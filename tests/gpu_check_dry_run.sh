@@ -8,7 +8,8 @@
 #   2. A lease too short for its list: exit 3, CUT verdicts, and a last line naming the parts not
 #      done with the --stage list that runs them.
 #   3. --skip-done with the first summary: its parts are skipped, the others run.
-#   4. A bad --lease, --skip-done or --pack: exit 2 naming it, before any work.
+#   4. The GPT batch search ends at the first size out of memory (no failure); a crash fails it.
+#   5. A bad --lease, --skip-done or --pack: exit 2 naming it, before any work.
 #   bash tests/gpu_check_dry_run.sh SCRIPT BUILD_DIR
 # shellcheck source=tests/gpu_check_common.sh
 . "$(dirname "${BASH_SOURCE[0]}")/gpu_check_common.sh" "$@"
@@ -38,8 +39,8 @@ cat "$scratch/one.out"
 ((rc == 0)) || no "the whole lease exited $rc, expected 0"
 sum1=$(ls "$scratch"/r1/*/summary.txt 2> /dev/null | head -1)
 [[ -n $sum1 ]] || no "no summary.txt"
-for p in tests memcheck racecheck amp-tests amp-runs gemm graphs gpt bench-more torch-fp32 \
-  torch-bf16 torch-gpt profile; do
+for p in tests memcheck racecheck amp-tests amp-runs gemm graphs gpt gpt-batch bench-more \
+  torch-fp32 torch-bf16 torch-gpt profile; do
   grep -q "^== part $p: done in" "${sum1:-/dev/null}" || no "part $p is not done"
 done
 for c in "graphs = uncaptured, mlp --gpus 4" "graphs = uncaptured, cnn --gpus 1" \
@@ -49,6 +50,8 @@ for c in "graphs = uncaptured, mlp --gpus 4" "graphs = uncaptured, cnn --gpus 1"
 done
 grep -q "^ok    dp_bench gpt-124m bf16 --gpus 1, 4 *dp x1 .*dp x4" "${sum1:-/dev/null}" ||
   no "the GPT part does not report DP at 1 and 4 devices"
+grep -q "^ok    gpt-124m largest batch *32 (of 16 32): batch 16 .* tok/s, MFU .*; batch 32 " \
+  "${sum1:-/dev/null}" || no "the GPT batch search does not report both sizes"
 tar -tzf "$scratch/one.tar.gz" > "$scratch/one.list" 2> /dev/null || no "the pack is no tar.gz"
 for f in summary.txt dp_bench_mlp_gpus4.json dp_bench_gpt124m_bf16.json cuda_tests.txt; do
   grep -q "/$f\$" "$scratch/one.list" || no "the pack has no $f"
@@ -76,7 +79,42 @@ bash "$script" --stage gemm --skip-done "$scratch/two.out" "$build" "$scratch/r4
 grep -q "^== part gemm: done in [0-9]* s" "$scratch/four.out" ||
   no "--skip-done skipped a part its summary did not mark done"
 
-# 4. Bad flags: exit 2, one line naming what was given, no results folder.
+# 4. The GPT batch search (with a stand-in dp_bench whose batches over 32 run out of memory, or
+#    crash): out of memory ends it, and is no failure; a crash fails it.
+mkdir -p "$scratch/fakebuild/bin"
+cat > "$scratch/fakebuild/bin/dp_bench" << 'EOF'
+#!/usr/bin/env bash
+json="" batch=8
+while (($#)); do
+  case $1 in
+    --json) json=$2 && shift ;;
+    --batch) batch=$2 && shift ;;
+  esac
+  shift
+done
+if ((batch > 32)); then
+  [[ -n ${FAKE_CRASH:-} ]] && exit 139
+  echo "dp_bench: out of memory on cuda:0 allocating 1073741824 bytes: out of memory" >&2
+  exit 1
+fi
+echo "{\"runs\": [{\"tokens_per_s\": $((batch * 1000)), \"mfu\": 0.5, \"peak_mem_bytes\": [1073741824]}]}" > "$json"
+EOF
+chmod +x "$scratch/fakebuild/bin/dp_bench"
+GPU_CHECK_DRY_RUN=0 bash "$script" --stage gpt-batch "$scratch/fakebuild" "$scratch/r5" \
+  > "$scratch/five.out" 2>&1
+rc=$?
+cat "$scratch/five.out"
+((rc == 0)) || no "a batch out of memory exited $rc, expected 0"
+grep -q "^ok    gpt-124m largest batch *32 (of 16 32 64 128 256); batch 64 does not fit: .*out of memory.*: batch 16 16000 tok/s, MFU 50.0%, peak 1.0 GiB; batch 32 32000" \
+  "$scratch/five.out" || no "the batch search does not say where it stopped and why"
+FAKE_CRASH=1 GPU_CHECK_DRY_RUN=0 bash "$script" --stage gpt-batch "$scratch/fakebuild" \
+  "$scratch/r6" > "$scratch/six.out" 2>&1
+rc=$?
+((rc == 1)) || no "a crash in the batch search exited $rc, expected 1"
+grep -q "^FAIL  gpt-124m largest batch *exit 139: batch 64" "$scratch/six.out" ||
+  no "a crash in the batch search is not a failure naming its batch"
+
+# 5. Bad flags: exit 2, one line naming what was given, no results folder.
 bad() {  # WANT ARGS...
   local want=$1
   shift
