@@ -457,11 +457,18 @@ bench_line() {  # JSON
   python3 - "$1" 2> /dev/null << 'EOF'
 import json, sys
 j = json.load(open(sys.argv[1]))
+def ratio(r):  # t_N / t_1 with its 95% interval, where the run has one (--repeat)
+    q = r.get("ratio_to_one")
+    if not isinstance(q, dict) or q.get("value") is None:
+        return ""
+    ci = q.get("ci95") or []
+    return f", t{r['gpus']}/t1 {q['value']:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if len(ci) == 2 else "")
 runs = [f"{r['mode']} x{r['gpus']} {r['step_ms_median']:.3f} ms/step, loss {r['final_loss']:.4f}, "
         f"scale {r.get('loss_scale', 1):g}, skipped {r.get('skipped_steps', 0)}, peak "
-        f"{max(r.get('peak_mem_bytes') or [0]) / 2**20:.1f} MiB" for r in j["runs"]]
+        f"{max(r.get('peak_mem_bytes') or [0]) / 2**20:.1f} MiB{ratio(r)}" for r in j["runs"]]
 note = " (logical GPUs share hardware: overhead, not scaling)" if j.get("oversubscribed") else ""
-print(", ".join(runs) + note)
+verdict = f"; verdict: {j['verdict']}" if j.get("verdict") else ""
+print(", ".join(runs) + note + verdict)
 EOF
 }
 
@@ -758,11 +765,13 @@ EOF
 
 part_graphs() {
   local model g
-  # DP and DDP, 1 and 4 logical GPUs, MLP and CNN, graphed where the step is capturable (auto)
+  # DP and DDP, 1 and 4 logical GPUs, MLP and CNN, graphed where the step is capturable (auto),
+  # 3 interleaved repeats: DP 4/1 (goal <= 1.10) and DDP against DP at 1 (goal <= 1.05) with
+  # their 95% intervals.
   for model in mlp cnn; do
     for g in 1 4; do
       bench_step "dp_bench_${model}_gpus$g" "dp_bench $model --gpus $g" --mode both \
-        --gpus "$g" --model "$model"
+        --gpus "$g" --model "$model" --repeat 3
     done
     follows_step "$model: 4 GPUs follow 1 (fp32)" "$out/dp_bench_${model}_gpus4.json" 1e-3
   done

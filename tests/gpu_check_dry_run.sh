@@ -48,8 +48,10 @@ for c in "graphs = uncaptured, mlp --gpus 4" "graphs = uncaptured, cnn --gpus 1"
   "mlp: 4 GPUs follow 1 (fp32) *ddp N=4 largest gap" "amp cnn fp16: 4 GPUs follow 1 *ddp N=4"; do
   grep -q "^ok    $c" "${sum1:-/dev/null}" || no "no ok verdict for '$c'"
 done
-grep -q "^ok    dp_bench gpt-124m bf16 --gpus 1, 4 *dp x1 .*dp x4" "${sum1:-/dev/null}" ||
-  no "the GPT part does not report DP at 1 and 4 devices"
+grep -q "^ok    dp_bench gpt-124m bf16 --gpus 1, 4 *dp x1 .*dp x4 .*t4/t1 [0-9.]* \[" \
+  "${sum1:-/dev/null}" || no "the GPT part does not report DP at 1 and 4 devices with their ratio"
+grep -q "^ok    dp_bench mlp --gpus 1 .*; verdict: .*DP and DDP\|^ok    dp_bench mlp --gpus 1 .*; verdict: .*than" \
+  "${sum1:-/dev/null}" || no "the graphs part does not give DP against DDP at one device"
 grep -q "^ok    gpt-124m largest batch *32 (of 16 32): batch 16 .* tok/s, MFU .*; batch 32 " \
   "${sum1:-/dev/null}" || no "the GPT batch search does not report both sizes"
 tar -tzf "$scratch/one.tar.gz" > "$scratch/one.list" 2> /dev/null || no "the pack is no tar.gz"
