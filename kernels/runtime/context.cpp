@@ -1,8 +1,10 @@
 #include "kernels/runtime/context.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <thread>
 
@@ -22,6 +24,30 @@ namespace kernels {
 #if DP_HAVE_CUDA
 namespace {
 
+// What prepare_gpu opened, per ordered pair of physical GPUs: a kernel on `reader` may read
+// memory of `owner`'s pool in place only when the reader's peer access to the owner is on and
+// the owner's pool is open to the reader. cudaDeviceCanAccessPeer may say yes where enabling
+// then fails (too many peers, say): such a pair is read through a copy instead of faulting.
+// GPU g's entries (g reading the others; the others reading g's pool) are written by
+// prepare_gpu(g), under g's once-flag, and read after it.
+class PeerOpen {
+ public:
+  explicit PeerOpen(int n)
+      : n_(n > 0 ? n : 1),
+        enabled_(new std::atomic<bool>[n_ * n_]()),
+        pool_open_(new std::atomic<bool>[n_ * n_]()) {}
+  std::atomic<bool>& enabled(int reader, int owner) { return enabled_[reader * n_ + owner]; }
+  std::atomic<bool>& pool_open(int owner, int reader) { return pool_open_[owner * n_ + reader]; }
+
+ private:
+  int n_;
+  std::unique_ptr<std::atomic<bool>[]> enabled_, pool_open_;
+};
+PeerOpen& peer_open() {
+  static PeerOpen table(cuda_device_count());
+  return table;
+}
+
 // Per-process driver state of one physical GPU, set once however many logical devices and
 // contexts use it:
 //   - the default memory pool keeps what it has mapped (release threshold UINT64_MAX): with the
@@ -31,7 +57,7 @@ namespace {
 //     pool (cudaMallocAsync memory needs cudaMemPoolSetAccess as well), so copies between two
 //     GPUs go directly instead of through host memory.
 // The once-flags are function-local statics: the driver state they guard is itself per process,
-// so this is the one place the runtime keeps process-wide state; nothing else reads it.
+// so this and the peer table above are the one place the runtime keeps process-wide state.
 void prepare_gpu(int gpu) {
   int n = cuda_device_count();
   DP_CUDA_CHECK(cudaSetDevice(gpu));
@@ -51,8 +77,11 @@ void prepare_gpu(int gpu) {
       cudaGetLastError();
       if (e != cudaErrorPeerAccessAlreadyEnabled)
         DP_LOG_ERROR("GPU " << gpu << ": peer access to GPU " << peer
-                            << " not enabled: " << cudaGetErrorString(e));
+                            << " not enabled (its memory is read through copies): "
+                            << cudaGetErrorString(e));
     }
+    if (e == cudaSuccess || e == cudaErrorPeerAccessAlreadyEnabled)
+      peer_open().enabled(gpu, peer) = true;
     // `peer` may read and write memory that `gpu`'s pool hands out.
     int back = 0;
     DP_CUDA_CHECK(cudaDeviceCanAccessPeer(&back, peer, gpu));
@@ -65,7 +94,9 @@ void prepare_gpu(int gpu) {
       if (e != cudaSuccess) {
         cudaGetLastError();
         DP_LOG_ERROR("GPU " << gpu << ": its memory pool is not accessible from GPU " << peer
-                            << ": " << cudaGetErrorString(e));
+                            << " (read through copies): " << cudaGetErrorString(e));
+      } else {
+        peer_open().pool_open(gpu, peer) = true;
       }
     }
   }
@@ -254,10 +285,12 @@ bool direct_access(Device reader, Device owner) {
 #if DP_HAVE_CUDA
   const int r = physical_gpu(reader), o = physical_gpu(owner);
   if (r == o) return true;
-  prepare_gpu_once(r);  // enables the peer access this answer relies on
-  int can = 0;
-  DP_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, r, o));
-  return can != 0;
+  {  // the reader's peer access and the owner's pool access: what this answer relies on
+    CurrentGpuGuard keep(r);  // prepare_gpu makes its GPU current
+    prepare_gpu_once(r);
+    prepare_gpu_once(o);
+  }
+  return peer_open().enabled(r, o) && peer_open().pool_open(o, r);
 #else
   return false;
 #endif
