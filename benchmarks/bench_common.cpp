@@ -142,6 +142,12 @@ void add_flags(CLI::App& app, Options& o) {
                  "DP gradient reduction to device 0: star (each replica to device 0) or tree "
                  "(pairwise, log2 N rounds)")
       ->check(CLI::IsMember({"star", "tree"}));
+  app.add_option("--dp-peer-reads", o.dp_peer_reads,
+                 "DP: how device 0 (and the tree's inner devices) read a replica's gradient: in "
+                 "place where they can (auto: one GPU, GPUs with peer access, CPU devices), or "
+                 "copied into their own memory first (off: as NCCL_P2P_DISABLE, for peer links "
+                 "that misbehave); the same sums either way")
+      ->check(CLI::IsMember({"auto", "off"}));
   app.add_option("--cuda-graphs", o.cuda_graphs,
                  "DP and DDP: replay each step's captured work (auto: on for CUDA devices where "
                  "the step is capturable; on: also on CPU devices, which run the same interface)")
@@ -433,6 +439,7 @@ dp::DataParallelOptions dp_options(const Options& o, const Setup& s) {
   dopt.precision = s.precision;
   dopt.comm_dtype = s.comm_dtype;
   dopt.reduce = o.dp_reduce == "tree" ? dp::ReduceTopology::tree : dp::ReduceTopology::star;
+  dopt.peer_reads = o.dp_peer_reads == "off" ? dp::PeerReads::off : dp::PeerReads::automatic;
   dopt.first_bucket_bytes = static_cast<int64_t>(o.first_bucket_mb * (1 << 20));
   dopt.bucket_cap_bytes = static_cast<int64_t>(o.bucket_cap_mb * (1 << 20));
   if (o.sync_bn) dopt.batch_norm = dp::BatchNormStats::synced;
@@ -503,6 +510,7 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
   r.comm_dtype = o.comm_dtype;
   r.optimizer_state_bytes = {opt.state_bytes()};  // device 0 alone steps
   r.reduce = o.dp_reduce;
+  r.peer_reads = o.dp_peer_reads;
   if (o.sync_bn) r.sync_bn_values = nn::batch_norm_sync_values_per_step(*model);
   r.gpus = n;
   r.batch = batch;
@@ -623,6 +631,10 @@ int run(const Options& o, int argc, char** argv) {
   DP_CHECK(o.zero == 0 || o.mode == "ddp" || o.mode == "both",
            "--zero " << o.zero << " with --mode " << o.mode
                      << ": ZeRO-1 shards DDP's optimizer state; give --mode ddp or both");
+  DP_CHECK(o.dp_peer_reads == "auto" || o.mode == "dp" || o.mode == "both" || o.mode == "hybrid",
+           "--dp-peer-reads " << o.dp_peer_reads << " with --mode " << o.mode
+                              << ": it sets how DP's reduce reads the replicas; give --mode dp, "
+                                 "both or hybrid");
   DP_CHECK(o.backend != "mpi" || o.mode == "ddp",
            "--backend mpi with --mode " << o.mode
                                         << ": MPI carries DDP's collectives, and only --mode ddp "

@@ -73,6 +73,7 @@ struct Options {
   std::optional<double> max_skip_fraction;  // mixed precision: more skipped steps is an error
   double bucket_cap_mb = 25, first_bucket_mb = 1;  // DP and DDP buckets (PyTorch's defaults)
   std::string dp_reduce = "star";                  // DP: star|tree
+  std::string dp_peer_reads = "auto";              // DP: auto|off (dp::PeerReads)
   std::string cuda_graphs = "auto";                // DP, DDP: auto|on|off (dp::Graphs)
   std::string phase_times = "on";                  // DP, DDP: on|off (timing events or not)
   int metrics_lag = 0;                             // DP: 0|1 (DataParallelOptions::metrics_lag)

@@ -61,6 +61,7 @@ int hybrid_worker_main(const Options& o) {
   r.optim = o.optim;
   r.comm_dtype = o.comm_dtype;
   r.reduce = o.dp_reduce;
+  r.peer_reads = o.dp_peer_reads;
   r.gpus = n;
   r.batch = batch;
   r.param_bytes = engine.parameter_bytes();

@@ -271,8 +271,9 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
       os << "  (buckets " << r.buckets << ", " << r.buckets_overlapped
          << " launched while backward ran on)";
     if (r.mode == "dp" && r.gpus > 1)
-      os << "  (" << r.reduce << " reduce, buckets " << r.buckets << ", " << r.buckets_overlapped
-         << " pulled while backward ran on"
+      os << "  (" << r.reduce << " reduce"
+         << (r.peer_reads == "off" ? ", staged (--dp-peer-reads off)" : "") << ", buckets "
+         << r.buckets << ", " << r.buckets_overlapped << " pulled while backward ran on"
          << (r.pulls_beside_backward > 0
                  ? ", " + std::to_string(r.pulls_beside_backward) + " pulls on a comm stream"
                  : std::string())
@@ -556,6 +557,7 @@ nlohmann::json run_to_json(const RunResult& r) {
           {"buckets_overlapped", r.buckets_overlapped},
           {"pulls_beside_backward", r.pulls_beside_backward},
           {"reduce", r.reduce},
+          {"peer_reads", r.peer_reads},
           {"link_bytes", r.link_bytes},
           {"optim", r.optim},
           {"zero", r.zero},
@@ -591,6 +593,7 @@ RunResult run_from_json(const nlohmann::json& j) {
   r.buckets_overlapped = j.value("buckets_overlapped", 0);
   r.pulls_beside_backward = j.value("pulls_beside_backward", 0);
   r.reduce = j.value("reduce", std::string());
+  r.peer_reads = j.value("peer_reads", std::string("auto"));
   r.link_bytes = j.value("link_bytes", std::vector<int64_t>());
   r.optim = j.value("optim", std::string("sgd"));
   r.zero = j.value("zero", 0);

@@ -38,6 +38,7 @@ struct RunResult {
                                     // before the last device's backward ended (median over steps)
   int pulls_beside_backward = 0;    // DP on GPUs: pulls on a receiver's comm stream (median)
   std::string reduce;               // DP: "star" or "tree"
+  std::string peer_reads = "auto";  // DP: "auto" (in place where possible) or "off" (staged)
   std::vector<int64_t> link_bytes;  // DP: bytes in + out of each device per step
   std::string optim = "sgd";
   int zero = 0;                                // DDP: ZeRO stage (0 or 1)

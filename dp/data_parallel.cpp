@@ -508,7 +508,8 @@ void DataParallel::prepare_reduction(int i) {
   // captured with (an extra one staged where it is not needed still sums correctly).
   if (pd.staging.size() < sources_[i].size()) pd.staging.resize(sources_[i].size());
   for (size_t j = 0; j < sources_[i].size(); ++j)
-    if (!kernels::direct_access(devices_[i], devices_[sources_[i][j]]))
+    if (options_.peer_reads == PeerReads::off ||
+        !kernels::direct_access(devices_[i], devices_[sources_[i][j]]))
       kernels::ensure(pd.staging[j], {p}, options_.comm_dtype, devices_[i]);
   if (i != 0 && options_.comm_dtype != kernels::DType::f32)
     kernels::ensure(pd.outbox, {p}, options_.comm_dtype, devices_[i]);

@@ -76,6 +76,13 @@ enum class BufferSync { average, root_only };
 // ceil(log2 N) rounds (tree), where device 2 sums 3's bucket before passing the pair on.
 enum class ReduceTopology { star, tree };
 
+// How a receiving device reads a source's gradient bucket: in place where it can (CPU devices,
+// logical devices of one GPU, GPUs with peer access: kernels::direct_access), else staged (one
+// copy into its own memory first, then the sum); or staged always (off: for links whose peer
+// access misbehaves, as NCCL_P2P_DISABLE, and to run the staged path on any machine). Either
+// way the sum has the same bits.
+enum class PeerReads { automatic, off };
+
 // BatchNorm in training: each device normalises its own chunk (ghost statistics, PyTorch DP's
 // behaviour), or the replicas combine their statistics (SyncBatchNorm: the full batch's).
 enum class BatchNormStats { per_device, synced };
@@ -92,6 +99,7 @@ struct DataParallelOptions {
   kernels::MathMode math = kernels::MathMode::strict;
   int cpu_threads_per_device = 0;  // 0: the hardware threads split evenly among CPU devices
   ReduceTopology reduce = ReduceTopology::star;
+  PeerReads peer_reads = PeerReads::automatic;
   int64_t first_bucket_bytes = 1ll << 20;  // the bucket plan shared with DDP
   int64_t bucket_cap_bytes = 25ll << 20;
   BatchNormStats batch_norm = BatchNormStats::per_device;

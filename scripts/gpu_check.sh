@@ -46,7 +46,8 @@
 #              equal the graphed runs' bit for bit; gpt: GPT-2 124M in bf16, DP on 1 and 4
 #              logical GPUs (tokens/s, MFU, the 4/1 ratio), 3 interleaved repeats; gpt-batch:
 #              the largest GPT-2 124M batch that fits (16, 32, ... 256), tokens/s and MFU at
-#              each; bench-more: DP on 4 GPUs with a 0.25 MiB first bucket, the MLP with
+#              each; bench-more: DP on 4 GPUs with a 0.25 MiB first bucket, staged pulls
+#              (--dp-peer-reads off, graphed and not: the in-place losses), the MLP with
 #              --phase-times off and with --metrics-lag 1 too (same losses), the tiny GPT at
 #              --gpus 4, and with dropout graphed and not (same losses);
 #   torch      the PyTorch side by side (benchmarks/torch_ref/variants.py: ours against eager,
@@ -838,6 +839,16 @@ part_bench_more() {
   # graphs part's nographs run.
   bench_step dp_bench_mlp_gpus4_nographs_bucket025 "dp_bench mlp --gpus 4 graphs off, first bucket 0.25 MiB" \
     --mode dp --baseline 0 --gpus 4 --model mlp --cuda-graphs off --first-bucket-mb 0.25
+  # Pulls staged through device 0's memory (--dp-peer-reads off: the path of GPUs without peer
+  # access, D2D copies here), graphed and on the comm stream uncaptured: the losses of the graphs
+  # part's in-place run, bit for bit.
+  for graphs in auto off; do
+    bench_step "dp_bench_mlp_gpus4_staged_graphs_$graphs" \
+      "dp_bench mlp --gpus 4 --dp-peer-reads off, graphs $graphs" --mode dp --baseline 0 \
+      --gpus 4 --model mlp --dp-peer-reads off --cuda-graphs "$graphs"
+    compare_step "staged pulls = in place, mlp --gpus 4, graphs $graphs" \
+      "$out/dp_bench_mlp_gpus4.json" "$out/dp_bench_mlp_gpus4_staged_graphs_$graphs.json"
+  done
   # Graphed MLP steps (DP and DDP) with untimed marks (--phase-times off), then also with the
   # metrics read a step late (--metrics-lag 1: the host queues step k+1 while the GPU runs step
   # k): step times side by side, and the lagged run's losses the same as the untimed one's.

@@ -45,7 +45,8 @@ for p in tests memcheck racecheck amp-tests amp-runs gemm graphs gpt gpt-batch b
 done
 for c in "graphs = uncaptured, mlp --gpus 4" "graphs = uncaptured, cnn --gpus 1" \
   "metrics lag 1 = 0, mlp --gpus 4" "graphs = uncaptured, gpt-tiny --dropout 0.1" \
-  "mlp: 4 GPUs follow 1 (fp32) *ddp N=4 largest gap" "amp cnn fp16: 4 GPUs follow 1 *ddp N=4"; do
+  "mlp: 4 GPUs follow 1 (fp32) *ddp N=4 largest gap" "amp cnn fp16: 4 GPUs follow 1 *ddp N=4" \
+  "staged pulls = in place, mlp --gpus 4, graphs off"; do
   grep -q "^ok    $c" "${sum1:-/dev/null}" || no "no ok verdict for '$c'"
 done
 grep -q "^ok    dp_bench gpt-124m bf16 --gpus 1, 4 *dp x1 .*dp x4 .*t4/t1 [0-9.]* \[" \

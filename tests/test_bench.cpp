@@ -395,6 +395,7 @@ TEST_CASE("bench.cli: bad flags give a clear error") {
   CHECK(run_bench("--device cpu --dtype fp8") != 0);
   CHECK(run_bench("--device cpu --comm-dtype fp16") != 0);
   CHECK(run_bench("--device cpu --dp-reduce ring") != 0);
+  CHECK(run_bench("--device cpu --dp-peer-reads sometimes") != 0);
   CHECK(run_bench("--device cpu --project-from /nonexistent/gpu.json") != 0);
 }
 
@@ -831,6 +832,28 @@ TEST_CASE("bench.flags: flags another mode reads are refused, not ignored") {
   refused("--device cpu --gpus 2 --mode dp --backend mpi",
           "--backend mpi with --mode dp: MPI carries DDP's collectives");
   refused("--device cpu --gpus 2 --mode both --backend mpi", "--backend mpi with --mode both");
+  refused("--device cpu --gpus 2 --mode ddp --dp-peer-reads off",
+          "--dp-peer-reads off with --mode ddp: it sets how DP's reduce reads the replicas");
+}
+
+TEST_CASE("bench.cli: --dp-peer-reads off stages DP's pulls, with the losses of reads in place") {
+  std::map<std::string, nlohmann::json> runs;
+  for (const char* reads : {"auto", "off"}) {
+    std::string json = temp_path(std::string("peer_reads_") + reads + ".json");
+    REQUIRE(run_bench(std::string("--device cpu --mode dp --gpus 3 --batch 10 --steps 4 "
+                                  "--warmup 1 --baseline 0 --dp-peer-reads ") +
+                      reads + " --json " + json) == 0);
+    runs[reads] = read_json(json)["runs"][0];
+    std::remove(json.c_str());
+  }
+  CHECK(runs["auto"]["peer_reads"] == "auto");
+  CHECK(runs["off"]["peer_reads"] == "off");
+  CHECK(runs["off"]["losses"] == runs["auto"]["losses"]);
+  // Device 0 holds a copy of each of the two replicas' gradients (f32) besides.
+  const int64_t p = runs["auto"]["param_bytes"].get<int64_t>();
+  CHECK(runs["off"]["peak_mem_bytes"][0].get<int64_t>() -
+            runs["auto"]["peak_mem_bytes"][0].get<int64_t>() >=
+        2 * p);
 }
 
 TEST_CASE("bench.flags: --zero 1 refuses bf16 communication, --mode ps mixed precision") {
