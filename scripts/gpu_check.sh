@@ -634,10 +634,17 @@ torch_step() {
   step_verdict "$rc" "$label" "N=$n: see $name.txt" "see $name.txt"
 }
 
-# Whether python3 here imports torch with CUDA (the torch parts skip without it).
+# Whether python3 here imports torch with CUDA (the torch parts skip without it). Asked once (an
+# import of torch takes seconds), and not once the budget is spent (the steps are CUT then).
+torch_found=""
 torch_usable() {
-  if ! python3 -c 'import torch, numpy, sys; sys.exit(0 if torch.cuda.is_available() else 1)' \
-    > /dev/null 2>&1; then
+  (($(now) < budget_end)) || return 0
+  if [[ -z $torch_found ]]; then
+    torch_found=no
+    python3 -c 'import torch, numpy, sys; sys.exit(0 if torch.cuda.is_available() else 1)' \
+      > /dev/null 2>&1 && torch_found=yes
+  fi
+  if [[ $torch_found != yes ]]; then
     verdict SKIP "PyTorch side by side" "torch (with CUDA) or numpy does not import in python3"
     return 1
   fi
