@@ -10,11 +10,13 @@
 #
 # A lent GPU comes with 15 minutes of device time for the whole task, the machine's start (a
 # minute or two) included, and 10 minutes a command. The usual run is one lease in one call:
-#   here:  scripts/gpu_check.sh --bundle   (about 20 minutes on 2 cores; no device time)
-#   there: run(timeout_s 600, carry ["build-sm90/gpu_check_bundle.tar.gz"]):
+#   here:  scripts/gpu_check.sh --bundle   (about 5 minutes on 2 cores; no device time)
+#   there: run(timeout_s 540, carry ["build-sm90/gpu_check_bundle.tar.gz"]):
 #            tar xzf build-sm90/gpu_check_bundle.tar.gz -C /tmp && cd /tmp/gpu_check_bundle &&
-#            bash gpu_check.sh --lease 540 --pack "$OUT/gpu_check.tar.gz" . /tmp/results
-#   then give_back; unpack the tar.gz into benchmarks/results/ and commit it.
+#            bash gpu_check.sh --lease 480 --pack "$OUT/gpu_check.tar.gz" . /tmp/results
+#   then give_back; unpack the tar.gz into benchmarks/results/ and commit it. 480 s leaves a
+#   few minutes of the 15 for a short second call on the still warm machine (within its 30 s):
+#   --lease 120 --stage LIST with what the summary's last line lists.
 # ($OUT brings back at most 8 files, two folders deep: the results come back packed, one file.)
 #
 # --lease S: every part below, ended within S seconds (then packed). First three light parts
