@@ -475,6 +475,16 @@ print(", ".join(runs) + note + verdict)
 EOF
 }
 
+# Whether the runs a check reads finished (LABEL JSON...): else a CUT verdict naming them.
+finished() {
+  local label=$1 f missing=()
+  shift
+  for f in "$@"; do [[ -s $f ]] || missing+=("$(basename "${f%.json}")"); done
+  ((${#missing[@]} == 0)) && return 0
+  verdict CUT "$label" "not compared: ${missing[*]} did not finish"
+  return 1
+}
+
 # A verdict from a check's one line, "ok DETAILS" or "FAIL DETAILS" (or a Python error): LABEL LINE
 said_verdict() {
   if [[ $2 == "ok "* ]]; then
@@ -484,10 +494,12 @@ said_verdict() {
   fi
 }
 
-# Two dp_bench runs that must train alike: LABEL GRAPHED_JSON OTHER_JSON. Every run (mode, N)
-# of the second must be in the first, have replayed steps there, and the same losses.
+# Two dp_bench runs that must train alike (CUT where one did not finish): LABEL GRAPHED_JSON
+# OTHER_JSON. Every run (mode, N) of the second must be in the first, have replayed steps
+# there, and the same losses.
 same_losses_verdict() {
   local label=$1 line
+  finished "$label" "$2" "$3" || return 0
   line=$(
     python3 - "$2" "$3" 2>&1 << 'EOF'
 import json, sys
@@ -516,6 +528,7 @@ EOF
 # gap is said either way).
 follows_verdict() {
   local label=$1 line
+  finished "$label" "$2" || return 0
   line=$(
     python3 - "$2" "$3" 2>&1 << 'EOF'
 import json, sys
@@ -576,24 +589,7 @@ bench_step() {
   step_verdict "$rc" "$label" "${line:-see $name.txt}" "see $name.txt"
 }
 
-# Two runs of bench_step that must train alike (LABEL GRAPHED_JSON OTHER_JSON), when both ran.
-compare_step() {
-  local label=$1
-  if [[ -s $2 && -s $3 ]]; then
-    same_losses_verdict "$@"
-  else
-    verdict CUT "$label" "not compared: $(basename "${2%.json}") or $(basename "${3%.json}") did not finish"
-  fi
-}
 
-# follows_verdict on a run of bench_step (LABEL JSON TOL), when it ran.
-follows_step() {
-  if [[ -s $2 ]]; then
-    follows_verdict "$@"
-  else
-    verdict CUT "$1" "not compared: $(basename "${2%.json}") did not finish"
-  fi
-}
 
 # Doctest binaries with their test-case filters, into one log: LOG LABEL BIN:FILTER...
 doctest_step() {
@@ -732,7 +728,7 @@ part_amp_runs() {
     for dtype in bf16 fp16; do
       bench_step "amp_${model}_${dtype}_gpus4" "amp $model $dtype --gpus 1, 4" --mode both \
         --gpus 4 --model "$model" --dtype "$dtype"
-      follows_step "amp $model $dtype: 4 GPUs follow 1" "$out/amp_${model}_${dtype}_gpus4.json" 5e-2
+      follows_verdict "amp $model $dtype: 4 GPUs follow 1" "$out/amp_${model}_${dtype}_gpus4.json" 5e-2
     done
     # bf16 gradients on the wire (--comm-dtype bf16): step time and bytes against the run above.
     bench_step "amp_${model}_bf16_gpus4_commbf16" "amp $model bf16 --gpus 4 comm bf16" \
@@ -783,7 +779,7 @@ part_graphs() {
       bench_step "dp_bench_${model}_gpus$g" "dp_bench $model --gpus $g" --mode both \
         --gpus "$g" --model "$model" --repeat 3
     done
-    follows_step "$model: 4 GPUs follow 1 (fp32)" "$out/dp_bench_${model}_gpus4.json" 1e-3
+    follows_verdict "$model: 4 GPUs follow 1 (fp32)" "$out/dp_bench_${model}_gpus4.json" 1e-3
   done
   # The same DP and DDP steps uncaptured (--cuda-graphs off), against the graphed runs above;
   # their losses must be the graphed runs' bit for bit.
@@ -791,7 +787,7 @@ part_graphs() {
     for g in 1 4; do
       bench_step "dp_bench_${model}_gpus${g}_nographs" "dp_bench $model --gpus $g graphs off" \
         --mode both --baseline 0 --gpus "$g" --model "$model" --cuda-graphs off
-      compare_step "graphs = uncaptured, $model --gpus $g" \
+      same_losses_verdict "graphs = uncaptured, $model --gpus $g" \
         "$out/dp_bench_${model}_gpus$g.json" "$out/dp_bench_${model}_gpus${g}_nographs.json"
     done
   done
@@ -855,7 +851,7 @@ part_bench_more() {
     bench_step "dp_bench_mlp_gpus4_staged_graphs_$graphs" \
       "dp_bench mlp --gpus 4 --dp-peer-reads off, graphs $graphs" --mode dp --baseline 0 \
       --gpus 4 --model mlp --dp-peer-reads off --cuda-graphs "$graphs"
-    compare_step "staged pulls = in place, mlp --gpus 4, graphs $graphs" \
+    same_losses_verdict "staged pulls = in place, mlp --gpus 4, graphs $graphs" \
       "$out/dp_bench_mlp_gpus4.json" "$out/dp_bench_mlp_gpus4_staged_graphs_$graphs.json"
   done
   # Graphed MLP steps (DP and DDP) with untimed marks (--phase-times off), then also with the
@@ -866,7 +862,7 @@ part_bench_more() {
       --mode both --baseline 0 --gpus "$g" --model mlp --phase-times off
     bench_step "dp_bench_mlp_gpus${g}_lag1" "dp_bench mlp --gpus $g --metrics-lag 1" \
       --mode both --baseline 0 --gpus "$g" --model mlp --phase-times off --metrics-lag 1
-    compare_step "metrics lag 1 = 0, mlp --gpus $g" \
+    same_losses_verdict "metrics lag 1 = 0, mlp --gpus $g" \
       "$out/dp_bench_mlp_gpus${g}_lag1.json" "$out/dp_bench_mlp_gpus${g}_untimed.json"
   done
   # The tiny GPT through DP and DDP on 4 logical GPUs.
@@ -879,7 +875,7 @@ part_bench_more() {
       "dp_bench gpt-tiny --dropout 0.1 --gpus 2 graphs $graphs" --mode both --gpus 2 \
       --baseline 0 --model gpt --gpt-config tiny --dropout 0.1 --cuda-graphs "$graphs"
   done
-  compare_step "graphs = uncaptured, gpt-tiny --dropout 0.1 --gpus 2" \
+  same_losses_verdict "graphs = uncaptured, gpt-tiny --dropout 0.1 --gpus 2" \
     "$out/dp_bench_gpt_tiny_dropout_graphs_on.json" "$out/dp_bench_gpt_tiny_dropout_graphs_off.json"
 }
 

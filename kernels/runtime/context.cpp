@@ -60,7 +60,8 @@ PeerOpen& peer_open() {
 // so this and the peer table above are the one place the runtime keeps process-wide state.
 void prepare_gpu(int gpu) {
   int n = cuda_device_count();
-  DP_CUDA_CHECK(cudaSetDevice(gpu));
+  CurrentGpuGuard restore(gpu);       // the caller's current GPU is its own again at the end
+  DP_CUDA_CHECK(cudaSetDevice(gpu));  // checked: peer access is enabled from the current GPU
   cudaMemPool_t pool = nullptr;
   DP_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, gpu));
   uint64_t keep_all = UINT64_MAX;
@@ -285,11 +286,8 @@ bool direct_access(Device reader, Device owner) {
 #if DP_HAVE_CUDA
   const int r = physical_gpu(reader), o = physical_gpu(owner);
   if (r == o) return true;
-  {  // the reader's peer access and the owner's pool access: what this answer relies on
-    CurrentGpuGuard keep(r);  // prepare_gpu makes its GPU current
-    prepare_gpu_once(r);
-    prepare_gpu_once(o);
-  }
+  prepare_gpu_once(r);  // the reader's peer access and the owner's pool access: what this
+  prepare_gpu_once(o);  // answer relies on
   return peer_open().enabled(r, o) && peer_open().pool_open(o, r);
 #else
   return false;
