@@ -152,6 +152,11 @@ void add_flags(CLI::App& app, Options& o) {
                  "DP and DDP: replay each step's captured work (auto: on for CUDA devices where "
                  "the step is capturable; on: also on CPU devices, which run the same interface)")
       ->check(CLI::IsMember({"auto", "on", "off"}));
+  app.add_option("--ddp-graph-collectives", o.ddp_graph_collectives,
+                 "DDP, graphed steps: the bucket all-reduces inside the captured backward, "
+                 "overlapped with it, where the backend allows (auto: NCCL, and every backend on "
+                 "CPU devices), or between the graphs, after backward (off)")
+      ->check(CLI::IsMember({"auto", "off"}));
   app.add_option("--phase-times", o.phase_times,
                  "DP and DDP: time each step's phases (on), or mark them with events that only "
                  "order the work (off: cheaper on a GPU; the report then has the step time alone)")
@@ -635,6 +640,10 @@ int run(const Options& o, int argc, char** argv) {
            "--dp-peer-reads " << o.dp_peer_reads << " with --mode " << o.mode
                               << ": it sets how DP's reduce reads the replicas; give --mode dp, "
                                  "both or hybrid");
+  DP_CHECK(o.ddp_graph_collectives == "auto" || o.mode == "ddp" || o.mode == "both",
+           "--ddp-graph-collectives " << o.ddp_graph_collectives << " with --mode " << o.mode
+                                      << ": it places DDP's bucket all-reduces; give --mode ddp "
+                                         "or both");
   DP_CHECK(o.backend != "mpi" || o.mode == "ddp",
            "--backend mpi with --mode " << o.mode
                                         << ": MPI carries DDP's collectives, and only --mode ddp "

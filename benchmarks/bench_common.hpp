@@ -75,6 +75,7 @@ struct Options {
   std::string dp_reduce = "star";                  // DP: star|tree
   std::string dp_peer_reads = "auto";              // DP: auto|off (dp::PeerReads)
   std::string cuda_graphs = "auto";                // DP, DDP: auto|on|off (dp::Graphs)
+  std::string ddp_graph_collectives = "auto";      // DDP: auto|off (set_graph_collectives)
   std::string phase_times = "on";                  // DP, DDP: on|off (timing events or not)
   int metrics_lag = 0;                             // DP: 0|1 (DataParallelOptions::metrics_lag)
   std::string project_from;                        // GPU results file for the projection

@@ -115,6 +115,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   trainer.set_sync_batch_norm(o.sync_bn);
   trainer.set_precision(s.precision);
   trainer.set_graphs(graphs_of(o));
+  trainer.set_graph_collectives(o.ddp_graph_collectives == "auto");
   trainer.set_phase_timing(phase_timing_of(o));
   trainer.set_metrics_lag(o.metrics_lag);
   if (nn::LossPtr loss = loss_of(o)) trainer.set_loss(std::move(loss));
@@ -229,6 +230,8 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
     r.graphed_steps += t.graphed;
   }
   trainer.ddp().set_trace(nullptr);
+  if (r.graphed_steps > 0)
+    r.graph_collectives = trainer.collectives_in_graph() ? "in graph" : "between graphs";
   if (o.metrics_lag > 0) file_lagged_losses(r, trainer.finish_metrics());
   if (!o.checkpoint_dir.empty()) save(o.warmup + o.steps);  // the end of the run
   replay.report(r);

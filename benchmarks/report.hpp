@@ -59,6 +59,9 @@ struct RunResult {
   double allocations_per_step = 0;
   double host_syncs_per_step = 0;
   int graphed_steps = 0;  // DP, DDP: timed steps that ran as replayed graphs (dp::Graphs)
+  // DDP with graphed steps: where the bucket all-reduces ran ("in graph", overlapped with the
+  // captured backward, or "between graphs"); empty otherwise.
+  std::string graph_collectives;
 
   // The median over repeats of each repeat's median step (--repeat K >= 2), else over steps.
   double step_ms_median() const;

@@ -71,15 +71,18 @@ inline bool run_graph_segment(kernels::DeviceContext& ctx, kernels::Graph& g, in
 // replica's stream: its draws are placed on the device (nn::FlatState::begin_rng_step), so a
 // replay draws this step's masks; a replay runs no host code, so the host offset is advanced by
 // what the segment drew when it last ran (`drawn`, the segment's own: the same every run).
-inline void run_drawing_segment(kernels::DeviceContext& ctx, kernels::Graph& g, int runs,
+// Returns whether body ran (as run_graph_segment).
+inline bool run_drawing_segment(kernels::DeviceContext& ctx, kernels::Graph& g, int runs,
                                 nn::FlatState& flat, uint64_t& drawn,
                                 const std::function<void()>& body) {
   flat.begin_rng_step();
   const uint64_t before = flat.rng_offset;
-  if (run_graph_segment(ctx, g, runs, body))
+  const bool ran = run_graph_segment(ctx, g, runs, body);
+  if (ran)
     drawn = flat.rng_offset - before;
   else
     flat.rng_offset += drawn;
+  return ran;
 }
 
 // The segments of one step shape, by key, dropped all at once when shapes keep changing.

@@ -19,7 +19,11 @@
 //                it (DdpTrainer::load); either way it prints "weights H", a hash of its weights
 //                With --clip-grad C the gradient is clipped to norm C; it then prints the last
 //                step's "norm N syncs S allocations A" (DdpStepTimes), clipping on or off,
-//                and "graphed G": the steps that replayed graphs (--cuda-graphs auto|on|off).
+//                and "graphed G": the steps that replayed graphs (--cuda-graphs auto|on|off),
+//                with the loss scale, whether a graph holds the bucket all-reduces
+//                (--graph-collectives auto|off: DdpTrainer::set_graph_collectives), and the
+//                last step's payload bytes and buckets launched while backward ran.
+//                --bucket-cap-bytes B: every gradient bucket capped at B bytes;
 //                --short-every K: every K-th step (the 2nd, 4th, ... for K = 2) trains on the
 //                batch's first --batch - 3 rows only, a second step shape
 //                --moving-shares K: tokens ignored at moving places, under fp16 (see DdpRun);
@@ -159,13 +163,18 @@ struct DdpRun {
   int train_before_load = 0;  // steps taken (and dropped) before the load
   std::string resume_dir;     // DdpTrainer::resume("latest", resume_dir)
   std::string backend = "gloo", save, load, graphs = "auto";
+  std::string graph_collectives = "auto";  // DdpTrainer::set_graph_collectives (auto: true)
+  int64_t bucket_cap_bytes = 0;            // > 0: DdpOptions' caps (small: several buckets)
   float clip_grad = 0.f;
 };
 
 int run_ddp(const DdpRun& o) {
   const int64_t batch = o.batch;
   const int steps = o.steps;
-  DdpTrainer trainer(kernels::DeviceType::cpu, o.backend);
+  DdpOptions ddp_options;
+  if (o.bucket_cap_bytes > 0)
+    ddp_options.bucket_cap_bytes = ddp_options.first_bucket_bytes = o.bucket_cap_bytes;
+  DdpTrainer trainer(kernels::DeviceType::cpu, o.backend, ddp_options);
   trainer.set_clip_grad_norm(o.clip_grad);
   if (o.metrics_lag > 0) {
     trainer.set_metrics_lag(o.metrics_lag);
@@ -181,6 +190,7 @@ int run_ddp(const DdpRun& o) {
   trainer.set_graphs(o.graphs == "on"    ? dp::Graphs::on
                      : o.graphs == "off" ? dp::Graphs::off
                                          : dp::Graphs::automatic);
+  trainer.set_graph_collectives(o.graph_collectives == "auto");
   trainer.set_run_config({{"program", "dist_worker"},
                           {"batch", std::to_string(batch)},
                           {"steps", std::to_string(steps)}});
@@ -236,7 +246,11 @@ int run_ddp(const DdpRun& o) {
   std::printf("[rank %d] norm %.9g syncs %lld allocations %lld\n", trainer.rank(),
               trainer.last_grad_norm(), static_cast<long long>(trainer.last_times().host_syncs),
               static_cast<long long>(trainer.last_times().allocations));
-  std::printf("[rank %d] graphed %d scale %g\n", trainer.rank(), graphed, trainer.scaler().scale());
+  std::printf("[rank %d] graphed %d scale %g in_graph %d payload %lld overlapped %d\n",
+              trainer.rank(), graphed, trainer.scaler().scale(),
+              trainer.collectives_in_graph() ? 1 : 0,
+              static_cast<long long>(trainer.last_payload_bytes()),
+              trainer.ddp().stats().launched_before_backward_end);
   std::fflush(stdout);
   std::this_thread::sleep_for(std::chrono::milliseconds(o.hold_ms));  // a job that stays up
   trainer.group().barrier()->wait();  // rank 0 hosts the store: the others leave first
@@ -274,6 +288,9 @@ int main(int argc, char** argv) {
   app.add_option("--resume-latest", ddp.resume_dir)->check(CLI::ExistingDirectory);
   app.add_option("--clip-grad", ddp.clip_grad)->check(CLI::NonNegativeNumber);
   app.add_option("--cuda-graphs", ddp.graphs)->check(CLI::IsMember({"auto", "on", "off"}));
+  app.add_option("--bucket-cap-bytes", ddp.bucket_cap_bytes)->check(CLI::PositiveNumber);
+  app.add_option("--graph-collectives", ddp.graph_collectives)
+      ->check(CLI::IsMember({"auto", "off"}));
   app.add_option("--short-every", ddp.short_every)->check(CLI::NonNegativeNumber);
   app.add_option("--moving-shares", ddp.moving_shares)->check(CLI::NonNegativeNumber);
   app.add_option("--metrics-lag", ddp.metrics_lag)->check(CLI::Range(0, 1));

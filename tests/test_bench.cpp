@@ -834,6 +834,8 @@ TEST_CASE("bench.flags: flags another mode reads are refused, not ignored") {
   refused("--device cpu --gpus 2 --mode both --backend mpi", "--backend mpi with --mode both");
   refused("--device cpu --gpus 2 --mode ddp --dp-peer-reads off",
           "--dp-peer-reads off with --mode ddp: it sets how DP's reduce reads the replicas");
+  refused("--device cpu --gpus 2 --mode dp --ddp-graph-collectives off",
+          "--ddp-graph-collectives off with --mode dp: it places DDP's bucket all-reduces");
 }
 
 TEST_CASE("bench.cli: --dp-peer-reads off stages DP's pulls, with the losses of reads in place") {
@@ -1194,38 +1196,51 @@ TEST_CASE("bench.graphs: --cuda-graphs on replays DP and DDP steps, losses bitwi
   // CPU devices run the captured segments' recordings: every timed step (after 2 warm-up
   // steps) replays, with one host read and no allocation, and every loss equals the
   // uncaptured run's bit for bit. fp16 with AdamW (the loss scale and the optimizer's scalars
-  // on the device), bf16 with bf16 buckets, and uneven chunks (31 rows over 3 devices).
+  // on the device), bf16 with bf16 buckets, and uneven chunks (31 rows over 3 devices). DDP's
+  // bucket all-reduces run inside its graph (CPU graphs record them), or between its graphs
+  // with --ddp-graph-collectives off; the report says which, and both hand the group what the
+  // uncaptured run does.
   for (std::string extra : {"--dtype fp16 --optim adamw", "--dtype bf16 --comm-dtype bf16"}) {
     CAPTURE(extra);
     std::map<std::string, nlohmann::json> runs;
-    for (const char* graphs : {"off", "on"}) {
-      std::string json = temp_path(std::string("graphs_") + graphs + ".json");
+    for (std::string graphs : {"off", "on", "on --ddp-graph-collectives off"}) {
+      std::string json = temp_path("graphs_" + std::to_string(runs.size()) + ".json");
       REQUIRE(run_bench(std::string("--device cpu --gpus 3 --mode both --steps 4 --warmup 2 ") +
                         "--batch 31 --cuda-graphs " + graphs + " " + extra + " --json " + json) ==
               0);
       runs[graphs] = read_json(json)["runs"];
       std::remove(json.c_str());
     }
-    REQUIRE(runs["on"].size() == 4);  // DP and DDP, 1 and 3 devices
-    REQUIRE(runs["off"].size() == runs["on"].size());
-    for (size_t i = 0; i < runs["on"].size(); ++i) {
-      const auto &on = runs["on"][i], &off = runs["off"][i];
-      CAPTURE(on["mode"].get<std::string>());
-      CAPTURE(on["gpus"].get<int>());
-      CHECK(on["graphed_steps"].get<int>() == 4);
-      CHECK(off["graphed_steps"].get<int>() == 0);
-      CHECK(on["allocations_per_step"].get<double>() == 0);
-      CHECK(on["host_syncs_per_step"].get<double>() == 1);
-      CHECK(on["losses"] == off["losses"]);
-      // One rank hands the group nothing: a bucket's sum over one rank is the bucket.
-      if (on["mode"] == "ddp" && on["gpus"] == 1) CHECK(on["bytes_per_step"].get<int64_t>() == 0);
+    for (const char* graphed : {"on", "on --ddp-graph-collectives off"}) {
+      CAPTURE(graphed);
+      const bool between = std::string(graphed) != "on";
+      REQUIRE(runs[graphed].size() == 4);  // DP and DDP, 1 and 3 devices
+      REQUIRE(runs["off"].size() == runs[graphed].size());
+      for (size_t i = 0; i < runs[graphed].size(); ++i) {
+        const auto &on = runs[graphed][i], &off = runs["off"][i];
+        CAPTURE(on["mode"].get<std::string>());
+        CAPTURE(on["gpus"].get<int>());
+        CHECK(on["graphed_steps"].get<int>() == 4);
+        CHECK(off["graphed_steps"].get<int>() == 0);
+        CHECK(on["allocations_per_step"].get<double>() == 0);
+        CHECK(on["host_syncs_per_step"].get<double>() == 1);
+        CHECK(on["losses"] == off["losses"]);
+        CHECK(on["bytes_per_step"] == off["bytes_per_step"]);
+        CHECK(on["graph_collectives"] == (on["mode"] == "dp" ? ""
+                                          : between          ? "between graphs"
+                                                             : "in graph"));
+        CHECK(off["graph_collectives"] == "");
+        // One rank hands the group nothing: a bucket's sum over one rank is the bucket.
+        if (on["mode"] == "ddp" && on["gpus"] == 1) CHECK(on["bytes_per_step"].get<int64_t>() == 0);
+      }
     }
   }
 }
 
 TEST_CASE("bench.cuda: graphed DDP steps on a GPU (NCCL at 1 rank, Gloo at 2) equal uncaptured") {
-  // The CUDA segments are real graphs here: the all-reduces between them go through NCCL (one
-  // rank) or Gloo (two logical GPUs sharing the one GPU, through pinned host memory).
+  // The CUDA segments are real graphs here: the bucket all-reduces go through NCCL inside the
+  // graph (one rank: nothing to sum, but the path is NCCL's), or through Gloo between the
+  // graphs (two logical GPUs sharing the one GPU, through pinned host memory).
   DP_REQUIRE_GPU();
   std::map<std::string, nlohmann::json> runs;
   for (const char* graphs : {"off", "on"}) {
@@ -1245,6 +1260,7 @@ TEST_CASE("bench.cuda: graphed DDP steps on a GPU (NCCL at 1 rank, Gloo at 2) eq
     CHECK(on["allocations_per_step"].get<double>() == 0);
     // NCCL: the metrics read only. Gloo stages CUDA buckets through the host, which waits.
     if (on["gpus"].get<int>() == 1) CHECK(on["host_syncs_per_step"].get<double>() == 1);
+    CHECK(on["graph_collectives"] == (on["gpus"].get<int>() == 1 ? "in graph" : "between graphs"));
     CHECK(on["losses"] == off["losses"]);
   }
 }

@@ -484,7 +484,10 @@ struct LastStep {
   float norm = -1.f;
   long long syncs = -1, allocations = -1;
   int graphed = -1;
-  float scale = -1.f;         // the loss scale after the last step
+  float scale = -1.f;  // the loss scale after the last step
+  int in_graph = -1;   // whether graphed steps held the bucket all-reduces
+  long long payload = -1;
+  int overlapped = -1;        // the last step's buckets launched while backward ran
   std::vector<float> losses;  // what each step returned (and finish_metrics, lagged)
   std::string weights;        // the hash of its final weights, 16 hex digits
 };
@@ -498,7 +501,9 @@ LastStep last_step(const std::string& out, int rank) {
                 &l.syncs, &l.allocations);
   at = out.find(tag + "graphed ");
   if (at != std::string::npos)
-    std::sscanf(out.c_str() + at + tag.size(), "graphed %d scale %f", &l.graphed, &l.scale);
+    std::sscanf(out.c_str() + at + tag.size(),
+                "graphed %d scale %f in_graph %d payload %lld overlapped %d", &l.graphed, &l.scale,
+                &l.in_graph, &l.payload, &l.overlapped);
   at = out.find(tag + "losses");
   if (at != std::string::npos) {
     const size_t begin = at + tag.size() + 6, end = out.find('\n', begin);
@@ -595,27 +600,44 @@ TEST_CASE("ddp.clip: clipping on the device keeps DdpTrainer's step at one host 
 
 TEST_CASE("ddp.graphs: DdpTrainer's graphed steps equal its uncaptured ones bit for bit") {
   // Two hand-launched ranks, 12 steps alternating two shapes (8 rows, then 5: uneven chunks),
-  // clipping active, graphs off and on (CPU devices run the captured segments' recordings).
-  // Each shape runs uncaptured twice, is captured on its third step and replayed after: 8 of
-  // the 12 steps replay. Every rank ends with the same weights, bit for bit, either way; the
-  // last step (a replayed short one) reads the host once and allocates nothing.
+  // clipping active, 64-byte buckets (several), graphs off and on (CPU devices run the captured
+  // segments' recordings). Each shape runs uncaptured twice, is captured on
+  // its third step and replayed after: 8 of the 12 steps replay. Graphed, the bucket
+  // all-reduces are held by the graph, launched from backward's hooks (as NCCL's would be on
+  // GPUs: CPU graphs record them as ops), or with --graph-collectives off run between its two
+  // graphs after backward. Every rank ends with the same weights, bit for bit, all three ways;
+  // the last step (a replayed short one) reads the host once, allocates nothing, and hands the
+  // group what an uncaptured step does; as many buckets launch before backward's end in the
+  // graph as in uncaptured steps (some), none between graphs.
   std::string dir = dist_test::make_temp_dir("ddp_graphs");
   std::vector<std::string> args = {"--mode",      "ddp",           "--steps",
                                    "12",          "--short-every", "2",
-                                   "--clip-grad", "0.001",         "--cuda-graphs"};
+                                   "--clip-grad", "0.001",         "--bucket-cap-bytes",
+                                   "64",          "--cuda-graphs"};
   args.push_back("off");
   const std::array<LastStep, 2> off = ddp_pair(dir, "g_off", args);
   args.back() = "on";
   const std::array<LastStep, 2> on = ddp_pair(dir, "g_on", args);
+  args.insert(args.end(), {"--graph-collectives", "off"});
+  const std::array<LastStep, 2> between = ddp_pair(dir, "g_between", args);
   for (int r = 0; r < 2; ++r) {
     CAPTURE(r);
     CHECK(off[r].graphed == 0);
-    CHECK(on[r].graphed == 8);
-    CHECK(on[r].syncs == 1);
-    CHECK(on[r].allocations == 0);
-    CHECK(on[r].norm > 0.001f);  // the clip was active
-    CHECK(on[r].norm == off[r].norm);
-    CHECK(on[r].weights == off[0].weights);
+    CHECK(off[r].overlapped > 0);
+    CHECK(off[r].payload > 0);
+    for (const LastStep* l : {&on[r], &between[r]}) {
+      CHECK(l->graphed == 8);
+      CHECK(l->syncs == 1);
+      CHECK(l->allocations == 0);
+      CHECK(l->payload == off[r].payload);
+      CHECK(l->norm > 0.001f);  // the clip was active
+      CHECK(l->norm == off[r].norm);
+      CHECK(l->weights == off[0].weights);
+    }
+    CHECK(on[r].in_graph == 1);
+    CHECK(on[r].overlapped == off[r].overlapped);
+    CHECK(between[r].in_graph == 0);
+    CHECK(between[r].overlapped == 0);
     CHECK(off[r].weights == off[0].weights);
   }
   CHECK(off[0].weights.size() == 16);

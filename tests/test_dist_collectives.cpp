@@ -5,6 +5,8 @@
 #include <mutex>
 
 #include "dp/distributed/gloo_process_group.hpp"
+#include "kernels/ops.hpp"
+#include "kernels/runtime/graph.hpp"
 #include "tests/test_dist_util.hpp"
 
 using namespace dp::dist;
@@ -283,9 +285,48 @@ TEST_CASE("dist.collectives: backend auto picks gloo for CPU tensors, nccl on CP
   });
 }
 
+TEST_CASE("dist.collectives: queued all-reduces overlap later work, and a CPU graph replays them") {
+  // all_reduce_queued returns at once; the work queued after it runs while the op is in
+  // flight; join_queued ends them all. While a CPU device's graph captures, both are recorded
+  // (run nothing) and each replay runs them again: after two replays of x -> 2 * sum, 2 ranks
+  // hold 2 * (2 * (2 * (r0 + r1))).
+  dist_test::run_ranks(2, [&](int r, std::shared_ptr<Store> store) {
+    auto pg = dist_test::gloo_group(r, 2, store);
+    const kernels::Device cpu = kernels::Device::cpu();
+    RANK_CHECK(pg->collectives_capturable(cpu), "CPU graphs hold any backend's collectives");
+    RANK_CHECK(!pg->collectives_capturable(kernels::Device::cuda(0)), "Gloo on a GPU: no");
+    Tensor a = Tensor::from_vector(rank_values(r, 100), {100});
+    Tensor b = Tensor::from_vector(std::vector<float>(7, float(r + 1)), {7});
+    Tensor c = Tensor::from_vector(std::vector<float>(5, 1.f), {5});
+    pg->all_reduce_queued(a, ReduceOp::sum);
+    pg->all_reduce_queued(b, ReduceOp::max);
+    kernels::fill(c, 4.f);  // work between: the ops are in flight
+    pg->join_queued(cpu);
+    std::vector<float> want = rank_values(0, 100), other = rank_values(1, 100);
+    for (size_t i = 0; i < want.size(); ++i) want[i] += other[i];
+    RANK_CHECK(a.to_host_f32() == want, "queued sum");
+    RANK_CHECK(b.to_host_f32() == std::vector<float>(7, 2.f), "queued max");
+    RANK_CHECK(c.to_host_f32() == std::vector<float>(5, 4.f), "the work between");
+
+    kernels::DeviceContext& ctx = kernels::context(cpu);
+    Tensor x = Tensor::from_vector({float(r + 1)}, {1});
+    kernels::Graph graph;
+    graph.capture(ctx, [&] {
+      pg->all_reduce_queued(x, ReduceOp::sum);
+      pg->join_queued(cpu);
+      kernels::scale(x, x, 2.f);
+    });
+    RANK_CHECK(x.to_host_f32()[0] == float(r + 1), "a capture runs nothing");
+    graph.replay();
+    RANK_CHECK(x.to_host_f32()[0] == 6.f, "one replay: 2 * (1 + 2)");
+    graph.replay();
+    RANK_CHECK(x.to_host_f32()[0] == 24.f, "two replays: 2 * (6 + 6)");
+  });
+}
+
 // NCCL needs one GPU per rank; at one rank it runs anywhere a GPU is, and proves the build's
 // NCCL loads, initialises and runs a collective and a broadcast on the rank's stream.
-TEST_CASE("dist.collectives: CUDA tensors through NCCL at one rank") {
+TEST_CASE("dist.collectives: CUDA tensors through NCCL at one rank, queued ops in a CUDA graph") {
   DP_REQUIRE_GPU();
   dist_test::run_ranks(1, [&](int r, std::shared_ptr<Store> store) {
     InitOptions o;
@@ -309,6 +350,31 @@ TEST_CASE("dist.collectives: CUDA tensors through NCCL at one rank") {
     RANK_CHECK(work->is_completed(), "completed once waited");
     pg->broadcast(t, 0)->wait();
     RANK_CHECK(t.to_host_f32() == want, "nccl broadcast at one rank");
+
+    // Queued all-reduces in a CUDA graph (what DDP's graphed backward does): NCCL's op on the
+    // group's stream, forked from the rank's stream after the work before it and joined back
+    // before the work after it; captured, not run, then replayed. At one rank avg divides by 1,
+    // so the values tell the order: x2 before the op, +1 after it.
+    RANK_CHECK(pg->collectives_capturable(o.device), "nccl holds its collectives in a graph");
+    RANK_CHECK(!pg->collectives_capturable(kernels::Device::cpu()), "not on another device");
+    kernels::DeviceContext& ctx = kernels::context(o.device);
+    Tensor q = Tensor::from_vector(std::vector<float>(1000, 1.f), {1000}, o.device);
+    Tensor ones = Tensor::from_vector(std::vector<float>(1000, 1.f), {1000}, o.device);
+    auto body = [&] {
+      kernels::scale(q, q, 2.f);
+      pg->all_reduce_queued(q, ReduceOp::avg);
+      pg->join_queued(o.device);
+      kernels::axpy(q, 1.f, ones);
+    };
+    body();  // uncaptured: 3
+    kernels::Graph graph;
+    graph.capture(ctx, body);
+    RANK_CHECK(q.to_host_f32() == std::vector<float>(1000, 3.f), "a capture runs nothing");
+    graph.replay();
+    graph.replay();
+    RANK_CHECK(q.to_host_f32() == std::vector<float>(1000, 15.f), "two replays: 7, then 15");
+    pg->all_reduce(q, ReduceOp::sum)->wait();  // the group goes on after its captured ops
+    RANK_CHECK(q.to_host_f32() == std::vector<float>(1000, 15.f), "an op after the replays");
   });
 }
 

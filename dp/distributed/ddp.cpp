@@ -226,6 +226,56 @@ void DistributedDataParallel::unstage_buckets() {
   for (int k = 0; k < static_cast<int>(buckets_.size()); ++k) unstage_bucket(k);
 }
 
+Tensor DistributedDataParallel::backward_queued(const Tensor& dy) {
+  if (!sync_enabled_) return backward_local(dy);
+  DP_CHECK(sync_idle(), "DistributedDataParallel::backward_queued on rank "
+                            << group_.rank()
+                            << ": the previous backward's gradients were not synchronised "
+                               "(call finish_gradient_sync() first)");
+  reset_stats();
+  Tensor dx;
+  kernels::NvtxRange range("ddp/backward");
+  TraceScope slice(trace_, "ddp/backward", group_.rank());
+  queued_ = true;
+  try {
+    in_backward_ = true;
+    dx = module_->backward(dy);
+    in_backward_ = false;
+    // Buckets whose parameters got no gradient this step (unused layers) still take part.
+    for (size_t k = 0; k < buckets_.size(); ++k) ready_count_[k] = buckets_[k].n_params;
+    launch_ready_buckets();
+    group_.join_queued(module_->device());
+  } catch (...) {
+    in_backward_ = queued_ = false;
+    try {  // what was queued ends before the next step's buckets (uncaptured; a capture drops it)
+      group_.join_queued(module_->device());
+    } catch (const std::exception& e) {
+      DP_LOG_ERROR("ddp: an abandoned step's queued bucket all-reduces: " << e.what());
+    }
+    clear_ready();
+    throw;
+  }
+  queued_ = false;
+  unstage_buckets();
+  clear_ready();
+  queued_overlapped_ = stats_.launched_before_backward_end;
+  stats_.backward_ms =
+      std::chrono::duration<double, std::milli>(Clock::now() - backward_begin_).count();
+  return dx;
+}
+
+void DistributedDataParallel::replayed_queued_sync() {
+  reset_stats();
+  if (group_.size() > 1)
+    for (const int64_t bytes : bucket_bytes()) stats_.comm_bytes += bytes;
+  stats_.launched_before_backward_end = queued_overlapped_;
+}
+
+void DistributedDataParallel::clear_ready() {
+  std::fill(ready_count_.begin(), ready_count_.end(), 0);
+  next_to_launch_ = 0;
+}
+
 std::vector<int64_t> DistributedDataParallel::bucket_bytes() const {
   std::vector<int64_t> out;
   for (const Bucket& b : buckets_)
@@ -253,13 +303,16 @@ void DistributedDataParallel::stage_bucket(int k) {
   if (!comm_buffers_.empty()) kernels::copy(comm_buffers_[k], slice);  // rounded once
 }
 
-void DistributedDataParallel::issue_bucket(int k) {
+bool DistributedDataParallel::issue_bucket(int k) {
   // One rank: the sum is the bucket itself. Nothing to hand the group (its scaling and
   // rounding happened in stage_bucket, as with peers).
-  if (group_.size() == 1) return;
+  if (group_.size() == 1) return false;
   kernels::NvtxRange range("ddp/allreduce[bucket " + std::to_string(k) + "]");
   Tensor slice = comm_buffers_.empty() ? grad_slice(k) : comm_buffers_[k];
-  pending_[k] = group_.all_reduce(slice, ReduceOp::sum);
+  if (queued_)
+    group_.all_reduce_queued(slice, ReduceOp::sum);
+  else
+    pending_[k] = group_.all_reduce(slice, ReduceOp::sum);
   stats_.comm_bytes +=
       buckets_[k].numel * static_cast<int64_t>(kernels::dtype_size(options_.comm_dtype));
   stats_.bucket_ready_ms[k] =
@@ -267,6 +320,7 @@ void DistributedDataParallel::issue_bucket(int k) {
   if (trace_)
     trace_->add({"ddp/allreduce[bucket " + std::to_string(k) + "] launch", group_.rank(),
                  trace_->now_us(), 1.0});
+  return true;
 }
 
 void DistributedDataParallel::unstage_bucket(int k) {
@@ -281,10 +335,9 @@ void DistributedDataParallel::launch_ready_buckets() {
          ready_count_[next_to_launch_] >= buckets_[next_to_launch_].n_params) {
     int k = next_to_launch_++;
     stage_bucket(k);
-    issue_bucket(k);
     // The last bucket (the first layers) lands with backward's final layer: nothing is left
     // to hide it behind. Every other bucket launched from backward overlaps what remains.
-    if (in_backward_ && k + 1 < static_cast<int>(buckets_.size()) && pending_[k])
+    if (issue_bucket(k) && in_backward_ && k + 1 < static_cast<int>(buckets_.size()))
       ++stats_.launched_before_backward_end;
   }
 }
@@ -306,8 +359,7 @@ void DistributedDataParallel::abandon_sync() {
     }
     w.reset();
   }
-  std::fill(ready_count_.begin(), ready_count_.end(), 0);
-  next_to_launch_ = 0;
+  clear_ready();
 }
 
 void DistributedDataParallel::finish_gradient_sync() {
@@ -332,8 +384,7 @@ void DistributedDataParallel::finish_gradient_sync() {
   }
   average_buffers();
   stats_.allreduce_wait_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-  std::fill(ready_count_.begin(), ready_count_.end(), 0);
-  next_to_launch_ = 0;
+  clear_ready();
 }
 
 }  // namespace dp::dist

@@ -104,6 +104,18 @@ class DistributedDataParallel {
   void all_reduce_staged();
   // ensures a 16-bit comm dtype's sums are widened back into the gradient (else nothing).
   void unstage_buckets();
+
+  // A graphed step whose group can hold collectives in a capture (ProcessGroup::
+  // collectives_capturable: NCCL on its GPU, every backend on CPU devices) keeps the overlap:
+  //   captured:  ddp.backward_queued(dy);  ... clip, optimizer step
+  // Backward launches each bucket's all-reduce from its hooks as backward() does, but queued on
+  // the group (all_reduce_queued: no Work, no host wait), joins them at its end and widens a
+  // 16-bit comm dtype's sums back: bitwise backward() + finish_gradient_sync(), without the
+  // buffers' averaging (average_buffers(), outside the capture). Under no_sync: backward alone.
+  Tensor backward_queued(const Tensor& dy);
+  // A replayed backward_queued runs no host code: sets the stats it had (the buckets' bytes
+  // and overlap as its last run; no ready times, no host wait).
+  void replayed_queued_sync();
   // BufferSync::broadcast with buffers, in training: rank 0's buffers on every rank, as
   // forward() does first. Otherwise nothing.
   void broadcast_buffers();
@@ -151,8 +163,11 @@ class DistributedDataParallel {
   void reset_stats();
   Tensor grad_slice(int k);
   void stage_bucket(int k);  // scale by the share, round into the comm dtype
-  // Its all-reduce, asynchronously (pending_[k]), counted in the stats; with one rank nothing.
-  void issue_bucket(int k);
+  // Its all-reduce, asynchronously (pending_[k], or queued on the group in backward_queued),
+  // counted in the stats; with one rank nothing (returns whether it issued one).
+  bool issue_bucket(int k);
+  // After a step's sync: no bucket counted ready, none launched.
+  void clear_ready();
   void unstage_bucket(int k);
   // Queues share_ into device_share_ (nothing when it holds share_ already).
   void write_share();
@@ -173,6 +188,8 @@ class DistributedDataParallel {
   int next_to_launch_ = 0;
   bool sync_enabled_ = true;
   bool in_backward_ = false;
+  bool queued_ = false;        // inside backward_queued: buckets go to all_reduce_queued
+  int queued_overlapped_ = 0;  // backward_queued's last launched_before_backward_end
   std::chrono::steady_clock::time_point backward_begin_;  // of the current step's backward
   float share_ = 1.f;
   // share_ on the device, where stage_bucket's scaling reads it (a replayed step uses the

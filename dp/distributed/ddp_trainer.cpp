@@ -140,6 +140,7 @@ RunConfig DdpTrainer::engine_config(nn::Module& model, nn::Optimizer& optimizer)
   c["engine.graphs"] = graphs_mode_ == Graphs::on    ? "on"
                        : graphs_mode_ == Graphs::off ? "off"
                                                      : "auto";
+  c["engine.graph_collectives"] = graph_collectives_ ? "auto" : "off";
   c["engine.world_size"] = std::to_string(world_size());
   c["engine.backend"] = group_->backend_name();
   c["engine.zero"] = std::to_string(zero_stage_);
@@ -257,6 +258,15 @@ void DdpTrainer::set_graphs(Graphs mode) {
   graphs_mode_ = mode;
 }
 
+void DdpTrainer::set_graph_collectives(bool allowed) {
+  DP_CHECK(!ddp_, "DdpTrainer::set_graph_collectives after wrap()");
+  graph_collectives_ = allowed;
+}
+
+bool DdpTrainer::collectives_in_graph() const {
+  return graph_collectives_ && group_->collectives_capturable(device_);
+}
+
 std::string DdpTrainer::graphs_blocked() const {
   if (zero_) return "ZeRO-1 combines the shards' verdicts on the host inside its step";
   if (sync_bn_) return "SyncBatchNorm exchanges statistics between ranks inside forward";
@@ -297,27 +307,39 @@ void DdpTrainer::graphed_step(StepGraphs& g) {
   nn::Module& m = ddp_->module();
   const int runs = g.runs++;
   times_.graphed = runs >= kGraphWarmupRuns;
+  const bool in_graph = collectives_in_graph();
   ddp_->broadcast_buffers();
   {
     kernels::NvtxRange range("ddp/forward_backward");
-    run_drawing_segment(ctx, g.compute, runs, m.flat(), g.drawn, [&] {
+    const bool ran = run_drawing_segment(ctx, g.compute, runs, m.flat(), g.drawn, [&] {
       forward_and_loss(m, input_, labels_);
-      ddp_->backward_local(dlogits_);
-      ddp_->stage_buckets();
+      if (in_graph) {
+        ddp_->backward_queued(dlogits_);  // the buckets' all-reduces from its hooks, joined
+      } else {
+        ddp_->backward_local(dlogits_);
+        ddp_->stage_buckets();
+      }
     });
+    if (in_graph && !ran) {
+      ddp_->replayed_queued_sync();
+      replayed_payload_ = ddp_->stats().comm_bytes;  // handed over by the graph, not the host
+    }
     g.input = input_;
     g.labels = labels_;
     g.dlogits = dlogits_;
   }
   marks_[2].record(ctx);
   marks_[3].record(ctx);
-  ddp_->all_reduce_staged();
+  if (in_graph)
+    ddp_->average_buffers();
+  else
+    ddp_->all_reduce_staged();
   marks_[4].record(ctx);
   kernels::NvtxRange range("ddp/step");
   TraceScope slice(ddp_->trace(), "ddp/step", rank());
   scaler_.prepare_deferred(*optimizer_);  // the host scalars the replayed update reads
   run_graph_segment(ctx, g.update, runs, [&] {
-    ddp_->unstage_buckets();
+    if (!in_graph) ddp_->unstage_buckets();
     queue_update(m);
   });
 }
@@ -335,6 +357,7 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   }
   auto t_step = Clock::now();
   const int64_t payload_before = group_->payload_bytes();
+  replayed_payload_ = 0;
   const int64_t allocations_before = context_->memory()->allocations.load();
   const int64_t syncs_before = context_->host_syncs();
   kernels::DeviceContext& ctx = *context_;
@@ -401,7 +424,8 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
     }
   }
   marks_[5].record(ctx);
-  last_payload_bytes_ = group_->payload_bytes() - payload_before;  // the loss's is not in it
+  // The loss's all-reduce is not in it; a replayed graph's all-reduces are.
+  last_payload_bytes_ = group_->payload_bytes() - payload_before + replayed_payload_;
   const float global_loss = metrics_lag_ > 0 ? report_loss_lagged(share) : report_loss(share);
   times_.metrics_lagged = metrics_lag_ > 0;
   ++steps_;

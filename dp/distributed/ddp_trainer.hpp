@@ -96,14 +96,23 @@ class DdpTrainer {
   // Call before wrap().
   void set_clip_grad_norm(float max_norm);
   // Graphed steps (dp/graphs.hpp; default automatic: on for CUDA devices). Per step shape, a
-  // captured graph holds zero_grad, forward, the loss, backward and the buckets' scaling; the
-  // buckets are all-reduced after it (the overlap with backward is given up), then a second
-  // graph holds the clip, the scaler's check and the optimizer step. A shape's first two steps
-  // run uncaptured, the third captures. Bitwise the results of graphs off. The loss scale, the
-  // rank's share and dropout's offsets are read on the device (each replay uses its step's).
-  // Not capturable, run uncaptured with one line saying why: ZeRO-1, SyncBatchNorm. Call before
-  // wrap().
+  // captured graph holds zero_grad, forward, the loss, backward and the buckets' scaling, and a
+  // second graph the clip, the scaler's check and the optimizer step. The bucket all-reduces:
+  //  - inside the first graph, launched from backward's hooks and overlapped with it as in
+  //    uncaptured steps, where the group can hold collectives in a capture (NCCL; every backend
+  //    on CPU devices, whose graphs record them) and set_graph_collectives(true) (default);
+  //  - else between the two graphs, after backward (the overlap is given up).
+  // A shape's first two steps run uncaptured, the third captures. Bitwise the results of graphs
+  // off. The loss scale, the rank's share and dropout's offsets are read on the device (each
+  // replay uses its step's). Not capturable, run uncaptured with one line saying why: ZeRO-1,
+  // SyncBatchNorm. Call before wrap().
   void set_graphs(Graphs mode);
+  // false: a graphed step's bucket all-reduces run between its two graphs even where a graph
+  // could hold them (for a backend whose captured collectives misbehave, and to compare).
+  // Call before wrap().
+  void set_graph_collectives(bool allowed);
+  // Whether graphed steps hold the bucket all-reduces in their graph (valid after wrap()).
+  bool collectives_in_graph() const;
   // Whether each step's phases are timed (last_times(): forward, backward, allreduce_wait,
   // optimizer; default on). off: the step's marks are events without a timestamp (cheaper to
   // record on a GPU) and last_times() holds the total, allocations and host syncs alone. Call
@@ -269,7 +278,9 @@ class DdpTrainer {
   std::map<GraphKey, StepGraphs> graphs_;
   GraphKey graph_key_;  // this step's
   bool said_graphs_off_ = false;
+  bool graph_collectives_ = true;  // set_graph_collectives
   int64_t last_payload_bytes_ = 0;
+  int64_t replayed_payload_ = 0;  // this step's bucket bytes a replayed graph all-reduced
 };
 
 }  // namespace dp::dist

@@ -84,9 +84,13 @@ struct Comm {
   kernels::Device device;
   cudaStream_t stream = nullptr;  // the communication stream
   void* scratch = nullptr;        // one float for barrier()
-  std::mutex mu;                  // serialises NCCL calls on `comm`
-  bool aborted = false;           // under mu
-  std::string broken;             // under mu: why the communicator was aborted
+  // Queued all-reduces (all_reduce_queued): the caller's stream forks to `stream` at `fork` and
+  // joins back at `join`; `queued` (under mu) says ops were queued since the last join.
+  cudaEvent_t fork = nullptr, join = nullptr;
+  bool queued = false;
+  std::mutex mu;         // serialises NCCL calls on `comm`
+  bool aborted = false;  // under mu
+  std::string broken;    // under mu: why the communicator was aborted
 
   std::string where() const {
     return "rank " + std::to_string(rank) + " of " + std::to_string(size) + " (" + device.str() +
@@ -169,6 +173,8 @@ struct Comm {
       }
     }
     if (scratch) cudaFree(scratch);
+    for (cudaEvent_t e : {fork, join})
+      if (e) cudaEventDestroy(e);
     if (stream) {
       cudaError_t e = cudaStreamDestroy(stream);
       if (e != cudaSuccess && e != cudaErrorCudartUnloading)
@@ -323,6 +329,8 @@ class NcclProcessGroup final : public ProcessGroup {
     DP_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
     DP_CUDA_CHECK(cudaStreamCreateWithPriority(&c.stream, cudaStreamNonBlocking, greatest));
     DP_CUDA_CHECK(cudaMalloc(&c.scratch, sizeof(float)));
+    DP_CUDA_CHECK(cudaEventCreateWithFlags(&c.fork, cudaEventDisableTiming));
+    DP_CUDA_CHECK(cudaEventCreateWithFlags(&c.join, cudaEventDisableTiming));
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;  // init and calls return at once; settle_locked() bounds them
     std::lock_guard<std::mutex> lock(c.mu);
@@ -340,9 +348,7 @@ class NcclProcessGroup final : public ProcessGroup {
   std::string backend_name() const override { return "nccl"; }
 
   std::shared_ptr<Work> do_all_reduce(Tensor& t, ReduceOp op) override {
-    check(t, "all_reduce");
-    DP_CHECK(op != ReduceOp::avg || kernels::is_floating(t.dtype()),
-             "all_reduce(avg) needs a floating tensor, not " << t.dtype());
+    check_all_reduce(t, op);
     void* p = t.raw();
     size_t n = static_cast<size_t>(t.numel());
     ncclDataType_t ty = nccl_type(t.dtype());
@@ -468,6 +474,43 @@ class NcclProcessGroup final : public ProcessGroup {
                   });
   }
 
+  bool collectives_capturable(const kernels::Device& device) const override {
+    return device == comm_->device;
+  }
+
+  // On the group's stream, forked from the caller's (inside a capture the fork and the join
+  // are the graph's edges): no event to poll, no Work.
+  void do_all_reduce_queued(Tensor& t, ReduceOp op) override {
+    check_all_reduce(t, op);
+    const std::string what =
+        std::string("queued all_reduce(") + reduce_op_name(op) + ") of " + describe_tensor(t);
+    Comm& c = *comm_;
+    Millis to = timeout();
+    std::lock_guard<std::mutex> lock(c.mu);
+    auto caller = static_cast<cudaStream_t>(healthy_caller_locked(what).stream());
+    DP_CUDA_CHECK(cudaEventRecord(c.fork, caller));
+    DP_CUDA_CHECK(cudaStreamWaitEvent(c.stream, c.fork, 0));
+    c.queued = true;  // forked: the join must follow, also when the call below fails
+    c.settle_locked(ncclAllReduce(t.raw(), t.raw(), static_cast<size_t>(t.numel()),
+                                  nccl_type(t.dtype()), nccl_op(op), c.comm, c.stream),
+                    what, to, Clock::now() + to);
+  }
+
+  void join_queued(const kernels::Device& device) override {
+    DP_CHECK(device == comm_->device,
+             "nccl join_queued on " << device << ": this group runs on " << comm_->device);
+    Comm& c = *comm_;
+    std::lock_guard<std::mutex> lock(c.mu);
+    if (!c.queued) return;
+    c.queued = false;
+    DP_CUDA_CHECK(cudaSetDevice(c.gpu));
+    auto caller = static_cast<cudaStream_t>(kernels::context(c.device).stream());
+    DP_CUDA_CHECK(cudaEventRecord(c.join, c.stream));
+    DP_CUDA_CHECK(cudaStreamWaitEvent(caller, c.join, 0));
+    DP_CHECK(!c.aborted, "nccl queued all_reduce on "
+                             << c.where() << ": the communicator was aborted: " << c.broken);
+  }
+
   // NCCL has no barrier: an all-reduce of one float; wait() returns once every rank joined.
   std::shared_ptr<Work> do_barrier() override {
     void* p = comm_->scratch;
@@ -482,12 +525,27 @@ class NcclProcessGroup final : public ProcessGroup {
     DP_CHECK(t.device() == comm_->device, op << ": tensor on " << t.device()
                                              << ", but this NCCL group runs on " << comm_->device);
   }
+  void check_all_reduce(const Tensor& t, ReduceOp op) const {
+    check(t, "all_reduce");
+    DP_CHECK(op != ReduceOp::avg || kernels::is_floating(t.dtype()),
+             "all_reduce(avg) needs a floating tensor, not " << t.dtype());
+  }
   void check_rank(int r, const char* what) const {
     DP_CHECK(r >= 0 && r < size(), what << " " << r << " is not in [0, " << size() << ")");
   }
   void check_peer(int r, const char* what) const {
     DP_CHECK(r >= 0 && r < size() && r != rank(),
              what << " " << r << " must be another rank in [0, " << size() << ")");
+  }
+
+  // requires comm_->mu held. The calling thread's context on the group's GPU (current), once
+  // the communicator is known not aborted (else throws: `what` not run, and why).
+  kernels::DeviceContext& healthy_caller_locked(const std::string& what) {
+    Comm& c = *comm_;
+    DP_CHECK(!c.aborted, "nccl " << what << " on " << c.where()
+                                 << " not run: the communicator was aborted: " << c.broken);
+    DP_CUDA_CHECK(cudaSetDevice(c.gpu));
+    return kernels::context(c.device);
   }
 
   // Orders the comm stream after the caller's stream, enqueues the NCCL call there and
@@ -497,10 +555,7 @@ class NcclProcessGroup final : public ProcessGroup {
     Comm& c = *comm_;
     Millis to = timeout();
     std::lock_guard<std::mutex> lock(c.mu);
-    DP_CHECK(!c.aborted, "nccl " << what << " on " << c.where()
-                                 << " not run: the communicator was aborted: " << c.broken);
-    DP_CUDA_CHECK(cudaSetDevice(c.gpu));
-    kernels::DeviceContext& caller_ctx = kernels::context(c.device);
+    kernels::DeviceContext& caller_ctx = healthy_caller_locked(what);
     auto caller = static_cast<cudaStream_t>(caller_ctx.stream());
     cudaEvent_t ready = nullptr, done = nullptr;
     DP_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));

@@ -1,10 +1,12 @@
 #include "dp/distributed/process_group.hpp"
 
 #include <algorithm>
+#include <functional>
 #include <sstream>
 #include <thread>
 
 #include "dp/distributed/store.hpp"
+#include "kernels/runtime/context.hpp"
 #include "kernels/runtime/error.hpp"
 
 namespace dp::dist {
@@ -59,6 +61,35 @@ std::shared_ptr<Work> ProcessGroup::do_send_recv(const kernels::Tensor& to_send,
   works.push_back(do_send(to_send, dst, tag));
   works.push_back(do_recv(to_recv, src, tag));
   return std::make_shared<WorkList>(std::move(works));
+}
+
+void ProcessGroup::do_all_reduce_queued(kernels::Tensor& t, ReduceOp op) {
+  run_or_record(t.device(), "all_reduce of " + describe_tensor(t), [this, t, op]() mutable {
+    std::shared_ptr<Work> work = do_all_reduce(t, op);
+    std::lock_guard<std::mutex> lock(queued_mu_);
+    queued_.push_back(std::move(work));
+  });
+}
+
+void ProcessGroup::join_queued(const kernels::Device& device) {
+  run_or_record(device, "join_queued", [this] {
+    std::vector<std::shared_ptr<Work>> works;
+    {
+      std::lock_guard<std::mutex> lock(queued_mu_);
+      works.swap(queued_);
+    }
+    wait_all(works);
+  });
+}
+
+void ProcessGroup::run_or_record(const kernels::Device& device, const std::string& what,
+                                 std::function<void()> op) {
+  kernels::DeviceContext& ctx = kernels::context(device);
+  if (!ctx.capturing()) return op();
+  DP_CHECK(collectives_capturable(device),
+           backend_name() << " " << what << " on " << device
+                          << ": a captured graph cannot hold this backend's collectives there");
+  ctx.record(std::move(op));
 }
 
 ProcessGroup::ProcessGroup(int rank, int size, std::chrono::milliseconds timeout)

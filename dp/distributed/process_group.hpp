@@ -17,7 +17,9 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -115,6 +117,27 @@ class ProcessGroup {
   // ensures every rank has issued barrier() before any rank's barrier completes.
   std::shared_ptr<Work> barrier() { return do_barrier(); }
 
+  // Queued all-reduces, for collectives inside a captured step (kernels/runtime/graph.hpp):
+  // all_reduce_queued starts `op` over t after the work queued so far on the calling thread's
+  // context for t's device, and returns no Work; join_queued(device) orders that context's later
+  // work after every all-reduce queued before it, and throws the first failure among them.
+  // Between the two the caller may queue more work (the rest of backward): the all-reduces
+  // overlap it. While a graph captures on the context, the pair is part of the capture, and
+  // each replay runs the all-reduces again, where collectives_capturable(device):
+  //  - NCCL (CUDA devices): the graph holds NCCL's kernels, on the group's stream forked from
+  //    and joined back to the context's; a replayed op's failure or hang surfaces at the group's
+  //    next waited op (its poll is bounded by the timeout and aborts the communicator);
+  //  - every backend on CPU devices: the graph records the launch and the join as ops.
+  // Elsewhere (Gloo or MPI on a CUDA device) a graph cannot hold them: call them uncaptured.
+  void all_reduce_queued(kernels::Tensor& t, ReduceOp op = ReduceOp::sum) {
+    count_payload(t);
+    do_all_reduce_queued(t, op);
+  }
+  virtual void join_queued(const kernels::Device& device);
+  virtual bool collectives_capturable(const kernels::Device& device) const {
+    return device.is_cpu();
+  }
+
   // The bytes of every tensor this rank handed to the group so far: each collective's input
   // (all_reduce, broadcast and reduce: t; all_gather and reduce_scatter: in) and each sent
   // tensor. What the caller asked to communicate, not what crossed a wire (that depends on
@@ -136,6 +159,9 @@ class ProcessGroup {
   virtual std::shared_ptr<Work> do_send_recv(const kernels::Tensor& to_send, int dst,
                                              kernels::Tensor& to_recv, int src, uint32_t tag);
   virtual std::shared_ptr<Work> do_barrier() = 0;
+  // Default: do_all_reduce, its Work kept until join_queued waits for it (recorded as an op
+  // while a CPU device's graph captures).
+  virtual void do_all_reduce_queued(kernels::Tensor& t, ReduceOp op);
 
  public:
   // Every rank's `mine`, in rank order, exchanged outside the group's ops: through the store the
@@ -162,6 +188,13 @@ class ProcessGroup {
     payload_bytes_.fetch_add(static_cast<int64_t>(t.nbytes()), std::memory_order_relaxed);
   }
 
+  // Runs op now, or records it while a CPU device's graph captures on `device` (refuses, naming
+  // `what`, where collectives_capturable(device) is false).
+  void run_or_record(const kernels::Device& device, const std::string& what,
+                     std::function<void()> op);
+  // The default queued all-reduces' works, until join_queued.
+  std::mutex queued_mu_;
+  std::vector<std::shared_ptr<Work>> queued_;
   std::shared_ptr<Heartbeat> heartbeat_;  // destroyed last: the group's stores are gone first
   std::atomic<int64_t> payload_bytes_{0};
   std::shared_ptr<Store> rendezvous_store_;
