@@ -1199,15 +1199,22 @@ TEST_CASE("bench.graphs: --cuda-graphs on replays DP and DDP steps, losses bitwi
   // on the device), bf16 with bf16 buckets, and uneven chunks (31 rows over 3 devices). DDP's
   // bucket all-reduces run inside its graph (CPU graphs record them), or between its graphs
   // with --ddp-graph-collectives off; the report says which, and both hand the group what the
-  // uncaptured run does.
+  // uncaptured run does. The phases a captured segment times together are printed merged.
   for (std::string extra : {"--dtype fp16 --optim adamw", "--dtype bf16 --comm-dtype bf16"}) {
     CAPTURE(extra);
     std::map<std::string, nlohmann::json> runs;
     for (std::string graphs : {"off", "on", "on --ddp-graph-collectives off"}) {
       std::string json = temp_path("graphs_" + std::to_string(runs.size()) + ".json");
-      REQUIRE(run_bench(std::string("--device cpu --gpus 3 --mode both --steps 4 --warmup 2 ") +
-                        "--batch 31 --cuda-graphs " + graphs + " " + extra + " --json " + json) ==
-              0);
+      auto [rc, text] =
+          bench_output(std::string("--device cpu --gpus 3 --mode both --steps 4 --warmup 2 ") +
+                       "--batch 31 --cuda-graphs " + graphs + " " + extra + " --json " + json);
+      REQUIRE(rc == 0);
+      const bool graphed = graphs != "off";
+      auto has = [&](const char* what) { return text.find(what) != std::string::npos; };
+      CHECK(has(" forward+backward ") == graphed);  // DP's, and DDP's between graphs
+      CHECK(has(" forward+backward+allreduce ") == (graphs == "on"));  // DDP's in the graph
+      CHECK(has(" reduce+optimizer ") == graphed);                     // DP's
+      CHECK_FALSE(has(" backward 0.000"));
       runs[graphs] = read_json(json)["runs"];
       std::remove(json.c_str());
     }
