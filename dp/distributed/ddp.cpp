@@ -228,25 +228,14 @@ void DistributedDataParallel::unstage_buckets() {
 
 Tensor DistributedDataParallel::backward_queued(const Tensor& dy) {
   if (!sync_enabled_) return backward_local(dy);
-  DP_CHECK(sync_idle(), "DistributedDataParallel::backward_queued on rank "
-                            << group_.rank()
-                            << ": the previous backward's gradients were not synchronised "
-                               "(call finish_gradient_sync() first)");
-  reset_stats();
-  Tensor dx;
-  kernels::NvtxRange range("ddp/backward");
-  TraceScope slice(trace_, "ddp/backward", group_.rank());
   queued_ = true;
+  Tensor dx;
   try {
-    in_backward_ = true;
-    dx = module_->backward(dy);
-    in_backward_ = false;
-    // Buckets whose parameters got no gradient this step (unused layers) still take part.
-    for (size_t k = 0; k < buckets_.size(); ++k) ready_count_[k] = buckets_[k].n_params;
-    launch_ready_buckets();
+    dx = backward(dy);  // its hooks queue the buckets that fill
+    launch_remaining_buckets();
     group_.join_queued(module_->device());
   } catch (...) {
-    in_backward_ = queued_ = false;
+    queued_ = false;
     try {  // what was queued ends before the next step's buckets (uncaptured; a capture drops it)
       group_.join_queued(module_->device());
     } catch (const std::exception& e) {
@@ -259,8 +248,6 @@ Tensor DistributedDataParallel::backward_queued(const Tensor& dy) {
   unstage_buckets();
   clear_ready();
   queued_overlapped_ = stats_.launched_before_backward_end;
-  stats_.backward_ms =
-      std::chrono::duration<double, std::milli>(Clock::now() - backward_begin_).count();
   return dx;
 }
 
@@ -269,6 +256,12 @@ void DistributedDataParallel::replayed_queued_sync() {
   if (group_.size() > 1)
     for (const int64_t bytes : bucket_bytes()) stats_.comm_bytes += bytes;
   stats_.launched_before_backward_end = queued_overlapped_;
+}
+
+void DistributedDataParallel::launch_remaining_buckets() {
+  // Buckets whose parameters got no gradient this step (unused layers) still take part.
+  for (size_t k = 0; k < buckets_.size(); ++k) ready_count_[k] = buckets_[k].n_params;
+  launch_ready_buckets();
 }
 
 void DistributedDataParallel::clear_ready() {
@@ -364,11 +357,9 @@ void DistributedDataParallel::abandon_sync() {
 
 void DistributedDataParallel::finish_gradient_sync() {
   if (!sync_enabled_) return;
-  // Buckets whose parameters got no gradient this step (unused layers) still take part.
-  for (size_t k = 0; k < buckets_.size(); ++k) ready_count_[k] = buckets_[k].n_params;
   auto t0 = Clock::now();
   try {
-    launch_ready_buckets();
+    launch_remaining_buckets();
     kernels::NvtxRange range("ddp/allreduce_wait");
     TraceScope slice(trace_, "ddp/allreduce_wait", group_.rank());
     for (size_t k = 0; k < pending_.size(); ++k) {  // every bucket was issued by now

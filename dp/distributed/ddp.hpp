@@ -166,6 +166,8 @@ class DistributedDataParallel {
   // Its all-reduce, asynchronously (pending_[k], or queued on the group in backward_queued),
   // counted in the stats; with one rank nothing (returns whether it issued one).
   bool issue_bucket(int k);
+  // Every bucket not launched yet, in order (also those whose parameters got no gradient).
+  void launch_remaining_buckets();
   // After a step's sync: no bucket counted ready, none launched.
   void clear_ready();
   void unstage_bucket(int k);
