@@ -336,7 +336,10 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
     os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << r.gpus
        << "   allocations " << std::setprecision(0) << r.allocations_per_step << ", host syncs "
        << r.host_syncs_per_step
-       << (r.graphed_steps > 0 ? ", graphed steps " + std::to_string(r.graphed_steps) : "")
+       << (r.graphed_steps > 0
+               ? ", graphed steps " + std::to_string(r.graphed_steps) + ", graph nodes per step " +
+                     std::to_string(std::lround(r.graph_nodes_per_step))
+               : "")
        << (r.graph_collectives.empty() ? "" : ", all-reduces " + r.graph_collectives) << "\n";
   if (h.dtype == "bf16" || h.dtype == "fp16") {
     os << "\n mixed precision (" << h.dtype << " GEMMs and convolutions, f32 master weights):\n";
@@ -603,6 +606,7 @@ nlohmann::json run_to_json(const RunResult& r) {
           {"bucket_ready_frac", r.bucket_ready_frac},
           {"allocations_per_step", r.allocations_per_step},
           {"host_syncs_per_step", r.host_syncs_per_step},
+          {"graph_nodes_per_step", r.graph_nodes_per_step},
           {"graphed_steps", r.graphed_steps},
           {"graph_collectives", r.graph_collectives},
           {"nothing_left", r.nothing_left}};
@@ -639,6 +643,7 @@ RunResult run_from_json(const nlohmann::json& j) {
   r.bucket_ready_frac = j.value("bucket_ready_frac", std::vector<double>{});
   r.allocations_per_step = j.value("allocations_per_step", 0.0);
   r.host_syncs_per_step = j.value("host_syncs_per_step", 0.0);
+  r.graph_nodes_per_step = j.value("graph_nodes_per_step", 0.0);
   r.graphed_steps = j.value("graphed_steps", 0);
   r.graph_collectives = j.value("graph_collectives", std::string());
   r.nothing_left = j.value("nothing_left", std::string());

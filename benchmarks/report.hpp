@@ -58,6 +58,9 @@ struct RunResult {
   // 0's): memory taken from a device, and host waits or reads. A replayed step has 0 and 1.
   double allocations_per_step = 0;
   double host_syncs_per_step = 0;
+  // Graphed steps: the nodes of the graphs a step replays (DP: every device's; DDP: rank 0's),
+  // median; each is a launch on a GPU, so nodes x the launch cost is the step's floor.
+  double graph_nodes_per_step = 0;
   int graphed_steps = 0;  // DP, DDP: timed steps that ran as replayed graphs (dp::Graphs)
   // DDP with graphed steps: where the bucket all-reduces ran ("in graph", overlapped with the
   // captured backward, or "between graphs"); empty otherwise.

@@ -1000,6 +1000,10 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
       else
         train_job(i, images, labels, sizes);
     });
+    for (int i = 0; stats.graphed && i < n_used; ++i) {
+      const GraphSet& gs = per_device_[i].graphs.at(graph_key_);
+      stats.graph_nodes += gs.compute.nodes() + gs.reduce.nodes();
+    }
   } catch (...) {
     // A failed step is no warm-up run of its shape: the shape runs uncaptured twice again
     // before a capture (which needs the sizes both runs leave in the caches), whatever was

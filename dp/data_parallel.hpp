@@ -179,7 +179,10 @@ struct StepStats {
   // device (0 once each shape's blocks are cached) and host waits or reads (1: the metrics).
   int64_t allocations = 0;
   int64_t host_syncs = 0;
-  bool graphed = false;       // captured graphs ran this step's work (replayed)
+  bool graphed = false;  // captured graphs ran this step's work (replayed)
+  // A replayed step: the nodes of the graphs it replayed, over every device (CUDA: kernel, copy
+  // and memset nodes; CPU: the ops recorded). Each costs a launch on a GPU: the step's floor.
+  int64_t graph_nodes = 0;
   float grad_norm = 0;        // the gradient's global norm before clipping (clip on)
   bool skipped = false;       // the gradient was not finite: no optimizer step
   int64_t skipped_steps = 0;  // skipped so far

@@ -1229,6 +1229,11 @@ TEST_CASE("bench.graphs: --cuda-graphs on replays DP and DDP steps, losses bitwi
         CAPTURE(on["gpus"].get<int>());
         CHECK(on["graphed_steps"].get<int>() == 4);
         CHECK(off["graphed_steps"].get<int>() == 0);
+        CHECK(on["graph_nodes_per_step"].get<double>() > 0);  // the ops each replay runs
+        CHECK(off["graph_nodes_per_step"].get<double>() == 0);
+        if (on["mode"] == "dp" && on["gpus"] == 3)  // three devices' graphs, one device's
+          CHECK(on["graph_nodes_per_step"].get<double>() >
+                2 * runs[graphed][i - 1]["graph_nodes_per_step"].get<double>());
         CHECK(on["allocations_per_step"].get<double>() == 0);
         CHECK(on["host_syncs_per_step"].get<double>() == 1);
         CHECK(on["losses"] == off["losses"]);

@@ -342,6 +342,7 @@ void DdpTrainer::graphed_step(StepGraphs& g) {
     if (!in_graph) ddp_->unstage_buckets();
     queue_update(m);
   });
+  times_.graph_nodes = times_.graphed ? g.compute.nodes() + g.update.nodes() : 0;
 }
 
 float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tensor& labels) {
@@ -393,6 +394,7 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   // Zeros once: the norm's slot is read back every step, written only with clipping on.
   if (!metrics_.defined()) metrics_ = kernels::Tensor::zeros({3}, kernels::DType::f32, device_);
   times_.graphed = false;
+  times_.graph_nodes = 0;
   if (graphs) {
     graphed_step(*graphs);
   } else {

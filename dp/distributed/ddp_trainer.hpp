@@ -49,6 +49,7 @@ struct DdpStepTimes {
   // device (0 once the shape's blocks are cached) and host waits or reads (1: the metrics).
   int64_t allocations = 0, host_syncs = 0;
   bool graphed = false;         // captured graphs ran this step's work (replayed)
+  int64_t graph_nodes = 0;      // then: its graphs' nodes (CUDA: kernels, copies; CPU: ops)
   bool metrics_lagged = false;  // the step returned the previous step's loss (metrics_lag 1)
 };
 
