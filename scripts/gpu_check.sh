@@ -523,6 +523,31 @@ EOF
   said_verdict "$label" "$line"
 }
 
+# What a graphed step replays (LABEL JSON): per run, the median step over the graph nodes it
+# replays (dp_bench's graph_nodes_per_step: each a launch), the time per node against the
+# ~2 us a kernel takes inside a graph: what is launch floor and what is work. A measurement:
+# it fails only on a run that never replayed (same_losses_verdict says so too).
+floor_verdict() {
+  local label=$1 line
+  finished "$label" "$2" || return 0
+  line=$(
+    python3 - "$2" 2>&1 << 'EOF'
+import json, statistics, sys
+said, bad = [], []
+for r in json.load(open(sys.argv[1]))["runs"]:
+    name = f"{r['mode']} N={r['gpus']}"
+    nodes = r.get("graph_nodes_per_step", 0)
+    if not nodes:
+        bad.append(f"{name} replayed no graph")
+        continue
+    ms = r.get("step_ms_median") or statistics.median(r["step_ms"])
+    said.append(f"{name} {ms:.3f} ms over {nodes:.0f} nodes: {1000 * ms / nodes:.1f} us each")
+print(("FAIL " if bad or not said else "ok ") + ", ".join(said + bad))
+EOF
+  )
+  said_verdict "$label" "$line"
+}
+
 # One dp_bench run with its 1-device baseline (LABEL JSON TOL): per mode, the N-device loss curve
 # must follow the 1-device one, step by step, within TOL (the rounding of the dtype; the largest
 # gap is said either way).
@@ -780,6 +805,7 @@ part_graphs() {
         --gpus "$g" --model "$model" --repeat 3
     done
     follows_verdict "$model: 4 GPUs follow 1 (fp32)" "$out/dp_bench_${model}_gpus4.json" 1e-3
+    floor_verdict "$model: graphed step per node" "$out/dp_bench_${model}_gpus1.json"
   done
   # The same DP and DDP steps uncaptured (--cuda-graphs off), against the graphed runs above;
   # their losses must be the graphed runs' bit for bit.

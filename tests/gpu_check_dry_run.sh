@@ -3,7 +3,7 @@
 # devices (GPU_CHECK_DRY_RUN=1, a stand-in nvidia-smi), so its bash is proved here before a
 # lent GPU's few minutes are spent on it.
 #   1. --lease with every part: exit 0, each part's "done" line, the graphs, metrics-lag and
-#      4-follow-1 comparisons ok, the results packed into one tar.gz that holds the summary and
+#      4-follow-1 comparisons ok, the graphed step's time per node, the results packed into one tar.gz that holds the summary and
 #      the JSON.
 #   2. A lease too short for its list: exit 3, CUT verdicts, and a last line naming the parts not
 #      done with the --stage list that runs them.
@@ -46,7 +46,8 @@ done
 for c in "graphs = uncaptured, mlp --gpus 4" "graphs = uncaptured, cnn --gpus 1" \
   "metrics lag 1 = 0, mlp --gpus 4" "graphs = uncaptured, gpt-tiny --dropout 0.1" \
   "mlp: 4 GPUs follow 1 (fp32) *ddp N=4 largest gap" "amp cnn fp16: 4 GPUs follow 1 *ddp N=4" \
-  "staged pulls = in place, mlp --gpus 4, graphs off"; do
+  "staged pulls = in place, mlp --gpus 4, graphs off" \
+  "mlp: graphed step per node *dp N=1 [0-9.]* ms over [0-9]* nodes: [0-9.]* us each, ddp N=1"; do
   grep -q "^ok    $c" "${sum1:-/dev/null}" || no "no ok verdict for '$c'"
 done
 grep -q "^ok    dp_bench gpt-124m bf16 --gpus 1, 4 *dp x1 .*dp x4 .*t4/t1 [0-9.]* \[" \
