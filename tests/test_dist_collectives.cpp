@@ -378,7 +378,9 @@ TEST_CASE("dist.collectives: CUDA tensors through NCCL at one rank, queued ops i
   });
 }
 
-TEST_CASE("dist.collectives: CUDA tensors through Gloo (ranks sharing one GPU)") {
+TEST_CASE(
+    "dist.collectives: CUDA tensors through Gloo (ranks sharing one GPU), refused in a CUDA "
+    "graph") {
   DP_REQUIRE_GPU();
   dist_test::run_ranks(2, [&](int r, std::shared_ptr<Store> store) {
     auto pg = dist_test::gloo_group(r, 2, store);
@@ -403,5 +405,22 @@ TEST_CASE("dist.collectives: CUDA tensors through Gloo (ranks sharing one GPU)")
       for (float v : ys.to_host_f32())
         RANK_CHECK(v == float(10 * (1 - r) + n % 9), "cuda send_recv through the staging pool");
     }
+    // A CUDA graph cannot hold Gloo's collectives: a queued one is refused while it captures,
+    // naming the backend, and the context and the group stay usable.
+    RANK_CHECK(!pg->collectives_capturable(dev), "gloo on a GPU holds no collective in a graph");
+    std::string refused;
+    kernels::Graph graph;
+    try {
+      graph.capture(kernels::context(dev), [&] { pg->all_reduce_queued(t, ReduceOp::sum); });
+    } catch (const kernels::Error& e) {
+      refused = e.what();
+    }
+    RANK_CHECK(refused.find("gloo all_reduce") != std::string::npos &&
+                   refused.find("cannot hold") != std::string::npos,
+               "refused: " << refused);
+    RANK_CHECK(!graph.captured(), "nothing captured");
+    pg->all_reduce_queued(t, ReduceOp::sum);  // uncaptured: fine
+    pg->join_queued(dev);
+    for (float v : t.to_host_f32()) RANK_CHECK(v > 0.f, "a queued op after the refusal");
   });
 }
