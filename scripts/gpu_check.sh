@@ -485,12 +485,18 @@ finished() {
   return 1
 }
 
-# A verdict from a check's one line, "ok DETAILS" or "FAIL DETAILS" (or a Python error): LABEL LINE
-said_verdict() {
-  if [[ $2 == "ok "* ]]; then
-    verdict ok "$1" "${2#ok }"
+# A verdict from a Python check read from standard input: LABEL N ARGS..., the first N of ARGS
+# being the dp_bench JSON files it reads (CUT, not run, where one did not finish). The check
+# gets ARGS and prints one line, "ok DETAILS" or "FAIL DETAILS" (a Python error fails too).
+python_verdict() {
+  local label=$1 n=$2 line
+  shift 2
+  finished "$label" "${@:1:n}" || return 0
+  line=$(python3 - "$@" 2>&1)
+  if [[ $line == "ok "* ]]; then
+    verdict ok "$label" "${line#ok }"
   else
-    verdict FAIL "$1" "${2#FAIL }"
+    verdict FAIL "$label" "${line#FAIL }"
   fi
 }
 
@@ -498,10 +504,7 @@ said_verdict() {
 # OTHER_JSON. Every run (mode, N) of the second must be in the first, have replayed steps
 # there, and the same losses.
 same_losses_verdict() {
-  local label=$1 line
-  finished "$label" "$2" "$3" || return 0
-  line=$(
-    python3 - "$2" "$3" 2>&1 << 'EOF'
+  python_verdict "$1" 2 "$2" "$3" << 'EOF'
 import json, sys
 on = {(r["mode"], r["gpus"]): r for r in json.load(open(sys.argv[1]))["runs"]}
 off = {(r["mode"], r["gpus"]): r for r in json.load(open(sys.argv[2]))["runs"]}
@@ -519,8 +522,6 @@ for key, r in sorted(off.items()):
         bad.append(f"{name} losses differ")
 print(("FAIL " if bad or not said else "ok ") + ", ".join(said + bad))
 EOF
-  )
-  said_verdict "$label" "$line"
 }
 
 # What a graphed step replays (LABEL JSON): per run, the median step over the graph nodes it
@@ -528,10 +529,7 @@ EOF
 # ~2 us a kernel takes inside a graph: what is launch floor and what is work. A measurement:
 # it fails only on a run that never replayed (same_losses_verdict says so too).
 floor_verdict() {
-  local label=$1 line
-  finished "$label" "$2" || return 0
-  line=$(
-    python3 - "$2" 2>&1 << 'EOF'
+  python_verdict "$1" 1 "$2" << 'EOF'
 import json, statistics, sys
 said, bad = [], []
 for r in json.load(open(sys.argv[1]))["runs"]:
@@ -544,18 +542,13 @@ for r in json.load(open(sys.argv[1]))["runs"]:
     said.append(f"{name} {ms:.3f} ms over {nodes:.0f} nodes: {1000 * ms / nodes:.1f} us each")
 print(("FAIL " if bad or not said else "ok ") + ", ".join(said + bad))
 EOF
-  )
-  said_verdict "$label" "$line"
 }
 
 # One dp_bench run with its 1-device baseline (LABEL JSON TOL): per mode, the N-device loss curve
 # must follow the 1-device one, step by step, within TOL (the rounding of the dtype; the largest
 # gap is said either way).
 follows_verdict() {
-  local label=$1 line
-  finished "$label" "$2" || return 0
-  line=$(
-    python3 - "$2" "$3" 2>&1 << 'EOF'
+  python_verdict "$1" 1 "$2" "$3" << 'EOF'
 import json, sys
 runs = json.load(open(sys.argv[1]))["runs"]
 tol = float(sys.argv[2])
@@ -573,8 +566,6 @@ for mode in sorted({r["mode"] for r in runs}):
             bad.append(f"{name} over {tol:g}")
 print(("FAIL " if bad or not said else "ok ") + ", ".join(said + bad))
 EOF
-  )
-  said_verdict "$label" "$line"
 }
 
 # A dry run's dp_bench arguments: the same run, shortened (6 steps after 2, 2 repeats, GPT-2 124M

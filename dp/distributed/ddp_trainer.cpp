@@ -302,12 +302,13 @@ void DdpTrainer::queue_update(nn::Module& m) {
   scaler_.apply_deferred(*optimizer_, m.flat_grads(), non_finite);
 }
 
-void DdpTrainer::graphed_step(StepGraphs& g) {
+int64_t DdpTrainer::graphed_step(StepGraphs& g) {
   kernels::DeviceContext& ctx = *context_;
   nn::Module& m = ddp_->module();
   const int runs = g.runs++;
   times_.graphed = runs >= kGraphWarmupRuns;
   const bool in_graph = collectives_in_graph();
+  int64_t replayed = 0;
   ddp_->broadcast_buffers();
   {
     kernels::NvtxRange range("ddp/forward_backward");
@@ -322,7 +323,7 @@ void DdpTrainer::graphed_step(StepGraphs& g) {
     });
     if (in_graph && !ran) {
       ddp_->replayed_queued_sync();
-      replayed_payload_ = ddp_->stats().comm_bytes;  // handed over by the graph, not the host
+      replayed = ddp_->stats().comm_bytes;
     }
     g.input = input_;
     g.labels = labels_;
@@ -343,6 +344,7 @@ void DdpTrainer::graphed_step(StepGraphs& g) {
     queue_update(m);
   });
   times_.graph_nodes = times_.graphed ? g.compute.nodes() + g.update.nodes() : 0;
+  return replayed;
 }
 
 float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tensor& labels) {
@@ -358,7 +360,6 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   }
   auto t_step = Clock::now();
   const int64_t payload_before = group_->payload_bytes();
-  replayed_payload_ = 0;
   const int64_t allocations_before = context_->memory()->allocations.load();
   const int64_t syncs_before = context_->host_syncs();
   kernels::DeviceContext& ctx = *context_;
@@ -395,8 +396,9 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   if (!metrics_.defined()) metrics_ = kernels::Tensor::zeros({3}, kernels::DType::f32, device_);
   times_.graphed = false;
   times_.graph_nodes = 0;
+  int64_t replayed_payload = 0;
   if (graphs) {
-    graphed_step(*graphs);
+    replayed_payload = graphed_step(*graphs);
   } else {
     ddp_->broadcast_buffers();
     forward_and_loss(m, input_, labels_);
@@ -427,7 +429,7 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   }
   marks_[5].record(ctx);
   // The loss's all-reduce is not in it; a replayed graph's all-reduces are.
-  last_payload_bytes_ = group_->payload_bytes() - payload_before + replayed_payload_;
+  last_payload_bytes_ = group_->payload_bytes() - payload_before + replayed_payload;
   const float global_loss = metrics_lag_ > 0 ? report_loss_lagged(share) : report_loss(share);
   times_.metrics_lagged = metrics_lag_ > 0;
   ++steps_;

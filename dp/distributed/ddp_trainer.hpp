@@ -232,7 +232,9 @@ class DdpTrainer {
   void queue_update(nn::Module& m);
   // The step from forward to the update through `g`'s segments (input_ and labels_ hold the
   // chunk, in g's buffers).
-  void graphed_step(StepGraphs& g);
+  // Returns the bucket bytes a replayed graph all-reduced (the group never saw them: the
+  // payload the host handed over is counted there), else 0.
+  int64_t graphed_step(StepGraphs& g);
 
   WorkerEnv env_;
   kernels::Device device_;
@@ -281,7 +283,6 @@ class DdpTrainer {
   bool said_graphs_off_ = false;
   bool graph_collectives_ = true;  // set_graph_collectives
   int64_t last_payload_bytes_ = 0;
-  int64_t replayed_payload_ = 0;  // this step's bucket bytes a replayed graph all-reduced
 };
 
 }  // namespace dp::dist
