@@ -6,6 +6,7 @@
 #include "kernels/runtime/graph.hpp"
 #include "kernels/runtime/handle.hpp"
 #include "kernels/runtime/memory.hpp"
+#include "kernels/runtime/nvtx.hpp"
 #include "kernels/runtime/plan_cache.hpp"
 #include "tests/test_util.hpp"
 
@@ -369,7 +370,7 @@ TEST_CASE("runtime.graph: blocks taken while capturing stay the graph's until it
   const void* temp_block = nullptr;
   g.capture(ctx, [&] {
     Tensor temp = Tensor::empty(s, DType::f32, Device::cpu(0));  // the cached block
-    temp_block = temp.raw();
+    temp_block = temp.storage()->data();  // (temp.raw() is a host access: refused here)
     scale(temp, x, 2.f);
     sum_squares(out, temp);
   });
@@ -385,4 +386,74 @@ TEST_CASE("runtime.graph: blocks taken while capturing stay the graph's until it
   g.reset();
   Tensor again = Tensor::empty(s, DType::f32, Device::cpu(0));
   CHECK(again.raw() == temp_block);  // back in the cache with the graph gone
+}
+
+TEST_CASE(
+    "runtime.graph: a capture's temporaries reuse each other's blocks as eagerly, and replay "
+    "right") {
+  // Eagerly, a temporary freed early gives its block to the next one of its size: the capture
+  // must fit in the same blocks, or a GPU refuses it (its cache cannot grow while capturing).
+  DeviceContext ctx(Device::cpu(0), {.cpu_threads = 1, .caching = Caching::on});
+  ContextScope scope(ctx);
+  const Shape s{64};
+  Tensor x = Tensor::from_vector(std::vector<float>(64, 1.f), s, Device::cpu(0));
+  Tensor out = Tensor::zeros({1}, DType::f32, Device::cpu(0));
+  auto body = [&] {
+    for (int k = 1; k <= 3; ++k) {
+      Tensor t = Tensor::empty(s, DType::f32, Device::cpu(0));  // one block, three times
+      scale(t, x, static_cast<float>(k));
+      axpy(x, 1.f, t);  // x += k x: x = 2, 6, 24
+    }
+    sum_squares(out, x);
+  };
+  body();  // eager: x = 24, the cache holds one block of 64 floats
+  const int64_t allocations = ctx.memory()->allocations.load();
+  ctx.memory()->begin_window();
+  const int64_t before = ctx.memory()->current.load();
+  Graph g;
+  g.capture(ctx, body);
+  CHECK(ctx.memory()->allocations.load() == allocations);
+  // Never more than one temporary in use at once: the eager step's peak.
+  CHECK(ctx.memory()->window_peak.load() == before + 64 * 4);
+  fill(x, 1.f);
+  g.replay();
+  CHECK(x.to_host_f32() == std::vector<float>(64, 24.f));
+  CHECK(out.item() == 64.f * 24 * 24);
+  g.replay();  // each replay from what the last left: 24 * 24
+  CHECK(x.to_host_f32() == std::vector<float>(64, 576.f));
+}
+
+TEST_CASE("runtime.graph: a CPU capture refuses what a CUDA capture refuses, in its words") {
+  DeviceContext ctx(Device::cpu(0), {.cpu_threads = 1, .caching = Caching::on});
+  ContextScope scope(ctx);
+  Tensor x = Tensor::from_vector({1, 2}, {2}, Device::cpu(0));
+  Graph g;
+  // A block the cache does not hold: a GPU cannot take memory while capturing.
+  CHECK_THROWS_WITH_AS(
+      g.capture(ctx, [&] { (void)Tensor::empty({777}, DType::f32, Device::cpu(0)); }),
+      doctest::Contains("allocating 3108 bytes on cpu:0 while a graph captures"), Error);
+  // A host loop over a device tensor, named by the range it runs in (an nn layer's).
+  CHECK_THROWS_WITH_AS(g.capture(ctx,
+                                 [&] {
+                                   NvtxRange layer("MyLayer");
+                                   float* p = x.data<float>();  // a replay would skip this
+                                   p[0] = 0.f;
+                                 }),
+                       doctest::Contains("host read or write of Tensor(f32, cpu:0, [2]) on cpu:0 "
+                                         "while a graph captures there (in MyLayer)"),
+                       Error);
+  CHECK(x.to_host_f32() == std::vector<float>{1, 2});  // the refused write did not happen
+  // Another device's tensors are not this capture's: the host may use them.
+  Tensor other = Tensor::from_vector({5}, {1}, Device::cpu(1));
+  g.capture(ctx, [&] { CHECK(other.data<float>()[0] == 5.f); });
+  CHECK(g.captured());
+  // A context that caches nothing cannot serve a capture's allocation either.
+  DeviceContext plain(Device::cpu(2), {.cpu_threads = 1});
+  ContextScope plain_scope(plain);
+  Graph h;
+  CHECK_THROWS_WITH_AS(
+      h.capture(plain, [&] { (void)Tensor::empty({4}, DType::f32, Device::cpu(2)); }),
+      doctest::Contains("allocating 16 bytes on cpu:2 while a graph captures"), Error);
+  CHECK(!plain.capturing());
+  CHECK(capturing_on_this_thread() == nullptr);
 }

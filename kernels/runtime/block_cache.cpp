@@ -28,6 +28,12 @@ bool stream_capturing(Device device, void* stream) {
 }
 }  // namespace
 
+void refuse_capture_allocation(Device device, size_t bytes) {
+  DP_THROW("allocating " << bytes << " bytes on " << device
+                         << " while a graph captures: the work takes memory the cache "
+                            "does not hold (run it once uncaptured first)");
+}
+
 void* allocate_device_bytes(Device device, size_t bytes, void* stream, MemoryStats& stats) {
   void* p = nullptr;
   if (device.is_cpu()) {
@@ -40,10 +46,7 @@ void* allocate_device_bytes(Device device, size_t bytes, void* stream, MemorySta
     CurrentGpuGuard on(physical_gpu(device));
     // Inside a capture this would become the graph's own allocation, which the cache cannot
     // hand back: a captured step must find its blocks cached (kernels/runtime/graph.hpp).
-    if (stream_capturing(device, stream))
-      DP_THROW("allocating " << bytes << " bytes on " << device
-                             << " while a graph captures: the work takes memory the cache "
-                                "does not hold (run it once uncaptured first)");
+    if (stream_capturing(device, stream)) refuse_capture_allocation(device, bytes);
     cudaError_t e = cudaMallocAsync(&p, bytes, static_cast<cudaStream_t>(stream));
     if (e != cudaSuccess) {
       cudaGetLastError();  // handled here: the next launch on this thread must not report it
@@ -127,6 +130,8 @@ void* BlockCache::take(size_t bytes) {
       }
       return p;
     }
+    // A capture's work must find its memory here (Graph::capture), on CPU devices as on CUDA.
+    if (active_) refuse_capture_allocation(device_, bytes);
   }
   void* p = nullptr;
   try {
@@ -169,6 +174,13 @@ std::shared_ptr<BlockReservation> BlockCache::begin_reservation() {
   DP_CHECK(active_ == nullptr, "BlockCache on " << device_ << ": a reservation is active already");
   active_ = r.get();
   return r;
+}
+
+bool BlockCache::reserved_now(void* p) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!active_) return false;
+  auto it = owner_.find(p);
+  return it != owner_.end() && it->second == active_;
 }
 
 void BlockCache::end_reservation() {

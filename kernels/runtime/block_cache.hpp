@@ -28,6 +28,9 @@ struct MemoryStats;
 // One allocation from the device (host heap or cudaMallocAsync on `stream`), counted in
 // stats.allocations; throws naming the device and size when it fails.
 void* allocate_device_bytes(Device device, size_t bytes, void* stream, MemoryStats& stats);
+// Throws the error of an allocation made while a graph captures on `device` (the same words on
+// every backend: a CUDA capture cannot take new memory, and CPU devices refuse what it refuses).
+[[noreturn]] void refuse_capture_allocation(Device device, size_t bytes);
 // Frees what allocate_device_bytes returned (stream-ordered on `stream` for CUDA). Never throws.
 void free_device_bytes(Device device, void* p, size_t bytes, void* stream) noexcept;
 
@@ -57,7 +60,9 @@ class BlockCache : public std::enable_shared_from_this<BlockCache> {
   BlockCache& operator=(const BlockCache&) = delete;
 
   // ensures a block of `bytes` bytes: a cached one of exactly that size, else a new one (when
-  // the device is out of memory, after handing the idle cached blocks back to it).
+  // the device is out of memory, after handing the idle cached blocks back to it). While a
+  // reservation is active (a graph captures), a miss throws on every backend
+  // (refuse_capture_allocation).
   void* take(size_t bytes);
   // requires p came from take(bytes). ensures the next take(bytes) may return it.
   void give_back(void* p, size_t bytes) noexcept;
@@ -66,6 +71,8 @@ class BlockCache : public std::enable_shared_from_this<BlockCache> {
   // the returned reservation.
   std::shared_ptr<BlockReservation> begin_reservation();
   void end_reservation();
+  // Whether block p belongs to the active reservation (taken while the graph captures).
+  bool reserved_now(void* p);
 
  private:
   friend class BlockReservation;

@@ -10,6 +10,8 @@
 
 #include "kernels/runtime/block_cache.hpp"
 #include "kernels/runtime/error.hpp"
+#include "kernels/runtime/nvtx.hpp"
+#include "kernels/runtime/tensor.hpp"
 
 #if DP_HAVE_CUDA
 #include <cublasLt.h>
@@ -116,6 +118,9 @@ void MemoryStats::on_alloc(int64_t bytes) {
   int64_t now = current.fetch_add(bytes) + bytes;
   int64_t p = peak.load();
   while (now > p && !peak.compare_exchange_weak(p, now)) {
+  }
+  int64_t w = window_peak.load();
+  while (now > w && !window_peak.compare_exchange_weak(w, now)) {
   }
 }
 
@@ -277,8 +282,22 @@ void DeviceContext::synchronize() {
 }
 
 void DeviceContext::refuse_in_capture(const char* what) const {
-  DP_CHECK(!capturing(), what << " on " << device_
-                              << " while a graph captures there: the work is not capturable");
+  if (!capturing()) return;
+  const std::string where = RangeNames::innermost();
+  DP_THROW(what << " on " << device_ << " while a graph captures there"
+                << (where.empty() ? "" : " (in " + where + ")") << ": the work is not capturable");
+}
+
+Tensor DeviceContext::graph_arg(const Tensor& t) {
+  if (!t.defined() || !t.storage()->data()) return t;
+  const Storage& s = *t.storage();
+  if (!block_cache_ || !block_cache_->reserved_now(s.data())) return t;
+  std::shared_ptr<Storage>& borrowed = graph_borrows_[&s];
+  // A handle made for an earlier storage at this address (freed since) that views another
+  // block is replaced; one that views this block is the same memory.
+  if (!borrowed || borrowed->data() != s.data() || borrowed->bytes() != s.bytes())
+    borrowed = Storage::borrow(s);
+  return t.rebased(borrowed);
 }
 
 bool direct_access(Device reader, Device owner) {
@@ -320,6 +339,20 @@ ContextScope::~ContextScope() {
   else
     bound.erase(device_);
 }
+
+namespace {
+thread_local DeviceContext* capturing_here = nullptr;
+}  // namespace
+
+DeviceContext* capturing_on_this_thread() {
+  return capturing_here;
+}
+
+namespace detail {
+void set_capturing_on_this_thread(DeviceContext* ctx) {
+  capturing_here = ctx;
+}
+}  // namespace detail
 
 DeviceContext* existing_context(Device device) {
   auto& t = thread_contexts();

@@ -18,6 +18,7 @@
 #include <memory>
 #include <string>
 #include <typeindex>
+#include <unordered_map>
 #include <vector>
 
 #include <tbb/task_arena.h>
@@ -32,9 +33,13 @@ namespace kernels {
 struct MemoryStats {
   std::atomic<int64_t> current{0};
   std::atomic<int64_t> peak{0};
+  // The peak since the last begin_window(): an engine's per-step peak (a captured step's against
+  // the eager one's).
+  std::atomic<int64_t> window_peak{0};
   std::atomic<int64_t> allocations{0};
   void on_alloc(int64_t bytes);
   void on_free(int64_t bytes) { current.fetch_sub(bytes); }
+  void begin_window() { window_peak.store(current.load()); }
 };
 
 // How matrix products may round: strict f32, or TF32 tensor cores for f32 inputs (GPU only).
@@ -51,6 +56,8 @@ struct ContextOptions {
 };
 
 class BlockCache;
+class Storage;
+class Tensor;
 
 class DeviceContext {
  public:
@@ -99,7 +106,15 @@ class DeviceContext {
   // requires capturing(). ensures the graph keeps `op` (and what it holds) until destroyed; on a
   // CPU device `op` runs at each replay, in order; on a CUDA device it never runs.
   void record(std::function<void()> op) { recording_->push_back(std::move(op)); }
-  // Throws, naming `what` and the device, while capturing.
+  // requires capturing(). What a recording keeps of a tensor argument: `t` itself when its
+  // memory was not taken during this capture (inputs, parameters, metrics: the graph holds
+  // them), else a view of the same memory that owns nothing. A block taken while capturing is
+  // the graph's (its BlockReservation keeps it), and when the last owner of its tensor lets it
+  // go it is free for the capture's later temporaries, as it would be eagerly: so a capture
+  // needs no more memory than the eager step. Views of one block share one handle.
+  Tensor graph_arg(const Tensor& t);
+  // Throws, naming `what`, the device and the innermost named range (an nn layer's), while
+  // capturing.
   void refuse_in_capture(const char* what) const;
   // Shares ownership of the CUDA stream: memory allocated on it keeps it alive until freed,
   // so a tensor may outlive the context that made it. Empty on CPU devices.
@@ -154,6 +169,8 @@ class DeviceContext {
   std::map<std::type_index, std::shared_ptr<void>> states_;
   // The capture in progress (Graph::capture): CPU ops go here; non-null on CUDA too, as the flag.
   std::vector<std::function<void()>>* recording_ = nullptr;
+  // The capture's non-owning handles on blocks it took (graph_arg), by the storage they view.
+  std::unordered_map<const Storage*, std::shared_ptr<Storage>> graph_borrows_;
   // Graphs captured on this context and not reset (shared: a graph may outlive the context).
   // While any lives, a workspace that grows keeps its old buffer (retired_workspaces_): a
   // captured kernel holds its address. Freed once none lives, or with the context.
@@ -179,6 +196,14 @@ class ContextScope {
 // two logical devices of one GPU, or two GPUs with peer access (enabled by the runtime where
 // cudaDeviceCanAccessPeer allows it).
 bool direct_access(Device reader, Device owner);
+
+// The context a graph captures on from this thread (Graph::capture), else nullptr. A CPU
+// device's tensor read on the host while it captures is refused (Tensor::raw): a replay would
+// skip that host code, as a CUDA graph does.
+DeviceContext* capturing_on_this_thread();
+namespace detail {
+void set_capturing_on_this_thread(DeviceContext* ctx);  // Graph::capture's
+}  // namespace detail
 
 // This thread's context for `device`: the bound one, else a default one made on first use.
 DeviceContext& context(Device device);

@@ -1,5 +1,6 @@
 #include "kernels/runtime/graph.hpp"
 
+#include <cstdlib>
 #include <utility>
 
 #include "kernels/runtime/block_cache.hpp"
@@ -13,6 +14,12 @@
 #endif
 
 namespace kernels {
+
+namespace {
+[[noreturn]] void capture_failed_by_test_hook() {
+  DP_THROW("the capture was made to fail by DP_TEST_FAIL_CAPTURE (a test hook)");
+}
+}  // namespace
 
 Graph::~Graph() {
   reset();
@@ -74,14 +81,20 @@ void Graph::capture(DeviceContext& ctx, const std::function<void()>& body) {
     DeviceContext& ctx;
     bool cache;
     DeviceContext::FaultText armed_before;
+    DeviceContext* capturing_before;
     ~Ending() {
       ctx.recording_ = nullptr;
       ctx.fault_text_ = armed_before;
+      ctx.graph_borrows_.clear();  // the recording holds the handles it uses
+      detail::set_capturing_on_this_thread(capturing_before);
       if (cache) ctx.block_cache()->end_reservation();
     }
-  } ending{ctx, reservation != nullptr, ctx.fault_text_};
+  } ending{ctx, reservation != nullptr, ctx.fault_text_, capturing_on_this_thread()};
+  RangeNames names;  // a refusal names the layer it happened in
   ctx.recording_ = &ops;
   ctx.fault_text_ = nullptr;
+  ctx.graph_borrows_.clear();
+  detail::set_capturing_on_this_thread(&ctx);
   if (ctx.device().is_cpu()) {
     body();
     nodes_ = static_cast<int64_t>(ops.size());
@@ -89,6 +102,13 @@ void Graph::capture(DeviceContext& ctx, const std::function<void()>& body) {
 #if DP_HAVE_CUDA
     capture_cuda(ctx, body);
 #endif
+  }
+  // A test hook: DP_TEST_FAIL_CAPTURE set makes every capture fail once its body has run (its
+  // host code changed what it changes), as a capture refused at its end would, so that the
+  // engines' fallback is proved where every capture succeeds.
+  if (const char* hook = std::getenv("DP_TEST_FAIL_CAPTURE"); hook && *hook) {
+    reset();  // a CUDA graph instantiated already goes
+    capture_failed_by_test_hook();
   }
   // CPU: the ops a replay runs. CUDA: the captured ops' arguments, held so that the memory the
   // graph's launches address stays the graph's (never run).

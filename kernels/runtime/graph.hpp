@@ -11,13 +11,24 @@
 //     g.capture(ctx, body);        // recorded, not run
 //     g.replay();                  // each step: the captured work, queued on ctx
 //
-// While a graph captures, a host read on its context (a copy to the host, an op that returns a
-// value, synchronize()) and an allocation from a CUDA device (a BlockCache miss) throw: the work
-// is not capturable. The graph holds the memory its work addresses until it is destroyed, so
-// nothing outside it is handed memory a replay writes: tensors made while capturing keep their
-// blocks for it (the cache's reservation), and every op's tensor arguments are held by it (a CPU
-// recording copies them; a CUDA capture records them beside the launch), also when their owner
-// lets them go (a layer's buffer replaced for another shape while this shape's graph lives on).
+// While a graph captures, what a CUDA capture refuses throws on every backend, with the same
+// words, so that CI (CPU devices) fails where a GPU would: a host read or wait on its context (a
+// copy to the host, an op that returns a value, synchronize(), and on a CPU device any host
+// access to one of its tensors, Tensor::raw), recording or waiting on an event, and an
+// allocation the context's BlockCache cannot serve (a miss). The message names the innermost
+// NVTX range (the nn layer). The work is then not capturable.
+//
+// The graph holds the memory its work addresses until it is destroyed, so nothing outside it is
+// handed memory a replay writes, and it holds no more than that, so a capture needs no more
+// memory than the eager step:
+//   - tensors made before the capture (inputs, parameters, metrics, workspaces) that an op uses
+//     are held by the graph (a CPU recording copies them; a CUDA capture records them beside the
+//     launch), also when their owner lets them go (a layer's buffer replaced for another shape
+//     while this shape's graph lives on);
+//   - blocks taken while capturing belong to the graph's reservation (the context's BlockCache);
+//     the recording only views them (DeviceContext::graph_arg), so a temporary freed inside the
+//     capture frees its block for the capture's later temporaries, exactly as eagerly, and a
+//     replay reuses it in the same order.
 #pragma once
 
 #include <atomic>

@@ -102,13 +102,13 @@ void copy_bytes(Tensor& dst, const Tensor& src) {
   DeviceContext& ctx = context(s.is_cuda() && d.is_cpu() ? s : d);
   if (ctx.capturing() && d.is_cpu() && s.is_cpu()) {
     DeviceContext* c = &ctx;
-    return ctx.record([dst, src, c]() mutable {
+    return ctx.record([dst = ctx.graph_arg(dst), src = ctx.graph_arg(src), c]() mutable {
       copy_host(static_cast<char*>(dst.raw()), static_cast<const char*>(src.raw()), dst.nbytes(),
                 *c);
     });
   }
   // A captured CUDA copy keeps both addresses: the graph holds both tensors (never run).
-  if (ctx.capturing()) ctx.record([dst, src] { (void)dst.raw(), (void)src.raw(); });
+  if (ctx.capturing()) ctx.record([dst = ctx.graph_arg(dst), src = ctx.graph_arg(src)] {});
   copy_bytes(dst.raw(), d, src.raw(), s, dst.nbytes(), ctx);
 }
 
@@ -142,8 +142,9 @@ void fill_bytes(Tensor& y, uint8_t value) {
   DP_CHECK(y.defined(), "fill_bytes: undefined tensor");
   DeviceContext& ctx = context(y.device());
   if (ctx.capturing() && y.device().is_cpu())
-    return ctx.record([y, value]() mutable { std::memset(y.raw(), value, y.nbytes()); });
-  if (ctx.capturing()) ctx.record([y] { (void)y.raw(); });  // held by the CUDA graph
+    return ctx.record(
+        [y = ctx.graph_arg(y), value]() mutable { std::memset(y.raw(), value, y.nbytes()); });
+  if (ctx.capturing()) ctx.record([y = ctx.graph_arg(y)] {});  // held by the CUDA graph
   fill_bytes(y.raw(), y.device(), value, y.nbytes(), ctx);
 }
 
@@ -151,7 +152,7 @@ void queue_fault_word(Tensor& word, DeviceContext& ctx) {
   DP_CHECK(word.defined() && word.nbytes() == sizeof(uint64_t) && word.device() == ctx.device(),
            "queue_fault_word: " << word << " must be 8 bytes on " << ctx.device());
   if (ctx.device().is_cpu()) return fill_bytes(word, 0xff);
-  if (ctx.capturing()) ctx.record([word] { (void)word.raw(); });  // held by the CUDA graph
+  if (ctx.capturing()) ctx.record([word = ctx.graph_arg(word)] {});  // held by the CUDA graph
   copy_bytes(word.raw(), word.device(), ctx.fault_record(), ctx.device(), sizeof(uint64_t), ctx);
 }
 

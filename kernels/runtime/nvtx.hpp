@@ -14,6 +14,23 @@ class NvtxRange {
   ~NvtxRange();
   NvtxRange(const NvtxRange&) = delete;
   NvtxRange& operator=(const NvtxRange&) = delete;
+
+ private:
+  bool named_ = false;  // pushed on this thread's RangeNames stack
+};
+
+// While one lives on a thread (a graph capture), the names of the NvtxRanges opened there are
+// kept, so that a refusal can say where it happened ("in Linear/backward"); otherwise ranges
+// cost no copy. Nests.
+class RangeNames {
+ public:
+  RangeNames();
+  ~RangeNames();
+  RangeNames(const RangeNames&) = delete;
+  RangeNames& operator=(const RangeNames&) = delete;
+  // The innermost open range's name while a RangeNames lives on this thread (else empty), as
+  // "outer > inner" for the two innermost.
+  static std::string innermost();
 };
 
 // Brackets profiled steps for `nsys profile --capture-range=cudaProfilerApi` (no-op w/o CUDA).

@@ -49,14 +49,25 @@ Storage::Storage(Device device, size_t bytes, HostMemory host) : device_(device)
   if (!pinned_) {
     stream_ = ctx.stream_owner();  // CUDA: the stream it is allocated on, and freed on
     cache_ = ctx.block_cache();
+    if (!cache_ && ctx.capturing()) refuse_capture_allocation(device, bytes);
     data_ =
         cache_ ? cache_->take(bytes) : allocate_device_bytes(device, bytes, stream_.get(), *stats_);
   }
   stats_->on_alloc(static_cast<int64_t>(bytes));
 }
 
+std::shared_ptr<Storage> Storage::borrow(const Storage& owner) {
+  std::shared_ptr<Storage> s(new Storage());
+  s->device_ = owner.device_;
+  s->bytes_ = owner.bytes_;
+  s->data_ = owner.data_;
+  s->pinned_ = owner.pinned_;
+  s->borrowed_ = true;
+  return s;
+}
+
 Storage::~Storage() {
-  if (!data_) return;
+  if (!data_ || borrowed_) return;
   stats_->on_free(static_cast<int64_t>(bytes_));
   if (cache_) {
     cache_->give_back(data_, bytes_);
@@ -140,7 +151,19 @@ Device Tensor::device() const {
 
 void* Tensor::raw() const {
   if (!storage_ || !storage_->data()) return nullptr;
+  if (DeviceContext* capturing = capturing_on_this_thread())
+    if (storage_->device().is_cpu() && storage_->device() == capturing->device()) {
+      std::ostringstream what;
+      what << "a host read or write of " << *this;
+      capturing->refuse_in_capture(what.str().c_str());
+    }
   return static_cast<char*>(storage_->data()) + offset_;
+}
+
+Tensor Tensor::rebased(std::shared_ptr<Storage> s) const {
+  Tensor t = *this;
+  t.storage_ = std::move(s);
+  return t;
 }
 
 Tensor Tensor::reshape(const Shape& shape) const {

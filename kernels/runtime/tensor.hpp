@@ -34,6 +34,10 @@ class Storage {
   enum class HostMemory { pageable, pinned };
   Storage(Device device, size_t bytes, HostMemory host = HostMemory::pageable);
   ~Storage();
+  // A handle on `owner`'s memory that owns none of it: freeing it frees nothing, and it counts
+  // in no memory statistic. For a graph's recording of a block the graph keeps itself
+  // (DeviceContext::graph_arg).
+  static std::shared_ptr<Storage> borrow(const Storage& owner);
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
 
@@ -43,10 +47,13 @@ class Storage {
   bool pinned() const { return pinned_; }
 
  private:
+  Storage() = default;  // borrow's
+
   Device device_;
   size_t bytes_ = 0;
   void* data_ = nullptr;
   bool pinned_ = false;
+  bool borrowed_ = false;         // owns nothing (borrow)
   std::shared_ptr<void> stream_;  // CUDA: the stream it was allocated on, freed there too
   std::shared_ptr<MemoryStats> stats_;
   std::shared_ptr<BlockCache> cache_;  // set when the block came from a context's cache
@@ -78,6 +85,8 @@ class Tensor {
   size_t offset_bytes() const { return offset_; }
   const std::shared_ptr<Storage>& storage() const { return storage_; }
 
+  // The element memory. On a CPU device whose graph this thread captures, throws: a host read
+  // or write there would not be replayed (on a GPU the memory is not the host's at all).
   void* raw() const;
   template <class T>
   T* data() const {
@@ -103,6 +112,8 @@ class Tensor {
   float item() const;
 
   bool same_storage(const Tensor& o) const { return storage_ == o.storage_; }
+  // requires `s` holds the memory of storage() (Storage::borrow). ensures this view on `s`.
+  Tensor rebased(std::shared_ptr<Storage> s) const;
 
  private:
   std::shared_ptr<Storage> storage_;
