@@ -693,8 +693,12 @@ void DataParallel::settle_step(const float* m, const std::vector<float>& shares,
 void DataParallel::report_device_faults(const float* m, int n) {
   for (int r = 0; r < n; ++r) {
     if (!kernels::fault_written(m + kMetrics * r + kFaultWord)) continue;
-    drain();  // the faulting device's own worker reports the fault's text (and clears it)
-    DP_THROW("device " << devices_[r] << " reported a device-side fault in its step");
+    // The faulting device's own worker reports the fault's text, naming the device, and clears
+    // its record (DeviceContext::check_faults: any wait on that device reports a fault its
+    // record holds). When the wait finds nothing, the word is a copy taken before an earlier
+    // read reported that fault (metrics_lag 1: step k + 1's word is copied before step k's
+    // report clears the record): the fault was reported once already.
+    drain();
   }
 }
 
@@ -718,18 +722,37 @@ StepStats DataParallel::finish_metrics() {
   return stats;
 }
 
+template <class F>
+void DataParallel::for_each_context(int i, F f) {
+  f(pool_.context(i));
+  if (per_device_[i].comm) f(*per_device_[i].comm);
+  if (i == 0 && wide_context_) f(*wide_context_);
+}
+
 std::pair<int64_t, int64_t> DataParallel::runtime_counts() {
   int64_t allocations = 0, syncs = 0;
-  auto add = [&](kernels::DeviceContext& c) {
-    allocations += c.memory()->allocations.load();
-    syncs += c.host_syncs();
-  };
-  for (int i = 0; i < n_devices(); ++i) {
-    add(pool_.context(i));
-    if (per_device_[i].comm) add(*per_device_[i].comm);
-  }
-  if (wide_context_) add(*wide_context_);
+  for (int i = 0; i < n_devices(); ++i)
+    for_each_context(i, [&](kernels::DeviceContext& c) {
+      allocations += c.memory()->allocations.load();
+      syncs += c.host_syncs();
+    });
   return {allocations, syncs};
+}
+
+void DataParallel::begin_memory_window() {
+  for (int i = 0; i < n_devices(); ++i)
+    for_each_context(i, [](kernels::DeviceContext& c) { c.memory()->begin_window(); });
+}
+
+int64_t DataParallel::window_peak_bytes() {
+  int64_t most = 0;
+  for (int i = 0; i < n_devices(); ++i) {
+    int64_t device = 0;
+    for_each_context(i,
+                     [&](kernels::DeviceContext& c) { device += c.memory()->window_peak.load(); });
+    most = std::max(most, device);
+  }
+  return most;
 }
 
 void DataParallel::train_job(int i, const Tensor& images, const Tensor& labels,
@@ -855,10 +878,13 @@ void DataParallel::graph_job(int i, const Tensor& images, const Tensor& labels,
   prepare_reduction(i);
   {
     kernels::NvtxRange range("dp/forward_backward");
-    run_drawing_segment(ctx, gs.compute, runs, m.flat(), gs.drawn, [&] {
-      forward_and_loss(i, nn::Mode::train);
-      m.backward(pd.dlogits);
-    });
+    run_drawing_segment(
+        ctx, gs.compute, runs, m.flat(), gs.drawn,
+        [&] {
+          forward_and_loss(i, nn::Mode::train);
+          m.backward(pd.dlogits);
+        },
+        &pd.capture_failure);
     gs.dlogits = pd.dlogits;
   }
   pd.marks[kForwarded].record(ctx);
@@ -892,18 +918,21 @@ void DataParallel::graph_job(int i, const Tensor& images, const Tensor& labels,
       }
     }
     try {
-      run_graph_segment(*on, gs.reduce, runs, [&] {
-        const int n_sources = static_cast<int>(sources_[i].size());
-        if (n_sources > 0)
-          for (int k = 0; k < static_cast<int>(plan_.buckets.size()); ++k)
-            sum_sources(*on, i, k, 0, n_sources, true);
-        if (pd.outbox.defined()) kernels::copy(pd.outbox, m.flat_grads());  // rounded once
-        if (i == 0) {
-          if (n > 1) average_buffers_on_root(sizes, true);
-          queue_update();
-          if (n > 1) gather_metrics_on_root(n);
-        }
-      });
+      run_graph_segment(
+          *on, gs.reduce, runs,
+          [&] {
+            const int n_sources = static_cast<int>(sources_[i].size());
+            if (n_sources > 0)
+              for (int k = 0; k < static_cast<int>(plan_.buckets.size()); ++k)
+                sum_sources(*on, i, k, 0, n_sources, true);
+            if (pd.outbox.defined()) kernels::copy(pd.outbox, m.flat_grads());  // rounded once
+            if (i == 0) {
+              if (n > 1) average_buffers_on_root(sizes, true);
+              queue_update();
+              if (n > 1) gather_metrics_on_root(n);
+            }
+          },
+          &pd.capture_failure);
     } catch (...) {
       // A capture that failed ran nothing: no update was taken, so the step is not counted.
       if (i == 0 && runs >= kGraphWarmupRuns && !gs.reduce.captured())
@@ -926,8 +955,32 @@ std::string DataParallel::graphs_blocked() const {
   return "";
 }
 
+bool DataParallel::settle_capture_failures(int n_used) {
+  for (int i = 0; i < n_used; ++i) {
+    CaptureFailure& failure = per_device_[i].capture_failure;
+    if (failure.reason.empty()) continue;
+    if (graphs_fallback_.empty()) {
+      graphs_fallback_ = "capture failed on " + devices_[i].str() + ": " + failure.reason;
+      std::fprintf(stderr, "dp: graphs off: %s\n", graphs_fallback_.c_str());
+    }
+    failure.reason.clear();
+  }
+  if (graphs_fallback_.empty()) return false;
+  // The captured graphs (and the blocks they reserve) go: no later step replays them.
+  for (PerDevice& pd : per_device_) pd.graphs.clear();
+  return true;
+}
+
+kernels::AttentionReport DataParallel::attention_report() {
+  kernels::AttentionReport report;
+  // On device 0's worker: the context's state is its thread's.
+  pool_.run(
+      "dp/attention_report", [&](int) { report = kernels::attention_report(pool_.context(0)); }, 1);
+  return report;
+}
+
 bool DataParallel::use_graphs() {
-  if (!graphs_requested(options_.graphs, devices_[0])) return false;
+  if (!graphs_requested(options_.graphs, devices_[0]) || !graphs_fallback_.empty()) return false;
   const std::string why = graphs_blocked();
   if (why.empty()) return true;
   if (!said_graphs_off_) {
@@ -991,8 +1044,10 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
     graph_key_.add_row_shape(labels);
     auto it = per_device_[0].graphs.find(graph_key_);
     stats.graphed = it != per_device_[0].graphs.end() && it->second.runs >= kGraphWarmupRuns;
+    stats.captured = stats.graphed && !it->second.compute.captured();
   }
   const auto before = runtime_counts();
+  begin_memory_window();
   try {
     run_step("dp/train_step", n_used, [&](int i) {
       if (graphed_step_)
@@ -1000,11 +1055,13 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
       else
         train_job(i, images, labels, sizes);
     });
+    if (graphed_step_ && settle_capture_failures(n_used)) stats.graphed = stats.captured = false;
     for (int i = 0; stats.graphed && i < n_used; ++i) {
       const GraphSet& gs = per_device_[i].graphs.at(graph_key_);
       stats.graph_nodes += gs.compute.nodes() + gs.reduce.nodes();
     }
   } catch (...) {
+    for (PerDevice& pd : per_device_) pd.capture_failure.reason.clear();
     // A failed step is no warm-up run of its shape: the shape runs uncaptured twice again
     // before a capture (which needs the sizes both runs leave in the caches), whatever was
     // captured of it already staying.
@@ -1030,6 +1087,7 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
   const auto after = runtime_counts();
   stats.allocations = after.first - before.first;
   stats.host_syncs = after.second - before.second;
+  stats.peak_bytes = window_peak_bytes();
   stats.loss_scale = step_scale_;
   if (options_.cross_node) {
     stats.ms.cross_node = cross_wait_ms_;

@@ -179,7 +179,11 @@ struct StepStats {
   // device (0 once each shape's blocks are cached) and host waits or reads (1: the metrics).
   int64_t allocations = 0;
   int64_t host_syncs = 0;
-  bool graphed = false;  // captured graphs ran this step's work (replayed)
+  bool graphed = false;   // captured graphs ran this step's work (replayed)
+  bool captured = false;  // this step captured its shape's graphs (then replayed them)
+  // The most memory in use on one device during the step (its contexts' tensors, not the
+  // cached blocks): a capturing step's equals the eager step's (kernels/runtime/graph.hpp).
+  int64_t peak_bytes = 0;
   // A replayed step: the nodes of the graphs it replayed, over every device (CUDA: kernel, copy
   // and memset nodes; CPU: the ops recorded). Each costs a launch on a GPU: the step's floor.
   int64_t graph_nodes = 0;
@@ -228,6 +232,14 @@ class DataParallel {
   // untouched.
   void reduce_grads_to_root(const std::vector<int64_t>& chunk_sizes);
   const std::vector<Bucket>& buckets() const { return plan_.buckets; }
+  // Why graphs went off by themselves: empty, or "capture failed on DEVICE: ..." once a
+  // capture failed (the work was not capturable). The engine then said so in one line ("dp:
+  // graphs off: capture failed ..."), ran that step uncaptured (its results are the uncaptured
+  // step's) and runs every later step uncaptured.
+  const std::string& graphs_fallback() const { return graphs_fallback_; }
+  // What device 0's attention calls ran so far (kernels::attention_report; every device runs
+  // the same shapes). Between steps.
+  kernels::AttentionReport attention_report();
   // Balanced split of a batch of `batch` rows over `n` devices (dp/chunks.hpp).
   static std::vector<int64_t> chunk_sizes(int64_t batch, int n) {
     return dp::chunk_sizes(batch, n);
@@ -292,6 +304,7 @@ class DataParallel {
   };
   struct PerDevice {
     std::map<GraphKey, GraphSet> graphs;  // by step shape (graph_key_)
+    CaptureFailure capture_failure;       // this step's, set by the device's worker
     std::vector<int> graph_waits;         // whose ends a graphed reduce waits for
     Tensor input, labels;                 // this step's chunk on the device
     Tensor output, dlogits;
@@ -424,7 +437,8 @@ class DataParallel {
   enum class Read { now, lagged };
   Read step_read() const { return options_.metrics_lag > 0 ? Read::lagged : Read::now; }
   // requires m a step's host metrics over n devices. Throws when a device's fault word there says
-  // it faulted (a bad label on a GPU): its worker's report (text and device), after drain().
+  // it faulted (a bad label on a GPU): its worker's report (text and device), from drain(); a
+  // word copied before that fault was reported already is not reported again.
   void report_device_faults(const float* m, int n);
   void read_step_metrics(int n, bool gathered_in_graph = false, Read read = Read::now);
   // The loss and correct count from metrics `m` read for a step whose devices' weights were
@@ -438,6 +452,13 @@ class DataParallel {
   void finish_cross_node(int n);
   // Allocations and host syncs so far, over every context of the engine.
   std::pair<int64_t, int64_t> runtime_counts();
+  // Each device's contexts start a memory window (MemoryStats::begin_window); then the most
+  // memory one device had in use since (the sum of its contexts' window peaks).
+  void begin_memory_window();
+  int64_t window_peak_bytes();
+  // Calls f on every context of device i (its worker's, its comm stream's, device 0's wide).
+  template <class F>
+  void for_each_context(int i, F f);
   // After a step: phase times, overlap count and trace slices from the workers' events.
   void collect_step(int n_used, StepStats& stats);
   std::vector<int64_t> link_bytes(int n_used) const;
@@ -494,6 +515,10 @@ class DataParallel {
   bool graphed_step_ = false;
   GraphKey graph_key_;
   bool said_graphs_off_ = false;
+  std::string graphs_fallback_;  // graphs_fallback()
+  // After a step: when a device's capture failed, graphs go off (graphs_fallback_, one line) and
+  // every graph is dropped. Whether one did.
+  bool settle_capture_failures(int n_used);
 };
 
 // Prints (once per call) a warning when logical CUDA devices outnumber physical GPUs: figures

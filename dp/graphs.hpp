@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <string>
 #include <vector>
 
 #include "kernels/runtime/graph.hpp"
@@ -51,18 +52,40 @@ struct GraphKey {
   bool operator<(const GraphKey& o) const { return values < o.values; }
 };
 
+// Where a segment's capture failed, and why: the first failure's text, empty while none has.
+// An engine that sees it set turns graphs off for itself (one "graphs off: capture failed"
+// line, the reports' graphs_fallback) and goes on uncaptured.
+struct CaptureFailure {
+  std::string reason;
+};
+
 // requires `runs` = how often this segment ran before for this shape; body queues only work on
 // ctx that reads nothing back. ensures body's work is queued on ctx: run eagerly for the first
 // kGraphWarmupRuns runs, captured on the next and replayed from then on (also that time).
-// Returns whether body ran (its host side too: eagerly, or for the capture).
+// A capture that fails (the work is not capturable: kernels::Error) captures nothing and ran
+// nothing: with `failed`, its text goes there (the first one kept), `undo` puts back what the
+// body's host code changed, and the body runs eagerly instead, so the step is the uncaptured
+// one; without `failed` the error is thrown. Returns whether body ran (its host side too:
+// eagerly, or for the capture).
 inline bool run_graph_segment(kernels::DeviceContext& ctx, kernels::Graph& g, int runs,
-                              const std::function<void()>& body) {
+                              const std::function<void()>& body, CaptureFailure* failed = nullptr,
+                              const std::function<void()>& undo = nullptr) {
   if (runs < kGraphWarmupRuns) {
     body();
     return true;
   }
   const bool capture = !g.captured();
-  if (capture) g.capture(ctx, body);
+  if (capture) {
+    try {
+      g.capture(ctx, body);
+    } catch (const kernels::Error& e) {
+      if (!failed) throw;
+      if (failed->reason.empty()) failed->reason = e.what();
+      if (undo) undo();
+      body();
+      return true;
+    }
+  }
   g.replay();
   return capture;
 }
@@ -71,13 +94,15 @@ inline bool run_graph_segment(kernels::DeviceContext& ctx, kernels::Graph& g, in
 // replica's stream: its draws are placed on the device (nn::FlatState::begin_rng_step), so a
 // replay draws this step's masks; a replay runs no host code, so the host offset is advanced by
 // what the segment drew when it last ran (`drawn`, the segment's own: the same every run).
-// Returns whether body ran (as run_graph_segment).
+// A failed capture's draws are undone before the body runs eagerly. Returns whether body ran
+// (as run_graph_segment).
 inline bool run_drawing_segment(kernels::DeviceContext& ctx, kernels::Graph& g, int runs,
                                 nn::FlatState& flat, uint64_t& drawn,
-                                const std::function<void()>& body) {
+                                const std::function<void()>& body,
+                                CaptureFailure* failed = nullptr) {
   flat.begin_rng_step();
   const uint64_t before = flat.rng_offset;
-  const bool ran = run_graph_segment(ctx, g, runs, body);
+  const bool ran = run_graph_segment(ctx, g, runs, body, failed, [&] { flat.rng_offset = before; });
   if (ran)
     drawn = flat.rng_offset - before;
   else

@@ -836,6 +836,72 @@ TEST_CASE("dp.graphs: off where not capturable (SyncBatchNorm), automatic on CPU
 
 namespace {
 
+// y = 2 x computed by a loop on the host: fine eagerly on a CPU device, but a replay skips host
+// code (and on a GPU the loop would read device memory), so a capture must refuse it.
+class HostDouble : public nn::Module {
+ public:
+  std::string type_name() const override { return "HostDouble"; }
+
+ protected:
+  Tensor forward_impl(const Tensor& x) override {
+    Tensor y = Tensor::empty(x.shape(), DType::f32, x.device());
+    const float* in = x.data<float>();
+    float* out = y.data<float>();
+    for (int64_t i = 0; i < x.numel(); ++i) out[i] = 2.f * in[i];
+    return y;
+  }
+  Tensor backward_impl(const Tensor& dy) override {
+    Tensor dx = Tensor::empty(dy.shape(), DType::f32, dy.device());
+    kernels::scale(dx, dy, 2.f);
+    return dx;
+  }
+  std::shared_ptr<nn::Module> clone_config() const override {
+    return std::make_shared<HostDouble>();
+  }
+};
+
+nn::ModulePtr host_double_mlp() {
+  auto s = std::make_shared<nn::Sequential>();
+  s->add(std::make_shared<nn::Linear>(6, 8));
+  s->add(std::make_shared<HostDouble>());
+  s->add(std::make_shared<nn::ReLU>());
+  s->add(std::make_shared<nn::Linear>(8, 5));
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "dp.graphs: a layer that computes on the host is refused at the capture, naming it, and the "
+    "engine goes on uncaptured, as with graphs off") {
+  const std::vector<int64_t> batches = {8, 8, 8, 8, 8, 8};
+  for (int n : {1, 3}) {
+    CAPTURE(n);
+    dp::DataParallelOptions o = small_buckets(dp::ReduceTopology::star);
+    o.graphs = dp::Graphs::off;
+    GraphRun off = train_graphs(host_double_mlp(), n, batches, o);
+    o.graphs = dp::Graphs::on;
+    std::vector<std::string> fallback;
+    GraphRun on = train_graphs(
+        host_double_mlp(), n, batches, o, DeviceType::cpu,
+        [&](dp::DataParallel& e, size_t, GraphRun&) { fallback.push_back(e.graphs_fallback()); });
+    // Two uncaptured runs, then the capture fails: that step and every later one run uncaptured.
+    CHECK(fallback[1].empty());
+    for (size_t s = 2; s < batches.size(); ++s) {
+      CAPTURE(s);
+      CHECK(!on.stats[s].graphed);
+      CHECK(fallback[s] == fallback[2]);
+    }
+    CHECK(fallback[2].find("capture failed on cpu:") == 0);
+    CHECK(fallback[2].find("host read or write of Tensor(f32, cpu:") != std::string::npos);
+    CHECK(fallback[2].find("(in Sequential > HostDouble)") != std::string::npos);
+    CHECK(same_bits(on.losses, off.losses));
+    CHECK(same_bits(on.params, off.params));
+  }
+}
+
+namespace {
+
 // Phase timing off against on, graphs off and on, on `type` devices: the marks then only order
 // the devices' work, which must come out bitwise the same, with no phase timed.
 void check_untimed_phases(DeviceType type) {

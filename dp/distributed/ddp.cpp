@@ -292,7 +292,10 @@ Tensor DistributedDataParallel::grad_slice(int k) {
 void DistributedDataParallel::stage_bucket(int k) {
   Tensor slice = grad_slice(k);
   // Alone with the whole batch the gradient is the mean already: no pass over it (x * 1 == x).
-  if (group_.size() > 1 || share_ != 1.f) kernels::scale(slice, slice, device_share_);
+  // A captured step always scales by the device's share: a replay runs no host branch, and a
+  // later step's share is read there.
+  const bool capturing = kernels::context(slice.device()).capturing();
+  if (group_.size() > 1 || share_ != 1.f || capturing) kernels::scale(slice, slice, device_share_);
   if (!comm_buffers_.empty()) kernels::copy(comm_buffers_[k], slice);  // rounded once
 }
 

@@ -65,6 +65,9 @@ DdpTrainer::~DdpTrainer() {
     }
     slot.work.reset();
   }
+  // The captured graphs go before the group: a graph may hold NCCL's captured all-reduces,
+  // whose communicator must outlive it.
+  graphs_.clear();
   ddp_.reset();
   group_.reset();
   try {
@@ -274,7 +277,7 @@ std::string DdpTrainer::graphs_blocked() const {
 }
 
 bool DdpTrainer::use_graphs() {
-  if (!graphs_requested(graphs_mode_, device_)) return false;
+  if (!graphs_requested(graphs_mode_, device_) || !graphs_fallback_.empty()) return false;
   const std::string why = graphs_blocked();
   if (why.empty()) return true;
   if (!said_graphs_off_ && rank() == 0) std::fprintf(stderr, "ddp: graphs off: %s\n", why.c_str());
@@ -307,20 +310,24 @@ int64_t DdpTrainer::graphed_step(StepGraphs& g) {
   nn::Module& m = ddp_->module();
   const int runs = g.runs++;
   times_.graphed = runs >= kGraphWarmupRuns;
+  times_.captured = times_.graphed && !g.compute.captured();
   const bool in_graph = collectives_in_graph();
   int64_t replayed = 0;
   ddp_->broadcast_buffers();
   {
     kernels::NvtxRange range("ddp/forward_backward");
-    const bool ran = run_drawing_segment(ctx, g.compute, runs, m.flat(), g.drawn, [&] {
-      forward_and_loss(m, input_, labels_);
-      if (in_graph) {
-        ddp_->backward_queued(dlogits_);  // the buckets' all-reduces from its hooks, joined
-      } else {
-        ddp_->backward_local(dlogits_);
-        ddp_->stage_buckets();
-      }
-    });
+    const bool ran = run_drawing_segment(
+        ctx, g.compute, runs, m.flat(), g.drawn,
+        [&] {
+          forward_and_loss(m, input_, labels_);
+          if (in_graph) {
+            ddp_->backward_queued(dlogits_);  // the buckets' all-reduces from its hooks, joined
+          } else {
+            ddp_->backward_local(dlogits_);
+            ddp_->stage_buckets();
+          }
+        },
+        &capture_failure_);
     if (in_graph && !ran) {
       ddp_->replayed_queued_sync();
       replayed = ddp_->stats().comm_bytes;
@@ -339,11 +346,24 @@ int64_t DdpTrainer::graphed_step(StepGraphs& g) {
   kernels::NvtxRange range("ddp/step");
   TraceScope slice(ddp_->trace(), "ddp/step", rank());
   scaler_.prepare_deferred(*optimizer_);  // the host scalars the replayed update reads
-  run_graph_segment(ctx, g.update, runs, [&] {
-    if (!in_graph) ddp_->unstage_buckets();
-    queue_update(m);
-  });
+  run_graph_segment(
+      ctx, g.update, runs,
+      [&] {
+        if (!in_graph) ddp_->unstage_buckets();
+        queue_update(m);
+      },
+      &capture_failure_);
   times_.graph_nodes = times_.graphed ? g.compute.nodes() + g.update.nodes() : 0;
+  if (!capture_failure_.reason.empty()) {
+    // Both segments ran uncaptured where their capture failed: this step is an uncaptured one.
+    // Graphs go off for good, and the graphs captured so far go with their memory.
+    graphs_fallback_ = "capture failed on rank " + std::to_string(rank()) + " (" + device_.str() +
+                       "): " + capture_failure_.reason;
+    capture_failure_.reason.clear();
+    std::fprintf(stderr, "ddp: graphs off: %s\n", graphs_fallback_.c_str());
+    times_.graphed = times_.captured = false;
+    times_.graph_nodes = 0;
+  }
   return replayed;
 }
 
@@ -361,6 +381,7 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   auto t_step = Clock::now();
   const int64_t payload_before = group_->payload_bytes();
   const int64_t allocations_before = context_->memory()->allocations.load();
+  context_->memory()->begin_window();
   const int64_t syncs_before = context_->host_syncs();
   kernels::DeviceContext& ctx = *context_;
   marks_[0].record(ctx);
@@ -394,11 +415,12 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   nn::Module& m = ddp_->module();
   // Zeros once: the norm's slot is read back every step, written only with clipping on.
   if (!metrics_.defined()) metrics_ = kernels::Tensor::zeros({3}, kernels::DType::f32, device_);
-  times_.graphed = false;
+  times_.graphed = times_.captured = false;
   times_.graph_nodes = 0;
   int64_t replayed_payload = 0;
   if (graphs) {
     replayed_payload = graphed_step(*graphs);
+    if (!graphs_fallback_.empty()) graphs_.clear();  // no later step replays them
   } else {
     ddp_->broadcast_buffers();
     forward_and_loss(m, input_, labels_);
@@ -443,6 +465,7 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   using kernels::Event;
   times_.total = ms_since(t_step);
   times_.allocations = context_->memory()->allocations.load() - allocations_before;
+  times_.peak_bytes = context_->memory()->window_peak.load();
   times_.host_syncs = context_->host_syncs() - syncs_before;
   if (phase_timing_ == Event::Timing::off) return global_loss;  // the marks only ordered
   if (zero_) {

@@ -48,7 +48,10 @@ struct DdpStepTimes {
   // Counted by the runtime on this rank's context during the step: memory taken from the
   // device (0 once the shape's blocks are cached) and host waits or reads (1: the metrics).
   int64_t allocations = 0, host_syncs = 0;
-  bool graphed = false;         // captured graphs ran this step's work (replayed)
+  bool graphed = false;   // captured graphs ran this step's work (replayed)
+  bool captured = false;  // this step captured its shape's graphs (then replayed them)
+  // The most memory in use on the rank's context during the step (tensors, not cached blocks).
+  int64_t peak_bytes = 0;
   int64_t graph_nodes = 0;      // then: its graphs' nodes (CUDA: kernels, copies; CPU: ops)
   bool metrics_lagged = false;  // the step returned the previous step's loss (metrics_lag 1)
 };
@@ -153,6 +156,13 @@ class DdpTrainer {
   // Every rank's `values` (as many on each), rank after rank: rank r's j-th at r * size + j.
   std::vector<uint64_t> all_gather(const std::vector<uint64_t>& values);
   const DdpStepTimes& last_times() const { return times_; }
+  // Why graphs went off by themselves: empty, or "capture failed on rank R (DEVICE): ..." once
+  // a capture failed (the work was not capturable). That step ran uncaptured (its results are
+  // the uncaptured step's; one "ddp: graphs off: capture failed" line) and so does every later
+  // one.
+  const std::string& graphs_fallback() const { return graphs_fallback_; }
+  // What this rank's attention calls ran so far (kernels::attention_report).
+  kernels::AttentionReport attention_report() { return kernels::attention_report(*context_); }
   // Bytes the last train_step handed to the process group (ProcessGroup::payload_bytes):
   // gradient buckets in the comm dtype, averaged buffers, SyncBN statistics, ZeRO-1's
   // reduce_scatter and all_gather. The reported loss's all-reduce, after the step, is not in it.
@@ -281,7 +291,9 @@ class DdpTrainer {
   std::map<GraphKey, StepGraphs> graphs_;
   GraphKey graph_key_;  // this step's
   bool said_graphs_off_ = false;
-  bool graph_collectives_ = true;  // set_graph_collectives
+  bool graph_collectives_ = true;   // set_graph_collectives
+  CaptureFailure capture_failure_;  // the step in progress's
+  std::string graphs_fallback_;     // graphs_fallback()
   int64_t last_payload_bytes_ = 0;
 };
 
