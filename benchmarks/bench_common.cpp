@@ -21,6 +21,7 @@
 #include "dp/data_parallel.hpp"
 #include "dp/distributed/launcher.hpp"
 #include "dp/distributed/mpi_process_group.hpp"
+#include "dp/distributed/nccl_process_group.hpp"
 #include "nn/nn.hpp"
 
 namespace bench {
@@ -394,6 +395,8 @@ Header make_header(const Options& o, const Setup& s, int logical) {
   h.model = model_name(o);
   h.params = model_of(o)->num_parameters();
   h.dtype = o.dtype;
+  h.libraries = kernels::library_versions();
+  if (kernels::built_with_cuda()) h.libraries.emplace_back("nccl", dp::dist::nccl_version());
   if (o.workload && o.workload->flops_per_token > 0) {
     h.tokens_per_sample = o.workload->tokens_per_sample;
     h.flops_per_token = o.workload->flops_per_token;
@@ -430,6 +433,32 @@ void file_lagged_losses(RunResult& r, float last) {
   if (r.losses.empty()) return;
   r.losses.erase(r.losses.begin());
   r.losses.push_back(last);
+}
+
+std::string attention_summary(const Options& o, const Setup& s, const kernels::AttentionReport& a) {
+  if (o.model != "gpt") return "";
+  if (s.type == DeviceType::cpu) return "CPU kernels";
+  if (s.precision == nn::Precision::fp32)
+    return "plain f32 kernels (cuDNN's fused SDPA takes bf16 and fp16)";
+  if (o.dropout > 0) return "plain kernels (attention dropout is not fused)";
+  if (a.refused > 0)
+    return std::string(a.fused > 0 ? "partly " : "") +
+           "FELL BACK to the plain kernels: cuDNN refused " +
+           (a.refusals.empty() ? std::string("a plan") : a.refusals.front()) + " (" +
+           std::to_string(a.refused) + " of " + std::to_string(a.fused + a.refused) + " calls)";
+  if (a.fused == 0) return "plain kernels (no call reached cuDNN: unaligned views)";
+  return "cuDNN fused SDPA (" + std::to_string(a.fused) + " calls)";
+}
+
+void CaptureWatch::see(RunResult& r, int step, bool captured, int64_t allocations,
+                       int64_t peak_bytes) {
+  if (captured && r.capture_step < 0) {
+    r.capture_step = step;
+    r.capture_allocations = allocations;
+    r.capture_peak_bytes = peak_bytes;
+    r.eager_peak_bytes = last_peak;
+  }
+  last_peak = peak_bytes;
 }
 
 void ReplayCounts::report(RunResult& r) const {
@@ -553,6 +582,7 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
     nn::save_checkpoint_in(*lock, o.keep, *model, opt, state);
   };
   auto bar = progress_line(label, o.warmup + o.steps);
+  CaptureWatch capture;
   for (int step = first; step < o.warmup + o.steps; ++step) {
     int timed = step - o.warmup;
     auto b = data.at(step);
@@ -560,6 +590,7 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
     if (timed == 0) engine.set_trace(trace);
     dp::StepStats st = engine.train_step(b.images, b.labels);
     if (timed == pb) kernels::profiler_stop();
+    capture.see(r, step, st.captured, st.allocations, st.peak_bytes);
     if (o.save_every && (step + 1) % *o.save_every == 0) save(step + 1);
     bar->update(step + 1);
     if (timed < 0) continue;
@@ -569,6 +600,8 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
   if (!o.checkpoint_dir.empty()) save(o.warmup + o.steps);  // the end of the run
   engine.set_trace(nullptr);
   steps.finish(r);
+  r.graphs_fallback = engine.graphs_fallback();
+  r.attention = attention_summary(o, s, engine.attention_report());
   r.peak_mem_bytes = engine.peak_memory_bytes();
   return r;
 }

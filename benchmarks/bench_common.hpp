@@ -182,6 +182,16 @@ struct ReplayCounts {
   }
   void report(RunResult& r) const;
 };
+// What a run's attention ran on, for the report: "" for models without attention, else the
+// backend's kernels and, on CUDA, whether cuDNN's fused SDPA ran or why not (f32, dropout, or
+// cuDNN's refusal).
+std::string attention_summary(const Options& o, const Setup& s, const kernels::AttentionReport& a);
+// Every step's memory, warm-up included: the first step that captured is the run's capture
+// (RunResult::capture_*), measured against the eager step before it.
+struct CaptureWatch {
+  int64_t last_peak = 0;  // the step before's
+  void see(RunResult& r, int step, bool captured, int64_t allocations, int64_t peak_bytes);
+};
 // The figures of a DP engine's timed steps (plain DP, or one node of a hybrid run): added step by
 // step, and their medians written into the run's result at the end.
 struct DpSteps {

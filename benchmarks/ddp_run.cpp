@@ -196,6 +196,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
     trainer.group().barrier()->wait();
   };
   auto bar = progress_line("ddp N=" + std::to_string(n), o.warmup + o.steps);
+  CaptureWatch capture;
   for (int step = first; step < o.warmup + o.steps; ++step) {
     int timed = step - o.warmup;
     auto b = data.at(step);
@@ -203,6 +204,10 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
     if (timed == 0) trainer.ddp().set_trace(trace.get());
     float loss = trainer.train_step(b.images, b.labels);
     if (timed == pb) kernels::profiler_stop();
+    {
+      const auto& t = trainer.last_times();
+      capture.see(r, step, t.captured, t.allocations, t.peak_bytes);
+    }
     if (o.save_every && (step + 1) % *o.save_every == 0) save(step + 1);
     if (trainer.rank() == 0) bar->update(step + 1);
     if (timed < 0) continue;
@@ -230,6 +235,8 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
     r.graphed_steps += t.graphed;
   }
   trainer.ddp().set_trace(nullptr);
+  r.graphs_fallback = trainer.graphs_fallback();
+  r.attention = attention_summary(o, s, trainer.attention_report());
   if (r.graphed_steps > 0)
     r.graph_collectives = trainer.collectives_in_graph() ? "in graph" : "between graphs";
   if (o.metrics_lag > 0) file_lagged_losses(r, trainer.finish_metrics());

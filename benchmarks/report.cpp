@@ -250,6 +250,12 @@ std::string verdict(const Header& h, const std::vector<RunResult>& runs) {
 void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>& runs) {
   os << "dp_bench: model " << h.model << " (" << h.params << " parameters, " << mib(h.params * 4)
      << " MiB), dtype " << h.dtype << ", device " << h.device << "\n";
+  if (!h.libraries.empty()) {
+    os << "libraries:";
+    for (size_t i = 0; i < h.libraries.size(); ++i)
+      os << (i ? ";" : "") << " " << h.libraries[i].first << " " << h.libraries[i].second;
+    os << "\n";
+  }
   if (h.device == "cpu") {
     os << "note: " << h.logical << " CPU devices share " << h.physical
        << " cores: figures measure engine overhead on one machine, not multi-GPU scaling\n";
@@ -318,7 +324,8 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
     for (auto& r : runs)
       os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << r.gpus
          << "   " << std::setprecision(0) << tokens_per_s(h, r) << " tokens/s, MFU "
-         << std::setprecision(2) << 100 * mfu(h, r) << "%\n";
+         << std::setprecision(2) << 100 * mfu(h, r) << "%"
+         << (r.attention.empty() ? "" : ", attention: " + r.attention) << "\n";
   }
   bool any_overhead = false;
   for (auto& r : runs) any_overhead = any_overhead || overhead_ci(runs, r).has_value();
@@ -341,6 +348,16 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
                      std::to_string(std::lround(r.graph_nodes_per_step))
                : "")
        << (r.graph_collectives.empty() ? "" : ", all-reduces " + r.graph_collectives) << "\n";
+  for (auto& r : runs) {
+    if (r.capture_step >= 0)
+      os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << r.gpus
+         << "   capture (step " << r.capture_step << "): allocations " << r.capture_allocations
+         << ", peak " << std::setprecision(3) << r.capture_peak_bytes / 1048576.0
+         << " MiB against the eager step's " << r.eager_peak_bytes / 1048576.0 << " MiB\n";
+    if (!r.graphs_fallback.empty())
+      os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << r.gpus
+         << "   graphs off: " << r.graphs_fallback << " (the run went on uncaptured)\n";
+  }
   if (h.dtype == "bf16" || h.dtype == "fp16") {
     os << "\n mixed precision (" << h.dtype << " GEMMs and convolutions, f32 master weights):\n";
     for (auto& r : runs)
@@ -573,43 +590,51 @@ void print_projection(std::ostream& os, const ProjectionInput& in) {
 }
 
 nlohmann::json run_to_json(const RunResult& r) {
-  return {{"mode", r.mode},
-          {"gpus", r.gpus},
-          {"batch", r.batch},
-          {"step_ms", r.step_ms},
-          {"repeat_ms", r.repeat_ms},
-          {"step_ms_median", r.step_ms_median()},
-          {"step_ms_p90", r.step_ms_p90()},
-          {"samples_per_s", r.samples_per_s()},
-          {"phases_ms", r.phases_ms},
-          {"param_bytes", r.param_bytes},
-          {"bytes_per_step", r.bytes_per_step},
-          {"bytes_theory", r.bytes_theory},
-          {"peak_mem_bytes", r.peak_mem_bytes},
-          {"losses", r.losses},
-          {"final_loss", r.final_loss},
-          {"buckets", r.buckets},
-          {"buckets_overlapped", r.buckets_overlapped},
-          {"pulls_beside_backward", r.pulls_beside_backward},
-          {"reduce", r.reduce},
-          {"peer_reads", r.peer_reads},
-          {"link_bytes", r.link_bytes},
-          {"optim", r.optim},
-          {"zero", r.zero},
-          {"optimizer_state_bytes", r.optimizer_state_bytes},
-          {"sync_bn_values_per_step", r.sync_bn_values},
-          {"sync_bn_bytes_per_step", r.sync_bn_values * 4},
-          {"loss_scale", r.loss_scale},
-          {"skipped_steps", r.skipped_steps},
-          {"comm_dtype", r.comm_dtype},
-          {"bucket_bytes", r.bucket_bytes},
-          {"bucket_ready_frac", r.bucket_ready_frac},
-          {"allocations_per_step", r.allocations_per_step},
-          {"host_syncs_per_step", r.host_syncs_per_step},
-          {"graph_nodes_per_step", r.graph_nodes_per_step},
-          {"graphed_steps", r.graphed_steps},
-          {"graph_collectives", r.graph_collectives},
-          {"nothing_left", r.nothing_left}};
+  return {
+      {"mode", r.mode},
+      {"gpus", r.gpus},
+      {"batch", r.batch},
+      {"step_ms", r.step_ms},
+      {"repeat_ms", r.repeat_ms},
+      {"step_ms_median", r.step_ms_median()},
+      {"step_ms_p90", r.step_ms_p90()},
+      {"samples_per_s", r.samples_per_s()},
+      {"phases_ms", r.phases_ms},
+      {"param_bytes", r.param_bytes},
+      {"bytes_per_step", r.bytes_per_step},
+      {"bytes_theory", r.bytes_theory},
+      {"peak_mem_bytes", r.peak_mem_bytes},
+      {"losses", r.losses},
+      {"final_loss", r.final_loss},
+      {"buckets", r.buckets},
+      {"buckets_overlapped", r.buckets_overlapped},
+      {"pulls_beside_backward", r.pulls_beside_backward},
+      {"reduce", r.reduce},
+      {"peer_reads", r.peer_reads},
+      {"link_bytes", r.link_bytes},
+      {"optim", r.optim},
+      {"zero", r.zero},
+      {"optimizer_state_bytes", r.optimizer_state_bytes},
+      {"sync_bn_values_per_step", r.sync_bn_values},
+      {"sync_bn_bytes_per_step", r.sync_bn_values * 4},
+      {"loss_scale", r.loss_scale},
+      {"skipped_steps", r.skipped_steps},
+      {"comm_dtype", r.comm_dtype},
+      {"bucket_bytes", r.bucket_bytes},
+      {"bucket_ready_frac", r.bucket_ready_frac},
+      {"allocations_per_step", r.allocations_per_step},
+      {"host_syncs_per_step", r.host_syncs_per_step},
+      {"graph_nodes_per_step", r.graph_nodes_per_step},
+      {"graphed_steps", r.graphed_steps},
+      {"graph_collectives", r.graph_collectives},
+      {"capture", r.capture_step < 0 ? nlohmann::json(nullptr)
+                                     : nlohmann::json{{"step", r.capture_step},
+                                                      {"allocations", r.capture_allocations},
+                                                      {"peak_bytes", r.capture_peak_bytes},
+                                                      {"eager_peak_bytes", r.eager_peak_bytes}}},
+      {"graphs_fallback", r.graphs_fallback},
+      {"attention", r.attention},
+      {"nothing_left", r.nothing_left}};
 }
 
 RunResult run_from_json(const nlohmann::json& j) {
@@ -646,6 +671,14 @@ RunResult run_from_json(const nlohmann::json& j) {
   r.graph_nodes_per_step = j.value("graph_nodes_per_step", 0.0);
   r.graphed_steps = j.value("graphed_steps", 0);
   r.graph_collectives = j.value("graph_collectives", std::string());
+  if (auto c = j.find("capture"); c != j.end() && c->is_object()) {
+    r.capture_step = c->at("step").get<int>();
+    r.capture_allocations = c->at("allocations").get<int64_t>();
+    r.capture_peak_bytes = c->at("peak_bytes").get<int64_t>();
+    r.eager_peak_bytes = c->at("eager_peak_bytes").get<int64_t>();
+  }
+  r.graphs_fallback = j.value("graphs_fallback", std::string());
+  r.attention = j.value("attention", std::string());
   r.nothing_left = j.value("nothing_left", std::string());
   return r;
 }
@@ -663,6 +696,7 @@ nlohmann::json to_json(const Header& h, const std::vector<RunResult>& runs,
                       {"flops_per_token", h.flops_per_token},
                       {"peak_tflops", h.peak_tflops},
                       {"peak_source", h.peak_source},
+                      {"environment", {{"libraries", nlohmann::json::object()}}},
                       {"runs", nlohmann::json::array()},
                       {"projection", nlohmann::json::array()},
                       {"projection_source", projection.source},
@@ -670,6 +704,7 @@ nlohmann::json to_json(const Header& h, const std::vector<RunResult>& runs,
                       {"ddp_step_time", "slowest rank per step"},
                       {"repeats", runs.empty() ? 1 : std::max<size_t>(1, runs[0].repeat_ms.size())},
                       {"verdict", verdict(h, runs)}};
+  for (auto& [name, version] : h.libraries) j["environment"]["libraries"][name] = version;
   for (auto& p : project(projection.runs, projection.compute_runs))
     j["projection"].push_back({{"mode", p.mode},
                                {"link", p.link},

@@ -65,6 +65,19 @@ struct RunResult {
   // DDP with graphed steps: where the bucket all-reduces ran ("in graph", overlapped with the
   // captured backward, or "between graphs"); empty otherwise.
   std::string graph_collectives;
+  // The step that captured the graphs (warm-up included; -1: none did): the memory it took from
+  // a device (goal 0: a capture finds its blocks cached) and the most memory one device (DDP:
+  // rank 0) had in use during it, against the eager step before it (goal: equal, within a
+  // block; kernels/runtime/graph.hpp).
+  int capture_step = -1;
+  int64_t capture_allocations = 0;
+  int64_t capture_peak_bytes = 0, eager_peak_bytes = 0;
+  // Why graphs went off by themselves ("capture failed on cuda:0: ..."); empty when they did
+  // not (graphs ran, or --cuda-graphs off asked for none).
+  std::string graphs_fallback;
+  // Models with attention: what it ran on ("cuDNN fused SDPA", or the plain kernels and why);
+  // empty for the others.
+  std::string attention;
 
   // The median over repeats of each repeat's median step (--repeat K >= 2), else over steps.
   double step_ms_median() const;
@@ -141,6 +154,9 @@ struct Header {
   // where it came from: --peak-tflops, the GPU's data sheet, or a GEMM measured here.
   double peak_tflops = 0;
   std::string peak_source;
+  // The libraries the run computes with, as found at run time (kernels::library_versions, and
+  // NCCL): name and version.
+  std::vector<std::pair<std::string, std::string>> libraries;
 };
 bool oversubscribed(const Header& h);
 // Tokens per second of a run (0 unless the workload has tokens).

@@ -15,6 +15,7 @@
 #include "kernels/runtime/memory.hpp"
 #if DP_HAVE_CUDA
 #include "kernels/cuda/cuda_ops.hpp"
+#include "kernels/cuda/sdpa.hpp"
 // The context's GPU is made current first: launches and library calls go to its stream and
 // handles, which belong to that GPU (a thread may use several).
 #define DP_CUDA_DISPATCH(call) (ctx.make_current(), call)
@@ -1218,6 +1219,25 @@ void attention_backward(Tensor& dqkv, const Tensor& dy, const Tensor& qkv, const
     return round_into(dqkv, dqkv32);
   }
   DP_DISPATCH(dy.device(), attention_backward, dqkv, dy, qkv, y, lse, p);
+}
+
+AttentionReport attention_report(DeviceContext& ctx) {
+#if DP_HAVE_CUDA
+  if (ctx.device().is_cuda()) {
+    cuda::SdpaCounts c = cuda::sdpa_counts(ctx);
+    return {c.fused, c.refused, std::move(c.refusals)};
+  }
+#endif
+  (void)ctx;
+  return {};
+}
+
+std::vector<std::pair<std::string, std::string>> library_versions() {
+  std::vector<std::pair<std::string, std::string>> out = {{"openblas", cpu::blas_version()}};
+#if DP_HAVE_CUDA
+  for (auto& v : cuda::library_versions()) out.push_back(std::move(v));
+#endif
+  return out;
 }
 
 // ---- helpers for tests ---------------------------------------------------------------------

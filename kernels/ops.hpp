@@ -133,10 +133,11 @@ void gelu_tanh_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulat
 // ---- transformer: embedding lookup and scaled dot-product attention ------------------------
 
 // requires ids (...) i32 in [0, V), table (V, D) f32, y (..., D) f32 (ids.numel() rows).
-// ensures y[n] = table[ids[n]]. An id outside [0, V) throws, naming it and its position.
+// ensures y[n] = table[ids[n]]. An id outside [0, V) throws, naming it and its position (CUDA:
+// at the next read to the host, as a bad label; its row of y is 0 until then).
 void embedding_forward(Tensor& y, const Tensor& ids, const Tensor& table);
 // requires dtable (V, D), dy (..., D) f32, ids as in forward. ensures dtable[ids[n]] += dy[n]
-// for every n (gradients accumulate). CPU: exact order; CUDA: float atomics (order may vary).
+// for every n (gradients accumulate), added in increasing n on both backends: bitwise equal.
 void embedding_backward(Tensor& dtable, const Tensor& dy, const Tensor& ids);
 
 enum class AttentionMask { none, causal };
@@ -168,6 +169,21 @@ void attention_forward(Tensor& y, Tensor& lse, const Tensor& qkv, const Attentio
 // (overwritten).
 void attention_backward(Tensor& dqkv, const Tensor& dy, const Tensor& qkv, const Tensor& y,
                         const Tensor& lse, const AttentionParams& p);
+// What a context's 16-bit attention calls ran (reports say it beside a GPT's throughput):
+// calls on cuDNN's fused SDPA, calls cuDNN refused (then widened to the plain kernels), and each
+// refused plan's pass, dtype, shape and cuDNN's reason. f32 attention and attention with dropout
+// run the plain kernels without asking cuDNN. All zero on CPU devices.
+struct AttentionReport {
+  int64_t fused = 0, refused = 0;
+  std::vector<std::string> refusals;
+};
+AttentionReport attention_report(DeviceContext& ctx);
+
+// The libraries this process computes with, as they report themselves at run time, name and
+// version: "openblas" (its build and the CPU kernels it chose, which set CPU speed), and in a
+// build with the CUDA backend "cuda_runtime", "cuda_driver", "cublasLt", "cudnn" and
+// "cudnn_frontend" (compiled against). NCCL is the distributed layer's (dp::dist).
+std::vector<std::pair<std::string, std::string>> library_versions();
 
 // ---- losses, reductions, metrics -----------------------------------------------------------
 
@@ -179,7 +195,8 @@ void attention_backward(Tensor& dqkv, const Tensor& dy, const Tensor& qkv, const
 //         dlogits_i = (w_i / B) (softmax(logits_i) - t).
 // A label outside [0, C) throws bad_label_text of the first such row: at once on the CPU; on
 // CUDA at the next read to the host on the same context (loss.item()), and the engine stays
-// usable (a device-side fault record, not a trap).
+// usable (a device-side fault record, not a trap; the row's loss is NaN and its gradient 0, so
+// that work queued before the read, such as an optimizer step, stays finite).
 void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
                            const Tensor& labels, const Tensor& weights = Tensor(),
                            float label_smoothing = 0.f);

@@ -1366,6 +1366,84 @@ TEST_CASE("bench.graphs: a GPT with dropout replays new masks, losses bitwise th
   }
 }
 
+TEST_CASE(
+    "bench.graphs: every configuration the GPU check runs captures in the eager step's memory") {
+  // The step that captures (--warmup 2: the first timed one) takes nothing from the device and
+  // has the eager step's peak: a GPU refuses a capture whose cache misses (CPU devices refuse it
+  // too, so a miss would fail these runs). MLP and CNN in fp32, bf16, fp16 and bf16 with 16-bit
+  // activations, the tiny GPT in fp32 and bf16; DP at 1 and 4 devices, DDP at 1 and 2 ranks.
+  std::vector<std::string> configs;
+  for (const char* model : {"mlp", "cnn"})
+    for (const char* dtype :
+         {"--dtype fp32", "--dtype bf16", "--dtype fp16", "--dtype bf16 --activations bf16"})
+      configs.push_back(std::string("--model ") + model + " " + dtype);
+  for (const char* dtype : {"--dtype fp32", "--dtype bf16 --activations bf16"})
+    configs.push_back(std::string("--model gpt --gpt-config tiny --seq 32 ") + dtype);
+  for (const std::string& config : configs)
+    for (const char* mode : {"--mode dp --gpus 4", "--mode ddp --gpus 2"}) {
+      CAPTURE(config);
+      CAPTURE(mode);
+      std::string json = temp_path("capture_memory.json");
+      auto [rc, text] = bench_output(std::string("--device cpu --steps 1 --warmup 2 --batch 16 ") +
+                                     "--cuda-graphs on " + mode + " " + config + " --json " + json);
+      INFO(text);
+      REQUIRE(rc == 0);
+      const nlohmann::json runs = read_json(json)["runs"];
+      REQUIRE(runs.size() == 2);  // the baseline at 1, and 4 devices or 2 ranks
+      for (const auto& r : runs) {
+        CAPTURE(r["gpus"].get<int>());
+        CHECK(r["graphs_fallback"] == "");
+        REQUIRE(r["capture"].is_object());
+        const auto& c = r["capture"];
+        CHECK(c["step"] == 2);
+        CHECK(c["allocations"] == 0);
+        CHECK(c["peak_bytes"].get<int64_t>() > 0);
+        CHECK(c["peak_bytes"] == c["eager_peak_bytes"]);
+        CHECK(r["graphed_steps"] == 1);
+      }
+      CHECK(text.find("capture (step 2): allocations 0") != std::string::npos);
+      std::remove(json.c_str());
+    }
+}
+
+TEST_CASE("bench.graphs: a capture that fails turns graphs off with one line, losses as off") {
+  // The test hook fails every capture once its body ran (a refusal at the capture's end): each
+  // engine says so once, records it in the JSON and the report, runs that step and the rest
+  // uncaptured, and trains exactly as --cuda-graphs off (dropout too: no draw is repeated).
+  std::map<std::string, nlohmann::json> runs;
+  const std::string args =
+      "--device cpu --gpus 2 --mode both --steps 4 --warmup 2 --model gpt "
+      "--gpt-config tiny --batch 6 --seq 16 --dropout 0.1 --cuda-graphs ";
+  for (const char* graphs : {"off", "on"}) {
+    std::string json = temp_path(std::string("fallback_") + graphs + ".json");
+    auto [rc, text] = bench_output(args + graphs + " --json " + json,
+                                   graphs == std::string("on") ? "DP_TEST_FAIL_CAPTURE=1" : "");
+    INFO(text);
+    REQUIRE(rc == 0);
+    runs[graphs] = read_json(json)["runs"];
+    std::remove(json.c_str());
+    if (graphs == std::string("off")) continue;
+    for (const char* says :
+         {"dp: graphs off: capture failed on cpu:0: the capture was made to "
+          "fail by DP_TEST_FAIL_CAPTURE",
+          "ddp: graphs off: capture failed on rank 0 (cpu:0)", "   graphs off: capture failed"}) {
+      CAPTURE(says);
+      CHECK(text.find(says) != std::string::npos);
+    }
+  }
+  REQUIRE(runs["on"].size() == 4);  // DP and DDP at 1 and 2
+  for (size_t i = 0; i < runs["on"].size(); ++i) {
+    const auto &on = runs["on"][i], &off = runs["off"][i];
+    CAPTURE(on["mode"].get<std::string>());
+    CAPTURE(on["gpus"].get<int>());
+    CHECK(on["graphs_fallback"].get<std::string>().find("capture failed on ") == 0);
+    CHECK(off["graphs_fallback"] == "");
+    CHECK(on["graphed_steps"] == 0);
+    CHECK(on["capture"].is_null());
+    CHECK(on["losses"] == off["losses"]);
+  }
+}
+
 TEST_CASE("bench.graphs: what cannot be captured runs uncaptured and says why, once") {
   // SyncBatchNorm (collectives inside forward), ZeRO-1 (a host decision inside the step);
   // hybrid and the parameter server are refused before any run.

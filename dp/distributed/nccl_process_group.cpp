@@ -26,6 +26,15 @@ bool nccl_available() {
   return true;
 }
 
+std::string nccl_version() {
+  int v = 0;
+  if (ncclGetVersion(&v) != ncclSuccess) return "unknown";
+  // NCCL >= 2.9: 10000 major + 100 minor + patch (2.28.9 -> 22809); before, 1000 major + 100 minor.
+  const int major = v >= 20900 ? v / 10000 : v / 1000,
+            minor = v >= 20900 ? v % 10000 / 100 : v % 1000 / 100;
+  return std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(v % 100);
+}
+
 namespace {
 
 using kernels::DType;
@@ -597,6 +606,10 @@ std::unique_ptr<ProcessGroup> make_nccl_process_group(std::shared_ptr<Store> sto
 
 bool nccl_available() {
   return false;
+}
+
+std::string nccl_version() {
+  return "";
 }
 
 std::unique_ptr<ProcessGroup> make_nccl_process_group(std::shared_ptr<Store>, int, int,

@@ -7,6 +7,8 @@
 // communicator and throws), and orders the calling thread's stream after the op.
 #pragma once
 
+#include <string>
+
 #include <chrono>
 #include <memory>
 
@@ -18,6 +20,8 @@ class Store;
 
 // True when this build has NCCL.
 bool nccl_available();
+// The NCCL library's version as it reports it at run time ("2.28.9"); "" without NCCL.
+std::string nccl_version();
 
 // requires device is a CUDA device no other rank of the group uses. Rank 0 makes the NCCL
 // unique id and shares it through `store`; blocks until every rank joined or the timeout.

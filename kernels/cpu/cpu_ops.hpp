@@ -88,5 +88,7 @@ void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, con
                   const AdamWConfig& c, const Tensor& scalars);
 bool all_finite(const Tensor& x);
 void non_finite_into(Tensor& flag, const Tensor& x);
+// The BLAS's own account of itself: "OpenBLAS 0.3.21 DYNAMIC_ARCH ... (kernels: SkylakeX)".
+std::string blas_version();
 
 }  // namespace kernels::cpu

@@ -216,6 +216,14 @@ void use_single_threaded_blas() {
   });
 }
 
+std::string blas_version() {
+  // OpenBLAS chooses its kernels for the CPU it runs on (DYNAMIC_ARCH builds): the core it chose
+  // decides the GEMM speed of every CPU figure. OPENBLAS_CORETYPE overrides the choice.
+  std::string config = openblas_get_config();
+  while (!config.empty() && config.back() == ' ') config.pop_back();
+  return config + " (kernels: " + openblas_get_corename() + ")";
+}
+
 const float* as_f32(const Tensor& t, std::vector<float>& scratch) {
   if (t.dtype() == DType::f32) return t.data<float>();
   scratch.resize(static_cast<size_t>(t.numel()));

@@ -111,4 +111,7 @@ void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, con
 bool all_finite(const Tensor& x, DeviceContext& ctx);
 void non_finite_into(Tensor& flag, const Tensor& x, DeviceContext& ctx);
 
+// The CUDA libraries as found at run time (kernels::library_versions).
+std::vector<std::pair<std::string, std::string>> library_versions();
+
 }  // namespace kernels::cuda

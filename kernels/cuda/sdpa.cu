@@ -23,6 +23,7 @@
 #include <sstream>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/sdpa.hpp"
@@ -60,6 +61,7 @@ using SdpaKey = std::array<int64_t, 8>;
 struct SdpaPlans {
   PlanCache<SdpaKey, SdpaPlan> cache;
   int64_t fused = 0, refused = 0;
+  std::vector<std::string> refusals;  // "what: reason" of each plan refused, as made
 };
 
 // (B, T, H, hd) of an attention call.
@@ -245,6 +247,7 @@ SdpaPlan* lookup(SdpaPass pass, const Tensor& qkv, const AttentionParams& p, Dev
   SdpaPlan& plan = plans.cache.get(sdpa_key(pass, qkv.dtype(), s, p), [&] {
     SdpaPlan made = make_plan(pass, qkv.dtype(), s, p, ctx);
     made.what = plan_what(pass, qkv.dtype(), s, p);
+    if (!made.refusal.empty()) plans.refusals.push_back(made.what + ": " + made.refusal);
     if (debug_logging())
       std::fprintf(
           stderr, "dp: debug: %s: %s\n", made.what.c_str(),
@@ -276,7 +279,17 @@ bool sdpa_built() {
 
 SdpaCounts sdpa_counts(DeviceContext& ctx) {
   SdpaPlans& plans = ctx.state<SdpaPlans>();
-  return {{plans.cache.hits(), plans.cache.misses()}, plans.fused, plans.refused};
+  return {{plans.cache.hits(), plans.cache.misses()}, plans.fused, plans.refused, plans.refusals};
+}
+
+std::string sdpa_frontend_version() {
+#if DP_HAVE_CUDNN_FRONTEND
+  return std::to_string(CUDNN_FRONTEND_MAJOR_VERSION) + "." +
+         std::to_string(CUDNN_FRONTEND_MINOR_VERSION) + "." +
+         std::to_string(CUDNN_FRONTEND_PATCH_VERSION);
+#else
+  return "";
+#endif
 }
 
 bool sdpa_forward(Tensor& y, Tensor& lse, const Tensor& qkv, const AttentionParams& p,

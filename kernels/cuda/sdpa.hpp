@@ -4,6 +4,9 @@
 // shape cuDNN refuses. Plain C++: tests include it.
 #pragma once
 
+#include <string>
+#include <vector>
+
 #include "kernels/cuda/cuda_ops.hpp"
 
 namespace kernels::cuda {
@@ -31,7 +34,10 @@ bool sdpa_built();
 struct SdpaCounts {
   PlanCounts plans;
   int64_t fused = 0, refused = 0;
+  std::vector<std::string> refusals;  // each refused plan's pass, dtype, shape and cuDNN's reason
 };
 SdpaCounts sdpa_counts(DeviceContext& ctx);
+// The cuDNN frontend's version this build was compiled against ("" without it).
+std::string sdpa_frontend_version();
 
 }  // namespace kernels::cuda
