@@ -833,6 +833,54 @@ TEST_CASE("kernels.cuda.attention: forward and backward match CPU, dropout mask 
   }
 }
 
+// ---- embedding -----------------------------------------------------------------------------
+
+// dtable starts from nonzero values and gathers many rows per id, in an order that rounding
+// makes visible: float atomics would differ from the CPU, and from run to run.
+TEST_CASE("kernels.cuda: embedding backward adds in position order: bitwise the CPU's, every run") {
+  DP_REQUIRE_GPU();
+  struct Shape3 {
+    int64_t n, vocab, d;
+  };
+  // Many repeats (about 80 per id); more ids in the table than positions; a width that is not
+  // a multiple of the block (300 = 256 + 44); one id for every position (one run of 1000).
+  for (Shape3 k :
+       {Shape3{4096, 50, 96}, Shape3{300, 5000, 64}, Shape3{2049, 37, 300}, Shape3{1000, 1, 33}}) {
+    CAPTURE(k.n);
+    CAPTURE(k.vocab);
+    CAPTURE(k.d);
+    Tensor expected = rnd(kCpu, {k.vocab, k.d}, 83);
+    embedding_backward(expected, rnd(kCpu, {k.n, k.d}, 82), labels(kCpu, k.n, k.vocab, 81));
+    Tensor ids = labels(kGpu, k.n, k.vocab, 81), dy = rnd(kGpu, {k.n, k.d}, 82);
+    for (int run = 0; run < 2; ++run) {
+      CAPTURE(run);
+      Tensor dtable = rnd(kGpu, {k.vocab, k.d}, 83);
+      embedding_backward(dtable, dy, ids);
+      CHECK(same_bits(dtable, expected));
+    }
+  }
+  // Captured once warm: the capture allocates nothing and every replay gives the same bits.
+  DeviceContext ctx(kGpu, {.caching = Caching::on});
+  ContextScope scope(ctx);
+  const int64_t n = 4096, vocab = 50, d = 96;
+  Tensor expected = rnd(kCpu, {vocab, d}, 83);
+  embedding_backward(expected, rnd(kCpu, {n, d}, 82), labels(kCpu, n, vocab, 81));
+  Tensor ids = labels(kGpu, n, vocab, 81), dy = rnd(kGpu, {n, d}, 82);
+  Tensor start = rnd(kGpu, {vocab, d}, 83), dtable = start.clone();
+  embedding_backward(dtable, dy, ids);  // eager, and warms the cache for the capture
+  CHECK(same_bits(dtable, expected));
+  const int64_t allocations = ctx.memory()->allocations.load();
+  Graph g;
+  g.capture(ctx, [&] { embedding_backward(dtable, dy, ids); });
+  CHECK(ctx.memory()->allocations.load() == allocations);
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    copy(dtable, start);
+    g.replay();
+    CHECK(same_bits(dtable, expected));
+  }
+}
+
 // ---- optimizers ----------------------------------------------------------------------------
 
 TEST_CASE("kernels.cuda.sgd_update and adamw_update: three steps match CPU") {

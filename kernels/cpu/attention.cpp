@@ -103,7 +103,8 @@ void embedding_forward(Tensor& y, const Tensor& ids, const Tensor& table) {
   });
 }
 
-// Columns split across tasks; each task adds the rows in id order: bitwise reproducible.
+// Columns split across tasks; each task adds the rows in position order: bitwise reproducible
+// (the CUDA kernel adds in the same order).
 void embedding_backward(Tensor& dtable, const Tensor& dy, const Tensor& ids) {
   const int64_t n = ids.numel(), vocab = dtable.dim(0), d = dtable.dim(1);
   const int32_t* pi = ids.data<int32_t>();

@@ -2,11 +2,16 @@
 // kernels/cpu/attention.cpp. Attention gives one block to each query row of each (batch,
 // head): the row's scores live in shared memory and the softmax is exact in f32. Backward gives
 // one block to each query row (dq) and one to each key row (dk, dv): no atomics, so its bits
-// are the same on every run.
+// are the same on every run. Embedding backward sorts the positions by id (stably) and adds
+// each id's rows in position order, as the CPU does: no atomics, the CPU's bits.
 // f16/bf16 qkv go to cuDNN's fused SDPA (kernels/cuda/sdpa.cu) when cuDNN accepts the shape;
 // otherwise they are widened to f32 for the plain kernels and the results rounded once.
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <string>
+
+#include <cub/device/device_radix_sort.cuh>
 
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/sdpa.hpp"
@@ -30,19 +35,44 @@ __global__ void embedding_forward_kernel(float* y, const int32_t* ids, const flo
         fault[1] = static_cast<unsigned long long>(n);
         fault[2] = static_cast<unsigned long long>(vocab);
       }
-      y[e] = NAN;
+      // Zero, not NaN: the step fails at its read, but work queued before it (an optimizer
+      // step) must stay finite (the losses' bad labels do the same).
+      y[e] = 0.f;
       continue;
     }
     y[e] = table[static_cast<int64_t>(id) * d + c];
   }
 }
 
-__global__ void embedding_backward_kernel(float* dtable, const float* dy, const int32_t* ids,
-                                          int64_t n, int64_t vocab, int64_t d) {
-  DP_GRID_STRIDE_LOOP(e, n * d) {
-    int64_t i = e / d, c = e % d;
+// The sort's input: keys[i] = ids[i], or `outside` (>= vocab) for an id outside [0, vocab),
+// which the forward reported; positions[i] = i.
+__global__ void embedding_sort_input_kernel(uint32_t* keys, int32_t* positions, const int32_t* ids,
+                                            int64_t n, int64_t vocab, uint32_t outside) {
+  DP_GRID_STRIDE_LOOP(i, n) {
     int32_t id = ids[i];
-    if (id >= 0 && id < vocab) atomicAdd(&dtable[static_cast<int64_t>(id) * d + c], dy[e]);
+    keys[i] = id >= 0 && id < vocab ? static_cast<uint32_t>(id) : outside;
+    positions[i] = static_cast<int32_t>(i);
+  }
+}
+
+// One block per sorted position j (blockIdx.x); the block's threads and blockIdx.y stride over
+// the columns. The block whose j starts a run of equal ids adds the run's dy rows into the
+// id's table row in sorted order, which is position order (the sort is stable): for each
+// column, acc = dtable[id, c]; acc += dy[i, c] for i in increasing order; store acc.
+__global__ void embedding_backward_runs_kernel(float* dtable, const float* dy,
+                                               const uint32_t* sorted_ids,
+                                               const int32_t* sorted_positions, int64_t n,
+                                               int64_t vocab, int64_t d) {
+  const int64_t j = blockIdx.x;
+  const uint32_t id = sorted_ids[j];
+  if (id >= vocab || (j > 0 && sorted_ids[j - 1] == id)) return;
+  float* row = dtable + static_cast<int64_t>(id) * d;
+  for (int64_t c = blockIdx.y * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < d;
+       c += static_cast<int64_t>(blockDim.x) * gridDim.y) {
+    float acc = row[c];
+    for (int64_t k = j; k < n && sorted_ids[k] == id; ++k)
+      acc += dy[static_cast<int64_t>(sorted_positions[k]) * d + c];
+    row[c] = acc;
   }
 }
 
@@ -224,11 +254,46 @@ void embedding_forward(Tensor& y, const Tensor& ids, const Tensor& table, Device
   ctx.arm_fault_check(bad_id_fault_text);
 }
 
+// A stable radix sort of the positions by id (CUB), then one pass over each id's run: the
+// CPU's order of additions, so its bits on every run. The scratch comes from the context's
+// block cache (the same sizes every step), all of it queued on the context's stream: no host
+// wait, capturable.
 void embedding_backward(Tensor& dtable, const Tensor& dy, const Tensor& ids, DeviceContext& ctx) {
   NvtxRange range("kernels/embedding_backward");
   const int64_t n = ids.numel(), vocab = dtable.dim(0), d = dtable.dim(1);
-  embedding_backward_kernel<<<blocks_for(n * d), kThreads, 0, stream_of(ctx)>>>(
-      dtable.data<float>(), dy.data<float>(), ids.data<int32_t>(), n, vocab, d);
+  if (n == 0 || vocab == 0 || d == 0) return;  // nothing to add (vocab 0: every id is outside)
+  DP_CHECK(n <= std::numeric_limits<int32_t>::max(),
+           "embedding_backward: " << n << " ids; the CUDA backend sorts at most 2^31 - 1");
+  cudaStream_t s = stream_of(ctx);
+  // Every valid id is below `outside`, and the sort looks at the bits that hold `outside`.
+  const auto outside =
+      static_cast<uint32_t>(std::min<int64_t>(vocab, std::numeric_limits<uint32_t>::max()));
+  int end_bit = 0;
+  while (end_bit < 32 && (outside >> end_bit) != 0) ++end_bit;
+
+  // (4, n): keys, positions, sorted keys, sorted positions.
+  Tensor lists = Tensor::empty({4, n}, DType::i32, dy.device());
+  auto* keys = reinterpret_cast<uint32_t*>(lists.data<int32_t>());
+  int32_t* positions = lists.data<int32_t>() + n;
+  uint32_t* sorted_keys = keys + 2 * n;
+  int32_t* sorted_positions = positions + 2 * n;
+  const int items = static_cast<int>(n);
+  size_t temp_bytes = 0;  // CUB's size for (n, end_bit): computed on the host, no device work
+  DP_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, keys, sorted_keys, positions,
+                                                sorted_positions, items, 0, end_bit, s));
+  Tensor temp = Tensor::empty({static_cast<int64_t>(std::max<size_t>(temp_bytes, 1))}, DType::u8,
+                              dy.device());
+
+  embedding_sort_input_kernel<<<blocks_for(n), kThreads, 0, s>>>(
+      keys, positions, ids.data<int32_t>(), n, vocab, outside);
+  DP_CUDA_CHECK_LAUNCH();
+  DP_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.raw(), temp_bytes, keys, sorted_keys,
+                                                positions, sorted_positions, items, 0, end_bit, s));
+  const int threads = row_block_threads(d);
+  const int64_t column_blocks = std::min<int64_t>((d + threads - 1) / threads, 65535);
+  dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>(column_blocks));
+  embedding_backward_runs_kernel<<<grid, threads, 0, s>>>(
+      dtable.data<float>(), dy.data<float>(), sorted_keys, sorted_positions, n, vocab, d);
   DP_CUDA_CHECK_LAUNCH();
 }
 

@@ -106,8 +106,10 @@ __global__ void softmax_xent_kernel(float* row_loss, float* dlogits, const float
       fault[2] = static_cast<unsigned long long>(classes);
       row_loss[i] = NAN;
     }
+    // The row's gradient is zero, not NaN: the step fails at its read, but an update queued
+    // before that read (an engine's) must not turn every weight into NaN and end the run.
     if (dlogits)
-      for (int64_t c = threadIdx.x; c < classes; c += blockDim.x) dlogits[i * classes + c] = NAN;
+      for (int64_t c = threadIdx.x; c < classes; c += blockDim.x) dlogits[i * classes + c] = 0.f;
     return;  // the whole block leaves: no block reduction below is entered
   }
   float max_x = -INFINITY;
