@@ -19,15 +19,18 @@
 #   --lease 120 --stage LIST with what the summary's last line lists.
 # ($OUT brings back at most 8 files, two folders deep: the results come back packed, one file.)
 #
-# --lease S: every part below, ended within S seconds (then packed). First three light parts
-# that time nothing run side by side (tests | amp-tests | racecheck), for at most LEASE_SIDE_S
-# seconds (default 210); then the rest one at a time, most wanted first: graphs, torch-fp32, gpt,
-# torch-gpt, gpt-batch, memcheck (alone: GPU processes time-slice, and its slowed kernels would
-# hold the others back), amp-runs, torch-bf16, bench-more, gemm, profile. Steps the deadline
-# cuts off or leaves unstarted are marked CUT; the last line names the parts not done and the
-# --stage list that runs them. A later lease runs that list (--lease S --stage LIST runs it in
-# order, one at a time), or all again with --skip-done OLD_SUMMARY (parts whose summary line
-# there says "done" are skipped).
+# --lease S: every part below, ended within S seconds of the script's start (setup included),
+# most wanted first: what has never run on a GPU leads. First the two light parts that time
+# nothing run side by side (tests | amp-tests), for at most LEASE_SIDE_S seconds (default 120);
+# then one at a time: probe (one graphed 1-repeat run of each model), gpt, gpt-batch, torch-gpt
+# (at most LEASE_TORCH_GPT_S, default 180), graphs, torch-fp32, torch-bf16, amp-runs,
+# bench-more, memcheck, racecheck (alone: GPU processes time-slice, and their slowed kernels
+# would hold the others back), gemm, profile. After every part the results are packed again
+# (--pack: a new file beside it, then renamed over it), so a run stopped at any moment leaves
+# the pack of the parts finished so far. Steps the deadline cuts off or leaves unstarted are
+# marked CUT; the last line names the parts not done and the --stage list that runs them. A
+# later lease runs that list (--lease S --stage LIST runs it in order, one at a time), or all
+# again with --skip-done OLD_SUMMARY (parts whose summary line there says "done" are skipped).
 #
 # --stage LIST: stages or parts, comma-separated, run in that order (default: all, the six stages
 # in order); without --lease each item gets STAGE_BUDGET_S seconds (default 420, so a stage fits
@@ -36,37 +39,50 @@
 #              test_nn, test_dp, test_dist (Gloo staging of CUDA tensors, NCCL at one rank) and
 #              test_bench (graphed DDP on a GPU);
 #   sanitizer  memcheck: compute-sanitizer memcheck on the CUDA kernel tests; racecheck: on the
-#              block reductions;
+#              block reductions (both SKIP where compute-sanitizer --version or a trivial run
+#              under it fails: the machine does not support it);
 #   amp        amp-tests: the CUDA AMP tests (16-bit kernels, nn.cuda.amp); amp-runs: dp_bench
 #              --dtype fp32, bf16 and fp16 for the MLP and CNN at --gpus 1 (bf16 also with
 #              --activations bf16), bf16 and fp16 DP and DDP on 1 and 4 logical GPUs (4 must
 #              follow 1 within 5e-2), and bf16 at --gpus 4 --comm-dtype bf16: step time, loss,
 #              loss scale, skipped steps and peak memory in the summary;
-#   bench      gemm: bench_kernels (TF32 and bf16 GEMM against peak); graphs: dp_bench --mode
-#              both, --gpus 1 and 4, MLP and CNN (DP and DDP graphed: --cuda-graphs auto; 4
-#              must follow 1 within 1e-3), and again with --cuda-graphs off, whose losses must
-#              equal the graphed runs' bit for bit; gpt: GPT-2 124M in bf16, DP on 1 and 4
-#              logical GPUs (tokens/s, MFU, the 4/1 ratio), 3 interleaved repeats; gpt-batch:
-#              the largest GPT-2 124M batch that fits (16, 32, ... 256), tokens/s and MFU at
-#              each; bench-more: DP on 4 GPUs with a 0.25 MiB first bucket, staged pulls
+#   bench      probe: one dp_bench run of each model (MLP, CNN, tiny GPT) at --gpus 1 with
+#              --cuda-graphs auto, one repeat: its ms/step, and whether it ran graphed or fell
+#              back uncaptured (and why); gemm: bench_kernels (TF32 and bf16 GEMM against peak);
+#              graphs: dp_bench --mode both, --gpus 1 and 4, MLP and CNN (DP and DDP graphed:
+#              --cuda-graphs auto; 4 must follow 1 within 1e-3), and again with --cuda-graphs
+#              off, whose losses must equal the graphed runs' bit for bit (a run whose capture
+#              fell back says so and why); gpt: GPT-2 124M in bf16, DP on 1 and 4 logical GPUs
+#              (tokens/s, MFU, the 4/1 ratio), 3 interleaved repeats; gpt-batch: the largest
+#              GPT-2 124M batch that fits (16, 32, ... 256; out of memory ends it, cuBLAS's
+#              CUBLAS_STATUS_ALLOC_FAILED included), tokens/s and MFU at each; bench-more: DP on
+#              4 GPUs with a 0.25 MiB first bucket, staged pulls
 #              (--dp-peer-reads off, graphed and not: the in-place losses), the MLP with
 #              --phase-times off and with --metrics-lag 1 too (same losses), the tiny GPT at
 #              --gpus 4, and with dropout graphed and not (same losses);
 #   torch      the PyTorch side by side (benchmarks/torch_ref/variants.py: ours against eager,
 #              CUDA graph and torch.compile, 5 interleaved repeats, 95% intervals) where torch
 #              imports with CUDA: torch-fp32 (MLP, CNN), torch-bf16 (MLP, CNN), torch-gpt (GPT-2
-#              124M bf16);
+#              124M bf16, 3 repeats); variants.py gets what is left of the budget (--budget-s),
+#              prints each measurement as it is taken, and stops with what it has when that runs
+#              out (CUT, naming what it did not reach);
 #   profile    profile: ncu --clock-control none on one replica's backward (NVTX dp/backward, the
 #              first worker) and on the reduce (dp/reduce), a few kernels each (uncaptured steps:
-#              --cuda-graphs off, whose phases have their own NVTX ranges).
+#              --cuda-graphs off, whose phases have their own NVTX ranges); SKIP where ncu
+#              --version or a trivial profile fails or is refused (ERR_NVGPUCTRPERM, "not
+#              supported": a VM without access to the GPU's counters).
 # Every part writes into RESULTS_DIR/DATE_DEVICE/ (logs, JSON) and appends its verdict lines (ok,
 # FAIL, SKIP, CUT) and one "== part NAME: done|not done" line to summary.txt there, so runs in
 # separate calls end up in one folder, ready to commit to benchmarks/results/. --pack FILE writes
-# that folder as a tar.gz at the end. Exit status: 0 when every step ran and none failed, 1 when
-# one failed (or the pack could not be written), 3 when none failed but some were cut off or not
-# started by the budget, 2 when there is no GPU (at once, with one line) or the arguments are
-# wrong. GPU_CHECK_DRY_RUN=1 (for this script's own test, with a stand-in nvidia-smi) runs the
-# same steps on CPU devices, shortened.
+# that folder as a tar.gz once set up, again after every part, and at the end, each time whole
+# (a temporary file in FILE's folder, then renamed: a kill leaves the last pack or the new one;
+# a TERM or INT stops the running step and packs once more). Every helper command has its own
+# time limit (helper_limits below: nvidia-smi queries, ldd, python3 verdicts, torch's import, the
+# library search, the tool probes, the pack). Exit status: 0 when every step ran and none
+# failed, 1 when one failed (or the pack could not be written), 3 when none failed but some were
+# cut off or not started by the budget, 2 when there is no GPU (at once, with one line) or the
+# arguments are wrong, 128 + N when signal N stopped it. GPU_CHECK_DRY_RUN=1 (for this script's
+# own test, with a stand-in nvidia-smi) runs the same steps on CPU devices, shortened.
 #
 # The CUDA libraries (cuBLAS(Lt), cuDNN, NCCL) are found where they are: PyTorch's pip wheels
 # (site-packages/nvidia/*/lib), /usr/local/cuda, else a search of the file system; the script
@@ -74,33 +90,53 @@
 # programs need (TBB, Gloo, OpenBLAS, ...) in lib/.
 set -uo pipefail
 
+# The clock starts here: a lease's seconds count from the script's start, the library search and
+# the setup included.
+now() { printf '%(%s)T' -1; }
+t_start=$(now)
+
+# helper_limits: seconds each helper command may take, so that a hung driver, interpreter or file
+# system costs a step, never the lease: nvidia-smi queries, ldd, python3 (verdicts, JSON reads,
+# the library folders), torch's import, the search of the file system for the CUDA libraries, a
+# compute-sanitizer or ncu probe (--version, then a trivial run), and one pack. t_torch_margin:
+# what a PyTorch side by side keeps of its budget for side_by_side.sh's own imports and report.
+t_smi=20 t_ldd=20 t_py=30 t_torch=60 t_find=20 t_probe=60 t_pack=60 t_torch_margin=20
+
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 stages=(tests sanitizer amp bench torch profile)
-parts=(tests memcheck racecheck amp-tests amp-runs gemm graphs gpt gpt-batch bench-more torch-fp32
-  torch-bf16 torch-gpt profile)
+parts=(tests memcheck racecheck amp-tests amp-runs probe gemm graphs gpt gpt-batch bench-more
+  torch-fp32 torch-bf16 torch-gpt profile)
 stage_parts() {
   case "$1" in
     tests) echo tests ;;
     sanitizer) echo memcheck racecheck ;;
     amp) echo amp-tests amp-runs ;;
-    bench) echo gemm graphs gpt gpt-batch bench-more ;;
+    bench) echo probe gemm graphs gpt gpt-batch bench-more ;;
     torch) echo torch-fp32 torch-bf16 torch-gpt ;;
     profile) echo profile ;;
   esac
 }
-# A lease: these jobs side by side first (each runs its parts in order; none times anything, and
-# each keeps the GPU lightly loaded), then the rest one at a time, most wanted first (issue 26's
-# goals: the fair ratios, the DP 4/1 ratio, GPT throughput). memcheck runs alone: processes on
-# one GPU time-slice it, and its instrumented kernels would slow the tests beside it.
-lease_jobs=("tests" "amp-tests" "racecheck")
-lease_timed=(graphs torch-fp32 gpt torch-gpt gpt-batch memcheck amp-runs torch-bf16 bench-more gemm
-  profile)
+# A lease runs first what has never run on a GPU: the CUDA tests, side by side (each job runs
+# its parts in order; neither times anything, and each keeps the GPU lightly loaded), then one
+# at a time the graphed probe of each model, GPT-2 124M (tokens/s, MFU), its largest batch and
+# the PyTorch GPT beside it; then the repeats and ratios (issue 26's goals), the AMP runs, the
+# rest of the bench, the sanitizers (alone: processes on one GPU time-slice them, and their
+# instrumented kernels would slow whatever ran beside them), the GEMMs and the profile.
+lease_jobs=("tests" "amp-tests")
+lease_timed=(probe gpt gpt-batch torch-gpt graphs torch-fp32 torch-bf16 amp-runs bench-more
+  memcheck racecheck gemm profile)
+# A part's cap within a lease, seconds (none: up to the lease's end).
+declare -A lease_cap_s=([torch-gpt]=${LEASE_TORCH_GPT_S:-180})
 
 usage() {
-  echo "usage: $0 [--stage LIST] [--lease SECONDS] [--skip-done SUMMARY] [--pack FILE]" \
-    "BUILD_DIR RESULTS_DIR | $0 --bundle [DEST] | $0 --cuda-lib-dirs" \
-    "(LIST: all or stages and parts, comma-separated: ${stages[*]}; ${parts[*]})" >&2
+  {
+    echo "usage: $0 [--stage LIST] [--lease SECONDS] [--skip-done SUMMARY] [--pack FILE]" \
+      "BUILD_DIR RESULTS_DIR | $0 --bundle [DEST] | $0 --cuda-lib-dirs"
+    echo "  LIST: all, or stages and parts, comma-separated: ${stages[*]}; ${parts[*]}"
+    echo "  --lease S (all): ${lease_jobs[*]} side by side (LEASE_SIDE_S, 120 s), then" \
+      "${lease_timed[*]}; packed (--pack) after every part"
+  } >&2
   exit 2
 }
 
@@ -221,7 +257,7 @@ cuda_lib_dirs() {
   local d
   {
     if command -v python3 > /dev/null; then
-      python3 - 2> /dev/null << 'EOF'
+      timeout "$t_py" python3 - 2> /dev/null << 'EOF'
 import site, sys, glob, os
 roots = list(site.getsitepackages()) + [site.getusersitepackages()] + sys.path
 for r in roots:
@@ -314,8 +350,10 @@ if ! command -v nvidia-smi > /dev/null 2>&1; then
   echo "gpu_check: no NVIDIA GPU here (nvidia-smi is not installed): nothing to check" >&2
   exit 2
 fi
-if ! gpu_list=$(nvidia-smi -L 2> /dev/null) || ! grep -q '^GPU ' <<< "$gpu_list"; then
-  echo "gpu_check: no NVIDIA GPU here (nvidia-smi -L lists none): nothing to check" >&2
+if ! gpu_list=$(timeout "$t_smi" nvidia-smi -L 2> /dev/null) || ! grep -q '^GPU ' <<< "$gpu_list"
+then
+  echo "gpu_check: no NVIDIA GPU here (nvidia-smi -L lists none, or gave no answer in $t_smi s):" \
+    "nothing to check" >&2
   exit 2
 fi
 
@@ -330,6 +368,7 @@ needed_programs() {
   case "$1" in
     tests | memcheck | racecheck | amp-tests) echo test_kernels_cuda ;;
     gemm) echo bench_kernels ;;
+    profile) echo dp_bench test_kernels_cuda ;;
     *) echo dp_bench ;;
   esac
 }
@@ -358,23 +397,27 @@ fi
 while read -r d; do add_lib_dir "$d"; done < <(cuda_lib_dirs)
 export LD_LIBRARY_PATH="$lib_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
-missing_libs() { ldd "$build/bin/$1" 2> /dev/null | awk '/not found/ {print $1}' | sort -u; }
-if [[ -n $(missing_libs dp_bench) ]]; then  # last resort: look everywhere
+missing_libs() {
+  timeout "$t_ldd" ldd "$build/bin/$1" 2> /dev/null | awk '/not found/ {print $1}' | sort -u
+}
+if [[ -n $(missing_libs dp_bench) ]]; then  # last resort: look everywhere, for t_find seconds
   while read -r f; do add_lib_dir "$(dirname "$f")"; done < <(
-    timeout 120 find / -xdev \( -name 'libcudnn.so*' -o -name 'libnccl.so*' -o \
+    timeout "$t_find" find / -xdev \( -name 'libcudnn.so*' -o -name 'libnccl.so*' -o \
       -name 'libcublasLt.so*' -o -name 'libnvrtc.so*' \) 2> /dev/null | awk '!seen[$0]++')
   export LD_LIBRARY_PATH="$lib_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
 # The bundle's libstdc++/libgcc_s only where the machine's own are older than the build's
 # (ldd then reports a GLIBCXX/CXXABI/GCC version as not found): a newer system libstdc++ must
 # win, since LD_LIBRARY_PATH goes before the system folders.
-if [[ -n $bundle_lib ]] && ldd "$build/bin/dp_bench" 2>&1 | grep "\(GLIBCXX\|CXXABI\|GCC\)_.*not found" > /dev/null; then
+if [[ -n $bundle_lib ]] && timeout "$t_ldd" ldd "$build/bin/dp_bench" 2>&1 |
+  grep "\(GLIBCXX\|CXXABI\|GCC\)_.*not found" > /dev/null; then
   export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$bundle_lib/compat"
 fi
 
 # ---- results folder --------------------------------------------------------------------------
 
-gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -1)
+gpu_name=$(timeout "$t_smi" nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null |
+  head -1)
 n_gpus=$(grep -c '^GPU ' <<< "$gpu_list")
 slug=$(tr '[:upper:]' '[:lower:]' <<< "${gpu_name:-gpu}" | tr -cs 'a-z0-9' '-' | sed 's/^-//;s/-$//')
 out=$results_root/$(date -u +%Y-%m-%d)_$slug
@@ -387,9 +430,7 @@ summary=$out/summary.txt
 touch "$summary"
 run_from=$(wc -l < "$summary")  # this run's lines follow
 stage_budget_s=${STAGE_BUDGET_S:-420}
-lease_side_s=${LEASE_SIDE_S:-210}
-now() { printf '%(%s)T' -1; }
-t_start=$(now)
+lease_side_s=${LEASE_SIDE_S:-120}
 lease_end=0
 [[ -n $lease_s ]] && lease_end=$((t_start + lease_s))
 budget_end=0    # the epoch second by which the running part's steps must end
@@ -414,16 +455,24 @@ verdict() {  # STATUS STEP DETAILS...: STATUS is ok, FAIL, SKIP or CUT
 }
 
 # Runs a command with its output in LOG, within what is left of the budget; the exit status is
-# the command's (124 or 137 when the budget cut it off, 125 when none was left to start it).
+# the command's (124 or 137 when the budget cut it off, 125 when none was left to start it). It
+# runs in the background, waited for, so that a TERM to this shell is handled at once (on_signal
+# stops it through step_pid).
+step_pid=""
 logged() {  # LOG CMD...
-  local log=$1 left=$((budget_end - $(now)))
+  local log=$1 left=$((budget_end - $(now))) rc
   shift
   echo "\$ $*" > "$log"
   if ((left <= 0)); then
     echo "gpu_check: $budget_what was spent: not started" >> "$log"
     return 125
   fi
-  timeout --kill-after=10 "$left" "$@" >> "$log" 2>&1
+  timeout --kill-after=10 "$left" "$@" >> "$log" 2>&1 &
+  step_pid=$!
+  wait "$step_pid"
+  rc=$?
+  step_pid=""
+  return $rc
 }
 
 # Whether an exit status of logged() means the budget stopped the step (a kill at another time,
@@ -446,20 +495,95 @@ step_verdict() {  # STATUS LABEL OK_DETAILS FAIL_DETAILS
   fi
 }
 
+# ---- the pack and signals --------------------------------------------------------------------
+
+# Writes the results folder into --pack FILE, whole: a temporary file in FILE's folder, renamed
+# over FILE once complete, so that a kill at any moment leaves the last pack or the new one, never
+# a part of one. WHEN says after what. tar's status 1 (a file changed while it was read: the
+# other side-by-side job writing its log) still gives a whole archive.
+pack_tmp=""  # the temporary file being written (a signal's trap removes it)
+pack_results() {  # WHEN
+  [[ -n $pack ]] || return 0
+  local rc
+  if pack_tmp=$(mktemp "$(dirname "$pack")/.$(basename "$pack").XXXXXX"); then
+    timeout "$t_pack" tar -C "$(dirname "$out")" -czf "$pack_tmp" "$(basename "$out")" 2> /dev/null
+    rc=$?
+    if ((rc <= 1)) && chmod 644 "$pack_tmp" && mv -f "$pack_tmp" "$pack"; then
+      pack_tmp=""
+      echo "   packed after $1: $pack ($(($(stat -c %s "$pack") / 1024)) KiB)"
+      return 0
+    fi
+    rm -f "$pack_tmp"
+    pack_tmp=""
+  fi
+  echo "gpu_check: could not write $pack (after $1)" >&2
+  return 1
+}
+
+# The parts this run is to run, in order; parts_left: those its summary lines do not mark done
+# (comma-separated, a --stage list); say_left: the line that names them.
+planned=()
+if [[ -n $lease_s && $stage == all ]]; then
+  for job in "${lease_jobs[@]}"; do for p in $job; do planned+=("$p"); done; done
+  planned+=("${lease_timed[@]}")
+else
+  for item in "${items[@]}"; do for p in $(item_parts "$item"); do planned+=("$p"); done; done
+fi
+parts_left() {
+  local p lines list=()
+  lines=$(tail -n +$((run_from + 1)) "$summary")
+  for p in "${planned[@]}"; do grep -q "^== part $p: done" <<< "$lines" || list+=("$p"); done
+  (IFS=, && echo "${list[*]}")
+}
+say_left() {
+  local left
+  left=$(parts_left)
+  [[ -z $left ]] && return
+  echo "gpu_check: not done: $left; run them again with --stage $left, or all with" \
+    "--skip-done $summary" | tee -a "$summary"
+}
+
+# A TERM or INT (a call's time limit, ^C): the running step and the side-by-side jobs are
+# stopped, the summary says so, and the results are packed once more. (A KILL leaves the pack of
+# the last part finished.)
+side_pids=()
+on_signal() {  # NAME NUMBER
+  trap '' TERM INT
+  [[ -n $pack_tmp ]] && rm -f "$pack_tmp"
+  [[ -n $step_pid ]] && kill -TERM "$step_pid" 2> /dev/null
+  ((${#side_pids[@]})) && kill -TERM "${side_pids[@]}" 2> /dev/null
+  wait
+  echo "gpu_check: stopped by SIG$1 after $(($(now) - t_start)) s: the pack holds what finished" |
+    tee -a "$summary"
+  say_left
+  pack_results "SIG$1"
+  exit $((128 + $2))
+}
+trap 'on_signal TERM 15' TERM
+trap 'on_signal INT 2' INT
+
 echo "gpu_check: $n_gpus GPU(s), $gpu_name; stage $stage${lease_s:+, lease $lease_s s}; results in $out"
 {
   echo "gpu_check --stage $stage${lease_s:+ --lease $lease_s} of $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)"
   [[ -f $build/VERSION ]] && sed -n '2,3p' "$build/VERSION"
   echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+  echo "set up in $(($(now) - t_start)) s (the clock starts with the script)"
   [[ $dry_run == 1 ]] && echo "GPU_CHECK_DRY_RUN=1: CPU devices, shortened runs (the script's own test)"
 } >> "$out/environment.txt"
+# A pack's temporary files that a kill left behind (a KILL cannot clean up), then the first pack.
+[[ -n $pack ]] && rm -f -- "$(dirname "$pack")/.$(basename "$pack")".??????
+pack_results "the setup"
 
 # dp_bench's --json as one summary line: per run, mode, replicas, step time, loss, loss scale
-# and skipped steps.
+# and skipped steps, and where a run's capture failed and it went on uncaptured, why
+# (graphs_fallback: empty, or absent from older builds, when graphs ran or were off by the flag).
 bench_line() {  # JSON
-  python3 - "$1" 2> /dev/null << 'EOF'
+  timeout "$t_py" python3 - "$1" 2> /dev/null << 'EOF'
 import json, sys
 j = json.load(open(sys.argv[1]))
+def fell_back(r):
+    why = (r.get("graphs_fallback") or "")[:160]
+    return f" (graphs fell back: {why})" if why else ""
 def ratio(r):  # t_N / t_1 with its 95% interval, where the run has one (--repeat)
     q = r.get("ratio_to_one")
     if not isinstance(q, dict) or q.get("value") is None:
@@ -468,7 +592,8 @@ def ratio(r):  # t_N / t_1 with its 95% interval, where the run has one (--repea
     return f", t{r['gpus']}/t1 {q['value']:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if len(ci) == 2 else "")
 runs = [f"{r['mode']} x{r['gpus']} {r['step_ms_median']:.3f} ms/step, loss {r['final_loss']:.4f}, "
         f"scale {r.get('loss_scale', 1):g}, skipped {r.get('skipped_steps', 0)}, peak "
-        f"{max(r.get('peak_mem_bytes') or [0]) / 2**20:.1f} MiB{ratio(r)}" for r in j["runs"]]
+        f"{max(r.get('peak_mem_bytes') or [0]) / 2**20:.1f} MiB{ratio(r)}{fell_back(r)}"
+        for r in j["runs"]]
 note = " (logical GPUs share hardware: overhead, not scaling)" if j.get("oversubscribed") else ""
 verdict = f"; verdict: {j['verdict']}" if j.get("verdict") else ""
 print(", ".join(runs) + note + verdict)
@@ -492,7 +617,8 @@ python_verdict() {
   local label=$1 n=$2 line
   shift 2
   finished "$label" "${@:1:n}" || return 0
-  line=$(python3 - "$@" 2>&1)
+  line=$(timeout "$t_py" python3 - "$@" 2>&1) || [[ $line == "ok "* ]] ||
+    line="FAIL ${line:-the check gave no answer within $t_py s}"
   if [[ $line == "ok "* ]]; then
     verdict ok "$label" "${line#ok }"
   else
@@ -502,7 +628,8 @@ python_verdict() {
 
 # Two dp_bench runs that must train alike (CUT where one did not finish): LABEL GRAPHED_JSON
 # OTHER_JSON. Every run (mode, N) of the second must be in the first, have replayed steps
-# there, and the same losses.
+# there (or say why its capture fell back: then it ran uncaptured, and the line says so), and
+# the same losses.
 same_losses_verdict() {
   python_verdict "$1" 2 "$2" "$3" << 'EOF'
 import json, sys
@@ -515,9 +642,13 @@ for key, r in sorted(off.items()):
     if g is None:
         bad.append(f"{name} missing")
         continue
-    said.append(f"{name} {g.get('graphed_steps', 0)} of {len(g['losses'])} replayed")
-    if g.get("graphed_steps", 0) == 0:
-        bad.append(f"{name} never replayed")
+    why = (g.get("graphs_fallback") or "")[:160]
+    if why:
+        said.append(f"{name} uncaptured (graphs fell back: {why})")
+    else:
+        said.append(f"{name} {g.get('graphed_steps', 0)} of {len(g['losses'])} replayed")
+        if g.get("graphed_steps", 0) == 0:
+            bad.append(f"{name} never replayed")
     if g["losses"] != r["losses"]:
         bad.append(f"{name} losses differ")
 print(("FAIL " if bad or not said else "ok ") + ", ".join(said + bad))
@@ -527,7 +658,8 @@ EOF
 # What a graphed step replays (LABEL JSON): per run, the median step over the graph nodes it
 # replays (dp_bench's graph_nodes_per_step: each a launch), the time per node against the
 # ~2 us a kernel takes inside a graph: what is launch floor and what is work. A measurement:
-# it fails only on a run that never replayed (same_losses_verdict says so too).
+# it fails only on a run that never replayed without saying why (a run whose capture fell back
+# has no floor to measure: the line says why).
 floor_verdict() {
   python_verdict "$1" 1 "$2" << 'EOF'
 import json, statistics, sys
@@ -535,6 +667,9 @@ said, bad = [], []
 for r in json.load(open(sys.argv[1]))["runs"]:
     name = f"{r['mode']} N={r['gpus']}"
     nodes = r.get("graph_nodes_per_step", 0)
+    if r.get("graphs_fallback"):
+        said.append(f"{name} uncaptured (graphs fell back: {r['graphs_fallback'][:160]})")
+        continue
     if not nodes:
         bad.append(f"{name} replayed no graph")
         continue
@@ -637,29 +772,73 @@ doctest_step() {
   esac
 }
 
-# Runs the PyTorch side by side (benchmarks/torch_ref/side_by_side.sh): NAME LABEL N FLAGS...
+# variants.py's report (VARIANTS_JSON) as one line: per variant ours/torch with its interval and
+# repeats (tokens/s for GPT), the variants skipped, and what its budget did not reach.
+torch_line() {
+  timeout "$t_py" python3 - "$1" 2> /dev/null << 'EOF'
+import json, sys
+j = json.load(open(sys.argv[1]))
+said = []
+for v, r in (j.get("variants") or {}).items():
+    ci = r.get("ci95") or []
+    said.append(f"{v} ours/torch {r['ratio']:.2f}" +
+                (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if len(ci) == 2 else "") +
+                f" {r.get('verdict', '')} over {len(r.get('repeats') or [])} repeats" +
+                (f" ({r['tokens_per_s_ours']:.0f} against {r['tokens_per_s_torch']:.0f} tok/s)"
+                 if "tokens_per_s_torch" in r else ""))
+for v, why in (j.get("skipped") or {}).items():
+    said.append(f"{v} skipped ({why[:80]})")
+if j.get("not_reached"):
+    said.append("not reached: " + "; ".join(j["not_reached"]))
+print("; ".join(said) or "no variant ran")
+EOF
+}
+
+# Runs the PyTorch side by side (benchmarks/torch_ref/side_by_side.sh): NAME LABEL N FLAGS... At
+# N = 1 variants.py gets what is left of the budget less t_torch_margin (side_by_side.sh's own
+# imports of torch and numpy, the last report) as --budget-s; it prints each measurement as it
+# is taken and exits 3 where that budget ran out first, with what it measured: CUT.
 torch_step() {
-  local name=$1 label=$2 n=$3 torch_ref=$here/torch_ref rc
+  local name=$1 label=$2 n=$3 torch_ref=$here/torch_ref rc line budget=() left
   shift 3
   [[ -d $torch_ref ]] || torch_ref=$here/../benchmarks/torch_ref
+  if ((n == 1)); then
+    left=$((budget_end - $(now) - t_torch_margin))
+    if ((left < 10)); then
+      verdict CUT "$label" "not started: under $((t_torch_margin + 10)) s of $budget_what left"
+      return
+    fi
+    budget=(--budget-s "$left")
+  fi
   OUT_DIR=$out/$name logged "$out/$name.txt" bash "$torch_ref/side_by_side.sh" "$build" "$n" \
-    --device "$bench_device" "$@"
+    --device "$bench_device" "$@" "${budget[@]}"
   rc=$?
-  step_verdict "$rc" "$label" "N=$n: see $name.txt" "see $name.txt"
+  ((rc == 0 || rc == 3)) && [[ -s $out/$name/variants.json ]] &&
+    line=$(torch_line "$out/$name/variants.json")
+  if ((rc == 3)); then
+    verdict CUT "$label" "N=$n: its $left s ran out: ${line:-see $name.txt}"
+  else
+    step_verdict "$rc" "$label" "N=$n: ${line:-see $name.txt}" "see $name.txt"
+  fi
 }
 
 # Whether python3 here imports torch with CUDA (the torch parts skip without it). Asked once (an
-# import of torch takes seconds), and not once the budget is spent (the steps are CUT then).
+# import of torch takes seconds; at most t_torch), and not once the budget is spent (the steps
+# are CUT then).
 torch_found=""
 torch_usable() {
   (($(now) < budget_end)) || return 0
   if [[ -z $torch_found ]]; then
-    torch_found=no
-    python3 -c 'import torch, numpy, sys; sys.exit(0 if torch.cuda.is_available() else 1)' \
-      > /dev/null 2>&1 && torch_found=yes
+    timeout "$t_torch" python3 -c \
+      'import torch, numpy, sys; sys.exit(0 if torch.cuda.is_available() else 1)' > /dev/null 2>&1
+    case $? in
+      0) torch_found=yes ;;
+      124 | 137) torch_found="torch did not import within $t_torch s" ;;
+      *) torch_found="torch (with CUDA) or numpy does not import in python3" ;;
+    esac
   fi
   if [[ $torch_found != yes ]]; then
-    verdict SKIP "PyTorch side by side" "torch (with CUDA) or numpy does not import in python3"
+    verdict SKIP "PyTorch side by side" "$torch_found"
     return 1
   fi
 }
@@ -668,8 +847,8 @@ torch_usable() {
 
 part_tests() {
   local driver
-  if logged "$out/nvidia-smi.txt" nvidia-smi; then
-    driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)
+  if logged "$out/nvidia-smi.txt" timeout "$t_smi" nvidia-smi; then
+    driver=$(timeout "$t_smi" nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)
     verdict ok nvidia-smi "$n_gpus GPU(s): $gpu_name, driver $driver"
   else
     verdict FAIL nvidia-smi "nvidia-smi failed: see nvidia-smi.txt"
@@ -685,23 +864,72 @@ part_tests() {
     "test_nn:nn.cuda*" "test_dp:dp.cuda*" "test_dist:*cuda*" "test_bench:bench.cuda*"
 }
 
+# A tool the machine may not support (compute-sanitizer, ncu: a VM may refuse the GPU's debug
+# interface or its counters), probed once, before its first part: TOOL --version, then a trivial
+# run under it (one small kernel test case), each within t_probe seconds; the output goes to
+# probe_TOOL.txt. Sets tool_why[TOOL] to "usable" or why not (the tool's own words where it said
+# any), tool_bin[TOOL] to its path. Returns 0 where usable; else a SKIP verdict (or CUT where the
+# budget stopped the probe) and 1.
+declare -A tool_why=() tool_bin=()
+tool_usable() {  # TOOL LABEL ARGS...: ARGS, the trivial run's after the tool
+  local tool=$1 label=$2 bin log rc ran why=""
+  shift 2
+  if [[ -z ${tool_why[$tool]:-} ]]; then
+    bin=$(command -v "$tool" || ls "/usr/local/cuda/bin/$tool" 2> /dev/null | head -1)
+    log=$out/probe_$tool.txt
+    if [[ -z $bin ]]; then
+      why="not installed (it comes with the CUDA toolkit)"
+    else
+      logged "$log" timeout "$t_probe" "$bin" --version
+      rc=$?
+      if ((rc == 0)); then
+        logged "$log.run" timeout "$t_probe" "$bin" "$@"
+        rc=$?
+        cat "$log.run" >> "$log"
+        rm -f "$log.run"
+      fi
+      if ((rc != 0)) && budget_stopped "$rc"; then
+        step_verdict "$rc" "$label" "" "probing $tool: see probe_$tool.txt"
+        return 1
+      fi
+      # A sanitizer that ran (0, or 99: --error-exitcode, it found an error, which memcheck
+      # then reports) works here, whatever it said; ncu may refuse the counters and exit 0.
+      ran=0
+      ((rc == 0)) || [[ $tool == compute-sanitizer && $rc == 99 ]] && ran=1
+      if ((ran == 0)) || [[ $tool == ncu ]]; then
+        why=$(grep -m1 -e ERR_NVGPUCTRPERM -e '==ERROR==' -e '========= Error:' "$log" ||
+          grep -m1 -i 'not supported' "$log")
+      fi
+      if [[ -n $why ]]; then
+        why="refused here: $(cut -c1-160 <<< "$why")"
+      elif ((rc == 124 || rc == 137)); then
+        why="gave no answer within $t_probe s"
+      elif ((ran == 0)); then
+        why="a trivial run failed (exit $rc)"
+      elif [[ $tool == ncu ]] && ! grep -q '==PROF== Profiling' "$log"; then
+        why="profiled no kernel in a trivial run"
+      fi
+      [[ -n $why ]] && why+=": see probe_$tool.txt"
+    fi
+    tool_why[$tool]=${why:-usable}
+    tool_bin[$tool]=$bin
+  fi
+  [[ ${tool_why[$tool]} == usable ]] && return 0
+  verdict SKIP "$label" "${tool_why[$tool]}"
+  return 1
+}
+
 # compute-sanitizer: API errors are not reported (the tests provoke some on purpose: an
 # allocation larger than the GPU must fail with a clear error); memory and race errors are.
 sanitizer_usable() {
-  if [[ $dry_run == 1 ]]; then
-    verdict SKIP "compute-sanitizer" "a dry run: no GPU to check"
-    return 1
-  fi
-  if ! command -v compute-sanitizer > /dev/null; then
-    verdict SKIP "compute-sanitizer" "not installed (it comes with the CUDA toolkit)"
-    return 1
-  fi
+  tool_usable compute-sanitizer compute-sanitizer --tool memcheck --report-api-errors no \
+    --error-exitcode 99 "$build/bin/test_kernels_cuda" -tc='kernels.cuda.elementwise*'
 }
 
 part_memcheck() {
   sanitizer_usable || return 0
-  logged "$out/memcheck.txt" compute-sanitizer --tool memcheck --report-api-errors no \
-    --error-exitcode 99 "$build/bin/test_kernels_cuda" -tc='kernels.cuda*'
+  logged "$out/memcheck.txt" "${tool_bin[compute-sanitizer]}" --tool memcheck \
+    --report-api-errors no --error-exitcode 99 "$build/bin/test_kernels_cuda" -tc='kernels.cuda*'
   local rc=$? said
   said=$(grep -o 'ERROR SUMMARY.*' "$out/memcheck.txt" | tail -1)
   step_verdict "$rc" "memcheck (kernel tests)" "$said" "${said:+$said: }see memcheck.txt"
@@ -711,8 +939,8 @@ part_racecheck() {
   sanitizer_usable || return 0
   # The kernels with shared-memory reductions and chunked sums.
   local race='kernels.cuda.mse_loss*,kernels.cuda.batch_norm*,kernels.cuda.layer_norm*,kernels.cuda.bias*,kernels.cuda.softmax_cross_entropy: matches*'
-  logged "$out/racecheck.txt" compute-sanitizer --tool racecheck --report-api-errors no \
-    --error-exitcode 99 "$build/bin/test_kernels_cuda" -tc="$race"
+  logged "$out/racecheck.txt" "${tool_bin[compute-sanitizer]}" --tool racecheck \
+    --report-api-errors no --error-exitcode 99 "$build/bin/test_kernels_cuda" -tc="$race"
   local rc=$?
   step_verdict "$rc" "racecheck (reductions)" \
     "$(grep -o 'RACECHECK SUMMARY.*\|ERROR SUMMARY.*' "$out/racecheck.txt" | tail -1)" \
@@ -760,7 +988,7 @@ part_gemm() {
   rc=$?
   if ((rc == 0)); then
     line=$(
-      python3 - "$out/bench_kernels.json" 2> /dev/null << 'EOF'
+      timeout "$t_py" python3 - "$out/bench_kernels.json" 2> /dev/null << 'EOF'
 import json, sys
 j = json.load(open(sys.argv[1]))
 rows = j["results"]
@@ -783,6 +1011,45 @@ EOF
     )
   fi
   step_verdict "$rc" "bench_kernels (GEMM)" "${line:-see bench_kernels.txt}" "see bench_kernels.txt"
+}
+
+# One run of each model at one GPU with --cuda-graphs auto, one repeat (what the graphs part
+# repeats, first seen): its step time, and whether it ran graphed (the steps replayed and the
+# nodes each launches), fell back uncaptured because its capture failed (dp_bench's
+# graphs_fallback: why), or ran uncaptured (auto found the step not capturable). A dry run
+# replays on CPU devices (--cuda-graphs on: auto is off there).
+probe_line() {  # JSON
+  timeout "$t_py" python3 - "$1" 2> /dev/null << 'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))["runs"][0]
+why = (r.get("graphs_fallback") or "")[:160]
+if why:
+    how = f"uncaptured (graphs fell back: {why})"
+elif r.get("graphed_steps", 0):
+    how = (f"graphed: {r['graphed_steps']} of {len(r.get('losses') or [])} steps replayed, "
+           f"{r.get('graph_nodes_per_step', 0):.0f} nodes each")
+else:
+    how = "uncaptured (not capturable)"
+print(f"{r['step_ms_median']:.3f} ms/step, loss {r['final_loss']:.4f}, {how}")
+EOF
+}
+part_probe() {
+  local model name rc line graphs=auto
+  [[ $dry_run == 1 ]] && graphs=on
+  for model in mlp cnn gpt; do
+    name=probe_$model
+    bench_args=(--mode dp --gpus 1 --baseline 0 --model "$model" --cuda-graphs "$graphs"
+      --repeat 1)
+    [[ $model == gpt ]] && bench_args+=(--gpt-config tiny)
+    [[ $dry_run == 1 ]] && dry_rewrite "${bench_args[@]}"
+    logged "$out/$name.txt" "$build/bin/dp_bench" --device "$bench_device" \
+      --json "$out/$name.json" "${bench_args[@]}"
+    rc=$?
+    line=""
+    ((rc == 0)) && line=$(probe_line "$out/$name.json")
+    step_verdict "$rc" "probe ${model/gpt/gpt-tiny} graphs $graphs" "${line:-see $name.txt}" \
+      "see $name.txt"
+  done
 }
 
 part_graphs() {
@@ -820,7 +1087,10 @@ part_gpt() {
 
 # The largest batch of GPT-2 124M (bf16, sequences of 1024) that fits one GPU, doubling from 16
 # (issue 26), with tokens/s, MFU and peak memory at each size that fits. A size that runs out of
-# memory ends the search; any other failure fails the step.
+# memory ends the search (the caching allocator's words, CUDA's, or cuBLAS's: a workspace it
+# cannot allocate is CUBLAS_STATUS_ALLOC_FAILED, "cublas status 3" in our errors); any other
+# failure fails the step.
+oom_said='out of memory\|ALLOC_FAILED\|cudaErrorMemoryAllocation\|cublas[a-z]* status 3\b'
 part_gpt_batch() {
   local b rc name fits=0 sizes=(16 32 64 128 256) said="" why="" label="gpt-124m largest batch"
   [[ $dry_run == 1 ]] && sizes=(16 32)
@@ -835,7 +1105,7 @@ part_gpt_batch() {
     if ((rc == 0)); then
       fits=$b
       said+="$(
-        python3 - "$out/$name.json" "$b" 2> /dev/null << 'EOF'
+        timeout "$t_py" python3 - "$out/$name.json" "$b" 2> /dev/null << 'EOF'
 import json, sys
 r = json.load(open(sys.argv[1]))["runs"][0]
 print(f"batch {sys.argv[2]} {r['tokens_per_s']:.0f} tok/s, MFU {100 * r['mfu']:.1f}%, "
@@ -843,8 +1113,8 @@ print(f"batch {sys.argv[2]} {r['tokens_per_s']:.0f} tok/s, MFU {100 * r['mfu']:.
 EOF
       ); "
     elif ! budget_stopped "$rc" &&
-      grep -qi 'out of memory\|ALLOC_FAILED\|cudaErrorMemoryAllocation' "$out/$name.txt"; then
-      why="batch $b does not fit: $(grep -i -m1 'out of memory\|ALLOC_FAILED\|cudaErrorMemoryAllocation' "$out/$name.txt" | cut -c1-160)"
+      grep -qi "$oom_said" "$out/$name.txt"; then
+      why="batch $b does not fit: $(grep -i -m1 "$oom_said" "$out/$name.txt" | cut -c1-160)"
       break
     else
       step_verdict "$rc" "$label" "" "batch $b: see $name.txt"
@@ -921,23 +1191,18 @@ part_torch_gpt() {
 # GPUs: dp/backward (the workers' ranges are named by phase; --launch-count keeps the first
 # kernels, one replica's backward) and dp/reduce. --clock-control none keeps the GPU's own
 # clocks, as in the timed runs. ncu's filter reads "/" as nesting, so the one inside our range
-# names is escaped: "dp\/backward/" is the push/pop range named dp/backward.
+# names is escaped: "dp\/backward/" is the push/pop range named dp/backward. First a probe: ncu
+# --version and one kernel of a small test case profiled (SKIP where refused: a VM without
+# access to the GPU's counters says ERR_NVGPUCTRPERM or "not supported").
 part_profile() {
-  local ncu_bin rc what
-  ncu_bin=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2> /dev/null | head -1)
-  if [[ $dry_run == 1 ]]; then
-    verdict SKIP "ncu (profile)" "a dry run: no GPU to profile"
-    return
-  fi
-  if [[ -z $ncu_bin ]]; then
-    verdict SKIP "ncu (profile)" "Nsight Compute (ncu) is not installed (it comes with the CUDA toolkit)"
-    return
-  fi
+  local rc what
+  tool_usable ncu "ncu (profile)" --launch-count 1 --section LaunchStats \
+    "$build/bin/test_kernels_cuda" -tc='kernels.cuda.elementwise*' || return 0
   for what in backward reduce; do
-    logged "$out/ncu_$what.txt" "$ncu_bin" --clock-control none --nvtx \
+    logged "$out/ncu_$what.txt" "${tool_bin[ncu]}" --clock-control none --nvtx \
       --nvtx-include "dp\\/$what/" --launch-count 12 --section SpeedOfLight --section LaunchStats \
-      --csv --page details "$build/bin/dp_bench" --device cuda --mode dp --gpus 2 --baseline 0 \
-      --model cnn --warmup 1 --steps 2 --cuda-graphs off
+      --csv --page details "$build/bin/dp_bench" --device "$bench_device" --mode dp --gpus 2 \
+      --baseline 0 --model cnn --warmup 1 --steps 2 --cuda-graphs off
     rc=$?
     if ((rc == 0)) && ! grep -q 'Duration' "$out/ncu_$what.txt"; then
       verdict FAIL "ncu dp/$what" "no kernel in the range: see ncu_$what.txt"
@@ -951,7 +1216,8 @@ part_profile() {
 
 # ---- running the parts -----------------------------------------------------------------------
 
-# One part: its steps, then one line saying whether it is done (every step ok or skipped).
+# One part: its steps, then one line saying whether it is done (every step ok or skipped); then
+# the results are packed again (--pack), so a run stopped later still returns this part.
 run_part() {  # PART
   local p=$1 t0
   if [[ -n $skip_done ]] && grep -q "^== part $p: done" "$skip_done"; then
@@ -968,24 +1234,38 @@ run_part() {  # PART
     echo "== part $p: not done in $(($(now) - t0)) s ($part_fail failed, $part_cut cut off or not started)" |
       tee -a "$summary"
   fi
+  pack_results "part $p"
+}
+
+# A part's budget within a lease: up to the lease's end, or its cap (lease_cap_s) from now.
+lease_budget() {  # PART
+  local cap=${lease_cap_s[$1]:-}
+  budget_end=$lease_end budget_what="the lease's $lease_s s"
+  if [[ -n $cap ]] && (($(now) + cap < lease_end)); then
+    budget_end=$(($(now) + cap)) budget_what="$1's $cap s of the lease"
+  fi
 }
 
 if [[ -n $lease_s && $stage == all ]]; then
-  # The lease: the untimed jobs side by side, within the side window; then the timed parts.
+  # The lease: the untimed jobs side by side, within the side window; then the timed parts. A
+  # job stops its running step on a TERM (on_signal sends one to each job).
   budget_end=$((t_start + lease_side_s))
   ((budget_end > lease_end)) && budget_end=$lease_end
   budget_what="the lease's side-by-side window ($((budget_end - t_start)) s)"
-  pids=()
   for job in "${lease_jobs[@]}"; do
     (
+      trap '[[ -n $step_pid ]] && kill -TERM "$step_pid" 2> /dev/null
+        [[ -n $pack_tmp ]] && rm -f "$pack_tmp"
+        exit 143' TERM
+      trap '' INT  # the main shell stops the job
       for p in $job; do run_part "$p"; done
       ((n_fail)) && exit 1
       ((n_cut)) && exit 3
       exit 0
     ) &
-    pids+=($!)
+    side_pids+=($!)
   done
-  for pid in "${pids[@]}"; do
+  for pid in "${side_pids[@]}"; do
     wait "$pid"
     case $? in
       0) ;;
@@ -993,28 +1273,26 @@ if [[ -n $lease_s && $stage == all ]]; then
       *) n_fail=$((n_fail + 1)) ;;
     esac
   done
-  budget_end=$lease_end
-  budget_what="the lease's $lease_s s"
-  for p in "${lease_timed[@]}"; do run_part "$p"; done
+  side_pids=()
+  for p in "${lease_timed[@]}"; do
+    lease_budget "$p"
+    run_part "$p"
+  done
 else
   for item in "${items[@]}"; do
-    if [[ -n $lease_s ]]; then
-      budget_end=$lease_end budget_what="the lease's $lease_s s"
-    else
+    if [[ -z $lease_s ]]; then
       budget_end=$(($(now) + stage_budget_s)) budget_what="the $item budget ($stage_budget_s s)"
     fi
-    for p in $(item_parts "$item"); do run_part "$p"; done
+    for p in $(item_parts "$item"); do
+      [[ -n $lease_s ]] && lease_budget "$p"
+      run_part "$p"
+    done
   done
 fi
 
 # What is left, as the --stage list that runs it.
-left=$(tail -n +$((run_from + 1)) "$summary" | sed -n 's/^== part \([a-z0-9-]*\): not done.*/\1/p' |
-  paste -sd, -)
 echo "   took $(($(now) - t_start)) s" | tee -a "$summary"
-if [[ -n $left ]]; then
-  echo "gpu_check: not done: $left; run them again with --stage $left, or all with --skip-done $summary" |
-    tee -a "$summary"
-fi
+say_left
 status=0
 if ((n_fail)); then
   echo "gpu_check: step(s) failed; everything is in $out" | tee -a "$summary"
@@ -1026,12 +1304,5 @@ elif ((n_cut)); then
 else
   echo "gpu_check: every step passed; commit $out to benchmarks/results/" | tee -a "$summary"
 fi
-if [[ -n $pack ]]; then
-  if tar -C "$(dirname "$out")" -czf "$pack" "$(basename "$out")"; then
-    echo "gpu_check: packed $out into $pack ($(($(stat -c %s "$pack") / 1024)) KiB)"
-  else
-    echo "gpu_check: could not write $pack" >&2
-    status=1
-  fi
-fi
+pack_results "the end" || status=1
 exit $status

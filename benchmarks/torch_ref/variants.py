@@ -20,27 +20,38 @@ exit status 1. The largest |loss gap| over all timed steps and repeats is printe
 held to it: float rounding differences between two correct engines grow with training (fp32 mlp,
 seen 2e-7 at the first timed step, 1e-3 by timed step 70, 5e-3 by 160; resnet at batch 32 drifts
 by 1e-2 within 30 steps, torch eager against torch compile as much). A variant that cannot
-run here is skipped with one line saying why, and recorded under "skipped" in the JSON.
+run here is skipped with one line saying why, and recorded under "skipped" in the JSON. Each
+variant's check runs just before its first timed steps (in repeat 1), so a slow one (compile's
+compilation) holds back only itself.
+Every measurement is printed (flushed) as it is taken. --budget-s S: seconds from this process's
+start (torch's import included); when they run out, wherever the run is, it stops, reports what
+it measured, names what it did not reach ("not reached:", and "not_reached" in the JSON), and
+exits 3 (1 still where the work differs).
 Clock: from the host batch (made and pinned before the clock starts) to the updated weights,
 one loss read (.item()) per step, the device synchronised; the garbage collector is off while
 the steps run.
 """
 
 import argparse
+import copy
 import gc
 import inspect
 import json
+import math
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 
-import torch
+START = time.monotonic()  # --budget-s counts from here: torch's import is in it
 
-import ref_common as rc
-import stats
+import torch  # noqa: E402
+
+import ref_common as rc  # noqa: E402
+import stats  # noqa: E402
 
 VARIANTS = ("eager", "graph", "compile")
 GRAPH_SIDE_WARMUP = 3  # eager steps on a side stream before capture (PyTorch's recipe)
@@ -51,6 +62,56 @@ MAX_REPEAT = 1000
 
 class Skip(Exception):
     """A variant that cannot run here; the message says why, in one line."""
+
+
+class OutOfBudget(BaseException):
+    """--budget-s ran out. A BaseException, so that no `except Exception` (a variant that fails
+    is skipped) takes it for a failure."""
+
+
+class Budget:
+    """--budget-s: seconds from START. arm() sets an alarm that raises OutOfBudget in the main
+    thread wherever it is (a timed loop, torch.compile's compilation, waiting on dp_bench, which
+    subprocess.run then kills); spent says it rang; 0 seconds: no budget."""
+
+    def __init__(self, seconds):
+        self.seconds, self.spent, self.armed = seconds, False, False
+
+    def left(self):
+        return self.seconds - (time.monotonic() - START) if self.seconds else math.inf
+
+    def _ring(self, signum, frame):
+        if self.armed:  # not once disarm() has begun
+            self.spent = True
+            raise OutOfBudget()
+
+    def arm(self):
+        if not self.seconds:
+            return
+        if self.left() <= 0:
+            self.spent = True
+            raise OutOfBudget()
+        self.armed = True
+        signal.signal(signal.SIGALRM, self._ring)
+        signal.setitimer(signal.ITIMER_REAL, self.left())
+
+    def disarm(self):
+        self.armed = False
+        if self.seconds:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+SEED_MODELS = {}
+
+
+def seed_model(args):
+    """rc.build_model(args), built once per process and copied after: the engine's initial
+    weights come from a NumPy port of its generator, about 80 s for GPT-2 124M's 124M values on
+    one core here (est. from one 4M chunk), and every variant and repeat starts from them."""
+    key = (rc.model_name(args), args.seed)
+    if key not in SEED_MODELS:
+        SEED_MODELS[key] = rc.build_model(args)
+    return copy.deepcopy(SEED_MODELS[key])
 
 
 def one_line(e):
@@ -145,7 +206,7 @@ def eager_step(net, opt, amp, device, begin=None):
 
 
 def run_eager(args, ds, batch, device, state):
-    model = rc.build_model(args).to(device)
+    model = seed_model(args).to(device)
     opt, notes = optimizer(args, model.parameters(), device)
     step_ms, losses = timed_steps(args, ds, batch, device,
                                   eager_step(model, opt, rc.Amp(args.dtype, device.type), device))
@@ -171,7 +232,7 @@ def run_graph(args, ds, batch, device, state):
         return torch.autocast("cuda", dtype=amp_dtype, enabled=amp_dtype is not None,
                               cache_enabled=False)
 
-    model = rc.build_model(args).to(device)
+    model = seed_model(args).to(device)
     # SGD keeps no host-side step count (unlike Adam): its step is capturable as it is. Where
     # this torch's SGD takes capturable=, it is set, as the recipe says. AdamW (--model gpt)
     # needs capturable=True: its step count then lives on the device.
@@ -219,14 +280,14 @@ def run_compile(args, ds, batch, device, state):
     recompile limit); each repeat loads the seed's weights into it again, resets BatchNorm's
     running statistics and makes a new optimizer, so every repeat trains the same steps."""
     if "compiled" not in state:
-        model = rc.build_model(args).to(device)
+        model = seed_model(args).to(device)
         mode = "reduce-overhead" if device.type == "cuda" else None
         state["model"] = model
         state["compiled"] = torch.compile(model, mode=mode) if mode else torch.compile(model)
         state["mode"] = mode or "default"
     else:
         model = state["model"]
-        fresh = rc.build_model(args)
+        fresh = seed_model(args)
         with torch.no_grad():
             for p, q in zip(model.parameters(), fresh.parameters()):
                 p.copy_(q)
@@ -332,6 +393,10 @@ def parse_args():
                     help="torch.set_num_threads for the CPU variants (0: torch's default, one "
                          "per core; OpenMP's spinning threads suffer most on a busy machine)")
     ap.add_argument("--baseline", type=int, default=0, help="accepted for dp_bench's flags; unused")
+    ap.add_argument("--budget-s", type=float, default=0,
+                    help="seconds this run may take from its start (0: no limit); when they run "
+                         "out it reports what it measured, names what it did not reach and "
+                         "exits 3")
     args = ap.parse_args()
     names = [v for v in args.variants.split(",") if v]
     bad = [v for v in names if v not in VARIANTS]
@@ -347,6 +412,8 @@ def parse_args():
                  f"runs dp_ref.py and ddp_ref.py)")
     if not 0 <= args.torch_threads <= 4096:
         ap.error(f"--torch-threads {args.torch_threads}: give a whole number in [0, 4096]")
+    if not 0 <= args.budget_s <= 1e6:
+        ap.error(f"--budget-s {args.budget_s:g}: give seconds in [0, 1000000] (0: no limit)")
     if not 2000 <= args.resamples <= 1_000_000:
         ap.error(f"--resamples {args.resamples}: give a whole number in [2000, 1000000]")
     if args.steps < 1 or args.warmup < 0 or args.batch < 1 or args.batch_per_device < 0:
@@ -358,42 +425,139 @@ def parse_args():
     return args
 
 
-def run_variant(v, args, ds, batch, device, state, when, skipped):
+def run_variant(v, args, ds, batch, device, state, when, skipped, budget):
     """(step_ms, losses, notes) of variant v, or None once it is recorded in `skipped` with the
-    reason, printed in one line."""
+    reason, printed in one line. A failure after the budget rang is the budget's (the alarm
+    inside a capture or a compilation can come out as torch's own error): OutOfBudget."""
     try:
         return RUNNERS[v](args, ds, batch, device, state)
     except Skip as e:
         skipped[v] = str(e)
     except Exception as e:  # a variant failing here (e.g. no compiler) is skipped, not fatal
+        if budget.spent:
+            raise OutOfBudget() from e
         skipped[v] = f"failed in {when}: {one_line(e)}"
     print(f"{v}: skipped: {skipped[v]}")
     state.clear()
     return None
 
 
-def same_work_check(args, batch, device, state, out_dir, skipped):
-    """Ours and each variant train CHECK_STEPS steps after CHECK_WARMUP from the seed's weights;
-    returns {"ours": losses, "gaps": {variant: max |loss gap|}}. Early in training the gap is
-    float rounding (check_compat.py sees at most 1.5e-5); different work (data, weights,
-    optimizer) shows at once."""
+def check_args(args):
+    """The same-work check's settings: CHECK_STEPS steps after CHECK_WARMUP."""
     check = argparse.Namespace(**vars(args))
     check.warmup, check.steps = CHECK_WARMUP, CHECK_STEPS
-    ds = rc.dataset(check, batch)
-    _, run = run_ours(check, args.bench, batch, os.path.join(out_dir, "ours_check.json"),
+    return check
+
+
+# The same-work check: ours and each variant train CHECK_STEPS steps after CHECK_WARMUP from the
+# seed's weights; check["gaps"][variant] is the largest |loss gap| there. Early in training the gap
+# is float rounding (check_compat.py sees at most 1.5e-5); different work (data, weights,
+# optimizer) shows at once. Ours is checked first; each variant just before its first timed
+# steps, so that its compilation, if any, is in no repeat and holds back no other variant.
+def check_ours(args, batch, out_dir, check):
+    t0 = time.monotonic()
+    _, run = run_ours(check_args(args), args.bench, batch, os.path.join(out_dir, "ours_check.json"),
                       os.path.join(out_dir, "ours_check.log"))
-    ours = run.get("losses", [])
-    gaps = {}
+    check["ours_losses"] = run.get("losses", [])
+    print(f"check: ours trained steps {CHECK_WARMUP}..{CHECK_WARMUP + CHECK_STEPS - 1} "
+          f"({time.monotonic() - t0:.1f} s)")
+
+
+def check_variant(v, args, ds_check, batch, device, state, skipped, check, budget):
+    """Variant v's part of the check; False where v was skipped."""
+    t0 = time.monotonic()
+    got = run_variant(v, check_args(args), ds_check, batch, device, state, "the same-work check",
+                      skipped, budget)
+    if got is None:
+        return False
+    ours, losses = check["ours_losses"], got[1]
+    check["gaps"][v] = (max((abs(a - b) for a, b in zip(ours, losses)), default=float("nan"))
+                        if len(losses) == len(ours) else float("inf"))
+    print(f"check: {v} |loss gap| {check['gaps'][v]:.2e} ({time.monotonic() - t0:.1f} s)")
+    return True
+
+
+def check_line(check):
+    return (f"same-work check, |loss ours - torch| over steps {CHECK_WARMUP}.."
+            f"{CHECK_WARMUP + CHECK_STEPS - 1}: "
+            + (", ".join(f"{v} {g:.2e}" for v, g in check["gaps"].items()) or "no variant ran"))
+
+
+def measure(args, batch, device, out_dir, budget):
+    """The check, then K interleaved repeats (ours, then each variant), each measurement printed
+    as it is taken, until done or the budget rings. Returns (check, ours, results, skipped,
+    ours_device): what was measured."""
+    skipped, state = {}, {v: {} for v in args.variant_names}
+    check = {"warmup": CHECK_WARMUP, "steps": CHECK_STEPS, "ours_losses": None, "gaps": {}}
+    results = {v: {"repeats": [], "notes": []} for v in args.variant_names}
+    ours, ours_device, said_check = [], None, False
+    try:
+        budget.arm()
+        ds = rc.dataset(args, batch)
+        ds_check = rc.dataset(check_args(args), batch)
+        check_ours(args, batch, out_dir, check)
+        for k in range(args.repeat):
+            head = f"repeat {k + 1}/{args.repeat}:"
+            t0 = time.monotonic()
+            path = os.path.join(out_dir, f"ours_{k + 1}.json")
+            report, run = run_ours(args, args.bench, batch, path,
+                                   os.path.join(out_dir, f"ours_{k + 1}.log"))
+            ours_device = report.get("device")
+            ours.append(dict(summary(run["step_ms"], run.get("losses", [])), json=path))
+            print(f"{head} ours {ours[-1]['step_ms_median']:.3f} ms ({time.monotonic() - t0:.1f} s)")
+            for v in args.variant_names:
+                if v in skipped or (v not in check["gaps"] and not check_variant(
+                        v, args, ds_check, batch, device, state[v], skipped, check, budget)):
+                    continue
+                t0 = time.monotonic()
+                got = run_variant(v, args, ds, batch, device, state[v], f"repeat {k + 1}", skipped,
+                                  budget)
+                if got is None:
+                    continue
+                step_ms, losses, notes = got
+                results[v]["repeats"].append(summary(step_ms, losses))
+                results[v]["notes"] = sorted(set(results[v]["notes"]) | set(notes))
+                print(f"{head} {v} {results[v]['repeats'][-1]['step_ms_median']:.3f} ms "
+                      f"({time.monotonic() - t0:.1f} s)")
+            if not said_check:
+                print(check_line(check))
+                said_check = True
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # torch's cached blocks are not dp_bench's to compete with
+    except OutOfBudget:
+        budget.spent = True
+        print(f"variants: the budget of {args.budget_s:g} s ran out "
+              f"({time.monotonic() - START:.0f} s in): stopping with what was measured")
+    finally:
+        budget.disarm()
+    if not said_check:
+        print(check_line(check))
+    for v in skipped:
+        results.pop(v, None)
+    return check, ours, results, skipped, ours_device
+
+
+def not_reached(args, check, ours, results, skipped):
+    """What the budget left unmeasured, per name: "compile: same-work check, repeats 1-3"."""
+    out = []
+
+    def missing(name, done, checked):
+        said = [] if checked else ["same-work check"]
+        if done < args.repeat:
+            said.append(f"repeat {args.repeat}" if done + 1 == args.repeat
+                        else f"repeats {done + 1}-{args.repeat}")
+        if said:
+            out.append(f"{name}: {', '.join(said)}")
+
+    missing("ours", len(ours), check["ours_losses"] is not None)
     for v in args.variant_names:
-        got = run_variant(v, check, ds, batch, device, state[v], "the same-work check", skipped)
-        if got is not None:
-            losses = got[1]
-            gaps[v] = (max((abs(a - b) for a, b in zip(ours, losses)), default=float("nan"))
-                       if len(losses) == len(ours) else float("inf"))
-    return {"warmup": CHECK_WARMUP, "steps": CHECK_STEPS, "ours_losses": ours, "gaps": gaps}
+        if v not in skipped:
+            missing(v, len(results[v]["repeats"]), v in check["gaps"])
+    return out
 
 
 def main():
+    sys.stdout.reconfigure(line_buffering=True)  # each line as it is printed, also into a file
     args = parse_args()
     have_gpu = torch.cuda.is_available() and torch.cuda.device_count() > 0
     if args.device == "cuda" and not have_gpu:
@@ -406,7 +570,6 @@ def main():
     rc.set_math(args.dtype)
     torch.backends.cudnn.benchmark = args.model in ("cnn", "resnet")
     batch = rc.global_batch(args, 1)
-    ds = rc.dataset(args, batch)
     out_dir = args.out_dir or tempfile.mkdtemp(prefix="variants.")
     os.makedirs(out_dir, exist_ok=True)
     json_path = args.json_path or os.path.join(out_dir, "variants.json")
@@ -417,34 +580,9 @@ def main():
           f"{args.warmup} warm-up, {args.dtype}, torch on {device}"
           f"{f' ({torch.get_num_threads()} threads)' if device.type == 'cpu' else ''}, "
           f"{args.repeat} repeats; reports in {out_dir}")
-    skipped = {}
-    state = {v: {} for v in args.variant_names}
-    check = same_work_check(args, batch, device, state, out_dir, skipped)
-    print(f"same-work check, |loss ours - torch| over steps {CHECK_WARMUP}.."
-          f"{CHECK_WARMUP + CHECK_STEPS - 1}: "
-          + (", ".join(f"{v} {g:.2e}" for v, g in check["gaps"].items()) or "no variant ran"))
-
-    results = {v: {"repeats": [], "notes": []} for v in check["gaps"]}
-    ours, ours_device = [], None
-    for k in range(args.repeat):
-        path = os.path.join(out_dir, f"ours_{k + 1}.json")
-        report, run = run_ours(args, args.bench, batch, path,
-                               os.path.join(out_dir, f"ours_{k + 1}.log"))
-        ours_device = report.get("device")
-        ours.append(dict(summary(run["step_ms"], run.get("losses", [])), json=path))
-        line = [f"repeat {k + 1}/{args.repeat}: ours {ours[-1]['step_ms_median']:.3f} ms"]
-        for v in list(results):
-            got = run_variant(v, args, ds, batch, device, state[v], f"repeat {k + 1}", skipped)
-            if got is None:
-                del results[v]
-                continue
-            step_ms, losses, notes = got
-            results[v]["repeats"].append(summary(step_ms, losses))
-            results[v]["notes"] = sorted(set(results[v]["notes"]) | set(notes))
-            line.append(f"{v} {results[v]['repeats'][-1]['step_ms_median']:.3f} ms")
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # torch's cached blocks are not dp_bench's to compete with
-        print(" | ".join(line), flush=True)
+    budget = Budget(args.budget_s)
+    check, ours, results, skipped, ours_device = measure(args, batch, device, out_dir, budget)
+    unmeasured = not_reached(args, check, ours, results, skipped)
 
     ours_medians = [r["step_ms_median"] for r in ours]
     table, mismatched = {}, []
@@ -455,6 +593,12 @@ def main():
             print(f" {v:8s} skipped: {skipped[v]}")
             continue
         reps = results[v]["repeats"]
+        if not reps:
+            print(f" {v:8s} not reached: the budget ran out"
+                  + (f" (same-work check {check['gaps'][v]:.2e})" if v in check["gaps"] else ""))
+            if v in check["gaps"] and not check["gaps"][v] <= tolerance:
+                mismatched.append(v)
+            continue
         theirs = [r["step_ms_median"] for r in reps]
         ci = stats.bootstrap_ratio_ci(ours_medians, theirs, resamples=args.resamples)
         gap = max((abs(a - b) for o, t in zip(ours, reps)
@@ -472,17 +616,19 @@ def main():
         if not same_work:
             mismatched.append(v)
     for v in mismatched:
-        print(f"!! {v}: NOT THE SAME WORK: ours and {v} differ by {table[v]['loss_gap_check']:.2e} "
+        print(f"!! {v}: NOT THE SAME WORK: ours and {v} differ by {check['gaps'][v]:.2e} "
               f"in the same-work check (tolerance {tolerance:g} for {args.dtype}) or in the "
               f"number of losses: its timing compares different training")
     for v in table:
         for note in table[v]["notes"]:
             print(f"note: {v}: {note}")
     print(f"ours/torch < 1: ours takes less time per step. 95% CI: bootstrap over the "
-          f"{args.repeat} repeats; 'within noise': the interval contains 1. |loss gap| timed: "
+          f"{len(ours)} repeats; 'within noise': the interval contains 1. |loss gap| timed: "
           f"the largest over all timed steps and repeats (rounding grows with training)")
+    if unmeasured:
+        print(f"not reached (the budget of {args.budget_s:g} s ran out): " + "; ".join(unmeasured))
     torch_device = "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device)
-    if (ours_device == "cpu") != (device.type == "cpu"):
+    if ours_device is not None and (ours_device == "cpu") != (device.type == "cpu"):
         print(f"!! ours ran on {ours_device!r}, torch on {torch_device!r}: not the same device")
 
     if args.model == "gpt":  # tokens/s of ours and each variant, from the median steps
@@ -500,7 +646,7 @@ def main():
            "cudnn_benchmark": torch.backends.cudnn.benchmark,
            "command": ["variants.py"] + sys.argv[1:], "environment": environment(device),
            "same_work_check": check, "ours": {"repeats": ours}, "variants": table,
-           "skipped": skipped}
+           "skipped": skipped, "budget_s": args.budget_s or None, "not_reached": unmeasured}
     try:
         with open(json_path, "w") as f:
             json.dump(out, f, indent=2)
@@ -508,7 +654,7 @@ def main():
     except OSError as e:
         raise SystemExit(f"variants: could not write {json_path}: {e}")
     print(f"json: {json_path}")
-    return 1 if mismatched else 0
+    return 1 if mismatched else 3 if unmeasured else 0
 
 
 if __name__ == "__main__":
