@@ -78,6 +78,29 @@ std::optional<RunResult> run_workers(const Options& o, int n, const std::string&
   return r;
 }
 
+dp::dist::RunConfig bench_run_config(const Options& o, int64_t batch, int64_t dataset_size) {
+  // Keyed by the flags the user types, so that a mismatch names the flag to fix; the derived
+  // fields (the data set's size, and the engine's own: dp::dist::verify_same_config) come after.
+  return {{"program", "dp_bench"},
+          {"--mode", o.mode},
+          {"--model", model_name(o)},
+          {"--batch", std::to_string(batch)},
+          {"--steps", std::to_string(o.steps)},
+          {"--warmup", std::to_string(o.warmup)},
+          {"--repeat", std::to_string(o.repeat)},
+          {"--dtype", o.dtype},
+          {"--activations", o.activations},
+          {"--comm-dtype", o.comm_dtype},
+          {"--optim", o.optim},
+          {"--seed", std::to_string(o.seed)},
+          {"--zero", std::to_string(o.zero)},
+          {"--sync-bn", o.sync_bn ? "on" : "off"},
+          {"--dropout", std::to_string(o.dropout)},
+          {"--bucket-cap-mb", std::to_string(o.bucket_cap_mb)},
+          {"--first-bucket-mb", std::to_string(o.first_bucket_mb)},
+          {"dataset_size", std::to_string(dataset_size)}};
+}
+
 int ddp_worker_main(const Options& o, int argc, char** argv) {
   (void)argc;
   (void)argv;
@@ -120,21 +143,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   trainer.set_metrics_lag(o.metrics_lag);
   if (nn::LossPtr loss = loss_of(o)) trainer.set_loss(std::move(loss));
   // What every rank must agree on, verified by wrap() before the weights are broadcast.
-  trainer.set_run_config({{"program", "dp_bench"},
-                          {"model", model_name(o)},
-                          {"dataset_size", std::to_string(data.size())},
-                          {"repeat", std::to_string(o.repeat)},
-                          {"batch", std::to_string(batch)},
-                          {"steps", std::to_string(o.steps)},
-                          {"warmup", std::to_string(o.warmup)},
-                          {"dtype", o.dtype},
-                          {"comm_dtype", o.comm_dtype},
-                          {"optim", o.optim},
-                          {"seed", std::to_string(o.seed)},
-                          {"zero", std::to_string(o.zero)},
-                          {"sync_bn", o.sync_bn ? "on" : "off"},
-                          {"bucket_cap_mb", std::to_string(o.bucket_cap_mb)},
-                          {"first_bucket_mb", std::to_string(o.first_bucket_mb)}});
+  trainer.set_run_config(bench_run_config(o, batch, data.size()));
   trainer.wrap(model, opt);
   if (s.math == kernels::MathMode::tf32) kernels::context(trainer.device()).set_math(s.math);
 

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "benchmarks/bench_common.hpp"
+#include "dp/distributed/config_check.hpp"
 
 namespace bench {
 
@@ -15,6 +16,9 @@ namespace bench {
 std::optional<RunResult> run_ddp(const Options& o, const Setup& s, int n, int argc, char** argv,
                                  dp::Trace* trace);
 int ddp_worker_main(const Options& o, int argc, char** argv);
+// What every rank or node of a dp_bench run must agree on (verified before the first
+// collective): the flags that shape the run, keyed as typed ("--batch": the global batch).
+dp::dist::RunConfig bench_run_config(const Options& o, int64_t batch, int64_t dataset_size);
 
 // The launch both runs share: n processes of this program on this node (n x nnodes in all),
 // rank 0's figures back through a result file, each rank's trace merged. `what` names the run

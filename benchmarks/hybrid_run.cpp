@@ -48,6 +48,13 @@ int hybrid_worker_main(const Options& o) {
 
   const int64_t batch = global_batch(o, n);
   const StepBatches data(o, batch);
+  // The nodes prove they agree before the first collective (STYLE.md 17): a node with another
+  // --batch, --model or --steps fails every node at once, naming the flag, instead of training
+  // a wrong loss, crashing in a collective or waiting out its timeout.
+  dp::dist::RunConfig config = bench_run_config(o, batch, data.size());
+  config["--gpus"] = std::to_string(local);  // the devices per node: uneven nodes are not split
+  config["nodes"] = std::to_string(nodes);
+  dp::dist::verify_same_config(*group, config, group->timeout());
   auto model = model_of(o);
   model->materialize(devices[0], o.seed);
   if (s.activations != kernels::DType::f32) model->set_activations(nn::Activations::compute);

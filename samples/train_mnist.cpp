@@ -305,6 +305,25 @@ int main(int argc, char** argv) {
     nn::GradScaler* scaler = &single_scaler;
     std::unique_ptr<dp::DataParallel> dp_engine;
     std::unique_ptr<dp::ParameterServer> ps;
+    // What every rank (DDP) or node (hybrid) must agree on, verified before the first
+    // collective; keyed by the flags as typed, so that a mismatch names the flag to fix.
+    auto opt_text = [](const auto& v) { return v ? std::to_string(*v) : std::string("all"); };
+    dp::dist::RunConfig run_config = {{"program", "train_mnist"},
+                                      {"--mode", f.mode},
+                                      {"--model", f.model},
+                                      {"--batch", std::to_string(f.batch)},
+                                      {"--epochs", std::to_string(f.epochs)},
+                                      {"--limit-batches", opt_text(f.limit_batches)},
+                                      {"--train-samples", opt_text(f.train_samples)},
+                                      {"--optim", f.optim},
+                                      {"--lr", std::to_string(lr)},
+                                      {"--seed", std::to_string(f.seed)},
+                                      {"--dtype", f.dtype},
+                                      {"--comm-dtype", f.comm_dtype},
+                                      {"--last-batch", f.last_batch},
+                                      {"--sync-bn", f.sync_bn ? "on" : "off"},
+                                      {"--resume", f.resume},
+                                      {"train_samples", std::to_string(train.size())}};
     std::unique_ptr<dp::dist::ProcessGroup> nodes;  // hybrid: one rank per node process
     if (hybrid) {
       auto env = dp::dist::worker_env_from_environment();
@@ -316,6 +335,8 @@ int main(int argc, char** argv) {
       io.world_size = env->world_size;
       if (f.timeout_s > 0) io.timeout = std::chrono::milliseconds(std::llround(f.timeout_s * 1000));
       nodes = dp::dist::init_process_group(io);
+      run_config["--gpus"] = std::to_string(devices.size());  // per node: uneven nodes refused
+      dp::dist::verify_same_config(*nodes, run_config, nodes->timeout());
     }
     if (f.mode == "ps") {
       dp::PsOptions po;
@@ -340,22 +361,7 @@ int main(int argc, char** argv) {
       };
     } else if (f.mode == "ddp") {
       // What every rank must agree on: wrap() verifies it before the weights are broadcast.
-      auto opt_text = [](const auto& v) { return v ? std::to_string(*v) : std::string("all"); };
-      ddp->set_run_config({{"program", "train_mnist"},
-                           {"model", f.model},
-                           {"batch", std::to_string(f.batch)},
-                           {"epochs", std::to_string(f.epochs)},
-                           {"limit_batches", opt_text(f.limit_batches)},
-                           {"train_samples", std::to_string(train.size())},
-                           {"train_samples_used", opt_text(f.train_samples)},
-                           {"optim", f.optim},
-                           {"lr", std::to_string(lr)},
-                           {"seed", std::to_string(f.seed)},
-                           {"dtype", f.dtype},
-                           {"comm_dtype", f.comm_dtype},
-                           {"last_batch", f.last_batch},
-                           {"sync_bn", f.sync_bn ? "on" : "off"},
-                           {"resume", f.resume}});
+      ddp->set_run_config(run_config);
       ddp->wrap(model, opt);
       scaler = &ddp->scaler();
       engine.train_step = [&](const Tensor& x, const Tensor& y) { return ddp->train_step(x, y); };

@@ -204,6 +204,24 @@ int main(int argc, char** argv) {
     if (ddp) {
       ddp->set_loss(loss_fn);
       ddp->set_clip_grad_norm(f.clip_grad);
+      // What every rank must agree on, keyed by the flags as typed (wrap() verifies it before
+      // the weights are broadcast): ranks with another --batch or --data would train apart.
+      ddp->set_run_config(
+          {{"program", "train_text"},
+           {"--gpt-config", f.gpt_config},
+           {"--batch", std::to_string(f.batch)},
+           {"--seq", std::to_string(f.seq)},
+           {"--steps", std::to_string(f.steps)},
+           {"--warmup", std::to_string(f.warmup)},
+           {"--lr", std::to_string(f.lr)},
+           {"--weight-decay", std::to_string(f.weight_decay)},
+           {"--clip-grad", std::to_string(f.clip_grad)},
+           {"--dropout", std::to_string(f.dropout)},
+           {"--seed", std::to_string(f.seed)},
+           {"--data", f.data},
+           {"--resume", f.resume},
+           {"corpus_bytes", std::to_string(corpus.train.size()) + " train, " +
+                                std::to_string(corpus.val.size()) + " validation"}});
       ddp->wrap(model, opt);
     } else {
       dp::DataParallelOptions o;

@@ -9,9 +9,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <thread>
 #include <utility>
@@ -76,6 +78,57 @@ inline int wait_child(pid_t pid, std::chrono::milliseconds within) {
   ::kill(pid, SIGKILL);
   ::waitpid(pid, &status, 0);
   return -1;
+}
+
+// Ranks (or hybrid nodes) started by hand as torchrun starts them: RANK, WORLD_SIZE, LOCAL_RANK
+// 0, LOCAL_WORLD_SIZE 1, MASTER_ADDR 127.0.0.1 and MASTER_PORT `port` (no job id), rank r running
+// `program` with args[r], its output into log_prefix + r. Waits up to `within` for all of them
+// (a rank still running then is killed: its code is -1).
+struct HandRanks {
+  std::vector<int> statuses;  // waitpid statuses, -1: killed at the deadline
+  std::vector<std::string> outputs;
+  double seconds = 0;  // until the last one ended
+};
+inline HandRanks run_hand_ranks(const std::string& program,
+                                const std::vector<std::vector<std::string>>& args, int port,
+                                const std::string& log_prefix, std::chrono::milliseconds within) {
+  std::vector<std::string> base;
+  for (char** e = environ; e && *e; ++e) {
+    std::string entry(*e);
+    bool ours = false;
+    for (const char* name : {"RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "LOCAL_WORLD_SIZE=",
+                             "MASTER_ADDR=", "MASTER_PORT=", "DP_JOB_ID=", "DP_JOB_TOKEN=",
+                             "TORCHELASTIC_RUN_ID=", "SLURM_JOB_ID=", "OMPI_COMM_WORLD_RANK="})
+      ours = ours || entry.rfind(name, 0) == 0;
+    if (!ours) base.push_back(entry);
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<pid_t> pids;
+  for (size_t r = 0; r < args.size(); ++r) {
+    std::vector<std::string> env = base;
+    env.push_back("RANK=" + std::to_string(r));
+    env.push_back("WORLD_SIZE=" + std::to_string(args.size()));
+    env.push_back("LOCAL_RANK=0");
+    env.push_back("LOCAL_WORLD_SIZE=1");
+    env.push_back("MASTER_ADDR=127.0.0.1");
+    env.push_back("MASTER_PORT=" + std::to_string(port));
+    std::vector<std::string> argv = {program};
+    argv.insert(argv.end(), args[r].begin(), args[r].end());
+    pids.push_back(spawn_logged(argv, env, log_prefix + std::to_string(r)));
+  }
+  HandRanks out;
+  for (pid_t pid : pids) {
+    const auto left = within - std::chrono::duration_cast<std::chrono::milliseconds>(
+                                   std::chrono::steady_clock::now() - t0);
+    out.statuses.push_back(pid < 0 ? -1
+                                   : wait_child(pid, std::max(left, std::chrono::milliseconds(1))));
+  }
+  out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (size_t r = 0; r < args.size(); ++r) {
+    std::ifstream f(log_prefix + std::to_string(r));
+    out.outputs.emplace_back(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+  }
+  return out;
 }
 
 // The fields of /proc/<pid>/stat after the command: state, ppid, ... ("" when gone).

@@ -1511,6 +1511,47 @@ TEST_CASE("bench.hybrid: 2 node processes x 2 devices and 3 x 1 follow DP on one
   for (auto& p : {two, three, ref}) std::remove(p.c_str());
 }
 
+TEST_CASE("bench.hybrid: nodes that disagree on a flag fail together at once, naming the flag") {
+  // Before any collective: a node with another --batch trained a wrong loss, another --model
+  // crashed in Gloo, another --steps waited out the 300 s collective timeout. Uneven nodes
+  // (another --gpus) would split the batch wrongly.
+  struct Case {
+    const char* node0;
+    const char* node1;
+    const char* says;
+  };
+  const std::string common = "--device cpu --mode hybrid --warmup 0 --baseline 0 ";
+  int port = 20000 + static_cast<int>((getpid() + 31337) % 20000);
+  for (const Case& c :
+       {Case{"--batch 8", "--batch 12", "--batch: rank 0 has 8, rank 1 has 12"},
+        Case{"--model mlp", "--model cnn", "--model: rank 0 has mlp, rank 1 has cnn"},
+        Case{"--steps 3", "--steps 2", "--steps: rank 0 has 3, rank 1 has 2"},
+        Case{"--gpus 2", "--gpus 3", "--gpus: rank 0 has 2, rank 1 has 3"}}) {
+    CAPTURE(c.says);
+    auto split = [](const std::string& text) {
+      std::vector<std::string> out;
+      std::istringstream is(text);
+      for (std::string w; is >> w;) out.push_back(w);
+      return out;
+    };
+    const bool steps_differ = std::string(c.node0).rfind("--steps", 0) == 0;
+    const std::string base = common + (steps_differ ? "" : "--steps 2 ");
+    const dp_test::HandRanks r = dp_test::run_hand_ranks(
+        DP_BENCH_PATH, {split(base + c.node0), split(base + c.node1)}, port++,
+        temp_path("hybrid_mismatch_node"), std::chrono::seconds(60));
+    for (size_t node = 0; node < 2; ++node) {
+      CAPTURE(node);
+      INFO(r.outputs[node]);
+      REQUIRE(r.statuses[node] != -1);  // ended by the check, not the deadline
+      CHECK(dp_test::shell_code(r.statuses[node]) == 1);
+      CHECK(r.outputs[node].find("config mismatch: " + std::string(c.says)) != std::string::npos);
+      CHECK(r.outputs[node].find("0x") == std::string::npos);       // values in decimal
+      CHECK(r.outputs[node].find("ms/step") == std::string::npos);  // nothing trained
+    }
+    CHECK(r.seconds < 20);
+  }
+}
+
 TEST_CASE("bench.link: bytes out of each node and their time, flat DDP against hybrid") {
   bench::RunResult ddp, hybrid, dp;
   ddp.mode = "ddp", ddp.gpus = 8, ddp.bytes_per_step = 1000000;

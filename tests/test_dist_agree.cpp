@@ -123,6 +123,22 @@ TEST_CASE("dist.config: a mismatch names the field, the ranks and their values")
   c.erase("model");
   CHECK(describe_config_mismatch({a, c}) ==
         "config mismatch: field \"model\": rank 0 has mlp, rank 1 has (unset)");
+  // A user's flag is named before a derived field that differs with it ("engine.buckets" sorts
+  // after "--batch" anyway; "dataset_size" and "buckets" would not), unquoted.
+  RunConfig f = {{"--batch", "8"}, {"buckets", "3"}, {"dataset_size", "800"}, {"--seed", "1"}};
+  RunConfig g = {{"--batch", "12"}, {"buckets", "2"}, {"dataset_size", "1200"}, {"--seed", "2"}};
+  CHECK(describe_config_mismatch({f, g}) ==
+        "config mismatch: --batch: rank 0 has 8, rank 1 has 12 (also differ: --seed \"buckets\" "
+        "\"dataset_size\")");
+  g = f;
+  g["buckets"] = "2";
+  CHECK(describe_config_mismatch({f, g}) ==
+        "config mismatch: field \"buckets\": rank 0 has 3, rank 1 has 2");
+  // A value's control bytes are shown escaped, not written to the terminal raw.
+  g = f;
+  g["--mode"] = std::string("dp\x1b[2J\n", 7);
+  CHECK(describe_config_mismatch({f, g}) ==
+        "config mismatch: --mode: rank 0 has (unset), rank 1 has dp\\x1b[2J\\x0a");
   // The encoding carries any bytes, and refuses text that is not one.
   RunConfig odd = {{"a:b", "1:2"}, {"", ""}, {"new\nline", std::string("\0x", 2)}};
   CHECK(decode_config(encode_config(odd), 0) == odd);
@@ -564,7 +580,7 @@ TEST_CASE("ddp.config: ranks that clip differently, or use another loss, fail at
     }
   };
   both_refuse("clip", {"--clip-grad", "0.5"},
-              "field \"engine.clip_grad_norm\": rank 0 has 0x0p+0, rank 1 has 0x1p-1");
+              "field \"engine.clip_grad_norm\": rank 0 has 0, rank 1 has 0.5");
   both_refuse("lag", {"--metrics-lag", "1"}, "field \"engine.metrics_lag\": rank 0 has 0");
   both_refuse("loss", {"--moving-shares", "3"},
               "field \"engine.loss\": rank 0 has cross_entropy, rank 1 has token_cross_entropy");

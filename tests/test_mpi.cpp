@@ -226,7 +226,7 @@ TEST_CASE("bench.mpi: dp_bench ranks started with different --batch (MPMD) fail 
   Run r = run(mpirun(1) + bench + "--batch 256 : -np 1 " + bench + "--batch 128", 60);
   CHECK(r.rc != 0);
   CHECK(r.rc != 124);
-  CHECK(r.output.find("config mismatch: field \"batch\": rank 0 has 256, rank 1 has 128") !=
+  CHECK(r.output.find("config mismatch: --batch: rank 0 has 256, rank 1 has 128") !=
         std::string::npos);
 }
 

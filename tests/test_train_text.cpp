@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dp/data/text.hpp"
+#include "tests/process_util.hpp"
 #include "tests/test_util.hpp"
 
 namespace {
@@ -154,4 +155,35 @@ TEST_CASE("samples.train_text: --log writes one JSON object per step, with the c
   }
   CHECK(steps == 5);
   std::remove(log.c_str());
+}
+
+TEST_CASE("samples.train_text: DDP ranks that disagree on a flag fail together, naming it") {
+  if (skip_without_fortunes()) return;
+  // Ranks with another --seq, --batch or --data trained apart and exited 0: the check before
+  // the weights' broadcast stops both, naming the flag, with the values in decimal.
+  int port = 20000 + static_cast<int>((getpid() + 7717) % 20000);
+  const std::vector<std::string> common = {"--mode", "ddp", "--device", "cpu", "--steps", "2"};
+  struct Case {
+    std::vector<std::string> rank1;
+    const char* says;
+  };
+  for (const Case& c :
+       {Case{{"--seq", "32"}, "--seq: rank 0 has 64, rank 1 has 32"},
+        Case{{"--lr", "0.001"}, "--lr: rank 0 has 0.003000, rank 1 has 0.001000"}}) {
+    CAPTURE(c.says);
+    std::vector<std::string> one = common;
+    one.insert(one.end(), c.rank1.begin(), c.rank1.end());
+    const dp_test::HandRanks r = dp_test::run_hand_ranks(
+        DP_TRAIN_TEXT_PATH, {common, one}, port++,
+        dp_test::temp_path("train_text", "mismatch_rank"), std::chrono::seconds(60));
+    for (size_t rank = 0; rank < 2; ++rank) {
+      CAPTURE(rank);
+      INFO(r.outputs[rank]);
+      REQUIRE(r.statuses[rank] != -1);
+      CHECK(dp_test::shell_code(r.statuses[rank]) != 0);
+      CHECK(r.outputs[rank].find("config mismatch: " + std::string(c.says)) != std::string::npos);
+      CHECK(r.outputs[rank].find("final val loss") == std::string::npos);
+    }
+    CHECK(r.seconds < 30);
+  }
 }

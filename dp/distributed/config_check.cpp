@@ -32,9 +32,29 @@ bool take(const std::string& text, size_t& pos, std::string& out) {
   return true;
 }
 
-// A value as a message shows it: at most 80 bytes.
+// A value as a message shows it: at most 80 bytes, control bytes as \xNN (a value is any bytes).
 std::string shown(const std::string& v) {
-  return v.size() <= 80 ? v : v.substr(0, 77) + "...";
+  std::string out;
+  for (unsigned char c : v.size() <= 80 ? v : v.substr(0, 77)) {
+    if (c >= 0x20 && c != 0x7f) {
+      out += static_cast<char>(c);
+      continue;
+    }
+    static const char* hex = "0123456789abcdef";
+    out += "\\x";
+    out += hex[c >> 4];
+    out += hex[c & 15];
+  }
+  return v.size() <= 80 ? out : out + "...";
+}
+
+// A program's flag ("--batch", as the user typed it) is named as it is; a derived field
+// ("engine.buckets") in quotes, after the flags.
+bool is_flag(const std::string& name) {
+  return name.rfind("--", 0) == 0;
+}
+std::string field_label(const std::string& name) {
+  return is_flag(name) ? shown(name) : "field \"" + shown(name) + "\"";
 }
 
 }  // namespace
@@ -77,6 +97,9 @@ std::string describe_config_mismatch(const std::vector<RunConfig>& per_rank) {
         break;
       }
   if (differing.empty()) return {};
+  // The user's flags first: a derived field that differs (the bucket plan, a data set's size)
+  // usually differs because a flag does, and the flag is what to fix.
+  std::stable_partition(differing.begin(), differing.end(), is_flag);
   const std::string& name = differing.front();
   // Ranks grouped by value, in order of each value's first rank.
   std::vector<std::pair<std::string, std::vector<size_t>>> groups;
@@ -90,7 +113,7 @@ std::string describe_config_mismatch(const std::vector<RunConfig>& per_rank) {
       it->second.push_back(r);
   }
   std::ostringstream os;
-  os << "config mismatch: field \"" << name << "\": ";
+  os << "config mismatch: " << field_label(name) << ": ";
   for (size_t g = 0; g < groups.size(); ++g) {
     const auto& ranks = groups[g].second;
     os << (g ? ", " : "") << (ranks.size() == 1 ? "rank " : "ranks ");
@@ -100,7 +123,9 @@ std::string describe_config_mismatch(const std::vector<RunConfig>& per_rank) {
   }
   if (differing.size() > 1) {
     os << " (also differ:";
-    for (size_t i = 1; i < differing.size() && i <= 8; ++i) os << " \"" << differing[i] << "\"";
+    for (size_t i = 1; i < differing.size() && i <= 8; ++i)
+      os << " "
+         << (is_flag(differing[i]) ? shown(differing[i]) : "\"" + shown(differing[i]) + "\"");
     if (differing.size() > 9) os << " and " << differing.size() - 9 << " more";
     os << ")";
   }

@@ -3,9 +3,12 @@
 // world size) is exchanged before the first collective, and any difference fails every rank
 // with the same message, as PyTorch's DDP verifies parameter shapes across processes:
 //
-//   config mismatch: field "batch": rank 0 has 256, rank 1 has 128
+//   config mismatch: --batch: rank 0 has 256, rank 1 has 128
 //
-// DdpTrainer does this in wrap() (DdpTrainer::set_run_config adds the program's fields).
+// Programs key their flags as the user types them ("--batch"): a differing flag is named before
+// any derived field ("engine.buckets", in quotes), since it is what to fix. DdpTrainer does this
+// in wrap() (DdpTrainer::set_run_config adds the program's fields); hybrid runs call
+// verify_same_config on their nodes' group.
 #pragma once
 
 #include <chrono>
@@ -25,9 +28,11 @@ using RunConfig = std::map<std::string, std::string>;
 std::string encode_config(const RunConfig& fields);
 RunConfig decode_config(const std::string& text, int rank);
 
-// "" when every rank has the same fields; else the first differing field (in name order) with
-// every rank's value grouped, and the names of the others that differ:
-//   config mismatch: field "batch": rank 0 has 256, ranks 1, 2 have 128 (also differ: "steps")
+// "" when every rank has the same fields; else the first differing field (flags, named "--x",
+// first; then in name order) with every rank's value grouped, and the names of the others that
+// differ (control bytes shown as \xNN):
+//   config mismatch: --batch: rank 0 has 256, ranks 1, 2 have 128 (also differ: --steps)
+//   config mismatch: field "engine.buckets": rank 0 has 3, rank 1 has 2
 // A field a rank lacks reads "(unset)".
 std::string describe_config_mismatch(const std::vector<RunConfig>& per_rank);
 

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <thread>
 
 #include "dp/chunks.hpp"
@@ -118,6 +119,17 @@ void DdpTrainer::set_run_config(RunConfig fields) {
 
 namespace {
 
+// A float in the shortest decimal that reads back as the same float (at most 9 significant
+// digits): equal texts are equal values, and a message shows 0.003, not a hex float.
+std::string decimal_text(float v) {
+  char text[32];
+  for (int digits = 1; digits <= 9; ++digits) {
+    std::snprintf(text, sizeof text, "%.*g", digits, static_cast<double>(v));
+    if (std::strtof(text, nullptr) == v) break;
+  }
+  return text;
+}
+
 // FNV-1a, 64 bits: a digest of texts every rank builds the same way.
 struct Fnv {
   uint64_t h = 1469598103934665603ull;
@@ -136,8 +148,8 @@ RunConfig DdpTrainer::engine_config(nn::Module& model, nn::Optimizer& optimizer)
   // What each rank applies to the same all-reduced gradient: ranks that differ here would
   // drift apart without a collective ever failing.
   c["engine.optimizer"] =
-      nn::detail::optimizer_name(optimizer) + " lr " + nn::detail::exact_text(optimizer.lr());
-  c["engine.clip_grad_norm"] = nn::detail::exact_text(clip_grad_norm_);
+      nn::detail::optimizer_name(optimizer) + " lr " + decimal_text(optimizer.lr());
+  c["engine.clip_grad_norm"] = decimal_text(clip_grad_norm_);
   c["engine.loss"] = loss_fn_->name();
   c["engine.metrics_lag"] = std::to_string(metrics_lag_);
   c["engine.graphs"] = graphs_mode_ == Graphs::on    ? "on"
