@@ -466,6 +466,7 @@ void ReplayCounts::report(RunResult& r) const {
   r.allocations_per_step = percentile(allocations, 0.5);
   r.host_syncs_per_step = percentile(host_syncs, 0.5);
   r.graph_nodes_per_step = percentile(graph_nodes, 0.5);
+  r.casts_per_step = percentile(casts, 0.5);
 }
 
 dp::DataParallelOptions dp_options(const Options& o, const Setup& s) {
@@ -505,7 +506,7 @@ void DpSteps::add(RunResult& r, const dp::StepStats& st, float loss_scale) {
   r.buckets = st.buckets;
   overlapped.push_back(st.buckets_overlapped);
   beside.push_back(st.pulls_beside_backward);
-  replay.add(st.allocations, st.host_syncs, st.graph_nodes);
+  replay.add(st.allocations, st.host_syncs, st.graph_nodes, st.casts);
   graphed += st.graphed;
   if (timing == kernels::Event::Timing::off) return;
   phases["scatter"].push_back(st.ms.scatter);

@@ -170,15 +170,17 @@ std::pair<int, int> profile_range(const Options& o);
 // --metrics-lag 1: each timed step reported the loss of the step before it. Files every loss
 // under its own step: drops the first, appends `last` (the engine's finish_metrics()).
 void file_lagged_losses(RunResult& r, float last);
-// The runtime's counts of each timed step (allocations, host syncs, graph nodes replayed),
-// reported as the run's medians (RunResult::allocations_per_step, host_syncs_per_step,
-// graph_nodes_per_step).
+// The runtime's counts of each timed step (allocations, host syncs, graph nodes replayed, dtype
+// casts), reported as the run's medians (RunResult::allocations_per_step, host_syncs_per_step,
+// graph_nodes_per_step, casts_per_step).
 struct ReplayCounts {
-  std::vector<double> allocations, host_syncs, graph_nodes;
-  void add(int64_t step_allocations, int64_t step_host_syncs, int64_t step_graph_nodes) {
+  std::vector<double> allocations, host_syncs, graph_nodes, casts;
+  void add(int64_t step_allocations, int64_t step_host_syncs, int64_t step_graph_nodes,
+           int64_t step_casts) {
     allocations.push_back(static_cast<double>(step_allocations));
     host_syncs.push_back(static_cast<double>(step_host_syncs));
     graph_nodes.push_back(static_cast<double>(step_graph_nodes));
+    casts.push_back(static_cast<double>(step_casts));
   }
   void report(RunResult& r) const;
 };

@@ -234,7 +234,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
       ready_frac[k].push_back(ds.backward_ms > 0 && ds.bucket_ready_ms[k] >= 0
                                   ? std::min(1.0, ds.bucket_ready_ms[k] / ds.backward_ms)
                                   : 1.0);  // not issued in backward: ready at its end
-    replay.add(t.allocations, t.host_syncs, t.graph_nodes);
+    replay.add(t.allocations, t.host_syncs, t.graph_nodes, t.casts);
     if (o.phase_times == "on") {
       phases["forward"].push_back(t.forward);
       phases["backward"].push_back(t.backward);

@@ -338,11 +338,12 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
            << describe(*us, 0.0, 1) << " us\n";
       }
   }
-  os << "\n replay, per step after warm-up (median): allocations and host syncs (goal 0 and 1)\n";
+  os << "\n replay, per step after warm-up (median): allocations and host syncs (goal 0 and 1), "
+        "dtype casts\n";
   for (auto& r : runs)
     os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << r.gpus
        << "   allocations " << std::setprecision(0) << r.allocations_per_step << ", host syncs "
-       << r.host_syncs_per_step
+       << r.host_syncs_per_step << ", casts " << r.casts_per_step
        << (r.graphed_steps > 0
                ? ", graphed steps " + std::to_string(r.graphed_steps) + ", graph nodes per step " +
                      std::to_string(std::lround(r.graph_nodes_per_step))
@@ -625,6 +626,7 @@ nlohmann::json run_to_json(const RunResult& r) {
       {"allocations_per_step", r.allocations_per_step},
       {"host_syncs_per_step", r.host_syncs_per_step},
       {"graph_nodes_per_step", r.graph_nodes_per_step},
+      {"casts_per_step", r.casts_per_step},
       {"graphed_steps", r.graphed_steps},
       {"graph_collectives", r.graph_collectives},
       {"capture", r.capture_step < 0 ? nlohmann::json(nullptr)
@@ -669,6 +671,7 @@ RunResult run_from_json(const nlohmann::json& j) {
   r.allocations_per_step = j.value("allocations_per_step", 0.0);
   r.host_syncs_per_step = j.value("host_syncs_per_step", 0.0);
   r.graph_nodes_per_step = j.value("graph_nodes_per_step", 0.0);
+  r.casts_per_step = j.value("casts_per_step", 0.0);
   r.graphed_steps = j.value("graphed_steps", 0);
   r.graph_collectives = j.value("graph_collectives", std::string());
   if (auto c = j.find("capture"); c != j.end() && c->is_object()) {

@@ -61,6 +61,10 @@ struct RunResult {
   // Graphed steps: the nodes of the graphs a step replays (DP: every device's; DDP: rank 0's),
   // median; each is a launch on a GPU, so nodes x the launch cost is the step's floor.
   double graph_nodes_per_step = 0;
+  // Dtype conversions (f32/f16/bf16 casts: each a kernel on a GPU) a step performed, median over
+  // the timed steps (DP: every device's contexts; DDP: rank 0's). A graphed step counts the casts
+  // its graphs replay, so the figure does not depend on --cuda-graphs.
+  double casts_per_step = 0;
   int graphed_steps = 0;  // DP, DDP: timed steps that ran as replayed graphs (dp::Graphs)
   // DDP with graphed steps: where the bucket all-reduces ran ("in graph", overlapped with the
   // captured backward, or "between graphs"); empty otherwise.

@@ -729,14 +729,15 @@ void DataParallel::for_each_context(int i, F f) {
   if (i == 0 && wide_context_) f(*wide_context_);
 }
 
-std::pair<int64_t, int64_t> DataParallel::runtime_counts() {
-  int64_t allocations = 0, syncs = 0;
+DataParallel::RuntimeCounts DataParallel::runtime_counts() {
+  RuntimeCounts n;
   for (int i = 0; i < n_devices(); ++i)
     for_each_context(i, [&](kernels::DeviceContext& c) {
-      allocations += c.memory()->allocations.load();
-      syncs += c.host_syncs();
+      n.allocations += c.memory()->allocations.load();
+      n.host_syncs += c.host_syncs();
+      n.casts += c.casts();
     });
-  return {allocations, syncs};
+  return n;
 }
 
 void DataParallel::begin_memory_window() {
@@ -1085,8 +1086,9 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
   }
   stats.ms.total = ms_since(t_step);
   const auto after = runtime_counts();
-  stats.allocations = after.first - before.first;
-  stats.host_syncs = after.second - before.second;
+  stats.allocations = after.allocations - before.allocations;
+  stats.host_syncs = after.host_syncs - before.host_syncs;
+  stats.casts = after.casts - before.casts;
   stats.peak_bytes = window_peak_bytes();
   stats.loss_scale = step_scale_;
   if (options_.cross_node) {

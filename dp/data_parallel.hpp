@@ -179,6 +179,10 @@ struct StepStats {
   // device (0 once each shape's blocks are cached) and host waits or reads (1: the metrics).
   int64_t allocations = 0;
   int64_t host_syncs = 0;
+  // Dtype conversions (f32/f16/bf16 casts) the step's work performed over every device's
+  // context: a replayed step counts what its graphs convert (kernels::Graph::casts), so graphed
+  // and uncaptured steps of one shape report the same.
+  int64_t casts = 0;
   bool graphed = false;   // captured graphs ran this step's work (replayed)
   bool captured = false;  // this step captured its shape's graphs (then replayed them)
   // The most memory in use on one device during the step (its contexts' tensors, not the
@@ -450,8 +454,11 @@ class DataParallel {
   // Hybrid, on device 0 after its reduce: waits for the bucket sums over nodes, then sums the
   // buffers over nodes too.
   void finish_cross_node(int n);
-  // Allocations and host syncs so far, over every context of the engine.
-  std::pair<int64_t, int64_t> runtime_counts();
+  // Allocations, host syncs and casts so far, over every context of the engine.
+  struct RuntimeCounts {
+    int64_t allocations = 0, host_syncs = 0, casts = 0;
+  };
+  RuntimeCounts runtime_counts();
   // Each device's contexts start a memory window (MemoryStats::begin_window); then the most
   // memory one device had in use since (the sum of its contexts' window peaks).
   void begin_memory_window();

@@ -149,34 +149,42 @@ void check_rng_offset(const char* op, const RngOffset& o, const Device& device) 
            op << ": random offset base " << o.base << " must be one i64 element on " << device);
 }
 
-// ---- 16-bit activations through the f32 kernels ---------------------------------------------
-// The elementwise, bias, pooling and dropout ops take f16/bf16 activations (16-bit activations,
-// nn::Activations::compute) on both backends by widening: each 16-bit input becomes an f32
-// copy, each 16-bit output is computed in f32 (from its widened value when accumulating) and
-// rounded once into place. The result is the f32 op on the 16-bit values, rounded once: what a
-// native 16-bit kernel that computes in f32 gives.
+// ---- 16-bit activations --------------------------------------------------------------------
+// The elementwise, bias, activation, pooling and dropout ops take f16/bf16 tensors natively on
+// both backends: their kernels read 16-bit values as f32, compute as the f32 kernels do and
+// round each 16-bit output once (cpu_util.hpp's with_storage, cuda_common.cuh's). CPU attention
+// has f32 kernels only: it widens here, each 16-bit input to an f32 copy, its output computed in
+// f32 and rounded once into place.
 
 bool is_16bit(const Tensor& t) {
   return t.defined() && (t.dtype() == DType::f16 || t.dtype() == DType::bf16);
-}
-bool any_16bit(std::initializer_list<const Tensor*> ts) {
-  for (const Tensor* t : ts)
-    if (is_16bit(*t)) return true;
-  return false;
 }
 // x itself when f32 (or undefined), else an f32 copy.
 Tensor widen(const Tensor& x) {
   return is_16bit(x) ? cast(x, DType::f32) : x;
 }
-// The f32 stand-in for output `out`: out itself when f32, else its widened copy (accumulating)
-// or a fresh f32 tensor. round_into() stores it back.
-Tensor f32_out(const Tensor& out, Accumulate acc = Accumulate::no) {
-  if (!is_16bit(out)) return out;
-  return acc == Accumulate::yes ? cast(out, DType::f32)
-                                : Tensor::empty(out.shape(), DType::f32, out.device());
+// The f32 stand-in for output `out`: out itself when f32, else a fresh f32 tensor. round_into()
+// stores it back.
+Tensor f32_out(const Tensor& out) {
+  return is_16bit(out) ? Tensor::empty(out.shape(), DType::f32, out.device()) : out;
 }
 void round_into(Tensor& out, const Tensor& f32) {
   if (is_16bit(out)) copy(out, f32);
+}
+
+// requires each tensor f32, f16 or bf16, with f16 and bf16 not both in one call (a kernel
+// computes in f32 and rounds to the call's one 16-bit dtype).
+void check_floating(const char* op, std::initializer_list<Arg> args) {
+  const Arg* half = nullptr;
+  for (const Arg& a : args) {
+    DP_CHECK(is_floating(a.t.dtype()),
+             op << ": " << a.name << " must be f32, f16 or bf16, got " << a.t);
+    if (!is_16bit(a.t)) continue;
+    if (!half) half = &a;
+    DP_CHECK(a.t.dtype() == half->t.dtype(), op << ": " << half->name << " " << half->t << " and "
+                                                << a.name << " " << a.t
+                                                << " mix f16 and bf16 (one 16-bit dtype per call)");
+  }
 }
 
 void check_f32(const char* op, std::initializer_list<Arg> args) {
@@ -221,6 +229,7 @@ void copy(Tensor& dst, const Tensor& src) {
              "copy: converts only between f32, f16 and bf16: " << src << " into " << dst);
   if (dst.numel() == 0) return;
   if (dst.dtype() == src.dtype()) return copy_bytes(dst, src);
+  context(dst.device()).note_cast();  // DeviceContext::casts
   DP_DISPATCH(dst.device(), cast, dst, src);
 }
 
@@ -244,21 +253,30 @@ void fill(Tensor& y, float value) {
 // ---- elementwise ---------------------------------------------------------------------------
 
 namespace {
-// y, a, b: same device, f32, same shape.
 // Whether `tail` is the last dims of `shape` (fewer dims than it).
 bool is_trailing_shape(const Shape& tail, const Shape& shape) {
   return tail.size() < shape.size() &&
          std::equal(tail.begin(), tail.end(), shape.end() - tail.size());
 }
+// y, x on one device, same shape; the caller checks the dtypes.
 void check_unary(const char* op, const Tensor& y, const Tensor& x) {
   check_devices(op, {{"y", y}, {"x", x}});
-  check_f32(op, {{"y", y}, {"x", x}});
   check_same_shape(op, {"x", x}, {"y", y});
+}
+// ... and f32.
+void check_unary_f32(const char* op, const Tensor& y, const Tensor& x) {
+  check_unary(op, y, x);
+  check_f32(op, {{"y", y}, {"x", x}});
+}
+// ... or f32, f16 and bf16 (check_floating).
+void check_unary_floating(const char* op, const Tensor& y, const Tensor& x) {
+  check_unary(op, y, x);
+  check_floating(op, {{"y", y}, {"x", x}});
 }
 // y, a same shape; b a's shape (returns false) or a's trailing dims (returns true: broadcast).
 bool check_broadcast_binary(const char* op, const Tensor& y, const Tensor& a, const Tensor& b) {
   check_devices(op, {{"y", y}, {"a", a}, {"b", b}});
-  check_f32(op, {{"y", y}, {"a", a}, {"b", b}});
+  check_floating(op, {{"y", y}, {"a", a}, {"b", b}});
   check_same_shape(op, {"a", a}, {"y", y});
   if (b.shape() == a.shape()) return false;
   DP_CHECK(is_trailing_shape(b.shape(), a.shape()),
@@ -275,11 +293,6 @@ void check_channel_vector(const char* op, const Arg& t, const Arg& vec) {
 }  // namespace
 
 void add(Tensor& y, const Tensor& a, const Tensor& b) {
-  if (any_16bit({&y, &a, &b})) {
-    Tensor y32 = f32_out(y);
-    add(y32, widen(a), widen(b));
-    return round_into(y, y32);
-  }
   const bool broadcast = check_broadcast_binary("add", y, a, b);
   if (y.numel() == 0) return;
   if (broadcast) {
@@ -290,11 +303,6 @@ void add(Tensor& y, const Tensor& a, const Tensor& b) {
 }
 
 void mul(Tensor& y, const Tensor& a, const Tensor& b) {
-  if (any_16bit({&y, &a, &b})) {
-    Tensor y32 = f32_out(y);
-    mul(y32, widen(a), widen(b));
-    return round_into(y, y32);
-  }
   const bool broadcast = check_broadcast_binary("mul", y, a, b);
   if (y.numel() == 0) return;
   if (broadcast) {
@@ -319,7 +327,7 @@ void sum_leading(Tensor& out, const Tensor& x, Accumulate acc) {
 }
 
 void scale(Tensor& y, const Tensor& x, Scalar alpha) {
-  check_unary("scale", y, x);
+  check_unary_f32("scale", y, x);
   check_scalar("scale", "alpha", alpha, y.device());
   if (y.numel() == 0) return;
   DP_DISPATCH(y.device(), scale, y, x, alpha);
@@ -336,26 +344,16 @@ void axpy(Tensor& y, Scalar alpha, const Tensor& x) {
 }
 
 void add_bias(Tensor& y, const Tensor& bias) {
-  if (any_16bit({&y, &bias})) {
-    Tensor y32 = f32_out(y, Accumulate::yes);
-    add_bias(y32, widen(bias));
-    return round_into(y, y32);
-  }
   check_devices("add_bias", {{"y", y}, {"bias", bias}});
-  check_f32("add_bias", {{"y", y}, {"bias", bias}});
+  check_floating("add_bias", {{"y", y}, {"bias", bias}});
   check_channel_vector("add_bias", {"y", y}, {"bias", bias});
   if (y.numel() == 0) return;
   DP_DISPATCH(y.device(), add_bias, y, bias);
 }
 
 void bias_backward(Tensor& db, const Tensor& dy, Accumulate acc) {
-  if (any_16bit({&db, &dy})) {
-    Tensor db32 = f32_out(db, acc);
-    bias_backward(db32, widen(dy), acc);
-    return round_into(db, db32);
-  }
   check_devices("bias_backward", {{"db", db}, {"dy", dy}});
-  check_f32("bias_backward", {{"db", db}, {"dy", dy}});
+  check_floating("bias_backward", {{"db", db}, {"dy", dy}});
   check_channel_vector("bias_backward", {"dy", dy}, {"db", db});
   if (db.numel() == 0) return;
   if (dy.numel() == 0) {  // an empty batch contributes nothing
@@ -400,117 +398,79 @@ void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose t
 // ---- activations ---------------------------------------------------------------------------
 
 namespace {
+// dx, dy and v (the forward input or output) on one device, one shape, f32, f16 or bf16.
 void check_activation_backward(const char* op, const Tensor& dx, const Tensor& dy, const Tensor& v,
                                const char* v_name) {
   check_devices(op, {{"dx", dx}, {"dy", dy}, {v_name, v}});
-  check_f32(op, {{"dx", dx}, {"dy", dy}, {v_name, v}});
+  check_floating(op, {{"dx", dx}, {"dy", dy}, {v_name, v}});
   check_same_shape(op, {"dy", dy}, {"dx", dx});
   check_same_shape(op, {"dy", dy}, {v_name, v});
 }
 }  // namespace
 
 void relu(Tensor& y, const Tensor& x) {
-  if (any_16bit({&y, &x})) {
-    Tensor y32 = f32_out(y);
-    relu(y32, widen(x));
-    return round_into(y, y32);
-  }
-  check_unary("relu", y, x);
+  check_unary_floating("relu", y, x);
   if (y.numel() == 0) return;
   DP_DISPATCH(y.device(), relu, y, x);
 }
 
 void relu_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc) {
-  if (any_16bit({&dx, &dy, &x})) {
-    Tensor dx32 = f32_out(dx, acc);
-    relu_backward(dx32, widen(dy), widen(x), acc);
-    return round_into(dx, dx32);
-  }
   check_activation_backward("relu_backward", dx, dy, x, "x");
   if (dx.numel() == 0) return;
   DP_DISPATCH(dx.device(), relu_backward, dx, dy, x, acc);
 }
 
 void gelu(Tensor& y, const Tensor& x) {
-  if (any_16bit({&y, &x})) {
-    Tensor y32 = f32_out(y);
-    gelu(y32, widen(x));
-    return round_into(y, y32);
-  }
-  check_unary("gelu", y, x);
+  check_unary_floating("gelu", y, x);
   if (y.numel() == 0) return;
   DP_DISPATCH(y.device(), gelu, y, x);
 }
 
 void gelu_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc) {
-  if (any_16bit({&dx, &dy, &x})) {
-    Tensor dx32 = f32_out(dx, acc);
-    gelu_backward(dx32, widen(dy), widen(x), acc);
-    return round_into(dx, dx32);
-  }
   check_activation_backward("gelu_backward", dx, dy, x, "x");
   if (dx.numel() == 0) return;
   DP_DISPATCH(dx.device(), gelu_backward, dx, dy, x, acc);
 }
 
 void gelu_tanh(Tensor& y, const Tensor& x) {
-  if (any_16bit({&y, &x})) {
-    Tensor y32 = f32_out(y);
-    gelu_tanh(y32, widen(x));
-    return round_into(y, y32);
-  }
-  check_unary("gelu_tanh", y, x);
+  check_unary_floating("gelu_tanh", y, x);
   if (y.numel() == 0) return;
   DP_DISPATCH(y.device(), gelu_tanh, y, x);
 }
 
 void gelu_tanh_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc) {
-  if (any_16bit({&dx, &dy, &x})) {
-    Tensor dx32 = f32_out(dx, acc);
-    gelu_tanh_backward(dx32, widen(dy), widen(x), acc);
-    return round_into(dx, dx32);
-  }
   check_activation_backward("gelu_tanh_backward", dx, dy, x, "x");
   if (dx.numel() == 0) return;
   DP_DISPATCH(dx.device(), gelu_tanh_backward, dx, dy, x, acc);
 }
 
 void tanh(Tensor& y, const Tensor& x) {
-  if (any_16bit({&y, &x})) {
-    Tensor y32 = f32_out(y);
-    tanh(y32, widen(x));
-    return round_into(y, y32);
-  }
-  check_unary("tanh", y, x);
+  check_unary_floating("tanh", y, x);
   if (y.numel() == 0) return;
   DP_DISPATCH(y.device(), tanh, y, x);
 }
 
 void tanh_backward(Tensor& dx, const Tensor& dy, const Tensor& y, Accumulate acc) {
-  if (any_16bit({&dx, &dy, &y})) {
-    Tensor dx32 = f32_out(dx, acc);
-    tanh_backward(dx32, widen(dy), widen(y), acc);
-    return round_into(dx, dx32);
-  }
   check_activation_backward("tanh_backward", dx, dy, y, "y");
   if (dx.numel() == 0) return;
   DP_DISPATCH(dx.device(), tanh_backward, dx, dy, y, acc);
 }
 
 void sigmoid(Tensor& y, const Tensor& x) {
-  check_unary("sigmoid", y, x);
+  check_unary_f32("sigmoid", y, x);
   if (y.numel() == 0) return;
   DP_DISPATCH(y.device(), sigmoid, y, x);
 }
 
 void sigmoid_backward(Tensor& dx, const Tensor& dy, const Tensor& y, Accumulate acc) {
   check_activation_backward("sigmoid_backward", dx, dy, y, "y");
+  check_f32("sigmoid_backward", {{"dx", dx}, {"dy", dy}, {"y", y}});
   if (dx.numel() == 0) return;
   DP_DISPATCH(dx.device(), sigmoid_backward, dx, dy, y, acc);
 }
 
 void exp(Tensor& y, const Tensor& x) {
-  check_unary("exp", y, x);
+  check_unary_f32("exp", y, x);
   if (y.numel() == 0) return;
   DP_DISPATCH(y.device(), exp, y, x);
 }
@@ -762,7 +722,7 @@ namespace {
 // (as PyTorch), so every window holds at least one real element.
 void check_pool(const char* op, const Arg& y, const Arg& x, const Pool2dParams& p) {
   check_devices(op, {y, x});
-  check_f32(op, {y, x});
+  check_floating(op, {y, x});
   check_ndim(op, x, 4);
   DP_CHECK(x.t.dim(2) > 0 && x.t.dim(3) > 0,
            op << ": " << x.name << " " << shape_str(x.t.shape()) << " has empty planes");
@@ -778,11 +738,6 @@ void check_pool(const char* op, const Arg& y, const Arg& x, const Pool2dParams& 
 }  // namespace
 
 void max_pool2d_forward(Tensor& y, const Tensor& x, const Pool2dParams& p) {
-  if (any_16bit({&y, &x})) {
-    Tensor y32 = f32_out(y);
-    max_pool2d_forward(y32, widen(x), p);
-    return round_into(y, y32);
-  }
   check_pool("max_pool2d_forward", {"y", y}, {"x", x}, p);
   if (y.numel() == 0) return;
   DP_DISPATCH(y.device(), max_pool2d_forward, y, x, p);
@@ -790,15 +745,10 @@ void max_pool2d_forward(Tensor& y, const Tensor& x, const Pool2dParams& p) {
 
 void max_pool2d_backward(Tensor& dx, const Tensor& dy, const Tensor& x, const Tensor& y,
                          const Pool2dParams& p, Accumulate acc) {
-  if (any_16bit({&dx, &dy, &x, &y})) {  // the maximum's position is found on the 16-bit values
-    Tensor dx32 = f32_out(dx, acc);
-    max_pool2d_backward(dx32, widen(dy), widen(x), widen(y), p, acc);
-    return round_into(dx, dx32);
-  }
   const char* op = "max_pool2d_backward";
   check_pool(op, {"y", y}, {"x", x}, p);
   check_devices(op, {{"x", x}, {"dx", dx}, {"dy", dy}});
-  check_f32(op, {{"dx", dx}, {"dy", dy}});
+  check_floating(op, {{"dx", dx}, {"dy", dy}, {"x", x}, {"y", y}});
   check_same_shape(op, {"x", x}, {"dx", dx});
   check_same_shape(op, {"y", y}, {"dy", dy});
   if (dx.numel() == 0) return;
@@ -806,22 +756,12 @@ void max_pool2d_backward(Tensor& dx, const Tensor& dy, const Tensor& x, const Te
 }
 
 void avg_pool2d_forward(Tensor& y, const Tensor& x, const Pool2dParams& p) {
-  if (any_16bit({&y, &x})) {
-    Tensor y32 = f32_out(y);
-    avg_pool2d_forward(y32, widen(x), p);
-    return round_into(y, y32);
-  }
   check_pool("avg_pool2d_forward", {"y", y}, {"x", x}, p);
   if (y.numel() == 0) return;
   DP_DISPATCH(y.device(), avg_pool2d_forward, y, x, p);
 }
 
 void avg_pool2d_backward(Tensor& dx, const Tensor& dy, const Pool2dParams& p, Accumulate acc) {
-  if (any_16bit({&dx, &dy})) {
-    Tensor dx32 = f32_out(dx, acc);
-    avg_pool2d_backward(dx32, widen(dy), p, acc);
-    return round_into(dx, dx32);
-  }
   check_pool("avg_pool2d_backward", {"dy", dy}, {"dx", dx}, p);
   if (dx.numel() == 0) return;
   DP_DISPATCH(dx.device(), avg_pool2d_backward, dx, dy, p, acc);
@@ -972,14 +912,10 @@ void layer_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor
 
 void dropout_forward(Tensor& y, Tensor& mask, const Tensor& x, float p, uint64_t seed,
                      RngOffset offset) {
-  if (any_16bit({&y, &x})) {  // the mask stays f32 (keep / (1 - p))
-    Tensor y32 = f32_out(y);
-    dropout_forward(y32, mask, widen(x), p, seed, offset);
-    return round_into(y, y32);
-  }
   const char* op = "dropout_forward";
   check_devices(op, {{"x", x}, {"y", y}, {"mask", mask}});
-  check_f32(op, {{"x", x}, {"y", y}, {"mask", mask}});
+  check_floating(op, {{"x", x}, {"y", y}});
+  check_dtype(op, {"mask", mask}, DType::f32);
   check_same_shape(op, {"x", x}, {"y", y});
   check_same_shape(op, {"x", x}, {"mask", mask});
   DP_CHECK(p >= 0.f && p < 1.f, op << ": p must be in [0, 1), got " << p);

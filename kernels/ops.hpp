@@ -68,15 +68,21 @@ struct RngOffset {
 // requires dst.numel() == src.numel(). Any two devices (H2D, D2H, D2D, peer); across devices
 // the dtypes must match, on one device f32/f16/bf16 convert. ensures dst = src, ordered on the
 // dst device's stream for H2D/D2D and on the src stream for D2H, waited for when it ends on host.
+// A conversion counts one cast on the calling thread's context for the device
+// (DeviceContext::casts).
 void copy(Tensor& dst, const Tensor& src);
 // requires x floating, dtype f32/f16/bf16. ensures a new tensor on x's device holding x
 // converted to dtype (a copy when the dtypes match).
 Tensor cast(const Tensor& x, DType dtype);
 // ensures every element of y = value (any dtype; integer dtypes take the truncated value).
 void fill(Tensor& y, float value);
-// 16-bit activations: add, mul, add_bias, bias_backward, the activations, pooling and
-// dropout_forward also take f16/bf16 tensors (any mix with f32; dropout's mask stays f32). They
-// compute in f32 from the widened values and round each 16-bit output once.
+// 16-bit activations: add, mul, add_bias, bias_backward, relu, gelu, gelu_tanh, tanh (and
+// their backwards), pooling and dropout_forward also take f16/bf16 tensors, any mix with f32 (one
+// 16-bit dtype per call: f16 beside bf16 throws; dropout's mask stays f32). Their kernels read
+// 16-bit values as f32, compute as the f32 kernels do, and round each 16-bit output once (an
+// accumulating one: read, added to in f32, rounded once): bitwise the f32 op on the widened
+// values, rounded once, with no cast and no f32 temporary. sigmoid, exp, scale and sum_leading
+// are f32 only.
 
 // requires y, a same shape; b a's shape or a's trailing dims (a (N, T, D) with b (D) or (T, D)).
 // ensures y = a + b, b broadcast over a's leading dims. Gradient of b: sum_leading.
@@ -92,9 +98,11 @@ void scale(Tensor& y, const Tensor& x, Scalar alpha);
 // requires x, y same shape; y f32, x f32, f16 or bf16; a device alpha on y's device.
 // ensures y += alpha * float(x).
 void axpy(Tensor& y, Scalar alpha, const Tensor& x);
-// requires y (N, C, ...) and bias (C). ensures y[n, c, ...] += bias[c].
+// requires y (N, C, ...) and bias (C). ensures y[n, c, ...] += bias[c] (a 16-bit y: read, added
+// to in f32, rounded once).
 void add_bias(Tensor& y, const Tensor& bias);
-// requires dy (N, C, ...) and db (C). ensures db (+)= sum of dy over every dim but 1.
+// requires dy (N, C, ...) and db (C). ensures db (+)= sum of dy over every dim but 1, summed in
+// f32 (CPU: double) in the f32 kernel's order whatever the dtypes (a 16-bit db rounds once).
 void bias_backward(Tensor& db, const Tensor& dy, Accumulate acc);
 
 // ---- matrix product ------------------------------------------------------------------------
@@ -107,6 +115,8 @@ void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose t
           float alpha = 1.f, float beta = 0.f, const Tensor& bias = Tensor());
 
 // ---- activations: y = f(x), and dx (+)= dy * f'(.) -----------------------------------------
+// relu, gelu, gelu_tanh, tanh and their backwards: f32, f16 or bf16 (16-bit activations above),
+// f computed in f32 from the values read; sigmoid and exp: f32.
 
 void relu(Tensor& y, const Tensor& x);
 // requires dx, dy, x same shape. ensures dx (+)= dy * (x > 0).
@@ -159,7 +169,8 @@ struct AttentionParams {
 // ensures per batch b and head h, with s_ij = scale q_i . k_j (j <= i under the causal mask):
 //   y[b, i, h] = sum_j softmax_j(s_i.) m_ij v_j,  lse[b, h, i] = log sum_j exp s_ij (for
 //   backward), with m_ij the dropout mask's keep / (1 - p) (1 without dropout).
-// CPU: exact softmax in f32 per (b, h), oneTBB over batch and heads (16-bit qkv widened).
+// CPU: exact softmax in f32 per (b, h), oneTBB over batch and heads (16-bit qkv widened to an
+// f32 copy by casts, y rounded by one: the CPU kernels are f32 only).
 // CUDA: f32 on the plain kernels; f16/bf16 without dropout on cuDNN's fused SDPA (flash
 // attention) when cuDNN accepts the shape (head dim a multiple of 8, at most 128), else widened
 // to the plain kernels.
@@ -278,8 +289,9 @@ struct Pool2dParams {
   int stride_h = 2, stride_w = 2;
   int pad_h = 0, pad_w = 0;
 };
-// requires x (N, C, H, W), y (N, C, P, Q). Padding never wins a max; average pooling counts the
-// padding in the divisor (PyTorch's count_include_pad=True).
+// requires x (N, C, H, W), y (N, C, P, Q), f32, f16 or bf16 (16-bit activations above; a
+// backward adds its windows into a 16-bit dx in f32 and rounds once). Padding never wins a max;
+// average pooling counts the padding in the divisor (PyTorch's count_include_pad=True).
 void max_pool2d_forward(Tensor& y, const Tensor& x, const Pool2dParams& p);
 // Takes the forward x and y; the gradient goes to the first maximum of each window.
 void max_pool2d_backward(Tensor& dx, const Tensor& dy, const Tensor& x, const Tensor& y,
@@ -316,7 +328,8 @@ void layer_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor
 
 // Counter-based (Philox4x32-10): element i of a call keeps iff uniform(seed, offset + i) >= p.
 // The same (seed, offset) gives the same mask on every device and backend.
-// requires x, y, mask same shape, 0 <= p < 1. ensures mask = keep / (1 - p), y = x * mask.
+// requires x, y, mask same shape, 0 <= p < 1; x, y f32, f16 or bf16, mask f32.
+// ensures mask = keep / (1 - p), y = x * mask (computed in f32, rounded once into a 16-bit y).
 // Backward is mul(dx, dy, mask).
 void dropout_forward(Tensor& y, Tensor& mask, const Tensor& x, float p, uint64_t seed,
                      RngOffset offset);

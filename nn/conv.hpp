@@ -65,7 +65,7 @@ class Conv2d : public Module {
       kernels::conv2d_backward_data(dx, dyc, weight_->compute, p_, kernels::Accumulate::no);
     }
     kernels::conv2d_backward_filter(weight_->grad, dyc, x_, p_, kernels::Accumulate::yes);
-    // The bias gradient is a reduction into f32 (a 16-bit dy is widened).
+    // The bias gradient is a reduction into f32 (a 16-bit dy is read as f32, no cast).
     if (bias_) kernels::bias_backward(bias_->grad, dy, kernels::Accumulate::yes);
     return dx;
   }

@@ -68,7 +68,7 @@ class Linear : public Module {
     // dW += (M, out)^T x (M, in) -> (out, in), accumulated into the f32 gradient
     kernels::gemm(weight_->grad, dy2c, kernels::Transpose::yes, x2_, kernels::Transpose::no, 1.f,
                   1.f);
-    // The bias gradient is a reduction into f32 (a 16-bit dy is widened).
+    // The bias gradient is a reduction into f32 (a 16-bit dy is read as f32, no cast).
     if (bias_) kernels::bias_backward(bias_->grad, dy2, kernels::Accumulate::yes);
     return dx.defined() ? dx.reshape(x_shape_) : dx;
   }

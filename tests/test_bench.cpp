@@ -1192,6 +1192,66 @@ TEST_CASE("bench.replay: after warm-up, DP and DDP steps allocate nothing and sy
   }
 }
 
+// casts_per_step: the f32/f16/bf16 conversions a step performs (each a cast kernel and often an
+// f32 temporary on a GPU), counted by the runtime; a replayed step counts its graphs' casts, so
+// --cuda-graphs on and off report the same. With 16-bit activations the elementwise, bias,
+// activation, pooling and dropout ops read and write bf16 themselves; what remains per step:
+//   every model: 1, the bf16 copy of the f32 weights refreshed at the start of forward;
+//   MLP (3 Linear): + the f32 batch into bf16 for the first GEMM, the bf16 output widened for
+//     the loss, and the loss's f32 gradient into bf16 for the last Linear's GEMMs = 4;
+//   tiny GPT (L = 4 layers): the LayerNorms' f32 outputs into bf16 for the GEMMs after them (2 per
+//     layer, and ln_f's for the LM head), the f32 residual stream's gradient into bf16 for the
+//     two c_proj backward GEMMs (2 per layer) and dlogits for the LM head's, and on CPU devices
+//     attention's f32 kernels (qkv widened and y rounded, then dy, qkv, y widened and dqkv
+//     rounded: 6 per layer; a GPU runs cuDNN's bf16 SDPA there) = 1 + 2 + 10 L = 43.
+// (Before the native kernels: MLP 16, tiny GPT 79.) f32 runs convert nothing.
+TEST_CASE("bench.json: casts_per_step, the same graphed or not, bounded with bf16 activations") {
+  struct Run {
+    std::string flags;
+    double at_most;
+  };
+  const Run runs[] = {
+      {"--model mlp --dtype fp32", 0},
+      {"--model mlp --dtype bf16 --activations bf16", 4},
+      {"--model gpt --gpt-config tiny --seq 32 --dtype bf16 --activations bf16", 1 + 2 + 10 * 4},
+  };
+  for (const Run& run : runs) {
+    std::map<std::string, nlohmann::json> results;  // DP and DDP at 1 device, graphs off and on
+    for (const char* graphs : {"off", "on"}) {
+      CAPTURE(run.flags);
+      CAPTURE(graphs);
+      std::string json = temp_path("casts.json");
+      auto [rc, text] = bench_output(
+          "--device cpu --mode both --gpus 1 --baseline 0 --steps 2 --warmup 2 --batch 8 " +
+          run.flags + " --cuda-graphs " + graphs + " --json " + json);
+      INFO(text);
+      REQUIRE(rc == 0);
+      results[graphs] = read_json(json)["runs"];
+      REQUIRE(results[graphs].size() == 2);
+      for (const auto& r : results[graphs]) {
+        REQUIRE(r.contains("casts_per_step"));
+        CHECK(r["graphed_steps"].get<int>() == (std::string(graphs) == "on" ? 2 : 0));
+        const std::string mode = r["mode"].get<std::string>();  // the report's replay line
+        const std::string line = " " + mode + std::string(5 - mode.size(), ' ') +
+                                 " 1   allocations 0, host syncs 1, casts " +
+                                 std::to_string(std::lround(r["casts_per_step"].get<double>()));
+        CHECK_MESSAGE(text.find(line) != std::string::npos, line);
+      }
+      std::remove(json.c_str());
+    }
+    for (size_t i = 0; i < 2; ++i) {
+      const auto &off = results["off"][i], &on = results["on"][i];
+      CAPTURE(run.flags);
+      CAPTURE(off["mode"].get<std::string>());
+      const double casts = off["casts_per_step"].get<double>();
+      CHECK(casts <= run.at_most);
+      if (run.at_most > 0) CHECK(casts > 0);  // counted at all
+      CHECK(on["casts_per_step"].get<double>() == casts);
+      CHECK(on["casts_per_step"] == results["off"][0]["casts_per_step"]);  // DP's = DDP's
+    }
+  }
+}
+
 TEST_CASE("bench.graphs: --cuda-graphs on replays DP and DDP steps, losses bitwise those of off") {
   // CPU devices run the captured segments' recordings: every timed step (after 2 warm-up
   // steps) replays, with one host read and no allocation, and every loss equals the

@@ -7,7 +7,9 @@
 #include <iterator>
 #include <thread>
 
+#include "kernels/runtime/graph.hpp"
 #include "tests/device_scalars.hpp"
+#include "tests/native16_cases.hpp"
 #include "tests/test_kernels_util.hpp"
 
 using namespace kernels;
@@ -426,7 +428,13 @@ TEST_CASE("kernels.errors: mismatched shapes name the shapes") {
 TEST_CASE("kernels.errors: wrong dtypes and devices") {
   Tensor a = zeros({2, 3}), y = zeros({2, 3});
   Tensor h = zeros({2, 3}, DType::f16), i = zeros({2, 3}, DType::i32);
-  CHECK_NOTHROW(add(y, a, h));  // a 16-bit b is widened (16-bit activations)
+  CHECK_NOTHROW(add(y, a, h));  // a 16-bit b is read as f32 (16-bit activations)
+  Tensor b16 = zeros({2, 3}, DType::bf16);
+  CHECK_THROWS_WITH_AS(add(b16, a, h),
+                       doctest::Contains("add: y Tensor(bf16, cpu:0, [2, 3]) and b Tensor(f16"),
+                       Error);
+  CHECK_THROWS_WITH_AS(relu(b16, h), doctest::Contains("mix f16 and bf16"), Error);
+  CHECK_THROWS_WITH_AS(sigmoid(b16, b16), doctest::Contains("y must be f32, got"), Error);
   CHECK_THROWS_WITH_AS(add(y, a, i), doctest::Contains("i32"), Error);
   CHECK_THROWS_WITH_AS(relu(i, a), doctest::Contains("i32"), Error);
   Tensor c = zeros({2, 2});
@@ -561,4 +569,69 @@ TEST_CASE(
     CHECK(mask16.to_host_f32() == mask.to_host_f32());  // the same f32 mask
     CHECK(host(y16) == rounded(y));
   }
+}
+
+// Native 16-bit kernels: each op on f16/bf16 tensors (all 16-bit, or one of them f32; odd sizes;
+// overwriting and accumulating) equals, bit for bit, the widening path it replaced: the 16-bit
+// inputs cast to f32 copies, the f32 op, the output cast back (tests/native16_cases.hpp). Special
+// values (+-0, +-inf, NaN, f16 overflow and subnormals) go through both paths alike.
+namespace {
+void check_native16(native16::Results (*cases)(Device, DType)) {
+  for (DType t : {DType::bf16, DType::f16})
+    for (const native16::Result& r : cases(Device::cpu(0), t)) {
+      CAPTURE(r.what);
+      CHECK(native16::same_bits(r.native, r.reference));
+    }
+}
+}  // namespace
+
+TEST_CASE("kernels.native16: add and mul (broadcast, in place) equal the widening path's bits") {
+  check_native16(native16::elementwise);
+}
+
+TEST_CASE("kernels.native16: add_bias and bias_backward equal the widening path's bits") {
+  check_native16(native16::bias);
+}
+
+TEST_CASE("kernels.native16: relu, gelu, gelu_tanh, tanh and gradients equal the widening bits") {
+  check_native16(native16::activations);
+}
+
+TEST_CASE("kernels.native16: dropout_forward equals the widening path's bits, the same mask") {
+  check_native16(native16::dropout);
+}
+
+TEST_CASE("kernels.native16: max and average pooling, both passes, equal the widening bits") {
+  check_native16(native16::pooling);
+}
+
+// DeviceContext::casts counts the conversions a context's work performs: each kernels::copy
+// between dtypes (a same-dtype copy is none), none for an op that takes 16-bit tensors natively;
+// a graph's capture counts nothing (it runs nothing) and each replay counts the captured casts.
+TEST_CASE("kernels.cast: conversions count on the context, a graph's at each replay") {
+  DeviceContext ctx(Device::cpu(0));
+  ContextScope scope(ctx);
+  Tensor x = random_tensor({3, 5}, 61), h = Tensor::empty({3, 5}, DType::bf16, Device::cpu(0));
+  const int64_t start = ctx.casts();
+  copy(h, x);
+  Tensor back = cast(h, DType::f32);
+  Tensor same = cast(h, DType::bf16);
+  CHECK(ctx.casts() == start + 2);
+  Tensor y = Tensor::empty({3, 5}, DType::bf16, Device::cpu(0));
+  relu(y, h);
+  add(y, y, x);
+  CHECK(ctx.casts() == start + 2);  // native 16-bit kernels convert nothing
+
+  Graph g;
+  g.capture(ctx, [&] {
+    copy(h, x);
+    relu(y, h);
+    copy(back, y);
+  });
+  CHECK(g.casts() == 2);
+  CHECK(ctx.casts() == start + 2);
+  g.replay();
+  g.replay();
+  CHECK(ctx.casts() == start + 6);
+  CHECK(bitwise_equal(back, cast(y, DType::f32)));
 }

@@ -15,6 +15,7 @@
 #include "kernels/runtime/graph.hpp"
 #include "kernels/runtime/memory.hpp"
 #include "tests/device_scalars.hpp"
+#include "tests/native16_cases.hpp"
 #include "tests/optim_test_util.hpp"
 #include "tests/test_util.hpp"
 
@@ -811,6 +812,58 @@ TEST_CASE("kernels.cuda.dropout: the same mask as the CPU bit for bit (any offse
           0.f);
     }
   }
+}
+
+// The native 16-bit kernels on the GPU (tests/native16_cases.hpp): each equals the GPU's own
+// widening path (cast kernels, the f32 kernel, a cast back) bit for bit, and converts nothing
+// (DeviceContext::casts). Where the f32 kernels of both backends are exactly rounded arithmetic
+// (add, mul, add_bias, relu and its gradient, dropout, max pooling forward), the GPU's 16-bit
+// results are the CPU's too, value for value (a NaN may carry another payload on each backend).
+TEST_CASE(
+    "kernels.cuda.native16: 16-bit kernels equal the widening path, and the CPU where exact") {
+  DP_REQUIRE_GPU();
+  struct Group {
+    const char* name;
+    native16::Results (*cases)(Device, DType);
+  };
+  const Group groups[] = {{"elementwise", native16::elementwise},
+                          {"bias", native16::bias},
+                          {"activations", native16::activations},
+                          {"dropout", native16::dropout},
+                          {"pooling", native16::pooling}};
+  auto exact_across_backends = [](const std::string& what) {
+    for (const char* op :
+         {"add", "mul", "add_bias", "relu", "dropout_forward", "max_pool2d_forward"})
+      if (what.rfind(std::string(op) + " ", 0) == 0) return true;
+    return false;
+  };
+  for (DType t : {DType::bf16, DType::f16})
+    for (const Group& g : groups) {
+      CAPTURE(std::string(dtype_name(t)));
+      CAPTURE(g.name);
+      const native16::Results gpu = g.cases(kGpu, t);
+      const native16::Results cpu = g.cases(kCpu, t);
+      REQUIRE(gpu.size() == cpu.size());
+      for (size_t i = 0; i < gpu.size(); ++i) {
+        CAPTURE(gpu[i].what);
+        CHECK(gpu[i].native.device() == kGpu);
+        CHECK(native16::same_bits(gpu[i].native, gpu[i].reference));
+        if (exact_across_backends(gpu[i].what))
+          CHECK(native16::same_values(gpu[i].native, cpu[i].native));
+      }
+    }
+  // No cast kernel: the ops read and write the 16-bit tensors themselves.
+  DeviceContext& ctx = context(kGpu);
+  Tensor x = rnd(kGpu, {4, 33}, 81, -2.f, 2.f, DType::bf16), b = rnd(kGpu, {33}, 82);
+  Tensor y = Tensor::empty({4, 33}, DType::bf16, kGpu);
+  Tensor dx = Tensor::zeros({4, 33}, DType::bf16, kGpu);
+  const int64_t casts = ctx.casts();
+  gelu_tanh(y, x);
+  add(y, y, b);
+  add_bias(y, b);
+  gelu_tanh_backward(dx, y, x, Accumulate::yes);
+  bias_backward(b, dx, Accumulate::yes);
+  CHECK(ctx.casts() == casts);
 }
 
 TEST_CASE("kernels.cuda.attention: forward and backward match CPU, dropout mask included") {

@@ -395,6 +395,7 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   const int64_t allocations_before = context_->memory()->allocations.load();
   context_->memory()->begin_window();
   const int64_t syncs_before = context_->host_syncs();
+  const int64_t casts_before = context_->casts();
   kernels::DeviceContext& ctx = *context_;
   marks_[0].record(ctx);
   float share = 0;
@@ -479,6 +480,7 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   times_.allocations = context_->memory()->allocations.load() - allocations_before;
   times_.peak_bytes = context_->memory()->window_peak.load();
   times_.host_syncs = context_->host_syncs() - syncs_before;
+  times_.casts = context_->casts() - casts_before;
   if (phase_timing_ == Event::Timing::off) return global_loss;  // the marks only ordered
   if (zero_) {
     times_.allreduce_wait = zero_->last_times().reduce_scatter + zero_->last_times().all_gather;

@@ -48,6 +48,9 @@ struct DdpStepTimes {
   // Counted by the runtime on this rank's context during the step: memory taken from the
   // device (0 once the shape's blocks are cached) and host waits or reads (1: the metrics).
   int64_t allocations = 0, host_syncs = 0;
+  // Dtype conversions the step's work performed on the rank's context (a replayed step: its
+  // graphs' casts, kernels::Graph::casts): the same for graphed and uncaptured steps.
+  int64_t casts = 0;
   bool graphed = false;   // captured graphs ran this step's work (replayed)
   bool captured = false;  // this step captured its shape's graphs (then replayed them)
   // The most memory in use on the rank's context during the step (tensors, not cached blocks).

@@ -1,4 +1,5 @@
-// Pointwise activations and their gradients (f32). Backward kernels overwrite dx or add to it.
+// Pointwise activations and their gradients (f32, f16 and bf16 storage, computed in f32).
+// Backward kernels overwrite dx or add to it.
 #include <cmath>
 
 #include "kernels/cpu/cpu_ops.hpp"
@@ -13,28 +14,38 @@ constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
 constexpr float kSqrt2OverPi = 0.79788456080286535588f;
 constexpr float kGeluCubic = 0.044715f;
 
-// y[i] = f(x[i]) over the whole tensor.
+// y[i] = f(x[i]) over the whole tensor (any storage: cpu_util.hpp).
 template <class F>
 void map(Tensor& y, const Tensor& x, F f) {
-  const float* px = x.data<float>();
-  float* py = y.data<float>();
-  parallel_range(y.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) py[i] = f(px[i]);
-  });
+  with_storage(
+      [&](auto y_t, auto x_t) {
+        const auto* px = x.data<decltype(x_t)>();
+        auto* py = y.data<decltype(y_t)>();
+        parallel_range(y.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
+          for (int64_t i = begin; i < end; ++i) store_rounded(py[i], f(load_f32(px[i])));
+        });
+      },
+      y.dtype(), x.dtype());
 }
 
 // dx[i] (+)= dy[i] * f'(v[i]), where v is the forward input or output (per activation).
 template <class DerivativeOf>
 void backward(Tensor& dx, const Tensor& dy, const Tensor& v, Accumulate acc, DerivativeOf d) {
-  const float* pdy = dy.data<float>();
-  const float* pv = v.data<float>();
-  float* pdx = dx.data<float>();
-  parallel_range(dx.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
-    if (acc == Accumulate::yes)
-      for (int64_t i = begin; i < end; ++i) pdx[i] += pdy[i] * d(pv[i]);
-    else
-      for (int64_t i = begin; i < end; ++i) pdx[i] = pdy[i] * d(pv[i]);
-  });
+  with_storage(
+      [&](auto dx_t, auto dy_t, auto v_t) {
+        const auto* pdy = dy.data<decltype(dy_t)>();
+        const auto* pv = v.data<decltype(v_t)>();
+        auto* pdx = dx.data<decltype(dx_t)>();
+        parallel_range(dx.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
+          if (acc == Accumulate::yes)
+            for (int64_t i = begin; i < end; ++i)
+              store_rounded(pdx[i], load_f32(pdx[i]) + load_f32(pdy[i]) * d(load_f32(pv[i])));
+          else
+            for (int64_t i = begin; i < end; ++i)
+              store_rounded(pdx[i], load_f32(pdy[i]) * d(load_f32(pv[i])));
+        });
+      },
+      dx.dtype(), dy.dtype(), v.dtype());
 }
 
 }  // namespace

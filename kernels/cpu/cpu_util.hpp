@@ -62,6 +62,68 @@ inline float round_to(DType t, float v) {
   }
 }
 
+// ---- 16-bit storage ------------------------------------------------------------------------
+// The ops that take f16/bf16 activations (ops.hpp) have one kernel templated on the storage type
+// of each tensor: float, or F16 / BF16 (the bits of a 16-bit value). It reads every element as
+// f32 (load_f32), computes exactly as the f32 kernel does, and rounds a result once where it is
+// stored (store_rounded; an accumulating output is read, added to in f32 and rounded once): the
+// bits of widening each 16-bit input, running the f32 kernel and rounding its output, without
+// the casts and the f32 copies. Instantiated with float only, a kernel is the f32 kernel.
+struct F16 {
+  uint16_t bits;
+};
+struct BF16 {
+  uint16_t bits;
+};
+inline float load_f32(float v) {
+  return v;
+}
+inline float load_f32(F16 v) {
+  return f16_to_f32(v.bits);
+}
+inline float load_f32(BF16 v) {
+  return bf16_to_f32(v.bits);
+}
+inline void store_rounded(float& to, float v) {
+  to = v;
+}
+inline void store_rounded(F16& to, float v) {
+  to.bits = f32_to_f16(v);
+}
+inline void store_rounded(BF16& to, float v) {
+  to.bits = f32_to_bf16(v);
+}
+
+namespace detail {
+// Appends the storage type of each dtype to Known (f32: float, else Half), then calls f.
+template <class Half, class... Known>
+struct StorageOf {
+  template <class F>
+  static void run(F& f) {
+    f(Known{}...);
+  }
+  template <class F, class... Rest>
+  static void run(F& f, DType t, Rest... rest) {
+    if (t == DType::f32)
+      StorageOf<Half, Known..., float>::run(f, rest...);
+    else
+      StorageOf<Half, Known..., Half>::run(f, rest...);
+  }
+};
+}  // namespace detail
+
+// requires each dtype f32, f16 or bf16, f16 and bf16 not both (ops.cpp checks it).
+// ensures f(S...) is called with a value of each dtype's storage type, in order:
+//   with_storage([&](auto y_t, auto x_t) { auto* py = y.data<decltype(y_t)>(); ... },
+//                y.dtype(), x.dtype());
+template <class F, class... D>
+void with_storage(F&& f, D... dtypes) {
+  if (((dtypes == DType::bf16) || ...))
+    detail::StorageOf<BF16>::run(f, dtypes...);
+  else
+    detail::StorageOf<F16>::run(f, dtypes...);
+}
+
 // Sets OpenBLAS to one thread and ends its idle thread pool, once per process: every CPU device
 // parallelises its GEMMs itself inside its own arena, so BLAS threads would oversubscribe the
 // cores.

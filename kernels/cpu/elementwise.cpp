@@ -1,5 +1,5 @@
-// Elementwise arithmetic and the bias helpers of linear/conv layers (f32; axpy also takes an
-// f16/bf16 x).
+// Elementwise arithmetic and the bias helpers of linear/conv layers (f32; add, mul, add_bias and
+// bias_backward also take f16/bf16 tensors through with_storage, axpy an f16/bf16 x).
 #include <algorithm>
 
 #include "kernels/cpu/cpu_ops.hpp"
@@ -8,21 +8,31 @@
 namespace kernels::cpu {
 
 void add(Tensor& y, const Tensor& a, const Tensor& b) {
-  const float* pa = a.data<float>();
-  const float* pb = b.data<float>();
-  float* py = y.data<float>();
-  parallel_range(y.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) py[i] = pa[i] + pb[i];
-  });
+  with_storage(
+      [&](auto y_t, auto a_t, auto b_t) {
+        const auto* pa = a.data<decltype(a_t)>();
+        const auto* pb = b.data<decltype(b_t)>();
+        auto* py = y.data<decltype(y_t)>();
+        parallel_range(y.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
+          for (int64_t i = begin; i < end; ++i)
+            store_rounded(py[i], load_f32(pa[i]) + load_f32(pb[i]));
+        });
+      },
+      y.dtype(), a.dtype(), b.dtype());
 }
 
 void mul(Tensor& y, const Tensor& a, const Tensor& b) {
-  const float* pa = a.data<float>();
-  const float* pb = b.data<float>();
-  float* py = y.data<float>();
-  parallel_range(y.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) py[i] = pa[i] * pb[i];
-  });
+  with_storage(
+      [&](auto y_t, auto a_t, auto b_t) {
+        const auto* pa = a.data<decltype(a_t)>();
+        const auto* pb = b.data<decltype(b_t)>();
+        auto* py = y.data<decltype(y_t)>();
+        parallel_range(y.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
+          for (int64_t i = begin; i < end; ++i)
+            store_rounded(py[i], load_f32(pa[i]) * load_f32(pb[i]));
+        });
+      },
+      y.dtype(), a.dtype(), b.dtype());
 }
 
 void scale(Tensor& y, const Tensor& x, Scalar by) {
@@ -58,16 +68,20 @@ void add_bias(Tensor& y, const Tensor& bias) {
   int64_t channels = y.dim(1);
   int64_t rows = y.dim(0) * channels;
   int64_t inner = y.numel() / rows;
-  const float* pb = bias.data<float>();
-  float* py = y.data<float>();
   int64_t grain = std::max<int64_t>(1, kElementwiseGrain / inner);
-  parallel_range(rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float b = pb[r % channels];
-      float* row = py + r * inner;
-      for (int64_t i = 0; i < inner; ++i) row[i] += b;
-    }
-  });
+  with_storage(
+      [&](auto y_t, auto bias_t) {
+        const auto* pb = bias.data<decltype(bias_t)>();
+        auto* py = y.data<decltype(y_t)>();
+        parallel_range(rows, grain, [&](int64_t begin, int64_t end) {
+          for (int64_t r = begin; r < end; ++r) {
+            float b = load_f32(pb[r % channels]);
+            auto* row = py + r * inner;
+            for (int64_t i = 0; i < inner; ++i) store_rounded(row[i], load_f32(row[i]) + b);
+          }
+        });
+      },
+      y.dtype(), bias.dtype());
 }
 
 // db[c] (+)= sum over n, then inner, of dy[n, c, inner]. Channel ranges run in parallel; each
@@ -76,23 +90,27 @@ void bias_backward(Tensor& db, const Tensor& dy, Accumulate acc) {
   int64_t batch = dy.dim(0);
   int64_t channels = dy.dim(1);
   int64_t inner = batch * channels == 0 ? 0 : dy.numel() / (batch * channels);
-  const float* pdy = dy.data<float>();
-  float* pdb = db.data<float>();
   int64_t grain = std::max<int64_t>(1, kElementwiseGrain / std::max<int64_t>(1, batch * inner));
-  parallel_range(channels, grain, [&](int64_t begin, int64_t end) {
-    std::vector<double> sums(static_cast<size_t>(end - begin), 0.0);
-    for (int64_t n = 0; n < batch; ++n)
-      for (int64_t c = begin; c < end; ++c) {
-        const float* run = pdy + (n * channels + c) * inner;
-        double s = 0.0;
-        for (int64_t i = 0; i < inner; ++i) s += run[i];
-        sums[c - begin] += s;
-      }
-    for (int64_t c = begin; c < end; ++c) {
-      float s = static_cast<float>(sums[c - begin]);
-      pdb[c] = acc == Accumulate::yes ? pdb[c] + s : s;
-    }
-  });
+  with_storage(
+      [&](auto db_t, auto dy_t) {
+        const auto* pdy = dy.data<decltype(dy_t)>();
+        auto* pdb = db.data<decltype(db_t)>();
+        parallel_range(channels, grain, [&](int64_t begin, int64_t end) {
+          std::vector<double> sums(static_cast<size_t>(end - begin), 0.0);
+          for (int64_t n = 0; n < batch; ++n)
+            for (int64_t c = begin; c < end; ++c) {
+              const auto* run = pdy + (n * channels + c) * inner;
+              double s = 0.0;
+              for (int64_t i = 0; i < inner; ++i) s += load_f32(run[i]);
+              sums[c - begin] += s;
+            }
+          for (int64_t c = begin; c < end; ++c) {
+            float s = static_cast<float>(sums[c - begin]);
+            store_rounded(pdb[c], acc == Accumulate::yes ? load_f32(pdb[c]) + s : s);
+          }
+        });
+      },
+      db.dtype(), dy.dtype());
 }
 
 }  // namespace kernels::cpu

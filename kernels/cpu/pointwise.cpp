@@ -1,6 +1,6 @@
 // The ops small custom layers are built from (f32): a and b combined with b broadcast over the
-// leading dims of a, the reduction that is its gradient, sigmoid and exp. Mirrors
-// kernels/cuda/pointwise.cu.
+// leading dims of a (also f16/bf16, computed in f32), the reduction that is its gradient,
+// sigmoid and exp. Mirrors kernels/cuda/pointwise.cu.
 #include <cmath>
 
 #include "kernels/cpu/cpu_ops.hpp"
@@ -10,16 +10,22 @@ namespace kernels::cpu {
 
 namespace {
 
-// y[r, j] = f(a[r, j], b[j]) for a viewed as (rows, inner), inner = b.numel().
+// y[r, j] = f(a[r, j], b[j]) for a viewed as (rows, inner), inner = b.numel() (any storage:
+// cpu_util.hpp).
 template <class F>
 void broadcast_trailing(Tensor& y, const Tensor& a, const Tensor& b, F f) {
   const int64_t inner = b.numel();
-  const float* pa = a.data<float>();
-  const float* pb = b.data<float>();
-  float* py = y.data<float>();
-  parallel_range(y.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) py[i] = f(pa[i], pb[i % inner]);
-  });
+  with_storage(
+      [&](auto y_t, auto a_t, auto b_t) {
+        const auto* pa = a.data<decltype(a_t)>();
+        const auto* pb = b.data<decltype(b_t)>();
+        auto* py = y.data<decltype(y_t)>();
+        parallel_range(y.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
+          for (int64_t i = begin; i < end; ++i)
+            store_rounded(py[i], f(load_f32(pa[i]), load_f32(pb[i % inner])));
+        });
+      },
+      y.dtype(), a.dtype(), b.dtype());
 }
 
 }  // namespace

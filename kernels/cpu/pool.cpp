@@ -1,6 +1,9 @@
-// Max and average pooling (NCHW). Planes (n, c) run in parallel; within a plane the windows are
-// visited in order, so overlapping windows add their gradients deterministically.
+// Max and average pooling (NCHW; f32, f16 and bf16 storage, computed in f32). Planes (n, c) run
+// in parallel; within a plane the windows are visited in order, so overlapping windows add their
+// gradients deterministically.
 #include <algorithm>
+#include <type_traits>
+#include <vector>
 
 #include "kernels/cpu/cpu_ops.hpp"
 #include "kernels/cpu/cpu_util.hpp"
@@ -26,12 +29,14 @@ struct PoolGeometry {
   }
 };
 
-// body(x_plane_index) for every (n, c) plane, in parallel.
+// body(plane, scratch) for every (n, c) plane, in parallel; `scratch` belongs to the task running
+// the body (empty until a body sizes it: grad_plane).
 template <class Body>
 void for_each_plane(int64_t planes, const PoolGeometry& g, Body&& body) {
   int64_t grain = std::max<int64_t>(1, kElementwiseGrain / std::max<int64_t>(1, g.in_plane()));
   parallel_range(planes, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t plane = begin; plane < end; ++plane) body(plane);
+    std::vector<float> scratch;
+    for (int64_t plane = begin; plane < end; ++plane) body(plane, scratch);
   });
 }
 
@@ -39,92 +44,130 @@ PoolGeometry geometry(const Tensor& x, const Tensor& y, const Pool2dParams& p) {
   return {x.dim(2), x.dim(3), y.dim(2), y.dim(3), p};
 }
 
+// The f32 plane of n elements a backward adds its gradients into: dx's own plane `din` when dx is
+// f32, else `scratch` holding it widened (Accumulate::yes) or zeros, which store_plane then rounds
+// into dx once: the bits of the f32 kernel on a widened dx.
+template <class T>
+float* grad_plane(T* din, int64_t n, Accumulate acc, std::vector<float>& scratch) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (acc == Accumulate::no) std::fill_n(din, n, 0.f);
+    return din;
+  } else {
+    scratch.resize(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) scratch[i] = acc == Accumulate::yes ? load_f32(din[i]) : 0.f;
+    return scratch.data();
+  }
+}
+template <class T>
+void store_plane(T* din, const float* plane, int64_t n) {
+  if constexpr (!std::is_same_v<T, float>)
+    for (int64_t i = 0; i < n; ++i) store_rounded(din[i], plane[i]);
+}
+
 }  // namespace
 
 void max_pool2d_forward(Tensor& y, const Tensor& x, const Pool2dParams& p) {
   PoolGeometry g = geometry(x, y, p);
-  const float* px = x.data<float>();
-  float* py = y.data<float>();
-  for_each_plane(x.dim(0) * x.dim(1), g, [&](int64_t plane) {
-    const float* in = px + plane * g.in_plane();
-    float* out = py + plane * g.out_plane();
-    for (int64_t oh = 0; oh < g.out_h; ++oh)
-      for (int64_t ow = 0; ow < g.out_w; ++ow) {
-        Window win = g.window(oh, ow);
-        float best = in[win.h_begin * g.width + win.w_begin];
-        for (int64_t h = win.h_begin; h < win.h_end; ++h)
-          for (int64_t w = win.w_begin; w < win.w_end; ++w)
-            best = std::max(best, in[h * g.width + w]);
-        out[oh * g.out_w + ow] = best;
-      }
-  });
+  with_storage(
+      [&](auto y_t, auto x_t) {
+        const auto* px = x.data<decltype(x_t)>();
+        auto* py = y.data<decltype(y_t)>();
+        for_each_plane(x.dim(0) * x.dim(1), g, [&](int64_t plane, std::vector<float>&) {
+          const auto* in = px + plane * g.in_plane();
+          auto* out = py + plane * g.out_plane();
+          for (int64_t oh = 0; oh < g.out_h; ++oh)
+            for (int64_t ow = 0; ow < g.out_w; ++ow) {
+              Window win = g.window(oh, ow);
+              float best = load_f32(in[win.h_begin * g.width + win.w_begin]);
+              for (int64_t h = win.h_begin; h < win.h_end; ++h)
+                for (int64_t w = win.w_begin; w < win.w_end; ++w)
+                  best = std::max(best, load_f32(in[h * g.width + w]));
+              store_rounded(out[oh * g.out_w + ow], best);
+            }
+        });
+      },
+      y.dtype(), x.dtype());
 }
 
 // The gradient of each window goes to its first element equal to the forward maximum.
 void max_pool2d_backward(Tensor& dx, const Tensor& dy, const Tensor& x, const Tensor& y,
                          const Pool2dParams& p, Accumulate acc) {
   PoolGeometry g = geometry(x, y, p);
-  const float* px = x.data<float>();
-  const float* py = y.data<float>();
-  const float* pdy = dy.data<float>();
-  float* pdx = dx.data<float>();
-  for_each_plane(x.dim(0) * x.dim(1), g, [&](int64_t plane) {
-    const float* in = px + plane * g.in_plane();
-    float* din = pdx + plane * g.in_plane();
-    if (acc == Accumulate::no) std::fill_n(din, g.in_plane(), 0.f);
-    for (int64_t oh = 0; oh < g.out_h; ++oh)
-      for (int64_t ow = 0; ow < g.out_w; ++ow) {
-        int64_t o = plane * g.out_plane() + oh * g.out_w + ow;
-        Window win = g.window(oh, ow);
-        int64_t argmax = -1;
-        for (int64_t h = win.h_begin; h < win.h_end && argmax < 0; ++h)
-          for (int64_t w = win.w_begin; w < win.w_end; ++w)
-            if (in[h * g.width + w] == py[o]) {
-              argmax = h * g.width + w;
-              break;
+  with_storage(
+      [&](auto dx_t, auto dy_t, auto x_t, auto y_t) {
+        const auto* px = x.data<decltype(x_t)>();
+        const auto* py = y.data<decltype(y_t)>();
+        const auto* pdy = dy.data<decltype(dy_t)>();
+        auto* pdx = dx.data<decltype(dx_t)>();
+        for_each_plane(x.dim(0) * x.dim(1), g, [&](int64_t plane, std::vector<float>& scratch) {
+          const auto* in = px + plane * g.in_plane();
+          float* din = grad_plane(pdx + plane * g.in_plane(), g.in_plane(), acc, scratch);
+          for (int64_t oh = 0; oh < g.out_h; ++oh)
+            for (int64_t ow = 0; ow < g.out_w; ++ow) {
+              int64_t o = plane * g.out_plane() + oh * g.out_w + ow;
+              Window win = g.window(oh, ow);
+              const float best = load_f32(py[o]);
+              int64_t argmax = -1;
+              for (int64_t h = win.h_begin; h < win.h_end && argmax < 0; ++h)
+                for (int64_t w = win.w_begin; w < win.w_end; ++w)
+                  if (load_f32(in[h * g.width + w]) == best) {
+                    argmax = h * g.width + w;
+                    break;
+                  }
+              if (argmax >= 0) din[argmax] += load_f32(pdy[o]);
             }
-        if (argmax >= 0) din[argmax] += pdy[o];
-      }
-  });
+          store_plane(pdx + plane * g.in_plane(), din, g.in_plane());
+        });
+      },
+      dx.dtype(), dy.dtype(), x.dtype(), y.dtype());
 }
 
 // Divides by the full window, padding included (count_include_pad=True).
 void avg_pool2d_forward(Tensor& y, const Tensor& x, const Pool2dParams& p) {
   PoolGeometry g = geometry(x, y, p);
-  const float* px = x.data<float>();
-  float* py = y.data<float>();
   double inv_area = 1.0 / (p.kernel_h * p.kernel_w);
-  for_each_plane(x.dim(0) * x.dim(1), g, [&](int64_t plane) {
-    const float* in = px + plane * g.in_plane();
-    float* out = py + plane * g.out_plane();
-    for (int64_t oh = 0; oh < g.out_h; ++oh)
-      for (int64_t ow = 0; ow < g.out_w; ++ow) {
-        Window win = g.window(oh, ow);
-        double s = 0.0;
-        for (int64_t h = win.h_begin; h < win.h_end; ++h)
-          for (int64_t w = win.w_begin; w < win.w_end; ++w) s += in[h * g.width + w];
-        out[oh * g.out_w + ow] = static_cast<float>(s * inv_area);
-      }
-  });
+  with_storage(
+      [&](auto y_t, auto x_t) {
+        const auto* px = x.data<decltype(x_t)>();
+        auto* py = y.data<decltype(y_t)>();
+        for_each_plane(x.dim(0) * x.dim(1), g, [&](int64_t plane, std::vector<float>&) {
+          const auto* in = px + plane * g.in_plane();
+          auto* out = py + plane * g.out_plane();
+          for (int64_t oh = 0; oh < g.out_h; ++oh)
+            for (int64_t ow = 0; ow < g.out_w; ++ow) {
+              Window win = g.window(oh, ow);
+              double s = 0.0;
+              for (int64_t h = win.h_begin; h < win.h_end; ++h)
+                for (int64_t w = win.w_begin; w < win.w_end; ++w)
+                  s += load_f32(in[h * g.width + w]);
+              store_rounded(out[oh * g.out_w + ow], static_cast<float>(s * inv_area));
+            }
+        });
+      },
+      y.dtype(), x.dtype());
 }
 
 void avg_pool2d_backward(Tensor& dx, const Tensor& dy, const Pool2dParams& p, Accumulate acc) {
   PoolGeometry g = geometry(dx, dy, p);
-  const float* pdy = dy.data<float>();
-  float* pdx = dx.data<float>();
   float inv_area = 1.f / static_cast<float>(p.kernel_h * p.kernel_w);
-  for_each_plane(dx.dim(0) * dx.dim(1), g, [&](int64_t plane) {
-    float* din = pdx + plane * g.in_plane();
-    const float* dout = pdy + plane * g.out_plane();
-    if (acc == Accumulate::no) std::fill_n(din, g.in_plane(), 0.f);
-    for (int64_t oh = 0; oh < g.out_h; ++oh)
-      for (int64_t ow = 0; ow < g.out_w; ++ow) {
-        Window win = g.window(oh, ow);
-        float share = dout[oh * g.out_w + ow] * inv_area;
-        for (int64_t h = win.h_begin; h < win.h_end; ++h)
-          for (int64_t w = win.w_begin; w < win.w_end; ++w) din[h * g.width + w] += share;
-      }
-  });
+  with_storage(
+      [&](auto dx_t, auto dy_t) {
+        const auto* pdy = dy.data<decltype(dy_t)>();
+        auto* pdx = dx.data<decltype(dx_t)>();
+        for_each_plane(dx.dim(0) * dx.dim(1), g, [&](int64_t plane, std::vector<float>& scratch) {
+          float* din = grad_plane(pdx + plane * g.in_plane(), g.in_plane(), acc, scratch);
+          const auto* dout = pdy + plane * g.out_plane();
+          for (int64_t oh = 0; oh < g.out_h; ++oh)
+            for (int64_t ow = 0; ow < g.out_w; ++ow) {
+              Window win = g.window(oh, ow);
+              float share = load_f32(dout[oh * g.out_w + ow]) * inv_area;
+              for (int64_t h = win.h_begin; h < win.h_end; ++h)
+                for (int64_t w = win.w_begin; w < win.w_end; ++w) din[h * g.width + w] += share;
+            }
+          store_plane(pdx + plane * g.in_plane(), din, g.in_plane());
+        });
+      },
+      dx.dtype(), dy.dtype());
 }
 
 }  // namespace kernels::cpu

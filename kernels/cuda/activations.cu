@@ -1,5 +1,6 @@
-// Pointwise activations (ReLU, exact GELU, tanh) and their gradients. Backward kernels
-// overwrite dx or add to it. Formulas mirror kernels/cpu/activations.cpp.
+// Pointwise activations (ReLU, exact GELU, GELU-tanh, tanh) and their gradients, on f32, f16
+// and bf16 storage computed in f32 (with_storage, cuda_common.cuh). Backward kernels overwrite dx
+// or add to it. Formulas mirror kernels/cpu/activations.cpp.
 #include "kernels/cuda/cuda_common.cuh"
 
 namespace kernels::cuda {
@@ -46,42 +47,47 @@ struct TanhGrad {  // 1 - y^2, of the forward output
   __device__ float operator()(float t) const { return 1.f - t * t; }
 };
 
-template <class F>
-__global__ void map_kernel(float* y, const float* x, int64_t n, F f) {
-  DP_GRID_STRIDE_LOOP(i, n) y[i] = f(x[i]);
+template <class Y, class X, class F>
+__global__ void map_kernel(Y* y, const X* x, int64_t n, F f) {
+  DP_GRID_STRIDE_LOOP(i, n) y[i] = from_float<Y>(f(to_float(x[i])));
 }
 
 // dx (+)= dy * d(v): v is the forward input or output, per activation.
-template <class D>
-__global__ void backward_kernel(float* dx, const float* dy, const float* v, int64_t n,
-                                bool accumulate, D d) {
+template <class DX, class DY, class V, class D>
+__global__ void backward_kernel(DX* dx, const DY* dy, const V* v, int64_t n, bool accumulate, D d) {
   DP_GRID_STRIDE_LOOP(i, n) {
-    float g = dy[i] * d(v[i]);
-    dx[i] = accumulate ? dx[i] + g : g;
+    float g = to_float(dy[i]) * d(to_float(v[i]));
+    dx[i] = from_float<DX>(accumulate ? to_float(dx[i]) + g : g);
   }
 }
 
 template <class F>
 void launch_map(const char* op, Tensor& y, const Tensor& x, F f, DeviceContext& ctx) {
-  require_f32(op, y);
-  require_f32(op, x);
+  require_floating(op, {&y, &x});
   int64_t n = y.numel();
   if (n == 0) return;
-  map_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(y.data<float>(), x.data<float>(), n,
-                                                             f);
+  with_storage(
+      [&](auto y_t, auto x_t) {
+        map_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(y.data<decltype(y_t)>(),
+                                                                   x.data<decltype(x_t)>(), n, f);
+      },
+      y.dtype(), x.dtype());
   DP_CUDA_CHECK_LAUNCH();
 }
 
 template <class D>
 void launch_backward(const char* op, Tensor& dx, const Tensor& dy, const Tensor& v, Accumulate acc,
                      D d, DeviceContext& ctx) {
-  require_f32(op, dx);
-  require_f32(op, dy);
-  require_f32(op, v);
+  require_floating(op, {&dx, &dy, &v});
   int64_t n = dx.numel();
   if (n == 0) return;
-  backward_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
-      dx.data<float>(), dy.data<float>(), v.data<float>(), n, acc == Accumulate::yes, d);
+  with_storage(
+      [&](auto dx_t, auto dy_t, auto v_t) {
+        backward_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
+            dx.data<decltype(dx_t)>(), dy.data<decltype(dy_t)>(), v.data<decltype(v_t)>(), n,
+            acc == Accumulate::yes, d);
+      },
+      dx.dtype(), dy.dtype(), v.dtype());
   DP_CUDA_CHECK_LAUNCH();
 }
 

@@ -299,11 +299,17 @@ void embedding_backward(Tensor& dtable, const Tensor& dy, const Tensor& ids, Dev
 
 namespace {
 
-// A 16-bit tensor's f32 copy (widened on ctx's stream), or a fresh f32 tensor of its shape.
+// A 16-bit tensor's f32 copy (widened on ctx's stream), and an f32 result rounded into a 16-bit
+// output: casts, counted as the op layer counts its own (DeviceContext::casts).
 Tensor widened(const Tensor& t, DeviceContext& ctx) {
   Tensor w = Tensor::empty(t.shape(), DType::f32, t.device());
+  ctx.note_cast();
   cast(w, t, ctx);
   return w;
+}
+void round_into(Tensor& out, const Tensor& f32, DeviceContext& ctx) {
+  ctx.note_cast();
+  cast(out, f32, ctx);
 }
 Tensor f32_like(const Tensor& t) {
   return Tensor::empty(t.shape(), DType::f32, t.device());
@@ -319,7 +325,7 @@ void attention_forward(Tensor& y, Tensor& lse, const Tensor& qkv, const Attentio
     if (p.dropout <= 0.f && sdpa_forward(y, lse, qkv, p, ctx)) return;
     Tensor y32 = f32_like(y);
     attention_forward(y32, lse, widened(qkv, ctx), p, ctx);
-    return cast(y, y32, ctx);
+    return round_into(y, y32, ctx);
   }
   NvtxRange range("kernels/attention_forward");
   const Geometry g = geometry(qkv, p);
@@ -337,7 +343,7 @@ void attention_backward(Tensor& dqkv, const Tensor& dy, const Tensor& qkv, const
     if (p.dropout <= 0.f && sdpa_backward(dqkv, dy, qkv, y, lse, p, ctx)) return;
     Tensor dqkv32 = f32_like(dqkv);
     attention_backward(dqkv32, widened(dy, ctx), widened(qkv, ctx), Tensor(), lse, p, ctx);
-    return cast(dqkv, dqkv32, ctx);
+    return round_into(dqkv, dqkv32, ctx);
   }
   NvtxRange range("kernels/attention_backward");
   const Geometry g = geometry(qkv, p);

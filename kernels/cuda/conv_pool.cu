@@ -1,6 +1,7 @@
 // 2-D convolution (cuDNN, NCHW cross-correlation) and max/average pooling (hand-written
-// kernels mirroring kernels/cpu/pool.cpp; the backward passes gather per input element, so they
-// need no atomics and are deterministic).
+// kernels mirroring kernels/cpu/pool.cpp, on f32, f16 or bf16 storage computed in f32:
+// with_storage; the backward passes gather per input element, so they need no atomics and are
+// deterministic).
 // Each plan keeps cuDNN's ranked algorithms that the numerics policy admits
 // (kernels/runtime/algo_select.hpp: no Winograd or FFT in 16-bit, never FP32 -> FP16
 // down-conversion, no tensor cores under strict f32); a call runs the chosen one and, when cuDNN
@@ -268,12 +269,6 @@ void zero_unless_accumulating(Tensor& t, Accumulate acc, cudaStream_t s) {
   if (acc == Accumulate::no) DP_CUDA_CHECK(cudaMemsetAsync(t.raw(), 0, t.nbytes(), s));
 }
 
-void require_conv_f32(const char* op, const Tensor& a, const Tensor& b, const Tensor& c) {
-  require_f32(op, a);
-  require_f32(op, b);
-  require_f32(op, c);
-}
-
 // ---- the output of a convolution pass ------------------------------------------------------
 
 // out (+)= result, with result a 16-bit value (cuDNN's rounded output); a 16-bit out rounds the
@@ -364,7 +359,8 @@ PoolGeometry pool_geometry(const Tensor& x, const Tensor& y, const Pool2dParams&
 
 // Maximum of window (oh, ow); padding is skipped (never wins). -inf if the window holds no
 // input element.
-__device__ float window_max(const float* plane, const PoolGeometry& g, int64_t oh, int64_t ow) {
+template <class T>
+__device__ float window_max(const T* plane, const PoolGeometry& g, int64_t oh, int64_t ow) {
   float best = -INFINITY;
   bool any = false;
   for (int r = 0; r < g.kh; ++r) {
@@ -373,7 +369,7 @@ __device__ float window_max(const float* plane, const PoolGeometry& g, int64_t o
     for (int c = 0; c < g.kw; ++c) {
       int64_t w = ow * g.sw - g.pw + c;
       if (w < 0 || w >= g.width) continue;
-      float v = plane[h * g.width + w];
+      float v = to_float(plane[h * g.width + w]);
       if (!any || v > best) best = v;
       any = true;
     }
@@ -383,24 +379,27 @@ __device__ float window_max(const float* plane, const PoolGeometry& g, int64_t o
 
 // Offset in the plane of the first element of window (oh, ow), in row-major window order,
 // equal to the forward maximum `target`; -1 if none is (a NaN maximum).
-__device__ int64_t window_first_equal(const float* plane, const PoolGeometry& g, int64_t oh,
-                                      int64_t ow, float target) {
+template <class T>
+__device__ int64_t window_first_equal(const T* plane, const PoolGeometry& g, int64_t oh, int64_t ow,
+                                      float target) {
   for (int r = 0; r < g.kh; ++r) {
     int64_t h = oh * g.sh - g.ph + r;
     if (h < 0 || h >= g.height) continue;
     for (int c = 0; c < g.kw; ++c) {
       int64_t w = ow * g.sw - g.pw + c;
-      if (w >= 0 && w < g.width && plane[h * g.width + w] == target) return h * g.width + w;
+      if (w >= 0 && w < g.width && to_float(plane[h * g.width + w]) == target)
+        return h * g.width + w;
     }
   }
   return -1;
 }
 
-__global__ void max_pool_forward_kernel(float* y, const float* x, PoolGeometry g) {
+template <class Y, class X>
+__global__ void max_pool_forward_kernel(Y* y, const X* x, PoolGeometry g) {
   int64_t n = g.planes * g.out_h * g.out_w;
   DP_GRID_STRIDE_LOOP(i, n) {
     int64_t ow = i % g.out_w, oh = (i / g.out_w) % g.out_h, plane = i / (g.out_w * g.out_h);
-    y[i] = window_max(x + plane * g.height * g.width, g, oh, ow);
+    y[i] = from_float<Y>(window_max(x + plane * g.height * g.width, g, oh, ow));
   }
 }
 
@@ -415,14 +414,15 @@ __device__ void covering_range(int64_t h, int k, int stride, int pad, int64_t ou
 
 // Gather: dx[h, w] (+)= sum of dy over the windows whose first element equal to the forward
 // maximum y is (h, w).
-__global__ void max_pool_backward_kernel(float* dx, const float* dy, const float* x, const float* y,
+template <class DX, class DY, class X, class Y>
+__global__ void max_pool_backward_kernel(DX* dx, const DY* dy, const X* x, const Y* y,
                                          PoolGeometry g, bool accumulate) {
   int64_t n = g.planes * g.height * g.width;
   DP_GRID_STRIDE_LOOP(i, n) {
     int64_t w = i % g.width, h = (i / g.width) % g.height, plane = i / (g.width * g.height);
-    const float* xp = x + plane * g.height * g.width;
-    const float* dyp = dy + plane * g.out_h * g.out_w;
-    const float* yp = y + plane * g.out_h * g.out_w;
+    const X* xp = x + plane * g.height * g.width;
+    const DY* dyp = dy + plane * g.out_h * g.out_w;
+    const Y* yp = y + plane * g.out_h * g.out_w;
     int64_t p0, p1, q0, q1;
     covering_range(h, g.kh, g.sh, g.ph, g.out_h, &p0, &p1);
     covering_range(w, g.kw, g.sw, g.pw, g.out_w, &q0, &q1);
@@ -430,47 +430,49 @@ __global__ void max_pool_backward_kernel(float* dx, const float* dy, const float
     for (int64_t p = p0; p <= p1; ++p)
       for (int64_t q = q0; q <= q1; ++q) {
         int64_t o = p * g.out_w + q;
-        if (window_first_equal(xp, g, p, q, yp[o]) == h * g.width + w) grad += dyp[o];
+        if (window_first_equal(xp, g, p, q, to_float(yp[o])) == h * g.width + w)
+          grad += to_float(dyp[o]);
       }
-    dx[i] = accumulate ? dx[i] + grad : grad;
+    dx[i] = from_float<DX>(accumulate ? to_float(dx[i]) + grad : grad);
   }
 }
 
 // Average over the window, padding counted in the divisor (count_include_pad).
-__global__ void avg_pool_forward_kernel(float* y, const float* x, PoolGeometry g) {
+template <class Y, class X>
+__global__ void avg_pool_forward_kernel(Y* y, const X* x, PoolGeometry g) {
   int64_t n = g.planes * g.out_h * g.out_w;
   float inv_area = 1.f / static_cast<float>(g.kh * g.kw);
   DP_GRID_STRIDE_LOOP(i, n) {
     int64_t ow = i % g.out_w, oh = (i / g.out_w) % g.out_h, plane = i / (g.out_w * g.out_h);
-    const float* xp = x + plane * g.height * g.width;
+    const X* xp = x + plane * g.height * g.width;
     float s = 0.f;
     for (int r = 0; r < g.kh; ++r) {
       int64_t h = oh * g.sh - g.ph + r;
       if (h < 0 || h >= g.height) continue;
       for (int c = 0; c < g.kw; ++c) {
         int64_t w = ow * g.sw - g.pw + c;
-        if (w >= 0 && w < g.width) s += xp[h * g.width + w];
+        if (w >= 0 && w < g.width) s += to_float(xp[h * g.width + w]);
       }
     }
-    y[i] = s * inv_area;
+    y[i] = from_float<Y>(s * inv_area);
   }
 }
 
 // Gather: dx[h, w] (+)= sum over the windows covering (h, w) of dy / (kh kw).
-__global__ void avg_pool_backward_kernel(float* dx, const float* dy, PoolGeometry g,
-                                         bool accumulate) {
+template <class DX, class DY>
+__global__ void avg_pool_backward_kernel(DX* dx, const DY* dy, PoolGeometry g, bool accumulate) {
   int64_t n = g.planes * g.height * g.width;
   float inv_area = 1.f / static_cast<float>(g.kh * g.kw);
   DP_GRID_STRIDE_LOOP(i, n) {
     int64_t w = i % g.width, h = (i / g.width) % g.height, plane = i / (g.width * g.height);
-    const float* dyp = dy + plane * g.out_h * g.out_w;
+    const DY* dyp = dy + plane * g.out_h * g.out_w;
     int64_t p0, p1, q0, q1;
     covering_range(h, g.kh, g.sh, g.ph, g.out_h, &p0, &p1);
     covering_range(w, g.kw, g.sw, g.pw, g.out_w, &q0, &q1);
     float grad = 0.f;
     for (int64_t p = p0; p <= p1; ++p)
-      for (int64_t q = q0; q <= q1; ++q) grad += dyp[p * g.out_w + q] * inv_area;
-    dx[i] = accumulate ? dx[i] + grad : grad;
+      for (int64_t q = q0; q <= q1; ++q) grad += to_float(dyp[p * g.out_w + q]) * inv_area;
+    dx[i] = from_float<DX>(accumulate ? to_float(dx[i]) + grad : grad);
   }
 }
 
@@ -614,48 +616,61 @@ void conv2d_backward_filter(Tensor& dw, const Tensor& dy, const Tensor& x, const
 // x (N, C, H, W) -> y (N, C, P, Q)
 void max_pool2d_forward(Tensor& y, const Tensor& x, const Pool2dParams& p, DeviceContext& ctx) {
   NvtxRange range("kernels/max_pool2d_forward");
-  require_f32("max_pool2d_forward", y);
-  require_f32("max_pool2d_forward", x);
+  require_floating("max_pool2d_forward", {&y, &x});
   int64_t n = y.numel();
   if (n == 0) return;
-  max_pool_forward_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
-      y.data<float>(), x.data<float>(), pool_geometry(x, y, p));
+  with_storage(
+      [&](auto y_t, auto x_t) {
+        max_pool_forward_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
+            y.data<decltype(y_t)>(), x.data<decltype(x_t)>(), pool_geometry(x, y, p));
+      },
+      y.dtype(), x.dtype());
   DP_CUDA_CHECK_LAUNCH();
 }
 
 void max_pool2d_backward(Tensor& dx, const Tensor& dy, const Tensor& x, const Tensor& y,
                          const Pool2dParams& p, Accumulate acc, DeviceContext& ctx) {
   NvtxRange range("kernels/max_pool2d_backward");
-  require_conv_f32("max_pool2d_backward", dx, dy, x);
+  require_floating("max_pool2d_backward", {&dx, &dy, &x, &y});
   int64_t n = dx.numel();
   if (n == 0) return;
-  require_f32("max_pool2d_backward", y);
-  max_pool_backward_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
-      dx.data<float>(), dy.data<float>(), x.data<float>(), y.data<float>(), pool_geometry(x, y, p),
-      acc == Accumulate::yes);
+  with_storage(
+      [&](auto dx_t, auto dy_t, auto x_t, auto y_t) {
+        max_pool_backward_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
+            dx.data<decltype(dx_t)>(), dy.data<decltype(dy_t)>(), x.data<decltype(x_t)>(),
+            y.data<decltype(y_t)>(), pool_geometry(x, y, p), acc == Accumulate::yes);
+      },
+      dx.dtype(), dy.dtype(), x.dtype(), y.dtype());
   DP_CUDA_CHECK_LAUNCH();
 }
 
 void avg_pool2d_forward(Tensor& y, const Tensor& x, const Pool2dParams& p, DeviceContext& ctx) {
   NvtxRange range("kernels/avg_pool2d_forward");
-  require_f32("avg_pool2d_forward", y);
-  require_f32("avg_pool2d_forward", x);
+  require_floating("avg_pool2d_forward", {&y, &x});
   int64_t n = y.numel();
   if (n == 0) return;
-  avg_pool_forward_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
-      y.data<float>(), x.data<float>(), pool_geometry(x, y, p));
+  with_storage(
+      [&](auto y_t, auto x_t) {
+        avg_pool_forward_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
+            y.data<decltype(y_t)>(), x.data<decltype(x_t)>(), pool_geometry(x, y, p));
+      },
+      y.dtype(), x.dtype());
   DP_CUDA_CHECK_LAUNCH();
 }
 
 void avg_pool2d_backward(Tensor& dx, const Tensor& dy, const Pool2dParams& p, Accumulate acc,
                          DeviceContext& ctx) {
   NvtxRange range("kernels/avg_pool2d_backward");
-  require_f32("avg_pool2d_backward", dx);
-  require_f32("avg_pool2d_backward", dy);
+  require_floating("avg_pool2d_backward", {&dx, &dy});
   int64_t n = dx.numel();
   if (n == 0) return;
-  avg_pool_backward_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
-      dx.data<float>(), dy.data<float>(), pool_geometry(dx, dy, p), acc == Accumulate::yes);
+  with_storage(
+      [&](auto dx_t, auto dy_t) {
+        avg_pool_backward_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
+            dx.data<decltype(dx_t)>(), dy.data<decltype(dy_t)>(), pool_geometry(dx, dy, p),
+            acc == Accumulate::yes);
+      },
+      dx.dtype(), dy.dtype());
   DP_CUDA_CHECK_LAUNCH();
 }
 

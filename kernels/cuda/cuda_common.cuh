@@ -77,6 +77,45 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
 }
 
+// ---- 16-bit storage ------------------------------------------------------------------------
+// The ops that take f16/bf16 activations (ops.hpp) launch one kernel templated on the storage
+// type of each tensor (float, __half, __nv_bfloat16): it reads every element as f32 (to_float),
+// computes exactly as the f32 kernel does and rounds a result once where it stores it
+// (from_float; an accumulating output is read, added to in f32 and rounded once). That is the
+// bits of widening each 16-bit input, running the f32 kernel and rounding its output, without
+// the cast kernels and f32 copies; instantiated with float only, a kernel is the f32 kernel.
+// Mirrors kernels/cpu/cpu_util.hpp.
+
+namespace detail {
+// Appends the storage type of each dtype to Known (f32: float, else Half), then calls f.
+template <class Half, class... Known>
+struct StorageOf {
+  template <class F>
+  static void run(F& f) {
+    f(Known{}...);
+  }
+  template <class F, class... Rest>
+  static void run(F& f, DType t, Rest... rest) {
+    if (t == DType::f32)
+      StorageOf<Half, Known..., float>::run(f, rest...);
+    else
+      StorageOf<Half, Known..., Half>::run(f, rest...);
+  }
+};
+}  // namespace detail
+
+// requires each dtype f32, f16 or bf16, f16 and bf16 not both (ops.cpp checks it).
+// ensures f(S...) is called on the host with a value of each dtype's storage type, in order:
+//   with_storage([&](auto y_t, auto x_t) { kernel<<<...>>>(y.data<decltype(y_t)>(), ...); },
+//                y.dtype(), x.dtype());
+template <class F, class... D>
+void with_storage(F&& f, D... dtypes) {
+  if (((dtypes == DType::bf16) || ...))
+    detail::StorageOf<__nv_bfloat16>::run(f, dtypes...);
+  else
+    detail::StorageOf<__half>::run(f, dtypes...);
+}
+
 // ---- host-side helpers ---------------------------------------------------------------------
 
 // Most CUDA ops support f32 only; the others throw naming the op and the dtype.
@@ -86,6 +125,13 @@ inline void require_f32(const char* op, const Tensor& t) {
 }
 inline void require_f32(const char* op, std::initializer_list<const Tensor*> ts) {
   for (const Tensor* t : ts) require_f32(op, *t);
+}
+// The ops with 16-bit kernels (with_storage): f32, f16 or bf16.
+inline void require_floating(const char* op, std::initializer_list<const Tensor*> ts) {
+  for (const Tensor* t : ts)
+    if (!is_floating(t->dtype()))
+      DP_THROW(op << ": the CUDA backend takes f32, f16 or bf16, got " << t->dtype() << " in "
+                  << *t);
 }
 
 // Data pointer of an optional tensor (nullptr when undefined).
@@ -164,14 +210,15 @@ __global__ void column_partial_sums_kernel(float* partial, int64_t rows, int64_t
   }
 }
 
-// Adds the chunk partials of each column in chunk order (a template: defined once per program).
-template <class T>
-__global__ void column_finish_kernel(T* out, const T* partial, int64_t chunks, int64_t cols,
+// Adds the chunk partials of each column in chunk order into out (float, or 16-bit: read and
+// added to in f32, rounded once). A template: defined once per program.
+template <class Out>
+__global__ void column_finish_kernel(Out* out, const float* partial, int64_t chunks, int64_t cols,
                                      bool accumulate) {
   DP_GRID_STRIDE_LOOP(col, cols) {
-    T s = partial[col];
+    float s = partial[col];
     for (int64_t k = 1; k < chunks; ++k) s += partial[k * cols + col];
-    out[col] = accumulate ? out[col] + s : s;
+    out[col] = from_float<Out>(accumulate ? to_float(out[col]) + s : s);
   }
 }
 
@@ -181,10 +228,11 @@ inline int64_t column_sum_chunks(int64_t rows) {
   return c < 1 ? 1 : (c > 64 ? 64 : c);
 }
 
-// Queues out (+)= column sums on s; `scratch` holds column_sum_chunks(rows) * cols floats.
-template <class F>
-void launch_column_sums(float* out, int64_t rows, int64_t cols, F f, bool accumulate,
-                        float* scratch, cudaStream_t s) {
+// Queues out (+)= column sums on s (out float, __half or __nv_bfloat16); `scratch` holds
+// column_sum_chunks(rows) * cols floats.
+template <class Out, class F>
+void launch_column_sums(Out* out, int64_t rows, int64_t cols, F f, bool accumulate, float* scratch,
+                        cudaStream_t s) {
   if (cols == 0) return;
   int64_t chunks = column_sum_chunks(rows);
   int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
@@ -192,7 +240,7 @@ void launch_column_sums(float* out, int64_t rows, int64_t cols, F f, bool accumu
   dim3 grid(static_cast<unsigned>((cols + kColTile - 1) / kColTile), static_cast<unsigned>(chunks));
   column_partial_sums_kernel<<<grid, block, 0, s>>>(scratch, rows, cols, rows_per_chunk, f);
   DP_CUDA_CHECK_LAUNCH();
-  column_finish_kernel<float>
+  column_finish_kernel<Out>
       <<<blocks_for(cols), kThreads, 0, s>>>(out, scratch, chunks, cols, accumulate);
   DP_CUDA_CHECK_LAUNCH();
 }

@@ -11,7 +11,9 @@ namespace {
 // philox::random_u32), i.e. elements counter - offset that fall in [0, n).
 // n_blocks: ceil(n / 4) + 1, enough for any offset's alignment (the offset may be the device's).
 // Counters are modulo 2^64, as on the CPU: past the last block (2^62 - 1) the next is block 0.
-__global__ void dropout_kernel(float* y, float* mask, const float* x, float p, float keep_scale,
+// x and y f32, f16 or bf16 (computed in f32, y rounded once); the mask f32.
+template <class Y, class X>
+__global__ void dropout_kernel(Y* y, float* mask, const X* x, float p, float keep_scale,
                                uint64_t seed, RngOffsetArg at, int64_t n, int64_t n_blocks) {
   const uint64_t offset = at.get();
   const uint64_t first_block = offset >> 2, last_block = (uint64_t{1} << 62) - 1;
@@ -28,7 +30,7 @@ __global__ void dropout_kernel(float* y, float* mask, const float* x, float p, f
       float u = static_cast<float>(words[j] >> 8) * (1.0f / 16777216.0f);
       float m = u >= p ? keep_scale : 0.f;
       mask[i] = m;
-      y[i] = x[i] * m;
+      y[i] = from_float<Y>(to_float(x[i]) * m);
     }
   }
 }
@@ -38,16 +40,19 @@ __global__ void dropout_kernel(float* y, float* mask, const float* x, float p, f
 void dropout_forward(Tensor& y, Tensor& mask, const Tensor& x, float p, uint64_t seed,
                      RngOffset offset, DeviceContext& ctx) {
   NvtxRange range("kernels/dropout_forward");
-  require_f32("dropout_forward", y);
+  require_floating("dropout_forward", {&y, &x});
   require_f32("dropout_forward", mask);
-  require_f32("dropout_forward", x);
   int64_t n = x.numel();
   if (n == 0) return;
   float keep_scale = 1.f / (1.f - p);  // as the CPU backend computes it
   const int64_t n_blocks = (n + 3) / 4 + 1;
-  dropout_kernel<<<blocks_for(n_blocks), kThreads, 0, stream_of(ctx)>>>(
-      y.data<float>(), mask.data<float>(), x.data<float>(), p, keep_scale, seed,
-      RngOffsetArg::of(offset), n, n_blocks);
+  with_storage(
+      [&](auto y_t, auto x_t) {
+        dropout_kernel<<<blocks_for(n_blocks), kThreads, 0, stream_of(ctx)>>>(
+            y.data<decltype(y_t)>(), mask.data<float>(), x.data<decltype(x_t)>(), p, keep_scale,
+            seed, RngOffsetArg::of(offset), n, n_blocks);
+      },
+      y.dtype(), x.dtype());
   DP_CUDA_CHECK_LAUNCH();
 }
 

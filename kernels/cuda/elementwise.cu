@@ -1,17 +1,20 @@
-// Elementwise arithmetic (add, mul, scale, axpy; axpy also takes an f16/bf16 x), per-channel
-// bias and its gradient.
+// Elementwise arithmetic (add, mul, scale, axpy), per-channel bias and its gradient. add, mul,
+// add_bias and bias_backward also take f16/bf16 tensors (with_storage, cuda_common.cuh), axpy an
+// f16/bf16 x.
 #include "kernels/cuda/cuda_common.cuh"
 
 namespace kernels::cuda {
 
 namespace {
 
-__global__ void add_kernel(float* y, const float* a, const float* b, int64_t n) {
-  DP_GRID_STRIDE_LOOP(i, n) y[i] = a[i] + b[i];
+template <class Y, class A, class B>
+__global__ void add_kernel(Y* y, const A* a, const B* b, int64_t n) {
+  DP_GRID_STRIDE_LOOP(i, n) y[i] = from_float<Y>(to_float(a[i]) + to_float(b[i]));
 }
 
-__global__ void mul_kernel(float* y, const float* a, const float* b, int64_t n) {
-  DP_GRID_STRIDE_LOOP(i, n) y[i] = a[i] * b[i];
+template <class Y, class A, class B>
+__global__ void mul_kernel(Y* y, const A* a, const B* b, int64_t n) {
+  DP_GRID_STRIDE_LOOP(i, n) y[i] = from_float<Y>(to_float(a[i]) * to_float(b[i]));
 }
 
 __global__ void scale_kernel(float* y, const float* x, ScalarArg by, int64_t n) {
@@ -27,25 +30,39 @@ __global__ void axpy_kernel(float* y, ScalarArg by, const T* x, int64_t n) {
 }
 
 // y (N, C, inner) += bias[c].
-__global__ void add_bias_kernel(float* y, const float* bias, int64_t n, int64_t channels,
-                                int64_t inner) {
-  DP_GRID_STRIDE_LOOP(i, n) y[i] += bias[(i / inner) % channels];
+template <class Y, class B>
+__global__ void add_bias_kernel(Y* y, const B* bias, int64_t n, int64_t channels, int64_t inner) {
+  DP_GRID_STRIDE_LOOP(i, n) {
+    const float b = to_float(bias[(i / inner) % channels]);
+    y[i] = from_float<Y>(to_float(y[i]) + b);
+  }
 }
 
 // db[c] (+)= sum over (n, s) of dy (N, C, inner), for launch_channel_sums.
+template <class DB>
 struct SetBiasGrad {
-  float* db;
+  DB* db;
   bool accumulate;
   __device__ void operator()(int64_t c, float sum, float) const {
-    db[c] = accumulate ? db[c] + sum : sum;
+    db[c] = from_float<DB>(accumulate ? to_float(db[c]) + sum : sum);
   }
 };
 
-// Reads dy (rows, cols) for launch_column_sums.
+// Reads dy (N, C, inner) as f32 for launch_channel_sums: (dy[index], 0).
+template <class T>
+struct ReadChannel {
+  const T* x;
+  __device__ float2 operator()(int64_t idx, int64_t) const {
+    return make_float2(to_float(x[idx]), 0.f);
+  }
+};
+
+// Reads dy (rows, cols) as f32 for launch_column_sums.
+template <class T>
 struct ReadMatrix {
-  const float* m;
+  const T* m;
   int64_t cols;
-  __device__ float operator()(int64_t r, int64_t c) const { return m[r * cols + c]; }
+  __device__ float operator()(int64_t r, int64_t c) const { return to_float(m[r * cols + c]); }
 };
 
 void check_elementwise(const char* op, const Tensor& y, const Tensor& a) {
@@ -57,23 +74,29 @@ void check_elementwise(const char* op, const Tensor& y, const Tensor& a) {
 
 void add(Tensor& y, const Tensor& a, const Tensor& b, DeviceContext& ctx) {
   NvtxRange range("kernels/add");
-  check_elementwise("add", y, a);
-  require_f32("add", b);
+  require_floating("add", {&y, &a, &b});
   int64_t n = y.numel();
   if (n == 0) return;
-  add_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(y.data<float>(), a.data<float>(),
-                                                             b.data<float>(), n);
+  with_storage(
+      [&](auto y_t, auto a_t, auto b_t) {
+        add_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
+            y.data<decltype(y_t)>(), a.data<decltype(a_t)>(), b.data<decltype(b_t)>(), n);
+      },
+      y.dtype(), a.dtype(), b.dtype());
   DP_CUDA_CHECK_LAUNCH();
 }
 
 void mul(Tensor& y, const Tensor& a, const Tensor& b, DeviceContext& ctx) {
   NvtxRange range("kernels/mul");
-  check_elementwise("mul", y, a);
-  require_f32("mul", b);
+  require_floating("mul", {&y, &a, &b});
   int64_t n = y.numel();
   if (n == 0) return;
-  mul_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(y.data<float>(), a.data<float>(),
-                                                             b.data<float>(), n);
+  with_storage(
+      [&](auto y_t, auto a_t, auto b_t) {
+        mul_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
+            y.data<decltype(y_t)>(), a.data<decltype(a_t)>(), b.data<decltype(b_t)>(), n);
+      },
+      y.dtype(), a.dtype(), b.dtype());
   DP_CUDA_CHECK_LAUNCH();
 }
 
@@ -169,35 +192,47 @@ void weighted_sum(Tensor& y, Scalar y_weight, const std::vector<Tensor>& xs,
 
 void add_bias(Tensor& y, const Tensor& bias, DeviceContext& ctx) {
   NvtxRange range("kernels/add_bias");
-  check_elementwise("add_bias", y, bias);
+  require_floating("add_bias", {&y, &bias});
   int64_t n = y.numel(), channels = bias.numel();
   if (n == 0 || channels == 0) return;
   int64_t inner = n / (y.dim(0) * channels);  // product of the dims after C
-  add_bias_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
-      y.data<float>(), bias.data<float>(), n, channels, inner);
+  with_storage(
+      [&](auto y_t, auto bias_t) {
+        add_bias_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
+            y.data<decltype(y_t)>(), bias.data<decltype(bias_t)>(), n, channels, inner);
+      },
+      y.dtype(), bias.dtype());
   DP_CUDA_CHECK_LAUNCH();
 }
 
+// The sums are f32 in the f32 kernel's order whatever the storage: a 16-bit dy is read as f32,
+// a 16-bit db gets the f32 result rounded once.
 void bias_backward(Tensor& db, const Tensor& dy, Accumulate acc, DeviceContext& ctx) {
   NvtxRange range("kernels/bias_backward");
-  check_elementwise("bias_backward", db, dy);
+  require_floating("bias_backward", {&db, &dy});
   int64_t channels = db.numel(), batch = dy.dim(0);
   if (channels == 0) return;
   int64_t inner = batch * channels == 0 ? 1 : dy.numel() / (batch * channels);
   bool accumulate = acc == Accumulate::yes;
   cudaStream_t s = stream_of(ctx);
-  if (inner == 1) {  // (N, C): column sums, coalesced along each row
-    size_t scratch_bytes = sizeof(float) * column_sum_chunks(batch) * channels;
-    auto* scratch = static_cast<float*>(ctx.workspace(scratch_bytes));
-    launch_column_sums(db.data<float>(), batch, channels, ReadMatrix{dy.data<float>(), channels},
-                       accumulate, scratch, s);
-    return;
-  }
-  // (N, C, H, W): chunks of every channel in parallel, coalesced within each (n, c) plane.
-  auto* scratch =
-      static_cast<float2*>(ctx.workspace(channel_sum_scratch_bytes(batch, channels, inner)));
-  launch_channel_sums(batch, channels, inner, ReadChannelValue{dy.data<float>()},
-                      SetBiasGrad{db.data<float>(), accumulate}, scratch, s);
+  with_storage(
+      [&](auto db_t, auto dy_t) {
+        using DB = decltype(db_t);
+        using DY = decltype(dy_t);
+        if (inner == 1) {  // (N, C): column sums, coalesced along each row
+          size_t scratch_bytes = sizeof(float) * column_sum_chunks(batch) * channels;
+          auto* scratch = static_cast<float*>(ctx.workspace(scratch_bytes));
+          launch_column_sums(db.data<DB>(), batch, channels,
+                             ReadMatrix<DY>{dy.data<DY>(), channels}, accumulate, scratch, s);
+          return;
+        }
+        // (N, C, H, W): chunks of every channel in parallel, coalesced within each (n, c) plane.
+        auto* scratch =
+            static_cast<float2*>(ctx.workspace(channel_sum_scratch_bytes(batch, channels, inner)));
+        launch_channel_sums(batch, channels, inner, ReadChannel<DY>{dy.data<DY>()},
+                            SetBiasGrad<DB>{db.data<DB>(), accumulate}, scratch, s);
+      },
+      db.dtype(), dy.dtype());
 }
 
 }  // namespace kernels::cuda

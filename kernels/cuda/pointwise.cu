@@ -1,6 +1,6 @@
 // The ops small custom layers are built from (f32): a and b combined with b broadcast over the
-// leading dims of a, the reduction that is its gradient, sigmoid and exp. Formulas and sum
-// order mirror kernels/cpu/pointwise.cpp.
+// leading dims of a (also f16/bf16, computed in f32: with_storage), the reduction that is its
+// gradient, sigmoid and exp. Formulas and sum order mirror kernels/cpu/pointwise.cpp.
 #include "kernels/cuda/cuda_common.cuh"
 
 namespace kernels::cuda {
@@ -15,10 +15,10 @@ struct Mul {
 };
 
 // y[r, j] = f(a[r, j], b[j]) for a viewed as (rows, inner).
-template <class F>
-__global__ void broadcast_trailing_kernel(float* y, const float* a, const float* b, int64_t n,
-                                          int64_t inner, F f) {
-  DP_GRID_STRIDE_LOOP(i, n) y[i] = f(a[i], b[i % inner]);
+template <class Y, class A, class B, class F>
+__global__ void broadcast_trailing_kernel(Y* y, const A* a, const B* b, int64_t n, int64_t inner,
+                                          F f) {
+  DP_GRID_STRIDE_LOOP(i, n) y[i] = from_float<Y>(f(to_float(a[i]), to_float(b[i % inner])));
 }
 
 // out[j] (+)= sum over r of x[r, j]: one thread per column, rows in order, in double (the CPU's
@@ -60,11 +60,16 @@ template <class F>
 void launch_broadcast(const char* op, Tensor& y, const Tensor& a, const Tensor& b, F f,
                       DeviceContext& ctx) {
   NvtxRange range(op);
-  require_f32(op, {&y, &a, &b});
+  require_floating(op, {&y, &a, &b});
   const int64_t n = y.numel();
   if (n == 0) return;
-  broadcast_trailing_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
-      y.data<float>(), a.data<float>(), b.data<float>(), n, b.numel(), f);
+  with_storage(
+      [&](auto y_t, auto a_t, auto b_t) {
+        broadcast_trailing_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
+            y.data<decltype(y_t)>(), a.data<decltype(a_t)>(), b.data<decltype(b_t)>(), n, b.numel(),
+            f);
+      },
+      y.dtype(), a.dtype(), b.dtype());
   DP_CUDA_CHECK_LAUNCH();
 }
 

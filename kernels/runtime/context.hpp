@@ -99,6 +99,19 @@ class DeviceContext {
     host_syncs_.fetch_add(1, std::memory_order_relaxed);
   }
 
+  // Dtype conversions (f32/f16/bf16 casts, each one kernel and, where an op widens, an f32
+  // temporary) this context's work performed: counted when a cast is queued (kernels::copy
+  // between dtypes, and the CUDA attention's own widening), and for captured work at each replay
+  // of its graph (Graph::casts), never at the capture, which runs nothing. So a step counts
+  // what it converts however it ran: eagerly, captured then replayed, or replayed.
+  int64_t casts() const { return casts_.load(); }
+  void note_cast() {
+    if (capturing())
+      ++captured_casts_;
+    else
+      casts_.fetch_add(1, std::memory_order_relaxed);
+  }
+
   // Capture (kernels/runtime/graph.hpp): whether a Graph is capturing on this context. Then
   // the op layer records CPU ops (record) instead of running them, and CUDA work goes into the
   // stream's capture, each op's arguments recorded beside it.
@@ -166,6 +179,8 @@ class DeviceContext {
   std::shared_ptr<MemoryStats> memory_;
   std::shared_ptr<BlockCache> block_cache_;
   std::atomic<int64_t> host_syncs_{0};
+  std::atomic<int64_t> casts_{0};
+  int64_t captured_casts_ = 0;  // casts queued into the capture in progress (Graph::capture)
   std::map<std::type_index, std::shared_ptr<void>> states_;
   // The capture in progress (Graph::capture): CPU ops go here; non-null on CUDA too, as the flag.
   std::vector<std::function<void()>>* recording_ = nullptr;

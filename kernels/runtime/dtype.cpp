@@ -17,17 +17,6 @@ float float_of(uint32_t u) {
 }
 }  // namespace
 
-float bf16_to_f32(uint16_t h) {
-  return float_of(static_cast<uint32_t>(h) << 16);
-}
-
-uint16_t f32_to_bf16(float f) {
-  uint32_t u = bits_of(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
-  return static_cast<uint16_t>(u >> 16);
-}
-
 float f16_to_f32(uint16_t h) {
   uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   uint32_t exp = (h >> 10) & 0x1fu;

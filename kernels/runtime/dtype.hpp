@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <ostream>
 
 namespace kernels {
@@ -53,10 +54,22 @@ inline std::ostream& operator<<(std::ostream& os, DType t) {
   return os << dtype_name(t);
 }
 
-// Host-side conversions for the 16-bit float formats (round to nearest even).
+// Host-side conversions for the 16-bit float formats (round to nearest even). The bf16 pair is
+// inline: CPU kernels convert element by element in their loops.
 float f16_to_f32(uint16_t h);
 uint16_t f32_to_f16(float f);
-float bf16_to_f32(uint16_t h);
-uint16_t f32_to_bf16(float f);
+inline float bf16_to_f32(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+  return static_cast<uint16_t>(u >> 16);
+}
 
 }  // namespace kernels

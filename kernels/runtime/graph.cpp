@@ -36,6 +36,7 @@ Graph& Graph::operator=(Graph&& other) noexcept {
     ops_ = std::move(other.ops_);
     exec_ = std::exchange(other.exec_, nullptr);
     nodes_ = std::exchange(other.nodes_, 0);
+    casts_ = std::exchange(other.casts_, 0);
     fault_text_ = std::exchange(other.fault_text_, nullptr);
     live_ = std::move(other.live_);
     reservation_ = std::move(other.reservation_);
@@ -56,6 +57,7 @@ void Graph::reset() {
   ops_.clear();
   ctx_ = nullptr;
   nodes_ = 0;
+  casts_ = 0;
   fault_text_ = nullptr;
   if (live_) --*live_;  // the context may be gone: only its shared count is touched
   live_.reset();
@@ -92,6 +94,7 @@ void Graph::capture(DeviceContext& ctx, const std::function<void()>& body) {
   } ending{ctx, reservation != nullptr, ctx.fault_text_, capturing_on_this_thread()};
   RangeNames names;  // a refusal names the layer it happened in
   ctx.recording_ = &ops;
+  ctx.captured_casts_ = 0;
   ctx.fault_text_ = nullptr;
   ctx.graph_borrows_.clear();
   detail::set_capturing_on_this_thread(&ctx);
@@ -113,6 +116,7 @@ void Graph::capture(DeviceContext& ctx, const std::function<void()>& body) {
   // CPU: the ops a replay runs. CUDA: the captured ops' arguments, held so that the memory the
   // graph's launches address stays the graph's (never run).
   ops_ = std::move(ops);
+  casts_ = ctx.captured_casts_;
   fault_text_ = ctx.fault_text_;
   ctx_ = &ctx;
   live_ = ctx.live_graphs_;
@@ -157,6 +161,7 @@ void Graph::capture_cuda(DeviceContext& ctx, const std::function<void()>& body) 
 
 void Graph::replay() {
   DP_CHECK(captured(), "Graph::replay: nothing captured");
+  ctx_->casts_.fetch_add(casts_, std::memory_order_relaxed);
   if (ctx_->device().is_cpu()) {
     ctx_->arena().execute([&] {
       for (auto& op : ops_) op();

@@ -63,6 +63,9 @@ class Graph {
   bool captured() const { return ctx_ != nullptr; }
   // Ops recorded (CPU) or kernel and copy nodes (CUDA).
   int64_t nodes() const { return nodes_; }
+  // Dtype conversions in the captured work (DeviceContext::casts): each replay adds them to the
+  // context's count, as the eager work would.
+  int64_t casts() const { return casts_; }
   void reset();
 
  private:
@@ -73,6 +76,7 @@ class Graph {
   std::vector<std::function<void()>> ops_;  // CPU: the ops; CUDA: what holds their arguments
   void* exec_ = nullptr;                    // CUDA: cudaGraphExec_t
   int64_t nodes_ = 0;
+  int64_t casts_ = 0;
   // The device-side fault check the captured work arms (CUDA): armed again by each replay.
   DeviceContext::FaultText fault_text_ = nullptr;
   // The context's count of live graphs (it keeps retired workspaces while any exists).
