@@ -11,6 +11,7 @@
 #include <tbb/parallel_for.h>
 
 #include "kernels/ops.hpp"
+#include "kernels/storage_dispatch.hpp"
 
 namespace kernels::cpu {
 
@@ -94,34 +95,36 @@ inline void store_rounded(BF16& to, float v) {
   to.bits = f32_to_bf16(v);
 }
 
-namespace detail {
-// Appends the storage type of each dtype to Known (f32: float, else Half), then calls f.
-template <class Half, class... Known>
-struct StorageOf {
-  template <class F>
-  static void run(F& f) {
-    f(Known{}...);
-  }
-  template <class F, class... Rest>
-  static void run(F& f, DType t, Rest... rest) {
-    if (t == DType::f32)
-      StorageOf<Half, Known..., float>::run(f, rest...);
-    else
-      StorageOf<Half, Known..., Half>::run(f, rest...);
-  }
-};
-}  // namespace detail
-
 // requires each dtype f32, f16 or bf16, f16 and bf16 not both (ops.cpp checks it).
 // ensures f(S...) is called with a value of each dtype's storage type, in order:
 //   with_storage([&](auto y_t, auto x_t) { auto* py = y.data<decltype(y_t)>(); ... },
 //                y.dtype(), x.dtype());
 template <class F, class... D>
 void with_storage(F&& f, D... dtypes) {
-  if (((dtypes == DType::bf16) || ...))
-    detail::StorageOf<BF16>::run(f, dtypes...);
-  else
-    detail::StorageOf<F16>::run(f, dtypes...);
+  with_storage_of<F16, BF16>(f, dtypes...);
+}
+
+// y[i] = f(a[i], b[i % inner]) over y's elements, inner = b.numel(): b of y's shape, or
+// broadcast over a's leading dims. Each of y, a, b f32, f16 or bf16 (with_storage), read as f32
+// and stored rounded once.
+template <class F>
+void map_binary(Tensor& y, const Tensor& a, const Tensor& b, F f) {
+  const int64_t inner = b.numel(), n = y.numel();
+  with_storage(
+      [&](auto y_t, auto a_t, auto b_t) {
+        const auto* pa = a.data<decltype(a_t)>();
+        const auto* pb = b.data<decltype(b_t)>();
+        auto* py = y.data<decltype(y_t)>();
+        parallel_range(n, kElementwiseGrain, [&](int64_t begin, int64_t end) {
+          if (inner == n)  // same shapes: no index arithmetic in the loop
+            for (int64_t i = begin; i < end; ++i)
+              store_rounded(py[i], f(load_f32(pa[i]), load_f32(pb[i])));
+          else
+            for (int64_t i = begin; i < end; ++i)
+              store_rounded(py[i], f(load_f32(pa[i]), load_f32(pb[i % inner])));
+        });
+      },
+      y.dtype(), a.dtype(), b.dtype());
 }
 
 // Sets OpenBLAS to one thread and ends its idle thread pool, once per process: every CPU device

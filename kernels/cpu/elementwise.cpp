@@ -8,31 +8,11 @@
 namespace kernels::cpu {
 
 void add(Tensor& y, const Tensor& a, const Tensor& b) {
-  with_storage(
-      [&](auto y_t, auto a_t, auto b_t) {
-        const auto* pa = a.data<decltype(a_t)>();
-        const auto* pb = b.data<decltype(b_t)>();
-        auto* py = y.data<decltype(y_t)>();
-        parallel_range(y.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
-          for (int64_t i = begin; i < end; ++i)
-            store_rounded(py[i], load_f32(pa[i]) + load_f32(pb[i]));
-        });
-      },
-      y.dtype(), a.dtype(), b.dtype());
+  map_binary(y, a, b, [](float u, float v) { return u + v; });
 }
 
 void mul(Tensor& y, const Tensor& a, const Tensor& b) {
-  with_storage(
-      [&](auto y_t, auto a_t, auto b_t) {
-        const auto* pa = a.data<decltype(a_t)>();
-        const auto* pb = b.data<decltype(b_t)>();
-        auto* py = y.data<decltype(y_t)>();
-        parallel_range(y.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
-          for (int64_t i = begin; i < end; ++i)
-            store_rounded(py[i], load_f32(pa[i]) * load_f32(pb[i]));
-        });
-      },
-      y.dtype(), a.dtype(), b.dtype());
+  map_binary(y, a, b, [](float u, float v) { return u * v; });
 }
 
 void scale(Tensor& y, const Tensor& x, Scalar by) {

@@ -8,34 +8,13 @@
 
 namespace kernels::cpu {
 
-namespace {
-
-// y[r, j] = f(a[r, j], b[j]) for a viewed as (rows, inner), inner = b.numel() (any storage:
-// cpu_util.hpp).
-template <class F>
-void broadcast_trailing(Tensor& y, const Tensor& a, const Tensor& b, F f) {
-  const int64_t inner = b.numel();
-  with_storage(
-      [&](auto y_t, auto a_t, auto b_t) {
-        const auto* pa = a.data<decltype(a_t)>();
-        const auto* pb = b.data<decltype(b_t)>();
-        auto* py = y.data<decltype(y_t)>();
-        parallel_range(y.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
-          for (int64_t i = begin; i < end; ++i)
-            store_rounded(py[i], f(load_f32(pa[i]), load_f32(pb[i % inner])));
-        });
-      },
-      y.dtype(), a.dtype(), b.dtype());
-}
-
-}  // namespace
-
+// y[r, j] = a[r, j] (+ or *) b[j], a viewed as (rows, b.numel()) (cpu_util.hpp's map_binary).
 void add_trailing(Tensor& y, const Tensor& a, const Tensor& b) {
-  broadcast_trailing(y, a, b, [](float u, float v) { return u + v; });
+  map_binary(y, a, b, [](float u, float v) { return u + v; });
 }
 
 void mul_trailing(Tensor& y, const Tensor& a, const Tensor& b) {
-  broadcast_trailing(y, a, b, [](float u, float v) { return u * v; });
+  map_binary(y, a, b, [](float u, float v) { return u * v; });
 }
 
 // out[j] (+)= sum over r of x[r, j], x viewed as (rows, inner). Column ranges run in parallel;

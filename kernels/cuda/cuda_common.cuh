@@ -9,6 +9,7 @@
 #include "kernels/cuda/cuda_ops.hpp"
 #include "kernels/runtime/cuda_check.hpp"
 #include "kernels/runtime/nvtx.hpp"
+#include "kernels/storage_dispatch.hpp"
 
 namespace kernels::cuda {
 
@@ -86,34 +87,13 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
 // the cast kernels and f32 copies; instantiated with float only, a kernel is the f32 kernel.
 // Mirrors kernels/cpu/cpu_util.hpp.
 
-namespace detail {
-// Appends the storage type of each dtype to Known (f32: float, else Half), then calls f.
-template <class Half, class... Known>
-struct StorageOf {
-  template <class F>
-  static void run(F& f) {
-    f(Known{}...);
-  }
-  template <class F, class... Rest>
-  static void run(F& f, DType t, Rest... rest) {
-    if (t == DType::f32)
-      StorageOf<Half, Known..., float>::run(f, rest...);
-    else
-      StorageOf<Half, Known..., Half>::run(f, rest...);
-  }
-};
-}  // namespace detail
-
 // requires each dtype f32, f16 or bf16, f16 and bf16 not both (ops.cpp checks it).
 // ensures f(S...) is called on the host with a value of each dtype's storage type, in order:
 //   with_storage([&](auto y_t, auto x_t) { kernel<<<...>>>(y.data<decltype(y_t)>(), ...); },
 //                y.dtype(), x.dtype());
 template <class F, class... D>
 void with_storage(F&& f, D... dtypes) {
-  if (((dtypes == DType::bf16) || ...))
-    detail::StorageOf<__nv_bfloat16>::run(f, dtypes...);
-  else
-    detail::StorageOf<__half>::run(f, dtypes...);
+  with_storage_of<__half, __nv_bfloat16>(f, dtypes...);
 }
 
 // ---- host-side helpers ---------------------------------------------------------------------
