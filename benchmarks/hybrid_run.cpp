@@ -53,7 +53,6 @@ int hybrid_worker_main(const Options& o) {
   // a wrong loss, crashing in a collective or waiting out its timeout.
   dp::dist::RunConfig config = bench_run_config(o, batch, data.size());
   config["--gpus"] = std::to_string(local);  // the devices per node: uneven nodes are not split
-  config["nodes"] = std::to_string(nodes);
   dp::dist::verify_same_config(*group, config, group->timeout());
   auto model = model_of(o);
   model->materialize(devices[0], o.seed);

@@ -957,16 +957,12 @@ std::string DataParallel::graphs_blocked() const {
 }
 
 bool DataParallel::settle_capture_failures(int n_used) {
-  for (int i = 0; i < n_used; ++i) {
-    CaptureFailure& failure = per_device_[i].capture_failure;
-    if (failure.reason.empty()) continue;
-    if (graphs_fallback_.empty()) {
-      graphs_fallback_ = "capture failed on " + devices_[i].str() + ": " + failure.reason;
-      std::fprintf(stderr, "dp: graphs off: %s\n", graphs_fallback_.c_str());
-    }
-    failure.reason.clear();
-  }
-  if (graphs_fallback_.empty()) return false;
+  bool failed = false;
+  for (int i = 0; i < n_used; ++i)  // (checked first: no device name is built per step)
+    if (!per_device_[i].capture_failure.reason.empty())
+      failed |= take_capture_failure(per_device_[i].capture_failure, devices_[i].str(), "dp",
+                                     graphs_fallback_);
+  if (!failed) return false;
   // The captured graphs (and the blocks they reserve) go: no later step replays them.
   for (PerDevice& pd : per_device_) pd.graphs.clear();
   return true;

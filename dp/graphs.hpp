@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <map>
 #include <string>
@@ -58,6 +59,21 @@ struct GraphKey {
 struct CaptureFailure {
   std::string reason;
 };
+
+// After a step: when `failed` holds a reason, the engine's graphs go off for good: `fallback`
+// (empty until then) becomes "capture failed on WHERE: reason", `engine` prints it in one line
+// ("dp: graphs off: capture failed on cpu:0: ..."), and `failed` is cleared. Later failures of
+// the same step leave the first reason. Returns whether `failed` held one.
+inline bool take_capture_failure(CaptureFailure& failed, const std::string& where,
+                                 const char* engine, std::string& fallback) {
+  if (failed.reason.empty()) return false;
+  if (fallback.empty()) {
+    fallback = "capture failed on " + where + ": " + failed.reason;
+    std::fprintf(stderr, "%s: graphs off: %s\n", engine, fallback.c_str());
+  }
+  failed.reason.clear();
+  return true;
+}
 
 // requires `runs` = how often this segment ran before for this shape; body queues only work on
 // ctx that reads nothing back. ensures body's work is queued on ctx: run eagerly for the first

@@ -657,8 +657,7 @@ TEST_CASE("samples.train_mnist: hand-launched DDP ranks with different --batch f
     std::ifstream f(log);
     std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
     INFO(text);
-    CHECK(text.find("config mismatch: --batch: rank 0 has 64, rank 1 has 32") !=
-          std::string::npos);
+    CHECK(text.find("config mismatch: --batch: rank 0 has 64, rank 1 has 32") != std::string::npos);
     CHECK(text.find("exit 1") != std::string::npos);
     CHECK(text.find("epoch 0") == std::string::npos);  // nothing was trained
     std::remove(log.c_str());

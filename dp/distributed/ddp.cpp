@@ -294,7 +294,7 @@ void DistributedDataParallel::stage_bucket(int k) {
   // Alone with the whole batch the gradient is the mean already: no pass over it (x * 1 == x).
   // A captured step always scales by the device's share: a replay runs no host branch, and a
   // later step's share is read there.
-  const bool capturing = kernels::context(slice.device()).capturing();
+  const bool capturing = kernels::capturing_on_this_thread() != nullptr;
   if (group_.size() > 1 || share_ != 1.f || capturing) kernels::scale(slice, slice, device_share_);
   if (!comm_buffers_.empty()) kernels::copy(comm_buffers_[k], slice);  // rounded once
 }

@@ -366,13 +366,12 @@ int64_t DdpTrainer::graphed_step(StepGraphs& g) {
       },
       &capture_failure_);
   times_.graph_nodes = times_.graphed ? g.compute.nodes() + g.update.nodes() : 0;
-  if (!capture_failure_.reason.empty()) {
-    // Both segments ran uncaptured where their capture failed: this step is an uncaptured one.
-    // Graphs go off for good, and the graphs captured so far go with their memory.
-    graphs_fallback_ = "capture failed on rank " + std::to_string(rank()) + " (" + device_.str() +
-                       "): " + capture_failure_.reason;
-    capture_failure_.reason.clear();
-    std::fprintf(stderr, "ddp: graphs off: %s\n", graphs_fallback_.c_str());
+  // Both segments ran uncaptured where their capture failed: this step is an uncaptured one.
+  // Graphs go off for good (the caller drops the graphs captured so far with their memory).
+  if (!capture_failure_.reason.empty() &&
+      take_capture_failure(capture_failure_,
+                           "rank " + std::to_string(rank()) + " (" + device_.str() + ")", "ddp",
+                           graphs_fallback_)) {
     times_.graphed = times_.captured = false;
     times_.graph_nodes = 0;
   }

@@ -64,10 +64,10 @@ void store_plane(T* din, const float* plane, int64_t n) {
     for (int64_t i = 0; i < n; ++i) store_rounded(din[i], plane[i]);
 }
 
-}  // namespace
-
-void max_pool2d_forward(Tensor& y, const Tensor& x, const Pool2dParams& p) {
-  PoolGeometry g = geometry(x, y, p);
+// y[plane, oh, ow] = window(the plane's input, its window oh, ow), rounded once into y's storage
+// (any storage: with_storage); window reads the input through load_f32.
+template <class WindowValue>
+void pool_forward(Tensor& y, const Tensor& x, const PoolGeometry& g, WindowValue window) {
   with_storage(
       [&](auto y_t, auto x_t) {
         const auto* px = x.data<decltype(x_t)>();
@@ -76,17 +76,24 @@ void max_pool2d_forward(Tensor& y, const Tensor& x, const Pool2dParams& p) {
           const auto* in = px + plane * g.in_plane();
           auto* out = py + plane * g.out_plane();
           for (int64_t oh = 0; oh < g.out_h; ++oh)
-            for (int64_t ow = 0; ow < g.out_w; ++ow) {
-              Window win = g.window(oh, ow);
-              float best = load_f32(in[win.h_begin * g.width + win.w_begin]);
-              for (int64_t h = win.h_begin; h < win.h_end; ++h)
-                for (int64_t w = win.w_begin; w < win.w_end; ++w)
-                  best = std::max(best, load_f32(in[h * g.width + w]));
-              store_rounded(out[oh * g.out_w + ow], best);
-            }
+            for (int64_t ow = 0; ow < g.out_w; ++ow)
+              store_rounded(out[oh * g.out_w + ow], window(in, g.window(oh, ow)));
         });
       },
       y.dtype(), x.dtype());
+}
+
+}  // namespace
+
+void max_pool2d_forward(Tensor& y, const Tensor& x, const Pool2dParams& p) {
+  PoolGeometry g = geometry(x, y, p);
+  pool_forward(y, x, g, [&](const auto* in, const Window& win) {
+    float best = load_f32(in[win.h_begin * g.width + win.w_begin]);
+    for (int64_t h = win.h_begin; h < win.h_end; ++h)
+      for (int64_t w = win.w_begin; w < win.w_end; ++w)
+        best = std::max(best, load_f32(in[h * g.width + w]));
+    return best;
+  });
 }
 
 // The gradient of each window goes to its first element equal to the forward maximum.
@@ -126,25 +133,12 @@ void max_pool2d_backward(Tensor& dx, const Tensor& dy, const Tensor& x, const Te
 void avg_pool2d_forward(Tensor& y, const Tensor& x, const Pool2dParams& p) {
   PoolGeometry g = geometry(x, y, p);
   double inv_area = 1.0 / (p.kernel_h * p.kernel_w);
-  with_storage(
-      [&](auto y_t, auto x_t) {
-        const auto* px = x.data<decltype(x_t)>();
-        auto* py = y.data<decltype(y_t)>();
-        for_each_plane(x.dim(0) * x.dim(1), g, [&](int64_t plane, std::vector<float>&) {
-          const auto* in = px + plane * g.in_plane();
-          auto* out = py + plane * g.out_plane();
-          for (int64_t oh = 0; oh < g.out_h; ++oh)
-            for (int64_t ow = 0; ow < g.out_w; ++ow) {
-              Window win = g.window(oh, ow);
-              double s = 0.0;
-              for (int64_t h = win.h_begin; h < win.h_end; ++h)
-                for (int64_t w = win.w_begin; w < win.w_end; ++w)
-                  s += load_f32(in[h * g.width + w]);
-              store_rounded(out[oh * g.out_w + ow], static_cast<float>(s * inv_area));
-            }
-        });
-      },
-      y.dtype(), x.dtype());
+  pool_forward(y, x, g, [&](const auto* in, const Window& win) {
+    double s = 0.0;
+    for (int64_t h = win.h_begin; h < win.h_end; ++h)
+      for (int64_t w = win.w_begin; w < win.w_end; ++w) s += load_f32(in[h * g.width + w]);
+    return static_cast<float>(s * inv_area);
+  });
 }
 
 void avg_pool2d_backward(Tensor& dx, const Tensor& dy, const Pool2dParams& p, Accumulate acc) {
