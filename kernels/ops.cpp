@@ -150,26 +150,13 @@ void check_rng_offset(const char* op, const RngOffset& o, const Device& device) 
 }
 
 // ---- 16-bit activations --------------------------------------------------------------------
-// The elementwise, bias, activation, pooling and dropout ops take f16/bf16 tensors natively on
-// both backends: their kernels read 16-bit values as f32, compute as the f32 kernels do and
-// round each 16-bit output once (cpu_util.hpp's with_storage, cuda_common.cuh's). CPU attention
-// has f32 kernels only: it widens here, each 16-bit input to an f32 copy, its output computed in
-// f32 and rounded once into place.
+// The elementwise, bias, activation, pooling, dropout, LayerNorm, embedding-gradient and (on the
+// CPU) attention ops take f16/bf16 tensors natively on both backends: their kernels read 16-bit
+// values as f32, compute as the f32 kernels do and round each 16-bit output once (cpu_util.hpp's
+// with_storage, cuda_common.cuh's).
 
 bool is_16bit(const Tensor& t) {
   return t.defined() && (t.dtype() == DType::f16 || t.dtype() == DType::bf16);
-}
-// x itself when f32 (or undefined), else an f32 copy.
-Tensor widen(const Tensor& x) {
-  return is_16bit(x) ? cast(x, DType::f32) : x;
-}
-// The f32 stand-in for output `out`: out itself when f32, else a fresh f32 tensor. round_into()
-// stores it back.
-Tensor f32_out(const Tensor& out) {
-  return is_16bit(out) ? Tensor::empty(out.shape(), DType::f32, out.device()) : out;
-}
-void round_into(Tensor& out, const Tensor& f32) {
-  if (is_16bit(out)) copy(out, f32);
 }
 
 // requires each tensor f32, f16 or bf16, with f16 and bf16 not both in one call (a kernel
@@ -852,12 +839,12 @@ void batch_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor
 }
 
 namespace {
-// x (M, D) f32; per-row (M) and per-feature (D) f32 vectors, all on x's device.
+// x (M, D) f32, f16 or bf16; per-row (M) and per-feature (D) f32 vectors, all on x's device.
 void check_layer_norm(const char* op, const Arg& x, std::initializer_list<Arg> per_row,
                       std::initializer_list<Arg> per_feature) {
   check_devices(op, {x});
   check_ndim(op, x, 2);
-  check_dtype(op, x, DType::f32);
+  check_floating(op, {x});
   for (const Arg& v : per_row) {
     check_devices(op, {x, v});
     check_dtype(op, v, DType::f32);
@@ -877,7 +864,7 @@ void layer_norm_forward(Tensor& y, Tensor& save_mean, Tensor& save_rstd, const T
   check_layer_norm(op, {"x", x}, {{"save_mean", save_mean}, {"save_rstd", save_rstd}},
                    {{"gamma", gamma}, {"beta", beta}});
   check_devices(op, {{"x", x}, {"y", y}});
-  check_dtype(op, {"y", y}, DType::f32);
+  check_floating(op, {{"x", x}, {"y", y}});
   check_same_shape(op, {"x", x}, {"y", y});
   check_eps(op, eps);
   DP_CHECK(x.dim(1) > 0 || x.dim(0) == 0,
@@ -893,7 +880,7 @@ void layer_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor
   check_layer_norm(op, {"x", x}, {{"save_mean", save_mean}, {"save_rstd", save_rstd}},
                    {{"gamma", gamma}, {"dgamma", dgamma}, {"dbeta", dbeta}});
   check_devices(op, {{"x", x}, {"dx", dx}, {"dy", dy}});
-  check_f32(op, {{"dx", dx}, {"dy", dy}});
+  check_floating(op, {{"x", x}, {"dx", dx}, {"dy", dy}});
   check_same_shape(op, {"x", x}, {"dx", dx});
   check_same_shape(op, {"x", x}, {"dy", dy});
   if (dgamma.numel() == 0) return;  // no features: nothing to do
@@ -1076,11 +1063,16 @@ void non_finite_into(Tensor& flag, const Tensor& x) {
 namespace {
 
 // ids (...) i32, table (V, D) f32, rows (..., D) f32 with ids.numel() rows of D.
+// The rows (forward's y, backward's dy) are f32, or any floating dtype where `rows_floating`.
 void check_embedding(const char* op, const Tensor& rows, const char* rows_name, const Tensor& ids,
-                     const Tensor& table, const char* table_name) {
+                     const Tensor& table, const char* table_name, bool rows_floating = false) {
   check_devices(op, {{table_name, table}, {"ids", ids}, {rows_name, rows}});
   check_dtype(op, {"ids", ids}, DType::i32);
-  check_f32(op, {{table_name, table}, {rows_name, rows}});
+  check_f32(op, {{table_name, table}});
+  if (rows_floating)
+    check_floating(op, {{rows_name, rows}});
+  else
+    check_f32(op, {{rows_name, rows}});
   check_ndim(op, {table_name, table}, 2);
   DP_CHECK(rows.ndim() >= 1 && rows.dim(-1) == table.dim(1) &&
                rows.numel() == ids.numel() * table.dim(1),
@@ -1121,21 +1113,16 @@ void embedding_forward(Tensor& y, const Tensor& ids, const Tensor& table) {
 }
 
 void embedding_backward(Tensor& dtable, const Tensor& dy, const Tensor& ids) {
-  check_embedding("embedding_backward", dy, "dy", ids, dtable, "dtable");
+  check_embedding("embedding_backward", dy, "dy", ids, dtable, "dtable", true);
   if (ids.numel() == 0) return;
   DP_DISPATCH(dy.device(), embedding_backward, dtable, dy, ids);
 }
 
 // 16-bit qkv: CUDA runs cuDNN's fused SDPA where it accepts the shape (kernels/cuda/sdpa.cu),
-// else widens itself; the CPU backend has f32 kernels only, so its inputs are widened here.
+// else widens itself; the CPU backend widens each head in its task (no f32 copy of a tensor).
 void attention_forward(Tensor& y, Tensor& lse, const Tensor& qkv, const AttentionParams& p) {
   check_attention("attention_forward", qkv, y, lse, p);
   if (y.numel() == 0) return;
-  if (is_16bit(qkv) && y.device().is_cpu()) {
-    Tensor y32 = f32_out(y);
-    attention_forward(y32, lse, widen(qkv), p);
-    return round_into(y, y32);
-  }
   DP_DISPATCH(y.device(), attention_forward, y, lse, qkv, p);
 }
 
@@ -1149,11 +1136,6 @@ void attention_backward(Tensor& dqkv, const Tensor& dy, const Tensor& qkv, const
   check_same_shape(op, {"qkv", qkv}, {"dqkv", dqkv});
   check_same_shape(op, {"y", y}, {"dy", dy});
   if (y.numel() == 0) return;
-  if (is_16bit(qkv) && dy.device().is_cpu()) {
-    Tensor dqkv32 = f32_out(dqkv);
-    attention_backward(dqkv32, widen(dy), widen(qkv), widen(y), lse, p);
-    return round_into(dqkv, dqkv32);
-  }
   DP_DISPATCH(dy.device(), attention_backward, dqkv, dy, qkv, y, lse, p);
 }
 

@@ -146,8 +146,9 @@ void gelu_tanh_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulat
 // ensures y[n] = table[ids[n]]. An id outside [0, V) throws, naming it and its position (CUDA:
 // at the next read to the host, as a bad label; its row of y is 0 until then).
 void embedding_forward(Tensor& y, const Tensor& ids, const Tensor& table);
-// requires dtable (V, D), dy (..., D) f32, ids as in forward. ensures dtable[ids[n]] += dy[n]
-// for every n (gradients accumulate), added in increasing n on both backends: bitwise equal.
+// requires dtable (V, D) f32, dy (..., D) f32, f16 or bf16 (read as f32), ids as in forward.
+// ensures dtable[ids[n]] += dy[n] for every n (gradients accumulate), added in increasing n on
+// both backends: bitwise equal.
 void embedding_backward(Tensor& dtable, const Tensor& dy, const Tensor& ids);
 
 enum class AttentionMask { none, causal };
@@ -316,7 +317,10 @@ void batch_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor
                          const Tensor& x, const Tensor& gamma, const Tensor& save_mean,
                          const Tensor& save_invstd, Accumulate acc);
 
-// LayerNorm over the last dim: x (M, D), gamma/beta (D), save_mean/save_rstd (M).
+// LayerNorm over the last dim: x (M, D), gamma/beta (D), save_mean/save_rstd (M). x, y, dy and
+// dx may each be f32, f16 or bf16 (one 16-bit dtype per call): the statistics, parameters and
+// their gradients are f32, the arithmetic is f32 (double on the CPU), and a 16-bit output is
+// rounded once, the bits of widening, the f32 op and rounding.
 void layer_norm_forward(Tensor& y, Tensor& save_mean, Tensor& save_rstd, const Tensor& x,
                         const Tensor& gamma, const Tensor& beta, float eps);
 // ensures dx = input gradient (overwritten), dgamma, dbeta (+)= parameter gradients.

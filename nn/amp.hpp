@@ -3,9 +3,10 @@
 // The policy (Module::set_compute_dtype): master weights stay f32 in the flat parameter
 // buffer; once per step (the first forward after any change) ONE cast kernel makes a 16-bit
 // copy of the whole buffer, and Linear and Conv2d multiply 16-bit inputs with those 16-bit
-// weights, accumulating in f32. Activations between layers stay f32: softmax/cross-entropy,
-// normalisation, reductions and the optimizer see f32 as before, and each GEMM or convolution
-// casts its input once (the cast input is what backward keeps, at half the bytes).
+// weights, accumulating in f32. By default activations between layers stay f32: softmax/
+// cross-entropy, normalisation, reductions and the optimizer see f32 as before, and each GEMM or
+// convolution casts its input once (the cast input is what backward keeps, at half the bytes).
+// Module::set_activations(Activations::compute) keeps them 16-bit instead (module.hpp).
 //
 // Loss scaling (GradScaler): fp16 has 5 exponent bits, so small gradients flush to zero. The
 // loss gradient is multiplied by a scale S (2^16 at first); the gradient buffer then holds

@@ -121,8 +121,9 @@ class GptBlock : public Module {
   }
 
  private:
+  // The residual stream (and its gradient) keeps its dtype: a's; the branch may be 16-bit.
   static Tensor residual_sum(const Tensor& a, const Tensor& b) {
-    Tensor y = Tensor::empty(a.shape(), DType::f32, a.device());
+    Tensor y = Tensor::empty(a.shape(), a.dtype(), a.device());
     kernels::add(y, a, b);
     return y;
   }
@@ -178,10 +179,13 @@ class Gpt : public Module {
              "Gpt(" << c_.name << "): ids " << ids << " must be (B, T) i32 with T <= context "
                     << c_.context);
     const int64_t b = ids.dim(0), t = ids.dim(1);
-    Tensor x = wte_->forward(ids);  // (B, T, D)
-    // + wpe[0:T]: the first T rows of wpe are its first T D elements, a bias over (B, T D).
+    Tensor e = wte_->forward(ids);  // (B, T, D) f32
+    // + wpe[0:T]: the first T rows of wpe are its first T D elements, a bias over (B, T D). The
+    // sum starts the residual stream, in the activation dtype (bf16 under 16-bit activations,
+    // rounded once here: the blocks, their LayerNorms and ln_f then read and write it as it is).
+    Tensor x = Tensor::empty(e.shape(), activation_dtype(), ids.device());
     Tensor x2 = x.reshape({b, t * c_.dim});
-    kernels::add_bias(x2, wpe_->value.view(0, {t * c_.dim}));
+    kernels::add(x2, e.reshape({b, t * c_.dim}), wpe_->value.view(0, {t * c_.dim}));
     x = ln_f_->forward(h_->forward(drop_->forward(x)));
     hidden_ = to_compute(x.reshape({b * t, c_.dim}));  // (B T, D)
     Tensor logits = Tensor::empty({b * t, c_.vocab}, DType::f32, ids.device());
@@ -194,7 +198,7 @@ class Gpt : public Module {
     DP_CHECK(hidden_.defined(), "Gpt::backward called before forward");
     const int64_t rows = hidden_.dim(0), b = dlogits.dim(0), t = rows / b;
     Tensor dl = to_compute(dlogits.reshape({rows, c_.vocab}));  // (B T, V)
-    Tensor dx = Tensor::empty({rows, c_.dim}, DType::f32, dlogits.device());
+    Tensor dx = Tensor::empty({rows, c_.dim}, activation_dtype(), dlogits.device());
     // (B T, V) x (V, D) -> (B T, D);  dwte += (B T, V)^T x (B T, D) -> (V, D)
     kernels::gemm(dx, dl, kernels::Transpose::no, wte_->weight().compute, kernels::Transpose::no);
     kernels::gemm(wte_->weight().grad, dl, kernels::Transpose::yes, hidden_, kernels::Transpose::no,

@@ -122,8 +122,8 @@ struct Buffer {
 };
 
 // What dtype activations travel in between layers: f32 (the default), or the compute dtype of
-// mixed precision (as PyTorch's autocast: Linear, Conv2d, the activations, pooling, dropout and
-// bias-add keep 16-bit outputs; normalisation and the loss take f32).
+// mixed precision (Linear, Conv2d, the activations, pooling, dropout, bias-add and LayerNorm keep
+// 16-bit outputs, LayerNorm with f32 statistics; BatchNorm and the loss take f32).
 enum class Activations { f32, compute };
 
 // The storage of one replica, shared by every module of its tree.
@@ -329,7 +329,7 @@ class Module {
   // inherit it.
   void set_activations(Activations a) { flat().activations = a; }
   Activations activations() { return flat().activations; }
-  // x as f32 (f32-only layers under 16-bit activations: normalisation), and back to dtype `d`.
+  // x as f32 (f32-only layers under 16-bit activations: BatchNorm), and back to dtype `d`.
   static Tensor as_f32(const Tensor& x) { return as_dtype(x, DType::f32); }
   static Tensor as_dtype(const Tensor& x, DType d) {
     return x.dtype() == d ? x : kernels::cast(x, d);

@@ -309,27 +309,29 @@ class LayerNorm : public Module {
   Parameter& bias() { return *beta_; }
 
  protected:
+  // Under 16-bit activations the output is 16-bit (rounded once from the f32 arithmetic), and a
+  // 16-bit input is read as it is: no casts either way; the statistics stay f32.
   Tensor forward_impl(const Tensor& x) override {
     DP_CHECK(x.ndim() >= 1 && x.dim(-1) == d_, "LayerNorm(" << d_ << "): input "
                                                             << kernels::shape_str(x.shape())
                                                             << " must be (..., " << d_ << ")");
     x_shape_ = x.shape();
-    x_dtype_ = x.dtype();
     const int64_t rows = x.numel() / d_;
-    x2_ = as_f32(x.reshape({rows, d_}));  // (M, D), f32: the statistics are f32
+    x2_ = x.reshape({rows, d_});  // (M, D), in the input's dtype
     save_mean_ = Tensor::empty({rows}, DType::f32, x.device());
     save_rstd_ = Tensor::empty({rows}, DType::f32, x.device());
-    Tensor y = Tensor::empty({rows, d_}, DType::f32, x.device());
+    const DType out = x.dtype() != DType::f32 ? x.dtype() : activation_dtype();
+    Tensor y = Tensor::empty({rows, d_}, out, x.device());
     kernels::layer_norm_forward(y, save_mean_, save_rstd_, x2_, gamma_->value, beta_->value, eps_);
     return y.reshape(x_shape_);
   }
+  // dx takes the input's dtype; dy may be f32 or 16-bit.
   Tensor backward_impl(const Tensor& dy) override {
     DP_CHECK(x2_.defined(), "LayerNorm::backward called before forward");
-    Tensor dx = Tensor::empty(x2_.shape(), DType::f32, dy.device());
-    kernels::layer_norm_backward(dx, gamma_->grad, beta_->grad, as_f32(dy.reshape(x2_.shape())),
-                                 x2_, gamma_->value, save_mean_, save_rstd_,
-                                 kernels::Accumulate::yes);
-    return as_dtype(dx.reshape(x_shape_), x_dtype_);
+    Tensor dx = Tensor::empty(x2_.shape(), x2_.dtype(), dy.device());
+    kernels::layer_norm_backward(dx, gamma_->grad, beta_->grad, dy.reshape(x2_.shape()), x2_,
+                                 gamma_->value, save_mean_, save_rstd_, kernels::Accumulate::yes);
+    return dx.reshape(x_shape_);
   }
   std::shared_ptr<Module> clone_config() const override {
     return std::make_shared<LayerNorm>(d_, eps_);
@@ -341,8 +343,7 @@ class LayerNorm : public Module {
   Parameter* gamma_ = nullptr;
   Parameter* beta_ = nullptr;
   Shape x_shape_;
-  DType x_dtype_ = DType::f32;    // the input's dtype, which dx takes (the statistics are f32)
-  Tensor x2_;                     // cached input as (M, D), f32
+  Tensor x2_;                     // cached input as (M, D), in its own dtype (dx takes it)
   Tensor save_mean_, save_rstd_;  // (M)
 };
 

@@ -259,4 +259,69 @@ inline Results pooling(Device d, DType t) {
   return out;
 }
 
+// layer_norm_forward (y, x) and layer_norm_backward (dx, dy, x): rows past the CPU's grain, an
+// odd feature count, one row; the statistics and parameter gradients stay f32 and must match
+// too. Inputs within +-3 (a special value would poison a whole row's statistics alike).
+inline Results layer_norm(Device d, DType t) {
+  Results out;
+  for (const Shape& xs : {Shape{37, 75}, Shape{1, 9}, Shape{300, 129}}) {
+    const Shape rows{xs[0]}, features{xs[1]};
+    auto f32 = [&](const Shape& s, uint32_t seed) {
+      return Tensor::from_vector(
+          dp_test::random_vector(static_cast<size_t>(kernels::shape_numel(s)), seed, -1.f, 1.f), s,
+          d);
+    };
+    Tensor gamma = f32(features, 21), beta = f32(features, 22);
+    auto plain = [&](const Shape& s, DType dt, uint32_t seed) {
+      return Tensor::from_vector(
+          dp_test::random_vector(static_cast<size_t>(kernels::shape_numel(s)), seed, -3.f, 3.f), s,
+          d, dt);
+    };
+    for (const auto& m : mixes(t, 2)) {
+      Tensor x = plain(xs, m[1], 23);
+      Tensor y = empty(d, xs, m[0]), mean = empty(d, rows, DType::f32),
+             rstd = empty(d, rows, DType::f32);
+      kernels::layer_norm_forward(y, mean, rstd, x, gamma, beta, 1e-5f);
+      Tensor y32 = empty(d, xs, DType::f32), mean32 = empty(d, rows, DType::f32),
+             rstd32 = empty(d, rows, DType::f32);
+      kernels::layer_norm_forward(y32, mean32, rstd32, widened(x), gamma, beta, 1e-5f);
+      out.push_back({describe("layer_norm_forward", m, xs), y, rounded(y32, m[0])});
+      out.push_back({describe("layer_norm_forward mean", m, xs), mean, mean32});
+      out.push_back({describe("layer_norm_forward rstd", m, xs), rstd, rstd32});
+    }
+    for (const auto& m : mixes(t, 3)) {  // (dx, dy, x)
+      Tensor x = plain(xs, m[2], 24), dy = plain(xs, m[1], 25);
+      Tensor mean = empty(d, rows, DType::f32), rstd = empty(d, rows, DType::f32);
+      Tensor unused = empty(d, xs, DType::f32);
+      kernels::layer_norm_forward(unused, mean, rstd, x, gamma, beta, 1e-5f);
+      Tensor dx = empty(d, xs, m[0]), dg = f32(features, 26), db = f32(features, 27);
+      Tensor dx32 = empty(d, xs, DType::f32), dg32 = dg.clone(), db32 = db.clone();
+      kernels::layer_norm_backward(dx, dg, db, dy, x, gamma, mean, rstd, Accumulate::yes);
+      kernels::layer_norm_backward(dx32, dg32, db32, widened(dy), widened(x), gamma, mean, rstd,
+                                   Accumulate::yes);
+      out.push_back({describe("layer_norm_backward", m, xs), dx, rounded(dx32, m[0])});
+      out.push_back({describe("layer_norm_backward dgamma", m, xs), dg, dg32});
+      out.push_back({describe("layer_norm_backward dbeta", m, xs), db, db32});
+    }
+  }
+  return out;
+}
+
+// embedding_backward with a 16-bit dy: repeated ids (accumulated in position order), an odd
+// width, into a non-zero table.
+inline Results embedding(Device d, DType t) {
+  Results out;
+  const int64_t vocab = 13, width = 7;
+  std::vector<int32_t> id_values{3, 0, 3, 12, 5, 3, 0, 7, 7, 1, 3};
+  const auto n = static_cast<int64_t>(id_values.size());
+  Tensor ids = Tensor::from_ints(id_values, {n}, d);
+  Tensor dy = input(d, {n, width}, t, 28);
+  Tensor table = input(d, {vocab, width}, DType::f32, 29);
+  Tensor table32 = table.clone();
+  kernels::embedding_backward(table, dy, ids);
+  kernels::embedding_backward(table32, widened(dy), ids);
+  out.push_back({describe("embedding_backward", {DType::f32, t}, {n, width}), table, table32});
+  return out;
+}
+
 }  // namespace native16

@@ -597,6 +597,14 @@ TEST_CASE("kernels.native16: relu, gelu, gelu_tanh, tanh and gradients equal the
   check_native16(native16::activations);
 }
 
+TEST_CASE("kernels.native16: layer_norm forward and backward equal the widening path's bits") {
+  check_native16(native16::layer_norm);
+}
+
+TEST_CASE("kernels.native16: embedding_backward of a 16-bit dy equals the widening path's bits") {
+  check_native16(native16::embedding);
+}
+
 TEST_CASE("kernels.native16: dropout_forward equals the widening path's bits, the same mask") {
   check_native16(native16::dropout);
 }

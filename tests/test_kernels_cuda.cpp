@@ -826,14 +826,14 @@ TEST_CASE(
     const char* name;
     native16::Results (*cases)(Device, DType);
   };
-  const Group groups[] = {{"elementwise", native16::elementwise},
-                          {"bias", native16::bias},
-                          {"activations", native16::activations},
-                          {"dropout", native16::dropout},
-                          {"pooling", native16::pooling}};
+  const Group groups[] = {
+      {"elementwise", native16::elementwise}, {"bias", native16::bias},
+      {"activations", native16::activations}, {"dropout", native16::dropout},
+      {"pooling", native16::pooling},         {"layer_norm", native16::layer_norm},
+      {"embedding", native16::embedding}};
   auto exact_across_backends = [](const std::string& what) {
-    for (const char* op :
-         {"add", "mul", "add_bias", "relu", "dropout_forward", "max_pool2d_forward"})
+    for (const char* op : {"add", "mul", "add_bias", "relu", "dropout_forward",
+                           "max_pool2d_forward", "embedding_backward"})
       if (what.rfind(std::string(op) + " ", 0) == 0) return true;
     return false;
   };
@@ -863,6 +863,10 @@ TEST_CASE(
   add_bias(y, b);
   gelu_tanh_backward(dx, y, x, Accumulate::yes);
   bias_backward(b, dx, Accumulate::yes);
+  Tensor mean = Tensor::empty({4}, DType::f32, kGpu), rstd = Tensor::empty({4}, DType::f32, kGpu);
+  Tensor gamma = rnd(kGpu, {33}, 83), dgamma = rnd(kGpu, {33}, 84), dbeta = rnd(kGpu, {33}, 85);
+  layer_norm_forward(y, mean, rstd, x, gamma, b, 1e-5f);
+  layer_norm_backward(dx, dgamma, dbeta, y, x, gamma, mean, rstd, Accumulate::yes);
   CHECK(ctx.casts() == casts);
 }
 

@@ -1,6 +1,6 @@
 // nn.activations.*: 16-bit activations (Module::set_activations): bf16 between the layers that
-// keep it (Linear, Conv2d, ReLU, GELU, pooling, dropout, bias-add), f32 at the model's output
-// and through normalisation; gradients close to the f32-activation run. On the CPU the 16-bit
+// keep it (Linear, Conv2d, ReLU, GELU, pooling, dropout, bias-add, LayerNorm), f32 at the model's
+// output and through BatchNorm; gradients close to the f32-activation run. On the CPU the 16-bit
 // ops widen to f32 and round once, which kernels.activations16 checks bit for bit.
 #include <cmath>
 #include <memory>
@@ -130,4 +130,30 @@ TEST_CASE("nn.activations: replicas made by clone_to keep the activations settin
   CHECK(copy->activations() == nn::Activations::compute);
   copy->set_compute_dtype(DType::bf16);  // the engines set it again: the setting survives
   CHECK(copy->activation_dtype() == DType::bf16);
+}
+
+TEST_CASE("nn.activations: LayerNorm reads and writes bf16 without a cast, dx in x's dtype") {
+  kernels::DeviceContext& ctx = kernels::context(Device::cpu(0));
+  for (DType in : {DType::f32, DType::bf16}) {
+    CAPTURE(std::string(dtype_name(in)));
+    Tensor x = Tensor::from_vector(dp_test::random_vector(4 * 6, 9, -2.f, 2.f), {4, 6},
+                                   Device::cpu(0), in);
+    // The outermost forward casts the weights once, and its 16-bit output to f32 at the end:
+    // call through a parent so that LayerNorm is an inner layer.
+    auto net = std::make_shared<nn::Sequential>();
+    net->add(std::make_shared<nn::LayerNorm>(6));
+    std::vector<DType> seen;
+    net->add(std::make_shared<Probe>(&seen));
+    net->materialize(Device::cpu(0), 3);
+    net->set_compute_dtype(DType::bf16);
+    net->set_activations(nn::Activations::compute);
+    const int64_t before = ctx.casts();
+    Tensor y = net->forward(x);
+    Tensor dx = net->backward(
+        Tensor::from_vector(std::vector<float>(24, 0.25f), {4, 6}, Device::cpu(0), DType::bf16));
+    CHECK(seen == std::vector<DType>{DType::bf16, DType::bf16});  // LN's output, and its dy
+    CHECK(dx.dtype() == in);
+    // the weights' copy and the model output's widening: LayerNorm itself converts nothing
+    CHECK(ctx.casts() - before == 2);
+  }
 }

@@ -300,3 +300,53 @@ TEST_CASE("nn.gpt: presets, parameter count, tied head and GPT-2 init") {
   CHECK_THROWS_WITH_AS(net->forward(token_ids({1, tiny.context + 1}, tiny.vocab, 4)),
                        doctest::Contains("T <= context"), kernels::Error);
 }
+
+// 16-bit activations through the whole GPT: the residual stream starts in bf16 at the embedding
+// sum, and the LayerNorms, residual adds, GEMMs and GELU read and write it as it is. A step then
+// converts the weights once (amp/cast_weights) and the loss's f32 gradient once for the tied
+// head; nothing per layer (attention reads and writes bf16 too, on the CPU by widening each head
+// in its task). Twenty AdamW steps follow the
+// f32-activation run (same bf16 GEMMs) within the stream's roundings: each of the 2 L + 2
+// roundings of the stream and of a LayerNorm output moves a value by at most 2^-8 of itself,
+// so the loss may move by about (2 L + 2) 2^-8 of itself (6% for L = 2, asserted at 3%).
+TEST_CASE("nn.gpt: bf16 activations keep the residual stream bf16 and follow f32 activations") {
+  nn::GptConfig c = micro_config();
+  c.dropout = 0.f;
+  const int64_t b = 3, t = 8;
+  Tensor ids = token_ids({b, t}, c.vocab, 41), targets = token_ids({b, t}, c.vocab, 42);
+  auto run = [&](nn::Activations a, std::vector<int64_t>* casts) {
+    auto net = materialized(nn::gpt(c), 5);
+    net->set_compute_dtype(DType::bf16);
+    net->set_activations(a);
+    nn::AdamW opt(*net, kernels::AdamWConfig{3e-3f});
+    nn::TokenCrossEntropyLoss loss_fn;
+    Tensor loss = Tensor::empty({1}, DType::f32, Device::cpu());
+    std::vector<float> losses;
+    kernels::DeviceContext& ctx = kernels::context(Device::cpu());
+    for (int step = 0; step < 20; ++step) {
+      const int64_t before = ctx.casts();
+      net->zero_grad();
+      Tensor logits = net->forward(ids);
+      Tensor dl = Tensor::empty(logits.shape(), DType::f32, Device::cpu());
+      loss_fn.compute(loss, dl, logits, targets);
+      net->backward(dl);
+      if (casts) casts->push_back(ctx.casts() - before);
+      opt.step();
+      losses.push_back(loss.item());
+    }
+    return losses;
+  };
+  std::vector<int64_t> casts;
+  const std::vector<float> l16 = run(nn::Activations::compute, &casts);
+  const std::vector<float> l32 = run(nn::Activations::f32, nullptr);
+  for (int64_t k : casts) CHECK(k == 2);
+  bool differ = false;
+  for (size_t i = 0; i < l16.size(); ++i) {
+    CAPTURE(i);
+    CHECK(std::isfinite(l16[i]));
+    CHECK(std::fabs(l16[i] - l32[i]) <= 0.03f * l32[i]);
+    differ = differ || l16[i] != l32[i];
+  }
+  CHECK(differ);                           // the stream really was rounded
+  CHECK(l16.back() < 0.9f * l16.front());  // and it trains
+}

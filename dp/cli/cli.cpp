@@ -179,9 +179,9 @@ int hybrid_procs(int flag, int nnodes) {
 
 void add_activations_flag(CLI::App& app, std::string& activations) {
   app.add_option("--activations", activations,
-                 "f32 | bf16: with --dtype bf16, Linear, Conv, the activations, pooling, dropout "
-                 "and bias-add keep bf16 outputs between layers (loss, normalisation and the "
-                 "optimizer stay f32)")
+                 "f32 | bf16: with --dtype bf16, Linear, Conv, the activations, pooling, dropout, "
+                 "bias-add, LayerNorm and the GPT's residual stream keep bf16 between layers "
+                 "(the loss, BatchNorm and the optimizer stay f32)")
       ->check(CLI::IsMember({"f32", "bf16"}));
 }
 

@@ -1,11 +1,13 @@
 // Transformer ops on the CPU: embedding lookup and multi-head scaled dot-product attention.
 // Attention runs one task per (batch, head), each with single-threaded sgemm calls on strided
-// views of the fused qkv tensor, and an exact f32 softmax: the same bits for any thread count.
+// views of the fused qkv tensor (a 16-bit one widened per head), and an exact f32 softmax: the
+// same bits for any thread count.
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/cpu/cpu_ops.hpp"
@@ -45,11 +47,63 @@ int64_t visible(const AttentionParams& p, int64_t i, int64_t seq) {
   return p.mask == AttentionMask::causal ? i + 1 : seq;
 }
 
+// One (b, h)'s q, k, v (T, Dh each, row stride ld) as f32, and where its y (or dy) rows are
+// (row stride ldy). f32 tensors are read in place; a 16-bit qkv is widened per head into `own`
+// (T, 3 Dh: q | k | v), exactly, so that the f32 arithmetic below is the f32 kernel's.
+struct Head {
+  const float *q = nullptr, *k = nullptr, *v = nullptr;
+  int64_t ld = 0;
+  std::vector<float> own;
+};
+template <class S>
+void head_of(Head& hd, const S* qkv, const AttentionShape& a, int64_t b, int64_t h) {
+  if constexpr (std::is_same_v<S, float>) {
+    hd.q = qkv + a.q(b, h), hd.k = qkv + a.k(b, h), hd.v = qkv + a.v(b, h);
+    hd.ld = 3 * a.width;
+  } else {
+    const int64_t t = a.seq, dh = a.head_dim, ld = 3 * dh;
+    hd.own.resize(static_cast<size_t>(t * ld));
+    for (int64_t i = 0; i < t; ++i)
+      for (int64_t part = 0; part < 3; ++part) {
+        const S* src = qkv + a.q(b, h) + i * 3 * a.width + part * a.width;
+        float* dst = hd.own.data() + i * ld + part * dh;
+        for (int64_t c = 0; c < dh; ++c) dst[c] = load_f32(src[c]);
+      }
+    hd.q = hd.own.data(), hd.k = hd.q + dh, hd.v = hd.q + 2 * dh;
+    hd.ld = ld;
+  }
+}
+// Rows (T, Dh) at `at` with row stride `ld` of a tensor of storage S, as f32 (row stride Dh) in
+// `own`, or in place for f32 (returning the stride to use).
+template <class S>
+const float* rows_f32(const S* at, int64_t ld, const AttentionShape& a, std::vector<float>& own,
+                      int64_t* ld_out) {
+  if constexpr (std::is_same_v<S, float>) {
+    *ld_out = ld;
+    return at;
+  } else {
+    own.resize(static_cast<size_t>(a.seq * a.head_dim));
+    for (int64_t i = 0; i < a.seq; ++i)
+      for (int64_t c = 0; c < a.head_dim; ++c)
+        own[static_cast<size_t>(i * a.head_dim + c)] = load_f32(at[i * ld + c]);
+    *ld_out = a.head_dim;
+    return own.data();
+  }
+}
+// f32 rows (T, Dh), row stride `ld`, rounded once into `at` (row stride `ld_at`); f32: nothing
+// (they were written in place).
+template <class S>
+void store_rows(S* at, int64_t ld_at, const float* rows, int64_t ld, const AttentionShape& a) {
+  if constexpr (!std::is_same_v<S, float>)
+    for (int64_t i = 0; i < a.seq; ++i)
+      for (int64_t c = 0; c < a.head_dim; ++c) store_rounded(at[i * ld_at + c], rows[i * ld + c]);
+}
+
 // s (T, T) = scale q k^T for one (b, h); rows then hold probabilities P = softmax(s) over the
 // visible columns (zeros beyond). Writes lse[i] when lse is not null; else reads it.
-void attention_probs(std::vector<float>& s, const float* q, const float* k, float* lse,
+void attention_probs(std::vector<float>& s, const float* q, const float* k, int64_t ld, float* lse,
                      const float* lse_in, const AttentionShape& a, const AttentionParams& p) {
-  const int64_t t = a.seq, ld = 3 * a.width;
+  const int64_t t = a.seq;
   sgemm_serial(Transpose::no, Transpose::yes, t, t, a.head_dim, p.scale, q, ld, k, ld, 0.f,
                s.data(), t);
   for (int64_t i = 0; i < t; ++i) {
@@ -110,38 +164,61 @@ void embedding_backward(Tensor& dtable, const Tensor& dy, const Tensor& ids) {
   const int32_t* pi = ids.data<int32_t>();
   for (int64_t i = 0; i < n; ++i)
     DP_CHECK(pi[i] >= 0 && pi[i] < vocab, bad_id_text(pi[i], i, ids, vocab));
-  const float* pdy = dy.data<float>();
   float* pt = dtable.data<float>();
-  parallel_range(d, std::max<int64_t>(1, kElementwiseGrain / std::max<int64_t>(n, 1)),
-                 [&](int64_t c0, int64_t c1) {
-                   for (int64_t i = 0; i < n; ++i) {
-                     float* dst = pt + pi[i] * d;
-                     const float* src = pdy + i * d;
-                     for (int64_t c = c0; c < c1; ++c) dst[c] += src[c];
-                   }
-                 });
+  with_storage(
+      [&](auto dy_t) {
+        const auto* pdy = dy.data<decltype(dy_t)>();
+        parallel_range(d, std::max<int64_t>(1, kElementwiseGrain / std::max<int64_t>(n, 1)),
+                       [&](int64_t c0, int64_t c1) {
+                         for (int64_t i = 0; i < n; ++i) {
+                           float* dst = pt + pi[i] * d;
+                           const auto* src = pdy + i * d;
+                           for (int64_t c = c0; c < c1; ++c) dst[c] += load_f32(src[c]);
+                         }
+                       });
+      },
+      dy.dtype());
 }
 
+// qkv, y (and dy, dqkv) f32, f16 or bf16, one dtype (ops.cpp checks it): a 16-bit head is
+// widened per task and its results rounded once, the bits of widening the tensors, the f32
+// kernel and rounding its outputs, without f32 copies of the tensors.
 void attention_forward(Tensor& y, Tensor& lse, const Tensor& qkv, const AttentionParams& p) {
-  const AttentionShape a(qkv, p.heads);
-  const float* px = qkv.data<float>();
-  float* py = y.data<float>();
-  float* pl = lse.data<float>();
-  parallel_range(a.batch * a.heads, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> s(static_cast<size_t>(a.seq * a.seq)), m;
-    if (p.dropout > 0.f) m.resize(s.size());
-    for (int64_t task = first; task < last; ++task) {
-      const int64_t b = task / a.heads, h = task % a.heads;
-      attention_probs(s, px + a.q(b, h), px + a.k(b, h), pl + a.lse(b, h), nullptr, a, p);
-      if (p.dropout > 0.f) {  // P <- P * m
-        dropout_scales(m, task, a, p);
-        for (size_t e = 0; e < s.size(); ++e) s[e] *= m[e];
-      }
-      // y (T, Dh) = P (T, T) v (T, Dh)
-      sgemm_serial(Transpose::no, Transpose::no, a.seq, a.head_dim, a.seq, 1.f, s.data(), a.seq,
-                   px + a.v(b, h), 3 * a.width, 0.f, py + a.y(b, h), a.width);
-    }
-  });
+  with_storage(
+      [&](auto s_t) {
+        using S = decltype(s_t);
+        const AttentionShape a(qkv, p.heads);
+        const S* px = qkv.data<S>();
+        S* py = y.data<S>();
+        float* pl = lse.data<float>();
+        parallel_range(a.batch * a.heads, 1, [&](int64_t first, int64_t last) {
+          std::vector<float> s(static_cast<size_t>(a.seq * a.seq)), m, y_own;
+          if (p.dropout > 0.f) m.resize(s.size());
+          Head hd;
+          for (int64_t task = first; task < last; ++task) {
+            const int64_t b = task / a.heads, h = task % a.heads;
+            head_of(hd, px, a, b, h);
+            attention_probs(s, hd.q, hd.k, hd.ld, pl + a.lse(b, h), nullptr, a, p);
+            if (p.dropout > 0.f) {  // P <- P * m
+              dropout_scales(m, task, a, p);
+              for (size_t e = 0; e < s.size(); ++e) s[e] *= m[e];
+            }
+            // y (T, Dh) = P (T, T) v (T, Dh): into y itself (f32), or rows rounded once.
+            float* out;
+            int64_t ld_out;
+            if constexpr (std::is_same_v<S, float>) {
+              out = py + a.y(b, h), ld_out = a.width;
+            } else {
+              y_own.resize(static_cast<size_t>(a.seq * a.head_dim));
+              out = y_own.data(), ld_out = a.head_dim;
+            }
+            sgemm_serial(Transpose::no, Transpose::no, a.seq, a.head_dim, a.seq, 1.f, s.data(),
+                         a.seq, hd.v, hd.ld, 0.f, out, ld_out);
+            store_rows(py + a.y(b, h), a.width, out, ld_out, a);
+          }
+        });
+      },
+      qkv.dtype());
 }
 
 // With P recomputed from q, k and lse, per (b, h):
@@ -149,49 +226,73 @@ void attention_forward(Tensor& y, Tensor& lse, const Tensor& qkv, const Attentio
 //   dK = scale dS^T Q.
 void attention_backward(Tensor& dqkv, const Tensor& dy, const Tensor& qkv, const Tensor&,
                         const Tensor& lse, const AttentionParams& p) {
-  const AttentionShape a(qkv, p.heads);
-  const float* px = qkv.data<float>();
-  const float* pdy = dy.data<float>();
-  const float* pl = lse.data<float>();
-  float* pdx = dqkv.data<float>();
-  const int64_t t = a.seq, ld = 3 * a.width;
-  parallel_range(a.batch * a.heads, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> prob(static_cast<size_t>(t * t)), dp(static_cast<size_t>(t * t)), m, pm;
-    if (p.dropout > 0.f) m.resize(prob.size()), pm.resize(prob.size());
-    for (int64_t task = first; task < last; ++task) {
-      const int64_t b = task / a.heads, h = task % a.heads;
-      attention_probs(prob, px + a.q(b, h), px + a.k(b, h), nullptr, pl + a.lse(b, h), a, p);
-      // Under dropout the forward used P m: dV takes P m, and dP = (dY V^T) m.
-      const float* used = prob.data();
-      if (p.dropout > 0.f) {
-        dropout_scales(m, task, a, p);
-        for (size_t e = 0; e < prob.size(); ++e) pm[e] = prob[e] * m[e];
-        used = pm.data();
-      }
-      // dV (T, Dh) = P^T (T, T) dY (T, Dh)
-      sgemm_serial(Transpose::yes, Transpose::no, t, a.head_dim, t, 1.f, used, t, pdy + a.y(b, h),
-                   a.width, 0.f, pdx + a.v(b, h), ld);
-      // dP (T, T) = dY (T, Dh) V^T
-      sgemm_serial(Transpose::no, Transpose::yes, t, t, a.head_dim, 1.f, pdy + a.y(b, h), a.width,
-                   px + a.v(b, h), ld, 0.f, dp.data(), t);
-      if (p.dropout > 0.f)
-        for (size_t e = 0; e < dp.size(); ++e) dp[e] *= m[e];
-      for (int64_t i = 0; i < t; ++i) {
-        float* pr = prob.data() + i * t;
-        float* dr = dp.data() + i * t;
-        const int64_t n = visible(p, i, t);
-        float dot = 0.f;
-        for (int64_t j = 0; j < n; ++j) dot += pr[j] * dr[j];
-        for (int64_t j = 0; j < n; ++j) dr[j] = pr[j] * (dr[j] - dot);
-        for (int64_t j = n; j < t; ++j) dr[j] = 0.f;
-      }
-      // dQ (T, Dh) = scale dS (T, T) K (T, Dh);  dK (T, Dh) = scale dS^T Q
-      sgemm_serial(Transpose::no, Transpose::no, t, a.head_dim, t, p.scale, dp.data(), t,
-                   px + a.k(b, h), ld, 0.f, pdx + a.q(b, h), ld);
-      sgemm_serial(Transpose::yes, Transpose::no, t, a.head_dim, t, p.scale, dp.data(), t,
-                   px + a.q(b, h), ld, 0.f, pdx + a.k(b, h), ld);
-    }
-  });
+  with_storage(
+      [&](auto s_t) {
+        using S = decltype(s_t);
+        const AttentionShape a(qkv, p.heads);
+        const S* px = qkv.data<S>();
+        const S* pdy = dy.data<S>();
+        const float* pl = lse.data<float>();
+        S* pdx = dqkv.data<S>();
+        const int64_t t = a.seq;
+        parallel_range(a.batch * a.heads, 1, [&](int64_t first, int64_t last) {
+          std::vector<float> prob(static_cast<size_t>(t * t)), dp(static_cast<size_t>(t * t)), m,
+              pm, dy_own, dx_own;
+          if (p.dropout > 0.f) m.resize(prob.size()), pm.resize(prob.size());
+          Head hd;
+          for (int64_t task = first; task < last; ++task) {
+            const int64_t b = task / a.heads, h = task % a.heads;
+            head_of(hd, px, a, b, h);
+            int64_t ld_dy = 0;
+            const float* g = rows_f32(pdy + a.y(b, h), a.width, a, dy_own, &ld_dy);
+            // dq | dk | dv: into dqkv itself (f32, row stride 3 D), or (T, 3 Dh) rounded once.
+            float *dq, *dk, *dv;
+            int64_t ld_dx;
+            if constexpr (std::is_same_v<S, float>) {
+              dq = pdx + a.q(b, h), dk = pdx + a.k(b, h), dv = pdx + a.v(b, h);
+              ld_dx = 3 * a.width;
+            } else {
+              dx_own.resize(static_cast<size_t>(t * 3 * a.head_dim));
+              dq = dx_own.data(), dk = dq + a.head_dim, dv = dq + 2 * a.head_dim;
+              ld_dx = 3 * a.head_dim;
+            }
+            attention_probs(prob, hd.q, hd.k, hd.ld, nullptr, pl + a.lse(b, h), a, p);
+            // Under dropout the forward used P m: dV takes P m, and dP = (dY V^T) m.
+            const float* used = prob.data();
+            if (p.dropout > 0.f) {
+              dropout_scales(m, task, a, p);
+              for (size_t e = 0; e < prob.size(); ++e) pm[e] = prob[e] * m[e];
+              used = pm.data();
+            }
+            // dV (T, Dh) = P^T (T, T) dY (T, Dh)
+            sgemm_serial(Transpose::yes, Transpose::no, t, a.head_dim, t, 1.f, used, t, g, ld_dy,
+                         0.f, dv, ld_dx);
+            // dP (T, T) = dY (T, Dh) V^T
+            sgemm_serial(Transpose::no, Transpose::yes, t, t, a.head_dim, 1.f, g, ld_dy, hd.v,
+                         hd.ld, 0.f, dp.data(), t);
+            if (p.dropout > 0.f)
+              for (size_t e = 0; e < dp.size(); ++e) dp[e] *= m[e];
+            for (int64_t i = 0; i < t; ++i) {
+              float* pr = prob.data() + i * t;
+              float* dr = dp.data() + i * t;
+              const int64_t n = visible(p, i, t);
+              float dot = 0.f;
+              for (int64_t j = 0; j < n; ++j) dot += pr[j] * dr[j];
+              for (int64_t j = 0; j < n; ++j) dr[j] = pr[j] * (dr[j] - dot);
+              for (int64_t j = n; j < t; ++j) dr[j] = 0.f;
+            }
+            // dQ (T, Dh) = scale dS (T, T) K (T, Dh);  dK (T, Dh) = scale dS^T Q
+            sgemm_serial(Transpose::no, Transpose::no, t, a.head_dim, t, p.scale, dp.data(), t,
+                         hd.k, hd.ld, 0.f, dq, ld_dx);
+            sgemm_serial(Transpose::yes, Transpose::no, t, a.head_dim, t, p.scale, dp.data(), t,
+                         hd.q, hd.ld, 0.f, dk, ld_dx);
+            for (int64_t part = 0; part < 3; ++part)
+              store_rows(pdx + a.q(b, h) + part * a.width, 3 * a.width, dq + part * a.head_dim,
+                         ld_dx, a);
+          }
+        });
+      },
+      qkv.dtype());
 }
 
 }  // namespace kernels::cpu

@@ -1,7 +1,10 @@
 // LayerNorm over the last dim of x (M, D). Rows run in parallel (two-pass statistics in double);
 // the parameter gradients sum over rows in row order, per block of features, so they are
-// reproducible for any thread count.
+// reproducible for any thread count. x, y, dy and dx may each be f32, f16 or bf16 (with_storage):
+// read as f32, computed as the f32 kernel computes, rounded once where stored.
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "kernels/cpu/cpu_ops.hpp"
 #include "kernels/cpu/cpu_util.hpp"
@@ -16,27 +19,33 @@ int64_t row_grain(int64_t features) {
 
 void layer_norm_forward(Tensor& y, Tensor& save_mean, Tensor& save_rstd, const Tensor& x,
                         const Tensor& gamma, const Tensor& beta, float eps) {
-  int64_t rows = x.dim(0), features = x.dim(1);
-  const float* px = x.data<float>();
-  const float* pg = gamma.data<float>();
-  const float* pb = beta.data<float>();
-  float* py = y.data<float>();
-  parallel_range(rows, row_grain(features), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* xr = px + r * features;
-      float* yr = py + r * features;
-      double mean = 0.0, var = 0.0;
-      for (int64_t j = 0; j < features; ++j) mean += xr[j];
-      mean /= static_cast<double>(features);
-      for (int64_t j = 0; j < features; ++j) var += (xr[j] - mean) * (xr[j] - mean);
-      var /= static_cast<double>(features);
-      double rstd = 1.0 / std::sqrt(var + eps);
-      for (int64_t j = 0; j < features; ++j)
-        yr[j] = static_cast<float>((xr[j] - mean) * rstd * pg[j] + pb[j]);
-      save_mean.data<float>()[r] = static_cast<float>(mean);
-      save_rstd.data<float>()[r] = static_cast<float>(rstd);
-    }
-  });
+  with_storage(
+      [&](auto y_t, auto x_t) {
+        int64_t rows = x.dim(0), features = x.dim(1);
+        const auto* px = x.data<decltype(x_t)>();
+        const float* pg = gamma.data<float>();
+        const float* pb = beta.data<float>();
+        auto* py = y.data<decltype(y_t)>();
+        parallel_range(rows, row_grain(features), [&](int64_t begin, int64_t end) {
+          for (int64_t r = begin; r < end; ++r) {
+            const auto* xr = px + r * features;
+            auto* yr = py + r * features;
+            double mean = 0.0, var = 0.0;
+            for (int64_t j = 0; j < features; ++j) mean += load_f32(xr[j]);
+            mean /= static_cast<double>(features);
+            for (int64_t j = 0; j < features; ++j)
+              var += (load_f32(xr[j]) - mean) * (load_f32(xr[j]) - mean);
+            var /= static_cast<double>(features);
+            double rstd = 1.0 / std::sqrt(var + eps);
+            for (int64_t j = 0; j < features; ++j)
+              store_rounded(yr[j],
+                            static_cast<float>((load_f32(xr[j]) - mean) * rstd * pg[j] + pb[j]));
+            save_mean.data<float>()[r] = static_cast<float>(mean);
+            save_rstd.data<float>()[r] = static_cast<float>(rstd);
+          }
+        });
+      },
+      y.dtype(), x.dtype());
 }
 
 // With xhat = (x - mean) rstd and g = dy gamma, per row:
@@ -45,52 +54,57 @@ void layer_norm_forward(Tensor& y, Tensor& save_mean, Tensor& save_rstd, const T
 void layer_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor& dy,
                          const Tensor& x, const Tensor& gamma, const Tensor& save_mean,
                          const Tensor& save_rstd, Accumulate acc) {
-  int64_t rows = x.dim(0), features = x.dim(1);
-  const float* px = x.data<float>();
-  const float* pdy = dy.data<float>();
-  const float* pg = gamma.data<float>();
-  const float* pmean = save_mean.data<float>();
-  const float* prstd = save_rstd.data<float>();
-  float* pdx = dx.data<float>();
-  parallel_range(rows, row_grain(features), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* xr = px + r * features;
-      const float* dyr = pdy + r * features;
-      double mean = pmean[r], rstd = prstd[r];
-      double sum_g = 0.0, sum_g_xhat = 0.0;
-      for (int64_t j = 0; j < features; ++j) {
-        double g = double{dyr[j]} * pg[j];
-        sum_g += g;
-        sum_g_xhat += g * (xr[j] - mean) * rstd;
-      }
-      double mean_g = sum_g / features, mean_g_xhat = sum_g_xhat / features;
-      for (int64_t j = 0; j < features; ++j) {
-        double xhat = (xr[j] - mean) * rstd;
-        pdx[r * features + j] =
-            static_cast<float>(rstd * (double{dyr[j]} * pg[j] - mean_g - xhat * mean_g_xhat));
-      }
-    }
-  });
-  float* pdgamma = dgamma.data<float>();
-  float* pdbeta = dbeta.data<float>();
-  int64_t grain = std::max<int64_t>(16, kElementwiseGrain / std::max<int64_t>(1, rows));
-  parallel_range(features, grain, [&](int64_t begin, int64_t end) {
-    std::vector<double> sum_dy_xhat(static_cast<size_t>(end - begin), 0.0);
-    std::vector<double> sum_dy(static_cast<size_t>(end - begin), 0.0);
-    for (int64_t r = 0; r < rows; ++r) {
-      double mean = pmean[r], rstd = prstd[r];
-      for (int64_t j = begin; j < end; ++j) {
-        double d = pdy[r * features + j];
-        sum_dy[j - begin] += d;
-        sum_dy_xhat[j - begin] += d * (px[r * features + j] - mean) * rstd;
-      }
-    }
-    for (int64_t j = begin; j < end; ++j) {
-      double dg = sum_dy_xhat[j - begin], db = sum_dy[j - begin];
-      pdgamma[j] = static_cast<float>(acc == Accumulate::yes ? pdgamma[j] + dg : dg);
-      pdbeta[j] = static_cast<float>(acc == Accumulate::yes ? pdbeta[j] + db : db);
-    }
-  });
+  with_storage(
+      [&](auto dx_t, auto dy_t, auto x_t) {
+        int64_t rows = x.dim(0), features = x.dim(1);
+        const auto* px = x.data<decltype(x_t)>();
+        const auto* pdy = dy.data<decltype(dy_t)>();
+        const float* pg = gamma.data<float>();
+        const float* pmean = save_mean.data<float>();
+        const float* prstd = save_rstd.data<float>();
+        auto* pdx = dx.data<decltype(dx_t)>();
+        parallel_range(rows, row_grain(features), [&](int64_t begin, int64_t end) {
+          for (int64_t r = begin; r < end; ++r) {
+            const auto* xr = px + r * features;
+            const auto* dyr = pdy + r * features;
+            double mean = pmean[r], rstd = prstd[r];
+            double sum_g = 0.0, sum_g_xhat = 0.0;
+            for (int64_t j = 0; j < features; ++j) {
+              double g = double{load_f32(dyr[j])} * pg[j];
+              sum_g += g;
+              sum_g_xhat += g * (load_f32(xr[j]) - mean) * rstd;
+            }
+            double mean_g = sum_g / features, mean_g_xhat = sum_g_xhat / features;
+            for (int64_t j = 0; j < features; ++j) {
+              double xhat = (load_f32(xr[j]) - mean) * rstd;
+              store_rounded(pdx[r * features + j],
+                            static_cast<float>(rstd * (double{load_f32(dyr[j])} * pg[j] - mean_g -
+                                                       xhat * mean_g_xhat)));
+            }
+          }
+        });
+        float* pdgamma = dgamma.data<float>();
+        float* pdbeta = dbeta.data<float>();
+        int64_t grain = std::max<int64_t>(16, kElementwiseGrain / std::max<int64_t>(1, rows));
+        parallel_range(features, grain, [&](int64_t begin, int64_t end) {
+          std::vector<double> sum_dy_xhat(static_cast<size_t>(end - begin), 0.0);
+          std::vector<double> sum_dy(static_cast<size_t>(end - begin), 0.0);
+          for (int64_t r = 0; r < rows; ++r) {
+            double mean = pmean[r], rstd = prstd[r];
+            for (int64_t j = begin; j < end; ++j) {
+              double d = load_f32(pdy[r * features + j]);
+              sum_dy[j - begin] += d;
+              sum_dy_xhat[j - begin] += d * (load_f32(px[r * features + j]) - mean) * rstd;
+            }
+          }
+          for (int64_t j = begin; j < end; ++j) {
+            double dg = sum_dy_xhat[j - begin], db = sum_dy[j - begin];
+            pdgamma[j] = static_cast<float>(acc == Accumulate::yes ? pdgamma[j] + dg : dg);
+            pdbeta[j] = static_cast<float>(acc == Accumulate::yes ? pdbeta[j] + db : db);
+          }
+        });
+      },
+      dx.dtype(), dy.dtype(), x.dtype());
 }
 
 }  // namespace kernels::cpu

@@ -59,7 +59,8 @@ __global__ void embedding_sort_input_kernel(uint32_t* keys, int32_t* positions, 
 // the columns. The block whose j starts a run of equal ids adds the run's dy rows into the
 // id's table row in sorted order, which is position order (the sort is stable): for each
 // column, acc = dtable[id, c]; acc += dy[i, c] for i in increasing order; store acc.
-__global__ void embedding_backward_runs_kernel(float* dtable, const float* dy,
+template <class DY>
+__global__ void embedding_backward_runs_kernel(float* dtable, const DY* dy,
                                                const uint32_t* sorted_ids,
                                                const int32_t* sorted_positions, int64_t n,
                                                int64_t vocab, int64_t d) {
@@ -71,7 +72,7 @@ __global__ void embedding_backward_runs_kernel(float* dtable, const float* dy,
        c += static_cast<int64_t>(blockDim.x) * gridDim.y) {
     float acc = row[c];
     for (int64_t k = j; k < n && sorted_ids[k] == id; ++k)
-      acc += dy[static_cast<int64_t>(sorted_positions[k]) * d + c];
+      acc += to_float(dy[static_cast<int64_t>(sorted_positions[k]) * d + c]);
     row[c] = acc;
   }
 }
@@ -292,8 +293,13 @@ void embedding_backward(Tensor& dtable, const Tensor& dy, const Tensor& ids, Dev
   const int threads = row_block_threads(d);
   const int64_t column_blocks = std::min<int64_t>((d + threads - 1) / threads, 65535);
   dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>(column_blocks));
-  embedding_backward_runs_kernel<<<grid, threads, 0, s>>>(
-      dtable.data<float>(), dy.data<float>(), sorted_keys, sorted_positions, n, vocab, d);
+  with_storage(
+      [&](auto dy_t) {
+        embedding_backward_runs_kernel<<<grid, threads, 0, s>>>(
+            dtable.data<float>(), dy.data<decltype(dy_t)>(), sorted_keys, sorted_positions, n,
+            vocab, d);
+      },
+      dy.dtype());
   DP_CUDA_CHECK_LAUNCH();
 }
 

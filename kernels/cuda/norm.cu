@@ -120,17 +120,19 @@ BatchNormShape bn_shape(const Tensor& x) {
 // ---- layer norm ----------------------------------------------------------------------------
 // x (rows, d): one block per row.
 
-__global__ void ln_forward_kernel(float* y, float* save_mean, float* save_rstd, const float* x,
+// x and y f32, f16 or bf16 (with_storage): read as f32, y rounded once.
+template <class Y, class X>
+__global__ void ln_forward_kernel(Y* y, float* save_mean, float* save_rstd, const X* x,
                                   const float* gamma, const float* beta, int64_t d, float eps) {
   int64_t row = blockIdx.x;
-  const float* xr = x + row * d;
-  float* yr = y + row * d;
+  const X* xr = x + row * d;
+  Y* yr = y + row * d;
   float s = 0.f;
-  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) s += xr[j];
+  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) s += to_float(xr[j]);
   float mean = block_reduce_sum(s) / static_cast<float>(d);
   float sq = 0.f;
   for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
-    float t = xr[j] - mean;
+    float t = to_float(xr[j]) - mean;
     sq += t * t;
   }
   float var = block_reduce_sum(sq) / static_cast<float>(d);
@@ -140,49 +142,52 @@ __global__ void ln_forward_kernel(float* y, float* save_mean, float* save_rstd, 
     save_rstd[row] = rstd;
   }
   for (int64_t j = threadIdx.x; j < d; j += blockDim.x)
-    yr[j] = (xr[j] - mean) * rstd * gamma[j] + beta[j];
+    yr[j] = from_float<Y>((to_float(xr[j]) - mean) * rstd * gamma[j] + beta[j]);
 }
 
 // With g = dy gamma and xhat = (x - mean) rstd, per row:
 //   dx = rstd (g - mean(g) - xhat mean(g xhat)).
-__global__ void ln_backward_dx_kernel(float* dx, const float* dy, const float* x,
-                                      const float* gamma, const float* save_mean,
-                                      const float* save_rstd, int64_t d) {
+// dx, dy and x f32, f16 or bf16 (with_storage): read as f32, dx rounded once.
+template <class DX, class DY, class X>
+__global__ void ln_backward_dx_kernel(DX* dx, const DY* dy, const X* x, const float* gamma,
+                                      const float* save_mean, const float* save_rstd, int64_t d) {
   int64_t row = blockIdx.x;
-  const float* xr = x + row * d;
-  const float* dyr = dy + row * d;
-  float* dxr = dx + row * d;
+  const X* xr = x + row * d;
+  const DY* dyr = dy + row * d;
+  DX* dxr = dx + row * d;
   float mean = save_mean[row], rstd = save_rstd[row];
   float sum_g = 0.f, sum_g_xhat = 0.f;
   for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
-    float g = dyr[j] * gamma[j];
+    float g = to_float(dyr[j]) * gamma[j];
     sum_g += g;
-    sum_g_xhat += g * (xr[j] - mean) * rstd;
+    sum_g_xhat += g * (to_float(xr[j]) - mean) * rstd;
   }
   float mean_g = block_reduce_sum(sum_g) / static_cast<float>(d);
   float mean_g_xhat = block_reduce_sum(sum_g_xhat) / static_cast<float>(d);
   for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
-    float xhat = (xr[j] - mean) * rstd;
-    dxr[j] = rstd * (dyr[j] * gamma[j] - mean_g - xhat * mean_g_xhat);
+    float xhat = (to_float(xr[j]) - mean) * rstd;
+    dxr[j] = from_float<DX>(rstd * (to_float(dyr[j]) * gamma[j] - mean_g - xhat * mean_g_xhat));
   }
 }
 
 // Column-sum operands for dgamma = sum_rows dy xhat and dbeta = sum_rows dy.
+template <class DY, class X>
 struct DyTimesXhat {
-  const float* dy;
-  const float* x;
+  const DY* dy;
+  const X* x;
   const float* mean;
   const float* rstd;
   int64_t d;
   __device__ float operator()(int64_t r, int64_t c) const {
-    return dy[r * d + c] * ((x[r * d + c] - mean[r]) * rstd[r]);
+    return to_float(dy[r * d + c]) * ((to_float(x[r * d + c]) - mean[r]) * rstd[r]);
   }
 };
 
+template <class DY>
 struct ReadDy {
-  const float* dy;
+  const DY* dy;
   int64_t d;
-  __device__ float operator()(int64_t r, int64_t c) const { return dy[r * d + c]; }
+  __device__ float operator()(int64_t r, int64_t c) const { return to_float(dy[r * d + c]); }
 };
 
 }  // namespace
@@ -262,12 +267,17 @@ void batch_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor
 void layer_norm_forward(Tensor& y, Tensor& save_mean, Tensor& save_rstd, const Tensor& x,
                         const Tensor& gamma, const Tensor& beta, float eps, DeviceContext& ctx) {
   NvtxRange range("kernels/layer_norm_forward");
-  require_f32("layer_norm_forward", {&y, &save_mean, &save_rstd, &x, &gamma, &beta});
+  require_f32("layer_norm_forward", {&save_mean, &save_rstd, &gamma, &beta});
+  require_floating("layer_norm_forward", {&y, &x});
   int64_t d = gamma.numel(), rows = d == 0 ? 0 : x.numel() / d;
   if (rows == 0) return;
-  ln_forward_kernel<<<static_cast<unsigned>(rows), row_block_threads(d), 0, stream_of(ctx)>>>(
-      y.data<float>(), save_mean.data<float>(), save_rstd.data<float>(), x.data<float>(),
-      gamma.data<float>(), beta.data<float>(), d, eps);
+  with_storage(
+      [&](auto y_t, auto x_t) {
+        ln_forward_kernel<<<static_cast<unsigned>(rows), row_block_threads(d), 0, stream_of(ctx)>>>(
+            y.data<decltype(y_t)>(), save_mean.data<float>(), save_rstd.data<float>(),
+            x.data<decltype(x_t)>(), gamma.data<float>(), beta.data<float>(), d, eps);
+      },
+      y.dtype(), x.dtype());
   DP_CUDA_CHECK_LAUNCH();
 }
 
@@ -275,26 +285,33 @@ void layer_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor
                          const Tensor& x, const Tensor& gamma, const Tensor& save_mean,
                          const Tensor& save_rstd, Accumulate acc, DeviceContext& ctx) {
   NvtxRange range("kernels/layer_norm_backward");
-  require_f32("layer_norm_backward",
-              {&dx, &dgamma, &dbeta, &dy, &x, &gamma, &save_mean, &save_rstd});
+  require_f32("layer_norm_backward", {&dgamma, &dbeta, &gamma, &save_mean, &save_rstd});
+  require_floating("layer_norm_backward", {&dx, &dy, &x});
   int64_t d = gamma.numel(), rows = d == 0 ? 0 : x.numel() / d;
   if (d == 0) return;
   cudaStream_t s = stream_of(ctx);
-  if (rows > 0) {
-    ln_backward_dx_kernel<<<static_cast<unsigned>(rows), row_block_threads(d), 0, s>>>(
-        dx.data<float>(), dy.data<float>(), x.data<float>(), gamma.data<float>(),
-        save_mean.data<float>(), save_rstd.data<float>(), d);
-    DP_CUDA_CHECK_LAUNCH();
-  }
-  // dgamma, dbeta: deterministic column sums over the rows (one scratch, used in turn).
   bool accumulate = acc == Accumulate::yes;
-  auto* scratch = static_cast<float*>(ctx.workspace(sizeof(float) * column_sum_chunks(rows) * d));
-  launch_column_sums(dgamma.data<float>(), rows, d,
-                     DyTimesXhat{dy.data<float>(), x.data<float>(), save_mean.data<float>(),
-                                 save_rstd.data<float>(), d},
-                     accumulate, scratch, s);
-  launch_column_sums(dbeta.data<float>(), rows, d, ReadDy{dy.data<float>(), d}, accumulate, scratch,
-                     s);
+  with_storage(
+      [&](auto dx_t, auto dy_t, auto x_t) {
+        using DY = decltype(dy_t);
+        using X = decltype(x_t);
+        if (rows > 0) {
+          ln_backward_dx_kernel<<<static_cast<unsigned>(rows), row_block_threads(d), 0, s>>>(
+              dx.data<decltype(dx_t)>(), dy.data<DY>(), x.data<X>(), gamma.data<float>(),
+              save_mean.data<float>(), save_rstd.data<float>(), d);
+          DP_CUDA_CHECK_LAUNCH();
+        }
+        // dgamma, dbeta: deterministic column sums over the rows (one scratch, used in turn).
+        auto* scratch =
+            static_cast<float*>(ctx.workspace(sizeof(float) * column_sum_chunks(rows) * d));
+        launch_column_sums(dgamma.data<float>(), rows, d,
+                           DyTimesXhat<DY, X>{dy.data<DY>(), x.data<X>(), save_mean.data<float>(),
+                                              save_rstd.data<float>(), d},
+                           accumulate, scratch, s);
+        launch_column_sums(dbeta.data<float>(), rows, d, ReadDy<DY>{dy.data<DY>(), d}, accumulate,
+                           scratch, s);
+      },
+      dx.dtype(), dy.dtype(), x.dtype());
 }
 
 }  // namespace kernels::cuda
