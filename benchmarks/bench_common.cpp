@@ -104,7 +104,7 @@ void add_flags(CLI::App& app, Options& o) {
       ->check(whole_number(1, 1 << 20));
   app.add_option("--dropout", o.dropout,
                  "--model gpt: dropout p on embeddings, attention and residuals (GPT-2: 0.1)")
-      ->check(CLI::Range(0.0, 0.99));
+      ->check(dp::cli::number_in(0, 0.99));
   app.add_option("--peak-tflops", o.peak_tflops,
                  "--model gpt: the peak TFLOP/s per GPU (or of the CPU) that MFU divides by "
                  "(default: the GPU's data sheet, else a GEMM measured at start)")
@@ -220,7 +220,8 @@ Setup resolve(const Options& o) {
 }
 
 void validate(const Options& o, const Setup& s, const std::vector<int>& counts) {
-  profile_range(o);        // throws on a malformed --profile-steps
+  profile_range(o);  // throws on a malformed --profile-steps
+  if (!o.project_from.empty()) read_projection_file(o.project_from);  // read now, not at the end
   if (!o.sweep.empty()) {  // the default names, in the working directory
     dp::cli::check_output_file("--csv", o.csv_path.empty() ? "dp_bench_sweep.csv" : o.csv_path);
     dp::cli::check_output_file("--chart",

@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "kernels/runtime/error.hpp"
+#include "nn/file_io.hpp"
 
 namespace bench {
 
@@ -524,32 +525,34 @@ std::vector<Projection> project(const std::vector<RunResult>& runs,
   return out;
 }
 
+ProjectionInput read_projection_file(const std::string& project_from) {
+  ProjectionInput in;
+  nn::io::FileReader reader(project_from, "--project-from");  // refuses a FIFO, a device
+  const std::string text = reader.bytes(reader.size(), "the JSON report");
+  try {
+    const nlohmann::json j = nlohmann::json::parse(text);
+    std::string device = j.at("device").get<std::string>();
+    if (device == "cpu") {
+      in.why_not = "--project-from '" + project_from +
+                   "' holds CPU compute; the projection needs a GPU's results file";
+      return in;
+    }
+    for (auto& r : j.at("runs")) in.runs.push_back(run_from_json(r));
+    for (auto& r : j.value("compute_runs", nlohmann::json::array()))
+      in.compute_runs.push_back(run_from_json(r));
+    in.source = project_from + " (" + device + ")";
+  } catch (const nlohmann::json::exception& e) {
+    DP_THROW("--project-from '" << project_from << "': not a dp_bench JSON report (" << e.what()
+                                << ")");
+  }
+  return in;
+}
+
 ProjectionInput projection_input(const Header& h, const std::vector<RunResult>& runs,
                                  const std::string& project_from,
                                  const std::vector<RunResult>& compute_runs) {
   ProjectionInput in;
-  if (!project_from.empty()) {
-    std::ifstream f(project_from);
-    DP_CHECK(f, "--project-from '" << project_from << "': cannot read the file");
-    nlohmann::json j;
-    try {
-      f >> j;
-      std::string device = j.at("device").get<std::string>();
-      if (device == "cpu") {
-        in.why_not = "--project-from '" + project_from +
-                     "' holds CPU compute; the projection needs a GPU's results file";
-        return in;
-      }
-      for (auto& r : j.at("runs")) in.runs.push_back(run_from_json(r));
-      for (auto& r : j.value("compute_runs", nlohmann::json::array()))
-        in.compute_runs.push_back(run_from_json(r));
-      in.source = project_from + " (" + device + ")";
-    } catch (const nlohmann::json::exception& e) {
-      DP_THROW("--project-from '" << project_from << "': not a dp_bench JSON report (" << e.what()
-                                  << ")");
-    }
-    return in;
-  }
+  if (!project_from.empty()) return read_projection_file(project_from);
   if (h.device == "cpu") {
     in.why_not =
         "the compute was measured on CPU devices, and CPU compute beside NVLink/PCIe figures "

@@ -206,6 +206,10 @@ struct ProjectionInput {
   std::string source;                   // "measured on <gpu>" or "<file> (<gpu>)"
   std::string why_not;
 };
+// requires a dp_bench JSON report's path. ensures its runs, or why_not (CPU compute); throws
+// naming the file when it is missing, not a regular file (a FIFO is not waited on) or not such
+// a report. dp_bench calls it before any work (validate) and again for the projection.
+ProjectionInput read_projection_file(const std::string& project_from);
 // requires project_from empty or a dp_bench JSON file (throws naming the file otherwise).
 ProjectionInput projection_input(const Header& h, const std::vector<RunResult>& runs,
                                  const std::string& project_from,

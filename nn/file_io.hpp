@@ -215,18 +215,45 @@ struct TempFile {
 
 }  // namespace detail
 
-// requires nothing. ensures `path` holds exactly `bytes`, durably: written to a unique
-// temporary file in the same directory (mkstemp), fsync'ed, renamed over `path`, and the
-// directory fsync'ed. Concurrent writers of one path never collide, and a reader sees the old
-// or a new file whole, never a partial one. The file gets mode 0666 & ~umask. Throws naming
-// the file and the reason (no temporary file is left behind).
-inline void write_file_atomically(const std::string& path, const std::string& bytes,
-                                  const std::string& context) {
-  check_path(path, context);
-  const std::string name = where(context, path);
+// requires nothing. ensures "" when `path` may be replaced by a new regular file (it does not
+// exist, or it is a regular file, or a symbolic link to one), else why not: a directory, a
+// device, a FIFO or a socket is not the program's to replace.
+inline std::string replace_problem(const std::string& path) {
   struct stat st {};
-  if (::stat(path.c_str(), &st) == 0)
-    DP_CHECK(!S_ISDIR(st.st_mode), name << ": is a directory; give the name of a file to write");
+  if (::stat(path.c_str(), &st) != 0 || S_ISREG(st.st_mode)) return "";
+  if (S_ISDIR(st.st_mode)) return "is a directory; give the name of a file to write";
+  return std::string("is ") + file_kind(st.st_mode) +
+         ", not a regular file: this file is written whole to a new file that then replaces the "
+         "old one, which would replace the " +
+         (S_ISFIFO(st.st_mode)   ? "FIFO"
+          : S_ISSOCK(st.st_mode) ? "socket"
+                                 : "device") +
+         "; give the name of a regular file";
+}
+
+// requires nothing. ensures `path` holds exactly `bytes`, durably: written to a unique
+// temporary file in the same directory (mkstemp: created exclusively, never through a link),
+// fsync'ed, renamed over `path`, and the directory fsync'ed. Concurrent writers of one path
+// never collide, and a reader sees the old or a new file whole, never a partial one. The file
+// gets mode 0666 & ~umask. A symbolic link is followed: its target is replaced and the link
+// kept. Only a regular file (or none) is replaced: a directory, a device, a FIFO or a socket is
+// refused (replace_problem). Throws naming the file and the reason (no temporary file is left
+// behind).
+inline void write_file_atomically(const std::string& given, const std::string& bytes,
+                                  const std::string& context) {
+  check_path(given, context);
+  const std::string name = where(context, given);
+  const std::string problem = replace_problem(given);
+  DP_CHECK(problem.empty(), name << ": " << problem);
+  std::string path = given;
+  struct stat lst {};
+  if (::lstat(given.c_str(), &lst) == 0 && S_ISLNK(lst.st_mode)) {
+    char* real = ::realpath(given.c_str(), nullptr);  // null: a dangling link, replaced itself
+    if (real) {
+      path = real;
+      std::free(real);
+    }
+  }
   const std::string dir = detail::parent_dir(path);
   detail::TempFile tmp;
   tmp.name = dir + "/." + detail::base_name(path) + ".tmp.XXXXXX";
@@ -253,6 +280,10 @@ inline void write_file_atomically(const std::string& path, const std::string& by
   tmp.fd = -1;
   DP_CHECK(::close(fd) == 0,
            name << ": closing " << printable(tmp.name) << " failed: " << errno_text(errno));
+  // What was checked above may have changed since (another process): look once more, as near the
+  // rename as can be.
+  const std::string late = replace_problem(path);
+  DP_CHECK(late.empty(), name << ": " << late);
   DP_CHECK(::rename(tmp.name.c_str(), path.c_str()) == 0,
            name << ": cannot rename " << printable(tmp.name) << " to it: " << errno_text(errno));
   tmp.name.clear();  // renamed: nothing to remove
@@ -268,33 +299,37 @@ inline void write_file_atomically(const std::string& path, const std::string& by
            name << ": fsync of the directory " << printable(dir) << " failed: " << errno_text(e));
 }
 
+// How long write_output_file waits for a FIFO's reader to open it.
+constexpr int kFifoReaderWaitMs = 10000;
+
 // requires nothing. ensures `path` holds exactly `bytes`, or throws naming `context`, the file
 // and the system's reason (a full disk, /dev/full, a closed pipe): every write, the flush to
 // disk and the close are checked. A regular file (or a new one) is written atomically
 // (write_file_atomically: a failure leaves the old file, or none, never a partial one; a
 // symbolic link is followed and its target replaced); anything else that can be opened for
-// writing (a FIFO, /dev/stdout, a character device) is written in place.
+// writing (a FIFO, /dev/stdout, a character device) is written in place, never replaced. A FIFO
+// nobody reads is an error after kFifoReaderWaitMs, not a hang.
 inline void write_output_file(const std::string& path, const std::string& bytes,
                               const std::string& context) {
   check_path(path, context);
   struct stat st {};
-  if (::stat(path.c_str(), &st) != 0 || S_ISREG(st.st_mode)) {
-    std::string target = path;
-    struct stat lst {};
-    if (::lstat(path.c_str(), &lst) == 0 && S_ISLNK(lst.st_mode)) {
-      char* real = ::realpath(path.c_str(), nullptr);  // exists: stat followed the link
-      if (real) {
-        target = real;
-        std::free(real);
-      }
-    }
-    write_file_atomically(target, bytes, context);
-    return;
-  }
+  if (::stat(path.c_str(), &st) != 0 || S_ISREG(st.st_mode))
+    return write_file_atomically(path, bytes, context);
   const std::string name = where(context, path);
   DP_CHECK(!S_ISDIR(st.st_mode), name << ": is a directory; give the name of a file to write");
-  int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC | O_NOCTTY);
-  DP_CHECK(fd >= 0, name << ": cannot open it for writing: " << errno_text(errno));
+  // O_NONBLOCK: a FIFO without a reader fails (ENXIO) instead of blocking; wait for one, bounded.
+  int fd = -1;
+  for (int waited = 0;; waited += 10) {
+    fd = ::open(path.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+    if (fd >= 0 || errno != ENXIO || waited >= kFifoReaderWaitMs) break;
+    ::usleep(10000);
+  }
+  DP_CHECK(fd >= 0, name << ": cannot open it for writing: " << errno_text(errno)
+                         << (errno == ENXIO ? " (no process opened the FIFO for reading within "
+                                              "10 s)"
+                                            : ""));
+  const int flags = ::fcntl(fd, F_GETFL);  // blocking writes from here: a full pipe waits
+  if (flags >= 0) ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
   size_t done = 0;
   while (done < bytes.size()) {
     ssize_t w = ::write(fd, bytes.data() + done, bytes.size() - done);

@@ -617,10 +617,25 @@ class CheckpointDirLock {
     ::close(pfd);
     ::unlink(probe.c_str());
 
+    // The lock is the folder's own regular file: never opened through a link (ELOOP), and
+    // refused when something else sits there (it is truncated below).
     const std::string lock_path = dir + "/.lock";
-    fd_ = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOCTTY, 0644);
+    fd_ = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOCTTY | O_NOFOLLOW, 0644);
+    const int open_errno = errno;
+    DP_CHECK(
+        fd_ >= 0 || open_errno != ELOOP,
+        name << ": the lock file " << io::printable(lock_path)
+             << " is a symbolic link; the lock must be the folder's own file: remove the link");
     DP_CHECK(fd_ >= 0, name << ": cannot open the lock file " << io::printable(lock_path) << ": "
-                            << io::errno_text(errno));
+                            << io::errno_text(open_errno));
+    struct stat lock_st {};
+    if (::fstat(fd_, &lock_st) != 0 || !S_ISREG(lock_st.st_mode)) {
+      const mode_t mode = lock_st.st_mode;
+      ::close(fd_);
+      fd_ = -1;
+      DP_THROW(name << ": the lock file " << io::printable(lock_path) << " is "
+                    << io::file_kind(mode) << ", not a regular file: remove it");
+    }
     if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
       const int e = errno;
       const std::string holder = read_holder();

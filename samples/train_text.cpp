@@ -123,16 +123,16 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   app.add_option("--seq", f.seq, "tokens per sequence (at most the model's context)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
-  app.add_option("--lr", f.lr, "AdamW learning rate")->check(CLI::Range(0.f, 10.f));
+  app.add_option("--lr", f.lr, "AdamW learning rate")->check(dp::cli::positive_number(10));
   app.add_option("--weight-decay", f.weight_decay, "AdamW weight decay (matrices only)")
-      ->check(CLI::Range(0.f, 1.f));
+      ->check(dp::cli::number_in(0, 1));
   app.add_option("--warmup", f.warmup, "linear warm-up steps before the cosine decay")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
   app.add_option("--dropout", f.dropout,
                  "dropout p on embeddings, attention probabilities and residuals (GPT-2: 0.1)")
-      ->check(CLI::Range(0.f, 0.99f));
+      ->check(dp::cli::number_in(0, 0.99));
   app.add_option("--clip-grad", f.clip_grad, "clip the gradient to this global norm (0: off)")
-      ->check(CLI::Range(0.f, 1e6f));
+      ->check(dp::cli::number_in(0, 1e6));
   app.add_option("--eval-every", f.eval_every, "steps between validation losses")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
   app.add_option("--val-batches", f.val_batches, "validation batches per evaluation")
@@ -143,7 +143,7 @@ int main(int argc, char** argv) {
                  "loss_scale; rank 0 in DDP)")
       ->check(dp::cli::output_file());
   app.add_option("--save", f.save, "training state written at the end (safetensors)")
-      ->check(dp::cli::output_file());
+      ->check(dp::cli::replaceable_file());
   app.add_option("--resume", f.resume, "training state to go on from")->check(CLI::ExistingFile);
   app.add_option("--sample-bytes", f.sample_bytes, "bytes generated at the end (0: none)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 16));
@@ -234,11 +234,22 @@ int main(int argc, char** argv) {
     // Through the engine: each device's or rank's dropout offset restored, and DDP's ranks
     // checked to have loaded the same state.
     int64_t first_step = 0;
+    std::optional<std::string> nothing_left;  // resumed at or past --steps
     if (!f.resume.empty()) {
-      first_step = (ddp ? ddp->load(f.resume, progress) : engine->load(f.resume, progress)).step;
-      if (leader)
+      const nn::TrainingProgress got =
+          ddp ? ddp->load(f.resume, progress) : engine->load(f.resume, progress);
+      first_step = got.step;
+      nothing_left = nn::nothing_left_to_train(first_step, f.steps, f.resume,
+                                               "give more --steps to train further");
+      if (leader) {
         std::printf("resumed %s at step %lld\n", f.resume.c_str(),
                     static_cast<long long>(first_step));
+        // Another mode or world size than the saving run's: what changes, and that the
+        // continuation is not bit-exact (as train_mnist and dp_bench say it).
+        if (const std::string note = nn::resume_note(got, progress); !note.empty())
+          std::printf("train_text: %s\n", note.c_str());
+        if (nothing_left) std::printf("train_text: %s\n", nothing_left->c_str());
+      }
     }
     if (leader)
       std::printf(
@@ -296,11 +307,18 @@ int main(int argc, char** argv) {
     if (bar) bar->finish();
     if (step_log) step_log->close();  // a log that did not reach the disk is an error
     if (std::isnan(val)) val = val_loss(trained, corpus.val, f);
+    // The step the weights are at: --steps, or the checkpoint's when it was already past.
+    const int64_t at_step = std::max(first_step, f.steps);
     if (leader)
       std::printf("final val loss %.4f after %lld steps, %.1f s\n", val,
-                  static_cast<long long>(f.steps), seconds_since(t_run));
-    if (!f.save.empty()) {  // DDP: a collective (every rank's dropout offset; rank 0 writes)
-      progress.step = f.steps;
+                  static_cast<long long>(at_step), seconds_since(t_run));
+    if (!f.save.empty() && nothing_left) {
+      // Nothing trained: the checkpoint given to --resume is this state, with its own label.
+      if (leader)
+        std::printf("--save %s: not written: nothing was trained; %s holds this state\n",
+                    f.save.c_str(), f.resume.c_str());
+    } else if (!f.save.empty()) {  // DDP: a collective (every rank's dropout offset; rank 0 writes)
+      progress.step = at_step;
       if (ddp)
         ddp->save(f.save, progress);
       else

@@ -1,4 +1,5 @@
 // dp_bench: the report's formulas, and the command's JSON, trace and sweep outputs.
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -10,6 +11,7 @@
 #include <set>
 #include <sstream>
 
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -1672,4 +1674,34 @@ TEST_CASE("bench.gpt: --model gpt reports tokens/s and MFU, DP and DDP follow on
   // The GPT flags are checked where they enter.
   refused("--device cpu --model gpt --gpt-config tiny --seq 129", "--seq: 129 is longer than");
   refused("--device cpu --model mlp --seq 16", "--seq: is for --model gpt");
+}
+
+// --project-from is read before any work: a malformed file or a FIFO (which the reading would
+// wait on) fails at once, naming the flag and the file, without a step measured.
+TEST_CASE("bench.errors: --project-from is read up front: malformed, a FIFO, both fail at once") {
+  const std::string bad = temp_path("project_bad.json"), fifo = temp_path("project_fifo");
+  {
+    std::ofstream f(bad);
+    f << "{\"device\": ";
+  }
+  std::remove(fifo.c_str());
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  struct Case {
+    std::string path, says;
+  };
+  for (const Case& c : {Case{bad, "--project-from '" + bad + "': not a dp_bench JSON report"},
+                        Case{fifo, "--project-from(" + fifo +
+                                       "): is a FIFO (named pipe), not a "
+                                       "regular file"}}) {
+    CAPTURE(c.path);
+    const auto start = std::chrono::steady_clock::now();
+    auto [rc, text] = bench_output("--device cpu --gpus 1 --steps 200 --project-from " + c.path);
+    INFO(text);
+    CHECK(rc != 0);
+    CHECK(text.find(c.says) != std::string::npos);
+    CHECK(text.find("ms/step") == std::string::npos);  // nothing was measured
+    CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(20));
+  }
+  std::remove(bad.c_str());
+  std::remove(fifo.c_str());
 }

@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -203,4 +204,53 @@ TEST_CASE("nn.checkpoint: errors name long files in full and escape a NUL instea
   CHECK(contains(e, "w\\x00ight' in the file but parameter '"));
   CHECK(contains(e, "weight' in "));
   CHECK(contains(e, path));
+}
+
+// Every writer that replaces a file whole (checkpoints, training state: write_file_atomically)
+// replaces only a regular file: a FIFO, a socket or a device there is refused by name and left
+// as it was (a character device is made only where the test may mknod, i.e. as root). A
+// symbolic link is followed: its target gets the new bytes and the link stays a link. The
+// folder is left with no temporary file.
+TEST_CASE("nn.checkpoint: a save never replaces a FIFO, a socket or a device, and follows a link") {
+  TempDir dir;
+  auto m = materialized(nn::mlp({4, 3, 2}), 1);
+  const std::string fifo = dir.file("fifo");
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  std::string e = error_of([&] { nn::save_checkpoint(*m, fifo); });
+  CHECK(contains(e, "save_checkpoint(" + fifo + "): is a FIFO (named pipe), not a regular file"));
+  CHECK(contains(e, "would replace the FIFO; give the name of a regular file"));
+  struct stat st {};
+  REQUIRE(::lstat(fifo.c_str(), &st) == 0);
+  CHECK(S_ISFIFO(st.st_mode));
+  // A link to the FIFO: refused the same way, the link and the FIFO kept.
+  const std::string to_fifo = dir.file("to_fifo");
+  REQUIRE(::symlink(fifo.c_str(), to_fifo.c_str()) == 0);
+  e = error_of([&] { nn::save_checkpoint(*m, to_fifo); });
+  CHECK(contains(e, "is a FIFO (named pipe), not a regular file"));
+  REQUIRE(::lstat(to_fifo.c_str(), &st) == 0);
+  CHECK(S_ISLNK(st.st_mode));
+  if (::geteuid() == 0) {
+    const std::string dev = dir.file("null");
+    REQUIRE(::mknod(dev.c_str(), S_IFCHR | 0600, ::makedev(1, 3)) == 0);
+    e = error_of([&] { nn::save_checkpoint(*m, dev); });
+    CHECK(contains(e, "is a character device, not a regular file"));
+    REQUIRE(::lstat(dev.c_str(), &st) == 0);
+    CHECK(S_ISCHR(st.st_mode));
+  } else {
+    MESSAGE("the character-device case needs root (mknod): FIFO and link cases only");
+  }
+  // A link to a regular file in another folder: the target is replaced, the link kept.
+  TempDir other;
+  const std::string target = other.file("real.ckpt"), link = dir.file("link.ckpt");
+  { std::ofstream(target) << "old"; }
+  REQUIRE(::symlink(target.c_str(), link.c_str()) == 0);
+  nn::save_checkpoint(*m, link);
+  REQUIRE(::lstat(link.c_str(), &st) == 0);
+  CHECK(S_ISLNK(st.st_mode));
+  nn::save_checkpoint(*m, dir.file("plain.ckpt"));
+  CHECK(read_all(target) == read_all(dir.file("plain.ckpt")));
+  std::set<std::string> want{"fifo", "to_fifo", "link.ckpt", "plain.ckpt"};
+  if (::geteuid() == 0) want.insert("null");
+  CHECK(dir.entries() == want);  // no temporary file left
+  CHECK(other.entries() == std::set<std::string>{"real.ckpt"});
 }

@@ -2,6 +2,7 @@
 // devices, SGD momentum and AdamW, dropout, uneven batches); mismatches and damage are refused;
 // the reader reads the header and the declared ranges only; the checkpoint folder is one job's.
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -768,4 +769,33 @@ TEST_CASE(
         std::string::npos);
   CHECK(e.find("gather_optimizer_state") != std::string::npos);
   std::remove(path.c_str());
+}
+
+// The folder's lock file is its own: a symbolic link placed at DIR/.lock is refused (not
+// followed: its target is neither opened nor truncated), and so is a FIFO there; both say what
+// to remove. Time bound: the FIFO is not waited on.
+TEST_CASE("nn.train_state: a checkpoint folder's lock never follows a link or opens a FIFO") {
+  const std::string base = dp_test::temp_path("train_state", "lock_link");
+  std::filesystem::remove_all(base);
+  std::filesystem::create_directories(base + "/ck");
+  const std::string victim = base + "/victim";
+  write_bytes(victim, "precious");
+  REQUIRE(::symlink(victim.c_str(), (base + "/ck/.lock").c_str()) == 0);
+  std::string e = error_of([&] { nn::CheckpointDirLock lock(base + "/ck", "test"); });
+  CHECK(e.find("the lock file") != std::string::npos);
+  CHECK(e.find("/ck/.lock is a symbolic link; the lock must be the folder's own file: remove "
+               "the link") != std::string::npos);
+  std::ifstream in(victim);
+  std::string kept((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  CHECK(kept == "precious");
+  std::filesystem::remove(base + "/ck/.lock");
+  REQUIRE(::mkfifo((base + "/ck/.lock").c_str(), 0600) == 0);
+  const auto start = std::chrono::steady_clock::now();
+  e = error_of([&] { nn::CheckpointDirLock lock(base + "/ck", "test"); });
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(5));
+  CHECK(e.find("/ck/.lock is a FIFO (named pipe), not a regular file: remove it") !=
+        std::string::npos);
+  std::filesystem::remove(base + "/ck/.lock");
+  CHECK_NOTHROW(nn::CheckpointDirLock(base + "/ck", "test"));  // a fresh lock file is made
+  std::filesystem::remove_all(base);
 }

@@ -79,7 +79,13 @@ std::string output_file_problem(const std::string& path) {
     if (S_ISDIR(st.st_mode))
       return "'" + path + "' is a directory: give a file name inside it, e.g. " + path +
              (path.back() == '/' ? "" : "/") + "out.json";
-    // O_NONBLOCK: a FIFO without a reader fails at once instead of blocking.
+    // A FIFO is not opened: opening and closing it would end a reader that reads once. Its
+    // reader is waited for when the run writes (nn::io::write_output_file, bounded).
+    if (S_ISFIFO(st.st_mode))
+      return ::access(path.c_str(), W_OK) == 0
+                 ? ""
+                 : "'" + path + "' cannot be written: " + std::strerror(errno);
+    // O_NONBLOCK: a device that needs a reader fails at once instead of blocking.
     int fd = ::open(path.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
     if (fd >= 0) {
       ::close(fd);
@@ -210,6 +216,16 @@ CLI::Validator positive_number(double hi) {
       "(0, " + number_text(hi) + "]");
 }
 
+CLI::Validator number_in(double lo, double hi) {
+  const std::string range = "[" + number_text(lo) + ", " + number_text(hi) + "]";
+  return CLI::Validator(
+      [lo, hi, range](std::string& text) {
+        double v = 0;
+        return number_problem(text, lo, Low::closed, hi, "give a number in " + range, &v);
+      },
+      range);
+}
+
 CLI::Validator timeout_seconds(double hi) {
   return CLI::Validator(
       [hi](std::string& text) -> std::string {
@@ -233,6 +249,16 @@ CLI::Validator output_file() {
 void check_output_file(const std::string& flag, const std::string& path) {
   std::string problem = output_file_problem(path);
   DP_CHECK(problem.empty(), flag << ": " << problem);
+}
+
+CLI::Validator replaceable_file() {
+  return CLI::Validator(
+      [](std::string& path) -> std::string {
+        const std::string problem = nn::io::replace_problem(path);
+        if (!problem.empty()) return "'" + path + "' " + problem;
+        return output_file_problem(path);
+      },
+      "FILE");
 }
 
 CLI::Validator checkpoint_dir() {

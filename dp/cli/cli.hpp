@@ -35,6 +35,9 @@ CLI::Validator whole_number(int64_t lo, int64_t hi);
 
 // A finite number in (0, hi]: "--lr: -0.1 is not allowed: give a number > 0 and <= 10".
 CLI::Validator positive_number(double hi);
+// A finite number in [lo, hi] (CLI::Range lets NaN through): "--clip-grad: nan is not allowed:
+// give a number in [0, 1000000]".
+CLI::Validator number_in(double lo, double hi);
 
 // A timeout in seconds, in [0.001, hi]: the engine counts milliseconds, so a value below one
 // (which would round to 0, "use the default") is refused, as DP_TIMEOUT refuses it:
@@ -74,6 +77,10 @@ CLI::Validator output_file();
 // The same check for a path that is not a flag's text (a default name, say); throws
 // kernels::Error naming `flag`.
 void check_output_file(const std::string& flag, const std::string& path);
+// A file written whole and renamed over the old one (training state, checkpoints: --save): the
+// output_file() checks, and only a regular file (or a symbolic link to one, or none) may be
+// there; a device, a FIFO or a socket is refused (nn::io::replace_problem), never replaced.
+CLI::Validator replaceable_file();
 
 // The folder checkpoints go to, one spelling for every program: --checkpoint-dir DIR, with a
 // validator that refuses an empty path, a path that is a file, and one under a file; a missing

@@ -153,11 +153,28 @@ void FileStore::set(const std::string& key, const std::vector<char>& value) {
   tmp << dir_ << "/.tmp_" << ::getpid() << "_"
       << std::hash<std::thread::id>()(std::this_thread::get_id()) << "_" << counter.fetch_add(1);
   {
-    std::ofstream f(tmp.str(), std::ios::binary | std::ios::trunc);
-    DP_CHECK(f.good(), "FileStore set('" << key << "'): cannot write '" << tmp.str() << "'");
-    f.write(value.data(), static_cast<std::streamsize>(value.size()));
-    f.flush();
-    DP_CHECK(f.good(), "FileStore set('" << key << "'): write to '" << tmp.str() << "' failed");
+    // Created here, exclusively: never through a link or into a file someone placed there.
+    struct Closer {
+      int fd = -1;
+      ~Closer() {
+        if (fd >= 0) ::close(fd);
+      }
+    } f;
+    f.fd = ::open(tmp.str().c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    DP_CHECK(f.fd >= 0, "FileStore set('" << key << "'): cannot create '" << tmp.str()
+                                          << "': " << std::strerror(errno));
+    size_t done = 0;
+    while (done < value.size()) {
+      const ssize_t w = ::write(f.fd, value.data() + done, value.size() - done);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) {
+        const int e = w < 0 ? errno : EIO;
+        ::unlink(tmp.str().c_str());
+        DP_THROW("FileStore set('" << key << "'): write to '" << tmp.str()
+                                   << "' failed: " << std::strerror(e));
+      }
+      done += static_cast<size_t>(w);
+    }
   }
   std::string path = path_of(key);
   if (::rename(tmp.str().c_str(), path.c_str()) != 0) {
@@ -202,7 +219,7 @@ void FileStore::wait(const std::vector<std::string>& keys, const Millis& timeout
 int64_t FileStore::add(const std::string& key, int64_t delta) {
   FileLock lock;
   std::string lock_path = dir_ + "/.lock";
-  lock.fd = ::open(lock_path.c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0600);
+  lock.fd = ::open(lock_path.c_str(), O_CREAT | O_RDWR | O_CLOEXEC | O_NOFOLLOW, 0600);
   DP_CHECK(lock.fd >= 0, "FileStore add('" << key << "'): cannot open '" << lock_path
                                            << "': " << std::strerror(errno));
   int rc;
