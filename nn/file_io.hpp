@@ -302,6 +302,42 @@ inline void write_file_atomically(const std::string& given, const std::string& b
 // How long write_output_file waits for a FIFO's reader to open it.
 constexpr int kFifoReaderWaitMs = 10000;
 
+// requires `path` exists and is not a regular file or a directory (a FIFO, /dev/stdout, a
+// character device). ensures a descriptor open for blocking writes to it, in place; a FIFO with
+// no reader is waited for at most kFifoReaderWaitMs, then an error naming `name`, never a hang.
+inline int open_in_place(const std::string& path, const std::string& name) {
+  // O_NONBLOCK: a FIFO without a reader fails (ENXIO) instead of blocking; wait for one, bounded.
+  int fd = -1;
+  for (int waited = 0;; waited += 10) {
+    fd = ::open(path.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+    if (fd >= 0 || errno != ENXIO || waited >= kFifoReaderWaitMs) break;
+    ::usleep(10000);
+  }
+  DP_CHECK(fd >= 0, name << ": cannot open it for writing: " << errno_text(errno)
+                         << (errno == ENXIO ? " (no process opened the FIFO for reading within "
+                                              "10 s)"
+                                            : ""));
+  const int flags = ::fcntl(fd, F_GETFL);  // blocking writes from here: a full pipe waits
+  if (flags >= 0) ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+  return fd;
+}
+
+// requires nothing. ensures a descriptor for an output written as it goes (a step log): a
+// regular or new file truncated and written in place, anything else opened as open_in_place
+// does. Throws naming `context` and the file.
+inline int open_output_stream(const std::string& path, const std::string& context) {
+  check_path(path, context);
+  const std::string name = where(context, path);
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
+    DP_CHECK(!S_ISDIR(st.st_mode), name << ": is a directory; give the name of a file to write");
+    return open_in_place(path, name);
+  }
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOCTTY, 0666);
+  DP_CHECK(fd >= 0, name << ": cannot open it for writing: " << errno_text(errno));
+  return fd;
+}
+
 // requires nothing. ensures `path` holds exactly `bytes`, or throws naming `context`, the file
 // and the system's reason (a full disk, /dev/full, a closed pipe): every write, the flush to
 // disk and the close are checked. A regular file (or a new one) is written atomically
@@ -317,19 +353,7 @@ inline void write_output_file(const std::string& path, const std::string& bytes,
     return write_file_atomically(path, bytes, context);
   const std::string name = where(context, path);
   DP_CHECK(!S_ISDIR(st.st_mode), name << ": is a directory; give the name of a file to write");
-  // O_NONBLOCK: a FIFO without a reader fails (ENXIO) instead of blocking; wait for one, bounded.
-  int fd = -1;
-  for (int waited = 0;; waited += 10) {
-    fd = ::open(path.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
-    if (fd >= 0 || errno != ENXIO || waited >= kFifoReaderWaitMs) break;
-    ::usleep(10000);
-  }
-  DP_CHECK(fd >= 0, name << ": cannot open it for writing: " << errno_text(errno)
-                         << (errno == ENXIO ? " (no process opened the FIFO for reading within "
-                                              "10 s)"
-                                            : ""));
-  const int flags = ::fcntl(fd, F_GETFL);  // blocking writes from here: a full pipe waits
-  if (flags >= 0) ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+  const int fd = open_in_place(path, name);
   size_t done = 0;
   while (done < bytes.size()) {
     ssize_t w = ::write(fd, bytes.data() + done, bytes.size() - done);

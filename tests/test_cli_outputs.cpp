@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "dp/cli/cli.hpp"
+#include "dp/cli/progress.hpp"
 #include "nn/file_io.hpp"
 #include "tests/test_util.hpp"
 
@@ -86,4 +87,30 @@ TEST_CASE("cli.outputs: replaceable_file refuses a FIFO, a folder and /dev/null 
   CHECK_FALSE(std::filesystem::exists(d.dir + "/new.safetensors"));  // the probe is removed
   // output_file (--json, --trace: written in place when not regular) still takes /dev/null.
   CHECK(verdict(dp::cli::output_file(), "/dev/null").empty());
+}
+
+TEST_CASE("cli.outputs: --log into a FIFO: its reader gets every step's line, the FIFO stays") {
+  FifoDir d;
+  std::string got;
+  std::thread reader([&] {
+    const int fd = ::open(d.fifo.c_str(), O_RDONLY);
+    REQUIRE(fd >= 0);
+    char buf[256];
+    for (ssize_t n; (n = ::read(fd, buf, sizeof buf)) > 0;) got.append(buf, static_cast<size_t>(n));
+    ::close(fd);
+  });
+  CHECK(verdict(dp::cli::output_file(), d.fifo).empty());  // not opened by the check
+  {
+    dp::cli::StepLog log("--log", d.fifo, "tokens_per_s");
+    for (int64_t step = 1; step <= 3; ++step) log.write({step, 2.5, 0.1, std::nullopt, 100.0, 1.0});
+    log.close();
+  }
+  reader.join();
+  size_t lines = 0;
+  for (char c : got) lines += c == '\n';
+  CHECK(lines == 3);
+  CHECK(got.rfind("{\"step\":1,", 0) == 0);
+  struct stat st {};
+  REQUIRE(::lstat(d.fifo.c_str(), &st) == 0);
+  CHECK(S_ISFIFO(st.st_mode));
 }

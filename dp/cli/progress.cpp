@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "kernels/runtime/error.hpp"
+#include "nn/file_io.hpp"
 
 namespace dp::cli {
 
@@ -91,9 +92,14 @@ void ProgressLine::finish() {
 
 StepLog::StepLog(const std::string& flag, const std::string& path, std::string rate_key)
     : flag_(flag), path_(path), rate_key_(std::move(rate_key)) {
-  file_ = std::fopen(path.c_str(), "w");
-  DP_CHECK(file_,
-           flag_ << "(" << path_ << "): cannot open it for writing: " << std::strerror(errno));
+  // A FIFO is waited on for a reader (bounded), never blocked on; a regular file is truncated.
+  const int fd = nn::io::open_output_stream(path, flag_);
+  file_ = ::fdopen(fd, "w");
+  if (!file_) {
+    const int e = errno;
+    ::close(fd);
+    DP_THROW(flag_ << "(" << path_ << "): cannot open it for writing: " << std::strerror(e));
+  }
 }
 
 StepLog::~StepLog() {

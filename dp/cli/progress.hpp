@@ -69,7 +69,8 @@ struct StepRecord {
 class StepLog {
  public:
   StepLog() = default;  // off: write() does nothing
-  // Creates or truncates `path`; throws naming `flag` and the file when it cannot. `rate_key`
+  // Creates or truncates `path` (a FIFO or a device is written in place, a FIFO's reader
+  // waited for at most 10 s); throws naming `flag` and the file when it cannot. `rate_key`
   // names the rate ("samples_per_s" or "tokens_per_s").
   StepLog(const std::string& flag, const std::string& path, std::string rate_key = "samples_per_s");
   ~StepLog();  // closes; an error there is logged (close() reports it)
