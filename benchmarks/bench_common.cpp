@@ -398,6 +398,13 @@ Header make_header(const Options& o, const Setup& s, int logical) {
   h.dtype = o.dtype;
   h.libraries = kernels::library_versions();
   if (kernels::built_with_cuda()) h.libraries.emplace_back("nccl", dp::dist::nccl_version());
+  if (s.type == DeviceType::cpu) {
+    const kernels::BlasKernels k = kernels::cpu_blas_kernels();
+    h.cpu_gemm_kernels = k.core;
+    h.cpu_gemm_chosen_over = k.switched_from;
+    h.cpu_gemm_generic = k.generic;
+    h.cpu_gemm_warning = k.warning;
+  }
   if (o.workload && o.workload->flops_per_token > 0) {
     h.tokens_per_sample = o.workload->tokens_per_sample;
     h.flops_per_token = o.workload->flops_per_token;

@@ -6,6 +6,7 @@
 //   bench_kernels [--device cpu|cuda|auto] [--sizes 256,512,1024,2048] [--threads N]
 //                 [--min-time 0.25] [--json PATH]
 #include <cblas.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <chrono>
@@ -60,6 +61,87 @@ Peaks peaks_of(Device device) {
   return {name};
 }
 
+// ---- the CPU's measured f32 peak ----------------------------------------------------------
+// A multiply-add loop in the CPU's widest vector ISA (cpu_vector_isa): kAccumulators independent
+// chains, each step one fused multiply-add per chain (SSE: a multiply and an add), enough chains
+// to cover the FMA latency on two ports. Its rate is the most f32 arithmetic a core can do, the
+// peak a GEMM's GFLOP/s is read against ("x% of peak" on a CPU as on a GPU).
+constexpr int kAccumulators = 12;
+
+__attribute__((target("avx512f"))) float fma_steps_avx512(int64_t steps) {
+  __m512 acc[kAccumulators];
+  for (int j = 0; j < kAccumulators; ++j) acc[j] = _mm512_set1_ps(1.f + 0.01f * j);
+  const __m512 m = _mm512_set1_ps(0.9999999f), a = _mm512_set1_ps(1e-7f);
+  for (int64_t i = 0; i < steps; ++i)
+    for (int j = 0; j < kAccumulators; ++j) acc[j] = _mm512_fmadd_ps(acc[j], m, a);
+  __m512 sum = acc[0];
+  for (int j = 1; j < kAccumulators; ++j) sum = _mm512_add_ps(sum, acc[j]);
+  return _mm512_reduce_add_ps(sum);
+}
+__attribute__((target("avx2,fma"))) float fma_steps_avx2(int64_t steps) {
+  __m256 acc[kAccumulators];
+  for (int j = 0; j < kAccumulators; ++j) acc[j] = _mm256_set1_ps(1.f + 0.01f * j);
+  const __m256 m = _mm256_set1_ps(0.9999999f), a = _mm256_set1_ps(1e-7f);
+  for (int64_t i = 0; i < steps; ++i)
+    for (int j = 0; j < kAccumulators; ++j) acc[j] = _mm256_fmadd_ps(acc[j], m, a);
+  float out[8];
+  __m256 sum = acc[0];
+  for (int j = 1; j < kAccumulators; ++j) sum = _mm256_add_ps(sum, acc[j]);
+  _mm256_storeu_ps(out, sum);
+  return out[0] + out[7];
+}
+float fma_steps_sse(int64_t steps) {
+  __m128 acc[kAccumulators];
+  for (int j = 0; j < kAccumulators; ++j) acc[j] = _mm_set1_ps(1.f + 0.01f * j);
+  const __m128 m = _mm_set1_ps(0.9999999f), a = _mm_set1_ps(1e-7f);
+  for (int64_t i = 0; i < steps; ++i)
+    for (int j = 0; j < kAccumulators; ++j) acc[j] = _mm_add_ps(_mm_mul_ps(acc[j], m), a);
+  float out[4];
+  _mm_storeu_ps(out, acc[0]);
+  return out[0];
+}
+
+struct FmaPeak {
+  const char* isa;
+  int threads;
+  double gflops;  // all threads together
+};
+
+// The loop run on `threads` threads at once for about `min_time` seconds.
+FmaPeak measure_fma_peak(int threads, double min_time) {
+  const CpuVectorIsa isa = cpu_vector_isa();
+  const int lanes = isa == CpuVectorIsa::avx512 ? 16 : isa == CpuVectorIsa::avx2 ? 8 : 4;
+  const char* name = isa == CpuVectorIsa::avx512 ? "AVX-512 FMA"
+                     : isa == CpuVectorIsa::avx2 ? "AVX2 FMA"
+                                                 : "SSE multiply + add";
+  auto run = [isa](int64_t steps) {
+    return isa == CpuVectorIsa::avx512 ? fma_steps_avx512(steps)
+           : isa == CpuVectorIsa::avx2 ? fma_steps_avx2(steps)
+                                       : fma_steps_sse(steps);
+  };
+  using clock = std::chrono::steady_clock;
+  int64_t steps = 1 << 16;
+  for (;;) {  // one thread: grow the loop until it lasts a tenth of min_time
+    const auto t0 = clock::now();
+    volatile float sink = run(steps);
+    (void)sink;
+    if (std::chrono::duration<double>(clock::now() - t0).count() >= min_time / 10) break;
+    steps *= 2;
+  }
+  steps *= 10;
+  std::vector<std::thread> pool;
+  const auto t0 = clock::now();
+  for (int t = 0; t < threads; ++t)
+    pool.emplace_back([&] {
+      volatile float sink = run(steps);
+      (void)sink;
+    });
+  for (auto& t : pool) t.join();
+  const double s = std::chrono::duration<double>(clock::now() - t0).count();
+  const double flops = 2.0 * static_cast<double>(steps) * kAccumulators * lanes * threads;
+  return {name, threads, flops / s / 1e9};
+}
+
 // Seconds per call of `f`: one warm-up call, then rounds of calls (each ended by `sync`, which
 // waits for queued device work) until one round lasts at least `min_time`.
 double seconds_per_call(const std::function<void()>& f, const std::function<void()>& sync,
@@ -89,7 +171,12 @@ std::string vs_peak(double value, double peak, const char* unit) {
 
 class Bench {
  public:
-  Bench(const Options& o, Device device) : o_(o), device_(device), peaks_(peaks_of(device)) {}
+  Bench(const Options& o, Device device) : o_(o), device_(device), peaks_(peaks_of(device)) {
+    if (device_.is_cpu()) {  // the cores the arena GEMM runs on, measured
+      fma_ = measure_fma_peak(context(device_).cpu_threads(), o_.min_time);
+      peaks_.f32_tflops = fma_.gflops / 1e3;
+    }
+  }
 
   void run_all() {
     print_header();
@@ -109,6 +196,25 @@ class Bench {
       std::printf(", arena of %d threads, %u hardware threads", context(device_).cpu_threads(),
                   std::thread::hardware_concurrency());
     std::printf("\n");
+    if (!device_.is_cpu()) return;
+    const BlasKernels k = cpu_blas_kernels();
+    std::printf(
+        "GEMM library: %s, %s kernels%s\n", k.library.c_str(), k.core.c_str(),
+        k.switched_from.empty()
+            ? ""
+            : (" (chosen for this CPU; OpenBLAS had chosen " + k.switched_from + ")").c_str());
+    if (!k.warning.empty()) std::printf("warning: %s\n", k.warning.c_str());
+    std::printf("f32 peak: %.1f GFLOP/s, measured (an %s loop on %d threads, the arena's)\n",
+                fma_.gflops, fma_.isa, fma_.threads);
+    results_.push_back({{"kind", "fma_peak"},
+                        {"isa", fma_.isa},
+                        {"threads", fma_.threads},
+                        {"gflops", fma_.gflops}});
+    results_.push_back({{"kind", "blas"},
+                        {"library", k.library},
+                        {"kernels", k.core},
+                        {"generic", k.generic},
+                        {"chosen_over", k.switched_from}});
   }
 
   // C (n, n) = A (n, n) B (n, n) in `dtype` through kernels::gemm.
@@ -280,6 +386,7 @@ class Bench {
   Options o_;
   Device device_;
   Peaks peaks_;
+  FmaPeak fma_{"", 0, 0};
   nlohmann::json results_ = nlohmann::json::array();
 };
 

@@ -257,6 +257,7 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
       os << (i ? ";" : "") << " " << h.libraries[i].first << " " << h.libraries[i].second;
     os << "\n";
   }
+  if (!h.cpu_gemm_warning.empty()) os << "warning: " << h.cpu_gemm_warning << "\n";
   if (h.device == "cpu") {
     os << "note: " << h.logical << " CPU devices share " << h.physical
        << " cores: figures measure engine overhead on one machine, not multi-GPU scaling\n";
@@ -711,6 +712,11 @@ nlohmann::json to_json(const Header& h, const std::vector<RunResult>& runs,
                       {"repeats", runs.empty() ? 1 : std::max<size_t>(1, runs[0].repeat_ms.size())},
                       {"verdict", verdict(h, runs)}};
   for (auto& [name, version] : h.libraries) j["environment"]["libraries"][name] = version;
+  if (!h.cpu_gemm_kernels.empty())
+    j["environment"]["cpu_gemm"] = {{"kernels", h.cpu_gemm_kernels},
+                                    {"chosen_over", h.cpu_gemm_chosen_over},
+                                    {"generic", h.cpu_gemm_generic},
+                                    {"warning", h.cpu_gemm_warning}};
   for (auto& p : project(projection.runs, projection.compute_runs))
     j["projection"].push_back({{"mode", p.mode},
                                {"link", p.link},

@@ -161,6 +161,10 @@ struct Header {
   // The libraries the run computes with, as found at run time (kernels::library_versions, and
   // NCCL): name and version.
   std::vector<std::pair<std::string, std::string>> libraries;
+  // CPU runs: the GEMM kernels (kernels::cpu_blas_kernels), and the warning line when they are
+  // narrower than the CPU's vector instructions.
+  std::string cpu_gemm_kernels, cpu_gemm_chosen_over, cpu_gemm_warning;
+  bool cpu_gemm_generic = false;
 };
 bool oversubscribed(const Header& h);
 // Tokens per second of a run (0 unless the workload has tokens).

@@ -191,6 +191,35 @@ struct AttentionReport {
 };
 AttentionReport attention_report(DeviceContext& ctx);
 
+// ---- the CPU's GEMM kernels ----------------------------------------------------------------
+// OpenBLAS (a DYNAMIC_ARCH build, as Debian's) picks its kernels for the CPU model it knows; a
+// release older than the CPU falls back to its Prescott (SSE3) kernels, several times slower on
+// a CPU with AVX2 or AVX-512. So at the first BLAS use of a process (any program, or a project
+// using the installed library), where OpenBLAS's kernels are narrower than the CPU's vector
+// instructions and OPENBLAS_CORETYPE is unset, the choice is made again from the CPU's
+// instruction sets (cpuid, through the compiler's __builtin_cpu_supports: never a kernel the
+// CPU lacks), through OpenBLAS's own OPENBLAS_CORETYPE path. A choice the user forced stays,
+// with a warning.
+enum class CpuVectorIsa { sse, avx, avx2, avx512 };  // ordered: wider is greater
+struct BlasKernels {
+  std::string library;        // openblas_get_config(): "OpenBLAS 0.3.21 DYNAMIC_ARCH ..."
+  std::string core;           // the kernels it runs: "Cooperlake", "SkylakeX", "Haswell", ...
+  std::string switched_from;  // the core OpenBLAS chose itself, when chosen again ("" if not)
+  CpuVectorIsa cpu = CpuVectorIsa::sse;  // the widest vector ISA this CPU runs
+  bool generic = false;                  // the core's kernels are narrower than the CPU's
+  std::string warning;                   // one line saying what to do when generic, else ""
+};
+// The process's GEMM kernels, after its one choice (made here if no GEMM ran yet).
+BlasKernels cpu_blas_kernels();
+CpuVectorIsa cpu_vector_isa();
+// The OpenBLAS core to run on a CPU whose widest ISA is `cpu` instead of `core`, or "" when
+// `core` already uses it: Cooperlake (AVX-512 with AVX512_BF16), SkylakeX (AVX-512), Haswell
+// (AVX2 and FMA), Sandybridge (AVX).
+std::string better_blas_core(const std::string& core, CpuVectorIsa cpu, bool has_avx512_bf16);
+// Makes the choice (again): what cpu_blas_kernels() runs once. For tests that make OpenBLAS
+// choose badly first; not to be called while GEMMs run.
+void choose_blas_kernels();
+
 // The libraries this process computes with, as they report themselves at run time, name and
 // version: "openblas" (its build and the CPU kernels it chose, which set CPU speed), and in a
 // build with the CUDA backend "cuda_runtime", "cuda_driver", "cublasLt", "cudnn" and

@@ -83,6 +83,7 @@ kernels::DeviceType device_type(const std::string& flag) {
   std::string fallback;
   kernels::DeviceType t = kernels::choose_device_type(flag, &fallback);
   if (!fallback.empty()) std::fprintf(stderr, "train_mnist: %s\n", fallback.c_str());
+  dp::cli::warn_if_generic_gemm("train_mnist", t);
   return t;
 }
 

@@ -171,6 +171,7 @@ int main(int argc, char** argv) {
     std::string fallback;
     const kernels::DeviceType type = kernels::choose_device_type(f.device, &fallback);
     if (!fallback.empty()) std::fprintf(stderr, "train_text: %s\n", fallback.c_str());
+    dp::cli::warn_if_generic_gemm("train_text", type);
 
     auto model = nn::gpt(config);
     auto loss_fn = std::make_shared<nn::TokenCrossEntropyLoss>();

@@ -1705,3 +1705,39 @@ TEST_CASE("bench.errors: --project-from is read up front: malformed, a FIFO, bot
   std::remove(bad.c_str());
   std::remove(fifo.c_str());
 }
+
+// The CPU's GEMM kernels are named in the header and the JSON environment; where they are
+// narrower than the CPU's (OPENBLAS_CORETYPE=Prescott forced on an AVX2 or AVX-512 CPU), one
+// warning line says so and what to do. Skipped on a CPU without AVX2.
+TEST_CASE("bench.environment: the CPU GEMM kernels are named, a generic choice warned once") {
+  if (kernels::cpu_vector_isa() < kernels::CpuVectorIsa::avx2) {
+    MESSAGE("SKIPPED: no AVX2 on this CPU: OpenBLAS's SSE kernels are its widest here");
+    return;
+  }
+  const std::string json = temp_path("gemm_env.json");
+  auto [rc, text] = bench_output("--device cpu --gpus 1 --steps 2 --json " + json);
+  INFO(text);
+  REQUIRE(rc == 0);
+  nlohmann::json env = read_json(json)["environment"];
+  REQUIRE(env.contains("cpu_gemm"));
+  CHECK_FALSE(env["cpu_gemm"]["generic"].get<bool>());
+  CHECK(env["cpu_gemm"]["warning"] == "");
+  const std::string core = env["cpu_gemm"]["kernels"].get<std::string>();
+  CHECK(env["libraries"]["openblas"].get<std::string>().find("(kernels: " + core) !=
+        std::string::npos);
+  CHECK(text.find("warning: OpenBLAS") == std::string::npos);
+  auto [rc2, forced] =
+      bench_output("--device cpu --gpus 1 --steps 2 --json " + json, "OPENBLAS_CORETYPE=Prescott");
+  INFO(forced);
+  REQUIRE(rc2 == 0);
+  env = read_json(json)["environment"];
+  CHECK(env["cpu_gemm"]["kernels"] == "Prescott");
+  CHECK(env["cpu_gemm"]["generic"].get<bool>());
+  size_t lines = 0;
+  for (size_t at = forced.find("warning: OpenBLAS runs its Prescott kernels (SSE) on a CPU with");
+       at != std::string::npos; at = forced.find("warning: OpenBLAS runs its Prescott", at + 1))
+    ++lines;
+  CHECK(lines == 1);
+  CHECK(forced.find("OPENBLAS_CORETYPE=Prescott chose them: unset it") != std::string::npos);
+  std::remove(json.c_str());
+}

@@ -1,7 +1,9 @@
 // kernels.*: elementwise ops, bias helpers, GEMM and activations against plain-loop references
 // in double; argument checks. Losses, convolutions and normalisation have their own files.
 #include <cblas.h>
+#include <dlfcn.h>
 
+#include <cstdlib>
 #include <exception>
 #include <filesystem>
 #include <iterator>
@@ -218,6 +220,85 @@ TEST_CASE(
     CHECK(max_error(d, ref_gemm(a, Transpose::no, b, Transpose::no, 1.f, 0.f, d, Tensor())) <=
           1e-5);
   });
+}
+
+// OpenBLAS 0.3.21 falls back to its Prescott (SSE3) kernels on CPUs it does not know; the first
+// GEMM of a process chooses again from the CPU's instruction sets (kernels::cpu_blas_kernels).
+// The fallback is made here through OpenBLAS's own OPENBLAS_CORETYPE path; a choice the user
+// forced stays, with a warning. This case runs in its own process under ctest.
+TEST_CASE(
+    "kernels.blas: GEMM kernels chosen for the CPU that runs, even after a Prescott fallback") {
+  CHECK(better_blas_core("Prescott", CpuVectorIsa::avx512, true) == "Cooperlake");
+  CHECK(better_blas_core("Prescott", CpuVectorIsa::avx512, false) == "SkylakeX");
+  CHECK(better_blas_core("Nehalem", CpuVectorIsa::avx2, false) == "Haswell");
+  CHECK(better_blas_core("Haswell", CpuVectorIsa::avx512, false) == "SkylakeX");
+  CHECK(better_blas_core("Sandybridge", CpuVectorIsa::avx, false) == "");
+  CHECK(better_blas_core("Zen", CpuVectorIsa::avx2, false) == "");
+  CHECK(better_blas_core("SkylakeX", CpuVectorIsa::avx512, true) == "");  // as wide as the CPU
+  CHECK(better_blas_core("Prescott", CpuVectorIsa::sse, false) == "");
+  const CpuVectorIsa isa = cpu_vector_isa();
+  if (isa < CpuVectorIsa::avx2) {
+    MESSAGE("SKIPPED: this CPU has no AVX2: no OpenBLAS kernel is wider than SSE here");
+    return;
+  }
+  const BlasKernels first = cpu_blas_kernels();
+  CHECK_FALSE(first.generic);  // on this CPU, as OpenBLAS or the choice left it
+  CHECK(first.warning.empty());
+  CHECK(first.library.find("OpenBLAS") != std::string::npos);
+  CHECK(library_versions()[0].second.find("(kernels: " + first.core) != std::string::npos);
+  using Switch = void (*)();
+  auto quit = reinterpret_cast<Switch>(dlsym(RTLD_DEFAULT, "gotoblas_dynamic_quit"));
+  auto init = reinterpret_cast<Switch>(dlsym(RTLD_DEFAULT, "gotoblas_dynamic_init"));
+  if (!quit || !init) {
+    MESSAGE("SKIPPED: this OpenBLAS is not a DYNAMIC_ARCH build: its kernels are fixed");
+    return;
+  }
+  auto reload = [&](const char* coretype) {  // OpenBLAS chooses again, as when it loads
+    if (coretype)
+      setenv("OPENBLAS_CORETYPE", coretype, 1);
+    else
+      unsetenv("OPENBLAS_CORETYPE");
+    quit();
+    init();
+  };
+  const int64_t m = 300, k = 40, n = 600;  // past the skinny path: OpenBLAS's sgemm
+  Tensor a = random_tensor({m, k}, 32), b = random_tensor({k, n}, 33);
+  auto product_ok = [&] {
+    Tensor c = filled({m, n}, 0.f);
+    gemm(c, a, Transpose::no, b, Transpose::no);
+    return max_error(c, ref_gemm(a, Transpose::no, b, Transpose::no, 1.f, 0.f, c, Tensor())) <=
+           1e-5;
+  };
+  // An old OpenBLAS on a CPU it does not know: Prescott, and no OPENBLAS_CORETYPE of the user's.
+  reload("Prescott");
+  unsetenv("OPENBLAS_CORETYPE");
+  REQUIRE(std::string(openblas_get_corename()) == "Prescott");
+  choose_blas_kernels();
+  BlasKernels k1 = cpu_blas_kernels();
+  CHECK(k1.switched_from == "Prescott");
+  CHECK(k1.core ==
+        better_blas_core("Prescott", isa,
+                         isa == CpuVectorIsa::avx512 && __builtin_cpu_supports("avx512bf16")));
+  CHECK_FALSE(k1.generic);
+  CHECK(k1.warning.empty());
+  CHECK(std::getenv("OPENBLAS_CORETYPE") == nullptr);  // set for the choice only
+  CHECK(library_versions()[0].second.find("chosen for this CPU over Prescott") !=
+        std::string::npos);
+  CHECK(product_ok());
+  // The user forced Prescott: it stays, and the warning says what to do.
+  reload("Prescott");
+  choose_blas_kernels();
+  BlasKernels k2 = cpu_blas_kernels();
+  CHECK(k2.core == "Prescott");
+  CHECK(k2.generic);
+  CHECK(k2.switched_from.empty());
+  CHECK(k2.warning.find("OpenBLAS runs its Prescott kernels (SSE) on a CPU with AVX") == 0);
+  CHECK(k2.warning.find("OPENBLAS_CORETYPE=Prescott chose them: unset it, or set it to ") !=
+        std::string::npos);
+  CHECK(product_ok());
+  reload(nullptr);
+  choose_blas_kernels();
+  CHECK_FALSE(cpu_blas_kernels().generic);
 }
 
 TEST_CASE("kernels.gemm: skinny products (1 to 8 rows) match the reference, row by row alike") {

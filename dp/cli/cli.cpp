@@ -12,6 +12,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "kernels/ops.hpp"
 #include "kernels/runtime/error.hpp"
 #include "nn/file_io.hpp"
 
@@ -214,6 +215,14 @@ CLI::Validator positive_number(double hi) {
                               &v);
       },
       "(0, " + number_text(hi) + "]");
+}
+
+void warn_if_generic_gemm(const char* program, kernels::DeviceType type) {
+  if (type != kernels::DeviceType::cpu) return;
+  const char* rank = std::getenv("RANK");
+  if (rank && std::string(rank) != "0") return;
+  const kernels::BlasKernels k = kernels::cpu_blas_kernels();
+  if (!k.warning.empty()) std::fprintf(stderr, "%s: warning: %s\n", program, k.warning.c_str());
 }
 
 CLI::Validator number_in(double lo, double hi) {

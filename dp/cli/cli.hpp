@@ -16,6 +16,7 @@
 #include <CLI/CLI.hpp>
 
 #include "dp/distributed/launcher.hpp"
+#include "kernels/runtime/device.hpp"
 #include "kernels/runtime/dtype.hpp"
 #include "kernels/runtime/memory_info.hpp"
 
@@ -32,6 +33,11 @@ constexpr int kMaxDevices = 1024;
 //   "--batch: 0 is out of range: give a whole number in [1, 2147483648]"
 //   "--epochs: 'abc' is not a whole number: give one in [1, 100000]"
 CLI::Validator whole_number(int64_t lo, int64_t hi);
+
+// On CPU devices, where the GEMM library runs kernels narrower than the CPU's vector
+// instructions (kernels::cpu_blas_kernels), prints one line to stderr, "<program>: warning: ...",
+// saying what to do; in a multi-process run only rank 0 (RANK unset or 0) prints it.
+void warn_if_generic_gemm(const char* program, kernels::DeviceType type);
 
 // A finite number in (0, hi]: "--lr: -0.1 is not allowed: give a number > 0 and <= 10".
 CLI::Validator positive_number(double hi);

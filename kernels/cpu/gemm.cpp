@@ -3,10 +3,130 @@
 #include <cblas.h>
 #include <dlfcn.h>
 
+#include <cctype>
+#include <cstdlib>
 #include <mutex>
+#include <string>
 
 #include "kernels/cpu/cpu_ops.hpp"
 #include "kernels/cpu/cpu_util.hpp"
+
+namespace kernels {
+
+namespace {
+
+// The OpenBLAS cores (openblas_get_corename, lower case) by the widest vector ISA their kernels
+// use; a core not listed (pre-AVX ones such as Prescott, Nehalem, Atom) counts as SSE.
+CpuVectorIsa isa_of_core(std::string core) {
+  for (char& c : core) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  for (const char* k : {"skylakex", "cooperlake", "sapphirerapids"})
+    if (core == k) return CpuVectorIsa::avx512;
+  for (const char* k : {"haswell", "zen", "excavator"})
+    if (core == k) return CpuVectorIsa::avx2;
+  for (const char* k : {"sandybridge", "bulldozer", "piledriver", "steamroller"})
+    if (core == k) return CpuVectorIsa::avx;
+  return CpuVectorIsa::sse;
+}
+
+const char* isa_text(CpuVectorIsa isa) {
+  switch (isa) {
+    case CpuVectorIsa::avx512:
+      return "AVX-512";
+    case CpuVectorIsa::avx2:
+      return "AVX2";
+    case CpuVectorIsa::avx:
+      return "AVX";
+    default:
+      return "SSE";
+  }
+}
+
+// The OpenBLAS switches, looked up: builds without DYNAMIC_ARCH have neither.
+using DynamicInit = void (*)();
+DynamicInit dynamic_symbol(const char* name) {
+  return reinterpret_cast<DynamicInit>(dlsym(RTLD_DEFAULT, name));
+}
+
+BlasKernels& blas_state() {
+  static BlasKernels state;
+  return state;
+}
+
+// OpenBLAS's thread pool, ended (see blas_setup).
+void end_blas_pool() {
+  using Shutdown = int (*)();
+  if (auto shutdown = reinterpret_cast<Shutdown>(dlsym(RTLD_DEFAULT, "blas_thread_shutdown_")))
+    shutdown();
+}
+
+}  // namespace
+
+CpuVectorIsa cpu_vector_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512cd") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512vl"))
+    return CpuVectorIsa::avx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return CpuVectorIsa::avx2;
+  if (__builtin_cpu_supports("avx")) return CpuVectorIsa::avx;
+  return CpuVectorIsa::sse;
+}
+
+std::string better_blas_core(const std::string& core, CpuVectorIsa cpu, bool has_avx512_bf16) {
+  if (isa_of_core(core) >= cpu) return "";
+  switch (cpu) {
+    case CpuVectorIsa::avx512:
+      return has_avx512_bf16 ? "Cooperlake" : "SkylakeX";
+    case CpuVectorIsa::avx2:
+      return "Haswell";
+    case CpuVectorIsa::avx:
+      return "Sandybridge";
+    default:
+      return "";
+  }
+}
+
+void choose_blas_kernels() {
+  BlasKernels& k = blas_state();
+  k.cpu = cpu_vector_isa();
+  const bool bf16 = k.cpu == CpuVectorIsa::avx512 && __builtin_cpu_supports("avx512bf16");
+  const char* forced = std::getenv("OPENBLAS_CORETYPE");
+  const std::string core = openblas_get_corename();
+  const std::string better = better_blas_core(core, k.cpu, bf16);
+  auto quit = dynamic_symbol("gotoblas_dynamic_quit");
+  auto init = dynamic_symbol("gotoblas_dynamic_init");
+  k.switched_from.clear();
+  if (!better.empty() && (forced == nullptr || *forced == '\0') && quit && init) {
+    // OpenBLAS did not know this CPU (a release older than the CPU falls back to its Prescott
+    // kernels): choose again, by the CPU's instruction sets, through OpenBLAS's own
+    // OPENBLAS_CORETYPE path, before any BLAS work of this process. The variable is set for the
+    // choice only; child processes make their own.
+    end_blas_pool();
+    setenv("OPENBLAS_CORETYPE", better.c_str(), 1);
+    quit();
+    init();
+    unsetenv("OPENBLAS_CORETYPE");
+    k.switched_from = core;
+  }
+  std::string config = openblas_get_config();  // names the core in use
+  while (!config.empty() && config.back() == ' ') config.pop_back();
+  k.library = config;
+  k.core = openblas_get_corename();
+  k.generic = isa_of_core(k.core) < k.cpu;
+  k.warning.clear();
+  if (k.generic)
+    k.warning =
+        "OpenBLAS runs its " + k.core + " kernels (" + isa_text(isa_of_core(k.core)) +
+        ") on a CPU with " + isa_text(k.cpu) + ": its GEMMs run at a fraction of the CPU's speed" +
+        (forced && *forced
+             ? std::string("; OPENBLAS_CORETYPE=") + forced +
+                   " chose them: unset it, or set it to " + better_blas_core("", k.cpu, bf16)
+             : std::string("; install an OpenBLAS that knows this CPU, or "
+                           "set OPENBLAS_CORETYPE=") +
+                   better_blas_core("", k.cpu, bf16));
+}
+
+}  // namespace kernels
 
 namespace kernels::cpu {
 
@@ -200,9 +320,11 @@ void add_row_bias(float* c, int64_t m, int64_t n, const float* bias) {
 
 }  // namespace
 
-void use_single_threaded_blas() {
+namespace {
+void blas_setup() {
   static std::once_flag once;
   std::call_once(once, [] {
+    choose_blas_kernels();
     openblas_set_num_threads(1);
     // OpenBLAS's pthread build starts its thread pool when it loads, and an idle pool thread
     // spins (sched_yield) for 2^28 cycles, about 0.1 s, before it sleeps: a core taken from the
@@ -210,18 +332,34 @@ void use_single_threaded_blas() {
     // function is the one OpenBLAS runs itself before a fork; a later threaded call (a
     // benchmark's baseline) starts the pool again. Builds without a pool (serial, OpenMP
     // variants) may not have it, hence the lookup.
-    using Shutdown = int (*)();
-    if (auto shutdown = reinterpret_cast<Shutdown>(dlsym(RTLD_DEFAULT, "blas_thread_shutdown_")))
-      shutdown();
+    end_blas_pool();
   });
 }
+}  // namespace
+
+void use_single_threaded_blas() {
+  blas_setup();
+}
+
+}  // namespace kernels::cpu
+
+namespace kernels {
+BlasKernels cpu_blas_kernels() {
+  cpu::use_single_threaded_blas();
+  return blas_state();
+}
+}  // namespace kernels
+
+namespace kernels::cpu {
 
 std::string blas_version() {
-  // OpenBLAS chooses its kernels for the CPU it runs on (DYNAMIC_ARCH builds): the core it chose
-  // decides the GEMM speed of every CPU figure. OPENBLAS_CORETYPE overrides the choice.
-  std::string config = openblas_get_config();
-  while (!config.empty() && config.back() == ' ') config.pop_back();
-  return config + " (kernels: " + openblas_get_corename() + ")";
+  // OpenBLAS chooses its kernels for the CPU it runs on (DYNAMIC_ARCH builds), and
+  // choose_blas_kernels chooses again where it did not know the CPU: the core decides the GEMM
+  // speed of every CPU figure.
+  const BlasKernels k = cpu_blas_kernels();
+  std::string text = k.library + " (kernels: " + k.core;
+  if (!k.switched_from.empty()) text += ", chosen for this CPU over " + k.switched_from;
+  return text + ")";
 }
 
 const float* as_f32(const Tensor& t, std::vector<float>& scratch) {
