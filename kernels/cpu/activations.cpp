@@ -1,9 +1,12 @@
 // Pointwise activations and their gradients (f32, f16 and bf16 storage, computed in f32).
 // Backward kernels overwrite dx or add to it.
+#include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "kernels/cpu/cpu_ops.hpp"
 #include "kernels/cpu/cpu_util.hpp"
+#include "kernels/cpu/vec_math.hpp"
 
 namespace kernels::cpu {
 
@@ -11,8 +14,6 @@ namespace {
 
 constexpr float kInvSqrt2 = 0.70710678118654752440f;
 constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
-constexpr float kSqrt2OverPi = 0.79788456080286535588f;
-constexpr float kGeluCubic = 0.044715f;
 
 // y[i] = f(x[i]) over the whole tensor (any storage: cpu_util.hpp).
 template <class F>
@@ -48,6 +49,70 @@ void backward(Tensor& dx, const Tensor& dy, const Tensor& v, Accumulate acc, Der
       dx.dtype(), dy.dtype(), v.dtype());
 }
 
+// The vectorised activations (vec_math.hpp) work on f32 rows: 16-bit storage is widened into
+// and rounded out of per-thread blocks of this many elements.
+constexpr int64_t kBlock = 512;
+using Rows = void (*)(float*, const float*, int64_t);
+
+// y = rows(x), any storage.
+void map_rows(Tensor& y, const Tensor& x, Rows rows) {
+  with_storage(
+      [&](auto y_t, auto x_t) {
+        using Y = decltype(y_t);
+        using X = decltype(x_t);
+        const X* px = x.data<X>();
+        Y* py = y.data<Y>();
+        parallel_range(y.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
+          float in[kBlock], out[kBlock];
+          for (int64_t b = begin; b < end; b += kBlock) {
+            const int64_t m = std::min(kBlock, end - b);
+            const float* src = in;
+            if constexpr (std::is_same_v<X, float>)
+              src = px + b;
+            else
+              for (int64_t j = 0; j < m; ++j) in[j] = load_f32(px[b + j]);
+            if constexpr (std::is_same_v<Y, float>) {
+              rows(py + b, src, m);
+            } else {
+              rows(out, src, m);
+              for (int64_t j = 0; j < m; ++j) store_rounded(py[b + j], out[j]);
+            }
+          }
+        });
+      },
+      y.dtype(), x.dtype());
+}
+
+// dx (+)= dy * grad(v), the derivative from rows, any storage.
+void backward_rows(Tensor& dx, const Tensor& dy, const Tensor& v, Accumulate acc, Rows grad) {
+  with_storage(
+      [&](auto dx_t, auto dy_t, auto v_t) {
+        using V = decltype(v_t);
+        const auto* pdy = dy.data<decltype(dy_t)>();
+        const V* pv = v.data<V>();
+        auto* pdx = dx.data<decltype(dx_t)>();
+        parallel_range(dx.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
+          float in[kBlock], g[kBlock];
+          for (int64_t b = begin; b < end; b += kBlock) {
+            const int64_t m = std::min(kBlock, end - b);
+            const float* src = in;
+            if constexpr (std::is_same_v<V, float>)
+              src = pv + b;
+            else
+              for (int64_t j = 0; j < m; ++j) in[j] = load_f32(pv[b + j]);
+            grad(g, src, m);
+            if (acc == Accumulate::yes)
+              for (int64_t j = 0; j < m; ++j)
+                store_rounded(pdx[b + j], load_f32(pdx[b + j]) + load_f32(pdy[b + j]) * g[j]);
+            else
+              for (int64_t j = 0; j < m; ++j)
+                store_rounded(pdx[b + j], load_f32(pdy[b + j]) * g[j]);
+          }
+        });
+      },
+      dx.dtype(), dy.dtype(), v.dtype());
+}
+
 }  // namespace
 
 void relu(Tensor& y, const Tensor& x) {
@@ -72,24 +137,18 @@ void gelu_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc
   });
 }
 
-// 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3).
+// 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), vectorised (vec_math.hpp).
 void gelu_tanh(Tensor& y, const Tensor& x) {
-  map(y, x, [](float v) {
-    return 0.5f * v * (1.f + std::tanh(kSqrt2OverPi * (v + kGeluCubic * v * v * v)));
-  });
+  map_rows(y, x, gelu_tanh_rows);
 }
 
 // d/dx = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) sqrt(2/pi) (1 + 3 0.044715 x^2).
 void gelu_tanh_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc) {
-  backward(dx, dy, x, acc, [](float v) {
-    float t = std::tanh(kSqrt2OverPi * (v + kGeluCubic * v * v * v));
-    return 0.5f * (1.f + t) +
-           0.5f * v * (1.f - t * t) * kSqrt2OverPi * (1.f + 3.f * kGeluCubic * v * v);
-  });
+  backward_rows(dx, dy, x, acc, gelu_tanh_grad_rows);
 }
 
 void tanh(Tensor& y, const Tensor& x) {
-  map(y, x, [](float v) { return std::tanh(v); });
+  map_rows(y, x, tanh_rows);
 }
 
 // d tanh = 1 - tanh^2, from the forward output y.

@@ -1,0 +1,15 @@
+// Vectorised f32 math for the CPU's pointwise kernels (vec_math.cpp): each function fills n
+// outputs from n inputs, in the CPU's widest vector ISA (AVX-512, AVX2 or SSE, chosen at load
+// time), with the same bits on any of them. Within 3 ulp of libm's (kernels.vec_math).
+#pragma once
+
+#include <cstdint>
+
+namespace kernels::cpu {
+
+void tanh_rows(float* y, const float* x, int64_t n);
+// GPT-2's GELU, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), and its derivative.
+void gelu_tanh_rows(float* y, const float* x, int64_t n);
+void gelu_tanh_grad_rows(float* g, const float* x, int64_t n);
+
+}  // namespace kernels::cpu
