@@ -90,7 +90,7 @@ void add_flags(CLI::App& app, Options& o) {
                  "ddp/hybrid over several nodes: the link's measured rate in Gbit/s "
                  "(bench_collectives across the nodes); the report adds the bytes out of each "
                  "node per step and their time at that rate")
-      ->check(dp::cli::positive_number(1e6));
+      ->check(dp::cli::number_in(0.001, 100000));
   app.add_option("--max-staleness", o.max_staleness,
                  "--mode ps: a worker waits while this many newer updates are outstanding "
                  "(-1: unbounded; 0: synchronous per update)")
@@ -220,7 +220,27 @@ Setup resolve(const Options& o) {
 }
 
 void validate(const Options& o, const Setup& s, const std::vector<int>& counts) {
-  profile_range(o);  // throws on a malformed --profile-steps
+  // Flags that would do nothing are refused, naming what they need.
+  const int profile_last = profile_range(o).second;  // throws on a malformed --profile-steps
+  DP_CHECK(profile_last < o.steps,
+           "--profile-steps " << o.profile_steps << ": timed steps are 0 to " << o.steps - 1
+                              << " (--steps " << o.steps << "); step " << profile_last
+                              << " never runs, so the profiler would "
+                                 "not stop where asked");
+  DP_CHECK(!o.sweep.empty() || (o.csv_path.empty() && o.chart_path.empty()),
+           (o.csv_path.empty() ? "--chart" : "--csv")
+               << " writes the sweep's " << (o.csv_path.empty() ? "chart" : "table")
+               << ": give --sweep too (e.g. --sweep 1,2,4)");
+  if (!o.chart_path.empty()) {
+    const std::string& c = o.chart_path;
+    auto ends = [&](const std::string& e) {
+      return c.size() > e.size() && c.compare(c.size() - e.size(), e.size(), e) == 0;
+    };
+    DP_CHECK(ends(".svg") || ends(".png"),
+             "--chart " << c
+                        << ": the chart is drawn as SVG or PNG, by the name's ending: give a .svg "
+                           "or .png name");
+  }
   if (!o.project_from.empty()) read_projection_file(o.project_from);  // read now, not at the end
   if (!o.sweep.empty()) {  // the default names, in the working directory
     dp::cli::check_output_file("--csv", o.csv_path.empty() ? "dp_bench_sweep.csv" : o.csv_path);

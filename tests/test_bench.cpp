@@ -1741,3 +1741,18 @@ TEST_CASE("bench.environment: the CPU GEMM kernels are named, a generic choice w
   CHECK(forced.find("OPENBLAS_CORETYPE=Prescott chose them: unset it") != std::string::npos);
   std::remove(json.c_str());
 }
+
+// Flags that would do nothing are refused before any work, naming what they need: --csv or
+// --chart without --sweep, a --chart name that is neither .svg nor .png (it was written as SVG
+// whatever the name), --profile-steps ending past --steps (the profiler never stopped), and a
+// --link-gbps too small to mean a link (1e-300 Gbit/s gave an absurd transfer time).
+TEST_CASE("bench.cli: flags that would do nothing are refused, saying what they need") {
+  refused("--device cpu --csv t.csv", "--csv writes the sweep's table: give --sweep too");
+  refused("--device cpu --chart t.svg", "--chart writes the sweep's chart: give --sweep too");
+  refused("--device cpu --sweep 1 --chart " + temp_path("chart.pdf"),
+          "the chart is drawn as SVG or PNG, by the name's ending");
+  refused("--device cpu --steps 5 --profile-steps 2:7",
+          "--profile-steps 2:7: timed steps are 0 to 4 (--steps 5); step 7 never runs");
+  refused("--device cpu --link-gbps 1e-300",
+          "--link-gbps: 1e-300 is not allowed: give a number in [0.001, 100000]");
+}

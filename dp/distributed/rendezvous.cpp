@@ -86,7 +86,15 @@ RendezvousSpec parse_init_method(const std::string& init_method, int rank, int w
     if (!addr && w) addr = w->master_addr;
     if (!port && w) port = w->master_port;
     DP_CHECK(addr && !addr->empty(),
-             "env:// rendezvous: MASTER_ADDR is not set (the address of rank 0's host)");
+             "env:// rendezvous: MASTER_ADDR is not set (the address of rank 0's host)"
+                 << (w && w->source == "mpirun"
+                         ? ": an mpirun job on several nodes passes it, e.g. mpirun -x "
+                           "MASTER_ADDR=<rank 0's host> -x MASTER_PORT=29500 ...; --backend mpi "
+                           "needs neither"
+                     : w && w->source == "slurm"
+                         ? ": a Slurm job on several nodes exports it, e.g. MASTER_ADDR=$(scontrol "
+                           "show hostnames $SLURM_JOB_NODELIST | head -n 1)"
+                         : ""));
     DP_CHECK(port, "env:// rendezvous: MASTER_PORT is not set (a free TCP port on rank 0's host)");
     spec.host = *addr;
     spec.port = *port;

@@ -40,17 +40,21 @@ void read_rank_world(WorkerEnv& w, const EnvLookup& env, const VarNames& n) {
   w.world_size = *world;
 }
 
-// MASTER_ADDR / MASTER_PORT with defaults on one node; required on several.
+// MASTER_ADDR / MASTER_PORT: required where `required` (torchrun's contract); else defaults on
+// one node, and on several an empty master_addr: unknown here. Only a store needs it (the
+// env:// rendezvous then says what to pass); MPI's own backend meets the ranks without one.
 void read_master(WorkerEnv& w, const EnvLookup& env, bool multi_node, bool required) {
   std::optional<std::string> addr = env("MASTER_ADDR");
   std::optional<int> port = env_int(env, "MASTER_PORT", 1, 65535);
   if (addr && !addr->empty())
     w.master_addr = *addr;
+  else if (multi_node && !required)
+    w.master_addr.clear();
   else
-    DP_CHECK(!(required || multi_node), "MASTER_ADDR is not set ("
-                                            << w.source << " job with " << w.world_size << " ranks"
-                                            << (multi_node ? " on several nodes" : "")
-                                            << "): set it to rank 0's host");
+    DP_CHECK(!required, "MASTER_ADDR is not set (" << w.source << " job with " << w.world_size
+                                                   << " ranks"
+                                                   << (multi_node ? " on several nodes" : "")
+                                                   << "): set it to rank 0's host");
   if (port)
     w.master_port = *port;
   else
