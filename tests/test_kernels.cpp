@@ -9,6 +9,7 @@
 #include <iterator>
 #include <thread>
 
+#include "kernels/cpu/vec_math.hpp"
 #include "kernels/runtime/graph.hpp"
 #include "tests/device_scalars.hpp"
 #include "tests/native16_cases.hpp"
@@ -786,4 +787,20 @@ TEST_CASE("kernels.vec_math: tanh and GELU(tanh) within a few ulp of libm over t
   Tensor t1 = zeros({n});
   with_cpu_threads(1, [&] { kernels::tanh(t1, x); });
   CHECK(bitwise_equal(t1, t));
+  // And from every build this CPU runs (AVX-512, AVX2, the baseline): the same bits, and the
+  // ones the kernels gave.
+  using cpu::VecFunction;
+  for (VecFunction f : {VecFunction::tanh, VecFunction::gelu_tanh, VecFunction::gelu_tanh_grad}) {
+    std::vector<float> base(xs.size());
+    cpu::rows_for(f, CpuVectorIsa::sse, base.data(), xs.data(), n);
+    if (f == VecFunction::tanh) CHECK(std::memcmp(base.data(), th.data(), 4 * xs.size()) == 0);
+    if (f == VecFunction::gelu_tanh) CHECK(std::memcmp(base.data(), gh.data(), 4 * xs.size()) == 0);
+    for (CpuVectorIsa isa : {CpuVectorIsa::avx2, CpuVectorIsa::avx512}) {
+      if (isa > cpu_vector_isa()) continue;
+      CAPTURE(static_cast<int>(isa));
+      std::vector<float> other(xs.size());
+      cpu::rows_for(f, isa, other.data(), xs.data(), n);
+      CHECK(std::memcmp(base.data(), other.data(), 4 * xs.size()) == 0);
+    }
+  }
 }

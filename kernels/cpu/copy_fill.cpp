@@ -1,47 +1,26 @@
 #include <algorithm>
 
-#include <tbb/parallel_for.h>
-
 #include "kernels/cpu/cpu_ops.hpp"
+#include "kernels/cpu/cpu_util.hpp"
 
 namespace kernels::cpu {
 
-namespace {
-// Reads element i of a floating tensor as float.
-inline float load(const Tensor& t, int64_t i) {
-  switch (t.dtype()) {
-    case DType::f32:
-      return t.data<float>()[i];
-    case DType::f16:
-      return f16_to_f32(t.data<uint16_t>()[i]);
-    case DType::bf16:
-      return bf16_to_f32(t.data<uint16_t>()[i]);
-    default:
-      return 0.f;
-  }
-}
-inline void store(Tensor& t, int64_t i, float v) {
-  switch (t.dtype()) {
-    case DType::f32:
-      t.data<float>()[i] = v;
-      break;
-    case DType::f16:
-      t.data<uint16_t>()[i] = f32_to_f16(v);
-      break;
-    case DType::bf16:
-      t.data<uint16_t>()[i] = f32_to_bf16(v);
-      break;
-    default:
-      break;
-  }
-}
-constexpr int64_t kGrain = 1 << 14;
-}  // namespace
-
+// Between f32, f16 and bf16 (f16 into bf16 too: each side's storage type is chosen on its own):
+// the pointers and storage types taken once per call, not per element, each value rounded once.
 void cast(Tensor& dst, const Tensor& src) {
-  tbb::parallel_for(tbb::blocked_range<int64_t>(0, dst.numel(), kGrain), [&](auto r) {
-    for (int64_t i = r.begin(); i < r.end(); ++i) store(dst, i, load(src, i));
-  });
+  with_storage(
+      [&](auto d_t) {
+        with_storage(
+            [&](auto s_t) {
+              const auto* ps = src.data<decltype(s_t)>();
+              auto* pd = dst.data<decltype(d_t)>();
+              parallel_range(dst.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
+                for (int64_t i = begin; i < end; ++i) store_rounded(pd[i], load_f32(ps[i]));
+              });
+            },
+            src.dtype());
+      },
+      dst.dtype());
 }
 
 void fill(Tensor& y, float value) {

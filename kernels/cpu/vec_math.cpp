@@ -1,7 +1,7 @@
 // Vectorised f32 math for the pointwise kernels (vec_math.hpp): tanh through exp, in GCC vector
-// extensions, compiled as clones for x86-64-v4 (AVX-512), x86-64-v3 (AVX2) and the baseline,
-// chosen at load time (one binary for any x86-64). The file builds with -ffp-contract=off, so
-// every clone does the same IEEE operations in the same order: the same bits on any CPU.
+// extensions, built for AVX-512, AVX2 with FMA and the baseline, chosen at the first call (one
+// binary for any x86-64). The file builds with -ffp-contract=off, so every build does the same
+// IEEE operations in the same order: the same bits on any CPU.
 //
 // exp(x), x <= 0: n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts, r in [-ln2/2, ln2/2]),
 // exp(r) by its Taylor series to r^7 (the first omitted term, r^8 / 8!, is below 5e-9 of it),
@@ -12,6 +12,9 @@
 #include "kernels/cpu/vec_math.hpp"
 
 #include <cstring>
+
+#include "kernels/ops.hpp"
+#include "kernels/runtime/error.hpp"
 
 namespace kernels::cpu {
 
@@ -84,42 +87,88 @@ DP_VEC VecF gelu_tanh_grad_vec(VecF x) {
                                               (splat(1.f) + splat(3.f * kGeluCubic) * x * x);
 }
 
-// out[i] = f(in[i]) for n floats, whole vectors then a zero-padded last one.
-template <class F>
-DP_VEC void apply(float* out, const float* in, int64_t n, F f) {
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    VecF v;
-    std::memcpy(&v, in + i, sizeof v);
-    const VecF r = f(v);
-    std::memcpy(out + i, &r, sizeof r);
-  }
-  if (i < n) {
-    float buf[kLanes] = {};
-    std::memcpy(buf, in + i, sizeof(float) * static_cast<size_t>(n - i));
-    VecF v;
-    std::memcpy(&v, buf, sizeof v);
-    const VecF r = f(v);
-    std::memcpy(buf, &r, sizeof r);
-    std::memcpy(out + i, buf, sizeof(float) * static_cast<size_t>(n - i));
-  }
-}
-
 }  // namespace
 
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) void tanh_rows(
-    float* y, const float* x, int64_t n) {
-  apply(y, x, n, [](VecF v) { return tanh_vec(v); });
+// Each function in three builds of the same code: AVX-512, AVX2 with FMA, and the baseline (SSE2),
+// the first the CPU runs chosen at the first call (cpu_vector_isa, from cpuid). Chosen by hand,
+// not with target_clones: an ifunc resolver runs before the sanitizers' runtimes start, and
+// crashes ThreadSanitizer builds at load.
+// out[i] = expr(v = in[i]) for n floats: whole vectors, then a zero-padded last one. Written out
+// in each build (no lambda between them: a call would cross from one ISA's code to another's).
+#define DP_VEC_LOOP(expr)                                                  \
+  int64_t i = 0;                                                           \
+  for (; i + kLanes <= n; i += kLanes) {                                   \
+    VecF v;                                                                \
+    std::memcpy(&v, in + i, sizeof v);                                     \
+    const VecF r = (expr);                                                 \
+    std::memcpy(out + i, &r, sizeof r);                                    \
+  }                                                                        \
+  if (i < n) {                                                             \
+    float buf[kLanes] = {};                                                \
+    std::memcpy(buf, in + i, sizeof(float) * static_cast<size_t>(n - i));  \
+    VecF v;                                                                \
+    std::memcpy(&v, buf, sizeof v);                                        \
+    const VecF r = (expr);                                                 \
+    std::memcpy(buf, &r, sizeof r);                                        \
+    std::memcpy(out + i, buf, sizeof(float) * static_cast<size_t>(n - i)); \
+  }
+
+#define DP_VEC_VARIANTS(name, expr)                                                              \
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512cd"))) void name##_avx512(     \
+      float* out, const float* in, int64_t n) {                                                  \
+    DP_VEC_LOOP(expr)                                                                            \
+  }                                                                                              \
+  __attribute__((target("avx2,fma"))) void name##_avx2(float* out, const float* in, int64_t n) { \
+    DP_VEC_LOOP(expr)                                                                            \
+  }                                                                                              \
+  void name##_base(float* out, const float* in, int64_t n) {                                     \
+    DP_VEC_LOOP(expr)                                                                            \
+  }
+
+namespace {
+DP_VEC_VARIANTS(tanh_rows, tanh_vec(v))
+DP_VEC_VARIANTS(gelu_tanh_rows, gelu_tanh_vec(v))
+DP_VEC_VARIANTS(gelu_tanh_grad_rows, gelu_tanh_grad_vec(v))
+
+using Rows = void (*)(float*, const float*, int64_t);
+Rows pick(Rows avx512, Rows avx2, Rows base) {
+  const CpuVectorIsa isa = cpu_vector_isa();
+  return isa == CpuVectorIsa::avx512 ? avx512 : isa == CpuVectorIsa::avx2 ? avx2 : base;
+}
+}  // namespace
+
+Rows for_isa(CpuVectorIsa isa, Rows avx512, Rows avx2, Rows base) {
+  DP_CHECK(isa <= cpu_vector_isa(), "vec_math: this CPU cannot run the build asked for");
+  return isa == CpuVectorIsa::avx512 ? avx512 : isa >= CpuVectorIsa::avx2 ? avx2 : base;
 }
 
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) void gelu_tanh_rows(
-    float* y, const float* x, int64_t n) {
-  apply(y, x, n, [](VecF v) { return gelu_tanh_vec(v); });
+void rows_for(VecFunction f, CpuVectorIsa isa, float* out, const float* in, int64_t n) {
+  switch (f) {
+    case VecFunction::tanh:
+      return for_isa(isa, tanh_rows_avx512, tanh_rows_avx2, tanh_rows_base)(out, in, n);
+    case VecFunction::gelu_tanh:
+      return for_isa(isa, gelu_tanh_rows_avx512, gelu_tanh_rows_avx2, gelu_tanh_rows_base)(out, in,
+                                                                                           n);
+    case VecFunction::gelu_tanh_grad:
+      return for_isa(isa, gelu_tanh_grad_rows_avx512, gelu_tanh_grad_rows_avx2,
+                     gelu_tanh_grad_rows_base)(out, in, n);
+  }
 }
 
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) void
-gelu_tanh_grad_rows(float* g, const float* x, int64_t n) {
-  apply(g, x, n, [](VecF v) { return gelu_tanh_grad_vec(v); });
+void tanh_rows(float* y, const float* x, int64_t n) {
+  static const Rows impl = pick(tanh_rows_avx512, tanh_rows_avx2, tanh_rows_base);
+  impl(y, x, n);
+}
+
+void gelu_tanh_rows(float* y, const float* x, int64_t n) {
+  static const Rows impl = pick(gelu_tanh_rows_avx512, gelu_tanh_rows_avx2, gelu_tanh_rows_base);
+  impl(y, x, n);
+}
+
+void gelu_tanh_grad_rows(float* g, const float* x, int64_t n) {
+  static const Rows impl =
+      pick(gelu_tanh_grad_rows_avx512, gelu_tanh_grad_rows_avx2, gelu_tanh_grad_rows_base);
+  impl(g, x, n);
 }
 
 }  // namespace kernels::cpu
