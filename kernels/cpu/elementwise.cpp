@@ -77,13 +77,22 @@ void bias_backward(Tensor& db, const Tensor& dy, Accumulate acc) {
         auto* pdb = db.data<decltype(db_t)>();
         parallel_range(channels, grain, [&](int64_t begin, int64_t end) {
           std::vector<double> sums(static_cast<size_t>(end - begin), 0.0);
-          for (int64_t n = 0; n < batch; ++n)
-            for (int64_t c = begin; c < end; ++c) {
-              const auto* run = pdy + (n * channels + c) * inner;
-              double s = 0.0;
-              for (int64_t i = 0; i < inner; ++i) s += load_f32(run[i]);
-              sums[c - begin] += s;
+          if (inner == 1) {  // (N, C), a Linear's: a loop over the channels the compiler vectorises
+            double* acc = sums.data();
+            const int64_t width = end - begin;
+            for (int64_t n = 0; n < batch; ++n) {
+              const auto* row = pdy + n * channels + begin;
+              for (int64_t j = 0; j < width; ++j) acc[j] += double{load_f32(row[j])};
             }
+          } else {
+            for (int64_t n = 0; n < batch; ++n)
+              for (int64_t c = begin; c < end; ++c) {
+                const auto* run = pdy + (n * channels + c) * inner;
+                double s = 0.0;
+                for (int64_t i = 0; i < inner; ++i) s += load_f32(run[i]);
+                sums[c - begin] += s;
+              }
+          }
           for (int64_t c = begin; c < end; ++c) {
             float s = static_cast<float>(sums[c - begin]);
             store_rounded(pdb[c], acc == Accumulate::yes ? load_f32(pdb[c]) + s : s);
