@@ -41,6 +41,26 @@ std::string run_train_text(const std::string& args) {
   return text;
 }
 
+// Runs train_text with `args`, expecting a refusal: its exit status as a shell gives it, what it
+// printed, and the seconds it took.
+struct Refusal {
+  int status;
+  std::string text;
+  double seconds;
+};
+Refusal run_refused(const std::string& args) {
+  const std::string log = dp_test::temp_path("train_text", "refused.txt");
+  const auto start = std::chrono::steady_clock::now();
+  const int rc =
+      std::system((std::string(DP_TRAIN_TEXT_PATH) + " " + args + " > " + log + " 2>&1").c_str());
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::ifstream f(log);
+  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::remove(log.c_str());
+  return {dp_test::shell_code(rc), std::move(text), seconds};
+}
+
 double final_val_loss(const std::string& out) {
   std::smatch m;
   REQUIRE(std::regex_search(out, m, std::regex("final val loss ([0-9.]+)")));
@@ -200,20 +220,14 @@ TEST_CASE(
   std::filesystem::create_directories(dir);
   const std::string fifo = dir + "/fifo";
   REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
-  const std::string log = dir + "/log.txt";
   for (const std::string& target : {fifo, std::string("/dev/null")}) {
     CAPTURE(target);
-    const auto start = std::chrono::steady_clock::now();
-    const int rc = std::system(
-        (std::string(DP_TRAIN_TEXT_PATH) + " --steps 3 --save " + target + " > " + log + " 2>&1")
-            .c_str());
-    std::ifstream f(log);
-    const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    INFO(text);
-    CHECK(dp_test::shell_code(rc) != 0);
-    CHECK(text.find("--save: '" + target + "' is a") != std::string::npos);
-    CHECK(text.find("not a regular file") != std::string::npos);
-    CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(10));
+    const Refusal r = run_refused("--steps 3 --save " + target);
+    INFO(r.text);
+    CHECK(r.status != 0);
+    CHECK(r.text.find("--save: '" + target + "' is a") != std::string::npos);
+    CHECK(r.text.find("not a regular file") != std::string::npos);
+    CHECK(r.seconds < 10);
     struct stat st {};
     REQUIRE(::lstat(target.c_str(), &st) == 0);
     CHECK((S_ISFIFO(st.st_mode) || S_ISCHR(st.st_mode)));
@@ -225,22 +239,15 @@ TEST_CASE(
     "samples.train_text: a NaN --lr, --weight-decay or --clip-grad is refused while parsing") {
   // CLI::Range lets NaN through (every comparison is false): --clip-grad nan turned clipping
   // off, and a NaN --lr failed only after the corpus was read.
-  const std::string log = dp_test::temp_path("train_text", "nan_flags.txt");
   for (const char* flag : {"--lr", "--weight-decay", "--clip-grad", "--dropout"}) {
     CAPTURE(flag);
-    const auto start = std::chrono::steady_clock::now();
-    const int rc = std::system(
-        (std::string(DP_TRAIN_TEXT_PATH) + " --steps 3 " + flag + " nan > " + log + " 2>&1")
-            .c_str());
-    std::ifstream f(log);
-    const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    INFO(text);
-    CHECK(dp_test::shell_code(rc) != 0);
-    CHECK(text.find(std::string(flag) + ": nan is not allowed: give a number") !=
+    const Refusal r = run_refused(std::string("--steps 3 ") + flag + " nan");
+    INFO(r.text);
+    CHECK(r.status != 0);
+    CHECK(r.text.find(std::string(flag) + ": nan is not allowed: give a number") !=
           std::string::npos);
-    CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(10));
+    CHECK(r.seconds < 10);
   }
-  std::remove(log.c_str());
 }
 
 TEST_CASE("samples.train_text: a resume at or past --steps trains nothing and saves no mislabel") {
