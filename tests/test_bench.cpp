@@ -1747,8 +1747,10 @@ TEST_CASE("bench.environment: the CPU GEMM kernels are named, a generic choice w
 // whatever the name), --profile-steps ending past --steps (the profiler never stopped), and a
 // --link-gbps too small to mean a link (1e-300 Gbit/s gave an absurd transfer time).
 TEST_CASE("bench.cli: flags that would do nothing are refused, saying what they need") {
-  refused("--device cpu --csv t.csv", "--csv writes the sweep's table: give --sweep too");
-  refused("--device cpu --chart t.svg", "--chart writes the sweep's chart: give --sweep too");
+  refused("--device cpu --csv " + temp_path("t.csv"),
+          "--csv writes the sweep's table: give --sweep too");
+  refused("--device cpu --chart " + temp_path("t.svg"),
+          "--chart writes the sweep's chart: give --sweep too");
   refused("--device cpu --sweep 1 --chart " + temp_path("chart.pdf"),
           "the chart is drawn as SVG or PNG, by the name's ending");
   refused("--device cpu --steps 5 --profile-steps 2:7",
