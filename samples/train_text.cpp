@@ -108,6 +108,7 @@ std::string sample_text(nn::Module& m, const std::string& prompt, int64_t n, int
 int main(int argc, char** argv) {
   Flags f;
   CLI::App app{"train_text: a byte-level GPT on English text, single, DP or DDP"};
+  app.option_defaults()->always_capture_default();  // --help shows every default
   app.add_option("--model", f.model, "model (gpt)")->check(CLI::IsMember({"gpt"}));
   app.add_option("--gpt-config", f.gpt_config, "GPT preset")
       ->check(CLI::IsMember({"tiny", "124m", "350m"}));

@@ -41,14 +41,14 @@ std::string run_train_text(const std::string& args) {
   return text;
 }
 
-// Runs train_text with `args`, expecting a refusal: its exit status as a shell gives it, what it
+// Runs train_text with `args`, whatever it exits with: its exit status as a shell gives it, what it
 // printed, and the seconds it took.
-struct Refusal {
+struct Outcome {
   int status;
   std::string text;
   double seconds;
 };
-Refusal run_refused(const std::string& args) {
+Outcome run_outcome(const std::string& args) {
   const std::string log = dp_test::temp_path("train_text", "refused.txt");
   const auto start = std::chrono::steady_clock::now();
   const int rc =
@@ -222,7 +222,7 @@ TEST_CASE(
   REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
   for (const std::string& target : {fifo, std::string("/dev/null")}) {
     CAPTURE(target);
-    const Refusal r = run_refused("--steps 3 --save " + target);
+    const Outcome r = run_outcome("--steps 3 --save " + target);
     INFO(r.text);
     CHECK(r.status != 0);
     CHECK(r.text.find("--save: '" + target + "' is a") != std::string::npos);
@@ -241,7 +241,7 @@ TEST_CASE(
   // off, and a NaN --lr failed only after the corpus was read.
   for (const char* flag : {"--lr", "--weight-decay", "--clip-grad", "--dropout"}) {
     CAPTURE(flag);
-    const Refusal r = run_refused(std::string("--steps 3 ") + flag + " nan");
+    const Outcome r = run_outcome(std::string("--steps 3 ") + flag + " nan");
     INFO(r.text);
     CHECK(r.status != 0);
     CHECK(r.text.find(std::string(flag) + ": nan is not allowed: give a number") !=
@@ -276,4 +276,15 @@ TEST_CASE("samples.train_text: a resume at or past --steps trains nothing and sa
   CHECK(moved.find("not bit-exact") != std::string::npos);
   CHECK(moved.find("after 7 steps") != std::string::npos);
   std::remove(state.c_str());
+}
+
+TEST_CASE("samples.train_text: --help shows every default, as the other programs' do") {
+  const Outcome r = run_outcome("--help");
+  INFO(r.text);
+  CHECK(r.status == 0);
+  for (const char* shown :
+       {"--gpt-config TEXT:{tiny,124m,350m}=tiny", "--mode TEXT:{single,dp,ddp}=single", "]=200",
+        "--lr FLOAT:(0, 10]=0.003", "--weight-decay FLOAT:[0, 1]=0.1",
+        "--clip-grad FLOAT:[0, 1e+06]=1", "--seed UINT=1"})
+    CHECK_MESSAGE(r.text.find(shown) != std::string::npos, shown);
 }
