@@ -2,6 +2,8 @@
 // inputs (odd sizes, empty batches, accumulation), bitwise reproducibility of the reductions,
 // logical devices sharing one GPU, and memory returning to its start value. Each case skips,
 // visibly, without a GPU.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -1675,4 +1677,26 @@ TEST_CASE("kernels.cuda.graph: a captured sequence replays bit for bit, memory s
                        doctest::Contains("not capturable"), Error);
   g.replay();
   CHECK(same_bits(y, y_ref));
+}
+
+// Without a GPU (this runs everywhere, CI included), the reason the programs print names what is
+// missing before CUDA's own words: with no NVIDIA driver at all, the runtime says "CUDA driver
+// version is insufficient for CUDA runtime version", which reads as a version problem.
+TEST_CASE("kernels.cuda.absent: without a usable GPU the reason names what is missing") {
+  const std::string reason = cuda_unavailable_reason();
+  if (!built_with_cuda()) {
+    CHECK(reason == "this build has no CUDA backend");
+    return;
+  }
+  if (dp_test::gpu_available()) {
+    CHECK(reason.empty());
+    return;
+  }
+  CAPTURE(reason);
+  const bool driver = ::access("/proc/driver/nvidia/version", F_OK) == 0;
+  if (!driver) CHECK(reason.rfind("no NVIDIA GPU or driver on this machine", 0) == 0);
+  CHECK(reason.rfind("CUDA driver version is insufficient", 0) != 0);  // never the bare words
+  std::string fallback;
+  CHECK(choose_device_type("auto", &fallback) == DeviceType::cpu);
+  CHECK(fallback == "no usable GPU (" + reason + "): running on the CPU");
 }

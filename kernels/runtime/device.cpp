@@ -49,7 +49,16 @@ struct CudaProbe {
     cudaError_t e = cudaGetDeviceCount(&count);
     if (e != cudaSuccess) {
       count = 0;
-      reason = cudaGetErrorString(e);
+      // Without an NVIDIA kernel driver the runtime says "CUDA driver version is insufficient
+      // for CUDA runtime version": say what is missing first, and quote it.
+      const bool driver = ::access("/proc/driver/nvidia/version", F_OK) == 0;
+      const std::string says = std::string("CUDA says: ") + cudaGetErrorString(e);
+      if (!driver && (e == cudaErrorInsufficientDriver || e == cudaErrorNoDevice))
+        reason = "no NVIDIA GPU or driver on this machine (" + says + ")";
+      else if (e == cudaErrorInsufficientDriver)
+        reason = "the NVIDIA driver is older than this build's CUDA runtime (" + says + ")";
+      else
+        reason = says;
       cudaGetLastError();  // clear the sticky-free error so later calls start clean
     } else if (count == 0) {
       reason = "no CUDA GPU is visible";
