@@ -831,7 +831,17 @@ int run(const Options& o, int argc, char** argv) {
           std::fprintf(stderr, "dp_bench: %s N=%d%s: %.3f ms/step, final loss %.6f\n", mode.c_str(),
                        r.gpus, o.repeat > 1 ? (" repeat " + std::to_string(k + 1)).c_str() : "",
                        median(r.step_ms), r.final_loss);
-        if (trace_this) traces.push_back({mode + " N=" + std::to_string(r.gpus), trace.events()});
+        if (trace_this) {
+          dp::TracedRun run{mode + " N=" + std::to_string(r.gpus), trace.events(), {}};
+          if (mode == "ddp")  // one process per rank: its tracks are ranks, not devices
+            for (const dp::TraceEvent& e : run.events)
+              run.track_names.emplace(
+                  e.track,
+                  e.track >= dp::kCommTrackBase
+                      ? "rank " + std::to_string(e.track - dp::kCommTrackBase) + " comm stream"
+                      : "rank " + std::to_string(e.track));
+          traces.push_back(std::move(run));
+        }
         if (k == 0) {
           runs.push_back(std::move(r));
         } else {

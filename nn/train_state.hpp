@@ -137,10 +137,20 @@ inline std::string metadata_hash(const std::map<std::string, std::string>& metad
 // from one device or rank). `whole_state`: the optimizer state to write when opt holds a ZeRO-1
 // shard only (gathered from every rank, dp::dist::ZeroStage1::gather_optimizer_state); empty:
 // opt.state(), which must then be whole. ensures `path` holds the whole state, atomically and
-// durably.
+// durably; its folder is created first, with its parents, as --checkpoint-dir's is (a path on
+// the way that is a file is refused by name).
 inline void save_training_state(const std::string& path, Module& m, Optimizer& opt,
                                 const TrainingProgress& progress,
                                 const OptimizerState& whole_state = {}) {
+  io::check_path(path, "save_training_state");
+  if (const std::string dir = io::detail::parent_dir(path); !std::filesystem::is_directory(dir)) {
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    DP_CHECK(std::filesystem::is_directory(dir),
+             "save_training_state("
+                 << io::printable(path) << "): cannot create its folder " << io::printable(dir)
+                 << ": " << (ec ? ec.message() : std::string("something on the way is a file")));
+  }
   // One device needs no offsets from the caller: they are the module's. More must be given.
   std::vector<uint64_t> rng_offsets = progress.rng_offsets;
   if (rng_offsets.empty() && progress.world_size == 1) rng_offsets = {m.flat().rng_offset};

@@ -265,6 +265,18 @@ TEST_CASE("bench.cli: JSON schema and trace for both modes on CPU devices") {
   CHECK(names.count("dp/reduce") == 1);
   CHECK(names.count("dp/reduce[bucket 0]") == 1);
   CHECK(names.count("ddp/backward") == 1);
+  // Tracks: DP's are devices, DDP's are ranks (one process each).
+  std::map<std::string, std::set<std::string>> tracks;  // run name -> its track names
+  std::map<int, std::string> run_of;
+  for (auto& e : t["traceEvents"])
+    if (e["name"] == "process_name") run_of[e["pid"].get<int>()] = e["args"]["name"];
+  for (auto& e : t["traceEvents"])
+    if (e["name"] == "thread_name")
+      tracks[run_of[e["pid"].get<int>()]].insert(e["args"]["name"].get<std::string>());
+  CHECK(tracks["dp N=2"].count("device 1") == 1);
+  CHECK(tracks["ddp N=2"].count("rank 0") == 1);
+  CHECK(tracks["ddp N=2"].count("rank 1") == 1);
+  for (const std::string& name : tracks["ddp N=2"]) CHECK(name.rfind("rank ", 0) == 0);
   std::remove(json.c_str());
   std::remove(trace.c_str());
 }

@@ -799,3 +799,29 @@ TEST_CASE("nn.train_state: a checkpoint folder's lock never follows a link or op
   CHECK_NOTHROW(nn::CheckpointDirLock(base + "/ck", "test"));  // a fresh lock file is made
   std::filesystem::remove_all(base);
 }
+
+// An engine's save() makes its folder with its parents, as --checkpoint-dir does, so a program
+// need not; a path on the way that is a file is refused by name, and nothing is written.
+TEST_CASE("nn.train_state: DataParallel::save creates its folder, refuses one that is a file") {
+  const std::string base = dp_test::temp_path("train_state", "save_dirs");
+  std::filesystem::remove_all(base);
+  auto m = dp_test::dropout_mlp();
+  m->materialize(Device::cpu(0), 42);
+  auto opt = optimizer(*m, true);
+  dp::DataParallel engine(m, *opt, make_devices(DeviceType::cpu, 2));
+  auto [x, y] = dp_test::toy_batch(10, 500);
+  (void)engine.train_step(x, y);
+  nn::TrainingProgress p;
+  p.mode = "dp";
+  p.world_size = 2;
+  const std::string deep = base + "/runs/a/state.safetensors";
+  engine.save(deep, p);
+  CHECK(std::filesystem::is_regular_file(deep));
+  CHECK(engine.load(deep, p).step == 1);
+  write_bytes(base + "/file", "x");
+  const std::string e = error_of([&] { engine.save(base + "/file/sub/state.safetensors", p); });
+  CHECK(e.find("cannot create its folder") != std::string::npos);
+  CHECK(e.find(base + "/file/sub") != std::string::npos);
+  CHECK_FALSE(std::filesystem::exists(base + "/file/sub"));
+  std::filesystem::remove_all(base);
+}
