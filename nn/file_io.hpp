@@ -307,16 +307,17 @@ constexpr int kFifoReaderWaitMs = 10000;
 // no reader is waited for at most kFifoReaderWaitMs, then an error naming `name`, never a hang.
 inline int open_in_place(const std::string& path, const std::string& name) {
   // O_NONBLOCK: a FIFO without a reader fails (ENXIO) instead of blocking; wait for one, bounded.
-  int fd = -1;
+  int fd = -1, e = 0;
   for (int waited = 0;; waited += 10) {
     fd = ::open(path.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
-    if (fd >= 0 || errno != ENXIO || waited >= kFifoReaderWaitMs) break;
+    e = errno;
+    if (fd >= 0 || e != ENXIO || waited >= kFifoReaderWaitMs) break;
     ::usleep(10000);
   }
-  DP_CHECK(fd >= 0, name << ": cannot open it for writing: " << errno_text(errno)
-                         << (errno == ENXIO ? " (no process opened the FIFO for reading within "
-                                              "10 s)"
-                                            : ""));
+  DP_CHECK(fd >= 0, name << ": cannot open it for writing: " << errno_text(e)
+                         << (e == ENXIO ? " (no process opened the FIFO for reading within " +
+                                              std::to_string(kFifoReaderWaitMs / 1000) + " s)"
+                                        : std::string()));
   const int flags = ::fcntl(fd, F_GETFL);  // blocking writes from here: a full pipe waits
   if (flags >= 0) ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
   return fd;
@@ -352,8 +353,7 @@ inline void write_output_file(const std::string& path, const std::string& bytes,
   if (::stat(path.c_str(), &st) != 0 || S_ISREG(st.st_mode))
     return write_file_atomically(path, bytes, context);
   const std::string name = where(context, path);
-  DP_CHECK(!S_ISDIR(st.st_mode), name << ": is a directory; give the name of a file to write");
-  const int fd = open_in_place(path, name);
+  const int fd = open_output_stream(path, context);  // in place: not a regular file
   size_t done = 0;
   while (done < bytes.size()) {
     ssize_t w = ::write(fd, bytes.data() + done, bytes.size() - done);

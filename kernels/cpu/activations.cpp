@@ -54,23 +54,29 @@ void backward(Tensor& dx, const Tensor& dy, const Tensor& v, Accumulate acc, Der
 constexpr int64_t kBlock = 512;
 using Rows = void (*)(float*, const float*, int64_t);
 
+// Elements [b, b + m) of p as f32: in place for f32, else widened into buf (m <= kBlock).
+template <class S>
+const float* block_f32(const S* p, int64_t b, int64_t m, float* buf) {
+  if constexpr (std::is_same_v<S, float>) {
+    return p + b;
+  } else {
+    for (int64_t j = 0; j < m; ++j) buf[j] = load_f32(p[b + j]);
+    return buf;
+  }
+}
+
 // y = rows(x), any storage.
 void map_rows(Tensor& y, const Tensor& x, Rows rows) {
   with_storage(
       [&](auto y_t, auto x_t) {
         using Y = decltype(y_t);
-        using X = decltype(x_t);
-        const X* px = x.data<X>();
+        const auto* px = x.data<decltype(x_t)>();
         Y* py = y.data<Y>();
         parallel_range(y.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
           float in[kBlock], out[kBlock];
           for (int64_t b = begin; b < end; b += kBlock) {
             const int64_t m = std::min(kBlock, end - b);
-            const float* src = in;
-            if constexpr (std::is_same_v<X, float>)
-              src = px + b;
-            else
-              for (int64_t j = 0; j < m; ++j) in[j] = load_f32(px[b + j]);
+            const float* src = block_f32(px, b, m, in);
             if constexpr (std::is_same_v<Y, float>) {
               rows(py + b, src, m);
             } else {
@@ -87,20 +93,14 @@ void map_rows(Tensor& y, const Tensor& x, Rows rows) {
 void backward_rows(Tensor& dx, const Tensor& dy, const Tensor& v, Accumulate acc, Rows grad) {
   with_storage(
       [&](auto dx_t, auto dy_t, auto v_t) {
-        using V = decltype(v_t);
         const auto* pdy = dy.data<decltype(dy_t)>();
-        const V* pv = v.data<V>();
+        const auto* pv = v.data<decltype(v_t)>();
         auto* pdx = dx.data<decltype(dx_t)>();
         parallel_range(dx.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
           float in[kBlock], g[kBlock];
           for (int64_t b = begin; b < end; b += kBlock) {
             const int64_t m = std::min(kBlock, end - b);
-            const float* src = in;
-            if constexpr (std::is_same_v<V, float>)
-              src = pv + b;
-            else
-              for (int64_t j = 0; j < m; ++j) in[j] = load_f32(pv[b + j]);
-            grad(g, src, m);
+            grad(g, block_f32(pv, b, m, in), m);
             if (acc == Accumulate::yes)
               for (int64_t j = 0; j < m; ++j)
                 store_rounded(pdx[b + j], load_f32(pdx[b + j]) + load_f32(pdy[b + j]) * g[j]);

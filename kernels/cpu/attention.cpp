@@ -47,34 +47,8 @@ int64_t visible(const AttentionParams& p, int64_t i, int64_t seq) {
   return p.mask == AttentionMask::causal ? i + 1 : seq;
 }
 
-// One (b, h)'s q, k, v (T, Dh each, row stride ld) as f32, and where its y (or dy) rows are
-// (row stride ldy). f32 tensors are read in place; a 16-bit qkv is widened per head into `own`
-// (T, 3 Dh: q | k | v), exactly, so that the f32 arithmetic below is the f32 kernel's.
-struct Head {
-  const float *q = nullptr, *k = nullptr, *v = nullptr;
-  int64_t ld = 0;
-  std::vector<float> own;
-};
-template <class S>
-void head_of(Head& hd, const S* qkv, const AttentionShape& a, int64_t b, int64_t h) {
-  if constexpr (std::is_same_v<S, float>) {
-    hd.q = qkv + a.q(b, h), hd.k = qkv + a.k(b, h), hd.v = qkv + a.v(b, h);
-    hd.ld = 3 * a.width;
-  } else {
-    const int64_t t = a.seq, dh = a.head_dim, ld = 3 * dh;
-    hd.own.resize(static_cast<size_t>(t * ld));
-    for (int64_t i = 0; i < t; ++i)
-      for (int64_t part = 0; part < 3; ++part) {
-        const S* src = qkv + a.q(b, h) + i * 3 * a.width + part * a.width;
-        float* dst = hd.own.data() + i * ld + part * dh;
-        for (int64_t c = 0; c < dh; ++c) dst[c] = load_f32(src[c]);
-      }
-    hd.q = hd.own.data(), hd.k = hd.q + dh, hd.v = hd.q + 2 * dh;
-    hd.ld = ld;
-  }
-}
-// Rows (T, Dh) at `at` with row stride `ld` of a tensor of storage S, as f32 (row stride Dh) in
-// `own`, or in place for f32 (returning the stride to use).
+// Rows (T, Dh) at `at` with row stride `ld` of a tensor of storage S, as f32: in place for f32,
+// else widened, exactly, into `own` (row stride Dh); *ld_out is the stride to read them with.
 template <class S>
 const float* rows_f32(const S* at, int64_t ld, const AttentionShape& a, std::vector<float>& own,
                       int64_t* ld_out) {
@@ -89,6 +63,20 @@ const float* rows_f32(const S* at, int64_t ld, const AttentionShape& a, std::vec
     *ld_out = a.head_dim;
     return own.data();
   }
+}
+// One (b, h)'s q, k, v (T, Dh each) as f32, all read with row stride ld (rows_f32): the f32
+// arithmetic below is then the f32 kernel's on any storage.
+struct Head {
+  const float *q = nullptr, *k = nullptr, *v = nullptr;
+  int64_t ld = 0;
+  std::vector<float> own_q, own_k, own_v;
+};
+template <class S>
+void head_of(Head& hd, const S* qkv, const AttentionShape& a, int64_t b, int64_t h) {
+  const int64_t ld = 3 * a.width;
+  hd.q = rows_f32(qkv + a.q(b, h), ld, a, hd.own_q, &hd.ld);
+  hd.k = rows_f32(qkv + a.k(b, h), ld, a, hd.own_k, &hd.ld);
+  hd.v = rows_f32(qkv + a.v(b, h), ld, a, hd.own_v, &hd.ld);
 }
 // f32 rows (T, Dh), row stride `ld`, rounded once into `at` (row stride `ld_at`); f32: nothing
 // (they were written in place).

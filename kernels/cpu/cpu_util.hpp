@@ -127,7 +127,8 @@ void map_binary(Tensor& y, const Tensor& a, const Tensor& b, F f) {
       y.dtype(), a.dtype(), b.dtype());
 }
 
-// Sets OpenBLAS to one thread and ends its idle thread pool, once per process: every CPU device
+// Makes the process's GEMM kernel choice (kernels::choose_blas_kernels), sets OpenBLAS to one
+// thread and ends its idle thread pool, once per process: every CPU device
 // parallelises its GEMMs itself inside its own arena, so BLAS threads would oversubscribe the
 // cores.
 void use_single_threaded_blas();

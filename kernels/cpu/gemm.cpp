@@ -52,7 +52,7 @@ BlasKernels& blas_state() {
   return state;
 }
 
-// OpenBLAS's thread pool, ended (see blas_setup).
+// OpenBLAS's thread pool, ended (see cpu::use_single_threaded_blas).
 void end_blas_pool() {
   using Shutdown = int (*)();
   if (auto shutdown = reinterpret_cast<Shutdown>(dlsym(RTLD_DEFAULT, "blas_thread_shutdown_")))
@@ -124,6 +124,11 @@ void choose_blas_kernels() {
              : std::string("; install an OpenBLAS that knows this CPU, or "
                            "set OPENBLAS_CORETYPE=") +
                    better_blas_core("", k.cpu, bf16));
+}
+
+BlasKernels cpu_blas_kernels() {
+  cpu::use_single_threaded_blas();
+  return blas_state();
 }
 
 }  // namespace kernels
@@ -320,8 +325,7 @@ void add_row_bias(float* c, int64_t m, int64_t n, const float* bias) {
 
 }  // namespace
 
-namespace {
-void blas_setup() {
+void use_single_threaded_blas() {
   static std::once_flag once;
   std::call_once(once, [] {
     choose_blas_kernels();
@@ -335,22 +339,6 @@ void blas_setup() {
     end_blas_pool();
   });
 }
-}  // namespace
-
-void use_single_threaded_blas() {
-  blas_setup();
-}
-
-}  // namespace kernels::cpu
-
-namespace kernels {
-BlasKernels cpu_blas_kernels() {
-  cpu::use_single_threaded_blas();
-  return blas_state();
-}
-}  // namespace kernels
-
-namespace kernels::cpu {
 
 std::string blas_version() {
   // OpenBLAS chooses its kernels for the CPU it runs on (DYNAMIC_ARCH builds), and
