@@ -95,6 +95,7 @@ DataParallel::DataParallel(nn::ModulePtr module, nn::Optimizer& optimizer,
   if (!options_.loss)
     options_.loss = std::make_shared<nn::CrossEntropyLoss>(options_.label_smoothing);
   module->set_compute_dtype(nn::compute_dtype(options_.precision));
+  module->set_output(nn::output_for(options_.precision, *options_.loss));
   module->set_input_grad(nn::InputGrad::not_needed);
   warn_if_oversubscribed(devices_);
   DP_CHECK(!options_.cross_node || options_.batch_norm == BatchNormStats::per_device,
@@ -586,7 +587,7 @@ void DataParallel::forward_and_loss(int i, nn::Mode mode) {
   Tensor loss = pd.metrics.view(0, {1}), correct = pd.metrics.view(1, {1});
   Tensor dlogits;  // undefined: forward only
   if (mode == nn::Mode::train)
-    dlogits = kernels::ensure(pd.dlogits, pd.output.shape(), kernels::DType::f32, devices_[i]);
+    dlogits = kernels::ensure(pd.dlogits, pd.output.shape(), pd.output.dtype(), devices_[i]);
   options_.loss->compute(loss, dlogits, pd.output, pd.labels);
   options_.loss->count_correct_into(correct, pd.output, pd.labels);
   Tensor fault_word = pd.metrics.view(kFaultWord, {2});

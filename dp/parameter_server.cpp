@@ -184,7 +184,7 @@ PsReport ParameterServer::run(const PsBatchFn& batches, int64_t first, int64_t n
           replica->zero_grad();
           Tensor out = replica->forward(input);
           kernels::ensure(loss, {1}, kernels::DType::f32, dev);
-          kernels::ensure(dlogits, out.shape(), kernels::DType::f32, dev);
+          kernels::ensure(dlogits, out.shape(), out.dtype(), dev);  // f32 unless set_output
           loss_fn.compute(loss, dlogits, out, labels);
           replica->backward(dlogits);
           push.loss = loss.item();  // waits for this device's stream

@@ -465,15 +465,23 @@ void exp(Tensor& y, const Tensor& x) {
 // ---- losses, reductions, metrics -----------------------------------------------------------
 
 namespace {
-// logits (B, C) f32 and labels (B) i32 on one device.
+// logits (B, C) f32, f16 or bf16 and labels (B) i32 on one device.
 void check_logits_labels(const char* op, const Tensor& logits, const Tensor& labels) {
   check_devices(op, {{"logits", logits}, {"labels", labels}});
-  check_dtype(op, {"logits", logits}, DType::f32);
+  check_floating(op, {{"logits", logits}});
   check_dtype(op, {"labels", labels}, DType::i32);
   check_ndim(op, {"logits", logits}, 2);
   check_shape(op, {"labels", labels}, {logits.dim(0)});
   DP_CHECK(logits.dim(1) > 0 || logits.dim(0) == 0,
            op << ": logits " << shape_str(logits.shape()) << " have no classes");
+}
+// dlogits like logits, on its device, in f32 or the logits' dtype.
+void check_logits_grad(const char* op, const Tensor& dlogits, const Tensor& logits) {
+  check_devices(op, {{"logits", logits}, {"dlogits", dlogits}});
+  DP_CHECK(dlogits.dtype() == DType::f32 || dlogits.dtype() == logits.dtype(),
+           op << ": dlogits " << dlogits << " must be f32 or the logits' dtype (logits " << logits
+              << ")");
+  check_same_shape(op, {"logits", logits}, {"dlogits", dlogits});
 }
 }  // namespace
 
@@ -495,11 +503,7 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
     check_dtype(op, {"weights", weights}, DType::f32);
     check_shape(op, {"weights", weights}, {logits.dim(0)});
   }
-  if (dlogits.defined()) {
-    check_devices(op, {{"logits", logits}, {"dlogits", dlogits}});
-    check_dtype(op, {"dlogits", dlogits}, DType::f32);
-    check_same_shape(op, {"logits", logits}, {"dlogits", dlogits});
-  }
+  if (dlogits.defined()) check_logits_grad(op, dlogits, logits);
   DP_CHECK(label_smoothing >= 0.f && label_smoothing < 1.f,
            op << ": label_smoothing must be in [0, 1), got " << label_smoothing);
   if (logits.dim(0) == 0) return fill(loss, 0.f);  // the loss of an empty batch is 0
@@ -513,11 +517,7 @@ void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, co
   check_logits_labels(op, logits, targets);
   check_devices(op, {{"logits", logits}, {"loss", loss}});
   check_scalar_out(op, {"loss", loss});
-  if (dlogits.defined()) {
-    check_devices(op, {{"logits", logits}, {"dlogits", dlogits}});
-    check_dtype(op, {"dlogits", dlogits}, DType::f32);
-    check_same_shape(op, {"logits", logits}, {"dlogits", dlogits});
-  }
+  if (dlogits.defined()) check_logits_grad(op, dlogits, logits);
   if (logits.dim(0) == 0) return fill(loss, 0.f);
   DP_DISPATCH(logits.device(), token_cross_entropy, loss, dlogits, logits, targets, ignore_index);
 }
@@ -577,7 +577,7 @@ void clip_by_norm(Tensor& grads, Tensor& norm_out, const Tensor& sum_squares, fl
 void argmax(Tensor& out, const Tensor& x) {
   const char* op = "argmax";
   check_devices(op, {{"x", x}, {"out", out}});
-  check_dtype(op, {"x", x}, DType::f32);
+  check_floating(op, {{"x", x}});
   check_dtype(op, {"out", out}, DType::i32);
   check_ndim(op, {"x", x}, 2);
   check_shape(op, {"out", out}, {x.dim(0)});

@@ -229,8 +229,11 @@ std::vector<std::pair<std::string, std::string>> library_versions();
 // ---- losses, reductions, metrics -----------------------------------------------------------
 
 // Fused, numerically stable softmax + cross-entropy, forward and backward in one pass.
-// requires logits (B, C) f32, labels (B) i32 in [0, C), weights (B) f32 or undefined,
-// loss (1) f32, dlogits (B, C) f32 or undefined (forward only), 0 <= label_smoothing < 1.
+// requires logits (B, C) f32, f16 or bf16, labels (B) i32 in [0, C), weights (B) f32 or
+// undefined, loss (1) f32, dlogits (B, C) in f32 or the logits' dtype, or undefined (forward
+// only), 0 <= label_smoothing < 1. 16-bit logits are read as f32 (exactly) and a 16-bit dlogits
+// holds each f32 value rounded once: the fused loss of a bf16 model output, without an f32 copy
+// of the logits or of their gradient (the bits of widening, the f32 op and a cast of dlogits).
 // With target t = (1 - ls) onehot(label) + ls / C, and w_i = weights[i] (or 1):
 // ensures loss = (1/B) sum_i w_i * sum_c -t_c log softmax(logits_i)_c   (0 when B == 0)
 //         dlogits_i = (w_i / B) (softmax(logits_i) - t).
@@ -243,8 +246,9 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
                            float label_smoothing = 0.f);
 // Token cross-entropy: softmax_cross_entropy over rows (N, V) (a [B, T, V] output flattened),
 // averaged over the rows whose target is not `ignore_index`.
-// requires logits (N, V) f32, targets (N) i32 in [0, V) or == ignore_index, loss (1) f32,
-// dlogits (N, V) f32 or undefined. With n = the count of non-ignored rows:
+// requires logits (N, V) f32, f16 or bf16, targets (N) i32 in [0, V) or == ignore_index, loss (1)
+// f32, dlogits (N, V) in f32 or the logits' dtype, or undefined (16-bit: as above). With n = the
+// count of non-ignored rows:
 // ensures loss = (1/n) sum_{i kept} -log softmax(logits_i)_{t_i}   (0 when n == 0)
 //         dlogits_i = (softmax(logits_i) - onehot(t_i)) / n for kept rows, 0 for ignored ones.
 // A target outside [0, V) (other than ignore_index) throws bad_label_text as above.
@@ -271,10 +275,12 @@ void sum_squares(Tensor& out, const Tensor& x);
 // unscale: fixed, or read on the device when the clip runs (a captured step's loss scale).
 void clip_by_norm(Tensor& grads, Tensor& norm_out, const Tensor& sum_squares, float max_norm,
                   Scalar unscale);
-// requires x (B, C), out (B) i32. ensures out_i = argmax_c x_ic (first on ties). NaN: out_i = 0
+// requires x (B, C) f32, f16 or bf16, out (B) i32. ensures out_i = argmax_c x_ic (first on
+// ties). NaN: out_i = 0
 // when x_i0 is NaN; other NaNs are skipped (the left-to-right scan `x[c] > x[best]`).
 void argmax(Tensor& out, const Tensor& x);
-// requires logits (B, C), labels (B) i32. Returns how many rows have argmax == label (waits).
+// requires logits (B, C) f32, f16 or bf16, labels (B) i32. Returns how many rows have argmax ==
+// label (waits).
 int64_t count_correct(const Tensor& logits, const Tensor& labels);
 // The same without a host read: requires out (1) f32 on the logits' device. ensures out = the
 // count (exact up to 2^24 rows), queued on the device.

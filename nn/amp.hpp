@@ -29,6 +29,7 @@
 #include <optional>
 #include <string>
 
+#include "nn/loss.hpp"
 #include "nn/module.hpp"
 #include "nn/optim.hpp"
 
@@ -67,6 +68,17 @@ inline DType compute_dtype(Precision p) {
 // The math mode of f32 products: TF32 for tf32, strict otherwise.
 inline kernels::MathMode math_mode(Precision p) {
   return p == Precision::tf32 ? kernels::MathMode::tf32 : kernels::MathMode::strict;
+}
+
+// The dtype a model hands its output to `loss` in (Module::set_output), as the engines set it:
+// under bf16, the activation dtype when the loss takes 16-bit predictions (the cross-entropies:
+// no f32 copy of the logits or of their gradient, the gradient rounded to bf16 once, as
+// PyTorch's autocast hands the LM head's backward a bf16 gradient); f32 otherwise. fp16 keeps
+// f32: its loss gradient is multiplied by the loss scale after the loss, and an fp16 gradient
+// would already have rounded to zero every value below fp16's smallest step (2^-24), the values
+// the scale exists to keep. Only matters under 16-bit activations (Activations::compute).
+inline Output output_for(Precision p, const Loss& loss) {
+  return p == Precision::bf16 && loss.takes_16bit_pred() ? Output::activations : Output::f32;
 }
 
 // The loss scale never goes below 2^-24 (about 6e-8). Backing off past it cannot help: fp16's

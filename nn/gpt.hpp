@@ -134,7 +134,8 @@ class GptBlock : public Module {
   std::shared_ptr<GptMlp> mlp_;
 };
 
-// ids (B, T) i32 with T <= context -> logits (B, T, vocab) f32.
+// ids (B, T) i32 with T <= context -> logits (B, T, vocab): f32, or output_dtype() (bf16 for a
+// loss that reads 16-bit logits).
 //   x = dropout(wte[ids] + wpe[0:T]);  x = h.0(...h.L-1(x));  logits = ln_f(x) wte^T
 // Parameters in flat order: wpe (context, D), wte.weight (vocab, D), h.*, ln_f.*; the LM head
 // reads wte (tied), so its gradient sums both uses. Init (GptConfig, as GPT-2 / nanoGPT):
@@ -188,7 +189,8 @@ class Gpt : public Module {
     kernels::add(x2, e.reshape({b, t * c_.dim}), wpe_->value.view(0, {t * c_.dim}));
     x = ln_f_->forward(h_->forward(drop_->forward(x)));
     hidden_ = to_compute(x.reshape({b * t, c_.dim}));  // (B T, D)
-    Tensor logits = Tensor::empty({b * t, c_.vocab}, DType::f32, ids.device());
+    // f32 logits, or 16-bit ones for a loss that reads them (Module::set_output).
+    Tensor logits = Tensor::empty({b * t, c_.vocab}, output_dtype(), ids.device());
     // (B T, D) x (V, D)^T -> (B T, V)
     kernels::gemm(logits, hidden_, kernels::Transpose::no, wte_->weight().compute,
                   kernels::Transpose::yes);

@@ -26,7 +26,8 @@ class Loss {
   // requires target a host tensor accepted by check_target. ensures the count this loss's mean
   // divides by for that target: rows, tokens not ignored, or elements. May be 0.
   virtual int64_t denominator(const Tensor& target) const = 0;
-  // requires pred and target on one device; loss (1) f32; dpred like pred (f32) or undefined.
+  // requires pred and target on one device; loss (1) f32; dpred like pred or undefined. pred
+  // and dpred are f32, or with takes_16bit_pred() both pred's 16-bit dtype may be given.
   // ensures loss = the mean over denominator(target) (0 when it is 0) and, when dpred is
   // defined, dpred = d loss / d pred; queued on the device, no host sync.
   virtual void compute(Tensor& loss, Tensor& dpred, const Tensor& pred,
@@ -37,6 +38,11 @@ class Loss {
     (void)pred, (void)target;
     kernels::fill(correct, 0.f);
   }
+  // Whether compute and count_correct_into take a bf16 or f16 pred and write dpred in its dtype
+  // (f32 arithmetic inside, each gradient value rounded once), so that a model under 16-bit
+  // activations can hand its output over without an f32 copy (Module::set_output). A loss
+  // that only reads f32 keeps the default: the engines then give it f32.
+  virtual bool takes_16bit_pred() const { return false; }
   // count_correct_into read back to the host (waits).
   int64_t count_correct(const Tensor& pred, const Tensor& target) const {
     Tensor correct = Tensor::empty({1}, DType::f32, pred.device());
@@ -76,6 +82,7 @@ class CrossEntropyLoss : public Loss {
   float label_smoothing() const { return smoothing_; }
 
   std::string name() const override { return "cross_entropy"; }
+  bool takes_16bit_pred() const override { return true; }
   void check_target(const Tensor& target) const override {
     DP_CHECK(target.ndim() == 1 && target.dtype() == DType::i32,
              "cross_entropy: labels " << target << " must be (B) i32");
@@ -139,6 +146,7 @@ class TokenCrossEntropyLoss : public Loss {
   int32_t ignore_index() const { return ignore_; }
 
   std::string name() const override { return "token_cross_entropy"; }
+  bool takes_16bit_pred() const override { return true; }
   void check_target(const Tensor& target) const override {
     DP_CHECK(target.ndim() == 2 && target.dtype() == DType::i32,
              "token_cross_entropy: targets " << target << " must be (B, T) i32");

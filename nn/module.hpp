@@ -126,6 +126,13 @@ struct Buffer {
 // 16-bit outputs, LayerNorm with f32 statistics; BatchNorm and the loss take f32).
 enum class Activations { f32, compute };
 
+// What dtype the model's output (the outermost forward's result) has under 16-bit activations:
+// f32 (the default: one cast at the end, what any loss or metric can read), or the activation
+// dtype as the last layer wrote it, for a loss that reads 16-bit predictions and writes their
+// gradient in the same dtype (Loss::takes_16bit_pred): no f32 copy of the logits, nor of their
+// gradient, which for a language model's (B, T, V) logits are the largest tensors of the step.
+enum class Output { f32, activations };
+
 // The storage of one replica, shared by every module of its tree.
 struct FlatState {
   Device device;
@@ -168,6 +175,7 @@ struct FlatState {
   // 16-bit activations (Module::set_activations): Linear and Conv2d write their outputs in the
   // compute dtype, and the layers between them keep it.
   Activations activations = Activations::f32;
+  Output output = Output::f32;
   int forward_depth = 0;  // forwards in progress: 0 outside, 1 in the outermost
 };
 
@@ -201,9 +209,11 @@ class Module {
       kernels::copy(flat_->compute_params, flat_->params);
     }
     Tensor y = forward_impl(x);
-    // 16-bit activations end at the model's output: the loss and metrics read f32 (the
-    // backward of the last layer takes the f32 gradient as it is).
-    if (outermost && y.dtype() != DType::f32 && kernels::is_floating(y.dtype()))
+    // 16-bit activations end at the model's output unless set_output(Output::activations): the
+    // loss and metrics then read f32 (the backward of the last layer takes the f32 gradient as
+    // it is).
+    if (outermost && flat_->output == Output::f32 && y.dtype() != DType::f32 &&
+        kernels::is_floating(y.dtype()))
       y = kernels::cast(y, DType::f32);
     return y;
   }
@@ -300,6 +310,7 @@ class Module {
     copy->set_mode(mode_);
     copy->set_compute_dtype(compute_dtype());
     copy->set_activations(activations());
+    copy->set_output(output());
     copy_tensor_across(copy->flat_->params, flat_->params);
     copy_tensor_across(copy->flat_->buffers, flat_->buffers);
     return copy;
@@ -329,6 +340,16 @@ class Module {
   // inherit it.
   void set_activations(Activations a) { flat().activations = a; }
   Activations activations() { return flat().activations; }
+  // The dtype of the model's output (see Output): f32, or under 16-bit activations the last
+  // layer's 16-bit dtype. requires materialised; the loss that reads it takes 16-bit
+  // predictions (the engines set it from Loss::takes_16bit_pred). clone_to() replicas inherit it.
+  void set_output(Output o) { flat().output = o; }
+  Output output() { return flat().output; }
+  // The dtype a model writes its final output in when it can write it directly (Gpt's logits):
+  // the activation dtype when the output keeps it, else f32.
+  DType output_dtype() {
+    return flat().output == Output::activations ? activation_dtype() : DType::f32;
+  }
   // x as f32 (f32-only layers under 16-bit activations: BatchNorm), and back to dtype `d`.
   static Tensor as_f32(const Tensor& x) { return as_dtype(x, DType::f32); }
   static Tensor as_dtype(const Tensor& x, DType d) {

@@ -26,6 +26,10 @@ using kernels::Tensor;
 struct Result {
   std::string what;
   Tensor native, reference;
+  // A reduction whose NaN (from a row holding inf and -inf) may take either sign: the compiler
+  // may order the operands of a commutative add differently in two instantiations, and x86
+  // keeps the first operand's NaN. Such results compare NaN-equal, other bits exactly.
+  bool nan_sign_free = false;
 };
 using Results = std::vector<Result>;
 
@@ -72,6 +76,11 @@ inline bool same_values(const Tensor& a, const Tensor& b) {
     if (!(std::isnan(x[i]) && std::isnan(y[i])) && std::memcmp(&x[i], &y[i], sizeof(float)) != 0)
       return false;
   return true;
+}
+
+// A case's verdict: the same bits (same values, NaN equal to NaN, where nan_sign_free).
+inline bool equal(const Result& r) {
+  return r.nan_sign_free ? same_values(r.native, r.reference) : same_bits(r.native, r.reference);
 }
 
 // The dtypes of an op's `count` tensors (outputs first): all t, then each one alone f32.
@@ -321,6 +330,51 @@ inline Results embedding(Device d, DType t) {
   kernels::embedding_backward(table, dy, ids);
   kernels::embedding_backward(table32, widened(dy), ids);
   out.push_back({describe("embedding_backward", {DType::f32, t}, {n, width}), table, table32});
+  return out;
+}
+
+// The losses and metrics of a 16-bit model output: softmax_cross_entropy (weights, smoothing)
+// and token_cross_entropy (ignored rows) with 16-bit logits, dlogits in their dtype or f32; and
+// argmax and count_correct_into of 16-bit logits. Rows of 53 classes, and rows of 1031 (several
+// CUDA threads per row, one past the CPU's per-row grain).
+inline Results losses(Device d, DType t) {
+  Results out;
+  for (const Shape& s : {Shape{37, 53}, Shape{9, 1031}}) {
+    const int64_t rows = s[0], classes = s[1];
+    std::vector<int32_t> label_values, target_values;
+    for (int64_t i = 0; i < rows; ++i) {
+      label_values.push_back(static_cast<int32_t>((i * 7 + 3) % classes));
+      target_values.push_back(i % 4 == 1 ? -1 : label_values.back());  // -1: ignored
+    }
+    Tensor labels = Tensor::from_ints(label_values, {rows}, d);
+    Tensor targets = Tensor::from_ints(target_values, {rows}, d);
+    Tensor weights = input(d, {rows}, DType::f32, 30, 0.f, 2.f);
+    Tensor logits = input(d, s, t, 31, -8.f, 8.f);
+    for (DType dt : {t, DType::f32}) {
+      const std::vector<DType> m{dt, t};
+      for (const char* op : {"softmax_cross_entropy", "token_cross_entropy"}) {
+        Tensor loss = empty(d, {1}, DType::f32), loss32 = empty(d, {1}, DType::f32);
+        Tensor dl = empty(d, s, dt), dl32 = empty(d, s, DType::f32);
+        if (op[0] == 's') {
+          kernels::softmax_cross_entropy(loss, dl, logits, labels, weights, 0.1f);
+          kernels::softmax_cross_entropy(loss32, dl32, widened(logits), labels, weights, 0.1f);
+        } else {
+          kernels::token_cross_entropy(loss, dl, logits, targets, -1);
+          kernels::token_cross_entropy(loss32, dl32, widened(logits), targets, -1);
+        }
+        out.push_back({describe(op, m, s) + " loss", loss, loss32, true});
+        out.push_back({describe(op, m, s) + " dlogits", dl, rounded(dl32, dt), true});
+      }
+    }
+    Tensor idx = empty(d, {rows}, DType::i32), idx32 = empty(d, {rows}, DType::i32);
+    kernels::argmax(idx, logits);
+    kernels::argmax(idx32, widened(logits));
+    out.push_back({describe("argmax", {DType::i32, t}, s), idx, idx32});
+    Tensor hits = empty(d, {1}, DType::f32), hits32 = empty(d, {1}, DType::f32);
+    kernels::count_correct_into(hits, logits, idx32);  // every row right: the count is rows
+    kernels::count_correct_into(hits32, widened(logits), idx32);
+    out.push_back({describe("count_correct_into", {DType::f32, t}, s), hits, hits32});
+  }
   return out;
 }
 

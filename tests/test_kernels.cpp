@@ -662,7 +662,7 @@ void check_native16(native16::Results (*cases)(Device, DType)) {
   for (DType t : {DType::bf16, DType::f16})
     for (const native16::Result& r : cases(Device::cpu(0), t)) {
       CAPTURE(r.what);
-      CHECK(native16::same_bits(r.native, r.reference));
+      CHECK(native16::equal(r));
     }
 }
 }  // namespace
@@ -685,6 +685,11 @@ TEST_CASE("kernels.native16: layer_norm forward and backward equal the widening 
 
 TEST_CASE("kernels.native16: embedding_backward of a 16-bit dy equals the widening path's bits") {
   check_native16(native16::embedding);
+}
+
+TEST_CASE(
+    "kernels.native16: cross-entropies, argmax and count of 16-bit logits equal the widening") {
+  check_native16(native16::losses);
 }
 
 TEST_CASE("kernels.native16: dropout_forward equals the widening path's bits, the same mask") {

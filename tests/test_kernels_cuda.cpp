@@ -832,10 +832,11 @@ TEST_CASE(
       {"elementwise", native16::elementwise}, {"bias", native16::bias},
       {"activations", native16::activations}, {"dropout", native16::dropout},
       {"pooling", native16::pooling},         {"layer_norm", native16::layer_norm},
-      {"embedding", native16::embedding}};
+      {"embedding", native16::embedding},     {"losses", native16::losses}};
   auto exact_across_backends = [](const std::string& what) {
-    for (const char* op : {"add", "mul", "add_bias", "relu", "dropout_forward",
-                           "max_pool2d_forward", "embedding_backward"})
+    for (const char* op :
+         {"add", "mul", "add_bias", "relu", "dropout_forward", "max_pool2d_forward",
+          "embedding_backward", "argmax", "count_correct_into"})
       if (what.rfind(std::string(op) + " ", 0) == 0) return true;
     return false;
   };
@@ -849,7 +850,7 @@ TEST_CASE(
       for (size_t i = 0; i < gpu.size(); ++i) {
         CAPTURE(gpu[i].what);
         CHECK(gpu[i].native.device() == kGpu);
-        CHECK(native16::same_bits(gpu[i].native, gpu[i].reference));
+        CHECK(native16::equal(gpu[i]));
         if (exact_across_backends(gpu[i].what))
           CHECK(native16::same_values(gpu[i].native, cpu[i].native));
       }
@@ -869,6 +870,10 @@ TEST_CASE(
   Tensor gamma = rnd(kGpu, {33}, 83), dgamma = rnd(kGpu, {33}, 84), dbeta = rnd(kGpu, {33}, 85);
   layer_norm_forward(y, mean, rstd, x, gamma, b, 1e-5f);
   layer_norm_backward(dx, dgamma, dbeta, y, x, gamma, mean, rstd, Accumulate::yes);
+  Tensor loss = Tensor::empty({1}, DType::f32, kGpu);
+  Tensor targets = Tensor::from_ints({1, 0, 32, -1}, {4}, kGpu);
+  token_cross_entropy(loss, dx, y, targets, -1);
+  count_correct_into(loss, y, targets);
   CHECK(ctx.casts() == casts);
 }
 

@@ -314,10 +314,11 @@ TEST_CASE("nn.gpt: bf16 activations keep the residual stream bf16 and follow f32
   c.dropout = 0.f;
   const int64_t b = 3, t = 8;
   Tensor ids = token_ids({b, t}, c.vocab, 41), targets = token_ids({b, t}, c.vocab, 42);
-  auto run = [&](nn::Activations a, std::vector<int64_t>* casts) {
+  auto run = [&](nn::Activations a, nn::Output o, std::vector<int64_t>* casts) {
     auto net = materialized(nn::gpt(c), 5);
     net->set_compute_dtype(DType::bf16);
     net->set_activations(a);
+    net->set_output(o);
     nn::AdamW opt(*net, kernels::AdamWConfig{3e-3f});
     nn::TokenCrossEntropyLoss loss_fn;
     Tensor loss = Tensor::empty({1}, DType::f32, Device::cpu());
@@ -327,7 +328,8 @@ TEST_CASE("nn.gpt: bf16 activations keep the residual stream bf16 and follow f32
       const int64_t before = ctx.casts();
       net->zero_grad();
       Tensor logits = net->forward(ids);
-      Tensor dl = Tensor::empty(logits.shape(), DType::f32, Device::cpu());
+      // The engines' rule: the loss gradient in the output's dtype.
+      Tensor dl = Tensor::empty(logits.shape(), logits.dtype(), Device::cpu());
       loss_fn.compute(loss, dl, logits, targets);
       net->backward(dl);
       if (casts) casts->push_back(ctx.casts() - before);
@@ -336,17 +338,26 @@ TEST_CASE("nn.gpt: bf16 activations keep the residual stream bf16 and follow f32
     }
     return losses;
   };
-  std::vector<int64_t> casts;
-  const std::vector<float> l16 = run(nn::Activations::compute, &casts);
-  const std::vector<float> l32 = run(nn::Activations::f32, nullptr);
+  std::vector<int64_t> casts, casts_bf16_logits;
+  const std::vector<float> l16 = run(nn::Activations::compute, nn::Output::f32, &casts);
+  const std::vector<float> l32 = run(nn::Activations::f32, nn::Output::f32, nullptr);
+  // bf16 logits handed to the loss (nn::output_for under bf16): no f32 copy of the logits and
+  // no cast of their gradient for the tied head; the one cast left is the weights' copy.
+  const std::vector<float> l16_out =
+      run(nn::Activations::compute, nn::Output::activations, &casts_bf16_logits);
   for (int64_t k : casts) CHECK(k == 2);
-  bool differ = false;
+  for (int64_t k : casts_bf16_logits) CHECK(k == 1);
+  bool differ = false, differ_out = false;
   for (size_t i = 0; i < l16.size(); ++i) {
     CAPTURE(i);
     CHECK(std::isfinite(l16[i]));
     CHECK(std::fabs(l16[i] - l32[i]) <= 0.03f * l32[i]);
+    CHECK(std::fabs(l16_out[i] - l32[i]) <= 0.03f * l32[i]);
     differ = differ || l16[i] != l32[i];
+    differ_out = differ_out || l16_out[i] != l16[i];
   }
   CHECK(differ);                           // the stream really was rounded
+  CHECK(differ_out);                       // and so were the logits and their gradient
   CHECK(l16.back() < 0.9f * l16.front());  // and it trains
+  CHECK(l16_out.back() < 0.9f * l16_out.front());
 }

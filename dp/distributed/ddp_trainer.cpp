@@ -201,6 +201,7 @@ void DdpTrainer::wrap(nn::ModulePtr model, nn::Optimizer& optimizer) {
                                          << ": ZeRO-1's reduce_scatter and all_gather run in f32 "
                                             "(bf16 communication is for the bucketed all-reduce)");
   model->set_compute_dtype(nn::compute_dtype(precision_));
+  model->set_output(nn::output_for(precision_, *loss_fn_));
   model->set_input_grad(nn::InputGrad::not_needed);      // the input is data
   model->set_rng_stream(static_cast<uint64_t>(rank()));  // not the local device's: one per rank
   if (sync_bn_) nn::set_batch_norm_sync(*model, std::make_shared<GroupStatsSync>(*group_, device_));
@@ -302,7 +303,8 @@ void DdpTrainer::forward_and_loss(nn::Module& m, const kernels::Tensor& x,
   m.zero_grad();
   kernels::Tensor out = ddp_->forward_local(x);
   kernels::Tensor loss = metrics_.view(0, {1});
-  kernels::Tensor& dlogits = kernels::ensure(dlogits_, out.shape(), kernels::DType::f32, device_);
+  // The output's dtype: f32, or bf16 for a loss that takes it (nn::output_for).
+  kernels::Tensor& dlogits = kernels::ensure(dlogits_, out.shape(), out.dtype(), device_);
   loss_fn_->compute(loss, dlogits, out, y);
   scaler_.scale_loss_grad(dlogits, loss_scale_);  // fp16: the loss gradient carries the scale
 }

@@ -1,5 +1,7 @@
 // Losses: fused softmax + cross-entropy, and mean squared error. Rows or chunks run in parallel;
-// the batch total adds their double partials in a fixed order (bitwise reproducible).
+// the batch total adds their double partials in a fixed order (bitwise reproducible). The
+// cross-entropies read f32, f16 or bf16 logits (widened exactly) and write dlogits in f32 or the
+// logits' dtype, each value rounded once from the f32 the f32 kernel stores.
 #include <cmath>
 
 #include "kernels/cpu/cpu_ops.hpp"
@@ -13,40 +15,49 @@ namespace kernels::cpu {
 void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
                            const Tensor& labels, const Tensor& weights, float label_smoothing) {
   int64_t batch = logits.dim(0), classes = logits.dim(1);
-  const float* px = logits.data<float>();
   const int32_t* pl = labels.data<int32_t>();
   const float* pw = weights.defined() ? weights.data<float>() : nullptr;
-  float* pd = dlogits.defined() ? dlogits.data<float>() : nullptr;
   for (int64_t i = 0; i < batch; ++i)
     DP_CHECK(pl[i] >= 0 && pl[i] < classes, bad_label_text(pl[i], i, batch, classes));
   const double ls = label_smoothing;
   std::vector<double> row_loss(static_cast<size_t>(batch));
   int64_t grain = std::max<int64_t>(1, kElementwiseGrain / classes);
-  parallel_range(batch, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float* x = px + i * classes;
-      float max_x = x[0];
-      for (int64_t c = 1; c < classes; ++c) max_x = std::max(max_x, x[c]);
-      double sum_exp = 0.0, sum_x = 0.0;
-      for (int64_t c = 0; c < classes; ++c) {
-        sum_exp += std::exp(static_cast<double>(x[c]) - max_x);
-        sum_x += x[c];
-      }
-      double lse = max_x + std::log(sum_exp);
-      double w = pw ? pw[i] : 1.0;
-      // The smoothing term only with smoothing: a -inf logit would make it 0 * inf = NaN.
-      row_loss[i] = w * (ls != 0.0 ? (1.0 - ls) * (lse - x[pl[i]]) + ls * (lse - sum_x / classes)
-                                   : lse - x[pl[i]]);
-      if (!pd) continue;
-      double scale = w / static_cast<double>(batch);
-      float* d = pd + i * classes;
-      for (int64_t c = 0; c < classes; ++c) {
-        double target = (c == pl[i] ? 1.0 - ls : 0.0) + ls / classes;
-        double prob = std::exp(static_cast<double>(x[c]) - lse);
-        d[c] = static_cast<float>(scale * (prob - target));
-      }
-    }
-  });
+  // dlogits: undefined, f32 or logits' dtype (its storage type then serves both).
+  const DType d_dtype = dlogits.defined() ? dlogits.dtype() : logits.dtype();
+  with_storage(
+      [&](auto x_t, auto d_t) {
+        using D = decltype(d_t);
+        const auto* px = logits.data<decltype(x_t)>();
+        D* pd = dlogits.defined() ? dlogits.data<D>() : nullptr;
+        parallel_range(batch, grain, [&](int64_t begin, int64_t end) {
+          for (int64_t i = begin; i < end; ++i) {
+            const auto* x = px + i * classes;
+            float max_x = load_f32(x[0]);
+            for (int64_t c = 1; c < classes; ++c) max_x = std::max(max_x, load_f32(x[c]));
+            double sum_exp = 0.0, sum_x = 0.0;
+            for (int64_t c = 0; c < classes; ++c) {
+              sum_exp += std::exp(static_cast<double>(load_f32(x[c])) - max_x);
+              sum_x += load_f32(x[c]);
+            }
+            double lse = max_x + std::log(sum_exp);
+            double w = pw ? pw[i] : 1.0;
+            const double x_label = load_f32(x[pl[i]]);
+            // The smoothing term only with smoothing: a -inf logit would make it 0 * inf = NaN.
+            row_loss[i] =
+                w * (ls != 0.0 ? (1.0 - ls) * (lse - x_label) + ls * (lse - sum_x / classes)
+                               : lse - x_label);
+            if (!pd) continue;
+            double scale = w / static_cast<double>(batch);
+            D* d = pd + i * classes;
+            for (int64_t c = 0; c < classes; ++c) {
+              double target = (c == pl[i] ? 1.0 - ls : 0.0) + ls / classes;
+              double prob = std::exp(static_cast<double>(load_f32(x[c])) - lse);
+              store_rounded(d[c], static_cast<float>(scale * (prob - target)));
+            }
+          }
+        });
+      },
+      logits.dtype(), d_dtype);
   double total = 0.0;
   for (double l : row_loss) total += l;
   loss.data<float>()[0] = static_cast<float>(total / static_cast<double>(batch));
@@ -57,9 +68,7 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
 void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, const Tensor& targets,
                          int32_t ignore_index) {
   int64_t rows = logits.dim(0), classes = logits.dim(1);
-  const float* px = logits.data<float>();
   const int32_t* pt = targets.data<int32_t>();
-  float* pd = dlogits.defined() ? dlogits.data<float>() : nullptr;
   int64_t kept = 0;
   for (int64_t i = 0; i < rows; ++i) {
     if (pt[i] == ignore_index) continue;
@@ -69,27 +78,36 @@ void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, co
   const double inv_n = kept > 0 ? 1.0 / static_cast<double>(kept) : 0.0;
   std::vector<double> row_loss(static_cast<size_t>(rows), 0.0);
   int64_t grain = std::max<int64_t>(1, kElementwiseGrain / classes);
-  parallel_range(rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float* x = px + i * classes;
-      float* d = pd ? pd + i * classes : nullptr;
-      if (pt[i] == ignore_index) {
-        if (d) std::fill(d, d + classes, 0.f);
-        continue;
-      }
-      float max_x = x[0];
-      for (int64_t c = 1; c < classes; ++c) max_x = std::max(max_x, x[c]);
-      double sum_exp = 0.0;
-      for (int64_t c = 0; c < classes; ++c) sum_exp += std::exp(static_cast<double>(x[c]) - max_x);
-      const double lse = max_x + std::log(sum_exp);
-      row_loss[i] = lse - x[pt[i]];
-      if (!d) continue;
-      for (int64_t c = 0; c < classes; ++c) {
-        double prob = std::exp(static_cast<double>(x[c]) - lse);
-        d[c] = static_cast<float>(inv_n * (prob - (c == pt[i] ? 1.0 : 0.0)));
-      }
-    }
-  });
+  const DType d_dtype = dlogits.defined() ? dlogits.dtype() : logits.dtype();
+  with_storage(
+      [&](auto x_t, auto d_t) {
+        using D = decltype(d_t);
+        const auto* px = logits.data<decltype(x_t)>();
+        D* pd = dlogits.defined() ? dlogits.data<D>() : nullptr;
+        parallel_range(rows, grain, [&](int64_t begin, int64_t end) {
+          for (int64_t i = begin; i < end; ++i) {
+            const auto* x = px + i * classes;
+            D* d = pd ? pd + i * classes : nullptr;
+            if (pt[i] == ignore_index) {
+              if (d) std::fill(d, d + classes, D{});  // +0 in every storage type
+              continue;
+            }
+            float max_x = load_f32(x[0]);
+            for (int64_t c = 1; c < classes; ++c) max_x = std::max(max_x, load_f32(x[c]));
+            double sum_exp = 0.0;
+            for (int64_t c = 0; c < classes; ++c)
+              sum_exp += std::exp(static_cast<double>(load_f32(x[c])) - max_x);
+            const double lse = max_x + std::log(sum_exp);
+            row_loss[i] = lse - load_f32(x[pt[i]]);
+            if (!d) continue;
+            for (int64_t c = 0; c < classes; ++c) {
+              double prob = std::exp(static_cast<double>(load_f32(x[c])) - lse);
+              store_rounded(d[c], static_cast<float>(inv_n * (prob - (c == pt[i] ? 1.0 : 0.0))));
+            }
+          }
+        });
+      },
+      logits.dtype(), d_dtype);
   double total = 0.0;
   for (double l : row_loss) total += l;
   loss.data<float>()[0] = static_cast<float>(total * inv_n);

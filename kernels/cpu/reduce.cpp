@@ -18,11 +18,19 @@ double total(const Tensor& x) {
   });
 }
 
-// Index of the largest of row[0, n), the first one on ties (n >= 1).
-int32_t row_argmax(const float* row, int64_t n) {
+// Index of the largest of row[0, n), the first one on ties (n >= 1); S: float, F16 or BF16
+// (compared as f32, which orders 16-bit values exactly).
+template <class S>
+int32_t row_argmax(const S* row, int64_t n) {
   int64_t best = 0;
-  for (int64_t c = 1; c < n; ++c)
-    if (row[c] > row[best]) best = c;
+  float best_value = load_f32(row[0]);
+  for (int64_t c = 1; c < n; ++c) {
+    const float v = load_f32(row[c]);
+    if (v > best_value) {
+      best = c;
+      best_value = v;
+    }
+  }
   return static_cast<int32_t>(best);
 }
 
@@ -48,24 +56,34 @@ void sum_squares(Tensor& out, const Tensor& x) {
 
 void argmax(Tensor& out, const Tensor& x) {
   int64_t rows = x.dim(0), cols = x.dim(1);
-  const float* px = x.data<float>();
   int32_t* po = out.data<int32_t>();
-  parallel_range(rows, std::max<int64_t>(1, kElementwiseGrain / cols),
-                 [&](int64_t begin, int64_t end) {
-                   for (int64_t i = begin; i < end; ++i) po[i] = row_argmax(px + i * cols, cols);
-                 });
+  with_storage(
+      [&](auto x_t) {
+        const auto* px = x.data<decltype(x_t)>();
+        parallel_range(rows, std::max<int64_t>(1, kElementwiseGrain / cols),
+                       [&](int64_t begin, int64_t end) {
+                         for (int64_t i = begin; i < end; ++i)
+                           po[i] = row_argmax(px + i * cols, cols);
+                       });
+      },
+      x.dtype());
 }
 
 int64_t count_correct(const Tensor& logits, const Tensor& labels) {
   int64_t rows = logits.dim(0), cols = logits.dim(1);
-  const float* px = logits.data<float>();
   const int32_t* pl = labels.data<int32_t>();
   int64_t grain = std::max<int64_t>(1, kElementwiseGrain / cols);
-  double correct = chunked_sum(rows, grain, [&](int64_t begin, int64_t end) {
-    int64_t hits = 0;
-    for (int64_t i = begin; i < end; ++i) hits += row_argmax(px + i * cols, cols) == pl[i];
-    return static_cast<double>(hits);  // exact: counts stay far below 2^53
-  });
+  double correct = 0.0;
+  with_storage(
+      [&](auto x_t) {
+        const auto* px = logits.data<decltype(x_t)>();
+        correct = chunked_sum(rows, grain, [&](int64_t begin, int64_t end) {
+          int64_t hits = 0;
+          for (int64_t i = begin; i < end; ++i) hits += row_argmax(px + i * cols, cols) == pl[i];
+          return static_cast<double>(hits);  // exact: counts stay far below 2^53
+        });
+      },
+      logits.dtype());
   return static_cast<int64_t>(correct);
 }
 

@@ -81,18 +81,22 @@ size_t aligned_bytes(size_t bytes) {
 //   dlogits_i = (w / B) (softmax(x) - t)
 // Token cross-entropy (count_of_kept not null): rows whose label is ignore_index get no loss
 // and a zero gradient, and the gradient divisor is the count of the others (*count_of_kept).
-__global__ void softmax_xent_kernel(float* row_loss, float* dlogits, const float* logits,
+// T, D: the storage types of logits and dlogits (float, __half, __nv_bfloat16): logits read as
+// f32, each gradient value rounded once.
+template <class T, class D>
+__global__ void softmax_xent_kernel(float* row_loss, D* dlogits, const T* logits,
                                     const int32_t* labels, const float* weights, int64_t batch,
                                     int64_t classes, float ls, unsigned long long* fault,
                                     int32_t ignore_index = 0,
                                     const float* count_of_kept = nullptr) {
   int64_t i = blockIdx.x;
-  const float* x = logits + i * classes;
+  const T* x = logits + i * classes;
   int32_t label = labels[i];
   if (count_of_kept && label == ignore_index) {
     if (threadIdx.x == 0) row_loss[i] = 0.f;
     if (dlogits)
-      for (int64_t c = threadIdx.x; c < classes; c += blockDim.x) dlogits[i * classes + c] = 0.f;
+      for (int64_t c = threadIdx.x; c < classes; c += blockDim.x)
+        dlogits[i * classes + c] = from_float<D>(0.f);
     return;
   }
   if (label < 0 || label >= classes) {
@@ -109,33 +113,37 @@ __global__ void softmax_xent_kernel(float* row_loss, float* dlogits, const float
     // The row's gradient is zero, not NaN: the step fails at its read, but an update queued
     // before that read (an engine's) must not turn every weight into NaN and end the run.
     if (dlogits)
-      for (int64_t c = threadIdx.x; c < classes; c += blockDim.x) dlogits[i * classes + c] = 0.f;
+      for (int64_t c = threadIdx.x; c < classes; c += blockDim.x)
+        dlogits[i * classes + c] = from_float<D>(0.f);
     return;  // the whole block leaves: no block reduction below is entered
   }
   float max_x = -INFINITY;
-  for (int64_t c = threadIdx.x; c < classes; c += blockDim.x) max_x = fmaxf(max_x, x[c]);
+  for (int64_t c = threadIdx.x; c < classes; c += blockDim.x) max_x = fmaxf(max_x, to_float(x[c]));
   max_x = block_reduce_max(max_x);
   // The smoothing term only when there is smoothing (ls is the same for the whole block): a
   // -inf logit (a masked class) would make it 0 * inf = NaN.
   float sum_exp = 0.f, sum_x = 0.f;
   for (int64_t c = threadIdx.x; c < classes; c += blockDim.x) {
-    sum_exp += expf(x[c] - max_x);
-    if (ls != 0.f) sum_x += x[c];
+    const float xc = to_float(x[c]);
+    sum_exp += expf(xc - max_x);
+    if (ls != 0.f) sum_x += xc;
   }
   sum_exp = block_reduce_sum(sum_exp);
   if (ls != 0.f) sum_x = block_reduce_sum(sum_x);
   float lse = max_x + logf(sum_exp);
   float w = weights ? weights[i] : 1.f;
-  if (threadIdx.x == 0)
-    row_loss[i] = w * (ls != 0.f ? (1.f - ls) * (lse - x[label]) + ls * (lse - sum_x / classes)
-                                 : lse - x[label]);
+  if (threadIdx.x == 0) {
+    const float x_label = to_float(x[label]);
+    row_loss[i] = w * (ls != 0.f ? (1.f - ls) * (lse - x_label) + ls * (lse - sum_x / classes)
+                                 : lse - x_label);
+  }
   if (!dlogits) return;
   float scale = w / (count_of_kept ? fmaxf(*count_of_kept, 1.f) : static_cast<float>(batch));
   float off = ls / static_cast<float>(classes), on = (1.f - ls) + off;
-  float* d = dlogits + i * classes;
+  D* d = dlogits + i * classes;
   for (int64_t c = threadIdx.x; c < classes; c += blockDim.x) {
-    float prob = expf(x[c] - lse);
-    d[c] = scale * (prob - (c == label ? on : off));
+    float prob = expf(to_float(x[c]) - lse);
+    d[c] = from_float<D>(scale * (prob - (c == label ? on : off)));
   }
 }
 
@@ -159,11 +167,12 @@ constexpr int kRowsPerBlock = kThreads / 32;  // one warp per row
 // in lane 0: index 0 when x[0] is NaN; otherwise the first index of the maximum over the
 // non-NaN entries (a NaN never compares greater, so the scan skips it). Each lane keeps the
 // first maximum of its strided non-NaN columns; lanes then merge, ties to the lower index.
-__device__ long long warp_row_argmax(const float* x, int64_t classes, int lane) {
+template <class T>
+__device__ long long warp_row_argmax(const T* x, int64_t classes, int lane) {
   float best = -INFINITY;
   long long idx = classes;  // sentinel: no non-NaN column yet; loses every tie
   for (int64_t c = lane; c < classes; c += 32) {
-    float v = x[c];
+    float v = to_float(x[c]);
     if (!isnan(v) && (idx == classes || v > best)) {
       best = v;
       idx = c;
@@ -177,11 +186,12 @@ __device__ long long warp_row_argmax(const float* x, int64_t classes, int lane) 
       idx = oi;
     }
   }
-  if (classes > 0 && isnan(x[0])) idx = 0;  // the CPU's scan never leaves a NaN x[0]
+  if (classes > 0 && isnan(to_float(x[0]))) idx = 0;  // the CPU's scan never leaves a NaN x[0]
   return idx;
 }
 
-__global__ void argmax_kernel(int32_t* out, const float* x, int64_t batch, int64_t classes) {
+template <class T>
+__global__ void argmax_kernel(int32_t* out, const T* x, int64_t batch, int64_t classes) {
   int lane = threadIdx.x & 31;
   int64_t row = blockIdx.x * static_cast<int64_t>(kRowsPerBlock) + (threadIdx.x >> 5);
   if (row >= batch) return;  // whole warps leave together
@@ -191,9 +201,9 @@ __global__ void argmax_kernel(int32_t* out, const float* x, int64_t batch, int64
 
 // Integer atomics are exact, so the count is the same whatever the order.
 // Count: unsigned long long, or float (exact up to 2^24: adding 1s is then order-free too).
-template <class Count>
-__global__ void count_correct_kernel(Count* count, const float* x, const int32_t* labels,
-                                     int64_t batch, int64_t classes) {
+template <class Count, class T>
+__global__ void count_correct_kernel(Count* count, const T* x, const int32_t* labels, int64_t batch,
+                                     int64_t classes) {
   int lane = threadIdx.x & 31;
   int64_t row = blockIdx.x * static_cast<int64_t>(kRowsPerBlock) + (threadIdx.x >> 5);
   if (row >= batch) return;
@@ -220,8 +230,8 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
                            DeviceContext& ctx) {
   NvtxRange range("kernels/softmax_cross_entropy");
   require_f32("softmax_cross_entropy", loss);
-  require_f32("softmax_cross_entropy", logits);
-  if (dlogits.defined()) require_f32("softmax_cross_entropy", dlogits);
+  require_floating("softmax_cross_entropy", {&logits});
+  if (dlogits.defined()) require_floating("softmax_cross_entropy", {&dlogits});
   if (weights.defined()) require_f32("softmax_cross_entropy", weights);
   DP_CHECK(labels.dtype() == DType::i32,
            "softmax_cross_entropy: labels must be i32, got " << labels);
@@ -234,10 +244,17 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
   auto* partials = reinterpret_cast<float*>(ws + rows_bytes);
   if (batch > 0) {
     auto* fault = reinterpret_cast<unsigned long long*>(ctx.fault_record());
-    softmax_xent_kernel<<<static_cast<unsigned>(batch), row_block_threads(classes), 0, s>>>(
-        row_loss, data_or_null<float>(dlogits), logits.data<float>(), labels.data<int32_t>(),
-        data_or_null<const float>(weights), batch, classes, label_smoothing, fault);
-    DP_CUDA_CHECK_LAUNCH();
+    with_storage(
+        [&](auto x_t, auto d_t) {
+          using T = decltype(x_t);
+          using D = decltype(d_t);
+          softmax_xent_kernel<T, D>
+              <<<static_cast<unsigned>(batch), row_block_threads(classes), 0, s>>>(
+                  row_loss, data_or_null<D>(dlogits), logits.data<T>(), labels.data<int32_t>(),
+                  data_or_null<const float>(weights), batch, classes, label_smoothing, fault);
+          DP_CUDA_CHECK_LAUNCH();
+        },
+        logits.dtype(), dlogits.defined() ? dlogits.dtype() : logits.dtype());
     ctx.arm_fault_check(bad_label_fault_text);
   }
   // loss = (sum_i row_loss[i]) / B, 0 for an empty batch.
@@ -248,8 +265,9 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
 void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, const Tensor& targets,
                          int32_t ignore_index, DeviceContext& ctx) {
   NvtxRange range("kernels/token_cross_entropy");
-  require_f32("token_cross_entropy", {&loss, &logits});
-  if (dlogits.defined()) require_f32("token_cross_entropy", dlogits);
+  require_f32("token_cross_entropy", loss);
+  require_floating("token_cross_entropy", {&logits});
+  if (dlogits.defined()) require_floating("token_cross_entropy", {&dlogits});
   cudaStream_t s = stream_of(ctx);
   int64_t rows = logits.dim(0), classes = logits.dim(1);
   if (rows == 0) {  // no token: loss 0, as the CPU (and no launch of zero blocks)
@@ -264,10 +282,17 @@ void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, co
   auto* partials = reinterpret_cast<float*>(ws + rows_bytes + 256);
   launch_sum(count, rows, KeptRow{targets.data<int32_t>(), ignore_index}, 1.f, partials, s);
   auto* fault = reinterpret_cast<unsigned long long*>(ctx.fault_record());
-  softmax_xent_kernel<<<static_cast<unsigned>(rows), row_block_threads(classes), 0, s>>>(
-      row_loss, data_or_null<float>(dlogits), logits.data<float>(), targets.data<int32_t>(),
-      nullptr, rows, classes, 0.f, fault, ignore_index, count);
-  DP_CUDA_CHECK_LAUNCH();
+  with_storage(
+      [&](auto x_t, auto d_t) {
+        using T = decltype(x_t);
+        using D = decltype(d_t);
+        softmax_xent_kernel<T, D>
+            <<<static_cast<unsigned>(rows), row_block_threads(classes), 0, s>>>(
+                row_loss, data_or_null<D>(dlogits), logits.data<T>(), targets.data<int32_t>(),
+                nullptr, rows, classes, 0.f, fault, ignore_index, count);
+        DP_CUDA_CHECK_LAUNCH();
+      },
+      logits.dtype(), dlogits.defined() ? dlogits.dtype() : logits.dtype());
   ctx.arm_fault_check(bad_label_fault_text);
   launch_sum(loss.data<float>(), rows, ReadValue{row_loss}, 1.f, partials, s);
   divide_by_count_kernel<<<1, 1, 0, s>>>(loss.data<float>(), count);
@@ -318,27 +343,37 @@ void sum_squares(Tensor& out, const Tensor& x, DeviceContext& ctx) {
 
 void argmax(Tensor& out, const Tensor& x, DeviceContext& ctx) {
   NvtxRange range("kernels/argmax");
-  require_f32("argmax", x);
+  require_floating("argmax", {&x});
   DP_CHECK(out.dtype() == DType::i32, "argmax: out must be i32, got " << out);
   int64_t batch = x.dim(0), classes = x.dim(1);
   if (batch == 0) return;
-  argmax_kernel<<<row_warp_blocks(batch), kThreads, 0, stream_of(ctx)>>>(
-      out.data<int32_t>(), x.data<float>(), batch, classes);
-  DP_CUDA_CHECK_LAUNCH();
+  with_storage(
+      [&](auto x_t) {
+        using T = decltype(x_t);
+        argmax_kernel<T><<<row_warp_blocks(batch), kThreads, 0, stream_of(ctx)>>>(
+            out.data<int32_t>(), x.data<T>(), batch, classes);
+        DP_CUDA_CHECK_LAUNCH();
+      },
+      x.dtype());
 }
 
 int64_t count_correct(const Tensor& logits, const Tensor& labels, DeviceContext& ctx) {
   NvtxRange range("kernels/count_correct");
-  require_f32("count_correct", logits);
+  require_floating("count_correct", {&logits});
   DP_CHECK(labels.dtype() == DType::i32, "count_correct: labels must be i32, got " << labels);
   int64_t batch = logits.dim(0), classes = logits.dim(1);
   if (batch == 0) return 0;
   cudaStream_t s = stream_of(ctx);
   auto* count = static_cast<unsigned long long*>(ctx.workspace(sizeof(unsigned long long)));
   DP_CUDA_CHECK(cudaMemsetAsync(count, 0, sizeof(*count), s));
-  count_correct_kernel<<<row_warp_blocks(batch), kThreads, 0, s>>>(
-      count, logits.data<float>(), labels.data<int32_t>(), batch, classes);
-  DP_CUDA_CHECK_LAUNCH();
+  with_storage(
+      [&](auto x_t) {
+        using T = decltype(x_t);
+        count_correct_kernel<unsigned long long, T><<<row_warp_blocks(batch), kThreads, 0, s>>>(
+            count, logits.data<T>(), labels.data<int32_t>(), batch, classes);
+        DP_CUDA_CHECK_LAUNCH();
+      },
+      logits.dtype());
   unsigned long long host_count = 0;
   DP_CUDA_CHECK(cudaMemcpyAsync(&host_count, count, sizeof(host_count), cudaMemcpyDeviceToHost, s));
   // The op returns a host value: wait for the count to arrive.
@@ -349,14 +384,20 @@ int64_t count_correct(const Tensor& logits, const Tensor& labels, DeviceContext&
 void count_correct_into(Tensor& out, const Tensor& logits, const Tensor& labels,
                         DeviceContext& ctx) {
   NvtxRange range("kernels/count_correct_into");
-  require_f32("count_correct_into", {&logits, &out});
+  require_f32("count_correct_into", out);
+  require_floating("count_correct_into", {&logits});
   int64_t batch = logits.dim(0), classes = logits.dim(1);
   cudaStream_t s = stream_of(ctx);
   DP_CUDA_CHECK(cudaMemsetAsync(out.data<float>(), 0, sizeof(float), s));
   if (batch == 0) return;
-  count_correct_kernel<<<row_warp_blocks(batch), kThreads, 0, s>>>(
-      out.data<float>(), logits.data<float>(), labels.data<int32_t>(), batch, classes);
-  DP_CUDA_CHECK_LAUNCH();
+  with_storage(
+      [&](auto x_t) {
+        using T = decltype(x_t);
+        count_correct_kernel<float, T><<<row_warp_blocks(batch), kThreads, 0, s>>>(
+            out.data<float>(), logits.data<T>(), labels.data<int32_t>(), batch, classes);
+        DP_CUDA_CHECK_LAUNCH();
+      },
+      logits.dtype());
 }
 
 }  // namespace kernels::cuda
