@@ -123,7 +123,8 @@ struct Buffer {
 
 // What dtype activations travel in between layers: f32 (the default), or the compute dtype of
 // mixed precision (Linear, Conv2d, the activations, pooling, dropout, bias-add and LayerNorm keep
-// 16-bit outputs, LayerNorm with f32 statistics; BatchNorm and the loss take f32).
+// 16-bit outputs, LayerNorm with f32 statistics; BatchNorm takes f32, and the model's output is
+// f32 unless set_output keeps it 16-bit for a loss that reads it).
 enum class Activations { f32, compute };
 
 // What dtype the model's output (the outermost forward's result) has under 16-bit activations:
