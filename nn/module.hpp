@@ -99,6 +99,11 @@ inline int64_t align_flat_offset(int64_t n) {
   return (n + kFlatAlignElems - 1) / kFlatAlignElems * kFlatAlignElems;
 }
 
+// Whether AdamW's decoupled weight decay applies to a parameter (nn::decay_by_parameter): by its
+// shape, nanoGPT's rule (2 or more dimensions decay: the matrices of products, convolution
+// kernels and embeddings; vectors such as biases and norm scales do not), or as its layer says.
+enum class Decay { by_shape, yes, no };
+
 struct Parameter {
   std::string name;  // local name ("weight"); named_parameters() gives the full path
   Shape shape;
@@ -109,7 +114,22 @@ struct Parameter {
   // The value GEMMs and convolutions read: `value` itself, or under mixed precision its view in
   // the 16-bit copy of the flat buffer (Module::set_compute_dtype, nn/amp.hpp).
   Tensor compute;
+  Decay decay = Decay::by_shape;
   int64_t numel() const { return kernels::shape_numel(shape); }
+  // Whether weight decay applies (see Decay).
+  bool decays() const { return decay == Decay::by_shape ? shape.size() >= 2 : decay == Decay::yes; }
+};
+
+// A module's constant table (PyTorch's register_buffer(..., persistent=False)): rotary cos/sin,
+// a fixed mask. `make` gives its values on the host (shape's element count, row-major); they are
+// made again on every device the module is materialised on (materialize, clone_to: once per
+// replica), in an allocation of their own, so a constant is never averaged or broadcast across
+// replicas and never saved in a checkpoint. Layers read `value` on the module's device.
+struct Constant {
+  std::string name;
+  Shape shape;
+  std::function<std::vector<float>(const Shape&)> make;
+  Tensor value;  // (shape) f32 on the module's device, after materialize()
 };
 
 struct Buffer {
@@ -244,6 +264,14 @@ class Module {
     std::vector<std::pair<std::string, Parameter*>> out;
     visit("", [&](const std::string& prefix, Module& m) {
       for (auto& p : m.params_) out.emplace_back(prefix + p.name, &p);
+    });
+    return out;
+  }
+  // The constant tables of the whole tree (see Constant), depth first in registration order.
+  std::vector<std::pair<std::string, Constant*>> named_constants() {
+    std::vector<std::pair<std::string, Constant*>> out;
+    visit("", [&](const std::string& prefix, Module& m) {
+      for (auto& c : m.constants_) out.emplace_back(prefix + c.name, &c);
     });
     return out;
   }
@@ -413,11 +441,22 @@ class Module {
   virtual void on_mode(Mode) {}
   virtual void on_input_grad(InputGrad) {}
 
-  Parameter& register_parameter(std::string name, Shape shape, InitSpec init) {
+  // `decay`: whether AdamW's weight decay applies under nn::decay_by_parameter (default: by
+  // shape, 2 or more dimensions decay).
+  Parameter& register_parameter(std::string name, Shape shape, InitSpec init,
+                                Decay decay = Decay::by_shape) {
     DP_CHECK(!materialized(), "register_parameter(" << name << ") after materialize()");
     params_.push_back(
-        Parameter{std::move(name), std::move(shape), init, 0, Tensor(), Tensor(), Tensor()});
+        Parameter{std::move(name), std::move(shape), init, 0, Tensor(), Tensor(), Tensor(), decay});
     return params_.back();
+  }
+  // requires make(shape) returns shape's element count of values. See Constant.
+  Constant& register_constant(std::string name, Shape shape,
+                              std::function<std::vector<float>(const Shape&)> make) {
+    DP_CHECK(!materialized(), "register_constant(" << name << ") after materialize()");
+    DP_CHECK(make != nullptr, "register_constant(" << name << "): no function makes its values");
+    constants_.push_back(Constant{std::move(name), std::move(shape), std::move(make), Tensor()});
+    return constants_.back();
   }
   Buffer& register_buffer(std::string name, Shape shape, float init_value) {
     DP_CHECK(!materialized(), "register_buffer(" << name << ") after materialize()");
@@ -467,8 +506,16 @@ class Module {
     state->params = Tensor::empty({np}, DType::f32, device);
     state->grads = Tensor::zeros({np}, DType::f32, device);
     state->buffers = Tensor::empty({nb}, DType::f32, device);
-    visit("", [&](const std::string&, Module& m) {
+    visit("", [&](const std::string& prefix, Module& m) {
       m.flat_ = state;
+      for (auto& c : m.constants_) {
+        std::vector<float> v = c.make(c.shape);
+        DP_CHECK(static_cast<int64_t>(v.size()) == kernels::shape_numel(c.shape),
+                 "constant " << prefix << c.name << " " << kernels::shape_str(c.shape) << ": made "
+                             << v.size() << " values for " << kernels::shape_numel(c.shape)
+                             << " elements");
+        c.value = Tensor::from_vector(v, c.shape, device);
+      }
       for (auto& p : m.params_) {
         p.value = state->params.view(p.offset, p.shape);
         p.grad = state->grads.view(p.offset, p.shape);
@@ -492,6 +539,7 @@ class Module {
 
   std::deque<Parameter> params_;
   std::deque<Buffer> buffers_;
+  std::deque<Constant> constants_;
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
   std::shared_ptr<FlatState> flat_;
   Mode mode_ = Mode::train;

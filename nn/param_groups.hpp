@@ -1,10 +1,11 @@
-// Parameter groups for AdamW as ranges of the flat buffer: weight decay on matrices only (the
-// weights of Linear and Conv2d layers; no decay on biases, norms and embeddings), and a
-// learning-rate scale per group. The fused step stays one pass: each flat element carries its
-// group's index (one byte), and kernels::adamw_update_grouped reads the group's scalars
-// (kernels::adamw_scalars, in the optimizer's step_scalars()).
+// Parameter groups for AdamW as ranges of the flat buffer: weight decay by parameter (each
+// parameter says whether it decays: by default when it has 2 or more dimensions, nanoGPT's
+// rule, so a custom layer's matrix decays without naming its type), or on the weights of Linear
+// and Conv2d layers only; and a learning-rate scale per group. The fused step stays one pass: each
+// flat element carries its group's index (one byte), and kernels::adamw_update_grouped reads the
+// group's scalars (kernels::adamw_scalars, in the optimizer's step_scalars()).
 //
-//   nn::GroupedAdamW opt(*model, cfg, nn::decay_matrices_only(*model, cfg.weight_decay));
+//   nn::GroupedAdamW opt(*model, cfg, nn::decay_by_parameter(*model, cfg.weight_decay));
 #pragma once
 
 #include <algorithm>
@@ -30,8 +31,21 @@ struct ParamGroups {
   std::vector<int> group_of_param;
 };
 
-// Group 0 "decay" (weight_decay): the weights of Linear and Conv2d layers; group 1 "no_decay"
-// (0): everything else (biases, LayerNorm and BatchNorm, embeddings, GPT's position table).
+// Group 0 "decay" (weight_decay): the parameters whose decays() is true (Decay: 2 or more
+// dimensions unless registered otherwise: Linear and Conv2d weights, embeddings, GPT's position
+// table, a custom layer's matrices); group 1 "no_decay" (0): the others (biases, norm scales and
+// shifts, and what a layer registered with Decay::no). nanoGPT's configure_optimizers.
+inline ParamGroups decay_by_parameter(Module& m, float weight_decay) {
+  ParamGroups g;
+  g.groups = {{"decay", 1.f, weight_decay}, {"no_decay", 1.f, 0.f}};
+  for (auto& [name, p] : m.named_parameters()) g.group_of_param.push_back(p->decays() ? 0 : 1);
+  return g;
+}
+
+// By layer type: group 0 "decay" (weight_decay): the weights of Linear and Conv2d layers; group
+// 1 "no_decay" (0): everything else (biases, LayerNorm and BatchNorm, embeddings, GPT's position
+// table, and any custom layer's parameters: prefer decay_by_parameter for models with custom
+// layers).
 inline ParamGroups decay_matrices_only(Module& m, float weight_decay) {
   ParamGroups g;
   g.groups = {{"decay", 1.f, weight_decay}, {"no_decay", 1.f, 0.f}};

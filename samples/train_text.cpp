@@ -125,7 +125,10 @@ int main(int argc, char** argv) {
   app.add_option("--seq", f.seq, "tokens per sequence (at most the model's context)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   app.add_option("--lr", f.lr, "AdamW learning rate")->check(dp::cli::positive_number(10));
-  app.add_option("--weight-decay", f.weight_decay, "AdamW weight decay (matrices only)")
+  app.add_option(
+         "--weight-decay", f.weight_decay,
+         "AdamW weight decay (parameters of 2 or more dimensions: matrices and embeddings, as "
+         "nanoGPT; not biases or LayerNorm)")
       ->check(dp::cli::number_in(0, 1));
   app.add_option("--warmup", f.warmup, "linear warm-up steps before the cosine decay")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
@@ -190,8 +193,9 @@ int main(int argc, char** argv) {
     adamw.lr = f.lr;
     adamw.weight_decay = f.weight_decay;
     adamw.beta2 = 0.95f;
-    // Weight decay on matrices only (no decay on biases, LayerNorm and embeddings).
-    nn::GroupedAdamW opt(*model, adamw, nn::decay_matrices_only(*model, f.weight_decay));
+    // Weight decay by parameter, nanoGPT's rule: matrices and embeddings decay, biases and
+    // LayerNorm do not.
+    nn::GroupedAdamW opt(*model, adamw, nn::decay_by_parameter(*model, f.weight_decay));
     const nn::LinearWarmup schedule(
         nn::CosineLR(f.lr, std::max<int64_t>(f.steps - f.warmup, 1), f.lr / 10), f.warmup);
 

@@ -185,11 +185,12 @@ int hybrid_procs(int flag, int nnodes) {
 }
 
 void add_activations_flag(CLI::App& app, std::string& activations) {
-  app.add_option("--activations", activations,
-                 "f32 | bf16: with --dtype bf16, Linear, Conv, the activations, pooling, dropout, "
-                 "bias-add, LayerNorm and the GPT's residual stream keep bf16 between layers "
-                 "(the cross-entropies read bf16 logits and write their gradient in bf16; BatchNorm, "
-                 "other losses and the optimizer stay f32)")
+  app.add_option(
+         "--activations", activations,
+         "f32 | bf16: with --dtype bf16, Linear, Conv, the activations, pooling, dropout, "
+         "bias-add, LayerNorm and the GPT's residual stream keep bf16 between layers "
+         "(the cross-entropies read bf16 logits and write their gradient in bf16; BatchNorm, "
+         "other losses and the optimizer stay f32)")
       ->check(CLI::IsMember({"f32", "bf16"}));
 }
 
