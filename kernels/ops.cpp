@@ -895,6 +895,89 @@ void layer_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor
               save_rstd, acc);
 }
 
+// ---- Llama's layers ------------------------------------------------------------------------
+
+void rms_norm_forward(Tensor& y, Tensor& save_rstd, const Tensor& x, const Tensor& gamma,
+                      float eps) {
+  const char* op = "rms_norm_forward";
+  check_layer_norm(op, {"x", x}, {{"save_rstd", save_rstd}}, {{"gamma", gamma}});
+  check_devices(op, {{"x", x}, {"y", y}});
+  check_floating(op, {{"x", x}, {"y", y}});
+  check_same_shape(op, {"x", x}, {"y", y});
+  check_eps(op, eps);
+  DP_CHECK(x.dim(1) > 0 || x.dim(0) == 0,
+           op << ": x " << shape_str(x.shape()) << " has no features");
+  if (x.numel() == 0) return;
+  DP_DISPATCH(x.device(), rms_norm_forward, y, save_rstd, x, gamma, eps);
+}
+
+void rms_norm_backward(Tensor& dx, Tensor& dgamma, const Tensor& dy, const Tensor& x,
+                       const Tensor& gamma, const Tensor& save_rstd, Accumulate acc) {
+  const char* op = "rms_norm_backward";
+  check_layer_norm(op, {"x", x}, {{"save_rstd", save_rstd}},
+                   {{"gamma", gamma}, {"dgamma", dgamma}});
+  check_devices(op, {{"x", x}, {"dx", dx}, {"dy", dy}});
+  check_floating(op, {{"x", x}, {"dx", dx}, {"dy", dy}});
+  check_same_shape(op, {"x", x}, {"dx", dx});
+  check_same_shape(op, {"x", x}, {"dy", dy});
+  if (dgamma.numel() == 0) return;
+  if (x.numel() == 0) {
+    if (acc == Accumulate::no) fill(dgamma, 0.f);
+    return;
+  }
+  DP_DISPATCH(x.device(), rms_norm_backward, dx, dgamma, dy, x, gamma, save_rstd, acc);
+}
+
+namespace {
+// h (M, 2 H) and y (M, H): the gate's halves.
+void check_swiglu(const char* op, const Arg& y, const Arg& h) {
+  check_devices(op, {y, h});
+  check_floating(op, {y, h});
+  check_ndim(op, y, 2);
+  check_ndim(op, h, 2);
+  DP_CHECK(h.t.dim(0) == y.t.dim(0) && h.t.dim(1) == 2 * y.t.dim(1),
+           op << ": " << h.name << " " << shape_str(h.t.shape()) << " must be (M, 2 H) for "
+              << y.name << " " << shape_str(y.t.shape()) << " (M, H)");
+}
+}  // namespace
+
+void swiglu_forward(Tensor& y, const Tensor& h) {
+  check_swiglu("swiglu_forward", {"y", y}, {"h", h});
+  if (y.numel() == 0) return;
+  DP_DISPATCH(y.device(), swiglu_forward, y, h);
+}
+
+void swiglu_backward(Tensor& dh, const Tensor& dy, const Tensor& h) {
+  const char* op = "swiglu_backward";
+  check_swiglu(op, {"dy", dy}, {"h", h});
+  check_devices(op, {{"h", h}, {"dh", dh}});
+  check_floating(op, {{"dy", dy}, {"h", h}, {"dh", dh}});
+  check_same_shape(op, {"h", h}, {"dh", dh});
+  if (dy.numel() == 0) return;
+  DP_DISPATCH(dy.device(), swiglu_backward, dh, dy, h);
+}
+
+void rotary_embedding(Tensor& x, const Tensor& cos, const Tensor& sin, int64_t head_dim,
+                      int64_t columns, Rotation rotation) {
+  const char* op = "rotary_embedding";
+  check_devices(op, {{"x", x}, {"cos", cos}, {"sin", sin}});
+  check_floating(op, {{"x", x}});
+  check_f32(op, {{"cos", cos}, {"sin", sin}});
+  check_ndim(op, {"x", x}, 3);
+  check_ndim(op, {"cos", cos}, 2);
+  check_same_shape(op, {"cos", cos}, {"sin", sin});
+  DP_CHECK(head_dim > 0 && head_dim % 2 == 0 && columns >= 0 && columns % head_dim == 0 &&
+               columns <= x.dim(2),
+           op << ": head_dim " << head_dim << " and columns " << columns << " for x "
+              << shape_str(x.shape()) << " (need an even head_dim dividing columns <= " << x.dim(2)
+              << ")");
+  DP_CHECK(cos.dim(1) == head_dim / 2 && cos.dim(0) >= x.dim(1),
+           op << ": tables " << shape_str(cos.shape()) << " must be (T_max >= " << x.dim(1) << ", "
+              << head_dim / 2 << ")");
+  if (x.numel() == 0 || columns == 0) return;
+  DP_DISPATCH(x.device(), rotary_embedding, x, cos, sin, head_dim, columns, rotation);
+}
+
 // ---- dropout -------------------------------------------------------------------------------
 
 void dropout_forward(Tensor& y, Tensor& mask, const Tensor& x, float p, uint64_t seed,

@@ -363,6 +363,34 @@ void layer_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor
                          const Tensor& x, const Tensor& gamma, const Tensor& save_mean,
                          const Tensor& save_rstd, Accumulate acc);
 
+// ---- Llama's layers: RMSNorm, SwiGLU, rotary embeddings -----------------------------------
+// Activations and their gradients may each be f32, f16 or bf16 (one 16-bit dtype per call):
+// f32 arithmetic (double statistics on the CPU), each 16-bit output rounded once.
+
+// RMSNorm over the last dim. requires x, y (M, D); gamma (D) f32; save_rstd (M) f32; eps > 0.
+// ensures y = x rstd gamma with rstd = 1 / sqrt(mean_j x_j^2 + eps), saved per row.
+void rms_norm_forward(Tensor& y, Tensor& save_rstd, const Tensor& x, const Tensor& gamma,
+                      float eps);
+// requires as rms_norm_forward, dx and dy like x, dgamma (D) f32. ensures, with g = dy gamma,
+// dx = rstd (g - x rstd^2 mean_j(g_j x_j)) (overwritten) and dgamma (+)= sum_rows dy x rstd.
+void rms_norm_backward(Tensor& dx, Tensor& dgamma, const Tensor& dy, const Tensor& x,
+                       const Tensor& gamma, const Tensor& save_rstd, Accumulate acc);
+// SwiGLU's gate (Shazeer 2020; Llama's MLP): requires h (M, 2 H) = [a | b] (the gate and up
+// projections side by side), y (M, H). ensures y = silu(a) * b, silu(a) = a sigmoid(a).
+void swiglu_forward(Tensor& y, const Tensor& h);
+// requires dh like h, dy like y. ensures dh = [dy b silu'(a) | dy silu(a)] (overwritten).
+void swiglu_backward(Tensor& dh, const Tensor& dy, const Tensor& h);
+// Rotary position embedding (RoFormer), in place, with Llama's rotate-half pairing.
+// requires x (B, T, C) with columns <= C a multiple of head_dim, head_dim even; cos and sin
+// (T_max, head_dim / 2) f32 with T <= T_max. ensures in each row (position t) and each head of
+// columns [0, columns), for j < head_dim / 2 the pair (x_j, x_{j + head_dim / 2}) becomes
+//   (x_j cos - x_{j + h} sin, x_{j + h} cos + x_j sin),  cos, sin = table[t, j];
+// Rotation::inverse turns the other way (sin negated): the backward of a forward rotation, run
+// on its gradient. Columns from `columns` on are untouched (a QKV row's values).
+enum class Rotation { forward, inverse };
+void rotary_embedding(Tensor& x, const Tensor& cos, const Tensor& sin, int64_t head_dim,
+                      int64_t columns, Rotation rotation);
+
 // ---- dropout -------------------------------------------------------------------------------
 
 // Counter-based (Philox4x32-10): element i of a call keeps iff uniform(seed, offset + i) >= p.

@@ -347,4 +347,52 @@ class LayerNorm : public Module {
   Tensor save_mean_, save_rstd_;  // (M)
 };
 
+// RMSNorm over the last dim (Zhang and Sennrich 2019; Llama's norm): x (..., D) -> y (..., D),
+// y = x / sqrt(mean(x^2) + eps) * gamma; gamma (D) = 1, no shift. One fused kernel each way
+// (kernels::rms_norm_forward/backward); 16-bit activations as LayerNorm's.
+class RMSNorm : public Module {
+ public:
+  explicit RMSNorm(int64_t dim, float eps = 1e-5f) : d_(dim), eps_(eps) {
+    DP_CHECK(d_ > 0 && eps > 0.f, "RMSNorm(" << d_ << ", eps " << eps << "): invalid");
+    gamma_ = &register_parameter("weight", {d_}, InitSpec::constant(1.f));
+  }
+  std::string type_name() const override { return "RMSNorm"; }
+  int64_t dim() const { return d_; }
+  float eps() const { return eps_; }
+  Parameter& weight() { return *gamma_; }
+
+ protected:
+  Tensor forward_impl(const Tensor& x) override {
+    DP_CHECK(x.ndim() >= 1 && x.dim(-1) == d_, "RMSNorm(" << d_ << "): input "
+                                                          << kernels::shape_str(x.shape())
+                                                          << " must be (..., " << d_ << ")");
+    x_shape_ = x.shape();
+    const int64_t rows = x.numel() / d_;
+    x2_ = x.reshape({rows, d_});  // (M, D), in the input's dtype
+    save_rstd_ = Tensor::empty({rows}, DType::f32, x.device());
+    const DType out = x.dtype() != DType::f32 ? x.dtype() : activation_dtype();
+    Tensor y = Tensor::empty({rows, d_}, out, x.device());
+    kernels::rms_norm_forward(y, save_rstd_, x2_, gamma_->value, eps_);
+    return y.reshape(x_shape_);
+  }
+  Tensor backward_impl(const Tensor& dy) override {
+    DP_CHECK(x2_.defined(), "RMSNorm::backward called before forward");
+    Tensor dx = Tensor::empty(x2_.shape(), x2_.dtype(), dy.device());
+    kernels::rms_norm_backward(dx, gamma_->grad, dy.reshape(x2_.shape()), x2_, gamma_->value,
+                               save_rstd_, kernels::Accumulate::yes);
+    return dx.reshape(x_shape_);
+  }
+  std::shared_ptr<Module> clone_config() const override {
+    return std::make_shared<RMSNorm>(d_, eps_);
+  }
+
+ private:
+  int64_t d_;
+  float eps_;
+  Parameter* gamma_ = nullptr;
+  Shape x_shape_;
+  Tensor x2_;         // cached input as (M, D), in its own dtype (dx takes it)
+  Tensor save_rstd_;  // (M)
+};
+
 }  // namespace nn

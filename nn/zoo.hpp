@@ -6,6 +6,7 @@
 
 #include "nn/gpt.hpp"
 #include "nn/layers.hpp"
+#include "nn/llama.hpp"
 
 namespace nn {
 
@@ -91,6 +92,13 @@ inline std::shared_ptr<Sequential> resnet(int depth, int64_t in_channels, int64_
 //   nn::gpt(nn::GptConfig::preset("124m"))
 inline std::shared_ptr<Gpt> gpt(const GptConfig& config) {
   return std::make_shared<Gpt>(config);
+}
+
+// A Llama-style model (nn/llama.hpp: RMSNorm, SwiGLU, rotary attention, untied head):
+// ids (B, T) i32 -> logits (B, T, vocab).
+//   nn::llama(nn::LlamaConfig::preset("tiny"))
+inline std::shared_ptr<Llama> llama(const LlamaConfig& config) {
+  return std::make_shared<Llama>(config);
 }
 
 }  // namespace nn

@@ -107,11 +107,14 @@ std::string sample_text(nn::Module& m, const std::string& prompt, int64_t n, int
 
 int main(int argc, char** argv) {
   Flags f;
-  CLI::App app{"train_text: a byte-level GPT on English text, single, DP or DDP"};
+  CLI::App app{"train_text: a byte-level GPT or Llama on English text, single, DP or DDP"};
   app.option_defaults()->always_capture_default();  // --help shows every default
-  app.add_option("--model", f.model, "model (gpt)")->check(CLI::IsMember({"gpt"}));
-  app.add_option("--gpt-config", f.gpt_config, "GPT preset")
-      ->check(CLI::IsMember({"tiny", "124m", "350m"}));
+  app.add_option("--model", f.model,
+                 "gpt (GPT-2: LayerNorm, GELU, learned positions, tied head) or llama (RMSNorm, "
+                 "SwiGLU, rotary attention, untied head; its tiny preset)")
+      ->check(CLI::IsMember({"gpt", "llama"}));
+  auto* gpt_config = app.add_option("--gpt-config", f.gpt_config, "GPT preset (--model gpt)")
+                         ->check(CLI::IsMember({"tiny", "124m", "350m"}));
   app.add_option("--mode", f.mode, "single, dp or ddp")
       ->check(CLI::IsMember({"single", "dp", "ddp"}));
   app.add_option("--device", f.device, "auto, cpu or cuda")
@@ -157,6 +160,17 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"auto", "nccl", "gloo"}));
   dp::cli::add_launch_flags(app, f.launch);
   CLI11_PARSE(app, argc, argv);
+  if (f.model == "llama") {
+    if (gpt_config->count() > 0) {
+      std::fprintf(stderr, "train_text: --gpt-config applies to --model gpt, not llama\n");
+      return 2;
+    }
+    if (f.dropout != 0.f) {
+      std::fprintf(stderr, "train_text: --dropout %g: --model llama has no dropout\n",
+                   static_cast<double>(f.dropout));
+      return 2;
+    }
+  }
 
   try {
     if (f.mode == "ddp") {
@@ -166,18 +180,31 @@ int main(int argc, char** argv) {
       t.launch.nproc_per_node = f.gpus;
       if (std::optional<int> rc = dp::dist::launch_if_parent(t, argc, argv)) return *rc;
     }
-    nn::GptConfig config = nn::GptConfig::preset(f.gpt_config);
-    config.dropout = f.dropout;
-    DP_CHECK(f.seq <= config.context, "--seq " << f.seq << " is longer than --gpt-config "
-                                               << f.gpt_config << "'s context " << config.context);
-    DP_CHECK(config.vocab >= 256, "--gpt-config " << f.gpt_config << ": bytes need 256 tokens");
+    // The model: its name in reports and checkpoints, its context and vocabulary.
+    nn::ModulePtr model;
+    std::string model_name;
+    int64_t context = 0, vocab = 0;
+    if (f.model == "llama") {
+      const nn::LlamaConfig config = nn::LlamaConfig::preset("tiny");
+      model = nn::llama(config);
+      model_name = "llama-tiny";
+      context = config.context, vocab = config.vocab;
+    } else {
+      nn::GptConfig config = nn::GptConfig::preset(f.gpt_config);
+      config.dropout = f.dropout;
+      model = nn::gpt(config);
+      model_name = "gpt-" + f.gpt_config;
+      context = config.context, vocab = config.vocab;
+    }
+    DP_CHECK(f.seq <= context,
+             "--seq " << f.seq << " is longer than " << model_name << "'s context " << context);
+    DP_CHECK(vocab >= 256, model_name << ": bytes need 256 tokens");
     dp::data::TextCorpus corpus = dp::data::read_text_corpus(f.data);
     std::string fallback;
     const kernels::DeviceType type = kernels::choose_device_type(f.device, &fallback);
     if (!fallback.empty()) std::fprintf(stderr, "train_text: %s\n", fallback.c_str());
     dp::cli::warn_if_generic_gemm("train_text", type);
 
-    auto model = nn::gpt(config);
     auto loss_fn = std::make_shared<nn::TokenCrossEntropyLoss>();
     std::unique_ptr<dp::dist::DdpTrainer> ddp;
     Device home = Device::cpu(0);
@@ -203,7 +230,7 @@ int main(int argc, char** argv) {
     progress.mode = f.mode;
     progress.world_size = ddp ? ddp->world_size() : (f.mode == "dp" ? f.gpus : 1);
     progress.config = {{"program", "train_text"},
-                       {"model", "gpt-" + f.gpt_config},
+                       {"model", model_name},
                        {"batch", std::to_string(f.batch)},
                        {"seq", std::to_string(f.seq)}};
     std::unique_ptr<dp::DataParallel> engine;
@@ -214,7 +241,7 @@ int main(int argc, char** argv) {
       // the weights are broadcast): ranks with another --batch or --data would train apart.
       ddp->set_run_config(
           {{"program", "train_text"},
-           {"--gpt-config", f.gpt_config},
+           {"--model", model_name},
            {"--batch", std::to_string(f.batch)},
            {"--seq", std::to_string(f.seq)},
            {"--steps", std::to_string(f.steps)},
@@ -259,9 +286,9 @@ int main(int argc, char** argv) {
     }
     if (leader)
       std::printf(
-          "train_text: gpt-%s, %lld parameters, %s on %d device(s), %zu train / %zu "
+          "train_text: %s, %lld parameters, %s on %d device(s), %zu train / %zu "
           "validation bytes from %zu file(s)\n",
-          f.gpt_config.c_str(), static_cast<long long>(trained.num_parameters()), f.mode.c_str(),
+          model_name.c_str(), static_cast<long long>(trained.num_parameters()), f.mode.c_str(),
           progress.world_size, corpus.train.size(), corpus.val.size(), corpus.files.size());
 
     std::optional<dp::cli::StepLog> step_log;
@@ -332,9 +359,8 @@ int main(int argc, char** argv) {
       if (leader) std::printf("saved %s\n", f.save.c_str());
     }
     if (f.sample_bytes > 0 && leader)
-      std::printf(
-          "sample (%s): %s\n", f.top_k == 1 ? "greedy" : "top-k",
-          sample_text(trained, "The ", f.sample_bytes, f.top_k, config.context, f.seed).c_str());
+      std::printf("sample (%s): %s\n", f.top_k == 1 ? "greedy" : "top-k",
+                  sample_text(trained, "The ", f.sample_bytes, f.top_k, context, f.seed).c_str());
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "train_text: %s\n", e.what());

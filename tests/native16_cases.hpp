@@ -378,4 +378,54 @@ inline Results losses(Device d, DType t) {
   return out;
 }
 
+// Llama's kernels: rms_norm forward and backward (odd width, accumulating dgamma), swiglu both
+// ways, rotary in place both ways (q and k turned, v kept).
+inline Results llama(Device d, DType t) {
+  Results out;
+  const Shape xs{5, 37};
+  for (const auto& m : mixes(t, 3)) {  // (y or dx, x, dy)
+    Tensor x = input(d, xs, m[1], 40), gamma = input(d, {37}, DType::f32, 41, 0.5f, 1.5f);
+    Tensor y = empty(d, xs, m[0]), y32 = empty(d, xs, DType::f32);
+    Tensor r = empty(d, {5}, DType::f32), r32 = empty(d, {5}, DType::f32);
+    kernels::rms_norm_forward(y, r, x, gamma, 1e-5f);
+    kernels::rms_norm_forward(y32, r32, widened(x), gamma, 1e-5f);
+    out.push_back({describe("rms_norm_forward", m, xs), y, rounded(y32, m[0])});
+    out.push_back({describe("rms_norm_forward rstd", m, xs), r, r32});
+    Tensor dy = input(d, xs, m[2], 42);
+    Tensor dx = empty(d, xs, m[0]), dx32 = empty(d, xs, DType::f32);
+    Tensor dg = input(d, {37}, DType::f32, 43), dg32 = dg.clone();
+    kernels::rms_norm_backward(dx, dg, dy, x, gamma, r32, Accumulate::yes);
+    kernels::rms_norm_backward(dx32, dg32, widened(dy), widened(x), gamma, r32, Accumulate::yes);
+    out.push_back({describe("rms_norm_backward", m, xs), dx, rounded(dx32, m[0])});
+    out.push_back({describe("rms_norm_backward dgamma", m, xs), dg, dg32});
+  }
+  const Shape hs{6, 2 * 29}, gs{6, 29};
+  for (const auto& m : mixes(t, 3)) {  // (y or dh, h, dy)
+    Tensor h = input(d, hs, m[1], 44);
+    Tensor y = empty(d, gs, m[0]), y32 = empty(d, gs, DType::f32);
+    kernels::swiglu_forward(y, h);
+    kernels::swiglu_forward(y32, widened(h));
+    out.push_back({describe("swiglu_forward", m, hs), y, rounded(y32, m[0])});
+    Tensor dy = input(d, gs, m[2], 45);
+    Tensor dh = empty(d, hs, m[0]), dh32 = empty(d, hs, DType::f32);
+    kernels::swiglu_backward(dh, dy, h);
+    kernels::swiglu_backward(dh32, widened(dy), widened(h));
+    // silu' at a = -inf is 0 (-inf): a NaN whose sign the compiler's operand order picks.
+    out.push_back({describe("swiglu_backward", m, hs), dh, rounded(dh32, m[0]), true});
+  }
+  const int64_t half = 3;
+  Tensor cos = input(d, {9, half}, DType::f32, 46), sin = input(d, {9, half}, DType::f32, 47);
+  for (auto rotation : {kernels::Rotation::forward, kernels::Rotation::inverse}) {
+    Tensor x = input(d, {2, 7, 3 * 12}, t, 48);
+    Tensor x32 = widened(x);
+    kernels::rotary_embedding(x, cos, sin, 2 * half, 24, rotation);
+    kernels::rotary_embedding(x32, cos, sin, 2 * half, 24, rotation);
+    out.push_back({describe(rotation == kernels::Rotation::forward ? "rotary_embedding forward"
+                                                                   : "rotary_embedding inverse",
+                            {t}, {2, 7, 36}),
+                   x, rounded(x32, t)});
+  }
+  return out;
+}
+
 }  // namespace native16

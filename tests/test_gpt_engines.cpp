@@ -58,10 +58,22 @@ std::pair<Tensor, Tensor> token_batch(int64_t batch, int64_t t, int s, bool with
   return {Tensor::from_ints(ids, {batch, t}), Tensor::from_ints(tg, {batch, t})};
 }
 
+using MakeModel = std::function<nn::ModulePtr()>;
+nn::ModulePtr micro_gpt() {
+  return nn::gpt(micro());
+}
+// A Llama of the same sizes (nn/llama.hpp): RMSNorm, SwiGLU, rotary attention, untied head.
+nn::ModulePtr micro_llama() {
+  nn::LlamaConfig c;
+  c.vocab = 13, c.context = 8, c.layers = 2, c.heads = 2, c.dim = 16, c.hidden = 24;
+  return nn::llama(c);
+}
+
 // One device; with clip > 0 the gradient is clipped to that global norm before each step.
 std::vector<float> train_single(int64_t batch, bool ignored, std::vector<float>* losses,
-                                float clip = 0.f, std::vector<float>* norms = nullptr) {
-  auto m = nn::gpt(micro());
+                                float clip = 0.f, std::vector<float>* norms = nullptr,
+                                const MakeModel& make = micro_gpt) {
+  auto m = make();
   m->materialize(Device::cpu(0), kSeed);
   nn::AdamW opt(*m, adamw());
   nn::TokenCrossEntropyLoss loss_fn;
@@ -211,6 +223,81 @@ TEST_CASE("dp.graphs: a GPT's graphed steps equal uncaptured ones bit for bit (i
   }
 }
 
+namespace {
+
+// DDP on `world` ranks (ZeRO-1 with `zero`) trains `make`'s model on the token batches, each rank
+// its chunk, as DdpTrainer shares the loss (by kept tokens). Each rank's parameters and losses
+// (the all-reduced mean), and rank 0's gradient norms with clipping.
+struct DdpRun {
+  std::vector<std::vector<float>> params, losses;
+  std::vector<float> norms0;
+};
+DdpRun run_ddp(int world, const MakeModel& make, int64_t batch, bool zero, float clip) {
+  DdpRun out;
+  out.params.resize(world);
+  out.losses.resize(world);
+  run_ranks(world, [&](int r, dp::dist::ProcessGroup& pg) {
+    const Device dev = Device::cpu(r);
+    auto m = make();
+    m->materialize(dev, kSeed + r);  // rank 0's weights win
+    nn::AdamW opt(*m, adamw());
+    dp::dist::DdpOptions o;
+    o.first_bucket_bytes = 1024;
+    o.bucket_cap_bytes = 4096;
+    dp::dist::DistributedDataParallel ddp(m, pg, o);
+    std::unique_ptr<dp::dist::ZeroStage1> zero1;
+    if (zero) {
+      zero1 = std::make_unique<dp::dist::ZeroStage1>(pg, ddp.module(), opt);
+      zero1->set_clip_grad_norm(clip);
+    }
+    nn::TokenCrossEntropyLoss loss_fn;
+    for (int s = 0; s < kSteps; ++s) {
+      auto [x, y] = token_batch(batch, 6, s, true);
+      // As DdpTrainer: rank r's share is its chunk's share of the kept tokens.
+      auto sizes = dp::chunk_sizes(batch, world);
+      std::vector<int64_t> denominators(world);
+      for (int q = 0; q < world; ++q) {
+        int64_t b = dp::chunk_begin(sizes, q);
+        denominators[q] = loss_fn.denominator(y.slice(b, b + sizes[q]));
+      }
+      int64_t total = 0;
+      for (int64_t d : denominators) total += d;
+      const float share = dp::loss_shares(denominators)[r];
+      int64_t b = dp::chunk_begin(sizes, r);
+      Tensor xs = x.slice(b, b + sizes[r]).to(dev), ys = y.slice(b, b + sizes[r]).to(dev);
+      ddp.set_batch_share(denominators[r], total);
+      ddp.module().zero_grad();
+      Tensor out_r = ddp.forward(xs);
+      Tensor loss = Tensor::empty({1}, DType::f32, dev);
+      Tensor dl = Tensor::empty(out_r.shape(), DType::f32, dev);
+      loss_fn.compute(loss, dl, out_r, ys);
+      if (zero1) {
+        auto local_only = ddp.no_sync();
+        ddp.backward(dl);
+      } else {
+        ddp.backward(dl);
+      }
+      float norm = 0.f;
+      if (zero1) {
+        zero1->step(share);
+        norm = zero1->last_grad_norm();
+      } else {
+        ddp.finish_gradient_sync();
+        if (clip > 0.f) norm = nn::clip_grad_norm(m->flat_grads(), clip);
+        opt.step();
+      }
+      if (r == 0 && clip > 0.f) out.norms0.push_back(norm);
+      scale(loss, loss, share);
+      pg.all_reduce(loss, dp::dist::ReduceOp::sum)->wait();
+      out.losses[r].push_back(loss.item());
+    }
+    out.params[r] = m->flat_params().to_host_f32();
+  });
+  return out;
+}
+
+}  // namespace
+
 TEST_CASE("ddp.gpt: 4 ranks (plain and ZeRO-1) with the token cross-entropy follow one device") {
   const int world = 4;
   for (bool zero : {false, true}) {
@@ -222,75 +309,53 @@ TEST_CASE("ddp.gpt: 4 ranks (plain and ZeRO-1) with the token cross-entropy foll
       const float clip = batch == 7 ? 0.05f : 0.f;
       std::vector<float> ref_losses, ref_norms;
       auto ref = train_single(batch, true, &ref_losses, clip, &ref_norms);
-      std::vector<float> norms0;
-      std::vector<std::vector<float>> params(world);
-      std::vector<std::vector<float>> losses(world);
-      run_ranks(world, [&](int r, dp::dist::ProcessGroup& pg) {
-        const Device dev = Device::cpu(r);
-        auto m = nn::gpt(micro());
-        m->materialize(dev, kSeed + r);  // rank 0's weights win
-        nn::AdamW opt(*m, adamw());
-        dp::dist::DdpOptions o;
-        o.first_bucket_bytes = 1024;
-        o.bucket_cap_bytes = 4096;
-        dp::dist::DistributedDataParallel ddp(m, pg, o);
-        std::unique_ptr<dp::dist::ZeroStage1> zero1;
-        if (zero) {
-          zero1 = std::make_unique<dp::dist::ZeroStage1>(pg, ddp.module(), opt);
-          zero1->set_clip_grad_norm(clip);
-        }
-        nn::TokenCrossEntropyLoss loss_fn;
-        for (int s = 0; s < kSteps; ++s) {
-          auto [x, y] = token_batch(batch, 6, s, true);
-          // As DdpTrainer: rank r's share is its chunk's share of the kept tokens.
-          auto sizes = dp::chunk_sizes(batch, world);
-          std::vector<int64_t> denominators(world);
-          for (int q = 0; q < world; ++q) {
-            int64_t b = dp::chunk_begin(sizes, q);
-            denominators[q] = loss_fn.denominator(y.slice(b, b + sizes[q]));
-          }
-          int64_t total = 0;
-          for (int64_t d : denominators) total += d;
-          const float share = dp::loss_shares(denominators)[r];
-          int64_t b = dp::chunk_begin(sizes, r);
-          Tensor xs = x.slice(b, b + sizes[r]).to(dev), ys = y.slice(b, b + sizes[r]).to(dev);
-          ddp.set_batch_share(denominators[r], total);
-          ddp.module().zero_grad();
-          Tensor out = ddp.forward(xs);
-          Tensor loss = Tensor::empty({1}, DType::f32, dev);
-          Tensor dl = Tensor::empty(out.shape(), DType::f32, dev);
-          loss_fn.compute(loss, dl, out, ys);
-          if (zero1) {
-            auto local_only = ddp.no_sync();
-            ddp.backward(dl);
-          } else {
-            ddp.backward(dl);
-          }
-          float norm = 0.f;
-          if (zero1) {
-            zero1->step(share);
-            norm = zero1->last_grad_norm();
-          } else {
-            ddp.finish_gradient_sync();
-            if (clip > 0.f) norm = nn::clip_grad_norm(m->flat_grads(), clip);
-            opt.step();
-          }
-          if (r == 0 && clip > 0.f) norms0.push_back(norm);
-          scale(loss, loss, share);
-          pg.all_reduce(loss, dp::dist::ReduceOp::sum)->wait();
-          losses[r].push_back(loss.item());
-        }
-        params[r] = m->flat_params().to_host_f32();
-      });
-      CHECK(dp_test::rel_diff(params[0], ref) <= 1e-5f);
-      for (int r = 1; r < world; ++r) CHECK(params[r] == params[0]);
+      DdpRun run = run_ddp(world, micro_gpt, batch, zero, clip);
+      CHECK(dp_test::rel_diff(run.params[0], ref) <= 1e-5f);
+      for (int r = 1; r < world; ++r) CHECK(run.params[r] == run.params[0]);
       for (int s = 0; s < kSteps; ++s)
-        CHECK(losses[0][s] == doctest::Approx(ref_losses[s]).epsilon(1e-5));
-      for (size_t s = 0; s < norms0.size(); ++s)
-        CHECK(norms0[s] == doctest::Approx(ref_norms[s]).epsilon(1e-5));
-      CHECK(norms0.size() == (clip > 0.f ? static_cast<size_t>(kSteps) : 0u));
+        CHECK(run.losses[0][s] == doctest::Approx(ref_losses[s]).epsilon(1e-5));
+      for (size_t s = 0; s < run.norms0.size(); ++s)
+        CHECK(run.norms0[s] == doctest::Approx(ref_norms[s]).epsilon(1e-5));
+      CHECK(run.norms0.size() == (clip > 0.f ? static_cast<size_t>(kSteps) : 0u));
     }
   }
+}
+
+// Llama's layers through both engines: RMSNorm's and SwiGLU's gradients, rotary attention (its
+// tables are constants, made on each device and never communicated) and the untied head, on
+// uneven batches with ignored tokens.
+TEST_CASE("dp.llama: 4 devices follow one device (uneven, ignored tokens)") {
+  for (int64_t batch : {8, 7}) {
+    CAPTURE(batch);
+    std::vector<float> ref_losses, losses;
+    auto ref = train_single(batch, true, &ref_losses, 0.f, nullptr, micro_llama);
+    auto m = micro_llama();
+    m->materialize(Device::cpu(0), kSeed);
+    nn::AdamW opt(*m, adamw());
+    dp::DataParallelOptions o;
+    o.loss = std::make_shared<nn::TokenCrossEntropyLoss>();
+    o.first_bucket_bytes = 1024;
+    o.bucket_cap_bytes = 4096;
+    dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, 4), o);
+    for (int s = 0; s < kSteps; ++s) {
+      auto [x, y] = token_batch(batch, 6, s, true);
+      losses.push_back(engine.train_step(x, y).loss);
+    }
+    CHECK(dp_test::rel_diff(engine.module().flat_params().to_host_f32(), ref) <= 1e-5f);
+    for (int s = 0; s < kSteps; ++s)
+      CHECK(losses[s] == doctest::Approx(ref_losses[s]).epsilon(1e-5));
+  }
+}
+
+TEST_CASE("ddp.llama: 4 ranks follow one device (uneven, ignored tokens)") {
+  const int world = 4, batch = 7;
+  std::vector<float> ref_losses;
+  auto ref = train_single(batch, true, &ref_losses, 0.f, nullptr, micro_llama);
+  DdpRun run = run_ddp(world, micro_llama, batch, false, 0.f);
+  CHECK(dp_test::rel_diff(run.params[0], ref) <= 1e-5f);
+  for (int r = 1; r < world; ++r) CHECK(run.params[r] == run.params[0]);
+  for (int s = 0; s < kSteps; ++s)
+    CHECK(run.losses[0][s] == doctest::Approx(ref_losses[s]).epsilon(1e-5));
 }
 
 // Hybrid: DataParallel inside each node, device 0's buckets summed over the nodes (Gloo over

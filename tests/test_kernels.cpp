@@ -692,6 +692,10 @@ TEST_CASE(
   check_native16(native16::losses);
 }
 
+TEST_CASE("kernels.native16: rms_norm, swiglu and rotary (Llama's kernels) equal the widening") {
+  check_native16(native16::llama);
+}
+
 TEST_CASE("kernels.native16: dropout_forward equals the widening path's bits, the same mask") {
   check_native16(native16::dropout);
 }

@@ -828,11 +828,15 @@ TEST_CASE(
     const char* name;
     native16::Results (*cases)(Device, DType);
   };
-  const Group groups[] = {
-      {"elementwise", native16::elementwise}, {"bias", native16::bias},
-      {"activations", native16::activations}, {"dropout", native16::dropout},
-      {"pooling", native16::pooling},         {"layer_norm", native16::layer_norm},
-      {"embedding", native16::embedding},     {"losses", native16::losses}};
+  const Group groups[] = {{"elementwise", native16::elementwise},
+                          {"bias", native16::bias},
+                          {"activations", native16::activations},
+                          {"dropout", native16::dropout},
+                          {"pooling", native16::pooling},
+                          {"layer_norm", native16::layer_norm},
+                          {"embedding", native16::embedding},
+                          {"losses", native16::losses},
+                          {"llama", native16::llama}};
   auto exact_across_backends = [](const std::string& what) {
     for (const char* op :
          {"add", "mul", "add_bias", "relu", "dropout_forward", "max_pool2d_forward",

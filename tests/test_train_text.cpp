@@ -114,6 +114,36 @@ TEST_CASE("samples.train_text: the tiny GPT learns past a unigram byte model in 
   CHECK(out.find("sample (greedy): ") != std::string::npos);
 }
 
+// Llama's layers (RMSNorm, SwiGLU, rotary attention) on the same text and budget as the GPT's
+// first check; DP on 2 devices follows the single run.
+TEST_CASE("samples.train_text: the tiny Llama learns past a unigram byte model, DP follows it") {
+  if (skip_without_fortunes()) return;
+  const dp::data::TextCorpus corpus = dp::data::read_text_corpus(dp::data::kDefaultTextDir);
+  const double unigram = unigram_val_loss(corpus);
+  const std::string common =
+      "--device cpu --model llama --steps 50 --batch 8 --seq 64 --eval-every 25 --sample-bytes 0";
+  const std::string single = run_train_text(common);
+  INFO(single);
+  CHECK(single.find("llama-tiny") != std::string::npos);
+  CHECK(final_val_loss(single) < unigram);
+  const std::string dp2 = run_train_text(common + " --mode dp --gpus 2");
+  INFO(dp2);
+  CHECK(final_val_loss(dp2) == doctest::Approx(final_val_loss(single)).epsilon(1e-4));
+}
+
+TEST_CASE("samples.train_text: --model llama refuses the GPT's flags, naming them") {
+  for (const char* flag : {"--gpt-config 124m", "--dropout 0.1"}) {
+    CAPTURE(flag);
+    const Outcome r = run_outcome(std::string("--steps 3 --model llama ") + flag);
+    INFO(r.text);
+    CHECK(r.status != 0);
+    CHECK(r.text.find(std::string(flag).substr(0, std::string(flag).find(' '))) !=
+          std::string::npos);
+    CHECK(r.text.find("llama") != std::string::npos);
+    CHECK(r.seconds < 10);
+  }
+}
+
 // The issue's goal, in CI (under 5 minutes on 2 cores): 200 steps of 16 x 64 at the default lr
 // 3e-3 reach below the bigram model's 2.51 (README: what train_text reaches and how long).
 TEST_CASE("samples.train_text: the tiny GPT beats a bigram byte model on held-out text") {

@@ -77,6 +77,14 @@ void layer_norm_forward(Tensor& y, Tensor& save_mean, Tensor& save_rstd, const T
 void layer_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor& dy,
                          const Tensor& x, const Tensor& gamma, const Tensor& save_mean,
                          const Tensor& save_rstd, Accumulate acc);
+void rms_norm_forward(Tensor& y, Tensor& save_rstd, const Tensor& x, const Tensor& gamma,
+                      float eps);
+void rms_norm_backward(Tensor& dx, Tensor& dgamma, const Tensor& dy, const Tensor& x,
+                       const Tensor& gamma, const Tensor& save_rstd, Accumulate acc);
+void swiglu_forward(Tensor& y, const Tensor& h);
+void swiglu_backward(Tensor& dh, const Tensor& dy, const Tensor& h);
+void rotary_embedding(Tensor& x, const Tensor& cos, const Tensor& sin, int64_t head_dim,
+                      int64_t columns, Rotation rotation);
 void set_counter(Tensor& dst, uint64_t value);
 void dropout_forward(Tensor& y, Tensor& mask, const Tensor& x, float p, uint64_t seed,
                      RngOffset offset);
