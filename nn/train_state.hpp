@@ -259,6 +259,9 @@ inline TrainingProgress load_training_state(const std::string& path, Module& m, 
   };
   constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
   constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
+  // Step counts: a run adds steps to them (and Adam raises beta to them), so a crafted count
+  // near INT64_MAX would overflow; 2^53 steps is beyond any run and exact in a double.
+  constexpr int64_t kMaxSteps = int64_t{1} << 53;
   auto number = [&](const std::string& key, int64_t lo, int64_t hi) {
     return safetensors::metadata_count(file, where, key, lo, hi);
   };
@@ -272,10 +275,14 @@ inline TrainingProgress load_training_state(const std::string& path, Module& m, 
                    << "): the file is corrupt");
   }
   TrainingProgress got;
-  got.step = number("step", 0, kMax);
+  got.step = number("step", 0, kMaxSteps);
   got.epoch = number("epoch", 0, kMaxInt);
-  got.batches_done = number("batches_done", 0, kMax);
+  got.batches_done = number("batches_done", 0, kMaxSteps);
   got.mode = text("mode");
+  DP_CHECK(got.mode == "single" || got.mode == "dp" || got.mode == "ddp" || got.mode == "ps" ||
+               got.mode == "hybrid",
+           where << ": metadata 'mode' = '" << io::printable(got.mode)
+                 << "' is not single, dp, ddp, ps or hybrid");
   got.world_size = static_cast<int>(number("world_size", 1, kMaxInt));
   got.optimizer_shards = file.metadata.count("optimizer_shards")
                              ? static_cast<int>(number("optimizer_shards", 1, kMaxInt))
@@ -309,11 +316,11 @@ inline TrainingProgress load_training_state(const std::string& path, Module& m, 
     DP_CHECK(v > 0 && v <= 3.4e38, where << ": metadata 'scaler.scale' = '" << io::printable(scale)
                                          << "' is not a positive float");
     st.scale = static_cast<float>(v);
-    st.growth_tracker = number("scaler.growth_tracker", 0, kMax);
-    st.skipped_steps = number("scaler.skipped_steps", 0, kMax);
+    st.growth_tracker = number("scaler.growth_tracker", 0, kMaxSteps);
+    st.skipped_steps = number("scaler.skipped_steps", 0, kMaxSteps);
     got.scaler = st;
   }
-  const int64_t optimizer_steps = number("optimizer_steps", 0, kMax);
+  const int64_t optimizer_steps = number("optimizer_steps", 0, kMaxSteps);
   DP_CHECK(index >= 0 && index < expected.world_size,
            where << ": device/rank " << index << " of a world of " << expected.world_size);
 

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <optional>
 
@@ -200,6 +201,14 @@ int main(int argc, char** argv) {
              "--seq " << f.seq << " is longer than " << model_name << "'s context " << context);
     DP_CHECK(vocab >= 256, model_name << ": bytes need 256 tokens");
     dp::data::TextCorpus corpus = dp::data::read_text_corpus(f.data);
+    // What the directory held that was not read, said once (links to a file read already, such
+    // as fortune's .u8 names, and entries that are not regular files).
+    const char* rank = std::getenv("RANK");  // DDP: rank 0 says it
+    if (!corpus.skipped.empty() && (rank == nullptr || std::string(rank) == "0")) {
+      std::string list;
+      for (const std::string& s : corpus.skipped) list += (list.empty() ? "" : ", ") + s;
+      std::fprintf(stderr, "train_text: not read: %s\n", list.c_str());
+    }
     std::string fallback;
     const kernels::DeviceType type = kernels::choose_device_type(f.device, &fallback);
     if (!fallback.empty()) std::fprintf(stderr, "train_text: %s\n", fallback.c_str());

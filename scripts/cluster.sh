@@ -56,7 +56,11 @@ rate_bits() {
   case ${BASH_REMATCH[3]} in
     bit) scale=1 ;; kbit) scale=1e3 ;; mbit) scale=1e6 ;; gbit) scale=1e9 ;; tbit) scale=1e12 ;;
   esac
-  awk -v n="${BASH_REMATCH[1]}" -v s="$scale" 'BEGIN { printf "%.0f\n", n * s }'
+  local bits
+  bits=$(awk -v n="${BASH_REMATCH[1]}" -v s="$scale" 'BEGIN { printf "%.0f\n", n * s }')
+  # tc takes no zero rate: 0bit would leave the link unlimited while the report said otherwise.
+  [ "$bits" -ge 8 ] || die "--rate '$r' is below 8 bit/s: give a positive rate, or 'none' for no limit"
+  echo "$bits"
 }
 
 switch_ns() { echo "$prefix-sw"; }

@@ -88,6 +88,9 @@ c, _ = s.accept(); c.sendall(c.recv(5))" &
     "$CLUSTER" up 2 --rate fast --prefix "${prefix}x" > "$work/fast.txt" 2>&1 &&
       fail "--rate fast succeeded"
     grep -q "give a number and a unit" "$work/fast.txt" || fail "--rate fast: $(cat "$work/fast.txt")"
+    "$CLUSTER" up 2 --rate 0bit --prefix "${prefix}x" > "$work/zero.txt" 2>&1 &&
+      fail "--rate 0bit succeeded"
+    grep -q "below 8 bit/s" "$work/zero.txt" || fail "--rate 0bit: $(cat "$work/zero.txt")"
     node 0 sleep 60 &
     sleeper=$!
     for _ in $(seq 100); do  # inside node 0 before down, so that down has it to stop

@@ -470,6 +470,16 @@ TEST_CASE(
            {"rng_offsets", "99999999999999999999",
             "metadata 'rng_offsets' item 0 = '99999999999999999999' is not a whole number in "
             "[0, 2^64)"},
+           // Counts a run adds to: INT64_MAX would overflow at the next step.
+           {"step", "9223372036854775807",
+            "metadata 'step' = '9223372036854775807' is out of range [0, 9007199254740992]"},
+           {"optimizer_steps", "9223372036854775807",
+            "metadata 'optimizer_steps' = '9223372036854775807' is out of range"},
+           {"batches_done", "9223372036854775807",
+            "metadata 'batches_done' = '9223372036854775807'"},
+           // A control byte is shown escaped, never printed raw to the terminal.
+           {"mode", "dp\x1b[2J",
+            "metadata 'mode' = 'dp\\x1b[2J' is not single, dp, ddp, ps or hybrid"},
        }) {
     CAPTURE(c.key);
     nlohmann::json h = header;

@@ -144,6 +144,35 @@ TEST_CASE("samples.train_text: --model llama refuses the GPT's flags, naming the
   }
 }
 
+// A directory's links are followed (a file reached twice is read once) and what is not read is
+// listed with its reason; the size cap is on the whole corpus, checked before reading.
+TEST_CASE("data.text: links followed once, what is skipped is said, the cap is the corpus's") {
+  const std::string dir = dp_test::temp_path("train_text", "corpus_links");
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir + "/sub");
+  const std::string other = dp_test::temp_path("train_text", "corpus_outside.txt");
+  {
+    std::ofstream(dir + "/a.txt") << std::string(3000, 'a');
+    std::ofstream(other) << std::string(2000, 'o');
+  }
+  std::filesystem::create_symlink("a.txt", dir + "/a.u8");            // the same file again
+  std::filesystem::create_symlink(other, dir + "/b.txt");             // a file outside: read
+  std::filesystem::create_symlink(dir + "/none", dir + "/dangling");  // to nothing
+  const dp::data::TextCorpus c = dp::data::read_text_corpus(dir, 0.1, 100);
+  CHECK(c.files == std::vector<std::string>{dir + "/a.txt", dir + "/b.txt"});
+  CHECK(c.train.size() + c.val.size() == 5000);
+  REQUIRE(c.skipped.size() == 3);
+  CHECK(c.skipped[0] == dir + "/a.u8 (the same file as one already read)");
+  CHECK(c.skipped[1] == dir + "/dangling (a link to no regular file)");
+  CHECK(c.skipped[2] == dir + "/sub (not a regular file)");
+  // The cap counts the corpus, and says so, before reading a byte.
+  const std::string e = dp_test::error_of([&] { dp::data::read_text_corpus(dir, 0.1, 100, 4000); });
+  CHECK(e.find("2 file(s) of 5000 bytes in all, more than the 4000 a text corpus may hold") !=
+        std::string::npos);
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove(other);
+}
+
 // The issue's goal, in CI (under 5 minutes on 2 cores): 200 steps of 16 x 64 at the default lr
 // 3e-3 reach below the bigram model's 2.51 (README: what train_text reaches and how long).
 TEST_CASE("samples.train_text: the tiny GPT beats a bigram byte model on held-out text") {

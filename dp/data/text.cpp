@@ -38,27 +38,57 @@ std::vector<uint8_t> read_text_file(const std::string& path, int64_t max_bytes) 
   return bytes;
 }
 
-TextCorpus read_text_corpus(const std::string& path, double val_fraction, int64_t min_bytes) {
+TextCorpus read_text_corpus(const std::string& path, double val_fraction, int64_t min_bytes,
+                            int64_t max_bytes) {
   DP_CHECK(val_fraction > 0 && val_fraction < 1,
            "read_text_corpus: val_fraction " << val_fraction << " must be in (0, 1)");
   TextCorpus c;
   std::error_code ec;
   if (fs::is_directory(path, ec)) {
-    for (const auto& e : fs::directory_iterator(path, ec)) {
-      if (e.is_symlink() || !e.is_regular_file()) continue;
-      if (e.path().extension() == ".dat") continue;  // fortune's index files
-      c.files.push_back(e.path().string());
-    }
+    std::vector<fs::path> entries;
+    for (const auto& e : fs::directory_iterator(path, ec)) entries.push_back(e.path());
     DP_CHECK(!ec, path << ": cannot list: " << ec.message());
-    std::sort(c.files.begin(), c.files.end());
+    std::sort(entries.begin(), entries.end());
+    std::vector<fs::path> seen;  // the files read, resolved: a link to one is not read twice
+    for (const fs::path& p : entries) {
+      if (p.extension() == ".dat") continue;  // fortune's index files
+      std::error_code e2;
+      const bool link = fs::is_symlink(p, e2);
+      if (!fs::is_regular_file(p, e2)) {  // follows links
+        c.skipped.push_back(p.string() +
+                            (link ? " (a link to no regular file)" : " (not a regular file)"));
+        continue;
+      }
+      const fs::path real = fs::weakly_canonical(p, e2);
+      if (std::find(seen.begin(), seen.end(), real) != seen.end()) {
+        c.skipped.push_back(p.string() + " (the same file as one already read)");
+        continue;
+      }
+      seen.push_back(real);
+      c.files.push_back(p.string());
+    }
     DP_CHECK(!c.files.empty(), path << ": no text files (install fortunes-min: scripts/setup.sh)");
   } else {
     c.files.push_back(path);
   }
+  // The corpus's size before any byte is read: the cap is on the whole concatenation.
+  uint64_t total = 0;
+  for (const std::string& f : c.files) {
+    nn::io::require_regular_file(f);
+    const uint64_t size = fs::file_size(f, ec);
+    DP_CHECK(!ec, f << ": cannot read its size: " << ec.message());
+    total += size;
+  }
+  DP_CHECK(total <= static_cast<uint64_t>(max_bytes),
+           path << ": " << c.files.size() << " file(s) of " << total << " bytes in all, more than "
+                << "the " << max_bytes << " a text corpus may hold");
   std::vector<uint8_t> all;
   for (const std::string& f : c.files) {
-    std::vector<uint8_t> b = read_text_file(f, kMaxTextBytes - static_cast<int64_t>(all.size()));
+    std::vector<uint8_t> b = read_text_file(f, max_bytes);
     all.insert(all.end(), b.begin(), b.end());
+    DP_CHECK(static_cast<int64_t>(all.size()) <= max_bytes,
+             path << ": the files grew while they were read: " << all.size() << " bytes by " << f
+                  << ", more than the " << max_bytes << " a text corpus may hold");
   }
   const auto n = static_cast<int64_t>(all.size());
   const auto n_val = static_cast<int64_t>(static_cast<double>(n) * val_fraction);

@@ -18,20 +18,24 @@ constexpr const char* kDefaultTextDir = "/usr/share/games/fortunes";
 constexpr int64_t kMaxTextBytes = int64_t{1} << 30;
 
 struct TextCorpus {
-  std::vector<std::string> files;  // read, in this (name) order
-  std::vector<uint8_t> train;      // the first bytes of the concatenation
-  std::vector<uint8_t> val;        // the last val_fraction of it: the held-out split
+  std::vector<std::string> files;    // read, in this (name) order
+  std::vector<std::string> skipped;  // a directory's entries not read, each with its reason
+  std::vector<uint8_t> train;        // the first bytes of the concatenation
+  std::vector<uint8_t> val;          // the last val_fraction of it: the held-out split
 };
 
 // Reads one regular file of at most max_bytes. Throws naming the file and the fault (missing,
 // not a regular file, too large, unreadable, short read).
 std::vector<uint8_t> read_text_file(const std::string& path, int64_t max_bytes = kMaxTextBytes);
 
-// Reads `path`: one file, or every regular file of a directory in name order, skipping links
-// and fortune's ".dat" indexes. requires 0 < val_fraction < 1. ensures train and val each hold
-// more than `min_bytes` bytes (throws otherwise, naming the path and the sizes).
+// Reads `path`: one file, or every regular file of a directory in name order (links followed,
+// a file reached twice read once), skipping fortune's ".dat" indexes; the other entries not read
+// are listed in `skipped` with their reason, for the caller to say. requires 0 < val_fraction
+// < 1. ensures train and val each hold more than `min_bytes` bytes, and the files at most
+// `max_bytes` in all, checked before any is read (throws otherwise, naming the path and the
+// sizes).
 TextCorpus read_text_corpus(const std::string& path, double val_fraction = 0.1,
-                            int64_t min_bytes = 1024);
+                            int64_t min_bytes = 1024, int64_t max_bytes = kMaxTextBytes);
 
 // Batch `step` of next-byte prediction from `bytes`: batch windows of seq + 1 bytes at
 // positions drawn from (key, step) (the same on every device and rank).
