@@ -3,61 +3,80 @@
 // cross-entropies read f32, f16 or bf16 logits (widened exactly) and write dlogits in f32 or the
 // logits' dtype, each value rounded once from the f32 the f32 kernel stores.
 #include <cmath>
+#include <type_traits>
 
 #include "kernels/cpu/cpu_ops.hpp"
 #include "kernels/cpu/cpu_util.hpp"
 
 namespace kernels::cpu {
 
+namespace {
+
+// log sum_c exp x_c of a row, stable: the f32 maximum, then exp(x - max) added in double.
+template <class S>
+double row_log_sum_exp(const S* x, int64_t classes) {
+  float max_x = load_f32(x[0]);
+  for (int64_t c = 1; c < classes; ++c) max_x = std::max(max_x, load_f32(x[c]));
+  double sum_exp = 0.0;
+  for (int64_t c = 0; c < classes; ++c)
+    sum_exp += std::exp(static_cast<double>(load_f32(x[c])) - max_x);
+  return max_x + std::log(sum_exp);
+}
+
+// Calls row(i, x, d) for every row i of logits (rows, classes), rows in parallel: x the row's
+// logits and d its gradient row (null without dlogits), each in its storage type (dlogits: f32
+// or the logits' dtype).
+template <class Row>
+void for_each_logits_row(const Tensor& logits, Tensor& dlogits, Row row) {
+  const int64_t rows = logits.dim(0), classes = logits.dim(1);
+  const int64_t grain = std::max<int64_t>(1, kElementwiseGrain / classes);
+  with_storage(
+      [&](auto x_t, auto d_t) {
+        using D = decltype(d_t);
+        const auto* px = logits.data<decltype(x_t)>();
+        D* pd = dlogits.defined() ? dlogits.data<D>() : nullptr;
+        parallel_range(rows, grain, [&](int64_t begin, int64_t end) {
+          for (int64_t i = begin; i < end; ++i)
+            row(i, px + i * classes, pd ? pd + i * classes : nullptr);
+        });
+      },
+      logits.dtype(), dlogits.defined() ? dlogits.dtype() : logits.dtype());
+}
+
+}  // namespace
+
 // Per row i (logits x, label l, weight w, smoothing ls, C classes), with lse = log sum exp x:
 //   loss_i = w ((1 - ls)(lse - x_l) + ls (lse - mean_c x_c))
 //   dlogits_i = (w / B) (softmax(x) - t),  t = (1 - ls) onehot(l) + ls / C.
 void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
                            const Tensor& labels, const Tensor& weights, float label_smoothing) {
-  int64_t batch = logits.dim(0), classes = logits.dim(1);
+  const int64_t batch = logits.dim(0), classes = logits.dim(1);
   const int32_t* pl = labels.data<int32_t>();
   const float* pw = weights.defined() ? weights.data<float>() : nullptr;
   for (int64_t i = 0; i < batch; ++i)
     DP_CHECK(pl[i] >= 0 && pl[i] < classes, bad_label_text(pl[i], i, batch, classes));
   const double ls = label_smoothing;
   std::vector<double> row_loss(static_cast<size_t>(batch));
-  int64_t grain = std::max<int64_t>(1, kElementwiseGrain / classes);
-  // dlogits: undefined, f32 or logits' dtype (its storage type then serves both).
-  const DType d_dtype = dlogits.defined() ? dlogits.dtype() : logits.dtype();
-  with_storage(
-      [&](auto x_t, auto d_t) {
-        using D = decltype(d_t);
-        const auto* px = logits.data<decltype(x_t)>();
-        D* pd = dlogits.defined() ? dlogits.data<D>() : nullptr;
-        parallel_range(batch, grain, [&](int64_t begin, int64_t end) {
-          for (int64_t i = begin; i < end; ++i) {
-            const auto* x = px + i * classes;
-            float max_x = load_f32(x[0]);
-            for (int64_t c = 1; c < classes; ++c) max_x = std::max(max_x, load_f32(x[c]));
-            double sum_exp = 0.0, sum_x = 0.0;
-            for (int64_t c = 0; c < classes; ++c) {
-              sum_exp += std::exp(static_cast<double>(load_f32(x[c])) - max_x);
-              sum_x += load_f32(x[c]);
-            }
-            double lse = max_x + std::log(sum_exp);
-            double w = pw ? pw[i] : 1.0;
-            const double x_label = load_f32(x[pl[i]]);
-            // The smoothing term only with smoothing: a -inf logit would make it 0 * inf = NaN.
-            row_loss[i] =
-                w * (ls != 0.0 ? (1.0 - ls) * (lse - x_label) + ls * (lse - sum_x / classes)
-                               : lse - x_label);
-            if (!pd) continue;
-            double scale = w / static_cast<double>(batch);
-            D* d = pd + i * classes;
-            for (int64_t c = 0; c < classes; ++c) {
-              double target = (c == pl[i] ? 1.0 - ls : 0.0) + ls / classes;
-              double prob = std::exp(static_cast<double>(load_f32(x[c])) - lse);
-              store_rounded(d[c], static_cast<float>(scale * (prob - target)));
-            }
-          }
-        });
-      },
-      logits.dtype(), d_dtype);
+  for_each_logits_row(logits, dlogits, [&](int64_t i, const auto* x, auto* d) {
+    const double lse = row_log_sum_exp(x, classes);
+    const double w = pw ? pw[i] : 1.0;
+    const double x_label = load_f32(x[pl[i]]);
+    // The smoothing term only with smoothing: a -inf logit would make it 0 * inf = NaN.
+    double smooth = 0.0;
+    if (ls != 0.0) {
+      double sum_x = 0.0;
+      for (int64_t c = 0; c < classes; ++c) sum_x += load_f32(x[c]);
+      smooth = ls * (lse - sum_x / classes);
+    }
+    row_loss[i] = w * (ls != 0.0 ? (1.0 - ls) * (lse - x_label) + smooth : lse - x_label);
+    if (!d) return;
+    const double scale = w / static_cast<double>(batch);
+    for (int64_t c = 0; c < classes; ++c) {
+      const double target = (c == pl[i] ? 1.0 - ls : 0.0) + ls / classes;
+      const double prob = std::exp(static_cast<double>(load_f32(x[c])) - lse);
+      store_rounded(d[c], static_cast<float>(scale * (prob - target)));
+    }
+  });
   double total = 0.0;
   for (double l : row_loss) total += l;
   loss.data<float>()[0] = static_cast<float>(total / static_cast<double>(batch));
@@ -67,7 +86,7 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
 // ignore_index, divided by their count n (ignored rows: no loss, zero gradient).
 void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, const Tensor& targets,
                          int32_t ignore_index) {
-  int64_t rows = logits.dim(0), classes = logits.dim(1);
+  const int64_t rows = logits.dim(0), classes = logits.dim(1);
   const int32_t* pt = targets.data<int32_t>();
   int64_t kept = 0;
   for (int64_t i = 0; i < rows; ++i) {
@@ -77,37 +96,20 @@ void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, co
   }
   const double inv_n = kept > 0 ? 1.0 / static_cast<double>(kept) : 0.0;
   std::vector<double> row_loss(static_cast<size_t>(rows), 0.0);
-  int64_t grain = std::max<int64_t>(1, kElementwiseGrain / classes);
-  const DType d_dtype = dlogits.defined() ? dlogits.dtype() : logits.dtype();
-  with_storage(
-      [&](auto x_t, auto d_t) {
-        using D = decltype(d_t);
-        const auto* px = logits.data<decltype(x_t)>();
-        D* pd = dlogits.defined() ? dlogits.data<D>() : nullptr;
-        parallel_range(rows, grain, [&](int64_t begin, int64_t end) {
-          for (int64_t i = begin; i < end; ++i) {
-            const auto* x = px + i * classes;
-            D* d = pd ? pd + i * classes : nullptr;
-            if (pt[i] == ignore_index) {
-              if (d) std::fill(d, d + classes, D{});  // +0 in every storage type
-              continue;
-            }
-            float max_x = load_f32(x[0]);
-            for (int64_t c = 1; c < classes; ++c) max_x = std::max(max_x, load_f32(x[c]));
-            double sum_exp = 0.0;
-            for (int64_t c = 0; c < classes; ++c)
-              sum_exp += std::exp(static_cast<double>(load_f32(x[c])) - max_x);
-            const double lse = max_x + std::log(sum_exp);
-            row_loss[i] = lse - load_f32(x[pt[i]]);
-            if (!d) continue;
-            for (int64_t c = 0; c < classes; ++c) {
-              double prob = std::exp(static_cast<double>(load_f32(x[c])) - lse);
-              store_rounded(d[c], static_cast<float>(inv_n * (prob - (c == pt[i] ? 1.0 : 0.0))));
-            }
-          }
-        });
-      },
-      logits.dtype(), d_dtype);
+  for_each_logits_row(logits, dlogits, [&](int64_t i, const auto* x, auto* d) {
+    using D = std::remove_pointer_t<decltype(d)>;
+    if (pt[i] == ignore_index) {
+      if (d) std::fill(d, d + classes, D{});  // +0 in every storage type
+      return;
+    }
+    const double lse = row_log_sum_exp(x, classes);
+    row_loss[i] = lse - load_f32(x[pt[i]]);
+    if (!d) return;
+    for (int64_t c = 0; c < classes; ++c) {
+      const double prob = std::exp(static_cast<double>(load_f32(x[c])) - lse);
+      store_rounded(d[c], static_cast<float>(inv_n * (prob - (c == pt[i] ? 1.0 : 0.0))));
+    }
+  });
   double total = 0.0;
   for (double l : row_loss) total += l;
   loss.data<float>()[0] = static_cast<float>(total * inv_n);
