@@ -34,7 +34,7 @@ struct Flags {
   int gpus = 1;
   int64_t steps = 200, batch = 16, seq = 64, eval_every = 50, val_batches = 8;
   // lr 3e-3: the tiny preset beats a bigram byte model in 200 steps of 8 x 64; at 6e-3 and
-  // above it stalls near 3 nats (README, "train_text").
+  // above it stalls near 3 nats (docs/programs.md, "train_text").
   float lr = 3e-3f, weight_decay = 0.1f, clip_grad = 1.f, dropout = 0.f;
   int64_t warmup = 20;  // linear warm-up steps, then cosine decay to lr / 10 at --steps
   uint64_t seed = 1;

@@ -158,7 +158,7 @@ c, _ = s.accept(); c.sendall(c.recv(5))" &
       "$("$CLUSTER" addr 1 --prefix "$prefix")" > "$work/hosts"
     # mpirun in node 0; its orted on node 1 is started by cluster.sh rsh (an ssh stand-in that
     # enters the node's namespace), so both talk over eth0 only. No MASTER_ADDR or MASTER_PORT:
-    # the README's command as it is written (MPI's backend needs no store).
+    # docs/several-machines.md's command as it is written (MPI's backend needs no store).
     node 0 timeout 60 env -u MASTER_ADDR -u MASTER_PORT "$MPIRUN" --allow-run-as-root -np 2 \
       --hostfile "$work/hosts" --display-map \
       --mca plm_rsh_agent "$CLUSTER rsh --prefix $prefix" --mca btl self,tcp \

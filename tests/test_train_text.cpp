@@ -174,7 +174,7 @@ TEST_CASE("data.text: links followed once, what is skipped is said, the cap is t
 }
 
 // The issue's goal, in CI (under 5 minutes on 2 cores): 200 steps of 16 x 64 at the default lr
-// 3e-3 reach below the bigram model's 2.51 (README: what train_text reaches and how long).
+// 3e-3 reach below the bigram model's 2.51 (docs/programs.md: what train_text reaches and how long).
 TEST_CASE("samples.train_text: the tiny GPT beats a bigram byte model on held-out text") {
   if (skip_without_fortunes()) return;
   const dp::data::TextCorpus corpus = dp::data::read_text_corpus(dp::data::kDefaultTextDir);
