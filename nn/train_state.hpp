@@ -279,10 +279,11 @@ inline TrainingProgress load_training_state(const std::string& path, Module& m, 
   got.epoch = number("epoch", 0, kMaxInt);
   got.batches_done = number("batches_done", 0, kMaxSteps);
   got.mode = text("mode");
-  DP_CHECK(got.mode == "single" || got.mode == "dp" || got.mode == "ddp" || got.mode == "ps" ||
-               got.mode == "hybrid",
+  // The mode is the saving program's word ("single", "dp", "ddp", ...; empty from the minimal
+  // save): printed in notes, so only printable ASCII.
+  DP_CHECK(io::printable(got.mode) == got.mode,
            where << ": metadata 'mode' = '" << io::printable(got.mode)
-                 << "' is not single, dp, ddp, ps or hybrid");
+                 << "' holds a control byte or a byte outside printable ASCII");
   got.world_size = static_cast<int>(number("world_size", 1, kMaxInt));
   got.optimizer_shards = file.metadata.count("optimizer_shards")
                              ? static_cast<int>(number("optimizer_shards", 1, kMaxInt))

@@ -479,7 +479,7 @@ TEST_CASE(
             "metadata 'batches_done' = '9223372036854775807'"},
            // A control byte is shown escaped, never printed raw to the terminal.
            {"mode", "dp\x1b[2J",
-            "metadata 'mode' = 'dp\\x1b[2J' is not single, dp, ddp, ps or hybrid"},
+            "metadata 'mode' = 'dp\\x1b[2J' holds a control byte or a byte outside printable"},
        }) {
     CAPTURE(c.key);
     nlohmann::json h = header;
