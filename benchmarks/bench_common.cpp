@@ -547,10 +547,17 @@ void DpSteps::add(RunResult& r, const dp::StepStats& st, float loss_scale) {
   phases["optimizer"].push_back(st.ms.step);
 }
 
+const std::vector<std::string>& DpSteps::additive_phases() {
+  // reduce_in_backward runs inside backward: shown, not subtracted.
+  static const std::vector<std::string> names{
+      "scatter", "replicate", "forward", "backward", "reduce", "cross_node_exposed", "optimizer"};
+  return names;
+}
+
 void DpSteps::finish(RunResult& r) const {
   replay.report(r);
   r.graphed_steps = graphed;
-  for (auto& [name, v] : phases) r.phases_ms[name] = percentile(v, 0.5);
+  median_step_phases(r, phases, additive_phases());
   r.buckets_overlapped = static_cast<int>(std::lround(percentile(overlapped, 0.5)));
   r.pulls_beside_backward = static_cast<int>(std::lround(percentile(beside, 0.5)));
   r.final_loss = r.losses.empty() ? 0 : r.losses.back();

@@ -205,7 +205,11 @@ struct DpSteps {
   kernels::Event::Timing timing = kernels::Event::Timing::on;
   // Hybrid steps report the bytes across nodes (in-node links: RunResult::link_bytes).
   void add(RunResult& r, const dp::StepStats& st, float loss_scale);
+  // Sets the run's figures from its steps, the phases those of its median step
+  // (median_step_phases): call again after replacing r.step_ms (a hybrid run's slowest node).
   void finish(RunResult& r) const;
+  // The phases that follow one another within a DP step.
+  static const std::vector<std::string>& additive_phases();
 };
 // A run's progress line (dp/cli/progress.hpp): redrawn with rate and ETA on a terminal, plain
 // lines every 10 s otherwise.

@@ -251,7 +251,6 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   if (o.metrics_lag > 0) file_lagged_losses(r, trainer.finish_metrics());
   if (!o.checkpoint_dir.empty()) save(o.warmup + o.steps);  // the end of the run
   replay.report(r);
-  for (auto& [name, v] : phases) r.phases_ms[name] = percentile(v, 0.5);
   for (auto& f : ready_frac) r.bucket_ready_frac.push_back(median(f));
   r.bucket_bytes = trainer.ddp().bucket_bytes();
   // A synchronous step ends when its last rank ends: the step time is the slowest rank's, per
@@ -265,6 +264,9 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
     trainer.group().all_gather(all, local)->wait();
     r.step_ms = slowest_per_step(all.to_host_f32(), n, steps);
   }
+  // Rank 0's phases of the median step; "other" holds the rest of that step (the slowest rank's
+  // time), a slower rank's lead included.
+  median_step_phases(r, phases, {"forward", "backward", "allreduce_exposed", "optimizer"});
   r.final_loss = r.losses.empty() ? 0 : r.losses.back();
   // The payload handed to the group was counted (the last step's); the ring model says
   // 2 (N-1)/N of it crosses each rank's link.

@@ -93,6 +93,7 @@ int hybrid_worker_main(const Options& o) {
     kernels::Tensor all = kernels::Tensor::empty({nodes * steps}, kernels::DType::f32, devices[0]);
     group->all_gather(all, here)->wait();
     r.step_ms = slowest_per_step(all.to_host_f32(), nodes, steps);
+    median_step_phases(r, timed.phases, DpSteps::additive_phases());  // of the slowest node's step
   }
   r.peak_mem_bytes = engine.peak_memory_bytes();
 

@@ -13,6 +13,27 @@
 
 namespace bench {
 
+void median_step_phases(RunResult& r, const std::map<std::string, std::vector<double>>& phases,
+                        const std::vector<std::string>& additive) {
+  const size_t steps = r.step_ms.size();
+  if (phases.empty() || steps == 0) return;
+  std::vector<size_t> order(steps);
+  for (size_t i = 0; i < steps; ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return r.step_ms[a] < r.step_ms[b] || (r.step_ms[a] == r.step_ms[b] && a < b);
+  });
+  const size_t k = order[(steps - 1) / 2];
+  r.phases_ms.clear();
+  double sum = 0;
+  for (const auto& [name, v] : phases) {
+    if (v.size() != steps) continue;  // not timed at every step: no value for this one
+    r.phases_ms[name] = v[k];
+    if (std::find(additive.begin(), additive.end(), name) != additive.end()) sum += v[k];
+  }
+  r.phases_step_ms = r.step_ms[k];
+  r.phases_ms["other"] = r.step_ms[k] - sum;
+}
+
 std::vector<double> slowest_per_step(const std::vector<float>& all, int ranks, int64_t steps) {
   DP_CHECK(ranks >= 1 && steps >= 0 && all.size() == static_cast<size_t>(ranks * steps),
            "slowest_per_step: " << all.size() << " times for " << ranks << " ranks of " << steps
@@ -231,20 +252,39 @@ std::string verdict(const Header& h, const std::vector<RunResult>& runs) {
   os << std::setprecision(2) << (ddp_wins ? "DDP" : "DP") << " is " << speed.value
      << "x faster than " << (ddp_wins ? "DP" : "DDP") << " (95% CI " << speed.lo << " to "
      << speed.hi << ")";
-  // Where the slower one loses: the phase group with the largest gap.
+  // Where the slower one loses: the phase group with the largest gap in the phases of the two
+  // median steps, and its share of their whole gap.
+  if (slow.phases_ms.empty() || fast.phases_ms.empty()) return os.str();
   const double compute_gap = (phase(slow, "forward") + phase(slow, "backward")) -
                              (phase(fast, "forward") + phase(fast, "backward"));
   const double comm_gap = communication_ms(slow) - communication_ms(fast);
   const double opt_gap = phase(slow, "optimizer") - phase(fast, "optimizer");
-  os << "; " << (ddp_wins ? "DP" : "DDP") << " loses in ";
-  if (comm_gap >= compute_gap && comm_gap >= opt_gap)
-    os << "communication (" << communication_ms(slow) << " ms exposed)";
-  else if (compute_gap >= opt_gap)
+  const double other_gap = phase(slow, "other") - phase(fast, "other");
+  const double whole = slow.phases_step_ms - fast.phases_step_ms;
+  const double largest = std::max({compute_gap, comm_gap, opt_gap, other_gap});
+  const char* loser = ddp_wins ? "DP" : "DDP";
+  os << "; " << loser << " loses most in ";
+  std::string next;  // what to try, where the figures point at something
+  if (largest == comm_gap) {
+    os << "communication (" << communication_ms(slow) << " ms exposed";
+    next = ddp_wins ? "--dp-reduce tree, --comm-dtype bf16, or DDP"
+                    : "a larger --bucket-cap-mb or --first-bucket-mb, or --comm-dtype bf16";
+  } else if (largest == compute_gap) {
     os << "forward + backward"
        << (slow.graph_collectives == "in graph" ? " with its bucket all-reduces (one graph)" : "")
-       << " (+" << compute_gap << " ms)";
-  else
-    os << "the optimizer step (+" << opt_gap << " ms)";
+       << " (+" << compute_gap << " ms";
+    if (time_sliced(h, n)) next = "fewer --gpus: the devices share the hardware";
+  } else if (largest == opt_gap) {
+    os << "the optimizer step (+" << opt_gap << " ms";
+    if (!ddp_wins) next = "--zero 1 (each rank steps a shard)";
+  } else {
+    os << "the rest of the step: waiting for the slowest device or rank, and host work (+"
+       << other_gap << " ms";
+    next = time_sliced(h, n) ? "fewer --gpus: the devices share the hardware"
+                             : "--cuda-graphs on (GPUs), or a larger batch";
+  }
+  os << " of the " << whole << " ms between the median steps)";
+  if (!next.empty()) os << "; try " << next;
   return os.str();
 }
 
@@ -298,13 +338,23 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
       os << "  [" << label << "]";
     os << "\n";
   }
-  os << "\n phases, median ms";
+  os << "\n phases of the median step, ms (other: the rest of it, so that they add up to the "
+        "step; DP's phases are each the slowest device's, so other is negative where they "
+        "overlap)";
   if (std::any_of(runs.begin(), runs.end(), [](const RunResult& r) { return r.graphed_steps > 0; }))
     os << " (graphed steps time a captured segment's phases together, printed joined by +)";
   os << ":\n";
   for (auto& r : runs) {
     os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << r.gpus << " ";
-    for (auto& [name, ms] : shown_phases(r)) os << " " << name << " " << std::setprecision(3) << ms;
+    for (auto& [name, ms] : shown_phases(r))
+      if (name != "other" && name != "reduce_in_backward")
+        os << " " << name << " " << std::setprecision(3) << ms;
+    if (r.phases_ms.count("reduce_in_backward"))  // a part of backward, not added
+      os << " (of which reduce_in_backward " << std::setprecision(3)
+         << r.phases_ms.at("reduce_in_backward") << ")";
+    if (r.phases_ms.count("other"))
+      os << " other " << std::setprecision(3) << r.phases_ms.at("other") << " = step "
+         << r.phases_step_ms;
     if (r.phases_ms.empty()) os << " not timed (--phase-times off)";
     if (r.mode == "ddp" && r.gpus > 1)
       os << "  (buckets " << r.buckets << ", " << r.buckets_overlapped
@@ -605,6 +655,7 @@ nlohmann::json run_to_json(const RunResult& r) {
       {"step_ms_p90", r.step_ms_p90()},
       {"samples_per_s", r.samples_per_s()},
       {"phases_ms", r.phases_ms},
+      {"phases_step_ms", r.phases_step_ms},
       {"param_bytes", r.param_bytes},
       {"bytes_per_step", r.bytes_per_step},
       {"bytes_theory", r.bytes_theory},
@@ -651,6 +702,7 @@ RunResult run_from_json(const nlohmann::json& j) {
   r.step_ms = j.at("step_ms").get<std::vector<double>>();
   r.repeat_ms = j.value("repeat_ms", std::vector<double>{});
   r.phases_ms = j.at("phases_ms").get<std::map<std::string, double>>();
+  r.phases_step_ms = j.value("phases_step_ms", 0.0);
   r.param_bytes = j.at("param_bytes").get<int64_t>();
   r.bytes_per_step = j.at("bytes_per_step").get<int64_t>();
   r.bytes_theory = j.at("bytes_theory").get<int64_t>();

@@ -17,13 +17,16 @@
 namespace bench {
 
 struct RunResult {
-  std::string mode;                         // "dp" or "ddp"
-  int gpus = 1;                             // devices (DP) or ranks (DDP)
-  int64_t batch = 0;                        // global batch
-  std::vector<double> step_ms;              // one per timed step (of the last repeat)
-  std::vector<double> repeat_ms;            // --repeat K >= 2: each repeat's median step, in order
-  std::map<std::string, double> phases_ms;  // median per phase
-  int64_t param_bytes = 0;                  // P: one flat parameter copy
+  std::string mode;               // "dp" or "ddp"
+  int gpus = 1;                   // devices (DP) or ranks (DDP)
+  int64_t batch = 0;              // global batch
+  std::vector<double> step_ms;    // one per timed step (of the last repeat)
+  std::vector<double> repeat_ms;  // --repeat K >= 2: each repeat's median step, in order
+  // The phases of the median step (median_step_phases): each timed phase's time in that step,
+  // and "other", the rest of it, so that they add up to phases_step_ms.
+  std::map<std::string, double> phases_ms;
+  double phases_step_ms = 0;  // the step they add up to: the median step of step_ms
+  int64_t param_bytes = 0;    // P: one flat parameter copy
   // Measured. DP: what the engine copied; DDP: the payload handed to the process group (every
   // collective's tensors, counted by the group), summed over buckets and buffers.
   int64_t bytes_per_step = 0;
@@ -93,6 +96,14 @@ struct RunResult {
 // [r steps, (r+1) steps). A step ends when its last rank ends: the result is each step's
 // slowest time.
 std::vector<double> slowest_per_step(const std::vector<float>& all, int ranks, int64_t steps);
+
+// Sets r.phases_ms to the phases of r's median step (the step at the lower median of
+// r.step_ms, its final per-step times) and "other" to that step's time less the phases that
+// follow one another within it (`additive`; a phase inside another, such as DP's
+// reduce_in_backward, is shown but not subtracted); r.phases_step_ms to that step's time.
+// requires each of `phases` one value per step of r.step_ms (none: nothing is set).
+void median_step_phases(RunResult& r, const std::map<std::string, std::vector<double>>& phases,
+                        const std::vector<std::string>& additive);
 
 // Bytes per step, P = parameter bytes. DP through device 0: the root sends P to and receives
 // P from each of the N-1 replicas: 2 (N-1) P; with gradients sent as G bytes (G = P/2 in bf16,

@@ -223,6 +223,29 @@ TEST_CASE("bench.stats: percentiles and throughput") {
   CHECK(back.batch == 256);
 }
 
+// The report's phases are those of each run's median step, with "other" the rest of it: they
+// add up to that step, which is the run's step median (an odd count of steps: the median is a
+// step). DP's reduce_in_backward is inside backward and not added.
+TEST_CASE("bench.report: the phases of the median step and other add up to the step median") {
+  const std::string json = temp_path("phases.json");
+  REQUIRE(run_bench("--device cpu --gpus 2 --mode both --steps 5 --warmup 1 --batch 16 --json " +
+                    json) == 0);
+  auto j = read_json(json);
+  REQUIRE(j["runs"].size() == 4);
+  for (auto& r : j["runs"]) {
+    CAPTURE(r["mode"].get<std::string>());
+    CAPTURE(r["gpus"].get<int>());
+    const auto phases = r["phases_ms"].get<std::map<std::string, double>>();
+    REQUIRE(phases.count("other") == 1);
+    double sum = 0;
+    for (const auto& [name, ms] : phases)
+      if (name != "reduce_in_backward") sum += ms;
+    const double step = r["phases_step_ms"].get<double>();
+    CHECK(sum == doctest::Approx(step).epsilon(1e-9));
+    CHECK(step == doctest::Approx(r["step_ms_median"].get<double>()).epsilon(0.01));
+  }
+}
+
 TEST_CASE("bench.cli: JSON schema and trace for both modes on CPU devices") {
   std::string json = temp_path("run.json"), trace = temp_path("trace.json");
   REQUIRE(run_bench("--device cpu --gpus 2 --mode both --steps 3 --warmup 1 --batch 32 --json " +
@@ -990,12 +1013,25 @@ TEST_CASE("bench.report: the verdict names the faster mode, its CI and where the
   bench::Header four_gpus{"NVIDIA H100", 4, 4, "mlp", 1000, "fp32"};
   auto dp = timed_run("dp", 4, {2.0, 2.1, 1.9, 2.05, 1.95});
   auto ddp = timed_run("ddp", 4, {1.0, 1.05, 0.95, 1.0, 1.02});
-  dp.phases_ms = {{"forward", 0.3}, {"backward", 0.5}, {"reduce", 0.9}, {"replicate", 0.2}};
-  ddp.phases_ms = {{"forward", 0.3}, {"backward", 0.5}, {"allreduce_exposed", 0.1}};
+  dp.phases_ms = {
+      {"forward", 0.3}, {"backward", 0.5}, {"reduce", 0.9}, {"replicate", 0.2}, {"other", 0.1}};
+  dp.phases_step_ms = 2.0;
+  ddp.phases_ms = {{"forward", 0.3}, {"backward", 0.5}, {"allreduce_exposed", 0.1}, {"other", 0.1}};
+  ddp.phases_step_ms = 1.0;
   std::string v = bench::verdict(four_gpus, {dp, ddp});
   INFO(v);
   CHECK(v.rfind("mlp, batch 256, 4 devices here: DDP is 2.00x faster than DP (95% CI ", 0) == 0);
-  CHECK(v.find("; DP loses in communication (1.10 ms exposed)") != std::string::npos);
+  CHECK(v.find("; DP loses most in communication (1.10 ms exposed of the 1.00 ms between the "
+               "median steps); try --dp-reduce tree, --comm-dtype bf16, or DDP") !=
+        std::string::npos);
+  // The rest of the step (waiting, host work) named when it is the largest gap.
+  auto waiting = dp;
+  waiting.phases_ms = {{"forward", 0.3}, {"backward", 0.5}, {"reduce", 0.1}, {"other", 1.1}};
+  v = bench::verdict(four_gpus, {waiting, ddp});
+  INFO(v);
+  CHECK(v.find("; DP loses most in the rest of the step: waiting for the slowest device or rank, "
+               "and host work (+1.00 ms of the 1.00 ms between the median steps); try "
+               "--cuda-graphs on") != std::string::npos);
 
   auto same = timed_run("ddp", 4, {2.0, 2.1, 1.9, 2.05, 1.95});
   v = bench::verdict(four_gpus, {dp, same});
