@@ -11,7 +11,7 @@
 #include <sstream>
 
 #include "kernels/runtime/error.hpp"
-#include "nn/file_io.hpp"
+#include "kernels/runtime/file_io.hpp"
 
 namespace dp::data {
 
@@ -97,7 +97,7 @@ struct RawFile {
 };
 
 RawFile inspect(const std::string& path) {
-  nn::io::require_regular_file(path);
+  kernels::io::require_regular_file(path);
   std::error_code ec;
   RawFile raw;
   raw.size = std::filesystem::file_size(path, ec);

@@ -9,7 +9,7 @@
 
 #include "dp/data/idx.hpp"
 #include "kernels/runtime/error.hpp"
-#include "nn/file_io.hpp"
+#include "kernels/runtime/file_io.hpp"
 
 namespace dp::data {
 
@@ -31,7 +31,7 @@ std::string find_file(const std::string& dir, const std::string& stem) {
     if (::stat(path.c_str(), &st) != 0) {
       const int e = errno;  // only a missing file sends us on to the other name
       DP_CHECK(e == ENOENT,
-               "MNIST data set: " << path << ": cannot stat it: " << nn::io::errno_text(e));
+               "MNIST data set: " << path << ": cannot stat it: " << kernels::io::errno_text(e));
       struct stat lst {};
       DP_CHECK(::lstat(path.c_str(), &lst) != 0,
                "MNIST data set: " << path << " is a symbolic link to nothing (dangling)");
@@ -41,7 +41,7 @@ std::string find_file(const std::string& dir, const std::string& stem) {
     const bool link = ::lstat(path.c_str(), &lst) == 0 && S_ISLNK(lst.st_mode);
     DP_CHECK(S_ISREG(st.st_mode),
              "MNIST data set: " << path << " is " << (link ? "a symbolic link to " : "")
-                                << nn::io::file_kind(st.st_mode) << ", not a regular file");
+                                << kernels::io::file_kind(st.st_mode) << ", not a regular file");
     return path;
   }
   DP_THROW("MNIST data set: neither " << plain << " nor " << gz << " exists; " << kHowToGetIt);

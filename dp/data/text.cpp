@@ -9,14 +9,14 @@
 
 #include "kernels/philox.hpp"
 #include "kernels/runtime/error.hpp"
-#include "nn/file_io.hpp"
+#include "kernels/runtime/file_io.hpp"
 
 namespace dp::data {
 
 namespace fs = std::filesystem;
 
 std::vector<uint8_t> read_text_file(const std::string& path, int64_t max_bytes) {
-  nn::io::require_regular_file(path);
+  kernels::io::require_regular_file(path);
   std::error_code ec;
   const uint64_t size = fs::file_size(path, ec);
   DP_CHECK(!ec, path << ": cannot read its size: " << ec.message());
@@ -74,7 +74,7 @@ TextCorpus read_text_corpus(const std::string& path, double val_fraction, int64_
   // The corpus's size before any byte is read: the cap is on the whole concatenation.
   uint64_t total = 0;
   for (const std::string& f : c.files) {
-    nn::io::require_regular_file(f);
+    kernels::io::require_regular_file(f);
     const uint64_t size = fs::file_size(f, ec);
     DP_CHECK(!ec, f << ": cannot read its size: " << ec.message());
     total += size;
