@@ -1,11 +1,14 @@
 // Runtime: devices, tensors and views, dtype conversions, errors, contexts.
 #include <array>
+#include <filesystem>
+#include <fstream>
 #include <thread>
 
 #include "kernels/runtime/event.hpp"
 #include "kernels/runtime/graph.hpp"
 #include "kernels/runtime/handle.hpp"
 #include "kernels/runtime/memory.hpp"
+#include "kernels/runtime/memory_info.hpp"
 #include "kernels/runtime/nvtx.hpp"
 #include "kernels/runtime/plan_cache.hpp"
 #include "tests/test_util.hpp"
@@ -456,4 +459,49 @@ TEST_CASE("runtime.graph: a CPU capture refuses what a CUDA capture refuses, in 
       doctest::Contains("allocating 16 bytes on cpu:2 while a graph captures"), Error);
   CHECK(!plain.capturing());
   CHECK(capturing_on_this_thread() == nullptr);
+}
+
+namespace {
+// Writes `text` to root + path, making its folders.
+void put(const std::string& root, const std::string& path, const std::string& text) {
+  std::filesystem::create_directories(std::filesystem::path(root + path).parent_path());
+  std::ofstream(root + path) << text;
+}
+}  // namespace
+
+// The host's memory as the checks before a run read it: MemAvailable, capped by the headroom of
+// the process's cgroup at every level of its path (a Slurm job's, a systemd unit's), under v2
+// and v1; no limit ("max", v1's 2^63 - 4096) leaves MemAvailable.
+TEST_CASE("runtime.memory: host memory is capped by every level of the cgroup, v2 and v1") {
+  const std::string root = dp_test::temp_path("runtime", "fake_root");
+  std::filesystem::remove_all(root);
+  put(root, "/proc/meminfo", "MemTotal: 20000000 kB\nMemAvailable: 10000 kB\n");
+  // No cgroup file: MemAvailable.
+  kernels::AvailableMemory m = kernels::host_memory_available_under(root);
+  CHECK(m.bytes == 10000 * 1024);
+  CHECK(m.source == "MemAvailable in /proc/meminfo");
+  // v2: the job's level limits (the step's says max); 4 MB limit less 1 MB used.
+  put(root, "/proc/self/cgroup", "0::/job/step\n");
+  put(root, "/sys/fs/cgroup/job/step/memory.max", "max\n");
+  put(root, "/sys/fs/cgroup/job/step/memory.current", "500000\n");
+  put(root, "/sys/fs/cgroup/job/memory.max", "4000000\n");
+  put(root, "/sys/fs/cgroup/job/memory.current", "1000000\n");
+  m = kernels::host_memory_available_under(root);
+  CHECK(m.bytes == 3000000);
+  CHECK(m.source == "the cgroup's memory.max less memory.current in /sys/fs/cgroup/job");
+  // v1 (Slurm's cgroup plugin on older systems): the memory controller's line, among others.
+  std::filesystem::remove_all(root + "/sys");
+  put(root, "/proc/self/cgroup", "5:cpu,cpuacct:/slurm/job_1\n4:memory:/slurm/job_1\n");
+  put(root, "/sys/fs/cgroup/memory/slurm/job_1/memory.limit_in_bytes", "2000000\n");
+  put(root, "/sys/fs/cgroup/memory/slurm/job_1/memory.usage_in_bytes", "500000\n");
+  m = kernels::host_memory_available_under(root);
+  CHECK(m.bytes == 1500000);
+  CHECK(m.source ==
+        "the cgroup's memory.limit_in_bytes less memory.usage_in_bytes in "
+        "/sys/fs/cgroup/memory/slurm/job_1");
+  // v1 without a limit: 2^63 - 4096 means none.
+  put(root, "/sys/fs/cgroup/memory/slurm/job_1/memory.limit_in_bytes", "9223372036854771712\n");
+  m = kernels::host_memory_available_under(root);
+  CHECK(m.bytes == 10000 * 1024);
+  std::filesystem::remove_all(root);
 }

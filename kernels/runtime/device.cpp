@@ -131,24 +131,78 @@ bool read_number(const std::string& path, const std::string& key, int64_t* out) 
 }
 }  // namespace
 
-AvailableMemory host_memory_available() {
+namespace {
+
+// The headroom of one cgroup and of each ancestor up to `top` (limit less usage, the smallest),
+// read from `limit_file` and `usage_file` in each folder; a level without a numeric limit
+// ("max" in v2, a v1 limit of 2^62 or more, or no file) sets none. Returns whether one did.
+bool cgroup_headroom(const std::string& top, std::string rel, const char* limit_file,
+                     const char* usage_file, int64_t* headroom, std::string* where) {
+  bool found = false;
+  while (true) {
+    const std::string dir = top + rel;
+    int64_t limit = 0, used = 0;
+    if (read_number(dir + "/" + limit_file, "", &limit) && limit < (int64_t{1} << 62) &&
+        read_number(dir + "/" + usage_file, "", &used)) {
+      const int64_t room = std::max<int64_t>(0, limit - used);
+      if (!found || room < *headroom) {
+        *headroom = room;
+        *where = dir;
+      }
+      found = true;
+    }
+    if (rel.empty() || rel == "/") break;
+    const size_t slash = rel.find_last_of('/');
+    rel = slash == std::string::npos ? "" : rel.substr(0, slash);
+  }
+  return found;
+}
+
+}  // namespace
+
+AvailableMemory host_memory_available_under(const std::string& root) {
   AvailableMemory m;
   int64_t kib = 0;
-  if (read_number("/proc/meminfo", "MemAvailable:", &kib)) {
+  if (read_number(root + "/proc/meminfo", "MemAvailable:", &kib)) {
     m.bytes = kib * 1024;
     m.source = "MemAvailable in /proc/meminfo";
   } else {
     m.bytes = static_cast<int64_t>(sysconf(_SC_AVPHYS_PAGES)) * sysconf(_SC_PAGESIZE);
     m.source = "free pages (sysconf)";
   }
-  // cgroup v2: "max" (no limit) does not parse as a number and is skipped.
-  int64_t limit = 0, used = 0;
-  if (read_number("/sys/fs/cgroup/memory.max", "", &limit) &&
-      read_number("/sys/fs/cgroup/memory.current", "", &used) && limit - used < m.bytes) {
-    m.bytes = std::max<int64_t>(0, limit - used);
-    m.source = "the cgroup's memory.max less memory.current";
+  // This process's cgroups (/proc/self/cgroup): "0::/path" under cgroup v2, "N:memory:/path"
+  // (the memory controller, maybe among others) under v1. Each level up to the mount's root
+  // may set a limit: the least headroom wins. A container with its own cgroup namespace sees
+  // "/" and its limits at the root; a Slurm job or a systemd unit sees its path.
+  std::ifstream self(root + "/proc/self/cgroup");
+  std::string line;
+  while (std::getline(self, line)) {
+    const size_t a = line.find(':'), b = a == std::string::npos ? a : line.find(':', a + 1);
+    if (b == std::string::npos) continue;
+    const std::string controllers = line.substr(a + 1, b - a - 1), path = line.substr(b + 1);
+    int64_t room = 0;
+    std::string where;
+    bool found = false;
+    const char* what = "";
+    if (line.compare(0, a, "0") == 0 && controllers.empty()) {
+      found = cgroup_headroom(root + "/sys/fs/cgroup", path, "memory.max", "memory.current", &room,
+                              &where);
+      what = "memory.max less memory.current";
+    } else if (("," + controllers + ",").find(",memory,") != std::string::npos) {
+      found = cgroup_headroom(root + "/sys/fs/cgroup/memory", path, "memory.limit_in_bytes",
+                              "memory.usage_in_bytes", &room, &where);
+      what = "memory.limit_in_bytes less memory.usage_in_bytes";
+    }
+    if (found && room < m.bytes) {
+      m.bytes = room;
+      m.source = std::string("the cgroup's ") + what + " in " + where.substr(root.size());
+    }
   }
   return m;
+}
+
+AvailableMemory host_memory_available() {
+  return host_memory_available_under("");
 }
 
 AvailableMemory gpu_memory(int physical) {
