@@ -12,6 +12,7 @@
 #include <fstream>
 #include <iostream>
 #include <limits>
+#include <optional>
 #include <sstream>
 
 #include "benchmarks/ddp_run.hpp"
@@ -219,6 +220,42 @@ Setup resolve(const Options& o) {
   return s;
 }
 
+namespace {
+
+// What a CPU device holds for this run, measured: one step of 1 row and one of 2 rows, each on
+// a fresh one-device engine on cpu:0 with the run's model, precision and optimizer. The
+// difference of their peaks is a row's activations and gradients in flight; the rest of the
+// 1-row peak is the model's copies (parameters, gradients, buffers, and the 16-bit weights under
+// mixed precision); the optimizer's state is counted apart (device 0 alone holds it in DP).
+struct RowCost {
+  int64_t per_row = 0, model = 0, optimizer = 0;
+};
+RowCost probe_row_cost(const Options& o, const Setup& s) {
+  RowCost c;
+  int64_t peaks[2] = {0, 0};
+  for (int64_t rows : {1, 2}) {
+    nn::ModulePtr model = model_of(o);
+    model->materialize(kernels::Device::cpu(0), o.seed);
+    if (s.activations != kernels::DType::f32) model->set_activations(nn::Activations::compute);
+    std::unique_ptr<nn::Optimizer> opt = make_optimizer(o, *model);
+    dp::DataParallelOptions dopt = dp_options(o, s);
+    dopt.graphs = dp::Graphs::off;  // one eager step: what the run's first step allocates
+    dopt.metrics_lag = 0;
+    dopt.batch_norm = dp::BatchNormStats::per_device;
+    dp::DataParallel engine(model, *opt, {kernels::Device::cpu(0)}, dopt);
+    const StepBatches data(o, rows);
+    auto b = data.at(0);
+    engine.train_step(b.images, b.labels);
+    peaks[rows - 1] = engine.peak_memory_bytes()[0];
+    c.optimizer = opt->state_bytes();
+  }
+  c.per_row = std::max<int64_t>(0, peaks[1] - peaks[0]);
+  c.model = std::max<int64_t>(0, peaks[0] - c.per_row);
+  return c;
+}
+
+}  // namespace
+
 void validate(const Options& o, const Setup& s, const std::vector<int>& counts) {
   // Flags that would do nothing are refused, naming what they need.
   const int profile_last = profile_range(o).second;  // throws on a malformed --profile-steps
@@ -258,6 +295,7 @@ void validate(const Options& o, const Setup& s, const std::vector<int>& counts) 
   }
   const int64_t steps = int64_t(o.steps) + o.warmup;
   const kernels::AvailableMemory host = kernels::host_memory_available();
+  std::optional<RowCost> row_cost;  // measured at the first CPU-device check
   const char* type = s.type == DeviceType::cuda ? "cuda" : "cpu";
   // The largest count first: its products are the largest.
   std::vector<int> largest_first = counts;
@@ -295,6 +333,27 @@ void validate(const Options& o, const Setup& s, const std::vector<int>& counts) 
                               std::to_string(batch) + " rows of " + std::to_string(row_bytes) +
                               " B for the input batches)",
                           batch_bytes * host_copies, "the host", host, "give a smaller batch");
+      if (s.type == DeviceType::cpu) {
+        // CPU devices hold their activations in the host's memory: what a run past it meets is
+        // the kernel's OOM killer (rc 137, no message), so the step's needs are measured on a
+        // probe step and refused here with the figures.
+        if (!row_cost) row_cost = probe_row_cost(o, s);
+        const int64_t chunk = (batch + world - 1) / world;
+        const int64_t rows_bytes =
+            dp::cli::checked_product(chunk, "rows per device", row_cost->per_row, "bytes per row",
+                                     std::numeric_limits<int64_t>::max() / (4 * world + 4));
+        const int64_t optimizer_copies = ddp ? world : 1;  // DP: device 0 steps alone
+        const int64_t need =
+            world * (row_cost->model + rows_bytes) + optimizer_copies * row_cost->optimizer;
+        dp::cli::check_fits(
+            flag + " (" + std::string(ddp ? "DDP" : "DP") + " on " + split + " (cpu): " +
+                std::to_string(world) + " x (" + dp::cli::human_bytes(row_cost->model) +
+                " of model copies + " + std::to_string(chunk) + " rows x " +
+                dp::cli::human_bytes(row_cost->per_row) + " of activations, measured on a " +
+                "probe step) + " + std::to_string(optimizer_copies) + " x " +
+                dp::cli::human_bytes(row_cost->optimizer) + " of optimizer state)",
+            need, "the host", host, "give a smaller batch");
+      }
       if (s.type == DeviceType::cuda) {
         // Logical devices share the physical GPUs round-robin: GPU 0 holds the most chunks.
         const int64_t chunk = (batch + world - 1) / world;

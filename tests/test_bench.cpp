@@ -574,6 +574,27 @@ TEST_CASE("bench.flags: a batch too large for memory is refused before anything 
   }
 }
 
+// The inputs fit (a million rows of 128 tokens), the activations do not: each tiny-GPT sequence
+// takes about 5 MiB through a step, measured on a probe step of 1 and 2 rows, so the run is
+// refused with that figure before any engine starts, instead of the OOM killer ending it.
+TEST_CASE("bench.flags: a batch whose activations do not fit the host is refused with the figure") {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto [rc, text] = bench_output(
+      "--device cpu --model gpt --gpt-config tiny --gpus 2 --mode both --batch 1000000 --steps 1 "
+      "--warmup 0");
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  INFO(text);
+  CHECK(rc == 1);
+  CHECK(text.find("--batch 1000000 (DP on 2 devices (cpu): 2 x (") != std::string::npos);
+  CHECK(text.find("500000 rows x ") != std::string::npos);
+  CHECK(text.find("of activations, measured on a probe step") != std::string::npos);
+  CHECK(text.find("needs at least") != std::string::npos);
+  CHECK(text.find("give a smaller batch") != std::string::npos);
+  CHECK(text.find("ms/step") == std::string::npos);  // no run happened
+  CHECK(seconds < 20);
+}
+
 TEST_CASE("bench.flags: --max-restarts is bounded, DDP only, and needs a port for its nodes") {
   const std::string cpu = "--device cpu --steps 1 --warmup 0 --batch 8 ";
   refused(cpu + "--mode ddp --max-restarts -1",
