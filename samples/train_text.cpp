@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <optional>
 
@@ -20,6 +21,7 @@
 #include "dp/data/text.hpp"
 #include "dp/data_parallel.hpp"
 #include "dp/distributed/ddp_trainer.hpp"
+#include "kernels/runtime/memory_info.hpp"
 #include "nn/nn.hpp"
 #include "nn/train_state.hpp"
 
@@ -182,27 +184,28 @@ int main(int argc, char** argv) {
       if (std::optional<int> rc = dp::dist::launch_if_parent(t, argc, argv)) return *rc;
     }
     // The model: its name in reports and checkpoints, its context and vocabulary.
-    nn::ModulePtr model;
     std::string model_name;
     int64_t context = 0, vocab = 0;
+    std::function<nn::ModulePtr()> make_model;
     if (f.model == "llama") {
       const nn::LlamaConfig config = nn::LlamaConfig::preset("tiny");
-      model = nn::llama(config);
+      make_model = [config] { return nn::llama(config); };
       model_name = "llama-tiny";
       context = config.context, vocab = config.vocab;
     } else {
       nn::GptConfig config = nn::GptConfig::preset(f.gpt_config);
       config.dropout = f.dropout;
-      model = nn::gpt(config);
+      make_model = [config] { return nn::gpt(config); };
       model_name = "gpt-" + f.gpt_config;
       context = config.context, vocab = config.vocab;
     }
+    nn::ModulePtr model = make_model();
     DP_CHECK(f.seq <= context,
              "--seq " << f.seq << " is longer than " << model_name << "'s context " << context);
     DP_CHECK(vocab >= 256, model_name << ": bytes need 256 tokens");
     dp::data::TextCorpus corpus = dp::data::read_text_corpus(f.data);
-    // What the directory held that was not read, said once (links to a file read already, such
-    // as fortune's .u8 names, and entries that are not regular files).
+    // What the directory held that was not read, said once (entries that are not regular files,
+    // links to none).
     const char* rank = std::getenv("RANK");  // DDP: rank 0 says it
     if (!corpus.skipped.empty() && (rank == nullptr || std::string(rank) == "0")) {
       std::string list;
@@ -213,8 +216,32 @@ int main(int argc, char** argv) {
     const kernels::DeviceType type = kernels::choose_device_type(f.device, &fallback);
     if (!fallback.empty()) std::fprintf(stderr, "train_text: %s\n", fallback.c_str());
     dp::cli::warn_if_generic_gemm("train_text", type);
-
+    kernels::AdamWConfig adamw;
+    adamw.lr = f.lr;
+    adamw.weight_decay = f.weight_decay;
+    adamw.beta2 = 0.95f;
     auto loss_fn = std::make_shared<nn::TokenCrossEntropyLoss>();
+    if (type == kernels::DeviceType::cpu) {
+      // CPU devices hold their activations in the host's memory, where a run past it meets the
+      // OOM killer: a step's needs are measured on a probe step and refused with the figures.
+      const dp::cli::StepMemory step = dp::cli::measure_step_memory([&](int64_t rows) {
+        nn::ModulePtr m = make_model();
+        m->materialize(Device::cpu(0), f.seed);
+        nn::GroupedAdamW o(*m, adamw, nn::decay_by_parameter(*m, f.weight_decay));
+        dp::DataParallelOptions po;
+        po.loss = loss_fn;
+        dp::DataParallel e(m, o, {Device::cpu(0)}, po);
+        auto [x, y] = dp::data::text_batch(corpus.train, rows, f.seq, f.seed, 0);
+        e.train_step(x, y);
+        return e.peak_memory_bytes()[0] + o.state_bytes();
+      });
+      const int devices = f.mode == "single" ? 1 : f.gpus;
+      dp::cli::check_step_fits(
+          "--batch " + std::to_string(f.batch) + " --seq " + std::to_string(f.seq) + " (" + f.mode +
+              " on " + std::to_string(devices) + " CPU device(s))",
+          step, devices, (f.batch + devices - 1) / devices, kernels::host_memory_available());
+    }
+
     std::unique_ptr<dp::dist::DdpTrainer> ddp;
     Device home = Device::cpu(0);
     if (f.mode == "ddp") {
@@ -225,10 +252,6 @@ int main(int argc, char** argv) {
     }
     const bool leader = !ddp || ddp->rank() == 0;
     model->materialize(home, f.seed);
-    kernels::AdamWConfig adamw;
-    adamw.lr = f.lr;
-    adamw.weight_decay = f.weight_decay;
-    adamw.beta2 = 0.95f;
     // Weight decay by parameter, nanoGPT's rule: matrices and embeddings decay, biases and
     // LayerNorm do not.
     nn::GroupedAdamW opt(*model, adamw, nn::decay_by_parameter(*model, f.weight_decay));

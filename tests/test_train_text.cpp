@@ -131,6 +131,23 @@ TEST_CASE("samples.train_text: the tiny Llama learns past a unigram byte model, 
   CHECK(final_val_loss(dp2) == doctest::Approx(final_val_loss(single)).epsilon(1e-4));
 }
 
+// A batch whose activations do not fit the host is refused with the measured figures before
+// training, not ended by the OOM killer (about 5 MiB a sequence of 128 through a tiny GPT).
+TEST_CASE("samples.train_text: a batch that does not fit the host is refused with the figures") {
+  if (skip_without_fortunes()) return;
+  const Outcome r = run_outcome(
+      "--device cpu --mode dp --gpus 2 --batch 1000000 --seq 128 "
+      "--steps 3");
+  INFO(r.text);
+  CHECK(r.status != 0);
+  CHECK(r.text.find("--batch 1000000 --seq 128 (dp on 2 CPU device(s)) (2 x (") !=
+        std::string::npos);
+  CHECK(r.text.find("500000 rows x ") != std::string::npos);
+  CHECK(r.text.find("measured on a probe step) needs at least") != std::string::npos);
+  CHECK(r.text.find("give a smaller batch") != std::string::npos);
+  CHECK(r.seconds < 20);
+}
+
 TEST_CASE("samples.train_text: --model llama refuses the GPT's flags, naming them") {
   for (const char* flag : {"--gpt-config 124m", "--dropout 0.1"}) {
     CAPTURE(flag);
@@ -161,10 +178,9 @@ TEST_CASE("data.text: links followed once, what is skipped is said, the cap is t
   const dp::data::TextCorpus c = dp::data::read_text_corpus(dir, 0.1, 100);
   CHECK(c.files == std::vector<std::string>{dir + "/a.txt", dir + "/b.txt"});
   CHECK(c.train.size() + c.val.size() == 5000);
-  REQUIRE(c.skipped.size() == 3);
-  CHECK(c.skipped[0] == dir + "/a.u8 (the same file as one already read)");
-  CHECK(c.skipped[1] == dir + "/dangling (a link to no regular file)");
-  CHECK(c.skipped[2] == dir + "/sub (not a regular file)");
+  REQUIRE(c.skipped.size() == 2);  // a.u8, a second name of a.txt, is simply not read twice
+  CHECK(c.skipped[0] == dir + "/dangling (a link to no regular file)");
+  CHECK(c.skipped[1] == dir + "/sub (not a regular file)");
   // The cap counts the corpus, and says so, before reading a byte.
   const std::string e = dp_test::error_of([&] { dp::data::read_text_corpus(dir, 0.1, 100, 4000); });
   CHECK(e.find("2 file(s) of 5000 bytes in all, more than the 4000 a text corpus may hold") !=
@@ -174,7 +190,8 @@ TEST_CASE("data.text: links followed once, what is skipped is said, the cap is t
 }
 
 // The issue's goal, in CI (under 5 minutes on 2 cores): 200 steps of 16 x 64 at the default lr
-// 3e-3 reach below the bigram model's 2.51 (docs/programs.md: what train_text reaches and how long).
+// 3e-3 reach below the bigram model's 2.51 (docs/programs.md: what train_text reaches and how
+// long).
 TEST_CASE("samples.train_text: the tiny GPT beats a bigram byte model on held-out text") {
   if (skip_without_fortunes()) return;
   const dp::data::TextCorpus corpus = dp::data::read_text_corpus(dp::data::kDefaultTextDir);

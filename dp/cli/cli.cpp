@@ -4,12 +4,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <sstream>
 
 #include "kernels/ops.hpp"
@@ -346,6 +348,25 @@ void check_fits(const std::string& what, int64_t need, const std::string& where,
                                          << where << " has " << human_bytes(available.bytes) << " ("
                                          << available.source << ")" << (hint.empty() ? "" : "; ")
                                          << hint);
+}
+
+StepMemory measure_step_memory(const std::function<int64_t(int64_t rows)>& peak_of) {
+  const int64_t one = peak_of(1), two = peak_of(2);
+  StepMemory m;
+  m.per_row = std::max<int64_t>(0, two - one);
+  m.fixed = std::max<int64_t>(0, one - m.per_row);
+  return m;
+}
+
+void check_step_fits(const std::string& what, const StepMemory& m, int devices, int64_t rows,
+                     const kernels::AvailableMemory& host) {
+  const int64_t rows_bytes =
+      checked_product(rows, "rows per device", m.per_row, "bytes per row",
+                      std::numeric_limits<int64_t>::max() / (2 * int64_t{devices} + 2));
+  check_fits(what + " (" + std::to_string(devices) + " x (" + human_bytes(m.fixed) +
+                 " for the model and optimizer + " + std::to_string(rows) + " rows x " +
+                 human_bytes(m.per_row) + "), measured on a probe step)",
+             devices * (m.fixed + rows_bytes), "the host", host, "give a smaller batch");
 }
 
 }  // namespace dp::cli

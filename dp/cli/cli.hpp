@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 
@@ -120,5 +121,18 @@ std::string human_bytes(int64_t bytes);
 // `where` names the memory: "the host", "GPU 0".
 void check_fits(const std::string& what, int64_t need, const std::string& where,
                 const kernels::AvailableMemory& available, const std::string& hint);
+
+// The memory one CPU device takes for a step, measured: `peak_of(rows)` runs one step of `rows`
+// rows on a fresh one-device engine and returns its peak bytes (the engine's, plus its
+// optimizer's state). A row's cost is the difference between 2 rows and 1; the rest is fixed.
+struct StepMemory {
+  int64_t fixed = 0, per_row = 0;
+};
+StepMemory measure_step_memory(const std::function<int64_t(int64_t rows)>& peak_of);
+// Throws check_fits's message, naming the figures, when `devices` devices each holding
+// `rows` rows' step exceed `host`: "<what> (N x (fixed + rows x per_row), measured on a probe
+// step) needs at least ...".
+void check_step_fits(const std::string& what, const StepMemory& m, int devices, int64_t rows,
+                     const kernels::AvailableMemory& host);
 
 }  // namespace dp::cli

@@ -29,8 +29,9 @@ struct TextCorpus {
 std::vector<uint8_t> read_text_file(const std::string& path, int64_t max_bytes = kMaxTextBytes);
 
 // Reads `path`: one file, or every regular file of a directory in name order (links followed,
-// a file reached twice read once), skipping fortune's ".dat" indexes; the other entries not read
-// are listed in `skipped` with their reason, for the caller to say. requires 0 < val_fraction
+// a file reached by two names read once), skipping fortune's ".dat" indexes; the other entries
+// not read (not regular files, links to none) are listed in `skipped` with their reason, for the
+// caller to say. requires 0 < val_fraction
 // < 1. ensures train and val each hold more than `min_bytes` bytes, and the files at most
 // `max_bytes` in all, checked before any is read (throws otherwise, naming the path and the
 // sizes).
