@@ -97,17 +97,20 @@ void add_flags(CLI::App& app, Options& o) {
                  "(-1: unbounded; 0: synchronous per update)")
       ->check(whole_number(-1, 1 << 20));
   app.add_flag("--staleness-lr", o.scale_lr, "--mode ps: each update's lr / (1 + staleness)");
-  app.add_option("--model", o.model, "mlp|cnn|resnet on 28x28 images, or gpt on tokens")
-      ->check(CLI::IsMember({"mlp", "cnn", "resnet", "gpt"}));
+  app.add_option("--model", o.model,
+                 "mlp|cnn|resnet on 28x28 images, or gpt (GPT-2) or llama (the tiny Llama: "
+                 "RMSNorm, SwiGLU, rotary attention) on tokens")
+      ->check(CLI::IsMember({"mlp", "cnn", "resnet", "gpt", "llama"}));
   app.add_option("--gpt-config", o.gpt_config, "--model gpt: tiny|124m|350m (nn/gpt.hpp)")
       ->check(CLI::IsMember({"tiny", "124m", "350m"}));
-  app.add_option("--seq", o.seq, "--model gpt: tokens per sequence (default: the context)")
+  app.add_option("--seq", o.seq, "--model gpt or llama: tokens per sequence (default: the context)")
       ->check(whole_number(1, 1 << 20));
   app.add_option("--dropout", o.dropout,
                  "--model gpt: dropout p on embeddings, attention and residuals (GPT-2: 0.1)")
       ->check(dp::cli::number_in(0, 0.99));
   app.add_option("--peak-tflops", o.peak_tflops,
-                 "--model gpt: the peak TFLOP/s per GPU (or of the CPU) that MFU divides by "
+                 "--model gpt or llama: the peak TFLOP/s per GPU (or of the CPU) that MFU divides "
+                 "by "
                  "(default: the GPU's data sheet, else a GEMM measured at start)")
       ->check(dp::cli::positive_number(1e6));
   auto* b =
@@ -523,7 +526,7 @@ void file_lagged_losses(RunResult& r, float last) {
 }
 
 std::string attention_summary(const Options& o, const Setup& s, const kernels::AttentionReport& a) {
-  if (o.model != "gpt") return "";
+  if (o.model != "gpt" && o.model != "llama") return "";
   if (s.type == DeviceType::cpu) return "CPU kernels";
   if (s.precision == nn::Precision::fp32)
     return "plain f32 kernels (cuDNN's fused SDPA takes bf16 and fp16)";

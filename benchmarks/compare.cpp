@@ -7,6 +7,7 @@
 
 #include "benchmarks/gpt_workload.hpp"
 #include "nn/gpt.hpp"
+#include "nn/llama.hpp"
 
 namespace bench {
 
@@ -20,27 +21,41 @@ int parse_and_run(std::shared_ptr<const Workload> workload, int argc, char** arg
                             "side by side"};
   app.option_defaults()->always_capture_default();  // --help shows every default
   add_flags(app, o);
+  // A workload of the user's own: the built-in models' flags stay out of --help (given, they
+  // are refused by name below).
+  if (o.workload)
+    for (const char* flag : {"--model", "--gpt-config", "--seq", "--dropout", "--peak-tflops"})
+      app.get_option(flag)->group("");
   try {
     app.parse(argc, argv);
     if (o.workload && app.count("--model"))
       throw CLI::ValidationError("--model", "'" + o.model + "' is not used: this program trains " +
                                                 o.workload->name + "; leave --model out");
-    for (const char* flag : {"--gpt-config", "--seq", "--dropout", "--peak-tflops"})
+    const bool lm = !o.workload && (o.model == "gpt" || o.model == "llama");
+    for (const char* flag : {"--gpt-config", "--dropout"})
       if (app.count(flag) && (o.workload || o.model != "gpt"))
         throw CLI::ValidationError(flag, std::string("is for --model gpt; this run trains ") +
                                              (o.workload ? o.workload->name : o.model));
-    if (!o.workload && o.model == "gpt") {
+    for (const char* flag : {"--seq", "--peak-tflops"})
+      if (app.count(flag) && !lm)
+        throw CLI::ValidationError(flag, std::string("is for --model gpt or llama; this run "
+                                                     "trains ") +
+                                             (o.workload ? o.workload->name : o.model));
+    if (lm) {
       // A language model's defaults: 8 sequences per batch and AdamW, unless given.
       if (!app.count("--batch") && !app.count("--batch-per-device")) o.batch = 8;
       if (!app.count("--optim")) o.optim = "adamw";
-      const int64_t context = nn::GptConfig::preset(o.gpt_config).context;
+      const bool llama = o.model == "llama";
+      const int64_t context = llama ? nn::LlamaConfig::preset("tiny").context
+                                    : nn::GptConfig::preset(o.gpt_config).context;
       const int64_t seq = o.seq ? *o.seq : context;
       if (seq > context)
-        throw CLI::ValidationError("--seq", std::to_string(seq) + " is longer than --gpt-config " +
-                                                o.gpt_config + "'s context " +
-                                                std::to_string(context) + ": give at most that");
-      o.workload =
-          std::make_shared<const Workload>(gpt_workload(o.gpt_config, seq, o.dropout, o.seed));
+        throw CLI::ValidationError(
+            "--seq", std::to_string(seq) + " is longer than " +
+                         (llama ? std::string("llama-tiny") : "--gpt-config " + o.gpt_config) +
+                         "'s context " + std::to_string(context) + ": give at most that");
+      o.workload = std::make_shared<const Workload>(
+          llama ? llama_workload(seq, o.seed) : gpt_workload(o.gpt_config, seq, o.dropout, o.seed));
     }
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
@@ -60,8 +75,10 @@ int parse_and_run(std::shared_ptr<const Workload> workload, int argc, char** arg
 }  // namespace
 
 int compare(Workload workload, int argc, char** argv) {
-  if (!workload.make_model || !workload.make_dataset || workload.name.empty()) {
-    std::fprintf(stderr, "compare: the workload needs a name, make_model and make_dataset\n");
+  if (!workload.make_model || (!workload.make_dataset && !workload.make_batch) ||
+      workload.name.empty()) {
+    std::fprintf(
+        stderr, "compare: the workload needs a name, make_model, and make_dataset or make_batch\n");
     return 2;
   }
   return parse_and_run(std::make_shared<const Workload>(std::move(workload)), argc, argv);

@@ -1,4 +1,5 @@
-// dp_bench's language-model workload (--model gpt): nn::Gpt of a preset on synthetic tokens
+// dp_bench's language-model workloads (--model gpt, --model llama): nn::Gpt of a preset, or the
+// tiny nn::Llama, on synthetic tokens
 // (dp::data::synthetic_token_batch), token cross-entropy over (B, T, vocab), and the FLOPs per
 // token that tokens/s and MFU are reported with.
 #pragma once
@@ -14,5 +15,8 @@ namespace bench {
 // otherwise); 0 <= dropout < 1. ensures a workload named "gpt-<config>" whose batch of step s
 // is (ids, targets) (B, seq) i32 from (seed, s), the same for every mode and device count.
 Workload gpt_workload(const std::string& config, int64_t seq, float dropout, uint64_t seed);
+// The same for the tiny Llama (nn/llama.hpp), named "llama-tiny". requires 1 <= seq <= its
+// context (throws naming both otherwise).
+Workload llama_workload(int64_t seq, uint64_t seed);
 
 }  // namespace bench

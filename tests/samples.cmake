@@ -18,6 +18,12 @@ if(TARGET compare_my_model)
   set_tests_properties("samples.compare_my_model: refuses --model, which the workload replaces"
     PROPERTIES TIMEOUT 30
     PASS_REGULAR_EXPRESSION "--model: 'cnn' is not used: this program trains residual_mlp")
+  # --help lists only the flags the workload takes (the built-in models' are left out).
+  add_test(NAME "samples.compare_my_model: --help leaves out the built-in models' flags"
+           COMMAND $<TARGET_FILE:compare_my_model> --help)
+  set_tests_properties("samples.compare_my_model: --help leaves out the built-in models' flags"
+    PROPERTIES TIMEOUT 30 PASS_REGULAR_EXPRESSION "--gpus"
+    FAIL_REGULAR_EXPRESSION "--model|--gpt-config|--seq |--dropout|--peak-tflops")
 endif()
 
 # samples/train_text: a byte-level GPT on fortunes-min beats a bigram model; DP and resume.

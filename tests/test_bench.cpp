@@ -246,6 +246,25 @@ TEST_CASE("bench.report: the phases of the median step and other add up to the s
   }
 }
 
+// --model llama: the tiny Llama (nn/llama.hpp) on synthetic tokens, as --model gpt: DP and DDP
+// follow one loss curve, with tokens/s and MFU.
+TEST_CASE("bench.cli: --model llama runs DP and DDP on the tiny Llama, one loss curve") {
+  const std::string json = temp_path("llama.json");
+  REQUIRE(run_bench("--device cpu --model llama --gpus 2 --mode both --baseline 0 --steps 3 "
+                    "--warmup 0 --seq 16 --json " +
+                    json) == 0);
+  auto j = read_json(json);
+  CHECK(j["model"] == "llama-tiny");
+  std::vector<float> dp_loss, ddp_loss;
+  for (auto& r : j["runs"]) {
+    CHECK(r["tokens_per_s"].get<double>() > 0);
+    (r["mode"] == "dp" ? dp_loss : ddp_loss) = r["losses"].get<std::vector<float>>();
+  }
+  REQUIRE(dp_loss.size() == 3);
+  REQUIRE(ddp_loss.size() == 3);
+  for (size_t i = 0; i < 3; ++i) CHECK(ddp_loss[i] == doctest::Approx(dp_loss[i]).epsilon(1e-4));
+}
+
 TEST_CASE("bench.cli: JSON schema and trace for both modes on CPU devices") {
   std::string json = temp_path("run.json"), trace = temp_path("trace.json");
   REQUIRE(run_bench("--device cpu --gpus 2 --mode both --steps 3 --warmup 1 --batch 32 --json " +
@@ -1742,6 +1761,12 @@ TEST_CASE("bench.gpt: --model gpt reports tokens/s and MFU, DP and DDP follow on
   std::remove(json.c_str());
   // The GPT flags are checked where they enter.
   refused("--device cpu --model gpt --gpt-config tiny --seq 129", "--seq: 129 is longer than");
+  refused("--device cpu --model llama --seq 129",
+          "--seq: 129 is longer than llama-tiny's context 128");
+  refused("--device cpu --model llama --gpt-config 124m",
+          "--gpt-config: is for --model gpt; this run trains llama");
+  refused("--device cpu --model llama --dropout 0.1",
+          "--dropout: is for --model gpt; this run trains llama");
   refused("--device cpu --model mlp --seq 16", "--seq: is for --model gpt");
 }
 
