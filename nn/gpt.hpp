@@ -121,12 +121,6 @@ class GptBlock : public Module {
   }
 
  private:
-  // The residual stream (and its gradient) keeps its dtype: a's; the branch may be 16-bit.
-  static Tensor residual_sum(const Tensor& a, const Tensor& b) {
-    Tensor y = Tensor::empty(a.shape(), a.dtype(), a.device());
-    kernels::add(y, a, b);
-    return y;
-  }
   int64_t dim_, heads_;
   float p_;
   std::shared_ptr<LayerNorm> ln_1_, ln_2_;

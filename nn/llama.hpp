@@ -126,12 +126,6 @@ class LlamaBlock : public Module {
   std::shared_ptr<Module> clone_config() const override { return std::make_shared<LlamaBlock>(c_); }
 
  private:
-  // The residual stream (and its gradient) keeps a's dtype.
-  static Tensor residual_sum(const Tensor& a, const Tensor& b) {
-    Tensor y = Tensor::empty(a.shape(), a.dtype(), a.device());
-    kernels::add(y, a, b);
-    return y;
-  }
   LlamaConfig c_;
   std::shared_ptr<RMSNorm> attn_norm_, mlp_norm_;
   std::shared_ptr<CausalSelfAttention> attn_;

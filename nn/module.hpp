@@ -384,6 +384,13 @@ class Module {
   static Tensor as_dtype(const Tensor& x, DType d) {
     return x.dtype() == d ? x : kernels::cast(x, d);
   }
+  // a + b in a's dtype: a residual stream (and its gradient) keeps its dtype whatever the
+  // branch's (bf16 under 16-bit activations). requires a, b one shape.
+  static Tensor residual_sum(const Tensor& a, const Tensor& b) {
+    Tensor y = Tensor::empty(a.shape(), a.dtype(), a.device());
+    kernels::add(y, a, b);
+    return y;
+  }
   // The dtype Linear and Conv2d write their outputs in.
   DType activation_dtype() {
     return flat().activations == Activations::compute ? compute_dtype() : DType::f32;
