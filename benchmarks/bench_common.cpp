@@ -231,12 +231,12 @@ namespace {
 // 1-row peak is the model's copies (parameters, gradients, buffers, and the 16-bit weights under
 // mixed precision); the optimizer's state is counted apart (device 0 alone holds it in DP).
 struct RowCost {
-  int64_t per_row = 0, model = 0, optimizer = 0;
+  dp::cli::StepMemory step;  // per row, and the rest (the model's copies)
+  int64_t optimizer = 0;
 };
 RowCost probe_row_cost(const Options& o, const Setup& s) {
   RowCost c;
-  int64_t peaks[2] = {0, 0};
-  for (int64_t rows : {1, 2}) {
+  c.step = dp::cli::measure_step_memory([&](int64_t rows) {
     nn::ModulePtr model = model_of(o);
     model->materialize(kernels::Device::cpu(0), o.seed);
     if (s.activations != kernels::DType::f32) model->set_activations(nn::Activations::compute);
@@ -246,14 +246,11 @@ RowCost probe_row_cost(const Options& o, const Setup& s) {
     dopt.metrics_lag = 0;
     dopt.batch_norm = dp::BatchNormStats::per_device;
     dp::DataParallel engine(model, *opt, {kernels::Device::cpu(0)}, dopt);
-    const StepBatches data(o, rows);
-    auto b = data.at(0);
+    auto b = StepBatches(o, rows).at(0);
     engine.train_step(b.images, b.labels);
-    peaks[rows - 1] = engine.peak_memory_bytes()[0];
-    c.optimizer = opt->state_bytes();
-  }
-  c.per_row = std::max<int64_t>(0, peaks[1] - peaks[0]);
-  c.model = std::max<int64_t>(0, peaks[0] - c.per_row);
+    c.optimizer = opt->state_bytes();  // counted apart: DP's device 0 alone holds it
+    return engine.peak_memory_bytes()[0];
+  });
   return c;
 }
 
@@ -342,17 +339,17 @@ void validate(const Options& o, const Setup& s, const std::vector<int>& counts) 
         // probe step and refused here with the figures.
         if (!row_cost) row_cost = probe_row_cost(o, s);
         const int64_t chunk = (batch + world - 1) / world;
-        const int64_t rows_bytes =
-            dp::cli::checked_product(chunk, "rows per device", row_cost->per_row, "bytes per row",
-                                     std::numeric_limits<int64_t>::max() / (4 * world + 4));
+        const int64_t rows_bytes = dp::cli::checked_product(
+            chunk, "rows per device", row_cost->step.per_row, "bytes per row",
+            std::numeric_limits<int64_t>::max() / (4 * world + 4));
         const int64_t optimizer_copies = ddp ? world : 1;  // DP: device 0 steps alone
         const int64_t need =
-            world * (row_cost->model + rows_bytes) + optimizer_copies * row_cost->optimizer;
+            world * (row_cost->step.fixed + rows_bytes) + optimizer_copies * row_cost->optimizer;
         dp::cli::check_fits(
             flag + " (" + std::string(ddp ? "DDP" : "DP") + " on " + split + " (cpu): " +
-                std::to_string(world) + " x (" + dp::cli::human_bytes(row_cost->model) +
+                std::to_string(world) + " x (" + dp::cli::human_bytes(row_cost->step.fixed) +
                 " of model copies + " + std::to_string(chunk) + " rows x " +
-                dp::cli::human_bytes(row_cost->per_row) + " of activations, measured on a " +
+                dp::cli::human_bytes(row_cost->step.per_row) + " of activations, measured on a " +
                 "probe step) + " + std::to_string(optimizer_copies) + " x " +
                 dp::cli::human_bytes(row_cost->optimizer) + " of optimizer state)",
             need, "the host", host, "give a smaller batch");

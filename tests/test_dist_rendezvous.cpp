@@ -204,9 +204,9 @@ TEST_CASE("dist.launcher: inconsistent worker variables are errors naming them")
 
 // mpirun or Slurm on several nodes without MASTER_ADDR: the worker variables read (MPI's own
 // backend meets the ranks without a store, so `mpirun --hostfile hosts -np 2 dp_bench --mode ddp
-// --backend mpi` runs as docs/several-machines.md writes it); a store's rendezvous then refuses, saying what
-// to pass for that launcher. (This case once asserted the error at the worker variables: it
-// moved to where an address is needed.)
+// --backend mpi` runs as docs/several-machines.md writes it); a store's rendezvous then refuses,
+// saying what to pass for that launcher. (This case once asserted the error at the worker
+// variables: it moved to where an address is needed.)
 TEST_CASE("dist.launcher: mpirun and Slurm on several nodes need MASTER_ADDR only for a store") {
   auto err = [](Vars v) { return error_of([&] { worker_env_from_environment(map_env(v)); }); };
   const Vars mpi = {{"OMPI_COMM_WORLD_RANK", "1"},

@@ -123,8 +123,9 @@ void check_fits(const std::string& what, int64_t need, const std::string& where,
                 const kernels::AvailableMemory& available, const std::string& hint);
 
 // The memory one CPU device takes for a step, measured: `peak_of(rows)` runs one step of `rows`
-// rows on a fresh one-device engine and returns its peak bytes (the engine's, plus its
-// optimizer's state). A row's cost is the difference between 2 rows and 1; the rest is fixed.
+// rows on a fresh one-device engine and returns the peak bytes the caller counts (the engine's,
+// with or without its optimizer's state). A row's cost is the difference between 2 rows and 1;
+// the rest is fixed.
 struct StepMemory {
   int64_t fixed = 0, per_row = 0;
 };

@@ -223,6 +223,25 @@ unsigned row_warp_blocks(int64_t rows) {
   return static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock);
 }
 
+// One block per row of softmax_xent_kernel, instantiated for the logits' and dlogits' storage
+// (dlogits: f32 or the logits' dtype; undefined: forward only).
+void launch_xent(float* row_loss, Tensor& dlogits, const Tensor& logits, const int32_t* labels,
+                 const float* weights, float ls, unsigned long long* fault, int32_t ignore_index,
+                 const float* count_of_kept, cudaStream_t s) {
+  const int64_t rows = logits.dim(0), classes = logits.dim(1);
+  with_storage(
+      [&](auto x_t, auto d_t) {
+        using T = decltype(x_t);
+        using D = decltype(d_t);
+        softmax_xent_kernel<T, D>
+            <<<static_cast<unsigned>(rows), row_block_threads(classes), 0, s>>>(
+                row_loss, data_or_null<D>(dlogits), logits.data<T>(), labels, weights, rows,
+                classes, ls, fault, ignore_index, count_of_kept);
+        DP_CUDA_CHECK_LAUNCH();
+      },
+      logits.dtype(), dlogits.defined() ? dlogits.dtype() : logits.dtype());
+}
+
 }  // namespace
 
 void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
@@ -244,17 +263,8 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
   auto* partials = reinterpret_cast<float*>(ws + rows_bytes);
   if (batch > 0) {
     auto* fault = reinterpret_cast<unsigned long long*>(ctx.fault_record());
-    with_storage(
-        [&](auto x_t, auto d_t) {
-          using T = decltype(x_t);
-          using D = decltype(d_t);
-          softmax_xent_kernel<T, D>
-              <<<static_cast<unsigned>(batch), row_block_threads(classes), 0, s>>>(
-                  row_loss, data_or_null<D>(dlogits), logits.data<T>(), labels.data<int32_t>(),
-                  data_or_null<const float>(weights), batch, classes, label_smoothing, fault);
-          DP_CUDA_CHECK_LAUNCH();
-        },
-        logits.dtype(), dlogits.defined() ? dlogits.dtype() : logits.dtype());
+    launch_xent(row_loss, dlogits, logits, labels.data<int32_t>(),
+                data_or_null<const float>(weights), label_smoothing, fault, 0, nullptr, s);
     ctx.arm_fault_check(bad_label_fault_text);
   }
   // loss = (sum_i row_loss[i]) / B, 0 for an empty batch.
@@ -282,17 +292,8 @@ void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, co
   auto* partials = reinterpret_cast<float*>(ws + rows_bytes + 256);
   launch_sum(count, rows, KeptRow{targets.data<int32_t>(), ignore_index}, 1.f, partials, s);
   auto* fault = reinterpret_cast<unsigned long long*>(ctx.fault_record());
-  with_storage(
-      [&](auto x_t, auto d_t) {
-        using T = decltype(x_t);
-        using D = decltype(d_t);
-        softmax_xent_kernel<T, D>
-            <<<static_cast<unsigned>(rows), row_block_threads(classes), 0, s>>>(
-                row_loss, data_or_null<D>(dlogits), logits.data<T>(), targets.data<int32_t>(),
-                nullptr, rows, classes, 0.f, fault, ignore_index, count);
-        DP_CUDA_CHECK_LAUNCH();
-      },
-      logits.dtype(), dlogits.defined() ? dlogits.dtype() : logits.dtype());
+  launch_xent(row_loss, dlogits, logits, targets.data<int32_t>(), nullptr, 0.f, fault, ignore_index,
+              count, s);
   ctx.arm_fault_check(bad_label_fault_text);
   launch_sum(loss.data<float>(), rows, ReadValue{row_loss}, 1.f, partials, s);
   divide_by_count_kernel<<<1, 1, 0, s>>>(loss.data<float>(), count);
