@@ -1,5 +1,6 @@
 # kernels.cuda.*: the CUDA backend against the CPU backend (each case skips without a GPU).
-dp_add_test(test_kernels_cuda SOURCES test_kernels_cuda.cpp test_kernels_cuda_pointwise.cpp)
+dp_add_test(test_kernels_cuda SOURCES test_kernels_cuda.cpp test_kernels_cuda_pointwise.cpp
+            test_kernels_cuda_tensor_ops.cpp)
 # A build without the CUDA backend (-DDP_CUDA=OFF) compiles this file with DP_HAVE_CUDA=0. This
 # build compiles it that way too (objects only, never linked or run), so that path cannot rot
 # unseen while CI builds with CUDA.

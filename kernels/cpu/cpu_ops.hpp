@@ -5,6 +5,7 @@
 #pragma once
 
 #include "kernels/ops.hpp"
+#include "kernels/tensor_ops.hpp"
 
 namespace kernels::cpu {
 
@@ -98,5 +99,31 @@ bool all_finite(const Tensor& x);
 void non_finite_into(Tensor& flag, const Tensor& x);
 // The BLAS's own account of itself: "OpenBLAS 0.3.21 DYNAMIC_ARCH ... (kernels: SkylakeX)".
 std::string blas_version();
+
+// tensor_ops.cpp: the broadcasting op set (kernels/tensor_ops.hpp), arguments resolved by
+// kernels/tensor_ops.cpp. Layouts are in the output's index space (y's for forward ops, dy's for
+// backward ops): the output's shape with each operand's strides, 0 where it broadcasts. Reductions
+// and softmax see x as (outer, n, inner) with the reduced dim n.
+void unary(Tensor& y, const Tensor& x, UnaryOp op, UnaryParams p);
+void unary_backward(Tensor& dx, const Tensor& dy, const Tensor& x, const Tensor& y, UnaryOp op,
+                    UnaryParams p, Accumulate acc);
+void binary(Tensor& y, const Tensor& a, const Layout& a_in_y, const Tensor& b, const Layout& b_in_y,
+            BinaryOp op);
+// d's layout in dy's index space has stride 0 on the dims it is summed over (d contiguous).
+void binary_backward(Tensor& d, const Layout& d_in_dy, Operand which, const Tensor& dy,
+                     const Tensor& a, const Layout& a_in_dy, const Tensor& b, const Layout& b_in_dy,
+                     BinaryOp op, Accumulate acc);
+void where(Tensor& y, const Tensor& mask, const Layout& mask_in_y, const Tensor& a,
+           const Layout& a_in_y, const Tensor& b, const Layout& b_in_y);
+void where_backward(Tensor& d, const Layout& d_in_dy, Operand which, const Tensor& dy,
+                    const Tensor& mask, const Layout& mask_in_dy, Accumulate acc);
+void reduce(Tensor& y, const Tensor& x, int64_t outer, int64_t n, int64_t inner, ReduceOp op);
+void reduce_backward(Tensor& dx, const Tensor& dy, const Tensor& x, const Tensor& y, int64_t outer,
+                     int64_t n, int64_t inner, ReduceOp op, Accumulate acc);
+void softmax(Tensor& y, const Tensor& x, int64_t outer, int64_t n, int64_t inner, Softmax kind);
+void softmax_backward(Tensor& dx, const Tensor& dy, const Tensor& y, int64_t outer, int64_t n,
+                      int64_t inner, Softmax kind, Accumulate acc);
+void strided_copy(Tensor& dst, const Layout& dst_view, const Tensor& src, const Layout& src_view,
+                  Accumulate acc);
 
 }  // namespace kernels::cpu

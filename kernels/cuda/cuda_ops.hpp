@@ -6,6 +6,7 @@
 #pragma once
 
 #include "kernels/ops.hpp"
+#include "kernels/tensor_ops.hpp"
 
 namespace kernels::cuda {
 
@@ -122,5 +123,35 @@ void non_finite_into(Tensor& flag, const Tensor& x, DeviceContext& ctx);
 
 // The CUDA libraries as found at run time (kernels::library_versions).
 std::vector<std::pair<std::string, std::string>> library_versions();
+
+// tensor_ops.cu: the broadcasting op set (kernels/tensor_ops.hpp), arguments resolved by
+// kernels/tensor_ops.cpp (mirrors kernels/cpu/tensor_ops.cpp). Layouts are in the output's index
+// space (y's for forward ops, dy's for backward ops): the output's shape with each operand's
+// strides, 0 where it broadcasts. Reductions and softmax see x as (outer, n, inner) with the
+// reduced dim n.
+void unary(Tensor& y, const Tensor& x, UnaryOp op, UnaryParams p, DeviceContext& ctx);
+void unary_backward(Tensor& dx, const Tensor& dy, const Tensor& x, const Tensor& y, UnaryOp op,
+                    UnaryParams p, Accumulate acc, DeviceContext& ctx);
+void binary(Tensor& y, const Tensor& a, const Layout& a_in_y, const Tensor& b, const Layout& b_in_y,
+            BinaryOp op, DeviceContext& ctx);
+// d's layout in dy's index space has stride 0 on the dims it is summed over (d contiguous).
+void binary_backward(Tensor& d, const Layout& d_in_dy, Operand which, const Tensor& dy,
+                     const Tensor& a, const Layout& a_in_dy, const Tensor& b, const Layout& b_in_dy,
+                     BinaryOp op, Accumulate acc, DeviceContext& ctx);
+void where(Tensor& y, const Tensor& mask, const Layout& mask_in_y, const Tensor& a,
+           const Layout& a_in_y, const Tensor& b, const Layout& b_in_y, DeviceContext& ctx);
+void where_backward(Tensor& d, const Layout& d_in_dy, Operand which, const Tensor& dy,
+                    const Tensor& mask, const Layout& mask_in_dy, Accumulate acc,
+                    DeviceContext& ctx);
+void reduce(Tensor& y, const Tensor& x, int64_t outer, int64_t n, int64_t inner, ReduceOp op,
+            DeviceContext& ctx);
+void reduce_backward(Tensor& dx, const Tensor& dy, const Tensor& x, const Tensor& y, int64_t outer,
+                     int64_t n, int64_t inner, ReduceOp op, Accumulate acc, DeviceContext& ctx);
+void softmax(Tensor& y, const Tensor& x, int64_t outer, int64_t n, int64_t inner, Softmax kind,
+             DeviceContext& ctx);
+void softmax_backward(Tensor& dx, const Tensor& dy, const Tensor& y, int64_t outer, int64_t n,
+                      int64_t inner, Softmax kind, Accumulate acc, DeviceContext& ctx);
+void strided_copy(Tensor& dst, const Layout& dst_view, const Tensor& src, const Layout& src_view,
+                  Accumulate acc, DeviceContext& ctx);
 
 }  // namespace kernels::cuda

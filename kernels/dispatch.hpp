@@ -1,0 +1,113 @@
+// The one dispatch point of the ops (internal to kernels/: ops.cpp and tensor_ops.cpp): CPU ops
+// run inside the device context's task arena, CUDA ops get the context (stream, handles) of the
+// calling thread; while a graph captures, each op's arguments are recorded as the graph keeps
+// them. Included by .cpp files only.
+#pragma once
+
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "kernels/cpu/cpu_ops.hpp"
+#include "kernels/ops.hpp"
+#include "kernels/runtime/memory.hpp"
+#if DP_HAVE_CUDA
+#include "kernels/cuda/cuda_ops.hpp"
+#include "kernels/cuda/sdpa.hpp"
+// The context's GPU is made current first: launches and library calls go to its stream and
+// handles, which belong to that GPU (a thread may use several).
+#define DP_CUDA_DISPATCH(call) (ctx.make_current(), call)
+#define DP_CUDA_DISPATCH_VALUE(type, call) (ctx.make_current(), call)
+#else
+#define DP_CUDA_DISPATCH(call) no_cuda(ctx)
+#define DP_CUDA_DISPATCH_VALUE(type, call) (no_cuda(ctx), type{})
+#endif
+
+// The one dispatch point: kernels::cpu::op(args...) inside the device's task arena, or
+// kernels::cuda::op(args..., ctx) on the calling thread's context for the device.
+#define DP_DISPATCH(device, op, ...)                             \
+  do {                                                           \
+    DeviceContext& ctx = context(device);                        \
+    if ((device).is_cpu())                                       \
+      DP_RUN_CPU(                                                \
+          ctx, [](auto&&... a) { cpu::op(a...); }, __VA_ARGS__); \
+    DP_RUN_CUDA(ctx, op, __VA_ARGS__);                           \
+  } while (0)
+
+// A CPU op (a callable over the op's arguments): run inside the device's arena now, or, while a
+// graph captures on the context (kernels/runtime/graph.hpp), recorded with its arguments as the
+// graph keeps them (DeviceContext::graph_arg) to run at each replay, as a CUDA graph replays a
+// launch with the arguments it was captured with.
+#define DP_RUN_CPU(ctx, call, ...)                                              \
+  do {                                                                          \
+    if ((ctx).capturing()) return record_for_graph((ctx), (call), __VA_ARGS__); \
+    return run_cpu((ctx), [&] { (call)(__VA_ARGS__); });                        \
+  } while (0)
+
+// A CUDA op, queued on ctx's stream. A captured launch keeps the raw addresses it was given, so
+// while a graph captures, the op's arguments are recorded too (never run), as the graph keeps
+// them (DeviceContext::graph_arg): the graph holds the memory made before it until it is
+// destroyed, as a CPU recording does, and no buffer a replay writes goes back to the cache when
+// its owner lets it go (a layer's buffer replaced for a new shape, while the old shape's graph
+// lives on); blocks taken while capturing are the graph's reservation's already.
+#define DP_RUN_CUDA(ctx, op, ...)                                                 \
+  do {                                                                            \
+    if ((ctx).capturing()) record_for_graph((ctx), [](auto&...) {}, __VA_ARGS__); \
+    DP_CUDA_DISPATCH(cuda::op(__VA_ARGS__, ctx));                                 \
+  } while (0)
+
+namespace kernels {
+
+namespace {
+
+// What a recording keeps of one argument (DeviceContext::graph_arg for tensors, also inside the
+// device scalars, random offsets and source lists; other values as they are).
+template <class T>
+T graph_arg(DeviceContext&, const T& v) {
+  return v;
+}
+[[maybe_unused]] Tensor graph_arg(DeviceContext& ctx, const Tensor& t) {
+  return ctx.graph_arg(t);
+}
+[[maybe_unused]] Scalar graph_arg(DeviceContext& ctx, const Scalar& s) {
+  Scalar r = s;
+  r.at = ctx.graph_arg(s.at);
+  return r;
+}
+[[maybe_unused]] RngOffset graph_arg(DeviceContext& ctx, const RngOffset& o) {
+  RngOffset r = o;
+  r.base = ctx.graph_arg(o.base);
+  return r;
+}
+template <class T>
+std::vector<T> graph_arg(DeviceContext& ctx, const std::vector<T>& v) {
+  std::vector<T> r;
+  r.reserve(v.size());
+  for (const T& e : v) r.push_back(graph_arg(ctx, e));
+  return r;
+}
+
+// requires ctx.capturing(). ensures `call` over the arguments as the graph keeps them is recorded
+// on ctx: run at each replay on a CPU device, never on a CUDA one (it only holds them there).
+template <class Call, class... Args>
+void record_for_graph(DeviceContext& ctx, Call call, const Args&... args) {
+  ctx.record([call, held = std::make_tuple(graph_arg(ctx, args)...)]() mutable {
+    std::apply(call, held);
+  });
+}
+
+[[maybe_unused]] void no_cuda(DeviceContext& ctx) {
+  DP_THROW("device " << ctx.device() << " is not usable: " << cuda_unavailable_reason());
+}
+
+// Runs f inside the CPU device's arena and returns its result. Not while capturing: what
+// returns a value to the host (count_correct, all_finite) cannot be captured; the rest goes
+// through DP_RUN_CPU.
+template <class F>
+decltype(auto) run_cpu(DeviceContext& ctx, F&& f) {
+  ctx.refuse_in_capture("an op that returns a value to the host");
+  return ctx.arena().execute(std::forward<F>(f));
+}
+
+}  // namespace
+}  // namespace kernels
