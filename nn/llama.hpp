@@ -12,6 +12,7 @@
 #include <string>
 
 #include "nn/attention.hpp"
+#include "nn/composed.hpp"
 #include "nn/containers.hpp"
 #include "nn/embedding.hpp"
 #include "nn/linear.hpp"
@@ -28,6 +29,9 @@ struct LlamaConfig {
   int64_t hidden = 352;  // SwiGLU width: 8 dim / 3 rounded up to a multiple of 32
   float norm_eps = 1e-5f;
   float rope_base = 10000.f;
+  // RMSNorm and SwiGLU written with autograd (nn/composed.hpp) instead of the fused layers: the
+  // same parameters and the same function, the reference the fused ones are tested against.
+  bool composed = false;
   std::string name = "custom";
 
   // "tiny" (byte vocabulary, about 0.9M parameters, for CI). Throws naming the choices
@@ -105,14 +109,19 @@ class LlamaBlock : public Module {
     o.bias = Bias::no;
     o.rotary_context = c.context;
     o.rotary_base = c.rope_base;
-    attn_norm_ = register_module("attn_norm", std::make_shared<RMSNorm>(c.dim, c.norm_eps));
+    attn_norm_ = register_module("attn_norm", norm(c));
     attn_ = register_module("attn", std::make_shared<CausalSelfAttention>(c.dim, c.heads, 0.f, o));
-    mlp_norm_ = register_module("mlp_norm", std::make_shared<RMSNorm>(c.dim, c.norm_eps));
-    mlp_ = register_module("mlp", std::make_shared<SwiGLU>(c.dim, c.hidden));
+    mlp_norm_ = register_module("mlp_norm", norm(c));
+    mlp_ = register_module("mlp", c.composed
+                                      ? ModulePtr(std::make_shared<ComposedSwiGLU>(c.dim, c.hidden))
+                                      : ModulePtr(std::make_shared<SwiGLU>(c.dim, c.hidden)));
   }
   std::string type_name() const override { return "LlamaBlock"; }
-  CausalSelfAttention& attn() { return *attn_; }
-  SwiGLU& mlp() { return *mlp_; }
+  // The fused RMSNorm, or the composed one with c.composed.
+  static ModulePtr norm(const LlamaConfig& c) {
+    if (c.composed) return std::make_shared<ComposedRMSNorm>(c.dim, c.norm_eps);
+    return std::make_shared<RMSNorm>(c.dim, c.norm_eps);
+  }
 
  protected:
   Tensor forward_impl(const Tensor& x) override {
@@ -127,9 +136,8 @@ class LlamaBlock : public Module {
 
  private:
   LlamaConfig c_;
-  std::shared_ptr<RMSNorm> attn_norm_, mlp_norm_;
+  ModulePtr attn_norm_, mlp_norm_, mlp_;
   std::shared_ptr<CausalSelfAttention> attn_;
-  std::shared_ptr<SwiGLU> mlp_;
 };
 
 // ids (B, T) i32 with T <= context -> logits (B, T, vocab): f32, or output_dtype() for a loss
@@ -154,12 +162,13 @@ class Llama : public Module {
     layers_ = register_module("layers", std::make_shared<Sequential>());
     for (int64_t l = 0; l < c_.layers; ++l) {
       auto block = layers_->add(std::make_shared<LlamaBlock>(c_));
-      block->attn().c_attn().weight().init = w;
-      block->attn().c_proj().weight().init = w_resid;
-      block->mlp().gate_up().weight().init = w;
-      block->mlp().down().weight().init = w_resid;
+      for (auto& [name, p] : block->named_parameters())
+        if (name == "attn.c_attn.weight" || name == "mlp.gate_up.weight")
+          p->init = w;
+        else if (name == "attn.c_proj.weight" || name == "mlp.down.weight")
+          p->init = w_resid;
     }
-    norm_ = register_module("norm", std::make_shared<RMSNorm>(c_.dim, c_.norm_eps));
+    norm_ = register_module("norm", LlamaBlock::norm(c_));
     lm_head_ = register_module("lm_head", std::make_shared<Linear>(c_.dim, c_.vocab, Bias::no));
     lm_head_->weight().init = w;
   }
@@ -185,7 +194,7 @@ class Llama : public Module {
   LlamaConfig c_;
   std::shared_ptr<Embedding> embed_;
   std::shared_ptr<Sequential> layers_;
-  std::shared_ptr<RMSNorm> norm_;
+  ModulePtr norm_;
   std::shared_ptr<Linear> lm_head_;
 };
 

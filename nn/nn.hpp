@@ -3,6 +3,7 @@
 #pragma once
 
 #include "nn/amp.hpp"
+#include "nn/autograd.hpp"
 #include "nn/checkpoint.hpp"
 #include "nn/clip.hpp"
 #include "nn/gradcheck.hpp"

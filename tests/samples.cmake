@@ -32,3 +32,14 @@ if(TARGET train_text)
   target_compile_definitions(test_train_text PRIVATE DP_TRAIN_TEXT_PATH="$<TARGET_FILE:train_text>")
   add_dependencies(test_train_text train_text)
 endif()
+
+# samples/custom_layer: a layer written with autograd equals the hand-written one, and both pass
+# gradcheck (alone and in a network).
+if(TARGET custom_layer)
+  add_test(NAME "samples.custom_layer: composed and hand-written layers agree and pass gradcheck"
+           COMMAND $<TARGET_FILE:custom_layer>)
+  set_tests_properties("samples.custom_layer: composed and hand-written layers agree and pass gradcheck"
+    PROPERTIES TIMEOUT 60
+    PASS_REGULAR_EXPRESSION "composed vs hand-written parameter gradients: max \\|diff\\| [0-9.e-]+.*gradcheck ComposedGatedLinear.*gradcheck GatedLinear.*gradcheck Sequential"
+    FAIL_REGULAR_EXPRESSION "FAIL")
+endif()

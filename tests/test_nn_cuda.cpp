@@ -109,6 +109,41 @@ TEST_CASE("nn.cuda: a Llama on cuda:0 matches the CPU, forward and backward") {
   check_grads(*on_gpu, ids.to(Device::cuda(0)), o);
 }
 
+TEST_CASE("nn.cuda: a composed Llama (autograd) on cuda:0 matches the CPU, warm steps replay") {
+  DP_REQUIRE_GPU();
+  nn::LlamaConfig c;
+  c.vocab = 11, c.context = 8, c.layers = 2, c.heads = 2, c.dim = 16, c.hidden = 24;
+  c.composed = true;
+  auto cpu = materialized(nn::llama(c), 5);
+  auto gpu = cpu->clone_to(Device::cuda(0));
+  std::vector<int32_t> id_values;
+  for (int i = 0; i < 2 * 7; ++i) id_values.push_back((i * 5 + 3) % 11);
+  Tensor ids = Tensor::from_ints(id_values, {2, 7});
+  nn::TokenCrossEntropyLoss loss_fn;
+  auto step = [&](nn::Module& m) {
+    const Device d = m.device();
+    m.zero_grad();
+    Tensor logits = m.forward(ids.to(d));
+    Tensor loss = Tensor::empty({1}, DType::f32, d);
+    Tensor dl = Tensor::empty(logits.shape(), DType::f32, d);
+    loss_fn.compute(loss, dl, logits, ids.to(d));
+    m.backward(dl);
+    return std::make_pair(host(logits), loss.item());
+  };
+  for (int rep = 0; rep < 2; ++rep) {  // the tapes recorded, then replayed
+    CAPTURE(rep);
+    auto [logits_cpu, loss_cpu] = step(*cpu);
+    auto [logits_gpu, loss_gpu] = step(*gpu);
+    CHECK(scaled_diff(logits_gpu, logits_cpu) < 1e-4);
+    CHECK(loss_gpu == doctest::Approx(loss_cpu).epsilon(1e-4));
+    CHECK(scaled_diff(host(gpu->flat_grads()), host(cpu->flat_grads())) < 1e-4);
+  }
+  nn::GradcheckOptions o;
+  o.check_input = nn::CheckInput::no;
+  auto on_gpu = materialized(nn::llama(c), 3, Device::cuda(0));
+  check_grads(*on_gpu, ids.to(Device::cuda(0)), o);
+}
+
 TEST_CASE("nn.cuda: a checkpoint saved from the GPU loads on the CPU") {
   DP_REQUIRE_GPU();
   const std::string path = "/tmp/nn_test_" + std::to_string(::getpid()) + "_gpu.ckpt";

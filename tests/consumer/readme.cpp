@@ -6,29 +6,18 @@
 using nn::Tensor;
 
 // A learned per-feature scale: y = x * s, x (N, D), s (D).
-class Scale : public nn::Module {
+class Scale : public nn::Composed {
  public:
-  explicit Scale(int64_t d) { s_ = &register_parameter("s", {d}, nn::InitSpec::constant(1.f)); }
+  explicit Scale(int64_t d) : s_(register_parameter("s", {d}, nn::InitSpec::constant(1.f))) {}
   std::string type_name() const override { return "Scale"; }
 
  protected:
-  Tensor forward_impl(const Tensor& x) override {
-    Tensor y = Tensor::empty(x.shape(), nn::DType::f32, x.device());
-    kernels::mul(y, x_ = x, s_->value);  // s broadcast over the rows
-    return y;
-  }
-  Tensor backward_impl(const Tensor& dy) override {
-    Tensor t = Tensor::empty(dy.shape(), nn::DType::f32, dy.device());
-    kernels::mul(t, dy, x_);
-    kernels::sum_leading(s_->grad, t, kernels::Accumulate::yes);  // ds += sum over rows
-    kernels::mul(t, dy, s_->value);
-    return t;
-  }
-  nn::ModulePtr clone_config() const override { return std::make_shared<Scale>(s_->shape[0]); }
+  // The forward only, as ops on Vars; the backward is derived (nn/autograd.hpp).
+  Var compose(const Var& x) override { return x * param(s_); }  // s broadcast over the rows
+  nn::ModulePtr clone_config() const override { return std::make_shared<Scale>(s_.shape[0]); }
 
  private:
-  nn::Parameter* s_;
-  Tensor x_;
+  nn::Parameter& s_;
 };
 
 int main() {

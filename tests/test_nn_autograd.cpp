@@ -1,0 +1,374 @@
+// nn.autograd: layers written with autograd (nn/autograd.hpp, nn/composed.hpp) against the fused
+// layers and finite differences; a warm composed step allocates nothing and replays inside a
+// graph with the same bits; gradients add into the flat buffer and the hooks fire; edge cases
+// of the tape (an input used twice, an unused input, the input returned) and its refusals.
+#include <cstring>
+#include <set>
+
+#include "kernels/runtime/graph.hpp"
+#include "nn/nn.hpp"
+#include "tests/test_util.hpp"
+
+using namespace kernels;
+namespace ag = nn::ag;
+
+namespace {
+
+Tensor rnd(const Shape& s, uint32_t seed, float lo = -1.f, float hi = 1.f) {
+  return Tensor::from_vector(
+      dp_test::random_vector(static_cast<size_t>(shape_numel(s)), seed, lo, hi), s);
+}
+
+// y, dx and the parameter gradients of m on x with dy.
+struct Pass {
+  std::vector<float> y, dx, grads;
+};
+Pass run(nn::Module& m, const Tensor& x, const Tensor& dy) {
+  m.zero_grad();
+  Pass p;
+  p.y = m.forward(x).to_host_f32();
+  Tensor dx = m.backward(dy);
+  if (dx.defined()) p.dx = dx.to_host_f32();
+  p.grads = nn::packed_parameters(m, m.flat_grads().to_host_f32());
+  return p;
+}
+
+// Every op of the set in one layer: elementwise, broadcasting, where, reductions, softmax,
+// permute, expand, cat and split, and a batched matmul. x (B, T, D) -> (B, T, D).
+class OpZoo : public nn::Composed {
+ public:
+  explicit OpZoo(int64_t d)
+      : d_(d),
+        w_(register_parameter("w", {d, d}, nn::InitSpec::normal(0.3f))),
+        b_(register_parameter("b", {d}, nn::InitSpec::normal(0.3f))) {}
+  std::string type_name() const override { return "OpZoo"; }
+
+ protected:
+  ag::Var compose(const ag::Var& x) override {
+    using namespace ag;
+    const Var h = linear(x, param(w_)) + param(b_);                    // (B, T, D)
+    const Var att = softmax(matmul(h, transpose(x, 1, 2)) / 4.f, -1);  // (B, T, T)
+    const Var mixed = matmul(att, x);                                  // (B, T, D)
+    const Var g = where(h, sigmoid(h) * tanh(mixed), gelu(mixed) - relu(-h));
+    const Var halves = cat(split(g, -1, {d_ / 2, d_ - d_ / 2}), 0);  // (2 B, T, D / 2)
+    const Var back =
+        cat({narrow(halves, 0, 0, x.dim(0)), narrow(halves, 0, x.dim(0), x.dim(0))}, -1);
+    const Var norm = sqrt(mean(back * back, -1, keepdim) + 1.f) + amax(abs(back), -1, keepdim);
+    const Var soft = exp(log_softmax(permute(back, {0, 2, 1}), 1));  // (B, D, T)
+    const Var e = expand(reshape(sum(soft, 1), {x.dim(0), x.dim(1), 1}), x.shape());
+    return maximum(back / norm, minimum(e, pow(abs(x) + 0.5f, 1.5f))) + silu(x) * 0.5f -
+           log(1.f + gelu_tanh(x) * gelu_tanh(x)) + 2.f / (2.f + x * x);
+  }
+  std::shared_ptr<nn::Module> clone_config() const override { return std::make_shared<OpZoo>(d_); }
+
+ private:
+  int64_t d_;
+  nn::Parameter& w_;
+  nn::Parameter& b_;
+};
+
+// Tape edge cases: y = x * x + p (x used twice; p a parameter broadcast over rows).
+class Square : public nn::Composed {
+ public:
+  explicit Square(int64_t d)
+      : d_(d), p_(register_parameter("p", {d}, nn::InitSpec::constant(0.5f))) {}
+  std::string type_name() const override { return "Square"; }
+
+ protected:
+  ag::Var compose(const ag::Var& x) override { return x * x + param(p_); }
+  std::shared_ptr<nn::Module> clone_config() const override { return std::make_shared<Square>(d_); }
+
+ private:
+  int64_t d_;
+  nn::Parameter& p_;
+};
+
+// Returns a function of its parameter only (the input is unused) or the input itself.
+class Ignores : public nn::Composed {
+ public:
+  explicit Ignores(bool identity)
+      : identity_(identity), p_(register_parameter("p", {3}, nn::InitSpec::constant(2.f))) {}
+  std::string type_name() const override { return "Ignores"; }
+
+ protected:
+  ag::Var compose(const ag::Var& x) override {
+    return identity_ ? x : ag::expand(ag::exp(param(p_)), x.shape());
+  }
+  std::shared_ptr<nn::Module> clone_config() const override {
+    return std::make_shared<Ignores>(identity_);
+  }
+
+ private:
+  bool identity_;
+  nn::Parameter& p_;
+};
+
+}  // namespace
+
+TEST_CASE("nn.autograd: composed RMSNorm and SwiGLU equal the fused layers, forward and backward") {
+  const Shape s{3, 5, 16};
+  Tensor x = rnd(s, 1, -2.f, 2.f), dy = rnd(s, 2);
+  {
+    nn::RMSNorm fused(16);
+    nn::ComposedRMSNorm composed(16);
+    for (nn::Module* m : {static_cast<nn::Module*>(&fused), static_cast<nn::Module*>(&composed)})
+      m->materialize(Device::cpu(0), 3);
+    // Non-trivial gains, the same in both.
+    Tensor g = rnd({16}, 4, 0.5f, 1.5f);
+    copy(fused.flat_params(), g);
+    copy(composed.flat_params(), g);
+    const Pass a = run(fused, x, dy), b = run(composed, x, dy);
+    CHECK(dp_test::rel_diff(a.y, b.y) <= 2e-6f);
+    CHECK(dp_test::rel_diff(a.dx, b.dx) <= 2e-6f);
+    CHECK(dp_test::rel_diff(a.grads, b.grads) <= 2e-6f);
+  }
+  {
+    nn::SwiGLU fused(16, 24);
+    nn::ComposedSwiGLU composed(16, 24);
+    fused.materialize(Device::cpu(0), 5);
+    composed.materialize(Device::cpu(0), 5);  // the same names, shapes and order: same weights
+    REQUIRE(fused.flat_params().to_host_f32() == composed.flat_params().to_host_f32());
+    std::vector<std::string> names_f, names_c;
+    for (auto& [n, p] : fused.named_parameters()) names_f.push_back(n);
+    for (auto& [n, p] : composed.named_parameters()) names_c.push_back(n);
+    CHECK(names_f == names_c);
+    const Pass a = run(fused, x, dy), b = run(composed, x, dy);
+    CHECK(dp_test::rel_diff(a.y, b.y) <= 2e-6f);
+    CHECK(dp_test::rel_diff(a.dx, b.dx) <= 2e-6f);
+    CHECK(dp_test::rel_diff(a.grads, b.grads) <= 2e-6f);
+  }
+}
+
+TEST_CASE("nn.autograd: composed rotary equals the rotary kernel, and its backward the inverse") {
+  const int64_t b = 2, t = 5, h = 3, hd = 8, ctx = 7;
+  nn::ComposedRotary rot(hd, ctx);
+  rot.materialize(Device::cpu(0), 1);
+  nn::CausalSelfAttention ref(h * hd, h, 0.f, [] {
+    nn::AttentionOptions o;
+    o.rotary_context = 7;
+    return o;
+  }());
+  ref.materialize(Device::cpu(0), 1);
+  Tensor x = rnd({b, t, h, hd}, 7), dy = rnd({b, t, h, hd}, 8);
+  Tensor y = rot.forward(x);
+  Tensor dx = rot.backward(dy);
+  // The fused kernel on the same values, in place, with the attention layer's own tables.
+  auto tables = ref.named_constants();
+  REQUIRE(tables.size() == 2);
+  Tensor want = Tensor::from_vector(x.to_host_f32(), {b, t, h * hd});
+  rotary_embedding(want, tables[0].second->value, tables[1].second->value, hd, h * hd,
+                   Rotation::forward);
+  Tensor want_dx = Tensor::from_vector(dy.to_host_f32(), {b, t, h * hd});
+  rotary_embedding(want_dx, tables[0].second->value, tables[1].second->value, hd, h * hd,
+                   Rotation::inverse);
+  CHECK(dp_test::rel_diff(y.to_host_f32(), want.to_host_f32()) <= 1e-6f);
+  CHECK(dp_test::rel_diff(dx.to_host_f32(), want_dx.to_host_f32()) <= 1e-6f);
+  // The tables are constants: no parameters, not averaged or saved.
+  CHECK(rot.num_parameters() == 0);
+  CHECK(rot.flat_buffers().numel() == 0);
+}
+
+TEST_CASE("nn.gradcheck: composed layers and every op of the set") {
+  auto check = [](nn::Module& m, const Tensor& x) {
+    m.materialize(Device::cpu(0), 11);
+    nn::GradcheckOptions o;
+    o.samples_per_tensor = 24;
+    const nn::GradcheckResult r = nn::gradcheck(m, x, o);
+    INFO(r.message);
+    CHECK(r.ok);
+    CHECK(r.checked > 0);
+  };
+  nn::ComposedRMSNorm norm(8);
+  check(norm, rnd({2, 3, 8}, 21));
+  nn::ComposedSwiGLU mlp(8, 12);
+  check(mlp, rnd({2, 3, 8}, 22));
+  nn::ComposedRotary rot(4, 6);
+  check(rot, rnd({2, 3, 2, 4}, 23));
+  OpZoo zoo(6);
+  check(zoo, rnd({2, 4, 6}, 24));
+  Square sq(5);
+  check(sq, rnd({3, 5}, 25));
+}
+
+TEST_CASE(
+    "nn.autograd: a warm composed step allocates nothing and replays in a graph bit for bit") {
+  const Device dev = Device::cpu(0);
+  nn::Sequential net;
+  net.add(std::make_shared<nn::ComposedRMSNorm>(8));
+  net.add(std::make_shared<nn::ComposedSwiGLU>(8, 12));
+  net.add(std::make_shared<OpZoo>(8));
+  net.materialize(dev, 3);
+  Tensor x = rnd({2, 4, 8}, 31), dy = rnd({2, 4, 8}, 32);
+  auto step = [&] {
+    net.zero_grad();
+    Tensor y = net.forward(x);
+    net.backward(dy);
+    return y;
+  };
+  step();  // records the tapes and makes the gradient buffers
+  DeviceContext& ctx = context(dev);
+  const int64_t before = ctx.memory()->allocations.load();
+  const std::vector<float> y1 = step().to_host_f32();
+  const std::vector<float> g1 = net.flat_grads().to_host_f32();
+  CHECK(ctx.memory()->allocations.load() == before);
+  // Captured: a CPU device refuses what a CUDA capture refuses (host reads, allocations the
+  // cache cannot serve), so this is what a GPU graph would take.
+  Tensor y_graph;
+  Graph g;
+  g.capture(ctx, [&] { y_graph = step(); });
+  for (int i = 0; i < 2; ++i) g.replay();
+  ctx.synchronize();
+  CHECK(std::memcmp(y_graph.to_host_f32().data(), y1.data(), y1.size() * sizeof(float)) == 0);
+  const std::vector<float> g2 = net.flat_grads().to_host_f32();
+  CHECK(std::memcmp(g2.data(), g1.data(), g1.size() * sizeof(float)) == 0);
+  // New values in the same input: a replay computes from them.
+  copy(x, rnd({2, 4, 8}, 33));
+  g.replay();
+  ctx.synchronize();
+  const std::vector<float> y_new = y_graph.to_host_f32();
+  CHECK(y_new != y1);
+  CHECK(step().to_host_f32() == y_new);
+}
+
+TEST_CASE("nn.autograd: gradients add into the flat buffer and each parameter's hook fires") {
+  nn::Sequential net;
+  auto norm = net.add(std::make_shared<nn::ComposedRMSNorm>(6));
+  net.add(std::make_shared<nn::Linear>(6, 6));  // a built-in layer beside composed ones
+  net.add(std::make_shared<nn::ComposedSwiGLU>(6, 8));
+  net.materialize(Device::cpu(0), 4);
+  std::vector<std::string> ready;
+  auto names = net.named_parameters();
+  net.flat().on_grad_ready = [&](const nn::Parameter& p) {
+    for (auto& [n, q] : names)
+      if (q == &p) ready.push_back(n);
+  };
+  Tensor x = rnd({4, 6}, 41), dy = rnd({4, 6}, 42);
+  net.zero_grad();
+  net.forward(x);
+  net.backward(dy);
+  const std::vector<float> once = net.flat_grads().to_host_f32();
+  CHECK(ready == std::vector<std::string>{"2.gate_up.weight", "2.down.weight", "1.weight", "1.bias",
+                                          "0.weight"});
+  net.forward(x);
+  net.backward(dy);  // no zero_grad: the gradients add
+  const std::vector<float> twice = net.flat_grads().to_host_f32();
+  for (size_t i = 0; i < once.size(); ++i) CHECK(twice[i] == doctest::Approx(2 * once[i]));
+  (void)norm;
+}
+
+TEST_CASE("nn.autograd: an input used twice, an unused input, the input returned, no input grad") {
+  Tensor x = rnd({3, 5}, 51), dy = rnd({3, 5}, 52);
+  const auto xs = x.to_host_f32(), dys = dy.to_host_f32();
+  Square sq(5);
+  sq.materialize(Device::cpu(0), 1);
+  const Pass p = run(sq, x, dy);
+  for (size_t i = 0; i < xs.size(); ++i) {
+    CHECK(p.y[i] == doctest::Approx(xs[i] * xs[i] + 0.5f));
+    CHECK(p.dx[i] == doctest::Approx(2 * xs[i] * dys[i]));
+  }
+  for (int j = 0; j < 5; ++j)
+    CHECK(p.grads[j] == doctest::Approx(dys[j] + dys[5 + j] + dys[10 + j]));
+  // The input not needed: no input gradient, the parameter's still.
+  sq.set_input_grad(nn::InputGrad::not_needed);
+  const Pass q = run(sq, x, dy);
+  CHECK(q.dx.empty());
+  CHECK(q.grads == p.grads);
+  // An unused input gets a zero gradient; the returned input gets dy.
+  Tensor x3 = rnd({2, 3}, 53), dy3 = rnd({2, 3}, 54);
+  Ignores unused(false), identity(true);
+  unused.materialize(Device::cpu(0), 1);
+  identity.materialize(Device::cpu(0), 1);
+  for (int rep = 0; rep < 2; ++rep) {  // record, then replay
+    const Pass u = run(unused, x3, dy3), i = run(identity, x3, dy3);
+    CHECK(u.dx == std::vector<float>(6, 0.f));
+    CHECK(u.y[0] == doctest::Approx(std::exp(2.f)));
+    CHECK(i.y == x3.to_host_f32());
+    CHECK(i.dx == dy3.to_host_f32());
+  }
+}
+
+TEST_CASE("nn.autograd: a new shape records its own tape, bf16 follows f32, refusals name the op") {
+  nn::ComposedSwiGLU mlp(8, 12);
+  mlp.materialize(Device::cpu(0), 6);
+  Tensor a = rnd({4, 8}, 61), b = rnd({3, 8}, 62);
+  const std::vector<float> ya = mlp.forward(a).to_host_f32();
+  CHECK(mlp.forward(b).numel() == 3 * 8);  // another shape (DP's last, smaller chunk)
+  CHECK(mlp.forward(a).to_host_f32() == ya);
+  // Under bf16 compute and activations: matmuls in bf16, the output bf16, close to f32.
+  mlp.set_compute_dtype(DType::bf16);
+  mlp.set_activations(nn::Activations::compute);
+  Tensor y16 = mlp.forward(a);
+  CHECK(y16.dtype() == DType::f32);  // the outermost forward's output is f32
+  CHECK(dp_test::rel_diff(y16.to_host_f32(), ya) <= 3e-2f);
+  Tensor dy = rnd({4, 8}, 63);
+  const std::vector<float> dx16 = mlp.backward(dy).to_host_f32();
+  mlp.set_compute_dtype(DType::f32);
+  mlp.forward(a);
+  CHECK(dp_test::rel_diff(dx16, mlp.backward(dy).to_host_f32()) <= 3e-2f);
+  // Refusals.
+  class Bad : public nn::Composed {
+   public:
+    std::string type_name() const override { return "Bad"; }
+    ag::Var kept;
+    bool cross = false;
+
+   protected:
+    ag::Var compose(const ag::Var& x) override {
+      if (cross && kept.tape()) return x + kept;  // a Var of an earlier forward
+      kept = x;
+      return ag::matmul(x, x);
+    }
+    std::shared_ptr<nn::Module> clone_config() const override { return std::make_shared<Bad>(); }
+  };
+  Bad bad;
+  bad.materialize(Device::cpu(0), 1);
+  CHECK(dp_test::error_of([&] {
+          bad.forward(rnd({2, 3}, 64));
+        }).find("matmul: [2, 3] times [2, 3]: inner dims or leading dims differ") !=
+        std::string::npos);
+  bad.cross = true;
+  bad.forward(rnd({2, 2}, 65));
+  CHECK(dp_test::error_of([&] {
+          bad.forward(rnd({3, 3}, 66));
+        }).find("a Var from another forward") != std::string::npos);
+  CHECK(dp_test::error_of([&] { ag::reshape(ag::Var(), {2}); }).find("an empty Var") !=
+        std::string::npos);
+}
+
+TEST_CASE("nn.llama: composed RMSNorm and SwiGLU train the same Llama as the fused layers") {
+  auto train = [](bool composed) {
+    nn::LlamaConfig c;
+    c.vocab = 13, c.context = 8, c.layers = 2, c.heads = 2, c.dim = 16, c.hidden = 24;
+    c.composed = composed;
+    auto m = nn::llama(c);
+    m->materialize(Device::cpu(0), 9);
+    nn::AdamW opt(*m, [] {
+      AdamWConfig a;
+      a.lr = 3e-3f;
+      return a;
+    }());
+    nn::TokenCrossEntropyLoss loss_fn;
+    std::vector<float> losses;
+    for (int s = 0; s < 3; ++s) {
+      std::vector<int32_t> ids(5 * 6), tg(ids.size());
+      for (size_t i = 0; i < ids.size(); ++i)
+        ids[i] = static_cast<int32_t>((i * 5 + s) % 13),
+        tg[i] = static_cast<int32_t>((i * 3 + s + 1) % 13);
+      Tensor x = Tensor::from_ints(ids, {5, 6}), y = Tensor::from_ints(tg, {5, 6});
+      m->zero_grad();
+      Tensor out = m->forward(x);
+      Tensor loss = Tensor::empty({1}, DType::f32, Device::cpu(0));
+      Tensor dl = Tensor::empty(out.shape(), DType::f32, Device::cpu(0));
+      loss_fn.compute(loss, dl, out, y);
+      m->backward(dl);
+      opt.step();
+      losses.push_back(loss.item());
+    }
+    std::vector<float> params = m->flat_params().to_host_f32();
+    losses.insert(losses.end(), params.begin(), params.end());
+    return losses;
+  };
+  const std::vector<float> fused = train(false), composed = train(true);
+  REQUIRE(fused.size() == composed.size());
+  CHECK(dp_test::rel_diff(fused, composed) <= 1e-5f);
+}
