@@ -7,6 +7,7 @@
 #include <limits>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "kernels/cpu/cpu_ops.hpp"
 #include "kernels/cpu/cpu_util.hpp"
@@ -358,8 +359,9 @@ void split_summed(const Layout& d_in_dy, const Layout* const (&others)[2], Layou
   for (int j = 0; j < 3; ++j) kept[j].offset = all[j]->offset;
 }
 
-// For each element of d (parallel), the sum over the summed dims of term(dy, x1, x2 offsets)
-// in order, in double; stored once. Rows of the kept dims, rows of the summed dims inside.
+// For each element of d (parallel), the sum over the summed dims of the f32 terms
+// term(dy, x1, x2 offsets) in order, in double; stored once. Rows of the kept dims, rows of the
+// summed dims inside.
 template <class D, class Term>
 void sum_into(D* pd, const Layout& d_in_dy, const Layout& x1, const Layout& x2, Accumulate acc,
               Term term) {
@@ -374,16 +376,44 @@ void sum_into(D* pd, const Layout& d_in_dy, const Layout& x1, const Layout& x2, 
   const int64_t n_summed = sums.count * sums.len;
   const int64_t grain =
       std::max<int64_t>(1, kElementwiseGrain / std::max<int64_t>(1, rows.len * n_summed));
+  // Each element adds its terms in the summed dims' order, whichever loop is inside: the summed
+  // one when it runs along memory (a row's own sum), else the row's elements (a column sum over
+  // leading dims), into a buffer of row sums. The same bits either way.
+  const bool summed_inside = n_summed == 1 || sums.step[0] == 1;
   parallel_range(rows.count, grain, [&](int64_t begin, int64_t end) {
+    std::vector<double> row_sums(summed_inside ? 0 : static_cast<size_t>(rows.len));
     Odometer<4> w = rows.walk(begin);
-    for (int64_t r = begin; r < end; ++r, w.next())
+    for (int64_t r = begin; r < end; ++r, w.next()) {
+      if (!summed_inside) {
+        std::fill(row_sums.begin(), row_sums.end(), 0.0);
+        Odometer<3> u = sums.walk(0);
+        for (int64_t q = 0; q < sums.count; ++q, u.next())
+          for (int64_t k = 0; k < sums.len; ++k) {
+            const int64_t o0 = w.at[1] + u.at[0] + k * sums.step[0],
+                          o1 = w.at[2] + u.at[1] + k * sums.step[1],
+                          o2 = w.at[3] + u.at[2] + k * sums.step[2];
+            for (int64_t j = 0; j < rows.len; ++j)
+              row_sums[static_cast<size_t>(j)] +=
+                  term(o0 + j * rows.step[1], o1 + j * rows.step[2], o2 + j * rows.step[3]);
+          }
+        for (int64_t j = 0; j < rows.len; ++j)
+          store(pd[w.at[0] + j * rows.step[0]],
+                static_cast<float>(row_sums[static_cast<size_t>(j)]), acc);
+        continue;
+      }
+      if (n_summed == 1) {  // elementwise: one f32 term each
+        for (int64_t j = 0; j < rows.len; ++j)
+          store(pd[w.at[0] + j * rows.step[0]],
+                term(w.at[1] + j * rows.step[1], w.at[2] + j * rows.step[2],
+                     w.at[3] + j * rows.step[3]),
+                acc);
+        continue;
+      }
       for (int64_t j = 0; j < rows.len; ++j) {
         const int64_t i0 = w.at[1] + j * rows.step[1], i1 = w.at[2] + j * rows.step[2],
                       i2 = w.at[3] + j * rows.step[3];
         double s = 0.0;
-        if (n_summed == 1) {
-          s = term(i0, i1, i2);
-        } else {
+        {
           Odometer<3> u = sums.walk(0);
           for (int64_t q = 0; q < sums.count; ++q, u.next())
             for (int64_t k = 0; k < sums.len; ++k)
@@ -392,6 +422,7 @@ void sum_into(D* pd, const Layout& d_in_dy, const Layout& x1, const Layout& x2, 
         }
         store(pd[w.at[0] + j * rows.step[0]], static_cast<float>(s), acc);
       }
+    }
   });
 }
 }  // namespace
@@ -406,11 +437,19 @@ void binary_backward(Tensor& d, const Layout& d_in_dy, Operand which, const Tens
         const auto* pa = a.data<decltype(a_t)>();
         const auto* pb = b.data<decltype(b_t)>();
         auto* pd = d.data<decltype(d_t)>();
-        sum_into(pd, d_in_dy, a_in_dy, b_in_dy, acc, [&](int64_t i, int64_t ia, int64_t ib) {
-          const float p = binary_partial(op, which, load_f32(pa[ia]), load_f32(pb[ib]));
-          // maximum and minimum select: an unselected element gets 0, whatever dy.
-          if (selects && p == 0.f) return 0.0;
-          return double{load_f32(pdy[i])} * p;
+        with_binary_op(op, [&](auto c) {
+          auto partial = [&](auto to) {
+            sum_into(pd, d_in_dy, a_in_dy, b_in_dy, acc, [&](int64_t i, int64_t ia, int64_t ib) {
+              const float p = binary_partial(c.value, to.value, load_f32(pa[ia]), load_f32(pb[ib]));
+              // maximum and minimum select: an unselected element gets 0, whatever dy.
+              if (selects && p == 0.f) return 0.f;
+              return load_f32(pdy[i]) * p;
+            });
+          };
+          if (which == Operand::a)
+            partial(std::integral_constant<Operand, Operand::a>{});
+          else
+            partial(std::integral_constant<Operand, Operand::b>{});
         });
       },
       d.dtype(), dy.dtype(), a.dtype(), b.dtype());
@@ -447,7 +486,7 @@ void where_backward(Tensor& d, const Layout& d_in_dy, Operand which, const Tenso
         const auto* pm = mask.data<decltype(m_t)>();
         auto* pd = d.data<decltype(d_t)>();
         sum_into(pd, d_in_dy, mask_in_dy, mask_in_dy, acc, [&](int64_t i, int64_t im, int64_t) {
-          return (load_f32(pm[im]) != 0.f) == to_a ? double{load_f32(pdy[i])} : 0.0;
+          return (load_f32(pm[im]) != 0.f) == to_a ? load_f32(pdy[i]) : 0.f;
         });
       },
       d.dtype(), dy.dtype(), mask.dtype());
