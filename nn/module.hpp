@@ -13,12 +13,14 @@
 //   auto replica = net->clone_to(Device::cuda(1));      // same structure, own flat buffers
 #pragma once
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -154,6 +156,13 @@ enum class Activations { f32, compute };
 // gradient, which for a language model's (B, T, V) logits are the largest tensors of the step.
 enum class Output { f32, activations };
 
+// Wall time of one module's forward and backward calls, inclusive of its children
+// (nn/profile.hpp's LayerProfiler turns them on and reads them).
+struct LayerTime {
+  double forward_ms = 0, backward_ms = 0;
+  int64_t forwards = 0, backwards = 0;
+};
+
 // The storage of one replica, shared by every module of its tree.
 struct FlatState {
   Device device;
@@ -198,6 +207,9 @@ struct FlatState {
   Activations activations = Activations::f32;
   Output output = Output::f32;
   int forward_depth = 0;  // forwards in progress: 0 outside, 1 in the outermost
+  // Set while a LayerProfiler (nn/profile.hpp) times the tree: each forward and backward in
+  // training mode waits for its device before and after, and adds its wall time here, by module.
+  std::shared_ptr<std::unordered_map<const void*, LayerTime>> layer_times;
 };
 
 enum class Mode { train, eval };
@@ -229,7 +241,8 @@ class Module {
       kernels::NvtxRange cast("amp/cast_weights");
       kernels::copy(flat_->compute_params, flat_->params);
     }
-    Tensor y = forward_impl(x);
+    Tensor y = flat_->layer_times && is_training() ? timed(true, [&] { return forward_impl(x); })
+                                                   : forward_impl(x);
     // 16-bit activations end at the model's output unless set_output(Output::activations): the
     // loss and metrics then read f32 (the backward of the last layer takes the f32 gradient as
     // it is).
@@ -245,7 +258,9 @@ class Module {
     Tensor dx;
     {
       kernels::NvtxRange r(type_name() + "/backward");
-      dx = backward_impl(dy);
+      dx = flat_ && flat_->layer_times && is_training()
+               ? timed(false, [&] { return backward_impl(dy); })
+               : backward_impl(dy);
     }
     if (flat_ && flat_->on_grad_ready)
       for (auto& p : params_) flat_->on_grad_ready(p);
@@ -482,6 +497,23 @@ class Module {
   const std::shared_ptr<FlatState>& flat_state() const { return flat_; }
 
  private:
+  // f() with its wall time added to the profiler's table: the device's queue drained before and
+  // after, so a GPU layer's time is its kernels' (profiling only: graphs are off meanwhile).
+  template <class F>
+  Tensor timed(bool forward, F&& f) {
+    kernels::DeviceContext& ctx = kernels::context(flat_->device);
+    ctx.synchronize();
+    const auto t0 = std::chrono::steady_clock::now();
+    Tensor out = f();
+    ctx.synchronize();
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    LayerTime& t = (*flat_->layer_times)[this];
+    (forward ? t.forward_ms : t.backward_ms) += ms;
+    ++(forward ? t.forwards : t.backwards);
+    return out;
+  }
+
   template <class F>
   void visit(const std::string& prefix, F&& f) {
     f(prefix, *this);

@@ -13,4 +13,5 @@
 #include "nn/module.hpp"
 #include "nn/optim.hpp"
 #include "nn/param_groups.hpp"
+#include "nn/profile.hpp"
 #include "nn/zoo.hpp"

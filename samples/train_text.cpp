@@ -42,6 +42,7 @@ struct Flags {
   uint64_t seed = 1;
   int64_t sample_bytes = 120, top_k = 1;  // top_k 1: greedy
   std::string backend = "auto";
+  bool profile_layers = false;
   dp::dist::LaunchOptions launch;
 };
 
@@ -159,6 +160,9 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 16));
   app.add_option("--top-k", f.top_k, "sample among the k most likely bytes (1: greedy)")
       ->check(CLI::Range(int64_t{1}, int64_t{256}));
+  app.add_flag("--profile-layers", f.profile_layers,
+               "time each layer's forward and backward (device 0 or rank 0; graphs off) and "
+               "print the table at the end");
   app.add_option("--backend", f.backend, "ddp: auto, nccl or gloo")
       ->check(CLI::IsMember({"auto", "nccl", "gloo"}));
   dp::cli::add_launch_flags(app, f.launch);
@@ -287,15 +291,19 @@ int main(int argc, char** argv) {
            {"--resume", f.resume},
            {"corpus_bytes", std::to_string(corpus.train.size()) + " train, " +
                                 std::to_string(corpus.val.size()) + " validation"}});
+      if (f.profile_layers) ddp->set_graphs(dp::Graphs::off);  // a replay calls no forward
       ddp->wrap(model, opt);
     } else {
       dp::DataParallelOptions o;
       o.loss = loss_fn;
       o.clip_grad_norm = f.clip_grad;
+      if (f.profile_layers) o.graphs = dp::Graphs::off;
       engine = std::make_unique<dp::DataParallel>(
           model, opt, kernels::make_devices(type, f.mode == "dp" ? f.gpus : 1), o);
     }
     nn::Module& trained = ddp ? ddp->ddp().module() : engine->module();
+    std::optional<nn::LayerProfiler> profiler;
+    if (f.profile_layers) profiler.emplace(trained);
     // Through the engine: each device's or rank's dropout offset restored, and DDP's ranks
     // checked to have loaded the same state.
     int64_t first_step = 0;
@@ -390,6 +398,7 @@ int main(int argc, char** argv) {
         engine->save(f.save, progress);
       if (leader) std::printf("saved %s\n", f.save.c_str());
     }
+    if (profiler && leader) std::printf("%s", profiler->table().c_str());
     if (f.sample_bytes > 0 && leader)
       std::printf("sample (%s): %s\n", f.top_k == 1 ? "greedy" : "top-k",
                   sample_text(trained, "The ", f.sample_bytes, f.top_k, context, f.seed).c_str());

@@ -372,3 +372,44 @@ TEST_CASE("nn.llama: composed RMSNorm and SwiGLU train the same Llama as the fus
   REQUIRE(fused.size() == composed.size());
   CHECK(dp_test::rel_diff(fused, composed) <= 1e-5f);
 }
+
+TEST_CASE("nn.profile: each layer's forward and backward timed, own times add up to the step") {
+  nn::Sequential net;
+  net.add(std::make_shared<nn::Linear>(16, 32));
+  net.add(std::make_shared<nn::ComposedSwiGLU>(32, 48));
+  net.add(std::make_shared<nn::GELU>());
+  net.materialize(Device::cpu(0), 7);
+  Tensor x = rnd({64, 16}, 81), dy = rnd({64, 32}, 82);
+  std::vector<nn::LayerProfiler::Row> rows;
+  std::string table;
+  {
+    nn::LayerProfiler prof(net);
+    CHECK(dp_test::error_of([&] { nn::LayerProfiler again(net); }).find("already being profiled") !=
+          std::string::npos);
+    for (int s = 0; s < 3; ++s) {
+      net.forward(x);
+      net.backward(dy);
+    }
+    rows = prof.rows();
+    table = prof.table();
+  }
+  CHECK(!net.flat().layer_times);  // the profiler's end stops the timing
+  REQUIRE(rows.size() == 4);
+  CHECK(rows[0].type == "Sequential");
+  CHECK(rows[2].path == "1");
+  CHECK(rows[2].type == "ComposedSwiGLU");
+  double children_fwd = 0, children_bwd = 0;
+  for (const auto& r : rows) {
+    CAPTURE(r.path);
+    CHECK(r.forwards == 3);
+    CHECK(r.backwards == 3);
+    CHECK(r.forward_ms > 0);
+    CHECK(r.self_forward_ms >= 0);
+    CHECK(r.self_forward_ms <= r.forward_ms);
+    if (!r.path.empty()) children_fwd += r.forward_ms, children_bwd += r.backward_ms;
+  }
+  CHECK(rows[0].self_forward_ms == doctest::Approx(rows[0].forward_ms - children_fwd));
+  CHECK(rows[0].self_backward_ms == doctest::Approx(rows[0].backward_ms - children_bwd));
+  CHECK(table.find("ms per step") != std::string::npos);
+  CHECK(table.find("ComposedSwiGLU") != std::string::npos);
+}

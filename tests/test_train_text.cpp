@@ -131,6 +131,24 @@ TEST_CASE("samples.train_text: the tiny Llama learns past a unigram byte model, 
   CHECK(final_val_loss(dp2) == doctest::Approx(final_val_loss(single)).epsilon(1e-4));
 }
 
+// --profile-layers: device 0's layers timed over the training steps (not the evaluations), the
+// table printed at the end; the run's loss curve is the unprofiled one (graphs off changes no bit).
+TEST_CASE("samples.train_text: --profile-layers prints each layer's share, DP on 2 devices too") {
+  if (skip_without_fortunes()) return;
+  const std::string common =
+      "--device cpu --model llama --steps 6 --batch 4 --seq 32 --eval-every 3 --sample-bytes 0";
+  const std::string plain = run_train_text(common);
+  for (const std::string& mode : {std::string(""), std::string(" --mode dp --gpus 2")}) {
+    const std::string text = run_train_text(common + mode + " --profile-layers");
+    INFO(text);
+    CHECK(text.find("layer profile: ") != std::string::npos);
+    CHECK(text.find(", 6 steps;") != std::string::npos);  // evaluations are not counted
+    CHECK(text.find("layers.0.mlp") != std::string::npos);
+    CHECK(text.find("share") != std::string::npos);
+    if (mode.empty()) CHECK(final_val_loss(text) == final_val_loss(plain));
+  }
+}
+
 // A batch whose activations do not fit the host is refused with the measured figures before
 // training, not ended by the OOM killer (about 5 MiB a sequence of 128 through a tiny GPT).
 TEST_CASE("samples.train_text: a batch that does not fit the host is refused with the figures") {

@@ -1,0 +1,120 @@
+// nn::LayerProfiler: where a model's step goes, layer by layer, on any device.
+//
+//   nn::LayerProfiler prof(model);        // from here on each forward and backward is timed
+//   for (...) { model.forward(x); ...; model.backward(dy); }
+//   std::printf("%s", prof.table().c_str());
+//
+// Each module's forward and backward in training mode (evaluation is not counted) wait for the
+// device before and after and add their wall time (inclusive of their children) to a table; a
+// layer's own ("self") time is its time less its children's. The waits make a GPU layer's time its
+// kernels' and cost a little on every layer, so figures are for finding where time goes, not for
+// the step's speed; graphs must be off (a replayed step calls no forward). One profiler per module
+// tree (a DP replica, a DDP rank's model), used on the thread that runs it. Ends when the profiler
+// is destroyed.
+#pragma once
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "nn/module.hpp"
+
+namespace nn {
+
+class LayerProfiler {
+ public:
+  struct Row {
+    std::string path;  // "layers.0.attn" ("" for the root)
+    std::string type;
+    int64_t forwards = 0, backwards = 0;
+    double forward_ms = 0, backward_ms = 0;            // inclusive, summed over the calls
+    double self_forward_ms = 0, self_backward_ms = 0;  // less the children's
+  };
+
+  explicit LayerProfiler(Module& root)
+      : root_(root), times_(std::make_shared<std::unordered_map<const void*, LayerTime>>()) {
+    DP_CHECK(!root.flat().layer_times,
+             "LayerProfiler: " << root.type_name() << " is already being profiled");
+    root.flat().layer_times = times_;
+  }
+  ~LayerProfiler() {
+    if (root_.materialized() && root_.flat().layer_times == times_)
+      root_.flat().layer_times.reset();
+  }
+  LayerProfiler(const LayerProfiler&) = delete;
+  LayerProfiler& operator=(const LayerProfiler&) = delete;
+
+  // Every module of the tree, depth first in registration order.
+  std::vector<Row> rows() const {
+    std::vector<Row> out;
+    std::function<void(Module&, const std::string&)> walk = [&](Module& m,
+                                                                const std::string& path) {
+      const size_t at = out.size();
+      out.push_back(row_of(m, path));
+      for (auto& [name, child] : m.children()) {
+        const std::string child_path = path.empty() ? name : path + "." + name;
+        const Row c = row_of(*child, child_path);
+        out[at].self_forward_ms -= c.forward_ms;
+        out[at].self_backward_ms -= c.backward_ms;
+        walk(*child, child_path);
+      }
+    };
+    walk(root_, "");
+    return out;
+  }
+
+  // The `top` layers by own time per step (forward + backward), with their share of the step
+  // (the root's forward + backward), as a fixed-width table.
+  std::string table(size_t top = 15) const {
+    std::vector<Row> rs = rows();
+    if (rs.empty() || rs[0].forwards == 0) return "layer profile: no forward was timed\n";
+    const double steps = static_cast<double>(rs[0].forwards);
+    const double step_ms = (rs[0].forward_ms + rs[0].backward_ms) / steps;
+    std::stable_sort(rs.begin(), rs.end(), [](const Row& a, const Row& b) {
+      return a.self_forward_ms + a.self_backward_ms > b.self_forward_ms + b.self_backward_ms;
+    });
+    std::string out;
+    char line[256];
+    std::snprintf(line, sizeof line,
+                  "layer profile: %.3f ms per step (forward + backward, %lld steps; each layer's "
+                  "own time, less its children's)\n",
+                  step_ms, static_cast<long long>(rs[0].forwards));
+    out += line;
+    std::snprintf(line, sizeof line, "  %-32s %-22s %10s %10s %7s\n", "layer", "type", "fwd ms",
+                  "bwd ms", "share");
+    out += line;
+    for (size_t i = 0; i < rs.size() && i < top; ++i) {
+      const Row& r = rs[i];
+      const double own = (r.self_forward_ms + r.self_backward_ms) / steps;
+      std::snprintf(line, sizeof line, "  %-32s %-22s %10.3f %10.3f %6.1f%%\n",
+                    r.path.empty() ? "(model)" : r.path.c_str(), r.type.c_str(),
+                    r.self_forward_ms / steps, r.self_backward_ms / steps,
+                    step_ms > 0 ? 100.0 * own / step_ms : 0.0);
+      out += line;
+    }
+    return out;
+  }
+
+ private:
+  Row row_of(Module& m, const std::string& path) const {
+    Row r;
+    r.path = path;
+    r.type = m.type_name();
+    auto it = times_->find(&m);
+    if (it != times_->end()) {
+      r.forwards = it->second.forwards, r.backwards = it->second.backwards;
+      r.forward_ms = r.self_forward_ms = it->second.forward_ms;
+      r.backward_ms = r.self_backward_ms = it->second.backward_ms;
+    }
+    return r;
+  }
+
+  Module& root_;
+  std::shared_ptr<std::unordered_map<const void*, LayerTime>> times_;
+};
+
+}  // namespace nn
