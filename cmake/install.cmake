@@ -5,7 +5,8 @@
 #   lib/cmake/dptrain/dptrainConfig.cmake        find_package(dptrain [COMPONENTS cuda])
 #   lib/pkgconfig/dptrain.pc                     the CPU backend, for pkg-config
 # Targets: dptrain::kernels, dptrain::nn (headers), dptrain::dp, dptrain::distributed,
-# dptrain::data. They use the CPU backend and link no CUDA library; with COMPONENTS cuda
+# dptrain::data; with the programs built (the default), dptrain::cli (flags, progress line, step
+# log) and dptrain::compare (DP against DDP on one's own model, benchmarks/compare.hpp). They use the CPU backend and link no CUDA library; with COMPONENTS cuda
 # (when this build had it) dptrain::kernels and dptrain::distributed are the CUDA ones.
 include(CMakePackageConfigHelpers)
 set(DP_CONFIG_DIR ${CMAKE_INSTALL_LIBDIR}/cmake/dptrain)
@@ -20,11 +21,11 @@ install(TARGETS ${DP_INSTALL_TARGETS} EXPORT dptrainTargets
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/dptrain)
 install(EXPORT dptrainTargets NAMESPACE dptrain:: DESTINATION ${DP_CONFIG_DIR})
 
-# The headers keep their paths (#include "nn/nn.hpp"); dp/cli/ is the programs' and stays out.
+# The headers keep their paths (#include "nn/nn.hpp"); dp/cli/'s go with dptrain::cli, built
+# with the programs (dp/cli/CMakeLists.txt), and benchmarks/compare.hpp's with dptrain::compare.
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/kernels ${PROJECT_SOURCE_DIR}/nn ${PROJECT_SOURCE_DIR}/dp
         DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/dptrain
-        FILES_MATCHING PATTERN "*.hpp"
-        PATTERN "cli" EXCLUDE)
+        FILES_MATCHING PATTERN "*.hpp")
 
 configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/dptrainConfig.cmake.in
                               ${PROJECT_BINARY_DIR}/dptrainConfig.cmake

@@ -25,9 +25,11 @@ foreach(f include/dptrain/nn/nn.hpp include/dptrain/dp/data_parallel.hpp
     message(FATAL_ERROR "pkg.consumer: the install has no ${f}")
   endif()
 endforeach()
-if(EXISTS ${prefix}/include/dptrain/dp/cli)
-  message(FATAL_ERROR "pkg.consumer: dp/cli/ (the programs' flags) was installed")
-endif()
+foreach(f include/dptrain/dp/cli/cli.hpp include/dptrain/benchmarks/compare.hpp)
+  if(NOT EXISTS ${prefix}/${f})
+    message(FATAL_ERROR "pkg.consumer: the install has no ${f} (dptrain::cli, dptrain::compare)")
+  endif()
+endforeach()
 
 set(args -S ${SOURCE_DIR}/tests/consumer -B ${work}/build -DCMAKE_PREFIX_PATH=${prefix}
          -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER=${CXX})
@@ -55,6 +57,13 @@ file(READ ${SOURCE_DIR}/README.md readme)
 string(FIND "${readme}" "${program}" at)
 if(at EQUAL -1)
   message(FATAL_ERROR "pkg.consumer: README.md no longer shows tests/consumer/readme.cpp as is")
+endif()
+
+# The comparison from the install: DP and DDP (2 processes) on the sample's own model, one report.
+run(${work}/build/compare_my_model --device cpu --gpus 2 --mode both --steps 3 --warmup 1
+    --batch 24 --repeat 1)
+if(NOT out MATCHES "dp_bench: model residual_mlp" OR NOT out MATCHES "verdict: residual_mlp")
+  message(FATAL_ERROR "pkg.consumer: the installed comparison gave no report:\n${out}")
 endif()
 
 # A CPU-only consumer carries no CUDA code: no CUDA runtime, cuBLAS, cuDNN or NCCL symbol.
