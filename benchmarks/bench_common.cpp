@@ -448,6 +448,12 @@ nn::TrainingProgress bench_state(const Options& o, const char* mode, int n) {
 }
 
 std::unique_ptr<nn::Optimizer> make_optimizer(const Options& o, nn::Module& model) {
+  if (o.workload && o.workload->make_optimizer) {
+    std::unique_ptr<nn::Optimizer> opt = o.workload->make_optimizer(model);
+    DP_CHECK(opt != nullptr,
+             "workload '" << o.workload->name << "': make_optimizer returned no optimizer");
+    return opt;
+  }
   if (o.optim == "adamw") {
     kernels::AdamWConfig c;
     c.lr = 1e-3f;
@@ -567,6 +573,7 @@ dp::DataParallelOptions dp_options(const Options& o, const Setup& s) {
   dopt.bucket_cap_bytes = static_cast<int64_t>(o.bucket_cap_mb * (1 << 20));
   if (o.sync_bn) dopt.batch_norm = dp::BatchNormStats::synced;
   dopt.loss = loss_of(o);
+  if (o.workload) dopt.clip_grad_norm = o.workload->clip_grad_norm;
   dopt.graphs = graphs_of(o);
   dopt.phase_timing = phase_timing_of(o);
   dopt.metrics_lag = o.metrics_lag;

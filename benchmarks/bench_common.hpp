@@ -42,6 +42,12 @@ struct Workload {
   // mode and device count. `images` and `labels` are then those two; `indices` is unused.
   std::function<dp::data::Batch(int64_t step, int64_t batch)> make_batch;
   nn::LossPtr loss;  // null: softmax cross-entropy
+  // The run's own recipe, so that the comparison measures the user's training and not a stand-in:
+  // the optimizer (with its parameter groups) made on each mode's model (null: --optim's SGD or
+  // AdamW; --optim is then refused), and the global gradient norm clipped to (0: no clipping).
+  std::function<std::unique_ptr<nn::Optimizer>(nn::Module&)> make_optimizer;
+  float clip_grad_norm = 0.f;
+  std::string optimizer_name = "custom";  // in the report, with make_optimizer
   // Language models: tokens per sample and training FLOPs per token, for tokens/s and MFU.
   int64_t tokens_per_sample = 0;
   double flops_per_token = 0;

@@ -26,11 +26,18 @@ int parse_and_run(std::shared_ptr<const Workload> workload, int argc, char** arg
   if (o.workload)
     for (const char* flag : {"--model", "--gpt-config", "--seq", "--dropout", "--peak-tflops"})
       app.get_option(flag)->group("");
+  // ... and with its own optimizer, --optim.
+  if (o.workload && o.workload->make_optimizer) app.get_option("--optim")->group("");
   try {
     app.parse(argc, argv);
     if (o.workload && app.count("--model"))
       throw CLI::ValidationError("--model", "'" + o.model + "' is not used: this program trains " +
                                                 o.workload->name + "; leave --model out");
+    if (o.workload && o.workload->make_optimizer && app.count("--optim"))
+      throw CLI::ValidationError("--optim", "'" + o.optim + "' is not used: " + o.workload->name +
+                                                " trains with its own optimizer (" +
+                                                o.workload->optimizer_name + ")");
+    if (o.workload && o.workload->make_optimizer) o.optim = o.workload->optimizer_name;
     const bool lm = !o.workload && (o.model == "gpt" || o.model == "llama");
     for (const char* flag : {"--gpt-config", "--dropout"})
       if (app.count(flag) && (o.workload || o.model != "gpt"))

@@ -142,6 +142,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   trainer.set_phase_timing(phase_timing_of(o));
   trainer.set_metrics_lag(o.metrics_lag);
   if (nn::LossPtr loss = loss_of(o)) trainer.set_loss(std::move(loss));
+  if (o.workload) trainer.set_clip_grad_norm(o.workload->clip_grad_norm);
   // What every rank must agree on, verified by wrap() before the weights are broadcast.
   trainer.set_run_config(bench_run_config(o, batch, data.size()));
   trainer.wrap(model, opt);

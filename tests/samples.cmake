@@ -18,12 +18,24 @@ if(TARGET compare_my_model)
   set_tests_properties("samples.compare_my_model: refuses --model, which the workload replaces"
     PROPERTIES TIMEOUT 30
     PASS_REGULAR_EXPRESSION "--model: 'cnn' is not used: this program trains residual_mlp")
+  # The workload's own optimizer (AdamW with parameter groups) and clipping: --optim is refused,
+  # and every mode and device count follows one loss curve under that recipe.
+  add_test(NAME "samples.compare_my_model: its own optimizer, --optim refused"
+           COMMAND $<TARGET_FILE:compare_my_model> --device cpu --optim sgd)
+  set_tests_properties("samples.compare_my_model: its own optimizer, --optim refused"
+    PROPERTIES TIMEOUT 30
+    PASS_REGULAR_EXPRESSION "--optim: 'sgd' is not used: residual_mlp trains with its own optimizer \\(adamw\\+groups\\)")
+  # The four runs' final losses (dp and ddp, 1 and 2 devices) are one value: uniq counts 4.
+  add_test(NAME "samples.compare_my_model: DP and DDP follow one loss curve under its recipe"
+           COMMAND sh -c "$<TARGET_FILE:compare_my_model> --device cpu --gpus 2 --mode both --steps 4 --warmup 1 --batch 24 2>&1 | grep -o 'N=[12]: [0-9.]* ms/step, final loss [0-9.]*' | sed 's/.*final/final/' | sort | uniq -c")
+  set_tests_properties("samples.compare_my_model: DP and DDP follow one loss curve under its recipe"
+    PROPERTIES TIMEOUT 120 PASS_REGULAR_EXPRESSION "^ *4 final loss [0-9.]+\n$")
   # --help lists only the flags the workload takes (the built-in models' are left out).
   add_test(NAME "samples.compare_my_model: --help leaves out the built-in models' flags"
            COMMAND $<TARGET_FILE:compare_my_model> --help)
   set_tests_properties("samples.compare_my_model: --help leaves out the built-in models' flags"
     PROPERTIES TIMEOUT 30 PASS_REGULAR_EXPRESSION "--gpus"
-    FAIL_REGULAR_EXPRESSION "--model|--gpt-config|--seq |--dropout|--peak-tflops")
+    FAIL_REGULAR_EXPRESSION "--model|--gpt-config|--seq |--dropout|--peak-tflops|--optim")
 endif()
 
 # samples/train_text: a byte-level GPT on fortunes-min beats a bigram model; DP and resume.
