@@ -339,8 +339,8 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
     os << "\n";
   }
   os << "\n phases of the median step, ms (other: the rest of it, so that they add up to the "
-        "step; DP's phases are each the slowest device's, so other is negative where they "
-        "overlap)";
+        "step; DP's are device 0's, the critical path: its reduce includes waiting for the "
+        "slowest device)";
   if (std::any_of(runs.begin(), runs.end(), [](const RunResult& r) { return r.graphed_steps > 0; }))
     os << " (graphed steps time a captured segment's phases together, printed joined by +)";
   os << ":\n";

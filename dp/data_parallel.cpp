@@ -1147,11 +1147,17 @@ void DataParallel::collect_step(int n, StepStats& stats) {
   };
   PhaseTimes& t = stats.ms;
   Clock::time_point last_backward_end{};
+  // The phases are device 0's: the step's critical path (device 0 scatters, replicates, runs its
+  // chunk, then reduces, waiting there for the slowest device, and steps), so they follow one
+  // another and add up to the step with what is left ("other") never negative. What the other
+  // devices take is seen where device 0 waits for them: in reduce.
   for (int i = 0; i < n; ++i) {
     const PerDevice& pd = per_device_[i];
-    t.scatter = std::max(t.scatter, between(i, kBegin, kScattered));
-    t.replicate = std::max(t.replicate, between(i, kScattered, kReplicated));
-    t.forward = std::max(t.forward, between(i, kReplicated, kForwarded));
+    if (i == 0) {
+      t.scatter = between(0, kBegin, kScattered);
+      t.replicate = between(0, kScattered, kReplicated);
+      t.forward = between(0, kReplicated, kForwarded);
+    }
     // Pulls done inside backward (from the hooks) are reduction, not backward; those on a
     // communication stream ran beside it and took none of its stream's time.
     double pulled = 0, pulled_inline = 0;
@@ -1161,8 +1167,10 @@ void DataParallel::collect_step(int n, StepStats& stats) {
         pulled += ms;
         if (!pd.pulls[j].beside) pulled_inline += ms;
       }
-    t.backward = std::max(t.backward, between(i, kForwarded, kBackwarded) - pulled_inline);
-    if (i == 0) t.reduce_in_backward = pulled;
+    if (i == 0) {
+      t.backward = between(0, kForwarded, kBackwarded) - pulled_inline;
+      t.reduce_in_backward = pulled;
+    }
     last_backward_end = std::max(last_backward_end, at(i, pd.marks[kBackwarded]));
   }
   t.reduce = between(0, kBackwarded, kReduced);

@@ -146,7 +146,8 @@ struct DataParallelOptions {
 };
 
 // Milliseconds of each phase of one step, from the events each worker records (device time on
-// a GPU). Per-device phases give the slowest device's; reduce and step are device 0's.
+// a GPU): device 0's, the step's critical path (they follow one another; reduce includes its
+// wait for the slowest device's backward).
 struct PhaseTimes {
   double scatter = 0, replicate = 0, forward = 0, backward = 0;
   double reduce = 0;              // on device 0 after its own backward: the reduction not hidden
