@@ -48,6 +48,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -210,6 +211,8 @@ class Tape {
     return in.grad;
   }
 
+  // Whether `m` is called (ag::call) for the first time in this forward.
+  bool first_call(const void* m) { return called_.insert(m).second; }
   // The slot of a parameter or constant (one per tensor per tape).
   int slot_of(const void* key, const std::function<int()>& make) {
     auto it = named_.find(key);
@@ -259,6 +262,7 @@ class Tape {
   std::deque<Slot> slots_;  // a deque: references to a slot survive new slots
   std::vector<Node> nodes_;
   std::map<const void*, int> named_;
+  std::set<const void*> called_;
   int input_ = -1, output_ = -1;
   bool planned_ = false, seed_direct_ = false;
 };
@@ -763,9 +767,16 @@ inline Var embedding(const Var& table, const Var& ids) {
 
 // A built-in (or any) module run inside compose(): its own fused forward and backward, its
 // parameters' gradients and hooks as always. requires `child` registered in the composed layer
-// (register_module), so that it is materialised, cloned and saved with it.
+// (register_module), so that it is materialised, cloned and saved with it, and called once per
+// forward (a module keeps one forward's state for its backward).
 inline Var call(Module& child, const Var& x) {
   Tape& t = tape_of(x, "call");
+  DP_CHECK(t.first_call(&child), "call: " << child.type_name()
+                                          << " called twice in one compose() "
+                                             "of "
+                                          << t.owner().type_name()
+                                          << " (its backward keeps one forward's state): "
+                                             "register one module per use");
   if (!t.slot(x.id()).requires_grad) child.set_input_grad(InputGrad::not_needed);
   Tensor y = child.forward(x.value());
   Module* c = &child;

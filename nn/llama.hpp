@@ -1,6 +1,7 @@
 // nn::Llama: a Llama-style decoder (pre-RMSNorm blocks, SwiGLU MLP, rotary position embeddings
 // in attention, no biases, an untied LM head), built from the same flat buffers and engines as
-// nn::Gpt. Grouped-query attention is not here yet: every head has its own keys and values.
+// nn::Gpt. Every head has its own keys and values here; grouped-query attention is a composed
+// layer (nn::ComposedAttention, nn/composed.hpp), not yet an option of the fused attention.
 //
 //   auto net = nn::llama(nn::LlamaConfig::preset("tiny"));   // nn/zoo.hpp
 //   net->materialize(Device::cpu(), seed);

@@ -413,3 +413,54 @@ TEST_CASE("nn.profile: each layer's forward and backward timed, own times add up
   CHECK(table.find("ms per step") != std::string::npos);
   CHECK(table.find("ComposedSwiGLU") != std::string::npos);
 }
+
+TEST_CASE("nn.autograd: grouped-query attention is causal, shares its kv heads, passes gradcheck") {
+  const int64_t b = 2, t = 5, d = 8, h = 4, ctx = 6;
+  // GQA with 2 kv heads equals multi-head attention whose kv heads repeat them.
+  nn::ComposedAttention gqa(d, h, 2, ctx), mha(d, h, h, ctx);
+  gqa.materialize(Device::cpu(0), 3);
+  mha.materialize(Device::cpu(0), 4);
+  auto params = [](nn::Module& m) {
+    std::map<std::string, std::vector<float>> out;
+    for (auto& [n, p] : m.named_parameters()) out[n] = p->value.to_host_f32();
+    return out;
+  };
+  auto g = params(gqa);
+  const int64_t hd = d / h;
+  std::map<std::string, std::vector<float>> tiled = g;
+  for (const char* kv : {"k.weight", "v.weight"}) {
+    std::vector<float> w;
+    for (int64_t head = 0; head < h; ++head)
+      w.insert(w.end(), g[kv].begin() + (head / 2) * hd * d,
+               g[kv].begin() + (head / 2 + 1) * hd * d);
+    tiled[kv] = w;
+  }
+  for (auto& [n, p] : mha.named_parameters())
+    copy(p->value, Tensor::from_vector(tiled[n], p->shape));
+  Tensor x = rnd({b, t, d}, 91);
+  const std::vector<float> yg = gqa.forward(x).to_host_f32(), ym = mha.forward(x).to_host_f32();
+  CHECK(dp_test::rel_diff(yg, ym) <= 1e-6f);
+  // Causal: the last position's input changes only the last position's output.
+  std::vector<float> xs = x.to_host_f32();
+  for (int64_t r = 0; r < b; ++r)
+    for (int64_t j = 0; j < d; ++j) xs[static_cast<size_t>((r * t + t - 1) * d + j)] += 1.f;
+  const std::vector<float> y2 = gqa.forward(Tensor::from_vector(xs, {b, t, d})).to_host_f32();
+  int changed = 0;
+  for (int64_t i = 0; i < b * t * d; ++i) {
+    if ((i / d) % t != t - 1)
+      CHECK(y2[i] == yg[i]);  // every earlier position
+    else
+      changed += y2[i] != yg[i];
+  }
+  CHECK(changed > 0);
+  nn::ComposedAttention mqa(d, h, 1, ctx);
+  mqa.materialize(Device::cpu(0), 5);
+  nn::GradcheckOptions o;
+  o.samples_per_tensor = 16;
+  const nn::GradcheckResult r = nn::gradcheck(mqa, rnd({b, t, d}, 92), o);
+  INFO(r.message);
+  CHECK(r.ok);
+  CHECK(dp_test::error_of([] {
+          nn::ComposedAttention(8, 4, 3, 6);
+        }).find("kv heads divide heads") != std::string::npos);
+}
