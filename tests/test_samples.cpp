@@ -431,6 +431,22 @@ const std::string kSmall = "--device cpu --model mlp --train-samples 64 --batch 
 
 }  // namespace
 
+// On CPU devices a batch whose step does not fit the host is refused with the measured figures
+// (a probe step of 1 and 2 rows on the run's model and optimizer), before any training.
+TEST_CASE("samples.train_mnist: a batch that does not fit the host is refused with the figures") {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto [rc, text] = run_mnist(
+      "--device cpu --model mlp --train-samples 64 --mode dp --gpus 2 --batch 2000000000");
+  INFO(text);
+  CHECK(rc != 0);
+  CHECK(text.find("--batch 2000000000 (dp on 2 CPU device(s)) (2 x (") != std::string::npos);
+  CHECK(text.find("1000000000 rows x ") != std::string::npos);
+  CHECK(text.find("measured on a probe step) needs at least") != std::string::npos);
+  CHECK(text.find("give a smaller batch") != std::string::npos);
+  CHECK(text.find("epoch 0") == std::string::npos);  // nothing trained
+  CHECK(seconds_since(t0) < 20);
+}
+
 TEST_CASE(
     "samples.train_mnist: --resume latest of a finished run has nothing left to train, "
     "and exits 0") {
