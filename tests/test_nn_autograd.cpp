@@ -464,3 +464,26 @@ TEST_CASE("nn.autograd: grouped-query attention is causal, shares its kv heads, 
           nn::ComposedAttention(8, 4, 3, 6);
         }).find("kv heads divide heads") != std::string::npos);
 }
+
+// The composed Llama keeps the fused one's parameter names: a checkpoint of one loads into the
+// other and gives the same logits; a clone of a composed model (a DP replica) computes the same.
+TEST_CASE("nn.autograd: a fused Llama's checkpoint loads into the composed one, clones agree") {
+  nn::LlamaConfig c;
+  c.vocab = 13, c.context = 8, c.layers = 2, c.heads = 2, c.dim = 16, c.hidden = 24;
+  auto fused = nn::llama(c);
+  fused->materialize(Device::cpu(0), 21);
+  c.composed = true;
+  auto composed = nn::llama(c);
+  composed->materialize(Device::cpu(0), 22);  // other weights until the load
+  const std::string path = dp_test::temp_path("autograd", "llama.ckpt");
+  nn::save_checkpoint(*fused, path);
+  nn::load_checkpoint(*composed, path);
+  std::remove(path.c_str());
+  std::vector<int32_t> ids(2 * 6);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>((i * 7 + 1) % 13);
+  Tensor x = Tensor::from_ints(ids, {2, 6});
+  const std::vector<float> want = fused->forward(x).to_host_f32();
+  CHECK(dp_test::rel_diff(composed->forward(x).to_host_f32(), want) <= 2e-6f);
+  auto replica = composed->clone_to(Device::cpu(1));
+  CHECK(dp_test::rel_diff(replica->forward(x.to(Device::cpu(1))).to_host_f32(), want) <= 2e-6f);
+}
