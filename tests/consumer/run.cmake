@@ -66,6 +66,19 @@ if(NOT out MATCHES "dp_bench: model residual_mlp" OR NOT out MATCHES "verdict: r
   message(FATAL_ERROR "pkg.consumer: the installed comparison gave no report:\n${out}")
 endif()
 
+# The helpers from the install: three steps logged one JSON line each; a bad flag refused.
+run(${work}/build/cli_example --steps 3 --log ${work}/steps.jsonl)
+file(STRINGS ${work}/steps.jsonl logged)
+list(LENGTH logged n_logged)
+if(NOT n_logged EQUAL 3 OR NOT logged MATCHES "\"step\":3")
+  message(FATAL_ERROR "pkg.consumer: cli_example logged ${n_logged} steps:\n${logged}")
+endif()
+execute_process(COMMAND ${work}/build/cli_example --steps 0 RESULT_VARIABLE rc
+                OUTPUT_VARIABLE out ERROR_VARIABLE out)
+if(rc EQUAL 0 OR NOT out MATCHES "--steps")
+  message(FATAL_ERROR "pkg.consumer: cli_example took --steps 0 (${rc}):\n${out}")
+endif()
+
 # A CPU-only consumer carries no CUDA code: no CUDA runtime, cuBLAS, cuDNN or NCCL symbol.
 find_program(NM nm)
 if(NM)
