@@ -114,13 +114,17 @@ void check_view(const char* op, const char* name, const Layout& v, int64_t numel
 
 // requires no two coordinates of the view at one element: sorted by stride, each stride at
 // least the extent of the dims before it.
+// requires v.ndim <= kMaxDims (check_view).
 void check_no_overlap(const char* op, const char* name, const Layout& v) {
-  std::vector<int> dims;
+  int dims[kMaxDims], n = 0;  // no allocation: this runs on every copy of a step
   for (int k = 0; k < v.ndim; ++k)
-    if (v.shape[k] > 1) dims.push_back(k);
-  std::sort(dims.begin(), dims.end(), [&](int a, int b) { return v.stride[a] < v.stride[b]; });
+    if (v.shape[k] > 1) dims[n++] = k;
+  for (int i = 1; i < n; ++i)  // by stride, insertion sort: at most kMaxDims of them
+    for (int j = i; j > 0 && v.stride[dims[j]] < v.stride[dims[j - 1]]; --j)
+      std::swap(dims[j], dims[j - 1]);
   int64_t extent = 1;
-  for (int k : dims) {
+  for (int i = 0; i < n; ++i) {
+    const int k = dims[i];
     DP_CHECK(v.stride[k] >= extent, op << ": " << name << " view " << shape_str(v.sizes())
                                        << " writes elements twice (stride " << v.stride[k]
                                        << " at dim " << k << ")");
@@ -144,6 +148,19 @@ const char* reduce_name(ReduceOp op) {
   static const char* const names[] = {"sum", "mean", "max"};
   return names[static_cast<int>(op)];
 }
+
+namespace {
+// The backward ops' names, for messages (fixed strings: no allocation per call).
+const char* binary_backward_name(BinaryOp op) {
+  static const char* const names[] = {"add_backward", "sub_backward",     "mul_backward",
+                                      "div_backward", "maximum_backward", "minimum_backward"};
+  return names[static_cast<int>(op)];
+}
+const char* reduce_backward_name(ReduceOp op) {
+  static const char* const names[] = {"sum_backward", "mean_backward", "max_backward"};
+  return names[static_cast<int>(op)];
+}
+}  // namespace
 
 Layout contiguous_layout(const Shape& shape) {
   DP_CHECK(
@@ -194,8 +211,7 @@ void binary(Tensor& y, const Tensor& a, const Tensor& b, BinaryOp op) {
 
 void binary_backward(Tensor& d, Operand which, const Tensor& dy, const Tensor& a, const Tensor& b,
                      BinaryOp op, Accumulate acc) {
-  const std::string name = std::string(binary_name(op)) + "_backward";
-  const char* opn = name.c_str();
+  const char* opn = binary_backward_name(op);
   check_args(opn, {{"d", d}, {"dy", dy}, {"a", a}, {"b", b}});
   const Shape out = broadcast_shape(a.shape(), b.shape());
   check_broadcast_out(opn, {"dy", dy}, out);
@@ -251,12 +267,12 @@ void reduce(Tensor& y, const Tensor& x, int dim, ReduceOp op) {
 
 void reduce_backward(Tensor& dx, const Tensor& dy, const Tensor& x, const Tensor& y, int dim,
                      ReduceOp op, Accumulate acc) {
-  const std::string name = std::string(reduce_name(op)) + "_backward";
-  check_args(name.c_str(), {{"dx", dx}, {"dy", dy}, {"x", x}, {"y", y}});
-  check_same_shape(name.c_str(), {"x", x}, {"dx", dx});
-  const Split s = split_at(name.c_str(), x, dim);
-  check_reduced(name.c_str(), {"dy", dy}, x, dim, s);
-  check_reduced(name.c_str(), {"y", y}, x, dim, s);
+  const char* name = reduce_backward_name(op);
+  check_args(name, {{"dx", dx}, {"dy", dy}, {"x", x}, {"y", y}});
+  check_same_shape(name, {"x", x}, {"dx", dx});
+  const Split s = split_at(name, x, dim);
+  check_reduced(name, {"dy", dy}, x, dim, s);
+  check_reduced(name, {"y", y}, x, dim, s);
   if (dx.numel() == 0) return;
   DP_DISPATCH(dx.device(), reduce_backward, dx, dy, x, y, s.outer, s.n, s.inner, op, acc);
 }

@@ -128,8 +128,6 @@ class Tape {
   Module& owner() { return owner_; }
   Device device() const { return device_; }
   Slot& slot(int id) { return slots_[static_cast<size_t>(id)]; }
-  const Tensor& value(int id) { return slot(id).value; }
-  Tensor& grad(int id) { return slot(id).grad; }
   Var var(int id) { return Var(this, id); }
   // An op's tensors: its output, input i, and their gradients.
   Tensor& out(const Node& n) { return slot(n.out).value; }

@@ -51,16 +51,16 @@ class LayerProfiler {
   // Every module of the tree, depth first in registration order.
   std::vector<Row> rows() const {
     std::vector<Row> out;
+    // Appends m's row and its subtree's; m's own time is its time less its children's.
     std::function<void(Module&, const std::string&)> walk = [&](Module& m,
                                                                 const std::string& path) {
       const size_t at = out.size();
       out.push_back(row_of(m, path));
       for (auto& [name, child] : m.children()) {
-        const std::string child_path = path.empty() ? name : path + "." + name;
-        const Row c = row_of(*child, child_path);
-        out[at].self_forward_ms -= c.forward_ms;
-        out[at].self_backward_ms -= c.backward_ms;
-        walk(*child, child_path);
+        const size_t c = out.size();
+        walk(*child, path.empty() ? name : path + "." + name);
+        out[at].self_forward_ms -= out[c].forward_ms;
+        out[at].self_backward_ms -= out[c].backward_ms;
       }
     };
     walk(root_, "");

@@ -381,11 +381,13 @@ void sum_into(D* pd, const Layout& d_in_dy, const Layout& x1, const Layout& x2, 
   // leading dims), into a buffer of row sums. The same bits either way.
   const bool summed_inside = n_summed == 1 || sums.step[0] == 1;
   parallel_range(rows.count, grain, [&](int64_t begin, int64_t end) {
-    std::vector<double> row_sums(summed_inside ? 0 : static_cast<size_t>(rows.len));
+    // One buffer per thread, kept from call to call: no allocation per step.
+    thread_local std::vector<double> row_sums;
+    if (!summed_inside) row_sums.resize(static_cast<size_t>(rows.len));
     Odometer<4> w = rows.walk(begin);
     for (int64_t r = begin; r < end; ++r, w.next()) {
       if (!summed_inside) {
-        std::fill(row_sums.begin(), row_sums.end(), 0.0);
+        std::fill_n(row_sums.begin(), rows.len, 0.0);
         Odometer<3> u = sums.walk(0);
         for (int64_t q = 0; q < sums.count; ++q, u.next())
           for (int64_t k = 0; k < sums.len; ++k) {
