@@ -489,6 +489,7 @@ Header make_header(const Options& o, const Setup& s, int logical) {
     h.cpu_gemm_chosen_over = k.switched_from;
     h.cpu_gemm_generic = k.generic;
     h.cpu_gemm_warning = k.warning;
+    h.cpu_gemm_bf16 = k.bf16;
   }
   if (o.workload && o.workload->flops_per_token > 0) {
     h.tokens_per_sample = o.workload->tokens_per_sample;

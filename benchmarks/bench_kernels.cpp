@@ -204,6 +204,8 @@ class Bench {
             ? ""
             : (" (chosen for this CPU; OpenBLAS had chosen " + k.switched_from + ")").c_str());
     if (!k.warning.empty()) std::printf("warning: %s\n", k.warning.c_str());
+    std::printf("bf16 GEMM: %s\n",
+                k.bf16.empty() ? "widened to f32 (no oneDNN, or no AVX512_BF16)" : k.bf16.c_str());
     std::printf("f32 peak: %.1f GFLOP/s, measured (an %s loop on %d threads, the arena's)\n",
                 fma_.gflops, fma_.isa, fma_.threads);
     results_.push_back({{"kind", "fma_peak"},

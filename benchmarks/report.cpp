@@ -768,7 +768,8 @@ nlohmann::json to_json(const Header& h, const std::vector<RunResult>& runs,
     j["environment"]["cpu_gemm"] = {{"kernels", h.cpu_gemm_kernels},
                                     {"chosen_over", h.cpu_gemm_chosen_over},
                                     {"generic", h.cpu_gemm_generic},
-                                    {"warning", h.cpu_gemm_warning}};
+                                    {"warning", h.cpu_gemm_warning},
+                                    {"bf16", h.cpu_gemm_bf16}};
   for (auto& p : project(projection.runs, projection.compute_runs))
     j["projection"].push_back({{"mode", p.mode},
                                {"link", p.link},

@@ -174,7 +174,7 @@ struct Header {
   std::vector<std::pair<std::string, std::string>> libraries;
   // CPU runs: the GEMM kernels (kernels::cpu_blas_kernels), and the warning line when they are
   // narrower than the CPU's vector instructions.
-  std::string cpu_gemm_kernels, cpu_gemm_chosen_over, cpu_gemm_warning;
+  std::string cpu_gemm_kernels, cpu_gemm_chosen_over, cpu_gemm_warning, cpu_gemm_bf16;
   bool cpu_gemm_generic = false;
 };
 bool oversubscribed(const Header& h);

@@ -1142,6 +1142,8 @@ AttentionReport attention_report(DeviceContext& ctx) {
 
 std::vector<std::pair<std::string, std::string>> library_versions() {
   std::vector<std::pair<std::string, std::string>> out = {{"openblas", cpu::blas_version()}};
+  if (std::string onednn = cpu::bf16_gemm_version(); !onednn.empty())
+    out.emplace_back("onednn", std::move(onednn));
 #if DP_HAVE_CUDA
   for (auto& v : cuda::library_versions()) out.push_back(std::move(v));
 #endif

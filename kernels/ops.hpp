@@ -208,6 +208,10 @@ struct BlasKernels {
   CpuVectorIsa cpu = CpuVectorIsa::sse;  // the widest vector ISA this CPU runs
   bool generic = false;                  // the core's kernels are narrower than the CPU's
   std::string warning;                   // one line saying what to do when generic, else ""
+  // bf16 x bf16 products on the CPU's bf16 instructions (AVX512_BF16, AMX) through oneDNN:
+  // "oneDNN 2.6.3 (bf16 kernels: brg:avx512_core_bf16)"; "" where they widen to f32 on OpenBLAS
+  // (a build without oneDNN, a CPU without AVX512_BF16, DP_CPU_BF16_GEMM=widen).
+  std::string bf16;
 };
 // The process's GEMM kernels, after its one choice (made here if no GEMM ran yet).
 BlasKernels cpu_blas_kernels();
@@ -219,6 +223,9 @@ std::string better_blas_core(const std::string& core, CpuVectorIsa cpu, bool has
 // Makes the choice (again): what cpu_blas_kernels() runs once. For tests that make OpenBLAS
 // choose badly first; not to be called while GEMMs run.
 void choose_blas_kernels();
+// Whether bf16 x bf16 GEMMs on CPU devices may use the bf16 instructions (default: yes, unless
+// DP_CPU_BF16_GEMM=widen): for tests and before/after benchmarks; not while GEMMs run.
+void set_cpu_bf16_gemm(bool enabled);
 
 // The libraries this process computes with, as they report themselves at run time, name and
 // version: "openblas" (its build and the CPU kernels it chose, which set CPU speed), and in a

@@ -177,7 +177,7 @@ make_bundle() {
   # Without MPI: the GPU machine has no mpirun, and Open MPI's libraries (libmpi, open-pal,
   # open-rte, hwloc, libevent: about 3.4 MiB) would take the bundle past 60 MiB.
   cmake -S "$repo" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
-    -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON "${launcher[@]}" > "$build/configure.log" 2>&1 || {
+    -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON -DCMAKE_DISABLE_FIND_PACKAGE_dnnl=ON "${launcher[@]}" > "$build/configure.log" 2>&1 || {
     cat "$build/configure.log" >&2
     echo "gpu_check --bundle: configuring failed" >&2
     exit 1

@@ -4,7 +4,7 @@
 set -euo pipefail
 packages=(
   build-essential cmake pkg-config git
-  libtbb-dev libopenblas-dev zlib1g-dev
+  libtbb-dev libopenblas-dev libdnnl-dev ocl-icd-opencl-dev zlib1g-dev
   doctest-dev libcli11-dev nlohmann-json3-dev
   libgloo-dev
   libopenmpi-dev openmpi-bin
@@ -29,6 +29,9 @@ if [ ${#missing[@]} -gt 0 ]; then
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
+# libdnnl-dev (oneDNN) runs bf16 GEMMs on the CPU's bf16 instructions (AVX512_BF16, AMX); its CMake
+# config looks for OpenCL's headers and library (Debian builds it with an OpenCL GPU runtime),
+# hence ocl-icd-opencl-dev.
 # fortunes-min is the English text train_text trains its byte-level GPT on (dp/data/text.hpp).
 # clang-14 and libclang-rt-14-dev (libFuzzer, ASan, UBSan) build the fuzz targets (tests/fuzz).
 # The CUDA toolkit is not a Debian package here: when nvcc is on PATH or under

@@ -390,6 +390,68 @@ TEST_CASE("kernels.gemm: f16 and bf16 operands accumulate in f32") {
   }
 }
 
+// bf16 x bf16 products run on the CPU's bf16 instructions (oneDNN's matmul, one tile per call on
+// the arena's threads) where the build has oneDNN and the CPU AVX512_BF16; elsewhere they widen
+// to f32. Either way: the double loop over the rounded inputs, every transpose, alpha, beta, bias,
+// skinny and tiled shapes, f32 and bf16 outputs, and the same bits on any thread count.
+TEST_CASE("kernels.gemm: bf16 x bf16 on the CPU's bf16 instructions match the double loop") {
+  bool built_with_onednn = false;
+  for (auto& [name, version] : library_versions()) built_with_onednn |= name == "onednn";
+  __builtin_cpu_init();
+  const BlasKernels k = cpu_blas_kernels();
+  if (built_with_onednn && __builtin_cpu_supports("avx512bf16")) {
+    CHECK(k.bf16.find("oneDNN") == 0);
+    CHECK(k.bf16.find("bf16 kernels: ") != std::string::npos);
+    CHECK(k.bf16.find("ref") == std::string::npos);
+  } else {
+    MESSAGE("bf16 GEMMs widen to f32 here: "
+            << (built_with_onednn ? "this CPU has no AVX512_BF16" : "built without oneDNN")
+            << "; the products are still checked");
+    CHECK(k.bf16.empty());
+  }
+  struct Case {
+    int64_t m, k, n;
+  };
+  for (Case sz : {Case{7, 13, 5}, Case{1, 300, 40}, Case{3, 64, 257}, Case{8, 96, 130},
+                  Case{33, 129, 65}, Case{300, 40, 600}}) {
+    for (Transpose ta : {Transpose::no, Transpose::yes})
+      for (Transpose tb : {Transpose::no, Transpose::yes})
+        for (DType out : {DType::f32, DType::bf16}) {
+          CAPTURE(sz.m);
+          CAPTURE(sz.k);
+          CAPTURE(sz.n);
+          CAPTURE(static_cast<int>(ta));
+          CAPTURE(static_cast<int>(tb));
+          CAPTURE(out);
+          Tensor a = cast(random_tensor(stored(sz.m, sz.k, ta), 40), DType::bf16);
+          Tensor b = cast(random_tensor(stored(sz.k, sz.n, tb), 41), DType::bf16);
+          Tensor bias = random_tensor({sz.n}, 42);
+          Tensor c = cast(random_tensor({sz.m, sz.n}, 43), out);
+          // Only the f32 sums' rounding (and a bf16 output's one rounding) differ from the loop.
+          const double bound = (out == DType::bf16 ? 8e-3 : 0.0) + 1e-6 * static_cast<double>(sz.k);
+          std::vector<double> want = ref_gemm(a, ta, b, tb, 1.5f, 0.5f, c, bias);
+          Tensor c1 = c.clone(), c2 = c.clone();
+          with_cpu_threads(1, [&] { gemm(c1, a, ta, b, tb, 1.5f, 0.5f, bias); });
+          with_cpu_threads(2, [&] { gemm(c2, a, ta, b, tb, 1.5f, 0.5f, bias); });
+          CHECK(max_error(c1, want) <= bound);
+          CHECK(bitwise_equal(c1, c2));
+          // beta 0 ignores what c held, NaN included.
+          Tensor d = cast(filled({sz.m, sz.n}, NAN), out);
+          gemm(d, a, ta, b, tb);
+          CHECK(max_error(d, ref_gemm(a, ta, b, tb, 1.f, 0.f, d, Tensor())) <= bound);
+          // The widening path agrees to the same bound.
+          Tensor w = c.clone();
+          set_cpu_bf16_gemm(false);
+          gemm(w, a, ta, b, tb, 1.5f, 0.5f, bias);
+          set_cpu_bf16_gemm(true);
+          CHECK(max_error(w, to_double(c1)) <= 2 * bound);
+        }
+  }
+  set_cpu_bf16_gemm(false);
+  CHECK(cpu_blas_kernels().bf16.empty());
+  set_cpu_bf16_gemm(true);
+}
+
 TEST_CASE("kernels.gemm: empty products") {
   // k == 0: c = beta c + bias; beta == 0 ignores what c held (NaN included).
   Tensor a = zeros({3, 0}), b = zeros({0, 2}), bias = tensor({1.f, -1.f}, {2});

@@ -4,9 +4,12 @@
 //   backward filter dw (K, CRS)  (+)= sum_n dy_n (K, PQ) x col(x_n)^T (PQ, CRS)
 // Images run in parallel, each with its own column buffer. The filter gradient sums fixed
 // groups of images into their own buffers and adds those in group order: deterministic.
-// f16/bf16 inputs are widened to f32 (exact), run through the same f32 code into f32 scratch,
-// and each result is rounded once to the inputs' dtype before it is stored or added (as cuDNN's
-// pseudo-16-bit configurations round their 16-bit output).
+// bf16 inputs run on the CPU's bf16 instructions where it has them (bf16 columns, the GEMMs of
+// gemm_bf16.cpp, f32 sums); f16 inputs, and bf16 ones elsewhere, are widened to f32 (exact) and
+// run through the f32 code. Either way the sums land in f32 scratch and each result is rounded
+// once to the inputs' dtype before it is stored or added (as cuDNN's pseudo-16-bit
+// configurations round their 16-bit output).
+#include <algorithm>
 #include <cstring>
 
 #include "kernels/cpu/cpu_ops.hpp"
@@ -43,22 +46,32 @@ ConvGeometry geometry(const Tensor& x, const Tensor& w, const Tensor& y, const C
 
 // col (CRS, PQ): col[(c, r, s), (p, q)] = x[c, p stride - pad + r, q stride - pad + s], or 0 in
 // the padding.
-void im2col(const float* x, const ConvGeometry& g, float* col) {
+template <typename T>
+void im2col(const T* x, const ConvGeometry& g, T* col) {
   for (int64_t c = 0; c < g.channels; ++c)
     for (int64_t r = 0; r < g.kernel_h; ++r)
       for (int64_t s = 0; s < g.kernel_w; ++s) {
-        float* dst = col + ((c * g.kernel_h + r) * g.kernel_w + s) * g.col_cols();
+        T* dst = col + ((c * g.kernel_h + r) * g.kernel_w + s) * g.col_cols();
         for (int64_t p = 0; p < g.out_h; ++p, dst += g.out_w) {
           int64_t h = p * g.stride_h - g.pad_h + r;
           if (h < 0 || h >= g.height) {
-            std::fill_n(dst, g.out_w, 0.f);
+            std::fill_n(dst, g.out_w, T{});  // +0 in f32 and bf16 alike
             continue;
           }
-          const float* src = x + (c * g.height + h) * g.width;
-          for (int64_t q = 0; q < g.out_w; ++q) {
-            int64_t w = q * g.stride_w - g.pad_w + s;
-            dst[q] = w >= 0 && w < g.width ? src[w] : 0.f;
-          }
+          const T* src = x + (c * g.height + h) * g.width;
+          // Columns q read w = q stride - pad + s: inside the image for q in [q0, q1).
+          const int64_t shift = g.pad_w - s;  // w = q stride - shift
+          const int64_t q0 =
+              std::min(g.out_w, shift <= 0 ? 0 : (shift + g.stride_w - 1) / g.stride_w);
+          const int64_t q1 = std::max(
+              q0,
+              std::min(g.out_w, g.width + shift <= 0 ? 0 : (g.width - 1 + shift) / g.stride_w + 1));
+          std::fill_n(dst, q0, T{});
+          if (g.stride_w == 1)
+            std::copy_n(src + (q0 - shift), q1 - q0, dst + q0);
+          else
+            for (int64_t q = q0; q < q1; ++q) dst[q] = src[q * g.stride_w - shift];
+          std::fill_n(dst + q1, g.out_w - q1, T{});
         }
       }
 }
@@ -81,36 +94,50 @@ void col2im_add(const float* col, const ConvGeometry& g, float* x) {
       }
 }
 
-// y (N, K, P, Q) = w (K, CRS) x col(x_n) for every image.
-void forward_f32(const ConvGeometry& g, int64_t batch, const float* px, const float* pw,
-                 float* py) {
+// The products of the f32 path, and of the bf16 one (bf16 operands as stored, f32 sums).
+void conv_gemm(Transpose ta, Transpose tb, int64_t m, int64_t n, int64_t k, float alpha,
+               const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
+               int64_t ldc) {
+  sgemm_parallel(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+void conv_gemm(Transpose ta, Transpose tb, int64_t m, int64_t n, int64_t k, float alpha,
+               const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta, float* c,
+               int64_t ldc) {
+  bf16_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+// y (N, K, P, Q) = w (K, CRS) x col(x_n) for every image; T is float, or uint16_t for bf16.
+template <typename T>
+void forward_cols(const ConvGeometry& g, int64_t batch, const T* px, const T* pw, float* py) {
   parallel_range(batch, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> col(g.is_pointwise() ? 0 : static_cast<size_t>(g.col_rows() * g.col_cols()));
+    std::vector<T> col(g.is_pointwise() ? 0 : static_cast<size_t>(g.col_rows() * g.col_cols()));
     for (int64_t n = first; n < last; ++n) {
-      const float* x_n = px + n * g.image_size();
+      const T* x_n = px + n * g.image_size();
       if (!g.is_pointwise()) im2col(x_n, g, col.data());
-      const float* cols = g.is_pointwise() ? x_n : col.data();
+      const T* cols = g.is_pointwise() ? x_n : col.data();
       // (K, CRS) x (CRS, PQ) -> (K, PQ)
-      sgemm_parallel(Transpose::no, Transpose::no, g.filters, g.col_cols(), g.col_rows(), 1.f, pw,
-                     g.col_rows(), cols, g.col_cols(), 0.f, py + n * g.output_size(), g.col_cols());
+      conv_gemm(Transpose::no, Transpose::no, g.filters, g.col_cols(), g.col_rows(), 1.f, pw,
+                g.col_rows(), cols, g.col_cols(), 0.f, py + n * g.output_size(), g.col_cols());
     }
   });
 }
 
 // dx (N, C, H, W) (+)= col2im(w^T dy_n) for every image.
-void backward_data_f32(const ConvGeometry& g, int64_t batch, const float* pdy, const float* pw,
-                       float* pdx, Accumulate acc) {
+template <typename T>
+void backward_data_cols(const ConvGeometry& g, int64_t batch, const T* pdy, const T* pw, float* pdx,
+                        Accumulate acc) {
   parallel_range(batch, 1, [&](int64_t first, int64_t last) {
     std::vector<float> dcol(g.is_pointwise() ? 0
                                              : static_cast<size_t>(g.col_rows() * g.col_cols()));
     for (int64_t n = first; n < last; ++n) {
       float* dx_n = pdx + n * g.image_size();
-      const float* dy_n = pdy + n * g.output_size();
+      const T* dy_n = pdy + n * g.output_size();
       // (CRS, K) x (K, PQ) -> (CRS, PQ), straight into dx_n when col(x_n) is x_n.
       float beta = g.is_pointwise() && acc == Accumulate::yes ? 1.f : 0.f;
       float* target = g.is_pointwise() ? dx_n : dcol.data();
-      sgemm_parallel(Transpose::yes, Transpose::no, g.col_rows(), g.col_cols(), g.filters, 1.f, pw,
-                     g.col_rows(), dy_n, g.col_cols(), beta, target, g.col_cols());
+      conv_gemm(Transpose::yes, Transpose::no, g.col_rows(), g.col_cols(), g.filters, 1.f, pw,
+                g.col_rows(), dy_n, g.col_cols(), beta, target, g.col_cols());
       if (g.is_pointwise()) continue;
       if (acc == Accumulate::no) std::fill_n(dx_n, g.image_size(), 0.f);
       col2im_add(dcol.data(), g, dx_n);
@@ -119,26 +146,27 @@ void backward_data_f32(const ConvGeometry& g, int64_t batch, const float* pdy, c
 }
 
 // dw (K, CRS) (+)= sum_n dy_n col(x_n)^T, summed in fixed groups of images.
-void backward_filter_f32(const ConvGeometry& g, int64_t batch, const float* pdy, const float* px,
-                         float* pdw, Accumulate acc) {
+template <typename T>
+void backward_filter_cols(const ConvGeometry& g, int64_t batch, const T* pdy, const T* px,
+                          float* pdw, Accumulate acc) {
   int64_t per_group = (batch + kMaxFilterPartials - 1) / kMaxFilterPartials;
   int64_t groups = (batch + per_group - 1) / per_group;
   int64_t dw_size = g.filters * g.col_rows();
   // One group writes dw directly; several write partials that are added in group order.
   std::vector<float> partials(groups > 1 ? static_cast<size_t>(groups * dw_size) : 0);
   parallel_range(groups, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> col(g.is_pointwise() ? 0 : static_cast<size_t>(g.col_rows() * g.col_cols()));
+    std::vector<T> col(g.is_pointwise() ? 0 : static_cast<size_t>(g.col_rows() * g.col_cols()));
     for (int64_t group = first; group < last; ++group) {
       float* target = groups > 1 ? partials.data() + group * dw_size : pdw;
       float beta = groups == 1 && acc == Accumulate::yes ? 1.f : 0.f;
       for (int64_t n = group * per_group; n < std::min(batch, (group + 1) * per_group); ++n) {
-        const float* x_n = px + n * g.image_size();
+        const T* x_n = px + n * g.image_size();
         if (!g.is_pointwise()) im2col(x_n, g, col.data());
-        const float* cols = g.is_pointwise() ? x_n : col.data();
+        const T* cols = g.is_pointwise() ? x_n : col.data();
         // (K, PQ) x (PQ, CRS) -> (K, CRS), accumulated over the group's images.
-        sgemm_parallel(Transpose::no, Transpose::yes, g.filters, g.col_rows(), g.col_cols(), 1.f,
-                       pdy + n * g.output_size(), g.col_cols(), cols, g.col_cols(), beta, target,
-                       g.col_rows());
+        conv_gemm(Transpose::no, Transpose::yes, g.filters, g.col_rows(), g.col_cols(), 1.f,
+                  pdy + n * g.output_size(), g.col_cols(), cols, g.col_cols(), beta, target,
+                  g.col_rows());
         beta = 1.f;
       }
     }
@@ -151,6 +179,11 @@ void backward_filter_f32(const ConvGeometry& g, int64_t batch, const float* pdy,
       pdw[i] = total;
     }
   });
+}
+
+// Both GEMM operands bf16 on a CPU whose bf16 products run on its bf16 instructions.
+bool on_bf16_instructions(const Tensor& a, const Tensor& b) {
+  return a.dtype() == DType::bf16 && b.dtype() == DType::bf16 && bf16_gemm_enabled();
 }
 
 // out (+)= result rounded to `inputs` (an f16/bf16 dtype); a 16-bit out rounds the sum again.
@@ -183,9 +216,12 @@ void store_rounded(Tensor& out, const std::vector<float>& result, DType inputs, 
 void conv2d_forward(Tensor& y, const Tensor& x, const Tensor& w, const Conv2dParams& p) {
   ConvGeometry g = geometry(x, w, y, p);
   if (x.dtype() == DType::f32)
-    return forward_f32(g, x.dim(0), x.data<float>(), w.data<float>(), y.data<float>());
+    return forward_cols(g, x.dim(0), x.data<float>(), w.data<float>(), y.data<float>());
   std::vector<float> x_f32, w_f32, y_f32(static_cast<size_t>(y.numel()));
-  forward_f32(g, x.dim(0), as_f32(x, x_f32), as_f32(w, w_f32), y_f32.data());
+  if (on_bf16_instructions(x, w))
+    forward_cols(g, x.dim(0), x.data<uint16_t>(), w.data<uint16_t>(), y_f32.data());
+  else
+    forward_cols(g, x.dim(0), as_f32(x, x_f32), as_f32(w, w_f32), y_f32.data());
   store_rounded(y, y_f32, x.dtype(), Accumulate::no);
 }
 
@@ -194,11 +230,15 @@ void conv2d_backward_data(Tensor& dx, const Tensor& dy, const Tensor& w, const C
                           Accumulate acc) {
   ConvGeometry g = geometry(dx, w, dy, p);
   if (dy.dtype() == DType::f32)
-    return backward_data_f32(g, dx.dim(0), dy.data<float>(), w.data<float>(), dx.data<float>(),
-                             acc);
+    return backward_data_cols(g, dx.dim(0), dy.data<float>(), w.data<float>(), dx.data<float>(),
+                              acc);
   std::vector<float> dy_f32, w_f32, dx_f32(static_cast<size_t>(dx.numel()));
-  backward_data_f32(g, dx.dim(0), as_f32(dy, dy_f32), as_f32(w, w_f32), dx_f32.data(),
-                    Accumulate::no);
+  if (on_bf16_instructions(dy, w))
+    backward_data_cols(g, dx.dim(0), dy.data<uint16_t>(), w.data<uint16_t>(), dx_f32.data(),
+                       Accumulate::no);
+  else
+    backward_data_cols(g, dx.dim(0), as_f32(dy, dy_f32), as_f32(w, w_f32), dx_f32.data(),
+                       Accumulate::no);
   store_rounded(dx, dx_f32, dy.dtype(), acc);
 }
 
@@ -207,11 +247,15 @@ void conv2d_backward_filter(Tensor& dw, const Tensor& dy, const Tensor& x, const
                             Accumulate acc) {
   ConvGeometry g = geometry(x, dw, dy, p);
   if (x.dtype() == DType::f32)
-    return backward_filter_f32(g, x.dim(0), dy.data<float>(), x.data<float>(), dw.data<float>(),
-                               acc);
+    return backward_filter_cols(g, x.dim(0), dy.data<float>(), x.data<float>(), dw.data<float>(),
+                                acc);
   std::vector<float> dy_f32, x_f32, dw_f32(static_cast<size_t>(dw.numel()));
-  backward_filter_f32(g, x.dim(0), as_f32(dy, dy_f32), as_f32(x, x_f32), dw_f32.data(),
-                      Accumulate::no);
+  if (on_bf16_instructions(dy, x))
+    backward_filter_cols(g, x.dim(0), dy.data<uint16_t>(), x.data<uint16_t>(), dw_f32.data(),
+                         Accumulate::no);
+  else
+    backward_filter_cols(g, x.dim(0), as_f32(dy, dy_f32), as_f32(x, x_f32), dw_f32.data(),
+                         Accumulate::no);
   store_rounded(dw, dw_f32, x.dtype(), acc);
 }
 

@@ -100,6 +100,26 @@ void non_finite_into(Tensor& flag, const Tensor& x);
 // The BLAS's own account of itself: "OpenBLAS 0.3.21 DYNAMIC_ARCH ... (kernels: SkylakeX)".
 std::string blas_version();
 
+// gemm_bf16.cpp: bf16 x bf16 products on the CPU's bf16 instructions (oneDNN's matmul), where the
+// build has oneDNN and the CPU has AVX512_BF16; gemm() widens to f32 otherwise. Enabled unless
+// DP_CPU_BF16_GEMM=widen or set_bf16_gemm_enabled(false) (tests and before/after benchmarks).
+bool bf16_gemm_enabled();
+void set_bf16_gemm_enabled(bool enabled);
+// "oneDNN 2.6.3 (bf16 kernels: brg:avx512_core_bf16)", or "" in a build without oneDNN.
+std::string bf16_gemm_version();
+// Makes (or finds) the calling thread's primitive for one tile shape: false when oneDNN has no
+// fast kernel for it. C (m, n, ldc) is f32: C = alpha op(A) op(B) + beta C.
+bool bf16_gemm_prepare(Transpose ta, Transpose tb, int64_t m, int64_t n, int64_t k, float alpha,
+                       int64_t lda, int64_t ldb, float beta, int64_t ldc);
+void bf16_gemm_tile(Transpose ta, Transpose tb, int64_t m, int64_t n, int64_t k, float alpha,
+                    const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta,
+                    float* c, int64_t ldc);
+// gemm.cpp: C (f32) = alpha op(A) op(B) + beta C for bf16 A and B as stored: over gemm.cpp's
+// tiles on the bf16 instructions, or widened to f32 where oneDNN has no kernel for a tile shape.
+void bf16_gemm(Transpose ta, Transpose tb, int64_t m, int64_t n, int64_t k, float alpha,
+               const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta, float* c,
+               int64_t ldc);
+
 // tensor_ops.cpp: the broadcasting op set (kernels/tensor_ops.hpp), arguments resolved by
 // kernels/tensor_ops.cpp. Layouts are in the output's index space (y's for forward ops, dy's for
 // backward ops): the output's shape with each operand's strides, 0 where it broadcasts. Reductions

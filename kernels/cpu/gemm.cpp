@@ -1,5 +1,7 @@
 // GEMM on OpenBLAS: single-threaded sgemm calls over fixed tiles of C, run in parallel in the
-// device's arena. f16/bf16 operands are widened to f32 first (accumulation is f32 either way).
+// device's arena. bf16 x bf16 products run on the CPU's bf16 instructions where it has them
+// (gemm_bf16.cpp, oneDNN); other f16/bf16 operands are widened to f32 first (accumulation is f32
+// either way).
 #include <cblas.h>
 #include <dlfcn.h>
 
@@ -128,7 +130,13 @@ void choose_blas_kernels() {
 
 BlasKernels cpu_blas_kernels() {
   cpu::use_single_threaded_blas();
-  return blas_state();
+  BlasKernels k = blas_state();
+  k.bf16 = cpu::bf16_gemm_enabled() ? cpu::bf16_gemm_version() : "";
+  return k;
+}
+
+void set_cpu_bf16_gemm(bool enabled) {
+  cpu::set_bf16_gemm_enabled(enabled);
 }
 
 }  // namespace kernels
@@ -406,6 +414,60 @@ void sgemm_parallel(Transpose ta, Transpose tb, int64_t m, int64_t n, int64_t k,
   });
 }
 
+namespace {
+
+// The bf16 product over the same tiles as sgemm_parallel, each one oneDNN call on the arena's
+// threads; false (nothing computed) where oneDNN has no fast kernel for a tile's shape. The
+// tiling depends on the shape only: each element of C is computed the same way on any arena.
+bool bf16_gemm_parallel(Transpose ta, Transpose tb, int64_t m, int64_t n, int64_t k, float alpha,
+                        const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta,
+                        float* c, int64_t ldc) {
+  if (!bf16_gemm_enabled()) return false;
+  const Tiling tiling = m * n * k <= kSerialMacs ? Tiling{m, n, 1, 1} : tiling_for(m, n, k);
+  // The (at most four) tile shapes, checked on this thread before any tile runs.
+  const int64_t last_rows = m - (tiling.tiles_m - 1) * tiling.rows;
+  const int64_t last_cols = n - (tiling.tiles_n - 1) * tiling.cols;
+  for (int64_t rows : {tiling.rows, last_rows})
+    for (int64_t cols : {tiling.cols, last_cols})
+      if (!bf16_gemm_prepare(ta, tb, rows, cols, k, alpha, lda, ldb, beta, ldc)) return false;
+  auto run = [&](int64_t t) {
+    const int64_t i0 = (t / tiling.tiles_n) * tiling.rows, j0 = (t % tiling.tiles_n) * tiling.cols;
+    const int64_t rows = std::min(tiling.rows, m - i0), cols = std::min(tiling.cols, n - j0);
+    const uint16_t* a_tile = ta == Transpose::no ? a + i0 * lda : a + i0;
+    const uint16_t* b_tile = tb == Transpose::no ? b + j0 : b + j0 * ldb;
+    bf16_gemm_tile(ta, tb, rows, cols, k, alpha, a_tile, lda, b_tile, ldb, beta, c + i0 * ldc + j0,
+                   ldc);
+  };
+  if (tiling.tiles_m * tiling.tiles_n == 1) {
+    run(0);
+    return true;
+  }
+  parallel_range(tiling.tiles_m * tiling.tiles_n, 1, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) run(t);
+  });
+  return true;
+}
+
+}  // namespace
+
+void bf16_gemm(Transpose ta, Transpose tb, int64_t m, int64_t n, int64_t k, float alpha,
+               const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta, float* c,
+               int64_t ldc) {
+  if (bf16_gemm_parallel(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)) return;
+  // Widened: each operand's stored rows (op(A) is (m, k); stored (k, m) when transposed).
+  auto widen = [](const uint16_t* src, int64_t rows, int64_t cols, int64_t ld) {
+    std::vector<float> out(static_cast<size_t>(rows == 0 ? 0 : (rows - 1) * ld + cols));
+    parallel_range(static_cast<int64_t>(out.size()), kElementwiseGrain,
+                   [&](int64_t begin, int64_t end) {
+                     for (int64_t i = begin; i < end; ++i) out[i] = bf16_to_f32(src[i]);
+                   });
+    return out;
+  };
+  const std::vector<float> a32 = ta == Transpose::no ? widen(a, m, k, lda) : widen(a, k, m, lda);
+  const std::vector<float> b32 = tb == Transpose::no ? widen(b, k, n, ldb) : widen(b, n, k, ldb);
+  sgemm_parallel(ta, tb, m, n, k, alpha, a32.data(), lda, b32.data(), ldb, beta, c, ldc);
+}
+
 // (m, k) x (k, n) -> (m, n), with op(a) and op(b) read through the transpose flags.
 void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose tb, float alpha,
           float beta, const Tensor& bias) {
@@ -420,6 +482,9 @@ void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose t
   }
   if (k == 0) {
     scale_rows(c_data, m, n, beta);
+  } else if (a.dtype() == DType::bf16 && b.dtype() == DType::bf16 && bf16_gemm_enabled()) {
+    bf16_gemm(ta, tb, m, n, k, alpha, a.data<uint16_t>(), a.dim(1), b.data<uint16_t>(), b.dim(1),
+              beta, c_data, n);
   } else {
     const float* a_data = as_f32(a, a_f32);
     const float* b_data = as_f32(b, b_f32);
