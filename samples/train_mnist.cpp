@@ -265,8 +265,9 @@ int main(int argc, char** argv) {
     auto devices = kernels::make_devices(type, f.mode == "single" ? 1 : f.gpus);
     if (type == kernels::DeviceType::cpu) {
       // CPU devices hold their activations in the host's memory, where a run past it meets the
-      // OOM killer: a step of 1 and of 2 rows on the run's model and optimizer measures what a
-      // row costs, and a --batch that does not fit is refused with the figures, before training.
+      // OOM killer: a step of 1 and of 2 rows on the run's model, precision and optimizer measures
+      // what a row costs, and a --batch that does not fit is refused with the figures, before
+      // training.
       const dp::cli::StepMemory step = dp::cli::measure_step_memory([&](int64_t rows) {
         nn::ModulePtr m = make_model(f.model);
         m->materialize(Device::cpu(0), f.seed);
@@ -275,7 +276,10 @@ int main(int argc, char** argv) {
           o = std::make_unique<nn::AdamW>(*m, kernels::AdamWConfig{});
         else
           o = std::make_unique<nn::SGD>(*m, kernels::SgdConfig{});
-        dp::DataParallel e(m, *o, {Device::cpu(0)}, dp::DataParallelOptions{});
+        if (activations != kernels::DType::f32) m->set_activations(nn::Activations::compute);
+        dp::DataParallelOptions po;  // the run's precision: 16-bit copies and activations count
+        po.precision = precision;
+        dp::DataParallel e(m, *o, {Device::cpu(0)}, po);
         const dp::data::Batch b = dp::data::make_batch(train, 0, rows);
         e.train_step(b.images, b.labels);
         return e.peak_memory_bytes()[0] + o->state_bytes();
