@@ -1822,6 +1822,21 @@ TEST_CASE("bench.environment: the CPU GEMM kernels are named, a generic choice w
   CHECK(env["libraries"]["openblas"].get<std::string>().find("(kernels: " + core) !=
         std::string::npos);
   CHECK(text.find("warning: OpenBLAS") == std::string::npos);
+  // bf16 GEMMs: oneDNN's kernel where they run on the CPU's bf16 instructions, "" where they
+  // widen (a build without oneDNN, no AVX512_BF16, or turned off).
+  const std::string bf16 = env["cpu_gemm"]["bf16"].get<std::string>();
+  __builtin_cpu_init();
+  if (env["libraries"].contains("onednn") && __builtin_cpu_supports("avx512bf16")) {
+    CHECK(bf16.find("oneDNN ") == 0);
+    CHECK(bf16.find("bf16 kernels: ") != std::string::npos);
+  } else {
+    MESSAGE("bf16 GEMMs widen to f32 here (no oneDNN in the build, or no AVX512_BF16)");
+    CHECK(bf16.empty());
+  }
+  auto [rc_widen, widened] =
+      bench_output("--device cpu --gpus 1 --steps 2 --json " + json, "DP_CPU_BF16_GEMM=widen");
+  REQUIRE(rc_widen == 0);
+  CHECK(read_json(json)["environment"]["cpu_gemm"]["bf16"] == "");
   auto [rc2, forced] =
       bench_output("--device cpu --gpus 1 --steps 2 --json " + json, "OPENBLAS_CORETYPE=Prescott");
   INFO(forced);
