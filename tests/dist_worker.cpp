@@ -88,10 +88,10 @@ void sleep_forever() {
   for (int i = 0; i < 600; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
 }
 
-int run_hang(const WorkerEnv& w, int hang_rank) {
+int run_hang(const WorkerEnv& w, int hang_rank, int wait_s) {
   InitOptions o;
   o.backend = Backend::gloo;
-  o.timeout = std::chrono::seconds(60);
+  o.timeout = std::chrono::seconds(wait_s);
   auto pg = init_process_group(o);
   // The launcher's watch tells a store that stopped answering (rank 0 hung) from one not up
   // yet only after one answered poll: hang once it has had a few poll intervals for that.
@@ -263,7 +263,7 @@ int main(int argc, char** argv) {
   CLI::App app("dist_worker: launcher test helper");
   std::string mode = "collectives", pid_dir;
   LaunchOptions lo;
-  int grace_ms = 3000, hang_rank = 1;
+  int grace_ms = 3000, hang_rank = 1, wait_s = 60;
   DdpRun ddp;
   std::string job_tag;
   app.add_option("--mode", mode);
@@ -277,6 +277,7 @@ int main(int argc, char** argv) {
   app.add_option("--max-local-ranks", lo.max_local_ranks);
   app.add_option("--hold-ms", ddp.hold_ms);
   app.add_option("--hang-rank", hang_rank);
+  app.add_option("--wait-s", wait_s);  // hang: how long the others wait in the barrier
   app.add_option("--max-restarts", lo.max_restarts);
   app.add_option("--batch", ddp.batch);
   app.add_option("--steps", ddp.steps);
@@ -313,7 +314,7 @@ int main(int argc, char** argv) {
     }
     if (mode == "collectives") return run_collectives(*w, ddp.hold_ms);
     if (mode == "ddp") return run_ddp(ddp);
-    if (mode == "hang") return run_hang(*w, hang_rank);
+    if (mode == "hang") return run_hang(*w, hang_rank, wait_s);
     if (mode == "stubborn") ::signal(SIGTERM, SIG_IGN);
     if (w->rank == 1) {
       std::this_thread::sleep_for(std::chrono::milliseconds(mode == "die" ? 300 : 200));

@@ -354,6 +354,35 @@ TEST_CASE("dist.launch: a hung rank (SIGSTOP) is named by its heartbeat and the 
   }
 }
 
+// A rank stopped (SIGSTOP) before its heartbeat is missed: the others fail first, waiting for
+// it (a stopped rank 0 silences the store they talk to). The launcher names the stopped rank, not
+// the first to exit, and kills it (a stopped process never acts on SIGTERM).
+TEST_CASE("dist.launch: a stopped rank is named when another fails waiting for it") {
+  for (int stopped : {0, 2}) {
+    CAPTURE(stopped);
+    std::string dir = dist_test::make_temp_dir("stopped");
+    RemoveDir cleanup{dir};
+    const auto t0 = std::chrono::steady_clock::now();
+    CapturedLauncher l(dir, "stopped",
+                       {"--mode", "hang", "--hang-rank", std::to_string(stopped), "--wait-s", "3",
+                        "--nproc", "3", "--pid-dir", dir},
+                       {"DP_HEARTBEAT_TIMEOUT=120"});
+    Finished f = l.wait(40s);
+    INFO(f.output);
+    CHECK(exited_with(f.status, 1));
+    CHECK(std::chrono::steady_clock::now() - t0 < 30s);
+    std::vector<pid_t> pids = wait_for_pids(dir, 3, 1s);
+    REQUIRE(pids.size() == 3);
+    const std::string who = "launch_workers: rank " + std::to_string(stopped) + " (local rank " +
+                            std::to_string(stopped) + ", pid " + std::to_string(pids[stopped]) +
+                            ") was stopped (SIGSTOP, process state T) when rank ";
+    CHECK(f.output.find(who) != std::string::npos);
+    CHECK(f.output.find("killed the stopped one and stopped the other 1 worker(s)") !=
+          std::string::npos);
+    CHECK(all_gone_within(pids, 2s));  // no orphans, the stopped one included
+  }
+}
+
 TEST_CASE("dist.launch: with max_restarts 1 a failed job runs again with DP_RESTART_COUNT=1") {
   RestartJob job("fail-once", 1);
   Finished f = job.launcher.wait(30s);

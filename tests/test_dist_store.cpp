@@ -130,6 +130,17 @@ TEST_CASE("dist.store: get and wait time out naming the key and the timeout") {
   int port = net::find_free_port();
   err = error_of([&] { TcpStore("127.0.0.1", port, StoreRole::client, 200ms); });
   CHECK(err.find("127.0.0.1:" + std::to_string(port)) != std::string::npos);
+  // A port that takes the connection and never answers (a stopped rank 0's store: its kernel
+  // still accepts): the error says so and points at the store's host, within the timeout.
+  net::Socket silent = net::listen_tcp("127.0.0.1", 0);
+  const int silent_port = net::local_port(silent);
+  start = std::chrono::steady_clock::now();
+  err = error_of([&] { TcpStore("127.0.0.1", silent_port, StoreRole::client, 300ms); });
+  CHECK(err.find("took the connection but did not answer this rank's hello within 300 ms") !=
+        std::string::npos);
+  CHECK(err.find("the process that hosts it (rank 0, or the launcher) may be stopped") !=
+        std::string::npos);
+  CHECK(std::chrono::steady_clock::now() - start < 3s);
 }
 
 TEST_CASE("dist.store: wait returns once another client sets the keys") {

@@ -101,6 +101,25 @@ std::string describe_status(int status) {
   return "exited with status " + std::to_string(WEXITSTATUS(status));
 }
 
+// A child's scheduling state from /proc/PID/stat (the letter after the command's closing
+// parenthesis): 'T' stopped by a signal (SIGSTOP, SIGTSTP), 't' stopped by a tracer; 0 when it
+// cannot be read.
+char process_state(pid_t pid) {
+  std::FILE* f = std::fopen(("/proc/" + std::to_string(pid) + "/stat").c_str(), "r");
+  if (!f) return 0;
+  char buf[512];
+  const size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+  std::fclose(f);
+  buf[n] = '\0';
+  const char* close = std::strrchr(buf, ')');
+  return close && close[1] == ' ' ? close[2] : 0;
+}
+
+bool is_stopped(pid_t pid) {
+  const char state = process_state(pid);
+  return state == 'T' || state == 't';
+}
+
 int exit_code_of(int status) {
   if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
   return WEXITSTATUS(status);
@@ -391,6 +410,10 @@ AttemptEnd run_attempt(const LaunchPlan& plan, int restart_count, SignalWatch& s
 
   using Clock = std::chrono::steady_clock;
   const Child* failed = nullptr;
+  // A worker found stopped (SIGSTOP) when another failed: the likelier cause, named first (a
+  // stopped rank 0 silences the store the others wait on, and they fail before any heartbeat
+  // is missed).
+  const Child* stopped = nullptr;
   bool published = false;  // this node's failure, to the other nodes
   std::optional<std::string> remote;
   bool agreement_lost = false;
@@ -415,6 +438,12 @@ AttemptEnd run_attempt(const LaunchPlan& plan, int restart_count, SignalWatch& s
       bool bad = WIFSIGNALED(c.status) || (WIFEXITED(c.status) && WEXITSTATUS(c.status) != 0);
       if (bad && !failed && !interrupted && !remote) {
         failed = &c;
+        for (auto& other : children)
+          if (other.alive && is_stopped(other.pid)) {
+            stopped = &other;
+            ::kill(other.pid, SIGKILL);  // a stopped process would never act on SIGTERM
+            break;
+          }
         if (!stopping) begin_stop(SIGTERM);
       }
     }
@@ -444,9 +473,13 @@ AttemptEnd run_attempt(const LaunchPlan& plan, int restart_count, SignalWatch& s
       std::string cause = hung
                               ? "sent no heartbeat for " + seconds_text(hung->silent_for) + ": hung"
                               : describe_status(failed->status);
+      std::string who = "rank " + std::to_string(failed->rank) + " (node " +
+                        std::to_string(o.node_rank) + ") " + cause;
+      if (stopped)
+        who = "rank " + std::to_string(stopped->rank) + " (node " + std::to_string(o.node_rank) +
+              ") was stopped (SIGSTOP) and rank " + std::to_string(failed->rank) + " " + cause;
       try {
-        nodes->publish_failure(restart_count, "rank " + std::to_string(failed->rank) + " (node " +
-                                                  std::to_string(o.node_rank) + ") " + cause);
+        nodes->publish_failure(restart_count, who);
       } catch (const std::exception& e) {
         std::fprintf(stderr, "launch_workers: could not tell the other nodes: %s\n", e.what());
         agreement_lost = true;
@@ -498,6 +531,21 @@ AttemptEnd run_attempt(const LaunchPlan& plan, int restart_count, SignalWatch& s
     std::fflush(stderr);
     end.code = 1;
     end.cause = "hung (no heartbeat for " + seconds_text(hung->silent_for) + ")";
+    return end;
+  }
+  if (stopped) {
+    std::fprintf(stderr,
+                 "launch_workers: rank %d (local rank %d, pid %d) was stopped (SIGSTOP, process "
+                 "state T) when rank %d (local rank %d, pid %d) %s, likely waiting for it; killed "
+                 "the stopped one and stopped the other %d worker(s)\n",
+                 stopped->rank, stopped->local_rank, static_cast<int>(stopped->pid), failed->rank,
+                 failed->local_rank, static_cast<int>(failed->pid),
+                 describe_status(failed->status).c_str(), started - 2);
+    std::fflush(stderr);
+    end.rank = stopped->rank;
+    end.code = 1;
+    end.cause = "stopped (SIGSTOP); rank " + std::to_string(failed->rank) + " " +
+                describe_status(failed->status);
     return end;
   }
   std::fprintf(stderr,

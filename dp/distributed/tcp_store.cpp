@@ -571,8 +571,19 @@ void TcpStore::connect_locked(net::Clock::time_point deadline, Millis timeout) {
   char header[wire::kHeaderBytes];
   std::vector<char> payload;
   try {
-    net::send_all(sock_.fd(), frame.data(), frame.size(), deadline, what);
-    net::recv_all(sock_.fd(), header, sizeof(header), deadline, what);
+    try {
+      net::send_all(sock_.fd(), frame.data(), frame.size(), deadline, what);
+      net::recv_all(sock_.fd(), header, sizeof(header), deadline, what);
+    } catch (const kernels::Error& e) {
+      // The port took the connection (a listening socket's kernel does that by itself) but no
+      // one answered: the process that hosts the store is the one to look at, not this rank.
+      DP_THROW("TcpStore: the store server at "
+               << describe() << " took the connection but did not answer this rank's hello within "
+               << timeout.count()
+               << " ms: the process that hosts it (rank 0, or the launcher) may be stopped, "
+                  "hung or overloaded; look there first ("
+               << e.what() << ")");
+    }
     wire::Header h = wire::parse_header(header);
     DP_CHECK(h.magic == wire::kMagic && h.version == wire::kVersion &&
                  h.length <= wire::kMaxErrorBytes + 4,
