@@ -169,6 +169,13 @@ struct Bf16Support {
 const Bf16Support& bf16_support() {
   static const Bf16Support support = [] {
     Bf16Support s;
+#if defined(__SANITIZE_THREAD__)
+    // oneDNN's process-wide primitive cache shares primitives between threads through
+    // synchronisation ThreadSanitizer cannot see (the library is not instrumented), and it
+    // reports their keys as races. Primitives are kept per thread here anyway (thread_state), so
+    // ThreadSanitizer builds turn the shared cache off and keep every check of this file's code.
+    dnnl::set_primitive_cache_capacity(0);
+#endif
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("avx512bf16")) return s;
     TilePrimitive& t =
