@@ -277,7 +277,8 @@ int main(int argc, char** argv) {
   app.add_option("--max-local-ranks", lo.max_local_ranks);
   app.add_option("--hold-ms", ddp.hold_ms);
   app.add_option("--hang-rank", hang_rank);
-  app.add_option("--wait-s", wait_s);  // hang: how long the others wait in the barrier
+  app.add_option("--wait-s", wait_s, "hang: how long the others wait in the barrier, s")
+      ->check(CLI::Range(1, 3600));
   app.add_option("--max-restarts", lo.max_restarts);
   app.add_option("--batch", ddp.batch);
   app.add_option("--steps", ddp.steps);
