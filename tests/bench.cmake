@@ -1,5 +1,5 @@
 if(TARGET dp_bench)
-  dp_add_test(test_bench SOURCES test_bench.cpp LIBS dp_bench_report)
+  dp_add_test(test_bench SOURCES test_bench.cpp LIBS dp_bench_report dp_distributed)
   target_compile_definitions(test_bench PRIVATE DP_BENCH_BUILT="$<TARGET_FILE:dp_bench>")
   add_dependencies(test_bench dp_bench)
 endif()

@@ -16,7 +16,7 @@ if(DP_HAVE_MPI)
     set_tests_properties("dist.mpi: collectives on ${n} ranks" PROPERTIES TIMEOUT 120)
   endforeach()
   string(REPLACE ";" " " DP_MPIRUN_TEXT "${DP_MPIRUN}")
-  dp_add_test(test_mpi SOURCES test_mpi.cpp)
+  dp_add_test(test_mpi SOURCES test_mpi.cpp LIBS dp_distributed)
   target_compile_definitions(test_mpi PRIVATE DP_MPIRUN="${DP_MPIRUN_TEXT}"
                              DP_MPI_WORKER_PATH="$<TARGET_FILE:mpi_worker>"
                              DP_DIST_WORKER_PATH="$<TARGET_FILE:dist_worker>"

@@ -1,5 +1,5 @@
 if(TARGET train_mnist)
-  dp_add_test(test_samples SOURCES test_samples.cpp LIBS nlohmann_json::nlohmann_json)
+  dp_add_test(test_samples SOURCES test_samples.cpp LIBS nlohmann_json::nlohmann_json dp_distributed)
   target_compile_definitions(test_samples PRIVATE DP_TRAIN_MNIST_PATH="$<TARGET_FILE:train_mnist>")
   add_dependencies(test_samples train_mnist)
 endif()
@@ -40,7 +40,7 @@ endif()
 
 # samples/train_text: a byte-level GPT on fortunes-min beats a bigram model; DP and resume.
 if(TARGET train_text)
-  dp_add_test(test_train_text SOURCES test_train_text.cpp LIBS dp_data)
+  dp_add_test(test_train_text SOURCES test_train_text.cpp LIBS dp_data dp_distributed)
   target_compile_definitions(test_train_text PRIVATE DP_TRAIN_TEXT_PATH="$<TARGET_FILE:train_text>")
   add_dependencies(test_train_text train_text)
 endif()

@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "benchmarks/report.hpp"
+#include "dp/distributed/launcher.hpp"
 #include "nn/train_state.hpp"
 #include "tests/process_util.hpp"
 #include "tests/test_util.hpp"
@@ -384,7 +385,7 @@ TEST_CASE("bench.cli: sweep writes a CSV row per mode and count") {
 
 TEST_CASE("bench.cli: DDP over two nodes of two ranks equals four ranks on one node") {
   // With dropout: node 1's ranks draw as ranks 2 and 3 do on one node, not as its local 0, 1.
-  int port = 20000 + static_cast<int>(getpid() % 20000);
+  int port = dp::dist::find_free_port();
   const std::string model = "--model gpt --gpt-config tiny --seq 16 --dropout 0.1 ";
   std::string common = "--device cpu --mode ddp --gpus 2 --steps 3 --warmup 0 --batch 24 " + model +
                        "--nnodes 2 --master-port " + std::to_string(port);
@@ -407,7 +408,7 @@ TEST_CASE("bench.cli: DDP over two nodes of two ranks equals four ranks on one n
 }
 
 TEST_CASE("bench.cli: ranks started by an external launcher join and rank 0 reports") {
-  int port = 20000 + static_cast<int>((getpid() + 7919) % 20000);
+  int port = dp::dist::find_free_port();
   std::string json = temp_path("external.json"), ref = temp_path("external_ref.json");
   std::string env =
       "WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port);
@@ -429,7 +430,7 @@ TEST_CASE("bench.cli: ranks started by an external launcher join and rank 0 repo
 
 TEST_CASE("ddp.timeout: dp_bench --timeout names the rank that never joined") {
   // WORLD_SIZE=2 with only rank 0 started: it names rank 1 after 2 s instead of waiting 300 s.
-  int port = 20000 + static_cast<int>((getpid() + 104729) % 20000);
+  int port = dp::dist::find_free_port();
   std::string out = temp_path("timeout.txt");
   std::string cmd =
       "WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
@@ -1672,7 +1673,6 @@ TEST_CASE("bench.hybrid: nodes that disagree on a flag fail together at once, na
     const char* says;
   };
   const std::string common = "--device cpu --mode hybrid --warmup 0 --baseline 0 ";
-  int port = 20000 + static_cast<int>((getpid() + 31337) % 20000);
   for (const Case& c :
        {Case{"--batch 8", "--batch 12", "--batch: rank 0 has 8, rank 1 has 12"},
         Case{"--model mlp", "--model cnn", "--model: rank 0 has mlp, rank 1 has cnn"},
@@ -1688,7 +1688,7 @@ TEST_CASE("bench.hybrid: nodes that disagree on a flag fail together at once, na
     const bool steps_differ = std::string(c.node0).rfind("--steps", 0) == 0;
     const std::string base = common + (steps_differ ? "" : "--steps 2 ");
     const dp_test::HandRanks r = dp_test::run_hand_ranks(
-        DP_BENCH_PATH, {split(base + c.node0), split(base + c.node1)}, port++,
+        DP_BENCH_PATH, {split(base + c.node0), split(base + c.node1)}, dp::dist::find_free_port(),
         temp_path("hybrid_mismatch_node"), std::chrono::seconds(60));
     for (size_t node = 0; node < 2; ++node) {
       CAPTURE(node);

@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "dp/distributed/launcher.hpp"
 #include "tests/test_util.hpp"
 
 namespace {
@@ -135,7 +136,7 @@ TEST_CASE(
   // Each mpirun job's ranks share its PMIX_NAMESPACE, their job id: job B's rank 1 reaches job
   // A's store and is refused at connect; B's rank 0 cannot bind the port; A is undisturbed.
   std::string tag = "twojobs_" + std::to_string(getpid());
-  int port = 20000 + getpid() % 20000;
+  int port = dp::dist::find_free_port();
   std::string env =
       " -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=" + std::to_string(port) + " -x DP_TIMEOUT=15 ";
   std::string worker =

@@ -13,6 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "dp/distributed/launcher.hpp"
 #include "nn/train_state.hpp"
 #include "tests/process_util.hpp"
 #include "tests/test_util.hpp"
@@ -654,7 +655,7 @@ TEST_CASE(
 TEST_CASE("samples.train_mnist: hand-launched DDP ranks with different --batch fail naming it") {
   if (skip_without_fashion_mnist()) return;
   // torchrun-style: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set by hand, no job id.
-  const std::string port = std::to_string(20000 + getpid() % 20000);
+  const std::string port = std::to_string(dp::dist::find_free_port());
   std::string log0 = temp_path("rank0.txt"), log1 = temp_path("rank1.txt");
   auto rank_cmd = [&](int rank, const std::string& batch, const std::string& log) {
     return "env -u DP_JOB_ID -u DP_JOB_TOKEN -u TORCHELASTIC_RUN_ID -u SLURM_JOB_ID RANK=" +

@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dp/data/text.hpp"
+#include "dp/distributed/launcher.hpp"
 #include "tests/process_util.hpp"
 #include "tests/test_util.hpp"
 
@@ -277,7 +278,6 @@ TEST_CASE("samples.train_text: DDP ranks that disagree on a flag fail together, 
   if (skip_without_fortunes()) return;
   // Ranks with another --seq, --batch or --data trained apart and exited 0: the check before
   // the weights' broadcast stops both, naming the flag, with the values in decimal.
-  int port = 20000 + static_cast<int>((getpid() + 7717) % 20000);
   const std::vector<std::string> common = {"--mode", "ddp", "--device", "cpu", "--steps", "2"};
   struct Case {
     std::vector<std::string> rank1;
@@ -290,7 +290,7 @@ TEST_CASE("samples.train_text: DDP ranks that disagree on a flag fail together, 
     std::vector<std::string> one = common;
     one.insert(one.end(), c.rank1.begin(), c.rank1.end());
     const dp_test::HandRanks r = dp_test::run_hand_ranks(
-        DP_TRAIN_TEXT_PATH, {common, one}, port++,
+        DP_TRAIN_TEXT_PATH, {common, one}, dp::dist::find_free_port(),
         dp_test::temp_path("train_text", "mismatch_rank"), std::chrono::seconds(60));
     for (size_t rank = 0; rank < 2; ++rank) {
       CAPTURE(rank);
