@@ -20,71 +20,85 @@ namespace kernels::cpu {
 
 namespace {
 
-constexpr int kLanes = 16;
-typedef float VecF __attribute__((vector_size(4 * kLanes)));
-typedef int VecI __attribute__((vector_size(4 * kLanes)));
+// N lanes of f32 (and of i32 for the exponent bits): each build uses its ISA's register width
+// (16 for AVX-512, 8 for AVX2, 4 for SSE2). Wider than the registers, GCC lowers the vector
+// selects (a < b ? c : d) lane by lane with branches: the AVX2 and SSE2 builds of 16-lane code
+// ran GELU 10x slower than their own width does.
+template <int N>
+struct Vec {
+  typedef float F __attribute__((vector_size(4 * N)));
+  typedef int I __attribute__((vector_size(4 * N)));
+};
 
 #define DP_VEC inline __attribute__((always_inline))
 
-DP_VEC VecF splat(float v) {
-  return VecF{} + v;
+template <int N>
+DP_VEC typename Vec<N>::F splat(float v) {
+  return typename Vec<N>::F{} + v;
 }
 
 // exp(x) for x in [-80, 0] (x below is taken as -80: exp(-80) ~ 1.8e-35, whose 2^n still has a
 // normal exponent; tanh needs no more, being 1 in f32 from |u| = 9 on).
-DP_VEC VecF exp_nonpositive(VecF x) {
-  x = x < splat(-80.f) ? splat(-80.f) : x;
+template <int N>
+DP_VEC typename Vec<N>::F exp_nonpositive(typename Vec<N>::F x) {
+  using F = typename Vec<N>::F;
+  using I = typename Vec<N>::I;
+  x = x < splat<N>(-80.f) ? splat<N>(-80.f) : x;
   // round(x log2 e) by adding and removing 1.5 * 2^23: the float's low bits then hold n.
-  const VecF shifter = splat(12582912.f);
-  const VecF t = x * splat(1.44269504088896341f) + shifter;
-  const VecF n = t - shifter;
-  const VecF r = (x - n * splat(0.693145751953125f)) - n * splat(1.42860682030941723e-6f);
-  VecF p = splat(1.f / 5040.f);
-  p = p * r + splat(1.f / 720.f);
-  p = p * r + splat(1.f / 120.f);
-  p = p * r + splat(1.f / 24.f);
-  p = p * r + splat(1.f / 6.f);
-  p = p * r + splat(0.5f);
-  p = p * r + splat(1.f);
-  p = p * r + splat(1.f);
-  VecI ti, pi;
+  const F shifter = splat<N>(12582912.f);
+  const F t = x * splat<N>(1.44269504088896341f) + shifter;
+  const F n = t - shifter;
+  const F r = (x - n * splat<N>(0.693145751953125f)) - n * splat<N>(1.42860682030941723e-6f);
+  F p = splat<N>(1.f / 5040.f);
+  p = p * r + splat<N>(1.f / 720.f);
+  p = p * r + splat<N>(1.f / 120.f);
+  p = p * r + splat<N>(1.f / 24.f);
+  p = p * r + splat<N>(1.f / 6.f);
+  p = p * r + splat<N>(0.5f);
+  p = p * r + splat<N>(1.f);
+  p = p * r + splat<N>(1.f);
+  I ti, pi;
   std::memcpy(&ti, &t, sizeof ti);
   std::memcpy(&pi, &p, sizeof pi);
   // n sits in t's low mantissa bits (t = 1.5 * 2^23 + n): scale p by 2^n in its exponent.
-  const VecI bits = pi + ((ti - 0x4B400000) << 23);
-  VecF out;
+  const I bits = pi + ((ti - 0x4B400000) << 23);
+  F out;
   std::memcpy(&out, &bits, sizeof out);
   return out;
 }
 
-DP_VEC VecF tanh_vec(VecF u) {
-  const VecF a = u < splat(0.f) ? -u : u;
-  const VecF e = exp_nonpositive(splat(-2.f) * a);
-  VecF big = (splat(1.f) - e) / (splat(1.f) + e);
-  big = u < splat(0.f) ? -big : big;
-  const VecF u2 = u * u;
-  VecF s = splat(62.f / 2835.f);
-  s = s * u2 - splat(17.f / 315.f);
-  s = s * u2 + splat(2.f / 15.f);
-  s = s * u2 - splat(1.f / 3.f);
-  const VecF small = u + u * (u2 * s);
-  VecF out = a < splat(0.125f) ? small : big;
+template <int N>
+DP_VEC typename Vec<N>::F tanh_vec(typename Vec<N>::F u) {
+  using F = typename Vec<N>::F;
+  const F a = u < splat<N>(0.f) ? -u : u;
+  const F e = exp_nonpositive<N>(splat<N>(-2.f) * a);
+  F big = (splat<N>(1.f) - e) / (splat<N>(1.f) + e);
+  big = u < splat<N>(0.f) ? -big : big;
+  const F u2 = u * u;
+  F s = splat<N>(62.f / 2835.f);
+  s = s * u2 - splat<N>(17.f / 315.f);
+  s = s * u2 + splat<N>(2.f / 15.f);
+  s = s * u2 - splat<N>(1.f / 3.f);
+  const F small = u + u * (u2 * s);
+  F out = a < splat<N>(0.125f) ? small : big;
   return u != u ? u : out;  // NaN stays NaN
 }
 
 constexpr float kSqrt2OverPi = 0.79788456080286535588f;
 constexpr float kGeluCubic = 0.044715f;
 
-DP_VEC VecF gelu_tanh_vec(VecF x) {
-  const VecF t = tanh_vec(splat(kSqrt2OverPi) * (x + splat(kGeluCubic) * x * x * x));
-  return splat(0.5f) * x * (splat(1.f) + t);
+template <int N>
+DP_VEC typename Vec<N>::F gelu_tanh_vec(typename Vec<N>::F x) {
+  const auto t = tanh_vec<N>(splat<N>(kSqrt2OverPi) * (x + splat<N>(kGeluCubic) * x * x * x));
+  return splat<N>(0.5f) * x * (splat<N>(1.f) + t);
 }
 
-DP_VEC VecF gelu_tanh_grad_vec(VecF x) {
-  const VecF t = tanh_vec(splat(kSqrt2OverPi) * (x + splat(kGeluCubic) * x * x * x));
-  return splat(0.5f) * (splat(1.f) + t) + splat(0.5f) * x * (splat(1.f) - t * t) *
-                                              splat(kSqrt2OverPi) *
-                                              (splat(1.f) + splat(3.f * kGeluCubic) * x * x);
+template <int N>
+DP_VEC typename Vec<N>::F gelu_tanh_grad_vec(typename Vec<N>::F x) {
+  const auto t = tanh_vec<N>(splat<N>(kSqrt2OverPi) * (x + splat<N>(kGeluCubic) * x * x * x));
+  return splat<N>(0.5f) * (splat<N>(1.f) + t) +
+         splat<N>(0.5f) * x * (splat<N>(1.f) - t * t) * splat<N>(kSqrt2OverPi) *
+             (splat<N>(1.f) + splat<N>(3.f * kGeluCubic) * x * x);
 }
 
 }  // namespace
@@ -95,40 +109,42 @@ DP_VEC VecF gelu_tanh_grad_vec(VecF x) {
 // crashes ThreadSanitizer builds at load.
 // out[i] = expr(v = in[i]) for n floats: whole vectors, then a zero-padded last one. Written out
 // in each build (no lambda between them: a call would cross from one ISA's code to another's).
-#define DP_VEC_LOOP(expr)                                                  \
+#define DP_VEC_LOOP(N, expr)                                               \
+  using F = typename Vec<N>::F;                                            \
   int64_t i = 0;                                                           \
-  for (; i + kLanes <= n; i += kLanes) {                                   \
-    VecF v;                                                                \
+  for (; i + (N) <= n; i += (N)) {                                         \
+    F v;                                                                   \
     std::memcpy(&v, in + i, sizeof v);                                     \
-    const VecF r = (expr);                                                 \
+    const F r = (expr);                                                    \
     std::memcpy(out + i, &r, sizeof r);                                    \
   }                                                                        \
   if (i < n) {                                                             \
-    float buf[kLanes] = {};                                                \
+    float buf[N] = {};                                                     \
     std::memcpy(buf, in + i, sizeof(float) * static_cast<size_t>(n - i));  \
-    VecF v;                                                                \
+    F v;                                                                   \
     std::memcpy(&v, buf, sizeof v);                                        \
-    const VecF r = (expr);                                                 \
+    const F r = (expr);                                                    \
     std::memcpy(buf, &r, sizeof r);                                        \
     std::memcpy(out + i, buf, sizeof(float) * static_cast<size_t>(n - i)); \
   }
 
-#define DP_VEC_VARIANTS(name, expr)                                                              \
+// fn: a template over the lane count, instantiated at the build's width.
+#define DP_VEC_VARIANTS(name, fn)                                                                \
   __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512cd"))) void name##_avx512(     \
       float* out, const float* in, int64_t n) {                                                  \
-    DP_VEC_LOOP(expr)                                                                            \
+    DP_VEC_LOOP(16, fn<16>(v))                                                                   \
   }                                                                                              \
   __attribute__((target("avx2,fma"))) void name##_avx2(float* out, const float* in, int64_t n) { \
-    DP_VEC_LOOP(expr)                                                                            \
+    DP_VEC_LOOP(8, fn<8>(v))                                                                     \
   }                                                                                              \
   void name##_base(float* out, const float* in, int64_t n) {                                     \
-    DP_VEC_LOOP(expr)                                                                            \
+    DP_VEC_LOOP(4, fn<4>(v))                                                                     \
   }
 
 namespace {
-DP_VEC_VARIANTS(tanh_rows, tanh_vec(v))
-DP_VEC_VARIANTS(gelu_tanh_rows, gelu_tanh_vec(v))
-DP_VEC_VARIANTS(gelu_tanh_grad_rows, gelu_tanh_grad_vec(v))
+DP_VEC_VARIANTS(tanh_rows, tanh_vec)
+DP_VEC_VARIANTS(gelu_tanh_rows, gelu_tanh_vec)
+DP_VEC_VARIANTS(gelu_tanh_grad_rows, gelu_tanh_grad_vec)
 
 using Rows = void (*)(float*, const float*, int64_t);
 Rows pick(Rows avx512, Rows avx2, Rows base) {
