@@ -1,7 +1,9 @@
 // bench_kernels: GEMM throughput (f32 / tf32 / bf16) and memory bandwidth of copy, axpy and add
 // on one device, each figure printed next to the device's peak where it is known. On CPU it
 // also times OpenBLAS's sgemm and dgemm called directly (one thread and all threads), so our
-// tiled, arena-parallel GEMM can be read against the library's own threading.
+// tiled, arena-parallel GEMM can be read against the library's own threading. Then GPT-2's
+// pointwise ops at its width: GELU(tanh), and the residual sum with the LayerNorm after it,
+// separate against fused, with the ratio's 95% interval.
 //
 //   bench_kernels [--device cpu|cuda|auto] [--sizes 256,512,1024,2048] [--threads N]
 //                 [--min-time 0.25] [--json PATH]
@@ -22,6 +24,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "benchmarks/stats.hpp"
 #include "kernels/ops.hpp"
 #include "nn/file_io.hpp"
 
@@ -187,6 +190,7 @@ class Bench {
     skinny_section();
     if (device_.is_cpu()) openblas_section();
     bandwidth_section();
+    transformer_section();
   }
   const nlohmann::json& results() const { return results_; }
 
@@ -391,6 +395,94 @@ class Bench {
                           {"seconds", s},
                           {"gbps", gbps},
                           {"peak_tbps", peaks_.memory_tbps}});
+    }
+  }
+
+  // GPT-2 124M's pointwise ops at its width (D 768; 2048 rows on a CPU, 16384 on a GPU: batch 16
+  // of 1024 tokens): GELU(tanh) forward and backward over (rows, 4 D), and the residual sum with
+  // the LayerNorm after it, separate (add then layer_norm_forward; layer_norm_backward then add)
+  // against fused (add_layer_norm_forward; layer_norm_backward_add), in f32 and bf16. Separate
+  // and fused alternate over kRounds rounds: the ratio of their medians, with a paired 95%
+  // bootstrap interval (benchmarks/stats.hpp).
+  void transformer_section() {
+    constexpr int kRounds = 7;
+    const int64_t rows = device_.is_cpu() ? 2048 : 16384, d = 768;
+    std::printf("\nGPT-2's pointwise ops, %lld rows x %lld (x 4 for GELU), ms per call\n",
+                static_cast<long long>(rows), static_cast<long long>(d));
+    const double round_time = std::max(0.02, o_.min_time / 4);
+    for (DType dt : {DType::f32, DType::bf16}) {
+      auto filled_with = [&](const Shape& shape, float v) {
+        Tensor t = Tensor::empty(shape, dt, device_);
+        fill(t, v);
+        return t;
+      };
+      Tensor h4 = filled_with({rows, 4 * d}, 0.3f), g4 = filled_with({rows, 4 * d}, 0.f);
+      Tensor dy4 = filled_with({rows, 4 * d}, 1.f);
+      const double gelu_fwd =
+          seconds_per_call([&] { gelu_tanh(g4, h4); }, [&] { sync(); }, o_.min_time);
+      const double gelu_bwd = seconds_per_call(
+          [&] { gelu_tanh_backward(g4, dy4, h4, Accumulate::no); }, [&] { sync(); }, o_.min_time);
+      const double elems = static_cast<double>(rows * 4 * d);
+      std::printf("  %-4s gelu_tanh        fwd %8.3f ms (%5.2f ns/element)   bwd %8.3f ms\n",
+                  dtype_name(dt), gelu_fwd * 1e3, gelu_fwd * 1e9 / elems, gelu_bwd * 1e3);
+      results_.push_back({{"kind", "gelu_tanh"},
+                          {"dtype", dtype_name(dt)},
+                          {"elements", rows * 4 * d},
+                          {"forward_seconds", gelu_fwd},
+                          {"backward_seconds", gelu_bwd}});
+
+      Tensor a = filled_with({rows, d}, 0.5f), b = filled_with({rows, d}, -0.25f);
+      Tensor h = filled_with({rows, d}, 0.f), y = filled_with({rows, d}, 0.f);
+      Tensor dy = filled_with({rows, d}, 0.1f), dskip = filled_with({rows, d}, 0.2f);
+      Tensor dnorm = filled_with({rows, d}, 0.f), dx = filled_with({rows, d}, 0.f);
+      Tensor gamma = Tensor::empty({d}, DType::f32, device_);
+      Tensor beta = Tensor::empty({d}, DType::f32, device_);
+      Tensor dgamma = Tensor::empty({d}, DType::f32, device_);
+      Tensor dbeta = Tensor::empty({d}, DType::f32, device_);
+      Tensor mean = Tensor::empty({rows}, DType::f32, device_);
+      Tensor rstd = Tensor::empty({rows}, DType::f32, device_);
+      fill(gamma, 1.f);
+      fill(beta, 0.f);
+      const std::function<void()> fwd[2] = {
+          [&] {
+            add(h, a, b);
+            layer_norm_forward(y, mean, rstd, h, gamma, beta, 1e-5f);
+          },
+          [&] { add_layer_norm_forward(h, y, mean, rstd, a, b, gamma, beta, 1e-5f); }};
+      const std::function<void()> bwd[2] = {
+          [&] {
+            layer_norm_backward(dnorm, dgamma, dbeta, dy, h, gamma, mean, rstd, Accumulate::yes);
+            add(dx, dskip, dnorm);
+          },
+          [&] {
+            layer_norm_backward_add(dx, dgamma, dbeta, dy, dskip, h, gamma, mean, rstd,
+                                    Accumulate::yes);
+          }};
+      for (int dir = 0; dir < 2; ++dir) {
+        const std::function<void()>* calls = dir == 0 ? fwd : bwd;
+        std::vector<double> separate, fused;
+        for (int r = 0; r < kRounds; ++r) {
+          separate.push_back(seconds_per_call(
+              calls[0], [&] { sync(); }, round_time));
+          fused.push_back(seconds_per_call(
+              calls[1], [&] { sync(); }, round_time));
+        }
+        const bench::Estimate ratio = bench::ratio_ci(fused, separate, bench::Pairing::paired);
+        const char* what = dir == 0 ? "residual+LN fwd" : "LN+residual bwd";
+        std::printf("  %-4s %-16s separate %8.3f ms   fused %8.3f ms   fused/separate %s\n",
+                    dtype_name(dt), what, bench::median(separate) * 1e3, bench::median(fused) * 1e3,
+                    bench::format_ci(ratio, 2).c_str());
+        results_.push_back(
+            {{"kind", dir == 0 ? "add_layer_norm_forward" : "layer_norm_backward_add"},
+             {"dtype", dtype_name(dt)},
+             {"rows", rows},
+             {"features", d},
+             {"separate_seconds", separate},
+             {"fused_seconds", fused},
+             {"ratio", ratio.value},
+             {"ratio_lo", ratio.lo},
+             {"ratio_hi", ratio.hi}});
+      }
     }
   }
 

@@ -802,6 +802,51 @@ void layer_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor
               save_rstd, acc);
 }
 
+void add_layer_norm_forward(Tensor& h, Tensor& y, Tensor& save_mean, Tensor& save_rstd,
+                            const Tensor& a, const Tensor& b, const Tensor& gamma,
+                            const Tensor& beta, float eps) {
+  const char* op = "add_layer_norm_forward";
+  check_layer_norm(op, {"h", h}, {{"save_mean", save_mean}, {"save_rstd", save_rstd}},
+                   {{"gamma", gamma}, {"beta", beta}});
+  check_devices(op, {{"h", h}, {"y", y}, {"a", a}, {"b", b}});
+  check_floating(op, {{"h", h}, {"y", y}});
+  for (const Arg& v : {Arg{"a", a}, Arg{"b", b}}) {
+    check_same_shape(op, {"h", h}, v);
+    check_dtype(op, v, h.dtype());
+  }
+  check_same_shape(op, {"h", h}, {"y", y});
+  check_eps(op, eps);
+  DP_CHECK(h.dim(1) > 0 || h.dim(0) == 0,
+           op << ": h " << shape_str(h.shape()) << " has no features");
+  if (h.numel() == 0) return;
+  DP_DISPATCH(h.device(), add_layer_norm_forward, h, y, save_mean, save_rstd, a, b, gamma, beta,
+              eps);
+}
+
+void layer_norm_backward_add(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor& dy,
+                             const Tensor& dskip, const Tensor& x, const Tensor& gamma,
+                             const Tensor& save_mean, const Tensor& save_rstd, Accumulate acc) {
+  const char* op = "layer_norm_backward_add";
+  check_layer_norm(op, {"x", x}, {{"save_mean", save_mean}, {"save_rstd", save_rstd}},
+                   {{"gamma", gamma}, {"dgamma", dgamma}, {"dbeta", dbeta}});
+  check_devices(op, {{"x", x}, {"dx", dx}, {"dy", dy}, {"dskip", dskip}});
+  check_floating(op, {{"x", x}, {"dx", dx}, {"dy", dy}});
+  check_same_shape(op, {"x", x}, {"dx", dx});
+  check_same_shape(op, {"x", x}, {"dy", dy});
+  check_same_shape(op, {"x", x}, {"dskip", dskip});
+  check_dtype(op, {"dskip", dskip}, dx.dtype());
+  if (dgamma.numel() == 0) return;  // no features: nothing to do
+  if (x.numel() == 0) {             // an empty batch contributes nothing
+    if (acc == Accumulate::no) {
+      fill(dgamma, 0.f);
+      fill(dbeta, 0.f);
+    }
+    return;
+  }
+  DP_DISPATCH(x.device(), layer_norm_backward_add, dx, dgamma, dbeta, dy, dskip, x, gamma,
+              save_mean, save_rstd, acc);
+}
+
 // ---- Llama's layers ------------------------------------------------------------------------
 
 void rms_norm_forward(Tensor& y, Tensor& save_rstd, const Tensor& x, const Tensor& gamma,

@@ -370,6 +370,22 @@ void layer_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor
                          const Tensor& x, const Tensor& gamma, const Tensor& save_mean,
                          const Tensor& save_rstd, Accumulate acc);
 
+// A pre-LN block's skip and the norm after it in one pass over each row (GPT-2's residual +
+// ln_2, as llm.c fuses them). requires a, b, h (M, D) of one dtype; y (M, D); the rest as
+// layer_norm_forward's. ensures h = a + b rounded to h's dtype, then y, save_mean and save_rstd
+// as layer_norm_forward(y, save_mean, save_rstd, h, gamma, beta, eps) gives them: the same bits
+// as add followed by layer_norm_forward.
+void add_layer_norm_forward(Tensor& h, Tensor& y, Tensor& save_mean, Tensor& save_rstd,
+                            const Tensor& a, const Tensor& b, const Tensor& gamma,
+                            const Tensor& beta, float eps);
+// LayerNorm's backward and the skip's gradient in one pass. requires dskip of dx's dtype and
+// shape; the rest as layer_norm_backward's. ensures dx = the input gradient layer_norm_backward
+// would store in x's dtype, + dskip, rounded to dx's dtype (the bits of layer_norm_backward
+// into a tensor of x's dtype followed by add); dgamma, dbeta (+)= as layer_norm_backward's.
+void layer_norm_backward_add(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor& dy,
+                             const Tensor& dskip, const Tensor& x, const Tensor& gamma,
+                             const Tensor& save_mean, const Tensor& save_rstd, Accumulate acc);
+
 // ---- Llama's layers: RMSNorm, SwiGLU, rotary embeddings -----------------------------------
 // Activations and their gradients may each be f32, f16 or bf16 (one 16-bit dtype per call):
 // f32 arithmetic (double statistics on the CPU), each 16-bit output rounded once.

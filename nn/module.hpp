@@ -228,6 +228,21 @@ class Module {
 
   // requires materialize() was called. ensures the output; caches what backward needs.
   Tensor forward(const Tensor& x) {
+    return run_forward([&] { return forward_impl(x); });
+  }
+  // requires forward() ran on this input. ensures the input gradient is returned and the
+  // parameter gradients are ADDED into grad views; then on_grad_ready fires for each of this
+  // module's own parameters (children fire their own from their backward).
+  Tensor backward(const Tensor& dy) {
+    return run_backward([&] { return backward_impl(dy); });
+  }
+
+ protected:
+  // forward() around `impl` (a forward_impl, or a layer's fused entry point such as
+  // LayerNorm::forward_add): the storage check, the NVTX range, the outermost forward's weight
+  // refresh and f32 output, the layer timing.
+  template <class F>
+  Tensor run_forward(F&& impl) {
     DP_CHECK(flat_ != nullptr, type_name() << "::forward: no storage; call materialize() first");
     kernels::NvtxRange r(type_name());
     // The outermost forward refreshes the 16-bit weights: whatever changed the f32 masters
@@ -241,8 +256,7 @@ class Module {
       kernels::NvtxRange cast("amp/cast_weights");
       kernels::copy(flat_->compute_params, flat_->params);
     }
-    Tensor y = flat_->layer_times && is_training() ? timed(true, [&] { return forward_impl(x); })
-                                                   : forward_impl(x);
+    Tensor y = flat_->layer_times && is_training() ? timed(true, impl) : impl();
     // 16-bit activations end at the model's output unless set_output(Output::activations): the
     // loss and metrics then read f32 (the backward of the last layer takes the f32 gradient as
     // it is).
@@ -251,22 +265,21 @@ class Module {
       y = kernels::cast(y, DType::f32);
     return y;
   }
-  // requires forward() ran on this input. ensures the input gradient is returned and the
-  // parameter gradients are ADDED into grad views; then on_grad_ready fires for each of this
-  // module's own parameters.
-  Tensor backward(const Tensor& dy) {
+  // backward() around `impl`: the NVTX range, the layer timing, then on_grad_ready for each of
+  // this module's own parameters.
+  template <class F>
+  Tensor run_backward(F&& impl) {
     Tensor dx;
     {
       kernels::NvtxRange r(type_name() + "/backward");
-      dx = flat_ && flat_->layer_times && is_training()
-               ? timed(false, [&] { return backward_impl(dy); })
-               : backward_impl(dy);
+      dx = flat_ && flat_->layer_times && is_training() ? timed(false, impl) : impl();
     }
     if (flat_ && flat_->on_grad_ready)
       for (auto& p : params_) flat_->on_grad_ready(p);
     return dx;
   }
 
+ public:
   virtual std::string type_name() const = 0;
 
   void train() { set_mode(Mode::train); }

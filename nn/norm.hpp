@@ -308,23 +308,39 @@ class LayerNorm : public Module {
   Parameter& weight() { return *gamma_; }
   Parameter& bias() { return *beta_; }
 
- protected:
-  // Under 16-bit activations the output is 16-bit (rounded once from the f32 arithmetic), and a
-  // 16-bit input is read as it is: no casts either way; the statistics stay f32.
-  Tensor forward_impl(const Tensor& x) override {
-    DP_CHECK(x.ndim() >= 1 && x.dim(-1) == d_, "LayerNorm(" << d_ << "): input "
-                                                            << kernels::shape_str(x.shape())
-                                                            << " must be (..., " << d_ << ")");
-    x_shape_ = x.shape();
-    const int64_t rows = x.numel() / d_;
-    x2_ = x.reshape({rows, d_});  // (M, D), in the input's dtype
-    save_mean_ = Tensor::empty({rows}, DType::f32, x.device());
-    save_rstd_ = Tensor::empty({rows}, DType::f32, x.device());
-    const DType out = x.dtype() != DType::f32 ? x.dtype() : activation_dtype();
-    Tensor y = Tensor::empty({rows, d_}, out, x.device());
-    kernels::layer_norm_forward(y, save_mean_, save_rstd_, x2_, gamma_->value, beta_->value, eps_);
-    return y.reshape(x_shape_);
+  // A pre-LN block's skip and this norm in one pass over each row
+  // (kernels::add_layer_norm_forward): h = a + b, made here in a's dtype and returned through
+  // `h`, and the norm of h returned, the same bits as h = add(a, b) then forward(h). requires
+  // a and b of one shape and dtype.
+  Tensor forward_add(const Tensor& a, const Tensor& b, Tensor& h) {
+    return run_forward([&] {
+      DP_CHECK(a.shape() == b.shape() && a.dtype() == b.dtype(),
+               "LayerNorm(" << d_ << ")::forward_add: a " << a << " and b " << b
+                            << " must match in shape and dtype");
+      h = Tensor::empty(a.shape(), a.dtype(), a.device());
+      return normalize(h, &a, &b);
+    });
   }
+  // backward(dy) plus the skip's gradient dskip in one pass (kernels::layer_norm_backward_add):
+  // the same bits as add(dskip, backward(dy)), in dskip's dtype. requires forward_add (or
+  // forward) ran; dskip of the input's shape.
+  Tensor backward_add(const Tensor& dy, const Tensor& dskip) {
+    return run_backward([&] {
+      DP_CHECK(x2_.defined(), "LayerNorm::backward_add called before forward");
+      DP_CHECK(dskip.shape() == x_shape_, "LayerNorm(" << d_ << ")::backward_add: dskip "
+                                                       << kernels::shape_str(dskip.shape())
+                                                       << " must have the input's "
+                                                       << kernels::shape_str(x_shape_) << " shape");
+      Tensor dx = Tensor::empty(x2_.shape(), dskip.dtype(), dy.device());
+      kernels::layer_norm_backward_add(dx, gamma_->grad, beta_->grad, dy.reshape(x2_.shape()),
+                                       dskip.reshape(x2_.shape()), x2_, gamma_->value, save_mean_,
+                                       save_rstd_, kernels::Accumulate::yes);
+      return dx.reshape(x_shape_);
+    });
+  }
+
+ protected:
+  Tensor forward_impl(const Tensor& x) override { return normalize(x, nullptr, nullptr); }
   // dx takes the input's dtype; dy may be f32 or 16-bit.
   Tensor backward_impl(const Tensor& dy) override {
     DP_CHECK(x2_.defined(), "LayerNorm::backward called before forward");
@@ -338,6 +354,29 @@ class LayerNorm : public Module {
   }
 
  private:
+  // The norm of x, or with a and b the norm of x = a + b written into x first. Under 16-bit
+  // activations the output is 16-bit (rounded once from the f32 arithmetic), and a 16-bit input
+  // is read as it is: no casts either way; the statistics stay f32.
+  Tensor normalize(const Tensor& x, const Tensor* a, const Tensor* b) {
+    DP_CHECK(x.ndim() >= 1 && x.dim(-1) == d_, "LayerNorm(" << d_ << "): input "
+                                                            << kernels::shape_str(x.shape())
+                                                            << " must be (..., " << d_ << ")");
+    x_shape_ = x.shape();
+    const int64_t rows = x.numel() / d_;
+    x2_ = x.reshape({rows, d_});  // (M, D), in the input's dtype
+    save_mean_ = Tensor::empty({rows}, DType::f32, x.device());
+    save_rstd_ = Tensor::empty({rows}, DType::f32, x.device());
+    const DType out = x.dtype() != DType::f32 ? x.dtype() : activation_dtype();
+    Tensor y = Tensor::empty({rows, d_}, out, x.device());
+    if (a)
+      kernels::add_layer_norm_forward(x2_, y, save_mean_, save_rstd_, a->reshape({rows, d_}),
+                                      b->reshape({rows, d_}), gamma_->value, beta_->value, eps_);
+    else
+      kernels::layer_norm_forward(y, save_mean_, save_rstd_, x2_, gamma_->value, beta_->value,
+                                  eps_);
+    return y.reshape(x_shape_);
+  }
+
   int64_t d_;
   float eps_;
   Parameter* gamma_ = nullptr;

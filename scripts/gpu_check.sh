@@ -1006,6 +1006,11 @@ for d in ("tf32", "bf16"):
         peak = r.get("peak_tflops") or 0
         out.append(f"{d} {tf:.0f} TFLOP/s at n={r['n']}" +
                    (f" ({100 * tf / peak:.0f}% of {peak:g})" if peak else " (peak unknown)"))
+fused = {r["kind"]: r for r in rows
+         if r.get("dtype") == "bf16" and "ratio" in r and r.get("kind", "").startswith(("add_", "layer_"))}
+if fused:
+    out.append("bf16 residual+LN fused/separate " + " ".join(
+        f"{'fwd' if k.startswith('add_') else 'bwd'} {r['ratio']:.2f}" for k, r in sorted(fused.items())))
 print(", ".join(out))
 EOF
     )

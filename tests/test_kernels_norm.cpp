@@ -206,6 +206,70 @@ TEST_CASE("kernels.layer_norm: parameter gradients are the same bits on any thre
                        doctest::Contains("save_mean must be [3001], got [3002]"), Error);
 }
 
+TEST_CASE(
+    "kernels.layer_norm: the fused skip sum and backward add are the bits of add and the norm") {
+  // GPT-2's residual + ln_2 (add_layer_norm_forward) and each norm's backward + skip gradient
+  // (layer_norm_backward_add) against the separate ops, in f32, bf16 and f16 streams, with an
+  // f32 norm output and an f32 incoming gradient too; the fused ones on 2 threads, the separate
+  // ones on 1. 3001 rows of 37 features: uneven row blocks.
+  const int64_t M = 3001, D = 37;
+  struct Case {
+    DType stream, y, dy;
+  };
+  for (Case c :
+       {Case{DType::f32, DType::f32, DType::f32}, Case{DType::bf16, DType::bf16, DType::bf16},
+        Case{DType::f16, DType::f16, DType::f16}, Case{DType::bf16, DType::f32, DType::f32}}) {
+    CAPTURE(c.stream);
+    CAPTURE(c.y);
+    auto data = [&](uint32_t seed, DType dt, float lo = -2.f, float hi = 2.f) {
+      return Tensor::from_vector(dp_test::random_vector(static_cast<size_t>(M * D), seed, lo, hi),
+                                 {M, D}, Device::cpu(), dt);
+    };
+    Tensor a = data(240, c.stream), b = data(241, c.stream, -0.5f, 0.5f);
+    Tensor gamma = random_tensor({D}, 242, 0.5f, 1.5f), beta = random_tensor({D}, 243);
+    Tensor h1 = zeros({M, D}, c.stream), y1 = zeros({M, D}, c.y), m1 = zeros({M}), r1 = zeros({M});
+    Tensor h2 = zeros({M, D}, c.stream), y2 = zeros({M, D}, c.y), m2 = zeros({M}), r2 = zeros({M});
+    with_cpu_threads(1, [&] {
+      add(h1, a, b);
+      layer_norm_forward(y1, m1, r1, h1, gamma, beta, 1e-5f);
+    });
+    with_cpu_threads(2, [&] { add_layer_norm_forward(h2, y2, m2, r2, a, b, gamma, beta, 1e-5f); });
+    CHECK(bitwise_equal(h1, h2));
+    CHECK(bitwise_equal(y1, y2));
+    CHECK(bitwise_equal(m1, m2));
+    CHECK(bitwise_equal(r1, r2));
+
+    Tensor dy = data(244, c.dy), dskip = data(245, c.dy);
+    Tensor dg1 = random_tensor({D}, 246), db1 = random_tensor({D}, 247);
+    Tensor dg2 = random_tensor({D}, 246), db2 = random_tensor({D}, 247);
+    Tensor dnorm = zeros({M, D}, c.stream), dx1 = zeros({M, D}, c.dy), dx2 = zeros({M, D}, c.dy);
+    with_cpu_threads(1, [&] {
+      layer_norm_backward(dnorm, dg1, db1, dy, h1, gamma, m1, r1, Accumulate::yes);
+      add(dx1, dskip, dnorm);
+    });
+    with_cpu_threads(2, [&] {
+      layer_norm_backward_add(dx2, dg2, db2, dy, dskip, h2, gamma, m2, r2, Accumulate::yes);
+    });
+    CHECK(bitwise_equal(dx1, dx2));
+    CHECK(bitwise_equal(dg1, dg2));
+    CHECK(bitwise_equal(db1, db2));
+  }
+  Tensor x = random_tensor({4, D}, 248), h = zeros({4, D}), y = zeros({4, D});
+  Tensor g = random_tensor({D}, 249), mean = zeros({4}), rstd = zeros({4});
+  Tensor x16 = Tensor::zeros({4, D}, DType::bf16, Device::cpu());
+  CHECK_THROWS_WITH_AS(add_layer_norm_forward(h, y, mean, rstd, x, x16, g, g, 1e-5f),
+                       doctest::Contains("add_layer_norm_forward: b must be f32"), Error);
+  CHECK_THROWS_WITH_AS(add_layer_norm_forward(h, y, mean, rstd, x, zeros({4, D + 1}), g, g, 1e-5f),
+                       doctest::Contains("shapes differ: h [4, 37] vs b [4, 38]"), Error);
+  add_layer_norm_forward(h, y, mean, rstd, x, x, g, g, 1e-5f);
+  CHECK_THROWS_WITH_AS(layer_norm_backward_add(h, g, g, y, x16, x, g, mean, rstd, Accumulate::yes),
+                       doctest::Contains("layer_norm_backward_add: dskip must be f32"), Error);
+  Tensor empty = zeros({0, D}), dg = filled({D}, 3.f), db = filled({D}, 3.f);
+  layer_norm_backward_add(empty, dg, db, empty, empty, empty, g, zeros({0}), zeros({0}),
+                          Accumulate::no);
+  CHECK(dg.to_host_f32() == std::vector<float>(D, 0.f));
+}
+
 TEST_CASE("kernels.dropout: Philox mask by formula, scaling, offsets") {
   const int64_t n = 100003;
   const uint64_t seed = 1234;

@@ -93,6 +93,39 @@ TEST_CASE("nn.gradcheck: LayerNorm") {
   check_grads(*m, uniform({2, 3, 6}, 20));
 }
 
+TEST_CASE("nn.layernorm: forward_add and backward_add are the bits of the sums around the norm") {
+  // Two LayerNorms with the same parameters: one fused (GptBlock's path), one with the sums
+  // done apart. Same outputs, gradients and sums, and on_grad_ready fires for the fused one.
+  auto fused = materialized(make_shared<nn::LayerNorm>(6));
+  auto apart = materialized(make_shared<nn::LayerNorm>(6));
+  for (auto* m : {fused.get(), apart.get()}) {
+    nn::set_values(m->weight(), {0.5f, 1.5f, -1.f, 2.f, 1.f, 0.7f});
+    nn::set_values(m->bias(), {0.1f, -0.2f, 0.3f, 0.f, 0.5f, -0.5f});
+  }
+  int ready = 0;
+  fused->flat().on_grad_ready = [&](const nn::Parameter&) { ++ready; };
+  Tensor a = uniform({2, 3, 6}, 23), b = uniform({2, 3, 6}, 24);
+  Tensor h;
+  Tensor y = fused->forward_add(a, b, h);
+  Tensor h_apart = Tensor::empty(a.shape(), a.dtype(), a.device());
+  kernels::add(h_apart, a, b);
+  CHECK(host(h) == host(h_apart));
+  CHECK(host(y) == host(apart->forward(h_apart)));
+  Tensor dy = uniform({2, 3, 6}, 25), dskip = uniform({2, 3, 6}, 26);
+  Tensor dx = fused->backward_add(dy, dskip);
+  Tensor dx_apart = Tensor::empty(a.shape(), a.dtype(), a.device());
+  kernels::add(dx_apart, dskip, apart->backward(dy));
+  CHECK(dx.shape() == a.shape());
+  CHECK(host(dx) == host(dx_apart));
+  CHECK(host(fused->flat_grads()) == host(apart->flat_grads()));
+  CHECK(ready == 2);
+  CHECK_THROWS_WITH_AS(fused->forward_add(a, uniform({2, 6}, 27), h),
+                       doctest::Contains("must match in shape and dtype"), kernels::Error);
+  CHECK_THROWS_WITH_AS(fused->backward_add(dy, uniform({6, 6}, 28)),
+                       doctest::Contains("dskip [6, 6] must have the input's [2, 3, 6] shape"),
+                       kernels::Error);
+}
+
 TEST_CASE("nn.gradcheck: Dropout in eval mode and with a replayed mask") {
   auto m = materialized(make_shared<nn::Dropout>(0.3f));
   check_grads(*m, uniform({4, 8}, 21));  // training: gradcheck replays the mask

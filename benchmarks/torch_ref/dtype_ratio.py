@@ -29,15 +29,18 @@ VARIANTS = [
 ]
 
 
-def run_once(build, flags, env_extra, steps):
+def run_once(build, flags, env_extra, steps, program=None):
+    """One dp_bench run on one CPU device: (median step ms, final loss, environment). `program`
+    is a dp_bench binary to run instead of the build's."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [os.path.join(build, "bin", "dp_bench"), "--device", "cpu", "--mode", "dp",
+        program = program or os.path.join(build, "bin", "dp_bench")
+        cmd = [program, "--device", "cpu", "--mode", "dp",
                "--gpus", "1", "--steps", str(steps), "--json", out.name] + flags
         env = dict(os.environ, **env_extra)
         done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True)
         if done.returncode != 0:
-            sys.exit(f"dtype_ratio: {' '.join(cmd)} failed ({done.returncode}):\n{done.stdout}")
+            sys.exit(f"{os.path.basename(sys.argv[0])}: {' '.join(cmd)} failed ({done.returncode}):\n{done.stdout}")
         report = json.load(open(out.name))
     run = report["runs"][0]
     return run["step_ms_median"], run["final_loss"], report["environment"]

@@ -15,6 +15,66 @@ namespace {
 int64_t row_grain(int64_t features) {
   return std::max<int64_t>(1, kElementwiseGrain / std::max<int64_t>(1, features));
 }
+
+// One row: two-pass statistics in double, y rounded once; the mean and rstd saved as f32.
+template <class Y, class X>
+void forward_row(Y* yr, float& mean_out, float& rstd_out, const X* xr, const float* pg,
+                 const float* pb, int64_t features, float eps) {
+  double mean = 0.0, var = 0.0;
+  for (int64_t j = 0; j < features; ++j) mean += load_f32(xr[j]);
+  mean /= static_cast<double>(features);
+  for (int64_t j = 0; j < features; ++j) var += (load_f32(xr[j]) - mean) * (load_f32(xr[j]) - mean);
+  var /= static_cast<double>(features);
+  double rstd = 1.0 / std::sqrt(var + eps);
+  for (int64_t j = 0; j < features; ++j)
+    store_rounded(yr[j], static_cast<float>((load_f32(xr[j]) - mean) * rstd * pg[j] + pb[j]));
+  mean_out = static_cast<float>(mean);
+  rstd_out = static_cast<float>(rstd);
+}
+
+// One row's input gradient, each value handed to store(j, v) unrounded.
+template <class DY, class X, class Store>
+void backward_row(const DY* dyr, const X* xr, const float* pg, double mean, double rstd,
+                  int64_t features, Store&& store) {
+  double sum_g = 0.0, sum_g_xhat = 0.0;
+  for (int64_t j = 0; j < features; ++j) {
+    double g = double{load_f32(dyr[j])} * pg[j];
+    sum_g += g;
+    sum_g_xhat += g * (load_f32(xr[j]) - mean) * rstd;
+  }
+  double mean_g = sum_g / features, mean_g_xhat = sum_g_xhat / features;
+  for (int64_t j = 0; j < features; ++j) {
+    double xhat = (load_f32(xr[j]) - mean) * rstd;
+    store(j, static_cast<float>(rstd *
+                                (double{load_f32(dyr[j])} * pg[j] - mean_g - xhat * mean_g_xhat)));
+  }
+}
+
+// dgamma (+)= sum_rows dy xhat, dbeta (+)= sum_rows dy: per block of features, rows in order.
+template <class DY, class X>
+void parameter_grads(Tensor& dgamma, Tensor& dbeta, const DY* pdy, const X* px, const float* pmean,
+                     const float* prstd, int64_t rows, int64_t features, Accumulate acc) {
+  float* pdgamma = dgamma.data<float>();
+  float* pdbeta = dbeta.data<float>();
+  int64_t grain = std::max<int64_t>(16, kElementwiseGrain / std::max<int64_t>(1, rows));
+  parallel_range(features, grain, [&](int64_t begin, int64_t end) {
+    std::vector<double> sum_dy_xhat(static_cast<size_t>(end - begin), 0.0);
+    std::vector<double> sum_dy(static_cast<size_t>(end - begin), 0.0);
+    for (int64_t r = 0; r < rows; ++r) {
+      double mean = pmean[r], rstd = prstd[r];
+      for (int64_t j = begin; j < end; ++j) {
+        double d = load_f32(pdy[r * features + j]);
+        sum_dy[j - begin] += d;
+        sum_dy_xhat[j - begin] += d * (load_f32(px[r * features + j]) - mean) * rstd;
+      }
+    }
+    for (int64_t j = begin; j < end; ++j) {
+      double dg = sum_dy_xhat[j - begin], db = sum_dy[j - begin];
+      pdgamma[j] = static_cast<float>(acc == Accumulate::yes ? pdgamma[j] + dg : dg);
+      pdbeta[j] = static_cast<float>(acc == Accumulate::yes ? pdbeta[j] + db : db);
+    }
+  });
+}
 }  // namespace
 
 void layer_norm_forward(Tensor& y, Tensor& save_mean, Tensor& save_rstd, const Tensor& x,
@@ -23,29 +83,44 @@ void layer_norm_forward(Tensor& y, Tensor& save_mean, Tensor& save_rstd, const T
       [&](auto y_t, auto x_t) {
         int64_t rows = x.dim(0), features = x.dim(1);
         const auto* px = x.data<decltype(x_t)>();
-        const float* pg = gamma.data<float>();
-        const float* pb = beta.data<float>();
         auto* py = y.data<decltype(y_t)>();
+        float* pmean = save_mean.data<float>();
+        float* prstd = save_rstd.data<float>();
         parallel_range(rows, row_grain(features), [&](int64_t begin, int64_t end) {
-          for (int64_t r = begin; r < end; ++r) {
-            const auto* xr = px + r * features;
-            auto* yr = py + r * features;
-            double mean = 0.0, var = 0.0;
-            for (int64_t j = 0; j < features; ++j) mean += load_f32(xr[j]);
-            mean /= static_cast<double>(features);
-            for (int64_t j = 0; j < features; ++j)
-              var += (load_f32(xr[j]) - mean) * (load_f32(xr[j]) - mean);
-            var /= static_cast<double>(features);
-            double rstd = 1.0 / std::sqrt(var + eps);
-            for (int64_t j = 0; j < features; ++j)
-              store_rounded(yr[j],
-                            static_cast<float>((load_f32(xr[j]) - mean) * rstd * pg[j] + pb[j]));
-            save_mean.data<float>()[r] = static_cast<float>(mean);
-            save_rstd.data<float>()[r] = static_cast<float>(rstd);
-          }
+          for (int64_t r = begin; r < end; ++r)
+            forward_row(py + r * features, pmean[r], prstd[r], px + r * features,
+                        gamma.data<float>(), beta.data<float>(), features, eps);
         });
       },
       y.dtype(), x.dtype());
+}
+
+// Per row, while the row is in cache: h = a + b rounded to h's dtype, then forward_row on h as
+// stored, so the bits are those of add and then layer_norm_forward.
+void add_layer_norm_forward(Tensor& h, Tensor& y, Tensor& save_mean, Tensor& save_rstd,
+                            const Tensor& a, const Tensor& b, const Tensor& gamma,
+                            const Tensor& beta, float eps) {
+  with_storage(
+      [&](auto y_t, auto h_t) {
+        using H = decltype(h_t);
+        int64_t rows = h.dim(0), features = h.dim(1);
+        const H* pa = a.data<H>();
+        const H* pb = b.data<H>();
+        H* ph = h.data<H>();
+        auto* py = y.data<decltype(y_t)>();
+        float* pmean = save_mean.data<float>();
+        float* prstd = save_rstd.data<float>();
+        parallel_range(rows, row_grain(features), [&](int64_t begin, int64_t end) {
+          for (int64_t r = begin; r < end; ++r) {
+            const int64_t o = r * features;
+            for (int64_t j = 0; j < features; ++j)
+              store_rounded(ph[o + j], load_f32(pa[o + j]) + load_f32(pb[o + j]));
+            forward_row(py + o, pmean[r], prstd[r], ph + o, gamma.data<float>(), beta.data<float>(),
+                        features, eps);
+          }
+        });
+      },
+      y.dtype(), h.dtype());
 }
 
 // With xhat = (x - mean) rstd and g = dy gamma, per row:
@@ -59,50 +134,50 @@ void layer_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor
         int64_t rows = x.dim(0), features = x.dim(1);
         const auto* px = x.data<decltype(x_t)>();
         const auto* pdy = dy.data<decltype(dy_t)>();
-        const float* pg = gamma.data<float>();
         const float* pmean = save_mean.data<float>();
         const float* prstd = save_rstd.data<float>();
         auto* pdx = dx.data<decltype(dx_t)>();
         parallel_range(rows, row_grain(features), [&](int64_t begin, int64_t end) {
           for (int64_t r = begin; r < end; ++r) {
-            const auto* xr = px + r * features;
-            const auto* dyr = pdy + r * features;
-            double mean = pmean[r], rstd = prstd[r];
-            double sum_g = 0.0, sum_g_xhat = 0.0;
-            for (int64_t j = 0; j < features; ++j) {
-              double g = double{load_f32(dyr[j])} * pg[j];
-              sum_g += g;
-              sum_g_xhat += g * (load_f32(xr[j]) - mean) * rstd;
-            }
-            double mean_g = sum_g / features, mean_g_xhat = sum_g_xhat / features;
-            for (int64_t j = 0; j < features; ++j) {
-              double xhat = (load_f32(xr[j]) - mean) * rstd;
-              store_rounded(pdx[r * features + j],
-                            static_cast<float>(rstd * (double{load_f32(dyr[j])} * pg[j] - mean_g -
-                                                       xhat * mean_g_xhat)));
-            }
+            auto* dxr = pdx + r * features;
+            backward_row(pdy + r * features, px + r * features, gamma.data<float>(), pmean[r],
+                         prstd[r], features, [&](int64_t j, float v) { store_rounded(dxr[j], v); });
           }
         });
-        float* pdgamma = dgamma.data<float>();
-        float* pdbeta = dbeta.data<float>();
-        int64_t grain = std::max<int64_t>(16, kElementwiseGrain / std::max<int64_t>(1, rows));
-        parallel_range(features, grain, [&](int64_t begin, int64_t end) {
-          std::vector<double> sum_dy_xhat(static_cast<size_t>(end - begin), 0.0);
-          std::vector<double> sum_dy(static_cast<size_t>(end - begin), 0.0);
-          for (int64_t r = 0; r < rows; ++r) {
-            double mean = pmean[r], rstd = prstd[r];
-            for (int64_t j = begin; j < end; ++j) {
-              double d = load_f32(pdy[r * features + j]);
-              sum_dy[j - begin] += d;
-              sum_dy_xhat[j - begin] += d * (load_f32(px[r * features + j]) - mean) * rstd;
-            }
-          }
-          for (int64_t j = begin; j < end; ++j) {
-            double dg = sum_dy_xhat[j - begin], db = sum_dy[j - begin];
-            pdgamma[j] = static_cast<float>(acc == Accumulate::yes ? pdgamma[j] + dg : dg);
-            pdbeta[j] = static_cast<float>(acc == Accumulate::yes ? pdbeta[j] + db : db);
+        parameter_grads(dgamma, dbeta, pdy, px, pmean, prstd, rows, features, acc);
+      },
+      dx.dtype(), dy.dtype(), x.dtype());
+}
+
+// layer_norm_backward's value rounded to x's dtype (the dx it would store), then + dskip and
+// rounded to dx's dtype: the bits of layer_norm_backward and then add.
+void layer_norm_backward_add(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor& dy,
+                             const Tensor& dskip, const Tensor& x, const Tensor& gamma,
+                             const Tensor& save_mean, const Tensor& save_rstd, Accumulate acc) {
+  with_storage(
+      [&](auto dx_t, auto dy_t, auto x_t) {
+        using DX = decltype(dx_t);
+        using X = decltype(x_t);
+        int64_t rows = x.dim(0), features = x.dim(1);
+        const X* px = x.data<X>();
+        const auto* pdy = dy.data<decltype(dy_t)>();
+        const DX* pskip = dskip.data<DX>();
+        const float* pmean = save_mean.data<float>();
+        const float* prstd = save_rstd.data<float>();
+        DX* pdx = dx.data<DX>();
+        parallel_range(rows, row_grain(features), [&](int64_t begin, int64_t end) {
+          for (int64_t r = begin; r < end; ++r) {
+            DX* dxr = pdx + r * features;
+            const DX* skipr = pskip + r * features;
+            backward_row(pdy + r * features, px + r * features, gamma.data<float>(), pmean[r],
+                         prstd[r], features, [&](int64_t j, float v) {
+                           X as_x;
+                           store_rounded(as_x, v);
+                           store_rounded(dxr[j], load_f32(skipr[j]) + load_f32(as_x));
+                         });
           }
         });
+        parameter_grads(dgamma, dbeta, pdy, px, pmean, prstd, rows, features, acc);
       },
       dx.dtype(), dy.dtype(), x.dtype());
 }

@@ -120,13 +120,10 @@ BatchNormShape bn_shape(const Tensor& x) {
 // ---- layer norm ----------------------------------------------------------------------------
 // x (rows, d): one block per row.
 
-// x and y f32, f16 or bf16 (with_storage): read as f32, y rounded once.
+// One row per block: x and y f32, f16 or bf16 (with_storage): read as f32, y rounded once.
 template <class Y, class X>
-__global__ void ln_forward_kernel(Y* y, float* save_mean, float* save_rstd, const X* x,
-                                  const float* gamma, const float* beta, int64_t d, float eps) {
-  int64_t row = blockIdx.x;
-  const X* xr = x + row * d;
-  Y* yr = y + row * d;
+__device__ void ln_forward_row(Y* yr, float* save_mean, float* save_rstd, const X* xr,
+                               const float* gamma, const float* beta, int64_t d, float eps) {
   float s = 0.f;
   for (int64_t j = threadIdx.x; j < d; j += blockDim.x) s += to_float(xr[j]);
   float mean = block_reduce_sum(s) / static_cast<float>(d);
@@ -138,19 +135,41 @@ __global__ void ln_forward_kernel(Y* y, float* save_mean, float* save_rstd, cons
   float var = block_reduce_sum(sq) / static_cast<float>(d);
   float rstd = 1.f / sqrtf(var + eps);
   if (threadIdx.x == 0) {
-    save_mean[row] = mean;
-    save_rstd[row] = rstd;
+    *save_mean = mean;
+    *save_rstd = rstd;
   }
   for (int64_t j = threadIdx.x; j < d; j += blockDim.x)
     yr[j] = from_float<Y>((to_float(xr[j]) - mean) * rstd * gamma[j] + beta[j]);
 }
 
+template <class Y, class X>
+__global__ void ln_forward_kernel(Y* y, float* save_mean, float* save_rstd, const X* x,
+                                  const float* gamma, const float* beta, int64_t d, float eps) {
+  int64_t row = blockIdx.x;
+  ln_forward_row(y + row * d, save_mean + row, save_rstd + row, x + row * d, gamma, beta, d, eps);
+}
+
+// h = a + b rounded to H, then the row of ln_forward_kernel on h as stored. Each thread reads
+// back only the elements it wrote, so no barrier is needed between the two.
+template <class Y, class H>
+__global__ void add_ln_forward_kernel(H* h, Y* y, float* save_mean, float* save_rstd, const H* a,
+                                      const H* b, const float* gamma, const float* beta, int64_t d,
+                                      float eps) {
+  int64_t row = blockIdx.x;
+  H* hr = h + row * d;
+  for (int64_t j = threadIdx.x; j < d; j += blockDim.x)
+    hr[j] = from_float<H>(to_float(a[row * d + j]) + to_float(b[row * d + j]));
+  ln_forward_row(y + row * d, save_mean + row, save_rstd + row, hr, gamma, beta, d, eps);
+}
+
 // With g = dy gamma and xhat = (x - mean) rstd, per row:
 //   dx = rstd (g - mean(g) - xhat mean(g xhat)).
 // dx, dy and x f32, f16 or bf16 (with_storage): read as f32, dx rounded once.
+// With skip (layer_norm_backward_add): that value rounded to X, + skip, rounded to DX.
 template <class DX, class DY, class X>
 __global__ void ln_backward_dx_kernel(DX* dx, const DY* dy, const X* x, const float* gamma,
-                                      const float* save_mean, const float* save_rstd, int64_t d) {
+                                      const float* save_mean, const float* save_rstd, int64_t d,
+                                      const DX* skip) {
   int64_t row = blockIdx.x;
   const X* xr = x + row * d;
   const DY* dyr = dy + row * d;
@@ -166,7 +185,9 @@ __global__ void ln_backward_dx_kernel(DX* dx, const DY* dy, const X* x, const fl
   float mean_g_xhat = block_reduce_sum(sum_g_xhat) / static_cast<float>(d);
   for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
     float xhat = (to_float(xr[j]) - mean) * rstd;
-    dxr[j] = from_float<DX>(rstd * (to_float(dyr[j]) * gamma[j] - mean_g - xhat * mean_g_xhat));
+    float v = rstd * (to_float(dyr[j]) * gamma[j] - mean_g - xhat * mean_g_xhat);
+    if (skip) v = to_float(skip[row * d + j]) + to_float(from_float<X>(v));
+    dxr[j] = from_float<DX>(v);
   }
 }
 
@@ -281,24 +302,25 @@ void layer_norm_forward(Tensor& y, Tensor& save_mean, Tensor& save_rstd, const T
   DP_CUDA_CHECK_LAUNCH();
 }
 
-void layer_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor& dy,
-                         const Tensor& x, const Tensor& gamma, const Tensor& save_mean,
-                         const Tensor& save_rstd, Accumulate acc, DeviceContext& ctx) {
-  NvtxRange range("kernels/layer_norm_backward");
-  require_f32("layer_norm_backward", {&dgamma, &dbeta, &gamma, &save_mean, &save_rstd});
-  require_floating("layer_norm_backward", {&dx, &dy, &x});
+namespace {
+// layer_norm_backward, and with skip (of dx's dtype) layer_norm_backward_add.
+void ln_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor& dy, const Tensor* skip,
+                 const Tensor& x, const Tensor& gamma, const Tensor& save_mean,
+                 const Tensor& save_rstd, Accumulate acc, DeviceContext& ctx) {
   int64_t d = gamma.numel(), rows = d == 0 ? 0 : x.numel() / d;
   if (d == 0) return;
   cudaStream_t s = stream_of(ctx);
   bool accumulate = acc == Accumulate::yes;
   with_storage(
       [&](auto dx_t, auto dy_t, auto x_t) {
+        using DX = decltype(dx_t);
         using DY = decltype(dy_t);
         using X = decltype(x_t);
         if (rows > 0) {
           ln_backward_dx_kernel<<<static_cast<unsigned>(rows), row_block_threads(d), 0, s>>>(
-              dx.data<decltype(dx_t)>(), dy.data<DY>(), x.data<X>(), gamma.data<float>(),
-              save_mean.data<float>(), save_rstd.data<float>(), d);
+              dx.data<DX>(), dy.data<DY>(), x.data<X>(), gamma.data<float>(),
+              save_mean.data<float>(), save_rstd.data<float>(), d,
+              skip ? skip->data<DX>() : nullptr);
           DP_CUDA_CHECK_LAUNCH();
         }
         // dgamma, dbeta: deterministic column sums over the rows (one scratch, used in turn).
@@ -312,6 +334,46 @@ void layer_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor
                            scratch, s);
       },
       dx.dtype(), dy.dtype(), x.dtype());
+}
+}  // namespace
+
+void layer_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor& dy,
+                         const Tensor& x, const Tensor& gamma, const Tensor& save_mean,
+                         const Tensor& save_rstd, Accumulate acc, DeviceContext& ctx) {
+  NvtxRange range("kernels/layer_norm_backward");
+  require_f32("layer_norm_backward", {&dgamma, &dbeta, &gamma, &save_mean, &save_rstd});
+  require_floating("layer_norm_backward", {&dx, &dy, &x});
+  ln_backward(dx, dgamma, dbeta, dy, nullptr, x, gamma, save_mean, save_rstd, acc, ctx);
+}
+
+void layer_norm_backward_add(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor& dy,
+                             const Tensor& dskip, const Tensor& x, const Tensor& gamma,
+                             const Tensor& save_mean, const Tensor& save_rstd, Accumulate acc,
+                             DeviceContext& ctx) {
+  NvtxRange range("kernels/layer_norm_backward_add");
+  require_f32("layer_norm_backward_add", {&dgamma, &dbeta, &gamma, &save_mean, &save_rstd});
+  require_floating("layer_norm_backward_add", {&dx, &dy, &x, &dskip});
+  ln_backward(dx, dgamma, dbeta, dy, &dskip, x, gamma, save_mean, save_rstd, acc, ctx);
+}
+
+void add_layer_norm_forward(Tensor& h, Tensor& y, Tensor& save_mean, Tensor& save_rstd,
+                            const Tensor& a, const Tensor& b, const Tensor& gamma,
+                            const Tensor& beta, float eps, DeviceContext& ctx) {
+  NvtxRange range("kernels/add_layer_norm_forward");
+  require_f32("add_layer_norm_forward", {&save_mean, &save_rstd, &gamma, &beta});
+  require_floating("add_layer_norm_forward", {&h, &y, &a, &b});
+  int64_t d = gamma.numel(), rows = d == 0 ? 0 : h.numel() / d;
+  if (rows == 0) return;
+  with_storage(
+      [&](auto y_t, auto h_t) {
+        using H = decltype(h_t);
+        add_ln_forward_kernel<<<static_cast<unsigned>(rows), row_block_threads(d), 0,
+                                stream_of(ctx)>>>(
+            h.data<H>(), y.data<decltype(y_t)>(), save_mean.data<float>(), save_rstd.data<float>(),
+            a.data<H>(), b.data<H>(), gamma.data<float>(), beta.data<float>(), d, eps);
+      },
+      y.dtype(), h.dtype());
+  DP_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace kernels::cuda
