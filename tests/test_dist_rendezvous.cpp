@@ -339,10 +339,14 @@ TEST_CASE("dist.rendezvous: a rank that never joins is named when DP_TIMEOUT run
     CHECK_MESSAGE(e.find("2 of 3 arrived") != std::string::npos, e);
   }
   // Several missing ranks are listed; rank 0 missing means no store at all.
-  for (const std::string& e : join_partial({1}, 4, "1"))
+  for (const std::string& e : join_partial({1}, 4, "1")) {
     CHECK_MESSAGE(e.find("rank 0 of 4 never joined within 1 s: no store server answered") !=
                       std::string::npos,
                   e);
+    // What the last connect said, without the last slice's own bound (a false "within 1 ms").
+    CHECK_MESSAGE(e.find("the last try: could not connect") != std::string::npos, e);
+    CHECK_MESSAGE(e.find(" ms:") == std::string::npos, e);
+  }
   for (const std::string& e : join_partial({0}, 4, "1"))
     CHECK_MESSAGE(e.find("ranks 1, 2, 3 of 4 never joined within 1 s") != std::string::npos, e);
   // A bad DP_TIMEOUT is refused before anything waits.
