@@ -717,7 +717,9 @@ TEST_CASE(
   // store (and holds it 3 s once it trained); B's rank 0 cannot bind the port.
   // Round 0: B's rank 1 comes before A's and takes rank 1; A's rank 1 comes 0.2 s later. A's
   // rank 0 and B's rank 1 stop, naming the batch, or, when A's rank 1 collided before the
-  // rendezvous was sealed, the collision. Round 1: job A assembled and trained first; B's rank 1
+  // rendezvous was sealed, the collision (under load B's rank 0 may bind the port A's rank 0 just
+  // freed and pair with A's rank 1, which stops them too). Round 1: job A assembled and trained
+  // first; B's rank 1
   // is refused at once and A is undisturbed. Either way B never trains, no rank of A trains
   // with B's, and every process ends well within the bounds (DP_TIMEOUT 10 s).
   for (int round = 0; round < 2; ++round) {
@@ -749,8 +751,13 @@ TEST_CASE(
     MESSAGE("a0:\n" << oa0 << "a1:\n" << oa1 << "b0:\n" << ob0 << "b1:\n" << ob1);
     CHECK(cb0 == 1);
     CHECK(cb1 == 1);  // B never trains
-    CHECK(contains(ob0, "cannot start the store server"));
-    CHECK_FALSE(contains(ob1, "ddp ok"));
+    // B's rank 0 finds the port taken; or, in round 0 on a loaded machine, it binds only after
+    // A's rank 0 stopped at its mismatch with B's rank 1 and freed the port, and then it hosts
+    // a store for A's rank 1: that pair stops at the batch too (seen under a full CPU load).
+    const bool b0_hosted_a1 =
+        round == 0 && contains(ob0, "config mismatch: field \"batch\"") && !contains(oa1, "ddp ok");
+    CHECK((contains(ob0, "cannot start the store server") || b0_hosted_a1));
+    CHECK_FALSE(contains(ob0 + ob1, "ddp ok"));
     if (round == 0) {
       CHECK(ca0 == 1);
       CHECK(ca1 == 1);
