@@ -1,7 +1,8 @@
 // Transformer ops on the CPU: embedding lookup and multi-head scaled dot-product attention.
 // Attention runs one task per (batch, head), each with single-threaded sgemm calls on strided
-// views of the fused qkv tensor (a 16-bit one widened per head), and an exact f32 softmax: the
-// same bits for any thread count.
+// views of the fused qkv tensor (a 16-bit one widened per head), and an f32 softmax whose
+// exponentials run on the vector math (vec_math.hpp, within 3 ulp of expf): the same bits for
+// any thread count and vector ISA.
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -12,6 +13,7 @@
 
 #include "kernels/cpu/cpu_ops.hpp"
 #include "kernels/cpu/cpu_util.hpp"
+#include "kernels/cpu/vec_math.hpp"
 #include "kernels/philox.hpp"
 
 namespace kernels::cpu {
@@ -94,6 +96,10 @@ void attention_probs(std::vector<float>& s, const float* q, const float* k, int6
   const int64_t t = a.seq;
   sgemm_serial(Transpose::no, Transpose::yes, t, t, a.head_dim, p.scale, q, ld, k, ld, 0.f,
                s.data(), t);
+  // The exponentials of both passes on the vector math (vec_math.hpp); the forward's and the
+  // backward's P are the same bits, exp(s - lse) from the same s and lse.
+  static thread_local std::vector<float> shifted;
+  shifted.resize(static_cast<size_t>(t));
   for (int64_t i = 0; i < t; ++i) {
     float* row = s.data() + i * t;
     const int64_t n = visible(p, i, t);
@@ -103,12 +109,15 @@ void attention_probs(std::vector<float>& s, const float* q, const float* k, int6
     } else {
       float m = row[0];
       for (int64_t j = 1; j < n; ++j) m = std::max(m, row[j]);
+      for (int64_t j = 0; j < n; ++j) shifted[j] = row[j] - m;
+      exp_nonpositive_rows(shifted.data(), shifted.data(), n);
       float sum = 0.f;
-      for (int64_t j = 0; j < n; ++j) sum += std::exp(row[j] - m);
+      for (int64_t j = 0; j < n; ++j) sum += shifted[j];
       row_lse = m + std::log(sum);
       lse[i] = row_lse;
     }
-    for (int64_t j = 0; j < n; ++j) row[j] = std::exp(row[j] - row_lse);
+    for (int64_t j = 0; j < n; ++j) row[j] -= row_lse;
+    exp_nonpositive_rows(row, row, n);
     for (int64_t j = n; j < t; ++j) row[j] = 0.f;
   }
 }

@@ -84,6 +84,13 @@ DP_VEC typename Vec<N>::F tanh_vec(typename Vec<N>::F u) {
   return u != u ? u : out;  // NaN stays NaN
 }
 
+// exp_nonpositive with 0 below -80 and NaN kept (exp_nonpositive_rows).
+template <int N>
+DP_VEC typename Vec<N>::F exp_flushed_vec(typename Vec<N>::F x) {
+  const typename Vec<N>::F e = exp_nonpositive<N>(x);
+  return x != x ? x : x < splat<N>(-80.f) ? splat<N>(0.f) : e;
+}
+
 constexpr float kSqrt2OverPi = 0.79788456080286535588f;
 constexpr float kGeluCubic = 0.044715f;
 
@@ -145,6 +152,7 @@ namespace {
 DP_VEC_VARIANTS(tanh_rows, tanh_vec)
 DP_VEC_VARIANTS(gelu_tanh_rows, gelu_tanh_vec)
 DP_VEC_VARIANTS(gelu_tanh_grad_rows, gelu_tanh_grad_vec)
+DP_VEC_VARIANTS(exp_nonpositive_rows, exp_flushed_vec)
 
 using Rows = void (*)(float*, const float*, int64_t);
 Rows pick(Rows avx512, Rows avx2, Rows base) {
@@ -168,6 +176,9 @@ void rows_for(VecFunction f, CpuVectorIsa isa, float* out, const float* in, int6
     case VecFunction::gelu_tanh_grad:
       return for_isa(isa, gelu_tanh_grad_rows_avx512, gelu_tanh_grad_rows_avx2,
                      gelu_tanh_grad_rows_base)(out, in, n);
+    case VecFunction::exp_nonpositive:
+      return for_isa(isa, exp_nonpositive_rows_avx512, exp_nonpositive_rows_avx2,
+                     exp_nonpositive_rows_base)(out, in, n);
   }
 }
 
@@ -185,6 +196,12 @@ void gelu_tanh_grad_rows(float* g, const float* x, int64_t n) {
   static const Rows impl =
       pick(gelu_tanh_grad_rows_avx512, gelu_tanh_grad_rows_avx2, gelu_tanh_grad_rows_base);
   impl(g, x, n);
+}
+
+void exp_nonpositive_rows(float* y, const float* x, int64_t n) {
+  static const Rows impl =
+      pick(exp_nonpositive_rows_avx512, exp_nonpositive_rows_avx2, exp_nonpositive_rows_base);
+  impl(y, x, n);
 }
 
 }  // namespace kernels::cpu

@@ -10,13 +10,17 @@
 namespace kernels::cpu {
 
 void tanh_rows(float* y, const float* x, int64_t n);
+// e^x for x <= 0 (softmax's exp(s - max) and exp(s - lse)): 0 below -80 (e^-80 is 1.8e-35, under
+// f32's resolution of a sum that holds a 1), NaN kept; within 3 ulp of libm's expf above. y may
+// be x. Not for x > 0.
+void exp_nonpositive_rows(float* y, const float* x, int64_t n);
 // GPT-2's GELU, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), and its derivative.
 void gelu_tanh_rows(float* y, const float* x, int64_t n);
 void gelu_tanh_grad_rows(float* g, const float* x, int64_t n);
 
 // One of the functions above in the build for `isa` (at most the CPU's: cpu_vector_isa; the
 // avx build is the baseline's), for tests that check every build gives the same bits.
-enum class VecFunction { tanh, gelu_tanh, gelu_tanh_grad };
+enum class VecFunction { tanh, gelu_tanh, gelu_tanh_grad, exp_nonpositive };
 void rows_for(VecFunction f, CpuVectorIsa isa, float* out, const float* in, int64_t n);
 
 }  // namespace kernels::cpu
