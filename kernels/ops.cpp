@@ -765,6 +765,31 @@ void check_layer_norm(const char* op, const Arg& x, std::initializer_list<Arg> p
 }
 }  // namespace
 
+namespace {
+// layer_norm_backward's checks, and its answer for no features (nothing to do) or no rows (an
+// empty batch contributes nothing: dgamma and dbeta are zeroed unless accumulating). True when
+// the kernel has work.
+bool layer_norm_backward_needed(const char* op, Tensor& dx, Tensor& dgamma, Tensor& dbeta,
+                                const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                                const Tensor& save_mean, const Tensor& save_rstd, Accumulate acc) {
+  check_layer_norm(op, {"x", x}, {{"save_mean", save_mean}, {"save_rstd", save_rstd}},
+                   {{"gamma", gamma}, {"dgamma", dgamma}, {"dbeta", dbeta}});
+  check_devices(op, {{"x", x}, {"dx", dx}, {"dy", dy}});
+  check_floating(op, {{"x", x}, {"dx", dx}, {"dy", dy}});
+  check_same_shape(op, {"x", x}, {"dx", dx});
+  check_same_shape(op, {"x", x}, {"dy", dy});
+  if (dgamma.numel() == 0) return false;
+  if (x.numel() == 0) {
+    if (acc == Accumulate::no) {
+      fill(dgamma, 0.f);
+      fill(dbeta, 0.f);
+    }
+    return false;
+  }
+  return true;
+}
+}  // namespace
+
 void layer_norm_forward(Tensor& y, Tensor& save_mean, Tensor& save_rstd, const Tensor& x,
                         const Tensor& gamma, const Tensor& beta, float eps) {
   const char* op = "layer_norm_forward";
@@ -783,21 +808,9 @@ void layer_norm_forward(Tensor& y, Tensor& save_mean, Tensor& save_rstd, const T
 void layer_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor& dy,
                          const Tensor& x, const Tensor& gamma, const Tensor& save_mean,
                          const Tensor& save_rstd, Accumulate acc) {
-  const char* op = "layer_norm_backward";
-  check_layer_norm(op, {"x", x}, {{"save_mean", save_mean}, {"save_rstd", save_rstd}},
-                   {{"gamma", gamma}, {"dgamma", dgamma}, {"dbeta", dbeta}});
-  check_devices(op, {{"x", x}, {"dx", dx}, {"dy", dy}});
-  check_floating(op, {{"x", x}, {"dx", dx}, {"dy", dy}});
-  check_same_shape(op, {"x", x}, {"dx", dx});
-  check_same_shape(op, {"x", x}, {"dy", dy});
-  if (dgamma.numel() == 0) return;  // no features: nothing to do
-  if (x.numel() == 0) {             // an empty batch contributes nothing
-    if (acc == Accumulate::no) {
-      fill(dgamma, 0.f);
-      fill(dbeta, 0.f);
-    }
+  if (!layer_norm_backward_needed("layer_norm_backward", dx, dgamma, dbeta, dy, x, gamma, save_mean,
+                                  save_rstd, acc))
     return;
-  }
   DP_DISPATCH(x.device(), layer_norm_backward, dx, dgamma, dbeta, dy, x, gamma, save_mean,
               save_rstd, acc);
 }
@@ -827,22 +840,11 @@ void layer_norm_backward_add(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Te
                              const Tensor& dskip, const Tensor& x, const Tensor& gamma,
                              const Tensor& save_mean, const Tensor& save_rstd, Accumulate acc) {
   const char* op = "layer_norm_backward_add";
-  check_layer_norm(op, {"x", x}, {{"save_mean", save_mean}, {"save_rstd", save_rstd}},
-                   {{"gamma", gamma}, {"dgamma", dgamma}, {"dbeta", dbeta}});
-  check_devices(op, {{"x", x}, {"dx", dx}, {"dy", dy}, {"dskip", dskip}});
-  check_floating(op, {{"x", x}, {"dx", dx}, {"dy", dy}});
-  check_same_shape(op, {"x", x}, {"dx", dx});
-  check_same_shape(op, {"x", x}, {"dy", dy});
+  check_devices(op, {{"x", x}, {"dskip", dskip}});
   check_same_shape(op, {"x", x}, {"dskip", dskip});
   check_dtype(op, {"dskip", dskip}, dx.dtype());
-  if (dgamma.numel() == 0) return;  // no features: nothing to do
-  if (x.numel() == 0) {             // an empty batch contributes nothing
-    if (acc == Accumulate::no) {
-      fill(dgamma, 0.f);
-      fill(dbeta, 0.f);
-    }
+  if (!layer_norm_backward_needed(op, dx, dgamma, dbeta, dy, x, gamma, save_mean, save_rstd, acc))
     return;
-  }
   DP_DISPATCH(x.device(), layer_norm_backward_add, dx, dgamma, dbeta, dy, dskip, x, gamma,
               save_mean, save_rstd, acc);
 }

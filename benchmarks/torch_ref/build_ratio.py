@@ -13,13 +13,11 @@ of medians to the first binary with its percentile-bootstrap interval (stats.py)
 loss (a change meant to keep the bits must print the same loss).
 """
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dtype_ratio import run_once  # noqa: E402
-from stats import bootstrap_ratio_ci, median  # noqa: E402
+from dtype_ratio import report, run_once  # noqa: E402
 
 
 def main():
@@ -47,19 +45,7 @@ def main():
             ms, loss, environment = run_once(None, flags, {}, a.steps, program=path)
             samples[label].append(ms)
             losses[label] = loss
-    base = binaries[0][0]
-    out = {"flags": flags, "repeat": a.repeat, "steps": a.steps, "samples_ms": samples,
-           "final_loss": losses, "environment": environment, "ratios": {}}
-    print(f"dp_bench {' '.join(flags)}: median step of {a.repeat} interleaved runs")
-    for label, _ in binaries:
-        ci = bootstrap_ratio_ci(samples[label], samples[base])
-        out["ratios"][label] = {"median_ms": median(samples[label]), "ratio": ci.ratio,
-                                "lo": ci.lo, "hi": ci.hi}
-        print(f"  {label:14s} {median(samples[label]):8.2f} ms   / {base}: "
-              f"{ci.ratio:.2f} [{ci.lo:.2f}, {ci.hi:.2f}]   final loss {losses[label]:.6f}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+    report(flags, a, samples, losses, environment)
 
 
 if __name__ == "__main__":

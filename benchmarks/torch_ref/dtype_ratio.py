@@ -64,11 +64,18 @@ def main():
             ms, loss, environment = run_once(a.build, flags + extra, env, a.steps)
             samples[label].append(ms)
             losses[label] = loss
-    base = VARIANTS[0][0]
+    report(flags, a, samples, losses, environment)
+
+
+def report(flags, a, samples, losses, environment):
+    """Prints each variant's median step and its ratio to the first one's (a 95% bootstrap
+    interval) with its final loss, and writes them with the samples to a.json when given."""
+    labels = list(samples)
+    base = labels[0]
     out = {"flags": flags, "repeat": a.repeat, "steps": a.steps, "samples_ms": samples,
            "final_loss": losses, "environment": environment, "ratios": {}}
     print(f"dp_bench {' '.join(flags)}: median step of {a.repeat} interleaved runs")
-    for label, _, _ in VARIANTS:
+    for label in labels:
         ci = bootstrap_ratio_ci(samples[label], samples[base])
         out["ratios"][label] = {"median_ms": median(samples[label]), "ratio": ci.ratio,
                                 "lo": ci.lo, "hi": ci.hi}
