@@ -106,18 +106,40 @@ class GptBlock : public Module {
   CausalSelfAttention& attn() { return *attn_; }
   GptMlp& mlp() { return *mlp_; }
 
+  // The block on x = skip + delta with its last sum left to the caller, as llm.c runs GPT-2:
+  // delta (undefined for the first block) is the previous block's MLP branch, so that sum runs
+  // with ln_1 in one pass (LayerNorm::forward_add), and this block's own last sum, h + mlp_out,
+  // with the next block's ln_1 or the model's ln_f. Returns h (x plus the attention branch) and
+  // sets mlp_out. backward() is as after forward(x + delta): the same bits.
+  Tensor forward_deferred(const Tensor& skip, const Tensor& delta, Tensor& mlp_out) {
+    return run_forward([&] {
+      Tensor x, n;
+      if (delta.defined()) {
+        n = norm_of_sum(*ln_1_, skip, delta, x);
+      } else {
+        x = skip;
+        n = ln_1_->forward(x);
+      }
+      Tensor h;
+      n = norm_of_sum(*ln_2_, x, attn_->forward(n), h);
+      mlp_out = mlp_->forward(n);
+      return h;
+    });
+  }
+  // norm(a + b) with h = a + b: one pass (forward_add) when a and b share a dtype.
+  static Tensor norm_of_sum(LayerNorm& norm, const Tensor& a, const Tensor& b, Tensor& h) {
+    if (a.dtype() == b.dtype()) return norm.forward_add(a, b, h);
+    h = residual_sum(a, b);
+    return norm.forward(h);
+  }
+
  protected:
   // The first skip's sum and ln_2 run as one pass (LayerNorm::forward_add), and each norm's
   // backward adds the skip's gradient as it writes (backward_add): the bits of the separate
-  // sums, with two passes over the (B, T, D) stream fewer each way.
+  // sums, with two passes over the (B, T, D) stream fewer each way. Gpt runs its blocks through
+  // forward_deferred, which also fuses the second sum with the next norm.
   Tensor forward_impl(const Tensor& x) override {
-    Tensor a = attn_->forward(ln_1_->forward(x)), h, n;
-    if (a.dtype() == x.dtype()) {
-      n = ln_2_->forward_add(x, a, h);
-    } else {
-      h = residual_sum(x, a);
-      n = ln_2_->forward(h);
-    }
+    Tensor h, n = norm_of_sum(*ln_2_, x, attn_->forward(ln_1_->forward(x)), h);
     return residual_sum(h, mlp_->forward(n));
   }
   // Reverse order: the MLP branch, then the attention branch; the skips pass dy through.
@@ -190,7 +212,18 @@ class Gpt : public Module {
     Tensor x = Tensor::empty(e.shape(), activation_dtype(), ids.device());
     Tensor x2 = x.reshape({b, t * c_.dim});
     kernels::add(x2, e.reshape({b, t * c_.dim}), wpe_->value.view(0, {t * c_.dim}));
-    x = ln_f_->forward(h_->forward(drop_->forward(x)));
+    // The blocks, each one's last residual sum fused with the next norm (forward_deferred): the
+    // bits of h_->forward, whose backward (stateless) then runs as it is.
+    Tensor skip = drop_->forward(x), delta;
+    for (size_t l = 0; l < h_->size(); ++l) {
+      auto* block = dynamic_cast<GptBlock*>((*h_)[l].get());
+      DP_CHECK(block, "Gpt(" << c_.name << "): h." << l << " is not a GptBlock");
+      Tensor mlp_out;
+      skip = block->forward_deferred(skip, delta, mlp_out);
+      delta = mlp_out;
+    }
+    Tensor stream;
+    x = GptBlock::norm_of_sum(*ln_f_, skip, delta, stream);
     hidden_ = to_compute(x.reshape({b * t, c_.dim}));  // (B T, D)
     // f32 logits, or 16-bit ones for a loss that reads them (Module::set_output).
     Tensor logits = Tensor::empty({b * t, c_.vocab}, output_dtype(), ids.device());
