@@ -112,35 +112,17 @@ class GptBlock : public Module {
   // with the next block's ln_1 or the model's ln_f. Returns h (x plus the attention branch) and
   // sets mlp_out. backward() is as after forward(x + delta): the same bits.
   Tensor forward_deferred(const Tensor& skip, const Tensor& delta, Tensor& mlp_out) {
-    return run_forward([&] {
-      Tensor x, n;
-      if (delta.defined()) {
-        n = norm_of_sum(*ln_1_, skip, delta, x);
-      } else {
-        x = skip;
-        n = ln_1_->forward(x);
-      }
-      Tensor h;
-      n = norm_of_sum(*ln_2_, x, attn_->forward(n), h);
-      mlp_out = mlp_->forward(n);
-      return h;
-    });
-  }
-  // norm(a + b) with h = a + b: one pass (forward_add) when a and b share a dtype.
-  static Tensor norm_of_sum(LayerNorm& norm, const Tensor& a, const Tensor& b, Tensor& h) {
-    if (a.dtype() == b.dtype()) return norm.forward_add(a, b, h);
-    h = residual_sum(a, b);
-    return norm.forward(h);
+    return run_forward([&] { return branches(skip, delta, mlp_out); });
   }
 
  protected:
-  // The first skip's sum and ln_2 run as one pass (LayerNorm::forward_add), and each norm's
+  // Each residual sum runs with the norm after it (LayerNorm::forward_add), and each norm's
   // backward adds the skip's gradient as it writes (backward_add): the bits of the separate
-  // sums, with two passes over the (B, T, D) stream fewer each way. Gpt runs its blocks through
-  // forward_deferred, which also fuses the second sum with the next norm.
+  // sums, with a pass over the (B, T, D) stream fewer for each. On its own the block adds its
+  // last sum itself; Gpt leaves it to the next norm (forward_deferred).
   Tensor forward_impl(const Tensor& x) override {
-    Tensor h, n = norm_of_sum(*ln_2_, x, attn_->forward(ln_1_->forward(x)), h);
-    return residual_sum(h, mlp_->forward(n));
+    Tensor mlp_out, h = branches(x, Tensor(), mlp_out);
+    return residual_sum(h, mlp_out);
   }
   // Reverse order: the MLP branch, then the attention branch; the skips pass dy through.
   Tensor backward_impl(const Tensor& dy) override {
@@ -152,6 +134,16 @@ class GptBlock : public Module {
   }
 
  private:
+  // x = skip (+ delta, fused with ln_1), h = x + attn(ln_1(x)) fused with ln_2, mlp_out =
+  // mlp(ln_2(h)); returns h.
+  Tensor branches(const Tensor& skip, const Tensor& delta, Tensor& mlp_out) {
+    Tensor x = skip, h;
+    Tensor n = delta.defined() ? ln_1_->forward_add(skip, delta, x) : ln_1_->forward(skip);
+    n = ln_2_->forward_add(x, attn_->forward(n), h);
+    mlp_out = mlp_->forward(n);
+    return h;
+  }
+
   int64_t dim_, heads_;
   float p_;
   std::shared_ptr<LayerNorm> ln_1_, ln_2_;
@@ -223,7 +215,7 @@ class Gpt : public Module {
       delta = mlp_out;
     }
     Tensor stream;
-    x = GptBlock::norm_of_sum(*ln_f_, skip, delta, stream);
+    x = ln_f_->forward_add(skip, delta, stream);
     hidden_ = to_compute(x.reshape({b * t, c_.dim}));  // (B T, D)
     // f32 logits, or 16-bit ones for a loss that reads them (Module::set_output).
     Tensor logits = Tensor::empty({b * t, c_.vocab}, output_dtype(), ids.device());

@@ -308,17 +308,18 @@ class LayerNorm : public Module {
   Parameter& weight() { return *gamma_; }
   Parameter& bias() { return *beta_; }
 
-  // A pre-LN block's skip and this norm in one pass over each row
-  // (kernels::add_layer_norm_forward): h = a + b, made here in a's dtype and returned through
-  // `h`, and the norm of h returned, the same bits as h = add(a, b) then forward(h). requires
-  // a and b of one shape and dtype.
+  // A pre-LN block's skip and this norm (kernels::add_layer_norm_forward): h = a + b, made here
+  // in a's dtype and returned through `h`, and the norm of h returned, the same bits as
+  // h = add(a, b) then forward(h). One pass over each row when a and b share a dtype; else the
+  // sum, then the norm. requires a and b of one shape.
   Tensor forward_add(const Tensor& a, const Tensor& b, Tensor& h) {
     return run_forward([&] {
-      DP_CHECK(a.shape() == b.shape() && a.dtype() == b.dtype(),
-               "LayerNorm(" << d_ << ")::forward_add: a " << a << " and b " << b
-                            << " must match in shape and dtype");
+      DP_CHECK(a.shape() == b.shape(), "LayerNorm(" << d_ << ")::forward_add: a " << a << " and b "
+                                                    << b << " must match in shape");
       h = Tensor::empty(a.shape(), a.dtype(), a.device());
-      return normalize(h, &a, &b);
+      if (a.dtype() == b.dtype()) return normalize(h, &a, &b);
+      kernels::add(h, a, b);
+      return normalize(h, nullptr, nullptr);
     });
   }
   // backward(dy) plus the skip's gradient dskip in one pass (kernels::layer_norm_backward_add):

@@ -120,7 +120,15 @@ TEST_CASE("nn.layernorm: forward_add and backward_add are the bits of the sums a
   CHECK(host(fused->flat_grads()) == host(apart->flat_grads()));
   CHECK(ready == 2);
   CHECK_THROWS_WITH_AS(fused->forward_add(a, uniform({2, 6}, 27), h),
-                       doctest::Contains("must match in shape and dtype"), kernels::Error);
+                       doctest::Contains("must match in shape"), kernels::Error);
+  // b of another dtype: the sum in a's dtype, then the norm (two passes), the same bits.
+  Tensor b16 = kernels::cast(b, DType::bf16), h16;
+  Tensor y16 = fused->forward_add(a, b16, h16);
+  Tensor h16_apart = Tensor::empty(a.shape(), a.dtype(), a.device());
+  kernels::add(h16_apart, a, b16);
+  CHECK(h16.dtype() == DType::f32);
+  CHECK(host(h16) == host(h16_apart));
+  CHECK(host(y16) == host(apart->forward(h16_apart)));
   CHECK_THROWS_WITH_AS(fused->backward_add(dy, uniform({6, 6}, 28)),
                        doctest::Contains("dskip [6, 6] must have the input's [2, 3, 6] shape"),
                        kernels::Error);

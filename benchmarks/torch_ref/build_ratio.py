@@ -17,19 +17,14 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dtype_ratio import report, run_once  # noqa: E402
+from dtype_ratio import parse_args, report, run_once  # noqa: E402
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bin", action="append", required=True, metavar="LABEL=PATH",
                     help="a dp_bench binary and its label (two or more; the first is the base)")
-    ap.add_argument("--repeat", type=int, default=7)
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--json", help="write the samples, medians and ratios here")
-    ap.add_argument("flags", nargs=argparse.REMAINDER, help="-- then dp_bench's model flags")
-    a = ap.parse_args()
-    flags = a.flags[1:] if a.flags[:1] == ["--"] else a.flags
+    a, flags = parse_args(ap)
     binaries = []
     for b in a.bin:
         label, sep, path = b.partition("=")

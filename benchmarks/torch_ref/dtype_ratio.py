@@ -46,15 +46,21 @@ def run_once(build, flags, env_extra, steps, program=None):
     return run["step_ms_median"], run["final_loss"], report["environment"]
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--build", default="build-dev")
+def parse_args(ap):
+    """Adds the options every interleaved comparison takes (--repeat, --steps, --json, then
+    dp_bench's flags after --) and parses: (the namespace, the dp_bench flags)."""
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--json", help="write the samples, medians and ratios here")
     ap.add_argument("flags", nargs=argparse.REMAINDER, help="-- then dp_bench's model flags")
     a = ap.parse_args()
-    flags = a.flags[1:] if a.flags[:1] == ["--"] else a.flags
+    return a, a.flags[1:] if a.flags[:1] == ["--"] else a.flags
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--build", default="build-dev")
+    a, flags = parse_args(ap)
     if a.repeat < 2:
         sys.exit("dtype_ratio: --repeat must be at least 2 for an interval")
     samples = {label: [] for label, _, _ in VARIANTS}
