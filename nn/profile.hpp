@@ -51,24 +51,34 @@ class LayerProfiler {
   // Every module of the tree, depth first in registration order.
   std::vector<Row> rows() const {
     std::vector<Row> out;
-    // Appends m's row and its subtree's; m's own time is its time less its children's.
+    // Appends m's row and its subtree's; m's own time is its time less its children's. A
+    // container whose forward (or backward) its parent bypassed, calling the children itself (Gpt
+    // runs its blocks through GptBlock::forward_deferred, not h.forward), takes its children's
+    // time as its own inclusive time, with none of its own: so the parent's own time is still
+    // only what the parent did.
     std::function<void(Module&, const std::string&)> walk = [&](Module& m,
                                                                 const std::string& path) {
       const size_t at = out.size();
       out.push_back(row_of(m, path));
+      double children_fwd = 0, children_bwd = 0;
       for (auto& [name, child] : m.children()) {
         const size_t c = out.size();
         walk(*child, path.empty() ? name : path + "." + name);
-        out[at].self_forward_ms -= out[c].forward_ms;
-        out[at].self_backward_ms -= out[c].backward_ms;
+        children_fwd += out[c].forward_ms;
+        children_bwd += out[c].backward_ms;
       }
+      Row& r = out[at];
+      if (r.forwards == 0) r.forward_ms = r.self_forward_ms = children_fwd;
+      if (r.backwards == 0) r.backward_ms = r.self_backward_ms = children_bwd;
+      r.self_forward_ms -= children_fwd;
+      r.self_backward_ms -= children_bwd;
     };
     walk(root_, "");
     return out;
   }
 
   // The `top` layers by own time per step (forward + backward), with their share of the step
-  // (the root's forward + backward), as a fixed-width table.
+  // (the root's forward + backward), as a fixed-width table; then every layer type's share.
   std::string table(size_t top = 15) const {
     std::vector<Row> rs = rows();
     if (rs.empty() || rs[0].forwards == 0) return "layer profile: no forward was timed\n";
@@ -96,6 +106,23 @@ class LayerProfiler {
                     step_ms > 0 ? 100.0 * own / step_ms : 0.0);
       out += line;
     }
+    // The same own times summed by layer type (every row, not only the top ones).
+    std::vector<std::pair<std::string, double>> by_type;
+    for (const Row& r : rs) {
+      auto it = std::find_if(by_type.begin(), by_type.end(),
+                             [&](const auto& t) { return t.first == r.type; });
+      if (it == by_type.end()) it = by_type.insert(by_type.end(), {r.type, 0.0});
+      it->second += (r.self_forward_ms + r.self_backward_ms) / steps;
+    }
+    std::stable_sort(by_type.begin(), by_type.end(),
+                     [](const auto& a, const auto& b) { return a.second > b.second; });
+    out += "  by type:";
+    for (const auto& [type, ms] : by_type) {
+      std::snprintf(line, sizeof line, " %s %.1f%%;", type.c_str(),
+                    step_ms > 0 ? 100.0 * ms / step_ms : 0.0);
+      out += line;
+    }
+    out.back() = '\n';
     return out;
   }
 

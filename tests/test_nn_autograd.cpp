@@ -412,6 +412,9 @@ TEST_CASE("nn.profile: each layer's forward and backward timed, own times add up
   CHECK(rows[0].self_backward_ms == doctest::Approx(rows[0].backward_ms - children_bwd));
   CHECK(table.find("ms per step") != std::string::npos);
   CHECK(table.find("ComposedSwiGLU") != std::string::npos);
+  CHECK(table.find("by type: ") != std::string::npos);
+  CHECK(table.find(" Linear ") != std::string::npos);
+  CHECK(table.back() == '\n');
 }
 
 TEST_CASE("nn.autograd: grouped-query attention is causal, shares its kv heads, passes gradcheck") {

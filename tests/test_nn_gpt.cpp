@@ -234,6 +234,42 @@ TEST_CASE("nn.gpt: a block run with its sums deferred gives forward's bits, then
   }
 }
 
+TEST_CASE("nn.profile: a GPT's blocks count as h's time, not the model's own") {
+  // Gpt runs its blocks through forward_deferred, bypassing h.forward: the profile still gives h
+  // its blocks' time and leaves the model only its own (embedding sum, LM head).
+  auto net = materialized(nn::gpt(micro_config()), 3);
+  Tensor ids = token_ids({2, 6}, 11, 9);
+  std::vector<nn::LayerProfiler::Row> rows;
+  {
+    nn::LayerProfiler prof(*net);
+    for (int s = 0; s < 2; ++s) {
+      Tensor logits = net->forward(ids);
+      net->backward(uniform(logits.shape(), 40 + s));
+    }
+    rows = prof.rows();
+  }
+  const nn::LayerProfiler::Row* h = nullptr;
+  double blocks_fwd = 0, blocks_bwd = 0, children_fwd = 0;
+  for (const auto& r : rows) {
+    CAPTURE(r.path);
+    CHECK(r.self_forward_ms >= 0);
+    CHECK(r.self_backward_ms >= 0);
+    if (r.path == "h") h = &r;
+    if (r.path == "h.0" || r.path == "h.1") blocks_fwd += r.forward_ms, blocks_bwd += r.backward_ms;
+    if (r.path == "wte" || r.path == "drop" || r.path == "h" || r.path == "ln_f")
+      children_fwd += r.forward_ms;
+  }
+  REQUIRE(h != nullptr);
+  CHECK(h->forwards == 0);  // bypassed
+  CHECK(h->backwards == 2);
+  CHECK(h->forward_ms > 0);
+  CHECK(h->forward_ms == doctest::Approx(blocks_fwd));
+  CHECK(h->self_forward_ms == 0);
+  CHECK(h->backward_ms >= blocks_bwd);
+  CHECK(rows[0].self_forward_ms == doctest::Approx(rows[0].forward_ms - children_fwd));
+  CHECK(rows[0].self_forward_ms < rows[0].forward_ms - blocks_fwd + 1e-9);
+}
+
 TEST_CASE("nn.gradcheck: GPT with a tied head") {
   auto net = materialized(nn::gpt(micro_config()), 3);
   nn::GradcheckOptions o;
