@@ -1,13 +1,15 @@
-// LayerNorm over the last dim of x (M, D). Rows run in parallel (two-pass statistics in double);
-// the parameter gradients sum over rows in row order, per block of features, so they are
-// reproducible for any thread count. x, y, dy and dx may each be f32, f16 or bf16 (with_storage):
-// read as f32, computed as the f32 kernel computes, rounded once where stored.
+// LayerNorm over the last dim of x (M, D). Rows run in parallel (two-pass statistics in double,
+// in 8 interleaved partial sums); the parameter gradients sum over fixed chunks of rows, then
+// over the chunks in order, so they are reproducible for any thread count. x, y, dy and dx may each
+// be f32, f16 or bf16 (with_storage): read as f32, computed as the f32 kernel computes, rounded
+// once where stored.
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "kernels/cpu/cpu_ops.hpp"
 #include "kernels/cpu/cpu_util.hpp"
+#include "kernels/cpu/lane_sum.hpp"
 
 namespace kernels::cpu {
 
@@ -20,12 +22,15 @@ int64_t row_grain(int64_t features) {
 template <class Y, class X>
 void forward_row(Y* yr, float& mean_out, float& rstd_out, const X* xr, const float* pg,
                  const float* pb, int64_t features, float eps) {
-  double mean = 0.0, var = 0.0;
-  for (int64_t j = 0; j < features; ++j) mean += load_f32(xr[j]);
-  mean /= static_cast<double>(features);
-  for (int64_t j = 0; j < features; ++j) var += (load_f32(xr[j]) - mean) * (load_f32(xr[j]) - mean);
-  var /= static_cast<double>(features);
-  double rstd = 1.0 / std::sqrt(var + eps);
+  double sx[kSumLanes] = {}, sv[kSumLanes] = {};
+  lane_sums(features, sx, [&](int64_t j) { return double{load_f32(xr[j])}; });
+  const double mean = add_lanes(sx) / static_cast<double>(features);
+  lane_sums(features, sv, [&](int64_t j) {
+    const double d = load_f32(xr[j]) - mean;
+    return d * d;
+  });
+  const double var = add_lanes(sv) / static_cast<double>(features);
+  const double rstd = 1.0 / std::sqrt(var + eps);
   for (int64_t j = 0; j < features; ++j)
     store_rounded(yr[j], static_cast<float>((load_f32(xr[j]) - mean) * rstd * pg[j] + pb[j]));
   mean_out = static_cast<float>(mean);
@@ -36,13 +41,12 @@ void forward_row(Y* yr, float& mean_out, float& rstd_out, const X* xr, const flo
 template <class DY, class X, class Store>
 void backward_row(const DY* dyr, const X* xr, const float* pg, double mean, double rstd,
                   int64_t features, Store&& store) {
-  double sum_g = 0.0, sum_g_xhat = 0.0;
-  for (int64_t j = 0; j < features; ++j) {
-    double g = double{load_f32(dyr[j])} * pg[j];
-    sum_g += g;
-    sum_g_xhat += g * (load_f32(xr[j]) - mean) * rstd;
-  }
-  double mean_g = sum_g / features, mean_g_xhat = sum_g_xhat / features;
+  double sg[kSumLanes] = {}, sgx[kSumLanes] = {};
+  lane_sums(features, sg, [&](int64_t j) { return double{load_f32(dyr[j])} * pg[j]; });
+  lane_sums(features, sgx, [&](int64_t j) {
+    return double{load_f32(dyr[j])} * pg[j] * (load_f32(xr[j]) - mean) * rstd;
+  });
+  const double mean_g = add_lanes(sg) / features, mean_g_xhat = add_lanes(sgx) / features;
   for (int64_t j = 0; j < features; ++j) {
     double xhat = (load_f32(xr[j]) - mean) * rstd;
     store(j, static_cast<float>(rstd *
@@ -50,30 +54,51 @@ void backward_row(const DY* dyr, const X* xr, const float* pg, double mean, doub
   }
 }
 
-// dgamma (+)= sum_rows dy xhat, dbeta (+)= sum_rows dy: per block of features, rows in order.
-template <class DY, class X>
-void parameter_grads(Tensor& dgamma, Tensor& dbeta, const DY* pdy, const X* px, const float* pmean,
-                     const float* prstd, int64_t rows, int64_t features, Accumulate acc) {
-  float* pdgamma = dgamma.data<float>();
-  float* pdbeta = dbeta.data<float>();
-  int64_t grain = std::max<int64_t>(16, kElementwiseGrain / std::max<int64_t>(1, rows));
-  parallel_range(features, grain, [&](int64_t begin, int64_t end) {
-    std::vector<double> sum_dy_xhat(static_cast<size_t>(end - begin), 0.0);
-    std::vector<double> sum_dy(static_cast<size_t>(end - begin), 0.0);
-    for (int64_t r = 0; r < rows; ++r) {
-      double mean = pmean[r], rstd = prstd[r];
-      for (int64_t j = begin; j < end; ++j) {
-        double d = load_f32(pdy[r * features + j]);
-        sum_dy[j - begin] += d;
-        sum_dy_xhat[j - begin] += d * (load_f32(px[r * features + j]) - mean) * rstd;
+// The backward over all rows: in fixed chunks of rows (a function of the row count only), in
+// parallel, each chunk storing its rows' input gradients (store(r, j, v), v unrounded) and
+// summing, while those rows are in cache, its share of dgamma (dy xhat) and dbeta (dy) per
+// feature in double; then dgamma (+)= and dbeta (+)= the chunks' sums added in chunk order. The
+// same bits for any thread count; x and dy are read from memory once.
+template <class DY, class X, class Store>
+void backward_rows(Tensor& dgamma, Tensor& dbeta, const DY* pdy, const X* px, const float* pg,
+                   const float* pmean, const float* prstd, int64_t rows, int64_t features,
+                   Accumulate acc, Store&& store) {
+  const int64_t chunk = std::max<int64_t>(16, (rows + 63) / 64);
+  const int64_t chunks = (rows + chunk - 1) / chunk;
+  // Per chunk: features sums of dy xhat, then features sums of dy.
+  std::vector<double> partial(static_cast<size_t>(chunks * 2 * features), 0.0);
+  parallel_range(chunks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t c = first; c < last; ++c) {
+      double* sgx = partial.data() + c * 2 * features;
+      double* sd = sgx + features;
+      for (int64_t r = c * chunk; r < std::min(rows, (c + 1) * chunk); ++r) {
+        const DY* dyr = pdy + r * features;
+        const X* xr = px + r * features;
+        const double mean = pmean[r], rstd = prstd[r];
+        backward_row(dyr, xr, pg, mean, rstd, features,
+                     [&](int64_t j, float v) { store(r, j, v); });
+        for (int64_t j = 0; j < features; ++j) {
+          const double d = load_f32(dyr[j]);
+          sd[j] += d;
+          sgx[j] += d * ((load_f32(xr[j]) - mean) * rstd);
+        }
       }
     }
-    for (int64_t j = begin; j < end; ++j) {
-      double dg = sum_dy_xhat[j - begin], db = sum_dy[j - begin];
-      pdgamma[j] = static_cast<float>(acc == Accumulate::yes ? pdgamma[j] + dg : dg);
-      pdbeta[j] = static_cast<float>(acc == Accumulate::yes ? pdbeta[j] + db : db);
-    }
   });
+  float* pdgamma = dgamma.data<float>();
+  float* pdbeta = dbeta.data<float>();
+  parallel_range(features, std::max<int64_t>(64, kElementwiseGrain / std::max<int64_t>(1, chunks)),
+                 [&](int64_t begin, int64_t end) {
+                   for (int64_t j = begin; j < end; ++j) {
+                     double dg = 0.0, db = 0.0;
+                     for (int64_t c = 0; c < chunks; ++c) {
+                       dg += partial[static_cast<size_t>(c * 2 * features + j)];
+                       db += partial[static_cast<size_t>((c * 2 + 1) * features + j)];
+                     }
+                     pdgamma[j] = static_cast<float>(acc == Accumulate::yes ? pdgamma[j] + dg : dg);
+                     pdbeta[j] = static_cast<float>(acc == Accumulate::yes ? pdbeta[j] + db : db);
+                   }
+                 });
 }
 }  // namespace
 
@@ -137,14 +162,9 @@ void layer_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor
         const float* pmean = save_mean.data<float>();
         const float* prstd = save_rstd.data<float>();
         auto* pdx = dx.data<decltype(dx_t)>();
-        parallel_range(rows, row_grain(features), [&](int64_t begin, int64_t end) {
-          for (int64_t r = begin; r < end; ++r) {
-            auto* dxr = pdx + r * features;
-            backward_row(pdy + r * features, px + r * features, gamma.data<float>(), pmean[r],
-                         prstd[r], features, [&](int64_t j, float v) { store_rounded(dxr[j], v); });
-          }
-        });
-        parameter_grads(dgamma, dbeta, pdy, px, pmean, prstd, rows, features, acc);
+        backward_rows(
+            dgamma, dbeta, pdy, px, gamma.data<float>(), pmean, prstd, rows, features, acc,
+            [&](int64_t r, int64_t j, float v) { store_rounded(pdx[r * features + j], v); });
       },
       dx.dtype(), dy.dtype(), x.dtype());
 }
@@ -165,19 +185,13 @@ void layer_norm_backward_add(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Te
         const float* pmean = save_mean.data<float>();
         const float* prstd = save_rstd.data<float>();
         DX* pdx = dx.data<DX>();
-        parallel_range(rows, row_grain(features), [&](int64_t begin, int64_t end) {
-          for (int64_t r = begin; r < end; ++r) {
-            DX* dxr = pdx + r * features;
-            const DX* skipr = pskip + r * features;
-            backward_row(pdy + r * features, px + r * features, gamma.data<float>(), pmean[r],
-                         prstd[r], features, [&](int64_t j, float v) {
-                           X as_x;
-                           store_rounded(as_x, v);
-                           store_rounded(dxr[j], load_f32(skipr[j]) + load_f32(as_x));
-                         });
-          }
-        });
-        parameter_grads(dgamma, dbeta, pdy, px, pmean, prstd, rows, features, acc);
+        backward_rows(dgamma, dbeta, pdy, px, gamma.data<float>(), pmean, prstd, rows, features,
+                      acc, [&](int64_t r, int64_t j, float v) {
+                        X as_x;
+                        store_rounded(as_x, v);
+                        const int64_t i = r * features + j;
+                        store_rounded(pdx[i], load_f32(pskip[i]) + load_f32(as_x));
+                      });
       },
       dx.dtype(), dy.dtype(), x.dtype());
 }

@@ -1,13 +1,14 @@
 // The kernels of Llama's layers: RMSNorm, SwiGLU's gate and rotary position embeddings. Rows run
-// in parallel; RMSNorm's statistics are double, its gain gradient sums over rows in row order
-// per block of features (reproducible for any thread count). Activations and their gradients may
-// each be f32, f16 or bf16 (with_storage): read as f32, rounded once where stored.
+// in parallel; RMSNorm's statistics are double (lane_sums), its gain gradient sums over rows in row
+// order per block of features (reproducible for any thread count). Activations and their gradients
+// may each be f32, f16 or bf16 (with_storage): read as f32, rounded once where stored.
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "kernels/cpu/cpu_ops.hpp"
 #include "kernels/cpu/cpu_util.hpp"
+#include "kernels/cpu/lane_sum.hpp"
 
 namespace kernels::cpu {
 
@@ -32,9 +33,11 @@ void rms_norm_forward(Tensor& y, Tensor& save_rstd, const Tensor& x, const Tenso
         parallel_range(rows, row_grain(features), [&](int64_t begin, int64_t end) {
           for (int64_t r = begin; r < end; ++r) {
             const auto* xr = px + r * features;
-            double sq = 0.0;
-            for (int64_t j = 0; j < features; ++j) sq += double{load_f32(xr[j])} * load_f32(xr[j]);
-            const double rstd = 1.0 / std::sqrt(sq / static_cast<double>(features) + eps);
+            double sq[kSumLanes] = {};
+            lane_sums(features, sq,
+                      [&](int64_t j) { return double{load_f32(xr[j])} * load_f32(xr[j]); });
+            const double rstd =
+                1.0 / std::sqrt(add_lanes(sq) / static_cast<double>(features) + eps);
             for (int64_t j = 0; j < features; ++j)
               store_rounded(py[r * features + j],
                             static_cast<float>(load_f32(xr[j]) * rstd * pg[j]));
@@ -62,10 +65,11 @@ void rms_norm_backward(Tensor& dx, Tensor& dgamma, const Tensor& dy, const Tenso
             const auto* xr = px + r * features;
             const auto* dyr = pdy + r * features;
             const double rstd = pr[r];
-            double sum_gx = 0.0;
-            for (int64_t j = 0; j < features; ++j)
-              sum_gx += double{load_f32(dyr[j])} * pg[j] * load_f32(xr[j]);
-            const double k = rstd * rstd * sum_gx / static_cast<double>(features);
+            double sum_gx[kSumLanes] = {};
+            lane_sums(features, sum_gx, [&](int64_t j) {
+              return double{load_f32(dyr[j])} * pg[j] * load_f32(xr[j]);
+            });
+            const double k = rstd * rstd * add_lanes(sum_gx) / static_cast<double>(features);
             for (int64_t j = 0; j < features; ++j)
               store_rounded(pdx[r * features + j],
                             static_cast<float>(
