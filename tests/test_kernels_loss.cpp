@@ -76,6 +76,27 @@ TEST_CASE("kernels.softmax_cross_entropy: loss and gradient (smoothing, weights,
     }
 }
 
+TEST_CASE("kernels.softmax_cross_entropy: a wide row (1027 classes) on the vector exp") {
+  // Many whole vectors and a tail of every build's width; logits over a range whose
+  // exponentials span 30 orders of magnitude (above the flush to 0 at e^-80). Each probability is
+  // within a few f32 ulp of the double loop's (gradient entries ~1 / 1027), the loss within 1e-6
+  // relative.
+  const int64_t batch = 3, classes = 1027;
+  Tensor logits = random_tensor({batch, classes}, 63, -35.f, 35.f);
+  std::vector<int32_t> label_v = random_labels(batch, classes, 64);
+  Tensor labels = Tensor::from_ints(label_v, {batch});
+  CrossEntropy want = ref_cross_entropy(to_double(logits), label_v, {}, classes, 0.0);
+  Tensor loss = scalar(), dlogits = filled({batch, classes}, NAN);
+  softmax_cross_entropy(loss, dlogits, logits, labels, Tensor(), 0.f);
+  CHECK(loss.item() == doctest::Approx(want.loss).epsilon(1e-6));
+  std::vector<float> got = dlogits.to_host_f32();
+  double worst = 0.0;
+  for (size_t i = 0; i < got.size(); ++i)
+    worst = std::max(
+        worst, std::fabs(got[i] - want.dlogits[i]) / std::max(std::fabs(want.dlogits[i]), 1e-30));
+  CHECK(worst <= 2e-5);  // x - max rounded to f32 (|x| up to 35: 4e-6 absolute), then exp
+}
+
 TEST_CASE("kernels.softmax_cross_entropy: stable for huge logits, forward only, empty batch") {
   Tensor logits = tensor({1000.f, 0.f, -1000.f, 500.f, 500.f, 500.f}, {2, 3});
   Tensor labels = Tensor::from_ints({0, 2}, {2});

@@ -1,26 +1,42 @@
 // Losses: fused softmax + cross-entropy, and mean squared error. Rows or chunks run in parallel;
 // the batch total adds their double partials in a fixed order (bitwise reproducible). The
 // cross-entropies read f32, f16 or bf16 logits (widened exactly) and write dlogits in f32 or the
-// logits' dtype, each value rounded once from the f32 the f32 kernel stores.
+// logits' dtype, each value rounded once from the f32 the f32 kernel stores. The exponentials run
+// on the vector math, once a row (vec_math.hpp).
 #include <cmath>
 #include <type_traits>
+#include <vector>
 
 #include "kernels/cpu/cpu_ops.hpp"
 #include "kernels/cpu/cpu_util.hpp"
+#include "kernels/cpu/lane_sum.hpp"
+#include "kernels/cpu/vec_math.hpp"
 
 namespace kernels::cpu {
 
 namespace {
 
-// log sum_c exp x_c of a row, stable: the f32 maximum, then exp(x - max) added in double.
+// A row's softmax statistics, stable: e[c] = exp(x_c - max) in f32 on the vector math
+// (vec_math.hpp; x_c - max rounded to f32 first), their sum in double (lane_sums), and
+// lse = log sum_c exp x_c = max + log(sum). softmax(x)_c is then e[c] / sum. e is the calling
+// thread's scratch, valid until its next call.
+struct RowSoftmax {
+  const float* e;
+  double sum, lse;
+};
 template <class S>
-double row_log_sum_exp(const S* x, int64_t classes) {
+RowSoftmax row_softmax(const S* x, int64_t classes) {
+  static thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(classes));
+  float* e = scratch.data();
   float max_x = load_f32(x[0]);
   for (int64_t c = 1; c < classes; ++c) max_x = std::max(max_x, load_f32(x[c]));
-  double sum_exp = 0.0;
-  for (int64_t c = 0; c < classes; ++c)
-    sum_exp += std::exp(static_cast<double>(load_f32(x[c])) - max_x);
-  return max_x + std::log(sum_exp);
+  for (int64_t c = 0; c < classes; ++c) e[c] = load_f32(x[c]) - max_x;
+  exp_nonpositive_rows(e, e, classes);
+  double sums[kSumLanes] = {};
+  lane_sums(classes, sums, [&](int64_t c) { return double{e[c]}; });
+  const double sum = add_lanes(sums);
+  return {e, sum, max_x + std::log(sum)};
 }
 
 // Calls row(i, x, d) for every row i of logits (rows, classes), rows in parallel: x the row's
@@ -58,7 +74,8 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
   const double ls = label_smoothing;
   std::vector<double> row_loss(static_cast<size_t>(batch));
   for_each_logits_row(logits, dlogits, [&](int64_t i, const auto* x, auto* d) {
-    const double lse = row_log_sum_exp(x, classes);
+    const RowSoftmax sm = row_softmax(x, classes);
+    const double lse = sm.lse;
     const double w = pw ? pw[i] : 1.0;
     const double x_label = load_f32(x[pl[i]]);
     // The smoothing term only with smoothing: a -inf logit would make it 0 * inf = NaN.
@@ -70,11 +87,10 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
     }
     row_loss[i] = w * (ls != 0.0 ? (1.0 - ls) * (lse - x_label) + smooth : lse - x_label);
     if (!d) return;
-    const double scale = w / static_cast<double>(batch);
+    const double scale = w / static_cast<double>(batch), inv_sum = 1.0 / sm.sum;
     for (int64_t c = 0; c < classes; ++c) {
       const double target = (c == pl[i] ? 1.0 - ls : 0.0) + ls / classes;
-      const double prob = std::exp(static_cast<double>(load_f32(x[c])) - lse);
-      store_rounded(d[c], static_cast<float>(scale * (prob - target)));
+      store_rounded(d[c], static_cast<float>(scale * (sm.e[c] * inv_sum - target)));
     }
   });
   double total = 0.0;
@@ -102,13 +118,13 @@ void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, co
       if (d) std::fill(d, d + classes, D{});  // +0 in every storage type
       return;
     }
-    const double lse = row_log_sum_exp(x, classes);
-    row_loss[i] = lse - load_f32(x[pt[i]]);
+    const RowSoftmax sm = row_softmax(x, classes);
+    row_loss[i] = sm.lse - load_f32(x[pt[i]]);
     if (!d) return;
-    for (int64_t c = 0; c < classes; ++c) {
-      const double prob = std::exp(static_cast<double>(load_f32(x[c])) - lse);
-      store_rounded(d[c], static_cast<float>(inv_n * (prob - (c == pt[i] ? 1.0 : 0.0))));
-    }
+    const double inv_sum = 1.0 / sm.sum;
+    for (int64_t c = 0; c < classes; ++c)
+      store_rounded(d[c],
+                    static_cast<float>(inv_n * (sm.e[c] * inv_sum - (c == pt[i] ? 1.0 : 0.0))));
   });
   double total = 0.0;
   for (double l : row_loss) total += l;
