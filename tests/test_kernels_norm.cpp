@@ -206,6 +206,23 @@ TEST_CASE("kernels.layer_norm: parameter gradients are the same bits on any thre
                        doctest::Contains("save_mean must be [3001], got [3002]"), Error);
 }
 
+TEST_CASE("kernels.rms_norm: the gain gradient is the same bits on any thread count") {
+  // 3001 rows: chunks of 47 rows and a short last one (rows_with_feature_sums), in f32 and bf16.
+  const int64_t M = 3001, D = 37;
+  for (DType dt : {DType::f32, DType::bf16}) {
+    CAPTURE(dt);
+    Tensor x = cast(random_tensor({M, D}, 240), dt), dy = cast(random_tensor({M, D}, 241), dt);
+    Tensor gamma = random_tensor({D}, 242), y = cast(zeros({M, D}), dt), rstd = zeros({M});
+    rms_norm_forward(y, rstd, x, gamma, 1e-6f);
+    Tensor dx1 = cast(zeros({M, D}), dt), dx2 = cast(zeros({M, D}), dt);
+    Tensor dg1 = random_tensor({D}, 243), dg2 = random_tensor({D}, 243);
+    with_cpu_threads(1, [&] { rms_norm_backward(dx1, dg1, dy, x, gamma, rstd, Accumulate::yes); });
+    with_cpu_threads(2, [&] { rms_norm_backward(dx2, dg2, dy, x, gamma, rstd, Accumulate::yes); });
+    CHECK(bitwise_equal(dx1, dx2));
+    CHECK(bitwise_equal(dg1, dg2));
+  }
+}
+
 TEST_CASE(
     "kernels.layer_norm: the fused skip sum and backward add are the bits of add and the norm") {
   // GPT-2's residual + ln_2 (add_layer_norm_forward) and each norm's backward + skip gradient

@@ -5,7 +5,6 @@
 // once where stored.
 #include <algorithm>
 #include <cmath>
-#include <vector>
 
 #include "kernels/cpu/cpu_ops.hpp"
 #include "kernels/cpu/cpu_util.hpp"
@@ -54,51 +53,36 @@ void backward_row(const DY* dyr, const X* xr, const float* pg, double mean, doub
   }
 }
 
-// The backward over all rows: in fixed chunks of rows (a function of the row count only), in
-// parallel, each chunk storing its rows' input gradients (store(r, j, v), v unrounded) and
-// summing, while those rows are in cache, its share of dgamma (dy xhat) and dbeta (dy) per
-// feature in double; then dgamma (+)= and dbeta (+)= the chunks' sums added in chunk order. The
-// same bits for any thread count; x and dy are read from memory once.
+// The backward over all rows (rows_with_feature_sums): each row's input gradient to
+// store(r, j, v), v unrounded, and its terms of dgamma (dy xhat) and dbeta (dy) per feature; then
+// dgamma (+)= and dbeta (+)= the sums.
 template <class DY, class X, class Store>
 void backward_rows(Tensor& dgamma, Tensor& dbeta, const DY* pdy, const X* px, const float* pg,
                    const float* pmean, const float* prstd, int64_t rows, int64_t features,
                    Accumulate acc, Store&& store) {
-  const int64_t chunk = std::max<int64_t>(16, (rows + 63) / 64);
-  const int64_t chunks = (rows + chunk - 1) / chunk;
-  // Per chunk: features sums of dy xhat, then features sums of dy.
-  std::vector<double> partial(static_cast<size_t>(chunks * 2 * features), 0.0);
-  parallel_range(chunks, 1, [&](int64_t first, int64_t last) {
-    for (int64_t c = first; c < last; ++c) {
-      double* sgx = partial.data() + c * 2 * features;
-      double* sd = sgx + features;
-      for (int64_t r = c * chunk; r < std::min(rows, (c + 1) * chunk); ++r) {
+  float* pdgamma = dgamma.data<float>();
+  float* pdbeta = dbeta.data<float>();
+  rows_with_feature_sums<2>(
+      rows, features,
+      [&](int64_t r, double* sums) {
         const DY* dyr = pdy + r * features;
         const X* xr = px + r * features;
         const double mean = pmean[r], rstd = prstd[r];
         backward_row(dyr, xr, pg, mean, rstd, features,
                      [&](int64_t j, float v) { store(r, j, v); });
+        double* sgx = sums;
+        double* sd = sums + features;
         for (int64_t j = 0; j < features; ++j) {
           const double d = load_f32(dyr[j]);
           sd[j] += d;
           sgx[j] += d * ((load_f32(xr[j]) - mean) * rstd);
         }
-      }
-    }
-  });
-  float* pdgamma = dgamma.data<float>();
-  float* pdbeta = dbeta.data<float>();
-  parallel_range(features, std::max<int64_t>(64, kElementwiseGrain / std::max<int64_t>(1, chunks)),
-                 [&](int64_t begin, int64_t end) {
-                   for (int64_t j = begin; j < end; ++j) {
-                     double dg = 0.0, db = 0.0;
-                     for (int64_t c = 0; c < chunks; ++c) {
-                       dg += partial[static_cast<size_t>(c * 2 * features + j)];
-                       db += partial[static_cast<size_t>((c * 2 + 1) * features + j)];
-                     }
-                     pdgamma[j] = static_cast<float>(acc == Accumulate::yes ? pdgamma[j] + dg : dg);
-                     pdbeta[j] = static_cast<float>(acc == Accumulate::yes ? pdbeta[j] + db : db);
-                   }
-                 });
+      },
+      [&](int64_t j, const double* totals) {
+        pdgamma[j] =
+            static_cast<float>(acc == Accumulate::yes ? pdgamma[j] + totals[0] : totals[0]);
+        pdbeta[j] = static_cast<float>(acc == Accumulate::yes ? pdbeta[j] + totals[1] : totals[1]);
+      });
 }
 }  // namespace
 

@@ -1,10 +1,10 @@
 // The kernels of Llama's layers: RMSNorm, SwiGLU's gate and rotary position embeddings. Rows run
-// in parallel; RMSNorm's statistics are double (lane_sums), its gain gradient sums over rows in row
-// order per block of features (reproducible for any thread count). Activations and their gradients
-// may each be f32, f16 or bf16 (with_storage): read as f32, rounded once where stored.
+// in parallel; RMSNorm's statistics are double (lane_sums), its gain gradient sums over fixed
+// chunks of rows, then the chunks in order (rows_with_feature_sums: reproducible for any thread
+// count). Activations and their gradients may each be f32, f16 or bf16 (with_storage): read as
+// f32, rounded once where stored.
 #include <algorithm>
 #include <cmath>
-#include <vector>
 
 #include "kernels/cpu/cpu_ops.hpp"
 #include "kernels/cpu/cpu_util.hpp"
@@ -60,34 +60,28 @@ void rms_norm_backward(Tensor& dx, Tensor& dgamma, const Tensor& dy, const Tenso
         const float* pg = gamma.data<float>();
         const float* pr = save_rstd.data<float>();
         auto* pdx = dx.data<decltype(dx_t)>();
-        parallel_range(rows, row_grain(features), [&](int64_t begin, int64_t end) {
-          for (int64_t r = begin; r < end; ++r) {
-            const auto* xr = px + r * features;
-            const auto* dyr = pdy + r * features;
-            const double rstd = pr[r];
-            double sum_gx[kSumLanes] = {};
-            lane_sums(features, sum_gx, [&](int64_t j) {
-              return double{load_f32(dyr[j])} * pg[j] * load_f32(xr[j]);
-            });
-            const double k = rstd * rstd * add_lanes(sum_gx) / static_cast<double>(features);
-            for (int64_t j = 0; j < features; ++j)
-              store_rounded(pdx[r * features + j],
-                            static_cast<float>(
-                                rstd * (double{load_f32(dyr[j])} * pg[j] - load_f32(xr[j]) * k)));
-          }
-        });
         float* pdg = dgamma.data<float>();
-        const int64_t grain = std::max<int64_t>(16, kElementwiseGrain / std::max<int64_t>(1, rows));
-        parallel_range(features, grain, [&](int64_t begin, int64_t end) {
-          std::vector<double> sum(static_cast<size_t>(end - begin), 0.0);
-          for (int64_t r = 0; r < rows; ++r)
-            for (int64_t j = begin; j < end; ++j)
-              sum[j - begin] +=
-                  double{load_f32(pdy[r * features + j])} * load_f32(px[r * features + j]) * pr[r];
-          for (int64_t j = begin; j < end; ++j)
-            pdg[j] = static_cast<float>(acc == Accumulate::yes ? pdg[j] + sum[j - begin]
-                                                               : sum[j - begin]);
-        });
+        rows_with_feature_sums<1>(
+            rows, features,
+            [&](int64_t r, double* sums) {
+              const auto* xr = px + r * features;
+              const auto* dyr = pdy + r * features;
+              const double rstd = pr[r];
+              double sum_gx[kSumLanes] = {};
+              lane_sums(features, sum_gx, [&](int64_t j) {
+                return double{load_f32(dyr[j])} * pg[j] * load_f32(xr[j]);
+              });
+              const double k = rstd * rstd * add_lanes(sum_gx) / static_cast<double>(features);
+              for (int64_t j = 0; j < features; ++j)
+                store_rounded(pdx[r * features + j],
+                              static_cast<float>(
+                                  rstd * (double{load_f32(dyr[j])} * pg[j] - load_f32(xr[j]) * k)));
+              for (int64_t j = 0; j < features; ++j)
+                sums[j] += double{load_f32(dyr[j])} * load_f32(xr[j]) * rstd;
+            },
+            [&](int64_t j, const double* totals) {
+              pdg[j] = static_cast<float>(acc == Accumulate::yes ? pdg[j] + totals[0] : totals[0]);
+            });
       },
       dx.dtype(), dy.dtype(), x.dtype());
 }
