@@ -107,10 +107,7 @@ void attention_probs(std::vector<float>& s, const float* q, const float* k, int6
     if (lse_in) {
       row_lse = lse_in[i];
     } else {
-      float m = row[0];
-      for (int64_t j = 1; j < n; ++j) m = std::max(m, row[j]);
-      for (int64_t j = 0; j < n; ++j) shifted[j] = row[j] - m;
-      exp_nonpositive_rows(shifted.data(), shifted.data(), n);
+      const float m = exp_minus_max_rows(shifted.data(), row, n);
       float sum = 0.f;
       for (int64_t j = 0; j < n; ++j) sum += shifted[j];
       row_lse = m + std::log(sum);

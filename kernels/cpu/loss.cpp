@@ -16,8 +16,8 @@ namespace kernels::cpu {
 
 namespace {
 
-// A row's softmax statistics, stable: e[c] = exp(x_c - max) in f32 on the vector math
-// (vec_math.hpp; x_c - max rounded to f32 first), their sum in double (lane_sums), and
+// A row's softmax statistics, stable: e[c] = exp(x_c - max) in f32 (exp_minus_max_rows on the
+// widened row; x_c - max rounded to f32 first), their sum in double (lane_sums), and
 // lse = log sum_c exp x_c = max + log(sum). softmax(x)_c is then e[c] / sum. e is the calling
 // thread's scratch, valid until its next call.
 struct RowSoftmax {
@@ -29,10 +29,8 @@ RowSoftmax row_softmax(const S* x, int64_t classes) {
   static thread_local std::vector<float> scratch;
   scratch.resize(static_cast<size_t>(classes));
   float* e = scratch.data();
-  float max_x = load_f32(x[0]);
-  for (int64_t c = 1; c < classes; ++c) max_x = std::max(max_x, load_f32(x[c]));
-  for (int64_t c = 0; c < classes; ++c) e[c] = load_f32(x[c]) - max_x;
-  exp_nonpositive_rows(e, e, classes);
+  for (int64_t c = 0; c < classes; ++c) e[c] = load_f32(x[c]);
+  const float max_x = exp_minus_max_rows(e, e, classes);
   double sums[kSumLanes] = {};
   lane_sums(classes, sums, [&](int64_t c) { return double{e[c]}; });
   const double sum = add_lanes(sums);

@@ -11,6 +11,7 @@
 // values. Both within 3 ulp of tanh over the floats (kernels.vec_math checks it against libm).
 #include "kernels/cpu/vec_math.hpp"
 
+#include <algorithm>
 #include <cstring>
 
 #include "kernels/ops.hpp"
@@ -202,6 +203,14 @@ void exp_nonpositive_rows(float* y, const float* x, int64_t n) {
   static const Rows impl =
       pick(exp_nonpositive_rows_avx512, exp_nonpositive_rows_avx2, exp_nonpositive_rows_base);
   impl(y, x, n);
+}
+
+float exp_minus_max_rows(float* y, const float* x, int64_t n) {
+  float m = x[0];
+  for (int64_t i = 1; i < n; ++i) m = std::max(m, x[i]);
+  for (int64_t i = 0; i < n; ++i) y[i] = x[i] - m;
+  exp_nonpositive_rows(y, y, n);
+  return m;
 }
 
 }  // namespace kernels::cpu

@@ -14,6 +14,10 @@ void tanh_rows(float* y, const float* x, int64_t n);
 // f32's resolution of a sum that holds a 1), NaN kept; within 3 ulp of libm's expf above. y may
 // be x. Not for x > 0.
 void exp_nonpositive_rows(float* y, const float* x, int64_t n);
+// A softmax row's exponentials: y = exp(x - max x) by exp_nonpositive_rows, the max found left to
+// right (std::max, so a NaN after the first value is skipped as in a scalar scan); returns the
+// max. y may be x. requires n >= 1.
+float exp_minus_max_rows(float* y, const float* x, int64_t n);
 // GPT-2's GELU, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), and its derivative.
 void gelu_tanh_rows(float* y, const float* x, int64_t n);
 void gelu_tanh_grad_rows(float* g, const float* x, int64_t n);
