@@ -43,6 +43,8 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <deque>
 #include <functional>
 #include <map>
@@ -79,17 +81,21 @@ class Tape;
 class Var {
  public:
   Var() = default;
-  Var(Tape* t, int id) : tape_(t), id_(id) {}
+  Var(Tape* t, uint64_t serial, int id) : tape_(t), serial_(serial), id_(id) {}
   const Tensor& value() const;
   const Shape& shape() const { return value().shape(); }
   int ndim() const { return value().ndim(); }
   int64_t dim(int d) const { return value().dim(d); }  // negative counts from the end
   DType dtype() const { return value().dtype(); }
   Tape* tape() const { return tape_; }
+  // The serial of the forward that made it: a tape made later at a freed tape's address has
+  // another one, so a Var kept from an earlier forward is told apart from this forward's.
+  uint64_t serial() const { return serial_; }
   int id() const { return id_; }
 
  private:
   Tape* tape_ = nullptr;
+  uint64_t serial_ = 0;
   int id_ = -1;
 };
 
@@ -124,11 +130,14 @@ class Tape {
   };
   using Step = std::function<void(Tape&, const Node&)>;
 
-  Tape(Module& owner, Device device) : owner_(owner), device_(device) {}
+  Tape(Module& owner, Device device) : owner_(owner), device_(device), serial_(next_serial()) {}
   Module& owner() { return owner_; }
   Device device() const { return device_; }
+  uint64_t serial() const { return serial_; }
+  // Whether v was made by this forward (compares, never dereferences, v's tape).
+  bool owns(const Var& v) const { return v.tape() == this && v.serial() == serial_; }
   Slot& slot(int id) { return slots_[static_cast<size_t>(id)]; }
-  Var var(int id) { return Var(this, id); }
+  Var var(int id) { return Var(this, serial_, id); }
   // An op's tensors: its output, input i, and their gradients.
   Tensor& out(const Node& n) { return slot(n.out).value; }
   const Tensor& in(const Node& n, size_t i) { return slot(n.in[i]).value; }
@@ -158,9 +167,8 @@ class Tape {
     n.flows = flows.empty() ? std::vector<bool>(ins.size(), true) : std::move(flows);
     bool rg = has_params;
     for (size_t i = 0; i < ins.size(); ++i) {
-      DP_CHECK(ins[i].tape() == this, owner_.type_name()
-                                          << ": a Var from another forward used in compose() "
-                                             "(keep no Var from one step to the next)");
+      DP_CHECK(owns(ins[i]), owner_.type_name() << ": a Var from another forward used in compose() "
+                                                   "(keep no Var from one step to the next)");
       n.in.push_back(ins[i].id());
       slot(ins[i].id()).consumers++;
       rg = rg || (n.flows[i] && slot(ins[i].id()).requires_grad);
@@ -255,8 +263,14 @@ class Tape {
     }
   }
 
+  static uint64_t next_serial() {
+    static std::atomic<uint64_t> counter{0};
+    return ++counter;
+  }
+
   Module& owner_;
   Device device_;
+  uint64_t serial_;
   std::deque<Slot> slots_;  // a deque: references to a slot survive new slots
   std::vector<Node> nodes_;
   std::map<const void*, int> named_;
@@ -279,14 +293,24 @@ inline int resolve_dim(int dim, int ndim, const char* op) {
            op << ": dim " << dim << " out of range for a " << ndim << "-D tensor");
   return d;
 }
+// The tape this thread is recording (the innermost compose() running on it), or null.
+inline Tape*& recording_tape() {
+  static thread_local Tape* t = nullptr;
+  return t;
+}
+// The forward v belongs to, which must be the one this thread records: a Var kept from an earlier
+// forward is refused before its tape, possibly freed, is touched.
 inline Tape& tape_of(const Var& v, const char* op) {
   DP_CHECK(v.tape() != nullptr, op << ": an empty Var (default-constructed)");
-  return *v.tape();
+  Tape* t = recording_tape();
+  DP_CHECK(t != nullptr, op << ": an ag op outside compose()");
+  DP_CHECK(t->owns(v), op << ": a Var from another forward used in compose() (keep no Var "
+                             "from one step to the next)");
+  return *t;
 }
 inline Tape& tape_of(const Var& a, const Var& b, const char* op) {
   Tape& t = tape_of(a, op);
-  DP_CHECK(b.tape() == &t, op << ": a Var from another forward used in compose() (keep no Var "
-                                 "from one step to the next)");
+  tape_of(b, op);
   return t;
 }
 // The dtype two operands' result takes: theirs when they share it, else f32.
@@ -842,11 +866,12 @@ class Composed : public Module {
     recording_ = tape.get();
     struct Reset {
       ag::Tape*& r;
-      ~Reset() { r = nullptr; }
-    } reset{recording_};
+      ag::Tape* outer;  // the enclosing composed layer's, when this one is called inside it
+      ~Reset() { r = nullptr, ag::recording_tape() = outer; }
+    } reset{recording_, ag::recording_tape()};
+    ag::recording_tape() = tape.get();
     const ag::Var y = compose(tape->var(in));
-    DP_CHECK(y.tape() == tape.get(), type_name()
-                                         << "::compose returned a Var that is not of this forward");
+    DP_CHECK(tape->owns(y), type_name() << "::compose returned a Var that is not of this forward");
     tape->finish(in, y.id());
     last_ = tape.get();
     tapes_[key] = std::move(tape);
