@@ -9,6 +9,17 @@ dp_add_test(test_dist
 target_compile_definitions(test_dist PRIVATE DP_DIST_WORKER_PATH="$<TARGET_FILE:dist_worker>")
 add_dependencies(test_dist dist_worker)
 
+# custom_reducer, end to end: 2 workers train with the all-reduce and with its PowerSGD hook
+# (non-zero exit when the ranks' weights differ); the hook's row must say it compressed.
+if(TARGET custom_reducer)
+  add_test(NAME "dist.sample: custom_reducer --nproc 2 trains DDP with a PowerSGD hook"
+           COMMAND custom_reducer --nproc 2 --steps 12 --batch 64 --width 128 --start-step 2)
+  set_tests_properties("dist.sample: custom_reducer --nproc 2 trains DDP with a PowerSGD hook"
+    PROPERTIES TIMEOUT 120
+    PASS_REGULAR_EXPRESSION "powersgd-r4 hands [0-9.]+x fewer bytes"
+    FAIL_REGULAR_EXPRESSION "DIFFER|custom_reducer: ")
+endif()
+
 # The sample, end to end: it launches 3 workers of itself and checks its ring against the
 # library's all-reduce (non-zero exit when they disagree).
 if(TARGET communication)

@@ -50,6 +50,11 @@ DistributedDataParallel::DistributedDataParallel(nn::ModulePtr module, ProcessGr
   DP_CHECK(
       options_.comm_dtype == kernels::DType::f32 || options_.comm_dtype == kernels::DType::bf16,
       "DDP: buckets are all-reduced in f32 or bf16, not " << options_.comm_dtype);
+  DP_CHECK(!options_.comm_hook || options_.comm_dtype == kernels::DType::f32,
+           "DDP: comm hook '" << options_.comm_hook->name() << "' with comm dtype "
+                              << options_.comm_dtype
+                              << ": a hook is handed the f32 bucket and chooses what travels "
+                                 "(leave comm_dtype f32)");
   verify_same_model();
   {
     kernels::NvtxRange range("ddp/broadcast_params");
@@ -228,6 +233,10 @@ void DistributedDataParallel::unstage_buckets() {
 
 Tensor DistributedDataParallel::backward_queued(const Tensor& dy) {
   if (!sync_enabled_) return backward_local(dy);
+  DP_CHECK(!options_.comm_hook, "DDP: backward_queued with comm hook '"
+                                    << options_.comm_hook->name()
+                                    << "', whose host code a graph cannot hold (use "
+                                       "backward_local, stage_buckets and all_reduce_staged)");
   queued_ = true;
   Tensor dx;
   try {
@@ -300,6 +309,7 @@ void DistributedDataParallel::stage_bucket(int k) {
 }
 
 bool DistributedDataParallel::issue_bucket(int k) {
+  if (options_.comm_hook) return issue_to_hook(k);
   // One rank: the sum is the bucket itself. Nothing to hand the group (its scaling and
   // rounding happened in stage_bucket, as with peers).
   if (group_.size() == 1) return false;
@@ -315,6 +325,32 @@ bool DistributedDataParallel::issue_bucket(int k) {
       std::chrono::duration<double, std::milli>(Clock::now() - backward_begin_).count();
   if (trace_)
     trace_->add({"ddp/allreduce[bucket " + std::to_string(k) + "] launch", group_.rank(),
+                 trace_->now_us(), 1.0});
+  return true;
+}
+
+bool DistributedDataParallel::issue_to_hook(int k) {
+  CommHook& hook = *options_.comm_hook;
+  kernels::NvtxRange range("ddp/comm_hook[bucket " + std::to_string(k) + "]");
+  GradBucket b;
+  b.index = k;
+  b.offset = buckets_[k].offset;
+  const Tensor slice = grad_slice(k);
+  b.grad = slice;
+  b.share = share_;
+  b.group = &group_;
+  const int64_t before = group_.payload_bytes();
+  std::shared_ptr<Work> work = hook.reduce(b);
+  DP_CHECK(b.grad.storage() == slice.storage() && b.grad.offset_bytes() == slice.offset_bytes() &&
+               b.grad.shape() == slice.shape() && b.grad.dtype() == slice.dtype(),
+           "DDP: comm hook '" << hook.name() << "' replaced bucket " << k
+                              << "'s tensor: write the result into b.grad, do not reassign it");
+  pending_[k] = std::move(work);
+  stats_.comm_bytes += group_.payload_bytes() - before;
+  stats_.bucket_ready_ms[k] =
+      std::chrono::duration<double, std::milli>(Clock::now() - backward_begin_).count();
+  if (trace_)
+    trace_->add({"ddp/comm_hook[bucket " + std::to_string(k) + "] launch", group_.rank(),
                  trace_->now_us(), 1.0});
   return true;
 }

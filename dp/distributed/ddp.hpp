@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "dp/bucket_plan.hpp"
+#include "dp/distributed/comm_hook.hpp"
 #include "dp/distributed/process_group.hpp"
 #include "dp/trace.hpp"
 #include "nn/module.hpp"
@@ -46,6 +47,11 @@ struct DdpOptions {
   // rank rounds its scaled bucket once, the sum runs in the backend, the result is widened back
   // into the f32 gradient): half the bytes on the wire.
   kernels::DType comm_dtype = kernels::DType::f32;
+  // Research code's reducer (dp/distributed/comm_hook.hpp): each ready bucket is handed to it
+  // instead of the all-reduce, at any world size (one rank too, so that a lossy hook behaves
+  // the same). requires comm_dtype f32 (the hook chooses what travels); not with
+  // backward_queued (a hook runs host code) nor ZeRO-1 (which reduce-scatters instead).
+  std::shared_ptr<CommHook> comm_hook;
 };
 
 // A slice [offset, offset + numel) of the flat gradient buffer (dp/bucket_plan.hpp).
@@ -56,7 +62,9 @@ struct DdpStats {
   int buckets = 0;
   int launched_before_backward_end = 0;  // all-reduces started while layers were left to run
   double allreduce_wait_ms = 0;          // time finish() waited: communication not hidden
-  int64_t comm_bytes = 0;                // bytes of the buckets all-reduced (in the comm dtype)
+  // Bytes of the buckets all-reduced (in the comm dtype); with a comm hook, what the hook
+  // handed to the group.
+  int64_t comm_bytes = 0;
   // Per bucket (DistributedDataParallel::bucket_bytes' order): when its all-reduce was issued,
   // in ms after backward began (host time: on CUDA, when the work was enqueued). What the
   // projection's overlap bound starts from; -1 for a bucket not issued this step (under
@@ -144,8 +152,11 @@ class DistributedDataParallel {
   nn::Module& module() { return *module_; }
   const std::vector<Bucket>& buckets() const { return buckets_; }
   const DdpStats& stats() const { return stats_; }
-  // Each gradient bucket's bytes as all-reduced (in the comm dtype), in launch order.
+  // Each gradient bucket's bytes as all-reduced (in the comm dtype), in launch order: without
+  // a comm hook (a hook's bytes are known once it ran: DdpStats::comm_bytes).
   std::vector<int64_t> bucket_bytes() const;
+  // The comm hook in use, or null.
+  CommHook* comm_hook() const { return options_.comm_hook.get(); }
   void set_trace(Trace* trace) { trace_ = trace; }
   Trace* trace() const { return trace_; }
 
@@ -166,6 +177,8 @@ class DistributedDataParallel {
   // Its all-reduce, asynchronously (pending_[k], or queued on the group in backward_queued),
   // counted in the stats; with one rank nothing (returns whether it issued one).
   bool issue_bucket(int k);
+  // issue_bucket with a comm hook: bucket k handed to it, its Work kept in pending_[k].
+  bool issue_to_hook(int k);
   // Every bucket not launched yet, in order (also those whose parameters got no gradient).
   void launch_remaining_buckets();
   // After a step's sync: no bucket counted ready, none launched.

@@ -162,6 +162,7 @@ RunConfig DdpTrainer::engine_config(nn::Module& model, nn::Optimizer& optimizer)
   c["engine.sync_bn"] = sync_bn_ ? "on" : "off";
   c["engine.precision"] = nn::precision_name(precision_);
   c["engine.comm_dtype"] = kernels::dtype_name(ddp_options_.comm_dtype);
+  c["engine.comm_hook"] = ddp_options_.comm_hook ? ddp_options_.comm_hook->name() : "none";
   c["engine.bucket_cap_bytes"] = std::to_string(ddp_options_.bucket_cap_bytes);
   c["engine.first_bucket_bytes"] = std::to_string(ddp_options_.first_bucket_bytes);
   c["engine.buffer_sync"] =
@@ -200,6 +201,10 @@ void DdpTrainer::wrap(nn::ModulePtr model, nn::Optimizer& optimizer) {
            "--zero 1 with --comm-dtype " << kernels::dtype_name(ddp_options_.comm_dtype)
                                          << ": ZeRO-1's reduce_scatter and all_gather run in f32 "
                                             "(bf16 communication is for the bucketed all-reduce)");
+  DP_CHECK(zero_stage_ == 0 || !ddp_options_.comm_hook,
+           "--zero 1 with comm hook '" << ddp_options_.comm_hook->name()
+                                       << "': ZeRO-1 reduce-scatters the whole gradient after "
+                                          "backward, it hands no bucket to a hook");
   model->set_compute_dtype(nn::compute_dtype(precision_));
   model->set_output(nn::output_for(precision_, *loss_fn_));
   model->set_input_grad(nn::InputGrad::not_needed);      // the input is data
@@ -280,7 +285,8 @@ void DdpTrainer::set_graph_collectives(bool allowed) {
 }
 
 bool DdpTrainer::collectives_in_graph() const {
-  return graph_collectives_ && group_->collectives_capturable(device_);
+  // A comm hook runs host code: a graphed step calls it between its two segments.
+  return graph_collectives_ && !ddp_options_.comm_hook && group_->collectives_capturable(device_);
 }
 
 std::string DdpTrainer::graphs_blocked() const {

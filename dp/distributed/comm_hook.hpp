@@ -1,0 +1,62 @@
+// dp::dist::CommHook: how this rank's gradient buckets meet the other ranks' under DDP, written
+// by research code (PyTorch's DistributedDataParallel.register_comm_hook).
+//
+//   class MyHook : public dp::dist::CommHook {
+//     std::string name() const override { return "my-hook"; }
+//     std::shared_ptr<dp::dist::Work> reduce(dp::dist::GradBucket& b) override {
+//       return b.group->all_reduce(b.grad);  // what DDP does without a hook
+//     }
+//   };
+//   dp::dist::DdpOptions o;  o.comm_hook = std::make_shared<MyHook>();
+//
+// DDP hands the hook each bucket of the flat gradient as soon as the bucket's gradient is final,
+// from backward's hooks, in bucket order on every rank (the same order everywhere, so that the
+// hook's collectives match), already scaled by this rank's share of the global batch: the sum of
+// the ranks' buckets is the global batch's gradient. What the hook leaves in the bucket when its
+// Work is done is what the optimizer steps with, on this rank. Compression with error feedback
+// (samples/low_rank_hook.hpp, PowerSGD) keeps its residuals in the hook, per bucket index.
+//
+// Rules:
+//  - collectives only through b.group, none issued from another thread; every rank's hook issues
+//    the same collectives in the same order for a bucket (they are matched by order);
+//  - the bucket's memory is the gradient's: write the result there; keep no view of it past the
+//    step (zero_grad and the next backward write it);
+//  - the bytes the hook hands to the group are the step's communication bytes
+//    (DdpStats::comm_bytes, ProcessGroup::payload_bytes), whatever their dtype;
+//  - a hook runs host code: a graphed step (dp/graphs.hpp) calls it between its two captured
+//    segments, after backward, instead of from the captured backward's hooks.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "dp/distributed/process_group.hpp"
+#include "kernels/runtime/tensor.hpp"
+
+namespace dp::dist {
+
+// One gradient bucket, as handed to a hook.
+struct GradBucket {
+  int index = 0;         // 0 .. buckets - 1: the launch order, the same on every rank
+  int64_t offset = 0;    // where it starts in the flat gradient (elements)
+  kernels::Tensor grad;  // (numel) f32 view of this rank's flat gradient, share-scaled
+  // This rank's share of the global batch, which grad was scaled by: the ranks' shares add to
+  // 1 (an error-feedback hook keeps grad - share * result, whose sum over ranks is the sum's
+  // error).
+  float share = 1.f;
+  ProcessGroup* group = nullptr;  // the DDP's group
+};
+
+class CommHook {
+ public:
+  virtual ~CommHook() = default;
+  // A short name for reports ("powersgd-r4").
+  virtual std::string name() const = 0;
+  // Starts (or does) bucket b's communication. Returns the Work whose wait() leaves in b.grad
+  // what the optimizer steps with (the sum over ranks of their b.grad, or the hook's
+  // approximation of it), or null when that is there already on return. DDP waits for the
+  // Works in bucket order before the optimizer step.
+  virtual std::shared_ptr<Work> reduce(GradBucket& b) = 0;
+};
+
+}  // namespace dp::dist

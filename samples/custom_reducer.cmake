@@ -1,0 +1,6 @@
+# custom_reducer: a DDP communication hook (PowerSGD, samples/low_rank_hook.hpp) trained beside
+# the built-in bucket all-reduce, across worker processes it launches itself.
+if(TARGET dp_distributed AND TARGET dp_data)
+  add_executable(custom_reducer ${CMAKE_CURRENT_SOURCE_DIR}/custom_reducer.cpp)
+  target_link_libraries(custom_reducer PRIVATE dp_distributed dp_data dp_cli)
+endif()
