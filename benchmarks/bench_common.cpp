@@ -866,6 +866,22 @@ int run(const Options& o, int argc, char** argv) {
     dp::warn_if_oversubscribed(kernels::make_devices(DeviceType::cuda, max_n));
   bool want_dp = o.mode == "dp" || o.mode == "both", want_ddp = o.mode == "ddp" || o.mode == "both";
   bool want_hybrid = o.mode == "hybrid";
+  // The workload's comm hook trains beside DDP, where nothing it cannot take is asked for.
+  bool want_hook = want_ddp && o.workload && o.workload->make_comm_hook;
+  if (want_hook) {
+    std::string why;
+    if (s.comm_dtype != kernels::DType::f32)
+      why = "--comm-dtype " + o.comm_dtype +
+            " (a hook is handed f32 buckets and chooses what travels)";
+    else if (o.zero != 0)
+      why = "--zero 1 (ZeRO-1 reduce-scatters the gradient, it hands no bucket to a hook)";
+    else if (!o.checkpoint_dir.empty() || !o.resume.empty())
+      why = "checkpoints (the hook's rows would share DDP's folder)";
+    if (!why.empty()) {
+      std::fprintf(stderr, "dp_bench: the comm hook's rows are not run with %s\n", why.c_str());
+      want_hook = false;
+    }
+  }
   bool tracing = !o.trace_path.empty();
   // One job per checkpoint folder, for the whole run (DDP workers see it held by this process).
   std::optional<nn::CheckpointDirLock> lock;
@@ -880,9 +896,9 @@ int run(const Options& o, int argc, char** argv) {
   bool other_node = false;
   for (int k = 0; k < o.repeat; ++k) {
     size_t slot = 0;
-    for (const std::string mode : {"dp", "ddp", "hybrid"}) {
+    for (const std::string mode : {"dp", "ddp", "hook", "hybrid"}) {
       if ((mode == "dp" && !want_dp) || (mode == "ddp" && !want_ddp) ||
-          (mode == "hybrid" && !want_hybrid))
+          (mode == "hook" && !want_hook) || (mode == "hybrid" && !want_hybrid))
         continue;
       for (int n : counts) {
         dp::Trace trace;
@@ -890,7 +906,9 @@ int run(const Options& o, int argc, char** argv) {
         dp::Trace* t = trace_this ? &trace : nullptr;
         std::optional<RunResult> got = mode == "dp"    ? run_dp(o, s, n, t, lock ? &*lock : nullptr)
                                        : mode == "ddp" ? run_ddp(o, s, n, argc, argv, t)
-                                                       : run_hybrid(o, s, n, argc, argv, t);
+                                       : mode == "hook"
+                                           ? run_ddp(o, s, n, argc, argv, t, /*hook=*/true)
+                                           : run_hybrid(o, s, n, argc, argv, t);
         if (!got) {  // this node's ranks ran; node 0 has the figures
           other_node = true;
           continue;
@@ -907,7 +925,7 @@ int run(const Options& o, int argc, char** argv) {
                        median(r.step_ms), r.final_loss);
         if (trace_this) {
           dp::TracedRun run{mode + " N=" + std::to_string(r.gpus), trace.events(), {}};
-          if (mode == "ddp")  // one process per rank: its tracks are ranks, not devices
+          if (mode == "ddp" || mode == "hook")  // one process per rank: tracks are ranks
             for (const dp::TraceEvent& e : run.events)
               run.track_names.emplace(
                   e.track,

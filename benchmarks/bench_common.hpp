@@ -15,6 +15,7 @@
 #include "dp/data/loader.hpp"
 #include "dp/data/synthetic.hpp"
 #include "dp/data_parallel.hpp"
+#include "dp/distributed/comm_hook.hpp"
 #include "dp/distributed/launcher.hpp"
 #include "dp/trace.hpp"
 #include "kernels/ops.hpp"
@@ -51,6 +52,11 @@ struct Workload {
   // Language models: tokens per sample and training FLOPs per token, for tokens/s and MFU.
   int64_t tokens_per_sample = 0;
   double flops_per_token = 0;
+  // A reducer of the user's: a DDP communication hook (dp/distributed/comm_hook.hpp), made on
+  // each rank. --mode ddp and both then also train DDP with it, as "hook" rows beside DDP's
+  // (its bytes handed to the group, step time and loss against the built-in all-reduce's).
+  // Null: none.
+  std::function<std::shared_ptr<dp::dist::CommHook>()> make_comm_hook;
 };
 
 struct Options {

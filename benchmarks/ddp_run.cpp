@@ -28,13 +28,14 @@
 namespace bench {
 
 std::optional<RunResult> run_ddp(const Options& o, const Setup& s, int n, int argc, char** argv,
-                                 dp::Trace* trace) {
+                                 dp::Trace* trace, bool hook) {
   (void)s;
-  return run_workers(o, n, "the DDP run", argc, argv, trace);
+  return run_workers(o, n, hook ? "the DDP run with the comm hook" : "the DDP run", argc, argv,
+                     trace, hook);
 }
 
 std::optional<RunResult> run_workers(const Options& o, int n, const std::string& what, int argc,
-                                     char** argv, dp::Trace* trace) {
+                                     char** argv, dp::Trace* trace, bool hook) {
   SharedFile result("dp_bench_ddp_result");
   std::vector<std::unique_ptr<SharedFile>> traces;
   std::string trace_fds;
@@ -51,7 +52,8 @@ std::optional<RunResult> run_workers(const Options& o, int n, const std::string&
   t.launch.extra_env = {{"DP_BENCH_DDP_RESULT_FD", std::to_string(result.fd())},
                         {"DP_BENCH_DDP_TRACE_FDS", trace_fds},
                         {"DP_BENCH_DDP_N", std::to_string(n * o.launch.nnodes)},
-                        {"DP_BENCH_TRACE_ORIGIN_NS", trace ? std::to_string(now_ns()) : ""}};
+                        {"DP_BENCH_TRACE_ORIGIN_NS", trace ? std::to_string(now_ns()) : ""},
+                        {"DP_BENCH_DDP_HOOK", hook ? "1" : ""}};
   std::optional<int> rc = dp::dist::launch_if_parent(t, argc, argv);
   DP_CHECK(rc.has_value(), "dp_bench: a launch from a worker process");
   const std::string ranks = what + " on " + std::to_string(n * o.launch.nnodes) + " ranks";
@@ -121,6 +123,15 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   ddp_options.bucket_cap_bytes = static_cast<int64_t>(o.bucket_cap_mb * (1 << 20));
   ddp_options.first_bucket_bytes = static_cast<int64_t>(o.first_bucket_mb * (1 << 20));
   ddp_options.comm_dtype = s.comm_dtype;
+  // The workload's comm hook, for the launcher's "hook" run (never under an external launcher).
+  const char* hook_env = std::getenv("DP_BENCH_DDP_HOOK");
+  const bool hooked = !external && hook_env && std::string(hook_env) == "1";
+  if (hooked) {
+    DP_CHECK(o.workload && o.workload->make_comm_hook,
+             "dp_bench worker: a comm hook run without a workload that makes one");
+    ddp_options.comm_hook = o.workload->make_comm_hook();
+    DP_CHECK(ddp_options.comm_hook, "the workload's make_comm_hook returned no hook");
+  }
   dp::dist::DdpTrainer trainer(s.type, o.backend, ddp_options,
                                std::chrono::milliseconds(std::llround(o.timeout_s * 1000)));
   int n = external ? trainer.world_size() : std::atoi(n_env);
@@ -155,7 +166,8 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
     trace = std::make_unique<dp::Trace>(origin);
   }
   RunResult r;
-  r.mode = "ddp";
+  r.mode = hooked ? "hook" : "ddp";
+  if (hooked) r.comm_hook = ddp_options.comm_hook->name();
   r.optim = o.optim;
   r.comm_dtype = o.comm_dtype;
   r.zero = o.zero;
@@ -167,7 +179,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   ReplayCounts replay;
   std::vector<std::vector<double>> ready_frac;  // per bucket, one per timed step
   auto [pa, pb] = profile_range(o);
-  nn::TrainingProgress state = bench_state(o, "ddp", n);
+  nn::TrainingProgress state = bench_state(o, r.mode.c_str(), n);
   // Rank 0 writes the checkpoints: it holds the folder's lock (held by the launcher when ours
   // started it: then this only checks that).
   std::optional<nn::CheckpointDirLock> lock;
@@ -205,7 +217,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
     if (trainer.rank() == 0) nn::save_checkpoint_in(*lock, o.keep, *model, opt, state, whole);
     trainer.group().barrier()->wait();
   };
-  auto bar = progress_line("ddp N=" + std::to_string(n), o.warmup + o.steps);
+  auto bar = progress_line(r.mode + " N=" + std::to_string(n), o.warmup + o.steps);
   CaptureWatch capture;
   for (int step = first; step < o.warmup + o.steps; ++step) {
     int timed = step - o.warmup;

@@ -13,8 +13,9 @@ namespace bench {
 
 // Runs n ranks on this node (n x nnodes in all). The figures come back on node 0 only: other
 // nodes get nullopt once their ranks finished.
+// hook: with the workload's comm hook (Workload::make_comm_hook) in place of the all-reduce.
 std::optional<RunResult> run_ddp(const Options& o, const Setup& s, int n, int argc, char** argv,
-                                 dp::Trace* trace);
+                                 dp::Trace* trace, bool hook = false);
 int ddp_worker_main(const Options& o, int argc, char** argv);
 // What every rank or node of a dp_bench run must agree on (verified before the first
 // collective): the flags that shape the run, keyed as typed ("--batch": the global batch).
@@ -24,7 +25,7 @@ dp::dist::RunConfig bench_run_config(const Options& o, int64_t batch, int64_t da
 // rank 0's figures back through a result file, each rank's trace merged. `what` names the run
 // in errors ("the DDP run").
 std::optional<RunResult> run_workers(const Options& o, int n, const std::string& what, int argc,
-                                     char** argv, dp::Trace* trace);
+                                     char** argv, dp::Trace* trace, bool hook = false);
 
 // dp_bench's hybrid mode: node processes (hybrid_procs(o) on this node, one per node on a real
 // cluster), each the threaded DP engine over --gpus devices, their device 0s joined through

@@ -98,12 +98,17 @@ bool time_sliced(const Header& h, int n) {
 
 std::string time_sliced_label(const Header& h, const std::string& mode, int n) {
   if (!time_sliced(h, n)) return "";
-  if (mode == "ddp" && h.device != "cpu")
+  if ((mode == "ddp" || mode == "hook") && h.device != "cpu")
     return "correctness only: ranks time-slice one GPU through host staging";
   return "time-sliced: overhead, not scaling";
 }
 
 namespace {
+
+// A run of DDP's ranks: with the built-in all-reduce ("ddp") or a comm hook ("hook").
+bool ddp_ranks(const RunResult& r) {
+  return r.mode == "ddp" || r.mode == "hook";
+}
 
 const RunResult* baseline_of(const std::vector<RunResult>& runs, const std::string& mode) {
   for (auto& r : runs)
@@ -214,7 +219,7 @@ namespace {
 // Exposed communication of a run (ms): DP's scatter, replicate and the reduce not hidden by
 // backward; DDP's all-reduce wait.
 double communication_ms(const RunResult& r) {
-  if (r.mode == "ddp") return phase(r, "allreduce_exposed");
+  if (ddp_ranks(r)) return phase(r, "allreduce_exposed");
   return phase(r, "scatter") + phase(r, "replicate") + phase(r, "reduce");
 }
 
@@ -356,7 +361,7 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
       os << " other " << std::setprecision(3) << r.phases_ms.at("other") << " = step "
          << r.phases_step_ms;
     if (r.phases_ms.empty()) os << " not timed (--phase-times off)";
-    if (r.mode == "ddp" && r.gpus > 1)
+    if (ddp_ranks(r) && r.gpus > 1)
       os << "  (buckets " << r.buckets << ", " << r.buckets_overlapped
          << " launched while backward ran on)";
     if (r.mode == "dp" && r.gpus > 1)
@@ -425,7 +430,29 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
          << mib(r.param_bytes / 2) << " MiB saved per " << (r.mode == "dp" ? "replica" : "rank")
          << " per step)\n";
   for (auto& r : runs)
-    if (r.mode == "ddp") {
+    if (r.mode == "hook") {
+      os << "\n hook: DDP with the workload's comm hook " << r.comm_hook
+         << " in place of the bucket all-reduce (the same model, data and ranks); against DDP "
+            "at the same N:\n";
+      break;
+    }
+  for (auto& r : runs) {
+    const RunResult* d = r.mode == "hook" ? largest_of(runs, "ddp", r.gpus) : nullptr;
+    if (!d) continue;
+    os << " hook " << std::setw(2) << r.gpus << "   bytes handed to the group per step "
+       << r.bytes_per_step << " against " << d->bytes_per_step;
+    if (r.bytes_per_step > 0 && d->bytes_per_step > 0)
+      os << " (" << std::setprecision(1)
+         << static_cast<double>(d->bytes_per_step) / static_cast<double>(r.bytes_per_step)
+         << "x fewer)";
+    if (!samples_of(r).empty() && !samples_of(*d).empty())
+      os << ", step time x "
+         << describe(ratio_ci(samples_of(r), samples_of(*d), pairing_of(r, *d)), 1.0, 2);
+    os << ", final loss " << std::setprecision(6) << r.final_loss << " against " << d->final_loss
+       << "\n";
+  }
+  for (auto& r : runs)
+    if (ddp_ranks(r)) {
       os << "\n DDP step time is the slowest rank's, per step (a synchronous step ends with its "
             "last rank)\n";
       break;
@@ -438,7 +465,7 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
        << "   " << (r.mode == "dp" ? "copied " : "payload ") << std::setw(9)
        << mib(r.bytes_per_step) << " (counted" << (r.mode == "hybrid" ? ", across nodes)" : ")")
        << "   model " << std::setw(9) << mib(r.bytes_theory)
-       << (r.mode == "ddp"      ? " (ring, per rank)"
+       << (ddp_ranks(r)         ? " (ring, per rank)"
            : r.mode == "hybrid" ? " (ring over nodes, per node)"
                                 : " (star)")
        << "   peak MiB per device:";
@@ -684,6 +711,7 @@ nlohmann::json run_to_json(const RunResult& r) {
       {"casts_per_step", r.casts_per_step},
       {"graphed_steps", r.graphed_steps},
       {"graph_collectives", r.graph_collectives},
+      {"comm_hook", r.comm_hook},
       {"capture", r.capture_step < 0 ? nlohmann::json(nullptr)
                                      : nlohmann::json{{"step", r.capture_step},
                                                       {"allocations", r.capture_allocations},
@@ -730,6 +758,7 @@ RunResult run_from_json(const nlohmann::json& j) {
   r.casts_per_step = j.value("casts_per_step", 0.0);
   r.graphed_steps = j.value("graphed_steps", 0);
   r.graph_collectives = j.value("graph_collectives", std::string());
+  r.comm_hook = j.value("comm_hook", std::string());
   if (auto c = j.find("capture"); c != j.end() && c->is_object()) {
     r.capture_step = c->at("step").get<int>();
     r.capture_allocations = c->at("allocations").get<int64_t>();

@@ -72,6 +72,9 @@ struct RunResult {
   // DDP with graphed steps: where the bucket all-reduces ran ("in graph", overlapped with the
   // captured backward, or "between graphs"); empty otherwise.
   std::string graph_collectives;
+  // mode "hook": DDP with the workload's communication hook (dp/distributed/comm_hook.hpp) in
+  // place of the bucket all-reduce: its name. Empty otherwise.
+  std::string comm_hook;
   // The step that captured the graphs (warm-up included; -1: none did): the memory it took from
   // a device (goal 0: a capture finds its blocks cached) and the most memory one device (DDP:
   // rank 0) had in use during it, against the eager step before it (goal: equal, within a

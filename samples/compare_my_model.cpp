@@ -1,12 +1,15 @@
 // DP against DDP on your own model: a small residual MLP on its own data, trained with its own
 // recipe (AdamW with weight decay on the matrices only, the gradient clipped to norm 1), measured
-// by the same machinery as dp_bench (benchmarks/compare.hpp). Every dp_bench flag works but
+// by the same machinery as dp_bench (benchmarks/compare.hpp). DDP also runs with a reducer of
+// your own, a communication hook (here PowerSGD, samples/low_rank_hook.hpp): the "hook" rows,
+// with its bytes and step time beside the built-in all-reduce's. Every dp_bench flag works but
 // --model and --optim, which the workload replaces:
 //   build/bin/compare_my_model --device cpu --gpus 4 --mode both --repeat 5 --steps 50
 #include <memory>
 
 #include "benchmarks/compare.hpp"
 #include "dp/data/synthetic.hpp"
+#include "low_rank_hook.hpp"  // beside this file: the sample builds from an install too
 #include "nn/nn.hpp"
 
 namespace {
@@ -46,5 +49,10 @@ int main(int argc, char** argv) {
   w.make_optimizer = adamw;
   w.optimizer_name = "adamw+groups";
   w.clip_grad_norm = 1.f;
+  w.make_comm_hook = [] {
+    samples::LowRankOptions o;
+    o.start_step = 2;  // compress early: short runs show it (PyTorch suggests ~1,000 steps whole)
+    return std::make_shared<samples::LowRankHook>(o);
+  };
   return bench::compare(w, argc, argv);
 }

@@ -12,7 +12,7 @@ if(TARGET compare_my_model)
                    --warmup 1 --batch 24 --repeat 2)
   set_tests_properties("samples.compare_my_model: DP and DDP on a user-defined model, same report"
     PROPERTIES TIMEOUT 120
-    PASS_REGULAR_EXPRESSION "dp_bench: model residual_mlp \\(23910 parameters.*dp    2      24.*ddp   2      24.*verdict: residual_mlp, batch 24, 2 devices here \\(time-sliced\\)")
+    PASS_REGULAR_EXPRESSION "dp_bench: model residual_mlp \\(23910 parameters.*dp    2      24.*ddp   2      24.*hook  2      24.*hook: DDP with the workload's comm hook powersgd-r4.*verdict: residual_mlp, batch 24, 2 devices here \\(time-sliced\\)")
   add_test(NAME "samples.compare_my_model: refuses --model, which the workload replaces"
            COMMAND $<TARGET_FILE:compare_my_model> --device cpu --model cnn)
   set_tests_properties("samples.compare_my_model: refuses --model, which the workload replaces"
@@ -27,8 +27,14 @@ if(TARGET compare_my_model)
     PASS_REGULAR_EXPRESSION "--optim: 'sgd' is not used: residual_mlp trains with its own optimizer \\(adamw\\+groups\\)")
   # The four runs' final losses (dp and ddp, 1 and 2 devices) are one value: uniq counts 4.
   add_test(NAME "samples.compare_my_model: DP and DDP follow one loss curve under its recipe"
-           COMMAND sh -c "$<TARGET_FILE:compare_my_model> --device cpu --gpus 2 --mode both --steps 4 --warmup 1 --batch 24 2>&1 | grep -o 'N=[12]: [0-9.]* ms/step, final loss [0-9.]*' | sed 's/.*final/final/' | sort | uniq -c")
+           COMMAND sh -c "$<TARGET_FILE:compare_my_model> --device cpu --gpus 2 --mode both --steps 4 --warmup 1 --batch 24 2>&1 | grep -v 'hook N=' | grep -o 'N=[12]: [0-9.]* ms/step, final loss [0-9.]*' | sed 's/.*final/final/' | sort | uniq -c")
   set_tests_properties("samples.compare_my_model: DP and DDP follow one loss curve under its recipe"
+    PROPERTIES TIMEOUT 120 PASS_REGULAR_EXPRESSION "^ *4 final loss [0-9.]+\n$")
+  # The workload's comm hook (PowerSGD): its DDP runs, graphed (the hook between the two captured
+  # segments) and not, at 1 and 2 ranks, end on one loss: uniq counts 4.
+  add_test(NAME "samples.compare_my_model: the comm hook's runs, graphs on and off, follow one loss curve"
+           COMMAND sh -c "for g in on off; do $<TARGET_FILE:compare_my_model> --device cpu --gpus 2 --mode ddp --steps 6 --warmup 1 --batch 24 --cuda-graphs $g 2>&1 | grep -o 'hook N=[12]: [0-9.]* ms/step, final loss [0-9.]*'; done | sed 's/.*final/final/' | sort | uniq -c")
+  set_tests_properties("samples.compare_my_model: the comm hook's runs, graphs on and off, follow one loss curve"
     PROPERTIES TIMEOUT 120 PASS_REGULAR_EXPRESSION "^ *4 final loss [0-9.]+\n$")
   # --help lists only the flags the workload takes (the built-in models' are left out).
   add_test(NAME "samples.compare_my_model: --help leaves out the built-in models' flags"
