@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <exception>
 #include <map>
 #include <memory>
 #include <string>
@@ -42,29 +43,71 @@ class LowRankHook : public dp::dist::CommHook {
 
   std::string name() const override { return "powersgd-r" + std::to_string(o_.rank); }
 
+  // Starts P's all-reduce and returns: the rest of backward runs while it travels. DDP waits for
+  // the buckets' Works in bucket order, so every rank issues the Q all-reduces (in wait) in the
+  // same order too.
   std::shared_ptr<dp::dist::Work> reduce(dp::dist::GradBucket& b) override {
     using kernels::Transpose;
     Bucket& s = bucket(b);
     if (s.calls++ < o_.start_step || !s.compress) return b.group->all_reduce(b.grad);
     const int64_t n = b.grad.numel();
-    kernels::Tensor m = s.m.reshape({s.rows, s.cols}), approx = s.approx.reshape({s.rows, s.cols});
-    kernels::Tensor m_flat = s.m.view(0, {n}), approx_flat = s.approx.view(0, {n});
+    kernels::Tensor m_flat = s.m.view(0, {n});
     kernels::copy(m_flat, b.grad);        // M = this rank's gradient ...
     kernels::axpy(m_flat, 1.f, s.error);  // ... plus what earlier steps left out
-    kernels::gemm(s.p, m, Transpose::no, s.q, Transpose::no);  // P = M Q
-    b.group->all_reduce(s.p)->wait();
-    orthonormalise(s);
-    kernels::gemm(s.q, m, Transpose::yes, s.p, Transpose::no);  // Q = M^T P
-    b.group->all_reduce(s.q)->wait();
-    kernels::gemm(approx, s.p, Transpose::no, s.q, Transpose::yes);  // M' = P Q^T
-    // This rank's error: its M less its share of M' (the ranks' errors add up to sum M - M').
-    kernels::copy(s.error, m_flat);
-    kernels::axpy(s.error, -b.share, approx_flat);
-    kernels::copy(b.grad, approx_flat);
-    return nullptr;  // done: the result is in b.grad
+    kernels::gemm(s.p, s.m.reshape({s.rows, s.cols}), Transpose::no, s.q,
+                  Transpose::no);  // P = M Q
+    return std::make_shared<Finish>(s, b, b.group->all_reduce(s.p));
   }
 
  private:
+  struct Bucket;
+
+  // The second half of a bucket's power iteration, run by DDP's wait(): P orthonormalised,
+  // Q = M^T P all-reduced, M' = P Q^T into the gradient, and this rank's error.
+  class Finish : public dp::dist::Work {
+   public:
+    Finish(Bucket& s, const dp::dist::GradBucket& b, std::shared_ptr<dp::dist::Work> p_sum)
+        : s_(s), grad_(b.grad), share_(b.share), group_(*b.group), p_sum_(std::move(p_sum)) {}
+    void wait() override {
+      if (failure_) std::rethrow_exception(failure_);
+      if (done_) return;
+      try {
+        run();
+      } catch (...) {
+        failure_ = std::current_exception();
+        throw;
+      }
+      done_ = true;
+    }
+    bool is_completed() const override { return done_ || failure_ != nullptr; }
+
+   private:
+    void run() {
+      using kernels::Transpose;
+      const int64_t n = grad_.numel();
+      kernels::Tensor m = s_.m.reshape({s_.rows, s_.cols});
+      kernels::Tensor approx = s_.approx.reshape({s_.rows, s_.cols});
+      kernels::Tensor m_flat = s_.m.view(0, {n}), approx_flat = s_.approx.view(0, {n});
+      p_sum_->wait();
+      orthonormalise(s_);
+      kernels::gemm(s_.q, m, Transpose::yes, s_.p, Transpose::no);  // Q = M^T P
+      group_.all_reduce(s_.q)->wait();
+      kernels::gemm(approx, s_.p, Transpose::no, s_.q, Transpose::yes);  // M' = P Q^T
+      // This rank's error: its M less its share of M' (the ranks' errors add up to sum M - M').
+      kernels::copy(s_.error, m_flat);
+      kernels::axpy(s_.error, -share_, approx_flat);
+      kernels::copy(grad_, approx_flat);
+    }
+
+    Bucket& s_;
+    kernels::Tensor grad_;
+    float share_;
+    dp::dist::ProcessGroup& group_;
+    std::shared_ptr<dp::dist::Work> p_sum_;
+    bool done_ = false;
+    std::exception_ptr failure_;
+  };
+
   struct Bucket {
     int64_t calls = 0;
     bool compress = false;

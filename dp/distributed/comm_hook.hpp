@@ -21,8 +21,10 @@
 //    the same collectives in the same order for a bucket (they are matched by order);
 //  - the bucket's memory is the gradient's: write the result there; keep no view of it past the
 //    step (zero_grad and the next backward write it);
-//  - the bytes the hook hands to the group are the step's communication bytes
-//    (DdpStats::comm_bytes, ProcessGroup::payload_bytes), whatever their dtype;
+//  - the bytes the hook hands to the group, in reduce() and in its Work's wait(), are the step's
+//    communication bytes (DdpStats::comm_bytes, ProcessGroup::payload_bytes), whatever their
+//    dtype; a Work's wait() may issue collectives of its own (a second round), as DDP waits for
+//    the buckets in bucket order on every rank;
 //  - a hook runs host code: a graphed step (dp/graphs.hpp) calls it between its two captured
 //    segments, after backward, instead of from the captured backward's hooks.
 #pragma once

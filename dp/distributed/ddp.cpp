@@ -221,7 +221,9 @@ void DistributedDataParallel::all_reduce_staged() {
     std::vector<std::shared_ptr<Work>> works;
     for (auto& w : pending_)
       if (w) works.push_back(std::move(w));
+    const int64_t before = group_.payload_bytes();
     wait_all(works);
+    stats_.comm_bytes += group_.payload_bytes() - before;  // what a hook's waits handed over
   }
   average_buffers();
   stats_.allreduce_wait_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
@@ -403,7 +405,9 @@ void DistributedDataParallel::finish_gradient_sync() {
     TraceScope slice(trace_, "ddp/allreduce_wait", group_.rank());
     for (size_t k = 0; k < pending_.size(); ++k) {  // every bucket was issued by now
       if (pending_[k]) {
+        const int64_t before = group_.payload_bytes();
         pending_[k]->wait();
+        stats_.comm_bytes += group_.payload_bytes() - before;  // what a hook's wait handed over
         pending_[k].reset();
       }
       unstage_bucket(static_cast<int>(k));
