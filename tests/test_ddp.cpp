@@ -26,13 +26,6 @@ namespace {
 
 constexpr uint64_t kSeed = 77;
 
-SgdConfig sgd() {
-  SgdConfig c;
-  c.lr = 0.1f;
-  c.momentum = 0.9f;
-  return c;
-}
-
 // Rank r's share of a global batch of `batch` rows (B_r / B).
 float share_of(int64_t batch, int rank, int world) {
   return dp::chunk_share(dp::chunk_sizes(batch, world)[rank], batch);
@@ -95,12 +88,13 @@ TEST_CASE("ddp.equivalence: 2-4 ranks follow the single-device run, replicas bit
     for (int64_t batch : {12, 10}) {
       CAPTURE(world);
       CAPTURE(batch);
-      auto ref = dp_test::train_single(nn::mlp({6, 16, 5}), kSeed, 4, batch, sgd());
+      auto ref =
+          dp_test::train_single(nn::mlp({6, 16, 5}), kSeed, 4, batch, dp_test::momentum_sgd());
       std::vector<std::vector<float>> params(world);
       run_ranks(world, [&](int r, dp::dist::ProcessGroup& pg) {
         auto m = nn::mlp({6, 16, 5});
         m->materialize(Device::cpu(r), kSeed + r);  // different seeds: rank 0's weights win
-        nn::SGD opt(*m, sgd());
+        nn::SGD opt(*m, dp_test::momentum_sgd());
         dp::dist::DdpOptions o;
         o.first_bucket_bytes = 256;  // several buckets even for this small model
         o.bucket_cap_bytes = 512;
@@ -129,7 +123,7 @@ TEST_CASE("ddp.overlap: bucket all-reduces start before backward ends") {
   run_ranks(2, [&](int r, dp::dist::ProcessGroup& pg) {
     auto m = nn::mlp({6, 64, 64, 64, 5});
     m->materialize(Device::cpu(r), kSeed);
-    nn::SGD opt(*m, sgd());
+    nn::SGD opt(*m, dp_test::momentum_sgd());
     dp::dist::DdpOptions o;
     o.first_bucket_bytes = 1024;
     o.bucket_cap_bytes = 16 << 10;
@@ -149,7 +143,7 @@ TEST_CASE(
   run_ranks(2, [&](int r, dp::dist::ProcessGroup& pg) {
     auto m = nn::mlp({6, 8, 5});
     m->materialize(Device::cpu(r), kSeed);
-    nn::SGD opt(*m, sgd());
+    nn::SGD opt(*m, dp_test::momentum_sgd());
     DistributedDataParallel ddp(m, pg);
     auto [x, y] = dp_test::toy_batch(8, 9);  // rank r owns rows [4r, 4r+4): two micro-batches of 2
     ddp.module().zero_grad();
@@ -176,7 +170,7 @@ TEST_CASE(
   });
   auto m = nn::mlp({6, 8, 5});
   m->materialize(Device::cpu(0), kSeed);
-  nn::SGD opt(*m, sgd());
+  nn::SGD opt(*m, dp_test::momentum_sgd());
   auto [x, y] = dp_test::toy_batch(8, 9);
   dp_test::single_step(*m, opt, x, y);
   CHECK(dp_test::rel_diff(synced, m->flat_params().to_host_f32()) <= 1e-5f);
@@ -201,7 +195,7 @@ TEST_CASE(
   run_ranks(2, [&](int r, dp::dist::ProcessGroup& pg) {
     auto armed = std::make_shared<std::atomic<bool>>(true);
     auto m = model(r, armed);
-    nn::SGD opt(*m, sgd());
+    nn::SGD opt(*m, dp_test::momentum_sgd());
     dp::dist::DdpOptions o;
     o.first_bucket_bytes = 64;  // the last Linear's parameters alone in the first buckets
     DistributedDataParallel ddp(m, pg, o);
@@ -212,7 +206,7 @@ TEST_CASE(
     params[r] = m->flat_params().to_host_f32();
   });
   auto m = model(0, std::make_shared<std::atomic<bool>>(false));
-  nn::SGD opt(*m, sgd());
+  nn::SGD opt(*m, dp_test::momentum_sgd());
   dp_test::single_step(*m, opt, x, y);
   const std::vector<float> ref = m->flat_params().to_host_f32();
   for (int r = 0; r < 2; ++r) CHECK(dp_test::rel_diff(params[r], ref) <= 1e-5f);
@@ -254,7 +248,7 @@ TEST_CASE("ddp.buffers: BatchNorm stats follow rank 0 (broadcast) or the mean (a
       s->add(std::make_shared<nn::Linear>(6, 5));
       s->add(std::make_shared<nn::BatchNorm1d>(5));
       s->materialize(Device::cpu(r), kSeed);
-      nn::SGD opt(*s, sgd());
+      nn::SGD opt(*s, dp_test::momentum_sgd());
       dp::dist::DdpOptions o;
       o.buffer_sync = mode;
       DistributedDataParallel ddp(s, pg, o);
@@ -329,7 +323,7 @@ std::vector<std::vector<float>> train_ddp(int world, int64_t batch, bool adam, b
     if (adam)
       opt = std::make_unique<nn::AdamW>(*m, adamw());
     else
-      opt = std::make_unique<nn::SGD>(*m, sgd());
+      opt = std::make_unique<nn::SGD>(*m, dp_test::momentum_sgd());
     DistributedDataParallel ddp(m, pg);
     std::unique_ptr<dp::dist::ZeroStage1> z;
     if (zero) z = std::make_unique<dp::dist::ZeroStage1>(pg, *m, *opt);
@@ -388,7 +382,7 @@ TEST_CASE("ddp.zero: a rank with a different shard plan is refused, named") {
   run_ranks(2, [&](int r, dp::dist::ProcessGroup& pg) {
     auto m = nn::mlp({6, r == 0 ? 40 : 200, 5});  // flat buffers of different sizes
     m->materialize(Device::cpu(r), kSeed);
-    nn::SGD opt(*m, sgd());
+    nn::SGD opt(*m, dp_test::momentum_sgd());
     try {
       dp::dist::ZeroStage1 z(pg, *m, opt);
     } catch (const Error& e) {
@@ -467,7 +461,7 @@ TEST_CASE("ddp.sampler: DP and DDP train the same rows of a padded last batch, t
 
   auto dp_model = nn::mlp({6, 16, 5});
   dp_model->materialize(Device::cpu(0), kSeed);
-  nn::SGD dp_opt(*dp_model, sgd());
+  nn::SGD dp_opt(*dp_model, dp_test::momentum_sgd());
   {
     dp::DataParallel engine(dp_model, dp_opt, make_devices(DeviceType::cpu, 4));
     for (auto& b : batches) engine.train_step(b.images, b.labels);
@@ -478,7 +472,7 @@ TEST_CASE("ddp.sampler: DP and DDP train the same rows of a padded last batch, t
   run_ranks(4, [&](int r, dp::dist::ProcessGroup& pg) {
     auto m = nn::mlp({6, 16, 5});
     m->materialize(Device::cpu(r), kSeed);
-    nn::SGD opt(*m, sgd());
+    nn::SGD opt(*m, dp_test::momentum_sgd());
     DistributedDataParallel ddp(m, pg, {});
     for (auto& b : batches) ddp_step(ddp, opt, b.images, b.labels, r, 4);
     params[r] = m->flat_params().to_host_f32();
@@ -500,7 +494,7 @@ TEST_CASE("ddp.sync_bn: 4 ranks with SyncBatchNorm follow one device on the full
   const int64_t batch = 10;  // chunks of 3, 3, 2, 2 rows
   auto ref = small_resnet();
   ref->materialize(Device::cpu(0), kSeed);
-  nn::SGD ref_opt(*ref, sgd());
+  nn::SGD ref_opt(*ref, dp_test::momentum_sgd());
   std::vector<float> ref_losses;
   for (int s = 0; s < steps; ++s) {
     auto [x, y] = dp_test::image_batch(batch, s);
@@ -511,7 +505,7 @@ TEST_CASE("ddp.sync_bn: 4 ranks with SyncBatchNorm follow one device on the full
     auto m = small_resnet();
     m->materialize(Device::cpu(r), kSeed);
     nn::set_batch_norm_sync(*m, std::make_shared<dp::dist::GroupStatsSync>(pg, Device::cpu(r)));
-    nn::SGD opt(*m, sgd());
+    nn::SGD opt(*m, dp_test::momentum_sgd());
     DistributedDataParallel ddp(m, pg);
     for (int s = 0; s < steps; ++s) {
       auto [x, y] = dp_test::image_batch(batch, s);
@@ -544,7 +538,7 @@ TEST_CASE("ddp.train_state: 4 ranks with dropout resume bit for bit (SGD momentu
         if (adam)
           opt = std::make_unique<nn::AdamW>(*m, AdamWConfig{});
         else
-          opt = std::make_unique<nn::SGD>(*m, sgd());
+          opt = std::make_unique<nn::SGD>(*m, dp_test::momentum_sgd());
         nn::TrainingProgress state;
         state.mode = "ddp";
         state.world_size = world;
@@ -599,7 +593,7 @@ TEST_CASE("ddp.amp: 4 ranks follow the single-device bf16 loss curve within the 
   for (int64_t batch : {32, 30}) {
     CAPTURE(batch);
     const dp_test::MixedPrecisionCurve single = dp_test::mixed_precision_curve(
-        nn::mlp({6, 64, 64, 5}), kSeed, sgd(), batch, steps, DType::bf16);
+        nn::mlp({6, 64, 64, 5}), kSeed, dp_test::momentum_sgd(), batch, steps, DType::bf16);
     const std::vector<float>& ref = single.losses;
     const std::vector<double>& bound = single.bounds;
     std::vector<std::vector<float>> losses(world), params(world);
@@ -607,7 +601,7 @@ TEST_CASE("ddp.amp: 4 ranks follow the single-device bf16 loss curve within the 
       auto m = nn::mlp({6, 64, 64, 5});
       m->materialize(Device::cpu(r), kSeed);
       m->set_compute_dtype(DType::bf16);
-      nn::SGD opt(*m, sgd());
+      nn::SGD opt(*m, dp_test::momentum_sgd());
       nn::GradScaler scaler(nn::Precision::bf16);
       dp::dist::DdpOptions o;
       o.first_bucket_bytes = 256;
@@ -640,7 +634,7 @@ TEST_CASE(
     auto m = nn::mlp({6, 16, 5});
     m->materialize(Device::cpu(r), kSeed);
     m->set_compute_dtype(DType::f16);
-    nn::SGD opt(*m, sgd());
+    nn::SGD opt(*m, dp_test::momentum_sgd());
     nn::GradScalerOptions so = nn::GradScaler::options_for(nn::Precision::fp16);
     so.init_scale = std::ldexp(1.f, 40);
     nn::GradScaler scaler(so);

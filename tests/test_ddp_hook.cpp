@@ -20,13 +20,6 @@ using dp::dist::DistributedDataParallel;
 
 namespace {
 
-SgdConfig hook_sgd() {
-  SgdConfig c;
-  c.lr = 0.1f;
-  c.momentum = 0.9f;
-  return c;
-}
-
 // What DDP does without a hook, written as one; counts its calls.
 class SumHook : public dp::dist::CommHook {
  public:
@@ -53,7 +46,7 @@ struct RankRun {
 RankRun train_rank(nn::ModulePtr m, dp::dist::ProcessGroup& pg, int r, int world, int steps,
                    int64_t batch, dp::dist::DdpOptions o, Path path = Path::hooks) {
   m->materialize(Device::cpu(r), 11);
-  nn::SGD opt(*m, hook_sgd());
+  nn::SGD opt(*m, dp_test::momentum_sgd());
   DistributedDataParallel ddp(m, pg, o);
   RankRun run;
   for (int s = 0; s < steps; ++s) {

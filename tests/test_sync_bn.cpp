@@ -171,24 +171,13 @@ TEST_CASE("dp.sync_bn: a replica that fails releases the others with the reason"
   CHECK(b == a);
 }
 
-namespace {
-
-SgdConfig sgd() {
-  SgdConfig c;
-  c.lr = 0.1f;
-  c.momentum = 0.9f;
-  return c;
-}
-
-}  // namespace
-
 TEST_CASE("dp.sync_bn: DP on 4 devices with synced BatchNorm follows one device, full batch") {
   const int steps = 3;
   for (int64_t batch : {8, 10}) {  // 10: chunks of 3, 3, 2, 2
     CAPTURE(batch);
     auto ref = nn::resnet(8, 1, 10, 4);
     ref->materialize(Device::cpu(0), 77);
-    nn::SGD ref_opt(*ref, sgd());
+    nn::SGD ref_opt(*ref, dp_test::momentum_sgd());
     std::vector<float> ref_losses;
     for (int s = 0; s < steps; ++s) {
       auto [x, y] = dp_test::image_batch(batch, s);
@@ -196,7 +185,7 @@ TEST_CASE("dp.sync_bn: DP on 4 devices with synced BatchNorm follows one device,
     }
     auto m = nn::resnet(8, 1, 10, 4);
     m->materialize(Device::cpu(0), 77);
-    nn::SGD opt(*m, sgd());
+    nn::SGD opt(*m, dp_test::momentum_sgd());
     dp::DataParallelOptions o;
     o.batch_norm = dp::BatchNormStats::synced;
     dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, 4), o);
@@ -214,7 +203,7 @@ TEST_CASE("dp.sync_bn: DP on 4 devices with synced BatchNorm follows one device,
   ghost->materialize(Device::cpu(0), 77);
   auto ref = nn::resnet(8, 1, 10, 4);
   ref->materialize(Device::cpu(0), 77);
-  nn::SGD g_opt(*ghost, sgd()), r_opt(*ref, sgd());
+  nn::SGD g_opt(*ghost, dp_test::momentum_sgd()), r_opt(*ref, dp_test::momentum_sgd());
   dp::DataParallel engine(ghost, g_opt, make_devices(DeviceType::cpu, 4));
   auto [x, y] = dp_test::image_batch(8, 0);
   CHECK(engine.train_step(x, y).loss != doctest::Approx(dp_test::single_step(*ref, r_opt, x, y)));
@@ -228,7 +217,7 @@ TEST_CASE("dp.sync_bn: a device failing before its BatchNorm releases the others
   s->add(std::make_shared<nn::BatchNorm1d>(8));
   s->add(std::make_shared<nn::Linear>(8, 5));
   s->materialize(Device::cpu(0), 5);
-  nn::SGD opt(*s, sgd());
+  nn::SGD opt(*s, dp_test::momentum_sgd());
   dp::DataParallelOptions o;
   o.batch_norm = dp::BatchNormStats::synced;
   dp::DataParallel engine(s, opt, make_devices(DeviceType::cpu, 4), o);

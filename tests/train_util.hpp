@@ -22,6 +22,14 @@ inline nn::ModulePtr dropout_mlp() {
   return s;
 }
 
+// SGD at learning rate 0.1 with momentum 0.9: the engines' suites' recipe.
+inline kernels::SgdConfig momentum_sgd() {
+  kernels::SgdConfig c;
+  c.lr = 0.1f;
+  c.momentum = 0.9f;
+  return c;
+}
+
 // One step on one device under `scaler`: zero_grad, forward, fused softmax cross-entropy over
 // the whole batch, the loss scale into its gradient, backward, then the scaler's check and
 // (unscaled) optimizer step or skip. Returns the batch's mean loss.
