@@ -28,8 +28,18 @@ class CrossNode {
   virtual void broadcast(kernels::Tensor& t) = 0;
   // Starts t = the sum over nodes of t. The caller leaves t alone until finish().
   virtual void start_sum(kernels::Tensor& t) = 0;
-  // Waits for every start_sum since the last finish(); throws naming the node and the op on a
-  // failure or a timeout (a dead node stops the run, it does not hang it).
+  // Starts gradient bucket `bucket`'s sum over nodes: t is device 0's bucket (elements
+  // [offset, offset + numel) of the flat gradient), the node's gradient weighted by its share of
+  // the global batch (`share`: the nodes' shares add to 1). Buckets come in bucket order, the same
+  // on every node. Default: start_sum(t); an implementation may reduce it otherwise (a comm
+  // hook: dp::dist::GroupCrossNode), leaving in t by finish() what every node steps with.
+  virtual void start_bucket_sum(kernels::Tensor& t, int bucket, int64_t offset, float share) {
+    (void)bucket, (void)offset, (void)share;
+    start_sum(t);
+  }
+  // Waits for every start_sum and start_bucket_sum since the last finish(), in the order they
+  // started; throws naming the node and the op on a failure or a timeout (a dead node stops the
+  // run, it does not hang it).
   virtual void finish() = 0;
   // The bytes handed to the collectives so far (what crosses between nodes, before the
   // library's algorithm).

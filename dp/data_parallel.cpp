@@ -431,7 +431,10 @@ void DataParallel::advance_reduction(int i, bool blocking) {
     if (i == 0 && options_.cross_node) {  // hybrid: the node's sum, summed over the nodes
       Tensor mine = replicas_[0]->flat_grads().view(b.offset, {b.numel});
       if (sources.empty() && shares_[0] != 1.f) kernels::scale(mine, mine, shares_[0]);
-      options_.cross_node->start_sum(mine);  // ordered after the stream the sum ran on
+      double node_share = 0;  // this node's share of the global batch
+      for (float s : shares_) node_share += s;
+      // Ordered after the stream the sum ran on.
+      options_.cross_node->start_bucket_sum(mine, k, b.offset, static_cast<float>(node_share));
     }
     if (i != 0) {
       if (pd.outbox.defined()) {  // rounded once, here, where the sum is final

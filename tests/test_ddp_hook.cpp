@@ -3,11 +3,15 @@
 // threads of this process over Gloo on CPU devices (tests/ddp_ranks.hpp).
 #include <atomic>
 #include <cmath>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "dp/chunks.hpp"
+#include "dp/data_parallel.hpp"
 #include "dp/distributed/comm_hook.hpp"
+#include "dp/distributed/cross_node_group.hpp"
 #include "dp/distributed/ddp.hpp"
 #include "nn/nn.hpp"
 #include "samples/low_rank_hook.hpp"
@@ -220,4 +224,93 @@ TEST_CASE("ddp.comm_hook: refusals name the hook: a 16-bit comm dtype, a replace
             ddp.backward_queued(dl);
           }).find("backward_queued with comm hook 'replacing'") != std::string::npos);
   });
+}
+
+// ---- hybrid: the DP engine in each node, its device 0s joined by a hook -----------------------
+
+namespace {
+
+// Node 0 holds devices cpu:0 and cpu:1, node 1 cpu:2 (uneven nodes). Each node trains `make`'s
+// model with the threaded engine for `steps` SGD steps on one toy batch, its buckets summed over
+// the nodes by `hook` (null: the all-reduce). Returns each node's weights, losses and bytes.
+std::vector<RankRun> train_hybrid(int steps, const std::function<nn::ModulePtr()>& make,
+                                  const std::function<std::shared_ptr<dp::dist::CommHook>()>& hook,
+                                  int64_t first_bucket, int64_t cap) {
+  const std::vector<std::vector<int>> node_devices = {{0, 1}, {2}};
+  std::vector<RankRun> runs(node_devices.size());
+  run_ranks(
+      static_cast<int>(node_devices.size()),
+      [&](int r, dp::dist::ProcessGroup& pg) {
+        std::vector<Device> devices;
+        for (int d : node_devices[r]) devices.push_back(Device::cpu(d));
+        auto m = make();
+        m->materialize(devices[0], 11);
+        nn::SGD opt(*m, dp_test::momentum_sgd());
+        dp::DataParallelOptions o;
+        o.first_bucket_bytes = first_bucket;
+        o.bucket_cap_bytes = cap;
+        o.cross_node = std::make_shared<dp::dist::GroupCrossNode>(pg, hook ? hook() : nullptr);
+        dp::DataParallel engine(m, opt, devices, o);
+        for (int s = 0; s < steps; ++s) {
+          auto [x, y] = dp_test::toy_batch(12, 200);
+          const dp::StepStats st = engine.train_step(x, y);
+          runs[r].losses.push_back(st.loss);
+          runs[r].comm_bytes.push_back(st.cross_node_bytes);
+        }
+        runs[r].params = engine.module().flat_params().to_host_f32();
+      },
+      [&](int r) { return Device::cpu(node_devices[r][0]); });
+  return runs;
+}
+
+}  // namespace
+
+TEST_CASE("hybrid.comm_hook: a hook sums the nodes' buckets: the same bits, or PowerSGD's") {
+  auto small = [] { return nn::mlp({6, 16, 5}); };
+  // An all-reducing hook: the same weights, losses and bytes as the built-in sum, called once per
+  // bucket per step on each node.
+  std::vector<std::shared_ptr<SumHook>> made;
+  std::mutex made_mutex;
+  auto sum_hook = [&]() -> std::shared_ptr<dp::dist::CommHook> {
+    auto h = std::make_shared<SumHook>();
+    std::lock_guard<std::mutex> lock(made_mutex);
+    made.push_back(h);
+    return h;
+  };
+  const auto plain = train_hybrid(3, small, nullptr, 256, 512);
+  const auto summed = train_hybrid(3, small, sum_hook, 256, 512);
+  REQUIRE(made.size() == 2);
+  for (int r = 0; r < 2; ++r) {
+    CHECK(summed[r].params == plain[r].params);
+    CHECK(summed[r].losses == plain[r].losses);
+    CHECK(summed[r].comm_bytes == plain[r].comm_bytes);
+    CHECK(made[r]->calls > 3);  // several buckets a step
+  }
+  CHECK(plain[1].params == plain[0].params);
+
+  // PowerSGD at full rank: the sum over nodes up to rounding, so node shares are right (node 0
+  // holds 6 of the 12 rows on 2 devices, node 1 the other 6 on one).
+  auto big = [] { return nn::mlp({6, 64, 64, 5}); };  // one bucket
+  const auto exact_ref = train_hybrid(3, big, nullptr, 1 << 20, 25 << 20);
+  auto full = []() -> std::shared_ptr<dp::dist::CommHook> {
+    samples::LowRankOptions lo;
+    lo.rank = 1 << 20, lo.start_step = 0, lo.min_compression = 0;
+    return std::make_shared<samples::LowRankHook>(lo);
+  };
+  const auto exact = train_hybrid(3, big, full, 1 << 20, 25 << 20);
+  CHECK(dp_test::rel_diff(exact[0].params, exact_ref[0].params) <= 1e-4f);
+  CHECK(exact[1].params == exact[0].params);
+  // Rank 2: every node steps with the same approximation, on P and Q's bytes (+ the 2 metrics).
+  auto low = []() -> std::shared_ptr<dp::dist::CommHook> {
+    samples::LowRankOptions lo;
+    lo.rank = 2, lo.start_step = 0;
+    return std::make_shared<samples::LowRankHook>(lo);
+  };
+  const auto compressed = train_hybrid(3, big, low, 1 << 20, 25 << 20);
+  CHECK(compressed[1].params == compressed[0].params);
+  const int64_t n = gradient_bytes(big) / 4;
+  const int64_t cols = static_cast<int64_t>(std::ceil(std::sqrt(double(n))));
+  for (int64_t bytes : compressed[0].comm_bytes)
+    CHECK(bytes == ((n + cols - 1) / cols + cols) * 2 * 4 + 2 * 4);
+  CHECK(exact_ref[0].comm_bytes[0] == (n + 2) * 4);
 }

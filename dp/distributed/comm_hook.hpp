@@ -1,5 +1,6 @@
 // dp::dist::CommHook: how this rank's gradient buckets meet the other ranks' under DDP, written
-// by research code (PyTorch's DistributedDataParallel.register_comm_hook).
+// by research code (PyTorch's DistributedDataParallel.register_comm_hook). The hybrid mode takes
+// one too, for its sums over nodes (dp::dist::GroupCrossNode: each node is a rank there).
 //
 //   class MyHook : public dp::dist::CommHook {
 //     std::string name() const override { return "my-hook"; }

@@ -6,31 +6,33 @@
 #include <vector>
 
 #include "dp/cross_node.hpp"
+#include "dp/distributed/comm_hook.hpp"
 #include "dp/distributed/process_group.hpp"
 
 namespace dp::dist {
 
 class GroupCrossNode : public CrossNode {
  public:
-  // requires group outlives this object.
-  explicit GroupCrossNode(ProcessGroup& group) : group_(group) {}
+  // requires group outlives this object. hook (optional): research code's reducer
+  // (dp/distributed/comm_hook.hpp) for the gradient buckets' sums over nodes, in place of their
+  // all-reduce; the loss, counts and buffers are still summed. Its GradBucket holds device 0's
+  // bucket, the node's share of the global batch and this group.
+  explicit GroupCrossNode(ProcessGroup& group, std::shared_ptr<CommHook> hook = nullptr)
+      : group_(group), hook_(std::move(hook)) {}
   int nodes() const override { return group_.size(); }
   int node() const override { return group_.rank(); }
   void broadcast(kernels::Tensor& t) override { group_.broadcast(t, 0)->wait(); }
   void start_sum(kernels::Tensor& t) override {
     pending_.push_back(group_.all_reduce(t, ReduceOp::sum));
   }
-  void finish() override {
-    std::vector<std::shared_ptr<Work>> works;
-    works.swap(pending_);
-    wait_all(works);  // in issue order; throws the first failure (named by the group)
-    works.clear();
-    pending_.swap(works);  // keeps the capacity for the next step
-  }
+  void start_bucket_sum(kernels::Tensor& t, int bucket, int64_t offset, float share) override;
+  void finish() override;
   int64_t payload_bytes() const override { return group_.payload_bytes(); }
+  CommHook* hook() const { return hook_.get(); }
 
  private:
   ProcessGroup& group_;
+  std::shared_ptr<CommHook> hook_;
   std::vector<std::shared_ptr<Work>> pending_;
 };
 

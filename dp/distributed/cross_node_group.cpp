@@ -1,0 +1,31 @@
+#include "dp/distributed/cross_node_group.hpp"
+
+#include "kernels/runtime/error.hpp"
+
+namespace dp::dist {
+
+void GroupCrossNode::start_bucket_sum(kernels::Tensor& t, int bucket, int64_t offset, float share) {
+  if (!hook_) return start_sum(t);
+  GradBucket b;
+  b.index = bucket;
+  b.offset = offset;
+  b.grad = t;
+  b.share = share;
+  b.group = &group_;
+  std::shared_ptr<Work> work = hook_->reduce(b);
+  DP_CHECK(b.grad.storage() == t.storage() && b.grad.offset_bytes() == t.offset_bytes() &&
+               b.grad.shape() == t.shape() && b.grad.dtype() == t.dtype(),
+           "hybrid: comm hook '" << hook_->name() << "' replaced bucket " << bucket
+                                 << "'s tensor: write the result into b.grad, do not reassign it");
+  if (work) pending_.push_back(std::move(work));
+}
+
+void GroupCrossNode::finish() {
+  std::vector<std::shared_ptr<Work>> works;
+  works.swap(pending_);
+  wait_all(works);  // in issue order; throws the first failure (named by the group)
+  works.clear();
+  pending_.swap(works);  // keeps the capacity for the next step
+}
+
+}  // namespace dp::dist
