@@ -26,6 +26,7 @@
 #include "dp/data/synthetic.hpp"
 #include "dp/distributed/ddp.hpp"
 #include "dp/distributed/launcher.hpp"
+#include "kernels/runtime/memory_info.hpp"
 #include "nn/nn.hpp"
 #include "samples/low_rank_hook.hpp"
 
@@ -78,7 +79,7 @@ Run train(const Flags& f, dp::dist::ProcessGroup& pg, Device dev, const dp::data
   const std::vector<int64_t> sizes = dp::chunk_sizes(f.batch, world);
   const int64_t begin = dp::chunk_begin(sizes, r);
   std::vector<double> ms;
-  Tensor loss = Tensor::empty({1}, kernels::DType::f32, dev);
+  Tensor loss = Tensor::empty({1}, kernels::DType::f32, dev), dlogits;
   for (int s = 0; s < f.steps; ++s) {
     dp::data::Batch b = dp::data::make_batch(data, s * f.batch, f.batch);  // the global batch
     Tensor x = b.images.slice(begin, begin + sizes[r]).to(dev);
@@ -88,7 +89,7 @@ Run train(const Flags& f, dp::dist::ProcessGroup& pg, Device dev, const dp::data
     ddp.set_batch_share(sizes[r], f.batch);
     model->zero_grad();
     Tensor out = ddp.forward(x);
-    Tensor dlogits = Tensor::empty(out.shape(), kernels::DType::f32, dev);
+    kernels::ensure(dlogits, out.shape(), kernels::DType::f32, dev);  // made once
     kernels::softmax_cross_entropy(loss, dlogits, out, y);
     ddp.backward(dlogits);
     ddp.finish_gradient_sync();
@@ -182,7 +183,7 @@ int main(int argc, char** argv) {
   app.add_option("--rank", f.rank, "PowerSGD's rank r")->check(whole_number(1, 1024));
   app.add_option("--start-step", f.start_step, "steps all-reduced whole before compressing")
       ->check(whole_number(0, 100000));
-  app.add_option("--lr", f.lr, "SGD's learning rate")->check(CLI::PositiveNumber);
+  app.add_option("--lr", f.lr, "SGD's learning rate")->check(dp::cli::positive_number(10));
   app.add_option("--seed", f.seed, "weights and data");
   CLI11_PARSE(app, argc, argv);
   try {
@@ -191,6 +192,25 @@ int main(int argc, char** argv) {
                            std::to_string(f.nproc) + " without rows: give at least " +
                            std::to_string(f.nproc));
     if (dp::dist::worker_env_from_environment()) return run_worker(f);
+    // Before any worker starts: what the flags ask of this machine.
+    if (f.device == "cuda" && kernels::cuda_device_count() == 0)
+      throw kernels::Error("--device cuda: no usable GPU (" + kernels::cuda_unavailable_reason() +
+                           "); give --device cpu");
+    if (f.device == "cpu" && f.backend == "nccl")
+      throw kernels::Error(
+          "--backend nccl with --device cpu: NCCL runs on GPUs; give --backend "
+          "gloo or auto");
+    if (f.device == "cpu") {
+      // Per rank: the weights, gradients and momentum, and the hook's matrix, approximation and
+      // error per bucket: about 6 copies of the parameters in f32.
+      const int64_t params =
+          (kFeatures + 1) * f.width + (f.width + 1) * f.width + (f.width + 1) * kClasses;
+      dp::cli::check_fits("--width " + std::to_string(f.width) + " on --nproc " +
+                              std::to_string(f.nproc) + " ranks (6 copies of " +
+                              std::to_string(params) + " parameters each)",
+                          6 * 4 * params * f.nproc, "the host", kernels::host_memory_available(),
+                          "give a smaller --width or fewer --nproc");
+    }
     dp::dist::LaunchOptions lo;
     lo.nproc_per_node = f.nproc;
     return dp::dist::launch_workers(lo, std::vector<std::string>(argv, argv + argc));

@@ -62,4 +62,8 @@ class CommHook {
   virtual std::shared_ptr<Work> reduce(GradBucket& b) = 0;
 };
 
+// What DDP and GroupCrossNode call: hook.reduce(b), then a check that the hook wrote into the
+// bucket rather than reassigning b.grad (refused naming `who`, the hook and the bucket).
+std::shared_ptr<Work> run_hook(CommHook& hook, GradBucket& b, const char* who);
+
 }  // namespace dp::dist

@@ -1,7 +1,5 @@
 #include "dp/distributed/cross_node_group.hpp"
 
-#include "kernels/runtime/error.hpp"
-
 namespace dp::dist {
 
 void GroupCrossNode::start_bucket_sum(kernels::Tensor& t, int bucket, int64_t offset, float share) {
@@ -12,12 +10,8 @@ void GroupCrossNode::start_bucket_sum(kernels::Tensor& t, int bucket, int64_t of
   b.grad = t;
   b.share = share;
   b.group = &group_;
-  std::shared_ptr<Work> work = hook_->reduce(b);
-  DP_CHECK(b.grad.storage() == t.storage() && b.grad.offset_bytes() == t.offset_bytes() &&
-               b.grad.shape() == t.shape() && b.grad.dtype() == t.dtype(),
-           "hybrid: comm hook '" << hook_->name() << "' replaced bucket " << bucket
-                                 << "'s tensor: write the result into b.grad, do not reassign it");
-  if (work) pending_.push_back(std::move(work));
+  if (std::shared_ptr<Work> work = run_hook(*hook_, b, "hybrid"))
+    pending_.push_back(std::move(work));
 }
 
 void GroupCrossNode::finish() {

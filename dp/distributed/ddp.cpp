@@ -337,17 +337,11 @@ bool DistributedDataParallel::issue_to_hook(int k) {
   GradBucket b;
   b.index = k;
   b.offset = buckets_[k].offset;
-  const Tensor slice = grad_slice(k);
-  b.grad = slice;
+  b.grad = grad_slice(k);
   b.share = share_;
   b.group = &group_;
   const int64_t before = group_.payload_bytes();
-  std::shared_ptr<Work> work = hook.reduce(b);
-  DP_CHECK(b.grad.storage() == slice.storage() && b.grad.offset_bytes() == slice.offset_bytes() &&
-               b.grad.shape() == slice.shape() && b.grad.dtype() == slice.dtype(),
-           "DDP: comm hook '" << hook.name() << "' replaced bucket " << k
-                              << "'s tensor: write the result into b.grad, do not reassign it");
-  pending_[k] = std::move(work);
+  pending_[k] = run_hook(hook, b, "DDP");
   stats_.comm_bytes += group_.payload_bytes() - before;
   stats_.bucket_ready_ms[k] =
       std::chrono::duration<double, std::milli>(Clock::now() - backward_begin_).count();

@@ -1,0 +1,17 @@
+#include "dp/distributed/comm_hook.hpp"
+
+#include "kernels/runtime/error.hpp"
+
+namespace dp::dist {
+
+std::shared_ptr<Work> run_hook(CommHook& hook, GradBucket& b, const char* who) {
+  const kernels::Tensor given = b.grad;
+  std::shared_ptr<Work> work = hook.reduce(b);
+  DP_CHECK(b.grad.storage() == given.storage() && b.grad.offset_bytes() == given.offset_bytes() &&
+               b.grad.shape() == given.shape() && b.grad.dtype() == given.dtype(),
+           who << ": comm hook '" << hook.name() << "' replaced bucket " << b.index
+               << "'s tensor: write the result into b.grad, do not reassign it");
+  return work;
+}
+
+}  // namespace dp::dist
