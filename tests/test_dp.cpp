@@ -1157,7 +1157,11 @@ TEST_CASE("dp.trace: tracks are named: devices, their comm streams, or the calle
 
 TEST_CASE("dp.cuda: graphed steps on logical GPUs (dropout too) equal uncaptured, follow the CPU") {
   DP_REQUIRE_GPU();
-  const std::vector<int64_t> batches = {10, 10, 10, 10, 7, 7, 7, 10};
+  // Uneven chunks of at least 3 rows (10: 4, 3, 3; 11: 4, 4, 3). A batch-norm chunk of 2 rows
+  // has a gradient of (1 - xhat^2) ~ eps / var: 1 - xhat^2 cancels, and the GPU's and the CPU's
+  // sums, rounded differently, then differ by about 1% (2.1e-2 on an H200, 2026-11-29, with
+  // batches of 7 split 3, 2, 2), not a defect of either.
+  const std::vector<int64_t> batches = {10, 10, 10, 10, 11, 11, 11, 10};
   // Uncaptured GPU steps pull from the hooks on each receiver's communication stream (beside
   // its backward); the bits must be those of the graphed steps, which sum after backward on the
   // compute stream. Whether a source has published by then is up to the threads: counted over

@@ -186,7 +186,9 @@ __global__ void ln_backward_dx_kernel(DX* dx, const DY* dy, const X* x, const fl
   for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
     float xhat = (to_float(xr[j]) - mean) * rstd;
     float v = rstd * (to_float(dyr[j]) * gamma[j] - mean_g - xhat * mean_g_xhat);
-    if (skip) v = to_float(skip[row * d + j]) + to_float(from_float<X>(v));
+    // __fadd_rn: never contracted with the product above into one FMA (for f32 X the rounding
+    // to X is no rounding, and nvcc fused it, giving other bits than the separate add).
+    if (skip) v = __fadd_rn(to_float(skip[row * d + j]), to_float(from_float<X>(v)));
     dxr[j] = from_float<DX>(v);
   }
 }
