@@ -28,6 +28,9 @@ def add_flags(ap):
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "tf32", "bf16", "fp16"],
                     help="bf16/fp16: torch.autocast around forward and loss (fp16 with GradScaler)")
+    ap.add_argument("--activations", default="auto", choices=["auto", "f32", "bf16"],
+                    help="ours: dp_bench's --activations (auto: bf16 with --dtype bf16, as "
+                         "torch.autocast hands its matmuls' bf16 outputs on; else f32)")
     ap.add_argument("--seed", type=int, default=1, help="model and data seed")
     ap.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"],
                     help="DDP backend (DP ignores it)")
@@ -48,12 +51,21 @@ def seq_len(args):
     return args.seq or ec.GPT_PRESETS[args.gpt_config][1]
 
 
+def activations(args):
+    """dp_bench's --activations for these flags: auto is bf16 under --dtype bf16, else f32."""
+    if args.activations == "auto":
+        return "bf16" if args.dtype == "bf16" else "f32"
+    return args.activations
+
+
 def bench_flags(args):
-    """The flags that give dp_bench this model and optimizer (dp_bench's GPT default: AdamW)."""
+    """The flags that give dp_bench this model, optimizer (dp_bench's GPT default: AdamW) and
+    activation dtype."""
+    acts = ["--activations", activations(args)]
     if args.model != "gpt":
-        return ["--model", args.model]
+        return ["--model", args.model, *acts]
     return ["--model", "gpt", "--gpt-config", args.gpt_config, "--seq", str(seq_len(args)),
-            "--optim", "adamw"]
+            "--optim", "adamw", *acts]
 
 
 def global_batch(args, n):

@@ -640,7 +640,8 @@ def main():
                   f"{table[v]['tokens_per_s_torch']:.0f}")
     out = {"model": rc.model_name(args), "batch": batch,
            "seq": rc.seq_len(args) if args.model == "gpt" else None, "steps": args.steps, "warmup": args.warmup,
-           "dtype": args.dtype, "seed": args.seed, "repeat": args.repeat,
+           "dtype": args.dtype, "activations_ours": rc.activations(args), "seed": args.seed,
+           "repeat": args.repeat,
            "resamples": args.resamples, "ci_level": 0.95, "loss_tolerance": tolerance,
            "ours_device": ours_device, "torch_device": torch_device,
            "cudnn_benchmark": torch.backends.cudnn.benchmark,
