@@ -39,3 +39,20 @@ if(TARGET dp_bench)
   set_tests_properties("bench.torch_ref: gpt-tiny in torch does the same work as dp_bench --model gpt"
                        PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 120)
 endif()
+
+# benchmarks/ncu_summary.py on the H200 profile committed beside it: the known totals (one step
+# of GPT-2 124M at batch 8), and a file that is no ncu CSV refused with its name.
+if(DP_PYTHON3)
+  set(ncu_csv ${PROJECT_SOURCE_DIR}/benchmarks/results/2026-11-29_nvidia-h200/ncu_gpt124m_b8.csv.gz)
+  add_test(NAME "bench.ncu_summary: the H200 GPT-2 profile sums to its kernels by kind"
+           COMMAND ${DP_PYTHON3} -B ${PROJECT_SOURCE_DIR}/benchmarks/ncu_summary.py ${ncu_csv})
+  set_tests_properties("bench.ncu_summary: the H200 GPT-2 profile sums to its kernels by kind"
+                       PROPERTIES TIMEOUT 60 PASS_REGULAR_EXPRESSION
+                       "22.978 ms of kernel time, 535 launches.*GEMM +8.589 +37.4%.*dp/backward +11.149")
+  add_test(NAME "bench.ncu_summary: a file that is no ncu CSV is refused by name"
+           COMMAND ${DP_PYTHON3} -B ${PROJECT_SOURCE_DIR}/benchmarks/ncu_summary.py
+                   ${PROJECT_SOURCE_DIR}/benchmarks/results/README.md)
+  set_tests_properties("bench.ncu_summary: a file that is no ncu CSV is refused by name"
+                       PROPERTIES TIMEOUT 60 PASS_REGULAR_EXPRESSION
+                       "ncu_summary: .*README.md: no CSV rows")
+endif()
