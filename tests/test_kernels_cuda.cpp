@@ -237,49 +237,55 @@ TEST_CASE("kernels.cuda.gemm: larger product, tf32, unaligned views") {
 
 TEST_CASE("kernels.cuda.gemm: f16 and bf16 operands, f32 or 16-bit output") {
   DP_REQUIRE_GPU();
-  const int64_t m = 33, n = 65, k = 47;
-  for (DType t : {DType::f16, DType::bf16}) {
-    CAPTURE(dtype_name(t));
-    check_matches_cpu(
-        [&](Device d) {
-          Tensor a = rnd(d, {m, k}, 17, -1.f, 1.f, t), b = rnd(d, {n, k}, 18, -1.f, 1.f, t);
-          Tensor bias = rnd(d, {n}, 19);
-          Tensor c32 = zeros(d, {m, n});
-          gemm(c32, a, Transpose::no, b, Transpose::yes, 1.f, 0.f, bias);
-          return Outputs{c32};
-        },
-        1e-4f);  // same rounded operands, f32 accumulation: only the order differs
-    auto run16 = [&](Device d) {
-      Tensor a = rnd(d, {k, m}, 20, -1.f, 1.f, t), b = rnd(d, {k, n}, 21, -1.f, 1.f, t);
-      Tensor bias = rnd(d, {n}, 22);
-      Tensor c16 = Tensor::zeros({m, n}, t, d);
-      gemm(c16, a, Transpose::yes, b, Transpose::no, 1.f, 0.f, bias);
-      return Outputs{c16};
-    };
-    // The tolerance, from the rounding steps. With s the exact product a^T b (the operands are
-    // already 16-bit values, so exact in f32), bias b_j in [-1, 1) and u the unit roundoff of
-    // the output type (2^-11 for f16, 2^-8 for bf16; |fl(v) - v| <= u |v|):
-    //   CPU: c = fl16(s1 + b), one 16-bit rounding of the f32 sum s1 = s + e1;
-    //   GPU: g = fl16(fl16(s2) + b): cuBLASLt rounds the product s2 = s + e2 to 16 bits, then
-    //        the bias kernel adds the bias in f32 and rounds again (a 16-bit output has no
-    //        fused epilogue).
-    // With M a bound on |s| and |s + b|, and |e1|, |e2| <= k^2 2^-24 (f32 accumulation of k
-    // terms of size <= 1, in any order; a bound of 2.4e-4 here, an order of magnitude below
-    // the 16-bit terms):
-    //   |g - c| <= u M (first GPU rounding) + u M (1 + u) (second GPU rounding)
-    //              + u M (the CPU's rounding) + |e1| + |e2| + 2^-24 M (the f32 bias add)
-    //           <= 3 u M (1 + u) + 2 k^2 2^-24 + 2^-24 M.
-    // M is taken from the data: the CPU result's largest magnitude plus 1 (|b| < 1) and its
-    // own half-ulp slack, so the bound holds for these operands, not for an assumed range.
-    float m_bound = 1.f;
-    for (float v : run16(kCpu)[0].to_host_f32()) m_bound = std::max(m_bound, std::fabs(v) + 1.f);
-    const double u = t == DType::bf16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
-    const double f32u = std::ldexp(1.0, -24);
-    const double tol16 = 3 * u * m_bound * (1 + u) * (1 + u) + 2.0 * k * k * f32u + f32u * m_bound;
-    CAPTURE(m_bound);
-    CAPTURE(tol16);
-    check_matches_cpu(run16, static_cast<float>(tol16));
-  }
+  // Odd sizes (2-byte aligned rows: cuBLASLt has no bias epilogue for them, the bias kernel adds
+  // it) and 16-byte aligned ones (where the 16-bit output's bias epilogue can run).
+  for (const Shape& mnk : {Shape{33, 65, 47}, Shape{64, 128, 48}})
+    for (DType t : {DType::f16, DType::bf16}) {
+      const int64_t m = mnk[0], n = mnk[1], k = mnk[2];
+      CAPTURE(shape_str(mnk));
+      CAPTURE(dtype_name(t));
+      check_matches_cpu(
+          [&](Device d) {
+            Tensor a = rnd(d, {m, k}, 17, -1.f, 1.f, t), b = rnd(d, {n, k}, 18, -1.f, 1.f, t);
+            Tensor bias = rnd(d, {n}, 19);
+            Tensor c32 = zeros(d, {m, n});
+            gemm(c32, a, Transpose::no, b, Transpose::yes, 1.f, 0.f, bias);
+            return Outputs{c32};
+          },
+          1e-4f);  // same rounded operands, f32 accumulation: only the order differs
+      auto run16 = [&](Device d) {
+        Tensor a = rnd(d, {k, m}, 20, -1.f, 1.f, t), b = rnd(d, {k, n}, 21, -1.f, 1.f, t);
+        Tensor bias = rnd(d, {n}, 22);
+        Tensor c16 = Tensor::zeros({m, n}, t, d);
+        gemm(c16, a, Transpose::yes, b, Transpose::no, 1.f, 0.f, bias);
+        return Outputs{c16};
+      };
+      // The tolerance, from the rounding steps. With s the exact product a^T b (the operands are
+      // already 16-bit values, so exact in f32), bias b_j in [-1, 1) and u the unit roundoff of
+      // the output type (2^-11 for f16, 2^-8 for bf16; |fl(v) - v| <= u |v|):
+      //   CPU: c = fl16(s1 + b), one 16-bit rounding of the f32 sum s1 = s + e1;
+      //   GPU: g = fl16(fl16(s2) + b): cuBLASLt rounds the product s2 = s + e2 to 16 bits, then
+      //        the bias kernel adds the bias in f32 and rounds again; or, where cuBLASLt has a
+      //        bias epilogue for this shape, g = fl16(s2 + fl16(b)): the bias rounded to 16 bits
+      //        (|fl16(b) - b| <= u, as |b| < 1 <= M), added in f32, one rounding.
+      // With M a bound on |s| and |s + b|, and |e1|, |e2| <= k^2 2^-24 (f32 accumulation of k
+      // terms of size <= 1, in any order; a bound of 2.4e-4 here, an order of magnitude below
+      // the 16-bit terms):
+      //   |g - c| <= u M (first GPU rounding, or the bias's) + u M (1 + u) (second GPU rounding)
+      //              + u M (the CPU's rounding) + |e1| + |e2| + 2^-24 M (the f32 bias add)
+      //           <= 3 u M (1 + u) + 2 k^2 2^-24 + 2^-24 M.
+      // M is taken from the data: the CPU result's largest magnitude plus 1 (|b| < 1) and its
+      // own half-ulp slack, so the bound holds for these operands, not for an assumed range.
+      float m_bound = 1.f;
+      for (float v : run16(kCpu)[0].to_host_f32()) m_bound = std::max(m_bound, std::fabs(v) + 1.f);
+      const double u = t == DType::bf16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
+      const double f32u = std::ldexp(1.0, -24);
+      const double tol16 =
+          3 * u * m_bound * (1 + u) * (1 + u) + 2.0 * k * k * f32u + f32u * m_bound;
+      CAPTURE(m_bound);
+      CAPTURE(tol16);
+      check_matches_cpu(run16, static_cast<float>(tol16));
+    }
 }
 
 // c f32 = alpha a b + beta c with 16-bit a, b. The products are exact in f32, so the backends

@@ -5,6 +5,13 @@
 // "B" is our a, and its (M, N, K) is (n, m, k). The bias epilogue adds a vector of length M =
 // n (rows of column-major D) broadcast over its columns, i.e. bias[j] to column j of row-major C.
 //
+// A 16-bit output takes the epilogue with a bias of its own dtype: cuBLASLt offers no algorithm
+// for an f32 bias with a bf16 output (DP_LOG=debug on an H200, 2026-11-29), so the f32 bias is
+// rounded into a small buffer behind the GEMM workspace first (as torch.autocast rounds a
+// Linear's bias), then added in f32 before D is rounded once. Without an algorithm for it, or
+// for a vector longer than that buffer, a separate kernel adds the f32 bias to the rounded
+// product.
+//
 // The plan's candidates (kernels/runtime/algo_select.hpp): cuBLASLt with the bias epilogue and
 // plain cuBLASLt, each when its heuristic finds an algorithm, then always cublasGemmEx with the
 // same operand, output and compute types. A shape the heuristic has nothing for (a dimension of
@@ -152,6 +159,23 @@ void launch_scale_add_bias(Tensor& c, const float* bias, float beta, bool scale_
 }
 
 constexpr size_t kGemmWorkspaceBytes = 32u << 20;
+// The 16-bit copy of a bias for a 16-bit output's epilogue, behind the GEMM workspace (256-byte
+// aligned: the workspace is): vectors of up to 32768 values.
+constexpr size_t kBias16Bytes = 64u << 10;
+
+template <class T>
+__global__ void round_bias_kernel(T* out, const float* bias, int64_t n) {
+  DP_GRID_STRIDE_LOOP(i, n) out[i] = from_float<T>(bias[i]);
+}
+
+// bias (n values) rounded to c's 16-bit dtype at `out`.
+void launch_round_bias(void* out, const float* bias, int64_t n, DType t, cudaStream_t s) {
+  if (t == DType::bf16)
+    round_bias_kernel<<<blocks_for(n), kThreads, 0, s>>>(static_cast<__nv_bfloat16*>(out), bias, n);
+  else
+    round_bias_kernel<<<blocks_for(n), kThreads, 0, s>>>(static_cast<__half*>(out), bias, n);
+  DP_CUDA_CHECK_LAUNCH();
+}
 
 }  // namespace
 
@@ -184,9 +208,17 @@ void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose t
   cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
   if (a.dtype() == DType::f32 && ctx.math() == MathMode::tf32)
     compute = CUBLAS_COMPUTE_32F_FAST_TF32;
-  // The fused bias epilogue is tried for f32 outputs when the vector is 16-byte aligned;
-  // otherwise (or when no algorithm supports it) a separate kernel adds it after the product.
-  bool want_fused = bias_ptr && c.dtype() == DType::f32 && alignment_of(bias_ptr) >= 16;
+  // The fused bias epilogue is tried for f32 outputs when the vector is 16-byte aligned, and for
+  // 16-bit outputs with the bias rounded to their dtype (the header); otherwise (or when no
+  // algorithm supports it) a separate kernel adds it after the product.
+  const bool out16 = c.dtype() != DType::f32;
+  const bool want_fused = bias_ptr && (out16 ? n * 2 <= static_cast<int64_t>(kBias16Bytes)
+                                             : alignment_of(bias_ptr) >= 16);
+  // The workspace, and behind it the 16-bit bias (one size for every GEMM: it never grows
+  // between a warm-up and a capture).
+  char* workspace = static_cast<char*>(ctx.workspace(kGemmWorkspaceBytes + kBias16Bytes));
+  void* bias16 = workspace + kGemmWorkspaceBytes;
+  const void* epilogue_bias = out16 ? bias16 : static_cast<const void*>(bias_ptr);
   GemmKey key{m,
               n,
               k,
@@ -199,7 +231,7 @@ void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose t
               alignment_of(a.raw()),
               alignment_of(b.raw()),
               alignment_of(c.raw()),
-              want_fused ? alignment_of(bias_ptr) : 0};
+              want_fused ? alignment_of(epilogue_bias) : 0};
   cublasLtHandle_t handle = static_cast<cublasLtHandle_t>(ctx.cublaslt());
   cublasOperation_t op_lt_a = tb == Transpose::no ? CUBLAS_OP_N : CUBLAS_OP_T;  // our b
   cublasOperation_t op_lt_b = ta == Transpose::no ? CUBLAS_OP_N : CUBLAS_OP_T;  // our a
@@ -243,9 +275,8 @@ void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose t
       set_attr(pl.desc_fused, CUBLASLT_MATMUL_DESC_EPILOGUE,
                static_cast<uint32_t>(CUBLASLT_EPILOGUE_BIAS));
       set_attr(pl.desc_fused, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
-               static_cast<int32_t>(CUDA_R_32F));
-      set_attr(pl.desc_fused, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-               static_cast<const void*>(bias_ptr));
+               static_cast<int32_t>(out16 ? out_type : CUDA_R_32F));
+      set_attr(pl.desc_fused, CUBLASLT_MATMUL_DESC_BIAS_POINTER, epilogue_bias);
       fused_found = find_algo(pl.desc_fused, &pl.result_fused);
     }
     pl.desc = new_desc();
@@ -260,12 +291,12 @@ void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose t
     return pl;
   });
 
-  void* workspace = ctx.workspace(kGemmWorkspaceBytes);
   const AlgoCandidate& ran = plan.choice.run([&](const AlgoCandidate& cand) {
     switch (cand.id) {
       case kGemmLtFusedBias:
+        if (out16) launch_round_bias(bias16, bias_ptr, n, c.dtype(), s);
         set_attr(plan.desc_fused, CUBLASLT_MATMUL_DESC_BIAS_POINTER,  // the per-call attribute
-                 static_cast<const void*>(bias_ptr));
+                 epilogue_bias);
         return cublas_attempt(
             cublasLtMatmul(handle, plan.desc_fused.get(), &alpha, b.raw(), plan.lt_a.get(), a.raw(),
                            plan.lt_b.get(), &beta, c.raw(), plan.lt_c.get(), c.raw(),
