@@ -409,6 +409,39 @@ TEST_CASE("kernels.cuda.activations: relu, gelu, gelu_tanh, tanh and gradients m
       2e-6f);
 }
 
+TEST_CASE("kernels.cuda.activations: 16-bit values eight at a time give the one-at-a-time bits") {
+  DP_REQUIRE_GPU();
+  // 8 x 1000 + 5 values: 16-byte aligned tensors take the 8-wide kernels for 8000 values and the
+  // one-wide kernel for the last 5; the same values in views one element into their buffers
+  // (2-byte aligned) take the one-wide kernel for all of them. The bits must be the same.
+  const int64_t n = 8005;
+  for (DType t : {DType::bf16, DType::f16}) {
+    CAPTURE(dtype_name(t));
+    auto misaligned = [&](const Tensor& a) {
+      Tensor b = Tensor::zeros({n + 1}, t, kGpu).view(1, {n});
+      copy(b, a);
+      return b;
+    };
+    const Tensor x = rnd(kGpu, {n}, 31, -4.f, 4.f, t), dy = rnd(kGpu, {n}, 32, -1.f, 1.f, t);
+    const Tensor acc0 = rnd(kGpu, {n}, 33, -1.f, 1.f, t);
+    auto run = [&](const Tensor& xv, const Tensor& dyv, Tensor acc, Tensor y, Tensor dx) {
+      gelu_tanh(y, xv);
+      gelu_tanh_backward(dx, dyv, xv, Accumulate::no);
+      gelu_tanh_backward(acc, dyv, xv, Accumulate::yes);
+      return Outputs{y, dx, acc};
+    };
+    Tensor acc_al = Tensor::zeros({n}, t, kGpu);
+    copy(acc_al, acc0);
+    Outputs wide = run(x, dy, acc_al, Tensor::zeros({n}, t, kGpu), Tensor::zeros({n}, t, kGpu));
+    Outputs narrow =
+        run(misaligned(x), misaligned(dy), misaligned(acc0), misaligned(acc0), misaligned(acc0));
+    for (size_t i = 0; i < wide.size(); ++i) {
+      INFO("output ", i);
+      CHECK(same_bits(wide[i], narrow[i]));
+    }
+  }
+}
+
 // ---- losses, reductions, metrics -----------------------------------------------------------
 
 TEST_CASE("kernels.cuda.softmax_cross_entropy: matches CPU (smoothing, weights, wide rows)") {
