@@ -172,8 +172,10 @@ void add_flags(CLI::App& app, Options& o) {
                  "tf32, and for DP graphed steps; not with --zero 1)")
       ->check(CLI::Range(0, 1));
   app.add_option("--project-from", o.project_from,
-                 "dp_bench JSON of a GPU run whose compute the NVLink/PCIe projection uses")
-      ->check(CLI::ExistingFile);
+                 "dp_bench JSON of a GPU run whose compute the NVLink/PCIe projection uses, or "
+                 "off: no projection (on a GPU it runs one device again at the per-rank batches "
+                 "of 4 and 8 devices)")
+      ->check(CLI::IsMember({"off"}) | CLI::ExistingFile);
   dp::cli::add_launch_flags(app, o.launch);
   dp::cli::add_checkpoint_dir_flag(
       app, o.checkpoint_dir,
@@ -278,7 +280,8 @@ void validate(const Options& o, const Setup& s, const std::vector<int>& counts) 
                         << ": the chart is drawn as SVG or PNG, by the name's ending: give a .svg "
                            "or .png name");
   }
-  if (!o.project_from.empty()) read_projection_file(o.project_from);  // read now, not at the end
+  if (!o.project_from.empty() && o.project_from != "off")
+    read_projection_file(o.project_from);  // read now, not at the end
   if (!o.sweep.empty()) {  // the default names, in the working directory
     dp::cli::check_output_file("--csv", o.csv_path.empty() ? "dp_bench_sweep.csv" : o.csv_path);
     dp::cli::check_output_file("--chart",

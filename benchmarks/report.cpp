@@ -630,6 +630,10 @@ ProjectionInput projection_input(const Header& h, const std::vector<RunResult>& 
                                  const std::string& project_from,
                                  const std::vector<RunResult>& compute_runs) {
   ProjectionInput in;
+  if (project_from == "off") {
+    in.why_not = "--project-from off";
+    return in;
+  }
   if (!project_from.empty()) return read_projection_file(project_from);
   if (h.device == "cpu") {
     in.why_not =

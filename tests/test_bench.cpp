@@ -179,6 +179,10 @@ TEST_CASE("bench.projection: printed only from GPU compute, else one line saying
   CHECK_THROWS_WITH_AS(bench::projection_input(cpu, {}, file), doctest::Contains("--project-from"),
                        kernels::Error);
   std::remove(file.c_str());
+  // off: no projection, said so, whatever the run (a GPU run makes no compute runs for it).
+  auto off = bench::projection_input(cpu, {one}, "off");
+  CHECK(off.runs.empty());
+  CHECK(off.why_not == "--project-from off");
 }
 
 TEST_CASE("bench.overhead: (t_N - t_1) / N per mode, none without a baseline") {
@@ -1774,6 +1778,12 @@ TEST_CASE("bench.gpt: --model gpt reports tokens/s and MFU, DP and DDP follow on
 
 // --project-from is read before any work: a malformed file or a FIFO (which the reading would
 // wait on) fails at once, naming the flag and the file, without a step measured.
+TEST_CASE("bench.projection: --project-from off runs and reports no projection") {
+  auto [rc, text] = bench_output("--device cpu --gpus 1 --steps 3 --warmup 1 --project-from off");
+  CHECK(rc == 0);
+  CHECK(text.find("projection to NVLink/PCIe: left out: --project-from off") != std::string::npos);
+}
+
 TEST_CASE("bench.errors: --project-from is read up front: malformed, a FIFO, both fail at once") {
   const std::string bad = temp_path("project_bad.json"), fifo = temp_path("project_fifo");
   {
