@@ -22,8 +22,8 @@
 # --lease S: every part below, ended within S seconds of the script's start (setup included),
 # most wanted first: what has never run on a GPU leads. First the two light parts that time
 # nothing run side by side (tests | amp-tests), for at most LEASE_SIDE_S seconds (default 120);
-# then one at a time: probe (one graphed 1-repeat run of each model), gpt, gpt-batch, torch-gpt
-# (at most LEASE_TORCH_GPT_S, default 180), graphs, torch-fp32, torch-bf16, amp-runs,
+# then one at a time: probe (one graphed 1-repeat run of each model), gpt, gpt-profile, gpt-batch,
+# torch-gpt (at most LEASE_TORCH_GPT_S, default 180), graphs, torch-fp32, torch-bf16, amp-runs,
 # bench-more, memcheck, racecheck (alone: GPU processes time-slice, and their slowed kernels
 # would hold the others back), gemm, profile. After every part the results are packed again
 # (--pack: a new file beside it, then renamed over it), so a run stopped at any moment leaves
@@ -70,7 +70,9 @@
 #              first worker) and on the reduce (dp/reduce), a few kernels each (uncaptured steps:
 #              --cuda-graphs off, whose phases have their own NVTX ranges); SKIP where ncu
 #              --version or a trivial profile fails or is refused (ERR_NVGPUCTRPERM, "not
-#              supported": a VM without access to the GPU's counters).
+#              supported": a VM without access to the GPU's counters); gpt-profile: ncu's
+#              duration of every kernel of one uncaptured GPT-2 124M step (bf16, batch 8),
+#              summed by kind, NVTX range and kernel (benchmarks/ncu_summary.py).
 # Every part writes into RESULTS_DIR/DATE_DEVICE/ (logs, JSON) and appends its verdict lines (ok,
 # FAIL, SKIP, CUT) and one "== part NAME: done|not done" line to summary.txt there, so runs in
 # separate calls end up in one folder, ready to commit to benchmarks/results/. --pack FILE writes
@@ -106,7 +108,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 stages=(tests sanitizer amp bench torch profile)
 parts=(tests memcheck racecheck amp-tests amp-runs probe gemm graphs gpt gpt-batch bench-more
-  torch-fp32 torch-bf16 torch-gpt profile)
+  torch-fp32 torch-bf16 torch-gpt profile gpt-profile)
 stage_parts() {
   case "$1" in
     tests) echo tests ;;
@@ -114,7 +116,7 @@ stage_parts() {
     amp) echo amp-tests amp-runs ;;
     bench) echo probe gemm graphs gpt gpt-batch bench-more ;;
     torch) echo torch-fp32 torch-bf16 torch-gpt ;;
-    profile) echo profile ;;
+    profile) echo profile gpt-profile ;;
   esac
 }
 # A lease runs first what has never run on a GPU: the CUDA tests, side by side (each job runs
@@ -124,8 +126,8 @@ stage_parts() {
 # rest of the bench, the sanitizers (alone: processes on one GPU time-slice them, and their
 # instrumented kernels would slow whatever ran beside them), the GEMMs and the profile.
 lease_jobs=("tests" "amp-tests")
-lease_timed=(probe gpt gpt-batch torch-gpt graphs torch-fp32 torch-bf16 amp-runs bench-more
-  memcheck racecheck gemm profile)
+lease_timed=(probe gpt gpt-profile gpt-batch torch-gpt graphs torch-fp32 torch-bf16 amp-runs
+  bench-more memcheck racecheck gemm profile)
 # A part's cap within a lease, seconds (none: up to the lease's end).
 declare -A lease_cap_s=([torch-gpt]=${LEASE_TORCH_GPT_S:-180})
 
@@ -221,6 +223,7 @@ make_bundle() {
     sort -u > "$dest/lib/cuda_needed.txt"
 
   cp "$here/gpu_check.sh" "$dest/gpu_check.sh"
+  cp "$repo/benchmarks/ncu_summary.py" "$dest/ncu_summary.py"
   cp "$repo"/benchmarks/torch_ref/*.py "$repo"/benchmarks/torch_ref/*.sh \
     "$repo"/benchmarks/torch_ref/README.md "$dest/torch_ref/"
   {
@@ -375,7 +378,7 @@ needed_programs() {
   case "$1" in
     tests | memcheck | racecheck | amp-tests) echo test_kernels_cuda ;;
     gemm) echo bench_kernels ;;
-    profile) echo dp_bench test_kernels_cuda ;;
+    profile | gpt-profile) echo dp_bench test_kernels_cuda ;;
     *) echo dp_bench ;;
   esac
 }
@@ -1051,7 +1054,7 @@ part_probe() {
   for model in mlp cnn gpt; do
     name=probe_$model
     bench_args=(--mode dp --gpus 1 --baseline 0 --model "$model" --cuda-graphs "$graphs"
-      --repeat 1)
+      --repeat 1 --project-from off)
     [[ $model == gpt ]] && bench_args+=(--gpt-config tiny)
     [[ $dry_run == 1 ]] && dry_rewrite "${bench_args[@]}"
     logged "$out/$name.txt" "$build/bin/dp_bench" --device "$bench_device" \
@@ -1094,7 +1097,30 @@ part_gpt() {
   # one GPU, and DP on 4 logical GPUs against it (issue 26's goal: 4/1 <= 1.05), interleaved.
   bench_step dp_bench_gpt124m_bf16 "dp_bench gpt-124m bf16 --gpus 1, 4" --mode dp --gpus 4 \
     --model gpt --gpt-config 124m --seq 1024 --batch 8 --dtype bf16 --activations bf16 \
-    --steps 10 --warmup 3 --repeat 3
+    --steps 10 --warmup 3 --repeat 3 --project-from off
+}
+
+# GPT-2 124M's step kernel by kernel (issue 49): ncu's duration of every kernel of one uncaptured
+# step (bf16, bf16 activations, batch 8; no projection runs), packed, and ncu_summary.py's sums
+# by kind, NVTX range and kernel (ncu_gpt124m_b8_summary.txt). SKIP where ncu is refused.
+part_gpt_profile() {
+  local rc csv=$out/ncu_gpt124m_b8.csv label="ncu gpt-124m step" py=$here/ncu_summary.py
+  [[ -f $py ]] || py=$here/../benchmarks/ncu_summary.py
+  tool_usable ncu "ncu (gpt profile)" --launch-count 1 --section LaunchStats \
+    "$build/bin/test_kernels_cuda" -tc='kernels.cuda.elementwise*' || return 0
+  logged "$csv" "${tool_bin[ncu]}" --clock-control none --nvtx --metrics gpu__time_duration.sum \
+    --csv "$build/bin/dp_bench" --device "$bench_device" --mode dp --gpus 1 --baseline 0 \
+    --model gpt --gpt-config 124m --seq 1024 --batch 8 --dtype bf16 --activations bf16 \
+    --steps 1 --warmup 1 --cuda-graphs off --project-from off
+  rc=$?
+  if ((rc != 0)); then
+    step_verdict "$rc" "$label" "" "see ncu_gpt124m_b8.csv.gz"
+  elif timeout "$t_py" python3 "$py" "$csv" > "${csv%.csv}_summary.txt" 2>&1; then
+    verdict ok "$label" "$(head -1 "${csv%.csv}_summary.txt"): see ncu_gpt124m_b8_summary.txt"
+  else
+    verdict FAIL "$label" "ncu_summary.py: $(tail -1 "${csv%.csv}_summary.txt" | cut -c1-160)"
+  fi
+  gzip -f "$csv"
 }
 
 # The largest batch of GPT-2 124M (bf16, sequences of 1024) that fits one GPU, doubling from 16
@@ -1109,7 +1135,7 @@ part_gpt_batch() {
   for b in "${sizes[@]}"; do
     name=dp_bench_gpt124m_bf16_batch$b
     bench_args=(--mode dp --gpus 1 --baseline 0 --model gpt --gpt-config 124m --seq 1024
-      --batch "$b" --dtype bf16 --activations bf16 --steps 3 --warmup 2)
+      --batch "$b" --dtype bf16 --activations bf16 --steps 3 --warmup 2 --project-from off)
     [[ $dry_run == 1 ]] && dry_rewrite "${bench_args[@]}"
     logged "$out/$name.txt" "$build/bin/dp_bench" --device "$bench_device" \
       --json "$out/$name.json" "${bench_args[@]}"

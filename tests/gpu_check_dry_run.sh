@@ -65,8 +65,8 @@ sum1=$(ls "$scratch"/r1/*/summary.txt 2> /dev/null | head -1)
 [[ -n $sum1 ]] || no "no summary.txt"
 # The lease's order: the side-by-side jobs first (either may start first), then the rest.
 side=(tests amp-tests)
-timed=(probe gpt gpt-batch torch-gpt graphs torch-fp32 torch-bf16 amp-runs bench-more memcheck
-  racecheck gemm profile)
+timed=(probe gpt gpt-profile gpt-batch torch-gpt graphs torch-fp32 torch-bf16 amp-runs bench-more
+  memcheck racecheck gemm profile)
 order=$(sed -n 's/^== part \([a-z0-9-]*\) (.*/\1/p' "${sum1:-/dev/null}" | paste -sd' ' -)
 [[ $order == "tests amp-tests ${timed[*]}" || $order == "amp-tests tests ${timed[*]}" ]] ||
   no "the parts ran in the order '$order', expected ${side[*]} (either first), then ${timed[*]}"
@@ -219,7 +219,8 @@ declare -A part_file=([tests]=cuda_tests.txt [amp-tests]=amp_tests.txt [probe]=p
   [torch-gpt]=summary.txt [graphs]=dp_bench_cnn_gpus4_nographs.json [torch-fp32]=summary.txt
   [torch-bf16]=summary.txt [amp-runs]=amp_cnn_bf16_gpus4_commbf16.json
   [bench-more]=dp_bench_gpt_tiny_dropout_graphs_off.json [memcheck]=probe_compute-sanitizer.txt
-  [racecheck]=probe_compute-sanitizer.txt [gemm]=bench_kernels.json [profile]=probe_ncu.txt)
+  [racecheck]=probe_compute-sanitizer.txt [gemm]=bench_kernels.json [profile]=probe_ncu.txt
+  [gpt-profile]=probe_ncu.txt)
 killed=$scratch/killed.tar.gz
 LEASE_SIDE_S=120 setsid bash -c 'echo $$ > "$1" && shift && exec "$@"' - "$scratch/killed.pid" \
   bash "$script" --lease 600 --pack "$killed" "$build" "$scratch/r8" > "$scratch/eight.out" 2>&1 &
