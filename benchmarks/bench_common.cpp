@@ -282,7 +282,7 @@ void validate(const Options& o, const Setup& s, const std::vector<int>& counts) 
   }
   if (!o.project_from.empty() && o.project_from != "off")
     read_projection_file(o.project_from);  // read now, not at the end
-  if (!o.sweep.empty()) {  // the default names, in the working directory
+  if (!o.sweep.empty()) {                  // the default names, in the working directory
     dp::cli::check_output_file("--csv", o.csv_path.empty() ? "dp_bench_sweep.csv" : o.csv_path);
     dp::cli::check_output_file("--chart",
                                o.chart_path.empty() ? "dp_bench_sweep.svg" : o.chart_path);
