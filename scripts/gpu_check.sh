@@ -1100,14 +1100,19 @@ part_gpt() {
     --steps 10 --warmup 3 --repeat 3 --project-from off
 }
 
+# Whether ncu can profile here (tool_usable's probe: one kernel test case profiled): LABEL.
+ncu_usable() {
+  tool_usable ncu "$1" --launch-count 1 --section LaunchStats "$build/bin/test_kernels_cuda" \
+    -tc='kernels.cuda.elementwise*'
+}
+
 # GPT-2 124M's step kernel by kernel (issue 49): ncu's duration of every kernel of one uncaptured
 # step (bf16, bf16 activations, batch 8; no projection runs), packed, and ncu_summary.py's sums
 # by kind, NVTX range and kernel (ncu_gpt124m_b8_summary.txt). SKIP where ncu is refused.
 part_gpt_profile() {
   local rc csv=$out/ncu_gpt124m_b8.csv label="ncu gpt-124m step" py=$here/ncu_summary.py
   [[ -f $py ]] || py=$here/../benchmarks/ncu_summary.py
-  tool_usable ncu "ncu (gpt profile)" --launch-count 1 --section LaunchStats \
-    "$build/bin/test_kernels_cuda" -tc='kernels.cuda.elementwise*' || return 0
+  ncu_usable "ncu (gpt profile)" || return 0
   logged "$csv" "${tool_bin[ncu]}" --clock-control none --nvtx --metrics gpu__time_duration.sum \
     --csv "$build/bin/dp_bench" --device "$bench_device" --mode dp --gpus 1 --baseline 0 \
     --model gpt --gpt-config 124m --seq 1024 --batch 8 --dtype bf16 --activations bf16 \
@@ -1234,8 +1239,7 @@ part_torch_gpt() {
 # access to the GPU's counters says ERR_NVGPUCTRPERM or "not supported").
 part_profile() {
   local rc what
-  tool_usable ncu "ncu (profile)" --launch-count 1 --section LaunchStats \
-    "$build/bin/test_kernels_cuda" -tc='kernels.cuda.elementwise*' || return 0
+  ncu_usable "ncu (profile)" || return 0
   for what in backward reduce; do
     logged "$out/ncu_$what.txt" "${tool_bin[ncu]}" --clock-control none --nvtx \
       --nvtx-include "dp\\/$what/" --launch-count 12 --section SpeedOfLight --section LaunchStats \
