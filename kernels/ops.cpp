@@ -282,7 +282,8 @@ void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose t
                               << " x op(b) " << shape_str(op_b) << ", got "
                               << shape_str(c.shape()));
   if (bias.defined()) {
-    check_dtype(op, {"bias", bias}, DType::f32);
+    DP_CHECK(bias.dtype() == DType::f32 || bias.dtype() == c.dtype(),
+             "gemm: bias must be f32 or c's dtype " << c.dtype() << ", got " << bias);
     check_shape(op, {"bias", bias}, {op_b[1]});
   }
   if (c.numel() == 0) return;

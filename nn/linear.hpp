@@ -40,15 +40,24 @@ class Linear : public Module {
     x_dtype_ = x.dtype();
     const int64_t rows = x.numel() / in_;
     // Under mixed precision the product takes 16-bit x and W (f32 accumulation); y is f32, or
-    // 16-bit under 16-bit activations (rounded once, after the bias).
+    // 16-bit under 16-bit activations (rounded once, after the bias). A 16-bit y takes the
+    // bias's 16-bit copy, as torch.autocast rounds a Linear's bias (on a GPU, cuBLASLt's bias
+    // epilogue reads it as it is).
     x2_ = to_compute(x.reshape({rows, in_}));                                // (M, in)
     Tensor y = Tensor::empty({rows, out_}, activation_dtype(), x.device());  // (M, out)
     // (M, in) x (out, in)^T + b -> (M, out)
     kernels::gemm(y, x2_, kernels::Transpose::no, weight_->compute, kernels::Transpose::yes, 1.f,
-                  0.f, bias_ ? bias_->value : Tensor());
+                  0.f, bias_for(y.dtype()));
     Shape y_shape = x_shape_;
     y_shape.back() = out_;
     return y.reshape(y_shape);
+  }
+
+  // The bias in y's dtype where its 16-bit copy has it, else the f32 value; none without one.
+  Tensor bias_for(DType y_dtype) const {
+    if (!bias_) return Tensor();
+    return bias_->compute.defined() && bias_->compute.dtype() == y_dtype ? bias_->compute
+                                                                         : bias_->value;
   }
 
   Tensor backward_impl(const Tensor& dy) override {

@@ -387,6 +387,21 @@ TEST_CASE("kernels.gemm: f16 and bf16 operands accumulate in f32") {
     want = ref_gemm(a, Transpose::no, b, Transpose::yes, 1.f, 1.f, c16, bias);
     gemm(c16, a, Transpose::no, b, Transpose::yes, 1.f, 1.f, bias);
     CHECK(max_error(c16, want) <= (dt == DType::bf16 ? 8e-3 : 1e-3));
+    // A bias in c's 16-bit dtype is widened and added in f32 before the one rounding: the same
+    // bits as its f32 widening given as the bias.
+    Tensor bias16 = cast(bias, dt);
+    Tensor got = Tensor::zeros({m, n}, dt, Device::cpu()), ref = got.clone();
+    kernels::fill(got, 1.f);
+    kernels::fill(ref, 1.f);
+    gemm(got, a, Transpose::no, b, Transpose::yes, 1.f, 1.f, bias16);
+    gemm(ref, a, Transpose::no, b, Transpose::yes, 1.f, 1.f, cast(bias16, DType::f32));
+    CHECK(got.to_host_f32() == ref.to_host_f32());
+    // A 16-bit bias with an f32 c, or of the other 16-bit dtype, is refused by name.
+    const DType other = dt == DType::bf16 ? DType::f16 : DType::bf16;
+    CHECK_THROWS_WITH(gemm(c32, a, Transpose::no, b, Transpose::yes, 1.f, 0.f, bias16),
+                      doctest::Contains("gemm: bias must be f32 or c's dtype f32"));
+    CHECK_THROWS_WITH(gemm(got, a, Transpose::no, b, Transpose::yes, 1.f, 0.f, cast(bias, other)),
+                      doctest::Contains("bias must be f32 or c's dtype"));
   }
 }
 

@@ -258,7 +258,12 @@ TEST_CASE("kernels.cuda.gemm: f16 and bf16 operands, f32 or 16-bit output") {
         Tensor bias = rnd(d, {n}, 22);
         Tensor c16 = Tensor::zeros({m, n}, t, d);
         gemm(c16, a, Transpose::yes, b, Transpose::no, 1.f, 0.f, bias);
-        return Outputs{c16};
+        // A bias in c's dtype (what Linear passes under 16-bit activations): the epilogue
+        // reads it as it is, with no rounding kernel; the bound below holds with its term 0.
+        Tensor bias16 = rnd(d, {n}, 23, -1.f, 1.f, t);
+        Tensor c16b = Tensor::zeros({m, n}, t, d);
+        gemm(c16b, a, Transpose::yes, b, Transpose::no, 1.f, 0.f, bias16);
+        return Outputs{c16, c16b};
       };
       // The tolerance, from the rounding steps. With s the exact product a^T b (the operands are
       // already 16-bit values, so exact in f32), bias b_j in [-1, 1) and u the unit roundoff of
@@ -277,7 +282,8 @@ TEST_CASE("kernels.cuda.gemm: f16 and bf16 operands, f32 or 16-bit output") {
       // M is taken from the data: the CPU result's largest magnitude plus 1 (|b| < 1) and its
       // own half-ulp slack, so the bound holds for these operands, not for an assumed range.
       float m_bound = 1.f;
-      for (float v : run16(kCpu)[0].to_host_f32()) m_bound = std::max(m_bound, std::fabs(v) + 1.f);
+      for (const Tensor& out : run16(kCpu))
+        for (float v : out.to_host_f32()) m_bound = std::max(m_bound, std::fabs(v) + 1.f);
       const double u = t == DType::bf16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
       const double f32u = std::ldexp(1.0, -24);
       const double tol16 =

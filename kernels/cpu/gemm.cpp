@@ -473,7 +473,7 @@ void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose t
           float beta, const Tensor& bias) {
   int64_t m = c.dim(0), n = c.dim(1);
   int64_t k = ta == Transpose::no ? a.dim(1) : a.dim(0);
-  std::vector<float> a_f32, b_f32, c_f32;
+  std::vector<float> a_f32, b_f32, c_f32, bias_f32;
   float* c_data = c.data<float>();
   if (c.dtype() != DType::f32) {
     c_f32.assign(static_cast<size_t>(c.numel()), 0.f);
@@ -490,7 +490,7 @@ void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose t
     const float* b_data = as_f32(b, b_f32);
     sgemm_parallel(ta, tb, m, n, k, alpha, a_data, a.dim(1), b_data, b.dim(1), beta, c_data, n);
   }
-  if (bias.defined()) add_row_bias(c_data, m, n, bias.data<float>());
+  if (bias.defined()) add_row_bias(c_data, m, n, as_f32(bias, bias_f32));  // 16-bit: widened
   if (c.dtype() != DType::f32) store_from_f32(c, c_data);
 }
 

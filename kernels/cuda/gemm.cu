@@ -6,11 +6,12 @@
 // n (rows of column-major D) broadcast over its columns, i.e. bias[j] to column j of row-major C.
 //
 // A 16-bit output takes the epilogue with a bias of its own dtype: cuBLASLt offers no algorithm
-// for an f32 bias with a bf16 output (DP_LOG=debug on an H200, 2026-11-29), so the f32 bias is
-// rounded into a small buffer behind the GEMM workspace first (as torch.autocast rounds a
-// Linear's bias), then added in f32 before D is rounded once. Without an algorithm for it, or
-// for a vector longer than that buffer, a separate kernel adds the f32 bias to the rounded
-// product.
+// for an f32 bias with a bf16 output (DP_LOG=debug on an H200, 2026-11-29). A bias given in c's
+// dtype (a Linear passes its parameter's 16-bit copy, refreshed once a step, as torch.autocast
+// rounds a Linear's bias) goes to the epilogue as it is; an f32 bias is first rounded into a
+// small buffer behind the GEMM workspace. Either is added in f32 before D is rounded once.
+// Without an algorithm for it, for an unaligned 16-bit bias, or for an f32 vector longer than
+// that buffer, a separate kernel adds the bias to the product.
 //
 // The plan's candidates (kernels/runtime/algo_select.hpp): cuBLASLt with the bias epilogue and
 // plain cuBLASLt, each when its heuristic finds an algorithm, then always cublasGemmEx with the
@@ -122,35 +123,45 @@ AlgoAttempt cublas_attempt(cublasStatus_t st, const char* call) {
 }
 
 // c (rows, cols) row-major: c = (scale_c ? beta * c : c) + bias[col]. With scale_c and beta == 0
-// c is not read (it may hold NaN). bias may be nullptr.
-template <class T>
-__global__ void scale_add_bias_kernel(T* c, const float* bias, float beta, bool scale_c,
-                                      int64_t total, int64_t cols) {
+// c is not read (it may hold NaN). bias (f32 or c's dtype B) may be nullptr.
+template <class T, class B>
+__global__ void scale_add_bias_kernel(T* c, const B* bias, float beta, bool scale_c, int64_t total,
+                                      int64_t cols) {
   DP_GRID_STRIDE_LOOP(i, total) {
     float v = 0.f;
     if (!scale_c)
       v = to_float(c[i]);
     else if (beta != 0.f)
       v = beta * to_float(c[i]);
-    if (bias) v += bias[i % cols];
+    if (bias) v += to_float(bias[i % cols]);
     c[i] = from_float<T>(v);
   }
 }
 
-void launch_scale_add_bias(Tensor& c, const float* bias, float beta, bool scale_c, cudaStream_t s) {
-  int64_t total = c.numel(), cols = c.dim(1);
+template <class T>
+void launch_scale_add_bias_as(Tensor& c, const Tensor& bias, float beta, bool scale_c,
+                              cudaStream_t s) {
+  const int64_t total = c.numel(), cols = c.dim(1);
+  if (bias.defined() && bias.dtype() != DType::f32)
+    scale_add_bias_kernel<<<blocks_for(total), kThreads, 0, s>>>(c.data<T>(), bias.data<T>(), beta,
+                                                                 scale_c, total, cols);
+  else
+    scale_add_bias_kernel<<<blocks_for(total), kThreads, 0, s>>>(
+        c.data<T>(), data_or_null<const float>(bias), beta, scale_c, total, cols);
+}
+
+// bias is undefined, f32, or c's dtype (gemm checks).
+void launch_scale_add_bias(Tensor& c, const Tensor& bias, float beta, bool scale_c,
+                           cudaStream_t s) {
   switch (c.dtype()) {
     case DType::f32:
-      scale_add_bias_kernel<<<blocks_for(total), kThreads, 0, s>>>(c.data<float>(), bias, beta,
-                                                                   scale_c, total, cols);
+      launch_scale_add_bias_as<float>(c, bias, beta, scale_c, s);
       break;
     case DType::f16:
-      scale_add_bias_kernel<<<blocks_for(total), kThreads, 0, s>>>(c.data<__half>(), bias, beta,
-                                                                   scale_c, total, cols);
+      launch_scale_add_bias_as<__half>(c, bias, beta, scale_c, s);
       break;
     case DType::bf16:
-      scale_add_bias_kernel<<<blocks_for(total), kThreads, 0, s>>>(c.data<__nv_bfloat16>(), bias,
-                                                                   beta, scale_c, total, cols);
+      launch_scale_add_bias_as<__nv_bfloat16>(c, bias, beta, scale_c, s);
       break;
     default:
       DP_THROW("gemm: output dtype " << c.dtype() << " is not supported");
@@ -193,32 +204,34 @@ void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose t
   DP_CHECK(c.dtype() == DType::f32 || c.dtype() == a.dtype(),
            "gemm: output " << c << " must be f32 or the inputs' dtype " << a.dtype());
   cudaDataType_t out_type = cuda_type(c.dtype());
-  if (bias.defined()) require_f32("gemm (bias)", bias);
+  DP_CHECK(!bias.defined() || bias.dtype() == DType::f32 || bias.dtype() == c.dtype(),
+           "gemm: bias " << bias << " must be f32 or the output's dtype " << c.dtype());
   cudaStream_t s = stream_of(ctx);
 
   int64_t m = c.dim(0), n = c.dim(1);
   int64_t k = ta == Transpose::no ? a.dim(1) : a.dim(0);
   if (m == 0 || n == 0) return;
-  const float* bias_ptr = data_or_null<const float>(bias);
   if (k == 0) {  // empty product: c = beta c + bias
-    launch_scale_add_bias(c, bias_ptr, beta, /*scale_c=*/true, s);
+    launch_scale_add_bias(c, bias, beta, /*scale_c=*/true, s);
     return;
   }
 
   cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
   if (a.dtype() == DType::f32 && ctx.math() == MathMode::tf32)
     compute = CUBLAS_COMPUTE_32F_FAST_TF32;
-  // The fused bias epilogue is tried for f32 outputs when the vector is 16-byte aligned, and for
-  // 16-bit outputs with the bias rounded to their dtype (the header); otherwise (or when no
-  // algorithm supports it) a separate kernel adds it after the product.
+  // The fused bias epilogue is tried when the vector is 16-byte aligned in the output's dtype, or
+  // for a 16-bit output, with an f32 bias rounded to its dtype first (the header); otherwise (or
+  // when no algorithm supports it) a separate kernel adds it after the product.
+  const void* bias_ptr = bias.defined() ? bias.raw() : nullptr;
   const bool out16 = c.dtype() != DType::f32;
-  const bool want_fused = bias_ptr && (out16 ? n * 2 <= static_cast<int64_t>(kBias16Bytes)
-                                             : alignment_of(bias_ptr) >= 16);
-  // The workspace, and behind it the 16-bit bias (one size for every GEMM: it never grows
-  // between a warm-up and a capture).
+  const bool round_bias = bias_ptr && bias.dtype() != c.dtype();  // f32 bias, 16-bit output
+  const bool want_fused = bias_ptr && (round_bias ? n * 2 <= static_cast<int64_t>(kBias16Bytes)
+                                                  : alignment_of(bias_ptr) >= 16);
+  // The workspace, and behind it the rounded 16-bit bias (one size for every GEMM: it never
+  // grows between a warm-up and a capture).
   char* workspace = static_cast<char*>(ctx.workspace(kGemmWorkspaceBytes + kBias16Bytes));
   void* bias16 = workspace + kGemmWorkspaceBytes;
-  const void* epilogue_bias = out16 ? bias16 : static_cast<const void*>(bias_ptr);
+  const void* epilogue_bias = round_bias ? bias16 : bias_ptr;
   GemmKey key{m,
               n,
               k,
@@ -294,7 +307,7 @@ void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose t
   const AlgoCandidate& ran = plan.choice.run([&](const AlgoCandidate& cand) {
     switch (cand.id) {
       case kGemmLtFusedBias:
-        if (out16) launch_round_bias(bias16, bias_ptr, n, c.dtype(), s);
+        if (round_bias) launch_round_bias(bias16, bias.data<float>(), n, c.dtype(), s);
         set_attr(plan.desc_fused, CUBLASLT_MATMUL_DESC_BIAS_POINTER,  // the per-call attribute
                  epilogue_bias);
         return cublas_attempt(
@@ -331,7 +344,7 @@ void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose t
     }
   });
   if (bias_ptr && ran.id != kGemmLtFusedBias)
-    launch_scale_add_bias(c, bias_ptr, 1.f, /*scale_c=*/false, s);
+    launch_scale_add_bias(c, bias, 1.f, /*scale_c=*/false, s);
 }
 
 }  // namespace kernels::cuda
