@@ -63,32 +63,13 @@ __global__ void backward_kernel(DX* dx, const DY* dy, const V* v, int64_t n, boo
 }
 
 // The same maps over 16-bit storage, eight values per thread from 16-byte loads and stores
-// (groups q of 8: values 8q to 8q + 7): each value computed as map_kernel and backward_kernel
-// compute it, so the bits are theirs. On GPT-2's (8192, 3072) bf16 activations the one-value
-// kernels moved about 0.7 TB/s of the H200's 4.8 (2026-11-29).
-template <class T, int N = 8>
-struct Pack {
-  T v[N];
-};
-template <class T>
-__device__ __forceinline__ Pack<T> load8(const T* p, int64_t q) {
-  const uint4 u = reinterpret_cast<const uint4*>(p)[q];
-  Pack<T> out;
-  memcpy(out.v, &u, sizeof(u));
-  return out;
-}
-template <class T>
-__device__ __forceinline__ void store8(T* p, int64_t q, const Pack<T>& in) {
-  uint4 u;
-  memcpy(&u, in.v, sizeof(u));
-  reinterpret_cast<uint4*>(p)[q] = u;
-}
-
+// (load8/store8, cuda_common.cuh): each value computed as map_kernel and backward_kernel compute
+// it, so the bits are theirs.
 template <class Y, class X, class F>
 __global__ void map8_kernel(Y* y, const X* x, int64_t groups, F f) {
   DP_GRID_STRIDE_LOOP(q, groups) {
-    const Pack<X> in = load8(x, q);
-    Pack<Y> out;
+    const Pack8<X> in = load8(x, q);
+    Pack8<Y> out;
 #pragma unroll
     for (int k = 0; k < 8; ++k) out.v[k] = from_float<Y>(f(to_float(in.v[k])));
     store8(y, q, out);
@@ -99,9 +80,9 @@ template <class DX, class DY, class V, class D>
 __global__ void backward8_kernel(DX* dx, const DY* dy, const V* v, int64_t groups, bool accumulate,
                                  D d) {
   DP_GRID_STRIDE_LOOP(q, groups) {
-    const Pack<DY> g_in = load8(dy, q);
-    const Pack<V> v_in = load8(v, q);
-    Pack<DX> out;
+    const Pack8<DY> g_in = load8(dy, q);
+    const Pack8<V> v_in = load8(v, q);
+    Pack8<DX> out;
     if (accumulate) out = load8(dx, q);
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
@@ -110,12 +91,6 @@ __global__ void backward8_kernel(DX* dx, const DY* dy, const V* v, int64_t group
     }
     store8(dx, q, out);
   }
-}
-
-// Whether every pointer is 16-byte aligned and every storage type 16-bit: the 8-wide kernels.
-template <class... T>
-bool eight_wide(const T*... p) {
-  return ((sizeof(T) == 2 && reinterpret_cast<uintptr_t>(p) % 16 == 0) && ...);
 }
 
 template <class F>
@@ -127,19 +102,19 @@ void launch_map(const char* op, Tensor& y, const Tensor& x, F f, DeviceContext& 
       [&](auto y_t, auto x_t) {
         auto* py = y.data<decltype(y_t)>();
         const auto* px = x.data<decltype(x_t)>();
-        int64_t done = 0;
+        auto tail = [&](int64_t first, int64_t count) {
+          map_kernel<<<blocks_for(count), kThreads, 0, stream_of(ctx)>>>(py + first, px + first,
+                                                                         count, f);
+          DP_CUDA_CHECK_LAUNCH();
+        };
         if constexpr (sizeof(y_t) == 2 && sizeof(x_t) == 2) {
-          if (eight_wide(py, px) && n >= 8) {
-            const int64_t groups = n / 8;
+          auto bulk = [&](int64_t groups) {
             map8_kernel<<<blocks_for(groups), kThreads, 0, stream_of(ctx)>>>(py, px, groups, f);
             DP_CUDA_CHECK_LAUNCH();
-            done = groups * 8;
-          }
-        }
-        if (done < n) {
-          map_kernel<<<blocks_for(n - done), kThreads, 0, stream_of(ctx)>>>(py + done, px + done,
-                                                                            n - done, f);
-          DP_CUDA_CHECK_LAUNCH();
+          };
+          launch_eight_wide_then_tail(n, eight_wide(py, px), bulk, tail);
+        } else {
+          tail(0, n);
         }
       },
       y.dtype(), x.dtype());
@@ -156,20 +131,20 @@ void launch_backward(const char* op, Tensor& dx, const Tensor& dy, const Tensor&
         auto* pdx = dx.data<decltype(dx_t)>();
         const auto* pdy = dy.data<decltype(dy_t)>();
         const auto* pv = v.data<decltype(v_t)>();
-        int64_t done = 0;
+        auto tail = [&](int64_t first, int64_t count) {
+          backward_kernel<<<blocks_for(count), kThreads, 0, stream_of(ctx)>>>(
+              pdx + first, pdy + first, pv + first, count, acc == Accumulate::yes, d);
+          DP_CUDA_CHECK_LAUNCH();
+        };
         if constexpr (sizeof(dx_t) == 2 && sizeof(dy_t) == 2 && sizeof(v_t) == 2) {
-          if (eight_wide(pdx, pdy, pv) && n >= 8) {
-            const int64_t groups = n / 8;
+          auto bulk = [&](int64_t groups) {
             backward8_kernel<<<blocks_for(groups), kThreads, 0, stream_of(ctx)>>>(
                 pdx, pdy, pv, groups, acc == Accumulate::yes, d);
             DP_CUDA_CHECK_LAUNCH();
-            done = groups * 8;
-          }
-        }
-        if (done < n) {
-          backward_kernel<<<blocks_for(n - done), kThreads, 0, stream_of(ctx)>>>(
-              pdx + done, pdy + done, pv + done, n - done, acc == Accumulate::yes, d);
-          DP_CUDA_CHECK_LAUNCH();
+          };
+          launch_eight_wide_then_tail(n, eight_wide(pdx, pdy, pv), bulk, tail);
+        } else {
+          tail(0, n);
         }
       },
       dx.dtype(), dy.dtype(), v.dtype());

@@ -1,6 +1,8 @@
 // Shared by the CUDA backend's .cu files: stream/handle access, launch geometry, dtype loads.
 #pragma once
 
+#include <cstdint>
+#include <cstring>
 #include <initializer_list>
 
 #include <cuda_bf16.h>
@@ -94,6 +96,47 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
 template <class F, class... D>
 void with_storage(F&& f, D... dtypes) {
   with_storage_of<__half, __nv_bfloat16>(f, dtypes...);
+}
+
+// Eight 16-bit values from one 16-byte load or store (group q: values 8q to 8q + 7 of p, which
+// must be 16-byte aligned). On GPT-2's (8192, 3072) bf16 activations one-value kernels moved
+// about 0.7 TB/s of an H200's 4.8 (2026-11-29).
+template <class T>
+struct Pack8 {
+  static_assert(sizeof(T) == 2, "Pack8 holds 16-bit values");
+  T v[8];
+};
+template <class T>
+__device__ __forceinline__ Pack8<T> load8(const T* p, int64_t q) {
+  const uint4 u = reinterpret_cast<const uint4*>(p)[q];
+  Pack8<T> out;
+  memcpy(out.v, &u, sizeof(u));
+  return out;
+}
+template <class T>
+__device__ __forceinline__ void store8(T* p, int64_t q, const Pack8<T>& in) {
+  uint4 u;
+  memcpy(&u, in.v, sizeof(u));
+  reinterpret_cast<uint4*>(p)[q] = u;
+}
+
+// Whether every pointer is 16-byte aligned and every storage type 16-bit: load8 and store8 serve.
+template <class... T>
+bool eight_wide(const T*... p) {
+  return ((sizeof(T) == 2 && reinterpret_cast<uintptr_t>(p) % 16 == 0) && ...);
+}
+
+// An elementwise launch over n values split in two: bulk(groups) takes the first 8 * groups in
+// groups of 8 when `wide` (the caller's eight_wide), tail(first, count) the rest (all n when not
+// wide). The two run on one stream, in that order.
+template <class Bulk, class Tail>
+void launch_eight_wide_then_tail(int64_t n, bool wide, Bulk&& bulk, Tail&& tail) {
+  int64_t done = 0;
+  if (wide && n >= 8) {
+    bulk(n / 8);
+    done = n / 8 * 8;
+  }
+  if (done < n) tail(done, n - done);
 }
 
 // ---- host-side helpers ---------------------------------------------------------------------

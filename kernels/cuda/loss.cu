@@ -84,13 +84,10 @@ template <class T, class F>
 __device__ __forceinline__ void for_each_in_row(const T* x, int64_t n, F&& f) {
   if constexpr (sizeof(T) == 2) {
     if (n % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
-      const uint4* v = reinterpret_cast<const uint4*>(x);
       for (int64_t q = threadIdx.x; q < n / 8; q += blockDim.x) {
-        const uint4 u = v[q];
-        T e[8];
-        memcpy(e, &u, sizeof(u));
+        const Pack8<T> e = load8(x, q);
 #pragma unroll
-        for (int k = 0; k < 8; ++k) f(q * 8 + k, to_float(e[k]));
+        for (int k = 0; k < 8; ++k) f(q * 8 + k, to_float(e.v[k]));
       }
       return;
     }
