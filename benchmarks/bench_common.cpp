@@ -280,7 +280,7 @@ void validate(const Options& o, const Setup& s, const std::vector<int>& counts) 
                         << ": the chart is drawn as SVG or PNG, by the name's ending: give a .svg "
                            "or .png name");
   }
-  if (!o.project_from.empty() && o.project_from != "off")
+  if (projection_from(o.project_from) == ProjectionFrom::file)
     read_projection_file(o.project_from);  // read now, not at the end
   if (!o.sweep.empty()) {                  // the default names, in the working directory
     dp::cli::check_output_file("--csv", o.csv_path.empty() ? "dp_bench_sweep.csv" : o.csv_path);
@@ -957,7 +957,8 @@ int run(const Options& o, int argc, char** argv) {
   // The projection's per-rank compute: one device at the per-rank batch of N = 4 and 8, host
   // time included. Only where the projection uses this machine's compute (a GPU).
   std::vector<RunResult> compute_runs;
-  if (s.type == DeviceType::cuda && o.project_from.empty() && !runs.empty()) {
+  if (s.type == DeviceType::cuda &&
+      projection_from(o.project_from) == ProjectionFrom::this_machine && !runs.empty()) {
     for (int n : {4, 8}) {
       Options per_rank = o;
       per_rank.batch = (runs[0].batch + n - 1) / n;

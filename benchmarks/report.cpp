@@ -626,15 +626,24 @@ ProjectionInput read_projection_file(const std::string& project_from) {
   return in;
 }
 
+ProjectionFrom projection_from(const std::string& project_from) {
+  if (project_from.empty()) return ProjectionFrom::this_machine;
+  return project_from == "off" ? ProjectionFrom::off : ProjectionFrom::file;
+}
+
 ProjectionInput projection_input(const Header& h, const std::vector<RunResult>& runs,
                                  const std::string& project_from,
                                  const std::vector<RunResult>& compute_runs) {
   ProjectionInput in;
-  if (project_from == "off") {
-    in.why_not = "--project-from off";
-    return in;
+  switch (projection_from(project_from)) {
+    case ProjectionFrom::off:
+      in.why_not = "--project-from off";
+      return in;
+    case ProjectionFrom::file:
+      return read_projection_file(project_from);
+    case ProjectionFrom::this_machine:
+      break;
   }
-  if (!project_from.empty()) return read_projection_file(project_from);
   if (h.device == "cpu") {
     in.why_not =
         "the compute was measured on CPU devices, and CPU compute beside NVLink/PCIe figures "

@@ -228,7 +228,11 @@ struct ProjectionInput {
 // naming the file when it is missing, not a regular file (a FIFO is not waited on) or not such
 // a report. dp_bench calls it before any work (validate) and again for the projection.
 ProjectionInput read_projection_file(const std::string& project_from);
-// requires project_from empty or a dp_bench JSON file (throws naming the file otherwise).
+// Where --project-from takes the projection's compute from: this machine's runs (the flag
+// empty), nowhere ("off": no projection, no compute runs), or a results file (its path).
+enum class ProjectionFrom { this_machine, off, file };
+ProjectionFrom projection_from(const std::string& project_from);
+// requires project_from empty, off, or a dp_bench JSON file (throws naming the file otherwise).
 ProjectionInput projection_input(const Header& h, const std::vector<RunResult>& runs,
                                  const std::string& project_from,
                                  const std::vector<RunResult>& compute_runs = {});
