@@ -869,9 +869,11 @@ int run(const Options& o, int argc, char** argv) {
     dp::warn_if_oversubscribed(kernels::make_devices(DeviceType::cuda, max_n));
   bool want_dp = o.mode == "dp" || o.mode == "both", want_ddp = o.mode == "ddp" || o.mode == "both";
   bool want_hybrid = o.mode == "hybrid";
-  // The workload's comm hook trains beside DDP, where nothing it cannot take is asked for.
-  bool want_hook = want_ddp && o.workload && o.workload->make_comm_hook;
-  if (want_hook) {
+  // The workload's comm hook trains beside DDP (mode "hook") and beside hybrid, for its sums
+  // over nodes ("hybrid-hook"), where nothing it cannot take is asked for.
+  const bool has_hook = o.workload && o.workload->make_comm_hook;
+  bool want_hook = want_ddp && has_hook, want_hybrid_hook = want_hybrid && has_hook;
+  if (want_hook || want_hybrid_hook) {
     std::string why;
     if (s.comm_dtype != kernels::DType::f32)
       why = "--comm-dtype " + o.comm_dtype +
@@ -882,7 +884,7 @@ int run(const Options& o, int argc, char** argv) {
       why = "checkpoints (the hook's rows would share DDP's folder)";
     if (!why.empty()) {
       std::fprintf(stderr, "dp_bench: the comm hook's rows are not run with %s\n", why.c_str());
-      want_hook = false;
+      want_hook = want_hybrid_hook = false;
     }
   }
   bool tracing = !o.trace_path.empty();
@@ -899,19 +901,23 @@ int run(const Options& o, int argc, char** argv) {
   bool other_node = false;
   for (int k = 0; k < o.repeat; ++k) {
     size_t slot = 0;
-    for (const std::string mode : {"dp", "ddp", "hook", "hybrid"}) {
+    for (const std::string mode : {"dp", "ddp", "hook", "hybrid", "hybrid-hook"}) {
       if ((mode == "dp" && !want_dp) || (mode == "ddp" && !want_ddp) ||
-          (mode == "hook" && !want_hook) || (mode == "hybrid" && !want_hybrid))
+          (mode == "hook" && !want_hook) || (mode == "hybrid" && !want_hybrid) ||
+          (mode == "hybrid-hook" && !want_hybrid_hook))
         continue;
       for (int n : counts) {
+        // A hybrid node process trains on --gpus devices whatever the count: one run (a second
+        // at the baseline's count would repeat the same N).
+        if ((mode == "hybrid" || mode == "hybrid-hook") && n != counts.back()) continue;
         dp::Trace trace;
         const bool trace_this = tracing && k == 0;
         dp::Trace* t = trace_this ? &trace : nullptr;
-        std::optional<RunResult> got = mode == "dp"    ? run_dp(o, s, n, t, lock ? &*lock : nullptr)
-                                       : mode == "ddp" ? run_ddp(o, s, n, argc, argv, t)
-                                       : mode == "hook"
-                                           ? run_ddp(o, s, n, argc, argv, t, /*hook=*/true)
-                                           : run_hybrid(o, s, n, argc, argv, t);
+        const bool hooked = mode == "hook" || mode == "hybrid-hook";
+        std::optional<RunResult> got = mode == "dp" ? run_dp(o, s, n, t, lock ? &*lock : nullptr)
+                                       : mode == "ddp" || mode == "hook"
+                                           ? run_ddp(o, s, n, argc, argv, t, hooked)
+                                           : run_hybrid(o, s, n, argc, argv, t, hooked);
         if (!got) {  // this node's ranks ran; node 0 has the figures
           other_node = true;
           continue;

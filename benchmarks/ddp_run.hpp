@@ -30,8 +30,9 @@ std::optional<RunResult> run_workers(const Options& o, int n, const std::string&
 // dp_bench's hybrid mode: node processes (hybrid_procs(o) on this node, one per node on a real
 // cluster), each the threaded DP engine over --gpus devices, their device 0s joined through
 // the process group (dp::dist::GroupCrossNode). N = devices per node x nodes.
+// hook: with the workload's comm hook (Workload::make_comm_hook) for the sums over nodes.
 std::optional<RunResult> run_hybrid(const Options& o, const Setup& s, int n, int argc, char** argv,
-                                    dp::Trace* trace);
+                                    dp::Trace* trace, bool hook = false);
 int hybrid_worker_main(const Options& o);
 // Node processes started on this machine: --hybrid-procs, or 2 with --nnodes 1 (two nodes
 // simulated on one machine) and 1 per real node.

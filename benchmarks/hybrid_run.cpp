@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <memory>
+#include <string>
 
 #include "benchmarks/ddp_run.hpp"
 #include "benchmarks/shared_file.hpp"
@@ -23,10 +24,12 @@ int hybrid_procs(const Options& o) {
 }
 
 std::optional<RunResult> run_hybrid(const Options& o, const Setup& s, int n, int argc, char** argv,
-                                    dp::Trace* trace) {
+                                    dp::Trace* trace, bool hook) {
   (void)s;
   (void)n;  // each node process reads --gpus itself
-  return run_workers(o, hybrid_procs(o), "the hybrid run", argc, argv, trace);
+  return run_workers(o, hybrid_procs(o),
+                     hook ? "the hybrid run with the comm hook" : "the hybrid run", argc, argv,
+                     trace, hook);
 }
 
 int hybrid_worker_main(const Options& o) {
@@ -59,11 +62,22 @@ int hybrid_worker_main(const Options& o) {
   if (s.activations != kernels::DType::f32) model->set_activations(nn::Activations::compute);
   auto optimizer = make_optimizer(o, *model);
   dp::DataParallelOptions dopt = dp_options(o, s);
-  dopt.cross_node = std::make_shared<dp::dist::GroupCrossNode>(*group);
+  // The workload's comm hook, for the launcher's "hybrid-hook" run (never under an external
+  // launcher): it takes device 0's buckets for the sums over nodes.
+  const char* hook_env = std::getenv("DP_BENCH_DDP_HOOK");
+  std::shared_ptr<dp::dist::CommHook> hook;
+  if (!external && hook_env && std::string(hook_env) == "1") {
+    DP_CHECK(o.workload && o.workload->make_comm_hook,
+             "dp_bench node: a comm hook run without a workload that makes one");
+    hook = o.workload->make_comm_hook();
+    DP_CHECK(hook, "the workload's make_comm_hook returned no hook");
+  }
+  dopt.cross_node = std::make_shared<dp::dist::GroupCrossNode>(*group, hook);
   dp::DataParallel engine(model, *optimizer, devices, dopt);
 
   RunResult r;
-  r.mode = "hybrid";
+  r.mode = hook ? "hybrid-hook" : "hybrid";
+  if (hook) r.comm_hook = hook->name();
   r.optim = o.optim;
   r.comm_dtype = o.comm_dtype;
   r.reduce = o.dp_reduce;

@@ -110,6 +110,26 @@ bool ddp_ranks(const RunResult& r) {
   return r.mode == "ddp" || r.mode == "hook";
 }
 
+// The width of the tables' mode column: 5, or the longest mode's ("hybrid-hook").
+int mode_width(const std::vector<RunResult>& runs) {
+  size_t w = 5;
+  for (const RunResult& r : runs) w = std::max(w, r.mode.size());
+  return static_cast<int>(w);
+}
+
+// A run of hybrid's node processes: with the built-in sum over nodes or a comm hook.
+bool hybrid_nodes(const RunResult& r) {
+  return r.mode == "hybrid" || r.mode == "hybrid-hook";
+}
+
+// The built-in run a comm hook's run stands beside ("hook": DDP, "hybrid-hook": hybrid), or
+// none for a run without a hook.
+const char* hook_baseline(const RunResult& r) {
+  if (r.mode == "hook") return "ddp";
+  if (r.mode == "hybrid-hook") return "hybrid";
+  return nullptr;
+}
+
 const RunResult* baseline_of(const std::vector<RunResult>& runs, const std::string& mode) {
   for (auto& r : runs)
     if (r.mode == mode && r.gpus == 1) return &r;
@@ -319,16 +339,16 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
                                     "(run-to-run noise is larger: --repeat 5)"))
      << "\n";
   os << std::fixed;
-  os << "\n mode  N   batch  step ms median (95% CI)       p90   samples/s  speedup  eff.   final "
-        "loss\n";
+  os << "\n " << std::left << std::setw(mode_width(runs)) << "mode" << std::right
+     << " N   batch  step ms median (95% CI)       p90   samples/s  speedup  eff.   final loss\n";
   for (auto& r : runs) {
     const RunResult* base = baseline_of(runs, r.mode);
     Estimate e = step_estimate(r);
     std::ostringstream ci;
     ci << std::fixed << std::setprecision(3) << e.value << " (" << e.lo << "-" << e.hi << ")";
-    os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << r.gpus
-       << std::setw(8) << r.batch << "  " << std::left << std::setw(27) << ci.str() << std::right
-       << std::setw(8) << std::setprecision(3) << r.step_ms_p90() << std::setw(12)
+    os << " " << std::left << std::setw(mode_width(runs)) << r.mode << std::right << std::setw(2)
+       << r.gpus << std::setw(8) << r.batch << "  " << std::left << std::setw(27) << ci.str()
+       << std::right << std::setw(8) << std::setprecision(3) << r.step_ms_p90() << std::setw(12)
        << std::setprecision(0) << r.samples_per_s();
     if (base && base->step_ms_median() > 0 && !time_sliced(h, r.gpus)) {
       double speedup = base->step_ms_median() / r.step_ms_median();
@@ -350,7 +370,8 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
     os << " (graphed steps time a captured segment's phases together, printed joined by +)";
   os << ":\n";
   for (auto& r : runs) {
-    os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << r.gpus << " ";
+    os << " " << std::left << std::setw(mode_width(runs)) << r.mode << std::right << std::setw(2)
+       << r.gpus << " ";
     for (auto& [name, ms] : shown_phases(r))
       if (name != "other" && name != "reduce_in_backward")
         os << " " << name << " " << std::setprecision(3) << ms;
@@ -379,8 +400,8 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
        << " MFLOP per token = 6 P + 12 L T D; peak " << std::setprecision(2) << h.peak_tflops
        << " TFLOP/s per " << (h.device == "cpu" ? "CPU" : "GPU") << ", " << h.peak_source << "):\n";
     for (auto& r : runs)
-      os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << r.gpus
-         << "   " << std::setprecision(0) << tokens_per_s(h, r) << " tokens/s, MFU "
+      os << " " << std::left << std::setw(mode_width(runs)) << r.mode << std::right << std::setw(2)
+         << r.gpus << "   " << std::setprecision(0) << tokens_per_s(h, r) << " tokens/s, MFU "
          << std::setprecision(2) << 100 * mfu(h, r) << "%"
          << (r.attention.empty() ? "" : ", attention: " + r.attention) << "\n";
   }
@@ -390,17 +411,17 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
     os << "\n against 1 device: t_N / t_1, and overhead per added device (t_N - t_1) / N in us:\n";
     for (auto& r : runs)
       if (auto us = overhead_ci(runs, r)) {
-        os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << r.gpus
-           << "   t_N / t_1 " << describe(*ratio_to_one(runs, r), 1.0, 2) << ";  overhead "
-           << describe(*us, 0.0, 1) << " us\n";
+        os << " " << std::left << std::setw(mode_width(runs)) << r.mode << std::right
+           << std::setw(2) << r.gpus << "   t_N / t_1 " << describe(*ratio_to_one(runs, r), 1.0, 2)
+           << ";  overhead " << describe(*us, 0.0, 1) << " us\n";
       }
   }
   os << "\n replay, per step after warm-up (median): allocations and host syncs (goal 0 and 1), "
         "dtype casts\n";
   for (auto& r : runs)
-    os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << r.gpus
-       << "   allocations " << std::setprecision(0) << r.allocations_per_step << ", host syncs "
-       << r.host_syncs_per_step << ", casts " << r.casts_per_step
+    os << " " << std::left << std::setw(mode_width(runs)) << r.mode << std::right << std::setw(2)
+       << r.gpus << "   allocations " << std::setprecision(0) << r.allocations_per_step
+       << ", host syncs " << r.host_syncs_per_step << ", casts " << r.casts_per_step
        << (r.graphed_steps > 0
                ? ", graphed steps " + std::to_string(r.graphed_steps) + ", graph nodes per step " +
                      std::to_string(std::lround(r.graph_nodes_per_step))
@@ -408,38 +429,46 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
        << (r.graph_collectives.empty() ? "" : ", all-reduces " + r.graph_collectives) << "\n";
   for (auto& r : runs) {
     if (r.capture_step >= 0)
-      os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << r.gpus
-         << "   capture (step " << r.capture_step << "): allocations " << r.capture_allocations
-         << ", peak " << std::setprecision(3) << r.capture_peak_bytes / 1048576.0
-         << " MiB against the eager step's " << r.eager_peak_bytes / 1048576.0 << " MiB\n";
+      os << " " << std::left << std::setw(mode_width(runs)) << r.mode << std::right << std::setw(2)
+         << r.gpus << "   capture (step " << r.capture_step << "): allocations "
+         << r.capture_allocations << ", peak " << std::setprecision(3)
+         << r.capture_peak_bytes / 1048576.0 << " MiB against the eager step's "
+         << r.eager_peak_bytes / 1048576.0 << " MiB\n";
     if (!r.graphs_fallback.empty())
-      os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << r.gpus
-         << "   graphs off: " << r.graphs_fallback << " (the run went on uncaptured)\n";
+      os << " " << std::left << std::setw(mode_width(runs)) << r.mode << std::right << std::setw(2)
+         << r.gpus << "   graphs off: " << r.graphs_fallback << " (the run went on uncaptured)\n";
   }
   if (h.dtype == "bf16" || h.dtype == "fp16") {
     os << "\n mixed precision (" << h.dtype << " GEMMs and convolutions, f32 master weights):\n";
     for (auto& r : runs)
-      os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << r.gpus
-         << "   loss scale " << std::setprecision(0) << r.loss_scale << ", skipped steps "
+      os << " " << std::left << std::setw(mode_width(runs)) << r.mode << std::right << std::setw(2)
+         << r.gpus << "   loss scale " << std::setprecision(0) << r.loss_scale << ", skipped steps "
          << r.skipped_steps << "\n";
   }
   for (auto& r : runs)
     if (r.comm_dtype != "fp32" && r.gpus > 1 && r.param_bytes > 0)
-      os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << r.gpus
-         << "   gradients travel in " << r.comm_dtype << ": half the gradient bytes of f32 ("
-         << mib(r.param_bytes / 2) << " MiB saved per " << (r.mode == "dp" ? "replica" : "rank")
-         << " per step)\n";
-  for (auto& r : runs)
-    if (r.mode == "hook") {
-      os << "\n hook: DDP with the workload's comm hook " << r.comm_hook
-         << " in place of the bucket all-reduce (the same model, data and ranks); against DDP "
-            "at the same N:\n";
-      break;
-    }
+      os << " " << std::left << std::setw(mode_width(runs)) << r.mode << std::right << std::setw(2)
+         << r.gpus << "   gradients travel in " << r.comm_dtype
+         << ": half the gradient bytes of f32 (" << mib(r.param_bytes / 2) << " MiB saved per "
+         << (r.mode == "dp" ? "replica" : "rank") << " per step)\n";
+  for (const char* kind : {"hook", "hybrid-hook"})
+    for (auto& r : runs)
+      if (r.mode == kind) {
+        os << "\n " << kind << ": "
+           << (r.mode == "hook" ? "DDP with the workload's comm hook "
+                                : "hybrid with the workload's comm hook ")
+           << r.comm_hook
+           << (r.mode == "hook" ? " in place of the bucket all-reduce (the same model, data and "
+                                  "ranks); against DDP at the same N:\n"
+                                : " in place of the sum over nodes (the same model, data and "
+                                  "nodes); against hybrid at the same N:\n");
+        break;
+      }
   for (auto& r : runs) {
-    const RunResult* d = r.mode == "hook" ? largest_of(runs, "ddp", r.gpus) : nullptr;
+    const char* base = hook_baseline(r);
+    const RunResult* d = base ? largest_of(runs, base, r.gpus) : nullptr;
     if (!d) continue;
-    os << " hook " << std::setw(2) << r.gpus << "   bytes handed to the group per step "
+    os << " " << r.mode << " " << std::setw(2) << r.gpus << "   bytes handed to the group per step "
        << r.bytes_per_step << " against " << d->bytes_per_step;
     if (r.bytes_per_step > 0 && d->bytes_per_step > 0)
       os << " (" << std::setprecision(1)
@@ -461,17 +490,17 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
         "payload counted by the process group vs the ring model's wire bytes per rank, "
         "2(N-1)/N x payload\n";
   for (auto& r : runs) {
-    os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << r.gpus
-       << "   " << (r.mode == "dp" ? "copied " : "payload ") << std::setw(9)
-       << mib(r.bytes_per_step) << " (counted" << (r.mode == "hybrid" ? ", across nodes)" : ")")
+    os << " " << std::left << std::setw(mode_width(runs)) << r.mode << std::right << std::setw(2)
+       << r.gpus << "   " << (r.mode == "dp" ? "copied " : "payload ") << std::setw(9)
+       << mib(r.bytes_per_step) << " (counted" << (hybrid_nodes(r) ? ", across nodes)" : ")")
        << "   model " << std::setw(9) << mib(r.bytes_theory)
-       << (ddp_ranks(r)         ? " (ring, per rank)"
-           : r.mode == "hybrid" ? " (ring over nodes, per node)"
-                                : " (star)")
+       << (ddp_ranks(r)      ? " (ring, per rank)"
+           : hybrid_nodes(r) ? " (ring over nodes, per node)"
+                             : " (star)")
        << "   peak MiB per device:";
     for (int64_t b : r.peak_mem_bytes) os << " " << mib(b);
     if (!r.link_bytes.empty() && r.gpus > 1) {
-      os << "   " << (r.mode == "hybrid" ? "in-node " : "") << "link MiB per device (in + out, "
+      os << "   " << (hybrid_nodes(r) ? "in-node " : "") << "link MiB per device (in + out, "
          << r.reduce << "):";
       for (int64_t b : r.link_bytes) os << " " << mib(b);
     }
@@ -483,8 +512,8 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
 void print_sync_bn(std::ostream& os, const std::vector<RunResult>& runs) {
   for (const auto& r : runs) {
     if (r.sync_bn_values == 0 || r.gpus < 2) continue;
-    os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << r.gpus
-       << " SyncBatchNorm: " << r.sync_bn_values << " values (" << r.sync_bn_values * 4
+    os << " " << std::left << std::setw(mode_width(runs)) << r.mode << std::right << std::setw(2)
+       << r.gpus << " SyncBatchNorm: " << r.sync_bn_values << " values (" << r.sync_bn_values * 4
        << " bytes as f32) combined per device per step, one exchange per layer and pass"
        << (r.mode == "dp" ? " (through host memory)" : " (all_reduce)") << "\n";
   }
@@ -503,8 +532,8 @@ void print_memory_model(std::ostream& os, const std::vector<RunResult>& runs) {
     int64_t k = r.optim == "adamw" ? 8 : 4;
     int n = r.gpus;
     int64_t state_model = r.zero == 1 ? (k * p + n - 1) / n : k * p;
-    os << " " << std::left << std::setw(5) << r.mode << std::right << std::setw(2) << n << " "
-       << r.optim << (r.zero ? " zero-1" : "") << ":";
+    os << " " << std::left << std::setw(mode_width(runs)) << r.mode << std::right << std::setw(2)
+       << n << " " << r.optim << (r.zero ? " zero-1" : "") << ":";
     for (int64_t b : r.optimizer_state_bytes) os << " " << mib(b);
     os << "   model: 4P + 4P + " << k << "P" << (r.zero ? "/" + std::to_string(n) : "") << " = "
        << mib(8 * p + state_model) << " (state " << mib(state_model) << ")\n";

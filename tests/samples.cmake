@@ -36,6 +36,14 @@ if(TARGET compare_my_model)
            COMMAND sh -c "for g in on off; do $<TARGET_FILE:compare_my_model> --device cpu --gpus 2 --mode ddp --steps 6 --warmup 1 --batch 24 --cuda-graphs $g 2>&1 | grep -o 'hook N=[12]: [0-9.]* ms/step, final loss [0-9.]*'; done | sed 's/.*final/final/' | sort | uniq -c")
   set_tests_properties("samples.compare_my_model: the comm hook's runs, graphs on and off, follow one loss curve"
     PROPERTIES TIMEOUT 120 PASS_REGULAR_EXPRESSION "^ *4 final loss [0-9.]+\n$")
+  # --mode hybrid: the hook takes the sums over nodes ("hybrid-hook" rows beside hybrid's, one
+  # run each), its bytes against the built-in sum's (PowerSGD's P and Q, and 8 bytes of metrics).
+  add_test(NAME "samples.compare_my_model: the comm hook over hybrid's nodes, bytes against the sum"
+           COMMAND $<TARGET_FILE:compare_my_model> --device cpu --gpus 2 --mode hybrid --steps 4
+                   --warmup 1 --batch 24)
+  set_tests_properties("samples.compare_my_model: the comm hook over hybrid's nodes, bytes against the sum"
+    PROPERTIES TIMEOUT 120
+    PASS_REGULAR_EXPRESSION " mode        N   batch.*\n hybrid      4      24 [^\n]*\n hybrid-hook 4      24 [^\n]*\n\n.*hybrid-hook: hybrid with the workload's comm hook powersgd-r4 in place of the sum over nodes.*\n hybrid-hook  4   bytes handed to the group per step 4968 against 96032 \\(19.3x fewer\\)[^\n]*\n\n")
   # --help lists only the flags the workload takes (the built-in models' are left out).
   add_test(NAME "samples.compare_my_model: --help leaves out the built-in models' flags"
            COMMAND $<TARGET_FILE:compare_my_model> --help)

@@ -1638,6 +1638,12 @@ TEST_CASE("bench.hybrid: 2 node processes x 2 devices and 3 x 1 follow DP on one
   REQUIRE(run_bench(common + "--mode dp --gpus 1 --json " + ref) == 0);
   auto a = read_json(two)["runs"][0], b = read_json(three)["runs"][0],
        single = read_json(ref)["runs"][0];
+  // With the baseline on (the default), the node processes still train on --gpus devices: one
+  // run, not a second of the same N.
+  std::string with_baseline = temp_path("hybrid_baseline.json");
+  REQUIRE(run_bench("--device cpu --steps 2 --warmup 0 --batch 8 --mode hybrid --gpus 2 --json " +
+                    with_baseline) == 0);
+  CHECK(read_json(with_baseline)["runs"].size() == 1);
   CHECK(a["mode"] == "hybrid");
   CHECK(a["gpus"] == 4);
   CHECK(b["gpus"] == 3);
