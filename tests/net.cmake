@@ -4,7 +4,7 @@
 set(DP_NET_ENV "CLUSTER=${PROJECT_SOURCE_DIR}/scripts/cluster.sh")
 set(DP_NET_CASES cluster_up_down)
 if(TARGET dp_bench)
-  list(APPEND DP_NET_CASES ddp_gloo hybrid restart)
+  list(APPEND DP_NET_CASES ddp_gloo hybrid restart partition)
   list(APPEND DP_NET_ENV "DP_BENCH=$<TARGET_FILE:dp_bench>")
   list(APPEND DP_NET_CASES ddp_mpi)  # skips without MPI
   if(DP_HAVE_MPI)

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # net: jobs across network namespaces made by scripts/cluster.sh (each node its own address,
 # a rate-limited link through a bridge). One case per run:
-#   net_test.sh cluster_up_down | ddp_gloo | hybrid | ddp_mpi | restart
+#   net_test.sh cluster_up_down | ddp_gloo | hybrid | ddp_mpi | restart | partition
 # Paths come from the environment (tests/net.cmake): CLUSTER (scripts/cluster.sh), DP_BENCH,
 # MPIRUN (empty without MPI). Exits 77 (ctest: skipped), saying why, when not root or without
 # ip netns. Every cluster has a prefix of its own (the case and this PID) and is removed on exit.
 set -uo pipefail
 
-case_name=${1:?give a case: cluster_up_down, ddp_gloo, ddp_mpi or restart}
+case_name=${1:?give a case: cluster_up_down, ddp_gloo, hybrid, ddp_mpi, restart or partition}
 skip() {
   echo "net.$case_name: SKIPPED: $*"
   exit 77
@@ -222,6 +222,59 @@ c, _ = s.accept(); c.sendall(c.recv(5))" &
     done
     echo "net.restart: rank 1 killed on node 1, both nodes restarted, the final state is the" \
       "uninterrupted run's bit for bit"
+    ;;
+  partition)
+    # Node 1's link goes down mid-run (a network partition: no reset reaches either side). Each
+    # node's launcher sees it from the heartbeats within about DP_HEARTBEAT_TIMEOUT (5 s), names
+    # it and stops its workers, instead of waiting out the collective timeout (300 s).
+    "$CLUSTER" up 2 --rate 1gbit --prefix "$prefix" > /dev/null || fail "up 2"
+    master=$("$CLUSTER" addr 0 --prefix "$prefix")
+    for mode in ddp hybrid; do
+      rm -rf "$work/ck"
+      gpus=1
+      [ "$mode" = hybrid ] && gpus=2
+      pids=()
+      for i in 1 0; do
+        # Only node 0 saves (rank 0): its checkpoints prove the nodes train together.
+        extra=()
+        [ "$mode" = ddp ] && extra=(--checkpoint-dir "$work/ck" --save-every 5)
+        node $i timeout 50 "$DP_BENCH" "${bench_args[@]}" --steps 100000 --mode $mode --gpus $gpus \
+          --nnodes 2 --node-rank $i --master-addr "$master" --master-port 29500 "${extra[@]}" \
+          > "$work/node$i.txt" 2>&1 &
+        pids[i]=$!
+      done
+      if [ "$mode" = ddp ]; then
+        for _ in $(seq 300); do
+          [ -e "$work/ck/step_00000010.safetensors" ] && break
+          sleep 0.05
+        done
+        [ -e "$work/ck/step_00000010.safetensors" ] ||
+          fail "$mode: no checkpoint of step 10 in 15 s: $(tail -3 "$work/node0.txt")"
+      else
+        sleep 4  # hybrid saves nothing: time to rendezvous and train a few steps
+      fi
+      kill -0 "${pids[0]}" 2> /dev/null && kill -0 "${pids[1]}" 2> /dev/null ||
+        fail "$mode: a node ended before the cut: $(tail -3 "$work/node0.txt" "$work/node1.txt")"
+      cut=$(date +%s)
+      ip -n "$prefix-n1" link set eth0 down
+      rc0=0 rc1=0
+      wait "${pids[0]}" || rc0=$?
+      wait "${pids[1]}" || rc1=$?
+      took=$(($(date +%s) - cut))
+      [ $rc0 -eq 1 ] && [ $rc1 -eq 1 ] ||
+        fail "$mode: node 0 exited $rc0, node 1 $rc1 (want 1 and 1; 124 is timeout's):" \
+          "$(tail -3 "$work/node0.txt" "$work/node1.txt")"
+      [ "$took" -le 20 ] || fail "$mode: the nodes took $took s to stop after the cut"
+      grep -q "launch_workers: rank 1 (node 1) sent no heartbeat for [0-9.]* s: node 1 died, froze, or is cut off from this node (a network partition)" \
+        "$work/node0.txt" || fail "$mode: node 0 did not name node 1: $(tail -3 "$work/node0.txt")"
+      grep -q "launch_workers: the store on rank 0 (node 0, $master:29500) stopped answering for [0-9.]* s: node 0 died, froze, or is cut off from this node (a network partition)" \
+        "$work/node1.txt" || fail "$mode: node 1 did not name node 0: $(tail -3 "$work/node1.txt")"
+      for i in 0 1; do
+        [ -z "$(ip netns pids "$prefix-n$i")" ] || fail "$mode: processes left on node $i"
+      done
+      ip -n "$prefix-n1" link set eth0 up
+      echo "net.partition: $mode: both nodes named the partition and stopped in $took s"
+    done
     ;;
   *) fail "unknown case '$case_name'" ;;
 esac

@@ -403,10 +403,15 @@ AttemptEnd run_attempt(const LaunchPlan& plan, int restart_count, SignalWatch& s
     ++started;
   }
 
-  std::vector<int> local_ranks;
-  for (const auto& c : children) local_ranks.push_back(c.rank);
-  HeartbeatWatch heartbeats(o.master_addr, plan.port, job_token, local_ranks, plan.hb_interval);
+  // Every rank of the job is watched, this node's and the others': a rank on another node that
+  // falls silent, or a store (on rank 0) that stops answering, is how a node sees a network
+  // partition, a dead node or a frozen one in seconds rather than at the collective timeout.
+  std::vector<int> watched;
+  for (int r = 0; r < o.nnodes * o.nproc_per_node; ++r) watched.push_back(r);
+  HeartbeatWatch heartbeats(o.master_addr, plan.port, job_token, watched, plan.hb_interval);
   std::optional<SilentRank> hung;
+  // A rank of another node that fell silent (or the store it hosts): this node's workers stop.
+  std::optional<SilentRank> lost;
 
   using Clock = std::chrono::steady_clock;
   const Child* failed = nullptr;
@@ -436,7 +441,7 @@ AttemptEnd run_attempt(const LaunchPlan& plan, int restart_count, SignalWatch& s
       --alive;
       if (r < 0) c.status = 0;  // not ours any more (someone else reaped it)
       bool bad = WIFSIGNALED(c.status) || (WIFEXITED(c.status) && WEXITSTATUS(c.status) != 0);
-      if (bad && !failed && !interrupted && !remote) {
+      if (bad && !failed && !interrupted && !remote && !lost) {
         failed = &c;
         for (auto& other : children)
           if (other.alive && is_stopped(other.pid)) {
@@ -459,6 +464,8 @@ AttemptEnd run_attempt(const LaunchPlan& plan, int restart_count, SignalWatch& s
     }
     if (!stopping && !interrupted && !failed) {
       if (std::optional<SilentRank> silent = heartbeats.silent(plan.hb_timeout)) {
+        const bool ours = std::any_of(children.begin(), children.end(),
+                                      [&](const Child& c) { return c.rank == silent->rank; });
         for (auto& c : children)
           if (c.rank == silent->rank && c.alive) {
             hung = silent;
@@ -466,6 +473,10 @@ AttemptEnd run_attempt(const LaunchPlan& plan, int restart_count, SignalWatch& s
             ::kill(c.pid, SIGKILL);  // a stopped process would never act on SIGTERM
             begin_stop(SIGTERM);
           }
+        if (!ours) {  // another node's rank: its node died, froze or is cut off from this one
+          lost = silent;
+          begin_stop(SIGTERM);
+        }
       }
     }
     if (nodes && failed && !published) {
@@ -510,6 +521,27 @@ AttemptEnd run_attempt(const LaunchPlan& plan, int restart_count, SignalWatch& s
     return end;
   }
   end.agreement_lost = agreement_lost;
+  if (lost && !failed && !remote) {
+    const std::string node = std::to_string(lost->rank / o.nproc_per_node);
+    const std::string what = lost->store_down
+                                 ? "the store on rank 0 (node 0, " + o.master_addr + ":" +
+                                       std::to_string(plan.port) + ") stopped answering for " +
+                                       seconds_text(lost->silent_for)
+                                 : "rank " + std::to_string(lost->rank) + " (node " + node +
+                                       ") sent no heartbeat for " + seconds_text(lost->silent_for);
+    std::fprintf(stderr,
+                 "launch_workers: %s: node %s died, froze, or is cut off from this node (a "
+                 "network partition); stopped this node's %d worker(s) instead of waiting for "
+                 "the collective timeout\n",
+                 what.c_str(), node.c_str(), started);
+    std::fflush(stderr);
+    end.code = 1;
+    end.rank = lost->rank;
+    end.cause = lost->store_down
+                    ? "unreachable (its store stopped answering)"
+                    : "unreachable (no heartbeat for " + seconds_text(lost->silent_for) + ")";
+    return end;
+  }
   if (remote) {
     std::fprintf(stderr, "launch_workers: %s%s; stopped this node's %d worker(s)\n",
                  agreement_lost ? "" : "another node failed: ", remote->c_str(), started);
