@@ -222,8 +222,22 @@ __global__ void column_partial_sums_kernel(float* partial, int64_t rows, int64_t
   int64_t begin = blockIdx.y * rows_per_chunk;
   int64_t end = begin + rows_per_chunk < rows ? begin + rows_per_chunk : rows;
   float acc = 0.f;
-  if (col < cols)
-    for (int64_t r = begin + threadIdx.y; r < end; r += kRowLanes) acc += f(r, col);
+  if (col < cols) {
+    // Four rows a lane at a time into four sums, so that four loads are in flight per thread:
+    // with one, GPT-2's bias gradients ((8192, 3072) bf16 and smaller) ran at about a fifth of
+    // an H200's bandwidth (1.7 ms of a 23 ms step, ncu 2026-11-29). The sums meet in a fixed
+    // order: the same bits every run.
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+    int64_t r = begin + threadIdx.y;
+    for (; r + 3 * kRowLanes < end; r += 4 * kRowLanes) {
+      a0 += f(r, col);
+      a1 += f(r + kRowLanes, col);
+      a2 += f(r + 2 * kRowLanes, col);
+      a3 += f(r + 3 * kRowLanes, col);
+    }
+    for (; r < end; r += kRowLanes) a0 += f(r, col);
+    acc = (a0 + a1) + (a2 + a3);
+  }
   part[threadIdx.y][threadIdx.x] = acc;
   __syncthreads();
   if (threadIdx.y == 0 && col < cols) {
