@@ -103,6 +103,16 @@ dp::dist::RunConfig bench_run_config(const Options& o, int64_t batch, int64_t da
           {"dataset_size", std::to_string(dataset_size)}};
 }
 
+std::shared_ptr<dp::dist::CommHook> workload_hook_of_run(const Options& o, bool external) {
+  const char* hook_env = std::getenv("DP_BENCH_DDP_HOOK");
+  if (external || !hook_env || std::string(hook_env) != "1") return nullptr;
+  DP_CHECK(o.workload && o.workload->make_comm_hook,
+           "dp_bench worker: a comm hook run without a workload that makes one");
+  std::shared_ptr<dp::dist::CommHook> hook = o.workload->make_comm_hook();
+  DP_CHECK(hook, "the workload's make_comm_hook returned no hook");
+  return hook;
+}
+
 int ddp_worker_main(const Options& o, int argc, char** argv) {
   (void)argc;
   (void)argv;
@@ -123,15 +133,8 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   ddp_options.bucket_cap_bytes = static_cast<int64_t>(o.bucket_cap_mb * (1 << 20));
   ddp_options.first_bucket_bytes = static_cast<int64_t>(o.first_bucket_mb * (1 << 20));
   ddp_options.comm_dtype = s.comm_dtype;
-  // The workload's comm hook, for the launcher's "hook" run (never under an external launcher).
-  const char* hook_env = std::getenv("DP_BENCH_DDP_HOOK");
-  const bool hooked = !external && hook_env && std::string(hook_env) == "1";
-  if (hooked) {
-    DP_CHECK(o.workload && o.workload->make_comm_hook,
-             "dp_bench worker: a comm hook run without a workload that makes one");
-    ddp_options.comm_hook = o.workload->make_comm_hook();
-    DP_CHECK(ddp_options.comm_hook, "the workload's make_comm_hook returned no hook");
-  }
+  ddp_options.comm_hook = workload_hook_of_run(o, external);
+  const bool hooked = ddp_options.comm_hook != nullptr;
   dp::dist::DdpTrainer trainer(s.type, o.backend, ddp_options,
                                std::chrono::milliseconds(std::llround(o.timeout_s * 1000)));
   int n = external ? trainer.world_size() : std::atoi(n_env);

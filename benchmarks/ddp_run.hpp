@@ -3,6 +3,7 @@
 // through a result file.
 #pragma once
 
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -17,6 +18,9 @@ namespace bench {
 std::optional<RunResult> run_ddp(const Options& o, const Setup& s, int n, int argc, char** argv,
                                  dp::Trace* trace, bool hook = false);
 int ddp_worker_main(const Options& o, int argc, char** argv);
+// The workload's comm hook when this worker belongs to the launcher's "hook" or "hybrid-hook"
+// run (run_workers with hook: DP_BENCH_DDP_HOOK=1), else null; never under an external launcher.
+std::shared_ptr<dp::dist::CommHook> workload_hook_of_run(const Options& o, bool external);
 // What every rank or node of a dp_bench run must agree on (verified before the first
 // collective): the flags that shape the run, keyed as typed ("--batch": the global batch).
 dp::dist::RunConfig bench_run_config(const Options& o, int64_t batch, int64_t dataset_size);

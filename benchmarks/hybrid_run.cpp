@@ -8,7 +8,6 @@
 #include <cstdlib>
 #include <iostream>
 #include <memory>
-#include <string>
 
 #include "benchmarks/ddp_run.hpp"
 #include "benchmarks/shared_file.hpp"
@@ -62,16 +61,8 @@ int hybrid_worker_main(const Options& o) {
   if (s.activations != kernels::DType::f32) model->set_activations(nn::Activations::compute);
   auto optimizer = make_optimizer(o, *model);
   dp::DataParallelOptions dopt = dp_options(o, s);
-  // The workload's comm hook, for the launcher's "hybrid-hook" run (never under an external
-  // launcher): it takes device 0's buckets for the sums over nodes.
-  const char* hook_env = std::getenv("DP_BENCH_DDP_HOOK");
-  std::shared_ptr<dp::dist::CommHook> hook;
-  if (!external && hook_env && std::string(hook_env) == "1") {
-    DP_CHECK(o.workload && o.workload->make_comm_hook,
-             "dp_bench node: a comm hook run without a workload that makes one");
-    hook = o.workload->make_comm_hook();
-    DP_CHECK(hook, "the workload's make_comm_hook returned no hook");
-  }
+  // The "hybrid-hook" run's hook takes device 0's buckets for the sums over nodes.
+  std::shared_ptr<dp::dist::CommHook> hook = workload_hook_of_run(o, external);
   dopt.cross_node = std::make_shared<dp::dist::GroupCrossNode>(*group, hook);
   dp::DataParallel engine(model, *optimizer, devices, dopt);
 

@@ -117,16 +117,37 @@ int mode_width(const std::vector<RunResult>& runs) {
   return static_cast<int>(w);
 }
 
+// A table row's first cells, " mode N", the mode padded to mode_width: os << ModeCell{runs, r}.
+struct ModeCell {
+  const std::vector<RunResult>& runs;
+  const RunResult& r;
+};
+std::ostream& operator<<(std::ostream& os, const ModeCell& c) {
+  return os << " " << std::left << std::setw(mode_width(c.runs)) << c.r.mode << std::right
+            << std::setw(2) << c.r.gpus;
+}
+
 // A run of hybrid's node processes: with the built-in sum over nodes or a comm hook.
 bool hybrid_nodes(const RunResult& r) {
   return r.mode == "hybrid" || r.mode == "hybrid-hook";
 }
 
-// The built-in run a comm hook's run stands beside ("hook": DDP, "hybrid-hook": hybrid), or
-// none for a run without a hook.
-const char* hook_baseline(const RunResult& r) {
-  if (r.mode == "hook") return "ddp";
-  if (r.mode == "hybrid-hook") return "hybrid";
+// A comm hook's runs: the mode of their rows, the built-in run they stand beside, and what the
+// hook replaces there.
+struct HookRuns {
+  const char* mode;
+  const char* baseline;
+  const char* engine;
+  const char* replaces;
+};
+constexpr HookRuns kHookRuns[] = {
+    {"hook", "ddp", "DDP", "the bucket all-reduce (the same model, data and ranks)"},
+    {"hybrid-hook", "hybrid", "hybrid", "the sum over nodes (the same model, data and nodes)"}};
+
+// The HookRuns of r's mode, or null for a run without a hook.
+const HookRuns* hook_runs_of(const RunResult& r) {
+  for (const HookRuns& k : kHookRuns)
+    if (r.mode == k.mode) return &k;
   return nullptr;
 }
 
@@ -346,10 +367,9 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
     Estimate e = step_estimate(r);
     std::ostringstream ci;
     ci << std::fixed << std::setprecision(3) << e.value << " (" << e.lo << "-" << e.hi << ")";
-    os << " " << std::left << std::setw(mode_width(runs)) << r.mode << std::right << std::setw(2)
-       << r.gpus << std::setw(8) << r.batch << "  " << std::left << std::setw(27) << ci.str()
-       << std::right << std::setw(8) << std::setprecision(3) << r.step_ms_p90() << std::setw(12)
-       << std::setprecision(0) << r.samples_per_s();
+    os << ModeCell{runs, r} << std::setw(8) << r.batch << "  " << std::left << std::setw(27)
+       << ci.str() << std::right << std::setw(8) << std::setprecision(3) << r.step_ms_p90()
+       << std::setw(12) << std::setprecision(0) << r.samples_per_s();
     if (base && base->step_ms_median() > 0 && !time_sliced(h, r.gpus)) {
       double speedup = base->step_ms_median() / r.step_ms_median();
       os << std::setw(9) << std::setprecision(2) << speedup << std::setw(6) << std::setprecision(0)
@@ -370,8 +390,7 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
     os << " (graphed steps time a captured segment's phases together, printed joined by +)";
   os << ":\n";
   for (auto& r : runs) {
-    os << " " << std::left << std::setw(mode_width(runs)) << r.mode << std::right << std::setw(2)
-       << r.gpus << " ";
+    os << ModeCell{runs, r} << " ";
     for (auto& [name, ms] : shown_phases(r))
       if (name != "other" && name != "reduce_in_backward")
         os << " " << name << " " << std::setprecision(3) << ms;
@@ -400,9 +419,8 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
        << " MFLOP per token = 6 P + 12 L T D; peak " << std::setprecision(2) << h.peak_tflops
        << " TFLOP/s per " << (h.device == "cpu" ? "CPU" : "GPU") << ", " << h.peak_source << "):\n";
     for (auto& r : runs)
-      os << " " << std::left << std::setw(mode_width(runs)) << r.mode << std::right << std::setw(2)
-         << r.gpus << "   " << std::setprecision(0) << tokens_per_s(h, r) << " tokens/s, MFU "
-         << std::setprecision(2) << 100 * mfu(h, r) << "%"
+      os << ModeCell{runs, r} << "   " << std::setprecision(0) << tokens_per_s(h, r)
+         << " tokens/s, MFU " << std::setprecision(2) << 100 * mfu(h, r) << "%"
          << (r.attention.empty() ? "" : ", attention: " + r.attention) << "\n";
   }
   bool any_overhead = false;
@@ -411,16 +429,14 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
     os << "\n against 1 device: t_N / t_1, and overhead per added device (t_N - t_1) / N in us:\n";
     for (auto& r : runs)
       if (auto us = overhead_ci(runs, r)) {
-        os << " " << std::left << std::setw(mode_width(runs)) << r.mode << std::right
-           << std::setw(2) << r.gpus << "   t_N / t_1 " << describe(*ratio_to_one(runs, r), 1.0, 2)
+        os << ModeCell{runs, r} << "   t_N / t_1 " << describe(*ratio_to_one(runs, r), 1.0, 2)
            << ";  overhead " << describe(*us, 0.0, 1) << " us\n";
       }
   }
   os << "\n replay, per step after warm-up (median): allocations and host syncs (goal 0 and 1), "
         "dtype casts\n";
   for (auto& r : runs)
-    os << " " << std::left << std::setw(mode_width(runs)) << r.mode << std::right << std::setw(2)
-       << r.gpus << "   allocations " << std::setprecision(0) << r.allocations_per_step
+    os << ModeCell{runs, r} << "   allocations " << std::setprecision(0) << r.allocations_per_step
        << ", host syncs " << r.host_syncs_per_step << ", casts " << r.casts_per_step
        << (r.graphed_steps > 0
                ? ", graphed steps " + std::to_string(r.graphed_steps) + ", graph nodes per step " +
@@ -429,44 +445,36 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
        << (r.graph_collectives.empty() ? "" : ", all-reduces " + r.graph_collectives) << "\n";
   for (auto& r : runs) {
     if (r.capture_step >= 0)
-      os << " " << std::left << std::setw(mode_width(runs)) << r.mode << std::right << std::setw(2)
-         << r.gpus << "   capture (step " << r.capture_step << "): allocations "
+      os << ModeCell{runs, r} << "   capture (step " << r.capture_step << "): allocations "
          << r.capture_allocations << ", peak " << std::setprecision(3)
          << r.capture_peak_bytes / 1048576.0 << " MiB against the eager step's "
          << r.eager_peak_bytes / 1048576.0 << " MiB\n";
     if (!r.graphs_fallback.empty())
-      os << " " << std::left << std::setw(mode_width(runs)) << r.mode << std::right << std::setw(2)
-         << r.gpus << "   graphs off: " << r.graphs_fallback << " (the run went on uncaptured)\n";
+      os << ModeCell{runs, r} << "   graphs off: " << r.graphs_fallback
+         << " (the run went on uncaptured)\n";
   }
   if (h.dtype == "bf16" || h.dtype == "fp16") {
     os << "\n mixed precision (" << h.dtype << " GEMMs and convolutions, f32 master weights):\n";
     for (auto& r : runs)
-      os << " " << std::left << std::setw(mode_width(runs)) << r.mode << std::right << std::setw(2)
-         << r.gpus << "   loss scale " << std::setprecision(0) << r.loss_scale << ", skipped steps "
-         << r.skipped_steps << "\n";
+      os << ModeCell{runs, r} << "   loss scale " << std::setprecision(0) << r.loss_scale
+         << ", skipped steps " << r.skipped_steps << "\n";
   }
   for (auto& r : runs)
     if (r.comm_dtype != "fp32" && r.gpus > 1 && r.param_bytes > 0)
-      os << " " << std::left << std::setw(mode_width(runs)) << r.mode << std::right << std::setw(2)
-         << r.gpus << "   gradients travel in " << r.comm_dtype
+      os << ModeCell{runs, r} << "   gradients travel in " << r.comm_dtype
          << ": half the gradient bytes of f32 (" << mib(r.param_bytes / 2) << " MiB saved per "
          << (r.mode == "dp" ? "replica" : "rank") << " per step)\n";
-  for (const char* kind : {"hook", "hybrid-hook"})
+  for (const HookRuns& k : kHookRuns)
     for (auto& r : runs)
-      if (r.mode == kind) {
-        os << "\n " << kind << ": "
-           << (r.mode == "hook" ? "DDP with the workload's comm hook "
-                                : "hybrid with the workload's comm hook ")
-           << r.comm_hook
-           << (r.mode == "hook" ? " in place of the bucket all-reduce (the same model, data and "
-                                  "ranks); against DDP at the same N:\n"
-                                : " in place of the sum over nodes (the same model, data and "
-                                  "nodes); against hybrid at the same N:\n");
+      if (r.mode == k.mode) {
+        os << "\n " << k.mode << ": " << k.engine << " with the workload's comm hook "
+           << r.comm_hook << " in place of " << k.replaces << "; against " << k.engine
+           << " at the same N:\n";
         break;
       }
   for (auto& r : runs) {
-    const char* base = hook_baseline(r);
-    const RunResult* d = base ? largest_of(runs, base, r.gpus) : nullptr;
+    const HookRuns* k = hook_runs_of(r);
+    const RunResult* d = k ? largest_of(runs, k->baseline, r.gpus) : nullptr;
     if (!d) continue;
     os << " " << r.mode << " " << std::setw(2) << r.gpus << "   bytes handed to the group per step "
        << r.bytes_per_step << " against " << d->bytes_per_step;
@@ -490,8 +498,7 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
         "payload counted by the process group vs the ring model's wire bytes per rank, "
         "2(N-1)/N x payload\n";
   for (auto& r : runs) {
-    os << " " << std::left << std::setw(mode_width(runs)) << r.mode << std::right << std::setw(2)
-       << r.gpus << "   " << (r.mode == "dp" ? "copied " : "payload ") << std::setw(9)
+    os << ModeCell{runs, r} << "   " << (r.mode == "dp" ? "copied " : "payload ") << std::setw(9)
        << mib(r.bytes_per_step) << " (counted" << (hybrid_nodes(r) ? ", across nodes)" : ")")
        << "   model " << std::setw(9) << mib(r.bytes_theory)
        << (ddp_ranks(r)      ? " (ring, per rank)"
@@ -512,8 +519,8 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
 void print_sync_bn(std::ostream& os, const std::vector<RunResult>& runs) {
   for (const auto& r : runs) {
     if (r.sync_bn_values == 0 || r.gpus < 2) continue;
-    os << " " << std::left << std::setw(mode_width(runs)) << r.mode << std::right << std::setw(2)
-       << r.gpus << " SyncBatchNorm: " << r.sync_bn_values << " values (" << r.sync_bn_values * 4
+    os << ModeCell{runs, r} << " SyncBatchNorm: " << r.sync_bn_values << " values ("
+       << r.sync_bn_values * 4
        << " bytes as f32) combined per device per step, one exchange per layer and pass"
        << (r.mode == "dp" ? " (through host memory)" : " (all_reduce)") << "\n";
   }
@@ -532,8 +539,7 @@ void print_memory_model(std::ostream& os, const std::vector<RunResult>& runs) {
     int64_t k = r.optim == "adamw" ? 8 : 4;
     int n = r.gpus;
     int64_t state_model = r.zero == 1 ? (k * p + n - 1) / n : k * p;
-    os << " " << std::left << std::setw(mode_width(runs)) << r.mode << std::right << std::setw(2)
-       << n << " " << r.optim << (r.zero ? " zero-1" : "") << ":";
+    os << ModeCell{runs, r} << " " << r.optim << (r.zero ? " zero-1" : "") << ":";
     for (int64_t b : r.optimizer_state_bytes) os << " " << mib(b);
     os << "   model: 4P + 4P + " << k << "P" << (r.zero ? "/" + std::to_string(n) : "") << " = "
        << mib(8 * p + state_model) << " (state " << mib(state_model) << ")\n";

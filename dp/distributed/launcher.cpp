@@ -464,17 +464,15 @@ AttemptEnd run_attempt(const LaunchPlan& plan, int restart_count, SignalWatch& s
     }
     if (!stopping && !interrupted && !failed) {
       if (std::optional<SilentRank> silent = heartbeats.silent(plan.hb_timeout)) {
-        const bool ours = std::any_of(children.begin(), children.end(),
-                                      [&](const Child& c) { return c.rank == silent->rank; });
-        for (auto& c : children)
-          if (c.rank == silent->rank && c.alive) {
-            hung = silent;
-            failed = &c;
-            ::kill(c.pid, SIGKILL);  // a stopped process would never act on SIGTERM
-            begin_stop(SIGTERM);
-          }
-        if (!ours) {  // another node's rank: its node died, froze or is cut off from this one
+        auto child = std::find_if(children.begin(), children.end(),
+                                  [&](const Child& c) { return c.rank == silent->rank; });
+        if (child == children.end()) {  // another node's rank: its node died, froze or is cut off
           lost = silent;
+          begin_stop(SIGTERM);
+        } else if (child->alive) {
+          hung = silent;
+          failed = &*child;
+          ::kill(child->pid, SIGKILL);  // a stopped process would never act on SIGTERM
           begin_stop(SIGTERM);
         }
       }
