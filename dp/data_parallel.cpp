@@ -101,6 +101,24 @@ DataParallel::DataParallel(nn::ModulePtr module, nn::Optimizer& optimizer,
   DP_CHECK(!options_.cross_node || options_.batch_norm == BatchNormStats::per_device,
            "DataParallel: SyncBatchNorm across the nodes of a hybrid run is not supported (each "
            "node's devices would sync among themselves only)");
+  if (!options_.reducers.empty()) {
+    const int n = n_devices();
+    DP_CHECK(static_cast<int>(options_.reducers.size()) == n,
+             "DataParallel: " << options_.reducers.size() << " reducers for " << n
+                              << " devices: give one per device");
+    for (int i = 0; i < n; ++i)
+      DP_CHECK(options_.reducers[i] && options_.reducers[i]->nodes() == n &&
+                   options_.reducers[i]->node() == i,
+               "DataParallel: reducers[" << i << "] must be device " << i << "'s end of a group of "
+                                         << n << " (one rank per device, in device order)");
+    DP_CHECK(!options_.cross_node,
+             "DataParallel: reducers in a hybrid run: the hook of a hybrid run takes the sums "
+             "over nodes (dp::dist::GroupCrossNode)");
+    DP_CHECK(options_.comm_dtype == kernels::DType::f32,
+             "DataParallel: reducers with comm dtype "
+                 << options_.comm_dtype
+                 << ": a reducer is handed the f32 bucket and chooses what travels");
+  }
   // Work the caller queued on device 0 (initialisation, optimizer state) finishes before any
   // worker reads those buffers from its own stream.
   kernels::context(devices_[0]).synchronize();
@@ -284,7 +302,9 @@ void DataParallel::begin_step(const std::vector<int64_t>& sizes) {
   // Who pulls from whom, in order. Star: 0 <- 1, 2, ..., n-1. Tree: in round s = 1, 2, 4, ...
   // device i (a multiple of 2s) pulls from i + s: 0 <- 1, 2 <- 3, then 0 <- 2.
   sources_.assign(n, {});
-  if (options_.reduce == ReduceTopology::star) {
+  if (!options_.reducers.empty()) {
+    // Each device hands its own buckets to its reducer: no device pulls from another.
+  } else if (options_.reduce == ReduceTopology::star) {
     for (int r = 1; r < n; ++r) sources_[0].push_back(r);
   } else {
     for (int s = 1; s < n; s *= 2)
@@ -436,7 +456,12 @@ void DataParallel::advance_reduction(int i, bool blocking) {
       // Ordered after the stream the sum ran on.
       options_.cross_node->start_bucket_sum(mine, k, b.offset, static_cast<float>(node_share));
     }
-    if (i != 0) {
+    if (!options_.reducers.empty()) {  // this device's own bucket, weighted, to its group
+      Tensor mine = replicas_[i]->flat_grads().view(b.offset, {b.numel});
+      if (shares_[i] != 1.f) kernels::scale(mine, mine, shares_[i]);
+      kernels::NvtxRange range("dp/reducer[bucket " + std::to_string(k) + "]");
+      options_.reducers[i]->start_bucket_sum(mine, k, b.offset, shares_[i]);
+    } else if (i != 0) {
       if (pd.outbox.defined()) {  // rounded once, here, where the sum is final
         Tensor out = pd.outbox.view(b.offset, {b.numel});
         kernels::copy(out, replicas_[i]->flat_grads().view(b.offset, {b.numel}));
@@ -501,6 +526,7 @@ void DataParallel::reduce_grads_to_root(const std::vector<int64_t>& sizes) {
     prepare_reduction(i);
     pd.own_ready = static_cast<int>(plan_.buckets.size());  // every gradient is final
     advance_reduction(i, true);
+    if (!options_.reducers.empty()) options_.reducers[i]->finish();
     pool_.context(i).synchronize();  // the caller reads the result next
   });
 }
@@ -568,6 +594,12 @@ std::vector<int64_t> DataParallel::split_batch(const char* what, Tensor& images,
     labels = labels.slice(begin, begin + rows);
   }
   stats.node_samples = images.dim(0);
+  // A reducer's group has a rank per device: every one of them takes part in each step.
+  DP_CHECK(options_.reducers.empty() || stats.node_samples >= n_devices(),
+           what << ": a batch of " << stats.node_samples << " rows leaves "
+                << n_devices() - stats.node_samples << " of " << n_devices()
+                << " devices without rows, and a reducer's group needs all of them: give at "
+                   "least one row per device");
   stats.devices_used = devices_for(stats.node_samples);
   std::vector<int64_t> sizes = chunk_sizes(stats.node_samples, stats.devices_used);
   denominators_.assign(sizes.size(), 0);
@@ -784,6 +816,7 @@ void DataParallel::train_job(int i, const Tensor& images, const Tensor& labels,
     kernels::NvtxRange range("dp/reduce");
     pd.own_ready = static_cast<int>(plan_.buckets.size());  // also buckets of unused layers
     advance_reduction(i, true);
+    if (!options_.reducers.empty()) options_.reducers[i]->finish();  // its buckets' collectives
     if (i == 0 && n > 1) average_buffers_on_root(sizes);
     if (i == 0 && options_.cross_node) finish_cross_node(n);
   }
@@ -957,6 +990,7 @@ void DataParallel::graph_job(int i, const Tensor& images, const Tensor& labels,
 std::string DataParallel::graphs_blocked() const {
   if (options_.cross_node) return "a hybrid run's collectives between nodes are not captured";
   if (stats_sync_) return "SyncBatchNorm exchanges statistics through the host";
+  if (!options_.reducers.empty()) return "a reducer (comm hook) runs host code between buckets";
   return "";
 }
 
@@ -1029,6 +1063,9 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
   Tensor images = batch_images, labels = batch_labels;  // hybrid: narrowed to the node's chunk
   std::vector<int64_t> sizes = split_batch("train_step", images, labels, stats);
   const int64_t cross_before = options_.cross_node ? options_.cross_node->payload_bytes() : 0;
+  std::vector<int64_t> reducer_before(options_.reducers.size());
+  for (size_t i = 0; i < options_.reducers.size(); ++i)
+    reducer_before[i] = options_.reducers[i]->payload_bytes();
   cross_wait_ms_ = 0;
   const int n_used = stats.devices_used;
   auto t_step = Clock::now();
@@ -1114,10 +1151,16 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
   }
   collect_step(n_used, stats);
   int64_t p = parameter_bytes(), b = replicas_[0]->flat_buffers().nbytes();
-  // Parameters out, gradients in (in the comm dtype), buffers out.
-  stats.bytes_moved = (n_used - 1) * (p + comm_grad_bytes() + b);
+  // Parameters out, gradients in (in the comm dtype, or what the reducers sent), buffers out.
+  stats.bytes_moved = (n_used - 1) * (p + (options_.reducers.empty() ? comm_grad_bytes() : 0) + b);
   if (options_.buffer_sync == BufferSync::average) stats.bytes_moved += (n_used - 1) * b;
   stats.link_bytes = link_bytes(n_used);
+  for (size_t i = 0; i < options_.reducers.size(); ++i) {
+    const int64_t sent = options_.reducers[i]->payload_bytes() - reducer_before[i];
+    stats.reducer_bytes += sent;
+    stats.link_bytes[i] += sent;
+  }
+  stats.bytes_moved += stats.reducer_bytes;
   ++step_index_;
   if (settled) report_device_faults(settled, static_cast<int>(settled_shares->size()));
   return stats;

@@ -116,6 +116,16 @@ struct DataParallelOptions {
   // construction on; device 0's summed buckets are summed over the nodes (in f32) while
   // backward goes on, and the loss, correct count and buffers too.
   std::shared_ptr<CrossNode> cross_node;
+  // A reducer of research code's in place of the sums to device 0 (PyTorch's DDP comm hooks,
+  // here under DP): reducers[i] is device i's end of a group whose ranks are this engine's
+  // devices (CrossNode with nodes() == n_devices(), node() == i). Each device weights its own
+  // gradient by its share of the batch and hands it over bucket by bucket, from backward's hooks
+  // as each bucket becomes final; device 0 steps with what reducers[0] leaves in its buckets
+  // once finished. dp::dist::device_reducers makes them from a CommHook
+  // (dp/distributed/comm_hook.hpp) over an in-process Gloo group. Empty: the star or the tree.
+  // requires one per device, comm_dtype f32, not hybrid, and every device given rows each step
+  // (a batch of at least n_devices() rows); steps run uncaptured (a hook runs host code).
+  std::vector<std::shared_ptr<CrossNode>> reducers;
   // Graphed steps: per worker and step shape, forward and backward are one captured graph, and
   // each receiving device's reduction (device 0's with the clip, the optimizer step and the
   // metrics) another, captured on the third step of that shape and replayed from then on (the
@@ -166,7 +176,10 @@ struct StepStats {
   int64_t samples = 0;           // global batch size (hybrid: over every node)
   int64_t node_samples = 0;      // hybrid: this node's chunk of it (samples otherwise)
   int64_t cross_node_bytes = 0;  // hybrid: bytes this node handed to the collectives this step
-  int devices_used = 0;          // fewer than n_devices() when the batch is smaller than the count
+  // DataParallelOptions::reducers: bytes the devices handed to their group's collectives this
+  // step, over every device (what a hook chose to send; 0 without reducers).
+  int64_t reducer_bytes = 0;
+  int devices_used = 0;  // fewer than n_devices() when the batch is smaller than the count
   PhaseTimes ms;
   int64_t bytes_moved = 0;          // parameter and gradient bytes copied between devices this step
   std::vector<int64_t> link_bytes;  // per device used: bytes in + out of it this step

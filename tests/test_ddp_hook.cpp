@@ -2,6 +2,7 @@
 // the bucket all-reduce, and the sample's PowerSGD hook (samples/low_rank_hook.hpp). Ranks are
 // threads of this process over Gloo on CPU devices (tests/ddp_ranks.hpp).
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <functional>
 #include <memory>
@@ -13,6 +14,7 @@
 #include "dp/distributed/comm_hook.hpp"
 #include "dp/distributed/cross_node_group.hpp"
 #include "dp/distributed/ddp.hpp"
+#include "dp/distributed/device_reducers.hpp"
 #include "nn/nn.hpp"
 #include "samples/low_rank_hook.hpp"
 #include "tests/ddp_ranks.hpp"
@@ -313,4 +315,142 @@ TEST_CASE("hybrid.comm_hook: a hook sums the nodes' buckets: the same bits, or P
   for (int64_t bytes : compressed[0].comm_bytes)
     CHECK(bytes == ((n + cols - 1) / cols + cols) * 2 * 4 + 2 * 4);
   CHECK(exact_ref[0].comm_bytes[0] == (n + 2) * 4);
+}
+
+namespace {
+
+// The threaded engine on cpu:0..devices-1 trains `make`'s model for `steps` SGD steps on one toy
+// batch of `batch` rows, its gradients meeting through `hook` (one per device, over an in-process
+// group: dp::dist::device_reducers), or through the star without one. Returns device 0's weights,
+// the losses and each step's reducer bytes.
+RankRun train_dp(int devices, int steps, int64_t batch, const std::function<nn::ModulePtr()>& make,
+                 const std::function<std::shared_ptr<dp::dist::CommHook>(int)>& hook,
+                 dp::Graphs graphs = dp::Graphs::off, int64_t first_bucket = 256,
+                 int64_t cap = 512) {
+  std::vector<Device> on;
+  for (int i = 0; i < devices; ++i) on.push_back(Device::cpu(i));
+  auto m = make();
+  m->materialize(on[0], 11);
+  nn::SGD opt(*m, dp_test::momentum_sgd());
+  dp::DataParallelOptions o;
+  o.first_bucket_bytes = first_bucket;
+  o.bucket_cap_bytes = cap;
+  o.graphs = graphs;
+  if (hook) o.reducers = dp::dist::device_reducers(devices, hook);
+  dp::DataParallel engine(m, opt, on, o);
+  RankRun run;
+  for (int s = 0; s < steps; ++s) {
+    auto [x, y] = dp_test::toy_batch(batch, 200);
+    const dp::StepStats st = engine.train_step(x, y);
+    CHECK_FALSE(st.graphed);
+    run.losses.push_back(st.loss);
+    run.comm_bytes.push_back(st.reducer_bytes);
+  }
+  run.params = engine.module().flat_params().to_host_f32();
+  return run;
+}
+
+}  // namespace
+
+TEST_CASE("dp.comm_hook: a hook under the threaded engine: the star's training, bytes counted") {
+  auto small = [] { return nn::mlp({6, 16, 5}); };
+  std::vector<std::shared_ptr<SumHook>> made;
+  std::mutex made_mutex;
+  auto sum_hook = [&](int) -> std::shared_ptr<dp::dist::CommHook> {
+    auto h = std::make_shared<SumHook>();
+    std::lock_guard<std::mutex> lock(made_mutex);
+    made.push_back(h);
+    return h;
+  };
+  // 11 rows on 3 devices (4, 4, 3): each device's gradient weighted by its share, as the star's.
+  const RankRun star = train_dp(3, 4, 11, small, nullptr);
+  const RankRun summed = train_dp(3, 4, 11, small, sum_hook);
+  REQUIRE(made.size() == 3);
+  // The all-reduce adds the weighted gradients in another order than the star's fused sum.
+  CHECK(dp_test::rel_diff(summed.params, star.params) <= 1e-5f);
+  for (size_t s = 0; s < star.losses.size(); ++s)
+    CHECK(summed.losses[s] == doctest::Approx(star.losses[s]).epsilon(1e-5));
+  CHECK(summed.losses.back() < summed.losses.front());  // it trains
+  for (const auto& h : made) {  // the same buckets (two or more) every step, on every device
+    CHECK(h->calls == made[0]->calls);
+    CHECK(h->calls % 4 == 0);
+    CHECK(h->calls >= 2 * 4);
+  }
+  // Each device hands its whole gradient to the all-reduce once a step; the star counts none.
+  for (int64_t bytes : summed.comm_bytes) CHECK(bytes == 3 * gradient_bytes(small));
+  for (int64_t bytes : star.comm_bytes) CHECK(bytes == 0);
+  // Graphs asked for: the step runs uncaptured (a hook runs host code), with the same result.
+  const RankRun graphed = train_dp(3, 4, 11, small, sum_hook, dp::Graphs::on);
+  CHECK(graphed.params == summed.params);
+
+  // PowerSGD at rank 2 from the first step, one bucket: device 0 steps with the approximation,
+  // on P and Q's bytes from each device, and still learns.
+  auto big = [] { return nn::mlp({6, 64, 64, 5}); };
+  auto low = [](int) -> std::shared_ptr<dp::dist::CommHook> {
+    samples::LowRankOptions lo;
+    lo.rank = 2, lo.start_step = 0;
+    return std::make_shared<samples::LowRankHook>(lo);
+  };
+  const RankRun compressed = train_dp(2, 6, 12, big, low, dp::Graphs::off, 1 << 20, 25 << 20);
+  const int64_t n = gradient_bytes(big) / 4;
+  const int64_t cols = static_cast<int64_t>(std::ceil(std::sqrt(double(n))));
+  CHECK(compressed.losses.back() < compressed.losses.front());
+  for (int64_t bytes : compressed.comm_bytes)
+    CHECK(bytes == 2 * ((n + cols - 1) / cols + cols) * 2 * 4);
+}
+
+TEST_CASE("dp.comm_hook: refusals: a batch that leaves a device idle, a reducer per device") {
+  auto sum = [](int) -> std::shared_ptr<dp::dist::CommHook> { return std::make_shared<SumHook>(); };
+  std::vector<Device> on = {Device::cpu(0), Device::cpu(1), Device::cpu(2)};
+  auto m = nn::mlp({6, 8, 5});
+  m->materialize(on[0], 3);
+  nn::SGD opt(*m, dp_test::momentum_sgd());
+  dp::DataParallelOptions o;
+  o.reducers = dp::dist::device_reducers(2, sum);
+  CHECK(dp_test::error_of([&] {
+          dp::DataParallel engine(m, opt, on, o);
+        }).find("2 reducers for 3 devices") != std::string::npos);
+  o.reducers = dp::dist::device_reducers(3, sum);
+  o.comm_dtype = DType::bf16;
+  CHECK(dp_test::error_of([&] {
+          dp::DataParallel engine(m, opt, on, o);
+        }).find("reducers with comm dtype bf16") != std::string::npos);
+  o.comm_dtype = DType::f32;
+  dp::DataParallel engine(m, opt, on, o);
+  auto [x, y] = dp_test::toy_batch(2, 1);
+  CHECK(dp_test::error_of([&] {
+          engine.train_step(x, y);
+        }).find("a batch of 2 rows leaves 1 of 3 devices without rows") != std::string::npos);
+  auto [x3, y3] = dp_test::toy_batch(3, 1);  // the refusal lost nothing: the engine trains on
+  CHECK(std::isfinite(engine.train_step(x3, y3).loss));
+}
+
+TEST_CASE("dp.comm_hook: a hook that fails on one device ends the step within the timeout") {
+  // Device 1's hook throws at its first bucket; device 0 waits in its all-reduce for a rank that
+  // never comes, until the group's timeout: the step fails with device 1's error, not a hang.
+  class Failing : public dp::dist::CommHook {
+   public:
+    explicit Failing(int device) : device_(device) {}
+    std::string name() const override { return "failing"; }
+    std::shared_ptr<dp::dist::Work> reduce(dp::dist::GradBucket& b) override {
+      DP_CHECK(device_ != 1, "the hook of device 1 failed");
+      return b.group->all_reduce(b.grad);
+    }
+
+   private:
+    int device_;
+  };
+  std::vector<Device> on = {Device::cpu(0), Device::cpu(1)};
+  auto m = nn::mlp({6, 8, 5});
+  m->materialize(on[0], 3);
+  nn::SGD opt(*m, dp_test::momentum_sgd());
+  dp::DataParallelOptions o;
+  o.reducers = dp::dist::device_reducers(
+      2, [](int i) { return std::make_shared<Failing>(i); }, std::chrono::seconds(2));
+  dp::DataParallel engine(m, opt, on, o);
+  auto [x, y] = dp_test::toy_batch(4, 1);
+  const auto t0 = std::chrono::steady_clock::now();
+  CHECK(dp_test::error_of([&] { engine.train_step(x, y); }).find("the hook of device 1 failed") !=
+        std::string::npos);
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20));
 }

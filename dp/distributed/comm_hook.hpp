@@ -1,6 +1,8 @@
 // dp::dist::CommHook: how this rank's gradient buckets meet the other ranks' under DDP, written
 // by research code (PyTorch's DistributedDataParallel.register_comm_hook). The hybrid mode takes
-// one too, for its sums over nodes (dp::dist::GroupCrossNode: each node is a rank there).
+// one too, for its sums over nodes (dp::dist::GroupCrossNode: each node is a rank there), and so
+// does the threaded engine, in place of its sums to device 0 (dp::dist::device_reducers: each
+// device is a rank of an in-process group, and device 0 steps with what its hook leaves).
 //
 //   class MyHook : public dp::dist::CommHook {
 //     std::string name() const override { return "my-hook"; }

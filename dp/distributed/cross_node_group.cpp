@@ -10,8 +10,7 @@ void GroupCrossNode::start_bucket_sum(kernels::Tensor& t, int bucket, int64_t of
   b.grad = t;
   b.share = share;
   b.group = &group_;
-  if (std::shared_ptr<Work> work = run_hook(*hook_, b, "hybrid"))
-    pending_.push_back(std::move(work));
+  if (std::shared_ptr<Work> work = run_hook(*hook_, b, who_)) pending_.push_back(std::move(work));
 }
 
 void GroupCrossNode::finish() {

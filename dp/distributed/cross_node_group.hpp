@@ -16,9 +16,11 @@ class GroupCrossNode : public CrossNode {
   // requires group outlives this object. hook (optional): research code's reducer
   // (dp/distributed/comm_hook.hpp) for the gradient buckets' sums over nodes, in place of their
   // all-reduce; the loss, counts and buffers are still summed. Its GradBucket holds device 0's
-  // bucket, the node's share of the global batch and this group.
-  explicit GroupCrossNode(ProcessGroup& group, std::shared_ptr<CommHook> hook = nullptr)
-      : group_(group), hook_(std::move(hook)) {}
+  // bucket, the node's share of the global batch and this group. `who` names the engine in a
+  // refusal ("hybrid"; "DP" for dp::dist::device_reducers).
+  explicit GroupCrossNode(ProcessGroup& group, std::shared_ptr<CommHook> hook = nullptr,
+                          const char* who = "hybrid")
+      : group_(group), hook_(std::move(hook)), who_(who) {}
   int nodes() const override { return group_.size(); }
   int node() const override { return group_.rank(); }
   void broadcast(kernels::Tensor& t) override { group_.broadcast(t, 0)->wait(); }
@@ -33,6 +35,7 @@ class GroupCrossNode : public CrossNode {
  private:
   ProcessGroup& group_;
   std::shared_ptr<CommHook> hook_;
+  const char* who_;
   std::vector<std::shared_ptr<Work>> pending_;
 };
 

@@ -13,7 +13,6 @@
 #include <cstdio>
 #include <cstring>
 #include <mutex>
-#include <random>
 #include <set>
 #include <thread>
 
@@ -140,10 +139,7 @@ std::string launch_job_token(const LaunchOptions& o) {
   std::string token = job_token_from_env({});
   if (!token.empty() && token.rfind("id:", 0) != 0) return token;  // DP_JOB_TOKEN given
   if (o.nnodes > 1) return token;  // every node must agree: only an id they share will do
-  std::random_device rd;
-  char buf[33];
-  std::snprintf(buf, sizeof buf, "%08x%08x%08x%08x", rd(), rd(), rd(), rd());
-  return std::string("launch:") + buf;
+  return fresh_job_token("launch:");
 }
 
 std::chrono::milliseconds heartbeat_timeout_of(const LaunchOptions& o) {

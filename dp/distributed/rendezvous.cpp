@@ -1,6 +1,8 @@
 #include "dp/distributed/rendezvous.hpp"
 
+#include <cstdio>
 #include <map>
+#include <random>
 #include <sstream>
 
 #include "dp/distributed/launcher.hpp"
@@ -57,6 +59,13 @@ std::string job_token_from_env(const EnvLookup& env_in) {
   for (const char* name : {"DP_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "PMIX_NAMESPACE"})
     if (auto id = env(name); id && !id->empty()) return "id:" + *id;
   return {};
+}
+
+std::string fresh_job_token(const std::string& prefix) {
+  std::random_device rd;
+  char buf[33];
+  std::snprintf(buf, sizeof buf, "%08x%08x%08x%08x", rd(), rd(), rd(), rd());
+  return prefix + buf;
 }
 
 RendezvousSpec parse_init_method(const std::string& init_method, int rank, int world_size,

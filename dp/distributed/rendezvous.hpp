@@ -48,6 +48,9 @@ struct RendezvousSpec {
 // the missing rank would have. A random token would refuse even that, but ranks started by hand
 // cannot agree on one; give each job its own port, or DP_JOB_ID, to rule it out.
 std::string job_token_from_env(const EnvLookup& env);
+// A token no other job can guess: `prefix` and 128 random bits in hex (std::random_device), for
+// a store that only the workers of one launch, or one engine's threads, may open.
+std::string fresh_job_token(const std::string& prefix);
 
 // Parses `init_method`; rank / world_size >= 0 override what the method or environment says.
 // ensures 0 <= rank < world_size. Throws kernels::Error naming the missing or bad part
