@@ -20,6 +20,7 @@
 #include "dp/cli/cli.hpp"
 #include "dp/data/loader.hpp"
 #include "dp/data_parallel.hpp"
+#include "dp/distributed/device_reducers.hpp"
 #include "dp/distributed/launcher.hpp"
 #include "dp/distributed/mpi_process_group.hpp"
 #include "dp/distributed/nccl_process_group.hpp"
@@ -192,7 +193,8 @@ void add_flags(CLI::App& app, Options& o) {
                  "any --mode dp|ddp, --gpus and --zero (re-sharded, said so)");
   app.add_option("--timeout", o.timeout_s,
                  "DDP: seconds the rendezvous and each collective may take (default: DP_TIMEOUT, "
-                 "else 60 s to rendezvous and 300 s per collective)")
+                 "else 60 s to rendezvous and 300 s per collective); also each collective of a "
+                 "workload's comm hook under DP (default 300 s)")
       ->check(dp::cli::timeout_seconds(604800));
   app.add_flag("--sync-bn", o.sync_bn,
                "BatchNorm normalises with the whole batch's statistics, combined across devices "
@@ -634,7 +636,7 @@ void DpSteps::finish(RunResult& r) const {
 }
 
 RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
-                 const nn::CheckpointDirLock* lock) {
+                 const nn::CheckpointDirLock* lock, bool hooked) {
   int64_t batch = global_batch(o, n);
   const StepBatches data(o, batch);
   auto model = model_of(o);
@@ -643,10 +645,17 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
   if (s.activations != kernels::DType::f32) model->set_activations(nn::Activations::compute);
   auto optimizer = make_optimizer(o, *model);
   nn::Optimizer& opt = *optimizer;
-  dp::DataParallel engine(model, opt, devices, dp_options(o, s));
+  dp::DataParallelOptions dopt = dp_options(o, s);
+  if (hooked)  // its collectives bounded as DDP's (--timeout, else 300 s)
+    dopt.reducers = dp::dist::device_reducers(
+        n, [&](int) { return o.workload->make_comm_hook(); },
+        o.timeout_s > 0 ? std::chrono::milliseconds(std::llround(o.timeout_s * 1000))
+                        : std::chrono::milliseconds(std::chrono::seconds(300)));
+  dp::DataParallel engine(model, opt, devices, dopt);
 
   RunResult r;
-  r.mode = "dp";
+  r.mode = hooked ? "dp-hook" : "dp";
+  if (hooked) r.comm_hook = o.workload->make_comm_hook()->name();
   r.optim = o.optim;
   r.comm_dtype = o.comm_dtype;
   r.optimizer_state_bytes = {opt.state_bytes()};  // device 0 alone steps
@@ -656,14 +665,15 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
   r.gpus = n;
   r.batch = batch;
   r.param_bytes = engine.parameter_bytes();
-  // Gradients travel in the comm dtype (half of P in bf16).
-  r.bytes_theory =
-      dp_bytes_theory(n, r.param_bytes,
-                      r.param_bytes / 4 * static_cast<int64_t>(kernels::dtype_size(s.comm_dtype)));
+  // Gradients travel in the comm dtype (half of P in bf16); a hook's bytes are its own choice:
+  // the model counts the weights' copies alone.
+  r.bytes_theory = dp_bytes_theory(
+      n, r.param_bytes,
+      hooked ? 0 : r.param_bytes / 4 * static_cast<int64_t>(kernels::dtype_size(s.comm_dtype)));
   DpSteps steps;
   steps.timing = phase_timing_of(o);
   auto [pa, pb] = profile_range(o);
-  std::string label = "dp N=" + std::to_string(n);
+  std::string label = r.mode + " N=" + std::to_string(n);
   nn::TrainingProgress state = bench_state(o, "dp", n);
   int first = 0;
   const nn::Resumed resumed =
@@ -869,11 +879,13 @@ int run(const Options& o, int argc, char** argv) {
     dp::warn_if_oversubscribed(kernels::make_devices(DeviceType::cuda, max_n));
   bool want_dp = o.mode == "dp" || o.mode == "both", want_ddp = o.mode == "ddp" || o.mode == "both";
   bool want_hybrid = o.mode == "hybrid";
-  // The workload's comm hook trains beside DDP (mode "hook") and beside hybrid, for its sums
-  // over nodes ("hybrid-hook"), where nothing it cannot take is asked for.
+  // The workload's comm hook trains beside DP ("dp-hook": in place of the sums to device 0),
+  // DDP ("hook") and hybrid, for its sums over nodes ("hybrid-hook"), where nothing it cannot
+  // take is asked for.
   const bool has_hook = o.workload && o.workload->make_comm_hook;
+  bool want_dp_hook = want_dp && has_hook && o.launch.nnodes == 1;
   bool want_hook = want_ddp && has_hook, want_hybrid_hook = want_hybrid && has_hook;
-  if (want_hook || want_hybrid_hook) {
+  if (want_dp_hook || want_hook || want_hybrid_hook) {
     std::string why;
     if (s.comm_dtype != kernels::DType::f32)
       why = "--comm-dtype " + o.comm_dtype +
@@ -884,7 +896,12 @@ int run(const Options& o, int argc, char** argv) {
       why = "checkpoints (the hook's rows would share DDP's folder)";
     if (!why.empty()) {
       std::fprintf(stderr, "dp_bench: the comm hook's rows are not run with %s\n", why.c_str());
-      want_hook = want_hybrid_hook = false;
+      want_dp_hook = want_hook = want_hybrid_hook = false;
+    } else if (want_dp_hook && o.metrics_lag > 0) {
+      std::fprintf(stderr,
+                   "dp_bench: the comm hook's DP rows are not run with --metrics-lag 1 (a "
+                   "hook's steps run uncaptured, and a lagged DP step needs graphs)\n");
+      want_dp_hook = false;
     }
   }
   bool tracing = !o.trace_path.empty();
@@ -901,10 +918,10 @@ int run(const Options& o, int argc, char** argv) {
   bool other_node = false;
   for (int k = 0; k < o.repeat; ++k) {
     size_t slot = 0;
-    for (const std::string mode : {"dp", "ddp", "hook", "hybrid", "hybrid-hook"}) {
-      if ((mode == "dp" && !want_dp) || (mode == "ddp" && !want_ddp) ||
-          (mode == "hook" && !want_hook) || (mode == "hybrid" && !want_hybrid) ||
-          (mode == "hybrid-hook" && !want_hybrid_hook))
+    for (const std::string mode : {"dp", "dp-hook", "ddp", "hook", "hybrid", "hybrid-hook"}) {
+      if ((mode == "dp" && !want_dp) || (mode == "dp-hook" && !want_dp_hook) ||
+          (mode == "ddp" && !want_ddp) || (mode == "hook" && !want_hook) ||
+          (mode == "hybrid" && !want_hybrid) || (mode == "hybrid-hook" && !want_hybrid_hook))
         continue;
       for (int n : counts) {
         // A hybrid node process trains on --gpus devices whatever the count: one run (a second
@@ -913,11 +930,11 @@ int run(const Options& o, int argc, char** argv) {
         dp::Trace trace;
         const bool trace_this = tracing && k == 0;
         dp::Trace* t = trace_this ? &trace : nullptr;
-        const bool hooked = mode == "hook" || mode == "hybrid-hook";
-        std::optional<RunResult> got = mode == "dp" ? run_dp(o, s, n, t, lock ? &*lock : nullptr)
-                                       : mode == "ddp" || mode == "hook"
-                                           ? run_ddp(o, s, n, argc, argv, t, hooked)
-                                           : run_hybrid(o, s, n, argc, argv, t, hooked);
+        const bool hooked = mode == "dp-hook" || mode == "hook" || mode == "hybrid-hook";
+        std::optional<RunResult> got =
+            mode == "dp" || mode == "dp-hook" ? run_dp(o, s, n, t, lock ? &*lock : nullptr, hooked)
+            : mode == "ddp" || mode == "hook" ? run_ddp(o, s, n, argc, argv, t, hooked)
+                                              : run_hybrid(o, s, n, argc, argv, t, hooked);
         if (!got) {  // this node's ranks ran; node 0 has the figures
           other_node = true;
           continue;

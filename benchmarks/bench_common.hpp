@@ -231,9 +231,11 @@ std::string gpu_name();
 // --peak-tflops, else the GPU's data sheet in the run's dtype, else a GEMM measured here.
 Header make_header(const Options& o, const Setup& s, int logical);
 
-// `lock`: the --checkpoint-dir lock this process holds (null without --checkpoint-dir).
+// `lock`: the --checkpoint-dir lock this process holds (null without --checkpoint-dir). hooked:
+// the "dp-hook" run, the workload's comm hook (Workload::make_comm_hook, one per device) in
+// place of the sums to device 0 (DataParallelOptions::reducers).
 RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
-                 const nn::CheckpointDirLock* lock = nullptr);
+                 const nn::CheckpointDirLock* lock = nullptr, bool hooked = false);
 // Runs what the options ask for and prints the report (or, in a DDP worker process, trains its
 // rank). Returns the exit code.
 int run(const Options& o, int argc, char** argv);

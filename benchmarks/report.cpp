@@ -127,6 +127,11 @@ std::ostream& operator<<(std::ostream& os, const ModeCell& c) {
             << std::setw(2) << c.r.gpus;
 }
 
+// A run of DP's device threads: with the sums to device 0 ("dp") or a comm hook ("dp-hook").
+bool dp_threads(const RunResult& r) {
+  return r.mode == "dp" || r.mode == "dp-hook";
+}
+
 // A run of hybrid's node processes: with the built-in sum over nodes or a comm hook.
 bool hybrid_nodes(const RunResult& r) {
   return r.mode == "hybrid" || r.mode == "hybrid-hook";
@@ -139,17 +144,17 @@ struct HookRuns {
   const char* baseline;
   const char* engine;
   const char* replaces;
+  const char* bytes;  // what the bytes line compares
 };
 constexpr HookRuns kHookRuns[] = {
-    {"hook", "ddp", "DDP", "the bucket all-reduce (the same model, data and ranks)"},
-    {"hybrid-hook", "hybrid", "hybrid", "the sum over nodes (the same model, data and nodes)"}};
-
-// The HookRuns of r's mode, or null for a run without a hook.
-const HookRuns* hook_runs_of(const RunResult& r) {
-  for (const HookRuns& k : kHookRuns)
-    if (r.mode == k.mode) return &k;
-  return nullptr;
-}
+    {"dp-hook", "dp", "DP",
+     "the sums to device 0, over an in-process group of its devices (the same model, data and "
+     "devices)",
+     "bytes moved per step (the weights' copies, and the gradients: the hook's or the sums')"},
+    {"hook", "ddp", "DDP", "the bucket all-reduce (the same model, data and ranks)",
+     "bytes handed to the group per step"},
+    {"hybrid-hook", "hybrid", "hybrid", "the sum over nodes (the same model, data and nodes)",
+     "bytes handed to the group per step"}};
 
 const RunResult* baseline_of(const std::vector<RunResult>& runs, const std::string& mode) {
   for (auto& r : runs)
@@ -404,6 +409,8 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
     if (ddp_ranks(r) && r.gpus > 1)
       os << "  (buckets " << r.buckets << ", " << r.buckets_overlapped
          << " launched while backward ran on)";
+    if (r.mode == "dp-hook" && r.gpus > 1)
+      os << "  (comm hook " << r.comm_hook << ", buckets " << r.buckets << ")";
     if (r.mode == "dp" && r.gpus > 1)
       os << "  (" << r.reduce << " reduce"
          << (r.peer_reads == "off" ? ", staged (--dp-peer-reads off)" : "") << ", buckets "
@@ -464,29 +471,30 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
       os << ModeCell{runs, r} << "   gradients travel in " << r.comm_dtype
          << ": half the gradient bytes of f32 (" << mib(r.param_bytes / 2) << " MiB saved per "
          << (r.mode == "dp" ? "replica" : "rank") << " per step)\n";
-  for (const HookRuns& k : kHookRuns)
-    for (auto& r : runs)
-      if (r.mode == k.mode) {
+  for (const HookRuns& k : kHookRuns) {  // per kind of hook run: what it is, then its rows
+    bool said = false;
+    for (auto& r : runs) {
+      if (r.mode != k.mode) continue;
+      if (!said) {
         os << "\n " << k.mode << ": " << k.engine << " with the workload's comm hook "
            << r.comm_hook << " in place of " << k.replaces << "; against " << k.engine
            << " at the same N:\n";
-        break;
+        said = true;
       }
-  for (auto& r : runs) {
-    const HookRuns* k = hook_runs_of(r);
-    const RunResult* d = k ? largest_of(runs, k->baseline, r.gpus) : nullptr;
-    if (!d) continue;
-    os << " " << r.mode << " " << std::setw(2) << r.gpus << "   bytes handed to the group per step "
-       << r.bytes_per_step << " against " << d->bytes_per_step;
-    if (r.bytes_per_step > 0 && d->bytes_per_step > 0)
-      os << " (" << std::setprecision(1)
-         << static_cast<double>(d->bytes_per_step) / static_cast<double>(r.bytes_per_step)
-         << "x fewer)";
-    if (!samples_of(r).empty() && !samples_of(*d).empty())
-      os << ", step time x "
-         << describe(ratio_ci(samples_of(r), samples_of(*d), pairing_of(r, *d)), 1.0, 2);
-    os << ", final loss " << std::setprecision(6) << r.final_loss << " against " << d->final_loss
-       << "\n";
+      const RunResult* d = largest_of(runs, k.baseline, r.gpus);
+      if (!d) continue;
+      os << " " << r.mode << " " << std::setw(2) << r.gpus << "   " << k.bytes << " "
+         << r.bytes_per_step << " against " << d->bytes_per_step;
+      if (r.bytes_per_step > 0 && d->bytes_per_step > 0)
+        os << " (" << std::setprecision(1)
+           << static_cast<double>(d->bytes_per_step) / static_cast<double>(r.bytes_per_step)
+           << "x fewer)";
+      if (!samples_of(r).empty() && !samples_of(*d).empty())
+        os << ", step time x "
+           << describe(ratio_ci(samples_of(r), samples_of(*d), pairing_of(r, *d)), 1.0, 2);
+      os << ", final loss " << std::setprecision(6) << r.final_loss << " against " << d->final_loss
+         << "\n";
+    }
   }
   for (auto& r : runs)
     if (ddp_ranks(r)) {
@@ -498,12 +506,13 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
         "payload counted by the process group vs the ring model's wire bytes per rank, "
         "2(N-1)/N x payload\n";
   for (auto& r : runs) {
-    os << ModeCell{runs, r} << "   " << (r.mode == "dp" ? "copied " : "payload ") << std::setw(9)
+    os << ModeCell{runs, r} << "   " << (dp_threads(r) ? "copied " : "payload ") << std::setw(9)
        << mib(r.bytes_per_step) << " (counted" << (hybrid_nodes(r) ? ", across nodes)" : ")")
        << "   model " << std::setw(9) << mib(r.bytes_theory)
-       << (ddp_ranks(r)      ? " (ring, per rank)"
-           : hybrid_nodes(r) ? " (ring over nodes, per node)"
-                             : " (star)")
+       << (ddp_ranks(r)          ? " (ring, per rank)"
+           : hybrid_nodes(r)     ? " (ring over nodes, per node)"
+           : r.mode == "dp-hook" ? " (star, the weights: the hook's bytes are its own)"
+                                 : " (star)")
        << "   peak MiB per device:";
     for (int64_t b : r.peak_mem_bytes) os << " " << mib(b);
     if (!r.link_bytes.empty() && r.gpus > 1) {
@@ -522,7 +531,7 @@ void print_sync_bn(std::ostream& os, const std::vector<RunResult>& runs) {
     os << ModeCell{runs, r} << " SyncBatchNorm: " << r.sync_bn_values << " values ("
        << r.sync_bn_values * 4
        << " bytes as f32) combined per device per step, one exchange per layer and pass"
-       << (r.mode == "dp" ? " (through host memory)" : " (all_reduce)") << "\n";
+       << (dp_threads(r) ? " (through host memory)" : " (all_reduce)") << "\n";
   }
 }
 
@@ -531,7 +540,7 @@ void print_memory_model(std::ostream& os, const std::vector<RunResult>& runs) {
   for (const auto& r : runs) {
     if (r.optimizer_state_bytes.empty()) continue;
     if (!header) {
-      os << "\n optimizer state (MiB) per " << (r.mode == "dp" ? "device" : "rank")
+      os << "\n optimizer state (MiB) per " << (dp_threads(r) ? "device" : "rank")
          << ", and the model per rank: params 4P + grads 4P + state KP (/ N under ZeRO-1)\n";
       header = true;
     }

@@ -12,7 +12,7 @@ if(TARGET compare_my_model)
                    --warmup 1 --batch 24 --repeat 2)
   set_tests_properties("samples.compare_my_model: DP and DDP on a user-defined model, same report"
     PROPERTIES TIMEOUT 120
-    PASS_REGULAR_EXPRESSION "dp_bench: model residual_mlp \\(23910 parameters.*dp    2      24.*ddp   2      24.*hook  2      24.*hook: DDP with the workload's comm hook powersgd-r4.*verdict: residual_mlp, batch 24, 2 devices here \\(time-sliced\\)")
+    PASS_REGULAR_EXPRESSION "dp_bench: model residual_mlp \\(23910 parameters.*dp      2      24.*dp-hook 2      24.*ddp     2      24.*hook    2      24.*dp-hook: DP with the workload's comm hook powersgd-r4[^\n]*\n dp-hook  1[^\n]*\n dp-hook  2   bytes moved per step \\(the weights' copies, and the gradients: the hook's or the sums'\\) 105944 against 192048 \\(1.8x fewer\\).*hook: DDP with the workload's comm hook powersgd-r4.*verdict: residual_mlp, batch 24, 2 devices here \\(time-sliced\\)")
   add_test(NAME "samples.compare_my_model: refuses --model, which the workload replaces"
            COMMAND $<TARGET_FILE:compare_my_model> --device cpu --model cnn)
   set_tests_properties("samples.compare_my_model: refuses --model, which the workload replaces"
@@ -36,6 +36,12 @@ if(TARGET compare_my_model)
            COMMAND sh -c "for g in on off; do $<TARGET_FILE:compare_my_model> --device cpu --gpus 2 --mode ddp --steps 6 --warmup 1 --batch 24 --cuda-graphs $g 2>&1 | grep -o 'hook N=[12]: [0-9.]* ms/step, final loss [0-9.]*'; done | sed 's/.*final/final/' | sort | uniq -c")
   set_tests_properties("samples.compare_my_model: the comm hook's runs, graphs on and off, follow one loss curve"
     PROPERTIES TIMEOUT 120 PASS_REGULAR_EXPRESSION "^ *4 final loss [0-9.]+\n$")
+  # The hook under DP ("dp-hook": each device a rank of an in-process group) and under DDP (a
+  # process per rank) trains one loss curve at 2 devices: uniq counts 2.
+  add_test(NAME "samples.compare_my_model: the comm hook under DP and under DDP ends on one loss"
+           COMMAND sh -c "$<TARGET_FILE:compare_my_model> --device cpu --gpus 2 --mode both --baseline 0 --steps 6 --warmup 1 --batch 24 2>&1 | grep -o 'hook N=2: [0-9.]* ms/step, final loss [0-9.]*' | sed 's/.*final/final/' | sort | uniq -c")
+  set_tests_properties("samples.compare_my_model: the comm hook under DP and under DDP ends on one loss"
+    PROPERTIES TIMEOUT 120 PASS_REGULAR_EXPRESSION "^ *2 final loss [0-9.]+\n$")
   # --mode hybrid: the hook takes the sums over nodes ("hybrid-hook" rows beside hybrid's, one
   # run each), its bytes against the built-in sum's (PowerSGD's P and Q, and 8 bytes of metrics).
   add_test(NAME "samples.compare_my_model: the comm hook over hybrid's nodes, bytes against the sum"
