@@ -935,8 +935,9 @@ std::vector<LinkTime> link_times(const std::vector<RunResult>& runs, int nodes, 
   std::vector<LinkTime> out;
   if (nodes < 2 || gbps <= 0) return out;
   for (const RunResult& r : runs) {
-    if (r.mode != "ddp" && r.mode != "hybrid") continue;
-    const int ring = r.mode == "ddp" ? r.gpus : nodes;  // the ring that crosses the link
+    // A hook's runs too: their payload (what the hook handed to the group) as all-reduces.
+    if (!ddp_ranks(r) && !hybrid_nodes(r)) continue;
+    const int ring = ddp_ranks(r) ? r.gpus : nodes;  // the ring that crosses the link
     LinkTime t;
     t.mode = r.mode;
     t.gpus = r.gpus;
@@ -954,12 +955,12 @@ void print_link_times(std::ostream& os, const std::vector<LinkTime>& times, int 
   os << "\n over the link between " << nodes << " nodes at " << std::setprecision(3) << gbps
      << " Gbit/s (--link-gbps): bytes out of each node per step, and their time\n";
   for (const LinkTime& t : times)
-    os << " " << std::left << std::setw(6) << t.mode << std::right << std::setw(2) << t.gpus
+    os << " " << std::left << std::setw(11) << t.mode << std::right << std::setw(2) << t.gpus
        << "   " << std::fixed << std::setprecision(2) << static_cast<double>(t.bytes) / 1e6
        << " MB -> " << std::setprecision(2) << t.ms << " ms of the measured " << t.step_ms
        << " ms step"
-       << (t.mode == "ddp" ? " (ring of all ranks: 2(N-1)/N x payload)"
-                           : " (ring of the nodes: 2(M-1)/M x payload)")
+       << (t.mode == "ddp" || t.mode == "hook" ? " (ring of all ranks: 2(N-1)/N x payload)"
+                                               : " (ring of the nodes: 2(M-1)/M x payload)")
        << "\n"
        << std::defaultfloat;
 }

@@ -1728,6 +1728,24 @@ TEST_CASE("bench.link: bytes out of each node and their time, flat DDP against h
   std::ostringstream os;
   bench::print_link_times(os, t, 2, 1.0);
   CHECK(os.str().find("1.75 MB -> 14.00 ms") != std::string::npos);
+  // A comm hook's runs cross the link with their own payload (taken as all-reduces), over the
+  // ring of the ranks (DDP's) or of the nodes (hybrid's); its DP runs cross none.
+  bench::RunResult hook = ddp, hybrid_hook = hybrid, dp_hook = dp;
+  hook.mode = "hook", hook.bytes_per_step = 100000;
+  hybrid_hook.mode = "hybrid-hook", hybrid_hook.bytes_per_step = 100000;
+  dp_hook.mode = "dp-hook";
+  t = bench::link_times({ddp, hook, hybrid, hybrid_hook, dp_hook}, 2, 1.0);
+  REQUIRE(t.size() == 4);
+  CHECK(t[1].mode == "hook");
+  CHECK(t[1].bytes == 175000);
+  CHECK(t[3].mode == "hybrid-hook");
+  CHECK(t[3].bytes == 100000);
+  CHECK(t[3].ms == doctest::Approx(0.8));
+  os.str("");
+  bench::print_link_times(os, t, 2, 1.0);
+  INFO(os.str());
+  CHECK(os.str().find(" hook        8   0.17 MB -> 1.40 ms") != std::string::npos);
+  CHECK(os.str().find(" hybrid-hook 8   0.10 MB -> 0.80 ms") != std::string::npos);
   auto [rc, text] = bench_output("--device cpu --mode dp --link-gbps 0");
   CHECK(rc != 0);
   CHECK(text.find("--link-gbps") != std::string::npos);
