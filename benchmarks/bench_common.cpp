@@ -229,27 +229,29 @@ Setup resolve(const Options& o) {
 
 namespace {
 
-// What a CPU device holds for this run, measured: one step of 1 row and one of 2 rows, each on
-// a fresh one-device engine on cpu:0 with the run's model, precision and optimizer. The
-// difference of their peaks is a row's activations and gradients in flight; the rest of the
-// 1-row peak is the model's copies (parameters, gradients, buffers, and the 16-bit weights under
-// mixed precision); the optimizer's state is counted apart (device 0 alone holds it in DP).
+// What a device holds for this run, measured: one step of 1 row and one of 2 rows, each on a
+// fresh one-device engine on `device` (cpu:0, or cuda:0) with the run's model, precision and
+// optimizer. The difference of their peaks is a row's activations and gradients in flight; the
+// rest of the 1-row peak is the model's copies (parameters, gradients, buffers, and the 16-bit
+// weights under mixed precision); the optimizer's state is counted apart (device 0 alone holds it
+// in DP). The peaks are the tensors' bytes: what a caching allocator rounds up, and a library's
+// own workspace, come on top, so a run this refuses cannot fit.
 struct RowCost {
   dp::cli::StepMemory step;  // per row, and the rest (the model's copies)
   int64_t optimizer = 0;
 };
-RowCost probe_row_cost(const Options& o, const Setup& s) {
+RowCost probe_row_cost(const Options& o, const Setup& s, kernels::Device device) {
   RowCost c;
   c.step = dp::cli::measure_step_memory([&](int64_t rows) {
     nn::ModulePtr model = model_of(o);
-    model->materialize(kernels::Device::cpu(0), o.seed);
+    model->materialize(device, o.seed);
     if (s.activations != kernels::DType::f32) model->set_activations(nn::Activations::compute);
     std::unique_ptr<nn::Optimizer> opt = make_optimizer(o, *model);
     dp::DataParallelOptions dopt = dp_options(o, s);
     dopt.graphs = dp::Graphs::off;  // one eager step: what the run's first step allocates
     dopt.metrics_lag = 0;
     dopt.batch_norm = dp::BatchNormStats::per_device;
-    dp::DataParallel engine(model, *opt, {kernels::Device::cpu(0)}, dopt);
+    dp::DataParallel engine(model, *opt, {device}, dopt);
     auto b = StepBatches(o, rows).at(0);
     engine.train_step(b.images, b.labels);
     c.optimizer = opt->state_bytes();  // counted apart: DP's device 0 alone holds it
@@ -300,7 +302,9 @@ void validate(const Options& o, const Setup& s, const std::vector<int>& counts) 
   }
   const int64_t steps = int64_t(o.steps) + o.warmup;
   const kernels::AvailableMemory host = kernels::host_memory_available();
-  std::optional<RowCost> row_cost;  // measured at the first CPU-device check
+  // Measured at the first CPU-device check, or the first DP check on CUDA devices.
+  std::optional<RowCost> row_cost;
+  bool gpu_probe_failed = false;
   const char* type = s.type == DeviceType::cuda ? "cuda" : "cpu";
   // The largest count first: its products are the largest.
   std::vector<int> largest_first = counts;
@@ -342,7 +346,7 @@ void validate(const Options& o, const Setup& s, const std::vector<int>& counts) 
         // CPU devices hold their activations in the host's memory: what a run past it meets is
         // the kernel's OOM killer (rc 137, no message), so the step's needs are measured on a
         // probe step and refused here with the figures.
-        if (!row_cost) row_cost = probe_row_cost(o, s);
+        if (!row_cost) row_cost = probe_row_cost(o, s, kernels::Device::cpu(0));
         const int64_t chunk = (batch + world - 1) / world;
         const int64_t rows_bytes = dp::cli::checked_product(
             chunk, "rows per device", row_cost->step.per_row, "bytes per row",
@@ -363,10 +367,42 @@ void validate(const Options& o, const Setup& s, const std::vector<int>& counts) 
         // Logical devices share the physical GPUs round-robin: GPU 0 holds the most chunks.
         const int64_t chunk = (batch + world - 1) / world;
         const int on_gpu0 = (n + s.physical - 1) / s.physical;
-        dp::cli::check_fits(flag + " (" + std::to_string(on_gpu0) + " chunk(s) of " +
-                                std::to_string(chunk) + " rows on GPU 0)",
-                            chunk * row_bytes * on_gpu0, "GPU 0", kernels::gpu_memory(0),
-                            "give a smaller batch");
+        const kernels::AvailableMemory gpu0 = kernels::gpu_memory(0);
+        // DP runs in this process, which then holds a CUDA context anyway: its step is measured
+        // on GPU 0 as a CPU device's is. A DDP launcher alone stays without one (its ranks have
+        // theirs): it checks the input chunks only, unless DP measured the step already.
+        if (!ddp && !row_cost && !gpu_probe_failed) {
+          try {
+            row_cost = probe_row_cost(o, s, kernels::Device::cuda(0));
+          } catch (const std::exception& e) {  // the run itself will meet it, and say so
+            std::fprintf(stderr,
+                         "dp_bench: the memory probe step on GPU 0 failed (%s): checking the "
+                         "input batches alone\n",
+                         e.what());
+            gpu_probe_failed = true;
+          }
+        }
+        if (!row_cost) {
+          dp::cli::check_fits(flag + " (" + std::to_string(on_gpu0) + " chunk(s) of " +
+                                  std::to_string(chunk) + " rows on GPU 0)",
+                              chunk * row_bytes * on_gpu0, "GPU 0", gpu0, "give a smaller batch");
+          continue;
+        }
+        const int64_t rows_bytes = dp::cli::checked_product(
+            chunk, "rows per device", row_cost->step.per_row, "bytes per row",
+            std::numeric_limits<int64_t>::max() / (4 * int64_t{on_gpu0} + 4));
+        // DP: device 0 (on GPU 0) steps alone; DDP: every rank on GPU 0 holds its state.
+        const int64_t optimizer_copies = ddp ? on_gpu0 : 1;
+        const int64_t need =
+            on_gpu0 * (row_cost->step.fixed + rows_bytes) + optimizer_copies * row_cost->optimizer;
+        dp::cli::check_fits(
+            flag + " (" + std::string(ddp ? "DDP" : "DP") + " on " + split +
+                " (cuda), on GPU 0: " + std::to_string(on_gpu0) + " x (" +
+                dp::cli::human_bytes(row_cost->step.fixed) + " of model copies + " +
+                std::to_string(chunk) + " rows x " + dp::cli::human_bytes(row_cost->step.per_row) +
+                " of activations, measured on a probe step) + " + std::to_string(optimizer_copies) +
+                " x " + dp::cli::human_bytes(row_cost->optimizer) + " of optimizer state)",
+            need, "GPU 0", gpu0, "give a smaller batch");
       }
     }
   }

@@ -621,6 +621,24 @@ TEST_CASE("bench.flags: a batch whose activations do not fit the host is refused
   CHECK(seconds < 20);
 }
 
+// The same on a GPU: DP's step is measured on GPU 0 (its process holds a context anyway), and
+// the batch is refused against GPU 0's memory with the figure; DDP's ranks then take the same
+// figure (a DDP launcher alone creates no context: it checks the input chunks only).
+TEST_CASE("bench.cuda: a batch whose activations do not fit GPU 0 is refused with the figure") {
+  DP_REQUIRE_GPU();
+  auto [rc, text] = bench_output(
+      "--device cuda --model gpt --gpt-config tiny --gpus 2 --mode both --batch 1000000 "
+      "--steps 1 --warmup 0");
+  INFO(text);
+  CHECK(rc == 1);
+  CHECK(text.find("--batch 1000000 (DP on 2 devices (cuda), on GPU 0: ") != std::string::npos);
+  CHECK(text.find("500000 rows x ") != std::string::npos);
+  CHECK(text.find("of activations, measured on a probe step") != std::string::npos);
+  CHECK(text.find("but GPU 0 has") != std::string::npos);
+  CHECK(text.find("memory probe step on GPU 0 failed") == std::string::npos);
+  CHECK(text.find("ms/step") == std::string::npos);  // no run happened
+}
+
 TEST_CASE("bench.flags: --max-restarts is bounded, DDP only, and needs a port for its nodes") {
   const std::string cpu = "--device cpu --steps 1 --warmup 0 --batch 8 ";
   refused(cpu + "--mode ddp --max-restarts -1",
@@ -1713,7 +1731,7 @@ TEST_CASE("bench.hybrid: nodes that disagree on a flag fail together at once, na
   }
 }
 
-TEST_CASE("bench.link: bytes out of each node and their time, flat DDP against hybrid") {
+TEST_CASE("bench.link: bytes out of each node and their time, flat DDP against hybrid, hooks") {
   bench::RunResult ddp, hybrid, dp;
   ddp.mode = "ddp", ddp.gpus = 8, ddp.bytes_per_step = 1000000;
   hybrid.mode = "hybrid", hybrid.gpus = 8, hybrid.bytes_per_step = 1000000;
