@@ -37,6 +37,19 @@ class SumHook : public dp::dist::CommHook {
   int calls = 0;
 };
 
+// Makes SumHooks and keeps them, to read their calls afterwards: ranks and devices make theirs
+// from their own threads.
+struct SumHooks {
+  std::shared_ptr<dp::dist::CommHook> make() {
+    auto h = std::make_shared<SumHook>();
+    std::lock_guard<std::mutex> lock(mutex);
+    made.push_back(h);
+    return h;
+  }
+  std::vector<std::shared_ptr<SumHook>> made;
+  std::mutex mutex;
+};
+
 // How a rank runs backward and the bucket sync.
 enum class Path { hooks, staged };
 
@@ -45,6 +58,34 @@ struct RankRun {
   std::vector<float> losses;        // the global batch's mean loss, per step (rank 0's sum)
   std::vector<int64_t> comm_bytes;  // per step
 };
+
+// The threaded engine on `devices` trains `make`'s model (seed 11, momentum SGD; buckets of
+// first_bucket, then cap bytes; the rest of its options from `configure`) for `steps` steps of
+// one toy batch of `batch` rows. Returns each step's loss and `bytes` (the reducer's or the
+// nodes' bytes), and device 0's weights.
+RankRun train_threaded(const std::vector<Device>& devices,
+                       const std::function<nn::ModulePtr()>& make, int64_t first_bucket,
+                       int64_t cap, const std::function<void(dp::DataParallelOptions&)>& configure,
+                       int steps, int64_t batch, int64_t dp::StepStats::*bytes) {
+  auto m = make();
+  m->materialize(devices[0], 11);
+  nn::SGD opt(*m, dp_test::momentum_sgd());
+  dp::DataParallelOptions o;
+  o.first_bucket_bytes = first_bucket;
+  o.bucket_cap_bytes = cap;
+  configure(o);
+  dp::DataParallel engine(m, opt, devices, o);
+  RankRun run;
+  for (int s = 0; s < steps; ++s) {
+    auto [x, y] = dp_test::toy_batch(batch, 200);
+    const dp::StepStats st = engine.train_step(x, y);
+    CHECK_FALSE(st.graphed);
+    run.losses.push_back(st.loss);
+    run.comm_bytes.push_back(st.*bytes);
+  }
+  run.params = engine.module().flat_params().to_host_f32();
+  return run;
+}
 
 // Rank r of `world` trains `model` for `steps` SGD steps on one toy batch of `batch` rows (its
 // chunk, scaled by its share), through `path`. Returns its parameters, per-step loss share and
@@ -245,21 +286,13 @@ std::vector<RankRun> train_hybrid(int steps, const std::function<nn::ModulePtr()
       [&](int r, dp::dist::ProcessGroup& pg) {
         std::vector<Device> devices;
         for (int d : node_devices[r]) devices.push_back(Device::cpu(d));
-        auto m = make();
-        m->materialize(devices[0], 11);
-        nn::SGD opt(*m, dp_test::momentum_sgd());
-        dp::DataParallelOptions o;
-        o.first_bucket_bytes = first_bucket;
-        o.bucket_cap_bytes = cap;
-        o.cross_node = std::make_shared<dp::dist::GroupCrossNode>(pg, hook ? hook() : nullptr);
-        dp::DataParallel engine(m, opt, devices, o);
-        for (int s = 0; s < steps; ++s) {
-          auto [x, y] = dp_test::toy_batch(12, 200);
-          const dp::StepStats st = engine.train_step(x, y);
-          runs[r].losses.push_back(st.loss);
-          runs[r].comm_bytes.push_back(st.cross_node_bytes);
-        }
-        runs[r].params = engine.module().flat_params().to_host_f32();
+        runs[r] = train_threaded(
+            devices, make, first_bucket, cap,
+            [&](dp::DataParallelOptions& o) {
+              o.cross_node =
+                  std::make_shared<dp::dist::GroupCrossNode>(pg, hook ? hook() : nullptr);
+            },
+            steps, 12, &dp::StepStats::cross_node_bytes);
       },
       [&](int r) { return Device::cpu(node_devices[r][0]); });
   return runs;
@@ -271,14 +304,9 @@ TEST_CASE("hybrid.comm_hook: a hook sums the nodes' buckets: the same bits, or P
   auto small = [] { return nn::mlp({6, 16, 5}); };
   // An all-reducing hook: the same weights, losses and bytes as the built-in sum, called once per
   // bucket per step on each node.
-  std::vector<std::shared_ptr<SumHook>> made;
-  std::mutex made_mutex;
-  auto sum_hook = [&]() -> std::shared_ptr<dp::dist::CommHook> {
-    auto h = std::make_shared<SumHook>();
-    std::lock_guard<std::mutex> lock(made_mutex);
-    made.push_back(h);
-    return h;
-  };
+  SumHooks hooks;
+  auto sum_hook = [&] { return hooks.make(); };
+  const auto& made = hooks.made;
   const auto plain = train_hybrid(3, small, nullptr, 256, 512);
   const auto summed = train_hybrid(3, small, sum_hook, 256, 512);
   REQUIRE(made.size() == 2);
@@ -329,39 +357,22 @@ RankRun train_dp(int devices, int steps, int64_t batch, const std::function<nn::
                  int64_t cap = 512) {
   std::vector<Device> on;
   for (int i = 0; i < devices; ++i) on.push_back(Device::cpu(i));
-  auto m = make();
-  m->materialize(on[0], 11);
-  nn::SGD opt(*m, dp_test::momentum_sgd());
-  dp::DataParallelOptions o;
-  o.first_bucket_bytes = first_bucket;
-  o.bucket_cap_bytes = cap;
-  o.graphs = graphs;
-  if (hook) o.reducers = dp::dist::device_reducers(devices, hook);
-  dp::DataParallel engine(m, opt, on, o);
-  RankRun run;
-  for (int s = 0; s < steps; ++s) {
-    auto [x, y] = dp_test::toy_batch(batch, 200);
-    const dp::StepStats st = engine.train_step(x, y);
-    CHECK_FALSE(st.graphed);
-    run.losses.push_back(st.loss);
-    run.comm_bytes.push_back(st.reducer_bytes);
-  }
-  run.params = engine.module().flat_params().to_host_f32();
-  return run;
+  return train_threaded(
+      on, make, first_bucket, cap,
+      [&](dp::DataParallelOptions& o) {
+        o.graphs = graphs;
+        if (hook) o.reducers = dp::dist::device_reducers(devices, hook);
+      },
+      steps, batch, &dp::StepStats::reducer_bytes);
 }
 
 }  // namespace
 
 TEST_CASE("dp.comm_hook: a hook under the threaded engine: the star's training, bytes counted") {
   auto small = [] { return nn::mlp({6, 16, 5}); };
-  std::vector<std::shared_ptr<SumHook>> made;
-  std::mutex made_mutex;
-  auto sum_hook = [&](int) -> std::shared_ptr<dp::dist::CommHook> {
-    auto h = std::make_shared<SumHook>();
-    std::lock_guard<std::mutex> lock(made_mutex);
-    made.push_back(h);
-    return h;
-  };
+  SumHooks hooks;
+  auto sum_hook = [&](int) { return hooks.make(); };
+  const auto& made = hooks.made;
   // 11 rows on 3 devices (4, 4, 3): each device's gradient weighted by its share, as the star's.
   const RankRun star = train_dp(3, 4, 11, small, nullptr);
   const RankRun summed = train_dp(3, 4, 11, small, sum_hook);
