@@ -1,7 +1,8 @@
-// custom_reducer: your own way for DDP's gradient buckets to meet (a communication hook,
+// custom_reducer: your own way for the gradient buckets to meet (a communication hook,
 // dp/distributed/comm_hook.hpp), trained beside DDP's built-in bucket all-reduce on the same
-// model, data and ranks. The hook here is PowerSGD (samples/low_rank_hook.hpp): a rank-r
-// approximation of each bucket with error feedback, in about 100 lines of public API.
+// model, data and ranks, and then under DP (one process, a thread per device) beside its sums to
+// device 0. The hook here is PowerSGD (samples/low_rank_hook.hpp): a rank-r approximation of
+// each bucket with error feedback, in about 100 lines of public API.
 //
 //   bin/custom_reducer --nproc 2
 //   bin/custom_reducer --nproc 4 --device cuda --backend nccl --rank 8 --steps 200
@@ -10,7 +11,9 @@
 // workers of itself. Each worker trains the same MLP on its shard of the same synthetic global
 // batches twice, from the same initial weights: with the all-reduce, then with the hook. Rank 0
 // prints each run's loss along the way, the bytes it handed to the collectives per step and its
-// median step time; the program fails if the ranks' weights differ after either run.
+// median step time; the program fails if the ranks' weights differ after either run. Then the
+// launcher trains the same two runs under DP on --nproc devices (the hook over an in-process
+// group of them: dp::dist::device_reducers) and prints them alike: the hook's losses are DDP's.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -24,7 +27,9 @@
 #include "dp/cli/cli.hpp"
 #include "dp/data/loader.hpp"
 #include "dp/data/synthetic.hpp"
+#include "dp/data_parallel.hpp"
 #include "dp/distributed/ddp.hpp"
+#include "dp/distributed/device_reducers.hpp"
 #include "dp/distributed/launcher.hpp"
 #include "kernels/runtime/memory_info.hpp"
 #include "nn/nn.hpp"
@@ -115,42 +120,36 @@ Run train(const Flags& f, dp::dist::ProcessGroup& pg, Device dev, const dp::data
   return run;
 }
 
-int run_worker(const Flags& f) {
-  dp::dist::InitOptions o;
-  o.backend = dp::dist::parse_backend(f.backend);
-  const auto env = dp::dist::worker_env_from_environment();
-  o.device = f.device == "cuda" ? Device::cuda(env->local_rank) : Device::cpu();
-  o.timeout = std::chrono::seconds(120);
-  auto pg = dp::dist::init_process_group(o);
-  dp::data::SyntheticOptions hard;  // classes that overlap: dozens of steps to separate
+// The synthetic set both engines train on: classes that overlap, so dozens of steps to separate.
+dp::data::SyntheticDataset training_data(const Flags& f) {
+  dp::data::SyntheticOptions hard;
   hard.signal = 0.15f;
-  dp::data::SyntheticDataset data(static_cast<int64_t>(f.steps) * f.batch, {kFeatures}, kClasses,
-                                  f.seed, hard);
+  return dp::data::SyntheticDataset(static_cast<int64_t>(f.steps) * f.batch, {kFeatures}, kClasses,
+                                    f.seed, hard);
+}
+
+std::shared_ptr<dp::dist::CommHook> make_hook(const Flags& f) {
   samples::LowRankOptions lo;
   lo.rank = f.rank;
   lo.start_step = f.start_step;
-  std::vector<Run> runs;
-  runs.push_back(train(f, *pg, o.device, data, nullptr));
-  runs.push_back(train(f, *pg, o.device, data, std::make_shared<samples::LowRankHook>(lo)));
-  bool ok = true;
-  for (const Run& run : runs) ok = ok && run.replica_diff == 0.f;
-  if (pg->rank() != 0) return ok ? 0 : 1;
-  std::printf("%d ranks (%s, %s), MLP %lld-%lld-%lld-%d, global batch %lld, %d steps, SGD lr %g\n",
-              pg->size(), pg->backend_name().c_str(), f.device.c_str(),
-              static_cast<long long>(kFeatures), static_cast<long long>(f.width),
-              static_cast<long long>(f.width), kClasses, static_cast<long long>(f.batch), f.steps,
-              static_cast<double>(f.lr));
+  return std::make_shared<samples::LowRankHook>(lo);
+}
+
+// Each run's losses at a few steps, its bytes per step, its median step time and, where the
+// ranks compared their weights, whether they were equal.
+void print_runs(const Flags& f, const std::vector<Run>& runs, bool replicas) {
   std::vector<int> at = {0, f.steps / 4, f.steps / 2, 3 * f.steps / 4, f.steps - 1};
   at.erase(std::unique(at.begin(), at.end()), at.end());
-  std::printf("%-24s", "reducer");
+  std::printf("%-28s", "reducer");
   for (int s : at) std::printf("  loss@%-4d", s);
-  std::printf("  bytes/step (first, last)   ms/step (median)  replicas\n");
+  std::printf("  bytes/step (first, last)   ms/step (median)%s\n", replicas ? "  replicas" : "");
   for (const Run& run : runs) {
-    std::printf("%-24s", run.name.c_str());
+    std::printf("%-28s", run.name.c_str());
     for (int s : at) std::printf("  %9.4f", static_cast<double>(run.losses[s]));
-    std::printf("  %11lld, %-11lld  %16.2f  %s\n", static_cast<long long>(run.bytes_first),
-                static_cast<long long>(run.bytes_last), run.median_ms,
-                run.replica_diff == 0.f ? "equal" : "DIFFER");
+    std::printf("  %11lld, %-11lld  %16.2f", static_cast<long long>(run.bytes_first),
+                static_cast<long long>(run.bytes_last), run.median_ms);
+    if (replicas) std::printf("  %s", run.replica_diff == 0.f ? "equal" : "DIFFER");
+    std::printf("\n");
   }
   if (runs[1].bytes_last > 0)
     std::printf(
@@ -159,6 +158,66 @@ int run_worker(const Flags& f) {
         runs[1].name.c_str(),
         static_cast<double>(runs[0].bytes_last) / static_cast<double>(runs[1].bytes_last),
         f.start_step, runs[1].median_ms / runs[0].median_ms);
+}
+
+// The same two runs under DP: --nproc devices of this process, the same model, data and initial
+// weights, with the sums to device 0 and then with the hook (one per device, over an in-process
+// group). Bytes: the gradients' between the devices per step, over all of them (the star's pulls
+// into device 0, or what the devices' hooks handed to their group); the weights' copies to the
+// replicas are the same in both runs and left out.
+std::vector<Run> train_threaded(const Flags& f) {
+  const dp::data::SyntheticDataset data = training_data(f);
+  const auto devices = kernels::make_devices(
+      f.device == "cuda" ? kernels::DeviceType::cuda : kernels::DeviceType::cpu, f.nproc);
+  std::vector<Run> runs;
+  for (bool hooked : {false, true}) {
+    Run run;
+    auto model = nn::mlp({kFeatures, f.width, f.width, kClasses});
+    model->materialize(devices[0], f.seed);
+    kernels::SgdConfig cfg;
+    cfg.lr = f.lr;
+    cfg.momentum = 0.9f;
+    nn::SGD opt(*model, cfg);
+    dp::DataParallelOptions o;
+    if (hooked) o.reducers = dp::dist::device_reducers(f.nproc, [&](int) { return make_hook(f); });
+    run.name = hooked ? make_hook(f)->name() : "sums to device 0 (built-in)";
+    dp::DataParallel engine(model, opt, devices, o);
+    std::vector<double> ms;
+    for (int s = 0; s < f.steps; ++s) {
+      const dp::data::Batch b = dp::data::make_batch(data, s * f.batch, f.batch);
+      const dp::StepStats st = engine.train_step(b.images, b.labels);
+      ms.push_back(st.ms.total);
+      (s == 0 ? run.bytes_first : run.bytes_last) =
+          hooked ? st.reducer_bytes : (st.devices_used - 1) * engine.parameter_bytes();
+      run.losses.push_back(st.loss);
+    }
+    std::sort(ms.begin(), ms.end());
+    run.median_ms = ms[ms.size() / 2];
+    runs.push_back(std::move(run));
+  }
+  return runs;
+}
+
+int run_worker(const Flags& f) {
+  dp::dist::InitOptions o;
+  o.backend = dp::dist::parse_backend(f.backend);
+  const auto env = dp::dist::worker_env_from_environment();
+  o.device = f.device == "cuda" ? Device::cuda(env->local_rank) : Device::cpu();
+  o.timeout = std::chrono::seconds(120);
+  auto pg = dp::dist::init_process_group(o);
+  const dp::data::SyntheticDataset data = training_data(f);
+  std::vector<Run> runs;
+  runs.push_back(train(f, *pg, o.device, data, nullptr));
+  runs.push_back(train(f, *pg, o.device, data, make_hook(f)));
+  bool ok = true;
+  for (const Run& run : runs) ok = ok && run.replica_diff == 0.f;
+  if (pg->rank() != 0) return ok ? 0 : 1;
+  std::printf("%d ranks (%s, %s), MLP %lld-%lld-%lld-%d, global batch %lld, %d steps, SGD lr %g\n",
+              pg->size(), pg->backend_name().c_str(), f.device.c_str(),
+              static_cast<long long>(kFeatures), static_cast<long long>(f.width),
+              static_cast<long long>(f.width), kClasses, static_cast<long long>(f.batch), f.steps,
+              static_cast<double>(f.lr));
+  print_runs(f, runs, true);
   if (!ok) std::fprintf(stderr, "custom_reducer: the ranks' weights differ after a run\n");
   return ok ? 0 : 1;
 }
@@ -167,7 +226,8 @@ int run_worker(const Flags& f) {
 
 int main(int argc, char** argv) {
   CLI::App app(
-      "custom_reducer: a DDP communication hook (PowerSGD) beside the built-in all-reduce");
+      "custom_reducer: a communication hook (PowerSGD) beside DDP's built-in all-reduce and DP's "
+      "sums to device 0");
   app.option_defaults()->always_capture_default();  // --help shows every default
   Flags f;
   using dp::cli::whole_number;
@@ -213,7 +273,13 @@ int main(int argc, char** argv) {
     }
     dp::dist::LaunchOptions lo;
     lo.nproc_per_node = f.nproc;
-    return dp::dist::launch_workers(lo, std::vector<std::string>(argv, argv + argc));
+    const int rc = dp::dist::launch_workers(lo, std::vector<std::string>(argv, argv + argc));
+    if (rc != 0) return rc;
+    std::fflush(stdout);  // rank 0's table came through the same terminal
+    std::printf("\nDP: %d devices, threads of one process (%s), the same model, data and steps\n",
+                f.nproc, f.device.c_str());
+    print_runs(f, train_threaded(f), false);
+    return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "custom_reducer: %s\n", e.what());
     return 1;

@@ -18,6 +18,14 @@ if(TARGET custom_reducer)
     PROPERTIES TIMEOUT 120
     PASS_REGULAR_EXPRESSION "powersgd-r4 hands [0-9.]+x fewer bytes"
     FAIL_REGULAR_EXPRESSION "DIFFER|custom_reducer: ")
+  # Then under DP (threads of the launcher, the hook over an in-process group): each run's five
+  # printed losses are those of the same reducer under DDP, so the losses of the four rows make
+  # two pairs (uniq counts 2 and 2).
+  add_test(NAME "dist.sample: custom_reducer trains the hook under DP and DDP on one loss curve"
+           COMMAND sh -c [=[$0 --nproc 2 --steps 12 --batch 64 --width 128 --start-step 2 | grep -o '\(  *[0-9]*\.[0-9][0-9][0-9][0-9]\)\{5\}' | tr -s ' ' | sort | uniq -c]=]
+                   $<TARGET_FILE:custom_reducer>)
+  set_tests_properties("dist.sample: custom_reducer trains the hook under DP and DDP on one loss curve"
+    PROPERTIES TIMEOUT 120 PASS_REGULAR_EXPRESSION "^ *2 [^\n]*\n *2 [^\n]*\n$")
 endif()
 
 # The sample, end to end: it launches 3 workers of itself and checks its ring against the
