@@ -337,35 +337,39 @@ void validate(const Options& o, const Setup& s, const std::vector<int>& counts) 
       // this node in DDP) and, on CPU devices, the chunks copied into the devices' memory.
       const int host_copies = (ddp ? n : 1) + (s.type == DeviceType::cpu ? 1 : 0);
       const int64_t batch_bytes = batch * row_bytes;  // batch <= 2^31: no overflow
-      dp::cli::check_fits(flag + " (" + std::string(ddp ? "DDP" : "DP") + " on " + split + " (" +
-                              type + "): " + std::to_string(host_copies) + " x " +
-                              std::to_string(batch) + " rows of " + std::to_string(row_bytes) +
-                              " B for the input batches)",
+      const std::string engine = std::string(ddp ? "DDP" : "DP") + " on " + split;
+      dp::cli::check_fits(flag + " (" + engine + " (" + type + "): " + std::to_string(host_copies) +
+                              " x " + std::to_string(batch) + " rows of " +
+                              std::to_string(row_bytes) + " B for the input batches)",
                           batch_bytes * host_copies, "the host", host, "give a smaller batch");
+      const int64_t chunk = (batch + world - 1) / world;
+      // The measured step on `holders` devices of one memory, each with a chunk: their model
+      // copies and activations, and the optimizer's state (DP: device 0 steps alone).
+      auto check_step = [&](const std::string& head, int64_t holders, const std::string& where,
+                            const kernels::AvailableMemory& memory) {
+        const int64_t rows_bytes = dp::cli::checked_product(
+            chunk, "rows per device", row_cost->step.per_row, "bytes per row",
+            std::numeric_limits<int64_t>::max() / (4 * holders + 4));
+        const int64_t optimizer_copies = ddp ? holders : 1;
+        const int64_t need =
+            holders * (row_cost->step.fixed + rows_bytes) + optimizer_copies * row_cost->optimizer;
+        dp::cli::check_fits(
+            flag + " (" + head + std::to_string(holders) + " x (" +
+                dp::cli::human_bytes(row_cost->step.fixed) + " of model copies + " +
+                std::to_string(chunk) + " rows x " + dp::cli::human_bytes(row_cost->step.per_row) +
+                " of activations, measured on a probe step) + " + std::to_string(optimizer_copies) +
+                " x " + dp::cli::human_bytes(row_cost->optimizer) + " of optimizer state)",
+            need, where, memory, "give a smaller batch");
+      };
       if (s.type == DeviceType::cpu) {
         // CPU devices hold their activations in the host's memory: what a run past it meets is
         // the kernel's OOM killer (rc 137, no message), so the step's needs are measured on a
         // probe step and refused here with the figures.
         if (!row_cost) row_cost = probe_row_cost(o, s, kernels::Device::cpu(0));
-        const int64_t chunk = (batch + world - 1) / world;
-        const int64_t rows_bytes = dp::cli::checked_product(
-            chunk, "rows per device", row_cost->step.per_row, "bytes per row",
-            std::numeric_limits<int64_t>::max() / (4 * world + 4));
-        const int64_t optimizer_copies = ddp ? world : 1;  // DP: device 0 steps alone
-        const int64_t need =
-            world * (row_cost->step.fixed + rows_bytes) + optimizer_copies * row_cost->optimizer;
-        dp::cli::check_fits(
-            flag + " (" + std::string(ddp ? "DDP" : "DP") + " on " + split + " (cpu): " +
-                std::to_string(world) + " x (" + dp::cli::human_bytes(row_cost->step.fixed) +
-                " of model copies + " + std::to_string(chunk) + " rows x " +
-                dp::cli::human_bytes(row_cost->step.per_row) + " of activations, measured on a " +
-                "probe step) + " + std::to_string(optimizer_copies) + " x " +
-                dp::cli::human_bytes(row_cost->optimizer) + " of optimizer state)",
-            need, "the host", host, "give a smaller batch");
+        check_step(engine + " (cpu): ", world, "the host", host);
       }
       if (s.type == DeviceType::cuda) {
         // Logical devices share the physical GPUs round-robin: GPU 0 holds the most chunks.
-        const int64_t chunk = (batch + world - 1) / world;
         const int on_gpu0 = (n + s.physical - 1) / s.physical;
         const kernels::AvailableMemory gpu0 = kernels::gpu_memory(0);
         // DP runs in this process, which then holds a CUDA context anyway: its step is measured
@@ -382,27 +386,12 @@ void validate(const Options& o, const Setup& s, const std::vector<int>& counts) 
             gpu_probe_failed = true;
           }
         }
-        if (!row_cost) {
+        if (row_cost)
+          check_step(engine + " (cuda), on GPU 0: ", on_gpu0, "GPU 0", gpu0);
+        else
           dp::cli::check_fits(flag + " (" + std::to_string(on_gpu0) + " chunk(s) of " +
                                   std::to_string(chunk) + " rows on GPU 0)",
                               chunk * row_bytes * on_gpu0, "GPU 0", gpu0, "give a smaller batch");
-          continue;
-        }
-        const int64_t rows_bytes = dp::cli::checked_product(
-            chunk, "rows per device", row_cost->step.per_row, "bytes per row",
-            std::numeric_limits<int64_t>::max() / (4 * int64_t{on_gpu0} + 4));
-        // DP: device 0 (on GPU 0) steps alone; DDP: every rank on GPU 0 holds its state.
-        const int64_t optimizer_copies = ddp ? on_gpu0 : 1;
-        const int64_t need =
-            on_gpu0 * (row_cost->step.fixed + rows_bytes) + optimizer_copies * row_cost->optimizer;
-        dp::cli::check_fits(
-            flag + " (" + std::string(ddp ? "DDP" : "DP") + " on " + split +
-                " (cuda), on GPU 0: " + std::to_string(on_gpu0) + " x (" +
-                dp::cli::human_bytes(row_cost->step.fixed) + " of model copies + " +
-                std::to_string(chunk) + " rows x " + dp::cli::human_bytes(row_cost->step.per_row) +
-                " of activations, measured on a probe step) + " + std::to_string(optimizer_copies) +
-                " x " + dp::cli::human_bytes(row_cost->optimizer) + " of optimizer state)",
-            need, "GPU 0", gpu0, "give a smaller batch");
       }
     }
   }
@@ -626,6 +615,10 @@ kernels::Event::Timing phase_timing_of(const Options& o) {
   return o.phase_times == "off" ? kernels::Event::Timing::off : kernels::Event::Timing::on;
 }
 
+std::chrono::milliseconds timeout_of(const Options& o) {
+  return std::chrono::milliseconds(std::llround(o.timeout_s * 1000));
+}
+
 dp::Graphs graphs_of(const Options& o) {
   return o.cuda_graphs == "on"    ? dp::Graphs::on
          : o.cuda_graphs == "off" ? dp::Graphs::off
@@ -685,8 +678,7 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
   if (hooked)  // its collectives bounded as DDP's (--timeout, else 300 s)
     dopt.reducers = dp::dist::device_reducers(
         n, [&](int) { return o.workload->make_comm_hook(); },
-        o.timeout_s > 0 ? std::chrono::milliseconds(std::llround(o.timeout_s * 1000))
-                        : std::chrono::milliseconds(std::chrono::seconds(300)));
+        o.timeout_s > 0 ? timeout_of(o) : std::chrono::milliseconds(std::chrono::seconds(300)));
   dp::DataParallel engine(model, opt, devices, dopt);
 
   RunResult r;

@@ -1,6 +1,7 @@
 // dp_bench's flags and runs, shared by its main and its DDP worker processes.
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <map>
 #include <memory>
@@ -172,6 +173,8 @@ dp::DataParallelOptions dp_options(const Options& o, const Setup& s);
 dp::Graphs graphs_of(const Options& o);
 // --phase-times as the timing of the engines' phase marks (DP and DDP).
 kernels::Event::Timing phase_timing_of(const Options& o);
+// --timeout in milliseconds (0: not given, the library's default).
+std::chrono::milliseconds timeout_of(const Options& o);
 // Prototype scale of the benchmark's synthetic data: hard enough that the loss falls over the
 // default 35 steps instead of collapsing to zero in ten (torch_ref/ref_common.py mirrors it).
 constexpr float kBenchSignal = 0.12f;

@@ -135,8 +135,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   ddp_options.comm_dtype = s.comm_dtype;
   ddp_options.comm_hook = workload_hook_of_run(o, external);
   const bool hooked = ddp_options.comm_hook != nullptr;
-  dp::dist::DdpTrainer trainer(s.type, o.backend, ddp_options,
-                               std::chrono::milliseconds(std::llround(o.timeout_s * 1000)));
+  dp::dist::DdpTrainer trainer(s.type, o.backend, ddp_options, timeout_of(o));
   int n = external ? trainer.world_size() : std::atoi(n_env);
   DP_CHECK(trainer.world_size() == n, "dp_bench worker: world size " << trainer.world_size()
                                                                      << " but " << n

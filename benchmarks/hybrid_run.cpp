@@ -44,7 +44,7 @@ int hybrid_worker_main(const Options& o) {
   io.device = devices[0];
   io.rank = env->rank;
   io.world_size = env->world_size;
-  if (o.timeout_s > 0) io.timeout = std::chrono::milliseconds(std::llround(o.timeout_s * 1000));
+  if (o.timeout_s > 0) io.timeout = timeout_of(o);
   std::unique_ptr<dp::dist::ProcessGroup> group = dp::dist::init_process_group(io);
   const int nodes = group->size(), n = local * nodes;
 

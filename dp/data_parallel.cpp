@@ -1063,9 +1063,9 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
   Tensor images = batch_images, labels = batch_labels;  // hybrid: narrowed to the node's chunk
   std::vector<int64_t> sizes = split_batch("train_step", images, labels, stats);
   const int64_t cross_before = options_.cross_node ? options_.cross_node->payload_bytes() : 0;
-  std::vector<int64_t> reducer_before(options_.reducers.size());
+  reducer_before_.resize(options_.reducers.size());  // sized once: no allocation per step
   for (size_t i = 0; i < options_.reducers.size(); ++i)
-    reducer_before[i] = options_.reducers[i]->payload_bytes();
+    reducer_before_[i] = options_.reducers[i]->payload_bytes();
   cross_wait_ms_ = 0;
   const int n_used = stats.devices_used;
   auto t_step = Clock::now();
@@ -1156,7 +1156,7 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
   if (options_.buffer_sync == BufferSync::average) stats.bytes_moved += (n_used - 1) * b;
   stats.link_bytes = link_bytes(n_used);
   for (size_t i = 0; i < options_.reducers.size(); ++i) {
-    const int64_t sent = options_.reducers[i]->payload_bytes() - reducer_before[i];
+    const int64_t sent = options_.reducers[i]->payload_bytes() - reducer_before_[i];
     stats.reducer_bytes += sent;
     stats.link_bytes[i] += sent;
   }

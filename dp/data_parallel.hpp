@@ -500,10 +500,11 @@ class DataParallel {
   // What write_step_values writes: 1 / step_scale_, step_scale_, shares_, then row_shares_ (each
   // padded to the device count).
   std::vector<float> step_values_;
-  std::vector<int64_t> denominators_;  // the step's chunks' loss denominators (split_batch)
-  int64_t global_denominator_ = 0;     // hybrid: the global batch's (split_batch)
-  int64_t global_rows_ = 0;            // hybrid: the global batch's rows (split_batch)
-  double cross_wait_ms_ = 0;           // hybrid: finish_cross_node's wait this step
+  std::vector<int64_t> denominators_;    // the step's chunks' loss denominators (split_batch)
+  int64_t global_denominator_ = 0;       // hybrid: the global batch's (split_batch)
+  int64_t global_rows_ = 0;              // hybrid: the global batch's rows (split_batch)
+  double cross_wait_ms_ = 0;             // hybrid: finish_cross_node's wait this step
+  std::vector<int64_t> reducer_before_;  // per reducer: its payload bytes at the step's start
   std::mutex signal_mutex_;
   std::condition_variable signal_cv_;
   Signals signals_;
