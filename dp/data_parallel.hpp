@@ -295,6 +295,11 @@ class DataParallel {
   nn::TrainingProgress load(const std::string& path, const nn::TrainingProgress& expected = {});
 
  private:
+  // Entries of a device's metrics buffer: loss, correct count, on device 0 the non-finite
+  // verdict and the gradient norm (clipping on), and the first word of the device's fault record
+  // (two f32: kernels::queue_fault_word), read on the host with the rest.
+  static constexpr int64_t kMetrics = 6;
+  static constexpr int64_t kLoss = 0, kCorrect = 1, kNonFinite = 2, kGradNorm = 3, kFaultWord = 4;
   // The points each worker marks in a step, in order.
   enum Mark {
     kBegin,
@@ -433,7 +438,11 @@ class DataParallel {
   void publish(int i, int complete_buckets);
   // Waits until pred() holds under signal_mutex_; throws Abandoned on abort.
   template <class Pred>
-  void wait_for(Pred pred);
+  void wait_for(Pred pred) {
+    std::unique_lock<std::mutex> lock(signal_mutex_);
+    signal_cv_.wait(lock, [&] { return signals_.abort || pred(); });
+    if (!pred()) throw Abandoned{};
+  }
   // ordered: the caller waited for every device's end already (graph mode).
   void average_buffers_on_root(const std::vector<int64_t>& sizes, bool ordered = false);
   // Allocates device i's staging (receivers) and outbox (sources, 16-bit comm) once.

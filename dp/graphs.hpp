@@ -33,6 +33,19 @@ inline bool graphs_requested(Graphs mode, const kernels::Device& device) {
   return mode == Graphs::on || (mode == Graphs::automatic && !device.is_cpu());
 }
 
+// Whether an engine's step runs graphed: `mode` asks for it on `device`, no capture failed
+// (`fallback` empty: see take_capture_failure) and nothing blocks it (`blocked`: why not, empty
+// when nothing does). When blocked, says so once per engine ("ENGINE: graphs off: BLOCKED")
+// where `say` (one rank of a job), and sets `said`.
+inline bool graphs_wanted(Graphs mode, const kernels::Device& device, const std::string& fallback,
+                          const std::string& blocked, const char* engine, bool say, bool& said) {
+  if (!graphs_requested(mode, device) || !fallback.empty()) return false;
+  if (blocked.empty()) return true;
+  if (!said && say) std::fprintf(stderr, "%s: graphs off: %s\n", engine, blocked.c_str());
+  said = true;
+  return false;
+}
+
 // A shape's steps that run uncaptured before its capture: two, because layers hold the last
 // step's activations until their next forward replaces them, so the caches learn the sizes of
 // both generations.

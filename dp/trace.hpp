@@ -18,6 +18,11 @@ constexpr int comm_track(int device) {
   return kCommTrackBase + device;
 }
 
+// Host milliseconds from t0 to now (steady clock): the engines' wall times of a step or a wait.
+inline double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
 struct TraceEvent {
   std::string name;  // "dp/forward"
   int track = 0;     // device index or rank, or comm_track(device)

@@ -10,17 +10,15 @@
 #include "dp/chunks.hpp"
 #include "dp/distributed/mpi_process_group.hpp"
 #include "dp/distributed/sync_batch_norm.hpp"
+#include "dp/step.hpp"
+#include "dp/trace.hpp"
 #include "kernels/runtime/error.hpp"
 #include "kernels/runtime/memory.hpp"
-#include "nn/clip.hpp"
 
 namespace dp::dist {
 
 namespace {
 using Clock = std::chrono::steady_clock;
-double ms_since(Clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-}
 }  // namespace
 
 std::optional<int> launch_if_parent(const DdpTrainerOptions& o, int argc, char** argv) {
@@ -296,33 +294,22 @@ std::string DdpTrainer::graphs_blocked() const {
 }
 
 bool DdpTrainer::use_graphs() {
-  if (!graphs_requested(graphs_mode_, device_) || !graphs_fallback_.empty()) return false;
-  const std::string why = graphs_blocked();
-  if (why.empty()) return true;
-  if (!said_graphs_off_ && rank() == 0) std::fprintf(stderr, "ddp: graphs off: %s\n", why.c_str());
-  said_graphs_off_ = true;
-  return false;
+  return graphs_wanted(graphs_mode_, device_, graphs_fallback_, graphs_blocked(), "ddp",
+                       rank() == 0, said_graphs_off_);
 }
 
 void DdpTrainer::forward_and_loss(nn::Module& m, const kernels::Tensor& x,
                                   const kernels::Tensor& y) {
   m.zero_grad();
-  kernels::Tensor out = ddp_->forward_local(x);
-  kernels::Tensor loss = metrics_.view(0, {1});
-  // The output's dtype: f32, or bf16 for a loss that takes it (nn::output_for).
-  kernels::Tensor& dlogits = kernels::ensure(dlogits_, out.shape(), out.dtype(), device_);
-  loss_fn_->compute(loss, dlogits, out, y);
-  scaler_.scale_loss_grad(dlogits, loss_scale_);  // fp16: the loss gradient carries the scale
+  queue_loss(*loss_fn_, ddp_->forward_local(x), y, metrics_.view(0, {1}), &dlogits_, scaler_,
+             loss_scale_);
 }
 
 void DdpTrainer::queue_update(nn::Module& m) {
-  // The all-reduced gradient is the same on every rank: so are its norm and the decision,
-  // made on the device (clipping scales itself, the update skips itself) and learnt with the
-  // loss in the step's one read.
-  kernels::Tensor non_finite = metrics_.view(1, {1}), grad_norm = metrics_.view(2, {1});
-  if (clip_grad_norm_ > 0.f)
-    nn::clip_grad_norm_into(m.flat_grads(), clip_grad_norm_, unscale_, grad_norm);
-  scaler_.apply_deferred(*optimizer_, m.flat_grads(), non_finite);
+  // The all-reduced gradient is the same on every rank: so are its norm and the verdict, made on
+  // the device and learnt with the loss in the step's one read.
+  dp::queue_update(m.flat_grads(), *optimizer_, scaler_, clip_grad_norm_, unscale_,
+                   metrics_.view(1, {1}), metrics_.view(2, {1}));
 }
 
 int64_t DdpTrainer::graphed_step(StepGraphs& g) {
@@ -499,98 +486,6 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   times_.forward = Event::elapsed_ms(marks_[1], marks_[2]);
   times_.backward = Event::elapsed_ms(marks_[2], marks_[3]);
   return global_loss;
-}
-
-void DdpTrainer::write_scale() {
-  if (!scale_values_.defined()) {
-    scale_values_ = kernels::Tensor::empty({2}, kernels::DType::f32, device_);
-    unscale_ = kernels::Scalar(scale_values_.view(0, {1}));
-    loss_scale_ = kernels::Scalar(scale_values_.view(1, {1}));
-  }
-  if (written_scale_ == scaler_.scale()) return;  // the device holds it already
-  const float values[2] = {1.f / scaler_.scale(), scaler_.scale()};
-  kernels::set_values(scale_values_, values, 2);
-  written_scale_ = scaler_.scale();  // once the write is queued
-}
-
-std::shared_ptr<Work> DdpTrainer::reduce_metrics(kernels::Tensor& metrics, float share) {
-  // The global mean loss, and the verdict (the same on every rank; summed, still 0 or not).
-  // The gradient norm is the same on every rank already: it is read, not reduced.
-  kernels::Tensor loss = metrics.view(0, {1}), summed = metrics.view(0, {2});
-  kernels::scale(loss, loss, share);
-  if (world_size() == 1) return nullptr;
-  return group_->all_reduce(summed, ReduceOp::sum);
-}
-
-float DdpTrainer::report_loss(float share) {
-  if (auto work = reduce_metrics(metrics_, share)) work->wait();
-  if (!host_metrics_.defined())
-    host_metrics_ = kernels::Tensor::empty_pinned({3}, kernels::DType::f32);
-  kernels::read_back(host_metrics_, metrics_);  // the step's one host wait
-  return host_metrics_.data<float>()[0];
-}
-
-float DdpTrainer::report_loss_lagged(float share) {
-  kernels::DeviceContext& ctx = *context_;
-  LaggedMetrics& slot = lagged_[steps_ % 2];
-  if (!slot.device.defined()) {
-    slot.device = kernels::Tensor::empty({5}, kernels::DType::f32, device_);
-    slot.host = kernels::Tensor::empty_pinned({5}, kernels::DType::f32);
-  }
-  // The step's metrics in a slot of their own (the next step writes metrics_ again), with the
-  // context's fault word (its read checks no fault), then what report_loss does with them, its
-  // read queued.
-  kernels::Tensor metrics = slot.device.view(0, {3}), fault_word = slot.device.view(3, {2});
-  kernels::copy(metrics, metrics_);
-  kernels::queue_fault_word(fault_word, ctx);
-  slot.work = reduce_metrics(metrics, share);
-  if (slot.work) slot.work->order_stream();  // NCCL: the read waits on the stream, not the host
-  kernels::queue_read_back(slot.host, slot.device);
-  slot.ready.record(ctx);
-  slot.pending = true;
-  // The step's one host wait: for this step's input copy, so that the caller may refill the
-  // host batch (a pinned one is copied asynchronously). It follows the previous step's metrics
-  // read on this stream, so that read is done too. That read waits on the stream for the
-  // previous step's all-reduce (NCCL's order_stream), which a dead or hung peer never ends:
-  // the host first waits for that op, bounded by the group's timeout (which aborts the
-  // communicator and throws), so that the event wait below never hangs. The op is done by the
-  // time the input copy is, so this adds no wait to a healthy step.
-  LaggedMetrics& previous = lagged_[(steps_ + 1) % 2];
-  if (previous.pending && previous.work) previous.work->wait();
-  marks_[1].synchronize();
-  context_->note_host_sync();
-  if (!previous.pending) return std::numeric_limits<float>::quiet_NaN();  // the first step
-  return take_lagged(previous, Waited::yes);
-}
-
-float DdpTrainer::take_lagged(LaggedMetrics& slot, Waited waited) {
-  if (slot.work) slot.work->wait();  // done by now (NCCL: its failure or timeout, if any)
-  slot.work.reset();
-  if (waited == Waited::no) {
-    slot.ready.synchronize();  // the host wait for the step's read
-    context_->note_host_sync();
-  }
-  slot.pending = false;
-  lagged_fault_ = kernels::fault_written(slot.host.data<float>() + 3);
-  if (clip_grad_norm_ > 0.f) grad_norm_ = slot.host.data<float>()[2];
-  return slot.host.data<float>()[0];
-}
-
-void DdpTrainer::report_lagged_fault() {
-  if (!lagged_fault_) return;
-  lagged_fault_ = false;
-  context_->synchronize();  // reports the fault's text (and clears the record)
-  DP_THROW("rank " << rank() << " (" << device_ << ") reported a device-side fault in a step");
-}
-
-float DdpTrainer::finish_metrics() {
-  LaggedMetrics& last = lagged_[(steps_ + 1) % 2];
-  DP_CHECK(metrics_lag_ > 0 && last.pending,
-           "DdpTrainer::finish_metrics: no lagged step since the last call (metrics_lag "
-               << metrics_lag_ << ")");
-  const float loss = take_lagged(last, Waited::no);
-  report_lagged_fault();
-  return loss;
 }
 
 std::vector<uint64_t> DdpTrainer::all_gather(uint64_t value) {

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 
+#include "dp/trace.hpp"
 #include "kernels/ops.hpp"
 #include "nn/clip.hpp"
 
@@ -14,9 +15,6 @@ using kernels::Tensor;
 
 namespace {
 using Clock = std::chrono::steady_clock;
-double ms_since(Clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-}
 constexpr int64_t kShardAlign = 64;  // elements: 256 bytes of f32
 }  // namespace
 

@@ -1,0 +1,124 @@
+// DataParallel's workers (dp/data_parallel.hpp): how the per-device threads run a step's jobs
+// and hand each other progress (the signals under one mutex, and the failure that ends a step
+// for all of them), and the copies between device 0 and the replicas (scatter, replicate).
+#include "dp/data_parallel.hpp"
+
+#include <algorithm>
+#include <mutex>
+
+namespace dp {
+
+std::vector<uint64_t> DataParallel::rng_offsets() {
+  std::vector<uint64_t> out;
+  for (auto& r : replicas_) out.push_back(r->flat().rng_offset);
+  return out;
+}
+
+void DataParallel::set_rng_offsets(const std::vector<uint64_t>& offsets) {
+  DP_CHECK(
+      offsets.size() == replicas_.size(),
+      "set_rng_offsets: " << offsets.size() << " offsets for " << replicas_.size() << " devices");
+  for (size_t i = 0; i < replicas_.size(); ++i) replicas_[i]->flat().rng_offset = offsets[i];
+}
+
+void DataParallel::scatter_chunk(int i, const Tensor& images, const Tensor& labels,
+                                 const std::vector<int64_t>& sizes) {
+  int64_t begin = chunk_begin(sizes, i);
+  Tensor x = images.slice(begin, begin + sizes[i]);
+  Tensor y = labels.slice(begin, begin + sizes[i]);
+  PerDevice& pd = per_device_[i];
+  // Chunk buffers persist between steps; they are remade only when the shape changes.
+  kernels::copy(kernels::ensure(pd.input, x.shape(), x.dtype(), devices_[i]), x);
+  kernels::copy(kernels::ensure(pd.labels, y.shape(), y.dtype(), devices_[i]), y);
+}
+
+void DataParallel::replicate(int i) {
+  // One copy per buffer: device 0's parameters (final since the last step, whose job ended
+  // with device 0's stream drained, or with metrics_lag 1 once updated_ is reached) to replica
+  // i, on replica i's stream.
+  if (options_.metrics_lag > 0 && updated_.recorded()) updated_.wait(pool_.context(i));
+  kernels::copy(replicas_[i]->flat_params(), replicas_[0]->flat_params());
+  if (replicas_[i]->flat_buffers().numel() > 0)
+    kernels::copy(replicas_[i]->flat_buffers(), replicas_[0]->flat_buffers());
+}
+
+void DataParallel::broadcast_params(int n_used) {
+  if (n_used < 0) n_used = n_devices();
+  kernels::NvtxRange range("dp/replicate");
+  pool_.run(
+      "dp/replicate",
+      [&](int i) {
+        if (i == 0) return;
+        replicate(i);
+        pool_.context(i).synchronize();
+      },
+      n_used);
+}
+
+void DataParallel::run_step(const char* phase, int n, const std::function<void(int)>& job) {
+  pool_.run(
+      phase,
+      [&](int i) {
+        try {
+          job(i);
+        } catch (const Abandoned&) {
+          // Another worker failed and ended the step: its error is the one reported.
+        } catch (...) {
+          per_device_[i].in_step = false;
+          bool first = false;
+          {
+            std::lock_guard<std::mutex> lock(signal_mutex_);
+            first = !signals_.abort;
+            signals_.abort = true;
+          }
+          signal_cv_.notify_all();
+          // A replica waiting for this one in a SyncBatchNorm layer is released too.
+          if (stats_sync_) stats_sync_->abort("device " + devices_[i].str() + " failed");
+          // Released by another worker's failure: that error is the one reported.
+          if (!first) return;
+          throw;
+        }
+      },
+      n);
+}
+
+void DataParallel::drain() {
+  // Every device's work done, a device-side fault reported (each context by its owner).
+  pool_.run("dp/drain", [&](int i) { pool_.context(i).synchronize(); });
+}
+
+void DataParallel::raise_signal(std::vector<char> Signals::*flags, int i) {
+  {
+    std::lock_guard<std::mutex> lock(signal_mutex_);
+    (signals_.*flags)[i] = 1;
+  }
+  signal_cv_.notify_all();
+}
+
+void DataParallel::wait_for_raised(std::vector<char> Signals::*flags, int n) {
+  wait_for([&] {
+    for (int r = 1; r < n; ++r)
+      if (!(signals_.*flags)[r]) return false;
+    return true;
+  });
+}
+
+void DataParallel::order_buffers_before_forward(int i, int n) {
+  if (replicas_[i]->flat_buffers().numel() == 0) return;
+  if (i > 0) return raise_signal(&Signals::replicated, i);
+  if (n == 1) return;
+  // Device 0's forward updates its running statistics in place: every replica takes its copy of
+  // them first (the one dependency before forward, and only for models with buffers).
+  wait_for_raised(&Signals::replicated, n);
+  for (int r = 1; r < n; ++r) per_device_[r].marks[kReplicated].wait(pool_.context(0));
+}
+
+kernels::AttentionReport DataParallel::attention_report() {
+  kernels::AttentionReport report;
+  // On device 0's worker: the context's state is its thread's.
+  pool_.run(
+      "dp/attention_report", [&](int) { report = kernels::attention_report(pool_.context(0)); }, 1);
+  return report;
+}
+
+}  // namespace dp

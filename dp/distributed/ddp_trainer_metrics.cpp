@@ -1,0 +1,105 @@
+// DdpTrainer's metrics (dp/distributed/ddp_trainer.hpp): the loss scale on the device, the
+// rank's loss weighted by its share and summed over the ranks with the scaler's verdict, and the
+// step's one read of them (or, with metrics_lag 1, the previous step's, its copy queued with the
+// step and taken one step late).
+#include "dp/distributed/ddp_trainer.hpp"
+
+#include <limits>
+
+#include "kernels/runtime/memory.hpp"
+
+namespace dp::dist {
+
+void DdpTrainer::write_scale() {
+  if (!scale_values_.defined()) {
+    scale_values_ = kernels::Tensor::empty({2}, kernels::DType::f32, device_);
+    unscale_ = kernels::Scalar(scale_values_.view(0, {1}));
+    loss_scale_ = kernels::Scalar(scale_values_.view(1, {1}));
+  }
+  if (written_scale_ == scaler_.scale()) return;  // the device holds it already
+  const float values[2] = {1.f / scaler_.scale(), scaler_.scale()};
+  kernels::set_values(scale_values_, values, 2);
+  written_scale_ = scaler_.scale();  // once the write is queued
+}
+
+std::shared_ptr<Work> DdpTrainer::reduce_metrics(kernels::Tensor& metrics, float share) {
+  // The global mean loss, and the verdict (the same on every rank; summed, still 0 or not).
+  // The gradient norm is the same on every rank already: it is read, not reduced.
+  kernels::Tensor loss = metrics.view(0, {1}), summed = metrics.view(0, {2});
+  kernels::scale(loss, loss, share);
+  if (world_size() == 1) return nullptr;
+  return group_->all_reduce(summed, ReduceOp::sum);
+}
+
+float DdpTrainer::report_loss(float share) {
+  if (auto work = reduce_metrics(metrics_, share)) work->wait();
+  if (!host_metrics_.defined())
+    host_metrics_ = kernels::Tensor::empty_pinned({3}, kernels::DType::f32);
+  kernels::read_back(host_metrics_, metrics_);  // the step's one host wait
+  return host_metrics_.data<float>()[0];
+}
+
+float DdpTrainer::report_loss_lagged(float share) {
+  kernels::DeviceContext& ctx = *context_;
+  LaggedMetrics& slot = lagged_[steps_ % 2];
+  if (!slot.device.defined()) {
+    slot.device = kernels::Tensor::empty({5}, kernels::DType::f32, device_);
+    slot.host = kernels::Tensor::empty_pinned({5}, kernels::DType::f32);
+  }
+  // The step's metrics in a slot of their own (the next step writes metrics_ again), with the
+  // context's fault word (its read checks no fault), then what report_loss does with them, its
+  // read queued.
+  kernels::Tensor metrics = slot.device.view(0, {3}), fault_word = slot.device.view(3, {2});
+  kernels::copy(metrics, metrics_);
+  kernels::queue_fault_word(fault_word, ctx);
+  slot.work = reduce_metrics(metrics, share);
+  if (slot.work) slot.work->order_stream();  // NCCL: the read waits on the stream, not the host
+  kernels::queue_read_back(slot.host, slot.device);
+  slot.ready.record(ctx);
+  slot.pending = true;
+  // The step's one host wait: for this step's input copy, so that the caller may refill the
+  // host batch (a pinned one is copied asynchronously). It follows the previous step's metrics
+  // read on this stream, so that read is done too. That read waits on the stream for the
+  // previous step's all-reduce (NCCL's order_stream), which a dead or hung peer never ends:
+  // the host first waits for that op, bounded by the group's timeout (which aborts the
+  // communicator and throws), so that the event wait below never hangs. The op is done by the
+  // time the input copy is, so this adds no wait to a healthy step.
+  LaggedMetrics& previous = lagged_[(steps_ + 1) % 2];
+  if (previous.pending && previous.work) previous.work->wait();
+  marks_[1].synchronize();
+  context_->note_host_sync();
+  if (!previous.pending) return std::numeric_limits<float>::quiet_NaN();  // the first step
+  return take_lagged(previous, Waited::yes);
+}
+
+float DdpTrainer::take_lagged(LaggedMetrics& slot, Waited waited) {
+  if (slot.work) slot.work->wait();  // done by now (NCCL: its failure or timeout, if any)
+  slot.work.reset();
+  if (waited == Waited::no) {
+    slot.ready.synchronize();  // the host wait for the step's read
+    context_->note_host_sync();
+  }
+  slot.pending = false;
+  lagged_fault_ = kernels::fault_written(slot.host.data<float>() + 3);
+  if (clip_grad_norm_ > 0.f) grad_norm_ = slot.host.data<float>()[2];
+  return slot.host.data<float>()[0];
+}
+
+void DdpTrainer::report_lagged_fault() {
+  if (!lagged_fault_) return;
+  lagged_fault_ = false;
+  context_->synchronize();  // reports the fault's text (and clears the record)
+  DP_THROW("rank " << rank() << " (" << device_ << ") reported a device-side fault in a step");
+}
+
+float DdpTrainer::finish_metrics() {
+  LaggedMetrics& last = lagged_[(steps_ + 1) % 2];
+  DP_CHECK(metrics_lag_ > 0 && last.pending,
+           "DdpTrainer::finish_metrics: no lagged step since the last call (metrics_lag "
+               << metrics_lag_ << ")");
+  const float loss = take_lagged(last, Waited::no);
+  report_lagged_fault();
+  return loss;
+}
+
+}  // namespace dp::dist

@@ -1,0 +1,54 @@
+// The parts of one training step that DP's workers (dp/data_parallel.hpp) and DDP's ranks
+// (dp/distributed/ddp_trainer.hpp) run alike, written once: the loss and its gradient after
+// forward, and the update after the gradients met (clip, the loss scaler's check, the
+// optimizer), each queued on the device without a host read, so a captured step can replay it.
+// Whether a step runs graphed at all is graphs_wanted (dp/graphs.hpp).
+//
+//   queue_loss(loss, out, labels, metrics.view(0, {1}), &dlogits, scaler, loss_scale);
+//   ... backward(dlogits), the gradients reduced ...
+//   scaler.prepare_deferred(optimizer);  // host, outside any graph
+//   queue_update(grads, optimizer, scaler, clip, unscale, non_finite, grad_norm);
+#pragma once
+
+#include "kernels/runtime/tensor.hpp"
+#include "nn/amp.hpp"
+#include "nn/clip.hpp"
+#include "nn/loss.hpp"
+#include "nn/optim.hpp"
+
+namespace dp {
+
+// requires out the model's output for `labels` (as `loss` takes them), loss_out (1) f32 on out's
+// device; dlogits null (forward only) or a buffer kept between steps. ensures queued on the
+// current context: loss_out := the loss's mean over the chunk; with dlogits, *dlogits (made
+// again only when out's shape or dtype changed) := its gradient, times the loss scale read on
+// the device at `loss_scale` where the scaler scales (fp16).
+inline void queue_loss(const nn::Loss& loss, const kernels::Tensor& out,
+                       const kernels::Tensor& labels, kernels::Tensor loss_out,
+                       kernels::Tensor* dlogits, const nn::GradScaler& scaler,
+                       const kernels::Scalar& loss_scale) {
+  // The output's dtype: f32, or a 16-bit one for a loss that takes it (nn::output_for).
+  kernels::Tensor none;  // forward only: no gradient
+  kernels::Tensor& grad =
+      dlogits ? kernels::ensure(*dlogits, out.shape(), out.dtype(), out.device()) : none;
+  loss.compute(loss_out, grad, out, labels);
+  if (dlogits) scaler.scale_loss_grad(grad, loss_scale);  // fp16: the gradient carries the scale
+}
+
+// requires grads the step's final flat gradient (DP: device 0's reduced one; DDP: this rank's
+// after the all-reduce), scaled by the loss scale whose inverse `unscale` holds on the device;
+// non_finite and grad_norm (1) f32 on its device; scaler.prepare_deferred(optimizer) done for
+// this step. ensures queued: grads clipped to the global norm clip_grad_norm when > 0 (the norm
+// before it into grad_norm), the scaler's check into non_finite and the optimizer's update,
+// which skips itself when the check fails. Reads nothing back: the caller reads both slots with
+// the step's metrics and settles the scaler.
+inline void queue_update(kernels::Tensor grads, nn::Optimizer& optimizer, nn::GradScaler& scaler,
+                         float clip_grad_norm, const kernels::Scalar& unscale,
+                         kernels::Tensor non_finite, kernels::Tensor grad_norm) {
+  // One decision on the device: clipping scales the gradient by its norm there, and the update
+  // skips itself when the check finds a non-finite value; the host learns both with the metrics.
+  if (clip_grad_norm > 0.f) nn::clip_grad_norm_into(grads, clip_grad_norm, unscale, grad_norm);
+  scaler.apply_deferred(optimizer, grads, non_finite);
+}
+
+}  // namespace dp
