@@ -8,6 +8,7 @@
 // and the buckets tile the whole buffer [0, buffer_end).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -79,5 +80,54 @@ inline BucketPlan make_bucket_plan(nn::Module& module, int64_t first_cap, int64_
   return make_bucket_plan(extents, module.flat_grads().numel(), first_cap, cap,
                           static_cast<int64_t>(kernels::dtype_size(module.flat_grads().dtype())));
 }
+
+// How far one backward has come through a plan's buckets, as its hooks report parameters whose
+// gradient is final, one by one and in any order: the leading buckets whose every parameter is
+// final are the ones an engine may hand on, in bucket order (DP's pulls to device 0, DDP's
+// all-reduces), so that every device and rank moves the same buckets in the same order.
+// Touched by one thread (the device's worker or the rank's) during a step.
+class BucketProgress {
+ public:
+  // requires plan outlives this object. ensures nothing is final.
+  BucketProgress() = default;
+  explicit BucketProgress(const std::vector<Bucket>* buckets)
+      : buckets_(buckets), count_(buckets->size(), 0) {}
+  // A parameter at [offset, offset + numel) of the flat gradient is final (nothing for one
+  // without elements: its bucket does not wait for it). requires the parameter in the plan.
+  void param_ready(int64_t offset, int64_t numel) {
+    if (numel == 0) return;
+    const std::vector<Bucket>& b = *buckets_;
+    // Buckets tile the buffer from its end backwards: the first whose start is at or before it.
+    const int k =
+        static_cast<int>(std::partition_point(b.begin(), b.end(),
+                                              [&](const Bucket& x) { return x.offset > offset; }) -
+                         b.begin());
+    DP_CHECK(k < static_cast<int>(b.size()) && offset < b[k].offset + b[k].numel,
+             "BucketProgress: parameter at " << offset << " lies in no bucket of the plan");
+    ++count_[k];
+    while (ready_ < static_cast<int>(b.size()) && count_[ready_] >= b[ready_].n_params) ++ready_;
+  }
+  // Every bucket is final, also those whose parameters got no gradient (unused layers).
+  void all_ready() { ready_ = static_cast<int>(count_.size()); }
+  // A new backward: nothing final.
+  void clear() {
+    std::fill(count_.begin(), count_.end(), 0);
+    ready_ = 0;
+  }
+  // Leading buckets whose every parameter is final.
+  int ready() const { return ready_; }
+  // Nothing reported since the last clear().
+  bool untouched() const {
+    if (ready_ != 0) return false;
+    for (int c : count_)
+      if (c != 0) return false;
+    return true;
+  }
+
+ private:
+  const std::vector<Bucket>* buckets_ = nullptr;
+  std::vector<int> count_;  // per bucket: its parameters final so far
+  int ready_ = 0;
+};
 
 }  // namespace dp

@@ -136,7 +136,7 @@ DataParallel::DataParallel(nn::ModulePtr module, nn::Optimizer& optimizer,
   }
   for (int i = 0; i < n; ++i) {
     PerDevice& pd = per_device_[i];
-    pd.own_count.assign(plan_.buckets.size(), 0);
+    pd.own = BucketProgress(&plan_.buckets);
     for (size_t k = 0; k < plan_.buckets.size(); ++k)
       pd.bucket_done.emplace_back(kernels::Event::Timing::off);  // ordering only
     for (auto& mark : pd.marks) mark = kernels::Event(options_.phase_timing);
@@ -245,8 +245,7 @@ void DataParallel::begin_step(const std::vector<int64_t>& sizes) {
   signals_.abort = false;
   for (int i = 0; i < n; ++i) {
     PerDevice& pd = per_device_[i];
-    std::fill(pd.own_count.begin(), pd.own_count.end(), 0);
-    pd.own_ready = 0;
+    pd.own.clear();
     pd.next_bucket = 0;
     pd.next_source = 0;
     pd.n_pulls = 0;
@@ -335,7 +334,7 @@ void DataParallel::train_job(int i, const Tensor& images, const Tensor& labels,
   pd.marks[kBackwarded].record(ctx);
   {
     kernels::NvtxRange range("dp/reduce");
-    pd.own_ready = static_cast<int>(plan_.buckets.size());  // also buckets of unused layers
+    pd.own.all_ready();  // also buckets of unused layers
     advance_reduction(i, true);
     if (!options_.reducers.empty()) options_.reducers[i]->finish();  // its buckets' collectives
     if (i == 0 && n > 1) average_buffers_on_root(sizes);

@@ -350,9 +350,8 @@ class DataParallel {
     std::vector<Tensor> sum_from;
     std::vector<kernels::Scalar> sum_weights;
     // Touched by this device's worker only, during a step:
-    std::vector<int> own_count;  // per bucket: parameters whose gradient is final
-    int own_ready = 0;           // leading buckets whose own gradient is final
-    int next_bucket = 0;         // the reducer's position: bucket, and source within it
+    BucketProgress own;   // this device's backward through the buckets
+    int next_bucket = 0;  // the reducer's position: bucket, and source within it
     int next_source = 0;
     bool in_step = false;
     std::vector<kernels::Event> bucket_done;  // bucket k summed here (own + sources)

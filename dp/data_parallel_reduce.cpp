@@ -26,15 +26,7 @@ void DataParallel::publish(int i, int complete_buckets) {
 void DataParallel::on_grad_ready(int i, const nn::Parameter& p) {
   PerDevice& pd = per_device_[i];
   if (!pd.in_step || p.numel() == 0) return;
-  const auto& buckets = plan_.buckets;
-  const int n_buckets = static_cast<int>(buckets.size());
-  for (int k = 0; k < n_buckets; ++k)
-    if (p.offset >= buckets[k].offset && p.offset < buckets[k].offset + buckets[k].numel) {
-      ++pd.own_count[k];
-      break;
-    }
-  while (pd.own_ready < n_buckets && pd.own_count[pd.own_ready] >= buckets[pd.own_ready].n_params)
-    ++pd.own_ready;
+  pd.own.param_ready(p.offset, p.numel());
   advance_reduction(i, false);
 }
 
@@ -55,7 +47,7 @@ void DataParallel::advance_reduction(int i, bool blocking) {
       comm.caching = kernels::Caching::on;
       pd.comm = std::make_unique<kernels::DeviceContext>(devices_[i], comm);
     }
-    pd.own_final.record(ctx);  // every bucket's own gradient up to own_ready is queued
+    pd.own_final.record(ctx);  // every bucket's own gradient up to own.ready() is queued
     pd.own_final.wait(*pd.comm);
     pd.comm_pending = true;  // from here, even if a pull throws
     comm_scope = std::make_unique<kernels::ContextScope>(*pd.comm);
@@ -70,7 +62,7 @@ void DataParallel::advance_reduction(int i, bool blocking) {
     return true;
   };
   bool stalled = false;  // a hook's pass reached a bucket no source has published yet
-  while (pd.next_bucket < pd.own_ready) {
+  while (pd.next_bucket < pd.own.ready()) {
     const int k = pd.next_bucket;
     const Bucket& b = plan_.buckets[k];
     const int n_sources = static_cast<int>(sources.size());
@@ -196,7 +188,7 @@ void DataParallel::reduce_grads_to_root(const std::vector<int64_t>& sizes) {
     PerDevice& pd = per_device_[i];
     write_step_values(i);
     prepare_reduction(i);
-    pd.own_ready = static_cast<int>(plan_.buckets.size());  // every gradient is final
+    pd.own.all_ready();  // every gradient is final
     advance_reduction(i, true);
     if (!options_.reducers.empty()) options_.reducers[i]->finish();
     pool_.context(i).synchronize();  // the caller reads the result next

@@ -170,6 +170,29 @@ TEST_CASE("dp.bucket_plan: reverse order, caps, and ranges that tile the buffer 
   CHECK(end == 0);
 }
 
+TEST_CASE("dp.bucket_progress: buckets are final in order, whatever order the parameters come in") {
+  // The plan of the first case: bucket 0 = the parameter at 512, bucket 1 = those at 0, 128, 448.
+  std::vector<dp::ParamExtent> params{{0, 100}, {128, 300}, {448, 0}, {448, 50}, {512, 200}};
+  auto plan = dp::make_bucket_plan(params, 768, 800, 1600);
+  dp::BucketProgress progress(&plan.buckets);
+  CHECK(progress.untouched());
+  progress.param_ready(0, 100);  // bucket 1's first: bucket 0 still holds it back
+  CHECK(progress.ready() == 0);
+  CHECK_FALSE(progress.untouched());
+  progress.param_ready(448, 0);  // no elements: counts for no bucket
+  progress.param_ready(128, 300);
+  CHECK(progress.ready() == 0);
+  progress.param_ready(512, 200);  // bucket 0 final; bucket 1 waits for its third
+  CHECK(progress.ready() == 1);
+  progress.param_ready(448, 50);
+  CHECK(progress.ready() == 2);
+  progress.clear();
+  CHECK(progress.untouched());
+  progress.all_ready();  // unused layers' buckets too
+  CHECK(progress.ready() == 2);
+  CHECK_THROWS_AS(progress.param_ready(900, 4), Error);  // past the buffer: in no bucket
+}
+
 TEST_CASE("dp.averaging: the tree equals the star, with uneven chunks and N = 2 to 5") {
   for (int n : {2, 3, 4, 5}) {
     CAPTURE(n);

@@ -61,14 +61,9 @@ DistributedDataParallel::DistributedDataParallel(nn::ModulePtr module, ProcessGr
     group_.broadcast(module_->flat_params(), 0)->wait();
     if (module_->flat_buffers().numel() > 0) group_.broadcast(module_->flat_buffers(), 0)->wait();
   }
-  BucketPlan plan =
-      make_bucket_plan(*module_, options_.first_bucket_bytes, options_.bucket_cap_bytes);
-  buckets_ = plan.buckets;
-  auto params = module_->named_parameters();
-  // Parameters with no elements (bucket -1) are ready from the start.
-  for (size_t i = 0; i < params.size(); ++i)
-    bucket_index_.emplace(params[i].second, plan.bucket_of[i]);
-  ready_count_.assign(buckets_.size(), 0);
+  buckets_ =
+      make_bucket_plan(*module_, options_.first_bucket_bytes, options_.bucket_cap_bytes).buckets;
+  progress_ = BucketProgress(&buckets_);
   pending_.resize(buckets_.size());
   if (options_.comm_dtype != kernels::DType::f32)
     for (const Bucket& b : buckets_)
@@ -271,12 +266,12 @@ void DistributedDataParallel::replayed_queued_sync() {
 
 void DistributedDataParallel::launch_remaining_buckets() {
   // Buckets whose parameters got no gradient this step (unused layers) still take part.
-  for (size_t k = 0; k < buckets_.size(); ++k) ready_count_[k] = buckets_[k].n_params;
+  progress_.all_ready();
   launch_ready_buckets();
 }
 
 void DistributedDataParallel::clear_ready() {
-  std::fill(ready_count_.begin(), ready_count_.end(), 0);
+  progress_.clear();
   next_to_launch_ = 0;
 }
 
@@ -288,11 +283,8 @@ std::vector<int64_t> DistributedDataParallel::bucket_bytes() const {
 }
 
 void DistributedDataParallel::on_grad_ready(const nn::Parameter& p) {
-  if (!sync_enabled_) return;
-  auto it = bucket_index_.find(&p);
-  if (it == bucket_index_.end() || it->second < 0) return;
-  int k = it->second;
-  ++ready_count_[k];
+  if (!sync_enabled_ || p.numel() == 0) return;  // a bucket does not wait for an empty one
+  progress_.param_ready(p.offset, p.numel());
   launch_ready_buckets();
 }
 
@@ -359,8 +351,7 @@ void DistributedDataParallel::unstage_bucket(int k) {
 
 void DistributedDataParallel::launch_ready_buckets() {
   // In index order only: bucket k goes after k-1 on every rank, so the collectives match.
-  while (next_to_launch_ < static_cast<int>(buckets_.size()) &&
-         ready_count_[next_to_launch_] >= buckets_[next_to_launch_].n_params) {
+  while (next_to_launch_ < progress_.ready()) {
     int k = next_to_launch_++;
     stage_bucket(k);
     // The last bucket (the first layers) lands with backward's final layer: nothing is left
@@ -371,9 +362,9 @@ void DistributedDataParallel::launch_ready_buckets() {
 }
 
 bool DistributedDataParallel::sync_idle() const {
-  if (next_to_launch_ != 0) return false;
-  for (size_t k = 0; k < buckets_.size(); ++k)
-    if (ready_count_[k] != 0 || pending_[k]) return false;
+  if (next_to_launch_ != 0 || !progress_.untouched()) return false;
+  for (const auto& w : pending_)
+    if (w) return false;
   return true;
 }
 

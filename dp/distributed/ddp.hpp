@@ -23,7 +23,6 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
-#include <unordered_map>
 #include <vector>
 
 #include "dp/bucket_plan.hpp"
@@ -196,8 +195,7 @@ class DistributedDataParallel {
   ProcessGroup& group_;
   DdpOptions options_;
   std::vector<Bucket> buckets_;
-  std::unordered_map<const nn::Parameter*, int> bucket_index_;  // -1: no elements
-  std::vector<int> ready_count_;
+  BucketProgress progress_;  // this step's backward through buckets_
   std::vector<std::shared_ptr<Work>> pending_;
   std::vector<Tensor> comm_buffers_;  // per bucket, 16-bit comm dtype only
   int next_to_launch_ = 0;
