@@ -192,24 +192,15 @@ int DataParallel::devices_for(int64_t batch) {
 
 void DataParallel::write_step_values(int i) {
   PerDevice& pd = per_device_[i];
-  if (!pd.step_values.defined()) {
-    const int d = n_devices();
-    pd.step_values = Tensor::empty({2 + 2 * d}, kernels::DType::f32, devices_[i]);
-    pd.unscale = kernels::Scalar(pd.step_values.view(0, {1}));
-    pd.loss_scale = kernels::Scalar(pd.step_values.view(1, {1}));
-    for (int r = 0; r < d; ++r) {
-      pd.shares.emplace_back(pd.step_values.view(2 + r, {1}));
-      pd.row_shares.emplace_back(pd.step_values.view(2 + d + r, {1}));
-    }
-  } else if (pd.written_values == step_values_) {
-    return;  // the device holds them already
-  }
   const int n = static_cast<int>(step_values_.size());
-  for (int at = 0; at < n; at += kernels::kMaxValues) {
-    Tensor part = pd.step_values.view(at, {std::min(kernels::kMaxValues, n - at)});
-    kernels::set_values(part, step_values_.data() + at, static_cast<int>(part.numel()));
+  if (!pd.step_values.write(step_values_.data(), n, devices_[i])) return;
+  const int d = n_devices();  // made now: the views the kernels read
+  pd.unscale = pd.step_values.at(0);
+  pd.loss_scale = pd.step_values.at(1);
+  for (int r = 0; r < d; ++r) {
+    pd.shares.push_back(pd.step_values.at(2 + r));
+    pd.row_shares.push_back(pd.step_values.at(2 + d + r));
   }
-  pd.written_values = step_values_;  // once the writes are queued (its storage is reused)
 }
 
 void DataParallel::begin_step(const std::vector<int64_t>& sizes) {

@@ -55,6 +55,7 @@
 #include "dp/cross_node.hpp"
 #include "dp/graphs.hpp"
 #include "dp/stats_sync.hpp"
+#include "dp/step.hpp"
 #include "dp/worker_pool.hpp"
 #include "kernels/runtime/event.hpp"
 #include "kernels/runtime/graph.hpp"
@@ -342,8 +343,7 @@ class DataParallel {
     // The step's host scalars on the device (write_step_values): (2 + 2 devices) f32, made
     // once so that its address, which graphs hold, never changes. Views: the gradient unscale
     // (1 / loss scale), the loss scale, each device's loss share and each one's row share.
-    Tensor step_values;
-    std::vector<float> written_values;  // what step_values holds
+    StepScalars step_values;
     kernels::Scalar unscale, loss_scale;
     std::vector<kernels::Scalar> shares, row_shares;
     // The sources and weights of the fused sum in progress (kept to keep their capacity).

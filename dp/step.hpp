@@ -1,8 +1,8 @@
 // The parts of one training step that DP's workers (dp/data_parallel.hpp) and DDP's ranks
 // (dp/distributed/ddp_trainer.hpp) run alike, written once: the loss and its gradient after
-// forward, and the update after the gradients met (clip, the loss scaler's check, the
-// optimizer), each queued on the device without a host read, so a captured step can replay it.
-// Whether a step runs graphed at all is graphs_wanted (dp/graphs.hpp).
+// forward, the step's host values on the device, and the update after the gradients met (clip, the
+// loss scaler's check, the optimizer), each queued on the device without a host read, so a captured
+// step can replay it. Whether a step runs graphed at all is graphs_wanted (dp/graphs.hpp).
 //
 //   queue_loss(loss, out, labels, metrics.view(0, {1}), &dlogits, scaler, loss_scale);
 //   ... backward(dlogits), the gradients reduced ...
@@ -10,6 +10,10 @@
 //   queue_update(grads, optimizer, scaler, clip, unscale, non_finite, grad_norm);
 #pragma once
 
+#include <algorithm>
+#include <vector>
+
+#include "kernels/ops.hpp"
 #include "kernels/runtime/tensor.hpp"
 #include "nn/amp.hpp"
 #include "nn/clip.hpp"
@@ -17,6 +21,39 @@
 #include "nn/optim.hpp"
 
 namespace dp {
+
+// A step's host values where its kernels read them (kernels::Scalar: the loss scale and its
+// inverse, the chunks' shares), so that a captured step replays with the current step's: one f32
+// buffer on the device, made once (graphs hold its address) and rewritten only when a value
+// changed. Each engine's device or rank has its own.
+class StepScalars {
+ public:
+  // requires n in [1, ...), the same n every call. ensures the device holds values[0, n): the
+  // buffer made on the first call (returns true: take its views with at() then), the values
+  // written (queued on the current context) when one differs from the last written.
+  bool write(const float* values, int n, const kernels::Device& device) {
+    const bool made = !values_.defined();
+    if (made) {
+      values_ = kernels::Tensor::empty({n}, kernels::DType::f32, device);
+    } else {
+      DP_CHECK(static_cast<int>(written_.size()) == n,
+               "StepScalars: " << n << " values for a buffer of " << written_.size());
+      if (std::equal(values, values + n, written_.begin())) return false;  // held already
+    }
+    for (int at = 0; at < n; at += kernels::kMaxValues) {
+      kernels::Tensor part = values_.view(at, {std::min(kernels::kMaxValues, n - at)});
+      kernels::set_values(part, values + at, static_cast<int>(part.numel()));
+    }
+    written_.assign(values, values + n);  // once the writes are queued (their storage is reused)
+    return made;
+  }
+  // requires write() called. ensures value i on the device, as the step's kernels read it.
+  kernels::Scalar at(int i) const { return kernels::Scalar(values_.view(i, {1})); }
+
+ private:
+  kernels::Tensor values_;
+  std::vector<float> written_;
+};
 
 // requires out the model's output for `labels` (as `loss` takes them), loss_out (1) f32 on out's
 // device; dlogits null (forward only) or a buffer kept between steps. ensures queued on the

@@ -125,13 +125,8 @@ void DistributedDataParallel::set_batch_share(int64_t local_rows, int64_t global
 }
 
 void DistributedDataParallel::write_share() {
-  if (!device_share_.at.defined())
-    device_share_ =
-        kernels::Scalar(Tensor::empty({1}, kernels::DType::f32, module_->flat_params().device()));
-  else if (written_share_ == share_)
-    return;  // the device holds it already
-  kernels::set_values(device_share_.at, &share_, 1);
-  written_share_ = share_;  // once the write is queued
+  if (share_values_.write(&share_, 1, module_->flat_params().device()))
+    device_share_ = share_values_.at(0);  // made now: the view stage_bucket reads
 }
 
 void DistributedDataParallel::broadcast_buffers() {

@@ -28,6 +28,7 @@
 #include "dp/bucket_plan.hpp"
 #include "dp/distributed/comm_hook.hpp"
 #include "dp/distributed/process_group.hpp"
+#include "dp/step.hpp"
 #include "dp/trace.hpp"
 #include "nn/module.hpp"
 
@@ -207,8 +208,8 @@ class DistributedDataParallel {
   float share_ = 1.f;
   // share_ on the device, where stage_bucket's scaling reads it (a replayed step uses the
   // current share): (1) f32, made once, written by write_share.
+  StepScalars share_values_;
   kernels::Scalar device_share_;
-  float written_share_ = 0.f;  // what device_share_ holds
   DdpStats stats_;
   Trace* trace_ = nullptr;
 };

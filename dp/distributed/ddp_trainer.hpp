@@ -24,6 +24,7 @@
 #include "dp/distributed/process_group.hpp"
 #include "dp/distributed/zero.hpp"
 #include "dp/graphs.hpp"
+#include "dp/step.hpp"
 #include "kernels/runtime/event.hpp"
 #include "nn/amp.hpp"
 #include "nn/loss.hpp"
@@ -267,9 +268,8 @@ class DdpTrainer {
   kernels::Tensor metrics_;  // (3) f32 on the device: chunk loss, non-finite, grad norm
   // The step's loss scale on the device, where the kernels read it (no graph bakes it in):
   // (2) f32, 1 / scale and scale, written at each step's start (write_scale).
-  kernels::Tensor scale_values_;
+  StepScalars scale_values_;
   kernels::Scalar unscale_, loss_scale_;
-  float written_scale_ = 0.f;     // what scale_values_ holds (0: nothing yet; a scale is > 0)
   kernels::Tensor host_metrics_;  // its pinned host copy
   // metrics_lag 1: per step parity, a copy of the step's metrics being all-reduced and read.
   struct LaggedMetrics {

@@ -11,15 +11,10 @@
 namespace dp::dist {
 
 void DdpTrainer::write_scale() {
-  if (!scale_values_.defined()) {
-    scale_values_ = kernels::Tensor::empty({2}, kernels::DType::f32, device_);
-    unscale_ = kernels::Scalar(scale_values_.view(0, {1}));
-    loss_scale_ = kernels::Scalar(scale_values_.view(1, {1}));
-  }
-  if (written_scale_ == scaler_.scale()) return;  // the device holds it already
   const float values[2] = {1.f / scaler_.scale(), scaler_.scale()};
-  kernels::set_values(scale_values_, values, 2);
-  written_scale_ = scaler_.scale();  // once the write is queued
+  if (!scale_values_.write(values, 2, device_)) return;
+  unscale_ = scale_values_.at(0);  // made now: the views the kernels read
+  loss_scale_ = scale_values_.at(1);
 }
 
 std::shared_ptr<Work> DdpTrainer::reduce_metrics(kernels::Tensor& metrics, float share) {
