@@ -301,17 +301,6 @@ class DataParallel {
   // (two f32: kernels::queue_fault_word), read on the host with the rest.
   static constexpr int64_t kMetrics = 6;
   static constexpr int64_t kLoss = 0, kCorrect = 1, kNonFinite = 2, kGradNorm = 3, kFaultWord = 4;
-  // The points each worker marks in a step, in order.
-  enum Mark {
-    kBegin,
-    kScattered,
-    kReplicated,
-    kForwarded,
-    kBackwarded,
-    kReduced,
-    kStepped,
-    kMarks
-  };
   // One fused reduction of one bucket from every source of a receiving device.
   struct Pull {
     int bucket = 0;
@@ -363,7 +352,7 @@ class DataParallel {
     std::unique_ptr<kernels::DeviceContext> comm;
     kernels::Event own_final{kernels::Event::Timing::off}, comm_done{kernels::Event::Timing::off};
     bool comm_pending = false;  // work queued on `comm` that the compute stream has not waited for
-    kernels::Event marks[kMarks];
+    kernels::Event marks[kStepMarks];  // by StepMark (dp/step.hpp)
     std::vector<Pull> pulls;
     int n_pulls = 0;
   };

@@ -185,7 +185,7 @@ void DataParallel::collect_step(int n, StepStats& stats) {
     for (int j = 0; j < per_device_[i].n_pulls; ++j)
       stats.pulls_beside_backward += per_device_[i].pulls[j].beside;
   if (options_.phase_timing == Event::Timing::off) return;  // the marks only ordered the work
-  auto between = [&](int i, Mark a, Mark b) {
+  auto between = [&](int i, StepMark a, StepMark b) {
     return Event::elapsed_ms(per_device_[i].marks[a], per_device_[i].marks[b]);
   };
   // A device's event as a host time point: its step's first mark plus the device time since.

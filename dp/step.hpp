@@ -22,6 +22,21 @@
 
 namespace dp {
 
+// The points a step marks on each device or rank (kernels::Event), in order: phase times and
+// trace slices are the time between two of them, and later work waits on them. DDP has no
+// replicate phase (its weights are the same on every rank after each step): it marks no
+// kReplicated, and its forward starts at kScattered (its chunk copied in).
+enum StepMark {
+  kBegin,
+  kScattered,
+  kReplicated,
+  kForwarded,
+  kBackwarded,
+  kReduced,
+  kStepped,
+  kStepMarks
+};
+
 // A step's host values where its kernels read them (kernels::Scalar: the loss scale and its
 // inverse, the chunks' shares), so that a captured step replays with the current step's: one f32
 // buffer on the device, made once (graphs hold its address) and rewritten only when a value

@@ -343,13 +343,13 @@ int64_t DdpTrainer::graphed_step(StepGraphs& g) {
     g.labels = labels_;
     g.dlogits = dlogits_;
   }
-  marks_[2].record(ctx);
-  marks_[3].record(ctx);
+  marks_[kForwarded].record(ctx);
+  marks_[kBackwarded].record(ctx);
   if (in_graph)
     ddp_->average_buffers();
   else
     ddp_->all_reduce_staged();
-  marks_[4].record(ctx);
+  marks_[kReduced].record(ctx);
   kernels::NvtxRange range("ddp/step");
   TraceScope slice(ddp_->trace(), "ddp/step", rank());
   scaler_.prepare_deferred(*optimizer_);  // the host scalars the replayed update reads
@@ -391,7 +391,7 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   const int64_t syncs_before = context_->host_syncs();
   const int64_t casts_before = context_->casts();
   kernels::DeviceContext& ctx = *context_;
-  marks_[0].record(ctx);
+  marks_[kBegin].record(ctx);
   float share = 0;
   auto [hx, hy] = slice_chunk(images, labels, &share);
   // Checked on the global batch, which every rank holds: all ranks refuse it together (a rank
@@ -417,7 +417,7 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
     dlogits_ = graphs->dlogits;
   }
   copy_in(hx, hy);
-  marks_[1].record(ctx);
+  marks_[kScattered].record(ctx);
 
   nn::Module& m = ddp_->module();
   // Zeros once: the norm's slot is read back every step, written only with clipping on.
@@ -431,7 +431,7 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   } else {
     ddp_->broadcast_buffers();
     forward_and_loss(m, input_, labels_);
-    marks_[2].record(ctx);
+    marks_[kForwarded].record(ctx);
     if (zero_) {
       // ZeRO-1 communicates after backward (reduce_scatter, shard step, all_gather).
       auto local_only = ddp_->no_sync();
@@ -439,7 +439,7 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
     } else {
       ddp_->backward(dlogits_);
     }
-    marks_[3].record(ctx);
+    marks_[kBackwarded].record(ctx);
     if (zero_) {
       // ZeRO-1 decides on the host (every rank's shard, combined) inside its step.
       zero_->step(share, &scaler_);
@@ -449,14 +449,14 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
       kernels::fill(non_finite, 0.f);
     } else {
       ddp_->finish_gradient_sync();
-      marks_[4].record(ctx);
+      marks_[kReduced].record(ctx);
       kernels::NvtxRange range("ddp/step");
       TraceScope slice(ddp_->trace(), "ddp/step", rank());
       scaler_.prepare_deferred(*optimizer_);
       queue_update(m);
     }
   }
-  marks_[5].record(ctx);
+  marks_[kStepped].record(ctx);
   // The loss's all-reduce is not in it; a replayed graph's all-reduces are.
   last_payload_bytes_ = group_->payload_bytes() - payload_before + replayed_payload;
   const float global_loss = metrics_lag_ > 0 ? report_loss_lagged(share) : report_loss(share);
@@ -480,11 +480,11 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
     times_.allreduce_wait = zero_->last_times().reduce_scatter + zero_->last_times().all_gather;
     times_.optimizer = zero_->last_times().step;
   } else {
-    times_.allreduce_wait = Event::elapsed_ms(marks_[3], marks_[4]);
-    times_.optimizer = Event::elapsed_ms(marks_[4], marks_[5]);
+    times_.allreduce_wait = Event::elapsed_ms(marks_[kBackwarded], marks_[kReduced]);
+    times_.optimizer = Event::elapsed_ms(marks_[kReduced], marks_[kStepped]);
   }
-  times_.forward = Event::elapsed_ms(marks_[1], marks_[2]);
-  times_.backward = Event::elapsed_ms(marks_[2], marks_[3]);
+  times_.forward = Event::elapsed_ms(marks_[kScattered], marks_[kForwarded]);
+  times_.backward = Event::elapsed_ms(marks_[kForwarded], marks_[kBackwarded]);
   return global_loss;
 }
 

@@ -282,9 +282,9 @@ class DdpTrainer {
   LaggedMetrics lagged_[2];
   bool lagged_fault_ = false;  // the slot read last said a fault was written
   int64_t steps_ = 0;          // train_steps so far (the lag's parity)
-  // Phase boundaries of a step on this rank's stream: begin, scattered, forward, backward,
-  // gradients synchronised, stepped.
-  kernels::Event marks_[6];
+  // Phase boundaries of a step on this rank's stream, by StepMark (dp/step.hpp): begin, chunk
+  // copied in (kScattered), forward, backward, gradients synchronised (kReduced), stepped.
+  kernels::Event marks_[kStepMarks];
   kernels::Event::Timing phase_timing_ = kernels::Event::Timing::on;
   nn::LossPtr loss_fn_;
   float clip_grad_norm_ = 0.f, grad_norm_ = 0.f;

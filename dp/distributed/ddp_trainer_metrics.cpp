@@ -61,7 +61,7 @@ float DdpTrainer::report_loss_lagged(float share) {
   // time the input copy is, so this adds no wait to a healthy step.
   LaggedMetrics& previous = lagged_[(steps_ + 1) % 2];
   if (previous.pending && previous.work) previous.work->wait();
-  marks_[1].synchronize();
+  marks_[kScattered].synchronize();
   context_->note_host_sync();
   if (!previous.pending) return std::numeric_limits<float>::quiet_NaN();  // the first step
   return take_lagged(previous, Waited::yes);
