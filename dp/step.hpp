@@ -43,7 +43,7 @@ enum StepMark {
 // changed. Each engine's device or rank has its own.
 class StepScalars {
  public:
-  // requires n in [1, ...), the same n every call. ensures the device holds values[0, n): the
+  // requires n >= 1, the same n every call. ensures the device holds values[0, n): the
   // buffer made on the first call (returns true: take its views with at() then), the values
   // written (queued on the current context) when one differs from the last written.
   bool write(const float* values, int n, const kernels::Device& device) {
