@@ -88,8 +88,8 @@ inline BucketPlan make_bucket_plan(nn::Module& module, int64_t first_cap, int64_
 // Touched by one thread (the device's worker or the rank's) during a step.
 class BucketProgress {
  public:
-  // requires plan outlives this object. ensures nothing is final.
   BucketProgress() = default;
+  // requires *buckets outlives this object. ensures nothing is final.
   explicit BucketProgress(const std::vector<Bucket>* buckets)
       : buckets_(buckets), count_(buckets->size(), 0) {}
   // A parameter at [offset, offset + numel) of the flat gradient is final (nothing for one

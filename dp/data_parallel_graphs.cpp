@@ -117,7 +117,7 @@ bool DataParallel::settle_capture_failures(int n_used) {
 }
 
 bool DataParallel::use_graphs() {
-  return graphs_wanted(options_.graphs, devices_[0], graphs_fallback_, graphs_blocked(), "dp", true,
+  return graphs_wanted(options_.graphs, devices_[0], graphs_fallback_, graphs_blocked(), "dp",
                        said_graphs_off_);
 }
 

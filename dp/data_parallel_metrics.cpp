@@ -36,12 +36,12 @@ void DataParallel::gather_metrics_on_root(int n) {
   kernels::fill(node, 0.f);
   Tensor loss = node.view(0, {1}), correct = node.view(1, {1});
   from.clear();
-  for (int r = 0; r < n; ++r) from.push_back(gathered_metrics_.view(kMetrics * r, {1}));
+  for (int r = 0; r < n; ++r) from.push_back(gathered_metrics_.view(kMetrics * r + kLoss, {1}));
   const std::vector<kernels::Scalar>& shares = per_device_[0].shares;
   weights.assign(shares.begin(), shares.begin() + n);  // one per device used
   kernels::weighted_sum(loss, 1.f, from, weights);
   from.clear();
-  for (int r = 0; r < n; ++r) from.push_back(gathered_metrics_.view(kMetrics * r + 1, {1}));
+  for (int r = 0; r < n; ++r) from.push_back(gathered_metrics_.view(kMetrics * r + kCorrect, {1}));
   weights.assign(n, kernels::Scalar(1.f));
   kernels::weighted_sum(correct, 1.f, from, weights);
   cross->start_sum(node);
@@ -96,8 +96,8 @@ void DataParallel::gather_metrics(const float* m, const std::vector<float>& shar
     return;
   }
   for (size_t i = 0; i < shares.size(); ++i) {
-    stats.loss += m[kMetrics * i] * shares[i];
-    stats.correct += static_cast<int64_t>(m[kMetrics * i + 1]);
+    stats.loss += m[kMetrics * i + kLoss] * shares[i];
+    stats.correct += static_cast<int64_t>(m[kMetrics * i + kCorrect]);
   }
 }
 

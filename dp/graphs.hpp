@@ -35,13 +35,13 @@ inline bool graphs_requested(Graphs mode, const kernels::Device& device) {
 
 // Whether an engine's step runs graphed: `mode` asks for it on `device`, no capture failed
 // (`fallback` empty: see take_capture_failure) and nothing blocks it (`blocked`: why not, empty
-// when nothing does). When blocked, says so once per engine ("ENGINE: graphs off: BLOCKED")
-// where `say` (one rank of a job), and sets `said`.
+// when nothing does). When blocked, says so ("ENGINE: graphs off: BLOCKED") unless `said` (set
+// then: once per engine; a job's other ranks start with it set, so that one rank says it).
 inline bool graphs_wanted(Graphs mode, const kernels::Device& device, const std::string& fallback,
-                          const std::string& blocked, const char* engine, bool say, bool& said) {
+                          const std::string& blocked, const char* engine, bool& said) {
   if (!graphs_requested(mode, device) || !fallback.empty()) return false;
   if (blocked.empty()) return true;
-  if (!said && say) std::fprintf(stderr, "%s: graphs off: %s\n", engine, blocked.c_str());
+  if (!said) std::fprintf(stderr, "%s: graphs off: %s\n", engine, blocked.c_str());
   said = true;
   return false;
 }

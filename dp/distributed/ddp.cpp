@@ -278,7 +278,7 @@ std::vector<int64_t> DistributedDataParallel::bucket_bytes() const {
 }
 
 void DistributedDataParallel::on_grad_ready(const nn::Parameter& p) {
-  if (!sync_enabled_ || p.numel() == 0) return;  // a bucket does not wait for an empty one
+  if (!sync_enabled_) return;
   progress_.param_ready(p.offset, p.numel());
   launch_ready_buckets();
 }

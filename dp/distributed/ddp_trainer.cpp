@@ -37,6 +37,7 @@ DdpTrainer::DdpTrainer(kernels::DeviceType type, const std::string& backend, Ddp
            "MASTER_ADDR, MASTER_PORT are unset); start it through the launcher or torchrun");
   env_ = *env;
   device_ = {type, env_.local_rank};
+  said_graphs_off_ = env_.rank != 0;  // rank 0 says why graphs are off, for the job
   kernels::ContextOptions co;
   int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   co.cpu_threads = std::max(1, hw / std::max(1, env_.local_world_size));
@@ -295,7 +296,7 @@ std::string DdpTrainer::graphs_blocked() const {
 
 bool DdpTrainer::use_graphs() {
   return graphs_wanted(graphs_mode_, device_, graphs_fallback_, graphs_blocked(), "ddp",
-                       rank() == 0, said_graphs_off_);
+                       said_graphs_off_);
 }
 
 void DdpTrainer::forward_and_loss(nn::Module& m, const kernels::Tensor& x,
