@@ -33,6 +33,16 @@ kernels::ContextOptions context_options(const std::vector<Device>& devices,
   return c;
 }
 
+DevicePulls::Options pull_options(const DataParallelOptions& o) {
+  DevicePulls::Options p;
+  p.topology = o.reduce;
+  p.peer_reads = o.peer_reads;
+  p.comm_dtype = o.comm_dtype;
+  p.math = o.math;
+  p.timing = o.phase_timing;
+  return p;
+}
+
 }  // namespace
 
 bool warn_if_oversubscribed(const std::vector<Device>& devices) {
@@ -53,6 +63,7 @@ DataParallel::DataParallel(nn::ModulePtr module, nn::Optimizer& optimizer,
       options_(options),
       optimizer_(optimizer),
       pool_(devices_, context_options(devices_, options)),
+      pulls_(devices_, &plan_, &signals_, pull_options(options)),
       scaler_(options.scaler ? *options.scaler : nn::GradScaler::options_for(options.precision)) {
   DP_CHECK(module && module->materialized(), "DataParallel: the module must be materialised on "
                                                  << devices_[0] << " (call materialize first)");
@@ -137,8 +148,7 @@ DataParallel::DataParallel(nn::ModulePtr module, nn::Optimizer& optimizer,
   for (int i = 0; i < n; ++i) {
     PerDevice& pd = per_device_[i];
     pd.own = BucketProgress(&plan_.buckets);
-    for (size_t k = 0; k < plan_.buckets.size(); ++k)
-      pd.bucket_done.emplace_back(kernels::Event::Timing::off);  // ordering only
+    pulls_.bind(i, replicas_[i].get(), &pool_.context(i));
     for (auto& mark : pd.marks) mark = kernels::Event(options_.phase_timing);
     replicas_[i]->flat().on_grad_ready = [this, i](const nn::Parameter& p) { on_grad_ready(i, p); };
   }
@@ -155,8 +165,11 @@ DataParallel::DataParallel(nn::ModulePtr module, nn::Optimizer& optimizer,
       wide.math = options_.math;
       wide.caching = kernels::Caching::on;
       wide_context_ = std::make_unique<kernels::DeviceContext>(devices_[0], wide);
+      pulls_.set_wide(wide_context_.get());
     }
   });
+  if (options_.cross_node || !options_.reducers.empty())
+    hand_on_ = [this](int i, int k) { hand_on(i, k); };
 }
 
 DataParallel::~DataParallel() {
@@ -165,7 +178,7 @@ DataParallel::~DataParallel() {
     if (replicas_[0] && replicas_[0]->materialized()) replicas_[0]->flat().on_grad_ready = nullptr;
     if (replicas_[0] && stats_sync_) nn::set_batch_norm_sync(*replicas_[0], nullptr);
     pool_.run("dp/teardown", [&](int i) {
-      per_device_[i].comm.reset();  // drains its stream first: its pulls read the buffers below
+      pulls_.release(i);  // drains its second stream first: its pulls read the buffers below
       per_device_[i] = PerDevice{};
       if (i > 0) replicas_[i].reset();
       if (i == 0) {
@@ -219,28 +232,10 @@ void DataParallel::begin_step(const std::vector<int64_t>& sizes) {
   step_values_[1] = step_scale_;
   std::copy(shares_.begin(), shares_.end(), step_values_.begin() + 2);
   std::copy(row_shares_.begin(), row_shares_.end(), step_values_.begin() + 2 + n_devices());
-  // Who pulls from whom, in order. Star: 0 <- 1, 2, ..., n-1. Tree: in round s = 1, 2, 4, ...
-  // device i (a multiple of 2s) pulls from i + s: 0 <- 1, 2 <- 3, then 0 <- 2.
-  sources_.assign(n, {});
-  if (!options_.reducers.empty()) {
-    // Each device hands its own buckets to its reducer: no device pulls from another.
-  } else if (options_.reduce == ReduceTopology::star) {
-    for (int r = 1; r < n; ++r) sources_[0].push_back(r);
-  } else {
-    for (int s = 1; s < n; s *= 2)
-      for (int i = 0; i + s < n; i += 2 * s) sources_[i].push_back(i + s);
-  }
-  signals_.complete.assign(n_devices(), 0);
-  signals_.replicated.assign(n_devices(), 0);
-  signals_.done.assign(n_devices(), 0);
-  signals_.abort = false;
-  for (int i = 0; i < n; ++i) {
-    PerDevice& pd = per_device_[i];
-    pd.own.clear();
-    pd.next_bucket = 0;
-    pd.next_source = 0;
-    pd.n_pulls = 0;
-  }
+  // With research code's reducers each device hands its own buckets on: no device pulls.
+  pulls_.begin_step(n, options_.reducers.empty());
+  signals_.reset(n_devices());
+  for (int i = 0; i < n; ++i) per_device_[i].own.clear();
 }
 
 std::vector<int64_t> DataParallel::split_batch(const char* what, Tensor& images, Tensor& labels,
@@ -315,7 +310,7 @@ void DataParallel::train_job(int i, const Tensor& images, const Tensor& labels,
     forward_and_loss(i, nn::Mode::train);
   }
   pd.marks[kForwarded].record(ctx);
-  prepare_reduction(i);
+  pulls_.prepare(i);
   {
     kernels::NvtxRange range("dp/backward");
     pd.in_step = true;  // from here the hooks hand buckets on as they become ready
@@ -333,7 +328,7 @@ void DataParallel::train_job(int i, const Tensor& images, const Tensor& labels,
   }
   pd.marks[kReduced].record(ctx);
   if (i > 0) {
-    raise_signal(&Signals::done, i);
+    signals_.raise(StepSignals::Flag::done, i);
   } else {
     kernels::NvtxRange range("dp/step");
     std::unique_ptr<kernels::ContextScope> wide;
@@ -353,7 +348,7 @@ void DataParallel::begin_job(int i, const Tensor& images, const Tensor& labels,
   PerDevice& pd = per_device_[i];
   kernels::DeviceContext& ctx = pool_.context(i);
   pd.marks[kBegin].record(ctx);
-  order_after_comm(i);  // a failed step's pulls: this step's writes wait for them
+  pulls_.order_after_comm(i);  // a failed step's pulls: this step's writes wait for them
   write_step_values(i);
   {
     kernels::NvtxRange range("dp/scatter");
@@ -384,7 +379,7 @@ void DataParallel::eval_job(int i, const Tensor& images, const Tensor& labels,
   forward_and_loss(i, nn::Mode::eval);
   if (i > 0) {
     per_device_[i].marks[kReduced].record(pool_.context(i));  // its part ends here
-    raise_signal(&Signals::done, i);
+    signals_.raise(StepSignals::Flag::done, i);
   } else {
     read_step_metrics(static_cast<int>(sizes.size()));
   }
@@ -484,7 +479,8 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
   collect_step(n_used, stats);
   int64_t p = parameter_bytes(), b = replicas_[0]->flat_buffers().nbytes();
   // Parameters out, gradients in (in the comm dtype, or what the reducers sent), buffers out.
-  stats.bytes_moved = (n_used - 1) * (p + (options_.reducers.empty() ? comm_grad_bytes() : 0) + b);
+  stats.bytes_moved =
+      (n_used - 1) * (p + (options_.reducers.empty() ? pulls_.grad_bytes() : 0) + b);
   if (options_.buffer_sync == BufferSync::average) stats.bytes_moved += (n_used - 1) * b;
   stats.link_bytes = link_bytes(n_used);
   for (size_t i = 0; i < options_.reducers.size(); ++i) {

@@ -39,12 +39,10 @@
 // accumulates their weighted gradients, not one that normalises the whole batch at once.
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
@@ -53,9 +51,11 @@
 #include "dp/bucket_plan.hpp"
 #include "dp/chunks.hpp"
 #include "dp/cross_node.hpp"
+#include "dp/device_pulls.hpp"
 #include "dp/graphs.hpp"
 #include "dp/stats_sync.hpp"
 #include "dp/step.hpp"
+#include "dp/step_signals.hpp"
 #include "dp/worker_pool.hpp"
 #include "kernels/runtime/event.hpp"
 #include "kernels/runtime/graph.hpp"
@@ -73,16 +73,7 @@ using kernels::Tensor;
 // What happens to non-parameter buffers (BatchNorm running stats) after a step.
 enum class BufferSync { average, root_only };
 
-// How replica gradients reach device 0: every replica to device 0 (star), or pairwise in
-// ceil(log2 N) rounds (tree), where device 2 sums 3's bucket before passing the pair on.
-enum class ReduceTopology { star, tree };
-
-// How a receiving device reads a source's gradient bucket: in place where it can (CPU devices,
-// logical devices of one GPU, GPUs with peer access: kernels::direct_access), else staged (one
-// copy into its own memory first, then the sum); or staged always (off: for links whose peer
-// access misbehaves, as NCCL_P2P_DISABLE, and to run the staged path on any machine). Either
-// way the sum has the same bits.
-enum class PeerReads { automatic, off };
+// ReduceTopology and PeerReads: dp/device_pulls.hpp.
 
 // BatchNorm in training: each device normalises its own chunk (ghost statistics, PyTorch DP's
 // behaviour), or the replicas combine their statistics (SyncBatchNorm: the full batch's).
@@ -301,12 +292,6 @@ class DataParallel {
   // (two f32: kernels::queue_fault_word), read on the host with the rest.
   static constexpr int64_t kMetrics = 6;
   static constexpr int64_t kLoss = 0, kCorrect = 1, kNonFinite = 2, kGradNorm = 3, kFaultWord = 4;
-  // One fused reduction of one bucket from every source of a receiving device.
-  struct Pull {
-    int bucket = 0;
-    bool beside = false;  // ran on the device's communication stream, beside its backward
-    kernels::Event begin, end;
-  };
   // Graph mode: one step shape's captured work on one device, and the chunk buffers the graphs
   // read and write (their own per shape: a graph replays with the memory it was captured with).
   struct GraphSet {
@@ -325,46 +310,17 @@ class DataParallel {
     // reduced gradient held a non-finite value (the GradScaler's verdict) and its norm (clipping
     // on), and the device's fault word (two f32), read with the rest.
     Tensor metrics;
-    // Receivers: per source (in sources_ order), its gradient staged here when this device
-    // cannot read the source's memory in place (GPUs without peer access); else undefined.
-    std::vector<Tensor> staging;
-    Tensor outbox;  // sources with a 16-bit comm dtype: their gradient, rounded, bucket by bucket
     // The step's host scalars on the device (write_step_values): (2 + 2 devices) f32, made
     // once so that its address, which graphs hold, never changes. Views: the gradient unscale
     // (1 / loss scale), the loss scale, each device's loss share and each one's row share.
     StepScalars step_values;
     kernels::Scalar unscale, loss_scale;
     std::vector<kernels::Scalar> shares, row_shares;
-    // The sources and weights of the fused sum in progress (kept to keep their capacity).
-    std::vector<Tensor> sum_from;
-    std::vector<kernels::Scalar> sum_weights;
     // Touched by this device's worker only, during a step:
-    BucketProgress own;   // this device's backward through the buckets
-    int next_bucket = 0;  // the reducer's position: bucket, and source within it
-    int next_source = 0;
+    BucketProgress own;  // this device's backward through the buckets
     bool in_step = false;
-    std::vector<kernels::Event> bucket_done;  // bucket k summed here (own + sources)
-    // Receivers on a GPU: a second stream of their own on which the pulls made during backward
-    // run, so that waiting for a source's bucket never stalls this device's backward. It waits
-    // for `own_final` (the compute stream as the pull is queued: this bucket's own gradient is
-    // final) and each source's bucket_done; after backward the compute stream waits for
-    // `comm_done`. Null on CPU devices, whose kernels have finished when they return.
-    std::unique_ptr<kernels::DeviceContext> comm;
-    kernels::Event own_final{kernels::Event::Timing::off}, comm_done{kernels::Event::Timing::off};
-    bool comm_pending = false;  // work queued on `comm` that the compute stream has not waited for
     kernels::Event marks[kStepMarks];  // by StepMark (dp/step.hpp)
-    std::vector<Pull> pulls;
-    int n_pulls = 0;
   };
-  // Progress that devices publish to each other, under signal_mutex_.
-  struct Signals {
-    std::vector<int> complete;     // per device: leading buckets published
-    std::vector<char> replicated;  // per device: its copy of device 0's state is taken
-    std::vector<char> done;        // per device: forward, backward and its reductions queued
-    bool abort = false;            // a worker failed: the others stop waiting
-  };
-  struct Abandoned {};  // thrown inside a worker whose step another worker's failure ended
-
   void train_job(int i, const Tensor& images, const Tensor& labels,
                  const std::vector<int64_t>& sizes);
   // train_job with graphs: the same work in two captured segments per device (see Graphs).
@@ -382,11 +338,6 @@ class DataParallel {
   // the buffers ordered before forward (phase marks recorded).
   void begin_job(int i, const Tensor& images, const Tensor& labels,
                  const std::vector<int64_t>& sizes);
-  // Sets device i's flag in `flags` (done: its part of the step is queued; replicated: its copy
-  // of device 0's state is taken) and wakes the devices waiting for it.
-  void raise_signal(std::vector<char> Signals::*flags, int i);
-  // Blocks until devices 1 .. n-1 have each raised their flag in `flags` (or the step aborted).
-  void wait_for_raised(std::vector<char> Signals::*flags, int n);
   // Models with buffers: replica i (> 0) tells device 0 its copy of them is taken; device 0
   // waits for every replica's before its forward changes them.
   void order_buffers_before_forward(int i, int n);
@@ -408,35 +359,14 @@ class DataParallel {
                      const std::vector<int64_t>& sizes);
   void replicate(int i);
   void on_grad_ready(int i, const nn::Parameter& p);
-  // Reduces what can be reduced on device i, in bucket order: bucket k of each run of sources
-  // that have published it, in one fused kernel per run, in source order (the sum order is
-  // fixed, so runs are reproducible). blocking: waits until every bucket is published (after
-  // backward, on the compute stream); otherwise (from a hook) pulls go to the device's
-  // communication stream where it has one.
+  // Reduces what can be reduced on device i, in bucket order (pulls_.advance), and hands each
+  // bucket made final on (hand_on). blocking: after backward, every bucket.
   void advance_reduction(int i, bool blocking);
-  // Orders device i's compute stream after the pulls queued on its communication stream, if any
-  // are pending.
-  void order_after_comm(int i);
-  // Bucket k on device i += the sum of sources j0 .. j0 + count - 1 (in sources_[i] order),
-  // weighted, in one fused kernel; the own gradient is weighted by its share when j0 == 0.
-  // ordered: the caller ordered device i after those sources' work already; otherwise each
-  // source's bucket_done event is waited on first. Runs on `on`: device i's compute context,
-  // or its communication context (bound by the caller).
-  void sum_sources(kernels::DeviceContext& on, int i, int k, int j0, int count, bool ordered);
-  void publish(int i, int complete_buckets);
-  // Waits until pred() holds under signal_mutex_; throws Abandoned on abort.
-  template <class Pred>
-  void wait_for(Pred pred) {
-    std::unique_lock<std::mutex> lock(signal_mutex_);
-    signal_cv_.wait(lock, [&] { return signals_.abort || pred(); });
-    if (!pred()) throw Abandoned{};
-  }
+  // Bucket k of device i, final there: a hybrid run's device 0 starts its sum over the nodes;
+  // with research code's reducers, each device hands its own bucket, weighted, to its reducer.
+  void hand_on(int i, int k);
   // ordered: the caller waited for every device's end already (graph mode).
   void average_buffers_on_root(const std::vector<int64_t>& sizes, bool ordered = false);
-  // Allocates device i's staging (receivers) and outbox (sources, 16-bit comm) once.
-  void prepare_reduction(int i);
-  // Bytes of one gradient as it travels between devices.
-  int64_t comm_grad_bytes() const;
   int devices_for(int64_t batch);
   // Checks a host batch, fills stats.samples/devices_used and returns the chunk sizes.
   // Hybrid: narrows images and labels to this node's chunk first.
@@ -485,11 +415,14 @@ class DataParallel {
   DataParallelOptions options_;
   nn::Optimizer& optimizer_;
   WorkerPool pool_;
+  StepSignals signals_;                  // what the step's workers tell each other
   std::vector<nn::ModulePtr> replicas_;  // [0] is the caller's module
   std::vector<PerDevice> per_device_;
   BucketPlan plan_;
-  // The step's reduction: who pulls from whom (in order), and with which weight.
-  std::vector<std::vector<int>> sources_;
+  // The step's reduction (star or tree, when research code's reducers are not given), and its
+  // weights.
+  DevicePulls pulls_;
+  DevicePulls::HandOn hand_on_;  // hand_on, when a run has a hand-on (hybrid, reducers)
   std::vector<float> shares_;
   // Each chunk's rows over the batch's (hybrid: the global batch's): the weights of the running
   // statistics, which are means over rows whatever the loss divides by.
@@ -502,9 +435,6 @@ class DataParallel {
   int64_t global_rows_ = 0;              // hybrid: the global batch's rows (split_batch)
   double cross_wait_ms_ = 0;             // hybrid: finish_cross_node's wait this step
   std::vector<int64_t> reducer_before_;  // per reducer: its payload bytes at the step's start
-  std::mutex signal_mutex_;
-  std::condition_variable signal_cv_;
-  Signals signals_;
   // CPU device 0: a context with all the cores, for the optimizer step (null otherwise).
   std::unique_ptr<kernels::DeviceContext> wide_context_;
   std::unique_ptr<ThreadStatsSync> stats_sync_;  // BatchNormStats::synced
@@ -513,6 +443,9 @@ class DataParallel {
   // count; sized for n_devices() once, a step with n devices uses metric_slots(n) of them.
   Tensor gathered_metrics_;
   Tensor host_metrics_;  // pinned host copy of gathered_metrics_
+  // Device 0's source and weight lists of the metrics' sums (hybrid): no vectors per step.
+  std::vector<Tensor> metric_from_;
+  std::vector<kernels::Scalar> metric_weights_;
   // metrics_lag 1: per step parity, a step's metrics on their way to the host, and what reading
   // them needs; and the end of device 0's part of the last step.
   struct LaggedMetrics {

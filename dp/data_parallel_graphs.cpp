@@ -23,7 +23,7 @@ void DataParallel::graph_job(int i, const Tensor& images, const Tensor& labels,
   begin_job(i, images, labels, sizes);
   gs.input = pd.input;
   gs.labels = pd.labels;
-  prepare_reduction(i);
+  pulls_.prepare(i);
   {
     kernels::NvtxRange range("dp/forward_backward");
     run_drawing_segment(
@@ -39,19 +39,15 @@ void DataParallel::graph_job(int i, const Tensor& images, const Tensor& labels,
   pd.marks[kBackwarded].record(ctx);
   // Receivers wait for their sources' ends (device 0 for every device's: it gathers the metrics
   // too), outside the graph; then one graph sums every bucket and, on device 0, steps.
-  if (i == 0 || !sources_[i].empty() || pd.outbox.defined()) {
+  if (i == 0 || pulls_.works(i)) {
     kernels::NvtxRange range("dp/reduce");
     std::vector<int>& waits = pd.graph_waits;
     waits.clear();
     if (i == 0)
       for (int r = 1; r < n; ++r) waits.push_back(r);
     else
-      waits = sources_[i];
-    wait_for([&] {
-      for (int r : waits)
-        if (!signals_.done[r]) return false;
-      return true;
-    });
+      waits = pulls_.sources(i);
+    signals_.wait_raised(StepSignals::Flag::done, waits);
     for (int r : waits) per_device_[r].marks[kReduced].wait(ctx);
     std::unique_ptr<kernels::ContextScope> wide;
     kernels::DeviceContext* on = &ctx;
@@ -69,11 +65,7 @@ void DataParallel::graph_job(int i, const Tensor& images, const Tensor& labels,
       run_graph_segment(
           *on, gs.reduce, runs,
           [&] {
-            const int n_sources = static_cast<int>(sources_[i].size());
-            if (n_sources > 0)
-              for (int k = 0; k < static_cast<int>(plan_.buckets.size()); ++k)
-                sum_sources(*on, i, k, 0, n_sources, true);
-            if (pd.outbox.defined()) kernels::copy(pd.outbox, m.flat_grads());  // rounded once
+            pulls_.sum_all(*on, i, pd.shares);
             if (i == 0) {
               if (n > 1) average_buffers_on_root(sizes, true);
               queue_update();
@@ -90,7 +82,7 @@ void DataParallel::graph_job(int i, const Tensor& images, const Tensor& labels,
   }
   pd.marks[kReduced].record(ctx);
   if (i > 0) {
-    raise_signal(&Signals::done, i);
+    signals_.raise(StepSignals::Flag::done, i);
     return;
   }
   pd.marks[kStepped].record(ctx);

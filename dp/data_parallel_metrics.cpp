@@ -30,9 +30,8 @@ void DataParallel::gather_metrics_on_root(int n) {
   }
   if (!cross) return;
   Tensor node = gathered_metrics_.view(kMetrics * n, {2});
-  // Device 0's source and weight lists, idle once its reductions are done: no vectors per step.
-  std::vector<Tensor>& from = per_device_[0].sum_from;
-  std::vector<kernels::Scalar>& weights = per_device_[0].sum_weights;
+  std::vector<Tensor>& from = metric_from_;
+  std::vector<kernels::Scalar>& weights = metric_weights_;
   kernels::fill(node, 0.f);
   Tensor loss = node.view(0, {1}), correct = node.view(1, {1});
   from.clear();
@@ -57,7 +56,7 @@ void DataParallel::read_step_metrics(int n, bool gathered_in_graph, Read read) {
   const bool gathered = n > 1 || options_.cross_node;
   if (gathered) {
     // Every device's metrics are final once its part of the step is: wait for each one's end.
-    wait_for_raised(&Signals::done, n);
+    signals_.wait_raised(StepSignals::Flag::done, n);
     if (!gathered_in_graph) {
       for (int r = 1; r < n; ++r) per_device_[r].marks[kReduced].wait(ctx);
       gather_metrics_on_root(n);
@@ -139,7 +138,7 @@ StepStats DataParallel::finish_metrics() {
 template <class F>
 void DataParallel::for_each_context(int i, F f) {
   f(pool_.context(i));
-  if (per_device_[i].comm) f(*per_device_[i].comm);
+  if (kernels::DeviceContext* comm = pulls_.comm(i)) f(*comm);
   if (i == 0 && wide_context_) f(*wide_context_);
 }
 
@@ -182,8 +181,8 @@ void DataParallel::collect_step(int n, StepStats& stats) {
   const int n_buckets = static_cast<int>(plan_.buckets.size());
   stats.buckets = n > 1 ? n_buckets : 0;
   for (int i = 0; i < n; ++i)
-    for (int j = 0; j < per_device_[i].n_pulls; ++j)
-      stats.pulls_beside_backward += per_device_[i].pulls[j].beside;
+    for (int j = 0; j < pulls_.n_pulls(i); ++j)
+      stats.pulls_beside_backward += pulls_.pull(i, j).beside;
   if (options_.phase_timing == Event::Timing::off) return;  // the marks only ordered the work
   auto between = [&](int i, StepMark a, StepMark b) {
     return Event::elapsed_ms(per_device_[i].marks[a], per_device_[i].marks[b]);
@@ -211,12 +210,14 @@ void DataParallel::collect_step(int n, StepStats& stats) {
     // Pulls done inside backward (from the hooks) are reduction, not backward; those on a
     // communication stream ran beside it and took none of its stream's time.
     double pulled = 0, pulled_inline = 0;
-    for (int j = 0; j < pd.n_pulls; ++j)
-      if (Event::elapsed_ms(pd.pulls[j].begin, pd.marks[kBackwarded]) > 0) {
-        const double ms = Event::elapsed_ms(pd.pulls[j].begin, pd.pulls[j].end);
+    for (int j = 0; j < pulls_.n_pulls(i); ++j) {
+      const DevicePulls::Pull& pull = pulls_.pull(i, j);
+      if (Event::elapsed_ms(pull.begin, pd.marks[kBackwarded]) > 0) {
+        const double ms = Event::elapsed_ms(pull.begin, pull.end);
         pulled += ms;
-        if (!pd.pulls[j].beside) pulled_inline += ms;
+        if (!pull.beside) pulled_inline += ms;
       }
+    }
     if (i == 0) {
       t.backward = between(0, kForwarded, kBackwarded) - pulled_inline;
       t.reduce_in_backward = pulled;
@@ -228,8 +229,8 @@ void DataParallel::collect_step(int n, StepStats& stats) {
 
   std::vector<Clock::time_point> first_pull(n_buckets, Clock::time_point::max());
   for (int i = 0; i < n; ++i)
-    for (int j = 0; j < per_device_[i].n_pulls; ++j) {
-      const Pull& pull = per_device_[i].pulls[j];
+    for (int j = 0; j < pulls_.n_pulls(i); ++j) {
+      const DevicePulls::Pull& pull = pulls_.pull(i, j);
       first_pull[pull.bucket] = std::min(first_pull[pull.bucket], at(i, pull.begin));
     }
   for (int k = 0; k < stats.buckets; ++k)
@@ -247,10 +248,13 @@ void DataParallel::collect_step(int n, StepStats& stats) {
     if (i > 0) slice("dp/replicate", i, pd.marks[kScattered], pd.marks[kReplicated]);
     slice("dp/forward", i, pd.marks[kReplicated], pd.marks[kForwarded]);
     slice("dp/backward", i, pd.marks[kForwarded], pd.marks[kBackwarded]);
-    if (!sources_[i].empty()) slice("dp/reduce", i, pd.marks[kBackwarded], pd.marks[kReduced]);
-    for (int j = 0; j < pd.n_pulls; ++j)  // beside backward: on the comm stream's own track
-      slice("dp/reduce[bucket " + std::to_string(pd.pulls[j].bucket) + "]", i, pd.pulls[j].begin,
-            pd.pulls[j].end, pd.pulls[j].beside ? comm_track(i) : i);
+    if (!pulls_.sources(i).empty())
+      slice("dp/reduce", i, pd.marks[kBackwarded], pd.marks[kReduced]);
+    for (int j = 0; j < pulls_.n_pulls(i); ++j) {  // beside backward: on the comm stream's track
+      const DevicePulls::Pull& pull = pulls_.pull(i, j);
+      slice("dp/reduce[bucket " + std::to_string(pull.bucket) + "]", i, pull.begin, pull.end,
+            pull.beside ? comm_track(i) : i);
+    }
     if (i == 0) slice("dp/step", i, pd.marks[kReduced], pd.marks[kStepped]);
   }
 }

@@ -1,10 +1,9 @@
 // DataParallel's workers (dp/data_parallel.hpp): how the per-device threads run a step's jobs
-// and hand each other progress (the signals under one mutex, and the failure that ends a step
-// for all of them), and the copies between device 0 and the replicas (scatter, replicate).
+// and hand each other progress (dp/step_signals.hpp, and the failure that ends a step for all of
+// them), and the copies between device 0 and the replicas (scatter, replicate).
 #include "dp/data_parallel.hpp"
 
 #include <algorithm>
-#include <mutex>
 
 namespace dp {
 
@@ -61,17 +60,11 @@ void DataParallel::run_step(const char* phase, int n, const std::function<void(i
       [&](int i) {
         try {
           job(i);
-        } catch (const Abandoned&) {
+        } catch (const StepSignals::Abandoned&) {
           // Another worker failed and ended the step: its error is the one reported.
         } catch (...) {
           per_device_[i].in_step = false;
-          bool first = false;
-          {
-            std::lock_guard<std::mutex> lock(signal_mutex_);
-            first = !signals_.abort;
-            signals_.abort = true;
-          }
-          signal_cv_.notify_all();
+          const bool first = signals_.abort();
           // A replica waiting for this one in a SyncBatchNorm layer is released too.
           if (stats_sync_) stats_sync_->abort("device " + devices_[i].str() + " failed");
           // Released by another worker's failure: that error is the one reported.
@@ -87,29 +80,13 @@ void DataParallel::drain() {
   pool_.run("dp/drain", [&](int i) { pool_.context(i).synchronize(); });
 }
 
-void DataParallel::raise_signal(std::vector<char> Signals::*flags, int i) {
-  {
-    std::lock_guard<std::mutex> lock(signal_mutex_);
-    (signals_.*flags)[i] = 1;
-  }
-  signal_cv_.notify_all();
-}
-
-void DataParallel::wait_for_raised(std::vector<char> Signals::*flags, int n) {
-  wait_for([&] {
-    for (int r = 1; r < n; ++r)
-      if (!(signals_.*flags)[r]) return false;
-    return true;
-  });
-}
-
 void DataParallel::order_buffers_before_forward(int i, int n) {
   if (replicas_[i]->flat_buffers().numel() == 0) return;
-  if (i > 0) return raise_signal(&Signals::replicated, i);
+  if (i > 0) return signals_.raise(StepSignals::Flag::replicated, i);
   if (n == 1) return;
   // Device 0's forward updates its running statistics in place: every replica takes its copy of
   // them first (the one dependency before forward, and only for models with buffers).
-  wait_for_raised(&Signals::replicated, n);
+  signals_.wait_raised(StepSignals::Flag::replicated, n);
   for (int r = 1; r < n; ++r) per_device_[r].marks[kReplicated].wait(pool_.context(0));
 }
 

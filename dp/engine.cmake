@@ -7,6 +7,7 @@ add_library(dp_engine STATIC
   ${CMAKE_CURRENT_SOURCE_DIR}/data_parallel_metrics.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/data_parallel_reduce.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/data_parallel_workers.cpp
+  ${CMAKE_CURRENT_SOURCE_DIR}/device_pulls.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/parameter_server.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/trace.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/engine_state.cpp)

@@ -9,6 +9,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -191,6 +192,124 @@ TEST_CASE("dp.bucket_progress: buckets are final in order, whatever order the pa
   progress.all_ready();  // unused layers' buckets too
   CHECK(progress.ready() == 2);
   CHECK_THROWS_AS(progress.param_ready(900, 4), Error);  // past the buffer: in no bucket
+}
+
+TEST_CASE("dp.step_signals: waits end when their devices say so, or with the step's abort") {
+  using Flag = dp::StepSignals::Flag;
+  dp::StepSignals signals;
+  signals.reset(3);
+  CHECK(signals.locked([&] { return signals.published(2); }) == 0);
+  std::atomic<int> seen{-1};
+  std::thread receiver([&] {
+    signals.wait_for([&] { return signals.published(2) >= 2; });
+    seen = signals.locked([&] { return signals.published(2); });
+    signals.wait_raised(Flag::done, 3);  // devices 1 and 2
+  });
+  signals.publish(2, 1);
+  signals.publish(2, 2);
+  signals.raise(Flag::done, 2);
+  CHECK(signals.locked([&] { return signals.all_raised(Flag::done, std::vector<int>{2}); }));
+  CHECK_FALSE(signals.locked([&] { return signals.all_raised(Flag::done, 1, 3); }));
+  signals.raise(Flag::done, 1);
+  receiver.join();
+  CHECK(seen == 2);
+  CHECK_FALSE(signals.locked([&] { return signals.all_raised(Flag::replicated, 1, 3); }));
+
+  // A worker waiting for a device that failed is released by the abort, and the first abort
+  // alone reports (its error is the step's).
+  std::atomic<bool> abandoned{false};
+  std::thread waiter([&] {
+    try {
+      signals.wait_raised(Flag::replicated, 3);
+    } catch (const dp::StepSignals::Abandoned&) {
+      abandoned = true;
+    }
+  });
+  CHECK(signals.abort());
+  CHECK_FALSE(signals.abort());
+  waiter.join();
+  CHECK(abandoned);
+  CHECK_THROWS_AS(signals.wait_for([] { return false; }), dp::StepSignals::Abandoned);
+  signals.reset(3);  // the next step: no abort, nothing raised
+  signals.raise(Flag::replicated, 1);
+  signals.raise(Flag::replicated, 2);
+  signals.wait_raised(Flag::replicated, 3);  // returns
+}
+
+TEST_CASE("dp.device_pulls: sources publish bucket by bucket, the receiver sums them in order") {
+  const int n = 3;
+  std::vector<Device> devices = make_devices(DeviceType::cpu, n);
+  std::vector<nn::ModulePtr> modules;
+  for (int i = 0; i < n; ++i) {
+    modules.push_back(nn::mlp({6, 16, 16, 5}));
+    modules.back()->materialize(devices[i], kSeed);
+  }
+  dp::BucketPlan plan = dp::make_bucket_plan(*modules[0], 64, 256);
+  const int n_buckets = static_cast<int>(plan.buckets.size());
+  REQUIRE(n_buckets > 2);
+  const int64_t numel = modules[0]->flat_grads().numel();
+  std::vector<std::vector<float>> g(n, std::vector<float>(numel));
+  for (int i = 0; i < n; ++i) {
+    for (int64_t e = 0; e < numel; ++e) g[i][e] = std::cos(0.11f * e + i) + 0.5f * i;
+    Tensor host = Tensor::from_vector(g[i], {numel});
+    copy(modules[i]->flat_grads(), host);
+  }
+  const std::vector<Scalar> shares{Scalar(0.5f), Scalar(0.3f), Scalar(0.2f)};
+  dp::StepSignals signals;
+  dp::DevicePulls pulls(devices, &plan, &signals, {});
+  for (int i = 0; i < n; ++i) pulls.bind(i, modules[i].get(), &context(devices[i]));
+
+  pulls.begin_step(n, true);
+  signals.reset(n);
+  CHECK(pulls.sources(0) == std::vector<int>{1, 2});  // the star
+  CHECK(pulls.sources(1).empty());
+  for (int i = 0; i < n; ++i) pulls.prepare(i);
+  std::vector<std::pair<int, int>> handed;
+  auto hand_on = [&](int i, int k) { handed.emplace_back(i, k); };
+  // No source has published: the receiver's pass stops at bucket 0, summing nothing.
+  pulls.advance(0, n_buckets, false, shares, hand_on);
+  CHECK(pulls.n_pulls(0) == 0);
+  CHECK(handed.empty());
+  // Source 2 publishes every bucket; source 1 only its first. The receiver sums source 1 and 2
+  // of bucket 0 in one run, then stops at bucket 1 (source 1 has not published it): a later
+  // source never goes before an earlier one.
+  pulls.advance(2, n_buckets, false, shares, hand_on);
+  CHECK(signals.locked([&] { return signals.published(2); }) == n_buckets);
+  pulls.advance(1, 1, false, shares, hand_on);
+  CHECK(signals.locked([&] { return signals.published(1); }) == 1);
+  pulls.advance(0, n_buckets, false, shares, hand_on);
+  CHECK(pulls.n_pulls(0) == 1);
+  CHECK(pulls.pull(0, 0).bucket == 0);
+  pulls.advance(1, n_buckets, true, shares, hand_on);
+  pulls.advance(0, n_buckets, true, shares, hand_on);
+  CHECK(pulls.n_pulls(0) == n_buckets);  // one fused run per bucket: both sources were there
+  // Every device handed every bucket on, in bucket order: 2's, 1's first, 0's as summed.
+  std::vector<std::pair<int, int>> expected_hand_on;
+  for (int k = 0; k < n_buckets; ++k) expected_hand_on.emplace_back(2, k);
+  expected_hand_on.emplace_back(1, 0);
+  expected_hand_on.emplace_back(0, 0);
+  for (int k = 1; k < n_buckets; ++k) expected_hand_on.emplace_back(1, k);
+  for (int k = 1; k < n_buckets; ++k) expected_hand_on.emplace_back(0, k);
+  CHECK(handed == expected_hand_on);
+  std::vector<float> sum = modules[0]->flat_grads().to_host_f32();
+  for (int64_t e = 0; e < numel; ++e) {
+    const double want = 0.5 * g[0][e] + 0.3 * g[1][e] + 0.2 * g[2][e];
+    REQUIRE(sum[e] == doctest::Approx(want).epsilon(1e-6));
+  }
+  std::vector<int64_t> links(n, 0);
+  pulls.add_link_bytes(links);  // one gradient in per source, two into device 0
+  CHECK(links == std::vector<int64_t>{2 * numel * 4, numel * 4, numel * 4});
+
+  // The tree on 4 devices: 0 <- 1, 2 <- 3, then 0 <- 2. No pulls: nobody receives.
+  std::vector<Device> four = make_devices(DeviceType::cpu, 4);
+  dp::DevicePulls::Options tree;
+  tree.topology = dp::ReduceTopology::tree;
+  dp::DevicePulls tree_pulls(four, &plan, &signals, tree);
+  tree_pulls.begin_step(4, true);
+  CHECK(tree_pulls.sources(0) == std::vector<int>{1, 2});
+  CHECK(tree_pulls.sources(2) == std::vector<int>{3});
+  tree_pulls.begin_step(4, false);
+  for (int i = 0; i < 4; ++i) CHECK(tree_pulls.sources(i).empty());
 }
 
 TEST_CASE("dp.averaging: the tree equals the star, with uneven chunks and N = 2 to 5") {
