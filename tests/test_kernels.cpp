@@ -9,6 +9,7 @@
 #include <iterator>
 #include <thread>
 
+#include "kernels/cpu/cpu_util.hpp"
 #include "kernels/cpu/vec_math.hpp"
 #include "kernels/runtime/graph.hpp"
 #include "tests/device_scalars.hpp"
@@ -832,6 +833,28 @@ TEST_CASE("kernels.cast: conversions count on the context, a graph's at each rep
 // plus the special values: tanh within kTanhUlps units in the last place, GELU within 4 units of
 // 2^-24 of its larger term (measured: 4 ulp and 1.6 units), signs and NaN kept. A
 // thread count changes no bit (each element is computed alone, in whatever block).
+// The branch-free bf16 rounding the 16-bit convolutions store with equals the round trip through
+// f32_to_bf16 bit for bit: every 4099th bit pattern (ties to even, subnormals, infinities and
+// NaNs of both signs among them) and the edges.
+TEST_CASE("kernels.round_to_bf16: the same bits as the round trip through bf16") {
+  auto check = [](uint32_t u) {
+    float v;
+    std::memcpy(&v, &u, 4);
+    const float want = bf16_to_f32(f32_to_bf16(v)), got = cpu::round_to_bf16(v);
+    uint32_t a, b;
+    std::memcpy(&a, &want, 4);
+    std::memcpy(&b, &got, 4);
+    return a == b;
+  };
+  int64_t bad = 0;
+  for (uint64_t u = 0; u <= 0xffffffffull; u += 4099) bad += !check(static_cast<uint32_t>(u));
+  for (uint32_t u :
+       {0x00000000u, 0x80000000u, 0x7f7fffffu, 0x7f800000u, 0xff800000u, 0x7f800001u, 0x7fc00000u,
+        0xffffffffu, 0x3f808000u, 0x3f818000u, 0x3f80ffffu, 0x00008000u, 0x0001ffffu, 0x7f7f8000u})
+    bad += !check(u);
+  CHECK(bad == 0);
+}
+
 TEST_CASE("kernels.vec_math: tanh and GELU(tanh) within a few ulp of libm over the floats") {
   constexpr int64_t kTanhUlps = 6;
   auto ulps = [](float a, double want) {

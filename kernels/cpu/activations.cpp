@@ -119,8 +119,15 @@ void relu(Tensor& y, const Tensor& x) {
   map(y, x, [](float v) { return v > 0.f ? v : 0.f; });
 }
 
+// ReLU's derivative, 1 or 0, over a block: a loop of its own, which GCC vectorises (a compare
+// and a mask). In the element loop of backward() it made `v > 0` a branch, which a ReLU's random
+// signs mispredict about half the time.
+void relu_grad_rows(float* g, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) g[i] = x[i] > 0.f ? 1.f : 0.f;
+}
+
 void relu_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc) {
-  backward(dx, dy, x, acc, [](float v) { return v > 0.f ? 1.f : 0.f; });
+  backward_rows(dx, dy, x, acc, relu_grad_rows);  // dy times 1 or 0: the same bits as before
 }
 
 // x Phi(x), Phi the standard normal CDF.

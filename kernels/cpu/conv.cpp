@@ -186,27 +186,38 @@ bool on_bf16_instructions(const Tensor& a, const Tensor& b) {
   return a.dtype() == DType::bf16 && b.dtype() == DType::bf16 && bf16_gemm_enabled();
 }
 
+// to[i] = round(from[i]) (+ prev[i] when prev is given) for i in [begin, end).
+template <class Round>
+void round_range(float* to, const float* from, const float* prev, int64_t begin, int64_t end,
+                 Round round) {
+  if (prev)
+    for (int64_t i = begin; i < end; ++i) to[i] = prev[i] + round(from[i]);
+  else
+    for (int64_t i = begin; i < end; ++i) to[i] = round(from[i]);
+}
+
+// to = from rounded to `inputs` (an f16/bf16 dtype), + prev when given; the dtype chosen once,
+// outside the loops (bf16's rounding vectorises then).
+void round_all(float* to, const float* from, const float* prev, int64_t n, DType inputs) {
+  parallel_range(n, kElementwiseGrain, [&](int64_t begin, int64_t end) {
+    if (inputs == DType::bf16)
+      round_range(to, from, prev, begin, end, round_to_bf16);
+    else
+      round_range(to, from, prev, begin, end, [&](float v) { return round_to(inputs, v); });
+  });
+}
+
 // out (+)= result rounded to `inputs` (an f16/bf16 dtype); a 16-bit out rounds the sum again.
 void store_rounded(Tensor& out, const std::vector<float>& result, DType inputs, Accumulate acc) {
   bool add = acc == Accumulate::yes;
   if (out.dtype() == DType::f32) {
     float* po = out.data<float>();
-    parallel_range(out.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        float r = round_to(inputs, result[i]);
-        po[i] = add ? po[i] + r : r;
-      }
-    });
+    round_all(po, result.data(), add ? po : nullptr, out.numel(), inputs);
     return;
   }
   std::vector<float> sum(static_cast<size_t>(out.numel()));
   const float* prev = add ? as_f32(out, sum) : nullptr;  // fills sum with out when adding
-  parallel_range(out.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      float r = round_to(inputs, result[i]);
-      sum[i] = add ? prev[i] + r : r;
-    }
-  });
+  round_all(sum.data(), result.data(), prev, out.numel(), inputs);
   store_from_f32(out, sum.data());
 }
 

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include <tbb/blocked_range.h>
@@ -51,13 +52,26 @@ const float* as_f32(const Tensor& t, std::vector<float>& scratch);
 // requires t f16 or bf16 with t.numel() values at src. ensures t = src rounded to nearest even.
 void store_from_f32(Tensor& t, const float* src);
 
+// v rounded to the nearest (even) bf16, as f32: bf16_to_f32(f32_to_bf16(v)), NaN quieted as
+// there, with selects in place of its branch, so that a loop of it vectorises.
+inline float round_to_bf16(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  const uint32_t quiet_nan = (u | 0x00400000u) & 0xffff0000u;
+  const uint32_t r = (u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded;
+  float out;
+  std::memcpy(&out, &r, 4);
+  return out;
+}
+
 // v rounded to the nearest (even) value of a floating dtype, as f32 (v itself for f32).
 inline float round_to(DType t, float v) {
   switch (t) {
     case DType::f16:
       return f16_to_f32(f32_to_f16(v));
     case DType::bf16:
-      return bf16_to_f32(f32_to_bf16(v));
+      return round_to_bf16(v);
     default:
       return v;
   }

@@ -114,13 +114,14 @@ void max_pool2d_backward(Tensor& dx, const Tensor& dy, const Tensor& x, const Te
               int64_t o = plane * g.out_plane() + oh * g.out_w + ow;
               Window win = g.window(oh, ow);
               const float best = load_f32(py[o]);
+              // The first element equal to the maximum, found by selects over the whole window:
+              // an early exit was a branch on data that the predictor misses about half the time.
               int64_t argmax = -1;
-              for (int64_t h = win.h_begin; h < win.h_end && argmax < 0; ++h)
-                for (int64_t w = win.w_begin; w < win.w_end; ++w)
-                  if (load_f32(in[h * g.width + w]) == best) {
-                    argmax = h * g.width + w;
-                    break;
-                  }
+              for (int64_t h = win.h_end - 1; h >= win.h_begin; --h)
+                for (int64_t w = win.w_end - 1; w >= win.w_begin; --w) {
+                  const int64_t at = h * g.width + w;
+                  argmax = load_f32(in[at]) == best ? at : argmax;  // the last seen is the first
+                }
               if (argmax >= 0) din[argmax] += load_f32(pdy[o]);
             }
           store_plane(pdx + plane * g.in_plane(), din, g.in_plane());
