@@ -9,6 +9,7 @@
 #include <iterator>
 #include <thread>
 
+#include "kernels/cpu/cpu_ops.hpp"
 #include "kernels/cpu/cpu_util.hpp"
 #include "kernels/cpu/vec_math.hpp"
 #include "kernels/runtime/graph.hpp"
@@ -221,6 +222,34 @@ TEST_CASE(
     openblas_set_num_threads(1);
     CHECK(max_error(d, ref_gemm(a, Transpose::no, b, Transpose::no, 1.f, 0.f, d, Tensor())) <=
           1e-5);
+  });
+}
+
+// A run whose products never reach OpenBLAS's sgemm (a replica's few rows take the skinny path;
+// bf16 products run on oneDNN) ends the pool at its first product all the same: before, its pool
+// thread spun through the run's first 0.1 s (a bf16 CNN's first 15-20 steps at 3.5 ms where the
+// rest took 2.1). This case runs in its own process under ctest.
+TEST_CASE("kernels.gemm: a skinny or bf16 first product ends OpenBLAS's idle pool too") {
+  auto threads = [] {
+    return static_cast<int>(std::distance(std::filesystem::directory_iterator("/proc/self/task"),
+                                          std::filesystem::directory_iterator()));
+  };
+  with_cpu_threads(1, [&] {  // one thread: no TBB worker appears while threads are counted
+    const int pool = openblas_get_num_threads() - 1, before = threads();
+    REQUIRE(pool >= 0);
+    if (cpu::bf16_gemm_enabled()) {  // oneDNN's bf16 product first
+      Tensor a = cast(random_tensor({64, 48}, 40), DType::bf16);
+      Tensor b = cast(random_tensor({48, 80}, 41), DType::bf16);
+      Tensor c = filled({64, 80}, 0.f);
+      gemm(c, a, Transpose::no, b, Transpose::no);
+    } else {  // a replica's two rows: the skinny path
+      MESSAGE("no bf16 products on the CPU's instructions here: the skinny path goes first");
+      Tensor a = random_tensor({2, 40}, 40), b = random_tensor({40, 600}, 41);
+      Tensor c = filled({2, 600}, 0.f);
+      gemm(c, a, Transpose::no, b, Transpose::no);
+    }
+    CHECK(openblas_get_num_threads() == 1);
+    CHECK(threads() == before - pool);
   });
 }
 

@@ -382,8 +382,8 @@ void store_from_f32(Tensor& t, const float* src) {
 void sgemm_serial(Transpose ta, Transpose tb, int64_t m, int64_t n, int64_t k, float alpha,
                   const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
                   int64_t ldc) {
-  if (is_skinny(ta, m)) return skinny_columns(tb, m, 0, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   use_single_threaded_blas();
+  if (is_skinny(ta, m)) return skinny_columns(tb, m, 0, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   cblas_sgemm(CblasRowMajor, blas_op(ta), blas_op(tb), static_cast<blasint>(m),
               static_cast<blasint>(n), static_cast<blasint>(k), alpha, a, static_cast<blasint>(lda),
               b, static_cast<blasint>(ldb), beta, c, static_cast<blasint>(ldc));
@@ -392,6 +392,8 @@ void sgemm_serial(Transpose ta, Transpose tb, int64_t m, int64_t n, int64_t k, f
 void sgemm_parallel(Transpose ta, Transpose tb, int64_t m, int64_t n, int64_t k, float alpha,
                     const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
                     int64_t ldc) {
+  // OpenBLAS's idle pool ended before the first product, whichever path it takes (skinny, tiles)
+  use_single_threaded_blas();
   if (m * n * k <= kSerialMacs)
     return sgemm_serial(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   if (is_skinny(ta, m)) {  // split by columns: each element is computed alike in any split
@@ -453,6 +455,10 @@ bool bf16_gemm_parallel(Transpose ta, Transpose tb, int64_t m, int64_t n, int64_
 void bf16_gemm(Transpose ta, Transpose tb, int64_t m, int64_t n, int64_t k, float alpha,
                const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta, float* c,
                int64_t ldc) {
+  // A model whose products all run on oneDNN never reaches OpenBLAS: its idle pool thread would
+  // spin beside the devices for the run's first 0.1 s (bf16 CNN: its first 15-20 steps at 3.5 ms
+  // where the rest take 2.1).
+  use_single_threaded_blas();
   if (bf16_gemm_parallel(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)) return;
   // Widened: each operand's stored rows (op(A) is (m, k); stored (k, m) when transposed).
   auto widen = [](const uint16_t* src, int64_t rows, int64_t cols, int64_t ld) {
