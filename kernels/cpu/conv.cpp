@@ -44,6 +44,18 @@ ConvGeometry geometry(const Tensor& x, const Tensor& w, const Tensor& y, const C
           y.dim(2), y.dim(3), p.stride_h, p.stride_w, p.pad_h,  p.pad_w};
 }
 
+// The columns q of an output row whose input column w = q stride - shift lies in the image: the
+// range [q0, q1) (im2col's copy and col2im's add).
+struct InImage {
+  int64_t q0, q1;
+};
+InImage in_image(const ConvGeometry& g, int64_t shift) {
+  const int64_t q0 = std::min(g.out_w, shift <= 0 ? 0 : (shift + g.stride_w - 1) / g.stride_w);
+  const int64_t q1 = std::max(
+      q0, std::min(g.out_w, g.width + shift <= 0 ? 0 : (g.width - 1 + shift) / g.stride_w + 1));
+  return {q0, q1};
+}
+
 // col (CRS, PQ): col[(c, r, s), (p, q)] = x[c, p stride - pad + r, q stride - pad + s], or 0 in
 // the padding.
 template <typename T>
@@ -61,11 +73,7 @@ void im2col(const T* x, const ConvGeometry& g, T* col) {
           const T* src = x + (c * g.height + h) * g.width;
           // Columns q read w = q stride - pad + s: inside the image for q in [q0, q1).
           const int64_t shift = g.pad_w - s;  // w = q stride - shift
-          const int64_t q0 =
-              std::min(g.out_w, shift <= 0 ? 0 : (shift + g.stride_w - 1) / g.stride_w);
-          const int64_t q1 = std::max(
-              q0,
-              std::min(g.out_w, g.width + shift <= 0 ? 0 : (g.width - 1 + shift) / g.stride_w + 1));
+          const auto [q0, q1] = in_image(g, shift);
           std::fill_n(dst, q0, T{});
           if (g.stride_w == 1)
             std::copy_n(src + (q0 - shift), q1 - q0, dst + q0);
@@ -76,19 +84,24 @@ void im2col(const T* x, const ConvGeometry& g, T* col) {
       }
 }
 
-// The adjoint of im2col: x += scatter of col (entries in the padding are dropped).
+// The adjoint of im2col: x += scatter of col (entries in the padding are dropped). Each row of
+// col adds to distinct elements of x, so its in-image span is one loop without a test per element
+// (contiguous at stride 1); every element receives its terms in the same order as before.
 void col2im_add(const float* col, const ConvGeometry& g, float* x) {
   for (int64_t c = 0; c < g.channels; ++c)
     for (int64_t r = 0; r < g.kernel_h; ++r)
       for (int64_t s = 0; s < g.kernel_w; ++s) {
         const float* src = col + ((c * g.kernel_h + r) * g.kernel_w + s) * g.col_cols();
+        const int64_t shift = g.pad_w - s;  // w = q stride - shift
+        const InImage span = in_image(g, shift);
         for (int64_t p = 0; p < g.out_h; ++p, src += g.out_w) {
           int64_t h = p * g.stride_h - g.pad_h + r;
           if (h < 0 || h >= g.height) continue;
           float* dst = x + (c * g.height + h) * g.width;
-          for (int64_t q = 0; q < g.out_w; ++q) {
-            int64_t w = q * g.stride_w - g.pad_w + s;
-            if (w >= 0 && w < g.width) dst[w] += src[q];
+          if (g.stride_w == 1) {
+            for (int64_t q = span.q0; q < span.q1; ++q) dst[q - shift] += src[q];
+          } else {
+            for (int64_t q = span.q0; q < span.q1; ++q) dst[q * g.stride_w - shift] += src[q];
           }
         }
       }
