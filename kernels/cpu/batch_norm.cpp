@@ -1,9 +1,11 @@
 // BatchNorm over every dim but 1 of x (N, C, ...). Channels run in parallel; each channel's
-// statistics are two-pass sums in double over (n, inner) in order, so results are reproducible.
+// statistics are two-pass sums in double over (n, inner) in a fixed order (lane sums), so results
+// are reproducible.
 #include <cmath>
 
 #include "kernels/cpu/cpu_ops.hpp"
 #include "kernels/cpu/cpu_util.hpp"
+#include "kernels/cpu/lane_sum.hpp"
 
 namespace kernels::cpu {
 
@@ -28,15 +30,17 @@ void for_each_channel(const ChannelLayout& l, Body&& body) {
   });
 }
 
-// Sum over channel c of f(offset) for every element offset of the channel.
+// Sum over channel c of f(offset) for every element offset of the channel: each run's terms into
+// kSumLanes interleaved partial sums (lane_sum.hpp), added pairwise at the end. A fixed order, so
+// the same bits on any thread count, without a single running sum's chain of dependent adds.
 template <class F>
 double channel_sum(const ChannelLayout& l, int64_t c, F&& f) {
-  double s = 0.0;
+  double s[kSumLanes] = {};
   for (int64_t n = 0; n < l.batch; ++n) {
-    int64_t base = l.run(n, c);
-    for (int64_t i = 0; i < l.inner; ++i) s += f(base + i);
+    const int64_t base = l.run(n, c);
+    lane_sums(l.inner, s, [&](int64_t i) { return f(base + i); });
   }
-  return s;
+  return add_lanes(s);
 }
 
 // y = (x - mean) * (gamma * invstd) + beta over channel c.
