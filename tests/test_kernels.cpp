@@ -862,25 +862,60 @@ TEST_CASE("kernels.cast: conversions count on the context, a graph's at each rep
 // plus the special values: tanh within kTanhUlps units in the last place, GELU within 4 units of
 // 2^-24 of its larger term (measured: 4 ulp and 1.6 units), signs and NaN kept. A
 // thread count changes no bit (each element is computed alone, in whatever block).
-// The branch-free bf16 rounding the 16-bit convolutions store with equals the round trip through
-// f32_to_bf16 bit for bit: every 4099th bit pattern (ties to even, subnormals, infinities and
-// NaNs of both signs among them) and the edges.
-TEST_CASE("kernels.round_to_bf16: the same bits as the round trip through bf16") {
-  auto check = [](uint32_t u) {
+// f32 -> bf16 rounding (f32_to_bf16, and the block conversions of vec_math.hpp in every build this
+// CPU runs) against a reference that picks the nearer of the two bf16 neighbours of each value, an
+// exact tie going to the even one, and quiets a NaN: every 4099th bit pattern (ties, subnormals,
+// infinities and NaNs of both signs among them) and the edges, in a buffer whose length leaves a
+// partial last vector. Widening is exact (the bits shifted up), and rounding in f32 is the round
+// trip through bf16.
+TEST_CASE("kernels.bf16_rows: f32 to bf16 rounds to nearest even in every build, NaN quieted") {
+  auto reference = [](uint32_t u) -> uint16_t {
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+    const uint32_t below = u >> 16, rest = u & 0xffffu;  // truncated bf16, and what it drops
+    if (rest > 0x8000u || (rest == 0x8000u && (below & 1u)))
+      return static_cast<uint16_t>(below + 1);
+    return static_cast<uint16_t>(below);
+  };
+  std::vector<float> xs;
+  std::vector<uint16_t> want;
+  auto add = [&](uint32_t u) {
     float v;
     std::memcpy(&v, &u, 4);
-    const float want = bf16_to_f32(f32_to_bf16(v)), got = cpu::round_to_bf16(v);
-    uint32_t a, b;
-    std::memcpy(&a, &want, 4);
-    std::memcpy(&b, &got, 4);
-    return a == b;
+    xs.push_back(v);
+    want.push_back(reference(u));
   };
-  int64_t bad = 0;
-  for (uint64_t u = 0; u <= 0xffffffffull; u += 4099) bad += !check(static_cast<uint32_t>(u));
+  for (uint64_t u = 0; u <= 0xffffffffull; u += 4099) add(static_cast<uint32_t>(u));
   for (uint32_t u :
        {0x00000000u, 0x80000000u, 0x7f7fffffu, 0x7f800000u, 0xff800000u, 0x7f800001u, 0x7fc00000u,
         0xffffffffu, 0x3f808000u, 0x3f818000u, 0x3f80ffffu, 0x00008000u, 0x0001ffffu, 0x7f7f8000u})
-    bad += !check(u);
+    add(u);
+  const int64_t n = static_cast<int64_t>(xs.size());
+  REQUIRE(n % 16 != 0);
+  int64_t bad = 0;
+  for (int64_t i = 0; i < n; ++i) bad += f32_to_bf16(xs[i]) != want[i];
+  CHECK(bad == 0);
+  for (CpuVectorIsa isa : {CpuVectorIsa::sse, CpuVectorIsa::avx2, CpuVectorIsa::avx512}) {
+    if (isa > cpu_vector_isa()) continue;
+    CAPTURE(static_cast<int>(isa));
+    std::vector<uint16_t> got(xs.size());
+    cpu::f32_to_bf16_rows_for(isa, got.data(), xs.data(), n);
+    CHECK(got == want);
+    std::vector<float> wide(xs.size());
+    cpu::bf16_to_f32_rows_for(isa, wide.data(), got.data(), n);
+    bad = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t shifted = static_cast<uint32_t>(want[i]) << 16;
+      bad += std::memcmp(&wide[i], &shifted, 4) != 0;
+    }
+    CHECK(bad == 0);
+  }
+  std::vector<float> rounded(xs.size());
+  cpu::round_to_bf16_rows(rounded.data(), xs.data(), n);
+  bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t shifted = static_cast<uint32_t>(want[i]) << 16;
+    bad += std::memcmp(&rounded[i], &shifted, 4) != 0;
+  }
   CHECK(bad == 0);
 }
 

@@ -22,8 +22,20 @@ void map(Tensor& y, const Tensor& x, F f) {
       [&](auto y_t, auto x_t) {
         const auto* px = x.data<decltype(x_t)>();
         auto* py = y.data<decltype(y_t)>();
+        using Y = std::remove_pointer_t<decltype(py)>;
+        using X = std::remove_cv_t<std::remove_pointer_t<decltype(px)>>;
         parallel_range(y.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
-          for (int64_t i = begin; i < end; ++i) store_rounded(py[i], f(load_f32(px[i])));
+          if constexpr (std::is_same_v<Y, float> && std::is_same_v<X, float>) {
+            for (int64_t i = begin; i < end; ++i) py[i] = f(px[i]);
+          } else {  // 16-bit storage: through f32 blocks (cpu_util.hpp)
+            float in[kConvertBlock], out[kConvertBlock];
+            for (int64_t b = begin; b < end; b += kConvertBlock) {
+              const int64_t m = std::min(kConvertBlock, end - b);
+              const float* v = widen_block(px + b, m, in);
+              for (int64_t j = 0; j < m; ++j) out[j] = f(v[j]);
+              store_block(py + b, out, m);
+            }
+          }
         });
       },
       y.dtype(), x.dtype());
@@ -37,33 +49,39 @@ void backward(Tensor& dx, const Tensor& dy, const Tensor& v, Accumulate acc, Der
         const auto* pdy = dy.data<decltype(dy_t)>();
         const auto* pv = v.data<decltype(v_t)>();
         auto* pdx = dx.data<decltype(dx_t)>();
+        using DX = std::remove_pointer_t<decltype(pdx)>;
+        using DY = std::remove_cv_t<std::remove_pointer_t<decltype(pdy)>>;
+        using V = std::remove_cv_t<std::remove_pointer_t<decltype(pv)>>;
         parallel_range(dx.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
-          if (acc == Accumulate::yes)
-            for (int64_t i = begin; i < end; ++i)
-              store_rounded(pdx[i], load_f32(pdx[i]) + load_f32(pdy[i]) * d(load_f32(pv[i])));
-          else
-            for (int64_t i = begin; i < end; ++i)
-              store_rounded(pdx[i], load_f32(pdy[i]) * d(load_f32(pv[i])));
+          if constexpr (std::is_same_v<DX, float> && std::is_same_v<DY, float> &&
+                        std::is_same_v<V, float>) {
+            if (acc == Accumulate::yes)
+              for (int64_t i = begin; i < end; ++i) pdx[i] += pdy[i] * d(pv[i]);
+            else
+              for (int64_t i = begin; i < end; ++i) pdx[i] = pdy[i] * d(pv[i]);
+          } else {  // 16-bit storage: through f32 blocks (cpu_util.hpp)
+            float v_buf[kConvertBlock], dy_buf[kConvertBlock], out[kConvertBlock];
+            for (int64_t b = begin; b < end; b += kConvertBlock) {
+              const int64_t m = std::min(kConvertBlock, end - b);
+              const float* vv = widen_block(pv + b, m, v_buf);
+              const float* g = widen_block(pdy + b, m, dy_buf);
+              if (acc == Accumulate::yes) {
+                const float* prev = widen_block(pdx + b, m, out);
+                for (int64_t j = 0; j < m; ++j) out[j] = prev[j] + g[j] * d(vv[j]);
+              } else {
+                for (int64_t j = 0; j < m; ++j) out[j] = g[j] * d(vv[j]);
+              }
+              store_block(pdx + b, out, m);
+            }
+          }
         });
       },
       dx.dtype(), dy.dtype(), v.dtype());
 }
 
 // The vectorised activations (vec_math.hpp) work on f32 rows: 16-bit storage is widened into
-// and rounded out of per-thread blocks of this many elements.
-constexpr int64_t kBlock = 512;
+// and rounded out of per-thread blocks (cpu_util.hpp's kConvertBlock elements).
 using Rows = void (*)(float*, const float*, int64_t);
-
-// Elements [b, b + m) of p as f32: in place for f32, else widened into buf (m <= kBlock).
-template <class S>
-const float* block_f32(const S* p, int64_t b, int64_t m, float* buf) {
-  if constexpr (std::is_same_v<S, float>) {
-    return p + b;
-  } else {
-    for (int64_t j = 0; j < m; ++j) buf[j] = load_f32(p[b + j]);
-    return buf;
-  }
-}
 
 // y = rows(x), any storage.
 void map_rows(Tensor& y, const Tensor& x, Rows rows) {
@@ -73,15 +91,15 @@ void map_rows(Tensor& y, const Tensor& x, Rows rows) {
         const auto* px = x.data<decltype(x_t)>();
         Y* py = y.data<Y>();
         parallel_range(y.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
-          float in[kBlock], out[kBlock];
-          for (int64_t b = begin; b < end; b += kBlock) {
-            const int64_t m = std::min(kBlock, end - b);
-            const float* src = block_f32(px, b, m, in);
+          float in[kConvertBlock], out[kConvertBlock];
+          for (int64_t b = begin; b < end; b += kConvertBlock) {
+            const int64_t m = std::min(kConvertBlock, end - b);
+            const float* src = widen_block(px + b, m, in);
             if constexpr (std::is_same_v<Y, float>) {
               rows(py + b, src, m);
             } else {
               rows(out, src, m);
-              for (int64_t j = 0; j < m; ++j) store_rounded(py[b + j], out[j]);
+              store_block(py + b, out, m);
             }
           }
         });
@@ -97,16 +115,26 @@ void backward_rows(Tensor& dx, const Tensor& dy, const Tensor& v, Accumulate acc
         const auto* pv = v.data<decltype(v_t)>();
         auto* pdx = dx.data<decltype(dx_t)>();
         parallel_range(dx.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
-          float in[kBlock], g[kBlock];
-          for (int64_t b = begin; b < end; b += kBlock) {
-            const int64_t m = std::min(kBlock, end - b);
-            grad(g, block_f32(pv, b, m, in), m);
-            if (acc == Accumulate::yes)
-              for (int64_t j = 0; j < m; ++j)
-                store_rounded(pdx[b + j], load_f32(pdx[b + j]) + load_f32(pdy[b + j]) * g[j]);
-            else
-              for (int64_t j = 0; j < m; ++j)
-                store_rounded(pdx[b + j], load_f32(pdy[b + j]) * g[j]);
+          using DX = std::remove_pointer_t<decltype(pdx)>;
+          float in[kConvertBlock], g[kConvertBlock], dy_buf[kConvertBlock], out[kConvertBlock];
+          for (int64_t b = begin; b < end; b += kConvertBlock) {
+            const int64_t m = std::min(kConvertBlock, end - b);
+            grad(g, widen_block(pv + b, m, in), m);
+            const float* d = widen_block(pdy + b, m, dy_buf);
+            if constexpr (std::is_same_v<DX, float>) {
+              if (acc == Accumulate::yes)
+                for (int64_t j = 0; j < m; ++j) pdx[b + j] += d[j] * g[j];
+              else
+                for (int64_t j = 0; j < m; ++j) pdx[b + j] = d[j] * g[j];
+            } else {
+              if (acc == Accumulate::yes) {
+                const float* prev = widen_block(pdx + b, m, out);
+                for (int64_t j = 0; j < m; ++j) out[j] = prev[j] + d[j] * g[j];
+              } else {
+                for (int64_t j = 0; j < m; ++j) out[j] = d[j] * g[j];
+              }
+              store_block(pdx + b, out, m);
+            }
           }
         });
       },

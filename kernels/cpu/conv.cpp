@@ -199,24 +199,24 @@ bool on_bf16_instructions(const Tensor& a, const Tensor& b) {
   return a.dtype() == DType::bf16 && b.dtype() == DType::bf16 && bf16_gemm_enabled();
 }
 
-// to[i] = round(from[i]) (+ prev[i] when prev is given) for i in [begin, end).
-template <class Round>
-void round_range(float* to, const float* from, const float* prev, int64_t begin, int64_t end,
-                 Round round) {
-  if (prev)
-    for (int64_t i = begin; i < end; ++i) to[i] = prev[i] + round(from[i]);
-  else
-    for (int64_t i = begin; i < end; ++i) to[i] = round(from[i]);
-}
-
-// to = from rounded to `inputs` (an f16/bf16 dtype), + prev when given; the dtype chosen once,
-// outside the loops (bf16's rounding vectorises then).
+// to = from rounded to `inputs` (an f16/bf16 dtype), + prev when given (bf16: vec_math.hpp's
+// rounding, at the CPU's vector width).
 void round_all(float* to, const float* from, const float* prev, int64_t n, DType inputs) {
   parallel_range(n, kElementwiseGrain, [&](int64_t begin, int64_t end) {
-    if (inputs == DType::bf16)
-      round_range(to, from, prev, begin, end, round_to_bf16);
-    else
-      round_range(to, from, prev, begin, end, [&](float v) { return round_to(inputs, v); });
+    if (inputs != DType::bf16) {
+      if (prev)
+        for (int64_t i = begin; i < end; ++i) to[i] = prev[i] + round_to(inputs, from[i]);
+      else
+        for (int64_t i = begin; i < end; ++i) to[i] = round_to(inputs, from[i]);
+      return;
+    }
+    if (!prev) return round_to_bf16_rows(to + begin, from + begin, end - begin);
+    float rounded[kConvertBlock];
+    for (int64_t b = begin; b < end; b += kConvertBlock) {
+      const int64_t m = std::min(kConvertBlock, end - b);
+      round_to_bf16_rows(rounded, from + b, m);
+      for (int64_t j = 0; j < m; ++j) to[b + j] = prev[b + j] + rounded[j];
+    }
   });
 }
 

@@ -15,7 +15,11 @@ void cast(Tensor& dst, const Tensor& src) {
               const auto* ps = src.data<decltype(s_t)>();
               auto* pd = dst.data<decltype(d_t)>();
               parallel_range(dst.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
-                for (int64_t i = begin; i < end; ++i) store_rounded(pd[i], load_f32(ps[i]));
+                float buf[kConvertBlock];  // through f32 blocks (cpu_util.hpp)
+                for (int64_t b = begin; b < end; b += kConvertBlock) {
+                  const int64_t m = std::min(kConvertBlock, end - b);
+                  store_block(pd + b, widen_block(ps + b, m, buf), m);
+                }
               });
             },
             src.dtype());

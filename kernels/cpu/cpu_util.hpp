@@ -6,11 +6,13 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
 
+#include "kernels/cpu/vec_math.hpp"
 #include "kernels/ops.hpp"
 #include "kernels/storage_dispatch.hpp"
 
@@ -52,17 +54,9 @@ const float* as_f32(const Tensor& t, std::vector<float>& scratch);
 // requires t f16 or bf16 with t.numel() values at src. ensures t = src rounded to nearest even.
 void store_from_f32(Tensor& t, const float* src);
 
-// v rounded to the nearest (even) bf16, as f32: bf16_to_f32(f32_to_bf16(v)), NaN quieted as
-// there, with selects in place of its branch, so that a loop of it vectorises.
+// v rounded to the nearest (even) bf16, as f32, NaN quieted (f32_to_bf16's selects vectorise).
 inline float round_to_bf16(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
-  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-  const uint32_t quiet_nan = (u | 0x00400000u) & 0xffff0000u;
-  const uint32_t r = (u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded;
-  float out;
-  std::memcpy(&out, &r, 4);
-  return out;
+  return bf16_to_f32(f32_to_bf16(v));
 }
 
 // v rounded to the nearest (even) value of a floating dtype, as f32 (v itself for f32).
@@ -109,6 +103,34 @@ inline void store_rounded(BF16& to, float v) {
   to.bits = f32_to_bf16(v);
 }
 
+// Blocks of 16-bit storage through f32, for kernels whose element loop would otherwise narrow one
+// value at a time (bf16: vec_math.hpp's conversions, at the CPU's vector width). The same bits as
+// load_f32 and store_rounded element by element.
+constexpr int64_t kConvertBlock = 512;
+// Elements [0, m) of p as f32: p itself for f32, else widened into buf (m floats; the kernels'
+// buffers hold kConvertBlock).
+inline const float* widen_block(const float* p, int64_t, float*) {
+  return p;
+}
+inline const float* widen_block(const BF16* p, int64_t m, float* buf) {
+  bf16_to_f32_rows(buf, reinterpret_cast<const uint16_t*>(p), m);
+  return buf;
+}
+inline const float* widen_block(const F16* p, int64_t m, float* buf) {
+  for (int64_t j = 0; j < m; ++j) buf[j] = load_f32(p[j]);
+  return buf;
+}
+// to[0, m) := v[0, m) rounded once to to's storage.
+inline void store_block(float* to, const float* v, int64_t m) {
+  if (to != v) std::copy_n(v, m, to);
+}
+inline void store_block(BF16* to, const float* v, int64_t m) {
+  f32_to_bf16_rows(reinterpret_cast<uint16_t*>(to), v, m);
+}
+inline void store_block(F16* to, const float* v, int64_t m) {
+  for (int64_t j = 0; j < m; ++j) store_rounded(to[j], v[j]);
+}
+
 // requires each dtype f32, f16 or bf16, f16 and bf16 not both (ops.cpp checks it).
 // ensures f(S...) is called with a value of each dtype's storage type, in order:
 //   with_storage([&](auto y_t, auto x_t) { auto* py = y.data<decltype(y_t)>(); ... },
@@ -129,11 +151,25 @@ void map_binary(Tensor& y, const Tensor& a, const Tensor& b, F f) {
         const auto* pa = a.data<decltype(a_t)>();
         const auto* pb = b.data<decltype(b_t)>();
         auto* py = y.data<decltype(y_t)>();
+        using Y = std::remove_pointer_t<decltype(py)>;
+        using A = std::remove_cv_t<std::remove_pointer_t<decltype(pa)>>;
+        using B = std::remove_cv_t<std::remove_pointer_t<decltype(pb)>>;
+        constexpr bool all_f32 =
+            std::is_same_v<Y, float> && std::is_same_v<A, float> && std::is_same_v<B, float>;
         parallel_range(n, kElementwiseGrain, [&](int64_t begin, int64_t end) {
-          if (inner == n)  // same shapes: no index arithmetic in the loop
+          if (inner == n && all_f32) {  // same shapes: no index arithmetic in the loop
             for (int64_t i = begin; i < end; ++i)
               store_rounded(py[i], f(load_f32(pa[i]), load_f32(pb[i])));
-          else
+          } else if (inner == n) {  // 16-bit storage: through f32 blocks
+            float a_buf[kConvertBlock], b_buf[kConvertBlock], out[kConvertBlock];
+            for (int64_t i = begin; i < end; i += kConvertBlock) {
+              const int64_t m = std::min(kConvertBlock, end - i);
+              const float* va = widen_block(pa + i, m, a_buf);
+              const float* vb = widen_block(pb + i, m, b_buf);
+              for (int64_t j = 0; j < m; ++j) out[j] = f(va[j], vb[j]);
+              store_block(py + i, out, m);
+            }
+          } else
             for (int64_t i = begin; i < end; ++i)
               store_rounded(py[i], f(load_f32(pa[i]), load_f32(pb[i % inner])));
         });

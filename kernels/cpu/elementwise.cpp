@@ -54,10 +54,21 @@ void add_bias(Tensor& y, const Tensor& bias) {
         const auto* pb = bias.data<decltype(bias_t)>();
         auto* py = y.data<decltype(y_t)>();
         parallel_range(rows, grain, [&](int64_t begin, int64_t end) {
+          using Y = std::remove_pointer_t<decltype(py)>;
           for (int64_t r = begin; r < end; ++r) {
             float b = load_f32(pb[r % channels]);
-            auto* row = py + r * inner;
-            for (int64_t i = 0; i < inner; ++i) store_rounded(row[i], load_f32(row[i]) + b);
+            Y* row = py + r * inner;
+            if constexpr (std::is_same_v<Y, float>) {
+              for (int64_t i = 0; i < inner; ++i) row[i] += b;
+            } else {  // 16-bit storage: through f32 blocks (cpu_util.hpp)
+              float sum[kConvertBlock];
+              for (int64_t i = 0; i < inner; i += kConvertBlock) {
+                const int64_t m = std::min(kConvertBlock, inner - i);
+                widen_block(row + i, m, sum);
+                for (int64_t j = 0; j < m; ++j) sum[j] += b;
+                store_block(row + i, sum, m);
+              }
+            }
           }
         });
       },

@@ -364,8 +364,10 @@ const float* as_f32(const Tensor& t, std::vector<float>& scratch) {
   const uint16_t* src = t.data<uint16_t>();
   bool is_bf16 = t.dtype() == DType::bf16;
   parallel_range(t.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i)
-      scratch[i] = is_bf16 ? bf16_to_f32(src[i]) : f16_to_f32(src[i]);
+    if (is_bf16)
+      bf16_to_f32_rows(scratch.data() + begin, src + begin, end - begin);
+    else
+      for (int64_t i = begin; i < end; ++i) scratch[i] = f16_to_f32(src[i]);
   });
   return scratch.data();
 }
@@ -374,8 +376,10 @@ void store_from_f32(Tensor& t, const float* src) {
   uint16_t* dst = t.data<uint16_t>();
   bool is_bf16 = t.dtype() == DType::bf16;
   parallel_range(t.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i)
-      dst[i] = is_bf16 ? f32_to_bf16(src[i]) : f32_to_f16(src[i]);
+    if (is_bf16)
+      f32_to_bf16_rows(dst + begin, src + begin, end - begin);
+    else
+      for (int64_t i = begin; i < end; ++i) dst[i] = f32_to_f16(src[i]);
   });
 }
 

@@ -54,14 +54,16 @@ float* grad_plane(T* din, int64_t n, Accumulate acc, std::vector<float>& scratch
     return din;
   } else {
     scratch.resize(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) scratch[i] = acc == Accumulate::yes ? load_f32(din[i]) : 0.f;
+    if (acc == Accumulate::yes)
+      widen_block(din, n, scratch.data());
+    else
+      std::fill(scratch.begin(), scratch.end(), 0.f);
     return scratch.data();
   }
 }
 template <class T>
 void store_plane(T* din, const float* plane, int64_t n) {
-  if constexpr (!std::is_same_v<T, float>)
-    for (int64_t i = 0; i < n; ++i) store_rounded(din[i], plane[i]);
+  if constexpr (!std::is_same_v<T, float>) store_block(din, plane, n);
 }
 
 // y[plane, oh, ow] = window(the plane's input, its window oh, ow), rounded once into y's storage

@@ -155,6 +155,22 @@ DP_VEC_VARIANTS(gelu_tanh_rows, gelu_tanh_vec)
 DP_VEC_VARIANTS(gelu_tanh_grad_rows, gelu_tanh_grad_vec)
 DP_VEC_VARIANTS(exp_nonpositive_rows, exp_flushed_vec)
 
+// The bf16 conversions: plain loops of dtype.hpp's select-form conversions, which each build
+// vectorises at its own width (AVX-512 narrows 16 lanes with one vpmovdw).
+#define DP_BF16_CONVERSIONS(suffix, attributes)                                     \
+  attributes void bf16_to_f32_##suffix(float* out, const uint16_t* in, int64_t n) { \
+    for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_f32(in[i]);                    \
+  }                                                                                 \
+  attributes void f32_to_bf16_##suffix(uint16_t* out, const float* in, int64_t n) { \
+    for (int64_t i = 0; i < n; ++i) out[i] = f32_to_bf16(in[i]);                    \
+  }                                                                                 \
+  attributes void round_to_bf16_##suffix(float* out, const float* in, int64_t n) {  \
+    for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_f32(f32_to_bf16(in[i]));       \
+  }
+DP_BF16_CONVERSIONS(avx512, __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512cd"))))
+DP_BF16_CONVERSIONS(avx2, __attribute__((target("avx2,fma"))))
+DP_BF16_CONVERSIONS(base, )
+
 using Rows = void (*)(float*, const float*, int64_t);
 Rows pick(Rows avx512, Rows avx2, Rows base) {
   const CpuVectorIsa isa = cpu_vector_isa();
@@ -211,6 +227,41 @@ float exp_minus_max_rows(float* y, const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] = x[i] - m;
   exp_nonpositive_rows(y, y, n);
   return m;
+}
+
+namespace {
+template <class Fn>
+Fn pick_build(CpuVectorIsa isa, Fn avx512, Fn avx2, Fn base) {
+  return isa == CpuVectorIsa::avx512 ? avx512 : isa >= CpuVectorIsa::avx2 ? avx2 : base;
+}
+}  // namespace
+
+void bf16_to_f32_rows_for(CpuVectorIsa isa, float* out, const uint16_t* in, int64_t n) {
+  DP_CHECK(isa <= cpu_vector_isa(), "vec_math: this CPU cannot run the build asked for");
+  pick_build(isa, bf16_to_f32_avx512, bf16_to_f32_avx2, bf16_to_f32_base)(out, in, n);
+}
+
+void f32_to_bf16_rows_for(CpuVectorIsa isa, uint16_t* out, const float* in, int64_t n) {
+  DP_CHECK(isa <= cpu_vector_isa(), "vec_math: this CPU cannot run the build asked for");
+  pick_build(isa, f32_to_bf16_avx512, f32_to_bf16_avx2, f32_to_bf16_base)(out, in, n);
+}
+
+void bf16_to_f32_rows(float* out, const uint16_t* in, int64_t n) {
+  static const auto impl =
+      pick_build(cpu_vector_isa(), bf16_to_f32_avx512, bf16_to_f32_avx2, bf16_to_f32_base);
+  impl(out, in, n);
+}
+
+void f32_to_bf16_rows(uint16_t* out, const float* in, int64_t n) {
+  static const auto impl =
+      pick_build(cpu_vector_isa(), f32_to_bf16_avx512, f32_to_bf16_avx2, f32_to_bf16_base);
+  impl(out, in, n);
+}
+
+void round_to_bf16_rows(float* out, const float* in, int64_t n) {
+  static const auto impl =
+      pick_build(cpu_vector_isa(), round_to_bf16_avx512, round_to_bf16_avx2, round_to_bf16_base);
+  impl(out, in, n);
 }
 
 }  // namespace kernels::cpu

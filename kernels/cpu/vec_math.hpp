@@ -22,9 +22,20 @@ float exp_minus_max_rows(float* y, const float* x, int64_t n);
 void gelu_tanh_rows(float* y, const float* x, int64_t n);
 void gelu_tanh_grad_rows(float* g, const float* x, int64_t n);
 
+// bf16 storage in blocks: n values widened to f32 (exact), and n f32 values rounded to the
+// nearest even bf16 (NaN quieted), stored as bf16 bits or as f32 (round_to_bf16_rows): the bits of
+// f32_to_bf16 and bf16_to_f32 (kernels/runtime/dtype.hpp), in the CPU's widest vector ISA. The
+// baseline build's narrowing takes several SSE2 shuffles a vector; AVX-512 has one instruction.
+void bf16_to_f32_rows(float* out, const uint16_t* in, int64_t n);
+void f32_to_bf16_rows(uint16_t* out, const float* in, int64_t n);
+void round_to_bf16_rows(float* out, const float* in, int64_t n);
+
 // One of the functions above in the build for `isa` (at most the CPU's: cpu_vector_isa; the
 // avx build is the baseline's), for tests that check every build gives the same bits.
 enum class VecFunction { tanh, gelu_tanh, gelu_tanh_grad, exp_nonpositive };
 void rows_for(VecFunction f, CpuVectorIsa isa, float* out, const float* in, int64_t n);
+// The bf16 conversions above in the build for `isa`, likewise.
+void bf16_to_f32_rows_for(CpuVectorIsa isa, float* out, const uint16_t* in, int64_t n);
+void f32_to_bf16_rows_for(CpuVectorIsa isa, uint16_t* out, const float* in, int64_t n);
 
 }  // namespace kernels::cpu
