@@ -21,6 +21,12 @@ struct PoolGeometry {
   Pool2dParams p;
 
   int64_t in_plane() const { return height * width; }
+  // The classic 2x2 pool with stride 2 and no padding: every window whole, two elements of two
+  // rows, visited without a window's bounds (the same elements in the same order).
+  bool is_2x2() const {
+    return p.kernel_h == 2 && p.kernel_w == 2 && p.stride_h == 2 && p.stride_w == 2 &&
+           p.pad_h == 0 && p.pad_w == 0;
+  }
   int64_t out_plane() const { return out_h * out_w; }
   Window window(int64_t oh, int64_t ow) const {
     int64_t h0 = oh * p.stride_h - p.pad_h, w0 = ow * p.stride_w - p.pad_w;
@@ -89,6 +95,29 @@ void pool_forward(Tensor& y, const Tensor& x, const PoolGeometry& g, WindowValue
 
 void max_pool2d_forward(Tensor& y, const Tensor& x, const Pool2dParams& p) {
   PoolGeometry g = geometry(x, y, p);
+  if (g.is_2x2()) {  // the generic window's max below, in its order (a NaN wins only first)
+    with_storage(
+        [&](auto y_t, auto x_t) {
+          const auto* px = x.data<decltype(x_t)>();
+          auto* py = y.data<decltype(y_t)>();
+          for_each_plane(x.dim(0) * x.dim(1), g, [&](int64_t plane, std::vector<float>&) {
+            for (int64_t oh = 0; oh < g.out_h; ++oh) {
+              const auto* r0 = px + plane * g.in_plane() + 2 * oh * g.width;
+              const auto* r1 = r0 + g.width;
+              auto* out = py + plane * g.out_plane() + oh * g.out_w;
+              for (int64_t ow = 0; ow < g.out_w; ++ow) {
+                float best = load_f32(r0[2 * ow]);
+                best = std::max(best, load_f32(r0[2 * ow + 1]));
+                best = std::max(best, load_f32(r1[2 * ow]));
+                best = std::max(best, load_f32(r1[2 * ow + 1]));
+                store_rounded(out[ow], best);
+              }
+            }
+          });
+        },
+        y.dtype(), x.dtype());
+    return;
+  }
   pool_forward(y, x, g, [&](const auto* in, const Window& win) {
     float best = load_f32(in[win.h_begin * g.width + win.w_begin]);
     for (int64_t h = win.h_begin; h < win.h_end; ++h)
@@ -111,6 +140,21 @@ void max_pool2d_backward(Tensor& dx, const Tensor& dy, const Tensor& x, const Te
         for_each_plane(x.dim(0) * x.dim(1), g, [&](int64_t plane, std::vector<float>& scratch) {
           const auto* in = px + plane * g.in_plane();
           float* din = grad_plane(pdx + plane * g.in_plane(), g.in_plane(), acc, scratch);
+          if (g.is_2x2()) {  // the search below, over the window's 4 elements in its order
+            for (int64_t oh = 0; oh < g.out_h; ++oh)
+              for (int64_t ow = 0; ow < g.out_w; ++ow) {
+                const int64_t o = plane * g.out_plane() + oh * g.out_w + ow;
+                const int64_t at = 2 * oh * g.width + 2 * ow;
+                const float best = load_f32(py[o]);
+                int64_t argmax = load_f32(in[at + g.width + 1]) == best ? at + g.width + 1 : -1;
+                argmax = load_f32(in[at + g.width]) == best ? at + g.width : argmax;
+                argmax = load_f32(in[at + 1]) == best ? at + 1 : argmax;
+                argmax = load_f32(in[at]) == best ? at : argmax;
+                if (argmax >= 0) din[argmax] += load_f32(pdy[o]);
+              }
+            store_plane(pdx + plane * g.in_plane(), din, g.in_plane());
+            return;
+          }
           for (int64_t oh = 0; oh < g.out_h; ++oh)
             for (int64_t ow = 0; ow < g.out_w; ++ow) {
               int64_t o = plane * g.out_plane() + oh * g.out_w + ow;
