@@ -1,9 +1,11 @@
 // Elementwise arithmetic and the bias helpers of linear/conv layers (f32; add, mul, add_bias and
 // bias_backward also take f16/bf16 tensors through with_storage, axpy an f16/bf16 x).
 #include <algorithm>
+#include <type_traits>
 
 #include "kernels/cpu/cpu_ops.hpp"
 #include "kernels/cpu/cpu_util.hpp"
+#include "kernels/cpu/lane_sum.hpp"
 
 namespace kernels::cpu {
 
@@ -76,7 +78,8 @@ void add_bias(Tensor& y, const Tensor& bias) {
 }
 
 // db[c] (+)= sum over n, then inner, of dy[n, c, inner]. Channel ranges run in parallel; each
-// channel adds in the same order whatever the partition (double accumulators).
+// channel adds in the same order whatever the partition (double accumulators; each (n, c) run
+// in lane_sums' interleaved lanes, added pairwise).
 void bias_backward(Tensor& db, const Tensor& dy, Accumulate acc) {
   int64_t batch = dy.dim(0);
   int64_t channels = dy.dim(1);
@@ -99,9 +102,9 @@ void bias_backward(Tensor& db, const Tensor& dy, Accumulate acc) {
             for (int64_t n = 0; n < batch; ++n)
               for (int64_t c = begin; c < end; ++c) {
                 const auto* run = pdy + (n * channels + c) * inner;
-                double s = 0.0;
-                for (int64_t i = 0; i < inner; ++i) s += load_f32(run[i]);
-                sums[c - begin] += s;
+                double s[kSumLanes] = {};  // lanes: no chain of dependent adds (lane_sum.hpp)
+                lane_sums(inner, s, [&](int64_t i) { return double{load_f32(run[i])}; });
+                sums[c - begin] += add_lanes(s);
               }
           }
           for (int64_t c = begin; c < end; ++c) {
