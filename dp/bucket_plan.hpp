@@ -32,7 +32,6 @@ struct ParamExtent {
 
 struct BucketPlan {
   std::vector<Bucket> buckets;  // bucket 0 holds the last parameters
-  std::vector<int> bucket_of;   // per parameter (registration order); -1: it has no elements
 };
 
 // requires params in registration order with ascending offsets, each inside [0, buffer_end);
@@ -44,7 +43,6 @@ inline BucketPlan make_bucket_plan(const std::vector<ParamExtent>& params, int64
   DP_CHECK(first_cap > 0 && cap > 0 && elem_bytes > 0,
            "bucket plan: caps " << first_cap << " and " << cap << " bytes must be positive");
   BucketPlan plan;
-  plan.bucket_of.assign(params.size(), -1);
   int64_t end = buffer_end;  // where the bucket being filled ends: the previous one's start
   Bucket open{end, 0, 0};
   for (size_t k = params.size(); k-- > 0;) {
@@ -56,7 +54,6 @@ inline BucketPlan make_bucket_plan(const std::vector<ParamExtent>& params, int64
     open.offset = p.offset;
     open.numel = end - p.offset;
     ++open.n_params;
-    plan.bucket_of[k] = static_cast<int>(plan.buckets.size());
     if (open.numel * elem_bytes >= (plan.buckets.empty() ? first_cap : cap)) {
       plan.buckets.push_back(open);
       end = open.offset;

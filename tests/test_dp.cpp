@@ -150,7 +150,18 @@ TEST_CASE("dp.bucket_plan: reverse order, caps, and ranges that tile the buffer 
   CHECK(plan.buckets[1].offset == 0);
   CHECK(plan.buckets[1].numel == 512);
   CHECK(plan.buckets[1].n_params == 3);
-  CHECK(plan.bucket_of == std::vector<int>{1, 1, -1, 1, 0});
+  // Each parameter counts toward its bucket as backward reports it (the engines' path): the
+  // empty one toward none, bucket 1 final only with all three of its own.
+  dp::BucketProgress progress(&plan.buckets);
+  progress.param_ready(448, 0);
+  progress.param_ready(0, 100);
+  CHECK(progress.ready() == 0);
+  progress.param_ready(512, 200);
+  CHECK(progress.ready() == 1);
+  progress.param_ready(448, 50);
+  CHECK(progress.ready() == 1);
+  progress.param_ready(128, 300);
+  CHECK(progress.ready() == 2);
   // A leading gap belongs to the last bucket; every parameter larger than the cap gets its own.
   auto each = dp::make_bucket_plan({{16, 10}, {32, 10}}, 48, 4, 4);
   REQUIRE(each.buckets.size() == 2);
