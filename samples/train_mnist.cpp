@@ -263,32 +263,32 @@ int main(int argc, char** argv) {
                        << kernels::shape_str(image_shape) << " (MNIST's 28x28 grey images)");
     kernels::DeviceType type = device_type(f.device);
     auto devices = kernels::make_devices(type, f.mode == "single" ? 1 : f.gpus);
-    if (type == kernels::DeviceType::cpu) {
-      // CPU devices hold their activations in the host's memory, where a run past it meets the
-      // OOM killer: a step of 1 and of 2 rows on the run's model, precision and optimizer measures
-      // what a row costs, and a --batch that does not fit is refused with the figures, before
-      // training.
-      const dp::cli::StepMemory step = dp::cli::measure_step_memory([&](int64_t rows) {
-        nn::ModulePtr m = make_model(f.model);
-        m->materialize(Device::cpu(0), f.seed);
-        std::unique_ptr<nn::Optimizer> o;
-        if (f.optim == "adamw")
-          o = std::make_unique<nn::AdamW>(*m, kernels::AdamWConfig{});
-        else
-          o = std::make_unique<nn::SGD>(*m, kernels::SgdConfig{});
-        if (activations != kernels::DType::f32) m->set_activations(nn::Activations::compute);
-        dp::DataParallelOptions po;  // the run's precision: 16-bit copies and activations count
-        po.precision = precision;
-        dp::DataParallel e(m, *o, {Device::cpu(0)}, po);
-        const dp::data::Batch b = dp::data::make_batch(train, 0, rows);
-        e.train_step(b.images, b.labels);
-        return e.peak_memory_bytes()[0] + o->state_bytes();
-      });
+    // A step that does not fit is refused before training, with the figures: a step of 1 and of
+    // 2 rows on the run's model, precision and optimizer measures what a row costs. CPU devices
+    // hold their activations in the host's memory, where a run past it meets the OOM killer;
+    // CUDA devices are measured on GPU 0 where this process holds them (not under DDP, whose
+    // ranks are other processes).
+    if (type == kernels::DeviceType::cpu || f.mode == "single" || f.mode == "dp") {
       const int holders = f.mode == "single" ? 1 : f.gpus;
-      dp::cli::check_step_fits("--batch " + std::to_string(f.batch) + " (" + f.mode + " on " +
-                                   std::to_string(holders) + " CPU device(s))",
-                               step, holders, (f.batch + holders - 1) / holders,
-                               kernels::host_memory_available());
+      dp::cli::check_run_fits(
+          "train_mnist", "--batch " + std::to_string(f.batch), f.mode, type, holders,
+          (f.batch + holders - 1) / holders, [&](Device device, int64_t rows) {
+            nn::ModulePtr m = make_model(f.model);
+            m->materialize(device, f.seed);
+            std::unique_ptr<nn::Optimizer> o;
+            if (f.optim == "adamw")
+              o = std::make_unique<nn::AdamW>(*m, kernels::AdamWConfig{});
+            else
+              o = std::make_unique<nn::SGD>(*m, kernels::SgdConfig{});
+            if (activations != kernels::DType::f32) m->set_activations(nn::Activations::compute);
+            dp::DataParallelOptions po;  // the run's precision: 16-bit copies and activations
+            po.precision = precision;
+            po.graphs = dp::Graphs::off;  // one eager step: what the run's first step allocates
+            dp::DataParallel e(m, *o, {device}, po);
+            const dp::data::Batch b = dp::data::make_batch(train, 0, rows);
+            e.train_step(b.images, b.labels);
+            return e.peak_memory_bytes()[0] + o->state_bytes();
+          });
     }
 
     auto model = make_model(f.model);

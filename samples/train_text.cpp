@@ -225,25 +225,27 @@ int main(int argc, char** argv) {
     adamw.weight_decay = f.weight_decay;
     adamw.beta2 = 0.95f;
     auto loss_fn = std::make_shared<nn::TokenCrossEntropyLoss>();
-    if (type == kernels::DeviceType::cpu) {
-      // CPU devices hold their activations in the host's memory, where a run past it meets the
-      // OOM killer: a step's needs are measured on a probe step and refused with the figures.
-      const dp::cli::StepMemory step = dp::cli::measure_step_memory([&](int64_t rows) {
-        nn::ModulePtr m = make_model();
-        m->materialize(Device::cpu(0), f.seed);
-        nn::GroupedAdamW o(*m, adamw, nn::decay_by_parameter(*m, f.weight_decay));
-        dp::DataParallelOptions po;
-        po.loss = loss_fn;
-        dp::DataParallel e(m, o, {Device::cpu(0)}, po);
-        auto [x, y] = dp::data::text_batch(corpus.train, rows, f.seq, f.seed, 0);
-        e.train_step(x, y);
-        return e.peak_memory_bytes()[0] + o.state_bytes();
-      });
+    // A step that does not fit is refused before training, with the figures measured on a probe
+    // step of 1 and 2 sequences. CPU devices hold their activations in the host's memory, where a
+    // run past it meets the OOM killer; CUDA devices are measured on GPU 0 where this process
+    // holds them (not under DDP, whose ranks are other processes).
+    if (type == kernels::DeviceType::cpu || f.mode == "single" || f.mode == "dp") {
       const int devices = f.mode == "single" ? 1 : f.gpus;
-      dp::cli::check_step_fits(
-          "--batch " + std::to_string(f.batch) + " --seq " + std::to_string(f.seq) + " (" + f.mode +
-              " on " + std::to_string(devices) + " CPU device(s))",
-          step, devices, (f.batch + devices - 1) / devices, kernels::host_memory_available());
+      dp::cli::check_run_fits(
+          "train_text", "--batch " + std::to_string(f.batch) + " --seq " + std::to_string(f.seq),
+          f.mode, type, devices, (f.batch + devices - 1) / devices,
+          [&](Device device, int64_t rows) {
+            nn::ModulePtr m = make_model();
+            m->materialize(device, f.seed);
+            nn::GroupedAdamW o(*m, adamw, nn::decay_by_parameter(*m, f.weight_decay));
+            dp::DataParallelOptions po;
+            po.loss = loss_fn;
+            po.graphs = dp::Graphs::off;  // one eager step: what the run's first step allocates
+            dp::DataParallel e(m, o, {device}, po);
+            auto [x, y] = dp::data::text_batch(corpus.train, rows, f.seq, f.seed, 0);
+            e.train_step(x, y);
+            return e.peak_memory_bytes()[0] + o.state_bytes();
+          });
     }
 
     std::unique_ptr<dp::dist::DdpTrainer> ddp;

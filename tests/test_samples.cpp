@@ -448,6 +448,23 @@ TEST_CASE("samples.train_mnist: a batch that does not fit the host is refused wi
   CHECK(seconds_since(t0) < 20);
 }
 
+// On CUDA devices the same probe runs on GPU 0 (DP and single runs hold their devices in this
+// process) and a batch that does not fit it is refused with the figures, not met by the first
+// allocation past it.
+TEST_CASE("samples.train_mnist.cuda: a batch that does not fit GPU 0 is refused with the figures") {
+  DP_REQUIRE_GPU();
+  auto [rc, text] = run_mnist(
+      "--device cuda --model mlp --train-samples 64 --mode dp --gpus 2 --batch 2000000000");
+  INFO(text);
+  CHECK(rc != 0);
+  CHECK(text.find("--batch 2000000000 (dp on 2 CUDA device(s), ") != std::string::npos);
+  CHECK(text.find("1000000000 rows x ") != std::string::npos);
+  CHECK(text.find("measured on a probe step) needs at least") != std::string::npos);
+  CHECK(text.find("but GPU 0 has") != std::string::npos);
+  CHECK(text.find("memory probe step on GPU 0 failed") == std::string::npos);
+  CHECK(text.find("epoch 0") == std::string::npos);  // nothing trained
+}
+
 TEST_CASE(
     "samples.train_mnist: --resume latest of a finished run has nothing left to train, "
     "and exits 0") {

@@ -167,6 +167,23 @@ TEST_CASE("samples.train_text: a batch that does not fit the host is refused wit
   CHECK(r.seconds < 20);
 }
 
+// On CUDA devices the probe runs on GPU 0 and a batch that does not fit it is refused before
+// training, with the figures.
+TEST_CASE("samples.train_text.cuda: a batch that does not fit GPU 0 is refused with the figures") {
+  DP_REQUIRE_GPU();
+  if (skip_without_fortunes()) return;
+  const Outcome r = run_outcome(
+      "--device cuda --mode dp --gpus 2 --batch 1000000 --seq 128 "
+      "--steps 3");
+  INFO(r.text);
+  CHECK(r.status != 0);
+  CHECK(r.text.find("--batch 1000000 --seq 128 (dp on 2 CUDA device(s), ") != std::string::npos);
+  CHECK(r.text.find("500000 rows x ") != std::string::npos);
+  CHECK(r.text.find("measured on a probe step) needs at least") != std::string::npos);
+  CHECK(r.text.find("but GPU 0 has") != std::string::npos);
+  CHECK(r.text.find("memory probe step on GPU 0 failed") == std::string::npos);
+}
+
 TEST_CASE("samples.train_text: --model llama refuses the GPT's flags, naming them") {
   for (const char* flag : {"--gpt-config 124m", "--dropout 0.1"}) {
     CAPTURE(flag);

@@ -359,14 +359,40 @@ StepMemory measure_step_memory(const std::function<int64_t(int64_t rows)>& peak_
 }
 
 void check_step_fits(const std::string& what, const StepMemory& m, int devices, int64_t rows,
-                     const kernels::AvailableMemory& host) {
+                     const std::string& where, const kernels::AvailableMemory& memory) {
   const int64_t rows_bytes =
       checked_product(rows, "rows per device", m.per_row, "bytes per row",
                       std::numeric_limits<int64_t>::max() / (2 * int64_t{devices} + 2));
   check_fits(what + " (" + std::to_string(devices) + " x (" + human_bytes(m.fixed) +
                  " for the model and optimizer + " + std::to_string(rows) + " rows x " +
                  human_bytes(m.per_row) + "), measured on a probe step)",
-             devices * (m.fixed + rows_bytes), "the host", host, "give a smaller batch");
+             devices * (m.fixed + rows_bytes), where, memory, "give a smaller batch");
+}
+
+void check_run_fits(const std::string& program, const std::string& what, const std::string& mode,
+                    kernels::DeviceType type, int devices, int64_t rows,
+                    const std::function<int64_t(kernels::Device, int64_t rows)>& peak_of) {
+  if (type == kernels::DeviceType::cpu) {
+    const StepMemory step =
+        measure_step_memory([&](int64_t r) { return peak_of(kernels::Device::cpu(0), r); });
+    return check_step_fits(
+        what + " (" + mode + " on " + std::to_string(devices) + " CPU device(s))", step, devices,
+        rows, "the host", kernels::host_memory_available());
+  }
+  const int physical = kernels::cuda_device_count();
+  if (physical < 1) return;  // the run says why it has no GPU
+  const int on_gpu0 = (devices + physical - 1) / physical;
+  StepMemory step;
+  try {
+    step = measure_step_memory([&](int64_t r) { return peak_of(kernels::Device::cuda(0), r); });
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: the memory probe step on GPU 0 failed (%s): training without it\n",
+                 program.c_str(), e.what());
+    return;
+  }
+  check_step_fits(what + " (" + mode + " on " + std::to_string(devices) + " CUDA device(s), " +
+                      std::to_string(on_gpu0) + " on GPU 0)",
+                  step, on_gpu0, rows, "GPU 0", kernels::gpu_memory(0));
 }
 
 }  // namespace dp::cli

@@ -131,9 +131,23 @@ struct StepMemory {
 };
 StepMemory measure_step_memory(const std::function<int64_t(int64_t rows)>& peak_of);
 // Throws check_fits's message, naming the figures, when `devices` devices each holding
-// `rows` rows' step exceed `host`: "<what> (N x (fixed + rows x per_row), measured on a probe
-// step) needs at least ...".
+// `rows` rows' step exceed `memory` (of `where`: "the host", "GPU 0"): "<what> (N x (fixed +
+// rows x per_row), measured on a probe step) needs at least ...".
 void check_step_fits(const std::string& what, const StepMemory& m, int devices, int64_t rows,
-                     const kernels::AvailableMemory& host);
+                     const std::string& where, const kernels::AvailableMemory& memory);
+// A training program's check before it trains: `devices` devices of `type`, each with `rows`
+// rows, against the memory that holds them. peak_of(device, rows) runs one step of `rows` rows
+// on a fresh one-device engine on `device` and returns the peak bytes it counts.
+// The message names "<what> (<mode> on N CPU device(s))", or "... N CUDA device(s), K on GPU 0)".
+// - CPU devices: measured on cpu:0, against the host (what a run past it meets is the OOM
+//   killer, rc 137 and no message).
+// - CUDA devices: measured on GPU 0, which holds ceil(devices / physical GPUs) of them (logical
+//   devices share the GPUs round-robin), against its memory. Only for a process that holds the
+//   run's devices itself (not a DDP launcher, which creates no CUDA context). A probe that fails
+//   is said in one line on stderr under `program`'s name and the check is skipped: the run
+//   meets the same failure and names it.
+void check_run_fits(const std::string& program, const std::string& what, const std::string& mode,
+                    kernels::DeviceType type, int devices, int64_t rows,
+                    const std::function<int64_t(kernels::Device, int64_t rows)>& peak_of);
 
 }  // namespace dp::cli
