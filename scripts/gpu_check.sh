@@ -145,8 +145,10 @@ usage() {
 # ---- --bundle: build here for sm_90 and pack ------------------------------------------------
 
 # The programs the check runs (test_bench for its graphed DDP case, run against the bundle's
-# dp_bench through DP_BENCH_PROGRAM).
-bundle_targets=(test_kernels_cuda test_nn test_dp test_dist test_bench bench_kernels dp_bench)
+# dp_bench through DP_BENCH_PROGRAM; test_samples and test_train_text for their CUDA memory
+# checks, against the bundle's train_mnist and train_text likewise).
+bundle_targets=(test_kernels_cuda test_nn test_dp test_dist test_bench bench_kernels dp_bench
+  test_samples train_mnist test_train_text train_text)
 
 # Shared libraries a GPU machine provides itself: the C library family, and the CUDA libraries
 # (present there in PyTorch's wheels or the toolkit; the script finds them at run time).
@@ -392,8 +394,11 @@ for item in "${items[@]}"; do
     done
   done
 done
-# test_bench's CUDA case runs this dp_bench (the path built into it is the build machine's).
+# test_bench's CUDA case runs this dp_bench (the path built into it is the build machine's), and
+# the samples' CUDA cases these train_mnist and train_text.
 export DP_BENCH_PROGRAM=$build/bin/dp_bench
+export DP_TRAIN_MNIST_PROGRAM=$build/bin/train_mnist
+export DP_TRAIN_TEXT_PROGRAM=$build/bin/train_text
 
 # ---- the CUDA libraries ----------------------------------------------------------------------
 
@@ -871,7 +876,8 @@ part_tests() {
   # The doctest binaries with their filters, in a build tree as in a bundle (ctest -R cuda
   # would miss test_dist's CUDA cases, one ctest entry per binary). Filters ignore case.
   doctest_step cuda_tests.txt "CUDA tests (doctest)" "test_kernels_cuda:kernels.cuda*" \
-    "test_nn:nn.cuda*" "test_dp:dp.cuda*" "test_dist:*cuda*" "test_bench:bench.cuda*"
+    "test_nn:nn.cuda*" "test_dp:dp.cuda*" "test_dist:*cuda*" "test_bench:bench.cuda*" \
+    "test_samples:samples.train_mnist.cuda*" "test_train_text:samples.train_text.cuda*"
 }
 
 # A tool the machine may not support (compute-sanitizer, ncu: a VM may refuse the GPU's debug
