@@ -54,18 +54,13 @@ const float* as_f32(const Tensor& t, std::vector<float>& scratch);
 // requires t f16 or bf16 with t.numel() values at src. ensures t = src rounded to nearest even.
 void store_from_f32(Tensor& t, const float* src);
 
-// v rounded to the nearest (even) bf16, as f32, NaN quieted (f32_to_bf16's selects vectorise).
-inline float round_to_bf16(float v) {
-  return bf16_to_f32(f32_to_bf16(v));
-}
-
 // v rounded to the nearest (even) value of a floating dtype, as f32 (v itself for f32).
 inline float round_to(DType t, float v) {
   switch (t) {
     case DType::f16:
       return f16_to_f32(f32_to_f16(v));
     case DType::bf16:
-      return round_to_bf16(v);
+      return bf16_to_f32(f32_to_bf16(v));
     default:
       return v;
   }

@@ -152,24 +152,23 @@ void max_pool2d_backward(Tensor& dx, const Tensor& dy, const Tensor& x, const Te
                 argmax = load_f32(in[at]) == best ? at : argmax;
                 if (argmax >= 0) din[argmax] += load_f32(pdy[o]);
               }
-            store_plane(pdx + plane * g.in_plane(), din, g.in_plane());
-            return;
+          } else {
+            for (int64_t oh = 0; oh < g.out_h; ++oh)
+              for (int64_t ow = 0; ow < g.out_w; ++ow) {
+                int64_t o = plane * g.out_plane() + oh * g.out_w + ow;
+                Window win = g.window(oh, ow);
+                const float best = load_f32(py[o]);
+                // The first element equal to the maximum, found by selects over the whole window:
+                // an early exit was a branch on data that the predictor misses about half the time.
+                int64_t argmax = -1;
+                for (int64_t h = win.h_end - 1; h >= win.h_begin; --h)
+                  for (int64_t w = win.w_end - 1; w >= win.w_begin; --w) {
+                    const int64_t at = h * g.width + w;
+                    argmax = load_f32(in[at]) == best ? at : argmax;  // the last seen is the first
+                  }
+                if (argmax >= 0) din[argmax] += load_f32(pdy[o]);
+              }
           }
-          for (int64_t oh = 0; oh < g.out_h; ++oh)
-            for (int64_t ow = 0; ow < g.out_w; ++ow) {
-              int64_t o = plane * g.out_plane() + oh * g.out_w + ow;
-              Window win = g.window(oh, ow);
-              const float best = load_f32(py[o]);
-              // The first element equal to the maximum, found by selects over the whole window:
-              // an early exit was a branch on data that the predictor misses about half the time.
-              int64_t argmax = -1;
-              for (int64_t h = win.h_end - 1; h >= win.h_begin; --h)
-                for (int64_t w = win.w_end - 1; w >= win.w_begin; --w) {
-                  const int64_t at = h * g.width + w;
-                  argmax = load_f32(in[at]) == best ? at : argmax;  // the last seen is the first
-                }
-              if (argmax >= 0) din[argmax] += load_f32(pdy[o]);
-            }
           store_plane(pdx + plane * g.in_plane(), din, g.in_plane());
         });
       },
