@@ -290,9 +290,8 @@ void DataParallel::forward_and_loss(int i, nn::Mode mode) {
   pd.output = m.forward(pd.input);
   kernels::ensure(pd.metrics, {kMetrics}, kernels::DType::f32, devices_[i]);
   queue_loss(*options_.loss, pd.output, pd.labels, pd.metrics.view(kLoss, {1}),
-             mode == nn::Mode::train ? &pd.dlogits : nullptr, scaler_, pd.loss_scale);
-  Tensor correct = pd.metrics.view(kCorrect, {1});
-  options_.loss->count_correct_into(correct, pd.output, pd.labels);
+             mode == nn::Mode::train ? &pd.dlogits : nullptr, scaler_, pd.loss_scale,
+             pd.metrics.view(kCorrect, {1}));
   Tensor fault_word = pd.metrics.view(kFaultWord, {2});
   kernels::queue_fault_word(fault_word, pool_.context(i));  // a bad label or token id
   if (mode != nn::Mode::train) m.train();

@@ -71,19 +71,25 @@ class StepScalars {
 };
 
 // requires out the model's output for `labels` (as `loss` takes them), loss_out (1) f32 on out's
-// device; dlogits null (forward only) or a buffer kept between steps. ensures queued on the
-// current context: loss_out := the loss's mean over the chunk; with dlogits, *dlogits (made
-// again only when out's shape or dtype changed) := its gradient, times the loss scale read on
-// the device at `loss_scale` where the scaler scales (fp16).
+// device; dlogits null (forward only) or a buffer kept between steps; correct undefined or (1)
+// f32 on out's device. ensures queued on the current context: loss_out := the loss's mean over
+// the chunk; with dlogits, *dlogits (made again only when out's shape or dtype changed) := its
+// gradient, times the loss scale read on the device at `loss_scale` where the scaler scales
+// (fp16); a defined correct := the loss's count of right predictions (Loss::compute_and_count:
+// one read of the output for both where the loss can).
 inline void queue_loss(const nn::Loss& loss, const kernels::Tensor& out,
                        const kernels::Tensor& labels, kernels::Tensor loss_out,
                        kernels::Tensor* dlogits, const nn::GradScaler& scaler,
-                       const kernels::Scalar& loss_scale) {
+                       const kernels::Scalar& loss_scale,
+                       kernels::Tensor correct = kernels::Tensor()) {
   // The output's dtype: f32, or a 16-bit one for a loss that takes it (nn::output_for).
   kernels::Tensor none;  // forward only: no gradient
   kernels::Tensor& grad =
       dlogits ? kernels::ensure(*dlogits, out.shape(), out.dtype(), out.device()) : none;
-  loss.compute(loss_out, grad, out, labels);
+  if (correct.defined())
+    loss.compute_and_count(loss_out, grad, correct, out, labels);
+  else
+    loss.compute(loss_out, grad, out, labels);
   if (dlogits) scaler.scale_loss_grad(grad, loss_scale);  // fp16: the gradient carries the scale
 }
 

@@ -108,6 +108,13 @@ void check_scalar_out(const char* op, const Arg& a) {
            op << ": " << a.name << " must have one element, got " << shape_str(a.t.shape()));
 }
 
+// A loss's optional count of right rows: undefined, or (1) f32 on the logits' device.
+void check_count_out(const char* op, const Tensor& correct, const Tensor& logits) {
+  if (!correct.defined()) return;
+  check_devices(op, {{"logits", logits}, {"correct", correct}});
+  check_scalar_out(op, {"correct", correct});
+}
+
 }  // namespace
 
 void copy(Tensor& dst, const Tensor& src) {
@@ -401,7 +408,8 @@ std::string bad_label_text(int64_t label, int64_t row, int64_t batch, int64_t cl
 }
 
 void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
-                           const Tensor& labels, const Tensor& weights, float label_smoothing) {
+                           const Tensor& labels, const Tensor& weights, float label_smoothing,
+                           Tensor correct) {
   const char* op = "softmax_cross_entropy";
   check_logits_labels(op, logits, labels);
   check_devices(op, {{"logits", logits}, {"loss", loss}});
@@ -412,22 +420,31 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
     check_shape(op, {"weights", weights}, {logits.dim(0)});
   }
   if (dlogits.defined()) check_logits_grad(op, dlogits, logits);
+  check_count_out(op, correct, logits);
   DP_CHECK(label_smoothing >= 0.f && label_smoothing < 1.f,
            op << ": label_smoothing must be in [0, 1), got " << label_smoothing);
-  if (logits.dim(0) == 0) return fill(loss, 0.f);  // the loss of an empty batch is 0
+  if (logits.dim(0) == 0) {  // the loss of an empty batch is 0, and nothing in it is right
+    if (correct.defined()) fill(correct, 0.f);
+    return fill(loss, 0.f);
+  }
   DP_DISPATCH(logits.device(), softmax_cross_entropy, loss, dlogits, logits, labels, weights,
-              label_smoothing);
+              label_smoothing, correct);
 }
 
 void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, const Tensor& targets,
-                         int32_t ignore_index) {
+                         int32_t ignore_index, Tensor correct) {
   const char* op = "token_cross_entropy";
   check_logits_labels(op, logits, targets);
   check_devices(op, {{"logits", logits}, {"loss", loss}});
   check_scalar_out(op, {"loss", loss});
   if (dlogits.defined()) check_logits_grad(op, dlogits, logits);
-  if (logits.dim(0) == 0) return fill(loss, 0.f);
-  DP_DISPATCH(logits.device(), token_cross_entropy, loss, dlogits, logits, targets, ignore_index);
+  check_count_out(op, correct, logits);
+  if (logits.dim(0) == 0) {
+    if (correct.defined()) fill(correct, 0.f);
+    return fill(loss, 0.f);
+  }
+  DP_DISPATCH(logits.device(), token_cross_entropy, loss, dlogits, logits, targets, ignore_index,
+              correct);
 }
 
 void mse_loss(Tensor& loss, Tensor& dpred, const Tensor& pred, const Tensor& target) {

@@ -251,9 +251,12 @@ std::vector<std::pair<std::string, std::string>> library_versions();
 // CUDA at the next read to the host on the same context (loss.item()), and the engine stays
 // usable (a device-side fault record, not a trap; the row's loss is NaN and its gradient 0, so
 // that work queued before the read, such as an optimizer step, stays finite).
+// correct: undefined, or (1) f32 on the logits' device, which then holds count_correct's count
+// (the rows whose argmax, argmax's rule, is their label), found in the same read of the logits
+// as the loss (no second pass over them).
 void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
                            const Tensor& labels, const Tensor& weights = Tensor(),
-                           float label_smoothing = 0.f);
+                           float label_smoothing = 0.f, Tensor correct = Tensor());
 // Token cross-entropy: softmax_cross_entropy over rows (N, V) (a [B, T, V] output flattened),
 // averaged over the rows whose target is not `ignore_index`.
 // requires logits (N, V) f32, f16 or bf16, targets (N) i32 in [0, V) or == ignore_index, loss (1)
@@ -261,9 +264,10 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
 // count of non-ignored rows:
 // ensures loss = (1/n) sum_{i kept} -log softmax(logits_i)_{t_i}   (0 when n == 0)
 //         dlogits_i = (softmax(logits_i) - onehot(t_i)) / n for kept rows, 0 for ignored ones.
-// A target outside [0, V) (other than ignore_index) throws bad_label_text as above.
+// A target outside [0, V) (other than ignore_index) throws bad_label_text as above. correct: as
+// above (an ignored row is never counted, as count_correct does not count it).
 void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, const Tensor& targets,
-                         int32_t ignore_index);
+                         int32_t ignore_index, Tensor correct = Tensor());
 // The error text of softmax_cross_entropy for row `row` of logits (batch, classes) whose label
 // is outside [0, classes), the same on every backend.
 std::string bad_label_text(int64_t label, int64_t row, int64_t batch, int64_t classes);

@@ -38,6 +38,13 @@ class Loss {
     (void)pred, (void)target;
     kernels::fill(correct, 0.f);
   }
+  // compute and count_correct_into in one call: the engines' step. A loss that finds both in one
+  // read of pred (the cross-entropies) overrides it; the default makes the two calls.
+  virtual void compute_and_count(Tensor& loss, Tensor& dpred, Tensor& correct, const Tensor& pred,
+                                 const Tensor& target) const {
+    compute(loss, dpred, pred, target);
+    count_correct_into(correct, pred, target);
+  }
   // Whether compute and count_correct_into take a bf16 or f16 pred and write dpred in its dtype
   // (f32 arithmetic inside, each gradient value rounded once), so that a model under 16-bit
   // activations can hand its output over without an f32 copy (Module::set_output). A loss
@@ -95,6 +102,10 @@ class CrossEntropyLoss : public Loss {
   void count_correct_into(Tensor& correct, const Tensor& pred,
                           const Tensor& target) const override {
     kernels::count_correct_into(correct, pred, target);
+  }
+  void compute_and_count(Tensor& loss, Tensor& dpred, Tensor& correct, const Tensor& pred,
+                         const Tensor& target) const override {
+    kernels::softmax_cross_entropy(loss, dpred, pred, target, Tensor(), smoothing_, correct);
   }
 
  private:
@@ -161,6 +172,19 @@ class TokenCrossEntropyLoss : public Loss {
   }
   void compute(Tensor& loss, Tensor& dpred, const Tensor& pred,
                const Tensor& target) const override {
+    Tensor none;
+    compute_and_count(loss, dpred, none, pred, target);
+  }
+  // The tokens whose target is not ignore_index and whose logits' argmax is that target (an
+  // ignored token is never counted, whatever ignore_index is). Reads the logits once for the
+  // loss and the count; the loss's value is left in a scratch (1).
+  void count_correct_into(Tensor& correct, const Tensor& pred,
+                          const Tensor& target) const override {
+    Tensor loss = Tensor::empty({1}, DType::f32, pred.device()), none;
+    compute_and_count(loss, none, correct, pred, target);
+  }
+  void compute_and_count(Tensor& loss, Tensor& dpred, Tensor& correct, const Tensor& pred,
+                         const Tensor& target) const override {
     const int64_t v = pred.ndim() >= 1 ? pred.dim(-1) : 0;
     DP_CHECK(pred.ndim() == 3 && target.ndim() == 2 && pred.dim(0) == target.dim(0) &&
                  pred.dim(1) == target.dim(1),
@@ -169,14 +193,8 @@ class TokenCrossEntropyLoss : public Loss {
                                             << kernels::shape_str(target.shape()) << " (B, T)");
     const int64_t rows = target.numel();
     Tensor d2 = dpred.defined() ? dpred.reshape({rows, v}) : Tensor();
-    kernels::token_cross_entropy(loss, d2, pred.reshape({rows, v}), target.reshape({rows}),
-                                 ignore_);
-  }
-  void count_correct_into(Tensor& correct, const Tensor& pred,
-                          const Tensor& target) const override {
-    const int64_t rows = target.numel();
-    kernels::count_correct_into(correct, pred.reshape({rows, pred.dim(-1)}),
-                                target.reshape({rows}));
+    kernels::token_cross_entropy(loss, d2, pred.reshape({rows, v}), target.reshape({rows}), ignore_,
+                                 correct);
   }
 
  private:

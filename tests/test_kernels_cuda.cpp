@@ -17,6 +17,7 @@
 #include "kernels/runtime/graph.hpp"
 #include "kernels/runtime/memory.hpp"
 #include "tests/device_scalars.hpp"
+#include "tests/loss_count_cases.hpp"
 #include "tests/native16_cases.hpp"
 #include "tests/optim_test_util.hpp"
 #include "tests/test_util.hpp"
@@ -517,6 +518,17 @@ TEST_CASE("kernels.cuda.mse_loss, sum, mean: match CPU - same bits on every run"
         return Outputs{s, mu, loss};
       },
       0.f);
+}
+
+TEST_CASE("kernels.cuda.loss_count: the cross-entropies count in their pass what the CPU counts") {
+  DP_REQUIRE_GPU();
+  int checks = 0;
+  loss_count::run(kGpu, [&](const std::string& what, bool ok) {
+    CAPTURE(what);
+    CHECK(ok);
+    ++checks;
+  });
+  CHECK(checks == 3 * 5 * 2 * 4);
 }
 
 TEST_CASE("kernels.cuda.argmax and count_correct: first maximum on ties, match CPU") {
@@ -1281,10 +1293,11 @@ TEST_CASE("kernels.cuda.empty: the backend itself handles zero-sized inputs") {
   CHECK(out.item() == 0.f);
   cuda::mean(out, zeros(kGpu, {0}), ctx);
   CHECK(out.item() == 0.f);
-  Tensor loss = full(kGpu, {1}, 3.f), no_grad;
+  Tensor loss = full(kGpu, {1}, 3.f), no_grad, right = full(kGpu, {1}, 3.f);
   cuda::softmax_cross_entropy(loss, no_grad, zeros(kGpu, {0, 3}), Tensor::from_ints({}, {0}, kGpu),
-                              Tensor(), 0.f, ctx);
+                              Tensor(), 0.f, right, ctx);
   CHECK(loss.item() == 0.f);
+  CHECK(right.item() == 0.f);
   CHECK(cuda::count_correct(zeros(kGpu, {0, 3}), Tensor::from_ints({}, {0}, kGpu), ctx) == 0);
   // Convolutions with an empty batch: dw is zeroed, y untouched (nothing to write).
   Tensor dw = full(kGpu, {2, 3, 3, 3}, 7.f);

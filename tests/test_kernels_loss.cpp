@@ -6,6 +6,7 @@
 #include <string>
 #include <utility>
 
+#include "tests/loss_count_cases.hpp"
 #include "tests/optim_test_util.hpp"
 #include "tests/test_kernels_util.hpp"
 
@@ -262,6 +263,32 @@ TEST_CASE("kernels.argmax and count_correct: first maximum on ties") {
                        Error);
   CHECK_THROWS_WITH_AS(count_correct(x, zeros({4})), doctest::Contains("labels must be i32"),
                        Error);
+}
+
+TEST_CASE("kernels.loss_count: the cross-entropies count in their pass what count_correct counts") {
+  int checks = 0;
+  loss_count::run(Device::cpu(), [&](const std::string& what, bool ok) {
+    CAPTURE(what);
+    CHECK(ok);
+    ++checks;
+  });
+  CHECK(checks == 3 * 5 * 2 * 4);
+  // An empty batch counts nothing; a count that is not (1) f32 on the logits' device is refused.
+  Tensor loss = filled({1}, 3.f), right = filled({1}, 3.f), none;
+  softmax_cross_entropy(loss, none, zeros({0, 3}), Tensor::from_ints({}, {0}), Tensor(), 0.f,
+                        right);
+  CHECK(right.item() == 0.f);
+  right = filled({1}, 3.f);
+  token_cross_entropy(loss, none, zeros({0, 3}), Tensor::from_ints({}, {0}), -1, right);
+  CHECK(right.item() == 0.f);
+  Tensor two = zeros({2});
+  CHECK_THROWS_WITH_AS(softmax_cross_entropy(loss, none, zeros({2, 3}),
+                                             Tensor::from_ints({0, 1}, {2}), Tensor(), 0.f, two),
+                       doctest::Contains("correct must have one element, got [2]"), Error);
+  CHECK_THROWS_WITH_AS(
+      token_cross_entropy(loss, none, zeros({2, 3}), Tensor::from_ints({0, 1}, {2}), -1,
+                          Tensor::zeros({1}, DType::i32, Device::cpu())),
+      doctest::Contains("correct must be f32"), Error);
 }
 
 TEST_CASE("kernels.all_finite: NaN and inf anywhere, any floating dtype") {

@@ -98,6 +98,23 @@ inline void store_rounded(BF16& to, float v) {
   to.bits = f32_to_bf16(v);
 }
 
+// Index of the largest of row[0, n), the first one on ties (n >= 1); S: float, F16 or BF16
+// (compared as f32, which orders 16-bit values exactly). A NaN never compares greater: index 0
+// when row[0] is NaN, else NaNs are skipped. argmax, count_correct and the losses' counts.
+template <class S>
+int32_t row_argmax(const S* row, int64_t n) {
+  int64_t best = 0;
+  float best_value = load_f32(row[0]);
+  for (int64_t c = 1; c < n; ++c) {
+    const float v = load_f32(row[c]);
+    if (v > best_value) {
+      best = c;
+      best_value = v;
+    }
+  }
+  return static_cast<int32_t>(best);
+}
+
 // Blocks of 16-bit storage through f32, for kernels whose element loop would otherwise narrow one
 // value at a time (bf16: vec_math.hpp's conversions, at the CPU's vector width). The same bits as
 // load_f32 and store_rounded element by element.

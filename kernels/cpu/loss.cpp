@@ -4,6 +4,7 @@
 // logits' dtype, each value rounded once from the f32 the f32 kernel stores. The exponentials run
 // on the vector math, once a row (vec_math.hpp).
 #include <cmath>
+#include <cstdint>
 #include <type_traits>
 #include <vector>
 
@@ -57,13 +58,21 @@ void for_each_logits_row(const Tensor& logits, Tensor& dlogits, Row row) {
       logits.dtype(), dlogits.defined() ? dlogits.dtype() : logits.dtype());
 }
 
+// correct (1) f32 := how many rows are right (exact up to 2^24, as count_correct_into).
+void store_count(Tensor& correct, const std::vector<uint8_t>& right) {
+  int64_t hits = 0;
+  for (uint8_t r : right) hits += r;
+  correct.data<float>()[0] = static_cast<float>(hits);
+}
+
 }  // namespace
 
 // Per row i (logits x, label l, weight w, smoothing ls, C classes), with lse = log sum exp x:
 //   loss_i = w ((1 - ls)(lse - x_l) + ls (lse - mean_c x_c))
 //   dlogits_i = (w / B) (softmax(x) - t),  t = (1 - ls) onehot(l) + ls / C.
 void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
-                           const Tensor& labels, const Tensor& weights, float label_smoothing) {
+                           const Tensor& labels, const Tensor& weights, float label_smoothing,
+                           Tensor& correct) {
   const int64_t batch = logits.dim(0), classes = logits.dim(1);
   const int32_t* pl = labels.data<int32_t>();
   const float* pw = weights.defined() ? weights.data<float>() : nullptr;
@@ -71,7 +80,9 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
     DP_CHECK(pl[i] >= 0 && pl[i] < classes, bad_label_text(pl[i], i, batch, classes));
   const double ls = label_smoothing;
   std::vector<double> row_loss(static_cast<size_t>(batch));
+  std::vector<uint8_t> right(correct.defined() ? static_cast<size_t>(batch) : 0);
   for_each_logits_row(logits, dlogits, [&](int64_t i, const auto* x, auto* d) {
+    if (!right.empty()) right[i] = row_argmax(x, classes) == pl[i];  // the row is in cache
     const RowSoftmax sm = row_softmax(x, classes);
     const double lse = sm.lse;
     const double w = pw ? pw[i] : 1.0;
@@ -94,12 +105,13 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
   double total = 0.0;
   for (double l : row_loss) total += l;
   loss.data<float>()[0] = static_cast<float>(total / static_cast<double>(batch));
+  if (correct.defined()) store_count(correct, right);
 }
 
 // As softmax_cross_entropy without smoothing or weights, over the rows whose target is not
 // ignore_index, divided by their count n (ignored rows: no loss, zero gradient).
 void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, const Tensor& targets,
-                         int32_t ignore_index) {
+                         int32_t ignore_index, Tensor& correct) {
   const int64_t rows = logits.dim(0), classes = logits.dim(1);
   const int32_t* pt = targets.data<int32_t>();
   int64_t kept = 0;
@@ -110,12 +122,14 @@ void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, co
   }
   const double inv_n = kept > 0 ? 1.0 / static_cast<double>(kept) : 0.0;
   std::vector<double> row_loss(static_cast<size_t>(rows), 0.0);
+  std::vector<uint8_t> right(correct.defined() ? static_cast<size_t>(rows) : 0);
   for_each_logits_row(logits, dlogits, [&](int64_t i, const auto* x, auto* d) {
     using D = std::remove_pointer_t<decltype(d)>;
     if (pt[i] == ignore_index) {
       if (d) std::fill(d, d + classes, D{});  // +0 in every storage type
       return;
     }
+    if (!right.empty()) right[i] = row_argmax(x, classes) == pt[i];
     const RowSoftmax sm = row_softmax(x, classes);
     row_loss[i] = sm.lse - load_f32(x[pt[i]]);
     if (!d) return;
@@ -127,6 +141,7 @@ void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, co
   double total = 0.0;
   for (double l : row_loss) total += l;
   loss.data<float>()[0] = static_cast<float>(total * inv_n);
+  if (correct.defined()) store_count(correct, right);
 }
 
 // loss = mean (pred - target)^2, dpred = 2 (pred - target) / numel.

@@ -18,22 +18,6 @@ double total(const Tensor& x) {
   });
 }
 
-// Index of the largest of row[0, n), the first one on ties (n >= 1); S: float, F16 or BF16
-// (compared as f32, which orders 16-bit values exactly).
-template <class S>
-int32_t row_argmax(const S* row, int64_t n) {
-  int64_t best = 0;
-  float best_value = load_f32(row[0]);
-  for (int64_t c = 1; c < n; ++c) {
-    const float v = load_f32(row[c]);
-    if (v > best_value) {
-      best = c;
-      best_value = v;
-    }
-  }
-  return static_cast<int32_t>(best);
-}
-
 }  // namespace
 
 void sum(Tensor& out, const Tensor& x) {

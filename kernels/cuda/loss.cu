@@ -1,6 +1,7 @@
 // Losses (fused softmax + cross-entropy, MSE), reductions (sum, mean) and metrics (argmax,
 // count_correct). Every floating reduction is deterministic: per-block partials in a fixed
 // layout, then one block adds them in a fixed order (no float atomics).
+#include <climits>
 #include <cstdint>
 #include <string>
 
@@ -95,19 +96,53 @@ __device__ __forceinline__ void for_each_in_row(const T* x, int64_t n, F&& f) {
   for (int64_t c = threadIdx.x; c < n; c += blockDim.x) f(c, to_float(x[c]));
 }
 
+// The first index of the block's largest value, returned to every thread: each thread gives its
+// own (best, idx), idx == none when it saw no non-NaN value (best -inf then); the larger value
+// wins, the lower index on ties (none, the largest index, never beats a real entry).
+__device__ long long block_reduce_first_max(float best, long long idx) {
+  __shared__ float warp_best[32];
+  __shared__ long long warp_idx[32];
+  auto merge = [&](float ob, long long oi) {
+    if (ob > best || (ob == best && oi < idx)) {
+      best = ob;
+      idx = oi;
+    }
+  };
+  for (int o = 16; o > 0; o >>= 1)
+    merge(__shfl_xor_sync(0xffffffffu, best, o), __shfl_xor_sync(0xffffffffu, idx, o));
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+  __syncthreads();  // a previous reduction may still be reading the shared words
+  if (lane == 0) {
+    warp_best[warp] = best;
+    warp_idx[warp] = idx;
+  }
+  __syncthreads();
+  if (lane < n_warps) {
+    best = warp_best[lane];
+    idx = warp_idx[lane];
+  } else {
+    best = -INFINITY;
+    idx = LLONG_MAX;
+  }
+  for (int o = 16; o > 0; o >>= 1)
+    merge(__shfl_xor_sync(0xffffffffu, best, o), __shfl_xor_sync(0xffffffffu, idx, o));
+  return idx;
+}
+
 // One block per row i of logits (B, C). With lse = log sum exp x, t = (1 - ls) onehot + ls / C:
 //   row_loss[i] = w ((1 - ls)(lse - x_label) + ls (lse - mean_c x_c))
 //   dlogits_i = (w / B) (softmax(x) - t)
 // Token cross-entropy (count_of_kept not null): rows whose label is ignore_index get no loss
 // and a zero gradient, and the gradient divisor is the count of the others (*count_of_kept).
 // T, D: the storage types of logits and dlogits (float, __half, __nv_bfloat16): logits read as
-// f32, each gradient value rounded once.
+// f32, each gradient value rounded once. correct (zeroed before) not null: 1 is added for each
+// row whose argmax (warp_row_argmax's rule, found in the same pass) is its label.
 template <class T, class D>
 __global__ void softmax_xent_kernel(float* row_loss, D* dlogits, const T* logits,
                                     const int32_t* labels, const float* weights, int64_t batch,
                                     int64_t classes, float ls, unsigned long long* fault,
-                                    int32_t ignore_index = 0,
-                                    const float* count_of_kept = nullptr) {
+                                    int32_t ignore_index, const float* count_of_kept,
+                                    float* correct) {
   int64_t i = blockIdx.x;
   const T* x = logits + i * classes;
   int32_t label = labels[i];
@@ -140,16 +175,29 @@ __global__ void softmax_xent_kernel(float* row_loss, D* dlogits, const T* logits
   // rescaled when its maximum grows), then the threads' pairs combined at the block's maximum.
   // The smoothing term only when there is smoothing (ls is the same for the whole block): a
   // -inf logit (a masked class) would make it 0 * inf = NaN.
+  // The thread's argmax rides along: its columns come in increasing order, so a strictly larger
+  // value is the first of its maximum; a NaN never is; -inf only when nothing came before.
   float max_t = -INFINITY, sum_t = 0.f, sum_x = 0.f;
-  for_each_in_row(x, classes, [&](int64_t, float xc) {
+  long long arg_t = LLONG_MAX;  // none yet
+  for_each_in_row(x, classes, [&](int64_t c, float xc) {
     if (xc > max_t) {
       sum_t = sum_t * expf(max_t - xc) + 1.f;  // the old terms at the new maximum, and e^0
       max_t = xc;
+      arg_t = c;
     } else if (xc != -INFINITY) {
       sum_t += expf(xc - max_t);  // a NaN logit makes the sum NaN, as it should
+    } else if (arg_t == LLONG_MAX) {
+      arg_t = c;
     }
     if (ls != 0.f) sum_x += xc;
   });
+  if (correct) {  // the same for the whole block
+    long long arg = block_reduce_first_max(max_t, arg_t);
+    if (threadIdx.x == 0) {
+      if (isnan(to_float(x[0]))) arg = 0;         // the CPU's scan never leaves a NaN x[0]
+      if (arg == label) atomicAdd(correct, 1.f);  // whole numbers: exact, in any order
+    }
+  }
   const float max_x = block_reduce_max(max_t);
   // A thread that saw only -inf (or nothing) has sum_t 0: its term is 0, not 0 * e^NaN.
   float sum_exp = block_reduce_sum(sum_t > 0.f ? sum_t * expf(max_t - max_x) : sum_t);
@@ -248,10 +296,13 @@ unsigned row_warp_blocks(int64_t rows) {
 
 // One block per row of softmax_xent_kernel, instantiated for the logits' and dlogits' storage
 // (dlogits: f32 or the logits' dtype; undefined: forward only).
+// correct: undefined, or zeroed here and counted by the kernel.
 void launch_xent(float* row_loss, Tensor& dlogits, const Tensor& logits, const int32_t* labels,
                  const float* weights, float ls, unsigned long long* fault, int32_t ignore_index,
-                 const float* count_of_kept, cudaStream_t s) {
+                 const float* count_of_kept, Tensor& correct, cudaStream_t s) {
   const int64_t rows = logits.dim(0), classes = logits.dim(1);
+  float* count_to = data_or_null<float>(correct);
+  if (count_to) DP_CUDA_CHECK(cudaMemsetAsync(count_to, 0, sizeof(float), s));
   with_storage(
       [&](auto x_t, auto d_t) {
         using T = decltype(x_t);
@@ -259,7 +310,7 @@ void launch_xent(float* row_loss, Tensor& dlogits, const Tensor& logits, const i
         softmax_xent_kernel<T, D>
             <<<static_cast<unsigned>(rows), row_block_threads(classes), 0, s>>>(
                 row_loss, data_or_null<D>(dlogits), logits.data<T>(), labels, weights, rows,
-                classes, ls, fault, ignore_index, count_of_kept);
+                classes, ls, fault, ignore_index, count_of_kept, count_to);
         DP_CUDA_CHECK_LAUNCH();
       },
       logits.dtype(), dlogits.defined() ? dlogits.dtype() : logits.dtype());
@@ -269,7 +320,7 @@ void launch_xent(float* row_loss, Tensor& dlogits, const Tensor& logits, const i
 
 void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
                            const Tensor& labels, const Tensor& weights, float label_smoothing,
-                           DeviceContext& ctx) {
+                           Tensor& correct, DeviceContext& ctx) {
   NvtxRange range("kernels/softmax_cross_entropy");
   require_f32("softmax_cross_entropy", loss);
   require_floating("softmax_cross_entropy", {&logits});
@@ -287,8 +338,10 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
   if (batch > 0) {
     auto* fault = reinterpret_cast<unsigned long long*>(ctx.fault_record());
     launch_xent(row_loss, dlogits, logits, labels.data<int32_t>(),
-                data_or_null<const float>(weights), label_smoothing, fault, 0, nullptr, s);
+                data_or_null<const float>(weights), label_smoothing, fault, 0, nullptr, correct, s);
     ctx.arm_fault_check(bad_label_fault_text);
+  } else if (correct.defined()) {
+    DP_CUDA_CHECK(cudaMemsetAsync(correct.data<float>(), 0, sizeof(float), s));
   }
   // loss = (sum_i row_loss[i]) / B, 0 for an empty batch.
   float divisor = batch > 0 ? static_cast<float>(batch) : 1.f;
@@ -296,7 +349,7 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
 }
 
 void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, const Tensor& targets,
-                         int32_t ignore_index, DeviceContext& ctx) {
+                         int32_t ignore_index, Tensor& correct, DeviceContext& ctx) {
   NvtxRange range("kernels/token_cross_entropy");
   require_f32("token_cross_entropy", loss);
   require_floating("token_cross_entropy", {&logits});
@@ -305,6 +358,8 @@ void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, co
   int64_t rows = logits.dim(0), classes = logits.dim(1);
   if (rows == 0) {  // no token: loss 0, as the CPU (and no launch of zero blocks)
     DP_CUDA_CHECK(cudaMemsetAsync(loss.data<float>(), 0, sizeof(float), s));
+    if (correct.defined())
+      DP_CUDA_CHECK(cudaMemsetAsync(correct.data<float>(), 0, sizeof(float), s));
     return;
   }
   // Workspace: per-row losses, the kept-row count, then the partial sums.
@@ -316,7 +371,7 @@ void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, co
   launch_sum(count, rows, KeptRow{targets.data<int32_t>(), ignore_index}, 1.f, partials, s);
   auto* fault = reinterpret_cast<unsigned long long*>(ctx.fault_record());
   launch_xent(row_loss, dlogits, logits, targets.data<int32_t>(), nullptr, 0.f, fault, ignore_index,
-              count, s);
+              count, correct, s);
   ctx.arm_fault_check(bad_label_fault_text);
   launch_sum(loss.data<float>(), rows, ReadValue{row_loss}, 1.f, partials, s);
   divide_by_count_kernel<<<1, 1, 0, s>>>(loss.data<float>(), count);
