@@ -1135,6 +1135,51 @@ TEST_CASE("kernels.cuda.adamw_update_grouped: three steps with per-group scalars
       1e-6f);
 }
 
+// The wide kernels (eight values a thread for casts, four for AdamW) give the one-wide kernels'
+// bits: the same data in an aligned buffer and in a view one value off 16-byte alignment (which
+// runs one-wide throughout).
+TEST_CASE("kernels.cuda.cast and adamw_update: the wide kernels give the one-wide bits") {
+  DP_REQUIRE_GPU();
+  const int64_t n = 4099;  // a bulk and a tail of every width
+  auto off_by_one = [](const Tensor& t) {
+    Tensor big = Tensor::zeros({t.numel() + 1}, t.dtype(), t.device());
+    Tensor v = big.view(1, t.shape());
+    copy(v, t);
+    return v;
+  };
+  auto same = [](const Tensor& a, const Tensor& b) {
+    Tensor x = a.to(kCpu), y = b.to(kCpu);
+    return std::memcmp(x.raw(), y.raw(), x.nbytes()) == 0;
+  };
+  for (DType from : {DType::f32, DType::f16, DType::bf16}) {
+    for (DType to : {DType::f32, DType::f16, DType::bf16}) {
+      CAPTURE(dtype_name(from));
+      CAPTURE(dtype_name(to));
+      // Values an f16 overflows on or rounds to a subnormal, and NaN and infinities.
+      std::vector<float> v = dp_test::random_vector(n, 91, -7e4f, 7e4f);
+      v[5] = std::numeric_limits<float>::quiet_NaN();
+      v[9] = -std::numeric_limits<float>::infinity();
+      v[13] = 3e-6f;
+      Tensor x = Tensor::from_vector(v, {n}, kGpu, from);
+      Tensor wide = cast(x, to), narrow = cast(off_by_one(x), to);
+      CHECK(same(wide, narrow));
+    }
+  }
+  AdamWConfig c;
+  c.lr = 1e-2f;
+  c.weight_decay = 0.1f;
+  Tensor p = rnd(kGpu, {n}, 92), m = zeros(kGpu, {n}), v = zeros(kGpu, {n});
+  Tensor p1 = off_by_one(p), m1 = off_by_one(m), v1 = off_by_one(v);
+  for (int64_t step = 1; step <= 3; ++step) {
+    Tensor g = rnd(kGpu, {n}, 93 + static_cast<uint32_t>(step), -4.f, 4.f);
+    dp_test::adamw_step(p, g, m, v, c, step);
+    dp_test::adamw_step(p1, off_by_one(g), m1, v1, c, step);
+  }
+  CHECK(same(p, p1));
+  CHECK(same(m, m1));
+  CHECK(same(v, v1));
+}
+
 // The values travel in the launch's arguments: the host array is overwritten right after the
 // call, before the stream runs the kernel, and the tensor still gets the first values.
 TEST_CASE("kernels.cuda.set_values: writes the values given at the call, bit for bit") {
@@ -1168,11 +1213,15 @@ TEST_CASE("kernels.cuda.all_finite and non_finite_into: NaN and inf anywhere, f3
     for (float bad :
          {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
           std::numeric_limits<float>::quiet_NaN()}) {
-      for (int64_t at : {int64_t{0}, n - 1}) {
+      // In the eight-wide bulk (first and inside a group), in the tail, and in a view one
+      // value off the 16-byte alignment (all one-wide).
+      for (int64_t at : {int64_t{0}, int64_t{50005}, n - 1}) {
         std::vector<float> w = v;
         w[at] = bad;
         CHECK_FALSE(all_finite(Tensor::from_vector(w, {n}, kGpu, t)));
         CHECK(on_device(Tensor::from_vector(w, {n}, kGpu, t)) == 1.f);
+        CHECK(on_device(Tensor::from_vector(w, {n}, kGpu, t).view(1, {n - 1})) ==
+              (at == 0 ? 0.f : 1.f));
       }
     }
   }

@@ -11,18 +11,38 @@ __global__ void cast_kernel(Out* y, const In* x, int64_t n) {
   DP_GRID_STRIDE_LOOP(i, n) y[i] = from_float<Out>(to_float<In>(x[i]));
 }
 
+// Eight values a thread (load8_f32 / store8_f32), each converted as cast_kernel converts it.
+template <class Out, class In>
+__global__ void cast8_kernel(Out* y, const In* x, int64_t groups) {
+  DP_GRID_STRIDE_LOOP(q, groups) {
+    float v[8];
+    load8_f32(x, q, v);
+    store8_f32(y, q, v);
+  }
+}
+
+template <class Out, class In>
+void launch_cast(Out* y, const In* x, int64_t n, cudaStream_t s) {
+  launch_eight_wide_then_tail(
+      n, aligned16(y, x),
+      [&](int64_t groups) { cast8_kernel<<<blocks_for(groups), kThreads, 0, s>>>(y, x, groups); },
+      [&](int64_t first, int64_t count) {
+        cast_kernel<<<blocks_for(count), kThreads, 0, s>>>(y + first, x + first, count);
+      });
+}
+
 template <class In>
 void cast_from(Tensor& dst, const In* x, cudaStream_t s) {
   int64_t n = dst.numel();
   switch (dst.dtype()) {
     case DType::f32:
-      cast_kernel<<<blocks_for(n), kThreads, 0, s>>>(dst.data<float>(), x, n);
+      launch_cast(dst.data<float>(), x, n, s);
       break;
     case DType::f16:
-      cast_kernel<<<blocks_for(n), kThreads, 0, s>>>(dst.data<__half>(), x, n);
+      launch_cast(dst.data<__half>(), x, n, s);
       break;
     case DType::bf16:
-      cast_kernel<<<blocks_for(n), kThreads, 0, s>>>(dst.data<__nv_bfloat16>(), x, n);
+      launch_cast(dst.data<__nv_bfloat16>(), x, n, s);
       break;
     default:
       DP_THROW("cast to " << dst.dtype() << " is not supported");

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -126,6 +127,42 @@ bool eight_wide(const T*... p) {
   return ((sizeof(T) == 2 && reinterpret_cast<uintptr_t>(p) % 16 == 0) && ...);
 }
 
+// Eight values of any storage type (float, __half, __nv_bfloat16) as f32, group q (values 8q to
+// 8q + 7) of a 16-byte aligned p: one 16-byte access for 16-bit values, two for f32. Each value
+// is converted as to_float / from_float convert it one at a time: the same bits as a one-wide
+// loop. For passes over whole buffers (casts, the finiteness check), which one value a thread
+// ran at a fraction of an H200's bandwidth (2026-11-29: 0.34 ms for GPT-2's weight cast).
+template <class T>
+__device__ __forceinline__ void load8_f32(const T* p, int64_t q, float (&out)[8]) {
+  if constexpr (sizeof(T) == 4) {
+    const float4 a = reinterpret_cast<const float4*>(p)[2 * q];
+    const float4 b = reinterpret_cast<const float4*>(p)[2 * q + 1];
+    out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w;
+    out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
+  } else {
+    const Pack8<T> e = load8(p, q);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) out[k] = to_float(e.v[k]);
+  }
+}
+template <class T>
+__device__ __forceinline__ void store8_f32(T* p, int64_t q, const float (&in)[8]) {
+  if constexpr (sizeof(T) == 4) {
+    reinterpret_cast<float4*>(p)[2 * q] = make_float4(in[0], in[1], in[2], in[3]);
+    reinterpret_cast<float4*>(p)[2 * q + 1] = make_float4(in[4], in[5], in[6], in[7]);
+  } else {
+    Pack8<T> e;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) e.v[k] = from_float<T>(in[k]);
+    store8(p, q, e);
+  }
+}
+// Whether every pointer is 16-byte aligned (load8_f32 / store8_f32 serve any storage type).
+template <class... T>
+bool aligned16(const T*... p) {
+  return ((reinterpret_cast<uintptr_t>(p) % 16 == 0) && ...);
+}
+
 // An elementwise launch over n values split in two: bulk(groups) takes the first 8 * groups in
 // groups of 8 when `wide` (the caller's eight_wide), tail(first, count) the rest (all n when not
 // wide). The two run on one stream, in that order.
@@ -214,35 +251,52 @@ __device__ __forceinline__ float block_reduce_max(float v) {
 
 constexpr int kColTile = 32, kRowLanes = 8;
 
-template <class F>
-__global__ void column_partial_sums_kernel(float* partial, int64_t rows, int64_t cols,
+// The sums' value: one float, or two side by side (float2: two sums of one pass, such as a
+// LayerNorm's dgamma and dbeta), each component added as a float alone would be.
+__device__ __forceinline__ float column_add(float a, float b) {
+  return a + b;
+}
+__device__ __forceinline__ float2 column_add(float2 a, float2 b) {
+  return make_float2(a.x + b.x, a.y + b.y);
+}
+template <class V>
+__device__ __forceinline__ V column_zero() {
+  if constexpr (std::is_same_v<V, float2>)
+    return make_float2(0.f, 0.f);
+  else
+    return 0.f;
+}
+
+// V: f's value, float or float2.
+template <class V, class F>
+__global__ void column_partial_sums_kernel(V* partial, int64_t rows, int64_t cols,
                                            int64_t rows_per_chunk, F f) {
-  __shared__ float part[kRowLanes][kColTile + 1];
+  __shared__ V part[kRowLanes][kColTile + 1];
   int64_t col = blockIdx.x * static_cast<int64_t>(kColTile) + threadIdx.x;
   int64_t begin = blockIdx.y * rows_per_chunk;
   int64_t end = begin + rows_per_chunk < rows ? begin + rows_per_chunk : rows;
-  float acc = 0.f;
+  V acc = column_zero<V>();
   if (col < cols) {
     // Four rows a lane at a time into four sums, so that four loads are in flight per thread:
     // with one, GPT-2's bias gradients ((8192, 3072) bf16 and smaller) ran at about a fifth of
     // an H200's bandwidth (1.7 ms of a 23 ms step, ncu 2026-11-29). The sums meet in a fixed
     // order: the same bits every run.
-    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+    V a0 = column_zero<V>(), a1 = a0, a2 = a0, a3 = a0;
     int64_t r = begin + threadIdx.y;
     for (; r + 3 * kRowLanes < end; r += 4 * kRowLanes) {
-      a0 += f(r, col);
-      a1 += f(r + kRowLanes, col);
-      a2 += f(r + 2 * kRowLanes, col);
-      a3 += f(r + 3 * kRowLanes, col);
+      a0 = column_add(a0, f(r, col));
+      a1 = column_add(a1, f(r + kRowLanes, col));
+      a2 = column_add(a2, f(r + 2 * kRowLanes, col));
+      a3 = column_add(a3, f(r + 3 * kRowLanes, col));
     }
-    for (; r < end; r += kRowLanes) a0 += f(r, col);
-    acc = (a0 + a1) + (a2 + a3);
+    for (; r < end; r += kRowLanes) a0 = column_add(a0, f(r, col));
+    acc = column_add(column_add(a0, a1), column_add(a2, a3));
   }
   part[threadIdx.y][threadIdx.x] = acc;
   __syncthreads();
   if (threadIdx.y == 0 && col < cols) {
-    float s = part[0][threadIdx.x];
-    for (int k = 1; k < kRowLanes; ++k) s += part[k][threadIdx.x];
+    V s = part[0][threadIdx.x];
+    for (int k = 1; k < kRowLanes; ++k) s = column_add(s, part[k][threadIdx.x]);
     partial[blockIdx.y * cols + col] = s;
   }
 }
@@ -256,6 +310,18 @@ __global__ void column_finish_kernel(Out* out, const float* partial, int64_t chu
     float s = partial[col];
     for (int64_t k = 1; k < chunks; ++k) s += partial[k * cols + col];
     out[col] = from_float<Out>(accumulate ? to_float(out[col]) + s : s);
+  }
+}
+
+// The same for two sums side by side, into two outputs (Out: float). A template, as above.
+template <class Out>
+__global__ void column_finish2_kernel(Out* out_x, Out* out_y, const float2* partial, int64_t chunks,
+                                      int64_t cols, bool accumulate) {
+  DP_GRID_STRIDE_LOOP(col, cols) {
+    float2 s = partial[col];
+    for (int64_t k = 1; k < chunks; ++k) s = column_add(s, partial[k * cols + col]);
+    out_x[col] = accumulate ? out_x[col] + s.x : s.x;
+    out_y[col] = accumulate ? out_y[col] + s.y : s.y;
   }
 }
 
@@ -275,10 +341,28 @@ void launch_column_sums(Out* out, int64_t rows, int64_t cols, F f, bool accumula
   int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
   dim3 block(kColTile, kRowLanes);
   dim3 grid(static_cast<unsigned>((cols + kColTile - 1) / kColTile), static_cast<unsigned>(chunks));
-  column_partial_sums_kernel<<<grid, block, 0, s>>>(scratch, rows, cols, rows_per_chunk, f);
+  column_partial_sums_kernel<float><<<grid, block, 0, s>>>(scratch, rows, cols, rows_per_chunk, f);
   DP_CUDA_CHECK_LAUNCH();
   column_finish_kernel<Out>
       <<<blocks_for(cols), kThreads, 0, s>>>(out, scratch, chunks, cols, accumulate);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+// Two column sums from one pass over the rows: f returns float2, out_x (+)= the sums of .x and
+// out_y (+)= those of .y (f32 outputs), each added as launch_column_sums adds one; `scratch`
+// holds column_sum_chunks(rows) * cols float2.
+template <class F>
+void launch_column_sums2(float* out_x, float* out_y, int64_t rows, int64_t cols, F f,
+                         bool accumulate, float2* scratch, cudaStream_t s) {
+  if (cols == 0) return;
+  int64_t chunks = column_sum_chunks(rows);
+  int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
+  dim3 block(kColTile, kRowLanes);
+  dim3 grid(static_cast<unsigned>((cols + kColTile - 1) / kColTile), static_cast<unsigned>(chunks));
+  column_partial_sums_kernel<float2><<<grid, block, 0, s>>>(scratch, rows, cols, rows_per_chunk, f);
+  DP_CUDA_CHECK_LAUNCH();
+  column_finish2_kernel<float>
+      <<<blocks_for(cols), kThreads, 0, s>>>(out_x, out_y, scratch, chunks, cols, accumulate);
   DP_CUDA_CHECK_LAUNCH();
 }
 
