@@ -240,9 +240,11 @@ struct RowCost {
   dp::cli::StepMemory step;  // per row, and the rest (the model's copies)
   int64_t optimizer = 0;
 };
-RowCost probe_row_cost(const Options& o, const Setup& s, kernels::Device device) {
-  RowCost c;
-  c.step = dp::cli::measure_step_memory([&](int64_t rows) {
+// The probe's step on `device` (peak_of for measure_step_memory / probe_gpu0); `optimizer`
+// receives the optimizer's state bytes.
+std::function<int64_t(int64_t)> probe_step(const Options& o, const Setup& s, kernels::Device device,
+                                           int64_t& optimizer) {
+  return [&o, &s, device, &optimizer](int64_t rows) {
     nn::ModulePtr model = model_of(o);
     model->materialize(device, o.seed);
     if (s.activations != kernels::DType::f32) model->set_activations(nn::Activations::compute);
@@ -254,10 +256,9 @@ RowCost probe_row_cost(const Options& o, const Setup& s, kernels::Device device)
     dp::DataParallel engine(model, *opt, {device}, dopt);
     auto b = StepBatches(o, rows).at(0);
     engine.train_step(b.images, b.labels);
-    c.optimizer = opt->state_bytes();  // counted apart: DP's device 0 alone holds it
+    optimizer = opt->state_bytes();  // counted apart: DP's device 0 alone holds it
     return engine.peak_memory_bytes()[0];
-  });
-  return c;
+  };
 }
 
 }  // namespace
@@ -365,26 +366,31 @@ void validate(const Options& o, const Setup& s, const std::vector<int>& counts) 
         // CPU devices hold their activations in the host's memory: what a run past it meets is
         // the kernel's OOM killer (rc 137, no message), so the step's needs are measured on a
         // probe step and refused here with the figures.
-        if (!row_cost) row_cost = probe_row_cost(o, s, kernels::Device::cpu(0));
+        if (!row_cost) {
+          RowCost c;
+          c.step =
+              dp::cli::measure_step_memory(probe_step(o, s, kernels::Device::cpu(0), c.optimizer));
+          row_cost = c;
+        }
         check_step(engine + " (cpu): ", world, "the host", host);
       }
       if (s.type == DeviceType::cuda) {
         // Logical devices share the physical GPUs round-robin: GPU 0 holds the most chunks.
-        const int on_gpu0 = (n + s.physical - 1) / s.physical;
+        const int on_gpu0 = dp::cli::logical_on_gpu0(n, s.physical);
         const kernels::AvailableMemory gpu0 = kernels::gpu_memory(0);
         // DP runs in this process, which then holds a CUDA context anyway: its step is measured
         // on GPU 0 as a CPU device's is. A DDP launcher alone stays without one (its ranks have
         // theirs): it checks the input chunks only, unless DP measured the step already.
         if (!ddp && !row_cost && !gpu_probe_failed) {
-          try {
-            row_cost = probe_row_cost(o, s, kernels::Device::cuda(0));
-          } catch (const std::exception& e) {  // the run itself will meet it, and say so
-            std::fprintf(stderr,
-                         "dp_bench: the memory probe step on GPU 0 failed (%s): checking the "
-                         "input batches alone\n",
-                         e.what());
-            gpu_probe_failed = true;
+          RowCost c;
+          const std::optional<dp::cli::StepMemory> step =
+              dp::cli::probe_gpu0("dp_bench", "checking the input batches alone",
+                                  probe_step(o, s, kernels::Device::cuda(0), c.optimizer));
+          if (step) {
+            c.step = *step;
+            row_cost = c;
           }
+          gpu_probe_failed = !step;
         }
         if (row_cost)
           check_step(engine + " (cuda), on GPU 0: ", on_gpu0, "GPU 0", gpu0);

@@ -381,18 +381,31 @@ void check_run_fits(const std::string& program, const std::string& what, const s
   }
   const int physical = kernels::cuda_device_count();
   if (physical < 1) return;  // the run says why it has no GPU
-  const int on_gpu0 = (devices + physical - 1) / physical;
-  StepMemory step;
-  try {
-    step = measure_step_memory([&](int64_t r) { return peak_of(kernels::Device::cuda(0), r); });
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s: the memory probe step on GPU 0 failed (%s): training without it\n",
-                 program.c_str(), e.what());
-    return;
-  }
+  const int on_gpu0 = logical_on_gpu0(devices, physical);
+  const std::optional<StepMemory> step = probe_gpu0(program, "training without it", [&](int64_t r) {
+    return peak_of(kernels::Device::cuda(0), r);
+  });
+  if (!step) return;
   check_step_fits(what + " (" + mode + " on " + std::to_string(devices) + " CUDA device(s), " +
                       std::to_string(on_gpu0) + " on GPU 0)",
-                  step, on_gpu0, rows, "GPU 0", kernels::gpu_memory(0));
+                  *step, on_gpu0, rows, "GPU 0", kernels::gpu_memory(0));
+}
+
+int logical_on_gpu0(int devices, int physical) {
+  DP_CHECK(devices >= 0 && physical > 0,
+           "logical_on_gpu0: " << devices << " device(s) on " << physical << " GPU(s)");
+  return (devices + physical - 1) / physical;
+}
+
+std::optional<StepMemory> probe_gpu0(const std::string& program, const std::string& instead,
+                                     const std::function<int64_t(int64_t rows)>& peak_of) {
+  try {
+    return measure_step_memory(peak_of);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: the memory probe step on GPU 0 failed (%s): %s\n", program.c_str(),
+                 e.what(), instead.c_str());
+    return std::nullopt;
+  }
 }
 
 }  // namespace dp::cli

@@ -135,6 +135,15 @@ StepMemory measure_step_memory(const std::function<int64_t(int64_t rows)>& peak_
 // rows x per_row), measured on a probe step) needs at least ...".
 void check_step_fits(const std::string& what, const StepMemory& m, int devices, int64_t rows,
                      const std::string& where, const kernels::AvailableMemory& memory);
+// The logical devices GPU 0 holds of `devices` shared round-robin by `physical` GPUs (the most
+// any GPU holds).
+int logical_on_gpu0(int devices, int physical);
+// A step's memory measured on GPU 0 (peak_of as measure_step_memory's), or nothing when the
+// probe fails: that is said in one line on stderr, "<program>: the memory probe step on GPU 0
+// failed (<why>): <instead>", and the caller checks without it (the run meets the same failure
+// and names it).
+std::optional<StepMemory> probe_gpu0(const std::string& program, const std::string& instead,
+                                     const std::function<int64_t(int64_t rows)>& peak_of);
 // A training program's check before it trains: `devices` devices of `type`, each with `rows`
 // rows, against the memory that holds them. peak_of(device, rows) runs one step of `rows` rows
 // on a fresh one-device engine on `device` and returns the peak bytes it counts.
