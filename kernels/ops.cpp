@@ -266,35 +266,72 @@ void bias_backward(Tensor& db, const Tensor& dy, Accumulate acc) {
 
 // ---- matrix product ------------------------------------------------------------------------
 
-void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose tb, float alpha,
-          float beta, const Tensor& bias) {
-  const char* op = "gemm";
+namespace {
+
+// gemm's requirements, for gemm and the ops built on it (`op` names the one called).
+void check_gemm(const char* op, const Tensor& c, const Tensor& a, Transpose ta, const Tensor& b,
+                Transpose tb, const Tensor& bias) {
   check_devices(op, {{"c", c}, {"a", a}, {"b", b}});
   if (bias.defined()) check_devices(op, {{"c", c}, {"bias", bias}});
   check_ndim(op, {"a", a}, 2);
   check_ndim(op, {"b", b}, 2);
   check_ndim(op, {"c", c}, 2);
   DP_CHECK(is_floating(a.dtype()) && a.dtype() == b.dtype(),
-           "gemm: a and b must be f32, f16 or bf16 of one dtype, got " << a << " and " << b);
+           op << ": a and b must be f32, f16 or bf16 of one dtype, got " << a << " and " << b);
   DP_CHECK(c.dtype() == DType::f32 || c.dtype() == a.dtype(),
-           "gemm: c must be f32 or " << a.dtype() << ", got " << c);
+           op << ": c must be f32 or " << a.dtype() << ", got " << c);
   Shape op_a = ta == Transpose::no ? a.shape() : Shape{a.dim(1), a.dim(0)};
   Shape op_b = tb == Transpose::no ? b.shape() : Shape{b.dim(1), b.dim(0)};
-  DP_CHECK(op_a[1] == op_b[0], "gemm: inner dimensions differ: op(a) "
-                                   << shape_str(op_a) << " x op(b) " << shape_str(op_b) << " (a "
-                                   << shape_str(a.shape()) << ", b " << shape_str(b.shape())
-                                   << ")");
+  DP_CHECK(op_a[1] == op_b[0], op << ": inner dimensions differ: op(a) " << shape_str(op_a)
+                                  << " x op(b) " << shape_str(op_b) << " (a "
+                                  << shape_str(a.shape()) << ", b " << shape_str(b.shape()) << ")");
   DP_CHECK(c.shape() == (Shape{op_a[0], op_b[1]}),
-           "gemm: c must be " << shape_str({op_a[0], op_b[1]}) << " for op(a) " << shape_str(op_a)
-                              << " x op(b) " << shape_str(op_b) << ", got "
-                              << shape_str(c.shape()));
+           op << ": c must be " << shape_str({op_a[0], op_b[1]}) << " for op(a) " << shape_str(op_a)
+              << " x op(b) " << shape_str(op_b) << ", got " << shape_str(c.shape()));
   if (bias.defined()) {
     DP_CHECK(bias.dtype() == DType::f32 || bias.dtype() == c.dtype(),
-             "gemm: bias must be f32 or c's dtype " << c.dtype() << ", got " << bias);
+             op << ": bias must be f32 or c's dtype " << c.dtype() << ", got " << bias);
     check_shape(op, {"bias", bias}, {op_b[1]});
   }
+}
+
+}  // namespace
+
+void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose tb, float alpha,
+          float beta, const Tensor& bias) {
+  check_gemm("gemm", c, a, ta, b, tb, bias);
   if (c.numel() == 0) return;
   DP_DISPATCH(c.device(), gemm, c, a, ta, b, tb, alpha, beta, bias);
+}
+
+void gemm_gelu_tanh(Tensor& y, Tensor& pre, const Tensor& a, Transpose ta, const Tensor& b,
+                    Transpose tb, const Tensor& bias) {
+  const char* op = "gemm_gelu_tanh";
+  check_gemm(op, pre, a, ta, b, tb, bias);
+  check_devices(op, {{"pre", pre}, {"y", y}});
+  check_same_shape(op, {"pre", pre}, {"y", y});
+  check_dtype(op, {"y", y}, pre.dtype());
+  if (pre.numel() == 0) return;
+  DP_DISPATCH(pre.device(), gemm_gelu_tanh, y, pre, a, ta, b, tb, bias);
+}
+
+void gemm_gelu_tanh_backward(Tensor& dpre, Tensor& dbias, Accumulate bias_acc, const Tensor& dy,
+                             Transpose tdy, const Tensor& w, Transpose tw, const Tensor& pre) {
+  const char* op = "gemm_gelu_tanh_backward";
+  check_gemm(op, dpre, dy, tdy, w, tw, Tensor());
+  check_devices(op, {{"dpre", dpre}, {"pre", pre}});
+  check_same_shape(op, {"dpre", dpre}, {"pre", pre});
+  check_dtype(op, {"pre", pre}, dpre.dtype());
+  if (dbias.defined()) {
+    check_devices(op, {{"dpre", dpre}, {"dbias", dbias}});
+    check_dtype(op, {"dbias", dbias}, DType::f32);
+    check_shape(op, {"dbias", dbias}, {dpre.dim(1)});
+  }
+  if (dpre.numel() == 0) {  // no rows: the bias gradient of nothing
+    if (dbias.defined() && bias_acc == Accumulate::no) fill(dbias, 0.f);
+    return;
+  }
+  DP_DISPATCH(dpre.device(), gemm_gelu_tanh_backward, dpre, dbias, bias_acc, dy, tdy, w, tw, pre);
 }
 
 // ---- activations ---------------------------------------------------------------------------

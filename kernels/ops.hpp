@@ -143,6 +143,27 @@ void gelu_tanh(Tensor& y, const Tensor& x);
 // requires dx, dy, x same shape. ensures dx (+)= dy * d gelu_tanh(x) / dx.
 void gelu_tanh_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc);
 
+// A Linear's product with the GELU (tanh) after it, as GPT-2's MLP runs them (llm.c: cuBLASLt's
+// GELU epilogues), forward and backward.
+// Forward: pre = op(a) op(b) + bias (gemm's c, alpha 1, beta 0) and y = gelu_tanh(pre).
+// requires y and pre (m, n) of one dtype (gemm's c), a, b and bias as gemm takes them.
+// - CPU: gemm into pre, then gelu_tanh(y, pre): the bits of the two ops.
+// - CUDA: one GEMM whose epilogue (cuBLASLt's GELU_AUX_BIAS) writes pre and y, y from the f32
+//   value before it is rounded into pre, with cuBLASLt's GELU, where cuBLASLt has an algorithm
+//   for it; otherwise the two ops.
+void gemm_gelu_tanh(Tensor& y, Tensor& pre, const Tensor& a, Transpose ta, const Tensor& b,
+                    Transpose tb, const Tensor& bias);
+// Backward: dpre = (op(dy) op(w)) * gelu_tanh'(pre), and dbias (+)= dpre's column sums.
+// requires dpre and pre (m, n) of one dtype (gemm's c), dy and w as gemm's a and b, dbias (n)
+// f32 or undefined (no bias gradient).
+// - CPU: gemm into dpre, gelu_tanh_backward in place, bias_backward: the bits of the three ops
+//   (the product rounded into dpre's dtype before the derivative multiplies it).
+// - CUDA: one GEMM whose epilogue (cuBLASLt's DGELU_BGRAD) applies the derivative to the f32
+//   product and sums the bias gradient, which it rounds into dpre's dtype before it is added to
+//   dbias, where cuBLASLt has an algorithm for it; otherwise the three ops.
+void gemm_gelu_tanh_backward(Tensor& dpre, Tensor& dbias, Accumulate bias_acc, const Tensor& dy,
+                             Transpose tdy, const Tensor& w, Transpose tw, const Tensor& pre);
+
 // ---- transformer: embedding lookup and scaled dot-product attention ------------------------
 
 // requires ids (...) i32 in [0, V), table (V, D) f32, y (..., D) f32 (ids.numel() rows).

@@ -30,8 +30,49 @@ class Linear : public Module {
   Parameter& weight() { return *weight_; }
   Parameter* bias() { return bias_; }  // null without a bias
 
+  // GPT-2's MLP (GptMlp) runs this layer and the GELU (tanh) after it as one op, and the next
+  // layer's backward through that GELU as one op (kernels::gemm_gelu_tanh and its backward: on a
+  // GPU, cuBLASLt's GELU epilogues where it has them; on the CPU the ops in turn, bit for bit).
+  //
+  // Returns gelu_tanh(x W^T + b) and sets pre to x W^T + b (the GELU's input, which the next
+  // layer's backward_through_gelu reads). Hooks, NVTX and layer times as forward().
+  Tensor forward_gelu(const Tensor& x, Tensor& pre) {
+    return run_forward([&] { return forward_rows(x, &pre); });
+  }
+  // This layer's backward (it must follow a forward on gelu_tanh(pre)) with the GELU before it
+  // folded in: returns d loss / d pre instead of d loss / d(its input), and adds `below`'s bias
+  // gradient (the layer whose forward_gelu made pre) in the same op; then
+  // below.backward_bias_given(d loss / d pre) runs below's backward without summing it again.
+  Tensor backward_through_gelu(const Tensor& dy, const Tensor& pre, Linear& below) {
+    return run_backward([&] { return backward_rows(dy, true, &pre, &below); });
+  }
+  // backward() when the bias gradient was already added (backward_through_gelu of the layer
+  // after this one).
+  Tensor backward_bias_given(const Tensor& dy) {
+    return run_backward([&] { return backward_rows(dy, false, nullptr, nullptr); });
+  }
+
  protected:
-  Tensor forward_impl(const Tensor& x) override {
+  Tensor forward_impl(const Tensor& x) override { return forward_rows(x, nullptr); }
+
+  // The bias in y's dtype where its 16-bit copy has it, else the f32 value; none without one.
+  Tensor bias_for(DType y_dtype) const {
+    if (!bias_) return Tensor();
+    return bias_->compute.defined() && bias_->compute.dtype() == y_dtype ? bias_->compute
+                                                                         : bias_->value;
+  }
+
+  Tensor backward_impl(const Tensor& dy) override {
+    return backward_rows(dy, true, nullptr, nullptr);
+  }
+
+  std::shared_ptr<Module> clone_config() const override {
+    return std::make_shared<Linear>(in_, out_, has_bias_);
+  }
+
+ private:
+  // y = x W^T + b; with pre, y = gelu_tanh(x W^T + b) and *pre = x W^T + b (forward_gelu).
+  Tensor forward_rows(const Tensor& x, Tensor* pre) {
     DP_CHECK(x.ndim() >= 2 && x.dim(-1) == in_,
              "Linear(" << in_ << " -> " << out_ << "): input " << kernels::shape_str(x.shape())
                        << " must be (..., " << in_ << "), weight is "
@@ -45,22 +86,24 @@ class Linear : public Module {
     // epilogue reads it as it is).
     x2_ = to_compute(x.reshape({rows, in_}));                                // (M, in)
     Tensor y = Tensor::empty({rows, out_}, activation_dtype(), x.device());  // (M, out)
-    // (M, in) x (out, in)^T + b -> (M, out)
-    kernels::gemm(y, x2_, kernels::Transpose::no, weight_->compute, kernels::Transpose::yes, 1.f,
-                  0.f, bias_for(y.dtype()));
     Shape y_shape = x_shape_;
     y_shape.back() = out_;
+    // (M, in) x (out, in)^T + b -> (M, out)
+    if (pre) {
+      Tensor h = Tensor::empty({rows, out_}, y.dtype(), x.device());
+      kernels::gemm_gelu_tanh(y, h, x2_, kernels::Transpose::no, weight_->compute,
+                              kernels::Transpose::yes, bias_for(y.dtype()));
+      *pre = h.reshape(y_shape);
+    } else {
+      kernels::gemm(y, x2_, kernels::Transpose::no, weight_->compute, kernels::Transpose::yes, 1.f,
+                    0.f, bias_for(y.dtype()));
+    }
     return y.reshape(y_shape);
   }
 
-  // The bias in y's dtype where its 16-bit copy has it, else the f32 value; none without one.
-  Tensor bias_for(DType y_dtype) const {
-    if (!bias_) return Tensor();
-    return bias_->compute.defined() && bias_->compute.dtype() == y_dtype ? bias_->compute
-                                                                         : bias_->value;
-  }
-
-  Tensor backward_impl(const Tensor& dy) override {
+  // dx (or, with pre, d loss / d pre through the GELU and below's bias gradient: see
+  // backward_through_gelu), dW += dy^T x, and with bias_grad db += the column sums of dy.
+  Tensor backward_rows(const Tensor& dy, bool bias_grad, const Tensor* pre, Linear* below) {
     DP_CHECK(x2_.defined(), "Linear::backward called before forward");
     const int64_t rows = x2_.dim(0);
     DP_CHECK(dy.numel() == rows * out_, "Linear(" << in_ << " -> " << out_ << "): dy "
@@ -69,7 +112,18 @@ class Linear : public Module {
     Tensor dy2 = dy.reshape({rows, out_});  // (M, out)
     Tensor dy2c = to_compute(dy2);          // 16-bit under AMP
     Tensor dx;
-    if (input_grad_needed()) {
+    if (pre) {
+      DP_CHECK(
+          pre->numel() == rows * in_ && pre->dtype() == x_dtype_ && below && below->out_ == in_,
+          "Linear(" << in_ << " -> " << out_ << ")::backward_through_gelu: pre " << *pre
+                    << " must be this layer's input before the GELU, from the layer below");
+      // d loss / d pre = (dy W) * gelu'(pre) in x's dtype, below's db summed with it.
+      dx = Tensor::empty({rows, in_}, x_dtype_, dy.device());
+      Tensor dbias = below->bias_ ? below->bias_->grad : Tensor();
+      kernels::gemm_gelu_tanh_backward(dx, dbias, kernels::Accumulate::yes, dy2c,
+                                       kernels::Transpose::no, weight_->compute,
+                                       kernels::Transpose::no, pre->reshape({rows, in_}));
+    } else if (input_grad_needed()) {
       dx = Tensor::empty({rows, in_}, x_dtype_, dy.device());  // (M, in), x's dtype
       // (M, out) x (out, in) -> (M, in)
       kernels::gemm(dx, dy2c, kernels::Transpose::no, weight_->compute, kernels::Transpose::no);
@@ -78,15 +132,11 @@ class Linear : public Module {
     kernels::gemm(weight_->grad, dy2c, kernels::Transpose::yes, x2_, kernels::Transpose::no, 1.f,
                   1.f);
     // The bias gradient is a reduction into f32 (a 16-bit dy is read as f32, no cast).
-    if (bias_) kernels::bias_backward(bias_->grad, dy2, kernels::Accumulate::yes);
-    return dx.defined() ? dx.reshape(x_shape_) : dx;
+    if (bias_ && bias_grad) kernels::bias_backward(bias_->grad, dy2, kernels::Accumulate::yes);
+    if (!dx.defined()) return dx;
+    return pre ? dx.reshape(pre->shape()) : dx.reshape(x_shape_);
   }
 
-  std::shared_ptr<Module> clone_config() const override {
-    return std::make_shared<Linear>(in_, out_, has_bias_);
-  }
-
- private:
   int64_t in_, out_;
   Bias has_bias_;
   Parameter* weight_ = nullptr;

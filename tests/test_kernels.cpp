@@ -14,6 +14,7 @@
 #include "kernels/cpu/vec_math.hpp"
 #include "kernels/runtime/graph.hpp"
 #include "tests/device_scalars.hpp"
+#include "tests/gemm_gelu_cases.hpp"
 #include "tests/native16_cases.hpp"
 #include "tests/test_kernels_util.hpp"
 
@@ -524,6 +525,37 @@ TEST_CASE("kernels.gemm: empty products") {
   Tensor e = zeros({0, 4});
   gemm(e, zeros({0, 5}), Transpose::no, random_tensor({4, 5}, 1), Transpose::yes);
   CHECK(e.numel() == 0);
+}
+
+TEST_CASE("kernels.gemm_gelu: the fused forward and backward are the ops' bits on the CPU") {
+  auto same = [](const Tensor& a, const Tensor& b) {
+    return a.dtype() == b.dtype() && a.shape() == b.shape() &&
+           std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
+  };
+  for (const gemm_gelu::Case& c : gemm_gelu::cases()) {
+    CAPTURE(dtype_name(c.t));
+    CAPTURE(c.m);
+    CAPTURE(c.bias);
+    CAPTURE(c.acc == Accumulate::yes);
+    const gemm_gelu::Outputs f = gemm_gelu::run(c, Device::cpu(), true);
+    const gemm_gelu::Outputs r = gemm_gelu::run(c, Device::cpu(), false);
+    CHECK(same(f.pre, r.pre));
+    CHECK(same(f.y, r.y));
+    CHECK(same(f.dpre, r.dpre));
+    CHECK(same(f.dbias, r.dbias));
+  }
+  // Shapes and dtypes are checked, naming the operand.
+  Tensor x = random_tensor({4, 3}, 1), w = random_tensor({5, 3}, 2);
+  Tensor y = zeros({4, 5}), pre = zeros({4, 6});
+  CHECK_THROWS_WITH_AS(gemm_gelu_tanh(y, pre, x, Transpose::no, w, Transpose::yes, Tensor()),
+                       doctest::Contains("gemm_gelu_tanh: c must be [4, 5]"), Error);
+  Tensor pre5 = zeros({4, 5}), y16 = Tensor::zeros({4, 5}, DType::bf16, Device::cpu());
+  CHECK_THROWS_WITH_AS(gemm_gelu_tanh(y16, pre5, x, Transpose::no, w, Transpose::yes, Tensor()),
+                       doctest::Contains("y must be f32"), Error);
+  Tensor dbias = zeros({6}), dy = random_tensor({4, 2}, 3), w2 = random_tensor({2, 5}, 4);
+  CHECK_THROWS_WITH_AS(
+      gemm_gelu_tanh_backward(pre5, dbias, Accumulate::no, dy, Transpose::no, w2, Transpose::no, y),
+      doctest::Contains("dbias must be [5], got [6]"), Error);
 }
 
 TEST_CASE("kernels.relu: forward, backward, accumulate") {

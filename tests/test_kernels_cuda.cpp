@@ -17,6 +17,7 @@
 #include "kernels/runtime/graph.hpp"
 #include "kernels/runtime/memory.hpp"
 #include "tests/device_scalars.hpp"
+#include "tests/gemm_gelu_cases.hpp"
 #include "tests/loss_count_cases.hpp"
 #include "tests/native16_cases.hpp"
 #include "tests/optim_test_util.hpp"
@@ -299,6 +300,57 @@ TEST_CASE("kernels.cuda.gemm: f16 and bf16 operands, f32 or 16-bit output") {
 // differ only in the order of the k f32 additions (|e| <= k 2^-24 sum |a_i b_i| <= k^2 2^-24 each
 // for |a|, |b| <= 1) and in the f32 roundings of alpha (.) and + beta c (2^-24 of a result of
 // magnitude <= k + 1 each): 2 k^2 2^-24 + 4 (k + 1) 2^-24, about 3e-4 for k = 47.
+// The GELU epilogues (cuBLASLt's GELU_AUX_BIAS and DGELU_BGRAD, where it has them: 16-bit
+// outputs, n a multiple of 8) against the GPU's ops in turn, and both against the CPU. Where the
+// epilogue runs, y is GELU of the f32 value before it is rounded into pre, the derivative
+// multiplies the unrounded product, and the bias gradient is summed by cuBLASLt and rounded to
+// the 16-bit dtype. Bound, with u the output's unit roundoff (2^-8 bf16, 2^-11 f16) and M the
+// largest magnitude of the two results plus 1: each result differs by at most two roundings of
+// its own and one of its input's (3 u M), plus cuBLASLt's GELU against ours (both the tanh
+// formula in f32: 1e-3 M of slack) and f32 sums in another order (k or m terms: 1e-4 M). The
+// bias gradient sums m rows of dpre: its M is m times dpre's, plus its own rounding.
+// f32 outputs run the ops in turn on the GPU, the CPU's 1e-4 apart.
+TEST_CASE("kernels.cuda.gemm_gelu: the fused forward and backward follow the ops within a bound") {
+  DP_REQUIRE_GPU();
+  for (const gemm_gelu::Case& c : gemm_gelu::cases()) {
+    CAPTURE(dtype_name(c.t));
+    CAPTURE(c.m);
+    CAPTURE(c.bias);
+    CAPTURE(c.acc == Accumulate::yes);
+    const gemm_gelu::Outputs f = gemm_gelu::run(c, kGpu, true);
+    const gemm_gelu::Outputs r = gemm_gelu::run(c, kGpu, false);
+    const gemm_gelu::Outputs h = gemm_gelu::run(c, kCpu, false);
+    const double u = c.t == DType::bf16  ? std::ldexp(1.0, -8)
+                     : c.t == DType::f16 ? std::ldexp(1.0, -11)
+                                         : 0.0;
+    // The largest magnitude of a and b, plus 1.
+    auto magnitude = [](const Tensor& a, const Tensor& b) {
+      double m_bound = 1.0;
+      for (const Tensor* t : {&a, &b})
+        for (float v : t->to_host_f32()) m_bound = std::max(m_bound, std::fabs(double{v}) + 1);
+      return m_bound;
+    };
+    auto close = [&](const Tensor& a, const Tensor& b, const char* what, double m_bound) {
+      std::vector<float> x = a.to_host_f32(), y = b.to_host_f32();
+      const double tol = 3 * u * m_bound + 1e-3 * m_bound + 1e-4 * m_bound;
+      double worst = 0.0;
+      for (size_t i = 0; i < x.size(); ++i) worst = std::max(worst, std::fabs(double{x[i]} - y[i]));
+      CAPTURE(what);
+      CAPTURE(worst);
+      CAPTURE(tol);
+      CHECK(worst <= tol);
+    };
+    for (const gemm_gelu::Outputs* o : {&r, &h}) {
+      close(f.pre, o->pre, "pre", magnitude(f.pre, o->pre));
+      close(f.y, o->y, "y", magnitude(f.y, o->y));
+      const double dpre_bound = magnitude(f.dpre, o->dpre);
+      close(f.dpre, o->dpre, "dpre", dpre_bound);
+      close(f.dbias, o->dbias, "dbias",
+            static_cast<double>(c.m) * dpre_bound + magnitude(f.dbias, o->dbias));
+    }
+  }
+}
+
 TEST_CASE("kernels.cuda.gemm: f16 and bf16 operands into f32 c with beta 0 and 1") {
   DP_REQUIRE_GPU();
   const int64_t m = 29, n = 71, k = 47;

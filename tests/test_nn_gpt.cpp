@@ -234,6 +234,44 @@ TEST_CASE("nn.gpt: a block run with its sums deferred gives forward's bits, then
   }
 }
 
+TEST_CASE("nn.gpt: the MLP's fused fc + GELU and proj backward give the layers' bits") {
+  // GptMlp runs c_fc with the GELU as one op each way (Linear::forward_gelu,
+  // backward_through_gelu, backward_bias_given); on the CPU that must be the layers in turn:
+  // the same output, input gradient and parameter gradients, bit for bit, in f32 and under bf16
+  // activations, and every parameter reported ready once, after its gradient is final.
+  for (bool bf16 : {false, true}) {
+    CAPTURE(bf16);
+    auto mlp = materialized(make_shared<nn::GptMlp>(8, 0.f), 7);
+    auto chain = materialized(
+        make_shared<nn::Sequential>(std::initializer_list<nn::ModulePtr>{
+            make_shared<nn::Linear>(8, 32), make_shared<nn::GELU>(nn::GeluApproximation::tanh),
+            make_shared<nn::Linear>(32, 8)}),
+        7);
+    kernels::copy(chain->flat_params(), mlp->flat_params());  // the same layout: same weights
+    for (nn::Module* m :
+         {static_cast<nn::Module*>(mlp.get()), static_cast<nn::Module*>(chain.get())})
+      if (bf16) {
+        m->set_compute_dtype(DType::bf16);
+        m->set_activations(nn::Activations::compute);
+      }
+    std::vector<int64_t> ready;
+    mlp->flat().on_grad_ready = [&](const nn::Parameter& p) {
+      ready.push_back(p.offset);
+      // Final when reported: c_fc's bias gradient came with c_proj's backward already.
+      Tensor g = p.grad.clone();
+      CHECK(host(g) == host(chain->flat_grads().view(p.offset, p.shape)));
+    };
+    const DType dt = bf16 ? DType::bf16 : DType::f32;
+    Tensor x = kernels::cast(uniform({2, 5, 8}, 41, -2.f, 2.f), dt);
+    CHECK(host(mlp->forward(x)) == host(chain->forward(x)));
+    Tensor dy = kernels::cast(uniform({2, 5, 8}, 42), dt);
+    Tensor dx_chain = chain->backward(dy);  // first: the hook compares against its gradients
+    CHECK(host(mlp->backward(dy)) == host(dx_chain));
+    CHECK(host(mlp->flat_grads()) == host(chain->flat_grads()));
+    CHECK(ready.size() == 4);
+  }
+}
+
 TEST_CASE("nn.profile: a GPT's blocks count as h's time, not the model's own") {
   // Gpt runs its blocks through forward_deferred, bypassing h.forward: the profile still gives h
   // its blocks' time and leaves the model only its own (embedding sum, LM head).

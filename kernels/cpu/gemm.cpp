@@ -504,4 +504,18 @@ void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose t
   if (c.dtype() != DType::f32) store_from_f32(c, c_data);
 }
 
+// The ops in turn (ops.hpp: the CPU has no fused epilogue, and these are their bits).
+void gemm_gelu_tanh(Tensor& y, Tensor& pre, const Tensor& a, Transpose ta, const Tensor& b,
+                    Transpose tb, const Tensor& bias) {
+  cpu::gemm(pre, a, ta, b, tb, 1.f, 0.f, bias);
+  cpu::gelu_tanh(y, pre);
+}
+
+void gemm_gelu_tanh_backward(Tensor& dpre, Tensor& dbias, Accumulate bias_acc, const Tensor& dy,
+                             Transpose tdy, const Tensor& w, Transpose tw, const Tensor& pre) {
+  cpu::gemm(dpre, dy, tdy, w, tw, 1.f, 0.f, Tensor());
+  cpu::gelu_tanh_backward(dpre, dpre, pre, Accumulate::no);  // in place: element by element
+  if (dbias.defined()) cpu::bias_backward(dbias, dpre, bias_acc);
+}
+
 }  // namespace kernels::cpu

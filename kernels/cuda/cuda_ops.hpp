@@ -49,6 +49,11 @@ void exp(Tensor& y, const Tensor& x, DeviceContext& ctx);
 void gelu_tanh(Tensor& y, const Tensor& x, DeviceContext& ctx);
 void gelu_tanh_backward(Tensor& dx, const Tensor& dy, const Tensor& x, Accumulate acc,
                         DeviceContext& ctx);
+void gemm_gelu_tanh(Tensor& y, Tensor& pre, const Tensor& a, Transpose ta, const Tensor& b,
+                    Transpose tb, const Tensor& bias, DeviceContext& ctx);
+void gemm_gelu_tanh_backward(Tensor& dpre, Tensor& dbias, Accumulate bias_acc, const Tensor& dy,
+                             Transpose tdy, const Tensor& w, Transpose tw, const Tensor& pre,
+                             DeviceContext& ctx);
 void embedding_forward(Tensor& y, const Tensor& ids, const Tensor& table, DeviceContext& ctx);
 void embedding_backward(Tensor& dtable, const Tensor& dy, const Tensor& ids, DeviceContext& ctx);
 void attention_forward(Tensor& y, Tensor& lse, const Tensor& qkv, const AttentionParams& p,

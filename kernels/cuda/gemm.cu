@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdio>
 #include <sstream>
 
 #include "kernels/cuda/cuda_common.cuh"
@@ -86,12 +87,58 @@ void set_pref(const PreferenceHandle& p, cublasLtMatmulPreferenceAttributes_t at
   DP_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(p.get(), attr, &value, sizeof(value)));
 }
 
+// The column-major operands of row-major c (m, n) = op(a) (m, k) op(b) (k, n), as cuBLASLt is
+// asked for them (the header), with the preference that bounds the workspace and states the
+// pointers' alignments.
+struct LtOperands {
+  LayoutHandle lt_a, lt_b, lt_c;  // cuBLASLt's A (our b), B (our a), and C = D (c^T)
+  PreferenceHandle pref;
+};
+LtOperands lt_operands(cudaDataType_t in_type, cudaDataType_t out_type, int64_t m, int64_t n,
+                       int64_t k, Transpose ta, Transpose tb, const void* a, const void* b,
+                       const void* c, uint64_t workspace_bytes) {
+  LtOperands o;
+  // b (k, n) row-major is (n, k) ld n; b^T stored (n, k) is (k, n) ld k. a (m, k) row-major is
+  // (k, m) ld k; a^T stored (k, m) is (m, k) ld m.
+  o.lt_a = tb == Transpose::no ? make_layout(in_type, n, k, n) : make_layout(in_type, k, n, k);
+  o.lt_b = ta == Transpose::no ? make_layout(in_type, k, m, k) : make_layout(in_type, m, k, m);
+  o.lt_c = make_layout(out_type, n, m, n);
+  cublasLtMatmulPreference_t raw_pref = nullptr;
+  DP_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&raw_pref));
+  o.pref = PreferenceHandle(raw_pref);
+  set_pref(o.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, workspace_bytes);
+  set_pref(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment_of(b));
+  set_pref(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment_of(a));
+  set_pref(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment_of(c));
+  set_pref(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment_of(c));
+  return o;
+}
+
+// A matmul descriptor with our transposes (cuBLASLt's A is our b).
+MatmulDescHandle lt_desc(cublasComputeType_t compute, Transpose ta, Transpose tb) {
+  MatmulDescHandle d = make_matmul_desc(compute);
+  set_attr(d, CUBLASLT_MATMUL_DESC_TRANSA, tb == Transpose::no ? CUBLAS_OP_N : CUBLAS_OP_T);
+  set_attr(d, CUBLASLT_MATMUL_DESC_TRANSB, ta == Transpose::no ? CUBLAS_OP_N : CUBLAS_OP_T);
+  return d;
+}
+
+// The heuristic's best algorithm for `desc` over `o`; false when it has none (or answers an
+// error, e.g. INVALID_VALUE for a dimension of 1).
+bool lt_find_algo(cublasLtHandle_t handle, const MatmulDescHandle& desc, const LtOperands& o,
+                  cublasLtMatmulHeuristicResult_t* result) {
+  int found = 0;
+  cublasStatus_t st =
+      cublasLtMatmulAlgoGetHeuristic(handle, desc.get(), o.lt_a.get(), o.lt_b.get(), o.lt_c.get(),
+                                     o.lt_c.get(), o.pref.get(), 1, result, &found);
+  return st == CUBLAS_STATUS_SUCCESS && found > 0;
+}
+
 // Everything cublasLtMatmul needs but the pointers, for one (shape, transposes, dtypes, math,
 // epilogue, alignments): built and searched once per context, then reused. The bias pointer is
 // the one attribute that changes between calls; it is set on the cached descriptor per call.
 struct GemmPlan {
   MatmulDescHandle desc_fused, desc;  // with the bias epilogue (when wanted), without
-  LayoutHandle lt_a, lt_b, lt_c;
+  LtOperands ops;
   cublasLtMatmulHeuristicResult_t result_fused{}, result{};
   AlgoChoice choice;  // over kGemmLtFusedBias, kGemmLt, kGemmEx
 };
@@ -246,41 +293,16 @@ void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose t
               alignment_of(c.raw()),
               want_fused ? alignment_of(epilogue_bias) : 0};
   cublasLtHandle_t handle = static_cast<cublasLtHandle_t>(ctx.cublaslt());
-  cublasOperation_t op_lt_a = tb == Transpose::no ? CUBLAS_OP_N : CUBLAS_OP_T;  // our b
-  cublasOperation_t op_lt_b = ta == Transpose::no ? CUBLAS_OP_N : CUBLAS_OP_T;  // our a
-  // Column-major views: b (k, n) row-major is (n, k) ld n; b^T stored (n, k) is (k, n) ld k.
-  // a (m, k) row-major is (k, m) ld k; a^T stored (k, m) is (m, k) ld m.
-  int64_t ld_a = tb == Transpose::no ? n : k, ld_b = ta == Transpose::no ? k : m;
+  cublasOperation_t op_lt_a = tb == Transpose::no ? CUBLAS_OP_N : CUBLAS_OP_T;     // our b
+  cublasOperation_t op_lt_b = ta == Transpose::no ? CUBLAS_OP_N : CUBLAS_OP_T;     // our a
+  int64_t ld_a = tb == Transpose::no ? n : k, ld_b = ta == Transpose::no ? k : m;  // lt_operands
   GemmPlan& plan = ctx.state<GemmPlans>().cache.get(key, [&] {
     GemmPlan pl;
-    pl.lt_a = tb == Transpose::no ? make_layout(in_type, n, k, n) : make_layout(in_type, k, n, k);
-    pl.lt_b = ta == Transpose::no ? make_layout(in_type, k, m, k) : make_layout(in_type, m, k, m);
-    pl.lt_c = make_layout(out_type, n, m, n);  // C^T, also D (in place)
-
-    cublasLtMatmulPreference_t raw_pref = nullptr;
-    DP_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&raw_pref));
-    PreferenceHandle pref(raw_pref);
-    set_pref(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-             static_cast<uint64_t>(kGemmWorkspaceBytes));
-    set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment_of(b.raw()));
-    set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment_of(a.raw()));
-    set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment_of(c.raw()));
-    set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment_of(c.raw()));
-
-    auto new_desc = [&] {
-      MatmulDescHandle d = make_matmul_desc(compute);
-      set_attr(d, CUBLASLT_MATMUL_DESC_TRANSA, op_lt_a);
-      set_attr(d, CUBLASLT_MATMUL_DESC_TRANSB, op_lt_b);
-      return d;
-    };
-    // The heuristic's best algorithm for `desc`; false when it has none (or answers an error,
-    // e.g. INVALID_VALUE for a dimension of 1).
+    pl.ops = lt_operands(in_type, out_type, m, n, k, ta, tb, a.raw(), b.raw(), c.raw(),
+                         kGemmWorkspaceBytes);
+    auto new_desc = [&] { return lt_desc(compute, ta, tb); };
     auto find_algo = [&](const MatmulDescHandle& desc, cublasLtMatmulHeuristicResult_t* result) {
-      int found = 0;
-      cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(
-          handle, desc.get(), pl.lt_a.get(), pl.lt_b.get(), pl.lt_c.get(), pl.lt_c.get(),
-          pref.get(), 1, result, &found);
-      return st == CUBLAS_STATUS_SUCCESS && found > 0;
+      return lt_find_algo(handle, desc, pl.ops, result);
     };
     bool fused_found = false;
     if (want_fused) {
@@ -311,16 +333,17 @@ void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose t
         set_attr(plan.desc_fused, CUBLASLT_MATMUL_DESC_BIAS_POINTER,  // the per-call attribute
                  epilogue_bias);
         return cublas_attempt(
-            cublasLtMatmul(handle, plan.desc_fused.get(), &alpha, b.raw(), plan.lt_a.get(), a.raw(),
-                           plan.lt_b.get(), &beta, c.raw(), plan.lt_c.get(), c.raw(),
-                           plan.lt_c.get(), &plan.result_fused.algo, workspace, kGemmWorkspaceBytes,
-                           s),
+            cublasLtMatmul(handle, plan.desc_fused.get(), &alpha, b.raw(), plan.ops.lt_a.get(),
+                           a.raw(), plan.ops.lt_b.get(), &beta, c.raw(), plan.ops.lt_c.get(),
+                           c.raw(), plan.ops.lt_c.get(), &plan.result_fused.algo, workspace,
+                           kGemmWorkspaceBytes, s),
             "cublasLtMatmul");
       case kGemmLt:
         return cublas_attempt(
-            cublasLtMatmul(handle, plan.desc.get(), &alpha, b.raw(), plan.lt_a.get(), a.raw(),
-                           plan.lt_b.get(), &beta, c.raw(), plan.lt_c.get(), c.raw(),
-                           plan.lt_c.get(), &plan.result.algo, workspace, kGemmWorkspaceBytes, s),
+            cublasLtMatmul(handle, plan.desc.get(), &alpha, b.raw(), plan.ops.lt_a.get(), a.raw(),
+                           plan.ops.lt_b.get(), &beta, c.raw(), plan.ops.lt_c.get(), c.raw(),
+                           plan.ops.lt_c.get(), &plan.result.algo, workspace, kGemmWorkspaceBytes,
+                           s),
             "cublasLtMatmul");
       default: {
         if (std::max({m, n, k}) > INT32_MAX)
@@ -345,6 +368,144 @@ void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose t
   });
   if (bias_ptr && ran.id != kGemmLtFusedBias)
     launch_scale_add_bias(c, bias, 1.f, /*scale_c=*/false, s);
+}
+
+namespace {
+
+// The GELU epilogues of the MLP's two GEMMs (ops.hpp: gemm_gelu_tanh and its backward).
+enum class GeluEpilogue : int64_t { forward = 1, backward = 2 };
+
+// One epilogue GEMM's cuBLASLt plan: the descriptor with the epilogue (its pointers set per
+// call) and the heuristic's algorithm; usable false when there is none, or when a run refused
+// it (the ops in turn run from then on).
+struct GeluPlan {
+  MatmulDescHandle desc;
+  LtOperands ops;
+  cublasLtMatmulHeuristicResult_t result{};
+  bool usable = false;
+};
+// epilogue, m, n, k, ta, tb, dtype, compute, alignments of a, b, c, aux, vector.
+using GeluKey = std::array<int64_t, 13>;
+struct GeluPlans {
+  PlanCache<GeluKey, GeluPlan> cache;
+};
+
+// c (m, n) = the epilogue over op(a) op(b), where cuBLASLt has an algorithm for it:
+// - forward (GELU_AUX_BIAS): c = gelu(product + vec), aux = product + vec (vec: the bias in c's
+//   dtype, n values);
+// - backward (DGELU_BGRAD): c = product * gelu'(aux), vec = c's column sums (n values, c's
+//   dtype).
+// aux (m, n) in c's dtype, its leading dimension n. Returns false, having queued nothing, when
+// cuBLASLt has no algorithm for it or refuses it, or the operands do not meet its rules (a
+// leading dimension that is a multiple of 8, a 16-bit c, 16-byte aligned vectors).
+bool gelu_epilogue_gemm(GeluEpilogue e, Tensor& c, const Tensor& a, Transpose ta, const Tensor& b,
+                        Transpose tb, void* vec, void* aux, DeviceContext& ctx) {
+  const int64_t m = c.dim(0), n = c.dim(1);
+  const int64_t k = ta == Transpose::no ? a.dim(1) : a.dim(0);
+  // The GPT's MLP runs in 16-bit activations; an f32 c keeps the ops, which the CPU matches.
+  if (c.dtype() == DType::f32 || a.dtype() != c.dtype() || k == 0 || n % 8 != 0 ||
+      alignment_of(vec) < 16 || alignment_of(aux) < 16)
+    return false;
+  const cudaDataType_t type = cuda_type(c.dtype());
+  const cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
+  GeluKey key{static_cast<int64_t>(e),
+              m,
+              n,
+              k,
+              static_cast<int64_t>(ta),
+              static_cast<int64_t>(tb),
+              static_cast<int64_t>(c.dtype()),
+              static_cast<int64_t>(compute),
+              alignment_of(a.raw()),
+              alignment_of(b.raw()),
+              alignment_of(c.raw()),
+              alignment_of(aux),
+              alignment_of(vec)};
+  cublasLtHandle_t handle = static_cast<cublasLtHandle_t>(ctx.cublaslt());
+  GeluPlan& plan = ctx.state<GeluPlans>().cache.get(key, [&] {
+    GeluPlan pl;
+    pl.ops =
+        lt_operands(type, type, m, n, k, ta, tb, a.raw(), b.raw(), c.raw(), kGemmWorkspaceBytes);
+    pl.desc = lt_desc(compute, ta, tb);
+    set_attr(pl.desc, CUBLASLT_MATMUL_DESC_EPILOGUE,
+             static_cast<uint32_t>(e == GeluEpilogue::forward ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS
+                                                              : CUBLASLT_EPILOGUE_DGELU_BGRAD));
+    set_attr(pl.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, static_cast<int32_t>(type));
+    set_attr(pl.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, vec);
+    set_attr(pl.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, aux);
+    set_attr(pl.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, n);  // D^T's rows: c's columns
+    set_attr(pl.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, static_cast<int32_t>(type));
+    pl.usable = lt_find_algo(handle, pl.desc, pl.ops, &pl.result);
+    if (debug_logging())
+      std::fprintf(stderr, "dp: debug: gemm %s epilogue (m %lld, n %lld, k %lld): %s\n",
+                   e == GeluEpilogue::forward ? "GELU_AUX_BIAS" : "DGELU_BGRAD",
+                   static_cast<long long>(m), static_cast<long long>(n), static_cast<long long>(k),
+                   pl.usable ? "cuBLASLt has an algorithm" : "no algorithm: the ops in turn");
+    return pl;
+  });
+  if (!plan.usable) return false;
+  set_attr(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, vec);  // the per-call pointers
+  set_attr(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, aux);
+  const float alpha = 1.f, beta = 0.f;
+  char* workspace = static_cast<char*>(ctx.workspace(kGemmWorkspaceBytes + kBias16Bytes));
+  cublasStatus_t st = cublasLtMatmul(
+      handle, plan.desc.get(), &alpha, b.raw(), plan.ops.lt_a.get(), a.raw(), plan.ops.lt_b.get(),
+      &beta, c.raw(), plan.ops.lt_c.get(), c.raw(), plan.ops.lt_c.get(), &plan.result.algo,
+      workspace, kGemmWorkspaceBytes, stream_of(ctx));
+  if (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE) {
+    plan.usable = false;  // refused before launching: the ops in turn, now and from now on
+    return false;
+  }
+  DP_CUBLAS_CHECK(st);
+  return true;
+}
+
+// db (f32, n) (+)= g (n, 16-bit): the epilogue's bias gradient into the parameter's.
+template <class T>
+__global__ void add_bias_grad_kernel(float* db, const T* g, int64_t n, bool accumulate) {
+  DP_GRID_STRIDE_LOOP(i, n) db[i] = accumulate ? db[i] + to_float(g[i]) : to_float(g[i]);
+}
+
+}  // namespace
+
+void gemm_gelu_tanh(Tensor& y, Tensor& pre, const Tensor& a, Transpose ta, const Tensor& b,
+                    Transpose tb, const Tensor& bias, DeviceContext& ctx) {
+  NvtxRange range("kernels/gemm_gelu_tanh");
+  // The epilogue takes a bias in y's dtype: a Linear passes its 16-bit copy.
+  if (bias.defined() && bias.dtype() == y.dtype() &&
+      gelu_epilogue_gemm(GeluEpilogue::forward, y, a, ta, b, tb, const_cast<void*>(bias.raw()),
+                         pre.raw(), ctx))
+    return;
+  cuda::gemm(pre, a, ta, b, tb, 1.f, 0.f, bias, ctx);
+  cuda::gelu_tanh(y, pre, ctx);
+}
+
+void gemm_gelu_tanh_backward(Tensor& dpre, Tensor& dbias, Accumulate bias_acc, const Tensor& dy,
+                             Transpose tdy, const Tensor& w, Transpose tw, const Tensor& pre,
+                             DeviceContext& ctx) {
+  NvtxRange range("kernels/gemm_gelu_tanh_backward");
+  const int64_t n = dpre.dim(1);
+  // The bias gradient in dpre's dtype behind the GEMM workspace (where a 16-bit bias is rounded
+  // for the bias epilogue), then added into dbias.
+  void* grad16 =
+      static_cast<char*>(ctx.workspace(kGemmWorkspaceBytes + kBias16Bytes)) + kGemmWorkspaceBytes;
+  if (dbias.defined() && n * 2 <= static_cast<int64_t>(kBias16Bytes) &&
+      gelu_epilogue_gemm(GeluEpilogue::backward, dpre, dy, tdy, w, tw, grad16,
+                         const_cast<void*>(pre.raw()), ctx)) {
+    cudaStream_t s = stream_of(ctx);
+    const bool accumulate = bias_acc == Accumulate::yes;
+    if (dpre.dtype() == DType::bf16)
+      add_bias_grad_kernel<<<blocks_for(n), kThreads, 0, s>>>(
+          dbias.data<float>(), static_cast<const __nv_bfloat16*>(grad16), n, accumulate);
+    else
+      add_bias_grad_kernel<<<blocks_for(n), kThreads, 0, s>>>(
+          dbias.data<float>(), static_cast<const __half*>(grad16), n, accumulate);
+    DP_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  cuda::gemm(dpre, dy, tdy, w, tw, 1.f, 0.f, Tensor(), ctx);
+  cuda::gelu_tanh_backward(dpre, dpre, pre, Accumulate::no, ctx);  // in place: element by element
+  if (dbias.defined()) cuda::bias_backward(dbias, dpre, bias_acc, ctx);
 }
 
 }  // namespace kernels::cuda
