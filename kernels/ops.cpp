@@ -334,6 +334,24 @@ void gemm_gelu_tanh_backward(Tensor& dpre, Tensor& dbias, Accumulate bias_acc, c
   DP_DISPATCH(dpre.device(), gemm_gelu_tanh_backward, dpre, dbias, bias_acc, dy, tdy, w, tw, pre);
 }
 
+void linear_param_grads(Tensor& dw, Tensor& dbias, const Tensor& dy, const Tensor& x,
+                        const Tensor& dy_for_bias) {
+  const char* op = "linear_param_grads";
+  check_gemm(op, dw, dy, Transpose::yes, x, Transpose::no, Tensor());
+  check_dtype(op, {"dw", dw}, DType::f32);
+  if (dbias.defined()) {
+    check_devices(op, {{"dw", dw}, {"dbias", dbias}, {"dy_for_bias", dy_for_bias}});
+    check_dtype(op, {"dbias", dbias}, DType::f32);
+    check_shape(op, {"dbias", dbias}, {dw.dim(0)});
+    check_same_shape(op, {"dy", dy}, {"dy_for_bias", dy_for_bias});
+    DP_CHECK(
+        dy_for_bias.dtype() == DType::f32 || dy_for_bias.dtype() == dy.dtype(),
+        op << ": dy_for_bias must be f32 or dy's dtype " << dy.dtype() << ", got " << dy_for_bias);
+  }
+  if (dw.numel() == 0) return;
+  DP_DISPATCH(dw.device(), linear_param_grads, dw, dbias, dy, x, dy_for_bias);
+}
+
 // ---- activations ---------------------------------------------------------------------------
 
 namespace {

@@ -163,6 +163,16 @@ void gemm_gelu_tanh(Tensor& y, Tensor& pre, const Tensor& a, Transpose ta, const
 //   dbias, where cuBLASLt has an algorithm for it; otherwise the three ops.
 void gemm_gelu_tanh_backward(Tensor& dpre, Tensor& dbias, Accumulate bias_acc, const Tensor& dy,
                              Transpose tdy, const Tensor& w, Transpose tw, const Tensor& pre);
+// A Linear's parameter gradients: dw += dy^T x (gemm, alpha 1, beta 1) and dbias += the column
+// sums of dy_for_bias (bias_backward, accumulating). requires dw (out, in) f32, dy (M, out) and
+// x (M, in) of one floating dtype, dbias (out) f32 or undefined, dy_for_bias (M, out) f32 or
+// dy's dtype (dy itself, or under mixed precision the f32 gradient dy was rounded from).
+// - CPU: the two ops, their bits.
+// - CUDA: where dy_for_bias is dy, 16-bit, one cuBLASLt GEMM whose BGRADB epilogue sums the
+//   bias gradient from the operand it reads (in f32), where the heuristic has an algorithm;
+//   otherwise the two ops.
+void linear_param_grads(Tensor& dw, Tensor& dbias, const Tensor& dy, const Tensor& x,
+                        const Tensor& dy_for_bias);
 
 // ---- transformer: embedding lookup and scaled dot-product attention ------------------------
 

@@ -128,11 +128,11 @@ class Linear : public Module {
       // (M, out) x (out, in) -> (M, in)
       kernels::gemm(dx, dy2c, kernels::Transpose::no, weight_->compute, kernels::Transpose::no);
     }
-    // dW += (M, out)^T x (M, in) -> (out, in), accumulated into the f32 gradient
-    kernels::gemm(weight_->grad, dy2c, kernels::Transpose::yes, x2_, kernels::Transpose::no, 1.f,
-                  1.f);
-    // The bias gradient is a reduction into f32 (a 16-bit dy is read as f32, no cast).
-    if (bias_ && bias_grad) kernels::bias_backward(bias_->grad, dy2, kernels::Accumulate::yes);
+    // dW += (M, out)^T x (M, in) -> (out, in), accumulated into the f32 gradient, and the bias
+    // gradient, a reduction into f32 (a 16-bit dy is read as f32, no cast), in one op (on a GPU
+    // one GEMM where its epilogue can sum it).
+    Tensor dbias = bias_ && bias_grad ? bias_->grad : Tensor();
+    kernels::linear_param_grads(weight_->grad, dbias, dy2c, x2_, dy2);
     if (!dx.defined()) return dx;
     return pre ? dx.reshape(pre->shape()) : dx.reshape(x_shape_);
   }

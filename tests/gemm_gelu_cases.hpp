@@ -1,11 +1,14 @@
-// kernels::gemm_gelu_tanh and its backward (GPT-2's MLP: a Linear with the GELU after it, and the
-// next Linear's backward through it) against the ops they stand for, on any device: the product
-// into pre then gelu_tanh, and the product into dpre, gelu_tanh_backward in place and
-// bias_backward. kernels.gemm_gelu (CPU: the same bits) and kernels.cuda.gemm_gelu (within a
-// bound where cuBLASLt's epilogue runs) use them.
+// The fused Linear ops against the ops they stand for, on any device: kernels::gemm_gelu_tanh and
+// its backward (GPT-2's MLP: a Linear with the GELU after it, and the next Linear's backward
+// through it: the product into pre then gelu_tanh; the product into dpre, gelu_tanh_backward in
+// place and bias_backward), and kernels::linear_param_grads (gemm into dw, bias_backward).
+// kernels.gemm_gelu (CPU: the same bits) and kernels.cuda.gemm_gelu (within a bound where
+// cuBLASLt's epilogues run) use them.
 #pragma once
 
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 #include "kernels/ops.hpp"
 #include "tests/test_util.hpp"
@@ -62,6 +65,26 @@ inline Outputs run(const Case& c, Device d, bool fused) {
     if (c.bias) kernels::bias_backward(dbias, o.dpre, c.acc);
   }
   return o;
+}
+
+// A Linear's parameter gradients from dy (m, n2) and x (m, n) of the case (the weight (n2, n)
+// and bias (n2) gradients start from values to add to): linear_param_grads (fused true) or
+// gemm and bias_backward. With f32_bias_dy the bias sums an f32 dy that dy was rounded from
+// (mixed precision under f32 activations), else dy itself.
+inline std::pair<Tensor, Tensor> param_grads(const Case& c, Device d, bool fused,
+                                             bool f32_bias_dy) {
+  Tensor dy32 = input(d, {c.m, c.n2}, 7, DType::f32), x = input(d, {c.m, c.n}, 8, c.t);
+  Tensor dy = kernels::cast(dy32, c.t);
+  const Tensor& for_bias = f32_bias_dy ? dy32 : dy;
+  Tensor dw = input(d, {c.n2, c.n}, 9, DType::f32), db = input(d, {c.n2}, 10, DType::f32);
+  Tensor dbias = c.bias ? db : Tensor();
+  if (fused) {
+    kernels::linear_param_grads(dw, dbias, dy, x, for_bias);
+  } else {
+    kernels::gemm(dw, dy, Transpose::yes, x, Transpose::no, 1.f, 1.f);
+    if (c.bias) kernels::bias_backward(dbias, for_bias, Accumulate::yes);
+  }
+  return {dw, db};
 }
 
 // Aligned shapes (where a GPU's epilogue can run: n a multiple of 8) and odd ones, every dtype,

@@ -527,7 +527,7 @@ TEST_CASE("kernels.gemm: empty products") {
   CHECK(e.numel() == 0);
 }
 
-TEST_CASE("kernels.gemm_gelu: the fused forward and backward are the ops' bits on the CPU") {
+TEST_CASE("kernels.gemm_gelu: the fused Linear ops are the ops' bits on the CPU") {
   auto same = [](const Tensor& a, const Tensor& b) {
     return a.dtype() == b.dtype() && a.shape() == b.shape() &&
            std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
@@ -543,6 +543,12 @@ TEST_CASE("kernels.gemm_gelu: the fused forward and backward are the ops' bits o
     CHECK(same(f.y, r.y));
     CHECK(same(f.dpre, r.dpre));
     CHECK(same(f.dbias, r.dbias));
+    for (bool f32_bias_dy : {false, true}) {
+      auto [dw, db] = gemm_gelu::param_grads(c, Device::cpu(), true, f32_bias_dy);
+      auto [dw_ops, db_ops] = gemm_gelu::param_grads(c, Device::cpu(), false, f32_bias_dy);
+      CHECK(same(dw, dw_ops));
+      CHECK(same(db, db_ops));
+    }
   }
   // Shapes and dtypes are checked, naming the operand.
   Tensor x = random_tensor({4, 3}, 1), w = random_tensor({5, 3}, 2);
@@ -556,6 +562,11 @@ TEST_CASE("kernels.gemm_gelu: the fused forward and backward are the ops' bits o
   CHECK_THROWS_WITH_AS(
       gemm_gelu_tanh_backward(pre5, dbias, Accumulate::no, dy, Transpose::no, w2, Transpose::no, y),
       doctest::Contains("dbias must be [5], got [6]"), Error);
+  Tensor dw = zeros({2, 5}), db2 = zeros({2});
+  CHECK_THROWS_WITH_AS(
+      linear_param_grads(dw, db2, dy, pre5, random_tensor({4, 3}, 5)),
+      doctest::Contains("linear_param_grads: shapes differ: dy [4, 2] vs dy_for_bias [4, 3]"),
+      Error);
 }
 
 TEST_CASE("kernels.relu: forward, backward, accumulate") {

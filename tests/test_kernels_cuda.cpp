@@ -348,6 +348,26 @@ TEST_CASE("kernels.cuda.gemm_gelu: the fused forward and backward follow the ops
       close(f.dbias, o->dbias, "dbias",
             static_cast<double>(c.m) * dpre_bound + magnitude(f.dbias, o->dbias));
     }
+    // linear_param_grads: the same rounded operands, f32 sums of m terms of size <= 2.25 in
+    // another order (and, where the epilogue runs, the bias summed from dy's 16-bit values):
+    // at most m^2 2.25 2^-24 apart, plus u of the bias's terms for the f32 dy it may not read.
+    for (bool f32_bias_dy : {false, true}) {
+      auto [dw, db] = gemm_gelu::param_grads(c, kGpu, true, f32_bias_dy);
+      for (Device d : {kGpu, kCpu}) {
+        auto [dw_ops, db_ops] = gemm_gelu::param_grads(c, d, false, f32_bias_dy);
+        const double sums = static_cast<double>(c.m) * c.m * 2.25 * std::ldexp(1.0, -24);
+        const double rounding = static_cast<double>(c.m) * 1.5 * u;
+        for (auto [got, want] : {std::pair{dw, dw_ops}, std::pair{db, db_ops}}) {
+          std::vector<float> x = got.to_host_f32(), y = want.to_host_f32();
+          double worst = 0.0;
+          for (size_t i = 0; i < x.size(); ++i)
+            worst = std::max(worst, std::fabs(double{x[i]} - y[i]));
+          CAPTURE(f32_bias_dy);
+          CAPTURE(worst);
+          CHECK(worst <= sums + rounding + 1e-6);
+        }
+      }
+    }
   }
 }
 

@@ -518,4 +518,10 @@ void gemm_gelu_tanh_backward(Tensor& dpre, Tensor& dbias, Accumulate bias_acc, c
   if (dbias.defined()) cpu::bias_backward(dbias, dpre, bias_acc);
 }
 
+void linear_param_grads(Tensor& dw, Tensor& dbias, const Tensor& dy, const Tensor& x,
+                        const Tensor& dy_for_bias) {
+  cpu::gemm(dw, dy, Transpose::yes, x, Transpose::no, 1.f, 1.f, Tensor());
+  if (dbias.defined()) cpu::bias_backward(dbias, dy_for_bias, Accumulate::yes);
+}
+
 }  // namespace kernels::cpu

@@ -54,6 +54,8 @@ void gemm_gelu_tanh(Tensor& y, Tensor& pre, const Tensor& a, Transpose ta, const
 void gemm_gelu_tanh_backward(Tensor& dpre, Tensor& dbias, Accumulate bias_acc, const Tensor& dy,
                              Transpose tdy, const Tensor& w, Transpose tw, const Tensor& pre,
                              DeviceContext& ctx);
+void linear_param_grads(Tensor& dw, Tensor& dbias, const Tensor& dy, const Tensor& x,
+                        const Tensor& dy_for_bias, DeviceContext& ctx);
 void embedding_forward(Tensor& y, const Tensor& ids, const Tensor& table, DeviceContext& ctx);
 void embedding_backward(Tensor& dtable, const Tensor& dy, const Tensor& ids, DeviceContext& ctx);
 void attention_forward(Tensor& y, Tensor& lse, const Tensor& qkv, const AttentionParams& p,

@@ -372,81 +372,101 @@ void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose t
 
 namespace {
 
-// The GELU epilogues of the MLP's two GEMMs (ops.hpp: gemm_gelu_tanh and its backward).
-enum class GeluEpilogue : int64_t { forward = 1, backward = 2 };
+// The epilogues of the fused ops (ops.hpp): the MLP's GELU forward and backward
+// (gemm_gelu_tanh), and a Linear's bias gradient beside its weight gradient (gemm_bias_grad).
+enum class Epilogue : int64_t { gelu_aux_bias = 1, dgelu_bgrad = 2, bgradb = 3 };
+
+const char* epilogue_name(Epilogue e) {
+  switch (e) {
+    case Epilogue::gelu_aux_bias:
+      return "GELU_AUX_BIAS";
+    case Epilogue::dgelu_bgrad:
+      return "DGELU_BGRAD";
+    default:
+      return "BGRADB";
+  }
+}
 
 // One epilogue GEMM's cuBLASLt plan: the descriptor with the epilogue (its pointers set per
 // call) and the heuristic's algorithm; usable false when there is none, or when a run refused
 // it (the ops in turn run from then on).
-struct GeluPlan {
+struct EpiloguePlan {
   MatmulDescHandle desc;
   LtOperands ops;
   cublasLtMatmulHeuristicResult_t result{};
   bool usable = false;
 };
-// epilogue, m, n, k, ta, tb, dtype, compute, alignments of a, b, c, aux, vector.
-using GeluKey = std::array<int64_t, 13>;
-struct GeluPlans {
-  PlanCache<GeluKey, GeluPlan> cache;
+// epilogue, m, n, k, ta, tb, in and out dtypes, beta != 0, alignments of a, b, c, aux, vector.
+using EpilogueKey = std::array<int64_t, 15>;
+struct EpiloguePlans {
+  PlanCache<EpilogueKey, EpiloguePlan> cache;
 };
 
-// c (m, n) = the epilogue over op(a) op(b), where cuBLASLt has an algorithm for it:
-// - forward (GELU_AUX_BIAS): c = gelu(product + vec), aux = product + vec (vec: the bias in c's
-//   dtype, n values);
-// - backward (DGELU_BGRAD): c = product * gelu'(aux), vec = c's column sums (n values, c's
-//   dtype).
-// aux (m, n) in c's dtype, its leading dimension n. Returns false, having queued nothing, when
-// cuBLASLt has no algorithm for it or refuses it, or the operands do not meet its rules (a
-// leading dimension that is a multiple of 8, a 16-bit c, 16-byte aligned vectors).
-bool gelu_epilogue_gemm(GeluEpilogue e, Tensor& c, const Tensor& a, Transpose ta, const Tensor& b,
-                        Transpose tb, void* vec, void* aux, DeviceContext& ctx) {
+// c (m, n) = the epilogue over op(a) op(b) (+ beta c), where cuBLASLt has an algorithm for it:
+// - gelu_aux_bias: c = gelu(product + vec), aux = product + vec (vec: the bias, n values);
+// - dgelu_bgrad: c = product * gelu'(aux), vec = c's column sums (n values);
+// - bgradb: c = product + beta c, vec = the sums of op(a)'s columns over k (m values: with
+//   a = dy^T, the bias gradient of dw = dy^T x).
+// vec in c's dtype (cuBLASLt's bias type for these: the output's); aux (m, n) in c's dtype, its
+// leading dimension n. Returns false, having queued nothing, when cuBLASLt has no algorithm for
+// it or refuses it, or the operands do not meet its rules (16-bit operands; for GELU a 16-bit c
+// of the operands' dtype and n a multiple of 8; 16-byte aligned vectors).
+bool epilogue_gemm(Epilogue e, Tensor& c, const Tensor& a, Transpose ta, const Tensor& b,
+                   Transpose tb, float beta, void* vec, void* aux, DeviceContext& ctx) {
   const int64_t m = c.dim(0), n = c.dim(1);
   const int64_t k = ta == Transpose::no ? a.dim(1) : a.dim(0);
-  // The GPT's MLP runs in 16-bit activations; an f32 c keeps the ops, which the CPU matches.
-  if (c.dtype() == DType::f32 || a.dtype() != c.dtype() || k == 0 || n % 8 != 0 ||
-      alignment_of(vec) < 16 || alignment_of(aux) < 16)
+  const bool gelu = e != Epilogue::bgradb;
+  // The GPT runs these in 16-bit; f32 operands keep the ops, which the CPU matches.
+  if (a.dtype() == DType::f32 || k == 0 || alignment_of(vec) < 16 ||
+      (gelu && (a.dtype() != c.dtype() || n % 8 != 0 || alignment_of(aux) < 16)))
     return false;
-  const cudaDataType_t type = cuda_type(c.dtype());
+  const cudaDataType_t in_type = cuda_type(a.dtype()), out_type = cuda_type(c.dtype());
   const cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
-  GeluKey key{static_cast<int64_t>(e),
-              m,
-              n,
-              k,
-              static_cast<int64_t>(ta),
-              static_cast<int64_t>(tb),
-              static_cast<int64_t>(c.dtype()),
-              static_cast<int64_t>(compute),
-              alignment_of(a.raw()),
-              alignment_of(b.raw()),
-              alignment_of(c.raw()),
-              alignment_of(aux),
-              alignment_of(vec)};
+  EpilogueKey key{static_cast<int64_t>(e),
+                  m,
+                  n,
+                  k,
+                  static_cast<int64_t>(ta),
+                  static_cast<int64_t>(tb),
+                  static_cast<int64_t>(a.dtype()),
+                  static_cast<int64_t>(c.dtype()),
+                  beta != 0.f ? 1 : 0,
+                  alignment_of(a.raw()),
+                  alignment_of(b.raw()),
+                  alignment_of(c.raw()),
+                  gelu ? alignment_of(aux) : 0,
+                  alignment_of(vec),
+                  static_cast<int64_t>(compute)};
   cublasLtHandle_t handle = static_cast<cublasLtHandle_t>(ctx.cublaslt());
-  GeluPlan& plan = ctx.state<GeluPlans>().cache.get(key, [&] {
-    GeluPlan pl;
-    pl.ops =
-        lt_operands(type, type, m, n, k, ta, tb, a.raw(), b.raw(), c.raw(), kGemmWorkspaceBytes);
+  EpiloguePlan& plan = ctx.state<EpiloguePlans>().cache.get(key, [&] {
+    EpiloguePlan pl;
+    pl.ops = lt_operands(in_type, out_type, m, n, k, ta, tb, a.raw(), b.raw(), c.raw(),
+                         kGemmWorkspaceBytes);
     pl.desc = lt_desc(compute, ta, tb);
-    set_attr(pl.desc, CUBLASLT_MATMUL_DESC_EPILOGUE,
-             static_cast<uint32_t>(e == GeluEpilogue::forward ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS
-                                                              : CUBLASLT_EPILOGUE_DGELU_BGRAD));
-    set_attr(pl.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, static_cast<int32_t>(type));
+    const cublasLtEpilogue_t lt = e == Epilogue::gelu_aux_bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS
+                                  : e == Epilogue::dgelu_bgrad ? CUBLASLT_EPILOGUE_DGELU_BGRAD
+                                                               : CUBLASLT_EPILOGUE_BGRADB;
+    set_attr(pl.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, static_cast<uint32_t>(lt));
+    set_attr(pl.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, static_cast<int32_t>(out_type));
     set_attr(pl.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, vec);
-    set_attr(pl.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, aux);
-    set_attr(pl.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, n);  // D^T's rows: c's columns
-    set_attr(pl.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, static_cast<int32_t>(type));
+    if (gelu) {
+      set_attr(pl.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, aux);
+      set_attr(pl.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, n);  // D^T's rows: c's columns
+      set_attr(pl.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE,
+               static_cast<int32_t>(out_type));
+    }
     pl.usable = lt_find_algo(handle, pl.desc, pl.ops, &pl.result);
     if (debug_logging())
       std::fprintf(stderr, "dp: debug: gemm %s epilogue (m %lld, n %lld, k %lld): %s\n",
-                   e == GeluEpilogue::forward ? "GELU_AUX_BIAS" : "DGELU_BGRAD",
-                   static_cast<long long>(m), static_cast<long long>(n), static_cast<long long>(k),
+                   epilogue_name(e), static_cast<long long>(m), static_cast<long long>(n),
+                   static_cast<long long>(k),
                    pl.usable ? "cuBLASLt has an algorithm" : "no algorithm: the ops in turn");
     return pl;
   });
   if (!plan.usable) return false;
   set_attr(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, vec);  // the per-call pointers
-  set_attr(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, aux);
-  const float alpha = 1.f, beta = 0.f;
+  if (gelu) set_attr(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, aux);
+  const float alpha = 1.f;
   char* workspace = static_cast<char*>(ctx.workspace(kGemmWorkspaceBytes + kBias16Bytes));
   cublasStatus_t st = cublasLtMatmul(
       handle, plan.desc.get(), &alpha, b.raw(), plan.ops.lt_a.get(), a.raw(), plan.ops.lt_b.get(),
@@ -460,10 +480,39 @@ bool gelu_epilogue_gemm(GeluEpilogue e, Tensor& c, const Tensor& a, Transpose ta
   return true;
 }
 
-// db (f32, n) (+)= g (n, 16-bit): the epilogue's bias gradient into the parameter's.
+// The vector behind the GEMM workspace (where a 16-bit bias is rounded for the bias epilogue)
+// that an epilogue's bias gradient of `count` values of `t` fits in; null when it does not.
+void* epilogue_vector(DeviceContext& ctx, int64_t count, DType t) {
+  if (count * static_cast<int64_t>(dtype_size(t)) > static_cast<int64_t>(kBias16Bytes))
+    return nullptr;
+  return static_cast<char*>(ctx.workspace(kGemmWorkspaceBytes + kBias16Bytes)) +
+         kGemmWorkspaceBytes;
+}
+
+// db (f32, n) (+)= g (n, f32 or 16-bit): an epilogue's bias gradient into the parameter's.
 template <class T>
 __global__ void add_bias_grad_kernel(float* db, const T* g, int64_t n, bool accumulate) {
   DP_GRID_STRIDE_LOOP(i, n) db[i] = accumulate ? db[i] + to_float(g[i]) : to_float(g[i]);
+}
+
+void launch_add_bias_grad(Tensor& dbias, const void* g, DType t, Accumulate acc, cudaStream_t s) {
+  const int64_t n = dbias.numel();
+  const bool accumulate = acc == Accumulate::yes;
+  float* db = dbias.data<float>();
+  switch (t) {
+    case DType::f32:
+      add_bias_grad_kernel<<<blocks_for(n), kThreads, 0, s>>>(db, static_cast<const float*>(g), n,
+                                                              accumulate);
+      break;
+    case DType::bf16:
+      add_bias_grad_kernel<<<blocks_for(n), kThreads, 0, s>>>(
+          db, static_cast<const __nv_bfloat16*>(g), n, accumulate);
+      break;
+    default:
+      add_bias_grad_kernel<<<blocks_for(n), kThreads, 0, s>>>(db, static_cast<const __half*>(g), n,
+                                                              accumulate);
+  }
+  DP_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace
@@ -473,8 +522,8 @@ void gemm_gelu_tanh(Tensor& y, Tensor& pre, const Tensor& a, Transpose ta, const
   NvtxRange range("kernels/gemm_gelu_tanh");
   // The epilogue takes a bias in y's dtype: a Linear passes its 16-bit copy.
   if (bias.defined() && bias.dtype() == y.dtype() &&
-      gelu_epilogue_gemm(GeluEpilogue::forward, y, a, ta, b, tb, const_cast<void*>(bias.raw()),
-                         pre.raw(), ctx))
+      epilogue_gemm(Epilogue::gelu_aux_bias, y, a, ta, b, tb, 0.f, const_cast<void*>(bias.raw()),
+                    pre.raw(), ctx))
     return;
   cuda::gemm(pre, a, ta, b, tb, 1.f, 0.f, bias, ctx);
   cuda::gelu_tanh(y, pre, ctx);
@@ -484,28 +533,31 @@ void gemm_gelu_tanh_backward(Tensor& dpre, Tensor& dbias, Accumulate bias_acc, c
                              Transpose tdy, const Tensor& w, Transpose tw, const Tensor& pre,
                              DeviceContext& ctx) {
   NvtxRange range("kernels/gemm_gelu_tanh_backward");
-  const int64_t n = dpre.dim(1);
-  // The bias gradient in dpre's dtype behind the GEMM workspace (where a 16-bit bias is rounded
-  // for the bias epilogue), then added into dbias.
-  void* grad16 =
-      static_cast<char*>(ctx.workspace(kGemmWorkspaceBytes + kBias16Bytes)) + kGemmWorkspaceBytes;
-  if (dbias.defined() && n * 2 <= static_cast<int64_t>(kBias16Bytes) &&
-      gelu_epilogue_gemm(GeluEpilogue::backward, dpre, dy, tdy, w, tw, grad16,
-                         const_cast<void*>(pre.raw()), ctx)) {
-    cudaStream_t s = stream_of(ctx);
-    const bool accumulate = bias_acc == Accumulate::yes;
-    if (dpre.dtype() == DType::bf16)
-      add_bias_grad_kernel<<<blocks_for(n), kThreads, 0, s>>>(
-          dbias.data<float>(), static_cast<const __nv_bfloat16*>(grad16), n, accumulate);
-    else
-      add_bias_grad_kernel<<<blocks_for(n), kThreads, 0, s>>>(
-          dbias.data<float>(), static_cast<const __half*>(grad16), n, accumulate);
-    DP_CUDA_CHECK_LAUNCH();
+  void* grad = dbias.defined() ? epilogue_vector(ctx, dpre.dim(1), dpre.dtype()) : nullptr;
+  if (grad && epilogue_gemm(Epilogue::dgelu_bgrad, dpre, dy, tdy, w, tw, 0.f, grad,
+                            const_cast<void*>(pre.raw()), ctx)) {
+    launch_add_bias_grad(dbias, grad, dpre.dtype(), bias_acc, stream_of(ctx));
     return;
   }
   cuda::gemm(dpre, dy, tdy, w, tw, 1.f, 0.f, Tensor(), ctx);
   cuda::gelu_tanh_backward(dpre, dpre, pre, Accumulate::no, ctx);  // in place: element by element
   if (dbias.defined()) cuda::bias_backward(dbias, dpre, bias_acc, ctx);
+}
+
+void linear_param_grads(Tensor& dw, Tensor& dbias, const Tensor& dy, const Tensor& x,
+                        const Tensor& dy_for_bias, DeviceContext& ctx) {
+  NvtxRange range("kernels/linear_param_grads");
+  // The epilogue sums the GEMM's own operand: where the bias is summed from that tensor.
+  const bool same =
+      dbias.defined() && dy_for_bias.raw() == dy.raw() && dy_for_bias.dtype() == dy.dtype();
+  void* grad = same ? epilogue_vector(ctx, dw.dim(0), dw.dtype()) : nullptr;
+  if (grad && epilogue_gemm(Epilogue::bgradb, dw, dy, Transpose::yes, x, Transpose::no, 1.f, grad,
+                            nullptr, ctx)) {
+    launch_add_bias_grad(dbias, grad, dw.dtype(), Accumulate::yes, stream_of(ctx));
+    return;
+  }
+  cuda::gemm(dw, dy, Transpose::yes, x, Transpose::no, 1.f, 1.f, Tensor(), ctx);
+  if (dbias.defined()) cuda::bias_backward(dbias, dy_for_bias, Accumulate::yes, ctx);
 }
 
 }  // namespace kernels::cuda
