@@ -26,7 +26,7 @@ KINDS = [
     ("attention (cuDNN SDPA)", r"cudnn|fmha|flash|sdpa|attention"),
     ("GEMM", r"gemm|nvjet|xmma|cutlass|cublas|Kernel2|splitK|gemv"),
     ("loss (softmax cross-entropy)", r"cross_entropy|xent|log_softmax|softmax"),
-    ("LayerNorm / RMSNorm", r"layer_norm|rms_norm|layernorm"),
+    ("LayerNorm / RMSNorm", r"layer_norm|rms_norm|layernorm|ln_forward|ln_backward|add_ln"),
     ("GELU / activations", r"gelu|relu|silu|tanh|swiglu"),
     ("bias", r"bias"),
     ("optimizer (AdamW, SGD)", r"adam|sgd|optimizer|momentum"),
@@ -34,7 +34,7 @@ KINDS = [
     ("embedding", r"embedding"),
     ("dropout", r"dropout"),
     ("residual / elementwise add", r"add|axpy|scale"),
-    ("reductions, sums", r"reduce|sum|norm"),
+    ("reductions, sums", r"reduce|sum|norm|column_|count_correct|argmax"),
     ("fills, copies", r"set_values|fill|memset|copy|memcpy"),
 ]
 

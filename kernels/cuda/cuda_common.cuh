@@ -331,20 +331,33 @@ inline int64_t column_sum_chunks(int64_t rows) {
   return c < 1 ? 1 : (c > 64 ? 64 : c);
 }
 
+// The first pass's shape for (rows, cols): its row chunks, the rows each takes, its grid.
+struct ColumnPass {
+  int64_t chunks, rows_per_chunk;
+  dim3 grid, block;
+};
+inline ColumnPass column_pass(int64_t rows, int64_t cols) {
+  ColumnPass p;
+  p.chunks = column_sum_chunks(rows);
+  p.rows_per_chunk = (rows + p.chunks - 1) / p.chunks;
+  p.block = dim3(kColTile, kRowLanes);
+  p.grid = dim3(static_cast<unsigned>((cols + kColTile - 1) / kColTile),
+                static_cast<unsigned>(p.chunks));
+  return p;
+}
+
 // Queues out (+)= column sums on s (out float, __half or __nv_bfloat16); `scratch` holds
 // column_sum_chunks(rows) * cols floats.
 template <class Out, class F>
 void launch_column_sums(Out* out, int64_t rows, int64_t cols, F f, bool accumulate, float* scratch,
                         cudaStream_t s) {
   if (cols == 0) return;
-  int64_t chunks = column_sum_chunks(rows);
-  int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
-  dim3 block(kColTile, kRowLanes);
-  dim3 grid(static_cast<unsigned>((cols + kColTile - 1) / kColTile), static_cast<unsigned>(chunks));
-  column_partial_sums_kernel<float><<<grid, block, 0, s>>>(scratch, rows, cols, rows_per_chunk, f);
+  const ColumnPass p = column_pass(rows, cols);
+  column_partial_sums_kernel<float>
+      <<<p.grid, p.block, 0, s>>>(scratch, rows, cols, p.rows_per_chunk, f);
   DP_CUDA_CHECK_LAUNCH();
   column_finish_kernel<Out>
-      <<<blocks_for(cols), kThreads, 0, s>>>(out, scratch, chunks, cols, accumulate);
+      <<<blocks_for(cols), kThreads, 0, s>>>(out, scratch, p.chunks, cols, accumulate);
   DP_CUDA_CHECK_LAUNCH();
 }
 
@@ -355,14 +368,12 @@ template <class F>
 void launch_column_sums2(float* out_x, float* out_y, int64_t rows, int64_t cols, F f,
                          bool accumulate, float2* scratch, cudaStream_t s) {
   if (cols == 0) return;
-  int64_t chunks = column_sum_chunks(rows);
-  int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
-  dim3 block(kColTile, kRowLanes);
-  dim3 grid(static_cast<unsigned>((cols + kColTile - 1) / kColTile), static_cast<unsigned>(chunks));
-  column_partial_sums_kernel<float2><<<grid, block, 0, s>>>(scratch, rows, cols, rows_per_chunk, f);
+  const ColumnPass p = column_pass(rows, cols);
+  column_partial_sums_kernel<float2>
+      <<<p.grid, p.block, 0, s>>>(scratch, rows, cols, p.rows_per_chunk, f);
   DP_CUDA_CHECK_LAUNCH();
   column_finish2_kernel<float>
-      <<<blocks_for(cols), kThreads, 0, s>>>(out_x, out_y, scratch, chunks, cols, accumulate);
+      <<<blocks_for(cols), kThreads, 0, s>>>(out_x, out_y, scratch, p.chunks, cols, accumulate);
   DP_CUDA_CHECK_LAUNCH();
 }
 

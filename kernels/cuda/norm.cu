@@ -184,6 +184,17 @@ int ln_wide_threads(int64_t d) {
   return row_block_threads(d / 8);
 }
 
+// f(i, q) for each of this thread's packs q = threadIdx.x + i blockDim.x below `packs`
+// (i < kLnPacks, unrolled: the register arrays indexed by i stay registers).
+template <class F>
+__device__ __forceinline__ void for_each_pack(int64_t packs, F&& f) {
+#pragma unroll
+  for (int i = 0; i < kLnPacks; ++i) {
+    const int64_t q = threadIdx.x + i * static_cast<int64_t>(blockDim.x);
+    if (q < packs) f(i, q);
+  }
+}
+
 // The row statistics and y of ln_forward_row from values held in registers (v[i]: pack
 // threadIdx.x + i blockDim.x, valid below `packs`).
 template <class Y>
@@ -191,38 +202,33 @@ __device__ void ln_forward_regs(Y* yr, float* save_mean, float* save_rstd,
                                 const float (&v)[kLnPacks][8], int64_t packs, const float* gamma,
                                 const float* beta, int64_t d, float eps) {
   float s = 0.f;
+  for_each_pack(packs, [&](int i, int64_t) {
 #pragma unroll
-  for (int i = 0; i < kLnPacks; ++i)
-    if (threadIdx.x + i * static_cast<int64_t>(blockDim.x) < packs)
-#pragma unroll
-      for (int k = 0; k < 8; ++k) s += v[i][k];
+    for (int k = 0; k < 8; ++k) s += v[i][k];
+  });
   const float mean = block_reduce_sum(s) / static_cast<float>(d);
   float sq = 0.f;
+  for_each_pack(packs, [&](int i, int64_t) {
 #pragma unroll
-  for (int i = 0; i < kLnPacks; ++i)
-    if (threadIdx.x + i * static_cast<int64_t>(blockDim.x) < packs)
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        const float t = v[i][k] - mean;
-        sq += t * t;
-      }
+    for (int k = 0; k < 8; ++k) {
+      const float t = v[i][k] - mean;
+      sq += t * t;
+    }
+  });
   const float var = block_reduce_sum(sq) / static_cast<float>(d);
   const float rstd = 1.f / sqrtf(var + eps);
   if (threadIdx.x == 0) {
     *save_mean = mean;
     *save_rstd = rstd;
   }
-#pragma unroll
-  for (int i = 0; i < kLnPacks; ++i) {
-    const int64_t q = threadIdx.x + i * static_cast<int64_t>(blockDim.x);
-    if (q >= packs) continue;
+  for_each_pack(packs, [&](int i, int64_t q) {
     float g[8], b[8], out[8];
     load8_f32(gamma, q, g);
     load8_f32(beta, q, b);
 #pragma unroll
     for (int k = 0; k < 8; ++k) out[k] = (v[i][k] - mean) * rstd * g[k] + b[k];
     store8_f32(yr, q, out);
-  }
+  });
 }
 
 template <class Y, class X>
@@ -230,11 +236,7 @@ __global__ void ln_forward8_kernel(Y* y, float* save_mean, float* save_rstd, con
                                    const float* gamma, const float* beta, int64_t d, float eps) {
   const int64_t row = blockIdx.x, packs = d / 8;
   float v[kLnPacks][8];
-#pragma unroll
-  for (int i = 0; i < kLnPacks; ++i) {
-    const int64_t q = threadIdx.x + i * static_cast<int64_t>(blockDim.x);
-    if (q < packs) load8_f32(x + row * d, q, v[i]);
-  }
+  for_each_pack(packs, [&](int i, int64_t q) { load8_f32(x + row * d, q, v[i]); });
   ln_forward_regs(y + row * d, save_mean + row, save_rstd + row, v, packs, gamma, beta, d, eps);
 }
 
@@ -246,17 +248,14 @@ __global__ void add_ln_forward8_kernel(H* h, Y* y, float* save_mean, float* save
                                        float eps) {
   const int64_t row = blockIdx.x, packs = d / 8;
   float v[kLnPacks][8];
-#pragma unroll
-  for (int i = 0; i < kLnPacks; ++i) {
-    const int64_t q = threadIdx.x + i * static_cast<int64_t>(blockDim.x);
-    if (q >= packs) continue;
+  for_each_pack(packs, [&](int i, int64_t q) {
     float av[8], bv[8];
     load8_f32(a + row * d, q, av);
     load8_f32(b + row * d, q, bv);
 #pragma unroll
     for (int k = 0; k < 8; ++k) v[i][k] = to_float(from_float<H>(av[k] + bv[k]));
     store8_f32(h + row * d, q, v[i]);  // exact: the values are H's already
-  }
+  });
   ln_forward_regs(y + row * d, save_mean + row, save_rstd + row, v, packs, gamma, beta, d, eps);
 }
 
@@ -269,10 +268,7 @@ __global__ void ln_backward_dx8_kernel(DX* dx, const DY* dy, const X* x, const f
   const float mean = save_mean[row], rstd = save_rstd[row];
   float xv[kLnPacks][8], gv[kLnPacks][8];
   float sum_g = 0.f, sum_g_xhat = 0.f;
-#pragma unroll
-  for (int i = 0; i < kLnPacks; ++i) {
-    const int64_t q = threadIdx.x + i * static_cast<int64_t>(blockDim.x);
-    if (q >= packs) continue;
+  for_each_pack(packs, [&](int i, int64_t q) {
     float dyv[8], gam[8];
     load8_f32(dy + row * d, q, dyv);
     load8_f32(gamma, q, gam);
@@ -284,13 +280,10 @@ __global__ void ln_backward_dx8_kernel(DX* dx, const DY* dy, const X* x, const f
       sum_g += g;
       sum_g_xhat += g * (xv[i][k] - mean) * rstd;
     }
-  }
+  });
   const float mean_g = block_reduce_sum(sum_g) / static_cast<float>(d);
   const float mean_g_xhat = block_reduce_sum(sum_g_xhat) / static_cast<float>(d);
-#pragma unroll
-  for (int i = 0; i < kLnPacks; ++i) {
-    const int64_t q = threadIdx.x + i * static_cast<int64_t>(blockDim.x);
-    if (q >= packs) continue;
+  for_each_pack(packs, [&](int i, int64_t q) {
     float sk[8], out[8];
     if (skip) load8_f32(skip + row * d, q, sk);
 #pragma unroll
@@ -301,7 +294,7 @@ __global__ void ln_backward_dx8_kernel(DX* dx, const DY* dy, const X* x, const f
       out[k] = v;
     }
     store8_f32(dx + row * d, q, out);
-  }
+  });
 }
 
 // With g = dy gamma and xhat = (x - mean) rstd, per row:
