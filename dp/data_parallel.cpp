@@ -291,7 +291,7 @@ void DataParallel::forward_and_loss(int i, nn::Mode mode) {
   kernels::ensure(pd.metrics, {kMetrics}, kernels::DType::f32, devices_[i]);
   queue_loss(*options_.loss, pd.output, pd.labels, pd.metrics.view(kLoss, {1}),
              mode == nn::Mode::train ? &pd.dlogits : nullptr, scaler_, pd.loss_scale,
-             pd.metrics.view(kCorrect, {1}));
+             pd.metrics.view(kCorrect, {1}), !m.backward_reads_output());
   Tensor fault_word = pd.metrics.view(kFaultWord, {2});
   kernels::queue_fault_word(fault_word, pool_.context(i));  // a bad label or token id
   if (mode != nn::Mode::train) m.train();

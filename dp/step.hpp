@@ -73,17 +73,21 @@ class StepScalars {
 // requires out the model's output for `labels` (as `loss` takes them), loss_out (1) f32 on out's
 // device; dlogits null (forward only) or a buffer kept between steps; correct undefined or (1)
 // f32 on out's device. ensures queued on the current context: loss_out := the loss's mean over
-// the chunk; with dlogits, *dlogits (made again only when out's shape or dtype changed) := its
-// gradient, times the loss scale read on the device at `loss_scale` where the scaler scales
-// (fp16); a defined correct := the loss's count of right predictions (Loss::compute_and_count:
-// one read of the output for both where the loss can).
+// the chunk; with dlogits, *dlogits := its gradient, times the loss scale read on the device at
+// `loss_scale` where the scaler scales (fp16): `out` itself, overwritten, when out_free (nothing
+// reads the output after the loss: !model.backward_reads_output()) and the loss writes its
+// gradient in place (Loss::grad_in_place), else a buffer made again only when out's shape or
+// dtype changed; a defined correct := the loss's count of right predictions
+// (Loss::compute_and_count: one read of the output for both where the loss can).
 inline void queue_loss(const nn::Loss& loss, const kernels::Tensor& out,
                        const kernels::Tensor& labels, kernels::Tensor loss_out,
                        kernels::Tensor* dlogits, const nn::GradScaler& scaler,
                        const kernels::Scalar& loss_scale,
-                       kernels::Tensor correct = kernels::Tensor()) {
+                       kernels::Tensor correct = kernels::Tensor(), bool out_free = false) {
   // The output's dtype: f32, or a 16-bit one for a loss that takes it (nn::output_for).
   kernels::Tensor none;  // forward only: no gradient
+  // No second buffer the size of the output (a GPT's (B, T, V) logits).
+  if (dlogits && out_free && loss.grad_in_place()) *dlogits = out;
   kernels::Tensor& grad =
       dlogits ? kernels::ensure(*dlogits, out.shape(), out.dtype(), out.device()) : none;
   if (correct.defined())

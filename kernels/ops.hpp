@@ -285,6 +285,8 @@ std::vector<std::pair<std::string, std::string>> library_versions();
 // correct: undefined, or (1) f32 on the logits' device, which then holds count_correct's count
 // (the rows whose argmax, argmax's rule, is their label), found in the same read of the logits
 // as the loss (no second pass over them).
+// dlogits may be logits itself (same dtype): the gradient is then written over the logits, with
+// the same values (no second buffer the size of the logits).
 void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
                            const Tensor& labels, const Tensor& weights = Tensor(),
                            float label_smoothing = 0.f, Tensor correct = Tensor());
@@ -295,8 +297,8 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
 // count of non-ignored rows:
 // ensures loss = (1/n) sum_{i kept} -log softmax(logits_i)_{t_i}   (0 when n == 0)
 //         dlogits_i = (softmax(logits_i) - onehot(t_i)) / n for kept rows, 0 for ignored ones.
-// A target outside [0, V) (other than ignore_index) throws bad_label_text as above. correct: as
-// above (an ignored row is never counted, as count_correct does not count it).
+// A target outside [0, V) (other than ignore_index) throws bad_label_text as above. correct and
+// dlogits over the logits: as above (an ignored row is never counted).
 void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, const Tensor& targets,
                          int32_t ignore_index, Tensor correct = Tensor());
 // The error text of softmax_cross_entropy for row `row` of logits (batch, classes) whose label

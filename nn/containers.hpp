@@ -52,6 +52,10 @@ class Sequential : public Module {
     return children()[i].second;
   }
   std::string type_name() const override { return "Sequential"; }
+  // The output is the last child's.
+  bool backward_reads_output() const override {
+    return children().empty() || children().back().second->backward_reads_output();
+  }
 
  protected:
   Tensor forward_impl(const Tensor& x) override {

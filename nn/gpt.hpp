@@ -193,6 +193,7 @@ class Gpt : public Module {
     ln_f_ = register_module("ln_f", std::make_shared<LayerNorm>(c_.dim));
   }
   std::string type_name() const override { return "Gpt"; }
+  bool backward_reads_output() const override { return false; }  // it keeps ln_f's output
   const GptConfig& config() const { return c_; }
   Embedding& wte() { return *wte_; }
 

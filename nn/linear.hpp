@@ -25,6 +25,7 @@ class Linear : public Module {
   }
 
   std::string type_name() const override { return "Linear"; }
+  bool backward_reads_output() const override { return false; }  // it keeps its input
   int64_t in_features() const { return in_; }
   int64_t out_features() const { return out_; }
   Parameter& weight() { return *weight_; }

@@ -50,6 +50,10 @@ class Loss {
   // activations can hand its output over without an f32 copy (Module::set_output). A loss
   // that only reads f32 keeps the default: the engines then give it f32.
   virtual bool takes_16bit_pred() const { return false; }
+  // Whether compute may be given dpred = pred (the gradient written over the prediction): the
+  // engines then keep no second buffer the size of the model's output (a GPT's (B, T, V)
+  // logits). A loss that reads pred after writing dpred keeps the default.
+  virtual bool grad_in_place() const { return false; }
   // count_correct_into read back to the host (waits).
   int64_t count_correct(const Tensor& pred, const Tensor& target) const {
     Tensor correct = Tensor::empty({1}, DType::f32, pred.device());
@@ -90,6 +94,7 @@ class CrossEntropyLoss : public Loss {
 
   std::string name() const override { return "cross_entropy"; }
   bool takes_16bit_pred() const override { return true; }
+  bool grad_in_place() const override { return true; }
   void check_target(const Tensor& target) const override {
     DP_CHECK(target.ndim() == 1 && target.dtype() == DType::i32,
              "cross_entropy: labels " << target << " must be (B) i32");
@@ -158,6 +163,7 @@ class TokenCrossEntropyLoss : public Loss {
 
   std::string name() const override { return "token_cross_entropy"; }
   bool takes_16bit_pred() const override { return true; }
+  bool grad_in_place() const override { return true; }
   void check_target(const Tensor& target) const override {
     DP_CHECK(target.ndim() == 2 && target.dtype() == DType::i32,
              "token_cross_entropy: targets " << target << " must be (B, T) i32");

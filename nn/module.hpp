@@ -281,6 +281,11 @@ class Module {
 
  public:
   virtual std::string type_name() const = 0;
+  // Whether backward reads this module's forward output: a layer that keeps y (Tanh, Sigmoid),
+  // or whose output is a view of what a layer keeps (Flatten). The engines write the loss's
+  // gradient over the model's output only where it does not (Loss::grad_in_place). Default
+  // true: a layer says false only when backward never reads its output (Linear, Gpt).
+  virtual bool backward_reads_output() const { return true; }
 
   void train() { set_mode(Mode::train); }
   void eval() { set_mode(Mode::eval); }

@@ -2,7 +2,8 @@
 // token_cross_entropy with `correct`) against count_correct, on any device: logits with ties,
 // NaN (first, inside, everywhere), -inf rows and finite rows, f32, bf16 and f16, rows narrower and
 // wider than a block's 8-wide reads. The loss and its gradient must keep their bits when the
-// count is asked for. kernels.loss_count (CPU) and kernels.cuda.loss_count run them.
+// count is asked for, and when the gradient is written over the logits. kernels.loss_count (CPU)
+// and kernels.cuda.loss_count run them.
 #pragma once
 
 #include <cstring>
@@ -82,6 +83,11 @@ void run(Device d, Check&& check) {
         check(at + "softmax_cross_entropy's count", correct.item() == static_cast<float>(want));
         check(at + "softmax_cross_entropy's loss and gradient keep their bits",
               same_bits(loss, plain) && same_bits(dx, dx_plain));
+        // The gradient written over the logits: the same loss, count and gradient bits.
+        Tensor over = x.clone(), in_place = correct.clone(), c2 = correct.clone();
+        kernels::softmax_cross_entropy(in_place, over, over, yd, Tensor(), ls, c2);
+        check(at + "softmax_cross_entropy over its logits gives the same loss, count, gradient",
+              same_bits(in_place, loss) && same_bits(c2, correct) && same_bits(over, dx));
       }
       // Token cross-entropy, ignoring a class the logits could pick (0, so ignored rows with
       // argmax 0 would count if the count forgot them), then ignoring -1.
@@ -100,6 +106,10 @@ void run(Device d, Check&& check) {
               correct.item() == static_cast<float>(want));
         check(at + "token_cross_entropy's loss and gradient keep their bits",
               same_bits(loss, plain) && same_bits(dx, dx_plain));
+        Tensor over = x.clone(), in_place = correct.clone(), c2 = correct.clone();
+        kernels::token_cross_entropy(in_place, over, over, yd, ignored, c2);
+        check(at + "token_cross_entropy over its logits gives the same loss, count, gradient",
+              same_bits(in_place, loss) && same_bits(c2, correct) && same_bits(over, dx));
       }
     }
   }

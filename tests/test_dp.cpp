@@ -137,6 +137,41 @@ TEST_CASE("dp.equivalence: 1-4 CPU devices follow the single-device run (even an
   }
 }
 
+TEST_CASE("dp.loss_grad: the gradient overwrites the output only where backward does not read it") {
+  // Linear and Gpt keep their inputs, so a Sequential ending in a Linear gives the loss's
+  // gradient the output's memory; Tanh keeps its output, so a model ending in one keeps its own
+  // gradient buffer. Both follow the single-device run (the second would not if its output were
+  // overwritten: Tanh's backward reads it).
+  CHECK_FALSE(small_mlp()->backward_reads_output());
+  CHECK_FALSE(nn::Linear(3, 2).backward_reads_output());
+  CHECK(nn::Tanh().backward_reads_output());
+  CHECK(nn::Sequential().backward_reads_output());
+  CHECK_FALSE(nn::gpt(nn::GptConfig::preset("tiny"))->backward_reads_output());
+  auto tanh_last = [] {
+    auto s = std::make_shared<nn::Sequential>();
+    s->add(std::make_shared<nn::Linear>(6, 8));
+    s->add(std::make_shared<nn::Tanh>());
+    s->add(std::make_shared<nn::Linear>(8, 5));
+    s->add(std::make_shared<nn::Tanh>());
+    return s;
+  };
+  CHECK(tanh_last()->backward_reads_output());
+  for (bool ends_in_tanh : {false, true}) {
+    CAPTURE(ends_in_tanh);
+    auto make = [&]() -> nn::ModulePtr { return ends_in_tanh ? tanh_last() : small_mlp(); };
+    std::vector<float> ref_losses, losses;
+    auto ref = dp_test::train_single(make(), kSeed, 4, 10, momentum_sgd(), &ref_losses);
+    for (int n : {1, 3}) {
+      CAPTURE(n);
+      losses.clear();
+      auto got = train_dp(make(), n, 4, 10, momentum_sgd(), &losses);
+      CHECK(dp_test::rel_diff(got, ref) <= 1e-5f);
+      for (size_t s = 0; s < losses.size(); ++s)
+        CHECK(losses[s] == doctest::Approx(ref_losses[s]).epsilon(1e-5));
+    }
+  }
+}
+
 TEST_CASE("dp.bucket_plan: reverse order, caps, and ranges that tile the buffer across gaps") {
   // Parameters of 100, 300, 0, 50, 200 floats at padded offsets; the buffer ends at 768.
   std::vector<dp::ParamExtent> params{{0, 100}, {128, 300}, {448, 0}, {448, 50}, {512, 200}};

@@ -303,7 +303,7 @@ void DdpTrainer::forward_and_loss(nn::Module& m, const kernels::Tensor& x,
                                   const kernels::Tensor& y) {
   m.zero_grad();
   queue_loss(*loss_fn_, ddp_->forward_local(x), y, metrics_.view(0, {1}), &dlogits_, scaler_,
-             loss_scale_);
+             loss_scale_, kernels::Tensor(), !m.backward_reads_output());
 }
 
 void DdpTrainer::queue_update(nn::Module& m) {

@@ -175,6 +175,10 @@ __global__ void softmax_xent_kernel(float* row_loss, D* dlogits, const T* logits
   // rescaled when its maximum grows), then the threads' pairs combined at the block's maximum.
   // The smoothing term only when there is smoothing (ls is the same for the whole block): a
   // -inf logit (a masked class) would make it 0 * inf = NaN.
+  // Every read of the row by another thread than the one that writes its gradient comes before
+  // the block reductions below (barriers): dlogits may be the logits themselves (the gradient
+  // written over them: each value is read, then written, by one thread).
+  const float x_label = threadIdx.x == 0 ? to_float(x[label]) : 0.f;
   // The thread's argmax rides along: its columns come in increasing order, so a strictly larger
   // value is the first of its maximum; a NaN never is; -inf only when nothing came before.
   float max_t = -INFINITY, sum_t = 0.f, sum_x = 0.f;
@@ -204,11 +208,9 @@ __global__ void softmax_xent_kernel(float* row_loss, D* dlogits, const T* logits
   if (ls != 0.f) sum_x = block_reduce_sum(sum_x);
   float lse = max_x + logf(sum_exp);
   float w = weights ? weights[i] : 1.f;
-  if (threadIdx.x == 0) {
-    const float x_label = to_float(x[label]);
+  if (threadIdx.x == 0)
     row_loss[i] = w * (ls != 0.f ? (1.f - ls) * (lse - x_label) + ls * (lse - sum_x / classes)
                                  : lse - x_label);
-  }
   if (!dlogits) return;
   float scale = w / (count_of_kept ? fmaxf(*count_of_kept, 1.f) : static_cast<float>(batch));
   float off = ls / static_cast<float>(classes), on = (1.f - ls) + off;
