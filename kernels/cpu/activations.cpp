@@ -73,13 +73,7 @@ void backward_rows(Tensor& dx, const Tensor& dy, const Tensor& v, Accumulate acc
               else
                 for (int64_t j = 0; j < m; ++j) pdx[b + j] = d[j] * g[j];
             } else {
-              if (acc == Accumulate::yes) {
-                const float* prev = widen_block(pdx + b, m, out);
-                for (int64_t j = 0; j < m; ++j) out[j] = prev[j] + d[j] * g[j];
-              } else {
-                for (int64_t j = 0; j < m; ++j) out[j] = d[j] * g[j];
-              }
-              store_block(pdx + b, out, m);
+              accumulate_block(pdx + b, m, acc, out, [&](int64_t j) { return d[j] * g[j]; });
             }
           }
         });
@@ -113,13 +107,7 @@ void backward(Tensor& dx, const Tensor& dy, const Tensor& v, Accumulate acc, Der
               const int64_t m = std::min(kConvertBlock, end - b);
               const float* vv = widen_block(pv + b, m, v_buf);
               const float* g = widen_block(pdy + b, m, dy_buf);
-              if (acc == Accumulate::yes) {
-                const float* prev = widen_block(pdx + b, m, out);
-                for (int64_t j = 0; j < m; ++j) out[j] = prev[j] + g[j] * d(vv[j]);
-              } else {
-                for (int64_t j = 0; j < m; ++j) out[j] = g[j] * d(vv[j]);
-              }
-              store_block(pdx + b, out, m);
+              accumulate_block(pdx + b, m, acc, out, [&](int64_t j) { return g[j] * d(vv[j]); });
             }
           }
         });

@@ -142,6 +142,18 @@ inline void store_block(BF16* to, const float* v, int64_t m) {
 inline void store_block(F16* to, const float* v, int64_t m) {
   for (int64_t j = 0; j < m; ++j) store_rounded(to[j], v[j]);
 }
+// to[0, m) (+)= term(j), through f32: out (m floats) takes term(j), added to to's widened values
+// with acc, and is rounded once into to's storage. An activation's backward over a block.
+template <class S, class Term>
+void accumulate_block(S* to, int64_t m, Accumulate acc, float* out, Term term) {
+  if (acc == Accumulate::yes) {
+    const float* prev = widen_block(to, m, out);
+    for (int64_t j = 0; j < m; ++j) out[j] = prev[j] + term(j);
+  } else {
+    for (int64_t j = 0; j < m; ++j) out[j] = term(j);
+  }
+  store_block(to, out, m);
+}
 
 // requires each dtype f32, f16 or bf16, f16 and bf16 not both (ops.cpp checks it).
 // ensures f(S...) is called with a value of each dtype's storage type, in order:
