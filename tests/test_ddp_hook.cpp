@@ -11,6 +11,7 @@
 
 #include "dp/chunks.hpp"
 #include "dp/data_parallel.hpp"
+#include "dp/distributed/builtin_hooks.hpp"
 #include "dp/distributed/comm_hook.hpp"
 #include "dp/distributed/cross_node_group.hpp"
 #include "dp/distributed/ddp.hpp"
@@ -50,8 +51,10 @@ struct SumHooks {
   std::mutex mutex;
 };
 
-// How a rank runs backward and the bucket sync.
-enum class Path { hooks, staged };
+// How a rank runs backward and the bucket sync: from backward's hooks; after backward (a graphed
+// step's hooks between its segments); queued on the group from backward's hooks (a graphed step
+// whose graph holds the collectives).
+enum class Path { hooks, staged, queued };
 
 struct RankRun {
   std::vector<float> params;
@@ -111,11 +114,12 @@ RankRun train_rank(nn::ModulePtr m, dp::dist::ProcessGroup& pg, int r, int world
     if (path == Path::hooks) {
       ddp.backward(dl);
       ddp.finish_gradient_sync();
-    } else {  // what a graphed DdpTrainer step runs: the hook between the two segments
+    } else if (path == Path::staged) {  // a graphed step's hook between its two segments
       ddp.backward_local(dl);
       ddp.stage_buckets();
       ddp.all_reduce_staged();
-      ddp.unstage_buckets();
+    } else {
+      ddp.backward_queued(dl);
     }
     opt.step();
     scale(loss, loss, dp::chunk_share(sizes[r], batch));
@@ -181,6 +185,110 @@ TEST_CASE("ddp.comm_hook: a hook that all-reduces trains the same bits as DDP, b
     CHECK(buckets > 1);
     for (int r = 0; r < world; ++r) CHECK(hooks[r]->calls == buckets * steps);
   }
+}
+
+TEST_CASE("ddp.builtin_hooks: DDP's comm dtypes are its built-in hooks, on every path") {
+  // DdpOptions::comm_dtype f32 and bf16 pick AllReduceHook and Bf16CompressHook: given as comm
+  // hooks they train the same bits and bytes, from backward's hooks, after backward and queued
+  // in the group (both are capturable), at 3 ranks and at 1 (which hands nothing over, and
+  // where bf16 still rounds every bucket once).
+  auto make = [] { return nn::mlp({6, 16, 5}); };
+  const int steps = 3;
+  const int64_t batch = 10, grad_bytes = gradient_bytes(make);
+  for (int world : {3, 1}) {
+    for (DType dtype : {DType::f32, DType::bf16}) {
+      CAPTURE(world);
+      CAPTURE(dtype_name(dtype));
+      auto by_dtype = [&](int) {
+        dp::dist::DdpOptions o = small_buckets();
+        o.comm_dtype = dtype;
+        return o;
+      };
+      auto by_hook = [&](int) {
+        dp::dist::DdpOptions o = small_buckets();
+        o.comm_hook = dp::dist::builtin_hook(dtype);
+        return o;
+      };
+      const auto plain = train(world, steps, batch, make, by_dtype);
+      const int64_t wire = world == 1 ? 0 : grad_bytes / (dtype == DType::f32 ? 1 : 2);
+      for (int r = 0; r < world; ++r)
+        for (int64_t bytes : plain[r].comm_bytes) CHECK(bytes == wire);
+      for (Path path : {Path::hooks, Path::staged, Path::queued}) {
+        CAPTURE(static_cast<int>(path));
+        using MakeOptions = std::function<dp::dist::DdpOptions(int)>;
+        for (const MakeOptions& make_options : {MakeOptions(by_dtype), MakeOptions(by_hook)}) {
+          const auto run = train(world, steps, batch, make, make_options, path);
+          for (int r = 0; r < world; ++r) {
+            CHECK(run[r].params == plain[r].params);
+            CHECK(run[r].losses == plain[r].losses);
+            CHECK(run[r].comm_bytes == plain[r].comm_bytes);
+          }
+        }
+      }
+    }
+  }
+  // bf16 rounds each rank's scaled bucket: one rank's weights differ from f32's after a step.
+  auto one = [&](DType dtype) {
+    return train(1, 1, batch, make,
+                 [&](int) {
+                   dp::dist::DdpOptions o;
+                   o.comm_dtype = dtype;
+                   return o;
+                 })[0]
+        .params;
+  };
+  CHECK(one(DType::f32) != one(DType::bf16));
+}
+
+TEST_CASE("ddp.builtin_hooks: what each says it moves, and a hook a graph cannot hold") {
+  auto make = [] { return nn::mlp({6, 16, 5}); };
+  run_ranks(2, [&](int r, dp::dist::ProcessGroup& pg) {
+    auto m = make();
+    m->materialize(Device::cpu(r), 3);
+    for (DType dtype : {DType::f32, DType::bf16}) {
+      dp::dist::DdpOptions o = small_buckets();
+      o.comm_dtype = dtype;
+      DistributedDataParallel ddp(m, pg, o);
+      CHECK(ddp.comm_hook() == nullptr);
+      CHECK(ddp.reducer().name() == (dtype == DType::f32 ? "allreduce" : "bf16-allreduce"));
+      CHECK(ddp.reducer().capturable());
+      const std::vector<int64_t> bytes = ddp.bucket_bytes();
+      REQUIRE(bytes.size() == ddp.buckets().size());
+      REQUIRE(bytes.size() > 1);
+      for (size_t k = 0; k < bytes.size(); ++k)
+        CHECK(bytes[k] == ddp.buckets()[k].numel * static_cast<int64_t>(dtype_size(dtype)));
+      CHECK(ddp.reducer().bytes_for(100, 1) == 0);  // one rank: nothing handed over
+    }
+  });
+  CHECK_THROWS_WITH(dp::dist::builtin_hook(DType::f16),
+                    doctest::Contains("all-reduced in f32 or bf16, not f16"));
+  // A research hook is not capturable unless it says so: reduce_queued refuses, naming it.
+  SumHook sum;
+  CHECK_FALSE(sum.capturable());
+  dp::dist::GradBucket b;
+  b.index = 4;
+  CHECK_THROWS_WITH(sum.reduce_queued(b),
+                    doctest::Contains("comm hook 'sum' (bucket 4) is not capturable"));
+  CHECK(sum.bytes_for(100, 2) == -1);
+  // The bf16 hook refuses a bucket that is not the f32 gradient.
+  run_ranks(1, [&](int r, dp::dist::ProcessGroup& pg) {
+    dp::dist::Bf16CompressHook bf16;
+    dp::dist::GradBucket half;
+    half.index = 2;
+    half.grad = Tensor::zeros({8}, DType::bf16, Device::cpu(r));
+    half.group = &pg;
+    CHECK_THROWS_WITH(bf16.reduce(half), doctest::Contains("bucket 2 is bf16, not the f32"));
+    CHECK_THROWS_WITH(bf16.complete_queued(half),
+                      doctest::Contains("complete_queued of bucket 2 before its reduce_queued"));
+  });
+  // A hybrid run's link without research code's hook sums through the built-in one.
+  run_ranks(1, [&](int, dp::dist::ProcessGroup& pg) {
+    dp::dist::GroupCrossNode plain(pg);
+    CHECK(plain.hook() == nullptr);
+    dp::dist::GroupCrossNode hooked(pg, std::make_shared<SumHook>());
+    REQUIRE(hooked.hook() != nullptr);
+    CHECK(hooked.hook()->name() == "sum");
+  });
 }
 
 TEST_CASE("ddp.comm_hook: PowerSGD at full rank is the sum, at rank 2 trains on fewer bytes") {

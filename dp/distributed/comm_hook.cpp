@@ -14,4 +14,10 @@ std::shared_ptr<Work> run_hook(CommHook& hook, GradBucket& b, const char* who) {
   return work;
 }
 
+void CommHook::reduce_queued(GradBucket& b) {
+  DP_THROW("comm hook '" << name() << "' (bucket " << b.index
+                         << ") is not capturable: a graph cannot hold its host code (call reduce "
+                            "between the captured segments)");
+}
+
 }  // namespace dp::dist

@@ -12,6 +12,9 @@
 //   };
 //   dp::dist::DdpOptions o;  o.comm_hook = std::make_shared<MyHook>();
 //
+// DDP's built-in all-reduces are hooks too (dp/distributed/builtin_hooks.hpp: AllReduceHook for
+// f32, Bf16CompressHook for a bf16 comm dtype): every bucket goes through this interface.
+//
 // DDP hands the hook each bucket of the flat gradient as soon as the bucket's gradient is final,
 // from backward's hooks, in bucket order on every rank (the same order everywhere, so that the
 // hook's collectives match), already scaled by this rank's share of the global batch: the sum of
@@ -29,7 +32,8 @@
 //    dtype; a Work's wait() may issue collectives of its own (a second round), as DDP waits for
 //    the buckets in bucket order on every rank;
 //  - a hook runs host code: a graphed step (dp/graphs.hpp) calls it between its two captured
-//    segments, after backward, instead of from the captured backward's hooks.
+//    segments, after backward, instead of from the captured backward's hooks, unless it is
+//    capturable() (below).
 #pragma once
 
 #include <memory>
@@ -62,6 +66,24 @@ class CommHook {
   // approximation of it), or null when that is there already on return. DDP waits for the
   // Works in bucket order before the optimizer step.
   virtual std::shared_ptr<Work> reduce(GradBucket& b) = 0;
+
+  // A hook a captured step can hold runs no host code per bucket once captured: reduce_queued
+  // queues b's collectives on b.group (ProcessGroup::all_reduce_queued: no Work, no host wait),
+  // and complete_queued(b), after the group's join_queued, queues what leaves the result in
+  // b.grad. DDP's graphed steps keep the buckets' overlap with backward only with such a hook;
+  // with any other, a graphed step calls reduce() between its two captured segments.
+  // Default: not capturable (reduce_queued refuses, naming the hook).
+  virtual bool capturable() const { return false; }
+  virtual void reduce_queued(GradBucket& b);
+  virtual void complete_queued(GradBucket& b) { (void)b; }
+
+  // The bytes reduce() hands to a group of `world` ranks for a bucket of `numel` elements, where
+  // the hook knows them before it runs (the built-in ones); -1 where only running it tells
+  // (DdpStats::comm_bytes then counts what it handed over).
+  virtual int64_t bytes_for(int64_t numel, int world) const {
+    (void)numel, (void)world;
+    return -1;
+  }
 };
 
 // What DDP and GroupCrossNode call: hook.reduce(b), then a check that the hook wrote into the

@@ -1,9 +1,15 @@
 #include "dp/distributed/cross_node_group.hpp"
 
+#include "dp/distributed/builtin_hooks.hpp"
+
 namespace dp::dist {
 
+GroupCrossNode::GroupCrossNode(ProcessGroup& group, std::shared_ptr<CommHook> hook, const char* who)
+    : group_(group), user_hook_(hook != nullptr), who_(who) {
+  hook_ = user_hook_ ? std::move(hook) : std::make_shared<AllReduceHook>();
+}
+
 void GroupCrossNode::start_bucket_sum(kernels::Tensor& t, int bucket, int64_t offset, float share) {
-  if (!hook_) return start_sum(t);
   GradBucket b;
   b.index = bucket;
   b.offset = offset;

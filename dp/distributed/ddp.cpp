@@ -1,7 +1,10 @@
 #include "dp/distributed/ddp.hpp"
 
+#include <algorithm>
 #include <functional>
+
 #include <string>
+#include "dp/distributed/builtin_hooks.hpp"
 
 namespace dp::dist {
 
@@ -47,14 +50,13 @@ DistributedDataParallel::DistributedDataParallel(nn::ModulePtr module, ProcessGr
            "(call materialize first)");
   share_ = 1.f / static_cast<float>(group_.size());
   write_share();
-  DP_CHECK(
-      options_.comm_dtype == kernels::DType::f32 || options_.comm_dtype == kernels::DType::bf16,
-      "DDP: buckets are all-reduced in f32 or bf16, not " << options_.comm_dtype);
   DP_CHECK(!options_.comm_hook || options_.comm_dtype == kernels::DType::f32,
            "DDP: comm hook '" << options_.comm_hook->name() << "' with comm dtype "
                               << options_.comm_dtype
                               << ": a hook is handed the f32 bucket and chooses what travels "
                                  "(leave comm_dtype f32)");
+  // Every bucket goes to one reducer: research code's, or the built-in one for the comm dtype.
+  hook_ = options_.comm_hook ? options_.comm_hook : builtin_hook(options_.comm_dtype);
   verify_same_model();
   {
     kernels::NvtxRange range("ddp/broadcast_params");
@@ -65,9 +67,6 @@ DistributedDataParallel::DistributedDataParallel(nn::ModulePtr module, ProcessGr
       make_bucket_plan(*module_, options_.first_bucket_bytes, options_.bucket_cap_bytes).buckets;
   progress_ = BucketProgress(&buckets_);
   pending_.resize(buckets_.size());
-  if (options_.comm_dtype != kernels::DType::f32)
-    for (const Bucket& b : buckets_)
-      comm_buffers_.push_back(Tensor::empty({b.numel}, options_.comm_dtype, module_->device()));
   module_->flat().on_grad_ready = [this](const nn::Parameter& p) { on_grad_ready(p); };
 }
 
@@ -219,14 +218,10 @@ void DistributedDataParallel::all_reduce_staged() {
   stats_.allreduce_wait_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
-void DistributedDataParallel::unstage_buckets() {
-  for (int k = 0; k < static_cast<int>(buckets_.size()); ++k) unstage_bucket(k);
-}
-
 Tensor DistributedDataParallel::backward_queued(const Tensor& dy) {
   if (!sync_enabled_) return backward_local(dy);
-  DP_CHECK(!options_.comm_hook, "DDP: backward_queued with comm hook '"
-                                    << options_.comm_hook->name()
+  DP_CHECK(hook_->capturable(), "DDP: backward_queued with comm hook '"
+                                    << hook_->name()
                                     << "', whose host code a graph cannot hold (use "
                                        "backward_local, stage_buckets and all_reduce_staged)");
   queued_ = true;
@@ -246,7 +241,10 @@ Tensor DistributedDataParallel::backward_queued(const Tensor& dy) {
     throw;
   }
   queued_ = false;
-  unstage_buckets();
+  for (int k = 0; k < static_cast<int>(buckets_.size()); ++k) {
+    GradBucket b = bucket_for_hook(k);
+    hook_->complete_queued(b);  // after the join: the sums are there
+  }
   clear_ready();
   queued_overlapped_ = stats_.launched_before_backward_end;
   return dx;
@@ -272,8 +270,11 @@ void DistributedDataParallel::clear_ready() {
 
 std::vector<int64_t> DistributedDataParallel::bucket_bytes() const {
   std::vector<int64_t> out;
-  for (const Bucket& b : buckets_)
-    out.push_back(b.numel * static_cast<int64_t>(kernels::dtype_size(options_.comm_dtype)));
+  for (const Bucket& b : buckets_) {
+    // Measured on several ranks' groups: the one rank's reducer hands nothing over.
+    const int64_t bytes = hook_->bytes_for(b.numel, std::max(group_.size(), 2));
+    out.push_back(bytes >= 0 ? bytes : b.numel * static_cast<int64_t>(sizeof(float)));
+  }
   return out;
 }
 
@@ -294,54 +295,37 @@ void DistributedDataParallel::stage_bucket(int k) {
   // later step's share is read there.
   const bool capturing = kernels::capturing_on_this_thread() != nullptr;
   if (group_.size() > 1 || share_ != 1.f || capturing) kernels::scale(slice, slice, device_share_);
-  if (!comm_buffers_.empty()) kernels::copy(comm_buffers_[k], slice);  // rounded once
 }
 
-bool DistributedDataParallel::issue_bucket(int k) {
-  if (options_.comm_hook) return issue_to_hook(k);
-  // One rank: the sum is the bucket itself. Nothing to hand the group (its scaling and
-  // rounding happened in stage_bucket, as with peers).
-  if (group_.size() == 1) return false;
-  kernels::NvtxRange range("ddp/allreduce[bucket " + std::to_string(k) + "]");
-  Tensor slice = comm_buffers_.empty() ? grad_slice(k) : comm_buffers_[k];
-  if (queued_)
-    group_.all_reduce_queued(slice, ReduceOp::sum);
-  else
-    pending_[k] = group_.all_reduce(slice, ReduceOp::sum);
-  stats_.comm_bytes +=
-      buckets_[k].numel * static_cast<int64_t>(kernels::dtype_size(options_.comm_dtype));
-  stats_.bucket_ready_ms[k] =
-      std::chrono::duration<double, std::milli>(Clock::now() - backward_begin_).count();
-  if (trace_)
-    trace_->add({"ddp/allreduce[bucket " + std::to_string(k) + "] launch", group_.rank(),
-                 trace_->now_us(), 1.0});
-  return true;
-}
-
-bool DistributedDataParallel::issue_to_hook(int k) {
-  CommHook& hook = *options_.comm_hook;
-  kernels::NvtxRange range("ddp/comm_hook[bucket " + std::to_string(k) + "]");
+GradBucket DistributedDataParallel::bucket_for_hook(int k) {
   GradBucket b;
   b.index = k;
   b.offset = buckets_[k].offset;
   b.grad = grad_slice(k);
   b.share = share_;
   b.group = &group_;
-  const int64_t before = group_.payload_bytes();
-  pending_[k] = run_hook(hook, b, "DDP");
-  stats_.comm_bytes += group_.payload_bytes() - before;
-  stats_.bucket_ready_ms[k] =
-      std::chrono::duration<double, std::milli>(Clock::now() - backward_begin_).count();
-  if (trace_)
-    trace_->add({"ddp/comm_hook[bucket " + std::to_string(k) + "] launch", group_.rank(),
-                 trace_->now_us(), 1.0});
-  return true;
+  return b;
 }
 
-void DistributedDataParallel::unstage_bucket(int k) {
-  if (comm_buffers_.empty()) return;
-  Tensor slice = grad_slice(k);  // the 16-bit sum, widened back into the f32 gradient
-  kernels::copy(slice, comm_buffers_[k]);
+bool DistributedDataParallel::issue_bucket(int k) {
+  const std::string what = std::string(options_.comm_hook ? "ddp/comm_hook" : "ddp/allreduce") +
+                           "[bucket " + std::to_string(k) + "]";
+  kernels::NvtxRange range(what);
+  GradBucket b = bucket_for_hook(k);
+  const int64_t before = group_.payload_bytes();
+  if (queued_)
+    hook_->reduce_queued(b);
+  else
+    pending_[k] = run_hook(*hook_, b, "DDP");
+  const int64_t handed = group_.payload_bytes() - before;
+  stats_.comm_bytes += handed;
+  // Nothing handed over and nothing to wait for (the built-in reducers with one rank): no
+  // communication was launched.
+  if (handed == 0 && !pending_[k]) return false;
+  stats_.bucket_ready_ms[k] =
+      std::chrono::duration<double, std::milli>(Clock::now() - backward_begin_).count();
+  if (trace_) trace_->add({what + " launch", group_.rank(), trace_->now_us(), 1.0});
+  return true;
 }
 
 void DistributedDataParallel::launch_ready_buckets() {
@@ -390,7 +374,6 @@ void DistributedDataParallel::finish_gradient_sync() {
         stats_.comm_bytes += group_.payload_bytes() - before;  // what a hook's wait handed over
         pending_[k].reset();
       }
-      unstage_bucket(static_cast<int>(k));
     }
   } catch (...) {
     abandon_sync();

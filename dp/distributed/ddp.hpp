@@ -15,6 +15,11 @@
 // With one rank nothing is handed to the group after the start: a bucket's sum is itself and
 // rank 0's buffers are everyone's (the scaling and the comm dtype's rounding still happen).
 //
+// Each ready bucket goes to one reducer, a comm hook (dp/distributed/comm_hook.hpp): research
+// code's when DdpOptions::comm_hook is set, else the built-in all-reduce for the comm dtype
+// (dp/distributed/builtin_hooks.hpp). The bytes in the stats are what that reducer handed to
+// the group.
+//
 // Averaging is defined as in DP: each rank scales its bucket by its share of the global batch
 // (B_r / B; 1 / world by default), then the all-reduce sums. With uneven shards the result is
 // still the gradient of the global batch's mean loss.
@@ -43,14 +48,16 @@ struct DdpOptions {
   int64_t bucket_cap_bytes = 25ll << 20;   // PyTorch's bucket_cap_mb = 25
   int64_t first_bucket_bytes = 1ll << 20;  // a small first bucket starts communication early
   BufferSync buffer_sync = BufferSync::broadcast;
-  // The dtype buckets are all-reduced in: f32, or bf16 as PyTorch's bf16_compress_hook (each
-  // rank rounds its scaled bucket once, the sum runs in the backend, the result is widened back
-  // into the f32 gradient): half the bytes on the wire.
+  // The dtype buckets are all-reduced in, without a comm_hook: f32 (AllReduceHook), or bf16
+  // (Bf16CompressHook, as PyTorch's bf16_compress_hook: each rank rounds its scaled bucket once,
+  // the sum runs in the backend, the result is widened back into the f32 gradient): half the
+  // bytes on the wire. dp/distributed/builtin_hooks.hpp.
   kernels::DType comm_dtype = kernels::DType::f32;
   // Research code's reducer (dp/distributed/comm_hook.hpp): each ready bucket is handed to it
-  // instead of the all-reduce, at any world size (one rank too, so that a lossy hook behaves
+  // instead of the built-in one, at any world size (one rank too, so that a lossy hook behaves
   // the same). requires comm_dtype f32 (the hook chooses what travels); not with
-  // backward_queued (a hook runs host code) nor ZeRO-1 (which reduce-scatters instead).
+  // backward_queued unless the hook is capturable (CommHook::capturable), nor ZeRO-1 (which
+  // reduce-scatters instead).
   std::shared_ptr<CommHook> comm_hook;
 };
 
@@ -99,27 +106,28 @@ class DistributedDataParallel {
   // that backward and the update stay free of collectives and can be captured:
   //   captured:  ddp.backward_local(dy); ddp.stage_buckets();
   //   between:   ddp.all_reduce_staged();
-  //   captured:  ddp.unstage_buckets();  ... clip, optimizer step
+  //   captured:  ... clip, optimizer step
   // Bitwise the gradient of backward() + finish_gradient_sync(): the same scale, rounding and
   // sums, bucket by bucket in the same order; only the overlap with backward is given up.
   // ensures dy's backward ran with no bucket launched (forward's buffer broadcast is the
   // caller's: broadcast_buffers(), outside the capture).
   Tensor backward_local(const Tensor& dy);
-  // ensures every bucket is scaled by this rank's share (and rounded into the comm dtype).
+  // ensures every bucket is scaled by this rank's share.
   void stage_buckets();
-  // requires stage_buckets() queued. ensures every bucket was all-reduced (issued in order,
-  // waited for) and the buffers averaged when asked; the stats say so (no bucket overlapped).
+  // requires stage_buckets() queued. ensures every bucket was handed to the reducer (in order)
+  // and its result waited for (a 16-bit comm dtype's sums widened back into the gradient), and
+  // the buffers averaged when asked; the stats say so (no bucket overlapped).
   void all_reduce_staged();
-  // ensures a 16-bit comm dtype's sums are widened back into the gradient (else nothing).
-  void unstage_buckets();
 
   // A graphed step whose group can hold collectives in a capture (ProcessGroup::
-  // collectives_capturable: NCCL on its GPU, every backend on CPU devices) keeps the overlap:
+  // collectives_capturable: NCCL on its GPU, every backend on CPU devices) and whose reducer is
+  // capturable (the built-in ones) keeps the overlap:
   //   captured:  ddp.backward_queued(dy);  ... clip, optimizer step
-  // Backward launches each bucket's all-reduce from its hooks as backward() does, but queued on
-  // the group (all_reduce_queued: no Work, no host wait), joins them at its end and widens a
-  // 16-bit comm dtype's sums back: bitwise backward() + finish_gradient_sync(), without the
-  // buffers' averaging (average_buffers(), outside the capture). Under no_sync: backward alone.
+  // Backward hands each bucket to the reducer from its hooks as backward() does, but queued on
+  // the group (CommHook::reduce_queued: no Work, no host wait), joins them at its end and lets
+  // the reducer finish (complete_queued: a 16-bit comm dtype's sums widened back): bitwise
+  // backward() + finish_gradient_sync(), without the buffers' averaging (average_buffers(),
+  // outside the capture). Under no_sync: backward alone.
   Tensor backward_queued(const Tensor& dy);
   // A replayed backward_queued runs no host code: sets the stats it had (the buckets' bytes
   // and overlap as its last run; no ready times, no host wait).
@@ -152,11 +160,14 @@ class DistributedDataParallel {
   nn::Module& module() { return *module_; }
   const std::vector<Bucket>& buckets() const { return buckets_; }
   const DdpStats& stats() const { return stats_; }
-  // Each gradient bucket's bytes as all-reduced (in the comm dtype), in launch order: without
-  // a comm hook (a hook's bytes are known once it ran: DdpStats::comm_bytes).
+  // Each gradient bucket's bytes as its reducer hands them to a group of several ranks
+  // (CommHook::bytes_for: the built-in ones', in the comm dtype), in launch order; the f32
+  // bucket's where the hook knows its bytes only once it ran (DdpStats::comm_bytes).
   std::vector<int64_t> bucket_bytes() const;
-  // The comm hook in use, or null.
+  // Research code's comm hook in use (DdpOptions::comm_hook), or null.
   CommHook* comm_hook() const { return options_.comm_hook.get(); }
+  // The reducer every bucket goes to: that hook, or the built-in one for the comm dtype.
+  CommHook& reducer() const { return *hook_; }
   void set_trace(Trace* trace) { trace_ = trace; }
   Trace* trace() const { return trace_; }
 
@@ -173,17 +184,17 @@ class DistributedDataParallel {
   // A new step's counters (the per-bucket times keep their storage); backward begins now.
   void reset_stats();
   Tensor grad_slice(int k);
-  void stage_bucket(int k);  // scale by the share, round into the comm dtype
-  // Its all-reduce, asynchronously (pending_[k], or queued on the group in backward_queued),
-  // counted in the stats; with one rank nothing (returns whether it issued one).
+  void stage_bucket(int k);  // scale by the share
+  // Bucket k as the reducer is handed it.
+  GradBucket bucket_for_hook(int k);
+  // Bucket k handed to the reducer (its Work kept in pending_[k]; queued on the group in
+  // backward_queued), counted in the stats. Returns whether it launched communication (the
+  // built-in reducers with one rank launch none).
   bool issue_bucket(int k);
-  // issue_bucket with a comm hook: bucket k handed to it, its Work kept in pending_[k].
-  bool issue_to_hook(int k);
   // Every bucket not launched yet, in order (also those whose parameters got no gradient).
   void launch_remaining_buckets();
   // After a step's sync: no bucket counted ready, none launched.
   void clear_ready();
-  void unstage_bucket(int k);
   // Queues share_ into device_share_ (nothing when it holds share_ already).
   void write_share();
   // Whether no bucket is counted ready or in flight (between steps).
@@ -195,10 +206,10 @@ class DistributedDataParallel {
   nn::ModulePtr module_;
   ProcessGroup& group_;
   DdpOptions options_;
+  std::shared_ptr<CommHook> hook_;  // options_.comm_hook, or builtin_hook(options_.comm_dtype)
   std::vector<Bucket> buckets_;
   BucketProgress progress_;  // this step's backward through buckets_
   std::vector<std::shared_ptr<Work>> pending_;
-  std::vector<Tensor> comm_buffers_;  // per bucket, 16-bit comm dtype only
   int next_to_launch_ = 0;
   bool sync_enabled_ = true;
   bool in_backward_ = false;

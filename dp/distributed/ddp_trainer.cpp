@@ -284,8 +284,10 @@ void DdpTrainer::set_graph_collectives(bool allowed) {
 }
 
 bool DdpTrainer::collectives_in_graph() const {
-  // A comm hook runs host code: a graphed step calls it between its two segments.
-  return graph_collectives_ && !ddp_options_.comm_hook && group_->collectives_capturable(device_);
+  // A hook that runs host code (CommHook::capturable false): a graphed step calls it between its
+  // two segments.
+  const bool capturable = !ddp_options_.comm_hook || ddp_options_.comm_hook->capturable();
+  return graph_collectives_ && capturable && group_->collectives_capturable(device_);
 }
 
 std::string DdpTrainer::graphs_blocked() const {
@@ -355,12 +357,7 @@ int64_t DdpTrainer::graphed_step(StepGraphs& g) {
   TraceScope slice(ddp_->trace(), "ddp/step", rank());
   scaler_.prepare_deferred(*optimizer_);  // the host scalars the replayed update reads
   run_graph_segment(
-      ctx, g.update, runs,
-      [&] {
-        if (!in_graph) ddp_->unstage_buckets();
-        queue_update(m);
-      },
-      &capture_failure_);
+      ctx, g.update, runs, [&] { queue_update(m); }, &capture_failure_);
   times_.graph_nodes = times_.graphed ? g.compute.nodes() + g.update.nodes() : 0;
   // Both segments ran uncaptured where their capture failed: this step is an uncaptured one.
   // Graphs go off for good (the caller drops the graphs captured so far with their memory).
