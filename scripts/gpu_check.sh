@@ -4,15 +4,16 @@
 #   scripts/gpu_check.sh [--stage LIST] [--lease SECONDS] [--skip-done SUMMARY] [--pack FILE]
 #                        BUILD_DIR RESULTS_DIR
 #   scripts/gpu_check.sh --bundle [DEST]          build here for sm_90 and pack a self-contained
-#                                                 folder and DEST.tar.gz (default
+#                                                 folder and DEST.tar.xz (default
 #                                                 build-sm90/gpu_check_bundle)
 #   scripts/gpu_check.sh --cuda-lib-dirs          print where it looks for the CUDA libraries
 #
 # A lent GPU comes with 15 minutes of device time for the whole task, the machine's start (a
 # minute or two) included, and 10 minutes a command. The usual run is one lease in one call:
 #   here:  scripts/gpu_check.sh --bundle   (about 5 minutes on 2 cores; no device time)
-#   there: run(timeout_s 540, carry ["build-sm90/gpu_check_bundle.tar.gz"]):
-#            tar xzf build-sm90/gpu_check_bundle.tar.gz -C /tmp && cd /tmp/gpu_check_bundle &&
+#   there: run(timeout_s 540, carry ["build-sm90/gpu_check_bundle.tar.xz"]):
+#            python3 scripts/unpack_bundle.py build-sm90/gpu_check_bundle.tar.xz /tmp &&
+#            cd /tmp/gpu_check_bundle &&
 #            bash gpu_check.sh --lease 480 --pack "$OUT/gpu_check.tar.gz" . /tmp/results
 #   then give_back; unpack the tar.gz into benchmarks/results/ and commit it. 480 s leaves a
 #   few minutes of the 15 for a short second call on the still warm machine (within its 30 s):
@@ -236,27 +237,37 @@ make_bundle() {
     echo "CUDA libraries it expects on the GPU machine: $(tr '\n' ' ' < "$dest/lib/cuda_needed.txt")"
   } > "$dest/VERSION"
 
-  tar -C "$(dirname "$dest")" -czf "$dest.tar.gz" "$(basename "$dest")"
+  # xz, not gzip: the programs carry the same CUDA kernels each, which gzip's 32 KiB window
+  # cannot see twice and xz's 64 MiB dictionary can (215 MiB unpacked: 58 MiB as tar.gz, 20 MiB
+  # as tar.xz). The GPU machine unpacks it with python3's tarfile (scripts/unpack_bundle.py),
+  # whatever its tar has.
+  command -v xz > /dev/null || {
+    echo "gpu_check --bundle: xz is missing here (apt-get install xz-utils)" >&2
+    exit 1
+  }
+  rm -f "$dest.tar.gz"
+  tar -C "$(dirname "$dest")" -cf - "$(basename "$dest")" | xz -9 -T2 > "$dest.tar.xz.tmp"
+  mv "$dest.tar.xz.tmp" "$dest.tar.xz"
   size_kib=$(du -sk "$dest" | cut -f1)
   echo "gpu_check --bundle: $dest: $((size_kib / 1024)) MiB ($size_kib KiB) unpacked," \
-    "$(($(stat -c %s "$dest.tar.gz") / 1024)) KiB as $dest.tar.gz"
+    "$(($(stat -c %s "$dest.tar.xz") / 1024)) KiB as $dest.tar.xz"
   local f listing=""
   for f in "$dest"/bin/* "$dest"/lib/*.so* "$dest"/lib/compat/*.so*; do
     [[ -e $f ]] && listing+="  ${f#"$dest"/} $(($(stat -c %s "$f") / 1024)) KiB"$'\n'
   done
   echo "  contents:"
   printf '%s' "$listing"
-  # What travels is the tar.gz beside the working tree (tracked and untracked files git does not
+  # What travels is the tar.xz beside the working tree (tracked and untracked files git does not
   # ignore), within the device tool's 64 MiB a call; 1 MiB is kept for files added before the
   # call.
-  tgz_kib=$(($(stat -c %s "$dest.tar.gz") / 1024))
+  tgz_kib=$(($(stat -c %s "$dest.tar.xz") / 1024))
   tree_kib=$(($(git -C "$repo" ls-files -co --exclude-standard -z |
     (cd "$repo" && du -cb --files0-from=- 2> /dev/null) | tail -1 | cut -f1) / 1024))
   limit_kib=$((63 * 1024 - tree_kib))
   echo "  travels: $((tgz_kib / 1024)) MiB of bundle + $((tree_kib / 1024)) MiB of working tree" \
     "(a device call takes 64 MiB)"
   if ((tgz_kib >= limit_kib)); then
-    echo "gpu_check --bundle: $dest.tar.gz is $((tgz_kib / 1024)) MiB, over the" \
+    echo "gpu_check --bundle: $dest.tar.xz is $((tgz_kib / 1024)) MiB, over the" \
       "$((limit_kib / 1024)) MiB that the working tree ($((tree_kib / 1024)) MiB) leaves of a" \
       "device call's 64 MiB" >&2
     exit 1

@@ -22,6 +22,12 @@ add_test(NAME "bench.gpu_check: finds the CUDA libraries of PyTorch's wheels"
 set_tests_properties("bench.gpu_check: finds the CUDA libraries of PyTorch's wheels"
                      PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 60)
 
+add_test(NAME "bench.gpu_check: the bundle's tar.xz unpacks with python3 alone, bad files exit 2"
+         COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/unpack_bundle_test.sh
+                 ${PROJECT_SOURCE_DIR}/scripts/unpack_bundle.py)
+set_tests_properties("bench.gpu_check: the bundle's tar.xz unpacks with python3 alone, bad files exit 2"
+                     PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 60)
+
 # bench_collectives checks its flags before any work, in plain words.
 if(TARGET bench_collectives)
   add_test(NAME "bench.flags: bench_collectives refuses --iters 0 and --max-bytes abc"
