@@ -405,6 +405,36 @@ TEST_CASE("dist.state: DdpTrainer::save then load resumes bit for bit on every r
 }
 
 TEST_CASE(
+    "dist.state: under ZeRO-1 DdpTrainer::save gathers the shards: the file resumes a ZeRO-1 run "
+    "and an unsharded one bit for bit") {
+  std::string dir = dist_test::make_temp_dir("ddp_zero_state");
+  const std::string file = dir + "/zero.safetensors";
+  auto weights = [](const std::string& out) {
+    auto at = out.find(" weights ");
+    return at == std::string::npos ? std::string("none") : out.substr(at + 9, 16);
+  };
+  // Momentum SGD: each rank's shard of the momentum is state the file must hold whole.
+  auto pair = [&](const std::string& name, std::vector<std::string> args) {
+    args.insert(args.begin(), {"--mode", "ddp", "--steps", "4", "--momentum"});
+    const int port = net::find_free_port();
+    HandRank r0(dir, name + "0", 0, 2, port, args), r1(dir, name + "1", 1, 2, port, args);
+    const int rc0 = r0.wait(30s), rc1 = r1.wait(30s);
+    CAPTURE(r0.output());
+    CAPTURE(r1.output());
+    CHECK(rc0 == 0);
+    CHECK(rc1 == 0);
+    CHECK(weights(r1.output()) == weights(r0.output()));
+    return weights(r0.output());
+  };
+  const std::string whole_run = pair("a", {"--zero", "1", "--save", file, "--save-at", "2"});
+  CHECK(whole_run != "none");
+  CHECK(pair("b", {"--zero", "1", "--load", file}) == whole_run);  // ZeRO-1 goes on
+  // Two ranks' sums are the same bits in any order: an unsharded DDP run from the file's whole
+  // momentum lands on the same weights.
+  CHECK(pair("c", {"--load", file}) == whole_run);
+}
+
+TEST_CASE(
     "dist.state: a load that fails on one rank, or reads another state there, fails on every "
     "rank, and a lagged step pending at a load is dropped") {
   std::string dir = dist_test::make_temp_dir("ddp_state_ranks");

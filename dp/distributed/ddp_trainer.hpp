@@ -173,11 +173,14 @@ class DdpTrainer {
   int64_t last_payload_bytes() const { return last_payload_bytes_; }
   nn::GradScaler& scaler() { return scaler_; }
   // The whole training state, as DataParallel::save: every rank's dropout offset is gathered
-  // and rank 0 writes; a failed write throws on every rank. Collectives: every rank calls them.
-  // requires wrap() done, ZeRO off (its sharded state is not saved here).
+  // and rank 0 writes; a failed write throws on every rank. Under ZeRO-1 every rank's shard of
+  // the optimizer state is gathered first: the file holds it whole, as an unsharded run's, and
+  // loads into any world size, sharded or not. Collectives: every rank calls them.
+  // requires wrap() done.
   void save(const std::string& path, const nn::TrainingProgress& position = {});
-  // Every rank reads `path` (each its own dropout offset); refuses another model, optimizer or
-  // world size, naming what differs; throws on every rank when one rank could not load or the
+  // Every rank reads `path` (each its own dropout offset; under ZeRO-1 its shard of the
+  // optimizer state; the world size may differ); refuses another model or optimizer, naming
+  // what differs; throws on every rank when one rank could not load or the
   // ranks loaded different states. metrics_lag 1: a pending step's metrics are dropped
   // (finish_metrics() first keeps them). Returns the saved position. A collective.
   nn::TrainingProgress load(const std::string& path, const nn::TrainingProgress& expected = {});

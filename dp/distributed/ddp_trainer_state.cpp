@@ -1,6 +1,6 @@
 // DdpTrainer::save and load: the whole training state through nn/train_state.hpp, with what only
-// the trainer knows (mode, world size, every rank's dropout offset, the loss scaler, the step)
-// filled in by the trainer. Both are collectives: every rank calls them.
+// the trainer knows (mode, world size, every rank's dropout offset, the loss scaler, the step,
+// ZeRO-1's shards) filled in by the trainer. Both are collectives: every rank calls them.
 #include "dp/distributed/ddp_trainer.hpp"
 
 #include <exception>
@@ -12,11 +12,8 @@ namespace dp::dist {
 
 namespace {
 
-void check_can_save(const char* what, bool wrapped, int zero_stage) {
+void check_wrapped(const char* what, bool wrapped) {
   DP_CHECK(wrapped, "DdpTrainer::" << what << ": call wrap(model, optimizer) first");
-  DP_CHECK(zero_stage == 0, "DdpTrainer::" << what << ": ZeRO-1 shards the optimizer state over "
-                                           << "the ranks; this call saves unsharded state only "
-                                           << "(set_zero_stage(0))");
 }
 
 }  // namespace
@@ -25,21 +22,25 @@ nn::TrainingProgress DdpTrainer::here(const nn::TrainingProgress& progress) cons
   nn::TrainingProgress out = progress;
   out.mode = "ddp";
   out.world_size = world_size();
+  out.optimizer_shards = zero_ ? world_size() : 1;
   return out;
 }
 
 void DdpTrainer::save(const std::string& path, const nn::TrainingProgress& position) {
-  check_can_save("save", ddp_ != nullptr, zero_stage_);
+  check_wrapped("save", ddp_ != nullptr);
   nn::Module& m = ddp_->module();
   nn::TrainingProgress state = here(position);
   state.rng_offsets = all_gather(m.flat().rng_offset);  // every rank's, in rank order
   if (state.step == 0) state.step = optimizer_->step_count() + scaler_.skipped_steps();
   if (scaler_.enabled()) state.scaler = scaler_.state();
+  // ZeRO-1: every rank's shard gathered into the whole state (a collective), so that the file
+  // does not depend on the world size or the sharding.
+  const nn::OptimizerState whole = zero_ ? zero_->gather_optimizer_state() : nn::OptimizerState{};
   // Rank 0 writes; every rank learns whether it did, so that they fail together.
   std::exception_ptr failed;
   if (rank() == 0) {
     try {
-      nn::save_training_state(path, m, *optimizer_, state);
+      nn::save_training_state(path, m, *optimizer_, state, whole);
     } catch (...) {
       failed = std::current_exception();
     }
@@ -53,7 +54,7 @@ void DdpTrainer::save(const std::string& path, const nn::TrainingProgress& posit
 
 nn::TrainingProgress DdpTrainer::load(const std::string& path,
                                       const nn::TrainingProgress& expected) {
-  check_can_save("load", ddp_ != nullptr, zero_stage_);
+  check_wrapped("load", ddp_ != nullptr);
   // metrics_lag 1: the step pending belongs to the run replaced. Its all-reduce (which every
   // rank issued) is taken and its metrics dropped (a fault it saw still reported): settled
   // later, they would be returned as the loaded run's first step's.
