@@ -558,6 +558,40 @@ TEST_CASE("kernels.cuda.softmax_cross_entropy: matches CPU (smoothing, weights, 
       2e-2f);  // the huge loss (~1e4) itself carries f32 rounding of that size
 }
 
+TEST_CASE(
+    "kernels.cuda.softmax_cross_entropy: the eight-wide gradient pass gives the one-wide bits") {
+  // The gradient of a 16-byte aligned row of a multiple of 8 values is written eight values at a
+  // time; a gradient one value off alignment takes the one-value path. The logits are the same
+  // aligned rows for both (their first pass, eight wide for 16-bit logits, sums in another order
+  // than the one-wide one), so the loss and gradient bits must be the same: into a gradient of
+  // the logits' dtype, into an f32 one, and over the logits themselves.
+  DP_REQUIRE_GPU();
+  const int64_t batch = 6, classes = 1000;
+  for (DType t : {DType::f32, DType::bf16, DType::f16}) {
+    for (bool f32_grad : {false, true}) {
+      CAPTURE(dtype_name(t));
+      CAPTURE(f32_grad);
+      const DType g = f32_grad ? DType::f32 : t;
+      Tensor x = rnd(kGpu, {batch, classes}, 42, -6.f, 6.f, t);
+      Tensor lab = labels(kGpu, batch, classes, 43);
+      Tensor loss_w = zeros(kGpu, {1}), loss_o = zeros(kGpu, {1});
+      Tensor d_w = Tensor::zeros({batch, classes}, g, kGpu);
+      Tensor d_o = Tensor::zeros({batch * classes + 1}, g, kGpu).view(1, {batch, classes});
+      softmax_cross_entropy(loss_w, d_w, x, lab);
+      softmax_cross_entropy(loss_o, d_o, x, lab);
+      CHECK(same_bits(loss_w, loss_o));
+      CHECK(same_bits(d_w, d_o));
+      CHECK(diff(d_w, zeros(kGpu, {batch, classes})) > 0.f);  // a gradient was written
+      if (!f32_grad) {  // over the logits themselves, eight wide
+        Tensor loss_in = zeros(kGpu, {1});
+        softmax_cross_entropy(loss_in, x, x, lab);
+        CHECK(same_bits(loss_in, loss_w));
+        CHECK(same_bits(x, d_w));
+      }
+    }
+  }
+}
+
 TEST_CASE("kernels.cuda.mse_loss, sum, mean: match CPU - same bits on every run") {
   DP_REQUIRE_GPU();
   for (int64_t n : {int64_t{1}, int64_t{1237}, int64_t{1000003}}) {

@@ -215,9 +215,25 @@ __global__ void softmax_xent_kernel(float* row_loss, D* dlogits, const T* logits
   float scale = w / (count_of_kept ? fmaxf(*count_of_kept, 1.f) : static_cast<float>(batch));
   float off = ls / static_cast<float>(classes), on = (1.f - ls) + off;
   D* d = dlogits + i * classes;
-  for_each_in_row(x, classes, [&](int64_t c, float xc) {
-    d[c] = from_float<D>(scale * (expf(xc - lse) - (c == label ? on : off)));
-  });
+  auto grad = [&](int64_t c, float xc) {
+    return scale * (expf(xc - lse) - (c == label ? on : off));
+  };
+  // Eight values a thread through one 16-byte load and store each (two for f32) where the row
+  // allows: one-value stores of 16-bit gradients left each warp's store eight partial sectors
+  // apart (GPT-2's 8192 x 50304 bf16 logits: 2.1 ms on an H200, about six times the bytes' time,
+  // 2026-11-29). The same values, converted one by one: the same bits.
+  if (classes % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+      reinterpret_cast<uintptr_t>(d) % 16 == 0) {
+    for (int64_t q = threadIdx.x; q < classes / 8; q += blockDim.x) {
+      float v[8];
+      load8_f32(x, q, v);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) v[k] = grad(q * 8 + k, v[k]);
+      store8_f32(d, q, v);
+    }
+    return;
+  }
+  for_each_in_row(x, classes, [&](int64_t c, float xc) { d[c] = from_float<D>(grad(c, xc)); });
 }
 
 // Rows whose label is not ignore_index, as a float (exact below 2^24 rows).
