@@ -410,8 +410,7 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
     stats.graphed = it != per_device_[0].graphs.end() && it->second.runs >= kGraphWarmupRuns;
     stats.captured = stats.graphed && !it->second.compute.captured();
   }
-  const auto before = runtime_counts();
-  begin_memory_window();
+  begin_counts();
   try {
     run_step("dp/train_step", n_used, [&](int i) {
       if (graphed_step_)
@@ -436,7 +435,7 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
       }
     throw;
   }
-  LaggedMetrics* previous = nullptr;
+  LaggedSlots<LaggedShares>::Slot* previous = nullptr;
   if (options_.metrics_lag > 0) {
     // The caller may refill the host batch once this returns: wait until every device has
     // taken this step's inputs (on a GPU: until the previous step is done there).
@@ -444,15 +443,15 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
       per_device_[i].marks[kScattered].synchronize();
       pool_.context(i).note_host_sync();
     }
-    previous = &lagged_[(step_index_ + 1) % 2];  // its copy is complete by now
+    previous = &lagged_.previous(step_index_);  // its copy is complete by now
     if (previous->pending) previous->ready.synchronize();
   }
   stats.ms.total = ms_since(t_step);
-  const auto after = runtime_counts();
-  stats.allocations = after.allocations - before.allocations;
-  stats.host_syncs = after.host_syncs - before.host_syncs;
-  stats.casts = after.casts - before.casts;
-  stats.peak_bytes = window_peak_bytes();
+  const StepCounts counts = end_counts();
+  stats.allocations = counts.allocations;
+  stats.host_syncs = counts.host_syncs;
+  stats.casts = counts.casts;
+  stats.peak_bytes = counts.peak_bytes;
   stats.loss_scale = step_scale_;
   if (options_.cross_node) {
     stats.ms.cross_node = cross_wait_ms_;
@@ -465,9 +464,8 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
     settled_shares = &shares_;
   } else if (previous->pending) {
     stats.metrics_lagged = true;
-    previous->pending = false;
-    settled = previous->host.data<float>();
-    settled_shares = &previous->shares;
+    settled = LaggedSlots<LaggedShares>::take(*previous, nullptr);  // waited for above
+    settled_shares = &previous->extra.shares;
   }
   if (settled) {
     settle_step(settled, *settled_shares, stats);

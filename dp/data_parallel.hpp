@@ -55,6 +55,7 @@
 #include "dp/graphs.hpp"
 #include "dp/stats_sync.hpp"
 #include "dp/step.hpp"
+#include "dp/step_metrics.hpp"
 #include "dp/step_signals.hpp"
 #include "dp/worker_pool.hpp"
 #include "kernels/runtime/event.hpp"
@@ -395,18 +396,15 @@ class DataParallel {
   // Hybrid, on device 0 after its reduce: waits for the bucket sums over nodes, then sums the
   // buffers over nodes too.
   void finish_cross_node(int n);
-  // Allocations, host syncs and casts so far, over every context of the engine.
-  struct RuntimeCounts {
-    int64_t allocations = 0, host_syncs = 0, casts = 0;
-  };
-  RuntimeCounts runtime_counts();
-  // Each device's contexts start a memory window (MemoryStats::begin_window); then the most
-  // memory one device had in use since (the sum of its contexts' window peaks).
-  void begin_memory_window();
-  int64_t window_peak_bytes();
   // Calls f on every context of device i (its worker's, its comm stream's, device 0's wide).
   template <class F>
   void for_each_context(int i, F f);
+  // Calls f(i, context) on every context of every device, device by device (StepCounter's).
+  template <class F>
+  void each_context(F f);
+  // The step's runtime counts over every context (counter_): begun, and taken at its end.
+  void begin_counts();
+  StepCounts end_counts();
   // After a step: phase times, overlap count and trace slices from the workers' events.
   void collect_step(int n_used, StepStats& stats);
   std::vector<int64_t> link_bytes(int n_used) const;
@@ -448,13 +446,11 @@ class DataParallel {
   std::vector<kernels::Scalar> metric_weights_;
   // metrics_lag 1: per step parity, a step's metrics on their way to the host, and what reading
   // them needs; and the end of device 0's part of the last step.
-  struct LaggedMetrics {
-    Tensor host;  // pinned
-    kernels::Event ready{kernels::Event::Timing::off};
+  struct LaggedShares {
     std::vector<float> shares;  // one per device the step used
-    bool pending = false;
   };
-  LaggedMetrics lagged_[2];
+  LaggedSlots<LaggedShares> lagged_;
+  StepCounter counter_;  // the step's runtime counts (begin_counts)
   kernels::Event updated_{kernels::Event::Timing::off};
   nn::GradScaler scaler_;
   float step_scale_ = 1.f;  // the loss scale of the step in progress (read by every worker)

@@ -71,12 +71,10 @@ void DataParallel::read_step_metrics(int n, bool gathered_in_graph, Read read) {
     return host.view(0, {all.numel()});
   };
   if (read == Read::lagged) {
-    LaggedMetrics& slot = lagged_[step_index_ % 2];
-    Tensor host = host_view(slot.host);
-    kernels::queue_read_back(host, all);
-    slot.ready.record(ctx);
-    slot.shares = shares_;
-    slot.pending = true;
+    LaggedSlots<LaggedShares>::Slot& slot = lagged_.of(step_index_);
+    host_view(slot.host);
+    LaggedSlots<LaggedShares>::queue_read(slot, all, ctx);
+    slot.extra.shares = shares_;
     updated_.record(ctx);  // device 0's update and gather are queued before it
     return;
   }
@@ -123,15 +121,14 @@ void DataParallel::report_device_faults(const float* m, int n) {
 StepStats DataParallel::finish_metrics() {
   DP_CHECK(options_.metrics_lag > 0,
            "finish_metrics: metrics_lag is 0: every step returned its own metrics");
-  LaggedMetrics& last = lagged_[(step_index_ + 1) % 2];
+  LaggedSlots<LaggedShares>::Slot& last = lagged_.previous(step_index_);
   DP_CHECK(last.pending,
            "finish_metrics: no step's metrics are pending (none ran since the "
            "last were returned)");
   drain();
   StepStats stats;
   stats.metrics_lagged = true;
-  last.pending = false;
-  settle_step(last.host.data<float>(), last.shares, stats);
+  settle_step(LaggedSlots<LaggedShares>::take(last, nullptr), last.extra.shares, stats);
   return stats;
 }
 
@@ -142,31 +139,18 @@ void DataParallel::for_each_context(int i, F f) {
   if (i == 0 && wide_context_) f(*wide_context_);
 }
 
-DataParallel::RuntimeCounts DataParallel::runtime_counts() {
-  RuntimeCounts n;
+template <class F>
+void DataParallel::each_context(F f) {
   for (int i = 0; i < n_devices(); ++i)
-    for_each_context(i, [&](kernels::DeviceContext& c) {
-      n.allocations += c.memory()->allocations.load();
-      n.host_syncs += c.host_syncs();
-      n.casts += c.casts();
-    });
-  return n;
+    for_each_context(i, [&](kernels::DeviceContext& c) { f(i, c); });
 }
 
-void DataParallel::begin_memory_window() {
-  for (int i = 0; i < n_devices(); ++i)
-    for_each_context(i, [](kernels::DeviceContext& c) { c.memory()->begin_window(); });
+void DataParallel::begin_counts() {
+  counter_.begin([this](auto f) { each_context(f); });
 }
 
-int64_t DataParallel::window_peak_bytes() {
-  int64_t most = 0;
-  for (int i = 0; i < n_devices(); ++i) {
-    int64_t device = 0;
-    for_each_context(i,
-                     [&](kernels::DeviceContext& c) { device += c.memory()->window_peak.load(); });
-    most = std::max(most, device);
-  }
-  return most;
+StepCounts DataParallel::end_counts() {
+  return counter_.end([this](auto f) { each_context(f); });
 }
 
 void DataParallel::set_trace(Trace* trace) {

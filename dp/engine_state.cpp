@@ -29,7 +29,7 @@ nn::TrainingProgress DataParallel::load(const std::string& path,
   step_index_ = got.step;
   // A pending step's metrics describe the run replaced: settled after this, they would be
   // returned as the loaded run's, and their verdict would move the loaded loss scale.
-  for (LaggedMetrics& slot : lagged_) slot.pending = false;
+  for (auto& slot : lagged_) slot.pending = false;
   return got;
 }
 

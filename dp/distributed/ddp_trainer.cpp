@@ -57,13 +57,13 @@ DdpTrainer::~DdpTrainer() {
   // Destructors log, never throw. A lagged step's metrics all-reduce not taken (no
   // finish_metrics) is waited for first, within the group's timeout: the stream waits for it
   // (order_stream), and a peer that died would otherwise leave that wait unbounded.
-  for (LaggedMetrics& slot : lagged_) {
+  for (LaggedSlot& slot : lagged_) {
     try {
-      if (slot.work) slot.work->wait();
+      if (slot.extra.work) slot.extra.work->wait();
     } catch (const std::exception& e) {
       DP_LOG_ERROR("DdpTrainer teardown: a lagged step's metrics: " << e.what());
     }
-    slot.work.reset();
+    slot.extra.work.reset();
   }
   // The captured graphs go before the group: a graph may hold NCCL's captured all-reduces,
   // whose communicator must outlive it.
@@ -286,10 +286,9 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   }
   auto t_step = Clock::now();
   const int64_t payload_before = group_->payload_bytes();
-  const int64_t allocations_before = context_->memory()->allocations.load();
-  context_->memory()->begin_window();
-  const int64_t syncs_before = context_->host_syncs();
-  const int64_t casts_before = context_->casts();
+  auto each_context = [&](auto f) { f(0, *context_); };
+  StepCounter counter;
+  counter.begin(each_context);
   kernels::DeviceContext& ctx = *context_;
   marks_[kBegin].record(ctx);
   float share = 0;
@@ -371,10 +370,11 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   // Phase times from the events (device time on a GPU; every event is reached by now).
   using kernels::Event;
   times_.total = ms_since(t_step);
-  times_.allocations = context_->memory()->allocations.load() - allocations_before;
-  times_.peak_bytes = context_->memory()->window_peak.load();
-  times_.host_syncs = context_->host_syncs() - syncs_before;
-  times_.casts = context_->casts() - casts_before;
+  const StepCounts counts = counter.end(each_context);
+  times_.allocations = counts.allocations;
+  times_.peak_bytes = counts.peak_bytes;
+  times_.host_syncs = counts.host_syncs;
+  times_.casts = counts.casts;
   if (phase_timing_ == Event::Timing::off) return global_loss;  // the marks only ordered
   if (zero_) {
     times_.allreduce_wait = zero_->last_times().reduce_scatter + zero_->last_times().all_gather;

@@ -25,6 +25,7 @@
 #include "dp/distributed/zero.hpp"
 #include "dp/graphs.hpp"
 #include "dp/step.hpp"
+#include "dp/step_metrics.hpp"
 #include "kernels/runtime/event.hpp"
 #include "nn/amp.hpp"
 #include "nn/loss.hpp"
@@ -214,11 +215,17 @@ class DdpTrainer {
   // batch), which follows the previous step's read, and returns that step's loss (NaN on a
   // run's first step), with its gradient norm in grad_norm_.
   float report_loss_lagged(float share);
-  struct LaggedMetrics;
+  // metrics_lag 1: with a step's metrics, their copy on the device (5 values: metrics_, then the
+  // context's fault word) and, world > 1, their all-reduce (waited when the slot is read).
+  struct LaggedExtra {
+    kernels::Tensor device;
+    std::shared_ptr<Work> work;
+  };
+  using LaggedSlot = LaggedSlots<LaggedExtra>::Slot;
   // Whether the host already waited for a point after the slot's read.
   enum class Waited { no, yes };
   // A lagged slot's loss (and norm into grad_norm_), after waiting for its read (unless waited).
-  float take_lagged(LaggedMetrics& slot, Waited waited);
+  float take_lagged(LaggedSlot& slot, Waited waited);
   // Throws when the slot take_lagged read last held a device-side fault: the context's report.
   void report_lagged_fault();
   // This rank's rows of the global host batch (views), and with `share` its share of the
@@ -274,15 +281,9 @@ class DdpTrainer {
   StepScalars scale_values_;
   kernels::Scalar unscale_, loss_scale_;
   kernels::Tensor host_metrics_;  // its pinned host copy
-  // metrics_lag 1: per step parity, a copy of the step's metrics being all-reduced and read.
-  struct LaggedMetrics {
-    kernels::Tensor device, host;  // (5) f32 on the device, pinned: metrics_, the fault word
-    kernels::Event ready{kernels::Event::Timing::off};
-    std::shared_ptr<Work> work;  // the all-reduce, world > 1 (waited when the slot is read)
-    bool pending = false;
-  };
   int metrics_lag_ = 0;
-  LaggedMetrics lagged_[2];
+  // metrics_lag 1: per step parity, a copy of the step's metrics being all-reduced and read.
+  LaggedSlots<LaggedExtra> lagged_;
   bool lagged_fault_ = false;  // the slot read last said a fault was written
   int64_t steps_ = 0;          // train_steps so far (the lag's parity)
   // Phase boundaries of a step on this rank's stream, by StepMark (dp/step.hpp): begin, chunk

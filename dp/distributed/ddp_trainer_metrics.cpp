@@ -36,22 +36,21 @@ float DdpTrainer::report_loss(float share) {
 
 float DdpTrainer::report_loss_lagged(float share) {
   kernels::DeviceContext& ctx = *context_;
-  LaggedMetrics& slot = lagged_[steps_ % 2];
-  if (!slot.device.defined()) {
-    slot.device = kernels::Tensor::empty({5}, kernels::DType::f32, device_);
+  LaggedSlot& slot = lagged_.of(steps_);
+  if (!slot.host.defined()) {
+    slot.extra.device = kernels::Tensor::empty({5}, kernels::DType::f32, device_);
     slot.host = kernels::Tensor::empty_pinned({5}, kernels::DType::f32);
   }
   // The step's metrics in a slot of their own (the next step writes metrics_ again), with the
   // context's fault word (its read checks no fault), then what report_loss does with them, its
   // read queued.
-  kernels::Tensor metrics = slot.device.view(0, {3}), fault_word = slot.device.view(3, {2});
+  kernels::Tensor& device = slot.extra.device;
+  kernels::Tensor metrics = device.view(0, {3}), fault_word = device.view(3, {2});
   kernels::copy(metrics, metrics_);
   kernels::queue_fault_word(fault_word, ctx);
-  slot.work = reduce_metrics(metrics, share);
-  if (slot.work) slot.work->order_stream();  // NCCL: the read waits on the stream, not the host
-  kernels::queue_read_back(slot.host, slot.device);
-  slot.ready.record(ctx);
-  slot.pending = true;
+  slot.extra.work = reduce_metrics(metrics, share);
+  if (slot.extra.work) slot.extra.work->order_stream();  // NCCL: the read waits on the stream
+  LaggedSlots<LaggedExtra>::queue_read(slot, device, ctx);
   // The step's one host wait: for this step's input copy, so that the caller may refill the
   // host batch (a pinned one is copied asynchronously). It follows the previous step's metrics
   // read on this stream, so that read is done too. That read waits on the stream for the
@@ -59,25 +58,23 @@ float DdpTrainer::report_loss_lagged(float share) {
   // the host first waits for that op, bounded by the group's timeout (which aborts the
   // communicator and throws), so that the event wait below never hangs. The op is done by the
   // time the input copy is, so this adds no wait to a healthy step.
-  LaggedMetrics& previous = lagged_[(steps_ + 1) % 2];
-  if (previous.pending && previous.work) previous.work->wait();
+  LaggedSlot& previous = lagged_.previous(steps_);
+  if (previous.pending && previous.extra.work) previous.extra.work->wait();
   marks_[kScattered].synchronize();
   context_->note_host_sync();
   if (!previous.pending) return std::numeric_limits<float>::quiet_NaN();  // the first step
   return take_lagged(previous, Waited::yes);
 }
 
-float DdpTrainer::take_lagged(LaggedMetrics& slot, Waited waited) {
-  if (slot.work) slot.work->wait();  // done by now (NCCL: its failure or timeout, if any)
-  slot.work.reset();
-  if (waited == Waited::no) {
-    slot.ready.synchronize();  // the host wait for the step's read
-    context_->note_host_sync();
-  }
-  slot.pending = false;
-  lagged_fault_ = kernels::fault_written(slot.host.data<float>() + 3);
-  if (clip_grad_norm_ > 0.f) grad_norm_ = slot.host.data<float>()[2];
-  return slot.host.data<float>()[0];
+float DdpTrainer::take_lagged(LaggedSlot& slot, Waited waited) {
+  if (slot.extra.work) slot.extra.work->wait();  // done by now (NCCL: its failure or timeout)
+  slot.extra.work.reset();
+  // The host wait for the step's read, unless the caller's covered it.
+  const float* m =
+      LaggedSlots<LaggedExtra>::take(slot, waited == Waited::no ? context_.get() : nullptr);
+  lagged_fault_ = kernels::fault_written(m + 3);
+  if (clip_grad_norm_ > 0.f) grad_norm_ = m[2];
+  return m[0];
 }
 
 void DdpTrainer::report_lagged_fault() {
@@ -88,7 +85,7 @@ void DdpTrainer::report_lagged_fault() {
 }
 
 float DdpTrainer::finish_metrics() {
-  LaggedMetrics& last = lagged_[(steps_ + 1) % 2];
+  LaggedSlot& last = lagged_.previous(steps_);
   DP_CHECK(metrics_lag_ > 0 && last.pending,
            "DdpTrainer::finish_metrics: no lagged step since the last call (metrics_lag "
                << metrics_lag_ << ")");

@@ -58,7 +58,7 @@ nn::TrainingProgress DdpTrainer::load(const std::string& path,
   // metrics_lag 1: the step pending belongs to the run replaced. Its all-reduce (which every
   // rank issued) is taken and its metrics dropped (a fault it saw still reported): settled
   // later, they would be returned as the loaded run's first step's.
-  for (LaggedMetrics& slot : lagged_)
+  for (LaggedSlot& slot : lagged_)
     if (slot.pending) take_lagged(slot, Waited::no);
   report_lagged_fault();
   nn::TrainingProgress got;
