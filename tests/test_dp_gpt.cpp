@@ -1,0 +1,150 @@
+// A GPT in bf16 with bf16 activations trained by DP on cuda:0, where its GPU paths run (the
+// GEMMs' bias, GELU and bias-gradient epilogues, cuDNN's attention, the eight-wide LayerNorm,
+// loss and optimizer kernels, the loss's gradient written over the logits), against the same
+// run on cpu:0, where the same ops run in turn: 20 steps within the bf16 bound, and the graphed
+// steps bit for bit the uncaptured ones (skips without a GPU: the GPU run's tests part runs it).
+// On cpu:0 the same run graphed (Graphs::on) gives the uncaptured bits too, and learns.
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "dp/data_parallel.hpp"
+#include "nn/nn.hpp"
+#include "tests/train_util.hpp"
+
+using namespace kernels;
+
+namespace {
+
+constexpr uint64_t kSeed = 31;
+constexpr int kSteps = 20;
+// How far two runs of the same bf16 model that round their activations their own way (DP's
+// chunks, the GPU's sums in another order) may lie apart over the 20 steps, relatively: each
+// step's loss and gradient norm (means and sums over thousands of values, which average the
+// single roundings of 2^-8), and the weights, which AdamW moves by up to about lr a step
+// whatever the gradient's size, so that a near-zero gradient rounded otherwise moves its weight
+// the other way. Two CPU devices against one: 9.7e-5, 2.8e-4 and 1.4e-2 (2026-12-01); the
+// bounds are 35 to 100 times the first two and 7 times the third. A wrong epilogue, bias,
+// norm or loss kernel moves the loss or the norm by its whole size.
+constexpr double kLossGap = 1e-2, kNormGap = 1e-2, kWeightGap = 0.1;
+
+// Every width a multiple of 8 (the eight-wide kernels and the GELU epilogue's rule): vocabulary
+// 64, width 32, heads of 16, the MLP 128 wide.
+nn::GptConfig small_gpt() {
+  nn::GptConfig c;
+  c.vocab = 64, c.context = 16, c.layers = 2, c.heads = 2, c.dim = 32;
+  return c;
+}
+
+// Step s: ids (8, 16) and next-token targets, a few of them ignored (-1), other rows each step.
+std::pair<Tensor, Tensor> tokens(int s) {
+  const int64_t batch = 8, t = 16;
+  std::vector<int32_t> ids(static_cast<size_t>(batch * t)), tg(ids.size());
+  for (int64_t i = 0; i < batch * t; ++i) {
+    ids[i] = static_cast<int32_t>((i * 7 + s * 5 + i / 9) % 64);
+    tg[i] = ids[i];  // learnable at once: the tied head already leans to the id
+    if ((i / t + s) % 4 == 0 && i % t >= 12) tg[i] = -1;
+  }
+  return {Tensor::from_ints(ids, {batch, t}), Tensor::from_ints(tg, {batch, t})};
+}
+
+struct Run {
+  std::vector<float> losses, norms, params;
+  std::vector<dp::StepStats> stats;
+};
+
+// DP on `devices` (one device: the single-device run), the gradient's norm reported (a clip far
+// above it: never applied).
+Run train(const std::vector<Device>& devices, dp::Graphs graphs) {
+  auto m = nn::gpt(small_gpt());
+  m->materialize(devices[0], kSeed);
+  m->set_compute_dtype(DType::bf16);
+  m->set_activations(nn::Activations::compute);
+  AdamWConfig cfg;
+  cfg.lr = 3e-3f;
+  nn::AdamW opt(*m, cfg);
+  dp::DataParallelOptions o;
+  o.loss = std::make_shared<nn::TokenCrossEntropyLoss>();
+  o.precision = nn::Precision::bf16;
+  o.graphs = graphs;
+  o.clip_grad_norm = 1e6f;
+  dp::DataParallel engine(m, opt, devices, o);
+  Run run;
+  for (int s = 0; s < kSteps; ++s) {
+    auto [x, y] = tokens(s);
+    run.stats.push_back(engine.train_step(x, y));
+    run.losses.push_back(run.stats.back().loss);
+    run.norms.push_back(run.stats.back().grad_norm);
+  }
+  run.params = engine.module().flat_params().to_host_f32();
+  return run;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// The largest relative gap between two runs' values, step by step.
+double worst_gap(const std::vector<float>& a, const std::vector<float>& b) {
+  double worst = 0;
+  for (size_t s = 0; s < a.size(); ++s)
+    worst = std::max(worst, std::fabs(static_cast<double>(a[s]) - b[s]) / std::fabs(b[s]));
+  return worst;
+}
+
+// Graphed from the third step with no allocation and one host wait a step, and then the
+// uncaptured steps' bits.
+void check_graphed(const Run& graphed, const Run& eager) {
+  for (int s = 0; s < kSteps; ++s) {
+    CAPTURE(s);
+    CHECK(graphed.stats[s].graphed == (s >= 2));
+    if (s >= 3) {
+      CHECK(graphed.stats[s].allocations == 0);
+      CHECK(graphed.stats[s].host_syncs == 1);
+    }
+  }
+  CHECK(same_bits(graphed.losses, eager.losses));
+  CHECK(same_bits(graphed.norms, eager.norms));
+  CHECK(same_bits(graphed.params, eager.params));
+}
+
+}  // namespace
+
+TEST_CASE(
+    "dp.graphs: a bf16 GPT with bf16 activations graphed on cpu:0 gives the uncaptured bits") {
+  const Run eager = train({Device::cpu(0)}, dp::Graphs::off);
+  check_graphed(train({Device::cpu(0)}, dp::Graphs::on), eager);
+  CHECK(eager.losses.back() < 0.9f * eager.losses.front());  // it learns the copy
+  // Two devices round their chunks' activations their own way: the scale of the gaps the CUDA
+  // case below allows between the GPU and the CPU.
+  const Run two = train(make_devices(DeviceType::cpu, 2), dp::Graphs::off);
+  CHECK(worst_gap(two.losses, eager.losses) <= kLossGap);
+  CHECK(worst_gap(two.norms, eager.norms) <= kNormGap);
+  CHECK(dp_test::rel_diff(two.params, eager.params) <= kWeightGap);
+  MESSAGE("cpu:0 losses " << eager.losses.front() << " -> " << eager.losses.back()
+                          << "; 2 devices against 1: losses " << worst_gap(two.losses, eager.losses)
+                          << ", norms " << worst_gap(two.norms, eager.norms) << ", weights "
+                          << dp_test::rel_diff(two.params, eager.params));
+}
+
+TEST_CASE(
+    "dp.cuda: a bf16 GPT's fused GPU step follows the CPU's ops over 20 steps, graphs exact") {
+  DP_REQUIRE_GPU();
+  const Run cpu = train({Device::cpu(0)}, dp::Graphs::off);
+  const Run eager = train({Device::cuda(0)}, dp::Graphs::off);
+  check_graphed(train({Device::cuda(0)}, dp::Graphs::automatic), eager);
+  for (int s = 0; s < kSteps; ++s) {
+    CAPTURE(s);
+    REQUIRE(std::isfinite(eager.losses[s]));
+    REQUIRE(std::isfinite(eager.norms[s]));
+  }
+  const double losses = worst_gap(eager.losses, cpu.losses),
+               norms = worst_gap(eager.norms, cpu.norms);
+  const float weights = dp_test::rel_diff(eager.params, cpu.params);
+  CHECK(losses <= kLossGap);
+  CHECK(norms <= kNormGap);
+  CHECK(weights <= kWeightGap);
+  CHECK(eager.losses.back() < 0.9f * eager.losses.front());  // it learns the copy
+  MESSAGE("cuda:0 against cpu:0 over " << kSteps << " steps: losses " << losses << ", norms "
+                                       << norms << ", weights " << weights);
+}
