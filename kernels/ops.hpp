@@ -402,7 +402,8 @@ void batch_norm_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor
 // LayerNorm over the last dim: x (M, D), gamma/beta (D), save_mean/save_rstd (M). x, y, dy and
 // dx may each be f32, f16 or bf16 (one 16-bit dtype per call): the statistics, parameters and
 // their gradients are f32, the arithmetic is f32 (double on the CPU), and a 16-bit output is
-// rounded once, the bits of widening, the f32 op and rounding.
+// rounded once, the bits of widening, the f32 op and rounding (the sums' order depends on D
+// alone, never on the dtypes or the operands' alignment).
 void layer_norm_forward(Tensor& y, Tensor& save_mean, Tensor& save_rstd, const Tensor& x,
                         const Tensor& gamma, const Tensor& beta, float eps);
 // ensures dx = input gradient (overwritten), dgamma, dbeta (+)= parameter gradients.

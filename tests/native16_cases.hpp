@@ -269,11 +269,13 @@ inline Results pooling(Device d, DType t) {
 }
 
 // layer_norm_forward (y, x) and layer_norm_backward (dx, dy, x): rows past the CPU's grain, an
-// odd feature count, one row; the statistics and parameter gradients stay f32 and must match
-// too. Inputs within +-3 (a special value would poison a whole row's statistics alike).
+// odd feature count, one row, and rows of a multiple of 8 (the GPU's pack kernels, 64 and
+// GPT-2's 768); the statistics and parameter gradients stay f32 and must match too. Inputs
+// within +-3 (a special value would poison a whole row's statistics alike).
 inline Results layer_norm(Device d, DType t) {
   Results out;
-  for (const Shape& xs : {Shape{37, 75}, Shape{1, 9}, Shape{300, 129}}) {
+  for (const Shape& xs :
+       {Shape{37, 75}, Shape{1, 9}, Shape{300, 129}, Shape{5, 64}, Shape{3, 768}}) {
     const Shape rows{xs[0]}, features{xs[1]};
     auto f32 = [&](const Shape& s, uint32_t seed) {
       return Tensor::from_vector(

@@ -965,39 +965,50 @@ TEST_CASE(
   // of add then layer_norm_forward, and of layer_norm_backward then add, in an f32 and a bf16
   // stream; they agree with the CPU's fused ops within the unfused ops' tolerance.
   // 700 features use 256-thread rows and strided loads; 1000 rows several column chunks. 768
-  // (GPT-2's width) and 4104 (more packs than threads) in bf16 take the eight-wide kernels.
+  // (GPT-2's width) and 4104 (more packs than threads) take the pack kernels, whose sums' order
+  // depends on the width alone: with a, b and dskip one value off alignment (the fused op then
+  // moves its packs one value at a time, the separate ops' fresh h and dnorm sixteen bytes at a
+  // time) the bits are the same.
   for (const Shape& s : {Shape{1000, 700}, Shape{64, 768}, Shape{24, 4104}})
-    for (DType dt : {DType::f32, DType::bf16}) {
-      CAPTURE(dt);
-      CAPTURE(shape_str(s));
-      const int64_t rows = s[0], feat = s[1];
-      auto run = [&](Device d, bool fused) {
-        Tensor a = rnd(d, s, 71, -2.f, 2.f, dt), b = rnd(d, s, 72, -0.5f, 0.5f, dt);
-        Tensor gamma = rnd(d, {feat}, 73, 0.5f, 1.5f), beta = rnd(d, {feat}, 74);
-        Tensor h = Tensor::zeros(s, dt, d), y = Tensor::zeros(s, dt, d);
-        Tensor mean = zeros(d, {rows}), rstd = zeros(d, {rows});
-        Tensor dy = rnd(d, s, 75, -1.f, 1.f, dt), dskip = rnd(d, s, 76, -1.f, 1.f, dt);
-        Tensor dx = Tensor::zeros(s, dt, d), dg = rnd(d, {feat}, 77), db = rnd(d, {feat}, 78);
-        if (fused) {
-          add_layer_norm_forward(h, y, mean, rstd, a, b, gamma, beta, 1e-5f);
-          layer_norm_backward_add(dx, dg, db, dy, dskip, h, gamma, mean, rstd, Accumulate::yes);
-        } else {
-          add(h, a, b);
-          layer_norm_forward(y, mean, rstd, h, gamma, beta, 1e-5f);
-          Tensor dnorm = Tensor::zeros(s, dt, d);
-          layer_norm_backward(dnorm, dg, db, dy, h, gamma, mean, rstd, Accumulate::yes);
-          add(dx, dskip, dnorm);
+    for (DType dt : {DType::f32, DType::bf16, DType::f16})
+      for (bool off : {false, true}) {
+        CAPTURE(dt);
+        CAPTURE(shape_str(s));
+        CAPTURE(off);
+        const int64_t rows = s[0], feat = s[1];
+        // One value past an aligned start when `off`.
+        auto operand = [&](Device d, uint32_t seed, float lo, float hi) {
+          if (!off) return rnd(d, s, seed, lo, hi, dt);
+          return rnd(d, {rows * feat + 1}, seed, lo, hi, dt).view(1, s);
+        };
+        auto run = [&](Device d, bool fused) {
+          Tensor a = operand(d, 71, -2.f, 2.f), b = operand(d, 72, -0.5f, 0.5f);
+          Tensor gamma = rnd(d, {feat}, 73, 0.5f, 1.5f), beta = rnd(d, {feat}, 74);
+          Tensor h = Tensor::zeros(s, dt, d), y = Tensor::zeros(s, dt, d);
+          Tensor mean = zeros(d, {rows}), rstd = zeros(d, {rows});
+          Tensor dy = rnd(d, s, 75, -1.f, 1.f, dt), dskip = operand(d, 76, -1.f, 1.f);
+          Tensor dx = Tensor::zeros(s, dt, d), dg = rnd(d, {feat}, 77), db = rnd(d, {feat}, 78);
+          if (fused) {
+            add_layer_norm_forward(h, y, mean, rstd, a, b, gamma, beta, 1e-5f);
+            layer_norm_backward_add(dx, dg, db, dy, dskip, h, gamma, mean, rstd, Accumulate::yes);
+          } else {
+            add(h, a, b);
+            layer_norm_forward(y, mean, rstd, h, gamma, beta, 1e-5f);
+            Tensor dnorm = Tensor::zeros(s, dt, d);
+            layer_norm_backward(dnorm, dg, db, dy, h, gamma, mean, rstd, Accumulate::yes);
+            add(dx, dskip, dnorm);
+          }
+          return Outputs{h, y, mean, rstd, dx, dg, db};
+        };
+        Outputs fused = run(kGpu, true), separate = run(kGpu, false);
+        for (size_t i = 0; i < fused.size(); ++i) {
+          INFO("output ", i);
+          CHECK(same_bits(fused[i], separate[i]));
         }
-        return Outputs{h, y, mean, rstd, dx, dg, db};
-      };
-      Outputs fused = run(kGpu, true), separate = run(kGpu, false);
-      for (size_t i = 0; i < fused.size(); ++i) {
-        INFO("output ", i);
-        CHECK(same_bits(fused[i], separate[i]));
+        // 16-bit outputs may differ from the CPU's by one rounding step (bf16: 2^-8 of values up
+        // to ~4).
+        check_matches_cpu([&](Device d) { return run(d, true); }, dt == DType::f32 ? 5e-4f : 5e-2f);
       }
-      // bf16 outputs may differ from the CPU's by one rounding step (2^-8 of values up to ~4).
-      check_matches_cpu([&](Device d) { return run(d, true); }, dt == DType::bf16 ? 5e-2f : 5e-4f);
-    }
 }
 
 // ---- dropout -------------------------------------------------------------------------------

@@ -162,22 +162,43 @@ __global__ void add_ln_forward_kernel(H* h, Y* y, float* save_mean, float* save_
   ln_forward_row(y + row * d, save_mean + row, save_rstd + row, hr, gamma, beta, d, eps);
 }
 
-// ---- layer norm over 16-bit rows, eight values a load -----------------------------------
+// ---- layer norm over rows of a multiple of 8 values, in packs of eight -----------------
 // GPT-2's rows (768 bf16 values) ran the kernels above at about a quarter of an H200's
 // bandwidth (2026-11-29: 0.86 ms for 24 fused sums and norms, 0.85 ms for 25 backwards, of a
 // 23 ms step): a thread read single 2-byte values, three times a row. Here each thread holds its
-// packs of eight (q = threadIdx.x + i blockDim.x, i < kLnPacks) in registers, read once with
-// 16-byte loads (load8_f32); the same formulas, the sums in another order (within the rounding
-// the tests allow). For 16-bit x, d a multiple of 8 up to 8 kLnPacks 256, and every operand
-// 16-byte aligned (then so is every row: d values are a multiple of 16 bytes) (ln_wide). The
-// fused sum + norm and backward + add give the separate ops' bits when both run eight-wide, as
-// when both run one-wide.
+// packs of eight (q = threadIdx.x + i blockDim.x, i < kLnPacks) in registers, read once; the
+// same formulas, the sums in another order (within the rounding the tests allow). Every row of
+// d values, d a multiple of 8 up to 8 kLnPacks 256 (ln_wide), takes these kernels, whatever the
+// dtypes and the alignment: the order of the sums depends on d alone, so a 16-bit x gives the
+// bits of its widening (ops.hpp), and the fused sum + norm and backward + add give the separate
+// ops' bits, for any operands. `vec` (every operand 16-byte aligned, and then so is every row:
+// d values are a multiple of 16 bytes) only chooses how a pack is moved: one 16-byte access (two
+// for f32), or eight, the same values.
 constexpr int kLnPacks = 4;
 
-// Whether the eight-wide kernels serve: x 16-bit, d % 8 == 0, not too wide, pointers aligned.
-template <class... P>
-bool ln_wide(DType x_dtype, int64_t d, const P*... p) {
-  return x_dtype != DType::f32 && d % 8 == 0 && d / 8 <= int64_t{kLnPacks} * 256 && aligned16(p...);
+// Whether the pack kernels serve a row of d values: d % 8 == 0, not too wide.
+bool ln_wide(int64_t d) {
+  return d % 8 == 0 && d / 8 <= int64_t{kLnPacks} * 256;
+}
+// Pack q of p (values 8q .. 8q + 7) as f32, and its store rounded to T: 16-byte accesses with
+// `vec`, one value at a time otherwise.
+template <class T>
+__device__ __forceinline__ void load_pack(const T* p, int64_t q, float (&v)[8], bool vec) {
+  if (vec) {
+    load8_f32(p, q, v);
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < 8; ++k) v[k] = to_float(p[q * 8 + k]);
+}
+template <class T>
+__device__ __forceinline__ void store_pack(T* p, int64_t q, const float (&v)[8], bool vec) {
+  if (vec) {
+    store8_f32(p, q, v);
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < 8; ++k) p[q * 8 + k] = from_float<T>(v[k]);
 }
 // Threads per row for the eight-wide kernels: a pack each up to 256 packs.
 int ln_wide_threads(int64_t d) {
@@ -200,7 +221,7 @@ __device__ __forceinline__ void for_each_pack(int64_t packs, F&& f) {
 template <class Y>
 __device__ void ln_forward_regs(Y* yr, float* save_mean, float* save_rstd,
                                 const float (&v)[kLnPacks][8], int64_t packs, const float* gamma,
-                                const float* beta, int64_t d, float eps) {
+                                const float* beta, int64_t d, float eps, bool vec) {
   float s = 0.f;
   for_each_pack(packs, [&](int i, int64_t) {
 #pragma unroll
@@ -223,21 +244,23 @@ __device__ void ln_forward_regs(Y* yr, float* save_mean, float* save_rstd,
   }
   for_each_pack(packs, [&](int i, int64_t q) {
     float g[8], b[8], out[8];
-    load8_f32(gamma, q, g);
-    load8_f32(beta, q, b);
+    load_pack(gamma, q, g, vec);
+    load_pack(beta, q, b, vec);
 #pragma unroll
     for (int k = 0; k < 8; ++k) out[k] = (v[i][k] - mean) * rstd * g[k] + b[k];
-    store8_f32(yr, q, out);
+    store_pack(yr, q, out, vec);
   });
 }
 
 template <class Y, class X>
 __global__ void ln_forward8_kernel(Y* y, float* save_mean, float* save_rstd, const X* x,
-                                   const float* gamma, const float* beta, int64_t d, float eps) {
+                                   const float* gamma, const float* beta, int64_t d, float eps,
+                                   bool vec) {
   const int64_t row = blockIdx.x, packs = d / 8;
   float v[kLnPacks][8];
-  for_each_pack(packs, [&](int i, int64_t q) { load8_f32(x + row * d, q, v[i]); });
-  ln_forward_regs(y + row * d, save_mean + row, save_rstd + row, v, packs, gamma, beta, d, eps);
+  for_each_pack(packs, [&](int i, int64_t q) { load_pack(x + row * d, q, v[i], vec); });
+  ln_forward_regs(y + row * d, save_mean + row, save_rstd + row, v, packs, gamma, beta, d, eps,
+                  vec);
 }
 
 // h = a + b rounded to H and stored, then the norm of h as stored (its values kept in
@@ -245,34 +268,35 @@ __global__ void ln_forward8_kernel(Y* y, float* save_mean, float* save_rstd, con
 template <class Y, class H>
 __global__ void add_ln_forward8_kernel(H* h, Y* y, float* save_mean, float* save_rstd, const H* a,
                                        const H* b, const float* gamma, const float* beta, int64_t d,
-                                       float eps) {
+                                       float eps, bool vec) {
   const int64_t row = blockIdx.x, packs = d / 8;
   float v[kLnPacks][8];
   for_each_pack(packs, [&](int i, int64_t q) {
     float av[8], bv[8];
-    load8_f32(a + row * d, q, av);
-    load8_f32(b + row * d, q, bv);
+    load_pack(a + row * d, q, av, vec);
+    load_pack(b + row * d, q, bv, vec);
 #pragma unroll
     for (int k = 0; k < 8; ++k) v[i][k] = to_float(from_float<H>(av[k] + bv[k]));
-    store8_f32(h + row * d, q, v[i]);  // exact: the values are H's already
+    store_pack(h + row * d, q, v[i], vec);  // exact: the values are H's already
   });
-  ln_forward_regs(y + row * d, save_mean + row, save_rstd + row, v, packs, gamma, beta, d, eps);
+  ln_forward_regs(y + row * d, save_mean + row, save_rstd + row, v, packs, gamma, beta, d, eps,
+                  vec);
 }
 
 // ln_backward_dx_kernel's formulas with the row's x and g = dy gamma held in registers.
 template <class DX, class DY, class X>
 __global__ void ln_backward_dx8_kernel(DX* dx, const DY* dy, const X* x, const float* gamma,
                                        const float* save_mean, const float* save_rstd, int64_t d,
-                                       const DX* skip) {
+                                       const DX* skip, bool vec) {
   const int64_t row = blockIdx.x, packs = d / 8;
   const float mean = save_mean[row], rstd = save_rstd[row];
   float xv[kLnPacks][8], gv[kLnPacks][8];
   float sum_g = 0.f, sum_g_xhat = 0.f;
   for_each_pack(packs, [&](int i, int64_t q) {
     float dyv[8], gam[8];
-    load8_f32(dy + row * d, q, dyv);
-    load8_f32(gamma, q, gam);
-    load8_f32(x + row * d, q, xv[i]);
+    load_pack(dy + row * d, q, dyv, vec);
+    load_pack(gamma, q, gam, vec);
+    load_pack(x + row * d, q, xv[i], vec);
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       const float g = dyv[k] * gam[k];
@@ -285,7 +309,7 @@ __global__ void ln_backward_dx8_kernel(DX* dx, const DY* dy, const X* x, const f
   const float mean_g_xhat = block_reduce_sum(sum_g_xhat) / static_cast<float>(d);
   for_each_pack(packs, [&](int i, int64_t q) {
     float sk[8], out[8];
-    if (skip) load8_f32(skip + row * d, q, sk);
+    if (skip) load_pack(skip + row * d, q, sk, vec);
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       const float xhat = (xv[i][k] - mean) * rstd;
@@ -293,7 +317,7 @@ __global__ void ln_backward_dx8_kernel(DX* dx, const DY* dy, const X* x, const f
       if (skip) v = __fadd_rn(sk[k], to_float(from_float<X>(v)));  // as ln_backward_dx_kernel
       out[k] = v;
     }
-    store8_f32(dx + row * d, q, out);
+    store_pack(dx + row * d, q, out, vec);
   });
 }
 
@@ -428,12 +452,12 @@ void layer_norm_forward(Tensor& y, Tensor& save_mean, Tensor& save_rstd, const T
       [&](auto y_t, auto x_t) {
         using Y = decltype(y_t);
         using X = decltype(x_t);
-        if (ln_wide(x.dtype(), d, y.data<Y>(), x.data<X>(), gamma.data<float>(),
-                    beta.data<float>()))
+        if (ln_wide(d))
           ln_forward8_kernel<<<static_cast<unsigned>(rows), ln_wide_threads(d), 0,
-                               stream_of(ctx)>>>(y.data<Y>(), save_mean.data<float>(),
-                                                 save_rstd.data<float>(), x.data<X>(),
-                                                 gamma.data<float>(), beta.data<float>(), d, eps);
+                               stream_of(ctx)>>>(
+              y.data<Y>(), save_mean.data<float>(), save_rstd.data<float>(), x.data<X>(),
+              gamma.data<float>(), beta.data<float>(), d, eps,
+              aligned16(y.data<Y>(), x.data<X>(), gamma.data<float>(), beta.data<float>()));
         else
           ln_forward_kernel<<<static_cast<unsigned>(rows), row_block_threads(d), 0,
                               stream_of(ctx)>>>(y.data<Y>(), save_mean.data<float>(),
@@ -460,11 +484,12 @@ void ln_backward(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Tensor& dy, co
         using X = decltype(x_t);
         if (rows > 0) {
           const DX* sk = skip ? skip->data<DX>() : nullptr;
-          if (ln_wide(x.dtype(), d, dx.data<DX>(), dy.data<DY>(), x.data<X>(), gamma.data<float>(),
-                      sk ? sk : dx.data<DX>()))
+          if (ln_wide(d))
             ln_backward_dx8_kernel<<<static_cast<unsigned>(rows), ln_wide_threads(d), 0, s>>>(
                 dx.data<DX>(), dy.data<DY>(), x.data<X>(), gamma.data<float>(),
-                save_mean.data<float>(), save_rstd.data<float>(), d, sk);
+                save_mean.data<float>(), save_rstd.data<float>(), d, sk,
+                aligned16(dx.data<DX>(), dy.data<DY>(), x.data<X>(), gamma.data<float>(),
+                          sk ? sk : dx.data<DX>()));
           else
             ln_backward_dx_kernel<<<static_cast<unsigned>(rows), row_block_threads(d), 0, s>>>(
                 dx.data<DX>(), dy.data<DY>(), x.data<X>(), gamma.data<float>(),
@@ -516,12 +541,13 @@ void add_layer_norm_forward(Tensor& h, Tensor& y, Tensor& save_mean, Tensor& sav
       [&](auto y_t, auto h_t) {
         using H = decltype(h_t);
         using Y = decltype(y_t);
-        if (ln_wide(h.dtype(), d, h.data<H>(), y.data<Y>(), a.data<H>(), b.data<H>(),
-                    gamma.data<float>(), beta.data<float>()))
+        if (ln_wide(d))
           add_ln_forward8_kernel<<<static_cast<unsigned>(rows), ln_wide_threads(d), 0,
                                    stream_of(ctx)>>>(
               h.data<H>(), y.data<Y>(), save_mean.data<float>(), save_rstd.data<float>(),
-              a.data<H>(), b.data<H>(), gamma.data<float>(), beta.data<float>(), d, eps);
+              a.data<H>(), b.data<H>(), gamma.data<float>(), beta.data<float>(), d, eps,
+              aligned16(h.data<H>(), y.data<Y>(), a.data<H>(), b.data<H>(), gamma.data<float>(),
+                        beta.data<float>()));
         else
           add_ln_forward_kernel<<<static_cast<unsigned>(rows), row_block_threads(d), 0,
                                   stream_of(ctx)>>>(
