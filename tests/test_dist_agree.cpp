@@ -714,18 +714,22 @@ TEST_CASE("ddp.graphs: DdpTrainer's graphed steps equal its uncaptured ones bit 
 
 TEST_CASE("ddp.metrics_lag: each step returns the one before's loss, the run trains bit for bit") {
   // Two hand-launched ranks, 6 steps alternating two shapes, clipping active, graphs off and
-  // on: with --metrics-lag 1 each step returns the previous step's loss (NaN first) and
-  // finish_metrics() the last, every one the loss lag 0 returned; the weights and the last
-  // norm are lag 0's, and each step waits on the host once (for the step before it).
+  // on, and ZeRO-1 (its clip from the shards' norms, on the device): with --metrics-lag 1 each
+  // step returns the previous step's loss (NaN first) and finish_metrics() the last, every one
+  // the loss lag 0 returned; the weights and the last norm are lag 0's, and each step waits on
+  // the host once (for the step before it).
   std::string dir = dist_test::make_temp_dir("ddp_lag");
-  for (std::string graphs : {"off", "on"}) {
+  for (auto [graphs, zero] :
+       {std::pair<std::string, std::string>{"off", "0"}, {"on", "0"}, {"off", "1"}}) {
     CAPTURE(graphs);
+    CAPTURE(zero);
     std::vector<std::string> args = {"--mode",        "ddp",   "--steps",       "6",
                                      "--clip-grad",   "0.001", "--short-every", "2",
-                                     "--cuda-graphs", graphs};
-    const std::array<LastStep, 2> now = ddp_pair(dir, "now_" + graphs, args);
+                                     "--cuda-graphs", graphs,  "--zero",        zero};
+    const std::string name = graphs + "_zero" + zero;
+    const std::array<LastStep, 2> now = ddp_pair(dir, "now_" + name, args);
     args.insert(args.end(), {"--metrics-lag", "1"});
-    const std::array<LastStep, 2> lagged = ddp_pair(dir, "lag_" + graphs, args);
+    const std::array<LastStep, 2> lagged = ddp_pair(dir, "lag_" + name, args);
     for (int r = 0; r < 2; ++r) {
       CAPTURE(r);
       REQUIRE(now[r].losses.size() == 6);

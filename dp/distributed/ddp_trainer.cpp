@@ -279,7 +279,6 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
     DP_CHECK(!scaler_.enabled(), "DdpTrainer: metrics_lag 1 with the loss scaler's check ("
                                      << nn::precision_name(precision_)
                                      << "): its verdict on a step decides the next one");
-    DP_CHECK(!zero_, "DdpTrainer: metrics_lag 1 with ZeRO-1, whose step decides on the host");
     DP_CHECK(phase_timing_ == kernels::Event::Timing::off,
              "DdpTrainer: metrics_lag 1 with timed phases: a step's marks are not reached when "
              "it returns (set_phase_timing(off))");
@@ -340,12 +339,11 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
     }
     marks_[kBackwarded].record(ctx);
     if (zero_) {
-      // ZeRO-1 decides on the host (every rank's shard, combined) inside its step.
-      zero_->step(share, &scaler_);
-      grad_norm_ = zero_->last_grad_norm();
+      // ZeRO-1's decisions (every rank's shard, combined) stay on the device too: the verdict
+      // and the norm come back with the loss, as below.
+      scaler_.prepare_deferred(*optimizer_);
+      zero_->queue_step(share, &scaler_, metrics_.view(1, {1}), metrics_.view(2, {1}));
       ddp_->average_buffers();
-      kernels::Tensor non_finite = metrics_.view(1, {1});
-      kernels::fill(non_finite, 0.f);
     } else {
       ddp_->finish_gradient_sync();
       marks_[kReduced].record(ctx);
@@ -362,7 +360,7 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   times_.metrics_lagged = metrics_lag_ > 0;
   ++steps_;
   report_lagged_fault();  // once the step is complete: the trainer stays usable
-  if (!zero_ && metrics_lag_ == 0) {
+  if (metrics_lag_ == 0) {
     scaler_.settle(*optimizer_, host_metrics_.data<float>()[1] == 0.f);
     if (clip_grad_norm_ > 0.f) grad_norm_ = host_metrics_.data<float>()[2];
   }

@@ -131,9 +131,10 @@ class DdpTrainer {
   // and returns the previous step's loss (NaN on the first step; last_grad_norm() the previous
   // step's too), so the host can queue step k + 1 while the device runs step k. finish_metrics()
   // gives the last step's. 0 (default): each step returns its own. Refused (at train_step, with
-  // the reason) with a loss scaler's check (bf16, fp16: its verdict decides the next step),
-  // ZeRO-1 (host decisions inside the step) and timed phases (the marks are not reached when the
-  // step returns). requires 0 or 1, called before wrap().
+  // the reason) with a loss scaler's check (bf16, fp16: its verdict decides the next step) and
+  // timed phases (the marks are not reached when the step returns). ZeRO-1 takes it too: its
+  // clip and verdict stay on the device (ZeroStage1::queue_step). requires 0 or 1, called
+  // before wrap().
   void set_metrics_lag(int lag);
   // metrics_lag 1: waits for the last step's metrics; returns its loss (its norm:
   // last_grad_norm()). requires a lagged step since the last call.

@@ -60,18 +60,36 @@ ZeroStage1::ZeroStage1(ProcessGroup& group, nn::Module& module, nn::Optimizer& o
 }
 
 bool ZeroStage1::step(float share, nn::GradScaler* scaler) {
+  if (!flags_.defined()) flags_ = Tensor::zeros({2}, DType::f32, module_.device());
+  Tensor non_finite = flags_.view(0, {1}), norm = flags_.view(1, {1});
+  if (scaler)
+    scaler->prepare_deferred(optimizer_);
+  else
+    optimizer_.prepare_step();
+  queue_step(share, scaler, non_finite, norm);
+  const std::vector<float> read = flags_.to_host_f32();  // the step's one wait for the device
+  if (clip_ > 0.f) grad_norm_ = read[1];
+  return scaler ? scaler->settle(optimizer_, read[0] == 0.f) : true;
+}
+
+void ZeroStage1::queue_step(float share, nn::GradScaler* scaler, Tensor non_finite,
+                            Tensor grad_norm) {
   const int r = group_.rank(), last = plan_.world - 1;
   const int64_t s = plan_.shard, body = s * plan_.world, tail = plan_.numel - body;
   Tensor& params = module_.flat_params();
   Tensor& grads = module_.flat_grads();
-  const float unscale = scaler && scaler->enabled() ? 1.f / scaler->scale() : 1.f;
-  if (plan_.world == 1) {
-    times_ = {};
+  const bool check = scaler && scaler->enabled();
+  const float unscale = check ? 1.f / scaler->scale() : 1.f;
+  times_ = {};
+  if (plan_.world == 1) {  // the whole gradient is this rank's: DDP's update
     auto t0 = Clock::now();
-    if (clip_ > 0.f) grad_norm_ = nn::clip_grad_norm(grads, clip_, unscale);
-    const bool taken = scaler ? scaler->step(optimizer_, grads) : (optimizer_.step(), true);
+    if (clip_ > 0.f) nn::clip_grad_norm_into(grads, clip_, unscale, grad_norm);
+    if (scaler)
+      scaler->apply_deferred(optimizer_, grads, non_finite);
+    else
+      optimizer_.apply_step();
     times_.step = ms_since(t0);
-    return taken;
+    return;
   }
   auto t0 = Clock::now();
   {
@@ -89,37 +107,28 @@ bool ZeroStage1::step(float share, nn::GradScaler* scaler) {
   }
   times_.reduce_scatter = ms_since(t0);
   t0 = Clock::now();
+  const int64_t begin = optimizer_.shard_begin(), end = optimizer_.shard_end();
+  Tensor shard = grads.view(begin, {end - begin});
   if (clip_ > 0.f) {
-    // The global norm from every rank's shard: one float all-reduced, one factor for all.
+    // The global norm from every rank's shard: one float all-reduced, the same factor for all,
+    // computed on the device with the host's arithmetic (kernels/clip_norm.hpp).
     kernels::NvtxRange range("zero/clip");
-    const int64_t begin = optimizer_.shard_begin(), end = optimizer_.shard_end();
-    Tensor shard = grads.view(begin, {end - begin});
-    Tensor sq = Tensor::empty({1}, DType::f32, params.device());
-    kernels::sum_squares(sq, shard);
-    group_.all_reduce(sq, ReduceOp::sum)->wait();
-    const double norm = std::sqrt(static_cast<double>(sq.item())) * unscale;
-    grad_norm_ = static_cast<float>(norm);
-    const float factor = nn::clip_factor(norm, clip_);
-    if (factor != 1.f) kernels::scale(shard, shard, factor);
-  }
-  bool finite = true;
-  if (scaler && scaler->enabled()) {
-    // This rank sees only its shard's reduced gradient: the verdict is combined, one float.
-    kernels::NvtxRange range("zero/check");
-    const int64_t begin = optimizer_.shard_begin(), end = optimizer_.shard_end();
-    Tensor verdict = Tensor::from_vector(
-        {kernels::all_finite(grads.view(begin, {end - begin})) ? 1.f : 0.f}, {1}, params.device());
-    group_.all_reduce(verdict, ReduceOp::min)->wait();
-    finite = verdict.item() == 1.f;
+    kernels::sum_squares(grad_norm, shard);
+    group_.all_reduce(grad_norm, ReduceOp::sum)->wait();
+    kernels::clip_by_norm(shard, grad_norm, grad_norm, clip_, unscale);
   }
   {
     kernels::NvtxRange range("zero/step");
-    // [r S, (r + 1) S), and the tail on the last rank
-    const bool taken = scaler ? scaler->step_if(optimizer_, finite) : (optimizer_.step(), true);
-    if (!taken) {  // every rank skips: the parameters stay as they are, nothing to gather
-      times_.step = ms_since(t0);
-      times_.all_gather = 0;
-      return false;
+    if (check) {
+      // This rank sees only its shard's reduced gradient: the verdict is combined, one float,
+      // and the update reads it on the device.
+      kernels::non_finite_into(non_finite, shard);
+      group_.all_reduce(non_finite, ReduceOp::max)->wait();
+      optimizer_.set_skip_if(non_finite);
+      optimizer_.apply_step();  // [r S, (r + 1) S), and the tail on the last rank
+      optimizer_.set_skip_if(Tensor());
+    } else {
+      optimizer_.apply_step();
     }
     if (s > 0) kernels::copy(mine_, params.view(r * s, {s}));
   }
@@ -133,10 +142,8 @@ bool ZeroStage1::step(float share, nn::GradScaler* scaler) {
     Tensor tail_params = params.view(body, {tail});
     if (tail > 0) works.push_back(group_.broadcast(tail_params, last));
     wait_all(works);
-    kernels::context(module_.device()).synchronize();
   }
   times_.all_gather = ms_since(t0);
-  return true;
 }
 
 std::vector<std::pair<std::string, Tensor>> ZeroStage1::gather_optimizer_state() const {

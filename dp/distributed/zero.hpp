@@ -56,9 +56,23 @@ class ZeroStage1 {
   // and share = B_r / B. ensures every rank's flat params hold the result of one optimizer
   // step on the global batch's gradient. Collective.
   // With a `scaler` (mixed precision): each rank checks the reduced gradient of its shard, one
-  // all_reduce(min) of that verdict makes it every rank's, and the step is taken (unscaled) or
-  // skipped by all alike; a skipped step gathers nothing. Returns whether the step was taken.
+  // all_reduce(max) of that verdict makes it every rank's, and the step is taken (unscaled) or
+  // skipped by all alike. Returns whether the step was taken: queue_step, then one host read of
+  // the verdict and the norm.
   bool step(float share, nn::GradScaler* scaler = nullptr);
+
+  // step() without a host read, as DDP's own update (dp/step.hpp): the decisions stay on the
+  // device and the caller reads them with the step's other metrics, then settles the scaler.
+  // requires step()'s inputs, and the optimizer's per-step scalars made for this step:
+  // scaler->prepare_deferred(optimizer), or optimizer.prepare_step() without a scaler;
+  // non_finite and grad_norm (1) f32 on the module's device. ensures queued on the device:
+  // with clipping, the global norm into grad_norm (from one all-reduce of the shards' squared
+  // norms) and the shard scaled by its factor; with the scaler's check, the combined verdict
+  // into non_finite (1: some rank's shard is not finite), which the update reads and skips
+  // itself on (a skipped step gathers every rank's unchanged shard); then the all-gather.
+  // Waits on the host only for the collectives (Work::wait), never for the device's results.
+  void queue_step(float share, nn::GradScaler* scaler, kernels::Tensor non_finite,
+                  kernels::Tensor grad_norm);
 
   // The whole optimizer state, gathered from every rank's shard (all_gather of the equal
   // shards, the tail broadcast from the last rank), for a checkpoint that does not depend on
@@ -81,6 +95,7 @@ class ZeroStage1 {
   ZeroShardPlan plan_;
   kernels::Tensor grad_shard_;  // (S): this rank's shard of the global gradient
   kernels::Tensor mine_;        // (S): this rank's updated shard, sent to the others
+  kernels::Tensor flags_;       // (2): step()'s verdict and norm, read on the host
   ZeroStepTimes times_;
   float clip_ = 0.f, grad_norm_ = 0.f;
 };
