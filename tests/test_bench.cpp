@@ -1487,46 +1487,34 @@ TEST_CASE("bench.phase_times: --phase-times off reports the step time alone, the
 TEST_CASE("bench.metrics_lag: --metrics-lag 1 gives each step its own loss, as 0 does") {
   // The engines hand each step the one before's metrics; dp_bench files every loss under its
   // own step (the last from finish_metrics), so the curves are equal bit for bit. DP graphed,
-  // DDP uncaptured, 1 and 2 devices each; DDP under ZeRO-1.
-  std::map<int, nlohmann::json> runs;
-  for (int lag : {0, 1}) {
-    std::string json = temp_path("lag" + std::to_string(lag) + ".json");
-    REQUIRE(run_bench("--device cpu --gpus 2 --mode both --steps 4 --warmup 1 --batch 16 "
-                      "--phase-times off --cuda-graphs on --metrics-lag " +
-                      std::to_string(lag) + " --json " + json) == 0);
-    runs[lag] = read_json(json)["runs"];
-    std::remove(json.c_str());
-  }
-  REQUIRE(runs[1].size() == 4);
-  REQUIRE(runs[0].size() == 4);
-  for (size_t i = 0; i < 4; ++i) {
-    CAPTURE(runs[1][i]["mode"].get<std::string>());
-    CAPTURE(runs[1][i]["gpus"].get<int>());
-    CHECK(runs[1][i]["losses"].size() == 4);
-    CHECK(runs[1][i]["losses"] == runs[0][i]["losses"]);
-    // DP waits until each device took its inputs (N waits), DDP for the step before (1).
-    const double syncs = runs[1][i]["mode"] == "dp" ? runs[1][i]["gpus"].get<double>() : 1.0;
-    CHECK(runs[1][i]["host_syncs_per_step"].get<double>() == syncs);
-  }
+  // DDP uncaptured, 1 and 2 devices each; DDP under ZeRO-1, which decides on the device too
+  // (its verdict and norm come back with the loss).
+  // Each run's steps with lag 0 and lag 1 side by side: the same losses, and host waits per step
+  // (DP: until each device took its inputs, N waits; DDP: for the step before, 1).
+  auto lag_pair = [&](const std::string& args, size_t n_runs) {
+    std::map<int, nlohmann::json> runs;
+    for (int lag : {0, 1}) {
+      std::string json = temp_path("lag" + std::to_string(lag) + ".json");
+      REQUIRE(run_bench(args + " --steps 4 --warmup 1 --batch 16 --phase-times off --metrics-lag " +
+                        std::to_string(lag) + " --json " + json) == 0);
+      runs[lag] = read_json(json)["runs"];
+      std::remove(json.c_str());
+    }
+    REQUIRE(runs[1].size() == n_runs);
+    REQUIRE(runs[0].size() == n_runs);
+    for (size_t i = 0; i < n_runs; ++i) {
+      CAPTURE(runs[1][i]["mode"].get<std::string>());
+      CAPTURE(runs[1][i]["gpus"].get<int>());
+      CHECK(runs[1][i]["losses"].size() == 4);
+      CHECK(runs[1][i]["losses"] == runs[0][i]["losses"]);
+      const double syncs = runs[1][i]["mode"] == "dp" ? runs[1][i]["gpus"].get<double>() : 1.0;
+      CHECK(runs[1][i]["host_syncs_per_step"].get<double>() == syncs);
+    }
+  };
+  lag_pair("--device cpu --gpus 2 --mode both --cuda-graphs on", 4);
+  lag_pair("--device cpu --gpus 2 --mode ddp --zero 1 --optim adamw", 2);
   refused("--device cpu --mode dp --metrics-lag 1", "--metrics-lag 1 needs --phase-times off");
   refused("--device cpu --mode hybrid --metrics-lag 1 --phase-times off", "DP and DDP only");
-  // ZeRO-1 decides on the device too (its verdict and norm come back with the loss): it lags.
-  std::map<int, nlohmann::json> zero;
-  for (int lag : {0, 1}) {
-    std::string json = temp_path("zero_lag" + std::to_string(lag) + ".json");
-    REQUIRE(run_bench("--device cpu --gpus 2 --mode ddp --zero 1 --optim adamw "
-                      "--steps 4 --warmup 1 --batch 16 --phase-times off --metrics-lag " +
-                      std::to_string(lag) + " --json " + json) == 0);
-    zero[lag] = read_json(json)["runs"];
-    std::remove(json.c_str());
-  }
-  REQUIRE(zero[1].size() == 2);
-  for (size_t i = 0; i < 2; ++i) {
-    CAPTURE(zero[1][i]["gpus"].get<int>());
-    CHECK(zero[1][i]["losses"].size() == 4);
-    CHECK(zero[1][i]["losses"] == zero[0][i]["losses"]);
-    CHECK(zero[1][i]["host_syncs_per_step"].get<double>() == 1.0);
-  }
   refused("--device cpu --mode dp --metrics-lag 1 --phase-times off --cuda-graphs on --dtype bf16",
           "use fp32 or tf32");
   refused("--device cpu --mode dp --metrics-lag 1 --phase-times off",
