@@ -39,21 +39,24 @@ __global__ void sgd_kernel(float* p, const float* grad, float* buf, const float*
 // Per element of group k (group_of nullptr: group 0): p *= decay[k]; m = b1 m + (1 - b1) g;
 // v = b2 v + (1 - b2) g^2; p -= step_size[k] m / (sqrt(v) / sqrt(1 - b2^t) + eps), with the
 // per-step scalars (AdamWScalar) read from `scalars` when the kernel runs. One function for the
-// one-wide and the four-wide kernel: the same arithmetic, the same bits.
+// one-wide and the four-wide kernel, each operation rounded on its own (the _rn intrinsics, which
+// nvcc never contracts): written as plain expressions, nvcc fused b1 m + (1 - b1) g into an FMA
+// around one product in one kernel and around the other in the other (the PTX of both, reviewed
+// 2026-12-01), so the two kernels' m, v and p differed in the last bit from the second step on.
 struct AdamWElement {
   float unscale, correction2_sqrt, beta1, beta2, one_minus_b1, one_minus_b2, eps;
   const float* decay;
   const float* step_size;
   __device__ __forceinline__ void operator()(float& p, float grad, float& m, float& v,
                                              int k) const {
-    float g = grad * unscale;
-    float pi = p * decay[k];
-    float mi = beta1 * m + one_minus_b1 * g;
-    float vi = beta2 * v + one_minus_b2 * g * g;
+    const float g = __fmul_rn(grad, unscale);
+    const float pi = __fmul_rn(p, decay[k]);
+    const float mi = __fadd_rn(__fmul_rn(beta1, m), __fmul_rn(one_minus_b1, g));
+    const float vi = __fadd_rn(__fmul_rn(beta2, v), __fmul_rn(__fmul_rn(one_minus_b2, g), g));
     m = mi;
     v = vi;
-    float denom = sqrtf(vi) / correction2_sqrt + eps;
-    p = pi - step_size[k] * mi / denom;
+    const float denom = __fadd_rn(__fdiv_rn(sqrtf(vi), correction2_sqrt), eps);
+    p = __fsub_rn(pi, __fdiv_rn(__fmul_rn(step_size[k], mi), denom));
   }
 };
 
