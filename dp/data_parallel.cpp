@@ -435,7 +435,7 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
       }
     throw;
   }
-  LaggedSlots<LaggedShares>::Slot* previous = nullptr;
+  LaggedSlot* previous = nullptr;
   if (options_.metrics_lag > 0) {
     // The caller may refill the host batch once this returns: wait until every device has
     // taken this step's inputs (on a GPU: until the previous step is done there).
@@ -464,7 +464,7 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
     settled_shares = &shares_;
   } else if (previous->pending) {
     stats.metrics_lagged = true;
-    settled = LaggedSlots<LaggedShares>::take(*previous, nullptr);  // waited for above
+    settled = previous->take(nullptr);  // waited for above
     settled_shares = &previous->extra.shares;
   }
   if (settled) {

@@ -449,6 +449,7 @@ class DataParallel {
   struct LaggedShares {
     std::vector<float> shares;  // one per device the step used
   };
+  using LaggedSlot = LaggedSlots<LaggedShares>::Slot;
   LaggedSlots<LaggedShares> lagged_;
   StepCounter counter_;  // the step's runtime counts (begin_counts)
   kernels::Event updated_{kernels::Event::Timing::off};

@@ -71,9 +71,9 @@ void DataParallel::read_step_metrics(int n, bool gathered_in_graph, Read read) {
     return host.view(0, {all.numel()});
   };
   if (read == Read::lagged) {
-    LaggedSlots<LaggedShares>::Slot& slot = lagged_.of(step_index_);
-    host_view(slot.host);
-    LaggedSlots<LaggedShares>::queue_read(slot, all, ctx);
+    LaggedSlot& slot = lagged_.of(step_index_);
+    host_view(slot.host);  // made once, for every device's slots
+    slot.queue_read(all, ctx);
     slot.extra.shares = shares_;
     updated_.record(ctx);  // device 0's update and gather are queued before it
     return;
@@ -121,14 +121,14 @@ void DataParallel::report_device_faults(const float* m, int n) {
 StepStats DataParallel::finish_metrics() {
   DP_CHECK(options_.metrics_lag > 0,
            "finish_metrics: metrics_lag is 0: every step returned its own metrics");
-  LaggedSlots<LaggedShares>::Slot& last = lagged_.previous(step_index_);
+  LaggedSlot& last = lagged_.previous(step_index_);
   DP_CHECK(last.pending,
            "finish_metrics: no step's metrics are pending (none ran since the "
            "last were returned)");
   drain();
   StepStats stats;
   stats.metrics_lagged = true;
-  settle_step(LaggedSlots<LaggedShares>::take(last, nullptr), last.extra.shares, stats);
+  settle_step(last.take(nullptr), last.extra.shares, stats);
   return stats;
 }
 

@@ -3,9 +3,8 @@
 // metrics_lag 1 the two slots through which each step's metrics reach the host one step late.
 //
 //   StepCounter counter;  counter.begin(each);  ... the step ...  StepCounts n = counter.end(each);
-//   LaggedSlots<Extra>::Slot& s = lagged.of(step);  LaggedSlots<Extra>::queue_read(s, metrics,
-//   ctx);
-//   ... next step ...  const float* m = LaggedSlots<Extra>::take(lagged.previous(step + 1));
+//   lagged.of(step).queue_read(metrics, ctx);
+//   ... next step ...  const float* m = lagged.previous(step + 1).take(&ctx);
 #pragma once
 
 #include <algorithm>
@@ -80,6 +79,26 @@ class LaggedSlots {
     kernels::Event ready{kernels::Event::Timing::off};  // recorded after its read was queued
     bool pending = false;                               // holds a step's metrics not returned
     Extra extra;
+
+    // requires host holds at least from.numel() f32 values. ensures queued on ctx: the copy of
+    // `from` into the first of them, then ready; the slot is pending.
+    void queue_read(const kernels::Tensor& from, kernels::DeviceContext& ctx) {
+      kernels::Tensor to = host.view(0, {from.numel()});
+      kernels::queue_read_back(to, from);
+      ready.record(ctx);
+      pending = true;
+    }
+    // requires pending. ensures the read is complete: waited for here with `wait_on` (the host
+    // sync counted on it), or with null when the host already waited for a later point on the
+    // read's stream. The slot is no longer pending; returns its host values.
+    const float* take(kernels::DeviceContext* wait_on) {
+      if (wait_on) {
+        ready.synchronize();
+        wait_on->note_host_sync();
+      }
+      pending = false;
+      return host.template data<float>();
+    }
   };
   // step: the steps the engine ran before this one. The slot this step writes, and the one the
   // step before it wrote.
@@ -87,26 +106,6 @@ class LaggedSlots {
   Slot& previous(int64_t step) { return slots_[(step + 1) % 2]; }
   Slot* begin() { return slots_; }
   Slot* end() { return slots_ + 2; }
-
-  // requires slot.host holds at least from.numel() f32 values. ensures queued on ctx: the copy
-  // of `from` into the first of them, then slot.ready; the slot is pending.
-  static void queue_read(Slot& slot, const kernels::Tensor& from, kernels::DeviceContext& ctx) {
-    kernels::Tensor host = slot.host.view(0, {from.numel()});
-    kernels::queue_read_back(host, from);
-    slot.ready.record(ctx);
-    slot.pending = true;
-  }
-  // requires slot pending. ensures its read is complete: waited for here with `wait_on` (the
-  // host sync counted on it), or with null when the host already waited for a later point on
-  // the read's stream. The slot is no longer pending; returns its host values.
-  static const float* take(Slot& slot, kernels::DeviceContext* wait_on) {
-    if (wait_on) {
-      slot.ready.synchronize();
-      wait_on->note_host_sync();
-    }
-    slot.pending = false;
-    return slot.host.template data<float>();
-  }
 
  private:
   Slot slots_[2];

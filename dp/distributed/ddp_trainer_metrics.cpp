@@ -50,7 +50,7 @@ float DdpTrainer::report_loss_lagged(float share) {
   kernels::queue_fault_word(fault_word, ctx);
   slot.extra.work = reduce_metrics(metrics, share);
   if (slot.extra.work) slot.extra.work->order_stream();  // NCCL: the read waits on the stream
-  LaggedSlots<LaggedExtra>::queue_read(slot, device, ctx);
+  slot.queue_read(device, ctx);
   // The step's one host wait: for this step's input copy, so that the caller may refill the
   // host batch (a pinned one is copied asynchronously). It follows the previous step's metrics
   // read on this stream, so that read is done too. That read waits on the stream for the
@@ -70,8 +70,7 @@ float DdpTrainer::take_lagged(LaggedSlot& slot, Waited waited) {
   if (slot.extra.work) slot.extra.work->wait();  // done by now (NCCL: its failure or timeout)
   slot.extra.work.reset();
   // The host wait for the step's read, unless the caller's covered it.
-  const float* m =
-      LaggedSlots<LaggedExtra>::take(slot, waited == Waited::no ? context_.get() : nullptr);
+  const float* m = slot.take(waited == Waited::no ? context_.get() : nullptr);
   lagged_fault_ = kernels::fault_written(m + 3);
   if (clip_grad_norm_ > 0.f) grad_norm_ = m[2];
   return m[0];
