@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "kernels/runtime/tensor.hpp"
 
@@ -41,6 +42,10 @@ class CrossNode {
   // started; throws naming the node and the op on a failure or a timeout (a dead node stops the
   // run, it does not hang it).
   virtual void finish() = 0;
+  // Leaves the link for good, as a node that died would: this node's later collectives fail
+  // naming `why`, and the other nodes' collectives that wait for it fail promptly rather than
+  // at their timeout (dp::dist::ProcessGroup::abort). Thread-safe.
+  virtual void abort(const std::string& why) = 0;
   // The bytes handed to the collectives so far (what crosses between nodes, before the
   // library's algorithm).
   virtual int64_t payload_bytes() const = 0;

@@ -385,6 +385,7 @@ void DataParallel::eval_job(int i, const Tensor& images, const Tensor& labels,
 }
 
 StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& batch_labels) {
+  check_groups_usable("train_step");
   StepStats stats;
   Tensor images = batch_images, labels = batch_labels;  // hybrid: narrowed to the node's chunk
   std::vector<int64_t> sizes = split_batch("train_step", images, labels, stats);

@@ -107,7 +107,9 @@ struct DataParallelOptions {
   // Hybrid mode (dp/cross_node.hpp): this engine is one node of several; null: alone. Every
   // node is handed the same global batch and takes its chunk; the weights are node 0's from
   // construction on; device 0's summed buckets are summed over the nodes (in f32) while
-  // backward goes on, and the loss, correct count and buffers too.
+  // backward goes on, and the loss, correct count and buffers too. A step that fails on this
+  // node leaves the nodes' group (CrossNode::abort), so the other nodes' steps fail at once
+  // rather than at the group's timeout; this engine then refuses later steps.
   std::shared_ptr<CrossNode> cross_node;
   // A reducer of research code's in place of the sums to device 0 (PyTorch's DDP comm hooks,
   // here under DP): reducers[i] is device i's end of a group whose ranks are this engine's
@@ -117,7 +119,9 @@ struct DataParallelOptions {
   // once finished. dp::dist::device_reducers makes them from a CommHook
   // (dp/distributed/comm_hook.hpp) over an in-process Gloo group. Empty: the star or the tree.
   // requires one per device, comm_dtype f32, not hybrid, and every device given rows each step
-  // (a batch of at least n_devices() rows); steps run uncaptured (a hook runs host code).
+  // (a batch of at least n_devices() rows); steps run uncaptured (a hook runs host code). A
+  // device whose step fails (its hook throws, say) leaves the group, so the devices waiting for it
+  // in a collective fail at once, not at the group's timeout; later steps are refused.
   std::vector<std::shared_ptr<CrossNode>> reducers;
   // Graphed steps: per worker and step shape, forward and backward are one captured graph, and
   // each receiving device's reduction (device 0's with the clip, the optimizer step and the
@@ -349,8 +353,12 @@ class DataParallel {
   int64_t metric_slots(int n) const;
   void eval_job(int i, const Tensor& images, const Tensor& labels,
                 const std::vector<int64_t>& sizes);
-  // Runs `job` on the first n workers; a failure aborts the step for the others.
+  // Runs `job` on the first n workers; a failure aborts the step for the others, and the
+  // failing device's reducer (DataParallelOptions::reducers), or this node (cross_node), leaves
+  // its group.
   void run_step(const char* phase, int n, const std::function<void(int)>& job);
+  // requires no group was left (run_step); throws naming `op` and why otherwise.
+  void check_groups_usable(const char* op) const;
   void begin_step(const std::vector<int64_t>& sizes);
   // Queues the step's loss scale and shares (step_values_) into device i's step_values, ahead
   // of its kernels, which read them there: no graph bakes them in. Nothing when they are there.
@@ -413,7 +421,8 @@ class DataParallel {
   DataParallelOptions options_;
   nn::Optimizer& optimizer_;
   WorkerPool pool_;
-  StepSignals signals_;                  // what the step's workers tell each other
+  StepSignals signals_;     // what the step's workers tell each other
+  std::string left_group_;  // why the reducers or this node left their group (run_step), or empty
   std::vector<nn::ModulePtr> replicas_;  // [0] is the caller's module
   std::vector<PerDevice> per_device_;
   BucketPlan plan_;

@@ -50,6 +50,7 @@ void DataParallel::reduce_grads_to_root(const std::vector<int64_t>& sizes) {
       "reduce_grads_to_root: " << sizes.size() << " chunk sizes for " << n_devices() << " devices");
   DP_CHECK(!options_.cross_node,
            "reduce_grads_to_root: drives one node's reduction alone; not in a hybrid run");
+  check_groups_usable("reduce_grads_to_root");
   kernels::NvtxRange range("dp/reduce");
   denominators_ = sizes;  // the chunks' rows: shares B_i / B
   begin_step(sizes);

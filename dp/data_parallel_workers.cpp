@@ -4,6 +4,8 @@
 #include "dp/data_parallel.hpp"
 
 #include <algorithm>
+#include <exception>
+#include <string>
 
 namespace dp {
 
@@ -54,6 +56,28 @@ void DataParallel::broadcast_params(int n_used) {
       n_used);
 }
 
+namespace {
+
+// The message of the exception being handled (inside a catch block).
+std::string current_error_text() {
+  try {
+    throw;
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown exception";
+  }
+}
+
+}  // namespace
+
+void DataParallel::check_groups_usable(const char* op) const {
+  DP_CHECK(left_group_.empty(),
+           op << ": " << (options_.reducers.empty() ? "this node" : "research code's reducers")
+              << " left their collectives' group in an earlier step, when " << left_group_
+              << "; the group cannot be used again: make it and the engine anew");
+}
+
 void DataParallel::run_step(const char* phase, int n, const std::function<void(int)>& job) {
   pool_.run(
       phase,
@@ -67,6 +91,17 @@ void DataParallel::run_step(const char* phase, int n, const std::function<void(i
           const bool first = signals_.abort();
           // A replica waiting for this one in a SyncBatchNorm layer is released too.
           if (stats_sync_) stats_sync_->abort("device " + devices_[i].str() + " failed");
+          // So is a device, or another node, waiting in a collective for this one (research
+          // code's reducers; a hybrid run's link between nodes): this device, or this node,
+          // leaves the group as a dead rank would, so their ops fail now, not at the group's
+          // timeout. The group is gone for good: later steps are refused, naming this failure.
+          if (!options_.reducers.empty() || (first && options_.cross_node)) {
+            const std::string why =
+                "device " + devices_[i].str() + " failed: " + current_error_text();
+            if (!options_.reducers.empty()) options_.reducers[i]->abort(why);
+            if (first && options_.cross_node) options_.cross_node->abort(why);
+            if (first) left_group_ = why;  // read once the pool joined
+          }
           // Released by another worker's failure: that error is the one reported.
           if (!first) return;
           throw;

@@ -453,6 +453,46 @@ TEST_CASE("hybrid.comm_hook: a hook sums the nodes' buckets: the same bits, or P
   CHECK(exact_ref[0].comm_bytes[0] == (n + 2) * 4);
 }
 
+TEST_CASE(
+    "hybrid.comm_hook: a node whose step fails leaves the nodes' group: the others fail at once") {
+  // Node 0 (cpu:0, cpu:1) fails in its hook over the nodes at its first bucket, while node 1
+  // (cpu:2) waits in that bucket's sum for it. Node 0 leaves the group as a dead node would
+  // (CrossNode::abort), so node 1's step fails at once, not at the group's 60 s timeout.
+  class Failing : public dp::dist::CommHook {
+   public:
+    std::string name() const override { return "failing"; }
+    std::shared_ptr<dp::dist::Work> reduce(dp::dist::GradBucket& b) override {
+      DP_CHECK(b.group->rank() != 0, "the hook of node 0 failed");
+      return b.group->all_reduce(b.grad);
+    }
+  };
+  const std::vector<std::vector<int>> node_devices = {{0, 1}, {2}};
+  std::vector<std::string> errors(2);
+  const auto t0 = std::chrono::steady_clock::now();
+  run_ranks(
+      2,
+      [&](int r, dp::dist::ProcessGroup& pg) {
+        std::vector<Device> on;
+        for (int d : node_devices[r]) on.push_back(Device::cpu(d));
+        auto m = nn::mlp({6, 8, 5});
+        m->materialize(on[0], 3);
+        nn::SGD opt(*m, dp_test::momentum_sgd());
+        dp::DataParallelOptions o;
+        o.cross_node = std::make_shared<dp::dist::GroupCrossNode>(pg, std::make_shared<Failing>());
+        dp::DataParallel engine(m, opt, on, o);
+        auto [x, y] = dp_test::toy_batch(12, 1);
+        errors[r] = dp_test::error_of([&] { engine.train_step(x, y); });
+        if (r == 0)  // this node's later steps are refused, naming the failure
+          CHECK(dp_test::error_of([&] { engine.train_step(x, y); })
+                    .find("this node left their collectives' group in an earlier step, when "
+                          "device cpu:0 failed: the hook of node 0 failed") != std::string::npos);
+      },
+      [&](int r) { return Device::cpu(node_devices[r][0]); });
+  CHECK(errors[0].find("the hook of node 0 failed") != std::string::npos);
+  CHECK(errors[1].find("rank 1 of 2") != std::string::npos);  // its own op, failed by the peer
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20));
+}
+
 namespace {
 
 // The threaded engine on cpu:0..devices-1 trains `make`'s model for `steps` SGD steps on one toy
@@ -544,32 +584,43 @@ TEST_CASE("dp.comm_hook: refusals: a batch that leaves a device idle, a reducer 
   CHECK(std::isfinite(engine.train_step(x3, y3).loss));
 }
 
-TEST_CASE("dp.comm_hook: a hook that fails on one device ends the step within the timeout") {
-  // Device 1's hook throws at its first bucket; device 0 waits in its all-reduce for a rank that
-  // never comes, until the group's timeout: the step fails with device 1's error, not a hang.
+TEST_CASE(
+    "dp.comm_hook: a hook that fails on one device ends the step at once, not at the timeout") {
+  // Device 1's hook throws at its first bucket while device 0 waits in its all-reduce for it.
+  // Device 1 then leaves the group as a dead rank would (CrossNode::abort): device 0's op fails
+  // at once, long before the group's 60 s timeout, and the step reports device 1's error.
   class Failing : public dp::dist::CommHook {
    public:
     explicit Failing(int device) : device_(device) {}
     std::string name() const override { return "failing"; }
     std::shared_ptr<dp::dist::Work> reduce(dp::dist::GradBucket& b) override {
-      DP_CHECK(device_ != 1, "the hook of device 1 failed");
+      DP_CHECK(device_ != 1 || failed_++ > 0, "the hook of device 1 failed");
       return b.group->all_reduce(b.grad);
     }
 
    private:
     int device_;
+    int failed_ = 0;
   };
-  std::vector<Device> on = {Device::cpu(0), Device::cpu(1)};
-  auto m = nn::mlp({6, 8, 5});
-  m->materialize(on[0], 3);
-  nn::SGD opt(*m, dp_test::momentum_sgd());
-  dp::DataParallelOptions o;
-  o.reducers = dp::dist::device_reducers(
-      2, [](int i) { return std::make_shared<Failing>(i); }, std::chrono::seconds(2));
-  dp::DataParallel engine(m, opt, on, o);
-  auto [x, y] = dp_test::toy_batch(4, 1);
   const auto t0 = std::chrono::steady_clock::now();
-  CHECK(dp_test::error_of([&] { engine.train_step(x, y); }).find("the hook of device 1 failed") !=
-        std::string::npos);
+  {
+    std::vector<Device> on = {Device::cpu(0), Device::cpu(1)};
+    auto m = nn::mlp({6, 8, 5});
+    m->materialize(on[0], 3);
+    nn::SGD opt(*m, dp_test::momentum_sgd());
+    dp::DataParallelOptions o;
+    o.reducers = dp::dist::device_reducers(
+        2, [](int i) { return std::make_shared<Failing>(i); }, std::chrono::seconds(60));
+    dp::DataParallel engine(m, opt, on, o);
+    auto [x, y] = dp_test::toy_batch(4, 1);
+    const std::string first = dp_test::error_of([&] { engine.train_step(x, y); });
+    CHECK(first.find("the hook of device 1 failed") != std::string::npos);
+    CHECK(first.find("cpu:1") != std::string::npos);
+    // The group is gone for good: the next step is refused up front, naming the failure.
+    const std::string next = dp_test::error_of([&] { engine.train_step(x, y); });
+    CHECK(next.find("train_step: research code's reducers left their collectives' group") !=
+          std::string::npos);
+    CHECK(next.find("device cpu:1 failed: the hook of device 1 failed") != std::string::npos);
+  }  // the engine and its group are gone too
   CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20));
 }

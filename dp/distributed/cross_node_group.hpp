@@ -29,6 +29,7 @@ class GroupCrossNode : public CrossNode {
   }
   void start_bucket_sum(kernels::Tensor& t, int bucket, int64_t offset, float share) override;
   void finish() override;
+  void abort(const std::string& why) override { group_.abort(why); }
   int64_t payload_bytes() const override { return group_.payload_bytes(); }
   // Research code's hook, or null (the built-in all-reduce).
   CommHook* hook() const { return user_hook_ ? hook_.get() : nullptr; }

@@ -11,7 +11,9 @@
 // server of this process on an ephemeral port that only this group's token opens; CUDA tensors
 // travel through pinned host memory (GlooProcessGroup), so logical devices of one GPU work too.
 // Each device gets its own hook from make_hook(i): a hook keeps per-rank state (error feedback,
-// a warm start), as each DDP rank's does.
+// a warm start), as each DDP rank's does. A device whose step fails leaves the group
+// (ProcessGroup::abort), as a dead process's rank would: the others' ops fail at once instead of
+// at the timeout, and the reducers cannot be used again.
 #pragma once
 
 #include <chrono>

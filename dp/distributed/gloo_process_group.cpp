@@ -405,6 +405,11 @@ GlooProcessGroup::~GlooProcessGroup() {
   if (state_->worker.joinable()) state_->worker.join();
 }
 
+void GlooProcessGroup::abort(const std::string& why) {
+  state_->mark_broken("rank " + std::to_string(state_->rank) + " left the group: " + why);
+  if (state_->ctx) state_->ctx->closeConnections();
+}
+
 std::shared_ptr<Work> GlooProcessGroup::do_all_reduce(Tensor& t, ReduceOp op) {
   check_reducible("all_reduce", t, op);
   auto work = std::make_shared<SignalledWork>();

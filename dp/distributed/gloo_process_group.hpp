@@ -42,6 +42,9 @@ class GlooProcessGroup final : public ProcessGroup {
   std::shared_ptr<Work> do_send(const kernels::Tensor& t, int dst, uint32_t tag = 0) override;
   std::shared_ptr<Work> do_recv(kernels::Tensor& t, int src, uint32_t tag = 0) override;
   std::shared_ptr<Work> do_barrier() override;
+  // ProcessGroup::abort: marks the group broken, then closes this rank's connections (a peer
+  // reading from this rank sees the connection end).
+  void abort(const std::string& why) override;
 
   struct State;  // the gloo context and the worker queue (shared with pending works)
 

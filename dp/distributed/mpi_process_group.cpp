@@ -222,6 +222,9 @@ class MpiProcessGroup final : public ProcessGroup {
   }
 
   std::string backend_name() const override { return "mpi"; }
+  void abort(const std::string& why) override {
+    mark_broken("rank " + std::to_string(rank()) + " left the group: " + why);
+  }
 
   std::shared_ptr<Work> do_all_reduce(Tensor& t, ReduceOp op) override {
     check_reducible("all_reduce", t, op);

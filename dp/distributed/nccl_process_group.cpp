@@ -355,6 +355,10 @@ class NcclProcessGroup final : public ProcessGroup {
   }
 
   std::string backend_name() const override { return "nccl"; }
+  void abort(const std::string& why) override {
+    std::lock_guard<std::mutex> lock(comm_->mu);
+    comm_->abort_locked(comm_->where() + " left the group: " + why);
+  }
 
   std::shared_ptr<Work> do_all_reduce(Tensor& t, ReduceOp op) override {
     check_all_reduce(t, op);
