@@ -413,12 +413,15 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
   }
   begin_counts();
   try {
-    run_step("dp/train_step", n_used, [&](int i) {
-      if (graphed_step_)
-        graph_job(i, images, labels, sizes);
-      else
-        train_job(i, images, labels, sizes);
-    });
+    run_step(
+        "dp/train_step", n_used,
+        [&](int i) {
+          if (graphed_step_)
+            graph_job(i, images, labels, sizes);
+          else
+            train_job(i, images, labels, sizes);
+        },
+        true);
     if (graphed_step_ && settle_capture_failures(n_used)) stats.graphed = stats.captured = false;
     for (int i = 0; stats.graphed && i < n_used; ++i) {
       const GraphSet& gs = per_device_[i].graphs.at(graph_key_);
@@ -495,9 +498,11 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
 StepStats DataParallel::evaluate(const Tensor& batch_images, const Tensor& batch_labels) {
   StepStats stats;
   Tensor images = batch_images, labels = batch_labels;
+  if (options_.cross_node) check_groups_usable("evaluate");  // it sums over the nodes
   std::vector<int64_t> sizes = split_batch("evaluate", images, labels, stats);
   begin_step(sizes);
-  run_step("dp/evaluate", stats.devices_used, [&](int i) { eval_job(i, images, labels, sizes); });
+  run_step(
+      "dp/evaluate", stats.devices_used, [&](int i) { eval_job(i, images, labels, sizes); }, false);
   report_device_faults(host_metrics_.data<float>(), stats.devices_used);
   gather_metrics(host_metrics_.data<float>(), shares_, stats);
   return stats;

@@ -353,10 +353,10 @@ class DataParallel {
   int64_t metric_slots(int n) const;
   void eval_job(int i, const Tensor& images, const Tensor& labels,
                 const std::vector<int64_t>& sizes);
-  // Runs `job` on the first n workers; a failure aborts the step for the others, and the
-  // failing device's reducer (DataParallelOptions::reducers), or this node (cross_node), leaves
-  // its group.
-  void run_step(const char* phase, int n, const std::function<void(int)>& job);
+  // Runs `job` on the first n workers; a failure aborts the step for the others, and this node
+  // (cross_node) leaves its group, and so does the failing device's reducer
+  // (DataParallelOptions::reducers) when the job `uses_reducers`.
+  void run_step(const char* phase, int n, const std::function<void(int)>& job, bool uses_reducers);
   // requires no group was left (run_step); throws naming `op` and why otherwise.
   void check_groups_usable(const char* op) const;
   void begin_step(const std::vector<int64_t>& sizes);

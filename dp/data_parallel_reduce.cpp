@@ -54,15 +54,18 @@ void DataParallel::reduce_grads_to_root(const std::vector<int64_t>& sizes) {
   kernels::NvtxRange range("dp/reduce");
   denominators_ = sizes;  // the chunks' rows: shares B_i / B
   begin_step(sizes);
-  run_step("dp/reduce", static_cast<int>(sizes.size()), [&](int i) {
-    PerDevice& pd = per_device_[i];
-    write_step_values(i);
-    pulls_.prepare(i);
-    pd.own.all_ready();  // every gradient is final
-    advance_reduction(i, true);
-    if (!options_.reducers.empty()) options_.reducers[i]->finish();
-    pool_.context(i).synchronize();  // the caller reads the result next
-  });
+  run_step(
+      "dp/reduce", static_cast<int>(sizes.size()),
+      [&](int i) {
+        PerDevice& pd = per_device_[i];
+        write_step_values(i);
+        pulls_.prepare(i);
+        pd.own.all_ready();  // every gradient is final
+        advance_reduction(i, true);
+        if (!options_.reducers.empty()) options_.reducers[i]->finish();
+        pool_.context(i).synchronize();  // the caller reads the result next
+      },
+      true);
 }
 
 void DataParallel::average_buffers_on_root(const std::vector<int64_t>& sizes, bool ordered) {

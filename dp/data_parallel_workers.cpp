@@ -78,7 +78,8 @@ void DataParallel::check_groups_usable(const char* op) const {
               << "; the group cannot be used again: make it and the engine anew");
 }
 
-void DataParallel::run_step(const char* phase, int n, const std::function<void(int)>& job) {
+void DataParallel::run_step(const char* phase, int n, const std::function<void(int)>& job,
+                            bool uses_reducers) {
   pool_.run(
       phase,
       [&](int i) {
@@ -95,10 +96,12 @@ void DataParallel::run_step(const char* phase, int n, const std::function<void(i
           // code's reducers; a hybrid run's link between nodes): this device, or this node,
           // leaves the group as a dead rank would, so their ops fail now, not at the group's
           // timeout. The group is gone for good: later steps are refused, naming this failure.
-          if (!options_.reducers.empty() || (first && options_.cross_node)) {
+          // (An evaluation does not use the reducers: they stay.)
+          const bool reducers = uses_reducers && !options_.reducers.empty();
+          if (reducers || (first && options_.cross_node)) {
             const std::string why =
                 "device " + devices_[i].str() + " failed: " + current_error_text();
-            if (!options_.reducers.empty()) options_.reducers[i]->abort(why);
+            if (reducers) options_.reducers[i]->abort(why);
             if (first && options_.cross_node) options_.cross_node->abort(why);
             if (first) left_group_ = why;  // read once the pool joined
           }

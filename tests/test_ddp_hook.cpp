@@ -486,6 +486,10 @@ TEST_CASE(
           CHECK(dp_test::error_of([&] { engine.train_step(x, y); })
                     .find("this node left their collectives' group in an earlier step, when "
                           "device cpu:0 failed: the hook of node 0 failed") != std::string::npos);
+        if (r == 0)  // and so is an evaluation, which sums over the nodes
+          CHECK(dp_test::error_of([&] {
+                  engine.evaluate(x, y);
+                }).find("evaluate: this node left their collectives' group") != std::string::npos);
       },
       [&](int r) { return Device::cpu(node_devices[r][0]); });
   CHECK(errors[0].find("the hook of node 0 failed") != std::string::npos);
@@ -621,6 +625,8 @@ TEST_CASE(
     CHECK(next.find("train_step: research code's reducers left their collectives' group") !=
           std::string::npos);
     CHECK(next.find("device cpu:1 failed: the hook of device 1 failed") != std::string::npos);
+    // An evaluation does not use the reducers: it still runs.
+    CHECK(std::isfinite(engine.evaluate(x, y).loss));
   }  // the engine and its group are gone too
   CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20));
 }
