@@ -203,6 +203,11 @@ void add_flags(CLI::App& app, Options& o) {
       ->check(CLI::IsMember({"sgd", "adamw"}));
   app.add_option("--zero", o.zero, "DDP: 1 shards the optimizer state across ranks (ZeRO-1)")
       ->check(whole_number(0, 1));
+  app.add_flag("--zero-overlap", o.zero_overlap,
+               "with --zero 1: the gradient meets through DDP's bucketed all-reduce while "
+               "backward runs (--comm-dtype and a workload's hook apply), each rank steps its "
+               "shard, then the shards are all-gathered: plain DDP's weights, 1/N of the state, "
+               "1.5x the bytes; default: one reduce-scatter after backward");
   app.add_option("--baseline", o.baseline, "also run 1 device of each mode for speedup (1/0)")
       ->check(whole_number(0, 1));
   app.add_option("--repeat", o.repeat,
@@ -820,6 +825,8 @@ int run(const Options& o, int argc, char** argv) {
   DP_CHECK(o.zero == 0 || o.mode == "ddp" || o.mode == "both",
            "--zero " << o.zero << " with --mode " << o.mode
                      << ": ZeRO-1 shards DDP's optimizer state; give --mode ddp or both");
+  DP_CHECK(!o.zero_overlap || o.zero == 1,
+           "--zero-overlap without --zero 1: it says how ZeRO-1's gradient meets; add --zero 1");
   DP_CHECK(o.dp_peer_reads == "auto" || o.mode == "dp" || o.mode == "both" || o.mode == "hybrid",
            "--dp-peer-reads " << o.dp_peer_reads << " with --mode " << o.mode
                               << ": it sets how DP's reduce reads the replicas; give --mode dp, "
@@ -896,10 +903,11 @@ int run(const Options& o, int argc, char** argv) {
                << ": graphed steps are DP's and DDP's (--mode dp, ddp or both); hybrid "
                   "and the parameter server run uncaptured");
   const bool low_precision = nn::compute_dtype(s.precision) != kernels::DType::f32;
-  DP_CHECK(o.zero == 0 || s.comm_dtype == kernels::DType::f32 || o.mode == "dp",
-           "--zero 1 with --comm-dtype " << o.comm_dtype
-                                         << ": ZeRO-1's reduce_scatter and all_gather run in f32 "
-                                            "(bf16 communication is for the bucketed all-reduce)");
+  DP_CHECK(o.zero == 0 || o.zero_overlap || s.comm_dtype == kernels::DType::f32 || o.mode == "dp",
+           "--zero 1 with --comm-dtype "
+               << o.comm_dtype
+               << ": ZeRO-1's reduce_scatter and all_gather run in f32 (bf16 communication is for "
+                  "the bucketed all-reduce: add --zero-overlap)");
   DP_CHECK(!(low_precision || s.comm_dtype != kernels::DType::f32) || o.mode != "ps",
            "--mode ps with --dtype " << o.dtype << " --comm-dtype " << o.comm_dtype
                                      << ": the parameter server trains and sends f32 only");
@@ -922,8 +930,10 @@ int run(const Options& o, int argc, char** argv) {
     if (s.comm_dtype != kernels::DType::f32)
       why = "--comm-dtype " + o.comm_dtype +
             " (a hook is handed f32 buckets and chooses what travels)";
-    else if (o.zero != 0)
-      why = "--zero 1 (ZeRO-1 reduce-scatters the gradient, it hands no bucket to a hook)";
+    else if (o.zero != 0 && !o.zero_overlap)
+      why =
+          "--zero 1 without --zero-overlap (ZeRO-1 reduce-scatters the gradient, it hands no "
+          "bucket to a hook)";
     else if (!o.checkpoint_dir.empty() || !o.resume.empty())
       why = "checkpoints (the hook's rows would share DDP's folder)";
     if (!why.empty()) {

@@ -103,6 +103,7 @@ struct Options {
   int keep = 3;
   std::string optim = "sgd";  // sgd (momentum 0.9) or adamw
   int zero = 0;               // DDP: 1 shards the optimizer state (ZeRO stage 1)
+  bool zero_overlap = false;  // ZeRO-1's gradient through DDP's buckets, beside backward
   // --mode ps: bounded staleness (-1: unbounded), and lr / (1 + staleness) per update.
   bool sync_bn = false;  // BatchNorm statistics combined across devices (DP) and ranks (DDP)
   int max_staleness = -1;

@@ -96,6 +96,7 @@ dp::dist::RunConfig bench_run_config(const Options& o, int64_t batch, int64_t da
           {"--optim", o.optim},
           {"--seed", std::to_string(o.seed)},
           {"--zero", std::to_string(o.zero)},
+          {"--zero-overlap", o.zero_overlap ? "on" : "off"},
           {"--sync-bn", o.sync_bn ? "on" : "off"},
           {"--dropout", std::to_string(o.dropout)},
           {"--bucket-cap-mb", std::to_string(o.bucket_cap_mb)},
@@ -148,6 +149,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   auto optimizer = make_optimizer(o, *model);
   nn::Optimizer& opt = *optimizer;
   trainer.set_zero_stage(o.zero);
+  trainer.set_zero_overlap(o.zero_overlap);
   trainer.set_sync_batch_norm(o.sync_bn);
   trainer.set_precision(s.precision);
   trainer.set_graphs(graphs_of(o));
@@ -173,6 +175,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   r.optim = o.optim;
   r.comm_dtype = o.comm_dtype;
   r.zero = o.zero;
+  r.zero_overlap = o.zero != 0 && o.zero_overlap;
   if (o.sync_bn) r.sync_bn_values = nn::batch_norm_sync_values_per_step(*model);
   r.gpus = n;
   r.batch = batch;
@@ -286,6 +289,18 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   // The payload handed to the group was counted (the last step's); the ring model says
   // 2 (N-1)/N of it crosses each rank's link.
   r.bytes_theory = ring_bytes_theory(n, r.bytes_per_step);
+  if (const dp::dist::ZeroStage1* zero = trainer.zero(); zero && n > 1) {
+    // ZeRO-1's exchange as a ring moves it: the all-gather sends each rank's shard to the N-1
+    // others ((N-1)/N of the parameters per rank, the tail's broadcast alike), after a
+    // reduce-scatter of as many bytes, or (overlapped) DDP's all-reduce of what the buckets
+    // handed over: the payload counted less the all-gather's (this rank's shard and the tail).
+    const dp::dist::ZeroShardPlan& plan = zero->plan();
+    const int64_t params = plan.numel * 4, gathered_in = (params - plan.shard * (n - 1) * 4);
+    const int64_t gather = (n - 1) * params / n;
+    r.bytes_theory =
+        gather +
+        (trainer.zero_overlapped() ? ring_bytes_theory(n, r.bytes_per_step - gathered_in) : gather);
+  }
 
   // Peak memory of every rank, gathered to rank 0.
   float mine = static_cast<float>(kernels::context(trainer.device()).memory()->peak.load() +

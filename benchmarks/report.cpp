@@ -504,7 +504,8 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
     }
   os << "\n bytes per step (MiB). DP: counted copies vs the model 2(N-1)P through device 0. DDP: "
         "payload counted by the process group vs the ring model's wire bytes per rank, "
-        "2(N-1)/N x payload\n";
+        "2(N-1)/N x payload (ZeRO-1: 2(N-1)/N P, or overlapped the buckets' 2(N-1)/N and the "
+        "all-gather's (N-1)/N P)\n";
   for (auto& r : runs) {
     os << ModeCell{runs, r} << "   " << (dp_threads(r) ? "copied " : "payload ") << std::setw(9)
        << mib(r.bytes_per_step) << " (counted" << (hybrid_nodes(r) ? ", across nodes)" : ")")
@@ -548,7 +549,8 @@ void print_memory_model(std::ostream& os, const std::vector<RunResult>& runs) {
     int64_t k = r.optim == "adamw" ? 8 : 4;
     int n = r.gpus;
     int64_t state_model = r.zero == 1 ? (k * p + n - 1) / n : k * p;
-    os << ModeCell{runs, r} << " " << r.optim << (r.zero ? " zero-1" : "") << ":";
+    os << ModeCell{runs, r} << " " << r.optim
+       << (r.zero ? (r.zero_overlap ? " zero-1 overlapped" : " zero-1") : "") << ":";
     for (int64_t b : r.optimizer_state_bytes) os << " " << mib(b);
     os << "   model: 4P + 4P + " << k << "P" << (r.zero ? "/" + std::to_string(n) : "") << " = "
        << mib(8 * p + state_model) << " (state " << mib(state_model) << ")\n";
@@ -754,6 +756,7 @@ nlohmann::json run_to_json(const RunResult& r) {
       {"link_bytes", r.link_bytes},
       {"optim", r.optim},
       {"zero", r.zero},
+      {"zero_overlap", r.zero_overlap},
       {"optimizer_state_bytes", r.optimizer_state_bytes},
       {"sync_bn_values_per_step", r.sync_bn_values},
       {"sync_bn_bytes_per_step", r.sync_bn_values * 4},
@@ -802,6 +805,7 @@ RunResult run_from_json(const nlohmann::json& j) {
   r.link_bytes = j.value("link_bytes", std::vector<int64_t>());
   r.optim = j.value("optim", std::string("sgd"));
   r.zero = j.value("zero", 0);
+  r.zero_overlap = j.value("zero_overlap", false);
   r.optimizer_state_bytes = j.value("optimizer_state_bytes", std::vector<int64_t>{});
   r.sync_bn_values = j.value("sync_bn_values_per_step", int64_t{0});
   r.loss_scale = j.value("loss_scale", 1.f);

@@ -45,6 +45,7 @@ struct RunResult {
   std::vector<int64_t> link_bytes;  // DP: bytes in + out of each device per step
   std::string optim = "sgd";
   int zero = 0;                                // DDP: ZeRO stage (0 or 1)
+  bool zero_overlap = false;                   // ZeRO-1 through DDP's buckets (--zero-overlap)
   std::vector<int64_t> optimizer_state_bytes;  // per device (DP: device 0) or rank
   int64_t sync_bn_values = 0;       // --sync-bn: values each device or rank combines per step
   float loss_scale = 1;             // mixed precision: the loss scale after the last step

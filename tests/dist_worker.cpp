@@ -29,7 +29,8 @@
 //                --moving-shares K: tokens ignored at moving places, under fp16 (see DdpRun);
 //                --metrics-lag 1: lagged metrics (DdpTrainer::set_metrics_lag). It prints
 //                "losses ...": what each step returned (then finish_metrics() with the lag).
-//                --zero 1: ZeRO-1 (DdpTrainer::set_zero_stage). The optimizer is SGD with
+//                --zero 1: ZeRO-1 (DdpTrainer::set_zero_stage; --zero-overlap: through
+//                DDP's buckets, set_zero_overlap). The optimizer is SGD with
 //                momentum 0.9 when --momentum is given (state to save), else plain SGD.
 // --hold-ms T: collectives wait T ms after joining the group (a job that stays up a while).
 // --max-restarts K: the launcher's LaunchOptions::max_restarts.
@@ -164,6 +165,7 @@ struct DdpRun {
   int metrics_lag = 0;        // DdpTrainer::set_metrics_lag (with phase timing off)
   int train_before_load = 0;  // steps taken (and dropped) before the load
   int zero = 0;               // DdpTrainer::set_zero_stage
+  bool zero_overlap = false;  // DdpTrainer::set_zero_overlap
   bool momentum = false;      // SGD with momentum 0.9 (optimizer state)
   std::string resume_dir;     // DdpTrainer::resume("latest", resume_dir)
   std::string backend = "gloo", save, load, graphs = "auto";
@@ -181,6 +183,7 @@ int run_ddp(const DdpRun& o) {
   DdpTrainer trainer(kernels::DeviceType::cpu, o.backend, ddp_options);
   trainer.set_clip_grad_norm(o.clip_grad);
   trainer.set_zero_stage(o.zero);
+  trainer.set_zero_overlap(o.zero_overlap);
   if (o.metrics_lag > 0) {
     trainer.set_metrics_lag(o.metrics_lag);
     trainer.set_phase_timing(kernels::Event::Timing::off);
@@ -303,6 +306,7 @@ int main(int argc, char** argv) {
   app.add_option("--moving-shares", ddp.moving_shares)->check(CLI::NonNegativeNumber);
   app.add_option("--metrics-lag", ddp.metrics_lag)->check(CLI::Range(0, 1));
   app.add_option("--zero", ddp.zero)->check(CLI::Range(0, 1));
+  app.add_flag("--zero-overlap", ddp.zero_overlap);
   app.add_flag("--momentum", ddp.momentum);
   app.add_option("--job-tag", job_tag, "ignored: lets a test find this job's processes");
   CLI11_PARSE(app, argc, argv);

@@ -518,6 +518,31 @@ TEST_CASE("bench.zero: --zero 1 holds 1/N of the optimizer state per rank, same 
   std::remove(zero.c_str());
 }
 
+TEST_CASE("bench.zero: --zero-overlap: 1/N of the state, plain DDP's losses, bf16 buckets too") {
+  std::string plain = temp_path("plain.json"), zero = temp_path("zero.json");
+  for (std::string comm : {"fp32", "bf16"}) {
+    CAPTURE(comm);
+    std::string args =
+        "--device cpu --mode ddp --gpus 3 --optim adamw --steps 3 --warmup 1 --batch 30 "
+        "--baseline 0 --comm-dtype " +
+        comm + " --json ";
+    REQUIRE(run_bench(args + plain) == 0);
+    REQUIRE(run_bench(args + zero + " --zero 1 --zero-overlap") == 0);
+    auto p = read_json(plain)["runs"][0], z = read_json(zero)["runs"][0];
+    CHECK(z["zero"] == 1);
+    CHECK(z["zero_overlap"] == true);
+    int64_t whole = p["optimizer_state_bytes"][0].get<int64_t>(), sum = 0;
+    for (auto b : z["optimizer_state_bytes"]) {
+      CHECK(b.get<int64_t>() <= whole / 3 + 8 * 64 * 3);  // a third, and the last rank's tail
+      sum += b.get<int64_t>();
+    }
+    CHECK(sum == whole);
+    CHECK(z["losses"] == p["losses"]);  // the same bits: the same reduced gradient everywhere
+  }
+  std::remove(plain.c_str());
+  std::remove(zero.c_str());
+}
+
 TEST_CASE("bench.flags: zero, negative, text and huge values are refused in plain words") {
   const std::string cpu = "--device cpu --steps 1 --warmup 0 ";
   refused(cpu + "--batch 0", "--batch: 0 is out of range: give a whole number in [1, 2147483648]");
@@ -964,6 +989,10 @@ TEST_CASE("bench.flags: --zero 1 refuses bf16 communication, --mode ps mixed pre
   auto [rc, text] = bench_output("--device cpu --gpus 2 --mode ddp --zero 1 --comm-dtype bf16");
   CHECK(rc != 0);
   CHECK(text.find("--zero 1 with --comm-dtype bf16") != std::string::npos);
+  CHECK(text.find("add --zero-overlap") != std::string::npos);
+  auto [rc1, text1] = bench_output("--device cpu --gpus 2 --mode ddp --zero-overlap");
+  CHECK(rc1 != 0);
+  CHECK(text1.find("--zero-overlap without --zero 1") != std::string::npos);
   auto [rc2, text2] = bench_output("--device cpu --gpus 2 --mode ps --dtype fp16");
   CHECK(rc2 != 0);
   CHECK(text2.find("--mode ps with --dtype fp16") != std::string::npos);

@@ -745,6 +745,43 @@ TEST_CASE("ddp.metrics_lag: each step returns the one before's loss, the run tra
 }
 
 TEST_CASE(
+    "ddp.zero: overlapped ZeRO-1 trains plain DDP's bits: graphs off and on, lagged, clipped") {
+  // --zero-overlap: the gradient meets in DDP's buckets while backward runs, each rank steps its
+  // shard of it (SGD momentum: state to shard; the flat buffer of 195 values gives rank 0 [0, 64)
+  // and rank 1 the rest), then the shards are all-gathered. Every rank holds the same reduced
+  // gradient as plain DDP and the update is elementwise, so the losses, the clip's norm and the
+  // weights are plain DDP's, bit for bit, graphed (the all-gather after the graphs) or not.
+  std::string dir = dist_test::make_temp_dir("ddp_zero_overlap");
+  for (auto [graphs, lag] :
+       {std::pair<std::string, std::string>{"off", "0"}, {"on", "0"}, {"off", "1"}}) {
+    CAPTURE(graphs);
+    CAPTURE(lag);
+    std::vector<std::string> args = {
+        "--mode",        "ddp",  "--steps",       "6", "--clip-grad", "0.001", "--short-every", "2",
+        "--cuda-graphs", graphs, "--metrics-lag", lag, "--momentum"};
+    const std::string name = graphs + "_lag" + lag;
+    const std::array<LastStep, 2> plain = ddp_pair(dir, "plain_" + name, args);
+    args.insert(args.end(), {"--zero", "1", "--zero-overlap"});
+    const std::array<LastStep, 2> zero = ddp_pair(dir, "zero_" + name, args);
+    for (int r = 0; r < 2; ++r) {
+      CAPTURE(r);
+      REQUIRE(zero[r].losses.size() == plain[r].losses.size());
+      // Bit for bit (lagged, the first step's is NaN on both).
+      CHECK(std::memcmp(zero[r].losses.data(), plain[r].losses.data(),
+                        plain[r].losses.size() * sizeof(float)) == 0);
+      CHECK(zero[r].weights == plain[0].weights);
+      CHECK(zero[r].norm == plain[r].norm);
+      CHECK(zero[r].graphed == plain[r].graphed);        // graphed where plain DDP is
+      if (graphs == "on") CHECK(zero[r].graphed == 2);   // each shape's third run on
+      CHECK(zero[r].overlapped == plain[r].overlapped);  // the buckets launched beside backward
+      // The all-gather's bytes beside the all-reduce's, as every rank hands them over: its own
+      // shard of 64 values, and the tail of 67 that rank 1 broadcasts.
+      CHECK(zero[r].payload == plain[r].payload + (64 + 67) * 4);
+    }
+  }
+}
+
+TEST_CASE(
     "dist.claim: two hand-launched jobs on one port, no job id: no rank trains with the "
     "other job's") {
   // Job A (batch 8) and job B (batch 6), each of 2 ranks, on one port. A's rank 0 hosts the

@@ -83,6 +83,11 @@ void DdpTrainer::set_zero_stage(int stage) {
   zero_stage_ = stage;
 }
 
+void DdpTrainer::set_zero_overlap(bool on) {
+  DP_CHECK(!ddp_, "DdpTrainer::set_zero_overlap after wrap()");
+  zero_overlap_ = on;
+}
+
 void DdpTrainer::set_sync_batch_norm(bool on) {
   DP_CHECK(!ddp_, "DdpTrainer::set_sync_batch_norm after wrap()");
   sync_bn_ = on;
@@ -158,6 +163,7 @@ RunConfig DdpTrainer::engine_config(nn::Module& model, nn::Optimizer& optimizer)
   c["engine.world_size"] = std::to_string(world_size());
   c["engine.backend"] = group_->backend_name();
   c["engine.zero"] = std::to_string(zero_stage_);
+  c["engine.zero_overlap"] = zero_overlap_ ? "on" : "off";
   c["engine.sync_bn"] = sync_bn_ ? "on" : "off";
   c["engine.precision"] = nn::precision_name(precision_);
   c["engine.comm_dtype"] = kernels::dtype_name(ddp_options_.comm_dtype);
@@ -196,14 +202,18 @@ void DdpTrainer::wrap(nn::ModulePtr model, nn::Optimizer& optimizer) {
   verify_same_config(*group_, fields, group_->rendezvous_timeout());
   verified_config_ = std::move(fields);
 
-  DP_CHECK(zero_stage_ == 0 || ddp_options_.comm_dtype == kernels::DType::f32,
-           "--zero 1 with --comm-dtype " << kernels::dtype_name(ddp_options_.comm_dtype)
-                                         << ": ZeRO-1's reduce_scatter and all_gather run in f32 "
-                                            "(bf16 communication is for the bucketed all-reduce)");
-  DP_CHECK(zero_stage_ == 0 || !ddp_options_.comm_hook,
-           "--zero 1 with comm hook '" << ddp_options_.comm_hook->name()
-                                       << "': ZeRO-1 reduce-scatters the whole gradient after "
-                                          "backward, it hands no bucket to a hook");
+  // Overlapped, ZeRO-1's gradient goes through the buckets: their dtype and hook apply.
+  const bool reduce_scatter = zero_stage_ == 1 && !zero_overlap_;
+  DP_CHECK(!reduce_scatter || ddp_options_.comm_dtype == kernels::DType::f32,
+           "--zero 1 with --comm-dtype "
+               << kernels::dtype_name(ddp_options_.comm_dtype)
+               << ": ZeRO-1's reduce_scatter and all_gather run in f32 (bf16 communication is for "
+                  "the bucketed all-reduce: add --zero-overlap)");
+  DP_CHECK(!reduce_scatter || !ddp_options_.comm_hook,
+           "--zero 1 with comm hook '"
+               << ddp_options_.comm_hook->name()
+               << "': ZeRO-1 reduce-scatters the whole gradient after backward, it hands no "
+                  "bucket to a hook (add --zero-overlap: the buckets then meet through the hook)");
   model->set_compute_dtype(nn::compute_dtype(precision_));
   model->set_output(nn::output_for(precision_, *loss_fn_));
   model->set_input_grad(nn::InputGrad::not_needed);      // the input is data
@@ -330,7 +340,7 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
     ddp_->broadcast_buffers();
     forward_and_loss(m, input_, labels_);
     marks_[kForwarded].record(ctx);
-    if (zero_) {
+    if (zero_ && !zero_overlap_) {
       // ZeRO-1 communicates after backward (reduce_scatter, shard step, all_gather).
       auto local_only = ddp_->no_sync();
       ddp_->backward(dlogits_);
@@ -338,7 +348,7 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
       ddp_->backward(dlogits_);
     }
     marks_[kBackwarded].record(ctx);
-    if (zero_) {
+    if (zero_ && !zero_overlap_) {
       // ZeRO-1's decisions (every rank's shard, combined) stay on the device too: the verdict
       // and the norm come back with the loss, as below.
       scaler_.prepare_deferred(*optimizer_);
@@ -350,10 +360,11 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
       kernels::NvtxRange range("ddp/step");
       TraceScope slice(ddp_->trace(), "ddp/step", rank());
       scaler_.prepare_deferred(*optimizer_);
-      queue_update(m);
+      queue_update(m);  // overlapped ZeRO-1: the optimizer steps its shard
     }
   }
   marks_[kStepped].record(ctx);
+  if (zero_overlapped()) zero_->gather_params();
   // The loss's all-reduce is not in it; a replayed graph's all-reduces are.
   last_payload_bytes_ = group_->payload_bytes() - payload_before + replayed_payload;
   const float global_loss = metrics_lag_ > 0 ? report_loss_lagged(share) : report_loss(share);
@@ -374,11 +385,12 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   times_.host_syncs = counts.host_syncs;
   times_.casts = counts.casts;
   if (phase_timing_ == Event::Timing::off) return global_loss;  // the marks only ordered
-  if (zero_) {
+  if (zero_ && !zero_overlap_) {
     times_.allreduce_wait = zero_->last_times().reduce_scatter + zero_->last_times().all_gather;
     times_.optimizer = zero_->last_times().step;
   } else {
     times_.allreduce_wait = Event::elapsed_ms(marks_[kBackwarded], marks_[kReduced]);
+    if (zero_) times_.allreduce_wait += zero_->last_times().all_gather;
     times_.optimizer = Event::elapsed_ms(marks_[kReduced], marks_[kStepped]);
   }
   times_.forward = Event::elapsed_ms(marks_[kScattered], marks_[kForwarded]);

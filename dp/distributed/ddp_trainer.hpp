@@ -84,6 +84,13 @@ class DdpTrainer {
   // state sharded, reduce_scatter + all_gather instead of the bucketed all-reduce).
   // requires 0 or 1, called before wrap().
   void set_zero_stage(int stage);
+  // ZeRO-1 overlapped (zero.hpp): the gradient meets through DDP's bucketed all-reduce while
+  // backward runs (its comm dtype and comm hook too), every rank steps its shard of the whole
+  // reduced gradient, then the shards are all-gathered: plain DDP's weights bit for bit with
+  // 1/N of the optimizer state; graphed where DDP's step is (the all-gather after the graphs).
+  // Off: one reduce-scatter after backward. Call before wrap(); takes effect with stage 1.
+  void set_zero_overlap(bool on);
+  bool zero_overlapped() const { return zero_ && zero_overlap_; }
   // SyncBatchNorm: the model's BatchNorm layers normalise with the statistics of every rank's
   // rows (dp/distributed/sync_batch_norm.hpp). Off by default (each rank its own rows, as
   // PyTorch's BatchNorm under DDP). Call before wrap().
@@ -270,6 +277,7 @@ class DdpTrainer {
   std::unique_ptr<DistributedDataParallel> ddp_;
   nn::Optimizer* optimizer_ = nullptr;
   int zero_stage_ = 0;
+  bool zero_overlap_ = false;  // set_zero_overlap
   bool sync_bn_ = false;
   nn::Precision precision_ = nn::Precision::fp32;
   nn::GradScaler scaler_{nn::Precision::fp32};

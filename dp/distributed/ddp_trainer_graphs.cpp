@@ -24,7 +24,9 @@ bool DdpTrainer::collectives_in_graph() const {
 }
 
 std::string DdpTrainer::graphs_blocked() const {
-  if (zero_) return "ZeRO-1's reduce-scatter and all-gather are not in the graphed step";
+  if (zero_ && !zero_overlap_)
+    return "ZeRO-1's reduce-scatter and all-gather are not in the graphed step (--zero-overlap "
+           "graphs it)";
   if (sync_bn_) return "SyncBatchNorm exchanges statistics between ranks inside forward";
   return "";
 }

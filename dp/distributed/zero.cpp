@@ -74,9 +74,8 @@ bool ZeroStage1::step(float share, nn::GradScaler* scaler) {
 
 void ZeroStage1::queue_step(float share, nn::GradScaler* scaler, Tensor non_finite,
                             Tensor grad_norm) {
-  const int r = group_.rank(), last = plan_.world - 1;
+  const int r = group_.rank();
   const int64_t s = plan_.shard, body = s * plan_.world, tail = plan_.numel - body;
-  Tensor& params = module_.flat_params();
   Tensor& grads = module_.flat_grads();
   const bool check = scaler && scaler->enabled();
   const float unscale = check ? 1.f / scaler->scale() : 1.f;
@@ -130,19 +129,25 @@ void ZeroStage1::queue_step(float share, nn::GradScaler* scaler, Tensor non_fini
     } else {
       optimizer_.apply_step();
     }
-    if (s > 0) kernels::copy(mine_, params.view(r * s, {s}));
   }
   times_.step = ms_since(t0);
-  t0 = Clock::now();
-  {
-    kernels::NvtxRange range("zero/all_gather");
-    std::vector<std::shared_ptr<Work>> works;
-    Tensor gathered = params.view(0, {body});
-    if (s > 0) works.push_back(group_.all_gather(gathered, mine_));
-    Tensor tail_params = params.view(body, {tail});
-    if (tail > 0) works.push_back(group_.broadcast(tail_params, last));
-    wait_all(works);
-  }
+  gather_params();
+}
+
+void ZeroStage1::gather_params() {
+  const int r = group_.rank(), last = plan_.world - 1;
+  const int64_t s = plan_.shard, body = s * plan_.world, tail = plan_.numel - body;
+  if (plan_.world == 1) return;  // the whole buffer is this rank's
+  auto t0 = Clock::now();
+  kernels::NvtxRange range("zero/all_gather");
+  Tensor& params = module_.flat_params();
+  if (s > 0) kernels::copy(mine_, params.view(r * s, {s}));  // the all-gather's own input
+  std::vector<std::shared_ptr<Work>> works;
+  Tensor gathered = params.view(0, {body});
+  if (s > 0) works.push_back(group_.all_gather(gathered, mine_));
+  Tensor tail_params = params.view(body, {tail});
+  if (tail > 0) works.push_back(group_.broadcast(tail_params, last));
+  wait_all(works);
   times_.all_gather = ms_since(t0);
 }
 

@@ -14,6 +14,12 @@
 // Communication per step is reduce_scatter + all_gather, 2 (N-1)/N P: the same as one ring
 // all-reduce. The gradient of the whole model is computed as in DDP (backward runs in
 // DDP's no_sync, then this class communicates); the exchange is not overlapped with backward.
+//
+// Overlapped (DdpTrainer::set_zero_overlap, as PyTorch's ZeroRedundancyOptimizer beside DDP):
+// the gradient meets through DDP's bucketed all-reduce (or its comm hook) while backward runs;
+// every rank then holds the whole reduced gradient, clips it and checks it as DDP does, steps its
+// shard, and gather_params() all-gathers the shards. 1.5x the bytes (all-reduce, then the
+// all-gather), most of them hidden behind backward, and plain DDP's weights bit for bit.
 #pragma once
 
 #include <cstdint>
@@ -73,6 +79,13 @@ class ZeroStage1 {
   // Waits on the host only for the collectives (Work::wait), never for the device's results.
   void queue_step(float share, nn::GradScaler* scaler, kernels::Tensor non_finite,
                   kernels::Tensor grad_norm);
+
+  // zero/all_gather: every rank's shard of the flat parameters (each updated by its own
+  // optimizer step) gathered into every rank's full buffer, the tail broadcast from the last
+  // rank; last_times().all_gather. queue_step ends with it; an overlapped step (the whole
+  // gradient all-reduced, the sharded optimizer stepped by the caller) calls it after the step.
+  // Collective; waits for its collectives on the host.
+  void gather_params();
 
   // The whole optimizer state, gathered from every rank's shard (all_gather of the equal
   // shards, the tail broadcast from the last rank), for a checkpoint that does not depend on
