@@ -141,10 +141,11 @@ class ProcessGroup {
   // Leaves the group for good, as a rank that died would, so that no peer waits for this rank
   // until its timeout: this rank's queued and later ops fail naming `why`, and a peer's op that
   // needs this rank fails promptly. Gloo closes this rank's connections (the peer's op fails with
-  // the closed connection); NCCL aborts the communicator (after an op in progress on another
-  // thread settles). MPI cannot end a peer's wait short of ending the job: this rank's later ops
-  // fail, and the job ends with MPI_Abort when the group is destroyed. Thread-safe; the first
-  // reason is kept.
+  // the closed connection: tested). NCCL aborts the communicator (after an op in progress on
+  // another thread settles); NCCL tells no peer, which fails at once only where its transport
+  // sees the connections close, else at its own timeout. MPI cannot end a peer's wait short of
+  // ending the job: this rank's later ops fail, and the job ends with MPI_Abort when the group is
+  // destroyed. Thread-safe; the first reason is kept.
   virtual void abort(const std::string& why) = 0;
 
   // The bytes of every tensor this rank handed to the group so far: each collective's input

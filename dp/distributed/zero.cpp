@@ -55,8 +55,7 @@ ZeroStage1::ZeroStage1(ProcessGroup& group, nn::Module& module, nn::Optimizer& o
   int r = group.rank();
   optimizer.set_shard(plan_.begin(r), plan_.end(r));
   if (plan_.world == 1) return;  // one rank: its shard is everything, nothing to exchange
-  grad_shard_ = Tensor::zeros({plan_.shard}, DType::f32, dev);
-  mine_ = Tensor::zeros({plan_.shard}, DType::f32, dev);
+  mine_ = Tensor::zeros({plan_.shard}, DType::f32, dev);  // grad_shard_: at the first queue_step
 }
 
 bool ZeroStage1::step(float share, nn::GradScaler* scaler) {
@@ -94,6 +93,8 @@ void ZeroStage1::queue_step(float share, nn::GradScaler* scaler, Tensor non_fini
   {
     kernels::NvtxRange range("zero/reduce_scatter");
     kernels::scale(grads, grads, share);  // the sum over ranks is then the global mean's
+    // Made once, by the first step: an overlapped run (gather_params alone) never needs it.
+    if (!grad_shard_.defined()) grad_shard_ = Tensor::zeros({s}, DType::f32, grads.device());
     std::vector<std::shared_ptr<Work>> works;
     if (s > 0) works.push_back(group_.reduce_scatter(grad_shard_, grads.view(0, {body})));
     Tensor tail_grads = grads.view(body, {tail});

@@ -106,7 +106,7 @@ class ZeroStage1 {
   nn::Module& module_;
   nn::Optimizer& optimizer_;
   ZeroShardPlan plan_;
-  kernels::Tensor grad_shard_;  // (S): this rank's shard of the global gradient
+  kernels::Tensor grad_shard_;  // (S): this rank's shard of the global gradient (queue_step's)
   kernels::Tensor mine_;        // (S): this rank's updated shard, sent to the others
   kernels::Tensor flags_;       // (2): step()'s verdict and norm, read on the host
   ZeroStepTimes times_;
