@@ -546,8 +546,15 @@ void print_memory_model(std::ostream& os, const std::vector<RunResult>& runs) {
       header = true;
     }
     int64_t p = r.param_bytes / 4;
-    int64_t k = r.optim == "adamw" ? 8 : 4;
     int n = r.gpus;
+    // State bytes per parameter: AdamW's two moments (adamw, and a workload's adamw+groups),
+    // SGD's momentum; another optimizer's from what its ranks hold together.
+    int64_t k = r.optim.rfind("adamw", 0) == 0 ? 8 : r.optim.rfind("sgd", 0) == 0 ? 4 : 0;
+    if (k == 0 && p > 0) {
+      int64_t held = 0;
+      for (int64_t b : r.optimizer_state_bytes) held += b;
+      k = (r.zero ? held : r.optimizer_state_bytes[0]) / p;
+    }
     int64_t state_model = r.zero == 1 ? (k * p + n - 1) / n : k * p;
     os << ModeCell{runs, r} << " " << r.optim
        << (r.zero ? (r.zero_overlap ? " zero-1 overlapped" : " zero-1") : "") << ":";

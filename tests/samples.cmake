@@ -42,6 +42,19 @@ if(TARGET compare_my_model)
            COMMAND sh -c "$<TARGET_FILE:compare_my_model> --device cpu --gpus 2 --mode both --baseline 0 --steps 6 --warmup 1 --batch 24 2>&1 | grep -o 'hook N=2: [0-9.]* ms/step, final loss [0-9.]*' | sed 's/.*final/final/' | sort | uniq -c")
   set_tests_properties("samples.compare_my_model: the comm hook under DP and under DDP ends on one loss"
     PROPERTIES TIMEOUT 120 PASS_REGULAR_EXPRESSION "^ *2 final loss [0-9.]+\n$")
+  # The hook under ZeRO-1 overlapped (--zero-overlap: the buckets meet through the hook, each rank
+  # steps its shard) ends on the hook's own loss at 2 ranks (uniq counts 2), and each rank holds
+  # half of AdamW's state (8P bytes over 2).
+  add_test(NAME "samples.compare_my_model: the comm hook under ZeRO-1 overlapped ends on the hook's loss"
+           COMMAND sh -c "{ $<TARGET_FILE:compare_my_model> --device cpu --gpus 2 --mode ddp --baseline 0 --steps 6 --warmup 1 --batch 24; $<TARGET_FILE:compare_my_model> --device cpu --gpus 2 --mode ddp --baseline 0 --steps 6 --warmup 1 --batch 24 --zero 1 --zero-overlap; } 2>&1 | grep -o 'hook N=2: [0-9.]* ms/step, final loss [0-9.]*' | sed 's/.*final/final/' | sort | uniq -c")
+  set_tests_properties("samples.compare_my_model: the comm hook under ZeRO-1 overlapped ends on the hook's loss"
+    PROPERTIES TIMEOUT 120 PASS_REGULAR_EXPRESSION "^ *2 final loss [0-9.]+\n$")
+  add_test(NAME "samples.compare_my_model: the comm hook under ZeRO-1 overlapped holds half the state"
+           COMMAND $<TARGET_FILE:compare_my_model> --device cpu --gpus 2 --mode ddp --baseline 0
+                   --steps 2 --warmup 1 --batch 24 --zero 1 --zero-overlap)
+  set_tests_properties("samples.compare_my_model: the comm hook under ZeRO-1 overlapped holds half the state"
+    PROPERTIES TIMEOUT 120
+    PASS_REGULAR_EXPRESSION " hook  2 adamw\\+groups zero-1 overlapped: 0.09 0.09   model: 4P \\+ 4P \\+ 8P/2 = 0.27 \\(state 0.09\\)")
   # --mode hybrid: the hook takes the sums over nodes ("hybrid-hook" rows beside hybrid's, one
   # run each), its bytes against the built-in sum's (PowerSGD's P and Q, and 8 bytes of metrics).
   add_test(NAME "samples.compare_my_model: the comm hook over hybrid's nodes, bytes against the sum"
