@@ -175,7 +175,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   r.optim = o.optim;
   r.comm_dtype = o.comm_dtype;
   r.zero = o.zero;
-  r.zero_overlap = o.zero != 0 && o.zero_overlap;
+  r.zero_overlap = o.zero_overlap;  // refused without --zero 1
   if (o.sync_bn) r.sync_bn_values = nn::batch_norm_sync_values_per_step(*model);
   r.gpus = n;
   r.batch = batch;

@@ -340,7 +340,7 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
     ddp_->broadcast_buffers();
     forward_and_loss(m, input_, labels_);
     marks_[kForwarded].record(ctx);
-    if (zero_ && !zero_overlap_) {
+    if (zero_reduce_scatters()) {
       // ZeRO-1 communicates after backward (reduce_scatter, shard step, all_gather).
       auto local_only = ddp_->no_sync();
       ddp_->backward(dlogits_);
@@ -348,7 +348,7 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
       ddp_->backward(dlogits_);
     }
     marks_[kBackwarded].record(ctx);
-    if (zero_ && !zero_overlap_) {
+    if (zero_reduce_scatters()) {
       // ZeRO-1's decisions (every rank's shard, combined) stay on the device too: the verdict
       // and the norm come back with the loss, as below.
       scaler_.prepare_deferred(*optimizer_);
@@ -385,7 +385,7 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   times_.host_syncs = counts.host_syncs;
   times_.casts = counts.casts;
   if (phase_timing_ == Event::Timing::off) return global_loss;  // the marks only ordered
-  if (zero_ && !zero_overlap_) {
+  if (zero_reduce_scatters()) {
     times_.allreduce_wait = zero_->last_times().reduce_scatter + zero_->last_times().all_gather;
     times_.optimizer = zero_->last_times().step;
   } else {

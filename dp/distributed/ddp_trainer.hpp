@@ -91,6 +91,8 @@ class DdpTrainer {
   // Off: one reduce-scatter after backward. Call before wrap(); takes effect with stage 1.
   void set_zero_overlap(bool on);
   bool zero_overlapped() const { return zero_ && zero_overlap_; }
+  // ZeRO-1 in its own exchange after backward (reduce-scatter, shard step, all-gather).
+  bool zero_reduce_scatters() const { return zero_ && !zero_overlap_; }
   // SyncBatchNorm: the model's BatchNorm layers normalise with the statistics of every rank's
   // rows (dp/distributed/sync_batch_norm.hpp). Off by default (each rank its own rows, as
   // PyTorch's BatchNorm under DDP). Call before wrap().

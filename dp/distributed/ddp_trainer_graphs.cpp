@@ -24,7 +24,7 @@ bool DdpTrainer::collectives_in_graph() const {
 }
 
 std::string DdpTrainer::graphs_blocked() const {
-  if (zero_ && !zero_overlap_)
+  if (zero_reduce_scatters())
     return "ZeRO-1's reduce-scatter and all-gather are not in the graphed step (--zero-overlap "
            "graphs it)";
   if (sync_bn_) return "SyncBatchNorm exchanges statistics between ranks inside forward";
