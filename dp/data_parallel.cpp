@@ -297,71 +297,6 @@ void DataParallel::forward_and_loss(int i, nn::Mode mode) {
   if (mode != nn::Mode::train) m.train();
 }
 
-void DataParallel::train_job(int i, const Tensor& images, const Tensor& labels,
-                             const std::vector<int64_t>& sizes) {
-  PerDevice& pd = per_device_[i];
-  kernels::DeviceContext& ctx = pool_.context(i);
-  nn::Module& m = *replicas_[i];
-  const int n = static_cast<int>(sizes.size());
-  begin_job(i, images, labels, sizes);
-  {
-    kernels::NvtxRange range("dp/forward");
-    forward_and_loss(i, nn::Mode::train);
-  }
-  pd.marks[kForwarded].record(ctx);
-  pulls_.prepare(i);
-  {
-    kernels::NvtxRange range("dp/backward");
-    pd.in_step = true;  // from here the hooks hand buckets on as they become ready
-    m.backward(pd.dlogits);
-    pd.in_step = false;
-  }
-  pd.marks[kBackwarded].record(ctx);
-  {
-    kernels::NvtxRange range("dp/reduce");
-    pd.own.all_ready();  // also buckets of unused layers
-    advance_reduction(i, true);
-    if (!options_.reducers.empty()) options_.reducers[i]->finish();  // its buckets' collectives
-    if (i == 0 && n > 1) average_buffers_on_root(sizes);
-    if (i == 0 && options_.cross_node) finish_cross_node(n);
-  }
-  pd.marks[kReduced].record(ctx);
-  if (i > 0) {
-    signals_.raise(StepSignals::Flag::done, i);
-  } else {
-    kernels::NvtxRange range("dp/step");
-    std::unique_ptr<kernels::ContextScope> wide;
-    if (wide_context_) wide = std::make_unique<kernels::ContextScope>(*wide_context_);
-    scaler_.prepare_deferred(optimizer_);  // the optimizer's per-step scalars, to the device
-    queue_update();
-    wide.reset();
-    pd.marks[kStepped].record(ctx);
-    // The one host wait of the step: the caller may reuse the host batch, and read device 0's
-    // module from its own stream, once train_step returns.
-    read_step_metrics(n, false, step_read());
-  }
-}
-
-void DataParallel::begin_job(int i, const Tensor& images, const Tensor& labels,
-                             const std::vector<int64_t>& sizes) {
-  PerDevice& pd = per_device_[i];
-  kernels::DeviceContext& ctx = pool_.context(i);
-  pd.marks[kBegin].record(ctx);
-  pulls_.order_after_comm(i);  // a failed step's pulls: this step's writes wait for them
-  write_step_values(i);
-  {
-    kernels::NvtxRange range("dp/scatter");
-    scatter_chunk(i, images, labels, sizes);
-  }
-  pd.marks[kScattered].record(ctx);
-  if (i > 0) {
-    kernels::NvtxRange range("dp/replicate");
-    replicate(i);
-  }
-  pd.marks[kReplicated].record(ctx);
-  order_buffers_before_forward(i, static_cast<int>(sizes.size()));
-}
-
 void DataParallel::queue_update() {
   // One decision for every device: device 0's reduced gradient is checked (under AMP) and
   // clipped there; the host learns the verdict and the norm with the metrics (train_step).
@@ -414,18 +349,11 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
   begin_counts();
   try {
     run_step(
-        "dp/train_step", n_used,
-        [&](int i) {
-          if (graphed_step_)
-            graph_job(i, images, labels, sizes);
-          else
-            train_job(i, images, labels, sizes);
-        },
-        true);
+        "dp/train_step", n_used, [&](int i) { train_job(i, images, labels, sizes); }, true);
     if (graphed_step_ && settle_capture_failures(n_used)) stats.graphed = stats.captured = false;
     for (int i = 0; stats.graphed && i < n_used; ++i) {
-      const GraphSet& gs = per_device_[i].graphs.at(graph_key_);
-      stats.graph_nodes += gs.compute.nodes() + gs.reduce.nodes();
+      const StepSegments& seg = per_device_[i].graphs.at(graph_key_);
+      stats.graph_nodes += seg.compute.nodes() + seg.finish.nodes();
     }
   } catch (...) {
     for (PerDevice& pd : per_device_) pd.capture_failure.reason.clear();

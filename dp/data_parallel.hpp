@@ -57,6 +57,7 @@
 #include "dp/step.hpp"
 #include "dp/step_metrics.hpp"
 #include "dp/step_signals.hpp"
+#include "dp/step_stages.hpp"
 #include "dp/worker_pool.hpp"
 #include "kernels/runtime/event.hpp"
 #include "kernels/runtime/graph.hpp"
@@ -297,19 +298,13 @@ class DataParallel {
   // (two f32: kernels::queue_fault_word), read on the host with the rest.
   static constexpr int64_t kMetrics = 6;
   static constexpr int64_t kLoss = 0, kCorrect = 1, kNonFinite = 2, kGradNorm = 3, kFaultWord = 4;
-  // Graph mode: one step shape's captured work on one device, and the chunk buffers the graphs
-  // read and write (their own per shape: a graph replays with the memory it was captured with).
-  struct GraphSet {
-    int runs = 0;  // steps of this shape so far: the first two run uncaptured
-    kernels::Graph compute, reduce;
-    Tensor input, labels, dlogits;
-    uint64_t drawn = 0;  // random counters the compute segment draws (dropout)
-  };
   struct PerDevice {
-    std::map<GraphKey, GraphSet> graphs;  // by step shape (graph_key_)
-    CaptureFailure capture_failure;       // this step's, set by the device's worker
-    std::vector<int> graph_waits;         // whose ends a graphed reduce waits for
-    Tensor input, labels;                 // this step's chunk on the device
+    // Graph mode: by step shape (graph_key_), the device's segments (the second: its sums and,
+    // on device 0, the update and the metrics' gather) and the chunk buffers they hold.
+    std::map<GraphKey, StepSegments> graphs;
+    CaptureFailure capture_failure;  // this step's, set by the device's worker
+    std::vector<int> graph_waits;    // whose ends a graphed reduce waits for
+    Tensor input, labels;            // this step's chunk on the device
     Tensor output, dlogits;
     // (6) f32 on the device: the chunk's mean loss and correct count, (device 0) whether the
     // reduced gradient held a non-finite value (the GradScaler's verdict) and its norm (clipping
@@ -326,10 +321,12 @@ class DataParallel {
     bool in_step = false;
     kernels::Event marks[kStepMarks];  // by StepMark (dp/step.hpp)
   };
+  // Device i's stages of a training step (dp/step_stages.hpp: scatter, replicate, forward,
+  // backward, the reduction to device 0, device 0's update), uncaptured or graphed.
+  struct DeviceStages;
+  // Device i's part of a training step: its stages (graphed when graphed_step_), then device i
+  // tells device 0 it is done, or device 0 reads the step's metrics.
   void train_job(int i, const Tensor& images, const Tensor& labels,
-                 const std::vector<int64_t>& sizes);
-  // train_job with graphs: the same work in two captured segments per device (see Graphs).
-  void graph_job(int i, const Tensor& images, const Tensor& labels,
                  const std::vector<int64_t>& sizes);
   // Device 0's work after the reduce: clip, the loss scaler's check and the optimizer step,
   // all queued on the device. The host-side part (scaler_.prepare_deferred: the optimizer's
@@ -339,10 +336,6 @@ class DataParallel {
   std::string graphs_blocked() const;
   // Whether this step runs graphed (options_.graphs and graphs_blocked); says once why not.
   bool use_graphs();
-  // A step's start on device i: its chunk scattered, device 0's state replicated (i > 0), and
-  // the buffers ordered before forward (phase marks recorded).
-  void begin_job(int i, const Tensor& images, const Tensor& labels,
-                 const std::vector<int64_t>& sizes);
   // Models with buffers: replica i (> 0) tells device 0 its copy of them is taken; device 0
   // waits for every replica's before its forward changes them.
   void order_buffers_before_forward(int i, int n);

@@ -3,7 +3,7 @@
 add_library(dp_engine STATIC
   ${CMAKE_CURRENT_SOURCE_DIR}/worker_pool.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/data_parallel.cpp
-  ${CMAKE_CURRENT_SOURCE_DIR}/data_parallel_graphs.cpp
+  ${CMAKE_CURRENT_SOURCE_DIR}/data_parallel_stages.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/data_parallel_metrics.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/data_parallel_reduce.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/data_parallel_workers.cpp

@@ -6,7 +6,7 @@
 // not part of the key, and a replay uses the current step's.
 //
 //   GraphKey key;  key.add_row_shape(x);               // what the graphs bake in
-//   StepGraphs& s = graph_set_for(sets, key);          // a shape's segments
+//   StepSegments& s = graph_set_for(sets, key);        // a shape's segments (dp/step_stages.hpp)
 //   run_graph_segment(ctx, s.compute, s.runs, body);   // uncaptured, captured, replayed
 #pragma once
 

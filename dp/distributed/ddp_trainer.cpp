@@ -11,7 +11,6 @@
 #include "dp/distributed/mpi_process_group.hpp"
 #include "dp/distributed/sync_batch_norm.hpp"
 #include "dp/step.hpp"
-#include "dp/trace.hpp"
 #include "kernels/runtime/error.hpp"
 #include "kernels/runtime/memory.hpp"
 
@@ -298,8 +297,6 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   auto each_context = [&](auto f) { f(0, *context_); };
   StepCounter counter;
   counter.begin(each_context);
-  kernels::DeviceContext& ctx = *context_;
-  marks_[kBegin].record(ctx);
   float share = 0;
   auto [hx, hy] = slice_chunk(images, labels, &share);
   // Checked on the global batch, which every rank holds: all ranks refuse it together (a rank
@@ -312,58 +309,24 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   ddp_->set_batch_share(total_denominator_ > 0 ? my_denominator_ : 0,
                         std::max<int64_t>(total_denominator_, 1));
   write_scale();
-  StepGraphs* graphs = nullptr;
+  StepSegments* segments = nullptr;
   if (use_graphs()) {
     // What the graphs bake in: the chunk's shape (the loss scale and this rank's share are read
     // on the device).
     graph_key_.values.assign(1, hx.dim(0));  // the key's storage is reused step to step
     graph_key_.add_row_shape(hx);
     graph_key_.add_row_shape(hy);
-    graphs = &graph_set_for(graphs_, graph_key_);
-    input_ = graphs->input;  // the buffers this shape's graphs read and write
-    labels_ = graphs->labels;
-    dlogits_ = graphs->dlogits;
+    segments = &graph_set_for(graphs_, graph_key_);
+    input_ = segments->input;  // the buffers this shape's graphs read and write
+    labels_ = segments->labels;
+    dlogits_ = segments->dlogits;
   }
-  copy_in(hx, hy);
-  marks_[kScattered].record(ctx);
-
-  nn::Module& m = ddp_->module();
   // Zeros once: the norm's slot is read back every step, written only with clipping on.
   if (!metrics_.defined()) metrics_ = kernels::Tensor::zeros({3}, kernels::DType::f32, device_);
   times_.graphed = times_.captured = false;
   times_.graph_nodes = 0;
-  int64_t replayed_payload = 0;
-  if (graphs) {
-    replayed_payload = graphed_step(*graphs);
-    if (!graphs_fallback_.empty()) graphs_.clear();  // no later step replays them
-  } else {
-    ddp_->broadcast_buffers();
-    forward_and_loss(m, input_, labels_);
-    marks_[kForwarded].record(ctx);
-    if (zero_reduce_scatters()) {
-      // ZeRO-1 communicates after backward (reduce_scatter, shard step, all_gather).
-      auto local_only = ddp_->no_sync();
-      ddp_->backward(dlogits_);
-    } else {
-      ddp_->backward(dlogits_);
-    }
-    marks_[kBackwarded].record(ctx);
-    if (zero_reduce_scatters()) {
-      // ZeRO-1's decisions (every rank's shard, combined) stay on the device too: the verdict
-      // and the norm come back with the loss, as below.
-      scaler_.prepare_deferred(*optimizer_);
-      zero_->queue_step(share, &scaler_, metrics_.view(1, {1}), metrics_.view(2, {1}));
-      ddp_->average_buffers();
-    } else {
-      ddp_->finish_gradient_sync();
-      marks_[kReduced].record(ctx);
-      kernels::NvtxRange range("ddp/step");
-      TraceScope slice(ddp_->trace(), "ddp/step", rank());
-      scaler_.prepare_deferred(*optimizer_);
-      queue_update(m);  // overlapped ZeRO-1: the optimizer steps its shard
-    }
-  }
-  marks_[kStepped].record(ctx);
+  const int64_t replayed_payload = run_stages(hx, hy, share, segments);
+  if (segments && !graphs_fallback_.empty()) graphs_.clear();  // no later step replays them
   if (zero_overlapped()) zero_->gather_params();
   // The loss's all-reduce is not in it; a replayed graph's all-reduces are.
   last_payload_bytes_ = group_->payload_bytes() - payload_before + replayed_payload;

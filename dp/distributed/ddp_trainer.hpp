@@ -26,6 +26,7 @@
 #include "dp/graphs.hpp"
 #include "dp/step.hpp"
 #include "dp/step_metrics.hpp"
+#include "dp/step_stages.hpp"
 #include "kernels/runtime/event.hpp"
 #include "nn/amp.hpp"
 #include "nn/loss.hpp"
@@ -247,13 +248,6 @@ class DdpTrainer {
   std::pair<kernels::Tensor, kernels::Tensor> my_chunk(const kernels::Tensor& images,
                                                        const kernels::Tensor& labels, float* share);
   void copy_in(const kernels::Tensor& x, const kernels::Tensor& y);
-  // Graph mode: one step shape's segments and the buffers they were captured with.
-  struct StepGraphs {
-    int runs = 0;
-    kernels::Graph compute, update;
-    kernels::Tensor input, labels, dlogits;
-    uint64_t drawn = 0;  // random counters the compute segment draws (dropout)
-  };
   // Why this step cannot run graphed (empty: it can).
   std::string graphs_blocked() const;
   // Whether this step runs graphed; says once why not when graphs were asked for.
@@ -264,11 +258,15 @@ class DdpTrainer {
   // The clip and the scaler-checked optimizer step on the synchronised gradient: capturable.
   // requires scaler_.prepare_deferred(*optimizer_) for this step.
   void queue_update(nn::Module& m);
-  // The step from forward to the update through `g`'s segments (input_ and labels_ hold the
-  // chunk, in g's buffers).
-  // Returns the bucket bytes a replayed graph all-reduced (the group never saw them: the
-  // payload the host handed over is counted there), else 0.
-  int64_t graphed_step(StepGraphs& g);
+  // This rank's stages of a training step (dp/step_stages.hpp: the chunk copied in, forward,
+  // backward with the buckets' reducer, the update), uncaptured or graphed.
+  struct RankStages;
+  // The step's stages from the chunk's copy (x, y: this rank's rows; share: its share of the
+  // loss) to the update, uncaptured or (segments) graphed. Returns the bucket bytes a replayed
+  // graph all-reduced (the group never saw them: the payload the host handed over is counted
+  // there), else 0.
+  int64_t run_stages(const kernels::Tensor& x, const kernels::Tensor& y, float share,
+                     StepSegments* segments);
 
   WorkerEnv env_;
   kernels::Device device_;
@@ -306,7 +304,8 @@ class DdpTrainer {
   int64_t my_denominator_ = 0, total_denominator_ = 0;  // of the last my_chunk with a share
   DdpStepTimes times_;
   Graphs graphs_mode_ = Graphs::automatic;
-  std::map<GraphKey, StepGraphs> graphs_;
+  // Graph mode: by step shape, its two segments (the second: the update) and their buffers.
+  std::map<GraphKey, StepSegments> graphs_;
   GraphKey graph_key_;  // this step's
   bool said_graphs_off_ = false;
   bool graph_collectives_ = true;   // set_graph_collectives

@@ -1,0 +1,161 @@
+// DataParallel's training step on each device (dp/data_parallel.hpp): its stages
+// (dp/step_stages.hpp), uncaptured or graphed (dp/graphs.hpp), whether a step runs graphed, and
+// a capture's failure settled. Graphed, per device and step shape, forward and backward run in
+// one captured segment, and the device's reduction (device 0's with the clip, the update and the
+// metrics gather) in another, with the waits between devices outside.
+#include "dp/data_parallel.hpp"
+
+#include <string>
+#include <vector>
+
+namespace dp {
+
+struct DataParallel::DeviceStages final : StepStages {
+  DeviceStages(DataParallel& dp, int i, const Tensor& images, const Tensor& labels,
+               const std::vector<int64_t>& sizes, StepSegments* segments)
+      : dp(dp),
+        i(i),
+        n(static_cast<int>(sizes.size())),
+        images(images),
+        labels(labels),
+        sizes(sizes),
+        segments(segments),
+        pd(dp.per_device_[i]),
+        ctx(dp.pool_.context(i)) {}
+
+  void take_chunk() override {
+    dp.pulls_.order_after_comm(i);  // a failed step's pulls: this step's writes wait for them
+    dp.write_step_values(i);
+    dp.scatter_chunk(i, images, labels, sizes);
+  }
+  bool has_replicate() const override { return true; }  // device 0's: an empty phase
+  void replicate() override {
+    if (i > 0) dp.replicate(i);
+  }
+  void before_forward() override { dp.order_buffers_before_forward(i, n); }
+  void forward_and_loss() override { dp.forward_and_loss(i, nn::Mode::train); }
+  void before_backward() override { dp.pulls_.prepare(i); }
+  void backward() override {
+    nn::Module& m = *dp.replicas_[i];
+    if (segments) {  // captured: the pulls run after it, in the second segment
+      m.backward(pd.dlogits);
+      return;
+    }
+    pd.in_step = true;  // from here the hooks hand buckets on as they become ready
+    m.backward(pd.dlogits);
+    pd.in_step = false;
+  }
+  void after_compute(bool) override {  // the buffers this shape's graphs hold
+    segments->input = pd.input;
+    segments->labels = pd.labels;
+    segments->dlogits = pd.dlogits;
+  }
+  // Graphed, a device that sums (device 0, a tree's inner devices) waits for its sources' ends
+  // (device 0 for every device's: it gathers the metrics too) outside the graph; then one
+  // segment sums every bucket and, on device 0, steps.
+  bool sums() const { return i == 0 || dp.pulls_.works(i); }
+  void finish_reduce() override {
+    if (segments) {
+      if (!sums()) return;
+      std::vector<int>& waits = pd.graph_waits;
+      waits.clear();
+      if (i == 0)
+        for (int r = 1; r < n; ++r) waits.push_back(r);
+      else
+        waits = dp.pulls_.sources(i);
+      dp.signals_.wait_raised(StepSignals::Flag::done, waits);
+      for (int r : waits) dp.per_device_[r].marks[kReduced].wait(ctx);
+      return;
+    }
+    pd.own.all_ready();  // also buckets of unused layers
+    dp.advance_reduction(i, true);
+    if (!dp.options_.reducers.empty()) dp.options_.reducers[i]->finish();  // its collectives
+    if (i == 0 && n > 1) dp.average_buffers_on_root(sizes);
+    if (i == 0 && dp.options_.cross_node) dp.finish_cross_node(n);
+  }
+  bool reduces_queued() const override { return segments && sums(); }
+  void reduce_queued() override {
+    kernels::DeviceContext* wide = i == 0 ? dp.wide_context_.get() : nullptr;
+    dp.pulls_.sum_all(wide ? *wide : ctx, i, pd.shares);
+    if (i == 0 && n > 1) dp.average_buffers_on_root(sizes, true);
+  }
+  // One decision for every device: device 0 steps.
+  nn::Optimizer* stepping() override { return i == 0 ? &dp.optimizer_ : nullptr; }
+  // The optimizer's per-step scalars (lr, step count, loss scale) to the device: a replayed
+  // update reads them there.
+  void prepare_update() override { dp.scaler_.prepare_deferred(dp.optimizer_); }
+  void update() override {
+    dp.queue_update();
+    if (segments && n > 1) dp.gather_metrics_on_root(n);  // read_step_metrics reads them
+  }
+  // CPU: every other device is done with its part, device 0 gets all the cores.
+  kernels::DeviceContext* update_context() override { return dp.wide_context_.get(); }
+
+  DataParallel& dp;
+  const int i, n;
+  const Tensor& images;
+  const Tensor& labels;
+  const std::vector<int64_t>& sizes;
+  StepSegments* segments;  // graphed: this shape's (null: uncaptured)
+  PerDevice& pd;
+  kernels::DeviceContext& ctx;
+};
+
+void DataParallel::train_job(int i, const Tensor& images, const Tensor& labels,
+                             const std::vector<int64_t>& sizes) {
+  PerDevice& pd = per_device_[i];
+  kernels::DeviceContext& ctx = pool_.context(i);
+  StageNames names;
+  names.scatter = "dp/scatter";
+  names.replicate = i > 0 ? "dp/replicate" : nullptr;
+  names.forward = "dp/forward";
+  names.backward = "dp/backward";
+  names.forward_backward = "dp/forward_backward";
+  names.reduce = "dp/reduce";
+  names.step = "dp/step";
+  if (graphed_step_) {
+    StepSegments& seg = graph_set_for(pd.graphs, graph_key_);
+    pd.input = seg.input;  // this shape's chunk buffers: the ones its graphs were captured with
+    pd.labels = seg.labels;
+    pd.dlogits = seg.dlogits;
+    DeviceStages stages(*this, i, images, labels, sizes, &seg);
+    run_graphed_stages(stages, seg, replicas_[i]->flat(), pd.capture_failure, pd.marks, ctx, names);
+  } else {
+    DeviceStages stages(*this, i, images, labels, sizes, nullptr);
+    run_step_stages(stages, pd.marks, ctx, names);
+  }
+  if (i > 0) {
+    signals_.raise(StepSignals::Flag::done, i);
+    return;
+  }
+  // The one host wait of the step: the caller may reuse the host batch, and read device 0's
+  // module from its own stream, once train_step returns. Graphed, device 0's second segment
+  // gathered the metrics.
+  read_step_metrics(static_cast<int>(sizes.size()), graphed_step_, step_read());
+}
+
+std::string DataParallel::graphs_blocked() const {
+  if (options_.cross_node) return "a hybrid run's collectives between nodes are not captured";
+  if (stats_sync_) return "SyncBatchNorm exchanges statistics through the host";
+  if (!options_.reducers.empty()) return "a reducer (comm hook) runs host code between buckets";
+  return "";
+}
+
+bool DataParallel::settle_capture_failures(int n_used) {
+  bool failed = false;
+  for (int i = 0; i < n_used; ++i)  // (checked first: no device name is built per step)
+    if (!per_device_[i].capture_failure.reason.empty())
+      failed |= take_capture_failure(per_device_[i].capture_failure, devices_[i].str(), "dp",
+                                     graphs_fallback_);
+  if (!failed) return false;
+  // The captured graphs (and the blocks they reserve) go: no later step replays them.
+  for (PerDevice& pd : per_device_) pd.graphs.clear();
+  return true;
+}
+
+bool DataParallel::use_graphs() {
+  return graphs_wanted(options_.graphs, devices_[0], graphs_fallback_, graphs_blocked(), "dp",
+                       said_graphs_off_);
+}
+
+}  // namespace dp
