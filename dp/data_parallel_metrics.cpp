@@ -168,9 +168,6 @@ void DataParallel::collect_step(int n, StepStats& stats) {
     for (int j = 0; j < pulls_.n_pulls(i); ++j)
       stats.pulls_beside_backward += pulls_.pull(i, j).beside;
   if (options_.phase_timing == Event::Timing::off) return;  // the marks only ordered the work
-  auto between = [&](int i, StepMark a, StepMark b) {
-    return Event::elapsed_ms(per_device_[i].marks[a], per_device_[i].marks[b]);
-  };
   // A device's event as a host time point: its step's first mark plus the device time since.
   auto at = [&](int i, const Event& e) {
     const Event& begin = per_device_[i].marks[kBegin];
@@ -184,13 +181,14 @@ void DataParallel::collect_step(int n, StepStats& stats) {
   // chunk, then reduces, waiting there for the slowest device, and steps), so they follow one
   // another and add up to the step with what is left ("other") never negative. What the other
   // devices take is seen where device 0 waits for them: in reduce.
+  const MarkTimes root = mark_times(per_device_[0].marks);
+  t.scatter = root.scatter;
+  t.replicate = root.replicate;
+  t.forward = root.forward;
+  t.reduce = root.reduce;
+  t.step = root.step;
   for (int i = 0; i < n; ++i) {
     const PerDevice& pd = per_device_[i];
-    if (i == 0) {
-      t.scatter = between(0, kBegin, kScattered);
-      t.replicate = between(0, kScattered, kReplicated);
-      t.forward = between(0, kReplicated, kForwarded);
-    }
     // Pulls done inside backward (from the hooks) are reduction, not backward; those on a
     // communication stream ran beside it and took none of its stream's time.
     double pulled = 0, pulled_inline = 0;
@@ -203,13 +201,11 @@ void DataParallel::collect_step(int n, StepStats& stats) {
       }
     }
     if (i == 0) {
-      t.backward = between(0, kForwarded, kBackwarded) - pulled_inline;
+      t.backward = root.backward - pulled_inline;
       t.reduce_in_backward = pulled;
     }
     last_backward_end = std::max(last_backward_end, at(i, pd.marks[kBackwarded]));
   }
-  t.reduce = between(0, kBackwarded, kReduced);
-  t.step = between(0, kReduced, kStepped);
 
   std::vector<Clock::time_point> first_pull(n_buckets, Clock::time_point::max());
   for (int i = 0; i < n; ++i)

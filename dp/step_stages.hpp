@@ -232,4 +232,30 @@ inline void run_graphed_stages(StepStages& s, StepSegments& seg, nn::FlatState& 
   marks[kStepped].record(ctx);
 }
 
+// The time between a step's marks, in ms (device time on a GPU, the host's on a CPU device), as
+// both engines report it: scatter (the chunk taken), replicate (kScattered to kReplicated, 0
+// without that stage), forward with the loss (from the replica's weights, or the chunk, to
+// kForwarded), backward, reduce (kBackwarded to kReduced: what of the reduction was not hidden)
+// and step (kReduced to kStepped, 0 where the device does not step). Graphed, forward and
+// backward are one segment: forward holds it, backward is 0.
+struct MarkTimes {
+  double scatter = 0, replicate = 0, forward = 0, backward = 0, reduce = 0, step = 0;
+};
+
+// requires marks recorded by run_step_stages or run_graphed_stages with Timing::on, and reached.
+inline MarkTimes mark_times(const kernels::Event* marks) {
+  auto between = [&](StepMark a, StepMark b) {
+    return kernels::Event::elapsed_ms(marks[a], marks[b]);
+  };
+  MarkTimes t;
+  const bool replicated = marks[kReplicated].recorded();
+  t.scatter = between(kBegin, kScattered);
+  t.replicate = replicated ? between(kScattered, kReplicated) : 0;
+  t.forward = between(replicated ? kReplicated : kScattered, kForwarded);
+  t.backward = between(kForwarded, kBackwarded);
+  t.reduce = between(kBackwarded, kReduced);
+  t.step = marks[kStepped].recorded() ? between(kReduced, kStepped) : 0;
+  return t;
+}
+
 }  // namespace dp

@@ -1,8 +1,10 @@
 // The step's order, written once for DP and DDP (dp/step_stages.hpp): which stages run, in what
 // order, between which marks, uncaptured and graphed, on a CPU context (whose graphs record and
 // replay as a GPU's do: what a replay cannot run is the stages' host code).
+#include <chrono>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <doctest/doctest.h>
@@ -29,6 +31,7 @@ struct LoggingStages : dp::StepStages {
     one = Tensor::from_vector({1.f}, {1}, Device::cpu(0));
   }
   void log(const char* stage) {
+    if (sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms));
     int recorded = 0;
     for (int m = 0; m < dp::kStepMarks; ++m) recorded += marks[m].recorded();
     calls.push_back(std::string(stage) + "@" + std::to_string(recorded));
@@ -81,6 +84,7 @@ struct LoggingStages : dp::StepStages {
   int update_calls = 0;
   int throw_in_update_call = -1;      // update's nth call throws a plain error
   int host_read_in_update_call = -1;  // update's nth call reads the host (refused in a capture)
+  int sleep_ms = 0;                   // each stage's host time (prepare_update's too)
 };
 
 struct Fixture {
@@ -210,4 +214,27 @@ TEST_CASE(
     CHECK(!s.marks[dp::kStepped].recorded());
     CHECK(failed.reason.empty());
   }
+}
+
+TEST_CASE("dp.step_stages: mark_times reads each phase between its own two marks") {
+  // Each stage sleeps 200 ms on the host, which a CPU device's marks time: a phase read between
+  // the wrong marks would hold no stage (about 0 ms) or two (400 ms or more).
+  Fixture f;
+  auto within = [](double ms, double expected) { return ms >= expected && ms < expected + 150; };
+  for (bool replicates : {true, false}) {
+    CAPTURE(replicates);
+    LoggingStages s(f.optimizer.get(), replicates, false);
+    s.sleep_ms = 200;
+    dp::run_step_stages(s, s.marks, f.ctx, kNames);
+    const dp::MarkTimes t = dp::mark_times(s.marks);
+    CHECK(within(t.scatter, 200));
+    CHECK(replicates ? within(t.replicate, 200) : t.replicate == 0);
+    CHECK(within(t.forward, 400));   // before_forward, then forward_and_loss
+    CHECK(within(t.backward, 400));  // before_backward, then backward
+    CHECK(within(t.reduce, 200));
+    CHECK(within(t.step, 400));  // prepare_update, then update
+  }
+  LoggingStages passive(nullptr, false, false);  // a device that does not step
+  dp::run_step_stages(passive, passive.marks, f.ctx, kNames);
+  CHECK(dp::mark_times(passive.marks).step == 0);
 }

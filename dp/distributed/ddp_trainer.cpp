@@ -348,16 +348,17 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
   times_.host_syncs = counts.host_syncs;
   times_.casts = counts.casts;
   if (phase_timing_ == Event::Timing::off) return global_loss;  // the marks only ordered
+  const MarkTimes t = mark_times(marks_);
   if (zero_reduce_scatters()) {
     times_.allreduce_wait = zero_->last_times().reduce_scatter + zero_->last_times().all_gather;
     times_.optimizer = zero_->last_times().step;
   } else {
-    times_.allreduce_wait = Event::elapsed_ms(marks_[kBackwarded], marks_[kReduced]);
+    times_.allreduce_wait = t.reduce;
     if (zero_) times_.allreduce_wait += zero_->last_times().all_gather;
-    times_.optimizer = Event::elapsed_ms(marks_[kReduced], marks_[kStepped]);
+    times_.optimizer = t.step;
   }
-  times_.forward = Event::elapsed_ms(marks_[kScattered], marks_[kForwarded]);
-  times_.backward = Event::elapsed_ms(marks_[kForwarded], marks_[kBackwarded]);
+  times_.forward = t.forward;
+  times_.backward = t.backward;
   return global_loss;
 }
 
