@@ -13,8 +13,9 @@
 //
 // {...} is a captured segment (dp/graphs.hpp: uncaptured for a shape's first runs, then captured
 // and replayed); [...] depends on the engine and the device (replicate: DP; update: the devices
-// and ranks that step). The phase times, trace slices and waits between devices are read from
-// these marks, so they mean the same in both engines, and a stage added here is added to both.
+// and ranks that step). The phase times (mark_times), DP's trace slices and the waits between
+// DP's devices are read from these marks, so they mean the same in both engines, and a stage
+// added here is added to both.
 //
 //   struct MyStages : dp::StepStages { ... };
 //   MyStages s(...);
@@ -38,8 +39,8 @@ namespace dp {
 class StepStages {
  public:
   virtual ~StepStages() = default;
-  // The step's chunk into this device's input buffers, and the step's host values to the device
-  // (DP: scattered from the host batch; DDP: this rank's rows copied in).
+  // The step's chunk into this device's input buffers (DP: scattered from the host batch, after
+  // the step's host values; DDP: this rank's rows copied in).
   virtual void take_chunk() = 0;
   // DP: device 0's weights into this replica. An engine whose weights are equal everywhere after
   // each step (DDP) has no replicate stage and records no kReplicated.
@@ -106,7 +107,7 @@ struct MaybeRange {
 
 struct StepRange {
   explicit StepRange(const StageNames& names) : range(names.step) {
-    if (names.step_trace) slice.emplace(names.step_trace, names.step, names.track);
+    if (names.step_trace && names.step) slice.emplace(names.step_trace, names.step, names.track);
   }
   MaybeRange range;
   std::optional<TraceScope> slice;
