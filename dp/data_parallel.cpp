@@ -349,7 +349,8 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
   begin_counts();
   try {
     run_step(
-        "dp/train_step", n_used, [&](int i) { train_job(i, images, labels, sizes); }, true);
+        "dp/train_step", n_used, [&](int i) { train_job(i, images, labels, sizes); },
+        UsesReducers::yes);
     if (graphed_step_ && settle_capture_failures(n_used)) stats.graphed = stats.captured = false;
     for (int i = 0; stats.graphed && i < n_used; ++i) {
       const StepSegments& seg = per_device_[i].graphs.at(graph_key_);
@@ -430,7 +431,8 @@ StepStats DataParallel::evaluate(const Tensor& batch_images, const Tensor& batch
   std::vector<int64_t> sizes = split_batch("evaluate", images, labels, stats);
   begin_step(sizes);
   run_step(
-      "dp/evaluate", stats.devices_used, [&](int i) { eval_job(i, images, labels, sizes); }, false);
+      "dp/evaluate", stats.devices_used, [&](int i) { eval_job(i, images, labels, sizes); },
+      UsesReducers::no);
   report_device_faults(host_metrics_.data<float>(), stats.devices_used);
   gather_metrics(host_metrics_.data<float>(), shares_, stats);
   return stats;

@@ -346,10 +346,17 @@ class DataParallel {
   int64_t metric_slots(int n) const;
   void eval_job(int i, const Tensor& images, const Tensor& labels,
                 const std::vector<int64_t>& sizes);
+  // Whether a job hands buckets to research code's reducers (training, reduce_grads_to_root) or
+  // not (evaluation).
+  enum class UsesReducers { no, yes };
   // Runs `job` on the first n workers; a failure aborts the step for the others, and this node
   // (cross_node) leaves its group, and so does the failing device's reducer
-  // (DataParallelOptions::reducers) when the job `uses_reducers`.
-  void run_step(const char* phase, int n, const std::function<void(int)>& job, bool uses_reducers);
+  // (DataParallelOptions::reducers) when the job uses them.
+  void run_step(const char* phase, int n, const std::function<void(int)>& job,
+                UsesReducers uses_reducers);
+  // Device i's own buckets after its backward: every one final (also unused layers'), reduced
+  // as far as its pulls go, and its reducer's collectives finished (research code's reducers).
+  void finish_own_buckets(int i);
   // requires no group was left (run_step); throws naming `op` and why otherwise.
   void check_groups_usable(const char* op) const;
   void begin_step(const std::vector<int64_t>& sizes);

@@ -26,6 +26,12 @@ void DataParallel::advance_reduction(int i, bool blocking) {
   pulls_.advance(i, pd.own.ready(), blocking, pd.shares, hand_on_);
 }
 
+void DataParallel::finish_own_buckets(int i) {
+  per_device_[i].own.all_ready();
+  advance_reduction(i, true);
+  if (!options_.reducers.empty()) options_.reducers[i]->finish();  // its buckets' collectives
+}
+
 void DataParallel::hand_on(int i, int k) {
   const Bucket& b = plan_.buckets[k];
   if (i == 0 && options_.cross_node) {  // hybrid: the node's sum, summed over the nodes
@@ -57,15 +63,12 @@ void DataParallel::reduce_grads_to_root(const std::vector<int64_t>& sizes) {
   run_step(
       "dp/reduce", static_cast<int>(sizes.size()),
       [&](int i) {
-        PerDevice& pd = per_device_[i];
         write_step_values(i);
         pulls_.prepare(i);
-        pd.own.all_ready();  // every gradient is final
-        advance_reduction(i, true);
-        if (!options_.reducers.empty()) options_.reducers[i]->finish();
+        finish_own_buckets(i);           // every gradient is final
         pool_.context(i).synchronize();  // the caller reads the result next
       },
-      true);
+      UsesReducers::yes);
 }
 
 void DataParallel::average_buffers_on_root(const std::vector<int64_t>& sizes, bool ordered) {

@@ -67,9 +67,7 @@ struct DataParallel::DeviceStages final : StepStages {
       for (int r : waits) dp.per_device_[r].marks[kReduced].wait(ctx);
       return;
     }
-    pd.own.all_ready();  // also buckets of unused layers
-    dp.advance_reduction(i, true);
-    if (!dp.options_.reducers.empty()) dp.options_.reducers[i]->finish();  // its collectives
+    dp.finish_own_buckets(i);
     if (i == 0 && n > 1) dp.average_buffers_on_root(sizes);
     if (i == 0 && dp.options_.cross_node) dp.finish_cross_node(n);
   }

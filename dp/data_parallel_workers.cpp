@@ -79,7 +79,7 @@ void DataParallel::check_groups_usable(const char* op) const {
 }
 
 void DataParallel::run_step(const char* phase, int n, const std::function<void(int)>& job,
-                            bool uses_reducers) {
+                            UsesReducers uses_reducers) {
   pool_.run(
       phase,
       [&](int i) {
@@ -97,7 +97,7 @@ void DataParallel::run_step(const char* phase, int n, const std::function<void(i
           // leaves the group as a dead rank would, so their ops fail now, not at the group's
           // timeout. The group is gone for good: later steps are refused, naming this failure.
           // (An evaluation does not use the reducers: they stay.)
-          const bool reducers = uses_reducers && !options_.reducers.empty();
+          const bool reducers = uses_reducers == UsesReducers::yes && !options_.reducers.empty();
           if (reducers || (first && options_.cross_node)) {
             const std::string why =
                 "device " + devices_[i].str() + " failed: " + current_error_text();

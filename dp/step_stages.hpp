@@ -207,8 +207,8 @@ inline void run_graphed_stages(StepStages& s, StepSegments& seg, nn::FlatState& 
     try {
       run_graph_segment(
           on ? *on : ctx, seg.finish, runs,
-          [&] {
-            if (queued) s.reduce_queued();
+          [&s, optimizer] {  // two captures: held in std::function's own storage
+            if (s.reduces_queued()) s.reduce_queued();
             if (optimizer) s.update();
           },
           &failed);
