@@ -128,15 +128,16 @@ void add_flags(CLI::App& app, Options& o) {
       ->check(CLI::IsMember({"auto", "nccl", "gloo", "mpi"}));
   app.add_option("--seed", o.seed, "model and data seed")
       ->check(whole_number(0, std::numeric_limits<int64_t>::max()));
-  app.add_option("--json", o.json_path, "write the report as JSON")->check(dp::cli::output_file());
+  app.add_option("--json", o.json_path, "write the report as JSON")
+      ->check(dp::cli::output_file(dp::cli::Output::report));
   app.add_option("--trace", o.trace_path, "write a Chrome/Perfetto trace (one track per device)")
-      ->check(dp::cli::output_file());
+      ->check(dp::cli::output_file(dp::cli::Output::trace));
   app.add_option("--sweep", o.sweep, "device counts to sweep, e.g. 1,2,4 (writes CSV + chart)");
   app.add_option("--csv", o.csv_path, "sweep CSV path (default dp_bench_sweep.csv)")
-      ->check(dp::cli::output_file());
+      ->check(dp::cli::output_file(dp::cli::Output::sweep_table));
   app.add_option("--chart", o.chart_path,
                  "sweep chart path, PNG or SVG (default dp_bench_sweep.svg)")
-      ->check(dp::cli::output_file());
+      ->check(dp::cli::output_file(dp::cli::Output::sweep_chart));
   app.add_option("--profile-steps", o.profile_steps,
                  "a:b brackets timed steps a..b with cudaProfilerStart/Stop (nsys "
                  "--capture-range=cudaProfilerApi)");
@@ -292,11 +293,31 @@ void validate(const Options& o, const Setup& s, const std::vector<int>& counts) 
   }
   if (projection_from(o.project_from) == ProjectionFrom::file)
     read_projection_file(o.project_from);  // read now, not at the end
-  if (!o.sweep.empty()) {                  // the default names, in the working directory
-    dp::cli::check_output_file("--csv", o.csv_path.empty() ? "dp_bench_sweep.csv" : o.csv_path);
-    dp::cli::check_output_file("--chart",
-                               o.chart_path.empty() ? "dp_bench_sweep.svg" : o.chart_path);
+  // The sweep's outputs under their default names, in the working directory, and the chart's
+  // script (written beside the chart and removed once gnuplot drew it).
+  const std::string csv = o.sweep.empty()      ? ""
+                          : o.csv_path.empty() ? "dp_bench_sweep.csv"
+                                               : o.csv_path;
+  const std::string chart = o.sweep.empty()        ? ""
+                            : o.chart_path.empty() ? "dp_bench_sweep.svg"
+                                                   : o.chart_path;
+  if (!o.sweep.empty()) {
+    dp::cli::check_output_file("--csv", csv, dp::cli::Output::sweep_table);
+    dp::cli::check_output_file("--chart", chart, dp::cli::Output::sweep_chart);
+    dp::cli::check_output_file("--chart", chart + ".gp", dp::cli::Output::gnuplot_script);
   }
+  // No two outputs, and no output and the state resumed from, are one file; no output takes a
+  // checkpoint's name.
+  const std::vector<dp::cli::FlagPath> outputs = {
+      {"--json", o.json_path},
+      {"--trace", o.trace_path},
+      {"--csv", csv},
+      {"--chart", chart},
+      {"--chart's script", chart.empty() ? "" : chart + ".gp"}};
+  std::vector<dp::cli::FlagPath> files = outputs;
+  if (o.resume != "latest") files.push_back({"--resume", o.resume});
+  dp::cli::check_distinct_files(files);
+  dp::cli::check_outside_checkpoints(outputs, o.checkpoint_dir);
   // A sample: its f32 values and an i32 label (the built-in data: 1x28x28 images), or the
   // workload's one row of inputs and targets.
   int64_t row_bytes = int64_t{28 * 28} * 4 + 4;

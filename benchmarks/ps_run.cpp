@@ -148,7 +148,8 @@ int run_ps_mode(const Options& o, const Setup& s) {
   std::printf("\n");
 
   if (!o.json_path.empty()) {
-    nlohmann::json j = {{"mode", "ps"},
+    nlohmann::json j = {{"program", "dp_bench"},
+                        {"mode", "ps"},
                         {"model", o.model},
                         {"devices", n},
                         {"device", s.type == kernels::DeviceType::cuda ? "cuda" : "cpu"},

@@ -841,7 +841,8 @@ RunResult run_from_json(const nlohmann::json& j) {
 
 nlohmann::json to_json(const Header& h, const std::vector<RunResult>& runs,
                        const ProjectionInput& projection) {
-  nlohmann::json j = {{"device", h.device},
+  nlohmann::json j = {{"program", "dp_bench"},  // lets a later --json replace this file
+                      {"device", h.device},
                       {"physical_devices", h.physical},
                       {"logical_devices", h.logical},
                       {"oversubscribed", oversubscribed(h)},

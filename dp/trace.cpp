@@ -43,7 +43,11 @@ std::string chrome_trace(const std::vector<TracedRun>& runs) {
     }
     ++pid;
   }
-  return nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump();
+  // otherData (the format's free metadata) marks the file as this project's, so that a later
+  // run's --trace may replace it (dp::cli::existing_output_problem).
+  return nlohmann::json{
+      {"traceEvents", events}, {"displayTimeUnit", "ms"}, {"otherData", {{"program", "dptrain"}}}}
+      .dump();
 }
 
 void write_chrome_trace(const std::string& path, const std::vector<TracedRun>& runs) {

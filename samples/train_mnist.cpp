@@ -130,7 +130,7 @@ int main(int argc, char** argv) {
       ->default_str(dp::data::kDefaultFashionMnistDir)
       ->check(CLI::ExistingDirectory);
   app.add_option("--json", f.json, "write {test_accuracy, train_loss[], seconds} here")
-      ->check(dp::cli::output_file());
+      ->check(dp::cli::output_file(dp::cli::Output::report));
   app.add_option("--mode", f.mode,
                  "single|dp|ddp|hybrid (DP in each node, nodes joined like DDP)|ps (asynchronous "
                  "parameter server)")
@@ -174,7 +174,7 @@ int main(int argc, char** argv) {
   app.add_option("--log", f.log,
                  "write one JSON object per step here (step, loss, lr, grad_norm, samples_per_s, "
                  "loss_scale; rank 0 in DDP; not with --mode ps)")
-      ->check(dp::cli::output_file());
+      ->check(dp::cli::output_file(dp::cli::Output::step_log));
   app.add_option("--limit-batches", f.limit_batches,
                  "stop each epoch after this many batches (smoke runs)")
       ->check(whole_number(1, std::numeric_limits<int64_t>::max()));
@@ -192,6 +192,11 @@ int main(int argc, char** argv) {
              "--save-every needs --checkpoint-dir (where to write)");
     DP_CHECK(f.resume != "latest" || !f.checkpoint_dir.empty(),
              "--resume latest needs --checkpoint-dir (where to look)");
+    // No output is the file resumed from, the other output or a checkpoint's name.
+    const std::vector<dp::cli::FlagPath> outputs = {{"--json", f.json}, {"--log", f.log}};
+    dp::cli::check_distinct_files(
+        {outputs[0], outputs[1], {"--resume", f.resume == "latest" ? "" : f.resume}});
+    dp::cli::check_outside_checkpoints(outputs, f.checkpoint_dir);
     const nn::Precision precision = nn::parse_precision(f.dtype);
     const kernels::DType comm_dtype = dp::cli::comm_dtype(f.comm_dtype);
     const kernels::DType activations = dp::cli::activations_dtype(f.activations, f.dtype);
@@ -623,7 +628,8 @@ int main(int argc, char** argv) {
       if (!f.json.empty()) {
         dp::cli::write_output(
             "--json", f.json,
-            nlohmann::json{{"test_accuracy", accuracy},
+            nlohmann::json{{"program", "train_mnist"},  // lets a later --json replace it
+                           {"test_accuracy", accuracy},
                            {"train_loss", epoch_loss},
                            {"seconds", seconds},
                            {"rows_trained", rows_trained},

@@ -152,7 +152,7 @@ int main(int argc, char** argv) {
   app.add_option("--log", f.log,
                  "write one JSON object per step here (step, loss, lr, grad_norm, tokens_per_s, "
                  "loss_scale; rank 0 in DDP)")
-      ->check(dp::cli::output_file());
+      ->check(dp::cli::output_file(dp::cli::Output::step_log));
   app.add_option("--save", f.save, "training state written at the end (safetensors)")
       ->check(dp::cli::replaceable_file());
   app.add_option("--resume", f.resume, "training state to go on from")->check(CLI::ExistingFile);
@@ -180,6 +180,16 @@ int main(int argc, char** argv) {
   }
 
   try {
+    // What no single flag can check, before any work (and before DDP's ranks start).
+    if (f.mode != "single") {
+      const int64_t world = f.mode == "ddp" ? int64_t{f.gpus} * f.launch.nnodes : f.gpus;
+      const char* unit = f.mode == "ddp" ? " ranks" : " devices";
+      DP_CHECK(f.batch >= world, "--batch " << f.batch << " leaves some of the " << world << unit
+                                            << " without rows: give --batch >= " << world);
+    }
+    // --save may be the file resumed from (it is replaced at the end); --log may be neither.
+    dp::cli::check_distinct_files({{"--log", f.log}, {"--save", f.save}});
+    dp::cli::check_distinct_files({{"--log", f.log}, {"--resume", f.resume}});
     if (f.mode == "ddp") {
       dp::dist::DdpTrainerOptions t;
       t.backend = f.backend;

@@ -586,6 +586,24 @@ TEST_CASE("bench.flags: output paths are checked before the run") {
   refused(cpu + "--sweep 1 --csv " + dir, "--csv: '" + dir + "' is a directory");
   refused(cpu + "--sweep 1 --csv " + temp_path("s.csv") + " --chart " + dir,
           "--chart: '" + dir + "' is a directory");
+  // A file that is not the program's is never replaced; nor is a checkpoint, or one output by
+  // another.
+  refused(cpu + "--json " + file,
+          "--json: '" + file + "' exists and is not a report of dp_bench or train_mnist");
+  refused(cpu + "--trace " + file, "--trace: '" + file + "' exists and is not a trace of dp_bench");
+  refused(cpu + "--sweep 1 --csv " + file,
+          "--csv: '" + file + "' exists and is not a sweep table of dp_bench");
+  const std::string both = temp_path("both.json");
+  refused(cpu + "--json " + both + " --trace " + both,
+          "--json " + both + " and --trace " + both + " name one file");
+  refused(cpu + "--checkpoint-dir " + dir + " --json " + dir + "/step_00000001.safetensors",
+          "--json " + dir +
+              "/step_00000001.safetensors is a checkpoint's name in "
+              "--checkpoint-dir " +
+              dir);
+  std::ifstream kept(file);
+  CHECK(std::string((std::istreambuf_iterator<char>(kept)), std::istreambuf_iterator<char>()) ==
+        "x\n");
   std::filesystem::remove_all(dir);
   // A writable path is accepted, and not left behind by the check when the run fails later.
   std::string json = temp_path("never.json");

@@ -280,6 +280,50 @@ TEST_CASE("samples.train_text: DP and a resumed run follow the single run") {
   std::remove(state.c_str());
 }
 
+TEST_CASE(
+    "samples.train_text: no output replaces a file that is not its own, or the state it reads") {
+  if (skip_without_fortunes()) return;
+  const std::string dir = dp_test::temp_path("train_text", "outputs");
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string notes = dir + "/notes.txt", state = dir + "/state.safetensors";
+  { std::ofstream(notes) << "a file of the user's\n"; }
+  const std::string common = "--device cpu --gpt-config tiny --seq 16 --sample-bytes 0 ";
+  run_train_text(common + "--batch 4 --steps 2 --save " + state);
+  const auto state_bytes = std::filesystem::file_size(state);
+  struct Case {
+    std::string args, says;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"--log " + notes, "--log: '" + notes + "' exists and is not a step log"},
+           {"--save " + notes, "--save: '" + notes + "' exists and is not a training state"},
+           {"--resume " + state + " --log " + state, "exists and is not a step log"},
+           {"--log " + dir + "/l.jsonl --save " + dir + "/./l.jsonl",
+            "--log " + dir + "/l.jsonl and --save " + dir + "/./l.jsonl name one file"},
+           {"--mode ddp --gpus 3 --batch 2",
+            "--batch 2 leaves some of the 3 ranks without rows: give --batch >= 3"},
+       }) {
+    const Outcome r =
+        run_outcome(common + "--steps 3 " + c.args +
+                    (c.args.find("--batch") == std::string::npos ? " --batch 4" : ""));
+    INFO(c.args << "\n" << r.text);
+    CHECK(r.status != 0);
+    CHECK(r.text.find(c.says) != std::string::npos);
+    CHECK(r.text.find("final val loss") == std::string::npos);  // refused before any work
+    CHECK(r.seconds < 10);
+  }
+  // Nothing was lost, and the program's own files are replaced as before.
+  std::ifstream f(notes);
+  CHECK(std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>()) ==
+        "a file of the user's\n");
+  CHECK(std::filesystem::file_size(state) == state_bytes);
+  const std::string log = dir + "/log.jsonl";
+  for (const char* steps : {"3", "4"})
+    run_train_text(common + "--batch 4 --steps " + steps + " --resume " + state + " --save " +
+                   state + " --log " + log);
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("samples.train_text: --log writes one JSON object per step, with the clipped norm") {
   if (skip_without_fortunes()) return;
   const std::string log = dp_test::temp_path("train_text", "steps.jsonl");

@@ -11,12 +11,16 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <sstream>
+
+#include <nlohmann/json.hpp>
 
 #include "kernels/ops.hpp"
 #include "kernels/runtime/error.hpp"
 #include "nn/file_io.hpp"
+#include "nn/train_state.hpp"
 
 namespace dp::cli {
 
@@ -255,12 +259,123 @@ CLI::Validator timeout_seconds(double hi) {
       "[0.001, " + number_text(hi) + "]");
 }
 
-CLI::Validator output_file() {
-  return CLI::Validator([](std::string& path) { return output_file_problem(path); }, "FILE");
+namespace {
+
+// Up to `limit` bytes from the start of the file at `path` ("" when it cannot be read).
+std::string read_head(const std::string& path, size_t limit) {
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) return "";
+  std::string head(limit, '\0');
+  head.resize(std::fread(head.data(), 1, limit, f));
+  std::fclose(f);
+  return head;
 }
 
-void check_output_file(const std::string& flag, const std::string& path) {
+bool starts_with(const std::string& s, const std::string& prefix) {
+  return s.compare(0, prefix.size(), prefix) == 0;
+}
+
+const char* output_what(Output kind) {
+  switch (kind) {
+    case Output::report:
+      return "a report of dp_bench or train_mnist";
+    case Output::trace:
+      return "a trace of dp_bench";
+    case Output::step_log:
+      return "a step log of train_text or train_mnist";
+    case Output::sweep_table:
+      return "a sweep table of dp_bench";
+    case Output::sweep_chart:
+      return "a sweep chart of dp_bench";
+    case Output::gnuplot_script:
+      return "a chart script of dp_bench";
+    case Output::training_state:
+      return "a training state of this project's programs";
+  }
+  return "an output of this program";
+}
+
+// Why `head` (the file's first bytes; `size` its whole size) is not a `kind` output, or "".
+std::string not_ours(Output kind, const std::string& head, uint64_t size) {
+  switch (kind) {
+    case Output::report: {
+      if (size > head.size()) return "it is larger than any report";
+      auto j = nlohmann::json::parse(head, nullptr, false);
+      if (j.is_discarded()) return "it is not JSON";
+      if (!j.is_object()) return "it is not a JSON object";
+      auto program = j.find("program");
+      if (program != j.end())
+        return program->is_string() && (*program == "dp_bench" || *program == "train_mnist")
+                   ? ""
+                   : "its \"program\" is not dp_bench or train_mnist";
+      // Reports written before they named their program.
+      if (j.contains("ddp_step_time") && j.contains("runs")) return "";           // dp_bench
+      if (j.value("mode", "") == "ps" && j.contains("max_staleness")) return "";  // dp_bench ps
+      if (j.contains("test_accuracy") && j.contains("train_loss")) return "";     // train_mnist
+      return "it names no \"program\"";
+    }
+    case Output::trace:
+      if (head.find("\"otherData\":{\"program\":\"dptrain\"") != std::string::npos) return "";
+      // Traces written before they carried the mark: nlohmann's sorted keys, as written.
+      if (starts_with(head, "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[")) return "";
+      return "it has no \"otherData\": {\"program\": \"dptrain\"}";
+    case Output::step_log: {
+      // The first line, or its start while a DDP rank that logs is writing it.
+      if (!starts_with(head, "{\"step\":")) return "it does not start with {\"step\":";
+      const auto eol = head.find('\n');
+      if (eol == std::string::npos) return size > head.size() ? "its first line is too long" : "";
+      auto j = nlohmann::json::parse(head.substr(0, eol), nullptr, false);
+      for (const char* key : {"loss", "lr", "grad_norm", "loss_scale"})
+        if (j.is_discarded() || !j.is_object() || !j.contains(key))
+          return std::string("its first line has no \"") + key + "\"";
+      return "";
+    }
+    case Output::sweep_table:
+      return starts_with(head, "mode,gpus,batch,step_ms_median,") ? ""
+                                                                  : "its header is not the sweep's";
+    case Output::sweep_chart:
+      if (starts_with(head, "\x89PNG\r\n\x1a\n")) return "";  // pngcairo's, unmarked
+      return head.find("Produced by GNUPLOT") != std::string::npos
+                 ? ""
+                 : "it is neither a PNG nor an SVG drawn by gnuplot";
+    case Output::gnuplot_script:
+      return starts_with(head, "set terminal ") ? "" : "it is not a gnuplot script";
+    case Output::training_state:
+      return head.size() > 8 && head.find("\"format\":\"dptrain-", 8) != std::string::npos
+                 ? ""
+                 : "it has no __metadata__ format dptrain-...";
+  }
+  return "";
+}
+
+}  // namespace
+
+std::string existing_output_problem(const std::string& path, Output kind) {
+  struct stat st {};
+  if (path.empty() || ::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode) || st.st_size == 0)
+    return "";
+  // A report is read whole (they are kilobytes); the others by their start.
+  constexpr size_t kReportLimit = size_t{256} << 20, kHeadLimit = size_t{1} << 20;
+  const std::string head = read_head(path, kind == Output::report ? kReportLimit : kHeadLimit);
+  if (head.empty()) return "'" + path + "' exists and cannot be read: it is never replaced unread";
+  const std::string why = not_ours(kind, head, static_cast<uint64_t>(st.st_size));
+  if (why.empty()) return "";
+  return "'" + path + "' exists and is not " + output_what(kind) + " (" + why +
+         "): it is never replaced; remove it yourself, or give another path";
+}
+
+CLI::Validator output_file(Output kind) {
+  return CLI::Validator(
+      [kind](std::string& path) {
+        std::string problem = output_file_problem(path);
+        return problem.empty() ? existing_output_problem(path, kind) : problem;
+      },
+      "FILE");
+}
+
+void check_output_file(const std::string& flag, const std::string& path, Output kind) {
   std::string problem = output_file_problem(path);
+  if (problem.empty()) problem = existing_output_problem(path, kind);
   DP_CHECK(problem.empty(), flag << ": " << problem);
 }
 
@@ -269,9 +384,60 @@ CLI::Validator replaceable_file() {
       [](std::string& path) -> std::string {
         const std::string problem = nn::io::replace_problem(path);
         if (!problem.empty()) return "'" + path + "' " + problem;
-        return output_file_problem(path);
+        std::string written = output_file_problem(path);
+        return written.empty() ? existing_output_problem(path, Output::training_state) : written;
       },
       "FILE");
+}
+
+namespace {
+
+// Whether `a` and `b` name one file or folder (one inode), or would once written.
+bool same_file(const std::string& a, const std::string& b) {
+  struct stat sa {
+  }, sb{};
+  const bool has_a = ::stat(a.c_str(), &sa) == 0, has_b = ::stat(b.c_str(), &sb) == 0;
+  if (has_a && has_b) return sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+  if (has_a != has_b) return false;  // one exists and the other does not: two names
+  std::error_code ea, eb;
+  const auto ca = std::filesystem::weakly_canonical(std::filesystem::absolute(a, ea), ea);
+  const auto cb = std::filesystem::weakly_canonical(std::filesystem::absolute(b, eb), eb);
+  return !ea && !eb ? ca == cb : a == b;
+}
+
+// Whether `path` is a regular file or nothing yet (a file the run would create).
+bool regular_or_missing(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) != 0 || S_ISREG(st.st_mode);
+}
+
+}  // namespace
+
+void check_distinct_files(const std::vector<FlagPath>& files) {
+  for (size_t i = 0; i < files.size(); ++i)
+    for (size_t k = i + 1; k < files.size(); ++k) {
+      const FlagPath &a = files[i], &b = files[k];
+      if (a.path.empty() || b.path.empty() || !regular_or_missing(a.path) ||
+          !same_file(a.path, b.path))
+        continue;
+      DP_THROW(a.flag << " " << a.path << " and " << b.flag << " " << b.path
+                      << " name one file: one would replace the other; give each its own path");
+    }
+}
+
+void check_outside_checkpoints(const std::vector<FlagPath>& outputs,
+                               const std::string& checkpoint_dir) {
+  if (checkpoint_dir.empty()) return;
+  for (const FlagPath& o : outputs) {
+    if (o.path.empty()) continue;
+    const std::filesystem::path p(o.path);
+    if (nn::detail::checkpoint_step(p.filename().string()) < 0) continue;
+    const std::string dir = p.has_parent_path() ? p.parent_path().string() : ".";
+    DP_CHECK(!same_file(dir, checkpoint_dir),
+             o.flag << " " << o.path << " is a checkpoint's name in --checkpoint-dir "
+                    << checkpoint_dir << ", where the run writes its checkpoints and --keep "
+                    << "removes old ones: give the file another name or folder");
+  }
 }
 
 CLI::Validator checkpoint_dir() {

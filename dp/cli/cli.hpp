@@ -13,6 +13,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
@@ -77,17 +78,50 @@ int hybrid_procs(int flag, int nnodes);
 // bf16 (which needs --dtype bf16: the activations take the compute dtype). Throws naming both.
 kernels::DType activations_dtype(const std::string& activations, const std::string& dtype);
 
+// What an output flag writes. A file already at the path is replaced only when it is empty or
+// one of the project's programs wrote it, told by its content: the programs' mark where the
+// format has room for one ("program" in a report, "otherData" in a trace, the training state's
+// "format"), else the exact shape they write (the sweep table's header, the step log's keys).
+// Any other file is refused, never replaced:
+//   "'notes.txt' exists and is not a report of dp_bench or train_mnist (it is not JSON): it is
+//    never replaced; remove it yourself, or give another path"
+enum class Output {
+  report,          // --json: dp_bench's or train_mnist's JSON report
+  trace,           // --trace: a Chrome/Perfetto trace (dp::write_chrome_trace)
+  step_log,        // --log: one JSON object per step (StepLog)
+  sweep_table,     // --csv: dp_bench's sweep table
+  sweep_chart,     // --chart: the sweep chart drawn by gnuplot (SVG or PNG)
+  gnuplot_script,  // the chart's script, written beside it and removed after gnuplot ran
+  training_state,  // --save: nn::save_training_state's safetensors file
+};
+// What stops an existing file at `path` from being replaced by a `kind` output, or "" (no file,
+// an empty one, one that is not regular, or one the programs wrote).
+std::string existing_output_problem(const std::string& path, Output kind);
 // An output file that can be written: refuses an empty path, a directory, a missing parent
-// directory, and a path that cannot be opened for writing (with the system's reason). The check
-// opens the file without truncating it; a file that did not exist is created and removed again.
-CLI::Validator output_file();
+// directory, a path that cannot be opened for writing (with the system's reason) and an existing
+// file that is not a `kind` output (existing_output_problem). The check opens the file without
+// truncating it; a file that did not exist is created and removed again.
+CLI::Validator output_file(Output kind);
 // The same check for a path that is not a flag's text (a default name, say); throws
 // kernels::Error naming `flag`.
-void check_output_file(const std::string& flag, const std::string& path);
+void check_output_file(const std::string& flag, const std::string& path, Output kind);
 // A file written whole and renamed over the old one (training state, checkpoints: --save): the
-// output_file() checks, and only a regular file (or a symbolic link to one, or none) may be
-// there; a device, a FIFO or a socket is refused (nn::io::replace_problem), never replaced.
+// output_file(Output::training_state) checks, and only a regular file (or a symbolic link to
+// one, or none) may be there; a device, a FIFO or a socket is refused
+// (nn::io::replace_problem), never replaced.
 CLI::Validator replaceable_file();
+// A flag and the path it was given.
+struct FlagPath {
+  std::string flag, path;
+};
+// Throws kernels::Error when two of `files` name one regular file (the same path, or two names
+// of one file), naming both flags: one output would replace the other, or the file a run reads.
+// Empty paths and files that are not regular (/dev/null, a FIFO) are left out.
+void check_distinct_files(const std::vector<FlagPath>& files);
+// Throws kernels::Error when one of `outputs` would be a checkpoint of `checkpoint_dir`
+// (step_N.safetensors in it, which the run writes, and --keep removes). "" dir: no check.
+void check_outside_checkpoints(const std::vector<FlagPath>& outputs,
+                               const std::string& checkpoint_dir);
 
 // The folder checkpoints go to, one spelling for every program: --checkpoint-dir DIR, with a
 // validator that refuses an empty path, a path that is a file, and one under a file; a missing
