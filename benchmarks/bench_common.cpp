@@ -132,7 +132,13 @@ void add_flags(CLI::App& app, Options& o) {
       ->check(dp::cli::output_file(dp::cli::Output::report));
   app.add_option("--trace", o.trace_path, "write a Chrome/Perfetto trace (one track per device)")
       ->check(dp::cli::output_file(dp::cli::Output::trace));
-  app.add_option("--sweep", o.sweep, "device counts to sweep, e.g. 1,2,4 (writes CSV + chart)");
+  app.add_option("--sweep", o.sweep, "device counts to sweep, e.g. 1,2,4 (writes CSV + chart)")
+      ->check(CLI::Validator(
+          [](std::string& counts) {
+            return counts.empty() ? std::string("the list is empty: give counts, e.g. 1,2,4")
+                                  : std::string();
+          },
+          "COUNTS"));
   app.add_option("--csv", o.csv_path, "sweep CSV path (default dp_bench_sweep.csv)")
       ->check(dp::cli::output_file(dp::cli::Output::sweep_table));
   app.add_option("--chart", o.chart_path,
@@ -179,7 +185,7 @@ void add_flags(CLI::App& app, Options& o) {
                  "of 4 and 8 devices)")
       ->check(CLI::IsMember({"off"}) | CLI::ExistingFile);
   dp::cli::add_launch_flags(app, o.launch);
-  dp::cli::add_checkpoint_dir_flag(
+  CLI::Option* checkpoint_dir = dp::cli::add_checkpoint_dir_flag(
       app, o.checkpoint_dir,
       "write the whole training state here (step_N.safetensors), every --save-every steps and "
       "at the end; created when missing, locked for the job; one run at a time (--mode dp|ddp "
@@ -187,7 +193,8 @@ void add_flags(CLI::App& app, Options& o) {
   app.add_option("--save-every", o.save_every, "steps between checkpoints (needs --checkpoint-dir)")
       ->check(whole_number(1, kMaxSteps));
   app.add_option("--keep", o.keep, "checkpoints to keep in --checkpoint-dir, newest first")
-      ->check(whole_number(1, 1000));
+      ->check(whole_number(1, 1000))
+      ->needs(checkpoint_dir);
   app.add_option("--resume", o.resume,
                  "resume from a training state file, or the newest whole one in --checkpoint-dir "
                  "(latest: damaged ones are skipped, named); same model, global batch and seed, "
@@ -290,6 +297,15 @@ void validate(const Options& o, const Setup& s, const std::vector<int>& counts) 
              "--chart " << c
                         << ": the chart is drawn as SVG or PNG, by the name's ending: give a .svg "
                            "or .png name");
+  }
+  // A cap below one f32 gradient rounds to an empty bucket.
+  for (const auto& [flag, mb] :
+       {std::pair<const char*, double>{"--bucket-cap-mb", o.bucket_cap_mb},
+        std::pair<const char*, double>{"--first-bucket-mb", o.first_bucket_mb}}) {
+    const auto bytes = static_cast<int64_t>(mb * (1 << 20));
+    DP_CHECK(bytes >= 4, flag << " " << mb << " is " << bytes
+                              << " bytes, less than one f32 gradient: give at least "
+                              << 4.0 / (1 << 20) << " (4 bytes)");
   }
   if (projection_from(o.project_from) == ProjectionFrom::file)
     read_projection_file(o.project_from);  // read now, not at the end
@@ -794,8 +810,15 @@ std::vector<int> sweep_counts(const Options& o, const Setup& s) {
       long v = std::strtol(item.c_str(), &end, 10);
       DP_CHECK(end && *end == '\0' && v >= 1 && v <= 64,
                "--sweep '" << o.sweep << "': '" << item << "' is not a count in [1, 64]");
+      DP_CHECK(std::find(counts.begin(), counts.end(), v) == counts.end(),
+               "--sweep '" << o.sweep << "': " << v << " is given twice: give each count once");
       counts.push_back(static_cast<int>(v));
     }
+    const int largest = *std::max_element(counts.begin(), counts.end());
+    DP_CHECK(!o.gpus || *o.gpus == largest,
+             "--gpus " << *o.gpus << " with --sweep " << o.sweep
+                       << ": the sweep's counts are the device counts (the largest is " << largest
+                       << "); drop --gpus");
     return counts;
   }
   if (o.baseline && s.gpus > 1) counts.push_back(1);
@@ -856,6 +879,24 @@ int run(const Options& o, int argc, char** argv) {
            "--ddp-graph-collectives " << o.ddp_graph_collectives << " with --mode " << o.mode
                                       << ": it places DDP's bucket all-reduces; give --mode ddp "
                                          "or both");
+  DP_CHECK(o.dp_reduce == "star" || o.mode == "dp" || o.mode == "both" || o.mode == "hybrid",
+           "--dp-reduce " << o.dp_reduce << " with --mode " << o.mode
+                          << ": it sets DP's reduce to device 0; give --mode dp, both or hybrid");
+  DP_CHECK((o.max_staleness == -1 && !o.scale_lr) || o.mode == "ps",
+           (o.scale_lr ? "--staleness-lr" : "--max-staleness " + std::to_string(o.max_staleness))
+               << " with --mode " << o.mode
+               << ": it sets the parameter server's workers; give --mode ps");
+  DP_CHECK(o.mode != "ps" || (o.sweep.empty() && o.repeat == 1),
+           (o.sweep.empty() ? "--repeat " + std::to_string(o.repeat) : "--sweep " + o.sweep)
+               << " with --mode ps: the parameter server's run is timed once against its DP "
+                  "curve; give --mode dp, ddp or both");
+  // Of the built-in models only the ResNet has BatchNorm layers (make_model); a workload's
+  // model is its own.
+  DP_CHECK(
+      !o.sync_bn || (o.mode != "ps" && (o.workload || o.model == "resnet")),
+      "--sync-bn with " << (o.mode == "ps" ? "--mode ps: the parameter server's workers step alone"
+                                           : "--model " + o.model + ": the model has no BatchNorm")
+                        << "; give --model resnet with --mode dp, ddp, both or hybrid");
   DP_CHECK(o.backend != "mpi" || o.mode == "ddp",
            "--backend mpi with --mode " << o.mode
                                         << ": MPI carries DDP's collectives, and only --mode ddp "
@@ -1079,7 +1120,7 @@ int run(const Options& o, int argc, char** argv) {
   if (!o.sweep.empty()) {
     std::string csv = o.csv_path.empty() ? "dp_bench_sweep.csv" : o.csv_path;
     std::ostringstream table;
-    write_sweep_csv(table, runs);
+    write_sweep_csv(table, h, runs);
     dp::cli::write_output("--csv", csv, table.str());
     std::printf("sweep: %s\n", csv.c_str());
     std::string note;

@@ -301,8 +301,11 @@ std::string verdict(const Header& h, const std::vector<RunResult>& runs) {
   const RunResult& fast = ddp_wins ? ddp : dp;
   Estimate speed = ddp_wins ? e : Estimate{1 / e.value, 1 / e.hi, 1 / e.lo, e.samples};
   os << std::setprecision(2) << (ddp_wins ? "DDP" : "DP") << " is " << speed.value
-     << "x faster than " << (ddp_wins ? "DP" : "DDP") << " (95% CI " << speed.lo << " to "
-     << speed.hi << ")";
+     << "x faster than " << (ddp_wins ? "DP" : "DDP");
+  if (speed.has_interval())
+    os << " (95% CI " << speed.lo << " to " << speed.hi << ")";
+  else
+    os << " (95% CI n/a: one step; give --steps 2 or more)";
   // Where the slower one loses: the phase group with the largest gap in the phases of the two
   // median steps, and its share of their whole gap.
   if (slow.phases_ms.empty() || fast.phases_ms.empty()) return os.str();
@@ -371,7 +374,11 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
     const RunResult* base = baseline_of(runs, r.mode);
     Estimate e = step_estimate(r);
     std::ostringstream ci;
-    ci << std::fixed << std::setprecision(3) << e.value << " (" << e.lo << "-" << e.hi << ")";
+    ci << std::fixed << std::setprecision(3) << e.value;
+    if (e.has_interval())
+      ci << " (" << e.lo << "-" << e.hi << ")";
+    else
+      ci << " (n/a: 1 step)";
     os << ModeCell{runs, r} << std::setw(8) << r.batch << "  " << std::left << std::setw(27)
        << ci.str() << std::right << std::setw(8) << std::setprecision(3) << r.step_ms_p90()
        << std::setw(12) << std::setprecision(0) << r.samples_per_s();
@@ -656,6 +663,39 @@ std::vector<Projection> project(const std::vector<RunResult>& runs,
   return out;
 }
 
+namespace {
+
+// Throws naming `where` (a run of a --project-from file) and the field when a value the
+// projection computes with is out of what any dp_bench run writes: a count below 1, a time or a
+// size not finite, negative or past 1e9 ms or 2^50 bytes, a ready fraction outside [0, 1].
+void check_projection_run(const RunResult& r, const std::string& where) {
+  constexpr double kMaxMs = 1e9, kMaxBytes = 1125899906842624.0;  // 2^50
+  auto check = [&](const std::string& field, double v, double lo, bool lo_open, double hi) {
+    const bool ok = std::isfinite(v) && (lo_open ? v > lo : v >= lo) && v <= hi;
+    DP_CHECK(ok, where << "." << field << " is " << v << ": a dp_bench report holds "
+                       << (lo_open ? "(" : "[") << lo << ", " << hi << "] there");
+  };
+  check("gpus", r.gpus, 1, false, 1024);
+  check("batch", static_cast<double>(r.batch), 1, false, kMaxBytes);
+  DP_CHECK(!r.step_ms.empty(), where << ".step_ms is empty: a dp_bench report holds its steps");
+  for (size_t i = 0; i < r.step_ms.size(); ++i)
+    check("step_ms[" + std::to_string(i) + "]", r.step_ms[i], 0, true, kMaxMs);
+  for (const auto& [name, ms] : r.phases_ms) check("phases_ms." + name, ms, -kMaxMs, false, kMaxMs);
+  check("param_bytes", static_cast<double>(r.param_bytes), 0, true, kMaxBytes);
+  check("bytes_per_step", static_cast<double>(r.bytes_per_step), 0, false, kMaxBytes);
+  check("bytes_theory", static_cast<double>(r.bytes_theory), 0, false, kMaxBytes);
+  DP_CHECK(r.bucket_ready_frac.empty() || r.bucket_ready_frac.size() == r.bucket_bytes.size(),
+           where << ": " << r.bucket_bytes.size() << " bucket_bytes and "
+                 << r.bucket_ready_frac.size() << " bucket_ready_frac; a report gives one each");
+  for (size_t i = 0; i < r.bucket_bytes.size(); ++i)
+    check("bucket_bytes[" + std::to_string(i) + "]", static_cast<double>(r.bucket_bytes[i]), 0,
+          true, kMaxBytes);
+  for (size_t i = 0; i < r.bucket_ready_frac.size(); ++i)
+    check("bucket_ready_frac[" + std::to_string(i) + "]", r.bucket_ready_frac[i], 0, false, 1);
+}
+
+}  // namespace
+
 ProjectionInput read_projection_file(const std::string& project_from) {
   ProjectionInput in;
   nn::io::FileReader reader(project_from, "--project-from");  // refuses a FIFO, a device
@@ -668,9 +708,36 @@ ProjectionInput read_projection_file(const std::string& project_from) {
                    "' holds CPU compute; the projection needs a GPU's results file";
       return in;
     }
-    for (auto& r : j.at("runs")) in.runs.push_back(run_from_json(r));
-    for (auto& r : j.value("compute_runs", nlohmann::json::array()))
-      in.compute_runs.push_back(run_from_json(r));
+    // Each run read and bounded, named by its place in the file.
+    auto read_runs = [&](const char* key, std::vector<RunResult>& out) {
+      const nlohmann::json none = nlohmann::json::array();
+      const nlohmann::json& list = j.contains(key) ? j.at(key) : none;
+      DP_CHECK(list.is_array(),
+               "--project-from '" << project_from << "': " << key << " is not a list of runs");
+      for (size_t i = 0; i < list.size(); ++i) {
+        const std::string where =
+            "--project-from '" + project_from + "': " + key + "[" + std::to_string(i) + "]";
+        try {
+          // The count as written: get<int>() would wrap a huge one into range.
+          const nlohmann::json& gpus = list[i].at("gpus");
+          DP_CHECK(
+              gpus.is_number_integer() && gpus.get<int64_t>() >= 1 && gpus.get<int64_t>() <= 1024,
+              where << ".gpus is " << gpus.dump()
+                    << ": a dp_bench report holds a device count in [1, 1024] there");
+          out.push_back(run_from_json(list[i]));
+        } catch (const nlohmann::json::exception& e) {
+          DP_THROW(where << ": " << e.what());
+        }
+        check_projection_run(out.back(), where);
+      }
+    };
+    DP_CHECK(j.contains("runs"), "--project-from '" << project_from << "': no \"runs\"");
+    read_runs("runs", in.runs);
+    read_runs("compute_runs", in.compute_runs);
+    if (in.runs.empty()) {
+      in.why_not = "--project-from '" + project_from + "' holds no runs";
+      return in;
+    }
     in.source = project_from + " (" + device + ")";
   } catch (const nlohmann::json::exception& e) {
     DP_THROW("--project-from '" << project_from << "': not a dp_bench JSON report (" << e.what()
@@ -914,17 +981,23 @@ nlohmann::json to_json(const Header& h, const std::vector<RunResult>& runs,
   return j;
 }
 
-void write_sweep_csv(std::ostream& os, const std::vector<RunResult>& runs) {
+void write_sweep_csv(std::ostream& os, const Header& h, const std::vector<RunResult>& runs) {
   os << "mode,gpus,batch,step_ms_median,step_ms_p90,samples_per_s,speedup,efficiency,"
         "bytes_per_step,bytes_theory,final_loss,overhead_us_per_device,step_ms_ci_lo,"
         "step_ms_ci_hi,ratio_to_one,ratio_ci_lo,ratio_ci_hi,overhead_ci_lo,overhead_ci_hi,"
         "repeats,noisy\n";
   for (auto& r : runs) {
     const RunResult* base = baseline_of(runs, r.mode);
-    double s = base && r.step_ms_median() > 0 ? base->step_ms_median() / r.step_ms_median() : 0;
     os << r.mode << "," << r.gpus << "," << r.batch << "," << r.step_ms_median() << ","
-       << r.step_ms_p90() << "," << r.samples_per_s() << "," << s << "," << s / r.gpus << ","
-       << r.bytes_per_step << "," << r.bytes_theory << "," << r.final_loss << ",";
+       << r.step_ms_p90() << "," << r.samples_per_s() << ",";
+    // Empty where devices share the hardware: overhead, not scaling (as the report and JSON).
+    if (base && r.step_ms_median() > 0 && !time_sliced(h, r.gpus)) {
+      const double s = base->step_ms_median() / r.step_ms_median();
+      os << s << "," << s / r.gpus;
+    } else {
+      os << ",";
+    }
+    os << "," << r.bytes_per_step << "," << r.bytes_theory << "," << r.final_loss << ",";
     std::optional<Estimate> us = overhead_ci(runs, r), ratio = ratio_to_one(runs, r);
     if (us) os << us->value;
     const Estimate step = step_estimate(r);

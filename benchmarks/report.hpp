@@ -267,6 +267,7 @@ nlohmann::json to_json(const Header& h, const std::vector<RunResult>& runs,
 nlohmann::json run_to_json(const RunResult& r);
 RunResult run_from_json(const nlohmann::json& j);
 // CSV of a sweep: mode,gpus,step_ms_median,step_ms_p90,samples_per_s,speedup,efficiency,...
-void write_sweep_csv(std::ostream& os, const std::vector<RunResult>& runs);
+// (speedup and efficiency empty for time-sliced runs, as in the report).
+void write_sweep_csv(std::ostream& os, const Header& h, const std::vector<RunResult>& runs);
 
 }  // namespace bench

@@ -96,6 +96,10 @@ Estimate difference_ci(const std::vector<double>& a, const std::vector<double>& 
 
 std::string format_ci(const Estimate& e, int digits) {
   char buf[128];
+  if (!e.has_interval()) {
+    std::snprintf(buf, sizeof(buf), "%.*f (95%% CI n/a: one sample)", digits, e.value);
+    return buf;
+  }
   std::snprintf(buf, sizeof(buf), "%.*f (95%% CI %.*f to %.*f)", digits, e.value, digits, e.lo,
                 digits, e.hi);
   return buf;

@@ -14,7 +14,9 @@ struct Estimate {
   double value = 0, lo = 0, hi = 0;
   int samples = 0;
 
-  bool contains(double x) const { return samples > 0 && lo <= x && x <= hi; }
+  // One sample resamples to itself: its interval has no width and says nothing.
+  bool has_interval() const { return samples >= 2; }
+  bool contains(double x) const { return has_interval() && lo <= x && x <= hi; }
 };
 
 constexpr int kBootstrapResamples = 2000;
@@ -40,6 +42,7 @@ Estimate difference_ci(const std::vector<double>& a, const std::vector<double>& 
                        Pairing pairing, uint64_t seed = 1);
 
 // "1.83 (95% CI 1.62 to 2.05)" with `digits` after the point.
+// "1.23 (95% CI 1.10 to 1.40)", or "1.23 (95% CI n/a: one sample)".
 std::string format_ci(const Estimate& e, int digits);
 
 // A run is noisy when its p90 step exceeds 1.5 times its median step.

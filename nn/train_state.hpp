@@ -291,6 +291,18 @@ inline TrainingProgress load_training_state(const std::string& path, Module& m, 
   got.rng_offsets = safetensors::metadata_u64_list(file, where, "rng_offsets");
   // What must match: the model, the optimizer and the run's settings (the global batch among
   // them). The mode and world size may differ: the state does not depend on them.
+  // The run's settings must be the file's; the program and model that saved it are compared
+  // first, so a file of another program or model is named as such, not by a count.
+  auto same_config = [&](const std::string& k, const std::string& v) {
+    auto it = file.metadata.find("config." + k);
+    DP_CHECK(
+        it != file.metadata.end() && it->second == v,
+        where << ": saved with " << k << " "
+              << (it != file.metadata.end() ? io::printable(it->second) : std::string("(none)"))
+              << ", this run has " << v << ": resume with the run's own settings");
+  };
+  for (const char* k : {"program", "model"})
+    if (auto it = expected.config.find(k); it != expected.config.end()) same_config(k, it->second);
   const int64_t n_params = m.flat_params().numel();
   const int64_t parameters = number("parameters", 0, kMax);
   DP_CHECK(parameters == n_params, where << ": saved from a model with " << parameters
@@ -302,12 +314,7 @@ inline TrainingProgress load_training_state(const std::string& path, Module& m, 
            where << ": " << got.rng_offsets.size() << " dropout offsets for world size "
                  << got.world_size);
   for (const auto& [k, v] : expected.config) {
-    auto it = file.metadata.find("config." + k);
-    DP_CHECK(
-        it != file.metadata.end() && it->second == v,
-        where << ": saved with " << k << " "
-              << (it != file.metadata.end() ? io::printable(it->second) : std::string("(none)"))
-              << ", this run has " << v << ": resume with the run's own settings");
+    same_config(k, v);
     got.config[k] = v;
   }
   if (file.metadata.count("scaler.scale")) {

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <memory>
+#include <string>
 
 #include "nn/nn.hpp"
 
@@ -124,7 +125,23 @@ std::vector<std::vector<float>> pass(nn::Module& m, const Tensor& x) {
   return {y.to_host_f32(), dx.to_host_f32(), m.flat_grads().to_host_f32()};
 }
 
-int main() {
+int main(int argc, char** argv) {
+  // A demonstration with nothing to set: --help says what it does, anything else is refused.
+  if (argc > 1) {
+    const std::string arg = argv[1];
+    if (arg == "-h" || arg == "--help") {
+      std::printf(
+          "custom_layer checks a layer written as ops (its backward derived by autograd) "
+          "against the same layer with a hand-written backward, and both with gradcheck; it "
+          "takes no arguments\n");
+      return 0;
+    }
+    std::fprintf(stderr,
+                 "custom_layer: '%s' is not an argument: it takes none (--help says what it "
+                 "does)\n",
+                 arg.c_str());
+    return 2;
+  }
   std::vector<float> xs(5 * 6);
   for (size_t i = 0; i < xs.size(); ++i) xs[i] = std::sin(0.7f * static_cast<float>(i));
   Tensor x = Tensor::from_vector(xs, {5, 6});

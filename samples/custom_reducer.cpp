@@ -151,13 +151,20 @@ void print_runs(const Flags& f, const std::vector<Run>& runs, bool replicas) {
     if (replicas) std::printf("  %s", run.replica_diff == 0.f ? "equal" : "DIFFER");
     std::printf("\n");
   }
-  if (runs[1].bytes_last > 0)
+  if (f.steps <= f.start_step) {  // the last step was all-reduced whole
     std::printf(
-        "%s hands %.1fx fewer bytes to the collectives per step once it compresses "
+        "%s compresses from step %d on (--start-step): these %d steps ran before it, so they "
+        "show no compression; give --steps above %d\n",
+        runs[1].name.c_str(), f.start_step, f.steps, f.start_step);
+  } else if (runs[1].bytes_last > 0) {
+    const double ratio =
+        static_cast<double>(runs[0].bytes_last) / static_cast<double>(runs[1].bytes_last);
+    std::printf(
+        "%s hands %.1fx %s bytes to the collectives per step once it compresses "
         "(step %d on), at %.2fx the step time\n",
-        runs[1].name.c_str(),
-        static_cast<double>(runs[0].bytes_last) / static_cast<double>(runs[1].bytes_last),
+        runs[1].name.c_str(), ratio >= 1 ? ratio : 1 / ratio, ratio >= 1 ? "fewer" : "more",
         f.start_step, runs[1].median_ms / runs[0].median_ms);
+  }
 }
 
 // The same two runs under DP: --nproc devices of this process, the same model, data and initial

@@ -158,7 +158,7 @@ int main(int argc, char** argv) {
                  "ddp: seconds the rendezvous and each collective may take (default: DP_TIMEOUT, "
                  "else 60 s to rendezvous and 300 s per collective)")
       ->check(dp::cli::timeout_seconds(604800));
-  dp::cli::add_checkpoint_dir_flag(
+  CLI::Option* checkpoint_dir = dp::cli::add_checkpoint_dir_flag(
       app, f.checkpoint_dir,
       "write the whole training state here (step_N.safetensors; rank 0 or the parameter server "
       "writes), every --save-every steps and at the end; created when missing, one job at a "
@@ -166,7 +166,8 @@ int main(int argc, char** argv) {
   app.add_option("--save-every", f.save_every, "steps between checkpoints (needs --checkpoint-dir)")
       ->check(whole_number(1, std::numeric_limits<int32_t>::max()));
   app.add_option("--keep", f.keep, "checkpoints to keep in --checkpoint-dir, newest first")
-      ->check(whole_number(1, 1000));
+      ->check(whole_number(1, 1000))
+      ->needs(checkpoint_dir);
   app.add_option("--resume", f.resume,
                  "resume from a training state file, or the newest whole one in --checkpoint-dir "
                  "(latest: damaged ones are skipped, named); the same model, optimizer, --batch "
@@ -216,6 +217,17 @@ int main(int argc, char** argv) {
     DP_CHECK(!hybrid || (f.checkpoint_dir.empty() && f.resume.empty() && !f.sync_bn),
              "--mode hybrid trains without --checkpoint-dir, --resume and --sync-bn (not "
              "supported across nodes yet)");
+    // Flags that would do nothing with the others given.
+    DP_CHECK(!f.sync_bn || ((f.mode == "dp" || f.mode == "ddp") && f.model == "resnet"),
+             "--sync-bn with --mode " << f.mode << " --model " << f.model
+                                      << ": it syncs BatchNorm across devices or ranks, and only "
+                                         "--model resnet has BatchNorm; give --model resnet with "
+                                         "--mode dp or ddp");
+    DP_CHECK(
+        (f.max_staleness == -1 && !f.staleness_lr) || f.mode == "ps",
+        (f.staleness_lr ? "--staleness-lr" : "--max-staleness " + std::to_string(f.max_staleness))
+            << " with --mode " << f.mode
+            << ": it sets the parameter server's workers; give --mode ps");
     const int node_procs = hybrid ? dp::cli::hybrid_procs(f.hybrid_procs, f.launch.nnodes) : 1;
     // Rows every global batch is split into (a parameter server's workers each take whole
     // batches).

@@ -275,7 +275,9 @@ int main(int argc, char** argv) {
         nn::CosineLR(f.lr, std::max<int64_t>(f.steps - f.warmup, 1), f.lr / 10), f.warmup);
 
     nn::TrainingProgress progress;
-    progress.mode = f.mode;
+    // A single run trains through DataParallel on one device, and its checkpoints say "dp":
+    // resuming one is no change of mode (resume_note).
+    progress.mode = f.mode == "single" ? "dp" : f.mode;
     progress.world_size = ddp ? ddp->world_size() : (f.mode == "dp" ? f.gpus : 1);
     progress.config = {{"program", "train_text"},
                        {"model", model_name},

@@ -87,4 +87,7 @@ if(TARGET custom_layer)
     PROPERTIES TIMEOUT 60
     PASS_REGULAR_EXPRESSION "composed vs hand-written parameter gradients: max \\|diff\\| [0-9.e-]+.*gradcheck ComposedGatedLinear.*gradcheck GatedLinear.*gradcheck Sequential"
     FAIL_REGULAR_EXPRESSION "FAIL")
+  add_test(NAME "samples.custom_layer: an argument is refused, naming it" COMMAND $<TARGET_FILE:custom_layer> --steps 3)
+  set_tests_properties("samples.custom_layer: an argument is refused, naming it"
+    PROPERTIES TIMEOUT 30 PASS_REGULAR_EXPRESSION "custom_layer: '--steps' is not an argument")
 endif()

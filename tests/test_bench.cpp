@@ -133,6 +133,8 @@ TEST_CASE("bench.projection: printed only from GPU compute, else one line saying
   bench::RunResult one;
   one.mode = "dp";
   one.gpus = 1;
+  one.batch = 16;
+  one.step_ms = {82};  // a report's run has its steps (read_projection_file checks them)
   one.param_bytes = 64'000'000;
   one.phases_ms = {{"forward", 30}, {"backward", 50}, {"optimizer", 2}};
   bench::Header cpu;
@@ -178,6 +180,38 @@ TEST_CASE("bench.projection: printed only from GPU compute, else one line saying
   }
   CHECK_THROWS_WITH_AS(bench::projection_input(cpu, {}, file), doctest::Contains("--project-from"),
                        kernels::Error);
+  // Values no run writes are refused, naming the run and the field; no runs: said so.
+  struct Bad {
+    const char* field;
+    nlohmann::json value;
+    const char* says;
+  };
+  const nlohmann::json good = bench::to_json(gpu, {one}, measured);
+  for (const Bad& b :
+       {Bad{"param_bytes", -1e18, "runs[0].param_bytes is -1e+18"},
+        Bad{"step_ms", {1e308, 1e308}, "runs[0].step_ms[0] is 1e+308"},
+        Bad{"step_ms", nlohmann::json::array(), "runs[0].step_ms is empty"},
+        Bad{"gpus", 1099511627777, "runs[0].gpus is 1099511627777"},
+        Bad{"gpus", 0, "runs[0].gpus is 0"}, Bad{"gpus", "four", "runs[0].gpus is \"four\""},
+        Bad{"bucket_ready_frac", {1e308}, "bucket_ready_frac"}}) {
+    CAPTURE(b.field);
+    nlohmann::json j = good;
+    j["runs"][0][b.field] = b.value;
+    if (std::string(b.field) == "bucket_ready_frac") j["runs"][0]["bucket_bytes"] = {4096};
+    {
+      std::ofstream f(file);
+      f << j.dump();
+    }
+    CHECK_THROWS_WITH_AS(bench::projection_input(cpu, {}, file), doctest::Contains(b.says),
+                         kernels::Error);
+  }
+  {
+    nlohmann::json j = good;
+    j["runs"] = nlohmann::json::array();
+    std::ofstream f(file);
+    f << j.dump();
+  }
+  CHECK(bench::projection_input(cpu, {}, file).why_not.find("holds no runs") != std::string::npos);
   std::remove(file.c_str());
   // off: no projection, said so, whatever the run (a GPU run makes no compute runs for it).
   auto off = bench::projection_input(cpu, {one}, "off");
@@ -557,6 +591,22 @@ TEST_CASE("bench.flags: zero, negative, text and huge values are refused in plai
   refused(cpu + "--baseline 2", "--baseline: 2 is out of range: give a whole number in [0, 1]");
   refused(cpu + "--bucket-cap-mb -1", "--bucket-cap-mb: -1 is not allowed: give a number > 0");
   refused(cpu + "--first-bucket-mb nan", "--first-bucket-mb: nan is not allowed");
+  // Flags that would do nothing with the others given are refused, naming what they need.
+  refused(cpu + "--mode ddp --dp-reduce tree",
+          "--dp-reduce tree with --mode ddp: it sets DP's reduce to device 0");
+  refused(cpu + "--mode dp --max-staleness 2", "--max-staleness 2 with --mode dp");
+  refused(cpu + "--mode dp --staleness-lr", "--staleness-lr with --mode dp");
+  refused(cpu + "--mode ps --sweep 1,2", "--sweep 1,2 with --mode ps");
+  refused(cpu + "--mode ps --repeat 2", "--repeat 2 with --mode ps");
+  refused(cpu + "--mode dp --sweep 1,2 --gpus 4",
+          "--gpus 4 with --sweep 1,2: the sweep's counts are the device counts (the largest is 2)");
+  refused(cpu + "--mode dp --sweep 2,2", "--sweep '2,2': 2 is given twice");
+  refused(cpu + "--mode dp --sweep ''", "--sweep: the list is empty");
+  refused(cpu + "--mode dp --keep 2", "--keep requires --checkpoint-dir");
+  refused(cpu + "--mode dp --sync-bn", "--sync-bn with --model mlp: the model has no BatchNorm");
+  refused(cpu + "--mode ps --model resnet --sync-bn", "--sync-bn with --mode ps");
+  refused(cpu + "--first-bucket-mb 0.0000001",
+          "--first-bucket-mb 1e-07 is 0 bytes, less than one f32 gradient: give at least");
   refused(cpu + "--master-port 70000", "--master-port: 70000 is out of range");
   // Products: per-device batch x devices, checked instead of wrapping round.
   refused(cpu + "--mode dp --gpus 4 --batch-per-device 1073741824",
@@ -1065,6 +1115,11 @@ TEST_CASE("bench.stats: equal inputs are within noise, a clear difference is not
   CHECK(two.value == doctest::Approx(2.0));
   CHECK_FALSE(two.contains(1.0));
   CHECK(bench::describe(two, 1.0, 2) == "2.00 (95% CI 2.00 to 2.00)");
+  // One sample resamples to itself: no interval, and never "within noise".
+  bench::Estimate one = bench::ratio_ci({7.75}, {1.0}, bench::Pairing::paired);
+  CHECK_FALSE(one.has_interval());
+  CHECK_FALSE(bench::ratio_ci({1.0}, {1.0}, bench::Pairing::paired).contains(1.0));
+  CHECK(bench::describe(one, 1.0, 2) == "7.75 (95% CI n/a: one sample)");
   CHECK_THROWS_WITH_AS(bench::ratio_ci({1, 2}, {1}, bench::Pairing::paired),
                        doctest::Contains("bootstrap: paired samples of 2 and 1 values"),
                        kernels::Error);
@@ -1118,6 +1173,22 @@ TEST_CASE("bench.report: time-sliced runs are named and get no speedup or effici
     }
     CHECK((table.str().find("[time-sliced: overhead, not scaling]") != std::string::npos) ==
           sliced);
+    // The sweep's table too: speedup and efficiency empty (columns 7 and 8) where time-sliced.
+    std::ostringstream csv;
+    bench::write_sweep_csv(csv, h, runs);
+    std::istringstream lines(csv.str());
+    std::string line;
+    std::getline(lines, line);  // the header
+    while (std::getline(lines, line)) {
+      std::vector<std::string> cells;
+      std::istringstream row(line);
+      for (std::string cell; std::getline(row, cell, ',');) cells.push_back(cell);
+      REQUIRE(cells.size() > 8);
+      CAPTURE(line);
+      const bool empty = sliced && cells[1] == "4";
+      CHECK(cells[6].empty() == empty);
+      CHECK(cells[7].empty() == empty);
+    }
   }
 }
 
@@ -1676,7 +1747,7 @@ TEST_CASE("bench.graphs: what cannot be captured runs uncaptured and says why, o
     const char* args;
     const char* says;
   };
-  for (const Case& c : {Case{"--mode ddp --model cnn --batch 8 --sync-bn",
+  for (const Case& c : {Case{"--mode ddp --model resnet --batch 8 --sync-bn",
                              "ddp: graphs off: SyncBatchNorm exchanges statistics"},
                         Case{"--mode ddp --batch 8 --zero 1", "ddp: graphs off: ZeRO-1"}}) {
     CAPTURE(std::string(c.args));

@@ -176,6 +176,10 @@ TEST_CASE("samples.train_mnist: bad flags are refused in plain words, before any
             "--backend mpi with --mode dp: only --mode ddp and hybrid have a communication "
             "backend"},
            {"--backend gloo", "--backend gloo with --mode single"},
+           {"--mode dp --sync-bn", "--sync-bn with --mode dp --model mlp"},
+           {"--mode ps --max-staleness 2 --sync-bn", "--sync-bn with --mode ps"},
+           {"--mode dp --staleness-lr", "--staleness-lr with --mode dp"},
+           {"--keep 2", "--keep requires --checkpoint-dir"},
            {"--max-skip-fraction 2",
             "--max-skip-fraction: '2' is not a fraction: give a number "
             "in [0, 1]"},

@@ -263,6 +263,7 @@ TEST_CASE("samples.train_text: DP and a resumed run follow the single run") {
   run_train_text(common + " --steps 4 --save " + state);
   const std::string resumed = run_train_text(common + " --steps 8 --resume " + state);
   CHECK(resumed.find("resumed") != std::string::npos);
+  CHECK(resumed.find("re-sharded") == std::string::npos);  // a single run's, resumed single
   CHECK(final_val_loss(resumed) == doctest::Approx(single).epsilon(1e-4));
   // DDP saves and resumes through its trainer (every rank loads, and the ranks agree).
   run_train_text(common + " --steps 4 --mode ddp --gpus 2 --save " + state);
