@@ -932,6 +932,12 @@ int run(const Options& o, int argc, char** argv) {
                                            "belongs to one run; give --repeat 1");
     DP_CHECK(o.resume != "latest" || !o.checkpoint_dir.empty(),
              "--resume latest needs --checkpoint-dir (where to look)");
+    // A file of another program, model, batch or dtype is refused here, from its header, before
+    // a model is built or DDP's ranks start (each would refuse it).
+    if (!o.resume.empty() && o.resume != "latest") {
+      const int world = o.mode == "ddp" ? s.gpus * std::max(1, o.launch.nnodes) : s.gpus;
+      nn::check_training_state_settings(o.resume, bench_state(o, o.mode.c_str(), world).config);
+    }
   }
   DP_CHECK(!o.save_every || !o.checkpoint_dir.empty(),
            "--save-every needs --checkpoint-dir (where to write)");

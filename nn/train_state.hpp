@@ -231,7 +231,48 @@ inline std::string world_text(const std::string& mode, int world) {
   return std::to_string(world) + unit + (world == 1 ? "" : "s");
 }
 
+// requires `file` read from the file `where` names.
+// ensures it is a training state whose metadata matches its hash and whose saved settings are
+// `config`'s (the program and model compared first, so a file of another program or model is
+// named as such); throws naming the key, the saved value and this run's.
+inline void check_saved_settings(const safetensors::File& file, const std::string& where,
+                                 const std::map<std::string, std::string>& config) {
+  auto it = file.metadata.find("format");
+  DP_CHECK(it != file.metadata.end() && it->second == "dptrain-training-state-1",
+           where << ": not a training state (no __metadata__ format dptrain-training-state-1)");
+  if (auto h = file.metadata.find("meta_fnv1a64"); h != file.metadata.end()) {
+    // files of older versions have none
+    const std::string want = metadata_hash(file.metadata);
+    DP_CHECK(h->second == want, where << ": the metadata does not match its hash (meta_fnv1a64 "
+                                      << io::printable(h->second) << ", the metadata gives " << want
+                                      << "): the file is corrupt");
+  }
+  auto same = [&](const std::string& k, const std::string& v) {
+    auto saved = file.metadata.find("config." + k);
+    DP_CHECK(saved != file.metadata.end() && saved->second == v,
+             where << ": saved with " << k << " "
+                   << (saved != file.metadata.end() ? io::printable(saved->second)
+                                                    : std::string("(none)"))
+                   << ", this run has " << v << ": resume with the run's own settings");
+  };
+  for (const char* k : {"program", "model"})
+    if (auto c = config.find(k); c != config.end()) same(k, c->second);
+  for (const auto& [k, v] : config) same(k, v);
+}
+
 }  // namespace detail
+
+// Reads only the header of the training state at `path` (no tensor) and checks what needs no
+// model: that it is a training state, that its metadata matches its hash, and that each of
+// `config`'s settings (a subset of the run's TrainingProgress::config) is the saved one. Lets a
+// program refuse a file of another program, model or batch before it builds the model or starts
+// its ranks; load_training_state checks all of this again, and the rest.
+// Throws as load_training_state does, with its messages.
+inline void check_training_state_settings(const std::string& path,
+                                          const std::map<std::string, std::string>& config) {
+  io::FileReader r(path, "load_training_state");
+  detail::check_saved_settings(safetensors::read(r), r.where(), config);
+}
 
 // requires m and opt built like the saving run's (same model, optimizer, shapes); `expected`
 // holds this run's mode, world size, optimizer shards and config; index < expected.world_size.
@@ -265,15 +306,9 @@ inline TrainingProgress load_training_state(const std::string& path, Module& m, 
   auto number = [&](const std::string& key, int64_t lo, int64_t hi) {
     return safetensors::metadata_count(file, where, key, lo, hi);
   };
-  DP_CHECK(file.metadata.count("format") && text("format") == "dptrain-training-state-1",
-           where << ": not a training state (no __metadata__ format dptrain-training-state-1)");
-  if (file.metadata.count("meta_fnv1a64")) {  // files of older versions have none
-    const std::string want = detail::metadata_hash(file.metadata);
-    DP_CHECK(text("meta_fnv1a64") == want,
-             where << ": the metadata does not match its hash (meta_fnv1a64 "
-                   << io::printable(text("meta_fnv1a64")) << ", the metadata gives " << want
-                   << "): the file is corrupt");
-  }
+  // The run's settings must be the file's (the mode and world size may differ: the state does
+  // not depend on them).
+  detail::check_saved_settings(file, where, expected.config);
   TrainingProgress got;
   got.step = number("step", 0, kMaxSteps);
   got.epoch = number("epoch", 0, kMaxInt);
@@ -289,20 +324,7 @@ inline TrainingProgress load_training_state(const std::string& path, Module& m, 
                              ? static_cast<int>(number("optimizer_shards", 1, kMaxInt))
                              : 1;
   got.rng_offsets = safetensors::metadata_u64_list(file, where, "rng_offsets");
-  // What must match: the model, the optimizer and the run's settings (the global batch among
-  // them). The mode and world size may differ: the state does not depend on them.
-  // The run's settings must be the file's; the program and model that saved it are compared
-  // first, so a file of another program or model is named as such, not by a count.
-  auto same_config = [&](const std::string& k, const std::string& v) {
-    auto it = file.metadata.find("config." + k);
-    DP_CHECK(
-        it != file.metadata.end() && it->second == v,
-        where << ": saved with " << k << " "
-              << (it != file.metadata.end() ? io::printable(it->second) : std::string("(none)"))
-              << ", this run has " << v << ": resume with the run's own settings");
-  };
-  for (const char* k : {"program", "model"})
-    if (auto it = expected.config.find(k); it != expected.config.end()) same_config(k, it->second);
+  // What must match beside the settings: the model's size and the optimizer.
   const int64_t n_params = m.flat_params().numel();
   const int64_t parameters = number("parameters", 0, kMax);
   DP_CHECK(parameters == n_params, where << ": saved from a model with " << parameters
@@ -313,10 +335,7 @@ inline TrainingProgress load_training_state(const std::string& path, Module& m, 
   DP_CHECK(static_cast<int64_t>(got.rng_offsets.size()) == got.world_size,
            where << ": " << got.rng_offsets.size() << " dropout offsets for world size "
                  << got.world_size);
-  for (const auto& [k, v] : expected.config) {
-    same_config(k, v);
-    got.config[k] = v;
-  }
+  got.config = expected.config;
   if (file.metadata.count("scaler.scale")) {
     GradScalerState st;
     const std::string scale = text("scaler.scale");

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <iostream>
 #include <limits>
+#include <map>
 #include <numeric>
 #include <optional>
 
@@ -198,6 +199,16 @@ int main(int argc, char** argv) {
     dp::cli::check_distinct_files(
         {outputs[0], outputs[1], {"--resume", f.resume == "latest" ? "" : f.resume}});
     dp::cli::check_outside_checkpoints(outputs, f.checkpoint_dir);
+    // What a resume must match, of what the flags give (the data set's sizes are added once it
+    // is read): a file of another program, model, batch, seed or dtype is refused from its
+    // header, before the data set is read or DDP's ranks start.
+    const std::map<std::string, std::string> settings = {{"program", "train_mnist"},
+                                                         {"model", f.model},
+                                                         {"batch", std::to_string(f.batch)},
+                                                         {"seed", std::to_string(f.seed)},
+                                                         {"dtype", f.dtype}};
+    if (!f.resume.empty() && f.resume != "latest")
+      nn::check_training_state_settings(f.resume, settings);
     const nn::Precision precision = nn::parse_precision(f.dtype);
     const kernels::DType comm_dtype = dp::cli::comm_dtype(f.comm_dtype);
     const kernels::DType activations = dp::cli::activations_dtype(f.activations, f.dtype);
@@ -470,13 +481,9 @@ int main(int argc, char** argv) {
     // What a resume must match. The program and the data set too: a dp_bench state (its own
     // synthetic data) or one from a smaller --train-samples (which would drop the rest of the
     // epoch) is refused, naming what differs.
-    run_state.config = {{"program", "train_mnist"},
-                        {"model", f.model},
-                        {"batch", std::to_string(f.batch)},
-                        {"seed", std::to_string(f.seed)},
-                        {"dtype", f.dtype},
-                        {"dataset_size", std::to_string(train.size())},
-                        {"train_samples", std::to_string(loader.num_samples())}};
+    run_state.config = settings;
+    run_state.config["dataset_size"] = std::to_string(train.size());
+    run_state.config["train_samples"] = std::to_string(loader.num_samples());
     const int my_index = ddp ? ddp->rank() : 0;
     auto save_state = [&](int64_t epoch, int64_t batches_done) {
       run_state.epoch = epoch;

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 
@@ -190,13 +191,6 @@ int main(int argc, char** argv) {
     // --save may be the file resumed from (it is replaced at the end); --log may be neither.
     dp::cli::check_distinct_files({{"--log", f.log}, {"--save", f.save}});
     dp::cli::check_distinct_files({{"--log", f.log}, {"--resume", f.resume}});
-    if (f.mode == "ddp") {
-      dp::dist::DdpTrainerOptions t;
-      t.backend = f.backend;
-      t.launch = f.launch;
-      t.launch.nproc_per_node = f.gpus;
-      if (std::optional<int> rc = dp::dist::launch_if_parent(t, argc, argv)) return *rc;
-    }
     // The model: its name in reports and checkpoints, its context and vocabulary.
     std::string model_name;
     int64_t context = 0, vocab = 0;
@@ -213,10 +207,24 @@ int main(int argc, char** argv) {
       model_name = "gpt-" + f.gpt_config;
       context = config.context, vocab = config.vocab;
     }
-    nn::ModulePtr model = make_model();
     DP_CHECK(f.seq <= context,
              "--seq " << f.seq << " is longer than " << model_name << "'s context " << context);
     DP_CHECK(vocab >= 256, model_name << ": bytes need 256 tokens");
+    // What a resume must match: a file of another program, model, batch or sequence length is
+    // refused from its header, before the model is built or DDP's ranks start.
+    const std::map<std::string, std::string> settings = {{"program", "train_text"},
+                                                         {"model", model_name},
+                                                         {"batch", std::to_string(f.batch)},
+                                                         {"seq", std::to_string(f.seq)}};
+    if (!f.resume.empty()) nn::check_training_state_settings(f.resume, settings);
+    if (f.mode == "ddp") {
+      dp::dist::DdpTrainerOptions t;
+      t.backend = f.backend;
+      t.launch = f.launch;
+      t.launch.nproc_per_node = f.gpus;
+      if (std::optional<int> rc = dp::dist::launch_if_parent(t, argc, argv)) return *rc;
+    }
+    nn::ModulePtr model = make_model();
     dp::data::TextCorpus corpus = dp::data::read_text_corpus(f.data);
     // What the directory held that was not read, said once (entries that are not regular files,
     // links to none).
@@ -279,10 +287,7 @@ int main(int argc, char** argv) {
     // resuming one is no change of mode (resume_note).
     progress.mode = f.mode == "single" ? "dp" : f.mode;
     progress.world_size = ddp ? ddp->world_size() : (f.mode == "dp" ? f.gpus : 1);
-    progress.config = {{"program", "train_text"},
-                       {"model", model_name},
-                       {"batch", std::to_string(f.batch)},
-                       {"seq", std::to_string(f.seq)}};
+    progress.config = settings;
     std::unique_ptr<dp::DataParallel> engine;
     if (ddp) {
       ddp->set_loss(loss_fn);

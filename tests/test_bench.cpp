@@ -970,6 +970,19 @@ TEST_CASE(
       "adamw --resume " +
           cut,
       "truncated");
+  // Another model's state is refused from its header, once, before DDP's ranks start (each
+  // rank refused it before, and the launcher then reported their exits).
+  std::tie(rc, text) = bench_output(
+      "--device cpu --mode ddp --gpus 2 --baseline 0 --steps 6 --warmup 0 --batch 8 --optim "
+      "adamw --model cnn --resume " +
+      nn::checkpoint_file(a, 6));
+  CHECK(rc != 0);
+  const std::string why = "saved with model mlp, this run has cnn";
+  const size_t at = text.find(why);
+  CHECK(at != std::string::npos);
+  CHECK(text.find(why, at + 1) == std::string::npos);  // said once
+  CHECK(text.find("rank") == std::string::npos);
+  CHECK(text.find("launch") == std::string::npos);
   std::filesystem::remove_all(a);
   std::filesystem::remove_all(b);
 }

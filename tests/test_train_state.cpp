@@ -147,6 +147,15 @@ TEST_CASE(
   std::ofstream(cut, std::ios::binary) << bytes.substr(0, bytes.size() / 2);
   CHECK_THROWS_WITH_AS(nn::load_training_state(cut, *m, *sgd, single),
                        doctest::Contains("load_training_state"), Error);
+  // The header-only check (a program's, before it builds a model or starts ranks): the same
+  // refusals with no model, the model named before the batch, and a cut file refused too.
+  CHECK_NOTHROW(nn::check_training_state_settings(path, {}));
+  CHECK_THROWS_WITH_AS(nn::check_training_state_settings(path, other_batch.config),
+                       doctest::Contains("saved with batch (none), this run has 20"), Error);
+  CHECK_THROWS_WITH_AS(nn::check_training_state_settings(path, {{"batch", "20"}, {"model", "x"}}),
+                       doctest::Contains("saved with model (none), this run has x"), Error);
+  CHECK_THROWS_WITH_AS(nn::check_training_state_settings(cut, {}),
+                       doctest::Contains("load_training_state"), Error);
   std::string junk = state_path("junk");
   std::string text = bytes;
   text[9] = '{';  // {{"param...: not JSON

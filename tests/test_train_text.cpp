@@ -313,6 +313,19 @@ TEST_CASE(
     CHECK(r.text.find("final val loss") == std::string::npos);  // refused before any work
     CHECK(r.seconds < 10);
   }
+  // A state of another model is refused from its header, once: before DDP's ranks start, and
+  // before the 124M model is built (which took 33 s on 2 cores before it was refused).
+  const Outcome other = run_outcome(
+      "--device cpu --gpt-config 124m --seq 16 --sample-bytes 0 --batch 4 --steps 3 --mode ddp "
+      "--gpus 2 --resume " +
+      state);
+  INFO(other.text);
+  CHECK(other.status != 0);
+  const std::string why = "saved with model gpt-tiny, this run has gpt-124m";
+  const size_t at = other.text.find(why);
+  CHECK(at != std::string::npos);
+  CHECK(other.text.find(why, at + 1) == std::string::npos);
+  CHECK(other.text.find("rank") == std::string::npos);
   // Nothing was lost, and the program's own files are replaced as before.
   std::ifstream f(notes);
   CHECK(std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>()) ==
