@@ -597,8 +597,12 @@ std::pair<int, int> profile_range(const Options& o) {
   return {a, b};
 }
 
-std::unique_ptr<dp::cli::ProgressLine> progress_line(const std::string& label, int total) {
-  return std::make_unique<dp::cli::ProgressLine>(label, total);
+std::unique_ptr<dp::cli::ProgressLine> progress_line(const std::string& label, int total, int first,
+                                                     bool shown) {
+  auto line = std::make_unique<dp::cli::ProgressLine>(
+      label, total, "steps", dp::cli::ProgressLine::Style::automatic, shown ? stderr : nullptr);
+  line->start(first);
+  return line;
 }
 
 void file_lagged_losses(RunResult& r, float last) {
@@ -773,7 +777,7 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
     engine.drain();  // metrics_lag 1: the last step's update may still be running
     nn::save_checkpoint_in(*lock, o.keep, *model, opt, state);
   };
-  auto bar = progress_line(label, o.warmup + o.steps);
+  auto bar = progress_line(label, o.warmup + o.steps, first);
   CaptureWatch capture;
   for (int step = first; step < o.warmup + o.steps; ++step) {
     int timed = step - o.warmup;

@@ -228,8 +228,10 @@ struct DpSteps {
   static const std::vector<std::string>& additive_phases();
 };
 // A run's progress line (dp/cli/progress.hpp): redrawn with rate and ETA on a terminal, plain
-// lines every 10 s otherwise.
-std::unique_ptr<dp::cli::ProgressLine> progress_line(const std::string& label, int total);
+// lines every 10 s otherwise; its clock starts now, at step `first` (a resumed run's), so a
+// first step of minutes is reported when it ends. Prints nothing unless `shown` (rank 0's).
+std::unique_ptr<dp::cli::ProgressLine> progress_line(const std::string& label, int total,
+                                                     int first = 0, bool shown = true);
 std::string gpu_name();
 // The workload's tokens and FLOPs per token, and for those the peak MFU divides by:
 // --peak-tflops, else the GPU's data sheet in the run's dtype, else a GEMM measured here.

@@ -222,7 +222,8 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
     if (trainer.rank() == 0) nn::save_checkpoint_in(*lock, o.keep, *model, opt, state, whole);
     trainer.group().barrier()->wait();
   };
-  auto bar = progress_line(r.mode + " N=" + std::to_string(n), o.warmup + o.steps);
+  auto bar = progress_line(r.mode + " N=" + std::to_string(n), o.warmup + o.steps, first,
+                           trainer.rank() == 0);
   CaptureWatch capture;
   for (int step = first; step < o.warmup + o.steps; ++step) {
     int timed = step - o.warmup;

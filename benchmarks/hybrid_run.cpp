@@ -80,7 +80,7 @@ int hybrid_worker_main(const Options& o) {
   DpSteps timed;
   timed.timing = phase_timing_of(o);
   auto bar = progress_line("hybrid " + std::to_string(nodes) + "x" + std::to_string(local),
-                           o.warmup + o.steps);
+                           o.warmup + o.steps, 0, group->rank() == 0);
   for (int step = 0; step < o.warmup + o.steps; ++step) {
     auto b = data.at(step);
     dp::StepStats st = engine.train_step(b.images, b.labels);

@@ -353,8 +353,12 @@ int main(int argc, char** argv) {
     std::optional<dp::cli::StepLog> step_log;
     if (!f.log.empty() && leader) step_log.emplace("--log", f.log, "tokens_per_s");
     // One redrawn line on a terminal (plain lines every 10 s otherwise), between the
-    // evaluations' lines.
+    // evaluations' lines; its clock starts now, so a first step slower than 10 s is reported.
     std::unique_ptr<dp::cli::ProgressLine> bar;
+    if (leader && first_step < f.steps) {
+      bar = std::make_unique<dp::cli::ProgressLine>("train", f.steps - first_step);
+      bar->start();
+    }
     auto t_run = std::chrono::steady_clock::now();
     double train_time = 0, val = NAN;
     int64_t tokens = 0;
@@ -378,8 +382,7 @@ int main(int argc, char** argv) {
         step_log->write({step + 1, last_loss, opt.lr(),
                          f.clip_grad > 0.f ? std::optional<double>(grad_norm) : std::nullopt,
                          static_cast<double>(y.numel()) / std::max(dt, 1e-9), 1.0});
-      if (leader) {
-        if (!bar) bar = std::make_unique<dp::cli::ProgressLine>("train", f.steps - first_step);
+      if (bar) {
         char detail[48];
         std::snprintf(detail, sizeof detail, "loss %.4f", last_loss);
         bar->update(step + 1 - first_step, detail);

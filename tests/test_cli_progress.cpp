@@ -57,6 +57,35 @@ TEST_CASE("bench.progress: plain lines on schedule and at the end, with rate and
   CHECK(quiet.empty());
 }
 
+TEST_CASE("bench.progress: start() reports a first step slower than the period when it ends") {
+  using dp::cli::ProgressLine;
+  auto run = [](bool started) {
+    return captured([started](std::FILE* out) {
+      ProgressLine p("dp N=2", 3, "steps", ProgressLine::Style::plain, out,
+                     std::chrono::milliseconds(50));
+      if (started) p.start(0);
+      std::this_thread::sleep_for(std::chrono::milliseconds(80));  // a slow first step
+      p.update(1);
+    });
+  };
+  // Without start() the first update only starts the clock: a run of minutes a step said
+  // nothing until its second step had ended.
+  CHECK(run(false).empty());
+  const std::string text = run(true);
+  CHECK(text.find("dp N=2  1/3 steps") == 0);
+  CHECK(count(text, "\n") == 1);
+  // A resumed run starts at its first step: the rate counts the steps it trains, and a redrawn
+  // line shows the count at once.
+  std::string redrawn = captured([](std::FILE* out) {
+    ProgressLine p("dp N=2", 10, "steps", ProgressLine::Style::redrawn, out);
+    p.start(4);
+    p.start(7);  // a second call does nothing
+  });
+  CHECK(redrawn.find("\rdp N=2  4/10 steps  0.0 steps/s  ETA ?") == 0);
+  CHECK(count(redrawn, "\r") == 1);
+  CHECK(redrawn.back() == '\n');  // the destructor ends the line
+}
+
 TEST_CASE("bench.progress: a redrawn line returns to its start and ends with one newline") {
   using dp::cli::ProgressLine;
   std::string text = captured([](std::FILE* out) {

@@ -53,6 +53,17 @@ std::string ProgressLine::text(int64_t done, const std::string& detail, double e
   return line;
 }
 
+void ProgressLine::start(int64_t done) {
+  if (!out_ || start_) return;
+  start_ = Clock::now();
+  start_done_ = done;
+  last_print_ = *start_;
+  if (!redrawn_) return;  // plain lines come when due
+  std::fprintf(out_, "\r%s\033[K", text(done, "", 0).c_str());
+  open_line_ = printed_ = true;
+  std::fflush(out_);
+}
+
 void ProgressLine::update(int64_t done, const std::string& detail) {
   if (!out_) return;
   const auto now = Clock::now();

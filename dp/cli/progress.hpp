@@ -33,9 +33,14 @@ class ProgressLine {
   ProgressLine(const ProgressLine&) = delete;
   ProgressLine& operator=(const ProgressLine&) = delete;
 
+  // Starts the clock before the first unit, at `done` units (a resumed run's first step): a
+  // first unit slower than the period is then reported when it ends (without this, the first
+  // update only starts the clock, and a run of minutes a step is silent for two steps), and a
+  // redrawn line shows its count at once. Optional; a later call does nothing.
+  void start(int64_t done = 0);
   // `done` units so far (of total); `detail` follows the rate ("loss 0.5121"). Prints when due
   // (redrawn: at most every 0.1 s, and at done == total; plain: see above). Rate and ETA count from
-  // the first call, so that a resumed run's skipped units do not inflate the rate.
+  // start() or the first call, so that a resumed run's skipped units do not inflate the rate.
   void update(int64_t done, const std::string& detail = "");
   // Ends the line (a newline after a redrawn one); later updates start a new one.
   void finish();
