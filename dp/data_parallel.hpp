@@ -161,7 +161,7 @@ struct PhaseTimes {
   double reduce = 0;              // on device 0 after its own backward: the reduction not hidden
   double reduce_in_backward = 0;  // on device 0 while its own backward ran (hidden)
   double step = 0;
-  double cross_node = 0;  // hybrid: device 0's wait for the sums over nodes after its reduce
+  double cross_node = 0;  // hybrid: device 0's wait for the sums over nodes (within its reduce)
   double total = 0;       // host wall time of train_step
 };
 

@@ -1808,6 +1808,14 @@ TEST_CASE("bench.hybrid: 2 node processes x 2 devices and 3 x 1 follow DP on one
       CHECK(got[s] == doctest::Approx(want[s]).epsilon(1e-5));
     // What crosses between nodes: the gradient (P floats) and 2 metric floats per step.
     CHECK((*run)["bytes_per_step"] == (*run)["param_bytes"].get<int64_t>() + 8);
+    // The phases add up to the step, each once: the exposed wait for the sums over the nodes
+    // is a part of device 0's reduce, not added to it (it was: "other -0.923").
+    const auto phases = (*run)["phases_ms"].get<std::map<std::string, double>>();
+    REQUIRE(phases.count("cross_node_exposed") == 1);
+    for (const auto& [name, ms] : phases) {
+      CAPTURE(name);
+      CHECK(ms >= 0);
+    }
   }
   // With dropout, node k's device i draws as device 2k + i of a 4-device DP run.
   const std::string gpt =
