@@ -83,10 +83,16 @@ void add_flags(CLI::App& app, Options& o) {
       ->check(whole_number(1, kMaxDevices));
   app.add_option("--device", o.device, "auto|cuda|cpu")
       ->check(CLI::IsMember({"auto", "cuda", "cpu"}));
+  // A workload of the user's own trains DP, DDP and hybrid: the parameter server runs the
+  // built-in models only, so its mode is not offered there.
+  std::vector<std::string> modes = {"dp", "ddp", "both", "hybrid"};
+  if (!o.workload) modes.push_back("ps");
   app.add_option("--mode", o.mode,
-                 "dp|ddp|both, hybrid (DP in each node, its device 0 joined across nodes), or ps "
-                 "(parameter server beside dp)")
-      ->check(CLI::IsMember({"dp", "ddp", "both", "hybrid", "ps"}));
+                 o.workload ? "dp|ddp|both, or hybrid (DP in each node, its device 0 joined across "
+                              "nodes)"
+                            : "dp|ddp|both, hybrid (DP in each node, its device 0 joined across "
+                              "nodes), or ps (parameter server beside dp)")
+      ->check(CLI::IsMember(modes));
   dp::cli::add_hybrid_procs_flag(app, o.hybrid_procs);
   app.add_option("--link-gbps", o.link_gbps,
                  "ddp/hybrid over several nodes: the link's measured rate in Gbit/s "

@@ -24,7 +24,8 @@ int parse_and_run(std::shared_ptr<const Workload> workload, int argc, char** arg
   // A workload of the user's own: the built-in models' flags stay out of --help (given, they
   // are refused by name below).
   if (o.workload)
-    for (const char* flag : {"--model", "--gpt-config", "--seq", "--dropout", "--peak-tflops"})
+    for (const char* flag : {"--model", "--gpt-config", "--seq", "--dropout", "--peak-tflops",
+                             "--max-staleness", "--staleness-lr"})
       app.get_option(flag)->group("");
   // ... and with its own optimizer, --optim.
   if (o.workload && o.workload->make_optimizer) app.get_option("--optim")->group("");
@@ -38,6 +39,14 @@ int parse_and_run(std::shared_ptr<const Workload> workload, int argc, char** arg
                                                 " trains with its own optimizer (" +
                                                 o.workload->optimizer_name + ")");
     if (o.workload && o.workload->make_optimizer) o.optim = o.workload->optimizer_name;
+    for (const char* flag : {"--max-staleness", "--staleness-lr"})
+      if (o.workload && app.count(flag))
+        throw CLI::ValidationError(flag,
+                                   "is the parameter server's (--mode ps), which runs "
+                                   "dp_bench's built-in models only; " +
+                                       o.workload->name +
+                                       " trains with dp, ddp, both or "
+                                       "hybrid");
     const bool lm = !o.workload && (o.model == "gpt" || o.model == "llama");
     for (const char* flag : {"--gpt-config", "--dropout"})
       if (app.count(flag) && (o.workload || o.model != "gpt"))

@@ -25,6 +25,14 @@ if(TARGET compare_my_model)
   set_tests_properties("samples.compare_my_model: its own optimizer, --optim refused"
     PROPERTIES TIMEOUT 30
     PASS_REGULAR_EXPRESSION "--optim: 'sgd' is not used: residual_mlp trains with its own optimizer \\(adamw\\+groups\\)")
+  # The parameter server runs the built-in models only: a workload's --help offers neither its
+  # mode nor its flags, and given they are refused by name.
+  add_test(NAME "samples.compare_my_model: --mode ps and its flags are neither offered nor taken"
+           COMMAND sh -c "$<TARGET_FILE:compare_my_model> --help | grep -c -e 'ps (parameter' -e --max-staleness -e --staleness-lr; $<TARGET_FILE:compare_my_model> --device cpu --mode ps 2>&1; $<TARGET_FILE:compare_my_model> --device cpu --max-staleness 1 2>&1")
+  set_tests_properties("samples.compare_my_model: --mode ps and its flags are neither offered nor taken"
+    PROPERTIES TIMEOUT 30
+    PASS_REGULAR_EXPRESSION "^0
+.*--mode: ps not in .*--max-staleness: is the parameter server's \\(--mode ps\\), which runs dp_bench's built-in models only; residual_mlp trains")
   # The four runs' final losses (dp and ddp, 1 and 2 devices) are one value: uniq counts 4.
   add_test(NAME "samples.compare_my_model: DP and DDP follow one loss curve under its recipe"
            COMMAND sh -c "$<TARGET_FILE:compare_my_model> --device cpu --gpus 2 --mode both --steps 4 --warmup 1 --batch 24 2>&1 | grep -v 'hook N=' | grep -o 'N=[12]: [0-9.]* ms/step, final loss [0-9.]*' | sed 's/.*final/final/' | sort | uniq -c")
