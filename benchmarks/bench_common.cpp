@@ -73,6 +73,32 @@ double measured_gemm_tflops(const kernels::Device& dev, kernels::DType dtype) {
 }
 constexpr int kMaxSteps = 10'000'000;
 constexpr double kMaxBucketMb = 65536;
+
+// The sweep's outputs: --csv and --chart, or their default names in the working directory;
+// both empty without --sweep.
+struct SweepPaths {
+  std::string csv, chart;
+};
+SweepPaths sweep_paths(const Options& o) {
+  if (o.sweep.empty()) return {};
+  return {o.csv_path.empty() ? "dp_bench_sweep.csv" : o.csv_path,
+          o.chart_path.empty() ? "dp_bench_sweep.svg" : o.chart_path};
+}
+
+// A bucket cap in MiB of at least one f32 gradient (a smaller one rounds to an empty bucket);
+// runs after positive_number, so the text is a number.
+CLI::Validator one_gradient_or_more() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        const auto bytes = static_cast<int64_t>(std::stod(text) * (1 << 20));
+        if (bytes >= 4) return "";
+        std::ostringstream os;
+        os << text << " MiB is " << bytes << " bytes, less than one f32 gradient: give at least "
+           << 4.0 / (1 << 20) << " (4 bytes)";
+        return os.str();
+      },
+      "");
+}
 }  // namespace
 
 void add_flags(CLI::App& app, Options& o) {
@@ -154,9 +180,11 @@ void add_flags(CLI::App& app, Options& o) {
                  "a:b brackets timed steps a..b with cudaProfilerStart/Stop (nsys "
                  "--capture-range=cudaProfilerApi)");
   app.add_option("--bucket-cap-mb", o.bucket_cap_mb, "DP and DDP gradient bucket cap in MiB")
-      ->check(dp::cli::positive_number(kMaxBucketMb));
+      ->check(dp::cli::positive_number(kMaxBucketMb))
+      ->check(one_gradient_or_more());
   app.add_option("--first-bucket-mb", o.first_bucket_mb, "DP and DDP first bucket cap in MiB")
-      ->check(dp::cli::positive_number(kMaxBucketMb));
+      ->check(dp::cli::positive_number(kMaxBucketMb))
+      ->check(one_gradient_or_more());
   app.add_option("--dp-reduce", o.dp_reduce,
                  "DP gradient reduction to device 0: star (each replica to device 0) or tree "
                  "(pairwise, log2 N rounds)")
@@ -304,25 +332,11 @@ void validate(const Options& o, const Setup& s, const std::vector<int>& counts) 
                         << ": the chart is drawn as SVG or PNG, by the name's ending: give a .svg "
                            "or .png name");
   }
-  // A cap below one f32 gradient rounds to an empty bucket.
-  for (const auto& [flag, mb] :
-       {std::pair<const char*, double>{"--bucket-cap-mb", o.bucket_cap_mb},
-        std::pair<const char*, double>{"--first-bucket-mb", o.first_bucket_mb}}) {
-    const auto bytes = static_cast<int64_t>(mb * (1 << 20));
-    DP_CHECK(bytes >= 4, flag << " " << mb << " is " << bytes
-                              << " bytes, less than one f32 gradient: give at least "
-                              << 4.0 / (1 << 20) << " (4 bytes)");
-  }
   if (projection_from(o.project_from) == ProjectionFrom::file)
     read_projection_file(o.project_from);  // read now, not at the end
-  // The sweep's outputs under their default names, in the working directory, and the chart's
-  // script (written beside the chart and removed once gnuplot drew it).
-  const std::string csv = o.sweep.empty()      ? ""
-                          : o.csv_path.empty() ? "dp_bench_sweep.csv"
-                                               : o.csv_path;
-  const std::string chart = o.sweep.empty()        ? ""
-                            : o.chart_path.empty() ? "dp_bench_sweep.svg"
-                                                   : o.chart_path;
+  // The sweep's outputs, and the chart's script (written beside the chart and removed once
+  // gnuplot drew it).
+  const auto [csv, chart] = sweep_paths(o);
   if (!o.sweep.empty()) {
     dp::cli::check_output_file("--csv", csv, dp::cli::Output::sweep_table);
     dp::cli::check_output_file("--chart", chart, dp::cli::Output::sweep_chart);
@@ -841,8 +855,8 @@ std::vector<int> sweep_counts(const Options& o, const Setup& s) {
   return counts;
 }
 
-void write_chart(const Options& o, const std::string& csv, const std::string& note) {
-  std::string chart = o.chart_path.empty() ? "dp_bench_sweep.svg" : o.chart_path;
+void write_chart(const Options& o, const std::string& note) {
+  const auto [csv, chart] = sweep_paths(o);
   if (std::system("command -v gnuplot >/dev/null 2>&1") != 0) {
     std::printf("chart: skipped (gnuplot is not installed); the CSV is %s\n", csv.c_str());
     return;
@@ -1139,7 +1153,7 @@ int run(const Options& o, int argc, char** argv) {
     std::printf("trace: %s (open in ui.perfetto.dev or chrome://tracing)\n", o.trace_path.c_str());
   }
   if (!o.sweep.empty()) {
-    std::string csv = o.csv_path.empty() ? "dp_bench_sweep.csv" : o.csv_path;
+    const std::string csv = sweep_paths(o).csv;
     std::ostringstream table;
     write_sweep_csv(table, h, runs);
     dp::cli::write_output("--csv", csv, table.str());
@@ -1149,7 +1163,7 @@ int run(const Options& o, int argc, char** argv) {
       note = "(CPU devices sharing cores: engine overhead, not scaling)";
     else if (oversubscribed(h))
       note = "(logical GPUs sharing one: engine overhead, not scaling)";
-    write_chart(o, csv, note);
+    write_chart(o, note);
   }
   // After the report and its files: a mixed-precision run that skipped too many steps warns
   // (over 5%) or fails (over --max-skip-fraction), naming the run.

@@ -606,7 +606,8 @@ TEST_CASE("bench.flags: zero, negative, text and huge values are refused in plai
   refused(cpu + "--mode dp --sync-bn", "--sync-bn with --model mlp: the model has no BatchNorm");
   refused(cpu + "--mode ps --model resnet --sync-bn", "--sync-bn with --mode ps");
   refused(cpu + "--first-bucket-mb 0.0000001",
-          "--first-bucket-mb 1e-07 is 0 bytes, less than one f32 gradient: give at least");
+          "--first-bucket-mb: 0.0000001 MiB is 0 bytes, less than one f32 gradient: give at "
+          "least");
   refused(cpu + "--master-port 70000", "--master-port: 70000 is out of range");
   // Products: per-device batch x devices, checked instead of wrapping round.
   refused(cpu + "--mode dp --gpus 4 --batch-per-device 1073741824",

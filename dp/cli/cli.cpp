@@ -364,18 +364,22 @@ std::string existing_output_problem(const std::string& path, Output kind) {
          "): it is never replaced; remove it yourself, or give another path";
 }
 
+namespace {
+
+// The first of output_file_problem's and existing_output_problem's answers that is a problem.
+std::string output_problem(const std::string& path, Output kind) {
+  const std::string problem = output_file_problem(path);
+  return problem.empty() ? existing_output_problem(path, kind) : problem;
+}
+
+}  // namespace
+
 CLI::Validator output_file(Output kind) {
-  return CLI::Validator(
-      [kind](std::string& path) {
-        std::string problem = output_file_problem(path);
-        return problem.empty() ? existing_output_problem(path, kind) : problem;
-      },
-      "FILE");
+  return CLI::Validator([kind](std::string& path) { return output_problem(path, kind); }, "FILE");
 }
 
 void check_output_file(const std::string& flag, const std::string& path, Output kind) {
-  std::string problem = output_file_problem(path);
-  if (problem.empty()) problem = existing_output_problem(path, kind);
+  const std::string problem = output_problem(path, kind);
   DP_CHECK(problem.empty(), flag << ": " << problem);
 }
 
@@ -384,8 +388,7 @@ CLI::Validator replaceable_file() {
       [](std::string& path) -> std::string {
         const std::string problem = nn::io::replace_problem(path);
         if (!problem.empty()) return "'" + path + "' " + problem;
-        std::string written = output_file_problem(path);
-        return written.empty() ? existing_output_problem(path, Output::training_state) : written;
+        return output_problem(path, Output::training_state);
       },
       "FILE");
 }
