@@ -430,6 +430,7 @@ void validate(const Options& o, const Setup& s, const std::vector<int>& counts) 
         // probe step and refused here with the figures.
         if (!row_cost) {
           RowCost c;
+          const auto notice = dp::cli::probe_notice("dp_bench", "cpu:0");
           c.step =
               dp::cli::measure_step_memory(probe_step(o, s, kernels::Device::cpu(0), c.optimizer));
           row_cost = c;
@@ -625,6 +626,14 @@ std::unique_ptr<dp::cli::ProgressLine> progress_line(const std::string& label, i
   return line;
 }
 
+std::unique_ptr<dp::cli::SlowNotice> build_notice(const Options& o, const std::string& run, int n,
+                                                  bool shown) {
+  return std::make_unique<dp::cli::SlowNotice>("dp_bench: building the " + model_name(o) +
+                                                   " model and its engine for " + run +
+                                                   " N=" + std::to_string(n),
+                                               shown ? stderr : nullptr);
+}
+
 void file_lagged_losses(RunResult& r, float last) {
   if (r.losses.empty()) return;
   r.losses.erase(r.losses.begin());
@@ -745,6 +754,7 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
                  const nn::CheckpointDirLock* lock, bool hooked) {
   int64_t batch = global_batch(o, n);
   const StepBatches data(o, batch);
+  auto building = build_notice(o, hooked ? "dp-hook" : "dp", n);
   auto model = model_of(o);
   auto devices = kernels::make_devices(s.type, n);
   model->materialize(devices[0], o.seed);
@@ -757,6 +767,7 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
         n, [&](int) { return o.workload->make_comm_hook(); },
         o.timeout_s > 0 ? timeout_of(o) : std::chrono::milliseconds(std::chrono::seconds(300)));
   dp::DataParallel engine(model, opt, devices, dopt);
+  building.reset();
 
   RunResult r;
   r.mode = hooked ? "dp-hook" : "dp";

@@ -232,6 +232,11 @@ struct DpSteps {
 // first step of minutes is reported when it ends. Prints nothing unless `shown` (rank 0's).
 std::unique_ptr<dp::cli::ProgressLine> progress_line(const std::string& label, int total,
                                                      int first = 0, bool shown = true);
+// Said when building a run's model and engine (weights made, copied to the devices or
+// broadcast to the ranks) takes 5 s or more (dp/cli/progress.hpp's SlowNotice): "dp_bench:
+// building the gpt model and its engine for dp N=4". Nothing unless `shown` (rank 0's).
+std::unique_ptr<dp::cli::SlowNotice> build_notice(const Options& o, const std::string& run, int n,
+                                                  bool shown = true);
 std::string gpu_name();
 // The workload's tokens and FLOPs per token, and for those the peak MFU divides by:
 // --peak-tflops, else the GPU's data sheet in the run's dtype, else a GEMM measured here.

@@ -143,6 +143,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
                                                                      << " ranks were asked for");
   int64_t batch = global_batch(o, n);
   const StepBatches data(o, batch);
+  auto building = build_notice(o, hooked ? "hook" : "ddp", n, trainer.rank() == 0);
   auto model = model_of(o);
   model->materialize(trainer.device(), o.seed);
   if (s.activations != kernels::DType::f32) model->set_activations(nn::Activations::compute);
@@ -161,6 +162,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   // What every rank must agree on, verified by wrap() before the weights are broadcast.
   trainer.set_run_config(bench_run_config(o, batch, data.size()));
   trainer.wrap(model, opt);
+  building.reset();
   if (s.math == kernels::MathMode::tf32) kernels::context(trainer.device()).set_math(s.math);
 
   std::unique_ptr<dp::Trace> trace;

@@ -56,15 +56,17 @@ int hybrid_worker_main(const Options& o) {
   dp::dist::RunConfig config = bench_run_config(o, batch, data.size());
   config["--gpus"] = std::to_string(local);  // the devices per node: uneven nodes are not split
   dp::dist::verify_same_config(*group, config, group->timeout());
+  // The "hybrid-hook" run's hook takes device 0's buckets for the sums over nodes.
+  std::shared_ptr<dp::dist::CommHook> hook = workload_hook_of_run(o, external);
+  auto building = build_notice(o, hook ? "hybrid-hook" : "hybrid", n, group->rank() == 0);
   auto model = model_of(o);
   model->materialize(devices[0], o.seed);
   if (s.activations != kernels::DType::f32) model->set_activations(nn::Activations::compute);
   auto optimizer = make_optimizer(o, *model);
   dp::DataParallelOptions dopt = dp_options(o, s);
-  // The "hybrid-hook" run's hook takes device 0's buckets for the sums over nodes.
-  std::shared_ptr<dp::dist::CommHook> hook = workload_hook_of_run(o, external);
   dopt.cross_node = std::make_shared<dp::dist::GroupCrossNode>(*group, hook);
   dp::DataParallel engine(model, *optimizer, devices, dopt);
+  building.reset();
 
   RunResult r;
   r.mode = hook ? "hybrid-hook" : "hybrid";

@@ -275,6 +275,9 @@ int main(int argc, char** argv) {
       home = kernels::make_devices(type, 1)[0];
     }
     const bool leader = !ddp || ddp->rank() == 0;
+    auto building = std::make_unique<dp::cli::SlowNotice>(
+        "train_text: building the " + model_name + " model and its engine",
+        leader ? stderr : nullptr);
     model->materialize(home, f.seed);
     // Weight decay by parameter, nanoGPT's rule: matrices and embeddings decay, biases and
     // LayerNorm do not.
@@ -320,6 +323,7 @@ int main(int argc, char** argv) {
       engine = std::make_unique<dp::DataParallel>(
           model, opt, kernels::make_devices(type, f.mode == "dp" ? f.gpus : 1), o);
     }
+    building.reset();
     nn::Module& trained = ddp ? ddp->ddp().module() : engine->module();
     std::optional<nn::LayerProfiler> profiler;
     if (f.profile_layers) profiler.emplace(trained);

@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <fstream>
 #include <sstream>
+#include <stdexcept>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -130,4 +131,34 @@ TEST_CASE("bench.progress: --log writes one JSON object per step, and a full dis
                        kernels::Error);
   CHECK_THROWS_WITH_AS(dp::cli::StepLog("--log", "/nonexistent/dir/x.jsonl"),
                        doctest::Contains("cannot open it for writing"), kernels::Error);
+}
+
+TEST_CASE("bench.progress: SlowNotice says what a slow phase does, and nothing for a quick one") {
+  using dp::cli::SlowNotice;
+  using std::chrono::milliseconds;
+  // Quicker than its delay: nothing, and the destructor does not wait out the delay.
+  const auto begin = std::chrono::steady_clock::now();
+  CHECK(captured([](std::FILE* out) {
+          SlowNotice n("x: building", out, std::chrono::hours(1));
+        }).empty());
+  CHECK(std::chrono::steady_clock::now() - begin < std::chrono::minutes(1));
+  // Slower: the line while it runs, then the line with its time.
+  const std::string slow = captured([](std::FILE* out) {
+    SlowNotice n("x: building", out, milliseconds(10));
+    std::this_thread::sleep_for(milliseconds(400));
+  });
+  CHECK(slow.find("x: building ...\nx: building: ") == 0);
+  CHECK(count(slow, "\n") == 2);
+  CHECK(slow.find("s\n", slow.size() - 2) != std::string::npos);
+  // Left by an exception: no end line (the error says what happened).
+  CHECK(captured([](std::FILE* out) {
+          try {
+            SlowNotice n("x: building", out, milliseconds(10));
+            std::this_thread::sleep_for(milliseconds(400));
+            throw std::runtime_error("failed");
+          } catch (const std::runtime_error&) {
+          }
+        }) == "x: building ...\n");
+  // No stream (a rank that is not rank 0): no thread, nothing.
+  SlowNotice quiet("x: building", nullptr, milliseconds(0));
 }

@@ -17,6 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "dp/cli/progress.hpp"
 #include "kernels/ops.hpp"
 #include "kernels/runtime/error.hpp"
 #include "nn/file_io.hpp"
@@ -527,6 +528,14 @@ StepMemory measure_step_memory(const std::function<int64_t(int64_t rows)>& peak_
   return m;
 }
 
+std::unique_ptr<SlowNotice> probe_notice(const std::string& program, const std::string& device) {
+  const char* rank = std::getenv("RANK");
+  const bool leader = rank == nullptr || std::string(rank) == "0";
+  return std::make_unique<SlowNotice>(program + ": measuring a step's memory on " + device +
+                                          " (probe steps of 1 and 2 rows) to check the run fits",
+                                      leader ? stderr : nullptr);
+}
+
 void check_step_fits(const std::string& what, const StepMemory& m, int devices, int64_t rows,
                      const std::string& where, const kernels::AvailableMemory& memory) {
   const int64_t rows_bytes =
@@ -542,6 +551,7 @@ void check_run_fits(const std::string& program, const std::string& what, const s
                     kernels::DeviceType type, int devices, int64_t rows,
                     const std::function<int64_t(kernels::Device, int64_t rows)>& peak_of) {
   if (type == kernels::DeviceType::cpu) {
+    const auto notice = probe_notice(program, "cpu:0");
     const StepMemory step =
         measure_step_memory([&](int64_t r) { return peak_of(kernels::Device::cpu(0), r); });
     return check_step_fits(
@@ -569,6 +579,7 @@ int logical_on_gpu0(int devices, int physical) {
 std::optional<StepMemory> probe_gpu0(const std::string& program, const std::string& instead,
                                      const std::function<int64_t(int64_t rows)>& peak_of) {
   try {
+    const auto notice = probe_notice(program, "cuda:0");
     return measure_step_memory(peak_of);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s: the memory probe step on GPU 0 failed (%s): %s\n", program.c_str(),

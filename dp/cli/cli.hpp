@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -23,6 +24,8 @@
 #include "kernels/runtime/memory_info.hpp"
 
 namespace dp::cli {
+
+class SlowNotice;  // progress.hpp
 
 // The most rows a batch may have (2^31): far past any memory, and small enough that products
 // with a row's size and a step count stay well inside int64.
@@ -164,6 +167,10 @@ struct StepMemory {
   int64_t fixed = 0, per_row = 0;
 };
 StepMemory measure_step_memory(const std::function<int64_t(int64_t rows)>& peak_of);
+// What a memory probe says when it takes 5 s or more (progress.hpp's SlowNotice), by rank 0
+// alone (RANK unset or 0): "<program>: measuring a step's memory on <device> (probe steps of 1
+// and 2 rows) to check the run fits". Held while the probe runs.
+std::unique_ptr<SlowNotice> probe_notice(const std::string& program, const std::string& device);
 // Throws check_fits's message, naming the figures, when `devices` devices each holding
 // `rows` rows' step exceed `memory` (of `where`: "the host", "GPU 0"): "<what> (N x (fixed +
 // rows x per_row), measured on a probe step) needs at least ...".

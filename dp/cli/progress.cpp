@@ -5,6 +5,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <exception>
 
 #include <nlohmann/json.hpp>
 
@@ -99,6 +100,36 @@ void ProgressLine::finish() {
     std::fflush(out_);
   }
   open_line_ = false;
+}
+
+SlowNotice::SlowNotice(std::string text, std::FILE* out, std::chrono::milliseconds after)
+    : text_(std::move(text)),
+      out_(out),
+      begin_(std::chrono::steady_clock::now()),
+      exceptions_(std::uncaught_exceptions()) {
+  if (!out_) return;
+  watcher_ = std::thread([this, after] {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (ended_cv_.wait_for(lock, after, [this] { return ended_; })) return;
+    std::fprintf(out_, "%s ...\n", text_.c_str());
+    std::fflush(out_);
+    printed_ = true;
+  });
+}
+
+SlowNotice::~SlowNotice() {
+  if (!watcher_.joinable()) return;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ended_ = true;
+  }
+  ended_cv_.notify_one();
+  watcher_.join();
+  if (!printed_ || std::uncaught_exceptions() > exceptions_) return;
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - begin_).count();
+  std::fprintf(out_, "%s: %s\n", text_.c_str(), duration_text(seconds).c_str());
+  std::fflush(out_);
 }
 
 StepLog::StepLog(const std::string& flag, const std::string& path, std::string rate_key)

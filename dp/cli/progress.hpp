@@ -6,16 +6,25 @@
 // and short runs quiet:
 //   train_mnist epoch 1  412/938 steps  61.3 steps/s  ETA 8s  loss 0.5121
 //
+// SlowNotice: what a silent phase before the first step is doing (a model's build, a memory
+// probe step), said once it has run for 5 s, with its time when it ends; a quicker phase says
+// nothing:
+//   dp_bench: measuring a step's memory on cpu:0 (probe steps of 1 and 2 rows) ...
+//   dp_bench: measuring a step's memory on cpu:0 (probe steps of 1 and 2 rows): 31s
+//
 // StepLog (--log FILE.jsonl): one JSON object per step, flushed as written, so that a run that
 // dies leaves every step it took:
 //   {"step":12,"loss":0.4312,"lr":0.01,"grad_norm":null,"samples_per_s":5123.4,"loss_scale":1}
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 
 namespace dp::cli {
 
@@ -60,6 +69,30 @@ class ProgressLine {
   Clock::time_point last_print_{};
   bool open_line_ = false;  // a redrawn line is on the terminal without its newline
   bool printed_ = false;    // a line was printed: the last one is printed too
+};
+
+// Prints `text` + " ..." on `out` when the phase it spans (construction to destruction) is still
+// running after `after`, and `text` + ": " + its time when it ends; nothing for a quicker phase,
+// or with `out` null (a rank that is not rank 0). The first line comes from a watcher thread,
+// joined by the destructor; a phase left by an exception prints no end.
+class SlowNotice {
+ public:
+  explicit SlowNotice(std::string text, std::FILE* out = stderr,
+                      std::chrono::milliseconds after = std::chrono::seconds(5));
+  ~SlowNotice();
+  SlowNotice(const SlowNotice&) = delete;
+  SlowNotice& operator=(const SlowNotice&) = delete;
+
+ private:
+  std::string text_;
+  std::FILE* out_;
+  std::chrono::steady_clock::time_point begin_;
+  int exceptions_;  // std::uncaught_exceptions() at construction
+  std::mutex mutex_;
+  std::condition_variable ended_cv_;
+  bool ended_ = false;
+  bool printed_ = false;  // written by the watcher, read after it is joined
+  std::thread watcher_;
 };
 
 // One step's record for StepLog. Absent values are written as null.
