@@ -118,6 +118,8 @@ void check_view(const char* op, const char* name, const Layout& v, int64_t numel
 void check_no_overlap(const char* op, const char* name, const Layout& v) {
   int dims[kMaxDims], n = 0;  // no allocation: this runs on every copy of a step
   for (int k = 0; k < v.ndim; ++k)
+    if (v.shape[k] == 0) return;  // no element at all (a contiguous layout gives it stride 0)
+  for (int k = 0; k < v.ndim; ++k)
     if (v.shape[k] > 1) dims[n++] = k;
   for (int i = 1; i < n; ++i)  // by stride, insertion sort: at most kMaxDims of them
     for (int j = i; j > 0 && v.stride[dims[j]] < v.stride[dims[j - 1]]; --j)

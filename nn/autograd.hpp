@@ -49,6 +49,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
@@ -130,7 +131,23 @@ class Tape {
   };
   using Step = std::function<void(Tape&, const Node&)>;
 
-  Tape(Module& owner, Device device) : owner_(owner), device_(device), serial_(next_serial()) {}
+  Tape(Module& owner, Device device) : owner_(owner), device_(device), serial_(next_serial()) {
+    std::lock_guard<std::mutex> lock(live_mutex());
+    live()[this] = serial_;
+  }
+  ~Tape() {
+    std::lock_guard<std::mutex> lock(live_mutex());
+    live().erase(this);
+  }
+  Tape(const Tape&) = delete;
+  Tape& operator=(const Tape&) = delete;
+  // Whether the tape of forward `serial` is still at `t` (a layer frees its tapes past
+  // kMaxTapes input shapes): a Var kept past its forward is then refused, not read freed.
+  static bool is_live(const Tape* t, uint64_t serial) {
+    std::lock_guard<std::mutex> lock(live_mutex());
+    auto it = live().find(t);
+    return it != live().end() && it->second == serial;
+  }
   Module& owner() { return owner_; }
   Device device() const { return device_; }
   uint64_t serial() const { return serial_; }
@@ -184,9 +201,20 @@ class Tape {
     input_ = input;
     output_ = output;
   }
-  // Replays the ops with the input bound to x; returns the output.
+  // Replays the ops with the input bound to x; returns the output. An x that is one of this
+  // tape's tensors (the layer applied to its own output, m(m(x))) is copied first: the ops
+  // would write over what they read.
   Tensor replay(const Tensor& x) {
-    slot(input_).value = x;
+    bool aliased = false;
+    for (const Slot& s : slots_)
+      aliased = aliased || (s.kind == Kind::op && s.value.defined() && s.value.same_storage(x));
+    if (aliased) {
+      Tensor copy = Tensor::empty(x.shape(), x.dtype(), device_);
+      kernels::copy(copy, x);
+      slot(input_).value = copy;
+    } else {
+      slot(input_).value = x;
+    }
     for (const Node& n : nodes_) n.forward(*this, n);
     return slot(output_).value;
   }
@@ -219,6 +247,7 @@ class Tape {
 
   // Whether `m` is called (ag::call) for the first time in this forward.
   bool first_call(const void* m) { return called_.insert(m).second; }
+  bool has_slot(const void* key) const { return named_.count(key) > 0; }
   // The slot of a parameter or constant (one per tensor per tape).
   int slot_of(const void* key, const std::function<int()>& make) {
     auto it = named_.find(key);
@@ -267,6 +296,14 @@ class Tape {
     static std::atomic<uint64_t> counter{0};
     return ++counter;
   }
+  static std::map<const Tape*, uint64_t>& live() {
+    static std::map<const Tape*, uint64_t> tapes;
+    return tapes;
+  }
+  static std::mutex& live_mutex() {
+    static std::mutex m;
+    return m;
+  }
 
   Module& owner_;
   Device device_;
@@ -281,6 +318,9 @@ class Tape {
 
 inline const Tensor& Var::value() const {
   DP_CHECK(tape_ != nullptr, "autograd: an empty Var (default-constructed)");
+  DP_CHECK(Tape::is_live(tape_, serial_),
+           "autograd: a Var of a forward whose tape is gone (a composed layer keeps the tapes of "
+           "8 input shapes and frees them all at the 9th): keep no Var past its compose()");
   return tape_->slot(id_).value;
 }
 
@@ -499,7 +539,8 @@ inline Var sum(const Var& x, int dim, bool keep = false) {
 inline Var mean(const Var& x, int dim, bool keep = false) {
   return reduce(x, dim, keep, ReduceOp::mean);
 }
-// The maximum over dim (torch.amax): ties each take the whole gradient.
+// The maximum over dim: ties each take the whole gradient (torch.amax splits it evenly among
+// them; they differ only where values tie exactly).
 inline Var amax(const Var& x, int dim, bool keep = false) {
   return reduce(x, dim, keep, ReduceOp::max);
 }
@@ -595,9 +636,9 @@ inline Var transpose(const Var& x, int d0, int d1) {
 // Elements [start, start + length) along dim (a copy).
 inline Var narrow(const Var& x, int dim, int64_t start, int64_t length) {
   const int d = resolve_dim(dim, x.ndim(), "narrow");
-  DP_CHECK(start >= 0 && length >= 0 && start + length <= x.dim(d),
-           "narrow: [" << start << ", " << start + length << ") along dim " << d << " of "
-                       << kernels::shape_str(x.shape()));
+  DP_CHECK(start >= 0 && length >= 0 && start <= x.dim(d) && length <= x.dim(d) - start,
+           "narrow: start " << start << ", length " << length << " along dim " << d << " of "
+                            << kernels::shape_str(x.shape()));
   Layout src = layout_of(x.shape());
   src.offset = start * src.stride[d];
   src.shape[d] = length;
@@ -707,7 +748,8 @@ inline Var matmul(Var a, Var b, Transpose tb = Transpose::no) {
                            std::equal(a.shape().begin(), a.shape().end() - 2, b.shape().begin()))),
            "matmul: " << kernels::shape_str(a.shape()) << " times " << kernels::shape_str(b.shape())
                       << (tr ? " transposed" : "") << ": inner dims or leading dims differ");
-  const int64_t batch = M * K > 0 ? a.value().numel() / (M * K) : 0;
+  int64_t batch = 1;  // the product of the leading dims (not numel / (M K): K may be 0)
+  for (int d = 0; d + 2 < a.ndim(); ++d) batch *= a.dim(d);
   Shape s = a.shape();
   s.back() = N;
   Tensor y = Tensor::empty(s, cd == DType::f32 ? DType::f32 : m.activation_dtype(), t.device());
@@ -799,11 +841,18 @@ inline Var call(Module& child, const Var& x) {
                                           << t.owner().type_name()
                                           << " (its backward keeps one forward's state): "
                                              "register one module per use");
-  if (!t.slot(x.id()).requires_grad) child.set_input_grad(InputGrad::not_needed);
+  // The child's input gradient as this tape wants it, set again at each replay: another tape of
+  // the layer (another shape, or a layer input that wants a gradient) may have changed it.
+  const InputGrad g = t.slot(x.id()).requires_grad ? InputGrad::needed : InputGrad::not_needed;
+  child.set_input_grad(g);
   Tensor y = child.forward(x.value());
   Module* c = &child;
   return t.record(
-      {x}, y, [c](Tape& t, const Tape::Node& n) { t.out(n) = c->forward(t.in(n, 0)); },
+      {x}, y,
+      [c, g](Tape& t, const Tape::Node& n) {
+        if (c->input_grad_needed() != (g == InputGrad::needed)) c->set_input_grad(g);
+        t.out(n) = c->forward(t.in(n, 0));
+      },
       [c](Tape& t, const Tape::Node& n) {
         Tensor dx = c->backward(t.dout(n));
         if (n.need[0]) copy_into(t.din(n, 0), dx, n.acc[0]);
@@ -828,6 +877,13 @@ class Composed : public Module {
   // gradients add into its flat gradient view in f32).
   ag::Var param(Parameter& p) {
     ag::Tape& t = recording("param");
+    if (!t.has_slot(&p)) {
+      bool own = false;
+      for (auto& [name, q] : named_parameters()) own = own || q == &p;
+      DP_CHECK(own, type_name() << "::param(" << p.name
+                                << "): not a parameter of this layer or its children (register "
+                                   "it here, or register its module as a child)");
+    }
     const int id = t.slot_of(&p, [&] {
       const int s = t.add_slot(ag::Tape::Kind::param, p.compute, true);
       t.slot(s).grad = p.grad;
@@ -870,7 +926,14 @@ class Composed : public Module {
       ~Reset() { r = nullptr, ag::recording_tape() = outer; }
     } reset{recording_, ag::recording_tape()};
     ag::recording_tape() = tape.get();
-    const ag::Var y = compose(tape->var(in));
+    ag::Var y;
+    try {
+      y = compose(tape->var(in));
+    } catch (const kernels::Error& e) {
+      // Ops name their shapes, not the layer: say whose compose() refused this input.
+      throw kernels::Error(type_name() + "::compose, input " + kernels::shape_str(x.shape()) +
+                           ": " + e.what());
+    }
     DP_CHECK(tape->owns(y), type_name() << "::compose returned a Var that is not of this forward");
     tape->finish(in, y.id());
     last_ = tape.get();

@@ -27,6 +27,9 @@ class ComposedRMSNorm : public Composed {
 
  protected:
   ag::Var compose(const ag::Var& x) override {
+    DP_CHECK(x.ndim() >= 1 && x.dim(-1) == d_,
+             "ComposedRMSNorm(" << d_ << "): input " << kernels::shape_str(x.shape())
+                                << " must be (..., " << d_ << ")");
     const ag::Var xf = ag::cast(x, DType::f32);
     const ag::Var y = xf * ag::rsqrt(ag::mean(xf * xf, -1, ag::keepdim) + eps_) * param(weight_);
     return ag::cast(y, x.dtype());
@@ -113,7 +116,13 @@ class ComposedRotary : public Composed {
   }
 
  protected:
-  ag::Var compose(const ag::Var& x) override { return rotate(x, constant(*cos_), constant(*sin_)); }
+  ag::Var compose(const ag::Var& x) override {
+    DP_CHECK(x.ndim() == 4 && x.dim(1) <= context_ && x.dim(-1) == head_dim_,
+             "ComposedRotary(" << head_dim_ << ", context " << context_ << "): input "
+                               << kernels::shape_str(x.shape()) << " must be (B, T <= " << context_
+                               << ", H, " << head_dim_ << ")");
+    return rotate(x, constant(*cos_), constant(*sin_));
+  }
   std::shared_ptr<Module> clone_config() const override {
     return std::make_shared<ComposedRotary>(head_dim_, context_, base_);
   }
@@ -173,6 +182,10 @@ class ComposedAttention : public Composed {
 
  protected:
   ag::Var compose(const ag::Var& x) override {
+    DP_CHECK(x.ndim() == 3 && x.dim(1) <= context_ && x.dim(2) == dim_,
+             "ComposedAttention(" << dim_ << ", context " << context_ << "): input "
+                                  << kernels::shape_str(x.shape())
+                                  << " must be (B, T <= " << context_ << ", " << dim_ << ")");
     const int64_t b = x.dim(0), t = x.dim(1), g = heads_ / kv_heads_;
     ag::Var q = ag::reshape(ag::linear(x, param(q_)), {b, t, heads_, hd_});
     ag::Var k = ag::reshape(ag::linear(x, param(k_)), {b, t, kv_heads_, hd_});

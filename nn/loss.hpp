@@ -143,9 +143,18 @@ class MSELoss : public Loss {
   int64_t denominator(const Tensor& target) const override { return target.numel(); }
   void compute(Tensor& loss, Tensor& dpred, const Tensor& pred,
                const Tensor& target) const override {
-    DP_CHECK(pred.numel() == target.numel(),
+    // The same shape, but for dims of 1 ((B, 1) predictions of (B) targets): a target of the
+    // same size in another shape (transposed) would pair other elements.
+    auto squeezed = [](const Shape& s) {
+      Shape out;
+      for (int64_t d : s)
+        if (d != 1) out.push_back(d);
+      return out;
+    };
+    DP_CHECK(squeezed(pred.shape()) == squeezed(target.shape()),
              "mse: pred " << kernels::shape_str(pred.shape()) << " and target "
-                          << kernels::shape_str(target.shape()) << " differ in size");
+                          << kernels::shape_str(target.shape())
+                          << " differ in shape (other than in dims of 1)");
     kernels::mse_loss(loss, dpred, pred, target.reshape(pred.shape()));
   }
 

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -486,6 +487,7 @@ class Module {
   Parameter& register_parameter(std::string name, Shape shape, InitSpec init,
                                 Decay decay = Decay::by_shape) {
     DP_CHECK(!materialized(), "register_parameter(" << name << ") after materialize()");
+    check_new_name("register_parameter", name);
     params_.push_back(
         Parameter{std::move(name), std::move(shape), init, 0, Tensor(), Tensor(), Tensor(), decay});
     return params_.back();
@@ -495,11 +497,13 @@ class Module {
                               std::function<std::vector<float>(const Shape&)> make) {
     DP_CHECK(!materialized(), "register_constant(" << name << ") after materialize()");
     DP_CHECK(make != nullptr, "register_constant(" << name << "): no function makes its values");
+    check_new_name("register_constant", name);
     constants_.push_back(Constant{std::move(name), std::move(shape), std::move(make), Tensor()});
     return constants_.back();
   }
   Buffer& register_buffer(std::string name, Shape shape, float init_value) {
     DP_CHECK(!materialized(), "register_buffer(" << name << ") after materialize()");
+    check_new_name("register_buffer", name);
     buffers_.push_back(Buffer{std::move(name), std::move(shape), init_value, 0, Tensor()});
     return buffers_.back();
   }
@@ -507,6 +511,11 @@ class Module {
   std::shared_ptr<M> register_module(std::string name, std::shared_ptr<M> m) {
     DP_CHECK(!materialized(), "register_module(" << name << ") after materialize()");
     DP_CHECK(m != nullptr, "register_module(" << name << "): null module");
+    DP_CHECK(!m->materialized(),
+             "register_module(" << name << "): the " << m->type_name()
+                                << " is materialised already, on its own flat buffers; register "
+                                   "it before materialising the tree that holds it");
+    check_new_name("register_module", name);
     children_.emplace_back(std::move(name), m);
     return m;
   }
@@ -547,9 +556,33 @@ class Module {
   static uint64_t rng_key_of(uint64_t seed, uint64_t index) {
     return kernels::philox::mix_key(seed, 0x5eed, index);
   }
+  // A name this module has not given to a parameter, buffer, constant or child yet: two would
+  // share a path in named_parameters() and checkpoints.
+  void check_new_name(const char* what, const std::string& name) const {
+    bool taken = false;
+    for (const auto& p : params_) taken = taken || p.name == name;
+    for (const auto& b : buffers_) taken = taken || b.name == name;
+    for (const auto& c : constants_) taken = taken || c.name == name;
+    for (const auto& [n, m] : children_) taken = taken || n == name;
+    DP_CHECK(!taken, what << "(" << name << "): " << type_name() << " has a '" << name
+                          << "' already; give each parameter, buffer, constant and child its "
+                             "own name");
+  }
   // Lays out the flat buffers and binds every view.
   void allocate(Device device, uint64_t seed) {
     DP_CHECK(!materialized(), type_name() << " is already materialised on " << flat_->device);
+    // One module at two places of the tree would get two offsets and keep one forward's state
+    // for two backwards: wrong gradients, silently.
+    std::map<const Module*, std::string> seen;
+    visit("", [&](const std::string& prefix, Module& m) {
+      const std::string at = prefix.empty() ? "the root" : prefix.substr(0, prefix.size() - 1);
+      auto [it, fresh] = seen.emplace(&m, at);
+      DP_CHECK(fresh,
+               type_name() << ": one " << m.type_name() << " is registered at " << it->second
+                           << " and at " << at
+                           << " (a module keeps one forward's state for its backward): register "
+                              "one module per use");
+    });
     auto state = std::make_shared<FlatState>();
     state->device = device;
     state->seed = seed;

@@ -55,7 +55,11 @@ class Optimizer {
 
   void zero_grad() { module_.zero_grad(); }
   float lr() const { return lr_; }
-  void set_lr(float lr) { lr_ = lr; }
+  void set_lr(float lr) {
+    DP_CHECK(lr >= 0.f && std::isfinite(lr),
+             "set_lr(" << lr << "): a learning rate is finite and >= 0");
+    lr_ = lr;
+  }
   // The factor every gradient is multiplied by inside the fused step: 1 / loss scale under
   // mixed precision (nn/amp.hpp), 1 otherwise.
   float grad_unscale() const { return grad_unscale_; }

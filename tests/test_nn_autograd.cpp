@@ -2,7 +2,9 @@
 // layers and finite differences; a warm composed step allocates nothing and replays inside a
 // graph with the same bits; gradients add into the flat buffer and the hooks fire; edge cases
 // of the tape (an input used twice, an unused input, the input returned) and its refusals.
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <set>
 
 #include "kernels/runtime/graph.hpp"
@@ -497,4 +499,218 @@ TEST_CASE("nn.autograd: a fused Llama's checkpoint loads into the composed one, 
   CHECK(dp_test::rel_diff(composed->forward(x).to_host_f32(), want) <= 2e-6f);
   auto replica = composed->clone_to(Device::cpu(1));
   CHECK(dp_test::rel_diff(replica->forward(x.to(Device::cpu(1))).to_host_f32(), want) <= 2e-6f);
+}
+
+namespace {
+
+// y = x W^T (W 3x3): a layer that can take its own output.
+class Mix : public nn::Composed {
+ public:
+  Mix() : w_(register_parameter("w", {3, 3}, nn::InitSpec::normal(0.5f))) {}
+  std::string type_name() const override { return "Mix"; }
+  ag::Var kept;                      // the last recorded output, kept past its forward
+  nn::Parameter* foreign = nullptr;  // a parameter of another module, taken by param()
+
+ protected:
+  ag::Var compose(const ag::Var& x) override {
+    kept = ag::linear(x, param(foreign ? *foreign : w_));
+    return kept;
+  }
+  std::shared_ptr<nn::Module> clone_config() const override { return std::make_shared<Mix>(); }
+
+ private:
+  nn::Parameter& w_;
+};
+
+// A built-in Linear called inside compose(): y = lin(x) * 2.
+class Outer : public nn::Composed {
+ public:
+  Outer() : lin_(register_module("lin", std::make_shared<nn::Linear>(2, 2))) {}
+  std::string type_name() const override { return "Outer"; }
+
+ protected:
+  ag::Var compose(const ag::Var& x) override { return ag::call(*lin_, x) * 2.f; }
+  std::shared_ptr<nn::Module> clone_config() const override { return std::make_shared<Outer>(); }
+
+ private:
+  std::shared_ptr<nn::Linear> lin_;
+};
+
+}  // namespace
+
+TEST_CASE("nn.module: one module at two places of a tree, or two of one name, is refused") {
+  // Before: Sequential{lin, lin} trained with wrong gradients (one forward's state for two
+  // backwards, and two offsets for one parameter).
+  auto lin = std::make_shared<nn::Linear>(1, 1);
+  nn::Sequential twice{lin, lin};
+  CHECK(dp_test::error_of([&] {
+          twice.materialize(Device::cpu(0), 1);
+        }).find("one Linear is registered at 0 and at 1") != std::string::npos);
+  auto mix = std::make_shared<Mix>();
+  nn::Sequential nested{std::make_shared<nn::Sequential>(std::vector<nn::ModulePtr>{mix}), mix};
+  CHECK(dp_test::error_of([&] {
+          nested.materialize(Device::cpu(0), 1);
+        }).find("one Mix is registered at 0.0 and at 1") != std::string::npos);
+  // Two of one name would share a path in named_parameters() and checkpoints.
+  class Named : public nn::Module {
+   public:
+    std::string type_name() const override { return "Named"; }
+    void add(const std::string& n) { register_parameter(n, {1}, nn::InitSpec::constant(0.f)); }
+    void child(const std::string& n, nn::ModulePtr m) { register_module(n, std::move(m)); }
+
+   protected:
+    Tensor forward_impl(const Tensor& x) override { return x; }
+    Tensor backward_impl(const Tensor& dy) override { return dy; }
+    std::shared_ptr<nn::Module> clone_config() const override { return std::make_shared<Named>(); }
+  };
+  Named named;
+  named.add("w");
+  CHECK(dp_test::error_of([&] {
+          named.add("w");
+        }).find("register_parameter(w): Named has a 'w' already") != std::string::npos);
+  CHECK(dp_test::error_of([&] {
+          named.child("w", std::make_shared<nn::ReLU>());
+        }).find("register_module(w): Named has a 'w' already") != std::string::npos);
+  // A module materialised on its own flat buffers cannot join another tree.
+  auto alone = std::make_shared<nn::Linear>(2, 2);
+  alone->materialize(Device::cpu(0), 1);
+  CHECK(dp_test::error_of([&] {
+          named.child("alone", alone);
+        }).find("register_module(alone): the Linear is materialised already") != std::string::npos);
+}
+
+TEST_CASE(
+    "nn.autograd: a layer on its own output, a Var past its tape, another module's parameter") {
+  Mix m;
+  m.materialize(Device::cpu(0), 3);
+  m.set_input_grad(nn::InputGrad::not_needed);
+  const Tensor x = rnd({2, 3}, 71);
+  // m(m(x)) replays into the tensors it reads: the input is copied first. Before, it gave
+  // another value than m(copy of m(x)).
+  const std::vector<float> want = m.forward(m.forward(x).clone()).to_host_f32();
+  CHECK(m.forward(m.forward(x)).to_host_f32() == want);
+  // A Var kept past its forward, after the layer freed its tapes (9 input shapes): refused,
+  // where it read freed memory.
+  m.forward(rnd({1, 3}, 72));
+  const ag::Var first = m.kept;
+  for (int64_t rows = 3; rows <= 10; ++rows) m.forward(rnd({rows, 3}, 73));
+  CHECK(dp_test::error_of([&] {
+          (void)first.dim(0);
+        }).find("a Var of a forward whose tape is gone") != std::string::npos);
+  // param() of a parameter this layer does not hold: refused, where its gradient went into
+  // the other module's buffer and no optimizer of this model saw it.
+  Mix other;
+  other.materialize(Device::cpu(0), 4);
+  Mix taker;
+  taker.materialize(Device::cpu(0), 5);
+  taker.foreign = other.named_parameters()[0].second;
+  CHECK(dp_test::error_of([&] {
+          taker.forward(x);
+        }).find("Mix::param(w): not a parameter of this layer or its children") !=
+        std::string::npos);
+  // An op's refusal names the layer and its input (the op alone names only shapes).
+  nn::ComposedAttention attention(8, 2, 1, 4);
+  attention.materialize(Device::cpu(0), 6);
+  CHECK(dp_test::error_of([&] {
+          attention.forward(rnd({1, 5, 8}, 74));
+        }).find("ComposedAttention(8, context 4): input [1, 5, 8] must be (B, T <= 4, 8)") !=
+        std::string::npos);
+  nn::ComposedRMSNorm norm(4);
+  norm.materialize(Device::cpu(0), 7);
+  CHECK(dp_test::error_of([&] {
+          norm.forward(rnd({2, 1}, 75));
+        }).find("ComposedRMSNorm(4): input [2, 1] must be (..., 4)") != std::string::npos);
+  class Narrow : public nn::Composed {
+   public:
+    int64_t start = 0;
+    std::string type_name() const override { return "Narrow"; }
+
+   protected:
+    ag::Var compose(const ag::Var& x) override { return ag::narrow(x, 1, start, 2); }
+    std::shared_ptr<nn::Module> clone_config() const override { return std::make_shared<Narrow>(); }
+  };
+  Narrow narrow;
+  narrow.materialize(Device::cpu(0), 1);
+  narrow.start = 3;
+  CHECK(dp_test::error_of([&] {
+          narrow.forward(rnd({2, 4}, 76));
+        }).find("Narrow::compose, input [2, 4]: narrow: start 3, length 2 along dim 1") !=
+        std::string::npos);
+  // start + length past int64: refused, where it overflowed the check and corrupted the heap.
+  narrow.start = std::numeric_limits<int64_t>::max();
+  CHECK(dp_test::error_of([&] {
+          narrow.forward(rnd({2, 5}, 77));
+        }).find("narrow: start 9223372036854775807, length 2") != std::string::npos);
+}
+
+TEST_CASE("nn.autograd: call() sets its child's input gradient per tape, gradcheck without dx") {
+  // Before: a tape recorded without an input gradient left the child at not_needed, and a
+  // later tape that needs one got none ("reshape: [] has 0 elements").
+  Outer outer;
+  outer.materialize(Device::cpu(0), 8);
+  const Tensor x = rnd({3, 2}, 81), dy = rnd({3, 2}, 82);
+  outer.set_input_grad(nn::InputGrad::not_needed);
+  CHECK(run(outer, x, dy).dx.empty());
+  outer.set_input_grad(nn::InputGrad::needed);
+  const Pass needed = run(outer, x, dy);
+  CHECK(needed.dx.size() == 6);
+  outer.set_input_grad(nn::InputGrad::not_needed);
+  CHECK(run(outer, x, dy).dx.empty());  // the first tape, replayed
+  outer.set_input_grad(nn::InputGrad::needed);
+  CHECK(run(outer, x, dy).dx == needed.dx);  // the second, replayed
+  // gradcheck of a layer that returns no input gradient: its parameters with CheckInput::no;
+  // with CheckInput::yes, a message saying so (it read an undefined tensor).
+  outer.set_input_grad(nn::InputGrad::not_needed);
+  nn::GradcheckOptions o;
+  o.check_input = nn::CheckInput::no;
+  const nn::GradcheckResult r = nn::gradcheck(outer, x, o);
+  CHECK_MESSAGE(r.ok, r.message);
+  CHECK(dp_test::error_of([&] { nn::gradcheck(outer, x); }).find("returned no input gradient") !=
+        std::string::npos);
+}
+
+TEST_CASE("nn.autograd: zero-size dims, pow(x, 0) at 0, MSE's target shape, set_lr") {
+  class Zero : public nn::Composed {
+   public:
+    std::string type_name() const override { return "Zero"; }
+
+   protected:
+    ag::Var compose(const ag::Var& x) override {
+      // x (2, 4): an empty narrow, an empty part in cat, a matmul with K = 0 (zeros).
+      const ag::Var empty = ag::narrow(x, 1, 1, 0);                                       // (2, 0)
+      const ag::Var joined = ag::cat({empty, x}, 1);                                      // (2, 4)
+      const ag::Var k0 = ag::matmul(empty, ag::narrow(ag::transpose(x, 0, 1), 0, 0, 0));  // (2, 2)
+      return joined + ag::sum(k0, 1, ag::keepdim) + ag::pow(x, 0.f);
+    }
+    std::shared_ptr<nn::Module> clone_config() const override { return std::make_shared<Zero>(); }
+  };
+  Zero z;
+  z.materialize(Device::cpu(0), 1);
+  Tensor x = Tensor::from_vector({0.f, 1.f, -2.f, 0.f, 3.f, 0.f, 0.5f, 4.f}, {2, 4});
+  const Pass p = run(z, x, Tensor::from_vector(std::vector<float>(8, 1.f), {2, 4}));
+  const std::vector<float> xs = x.to_host_f32();
+  for (size_t i = 0; i < 8; ++i) {
+    CHECK(p.y[i] == xs[i] + 1.f);  // x^0 = 1, the K = 0 product 0
+    CHECK(p.dx[i] == 1.f);         // d x^0 / dx = 0 at x = 0 too (it was NaN), plus 1
+  }
+  // MSE in the engines' path: a target of the same size in another shape is refused (it was
+  // paired element by element); (B, 1) against (B) is taken.
+  nn::MSELoss mse;
+  Tensor loss = Tensor::empty({1}, DType::f32, Device::cpu(0)),
+         d = Tensor::empty({2, 3}, DType::f32, Device::cpu(0));
+  const Tensor pred = rnd({2, 3}, 91);
+  CHECK(dp_test::error_of([&] {
+          mse.compute(loss, d, pred, rnd({3, 2}, 92));
+        }).find("mse: pred [2, 3] and target [3, 2] differ in shape") != std::string::npos);
+  Tensor d1 = Tensor::empty({4, 1}, DType::f32, Device::cpu(0));
+  mse.compute(loss, d1, rnd({4, 1}, 93), rnd({4}, 94));
+  // set_lr as the constructors: a NaN or negative rate is refused, where it trained on.
+  Mix m;
+  m.materialize(Device::cpu(0), 1);
+  nn::AdamW adamw(m, kernels::AdamWConfig{});
+  CHECK(dp_test::error_of([&] { adamw.set_lr(std::nanf("")); }).find("set_lr(nan)") !=
+        std::string::npos);
+  CHECK(dp_test::error_of([&] { adamw.set_lr(-1.f); }).find("a learning rate is finite and >= 0") !=
+        std::string::npos);
+  adamw.set_lr(0.f);
 }

@@ -84,7 +84,7 @@ float derivative(UnaryOp op, UnaryParams p, float x, float y) {
     case UnaryOp::abs:
       return x > 0.f ? 1.f : (x < 0.f ? -1.f : 0.f);
     case UnaryOp::pow:
-      return p.a * std::pow(x, p.a - 1.f);
+      return p.a == 0.f ? 0.f : p.a * std::pow(x, p.a - 1.f);  // x^0: 0 at x = 0 too
     case UnaryOp::sigmoid:
       return y * (1.f - y);
     case UnaryOp::tanh:

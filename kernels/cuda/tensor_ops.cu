@@ -199,7 +199,7 @@ __device__ __forceinline__ float unary_derivative(UnaryOp op, UnaryParams p, flo
     case UnaryOp::abs:
       return v > 0.f ? 1.f : (v < 0.f ? -1.f : 0.f);
     case UnaryOp::pow:
-      return p.a * powf(v, p.a - 1.f);
+      return p.a == 0.f ? 0.f : p.a * powf(v, p.a - 1.f);  // x^0: 0 at v = 0 too
     case UnaryOp::sigmoid:
       return u * (1.f - u);
     case UnaryOp::tanh:
