@@ -895,9 +895,36 @@ void write_chart(const Options& o, const std::string& note) {
 
 }  // namespace
 
+// The flags a rank started by torchrun, mpirun or Slurm cannot honour: the launcher set the
+// ranks (DDP: --gpus, if given, is the ranks on this node; hybrid: each node process's
+// devices), and rank 0 prints the report alone (no trace, sweep or chart). Our own launcher's
+// workers are given the flags it checked.
+void check_external_rank(const Options& o, const dp::dist::WorkerEnv& env) {
+  const std::string by =
+      "a rank started by " + env.source + " (" + std::to_string(env.world_size) + " ranks)";
+  DP_CHECK(o.mode == "ddp" || o.mode == "hybrid",
+           "--mode " << o.mode << " in " << by
+                     << ": only --mode ddp runs that way (DDP's ranks are "
+                     << "the launcher's processes); run DP, both and ps without a launcher");
+  DP_CHECK(o.sweep.empty() && o.trace_path.empty(),
+           (o.sweep.empty() ? "--trace" : "--sweep")
+               << " in " << by
+               << ": sweeps and traces are made by dp_bench's own launcher; run dp_bench --mode "
+                  "ddp without torchrun, mpirun or srun");
+  DP_CHECK(o.mode != "ddp" || !o.gpus || *o.gpus == env.local_world_size,
+           "--gpus " << *o.gpus << " in " << by << " with " << env.local_world_size
+                     << " on this node: the launcher sets the ranks; drop --gpus or make it "
+                     << env.local_world_size);
+  DP_CHECK(o.launch.nnodes == 1 && o.launch.node_rank == 0 && o.launch.master_port == 0,
+           "--nnodes/--node-rank/--master-port in "
+               << by << ": the launcher sets the nodes and the address (MASTER_ADDR, MASTER_PORT)");
+}
+
 int run(const Options& o, int argc, char** argv) {
-  if (dp::dist::worker_env_from_environment())
+  if (const auto env = dp::dist::worker_env_from_environment()) {
+    if (!std::getenv("DP_BENCH_DDP_RESULT_FD")) check_external_rank(o, *env);  // not ours
     return o.mode == "hybrid" ? hybrid_worker_main(o) : ddp_worker_main(o, argc, argv);
+  }
   DP_CHECK(o.hybrid_procs == 0 || o.mode == "hybrid",
            "--hybrid-procs " << o.hybrid_procs << " with --mode " << o.mode
                              << ": only --mode hybrid starts node processes");

@@ -98,9 +98,16 @@ dp::dist::RunConfig bench_run_config(const Options& o, int64_t batch, int64_t da
           {"--zero", std::to_string(o.zero)},
           {"--zero-overlap", o.zero_overlap ? "on" : "off"},
           {"--sync-bn", o.sync_bn ? "on" : "off"},
-          {"--dropout", std::to_string(o.dropout)},
-          {"--bucket-cap-mb", std::to_string(o.bucket_cap_mb)},
-          {"--first-bucket-mb", std::to_string(o.first_bucket_mb)},
+          {"--dropout", dp::dist::config_number(o.dropout)},
+          {"--bucket-cap-mb", dp::dist::config_number(o.bucket_cap_mb)},
+          {"--first-bucket-mb", dp::dist::config_number(o.first_bucket_mb)},
+          {"--seq", o.seq ? std::to_string(*o.seq) : "the context"},
+          // Whether and when each rank saves or loads: saves and loads are collectives, and a
+          // rank without them would wait out the timeout in another collective. The folder
+          // itself may differ between nodes.
+          {"--checkpoint-dir", o.checkpoint_dir.empty() ? "none" : "given"},
+          {"--save-every", o.save_every ? std::to_string(*o.save_every) : "none"},
+          {"--resume", o.resume},
           {"dataset_size", std::to_string(dataset_size)}};
 }
 
@@ -125,9 +132,6 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   const char* origin_env = std::getenv("DP_BENCH_TRACE_ORIGIN_NS");
   const char* trace_fds_env = std::getenv("DP_BENCH_DDP_TRACE_FDS");
   bool tracing = !external && origin_env && *origin_env && trace_fds_env;
-  DP_CHECK(!external || o.mode != "dp",
-           "dp_bench: started as rank of an external launcher (RANK is set): only --mode ddp "
-           "runs that way; DP is one process");
 
   Setup s = resolve(o);
   dp::dist::DdpOptions ddp_options;

@@ -364,22 +364,27 @@ int main(int argc, char** argv) {
     // What every rank (DDP) or node (hybrid) must agree on, verified before the first
     // collective; keyed by the flags as typed, so that a mismatch names the flag to fix.
     auto opt_text = [](const auto& v) { return v ? std::to_string(*v) : std::string("all"); };
-    dp::dist::RunConfig run_config = {{"program", "train_mnist"},
-                                      {"--mode", f.mode},
-                                      {"--model", f.model},
-                                      {"--batch", std::to_string(f.batch)},
-                                      {"--epochs", std::to_string(f.epochs)},
-                                      {"--limit-batches", opt_text(f.limit_batches)},
-                                      {"--train-samples", opt_text(f.train_samples)},
-                                      {"--optim", f.optim},
-                                      {"--lr", std::to_string(lr)},
-                                      {"--seed", std::to_string(f.seed)},
-                                      {"--dtype", f.dtype},
-                                      {"--comm-dtype", f.comm_dtype},
-                                      {"--last-batch", f.last_batch},
-                                      {"--sync-bn", f.sync_bn ? "on" : "off"},
-                                      {"--resume", f.resume},
-                                      {"train_samples", std::to_string(train.size())}};
+    dp::dist::RunConfig run_config = {
+        {"program", "train_mnist"},
+        {"--mode", f.mode},
+        {"--model", f.model},
+        {"--batch", std::to_string(f.batch)},
+        {"--epochs", std::to_string(f.epochs)},
+        {"--limit-batches", opt_text(f.limit_batches)},
+        {"--train-samples", opt_text(f.train_samples)},
+        {"--optim", f.optim},
+        {"--lr", dp::dist::config_number(lr)},
+        {"--seed", std::to_string(f.seed)},
+        {"--dtype", f.dtype},
+        {"--activations", f.activations},
+        {"--comm-dtype", f.comm_dtype},
+        {"--data", dir},
+        {"--last-batch", f.last_batch},
+        {"--sync-bn", f.sync_bn ? "on" : "off"},
+        {"--resume", f.resume},
+        {"--checkpoint-dir", f.checkpoint_dir.empty() ? "none" : "given"},
+        {"--save-every", f.save_every ? std::to_string(*f.save_every) : "none"},
+        {"train_samples", std::to_string(train.size())}};
     std::unique_ptr<dp::dist::ProcessGroup> nodes;  // hybrid: one rank per node process
     if (hybrid) {
       auto env = dp::dist::worker_env_from_environment();

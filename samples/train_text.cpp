@@ -304,13 +304,14 @@ int main(int argc, char** argv) {
            {"--seq", std::to_string(f.seq)},
            {"--steps", std::to_string(f.steps)},
            {"--warmup", std::to_string(f.warmup)},
-           {"--lr", std::to_string(f.lr)},
-           {"--weight-decay", std::to_string(f.weight_decay)},
-           {"--clip-grad", std::to_string(f.clip_grad)},
-           {"--dropout", std::to_string(f.dropout)},
+           {"--lr", dp::dist::config_number(f.lr)},
+           {"--weight-decay", dp::dist::config_number(f.weight_decay)},
+           {"--clip-grad", dp::dist::config_number(f.clip_grad)},
+           {"--dropout", dp::dist::config_number(f.dropout)},
            {"--seed", std::to_string(f.seed)},
            {"--data", f.data},
            {"--resume", f.resume},
+           {"--save", f.save.empty() ? "none" : "given"},  // a collective (every rank's state)
            {"corpus_bytes", std::to_string(corpus.train.size()) + " train, " +
                                 std::to_string(corpus.val.size()) + " validation"}});
       if (f.profile_layers) ddp->set_graphs(dp::Graphs::off);  // a replay calls no forward

@@ -466,6 +466,40 @@ TEST_CASE("bench.cli: ranks started by an external launcher join and rank 0 repo
   std::remove(ref.c_str());
 }
 
+TEST_CASE("bench.cli: an external rank refuses flags it cannot honour, and ranks of two --seq") {
+  int port = dp::dist::find_free_port();
+  const std::string env =
+      "WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
+      " RANK=0 LOCAL_RANK=0 timeout 60";
+  // Before, each ran DDP alone and ignored the flag: --mode both ran no DP, --trace wrote no
+  // file, --gpus 3 ran 2 ranks. Refused before any rendezvous (no rank 1 is started).
+  auto external_refuses = [&](const std::string& flags, const std::string& why) {
+    auto [rc, out] = bench_output("--device cpu --steps 1 " + flags, env);
+    CHECK(rc != 0);
+    CHECK_MESSAGE(out.find(why) != std::string::npos, out);
+    CHECK(out.find("never joined") == std::string::npos);
+  };
+  external_refuses("--mode both", "--mode both in a rank started by torchrun (2 ranks)");
+  external_refuses("--mode ddp --trace " + temp_path("t.json"),
+                   "--trace in a rank started by torchrun");
+  external_refuses("--mode ddp --sweep 1,2", "--sweep in a rank started by torchrun");
+  external_refuses("--mode ddp --gpus 3",
+                   "--gpus 3 in a rank started by torchrun (2 ranks) with 2 on this");
+  external_refuses("--mode ddp --nnodes 2 --master-port 1234", "the launcher sets the nodes");
+  // Ranks of another --seq trained apart with no error (dp_bench's run config lacked it).
+  const std::string both = "WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+                           std::to_string(dp::dist::find_free_port());
+  const std::string args =
+      " --device cpu --mode ddp --steps 1 --warmup 0 --baseline 0 --model gpt --batch 4";
+  const std::string rank1 = both + " RANK=1 LOCAL_RANK=1 timeout 60 " + std::string(DP_BENCH_PATH) +
+                            args + " --seq 32 > " + temp_path("seq1.txt") + " 2>&1 &";
+  REQUIRE(std::system(rank1.c_str()) == 0);
+  auto [rc, out] = bench_output(args + " --seq 16", both + " RANK=0 LOCAL_RANK=0 timeout 60");
+  CHECK(rc != 0);
+  CHECK_MESSAGE(
+      out.find("config mismatch: --seq: rank 0 has 16, rank 1 has 32") != std::string::npos, out);
+}
+
 TEST_CASE("ddp.timeout: dp_bench --timeout names the rank that never joined") {
   // WORLD_SIZE=2 with only rank 0 started: it names rank 1 after 2 s instead of waiting 300 s.
   int port = dp::dist::find_free_port();

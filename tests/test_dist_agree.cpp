@@ -134,6 +134,21 @@ TEST_CASE("dist.config: a mismatch names the field, the ranks and their values")
   g["buckets"] = "2";
   CHECK(describe_config_mismatch({f, g}) ==
         "config mismatch: field \"buckets\": rank 0 has 3, rank 1 has 2");
+  // Two programs: the program is named first, not the first flag they differ in.
+  RunConfig mnist = f, bench = g;
+  mnist["program"] = "train_mnist";
+  bench["program"] = "dp_bench";
+  bench["--activations"] = "f32";
+  CHECK(
+      describe_config_mismatch({bench, mnist})
+          .find(
+              "config mismatch: field \"program\": rank 0 has dp_bench, rank 1 has train_mnist") ==
+      0);
+  // Real flags as fields: values std::to_string made one ("0.000000") stay apart.
+  CHECK(dp::dist::config_number(1e-7f) == "1e-07");
+  CHECK(dp::dist::config_number(0.003f) == "0.003");
+  CHECK(dp::dist::config_number(1e-7f) != dp::dist::config_number(4e-7f));
+  CHECK(dp::dist::config_number(0.5) == "0.5");
   // A value's control bytes are shown escaped, not written to the terminal raw.
   g = f;
   g["--mode"] = std::string("dp\x1b[2J\n", 7);

@@ -682,34 +682,49 @@ TEST_CASE(
   std::filesystem::remove_all(dir);
 }
 
-TEST_CASE("samples.train_mnist: hand-launched DDP ranks with different --batch fail naming it") {
+TEST_CASE(
+    "samples.train_mnist: hand-launched DDP ranks with another --batch or --data fail naming it") {
   if (skip_without_fashion_mnist()) return;
-  // torchrun-style: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set by hand, no job id.
-  const std::string port = std::to_string(dp::dist::find_free_port());
-  std::string log0 = temp_path("rank0.txt"), log1 = temp_path("rank1.txt");
-  auto rank_cmd = [&](int rank, const std::string& batch, const std::string& log) {
-    return "env -u DP_JOB_ID -u DP_JOB_TOKEN -u TORCHELASTIC_RUN_ID -u SLURM_JOB_ID RANK=" +
-           std::to_string(rank) + " WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port +
-           " DP_TIMEOUT=20 " + DP_TRAIN_MNIST_PATH +
-           " --device cpu --mode ddp --gpus 2 --limit-batches 2 --batch " + batch + " > " + log +
-           " 2>&1";
+  // Another --data (here the same files through a link: the flag as typed is compared) trained
+  // on other samples and exited 0.
+  const std::string link = temp_path("fashion_link");
+  std::filesystem::remove(link);
+  std::filesystem::create_directory_symlink("/usr/share/datasets/fashion-mnist", link);
+  struct Case {
+    std::string rank1;
+    std::string says;
   };
-  auto t0 = std::chrono::steady_clock::now();
-  std::string script = "timeout -k 5 60 sh -c '(" + rank_cmd(0, "64", log0) +
-                       "; echo \"exit $?\" >> " + log0 + ") & " + rank_cmd(1, "32", log1) +
-                       "; echo \"exit $?\" >> " + log1 + "; wait'";
-  REQUIRE(std::system(script.c_str()) == 0);
-  double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  for (const auto& log : {log0, log1}) {
-    std::ifstream f(log);
-    std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    INFO(text);
-    CHECK(text.find("config mismatch: --batch: rank 0 has 64, rank 1 has 32") != std::string::npos);
-    CHECK(text.find("exit 1") != std::string::npos);
-    CHECK(text.find("epoch 0") == std::string::npos);  // nothing was trained
-    std::remove(log.c_str());
+  for (const Case& c :
+       {Case{"--batch 32", "config mismatch: --batch: rank 0 has 64, rank 1 has 32"},
+        Case{"--batch 64 --data " + link, "config mismatch: --data: rank 0 has "}}) {
+    CAPTURE(c.says);
+    // torchrun-style: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set by hand, no job id.
+    const std::string port = std::to_string(dp::dist::find_free_port());
+    std::string log0 = temp_path("rank0.txt"), log1 = temp_path("rank1.txt");
+    auto rank_cmd = [&](int rank, const std::string& flags, const std::string& log) {
+      return "env -u DP_JOB_ID -u DP_JOB_TOKEN -u TORCHELASTIC_RUN_ID -u SLURM_JOB_ID RANK=" +
+             std::to_string(rank) + " WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port +
+             " DP_TIMEOUT=20 " + DP_TRAIN_MNIST_PATH +
+             " --device cpu --mode ddp --gpus 2 --limit-batches 2 " + flags + " > " + log + " 2>&1";
+    };
+    auto t0 = std::chrono::steady_clock::now();
+    std::string script = "timeout -k 5 60 sh -c '(" + rank_cmd(0, "--batch 64", log0) +
+                         "; echo \"exit $?\" >> " + log0 + ") & " + rank_cmd(1, c.rank1, log1) +
+                         "; echo \"exit $?\" >> " + log1 + "; wait'";
+    REQUIRE(std::system(script.c_str()) == 0);
+    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    for (const auto& log : {log0, log1}) {
+      std::ifstream f(log);
+      std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+      INFO(text);
+      CHECK(text.find(c.says) != std::string::npos);
+      CHECK(text.find("exit 1") != std::string::npos);
+      CHECK(text.find("epoch 0") == std::string::npos);  // nothing was trained
+      std::remove(log.c_str());
+    }
+    CHECK(s < 20);  // together, not after DP_TIMEOUT
   }
-  CHECK(s < 20);  // together, not after DP_TIMEOUT
+  std::filesystem::remove(link);
 }
 
 TEST_CASE("samples.train_mnist: --backend mpi without mpirun names the ranks asked for") {

@@ -368,9 +368,11 @@ TEST_CASE("samples.train_text: DDP ranks that disagree on a flag fail together, 
     std::vector<std::string> rank1;
     const char* says;
   };
-  for (const Case& c :
-       {Case{{"--seq", "32"}, "--seq: rank 0 has 64, rank 1 has 32"},
-        Case{{"--lr", "0.001"}, "--lr: rank 0 has 0.003000, rank 1 has 0.001000"}}) {
+  for (const Case& c : {Case{{"--seq", "32"}, "--seq: rank 0 has 64, rank 1 has 32"},
+                        Case{{"--lr", "0.001"}, "--lr: rank 0 has 0.003, rank 1 has 0.001"},
+                        // A save is a collective: rank 0 waited out the timeout in another one.
+                        Case{{"--save", dp_test::temp_path("train_text", "one_rank.safetensors")},
+                             "--save: rank 0 has none, rank 1 has given"}}) {
     CAPTURE(c.says);
     std::vector<std::string> one = common;
     one.insert(one.end(), c.rank1.begin(), c.rank1.end());

@@ -1,6 +1,7 @@
 #include "dp/distributed/config_check.hpp"
 
 #include <algorithm>
+#include <charconv>
 #include <set>
 #include <sstream>
 
@@ -100,6 +101,10 @@ std::string describe_config_mismatch(const std::vector<RunConfig>& per_rank) {
   // The user's flags first: a derived field that differs (the bucket plan, a data set's size)
   // usually differs because a flag does, and the flag is what to fix.
   std::stable_partition(differing.begin(), differing.end(), is_flag);
+  // And before them the program: two programs differ in most flags, and the program is the
+  // mistake.
+  std::stable_partition(differing.begin(), differing.end(),
+                        [](const std::string& n) { return n == "program"; });
   const std::string& name = differing.front();
   // Ranks grouped by value, in order of each value's first rank.
   std::vector<std::pair<std::string, std::vector<size_t>>> groups;
@@ -130,6 +135,23 @@ std::string describe_config_mismatch(const std::vector<RunConfig>& per_rank) {
     os << ")";
   }
   return os.str();
+}
+
+namespace {
+template <class T>
+std::string shortest(T v) {
+  char buf[64];
+  const std::to_chars_result r = std::to_chars(buf, buf + sizeof buf, v);
+  return std::string(buf, r.ptr);
+}
+}  // namespace
+
+std::string config_number(float v) {
+  return shortest(v);
+}
+
+std::string config_number(double v) {
+  return shortest(v);
 }
 
 void verify_same_config(ProcessGroup& group, const RunConfig& mine,

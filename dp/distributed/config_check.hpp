@@ -23,6 +23,12 @@ class ProcessGroup;
 // Field name -> value, compared as text. Names and values may hold any bytes.
 using RunConfig = std::map<std::string, std::string>;
 
+// A real flag's value as a field: the shortest text that reads back as the same float or
+// double (std::to_chars: "0.003", "1e-07"), where std::to_string's 6 decimals made 1e-7 and
+// 4e-7 one value.
+std::string config_number(float v);
+std::string config_number(double v);
+
 // The fields as one string (each name and value length-prefixed) and back. decode throws
 // kernels::Error naming `rank` when the text is not an encoding.
 std::string encode_config(const RunConfig& fields);

@@ -547,9 +547,14 @@ TcpStore::TcpStore(std::string host, int port, StoreRole role, Millis timeout, J
     try {
       server_ = std::make_unique<StoreServer>(host_, port_, StoreServerLimits{}, job_.token);
     } catch (const kernels::Error& e) {
+      // The hint only where the port is taken (not for an address that is not this host's).
+      const bool in_use =
+          std::string(e.what()).find(std::strerror(EADDRINUSE)) != std::string::npos;
       DP_THROW("TcpStore: cannot start the store server: "
-               << e.what() << " (is another job using port " << port_
-               << "? give each job its own MASTER_PORT / --master-port)");
+               << e.what()
+               << (in_use ? " (is another job using port " + std::to_string(port_) +
+                                "? give each job its own MASTER_PORT / --master-port)"
+                          : std::string()));
     }
     port_ = server_->port();
   }
