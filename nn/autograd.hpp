@@ -116,6 +116,7 @@ class Tape {
     bool requires_grad = false;
     int consumers = 0;  // ops that read it
     bool live = false;  // gets a gradient in backward
+    bool view = false;  // a view of another slot's tensor (reshape), written by no op
   };
   struct Node {
     std::vector<int> in;
@@ -201,13 +202,15 @@ class Tape {
     input_ = input;
     output_ = output;
   }
-  // Replays the ops with the input bound to x; returns the output. An x that is one of this
-  // tape's tensors (the layer applied to its own output, m(m(x))) is copied first: the ops
-  // would write over what they read.
+  // Replays the ops with the input bound to x; returns the output. An x that is one of the
+  // tensors this tape's ops write (the layer applied to its own output, m(m(x))) is copied
+  // first: the ops would write over what they read. Views are skipped: a reshape of the last
+  // input shares x's storage, and writes nothing.
   Tensor replay(const Tensor& x) {
     bool aliased = false;
     for (const Slot& s : slots_)
-      aliased = aliased || (s.kind == Kind::op && s.value.defined() && s.value.same_storage(x));
+      aliased = aliased ||
+                (s.kind == Kind::op && !s.view && s.value.defined() && s.value.same_storage(x));
     if (aliased) {
       Tensor copy = Tensor::empty(x.shape(), x.dtype(), device_);
       kernels::copy(copy, x);
@@ -582,9 +585,11 @@ inline Var reshape(const Var& x, Shape shape) {
     shape[static_cast<size_t>(infer)] = x.value().numel() / known;
   }
   Tensor y = x.value().reshape(shape);
-  return t.record(
+  Var v = t.record(
       {x}, y, [shape](Tape& t, const Tape::Node& n) { t.out(n) = t.in(n, 0).reshape(shape); },
       [](Tape& t, const Tape::Node& n) { copy_into(t.din(n, 0), t.dout(n), n.acc[0]); });
+  t.slot(v.id()).view = true;
+  return v;
 }
 
 // Copies x's elements seen through `src` (a view of x's storage) into a new contiguous tensor;

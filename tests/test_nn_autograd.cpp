@@ -522,6 +522,16 @@ class Mix : public nn::Composed {
   nn::Parameter& w_;
 };
 
+// y = x seen as one row: a layer whose output is a view of its input.
+class Flat : public nn::Composed {
+ public:
+  std::string type_name() const override { return "Flat"; }
+
+ protected:
+  ag::Var compose(const ag::Var& x) override { return ag::reshape(x, {-1}); }
+  std::shared_ptr<nn::Module> clone_config() const override { return std::make_shared<Flat>(); }
+};
+
 // A built-in Linear called inside compose(): y = lin(x) * 2.
 class Outer : public nn::Composed {
  public:
@@ -589,6 +599,12 @@ TEST_CASE(
   // another value than m(copy of m(x)).
   const std::vector<float> want = m.forward(m.forward(x).clone()).to_host_f32();
   CHECK(m.forward(m.forward(x)).to_host_f32() == want);
+  // A reshape of the last input is a view, which no op writes: the same input again is not
+  // copied (the output is still a view of it).
+  Flat flat;
+  flat.materialize(Device::cpu(0), 8);
+  flat.set_input_grad(nn::InputGrad::not_needed);
+  for (int call = 0; call < 2; ++call) CHECK(flat.forward(x).same_storage(x));
   // A Var kept past its forward, after the layer freed its tapes (9 input shapes): refused,
   // where it read freed memory.
   m.forward(rnd({1, 3}, 72));
