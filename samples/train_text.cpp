@@ -228,8 +228,7 @@ int main(int argc, char** argv) {
     dp::data::TextCorpus corpus = dp::data::read_text_corpus(f.data);
     // What the directory held that was not read, said once (entries that are not regular files,
     // links to none).
-    const char* rank = std::getenv("RANK");  // DDP: rank 0 says it
-    if (!corpus.skipped.empty() && (rank == nullptr || std::string(rank) == "0")) {
+    if (!corpus.skipped.empty() && dp::cli::first_rank_or_alone()) {  // DDP: rank 0 says it
       std::string list;
       for (const std::string& s : corpus.skipped) list += (list.empty() ? "" : ", ") + s;
       std::fprintf(stderr, "train_text: not read: %s\n", list.c_str());

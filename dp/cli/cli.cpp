@@ -226,10 +226,17 @@ CLI::Validator positive_number(double hi) {
       "(0, " + number_text(hi) + "]");
 }
 
+bool first_rank_or_alone() {
+  try {
+    const std::optional<dist::WorkerEnv> w = dist::worker_env_from_environment();
+    return !w || w->rank == 0;
+  } catch (const std::exception&) {
+    return true;
+  }
+}
+
 void warn_if_generic_gemm(const char* program, kernels::DeviceType type) {
-  if (type != kernels::DeviceType::cpu) return;
-  const char* rank = std::getenv("RANK");
-  if (rank && std::string(rank) != "0") return;
+  if (type != kernels::DeviceType::cpu || !first_rank_or_alone()) return;
   const kernels::BlasKernels k = kernels::cpu_blas_kernels();
   if (!k.warning.empty()) std::fprintf(stderr, "%s: warning: %s\n", program, k.warning.c_str());
 }
@@ -529,11 +536,9 @@ StepMemory measure_step_memory(const std::function<int64_t(int64_t rows)>& peak_
 }
 
 std::unique_ptr<SlowNotice> probe_notice(const std::string& program, const std::string& device) {
-  const char* rank = std::getenv("RANK");
-  const bool leader = rank == nullptr || std::string(rank) == "0";
   return std::make_unique<SlowNotice>(program + ": measuring a step's memory on " + device +
                                           " (probe steps of 1 and 2 rows) to check the run fits",
-                                      leader ? stderr : nullptr);
+                                      first_rank_or_alone() ? stderr : nullptr);
 }
 
 void check_step_fits(const std::string& what, const StepMemory& m, int devices, int64_t rows,

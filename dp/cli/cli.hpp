@@ -41,8 +41,14 @@ CLI::Validator whole_number(int64_t lo, int64_t hi);
 
 // On CPU devices, where the GEMM library runs kernels narrower than the CPU's vector
 // instructions (kernels::cpu_blas_kernels), prints one line to stderr, "<program>: warning: ...",
-// saying what to do; in a multi-process run only rank 0 (RANK unset or 0) prints it.
+// saying what to do; in a multi-process run only rank 0 prints it (first_rank_or_alone).
 void warn_if_generic_gemm(const char* program, kernels::DeviceType type);
+
+// Whether this process says what every rank would (notices, warnings, skipped files): it is in
+// no torchrun, mpirun or Slurm job, or it is rank 0 of one (dp::dist::worker_env_from_environment,
+// so OMPI_COMM_WORLD_RANK and SLURM_PROCID count as RANK does). Variables that do not parse
+// count as rank 0: the rendezvous then names them.
+bool first_rank_or_alone();
 
 // A finite number in (0, hi]: "--lr: -0.1 is not allowed: give a number > 0 and <= 10".
 CLI::Validator positive_number(double hi);
@@ -168,7 +174,7 @@ struct StepMemory {
 };
 StepMemory measure_step_memory(const std::function<int64_t(int64_t rows)>& peak_of);
 // What a memory probe says when it takes 5 s or more (progress.hpp's SlowNotice), by rank 0
-// alone (RANK unset or 0): "<program>: measuring a step's memory on <device> (probe steps of 1
+// alone (first_rank_or_alone): "<program>: measuring a step's memory on <device> (probe steps of 1
 // and 2 rows) to check the run fits". Held while the probe runs.
 std::unique_ptr<SlowNotice> probe_notice(const std::string& program, const std::string& device);
 // Throws check_fits's message, naming the figures, when `devices` devices each holding
