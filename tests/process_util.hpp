@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <fstream>
 #include <iterator>
 #include <string>
@@ -82,8 +83,8 @@ inline int wait_child(pid_t pid, std::chrono::milliseconds within) {
 
 // Ranks (or hybrid nodes) started by hand as torchrun starts them: RANK, WORLD_SIZE, LOCAL_RANK
 // 0, LOCAL_WORLD_SIZE 1, MASTER_ADDR 127.0.0.1 and MASTER_PORT `port` (no job id), rank r running
-// `program` with args[r], its output into log_prefix + r. Waits up to `within` for all of them
-// (a rank still running then is killed: its code is -1).
+// `program` with args[r], its output into log_prefix + r (read into outputs, then removed). Waits
+// up to `within` for all of them (a rank still running then is killed: its code is -1).
 struct HandRanks {
   std::vector<int> statuses;  // waitpid statuses, -1: killed at the deadline
   std::vector<std::string> outputs;
@@ -125,8 +126,12 @@ inline HandRanks run_hand_ranks(const std::string& program,
   }
   out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   for (size_t r = 0; r < args.size(); ++r) {
-    std::ifstream f(log_prefix + std::to_string(r));
-    out.outputs.emplace_back(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+    const std::string log = log_prefix + std::to_string(r);
+    {
+      std::ifstream f(log);
+      out.outputs.emplace_back(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+    }
+    std::remove(log.c_str());  // temp_path removes log_prefix at exit, not these
   }
   return out;
 }
