@@ -156,6 +156,19 @@ TEST_CASE("dist.launcher: worker environments from torchrun, mpirun and Slurm va
                                                    {"MASTER_PORT", "2"}}));
   REQUIRE(both);
   CHECK(both->rank == 1);
+
+  // Without MASTER_PORT: Slurm's port is the job's own (two jobs sharing a node do not both
+  // claim 29500); a job of one rank takes any free port (no peer looks for it).
+  Vars slurm_job = {{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_JOB_ID", "123456"}};
+  CHECK(worker_env_from_environment(map_env(slurm_job))->master_port == 18456);
+  slurm_job["MASTER_PORT"] = "2000";
+  CHECK(worker_env_from_environment(map_env(slurm_job))->master_port == 2000);
+  CHECK(parse_init_method("env://", -1, -1, map_env(slurm_job)).port == 2000);
+  CHECK(parse_init_method("env://", -1, -1, map_env({{"RANK", "0"}, {"WORLD_SIZE", "1"}})).port ==
+        0);
+  CHECK(parse_init_method("env://", -1, -1,
+                          map_env({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_PORT", "2001"}}))
+            .port == 2001);
 }
 
 TEST_CASE("dist.launcher: the restart count comes from DP_RESTART_COUNT, else torchrun's") {
@@ -182,6 +195,11 @@ TEST_CASE("dist.launcher: inconsistent worker variables are errors naming them")
   CHECK(err({{"RANK", "0"}}).find("WORLD_SIZE is not") != std::string::npos);
   CHECK(err({{"RANK", "2"}, {"WORLD_SIZE", "2"}}).find("RANK=2") != std::string::npos);
   CHECK(err({{"RANK", "x"}, {"WORLD_SIZE", "2"}}).find("RANK='x'") != std::string::npos);
+  // strtoll's leading space and '+' are not taken: RANK=" 1" was rank 1.
+  CHECK(err({{"RANK", " 1"}, {"WORLD_SIZE", "2"}}).find("RANK=' 1' is not an integer") !=
+        std::string::npos);
+  CHECK(err({{"RANK", "+1"}, {"WORLD_SIZE", "2"}}).find("RANK='+1'") != std::string::npos);
+  CHECK(err({{"RANK", "-"}, {"WORLD_SIZE", "2"}}).find("RANK='-'") != std::string::npos);
   CHECK(err({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}}).find("MASTER_PORT") !=
         std::string::npos);
   CHECK(err({{"RANK", "0"},

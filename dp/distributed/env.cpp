@@ -1,5 +1,6 @@
 #include "dp/distributed/env.hpp"
 
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
@@ -30,7 +31,10 @@ int parse_int(const std::string& text, int lo, int hi, const std::string& what) 
   errno = 0;
   char* end = nullptr;
   long long v = std::strtoll(text.c_str(), &end, 10);
-  DP_CHECK(!text.empty() && end && *end == '\0' && errno == 0,
+  // strtoll also takes leading spaces and a '+': a variable is a plain decimal number.
+  const bool plain = !text.empty() && (std::isdigit(static_cast<unsigned char>(text[0])) ||
+                                       (text[0] == '-' && text.size() > 1));
+  DP_CHECK(plain && end && *end == '\0' && errno == 0,
            what << "='" << text << "' is not an integer");
   DP_CHECK(v >= lo && v <= hi, what << "=" << v << " is not in [" << lo << ", " << hi << "]");
   return static_cast<int>(v);

@@ -37,7 +37,9 @@ struct WorkerEnv {
 // LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT; mpirun's OMPI_COMM_WORLD_RANK,
 // _SIZE, _LOCAL_RANK, _LOCAL_SIZE; Slurm's SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,
 // SLURM_NTASKS_PER_NODE/SLURM_NNODES, SLURM_NODEID. For mpirun and Slurm, MASTER_ADDR
-// defaults to 127.0.0.1 on one node (required on several) and MASTER_PORT to 29500.
+// defaults to 127.0.0.1 on one node (required on several) and MASTER_PORT to 29500 (Slurm:
+// 15000 + SLURM_JOB_ID % 20000). Without MASTER_PORT, the env:// rendezvous of a job of one
+// rank takes any free port.
 // restart_count from DP_RESTART_COUNT or TORCHELASTIC_RESTART_COUNT (0 when both are unset).
 // Returns nullopt when none of RANK, OMPI_COMM_WORLD_RANK, SLURM_PROCID is set.
 // Throws kernels::Error naming the variable for missing or inconsistent values.

@@ -92,6 +92,7 @@ RendezvousSpec parse_init_method(const std::string& init_method, int rank, int w
     spec.kind = RendezvousSpec::Kind::tcp;
     std::optional<std::string> addr = env("MASTER_ADDR");
     std::optional<int> port = env_int(env, "MASTER_PORT", 1, 65535);
+    const bool port_given = port.has_value();
     if (!addr && w) addr = w->master_addr;
     if (!port && w) port = w->master_port;
     DP_CHECK(addr && !addr->empty(),
@@ -113,6 +114,9 @@ RendezvousSpec parse_init_method(const std::string& init_method, int rank, int w
              "env:// rendezvous: RANK is not set (nor OMPI_COMM_WORLD_RANK / SLURM_PROCID)");
     DP_CHECK(spec.world_size >= 1,
              "env:// rendezvous: WORLD_SIZE is not set (nor OMPI_COMM_WORLD_SIZE / SLURM_NTASKS)");
+    // One rank has no peer to find its store: without MASTER_PORT it takes a free port, so two
+    // one-rank jobs on a host do not both claim the default.
+    if (spec.world_size == 1 && !port_given) spec.port = 0;
     if (w)
       spec.local_rank = w->local_rank;
     else if (auto lr = env_int(env, "LOCAL_RANK", 0, 1 << 20))

@@ -115,6 +115,12 @@ std::optional<WorkerEnv> worker_env_of(const EnvLookup& env) {
              "SLURM_NODEID=" << w.node_rank << " is not in [0, SLURM_NNODES=" << nnodes << ")");
     check_consistent(w, n);
     read_master(w, env, nnodes > 1, false);
+    // Without MASTER_PORT, a port of this job's own (15000 + SLURM_JOB_ID % 20000, as Lightning
+    // picks it): two Slurm jobs sharing a node then do not both claim 29500.
+    std::optional<std::string> job = env("SLURM_JOB_ID");
+    if (!env("MASTER_PORT") && job && !job->empty() && job->size() <= 18 &&
+        job->find_first_not_of("0123456789") == std::string::npos)
+      w.master_port = 15000 + static_cast<int>(std::stoll(*job) % 20000);
     return w;
   }
   return std::nullopt;
