@@ -3,10 +3,12 @@
 #include <cblas.h>
 #include <dlfcn.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
 #include <iterator>
+#include <limits>
 #include <thread>
 
 #include "kernels/cpu/cpu_ops.hpp"
@@ -579,6 +581,21 @@ TEST_CASE("kernels.relu: forward, backward, accumulate") {
   CHECK(dx.to_host_f32() == std::vector<float>{0, 0, 0, 4, 5, 0, 7});
   relu_backward(dx, dy, x, Accumulate::yes);
   CHECK(dx.to_host_f32() == std::vector<float>{0, 0, 0, 8, 10, 0, 14});
+  // NaN stays NaN, as torch.relu keeps it (it was 0: a NaN input gave a finite loss while its
+  // gradient made the weights NaN); its gradient is 0, as torch's. The composed op too.
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  Tensor xn = tensor({nan, -1.f, 2.f, inf, -inf}, {5}), yn = zeros({5}), yu = zeros({5});
+  relu(yn, xn);
+  kernels::unary(yu, xn, kernels::UnaryOp::relu);
+  for (const Tensor& out : {yn, yu}) {
+    const std::vector<float> v = out.to_host_f32();
+    CHECK(std::isnan(v[0]));
+    CHECK(std::vector<float>(v.begin() + 1, v.end()) == std::vector<float>{0.f, 2.f, inf, 0.f});
+  }
+  Tensor dn = zeros({5});
+  relu_backward(dn, filled({5}, 1.f), xn, Accumulate::no);
+  CHECK(dn.to_host_f32() == std::vector<float>{0, 0, 1, 1, 0});
 }
 
 TEST_CASE("kernels.gelu: exact erf form, gradient matches finite differences") {

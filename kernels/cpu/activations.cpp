@@ -117,8 +117,9 @@ void backward(Tensor& dx, const Tensor& dy, const Tensor& v, Accumulate acc, Der
 
 }  // namespace
 
+// NaN stays NaN (torch.relu's rule): mapped to 0, a NaN input left a finite loss over NaN weights.
 void relu(Tensor& y, const Tensor& x) {
-  map(y, x, [](float v) { return v > 0.f ? v : 0.f; });
+  map(y, x, [](float v) { return (v > 0.f || v != v) ? v : 0.f; });
 }
 
 // ReLU's derivative, 1 or 0, over a block: a loop of its own, which GCC vectorises (a compare

@@ -56,8 +56,8 @@ float forward_value(UnaryOp op, UnaryParams p, float x) {
       return 0.5f * x * (1.f + std::erf(x * kInvSqrt2));
     case UnaryOp::gelu_tanh:
       return 0.5f * x * (1.f + std::tanh(kSqrt2OverPi * (x + 0.044715f * x * x * x)));
-    case UnaryOp::relu:
-      return x > 0.f ? x : 0.f;
+    case UnaryOp::relu:  // NaN stays NaN, as in torch.relu
+      return (x > 0.f || x != x) ? x : 0.f;
   }
   return x;
 }

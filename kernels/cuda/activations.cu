@@ -10,8 +10,8 @@ namespace {
 constexpr float kInvSqrt2 = 0.70710678118654752440f;
 constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
 
-struct Relu {
-  __device__ float operator()(float v) const { return v > 0.f ? v : 0.f; }
+struct Relu {  // NaN stays NaN, as in torch.relu
+  __device__ float operator()(float v) const { return (v > 0.f || v != v) ? v : 0.f; }
 };
 struct ReluGrad {  // of the forward input
   __device__ float operator()(float v) const { return v > 0.f ? 1.f : 0.f; }

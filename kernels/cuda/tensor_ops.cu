@@ -171,8 +171,8 @@ __device__ __forceinline__ float unary_value(UnaryOp op, UnaryParams p, float v)
       return 0.5f * v * (1.f + erff(v * kInvSqrt2));
     case UnaryOp::gelu_tanh:
       return 0.5f * v * (1.f + tanhf(kSqrt2OverPi * (v + kGeluCubic * v * v * v)));
-    case UnaryOp::relu:
-      return v > 0.f ? v : 0.f;
+    case UnaryOp::relu:  // NaN stays NaN, as in torch.relu
+      return (v > 0.f || v != v) ? v : 0.f;
   }
   return v;
 }
