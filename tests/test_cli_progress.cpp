@@ -1,13 +1,17 @@
 // bench.progress: the programs' progress line (redrawn on a terminal, plain periodic lines
 // otherwise) and the --log JSONL step log.
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "dp/cli/cli.hpp"
 #include "dp/cli/progress.hpp"
 #include "tests/test_util.hpp"
 
@@ -161,4 +165,25 @@ TEST_CASE("bench.progress: SlowNotice says what a slow phase does, and nothing f
         }) == "x: building ...\n");
   // No stream (a rank that is not rank 0): no thread, nothing.
   SlowNotice quiet("x: building", nullptr, milliseconds(0));
+}
+
+TEST_CASE("bench.progress: rank 0 of torchrun, mpirun or Slurm speaks, or a process of no job") {
+  // Whether the process speaks with these variables set (each removed after: none is set here).
+  auto speaks = [](const std::vector<std::pair<const char*, const char*>>& vars) {
+    for (const auto& kv : vars) setenv(kv.first, kv.second, 1);
+    const bool first = dp::cli::first_rank_or_alone();
+    for (const auto& kv : vars) unsetenv(kv.first);
+    return first;
+  };
+  for (const char* name : {"RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"})
+    REQUIRE(std::getenv(name) == nullptr);
+  CHECK(speaks({}));
+  // Under mpirun and Slurm RANK is unset: every rank took itself for rank 0.
+  CHECK_FALSE(speaks({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}}));
+  CHECK(speaks({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}}));
+  CHECK_FALSE(speaks({{"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "4"}}));
+  CHECK_FALSE(
+      speaks({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}}));
+  // Variables that do not parse: rank 0's part (the rendezvous names them).
+  CHECK(speaks({{"RANK", "x"}, {"WORLD_SIZE", "2"}}));
 }
