@@ -440,7 +440,8 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
   bool any_overhead = false;
   for (auto& r : runs) any_overhead = any_overhead || overhead_ci(runs, r).has_value();
   if (any_overhead) {
-    os << "\n against 1 device: t_N / t_1, and overhead per added device (t_N - t_1) / N in us:\n";
+    os << "\n against 1 device: t_N / t_1, and the overhead per device (t_N - t_1) / N (not / (N - "
+          "1)) in us:\n";
     for (auto& r : runs)
       if (auto us = overhead_ci(runs, r)) {
         os << ModeCell{runs, r} << "   t_N / t_1 " << describe(*ratio_to_one(runs, r), 1.0, 2)

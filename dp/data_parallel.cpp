@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <limits>
 #include <set>
@@ -17,6 +18,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 int cpu_threads_for(const std::vector<Device>& devices, int requested) {
+  // Checked here, where the engine's first member reads it.
+  DP_CHECK(requested >= 0, "DataParallel: cpu_threads_per_device "
+                               << requested << ": >= 0 (0: the cores split among CPU devices)");
   if (requested > 0) return requested;
   int n_cpu = 0;
   for (auto& d : devices) n_cpu += d.is_cpu();
@@ -72,6 +76,16 @@ DataParallel::DataParallel(nn::ModulePtr module, nn::Optimizer& optimizer,
                                                 << devices_[0]);
   std::set<Device> seen(devices_.begin(), devices_.end());
   DP_CHECK(seen.size() == devices_.size(), "DataParallel: a device is listed twice");
+  // An optimizer of another module stepped that one: the engine's weights never moved.
+  DP_CHECK(optimizer.module().materialized() &&
+               optimizer.module().flat_params().same_storage(module->flat_params()),
+           "DataParallel: the optimizer steps another module's parameters (a "
+               << optimizer.module().type_name() << "), not the " << module->type_name()
+               << "'s given here: build it on this module");
+  DP_CHECK(options_.clip_grad_norm >= 0.f && std::isfinite(options_.clip_grad_norm),
+           "DataParallel: clip_grad_norm " << options_.clip_grad_norm
+                                           << ": finite and >= 0 (0: no clipping)");
+
   DP_CHECK(
       options_.comm_dtype == kernels::DType::f32 || options_.comm_dtype == kernels::DType::bf16,
       "DataParallel: gradients travel in f32 or bf16, not " << options_.comm_dtype);

@@ -286,8 +286,11 @@ class DataParallel {
   // save and load do this themselves).
   void drain();
   // Restores what save() wrote, bit for bit; refuses, naming what differs, a file from another
-  // model, optimizer or device count, or whose config differs from `expected.config`. Returns
-  // the saved position (step, epoch, batches done). Call between steps. metrics_lag 1: a
+  // model or optimizer, or whose config differs from `expected.config`. A file of another
+  // device count, or DdpTrainer's, is re-sharded (its state is whole in the file; dropout
+  // streams are re-derived, so the continuation is not bit-exact): the returned position holds
+  // the saved mode and world size, and nn::resume_note(returned, this run's) says what changed.
+  // Returns the saved position (step, epoch, batches done). Call between steps. metrics_lag 1: a
   // step's metrics still pending belong to the run replaced and are dropped (finish_metrics()
   // first keeps them); the next step, like a run's first, returns none.
   nn::TrainingProgress load(const std::string& path, const nn::TrainingProgress& expected = {});

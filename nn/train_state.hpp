@@ -151,6 +151,20 @@ inline void save_training_state(const std::string& path, Module& m, Optimizer& o
                  << io::printable(path) << "): cannot create its folder " << io::printable(dir)
                  << ": " << (ec ? ec.message() : std::string("something on the way is a file")));
   }
+  // A file there that no save wrote (its first MiB names no dptrain format) is not ours to
+  // replace: a checkpoint of ours, even a damaged one, is.
+  if (std::error_code ec; std::filesystem::is_regular_file(path, ec) &&
+                          std::filesystem::file_size(path, ec) > 0 && !ec) {
+    std::string head(size_t{1} << 20, '\0');
+    std::FILE* f = std::fopen(path.c_str(), "rb");
+    head.resize(f ? std::fread(head.data(), 1, head.size(), f) : 0);
+    if (f) std::fclose(f);
+    DP_CHECK(head.size() > 8 && head.find("\"format\":\"dptrain-", 8) != std::string::npos,
+             "save_training_state(" << io::printable(path)
+                                    << "): the file there is not a training state (it has no "
+                                       "__metadata__ format dptrain-...): it is never replaced; "
+                                       "remove it yourself, or give another path");
+  }
   // One device needs no offsets from the caller: they are the module's. More must be given.
   std::vector<uint64_t> rng_offsets = progress.rng_offsets;
   if (rng_offsets.empty() && progress.world_size == 1) rng_offsets = {m.flat().rng_offset};

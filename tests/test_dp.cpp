@@ -6,6 +6,7 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <limits>
 #include <map>
 #include <set>
 #include <string>
@@ -1218,6 +1219,58 @@ TEST_CASE("dp.metrics_lag: after a load, the first step reports nothing and the 
   CHECK(engine.finish_metrics().loss == losses[3]);
   CHECK_THROWS_WITH_AS(engine.finish_metrics(), doctest::Contains("no step's metrics are pending"),
                        kernels::Error);
+  std::remove(path.c_str());
+}
+
+TEST_CASE("dp.options: another module's optimizer, a NaN clip, negative threads are refused") {
+  auto m = small_mlp();
+  m->materialize(Device::cpu(0), kSeed);
+  nn::SGD opt(*m, SgdConfig{});
+  auto make = [&](nn::Optimizer& o, auto&& tweak) {
+    dp::DataParallelOptions options;
+    tweak(options);
+    dp::DataParallel engine(m, o, make_devices(DeviceType::cpu, 2), options);
+  };
+  auto none = [](dp::DataParallelOptions&) {};
+  // An optimizer built on another module stepped that one: the engine's weights never moved,
+  // and the loss stayed the same step after step, silently.
+  auto other = small_mlp();
+  other->materialize(Device::cpu(0), kSeed);
+  nn::SGD other_opt(*other, SgdConfig{});
+  CHECK_THROWS_WITH_AS(make(other_opt, none),
+                       doctest::Contains("the optimizer steps another module's parameters"),
+                       kernels::Error);
+  // Were taken as "no clipping", and as the default thread count.
+  CHECK_THROWS_WITH_AS(
+      make(opt, [](auto& o) { o.clip_grad_norm = std::numeric_limits<float>::quiet_NaN(); }),
+      doctest::Contains("clip_grad_norm nan: finite and >= 0"), kernels::Error);
+  CHECK_THROWS_WITH_AS(make(opt, [](auto& o) { o.clip_grad_norm = -1.f; }),
+                       doctest::Contains("clip_grad_norm -1"), kernels::Error);
+  CHECK_THROWS_WITH_AS(make(opt, [](auto& o) { o.cpu_threads_per_device = -3; }),
+                       doctest::Contains("cpu_threads_per_device -3: >= 0"), kernels::Error);
+  make(opt, none);  // the module's own optimizer
+}
+
+// save() replaced any file at its path: one that is not a training state is refused, as the
+// programs' --save refuses it; a checkpoint of ours is replaced.
+TEST_CASE("dp.save: a file that is not a training state is never replaced") {
+  auto m = small_mlp();
+  m->materialize(Device::cpu(0), kSeed);
+  nn::SGD opt(*m, SgdConfig{});
+  dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, 2));
+  const std::string path = dp_test::temp_path("dp", "notes.txt");
+  {
+    std::ofstream notes(path);
+    notes << "my notes\n";
+  }
+  CHECK_THROWS_WITH_AS(engine.save(path), doctest::Contains("is not a training state"),
+                       kernels::Error);
+  std::ifstream kept(path);
+  std::string text((std::istreambuf_iterator<char>(kept)), std::istreambuf_iterator<char>());
+  CHECK(text == "my notes\n");
+  std::remove(path.c_str());
+  engine.save(path);
+  engine.save(path);  // its own file: replaced
   std::remove(path.c_str());
 }
 
