@@ -41,6 +41,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <exception>
 #include <fstream>
 #include <string>
 #include <thread>
@@ -172,6 +173,10 @@ struct DdpRun {
   std::string graph_collectives = "auto";  // DdpTrainer::set_graph_collectives (auto: true)
   int64_t bucket_cap_bytes = 0;            // > 0: DdpOptions' caps (small: several buckets)
   float clip_grad = 0.f;
+  int64_t rank1_rows = 0;  // > 0: rank 1 passes this many rows of the global batch each step
+  // > 0: at this step (1-based) rank 1's last label is out of range; the step's error is caught
+  // and printed, and the loop goes on (research code that catches and continues)
+  int bad_label_at = 0;
 };
 
 int run_ddp(const DdpRun& o) {
@@ -240,7 +245,19 @@ int run_ddp(const DdpRun& o) {
     const int64_t rows = short_step ? std::max<int64_t>(batch - 3, 1) : batch;
     for (int64_t j = 0; o.moving_shares > 0 && j < batch * tokens; ++j)
       labels.data<int32_t>()[j] = (j + s) % o.moving_shares == 0 ? -1 : y[j];
-    loss = trainer.train_step(images.slice(0, rows), labels.slice(0, rows));
+    const int64_t mine = o.rank1_rows > 0 && trainer.rank() == 1 ? o.rank1_rows : rows;
+    const bool bad = o.bad_label_at == s + 1 && trainer.rank() == 1;
+    const int32_t kept = labels.data<int32_t>()[mine - 1];
+    if (bad) labels.data<int32_t>()[mine - 1] = 99;
+    try {
+      loss = trainer.train_step(images.slice(0, mine), labels.slice(0, mine));
+    } catch (const std::exception& e) {
+      if (!bad) throw;
+      std::printf("[rank %d] caught: %s\n", trainer.rank(), e.what());
+      std::fflush(stdout);
+      labels.data<int32_t>()[mine - 1] = kept;
+      continue;
+    }
     graphed += trainer.last_times().graphed;
     losses += " " + number(loss);
     if (!o.save.empty() && s + 1 == o.save_at) trainer.save(o.save);
@@ -308,6 +325,8 @@ int main(int argc, char** argv) {
   app.add_option("--zero", ddp.zero)->check(CLI::Range(0, 1));
   app.add_flag("--zero-overlap", ddp.zero_overlap);
   app.add_flag("--momentum", ddp.momentum);
+  app.add_option("--rank1-rows", ddp.rank1_rows)->check(CLI::PositiveNumber);
+  app.add_option("--bad-label-at", ddp.bad_label_at)->check(CLI::PositiveNumber);
   app.add_option("--job-tag", job_tag, "ignored: lets a test find this job's processes");
   CLI11_PARSE(app, argc, argv);
   lo.grace_period = std::chrono::milliseconds(grace_ms);

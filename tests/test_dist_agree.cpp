@@ -5,6 +5,8 @@
 // MASTER_PORT and no job id, as torchrun's env:// allows).
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <pthread.h>
+#include <signal.h>
 #include <spawn.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -17,10 +19,13 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <mutex>
+#include <set>
 #include <sstream>
+#include <thread>
 
 #include "dp/cli/cli.hpp"
 #include "dp/distributed/config_check.hpp"
@@ -128,8 +133,15 @@ TEST_CASE("dist.config: a mismatch names the field, the ranks and their values")
   RunConfig f = {{"--batch", "8"}, {"buckets", "3"}, {"dataset_size", "800"}, {"--seed", "1"}};
   RunConfig g = {{"--batch", "12"}, {"buckets", "2"}, {"dataset_size", "1200"}, {"--seed", "2"}};
   CHECK(describe_config_mismatch({f, g}) ==
-        "config mismatch: --batch: rank 0 has 8, rank 1 has 12 (also differ: --seed \"buckets\" "
-        "\"dataset_size\")");
+        "config mismatch: --batch: rank 0 has 8, rank 1 has 12 (also differ: --seed "
+        "\"dataset_size\" \"buckets\")");
+  // A bucket plan differs because the parameters do: they are named first (two models read
+  // "engine.buckets: rank 0 has 1 (...), rank 1 has 1 (...)").
+  RunConfig one = {{"engine.buckets", "1 (bf81)"}, {"engine.params.numel", "451"}};
+  RunConfig two = {{"engine.buckets", "1 (d643)"}, {"engine.params.numel", "83"}};
+  CHECK(describe_config_mismatch({one, two}) ==
+        "config mismatch: field \"engine.params.numel\": rank 0 has 451, rank 1 has 83 (also "
+        "differ: \"engine.buckets\")");
   g = f;
   g["buckets"] = "2";
   CHECK(describe_config_mismatch({f, g}) ==
@@ -291,6 +303,59 @@ TEST_CASE(
   CHECK(contains(error, "connect timeout 2 s"));
   CHECK(s >= 1.5);  // it did wait for the peer ...
   CHECK(s < 5.0);   // ... within the bound (2 s and the pair's rounding), not 5 x 300 s
+}
+
+namespace {
+
+// Threads of this process whose signal mask blocks SIGPIPE (/proc/self/task/*/status, SigBlk).
+std::set<std::string> threads_blocking_sigpipe() {
+  std::set<std::string> out;
+  for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream status(task.path() / "status");
+    for (std::string line; std::getline(status, line);)
+      if (line.rfind("SigBlk:", 0) == 0 &&
+          (std::stoull(line.substr(7), nullptr, 16) >> (SIGPIPE - 1) & 1))
+        out.insert(task.path().filename().string());
+  }
+  return out;
+}
+
+}  // namespace
+
+// Gloo writes its sockets with writev: a write to a connection its peer closed raised SIGPIPE,
+// which killed the process (exit 141, no message) in about 1 of 20 runs where one device's
+// reducer failed. Its threads now start with SIGPIPE blocked (the write fails with EPIPE, the op
+// with a message); the caller's own mask and the process's disposition are left alone.
+TEST_CASE("dist.gloo: the group's threads block SIGPIPE, and the caller's mask is kept") {
+  const std::set<std::string> before = threads_blocking_sigpipe();
+  std::array<bool, 2> caller_blocks{true, true};
+  std::atomic<int> made{0}, counted{0};
+  size_t started = 0;
+  dist_test::run_ranks(2, [&](int rank, std::shared_ptr<Store> store) {
+    GlooOptions o;
+    o.hostname = "127.0.0.1";
+    GlooProcessGroup pg(store, rank, 2, o);
+    sigset_t now;
+    pthread_sigmask(SIG_BLOCK, nullptr, &now);
+    caller_blocks[static_cast<size_t>(rank)] = sigismember(&now, SIGPIPE) == 1;
+    // Both groups alive while rank 0 counts: each one's worker and its device's event loop.
+    ++made;
+    while (made.load() < 2) std::this_thread::sleep_for(1ms);
+    if (rank == 0) {
+      std::set<std::string> blocking = threads_blocking_sigpipe();
+      for (const std::string& tid : before) blocking.erase(tid);
+      started = blocking.size();
+      ++counted;
+    }
+    while (counted.load() < 1) std::this_thread::sleep_for(1ms);
+  });
+  CHECK_FALSE(caller_blocks[0]);
+  CHECK_FALSE(caller_blocks[1]);
+  CHECK(started >= 4);
+  struct sigaction now {};
+  sigaction(SIGPIPE, nullptr, &now);
+  const bool default_disposition = now.sa_handler == SIG_DFL;
+  CHECK(default_disposition);
 }
 
 TEST_CASE(
@@ -605,6 +670,23 @@ TEST_CASE("ddp.batch: a global batch with fewer rows than ranks fails on every r
   }
 }
 
+TEST_CASE("dist.claim: ranks started with different world sizes stop at once, naming both") {
+  // Rank 0 of WORLD_SIZE 2 and rank 1 of 3: rank 0 said a store key was never set, rank 1
+  // that rank 2 never joined (or that the peer closed), each after the timeout.
+  std::string dir = dist_test::make_temp_dir("ddp_world_sizes");
+  const int port = net::find_free_port();
+  const std::vector<std::string> args = {"--mode", "ddp", "--steps", "1"};
+  const auto t0 = Clock::now();
+  HandRank r0(dir, "w0", 0, 2, port, args, "60"), r1(dir, "w1", 1, 3, port, args, "60");
+  CHECK(r0.wait(60s) == 1);
+  CHECK(r1.wait(60s) == 1);
+  CHECK(seconds_since(t0) < 30);
+  for (const std::string& out : {r0.output(), r1.output()}) {
+    CAPTURE(out);
+    CHECK(contains(out, "world sizes differ: rank 0 has 2, rank 1 has 3"));
+  }
+}
+
 TEST_CASE("ddp.config: ranks that clip differently, or use another loss, fail at wrap") {
   // Each rank applies these to the same all-reduced gradient: a difference would let the ranks'
   // weights drift apart without any collective failing.
@@ -629,6 +711,48 @@ TEST_CASE("ddp.config: ranks that clip differently, or use another loss, fail at
   both_refuse("lag", {"--metrics-lag", "1"}, "field \"engine.metrics_lag\": rank 0 has 0");
   both_refuse("loss", {"--moving-shares", "3"},
               "field \"engine.loss\": rank 0 has cross_entropy, rank 1 has token_cross_entropy");
+  // The optimizer's settings, not its name and rate alone: SGD with momentum 0.9 on one rank
+  // and none on the other trained apart while the all-reduced loss read the same.
+  both_refuse("momentum", {"--momentum"},
+              "field \"engine.optimizer.settings\": rank 0 has momentum 0, dampening 0, "
+              "weight_decay 0, rank 1 has momentum 0.9, dampening 0, weight_decay 0");
+}
+
+TEST_CASE("ddp.step: ranks of another global batch, or one going on after a failed step, stop") {
+  std::string dir = dist_test::make_temp_dir("ddp_step_agree");
+  // Rank 1 passes 3 rows where rank 0 passes 4: each took its share of its own batch (2/4 and
+  // 1/3), and both went on with a wrong gradient. The loss's all-reduce now carries the batch.
+  {
+    const int port = net::find_free_port();
+    const std::vector<std::string> args = {"--mode", "ddp", "--steps", "3", "--batch", "4"};
+    std::vector<std::string> a1 = args;
+    a1.insert(a1.end(), {"--rank1-rows", "3"});
+    HandRank r0(dir, "rows0", 0, 2, port, args, "60"), r1(dir, "rows1", 1, 2, port, a1, "60");
+    CHECK(r0.wait(30s) == 1);
+    CHECK(r1.wait(30s) == 1);
+    CHECK(contains(r0.output(), "rank 0 passed a global batch of 4 rows, but the 2 ranks' "
+                                "global batches sum to 7 rows"));
+    CHECK(contains(r1.output(), "rank 1 passed a global batch of 3 rows"));
+    CHECK_FALSE(contains(r0.output() + r1.output(), "ddp ok"));
+  }
+  // Rank 1's step 2 throws on a bad label before any collective; the worker catches it and goes
+  // on. Its step 3 paired with rank 0's step 2 before: both trained 4 steps on each other's
+  // gradients of other steps, and exited 0. Now rank 1's next step is refused, and rank 0,
+  // left in step 2's collectives, fails too.
+  {
+    const int port = net::find_free_port();
+    const std::vector<std::string> args = {"--mode", "ddp", "--steps", "4", "--batch", "8"};
+    std::vector<std::string> a1 = args;
+    a1.insert(a1.end(), {"--bad-label-at", "2"});
+    HandRank r0(dir, "label0", 0, 2, port, args, "20"), r1(dir, "label1", 1, 2, port, a1, "20");
+    CHECK(r1.wait(60s) == 1);
+    CHECK(r0.wait(60s) == 1);
+    CAPTURE(r1.output());
+    CHECK(contains(r1.output(), "caught: "));
+    CHECK(contains(r1.output(), "label 99"));
+    CHECK(contains(r1.output(), "an earlier step failed midway"));
+    CHECK_FALSE(contains(r0.output() + r1.output(), "ddp ok"));
+  }
 }
 
 TEST_CASE("ddp.clip: clipping on the device keeps DdpTrainer's step at one host read") {

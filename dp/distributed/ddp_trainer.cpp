@@ -152,6 +152,20 @@ RunConfig DdpTrainer::engine_config(nn::Module& model, nn::Optimizer& optimizer)
   // drift apart without a collective ever failing.
   c["engine.optimizer"] =
       nn::detail::optimizer_name(optimizer) + " lr " + decimal_text(optimizer.lr());
+  // Its settings: ranks of another momentum or weight decay drifted apart, while the loss (one
+  // all-reduced value) read the same on every rank.
+  if (const auto* sgd = dynamic_cast<const nn::SGD*>(&optimizer)) {
+    const kernels::SgdConfig& k = sgd->config();
+    c["engine.optimizer.settings"] = "momentum " + decimal_text(k.momentum) + ", dampening " +
+                                     decimal_text(k.dampening) + ", weight_decay " +
+                                     decimal_text(k.weight_decay) +
+                                     (k.nesterov == kernels::Nesterov::yes ? ", nesterov" : "");
+  } else if (const auto* adamw = dynamic_cast<const nn::AdamW*>(&optimizer)) {
+    const kernels::AdamWConfig& k = adamw->config();
+    c["engine.optimizer.settings"] = "betas " + decimal_text(k.beta1) + " " +
+                                     decimal_text(k.beta2) + ", eps " + decimal_text(k.eps) +
+                                     ", weight_decay " + decimal_text(k.weight_decay);
+  }
   c["engine.clip_grad_norm"] = decimal_text(clip_grad_norm_);
   c["engine.loss"] = loss_fn_->name();
   c["engine.metrics_lag"] = std::to_string(metrics_lag_);
@@ -195,6 +209,11 @@ RunConfig DdpTrainer::engine_config(nn::Module& model, nn::Optimizer& optimizer)
 
 void DdpTrainer::wrap(nn::ModulePtr model, nn::Optimizer& optimizer) {
   DP_CHECK(model && model->materialized(), "DdpTrainer::wrap: the model is not materialised");
+  DP_CHECK(optimizer.module().materialized() &&
+               optimizer.module().flat_params().same_storage(model->flat_params()),
+           "DdpTrainer::wrap: the optimizer steps another module's parameters (a "
+               << optimizer.module().type_name() << "), not the " << model->type_name()
+               << "'s given here: build it on this model");
   // Before any collective (the weight broadcast is the first): the ranks prove they agree.
   RunConfig fields = run_config_;
   for (auto& kv : engine_config(*model, optimizer)) fields.insert(kv);
@@ -284,6 +303,11 @@ void DdpTrainer::set_metrics_lag(int lag) {
 
 float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tensor& labels) {
   DP_CHECK(ddp_, "DdpTrainer::train_step before wrap()");
+  DP_CHECK(failed_.empty(), "DdpTrainer: rank "
+                                << rank() << ": an earlier step failed midway (" << failed_
+                                << "): its peers may be inside that step's collectives, and this "
+                                   "rank's next step would pair with them; start again (resume "
+                                   "from a checkpoint)");
   if (metrics_lag_ > 0) {
     DP_CHECK(!scaler_.enabled(), "DdpTrainer: metrics_lag 1 with the loss scaler's check ("
                                      << nn::precision_name(precision_)
@@ -306,37 +330,46 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
                << images.dim(0) << " rows leaves " << world_size() - images.dim(0) << " of "
                << world_size() << " ranks without rows: pad a short last batch to " << world_size()
                << " rows (LoaderOptions::pad_last_batch_to) or drop it");
-  ddp_->set_batch_share(total_denominator_ > 0 ? my_denominator_ : 0,
-                        std::max<int64_t>(total_denominator_, 1));
-  write_scale();
-  StepSegments* segments = nullptr;
-  if (use_graphs()) {
-    // What the graphs bake in: the chunk's shape (the loss scale and this rank's share are read
-    // on the device).
-    graph_key_.values.assign(1, hx.dim(0));  // the key's storage is reused step to step
-    graph_key_.add_row_shape(hx);
-    graph_key_.add_row_shape(hy);
-    segments = &graph_set_for(graphs_, graph_key_);
-    input_ = segments->input;  // the buffers this shape's graphs read and write
-    labels_ = segments->labels;
-    dlogits_ = segments->dlogits;
+  // From here on a failure may leave this rank's peers inside the step's collectives: the
+  // trainer is failed (later steps are refused) rather than a step behind them.
+  float global_loss = 0;
+  try {
+    ddp_->set_batch_share(total_denominator_ > 0 ? my_denominator_ : 0,
+                          std::max<int64_t>(total_denominator_, 1));
+    write_scale();
+    StepSegments* segments = nullptr;
+    if (use_graphs()) {
+      // What the graphs bake in: the chunk's shape (the loss scale and this rank's share are read
+      // on the device).
+      graph_key_.values.assign(1, hx.dim(0));  // the key's storage is reused step to step
+      graph_key_.add_row_shape(hx);
+      graph_key_.add_row_shape(hy);
+      segments = &graph_set_for(graphs_, graph_key_);
+      input_ = segments->input;  // the buffers this shape's graphs read and write
+      labels_ = segments->labels;
+      dlogits_ = segments->dlogits;
+    }
+    // Zeros once: the norm's slot is read back every step, written only with clipping on.
+    if (!metrics_.defined()) metrics_ = kernels::Tensor::zeros({4}, kernels::DType::f32, device_);
+    times_.graphed = times_.captured = false;
+    times_.graph_nodes = 0;
+    const int64_t replayed_payload = run_stages(hx, hy, share, segments);
+    if (segments && !graphs_fallback_.empty()) graphs_.clear();  // no later step replays them
+    if (zero_overlapped()) zero_->gather_params();
+    // The loss's all-reduce is not in it; a replayed graph's all-reduces are.
+    last_payload_bytes_ = group_->payload_bytes() - payload_before + replayed_payload;
+    global_loss = metrics_lag_ > 0 ? report_loss_lagged(share, images.dim(0))
+                                   : report_loss(share, images.dim(0));
+  } catch (const std::exception& e) {
+    failed_ = e.what();
+    throw;
   }
-  // Zeros once: the norm's slot is read back every step, written only with clipping on.
-  if (!metrics_.defined()) metrics_ = kernels::Tensor::zeros({3}, kernels::DType::f32, device_);
-  times_.graphed = times_.captured = false;
-  times_.graph_nodes = 0;
-  const int64_t replayed_payload = run_stages(hx, hy, share, segments);
-  if (segments && !graphs_fallback_.empty()) graphs_.clear();  // no later step replays them
-  if (zero_overlapped()) zero_->gather_params();
-  // The loss's all-reduce is not in it; a replayed graph's all-reduces are.
-  last_payload_bytes_ = group_->payload_bytes() - payload_before + replayed_payload;
-  const float global_loss = metrics_lag_ > 0 ? report_loss_lagged(share) : report_loss(share);
   times_.metrics_lagged = metrics_lag_ > 0;
   ++steps_;
   report_lagged_fault();  // once the step is complete: the trainer stays usable
   if (metrics_lag_ == 0) {
     scaler_.settle(*optimizer_, host_metrics_.data<float>()[1] == 0.f);
-    if (clip_grad_norm_ > 0.f) grad_norm_ = host_metrics_.data<float>()[2];
+    if (clip_grad_norm_ > 0.f) grad_norm_ = host_metrics_.data<float>()[3];
   }
 
   // Phase times from the events (device time on a GPU; every event is reached by now).

@@ -154,16 +154,23 @@ class DdpTrainer {
   // requires model materialised on device(); optimizer built on it.
   // First the ranks prove they agree (config_check.hpp): the run configuration plus the fields
   // the engine adds ("engine.*": world size, backend, parameter count, shapes and their hash,
-  // the bucket plan, ZeRO, SyncBN, precision, comm dtype, the optimizer and its learning rate,
-  // the clip, the loss, metrics lag and graphs) are exchanged out of band, bounded by
-  // the rendezvous timeout, and any difference throws on every rank naming the field and the
+  // the bucket plan, ZeRO, SyncBN, precision, comm dtype, the optimizer with its learning rate
+  // and settings (SGD's momentum, dampening, weight decay and Nesterov; AdamW's betas, eps and
+  // weight decay), the clip, the loss, metrics lag and graphs) are exchanged out of band, bounded
+  // by the rendezvous timeout, and any difference throws on every rank naming the field and the
   // ranks. Then rank 0's weights are broadcast.
   void wrap(nn::ModulePtr model, nn::Optimizer& optimizer);
   // The fields wrap() verified: the run configuration and the engine's (empty before wrap()).
   const RunConfig& verified_config() const { return verified_config_; }
   // One step on this rank's chunk of the global host batch. Returns the global mean loss.
   // requires at least world_size() rows, so that every rank has one (a loader pads a short
-  // last batch with LoaderOptions::pad_last_batch_to = world_size(), or drops it).
+  // last batch with LoaderOptions::pad_last_batch_to = world_size(), or drops it), and the
+  // same global batch size on every rank: the loss's all-reduce carries it, and a rank whose
+  // batch is not the ranks' mean throws (with metrics_lag 1, at the next step).
+  // A step that throws after those first checks (a bad label in this rank's chunk, a failed
+  // collective) leaves the trainer failed: every later train_step throws, naming the first
+  // error. Its peers may be inside this step's collectives; a rank that went on would pair its
+  // next step's with them, and the ranks would train on each other's gradients of other steps.
   float train_step(const kernels::Tensor& images, const kernels::Tensor& labels);
   // Rows of the global batch whose argmax equals the label (each rank counts its chunk).
   int64_t count_correct(const kernels::Tensor& images, const kernels::Tensor& labels);
@@ -185,9 +192,11 @@ class DdpTrainer {
   int64_t last_payload_bytes() const { return last_payload_bytes_; }
   nn::GradScaler& scaler() { return scaler_; }
   // The whole training state, as DataParallel::save: every rank's dropout offset is gathered
-  // and rank 0 writes; a failed write throws on every rank. Under ZeRO-1 every rank's shard of
-  // the optimizer state is gathered first: the file holds it whole, as an unsharded run's, and
-  // loads into any world size, sharded or not. Collectives: every rank calls them.
+  // and rank 0 writes `path` (the others' `path` is not used; load() reads it on every rank, so
+  // across nodes it lies on a file system they share); a failed write throws on every rank.
+  // Under ZeRO-1 every rank's shard of the optimizer state is gathered first: the file holds it
+  // whole, as an unsharded run's, and loads into any world size, sharded or not. Collectives:
+  // every rank calls them.
   // requires wrap() done.
   void save(const std::string& path, const nn::TrainingProgress& position = {});
   // Every rank reads `path` (each its own dropout offset; under ZeRO-1 its shard of the
@@ -216,21 +225,25 @@ class DdpTrainer {
   void write_scale();
   // The global batch's mean loss from this rank's chunk loss (metrics_[0]) and share, and
   // whether the gradient was finite (metrics_[1]): one small all-reduce and the step's one read,
-  // which also brings the gradient norm (metrics_[2], clipping on).
-  float report_loss(float share);
-  // Scales `metrics` (3) loss by this rank's share and starts the all-reduce of the loss and the
-  // verdict; null at world size 1 (nothing to reduce).
-  std::shared_ptr<Work> reduce_metrics(kernels::Tensor& metrics, float share);
+  // which also brings the ranks' summed batch sizes (metrics_[2], checked against `rows`) and
+  // the gradient norm (metrics_[3], clipping on).
+  float report_loss(float share, int64_t rows);
+  // Scales `metrics` (4) loss by this rank's share, writes `rows` (this rank's global batch)
+  // and starts the all-reduce of the loss, the verdict and the rows; null at world size 1.
+  std::shared_ptr<Work> reduce_metrics(kernels::Tensor& metrics, float share, int64_t rows);
+  // Throws unless the ranks' summed global batches are world_size() x `rows`.
+  void check_same_batch(float summed_rows, int64_t rows) const;
   // metrics_lag 1: the same all-reduce on a copy of the step's metrics in a slot of their own,
   // its read queued; then waits for this step's input copy (the caller may refill the host
   // batch), which follows the previous step's read, and returns that step's loss (NaN on a
   // run's first step), with its gradient norm in grad_norm_.
-  float report_loss_lagged(float share);
-  // metrics_lag 1: with a step's metrics, their copy on the device (5 values: metrics_, then the
+  float report_loss_lagged(float share, int64_t rows);
+  // metrics_lag 1: with a step's metrics, their copy on the device (6 values: metrics_, then the
   // context's fault word) and, world > 1, their all-reduce (waited when the slot is read).
   struct LaggedExtra {
     kernels::Tensor device;
     std::shared_ptr<Work> work;
+    int64_t rows = 0;  // the step's global batch, checked against the ranks' sum
   };
   using LaggedSlot = LaggedSlots<LaggedExtra>::Slot;
   // Whether the host already waited for a point after the slot's read.
@@ -284,7 +297,8 @@ class DdpTrainer {
   std::unique_ptr<ZeroStage1> zero_;
   RunConfig run_config_, verified_config_;
   kernels::Tensor input_, labels_, dlogits_;  // this rank's step buffers, reused
-  kernels::Tensor metrics_;  // (3) f32 on the device: chunk loss, non-finite, grad norm
+  // (4) f32 on the device: chunk loss, non-finite, global batch rows (summed), grad norm
+  kernels::Tensor metrics_;
   // The step's loss scale on the device, where the kernels read it (no graph bakes it in):
   // (2) f32, 1 / scale and scale, written at each step's start (write_scale).
   StepScalars scale_values_;
@@ -294,6 +308,7 @@ class DdpTrainer {
   // metrics_lag 1: per step parity, a copy of the step's metrics being all-reduced and read.
   LaggedSlots<LaggedExtra> lagged_;
   bool lagged_fault_ = false;  // the slot read last said a fault was written
+  std::string failed_;         // the error that ended a step midway: later steps are refused
   int64_t steps_ = 0;          // train_steps so far (the lag's parity)
   // Phase boundaries of a step on this rank's stream, by StepMark (dp/step.hpp): begin, chunk
   // copied in (kScattered), forward, backward, gradients synchronised (kReduced), stepped.

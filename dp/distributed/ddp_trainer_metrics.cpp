@@ -17,38 +17,54 @@ void DdpTrainer::write_scale() {
   loss_scale_ = scale_values_.at(1);
 }
 
-std::shared_ptr<Work> DdpTrainer::reduce_metrics(kernels::Tensor& metrics, float share) {
-  // The global mean loss, and the verdict (the same on every rank; summed, still 0 or not).
-  // The gradient norm is the same on every rank already: it is read, not reduced.
-  kernels::Tensor loss = metrics.view(0, {1}), summed = metrics.view(0, {2});
+std::shared_ptr<Work> DdpTrainer::reduce_metrics(kernels::Tensor& metrics, float share,
+                                                 int64_t rows) {
+  // The global mean loss, the verdict (the same on every rank; summed, still 0 or not) and the
+  // global batch sizes (summed: world_size() x rows when the ranks agree). The gradient norm is
+  // the same on every rank already: it is read, not reduced.
+  kernels::Tensor loss = metrics.view(0, {1}), batch = metrics.view(2, {1}),
+                  summed = metrics.view(0, {3});
   kernels::scale(loss, loss, share);
+  kernels::fill(batch, static_cast<float>(rows));
   if (world_size() == 1) return nullptr;
   return group_->all_reduce(summed, ReduceOp::sum);
 }
 
-float DdpTrainer::report_loss(float share) {
-  if (auto work = reduce_metrics(metrics_, share)) work->wait();
+void DdpTrainer::check_same_batch(float summed_rows, int64_t rows) const {
+  // Exact in f32 below 2^24 rows in all.
+  DP_CHECK(static_cast<double>(summed_rows) == static_cast<double>(rows) * world_size(),
+           "DdpTrainer: rank " << rank() << " passed a global batch of " << rows
+                               << " rows, but the " << world_size()
+                               << " ranks' global batches sum to " << summed_rows
+                               << " rows: every rank passes the same global batch (and "
+                                  "trains on its own chunk of it)");
+}
+
+float DdpTrainer::report_loss(float share, int64_t rows) {
+  if (auto work = reduce_metrics(metrics_, share, rows)) work->wait();
   if (!host_metrics_.defined())
-    host_metrics_ = kernels::Tensor::empty_pinned({3}, kernels::DType::f32);
+    host_metrics_ = kernels::Tensor::empty_pinned({4}, kernels::DType::f32);
   kernels::read_back(host_metrics_, metrics_);  // the step's one host wait
+  check_same_batch(host_metrics_.data<float>()[2], rows);
   return host_metrics_.data<float>()[0];
 }
 
-float DdpTrainer::report_loss_lagged(float share) {
+float DdpTrainer::report_loss_lagged(float share, int64_t rows) {
   kernels::DeviceContext& ctx = *context_;
   LaggedSlot& slot = lagged_.of(steps_);
   if (!slot.host.defined()) {
-    slot.extra.device = kernels::Tensor::empty({5}, kernels::DType::f32, device_);
-    slot.host = kernels::Tensor::empty_pinned({5}, kernels::DType::f32);
+    slot.extra.device = kernels::Tensor::empty({6}, kernels::DType::f32, device_);
+    slot.host = kernels::Tensor::empty_pinned({6}, kernels::DType::f32);
   }
+  slot.extra.rows = rows;
   // The step's metrics in a slot of their own (the next step writes metrics_ again), with the
   // context's fault word (its read checks no fault), then what report_loss does with them, its
   // read queued.
   kernels::Tensor& device = slot.extra.device;
-  kernels::Tensor metrics = device.view(0, {3}), fault_word = device.view(3, {2});
+  kernels::Tensor metrics = device.view(0, {4}), fault_word = device.view(4, {2});
   kernels::copy(metrics, metrics_);
   kernels::queue_fault_word(fault_word, ctx);
-  slot.extra.work = reduce_metrics(metrics, share);
+  slot.extra.work = reduce_metrics(metrics, share, rows);
   if (slot.extra.work) slot.extra.work->order_stream();  // NCCL: the read waits on the stream
   slot.queue_read(device, ctx);
   // The step's one host wait: for this step's input copy, so that the caller may refill the
@@ -71,8 +87,9 @@ float DdpTrainer::take_lagged(LaggedSlot& slot, Waited waited) {
   slot.extra.work.reset();
   // The host wait for the step's read, unless the caller's covered it.
   const float* m = slot.take(waited == Waited::no ? context_.get() : nullptr);
-  lagged_fault_ = kernels::fault_written(m + 3);
-  if (clip_grad_norm_ > 0.f) grad_norm_ = m[2];
+  lagged_fault_ = kernels::fault_written(m + 4);
+  check_same_batch(m[2], slot.extra.rows);
+  if (clip_grad_norm_ > 0.f) grad_norm_ = m[3];
   return m[0];
 }
 

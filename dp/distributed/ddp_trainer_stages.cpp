@@ -48,7 +48,7 @@ void DdpTrainer::queue_update(nn::Module& m) {
   // The all-reduced gradient is the same on every rank: so are its norm and the verdict, made on
   // the device and learnt with the loss in the step's one read.
   dp::queue_update(m.flat_grads(), *optimizer_, scaler_, clip_grad_norm_, unscale_,
-                   metrics_.view(1, {1}), metrics_.view(2, {1}));
+                   metrics_.view(1, {1}), metrics_.view(3, {1}));
 }
 
 struct DdpTrainer::RankStages final : StepStages {
@@ -108,7 +108,7 @@ struct DdpTrainer::RankStages final : StepStages {
     if (t.zero_reduce_scatters()) {
       // ZeRO-1's decisions (every rank's shard, combined) stay on the device too: the verdict and
       // the norm come back with the loss.
-      t.zero_->queue_step(share, &t.scaler_, t.metrics_.view(1, {1}), t.metrics_.view(2, {1}));
+      t.zero_->queue_step(share, &t.scaler_, t.metrics_.view(1, {1}), t.metrics_.view(3, {1}));
       t.ddp_->average_buffers();
       return;
     }

@@ -1,5 +1,8 @@
 #include "dp/distributed/gloo_process_group.hpp"
 
+#include <pthread.h>
+#include <signal.h>
+
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
 #include <gloo/barrier.h>
@@ -361,6 +364,27 @@ class DeadlineStore final : public gloo::rendezvous::Store {
 
 // ---- GlooProcessGroup -----------------------------------------------------------------------
 
+namespace {
+
+// SIGPIPE blocked on this thread while alive (and in the threads it starts meanwhile).
+class SigpipeBlocked {
+ public:
+  SigpipeBlocked() {
+    sigset_t pipe;
+    sigemptyset(&pipe);
+    sigaddset(&pipe, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe, &old_);
+  }
+  ~SigpipeBlocked() { pthread_sigmask(SIG_SETMASK, &old_, nullptr); }
+  SigpipeBlocked(const SigpipeBlocked&) = delete;
+  SigpipeBlocked& operator=(const SigpipeBlocked&) = delete;
+
+ private:
+  sigset_t old_;
+};
+
+}  // namespace
+
 GlooProcessGroup::GlooProcessGroup(std::shared_ptr<Store> store, int rank, int size,
                                    const GlooOptions& options)
     : ProcessGroup(rank, size, options.timeout), state_(std::make_shared<State>()) {
@@ -368,6 +392,13 @@ GlooProcessGroup::GlooProcessGroup(std::shared_ptr<Store> store, int rank, int s
   state_->rank = rank;
   state_->size = size;
   state_->store = std::move(store);
+  // Gloo writes its sockets with writev, which raises SIGPIPE on a connection its peer closed:
+  // a rank that failed killed its peers silently (exit 141) instead of failing their op with
+  // "Connection reset". The threads that write them (the device's event loop, made by
+  // CreateDevice, and the worker) are started with SIGPIPE blocked, inheriting this thread's
+  // mask, which is restored after: a write there returns EPIPE. The process's own disposition
+  // stays the caller's (Python ignores SIGPIPE; a C++ program need not).
+  SigpipeBlocked blocked;
   try {
     gloo::transport::tcp::attr attr;
     if (!options.interface.empty())

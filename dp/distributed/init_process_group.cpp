@@ -144,10 +144,50 @@ void seal_rendezvous(Store& group, int rank) {
 // progress line every 10 s (or timeout / 3); after `timeout` every waiting rank throws naming the
 // missing ranks. Rank 0 hosts a tcp store, so it gives up a little later than the others: they can
 // still read which ranks are missing when their own time runs out.
+// Ranks started with another WORLD_SIZE: the rank that sees it (each compares with rank 0's)
+// writes why, and every rank throws it, rank 0 once the ranks that arrived have read it (2 s
+// at most: it hosts the store). Before, rank 0 waited for a rank its world has not, or the
+// others for one that never comes, each naming a timeout.
+void throw_if_world_sizes_differ(Store& group, int rank, int size) {
+  if (!group.check({"world_size_differs"})) return;
+  const std::string why = group.get_string("world_size_differs");
+  if (rank != 0) {
+    try {
+      group.add("world_size_read", 1);
+    } catch (const kernels::Error&) {  // rank 0 stopped waiting: the reason is read anyway
+    }
+  } else {
+    using Clock = std::chrono::steady_clock;
+    const auto until = Clock::now() + std::chrono::seconds(2);
+    while (Clock::now() < until &&
+           group.add("world_size_read", 0) < std::min<int64_t>(group.add("arrived", 0), size) - 1)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  DP_THROW(why << ": every rank of a job is started with the same WORLD_SIZE (or "
+                  "OMPI_COMM_WORLD_SIZE, SLURM_NTASKS, init_process_group's world_size)");
+}
+
+void check_world_size(Store& group, int rank, int size) {
+  if (rank == 0) {
+    group.set_string("world_size", std::to_string(size));
+    return;
+  }
+  const std::string rank0 = group.get_string("world_size");  // bounded by the rendezvous timeout
+  if (rank0 == std::to_string(size)) return;
+  try {
+    group.set_string("world_size_differs", "world sizes differ: rank 0 has " + rank0 + ", rank " +
+                                               std::to_string(rank) + " has " +
+                                               std::to_string(size));
+  } catch (const kernels::Error&) {  // the store is going away: this rank's error says it all
+  }
+  throw_if_world_sizes_differ(group, rank, size);
+}
+
 void wait_for_all_ranks(Store& group, int rank, int size, std::chrono::milliseconds timeout,
                         const std::string& where) {
   using Clock = std::chrono::steady_clock;
   using std::chrono::milliseconds;
+  check_world_size(group, rank, size);
   group.set_string("arrived/" + std::to_string(rank), "1");
   group.add("arrived", 1);
   const auto start = Clock::now();
@@ -161,6 +201,7 @@ void wait_for_all_ranks(Store& group, int rank, int size, std::chrono::milliseco
   for (int64_t arrived; (arrived = group.add("arrived", 0)) < size;) {
     if (rank == 0 && group.check({"duplicate"})) seal_rendezvous(group, rank);  // throws
     throw_if_rank_claimed_twice(group);
+    throw_if_world_sizes_differ(group, rank, size);
     auto now = Clock::now();
     if (now - start >= timeout + linger) {
       std::string who;
