@@ -274,7 +274,7 @@ std::unique_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
     if (spec.kind == RendezvousSpec::Kind::tcp) master_host = spec.host;
     store = make_store(spec, timeouts.rendezvous);
     std::optional<int> beat_ms = env_int(env, "DP_HEARTBEAT_MS", 1, 3600 * 1000);
-    if (beat_ms && spec.kind == RendezvousSpec::Kind::tcp) {
+    if (beat_ms && spec.kind == RendezvousSpec::Kind::tcp && spec.port > 0) {
       auto connection =
           std::make_shared<TcpStore>(spec.host, spec.port, StoreRole::client, timeouts.rendezvous,
                                      JobIdentity{spec.job_token, spec.rank});

@@ -26,7 +26,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     RendezvousSpec s = parse_init_method(url, -1, -1, env);
     DP_FUZZ_ASSERT(s.world_size >= 1 && s.rank >= 0 && s.rank < s.world_size);
     if (s.kind == RendezvousSpec::Kind::tcp)
-      DP_FUZZ_ASSERT(!s.host.empty() && s.port >= 1 && s.port <= 65535);
+      // Port 0 (any free one) only for a job of one rank without MASTER_PORT.
+      DP_FUZZ_ASSERT(!s.host.empty() && s.port >= (s.world_size == 1 ? 0 : 1) && s.port <= 65535);
     else
       DP_FUZZ_ASSERT(!s.path.empty() && s.path[0] == '/');
     DP_FUZZ_ASSERT(s.job_token.size() <= 256);
