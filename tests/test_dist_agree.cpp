@@ -720,39 +720,37 @@ TEST_CASE("ddp.config: ranks that clip differently, or use another loss, fail at
 
 TEST_CASE("ddp.step: ranks of another global batch, or one going on after a failed step, stop") {
   std::string dir = dist_test::make_temp_dir("ddp_step_agree");
+  // Two hand-launched ranks, rank 1 with `extra` flags: both must exit 1. Their outputs.
+  auto both_fail = [&](const std::string& name, const std::vector<std::string>& args,
+                       const std::vector<std::string>& extra) {
+    std::vector<std::string> a1 = args;
+    a1.insert(a1.end(), extra.begin(), extra.end());
+    const int port = net::find_free_port();
+    HandRank r0(dir, name + "0", 0, 2, port, args, "20"), r1(dir, name + "1", 1, 2, port, a1, "20");
+    CHECK(r1.wait(60s) == 1);
+    CHECK(r0.wait(60s) == 1);
+    const std::array<std::string, 2> out = {r0.output(), r1.output()};
+    CHECK_FALSE(contains(out[0] + out[1], "ddp ok"));
+    return out;
+  };
   // Rank 1 passes 3 rows where rank 0 passes 4: each took its share of its own batch (2/4 and
   // 1/3), and both went on with a wrong gradient. The loss's all-reduce now carries the batch.
-  {
-    const int port = net::find_free_port();
-    const std::vector<std::string> args = {"--mode", "ddp", "--steps", "3", "--batch", "4"};
-    std::vector<std::string> a1 = args;
-    a1.insert(a1.end(), {"--rank1-rows", "3"});
-    HandRank r0(dir, "rows0", 0, 2, port, args, "60"), r1(dir, "rows1", 1, 2, port, a1, "60");
-    CHECK(r0.wait(30s) == 1);
-    CHECK(r1.wait(30s) == 1);
-    CHECK(contains(r0.output(), "rank 0 passed a global batch of 4 rows, but the 2 ranks' "
-                                "global batches sum to 7 rows"));
-    CHECK(contains(r1.output(), "rank 1 passed a global batch of 3 rows"));
-    CHECK_FALSE(contains(r0.output() + r1.output(), "ddp ok"));
-  }
+  auto rows =
+      both_fail("rows", {"--mode", "ddp", "--steps", "3", "--batch", "4"}, {"--rank1-rows", "3"});
+  CHECK(contains(rows[0],
+                 "rank 0 passed a global batch of 4 rows, but the 2 ranks' global "
+                 "batches sum to 7 rows"));
+  CHECK(contains(rows[1], "rank 1 passed a global batch of 3 rows"));
   // Rank 1's step 2 throws on a bad label before any collective; the worker catches it and goes
   // on. Its step 3 paired with rank 0's step 2 before: both trained 4 steps on each other's
   // gradients of other steps, and exited 0. Now rank 1's next step is refused, and rank 0,
   // left in step 2's collectives, fails too.
-  {
-    const int port = net::find_free_port();
-    const std::vector<std::string> args = {"--mode", "ddp", "--steps", "4", "--batch", "8"};
-    std::vector<std::string> a1 = args;
-    a1.insert(a1.end(), {"--bad-label-at", "2"});
-    HandRank r0(dir, "label0", 0, 2, port, args, "20"), r1(dir, "label1", 1, 2, port, a1, "20");
-    CHECK(r1.wait(60s) == 1);
-    CHECK(r0.wait(60s) == 1);
-    CAPTURE(r1.output());
-    CHECK(contains(r1.output(), "caught: "));
-    CHECK(contains(r1.output(), "label 99"));
-    CHECK(contains(r1.output(), "an earlier step failed midway"));
-    CHECK_FALSE(contains(r0.output() + r1.output(), "ddp ok"));
-  }
+  auto label = both_fail("label", {"--mode", "ddp", "--steps", "4", "--batch", "8"},
+                         {"--bad-label-at", "2"});
+  CAPTURE(label[1]);
+  CHECK(contains(label[1], "caught: "));
+  CHECK(contains(label[1], "label 99"));
+  CHECK(contains(label[1], "an earlier step failed midway"));
 }
 
 TEST_CASE("ddp.clip: clipping on the device keeps DdpTrainer's step at one host read") {

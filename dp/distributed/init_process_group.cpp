@@ -112,6 +112,28 @@ void claim_rank(Store& group, int rank, const std::string& where) {
                    << "--master-port, or a job id (DP_JOB_ID)");
 }
 
+// A reason to stop that every rank has just read: a rank other than 0 counts itself in
+// `read_key`; rank 0 hosts the store, so it stays up until the ranks that arrived (at most
+// `size` of them; -1: no bound) have read it, 2 s at most, so that they stop with the reason
+// rather than with a closed connection.
+void read_before_stopping(Store& group, int rank, const std::string& read_key, int size) {
+  if (rank != 0) {
+    try {
+      group.add(read_key, 1);
+    } catch (const kernels::Error&) {  // rank 0 stopped waiting: the reason is read anyway
+    }
+    return;
+  }
+  using Clock = std::chrono::steady_clock;
+  const auto until = Clock::now() + std::chrono::seconds(2);
+  auto arrived = [&] {
+    const int64_t n = group.add("arrived", 0);
+    return size < 0 ? n : std::min<int64_t>(n, size);
+  };
+  while (Clock::now() < until && group.add(read_key, 0) < arrived() - 1)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+}
+
 // Rank 0 decides, once every rank arrived (or once it saw a collision), whether a rank id was
 // claimed twice, and every rank reads that one verdict: they all stop, or all go on.
 void seal_rendezvous(Store& group, int rank) {
@@ -121,29 +143,11 @@ void seal_rendezvous(Store& group, int rank) {
     group.set_string("verdict", verdict);
   }
   std::string verdict = group.get_string("verdict");  // bounded by the rendezvous timeout
-  if (verdict != "ok") {
-    if (rank != 0) {
-      try {
-        group.add("verdict_read", 1);
-      } catch (const kernels::Error&) {  // rank 0 stopped waiting: the verdict is read anyway
-      }
-    } else {
-      // Rank 0 hosts the store: it stays up until every rank that arrived has read the verdict
-      // (2 s at most), so that they stop with it rather than with a closed connection.
-      using Clock = std::chrono::steady_clock;
-      const auto until = Clock::now() + std::chrono::seconds(2);
-      while (Clock::now() < until && group.add("verdict_read", 0) < group.add("arrived", 0) - 1)
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-  }
+  if (verdict != "ok") read_before_stopping(group, rank, "verdict_read", -1);
   DP_CHECK(verdict == "ok", verdict << ": this job stops; give each job its own MASTER_PORT / "
                                     << "--master-port, or a job id (DP_JOB_ID)");
 }
 
-// Every rank marks its arrival, then waits until all `size` have arrived. Rank 0 prints a
-// progress line every 10 s (or timeout / 3); after `timeout` every waiting rank throws naming the
-// missing ranks. Rank 0 hosts a tcp store, so it gives up a little later than the others: they can
-// still read which ranks are missing when their own time runs out.
 // Ranks started with another WORLD_SIZE: the rank that sees it (each compares with rank 0's)
 // writes why, and every rank throws it, rank 0 once the ranks that arrived have read it (2 s
 // at most: it hosts the store). Before, rank 0 waited for a rank its world has not, or the
@@ -151,18 +155,7 @@ void seal_rendezvous(Store& group, int rank) {
 void throw_if_world_sizes_differ(Store& group, int rank, int size) {
   if (!group.check({"world_size_differs"})) return;
   const std::string why = group.get_string("world_size_differs");
-  if (rank != 0) {
-    try {
-      group.add("world_size_read", 1);
-    } catch (const kernels::Error&) {  // rank 0 stopped waiting: the reason is read anyway
-    }
-  } else {
-    using Clock = std::chrono::steady_clock;
-    const auto until = Clock::now() + std::chrono::seconds(2);
-    while (Clock::now() < until &&
-           group.add("world_size_read", 0) < std::min<int64_t>(group.add("arrived", 0), size) - 1)
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  read_before_stopping(group, rank, "world_size_read", size);
   DP_THROW(why << ": every rank of a job is started with the same WORLD_SIZE (or "
                   "OMPI_COMM_WORLD_SIZE, SLURM_NTASKS, init_process_group's world_size)");
 }
@@ -183,6 +176,10 @@ void check_world_size(Store& group, int rank, int size) {
   throw_if_world_sizes_differ(group, rank, size);
 }
 
+// Every rank marks its arrival, then waits until all `size` have arrived. Rank 0 prints a
+// progress line every 10 s (or timeout / 3); after `timeout` every waiting rank throws naming the
+// missing ranks. Rank 0 hosts a tcp store, so it gives up a little later than the others: they can
+// still read which ranks are missing when their own time runs out.
 void wait_for_all_ranks(Store& group, int rank, int size, std::chrono::milliseconds timeout,
                         const std::string& where) {
   using Clock = std::chrono::steady_clock;
