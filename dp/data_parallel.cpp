@@ -85,7 +85,6 @@ DataParallel::DataParallel(nn::ModulePtr module, nn::Optimizer& optimizer,
   DP_CHECK(options_.clip_grad_norm >= 0.f && std::isfinite(options_.clip_grad_norm),
            "DataParallel: clip_grad_norm " << options_.clip_grad_norm
                                            << ": finite and >= 0 (0: no clipping)");
-
   DP_CHECK(
       options_.comm_dtype == kernels::DType::f32 || options_.comm_dtype == kernels::DType::bf16,
       "DataParallel: gradients travel in f32 or bf16, not " << options_.comm_dtype);

@@ -181,6 +181,16 @@ struct DdpRun {
 
 int run_ddp(const DdpRun& o) {
   const int64_t batch = o.batch;
+  if (o.rank1_rows > batch) {
+    std::fprintf(stderr, "dist_worker: --rank1-rows %lld exceeds --batch %lld\n",
+                 static_cast<long long>(o.rank1_rows), static_cast<long long>(batch));
+    return 2;
+  }
+  if (o.bad_label_at > 0 && o.moving_shares > 0) {
+    std::fprintf(stderr,
+                 "dist_worker: --bad-label-at takes class labels, not --moving-shares' tokens\n");
+    return 2;
+  }
   const int steps = o.steps;
   DdpOptions ddp_options;
   if (o.bucket_cap_bytes > 0)
@@ -247,7 +257,7 @@ int run_ddp(const DdpRun& o) {
       labels.data<int32_t>()[j] = (j + s) % o.moving_shares == 0 ? -1 : y[j];
     const int64_t mine = o.rank1_rows > 0 && trainer.rank() == 1 ? o.rank1_rows : rows;
     const bool bad = o.bad_label_at == s + 1 && trainer.rank() == 1;
-    const int32_t kept = labels.data<int32_t>()[mine - 1];
+    const int32_t kept = bad ? labels.data<int32_t>()[mine - 1] : 0;
     if (bad) labels.data<int32_t>()[mine - 1] = 99;
     try {
       loss = trainer.train_step(images.slice(0, mine), labels.slice(0, mine));

@@ -98,13 +98,13 @@ std::string describe_config_mismatch(const std::vector<RunConfig>& per_rank) {
         break;
       }
   if (differing.empty()) return {};
-  // The user's flags first: a derived field that differs (the bucket plan, a data set's size)
-  // usually differs because a flag does, and the flag is what to fix.
   // A bucket plan differs because the parameters do: those first (it read "engine.buckets:
   // rank 0 has 1 (...), rank 1 has 1 (...)" for two models).
   std::stable_partition(differing.begin(), differing.end(), [](const std::string& n) {
     return n.find("buckets") == std::string::npos;
   });
+  // The user's flags first: a derived field that differs (the bucket plan, a data set's size)
+  // usually differs because a flag does, and the flag is what to fix.
   std::stable_partition(differing.begin(), differing.end(), is_flag);
   // And before them the program: two programs differ in most flags, and the program is the
   // mistake.
