@@ -76,12 +76,7 @@ DataParallel::DataParallel(nn::ModulePtr module, nn::Optimizer& optimizer,
                                                 << devices_[0]);
   std::set<Device> seen(devices_.begin(), devices_.end());
   DP_CHECK(seen.size() == devices_.size(), "DataParallel: a device is listed twice");
-  // An optimizer of another module stepped that one: the engine's weights never moved.
-  DP_CHECK(optimizer.module().materialized() &&
-               optimizer.module().flat_params().same_storage(module->flat_params()),
-           "DataParallel: the optimizer steps another module's parameters (a "
-               << optimizer.module().type_name() << "), not the " << module->type_name()
-               << "'s given here: build it on this module");
+  optimizer.require_steps(*module, "DataParallel");
   DP_CHECK(options_.clip_grad_norm >= 0.f && std::isfinite(options_.clip_grad_norm),
            "DataParallel: clip_grad_norm " << options_.clip_grad_norm
                                            << ": finite and >= 0 (0: no clipping)");

@@ -78,6 +78,15 @@ class Optimizer {
     step_ = n;
   }
   Module& module() { return module_; }
+  // requires nothing. ensures returns only when this optimizer steps m's flat parameters;
+  // otherwise throws, naming `who` (the caller, e.g. "DataParallel") and both modules: an
+  // optimizer built on another module steps that one, and m's weights never move.
+  void require_steps(Module& m, const std::string& who) {
+    DP_CHECK(module_.materialized() && m.materialized() &&
+                 module_.flat_params().same_storage(m.flat_params()),
+             who << ": the optimizer steps another module's parameters (a " << module_.type_name()
+                 << "), not the " << m.type_name() << "'s given here: build it on this module");
+  }
 
   // ZeRO stage 1: from now on this optimizer updates only flat elements [begin, end) of the
   // module and keeps state for those alone (the state is remade, zeroed, for the shard).

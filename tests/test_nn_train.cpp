@@ -115,6 +115,23 @@ TEST_CASE("nn.optim: SGD momentum and Nesterov over two steps") {
   CHECK_THROWS_WITH_AS(nn::SGD(*m, bad), doctest::Contains("Nesterov"), kernels::Error);
 }
 
+TEST_CASE("nn.optim: require_steps takes the optimizer's own module tree, refuses another") {
+  auto net = materialized(make_shared<nn::Sequential>(
+      std::vector<nn::ModulePtr>{make_shared<nn::Linear>(2, 3), make_shared<nn::Linear>(3, 1)}));
+  nn::SGD opt(*net, kernels::SgdConfig{});
+  opt.require_steps(*net, "engine");  // its own module
+  // A child shares the tree's flat buffer: the optimizer steps it too.
+  opt.require_steps(*net->children().front().second, "engine");
+  auto other = tiny({1, 2, 3}, {0, 0, 0});
+  CHECK_THROWS_WITH_AS(opt.require_steps(*other, "engine"),
+                       doctest::Contains("engine: the optimizer steps another module's parameters "
+                                         "(a Sequential), not the Linear's given here: build it "
+                                         "on this module"),
+                       kernels::Error);
+  auto unmaterialised = make_shared<nn::Linear>(2, 1);
+  CHECK_THROWS_AS(opt.require_steps(*unmaterialised, "engine"), kernels::Error);
+}
+
 TEST_CASE("nn.optim: AdamW over two steps") {
   const std::vector<double> p0{1, -2, 0.5}, g1{0.1, 0.2, -0.3}, g2{-0.2, 0.05, 0.4};
   auto m = tiny({1, -2, 0.5f}, {0.1f, 0.2f, -0.3f});

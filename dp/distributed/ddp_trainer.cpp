@@ -209,11 +209,7 @@ RunConfig DdpTrainer::engine_config(nn::Module& model, nn::Optimizer& optimizer)
 
 void DdpTrainer::wrap(nn::ModulePtr model, nn::Optimizer& optimizer) {
   DP_CHECK(model && model->materialized(), "DdpTrainer::wrap: the model is not materialised");
-  DP_CHECK(optimizer.module().materialized() &&
-               optimizer.module().flat_params().same_storage(model->flat_params()),
-           "DdpTrainer::wrap: the optimizer steps another module's parameters (a "
-               << optimizer.module().type_name() << "), not the " << model->type_name()
-               << "'s given here: build it on this model");
+  optimizer.require_steps(*model, "DdpTrainer::wrap");
   // Before any collective (the weight broadcast is the first): the ranks prove they agree.
   RunConfig fields = run_config_;
   for (auto& kv : engine_config(*model, optimizer)) fields.insert(kv);
