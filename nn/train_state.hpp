@@ -133,6 +133,16 @@ inline std::string metadata_hash(const std::map<std::string, std::string>& metad
 
 }  // namespace detail
 
+// How much of a file's start tells whether it is a training state: its safetensors header's
+// __metadata__, which names the format, lies within it.
+constexpr size_t kTrainingStateHeadBytes = size_t{1} << 20;
+// requires `head` a file's first kTrainingStateHeadBytes bytes (or all of a shorter file).
+// ensures true when they name a dptrain format: a file a save of this project wrote, even a
+// damaged one, and so a file a save may replace.
+inline bool is_training_state_head(const std::string& head) {
+  return head.size() > 8 && head.find("\"format\":\"dptrain-", 8) != std::string::npos;
+}
+
 // requires m materialised, optimizer built on m, every rank's model equal (the caller saves
 // from one device or rank). `whole_state`: the optimizer state to write when opt holds a ZeRO-1
 // shard only (gathered from every rank, dp::dist::ZeroStage1::gather_optimizer_state); empty:
@@ -151,20 +161,15 @@ inline void save_training_state(const std::string& path, Module& m, Optimizer& o
                  << io::printable(path) << "): cannot create its folder " << io::printable(dir)
                  << ": " << (ec ? ec.message() : std::string("something on the way is a file")));
   }
-  // A file there that no save wrote (its first MiB names no dptrain format) is not ours to
-  // replace: a checkpoint of ours, even a damaged one, is.
-  if (std::error_code ec; std::filesystem::is_regular_file(path, ec) &&
-                          std::filesystem::file_size(path, ec) > 0 && !ec) {
-    std::string head(size_t{1} << 20, '\0');
-    std::FILE* f = std::fopen(path.c_str(), "rb");
-    head.resize(f ? std::fread(head.data(), 1, head.size(), f) : 0);
-    if (f) std::fclose(f);
-    DP_CHECK(head.size() > 8 && head.find("\"format\":\"dptrain-", 8) != std::string::npos,
+  // A file there that no save wrote is not ours to replace: a checkpoint of ours, even a
+  // damaged one, is.
+  if (std::error_code ec;
+      std::filesystem::is_regular_file(path, ec) && std::filesystem::file_size(path, ec) > 0 && !ec)
+    DP_CHECK(is_training_state_head(io::read_head(path, kTrainingStateHeadBytes)),
              "save_training_state(" << io::printable(path)
                                     << "): the file there is not a training state (it has no "
                                        "__metadata__ format dptrain-...): it is never replaced; "
                                        "remove it yourself, or give another path");
-  }
   // One device needs no offsets from the caller: they are the module's. More must be given.
   std::vector<uint64_t> rng_offsets = progress.rng_offsets;
   if (rng_offsets.empty() && progress.world_size == 1) rng_offsets = {m.flat().rng_offset};

@@ -269,16 +269,6 @@ CLI::Validator timeout_seconds(double hi) {
 
 namespace {
 
-// Up to `limit` bytes from the start of the file at `path` ("" when it cannot be read).
-std::string read_head(const std::string& path, size_t limit) {
-  std::FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f) return "";
-  std::string head(limit, '\0');
-  head.resize(std::fread(head.data(), 1, limit, f));
-  std::fclose(f);
-  return head;
-}
-
 bool starts_with(const std::string& s, const std::string& prefix) {
   return s.compare(0, prefix.size(), prefix) == 0;
 }
@@ -349,9 +339,7 @@ std::string not_ours(Output kind, const std::string& head, uint64_t size) {
     case Output::gnuplot_script:
       return starts_with(head, "set terminal ") ? "" : "it is not a gnuplot script";
     case Output::training_state:
-      return head.size() > 8 && head.find("\"format\":\"dptrain-", 8) != std::string::npos
-                 ? ""
-                 : "it has no __metadata__ format dptrain-...";
+      return nn::is_training_state_head(head) ? "" : "it has no __metadata__ format dptrain-...";
   }
   return "";
 }
@@ -364,7 +352,9 @@ std::string existing_output_problem(const std::string& path, Output kind) {
     return "";
   // A report is read whole (they are kilobytes); the others by their start.
   constexpr size_t kReportLimit = size_t{256} << 20, kHeadLimit = size_t{1} << 20;
-  const std::string head = read_head(path, kind == Output::report ? kReportLimit : kHeadLimit);
+  static_assert(kHeadLimit == nn::kTrainingStateHeadBytes, "save_training_state's bytes");
+  const std::string head =
+      kernels::io::read_head(path, kind == Output::report ? kReportLimit : kHeadLimit);
   if (head.empty()) return "'" + path + "' exists and cannot be read: it is never replaced unread";
   const std::string why = not_ours(kind, head, static_cast<uint64_t>(st.st_size));
   if (why.empty()) return "";

@@ -216,6 +216,17 @@ struct TempFile {
 
 }  // namespace detail
 
+// requires nothing. ensures the first `limit` bytes of the file at `path` (all of them when it
+// is shorter), or "" when it cannot be opened: for telling a file's kind by its start.
+inline std::string read_head(const std::string& path, size_t limit) {
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) return "";
+  std::string head(limit, '\0');
+  head.resize(std::fread(head.data(), 1, limit, f));
+  std::fclose(f);
+  return head;
+}
+
 // requires nothing. ensures "" when `path` may be replaced by a new regular file (it does not
 // exist, or it is a regular file, or a symbolic link to one), else why not: a directory, a
 // device, a FIFO or a socket is not the program's to replace.
