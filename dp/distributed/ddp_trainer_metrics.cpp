@@ -22,15 +22,18 @@ std::shared_ptr<Work> DdpTrainer::reduce_metrics(kernels::Tensor& metrics, float
   // The global mean loss, the verdict (the same on every rank; summed, still 0 or not) and the
   // global batch sizes (summed: world_size() x rows when the ranks agree). The gradient norm is
   // the same on every rank already: it is read, not reduced.
+  // Alone, the rank's loss and verdict are the global ones (its share is 1) and its batch is the
+  // global batch: no launch, no check (check_same_batch passes a lone rank).
+  if (world_size() == 1) return nullptr;
   kernels::Tensor loss = metrics.view(0, {1}), batch = metrics.view(2, {1}),
                   summed = metrics.view(0, {3});
   kernels::scale(loss, loss, share);
   kernels::fill(batch, static_cast<float>(rows));
-  if (world_size() == 1) return nullptr;
   return group_->all_reduce(summed, ReduceOp::sum);
 }
 
 void DdpTrainer::check_same_batch(float summed_rows, int64_t rows) const {
+  if (world_size() == 1) return;  // reduce_metrics wrote no sum
   // Exact in f32 below 2^24 rows in all.
   DP_CHECK(static_cast<double>(summed_rows) == static_cast<double>(rows) * world_size(),
            "DdpTrainer: rank " << rank() << " passed a global batch of " << rows
