@@ -85,6 +85,15 @@ void check_f32(const char* op, std::initializer_list<Arg> args) {
   for (const Arg& a : args) check_dtype(op, a, DType::f32);
 }
 
+// requires a and b defined. Throws when their memory overlaps (views of one storage whose byte
+// ranges meet): for ops whose output is written before, or at once with, the other is read.
+void check_no_overlap(const char* op, const Arg& a, const Arg& b) {
+  const size_t a0 = a.t.offset_bytes(), b0 = b.t.offset_bytes();
+  DP_CHECK(!a.t.same_storage(b.t) || a.t.nbytes() == 0 || b.t.nbytes() == 0 ||
+               a0 + a.t.nbytes() <= b0 || b0 + b.t.nbytes() <= a0,
+           op << ": " << a.name << " and " << b.name << " share memory: give each its own buffer");
+}
+
 void check_same_shape(const char* op, const Arg& a, const Arg& b) {
   DP_CHECK(a.t.shape() == b.t.shape(), op << ": shapes differ: " << a.name << " "
                                           << shape_str(a.t.shape()) << " vs " << b.name << " "
@@ -311,6 +320,8 @@ void gemm_gelu_tanh(Tensor& y, Tensor& pre, const Tensor& a, Transpose ta, const
   check_devices(op, {{"pre", pre}, {"y", y}});
   check_same_shape(op, {"pre", pre}, {"y", y});
   check_dtype(op, {"y", y}, pre.dtype());
+  // The GPU's epilogue writes both at once: one buffer for both is undefined there.
+  check_no_overlap(op, {"y", y}, {"pre", pre});
   if (pre.numel() == 0) return;
   DP_DISPATCH(pre.device(), gemm_gelu_tanh, y, pre, a, ta, b, tb, bias);
 }
@@ -322,6 +333,8 @@ void gemm_gelu_tanh_backward(Tensor& dpre, Tensor& dbias, Accumulate bias_acc, c
   check_devices(op, {{"dpre", dpre}, {"pre", pre}});
   check_same_shape(op, {"dpre", dpre}, {"pre", pre});
   check_dtype(op, {"pre", pre}, dpre.dtype());
+  // The product is written into dpre before the derivative reads pre.
+  check_no_overlap(op, {"dpre", dpre}, {"pre", pre});
   if (dbias.defined()) {
     check_devices(op, {{"dpre", dpre}, {"dbias", dbias}});
     check_dtype(op, {"dbias", dbias}, DType::f32);
@@ -348,7 +361,10 @@ void linear_param_grads(Tensor& dw, Tensor& dbias, const Tensor& dy, const Tenso
         dy_for_bias.dtype() == DType::f32 || dy_for_bias.dtype() == dy.dtype(),
         op << ": dy_for_bias must be f32 or dy's dtype " << dy.dtype() << ", got " << dy_for_bias);
   }
-  if (dw.numel() == 0) return;
+  if (dw.numel() == 0) {  // no weight (in or out features 0): the bias gradient still counts
+    if (dbias.defined()) bias_backward(dbias, dy_for_bias, Accumulate::yes);
+    return;
+  }
   DP_DISPATCH(dw.device(), linear_param_grads, dw, dbias, dy, x, dy_for_bias);
 }
 

@@ -110,9 +110,12 @@ void bias_backward(Tensor& db, const Tensor& dy, Accumulate acc);
 // requires a, b, c 2-D, op(a) (m, k), op(b) (k, n), c (m, n); bias (n) f32, c's dtype, or
 // undefined. a and b are f32, f16 or bf16 (same dtype); c is f32 or a's dtype; accumulation is
 // f32.
-// ensures c = alpha * op(a) op(b) + beta * c + bias (bias broadcast over rows), added in f32
-// before a 16-bit c is rounded once. A 16-bit c takes its fastest GPU path (cuBLASLt's bias
-// epilogue, with no rounding kernel) from a bias in its own dtype.
+// ensures c = alpha * op(a) op(b) + beta * c + bias (bias broadcast over rows). On the CPU the
+// bias is added in f32 before a 16-bit c is rounded once. On a GPU a 16-bit c takes its fastest
+// path (cuBLASLt's bias epilogue, with no rounding kernel) from a bias in its own dtype, added in
+// f32 before c is rounded once; an f32 bias is first rounded to c's dtype for it; where the
+// epilogue does not run (no algorithm, n odd, a misaligned bias), the product is rounded into c,
+// then the bias added and the sum rounded again.
 // With MathMode::tf32 on the context, f32 products may use TF32 tensor cores (GPU only).
 void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose tb,
           float alpha = 1.f, float beta = 0.f, const Tensor& bias = Tensor());

@@ -569,6 +569,35 @@ TEST_CASE("kernels.gemm_gelu: the fused Linear ops are the ops' bits on the CPU"
       linear_param_grads(dw, db2, dy, pre5, random_tensor({4, 3}, 5)),
       doctest::Contains("linear_param_grads: shapes differ: dy [4, 2] vs dy_for_bias [4, 3]"),
       Error);
+  // One buffer for two of the fused ops' operands: the GPU's epilogue writes y and pre at once,
+  // and the backward's product overwrites pre before the derivative reads it.
+  CHECK_THROWS_WITH_AS(gemm_gelu_tanh(pre5, pre5, x, Transpose::no, w, Transpose::yes, Tensor()),
+                       doctest::Contains("gemm_gelu_tanh: y and pre share memory"), Error);
+  Tensor both = zeros({9, 5}), top = both.slice(0, 4), overlapping = both.slice(3, 7);
+  CHECK_THROWS_WITH_AS(
+      gemm_gelu_tanh(overlapping, top, x, Transpose::no, w, Transpose::yes, Tensor()),
+      doctest::Contains("y and pre share memory"), Error);
+  Tensor bottom = both.slice(4, 8);  // the same storage, apart: taken
+  gemm_gelu_tanh(bottom, top, x, Transpose::no, w, Transpose::yes, Tensor());
+  Tensor pre_ops = zeros({4, 5}), y_ops = zeros({4, 5});
+  gemm(pre_ops, x, Transpose::no, w, Transpose::yes);
+  gelu_tanh(y_ops, pre_ops);
+  CHECK(same(top, pre_ops));
+  CHECK(same(bottom, y_ops));
+  CHECK_THROWS_WITH_AS(gemm_gelu_tanh_backward(pre5, dbias, Accumulate::no, dy, Transpose::no, w2,
+                                               Transpose::no, pre5),
+                       doctest::Contains("gemm_gelu_tanh_backward: dpre and pre share memory"),
+                       Error);
+}
+
+TEST_CASE("kernels.gemm_gelu: a Linear of no input features still sums its bias gradient") {
+  // dw (out, 0) holds nothing, but dbias += the column sums of dy as for any Linear.
+  Tensor dw = zeros({2, 0}), x = zeros({4, 0}), dy = random_tensor({4, 2}, 6);
+  Tensor dbias = tensor({1.f, -1.f}, {2}), want = dbias.clone();
+  bias_backward(want, dy, Accumulate::yes);
+  linear_param_grads(dw, dbias, dy, x, dy);
+  CHECK(dbias.to_host_f32() == want.to_host_f32());
+  CHECK(dbias.to_host_f32() != std::vector<float>{1.f, -1.f});
 }
 
 TEST_CASE("kernels.relu: forward, backward, accumulate") {

@@ -179,7 +179,7 @@ __global__ void scale_add_bias_kernel(T* c, const B* bias, float beta, bool scal
     if (!scale_c)
       v = to_float(c[i]);
     else if (beta != 0.f)
-      v = beta * to_float(c[i]);
+      v = __fmul_rn(beta, to_float(c[i]));  // rounded before the add, as on the CPU (no FMA)
     if (bias) v += to_float(bias[i % cols]);
     c[i] = from_float<T>(v);
   }
