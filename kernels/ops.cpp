@@ -85,9 +85,10 @@ void check_f32(const char* op, std::initializer_list<Arg> args) {
   for (const Arg& a : args) check_dtype(op, a, DType::f32);
 }
 
-// requires a and b defined. Throws when their memory overlaps (views of one storage whose byte
-// ranges meet): for ops whose output is written before, or at once with, the other is read.
-void check_no_overlap(const char* op, const Arg& a, const Arg& b) {
+// requires a and b defined. Throws when their memory meets (views of one storage whose byte
+// ranges overlap): for ops whose output is written before, or at once with, the other is read.
+// (tensor_ops.cpp's check_no_overlap is another check: one view's own elements apart.)
+void check_disjoint(const char* op, const Arg& a, const Arg& b) {
   const size_t a0 = a.t.offset_bytes(), b0 = b.t.offset_bytes();
   DP_CHECK(!a.t.same_storage(b.t) || a.t.nbytes() == 0 || b.t.nbytes() == 0 ||
                a0 + a.t.nbytes() <= b0 || b0 + b.t.nbytes() <= a0,
@@ -321,7 +322,7 @@ void gemm_gelu_tanh(Tensor& y, Tensor& pre, const Tensor& a, Transpose ta, const
   check_same_shape(op, {"pre", pre}, {"y", y});
   check_dtype(op, {"y", y}, pre.dtype());
   // The GPU's epilogue writes both at once: one buffer for both is undefined there.
-  check_no_overlap(op, {"y", y}, {"pre", pre});
+  check_disjoint(op, {"y", y}, {"pre", pre});
   if (pre.numel() == 0) return;
   DP_DISPATCH(pre.device(), gemm_gelu_tanh, y, pre, a, ta, b, tb, bias);
 }
@@ -334,7 +335,7 @@ void gemm_gelu_tanh_backward(Tensor& dpre, Tensor& dbias, Accumulate bias_acc, c
   check_same_shape(op, {"dpre", dpre}, {"pre", pre});
   check_dtype(op, {"pre", pre}, dpre.dtype());
   // The product is written into dpre before the derivative reads pre.
-  check_no_overlap(op, {"dpre", dpre}, {"pre", pre});
+  check_disjoint(op, {"dpre", dpre}, {"pre", pre});
   if (dbias.defined()) {
     check_devices(op, {{"dpre", dpre}, {"dbias", dbias}});
     check_dtype(op, {"dbias", dbias}, DType::f32);

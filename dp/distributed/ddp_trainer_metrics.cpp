@@ -19,12 +19,12 @@ void DdpTrainer::write_scale() {
 
 std::shared_ptr<Work> DdpTrainer::reduce_metrics(kernels::Tensor& metrics, float share,
                                                  int64_t rows) {
-  // The global mean loss, the verdict (the same on every rank; summed, still 0 or not) and the
-  // global batch sizes (summed: world_size() x rows when the ranks agree). The gradient norm is
-  // the same on every rank already: it is read, not reduced.
   // Alone, the rank's loss and verdict are the global ones (its share is 1) and its batch is the
   // global batch: no launch, no check (check_same_batch passes a lone rank).
   if (world_size() == 1) return nullptr;
+  // The global mean loss, the verdict (the same on every rank; summed, still 0 or not) and the
+  // global batch sizes (summed: world_size() x rows when the ranks agree). The gradient norm is
+  // the same on every rank already: it is read, not reduced.
   kernels::Tensor loss = metrics.view(0, {1}), batch = metrics.view(2, {1}),
                   summed = metrics.view(0, {3});
   kernels::scale(loss, loss, share);

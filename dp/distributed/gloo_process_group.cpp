@@ -94,12 +94,13 @@ std::string failure_message(const std::string& what, int rank, int size, Millis 
   // Gloo's words for a peer's end of a connection gone (not this rank's: its own abort marks
   // the group broken first). Which peer Gloo's address does not say: the rank that went first
   // says why in its own log, and torchrun, mpirun, srun or launch_workers name it.
-  for (const char* gone : {"Connection closed by peer", "Connection reset by peer", "Broken pipe"})
-    if (!timed_out && why.find(gone) != std::string::npos) {
-      os << " (a peer rank closed its connection: it failed, exited or was killed first; its "
-            "log, or the launcher's, names it and says why)";
-      break;
-    }
+  const bool peer_gone =
+      !timed_out && (why.find("Connection closed by peer") != std::string::npos ||
+                     why.find("Connection reset by peer") != std::string::npos ||
+                     why.find("Broken pipe") != std::string::npos);
+  if (peer_gone)
+    os << " (a peer rank closed its connection: it failed, exited or was killed first; its log, "
+          "or the launcher's, names it and says why)";
   return os.str();
 }
 
