@@ -751,6 +751,10 @@ TEST_CASE("ddp.step: ranks of another global batch, or one going on after a fail
   CHECK(contains(label[1], "caught: "));
   CHECK(contains(label[1], "label 99"));
   CHECK(contains(label[1], "an earlier step failed midway"));
+  // Rank 0's error names rank 1's failure, which rank 1 recorded before it went.
+  CAPTURE(label[0]);
+  CHECK(contains(label[0], "(rank 1 failed first: DdpTrainer step 2: "));
+  CHECK(contains(label[0], "label 99"));
 }
 
 TEST_CASE("ddp.clip: clipping on the device keeps DdpTrainer's step at one host read") {

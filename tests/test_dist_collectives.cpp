@@ -221,6 +221,48 @@ TEST_CASE("dist.collectives: a collective one rank never joins times out naming 
   }
 }
 
+TEST_CASE("dist.collectives: a rank that leaves names its recorded failure in its peer's error") {
+  // Rank 1 leaves while rank 0 needs it in an all-reduce: first without a word (its group
+  // destroyed, as in a process that died), then after recording why (record_failure; abort
+  // records too, but only the first note stays). Rank 0's error says what it can.
+  auto peer_error = [&](bool record) {
+    std::string error;
+    dist_test::run_ranks(2, [&](int r, std::shared_ptr<Store> store) {
+      auto pg = dist_test::gloo_group(r, 2, store, 20s);
+      if (r == 1) {
+        if (record) {
+          pg->record_failure("DdpTrainer step 3: the batch of shard 7 is empty");
+          pg->abort("leaving");
+        }
+        pg.reset();  // closes its connections
+        return;
+      }
+      Tensor t = Tensor::from_vector(std::vector<float>(64, 1.f), {64});
+      try {
+        pg->all_reduce(t, ReduceOp::sum)->wait();
+      } catch (const kernels::Error& e) {
+        error = e.what();
+      }
+      // A rank whose own op failed records nothing: the first note stays rank 1's.
+      pg->record_failure("a later failure");
+      if (record)
+        RANK_CHECK(store->add("dp/default/gloo/failed/count", 0) == 2,
+                   "only rank 1 counted (its note and its abort's)");
+    });
+    return error;
+  };
+  const std::string silent = peer_error(false), said = peer_error(true);
+  CAPTURE(silent);
+  CAPTURE(said);
+  CHECK(silent.find("all_reduce") != std::string::npos);
+  CHECK(silent.find("rank 0 of 2") != std::string::npos);
+  CHECK(silent.find("a peer rank closed its connection") != std::string::npos);
+  CHECK(said.find("rank 0 of 2") != std::string::npos);
+  CHECK(said.find("(rank 1 failed first: DdpTrainer step 3: the batch of shard 7 is empty)") !=
+        std::string::npos);
+  CHECK(said.find("a peer rank closed its connection") == std::string::npos);
+}
+
 TEST_CASE("dist.collectives: rendezvous times out when a rank never arrives") {
   StoreServer server("127.0.0.1", 0);
   auto store = std::make_shared<TcpStore>("127.0.0.1", server.port(), StoreRole::client, 5s);

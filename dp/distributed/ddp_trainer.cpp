@@ -358,6 +358,8 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
                                    : report_loss(share, images.dim(0));
   } catch (const std::exception& e) {
     failed_ = e.what();
+    // For the peers left in this step's collectives: their errors name this rank and why.
+    group_->record_failure("DdpTrainer step " + std::to_string(steps_ + 1) + ": " + failed_);
     throw;
   }
   times_.metrics_lagged = metrics_lag_ > 0;

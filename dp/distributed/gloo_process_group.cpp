@@ -81,8 +81,17 @@ void set_input(Opts& o, void* p, size_t n, size_t elem) {
   DP_THROW("unsupported element size " << elem);
 }
 
+// Failure notes (record_failure), under the group's keys: the first rank to record one takes
+// the count to 1 and leaves its text; each store request of a note is bounded by this.
+constexpr Millis kFailureNoteBound = std::chrono::seconds(2);
+constexpr size_t kFailureNoteBytes = 4096;  // of the recorded text, which can be long
+const char* const kFailureCountKey = "failed/count";
+const char* const kFirstFailureKey = "failed/first";
+
+// What a rank's op failure says: the op, the rank, the timeout and Gloo's words, then for a
+// timeout or a peer gone the first failure a peer recorded (recorded(): "" when none).
 std::string failure_message(const std::string& what, int rank, int size, Millis timeout,
-                            const std::string& why) {
+                            const std::string& why, const std::function<std::string()>& recorded) {
   std::ostringstream os;
   bool timed_out = why.find("imed out") != std::string::npos;
   if (timed_out)
@@ -92,15 +101,27 @@ std::string failure_message(const std::string& what, int rank, int size, Millis 
     os << "gloo " << what << " failed on rank " << rank << " of " << size << " (timeout "
        << timeout.count() << " ms): " << why;
   // Gloo's words for a peer's end of a connection gone (not this rank's: its own abort marks
-  // the group broken first). Which peer Gloo's address does not say: the rank that went first
-  // says why in its own log, and torchrun, mpirun, srun or launch_workers name it.
+  // the group broken first). Gloo's address does not say which peer: the note the peer recorded
+  // before it went does, where there is one; else its own log, and torchrun, mpirun, srun or
+  // launch_workers.
   const bool peer_gone =
       !timed_out && (why.find("Connection closed by peer") != std::string::npos ||
                      why.find("Connection reset by peer") != std::string::npos ||
                      why.find("Broken pipe") != std::string::npos);
-  if (peer_gone)
+  if (!timed_out && !peer_gone) return os.str();
+  // The rank whose failure this one follows, where it recorded one (after a timeout it may still
+  // be alive, in another op). Not this rank's own note: that says nothing new.
+  const std::string note = recorded();
+  const std::string mine = "rank " + std::to_string(rank) + ": ";
+  if (!note.empty() && note.compare(0, mine.size(), mine) != 0) {
+    const size_t colon = note.find(": ");
+    os << " (" << note.substr(0, colon)
+       << " failed first: " << (colon == std::string::npos ? std::string() : note.substr(colon + 2))
+       << ")";
+  } else if (peer_gone) {
     os << " (a peer rank closed its connection: it failed, exited or was killed first; its log, "
           "or the launcher's, names it and says why)";
+  }
   return os.str();
 }
 
@@ -153,6 +174,23 @@ struct GlooProcessGroup::State {
     return broken;
   }
 
+  // The first failure a rank of the group recorded ("rank R: text"), or "" (none, or the store
+  // unreachable within kFailureNoteBound: its host may be the rank that failed).
+  std::string recorded_failure() const noexcept {
+    try {
+      std::shared_ptr<Store> s = store->reconnect(kFailureNoteBound);
+      if (!s || !s->check({kFirstFailureKey})) return "";
+      return s->get_string(kFirstFailureKey);
+    } catch (...) {
+      return "";
+    }
+  }
+
+  // The failure message of `task`'s op (failure_message with this group's recorded note).
+  std::string failure_of(const std::string& what, Millis timeout, const std::string& why) const {
+    return failure_message(what, rank, size, timeout, why, [this] { return recorded_failure(); });
+  }
+
   // The host memory an op works on: the tensor itself on CPU, else a pinned staging buffer
   // (slot 0 or 1), filled from the device when `load`.
   Tensor host_of(int slot, const Tensor& t, bool load) {
@@ -200,12 +238,11 @@ struct GlooProcessGroup::State {
           if (task.ready) task.ready->wait_host();
           task.run(tag);
         } catch (const std::exception& e) {
-          std::string msg = failure_message(task.what, rank, size, task.timeout, e.what());
+          std::string msg = failure_of(task.what, task.timeout, e.what());
           mark_broken(msg);
           error = std::make_exception_ptr(kernels::Error(msg));
         } catch (...) {
-          std::string msg =
-              failure_message(task.what, rank, size, task.timeout, "unknown exception");
+          std::string msg = failure_of(task.what, task.timeout, "unknown exception");
           mark_broken(msg);
           error = std::make_exception_ptr(kernels::Error(msg));
         }
@@ -283,7 +320,7 @@ class GlooP2PWork final : public Work {
       std::lock_guard<std::mutex> lock(mu_);
       done_ = true;
     } catch (const std::exception& e) {
-      std::string msg = failure_message(what_, state_->rank, state_->size, timeout_, e.what());
+      std::string msg = state_->failure_of(what_, timeout_, e.what());
       state_->mark_broken(msg);
       std::lock_guard<std::mutex> lock(mu_);
       error_ = std::make_exception_ptr(kernels::Error(msg));
@@ -446,7 +483,21 @@ GlooProcessGroup::~GlooProcessGroup() {
   if (state_->worker.joinable()) state_->worker.join();
 }
 
+void GlooProcessGroup::record_failure(const std::string& why) noexcept {
+  // After this group's own failure (an op, or abort) the cause is another's, or recorded.
+  if (!state_->broken_reason().empty()) return;
+  try {
+    std::shared_ptr<Store> s = state_->store->reconnect(kFailureNoteBound);
+    if (!s || s->add(kFailureCountKey, 1) != 1) return;  // another rank's note is the first
+    s->set_string(kFirstFailureKey,
+                  "rank " + std::to_string(state_->rank) + ": " + why.substr(0, kFailureNoteBytes));
+  } catch (...) {
+    // Best effort: the store's host may be gone; the peers then say what they saw.
+  }
+}
+
 void GlooProcessGroup::abort(const std::string& why) {
+  record_failure(why);
   state_->mark_broken("rank " + std::to_string(state_->rank) + " left the group: " + why);
   if (state_->ctx) state_->ctx->closeConnections();
 }

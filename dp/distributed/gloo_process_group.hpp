@@ -42,9 +42,12 @@ class GlooProcessGroup final : public ProcessGroup {
   std::shared_ptr<Work> do_send(const kernels::Tensor& t, int dst, uint32_t tag = 0) override;
   std::shared_ptr<Work> do_recv(kernels::Tensor& t, int src, uint32_t tag = 0) override;
   std::shared_ptr<Work> do_barrier() override;
-  // ProcessGroup::abort: marks the group broken, then closes this rank's connections (a peer
-  // reading from this rank sees the connection end).
+  // ProcessGroup::abort: records `why` as this rank's failure (record_failure), marks the group
+  // broken, then closes this rank's connections (a peer reading from this rank sees the
+  // connection end).
   void abort(const std::string& why) override;
+  // ProcessGroup::record_failure: the first rank's note, under this group's keys of the store.
+  void record_failure(const std::string& why) noexcept override;
 
   struct State;  // the gloo context and the worker queue (shared with pending works)
 

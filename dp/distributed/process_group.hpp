@@ -148,6 +148,16 @@ class ProcessGroup {
   // destroyed. Thread-safe; the first reason is kept.
   virtual void abort(const std::string& why) = 0;
 
+  // Leaves `why` (this rank's failure: a check, a bad input, a fault) for the peers whose ops
+  // then fail because this rank is gone: their error names the first rank of the group that
+  // recorded one and what it said ("rank 2 failed first: ..."), where the launcher's log or the
+  // rank's own might be far away. Call it before the rank stops (its failure closes the
+  // connections the peers' ops then fail on). A group whose own op failed, or that abort() left,
+  // records nothing: its failure follows another's. Gloo records through the store the group
+  // met in, on a connection of its own bounded by seconds: nothing when that store is gone (its
+  // host, rank 0, was the rank that failed). Other backends record nothing. Never throws.
+  virtual void record_failure(const std::string& why) noexcept { (void)why; }
+
   // The bytes of every tensor this rank handed to the group so far: each collective's input
   // (all_reduce, broadcast and reduce: t; all_gather and reduce_scatter: in) and each sent
   // tensor. What the caller asked to communicate, not what crossed a wire (that depends on

@@ -69,6 +69,10 @@ bool PrefixStore::remove(const std::string& key) {
 std::string PrefixStore::describe() const {
   return base_->describe() + " (prefix '" + prefix_ + "')";
 }
+std::shared_ptr<Store> PrefixStore::reconnect(Millis bound) const {
+  std::shared_ptr<Store> base = base_->reconnect(bound);
+  return base ? std::make_shared<PrefixStore>(prefix_, std::move(base)) : nullptr;
+}
 
 // ---- FileStore ------------------------------------------------------------------------------
 

@@ -52,6 +52,14 @@ class Store : public gloo::rendezvous::Store {
   virtual bool remove(const std::string& key) = 0;
   // Where the store lives, for messages ("tcp://127.0.0.1:29500").
   virtual std::string describe() const = 0;
+  // A store of the same keys on a connection of its own, whose requests (and connect) take at
+  // most `bound` each: for a failure path, which must neither queue behind another thread's
+  // request on this store's connection nor hang on a stopped host. Throws when the store is
+  // unreachable; nullptr for a store it cannot open again.
+  virtual std::shared_ptr<Store> reconnect(Millis bound) const {
+    (void)bound;
+    return nullptr;
+  }
 
   void set_string(const std::string& key, const std::string& value) {
     set(key, std::vector<char>(value.begin(), value.end()));
@@ -77,6 +85,7 @@ class PrefixStore : public Store {
   bool check(const std::vector<std::string>& keys) override;
   bool remove(const std::string& key) override;
   std::string describe() const override;
+  std::shared_ptr<Store> reconnect(Millis bound) const override;
   const std::shared_ptr<Store>& base() const { return base_; }
 
  private:
@@ -100,6 +109,9 @@ class FileStore : public Store {
   bool check(const std::vector<std::string>& keys) override;
   bool remove(const std::string& key) override;
   std::string describe() const override { return "file://" + dir_; }
+  std::shared_ptr<Store> reconnect(Millis bound) const override {
+    return std::make_shared<FileStore>(dir_, bound);
+  }
 
  private:
   std::string path_of(const std::string& key) const;
@@ -175,6 +187,8 @@ class TcpStore : public Store {
   bool check(const std::vector<std::string>& keys) override;
   bool remove(const std::string& key) override;
   std::string describe() const override;
+  // A client of the same server, with this store's job identity.
+  std::shared_ptr<Store> reconnect(Millis bound) const override;
 
   const std::string& host() const { return host_; }
   // The server's port (the one picked when constructed with port 0 and StoreRole::server).

@@ -617,6 +617,10 @@ std::string TcpStore::describe() const {
   return "tcp://" + host_ + ":" + std::to_string(port_);
 }
 
+std::shared_ptr<Store> TcpStore::reconnect(Millis bound) const {
+  return std::make_shared<TcpStore>(host_, port_, StoreRole::client, bound, job_);
+}
+
 TcpStore::Reply TcpStore::request(const std::vector<char>& frame, Millis timeout,
                                   const std::string& what) {
   std::lock_guard<std::mutex> lock(mu_);
