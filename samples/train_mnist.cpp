@@ -268,6 +268,10 @@ int main(int argc, char** argv) {
     const bool ddp_worker = f.mode == "ddp" && dp::dist::worker_env_from_environment().has_value();
     if (!f.checkpoint_dir.empty() && !ddp_worker && f.launch.node_rank == 0)
       checkpoint_lock.emplace(f.checkpoint_dir, "train_mnist");
+    // Read before DDP's ranks start too: a missing or damaged file is said once, by the launcher,
+    // not by every rank of every restart.
+    dp::data::MnistDataset train(dir, dp::data::Split::train);
+    dp::data::MnistDataset test(dir, dp::data::Split::test);
     if (f.mode == "ddp" || hybrid) {
       dp::dist::DdpTrainerOptions t;
       t.backend = f.backend;
@@ -277,8 +281,6 @@ int main(int argc, char** argv) {
       std::optional<int> rc = dp::dist::launch_if_parent(t, argc, argv);
       if (rc) return *rc;
     }
-    dp::data::MnistDataset train(dir, dp::data::Split::train);
-    dp::data::MnistDataset test(dir, dp::data::Split::test);
     // The models take 1x28x28 images (the MLP 784 inputs, LeNet's layers are sized for it).
     const kernels::Shape image_shape = {1, 28, 28};
     DP_CHECK(train.sample_shape() == test.sample_shape(),
@@ -475,7 +477,17 @@ int main(int argc, char** argv) {
     std::vector<int64_t> subset(static_cast<size_t>(
         f.train_samples ? std::min(*f.train_samples, train.size()) : train.size()));
     std::iota(subset.begin(), subset.end(), int64_t{0});
+    if (f.train_samples && *f.train_samples > train.size() && chatty)
+      std::fprintf(stderr, "train_mnist: --train-samples %lld: %s holds %lld; all of them train\n",
+                   static_cast<long long>(*f.train_samples), dir.c_str(),
+                   static_cast<long long>(train.size()));
     dp::data::Loader loader(train, std::move(subset), lo);
+    DP_CHECK(loader.num_batches() > 0,
+             "--last-batch drop with " << loader.num_samples() << " training samples and --batch "
+                                       << f.batch
+                                       << ": every batch is dropped and nothing would train; give "
+                                          "--batch <= "
+                                       << loader.num_samples() << ", or --last-batch pad");
     std::vector<float> epoch_loss;
     std::vector<float> step_losses;  // every step this process trained, from first_step on
     int64_t rows_trained = 0;        // padding rows included: they are trained too

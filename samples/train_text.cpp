@@ -42,6 +42,8 @@ struct Flags {
   int64_t warmup = 20;  // linear warm-up steps, then cosine decay to lr / 10 at --steps
   uint64_t seed = 1;
   int64_t sample_bytes = 120, top_k = 1;  // top_k 1: greedy
+  int64_t save_every = 0;                 // 0: --save at the end only
+  double timeout_s = 0;  // ddp rendezvous and collectives; 0: DP_TIMEOUT or the defaults
   std::string backend = "auto";
   bool profile_layers = false;
   dp::dist::LaunchOptions launch;
@@ -108,6 +110,20 @@ std::string sample_text(nn::Module& m, const std::string& prompt, int64_t n, int
   return out;
 }
 
+// What a training state records of the text, checked again at a resume: each split's size and
+// FNV-1a hash.
+std::string corpus_identity(const dp::data::TextCorpus& c) {
+  char text[128];
+  std::snprintf(text, sizeof text,
+                "%zu train bytes fnv1a64 %016llx, %zu validation bytes "
+                "fnv1a64 %016llx",
+                c.train.size(),
+                static_cast<unsigned long long>(nn::detail::fnv1a(c.train.data(), c.train.size())),
+                c.val.size(),
+                static_cast<unsigned long long>(nn::detail::fnv1a(c.val.data(), c.val.size())));
+  return text;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -156,6 +172,10 @@ int main(int argc, char** argv) {
       ->check(dp::cli::output_file(dp::cli::Output::step_log));
   app.add_option("--save", f.save, "training state written at the end (safetensors)")
       ->check(dp::cli::replaceable_file());
+  app.add_option("--save-every", f.save_every,
+                 "also write --save every this many steps, so that a run stopped midway (Ctrl-C, "
+                 "a killed job) goes on from there (0: at the end only)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
   app.add_option("--resume", f.resume, "training state to go on from")->check(CLI::ExistingFile);
   app.add_option("--sample-bytes", f.sample_bytes, "bytes generated at the end (0: none)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 16));
@@ -166,6 +186,10 @@ int main(int argc, char** argv) {
                "print the table at the end");
   app.add_option("--backend", f.backend, "ddp: auto, nccl or gloo")
       ->check(CLI::IsMember({"auto", "nccl", "gloo"}));
+  app.add_option("--timeout", f.timeout_s,
+                 "ddp: seconds the rendezvous and each collective may take (default: DP_TIMEOUT, "
+                 "else 60 s to rendezvous and 300 s per collective)")
+      ->check(dp::cli::timeout_seconds(604800));
   dp::cli::add_launch_flags(app, f.launch);
   CLI11_PARSE(app, argc, argv);
   if (f.model == "llama") {
@@ -188,6 +212,10 @@ int main(int argc, char** argv) {
       DP_CHECK(f.batch >= world, "--batch " << f.batch << " leaves some of the " << world << unit
                                             << " without rows: give --batch >= " << world);
     }
+    DP_CHECK(f.save_every == 0 || !f.save.empty(),
+             "--save-every " << f.save_every << " needs --save: the file it writes");
+    DP_CHECK(f.timeout_s == 0 || f.mode == "ddp",
+             "--timeout bounds DDP's rendezvous and collectives: give --mode ddp, or drop it");
     // --save may be the file resumed from (it is replaced at the end); --log may be neither.
     dp::cli::check_distinct_files({{"--log", f.log}, {"--save", f.save}});
     dp::cli::check_distinct_files({{"--log", f.log}, {"--resume", f.resume}});
@@ -212,11 +240,22 @@ int main(int argc, char** argv) {
     DP_CHECK(vocab >= 256, model_name << ": bytes need 256 tokens");
     // What a resume must match: a file of another program, model, batch or sequence length is
     // refused from its header, before the model is built or DDP's ranks start.
+    // The seed too: it draws the batches, so another one resumes onto another stream.
     const std::map<std::string, std::string> settings = {{"program", "train_text"},
                                                          {"model", model_name},
                                                          {"batch", std::to_string(f.batch)},
-                                                         {"seq", std::to_string(f.seq)}};
+                                                         {"seq", std::to_string(f.seq)},
+                                                         {"seed", std::to_string(f.seed)}};
     if (!f.resume.empty()) nn::check_training_state_settings(f.resume, settings);
+    // A save replaces only a state of this program and model (the one resumed from included):
+    // another's is a run of its own, which a mistyped path would wipe.
+    if (!f.save.empty()) {
+      const std::string problem = dp::cli::state_owner_problem(f.save, "train_text", model_name);
+      DP_CHECK(problem.empty(), "--save: " << problem);
+    }
+    // Read before DDP's ranks start too: a file that is not text, or too short, is said once,
+    // by the launcher, not by every rank.
+    dp::data::TextCorpus corpus = dp::data::read_text_corpus(f.data);
     if (f.mode == "ddp") {
       dp::dist::DdpTrainerOptions t;
       t.backend = f.backend;
@@ -225,7 +264,6 @@ int main(int argc, char** argv) {
       if (std::optional<int> rc = dp::dist::launch_if_parent(t, argc, argv)) return *rc;
     }
     nn::ModulePtr model = make_model();
-    dp::data::TextCorpus corpus = dp::data::read_text_corpus(f.data);
     // What the directory held that was not read, said once (entries that are not regular files,
     // links to none).
     if (!corpus.skipped.empty() && dp::cli::first_rank_or_alone()) {  // DDP: rank 0 says it
@@ -268,7 +306,9 @@ int main(int argc, char** argv) {
     std::unique_ptr<dp::dist::DdpTrainer> ddp;
     Device home = Device::cpu(0);
     if (f.mode == "ddp") {
-      ddp = std::make_unique<dp::dist::DdpTrainer>(type, f.backend);
+      ddp = std::make_unique<dp::dist::DdpTrainer>(
+          type, f.backend, dp::dist::DdpOptions{},
+          std::chrono::milliseconds(std::llround(f.timeout_s * 1000)));
       home = ddp->device();
     } else {
       home = kernels::make_devices(type, 1)[0];
@@ -290,6 +330,8 @@ int main(int argc, char** argv) {
     progress.mode = f.mode == "single" ? "dp" : f.mode;
     progress.world_size = ddp ? ddp->world_size() : (f.mode == "dp" ? f.gpus : 1);
     progress.config = settings;
+    // The text itself: a resume on another corpus (or another --data) trains on other windows.
+    progress.config["corpus"] = corpus_identity(corpus);
     std::unique_ptr<dp::DataParallel> engine;
     if (ddp) {
       ddp->set_loss(loss_fn);
@@ -311,6 +353,7 @@ int main(int argc, char** argv) {
            {"--data", f.data},
            {"--resume", f.resume},
            {"--save", f.save.empty() ? "none" : "given"},  // a collective (every rank's state)
+           {"--save-every", std::to_string(f.save_every)},
            {"corpus_bytes", std::to_string(corpus.train.size()) + " train, " +
                                 std::to_string(corpus.val.size()) + " validation"}});
       if (f.profile_layers) ddp->set_graphs(dp::Graphs::off);  // a replay calls no forward
@@ -363,6 +406,14 @@ int main(int argc, char** argv) {
       bar = std::make_unique<dp::cli::ProgressLine>("train", f.steps - first_step);
       bar->start();
     }
+    // --save's state at `step` (DDP: a collective: every rank's dropout offset; rank 0 writes).
+    auto save_at = [&](int64_t step) {
+      progress.step = step;
+      if (ddp)
+        ddp->save(f.save, progress);
+      else
+        engine->save(f.save, progress);
+    };
     auto t_run = std::chrono::steady_clock::now();
     double train_time = 0, val = NAN;
     int64_t tokens = 0;
@@ -391,6 +442,14 @@ int main(int argc, char** argv) {
         std::snprintf(detail, sizeof detail, "loss %.4f", last_loss);
         bar->update(step + 1 - first_step, detail);
       }
+      if (f.save_every > 0 && (step + 1) % f.save_every == 0 && step + 1 < f.steps) {
+        save_at(step + 1);  // the last step's save is the one at the end
+        if (bar) bar->finish();
+        if (leader) {
+          std::printf("saved %s at step %lld\n", f.save.c_str(), static_cast<long long>(step + 1));
+          std::fflush(stdout);
+        }
+      }
       if ((step + 1) % f.eval_every == 0 || step + 1 == f.steps) {
         if (bar) bar->finish();
         val = val_loss(trained, corpus.val, f);
@@ -416,15 +475,12 @@ int main(int argc, char** argv) {
       if (leader)
         std::printf("--save %s: not written: nothing was trained; %s holds this state\n",
                     f.save.c_str(), f.resume.c_str());
-    } else if (!f.save.empty()) {  // DDP: a collective (every rank's dropout offset; rank 0 writes)
-      progress.step = at_step;
-      if (ddp)
-        ddp->save(f.save, progress);
-      else
-        engine->save(f.save, progress);
+    } else if (!f.save.empty()) {
+      save_at(at_step);
       if (leader) std::printf("saved %s\n", f.save.c_str());
     }
     if (profiler && leader) std::printf("%s", profiler->table().c_str());
+    std::fflush(stdout);  // what the run printed is kept if the sampling is cut short
     if (f.sample_bytes > 0 && leader)
       std::printf("sample (%s): %s\n", f.top_k == 1 ? "greedy" : "top-k",
                   sample_text(trained, "The ", f.sample_bytes, f.top_k, context, f.seed).c_str());

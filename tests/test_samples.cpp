@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <thread>
 #include <tuple>
 
@@ -80,14 +81,23 @@ TEST_CASE("samples.train_mnist: --mode hybrid (2 node processes x 2 devices) is 
   CHECK(hybrid["test_accuracy"] == single["test_accuracy"]);
 }
 
-TEST_CASE("samples.train_mnist: a missing data directory is a clear error") {
-  std::string cmd = std::string(DP_TRAIN_MNIST_PATH) + " --data /nonexistent/dir > " +
-                    temp_path("err.txt") + " 2>&1";
-  CHECK(std::system(cmd.c_str()) != 0);
-  std::ifstream f(temp_path("err.txt"));
-  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  CHECK(text.find("/nonexistent/dir") != std::string::npos);
-  std::remove(temp_path("err.txt").c_str());
+TEST_CASE("samples.train_mnist: a missing data directory is a clear error, said once under DDP") {
+  // DDP: said by the launcher before any rank starts, not by every rank of every restart.
+  for (const std::string mode : {"single", "ddp --gpus 2 --max-restarts 2"}) {
+    std::string cmd = std::string(DP_TRAIN_MNIST_PATH) + " --device cpu --mode " + mode +
+                      " --data /nonexistent/dir > " + temp_path("err.txt") + " 2>&1";
+    CHECK(std::system(cmd.c_str()) != 0);
+    std::ifstream f(temp_path("err.txt"));
+    std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    INFO(mode << "\n" << text);
+    int lines = 0;  // that name the directory
+    std::istringstream in(text);
+    for (std::string line; std::getline(in, line);)
+      lines += line.find("/nonexistent/dir") != std::string::npos ? 1 : 0;
+    CHECK(lines == 1);
+    CHECK(text.find("rank") == std::string::npos);
+    std::remove(temp_path("err.txt").c_str());
+  }
 }
 
 TEST_CASE("samples.train_mnist: --mode ps with one worker at staleness 0 is the single run") {
@@ -189,6 +199,9 @@ TEST_CASE("samples.train_mnist: bad flags are refused in plain words, before any
            {"--activations f16", "--activations: f16 not in {f32,bf16}"},
            {"--mode ddp --nnodes 2 --master-port 65535 --max-restarts 1",
             "--max-restarts 1 with --nnodes 2 and --master-port 65535: the node launchers agree"},
+           // Every batch dropped: it trained nothing and reported a loss of 0, exit 0.
+           {"--train-samples 3 --batch 4 --mode dp --gpus 4 --last-batch drop",
+            "--last-batch drop with 3 training samples and --batch 4: every batch is dropped"},
        }) {
     std::string out = temp_path("flags.txt");
     int status = std::system(

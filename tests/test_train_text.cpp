@@ -231,6 +231,20 @@ TEST_CASE("data.text: links followed once, what is skipped is said, the cap is t
   const std::string e = dp_test::error_of([&] { dp::data::read_text_corpus(dir, 0.1, 100, 4000); });
   CHECK(e.find("2 file(s) of 5000 bytes in all, more than the 4000 a text corpus may hold") !=
         std::string::npos);
+  // A file with a NUL byte is no text (a program, UTF-16): refused by name, with the offset.
+  {
+    std::ofstream bin(dir + "/c.txt", std::ios::binary);
+    bin << std::string(500, 'c') << '\0' << std::string(500, 'c');
+  }
+  CHECK(dp_test::error_of([&] {
+          dp::data::read_text_corpus(dir, 0.1, 100);
+        }).find(dir + "/c.txt: a NUL byte at offset 500: not a text file") != std::string::npos);
+  // A folder with nothing to read says what it skipped, and why.
+  const std::string empty = dir + "/sub";
+  std::filesystem::create_directories(empty + "/deeper");
+  CHECK(dp_test::error_of([&] { dp::data::read_text_corpus(empty, 0.1, 100); })
+            .find("no text files (install fortunes-min: scripts/setup.sh); not read: " + empty +
+                  "/deeper (not a regular file)") != std::string::npos);
   std::filesystem::remove_all(dir);
   std::filesystem::remove(other);
 }
@@ -292,6 +306,11 @@ TEST_CASE(
   const std::string common = "--device cpu --gpt-config tiny --seq 16 --sample-bytes 0 ";
   run_train_text(common + "--batch 4 --steps 2 --save " + state);
   const auto state_bytes = std::filesystem::file_size(state);
+  // Another model's state, which a --save of this one must not replace.
+  const std::string llama = dir + "/llama.safetensors";
+  run_train_text(
+      "--device cpu --model llama --seq 16 --sample-bytes 0 --batch 4 --steps 1 --save " + llama);
+  const auto llama_bytes = std::filesystem::file_size(llama);
   struct Case {
     std::string args, says;
   };
@@ -303,6 +322,13 @@ TEST_CASE(
             "--log " + dir + "/l.jsonl and --save " + dir + "/./l.jsonl name one file"},
            {"--mode ddp --gpus 3 --batch 2",
             "--batch 2 leaves some of the 3 ranks without rows: give --batch >= 3"},
+           {"--save " + llama, "--save: '" + llama +
+                                   "' holds a training state of train_text's model llama-tiny, "
+                                   "not of this run's train_text gpt-tiny: it is never replaced"},
+           // The seed draws the batches: another one resumes onto another stream.
+           {"--resume " + state + " --seed 9", "saved with seed 1, this run has 9"},
+           {"--save-every 2", "--save-every 2 needs --save"},
+           {"--timeout 5", "--timeout bounds DDP's rendezvous and collectives: give --mode ddp"},
        }) {
     const Outcome r =
         run_outcome(common + "--steps 3 " + c.args +
@@ -331,6 +357,7 @@ TEST_CASE(
   CHECK(std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>()) ==
         "a file of the user's\n");
   CHECK(std::filesystem::file_size(state) == state_bytes);
+  CHECK(std::filesystem::file_size(llama) == llama_bytes);
   const std::string log = dir + "/log.jsonl";
   for (const char* steps : {"3", "4"})
     run_train_text(common + "--batch 4 --steps " + steps + " --resume " + state + " --save " +
@@ -456,6 +483,30 @@ TEST_CASE("samples.train_text: a resume at or past --steps trains nothing and sa
   CHECK(moved.find("of 1 device onto dp on 2 devices") != std::string::npos);
   CHECK(moved.find("not bit-exact") != std::string::npos);
   CHECK(moved.find("after 7 steps") != std::string::npos);
+  std::remove(state.c_str());
+}
+
+TEST_CASE("samples.train_text: --save-every writes --save as the run goes, the last at the end") {
+  // A run stopped midway (Ctrl-C, a killed job) lost every step: --save was written at the end
+  // only. Each save is the end's (the same call), at its step; DDP's ranks save together.
+  if (skip_without_fortunes()) return;
+  const std::string state = dp_test::temp_path("train_text", "every.safetensors");
+  std::remove(state.c_str());
+  for (const std::string mode : {"single", "ddp --gpus 2"}) {
+    const std::string out = run_train_text(
+        "--device cpu --gpt-config tiny --batch 4 --seq 16 --eval-every 100 --val-batches 1 "
+        "--sample-bytes 0 --steps 5 --save-every 2 --save " +
+        state + " --mode " + mode);
+    INFO(mode << "\n" << out);
+    CHECK(out.find("saved " + state + " at step 2\n") != std::string::npos);
+    CHECK(out.find("saved " + state + " at step 4\n") != std::string::npos);
+    CHECK(out.find("at step 6") == std::string::npos);
+    CHECK(out.find("saved " + state + "\n") != std::string::npos);  // the end's, at step 5
+    const std::string past = run_train_text(
+        "--device cpu --gpt-config tiny --batch 4 --seq 16 --sample-bytes 0 --steps 5 --resume " +
+        state);
+    CHECK(past.find("checkpoint at step 5 of 5") != std::string::npos);
+  }
   std::remove(state.c_str());
 }
 

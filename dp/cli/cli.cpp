@@ -13,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <map>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -389,6 +390,28 @@ CLI::Validator replaceable_file() {
         return output_problem(path, Output::training_state);
       },
       "FILE");
+}
+
+std::string state_owner_problem(const std::string& path, const std::string& program,
+                                const std::string& model) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) return "";
+  std::map<std::string, std::string> metadata;
+  try {
+    nn::io::FileReader r(path, "--save");
+    metadata = nn::safetensors::read(r).metadata;
+  } catch (const std::exception&) {
+    return "";  // a damaged state (replaceable_file took it for one): a save may replace it
+  }
+  auto saved = [&](const std::string& key) {
+    auto it = metadata.find("config." + key);
+    return it == metadata.end() ? std::string() : it->second;
+  };
+  if (saved("program") == program && saved("model") == model) return "";
+  auto named = [](const std::string& v) { return v.empty() ? std::string("(none)") : v; };
+  return "'" + path + "' holds a training state of " + named(nn::io::printable(saved("program"))) +
+         "'s model " + named(nn::io::printable(saved("model"))) + ", not of this run's " + program +
+         " " + model + ": it is never replaced; remove it yourself, or give another path";
 }
 
 namespace {

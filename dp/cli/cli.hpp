@@ -119,6 +119,12 @@ void check_output_file(const std::string& flag, const std::string& path, Output 
 // one, or none) may be there; a device, a FIFO or a socket is refused
 // (nn::io::replace_problem), never replaced.
 CLI::Validator replaceable_file();
+// What stops a save of `program`'s `model` from replacing the training state at `path`, or ""
+// (no file, a state of the same program and model, or one whose header cannot be read: a
+// damaged save). A state of another program or model is another run's, which a mistyped path
+// would wipe. A file that is no training state is replaceable_file's to refuse.
+std::string state_owner_problem(const std::string& path, const std::string& program,
+                                const std::string& model);
 // A flag and the path it was given.
 struct FlagPath {
   std::string flag, path;

@@ -65,7 +65,10 @@ TextCorpus read_text_corpus(const std::string& path, double val_fraction, int64_
       seen.push_back(real);
       c.files.push_back(p.string());
     }
-    DP_CHECK(!c.files.empty(), path << ": no text files (install fortunes-min: scripts/setup.sh)");
+    std::string skipped;  // what was there, and why it was not read
+    for (const std::string& e : c.skipped) skipped += (skipped.empty() ? "; not read: " : ", ") + e;
+    DP_CHECK(!c.files.empty(),
+             path << ": no text files (install fortunes-min: scripts/setup.sh)" << skipped);
   } else {
     c.files.push_back(path);
   }
@@ -83,6 +86,12 @@ TextCorpus read_text_corpus(const std::string& path, double val_fraction, int64_
   std::vector<uint8_t> all;
   for (const std::string& f : c.files) {
     std::vector<uint8_t> b = read_text_file(f, max_bytes);
+    // Text holds no NUL byte (UTF-8's included); a program, an image or UTF-16 text does, and
+    // would train on as bytes without a word.
+    const auto nul = std::find(b.begin(), b.end(), uint8_t{0});
+    DP_CHECK(nul == b.end(), f << ": a NUL byte at offset " << nul - b.begin()
+                               << ": not a text file (a binary file, or UTF-16 text: convert it "
+                                  "to UTF-8); give text files");
     all.insert(all.end(), b.begin(), b.end());
     DP_CHECK(static_cast<int64_t>(all.size()) <= max_bytes,
              path << ": the files grew while they were read: " << all.size() << " bytes by " << f
