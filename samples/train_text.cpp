@@ -321,6 +321,14 @@ int main(int argc, char** argv) {
     // Weight decay by parameter, nanoGPT's rule: matrices and embeddings decay, biases and
     // LayerNorm do not.
     nn::GroupedAdamW opt(*model, adamw, nn::decay_by_parameter(*model, f.weight_decay));
+    // A save that does not fit is found now, not after the run: the weights, the buffers and
+    // the optimizer state, f32, and the header (well under a MiB).
+    if (!f.save.empty() && leader)
+      dp::cli::check_free_space(
+          "--save", f.save,
+          static_cast<uint64_t>(model->flat_params().nbytes() + model->flat_buffers().nbytes() +
+                                opt.state_bytes()) +
+              (uint64_t{1} << 20));
     const nn::LinearWarmup schedule(
         nn::CosineLR(f.lr, std::max<int64_t>(f.steps - f.warmup, 1), f.lr / 10), f.warmup);
 

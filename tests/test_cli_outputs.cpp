@@ -265,3 +265,17 @@ TEST_CASE("cli.outputs: two flags naming one file are refused, naming both") {
   CHECK(outside(ckdir + "/log.jsonl") == "(no error)");  // the folder may hold other files
   CHECK(outside(d.dir + "/step_00000008.safetensors") == "(no error)");
 }
+
+TEST_CASE("cli.outputs: a save that does not fit its file system is refused before the run") {
+  // train_text trained a whole run, then failed to write --save on a full disk: the check names
+  // the flag, the file and both sizes up front (its own file system's free space: far below
+  // 2^62 bytes, far above one).
+  const std::string path = dp_test::temp_path("cli_outputs", "big.safetensors");
+  const std::string e =
+      dp_test::error_of([&] { dp::cli::check_free_space("--save", path, uint64_t{1} << 62); });
+  CHECK(e.find("--save: writing '" + path +
+               "' needs about 4611686018427.4 MB, but its file system (") != std::string::npos);
+  CHECK(e.find(" free: free some space, or give another path") != std::string::npos);
+  CHECK_NOTHROW(dp::cli::check_free_space("--save", path, 1));
+  CHECK_FALSE(std::filesystem::exists(path));  // nothing written
+}

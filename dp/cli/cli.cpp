@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -412,6 +413,23 @@ std::string state_owner_problem(const std::string& path, const std::string& prog
   return "'" + path + "' holds a training state of " + named(nn::io::printable(saved("program"))) +
          "'s model " + named(nn::io::printable(saved("model"))) + ", not of this run's " + program +
          " " + model + ": it is never replaced; remove it yourself, or give another path";
+}
+
+void check_free_space(const std::string& flag, const std::string& path, uint64_t bytes) {
+  std::filesystem::path dir = std::filesystem::path(path).parent_path();
+  if (dir.empty()) dir = ".";
+  struct statvfs fs {};
+  if (::statvfs(dir.c_str(), &fs) != 0) return;  // the write will say what is wrong
+  const uint64_t free_bytes = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
+  auto mb = [](uint64_t b) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%.1f MB", static_cast<double>(b) / 1e6);
+    return std::string(text);
+  };
+  DP_CHECK(free_bytes >= bytes, flag << ": writing '" << path << "' needs about " << mb(bytes)
+                                     << ", but its file system (" << dir.string() << ") has "
+                                     << mb(free_bytes)
+                                     << " free: free some space, or give another path");
 }
 
 namespace {

@@ -125,6 +125,10 @@ CLI::Validator replaceable_file();
 // would wipe. A file that is no training state is replaceable_file's to refuse.
 std::string state_owner_problem(const std::string& path, const std::string& program,
                                 const std::string& model);
+// Throws, naming `flag`, the file and both sizes, when the file system that would hold `path`
+// has fewer than `bytes` free for an unprivileged writer: a save found at the end of a run not
+// to fit loses the run. (The file is written whole beside the old one, then renamed over it.)
+void check_free_space(const std::string& flag, const std::string& path, uint64_t bytes);
 // A flag and the path it was given.
 struct FlagPath {
   std::string flag, path;
