@@ -5,7 +5,10 @@
 //   bin/train_text --gpt-config tiny --steps 200
 //   bin/train_text --mode dp --gpus 2 --steps 200 --save run.safetensors
 //   bin/train_text --mode ddp --gpus 2 --steps 100 --resume run.safetensors --top-k 5
+#include <signal.h>
+
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -109,6 +112,36 @@ std::string sample_text(nn::Module& m, const std::string& prompt, int64_t n, int
   }
   return out;
 }
+
+// The signal that asked a single or DP run to stop (0: none), set by on_stop_signal.
+std::atomic<int> g_stop_signal{0};
+static_assert(std::atomic<int>::is_always_lock_free, "set in a signal handler");
+
+extern "C" void on_stop_signal(int sig) {
+  g_stop_signal.store(sig);
+}
+
+// SIGINT (Ctrl-C) and SIGTERM end the step in progress, not the run's process: the loop then
+// saves --save at that step and exits 128 + the signal. SA_RESETHAND: a second signal ends the
+// process at once, as before. Restored to the defaults when the object goes (before sampling).
+// Not for DDP's ranks: they would stop at different steps, with their peers in collectives (the
+// launcher stops the job, as train_mnist's).
+class StopOnSignal {
+ public:
+  StopOnSignal() {
+    struct sigaction sa {};
+    sa.sa_handler = on_stop_signal;
+    sa.sa_flags = SA_RESETHAND | SA_RESTART;
+    sigemptyset(&sa.sa_mask);
+    for (int sig : {SIGINT, SIGTERM}) ::sigaction(sig, &sa, nullptr);
+  }
+  ~StopOnSignal() {
+    for (int sig : {SIGINT, SIGTERM}) ::signal(sig, SIG_DFL);
+  }
+  StopOnSignal(const StopOnSignal&) = delete;
+  StopOnSignal& operator=(const StopOnSignal&) = delete;
+  int signal() const { return g_stop_signal.load(); }
+};
 
 // What a training state records of the text, checked again at a resume: each split's size and
 // FNV-1a hash.
@@ -422,11 +455,15 @@ int main(int argc, char** argv) {
       else
         engine->save(f.save, progress);
     };
+    std::optional<StopOnSignal> stop;
+    if (!ddp) stop.emplace();
+    int64_t done = first_step;  // steps the weights are at
     auto t_run = std::chrono::steady_clock::now();
     double train_time = 0, val = NAN;
     int64_t tokens = 0;
     float last_loss = NAN, grad_norm = 0;
     for (int64_t step = first_step; step < f.steps; ++step) {
+      if (stop && stop->signal() != 0) break;  // between steps: the weights are at `done`
       auto [x, y] = dp::data::text_batch(corpus.train, f.batch, f.seq, f.seed, step);
       opt.set_lr(schedule.lr(step));  // stateless in the step: a resumed run takes the same
       auto t0 = std::chrono::steady_clock::now();
@@ -438,6 +475,7 @@ int main(int argc, char** argv) {
         last_loss = st.loss;
         grad_norm = st.grad_norm;
       }
+      done = step + 1;
       const double dt = seconds_since(t0);
       train_time += dt;
       tokens += y.numel();
@@ -472,6 +510,19 @@ int main(int argc, char** argv) {
     }
     if (bar) bar->finish();
     if (step_log) step_log->close();  // a log that did not reach the disk is an error
+    if (const int sig = stop ? stop->signal() : 0; sig != 0 && done < f.steps) {
+      // Stopped between steps: the state at `done` is saved where --save asks, and said.
+      if (!f.save.empty() && done > first_step) save_at(done);
+      const std::string what = !f.save.empty() && done > first_step
+                                   ? "saved " + f.save + " (--resume " + f.save + " goes on)"
+                               : !f.save.empty() ? "nothing trained, nothing saved"
+                                                 : "nothing saved (--save FILE keeps a run)";
+      std::fprintf(stderr, "train_text: %s after step %lld of %lld: %s\n",
+                   sig == SIGINT ? "interrupted (SIGINT)" : "stopped (SIGTERM)",
+                   static_cast<long long>(done), static_cast<long long>(f.steps), what.c_str());
+      return 128 + sig;
+    }
+    stop.reset();  // a signal from here on ends the process at once
     if (std::isnan(val)) val = val_loss(trained, corpus.val, f);
     // The step the weights are at: --steps, or the checkpoint's when it was already past.
     const int64_t at_step = std::max(first_step, f.steps);

@@ -5,12 +5,14 @@
 
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <regex>
 #include <string>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -508,6 +510,61 @@ TEST_CASE("samples.train_text: --save-every writes --save as the run goes, the l
     CHECK(past.find("checkpoint at step 5 of 5") != std::string::npos);
   }
   std::remove(state.c_str());
+}
+
+TEST_CASE(
+    "samples.train_text: Ctrl-C or SIGTERM ends the step, saves --save at it, exits 130 or 143") {
+  // It died at once (exit 130, no word), and every step since the start was lost. Now the step
+  // in progress ends, --save is written at it and said, and a resume goes on from there.
+  if (skip_without_fortunes()) return;
+  const std::string state = dp_test::temp_path("train_text", "stopped.safetensors");
+  const std::string log = dp_test::temp_path("train_text", "stopped.jsonl");
+  const std::string out = dp_test::temp_path("train_text", "stopped.txt");
+  const std::string common =
+      "--device cpu --gpt-config tiny --batch 4 --seq 16 --eval-every 100000 --sample-bytes 0";
+  for (int sig : {SIGINT, SIGTERM}) {
+    CAPTURE(sig);
+    for (const std::string& p : {state, log}) std::remove(p.c_str());
+    const bool save = sig == SIGINT;  // SIGTERM without --save: said, nothing written
+    const pid_t pid =
+        dp_test::spawn({"/bin/sh", "-c",
+                        "exec " + text_program() + " " + common + " --steps 100000 --log " + log +
+                            (save ? " --save " + state : std::string()) + " > " + out + " 2>&1"});
+    REQUIRE(pid > 0);
+    // Signalled once 3 steps are logged (each line is flushed as its step ends).
+    int lines = 0;
+    for (int i = 0; i < 3000 && lines < 3; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      std::ifstream f(log);
+      lines = 0;
+      for (std::string line; std::getline(f, line);) ++lines;
+    }
+    REQUIRE(lines >= 3);
+    ::kill(pid, sig);
+    const int status = dp_test::wait_child(pid, std::chrono::seconds(60));
+    REQUIRE(status != -1);
+    CHECK(dp_test::shell_code(status) == 128 + sig);
+    std::ifstream f(out);
+    const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    INFO(text);
+    std::smatch m;
+    REQUIRE(std::regex_search(
+        text, m,
+        std::regex(save ? "interrupted \\(SIGINT\\) after step ([0-9]+) of 100000: saved "
+                        : "stopped \\(SIGTERM\\) after step ([0-9]+) of 100000: nothing saved")));
+    const int64_t at = std::stoll(m[1]);
+    CHECK(at >= 3);
+    if (!save) {
+      CHECK_FALSE(std::filesystem::exists(state));
+      continue;
+    }
+    // The state is at that step: a resume to it has nothing left to train.
+    const std::string resumed =
+        run_train_text(common + " --steps " + std::to_string(at) + " --resume " + state);
+    CHECK(resumed.find("checkpoint at step " + std::to_string(at) + " of " + std::to_string(at)) !=
+          std::string::npos);
+  }
+  for (const std::string& p : {state, log, out}) std::remove(p.c_str());
 }
 
 TEST_CASE("samples.train_text: --help shows every default, as the other programs' do") {
