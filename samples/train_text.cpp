@@ -304,6 +304,15 @@ int main(int argc, char** argv) {
       for (const std::string& s : corpus.skipped) list += (list.empty() ? "" : ", ") + s;
       std::fprintf(stderr, "train_text: not read: %s\n", list.c_str());
     }
+    // The validation text may hold fewer batches than asked: each evaluation reads them all.
+    const int64_t val_windows = dp::data::text_window_count(corpus.val, f.seq);
+    const int64_t val_held = (val_windows + f.batch - 1) / f.batch;
+    if (val_held < f.val_batches && dp::cli::first_rank_or_alone())
+      std::fprintf(stderr,
+                   "train_text: --val-batches %lld: the validation text holds %lld batch(es) of "
+                   "--batch %lld x --seq %lld; each evaluation reads all of them\n",
+                   static_cast<long long>(f.val_batches), static_cast<long long>(val_held),
+                   static_cast<long long>(f.batch), static_cast<long long>(f.seq));
     std::string fallback;
     const kernels::DeviceType type = kernels::choose_device_type(f.device, &fallback);
     if (!fallback.empty()) std::fprintf(stderr, "train_text: %s\n", fallback.c_str());
@@ -540,9 +549,16 @@ int main(int argc, char** argv) {
     }
     if (profiler && leader) std::printf("%s", profiler->table().c_str());
     std::fflush(stdout);  // what the run printed is kept if the sampling is cut short
-    if (f.sample_bytes > 0 && leader)
-      std::printf("sample (%s): %s\n", f.top_k == 1 ? "greedy" : "top-k",
-                  sample_text(trained, "The ", f.sample_bytes, f.top_k, context, f.seed).c_str());
+    if (f.sample_bytes > 0 && leader) {
+      std::string sample;
+      {
+        // One forward a byte over the whole context: minutes for the largest --sample-bytes.
+        dp::cli::SlowNotice sampling(
+            "train_text: sampling " + std::to_string(f.sample_bytes) + " bytes", stderr);
+        sample = sample_text(trained, "The ", f.sample_bytes, f.top_k, context, f.seed);
+      }
+      std::printf("sample (%s): %s\n", f.top_k == 1 ? "greedy" : "top-k", sample.c_str());
+    }
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "train_text: %s\n", e.what());

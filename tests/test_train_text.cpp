@@ -567,6 +567,17 @@ TEST_CASE(
   for (const std::string& p : {state, log, out}) std::remove(p.c_str());
 }
 
+TEST_CASE("samples.train_text: --val-batches beyond the validation text says what it reads") {
+  // 100000 batches were asked and about 150 read, without a word.
+  if (skip_without_fortunes()) return;
+  const std::string out = run_train_text(
+      "--device cpu --gpt-config tiny --batch 4 --seq 16 --steps 1 --sample-bytes 0 "
+      "--val-batches 100000");
+  CHECK(std::regex_search(out, std::regex("--val-batches 100000: the validation text holds "
+                                          "[0-9]+ batch\\(es\\) of --batch 4 x --seq 16; "
+                                          "each evaluation reads all of them")));
+}
+
 TEST_CASE("samples.train_text: --help shows every default, as the other programs' do") {
   const Outcome r = run_outcome("--help");
   INFO(r.text);
