@@ -74,8 +74,11 @@ struct DuplicateKeyCheck {
 inline File read(io::FileReader& r) {
   const std::string where = r.where();
   const uint64_t n = r.get<uint64_t>("the header length");
+  // A text file's first 8 bytes read as a length in the quintillions: say what it is.
   DP_CHECK(n <= kMaxHeaderBytes, where << ": header length " << n << " is more than the "
-                                       << kMaxHeaderBytes << " bytes (64 MiB) this reader accepts");
+                                       << kMaxHeaderBytes
+                                       << " bytes (64 MiB) this reader accepts: not a safetensors "
+                                          "file (its first 8 bytes are the header's length)");
   DP_CHECK(n <= r.remaining(), where << ": header length " << n << " exceeds the file (" << r.size()
                                      << " bytes, " << r.remaining() << " after the length)");
   nlohmann::json header;
