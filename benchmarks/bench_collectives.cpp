@@ -196,13 +196,25 @@ int main(int argc, char** argv) {
     DP_CHECK(!f.max_bytes || f.min_bytes <= *f.max_bytes,
              "--min-bytes " << f.min_bytes << " is more than --max-bytes " << *f.max_bytes);
     kernels::DeviceType type = device_type(f);
+    // An empty table, or DDP rows of 0 bytes (a message splits into n shards of whole f32s).
+    DP_CHECK(!sizes(f, type).empty(), "--min-bytes "
+                                          << f.min_bytes << " is more than the largest message, "
+                                          << (type == kernels::DeviceType::cuda ? 256 : 64)
+                                          << " MiB by default: give --max-bytes too");
+    DP_CHECK(f.what == "dp" || f.min_bytes >= 4 * int64_t{f.n},
+             "--min-bytes " << f.min_bytes << " with -n " << f.n << ": a DDP message is " << f.n
+                            << " shards of whole f32 values: give --min-bytes >= " << 4 * f.n);
     if (auto env = dp::dist::worker_env_from_environment()) return bench_ddp_worker(f, type, *env);
     check_memory(f, type);
+    // What stops DDP's ranks from starting is said before the DP tables run, not after.
+    if (f.what != "dp") {
+      dp::dist::check_launchable(f.backend, "bench_collectives", f.n);
+      dp::dist::check_local_ranks(f.n, f.max_local_ranks);
+    }
     if (type == kernels::DeviceType::cuda)
       dp::warn_if_oversubscribed(kernels::make_devices(type, f.n));
     if (f.what != "ddp") bench_dp(f, type);
     if (f.what != "dp") {
-      dp::dist::check_launchable(f.backend, "bench_collectives");
       std::fflush(stdout);
       dp::dist::LaunchOptions lo;
       lo.nproc_per_node = f.n;

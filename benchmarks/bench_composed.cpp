@@ -18,6 +18,8 @@
 #include <nlohmann/json.hpp>
 
 #include "benchmarks/stats.hpp"
+#include "dp/cli/cli.hpp"
+#include "nn/file_io.hpp"
 #include "nn/nn.hpp"
 
 using kernels::Device;
@@ -58,6 +60,9 @@ double time_steps(nn::Module& m, const Tensor& x, const Tensor& dy, int steps) {
   return dt.count() / steps;
 }
 
+// The benchmark after its flags: prints the figures, writes --json. Throws on failure.
+int run(const Options& o);
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -75,9 +80,20 @@ int main(int argc, char** argv) {
   app.add_option("--steps", o.steps, "steps per timed run")->check(CLI::Range(1, 100000));
   app.add_option("--repeat", o.repeat, "interleaved repeats (fused, composed)")
       ->check(CLI::Range(2, 1000));
-  app.add_option("--json", o.json_path, "also write the figures as JSON to this file");
+  app.add_option("--json", o.json_path, "also write the figures as JSON to this file")
+      ->check(dp::cli::output_file(dp::cli::Output::report));
   CLI11_PARSE(app, argc, argv);
+  try {
+    return run(o);
+  } catch (const std::exception& e) {  // no GPU, no memory, a --json that cannot be written
+    std::fprintf(stderr, "bench_composed: %s\n", e.what());
+    return 1;
+  }
+}
 
+namespace {
+
+int run(const Options& o) {
   const Device dev = o.device == "cpu" ? Device::cpu(0) : Device::cuda(0);
   std::vector<nn::ModulePtr> models = {block(false, o), block(true, o)};
   Tensor x, dy;
@@ -116,7 +132,10 @@ int main(int argc, char** argv) {
                         {"dtype", o.dtype},     {"device", o.device},   {"steps", o.steps},
                         {"repeat", o.repeat},   {"fused_ms", fused},    {"composed_ms", composed},
                         {"ratio", ratio.value}, {"ratio_lo", ratio.lo}, {"ratio_hi", ratio.hi}};
-    std::ofstream(o.json_path) << j.dump(2) << "\n";
+    j["program"] = "bench_composed";
+    nn::io::write_output_file(o.json_path, j.dump(2) + "\n", "--json");
   }
   return 0;
 }
+
+}  // namespace

@@ -25,6 +25,7 @@
 #include <nlohmann/json.hpp>
 
 #include "benchmarks/stats.hpp"
+#include "dp/cli/cli.hpp"
 #include "kernels/ops.hpp"
 #include "nn/file_io.hpp"
 
@@ -515,12 +516,19 @@ int main(int argc, char** argv) {
   Options o;
   app.add_option("--device", o.device, "cpu, cuda or auto (cuda when a GPU is usable)")
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
-  app.add_option("--sizes", o.sizes, "square GEMM sizes n")->delimiter(',');
-  app.add_option("--threads", o.threads, "CPU arena threads (0: all hardware threads)");
-  app.add_option("--min-time", o.min_time, "seconds to time each figure for");
+  // Each value checked before any work (a NaN --min-time timed forever).
+  app.add_option("--sizes", o.sizes, "square GEMM sizes n")
+      ->delimiter(',')
+      ->check(dp::cli::whole_number(1, 1 << 17));
+  app.add_option("--threads", o.threads, "CPU arena threads (0: all hardware threads)")
+      ->check(dp::cli::whole_number(0, 4096));
+  app.add_option("--min-time", o.min_time, "seconds to time each figure for")
+      ->check(dp::cli::positive_number(3600));
   app.add_option("--stream-elems", o.stream_elems,
-                 "elements per memory-bound op (0: 16M on CPU, 64M on GPU)");
-  app.add_option("--json", o.json_path, "also write the figures as JSON to this file");
+                 "elements per memory-bound op (0: 16M on CPU, 64M on GPU)")
+      ->check(dp::cli::whole_number(0, int64_t{1} << 34));
+  app.add_option("--json", o.json_path, "also write the figures as JSON to this file")
+      ->check(dp::cli::output_file(dp::cli::Output::report));
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -535,7 +543,10 @@ int main(int argc, char** argv) {
     if (!o.json_path.empty()) {
       nn::io::write_output_file(
           o.json_path,
-          nlohmann::json{{"device", device->str()}, {"results", bench.results()}}.dump(2) + "\n",
+          nlohmann::json{
+              {"program", "bench_kernels"}, {"device", device->str()}, {"results", bench.results()}}
+                  .dump(2) +
+              "\n",
           "--json");
     }
   } catch (const std::exception& e) {

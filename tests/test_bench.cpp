@@ -673,8 +673,10 @@ TEST_CASE("bench.flags: output paths are checked before the run") {
           "--chart: '" + dir + "' is a directory");
   // A file that is not the program's is never replaced; nor is a checkpoint, or one output by
   // another.
-  refused(cpu + "--json " + file,
-          "--json: '" + file + "' exists and is not a report of dp_bench or train_mnist");
+  refused(
+      cpu + "--json " + file,
+      "--json: '" + file +
+          "' exists and is not a report of dp_bench, train_mnist, bench_kernels or bench_composed");
   refused(cpu + "--trace " + file, "--trace: '" + file + "' exists and is not a trace of dp_bench");
   refused(cpu + "--sweep 1 --csv " + file,
           "--csv: '" + file + "' exists and is not a sweep table of dp_bench");

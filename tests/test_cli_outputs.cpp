@@ -169,7 +169,8 @@ TEST_CASE("cli.outputs: an existing file is replaced only when one of the progra
   }
   CHECK(dp::cli::existing_output_problem(config, Output::report) ==
         "'" + config +
-            "' exists and is not a report of dp_bench or train_mnist (it names no \"program\"): "
+            "' exists and is not a report of dp_bench, train_mnist, bench_kernels or "
+            "bench_composed (it names no \"program\"): "
             "it is never replaced; remove it yourself, or give another path");
   CHECK(read_all(notes) == "my notes, not a program's\n");  // checked, never opened to write
 

@@ -278,7 +278,7 @@ bool starts_with(const std::string& s, const std::string& prefix) {
 const char* output_what(Output kind) {
   switch (kind) {
     case Output::report:
-      return "a report of dp_bench or train_mnist";
+      return "a report of dp_bench, train_mnist, bench_kernels or bench_composed";
     case Output::trace:
       return "a trace of dp_bench";
     case Output::step_log:
@@ -305,9 +305,10 @@ std::string not_ours(Output kind, const std::string& head, uint64_t size) {
       if (!j.is_object()) return "it is not a JSON object";
       auto program = j.find("program");
       if (program != j.end())
-        return program->is_string() && (*program == "dp_bench" || *program == "train_mnist")
+        return program->is_string() && (*program == "dp_bench" || *program == "train_mnist" ||
+                                        *program == "bench_kernels" || *program == "bench_composed")
                    ? ""
-                   : "its \"program\" is not dp_bench or train_mnist";
+                   : "its \"program\" is not one of this project's";
       // Reports written before they named their program.
       if (j.contains("ddp_step_time") && j.contains("runs")) return "";           // dp_bench
       if (j.value("mode", "") == "ps" && j.contains("max_staleness")) return "";  // dp_bench ps
