@@ -269,14 +269,21 @@ int main(int argc, char** argv) {
           "gloo or auto");
     if (f.device == "cpu") {
       // Per rank: the weights, gradients and momentum, and the hook's matrix, approximation and
-      // error per bucket: about 6 copies of the parameters in f32.
+      // error per bucket: about 6 copies of the parameters in f32; and its chunk's activations
+      // and their gradients (the input, each hidden layer before and after its ReLU, the
+      // logits): a batch of 2^20 rows at --width 8192 met the OOM killer with the parameters
+      // alone counted.
       const int64_t params =
           (kFeatures + 1) * f.width + (f.width + 1) * f.width + (f.width + 1) * kClasses;
-      dp::cli::check_fits("--width " + std::to_string(f.width) + " on --nproc " +
-                              std::to_string(f.nproc) + " ranks (6 copies of " +
-                              std::to_string(params) + " parameters each)",
-                          6 * 4 * params * f.nproc, "the host", kernels::host_memory_available(),
-                          "give a smaller --width or fewer --nproc");
+      const int64_t rows = (f.batch + f.nproc - 1) / f.nproc;
+      const int64_t activations = 2 * rows * (kFeatures + 4 * f.width + kClasses);
+      dp::cli::check_fits("--width " + std::to_string(f.width) + " and --batch " +
+                              std::to_string(f.batch) + " on --nproc " + std::to_string(f.nproc) +
+                              " ranks (6 copies of " + std::to_string(params) + " parameters and " +
+                              std::to_string(activations) + " activation values each)",
+                          4 * (6 * params + activations) * f.nproc, "the host",
+                          kernels::host_memory_available(),
+                          "give a smaller --width or --batch, or fewer --nproc");
     }
     dp::dist::LaunchOptions lo;
     lo.nproc_per_node = f.nproc;

@@ -26,6 +26,14 @@ if(TARGET custom_reducer)
                    $<TARGET_FILE:custom_reducer>)
   set_tests_properties("dist.sample: custom_reducer trains the hook under DP and DDP on one loss curve"
     PROPERTIES TIMEOUT 120 PASS_REGULAR_EXPRESSION "^ *2 [^\n]*\n *2 [^\n]*\n$")
+  # A batch whose activations do not fit is refused with the figures before any rank starts (it
+  # passed a check of the parameters alone, and the OOM killer took a rank, reported as hung).
+  add_test(NAME "dist.sample: custom_reducer refuses activations that do not fit, before any rank"
+           COMMAND custom_reducer --nproc 2 --steps 2 --batch 1048576 --width 8192)
+  set_tests_properties("dist.sample: custom_reducer refuses activations that do not fit, before any rank"
+    PROPERTIES TIMEOUT 30 WILL_FAIL FALSE
+    PASS_REGULAR_EXPRESSION "--width 8192 and --batch 1048576 on --nproc 2 ranks \\(6 copies of 67731466 parameters and 34437332992 activation values each\\) needs at least 259.6 GiB"
+    FAIL_REGULAR_EXPRESSION "rank 0|rank 1")
 endif()
 
 # The sample, end to end: it launches 3 workers of itself and checks its ring against the
