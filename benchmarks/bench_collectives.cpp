@@ -47,9 +47,13 @@ kernels::DeviceType device_type(const Flags& f) {
   return t;
 }
 
+// The largest message: --max-bytes, else 256 MiB on GPUs and 64 MiB on CPUs.
+int64_t largest_message(const Flags& f, kernels::DeviceType t) {
+  return f.max_bytes ? *f.max_bytes : (t == kernels::DeviceType::cuda ? 256ll << 20 : 64ll << 20);
+}
+
 std::vector<int64_t> sizes(const Flags& f, kernels::DeviceType t) {
-  int64_t max =
-      f.max_bytes ? *f.max_bytes : (t == kernels::DeviceType::cuda ? 256ll << 20 : 64ll << 20);
+  const int64_t max = largest_message(f, t);
   std::vector<int64_t> out;
   for (int64_t b = f.min_bytes; b <= max; b *= 4) out.push_back(b);
   return out;
@@ -197,10 +201,10 @@ int main(int argc, char** argv) {
              "--min-bytes " << f.min_bytes << " is more than --max-bytes " << *f.max_bytes);
     kernels::DeviceType type = device_type(f);
     // An empty table, or DDP rows of 0 bytes (a message splits into n shards of whole f32s).
-    DP_CHECK(!sizes(f, type).empty(), "--min-bytes "
-                                          << f.min_bytes << " is more than the largest message, "
-                                          << (type == kernels::DeviceType::cuda ? 256 : 64)
-                                          << " MiB by default: give --max-bytes too");
+    DP_CHECK(!sizes(f, type).empty(), "--min-bytes " << f.min_bytes
+                                                     << " is more than the largest message, "
+                                                     << largest_message(f, type)
+                                                     << " bytes by default: give --max-bytes too");
     DP_CHECK(f.what == "dp" || f.min_bytes >= 4 * int64_t{f.n},
              "--min-bytes " << f.min_bytes << " with -n " << f.n << ": a DDP message is " << f.n
                             << " shards of whole f32 values: give --min-bytes >= " << 4 * f.n);

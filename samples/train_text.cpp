@@ -208,7 +208,7 @@ int main(int argc, char** argv) {
   app.add_option("--save-every", f.save_every,
                  "also write --save every this many steps, so that a run stopped midway (Ctrl-C, "
                  "a killed job) goes on from there (0: at the end only)")
-      ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
+      ->check(dp::cli::whole_number(0, int64_t{1} << 40));
   app.add_option("--resume", f.resume, "training state to go on from")->check(CLI::ExistingFile);
   app.add_option("--sample-bytes", f.sample_bytes, "bytes generated at the end (0: none)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 16));
