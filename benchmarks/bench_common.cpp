@@ -332,8 +332,9 @@ void validate(const Options& o, const Setup& s, const std::vector<int>& counts) 
                         << ": the chart is drawn as SVG or PNG, by the name's ending: give a .svg "
                            "or .png name");
   }
-  if (projection_from(o.project_from) == ProjectionFrom::file)
-    read_projection_file(o.project_from);  // read now, not at the end
+  if (projection_from(o.project_from) == ProjectionFrom::file)  // read now, not at the end
+    check_projection_model(read_projection_file(o.project_from), o.project_from, model_name(o),
+                           model_of(o)->num_parameters());
   // The sweep's outputs, and the chart's script (written beside the chart and removed once
   // gnuplot drew it).
   const auto [csv, chart] = sweep_paths(o);
@@ -1089,8 +1090,8 @@ int run(const Options& o, int argc, char** argv) {
 
   // Every (mode, N) run, K times, interleaved so that drift of the machine hits all alike. Each
   // repeat's median step is one sample of the run's confidence interval; the rest of the
-  // figures are the last repeat's. The trace is the first repeat's.
-  std::vector<RunResult> runs;
+  // figures are the median repeat's (combine_repeats). The trace is the first repeat's.
+  std::vector<std::vector<RunResult>> repeats;  // per (mode, N), its repeats in order
   std::vector<dp::TracedRun> traces;
   bool other_node = false;
   for (int k = 0; k < o.repeat; ++k) {
@@ -1137,17 +1138,14 @@ int run(const Options& o, int argc, char** argv) {
                       : "rank " + std::to_string(e.track));
           traces.push_back(std::move(run));
         }
-        if (k == 0) {
-          runs.push_back(std::move(r));
-        } else {
-          r.repeat_ms = std::move(runs[slot].repeat_ms);
-          runs[slot] = std::move(r);
-        }
-        runs[slot].repeat_ms.push_back(median(runs[slot].step_ms));
+        if (k == 0) repeats.emplace_back();
+        repeats[slot].push_back(std::move(r));
         ++slot;
       }
     }
   }
+  std::vector<RunResult> runs;
+  for (std::vector<RunResult>& each : repeats) runs.push_back(combine_repeats(std::move(each)));
   if (other_node) {
     std::printf("dp_bench: node %d ran its %d ranks; node 0 prints the report\n",
                 o.launch.node_rank, s.gpus);

@@ -34,6 +34,33 @@ void median_step_phases(RunResult& r, const std::map<std::string, std::vector<do
   r.phases_ms["other"] = r.step_ms[k] - sum;
 }
 
+RunResult combine_repeats(std::vector<RunResult> repeats) {
+  DP_CHECK(!repeats.empty(), "combine_repeats: no repeats");
+  if (repeats.size() == 1) {
+    RunResult out = std::move(repeats.front());
+    out.repeat_ms = {median(out.step_ms)};
+    return out;
+  }
+  std::vector<double> medians;
+  std::vector<size_t> order;
+  for (size_t k = 0; k < repeats.size(); ++k) {
+    const RunResult& r = repeats[k];
+    DP_CHECK(r.mode == repeats[0].mode && r.gpus == repeats[0].gpus && !r.step_ms.empty(),
+             "combine_repeats: repeat " << k + 1 << " is " << r.mode << " N=" << r.gpus << " with "
+                                        << r.step_ms.size() << " steps, repeat 1 "
+                                        << repeats[0].mode << " N=" << repeats[0].gpus);
+    medians.push_back(median(r.step_ms));
+    order.push_back(k);
+  }
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return medians[a] < medians[b]; });
+  const size_t pick = order[(order.size() - 1) / 2];
+  RunResult out = std::move(repeats[pick]);
+  out.repeat_ms = std::move(medians);
+  out.from_repeat = static_cast<int>(pick) + 1;
+  return out;
+}
+
 std::vector<double> slowest_per_step(const std::vector<float>& all, int ranks, int64_t steps) {
   DP_CHECK(ranks >= 1 && steps >= 0 && all.size() == static_cast<size_t>(ranks * steps),
            "slowest_per_step: " << all.size() << " times for " << ranks << " ranks of " << steps
@@ -363,7 +390,8 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
   os << "step times: "
      << (repeats >= 2 ? "median of " + std::to_string(repeats) +
                             " interleaved repeats' medians, 95% bootstrap CI "
-                            "over the repeats"
+                            "over the repeats; p90, phases, losses and bytes are the median "
+                            "repeat's"
                       : std::string("one run, 95% bootstrap CI over its steps "
                                     "(run-to-run noise is larger: --repeat 5)"))
      << "\n";
@@ -681,7 +709,18 @@ void check_projection_run(const RunResult& r, const std::string& where) {
   DP_CHECK(!r.step_ms.empty(), where << ".step_ms is empty: a dp_bench report holds its steps");
   for (size_t i = 0; i < r.step_ms.size(); ++i)
     check("step_ms[" + std::to_string(i) + "]", r.step_ms[i], 0, true, kMaxMs);
-  for (const auto& [name, ms] : r.phases_ms) check("phases_ms." + name, ms, -kMaxMs, false, kMaxMs);
+  // The projection's compute is the run's forward and backward (a graphed step times them
+  // together, its backward 0) and its optimizer: timed phases, none negative. "other", the step
+  // less the timed phases, is not used and may fall a little below 0.
+  DP_CHECK(!r.phases_ms.empty(), where << ".phases_ms is empty: the run's phases were not timed "
+                                          "(--phase-times off), and the projection starts from "
+                                          "them; give a report of a run that timed them");
+  for (const auto& [name, ms] : r.phases_ms)
+    check("phases_ms." + name, ms, name == "other" ? -kMaxMs : 0, false, kMaxMs);
+  const double compute = (r.phases_ms.count("forward") ? r.phases_ms.at("forward") : 0) +
+                         (r.phases_ms.count("backward") ? r.phases_ms.at("backward") : 0);
+  DP_CHECK(compute > 0, where << ".phases_ms: forward + backward is " << compute
+                              << " ms: a run that timed its phases computed for some time");
   check("param_bytes", static_cast<double>(r.param_bytes), 0, true, kMaxBytes);
   check("bytes_per_step", static_cast<double>(r.bytes_per_step), 0, false, kMaxBytes);
   check("bytes_theory", static_cast<double>(r.bytes_theory), 0, false, kMaxBytes);
@@ -704,11 +743,12 @@ ProjectionInput read_projection_file(const std::string& project_from) {
   try {
     const nlohmann::json j = nlohmann::json::parse(text);
     std::string device = j.at("device").get<std::string>();
-    if (device == "cpu") {
-      in.why_not = "--project-from '" + project_from +
-                   "' holds CPU compute; the projection needs a GPU's results file";
-      return in;
-    }
+    DP_CHECK(device != "cpu", "--project-from '"
+                                  << project_from
+                                  << "' holds CPU compute; the projection needs a GPU's results "
+                                     "file (a dp_bench --json of a run on a GPU)");
+    in.model = j.at("model").get<std::string>();
+    in.params = j.at("params").get<int64_t>();
     // Each run read and bounded, named by its place in the file.
     auto read_runs = [&](const char* key, std::vector<RunResult>& out) {
       const nlohmann::json none = nlohmann::json::array();
@@ -735,16 +775,24 @@ ProjectionInput read_projection_file(const std::string& project_from) {
     DP_CHECK(j.contains("runs"), "--project-from '" << project_from << "': no \"runs\"");
     read_runs("runs", in.runs);
     read_runs("compute_runs", in.compute_runs);
-    if (in.runs.empty()) {
-      in.why_not = "--project-from '" + project_from + "' holds no runs";
-      return in;
-    }
-    in.source = project_from + " (" + device + ")";
+    DP_CHECK(!in.runs.empty(),
+             "--project-from '" << project_from << "' holds no runs to project from");
+    in.source = project_from + " (" + device + ", " + in.model + " " +
+                j.value("dtype", std::string("fp32")) + ")";
   } catch (const nlohmann::json::exception& e) {
     DP_THROW("--project-from '" << project_from << "': not a dp_bench JSON report (" << e.what()
                                 << ")");
   }
   return in;
+}
+
+void check_projection_model(const ProjectionInput& in, const std::string& project_from,
+                            const std::string& model, int64_t params) {
+  DP_CHECK(in.model == model && in.params == params,
+           "--project-from '" << project_from << "' holds runs of " << in.model << " (" << in.params
+                              << " parameters), and this run trains " << model << " (" << params
+                              << "): its projection would describe the other model; give a "
+                                 "report of this model, or --project-from off");
 }
 
 ProjectionFrom projection_from(const std::string& project_from) {
@@ -761,7 +809,9 @@ ProjectionInput projection_input(const Header& h, const std::vector<RunResult>& 
       in.why_not = "--project-from off";
       return in;
     case ProjectionFrom::file:
-      return read_projection_file(project_from);
+      in = read_projection_file(project_from);
+      check_projection_model(in, project_from, h.model, h.params);
+      return in;
     case ProjectionFrom::this_machine:
       break;
   }
@@ -812,6 +862,7 @@ nlohmann::json run_to_json(const RunResult& r) {
       {"batch", r.batch},
       {"step_ms", r.step_ms},
       {"repeat_ms", r.repeat_ms},
+      {"from_repeat", r.from_repeat},
       {"step_ms_median", r.step_ms_median()},
       {"step_ms_p90", r.step_ms_p90()},
       {"samples_per_s", r.samples_per_s()},
@@ -864,6 +915,7 @@ RunResult run_from_json(const nlohmann::json& j) {
   r.batch = j.at("batch").get<int64_t>();
   r.step_ms = j.at("step_ms").get<std::vector<double>>();
   r.repeat_ms = j.value("repeat_ms", std::vector<double>{});
+  r.from_repeat = j.value("from_repeat", 0);
   r.phases_ms = j.at("phases_ms").get<std::map<std::string, double>>();
   r.phases_step_ms = j.value("phases_step_ms", 0.0);
   r.param_bytes = j.at("param_bytes").get<int64_t>();

@@ -20,8 +20,11 @@ struct RunResult {
   std::string mode;               // "dp" or "ddp"
   int gpus = 1;                   // devices (DP) or ranks (DDP)
   int64_t batch = 0;              // global batch
-  std::vector<double> step_ms;    // one per timed step (of the last repeat)
+  std::vector<double> step_ms;    // one per timed step (--repeat: of the median repeat)
   std::vector<double> repeat_ms;  // --repeat K >= 2: each repeat's median step, in order
+  // --repeat K >= 2: the repeat (1-based) whose figures these are, all but the median and its
+  // interval: the median repeat (combine_repeats). 0: one run.
+  int from_repeat = 0;
   // The phases of the median step (median_step_phases): each timed phase's time in that step,
   // and "other", the rest of it, so that they add up to phases_step_ms.
   std::map<std::string, double> phases_ms;
@@ -92,9 +95,17 @@ struct RunResult {
 
   // The median over repeats of each repeat's median step (--repeat K >= 2), else over steps.
   double step_ms_median() const;
-  double step_ms_p90() const;  // of the steps (the last repeat's)
+  double step_ms_p90() const;  // of the steps (--repeat: the median repeat's)
   double samples_per_s() const;
 };
+
+// One run's K >= 1 interleaved repeats (in order, each a whole run) as one result: the median
+// repeat's figures (the repeat at the lower median of the repeats' median steps, equal medians
+// in repeat order), so that its p90, phases, losses, bytes and memory all describe one real run
+// whose median step is the reported median (odd K; between the middle two for even K), and
+// repeat_ms, each repeat's median step in order, for the median and its interval. Throws for no
+// repeats or repeats of different runs.
+RunResult combine_repeats(std::vector<RunResult> repeats);
 
 // Step times of a synchronous run from every rank's: `all` holds rank r's `steps` times at
 // [r steps, (r+1) steps). A step ends when its last rank ends: the result is each step's
@@ -222,13 +233,20 @@ std::optional<double> overhead_us_per_device(const std::vector<RunResult>& runs,
 struct ProjectionInput {
   std::vector<RunResult> runs;          // empty: no projection
   std::vector<RunResult> compute_runs;  // 1-device runs at the per-rank batches
-  std::string source;                   // "measured on <gpu>" or "<file> (<gpu>)"
+  std::string source;                   // "measured on <gpu>" or "<file> (<gpu>, <model> <dtype>)"
   std::string why_not;
+  std::string model;  // a results file's: the model its runs trained, and its parameters
+  int64_t params = 0;
 };
-// requires a dp_bench JSON report's path. ensures its runs, or why_not (CPU compute); throws
-// naming the file when it is missing, not a regular file (a FIFO is not waited on) or not such
-// a report. dp_bench calls it before any work (validate) and again for the projection.
+// requires a dp_bench JSON report's path. ensures its runs; throws naming the file when it is
+// missing, not a regular file (a FIFO is not waited on), not such a report, a report of CPU
+// devices, of no runs, or of runs whose figures no GPU run writes (untimed or negative phases
+// among them). dp_bench calls it before any work (validate) and again for the projection.
 ProjectionInput read_projection_file(const std::string& project_from);
+// Throws unless the file's runs trained `model` with `params` parameters: a projection of
+// another model would read as this one's.
+void check_projection_model(const ProjectionInput& in, const std::string& project_from,
+                            const std::string& model, int64_t params);
 // Where --project-from takes the projection's compute from: this machine's runs (the flag
 // empty), nowhere ("off": no projection, no compute runs), or a results file (its path).
 enum class ProjectionFrom { this_machine, off, file };

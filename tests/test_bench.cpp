@@ -171,9 +171,9 @@ TEST_CASE("bench.projection: printed only from GPU compute, else one line saying
     std::ofstream f(file);
     f << bench::to_json(cpu, {one}, none).dump();
   }
-  auto from_cpu = bench::projection_input(cpu, {}, file);
-  CHECK(from_cpu.runs.empty());
-  CHECK(from_cpu.why_not.find("CPU compute") != std::string::npos);
+  CHECK_THROWS_WITH_AS(bench::projection_input(cpu, {}, file),
+                       doctest::Contains("holds CPU compute; the projection needs a GPU's"),
+                       kernels::Error);
   {
     std::ofstream f(file);
     f << "not json";
@@ -193,7 +193,15 @@ TEST_CASE("bench.projection: printed only from GPU compute, else one line saying
         Bad{"step_ms", nlohmann::json::array(), "runs[0].step_ms is empty"},
         Bad{"gpus", 1099511627777, "runs[0].gpus is 1099511627777"},
         Bad{"gpus", 0, "runs[0].gpus is 0"}, Bad{"gpus", "four", "runs[0].gpus is \"four\""},
-        Bad{"bucket_ready_frac", {1e308}, "bucket_ready_frac"}}) {
+        Bad{"bucket_ready_frac", {1e308}, "bucket_ready_frac"},
+        Bad{"phases_ms", nlohmann::json::object(),
+            "runs[0].phases_ms is empty: the run's phases were not timed (--phase-times off)"},
+        Bad{"phases_ms",
+            {{"forward", -30}, {"backward", 50}},
+            "runs[0].phases_ms.forward is -30: a dp_bench report holds [0, "},
+        Bad{"phases_ms",
+            {{"forward", 0}, {"backward", 0}, {"optimizer", 2}},
+            "runs[0].phases_ms: forward + backward is 0 ms"}}) {
     CAPTURE(b.field);
     nlohmann::json j = good;
     j["runs"][0][b.field] = b.value;
@@ -211,7 +219,31 @@ TEST_CASE("bench.projection: printed only from GPU compute, else one line saying
     std::ofstream f(file);
     f << j.dump();
   }
-  CHECK(bench::projection_input(cpu, {}, file).why_not.find("holds no runs") != std::string::npos);
+  CHECK_THROWS_WITH_AS(bench::projection_input(cpu, {}, file),
+                       doctest::Contains("holds no runs to project from"), kernels::Error);
+  // "other" (the step less its timed phases) may fall a little below 0; it is not used.
+  {
+    nlohmann::json j = good;
+    j["runs"][0]["phases_ms"]["other"] = -0.001;
+    std::ofstream f(file);
+    f << j.dump();
+  }
+  CHECK(bench::projection_input(cpu, {}, file).runs.size() == 1);
+  // Another model's runs: refused, naming both.
+  {
+    nlohmann::json j = good;
+    j["model"] = "gpt";
+    j["params"] = 124;
+    std::ofstream f(file);
+    f << j.dump();
+  }
+  bench::Header mlp = cpu;
+  mlp.model = "mlp";
+  mlp.params = 7;
+  CHECK_THROWS_WITH_AS(bench::projection_input(mlp, {}, file),
+                       doctest::Contains("holds runs of gpt (124 parameters), and this run trains "
+                                         "mlp (7): its projection would describe the other model"),
+                       kernels::Error);
   std::remove(file.c_str());
   // off: no projection, said so, whatever the run (a GPU run makes no compute runs for it).
   auto off = bench::projection_input(cpu, {one}, "off");
@@ -1303,6 +1335,43 @@ TEST_CASE("bench.bytes: DDP counts the payload handed to the group, fp32 and bf1
   CHECK(r["bytes_per_step"].get<int64_t>() > r["param_bytes"].get<int64_t>());
 }
 
+TEST_CASE("bench.report: repeats combine into the median repeat's figures") {
+  auto repeat = [](std::vector<double> steps, double phase) {
+    bench::RunResult r;
+    r.mode = "dp";
+    r.gpus = 2;
+    r.step_ms = std::move(steps);
+    r.phases_ms = {{"forward", phase}};
+    r.losses = {static_cast<float>(phase)};
+    r.bytes_per_step = static_cast<int64_t>(phase);
+    return r;
+  };
+  // Medians 5, 3 and 7: the median repeat is the first; its figures, every repeat's median.
+  bench::RunResult r =
+      bench::combine_repeats({repeat({5, 4, 9}, 1), repeat({3, 3, 2}, 2), repeat({7, 100, 6}, 3)});
+  CHECK(r.from_repeat == 1);
+  CHECK(r.repeat_ms == std::vector<double>{5, 3, 7});
+  CHECK(r.phases_ms.at("forward") == 1);
+  CHECK(r.losses == std::vector<float>{1});
+  CHECK(r.bytes_per_step == 1);
+  CHECK(r.step_ms == std::vector<double>{5, 4, 9});
+  CHECK(r.step_ms_median() == 5);
+  // Even K: the lower of the middle two (medians 4, 2, 6, 8: the one of 4); equal medians in
+  // repeat order.
+  CHECK(bench::combine_repeats({repeat({4}, 1), repeat({2}, 2), repeat({6}, 3), repeat({8}, 4)})
+            .from_repeat == 1);
+  CHECK(bench::combine_repeats({repeat({3}, 1), repeat({3}, 2), repeat({3}, 3)}).from_repeat == 2);
+  // One run: its own median, no repeat named.
+  bench::RunResult one = bench::combine_repeats({repeat({2, 1, 9}, 1)});
+  CHECK(one.repeat_ms == std::vector<double>{2});
+  CHECK(one.from_repeat == 0);
+  bench::RunResult other = repeat({1}, 1);
+  other.gpus = 4;
+  CHECK_THROWS_WITH_AS(bench::combine_repeats({repeat({1}, 1), other}),
+                       doctest::Contains("repeat 2 is dp N=4 with 1 steps, repeat 1 dp N=2"),
+                       kernels::Error);
+}
+
 TEST_CASE("bench.cli: --repeat interleaves runs and reports CIs in text, JSON and CSV") {
   std::string json = temp_path("repeat.json"), csv = temp_path("repeat.csv");
   auto [rc, text] = bench_output(
@@ -1319,6 +1388,16 @@ TEST_CASE("bench.cli: --repeat interleaves runs and reports CIs in text, JSON an
   CHECK(j["verdict"].get<std::string>().rfind("mlp, batch 16, 2 devices here", 0) == 0);
   for (auto& r : j["runs"]) {
     REQUIRE(r["repeat_ms"].size() == 3);
+    // The other figures are the median repeat's: its phases add up to its median step (3
+    // steps: the middle one), which is the median of the three repeats' medians.
+    const int from = r["from_repeat"].get<int>();
+    REQUIRE((from >= 1 && from <= 3));
+    CHECK(r["phases_step_ms"].get<double>() == r["repeat_ms"][from - 1].get<double>());
+    CHECK(r["phases_step_ms"].get<double>() == doctest::Approx(r["step_ms_median"].get<double>()));
+    double sum = 0;
+    for (auto& [name, ms] : r["phases_ms"].items())
+      if (name != "reduce_in_backward") sum += ms.get<double>();
+    CHECK(sum == doctest::Approx(r["phases_step_ms"].get<double>()));
     CHECK(r["step_ms_ci95"][0].get<double>() <= r["step_ms_median"].get<double>());
     CHECK(r["step_ms_median"].get<double>() <= r["step_ms_ci95"][1].get<double>());
     if (r["gpus"] == 2) {
@@ -1349,7 +1428,8 @@ TEST_CASE("bench.projection: a range from full overlap to none, from a fixed JSO
   // A GPU report: DP at 1 device and DDP at 4 ranks (batch 256, P = 64 MB, two buckets of 16
   // and 48 MB, ready halfway through backward and at its end), and the per-rank compute runs
   // at batch 64 (N=4: step 20 ms, of which backward 12 ms and optimizer 2 ms) and 32 (N=8).
-  const char* report = R"({"device": "NVIDIA H100 80GB HBM3", "runs": [
+  const char* report = R"({"device": "NVIDIA H100 80GB HBM3", "model": "mlp",
+   "params": 16000000, "runs": [
     {"mode": "dp", "gpus": 1, "batch": 256, "step_ms": [82.0], "param_bytes": 64000000,
      "phases_ms": {"forward": 30, "backward": 50, "optimizer": 2}, "bytes_per_step": 0,
      "bytes_theory": 0, "peak_mem_bytes": [0], "losses": [1.0], "final_loss": 1.0},
@@ -2032,6 +2112,56 @@ TEST_CASE("bench.errors: --project-from is read up front: malformed, a FIFO, bot
   }
   std::remove(bad.c_str());
   std::remove(fifo.c_str());
+}
+
+// A GPU's report projects a CPU run's model: the file's compute, named with its device, model
+// and dtype. A report of another model, or of a run with untimed phases, is refused before any
+// work.
+TEST_CASE("bench.projection: --project-from a GPU report of this model, refused for another") {
+  const std::string json = temp_path("project_from.json");
+  REQUIRE(run_bench("--device cpu --gpus 1 --mode dp --baseline 0 --steps 2 --warmup 1 "
+                    "--batch 8 --json " +
+                    json) == 0);
+  nlohmann::json j = read_json(json);
+  j["device"] = "NVIDIA H100 80GB HBM3";  // as a GPU run writes it
+  auto write = [&](const nlohmann::json& out) {
+    std::ofstream f(json);
+    f << out.dump();
+  };
+  write(j);
+  {
+    auto [rc, text] = bench_output(
+        "--device cpu --gpus 1 --steps 2 --warmup 1 --batch 8 "
+        "--project-from " +
+        json);
+    INFO(text);
+    CHECK(rc == 0);
+    CHECK(text.find("compute " + json + " (NVIDIA H100 80GB HBM3, mlp fp32)") != std::string::npos);
+    CHECK(text.find("NVLink4 N=4") != std::string::npos);
+  }
+  struct Case {
+    std::string args, says;
+  };
+  nlohmann::json untimed = j, small = j;
+  untimed["runs"][0]["phases_ms"] = nlohmann::json::object();
+  small["model"] = "gpt-tiny";  // the same model, another size
+  small["params"] = 5;
+  for (const auto& [file, c] :
+       {std::pair{j, Case{"--model cnn", "' holds runs of mlp ("}},
+        std::pair{untimed, Case{"", "runs[0].phases_ms is empty: the run's phases were not timed"}},
+        std::pair{small, Case{"--model gpt --gpt-config tiny",
+                              "holds runs of gpt-tiny (5 parameters), and this run trains "
+                              "gpt-tiny (842496)"}}}) {
+    CAPTURE(c.args);
+    write(file);
+    auto [rc, text] =
+        bench_output("--device cpu --gpus 1 --steps 200 --project-from " + json + " " + c.args);
+    INFO(text);
+    CHECK(rc != 0);
+    CHECK(text.find(c.says) != std::string::npos);
+    CHECK(text.find("ms/step") == std::string::npos);  // nothing was measured
+  }
+  std::remove(json.c_str());
 }
 
 // The CPU's GEMM kernels are named in the header and the JSON environment; where they are
