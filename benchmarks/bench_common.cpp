@@ -318,6 +318,23 @@ void validate(const Options& o, const Setup& s, const std::vector<int>& counts) 
                               << " (--steps " << o.steps << "); step " << profile_last
                               << " never runs, so the profiler would "
                                  "not stop where asked");
+  DP_CHECK(profile_last < 0 || s.type == DeviceType::cuda,
+           "--profile-steps " << o.profile_steps
+                              << ": it brackets steps for a CUDA profiler (nsys "
+                                 "--capture-range=cudaProfilerApi), and this run is on CPU "
+                                 "devices, which no CUDA profiler sees; drop it, or run on a GPU");
+  // One device reduces nothing and sends no gradient: DP's reduce flags would do nothing.
+  const int most = counts.empty() ? 1 : *std::max_element(counts.begin(), counts.end());
+  DP_CHECK(o.dp_reduce == "star" || most > 1,
+           "--dp-reduce " << o.dp_reduce << " with --gpus " << most
+                          << ": one device has no gradients to reduce; give --gpus 2 or more");
+  DP_CHECK(s.comm_dtype == kernels::DType::f32 || o.mode != "dp" || most > 1,
+           "--comm-dtype " << o.comm_dtype << " with --mode dp --gpus " << most
+                           << ": one device sends no gradients; give --gpus 2 or more (DDP at one "
+                              "rank rounds its bucket as a ring would: --mode ddp)");
+  DP_CHECK(o.timeout_s <= 0 || o.mode != "dp" || (o.workload && o.workload->make_comm_hook),
+           "--timeout with --mode dp: it bounds DDP's rendezvous and collectives (and a "
+           "workload's comm hook under DP), and this DP run has none; give --mode ddp or both");
   DP_CHECK(!o.sweep.empty() || (o.csv_path.empty() && o.chart_path.empty()),
            (o.csv_path.empty() ? "--chart" : "--csv")
                << " writes the sweep's " << (o.csv_path.empty() ? "chart" : "table")
@@ -614,7 +631,7 @@ std::pair<int, int> profile_range(const Options& o) {
   int a = -1, b = -1;
   char c = 0;
   std::istringstream is(o.profile_steps);
-  DP_CHECK((is >> a >> c >> b) && c == ':' && 0 <= a && a <= b,
+  DP_CHECK((is >> a >> c >> b) && c == ':' && 0 <= a && a <= b && (is >> std::ws).eof(),
            "--profile-steps '" << o.profile_steps << "': expected a:b with 0 <= a <= b");
   return {a, b};
 }
@@ -1167,7 +1184,10 @@ int run(const Options& o, int argc, char** argv) {
       compute_runs.push_back(run_dp(per_rank, s, 1, nullptr));
     }
   }
-  Header h = make_header(o, s, max_n);
+  // The most devices a run used at once: a hybrid run's node processes each hold --gpus.
+  int logical = max_n;
+  for (const RunResult& r : runs) logical = std::max(logical, r.gpus);
+  Header h = make_header(o, s, logical);
   ProjectionInput projection = projection_input(h, runs, o.project_from, compute_runs);
   print_table(std::cout, h, runs);
   print_memory_model(std::cout, runs);
@@ -1185,7 +1205,7 @@ int run(const Options& o, int argc, char** argv) {
     std::printf("json: %s\n", o.json_path.c_str());
   }
   if (tracing) {
-    dp::write_chrome_trace(o.trace_path, traces);
+    dp::write_chrome_trace(o.trace_path, traces, "--trace");
     std::printf("trace: %s (open in ui.perfetto.dev or chrome://tracing)\n", o.trace_path.c_str());
   }
   if (!o.sweep.empty()) {

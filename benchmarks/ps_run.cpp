@@ -177,7 +177,7 @@ int run_ps_mode(const Options& o, const Setup& s) {
     dp::TracedRun run{"ps N=" + std::to_string(n), trace.events(), {}};
     for (int w = 0; w <= n; ++w)
       run.track_names[w] = w < n ? "worker " + std::to_string(w) : "server";
-    dp::write_chrome_trace(o.trace_path, {run});
+    dp::write_chrome_trace(o.trace_path, {run}, "--trace");
   }
   return 0;
 }

@@ -1095,8 +1095,10 @@ void print_link_times(std::ostream& os, const std::vector<LinkTime>& times, int 
   for (const LinkTime& t : times)
     os << " " << std::left << std::setw(11) << t.mode << std::right << std::setw(2) << t.gpus
        << "   " << std::fixed << std::setprecision(2) << static_cast<double>(t.bytes) / 1e6
-       << " MB -> " << std::setprecision(2) << t.ms << " ms of the measured " << t.step_ms
-       << " ms step"
+       << " MB -> " << std::setprecision(2) << t.ms
+       << (t.ms > t.step_ms ? " ms, more than the whole measured " : " ms of the measured ")
+       << t.step_ms << " ms step"
+       << (t.ms > t.step_ms ? ": the nodes' link is faster than --link-gbps says" : "")
        << (t.mode == "ddp" || t.mode == "hook" ? " (ring of all ranks: 2(N-1)/N x payload)"
                                                : " (ring of the nodes: 2(M-1)/M x payload)")
        << "\n"

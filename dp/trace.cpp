@@ -50,8 +50,9 @@ std::string chrome_trace(const std::vector<TracedRun>& runs) {
       .dump();
 }
 
-void write_chrome_trace(const std::string& path, const std::vector<TracedRun>& runs) {
-  nn::io::write_output_file(path, chrome_trace(runs) + "\n", "trace");
+void write_chrome_trace(const std::string& path, const std::vector<TracedRun>& runs,
+                        const std::string& what) {
+  nn::io::write_output_file(path, chrome_trace(runs) + "\n", what);
 }
 
 }  // namespace dp

@@ -68,8 +68,10 @@ struct TracedRun {
 // it in ui.perfetto.dev or chrome://tracing.
 std::string chrome_trace(const std::vector<TracedRun>& runs);
 // Writes chrome_trace(runs) to `path` (nn::io::write_output_file: atomic for a regular file,
-// every write, flush and close checked). Throws kernels::Error naming the file and the reason.
-void write_chrome_trace(const std::string& path, const std::vector<TracedRun>& runs);
+// every write, flush and close checked). Throws kernels::Error naming the file and the reason,
+// after `what` (a program passes the flag that named the file, "--trace").
+void write_chrome_trace(const std::string& path, const std::vector<TracedRun>& runs,
+                        const std::string& what = "trace");
 
 // Records one slice on `track` from construction to destruction (no-op for a null trace).
 class TraceScope {

@@ -102,7 +102,8 @@ Run train(const Flags& f, dp::dist::ProcessGroup& pg, Device dev, const dp::data
     kernels::context(dev).synchronize();
     ms.push_back(
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-    (s == 0 ? run.bytes_first : run.bytes_last) = ddp.stats().comm_bytes;
+    run.bytes_last = ddp.stats().comm_bytes;  // one step: the first is the last
+    if (s == 0) run.bytes_first = run.bytes_last;
     kernels::scale(loss, loss, dp::chunk_share(sizes[r], f.batch));
     pg.all_reduce(loss)->wait();  // the global batch's mean loss
     run.losses.push_back(loss.item());
@@ -156,6 +157,11 @@ void print_runs(const Flags& f, const std::vector<Run>& runs, bool replicas) {
         "%s compresses from step %d on (--start-step): these %d steps ran before it, so they "
         "show no compression; give --steps above %d\n",
         runs[1].name.c_str(), f.start_step, f.steps, f.start_step);
+  } else if (runs[1].bytes_last >= runs[0].bytes_last) {  // the hook sent every bucket whole
+    std::printf(
+        "%s compressed no bucket: a bucket of n values is a matrix of about sqrt(n) x sqrt(n), "
+        "and rank %d shrinks none of them enough; give a smaller --rank\n",
+        runs[1].name.c_str(), f.rank);
   } else if (runs[1].bytes_last > 0) {
     const double ratio =
         static_cast<double>(runs[0].bytes_last) / static_cast<double>(runs[1].bytes_last);
@@ -194,8 +200,8 @@ std::vector<Run> train_threaded(const Flags& f) {
       const dp::data::Batch b = dp::data::make_batch(data, s * f.batch, f.batch);
       const dp::StepStats st = engine.train_step(b.images, b.labels);
       ms.push_back(st.ms.total);
-      (s == 0 ? run.bytes_first : run.bytes_last) =
-          hooked ? st.reducer_bytes : (st.devices_used - 1) * engine.parameter_bytes();
+      run.bytes_last = hooked ? st.reducer_bytes : (st.devices_used - 1) * engine.parameter_bytes();
+      if (s == 0) run.bytes_first = run.bytes_last;  // one step: the first is the last
       run.losses.push_back(st.loss);
     }
     std::sort(ms.begin(), ms.end());

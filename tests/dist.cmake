@@ -26,6 +26,20 @@ if(TARGET custom_reducer)
                    $<TARGET_FILE:custom_reducer>)
   set_tests_properties("dist.sample: custom_reducer trains the hook under DP and DDP on one loss curve"
     PROPERTIES TIMEOUT 120 PASS_REGULAR_EXPRESSION "^ *2 [^\n]*\n *2 [^\n]*\n$")
+  # One step: its bytes are both the first and the last (the last read 0, and the summary was
+  # left out); a rank no bucket shrinks by says so instead of "hands 1.0x fewer bytes".
+  add_test(NAME "dist.sample: custom_reducer --steps 1 reports the step's bytes as the last"
+           COMMAND custom_reducer --nproc 2 --steps 1 --start-step 0 --width 16 --batch 8)
+  set_tests_properties("dist.sample: custom_reducer --steps 1 reports the step's bytes as the last"
+    PROPERTIES TIMEOUT 60
+    PASS_REGULAR_EXPRESSION "powersgd-r4 +[0-9.]+ +1296, 1296 .*powersgd-r4 hands 5.0x fewer bytes"
+    FAIL_REGULAR_EXPRESSION ", 0 |DIFFER|custom_reducer: ")
+  add_test(NAME "dist.sample: custom_reducer says when its rank compresses no bucket"
+           COMMAND custom_reducer --nproc 2 --steps 2 --start-step 0 --width 16 --batch 8 --rank 1024)
+  set_tests_properties("dist.sample: custom_reducer says when its rank compresses no bucket"
+    PROPERTIES TIMEOUT 60
+    PASS_REGULAR_EXPRESSION "powersgd-r1024 compressed no bucket: .* rank 1024 shrinks none of them enough; give a smaller --rank"
+    FAIL_REGULAR_EXPRESSION "fewer bytes|DIFFER|custom_reducer: ")
   # A batch whose activations do not fit is refused with the figures before any rank starts (it
   # passed a check of the parameters alone, and the OOM killer took a rank, reported as hung).
   add_test(NAME "dist.sample: custom_reducer refuses activations that do not fit, before any rank"

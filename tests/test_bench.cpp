@@ -1523,8 +1523,10 @@ TEST_CASE("bench.exit: an output that cannot be written is an error naming it") 
       "--device cpu --gpus 2 --mode dp --steps 1 --warmup 0 "
       "--batch 8 --trace /dev/full");
   CHECK(rc2 == 1);
+  INFO(text2);
   CHECK(text2.find("trace: /dev/full") == std::string::npos);
   CHECK(text2.find("No space left on device") != std::string::npos);
+  CHECK(text2.find("--trace") != std::string::npos);  // the flag that named the file
 }
 
 TEST_CASE("bench.ps: --mode ps --gpus 64 runs 64 worker threads, no DDP rank limit applies") {
@@ -1917,6 +1919,9 @@ TEST_CASE("bench.hybrid: 2 node processes x 2 devices and 3 x 1 follow DP on one
   CHECK(a["mode"] == "hybrid");
   CHECK(a["gpus"] == 4);
   CHECK(b["gpus"] == 3);
+  // The header counts every node process's devices (it said "1 CPU devices share" for 3 x 1).
+  CHECK(read_json(two)["logical_devices"] == 4);
+  CHECK(read_json(three)["logical_devices"] == 3);
   const std::vector<double> want = single["losses"];
   for (auto* run : {&a, &b}) {
     const std::vector<double> got = (*run)["losses"];
@@ -1993,8 +1998,8 @@ TEST_CASE("bench.hybrid: nodes that disagree on a flag fail together at once, na
 
 TEST_CASE("bench.link: bytes out of each node and their time, flat DDP against hybrid, hooks") {
   bench::RunResult ddp, hybrid, dp;
-  ddp.mode = "ddp", ddp.gpus = 8, ddp.bytes_per_step = 1000000;
-  hybrid.mode = "hybrid", hybrid.gpus = 8, hybrid.bytes_per_step = 1000000;
+  ddp.mode = "ddp", ddp.gpus = 8, ddp.bytes_per_step = 1000000, ddp.step_ms = {20};
+  hybrid.mode = "hybrid", hybrid.gpus = 8, hybrid.bytes_per_step = 1000000, hybrid.step_ms = {5};
   dp.mode = "dp", dp.gpus = 4, dp.bytes_per_step = 1000000;
   auto t = bench::link_times({ddp, hybrid, dp}, 2, 1.0);
   REQUIRE(t.size() == 2);                   // DP crosses no link
@@ -2005,7 +2010,10 @@ TEST_CASE("bench.link: bytes out of each node and their time, flat DDP against h
   CHECK(bench::link_times({ddp}, 1, 1.0).empty());  // one node: nothing crosses
   std::ostringstream os;
   bench::print_link_times(os, t, 2, 1.0);
-  CHECK(os.str().find("1.75 MB -> 14.00 ms") != std::string::npos);
+  CHECK(os.str().find("1.75 MB -> 14.00 ms of the measured 20.00 ms step") != std::string::npos);
+  // Longer than the step the run measured: the link it crossed was faster than the flag says.
+  CHECK(os.str().find("1.00 MB -> 8.00 ms, more than the whole measured 5.00 ms step: the nodes' "
+                      "link is faster than --link-gbps says") != std::string::npos);
   // A comm hook's runs cross the link with their own payload (taken as all-reduces), over the
   // ring of the ranks (DDP's) or of the nodes (hybrid's); its DP runs cross none.
   bench::RunResult hook = ddp, hybrid_hook = hybrid, dp_hook = dp;
@@ -2221,8 +2229,10 @@ TEST_CASE("bench.environment: the CPU GEMM kernels are named, a generic choice w
 
 // Flags that would do nothing are refused before any work, naming what they need: --csv or
 // --chart without --sweep, a --chart name that is neither .svg nor .png (it was written as SVG
-// whatever the name), --profile-steps ending past --steps (the profiler never stopped), and a
-// --link-gbps too small to mean a link (1e-300 Gbit/s gave an absurd transfer time).
+// whatever the name), --profile-steps ending past --steps (the profiler never stopped), on CPU
+// devices or with text after it, DP's reduce flags at one device, --timeout where DP has no
+// collective, and a --link-gbps too small to mean a link (1e-300 Gbit/s gave an absurd transfer
+// time).
 TEST_CASE("bench.cli: flags that would do nothing are refused, saying what they need") {
   refused("--device cpu --csv " + temp_path("t.csv"),
           "--csv writes the sweep's table: give --sweep too");
@@ -2232,6 +2242,17 @@ TEST_CASE("bench.cli: flags that would do nothing are refused, saying what they 
           "the chart is drawn as SVG or PNG, by the name's ending");
   refused("--device cpu --steps 5 --profile-steps 2:7",
           "--profile-steps 2:7: timed steps are 0 to 4 (--steps 5); step 7 never runs");
+  refused("--device cpu --steps 5 --profile-steps 0:1",
+          "--profile-steps 0:1: it brackets steps for a CUDA profiler (nsys "
+          "--capture-range=cudaProfilerApi), and this run is on CPU devices");
+  refused("--device cpu --steps 5 --profile-steps 0:1:2",
+          "--profile-steps '0:1:2': expected a:b with 0 <= a <= b");
+  refused("--device cpu --gpus 1 --mode both --dp-reduce tree",
+          "--dp-reduce tree with --gpus 1: one device has no gradients to reduce");
+  refused("--device cpu --gpus 1 --mode dp --comm-dtype bf16",
+          "--comm-dtype bf16 with --mode dp --gpus 1: one device sends no gradients");
+  refused("--device cpu --gpus 2 --mode dp --timeout 5",
+          "--timeout with --mode dp: it bounds DDP's rendezvous and collectives");
   refused("--device cpu --link-gbps 1e-300",
           "--link-gbps: 1e-300 is not allowed: give a number in [0.001, 100000]");
 }
