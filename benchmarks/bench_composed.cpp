@@ -82,7 +82,11 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(2, 1000));
   app.add_option("--json", o.json_path, "also write the figures as JSON to this file")
       ->check(dp::cli::output_file(dp::cli::Output::report));
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return dp::cli::parse_exit(app, e);
+  }
   try {
     return run(o);
   } catch (const std::exception& e) {  // no GPU, no memory, a --json that cannot be written

@@ -529,7 +529,11 @@ int main(int argc, char** argv) {
       ->check(dp::cli::whole_number(0, int64_t{1} << 34));
   app.add_option("--json", o.json_path, "also write the figures as JSON to this file")
       ->check(dp::cli::output_file(dp::cli::Output::report));
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return dp::cli::parse_exit(app, e);
+  }
 
   try {
     std::optional<Device> device = pick_device(o.device);

@@ -6,6 +6,7 @@
 #include <CLI/CLI.hpp>
 
 #include "benchmarks/gpt_workload.hpp"
+#include "dp/cli/cli.hpp"
 #include "nn/gpt.hpp"
 #include "nn/llama.hpp"
 
@@ -74,7 +75,7 @@ int parse_and_run(std::shared_ptr<const Workload> workload, int argc, char** arg
           llama ? llama_workload(seq, o.seed) : gpt_workload(o.gpt_config, seq, o.dropout, o.seed));
     }
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    return dp::cli::parse_exit(app, e);
   }
   const char* program = o.workload ? o.workload->name.c_str() : "dp_bench";
   try {

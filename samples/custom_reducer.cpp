@@ -258,7 +258,11 @@ int main(int argc, char** argv) {
       ->check(whole_number(0, 100000));
   app.add_option("--lr", f.lr, "SGD's learning rate")->check(dp::cli::positive_number(10));
   app.add_option("--seed", f.seed, "weights and data");
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return dp::cli::parse_exit(app, e);
+  }
   try {
     if (f.batch < f.nproc)
       throw kernels::Error("--batch " + std::to_string(f.batch) + " leaves ranks of --nproc " +

@@ -213,6 +213,11 @@ kernels::DType activations_dtype(const std::string& activations, const std::stri
   return activations == "bf16" ? kernels::DType::bf16 : kernels::DType::f32;
 }
 
+int parse_exit(const CLI::App& app, const CLI::ParseError& e) {
+  const int code = app.exit(e);  // prints help to stdout, an error to stderr
+  return code == static_cast<int>(CLI::ExitCodes::Success) ? 0 : kUsageExit;
+}
+
 CLI::Validator whole_number(int64_t lo, int64_t hi) {
   return CLI::Validator([lo, hi](std::string& text) { return whole_number_problem(text, lo, hi); },
                         range_text(lo, hi));

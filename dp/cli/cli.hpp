@@ -39,6 +39,15 @@ constexpr int kMaxDevices = 1024;
 //   "--epochs: 'abc' is not a whole number: give one in [1, 100000]"
 CLI::Validator whole_number(int64_t lo, int64_t hi);
 
+// The exit status of a command line CLI11 refused (an unknown flag, a value a validator
+// refused, a missing argument): its message printed by app.exit, then 2, the usage error of
+// getopt and argparse, for every program here (CLI11's own codes, 105-114, told nothing more);
+// 0 for --help. A refusal after parsing (flags that contradict each other, a file that is not
+// there) exits 1 with its message, as any error at run time does.
+//   try { app.parse(argc, argv); } catch (const CLI::ParseError& e) { return parse_exit(app, e); }
+int parse_exit(const CLI::App& app, const CLI::ParseError& e);
+constexpr int kUsageExit = 2;
+
 // On CPU devices, where the GEMM library runs kernels narrower than the CPU's vector
 // instructions (kernels::cpu_blas_kernels), prints one line to stderr, "<program>: warning: ...",
 // saying what to do; in a multi-process run only rank 0 prints it (first_rank_or_alone).
