@@ -194,7 +194,7 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    return dp::cli::parse_exit(app, e);
   }
   try {
     DP_CHECK(!f.max_bytes || f.min_bytes <= *f.max_bytes,
@@ -213,6 +213,7 @@ int main(int argc, char** argv) {
     // What stops DDP's ranks from starting is said before the DP tables run, not after.
     if (f.what != "dp") {
       dp::dist::check_launchable(f.backend, "bench_collectives", f.n);
+      dp::dist::check_backend_devices(f.backend, type, f.n);
       dp::dist::check_local_ranks(f.n, f.max_local_ranks);
     }
     if (type == kernels::DeviceType::cuda)

@@ -996,6 +996,8 @@ int run(const Options& o, int argc, char** argv) {
            "dp, ddp or both for "
                << o.workload->name);
   Setup s = resolve(o);
+  if (o.mode == "ddp" || o.mode == "both")  // said once, before any rank starts
+    dp::dist::check_backend_devices(o.backend, s.type, s.gpus);
   if (o.launch.nnodes > 1) {
     DP_CHECK(o.mode == "ddp" || o.mode == "hybrid",
              "--nnodes " << o.launch.nnodes

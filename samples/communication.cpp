@@ -239,9 +239,15 @@ int main(int argc, char** argv) {
       ->check(whole_number(1, int64_t(1) << 28));
   app.add_option("--reps", f.reps, "timed repetitions (the median is printed)")
       ->check(whole_number(1, 1000));
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return dp::cli::parse_exit(app, e);
+  }
   try {
     if (auto env = dp::dist::worker_env_from_environment()) return run_worker(f, *env);
+    // What every rank would refuse, said once before any starts: no GPU, or NCCL on CPU tensors.
+    dp::dist::check_backend_devices(f.backend, kernels::choose_device_type(f.device), f.nproc);
     // Every rank fills a host vector of --elements floats, and on CPU devices holds four more
     // buffers of about that size (the original, the ring's, the library's and the scratch).
     const int host_buffers = f.device == "cpu" ? 5 : 1;

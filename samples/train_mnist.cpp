@@ -186,7 +186,7 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    return dp::cli::parse_exit(app, e);
   }
   try {
     // What no single flag can check, before any work.
@@ -275,6 +275,7 @@ int main(int argc, char** argv) {
     if (f.mode == "ddp" || hybrid) {
       dp::dist::DdpTrainerOptions t;
       t.backend = f.backend;
+      t.device = f.device;
       t.launch = f.launch;
       t.launch.nproc_per_node = hybrid ? node_procs : f.gpus;
       // The ranks re-run this program; each trains its shard of every global batch.

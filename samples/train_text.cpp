@@ -224,7 +224,11 @@ int main(int argc, char** argv) {
                  "else 60 s to rendezvous and 300 s per collective)")
       ->check(dp::cli::timeout_seconds(604800));
   dp::cli::add_launch_flags(app, f.launch);
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return dp::cli::parse_exit(app, e);
+  }
   if (f.model == "llama") {
     if (gpt_config->count() > 0) {
       std::fprintf(stderr, "train_text: --gpt-config applies to --model gpt, not llama\n");
@@ -292,6 +296,7 @@ int main(int argc, char** argv) {
     if (f.mode == "ddp") {
       dp::dist::DdpTrainerOptions t;
       t.backend = f.backend;
+      t.device = f.device;
       t.launch = f.launch;
       t.launch.nproc_per_node = f.gpus;
       if (std::optional<int> rc = dp::dist::launch_if_parent(t, argc, argv)) return *rc;

@@ -56,6 +56,13 @@ if(TARGET communication)
   add_test(NAME "dist.sample: communication --nproc 3"
            COMMAND communication --nproc 3 --elements 100003 --chunk 4096 --reps 1)
   set_tests_properties("dist.sample: communication --nproc 3" PROPERTIES TIMEOUT 120)
+  # NCCL on CPU tensors: refused once, before any rank starts (each rank said it, after).
+  add_test(NAME "dist.sample: communication refuses --backend nccl on CPU tensors before its ranks"
+           COMMAND communication --nproc 2 --backend nccl --device cpu)
+  set_tests_properties("dist.sample: communication refuses --backend nccl on CPU tensors before its ranks"
+    PROPERTIES TIMEOUT 30
+    PASS_REGULAR_EXPRESSION "--backend nccl: (NCCL needs a CUDA device on every rank|this build has no NCCL)"
+    FAIL_REGULAR_EXPRESSION "launch_workers|rank 0 has its tensors")
   add_test(NAME "dist.sample: communication refuses --nproc 9 in plain words"
            COMMAND communication --nproc 9)
   set_tests_properties("dist.sample: communication refuses --nproc 9 in plain words" PROPERTIES

@@ -2253,6 +2253,17 @@ TEST_CASE("bench.cli: flags that would do nothing are refused, saying what they 
           "--comm-dtype bf16 with --mode dp --gpus 1: one device sends no gradients");
   refused("--device cpu --gpus 2 --mode dp --timeout 5",
           "--timeout with --mode dp: it bounds DDP's rendezvous and collectives");
+  // NCCL on CPU tensors was refused by every rank after the launch ("rank 0 has its tensors on
+  // the CPU", once per rank); now once, before any rank starts.
+  {
+    auto [rc, text] = bench_output("--device cpu --gpus 2 --mode ddp --backend nccl");
+    INFO(text);
+    CHECK(rc == 1);
+    CHECK((text.find("--backend nccl: NCCL needs a CUDA device on every rank, and these ranks' "
+                     "tensors are on the CPU") != std::string::npos ||
+           text.find("--backend nccl: this build has no NCCL") != std::string::npos));
+    CHECK(text.find("launch_workers") == std::string::npos);  // no rank started
+  }
   refused("--device cpu --link-gbps 1e-300",
           "--link-gbps: 1e-300 is not allowed: give a number in [0.001, 100000]");
 }

@@ -24,6 +24,9 @@ std::optional<int> launch_if_parent(const DdpTrainerOptions& o, int argc, char**
   if (worker_env_from_environment()) return std::nullopt;
   check_launchable(o.backend, argc > 0 ? argv[0] : "this program",
                    o.launch.nproc_per_node * o.launch.nnodes);
+  if (!o.device.empty())
+    check_backend_devices(o.backend, kernels::choose_device_type(o.device),
+                          o.launch.nproc_per_node);
   return launch_workers(o.launch, std::vector<std::string>(argv, argv + argc));
 }
 

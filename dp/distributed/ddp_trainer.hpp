@@ -38,6 +38,9 @@ namespace dp::dist {
 struct DdpTrainerOptions {
   std::string backend = "auto";  // mpi is refused: its ranks come from mpirun
   LaunchOptions launch;          // launch.nproc_per_node: ranks on this node
+  // The ranks' --device ("auto", "cpu" or "cuda"): checked against the backend before any rank
+  // starts (check_backend_devices). Empty: not checked here.
+  std::string device;
 };
 
 // In a process started as a worker (RANK etc. set, by us, torchrun, mpirun or Slurm): nullopt,

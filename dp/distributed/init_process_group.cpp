@@ -337,4 +337,21 @@ std::unique_ptr<ProcessGroup> make_gloo_group(const InitOptions& o, const Timeou
 
 }  // namespace
 
+void check_backend_devices(const std::string& backend, kernels::DeviceType type, int local_ranks) {
+  if (backend != "nccl") return;
+  DP_CHECK(nccl_available(),
+           "--backend nccl: this build has no NCCL (CPU-only build); use "
+           "--backend gloo or auto");
+  const int gpus = kernels::cuda_device_count();
+  DP_CHECK(type == kernels::DeviceType::cuda,
+           "--backend nccl: NCCL needs a CUDA device on every rank, and these ranks' tensors are "
+           "on the CPU"
+               << (gpus == 0 ? " (" + kernels::cuda_unavailable_reason() + ")" : std::string())
+               << "; use --backend gloo or auto");
+  DP_CHECK(local_ranks <= gpus,
+           "--backend nccl with " << local_ranks << " ranks on this node and " << gpus
+                                  << " GPU(s): NCCL needs a distinct GPU per rank; use --backend "
+                                     "gloo or auto, which stage CUDA tensors through host memory");
+}
+
 }  // namespace dp::dist

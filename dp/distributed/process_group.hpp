@@ -277,4 +277,10 @@ Timeouts resolve_timeouts(const InitOptions& options);
 // a GPU throws with the reason.
 std::unique_ptr<ProcessGroup> init_process_group(const InitOptions& options);
 
+// For a program about to launch `local_ranks` ranks on this node with their tensors on `type`:
+// throws, before any rank starts, what init_process_group would throw on every rank for an
+// explicit "nccl" (a CPU-only build, CPU tensors, fewer GPUs than ranks), naming --backend and
+// what to use instead. Other backends: nothing.
+void check_backend_devices(const std::string& backend, kernels::DeviceType type, int local_ranks);
+
 }  // namespace dp::dist
