@@ -32,7 +32,15 @@
 // allocates nothing, reads nothing back to the host and can be captured into a CUDA graph (or a
 // CPU device's graph); the rule that makes it true: compose() may use only ops on Vars (no host
 // reads of tensor data, no loops over values), and its structure may depend only on shapes,
-// dtypes and is_training().
+// dtypes and is_training(). Host numbers compose() reads (a temperature, a schedule's value in a
+// member) are part of that structure: the tape keeps the value it was recorded with, and a
+// replay does not see a new one. Keep such a value in a constant or a parameter tensor, or call
+// forget_tapes() after changing it (the next forward records again, allocating).
+//
+// A parameter another module owns and this layer reads through param() (a tied weight: the
+// embedding table used again as the output head) gets gradient here after that module's
+// backward: its gradient-ready hook is held until this layer's backward is done, so DP's and
+// DDP's buckets never send it incomplete.
 //
 // Parameters are the module's own (register_parameter): their gradients add into the flat
 // gradient buffer and the gradient-ready hooks fire after the layer's backward, as for any
@@ -250,6 +258,10 @@ class Tape {
 
   // Whether `m` is called (ag::call) for the first time in this forward.
   bool first_call(const void* m) { return called_.insert(m).second; }
+  bool has_called(const void* m) const { return called_.count(m) > 0; }
+  // The parameters this forward reads (Composed::param), each once, in first-read order.
+  void note_param(Parameter* p) { params_read_.push_back(p); }
+  const std::vector<Parameter*>& params_read() const { return params_read_; }
   bool has_slot(const void* key) const { return named_.count(key) > 0; }
   // The slot of a parameter or constant (one per tensor per tape).
   int slot_of(const void* key, const std::function<int()>& make) {
@@ -314,6 +326,7 @@ class Tape {
   std::deque<Slot> slots_;  // a deque: references to a slot survive new slots
   std::vector<Node> nodes_;
   std::map<const void*, int> named_;
+  std::vector<Parameter*> params_read_;
   std::set<const void*> called_;
   int input_ = -1, output_ = -1;
   bool planned_ = false, seed_direct_ = false;
@@ -840,6 +853,19 @@ inline Var embedding(const Var& table, const Var& ids) {
 // forward (a module keeps one forward's state for its backward).
 inline Var call(Module& child, const Var& x) {
   Tape& t = tape_of(x, "call");
+  if (!t.has_called(&child)) {  // the first call of a recording: a registered descendant?
+    std::function<bool(const Module&)> holds = [&](const Module& m) {
+      for (const auto& [name, c] : m.children())
+        if (c.get() == &child || holds(*c)) return true;
+      return false;
+    };
+    DP_CHECK(holds(t.owner()),
+             "call: " << child.type_name() << " is not a registered child of "
+                      << t.owner().type_name()
+                      << " (its gradients would go to its own buffers, which the model's "
+                         "optimizer, engines and checkpoints never see): register_module it "
+                         "in the constructor");
+  }
   DP_CHECK(t.first_call(&child), "call: " << child.type_name()
                                           << " called twice in one compose() "
                                              "of "
@@ -893,6 +919,7 @@ class Composed : public Module {
       const int s = t.add_slot(ag::Tape::Kind::param, p.compute, true);
       t.slot(s).grad = p.grad;
       t.slot(s).master = p.value;
+      t.note_param(&p);
       return s;
     });
     return t.var(id);
@@ -913,10 +940,14 @@ class Composed : public Module {
                   static_cast<int>(f.activations),
                   f.compute_params.defined() ? f.compute_params.storage().get() : nullptr,
                   input_grad_needed()};
+    // No backward through an older forward: last_ names this forward's tape once it succeeded
+    // (a compose() or replay that throws leaves none, and a cleared tape is never named).
+    last_ = nullptr;
     auto it = tapes_.find(key);
     if (it != tapes_.end()) {
+      Tensor y = it->second->replay(x);
       last_ = it->second.get();
-      return last_->replay(x);
+      return y;
     }
     // A new shape: record (a bounded number of tapes; an engine sees two shapes, the full
     // batch and the last one).
@@ -946,9 +977,48 @@ class Composed : public Module {
     return last_->slot(y.id()).value;
   }
 
+ public:
+  // Drops every recorded tape: the next forward calls compose() again (after a host value it
+  // reads changed; see the top of this file). The next backward needs a forward first.
+  void forget_tapes() {
+    tapes_.clear();
+    last_ = nullptr;
+  }
+
+ protected:
   Tensor backward_impl(const Tensor& dy) override {
-    DP_CHECK(last_ != nullptr, type_name() << "::backward before any forward");
-    return last_->backward(dy);
+    DP_CHECK(last_ != nullptr, type_name() << "::backward with no forward to go back through "
+                                              "(none ran, or the last one threw)");
+    FlatState& f = flat();
+    if (!f.on_grad_ready) return last_->backward(dy);
+    // Another module's parameters read through param() (a tied weight, or a child's weight
+    // used directly) get gradient here after that module's backward fired its hook: held until
+    // this backward is done, then fired (ours fire after this, in run_backward).
+    std::vector<const Parameter*> held;
+    for (const Parameter* p : last_->params_read()) {
+      bool own = false;
+      for (const Parameter& q : own_parameters()) own = own || &q == p;
+      if (!own) held.push_back(p);
+    }
+    for (const Parameter* p : held) ++f.hooks_held[p];
+    auto release = [&](std::vector<const Parameter*>* ready) {
+      for (const Parameter* p : held)
+        if (--f.hooks_held[p] == 0) {
+          f.hooks_held.erase(p);
+          if (ready) ready->push_back(p);
+        }
+    };
+    Tensor dx;
+    try {
+      dx = last_->backward(dy);
+    } catch (...) {
+      release(nullptr);  // nothing fires for a backward that failed
+      throw;
+    }
+    std::vector<const Parameter*> ready;
+    release(&ready);
+    for (const Parameter* p : ready) f.on_grad_ready(*p);
+    return dx;
   }
 
  private:

@@ -45,6 +45,7 @@ class Writer {
 // partial file, and a crash leaves the old file or the new one. Throws naming the file and the
 // reason (a directory, an unwritable folder, a full disk).
 inline void save_checkpoint(Module& m, const std::string& path) {
+  m.require_root("save_checkpoint");
   const std::vector<float> params = m.flat_params().to_host_f32();  // waits for the device
   const std::vector<float> buffers =
       m.flat_buffers().numel() > 0 ? m.flat_buffers().to_host_f32() : std::vector<float>();
@@ -76,6 +77,7 @@ inline void save_checkpoint(Module& m, const std::string& path) {
 // requires m materialised with the structure that saved `path` (same names and shapes, in the
 // same order). ensures m's parameters and buffers hold the saved values (gradients untouched).
 inline void load_checkpoint(Module& m, const std::string& path) {
+  m.require_root("load_checkpoint");
   io::FileReader r(path, "load_checkpoint");
   const detail::CheckpointHeader h = detail::read_checkpoint_header(r);
   const auto want = detail::checkpoint_entries(m);

@@ -82,6 +82,14 @@ inline GradcheckResult gradcheck(Module& m, const Tensor& x, GradcheckOptions o 
   DP_CHECK(x.defined() && x.device() == fs.device,
            "gradcheck: input must live on the module's device " << fs.device);
   DP_CHECK(o.eps > 0.f && o.samples_per_tensor > 0, "gradcheck: eps and samples must be > 0");
+  // A 16-bit copy of the weights (or input) rounds v0 +- eps to v0 or a neighbour 2^-8 away:
+  // the difference then measures the rounding, not the gradient.
+  DP_CHECK(m.compute_dtype() == DType::f32 && x.dtype() != DType::f16 && x.dtype() != DType::bf16,
+           "gradcheck: " << m.type_name() << " computes in " << m.compute_dtype() << " on input "
+                         << x.dtype()
+                         << ", whose spacing (2^-8 relative for bf16) is larger than any useful "
+                            "eps; check the layer in f32 (its gradients' formulas are the same), "
+                            "and compare its 16-bit run against that");
 
   // Saved state, restored by the guard whatever happens.
   struct Restore {
@@ -157,6 +165,7 @@ inline GradcheckResult gradcheck(Module& m, const Tensor& x, GradcheckOptions o 
 
   GradcheckResult res;
   bool any_nonfinite = false;
+  double largest = 0;  // the largest analytic gradient checked
   double worst_raw = 0;
   auto rel_error = [&](double a, double n, double slack) {
     return std::max(0.0, std::fabs(a - n) - slack) /
@@ -178,6 +187,11 @@ inline GradcheckResult gradcheck(Module& m, const Tensor& x, GradcheckOptions o 
       detail::set_element(t, base + i, v0);
       // Steps as taken in f32, which may differ slightly from eps.
       const double hp = static_cast<double>(vp) - v0, hm = v0 - static_cast<double>(vm);
+      DP_CHECK(hp > 0 && hm > 0,
+               "gradcheck " << m.type_name() << ": eps " << o.eps << " is below the f32 spacing at "
+                            << name << "[" << i << "] = " << v0 << " (" << v0 << " +- " << o.eps
+                            << " rounds to " << v0 << " itself): give a larger eps, about "
+                            << std::ldexp(std::max(std::fabs(v0), 1e-30f), -10) << " here");
       double numeric = (lp - lm) / (hp + hm);
       const double a = analytic[i];
       double err = rel_error(a, numeric, noise);
@@ -193,6 +207,7 @@ inline GradcheckResult gradcheck(Module& m, const Tensor& x, GradcheckOptions o 
         }
       }
       ++res.checked;
+      if (std::isfinite(a)) largest = std::max(largest, std::fabs(a));
       const bool finite = std::isfinite(a) && std::isfinite(numeric);
       if (!finite) any_nonfinite = true;
       const double e = finite ? err : INFINITY;
@@ -217,7 +232,10 @@ inline GradcheckResult gradcheck(Module& m, const Tensor& x, GradcheckOptions o 
     check(xw, x_host, 0, dx_host.data(), xw.numel(), "input", ++salt);
   }
 
-  res.ok = !any_nonfinite && res.max_rel_error <= o.tolerance;
+  // The noise allowance grows as 1/eps: beyond tolerance x the largest gradient, it could hide
+  // any error (a 14% wrong gradient passed at eps 1e-6 with "max error 0").
+  const bool resolvable = noise <= o.tolerance * std::max(largest, o.abs_floor);
+  res.ok = !any_nonfinite && res.max_rel_error <= o.tolerance && resolvable;
   char buf[512];
   std::snprintf(buf, sizeof buf,
                 "gradcheck %s %s: max error %.3g at %s (analytic %.6g, numeric %.6g); %lld "
@@ -227,6 +245,14 @@ inline GradcheckResult gradcheck(Module& m, const Tensor& x, GradcheckOptions o 
                 static_cast<long long>(res.checked), static_cast<long long>(res.one_sided),
                 o.tolerance, static_cast<double>(o.eps), noise);
   res.message = buf;
+  if (!resolvable) {
+    std::snprintf(buf, sizeof buf,
+                  "; cannot tell: the loss's f32 rounding allows differences of %.3g at eps %.3g, "
+                  "more than tolerance x the largest gradient (%.3g): give a larger eps (the "
+                  "allowance falls as 1/eps)",
+                  noise, static_cast<double>(o.eps), o.tolerance * std::max(largest, o.abs_floor));
+    res.message += buf;
+  }
   return res;
 }
 

@@ -174,6 +174,14 @@ struct FlatState {
   // Called once a module's backward has finished writing the gradients of its parameters, in
   // backward order (DDP launches bucket all-reduces from here). Null by default.
   std::function<void(const Parameter&)> on_grad_ready;
+  // Parameters whose gradient is not complete when their module's backward ends: a composed
+  // layer that reads another module's parameter through param() (a tied weight) adds into its
+  // gradient after that module's backward, so it holds the hook and fires it after its own
+  // backward, once no enclosing layer still holds it (a count per holder).
+  std::map<const Parameter*, int> hooks_held;
+  // The module materialize() was called on: the tree these buffers hold (a part of it shares
+  // them, and what works on whole buffers must refuse a part: Module::require_root).
+  const void* root = nullptr;
   // Stream of random numbers for stochastic layers (dropout): (rng_key, rng_offset).
   uint64_t rng_key = 0;
   uint64_t rng_offset = 0;
@@ -276,7 +284,8 @@ class Module {
       dx = flat_ && flat_->layer_times && is_training() ? timed(false, impl) : impl();
     }
     if (flat_ && flat_->on_grad_ready)
-      for (auto& p : params_) flat_->on_grad_ready(p);
+      for (auto& p : params_)
+        if (!flat_->hooks_held.count(&p)) flat_->on_grad_ready(p);
     return dx;
   }
 
@@ -449,7 +458,26 @@ class Module {
   Tensor& flat_grads() { return flat().grads; }
   Tensor& flat_buffers() { return flat().buffers; }
 
-  void zero_grad() { kernels::fill(flat().grads, 0.f); }
+  // Zeroes the gradients of this module's parameters (its children's included): the whole flat
+  // buffer at the root, each parameter's view for a part of a larger model.
+  void zero_grad() {
+    if (is_root()) return kernels::fill(flat().grads, 0.f);
+    for (auto& [name, p] : named_parameters()) kernels::fill(p->grad, 0.f);
+  }
+  // Whether materialize() was called on this module (not on a tree that holds it): what works
+  // on the flat buffers works on the whole tree they hold.
+  bool is_root() const { return flat_ != nullptr && flat_->root == this; }
+  // Throws unless is_root(), naming `what` (an optimizer, a checkpoint) and what it would do to
+  // the rest of the model.
+  void require_root(const std::string& what) const {
+    DP_CHECK(flat_ != nullptr,
+             what << ": " << type_name() << " has no storage; call materialize() first");
+    DP_CHECK(is_root(), what << ": " << type_name() << " is a part of a larger model, and " << what
+                             << " works on the flat buffers of the whole model (every parameter "
+                                "of the tree), so it would act on the rest too; give it the model "
+                                "you called materialize() on (per-part learning rates: "
+                                "nn::GroupedAdamW)");
+  }
 
   // A new, unmaterialised module with the same structure and configuration.
   std::shared_ptr<Module> clone_structure() const {
@@ -583,7 +611,22 @@ class Module {
                            << " (a module keeps one forward's state for its backward): register "
                               "one module per use");
     });
+    // Full paths are what checkpoints and training states key by: a name with a dot may meet a
+    // child's path ("lin.weight" beside child "lin"'s "weight"), and the saved file then holds
+    // one key for two tensors (it was written, and refused only at the resume).
+    std::map<std::string, std::string> paths;
+    visit("", [&](const std::string& prefix, Module& m) {
+      auto claim = [&](const std::string& name, const char* what) {
+        auto [it, fresh] = paths.emplace(prefix + name, what);
+        DP_CHECK(fresh, type_name() << ": two tensors share the path '" << prefix + name << "' (a "
+                                    << it->second << " and a " << what
+                                    << "; a name with a dot meets a child's path): rename one");
+      };
+      for (const auto& p : m.params_) claim(p.name, "parameter");
+      for (const auto& b : m.buffers_) claim(b.name, "buffer");
+    });
     auto state = std::make_shared<FlatState>();
+    state->root = this;
     state->device = device;
     state->seed = seed;
     state->rng_key = rng_key_of(seed, static_cast<uint64_t>(device.index));

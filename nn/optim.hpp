@@ -113,8 +113,7 @@ class Optimizer {
  protected:
   // requires m materialised (the optimizer allocates its state on m's device).
   Optimizer(Module& m, float lr) : module_(m), lr_(lr) {
-    DP_CHECK(m.materialized(),
-             "optimizer: " << m.type_name() << " has no storage; call materialize() first");
+    m.require_root("an optimizer");
     scalars_ = Tensor::zeros({kernels::kMaxValues}, DType::f32, m.device());
   }
   // Writes the scalars of step step_count() (lr(), grad_unscale()) into `out` (kMaxValues

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <memory>
 #include <string>
 #include <vector>
@@ -78,10 +79,11 @@ class GroupedAdamW : public AdamW {
              "GroupedAdamW: " << groups.group_of_param.size() << " group indices for "
                               << params.size() << " parameters");
     for (int k = 0; k < n; ++k) {
-      DP_CHECK(groups_[k].lr_scale >= 0.f && groups_[k].weight_decay >= 0.f,
+      DP_CHECK(std::isfinite(groups_[k].lr_scale) && std::isfinite(groups_[k].weight_decay) &&
+                   groups_[k].lr_scale >= 0.f && groups_[k].weight_decay >= 0.f,
                "GroupedAdamW: group " << groups_[k].name << " has lr_scale " << groups_[k].lr_scale
                                       << ", weight_decay " << groups_[k].weight_decay
-                                      << "; both must be >= 0");
+                                      << "; both must be finite and >= 0");
       groups_table_.lr_scale[k] = groups_[k].lr_scale;
       groups_table_.weight_decay[k] = groups_[k].weight_decay;
     }

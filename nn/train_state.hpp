@@ -152,6 +152,7 @@ inline bool is_training_state_head(const std::string& head) {
 inline void save_training_state(const std::string& path, Module& m, Optimizer& opt,
                                 const TrainingProgress& progress,
                                 const OptimizerState& whole_state = {}) {
+  m.require_root("save_training_state");
   io::check_path(path, "save_training_state");
   if (const std::string dir = io::detail::parent_dir(path); !std::filesystem::is_directory(dir)) {
     std::error_code ec;
@@ -309,6 +310,7 @@ inline void check_training_state_settings(const std::string& path,
 // that does not match its hash (a corrupt file).
 inline TrainingProgress load_training_state(const std::string& path, Module& m, Optimizer& opt,
                                             const TrainingProgress& expected, int index = 0) {
+  m.require_root("load_training_state");
   io::FileReader r(path, "load_training_state");
   const std::string where = r.where();
   const safetensors::File file = safetensors::read(r);

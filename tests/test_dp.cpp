@@ -138,6 +138,50 @@ TEST_CASE("dp.equivalence: 1-4 CPU devices follow the single-device run (even an
   }
 }
 
+namespace {
+
+// A tied head (nn/autograd.hpp): the child head's weight read again through param() as the
+// embedding table, so its gradient is complete only after the composed layer's backward.
+class TiedHead : public nn::Composed {
+ public:
+  TiedHead() : head_(register_module("head", std::make_shared<nn::Linear>(4, 6, nn::Bias::no))) {}
+  std::string type_name() const override { return "TiedHead"; }
+
+ protected:
+  Var compose(const Var& ids) override {
+    namespace ag = nn::ag;
+    return ag::call(*head_, ag::tanh(ag::embedding(param(head_->weight()), ids)) * 3.f);
+  }
+  std::shared_ptr<nn::Module> clone_config() const override { return std::make_shared<TiedHead>(); }
+
+ private:
+  std::shared_ptr<nn::Linear> head_;
+};
+
+}  // namespace
+
+// The tied weight's hook fired after the head's backward, before the embedding's share was
+// added, and DP's reduce pulled it incomplete: 2 devices drifted from 1 by 6e-4 to 2e-3,
+// differently each run (a hostile pass). Its hook is now held until the composed backward ends.
+TEST_CASE("dp.tied: a tied weight read through param() reduces whole, 2 devices follow 1") {
+  auto train = [](int devices) {
+    auto m = std::make_shared<TiedHead>();
+    m->materialize(Device::cpu(0), 9);
+    nn::SGD opt(*m, SgdConfig{0.1f});
+    dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, devices));
+    const Tensor ids = Tensor::from_ints({0, 5, 2, 3, 1, 4, 2, 2}, {8});  // (B) -> logits (B, 6)
+    const Tensor labels = Tensor::from_ints({1, 2, 3, 4, 5, 0, 1, 2}, {8});
+    for (int s = 0; s < 3; ++s) engine.train_step(ids, labels);
+    return m->flat_params().to_host_f32();
+  };
+  const std::vector<float> one = train(1);
+  for (int repeat = 0; repeat < 3; ++repeat) {  // the race gave another result each run
+    const std::vector<float> two = train(2);
+    REQUIRE(one.size() == two.size());
+    for (size_t i = 0; i < one.size(); ++i) CHECK(two[i] == doctest::Approx(one[i]).epsilon(1e-5));
+  }
+}
+
 TEST_CASE("dp.loss_grad: the gradient overwrites the output only where backward does not read it") {
   // Linear and Gpt keep their inputs, so a Sequential ending in a Linear gives the loss's
   // gradient the output's memory; Tanh keeps its output, so a model ending in one keeps its own

@@ -26,8 +26,12 @@ int64_t shape_numel(const Shape& s) {
   int64_t n = 1;
   for (int64_t d : s) {
     DP_CHECK(d >= 0, "negative dimension in shape " << shape_str(s));
-    n *= d;
+    if (d == 0) n = 0;  // empty, however large the others
   }
+  if (n == 0) return 0;
+  for (int64_t d : s)  // a product past int64 (2^63) wrapped, to 0 for [2^32, 2^32]
+    DP_CHECK(!__builtin_mul_overflow(n, d, &n),
+             "shape " << shape_str(s) << " has more elements than an int64 counts (2^63)");
   return n;
 }
 
