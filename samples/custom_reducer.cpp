@@ -137,8 +137,10 @@ std::shared_ptr<dp::dist::CommHook> make_hook(const Flags& f) {
 }
 
 // Each run's losses at a few steps, its bytes per step, its median step time and, where the
-// ranks compared their weights, whether they were equal.
-void print_runs(const Flags& f, const std::vector<Run>& runs, bool replicas) {
+// ranks compared their weights, whether they were equal. `same_payload`: both rows count what
+// was handed to the group (DDP), so equal bytes mean the hook compressed no bucket; DP's rows
+// count the star's pulls against every device's hook bucket, which differ even then.
+void print_runs(const Flags& f, const std::vector<Run>& runs, bool replicas, bool same_payload) {
   std::vector<int> at = {0, f.steps / 4, f.steps / 2, 3 * f.steps / 4, f.steps - 1};
   at.erase(std::unique(at.begin(), at.end()), at.end());
   std::printf("%-28s", "reducer");
@@ -157,7 +159,7 @@ void print_runs(const Flags& f, const std::vector<Run>& runs, bool replicas) {
         "%s compresses from step %d on (--start-step): these %d steps ran before it, so they "
         "show no compression; give --steps above %d\n",
         runs[1].name.c_str(), f.start_step, f.steps, f.start_step);
-  } else if (runs[1].bytes_last >= runs[0].bytes_last) {  // the hook sent every bucket whole
+  } else if (same_payload && runs[1].bytes_last == runs[0].bytes_last) {  // every bucket whole
     std::printf(
         "%s compressed no bucket: a bucket of n values is a matrix of about sqrt(n) x sqrt(n), "
         "and rank %d shrinks none of them enough; give a smaller --rank\n",
@@ -230,7 +232,7 @@ int run_worker(const Flags& f) {
               static_cast<long long>(kFeatures), static_cast<long long>(f.width),
               static_cast<long long>(f.width), kClasses, static_cast<long long>(f.batch), f.steps,
               static_cast<double>(f.lr));
-  print_runs(f, runs, true);
+  print_runs(f, runs, true, true);
   if (!ok) std::fprintf(stderr, "custom_reducer: the ranks' weights differ after a run\n");
   return ok ? 0 : 1;
 }
@@ -302,7 +304,7 @@ int main(int argc, char** argv) {
     std::fflush(stdout);  // rank 0's table came through the same terminal
     std::printf("\nDP: %d devices, threads of one process (%s), the same model, data and steps\n",
                 f.nproc, f.device.c_str());
-    print_runs(f, train_threaded(f), false);
+    print_runs(f, train_threaded(f), false, false);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "custom_reducer: %s\n", e.what());
