@@ -211,15 +211,20 @@ class Gpt : public Module {
     Tensor x2 = x.reshape({b, t * c_.dim});
     kernels::add(x2, e.reshape({b, t * c_.dim}), wpe_->value.view(0, {t * c_.dim}));
     // The blocks, each one's last residual sum fused with the next norm (forward_deferred): the
-    // bits of h_->forward, whose backward (stateless) then runs as it is.
+    // bits of h_->forward, run as h's forward (forward_by_parts), whose backward then runs as it
+    // is.
     Tensor skip = drop_->forward(x), delta;
-    for (size_t l = 0; l < h_->size(); ++l) {
-      auto* block = dynamic_cast<GptBlock*>((*h_)[l].get());
-      DP_CHECK(block, "Gpt(" << c_.name << "): h." << l << " is not a GptBlock");
-      Tensor mlp_out;
-      skip = block->forward_deferred(skip, delta, mlp_out);
-      delta = mlp_out;
-    }
+    skip = h_->forward_by_parts([&] {
+      Tensor s = skip;
+      for (size_t l = 0; l < h_->size(); ++l) {
+        auto* block = dynamic_cast<GptBlock*>((*h_)[l].get());
+        DP_CHECK(block, "Gpt(" << c_.name << "): h." << l << " is not a GptBlock");
+        Tensor mlp_out;
+        s = block->forward_deferred(s, delta, mlp_out);
+        delta = mlp_out;
+      }
+      return s;
+    });
     Tensor stream;
     x = ln_f_->forward_add(skip, delta, stream);
     hidden_ = to_compute(x.reshape({b * t, c_.dim}));  // (B T, D)

@@ -245,6 +245,13 @@ class Module {
   Tensor backward(const Tensor& dy) {
     return run_backward([&] { return backward_impl(dy); });
   }
+  // forward() when a parent runs this module's parts itself (Gpt runs h's blocks, each one's last
+  // residual sum fused with the next norm): `impl` computes the output, and it counts as this
+  // module's forward (NVTX, layer times, and the forward its backward goes back through).
+  template <class F>
+  Tensor forward_by_parts(F&& impl) {
+    return run_forward(std::forward<F>(impl));
+  }
 
  protected:
   // forward() around `impl` (a forward_impl, or a layer's fused entry point such as
@@ -265,7 +272,9 @@ class Module {
       kernels::NvtxRange cast("amp/cast_weights");
       kernels::copy(flat_->compute_params, flat_->params);
     }
+    const uint64_t call = ++forwards_begun_;
     Tensor y = flat_->layer_times && is_training() ? timed(true, impl) : impl();
+    forward_done_ = call;
     // 16-bit activations end at the model's output unless set_output(Output::activations): the
     // loss and metrics then read f32 (the backward of the last layer takes the f32 gradient as
     // it is).
@@ -278,11 +287,13 @@ class Module {
   // this module's own parameters.
   template <class F>
   Tensor run_backward(F&& impl) {
+    check_backward_state();
     Tensor dx;
     {
       kernels::NvtxRange r(type_name() + "/backward");
       dx = flat_ && flat_->layer_times && is_training() ? timed(false, impl) : impl();
     }
+    backward_of_ = forwards_begun_;
     if (flat_ && flat_->on_grad_ready)
       for (auto& p : params_)
         if (!flat_->hooks_held.count(&p)) flat_->on_grad_ready(p);
@@ -581,6 +592,22 @@ class Module {
     for (auto& [name, child] : children_) child->set_mode(m);
   }
 
+  // A backward goes back through the last forward, which must have returned, and only once: a
+  // module called twice in one step (weight sharing by reuse) keeps the second call's state, so
+  // the backward of the first call would use it and give wrong gradients, silently.
+  void check_backward_state() const {
+    DP_CHECK(forwards_begun_ > 0,
+             type_name() << "::backward with no forward to go back through: call forward first");
+    DP_CHECK(forward_done_ == forwards_begun_,
+             type_name() << "::backward with no forward to go back through: the last forward "
+                            "threw, and its saved state is incomplete; run forward again");
+    DP_CHECK(backward_of_ != forwards_begun_,
+             type_name() << "::backward a second time through one forward: a module keeps one "
+                            "forward's state, so one called twice in a step (weight sharing by "
+                            "reuse) would give wrong gradients; register one module per use, or "
+                            "read a shared weight through param() in a Composed layer");
+  }
+
   static uint64_t rng_key_of(uint64_t seed, uint64_t index) {
     return kernels::philox::mix_key(seed, 0x5eed, index);
   }
@@ -677,6 +704,9 @@ class Module {
   std::shared_ptr<FlatState> flat_;
   Mode mode_ = Mode::train;
   InputGrad input_grad_ = InputGrad::needed;
+  // Forwards begun, the last one that returned, and the one the last backward went back through
+  // (check_backward_state).
+  uint64_t forwards_begun_ = 0, forward_done_ = 0, backward_of_ = 0;
 };
 
 using ModulePtr = std::shared_ptr<Module>;

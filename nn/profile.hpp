@@ -52,10 +52,9 @@ class LayerProfiler {
   std::vector<Row> rows() const {
     std::vector<Row> out;
     // Appends m's row and its subtree's; m's own time is its time less its children's. A
-    // container whose forward (or backward) its parent bypassed, calling the children itself (Gpt
-    // runs its blocks through GptBlock::forward_deferred, not h.forward), takes its children's
-    // time as its own inclusive time, with none of its own: so the parent's own time is still
-    // only what the parent did.
+    // container whose forward (or backward) its parent bypassed, calling the children itself
+    // without Module::forward_by_parts, takes its children's time as its own inclusive time,
+    // with none of its own: so the parent's own time is still only what the parent did.
     std::function<void(Module&, const std::string&)> walk = [&](Module& m,
                                                                 const std::string& path) {
       const size_t at = out.size();

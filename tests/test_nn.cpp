@@ -208,7 +208,7 @@ TEST_CASE("nn.layers: output shapes") {
         Shape{2, 12});
 }
 
-TEST_CASE("nn.gradients: zero_grad then two backwards accumulate twice the gradient") {
+TEST_CASE("nn.gradients: zero_grad then two steps' backwards accumulate twice the gradient") {
   auto net = materialized(nn::sequential(
       {make_shared<nn::Conv2d>(2, 3, 3, 1, 1), make_shared<nn::BatchNorm2d>(3),
        make_shared<nn::ReLU>(), make_shared<nn::Flatten>(), make_shared<nn::Linear>(48, 4)}));
@@ -218,6 +218,11 @@ TEST_CASE("nn.gradients: zero_grad then two backwards accumulate twice the gradi
   net->forward(x);
   std::vector<float> dx1 = host(net->backward(dy));
   std::vector<float> g1 = host(net->flat_grads());
+  // A second backward needs a forward of its own: a module keeps one forward's state.
+  CHECK(dp_test::error_of([&] {
+          net->backward(dy);
+        }).find("Sequential::backward a second time through one forward") != std::string::npos);
+  net->forward(x);
   std::vector<float> dx2 = host(net->backward(dy));
   std::vector<float> g2 = host(net->flat_grads());
   CHECK(dx1 == dx2);

@@ -892,6 +892,45 @@ TEST_CASE("nn.module: a dotted name that meets a child's path is refused at mate
   CHECK(shape_numel({int64_t(1) << 62, int64_t(1) << 62, 0}) == 0);
 }
 
+// A hand-written layer that runs one child twice kept the second call's state for both
+// backwards: the first call's weight gradient was computed from the second call's input.
+TEST_CASE("nn.module: a module called twice in one step is refused at its second backward") {
+  class Twice : public nn::Module {
+   public:
+    Twice() { lin_ = register_module("lin", std::make_shared<nn::Linear>(3, 3)); }
+    std::string type_name() const override { return "Twice"; }
+
+   protected:
+    Tensor forward_impl(const Tensor& x) override { return lin_->forward(lin_->forward(x)); }
+    Tensor backward_impl(const Tensor& dy) override { return lin_->backward(lin_->backward(dy)); }
+    std::shared_ptr<nn::Module> clone_config() const override { return std::make_shared<Twice>(); }
+
+   private:
+    std::shared_ptr<nn::Linear> lin_;
+  };
+  Twice m;
+  m.materialize(Device::cpu(0), 4);
+  const Tensor x = rnd({2, 3}, 7);
+  Tensor y = m.forward(x);
+  CHECK(dp_test::error_of([&] {
+          m.backward(y);
+        }).find("Linear::backward a second time through one forward") != std::string::npos);
+  // The usual step, and one that runs forward again (a validation pass) before its backward.
+  nn::Linear lin(3, 3);
+  lin.materialize(Device::cpu(0), 4);
+  CHECK(dp_test::error_of([&] {
+          lin.backward(x);
+        }).find("Linear::backward with no forward to go back through") != std::string::npos);
+  for (int step = 0; step < 2; ++step) {
+    lin.forward(x);
+    Tensor out = lin.forward(x);
+    CHECK_NOTHROW(lin.backward(out));
+  }
+  CHECK(dp_test::error_of([&] {
+          lin.backward(x);
+        }).find("Linear::backward a second time through one forward") != std::string::npos);
+}
+
 // gradcheck passed a 14% wrong gradient at eps 1e-6 ("max error 0"): its allowance for the
 // loss's f32 rounding grows as 1/eps. Past tolerance x the largest gradient it cannot tell, and
 // says so; a step that rounds away, and a 16-bit layer, are refused with what to do.

@@ -273,8 +273,8 @@ TEST_CASE("nn.gpt: the MLP's fused fc + GELU and proj backward give the layers' 
 }
 
 TEST_CASE("nn.profile: a GPT's blocks count as h's time, not the model's own") {
-  // Gpt runs its blocks through forward_deferred, bypassing h.forward: the profile still gives h
-  // its blocks' time and leaves the model only its own (embedding sum, LM head).
+  // Gpt runs its blocks through forward_deferred, as h's forward (forward_by_parts): the profile
+  // gives h its blocks' time and leaves the model only its own (embedding sum, LM head).
   auto net = materialized(nn::gpt(micro_config()), 3);
   Tensor ids = token_ids({2, 6}, 11, 9);
   std::vector<nn::LayerProfiler::Row> rows;
@@ -298,11 +298,10 @@ TEST_CASE("nn.profile: a GPT's blocks count as h's time, not the model's own") {
       children_fwd += r.forward_ms;
   }
   REQUIRE(h != nullptr);
-  CHECK(h->forwards == 0);  // bypassed
+  CHECK(h->forwards == 2);  // forward_by_parts
   CHECK(h->backwards == 2);
-  CHECK(h->forward_ms > 0);
-  CHECK(h->forward_ms == doctest::Approx(blocks_fwd));
-  CHECK(h->self_forward_ms == 0);
+  CHECK(h->forward_ms >= blocks_fwd);
+  CHECK(h->self_forward_ms >= 0);
   CHECK(h->backward_ms >= blocks_bwd);
   CHECK(rows[0].self_forward_ms == doctest::Approx(rows[0].forward_ms - children_fwd));
   CHECK(rows[0].self_forward_ms < rows[0].forward_ms - blocks_fwd + 1e-9);
