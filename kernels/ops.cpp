@@ -153,6 +153,17 @@ Tensor cast(const Tensor& x, DType dtype) {
 
 void fill(Tensor& y, float value) {
   check_defined("fill", y, "y");
+  // An integer dtype takes whole values it can hold (the cast of NaN or 3e9 is undefined).
+  if (!is_floating(y.dtype())) {
+    const double lo = y.dtype() == DType::u8    ? 0.0
+                      : y.dtype() == DType::i32 ? -2147483648.0
+                                                : -9223372036854775808.0;
+    const double end = y.dtype() == DType::u8    ? 256.0
+                       : y.dtype() == DType::i32 ? 2147483648.0
+                                                 : 9223372036854775808.0;
+    DP_CHECK(std::isfinite(value) && std::trunc(value) == value && value >= lo && value < end,
+             "fill: " << value << " is not a whole value that y " << y << " can hold");
+  }
   if (y.numel() == 0) return;
   // A zero (but -0.f) is all-zero bytes in every dtype: a memset, which on a CPU writes the
   // lines without reading them first (twice the speed of a loop of stores on a replica's 1 MiB
@@ -310,6 +321,9 @@ void check_gemm(const char* op, const Tensor& c, const Tensor& a, Transpose ta, 
 void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose tb, float alpha,
           float beta, const Tensor& bias) {
   check_gemm("gemm", c, a, ta, b, tb, bias);
+  // c is written while a and b are read (c = a a gave 7 22 33 742 for 7 10 15 22).
+  check_disjoint("gemm", {"c", c}, {"a", a});
+  check_disjoint("gemm", {"c", c}, {"b", b});
   if (c.numel() == 0) return;
   DP_DISPATCH(c.device(), gemm, c, a, ta, b, tb, alpha, beta, bias);
 }
@@ -621,6 +635,8 @@ void weighted_sum(Tensor& y, Scalar y_weight, const std::vector<Tensor>& xs,
     DP_CHECK(direct_access(y.device(), xs[k].device()),
              op << ": " << y.device() << " cannot read source " << k << " on " << xs[k].device()
                 << " directly (stage it first)");
+    // y is scaled, then each source added into it: a source in y's memory would be read scaled.
+    check_disjoint(op, {"y", y}, {"a source", xs[k]});
   }
   DP_DISPATCH(y.device(), weighted_sum, y, y_weight, xs, weights);
 }

@@ -377,9 +377,11 @@ struct Pool2dParams {
 };
 // requires x (N, C, H, W), y (N, C, P, Q), f32, f16 or bf16 (16-bit activations above; a
 // backward adds its windows into a 16-bit dx in f32 and rounds once). Padding never wins a max;
-// average pooling counts the padding in the divisor (PyTorch's count_include_pad=True).
+// a NaN in a window is its max (PyTorch's rule); average pooling counts the padding in the divisor
+// (PyTorch's count_include_pad=True).
 void max_pool2d_forward(Tensor& y, const Tensor& x, const Pool2dParams& p);
-// Takes the forward x and y; the gradient goes to the first maximum of each window.
+// Takes the forward x and y; the gradient goes to the first maximum of each window (its first
+// NaN where the max is NaN).
 void max_pool2d_backward(Tensor& dx, const Tensor& dy, const Tensor& x, const Tensor& y,
                          const Pool2dParams& p, Accumulate acc);
 void avg_pool2d_forward(Tensor& y, const Tensor& x, const Pool2dParams& p);
@@ -434,8 +436,9 @@ void layer_norm_backward_add(Tensor& dx, Tensor& dgamma, Tensor& dbeta, const Te
 // Activations and their gradients may each be f32, f16 or bf16 (one 16-bit dtype per call):
 // f32 arithmetic (double statistics on the CPU), each 16-bit output rounded once.
 
-// RMSNorm over the last dim. requires x, y (M, D); gamma (D) f32; save_rstd (M) f32; eps > 0.
-// ensures y = x rstd gamma with rstd = 1 / sqrt(mean_j x_j^2 + eps), saved per row.
+// RMSNorm over the last dim. requires x, y (M, D); gamma (D) f32; save_rstd (M) f32; eps >= 0 (0,
+// as PyTorch allows, gives NaN on an all-zero row). ensures y = x rstd gamma with rstd = 1 /
+// sqrt(mean_j x_j^2 + eps), saved per row.
 void rms_norm_forward(Tensor& y, Tensor& save_rstd, const Tensor& x, const Tensor& gamma,
                       float eps);
 // requires as rms_norm_forward, dx and dy like x, dgamma (D) f32. ensures, with g = dy gamma,

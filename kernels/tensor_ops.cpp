@@ -186,7 +186,7 @@ Shape broadcast_shape(const Shape& a, const Shape& b) {
 }
 
 void unary(Tensor& y, const Tensor& x, UnaryOp op, UnaryParams p) {
-  check_args("unary", {{"y", y}, {"x", x}});
+  check_args("unary", {{"x", x}, {"y", y}});  // inputs first: y is often made from x
   check_same_shape(unary_name(op), {"x", x}, {"y", y});
   if (y.numel() == 0) return;
   DP_DISPATCH(y.device(), unary, y, x, op, p);
@@ -194,7 +194,7 @@ void unary(Tensor& y, const Tensor& x, UnaryOp op, UnaryParams p) {
 
 void unary_backward(Tensor& dx, const Tensor& dy, const Tensor& x, const Tensor& y, UnaryOp op,
                     UnaryParams p, Accumulate acc) {
-  check_args("unary_backward", {{"dx", dx}, {"dy", dy}, {"x", x}, {"y", y}});
+  check_args("unary_backward", {{"dy", dy}, {"x", x}, {"y", y}, {"dx", dx}});
   check_same_shape(unary_name(op), {"x", x}, {"dx", dx});
   check_same_shape(unary_name(op), {"x", x}, {"dy", dy});
   check_same_shape(unary_name(op), {"x", x}, {"y", y});
@@ -230,7 +230,7 @@ void binary_backward(Tensor& d, Operand which, const Tensor& dy, const Tensor& a
 }
 
 void where(Tensor& y, const Tensor& mask, const Tensor& a, const Tensor& b) {
-  check_args("where", {{"y", y}, {"mask", mask}, {"a", a}, {"b", b}});
+  check_args("where", {{"mask", mask}, {"a", a}, {"b", b}, {"y", y}});
   const Shape out = broadcast_shape(broadcast_shape(mask.shape(), a.shape()), b.shape());
   check_broadcast_out("where", {"y", y}, out);
   if (y.numel() == 0) return;
@@ -241,7 +241,7 @@ void where(Tensor& y, const Tensor& mask, const Tensor& a, const Tensor& b) {
 
 void where_backward(Tensor& d, Operand which, const Tensor& dy, const Tensor& mask,
                     Accumulate acc) {
-  check_args("where_backward", {{"d", d}, {"dy", dy}, {"mask", mask}});
+  check_args("where_backward", {{"dy", dy}, {"mask", mask}, {"d", d}});
   // d's shape broadcasts to dy's, as its operand's did.
   check_broadcast_out("where_backward", {"dy", dy}, broadcast_shape(d.shape(), dy.shape()));
   check_broadcast_out("where_backward", {"dy", dy}, broadcast_shape(mask.shape(), dy.shape()));

@@ -89,6 +89,17 @@ TEST_CASE("kernels.fill: zero over old values in every dtype, -0.f keeps its sig
   Tensor mid = ints.view(1, {2});
   fill(mid, 0.f);
   CHECK(ints.to_host_i32() == std::vector<int32_t>{7, 0, 0, 7});
+  // An integer dtype takes whole values it holds: the cast of NaN or 3e9 gave INT_MIN.
+  fill(mid, -2147483648.f);
+  CHECK(ints.to_host_i32() == std::vector<int32_t>{7, INT32_MIN, INT32_MIN, 7});
+  for (float bad : {NAN, 3e9f, 2.5f, INFINITY})
+    CHECK(dp_test::error_of([&] {
+            fill(mid, bad);
+          }).find("is not a whole value that y Tensor(i32") != std::string::npos);
+  Tensor bytes = Tensor::zeros({2}, DType::u8, Device::cpu());
+  CHECK(dp_test::error_of([&] { fill(bytes, 256.f); }).find("is not a whole value") !=
+        std::string::npos);
+  CHECK(ints.to_host_i32() == std::vector<int32_t>{7, INT32_MIN, INT32_MIN, 7});
   Tensor t = Tensor::from_vector({1.f, 1.f, 1.f}, {3});
   fill(t, -0.f);
   for (float v : t.to_host_f32()) CHECK((v == 0.f && std::signbit(v)));
@@ -749,6 +760,28 @@ TEST_CASE("kernels.errors: wrong dtypes and devices") {
   kernels::fill(other, 1.f);
   add(o2, other, other);
   CHECK(o2.to_host_f32() == std::vector<float>(6, 2.f));
+}
+
+// Written while read: gemm's c = a a gave 7 22 33 742 for 7 10 15 22, and weighted_sum with y
+// among its sources read y scaled. Both are refused; disjoint views of one buffer are not.
+TEST_CASE("kernels.errors: an output sharing memory with gemm's or weighted_sum's inputs") {
+  Tensor a = Tensor::from_vector({1.f, 2.f, 3.f, 4.f}, {2, 2});
+  CHECK(dp_test::error_of([&] {
+          gemm(a, a, Transpose::no, a, Transpose::no);
+        }).find("gemm: c and a share memory") != std::string::npos);
+  Tensor both = Tensor::zeros({8}, DType::f32, Device::cpu());
+  Tensor lo = both.view(0, {2, 2}), hi = both.view(4, {2, 2});
+  CHECK(dp_test::error_of([&] {
+          gemm(hi, a, Transpose::no, hi, Transpose::no);
+        }).find("gemm: c and b share memory") != std::string::npos);
+  kernels::copy(lo, a);
+  gemm(hi, lo, Transpose::no, lo, Transpose::no);
+  CHECK(hi.to_host_f32() == std::vector<float>{7.f, 10.f, 15.f, 22.f});
+  Tensor y = Tensor::from_vector({1.f, 2.f, 3.f}, {3});
+  CHECK(dp_test::error_of([&] {
+          weighted_sum(y, 1.f, {y, y}, {1.f, 2.f});
+        }).find("weighted_sum: y and a source share memory") != std::string::npos);
+  CHECK(y.to_host_f32() == std::vector<float>{1.f, 2.f, 3.f});
 }
 
 TEST_CASE("kernels.weighted_sum: y = w0 y + sum w_k x_k against double, f32 and bf16 sources") {

@@ -328,8 +328,9 @@ TEST_CASE("kernels.max_pool2d: forward and backward, padding never wins") {
   max_pool2d_forward(y, x, Pool2dParams{});
   max_pool2d_backward(dx, filled({1, 1, 1, 1}, 5.f), x, y, Pool2dParams{}, Accumulate::no);
   CHECK(dx.to_host_f32() == std::vector<float>{5.f, 0.f, 0.f, 0.f});
-  // A window's max is taken in its order: a NaN counts only as its first element, and of +0 and
-  // -0 the first is kept (the 2x2 path visits the generic window's elements in the same order).
+  // A NaN anywhere in a window is its max (PyTorch's rule; a scan of std::max kept it only as
+  // the first element), and its first NaN gets the gradient; of +0 and -0 the first is kept (the
+  // 2x2 path visits the generic window's elements in the same order).
   const float nan = std::numeric_limits<float>::quiet_NaN();
   Tensor xs = tensor({1.f, nan, 0.f, 2.f, nan, 3.f, -0.f, 0.f,  //
                       1.f, 1.f, -0.f, 0.f, 0.f, -0.f, 0.f, -0.f},
@@ -337,14 +338,21 @@ TEST_CASE("kernels.max_pool2d: forward and backward, padding never wins") {
   Tensor ys = zeros({1, 1, 1, 4}), dxs = zeros({1, 1, 2, 8});
   max_pool2d_forward(ys, xs, Pool2dParams{});
   std::vector<float> got = ys.to_host_f32();
-  CHECK(got[0] == 1.f);
+  CHECK(std::isnan(got[0]));
   CHECK(got[1] == 2.f);
   CHECK(std::isnan(got[2]));
   CHECK((got[3] == 0.f && std::signbit(got[3])));
   max_pool2d_backward(dxs, filled({1, 1, 1, 4}, 5.f), xs, ys, Pool2dParams{}, Accumulate::no);
-  // Window 2's max is NaN, equal to nothing: its gradient goes nowhere.
-  CHECK(dxs.to_host_f32() == std::vector<float>{5.f, 0.f, 0.f, 5.f, 0.f, 0.f, 5.f, 0.f,  //
+  CHECK(dxs.to_host_f32() == std::vector<float>{0.f, 5.f, 0.f, 5.f, 5.f, 0.f, 5.f, 0.f,  //
                                                 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f});
+  // The generic window (3x3, stride 1) alike: two NaNs, the first takes the gradient.
+  Tensor xg = tensor({4.f, 1.f, 2.f, 3.f, nan, 9.f, 0.f, nan, 5.f}, {1, 1, 3, 3});
+  Tensor yg = zeros({1, 1, 1, 1}), dxg = zeros({1, 1, 3, 3});
+  max_pool2d_forward(yg, xg, pool_params(3, 3, 1, 1, 0, 0));
+  CHECK(std::isnan(yg.to_host_f32()[0]));
+  max_pool2d_backward(dxg, filled({1, 1, 1, 1}, 5.f), xg, yg, pool_params(3, 3, 1, 1, 0, 0),
+                      Accumulate::no);
+  CHECK(dxg.to_host_f32() == std::vector<float>{0.f, 0.f, 0.f, 0.f, 5.f, 0.f, 0.f, 0.f, 0.f});
 }
 
 TEST_CASE("kernels.avg_pool2d: forward and backward count the padding") {

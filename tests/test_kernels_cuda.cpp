@@ -862,6 +862,20 @@ TEST_CASE("kernels.cuda.conv2d: f16 and bf16 inputs match CPU (f32 or 16-bit out
 
 TEST_CASE("kernels.cuda.pool2d: max and average pooling match CPU (ties, overlap, padding)") {
   DP_REQUIRE_GPU();
+  {
+    // A NaN in a window is its max, and its first NaN takes the gradient, as on the CPU.
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    const std::vector<float> xv = {1.f, nan, 0.f, 2.f, 4.f, 3.f, 1.f, 0.5f};  // two 2x2 windows
+    Tensor x = Tensor::from_vector(xv, {1, 1, 2, 4}, Device::cuda(0));
+    Tensor y = zeros(Device::cuda(0), {1, 1, 1, 2}), dx = zeros(Device::cuda(0), {1, 1, 2, 4});
+    max_pool2d_forward(y, x, Pool2dParams{});
+    max_pool2d_backward(dx, full(Device::cuda(0), {1, 1, 1, 2}, 5.f), x, y, Pool2dParams{},
+                        Accumulate::no);
+    const std::vector<float> ys = y.to_host_f32();
+    CHECK(std::isnan(ys[0]));
+    CHECK(ys[1] == 2.f);
+    CHECK(dx.to_host_f32() == std::vector<float>{0.f, 5.f, 0.f, 5.f, 0.f, 0.f, 0.f, 0.f});
+  }
   std::vector<std::pair<Shape, Pool2dParams>> cases = {
       {{2, 3, 8, 8}, {2, 2, 2, 2, 0, 0}},
       {{2, 3, 9, 7}, {3, 3, 2, 2, 1, 1}},  // overlapping windows, padding

@@ -343,4 +343,10 @@ TEST_CASE("kernels.tensor_ops: bad shapes, dims and views are refused by name") 
          g = Tensor::empty({2, 3}, DType::bf16, Device::cpu());
   CHECK(dp_test::error_of([&] { unary(h, g, UnaryOp::exp); }).find("mix f16 and bf16") !=
         std::string::npos);
+  // An integer input names the input, not the output made in its dtype.
+  Tensor ids = Tensor::empty({2, 3}, DType::i32, Device::cpu()),
+         out = Tensor::empty({2, 3}, DType::i32, Device::cpu());
+  CHECK(dp_test::error_of([&] {
+          unary(out, ids, UnaryOp::exp);
+        }).find("unary: x must be f32, f16 or bf16, got") != std::string::npos);
 }

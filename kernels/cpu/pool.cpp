@@ -2,6 +2,7 @@
 // in parallel; within a plane the windows are visited in order, so overlapping windows add their
 // gradients deterministically.
 #include <algorithm>
+#include <cmath>
 #include <type_traits>
 #include <vector>
 
@@ -11,6 +12,16 @@
 namespace kernels::cpu {
 
 namespace {
+
+// Max pooling's maximum propagates NaN, as PyTorch's does: the window's first NaN wins (a scan of
+// std::max kept a NaN only where it came first). The backward's "equal to the maximum" then
+// counts a NaN as equal to a NaN, so the first NaN gets the window's gradient.
+inline float max_or_nan(float best, float v) {
+  return v > best || (std::isnan(v) && !std::isnan(best)) ? v : best;
+}
+inline bool is_maximum(float v, float best) {
+  return v == best || (std::isnan(v) && std::isnan(best));
+}
 
 struct Window {
   int64_t h_begin, h_end, w_begin, w_end;  // clipped to the input: padding is never visited
@@ -95,7 +106,7 @@ void pool_forward(Tensor& y, const Tensor& x, const PoolGeometry& g, WindowValue
 
 void max_pool2d_forward(Tensor& y, const Tensor& x, const Pool2dParams& p) {
   PoolGeometry g = geometry(x, y, p);
-  if (g.is_2x2()) {  // the generic window's max below, in its order (a NaN wins only first)
+  if (g.is_2x2()) {  // the generic window's max below, in its order
     with_storage(
         [&](auto y_t, auto x_t) {
           const auto* px = x.data<decltype(x_t)>();
@@ -107,9 +118,9 @@ void max_pool2d_forward(Tensor& y, const Tensor& x, const Pool2dParams& p) {
               auto* out = py + plane * g.out_plane() + oh * g.out_w;
               for (int64_t ow = 0; ow < g.out_w; ++ow) {
                 float best = load_f32(r0[2 * ow]);
-                best = std::max(best, load_f32(r0[2 * ow + 1]));
-                best = std::max(best, load_f32(r1[2 * ow]));
-                best = std::max(best, load_f32(r1[2 * ow + 1]));
+                best = max_or_nan(best, load_f32(r0[2 * ow + 1]));
+                best = max_or_nan(best, load_f32(r1[2 * ow]));
+                best = max_or_nan(best, load_f32(r1[2 * ow + 1]));
                 store_rounded(out[ow], best);
               }
             }
@@ -122,7 +133,7 @@ void max_pool2d_forward(Tensor& y, const Tensor& x, const Pool2dParams& p) {
     float best = load_f32(in[win.h_begin * g.width + win.w_begin]);
     for (int64_t h = win.h_begin; h < win.h_end; ++h)
       for (int64_t w = win.w_begin; w < win.w_end; ++w)
-        best = std::max(best, load_f32(in[h * g.width + w]));
+        best = max_or_nan(best, load_f32(in[h * g.width + w]));
     return best;
   });
 }
@@ -146,10 +157,11 @@ void max_pool2d_backward(Tensor& dx, const Tensor& dy, const Tensor& x, const Te
                 const int64_t o = plane * g.out_plane() + oh * g.out_w + ow;
                 const int64_t at = 2 * oh * g.width + 2 * ow;
                 const float best = load_f32(py[o]);
-                int64_t argmax = load_f32(in[at + g.width + 1]) == best ? at + g.width + 1 : -1;
-                argmax = load_f32(in[at + g.width]) == best ? at + g.width : argmax;
-                argmax = load_f32(in[at + 1]) == best ? at + 1 : argmax;
-                argmax = load_f32(in[at]) == best ? at : argmax;
+                int64_t argmax =
+                    is_maximum(load_f32(in[at + g.width + 1]), best) ? at + g.width + 1 : -1;
+                argmax = is_maximum(load_f32(in[at + g.width]), best) ? at + g.width : argmax;
+                argmax = is_maximum(load_f32(in[at + 1]), best) ? at + 1 : argmax;
+                argmax = is_maximum(load_f32(in[at]), best) ? at : argmax;
                 if (argmax >= 0) din[argmax] += load_f32(pdy[o]);
               }
           } else {
@@ -164,7 +176,9 @@ void max_pool2d_backward(Tensor& dx, const Tensor& dy, const Tensor& x, const Te
                 for (int64_t h = win.h_end - 1; h >= win.h_begin; --h)
                   for (int64_t w = win.w_end - 1; w >= win.w_begin; --w) {
                     const int64_t at = h * g.width + w;
-                    argmax = load_f32(in[at]) == best ? at : argmax;  // the last seen is the first
+                    argmax = is_maximum(load_f32(in[at]), best)
+                                 ? at
+                                 : argmax;  // the last seen is the first
                   }
                 if (argmax >= 0) din[argmax] += load_f32(pdy[o]);
               }

@@ -370,7 +370,8 @@ __device__ float window_max(const T* plane, const PoolGeometry& g, int64_t oh, i
       int64_t w = ow * g.sw - g.pw + c;
       if (w < 0 || w >= g.width) continue;
       float v = to_float(plane[h * g.width + w]);
-      if (!any || v > best) best = v;
+      // NaN propagates, the first one winning (the CPU's max_or_nan).
+      if (!any || v > best || (isnan(v) && !isnan(best))) best = v;
       any = true;
     }
   }
@@ -378,7 +379,7 @@ __device__ float window_max(const T* plane, const PoolGeometry& g, int64_t oh, i
 }
 
 // Offset in the plane of the first element of window (oh, ow), in row-major window order,
-// equal to the forward maximum `target`; -1 if none is (a NaN maximum).
+// equal to the forward maximum `target` (a NaN equal to a NaN); -1 if none is.
 template <class T>
 __device__ int64_t window_first_equal(const T* plane, const PoolGeometry& g, int64_t oh, int64_t ow,
                                       float target) {
@@ -387,8 +388,9 @@ __device__ int64_t window_first_equal(const T* plane, const PoolGeometry& g, int
     if (h < 0 || h >= g.height) continue;
     for (int c = 0; c < g.kw; ++c) {
       int64_t w = ow * g.sw - g.pw + c;
-      if (w >= 0 && w < g.width && to_float(plane[h * g.width + w]) == target)
-        return h * g.width + w;
+      if (w < 0 || w >= g.width) continue;
+      const float v = to_float(plane[h * g.width + w]);
+      if (v == target || (isnan(v) && isnan(target))) return h * g.width + w;
     }
   }
   return -1;
