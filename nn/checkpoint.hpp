@@ -101,7 +101,10 @@ inline void load_checkpoint(Module& m, const std::string& path) {
                static_cast<int64_t>(h.n_buffers) == m.flat_buffers().numel(),
            r.where() << ": the file holds " << h.n_params << " parameter and " << h.n_buffers
                      << " buffer elements, the module " << m.flat_params().numel() << " and "
-                     << m.flat_buffers().numel());
+                     << m.flat_buffers().numel()
+                     << " (flat buffers, alignment gaps included: every tensor's name and shape "
+                        "match, so the file's layout differs; it was written by another "
+                        "version, or is damaged)");
   std::vector<float> params, buffers;
   detail::read_checkpoint_data(r, h, params, buffers);
   const uint64_t n_buffers = h.n_buffers;

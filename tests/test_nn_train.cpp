@@ -2,6 +2,7 @@
 // replicas, flat buffer layout, checkpoints, model zoo.
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <memory>
 
@@ -400,6 +401,17 @@ TEST_CASE("nn.checkpoint: corrupt, truncated and mismatched files give clear err
                        kernels::Error);
   write("not a checkpoint at all");
   CHECK_THROWS_WITH_AS(nn::load_checkpoint(*b, path), doctest::Contains("magic"), kernels::Error);
+  // One parameter element counted as a buffer's (the data's size unchanged): every tensor
+  // matches, the flat layout does not.
+  std::string moved = bytes;
+  uint64_t counts[2];  // parameter and buffer elements, after the magic, version and entry count
+  std::memcpy(counts, moved.data() + 16, sizeof counts);
+  --counts[0], ++counts[1];
+  std::memcpy(&moved[16], counts, sizeof counts);
+  write(moved);
+  CHECK_THROWS_WITH_AS(nn::load_checkpoint(*b, path),
+                       doctest::Contains("alignment gaps included: every tensor's name and shape"),
+                       kernels::Error);
   CHECK(host(b->flat_params()) != host(a->flat_params()));  // failed loads change nothing
 
   write(bytes);
