@@ -136,22 +136,22 @@ std::shared_ptr<dp::dist::CommHook> make_hook(const Flags& f) {
   return std::make_shared<samples::LowRankHook>(lo);
 }
 
-// Each run's losses at a few steps, its bytes per step, its median step time and, where the
-// ranks compared their weights, whether they were equal. `same_payload`: both rows count what
-// was handed to the group (DDP), so equal bytes mean the hook compressed no bucket; DP's rows
-// count the star's pulls against every device's hook bucket, which differ even then.
-void print_runs(const Flags& f, const std::vector<Run>& runs, bool replicas, bool same_payload) {
+// Each run's losses at a few steps, its bytes per step, its median step time and, for DDP's ranks
+// (`ddp`), whether their weights were equal. DDP's rows both count what was handed to the group,
+// so equal bytes mean the hook compressed no bucket; DP's rows count the star's pulls against
+// every device's hook bucket, which differ even then.
+void print_runs(const Flags& f, const std::vector<Run>& runs, bool ddp) {
   std::vector<int> at = {0, f.steps / 4, f.steps / 2, 3 * f.steps / 4, f.steps - 1};
   at.erase(std::unique(at.begin(), at.end()), at.end());
   std::printf("%-28s", "reducer");
   for (int s : at) std::printf("  loss@%-4d", s);
-  std::printf("  bytes/step (first, last)   ms/step (median)%s\n", replicas ? "  replicas" : "");
+  std::printf("  bytes/step (first, last)   ms/step (median)%s\n", ddp ? "  replicas" : "");
   for (const Run& run : runs) {
     std::printf("%-28s", run.name.c_str());
     for (int s : at) std::printf("  %9.4f", static_cast<double>(run.losses[s]));
     std::printf("  %11lld, %-11lld  %16.2f", static_cast<long long>(run.bytes_first),
                 static_cast<long long>(run.bytes_last), run.median_ms);
-    if (replicas) std::printf("  %s", run.replica_diff == 0.f ? "equal" : "DIFFER");
+    if (ddp) std::printf("  %s", run.replica_diff == 0.f ? "equal" : "DIFFER");
     std::printf("\n");
   }
   if (f.steps <= f.start_step) {  // the last step was all-reduced whole
@@ -159,7 +159,7 @@ void print_runs(const Flags& f, const std::vector<Run>& runs, bool replicas, boo
         "%s compresses from step %d on (--start-step): these %d steps ran before it, so they "
         "show no compression; give --steps above %d\n",
         runs[1].name.c_str(), f.start_step, f.steps, f.start_step);
-  } else if (same_payload && runs[1].bytes_last == runs[0].bytes_last) {  // every bucket whole
+  } else if (ddp && runs[1].bytes_last == runs[0].bytes_last) {  // every bucket whole
     std::printf(
         "%s compressed no bucket: a bucket of n values is a matrix of about sqrt(n) x sqrt(n), "
         "and rank %d shrinks none of them enough; give a smaller --rank\n",
@@ -232,7 +232,7 @@ int run_worker(const Flags& f) {
               static_cast<long long>(kFeatures), static_cast<long long>(f.width),
               static_cast<long long>(f.width), kClasses, static_cast<long long>(f.batch), f.steps,
               static_cast<double>(f.lr));
-  print_runs(f, runs, true, true);
+  print_runs(f, runs, true);
   if (!ok) std::fprintf(stderr, "custom_reducer: the ranks' weights differ after a run\n");
   return ok ? 0 : 1;
 }
@@ -304,7 +304,7 @@ int main(int argc, char** argv) {
     std::fflush(stdout);  // rank 0's table came through the same terminal
     std::printf("\nDP: %d devices, threads of one process (%s), the same model, data and steps\n",
                 f.nproc, f.device.c_str());
-    print_runs(f, train_threaded(f), false, false);
+    print_runs(f, train_threaded(f), false);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "custom_reducer: %s\n", e.what());

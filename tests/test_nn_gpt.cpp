@@ -307,6 +307,51 @@ TEST_CASE("nn.profile: a GPT's blocks count as h's time, not the model's own") {
   CHECK(rows[0].self_forward_ms < rows[0].forward_ms - blocks_fwd + 1e-9);
 }
 
+// A holder whose parent runs its children both ways without forward_by_parts (the path Gpt's h
+// took before it): the holder takes its children's time as its own, with none of its own.
+TEST_CASE("nn.profile: a container its parent bypasses both ways takes its children's time") {
+  class Bypass : public nn::Module {
+   public:
+    Bypass() {
+      holder_ = register_module("holder", std::make_shared<nn::Sequential>());
+      holder_->add(std::make_shared<nn::Linear>(4, 4));
+      holder_->add(std::make_shared<nn::Linear>(4, 4));
+    }
+    std::string type_name() const override { return "Bypass"; }
+
+   protected:
+    Tensor forward_impl(const Tensor& x) override {
+      return (*holder_)[1]->forward((*holder_)[0]->forward(x));
+    }
+    Tensor backward_impl(const Tensor& dy) override {
+      return (*holder_)[0]->backward((*holder_)[1]->backward(dy));
+    }
+    std::shared_ptr<nn::Module> clone_config() const override { return std::make_shared<Bypass>(); }
+
+   private:
+    std::shared_ptr<nn::Sequential> holder_;
+  };
+  auto net = materialized(std::make_shared<Bypass>(), 5);
+  std::vector<nn::LayerProfiler::Row> rows;
+  {
+    nn::LayerProfiler prof(*net);
+    for (int s = 0; s < 2; ++s) {
+      net->forward(uniform({3, 4}, 60 + s));
+      net->backward(uniform({3, 4}, 70 + s));
+    }
+    rows = prof.rows();
+  }
+  REQUIRE(rows.size() == 4);
+  REQUIRE(rows[1].path == "holder");
+  CHECK(rows[1].forwards == 0);
+  CHECK(rows[1].backwards == 0);
+  CHECK(rows[1].forward_ms > 0);
+  CHECK(rows[1].forward_ms == doctest::Approx(rows[2].forward_ms + rows[3].forward_ms));
+  CHECK(rows[1].backward_ms == doctest::Approx(rows[2].backward_ms + rows[3].backward_ms));
+  CHECK(rows[1].self_forward_ms == 0);
+  CHECK(rows[1].self_backward_ms == 0);
+}
+
 TEST_CASE("nn.gradcheck: GPT with a tied head") {
   auto net = materialized(nn::gpt(micro_config()), 3);
   nn::GradcheckOptions o;

@@ -172,13 +172,12 @@ void max_pool2d_backward(Tensor& dx, const Tensor& dy, const Tensor& x, const Te
                 const float best = load_f32(py[o]);
                 // The first element equal to the maximum, found by selects over the whole window:
                 // an early exit was a branch on data that the predictor misses about half the time.
+                // Visited backwards: the last one seen is the first.
                 int64_t argmax = -1;
                 for (int64_t h = win.h_end - 1; h >= win.h_begin; --h)
                   for (int64_t w = win.w_end - 1; w >= win.w_begin; --w) {
                     const int64_t at = h * g.width + w;
-                    argmax = is_maximum(load_f32(in[at]), best)
-                                 ? at
-                                 : argmax;  // the last seen is the first
+                    argmax = is_maximum(load_f32(in[at]), best) ? at : argmax;
                   }
                 if (argmax >= 0) din[argmax] += load_f32(pdy[o]);
               }
