@@ -347,7 +347,10 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
     // The step's shape: what a graph bakes in. The chunk shapes select the graphs (the loss
     // scale and the shares are read on the devices); a new one runs uncaptured twice, then is
     // captured.
-    graph_key_.values.assign(sizes.begin(), sizes.end());  // its storage is reused
+    uint64_t host_values = 0;  // any replica's change captures every device's steps again
+    for (auto& r : replicas_) host_values += r->flat().host_values_version;
+    graph_key_.begin(host_values);
+    graph_key_.values.insert(graph_key_.values.end(), sizes.begin(), sizes.end());
     graph_key_.add_row_shape(images);
     graph_key_.add_row_shape(labels);
     auto it = per_device_[0].graphs.find(graph_key_);

@@ -476,7 +476,8 @@ class DataParallel {
   bool graphed_step_ = false;
   GraphKey graph_key_;
   bool said_graphs_off_ = false;
-  std::string graphs_fallback_;  // graphs_fallback()
+  bool said_graph_shapes_ = false;  // device 0's worker's (graph_set_for)
+  std::string graphs_fallback_;     // graphs_fallback()
   // After a step: when a device's capture failed, graphs go off (graphs_fallback_, one line) and
   // every graph is dropped. Whether one did.
   bool settle_capture_failures(int n_used);

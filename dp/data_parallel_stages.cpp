@@ -72,9 +72,10 @@ struct DataParallel::DeviceStages final : StepStages {
     if (i == 0 && dp.options_.cross_node) dp.finish_cross_node(n);
   }
   bool reduces_queued() const override { return segments && sums(); }
+  // Graphed only (reduces_queued): on the device's own context, as on a GPU (see
+  // update_context).
   void reduce_queued() override {
-    kernels::DeviceContext* wide = i == 0 ? dp.wide_context_.get() : nullptr;
-    dp.pulls_.sum_all(wide ? *wide : ctx, i, pd.shares);
+    dp.pulls_.sum_all(ctx, i, pd.shares);
     if (i == 0 && n > 1) dp.average_buffers_on_root(sizes, true);
   }
   // One decision for every device: device 0 steps.
@@ -86,8 +87,13 @@ struct DataParallel::DeviceStages final : StepStages {
     dp.queue_update();
     if (segments && n > 1) dp.gather_metrics_on_root(n);  // read_step_metrics reads them
   }
-  // CPU: every other device is done with its part, device 0 gets all the cores.
-  kernels::DeviceContext* update_context() override { return dp.wide_context_.get(); }
+  // CPU: every other device is done with its part, device 0 gets all the cores. Not in a graphed
+  // step: the wide context's own block cache would serve the update's capture from memory the
+  // compute segment's capture did not take, where a GPU (one context a device) misses and falls
+  // back; on the device's own context a CPU run captures what a GPU would.
+  kernels::DeviceContext* update_context() override {
+    return segments ? nullptr : dp.wide_context_.get();
+  }
 
   DataParallel& dp;
   const int i, n;
@@ -112,7 +118,8 @@ void DataParallel::train_job(int i, const Tensor& images, const Tensor& labels,
   names.reduce = "dp/reduce";
   names.step = "dp/step";
   if (graphed_step_) {
-    StepSegments& seg = graph_set_for(pd.graphs, graph_key_);
+    StepSegments& seg = graph_set_for(pd.graphs, graph_key_, i == 0 ? "dp" : nullptr,
+                                      i == 0 ? &said_graph_shapes_ : nullptr);
     pd.input = seg.input;  // this shape's chunk buffers: the ones its graphs were captured with
     pd.labels = seg.labels;
     pd.dlogits = seg.dlogits;

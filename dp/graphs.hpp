@@ -10,6 +10,7 @@
 //   run_graph_segment(ctx, s.compute, s.runs, body);   // uncaptured, captured, replayed
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <functional>
@@ -51,12 +52,18 @@ inline bool graphs_wanted(Graphs mode, const kernels::Device& device, const std:
 // both generations.
 constexpr int kGraphWarmupRuns = 2;
 // Step shapes whose graphs an engine keeps (a run has one or two: the full batch and the last
-// short one); past this, shapes keep changing and the sets start over.
+// short one); past this, a new shape's set replaces the one used longest ago.
 constexpr size_t kMaxGraphShapes = 8;
 
-// What a step's graphs bake in: sizes and dtypes.
+// What a step's graphs bake in: the model's host values (values[0]: nn::FlatState's
+// host_values_version, see Module::host_values_changed) and sizes and dtypes.
 struct GraphKey {
   std::vector<int64_t> values;
+
+  // Starts the key: the host values' version of the model (the sum of the replicas' under DP).
+  void begin(uint64_t host_values_version) {
+    values.assign(1, static_cast<int64_t>(host_values_version));  // the storage is reused
+  }
 
   // The dtype and every dimension but the first (the rows, keyed on their own).
   void add_row_shape(const kernels::Tensor& t) {
@@ -81,7 +88,14 @@ inline bool take_capture_failure(CaptureFailure& failed, const std::string& wher
                                  const char* engine, std::string& fallback) {
   if (failed.reason.empty()) return false;
   if (fallback.empty()) {
-    fallback = "capture failed on " + where + ": " + failed.reason;
+    // The reason without the error's source location (" [at context.cpp:287]"): a line for
+    // users, the same on every backend.
+    std::string reason = failed.reason;
+    const size_t at = reason.rfind(" [");
+    if (at != std::string::npos && reason.back() == ']' &&
+        (reason.compare(at, 5, " [at ") == 0 || reason.compare(at, 9, " [check `") == 0))
+      reason.erase(at);
+    fallback = "capture failed on " + where + ": " + reason;
     std::fprintf(stderr, "%s: graphs off: %s\n", engine, fallback.c_str());
   }
   failed.reason.clear();
@@ -122,28 +136,61 @@ inline bool run_graph_segment(kernels::DeviceContext& ctx, kernels::Graph& g, in
 // run_graph_segment for a segment that may draw random numbers (dropout) from `flat`, the
 // replica's stream: its draws are placed on the device (nn::FlatState::begin_rng_step), so a
 // replay draws this step's masks; a replay runs no host code, so the host offset is advanced by
-// what the segment drew when it last ran (`drawn`, the segment's own: the same every run).
-// A failed capture's draws are undone before the body runs eagerly. Returns whether body ran
-// (as run_graph_segment).
+// what the segment drew when it last ran (`drawn`, the segment's own: the same every run),
+// before the replay, so that a replay that throws (a CPU device's bad label) has taken its
+// draws as the eager step that throws has. A failed capture's draws are undone before the body
+// runs eagerly. Returns whether body ran (as run_graph_segment).
 inline bool run_drawing_segment(kernels::DeviceContext& ctx, kernels::Graph& g, int runs,
                                 nn::FlatState& flat, uint64_t& drawn,
                                 const std::function<void()>& body,
                                 CaptureFailure* failed = nullptr) {
   flat.begin_rng_step();
   const uint64_t before = flat.rng_offset;
-  const bool ran = run_graph_segment(ctx, g, runs, body, failed, [&] { flat.rng_offset = before; });
-  if (ran)
-    drawn = flat.rng_offset - before;
-  else
+  if (runs >= kGraphWarmupRuns && g.captured()) {  // a replay alone: no host code runs
     flat.rng_offset += drawn;
+    return run_graph_segment(ctx, g, runs, body, failed);
+  }
+  const bool ran = run_graph_segment(ctx, g, runs, body, failed, [&] { flat.rng_offset = before; });
+  drawn = flat.rng_offset - before;
   return ran;
 }
 
-// The segments of one step shape, by key, dropped all at once when shapes keep changing.
+// The segments of one step shape, by key (a Set has `uint64_t last_use`). Sets of another host
+// values' version (the key's first value) are dropped: their graphs replay values that changed.
+// Past kMaxGraphShapes shapes, the set used longest ago makes room, and `engine` (when given)
+// says so once (`said`): steps of more shapes than that in turn never replay.
 template <typename Set>
-Set& graph_set_for(std::map<GraphKey, Set>& sets, const GraphKey& key) {
-  if (sets.size() >= kMaxGraphShapes && !sets.count(key)) sets.clear();
-  return sets[key];
+Set& graph_set_for(std::map<GraphKey, Set>& sets, const GraphKey& key, const char* engine = nullptr,
+                   bool* said = nullptr) {
+  uint64_t newest = 0;
+  for (auto it = sets.begin(); it != sets.end();) {
+    if (it->first.values.at(0) != key.values.at(0)) {
+      it = sets.erase(it);
+      continue;
+    }
+    newest = std::max(newest, it->second.last_use);
+    ++it;
+  }
+  auto it = sets.find(key);
+  if (it == sets.end()) {
+    if (sets.size() >= kMaxGraphShapes) {
+      if (engine && said && !*said) {
+        std::fprintf(stderr,
+                     "%s: graphs: more than %zu step shapes: the one used longest ago gives its "
+                     "graphs up (a shape runs %d steps uncaptured before its capture: more than "
+                     "%zu shapes in turn never replay)\n",
+                     engine, kMaxGraphShapes, kGraphWarmupRuns, kMaxGraphShapes);
+        *said = true;
+      }
+      auto oldest = sets.begin();
+      for (auto o = sets.begin(); o != sets.end(); ++o)
+        if (o->second.last_use < oldest->second.last_use) oldest = o;
+      sets.erase(oldest);
+    }
+    it = sets.emplace(key, Set{}).first;
+  }
+  it->second.last_use = newest + 1;
+  return it->second;
 }
 
 }  // namespace dp

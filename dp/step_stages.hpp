@@ -93,7 +93,8 @@ struct StepSegments {
   kernels::Graph compute;  // forward, the loss, backward
   kernels::Graph finish;   // reduce_queued and the update
   kernels::Tensor input, labels, dlogits;
-  uint64_t drawn = 0;  // random counters the compute segment draws (dropout)
+  uint64_t drawn = 0;     // random counters the compute segment draws (dropout)
+  uint64_t last_use = 0;  // graph_set_for's order of use
 };
 
 namespace detail {

@@ -35,7 +35,8 @@
 // dtypes and is_training(). Host numbers compose() reads (a temperature, a schedule's value in a
 // member) are part of that structure: the tape keeps the value it was recorded with, and a
 // replay does not see a new one. Keep such a value in a constant or a parameter tensor, or call
-// forget_tapes() after changing it (the next forward records again, allocating).
+// forget_tapes() after changing it (the next forward records again, allocating, and an engine's
+// captured steps are captured again: Module::host_values_changed).
 //
 // A parameter another module owns and this layer reads through param() (a tied weight: the
 // embedding table used again as the output head) gets gradient here after that module's
@@ -979,10 +980,12 @@ class Composed : public Module {
 
  public:
   // Drops every recorded tape: the next forward calls compose() again (after a host value it
-  // reads changed; see the top of this file). The next backward needs a forward first.
+  // reads changed; see the top of this file), and the engines capture their steps again. The
+  // next backward needs a forward first.
   void forget_tapes() {
     tapes_.clear();
     last_ = nullptr;
+    host_values_changed();  // what an engine's captured steps replay was recorded with them
   }
 
  protected:

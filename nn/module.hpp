@@ -191,6 +191,9 @@ struct FlatState {
   // rng_offset names, and in a replay the current step's. Undefined: draws start at rng_offset.
   Tensor rng_base;
   uint64_t rng_step_start = 0;
+  // Counts Module::host_values_changed() calls: the engines key their captured steps on it, so a
+  // step after a change captures again instead of replaying the values the graphs baked in.
+  uint64_t host_values_version = 0;
 
   // Where a layer's next draw starts (it then advances rng_offset by the counters it used).
   kernels::RngOffset rng_at() const {
@@ -458,6 +461,16 @@ class Module {
   FlatState& flat() {
     DP_CHECK(materialized(), type_name() << " has no storage; call materialize() first");
     return *flat_;
+  }
+  // Says that a host value this tree's layers hand their ops changed: a scale, a temperature, a
+  // flag a forward reads, kept in a member and passed to kernels by value. A captured step
+  // (dp/graphs.hpp: DP and DDP with graphs on, automatic on a GPU) replays the values it saw at
+  // its capture, so the engines capture their steps again after this call (they key their
+  // graphs on FlatState::host_values_version). Under DP, call it on each replica you changed
+  // (DataParallel::replica(i)). A value kept in device memory and read by the kernels (a
+  // kernels::Scalar over a tensor) needs no call. Nothing before materialize().
+  void host_values_changed() {
+    if (flat_) ++flat_->host_values_version;
   }
   Device device() { return flat().device; }
   // Draws dropout from the stream of `index`: the one a module materialised on a device of that

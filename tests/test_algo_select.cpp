@@ -48,25 +48,7 @@ struct FakeRun {
   }
 };
 
-// What `f` writes to stderr (fd 2 goes to a temporary file meanwhile).
-std::string capture_stderr(const std::function<void()>& f) {
-  std::fflush(stderr);
-  FILE* tmp = std::tmpfile();
-  REQUIRE(tmp != nullptr);
-  int saved = dup(2);
-  dup2(fileno(tmp), 2);
-  f();
-  std::fflush(stderr);
-  dup2(saved, 2);
-  close(saved);
-  std::rewind(tmp);
-  std::string out;
-  char buf[512];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, tmp)) > 0) out.append(buf, n);
-  std::fclose(tmp);
-  return out;
-}
+using dp_test::capture_stderr;
 
 struct EnvScope {
   std::string name;

@@ -291,6 +291,64 @@ TEST_CASE("ddp.builtin_hooks: what each says it moves, and a hook a graph cannot
   });
 }
 
+namespace {
+
+// A capturable hook that keeps the share each bucket came with, as a value and where an op reads
+// it (GradBucket::share_at), and all-reduces queued.
+class ShareHook : public dp::dist::CommHook {
+ public:
+  std::string name() const override { return "share"; }
+  std::shared_ptr<dp::dist::Work> reduce(dp::dist::GradBucket& b) override {
+    return b.group->all_reduce(b.grad);
+  }
+  bool capturable() const override { return true; }
+  void reduce_queued(dp::dist::GradBucket& b) override {
+    at.push_back(b.share_at);
+    values.push_back(b.share);
+    b.group->all_reduce_queued(b.grad);
+  }
+  std::vector<kernels::Scalar> at;
+  std::vector<float> values;
+};
+
+}  // namespace
+
+// A hostile pass: a capturable hook had the rank's share only as a host float, which a captured
+// step replays with, where it changes every step (a token loss's ignored tokens): an error-feedback
+// hook then kept wrong residuals, silently. GradBucket::share_at is DDP's device copy, which a
+// captured op reads when it runs: a later step's share.
+TEST_CASE("ddp.comm_hook: a capturable hook reads the share where a replay sees each step's") {
+  run_ranks(2, [&](int r, dp::dist::ProcessGroup& pg) {
+    auto m = nn::mlp({6, 16, 5});
+    m->materialize(Device::cpu(r), 11);
+    auto hook = std::make_shared<ShareHook>();
+    dp::dist::DdpOptions o = small_buckets();
+    o.comm_hook = hook;
+    DistributedDataParallel ddp(m, pg, o);
+    auto step = [&](int64_t rows, int64_t global) {
+      auto [x, y] = dp_test::toy_batch(rows, 300 + r);
+      ddp.set_batch_share(rows, global);
+      ddp.module().zero_grad();
+      Tensor out = ddp.forward(x.to(Device::cpu(r)));
+      Tensor loss = Tensor::empty({1}, DType::f32, Device::cpu(r));
+      Tensor dl = Tensor::empty(out.shape(), DType::f32, Device::cpu(r));
+      softmax_cross_entropy(loss, dl, out, y.to(Device::cpu(r)));
+      ddp.backward_queued(dl);
+    };
+    step(r == 0 ? 3 : 7, 10);
+    REQUIRE(hook->at.size() > 1);  // several buckets
+    const float first = r == 0 ? 0.3f : 0.7f;
+    for (size_t k = 0; k < hook->at.size(); ++k) {
+      CHECK(hook->values[k] == first);
+      CHECK(hook->at[k].at.defined());  // on the device, not a fixed value
+      CHECK(hook->at[k].read() == first);
+    }
+    const kernels::Scalar kept = hook->at[0];
+    step(r == 0 ? 6 : 4, 10);
+    CHECK(kept.read() == (r == 0 ? 0.6f : 0.4f));  // what a replay of step 1's ops would read
+  });
+}
+
 TEST_CASE("ddp.comm_hook: PowerSGD at full rank is the sum, at rank 2 trains on fewer bytes") {
   auto make = [] { return nn::mlp({6, 64, 64, 5}); };  // one bucket of 4,933 floats
   const int64_t batch = 12;

@@ -1052,6 +1052,219 @@ TEST_CASE("dp.graphs: dropout replays new masks each step, bit for bit as uncapt
   for (uint64_t at : graphed_offsets) CHECK(at > 0);
 }
 
+namespace {
+
+// y = g x, with g a host float the layer hands its ops by value (a temperature a schedule sets):
+// what a captured step bakes in.
+class HostGain : public nn::Module {
+ public:
+  float g = 1.f;
+  std::string type_name() const override { return "HostGain"; }
+  bool backward_reads_output() const override { return false; }
+
+ protected:
+  Tensor forward_impl(const Tensor& x) override {
+    Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());
+    kernels::scale(y, x, g);
+    return y;
+  }
+  Tensor backward_impl(const Tensor& dy) override {
+    Tensor dx = Tensor::empty(dy.shape(), dy.dtype(), dy.device());
+    kernels::scale(dx, dy, g);
+    return dx;
+  }
+  std::shared_ptr<nn::Module> clone_config() const override { return std::make_shared<HostGain>(); }
+};
+
+// The same as a composed layer: its tape records g.
+class ComposedGain : public nn::Composed {
+ public:
+  float g = 1.f;
+  std::string type_name() const override { return "ComposedGain"; }
+
+ protected:
+  nn::ag::Var compose(const nn::ag::Var& x) override { return x * g; }
+  std::shared_ptr<nn::Module> clone_config() const override {
+    return std::make_shared<ComposedGain>();
+  }
+};
+
+// Linear(6, 32), a HostGain, a ComposedGain, ReLU, Linear(32, 5).
+nn::ModulePtr gain_mlp() {
+  auto s = std::make_shared<nn::Sequential>();
+  s->add(std::make_shared<nn::Linear>(6, 32));
+  s->add(std::make_shared<HostGain>());
+  s->add(std::make_shared<ComposedGain>());
+  s->add(std::make_shared<nn::ReLU>());
+  s->add(std::make_shared<nn::Linear>(32, 5));
+  return s;
+}
+
+}  // namespace
+
+// A hostile pass: a composed layer's host value changed with forget_tapes(), as documented,
+// and a layer's member changed between graphed steps kept their captured values (a silent
+// difference from graphs off, on a GPU too). forget_tapes() and Module::host_values_changed()
+// now make the engines capture again.
+TEST_CASE("dp.graphs: host values changed between graphed steps are captured again") {
+  const std::vector<int64_t> batches = {8, 8, 8, 8, 8, 8, 8, 8};
+  enum class Say { changed, nothing };
+  auto run = [&](dp::Graphs graphs, Say say) {
+    dp::DataParallelOptions o;
+    o.graphs = graphs;
+    return train_graphs(gain_mlp(), 2, batches, o, DeviceType::cpu,
+                        [&](dp::DataParallel& engine, size_t s, GraphRun&) {
+                          if (s != 3) return;  // after step 3: the values of steps 4 on
+                          for (int i = 0; i < 2; ++i) {
+                            auto& seq = dynamic_cast<nn::Sequential&>(engine.replica(i));
+                            dynamic_cast<HostGain&>(*seq[1]).g = 0.5f;
+                            auto& composed = dynamic_cast<ComposedGain&>(*seq[2]);
+                            composed.g = 3.f;
+                            if (say == Say::changed) {
+                              composed.forget_tapes();
+                              seq[1]->host_values_changed();
+                            }
+                          }
+                        });
+  };
+  const GraphRun eager = run(dp::Graphs::off, Say::changed);
+  const GraphRun graphed = run(dp::Graphs::on, Say::changed);
+  for (size_t s = 0; s < batches.size(); ++s) {
+    CAPTURE(s);
+    // Steps 4 and 5 run uncaptured (a new key), 6 is captured again.
+    CHECK(graphed.stats[s].graphed == (s == 2 || s == 3 || s >= 6));
+    CHECK(graphed.losses[s] == eager.losses[s]);
+  }
+  CHECK(same_bits(graphed.params, eager.params));
+  // Unsaid, the captured steps replay the old values, as a GPU's would: the loss of step 4
+  // differs from the uncaptured one's (the CPU bakes what a CUDA graph bakes).
+  const GraphRun stale = run(dp::Graphs::on, Say::nothing);
+  CHECK(stale.stats[4].graphed);
+  CHECK(stale.losses[4] != eager.losses[4]);
+}
+
+// A hostile pass: past 8 step shapes the sets started over, so a shape used every other step lost
+// its graphs to shapes seen once. Now the set used longest ago makes room.
+TEST_CASE("dp.graphs: past 8 shapes, the shape used longest ago gives way, not a busy one") {
+  std::vector<int64_t> batches = {10, 10, 10};
+  for (int64_t other : {3, 4, 5, 6, 7, 8, 9, 11}) {  // 8 more shapes, 9 in all, one each
+    batches.push_back(other);
+    batches.push_back(10);
+  }
+  dp::DataParallelOptions o;
+  o.graphs = dp::Graphs::off;
+  const GraphRun eager = train_graphs(dp_test::dropout_mlp(), 2, batches, o);
+  o.graphs = dp::Graphs::on;
+  GraphRun graphed;
+  const std::string said = dp_test::capture_stderr(
+      [&] { graphed = train_graphs(dp_test::dropout_mlp(), 2, batches, o); });
+  const std::string line = "dp: graphs: more than 8 step shapes: the one used longest ago";
+  CHECK(said.find(line) != std::string::npos);
+  CHECK(said.find(line) == said.rfind(line));  // once, by device 0
+  for (size_t s = 0; s < batches.size(); ++s) {
+    CAPTURE(s);
+    CHECK(graphed.stats[s].graphed == (batches[s] == 10 && s >= 2));
+    CHECK(graphed.losses[s] == eager.losses[s]);
+  }
+  CHECK(same_bits(graphed.params, eager.params));
+}
+
+namespace {
+
+// Passes x on; its backward computes a statistic of dy into a (1) temporary and lets it go.
+class ScratchInBackward : public nn::Module {
+ public:
+  std::string type_name() const override { return "ScratchInBackward"; }
+
+ protected:
+  Tensor forward_impl(const Tensor& x) override { return x; }
+  Tensor backward_impl(const Tensor& dy) override {
+    Tensor stat = Tensor::empty({1}, DType::f32, dy.device());
+    kernels::sum_squares(stat, dy);
+    return dy;
+  }
+  std::shared_ptr<nn::Module> clone_config() const override {
+    return std::make_shared<ScratchInBackward>();
+  }
+};
+
+// SGD whose step first computes the gradient's squared norm into a (1) temporary (LARS-like).
+class NormFirstSGD : public nn::SGD {
+ public:
+  using nn::SGD::SGD;
+  void apply_step() override {
+    Tensor norm = Tensor::empty({1}, DType::f32, module().device());
+    kernels::sum_squares(norm, module().flat_grads());
+    nn::SGD::apply_step();
+  }
+};
+
+}  // namespace
+
+// A hostile pass: on CPU devices DP captured device 0's update on its wide context (all the
+// cores, its own block cache), which served the step's temporary where a GPU's one context has
+// no free block: 2 and 3 CPU devices said graphed where 1, and a GPU, fall back. Graphed steps
+// now update on the device's own context.
+TEST_CASE("dp.graphs: device 0's update is captured on its own context, as on a GPU") {
+  for (int n : {1, 2, 3}) {
+    CAPTURE(n);
+    auto s = std::make_shared<nn::Sequential>();
+    s->add(std::make_shared<nn::Linear>(6, 16));
+    s->add(std::make_shared<ScratchInBackward>());
+    s->add(std::make_shared<nn::Linear>(16, 5));
+    auto devices = make_devices(DeviceType::cpu, n);
+    s->materialize(devices[0], kSeed);
+    NormFirstSGD opt(*s, dp_test::momentum_sgd());
+    dp::DataParallelOptions o;
+    o.graphs = dp::Graphs::on;
+    dp::DataParallel engine(s, opt, devices, o);
+    for (int step = 0; step < 5; ++step) {
+      auto [x, y] = dp_test::toy_batch(8, 40 + step);
+      CHECK_FALSE(engine.train_step(x, y).graphed);
+    }
+    CHECK(engine.graphs_fallback().find("allocating 4 bytes on cpu:0 while a graph captures") !=
+          std::string::npos);
+  }
+}
+
+// A hostile pass: a replayed step that throws on a CPU device (a bad label) skipped its
+// dropout draws, so every later mask differed from graphs off's.
+TEST_CASE("dp.graphs: a replayed step that throws takes its dropout draws, as uncaptured") {
+  auto run = [&](dp::Graphs graphs) {
+    auto m = dp_test::dropout_mlp();
+    auto devices = make_devices(DeviceType::cpu, 3);
+    m->materialize(devices[0], kSeed);
+    nn::SGD opt(*m, dp_test::momentum_sgd());
+    dp::DataParallelOptions o;
+    o.graphs = graphs;
+    dp::DataParallel engine(m, opt, devices, o);
+    GraphRun out;
+    for (int s = 0; s < 10; ++s) {
+      auto [x, y] = dp_test::toy_batch(9, 900 + s);
+      if (s == 5) {  // a replayed step: its loss finds a label out of range
+        std::vector<int32_t> labels(9);
+        for (int i = 0; i < 9; ++i) labels[i] = (i * 7 + 900 + s) % 5;
+        labels[7] = 99;
+        y = Tensor::from_ints(labels, {9});
+        CHECK(dp_test::error_of([&] { engine.train_step(x, y); }).find("label 99") !=
+              std::string::npos);
+        continue;
+      }
+      out.stats.push_back(engine.train_step(x, y));
+      out.losses.push_back(out.stats.back().loss);
+    }
+    out.params = engine.module().flat_params().to_host_f32();
+    return std::make_pair(out, engine.rng_offsets());
+  };
+  const auto [eager, eager_offsets] = run(dp::Graphs::off);
+  const auto [graphed, graphed_offsets] = run(dp::Graphs::on);
+  REQUIRE(graphed.stats.size() == 9);
+  CHECK(graphed.stats[8].graphed);
+  CHECK(graphed.losses == eager.losses);
+  CHECK(same_bits(graphed.params, eager.params));
+  CHECK(graphed_offsets == eager_offsets);
+}
+
 TEST_CASE("dp.graphs: off where not capturable (SyncBatchNorm), automatic on CPU") {
   const std::vector<int64_t> batches = {8, 8, 8, 8};
   dp::DataParallelOptions o = small_buckets(dp::ReduceTopology::star);

@@ -461,6 +461,49 @@ TEST_CASE("runtime.graph: a CPU capture refuses what a CUDA capture refuses, in 
   CHECK(capturing_on_this_thread() == nullptr);
 }
 
+// A hostile pass found five ways past the capture rules on CPU devices, each of which a GPU
+// refuses or leaves out of the graph: Tensor::to and from_vector onto or off a capturing device
+// other than cpu:0 (recorded and replayed on the CPU; a GPU waits for the copy), a copy out of
+// the capturing device queued on another's stream (runs once on a GPU, missing from replays),
+// Event::synchronize, a graph replayed into a capture, and pinned host memory.
+TEST_CASE("runtime.graph: copies to and from a capturing device and waits on it are refused") {
+  const Device dev = Device::cpu(1);
+  DeviceContext ctx(dev, {.cpu_threads = 1, .caching = Caching::on});
+  ContextScope scope(ctx);
+  Tensor x = Tensor::from_vector({1, 2}, {2}, dev);
+  Tensor host = Tensor::from_vector({7, 8}, {2}, Device::cpu(0));
+  Tensor out = Tensor::empty({2}, DType::f32, Device::cpu(0));
+  Event recorded;
+  recorded.record(ctx);
+  Graph before;
+  before.capture(ctx, [&] { kernels::fill(x, 3.f); });
+  const char* const wait = "a host read or wait on cpu:1 while a graph captures there";
+  Graph g;
+  CHECK_THROWS_WITH_AS(g.capture(ctx, [&] { (void)Tensor::from_vector({1}, {1}, dev); }),
+                       doctest::Contains(wait), Error);
+  CHECK_THROWS_WITH_AS(g.capture(ctx, [&] { (void)host.to(dev); }), doctest::Contains(wait), Error);
+  CHECK_THROWS_WITH_AS(g.capture(ctx, [&] { (void)x.to(Device::cpu(0)); }), doctest::Contains(wait),
+                       Error);
+  CHECK_THROWS_WITH_AS(g.capture(ctx, [&] { recorded.synchronize(); }), doctest::Contains(wait),
+                       Error);
+  CHECK_THROWS_WITH_AS(
+      g.capture(ctx, [&] { kernels::copy(out, x); }),
+      doctest::Contains("a copy out to cpu:0 on cpu:1 while a graph captures there"), Error);
+  CHECK_THROWS_WITH_AS(g.capture(ctx, [&] { before.replay(); }),
+                       doctest::Contains("replaying a graph on cpu:1 while a graph captures"),
+                       Error);
+  CHECK_THROWS_WITH_AS(g.capture(ctx, [&] { (void)Tensor::empty_pinned({4}, DType::f32); }),
+                       doctest::Contains("allocating pinned host memory on cpu:1"), Error);
+  CHECK(!g.captured());
+  CHECK(!ctx.capturing());
+  // Nothing refused ran, and all of it works outside a capture.
+  CHECK(x.to_host_f32() == std::vector<float>{1, 2});
+  before.replay();
+  kernels::copy(out, x);
+  CHECK(out.to_host_f32() == std::vector<float>{3, 3});
+  recorded.synchronize();
+}
+
 namespace {
 // Writes `text` to root + path, making its folders.
 void put(const std::string& root, const std::string& path, const std::string& text) {

@@ -33,13 +33,14 @@
 //    the buckets in bucket order on every rank;
 //  - a hook runs host code: a graphed step (dp/graphs.hpp) calls it between its two captured
 //    segments, after backward, instead of from the captured backward's hooks, unless it is
-//    capturable() (below).
+//    capturable() (below); a capturable hook's queued ops read the share through b.share_at.
 #pragma once
 
 #include <memory>
 #include <string>
 
 #include "dp/distributed/process_group.hpp"
+#include "kernels/ops.hpp"
 #include "kernels/runtime/tensor.hpp"
 
 namespace dp::dist {
@@ -53,6 +54,11 @@ struct GradBucket {
   // 1 (an error-feedback hook keeps grad - share * result, whose sum over ranks is the sum's
   // error).
   float share = 1.f;
+  // The same share where an op reads it when it runs (DDP's device copy, written each step): a
+  // capturable hook's queued ops take this one (kernels::scale(y, x, b.share_at)), since a
+  // captured step replays with the value its ops were queued with, and `share` changes from step
+  // to step where the batch's rows or kept tokens do (a token loss's ignore_index).
+  kernels::Scalar share_at;
   ProcessGroup* group = nullptr;  // the DDP's group
 };
 

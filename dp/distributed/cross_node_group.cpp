@@ -15,6 +15,7 @@ void GroupCrossNode::start_bucket_sum(kernels::Tensor& t, int bucket, int64_t of
   b.offset = offset;
   b.grad = t;
   b.share = share;
+  b.share_at = kernels::Scalar(share);  // reduce() runs on the host each step: a fixed value
   b.group = &group_;
   if (std::shared_ptr<Work> work = run_hook(*hook_, b, who_)) pending_.push_back(std::move(work));
 }

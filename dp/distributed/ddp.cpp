@@ -303,6 +303,7 @@ GradBucket DistributedDataParallel::bucket_for_hook(int k) {
   b.offset = buckets_[k].offset;
   b.grad = grad_slice(k);
   b.share = share_;
+  b.share_at = device_share_;
   b.group = &group_;
   return b;
 }

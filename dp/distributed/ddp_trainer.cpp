@@ -340,10 +340,12 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
     if (use_graphs()) {
       // What the graphs bake in: the chunk's shape (the loss scale and this rank's share are read
       // on the device).
-      graph_key_.values.assign(1, hx.dim(0));  // the key's storage is reused step to step
+      graph_key_.begin(ddp_->module().flat().host_values_version);
+      graph_key_.values.push_back(hx.dim(0));
       graph_key_.add_row_shape(hx);
       graph_key_.add_row_shape(hy);
-      segments = &graph_set_for(graphs_, graph_key_);
+      segments =
+          &graph_set_for(graphs_, graph_key_, rank() == 0 ? "ddp" : nullptr, &said_graph_shapes_);
       input_ = segments->input;  // the buffers this shape's graphs read and write
       labels_ = segments->labels;
       dlogits_ = segments->dlogits;

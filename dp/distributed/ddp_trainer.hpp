@@ -326,6 +326,7 @@ class DdpTrainer {
   std::map<GraphKey, StepSegments> graphs_;
   GraphKey graph_key_;  // this step's
   bool said_graphs_off_ = false;
+  bool said_graph_shapes_ = false;  // graph_set_for's line (rank 0 says it)
   bool graph_collectives_ = true;   // set_graph_collectives
   CaptureFailure capture_failure_;  // the step in progress's
   std::string graphs_fallback_;     // graphs_fallback()

@@ -98,6 +98,7 @@ void Event::wait(DeviceContext& ctx) const {
 
 void Event::synchronize() const {
   DP_CHECK(recorded_, "Event::synchronize: the event was never recorded");
+  if (DeviceContext* c = capturing_on_this_thread()) c->refuse_in_capture("a host read or wait");
 #if DP_HAVE_CUDA
   if (event_) DP_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(event_)));
 #endif

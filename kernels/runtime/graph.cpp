@@ -161,6 +161,9 @@ void Graph::capture_cuda(DeviceContext& ctx, const std::function<void()>& body) 
 
 void Graph::replay() {
   DP_CHECK(captured(), "Graph::replay: nothing captured");
+  // Into a capture in progress on its context: a graph inside a graph, which this runtime does
+  // not nest (a CPU device would run the recorded ops' host reads), refused on every backend.
+  ctx_->refuse_in_capture("replaying a graph");
   ctx_->casts_.fetch_add(casts_, std::memory_order_relaxed);
   if (ctx_->device().is_cpu()) {
     ctx_->arena().execute([&] {

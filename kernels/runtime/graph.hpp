@@ -13,10 +13,19 @@
 //
 // While a graph captures, what a CUDA capture refuses throws on every backend, with the same
 // words, so that CI (CPU devices) fails where a GPU would: a host read or wait on its context (a
-// copy to the host, an op that returns a value, synchronize(), and on a CPU device any host
-// access to one of its tensors, Tensor::raw), recording or waiting on an event, and an
-// allocation the context's BlockCache cannot serve (a miss). The message names the innermost
-// NVTX range (the nn layer). The work is then not capturable.
+// copy to the host, an op that returns a value, synchronize(), Event::synchronize, Tensor::to
+// or from_vector to or from the capturing device, and on a CPU device any host access to one
+// of its tensors, Tensor::raw), a copy out of it queued on another device (it would run once,
+// outside the graph), recording or waiting on an event, replaying a graph into it, pinned host
+// memory, and an allocation the context's BlockCache cannot serve (a miss). The message names
+// the innermost NVTX range (the nn layer). The work is then not capturable.
+//
+// Host values the captured ops were handed (a float scale, a layer's member) are baked in: a
+// replay uses them, not later ones. The engines put each step's values in device memory
+// (kernels::Scalar) and capture again after Module::host_values_changed(). Dropout draws at
+// the counters nn::FlatState names: a graph of your own that holds dropout calls
+// FlatState::begin_rng_step() before each replay and advances rng_offset by what the captured
+// body drew (dp/graphs.hpp's run_drawing_segment does both), or every replay draws one mask.
 //
 // The graph holds the memory its work addresses until it is destroyed, so nothing outside it is
 // handed memory a replay writes, and it holds no more than that, so a capture needs no more

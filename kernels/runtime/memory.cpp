@@ -100,6 +100,13 @@ void copy_bytes(Tensor& dst, const Tensor& src) {
   Device d = dst.device(), s = src.device();
   // The GPU side's context orders the copy; dst's when both sides are alike.
   DeviceContext& ctx = context(s.is_cuda() && d.is_cpu() ? s : d);
+  // A copy out of the capturing device queued on another's stream would run once, now, and be
+  // missing from every replay (CUDA), or read the capturing device's memory on the host (CPU).
+  if (DeviceContext* c = capturing_on_this_thread(); c && c != &ctx && c->device() == s) {
+    std::ostringstream what;
+    what << "a copy out to " << d;
+    c->refuse_in_capture(what.str().c_str());
+  }
   if (ctx.capturing() && d.is_cpu() && s.is_cpu()) {
     DeviceContext* c = &ctx;
     return ctx.record([dst = ctx.graph_arg(dst), src = ctx.graph_arg(src), c]() mutable {

@@ -106,6 +106,9 @@ Tensor Tensor::zeros(const Shape& shape, DType dtype, Device device) {
 }
 
 Tensor Tensor::empty_pinned(const Shape& shape, DType dtype) {
+  // cudaMallocHost waits for the device: not while this thread captures, on any backend.
+  if (DeviceContext* c = capturing_on_this_thread())
+    c->refuse_in_capture("allocating pinned host memory");
   Tensor t;
   t.numel_ = shape_numel(shape);
   t.shape_ = shape;
@@ -204,6 +207,11 @@ Tensor Tensor::view(int64_t offset_elems, const Shape& shape) const {
 }
 
 Tensor Tensor::to(Device device) const {
+  // A GPU waits for the copy (below): refused on every backend alike while this thread captures
+  // on either side, where a CPU device would record it and a GPU's capture would fail.
+  if (DeviceContext* c = capturing_on_this_thread())
+    if (c->device() == device || c->device() == this->device())
+      c->refuse_in_capture("a host read or wait");
   Tensor t = empty(shape_, dtype_, device);
   copy_bytes(t, *this);
   if (device.is_cuda()) context(device).synchronize();
