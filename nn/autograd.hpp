@@ -946,13 +946,21 @@ class Composed : public Module {
     last_ = nullptr;
     auto it = tapes_.find(key);
     if (it != tapes_.end()) {
+      tape_uses_[key] = ++uses_;
       Tensor y = it->second->replay(x);
       last_ = it->second.get();
       return y;
     }
-    // A new shape: record (a bounded number of tapes; an engine sees two shapes, the full
-    // batch and the last one).
-    if (tapes_.size() >= kMaxTapes) tapes_.clear();
+    // A new shape: record (a bounded number of tapes, each holding its activations; an engine
+    // sees two shapes, the full batch and the last one). Past the bound, the tape used longest
+    // ago goes, not every one (a busy shape kept re-recording beside shapes seen once).
+    if (tapes_.size() >= kMaxTapes) {
+      auto oldest = tape_uses_.begin();
+      for (auto u = tape_uses_.begin(); u != tape_uses_.end(); ++u)
+        if (u->second < oldest->second) oldest = u;
+      tapes_.erase(oldest->first);
+      tape_uses_.erase(oldest);
+    }
     auto tape = std::make_unique<ag::Tape>(*this, f.device);
     const int in = tape->add_slot(ag::Tape::Kind::input, x,
                                   input_grad_needed() && kernels::is_floating(x.dtype()));
@@ -975,6 +983,7 @@ class Composed : public Module {
     tape->finish(in, y.id());
     last_ = tape.get();
     tapes_[key] = std::move(tape);
+    tape_uses_[key] = ++uses_;
     return last_->slot(y.id()).value;
   }
 
@@ -984,6 +993,7 @@ class Composed : public Module {
   // next backward needs a forward first.
   void forget_tapes() {
     tapes_.clear();
+    tape_uses_.clear();
     last_ = nullptr;
     host_values_changed();  // what an engine's captured steps replay was recorded with them
   }
@@ -1034,6 +1044,8 @@ class Composed : public Module {
   }
 
   std::map<Key, std::unique_ptr<ag::Tape>> tapes_;
+  std::map<Key, uint64_t> tape_uses_;  // by key: uses_ at its last forward
+  uint64_t uses_ = 0;
   ag::Tape* recording_ = nullptr;
   ag::Tape* last_ = nullptr;
 };

@@ -8,12 +8,15 @@
 // parallelism, as with OpenBLAS): oneDNN's OpenMP runtime is held to one thread per caller.
 // Primitives are kept per thread and per tile shape, so a step's GEMMs create none after the
 // first step.
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "kernels/cpu/cpu_ops.hpp"
 
@@ -69,7 +72,12 @@ struct TilePrimitive {
   std::string impl;  // oneDNN's name for its kernel
   dnnl::matmul matmul;
   dnnl::memory a, b, c;
+  uint64_t last_use = 0;  // ThreadState::uses when tile_for last returned it
 };
+
+// Tiles a thread keeps: a run whose batch size keeps changing made one primitive per exact shape
+// (54 MB of them for about 200 sizes), never dropped. Past this, the half used longest ago goes.
+constexpr size_t kMaxTiles = 2048;
 
 // This thread's oneDNN calls stay on it: Debian's oneDNN runs on OpenMP (libgomp, loaded with it),
 // whose per-thread team size is set here. Looked up, so that a build of oneDNN on another runtime
@@ -84,6 +92,7 @@ struct ThreadState {
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   dnnl::stream stream{engine};
   std::unordered_map<TileKey, TilePrimitive, TileKeyHash> tiles;
+  uint64_t uses = 0;
   ThreadState() { run_on_calling_thread_only(); }
 };
 
@@ -142,7 +151,19 @@ TilePrimitive make_tile(ThreadState& st, const TileKey& key) {
 TilePrimitive& tile_for(const TileKey& key) {
   ThreadState& st = thread_state();
   auto it = st.tiles.find(key);
-  if (it == st.tiles.end()) it = st.tiles.emplace(key, make_tile(st, key)).first;
+  if (it == st.tiles.end()) {
+    if (st.tiles.size() >= kMaxTiles) {  // the older half goes (a tile in use is the newest)
+      std::vector<uint64_t> uses;
+      uses.reserve(st.tiles.size());
+      for (const auto& [k, t] : st.tiles) uses.push_back(t.last_use);
+      std::nth_element(uses.begin(), uses.begin() + uses.size() / 2, uses.end());
+      const uint64_t median = uses[uses.size() / 2];
+      for (auto t = st.tiles.begin(); t != st.tiles.end();)
+        t = t->second.last_use < median ? st.tiles.erase(t) : std::next(t);
+    }
+    it = st.tiles.emplace(key, make_tile(st, key)).first;
+  }
+  it->second.last_use = ++st.uses;
   return it->second;
 }
 

@@ -1,5 +1,6 @@
 #include "kernels/runtime/block_cache.hpp"
 
+#include <algorithm>
 #include <cstdlib>
 
 #include "kernels/runtime/context.hpp"
@@ -96,6 +97,8 @@ bool BlockCache::release_idle() noexcept {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     idle.swap(free_);  // a reservation's blocks stay: its graph's replays use them
+    idle_bytes_ = 0;
+    last_take_.clear();
   }
   bool any = false;
   for (auto& [bytes, blocks] : idle)
@@ -104,6 +107,41 @@ bool BlockCache::release_idle() noexcept {
       any = true;
     }
   return any;
+}
+
+int64_t BlockCache::idle_bytes() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return idle_bytes_;
+}
+
+void BlockCache::close() noexcept {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    closed_ = true;
+  }
+  release_idle();
+}
+
+void BlockCache::release_oldest(int64_t keep) noexcept {
+  std::vector<std::pair<size_t, std::vector<void*>>> gone;
+  try {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::vector<std::pair<uint64_t, size_t>> by_age;  // (last take, size) of the idle lists
+    for (auto& [bytes, blocks] : free_)
+      if (!blocks.empty()) by_age.emplace_back(last_take_[bytes], bytes);
+    std::sort(by_age.begin(), by_age.end());
+    for (const auto& [tick, bytes] : by_age) {
+      if (idle_bytes_ <= keep) break;
+      std::vector<void*>& blocks = free_[bytes];
+      idle_bytes_ -= static_cast<int64_t>(bytes * blocks.size());
+      gone.emplace_back(bytes, std::move(blocks));
+      free_.erase(bytes);
+      last_take_.erase(bytes);  // bounded by the sizes held
+    }
+  } catch (...) {  // no memory for the lists: what was taken out still goes back below
+  }
+  for (auto& [bytes, blocks] : gone)
+    for (void* p : blocks) free_device_bytes(device_, p, bytes, stream_owner_.get());
 }
 
 namespace {
@@ -118,12 +156,16 @@ void* pop_block(std::map<size_t, std::vector<void*>>& lists, size_t bytes) {
 }  // namespace
 
 void* BlockCache::take(size_t bytes) {
+  bool bounded = false;
+  int64_t keep = 0;
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    last_take_[bytes] = ++takes_;
     void* p = active_ ? pop_block(active_->free_, bytes) : nullptr;
     if (p) return p;  // already the reservation's
     p = pop_block(free_, bytes);
     if (p) {
+      idle_bytes_ -= static_cast<int64_t>(bytes);
       if (active_) {
         active_->owned_.insert(p);
         owner_[p] = active_;
@@ -132,7 +174,11 @@ void* BlockCache::take(size_t bytes) {
     }
     // A capture's work must find its memory here (Graph::capture), on CPU devices as on CUDA.
     if (active_) refuse_capture_allocation(device_, bytes);
+    // The host heap does not run out as a GPU does: the idle blocks go back past a bound.
+    keep = std::max(kHostIdleBytes, stats_->current.load());
+    bounded = device_.is_cpu() && idle_bytes_ > keep;
   }
+  if (bounded) release_oldest(keep);
   void* p = nullptr;
   try {
     p = allocate_device_bytes(device_, bytes, stream_owner_.get(), *stats_);
@@ -154,10 +200,14 @@ void BlockCache::give_back(void* p, size_t bytes) noexcept {
   std::lock_guard<std::mutex> lock(mutex_);
   try {
     auto it = owner_.find(p);
-    if (it != owner_.end())
+    if (it != owner_.end()) {
       it->second->free_[bytes].push_back(p);
-    else
+    } else if (closed_) {
+      free_device_bytes(device_, p, bytes, stream_owner_.get());
+    } else {
       free_[bytes].push_back(p);
+      idle_bytes_ += static_cast<int64_t>(bytes);
+    }
   } catch (...) {  // no memory for the list: the block goes back to the device instead
     if (auto it = owner_.find(p); it != owner_.end()) {
       it->second->owned_.erase(p);
@@ -195,7 +245,12 @@ BlockReservation::~BlockReservation() {
   for (void* p : owned_) cache.owner_.erase(p);  // live blocks go to the cache when freed
   for (auto& [bytes, blocks] : free_)
     for (void* p : blocks) try {
+        if (cache.closed_) {
+          free_device_bytes(cache.device_, p, bytes, cache.stream_owner_.get());
+          continue;
+        }
         cache.free_[bytes].push_back(p);
+        cache.idle_bytes_ += static_cast<int64_t>(bytes);
       } catch (...) {  // no memory for the list: the block goes back to the device
         free_device_bytes(cache.device_, p, bytes, cache.stream_owner_.get());
       }

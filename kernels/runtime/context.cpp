@@ -172,6 +172,9 @@ DeviceContext::DeviceContext(Device device, ContextOptions options)
 }
 
 DeviceContext::~DeviceContext() {
+  // Nothing takes from the cache any more: its idle blocks go now, the rest as their tensors do
+  // (a model kept past its engine held every block its workers had cached).
+  if (block_cache_) block_cache_->close();
 #if DP_HAVE_CUDA
   if (device_.is_cuda()) {
     // Destructors log, never throw. At process exit the runtime may already be unloading.
