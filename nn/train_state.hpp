@@ -557,8 +557,9 @@ inline std::vector<std::string> list_checkpoints(const std::string& dir) {
 // the newest `keep` checkpoints of steps up to `written` stay (that one among them) and older
 // ones are removed. A checkpoint of a later step belongs to a run this one superseded (it
 // resumed from an earlier checkpoint, or skipped a damaged newer one): it is moved aside to
-// <name>.superseded, and said so on stderr, so that "latest" never picks it over this run's
-// work, and nothing of it is deleted.
+// <name>.superseded (.superseded.2, .3 ... when that name is taken: an earlier supersede's file
+// is never replaced), and said so on stderr, so that "latest" never picks it over this run's
+// work, and nothing of it is deleted (nor counted in `keep`: such files stay until removed).
 inline void prune_checkpoints(const std::string& dir, int keep, int64_t written) {
   DP_CHECK(keep >= 1, "prune_checkpoints: keep " << keep << " would remove the new checkpoint");
   std::vector<std::string> mine;
@@ -569,11 +570,16 @@ inline void prune_checkpoints(const std::string& dir, int keep, int64_t written)
       continue;
     }
     std::error_code ec;
-    std::filesystem::rename(path, path + ".superseded", ec);
+    std::string aside = path + ".superseded";
+    for (int n = 2; std::filesystem::exists(aside, ec) || ec; ++n) {
+      if (ec) break;  // the name cannot be checked: not moved (said below)
+      aside = path + ".superseded." + std::to_string(n);
+    }
+    if (!ec) std::filesystem::rename(path, aside, ec);
+    const std::string outcome = ec ? "not moved aside: " + ec.message()
+                                   : "moved aside to " + aside + " (kept until removed by hand)";
     std::fprintf(stderr, "checkpoint %s: %s: this run wrote step %lld from an earlier point\n",
-                 path.c_str(),
-                 ec ? ("not moved aside: " + ec.message()).c_str() : "moved aside to .superseded",
-                 static_cast<long long>(written));
+                 path.c_str(), outcome.c_str(), static_cast<long long>(written));
   }
   for (size_t i = 0; i + static_cast<size_t>(keep) < mine.size(); ++i) {
     std::error_code ec;

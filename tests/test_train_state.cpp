@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <sstream>
 #include <thread>
 
@@ -649,6 +650,18 @@ TEST_CASE(
     REQUIRE(all.size() == 1);
     CHECK(all[0] == written);
     CHECK(std::filesystem::exists(nn::checkpoint_file(dir, 100000002) + ".superseded"));
+    CHECK(nn::resolve_resume("latest", dir) == written);
+    // The same again (a hostile pass: a second supersede of one step replaced the first one's
+    // file): the second goes beside it, and the first stays as it was.
+    const std::string first_aside = nn::checkpoint_file(dir, 100000002) + ".superseded";
+    write_bytes(first_aside, "the first run's");
+    p.step = 100000002;
+    nn::save_checkpoint_in(lock, 1, *m, *opt, p);
+    p.step = 100000001;
+    nn::save_checkpoint_in(lock, 1, *m, *opt, p);
+    CHECK(std::filesystem::exists(first_aside + ".2"));
+    std::ifstream first(first_aside);
+    CHECK(std::string(std::istreambuf_iterator<char>(first), {}) == "the first run's");
     CHECK(nn::resolve_resume("latest", dir) == written);
   }
   // Released with its holder: the next job takes it.
