@@ -571,10 +571,9 @@ inline void prune_checkpoints(const std::string& dir, int keep, int64_t written)
     }
     std::error_code ec;
     std::string aside = path + ".superseded";
-    for (int n = 2; std::filesystem::exists(aside, ec) || ec; ++n) {
-      if (ec) break;  // the name cannot be checked: not moved (said below)
+    // exists() is false on an error, which ec keeps: then nothing is moved (said below).
+    for (int n = 2; std::filesystem::exists(aside, ec); ++n)
       aside = path + ".superseded." + std::to_string(n);
-    }
     if (!ec) std::filesystem::rename(path, aside, ec);
     const std::string outcome = ec ? "not moved aside: " + ec.message()
                                    : "moved aside to " + aside + " (kept until removed by hand)";

@@ -160,7 +160,7 @@ void* BlockCache::take(size_t bytes) {
   int64_t keep = 0;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    last_take_[bytes] = ++takes_;
+    if (device_.is_cpu()) last_take_[bytes] = ++takes_;  // only the host's bound reads it
     void* p = active_ ? pop_block(active_->free_, bytes) : nullptr;
     if (p) return p;  // already the reservation's
     p = pop_block(free_, bytes);

@@ -105,7 +105,7 @@ class BlockCache : public std::enable_shared_from_this<BlockCache> {
   std::map<size_t, std::vector<void*>> free_;
   int64_t idle_bytes_ = 0;  // in free_
   uint64_t takes_ = 0;
-  std::map<size_t, uint64_t> last_take_;  // by size: the take that asked for it last
+  std::map<size_t, uint64_t> last_take_;  // CPU, by size: the take that asked for it last
   bool closed_ = false;
   BlockReservation* active_ = nullptr;
   std::unordered_map<void*, BlockReservation*> owner_;  // blocks of live reservations
