@@ -355,7 +355,7 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
     graph_key_.add_row_shape(labels);
     auto it = per_device_[0].graphs.find(graph_key_);
     stats.graphed = it != per_device_[0].graphs.end() && it->second.runs >= kGraphWarmupRuns;
-    stats.captured = stats.graphed && !it->second.compute.captured();
+    stats.captured = stats.graphed && !it->second.all_captured();
   }
   begin_counts();
   try {

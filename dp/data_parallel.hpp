@@ -251,7 +251,10 @@ class DataParallel {
   // Why graphs went off by themselves: empty, or "capture failed on DEVICE: ..." once a
   // capture failed (the work was not capturable). The engine then said so in one line ("dp:
   // graphs off: capture failed ..."), ran that step uncaptured (its results are the uncaptured
-  // step's) and runs every later step uncaptured.
+  // step's) and runs every later step uncaptured. A capture that only lacked cached memory (a
+  // temporary of the update reusing, eagerly, a block backward freed: dp/graphs.hpp's
+  // kCaptureMemoryRetries) runs uncaptured that step, which caches the memory, and is captured
+  // again at the shape's next step, silently, up to three times per device.
   const std::string& graphs_fallback() const { return graphs_fallback_; }
   // What device 0's attention calls ran so far (kernels::attention_report; every device runs
   // the same shapes). Between steps.
@@ -305,9 +308,10 @@ class DataParallel {
     // Graph mode: by step shape (graph_key_), the device's segments (the second: its sums and,
     // on device 0, the update and the metrics' gather) and the chunk buffers they hold.
     std::map<GraphKey, StepSegments> graphs;
-    CaptureFailure capture_failure;  // this step's, set by the device's worker
-    std::vector<int> graph_waits;    // whose ends a graphed reduce waits for
-    Tensor input, labels;            // this step's chunk on the device
+    CaptureFailure capture_failure;               // this step's, set by the device's worker
+    int capture_retries = kCaptureMemoryRetries;  // take_capture_failure's
+    std::vector<int> graph_waits;                 // whose ends a graphed reduce waits for
+    Tensor input, labels;                         // this step's chunk on the device
     Tensor output, dlogits;
     // (6) f32 on the device: the chunk's mean loss and correct count, (device 0) whether the
     // reduced gradient held a non-finite value (the GradScaler's verdict) and its norm (clipping
@@ -479,7 +483,8 @@ class DataParallel {
   bool said_graph_shapes_ = false;  // device 0's worker's (graph_set_for)
   std::string graphs_fallback_;     // graphs_fallback()
   // After a step: when a device's capture failed, graphs go off (graphs_fallback_, one line) and
-  // every graph is dropped. Whether one did.
+  // every graph is dropped, unless it lacked memory only (take_capture_failure: captured again
+  // at the shape's next step). Whether one failed.
   bool settle_capture_failures(int n_used);
 };
 

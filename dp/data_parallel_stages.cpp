@@ -147,15 +147,19 @@ std::string DataParallel::graphs_blocked() const {
 }
 
 bool DataParallel::settle_capture_failures(int n_used) {
-  bool failed = false;
-  for (int i = 0; i < n_used; ++i)  // (checked first: no device name is built per step)
-    if (!per_device_[i].capture_failure.reason.empty())
-      failed |= take_capture_failure(per_device_[i].capture_failure, devices_[i].str(), "dp",
-                                     graphs_fallback_);
-  if (!failed) return false;
-  // The captured graphs (and the blocks they reserve) go: no later step replays them.
-  for (PerDevice& pd : per_device_) pd.graphs.clear();
-  return true;
+  bool failed = false, off = false;
+  for (int i = 0; i < n_used; ++i) {  // (checked first: no device name is built per step)
+    PerDevice& pd = per_device_[i];
+    if (pd.capture_failure.reason.empty()) continue;
+    failed = true;
+    off |= take_capture_failure(pd.capture_failure, pd.capture_retries, devices_[i].str(), "dp",
+                                graphs_fallback_) == CaptureVerdict::off;
+  }
+  // The captured graphs (and the blocks they reserve) go: no later step replays them. A
+  // capture that lacked memory is tried again at the shape's next step, its graphs kept.
+  if (off)
+    for (PerDevice& pd : per_device_) pd.graphs.clear();
+  return failed;
 }
 
 bool DataParallel::use_graphs() {

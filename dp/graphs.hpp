@@ -75,18 +75,45 @@ struct GraphKey {
 
 // Where a segment's capture failed, and why: the first failure's text, empty while none has.
 // An engine that sees it set turns graphs off for itself (one "graphs off: capture failed"
-// line, the reports' graphs_fallback) and goes on uncaptured.
+// line, the reports' graphs_fallback) and goes on uncaptured, unless the capture only lacked
+// memory (see take_capture_failure).
 struct CaptureFailure {
   std::string reason;
+  // The capture took memory the cache did not hold (kernels::CaptureMemoryError).
+  bool memory = false;
+};
+
+// Captures an engine's device or rank tries again after one that lacked memory. Two segments
+// are captured back to back, and blocks freed inside the first one's capture stay its graph's:
+// a temporary of the update that reuses a block backward freed (eagerly) finds none for the
+// second one. The uncaptured run of the failed segment leaves such a block cached, so its
+// capture at the next step of the shape finds it (for that block's bytes more than the eager
+// step); a segment that asks for new memory every time stops after these tries.
+constexpr int kCaptureMemoryRetries = 3;
+
+// What take_capture_failure made of a step's failure.
+enum class CaptureVerdict {
+  none,   // no capture failed
+  again,  // one lacked memory: the step ran it uncaptured, the shape's next step captures again
+  off,    // graphs are off for good
 };
 
 // After a step: when `failed` holds a reason, the engine's graphs go off for good: `fallback`
 // (empty until then) becomes "capture failed on WHERE: reason", `engine` prints it in one line
 // ("dp: graphs off: capture failed on cpu:0: ..."), and `failed` is cleared. Later failures of
-// the same step leave the first reason. Returns whether `failed` held one.
-inline bool take_capture_failure(CaptureFailure& failed, const std::string& where,
-                                 const char* engine, std::string& fallback) {
-  if (failed.reason.empty()) return false;
+// the same step leave the first reason. A failure that only lacked memory, while `retries`
+// (the device's or rank's, kCaptureMemoryRetries at first) is above 0, takes one of them
+// instead and leaves the graphs on (again).
+inline CaptureVerdict take_capture_failure(CaptureFailure& failed, int& retries,
+                                           const std::string& where, const char* engine,
+                                           std::string& fallback) {
+  if (failed.reason.empty()) return CaptureVerdict::none;
+  if (failed.memory && retries > 0 && fallback.empty()) {
+    --retries;
+    failed.reason.clear();
+    failed.memory = false;
+    return CaptureVerdict::again;
+  }
   if (fallback.empty()) {
     // The reason without the error's source location (" [at context.cpp:287]"): a line for
     // users, the same on every backend.
@@ -96,10 +123,14 @@ inline bool take_capture_failure(CaptureFailure& failed, const std::string& wher
         (reason.compare(at, 5, " [at ") == 0 || reason.compare(at, 9, " [check `") == 0))
       reason.erase(at);
     fallback = "capture failed on " + where + ": " + reason;
+    if (failed.memory)
+      fallback += " (and " + std::to_string(kCaptureMemoryRetries) +
+                  " more captures, each after an uncaptured run: it asks for new memory)";
     std::fprintf(stderr, "%s: graphs off: %s\n", engine, fallback.c_str());
   }
   failed.reason.clear();
-  return true;
+  failed.memory = false;
+  return CaptureVerdict::off;
 }
 
 // requires `runs` = how often this segment ran before for this shape; body queues only work on
@@ -123,7 +154,10 @@ inline bool run_graph_segment(kernels::DeviceContext& ctx, kernels::Graph& g, in
       g.capture(ctx, body);
     } catch (const kernels::Error& e) {
       if (!failed) throw;
-      if (failed->reason.empty()) failed->reason = e.what();
+      if (failed->reason.empty()) {
+        failed->reason = e.what();
+        failed->memory = dynamic_cast<const kernels::CaptureMemoryError*>(&e) != nullptr;
+      }
       if (undo) undo();
       body();
       return true;

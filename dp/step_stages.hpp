@@ -95,6 +95,10 @@ struct StepSegments {
   kernels::Tensor input, labels, dlogits;
   uint64_t drawn = 0;     // random counters the compute segment draws (dropout)
   uint64_t last_use = 0;  // graph_set_for's order of use
+
+  // Whether both segments are captured: a step that replays them captures nothing (one whose
+  // capture lacked memory captures that segment at a later step).
+  bool all_captured() const { return compute.captured() && finish.captured(); }
 };
 
 namespace detail {

@@ -32,6 +32,8 @@
 //                --zero 1: ZeRO-1 (DdpTrainer::set_zero_stage; --zero-overlap: through
 //                DDP's buckets, set_zero_overlap). The optimizer is SGD with
 //                momentum 0.9 when --momentum is given (state to save), else plain SGD.
+//                --scratch-update: a temporary in backward and one in the optimizer's step
+//                (tests/scratch_layers.hpp).
 // --hold-ms T: collectives wait T ms after joining the group (a job that stays up a while).
 // --max-restarts K: the launcher's LaunchOptions::max_restarts.
 #include <signal.h>
@@ -50,6 +52,7 @@
 #include "dp/distributed/launcher.hpp"
 #include "dp/distributed/process_group.hpp"
 #include "nn/nn.hpp"
+#include "tests/scratch_layers.hpp"
 
 using namespace dp::dist;
 using kernels::Tensor;
@@ -177,6 +180,9 @@ struct DdpRun {
   // > 0: at this step (1-based) rank 1's last label is out of range; the step's error is caught
   // and printed, and the loop goes on (research code that catches and continues)
   int bad_label_at = 0;
+  // The model takes a temporary in backward and the optimizer another in its step
+  // (tests/scratch_layers.hpp): a graphed step's update lacks cached memory at its first capture
+  bool scratch_update = false;
 };
 
 int run_ddp(const DdpRun& o) {
@@ -189,6 +195,10 @@ int run_ddp(const DdpRun& o) {
   if (o.bad_label_at > 0 && o.moving_shares > 0) {
     std::fprintf(stderr,
                  "dist_worker: --bad-label-at takes class labels, not --moving-shares' tokens\n");
+    return 2;
+  }
+  if (o.scratch_update && o.moving_shares > 0) {
+    std::fprintf(stderr, "dist_worker: --scratch-update takes class labels, not tokens\n");
     return 2;
   }
   const int steps = o.steps;
@@ -224,12 +234,21 @@ int run_ddp(const DdpRun& o) {
     model->add(std::make_shared<nn::ReLU>());
     model->add(std::make_shared<nn::Linear>(8, 3));
   }
+  if (o.scratch_update) {
+    model = std::make_shared<nn::Sequential>();
+    model->add(std::make_shared<nn::Flatten>());
+    model->add(std::make_shared<nn::Linear>(4, 8));
+    model->add(std::make_shared<dp_test::ScratchInBackward>());
+    model->add(std::make_shared<nn::Linear>(8, 3));
+  }
   model->materialize(trainer.device(), 1);
   kernels::SgdConfig cfg;
   cfg.lr = 0.1f;
   if (o.momentum) cfg.momentum = 0.9f;
-  nn::SGD opt(*model, cfg);
-  trainer.wrap(model, opt);
+  std::unique_ptr<nn::SGD> opt = o.scratch_update
+                                     ? std::make_unique<dp_test::NormFirstSGD>(*model, cfg)
+                                     : std::make_unique<nn::SGD>(*model, cfg);
+  trainer.wrap(model, *opt);
   const int64_t tokens = o.moving_shares > 0 ? 2 : 1;  // per row
   std::vector<float> x(static_cast<size_t>(batch * tokens * 4));
   std::vector<int32_t> y(static_cast<size_t>(batch * tokens));
@@ -337,6 +356,7 @@ int main(int argc, char** argv) {
   app.add_flag("--momentum", ddp.momentum);
   app.add_option("--rank1-rows", ddp.rank1_rows)->check(CLI::PositiveNumber);
   app.add_option("--bad-label-at", ddp.bad_label_at)->check(CLI::PositiveNumber);
+  app.add_flag("--scratch-update", ddp.scratch_update);
   app.add_option("--job-tag", job_tag, "ignored: lets a test find this job's processes");
   CLI11_PARSE(app, argc, argv);
   lo.grace_period = std::chrono::milliseconds(grace_ms);

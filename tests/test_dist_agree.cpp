@@ -853,6 +853,29 @@ TEST_CASE("ddp.graphs: DdpTrainer's graphed steps equal its uncaptured ones bit 
   }
 }
 
+TEST_CASE("ddp.graphs: an update that lacks cached memory at its capture is captured next step") {
+  // A temporary in backward and one in the optimizer's step: eagerly the second reuses the
+  // first's block, which the captured backward keeps, so the update's capture at step 3 finds
+  // none. That step runs it uncaptured (caching a block), step 4 captures it: steps 4 to 8
+  // replay, graphs stay on, and the weights are graphs off's, bit for bit.
+  std::string dir = dist_test::make_temp_dir("ddp_graph_retry");
+  std::vector<std::string> args = {"--mode",           "ddp",          "--steps", "8",
+                                   "--scratch-update", "--cuda-graphs"};
+  args.push_back("off");
+  const std::array<LastStep, 2> off = ddp_pair(dir, "off", args);
+  args.back() = "on";
+  const std::array<LastStep, 2> on = ddp_pair(dir, "on", args);
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    CHECK(off[r].graphed == 0);
+    CHECK(on[r].graphed == 5);
+    CHECK(on[r].allocations == 0);
+    CHECK(on[r].losses == off[r].losses);
+    CHECK(on[r].weights == off[0].weights);
+  }
+  CHECK(off[0].weights.size() == 16);
+}
+
 TEST_CASE("ddp.metrics_lag: each step returns the one before's loss, the run trains bit for bit") {
   // Two hand-launched ranks, 6 steps alternating two shapes, clipping active, graphs off and
   // on, and ZeRO-1 (its clip from the shards' norms, on the device): with --metrics-lag 1 each

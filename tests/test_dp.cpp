@@ -18,6 +18,7 @@
 #include "dp/trace.hpp"
 #include "nn/nn.hpp"
 #include "tests/amp_util.hpp"
+#include "tests/scratch_layers.hpp"
 #include "tests/train_util.hpp"
 
 using namespace kernels;
@@ -1171,60 +1172,108 @@ TEST_CASE("dp.graphs: past 8 shapes, the shape used longest ago gives way, not a
 
 namespace {
 
-// Passes x on; its backward computes a statistic of dy into a (1) temporary and lets it go.
-class ScratchInBackward : public nn::Module {
+using dp_test::NormFirstSGD;
+using dp_test::ScratchInBackward;
+
+// Grows its backward's temporary by 4 KiB each call: a capture asks for a size no earlier run
+// cached, every time.
+class GrowingScratch : public nn::Module {
  public:
-  std::string type_name() const override { return "ScratchInBackward"; }
+  std::string type_name() const override { return "GrowingScratch"; }
 
  protected:
   Tensor forward_impl(const Tensor& x) override { return x; }
   Tensor backward_impl(const Tensor& dy) override {
-    Tensor stat = Tensor::empty({1}, DType::f32, dy.device());
-    kernels::sum_squares(stat, dy);
+    Tensor stat = Tensor::empty({1024 * (1 + calls_++)}, DType::f32, dy.device());
+    kernels::fill(stat, 0.f);
     return dy;
   }
   std::shared_ptr<nn::Module> clone_config() const override {
-    return std::make_shared<ScratchInBackward>();
+    return std::make_shared<GrowingScratch>();
   }
+
+ private:
+  int64_t calls_ = 0;
 };
 
-// SGD whose step first computes the gradient's squared norm into a (1) temporary (LARS-like).
-class NormFirstSGD : public nn::SGD {
- public:
-  using nn::SGD::SGD;
-  void apply_step() override {
-    Tensor norm = Tensor::empty({1}, DType::f32, module().device());
-    kernels::sum_squares(norm, module().flat_grads());
-    nn::SGD::apply_step();
+// Linear, `middle`, Linear, trained `steps` steps on n CPU devices under NormFirstSGD.
+GraphRun train_scratch(const nn::ModulePtr& middle, int n, dp::Graphs graphs, int steps,
+                       std::string* fallback = nullptr) {
+  auto s = std::make_shared<nn::Sequential>();
+  s->add(std::make_shared<nn::Linear>(6, 16));
+  s->add(middle);
+  s->add(std::make_shared<nn::Linear>(16, 5));
+  auto devices = make_devices(DeviceType::cpu, n);
+  s->materialize(devices[0], kSeed);
+  NormFirstSGD opt(*s, dp_test::momentum_sgd());
+  dp::DataParallelOptions o;
+  o.graphs = graphs;
+  dp::DataParallel engine(s, opt, devices, o);
+  GraphRun run;
+  for (int step = 0; step < steps; ++step) {
+    auto [x, y] = dp_test::toy_batch(8, 40 + step);
+    run.stats.push_back(engine.train_step(x, y));
+    run.losses.push_back(run.stats.back().loss);
   }
-};
+  run.params = engine.module().flat_params().to_host_f32();
+  if (fallback) *fallback = engine.graphs_fallback();
+  return run;
+}
 
 }  // namespace
 
 // A hostile pass: on CPU devices DP captured device 0's update on its wide context (all the
 // cores, its own block cache), which served the step's temporary where a GPU's one context has
 // no free block: 2 and 3 CPU devices said graphed where 1, and a GPU, fall back. Graphed steps
-// now update on the device's own context.
-TEST_CASE("dp.graphs: device 0's update is captured on its own context, as on a GPU") {
+// now update on the device's own context, where the update's temporary, eagerly the block
+// backward's freed, finds none at step 2: backward's block is the first graph's. The failed
+// capture runs uncaptured, which caches a block of that size, and step 3 captures it: graphed
+// from then on, not off for good, with graphs off's bits.
+TEST_CASE("dp.graphs: an update that lacks cached memory at its capture is captured next step") {
   for (int n : {1, 2, 3}) {
     CAPTURE(n);
-    auto s = std::make_shared<nn::Sequential>();
-    s->add(std::make_shared<nn::Linear>(6, 16));
-    s->add(std::make_shared<ScratchInBackward>());
-    s->add(std::make_shared<nn::Linear>(16, 5));
-    auto devices = make_devices(DeviceType::cpu, n);
-    s->materialize(devices[0], kSeed);
-    NormFirstSGD opt(*s, dp_test::momentum_sgd());
-    dp::DataParallelOptions o;
-    o.graphs = dp::Graphs::on;
-    dp::DataParallel engine(s, opt, devices, o);
-    for (int step = 0; step < 5; ++step) {
-      auto [x, y] = dp_test::toy_batch(8, 40 + step);
-      CHECK_FALSE(engine.train_step(x, y).graphed);
+    const GraphRun eager =
+        train_scratch(std::make_shared<ScratchInBackward>(), n, dp::Graphs::off, 6);
+    std::string fallback = "(not read)";
+    GraphRun graphed;
+    const std::string said = dp_test::capture_stderr([&] {
+      graphed =
+          train_scratch(std::make_shared<ScratchInBackward>(), n, dp::Graphs::on, 6, &fallback);
+    });
+    for (int s = 0; s < 6; ++s) {
+      CAPTURE(s);
+      CHECK(graphed.stats[s].graphed == (s >= 3));  // step 2's update ran uncaptured
+      CHECK(graphed.stats[s].captured == (s == 3));
+      CHECK(graphed.losses[s] == eager.losses[s]);
     }
-    CHECK(engine.graphs_fallback().find("allocating 4 bytes on cpu:0 while a graph captures") !=
-          std::string::npos);
+    CHECK(same_bits(graphed.params, eager.params));
+    CHECK(fallback.empty());
+    CHECK(said.find("graphs off") == std::string::npos);
   }
+}
+
+// The tries are counted: a capture that asks for new memory each time turns graphs off after
+// kCaptureMemoryRetries more, saying so, and the run keeps graphs off's losses.
+TEST_CASE("dp.graphs: a capture that asks for new memory every time stops after its tries") {
+  const GraphRun eager = train_scratch(std::make_shared<GrowingScratch>(), 2, dp::Graphs::off, 9);
+  std::string fallback;
+  GraphRun graphed;
+  const std::string said = dp_test::capture_stderr([&] {
+    graphed = train_scratch(std::make_shared<GrowingScratch>(), 2, dp::Graphs::on, 9, &fallback);
+  });
+  for (int s = 0; s < 9; ++s) {
+    CAPTURE(s);
+    CHECK_FALSE(graphed.stats[s].graphed);
+    CHECK(graphed.losses[s] == eager.losses[s]);
+  }
+  CHECK(same_bits(graphed.params, eager.params));
+  // Captures at steps 2 to 5: the first fails and three more do.
+  CHECK(fallback.find("capture failed on cpu:0: allocating") == 0);
+  CHECK(fallback.find("while a graph captures") != std::string::npos);
+  CHECK(fallback.find("(and 3 more captures, each after an uncaptured run: it asks for new "
+                      "memory)") != std::string::npos);
+  CHECK(said.find("dp: graphs off: " + fallback) != std::string::npos);
+  CHECK(said.find("graphs off") == said.rfind("graphs off"));  // once
 }
 
 // A hostile pass: a replayed step that throws on a CPU device (a bad label) skipped its

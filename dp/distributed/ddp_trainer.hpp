@@ -185,7 +185,8 @@ class DdpTrainer {
   // Why graphs went off by themselves: empty, or "capture failed on rank R (DEVICE): ..." once
   // a capture failed (the work was not capturable). That step ran uncaptured (its results are
   // the uncaptured step's; one "ddp: graphs off: capture failed" line) and so does every later
-  // one.
+  // one. A capture that only lacked cached memory is captured again at the shape's next step, up
+  // to three times (DataParallel::graphs_fallback).
   const std::string& graphs_fallback() const { return graphs_fallback_; }
   // What this rank's attention calls ran so far (kernels::attention_report).
   kernels::AttentionReport attention_report() { return kernels::attention_report(*context_); }
@@ -326,10 +327,11 @@ class DdpTrainer {
   std::map<GraphKey, StepSegments> graphs_;
   GraphKey graph_key_;  // this step's
   bool said_graphs_off_ = false;
-  bool said_graph_shapes_ = false;  // graph_set_for's line (rank 0 says it)
-  bool graph_collectives_ = true;   // set_graph_collectives
-  CaptureFailure capture_failure_;  // the step in progress's
-  std::string graphs_fallback_;     // graphs_fallback()
+  bool said_graph_shapes_ = false;               // graph_set_for's line (rank 0 says it)
+  bool graph_collectives_ = true;                // set_graph_collectives
+  CaptureFailure capture_failure_;               // the step in progress's
+  int capture_retries_ = kCaptureMemoryRetries;  // take_capture_failure's
+  std::string graphs_fallback_;                  // graphs_fallback()
   int64_t last_payload_bytes_ = 0;
 };
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <sstream>
 
 #include "kernels/runtime/context.hpp"
 #include "kernels/runtime/error.hpp"
@@ -30,9 +31,11 @@ bool stream_capturing(Device device, void* stream) {
 }  // namespace
 
 void refuse_capture_allocation(Device device, size_t bytes) {
-  DP_THROW("allocating " << bytes << " bytes on " << device
-                         << " while a graph captures: the work takes memory the cache "
-                            "does not hold (run it once uncaptured first)");
+  std::ostringstream os;
+  os << "allocating " << bytes << " bytes on " << device
+     << " while a graph captures: the work takes memory the cache does not hold (run it once "
+        "uncaptured first)";
+  throw CaptureMemoryError(detail::error_text(__FILE__, __LINE__, nullptr, os.str()));
 }
 
 void* allocate_device_bytes(Device device, size_t bytes, void* stream, MemoryStats& stats) {

@@ -37,7 +37,8 @@ struct MemoryStats;
 // stats.allocations; throws naming the device and size when it fails.
 void* allocate_device_bytes(Device device, size_t bytes, void* stream, MemoryStats& stats);
 // Throws the error of an allocation made while a graph captures on `device` (the same words on
-// every backend: a CUDA capture cannot take new memory, and CPU devices refuse what it refuses).
+// every backend: a CUDA capture cannot take new memory, and CPU devices refuse what it refuses),
+// a CaptureMemoryError.
 [[noreturn]] void refuse_capture_allocation(Device device, size_t bytes);
 // Frees what allocate_device_bytes returned (stream-ordered on `stream` for CUDA). Never throws.
 void free_device_bytes(Device device, void* p, size_t bytes, void* stream) noexcept;

@@ -13,7 +13,7 @@ const char* base_name(const char* path) {
 }
 }  // namespace
 
-void throw_error(const char* file, int line, const char* what, const std::string& msg) {
+std::string error_text(const char* file, int line, const char* what, const std::string& msg) {
   std::ostringstream os;
   os << msg;
   if (what)
@@ -21,7 +21,11 @@ void throw_error(const char* file, int line, const char* what, const std::string
   else
     os << " [";
   os << (what ? " at " : "at ") << base_name(file) << ":" << line << "]";
-  throw Error(os.str());
+  return os.str();
+}
+
+void throw_error(const char* file, int line, const char* what, const std::string& msg) {
+  throw Error(error_text(file, line, what, msg));
 }
 
 void log_error(const char* file, int line, const std::string& msg) noexcept {

@@ -14,8 +14,18 @@ class Error : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A graph's capture took memory its context's block cache does not hold (kernels/runtime/
+// graph.hpp): the work is capturable once that memory is cached, which running it uncaptured
+// once does (its blocks go back to the cache when freed).
+class CaptureMemoryError : public Error {
+ public:
+  using Error::Error;
+};
+
 namespace detail {
 [[noreturn]] void throw_error(const char* file, int line, const char* what, const std::string& msg);
+// The text throw_error gives: `msg` with the failed check (`what`, or none) and the place.
+std::string error_text(const char* file, int line, const char* what, const std::string& msg);
 // Logs from destructors and other places that must not throw.
 void log_error(const char* file, int line, const std::string& msg) noexcept;
 }  // namespace detail

@@ -18,7 +18,9 @@
 // of its tensors, Tensor::raw), a copy out of it queued on another device (it would run once,
 // outside the graph), recording or waiting on an event, replaying a graph into it, pinned host
 // memory, and an allocation the context's BlockCache cannot serve (a miss). The message names
-// the innermost NVTX range (the nn layer). The work is then not capturable.
+// the innermost NVTX range (the nn layer). The work is then not capturable; after a miss alone
+// (a CaptureMemoryError) it may be once run uncaptured, whose freed blocks stay cached (the
+// engines try again so: dp/graphs.hpp's kCaptureMemoryRetries).
 //
 // Host values the captured ops were handed (a float scale, a layer's member) are baked in: a
 // replay uses them, not later ones. The engines put each step's values in device memory
