@@ -294,6 +294,9 @@ int main(int argc, char** argv) {
     // by the launcher, not by every rank.
     dp::data::TextCorpus corpus = dp::data::read_text_corpus(f.data);
     if (f.mode == "ddp") {
+      // The launcher's copy goes before the ranks start (it held the text while they ran): each
+      // rank reads its own.
+      if (!dp::dist::worker_env_from_environment()) corpus = dp::data::TextCorpus{};
       dp::dist::DdpTrainerOptions t;
       t.backend = f.backend;
       t.device = f.device;
