@@ -181,7 +181,7 @@ struct DdpRun {
   // and printed, and the loop goes on (research code that catches and continues)
   int bad_label_at = 0;
   // The model takes a temporary in backward and the optimizer another in its step
-  // (tests/scratch_layers.hpp): a graphed step's update lacks cached memory at its first capture
+  // (tests/scratch_layers.hpp): a graphed step's update lacks cached memory at its first capture.
   bool scratch_update = false;
 };
 

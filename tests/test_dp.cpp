@@ -1225,8 +1225,8 @@ GraphRun train_scratch(const nn::ModulePtr& middle, int n, dp::Graphs graphs, in
 // A hostile pass: on CPU devices DP captured device 0's update on its wide context (all the
 // cores, its own block cache), which served the step's temporary where a GPU's one context has
 // no free block: 2 and 3 CPU devices said graphed where 1, and a GPU, fall back. Graphed steps
-// now update on the device's own context, where the update's temporary, eagerly the block
-// backward's freed, finds none at step 2: backward's block is the first graph's. The failed
+// now update on the device's own context. There the update's temporary, which eagerly reuses
+// the block backward freed, finds none at step 2: that block is the first graph's. The failed
 // capture runs uncaptured, which caches a block of that size, and step 3 captures it: graphed
 // from then on, not off for good, with graphs off's bits.
 TEST_CASE("dp.graphs: an update that lacks cached memory at its capture is captured next step") {
