@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <functional>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -526,6 +527,11 @@ TEST_CASE(
   };
   const std::vector<std::vector<int>> node_devices = {{0, 1}, {2}};
   std::vector<std::string> errors(2);
+  // Node 0 hosts the store that holds its note (rank 0 of the group, as under torchrun): it
+  // stays up until node 1 has read it (the note of a host that is gone is lost, and its error
+  // says a peer closed its connection instead).
+  std::promise<void> node1_failed;
+  std::shared_future<void> node1_done = node1_failed.get_future().share();
   const auto t0 = std::chrono::steady_clock::now();
   run_ranks(
       2,
@@ -540,6 +546,7 @@ TEST_CASE(
         dp::DataParallel engine(m, opt, on, o);
         auto [x, y] = dp_test::toy_batch(12, 1);
         errors[r] = dp_test::error_of([&] { engine.train_step(x, y); });
+        if (r == 1) node1_failed.set_value();
         if (r == 0)  // this node's later steps are refused, naming the failure
           CHECK(dp_test::error_of([&] { engine.train_step(x, y); })
                     .find("this node left their collectives' group in an earlier step, when "
@@ -548,8 +555,12 @@ TEST_CASE(
           CHECK(dp_test::error_of([&] {
                   engine.evaluate(x, y);
                 }).find("evaluate: this node left their collectives' group") != std::string::npos);
+        if (r == 0)
+          CHECK(node1_done.wait_for(std::chrono::seconds(20)) == std::future_status::ready);
       },
       [&](int r) { return Device::cpu(node_devices[r][0]); });
+  CAPTURE(errors[0]);
+  CAPTURE(errors[1]);
   CHECK(errors[0].find("the hook of node 0 failed") != std::string::npos);
   CHECK(errors[1].find("rank 1 of 2") != std::string::npos);  // its own op, failed by the peer
   // Node 0 recorded why it left (CrossNode::abort): node 1's error names it.

@@ -3,6 +3,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
+#include <thread>
 
 #include "dp/distributed/gloo_process_group.hpp"
 #include "kernels/ops.hpp"
@@ -224,8 +225,9 @@ TEST_CASE("dist.collectives: a collective one rank never joins times out naming 
 TEST_CASE("dist.collectives: a rank that leaves names its recorded failure in its peer's error") {
   // Rank 1 leaves while rank 0 needs it in an all-reduce: first without a word (its group
   // destroyed, as in a process that died), then after recording why (record_failure; abort
-  // records too, but only the first note stays). Rank 0's error says what it can.
-  auto peer_error = [&](bool record) {
+  // records too, but only the first note stays). Rank 0's error says what it can, whether its op
+  // was waiting when rank 1 closed or starts after (`late`: Gloo then finds its end closed).
+  auto peer_error = [&](bool record, bool late) {
     std::string error;
     dist_test::run_ranks(2, [&](int r, std::shared_ptr<Store> store) {
       auto pg = dist_test::gloo_group(r, 2, store, 20s);
@@ -235,7 +237,12 @@ TEST_CASE("dist.collectives: a rank that leaves names its recorded failure in it
           pg->abort("leaving");
         }
         pg.reset();  // closes its connections
+        store->set_string("test/closed", "1");
         return;
+      }
+      if (late) {
+        store->wait({"test/closed"});
+        std::this_thread::sleep_for(200ms);  // Gloo's loop sees the close before the op
       }
       Tensor t = Tensor::from_vector(std::vector<float>(64, 1.f), {64});
       try {
@@ -251,16 +258,19 @@ TEST_CASE("dist.collectives: a rank that leaves names its recorded failure in it
     });
     return error;
   };
-  const std::string silent = peer_error(false), said = peer_error(true);
-  CAPTURE(silent);
-  CAPTURE(said);
-  CHECK(silent.find("all_reduce") != std::string::npos);
-  CHECK(silent.find("rank 0 of 2") != std::string::npos);
-  CHECK(silent.find("a peer rank closed its connection") != std::string::npos);
-  CHECK(said.find("rank 0 of 2") != std::string::npos);
-  CHECK(said.find("(rank 1 failed first: DdpTrainer step 3: the batch of shard 7 is empty)") !=
-        std::string::npos);
-  CHECK(said.find("a peer rank closed its connection") == std::string::npos);
+  for (bool late : {false, true}) {
+    const std::string silent = peer_error(false, late), said = peer_error(true, late);
+    CAPTURE(late);
+    CAPTURE(silent);
+    CAPTURE(said);
+    CHECK(silent.find("all_reduce") != std::string::npos);
+    CHECK(silent.find("rank 0 of 2") != std::string::npos);
+    CHECK(silent.find("a peer rank closed its connection") != std::string::npos);
+    CHECK(said.find("rank 0 of 2") != std::string::npos);
+    CHECK(said.find("(rank 1 failed first: DdpTrainer step 3: the batch of shard 7 is empty)") !=
+          std::string::npos);
+    CHECK(said.find("a peer rank closed its connection") == std::string::npos);
+  }
 }
 
 TEST_CASE("dist.collectives: rendezvous times out when a rank never arrives") {

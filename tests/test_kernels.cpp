@@ -3,6 +3,7 @@
 #include <cblas.h>
 #include <dlfcn.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <exception>
@@ -211,23 +212,42 @@ TEST_CASE("kernels.gemm: tiled parallel path matches the reference and any threa
   }
 }
 
+namespace {
+
+// The number of this process's threads.
+int thread_count() {
+  return static_cast<int>(std::distance(std::filesystem::directory_iterator("/proc/self/task"),
+                                        std::filesystem::directory_iterator()));
+}
+
+// thread_count() once it is `want`, or whatever it is after 2 s: a joined thread can stay in
+// /proc/self/task for a moment after pthread_join returns (the kernel clears its id, which wakes
+// the join, before it reaps the thread).
+int thread_count_settled_at(int want) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  int n = thread_count();
+  while (n != want && std::chrono::steady_clock::now() < end) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    n = thread_count();
+  }
+  return n;
+}
+
+}  // namespace
+
 TEST_CASE(
     "kernels.gemm: the first CPU GEMM ends OpenBLAS's idle pool, a threaded call restarts it") {
   // OpenBLAS's pthread build starts openblas_get_num_threads() - 1 pool threads when it loads;
   // kernels::gemm calls it on one thread, so the pool (which spins for about 0.1 s when idle)
   // must be gone after the first GEMM. This case runs in its own process under ctest.
-  auto threads = [] {
-    return static_cast<int>(std::distance(std::filesystem::directory_iterator("/proc/self/task"),
-                                          std::filesystem::directory_iterator()));
-  };
   with_cpu_threads(1, [&] {  // one thread: no TBB worker appears while threads are counted
     const int64_t m = 300, k = 40, n = 600;  // past the skinny path: OpenBLAS's sgemm
     Tensor a = random_tensor({m, k}, 30), b = random_tensor({k, n}, 31);
     Tensor c = filled({m, n}, 0.f), d = filled({m, n}, 0.f);
-    const int pool = openblas_get_num_threads() - 1, before = threads();
+    const int pool = openblas_get_num_threads() - 1, before = thread_count();
     gemm(c, a, Transpose::no, b, Transpose::no);
     CHECK(openblas_get_num_threads() == 1);
-    CHECK(threads() == before - pool);
+    CHECK(thread_count_settled_at(before - pool) == before - pool);
     // A threaded call afterwards (bench_kernels' OpenBLAS baseline does one) brings the pool
     // back, through OpenBLAS's own re-start after a fork, and computes the same product.
     openblas_set_num_threads(2);
@@ -244,12 +264,8 @@ TEST_CASE(
 // thread spun through the run's first 0.1 s (a bf16 CNN's first 15-20 steps at 3.5 ms where the
 // rest took 2.1). This case runs in its own process under ctest.
 TEST_CASE("kernels.gemm: a skinny or bf16 first product ends OpenBLAS's idle pool too") {
-  auto threads = [] {
-    return static_cast<int>(std::distance(std::filesystem::directory_iterator("/proc/self/task"),
-                                          std::filesystem::directory_iterator()));
-  };
   with_cpu_threads(1, [&] {  // one thread: no TBB worker appears while threads are counted
-    const int pool = openblas_get_num_threads() - 1, before = threads();
+    const int pool = openblas_get_num_threads() - 1, before = thread_count();
     REQUIRE(pool >= 0);
     if (cpu::bf16_gemm_enabled()) {  // oneDNN's bf16 product first
       Tensor a = cast(random_tensor({64, 48}, 40), DType::bf16);
@@ -263,7 +279,7 @@ TEST_CASE("kernels.gemm: a skinny or bf16 first product ends OpenBLAS's idle poo
       gemm(c, a, Transpose::no, b, Transpose::no);
     }
     CHECK(openblas_get_num_threads() == 1);
-    CHECK(threads() == before - pool);
+    CHECK(thread_count_settled_at(before - pool) == before - pool);
   });
 }
 
