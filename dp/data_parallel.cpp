@@ -368,7 +368,7 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
       stats.graph_nodes += seg.compute.nodes() + seg.finish.nodes();
     }
   } catch (...) {
-    for (PerDevice& pd : per_device_) pd.capture_failure.reason.clear();
+    for (PerDevice& pd : per_device_) pd.capture_failure.clear();
     // A failed step is no warm-up run of its shape: the shape runs uncaptured twice again
     // before a capture (which needs the sizes both runs leave in the caches), whatever was
     // captured of it already staying.

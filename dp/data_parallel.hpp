@@ -308,10 +308,9 @@ class DataParallel {
     // Graph mode: by step shape (graph_key_), the device's segments (the second: its sums and,
     // on device 0, the update and the metrics' gather) and the chunk buffers they hold.
     std::map<GraphKey, StepSegments> graphs;
-    CaptureFailure capture_failure;               // this step's, set by the device's worker
-    int capture_retries = kCaptureMemoryRetries;  // take_capture_failure's
-    std::vector<int> graph_waits;                 // whose ends a graphed reduce waits for
-    Tensor input, labels;                         // this step's chunk on the device
+    CaptureFailure capture_failure;  // this step's, set by the device's worker
+    std::vector<int> graph_waits;    // whose ends a graphed reduce waits for
+    Tensor input, labels;            // this step's chunk on the device
     Tensor output, dlogits;
     // (6) f32 on the device: the chunk's mean loss and correct count, (device 0) whether the
     // reduced gradient held a non-finite value (the GradScaler's verdict) and its norm (clipping

@@ -152,8 +152,8 @@ bool DataParallel::settle_capture_failures(int n_used) {
     PerDevice& pd = per_device_[i];
     if (pd.capture_failure.reason.empty()) continue;
     failed = true;
-    off |= take_capture_failure(pd.capture_failure, pd.capture_retries, devices_[i].str(), "dp",
-                                graphs_fallback_) == CaptureVerdict::off;
+    off |= take_capture_failure(pd.capture_failure, devices_[i].str(), "dp", graphs_fallback_) ==
+           CaptureVerdict::off;
   }
   // The captured graphs (and the blocks they reserve) go: no later step replays them. A
   // capture that lacked memory is tried again at the shape's next step, its graphs kept.

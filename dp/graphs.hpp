@@ -73,16 +73,6 @@ struct GraphKey {
   bool operator<(const GraphKey& o) const { return values < o.values; }
 };
 
-// Where a segment's capture failed, and why: the first failure's text, empty while none has.
-// An engine that sees it set turns graphs off for itself (one "graphs off: capture failed"
-// line, the reports' graphs_fallback) and goes on uncaptured, unless the capture only lacked
-// memory (see take_capture_failure).
-struct CaptureFailure {
-  std::string reason;
-  // The capture took memory the cache did not hold (kernels::CaptureMemoryError).
-  bool memory = false;
-};
-
 // Captures an engine's device or rank tries again after one that lacked memory. Two segments
 // are captured back to back, and blocks freed inside the first one's capture stay its graph's:
 // a temporary of the update that reuses a block backward freed (eagerly) finds none for the
@@ -90,6 +80,24 @@ struct CaptureFailure {
 // capture at the next step of the shape finds it (for that block's bytes more than the eager
 // step); a segment that asks for new memory every time stops after these tries.
 constexpr int kCaptureMemoryRetries = 3;
+
+// An engine's device's or rank's captures: where the step's failed, and why (the first
+// failure's text, empty while none has), and the tries it has left. An engine that sees a
+// reason turns graphs off for itself (one "graphs off: capture failed" line, the reports'
+// graphs_fallback) and goes on uncaptured, unless the capture only lacked memory (see
+// take_capture_failure).
+struct CaptureFailure {
+  std::string reason;
+  // The capture took memory the cache did not hold (kernels::CaptureMemoryError).
+  bool memory = false;
+  // Failures that only lacked memory this device or rank may still retry, for the run.
+  int retries = kCaptureMemoryRetries;
+  // Forgets the step's failure (its tries stay spent).
+  void clear() {
+    reason.clear();
+    memory = false;
+  }
+};
 
 // What take_capture_failure made of a step's failure.
 enum class CaptureVerdict {
@@ -101,17 +109,14 @@ enum class CaptureVerdict {
 // After a step: when `failed` holds a reason, the engine's graphs go off for good: `fallback`
 // (empty until then) becomes "capture failed on WHERE: reason", `engine` prints it in one line
 // ("dp: graphs off: capture failed on cpu:0: ..."), and `failed` is cleared. Later failures of
-// the same step leave the first reason. A failure that only lacked memory, while `retries`
-// (the device's or rank's, kCaptureMemoryRetries at first) is above 0, takes one of them
-// instead and leaves the graphs on (again).
-inline CaptureVerdict take_capture_failure(CaptureFailure& failed, int& retries,
-                                           const std::string& where, const char* engine,
-                                           std::string& fallback) {
+// the same step leave the first reason. A failure that only lacked memory, while the device
+// or rank has failed.retries left, takes one of them instead and leaves the graphs on (again).
+inline CaptureVerdict take_capture_failure(CaptureFailure& failed, const std::string& where,
+                                           const char* engine, std::string& fallback) {
   if (failed.reason.empty()) return CaptureVerdict::none;
-  if (failed.memory && retries > 0 && fallback.empty()) {
-    --retries;
-    failed.reason.clear();
-    failed.memory = false;
+  if (failed.memory && failed.retries > 0 && fallback.empty()) {
+    --failed.retries;
+    failed.clear();
     return CaptureVerdict::again;
   }
   if (fallback.empty()) {
@@ -128,8 +133,7 @@ inline CaptureVerdict take_capture_failure(CaptureFailure& failed, int& retries,
                   " more captures, each after an uncaptured run: it asks for new memory)";
     std::fprintf(stderr, "%s: graphs off: %s\n", engine, fallback.c_str());
   }
-  failed.reason.clear();
-  failed.memory = false;
+  failed.clear();
   return CaptureVerdict::off;
 }
 

@@ -327,11 +327,10 @@ class DdpTrainer {
   std::map<GraphKey, StepSegments> graphs_;
   GraphKey graph_key_;  // this step's
   bool said_graphs_off_ = false;
-  bool said_graph_shapes_ = false;               // graph_set_for's line (rank 0 says it)
-  bool graph_collectives_ = true;                // set_graph_collectives
-  CaptureFailure capture_failure_;               // the step in progress's
-  int capture_retries_ = kCaptureMemoryRetries;  // take_capture_failure's
-  std::string graphs_fallback_;                  // graphs_fallback()
+  bool said_graph_shapes_ = false;  // graph_set_for's line (rank 0 says it)
+  bool graph_collectives_ = true;   // set_graph_collectives
+  CaptureFailure capture_failure_;  // the step in progress's, and the rank's tries
+  std::string graphs_fallback_;     // graphs_fallback()
   int64_t last_payload_bytes_ = 0;
 };
 

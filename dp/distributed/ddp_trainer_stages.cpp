@@ -141,6 +141,7 @@ int64_t DdpTrainer::run_stages(const kernels::Tensor& x, const kernels::Tensor& 
   }
   times_.graphed = segments->runs >= kGraphWarmupRuns;
   times_.captured = times_.graphed && !segments->all_captured();
+  capture_failure_.clear();  // not a failed step's before (its tries stay spent)
   run_graphed_stages(stages, *segments, ddp_->module().flat(), capture_failure_, marks_, ctx,
                      names);
   times_.graph_nodes = times_.graphed ? segments->compute.nodes() + segments->finish.nodes() : 0;
@@ -148,7 +149,7 @@ int64_t DdpTrainer::run_stages(const kernels::Tensor& x, const kernels::Tensor& 
   // off for good (the caller drops the graphs captured so far with their memory), unless the
   // capture lacked memory only: that segment is captured again at the shape's next step.
   if (!capture_failure_.reason.empty() &&
-      take_capture_failure(capture_failure_, capture_retries_,
+      take_capture_failure(capture_failure_,
                            "rank " + std::to_string(rank()) + " (" + device_.str() + ")", "ddp",
                            graphs_fallback_) != CaptureVerdict::none) {
     times_.graphed = times_.captured = false;
