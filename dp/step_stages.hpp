@@ -95,6 +95,9 @@ struct StepSegments {
   kernels::Tensor input, labels, dlogits;
   uint64_t drawn = 0;     // random counters the compute segment draws (dropout)
   uint64_t last_use = 0;  // graph_set_for's order of use
+  // DDP: the host share research code's hook read while the compute segment was captured
+  // (DistributedDataParallel::take_share_read_in_capture), which its replays work with.
+  std::optional<float> host_share;
 
   // Whether both segments are captured: a step that replays them captures nothing (one whose
   // capture lacked memory captures that segment at a later step).

@@ -34,6 +34,8 @@
 //                momentum 0.9 when --momentum is given (state to save), else plain SGD.
 //                --scratch-update: a temporary in backward and one in the optimizer's step
 //                (tests/scratch_layers.hpp).
+//                --host-share-hook: research code's capturable comm hook that reads the host
+//                share (GradBucket::share) in its queued ops (HostShareHook).
 // --hold-ms T: collectives wait T ms after joining the group (a job that stays up a while).
 // --max-restarts K: the launcher's LaunchOptions::max_restarts.
 #include <signal.h>
@@ -183,6 +185,32 @@ struct DdpRun {
   // The model takes a temporary in backward and the optimizer another in its step
   // (tests/scratch_layers.hpp): a graphed step's update lacks cached memory at its first capture.
   bool scratch_update = false;
+  bool host_share_hook = false;  // DdpOptions::comm_hook: a HostShareHook
+};
+
+// Research code's capturable hook whose queued ops take the rank's share as the host value
+// (GradBucket::share): each bucket scaled by 1 / share, then by the device's share (share_at),
+// then summed. Eagerly the built-in sum's gradient, rounding aside, at every step; a replay of
+// its capture divides by the captured share (dp::dist::HostShare: DdpTrainer replays it only
+// at steps of that share).
+class HostShareHook : public CommHook {
+ public:
+  std::string name() const override { return "host-share"; }
+  std::shared_ptr<Work> reduce(GradBucket& b) override {
+    rescale(b);
+    return b.group->all_reduce(b.grad);
+  }
+  bool capturable() const override { return true; }
+  void reduce_queued(GradBucket& b) override {
+    rescale(b);
+    b.group->all_reduce_queued(b.grad);
+  }
+
+ private:
+  static void rescale(GradBucket& b) {
+    kernels::scale(b.grad, b.grad, kernels::Scalar(1.f / b.share));
+    kernels::scale(b.grad, b.grad, b.share_at);
+  }
 };
 
 int run_ddp(const DdpRun& o) {
@@ -205,6 +233,7 @@ int run_ddp(const DdpRun& o) {
   DdpOptions ddp_options;
   if (o.bucket_cap_bytes > 0)
     ddp_options.bucket_cap_bytes = ddp_options.first_bucket_bytes = o.bucket_cap_bytes;
+  if (o.host_share_hook) ddp_options.comm_hook = std::make_shared<HostShareHook>();
   DdpTrainer trainer(kernels::DeviceType::cpu, o.backend, ddp_options);
   trainer.set_clip_grad_norm(o.clip_grad);
   trainer.set_zero_stage(o.zero);
@@ -357,6 +386,7 @@ int main(int argc, char** argv) {
   app.add_option("--rank1-rows", ddp.rank1_rows)->check(CLI::PositiveNumber);
   app.add_option("--bad-label-at", ddp.bad_label_at)->check(CLI::PositiveNumber);
   app.add_flag("--scratch-update", ddp.scratch_update);
+  app.add_flag("--host-share-hook", ddp.host_share_hook);
   app.add_option("--job-tag", job_tag, "ignored: lets a test find this job's processes");
   CLI11_PARSE(app, argc, argv);
   lo.grace_period = std::chrono::milliseconds(grace_ms);

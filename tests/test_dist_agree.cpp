@@ -616,6 +616,7 @@ struct LastStep {
   int overlapped = -1;        // the last step's buckets launched while backward ran
   std::vector<float> losses;  // what each step returned (and finish_metrics, lagged)
   std::string weights;        // the hash of its final weights, 16 hex digits
+  std::string output;         // all it printed
 };
 
 LastStep last_step(const std::string& out, int rank) {
@@ -649,7 +650,10 @@ std::array<LastStep, 2> ddp_pair(const std::string& dir, const std::string& name
   HandRank r1(dir, name + "_1", 1, 2, port, args);
   REQUIRE(r0.wait(30s) == 0);
   REQUIRE(r1.wait(30s) == 0);
-  return {last_step(r0.output(), 0), last_step(r1.output(), 1)};
+  std::array<LastStep, 2> steps = {last_step(r0.output(), 0), last_step(r1.output(), 1)};
+  steps[0].output = r0.output();
+  steps[1].output = r1.output();
+  return steps;
 }
 
 }  // namespace
@@ -874,6 +878,43 @@ TEST_CASE("ddp.graphs: an update that lacks cached memory at its capture is capt
     CHECK(on[r].weights == off[0].weights);
   }
   CHECK(off[0].weights.size() == 16);
+}
+
+TEST_CASE("ddp.graphs: a hook that baked the host share in is replayed only at that share") {
+  // Research code's capturable hook reads GradBucket::share on the host in its queued ops
+  // (dist_worker --host-share-hook scales by 1 / share, then by the device's share_at). With
+  // --moving-shares 3, each rank's share of the kept tokens changes every step, the shape
+  // staying: step 3's capture bakes its share in, so step 4 turns graphs off, saying why, and
+  // runs uncaptured, as do the later ones: graphs off's losses and weights, bit for bit (a
+  // replay would divide by step 3's share). With an even batch the share stays 0.5: steps 3 to
+  // 8 replay, and nothing is said.
+  std::string dir = dist_test::make_temp_dir("ddp_host_share");
+  for (bool moving : {true, false}) {
+    CAPTURE(moving);
+    std::vector<std::string> args = {"--mode", "ddp", "--steps", "8", "--host-share-hook"};
+    if (moving) args.insert(args.end(), {"--moving-shares", "3"});
+    args.insert(args.end(), {"--cuda-graphs", "off"});
+    const std::string name = moving ? "moving" : "even";
+    const std::array<LastStep, 2> off = ddp_pair(dir, name + "_off", args);
+    args.back() = "on";
+    const std::array<LastStep, 2> on = ddp_pair(dir, name + "_on", args);
+    for (int r = 0; r < 2; ++r) {
+      CAPTURE(r);
+      CAPTURE(on[r].output);
+      CHECK(off[r].graphed == 0);
+      CHECK(on[r].graphed == (moving ? 1 : 6));
+      REQUIRE(on[r].losses.size() == 8);
+      CHECK(on[r].losses == off[r].losses);
+      CHECK(on[r].weights == off[0].weights);
+      const std::string said = "ddp: graphs off: rank " + std::to_string(r) +
+                               " (cpu:" + std::to_string(r) +
+                               "): the comm hook 'host-share' read GradBucket::share on the host "
+                               "while the step was captured (";
+      CHECK((on[r].output.find(said) != std::string::npos) == moving);
+      CHECK((on[r].output.find("graphs off") != std::string::npos) == moving);
+    }
+    CHECK(off[0].weights.size() == 16);
+  }
 }
 
 TEST_CASE("ddp.metrics_lag: each step returns the one before's loss, the run trains bit for bit") {

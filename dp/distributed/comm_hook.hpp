@@ -33,7 +33,9 @@
 //    the buckets in bucket order on every rank;
 //  - a hook runs host code: a graphed step (dp/graphs.hpp) calls it between its two captured
 //    segments, after backward, instead of from the captured backward's hooks, unless it is
-//    capturable() (below); a capturable hook's queued ops read the share through b.share_at.
+//    capturable() (below); a capturable hook's queued ops read the share through b.share_at
+//    (a graph that baked the host value b.share in is replayed only at steps of that share:
+//    HostShare).
 #pragma once
 
 #include <memory>
@@ -45,6 +47,40 @@
 
 namespace dp::dist {
 
+// GradBucket::share: a float to the hook (it converts to float, and to a fixed kernels::Scalar).
+// While a graph captures a bucket's queued ops (a capturable hook's reduce_queued and
+// complete_queued), DDP counts the hook's reads of it: the value read is the one every replay of
+// that graph works with, so DdpTrainer replays such a graph only at steps of that same share (a
+// step of another share turns its graphs off, saying why). Queued ops read b.share_at instead.
+class HostShare {
+ public:
+  HostShare(float v = 1.f) : value_(v) {}  // NOLINT(google-explicit-constructor): a value
+  // A copy reads the value (counted) and counts none of its own reads.
+  HostShare(const HostShare& o) : value_(o.get()) {}
+  HostShare& operator=(const HostShare& o) {
+    value_ = o.get();
+    return *this;
+  }
+  HostShare& operator=(float v) {
+    value_ = v;
+    return *this;
+  }
+  operator float() const { return get(); }  // NOLINT(google-explicit-constructor)
+  operator kernels::Scalar() const {        // NOLINT(google-explicit-constructor)
+    return kernels::Scalar(get());
+  }
+  // From now on each read adds 1 to *reads (null: none counted). DDP's.
+  void count_reads(int* reads) { reads_ = reads; }
+
+ private:
+  float get() const {
+    if (reads_) ++*reads_;
+    return value_;
+  }
+  float value_;
+  int* reads_ = nullptr;
+};
+
 // One gradient bucket, as handed to a hook.
 struct GradBucket {
   int index = 0;         // 0 .. buckets - 1: the launch order, the same on every rank
@@ -53,7 +89,7 @@ struct GradBucket {
   // This rank's share of the global batch, which grad was scaled by: the ranks' shares add to
   // 1 (an error-feedback hook keeps grad - share * result, whose sum over ranks is the sum's
   // error).
-  float share = 1.f;
+  HostShare share = 1.f;
   // The same share where an op reads it when it runs (DDP's device copy, written each step): a
   // capturable hook's queued ops take this one (kernels::scale(y, x, b.share_at)), since a
   // captured step replays with the value its ops were queued with, and `share` changes from step

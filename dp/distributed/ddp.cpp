@@ -243,6 +243,7 @@ Tensor DistributedDataParallel::backward_queued(const Tensor& dy) {
   queued_ = false;
   for (int k = 0; k < static_cast<int>(buckets_.size()); ++k) {
     GradBucket b = bucket_for_hook(k);
+    count_share_reads_in_capture(b);
     hook_->complete_queued(b);  // after the join: the sums are there
   }
   clear_ready();
@@ -308,12 +309,25 @@ GradBucket DistributedDataParallel::bucket_for_hook(int k) {
   return b;
 }
 
+void DistributedDataParallel::count_share_reads_in_capture(GradBucket& b) {
+  if (!kernels::capturing_on_this_thread()) return;
+  b.share.count_reads(&share_reads_in_capture_);
+  share_in_capture_ = share_;
+}
+
+std::optional<float> DistributedDataParallel::take_share_read_in_capture() {
+  if (share_reads_in_capture_ == 0) return std::nullopt;
+  share_reads_in_capture_ = 0;
+  return share_in_capture_;
+}
+
 bool DistributedDataParallel::issue_bucket(int k) {
   const std::string what = std::string(options_.comm_hook ? "ddp/comm_hook" : "ddp/allreduce") +
                            "[bucket " + std::to_string(k) + "]";
   kernels::NvtxRange range(what);
   GradBucket b = bucket_for_hook(k);
   const int64_t before = group_.payload_bytes();
+  count_share_reads_in_capture(b);
   if (queued_)
     hook_->reduce_queued(b);
   else

@@ -28,6 +28,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "dp/bucket_plan.hpp"
@@ -93,6 +94,13 @@ class DistributedDataParallel {
   // world of 1 holding the whole batch (share 1, always so under DdpTrainer) skips that pass:
   // a graph captured then holds no scaling.
   void set_batch_share(int64_t local_rows, int64_t global_rows);
+  // The share set_batch_share set (1 / world size before it): GradBucket::share's value.
+  float batch_share() const { return share_; }
+  // The host share (GradBucket::share) research code's hook read while a graph captured this
+  // rank's buckets (CommHook::reduce_queued and complete_queued), since the last call, which
+  // forgets it; nullopt when none was read. Replays of that graph work with that value: they are
+  // right only at steps of the same share (DdpTrainer replays them only then).
+  std::optional<float> take_share_read_in_capture();
 
   Tensor forward(const Tensor& x);
   // forward() without its buffer broadcast (broadcast_buffers()): capturable.
@@ -197,6 +205,8 @@ class DistributedDataParallel {
   void clear_ready();
   // Queues share_ into device_share_ (nothing when it holds share_ already).
   void write_share();
+  // Inside a capture: b's host share counts its reads (take_share_read_in_capture).
+  void count_share_reads_in_capture(GradBucket& b);
   // Whether no bucket is counted ready or in flight (between steps).
   bool sync_idle() const;
   // After a failed backward or sync: waits for the works in flight (errors logged) and forgets
@@ -221,6 +231,9 @@ class DistributedDataParallel {
   // current share): (1) f32, made once, written by write_share.
   StepScalars share_values_;
   kernels::Scalar device_share_;
+  // Reads of GradBucket::share in captured hooks (HostShare::count_reads), and the share read.
+  int share_reads_in_capture_ = 0;
+  float share_in_capture_ = 1.f;
   DdpStats stats_;
   Trace* trace_ = nullptr;
 };

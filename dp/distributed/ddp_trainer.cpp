@@ -344,6 +344,9 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
       graph_key_.values.push_back(hx.dim(0));
       graph_key_.add_row_shape(hx);
       graph_key_.add_row_shape(hy);
+      refuse_replay_of_other_share();
+    }
+    if (use_graphs()) {
       segments =
           &graph_set_for(graphs_, graph_key_, rank() == 0 ? "ddp" : nullptr, &said_graph_shapes_);
       input_ = segments->input;  // the buffers this shape's graphs read and write
@@ -354,7 +357,10 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
     if (!metrics_.defined()) metrics_ = kernels::Tensor::zeros({4}, kernels::DType::f32, device_);
     times_.graphed = times_.captured = false;
     times_.graph_nodes = 0;
+    ddp_->take_share_read_in_capture();  // not a failed step's
     const int64_t replayed_payload = run_stages(hx, hy, share, segments);
+    const std::optional<float> share_read = ddp_->take_share_read_in_capture();
+    if (segments && share_read && segments->compute.captured()) segments->host_share = share_read;
     if (segments && !graphs_fallback_.empty()) graphs_.clear();  // no later step replays them
     if (zero_overlapped()) zero_->gather_params();
     // The loss's all-reduce is not in it; a replayed graph's all-reduces are.

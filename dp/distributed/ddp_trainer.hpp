@@ -186,7 +186,10 @@ class DdpTrainer {
   // a capture failed (the work was not capturable). That step ran uncaptured (its results are
   // the uncaptured step's; one "ddp: graphs off: capture failed" line) and so does every later
   // one. A capture that only lacked cached memory is captured again at the shape's next step, up
-  // to three times (DataParallel::graphs_fallback).
+  // to three times (DataParallel::graphs_fallback). Or "rank R (DEVICE): the comm hook 'NAME'
+  // read GradBucket::share on the host while the step was captured ...": research code's
+  // capturable hook baked the share in, and a later step of the shape had another (dp::dist::
+  // HostShare); that step and every later one ran uncaptured.
   const std::string& graphs_fallback() const { return graphs_fallback_; }
   // What this rank's attention calls ran so far (kernels::attention_report).
   kernels::AttentionReport attention_report() { return kernels::attention_report(*context_); }
@@ -269,6 +272,10 @@ class DdpTrainer {
   std::string graphs_blocked() const;
   // Whether this step runs graphed; says once why not when graphs were asked for.
   bool use_graphs();
+  // Before a step: a captured graph of this step's shape (graph_key_) that baked in the host
+  // share research code's hook read (StepSegments::host_share), where this step's share is
+  // another, turns graphs off for good, saying why (graphs_fallback); the step runs uncaptured.
+  void refuse_replay_of_other_share();
   // zero_grad, forward (without the buffer broadcast) and the loss into metrics_[0] and
   // dlogits_ (scaled by the loss scale): capturable.
   void forward_and_loss(nn::Module& m, const kernels::Tensor& x, const kernels::Tensor& y);

@@ -5,6 +5,10 @@
 // (CommHook::capturable), else between the two.
 #include "dp/distributed/ddp_trainer.hpp"
 
+#include <cstdio>
+#include <sstream>
+#include <string>
+
 namespace dp::dist {
 
 void DdpTrainer::set_graphs(Graphs mode) {
@@ -35,6 +39,23 @@ std::string DdpTrainer::graphs_blocked() const {
 bool DdpTrainer::use_graphs() {
   return graphs_wanted(graphs_mode_, device_, graphs_fallback_, graphs_blocked(), "ddp",
                        said_graphs_off_);
+}
+
+void DdpTrainer::refuse_replay_of_other_share() {
+  auto it = graphs_.find(graph_key_);
+  if (it == graphs_.end() || !it->second.compute.captured() || !it->second.host_share) return;
+  const float baked = *it->second.host_share, now = ddp_->batch_share();
+  if (baked == now) return;
+  const CommHook* hook = ddp_->comm_hook();
+  std::ostringstream os;
+  os << "rank " << rank() << " (" << device_.str() << "): the comm hook '"
+     << (hook ? hook->name() : std::string("?"))
+     << "' read GradBucket::share on the host while the step was captured (" << baked
+     << "), and this step's share is " << now
+     << ": a replay would work with the captured one (its queued ops read b.share_at)";
+  graphs_fallback_ = os.str();
+  std::fprintf(stderr, "ddp: graphs off: %s\n", graphs_fallback_.c_str());
+  graphs_.clear();  // no later step replays them
 }
 
 void DdpTrainer::forward_and_loss(nn::Module& m, const kernels::Tensor& x,
