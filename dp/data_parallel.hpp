@@ -252,9 +252,9 @@ class DataParallel {
   // capture failed (the work was not capturable). The engine then said so in one line ("dp:
   // graphs off: capture failed ..."), ran that step uncaptured (its results are the uncaptured
   // step's) and runs every later step uncaptured. A capture that only lacked cached memory (a
-  // temporary of the update reusing, eagerly, a block backward freed: dp/graphs.hpp's
-  // kCaptureMemoryRetries) runs uncaptured that step, which caches the memory, and is captured
-  // again at the shape's next step, silently, up to three times per device.
+  // layer asking for a size no earlier step did: dp/graphs.hpp's kCaptureMemoryRetries) runs
+  // uncaptured that step, which caches the memory, and is captured again at the shape's next
+  // step, silently, up to three times per device.
   const std::string& graphs_fallback() const { return graphs_fallback_; }
   // What device 0's attention calls ran so far (kernels::attention_report; every device runs
   // the same shapes). Between steps.

@@ -73,12 +73,11 @@ struct GraphKey {
   bool operator<(const GraphKey& o) const { return values < o.values; }
 };
 
-// Captures an engine's device or rank tries again after one that lacked memory. Two segments
-// are captured back to back, and blocks freed inside the first one's capture stay its graph's:
-// a temporary of the update that reuses a block backward freed (eagerly) finds none for the
-// second one. The uncaptured run of the failed segment leaves such a block cached, so its
-// capture at the next step of the shape finds it (for that block's bytes more than the eager
-// step); a segment that asks for new memory every time stops after these tries.
+// Captures an engine's device or rank tries again after one that lacked memory (a layer that
+// asks, at the capture, for a size no earlier step did). The uncaptured run of the failed
+// segment leaves a block of that size cached, so its capture at the next step of the shape finds
+// it; a segment that asks for new memory every time stops after these tries. (A step's second
+// segment shares the first one's pool: run_graph_segment's `after`.)
 constexpr int kCaptureMemoryRetries = 3;
 
 // An engine's device's or rank's captures: where the step's failed, and why (the first
@@ -143,11 +142,13 @@ inline CaptureVerdict take_capture_failure(CaptureFailure& failed, const std::st
 // A capture that fails (the work is not capturable: kernels::Error) captures nothing and ran
 // nothing: with `failed`, its text goes there (the first one kept), `undo` puts back what the
 // body's host code changed, and the body runs eagerly instead, so the step is the uncaptured
-// one; without `failed` the error is thrown. Returns whether body ran (its host side too:
-// eagerly, or for the capture).
+// one; without `failed` the error is thrown. `after`: the step's segment g always follows, whose
+// memory pool g's capture shares (kernels::Graph::capture). Returns whether body ran (its host
+// side too: eagerly, or for the capture).
 inline bool run_graph_segment(kernels::DeviceContext& ctx, kernels::Graph& g, int runs,
                               const std::function<void()>& body, CaptureFailure* failed = nullptr,
-                              const std::function<void()>& undo = nullptr) {
+                              const std::function<void()>& undo = nullptr,
+                              const kernels::Graph* after = nullptr) {
   if (runs < kGraphWarmupRuns) {
     body();
     return true;
@@ -155,7 +156,7 @@ inline bool run_graph_segment(kernels::DeviceContext& ctx, kernels::Graph& g, in
   const bool capture = !g.captured();
   if (capture) {
     try {
-      g.capture(ctx, body);
+      g.capture(ctx, body, after);
     } catch (const kernels::Error& e) {
       if (!failed) throw;
       if (failed->reason.empty()) {

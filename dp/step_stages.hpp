@@ -211,15 +211,19 @@ inline void run_graphed_stages(StepStages& s, StepSegments& seg, nn::FlatState& 
     const int64_t steps_before = optimizer ? optimizer->step_count() : 0;
     if (optimizer) s.prepare_update();  // the step count grows here
     kernels::DeviceContext* on = optimizer ? s.update_context() : nullptr;
+    kernels::DeviceContext& finish_ctx = on ? *on : ctx;
     detail::MaybeScope scope(on);
+    // Replayed right after the first segment, on its context: one memory pool, as eagerly (the
+    // update's temporaries take blocks backward's freed).
+    const kernels::Graph* after = seg.compute.captured_on() == &finish_ctx ? &seg.compute : nullptr;
     try {
       run_graph_segment(
-          on ? *on : ctx, seg.finish, runs,
+          finish_ctx, seg.finish, runs,
           [&s, optimizer] {  // two captures: held in std::function's own storage
             if (s.reduces_queued()) s.reduce_queued();
             if (optimizer) s.update();
           },
-          &failed);
+          &failed, nullptr, after);
     } catch (...) {
       // A capture that failed ran nothing: no update was taken, so the step is not counted.
       if (optimizer && runs >= kGraphWarmupRuns && !seg.finish.captured())

@@ -36,6 +36,8 @@
 //                (tests/scratch_layers.hpp).
 //                --host-share-hook: research code's capturable comm hook that reads the host
 //                share (GradBucket::share) in its queued ops (HostShareHook).
+//                --scratch-grows-until N: a backward temporary that grows up to its N-th call
+//                (tests/scratch_layers.hpp).
 // --hold-ms T: collectives wait T ms after joining the group (a job that stays up a while).
 // --max-restarts K: the launcher's LaunchOptions::max_restarts.
 #include <signal.h>
@@ -183,8 +185,12 @@ struct DdpRun {
   // and printed, and the loop goes on (research code that catches and continues)
   int bad_label_at = 0;
   // The model takes a temporary in backward and the optimizer another in its step
-  // (tests/scratch_layers.hpp): a graphed step's update lacks cached memory at its first capture.
+  // (tests/scratch_layers.hpp): a graphed step's update takes backward's block from the pool its
+  // two graphs share.
   bool scratch_update = false;
+  // > 0: the model's backward takes a temporary that grows up to its N-th call
+  // (tests/scratch_layers.hpp's GrowingScratch): with 2, the capture at step 3 lacks memory.
+  int64_t scratch_grows_until = 0;
   bool host_share_hook = false;  // DdpOptions::comm_hook: a HostShareHook
 };
 
@@ -225,8 +231,10 @@ int run_ddp(const DdpRun& o) {
                  "dist_worker: --bad-label-at takes class labels, not --moving-shares' tokens\n");
     return 2;
   }
-  if (o.scratch_update && o.moving_shares > 0) {
-    std::fprintf(stderr, "dist_worker: --scratch-update takes class labels, not tokens\n");
+  if ((o.scratch_update || o.scratch_grows_until > 0) && o.moving_shares > 0) {
+    std::fprintf(stderr,
+                 "dist_worker: --scratch-update and --scratch-grows-until take class "
+                 "labels, not tokens\n");
     return 2;
   }
   const int steps = o.steps;
@@ -268,6 +276,13 @@ int run_ddp(const DdpRun& o) {
     model->add(std::make_shared<nn::Flatten>());
     model->add(std::make_shared<nn::Linear>(4, 8));
     model->add(std::make_shared<dp_test::ScratchInBackward>());
+    model->add(std::make_shared<nn::Linear>(8, 3));
+  }
+  if (o.scratch_grows_until > 0) {
+    model = std::make_shared<nn::Sequential>();
+    model->add(std::make_shared<nn::Flatten>());
+    model->add(std::make_shared<nn::Linear>(4, 8));
+    model->add(std::make_shared<dp_test::GrowingScratch>(o.scratch_grows_until));
     model->add(std::make_shared<nn::Linear>(8, 3));
   }
   model->materialize(trainer.device(), 1);
@@ -387,6 +402,7 @@ int main(int argc, char** argv) {
   app.add_option("--bad-label-at", ddp.bad_label_at)->check(CLI::PositiveNumber);
   app.add_flag("--scratch-update", ddp.scratch_update);
   app.add_flag("--host-share-hook", ddp.host_share_hook);
+  app.add_option("--scratch-grows-until", ddp.scratch_grows_until)->check(CLI::PositiveNumber);
   app.add_option("--job-tag", job_tag, "ignored: lets a test find this job's processes");
   CLI11_PARSE(app, argc, argv);
   lo.grace_period = std::chrono::milliseconds(grace_ms);

@@ -1,4 +1,5 @@
 // DataParallel: averaging, equivalence with one device, failures, logical devices.
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdio>
@@ -1172,29 +1173,9 @@ TEST_CASE("dp.graphs: past 8 shapes, the shape used longest ago gives way, not a
 
 namespace {
 
+using dp_test::GrowingScratch;
 using dp_test::NormFirstSGD;
 using dp_test::ScratchInBackward;
-
-// Grows its backward's temporary by 4 KiB each call: a capture asks for a size no earlier run
-// cached, every time.
-class GrowingScratch : public nn::Module {
- public:
-  std::string type_name() const override { return "GrowingScratch"; }
-
- protected:
-  Tensor forward_impl(const Tensor& x) override { return x; }
-  Tensor backward_impl(const Tensor& dy) override {
-    Tensor stat = Tensor::empty({1024 * (1 + calls_++)}, DType::f32, dy.device());
-    kernels::fill(stat, 0.f);
-    return dy;
-  }
-  std::shared_ptr<nn::Module> clone_config() const override {
-    return std::make_shared<GrowingScratch>();
-  }
-
- private:
-  int64_t calls_ = 0;
-};
 
 // Linear, `middle`, Linear, trained `steps` steps on n CPU devices under NormFirstSGD.
 GraphRun train_scratch(const nn::ModulePtr& middle, int n, dp::Graphs graphs, int steps,
@@ -1225,11 +1206,12 @@ GraphRun train_scratch(const nn::ModulePtr& middle, int n, dp::Graphs graphs, in
 // A hostile pass: on CPU devices DP captured device 0's update on its wide context (all the
 // cores, its own block cache), which served the step's temporary where a GPU's one context has
 // no free block: 2 and 3 CPU devices said graphed where 1, and a GPU, fall back. Graphed steps
-// now update on the device's own context. There the update's temporary, which eagerly reuses
-// the block backward freed, finds none at step 2: that block is the first graph's. The failed
-// capture runs uncaptured, which caches a block of that size, and step 3 captures it: graphed
-// from then on, not off for good, with graphs off's bits.
-TEST_CASE("dp.graphs: an update that lacks cached memory at its capture is captured next step") {
+// now update on the device's own context. There the update's temporary eagerly reuses the
+// block backward freed, which is the first graph's once captured: the update's capture found
+// none at step 2 and ran uncaptured, allocating. The two graphs now share one pool (the update
+// graph is captured after the first, kernels::Graph::capture): step 2 captures both, and from
+// then on nothing is allocated, with graphs off's bits.
+TEST_CASE("dp.graphs: an update's temporary takes the block backward freed in the first graph") {
   for (int n : {1, 2, 3}) {
     CAPTURE(n);
     const GraphRun eager =
@@ -1242,7 +1224,32 @@ TEST_CASE("dp.graphs: an update that lacks cached memory at its capture is captu
     });
     for (int s = 0; s < 6; ++s) {
       CAPTURE(s);
-      CHECK(graphed.stats[s].graphed == (s >= 3));  // step 2's update ran uncaptured
+      CHECK(graphed.stats[s].graphed == (s >= 2));
+      CHECK(graphed.stats[s].captured == (s == 2));
+      if (s >= 2) CHECK(graphed.stats[s].allocations == 0);  // the capture step's too
+      CHECK(graphed.losses[s] == eager.losses[s]);
+    }
+    CHECK(same_bits(graphed.params, eager.params));
+    CHECK(fallback.empty());
+    CHECK(said.find("graphs off") == std::string::npos);
+  }
+}
+
+// A backward temporary that grows once more at the capture (step 2's backward): that capture
+// lacks cached memory, runs uncaptured (caching a block of the new size), and step 3 captures
+// it: graphed from then on, not off for good, with graphs off's bits and nothing said.
+TEST_CASE("dp.graphs: a capture that lacked cached memory once is captured at the next step") {
+  for (int n : {1, 2, 3}) {
+    CAPTURE(n);
+    auto grows_at_capture = [] { return std::make_shared<GrowingScratch>(2); };
+    const GraphRun eager = train_scratch(grows_at_capture(), n, dp::Graphs::off, 6);
+    std::string fallback = "(not read)";
+    GraphRun graphed;
+    const std::string said = dp_test::capture_stderr(
+        [&] { graphed = train_scratch(grows_at_capture(), n, dp::Graphs::on, 6, &fallback); });
+    for (int s = 0; s < 6; ++s) {
+      CAPTURE(s);
+      CHECK(graphed.stats[s].graphed == (s >= 3));  // step 2's backward ran uncaptured
       CHECK(graphed.stats[s].captured == (s == 3));
       CHECK(graphed.losses[s] == eager.losses[s]);
     }

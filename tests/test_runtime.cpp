@@ -426,6 +426,93 @@ TEST_CASE("runtime.graph: blocks taken while capturing stay the graph's until it
   CHECK(again.raw() == temp_block);  // back in the cache with the graph gone
 }
 
+// A step's second graph (the update) captured `after` its first (backward) shares its pool: its
+// temporary takes the block the first one's temporary freed inside its capture, as the eager
+// step's second half does, where a graph of its own finds none (the block is the first graph's)
+// and a GPU's capture, which cannot take new memory, fails.
+TEST_CASE("runtime.graph: a graph captured after another takes the blocks that one freed") {
+  DeviceContext ctx(Device::cpu(0), {.cpu_threads = 1, .caching = Caching::on});
+  ContextScope scope(ctx);
+  const Shape s{500};
+  Tensor x = Tensor::from_vector(std::vector<float>(500, 1.f), s, Device::cpu(0));
+  Tensor first_out = Tensor::zeros({1}, DType::f32, Device::cpu(0));
+  Tensor second_out = Tensor::zeros({1}, DType::f32, Device::cpu(0));
+  const void* first_block = nullptr;
+  const void* second_block = nullptr;
+  auto first = [&] {
+    Tensor temp = Tensor::empty(s, DType::f32, Device::cpu(0));
+    first_block = temp.storage()->data();
+    scale(temp, x, 2.f);
+    sum_squares(first_out, temp);  // 500 * 4
+  };
+  auto second = [&] {
+    Tensor temp = Tensor::empty(s, DType::f32, Device::cpu(0));
+    second_block = temp.storage()->data();
+    scale(temp, x, 3.f);
+    sum_squares(second_out, temp);  // 500 * 9
+  };
+  first();
+  second();  // eagerly: one block of 500 floats serves both
+  CHECK(second_block == first_block);
+  const int64_t allocations = ctx.memory()->allocations.load();
+
+  // Each graph its own pool: the second capture misses.
+  {
+    Graph g1, g2;
+    g1.capture(ctx, first);
+    CHECK_THROWS_AS(g2.capture(ctx, second), CaptureMemoryError);
+    CHECK_FALSE(g2.captured());
+  }
+  // The second captured after the first: the same block, nothing allocated, and replays in
+  // that order compute what the eager step does.
+  Graph g1, g2;
+  g1.capture(ctx, first);
+  g2.capture(ctx, second, &g1);
+  CHECK(second_block == first_block);
+  CHECK(ctx.memory()->allocations.load() == allocations);
+  for (int k = 0; k < 2; ++k) {
+    fill(first_out, 0.f);
+    fill(second_out, 0.f);
+    g1.replay();
+    g2.replay();
+    CHECK(first_out.item() == 2000.f);
+    CHECK(second_out.item() == 4500.f);
+  }
+  {
+    // The pool's block is handed to nothing else while either graph lives.
+    Tensor other = Tensor::empty(s, DType::f32, Device::cpu(0));
+    CHECK(other.raw() != first_block);
+  }
+  g1.reset();  // the second graph holds the pool still
+  {
+    Tensor other = Tensor::empty(s, DType::f32, Device::cpu(0));
+    CHECK(other.raw() != first_block);
+  }
+  fill(second_out, 0.f);
+  g2.replay();
+  CHECK(second_out.item() == 4500.f);
+  g2.reset();
+  Tensor again = Tensor::empty(s, DType::f32, Device::cpu(0));
+  CHECK(again.raw() == first_block);  // back in the cache with both graphs gone
+
+  // What it may follow: a captured graph of this context, not itself.
+  Graph empty, g3;
+  CHECK_THROWS_WITH_AS(g3.capture(ctx, second, &empty),
+                       doctest::Contains("the graph it follows was not captured"), Error);
+  CHECK_THROWS_WITH_AS(g3.capture(ctx, second, &g3), doctest::Contains("a graph after itself"),
+                       Error);
+  DeviceContext other_ctx(Device::cpu(1), {.cpu_threads = 1, .caching = Caching::on});
+  Graph elsewhere;
+  {
+    ContextScope other_scope(other_ctx);
+    Tensor y = Tensor::zeros({1}, DType::f32, Device::cpu(1));
+    elsewhere.capture(other_ctx, [&] { fill(y, 1.f); });
+  }
+  CHECK_THROWS_WITH_AS(g3.capture(ctx, second, &elsewhere),
+                       doctest::Contains("the graph it follows was captured on another context"),
+                       Error);
+}
+
 TEST_CASE(
     "runtime.graph: a capture's temporaries reuse each other's blocks as eagerly, and replay "
     "right") {

@@ -220,9 +220,15 @@ void BlockCache::give_back(void* p, size_t bytes) noexcept {
   }
 }
 
-std::shared_ptr<BlockReservation> BlockCache::begin_reservation() {
-  auto r = std::make_shared<BlockReservation>();
-  r->cache_ = shared_from_this();
+std::shared_ptr<BlockReservation> BlockCache::begin_reservation(
+    std::shared_ptr<BlockReservation> continued) {
+  DP_CHECK(!continued || continued->cache_.get() == this,
+           "BlockCache on " << device_ << ": a reservation of another cache continued");
+  std::shared_ptr<BlockReservation> r = std::move(continued);
+  if (!r) {
+    r = std::make_shared<BlockReservation>();
+    r->cache_ = shared_from_this();
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   DP_CHECK(active_ == nullptr, "BlockCache on " << device_ << ": a reservation is active already");
   active_ = r.get();

@@ -80,9 +80,11 @@ class BlockCache : public std::enable_shared_from_this<BlockCache> {
   // requires p came from take(bytes). ensures the next take(bytes) may return it.
   void give_back(void* p, size_t bytes) noexcept;
 
-  // requires no reservation active. ensures the blocks taken until end_reservation() belong to
-  // the returned reservation.
-  std::shared_ptr<BlockReservation> begin_reservation();
+  // requires no reservation active; `continued` (when given) this cache's. ensures the blocks
+  // taken until end_reservation() belong to the returned reservation: `continued`, whose free
+  // blocks they may be, or a new one.
+  std::shared_ptr<BlockReservation> begin_reservation(
+      std::shared_ptr<BlockReservation> continued = nullptr);
   void end_reservation();
   // Whether block p belongs to the active reservation (taken while the graph captures).
   bool reserved_now(void* p);

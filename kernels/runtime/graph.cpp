@@ -64,17 +64,22 @@ void Graph::reset() {
   reservation_.reset();  // after the ops: the tensors they hold return their blocks to it first
 }
 
-void Graph::capture(DeviceContext& ctx, const std::function<void()>& body) {
+void Graph::capture(DeviceContext& ctx, const std::function<void()>& body, const Graph* after) {
   DP_CHECK(!ctx.capturing(),
            "Graph::capture on " << ctx.device() << ": a graph captures there already");
   DP_CHECK(&context(ctx.device()) == &ctx,
            "Graph::capture on " << ctx.device()
                                 << ": the context is not the one this thread's ops use there");
+  DP_CHECK(after != this, "Graph::capture on " << ctx.device() << ": a graph after itself");
+  DP_CHECK(!after || after->ctx_ == &ctx,
+           "Graph::capture on " << ctx.device() << ": the graph it follows was "
+                                << (after->ctx_ ? "captured on another context" : "not captured"));
   reset();
   NvtxRange range("runtime/graph_capture");
   std::vector<std::function<void()>> ops;
   std::shared_ptr<BlockReservation> reservation;
-  if (ctx.block_cache()) reservation = ctx.block_cache()->begin_reservation();
+  if (ctx.block_cache())  // `after`'s pool, or a new one
+    reservation = ctx.block_cache()->begin_reservation(after ? after->reservation_ : nullptr);
   // Ends the capture state whatever happens: the context must stay usable after a failure. The
   // device-side fault check the body arms (a bad label, a bad token id) is the graph's, armed
   // again at each replay, which runs no host code; the body's kernels do not run while it is

@@ -39,7 +39,10 @@
 //   - blocks taken while capturing belong to the graph's reservation (the context's BlockCache);
 //     the recording only views them (DeviceContext::graph_arg), so a temporary freed inside the
 //     capture frees its block for the capture's later temporaries, exactly as eagerly, and a
-//     replay reuses it in the same order.
+//     replay reuses it in the same order;
+//   - a graph captured `after` another, which it always follows (capture's third argument),
+//     shares that one's reservation: its temporaries take the blocks the first one's freed, as
+//     the eager step's second half takes the first half's.
 #pragma once
 
 #include <atomic>
@@ -68,10 +71,18 @@ class Graph {
   // memory (run it once first). ensures the work `body` queued is captured (not run) and
   // replaces what this graph held. Throws, leaving the graph empty and ctx usable, when `body`
   // throws or the work is not capturable.
-  void capture(DeviceContext& ctx, const std::function<void()>& body);
+  // `after` (when given): a graph captured on ctx that every replay of this one follows, with
+  // nothing between them that reads memory `after` freed inside its capture (an engine's step:
+  // forward and backward, then the update). Their work shares one pool, as the eager step's
+  // does: a temporary of this graph may take a block a temporary of `after` freed (PyTorch's
+  // graphs sharing a memory pool, replayed in the order they were captured). Both graphs hold
+  // the pool's blocks until both are destroyed.
+  void capture(DeviceContext& ctx, const std::function<void()>& body, const Graph* after = nullptr);
   // requires captured(). ensures the captured work is queued on the context (CPU: runs now).
   void replay();
   bool captured() const { return ctx_ != nullptr; }
+  // The context it was captured on (null: none).
+  DeviceContext* captured_on() const { return ctx_; }
   // Ops recorded (CPU) or kernel and copy nodes (CUDA).
   int64_t nodes() const { return nodes_; }
   // Dtype conversions in the captured work (DeviceContext::casts): each replay adds them to the
