@@ -273,6 +273,59 @@ TEST_CASE("dist.collectives: a rank that leaves names its recorded failure in it
   }
 }
 
+TEST_CASE(
+    "dist.collectives: a failed rank 0 keeps the store it hosts until its peer read its note") {
+  // Rank 0 hosts the store (init_method tcp://, as under torchrun, mpirun or Slurm), records its
+  // failure, leaves and destroys its group at once; rank 1's all-reduce starts 300 ms later.
+  // Its error still names rank 0's note: rank 0's group waited for the read (at most 2 s)
+  // before the store went with it.
+  const int port = net::find_free_port();
+  std::string error, failures[2];
+  double teardown_ms = -1;
+  auto run = [&](int r) {
+    InitOptions o;
+    o.backend = Backend::gloo;
+    o.init_method = "tcp://127.0.0.1:" + std::to_string(port);
+    o.rank = r;
+    o.world_size = 2;
+    o.timeout = 20s;
+    o.gloo_hostname = "127.0.0.1";
+    std::unique_ptr<ProcessGroup> pg = init_process_group(o);
+    if (r == 0) {
+      pg->abort("DdpTrainer step 3: out of memory");
+      const auto t0 = std::chrono::steady_clock::now();
+      pg.reset();
+      teardown_ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      return;
+    }
+    std::this_thread::sleep_for(300ms);
+    Tensor t = Tensor::from_vector(std::vector<float>(64, 1.f), {64});
+    try {
+      pg->all_reduce(t, ReduceOp::sum)->wait();
+    } catch (const kernels::Error& e) {
+      error = e.what();
+    }
+  };
+  auto rank = [&](int r) {
+    try {
+      run(r);
+    } catch (const std::exception& e) {
+      failures[r] = e.what();
+    }
+  };
+  std::thread r0(rank, 0), r1(rank, 1);
+  r0.join();
+  r1.join();
+  CHECK(failures[0].empty());
+  CHECK(failures[1].empty());
+  CAPTURE(error);
+  CHECK(error.find("rank 1 of 2") != std::string::npos);
+  CHECK(error.find("(rank 0 failed first: DdpTrainer step 3: out of memory)") != std::string::npos);
+  CHECK(teardown_ms >= 200);  // it waited for the read
+  CHECK(teardown_ms < 2500);  // and no longer than its bound
+}
+
 TEST_CASE("dist.collectives: rendezvous times out when a rank never arrives") {
   StoreServer server("127.0.0.1", 0);
   auto store = std::make_shared<TcpStore>("127.0.0.1", server.port(), StoreRole::client, 5s);

@@ -13,6 +13,8 @@
 #include <gloo/transport/unbound_buffer.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -86,6 +88,10 @@ void set_input(Opts& o, void* p, size_t n, size_t elem) {
 constexpr Millis kFailureNoteBound = std::chrono::seconds(2);
 constexpr size_t kFailureNoteBytes = 4096;  // of the recorded text, which can be long
 const char* const kFailureCountKey = "failed/count";
+// Peers that read the first note (each adds 1 once); the rank that recorded it waits, when its
+// group goes, until all have or this long (its process may host the store: rank 0).
+const char* const kFailureReadsKey = "failed/reads";
+constexpr Millis kFailureNoteLinger = std::chrono::seconds(2);
 const char* const kFirstFailureKey = "failed/first";
 
 // What a rank's op failure says: the op, the rank, the timeout and Gloo's words, then for a
@@ -153,6 +159,8 @@ struct GlooProcessGroup::State {
   bool stopping = false;
   std::string broken;  // the first failure; later ops fail at once
   std::thread worker;
+  std::atomic<bool> noted_first{false};        // record_failure left the first note
+  mutable std::atomic<bool> read_note{false};  // recorded_failure counted its read
 
   // Worker-only.
   uint32_t next_tag = 1;
@@ -180,7 +188,12 @@ struct GlooProcessGroup::State {
     try {
       std::shared_ptr<Store> s = store->reconnect(kFailureNoteBound);
       if (!s || !s->check({kFirstFailureKey})) return "";
-      return s->get_string(kFirstFailureKey);
+      std::string note = s->get_string(kFirstFailureKey);
+      // A peer's note, read once: its writer may be waiting for the read.
+      const std::string mine = "rank " + std::to_string(rank) + ": ";
+      if (note.compare(0, mine.size(), mine) != 0 && !read_note.exchange(true))
+        s->add(kFailureReadsKey, 1);
+      return note;
     } catch (...) {
       return "";
     }
@@ -474,6 +487,25 @@ GlooProcessGroup::GlooProcessGroup(std::shared_ptr<Store> store, int rank, int s
   state_->worker = std::thread([s] { s->run(); });
 }
 
+namespace {
+
+// The group of the rank that left the first failure note, going: the peers whose ops failed on
+// its closed connections read the note from the store, which this process may host (rank 0). It
+// stays up until each has read it, or for kFailureNoteLinger (a peer busy elsewhere reads later,
+// or never).
+void linger_for_note_readers(const GlooProcessGroup::State& st) noexcept {
+  if (!st.noted_first.load() || st.size < 2) return;
+  try {
+    const auto end = std::chrono::steady_clock::now() + kFailureNoteLinger;
+    std::shared_ptr<Store> s = st.store->reconnect(kFailureNoteBound);
+    while (s && s->add(kFailureReadsKey, 0) < st.size - 1 && std::chrono::steady_clock::now() < end)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  } catch (...) {  // best effort: the store's host may be gone
+  }
+}
+
+}  // namespace
+
 GlooProcessGroup::~GlooProcessGroup() {
   {
     std::lock_guard<std::mutex> lock(state_->mu);
@@ -481,6 +513,7 @@ GlooProcessGroup::~GlooProcessGroup() {
   }
   state_->cv.notify_all();
   if (state_->worker.joinable()) state_->worker.join();
+  linger_for_note_readers(*state_);
 }
 
 void GlooProcessGroup::record_failure(const std::string& why) noexcept {
@@ -491,6 +524,7 @@ void GlooProcessGroup::record_failure(const std::string& why) noexcept {
     if (!s || s->add(kFailureCountKey, 1) != 1) return;  // another rank's note is the first
     s->set_string(kFirstFailureKey,
                   "rank " + std::to_string(state_->rank) + ": " + why.substr(0, kFailureNoteBytes));
+    state_->noted_first = true;
   } catch (...) {
     // Best effort: the store's host may be gone; the peers then say what they saw.
   }

@@ -47,6 +47,9 @@ class GlooProcessGroup final : public ProcessGroup {
   // connection end).
   void abort(const std::string& why) override;
   // ProcessGroup::record_failure: the first rank's note, under this group's keys of the store.
+  // The group of the rank that left it, when destroyed, waits until every peer has read it
+  // (their ops' failure messages read it) or for 2 s: its process may host the store (rank 0),
+  // whose note would go with it.
   void record_failure(const std::string& why) noexcept override;
 
   struct State;  // the gloo context and the worker queue (shared with pending works)

@@ -155,7 +155,8 @@ class ProcessGroup {
   // connections the peers' ops then fail on). A group whose own op failed, or that abort() left,
   // records nothing: its failure follows another's. Gloo records through the store the group
   // met in, on a connection of its own bounded by seconds: nothing when that store is gone (its
-  // host, rank 0, was the rank that failed). Other backends record nothing. Never throws.
+  // host, rank 0, failed and exited first; the group that recorded the note, when destroyed,
+  // waits up to 2 s for its peers to read it). Other backends record nothing. Never throws.
   virtual void record_failure(const std::string& why) noexcept { (void)why; }
 
   // The bytes of every tensor this rank handed to the group so far: each collective's input
