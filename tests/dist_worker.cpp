@@ -231,6 +231,12 @@ int run_ddp(const DdpRun& o) {
                  "dist_worker: --bad-label-at takes class labels, not --moving-shares' tokens\n");
     return 2;
   }
+  if (o.scratch_update && o.scratch_grows_until > 0) {
+    std::fprintf(stderr,
+                 "dist_worker: --scratch-update and --scratch-grows-until are two models: give "
+                 "one\n");
+    return 2;
+  }
   if ((o.scratch_update || o.scratch_grows_until > 0) && o.moving_shares > 0) {
     std::fprintf(stderr,
                  "dist_worker: --scratch-update and --scratch-grows-until take class "
@@ -271,18 +277,16 @@ int run_ddp(const DdpRun& o) {
     model->add(std::make_shared<nn::ReLU>());
     model->add(std::make_shared<nn::Linear>(8, 3));
   }
-  if (o.scratch_update) {
+  // The scratch models: the MLP with a layer of temporaries in place of its ReLU.
+  nn::ModulePtr scratch;
+  if (o.scratch_update) scratch = std::make_shared<dp_test::ScratchInBackward>();
+  if (o.scratch_grows_until > 0)
+    scratch = std::make_shared<dp_test::GrowingScratch>(o.scratch_grows_until);
+  if (scratch) {
     model = std::make_shared<nn::Sequential>();
     model->add(std::make_shared<nn::Flatten>());
     model->add(std::make_shared<nn::Linear>(4, 8));
-    model->add(std::make_shared<dp_test::ScratchInBackward>());
-    model->add(std::make_shared<nn::Linear>(8, 3));
-  }
-  if (o.scratch_grows_until > 0) {
-    model = std::make_shared<nn::Sequential>();
-    model->add(std::make_shared<nn::Flatten>());
-    model->add(std::make_shared<nn::Linear>(4, 8));
-    model->add(std::make_shared<dp_test::GrowingScratch>(o.scratch_grows_until));
+    model->add(scratch);
     model->add(std::make_shared<nn::Linear>(8, 3));
   }
   model->materialize(trainer.device(), 1);
@@ -402,7 +406,8 @@ int main(int argc, char** argv) {
   app.add_option("--bad-label-at", ddp.bad_label_at)->check(CLI::PositiveNumber);
   app.add_flag("--scratch-update", ddp.scratch_update);
   app.add_flag("--host-share-hook", ddp.host_share_hook);
-  app.add_option("--scratch-grows-until", ddp.scratch_grows_until)->check(CLI::PositiveNumber);
+  app.add_option("--scratch-grows-until", ddp.scratch_grows_until)
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   app.add_option("--job-tag", job_tag, "ignored: lets a test find this job's processes");
   CLI11_PARSE(app, argc, argv);
   lo.grace_period = std::chrono::milliseconds(grace_ms);

@@ -94,6 +94,11 @@ const char* const kFailureReadsKey = "failed/reads";
 constexpr Millis kFailureNoteLinger = std::chrono::seconds(2);
 const char* const kFirstFailureKey = "failed/first";
 
+// How a rank's note begins: "rank R: ".
+std::string note_prefix(int rank) {
+  return "rank " + std::to_string(rank) + ": ";
+}
+
 // What a rank's op failure says: the op, the rank, the timeout and Gloo's words, then for a
 // timeout or a peer gone the first failure a peer recorded (recorded(): "" when none).
 std::string failure_message(const std::string& what, int rank, int size, Millis timeout,
@@ -118,7 +123,7 @@ std::string failure_message(const std::string& what, int rank, int size, Millis 
   // The rank whose failure this one follows, where it recorded one (after a timeout it may still
   // be alive, in another op). Not this rank's own note: that says nothing new.
   const std::string note = recorded();
-  const std::string mine = "rank " + std::to_string(rank) + ": ";
+  const std::string mine = note_prefix(rank);
   if (!note.empty() && note.compare(0, mine.size(), mine) != 0) {
     const size_t colon = note.find(": ");
     os << " (" << note.substr(0, colon)
@@ -190,7 +195,7 @@ struct GlooProcessGroup::State {
       if (!s || !s->check({kFirstFailureKey})) return "";
       std::string note = s->get_string(kFirstFailureKey);
       // A peer's note, read once: its writer may be waiting for the read.
-      const std::string mine = "rank " + std::to_string(rank) + ": ";
+      const std::string mine = note_prefix(rank);
       if (note.compare(0, mine.size(), mine) != 0 && !read_note.exchange(true))
         s->add(kFailureReadsKey, 1);
       return note;
@@ -522,8 +527,7 @@ void GlooProcessGroup::record_failure(const std::string& why) noexcept {
   try {
     std::shared_ptr<Store> s = state_->store->reconnect(kFailureNoteBound);
     if (!s || s->add(kFailureCountKey, 1) != 1) return;  // another rank's note is the first
-    s->set_string(kFirstFailureKey,
-                  "rank " + std::to_string(state_->rank) + ": " + why.substr(0, kFailureNoteBytes));
+    s->set_string(kFirstFailureKey, note_prefix(state_->rank) + why.substr(0, kFailureNoteBytes));
     state_->noted_first = true;
   } catch (...) {
     // Best effort: the store's host may be gone; the peers then say what they saw.
