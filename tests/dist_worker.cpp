@@ -184,6 +184,9 @@ struct DdpRun {
   // > 0: at this step (1-based) rank 1's last label is out of range; the step's error is caught
   // and printed, and the loop goes on (research code that catches and continues)
   int bad_label_at = 0;
+  // > 0: after catching that error, rank 1 waits this many ms before it goes on (research code
+  // that logs or saves first): its peers must not wait for it until their timeout.
+  int linger_after_catch_ms = 0;
   // The model takes a temporary in backward and the optimizer another in its step
   // (tests/scratch_layers.hpp): a graphed step's update takes backward's block from the pool its
   // two graphs share.
@@ -333,6 +336,7 @@ int run_ddp(const DdpRun& o) {
       std::printf("[rank %d] caught: %s\n", trainer.rank(), e.what());
       std::fflush(stdout);
       labels.data<int32_t>()[mine - 1] = kept;
+      std::this_thread::sleep_for(std::chrono::milliseconds(o.linger_after_catch_ms));
       continue;
     }
     graphed += trainer.last_times().graphed;
@@ -404,6 +408,9 @@ int main(int argc, char** argv) {
   app.add_flag("--momentum", ddp.momentum);
   app.add_option("--rank1-rows", ddp.rank1_rows)->check(CLI::PositiveNumber);
   app.add_option("--bad-label-at", ddp.bad_label_at)->check(CLI::PositiveNumber);
+  app.add_option("--linger-after-catch", ddp.linger_after_catch_ms)
+      ->check(CLI::Range(0, 600000))
+      ->needs("--bad-label-at");
   app.add_flag("--scratch-update", ddp.scratch_update);
   app.add_flag("--host-share-hook", ddp.host_share_hook);
   app.add_option("--scratch-grows-until", ddp.scratch_grows_until)

@@ -403,13 +403,21 @@ TEST_CASE("ddp.comm_hook: PowerSGD at full rank is the sum, at rank 2 trains on 
   CHECK(tail(plain_long[0].losses) < tail(compressed[0].losses));
 }
 
-TEST_CASE("ddp.comm_hook: refusals name the hook: a 16-bit comm dtype, a replaced bucket") {
+TEST_CASE(
+    "ddp.comm_hook: refusals name the hook: a 16-bit comm dtype, a replaced bucket, its error") {
   class Replacing : public dp::dist::CommHook {
    public:
     std::string name() const override { return "replacing"; }
     std::shared_ptr<dp::dist::Work> reduce(dp::dist::GradBucket& b) override {
       b.grad = Tensor::zeros(b.grad.shape(), DType::f32, b.grad.device());
       return nullptr;
+    }
+  };
+  class Throwing : public dp::dist::CommHook {
+   public:
+    std::string name() const override { return "throwing"; }
+    std::shared_ptr<dp::dist::Work> reduce(dp::dist::GradBucket&) override {
+      throw std::runtime_error("boom in research code");
     }
   };
   run_ranks(1, [&](int r, dp::dist::ProcessGroup& pg) {
@@ -433,6 +441,17 @@ TEST_CASE("ddp.comm_hook: refusals name the hook: a 16-bit comm dtype, a replace
     CHECK(dp_test::error_of([&] {
             ddp.backward_queued(dl);
           }).find("backward_queued with comm hook 'replacing'") != std::string::npos);
+    // A hook's own error says which hook and bucket it came from (it said only "boom ...").
+    auto m2 = nn::mlp({6, 8, 5});
+    m2->materialize(Device::cpu(r), 3);
+    o.comm_hook = std::make_shared<Throwing>();
+    DistributedDataParallel throwing(m2, pg, o);
+    out = throwing.forward(x.to(Device::cpu(r)));
+    softmax_cross_entropy(loss, dl, out, y.to(Device::cpu(r)));
+    const std::string error = dp_test::error_of([&] { throwing.backward(dl); });
+    CAPTURE(error);
+    CHECK(error.find("DDP: comm hook 'throwing' (bucket 0) threw: boom in research code") !=
+          std::string::npos);
   });
 }
 
@@ -550,7 +569,8 @@ TEST_CASE(
         if (r == 0)  // this node's later steps are refused, naming the failure
           CHECK(dp_test::error_of([&] { engine.train_step(x, y); })
                     .find("this node left their collectives' group in an earlier step, when "
-                          "device cpu:0 failed: the hook of node 0 failed") != std::string::npos);
+                          "device cpu:0 failed: hybrid: comm hook 'failing' (bucket 0) threw: "
+                          "the hook of node 0 failed") != std::string::npos);
         if (r == 0)  // and so is an evaluation, which sums over the nodes
           CHECK(dp_test::error_of([&] {
                   engine.evaluate(x, y);
@@ -564,8 +584,8 @@ TEST_CASE(
   CHECK(errors[0].find("the hook of node 0 failed") != std::string::npos);
   CHECK(errors[1].find("rank 1 of 2") != std::string::npos);  // its own op, failed by the peer
   // Node 0 recorded why it left (CrossNode::abort): node 1's error names it.
-  CHECK(errors[1].find("(rank 0 failed first: device cpu:0 failed: the hook of node 0 failed") !=
-        std::string::npos);
+  CHECK(errors[1].find("(rank 0 failed first: device cpu:0 failed: hybrid: comm hook 'failing' "
+                       "(bucket 0) threw: the hook of node 0 failed") != std::string::npos);
   CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20));
 }
 
@@ -696,7 +716,8 @@ TEST_CASE(
     const std::string next = dp_test::error_of([&] { engine.train_step(x, y); });
     CHECK(next.find("train_step: research code's reducers left their collectives' group") !=
           std::string::npos);
-    CHECK(next.find("device cpu:1 failed: the hook of device 1 failed") != std::string::npos);
+    CHECK(next.find("device cpu:1 failed: DP: comm hook 'failing' (bucket 0) threw: the hook of "
+                    "device 1 failed") != std::string::npos);
     // An evaluation does not use the reducers: it still runs.
     CHECK(std::isfinite(engine.evaluate(x, y).loss));
   }  // the engine and its group are gone too

@@ -759,6 +759,27 @@ TEST_CASE("ddp.step: ranks of another global batch, or one going on after a fail
   CAPTURE(label[0]);
   CHECK(contains(label[0], "(rank 1 failed first: DdpTrainer step 2: "));
   CHECK(contains(label[0], "label 99"));
+  // The same, with rank 1 waiting 15 s after it caught the error (research code that logs or
+  // saves first) before its refused next step ends it. Rank 0 waits neither that long nor its
+  // own 20 s timeout: rank 1's failed step left the group, so rank 0's collective fails at once,
+  // naming rank 1's failure. (Before, rank 0 failed only when rank 1 exited, after 15 s.)
+  const int port = net::find_free_port();
+  const std::vector<std::string> args = {"--mode", "ddp", "--steps", "4", "--batch", "8"};
+  std::vector<std::string> lingering = args;
+  lingering.insert(lingering.end(), {"--bad-label-at", "2", "--linger-after-catch", "15000"});
+  const auto t0 = std::chrono::steady_clock::now();
+  HandRank r0(dir, "linger0", 0, 2, port, args, "20");
+  HandRank r1(dir, "linger1", 1, 2, port, lingering, "20");
+  CHECK(r0.wait(60s) == 1);
+  const double rank0_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(r1.wait(60s) == 1);
+  const std::string out0 = r0.output();
+  CAPTURE(out0);
+  CAPTURE(r1.output());
+  CHECK(contains(out0, "(rank 1 failed first: DdpTrainer step 2: "));
+  CHECK(rank0_s < 10);
+  MESSAGE("rank 0 ended " << rank0_s << " s after both started; rank 1 waited 15 s");
 }
 
 TEST_CASE("ddp.clip: clipping on the device keeps DdpTrainer's step at one host read") {

@@ -363,15 +363,22 @@ bool DistributedDataParallel::sync_idle() const {
 }
 
 void DistributedDataParallel::abandon_sync() {
+  // One line for the buckets a failed group ended alike (it printed one per bucket).
+  std::string first_error;
+  int failed = 0;
   for (auto& w : pending_) {
     if (!w) continue;
     try {
       w->wait();  // its tensors stay untouched once this returns (or the group failed)
     } catch (const std::exception& e) {
-      DP_LOG_ERROR("ddp: an abandoned step's bucket all-reduce: " << e.what());
+      if (failed++ == 0) first_error = e.what();
     }
     w.reset();
   }
+  if (failed > 0)
+    DP_LOG_ERROR("ddp: an abandoned step's bucket all-reduce: "
+                 << first_error
+                 << (failed > 1 ? " (" + std::to_string(failed - 1) + " more failed alike)" : ""));
   clear_ready();
 }
 

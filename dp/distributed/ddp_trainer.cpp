@@ -369,8 +369,11 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
                                    : report_loss(share, images.dim(0));
   } catch (const std::exception& e) {
     failed_ = e.what();
-    // For the peers left in this step's collectives: their errors name this rank and why.
-    group_->record_failure("DdpTrainer step " + std::to_string(steps_ + 1) + ": " + failed_);
+    // For the peers left in this step's collectives: abort records why (their errors name this
+    // rank and it) and ends their ops now, not at their timeout, even while this process goes
+    // on (research code that catches the error to log or save). No later op of this trainer
+    // would pair with theirs anyway.
+    group_->abort("DdpTrainer step " + std::to_string(steps_ + 1) + ": " + failed_);
     throw;
   }
   times_.metrics_lagged = metrics_lag_ > 0;
