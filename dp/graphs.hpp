@@ -139,6 +139,9 @@ inline CaptureVerdict take_capture_failure(CaptureFailure& failed, const std::st
 // requires `runs` = how often this segment ran before for this shape; body queues only work on
 // ctx that reads nothing back. ensures body's work is queued on ctx: run eagerly for the first
 // kGraphWarmupRuns runs, captured on the next and replayed from then on (also that time).
+// The eager run before a capture is observed (kernels::Graph::observe), so a capture whose ops
+// were handed other host values (a layer's value that changes each step, which the replays
+// would keep) fails, naming the op and the value.
 // A capture that fails (the work is not capturable: kernels::Error) captures nothing and ran
 // nothing: with `failed`, its text goes there (the first one kept), `undo` puts back what the
 // body's host code changed, and the body runs eagerly instead, so the step is the uncaptured
@@ -150,7 +153,10 @@ inline bool run_graph_segment(kernels::DeviceContext& ctx, kernels::Graph& g, in
                               const std::function<void()>& undo = nullptr,
                               const kernels::Graph* after = nullptr) {
   if (runs < kGraphWarmupRuns) {
-    body();
+    if (runs == kGraphWarmupRuns - 1)
+      g.observe(ctx, body);
+    else
+      body();
     return true;
   }
   const bool capture = !g.captured();
@@ -164,7 +170,7 @@ inline bool run_graph_segment(kernels::DeviceContext& ctx, kernels::Graph& g, in
         failed->memory = dynamic_cast<const kernels::CaptureMemoryError*>(&e) != nullptr;
       }
       if (undo) undo();
-      body();
+      g.observe(ctx, body);  // what the next capture (after one that lacked memory) compares with
       return true;
     }
   }

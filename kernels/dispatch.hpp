@@ -1,16 +1,24 @@
 // The one dispatch point of the ops (internal to kernels/: ops.cpp and tensor_ops.cpp): CPU ops
 // run inside the device context's task arena, CUDA ops get the context (stream, handles) of the
 // calling thread; while a graph captures, each op's arguments are recorded as the graph keeps
-// them. Included by .cpp files only.
+// them, and while a graph observes (or captures after observing), each op's host arguments are
+// noted (Graph::observe). Included by .cpp files only.
 #pragma once
 
+#include <iomanip>
+#include <limits>
+#include <ostream>
+#include <sstream>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "kernels/cpu/cpu_ops.hpp"
 #include "kernels/ops.hpp"
 #include "kernels/runtime/memory.hpp"
+#include "kernels/runtime/nvtx.hpp"
+#include "kernels/tensor_ops.hpp"
 #if DP_HAVE_CUDA
 #include "kernels/cuda/cuda_ops.hpp"
 #include "kernels/cuda/sdpa.hpp"
@@ -25,13 +33,16 @@
 
 // The one dispatch point: kernels::cpu::op(args...) inside the device's task arena, or
 // kernels::cuda::op(args..., ctx) on the calling thread's context for the device.
-#define DP_DISPATCH(device, op, ...)                             \
-  do {                                                           \
-    DeviceContext& ctx = context(device);                        \
-    if ((device).is_cpu())                                       \
-      DP_RUN_CPU(                                                \
-          ctx, [](auto&&... a) { cpu::op(a...); }, __VA_ARGS__); \
-    DP_RUN_CUDA(ctx, op, __VA_ARGS__);                           \
+// While a graph observes or captures on the context, the op's host arguments are noted first
+// (note_host_arguments).
+#define DP_DISPATCH(device, op, ...)                                            \
+  do {                                                                          \
+    DeviceContext& ctx = context(device);                                       \
+    if (ctx.noting()) note_host_arguments(ctx, #op, #__VA_ARGS__, __VA_ARGS__); \
+    if ((device).is_cpu())                                                      \
+      DP_RUN_CPU(                                                               \
+          ctx, [](auto&&... a) { cpu::op(a...); }, __VA_ARGS__);                \
+    DP_RUN_CUDA(ctx, op, __VA_ARGS__);                                          \
   } while (0)
 
 // A CPU op (a callable over the op's arguments): run inside the device's arena now, or, while a
@@ -94,6 +105,130 @@ void record_for_graph(DeviceContext& ctx, Call call, const Args&... args) {
   ctx.record([call, held = std::make_tuple(graph_arg(ctx, args)...)]() mutable {
     std::apply(call, held);
   });
+}
+
+// What an op's argument holds that a captured launch keeps besides its memory, as text
+// (note_host_arguments): a value; a tensor's dtype, shape and offset in its memory; a device
+// scalar or counter as such (its value is read when the op runs). Every argument type of the
+// ops has an overload: a new one fails to compile until it gets one.
+template <class T>
+void describe(std::ostream& os, const T& v) {
+  static_assert(std::is_arithmetic_v<T> || std::is_enum_v<T>,
+                "describe: an op argument of a type without an overload");
+  if constexpr (std::is_enum_v<T>) {
+    os << static_cast<int64_t>(v);
+  } else if constexpr (std::is_floating_point_v<T>) {
+    os << std::setprecision(std::numeric_limits<T>::max_digits10) << v;
+  } else {
+    os << +v;
+  }
+}
+[[maybe_unused]] void describe(std::ostream& os, const Tensor& t) {
+  if (!t.defined()) {
+    os << "none";
+    return;
+  }
+  os << dtype_name(t.dtype()) << " " << shape_str(t.shape());
+  if (t.offset_bytes() != 0) os << " at byte " << t.offset_bytes();
+}
+[[maybe_unused]] void describe(std::ostream& os, const Scalar& s) {
+  if (s.at.defined())
+    os << "a device scalar";
+  else
+    describe(os, s.value);
+}
+[[maybe_unused]] void describe(std::ostream& os, const RngOffset& o) {
+  if (o.base.defined()) os << "a device counter + ";
+  describe(os, o.delta);
+}
+template <class T>
+void describe(std::ostream& os, const std::vector<T>& v) {
+  os << "{";
+  for (size_t k = 0; k < v.size(); ++k) {
+    if (k) os << ", ";
+    describe(os, v[k]);
+  }
+  os << "}";
+}
+template <class T, size_t N>
+void describe(std::ostream& os, const T (&v)[N], int n = static_cast<int>(N)) {
+  os << "{";
+  for (int k = 0; k < n; ++k) {
+    if (k) os << ", ";
+    describe(os, v[k]);
+  }
+  os << "}";
+}
+[[maybe_unused]] void describe(std::ostream& os, const Values& v) {
+  describe(os, v.v, v.n);
+}
+[[maybe_unused]] void describe(std::ostream& os, const Layout& l) {
+  os << "view ";
+  describe(os, l.shape, l.ndim);
+  os << " strides ";
+  describe(os, l.stride, l.ndim);
+  os << " from " << l.offset;
+}
+[[maybe_unused]] void describe(std::ostream& os, const Conv2dParams& p) {
+  os << "stride " << p.stride_h << "x" << p.stride_w << " pad " << p.pad_h << "x" << p.pad_w;
+}
+[[maybe_unused]] void describe(std::ostream& os, const Pool2dParams& p) {
+  os << "kernel " << p.kernel_h << "x" << p.kernel_w << " stride " << p.stride_h << "x"
+     << p.stride_w << " pad " << p.pad_h << "x" << p.pad_w;
+}
+[[maybe_unused]] void describe(std::ostream& os, const AttentionParams& p) {
+  os << "heads " << p.heads << " scale ";
+  describe(os, p.scale);
+  os << " mask " << static_cast<int>(p.mask) << " dropout ";
+  describe(os, p.dropout);
+  os << " seed " << p.dropout_seed << " at ";
+  describe(os, p.dropout_offset);
+}
+// The optimizers' constants (what the kernels read of their configs: the learning rate and the
+// unscale come from the scalars tensor).
+[[maybe_unused]] void describe(std::ostream& os, const SgdConfig& c) {
+  os << "momentum ";
+  describe(os, c.momentum);
+  os << " dampening ";
+  describe(os, c.dampening);
+  os << " weight decay ";
+  describe(os, c.weight_decay);
+  os << " nesterov " << (c.nesterov == Nesterov::yes) << " skip flag ";
+  describe(os, c.skip_if);
+}
+[[maybe_unused]] void describe(std::ostream& os, const AdamWConfig& c) {
+  os << "betas ";
+  describe(os, c.beta1);
+  os << " ";
+  describe(os, c.beta2);
+  os << " eps ";
+  describe(os, c.eps);
+  os << " skip flag ";
+  describe(os, c.skip_if);
+}
+[[maybe_unused]] void describe(std::ostream& os, const UnaryParams& p) {
+  describe(os, p.a);
+  os << " ";
+  describe(os, p.b);
+}
+
+// requires ctx.noting(). ensures the op's note (DeviceContext::note_op: appended while a graph
+// observes, compared while it captures, which throws where the two differ).
+template <class... Args>
+void note_host_arguments(DeviceContext& ctx, const char* op, const char* names,
+                         const Args&... args) {
+  DeviceContext::OpNote note;
+  note.op = op;
+  note.names = names;
+  note.where = RangeNames::innermost();
+  note.args.reserve(sizeof...(Args));
+  auto add = [&](const auto& a) {
+    std::ostringstream os;
+    describe(os, a);
+    note.args.push_back(os.str());
+  };
+  (add(args), ...);
+  ctx.note_op(std::move(note));
 }
 
 [[maybe_unused]] void no_cuda(DeviceContext& ctx) {

@@ -917,18 +917,22 @@ TEST_CASE("ddp.graphs: an update's temporary takes the block backward freed in t
 TEST_CASE("ddp.graphs: a hook that baked the host share in is replayed only at that share") {
   // Research code's capturable hook reads GradBucket::share on the host in its queued ops
   // (dist_worker --host-share-hook scales by 1 / share, then by the device's share_at). With
-  // --moving-shares 3, each rank's share of the kept tokens changes every step, the shape
-  // staying: step 3's capture bakes its share in, so step 4 turns graphs off, saying why, and
-  // runs uncaptured, as do the later ones: graphs off's losses and weights, bit for bit (a
-  // replay would divide by step 3's share). With an even batch the share stays 0.5: steps 3 to
-  // 8 replay, and nothing is said.
+  // --moving-shares K, each rank's share of the kept tokens changes from step to step, the
+  // shape staying:
+  //   - K = 3: the share of step 3's capture differs from step 2's, which was observed
+  //     (kernels::Graph::observe): the capture names the scale it was handed and fails, and
+  //     every step runs uncaptured;
+  //   - K = 5: steps 2 and 3 share a share, so step 3's capture bakes it in and step 4, at
+  //     another share, turns graphs off, saying why (a replay would divide by step 3's share).
+  // Either way graphs off's losses and weights, bit for bit. With an even batch the share stays
+  // 0.5: steps 3 to 8 replay, and nothing is said.
   std::string dir = dist_test::make_temp_dir("ddp_host_share");
-  for (bool moving : {true, false}) {
+  for (int moving : {3, 5, 0}) {
     CAPTURE(moving);
     std::vector<std::string> args = {"--mode", "ddp", "--steps", "8", "--host-share-hook"};
-    if (moving) args.insert(args.end(), {"--moving-shares", "3"});
+    if (moving) args.insert(args.end(), {"--moving-shares", std::to_string(moving)});
     args.insert(args.end(), {"--cuda-graphs", "off"});
-    const std::string name = moving ? "moving" : "even";
+    const std::string name = "moving_" + std::to_string(moving);
     const std::array<LastStep, 2> off = ddp_pair(dir, name + "_off", args);
     args.back() = "on";
     const std::array<LastStep, 2> on = ddp_pair(dir, name + "_on", args);
@@ -936,16 +940,23 @@ TEST_CASE("ddp.graphs: a hook that baked the host share in is replayed only at t
       CAPTURE(r);
       CAPTURE(on[r].output);
       CHECK(off[r].graphed == 0);
-      CHECK(on[r].graphed == (moving ? 1 : 6));
+      CHECK(on[r].graphed == (moving == 3 ? 0 : moving == 5 ? 1 : 6));
       REQUIRE(on[r].losses.size() == 8);
       CHECK(on[r].losses == off[r].losses);
       CHECK(on[r].weights == off[0].weights);
-      const std::string said = "ddp: graphs off: rank " + std::to_string(r) +
-                               " (cpu:" + std::to_string(r) +
-                               "): the comm hook 'host-share' read GradBucket::share on the host "
+      const std::string where =
+          "ddp: graphs off: rank " + std::to_string(r) + " (cpu:" + std::to_string(r) + "): ";
+      const std::string observed =
+          "ddp: graphs off: capture failed on rank " + std::to_string(r) +
+          " (cpu:" + std::to_string(r) +
+          "): a host value changed between steps on cpu:" + std::to_string(r) +
+          " (in Sequential/backward > ddp/comm_hook[bucket 0]): scale's argument `alpha` was ";
+      const std::string read = where +
+                               "the comm hook 'host-share' read GradBucket::share on the host "
                                "while the step was captured (";
-      CHECK((on[r].output.find(said) != std::string::npos) == moving);
-      CHECK((on[r].output.find("graphs off") != std::string::npos) == moving);
+      CHECK((on[r].output.find(observed) != std::string::npos) == (moving == 3));
+      CHECK((on[r].output.find(read) != std::string::npos) == (moving == 5));
+      CHECK((on[r].output.find("graphs off") != std::string::npos) == (moving != 0));
     }
     CHECK(off[0].weights.size() == 16);
   }

@@ -1145,6 +1145,41 @@ TEST_CASE("dp.graphs: host values changed between graphed steps are captured aga
   CHECK(stale.losses[4] != eager.losses[4]);
 }
 
+// Last stop's hostile pass: a layer's host value that changed every step, unannounced (a rising
+// temperature), was replayed as captured from the first replay on, with no line. The step
+// before each capture is now observed: the capture names the op and both values, and the
+// engine goes on uncaptured, with graphs off's losses.
+TEST_CASE("dp.graphs: a host value that changes every step is named at the capture, graphs off") {
+  const std::vector<int64_t> batches = {8, 8, 8, 8, 8, 8};
+  auto run = [&](dp::Graphs graphs) {
+    dp::DataParallelOptions o;
+    o.graphs = graphs;
+    return train_graphs(gain_mlp(), 2, batches, o, DeviceType::cpu,
+                        [&](dp::DataParallel& engine, size_t s, GraphRun&) {
+                          for (int i = 0; i < 2; ++i) {
+                            auto& seq = dynamic_cast<nn::Sequential&>(engine.replica(i));
+                            dynamic_cast<HostGain&>(*seq[1]).g = 1.f + 0.25f * (s + 1);
+                          }
+                        });
+  };
+  const GraphRun eager = run(dp::Graphs::off);
+  GraphRun graphed;
+  const std::string said = dp_test::capture_stderr([&] { graphed = run(dp::Graphs::on); });
+  const std::string line =
+      "dp: graphs off: capture failed on cpu:0: a host value changed between steps on cpu:0 (in "
+      "Sequential > HostGain): scale's argument `alpha` was 1.25 at the step before the capture "
+      "and is "
+      "1.5 now, and a replay would repeat what the capture saw";
+  CHECK_MESSAGE(said.find(line) != std::string::npos, said);
+  CHECK(said.find("dp: graphs off") == said.rfind("dp: graphs off"));  // one line
+  for (size_t s = 0; s < batches.size(); ++s) {
+    CAPTURE(s);
+    CHECK(!graphed.stats[s].graphed);
+    CHECK(graphed.losses[s] == eager.losses[s]);
+  }
+  CHECK(same_bits(graphed.params, eager.params));
+}
+
 // A hostile pass: past 8 step shapes the sets started over, so a shape used every other step lost
 // its graphs to shapes seen once. Now the set used longest ago makes room.
 TEST_CASE("dp.graphs: past 8 shapes, the shape used longest ago gives way, not a busy one") {

@@ -329,6 +329,106 @@ TEST_CASE(
   CHECK_THROWS_WITH_AS(g.replay(), doctest::Contains("nothing captured"), Error);
 }
 
+// Last stop's hostile pass: a host value handed to an op that changed every step (a layer's
+// rising temperature) was replayed as captured, with no word, on a GPU as on CPU devices. A
+// graph that observed the step before its capture now compares the capture's ops with it.
+TEST_CASE("runtime.graph: a capture after observe names the host value, op or count that changed") {
+  DeviceContext ctx(Device::cpu(0), {.cpu_threads = 1, .caching = Caching::on});
+  ContextScope scope(ctx);
+  Tensor x = Tensor::from_vector({1, 2, 3}, {3}, Device::cpu(0));
+  Tensor b = Tensor::from_vector({10, 20, 30}, {3}, Device::cpu(0));
+  Tensor y = Tensor::zeros({3}, DType::f32, Device::cpu(0));
+  Tensor z = Tensor::zeros({1}, DType::f32, Device::cpu(0));
+  float alpha = 2.f;
+  auto body = [&] {
+    add(y, x, b);
+    scale(y, y, alpha);
+    sum_squares(z, y);
+  };
+  Graph g;
+  g.observe(ctx, body);  // runs the work
+  CHECK(y.to_host_f32() == std::vector<float>{22, 44, 66});
+  CHECK(!g.captured());
+  g.capture(ctx, body);  // the same values: captured
+  CHECK(g.captured());
+  CHECK(g.nodes() == 3);
+
+  g.observe(ctx, body);
+  alpha = 3.f;
+  CHECK_THROWS_WITH_AS(g.capture(ctx, body),
+                       doctest::Contains("a host value changed between steps on cpu:0: scale's "
+                                         "argument `alpha` was 2 at the step before the capture "
+                                         "and is 3 now, and a replay would repeat what the "
+                                         "capture saw"),
+                       Error);
+  CHECK(!g.captured());
+  CHECK(!ctx.capturing());
+  CHECK(!ctx.noting());
+  // A view at an offset the host chose (a window that moves each step).
+  Tensor buf = Tensor::zeros({6}, DType::f32, Device::cpu(0));
+  int64_t at = 0;
+  auto window = [&] {
+    Tensor v = buf.view(at, {3});
+    add(v, x, b);
+  };
+  g.observe(ctx, window);
+  at = 3;
+  CHECK_THROWS_WITH_AS(g.capture(ctx, window),
+                       doctest::Contains("add's argument `y` was f32 [3] at the step before the "
+                                         "capture and is f32 [3] at byte 12 now"),
+                       Error);
+  // Another op chosen on the host.
+  bool relu_it = false;
+  auto chosen = [&] {
+    if (relu_it)
+      relu(y, x);
+    else
+      scale(y, x, 1.f);
+  };
+  g.observe(ctx, chosen);
+  relu_it = true;
+  CHECK_THROWS_WITH_AS(g.capture(ctx, chosen),
+                       doctest::Contains("the work changed between steps on cpu:0: op 1 of the "
+                                         "capture is relu where the step before it queued scale"),
+                       Error);
+  // Fewer ops, and more.
+  int n = 2;
+  auto some = [&] {
+    for (int i = 0; i < n; ++i) scale(y, y, 1.f);
+  };
+  g.observe(ctx, some);
+  n = 1;
+  CHECK_THROWS_WITH_AS(g.capture(ctx, some),
+                       doctest::Contains("the capture queued 1 op where the step before it queued "
+                                         "2 (the first missing: scale)"),
+                       Error);
+  n = 2;
+  g.observe(ctx, some);
+  n = 3;
+  CHECK_THROWS_WITH_AS(g.capture(ctx, some),
+                       doctest::Contains("the capture queues op scale after the 2 ops the step "
+                                         "before it queued"),
+                       Error);
+  CHECK(!g.captured());
+  // A failed capture used its observation up, and reset() drops one: nothing to compare with.
+  g.capture(ctx, some);
+  CHECK(g.captured());
+  g.observe(ctx, body);
+  alpha = 4.f;
+  g.reset();
+  g.capture(ctx, body);
+  CHECK(g.captured());
+  // Not inside a capture, nor inside another observation.
+  Graph other;
+  CHECK_THROWS_WITH_AS(other.capture(ctx, [&] { g.observe(ctx, body); }),
+                       doctest::Contains("a graph captures there"), Error);
+  CHECK_THROWS_WITH_AS(other.observe(ctx, [&] { g.observe(ctx, body); }),
+                       doctest::Contains("a graph observes there"), Error);
+  CHECK_THROWS_WITH_AS(other.observe(ctx, [&] { g.capture(ctx, body); }),
+                       doctest::Contains("a graph observes there"), Error);
+  CHECK(!ctx.noting());
+}
+
 TEST_CASE(
     "runtime.graph: host reads, events and a second capture are refused, the context stays "
     "usable") {

@@ -293,9 +293,11 @@ void DistributedDataParallel::stage_bucket(int k) {
   Tensor slice = grad_slice(k);
   // Alone with the whole batch the gradient is the mean already: no pass over it (x * 1 == x).
   // A captured step always scales by the device's share: a replay runs no host branch, and a
-  // later step's share is read there.
-  const bool capturing = kernels::capturing_on_this_thread() != nullptr;
-  if (group_.size() > 1 || share_ != 1.f || capturing) kernels::scale(slice, slice, device_share_);
+  // later step's share is read there. So does the step before a capture, which the capture's
+  // ops are compared with (kernels::Graph::observe).
+  const kernels::DeviceContext& ctx = kernels::context(slice.device());
+  const bool graphed = ctx.capturing() || ctx.noting();
+  if (group_.size() > 1 || share_ != 1.f || graphed) kernels::scale(slice, slice, device_share_);
 }
 
 GradBucket DistributedDataParallel::bucket_for_hook(int k) {

@@ -3,10 +3,13 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "kernels/runtime/block_cache.hpp"
 #include "kernels/runtime/error.hpp"
@@ -289,6 +292,68 @@ void DeviceContext::refuse_in_capture(const char* what) const {
   const std::string where = RangeNames::innermost();
   DP_THROW(what << " on " << device_ << " while a graph captures there"
                 << (where.empty() ? "" : " (in " + where + ")") << ": the work is not capturable");
+}
+
+namespace {
+std::string in_range(const std::string& where) {
+  return where.empty() ? std::string() : " (in " + where + ")";
+}
+// Argument k's name in a dispatch's argument list ("y, x, s.outer": split at the commas outside
+// brackets).
+std::string argument_name(const char* names, size_t k) {
+  std::vector<std::string> split(1);
+  int depth = 0;
+  for (const char* c = names ? names : ""; *c; ++c) {
+    if (*c == '(' || *c == '[' || *c == '{' || *c == '<') ++depth;
+    if (*c == ')' || *c == ']' || *c == '}' || *c == '>') --depth;
+    if (*c == ',' && depth == 0) {
+      split.emplace_back();
+    } else if (*c != ' ' || !split.back().empty()) {
+      split.back() += *c;
+    }
+  }
+  return k < split.size() ? split[k] : "#" + std::to_string(k + 1);
+}
+const char* const kReplayKeepsWhatCaptureSaw =
+    ", and a replay would repeat what the capture saw: a value that changes from step to step "
+    "belongs in a device kernels::Scalar, or its layer calls Module::host_values_changed() when "
+    "it changes (docs/dp-bench.md)";
+}  // namespace
+
+void DeviceContext::note_op(OpNote n) {
+  if (!capturing()) {
+    notes_->push_back(std::move(n));
+    return;
+  }
+  const size_t i = notes_checked_++;
+  if (i >= notes_->size())
+    DP_THROW("the work changed between steps on "
+             << device_ << ": the capture queues op " << n.op << in_range(n.where) << " after the "
+             << notes_->size() << (notes_->size() == 1 ? " op" : " ops")
+             << " the step before it queued" << kReplayKeepsWhatCaptureSaw);
+  const OpNote& was = (*notes_)[i];
+  if (std::strcmp(was.op, n.op) != 0 || was.args.size() != n.args.size())
+    DP_THROW("the work changed between steps on "
+             << device_ << ": op " << i + 1 << " of the capture is " << n.op << in_range(n.where)
+             << " where the step before it queued " << was.op << in_range(was.where)
+             << kReplayKeepsWhatCaptureSaw);
+  for (size_t k = 0; k < n.args.size(); ++k)
+    if (n.args[k] != was.args[k])
+      DP_THROW("a host value changed between steps on "
+               << device_ << in_range(n.where) << ": " << n.op << "'s argument `"
+               << argument_name(n.names, k) << "` was " << was.args[k]
+               << " at the step before the capture and is " << n.args[k] << " now"
+               << kReplayKeepsWhatCaptureSaw);
+}
+
+void DeviceContext::check_all_noted() const {
+  if (!notes_ || notes_checked_ >= notes_->size()) return;
+  const OpNote& missing = (*notes_)[notes_checked_];
+  DP_THROW("the work changed between steps on "
+           << device_ << ": the capture queued " << notes_checked_
+           << (notes_checked_ == 1 ? " op" : " ops") << " where the step before it queued "
+           << notes_->size() << " (the first missing: " << missing.op << in_range(missing.where)
+           << ")" << kReplayKeepsWhatCaptureSaw);
 }
 
 Tensor DeviceContext::graph_arg(const Tensor& t) {

@@ -129,6 +129,23 @@ class DeviceContext {
   // Throws, naming `what`, the device and the innermost named range (an nn layer's), while
   // capturing.
   void refuse_in_capture(const char* what) const;
+
+  // An op's host arguments as Graph::observe notes them (kernels/dispatch.hpp): what a captured
+  // launch keeps besides memory. The op, its arguments' names as written at the dispatch
+  // ("y, x, alpha"), each argument as text (a value; a tensor's dtype, shape and offset; a device
+  // scalar as such, whatever it holds) and the innermost named range (an nn layer's).
+  struct OpNote {
+    const char* op = nullptr;
+    const char* names = nullptr;
+    std::vector<std::string> args;
+    std::string where;
+  };
+  // Whether the ops queued on this context note their host arguments now: a Graph observes, or
+  // captures after an observation.
+  bool noting() const { return notes_ != nullptr; }
+  // requires noting(). While a graph observes: appends `n`. While it captures: compares `n` with
+  // the observed op at the same place and throws when they differ (Graph::observe).
+  void note_op(OpNote n);
   // Shares ownership of the CUDA stream: memory allocated on it keeps it alive until freed,
   // so a tensor may outlive the context that made it. Empty on CPU devices.
   const std::shared_ptr<void>& stream_owner() const { return stream_owner_; }
@@ -184,6 +201,12 @@ class DeviceContext {
   std::map<std::type_index, std::shared_ptr<void>> states_;
   // The capture in progress (Graph::capture): CPU ops go here; non-null on CUDA too, as the flag.
   std::vector<std::function<void()>>* recording_ = nullptr;
+  // Graph::observe's notes, being written (observing) or compared (capturing; notes_checked_
+  // compared so far); null while neither.
+  std::vector<OpNote>* notes_ = nullptr;
+  size_t notes_checked_ = 0;
+  // Throws when a capture that compares its ops with notes_ queued fewer of them.
+  void check_all_noted() const;
   // The capture's non-owning handles on blocks it took (graph_arg), by the storage they view.
   std::unordered_map<const Storage*, std::shared_ptr<Storage>> graph_borrows_;
   // Graphs captured on this context and not reset (shared: a graph may outlive the context).

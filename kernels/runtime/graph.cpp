@@ -1,7 +1,9 @@
 #include "kernels/runtime/graph.hpp"
 
 #include <cstdlib>
+#include <memory>
 #include <utility>
+#include <vector>
 
 #include "kernels/runtime/block_cache.hpp"
 #include "kernels/runtime/error.hpp"
@@ -40,6 +42,7 @@ Graph& Graph::operator=(Graph&& other) noexcept {
     fault_text_ = std::exchange(other.fault_text_, nullptr);
     live_ = std::move(other.live_);
     reservation_ = std::move(other.reservation_);
+    observed_ = std::move(other.observed_);
   }
   return *this;
 }
@@ -55,6 +58,7 @@ void Graph::reset() {
 #endif
   exec_ = nullptr;
   ops_.clear();
+  observed_.reset();
   ctx_ = nullptr;
   nodes_ = 0;
   casts_ = 0;
@@ -70,10 +74,13 @@ void Graph::capture(DeviceContext& ctx, const std::function<void()>& body, const
   DP_CHECK(&context(ctx.device()) == &ctx,
            "Graph::capture on " << ctx.device()
                                 << ": the context is not the one this thread's ops use there");
+  DP_CHECK(!ctx.noting(), "Graph::capture on " << ctx.device() << ": a graph observes there");
   DP_CHECK(after != this, "Graph::capture on " << ctx.device() << ": a graph after itself");
   DP_CHECK(!after || after->ctx_ == &ctx,
            "Graph::capture on " << ctx.device() << ": the graph it follows was "
                                 << (after->ctx_ ? "captured on another context" : "not captured"));
+  // The step before's ops (observe), which the capture's are compared with.
+  const std::shared_ptr<std::vector<DeviceContext::OpNote>> observed = std::move(observed_);
   reset();
   NvtxRange range("runtime/graph_capture");
   std::vector<std::function<void()>> ops;
@@ -91,6 +98,7 @@ void Graph::capture(DeviceContext& ctx, const std::function<void()>& body, const
     DeviceContext* capturing_before;
     ~Ending() {
       ctx.recording_ = nullptr;
+      ctx.notes_ = nullptr;
       ctx.fault_text_ = armed_before;
       ctx.graph_borrows_.clear();  // the recording holds the handles it uses
       detail::set_capturing_on_this_thread(capturing_before);
@@ -99,6 +107,8 @@ void Graph::capture(DeviceContext& ctx, const std::function<void()>& body, const
   } ending{ctx, reservation != nullptr, ctx.fault_text_, capturing_on_this_thread()};
   RangeNames names;  // a refusal names the layer it happened in
   ctx.recording_ = &ops;
+  ctx.notes_ = observed.get();
+  ctx.notes_checked_ = 0;
   ctx.captured_casts_ = 0;
   ctx.fault_text_ = nullptr;
   ctx.graph_borrows_.clear();
@@ -110,6 +120,14 @@ void Graph::capture(DeviceContext& ctx, const std::function<void()>& body, const
 #if DP_HAVE_CUDA
     capture_cuda(ctx, body);
 #endif
+  }
+  if (observed) {  // fewer ops than the step before queued
+    try {
+      ctx.check_all_noted();
+    } catch (...) {
+      reset();  // a CUDA graph instantiated already goes
+      throw;
+    }
   }
   // A test hook: DP_TEST_FAIL_CAPTURE set makes every capture fail once its body has run (its
   // host code changed what it changes), as a capture refused at its end would, so that the
@@ -127,6 +145,26 @@ void Graph::capture(DeviceContext& ctx, const std::function<void()>& body, const
   live_ = ctx.live_graphs_;
   ++*live_;
   reservation_ = std::move(reservation);
+}
+
+void Graph::observe(DeviceContext& ctx, const std::function<void()>& body) {
+  DP_CHECK(!ctx.capturing(), "Graph::observe on " << ctx.device()
+                                                  << ": a graph captures there (observe runs the "
+                                                  << "work)");
+  DP_CHECK(!ctx.noting(), "Graph::observe on " << ctx.device() << ": a graph observes there");
+  DP_CHECK(&context(ctx.device()) == &ctx,
+           "Graph::observe on " << ctx.device()
+                                << ": the context is not the one this thread's ops use there");
+  observed_.reset();
+  auto notes = std::make_shared<std::vector<DeviceContext::OpNote>>();
+  struct Ending {
+    DeviceContext& ctx;
+    ~Ending() { ctx.notes_ = nullptr; }
+  } ending{ctx};
+  RangeNames names;  // a note names the layer its op was queued in
+  ctx.notes_ = notes.get();
+  body();
+  observed_ = std::move(notes);
 }
 
 #if DP_HAVE_CUDA

@@ -24,7 +24,10 @@
 //
 // Host values the captured ops were handed (a float scale, a layer's member) are baked in: a
 // replay uses them, not later ones. The engines put each step's values in device memory
-// (kernels::Scalar) and capture again after Module::host_values_changed(). Dropout draws at
+// (kernels::Scalar) and capture again after Module::host_values_changed(). A graph observed the
+// step before its capture (observe) refuses a capture whose ops were handed other host values
+// than that step's ops, on every backend: a layer's value that changes each step is named
+// before any replay (one that changes only now and then is not seen). Dropout draws at
 // the counters nn::FlatState names: a graph of your own that holds dropout calls
 // FlatState::begin_rng_step() before each replay and advances rng_offset by what the captured
 // body drew (dp/graphs.hpp's run_drawing_segment does both), or every replay draws one mask.
@@ -78,6 +81,16 @@ class Graph {
   // graphs sharing a memory pool, replayed in the order they were captured). Both graphs hold
   // the pool's blocks until both are destroyed.
   void capture(DeviceContext& ctx, const std::function<void()>& body, const Graph* after = nullptr);
+  // requires ctx as capture's, nothing capturing or observing on it. ensures body ran eagerly
+  // (as without a graph), each op's host arguments noted (DeviceContext::OpNote: the values, the
+  // tensors' dtypes, shapes and offsets), and this graph's next capture compares its ops with
+  // those: where one differs (a host value that changed between the two steps, which a replay
+  // would keep), the capture throws, naming the op, the argument and both values, and the
+  // layer's range. An engine observes the step before each capture (dp/graphs.hpp). Replaces an
+  // earlier observation; reset() drops it. (A value that changes only now and then is not seen.)
+  // Code that queues other work while a graph captures (DeviceContext::capturing) queues it while
+  // one observes too (DeviceContext::noting), or the capture fails.
+  void observe(DeviceContext& ctx, const std::function<void()>& body);
   // requires captured(). ensures the captured work is queued on the context (CPU: runs now).
   void replay();
   bool captured() const { return ctx_ != nullptr; }
@@ -104,6 +117,8 @@ class Graph {
   // The context's count of live graphs (it keeps retired workspaces while any exists).
   std::shared_ptr<std::atomic<int>> live_;
   std::shared_ptr<BlockReservation> reservation_;
+  // observe's notes, for the next capture.
+  std::shared_ptr<std::vector<DeviceContext::OpNote>> observed_;
 };
 
 }  // namespace kernels
