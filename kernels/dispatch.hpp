@@ -169,47 +169,39 @@ void describe(std::ostream& os, const T (&v)[N], int n = static_cast<int>(N)) {
   describe(os, l.stride, l.ndim);
   os << " from " << l.offset;
 }
+// Writes each of `parts` in turn: text as it is, anything else described.
+template <class... Parts>
+void describe_parts(std::ostream& os, const Parts&... parts) {
+  auto one = [&os](const auto& part) {
+    if constexpr (std::is_convertible_v<decltype(part), const char*>)
+      os << part;
+    else
+      describe(os, part);
+  };
+  (one(parts), ...);
+}
 [[maybe_unused]] void describe(std::ostream& os, const Conv2dParams& p) {
-  os << "stride " << p.stride_h << "x" << p.stride_w << " pad " << p.pad_h << "x" << p.pad_w;
+  describe_parts(os, "stride ", p.stride_h, "x", p.stride_w, " pad ", p.pad_h, "x", p.pad_w);
 }
 [[maybe_unused]] void describe(std::ostream& os, const Pool2dParams& p) {
-  os << "kernel " << p.kernel_h << "x" << p.kernel_w << " stride " << p.stride_h << "x"
-     << p.stride_w << " pad " << p.pad_h << "x" << p.pad_w;
+  describe_parts(os, "kernel ", p.kernel_h, "x", p.kernel_w, " stride ", p.stride_h, "x",
+                 p.stride_w, " pad ", p.pad_h, "x", p.pad_w);
 }
 [[maybe_unused]] void describe(std::ostream& os, const AttentionParams& p) {
-  os << "heads " << p.heads << " scale ";
-  describe(os, p.scale);
-  os << " mask " << static_cast<int>(p.mask) << " dropout ";
-  describe(os, p.dropout);
-  os << " seed " << p.dropout_seed << " at ";
-  describe(os, p.dropout_offset);
+  describe_parts(os, "heads ", p.heads, " scale ", p.scale, " mask ", p.mask, " dropout ",
+                 p.dropout, " seed ", p.dropout_seed, " at ", p.dropout_offset);
 }
 // The optimizers' constants (what the kernels read of their configs: the learning rate and the
 // unscale come from the scalars tensor).
 [[maybe_unused]] void describe(std::ostream& os, const SgdConfig& c) {
-  os << "momentum ";
-  describe(os, c.momentum);
-  os << " dampening ";
-  describe(os, c.dampening);
-  os << " weight decay ";
-  describe(os, c.weight_decay);
-  os << " nesterov " << (c.nesterov == Nesterov::yes) << " skip flag ";
-  describe(os, c.skip_if);
+  describe_parts(os, "momentum ", c.momentum, " dampening ", c.dampening, " weight decay ",
+                 c.weight_decay, " nesterov ", c.nesterov, " skip flag ", c.skip_if);
 }
 [[maybe_unused]] void describe(std::ostream& os, const AdamWConfig& c) {
-  os << "betas ";
-  describe(os, c.beta1);
-  os << " ";
-  describe(os, c.beta2);
-  os << " eps ";
-  describe(os, c.eps);
-  os << " skip flag ";
-  describe(os, c.skip_if);
+  describe_parts(os, "betas ", c.beta1, " ", c.beta2, " eps ", c.eps, " skip flag ", c.skip_if);
 }
 [[maybe_unused]] void describe(std::ostream& os, const UnaryParams& p) {
-  describe(os, p.a);
-  os << " ";
-  describe(os, p.b);
+  describe_parts(os, p.a, " ", p.b);
 }
 
 // requires ctx.noting(). ensures the op's note (DeviceContext::note_op: appended while a graph

@@ -1,7 +1,11 @@
 // bench.progress: the programs' progress line (redrawn on a terminal, plain periodic lines
 // otherwise) and the --log JSONL step log.
+#include <sys/resource.h>
+
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
@@ -135,6 +139,45 @@ TEST_CASE("bench.progress: --log writes one JSON object per step, and a full dis
                        kernels::Error);
   CHECK_THROWS_WITH_AS(dp::cli::StepLog("--log", "/nonexistent/dir/x.jsonl"),
                        doctest::Contains("cannot open it for writing"), kernels::Error);
+}
+
+// Last stops' leftover: a --log that filled its disk midway ended in a partial line (stdio
+// wrote part of it then, and close() tried the rest), which a reader of the JSON lines fails on.
+TEST_CASE("bench.progress: a --log whose disk fills midway ends at the last whole line") {
+  const std::string path = dp_test::temp_path("cli", "filled.jsonl");
+  dp::cli::StepLog log("--log", path);
+  log.write({1, 2.5, 0.01, std::nullopt, 1000.0, 1.0});
+  const auto whole = static_cast<rlim_t>(std::filesystem::file_size(path));
+  // A file size limit stands in for the full disk: write() stops at it, then fails (EFBIG).
+  struct rlimit before {};
+  REQUIRE(::getrlimit(RLIMIT_FSIZE, &before) == 0);
+  REQUIRE((before.rlim_cur == RLIM_INFINITY || before.rlim_cur > whole + 20));
+  void (*handler)(int) = std::signal(SIGXFSZ, SIG_IGN);
+  struct rlimit small = before;
+  small.rlim_cur = whole + 20;  // room for 20 bytes of step 2's line
+  REQUIRE(::setrlimit(RLIMIT_FSIZE, &small) == 0);
+  std::string error;
+  try {
+    log.write({2, 2.25, 0.01, 0.75, 1200.0, 65536.0});
+  } catch (const kernels::Error& e) {
+    error = e.what();
+  }
+  ::setrlimit(RLIMIT_FSIZE, &before);
+  std::signal(SIGXFSZ, handler);
+  CHECK(error.find("--log(" + path +
+                   "): writing step 2 failed: File too large (the file ends at "
+                   "the last step written whole)") != std::string::npos);
+  log.close();  // nothing left to write
+  CHECK(std::filesystem::file_size(path) == whole);
+  std::ifstream in(path);
+  std::string line, last;
+  int lines = 0;
+  while (std::getline(in, line)) {
+    ++lines;
+    last = line;
+  }
+  CHECK(lines == 1);
+  CHECK(nlohmann::json::parse(last)["step"] == 1);
 }
 
 TEST_CASE("bench.progress: SlowNotice says what a slow phase does, and nothing for a quick one") {

@@ -1,9 +1,11 @@
 #include "dp/cli/progress.hpp"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <exception>
 
@@ -142,6 +144,11 @@ StepLog::StepLog(const std::string& flag, const std::string& path, std::string r
     ::close(fd);
     DP_THROW(flag_ << "(" << path_ << "): cannot open it for writing: " << std::strerror(e));
   }
+  // Unbuffered: each line goes out in write(), so a write that fails leaves nothing behind in
+  // the stream for close() to write later.
+  std::setvbuf(file_, nullptr, _IONBF, 0);
+  struct stat st {};
+  regular_ = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
 }
 
 StepLog::~StepLog() {
@@ -163,11 +170,22 @@ void StepLog::write(const StepRecord& r) {
   o[rate_key_] = r.rate;
   o["loss_scale"] = r.loss_scale;
   const std::string line = o.dump() + "\n";
+  const long start = regular_ ? std::ftell(file_) : -1;
   errno = 0;
   const bool ok =
       std::fwrite(line.data(), 1, line.size(), file_) == line.size() && std::fflush(file_) == 0;
-  DP_CHECK(ok, flag_ << "(" << path_ << "): writing step " << r.step
-                     << " failed: " << (errno ? std::strerror(errno) : "short write"));
+  if (ok) return;
+  const int e = errno;
+  // A regular file that filled up midway (a full disk, a size limit) is cut back to the steps
+  // written whole: a reader of the log finds no partial line.
+  bool cut = false;
+  if (start >= 0) {
+    std::clearerr(file_);
+    cut = ::ftruncate(::fileno(file_), start) == 0 && std::fseek(file_, start, SEEK_SET) == 0;
+  }
+  DP_THROW(flag_ << "(" << path_ << "): writing step " << r.step
+                 << " failed: " << (e ? std::strerror(e) : "short write")
+                 << (cut ? " (the file ends at the last step written whole)" : ""));
 }
 
 void StepLog::close() {

@@ -117,7 +117,7 @@ class StepLog {
 
   bool enabled() const { return file_ != nullptr; }
   // Appends the record as one line and flushes it; throws naming the flag and the file when the
-  // write or the flush fails (a full disk).
+  // write or the flush fails (a full disk), a regular file cut back to the lines written whole.
   void write(const StepRecord& r);
   // Closes the file, checking that everything reached it. Idempotent.
   void close();
@@ -125,6 +125,7 @@ class StepLog {
  private:
   std::string flag_, path_, rate_key_;
   std::FILE* file_ = nullptr;
+  bool regular_ = false;  // a regular file (write cuts a partial line off), not a FIFO or device
 };
 
 }  // namespace dp::cli
