@@ -26,14 +26,17 @@ DP_HOST_DEVICE double norm_from_sum_squares(float sum_squares, float unscale) {
 }
 
 // The factor clipping multiplies the gradient by when its global norm is `norm`:
-// min(1, max_norm / (norm + 1e-6)), PyTorch's; 1 for a non-finite norm (the loss scaler skips
-// that step, or it fails visibly). requires max_norm > 0.
+// min(1, max_norm / (norm + 1e-6)), PyTorch's, also for an infinite norm: 0 then. Such a norm
+// is an infinite gradient (times 0 it is NaN, which the loss scaler's check skips, or fails
+// visibly) or finite gradients whose f32 sum of squares overflowed (a norm above about 1.8e19:
+// they become 0, PyTorch's outcome, not kept unclipped). 1 for a NaN norm: the gradient's NaN is
+// left for the same check. requires max_norm > 0.
 DP_HOST_DEVICE float factor(double norm, float max_norm) {
 #if defined(__CUDA_ARCH__)
-  if (!isfinite(norm) || norm <= static_cast<double>(max_norm)) return 1.f;
+  if (isnan(norm) || norm <= static_cast<double>(max_norm)) return 1.f;
   return __double2float_rn(__ddiv_rn(static_cast<double>(max_norm), __dadd_rn(norm, 1e-6)));
 #else
-  if (!std::isfinite(norm) || norm <= static_cast<double>(max_norm)) return 1.f;
+  if (std::isnan(norm) || norm <= static_cast<double>(max_norm)) return 1.f;
   return static_cast<float>(static_cast<double>(max_norm) / (norm + 1e-6));
 #endif
 }

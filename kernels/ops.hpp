@@ -110,12 +110,13 @@ void bias_backward(Tensor& db, const Tensor& dy, Accumulate acc);
 // requires a, b, c 2-D, op(a) (m, k), op(b) (k, n), c (m, n); bias (n) f32, c's dtype, or
 // undefined. a and b are f32, f16 or bf16 (same dtype); c is f32 or a's dtype; accumulation is
 // f32.
-// ensures c = alpha * op(a) op(b) + beta * c + bias (bias broadcast over rows). On the CPU the
-// bias is added in f32 before a 16-bit c is rounded once. On a GPU a 16-bit c takes its fastest
-// path (cuBLASLt's bias epilogue, with no rounding kernel) from a bias in its own dtype, added in
-// f32 before c is rounded once; an f32 bias is first rounded to c's dtype for it; where the
-// epilogue does not run (no algorithm, n odd, a misaligned bias), the product is rounded into c,
-// then the bias added and the sum rounded again.
+// ensures c = alpha * op(a) op(b) + beta * c + bias (bias broadcast over rows); as in BLAS, a
+// and b are not read when alpha is 0, nor c when beta is 0 (their NaNs do not reach c). On the
+// CPU the bias is added in f32 before a 16-bit c is rounded once. On a GPU a 16-bit c takes its
+// fastest path (cuBLASLt's bias epilogue, with no rounding kernel) from a bias in its own dtype,
+// added in f32 before c is rounded once; an f32 bias is first rounded to c's dtype for it; where
+// the epilogue does not run (no algorithm, n odd, a misaligned bias), the product is rounded into
+// c, then the bias added and the sum rounded again.
 // With MathMode::tf32 on the context, f32 products may use TF32 tensor cores (GPU only).
 void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose tb,
           float alpha = 1.f, float beta = 0.f, const Tensor& bias = Tensor());
@@ -321,13 +322,13 @@ void sum_squares(Tensor& out, const Tensor& x);
 // max_norm finite and > 0. norm_out may alias sum_squares.
 // ensures, with the host's arithmetic (kernels/clip_norm.hpp) computed on the device:
 //   norm = sqrt(double(ss)) * double(unscale), norm_out = float(norm), and grads scaled by
-//   clip::factor(norm, max_norm) (untouched when that is 1: norm <= max_norm or not finite).
+//   clip::factor(norm, max_norm): untouched when that is 1 (norm <= max_norm, or NaN); times 0
+//   for an infinite norm (an f32 sum of squares that overflowed, or an infinite gradient).
 // unscale: fixed, or read on the device when the clip runs (a captured step's loss scale).
 void clip_by_norm(Tensor& grads, Tensor& norm_out, const Tensor& sum_squares, float max_norm,
                   Scalar unscale);
 // requires x (B, C) f32, f16 or bf16, out (B) i32. ensures out_i = argmax_c x_ic (first on
-// ties). NaN: out_i = 0
-// when x_i0 is NaN; other NaNs are skipped (the left-to-right scan `x[c] > x[best]`).
+// ties); a NaN is larger than any number, as in PyTorch: a row's first NaN is its argmax.
 void argmax(Tensor& out, const Tensor& x);
 // requires logits (B, C) f32, f16 or bf16, labels (B) i32. Returns how many rows have argmax ==
 // label (waits).

@@ -7,6 +7,7 @@
 #include <initializer_list>
 #include <numeric>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/dispatch.hpp"
@@ -110,6 +111,34 @@ void check_view(const char* op, const char* name, const Layout& v, int64_t numel
   DP_CHECK(v.offset >= 0 && last < numel, op << ": " << name << " view " << shape_str(v.sizes())
                                              << " at offset " << v.offset << " reaches element "
                                              << last << " of a tensor of " << numel);
+}
+
+// The bytes [first, end) of t's storage that a non-empty view of t's elements reaches.
+std::pair<size_t, size_t> view_bytes(const Tensor& t, const Layout& v) {
+  int64_t last = v.offset;
+  for (int k = 0; k < v.ndim; ++k) last += (v.shape[k] - 1) * v.stride[k];
+  const size_t e = dtype_size(t.dtype());
+  return {t.offset_bytes() + static_cast<size_t>(v.offset) * e,
+          t.offset_bytes() + static_cast<size_t>(last + 1) * e};
+}
+
+// requires non-empty views within their tensors. Throws when the views' byte ranges in one
+// storage meet, unless they are the same view (each element then read and written by one
+// thread): an element written before another thread reads it would pass on the copy's own
+// value. Views that interleave without sharing an element (a tensor's even and odd columns) are
+// refused too: the byte ranges say nothing finer.
+void check_views_apart(const char* op, const Tensor& dst, const Layout& d, const Tensor& src,
+                       const Layout& s) {
+  if (!dst.same_storage(src)) return;
+  const auto [d0, d1] = view_bytes(dst, d);
+  const auto [s0, s1] = view_bytes(src, s);
+  if (d1 <= s0 || s1 <= d0) return;
+  bool same = dst.dtype() == src.dtype() && d0 == s0 && d.ndim == s.ndim;
+  for (int k = 0; same && k < d.ndim; ++k)
+    same = d.shape[k] == s.shape[k] && (d.shape[k] == 1 || d.stride[k] == s.stride[k]);
+  DP_CHECK(same, op << ": dst's view and src's view share memory (bytes [" << d0 << ", " << d1
+                    << ") and [" << s0 << ", " << s1
+                    << ") of one buffer): copy through a buffer of its own");
 }
 
 // requires no two coordinates of the view at one element: sorted by stride, each stride at
@@ -310,6 +339,7 @@ void strided_copy(Tensor& dst, const Layout& dst_view, const Tensor& src, const 
   check_view(op, "src", src_view, src.numel());
   check_no_overlap(op, "dst", dst_view);
   if (dst_view.numel() == 0) return;
+  check_views_apart(op, dst, dst_view, src, src_view);
   DP_DISPATCH(dst.device(), strided_copy, dst, dst_view, src, src_view, acc);
 }
 

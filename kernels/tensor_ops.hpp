@@ -107,7 +107,8 @@ struct Layout {
 // requires shape.size() <= kMaxDims. ensures the contiguous (row-major) layout of `shape`.
 Layout contiguous_layout(const Shape& shape);
 // requires both views of one shape, within their tensors; dst's view writes no element twice
-// and shares no memory with src's.
+// and shares no memory with src's (checked by byte range: views of one buffer must not meet,
+// unless they are the same view).
 // ensures each element of dst's view (+)= the same element of src's view.
 void strided_copy(Tensor& dst, const Layout& dst_view, const Tensor& src, const Layout& src_view,
                   Accumulate acc);

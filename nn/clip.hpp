@@ -14,8 +14,8 @@
 namespace nn {
 
 // The factor clipping multiplies the gradient by when its global norm is `norm`:
-// min(1, max_norm / (norm + 1e-6)), PyTorch's; 1 for a non-finite norm (the loss scaler skips
-// that step, or it fails visibly). requires max_norm > 0. The device computes the same bits.
+// min(1, max_norm / (norm + 1e-6)), PyTorch's (0 for an infinite norm, 1 for a NaN one:
+// kernels/clip_norm.hpp says why). requires max_norm > 0. The device computes the same bits.
 inline float clip_factor(double norm, float max_norm) {
   return kernels::clip::factor(norm, max_norm);
 }

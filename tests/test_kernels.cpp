@@ -556,6 +556,31 @@ TEST_CASE("kernels.gemm: empty products") {
   CHECK(e.numel() == 0);
 }
 
+TEST_CASE("kernels.gemm: alpha 0 reads neither a nor b, on every path (BLAS's rule)") {
+  // A NaN in a once reached c through the 1-row path (0 * NaN) but not through OpenBLAS. Rows 1
+  // and 4 take the skinny kernels, 40 the tiled BLAS one; f32 and bf16 operands.
+  for (int64_t m : {1, 4, 40}) {
+    for (DType t : {DType::f32, DType::bf16}) {
+      CAPTURE(m);
+      CAPTURE(t);
+      Tensor a = filled({m, 6}, NAN), b = random_tensor({6, 5}, 3);
+      if (t == DType::bf16) {
+        a = cast(a, DType::bf16);
+        b = cast(b, DType::bf16);
+      }
+      Tensor c = filled({m, 5}, 4.f), bias = tensor({1.f, 2.f, 3.f, 4.f, 5.f}, {5});
+      gemm(c, a, Transpose::no, b, Transpose::no, 0.f, 0.5f, bias);
+      std::vector<float> want;
+      for (int64_t i = 0; i < m; ++i)
+        for (float v : {3.f, 4.f, 5.f, 6.f, 7.f}) want.push_back(v);
+      CHECK(c.to_host_f32() == want);
+      Tensor d = filled({m, 5}, NAN);  // beta 0: what c held is not read either
+      gemm(d, a, Transpose::no, b, Transpose::no, 0.f, 0.f);
+      CHECK(d.to_host_f32() == std::vector<float>(static_cast<size_t>(m * 5), 0.f));
+    }
+  }
+}
+
 TEST_CASE("kernels.gemm_gelu: the fused Linear ops are the ops' bits on the CPU") {
   auto same = [](const Tensor& a, const Tensor& b) {
     return a.dtype() == b.dtype() && a.shape() == b.shape() &&
@@ -1108,6 +1133,12 @@ TEST_CASE("kernels.vec_math: tanh and GELU(tanh) within a few ulp of libm over t
          nan_out = zeros({1});
   kernels::tanh(nan_out, nan_in);
   CHECK(std::isnan(nan_out.to_host_f32()[0]));
+  // -0 keeps its sign (the small-argument series gave +0), and so does a tiny negative.
+  for (size_t i = 0; i < xs.size(); ++i)
+    if (xs[i] == 0.f || std::fabs(xs[i]) < 1e-3f) {
+      CAPTURE(xs[i]);
+      CHECK(std::signbit(th[i]) == std::signbit(xs[i]));
+    }
   // The same bits on 1 and 2 threads.
   Tensor t1 = zeros({n});
   with_cpu_threads(1, [&] { kernels::tanh(t1, x); });
@@ -1127,6 +1158,29 @@ TEST_CASE("kernels.vec_math: tanh and GELU(tanh) within a few ulp of libm over t
       cpu::rows_for(f, isa, other.data(), xs.data(), n);
       CHECK(std::memcmp(base.data(), other.data(), 4 * xs.size()) == 0);
     }
+  }
+}
+
+TEST_CASE("kernels.gelu_tanh_backward: the derivative's limits 1 and 0 at huge |x|, no NaN") {
+  // Where tanh is +-1 in f32 the second term is 0; it was 0 * inf = NaN once x^2 overflowed
+  // (|x| >= 1.8e19). Both the activation's kernel and unary's gelu_tanh, at each vector width.
+  const float inf = std::numeric_limits<float>::infinity();
+  const std::vector<float> xs = {1e20f, -1e20f, 3e38f, -3e38f, inf, -inf, 12.f, -12.f, 1e10f};
+  const std::vector<float> want = {1.f, 0.f, 1.f, 0.f, 1.f, 0.f, 1.f, 0.f, 1.f};
+  const int64_t n = static_cast<int64_t>(xs.size());
+  Tensor x = Tensor::from_vector(xs, {n}), ones = filled({n}, 1.f), dx = zeros({n});
+  gelu_tanh_backward(dx, ones, x, Accumulate::no);
+  CHECK(dx.to_host_f32() == want);
+  Tensor y = zeros({n}), du = zeros({n});
+  unary(y, x, UnaryOp::gelu_tanh);
+  unary_backward(du, ones, x, y, UnaryOp::gelu_tanh, {}, Accumulate::no);
+  CHECK(du.to_host_f32() == want);
+  for (CpuVectorIsa isa : {CpuVectorIsa::sse, CpuVectorIsa::avx2, CpuVectorIsa::avx512}) {
+    if (isa > cpu_vector_isa()) continue;
+    CAPTURE(static_cast<int>(isa));
+    std::vector<float> got(xs.size());
+    cpu::rows_for(cpu::VecFunction::gelu_tanh_grad, isa, got.data(), xs.data(), n);
+    CHECK(got == want);
   }
 }
 

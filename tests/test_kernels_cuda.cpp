@@ -16,6 +16,7 @@
 #include "kernels/runtime/event.hpp"
 #include "kernels/runtime/graph.hpp"
 #include "kernels/runtime/memory.hpp"
+#include "kernels/tensor_ops.hpp"
 #include "tests/device_scalars.hpp"
 #include "tests/gemm_gelu_cases.hpp"
 #include "tests/loss_count_cases.hpp"
@@ -488,6 +489,25 @@ TEST_CASE("kernels.cuda.activations: relu, gelu, gelu_tanh, tanh and gradients m
       2e-6f);
 }
 
+TEST_CASE(
+    "kernels.cuda.activations: gelu_tanh's derivative at huge |x| and tanh(-0) as on the CPU") {
+  DP_REQUIRE_GPU();
+  const float inf = std::numeric_limits<float>::infinity();
+  const std::vector<float> xs = {1e20f, -1e20f, 3e38f, -3e38f, inf, -inf, 12.f, -12.f, -0.f};
+  const int64_t n = static_cast<int64_t>(xs.size());
+  Tensor x = Tensor::from_vector(xs, {n}, kGpu),
+         ones = Tensor::from_vector(std::vector<float>(xs.size(), 1.f), {n}, kGpu);
+  Tensor dx = zeros(kGpu, {n}), du = zeros(kGpu, {n}), y = zeros(kGpu, {n}), t = zeros(kGpu, {n});
+  gelu_tanh_backward(dx, ones, x, Accumulate::no);
+  unary(y, x, UnaryOp::gelu_tanh);
+  unary_backward(du, ones, x, y, UnaryOp::gelu_tanh, {}, Accumulate::no);
+  const std::vector<float> want = {1.f, 0.f, 1.f, 0.f, 1.f, 0.f, 1.f, 0.f, 0.5f};
+  CHECK(dx.to_host_f32() == want);
+  CHECK(du.to_host_f32() == want);
+  kernels::tanh(t, x);
+  CHECK(std::signbit(t.to_host_f32()[8]));
+}
+
 TEST_CASE("kernels.cuda.activations: 16-bit values eight at a time give the one-at-a-time bits") {
   DP_REQUIRE_GPU();
   // 8 x 1000 + 5 values: 16-byte aligned tensors take the 8-wide kernels for 8000 values and the
@@ -655,16 +675,17 @@ TEST_CASE("kernels.cuda.argmax and count_correct: first maximum on ties, match C
     CHECK(got[0].to_host_i32() == got[1].to_host_i32());
     CHECK(correct[0] == correct[1]);
   }
-  // NaN: the CPU's left-to-right rule (x[0] NaN gives 0; other NaNs are skipped), in rows
-  // wider than a warp too, with the NaN at a lane's first column and elsewhere.
+  // NaN: the CPU's rule (PyTorch's: a row's first NaN is its argmax), in rows wider than a warp
+  // too, with the NaN at a lane's first column and elsewhere.
   {
     const float nan = std::numeric_limits<float>::quiet_NaN();
     const int64_t classes = 70;
     std::vector<float> v(static_cast<size_t>(6 * classes));
     for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>((i * 37) % 11);
     v[0 * classes + 0] = nan;    // row 0: NaN first
-    v[1 * classes + 3] = nan;    // row 1: NaN seeds lane 3
-    v[1 * classes + 40] = 20.f;  //        the maximum is after it
+    v[1 * classes + 3] = nan;    // row 1: NaN seeds lane 3, and is the argmax
+    v[1 * classes + 40] = 20.f;  //        though the maximum is after it
+    v[1 * classes + 36] = nan;   //        and another lane's NaN comes later
     v[2 * classes + 35] = nan;   // row 2: NaN in a lane's second column
     for (int64_t c = 0; c < classes; ++c) v[3 * classes + c] = nan;  // row 3: all NaN
     for (int64_t c = 1; c < classes; ++c) v[4 * classes + c] = nan;  // row 4: one number first
@@ -678,7 +699,9 @@ TEST_CASE("kernels.cuda.argmax and count_correct: first maximum on ties, match C
     }
     CHECK(got[0].to_host_i32() == got[1].to_host_i32());
     CHECK(got[1].to_host_i32()[0] == 0);
-    CHECK(got[1].to_host_i32()[1] == 40);
+    CHECK(got[1].to_host_i32()[1] == 3);
+    CHECK(got[1].to_host_i32()[2] == 35);
+    CHECK(got[1].to_host_i32()[5] == 69);
   }
   // Every label right, then none: the count is exact.
   Tensor x = rnd(kGpu, {50, 6}, 40);
@@ -1397,18 +1420,20 @@ TEST_CASE("kernels.cuda.clip_by_norm: the host formula's bits, computed on the d
   DeviceContext& ctx = context(kGpu);
   for (float max_norm : {0.5f, 100.f}) {
     for (float unscale : {1.f, 1.f / 128.f}) {
-      for (bool nan : {false, true}) {
+      for (int odd : {0, 1, 2}) {  // none, a NaN, a finite value whose square overflows
         CAPTURE(max_norm);
         CAPTURE(unscale);
-        CAPTURE(nan);
+        CAPTURE(odd);
         std::vector<float> v = rnd(kCpu, {5000}, 91, -0.3f, 0.3f).to_host_f32();
-        if (nan) v[4321] = std::nanf("");
+        if (odd == 1) v[4321] = std::nanf("");
+        if (odd == 2) v[4321] = 2e20f;  // the norm reads inf: factor 0, PyTorch's
         // Before: the sum of squares read to the host, the norm and factor computed there.
         Tensor before = Tensor::from_vector(v, {5000}, kGpu);
         Tensor ss = zeros(kGpu, {1});
         sum_squares(ss, before);
         const double norm = std::sqrt(static_cast<double>(ss.item())) * unscale;
-        if (std::isfinite(norm) && norm > max_norm)
+        if (odd == 2) CHECK(std::isinf(norm));
+        if (!std::isnan(norm) && norm > max_norm)
           scale(before, before, static_cast<float>(max_norm / (norm + 1e-6)));
         // Now: the same on the device, the norm left in a slot, no host read.
         Tensor now = Tensor::from_vector(v, {5000}, kGpu);

@@ -152,16 +152,22 @@ TEST_CASE("kernels.softmax_cross_entropy: a bad label's error text, the first ba
   CHECK(std::isfinite(loss.item()));
 }
 
-TEST_CASE("kernels.argmax: NaN follows the left-to-right scan (x[c] > x[best])") {
+TEST_CASE("kernels.argmax: a row's first NaN is its argmax, as in PyTorch") {
   const float nan = std::numeric_limits<float>::quiet_NaN();
-  Tensor x = tensor({nan, 5, 7, 1,        //  NaN first: it stays the answer
-                     1, nan, 7, 7,        //  NaNs elsewhere are skipped
-                     nan, nan, nan, nan,  //
-                     -3, -2, nan, -2},
-                    {4, 4});
-  Tensor out = Tensor::zeros({4}, DType::i32, Device::cpu());
+  const float inf = std::numeric_limits<float>::infinity();
+  Tensor x = tensor({nan,  5,    7,    1,    //  NaN first
+                     1,    nan,  7,    7,    //  a NaN before the maximum ([1, NaN, 7] gave 2)
+                     nan,  nan,  nan,  nan,  //
+                     -3,   -2,   nan,  -2,   //
+                     inf,  1,    2,    nan,  //  above +inf too
+                     -inf, -inf, -inf, -inf},
+                    {6, 4});
+  Tensor out = Tensor::zeros({6}, DType::i32, Device::cpu());
   argmax(out, x);
-  CHECK(out.to_host_i32() == std::vector<int32_t>{0, 2, 0, 1});
+  CHECK(out.to_host_i32() == std::vector<int32_t>{0, 1, 0, 2, 3, 0});
+  // count_correct follows the same rule (the cross-entropies' counts: kernels.loss_count).
+  Tensor labels = Tensor::from_ints({0, 1, 0, 2, 3, 0}, {6});
+  CHECK(count_correct(x, labels) == 6);
 }
 
 TEST_CASE("kernels.mse_loss: mean of squares and its gradient") {
@@ -216,13 +222,30 @@ TEST_CASE("kernels.clip_by_norm: norm and factor from a sum of squares on the de
   CHECK(norm.item() == 5.f);
   const float factor = static_cast<float>(2.0 / (5.0 + 1e-6));
   CHECK(g.to_host_f32() == std::vector<float>{factor * 6.f, factor * -8.f});
-  // At or under the bound, or a non-finite norm: untouched.
-  for (float bad : {25.f, NAN, INFINITY}) {
+  // At or under the bound, or a NaN norm: untouched.
+  for (float bad : {25.f, NAN}) {
     CAPTURE(bad);
     Tensor kept = tensor({6.f, -8.f}, {2}), s = tensor({bad}, {1});
     clip_by_norm(kept, s, s, 5.f, 1.f);  // the norm overwrites the sum it came from
     CHECK(kept.to_host_f32() == std::vector<float>{6.f, -8.f});
     CHECK((std::isnan(bad) ? std::isnan(s.item()) : s.item() == std::sqrt(bad)));
+  }
+  // Finite gradients whose f32 sum of squares overflows (a norm of about 2.8e20): the norm
+  // reads infinite, and the factor is PyTorch's max_norm / (inf + 1e-6) = 0, not 1 (which left
+  // them at 2e20); an infinite gradient becomes NaN, as in PyTorch, for the step's check.
+  {
+    Tensor huge = tensor({2e20f, -2e20f, 1.f, -3.f}, {4}), s = scalar();
+    sum_squares(s, huge);
+    CHECK(std::isinf(s.item()));
+    clip_by_norm(huge, s, s, 1.f, 1.f);
+    CHECK(std::isinf(s.item()));
+    const std::vector<float> got = huge.to_host_f32();
+    CHECK(got == std::vector<float>{0.f, 0.f, 0.f, 0.f});
+    CHECK(std::signbit(got[1]));  // -2e20 * 0: as PyTorch's mul_(0)
+    Tensor inf = tensor({INFINITY, 1.f}, {2}), s2 = tensor({INFINITY}, {1});
+    clip_by_norm(inf, s2, s2, 5.f, 1.f);
+    CHECK(std::isnan(inf.to_host_f32()[0]));
+    CHECK(inf.to_host_f32()[1] == 0.f);
   }
   Tensor empty = zeros({0});
   clip_by_norm(empty, norm, tensor({0.f}, {1}), 1.f, 1.f);

@@ -339,6 +339,22 @@ TEST_CASE("kernels.tensor_ops: bad shapes, dims and views are refused by name") 
   CHECK(dp_test::error_of([&] {
           strided_copy(y, twice, a, contiguous_layout({2, 3}), Accumulate::no);
         }).find("writes elements twice") != std::string::npos);
+  // One buffer's two views that meet: a shift by one element is refused, naming the bytes; the
+  // same view (a copy onto itself, or x += x) and views of one buffer apart still run.
+  Tensor buf = Tensor::from_vector({1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f}, {8});
+  Layout head = contiguous_layout({4}), shifted = contiguous_layout({4});
+  shifted.offset = 1;
+  CHECK(dp_test::error_of([&] { strided_copy(buf, shifted, buf, head, Accumulate::no); })
+            .find("strided_copy: dst's view and src's view share memory (bytes [4, 20) and [0, "
+                  "16) of one buffer)") != std::string::npos);
+  CHECK(buf.to_host_f32() == std::vector<float>{1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f});
+  Tensor tail_view = buf.view(4, {4});  // bytes [16, 32) of the same storage
+  CHECK(dp_test::error_of([&] {
+          strided_copy(tail_view, contiguous_layout({4}), buf, shifted, Accumulate::no);
+        }).find("share memory (bytes [16, 32) and [4, 20)") != std::string::npos);
+  strided_copy(tail_view, contiguous_layout({4}), buf, head, Accumulate::no);
+  strided_copy(buf, head, buf, head, Accumulate::yes);
+  CHECK(buf.to_host_f32() == std::vector<float>{2.f, 4.f, 6.f, 8.f, 1.f, 2.f, 3.f, 4.f});
   Tensor h = Tensor::empty({2, 3}, DType::f16, Device::cpu()),
          g = Tensor::empty({2, 3}, DType::bf16, Device::cpu());
   CHECK(dp_test::error_of([&] { unary(h, g, UnaryOp::exp); }).find("mix f16 and bf16") !=

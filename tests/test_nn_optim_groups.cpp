@@ -32,8 +32,8 @@ float host_clip_grad_norm(Tensor& grads, float max_norm, float unscale) {
   Tensor ss = Tensor::empty({1}, DType::f32, grads.device());
   kernels::sum_squares(ss, grads);
   const double norm = std::sqrt(static_cast<double>(ss.item())) * static_cast<double>(unscale);
-  float factor = 1.f;
-  if (std::isfinite(norm) && norm > static_cast<double>(max_norm))
+  float factor = 1.f;  // PyTorch's: 0 for an infinite norm, and NaN here leaves it at 1
+  if (!std::isnan(norm) && norm > static_cast<double>(max_norm))
     factor = static_cast<float>(static_cast<double>(max_norm) / (norm + 1e-6));
   if (factor != 1.f) kernels::scale(grads, grads, factor);
   return static_cast<float>(norm);
@@ -94,11 +94,11 @@ TEST_CASE("nn.clip: clip_grad_norm_into gives the host formula's bits, with no h
     CHECK(bits(nn::clip_grad_norm(wrapped, c.max_norm, c.unscale)) == bits(want_norm));
     CHECK(bits(host(wrapped)) == bits(host(want)));
   }
-  // The clip was active above the bound and not below it, at it, or for a non-finite norm.
+  // The clip was active above the bound and not below it, at it, or for a NaN norm.
   Tensor g = random.clone();
   CHECK(nn::clip_grad_norm(g, 0.5f) > 0.5f);
   CHECK(host(g) != host(random));
-  for (const Case& c : {cases[2], cases[3], cases[5], cases[6]}) {
+  for (const Case& c : {cases[2], cases[3], cases[5]}) {
     CAPTURE(c.name);
     Tensor kept = c.grads.clone();
     nn::clip_grad_norm(kept, c.max_norm, c.unscale);

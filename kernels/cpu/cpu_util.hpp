@@ -99,14 +99,17 @@ inline void store_rounded(BF16& to, float v) {
 }
 
 // Index of the largest of row[0, n), the first one on ties (n >= 1); S: float, F16 or BF16
-// (compared as f32, which orders 16-bit values exactly). A NaN never compares greater: index 0
-// when row[0] is NaN, else NaNs are skipped. argmax, count_correct and the losses' counts.
+// (compared as f32, which orders 16-bit values exactly). A NaN is larger than any number, as
+// in PyTorch's argmax: the first NaN's index when the row has one. argmax, count_correct and the
+// losses' counts.
 template <class S>
 int32_t row_argmax(const S* row, int64_t n) {
   int64_t best = 0;
   float best_value = load_f32(row[0]);
+  if (best_value != best_value) return 0;
   for (int64_t c = 1; c < n; ++c) {
     const float v = load_f32(row[c]);
+    if (v != v) return static_cast<int32_t>(c);
     if (v > best_value) {
       best = c;
       best_value = v;

@@ -490,7 +490,8 @@ void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose t
     if (beta != 0.f) as_f32(c, c_f32);
     c_data = c_f32.data();
   }
-  if (k == 0) {
+  if (k == 0 || alpha == 0.f) {
+    // BLAS's rule, whatever the path: a and b are not read (their NaN or inf gives no NaN).
     scale_rows(c_data, m, n, beta);
   } else if (a.dtype() == DType::bf16 && b.dtype() == DType::bf16 && bf16_gemm_enabled()) {
     bf16_gemm(ta, tb, m, n, k, alpha, a.data<uint16_t>(), a.dim(1), b.data<uint16_t>(), b.dim(1),

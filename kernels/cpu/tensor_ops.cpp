@@ -98,8 +98,10 @@ float derivative(UnaryOp op, UnaryParams p, float x, float y) {
     case UnaryOp::gelu_tanh: {
       const float u = kSqrt2OverPi * (x + 0.044715f * x * x * x);
       const float t = std::tanh(u);
+      const float flat = 1.f - t * t;  // 0 where tanh is +-1: then no 0 * inf at x^2 = inf
+      if (flat == 0.f) return 0.5f * (1.f + t);
       const float du = kSqrt2OverPi * (1.f + 3.f * 0.044715f * x * x);
-      return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * du;
+      return 0.5f * (1.f + t) + 0.5f * x * flat * du;
     }
     case UnaryOp::relu:
       return x > 0.f ? 1.f : 0.f;

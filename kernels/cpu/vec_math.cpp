@@ -82,7 +82,8 @@ DP_VEC typename Vec<N>::F tanh_vec(typename Vec<N>::F u) {
   s = s * u2 - splat<N>(1.f / 3.f);
   const F small = u + u * (u2 * s);
   F out = a < splat<N>(0.125f) ? small : big;
-  return u != u ? u : out;  // NaN stays NaN
+  // NaN stays NaN, and -0 stays -0 (u + u u^2 s gave +0 for it).
+  return u != u || u == splat<N>(0.f) ? u : out;
 }
 
 // exp_nonpositive with 0 below -80 and NaN kept (exp_nonpositive_rows).
@@ -104,9 +105,12 @@ DP_VEC typename Vec<N>::F gelu_tanh_vec(typename Vec<N>::F x) {
 template <int N>
 DP_VEC typename Vec<N>::F gelu_tanh_grad_vec(typename Vec<N>::F x) {
   const auto t = tanh_vec<N>(splat<N>(kSqrt2OverPi) * (x + splat<N>(kGeluCubic) * x * x * x));
-  return splat<N>(0.5f) * (splat<N>(1.f) + t) +
-         splat<N>(0.5f) * x * (splat<N>(1.f) - t * t) * splat<N>(kSqrt2OverPi) *
-             (splat<N>(1.f) + splat<N>(3.f * kGeluCubic) * x * x);
+  const auto flat = splat<N>(1.f) - t * t;
+  const auto slope = splat<N>(0.5f) * x * flat * splat<N>(kSqrt2OverPi) *
+                     (splat<N>(1.f) + splat<N>(3.f * kGeluCubic) * x * x);
+  // Where tanh is +-1 in f32 (|x| > 5 or so) the second term is 0, not 0 * inf (NaN) once x^2
+  // overflows (|x| >= 1.8e19): the derivative's limits 1 and 0.
+  return splat<N>(0.5f) * (splat<N>(1.f) + t) + (flat == splat<N>(0.f) ? splat<N>(0.f) : slope);
 }
 
 }  // namespace

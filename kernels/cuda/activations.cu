@@ -36,8 +36,9 @@ struct GeluTanh {  // 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
 struct GeluTanhGrad {  // of the forward input
   __device__ float operator()(float v) const {
     float t = tanhf(kSqrt2OverPi * (v + kGeluCubic * v * v * v));
+    float flat = 1.f - t * t;  // 0 where tanh is +-1: the term is then 0, not 0 * inf at v^2 = inf
     return 0.5f * (1.f + t) +
-           0.5f * v * (1.f - t * t) * kSqrt2OverPi * (1.f + 3.f * kGeluCubic * v * v);
+           (flat == 0.f ? 0.f : 0.5f * v * flat * kSqrt2OverPi * (1.f + 3.f * kGeluCubic * v * v));
   }
 };
 struct Tanh {

@@ -258,7 +258,7 @@ void gemm(Tensor& c, const Tensor& a, Transpose ta, const Tensor& b, Transpose t
   int64_t m = c.dim(0), n = c.dim(1);
   int64_t k = ta == Transpose::no ? a.dim(1) : a.dim(0);
   if (m == 0 || n == 0) return;
-  if (k == 0) {  // empty product: c = beta c + bias
+  if (k == 0 || alpha == 0.f) {  // empty or zero product: c = beta c + bias (a, b not read)
     launch_scale_add_bias(c, bias, beta, /*scale_c=*/true, s);
     return;
   }

@@ -180,9 +180,10 @@ __global__ void softmax_xent_kernel(float* row_loss, D* dlogits, const T* logits
   // written over them: each value is read, then written, by one thread).
   const float x_label = threadIdx.x == 0 ? to_float(x[label]) : 0.f;
   // The thread's argmax rides along: its columns come in increasing order, so a strictly larger
-  // value is the first of its maximum; a NaN never is; -inf only when nothing came before.
+  // value is the first of its maximum; a NaN never is; -inf only when nothing came before. Its
+  // first NaN is kept apart: a NaN is the argmax (warp_row_argmax's rule).
   float max_t = -INFINITY, sum_t = 0.f, sum_x = 0.f;
-  long long arg_t = LLONG_MAX;  // none yet
+  long long arg_t = LLONG_MAX, nan_t = LLONG_MAX;  // none yet
   for_each_in_row(x, classes, [&](int64_t c, float xc) {
     if (xc > max_t) {
       sum_t = sum_t * expf(max_t - xc) + 1.f;  // the old terms at the new maximum, and e^0
@@ -190,6 +191,7 @@ __global__ void softmax_xent_kernel(float* row_loss, D* dlogits, const T* logits
       arg_t = c;
     } else if (xc != -INFINITY) {
       sum_t += expf(xc - max_t);  // a NaN logit makes the sum NaN, as it should
+      if (isnan(xc) && nan_t == LLONG_MAX) nan_t = c;
     } else if (arg_t == LLONG_MAX) {
       arg_t = c;
     }
@@ -197,8 +199,10 @@ __global__ void softmax_xent_kernel(float* row_loss, D* dlogits, const T* logits
   });
   if (correct) {  // the same for the whole block
     long long arg = block_reduce_first_max(max_t, arg_t);
+    // The lowest NaN column of the row, if any: the threads that saw one rank above the rest.
+    const long long first_nan = block_reduce_first_max(nan_t != LLONG_MAX ? 1.f : 0.f, nan_t);
     if (threadIdx.x == 0) {
-      if (isnan(to_float(x[0]))) arg = 0;         // the CPU's scan never leaves a NaN x[0]
+      if (first_nan != LLONG_MAX) arg = first_nan;
       if (arg == label) atomicAdd(correct, 1.f);  // whole numbers: exact, in any order
     }
   }
@@ -252,17 +256,20 @@ __global__ void divide_by_count_kernel(float* loss, const float* count) {
 
 constexpr int kRowsPerBlock = kThreads / 32;  // one warp per row
 
-// The CPU's rule (kernels/cpu/reduce.cpp: best = 0, then best = c when x[c] > x[best]), valid
-// in lane 0: index 0 when x[0] is NaN; otherwise the first index of the maximum over the
-// non-NaN entries (a NaN never compares greater, so the scan skips it). Each lane keeps the
-// first maximum of its strided non-NaN columns; lanes then merge, ties to the lower index.
+// The CPU's rule (kernels/cpu/cpu_util.hpp's row_argmax, PyTorch's), valid in lane 0: the
+// first NaN's index when the row has one, else the first index of its maximum. Each lane keeps
+// its first NaN and the first maximum of its other strided columns; lanes then merge, the lower
+// NaN index first, ties of the maximum to the lower index.
 template <class T>
 __device__ long long warp_row_argmax(const T* x, int64_t classes, int lane) {
   float best = -INFINITY;
-  long long idx = classes;  // sentinel: no non-NaN column yet; loses every tie
+  long long idx = classes;      // sentinel: no non-NaN column yet; loses every tie
+  long long nan_idx = classes;  // sentinel: no NaN yet
   for (int64_t c = lane; c < classes; c += 32) {
     float v = to_float(x[c]);
-    if (!isnan(v) && (idx == classes || v > best)) {
+    if (isnan(v)) {
+      if (nan_idx == classes) nan_idx = c;
+    } else if (idx == classes || v > best) {
       best = v;
       idx = c;
     }
@@ -270,13 +277,14 @@ __device__ long long warp_row_argmax(const T* x, int64_t classes, int lane) {
   for (int o = 16; o > 0; o >>= 1) {
     float ob = __shfl_down_sync(0xffffffffu, best, o);
     long long oi = __shfl_down_sync(0xffffffffu, idx, o);
+    long long on = __shfl_down_sync(0xffffffffu, nan_idx, o);
     if (ob > best || (ob == best && oi < idx)) {
       best = ob;
       idx = oi;
     }
+    if (on < nan_idx) nan_idx = on;
   }
-  if (classes > 0 && isnan(to_float(x[0]))) idx = 0;  // the CPU's scan never leaves a NaN x[0]
-  return idx;
+  return nan_idx < classes ? nan_idx : idx;
 }
 
 template <class T>

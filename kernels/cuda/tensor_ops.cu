@@ -212,8 +212,9 @@ __device__ __forceinline__ float unary_derivative(UnaryOp op, UnaryParams p, flo
       return 0.5f * (1.f + erff(v * kInvSqrt2)) + v * kInvSqrt2Pi * expf(-0.5f * v * v);
     case UnaryOp::gelu_tanh: {
       const float t = tanhf(kSqrt2OverPi * (v + kGeluCubic * v * v * v));
-      return 0.5f * (1.f + t) +
-             0.5f * v * (1.f - t * t) * kSqrt2OverPi * (1.f + 3.f * kGeluCubic * v * v);
+      const float flat = 1.f - t * t;  // 0 where tanh is +-1: then no 0 * inf at v^2 = inf
+      if (flat == 0.f) return 0.5f * (1.f + t);
+      return 0.5f * (1.f + t) + 0.5f * v * flat * kSqrt2OverPi * (1.f + 3.f * kGeluCubic * v * v);
     }
     case UnaryOp::relu:
       return v > 0.f ? 1.f : 0.f;
