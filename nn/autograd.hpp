@@ -165,6 +165,17 @@ class Tape {
   bool owns(const Var& v) const { return v.tape() == this && v.serial() == serial_; }
   Slot& slot(int id) { return slots_[static_cast<size_t>(id)]; }
   Var var(int id) { return Var(this, serial_, id); }
+  // Whether slot `id` is a parameter or a constant, or a view of one's memory (a reshape).
+  bool in_weights(int id) {
+    const Slot& s = slot(id);
+    if (s.kind == Kind::param || s.kind == Kind::constant) return true;
+    if (s.kind != Kind::op || !s.view) return false;
+    for (const Slot& o : slots_)
+      if ((o.kind == Kind::param || o.kind == Kind::constant) && o.value.defined() &&
+          o.value.same_storage(s.value))
+        return true;
+    return false;
+  }
   // An op's tensors: its output, input i, and their gradients.
   Tensor& out(const Node& n) { return slot(n.out).value; }
   const Tensor& in(const Node& n, size_t i) { return slot(n.in[i]).value; }
@@ -980,6 +991,11 @@ class Composed : public Module {
                            ": " + e.what());
     }
     DP_CHECK(tape->owns(y), type_name() << "::compose returned a Var that is not of this forward");
+    // An output in a parameter's or a constant's memory (compose() returned param(w), or a
+    // reshape of it) would let a write into the output change the weights, and the optimizer's
+    // step change the output: the layer returns a copy. (The input, or a view of it, is returned
+    // as it is, as built-in layers do.)
+    if (tape->in_weights(y.id())) y = ag::unary(y, kernels::UnaryOp::identity);
     tape->finish(in, y.id());
     last_ = tape.get();
     tapes_[key] = std::move(tape);

@@ -105,6 +105,27 @@ class Ignores : public nn::Composed {
   nn::Parameter& p_;
 };
 
+// Returns its parameter as it is, or a reshape of it (a view of the parameter's memory), whatever
+// the input: a learned table read whole.
+class Table : public nn::Composed {
+ public:
+  explicit Table(bool reshaped)
+      : reshaped_(reshaped), p_(register_parameter("p", {2, 3}, nn::InitSpec::constant(2.f))) {}
+  std::string type_name() const override { return "Table"; }
+
+ protected:
+  ag::Var compose(const ag::Var&) override {
+    return reshaped_ ? ag::reshape(param(p_), {3, 2}) : param(p_);
+  }
+  std::shared_ptr<nn::Module> clone_config() const override {
+    return std::make_shared<Table>(reshaped_);
+  }
+
+ private:
+  bool reshaped_;
+  nn::Parameter& p_;
+};
+
 }  // namespace
 
 TEST_CASE("nn.autograd: composed RMSNorm and SwiGLU equal the fused layers, forward and backward") {
@@ -256,6 +277,34 @@ TEST_CASE("nn.autograd: gradients add into the flat buffer and each parameter's 
   const std::vector<float> twice = net.flat_grads().to_host_f32();
   for (size_t i = 0; i < once.size(); ++i) CHECK(twice[i] == doctest::Approx(2 * once[i]));
   (void)norm;
+}
+
+TEST_CASE("nn.autograd: an output in a parameter's memory is the layer's copy") {
+  // A layer that returned param(p) handed the caller the parameter itself: a write into the
+  // output changed the weights (and a step would have changed the output).
+  for (bool reshaped : {false, true}) {
+    CAPTURE(reshaped);
+    Table t(reshaped);
+    t.materialize(Device::cpu(0), 1);
+    const Shape out = reshaped ? Shape{3, 2} : Shape{2, 3};
+    Tensor x = rnd({4}, 55), dy = rnd(out, 56);
+    for (int rep = 0; rep < 2; ++rep) {  // record, then replay
+      t.zero_grad();
+      Tensor y = t.forward(x);
+      CHECK(y.shape() == out);
+      CHECK(!y.same_storage(t.flat_params()));
+      CHECK(y.to_host_f32() == std::vector<float>(6, 2.f));
+      kernels::fill(y, 7.f);
+      CHECK(t.flat_params().to_host_f32() == std::vector<float>(6, 2.f));
+      t.backward(dy);
+      CHECK(t.flat_grads().to_host_f32() == dy.to_host_f32());
+    }
+  }
+  // The input returned as it is stays the input, as a built-in layer's would.
+  Ignores identity(true);
+  identity.materialize(Device::cpu(0), 1);
+  Tensor x = rnd({2, 3}, 57);
+  CHECK(identity.forward(x).same_storage(x));
 }
 
 TEST_CASE("nn.autograd: an input used twice, an unused input, the input returned, no input grad") {
