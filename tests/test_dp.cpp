@@ -1168,8 +1168,7 @@ TEST_CASE("dp.graphs: a host value that changes every step is named at the captu
   const std::string line =
       "dp: graphs off: capture failed on cpu:0: a host value changed between steps on cpu:0 (in "
       "Sequential > HostGain): scale's argument `alpha` was 1.25 at the step before the capture "
-      "and is "
-      "1.5 now, and a replay would repeat what the capture saw";
+      "and is 1.5 now, and a replay would repeat what the capture saw";
   CHECK_MESSAGE(said.find(line) != std::string::npos, said);
   CHECK(said.find("dp: graphs off") == said.rfind("dp: graphs off"));  // one line
   for (size_t s = 0; s < batches.size(); ++s) {

@@ -294,25 +294,30 @@ TEST_CASE("runtime.context: state<T> is one object per context, destroyed with i
 // ---- graphs (kernels/runtime/graph.hpp) ----------------------------------------------------
 
 namespace {
-// A small piece of work: y = 2 (x + b), z = sum of squares of y.
-void graph_body(Tensor& y, Tensor& z, const Tensor& x, const Tensor& b) {
-  add(y, x, b);
-  scale(y, y, 2.f);
-  sum_squares(z, y);
-}
+// A small piece of work on cpu:0: y = alpha (x + b), z = sum of squares of y.
+struct GraphWork {
+  Tensor x = Tensor::from_vector({1, 2, 3}, {3}, Device::cpu(0));
+  Tensor b = Tensor::from_vector({10, 20, 30}, {3}, Device::cpu(0));
+  Tensor y = Tensor::zeros({3}, DType::f32, Device::cpu(0));
+  Tensor z = Tensor::zeros({1}, DType::f32, Device::cpu(0));
+  float alpha = 2.f;
+  void operator()() {
+    add(y, x, b);
+    scale(y, y, alpha);
+    sum_squares(z, y);
+  }
+};
 }  // namespace
 
 TEST_CASE(
     "runtime.graph: a CPU capture records without running, and replays read current contents") {
   DeviceContext ctx(Device::cpu(0), {.cpu_threads = 2, .caching = Caching::on});
   ContextScope scope(ctx);
-  Tensor x = Tensor::from_vector({1, 2, 3}, {3}, Device::cpu(0));
-  Tensor b = Tensor::from_vector({10, 20, 30}, {3}, Device::cpu(0));
-  Tensor y = Tensor::zeros({3}, DType::f32, Device::cpu(0));
-  Tensor z = Tensor::zeros({1}, DType::f32, Device::cpu(0));
+  GraphWork work;
+  Tensor &x = work.x, &y = work.y, &z = work.z;
   Graph g;
   CHECK(!g.captured());
-  g.capture(ctx, [&] { graph_body(y, z, x, b); });
+  g.capture(ctx, [&] { work(); });
   CHECK(g.captured());
   CHECK(g.nodes() == 3);
   CHECK(y.to_host_f32() == std::vector<float>{0, 0, 0});  // recorded, not run
@@ -335,16 +340,10 @@ TEST_CASE(
 TEST_CASE("runtime.graph: a capture after observe names the host value, op or count that changed") {
   DeviceContext ctx(Device::cpu(0), {.cpu_threads = 1, .caching = Caching::on});
   ContextScope scope(ctx);
-  Tensor x = Tensor::from_vector({1, 2, 3}, {3}, Device::cpu(0));
-  Tensor b = Tensor::from_vector({10, 20, 30}, {3}, Device::cpu(0));
-  Tensor y = Tensor::zeros({3}, DType::f32, Device::cpu(0));
-  Tensor z = Tensor::zeros({1}, DType::f32, Device::cpu(0));
-  float alpha = 2.f;
-  auto body = [&] {
-    add(y, x, b);
-    scale(y, y, alpha);
-    sum_squares(z, y);
-  };
+  GraphWork work;
+  Tensor &x = work.x, &b = work.b, &y = work.y;
+  float& alpha = work.alpha;
+  auto body = [&] { work(); };
   Graph g;
   g.observe(ctx, body);  // runs the work
   CHECK(y.to_host_f32() == std::vector<float>{22, 44, 66});
