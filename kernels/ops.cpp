@@ -249,7 +249,7 @@ void sum_leading(Tensor& out, const Tensor& x, Accumulate acc) {
 }
 
 void scale(Tensor& y, const Tensor& x, Scalar alpha) {
-  check_unary_f32("scale", y, x);
+  check_unary_floating("scale", y, x);
   check_scalar("scale", "alpha", alpha, y.device());
   if (y.numel() == 0) return;
   DP_DISPATCH(y.device(), scale, y, x, alpha);

@@ -81,8 +81,8 @@ void fill(Tensor& y, float value);
 // 16-bit dtype per call: f16 beside bf16 throws; dropout's mask stays f32). Their kernels read
 // 16-bit values as f32, compute as the f32 kernels do, and round each 16-bit output once (an
 // accumulating one: read, added to in f32, rounded once): bitwise the f32 op on the widened
-// values, rounded once, with no cast and no f32 temporary. sigmoid, exp, scale and sum_leading
-// are f32 only.
+// values, rounded once, with no cast and no f32 temporary. scale takes them too (a micro-batch's
+// 16-bit loss gradient, weighted). sigmoid, exp and sum_leading are f32 only.
 
 // requires y, a same shape; b a's shape or a's trailing dims (a (N, T, D) with b (D) or (T, D)).
 // ensures y = a + b, b broadcast over a's leading dims. Gradient of b: sum_leading.

@@ -104,7 +104,7 @@ inline Tensor empty(Device d, const Shape& s, DType t) {
 constexpr Accumulate kAccumulates[] = {Accumulate::no, Accumulate::yes};
 
 // add and mul: same shapes (odd; one past the CPU's parallel grain), b broadcast over a's
-// leading dims ((D) and (T, D)), and y aliasing a.
+// leading dims ((D) and (T, D)), and y aliasing a; scale by a fixed and a device factor.
 inline Results elementwise(Device d, DType t) {
   Results out;
   const Shape big{2, 8209};
@@ -131,6 +131,22 @@ inline Results elementwise(Device d, DType t) {
     kernels::add(a, a, b);
     out.push_back({describe("add in place", {dt, dt, bt}, {11}), a, rounded(y32, dt)});
   }
+  // scale: by a fixed factor and by one read on the device (a micro-batch's weight), in place.
+  Tensor factor = Tensor::empty({1}, DType::f32, d);
+  kernels::fill(factor, 0.3f);
+  for (const Shape& s : {Shape{3, 5, 7}, big})
+    for (const auto& m : mixes(t, 2)) {
+      Tensor x = input(d, s, m[1], 5), y = empty(d, s, m[0]);
+      kernels::scale(y, x, -2.5f);
+      Tensor y32 = empty(d, s, DType::f32);
+      kernels::scale(y32, widened(x), -2.5f);
+      out.push_back({describe("scale", m, s), y, rounded(y32, m[0])});
+    }
+  Tensor x = input(d, big, t, 6);
+  Tensor y32 = empty(d, big, DType::f32);
+  kernels::scale(y32, widened(x), kernels::Scalar(factor));
+  kernels::scale(x, x, kernels::Scalar(factor));
+  out.push_back({describe("scale in place by a device factor", {t, t}, big), x, rounded(y32, t)});
   return out;
 }
 

@@ -951,7 +951,7 @@ void check_native16(native16::Results (*cases)(Device, DType)) {
 }
 }  // namespace
 
-TEST_CASE("kernels.native16: add and mul (broadcast, in place) equal the widening path's bits") {
+TEST_CASE("kernels.native16: add, mul (broadcast, in place) and scale equal the widening bits") {
   check_native16(native16::elementwise);
 }
 

@@ -1,5 +1,5 @@
-// Elementwise arithmetic and the bias helpers of linear/conv layers (f32; add, mul, add_bias and
-// bias_backward also take f16/bf16 tensors through with_storage, axpy an f16/bf16 x).
+// Elementwise arithmetic and the bias helpers of linear/conv layers (f32; add, mul, scale, add_bias
+// and bias_backward also take f16/bf16 tensors through with_storage, axpy an f16/bf16 x).
 #include <algorithm>
 #include <type_traits>
 
@@ -19,11 +19,29 @@ void mul(Tensor& y, const Tensor& a, const Tensor& b) {
 
 void scale(Tensor& y, const Tensor& x, Scalar by) {
   const float alpha = by.read();
-  const float* px = x.data<float>();
-  float* py = y.data<float>();
-  parallel_range(y.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) py[i] = alpha * px[i];
-  });
+  if (y.dtype() == DType::f32 && x.dtype() == DType::f32) {
+    const float* px = x.data<float>();
+    float* py = y.data<float>();
+    parallel_range(y.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) py[i] = alpha * px[i];
+    });
+    return;
+  }
+  with_storage(  // 16-bit storage: through f32 blocks, each output rounded once
+      [&](auto y_t, auto x_t) {
+        const auto* px = x.data<decltype(x_t)>();
+        auto* py = y.data<decltype(y_t)>();
+        parallel_range(y.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
+          float x_buf[kConvertBlock], out[kConvertBlock];
+          for (int64_t i = begin; i < end; i += kConvertBlock) {
+            const int64_t m = std::min(kConvertBlock, end - i);
+            const float* vx = widen_block(px + i, m, x_buf);
+            for (int64_t j = 0; j < m; ++j) out[j] = alpha * vx[j];
+            store_block(py + i, out, m);
+          }
+        });
+      },
+      y.dtype(), x.dtype());
 }
 
 // y f32 += alpha * x, x f32 or widened from f16/bf16 (exact) element by element.

@@ -1,6 +1,6 @@
 // Elementwise arithmetic (add, mul, scale, axpy), per-channel bias and its gradient. add, mul,
-// add_bias and bias_backward also take f16/bf16 tensors (with_storage, cuda_common.cuh), axpy an
-// f16/bf16 x.
+// scale, add_bias and bias_backward also take f16/bf16 tensors (with_storage, cuda_common.cuh),
+// axpy an f16/bf16 x.
 #include "kernels/cuda/cuda_common.cuh"
 
 namespace kernels::cuda {
@@ -17,9 +17,10 @@ __global__ void mul_kernel(Y* y, const A* a, const B* b, int64_t n) {
   DP_GRID_STRIDE_LOOP(i, n) y[i] = from_float<Y>(to_float(a[i]) * to_float(b[i]));
 }
 
-__global__ void scale_kernel(float* y, const float* x, ScalarArg by, int64_t n) {
+template <class Y, class X>
+__global__ void scale_kernel(Y* y, const X* x, ScalarArg by, int64_t n) {
   const float alpha = by.get();
-  DP_GRID_STRIDE_LOOP(i, n) y[i] = alpha * x[i];
+  DP_GRID_STRIDE_LOOP(i, n) y[i] = from_float<Y>(alpha * to_float(x[i]));
 }
 
 // y f32 += alpha * float(x), x f32, __half or __nv_bfloat16.
@@ -65,11 +66,6 @@ struct ReadMatrix {
   __device__ float operator()(int64_t r, int64_t c) const { return to_float(m[r * cols + c]); }
 };
 
-void check_elementwise(const char* op, const Tensor& y, const Tensor& a) {
-  require_f32(op, y);
-  require_f32(op, a);
-}
-
 }  // namespace
 
 void add(Tensor& y, const Tensor& a, const Tensor& b, DeviceContext& ctx) {
@@ -102,11 +98,16 @@ void mul(Tensor& y, const Tensor& a, const Tensor& b, DeviceContext& ctx) {
 
 void scale(Tensor& y, const Tensor& x, Scalar alpha, DeviceContext& ctx) {
   NvtxRange range("kernels/scale");
-  check_elementwise("scale", y, x);
+  require_floating("scale", {&y, &x});
   int64_t n = y.numel();
   if (n == 0) return;
-  scale_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(y.data<float>(), x.data<float>(),
-                                                               ScalarArg::of(alpha), n);
+  const ScalarArg by = ScalarArg::of(alpha);
+  with_storage(
+      [&](auto y_t, auto x_t) {
+        scale_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
+            y.data<decltype(y_t)>(), x.data<decltype(x_t)>(), by, n);
+      },
+      y.dtype(), x.dtype());
   DP_CUDA_CHECK_LAUNCH();
 }
 
