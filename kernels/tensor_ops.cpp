@@ -94,20 +94,26 @@ void check_reduced(const char* op, const Arg& y, const Tensor& x, int dim, const
                                                 << s.outer * s.inner << " elements)");
 }
 
+// The element a non-empty view with non-negative strides reaches last.
+int64_t last_element(const Layout& v) {
+  int64_t last = v.offset;
+  for (int k = 0; k < v.ndim; ++k) last += (v.shape[k] - 1) * v.stride[k];
+  return last;
+}
+
 // requires the view within a tensor of `numel` elements, non-negative strides.
 void check_view(const char* op, const char* name, const Layout& v, int64_t numel) {
   DP_CHECK(v.ndim >= 0 && v.ndim <= kMaxDims,
            op << ": " << name << " view has " << v.ndim << " dimensions (0 to " << kMaxDims << ")");
-  int64_t last = v.offset;
   bool empty = false;
   for (int k = 0; k < v.ndim; ++k) {
     DP_CHECK(v.shape[k] >= 0 && v.stride[k] >= 0,
              op << ": " << name << " view " << shape_str(v.sizes()) << " has a negative size or "
                 << "stride at dim " << k);
     if (v.shape[k] == 0) empty = true;
-    last += (v.shape[k] - 1) * v.stride[k];
   }
   if (empty) return;
+  const int64_t last = last_element(v);
   DP_CHECK(v.offset >= 0 && last < numel, op << ": " << name << " view " << shape_str(v.sizes())
                                              << " at offset " << v.offset << " reaches element "
                                              << last << " of a tensor of " << numel);
@@ -115,8 +121,7 @@ void check_view(const char* op, const char* name, const Layout& v, int64_t numel
 
 // The bytes [first, end) of t's storage that a non-empty view of t's elements reaches.
 std::pair<size_t, size_t> view_bytes(const Tensor& t, const Layout& v) {
-  int64_t last = v.offset;
-  for (int k = 0; k < v.ndim; ++k) last += (v.shape[k] - 1) * v.stride[k];
+  const int64_t last = last_element(v);
   const size_t e = dtype_size(t.dtype());
   return {t.offset_bytes() + static_cast<size_t>(v.offset) * e,
           t.offset_bytes() + static_cast<size_t>(last + 1) * e};

@@ -26,20 +26,11 @@ struct GeluGrad {  // Phi(x) + x phi(x), of the forward input
     return cdf + v * pdf;
   }
 };
-constexpr float kSqrt2OverPi = 0.79788456080286535588f;
-constexpr float kGeluCubic = 0.044715f;
-struct GeluTanh {  // 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
-  __device__ float operator()(float v) const {
-    return 0.5f * v * (1.f + tanhf(kSqrt2OverPi * (v + kGeluCubic * v * v * v)));
-  }
+struct GeluTanh {  // cuda_common.cuh's gelu_tanh_of
+  __device__ float operator()(float v) const { return gelu_tanh_of(v); }
 };
 struct GeluTanhGrad {  // of the forward input
-  __device__ float operator()(float v) const {
-    float t = tanhf(kSqrt2OverPi * (v + kGeluCubic * v * v * v));
-    float flat = 1.f - t * t;  // 0 where tanh is +-1: the term is then 0, not 0 * inf at v^2 = inf
-    return 0.5f * (1.f + t) +
-           (flat == 0.f ? 0.f : 0.5f * v * flat * kSqrt2OverPi * (1.f + 3.f * kGeluCubic * v * v));
-  }
+  __device__ float operator()(float v) const { return gelu_tanh_derivative(v); }
 };
 struct Tanh {
   __device__ float operator()(float v) const { return tanhf(v); }

@@ -81,6 +81,22 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
 }
 
+// GELU's tanh form, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (PyTorch's
+// approximate='tanh'), and its derivative: one formula for the activation's kernels and
+// autograd's unary op (kernels/cpu/vec_math.cpp and cpu/tensor_ops.cpp hold the CPU's).
+constexpr float kSqrt2OverPi = 0.79788456080286535588f;
+constexpr float kGeluCubic = 0.044715f;
+__device__ __forceinline__ float gelu_tanh_of(float v) {
+  return 0.5f * v * (1.f + tanhf(kSqrt2OverPi * (v + kGeluCubic * v * v * v)));
+}
+__device__ __forceinline__ float gelu_tanh_derivative(float v) {
+  const float t = tanhf(kSqrt2OverPi * (v + kGeluCubic * v * v * v));
+  const float flat =
+      1.f - t * t;  // 0 where tanh is +-1: the term is then 0, not 0 * inf at v^2 = inf
+  if (flat == 0.f) return 0.5f * (1.f + t);
+  return 0.5f * (1.f + t) + 0.5f * v * flat * kSqrt2OverPi * (1.f + 3.f * kGeluCubic * v * v);
+}
+
 // ---- 16-bit storage ------------------------------------------------------------------------
 // The ops that take f16/bf16 activations (ops.hpp) launch one kernel templated on the storage
 // type of each tensor (float, __half, __nv_bfloat16): it reads every element as f32 (to_float),

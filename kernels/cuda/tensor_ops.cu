@@ -132,8 +132,6 @@ __device__ __forceinline__ float nan_min(float u, float v) {
 // ---- unary ---------------------------------------------------------------------------------
 constexpr float kInvSqrt2 = 0.70710678118654752440f;
 constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
-constexpr float kSqrt2OverPi = 0.79788456080286535588f;
-constexpr float kGeluCubic = 0.044715f;
 
 __device__ __forceinline__ float sigmoid_of(float v) {
   return 1.f / (1.f + expf(-v));  // 0 for v below about -88 (expf(-v) is inf), as on the CPU
@@ -170,7 +168,7 @@ __device__ __forceinline__ float unary_value(UnaryOp op, UnaryParams p, float v)
     case UnaryOp::gelu_erf:
       return 0.5f * v * (1.f + erff(v * kInvSqrt2));
     case UnaryOp::gelu_tanh:
-      return 0.5f * v * (1.f + tanhf(kSqrt2OverPi * (v + kGeluCubic * v * v * v)));
+      return gelu_tanh_of(v);
     case UnaryOp::relu:  // NaN stays NaN, as in torch.relu
       return (v > 0.f || v != v) ? v : 0.f;
   }
@@ -210,12 +208,8 @@ __device__ __forceinline__ float unary_derivative(UnaryOp op, UnaryParams p, flo
     }
     case UnaryOp::gelu_erf:
       return 0.5f * (1.f + erff(v * kInvSqrt2)) + v * kInvSqrt2Pi * expf(-0.5f * v * v);
-    case UnaryOp::gelu_tanh: {
-      const float t = tanhf(kSqrt2OverPi * (v + kGeluCubic * v * v * v));
-      const float flat = 1.f - t * t;  // 0 where tanh is +-1: then no 0 * inf at v^2 = inf
-      if (flat == 0.f) return 0.5f * (1.f + t);
-      return 0.5f * (1.f + t) + 0.5f * v * flat * kSqrt2OverPi * (1.f + 3.f * kGeluCubic * v * v);
-    }
+    case UnaryOp::gelu_tanh:
+      return gelu_tanh_derivative(v);
     case UnaryOp::relu:
       return v > 0.f ? 1.f : 0.f;
   }
