@@ -213,6 +213,12 @@ void add_flags(CLI::App& app, Options& o) {
                  "next step while the devices run this one (needs --phase-times off, fp32 or "
                  "tf32, and for DP graphed steps)")
       ->check(CLI::Range(0, 1));
+  app.add_option("--micro-batches", o.micro_batches,
+                 "DP, DDP and hybrid: gradient accumulation. Each device or rank runs its chunk "
+                 "of a step as this many micro-batches, one after another, their gradients "
+                 "summed before the one reduction and update: one micro-batch's activations in "
+                 "memory at a time, the same global batch and loss curve")
+      ->check(CLI::Range(1, 1 << 20));
   app.add_option("--project-from", o.project_from,
                  "dp_bench JSON of a GPU run whose compute the NVLink/PCIe projection uses, or "
                  "off: no projection (on a GPU it runs one device again at the per-rank batches "
@@ -299,6 +305,7 @@ std::function<int64_t(int64_t)> probe_step(const Options& o, const Setup& s, ker
     dp::DataParallelOptions dopt = dp_options(o, s);
     dopt.graphs = dp::Graphs::off;  // one eager step: what the run's first step allocates
     dopt.metrics_lag = 0;
+    dopt.micro_batches = 1;  // the rows asked for in one pass (check_step divides the chunk)
     dopt.batch_norm = dp::BatchNormStats::per_device;
     dp::DataParallel engine(model, *opt, {device}, dopt);
     auto b = StepBatches(o, rows).at(0);
@@ -424,23 +431,29 @@ void validate(const Options& o, const Setup& s, const std::vector<int>& counts) 
                               std::to_string(row_bytes) + " B for the input batches)",
                           batch_bytes * host_copies, "the host", host, "give a smaller batch");
       const int64_t chunk = (batch + world - 1) / world;
+      // A device's activations: one micro-batch's (--micro-batches) at a time.
+      const int64_t in_flight = (chunk + o.micro_batches - 1) / o.micro_batches;
+      const std::string rows_text =
+          o.micro_batches > 1
+              ? std::to_string(in_flight) + " rows (a micro-batch of " + std::to_string(chunk) + ")"
+              : std::to_string(chunk) + " rows";
       // The measured step on `holders` devices of one memory, each with a chunk: their model
       // copies and activations, and the optimizer's state (DP: device 0 steps alone).
       auto check_step = [&](const std::string& head, int64_t holders, const std::string& where,
                             const kernels::AvailableMemory& memory) {
         const int64_t rows_bytes = dp::cli::checked_product(
-            chunk, "rows per device", row_cost->step.per_row, "bytes per row",
+            in_flight, "rows per device", row_cost->step.per_row, "bytes per row",
             std::numeric_limits<int64_t>::max() / (4 * holders + 4));
         const int64_t optimizer_copies = ddp ? holders : 1;
         const int64_t need =
             holders * (row_cost->step.fixed + rows_bytes) + optimizer_copies * row_cost->optimizer;
-        dp::cli::check_fits(
-            flag + " (" + head + std::to_string(holders) + " x (" +
-                dp::cli::human_bytes(row_cost->step.fixed) + " of model copies + " +
-                std::to_string(chunk) + " rows x " + dp::cli::human_bytes(row_cost->step.per_row) +
-                " of activations, measured on a probe step) + " + std::to_string(optimizer_copies) +
-                " x " + dp::cli::human_bytes(row_cost->optimizer) + " of optimizer state)",
-            need, where, memory, "give a smaller batch");
+        dp::cli::check_fits(flag + " (" + head + std::to_string(holders) + " x (" +
+                                dp::cli::human_bytes(row_cost->step.fixed) + " of model copies + " +
+                                rows_text + " x " + dp::cli::human_bytes(row_cost->step.per_row) +
+                                " of activations, measured on a probe step) + " +
+                                std::to_string(optimizer_copies) + " x " +
+                                dp::cli::human_bytes(row_cost->optimizer) + " of optimizer state)",
+                            need, where, memory, "give a smaller batch");
       };
       if (s.type == DeviceType::cpu) {
         // CPU devices hold their activations in the host's memory: what a run past it meets is
@@ -707,6 +720,7 @@ dp::DataParallelOptions dp_options(const Options& o, const Setup& s) {
   dopt.graphs = graphs_of(o);
   dopt.phase_timing = phase_timing_of(o);
   dopt.metrics_lag = o.metrics_lag;
+  dopt.micro_batches = o.micro_batches;
   return dopt;
 }
 
@@ -792,6 +806,7 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
   if (hooked) r.comm_hook = o.workload->make_comm_hook()->name();
   r.optim = o.optim;
   r.comm_dtype = o.comm_dtype;
+  r.micro_batches = o.micro_batches;
   r.optimizer_state_bytes = {opt.state_bytes()};  // device 0 alone steps
   r.reduce = o.dp_reduce;
   r.peer_reads = o.dp_peer_reads;
@@ -1034,6 +1049,15 @@ int run(const Options& o, int argc, char** argv) {
                                << ": only DDP (--mode ddp or both) has worker "
                                << "processes to restart");
     dp::dist::check_restarts_allowed(o.launch.max_restarts, o.launch.nnodes, o.launch.master_port);
+  }
+  if (o.micro_batches > 1) {
+    DP_CHECK(o.mode != "ps", "--micro-batches "
+                                 << o.micro_batches
+                                 << " with --mode ps: the parameter server's workers "
+                                    "step alone; give --mode dp, ddp, both or hybrid");
+    DP_CHECK(!o.sync_bn, "--micro-batches " << o.micro_batches
+                                            << " with --sync-bn: SyncBatchNorm exchanges "
+                                               "statistics at each forward; give one of them");
   }
   if (o.metrics_lag > 0) {
     DP_CHECK(o.mode == "dp" || o.mode == "ddp" || o.mode == "both",

@@ -91,7 +91,8 @@ struct Options {
   std::string ddp_graph_collectives = "auto";      // DDP: auto|off (set_graph_collectives)
   std::string phase_times = "on";                  // DP, DDP: on|off (timing events or not)
   int metrics_lag = 0;                             // DP: 0|1 (DataParallelOptions::metrics_lag)
-  std::string project_from;                        // GPU results file for the projection
+  int micro_batches = 1;     // DP, DDP, hybrid: per device or rank and step (gradient accumulation)
+  std::string project_from;  // GPU results file for the projection
   // DDP across nodes: every node runs dp_bench with the same flags and its own --node-rank.
   // DDP launch flags (dp::cli::add_launch_flags); nproc_per_node is set per run.
   dp::dist::LaunchOptions launch;

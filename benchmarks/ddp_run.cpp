@@ -98,6 +98,7 @@ dp::dist::RunConfig bench_run_config(const Options& o, int64_t batch, int64_t da
           {"--zero", std::to_string(o.zero)},
           {"--zero-overlap", o.zero_overlap ? "on" : "off"},
           {"--sync-bn", o.sync_bn ? "on" : "off"},
+          {"--micro-batches", std::to_string(o.micro_batches)},
           {"--dropout", dp::dist::config_number(o.dropout)},
           {"--bucket-cap-mb", dp::dist::config_number(o.bucket_cap_mb)},
           {"--first-bucket-mb", dp::dist::config_number(o.first_bucket_mb)},
@@ -161,6 +162,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   trainer.set_graph_collectives(o.ddp_graph_collectives == "auto");
   trainer.set_phase_timing(phase_timing_of(o));
   trainer.set_metrics_lag(o.metrics_lag);
+  trainer.set_micro_batches(o.micro_batches);
   if (nn::LossPtr loss = loss_of(o)) trainer.set_loss(std::move(loss));
   if (o.workload) trainer.set_clip_grad_norm(o.workload->clip_grad_norm);
   // What every rank must agree on, verified by wrap() before the weights are broadcast.
@@ -180,6 +182,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   if (hooked) r.comm_hook = ddp_options.comm_hook->name();
   r.optim = o.optim;
   r.comm_dtype = o.comm_dtype;
+  r.micro_batches = o.micro_batches;
   r.zero = o.zero;
   r.zero_overlap = o.zero_overlap;  // refused without --zero 1
   if (o.sync_bn) r.sync_bn_values = nn::batch_norm_sync_values_per_step(*model);

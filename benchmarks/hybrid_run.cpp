@@ -73,6 +73,7 @@ int hybrid_worker_main(const Options& o) {
   if (hook) r.comm_hook = hook->name();
   r.optim = o.optim;
   r.comm_dtype = o.comm_dtype;
+  r.micro_batches = o.micro_batches;
   r.reduce = o.dp_reduce;
   r.peer_reads = o.dp_peer_reads;
   r.gpus = n;

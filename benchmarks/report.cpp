@@ -503,6 +503,11 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
          << ", skipped steps " << r.skipped_steps << "\n";
   }
   for (auto& r : runs)
+    if (r.micro_batches > 1)
+      os << ModeCell{runs, r} << "   " << r.micro_batches << " micro-batches per "
+         << (r.mode == "ddp" ? "rank" : "device")
+         << " and step: their gradients summed before one reduction and update\n";
+  for (auto& r : runs)
     if (r.comm_dtype != "fp32" && r.gpus > 1 && r.param_bytes > 0)
       os << ModeCell{runs, r} << "   gradients travel in " << r.comm_dtype
          << ": half the gradient bytes of f32 (" << mib(r.param_bytes / 2) << " MiB saved per "
@@ -706,6 +711,7 @@ void check_projection_run(const RunResult& r, const std::string& where) {
   };
   check("gpus", r.gpus, 1, false, 1024);
   check("batch", static_cast<double>(r.batch), 1, false, kMaxBytes);
+  check("micro_batches", r.micro_batches, 1, false, 1 << 20);
   DP_CHECK(!r.step_ms.empty(), where << ".step_ms is empty: a dp_bench report holds its steps");
   for (size_t i = 0; i < r.step_ms.size(); ++i)
     check("step_ms[" + std::to_string(i) + "]", r.step_ms[i], 0, true, kMaxMs);
@@ -881,6 +887,7 @@ nlohmann::json run_to_json(const RunResult& r) {
       {"peer_reads", r.peer_reads},
       {"link_bytes", r.link_bytes},
       {"optim", r.optim},
+      {"micro_batches", r.micro_batches},
       {"zero", r.zero},
       {"zero_overlap", r.zero_overlap},
       {"optimizer_state_bytes", r.optimizer_state_bytes},
@@ -932,6 +939,7 @@ RunResult run_from_json(const nlohmann::json& j) {
   r.link_bytes = j.value("link_bytes", std::vector<int64_t>());
   r.optim = j.value("optim", std::string("sgd"));
   r.zero = j.value("zero", 0);
+  r.micro_batches = j.value("micro_batches", 1);
   r.zero_overlap = j.value("zero_overlap", false);
   r.optimizer_state_bytes = j.value("optimizer_state_bytes", std::vector<int64_t>{});
   r.sync_bn_values = j.value("sync_bn_values_per_step", int64_t{0});

@@ -47,6 +47,7 @@ struct RunResult {
   std::string peer_reads = "auto";  // DP: "auto" (in place where possible) or "off" (staged)
   std::vector<int64_t> link_bytes;  // DP: bytes in + out of each device per step
   std::string optim = "sgd";
+  int micro_batches = 1;                       // per device or rank and step (--micro-batches)
   int zero = 0;                                // DDP: ZeRO stage (0 or 1)
   bool zero_overlap = false;                   // ZeRO-1 through DDP's buckets (--zero-overlap)
   std::vector<int64_t> optimizer_state_bytes;  // per device (DP: device 0) or rank

@@ -100,6 +100,12 @@ DataParallel::DataParallel(nn::ModulePtr module, nn::Optimizer& optimizer,
     DP_CHECK(!options_.cross_node,
              "DataParallel: metrics_lag 1 in a hybrid run: the nodes' sums are read with the step");
   }
+  DP_CHECK(options_.micro_batches >= 1,
+           "DataParallel: micro_batches " << options_.micro_batches << ": 1 or more");
+  DP_CHECK(options_.micro_batches == 1 || options_.batch_norm == BatchNormStats::per_device,
+           "DataParallel: micro_batches " << options_.micro_batches
+                                          << " with SyncBatchNorm: its devices exchange statistics "
+                                             "at each forward (micro_batches 1)");
   // Replicas inherit the compute dtype from device 0's module (clone_to), and that the input
   // gradient is not needed (the input is data: the first layer skips that product).
   if (!options_.loss)
@@ -156,6 +162,7 @@ DataParallel::DataParallel(nn::ModulePtr module, nn::Optimizer& optimizer,
   for (int i = 0; i < n; ++i) {
     PerDevice& pd = per_device_[i];
     pd.own = BucketProgress(&plan_.buckets);
+    pd.micro.set(options_.micro_batches);
     pulls_.bind(i, replicas_[i].get(), &pool_.context(i));
     for (auto& mark : pd.marks) mark = kernels::Event(options_.phase_timing);
     replicas_[i]->flat().on_grad_ready = [this, i](const nn::Parameter& p) { on_grad_ready(i, p); };
@@ -295,11 +302,20 @@ void DataParallel::forward_and_loss(int i, nn::Mode mode) {
   } else {
     m.eval();
   }
-  pd.output = m.forward(pd.input);
   kernels::ensure(pd.metrics, {kMetrics}, kernels::DType::f32, devices_[i]);
-  queue_loss(*options_.loss, pd.output, pd.labels, pd.metrics.view(kLoss, {1}),
-             mode == nn::Mode::train ? &pd.dlogits : nullptr, scaler_, pd.loss_scale,
-             pd.metrics.view(kCorrect, {1}), !m.backward_reads_output());
+  if (mode == nn::Mode::train && pd.micro.count() > 1) {
+    // Every micro-batch but the last runs its backward here, before this device's hooks hand
+    // buckets on (pd.in_step is off): its gradient only accumulates.
+    pd.output = pd.micro.queue(
+        [&](const Tensor& x) { return m.forward(x); }, [&](const Tensor& dy) { m.backward(dy); },
+        *options_.loss, pd.input, pd.labels, pd.metrics.view(kLoss, {1}), &pd.dlogits, scaler_,
+        pd.loss_scale, pd.metrics.view(kCorrect, {1}), !m.backward_reads_output());
+  } else {
+    pd.output = m.forward(pd.input);
+    queue_loss(*options_.loss, pd.output, pd.labels, pd.metrics.view(kLoss, {1}),
+               mode == nn::Mode::train ? &pd.dlogits : nullptr, scaler_, pd.loss_scale,
+               pd.metrics.view(kCorrect, {1}), !m.backward_reads_output());
+  }
   Tensor fault_word = pd.metrics.view(kFaultWord, {2});
   kernels::queue_fault_word(fault_word, pool_.context(i));  // a bad label or token id
   if (mode != nn::Mode::train) m.train();
@@ -338,6 +354,9 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
     reducer_before_[i] = options_.reducers[i]->payload_bytes();
   cross_wait_ms_ = 0;
   const int n_used = stats.devices_used;
+  if (options_.micro_batches > 1)  // each device's micro-batches and their weights
+    for (int64_t i = 0, begin = 0; i < n_used; begin += sizes[i++])
+      per_device_[i].micro.plan(*options_.loss, labels.slice(begin, begin + sizes[i]));
   auto t_step = Clock::now();
   step_scale_ = scaler_.scale();
   begin_step(sizes);

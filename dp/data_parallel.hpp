@@ -151,6 +151,16 @@ struct DataParallelOptions {
   // finish_metrics, save or load returns (they wait for every device; so does evaluate, in
   // order on the devices). 0: each step waits once, for its own metrics.
   int metrics_lag = 0;
+  // Gradient accumulation (dp/step.hpp, MicroBatches): each device runs its chunk of a step as
+  // this many micro-batches of balanced rows (fewer when the chunk has fewer rows), one after
+  // another, their gradients added up before the reduction, which, like the update, runs once
+  // per step. A device then holds one micro-batch's activations at a time, and the step follows
+  // the loss curve of one pass over the same global batch (within f32 rounding). Graphed steps
+  // capture the whole loop. Forward's phase time covers every micro-batch but the last one's
+  // backward too. BatchNorm normalises each micro-batch on its own (as PyTorch's accumulation
+  // loop does). requires >= 1; 1 with SyncBatchNorm, whose devices exchange statistics at each
+  // forward.
+  int micro_batches = 1;
 };
 
 // Milliseconds of each phase of one step, from the events each worker records (device time on
@@ -322,6 +332,7 @@ class DataParallel {
     StepScalars step_values;
     kernels::Scalar unscale, loss_scale;
     std::vector<kernels::Scalar> shares, row_shares;
+    MicroBatches micro;  // the chunk's micro-batches (DataParallelOptions::micro_batches)
     // Touched by this device's worker only, during a step:
     BucketProgress own;  // this device's backward through the buckets
     bool in_step = false;

@@ -1,8 +1,9 @@
 // The parts of one training step that DP's workers (dp/data_parallel.hpp) and DDP's ranks
 // (dp/distributed/ddp_trainer.hpp) run alike, written once: the loss and its gradient after
-// forward, the step's host values on the device, and the update after the gradients met (clip, the
-// loss scaler's check, the optimizer), each queued on the device without a host read, so a captured
-// step can replay it. Whether a step runs graphed at all is graphs_wanted (dp/graphs.hpp).
+// forward (or a chunk's micro-batches: MicroBatches), the step's host values on the device, and the
+// update after the gradients met (clip, the loss scaler's check, the optimizer), each queued on the
+// device without a host read, so a captured step can replay it. Whether a step runs graphed at all
+// is graphs_wanted (dp/graphs.hpp).
 //
 //   queue_loss(loss, out, labels, metrics.view(0, {1}), &dlogits, scaler, loss_scale);
 //   ... backward(dlogits), the gradients reduced ...
@@ -13,6 +14,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "dp/chunks.hpp"
 #include "kernels/ops.hpp"
 #include "kernels/runtime/tensor.hpp"
 #include "nn/amp.hpp"
@@ -96,6 +98,109 @@ inline void queue_loss(const nn::Loss& loss, const kernels::Tensor& out,
     loss.compute(loss_out, grad, out, labels);
   if (dlogits) scaler.scale_loss_grad(grad, loss_scale);  // fp16: the gradient carries the scale
 }
+
+// Gradient accumulation (DataParallelOptions::micro_batches, DdpTrainer::set_micro_batches): a
+// device's or rank's chunk of a step runs as micro-batches, one after another, whose gradients add
+// up before the reduction, as PyTorch's loop of backward() calls before optimizer.step(): the
+// activations of one micro-batch live at a time. Each micro-batch's loss gradient is weighted on
+// the device by its share of the chunk's loss denominator, so the sum is the chunk's gradient, the
+// reduction and the update run once, and the step follows the same loss curve as one pass over
+// the chunk (within f32 rounding: the gradient is summed in another order).
+//
+//   micro.plan(loss, host_labels_of_the_chunk);  // each step, before its work is queued
+//   micro.write_weights(device);                   // outside any graph
+//   out = micro.queue(forward, local_backward, loss, input, labels, loss_out, &dlogits, ...);
+//   ... the step's backward(dlogits): the last micro-batch's, with the hooks that reduce ...
+class MicroBatches {
+ public:
+  // requires k >= 1 (1: off, one pass over the chunk).
+  void set(int k) {
+    DP_CHECK(k >= 1, "micro_batches " << k << ": 1 or more");
+    k_ = k;
+  }
+  int asked() const { return k_; }
+  // requires labels the chunk's host labels, as `loss` takes them. ensures count() = min(k, rows)
+  // micro-batches (1 for an empty chunk) of balanced rows (dp/chunks.hpp), each weighted by its
+  // share of the chunk's loss denominator (all 0 when that is 0: a zero loss and gradient).
+  void plan(const nn::Loss& loss, const kernels::Tensor& labels) {
+    const int64_t rows = labels.dim(0);
+    sizes_ = chunk_sizes(rows, static_cast<int>(std::clamp<int64_t>(rows, 1, k_)));
+    denominators_.resize(sizes_.size());
+    int64_t begin = 0;
+    for (size_t j = 0; j < sizes_.size(); begin += sizes_[j++])
+      denominators_[j] = loss.denominator(labels.slice(begin, begin + sizes_[j]));
+    weights_ = loss_shares(denominators_);
+    weights_.resize(static_cast<size_t>(k_), 0.f);  // the buffer's length never changes
+  }
+  int count() const { return static_cast<int>(sizes_.size()); }
+  // requires plan() done. ensures the weights on `device`, where queue()'s kernels read them (no
+  // graph bakes them in), queued on the current context when they changed. Outside any graph.
+  void write_weights(const kernels::Device& device) {
+    if (!on_device_.write(weights_.data(), k_, device)) return;
+    for (int j = 0; j < k_; ++j) weight_at_.push_back(on_device_.at(j));
+  }
+  // requires plan() and write_weights() done for this step, count() > 1, input and labels the
+  // chunk on the device, the module's gradients zeroed; the rest as queue_loss's. ensures queued on
+  // the current context, for each micro-batch j in order: out_j = forward(rows of j), its loss into
+  // a slot of its own and its gradient, weighted, then, for every one but the last, backward(its
+  // gradient), which must only accumulate (no hook hands a bucket on: the chunk's gradient is not
+  // final yet); the last one's weighted gradient in *dlogits for the step's backward; loss_out :=
+  // the weighted sum of the micro-batches' mean losses and a defined correct := the sum of their
+  // counts. Returns the last micro-batch's output.
+  template <class Forward, class Backward>
+  kernels::Tensor queue(Forward&& forward, Backward&& backward, const nn::Loss& loss,
+                        const kernels::Tensor& input, const kernels::Tensor& labels,
+                        kernels::Tensor loss_out, kernels::Tensor* dlogits,
+                        const nn::GradScaler& scaler, const kernels::Scalar& loss_scale,
+                        kernels::Tensor correct, bool out_free) {
+    const int n = count();
+    DP_CHECK(n > 1 && static_cast<int>(weight_at_.size()) == k_,
+             "MicroBatches::queue: plan() and write_weights() first, for more than one");
+    if (!slots_.defined()) {  // made once, on the first (uncaptured) step
+      slots_ = kernels::Tensor::zeros({2 * k_}, kernels::DType::f32, loss_out.device());
+      for (int j = 0; j < k_; ++j) {
+        losses_.push_back(slots_.view(j, {1}));
+        counts_.push_back(slots_.view(k_ + j, {1}));
+      }
+    }
+    kernels::Tensor out;
+    int64_t begin = 0;
+    for (int j = 0; j < n; begin += sizes_[j++]) {
+      const int64_t end = begin + sizes_[j];
+      out = forward(input.slice(begin, end));
+      const bool last = j == n - 1;
+      kernels::Tensor dy;
+      kernels::Tensor* grad = last ? dlogits : &dy;
+      queue_loss(loss, out, labels.slice(begin, end), losses_[j], grad, scaler, loss_scale,
+                 correct.defined() ? counts_[j] : kernels::Tensor(), out_free);
+      kernels::scale(*grad, *grad, weight_at_[j]);
+      if (!last) backward(dy);
+    }
+    from_.assign(losses_.begin(), losses_.begin() + n);
+    weights_of_.assign(weight_at_.begin(), weight_at_.begin() + n);
+    kernels::fill(loss_out, 0.f);
+    kernels::weighted_sum(loss_out, 1.f, from_, weights_of_);
+    if (correct.defined()) {
+      from_.assign(counts_.begin(), counts_.begin() + n);
+      weights_of_.assign(static_cast<size_t>(n), kernels::Scalar(1.f));
+      kernels::fill(correct, 0.f);
+      kernels::weighted_sum(correct, 1.f, from_, weights_of_);
+    }
+    return out;
+  }
+
+ private:
+  int k_ = 1;
+  std::vector<int64_t> sizes_, denominators_;  // this step's (plan)
+  std::vector<float> weights_;                 // padded to k_
+  StepScalars on_device_;
+  std::vector<kernels::Scalar> weight_at_;  // on_device_'s views, once made
+  kernels::Tensor slots_;                   // (2 k) f32: each micro-batch's loss, then its count
+  std::vector<kernels::Tensor> losses_, counts_;
+  // The sums' sources and weights, sized once: no vectors per step.
+  std::vector<kernels::Tensor> from_;
+  std::vector<kernels::Scalar> weights_of_;
+};
 
 // requires grads the step's final flat gradient (DP: device 0's reduced one; DDP: this rank's
 // after the all-reduce), scaled by the loss scale whose inverse `unscale` holds on the device;

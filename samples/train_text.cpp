@@ -38,6 +38,7 @@ struct Flags {
   std::string model = "gpt", gpt_config = "tiny", device = "auto", mode = "single";
   std::string data = dp::data::kDefaultTextDir, save, resume, log;
   int gpus = 1;
+  int micro_batches = 1;  // per device or rank and step: gradient accumulation
   int64_t steps = 200, batch = 16, seq = 64, eval_every = 50, val_batches = 8;
   // lr 3e-3: the tiny preset beats a bigram byte model in 200 steps of 8 x 64; at 6e-3 and
   // above it stalls near 3 nats (docs/programs.md, "train_text").
@@ -179,6 +180,11 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
   app.add_option("--batch", f.batch, "sequences per global batch")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  app.add_option("--micro-batches", f.micro_batches,
+                 "gradient accumulation: each device or rank runs its sequences of a step in this "
+                 "many micro-batches, their gradients summed before the update (one "
+                 "micro-batch's activations in memory at a time; the same --batch and curve)")
+      ->check(CLI::Range(1, 1 << 20));
   app.add_option("--seq", f.seq, "tokens per sequence (at most the model's context)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   app.add_option("--lr", f.lr, "AdamW learning rate")->check(dp::cli::positive_number(10));
@@ -336,9 +342,10 @@ int main(int argc, char** argv) {
     // holds them (not under DDP, whose ranks are other processes).
     if (type == kernels::DeviceType::cpu || f.mode == "single" || f.mode == "dp") {
       const int devices = f.mode == "single" ? 1 : f.gpus;
-      dp::cli::check_run_fits(
+      const int64_t chunk = (f.batch + devices - 1) / devices;
+      dp::cli::check_run_fits(  // activations of one micro-batch at a time
           "train_text", "--batch " + std::to_string(f.batch) + " --seq " + std::to_string(f.seq),
-          f.mode, type, devices, (f.batch + devices - 1) / devices,
+          f.mode, type, devices, (chunk + f.micro_batches - 1) / f.micro_batches,
           [&](Device device, int64_t rows) {
             nn::ModulePtr m = make_model();
             m->materialize(device, f.seed);
@@ -394,6 +401,7 @@ int main(int argc, char** argv) {
     if (ddp) {
       ddp->set_loss(loss_fn);
       ddp->set_clip_grad_norm(f.clip_grad);
+      ddp->set_micro_batches(f.micro_batches);
       // What every rank must agree on, keyed by the flags as typed (wrap() verifies it before
       // the weights are broadcast): ranks with another --batch or --data would train apart.
       ddp->set_run_config(
@@ -420,6 +428,7 @@ int main(int argc, char** argv) {
       dp::DataParallelOptions o;
       o.loss = loss_fn;
       o.clip_grad_norm = f.clip_grad;
+      o.micro_batches = f.micro_batches;
       if (f.profile_layers) o.graphs = dp::Graphs::off;
       engine = std::make_unique<dp::DataParallel>(
           model, opt, kernels::make_devices(type, f.mode == "dp" ? f.gpus : 1), o);

@@ -27,6 +27,7 @@
 //                --short-every K: every K-th step (the 2nd, 4th, ... for K = 2) trains on the
 //                batch's first --batch - 3 rows only, a second step shape
 //                --moving-shares K: tokens ignored at moving places, under fp16 (see DdpRun);
+//                --micro-batches K: gradient accumulation (DdpTrainer::set_micro_batches);
 //                --metrics-lag 1: lagged metrics (DdpTrainer::set_metrics_lag). It prints
 //                "losses ...": what each step returned (then finish_metrics() with the lag).
 //                --zero 1: ZeRO-1 (DdpTrainer::set_zero_stage; --zero-overlap: through
@@ -171,6 +172,7 @@ struct DdpRun {
   // grows every step.
   int moving_shares = 0;
   int metrics_lag = 0;        // DdpTrainer::set_metrics_lag (with phase timing off)
+  int micro_batches = 1;      // DdpTrainer::set_micro_batches
   int train_before_load = 0;  // steps taken (and dropped) before the load
   int zero = 0;               // DdpTrainer::set_zero_stage
   bool zero_overlap = false;  // DdpTrainer::set_zero_overlap
@@ -255,6 +257,7 @@ int run_ddp(const DdpRun& o) {
   trainer.set_clip_grad_norm(o.clip_grad);
   trainer.set_zero_stage(o.zero);
   trainer.set_zero_overlap(o.zero_overlap);
+  trainer.set_micro_batches(o.micro_batches);
   if (o.metrics_lag > 0) {
     trainer.set_metrics_lag(o.metrics_lag);
     trainer.set_phase_timing(kernels::Event::Timing::off);
@@ -403,6 +406,7 @@ int main(int argc, char** argv) {
   app.add_option("--short-every", ddp.short_every)->check(CLI::NonNegativeNumber);
   app.add_option("--moving-shares", ddp.moving_shares)->check(CLI::NonNegativeNumber);
   app.add_option("--metrics-lag", ddp.metrics_lag)->check(CLI::Range(0, 1));
+  app.add_option("--micro-batches", ddp.micro_batches)->check(CLI::Range(1, 64));
   app.add_option("--zero", ddp.zero)->check(CLI::Range(0, 1));
   app.add_flag("--zero-overlap", ddp.zero_overlap);
   app.add_flag("--momentum", ddp.momentum);

@@ -1772,6 +1772,78 @@ TEST_CASE("bench.metrics_lag: --metrics-lag 1 gives each step its own loss, as 0
   refused("--device cpu --metrics-lag 2", "--metrics-lag");
 }
 
+TEST_CASE("bench.micro_batches: DP and DDP in micro-batches follow one pass, graphed in bf16 too") {
+  // --micro-batches K: each device or rank runs its chunk in K micro-batches; the same global
+  // batch follows the curve of one pass (10 rows: chunks of 5 on 2 devices, micro-batches of 2
+  // and 1 rows, uneven).
+  auto runs_of = [&](const std::string& args, const std::string& name, std::string* text) {
+    std::string json = temp_path("micro_" + name + ".json");
+    auto [rc, out] = bench_output(args + " --json " + json);
+    INFO(out);
+    REQUIRE(rc == 0);
+    if (text) *text = out;
+    nlohmann::json runs = read_json(json)["runs"];
+    std::remove(json.c_str());
+    return runs;
+  };
+  auto close = [](const nlohmann::json& a, const nlohmann::json& b, double rel) {
+    REQUIRE(a.size() == b.size());
+    for (size_t s = 0; s < a.size(); ++s) {
+      CAPTURE(s);
+      CHECK(a[s].get<double>() == doctest::Approx(b[s].get<double>()).epsilon(rel));
+    }
+  };
+  const std::string mlp = "--device cpu --gpus 2 --mode both --steps 3 --warmup 1 --batch 10 ";
+  std::string text;
+  const nlohmann::json one = runs_of(mlp + "--micro-batches 1", "one", nullptr);
+  const nlohmann::json three = runs_of(mlp + "--micro-batches 3", "three", &text);
+  REQUIRE(three.size() == 4);  // DP at 1 and 2 devices, DDP at 1 and 2 ranks
+  REQUIRE(one.size() == three.size());
+  for (size_t i = 0; i < three.size(); ++i) {
+    CAPTURE(three[i]["mode"].get<std::string>());
+    CAPTURE(three[i]["gpus"].get<int>());
+    CHECK(three[i]["micro_batches"] == 3);
+    CHECK(one[i]["micro_batches"] == 1);
+    close(three[i]["losses"], one[i]["losses"], 1e-5);
+  }
+  CHECK(text.find("3 micro-batches per device and step") != std::string::npos);
+  CHECK(text.find("3 micro-batches per rank and step") != std::string::npos);
+  // ZeRO-1's reduce-scatter after backward takes the summed gradient too.
+  const std::string zero =
+      "--device cpu --gpus 2 --mode ddp --zero 1 --optim adamw --steps 3 "
+      "--warmup 1 --batch 10 --baseline 0 --micro-batches ";
+  const nlohmann::json zero_one = runs_of(zero + "1", "zero_one", nullptr);
+  const nlohmann::json zero_two = runs_of(zero + "2", "zero_two", nullptr);
+  REQUIRE(zero_two.size() == 1);
+  REQUIRE(zero_one.size() == 1);
+  close(zero_two[0]["losses"], zero_one[0]["losses"], 1e-5);
+
+  // The tiny GPT with bf16 activations: each micro-batch's bf16 loss gradient is weighted in
+  // place, and the captured loop replays the uncaptured steps' bits (DP and DDP, 2 each).
+  const std::string gpt =
+      "--device cpu --gpus 2 --mode both --steps 3 --warmup 2 --baseline 0 --batch 6 --model gpt "
+      "--gpt-config tiny --seq 16 --dtype bf16 --activations bf16 ";
+  const nlohmann::json off = runs_of(gpt + "--micro-batches 2 --cuda-graphs off", "off", nullptr);
+  const nlohmann::json on = runs_of(gpt + "--micro-batches 2 --cuda-graphs on", "on", nullptr);
+  const nlohmann::json whole =
+      runs_of(gpt + "--micro-batches 1 --cuda-graphs off", "whole", nullptr);
+  REQUIRE(on.size() == 2);
+  REQUIRE(off.size() == on.size());
+  REQUIRE(whole.size() == on.size());
+  for (size_t i = 0; i < on.size(); ++i) {
+    CAPTURE(on[i]["mode"].get<std::string>());
+    CHECK(on[i]["graphed_steps"].get<int>() == 3);
+    CHECK(on[i]["graphs_fallback"] == "");
+    CHECK(on[i]["losses"] == off[i]["losses"]);
+    // bf16 rounds each micro-batch's logits and gradients on their own: within 3% of one pass.
+    close(on[i]["losses"], whole[i]["losses"], 3e-2);
+  }
+  refused("--device cpu --mode ps --micro-batches 2", "--micro-batches 2 with --mode ps");
+  refused("--device cpu --model resnet --sync-bn --micro-batches 2",
+          "--micro-batches 2 with --sync-bn");
+  refused("--device cpu --micro-batches 0", "--micro-batches");
+}
+
 TEST_CASE("bench.graphs: a GPT with dropout replays new masks, losses bitwise those of off") {
   // Attention and residual dropout: the offsets are read on the devices, so every timed step
   // replays (DP and DDP on 2 devices) and draws what an uncaptured step draws.

@@ -713,6 +713,8 @@ TEST_CASE("ddp.config: ranks that clip differently, or use another loss, fail at
   both_refuse("clip", {"--clip-grad", "0.5"},
               "field \"engine.clip_grad_norm\": rank 0 has 0, rank 1 has 0.5");
   both_refuse("lag", {"--metrics-lag", "1"}, "field \"engine.metrics_lag\": rank 0 has 0");
+  both_refuse("micro", {"--micro-batches", "2"},
+              "field \"engine.micro_batches\": rank 0 has 1, rank 1 has 2");
   both_refuse("loss", {"--moving-shares", "3"},
               "field \"engine.loss\": rank 0 has cross_entropy, rank 1 has token_cross_entropy");
   // The optimizer's settings, not its name and rate alone: SGD with momentum 0.9 on one rank

@@ -857,6 +857,7 @@ TEST_CASE("dp.graphs: graphed steps equal uncaptured ones bit for bit, across sh
     nn::Precision precision;
     bool batch_norm;
     float clip = 0.f;
+    int micro = 1;  // micro-batches per device: the capture holds the whole loop
   };
   // 10 rows (uneven chunks), then a short batch of 7 (new graphs), then 10 again (replayed).
   const std::vector<int64_t> batches = {10, 10, 10, 10, 7, 7, 7, 7, 10, 10};
@@ -867,14 +868,16 @@ TEST_CASE("dp.graphs: graphed steps equal uncaptured ones bit for bit, across sh
         Case{"bf16 comm, BatchNorm", 3, dp::ReduceTopology::star, DType::bf16, nn::Precision::fp32,
              true},
         Case{"fp16", 2, dp::ReduceTopology::star, DType::f32, nn::Precision::fp16, false},
-        Case{"clipped", 2, dp::ReduceTopology::tree, DType::f32, nn::Precision::fp32, false,
-             0.05f}}) {
+        Case{"clipped", 2, dp::ReduceTopology::tree, DType::f32, nn::Precision::fp32, false, 0.05f},
+        Case{"3 micro-batches, fp16", 2, dp::ReduceTopology::star, DType::f32, nn::Precision::fp16,
+             false, 0.f, 3}}) {
     const std::string name = c.name;
     CAPTURE(name);
     dp::DataParallelOptions o = small_buckets(c.reduce);
     o.comm_dtype = c.comm;
     o.precision = c.precision;
     o.clip_grad_norm = c.clip;
+    o.micro_batches = c.micro;
     auto model = [&] { return c.batch_norm ? batch_norm_mlp() : small_mlp(); };
     o.graphs = dp::Graphs::off;
     GraphRun eager = train_graphs(model(), c.devices, batches, o);
@@ -1569,7 +1572,132 @@ TEST_CASE("dp.metrics_lag: after a load, the first step reports nothing and the 
   std::remove(path.c_str());
 }
 
-TEST_CASE("dp.options: another module's optimizer, a NaN clip, negative threads are refused") {
+// Gradient accumulation: each device's chunk in micro-batches, summed before the one reduction
+// and update. The same global batch follows the single-device run (even and uneven chunks, more
+// micro-batches asked than a chunk has rows), and the step's loss and correct count are the
+// whole batch's.
+TEST_CASE("dp.micro_batches: 1-3 devices in 2-5 micro-batches follow the single-device run") {
+  for (int64_t batch : {12, 7}) {
+    std::vector<float> ref_losses;
+    auto ref = dp_test::train_single(small_mlp(), kSeed, 5, batch, momentum_sgd(), &ref_losses);
+    std::vector<int64_t> ref_correct;  // DP's own count in one pass: the same rows' argmaxes
+    {
+      auto m = small_mlp();
+      m->materialize(Device::cpu(0), kSeed);
+      nn::SGD opt(*m, momentum_sgd());
+      dp::DataParallel engine(m, opt, {Device::cpu(0)});
+      for (int s = 0; s < 5; ++s) {
+        auto [x, y] = dp_test::toy_batch(batch, 100 + s);
+        ref_correct.push_back(engine.train_step(x, y).correct);
+      }
+    }
+    for (int n : {1, 2, 3})
+      for (int k : {2, 3, 5}) {  // 7 rows over 3 devices: chunks of 3, 2 and 2 rows
+        CAPTURE(batch);
+        CAPTURE(n);
+        CAPTURE(k);
+        dp::DataParallelOptions o = small_buckets(dp::ReduceTopology::star);
+        o.micro_batches = k;
+        auto m = small_mlp();
+        m->materialize(Device::cpu(0), kSeed);
+        nn::SGD opt(*m, momentum_sgd());
+        dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, n), o);
+        for (int s = 0; s < 5; ++s) {
+          auto [x, y] = dp_test::toy_batch(batch, 100 + s);
+          dp::StepStats st = engine.train_step(x, y);
+          CHECK(st.loss == doctest::Approx(ref_losses[s]).epsilon(1e-5));
+          CHECK(st.correct == ref_correct[s]);
+          CHECK(st.samples == batch);
+        }
+        CHECK(dp_test::rel_diff(engine.module().flat_params().to_host_f32(), ref) <= 1e-5f);
+      }
+  }
+}
+
+namespace {
+
+// Linear(6, 5) over (B, 3, 6) tokens, a token loss that ignores the tokens (j + s) % 4 == 0 of
+// step s: the micro-batches' shares of a chunk's kept tokens differ, and move each step.
+std::vector<float> train_tokens(int n_dev, int micro, std::vector<float>& losses,
+                                dp::Graphs graphs = dp::Graphs::off, int* graphed = nullptr) {
+  auto m = std::make_shared<nn::Sequential>();
+  m->add(std::make_shared<nn::Linear>(6, 5));
+  m->materialize(Device::cpu(0), kSeed);
+  nn::SGD opt(*m, momentum_sgd());
+  dp::DataParallelOptions o;
+  o.loss = std::make_shared<nn::TokenCrossEntropyLoss>(-1);
+  o.micro_batches = micro;
+  o.graphs = graphs;
+  dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, n_dev), o);
+  const int64_t batch = 7, tokens = 3;
+  for (int s = 0; s < 5; ++s) {
+    auto [x, y] = dp_test::toy_batch(batch * tokens, 300 + s);
+    Tensor labels = Tensor::empty({batch, tokens}, DType::i32, Device::cpu());
+    for (int64_t j = 0; j < batch * tokens; ++j)
+      labels.data<int32_t>()[j] = (j + s) % 4 == 0 ? -1 : y.data<int32_t>()[j];
+    const dp::StepStats st = engine.train_step(x.reshape({batch, tokens, 6}), labels);
+    losses.push_back(st.loss);
+    if (graphed) *graphed += st.graphed ? 1 : 0;
+  }
+  return engine.module().flat_params().to_host_f32();
+}
+
+}  // namespace
+
+TEST_CASE("dp.micro_batches: a token loss weights each micro-batch by its kept tokens") {
+  std::vector<float> ref_losses;
+  const std::vector<float> ref = train_tokens(1, 1, ref_losses);
+  for (int n : {1, 2})
+    for (int k : {2, 4}) {
+      CAPTURE(n);
+      CAPTURE(k);
+      std::vector<float> losses;
+      CHECK(dp_test::rel_diff(train_tokens(n, k, losses), ref) <= 1e-5f);
+      for (size_t s = 0; s < losses.size(); ++s)
+        CHECK(losses[s] == doctest::Approx(ref_losses[s]).epsilon(1e-5));
+    }
+  // Graphed, the weights that move each step are read on the devices: steps 3 to 5 replay one
+  // capture with the bits of uncaptured steps.
+  std::vector<float> eager_losses, graphed_losses;
+  int graphed = 0;
+  const std::vector<float> eager = train_tokens(2, 3, eager_losses);
+  const std::vector<float> replayed = train_tokens(2, 3, graphed_losses, dp::Graphs::on, &graphed);
+  CHECK(graphed == 3);
+  CHECK(same_bits(replayed, eager));
+  CHECK(same_bits(graphed_losses, eager_losses));
+}
+
+// What accumulation is for: a device holds one micro-batch's activations at a time.
+TEST_CASE("dp.micro_batches: a step's peak memory falls with the micro-batch, replays stay free") {
+  auto peak = [](int micro, dp::StepStats* last) {
+    auto m = nn::mlp({6, 512, 512, 5});
+    m->materialize(Device::cpu(0), kSeed);
+    nn::SGD opt(*m, momentum_sgd());
+    dp::DataParallelOptions o;
+    o.micro_batches = micro;
+    o.graphs = dp::Graphs::on;
+    dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, 2), o);
+    int64_t most = 0;
+    for (int s = 0; s < 4; ++s) {
+      auto [x, y] = dp_test::toy_batch(128, 700 + s);
+      *last = engine.train_step(x, y);
+      most = std::max(most, last->peak_bytes);
+    }
+    return most;
+  };
+  dp::StepStats one_pass, four;
+  const int64_t whole = peak(1, &one_pass), quarter = peak(4, &four);
+  CAPTURE(whole);
+  CAPTURE(quarter);
+  // 64 rows per device in one pass against 16 at a time: 48 rows fewer of at least the two
+  // 512-wide layers' outputs and their ReLUs' (f32), which backward reads.
+  CHECK(quarter <= whole - 48 * 4 * 512 * 4);
+  CHECK(four.graphed);  // the captured loop replays without allocating
+  CHECK(four.allocations == 0);
+  CHECK(four.host_syncs == 1);
+}
+
+TEST_CASE("dp.options: another module's optimizer, a NaN clip, bad counts are refused") {
   auto m = small_mlp();
   m->materialize(Device::cpu(0), kSeed);
   nn::SGD opt(*m, SgdConfig{});
@@ -1595,6 +1723,14 @@ TEST_CASE("dp.options: another module's optimizer, a NaN clip, negative threads 
                        doctest::Contains("clip_grad_norm -1"), kernels::Error);
   CHECK_THROWS_WITH_AS(make(opt, [](auto& o) { o.cpu_threads_per_device = -3; }),
                        doctest::Contains("cpu_threads_per_device -3: >= 0"), kernels::Error);
+  CHECK_THROWS_WITH_AS(make(opt, [](auto& o) { o.micro_batches = 0; }),
+                       doctest::Contains("micro_batches 0: 1 or more"), kernels::Error);
+  CHECK_THROWS_WITH_AS(make(opt,
+                            [](auto& o) {
+                              o.micro_batches = 2;
+                              o.batch_norm = dp::BatchNormStats::synced;
+                            }),
+                       doctest::Contains("micro_batches 2 with SyncBatchNorm"), kernels::Error);
   make(opt, none);  // the module's own optimizer
 }
 

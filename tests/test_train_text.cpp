@@ -267,7 +267,7 @@ TEST_CASE("samples.train_text: the tiny GPT beats a bigram byte model on held-ou
   CHECK(final_val_loss(out) < bigram);
 }
 
-TEST_CASE("samples.train_text: DP and a resumed run follow the single run") {
+TEST_CASE("samples.train_text: DP, micro-batches and a resumed run follow the single run") {
   if (skip_without_fortunes()) return;
   const std::string state = dp_test::temp_path("train_text", "state.safetensors");
   const std::string common =
@@ -276,6 +276,14 @@ TEST_CASE("samples.train_text: DP and a resumed run follow the single run") {
   const double single = final_val_loss(run_train_text(common + " --steps 8"));
   const double dp = final_val_loss(run_train_text(common + " --steps 8 --mode dp --gpus 4"));
   CHECK(dp == doctest::Approx(single).epsilon(1e-4));
+  // Gradient accumulation: the same global batch, 3 sequences per device or rank, in 3
+  // micro-batches of one (DP) or in 2 of 2 and 1 (DDP).
+  const double accumulated =
+      final_val_loss(run_train_text(common + " --steps 8 --mode dp --gpus 2 --micro-batches 3"));
+  CHECK(accumulated == doctest::Approx(single).epsilon(1e-4));
+  const double ddp_accumulated =
+      final_val_loss(run_train_text(common + " --steps 8 --mode ddp --gpus 2 --micro-batches 2"));
+  CHECK(ddp_accumulated == doctest::Approx(single).epsilon(1e-4));
   run_train_text(common + " --steps 4 --save " + state);
   const std::string resumed = run_train_text(common + " --steps 8 --resume " + state);
   CHECK(resumed.find("resumed") != std::string::npos);

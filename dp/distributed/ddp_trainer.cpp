@@ -95,6 +95,11 @@ void DdpTrainer::set_sync_batch_norm(bool on) {
   sync_bn_ = on;
 }
 
+void DdpTrainer::set_micro_batches(int k) {
+  DP_CHECK(!ddp_, "DdpTrainer::set_micro_batches after wrap(): the ranks verify it there");
+  micro_.set(k);
+}
+
 void DdpTrainer::set_precision(nn::Precision p, std::optional<nn::GradScalerOptions> scaler) {
   DP_CHECK(!ddp_, "DdpTrainer::set_precision after wrap()");
   precision_ = p;
@@ -172,6 +177,7 @@ RunConfig DdpTrainer::engine_config(nn::Module& model, nn::Optimizer& optimizer)
   c["engine.clip_grad_norm"] = decimal_text(clip_grad_norm_);
   c["engine.loss"] = loss_fn_->name();
   c["engine.metrics_lag"] = std::to_string(metrics_lag_);
+  c["engine.micro_batches"] = std::to_string(micro_.asked());
   c["engine.graphs"] = graphs_mode_ == Graphs::on    ? "on"
                        : graphs_mode_ == Graphs::off ? "off"
                                                      : "auto";
@@ -219,6 +225,10 @@ void DdpTrainer::wrap(nn::ModulePtr model, nn::Optimizer& optimizer) {
   verify_same_config(*group_, fields, group_->rendezvous_timeout());
   verified_config_ = std::move(fields);
 
+  DP_CHECK(micro_.asked() == 1 || !sync_bn_,
+           "DdpTrainer: micro_batches " << micro_.asked()
+                                        << " with SyncBatchNorm: its ranks exchange statistics at "
+                                           "each forward (micro_batches 1)");
   // Overlapped, ZeRO-1's gradient goes through the buckets: their dtype and hook apply.
   const bool reduce_scatter = zero_stage_ == 1 && !zero_overlap_;
   DP_CHECK(!reduce_scatter || ddp_options_.comm_dtype == kernels::DType::f32,
@@ -336,6 +346,10 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
     ddp_->set_batch_share(total_denominator_ > 0 ? my_denominator_ : 0,
                           std::max<int64_t>(total_denominator_, 1));
     write_scale();
+    if (micro_.asked() > 1) {  // this rank's micro-batches and their weights
+      micro_.plan(*loss_fn_, hy);
+      micro_.write_weights(device_);
+    }
     StepSegments* segments = nullptr;
     if (use_graphs()) {
       // What the graphs bake in: the chunk's shape (the loss scale and this rank's share are read

@@ -109,6 +109,15 @@ class DdpTrainer {
   // The program's run configuration (program, mode, model, batch, steps, seed, ...: what every
   // rank must agree on), verified across ranks by wrap(). Call before wrap().
   void set_run_config(RunConfig fields);
+  // Gradient accumulation (dp/step.hpp, MicroBatches): each rank runs its chunk of a step as k
+  // micro-batches (fewer when the chunk has fewer rows), one after another, under no_sync but the
+  // last, whose backward all-reduces the summed gradient as one pass's would; the update runs once
+  // per step. The rank holds one micro-batch's activations at a time and follows the loss curve
+  // of one pass over the global batch (within f32 rounding). Graphed steps capture the whole loop.
+  // last_times().forward covers every micro-batch but the last one's backward too. requires
+  // k >= 1; 1 with SyncBatchNorm (its ranks exchange statistics at each forward). Call before
+  // wrap(): the ranks verify it there.
+  void set_micro_batches(int k);
   // The loss each rank computes on its chunk (nn/loss.hpp; default row cross-entropy). Each
   // rank's gradient is weighted by its chunk's share of the batch's loss denominator. Call
   // before wrap().
@@ -308,6 +317,7 @@ class DdpTrainer {
   std::unique_ptr<ZeroStage1> zero_;
   RunConfig run_config_, verified_config_;
   kernels::Tensor input_, labels_, dlogits_;  // this rank's step buffers, reused
+  MicroBatches micro_;                        // the chunk's micro-batches (set_micro_batches)
   // (4) f32 on the device: chunk loss, non-finite, global batch rows (summed), grad norm
   kernels::Tensor metrics_;
   // The step's loss scale on the device, where the kernels read it (no graph bakes it in):

@@ -61,6 +61,14 @@ void DdpTrainer::refuse_replay_of_other_share() {
 void DdpTrainer::forward_and_loss(nn::Module& m, const kernels::Tensor& x,
                                   const kernels::Tensor& y) {
   m.zero_grad();
+  if (micro_.count() > 1) {
+    // Every micro-batch but the last runs its backward here, under no_sync: it only accumulates.
+    micro_.queue([&](const kernels::Tensor& xj) { return ddp_->forward_local(xj); },
+                 [&](const kernels::Tensor& dy) { ddp_->backward_local(dy); }, *loss_fn_, x, y,
+                 metrics_.view(0, {1}), &dlogits_, scaler_, loss_scale_, kernels::Tensor(),
+                 !m.backward_reads_output());
+    return;
+  }
   queue_loss(*loss_fn_, ddp_->forward_local(x), y, metrics_.view(0, {1}), &dlogits_, scaler_,
              loss_scale_, kernels::Tensor(), !m.backward_reads_output());
 }
