@@ -1817,6 +1817,16 @@ TEST_CASE("bench.micro_batches: DP and DDP in micro-batches follow one pass, gra
   REQUIRE(zero_two.size() == 1);
   REQUIRE(zero_one.size() == 1);
   close(zero_two[0]["losses"], zero_one[0]["losses"], 1e-5);
+  // Hybrid: DP in each of 2 node processes, the nodes' sums after the last micro-batch.
+  const std::string hybrid =
+      "--device cpu --mode hybrid --gpus 2 --steps 3 --warmup 1 --batch 12 "
+      "--micro-batches ";
+  const nlohmann::json hybrid_one = runs_of(hybrid + "1", "hybrid_one", nullptr);
+  const nlohmann::json hybrid_two = runs_of(hybrid + "2", "hybrid_two", nullptr);
+  REQUIRE(hybrid_two.size() == 1);
+  REQUIRE(hybrid_one.size() == 1);
+  CHECK(hybrid_two[0]["micro_batches"] == 2);
+  close(hybrid_two[0]["losses"], hybrid_one[0]["losses"], 1e-5);
 
   // The tiny GPT with bf16 activations: each micro-batch's bf16 loss gradient is weighted in
   // place, and the captured loop replays the uncaptured steps' bits (DP and DDP, 2 each).
