@@ -505,7 +505,7 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
   for (auto& r : runs)
     if (r.micro_batches > 1)
       os << ModeCell{runs, r} << "   " << r.micro_batches << " micro-batches per "
-         << (r.mode == "ddp" ? "rank" : "device")
+         << (r.mode.rfind("ddp", 0) == 0 ? "rank" : "device")  // ddp and ddp-hook
          << " and step: their gradients summed before one reduction and update\n";
   for (auto& r : runs)
     if (r.comm_dtype != "fp32" && r.gpus > 1 && r.param_bytes > 0)
