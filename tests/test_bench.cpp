@@ -1808,25 +1808,22 @@ TEST_CASE("bench.micro_batches: DP and DDP in micro-batches follow one pass, gra
   }
   CHECK(text.find("3 micro-batches per device and step") != std::string::npos);
   CHECK(text.find("3 micro-batches per rank and step") != std::string::npos);
+  // One run of `args` in one pass and in 2 micro-batches: the same losses.
+  auto in_two = [&](const std::string& args, const std::string& name) {
+    const nlohmann::json whole = runs_of(args + " --micro-batches 1", name + "_one", nullptr);
+    const nlohmann::json two = runs_of(args + " --micro-batches 2", name + "_two", nullptr);
+    REQUIRE(two.size() == 1);
+    REQUIRE(whole.size() == 1);
+    CHECK(two[0]["micro_batches"] == 2);
+    close(two[0]["losses"], whole[0]["losses"], 1e-5);
+  };
   // ZeRO-1's reduce-scatter after backward takes the summed gradient too.
-  const std::string zero =
-      "--device cpu --gpus 2 --mode ddp --zero 1 --optim adamw --steps 3 "
-      "--warmup 1 --batch 10 --baseline 0 --micro-batches ";
-  const nlohmann::json zero_one = runs_of(zero + "1", "zero_one", nullptr);
-  const nlohmann::json zero_two = runs_of(zero + "2", "zero_two", nullptr);
-  REQUIRE(zero_two.size() == 1);
-  REQUIRE(zero_one.size() == 1);
-  close(zero_two[0]["losses"], zero_one[0]["losses"], 1e-5);
+  in_two(
+      "--device cpu --gpus 2 --mode ddp --zero 1 --optim adamw --steps 3 --warmup 1 --batch 10 "
+      "--baseline 0",
+      "zero");
   // Hybrid: DP in each of 2 node processes, the nodes' sums after the last micro-batch.
-  const std::string hybrid =
-      "--device cpu --mode hybrid --gpus 2 --steps 3 --warmup 1 --batch 12 "
-      "--micro-batches ";
-  const nlohmann::json hybrid_one = runs_of(hybrid + "1", "hybrid_one", nullptr);
-  const nlohmann::json hybrid_two = runs_of(hybrid + "2", "hybrid_two", nullptr);
-  REQUIRE(hybrid_two.size() == 1);
-  REQUIRE(hybrid_one.size() == 1);
-  CHECK(hybrid_two[0]["micro_batches"] == 2);
-  close(hybrid_two[0]["losses"], hybrid_one[0]["losses"], 1e-5);
+  in_two("--device cpu --mode hybrid --gpus 2 --steps 3 --warmup 1 --batch 12", "hybrid");
 
   // The tiny GPT with bf16 activations: each micro-batch's bf16 loss gradient is weighted in
   // place, and the captured loop replays the uncaptured steps' bits (DP and DDP, 2 each).
