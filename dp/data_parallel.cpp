@@ -306,15 +306,16 @@ void DataParallel::forward_and_loss(int i, nn::Mode mode) {
   if (mode == nn::Mode::train && pd.micro.count() > 1) {
     // Every micro-batch but the last runs its backward here, before this device's hooks hand
     // buckets on (pd.in_step is off): its gradient only accumulates.
-    pd.output = pd.micro.queue(
-        [&](const Tensor& x) { return m.forward(x); }, [&](const Tensor& dy) { m.backward(dy); },
-        *options_.loss, pd.input, pd.labels, pd.metrics.view(kLoss, {1}), &pd.dlogits, scaler_,
-        pd.loss_scale, pd.metrics.view(kCorrect, {1}), !m.backward_reads_output());
+    pd.output = pd.micro.queue([&](const Tensor& x) { return m.forward(x); },
+                               [&](const Tensor& dy) { m.backward(dy); }, *options_.loss, pd.input,
+                               pd.labels, pd.metrics.view(kLoss, {1}), &pd.dlogits,
+                               pd.metrics.view(kCorrect, {1}), !m.backward_reads_output());
   } else {
     pd.output = m.forward(pd.input);
     queue_loss(*options_.loss, pd.output, pd.labels, pd.metrics.view(kLoss, {1}),
-               mode == nn::Mode::train ? &pd.dlogits : nullptr, scaler_, pd.loss_scale,
-               pd.metrics.view(kCorrect, {1}), !m.backward_reads_output());
+               mode == nn::Mode::train ? &pd.dlogits : nullptr,
+               scaler_.loss_grad_factor(pd.loss_scale), pd.metrics.view(kCorrect, {1}),
+               !m.backward_reads_output());
   }
   Tensor fault_word = pd.metrics.view(kFaultWord, {2});
   kernels::queue_fault_word(fault_word, pool_.context(i));  // a bad label or token id

@@ -26,7 +26,7 @@ struct DataParallel::DeviceStages final : StepStages {
   void take_chunk() override {
     dp.pulls_.order_after_comm(i);  // a failed step's pulls: this step's writes wait for them
     dp.write_step_values(i);
-    if (pd.micro.asked() > 1) pd.micro.write_weights(dp.devices_[i]);
+    if (pd.micro.asked() > 1) pd.micro.write_weights(dp.devices_[i], dp.step_scale_);
     dp.scatter_chunk(i, images, labels, sizes);
   }
   bool has_replicate() const override { return true; }  // device 0's: an empty phase

@@ -5,13 +5,15 @@
 // device without a host read, so a captured step can replay it. Whether a step runs graphed at all
 // is graphs_wanted (dp/graphs.hpp).
 //
-//   queue_loss(loss, out, labels, metrics.view(0, {1}), &dlogits, scaler, loss_scale);
+//   queue_loss(loss, out, labels, metrics.view(0, {1}), &dlogits,
+//              scaler.loss_grad_factor(loss_scale));
 //   ... backward(dlogits), the gradients reduced ...
 //   scaler.prepare_deferred(optimizer);  // host, outside any graph
 //   queue_update(grads, optimizer, scaler, clip, unscale, non_finite, grad_norm);
 #pragma once
 
 #include <algorithm>
+#include <map>
 #include <vector>
 
 #include "dp/chunks.hpp"
@@ -75,16 +77,16 @@ class StepScalars {
 // requires out the model's output for `labels` (as `loss` takes them), loss_out (1) f32 on out's
 // device; dlogits null (forward only) or a buffer kept between steps; correct undefined or (1)
 // f32 on out's device. ensures queued on the current context: loss_out := the loss's mean over
-// the chunk; with dlogits, *dlogits := its gradient, times the loss scale read on the device at
-// `loss_scale` where the scaler scales (fp16): `out` itself, overwritten, when out_free (nothing
-// reads the output after the loss: !model.backward_reads_output()) and the loss writes its
-// gradient in place (Loss::grad_in_place), else a buffer made again only when out's shape or
-// dtype changed; a defined correct := the loss's count of right predictions
-// (Loss::compute_and_count: one read of the output for both where the loss can).
+// the chunk; with dlogits, *dlogits := its gradient times grad_scale (fp16's loss scale, a
+// micro-batch's weight; read on the device when the loss runs, inside the loss's own pass where
+// it can: Loss::compute_scaled): `out` itself, overwritten, when out_free (nothing reads the
+// output after the loss: !model.backward_reads_output()) and the loss writes its gradient in
+// place (Loss::grad_in_place), else a buffer made again only when out's shape or dtype changed;
+// a defined correct := the loss's count of right predictions (one read of the output for both
+// where the loss can).
 inline void queue_loss(const nn::Loss& loss, const kernels::Tensor& out,
                        const kernels::Tensor& labels, kernels::Tensor loss_out,
-                       kernels::Tensor* dlogits, const nn::GradScaler& scaler,
-                       const kernels::Scalar& loss_scale,
+                       kernels::Tensor* dlogits, const kernels::Scalar& grad_scale,
                        kernels::Tensor correct = kernels::Tensor(), bool out_free = false) {
   // The output's dtype: f32, or a 16-bit one for a loss that takes it (nn::output_for).
   kernels::Tensor none;  // forward only: no gradient
@@ -92,11 +94,7 @@ inline void queue_loss(const nn::Loss& loss, const kernels::Tensor& out,
   if (dlogits && out_free && loss.grad_in_place()) *dlogits = out;
   kernels::Tensor& grad =
       dlogits ? kernels::ensure(*dlogits, out.shape(), out.dtype(), out.device()) : none;
-  if (correct.defined())
-    loss.compute_and_count(loss_out, grad, correct, out, labels);
-  else
-    loss.compute(loss_out, grad, out, labels);
-  if (dlogits) scaler.scale_loss_grad(grad, loss_scale);  // fp16: the gradient carries the scale
+  loss.compute_scaled(loss_out, grad, correct, out, labels, grad_scale);
 }
 
 // Gradient accumulation (DataParallelOptions::micro_batches, DdpTrainer::set_micro_batches): a
@@ -108,7 +106,7 @@ inline void queue_loss(const nn::Loss& loss, const kernels::Tensor& out,
 // the chunk (within f32 rounding: the gradient is summed in another order).
 //
 //   micro.plan(loss, host_labels_of_the_chunk);  // each step, before its work is queued
-//   micro.write_weights(device);                   // outside any graph
+//   micro.write_weights(device, scaler.scale());   // outside any graph
 //   out = micro.queue(forward, local_backward, loss, input, labels, loss_out, &dlogits, ...);
 //   ... the step's backward(dlogits): the last micro-batch's, with the hooks that reduce ...
 class MicroBatches {
@@ -130,38 +128,54 @@ class MicroBatches {
     for (size_t j = 0; j < sizes_.size(); begin += sizes_[j++])
       denominators_[j] = loss.denominator(labels.slice(begin, begin + sizes_[j]));
     weights_ = loss_shares(denominators_);
-    weights_.resize(static_cast<size_t>(k_), 0.f);  // the buffer's length never changes
   }
   int count() const { return static_cast<int>(sizes_.size()); }
-  // requires plan() done. ensures the weights on `device`, where queue()'s kernels read them (no
-  // graph bakes them in), queued on the current context when they changed. Outside any graph.
-  void write_weights(const kernels::Device& device) {
-    if (!on_device_.write(weights_.data(), k_, device)) return;
-    for (int j = 0; j < k_; ++j) weight_at_.push_back(on_device_.at(j));
+  // requires plan() done; loss_scale the step's (GradScaler::scale(): 1 without scaling).
+  // ensures on `device`, where queue()'s kernels read them (no graph bakes them in), queued on
+  // the current context when they changed: the weights, and the factors each micro-batch's loss
+  // gradient is multiplied by (its weight times the loss scale, which multiplies nothing but the
+  // exponent: a power of two). Outside any graph. What queue() reads is kept by count(), made
+  // the first time a count runs and kept (a graph of a chunk of that many rows holds its
+  // addresses): memory grows with the micro-batches that run, not with the k asked for.
+  void write_weights(const kernels::Device& device, float loss_scale) {
+    const int n = count();
+    host_.resize(2 * static_cast<size_t>(n));
+    for (int j = 0; j < n; ++j) {
+      host_[j] = weights_[j];
+      host_[n + j] = weights_[j] * loss_scale;
+    }
+    at_ = &by_count_[n];
+    if (!at_->on_device.write(host_.data(), 2 * n, device)) return;
+    for (int j = 0; j < n; ++j) {
+      at_->weight.push_back(at_->on_device.at(j));
+      at_->grad_factor.push_back(at_->on_device.at(n + j));
+    }
   }
   // requires plan() and write_weights() done for this step, count() > 1, input and labels the
   // chunk on the device, the module's gradients zeroed; the rest as queue_loss's. ensures queued on
   // the current context, for each micro-batch j in order: out_j = forward(rows of j), its loss into
-  // a slot of its own and its gradient, weighted, then, for every one but the last, backward(its
-  // gradient), which must only accumulate (no hook hands a bucket on: the chunk's gradient is not
-  // final yet); the last one's weighted gradient in *dlogits for the step's backward; loss_out :=
-  // the weighted sum of the micro-batches' mean losses and a defined correct := the sum of their
-  // counts. Returns the last micro-batch's output.
+  // a slot of its own and its gradient, times its factor (write_weights) inside the loss's pass,
+  // then, for every one but the last, backward(its gradient), which must only accumulate (no hook
+  // hands a bucket on: the chunk's gradient is not final yet); the last one's gradient in
+  // *dlogits for the step's backward; loss_out := the weighted sum of the micro-batches' mean
+  // losses and a defined correct := the sum of their counts. Returns the last micro-batch's
+  // output.
   template <class Forward, class Backward>
   kernels::Tensor queue(Forward&& forward, Backward&& backward, const nn::Loss& loss,
                         const kernels::Tensor& input, const kernels::Tensor& labels,
-                        kernels::Tensor loss_out, kernels::Tensor* dlogits,
-                        const nn::GradScaler& scaler, const kernels::Scalar& loss_scale,
-                        kernels::Tensor correct, bool out_free) {
+                        kernels::Tensor loss_out, kernels::Tensor* dlogits, kernels::Tensor correct,
+                        bool out_free) {
     const int n = count();
-    DP_CHECK(n > 1 && static_cast<int>(weight_at_.size()) == k_,
+    DP_CHECK(n > 1 && at_ != nullptr && static_cast<int>(at_->weight.size()) == n,
              "MicroBatches::queue: plan() and write_weights() first, for more than one");
-    if (!slots_.defined()) {  // made once, on the first (uncaptured) step
-      slots_ = kernels::Tensor::zeros({2 * k_}, kernels::DType::f32, loss_out.device());
-      for (int j = 0; j < k_; ++j) {
-        losses_.push_back(slots_.view(j, {1}));
-        counts_.push_back(slots_.view(k_ + j, {1}));
+    PerCount& b = *at_;
+    if (!b.slots.defined()) {  // made once, on the first (uncaptured) step of n micro-batches
+      b.slots = kernels::Tensor::zeros({2 * n}, kernels::DType::f32, loss_out.device());
+      for (int j = 0; j < n; ++j) {
+        b.losses.push_back(b.slots.view(j, {1}));
+        b.counts.push_back(b.slots.view(n + j, {1}));
       }
+      b.ones.assign(static_cast<size_t>(n), kernels::Scalar(1.f));
     }
     kernels::Tensor out;
     int64_t begin = 0;
@@ -171,35 +185,34 @@ class MicroBatches {
       const bool last = j == n - 1;
       kernels::Tensor dy;
       kernels::Tensor* grad = last ? dlogits : &dy;
-      queue_loss(loss, out, labels.slice(begin, end), losses_[j], grad, scaler, loss_scale,
-                 correct.defined() ? counts_[j] : kernels::Tensor(), out_free);
-      kernels::scale(*grad, *grad, weight_at_[j]);
+      queue_loss(loss, out, labels.slice(begin, end), b.losses[j], grad, b.grad_factor[j],
+                 correct.defined() ? b.counts[j] : kernels::Tensor(), out_free);
       if (!last) backward(dy);
     }
-    from_.assign(losses_.begin(), losses_.begin() + n);
-    weights_of_.assign(weight_at_.begin(), weight_at_.begin() + n);
     kernels::fill(loss_out, 0.f);
-    kernels::weighted_sum(loss_out, 1.f, from_, weights_of_);
+    kernels::weighted_sum(loss_out, 1.f, b.losses, b.weight);
     if (correct.defined()) {
-      from_.assign(counts_.begin(), counts_.begin() + n);
-      weights_of_.assign(static_cast<size_t>(n), kernels::Scalar(1.f));
       kernels::fill(correct, 0.f);
-      kernels::weighted_sum(correct, 1.f, from_, weights_of_);
+      kernels::weighted_sum(correct, 1.f, b.counts, b.ones);
     }
     return out;
   }
 
  private:
+  // What queue() reads for one count of micro-batches, on the device: the weights and gradient
+  // factors (on_device's views), and each micro-batch's loss and count slot.
+  struct PerCount {
+    StepScalars on_device;
+    std::vector<kernels::Scalar> weight, grad_factor, ones;
+    kernels::Tensor slots;  // (2 n) f32: each micro-batch's loss, then its count
+    std::vector<kernels::Tensor> losses, counts;
+  };
   int k_ = 1;
   std::vector<int64_t> sizes_, denominators_;  // this step's (plan)
-  std::vector<float> weights_;                 // padded to k_
-  StepScalars on_device_;
-  std::vector<kernels::Scalar> weight_at_;  // on_device_'s views, once made
-  kernels::Tensor slots_;                   // (2 k) f32: each micro-batch's loss, then its count
-  std::vector<kernels::Tensor> losses_, counts_;
-  // The sums' sources and weights, sized once: no vectors per step.
-  std::vector<kernels::Tensor> from_;
-  std::vector<kernels::Scalar> weights_of_;
+  std::vector<float> weights_;                 // this step's, one per micro-batch
+  std::vector<float> host_;                    // what write_weights writes
+  std::map<int, PerCount> by_count_;           // by count(): its entries never move
+  PerCount* at_ = nullptr;                     // this step's
 };
 
 // requires grads the step's final flat gradient (DP: device 0's reduced one; DDP: this rank's

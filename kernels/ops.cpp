@@ -495,11 +495,12 @@ std::string bad_label_text(int64_t label, int64_t row, int64_t batch, int64_t cl
 
 void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
                            const Tensor& labels, const Tensor& weights, float label_smoothing,
-                           Tensor correct) {
+                           Tensor correct, const Scalar& grad_scale) {
   const char* op = "softmax_cross_entropy";
   check_logits_labels(op, logits, labels);
   check_devices(op, {{"logits", logits}, {"loss", loss}});
   check_scalar_out(op, {"loss", loss});
+  check_scalar(op, "grad_scale", grad_scale, logits.device());
   if (weights.defined()) {
     check_devices(op, {{"logits", logits}, {"weights", weights}});
     check_dtype(op, {"weights", weights}, DType::f32);
@@ -514,15 +515,16 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
     return fill(loss, 0.f);
   }
   DP_DISPATCH(logits.device(), softmax_cross_entropy, loss, dlogits, logits, labels, weights,
-              label_smoothing, correct);
+              label_smoothing, correct, grad_scale);
 }
 
 void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, const Tensor& targets,
-                         int32_t ignore_index, Tensor correct) {
+                         int32_t ignore_index, Tensor correct, const Scalar& grad_scale) {
   const char* op = "token_cross_entropy";
   check_logits_labels(op, logits, targets);
   check_devices(op, {{"logits", logits}, {"loss", loss}});
   check_scalar_out(op, {"loss", loss});
+  check_scalar(op, "grad_scale", grad_scale, logits.device());
   if (dlogits.defined()) check_logits_grad(op, dlogits, logits);
   check_count_out(op, correct, logits);
   if (logits.dim(0) == 0) {
@@ -530,7 +532,7 @@ void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, co
     return fill(loss, 0.f);
   }
   DP_DISPATCH(logits.device(), token_cross_entropy, loss, dlogits, logits, targets, ignore_index,
-              correct);
+              correct, grad_scale);
 }
 
 void mse_loss(Tensor& loss, Tensor& dpred, const Tensor& pred, const Tensor& target) {

@@ -291,9 +291,14 @@ std::vector<std::pair<std::string, std::string>> library_versions();
 // as the loss (no second pass over them).
 // dlogits may be logits itself (same dtype): the gradient is then written over the logits, with
 // the same values (no second buffer the size of the logits).
+// grad_scale: a factor dlogits is multiplied by in f32 before its one rounding (fp16's loss
+// scale, a micro-batch's weight), read when the op runs; the loss is not scaled. Inside the
+// op, a 16-bit dlogits loses no value below its range that the scale lifts into it, and no
+// second pass over the logits' gradient is made.
 void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
                            const Tensor& labels, const Tensor& weights = Tensor(),
-                           float label_smoothing = 0.f, Tensor correct = Tensor());
+                           float label_smoothing = 0.f, Tensor correct = Tensor(),
+                           const Scalar& grad_scale = Scalar());
 // Token cross-entropy: softmax_cross_entropy over rows (N, V) (a [B, T, V] output flattened),
 // averaged over the rows whose target is not `ignore_index`.
 // requires logits (N, V) f32, f16 or bf16, targets (N) i32 in [0, V) or == ignore_index, loss (1)
@@ -301,10 +306,11 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
 // count of non-ignored rows:
 // ensures loss = (1/n) sum_{i kept} -log softmax(logits_i)_{t_i}   (0 when n == 0)
 //         dlogits_i = (softmax(logits_i) - onehot(t_i)) / n for kept rows, 0 for ignored ones.
-// A target outside [0, V) (other than ignore_index) throws bad_label_text as above. correct and
-// dlogits over the logits: as above (an ignored row is never counted).
+// A target outside [0, V) (other than ignore_index) throws bad_label_text as above. correct,
+// dlogits over the logits and grad_scale: as above (an ignored row is never counted).
 void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, const Tensor& targets,
-                         int32_t ignore_index, Tensor correct = Tensor());
+                         int32_t ignore_index, Tensor correct = Tensor(),
+                         const Scalar& grad_scale = Scalar());
 // The error text of softmax_cross_entropy for row `row` of logits (batch, classes) whose label
 // is outside [0, classes), the same on every backend.
 std::string bad_label_text(int64_t label, int64_t row, int64_t batch, int64_t classes);

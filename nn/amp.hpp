@@ -74,8 +74,8 @@ inline kernels::MathMode math_mode(Precision p) {
 // under bf16, the activation dtype when the loss takes 16-bit predictions (the cross-entropies:
 // no f32 copy of the logits or of their gradient, the gradient rounded to bf16 once, as
 // PyTorch's autocast hands the LM head's backward a bf16 gradient); f32 otherwise. fp16 keeps
-// f32: its loss gradient is multiplied by the loss scale after the loss, and an fp16 gradient
-// would already have rounded to zero every value below fp16's smallest step (2^-24), the values
+// f32: a loss that scales its gradient after rounding it (Loss::compute_scaled's default) would
+// already have rounded to zero every fp16 value below fp16's smallest step (2^-24), the values
 // the scale exists to keep. Only matters under 16-bit activations (Activations::compute).
 inline Output output_for(Precision p, const Loss& loss) {
   return p == Precision::bf16 && loss.takes_16bit_pred() ? Output::activations : Output::f32;
@@ -152,11 +152,12 @@ class GradScaler {
   }
   // Whether the loss is scaled (fp16): whether scale() can be other than 1.
   bool scaling() const { return options_.scaling; }
-  // The same with the scale read on the device when the scaling runs: `scale` holds scale() for
-  // this step, (1) f32 on dlogits' device, so a captured step replays with the current scale.
-  // Queues nothing without scaling.
-  void scale_loss_grad(Tensor& dlogits, const kernels::Scalar& scale) const {
-    if (options_.scaling) kernels::scale(dlogits, dlogits, scale);
+  // The factor the loss's gradient is multiplied by (Loss::compute_scaled), read on the device
+  // when the loss runs: `scale`, which holds scale() for this step ((1) f32 on the gradient's
+  // device, so that a captured step replays with the current scale), or a fixed 1 without
+  // scaling.
+  kernels::Scalar loss_grad_factor(const kernels::Scalar& scale) const {
+    return options_.scaling ? scale : kernels::Scalar();
   }
 
   // requires `grads` the step's final gradient (DP: device 0's reduced one; DDP: this rank's

@@ -45,6 +45,21 @@ class Loss {
     compute(loss, dpred, pred, target);
     count_correct_into(correct, pred, target);
   }
+  // The engines' step: compute_and_count (compute when `correct` is undefined) with dpred
+  // multiplied by grad_scale, a factor read when the work runs (fp16's loss scale, a
+  // micro-batch's weight). The default scales dpred in a second pass, after its rounding; a
+  // loss that writes 16-bit dpred overrides it to multiply before the one rounding, so that no
+  // value below the 16-bit range is lost before the scale lifts it (the cross-entropies, inside
+  // their kernel: no second pass either).
+  virtual void compute_scaled(Tensor& loss, Tensor& dpred, Tensor& correct, const Tensor& pred,
+                              const Tensor& target, const kernels::Scalar& grad_scale) const {
+    if (correct.defined())
+      compute_and_count(loss, dpred, correct, pred, target);
+    else
+      compute(loss, dpred, pred, target);
+    if (dpred.defined() && (grad_scale.at.defined() || grad_scale.value != 1.f))
+      kernels::scale(dpred, dpred, grad_scale);
+  }
   // Whether compute and count_correct_into take a bf16 or f16 pred and write dpred in its dtype
   // (f32 arithmetic inside, each gradient value rounded once), so that a model under 16-bit
   // activations can hand its output over without an f32 copy (Module::set_output). A loss
@@ -111,6 +126,11 @@ class CrossEntropyLoss : public Loss {
   void compute_and_count(Tensor& loss, Tensor& dpred, Tensor& correct, const Tensor& pred,
                          const Tensor& target) const override {
     kernels::softmax_cross_entropy(loss, dpred, pred, target, Tensor(), smoothing_, correct);
+  }
+  void compute_scaled(Tensor& loss, Tensor& dpred, Tensor& correct, const Tensor& pred,
+                      const Tensor& target, const kernels::Scalar& grad_scale) const override {
+    kernels::softmax_cross_entropy(loss, dpred, pred, target, Tensor(), smoothing_, correct,
+                                   grad_scale);
   }
 
  private:
@@ -200,6 +220,10 @@ class TokenCrossEntropyLoss : public Loss {
   }
   void compute_and_count(Tensor& loss, Tensor& dpred, Tensor& correct, const Tensor& pred,
                          const Tensor& target) const override {
+    compute_scaled(loss, dpred, correct, pred, target, kernels::Scalar());
+  }
+  void compute_scaled(Tensor& loss, Tensor& dpred, Tensor& correct, const Tensor& pred,
+                      const Tensor& target, const kernels::Scalar& grad_scale) const override {
     const int64_t v = pred.ndim() >= 1 ? pred.dim(-1) : 0;
     DP_CHECK(pred.ndim() == 3 && target.ndim() == 2 && pred.dim(0) == target.dim(0) &&
                  pred.dim(1) == target.dim(1),
@@ -209,7 +233,7 @@ class TokenCrossEntropyLoss : public Loss {
     const int64_t rows = target.numel();
     Tensor d2 = dpred.defined() ? dpred.reshape({rows, v}) : Tensor();
     kernels::token_cross_entropy(loss, d2, pred.reshape({rows, v}), target.reshape({rows}), ignore_,
-                                 correct);
+                                 correct, grad_scale);
   }
 
  private:

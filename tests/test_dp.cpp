@@ -1614,6 +1614,41 @@ TEST_CASE("dp.micro_batches: 1-3 devices in 2-5 micro-batches follow the single-
   }
 }
 
+// fp16: each micro-batch's loss gradient is multiplied by its weight times the loss scale in
+// the loss's own pass. A first scale of 2^20 overflows fp16 and is halved twice: the
+// micro-batches follow the one-pass run through the same 2 skipped steps and scales.
+TEST_CASE("dp.micro_batches: under fp16 the loss scale rides in each micro-batch's factor") {
+  auto run = [](int k, std::vector<dp::StepStats>& stats) {
+    auto m = small_mlp();
+    m->materialize(Device::cpu(0), kSeed);
+    nn::SGD opt(*m, momentum_sgd());
+    dp::DataParallelOptions o;
+    o.precision = nn::Precision::fp16;
+    o.scaler = nn::GradScaler::options_for(nn::Precision::fp16);
+    o.scaler->init_scale = std::ldexp(1.f, 20);
+    o.micro_batches = k;
+    dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, 2), o);
+    for (int s = 0; s < 6; ++s) {
+      auto [x, y] = dp_test::toy_batch(11, 400 + s);
+      stats.push_back(engine.train_step(x, y));
+    }
+    return engine.module().flat_params().to_host_f32();
+  };
+  std::vector<dp::StepStats> one, three;
+  const std::vector<float> ref = run(1, one), got = run(3, three);
+  int skipped = 0;
+  for (size_t s = 0; s < one.size(); ++s) {
+    CAPTURE(s);
+    CHECK(three[s].skipped == one[s].skipped);
+    CHECK(three[s].loss_scale == one[s].loss_scale);
+    CHECK(three[s].loss == doctest::Approx(one[s].loss).epsilon(1e-5));
+    skipped += one[s].skipped ? 1 : 0;
+  }
+  CHECK(skipped == 2);
+  CHECK(one.back().loss_scale == std::ldexp(1.f, 18));
+  CHECK(dp_test::rel_diff(got, ref) <= 1e-5f);
+}
+
 namespace {
 
 // Linear(6, 5) over (B, 3, 6) tokens, a token loss that ignores the tokens (j + s) % 4 == 0 of

@@ -20,6 +20,7 @@
 #include "tests/device_scalars.hpp"
 #include "tests/gemm_gelu_cases.hpp"
 #include "tests/loss_count_cases.hpp"
+#include "tests/loss_scale_cases.hpp"
 #include "tests/native16_cases.hpp"
 #include "tests/optim_test_util.hpp"
 #include "tests/test_util.hpp"
@@ -655,6 +656,17 @@ TEST_CASE("kernels.cuda.loss_count: the cross-entropies count in their pass what
     ++checks;
   });
   CHECK(checks == 3 * 5 * 2 * 6);
+}
+
+TEST_CASE("kernels.cuda.loss_scale: the cross-entropies multiply their gradient before rounding") {
+  DP_REQUIRE_GPU();
+  int checks = 0;
+  loss_scale::run(kGpu, [&](const std::string& what, bool ok) {
+    CAPTURE(what);
+    CHECK(ok);
+    ++checks;
+  });
+  CHECK(checks == 66);
 }
 
 TEST_CASE("kernels.cuda.argmax and count_correct: first maximum on ties, match CPU") {
@@ -1503,7 +1515,7 @@ TEST_CASE("kernels.cuda.empty: the backend itself handles zero-sized inputs") {
   CHECK(out.item() == 0.f);
   Tensor loss = full(kGpu, {1}, 3.f), no_grad, right = full(kGpu, {1}, 3.f);
   cuda::softmax_cross_entropy(loss, no_grad, zeros(kGpu, {0, 3}), Tensor::from_ints({}, {0}, kGpu),
-                              Tensor(), 0.f, right, ctx);
+                              Tensor(), 0.f, right, Scalar(), ctx);
   CHECK(loss.item() == 0.f);
   CHECK(right.item() == 0.f);
   CHECK(cuda::count_correct(zeros(kGpu, {0, 3}), Tensor::from_ints({}, {0}, kGpu), ctx) == 0);

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "tests/loss_count_cases.hpp"
+#include "tests/loss_scale_cases.hpp"
 #include "tests/optim_test_util.hpp"
 #include "tests/test_kernels_util.hpp"
 
@@ -312,6 +313,25 @@ TEST_CASE("kernels.loss_count: the cross-entropies count in their pass what coun
       token_cross_entropy(loss, none, zeros({2, 3}), Tensor::from_ints({0, 1}, {2}), -1,
                           Tensor::zeros({1}, DType::i32, Device::cpu())),
       doctest::Contains("correct must be f32"), Error);
+}
+
+TEST_CASE("kernels.loss_scale: the cross-entropies multiply their gradient before its rounding") {
+  int checks = 0;
+  loss_scale::run(Device::cpu(), [&](const std::string& what, bool ok) {
+    CAPTURE(what);
+    CHECK(ok);
+    ++checks;
+  });
+  CHECK(checks == 66);
+  // A factor on the device is one f32 value on the logits' device.
+  Tensor loss = scalar(), dx = zeros({2, 3}), x = zeros({2, 3});
+  Tensor y = Tensor::from_ints({0, 1}, {2});
+  CHECK_THROWS_WITH_AS(
+      softmax_cross_entropy(loss, dx, x, y, Tensor(), 0.f, Tensor(), Scalar(zeros({2}))),
+      doctest::Contains("scalar grad_scale"), Error);
+  CHECK_THROWS_WITH_AS(token_cross_entropy(loss, dx, x, y, -1, Tensor(),
+                                           Scalar(Tensor::zeros({1}, DType::f32, Device::cpu(1)))),
+                       doctest::Contains("must be one f32 element on cpu:0"), Error);
 }
 
 TEST_CASE("kernels.all_finite: NaN and inf anywhere, any floating dtype") {

@@ -66,6 +66,54 @@ TEST_CASE("nn.loss: MSELoss value and gradient") {
   check_close(host(mse.backward()), {0.0, 1.0, 0.0, -0.5});
 }
 
+// The engines' call: the gradient times a factor (fp16's loss scale, a micro-batch's weight),
+// the loss and count as without it. The cross-entropies multiply inside their kernel; a loss
+// that keeps the default (MSE, or a user's that only defines compute) scales in a second pass.
+TEST_CASE("nn.loss: compute_scaled multiplies the gradient alone, fixed or read on the device") {
+  Tensor logits = Tensor::from_vector({1, 2, 3, 0, 0, 0}, {2, 3});
+  Tensor labels = Tensor::from_ints({2, 0}, {2});
+  Tensor tokens = logits.reshape({1, 2, 3}), targets = labels.reshape({1, 2});
+  const Tensor on_device = Tensor::from_vector({0.375f}, {1});
+  struct Case {
+    std::shared_ptr<const nn::Loss> loss;
+    Tensor pred, target;
+  };
+  struct Plain : nn::Loss {  // only what a user must write
+    std::string name() const override { return "plain"; }
+    void check_target(const Tensor&) const override {}
+    int64_t denominator(const Tensor& t) const override { return t.numel(); }
+    void compute(Tensor& loss, Tensor& dpred, const Tensor& pred,
+                 const Tensor& target) const override {
+      kernels::mse_loss(loss, dpred, pred, target);
+    }
+  };
+  const Tensor goal = Tensor::from_vector({0, 1, 2, 1, 0, 1}, {2, 3});
+  auto zeros = [](const kernels::Shape& s) {
+    return Tensor::zeros(s, kernels::DType::f32, kernels::Device::cpu());
+  };
+  for (const Case& c : {Case{std::make_shared<nn::CrossEntropyLoss>(0.1f), logits, labels},
+                        Case{std::make_shared<nn::TokenCrossEntropyLoss>(), tokens, targets},
+                        Case{std::make_shared<nn::MSELoss>(), logits, goal},
+                        Case{std::make_shared<Plain>(), logits, goal}}) {
+    CAPTURE(c.loss->name());
+    Tensor loss = zeros({1}), dpred = zeros(c.pred.shape()), none;
+    c.loss->compute(loss, dpred, c.pred, c.target);
+    const std::vector<float> g1 = host(dpred);
+    for (const kernels::Scalar& factor : {kernels::Scalar(3.f), kernels::Scalar(on_device)}) {
+      Tensor scaled_loss = zeros({1}), scaled = zeros(c.pred.shape());
+      c.loss->compute_scaled(scaled_loss, scaled, none, c.pred, c.target, factor);
+      CHECK(scaled_loss.item() == loss.item());
+      const std::vector<float> g = host(scaled);
+      for (size_t i = 0; i < g.size(); ++i)
+        CHECK(g[i] == doctest::Approx(g1[i] * factor.read()).epsilon(1e-6));
+    }
+    Tensor correct = zeros({1}), counted = zeros({1});
+    c.loss->compute_and_count(loss, dpred, correct, c.pred, c.target);
+    c.loss->compute_scaled(loss, dpred, counted, c.pred, c.target, kernels::Scalar(2.f));
+    CHECK(counted.item() == correct.item());
+  }
+}
+
 // ---- optimizers ----------------------------------------------------------------------------
 
 TEST_CASE("nn.optim: SGD plain and with weight decay") {

@@ -348,7 +348,7 @@ float DdpTrainer::train_step(const kernels::Tensor& images, const kernels::Tenso
     write_scale();
     if (micro_.asked() > 1) {  // this rank's micro-batches and their weights
       micro_.plan(*loss_fn_, hy);
-      micro_.write_weights(device_);
+      micro_.write_weights(device_, scaler_.scale());
     }
     StepSegments* segments = nullptr;
     if (use_graphs()) {

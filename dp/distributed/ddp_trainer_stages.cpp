@@ -65,12 +65,11 @@ void DdpTrainer::forward_and_loss(nn::Module& m, const kernels::Tensor& x,
     // Every micro-batch but the last runs its backward here, under no_sync: it only accumulates.
     micro_.queue([&](const kernels::Tensor& xj) { return ddp_->forward_local(xj); },
                  [&](const kernels::Tensor& dy) { ddp_->backward_local(dy); }, *loss_fn_, x, y,
-                 metrics_.view(0, {1}), &dlogits_, scaler_, loss_scale_, kernels::Tensor(),
-                 !m.backward_reads_output());
+                 metrics_.view(0, {1}), &dlogits_, kernels::Tensor(), !m.backward_reads_output());
     return;
   }
-  queue_loss(*loss_fn_, ddp_->forward_local(x), y, metrics_.view(0, {1}), &dlogits_, scaler_,
-             loss_scale_, kernels::Tensor(), !m.backward_reads_output());
+  queue_loss(*loss_fn_, ddp_->forward_local(x), y, metrics_.view(0, {1}), &dlogits_,
+             scaler_.loss_grad_factor(loss_scale_), kernels::Tensor(), !m.backward_reads_output());
 }
 
 void DdpTrainer::queue_update(nn::Module& m) {

@@ -69,16 +69,16 @@ void store_count(Tensor& correct, const std::vector<uint8_t>& right) {
 
 // Per row i (logits x, label l, weight w, smoothing ls, C classes), with lse = log sum exp x:
 //   loss_i = w ((1 - ls)(lse - x_l) + ls (lse - mean_c x_c))
-//   dlogits_i = (w / B) (softmax(x) - t),  t = (1 - ls) onehot(l) + ls / C.
+//   dlogits_i = g (w / B) (softmax(x) - t),  t = (1 - ls) onehot(l) + ls / C,  g = grad_scale.
 void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
                            const Tensor& labels, const Tensor& weights, float label_smoothing,
-                           Tensor& correct) {
+                           Tensor& correct, const Scalar& grad_scale) {
   const int64_t batch = logits.dim(0), classes = logits.dim(1);
   const int32_t* pl = labels.data<int32_t>();
   const float* pw = weights.defined() ? weights.data<float>() : nullptr;
   for (int64_t i = 0; i < batch; ++i)
     DP_CHECK(pl[i] >= 0 && pl[i] < classes, bad_label_text(pl[i], i, batch, classes));
-  const double ls = label_smoothing;
+  const double ls = label_smoothing, g = grad_scale.read();
   std::vector<double> row_loss(static_cast<size_t>(batch));
   std::vector<uint8_t> right(correct.defined() ? static_cast<size_t>(batch) : 0);
   for_each_logits_row(logits, dlogits, [&](int64_t i, const auto* x, auto* d) {
@@ -96,7 +96,7 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
     }
     row_loss[i] = w * (ls != 0.0 ? (1.0 - ls) * (lse - x_label) + smooth : lse - x_label);
     if (!d) return;
-    const double scale = w / static_cast<double>(batch), inv_sum = 1.0 / sm.sum;
+    const double scale = g * (w / static_cast<double>(batch)), inv_sum = 1.0 / sm.sum;
     for (int64_t c = 0; c < classes; ++c) {
       const double target = (c == pl[i] ? 1.0 - ls : 0.0) + ls / classes;
       store_rounded(d[c], static_cast<float>(scale * (sm.e[c] * inv_sum - target)));
@@ -111,7 +111,7 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
 // As softmax_cross_entropy without smoothing or weights, over the rows whose target is not
 // ignore_index, divided by their count n (ignored rows: no loss, zero gradient).
 void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, const Tensor& targets,
-                         int32_t ignore_index, Tensor& correct) {
+                         int32_t ignore_index, Tensor& correct, const Scalar& grad_scale) {
   const int64_t rows = logits.dim(0), classes = logits.dim(1);
   const int32_t* pt = targets.data<int32_t>();
   int64_t kept = 0;
@@ -121,6 +121,7 @@ void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, co
     ++kept;
   }
   const double inv_n = kept > 0 ? 1.0 / static_cast<double>(kept) : 0.0;
+  const double grad_by = kept > 0 ? grad_scale.read() / static_cast<double>(kept) : 0.0;
   std::vector<double> row_loss(static_cast<size_t>(rows), 0.0);
   std::vector<uint8_t> right(correct.defined() ? static_cast<size_t>(rows) : 0);
   for_each_logits_row(logits, dlogits, [&](int64_t i, const auto* x, auto* d) {
@@ -136,7 +137,7 @@ void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, co
     const double inv_sum = 1.0 / sm.sum;
     for (int64_t c = 0; c < classes; ++c)
       store_rounded(d[c],
-                    static_cast<float>(inv_n * (sm.e[c] * inv_sum - (c == pt[i] ? 1.0 : 0.0))));
+                    static_cast<float>(grad_by * (sm.e[c] * inv_sum - (c == pt[i] ? 1.0 : 0.0))));
   });
   double total = 0.0;
   for (double l : row_loss) total += l;

@@ -63,10 +63,11 @@ void attention_forward(Tensor& y, Tensor& lse, const Tensor& qkv, const Attentio
 void attention_backward(Tensor& dqkv, const Tensor& dy, const Tensor& qkv, const Tensor& y,
                         const Tensor& lse, const AttentionParams& p, DeviceContext& ctx);
 void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, const Tensor& targets,
-                         int32_t ignore_index, Tensor& correct, DeviceContext& ctx);
+                         int32_t ignore_index, Tensor& correct, const Scalar& grad_scale,
+                         DeviceContext& ctx);
 void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
                            const Tensor& labels, const Tensor& weights, float label_smoothing,
-                           Tensor& correct, DeviceContext& ctx);
+                           Tensor& correct, const Scalar& grad_scale, DeviceContext& ctx);
 void mse_loss(Tensor& loss, Tensor& dpred, const Tensor& pred, const Tensor& target,
               DeviceContext& ctx);
 void sum(Tensor& out, const Tensor& x, DeviceContext& ctx);

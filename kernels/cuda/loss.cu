@@ -131,7 +131,7 @@ __device__ long long block_reduce_first_max(float best, long long idx) {
 
 // One block per row i of logits (B, C). With lse = log sum exp x, t = (1 - ls) onehot + ls / C:
 //   row_loss[i] = w ((1 - ls)(lse - x_label) + ls (lse - mean_c x_c))
-//   dlogits_i = (w / B) (softmax(x) - t)
+//   dlogits_i = g (w / B) (softmax(x) - t),  g = grad_scale (1: the same bits as without it)
 // Token cross-entropy (count_of_kept not null): rows whose label is ignore_index get no loss
 // and a zero gradient, and the gradient divisor is the count of the others (*count_of_kept).
 // T, D: the storage types of logits and dlogits (float, __half, __nv_bfloat16): logits read as
@@ -142,7 +142,7 @@ __global__ void softmax_xent_kernel(float* row_loss, D* dlogits, const T* logits
                                     const int32_t* labels, const float* weights, int64_t batch,
                                     int64_t classes, float ls, unsigned long long* fault,
                                     int32_t ignore_index, const float* count_of_kept,
-                                    float* correct) {
+                                    float* correct, ScalarArg grad_scale) {
   int64_t i = blockIdx.x;
   const T* x = logits + i * classes;
   int32_t label = labels[i];
@@ -216,7 +216,8 @@ __global__ void softmax_xent_kernel(float* row_loss, D* dlogits, const T* logits
     row_loss[i] = w * (ls != 0.f ? (1.f - ls) * (lse - x_label) + ls * (lse - sum_x / classes)
                                  : lse - x_label);
   if (!dlogits) return;
-  float scale = w / (count_of_kept ? fmaxf(*count_of_kept, 1.f) : static_cast<float>(batch));
+  float scale = grad_scale.get() *
+                (w / (count_of_kept ? fmaxf(*count_of_kept, 1.f) : static_cast<float>(batch)));
   float off = ls / static_cast<float>(classes), on = (1.f - ls) + off;
   D* d = dlogits + i * classes;
   auto grad = [&](int64_t c, float xc) {
@@ -325,7 +326,8 @@ unsigned row_warp_blocks(int64_t rows) {
 // correct: undefined, or zeroed here and counted by the kernel.
 void launch_xent(float* row_loss, Tensor& dlogits, const Tensor& logits, const int32_t* labels,
                  const float* weights, float ls, unsigned long long* fault, int32_t ignore_index,
-                 const float* count_of_kept, Tensor& correct, cudaStream_t s) {
+                 const float* count_of_kept, Tensor& correct, const Scalar& grad_scale,
+                 cudaStream_t s) {
   const int64_t rows = logits.dim(0), classes = logits.dim(1);
   float* count_to = data_or_null<float>(correct);
   if (count_to) DP_CUDA_CHECK(cudaMemsetAsync(count_to, 0, sizeof(float), s));
@@ -336,7 +338,8 @@ void launch_xent(float* row_loss, Tensor& dlogits, const Tensor& logits, const i
         softmax_xent_kernel<T, D>
             <<<static_cast<unsigned>(rows), row_block_threads(classes), 0, s>>>(
                 row_loss, data_or_null<D>(dlogits), logits.data<T>(), labels, weights, rows,
-                classes, ls, fault, ignore_index, count_of_kept, count_to);
+                classes, ls, fault, ignore_index, count_of_kept, count_to,
+                ScalarArg::of(grad_scale));
         DP_CUDA_CHECK_LAUNCH();
       },
       logits.dtype(), dlogits.defined() ? dlogits.dtype() : logits.dtype());
@@ -346,7 +349,7 @@ void launch_xent(float* row_loss, Tensor& dlogits, const Tensor& logits, const i
 
 void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
                            const Tensor& labels, const Tensor& weights, float label_smoothing,
-                           Tensor& correct, DeviceContext& ctx) {
+                           Tensor& correct, const Scalar& grad_scale, DeviceContext& ctx) {
   NvtxRange range("kernels/softmax_cross_entropy");
   require_f32("softmax_cross_entropy", loss);
   require_floating("softmax_cross_entropy", {&logits});
@@ -364,7 +367,8 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
   if (batch > 0) {
     auto* fault = reinterpret_cast<unsigned long long*>(ctx.fault_record());
     launch_xent(row_loss, dlogits, logits, labels.data<int32_t>(),
-                data_or_null<const float>(weights), label_smoothing, fault, 0, nullptr, correct, s);
+                data_or_null<const float>(weights), label_smoothing, fault, 0, nullptr, correct,
+                grad_scale, s);
     ctx.arm_fault_check(bad_label_fault_text);
   } else if (correct.defined()) {
     DP_CUDA_CHECK(cudaMemsetAsync(correct.data<float>(), 0, sizeof(float), s));
@@ -375,7 +379,8 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
 }
 
 void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, const Tensor& targets,
-                         int32_t ignore_index, Tensor& correct, DeviceContext& ctx) {
+                         int32_t ignore_index, Tensor& correct, const Scalar& grad_scale,
+                         DeviceContext& ctx) {
   NvtxRange range("kernels/token_cross_entropy");
   require_f32("token_cross_entropy", loss);
   require_floating("token_cross_entropy", {&logits});
@@ -397,7 +402,7 @@ void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, co
   launch_sum(count, rows, KeptRow{targets.data<int32_t>(), ignore_index}, 1.f, partials, s);
   auto* fault = reinterpret_cast<unsigned long long*>(ctx.fault_record());
   launch_xent(row_loss, dlogits, logits, targets.data<int32_t>(), nullptr, 0.f, fault, ignore_index,
-              count, correct, s);
+              count, correct, grad_scale, s);
   ctx.arm_fault_check(bad_label_fault_text);
   launch_sum(loss.data<float>(), rows, ReadValue{row_loss}, 1.f, partials, s);
   divide_by_count_kernel<<<1, 1, 0, s>>>(loss.data<float>(), count);
