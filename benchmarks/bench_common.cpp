@@ -213,12 +213,7 @@ void add_flags(CLI::App& app, Options& o) {
                  "next step while the devices run this one (needs --phase-times off, fp32 or "
                  "tf32, and for DP graphed steps)")
       ->check(CLI::Range(0, 1));
-  app.add_option("--micro-batches", o.micro_batches,
-                 "DP, DDP and hybrid: gradient accumulation. Each device or rank runs its chunk "
-                 "of a step as this many micro-batches, one after another, their gradients "
-                 "summed before the one reduction and update: one micro-batch's activations in "
-                 "memory at a time, the same global batch and loss curve")
-      ->check(CLI::Range(1, 1 << 20));
+  dp::cli::add_micro_batches_flag(app, o.micro_batches);
   app.add_option("--project-from", o.project_from,
                  "dp_bench JSON of a GPU run whose compute the NVLink/PCIe projection uses, or "
                  "off: no projection (on a GPU it runs one device again at the per-rank batches "
@@ -358,7 +353,7 @@ void validate(const Options& o, const Setup& s, const std::vector<int>& counts) 
   }
   if (projection_from(o.project_from) == ProjectionFrom::file)  // read now, not at the end
     check_projection_model(read_projection_file(o.project_from), o.project_from, model_name(o),
-                           model_of(o)->num_parameters());
+                           model_of(o)->num_parameters(), o.micro_batches);
   // The sweep's outputs, and the chart's script (written beside the chart and removed once
   // gnuplot drew it).
   const auto [csv, chart] = sweep_paths(o);
@@ -433,10 +428,10 @@ void validate(const Options& o, const Setup& s, const std::vector<int>& counts) 
       const int64_t chunk = (batch + world - 1) / world;
       // A device's activations: one micro-batch's (--micro-batches) at a time.
       const int64_t in_flight = (chunk + o.micro_batches - 1) / o.micro_batches;
-      const std::string rows_text =
-          o.micro_batches > 1
-              ? std::to_string(in_flight) + " rows (a micro-batch of " + std::to_string(chunk) + ")"
-              : std::to_string(chunk) + " rows";
+      const std::string rows_text = o.micro_batches > 1 ? std::to_string(in_flight) +
+                                                              " rows (one micro-batch of a " +
+                                                              std::to_string(chunk) + "-row chunk)"
+                                                        : std::to_string(chunk) + " rows";
       // The measured step on `holders` devices of one memory, each with a chunk: their model
       // copies and activations, and the optimizer's state (DP: device 0 steps alone).
       auto check_step = [&](const std::string& head, int64_t holders, const std::string& where,
@@ -453,7 +448,10 @@ void validate(const Options& o, const Setup& s, const std::vector<int>& counts) 
                                 " of activations, measured on a probe step) + " +
                                 std::to_string(optimizer_copies) + " x " +
                                 dp::cli::human_bytes(row_cost->optimizer) + " of optimizer state)",
-                            need, where, memory, "give a smaller batch");
+                            need, where, memory,
+                            in_flight > 1 ? "give a smaller batch, or more --micro-batches (a "
+                                            "device holds one micro-batch's activations at a time)"
+                                          : "give a smaller batch");
       };
       if (s.type == DeviceType::cpu) {
         // CPU devices hold their activations in the host's memory: what a run past it meets is
@@ -732,6 +730,12 @@ std::chrono::milliseconds timeout_of(const Options& o) {
   return std::chrono::milliseconds(std::llround(o.timeout_s * 1000));
 }
 
+int micro_batches_run(int asked, int64_t batch, int nodes, int per_node) {
+  const int64_t node_rows = (batch + nodes - 1) / nodes;  // balanced: the largest share
+  const int64_t rows = (node_rows + per_node - 1) / per_node;
+  return static_cast<int>(std::clamp<int64_t>(rows, 1, asked));
+}
+
 dp::Graphs graphs_of(const Options& o) {
   return o.cuda_graphs == "on"    ? dp::Graphs::on
          : o.cuda_graphs == "off" ? dp::Graphs::off
@@ -807,6 +811,7 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
   r.optim = o.optim;
   r.comm_dtype = o.comm_dtype;
   r.micro_batches = o.micro_batches;
+  r.micro_batches_run = micro_batches_run(o.micro_batches, batch, 1, n);
   r.optimizer_state_bytes = {opt.state_bytes()};  // device 0 alone steps
   r.reduce = o.dp_reduce;
   r.peer_reads = o.dp_peer_reads;

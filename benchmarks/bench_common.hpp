@@ -171,6 +171,10 @@ void print_resume_report(const nn::Resumed& resumed, const nn::TrainingProgress&
 std::unique_ptr<nn::Optimizer> make_optimizer(const Options& o, nn::Module& model);
 // The DP engine's options from the flags (math, precision, comm dtype, topology, buckets).
 dp::DataParallelOptions dp_options(const Options& o, const Setup& s);
+// The most micro-batches a device or rank runs (RunResult::micro_batches_run): --micro-batches,
+// but no more than the rows of the largest chunk, when `batch` rows are split over `nodes`
+// groups (hybrid's node processes; 1 otherwise) of `per_node` devices or ranks each.
+int micro_batches_run(int asked, int64_t batch, int nodes, int per_node);
 // --cuda-graphs as dp::Graphs (DP and DDP).
 dp::Graphs graphs_of(const Options& o);
 // --phase-times as the timing of the engines' phase marks (DP and DDP).

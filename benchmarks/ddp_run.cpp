@@ -183,6 +183,7 @@ int ddp_worker_main(const Options& o, int argc, char** argv) {
   r.optim = o.optim;
   r.comm_dtype = o.comm_dtype;
   r.micro_batches = o.micro_batches;
+  r.micro_batches_run = micro_batches_run(o.micro_batches, batch, 1, n);
   r.zero = o.zero;
   r.zero_overlap = o.zero_overlap;  // refused without --zero 1
   if (o.sync_bn) r.sync_bn_values = nn::batch_norm_sync_values_per_step(*model);

@@ -74,6 +74,7 @@ int hybrid_worker_main(const Options& o) {
   r.optim = o.optim;
   r.comm_dtype = o.comm_dtype;
   r.micro_batches = o.micro_batches;
+  r.micro_batches_run = micro_batches_run(o.micro_batches, batch, nodes, local);
   r.reduce = o.dp_reduce;
   r.peer_reads = o.dp_peer_reads;
   r.gpus = n;

@@ -503,10 +503,15 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
          << ", skipped steps " << r.skipped_steps << "\n";
   }
   for (auto& r : runs)
-    if (r.micro_batches > 1)
-      os << ModeCell{runs, r} << "   " << r.micro_batches << " micro-batches per "
-         << (r.mode.rfind("ddp", 0) == 0 ? "rank" : "device")  // ddp and ddp-hook
-         << " and step: their gradients summed before one reduction and update\n";
+    if (r.micro_batches > 1) {
+      const char* holder = ddp_ranks(r) ? "rank" : "device";
+      os << ModeCell{runs, r} << "   " << r.micro_batches_run << " micro-batches per " << holder
+         << " and step: their gradients summed before one reduction and update";
+      if (r.micro_batches_run < r.micro_batches)
+        os << " (" << r.micro_batches << " asked: a " << holder << "'s chunk has at most "
+           << r.micro_batches_run << (r.micro_batches_run == 1 ? " row)" : " rows)");
+      os << "\n";
+    }
   for (auto& r : runs)
     if (r.comm_dtype != "fp32" && r.gpus > 1 && r.param_bytes > 0)
       os << ModeCell{runs, r} << "   gradients travel in " << r.comm_dtype
@@ -712,6 +717,7 @@ void check_projection_run(const RunResult& r, const std::string& where) {
   check("gpus", r.gpus, 1, false, 1024);
   check("batch", static_cast<double>(r.batch), 1, false, kMaxBytes);
   check("micro_batches", r.micro_batches, 1, false, 1 << 20);
+  check("micro_batches_run", r.micro_batches_run, 1, false, r.micro_batches);
   DP_CHECK(!r.step_ms.empty(), where << ".step_ms is empty: a dp_bench report holds its steps");
   for (size_t i = 0; i < r.step_ms.size(); ++i)
     check("step_ms[" + std::to_string(i) + "]", r.step_ms[i], 0, true, kMaxMs);
@@ -771,6 +777,10 @@ ProjectionInput read_projection_file(const std::string& project_from) {
               gpus.is_number_integer() && gpus.get<int64_t>() >= 1 && gpus.get<int64_t>() <= 1024,
               where << ".gpus is " << gpus.dump()
                     << ": a dp_bench report holds a device count in [1, 1024] there");
+          for (const char* count : {"micro_batches", "micro_batches_run"})  // whole, if there
+            DP_CHECK(!list[i].contains(count) || list[i].at(count).is_number_integer(),
+                     where << "." << count << " is " << list[i].at(count).dump()
+                           << ": a dp_bench report holds a whole number there");
           out.push_back(run_from_json(list[i]));
         } catch (const nlohmann::json::exception& e) {
           DP_THROW(where << ": " << e.what());
@@ -793,12 +803,22 @@ ProjectionInput read_projection_file(const std::string& project_from) {
 }
 
 void check_projection_model(const ProjectionInput& in, const std::string& project_from,
-                            const std::string& model, int64_t params) {
+                            const std::string& model, int64_t params, int micro_batches) {
   DP_CHECK(in.model == model && in.params == params,
            "--project-from '" << project_from << "' holds runs of " << in.model << " (" << in.params
                               << " parameters), and this run trains " << model << " (" << params
                               << "): its projection would describe the other model; give a "
                                  "report of this model, or --project-from off");
+  auto passes = [](int k) {
+    return k == 1 ? std::string("one pass") : std::to_string(k) + " micro-batches";
+  };
+  for (const std::vector<RunResult>* list : {&in.runs, &in.compute_runs})
+    for (const RunResult& r : *list)
+      DP_CHECK(r.micro_batches == micro_batches,
+               "--project-from '" << project_from << "' holds runs of " << passes(r.micro_batches)
+                                  << " a step, and this run takes " << passes(micro_batches)
+                                  << ": its projection would use the other step's compute; give "
+                                     "a report of the same --micro-batches, or --project-from off");
 }
 
 ProjectionFrom projection_from(const std::string& project_from) {
@@ -816,7 +836,8 @@ ProjectionInput projection_input(const Header& h, const std::vector<RunResult>& 
       return in;
     case ProjectionFrom::file:
       in = read_projection_file(project_from);
-      check_projection_model(in, project_from, h.model, h.params);
+      check_projection_model(in, project_from, h.model, h.params,
+                             runs.empty() ? 1 : runs.front().micro_batches);
       return in;
     case ProjectionFrom::this_machine:
       break;
@@ -888,6 +909,7 @@ nlohmann::json run_to_json(const RunResult& r) {
       {"link_bytes", r.link_bytes},
       {"optim", r.optim},
       {"micro_batches", r.micro_batches},
+      {"micro_batches_run", r.micro_batches_run},
       {"zero", r.zero},
       {"zero_overlap", r.zero_overlap},
       {"optimizer_state_bytes", r.optimizer_state_bytes},
@@ -940,6 +962,7 @@ RunResult run_from_json(const nlohmann::json& j) {
   r.optim = j.value("optim", std::string("sgd"));
   r.zero = j.value("zero", 0);
   r.micro_batches = j.value("micro_batches", 1);
+  r.micro_batches_run = j.value("micro_batches_run", r.micro_batches);
   r.zero_overlap = j.value("zero_overlap", false);
   r.optimizer_state_bytes = j.value("optimizer_state_bytes", std::vector<int64_t>{});
   r.sync_bn_values = j.value("sync_bn_values_per_step", int64_t{0});

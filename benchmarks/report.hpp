@@ -47,9 +47,10 @@ struct RunResult {
   std::string peer_reads = "auto";  // DP: "auto" (in place where possible) or "off" (staged)
   std::vector<int64_t> link_bytes;  // DP: bytes in + out of each device per step
   std::string optim = "sgd";
-  int micro_batches = 1;                       // per device or rank and step (--micro-batches)
-  int zero = 0;                                // DDP: ZeRO stage (0 or 1)
-  bool zero_overlap = false;                   // ZeRO-1 through DDP's buckets (--zero-overlap)
+  int micro_batches = 1;      // per device or rank and step (--micro-batches)
+  int micro_batches_run = 1;  // the most a device or rank ran: no more than its chunk's rows
+  int zero = 0;               // DDP: ZeRO stage (0 or 1)
+  bool zero_overlap = false;  // ZeRO-1 through DDP's buckets (--zero-overlap)
   std::vector<int64_t> optimizer_state_bytes;  // per device (DP: device 0) or rank
   int64_t sync_bn_values = 0;       // --sync-bn: values each device or rank combines per step
   float loss_scale = 1;             // mixed precision: the loss scale after the last step
@@ -244,10 +245,11 @@ struct ProjectionInput {
 // devices, of no runs, or of runs whose figures no GPU run writes (untimed or negative phases
 // among them). dp_bench calls it before any work (validate) and again for the projection.
 ProjectionInput read_projection_file(const std::string& project_from);
-// Throws unless the file's runs trained `model` with `params` parameters: a projection of
-// another model would read as this one's.
+// Throws unless the file's runs trained `model` with `params` parameters in `micro_batches`
+// micro-batches per device or rank and step: a projection of another model, or of another
+// step's compute, would read as this one's.
 void check_projection_model(const ProjectionInput& in, const std::string& project_from,
-                            const std::string& model, int64_t params);
+                            const std::string& model, int64_t params, int micro_batches);
 // Where --project-from takes the projection's compute from: this machine's runs (the flag
 // empty), nowhere ("off": no projection, no compute runs), or a results file (its path).
 enum class ProjectionFrom { this_machine, off, file };

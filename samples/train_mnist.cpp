@@ -47,6 +47,7 @@ struct Flags {
   std::string backend = "auto";
   std::string optim;  // unset: sgd for the MLP, adamw for the convolutional models
   std::string last_batch = "pad";
+  int micro_batches = 1;   // dp/ddp/hybrid: gradient accumulation per device or rank and step
   int max_staleness = -1;  // ps: -1 unbounded
   int hybrid_procs = 0;    // hybrid: node processes started here (0: automatic)
   bool staleness_lr = false;
@@ -137,6 +138,7 @@ int main(int argc, char** argv) {
                  "parameter server)")
       ->check(CLI::IsMember({"single", "dp", "ddp", "hybrid", "ps"}));
   dp::cli::add_hybrid_procs_flag(app, f.hybrid_procs);
+  dp::cli::add_micro_batches_flag(app, f.micro_batches);
   app.add_option("--max-staleness", f.max_staleness,
                  "ps: a worker waits while this many newer updates are outstanding (-1: unbounded)")
       ->check(whole_number(-1, 1 << 20));
@@ -229,6 +231,14 @@ int main(int argc, char** argv) {
              "--mode hybrid trains without --checkpoint-dir, --resume and --sync-bn (not "
              "supported across nodes yet)");
     // Flags that would do nothing with the others given.
+    DP_CHECK(f.micro_batches == 1 || f.mode == "dp" || f.mode == "ddp" || hybrid,
+             "--micro-batches " << f.micro_batches << " with --mode " << f.mode
+                                << ": only --mode dp, ddp and hybrid accumulate gradients (one "
+                                   "device: --mode dp --gpus 1)");
+    DP_CHECK(f.micro_batches == 1 || !f.sync_bn,
+             "--micro-batches " << f.micro_batches
+                                << " with --sync-bn: SyncBatchNorm exchanges statistics at each "
+                                   "forward; give one of them");
     DP_CHECK(!f.sync_bn || ((f.mode == "dp" || f.mode == "ddp") && f.model == "resnet"),
              "--sync-bn with --mode " << f.mode << " --model " << f.model
                                       << ": it syncs BatchNorm across devices or ranks, and only "
@@ -308,7 +318,7 @@ int main(int argc, char** argv) {
       const int holders = f.mode == "single" ? 1 : f.gpus;
       dp::cli::check_run_fits(
           "train_mnist", "--batch " + std::to_string(f.batch), f.mode, type, holders,
-          (f.batch + holders - 1) / holders, [&](Device device, int64_t rows) {
+          (f.batch + holders - 1) / holders, f.micro_batches, [&](Device device, int64_t rows) {
             nn::ModulePtr m = make_model(f.model);
             m->materialize(device, f.seed);
             std::unique_ptr<nn::Optimizer> o;
@@ -389,6 +399,7 @@ int main(int argc, char** argv) {
         {"--data", dir},
         {"--last-batch", f.last_batch},
         {"--sync-bn", f.sync_bn ? "on" : "off"},
+        {"--micro-batches", std::to_string(f.micro_batches)},
         {"--resume", f.resume},
         {"--checkpoint-dir", f.checkpoint_dir.empty() ? "none" : "given"},
         {"--save-every", f.save_every ? std::to_string(*f.save_every) : "none"},
@@ -420,6 +431,7 @@ int main(int argc, char** argv) {
       dopt.precision = precision;
       dopt.math = nn::math_mode(precision);
       dopt.comm_dtype = comm_dtype;
+      dopt.micro_batches = f.micro_batches;
       dp_engine = std::make_unique<dp::DataParallel>(model, opt, devices, dopt);
       scaler = &dp_engine->scaler();
       engine.train_step = [&](const Tensor& x, const Tensor& y) {
@@ -431,6 +443,7 @@ int main(int argc, char** argv) {
     } else if (f.mode == "ddp") {
       // What every rank must agree on: wrap() verifies it before the weights are broadcast.
       ddp->set_run_config(run_config);
+      ddp->set_micro_batches(f.micro_batches);
       ddp->wrap(model, opt);
       scaler = &ddp->scaler();
       engine.train_step = [&](const Tensor& x, const Tensor& y) { return ddp->train_step(x, y); };

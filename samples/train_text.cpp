@@ -180,11 +180,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
   app.add_option("--batch", f.batch, "sequences per global batch")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
-  app.add_option("--micro-batches", f.micro_batches,
-                 "gradient accumulation: each device or rank runs its sequences of a step in this "
-                 "many micro-batches, their gradients summed before the update (one "
-                 "micro-batch's activations in memory at a time; the same --batch and curve)")
-      ->check(CLI::Range(1, 1 << 20));
+  dp::cli::add_micro_batches_flag(app, f.micro_batches);
   app.add_option("--seq", f.seq, "tokens per sequence (at most the model's context)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   app.add_option("--lr", f.lr, "AdamW learning rate")->check(dp::cli::positive_number(10));
@@ -345,8 +341,7 @@ int main(int argc, char** argv) {
       const int64_t chunk = (f.batch + devices - 1) / devices;
       dp::cli::check_run_fits(  // activations of one micro-batch at a time
           "train_text", "--batch " + std::to_string(f.batch) + " --seq " + std::to_string(f.seq),
-          f.mode, type, devices, (chunk + f.micro_batches - 1) / f.micro_batches,
-          [&](Device device, int64_t rows) {
+          f.mode, type, devices, chunk, f.micro_batches, [&](Device device, int64_t rows) {
             nn::ModulePtr m = make_model();
             m->materialize(device, f.seed);
             nn::GroupedAdamW o(*m, adamw, nn::decay_by_parameter(*m, f.weight_decay));

@@ -781,6 +781,15 @@ TEST_CASE("bench.flags: a batch whose activations do not fit the host is refused
   CHECK(text.find("give a smaller batch") != std::string::npos);
   CHECK(text.find("ms/step") == std::string::npos);  // no run happened
   CHECK(seconds < 20);
+  // In micro-batches, a device holds one micro-batch's rows: the figure says so, and more
+  // micro-batches is advice while a micro-batch holds more than one row.
+  auto [rc4, text4] = bench_output(
+      "--device cpu --model gpt --gpt-config tiny --gpus 2 --mode dp --batch 1000000 --steps 1 "
+      "--warmup 0 --micro-batches 4");
+  INFO(text4);
+  CHECK(rc4 == 1);
+  CHECK(text4.find("125000 rows (one micro-batch of a 500000-row chunk) x ") != std::string::npos);
+  CHECK(text4.find("give a smaller batch, or more --micro-batches") != std::string::npos);
 }
 
 // The same on a GPU: DP's step is measured on GPU 0 (its process holds a context anyway), and
@@ -1808,6 +1817,25 @@ TEST_CASE("bench.micro_batches: DP and DDP in micro-batches follow one pass, gra
   }
   CHECK(text.find("3 micro-batches per device and step") != std::string::npos);
   CHECK(text.find("3 micro-batches per rank and step") != std::string::npos);
+  // More micro-batches than a chunk has rows: one a row ran, and the report says so (the
+  // buffers are those of the micro-batches that run: K = 2^20 costs what 5 does).
+  const nlohmann::json many = runs_of(mlp + "--micro-batches 1048576", "many", &text);
+  const nlohmann::json five = runs_of(mlp + "--micro-batches 5", "five", nullptr);
+  REQUIRE(many.size() == one.size());
+  REQUIRE(five.size() == one.size());
+  for (size_t i = 0; i < many.size(); ++i) {
+    CAPTURE(many[i]["mode"].get<std::string>());
+    const bool two_devices = many[i]["gpus"] == 2;
+    CHECK(many[i]["micro_batches"] == 1048576);
+    CHECK(many[i]["micro_batches_run"] == (two_devices ? 5 : 10));
+    CHECK(three[i]["micro_batches_run"] == 3);
+    close(many[i]["losses"], one[i]["losses"], 1e-5);
+    if (two_devices) CHECK(many[i]["peak_mem_bytes"] == five[i]["peak_mem_bytes"]);
+  }
+  CHECK(text.find("5 micro-batches per device and step: their gradients summed before one "
+                  "reduction and update (1048576 asked: a device's chunk has at most 5 rows)") !=
+        std::string::npos);
+  CHECK(text.find("(1048576 asked: a rank's chunk has at most 5 rows)") != std::string::npos);
   // One run of `args` in one pass and in 2 micro-batches: the same losses.
   auto in_two = [&](const std::string& args, const std::string& name) {
     const nlohmann::json whole = runs_of(args + " --micro-batches 1", name + "_one", nullptr);
@@ -2229,12 +2257,22 @@ TEST_CASE("bench.projection: --project-from a GPU report of this model, refused 
   struct Case {
     std::string args, says;
   };
-  nlohmann::json untimed = j, small = j;
+  nlohmann::json untimed = j, small = j, micro = j, half = j;
   untimed["runs"][0]["phases_ms"] = nlohmann::json::object();
   small["model"] = "gpt-tiny";  // the same model, another size
   small["params"] = 5;
+  micro["runs"][0]["micro_batches"] = 3;  // another step's compute
+  micro["runs"][0]["micro_batches_run"] = 3;
+  half["runs"][0]["micro_batches"] = 2.5;
   for (const auto& [file, c] :
        {std::pair{j, Case{"--model cnn", "' holds runs of mlp ("}},
+        std::pair{micro,
+                  Case{"", "holds runs of 3 micro-batches a step, and this run takes one pass"}},
+        std::pair{j, Case{"--micro-batches 2",
+                          "holds runs of one pass a step, and this run takes 2 micro-batches"}},
+        std::pair{half, Case{"",
+                             "runs[0].micro_batches is 2.5: a dp_bench report holds a whole "
+                             "number there"}},
         std::pair{untimed, Case{"", "runs[0].phases_ms is empty: the run's phases were not timed"}},
         std::pair{small, Case{"--model gpt --gpt-config tiny",
                               "holds runs of gpt-tiny (5 parameters), and this run trains "

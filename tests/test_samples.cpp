@@ -81,6 +81,23 @@ TEST_CASE("samples.train_mnist: --mode hybrid (2 node processes x 2 devices) is 
   CHECK(hybrid["test_accuracy"] == single["test_accuracy"]);
 }
 
+TEST_CASE("samples.train_mnist: --micro-batches in DP, DDP and hybrid follow the one-pass run") {
+  if (skip_without_fashion_mnist()) return;
+  // 31 rows: DP's chunks of 16 and 15 rows in 3 micro-batches each, DDP's ranks in 2, hybrid's
+  // 2 nodes x 2 devices (8, 8, 8, 7 rows) in 4: more micro-batches than some chunks divide into.
+  const std::string common = "--device cpu --model mlp --epochs 1 --limit-batches 12 --batch 31";
+  const std::vector<double> want = train(common)["step_losses"];
+  for (const std::string& how : {std::string("--mode dp --gpus 2 --micro-batches 3"),
+                                 std::string("--mode ddp --gpus 2 --micro-batches 2"),
+                                 std::string("--mode hybrid --gpus 2 --micro-batches 4")}) {
+    CAPTURE(how);
+    const std::vector<double> got = train(common + " " + how)["step_losses"];
+    REQUIRE(got.size() == want.size());
+    for (size_t s = 0; s < want.size(); ++s)
+      CHECK(got[s] == doctest::Approx(want[s]).epsilon(1e-5));
+  }
+}
+
 TEST_CASE("samples.train_mnist: a missing data directory is a clear error, said once under DDP") {
   std::string cmd = std::string(DP_TRAIN_MNIST_PATH) + " --data /nonexistent/dir > " +
                     temp_path("err.txt") + " 2>&1";
@@ -200,6 +217,11 @@ TEST_CASE("samples.train_mnist: bad flags are refused in plain words, before any
            {"--mode dp --sync-bn", "--sync-bn with --mode dp --model mlp"},
            {"--mode ps --max-staleness 2 --sync-bn", "--sync-bn with --mode ps"},
            {"--mode dp --staleness-lr", "--staleness-lr with --mode dp"},
+           {"--micro-batches 2", "--micro-batches 2 with --mode single: only --mode dp, ddp and"},
+           {"--mode ps --micro-batches 3", "--micro-batches 3 with --mode ps"},
+           {"--mode dp --model resnet --sync-bn --micro-batches 2",
+            "--micro-batches 2 with --sync-bn"},
+           {"--micro-batches 0", "--micro-batches: 0 is out of range"},
            {"--keep 2", "--keep requires --checkpoint-dir"},
            {"--max-skip-fraction 2",
             "--max-skip-fraction: '2' is not a fraction: give a number "

@@ -189,6 +189,15 @@ void add_hybrid_procs_flag(CLI::App& app, int& procs) {
       ->check(whole_number(0, 64));
 }
 
+void add_micro_batches_flag(CLI::App& app, int& micro_batches) {
+  app.add_option("--micro-batches", micro_batches,
+                 "DP, DDP and hybrid: gradient accumulation. Each device or rank runs its chunk "
+                 "of a step as this many micro-batches, one after another, their gradients "
+                 "summed before the one reduction and update: one micro-batch's activations in "
+                 "memory at a time, the same global batch and loss curve")
+      ->check(whole_number(1, 1 << 20));
+}
+
 int hybrid_procs(int flag, int nnodes) {
   return flag > 0 ? flag : nnodes == 1 ? 2 : 1;
 }
@@ -578,19 +587,28 @@ std::unique_ptr<SlowNotice> probe_notice(const std::string& program, const std::
                                       first_rank_or_alone() ? stderr : nullptr);
 }
 
-void check_step_fits(const std::string& what, const StepMemory& m, int devices, int64_t rows,
-                     const std::string& where, const kernels::AvailableMemory& memory) {
+void check_step_fits(const std::string& what, const StepMemory& m, int devices, int64_t chunk,
+                     int micro_batches, const std::string& where,
+                     const kernels::AvailableMemory& memory) {
+  const int64_t rows = (chunk + micro_batches - 1) / micro_batches;  // one micro-batch's
   const int64_t rows_bytes =
       checked_product(rows, "rows per device", m.per_row, "bytes per row",
                       std::numeric_limits<int64_t>::max() / (2 * int64_t{devices} + 2));
+  const std::string rows_text =
+      std::to_string(rows) +
+      (micro_batches > 1 ? " rows (one micro-batch of a " + std::to_string(chunk) + "-row chunk)"
+                         : " rows");
   check_fits(what + " (" + std::to_string(devices) + " x (" + human_bytes(m.fixed) +
-                 " for the model and optimizer + " + std::to_string(rows) + " rows x " +
-                 human_bytes(m.per_row) + "), measured on a probe step)",
-             devices * (m.fixed + rows_bytes), where, memory, "give a smaller batch");
+                 " for the model and optimizer + " + rows_text + " x " + human_bytes(m.per_row) +
+                 "), measured on a probe step)",
+             devices * (m.fixed + rows_bytes), where, memory,
+             rows > 1 ? "give a smaller batch, or more --micro-batches (a device holds one "
+                        "micro-batch's activations at a time)"
+                      : "give a smaller batch");
 }
 
 void check_run_fits(const std::string& program, const std::string& what, const std::string& mode,
-                    kernels::DeviceType type, int devices, int64_t rows,
+                    kernels::DeviceType type, int devices, int64_t chunk, int micro_batches,
                     const std::function<int64_t(kernels::Device, int64_t rows)>& peak_of) {
   if (type == kernels::DeviceType::cpu) {
     const auto notice = probe_notice(program, "cpu:0");
@@ -598,7 +616,7 @@ void check_run_fits(const std::string& program, const std::string& what, const s
         measure_step_memory([&](int64_t r) { return peak_of(kernels::Device::cpu(0), r); });
     return check_step_fits(
         what + " (" + mode + " on " + std::to_string(devices) + " CPU device(s))", step, devices,
-        rows, "the host", kernels::host_memory_available());
+        chunk, micro_batches, "the host", kernels::host_memory_available());
   }
   const int physical = kernels::cuda_device_count();
   if (physical < 1) return;  // the run says why it has no GPU
@@ -609,7 +627,7 @@ void check_run_fits(const std::string& program, const std::string& what, const s
   if (!step) return;
   check_step_fits(what + " (" + mode + " on " + std::to_string(devices) + " CUDA device(s), " +
                       std::to_string(on_gpu0) + " on GPU 0)",
-                  *step, on_gpu0, rows, "GPU 0", kernels::gpu_memory(0));
+                  *step, on_gpu0, chunk, micro_batches, "GPU 0", kernels::gpu_memory(0));
 }
 
 int logical_on_gpu0(int devices, int physical) {

@@ -89,6 +89,9 @@ kernels::DType comm_dtype(const std::string& value);
 void add_activations_flag(CLI::App& app, std::string& activations);
 // --hybrid-procs K: node processes --mode hybrid starts on this machine (0: automatic).
 void add_hybrid_procs_flag(CLI::App& app, int& procs);
+// --micro-batches K in [1, 2^20]: gradient accumulation (DataParallelOptions::micro_batches,
+// DdpTrainer::set_micro_batches), one help text for every program that trains through them.
+void add_micro_batches_flag(CLI::App& app, int& micro_batches);
 // The node processes to start here: the flag's K, else 2 with one node (hybrid tried on one
 // machine) and 1 per real node.
 int hybrid_procs(int flag, int nnodes);
@@ -196,11 +199,14 @@ StepMemory measure_step_memory(const std::function<int64_t(int64_t rows)>& peak_
 // alone (first_rank_or_alone): "<program>: measuring a step's memory on <device> (probe steps of 1
 // and 2 rows) to check the run fits". Held while the probe runs.
 std::unique_ptr<SlowNotice> probe_notice(const std::string& program, const std::string& device);
-// Throws check_fits's message, naming the figures, when `devices` devices each holding
-// `rows` rows' step exceed `memory` (of `where`: "the host", "GPU 0"): "<what> (N x (fixed +
-// rows x per_row), measured on a probe step) needs at least ...".
-void check_step_fits(const std::string& what, const StepMemory& m, int devices, int64_t rows,
-                     const std::string& where, const kernels::AvailableMemory& memory);
+// Throws check_fits's message, naming the figures, when `devices` devices each holding the
+// activations of one of `micro_batches` micro-batches of a `chunk`-row chunk exceed `memory` (of
+// `where`: "the host", "GPU 0"): "<what> (N x (fixed + rows x per_row), measured on a probe step)
+// needs at least ...", the rows "R rows (one micro-batch of a C-row chunk)" under
+// accumulation, and the advice more micro-batches too while one holds more than a row.
+void check_step_fits(const std::string& what, const StepMemory& m, int devices, int64_t chunk,
+                     int micro_batches, const std::string& where,
+                     const kernels::AvailableMemory& memory);
 // The logical devices GPU 0 holds of `devices` shared round-robin by `physical` GPUs (the most
 // any GPU holds).
 int logical_on_gpu0(int devices, int physical);
@@ -210,9 +216,10 @@ int logical_on_gpu0(int devices, int physical);
 // and names it).
 std::optional<StepMemory> probe_gpu0(const std::string& program, const std::string& instead,
                                      const std::function<int64_t(int64_t rows)>& peak_of);
-// A training program's check before it trains: `devices` devices of `type`, each with `rows`
-// rows, against the memory that holds them. peak_of(device, rows) runs one step of `rows` rows
-// on a fresh one-device engine on `device` and returns the peak bytes it counts.
+// A training program's check before it trains: `devices` devices of `type`, each with a
+// `chunk`-row chunk in `micro_batches` micro-batches (check_step_fits), against the memory that
+// holds them. peak_of(device, rows) runs one step of `rows` rows on a fresh one-device engine on
+// `device` and returns the peak bytes it counts.
 // The message names "<what> (<mode> on N CPU device(s))", or "... N CUDA device(s), K on GPU 0)".
 // - CPU devices: measured on cpu:0, against the host (what a run past it meets is the OOM
 //   killer, rc 137 and no message).
@@ -222,7 +229,7 @@ std::optional<StepMemory> probe_gpu0(const std::string& program, const std::stri
 //   is said in one line on stderr under `program`'s name and the check is skipped: the run
 //   meets the same failure and names it.
 void check_run_fits(const std::string& program, const std::string& what, const std::string& mode,
-                    kernels::DeviceType type, int devices, int64_t rows,
+                    kernels::DeviceType type, int devices, int64_t chunk, int micro_batches,
                     const std::function<int64_t(kernels::Device, int64_t rows)>& peak_of);
 
 }  // namespace dp::cli

@@ -192,6 +192,7 @@ Tensor DistributedDataParallel::backward(const Tensor& dy) {
 
 Tensor DistributedDataParallel::backward_local(const Tensor& dy) {
   kernels::NvtxRange range("ddp/backward");
+  TraceScope slice(trace_, "ddp/backward", group_.rank());  // a micro-batch's, between forwards
   NoSync local(*this);
   return module_->backward(dy);
 }
