@@ -1,4 +1,5 @@
 // dp_bench: the report's formulas, and the command's JSON, trace and sweep outputs.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -1836,6 +1837,28 @@ TEST_CASE("bench.micro_batches: DP and DDP in micro-batches follow one pass, gra
                   "reduction and update (1048576 asked: a device's chunk has at most 5 rows)") !=
         std::string::npos);
   CHECK(text.find("(1048576 asked: a rank's chunk has at most 5 rows)") != std::string::npos);
+  // DDP's trace: each rank's earlier micro-batch backward is a slice of its own, between the
+  // forwards (forward, backward, forward, backward in the timed step; warm-up is not traced).
+  {
+    const std::string trace = temp_path("micro_trace.json");
+    REQUIRE(run_bench("--device cpu --gpus 2 --mode ddp --steps 1 --warmup 1 --batch 8 "
+                      "--baseline 0 --micro-batches 2 --trace " +
+                      trace) == 0);
+    std::map<std::pair<int, int>, std::vector<std::pair<double, std::string>>> slices;
+    const nlohmann::json events = read_json(trace)["traceEvents"];
+    for (auto& e : events)
+      if (e["ph"] == "X" && (e["name"] == "ddp/forward" || e["name"] == "ddp/backward"))
+        slices[{e["pid"].get<int>(), e["tid"].get<int>()}].emplace_back(
+            e["ts"].get<double>(), e["name"].get<std::string>());
+    std::remove(trace.c_str());
+    CHECK(slices.size() == 2);  // the two ranks
+    for (auto& [track, list] : slices) {
+      std::sort(list.begin(), list.end());
+      std::string order;
+      for (auto& [ts, name] : list) order += name == "ddp/forward" ? "F" : "B";
+      CHECK(order == "FBFB");
+    }
+  }
   // One run of `args` in one pass and in 2 micro-batches: the same losses.
   auto in_two = [&](const std::string& args, const std::string& name) {
     const nlohmann::json whole = runs_of(args + " --micro-batches 1", name + "_one", nullptr);
