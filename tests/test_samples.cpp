@@ -83,8 +83,9 @@ TEST_CASE("samples.train_mnist: --mode hybrid (2 node processes x 2 devices) is 
 
 TEST_CASE("samples.train_mnist: --micro-batches in DP, DDP and hybrid follow the one-pass run") {
   if (skip_without_fashion_mnist()) return;
-  // 31 rows: DP's chunks of 16 and 15 rows in 3 micro-batches each, DDP's ranks in 2, hybrid's
-  // 2 nodes x 2 devices (8, 8, 8, 7 rows) in 4: more micro-batches than some chunks divide into.
+  // 31 rows: DP's chunks of 16 and 15 rows in 3 micro-batches each (6, 5, 5 and 5, 5, 5), DDP's
+  // ranks in 2 (8, 8 and 8, 7), hybrid's 2 nodes x 2 devices (8, 8, 8, 7 rows) in 4 (the last
+  // 2, 2, 2, 1): uneven micro-batches in every mode.
   const std::string common = "--device cpu --model mlp --epochs 1 --limit-batches 12 --batch 31";
   const std::vector<double> want = train(common)["step_losses"];
   for (const std::string& how : {std::string("--mode dp --gpus 2 --micro-batches 3"),
