@@ -428,10 +428,7 @@ void validate(const Options& o, const Setup& s, const std::vector<int>& counts) 
       const int64_t chunk = (batch + world - 1) / world;
       // A device's activations: one micro-batch's (--micro-batches) at a time.
       const int64_t in_flight = (chunk + o.micro_batches - 1) / o.micro_batches;
-      const std::string rows_text = o.micro_batches > 1 ? std::to_string(in_flight) +
-                                                              " rows (one micro-batch of a " +
-                                                              std::to_string(chunk) + "-row chunk)"
-                                                        : std::to_string(chunk) + " rows";
+      const std::string rows_text = dp::cli::held_rows_text(chunk, o.micro_batches);
       // The measured step on `holders` devices of one memory, each with a chunk: their model
       // copies and activations, and the optimizer's state (DP: device 0 steps alone).
       auto check_step = [&](const std::string& head, int64_t holders, const std::string& where,
@@ -448,10 +445,7 @@ void validate(const Options& o, const Setup& s, const std::vector<int>& counts) 
                                 " of activations, measured on a probe step) + " +
                                 std::to_string(optimizer_copies) + " x " +
                                 dp::cli::human_bytes(row_cost->optimizer) + " of optimizer state)",
-                            need, where, memory,
-                            in_flight > 1 ? "give a smaller batch, or more --micro-batches (a "
-                                            "device holds one micro-batch's activations at a time)"
-                                          : "give a smaller batch");
+                            need, where, memory, dp::cli::fits_advice(in_flight));
       };
       if (s.type == DeviceType::cpu) {
         // CPU devices hold their activations in the host's memory: what a run past it meets is

@@ -6,7 +6,6 @@
 // and kernels.cuda.loss_count run them.
 #pragma once
 
-#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -52,11 +51,7 @@ inline std::vector<int32_t> labels(const Tensor& x_cpu, int32_t ignored) {
   return out;
 }
 
-inline bool same_bits(const Tensor& a, const Tensor& b) {
-  if (a.dtype() != b.dtype() || a.shape() != b.shape()) return false;
-  Tensor x = a.to(Device::cpu()), y = b.to(Device::cpu());
-  return std::memcmp(x.raw(), y.raw(), x.nbytes()) == 0;
-}
+using dp_test::same_bits;  // same dtype, shape and bytes
 
 // Runs every case on device d: the count each loss gives there against count_correct on the CPU
 // (over the kept rows: an ignored row's label is -1 there, which no argmax equals), and the loss

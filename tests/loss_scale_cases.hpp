@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -22,14 +21,10 @@ using kernels::DType;
 using kernels::Scalar;
 using kernels::Tensor;
 
-inline bool same_bits(const Tensor& a, const Tensor& b) {
-  if (a.dtype() != b.dtype() || a.shape() != b.shape()) return false;
-  Tensor x = a.to(Device::cpu()), y = b.to(Device::cpu());
-  return std::memcmp(x.raw(), y.raw(), x.nbytes()) == 0;
-}
+using dp_test::same_bits;  // same dtype, shape and bytes
 
-// One of the two losses on device d: token (ignoring the label `ignored` of every fifth row) or
-// softmax (label smoothing 0.1), its gradient in dtype `grad` times g.
+// One of the two losses over x and y: token (rows labelled `ignored` get no loss) or softmax
+// (label smoothing 0.1), its gradient, in dx's dtype, times g.
 struct Run {
   bool token;
   Tensor x, y;

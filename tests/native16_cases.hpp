@@ -61,12 +61,7 @@ inline Tensor rounded(const Tensor& f32, DType d) {
   return kernels::cast(f32, d);
 }
 
-// Same dtype, shape and bytes.
-inline bool same_bits(const Tensor& a, const Tensor& b) {
-  if (a.dtype() != b.dtype() || a.shape() != b.shape()) return false;
-  Tensor x = a.to(Device::cpu()), y = b.to(Device::cpu());
-  return std::memcmp(x.raw(), y.raw(), x.nbytes()) == 0;
-}
+using dp_test::same_bits;  // same dtype, shape and bytes
 // The same values, NaN equal to NaN (two backends may give a NaN different payloads): for
 // outputs that the f32 ops on both backends compute with exactly rounded arithmetic.
 inline bool same_values(const Tensor& a, const Tensor& b) {

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <random>
 #include <string>
@@ -81,6 +82,13 @@ inline float rel_diff(const std::vector<float>& a, const std::vector<float>& b) 
   float scale = 0.f;
   for (float v : b) scale = std::max(scale, std::fabs(v));
   return kernels::max_abs_diff(a, b) / std::max(scale, 1e-12f);
+}
+
+// Same dtype, shape and bytes (on any device: compared on the host).
+inline bool same_bits(const kernels::Tensor& a, const kernels::Tensor& b) {
+  if (a.dtype() != b.dtype() || a.shape() != b.shape()) return false;
+  kernels::Tensor x = a.to(kernels::Device::cpu()), y = b.to(kernels::Device::cpu());
+  return std::memcmp(x.raw(), y.raw(), x.nbytes()) == 0;
 }
 
 }  // namespace dp_test

@@ -587,6 +587,18 @@ std::unique_ptr<SlowNotice> probe_notice(const std::string& program, const std::
                                       first_rank_or_alone() ? stderr : nullptr);
 }
 
+std::string held_rows_text(int64_t chunk, int micro_batches) {
+  if (micro_batches <= 1) return std::to_string(chunk) + " rows";
+  return std::to_string((chunk + micro_batches - 1) / micro_batches) +
+         " rows (one micro-batch of a " + std::to_string(chunk) + "-row chunk)";
+}
+
+std::string fits_advice(int64_t rows) {
+  return rows > 1 ? "give a smaller batch, or more --micro-batches (a device holds one "
+                    "micro-batch's activations at a time)"
+                  : "give a smaller batch";
+}
+
 void check_step_fits(const std::string& what, const StepMemory& m, int devices, int64_t chunk,
                      int micro_batches, const std::string& where,
                      const kernels::AvailableMemory& memory) {
@@ -594,17 +606,10 @@ void check_step_fits(const std::string& what, const StepMemory& m, int devices, 
   const int64_t rows_bytes =
       checked_product(rows, "rows per device", m.per_row, "bytes per row",
                       std::numeric_limits<int64_t>::max() / (2 * int64_t{devices} + 2));
-  const std::string rows_text =
-      std::to_string(rows) +
-      (micro_batches > 1 ? " rows (one micro-batch of a " + std::to_string(chunk) + "-row chunk)"
-                         : " rows");
   check_fits(what + " (" + std::to_string(devices) + " x (" + human_bytes(m.fixed) +
-                 " for the model and optimizer + " + rows_text + " x " + human_bytes(m.per_row) +
-                 "), measured on a probe step)",
-             devices * (m.fixed + rows_bytes), where, memory,
-             rows > 1 ? "give a smaller batch, or more --micro-batches (a device holds one "
-                        "micro-batch's activations at a time)"
-                      : "give a smaller batch");
+                 " for the model and optimizer + " + held_rows_text(chunk, micro_batches) + " x " +
+                 human_bytes(m.per_row) + "), measured on a probe step)",
+             devices * (m.fixed + rows_bytes), where, memory, fits_advice(rows));
 }
 
 void check_run_fits(const std::string& program, const std::string& what, const std::string& mode,

@@ -199,6 +199,12 @@ StepMemory measure_step_memory(const std::function<int64_t(int64_t rows)>& peak_
 // alone (first_rank_or_alone): "<program>: measuring a step's memory on <device> (probe steps of 1
 // and 2 rows) to check the run fits". Held while the probe runs.
 std::unique_ptr<SlowNotice> probe_notice(const std::string& program, const std::string& device);
+// The rows a device holds of a `chunk`-row chunk run in `micro_batches` micro-batches, as the
+// memory checks say them: "C rows", or "R rows (one micro-batch of a C-row chunk)".
+std::string held_rows_text(int64_t chunk, int micro_batches);
+// The memory checks' advice: a smaller batch, and more micro-batches while one holds more than
+// a row (`rows`, as held_rows_text counts them).
+std::string fits_advice(int64_t rows);
 // Throws check_fits's message, naming the figures, when `devices` devices each holding the
 // activations of one of `micro_batches` micro-batches of a `chunk`-row chunk exceed `memory` (of
 // `where`: "the host", "GPU 0"): "<what> (N x (fixed + rows x per_row), measured on a probe step)
