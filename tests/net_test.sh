@@ -65,7 +65,7 @@ two_nodes() {
   local rc0=$? rc1=0
   wait $pid1 || rc1=$?
   [ $rc0 -eq 0 ] && [ $rc1 -eq 0 ] ||
-    fail "node 0 exited $rc0, node 1 exited $rc1: $(tail -5 "$work/node0.txt" "$work/node1.txt")"
+    fail "node 0 exited $rc0, node 1 exited $rc1: $(tail -n 5 "$work/node0.txt" "$work/node1.txt")"
 }
 
 case $case_name in
@@ -114,9 +114,9 @@ c, _ = s.accept(); c.sendall(c.recv(5))" &
   ddp_gloo)
     "$CLUSTER" up 2 --rate 1gbit --prefix "$prefix" > /dev/null || fail "up 2"
     "$DP_BENCH" "${bench_args[@]}" "${short[@]}" --mode ddp --gpus 2 --json "$work/one_node.json" > "$work/ref.txt" 2>&1 ||
-      fail "2 ranks on one node: $(tail -5 "$work/ref.txt")"
+      fail "2 ranks on one node: $(tail -n 5 "$work/ref.txt")"
     "$DP_BENCH" "${bench_args[@]}" "${short[@]}" --mode dp --gpus 1 --json "$work/one_device.json" > "$work/ref.txt" 2>&1 ||
-      fail "1 device: $(tail -5 "$work/ref.txt")"
+      fail "1 device: $(tail -n 5 "$work/ref.txt")"
     losses "$work/one_node.json" > "$work/one_node.txt"
     losses "$work/one_device.json" > "$work/one_device.txt"
     # The interface named (DP_SOCKET_IFNAME, GLOO_SOCKET_IFNAME), then none: the address this
@@ -138,7 +138,7 @@ c, _ = s.accept(); c.sendall(c.recv(5))" &
     "$CLUSTER" up 2 --rate 1gbit --prefix "$prefix" > /dev/null || fail "up 2"
     bench_args=(--device cpu --baseline 0 --warmup 0 --batch 23)
     "$DP_BENCH" "${bench_args[@]}" "${short[@]}" --mode dp --gpus 1 --json "$work/one_device.json" > "$work/ref.txt" 2>&1 ||
-      fail "1 device: $(tail -5 "$work/ref.txt")"
+      fail "1 device: $(tail -n 5 "$work/ref.txt")"
     losses "$work/one_device.json" > "$work/one_device.txt"
     mode_args=(--mode hybrid --gpus 2)
     two_nodes "$work/nodes.json" DP_SOCKET_IFNAME=eth0
@@ -152,7 +152,7 @@ c, _ = s.accept(); c.sendall(c.recv(5))" &
     [ -n "${MPIRUN:-}" ] || skip "this build has no MPI (install libopenmpi-dev, openmpi-bin)"
     "$CLUSTER" up 2 --rate 1gbit --prefix "$prefix" > /dev/null || fail "up 2"
     "$DP_BENCH" "${bench_args[@]}" "${short[@]}" --mode ddp --gpus 2 --json "$work/one_node.json" > "$work/ref.txt" 2>&1 ||
-      fail "2 ranks on one node: $(tail -5 "$work/ref.txt")"
+      fail "2 ranks on one node: $(tail -n 5 "$work/ref.txt")"
     losses "$work/one_node.json" > "$work/one_node.txt"
     printf '%s slots=1\n' "$("$CLUSTER" addr 0 --prefix "$prefix")" \
       "$("$CLUSTER" addr 1 --prefix "$prefix")" > "$work/hosts"
@@ -164,7 +164,7 @@ c, _ = s.accept(); c.sendall(c.recv(5))" &
       --mca plm_rsh_agent "$CLUSTER rsh --prefix $prefix" --mca btl self,tcp \
       --mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 \
       "$DP_BENCH" "${bench_args[@]}" "${short[@]}" --mode ddp --backend mpi --json "$work/mpi.json" \
-      > "$work/mpi.txt" 2>&1 || fail "mpirun: $(tail -20 "$work/mpi.txt")"
+      > "$work/mpi.txt" 2>&1 || fail "mpirun: $(tail -n 20 "$work/mpi.txt")"
     grep -q "10.29.0.2" "$work/mpi.txt" || fail "no rank on node 1: $(head -20 "$work/mpi.txt")"
     losses "$work/mpi.json" > "$work/mpi_losses.txt"
     [ "$(wc -l < "$work/mpi_losses.txt")" -eq 4 ] || fail "losses: $(cat "$work/mpi_losses.txt")"
@@ -176,7 +176,7 @@ c, _ = s.accept(); c.sendall(c.recv(5))" &
     steps=(--optim adamw --steps 300 --save-every 10)
     "$DP_BENCH" "${bench_args[@]}" "${steps[@]}" --mode ddp --gpus 2 --checkpoint-dir "$work/whole" \
       --json "$work/whole.json" \
-      > "$work/whole.txt" 2>&1 || fail "the uninterrupted run: $(tail -5 "$work/whole.txt")"
+      > "$work/whole.txt" 2>&1 || fail "the uninterrupted run: $(tail -n 5 "$work/whole.txt")"
     "$CLUSTER" up 2 --rate 1gbit --prefix "$prefix" > /dev/null || fail "up 2"
     master=$("$CLUSTER" addr 0 --prefix "$prefix")
     pids=()
@@ -202,10 +202,10 @@ c, _ = s.accept(); c.sendall(c.recv(5))" &
     wait "${pids[0]}" || rc0=$?
     wait "${pids[1]}" || rc1=$?
     [ $rc0 -eq 0 ] && [ $rc1 -eq 0 ] ||
-      fail "node 0 exited $rc0, node 1 $rc1: $(tail -8 "$work/node0.txt" "$work/node1.txt")"
+      fail "node 0 exited $rc0, node 1 $rc1: $(tail -n 8 "$work/node0.txt" "$work/node1.txt")"
     for i in 0 1; do
       grep -q "launch_workers: restart 1 of 1 after rank 1 (node 1) was killed by signal 9" \
-        "$work/node$i.txt" || fail "node $i did not restart: $(tail -8 "$work/node$i.txt")"
+        "$work/node$i.txt" || fail "node $i did not restart: $(tail -n 8 "$work/node$i.txt")"
     done
     # The second attempt went on from a checkpoint: it ran fewer steps than the whole run, and
     # its losses are the whole run's last ones.
@@ -226,35 +226,41 @@ c, _ = s.accept(); c.sendall(c.recv(5))" &
   partition)
     # Node 1's link goes down mid-run (a network partition: no reset reaches either side). Each
     # node's launcher sees it from the heartbeats within about DP_HEARTBEAT_TIMEOUT (5 s), names
-    # it and stops its workers, instead of waiting out the collective timeout (300 s).
+    # it and stops its workers, instead of waiting out the collective timeout (300 s). DDP is cut
+    # after step 10, and after step 1 (ddp-first: a cut before a launcher's first look at the
+    # store went unseen until the ranks waited for that look), hybrid after 4 s.
     "$CLUSTER" up 2 --rate 1gbit --prefix "$prefix" > /dev/null || fail "up 2"
     master=$("$CLUSTER" addr 0 --prefix "$prefix")
-    for mode in ddp hybrid; do
+    for run in ddp ddp-first hybrid; do
       rm -rf "$work/ck"
+      mode=${run%-first}
       gpus=1
       [ "$mode" = hybrid ] && gpus=2
+      cut_after=10
+      [ "$run" = ddp-first ] && cut_after=1
       pids=()
       for i in 1 0; do
         # Only node 0 saves (rank 0): its checkpoints prove the nodes train together.
         extra=()
-        [ "$mode" = ddp ] && extra=(--checkpoint-dir "$work/ck" --save-every 5)
+        [ "$mode" = ddp ] && extra=(--checkpoint-dir "$work/ck" --save-every "$cut_after")
         node $i timeout 50 "$DP_BENCH" "${bench_args[@]}" --steps 100000 --mode $mode --gpus $gpus \
           --nnodes 2 --node-rank $i --master-addr "$master" --master-port 29500 "${extra[@]}" \
-          > "$work/node$i.txt" 2>&1 &
+          > "$work/$run-node$i.txt" 2>&1 &
         pids[i]=$!
       done
       if [ "$mode" = ddp ]; then
+        first=$(printf '%s/ck/step_%08d.safetensors' "$work" "$cut_after")
         for _ in $(seq 300); do
-          [ -e "$work/ck/step_00000010.safetensors" ] && break
+          [ -e "$first" ] && break
           sleep 0.05
         done
-        [ -e "$work/ck/step_00000010.safetensors" ] ||
-          fail "$mode: no checkpoint of step 10 in 15 s: $(tail -3 "$work/node0.txt")"
+        [ -e "$first" ] ||
+          fail "$run: no checkpoint of step $cut_after in 15 s: $(tail -n 3 "$work/$run-node0.txt")"
       else
         sleep 4  # hybrid saves nothing: time to rendezvous and train a few steps
       fi
       kill -0 "${pids[0]}" 2> /dev/null && kill -0 "${pids[1]}" 2> /dev/null ||
-        fail "$mode: a node ended before the cut: $(tail -3 "$work/node0.txt" "$work/node1.txt")"
+        fail "$run: a node ended before the cut: $(tail -n 3 "$work/$run-node0.txt" "$work/$run-node1.txt")"
       cut=$(date +%s)
       ip -n "$prefix-n1" link set eth0 down
       rc0=0 rc1=0
@@ -262,18 +268,18 @@ c, _ = s.accept(); c.sendall(c.recv(5))" &
       wait "${pids[1]}" || rc1=$?
       took=$(($(date +%s) - cut))
       [ $rc0 -eq 1 ] && [ $rc1 -eq 1 ] ||
-        fail "$mode: node 0 exited $rc0, node 1 $rc1 (want 1 and 1; 124 is timeout's):" \
-          "$(tail -3 "$work/node0.txt" "$work/node1.txt")"
-      [ "$took" -le 20 ] || fail "$mode: the nodes took $took s to stop after the cut"
+        fail "$run: node 0 exited $rc0, node 1 $rc1 (want 1 and 1; 124 is timeout's):" \
+          "$(tail -n 3 "$work/$run-node0.txt" "$work/$run-node1.txt")"
+      [ "$took" -le 20 ] || fail "$run: the nodes took $took s to stop after the cut"
       grep -q "launch_workers: rank 1 (node 1) sent no heartbeat for [0-9.]* s: node 1 died, froze, or is cut off from this node (a network partition)" \
-        "$work/node0.txt" || fail "$mode: node 0 did not name node 1: $(tail -3 "$work/node0.txt")"
+        "$work/$run-node0.txt" || fail "$run: node 0 did not name node 1: $(tail -n 3 "$work/$run-node0.txt")"
       grep -q "launch_workers: the store on rank 0 (node 0, $master:29500) stopped answering for [0-9.]* s: node 0 died, froze, or is cut off from this node (a network partition)" \
-        "$work/node1.txt" || fail "$mode: node 1 did not name node 0: $(tail -3 "$work/node1.txt")"
+        "$work/$run-node1.txt" || fail "$run: node 1 did not name node 0: $(tail -n 3 "$work/$run-node1.txt")"
       for i in 0 1; do
-        [ -z "$(ip netns pids "$prefix-n$i")" ] || fail "$mode: processes left on node $i"
+        [ -z "$(ip netns pids "$prefix-n$i")" ] || fail "$run: processes left on node $i"
       done
       ip -n "$prefix-n1" link set eth0 up
-      echo "net.partition: $mode: both nodes named the partition and stopped in $took s"
+      echo "net.partition: $run: both nodes named the partition and stopped in $took s"
     done
     ;;
   *) fail "unknown case '$case_name'" ;;

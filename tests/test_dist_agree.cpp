@@ -87,7 +87,8 @@ struct HandRank {
       for (const char* name :
            {"RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "LOCAL_WORLD_SIZE=", "MASTER_ADDR=",
             "MASTER_PORT=", "DP_TIMEOUT=", "DP_JOB_TOKEN=", "DP_JOB_ID=", "TORCHELASTIC_RUN_ID=",
-            "SLURM_JOB_ID=", "PMIX_NAMESPACE=", "OMPI_COMM_WORLD_SIZE=", "DP_HEARTBEAT_MS="})
+            "SLURM_JOB_ID=", "PMIX_NAMESPACE=", "OMPI_COMM_WORLD_SIZE=", "DP_HEARTBEAT_MS=",
+            "DP_HEARTBEAT_WATCH="})
         if (entry.rfind(name, 0) == 0) drop = true;
       if (!drop) env.push_back(entry);
     }

@@ -1,4 +1,5 @@
 // Init methods (env://, tcp://, file://) and the launcher's environment parsing.
+#include "dp/distributed/heartbeat.hpp"
 #include "dp/distributed/launcher.hpp"
 #include "dp/distributed/rendezvous.hpp"
 #include "tests/test_dist_util.hpp"
@@ -373,6 +374,68 @@ TEST_CASE("dist.rendezvous: a rank that never joins is named when DP_TIMEOUT run
   for (const std::string& e : join_partial({0}, 2, "0"))
     CHECK_MESSAGE(e.find("DP_TIMEOUT=0 s is not in [0.001, 604800] seconds") != std::string::npos,
                   e);
+}
+
+namespace {
+
+// Joins 2 ranks of a tcp:// job on `port` as launch_workers' ranks (DP_HEARTBEAT_MS and
+// DP_HEARTBEAT_WATCH=0), each on a thread: each one's error ("" when it joined) and group.
+struct Joined {
+  std::vector<std::string> errors = std::vector<std::string>(2);
+  std::vector<std::unique_ptr<ProcessGroup>> groups = std::vector<std::unique_ptr<ProcessGroup>>(2);
+  ~Joined() {  // rank 1 first: rank 0 hosts the store its heartbeat's last write goes to
+    groups[1].reset();
+    groups[0].reset();
+  }
+};
+void join_watched(Joined& out, int port, const std::string& timeout_s) {
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r)
+    threads.emplace_back([&, r] {
+      out.errors[r] = error_of([&] {
+        InitOptions o;
+        o.backend = Backend::gloo;
+        o.init_method = "tcp://127.0.0.1:" + std::to_string(port);
+        o.rank = r;
+        o.world_size = 2;
+        o.env = map_env(
+            {{"DP_TIMEOUT", timeout_s}, {"DP_HEARTBEAT_MS", "20"}, {"DP_HEARTBEAT_WATCH", "0"}});
+        out.groups[r] = init_process_group(o);
+      });
+    });
+  for (auto& t : threads) t.join();
+}
+
+}  // namespace
+
+// A partition in a job's first second was left to the collective timeout when a launcher's watch
+// had not yet seen the store answer or a rank beat (net.partition, under load): a launched rank
+// now waits for its launcher's first look at every rank before it trains.
+TEST_CASE("dist.rendezvous: launched ranks wait for their launcher's watch to see every rank") {
+  SUBCASE("no watch: both ranks say so when the timeout runs out") {
+    Joined j;
+    join_watched(j, find_free_port(), "1");
+    for (const std::string& e : j.errors) {
+      CHECK_MESSAGE(e.find("the launcher of node 0 did not see every rank's heartbeat on "
+                           "tcp://127.0.0.1:") != std::string::npos,
+                    e);
+      CHECK_MESSAGE(e.find("within 1 s, though every rank joined") != std::string::npos, e);
+    }
+  }
+  SUBCASE("a watch started before the ranks: they join once it saw them, and it can judge") {
+    const int port = find_free_port();
+    HeartbeatWatch watch("127.0.0.1", port, "", {0, 1}, 1s, heartbeat_watch_key(0));
+    Joined j;
+    join_watched(j, port, "20");
+    for (const std::string& e : j.errors) CHECK_MESSAGE(e.empty(), e);
+    // The moment they joined, with no wait: the watch has had an answer from the store and seen
+    // rank 0 beat, so a store silent for longer than 0 ms is named as rank 0's (it names none
+    // before its first answer, or before rank 0's first beat: the partition that went unseen).
+    std::optional<SilentRank> s = watch.silent(0ms);
+    REQUIRE(s.has_value());
+    CHECK(s->rank == 0);
+    CHECK(s->store_down);
+  }
 }
 
 TEST_CASE("dist.rendezvous: job tokens come from DP_JOB_TOKEN, else a launcher's job id") {

@@ -1,5 +1,7 @@
 #include "dp/distributed/heartbeat.hpp"
 
+#include <algorithm>
+
 #include "dp/distributed/store.hpp"
 #include "kernels/runtime/error.hpp"
 
@@ -7,6 +9,10 @@ namespace dp::dist {
 
 std::string heartbeat_key(int rank) {
   return "dp/heartbeat/" + std::to_string(rank);
+}
+
+std::string heartbeat_watch_key(int node_rank) {
+  return "dp/heartbeat_watch/" + std::to_string(node_rank);
 }
 
 // ---- Periodic -------------------------------------------------------------------------------
@@ -61,14 +67,22 @@ Heartbeat::~Heartbeat() {
 // ---- HeartbeatWatch -------------------------------------------------------------------------
 
 HeartbeatWatch::HeartbeatWatch(std::string host, int port, std::string job_token,
-                               std::vector<int> ranks, std::chrono::milliseconds interval)
+                               std::vector<int> ranks, std::chrono::milliseconds interval,
+                               std::string ready_key)
     : host_(std::move(host)),
       port_(port),
       token_(std::move(job_token)),
       ranks_(std::move(ranks)),
-      interval_(interval) {
-  thread_ = std::make_unique<Periodic>(interval_, [this] {
+      interval_(interval),
+      ready_key_(std::move(ready_key)) {
+  // A poll every interval. Until every rank was seen, each tick in between asks the store
+  // once whether every rank's key is there, and polls at once when they are.
+  thread_ = std::make_unique<Periodic>(std::min(interval_, kFirstLookTick), [this] {
+    const auto now = HeartbeatClock::now();
+    if (announced_ && now < next_poll_) return;
     try {
+      if (now < next_poll_ && !every_rank_beat()) return;
+      next_poll_ = now + interval_;
       poll();
     } catch (const std::exception&) {
       store_.reset();  // not up yet, or gone: reconnect on the next round
@@ -80,23 +94,43 @@ HeartbeatWatch::~HeartbeatWatch() {
   thread_.reset();
 }
 
-void HeartbeatWatch::poll() {
+void HeartbeatWatch::connect() {
   // Each request waits at most two intervals, so that the thread stops soon when asked.
   if (!store_)
     store_ = std::make_unique<TcpStore>(host_, port_, StoreRole::client, 2 * interval_,
                                         JobIdentity{token_, -1});
+}
+
+bool HeartbeatWatch::every_rank_beat() {
+  connect();
+  std::vector<std::string> keys;
+  for (int r : ranks_) keys.push_back(heartbeat_key(r));
+  return store_->check(keys);
+}
+
+void HeartbeatWatch::poll() {
+  connect();
   std::vector<std::pair<int, std::string>> values;
   for (int r : ranks_) {
     const std::string key = heartbeat_key(r);
     if (store_->check({key})) values.emplace_back(r, store_->get_string(key));
   }
   auto now = HeartbeatClock::now();
-  std::lock_guard<std::mutex> lock(mu_);
-  for (auto& [r, v] : values) {
-    auto it = seen_.find(r);
-    if (it == seen_.end() || it->second.value != v) seen_[r] = {v, now, v == "done"};
+  bool all_seen;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [r, v] : values) {
+      auto it = seen_.find(r);
+      if (it == seen_.end() || it->second.value != v) seen_[r] = {v, now, v == "done"};
+    }
+    ok_ = now;
+    all_seen = seen_.size() == ranks_.size();
   }
-  ok_ = now;
+  if (all_seen && !announced_) {
+    // The launched ranks wait for this before they train (init_process_group).
+    if (!ready_key_.empty()) store_->set_string(ready_key_, "1");
+    announced_ = true;
+  }
 }
 
 std::optional<SilentRank> HeartbeatWatch::silent(std::chrono::milliseconds timeout) const {

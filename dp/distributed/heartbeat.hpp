@@ -64,6 +64,13 @@ class Heartbeat {
   std::unique_ptr<Periodic> thread_;
 };
 
+// The key the launcher of node `node_rank` sets once its watch has seen every rank of the job
+// beat (HeartbeatWatch's ready_key). A launched worker (DP_HEARTBEAT_WATCH=<node_rank>) waits for
+// it before its rendezvous ends, so that no rank trains before each node's launcher can judge
+// every rank's silence and the store's: a network partition in a job's first second is named
+// as one later is, not left to the collective timeout.
+std::string heartbeat_watch_key(int node_rank);
+
 // A rank that fell silent, and for how long (as of the watcher's latest look at the store).
 struct SilentRank {
   int rank = -1;
@@ -72,11 +79,15 @@ struct SilentRank {
 };
 
 // Polls the heartbeat keys of `ranks` on the TCP store at host:port every `interval`, from a
-// thread of its own. A rank is judged only after its first beat and until it wrote "done".
+// thread of its own. Until it has seen each of them beat, it also asks every kFirstLookTick
+// (one request) whether they all have; it then polls at once and sets `ready_key` (when not
+// empty) on the store. A rank is judged only after its first beat and until it wrote "done";
+// the store, only after it answered once.
 class HeartbeatWatch {
  public:
+  static constexpr std::chrono::milliseconds kFirstLookTick{50};
   HeartbeatWatch(std::string host, int port, std::string job_token, std::vector<int> ranks,
-                 std::chrono::milliseconds interval);
+                 std::chrono::milliseconds interval, std::string ready_key = "");
   ~HeartbeatWatch();  // stops the thread
   HeartbeatWatch(const HeartbeatWatch&) = delete;
   HeartbeatWatch& operator=(const HeartbeatWatch&) = delete;
@@ -91,14 +102,20 @@ class HeartbeatWatch {
     HeartbeatClock::time_point changed;
     bool done = false;
   };
-  void poll();
+  void connect();          // store_, made when there is none
+  bool every_rank_beat();  // whether each watched rank's key is on the store (one request)
+  void poll();             // every key's value, and ready_key once each rank beat
 
   std::string host_;
   int port_;
   std::string token_;
   std::vector<int> ranks_;
   std::chrono::milliseconds interval_;
-  std::unique_ptr<TcpStore> store_;  // used by the thread only
+  std::string ready_key_;
+  // Used by the thread only: the connection, whether ready_key is set, the next poll's time.
+  std::unique_ptr<TcpStore> store_;
+  bool announced_ = false;
+  HeartbeatClock::time_point next_poll_;
   mutable std::mutex mu_;
   std::map<int, Seen> seen_;                      // ranks that beat at least once
   std::optional<HeartbeatClock::time_point> ok_;  // last complete poll

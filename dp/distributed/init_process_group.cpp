@@ -223,6 +223,19 @@ void wait_for_all_ranks(Store& group, int rank, int size, std::chrono::milliseco
   }
 }
 
+// Waits until the launcher of node `node` (launch_workers, which set DP_HEARTBEAT_WATCH) has
+// seen every rank of the job beat: from then on it judges each one's silence and the store's.
+void wait_for_watch(Store& store, int node, int rank, std::chrono::milliseconds timeout) {
+  try {
+    store.wait({heartbeat_watch_key(node)}, timeout);
+  } catch (const kernels::Error& e) {
+    DP_THROW("rank " << rank << ": the launcher of node " << node << " did not see every rank's "
+                     << "heartbeat on " << store.describe() << " within " << seconds_text(timeout)
+                     << ", though every rank joined (can that node's launcher reach MASTER_ADDR? "
+                     << "set the timeout with --timeout or DP_TIMEOUT=seconds): " << e.what());
+  }
+}
+
 std::string this_host_name() {
   char host[256] = {0};
   if (gethostname(host, sizeof(host) - 1) != 0 || host[0] == '\0') return "127.0.0.1";
@@ -259,6 +272,7 @@ std::unique_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
   int rank = o.rank, size = o.world_size;
   std::string master_host;
   std::shared_ptr<Heartbeat> heartbeat;
+  std::optional<int> watching_node;  // the node whose launcher watches this rank's heartbeat
   if (store) {
     DP_CHECK(size >= 1 && rank >= 0 && rank < size,
              "init_process_group with a store needs rank in [0, world_size): got rank "
@@ -277,6 +291,7 @@ std::unique_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
                                      JobIdentity{spec.job_token, spec.rank});
       heartbeat =
           std::make_shared<Heartbeat>(connection, store, rank, std::chrono::milliseconds(*beat_ms));
+      watching_node = env_int(env, "DP_HEARTBEAT_WATCH", 0, size - 1);
     }
   }
   auto group = std::make_shared<PrefixStore>("dp/" + o.group_name, store);
@@ -293,6 +308,7 @@ std::unique_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
                                  timeouts.ops);
   else
     pg = make_gloo_group(o, timeouts, env, group, rank, size, master_host);
+  if (watching_node) wait_for_watch(*store, *watching_node, rank, timeouts.rendezvous);
   // Every rank has finished its rendezvous reads before any returns: rank 0 hosts the store
   // and may exit as soon as it is done, which would strand a rank still reading addresses.
   group->set_string("joined/" + std::to_string(rank), "1");
