@@ -71,14 +71,18 @@ inline kernels::MathMode math_mode(Precision p) {
 }
 
 // The dtype a model hands its output to `loss` in (Module::set_output), as the engines set it:
-// under bf16, the activation dtype when the loss takes 16-bit predictions (the cross-entropies:
-// no f32 copy of the logits or of their gradient, the gradient rounded to bf16 once, as
-// PyTorch's autocast hands the LM head's backward a bf16 gradient); f32 otherwise. fp16 keeps
-// f32: a loss that scales its gradient after rounding it (Loss::compute_scaled's default) would
-// already have rounded to zero every fp16 value below fp16's smallest step (2^-24), the values
-// the scale exists to keep. Only matters under 16-bit activations (Activations::compute).
+// the activation dtype when the loss takes 16-bit predictions (the cross-entropies: no f32 copy
+// of the logits or of their gradient, the gradient rounded to 16 bits once, as PyTorch's
+// autocast hands the LM head's backward a 16-bit gradient); f32 otherwise. Under fp16 the loss
+// must also multiply its gradient by the loss scale before that rounding
+// (Loss::scales_before_rounding, the cross-entropies' kernels): a loss that scales after it
+// (compute_scaled's default) would already have rounded to zero every fp16 value below fp16's
+// smallest step (2^-24), the values the scale exists to keep, and keeps f32. Only matters under
+// 16-bit activations (Activations::compute).
 inline Output output_for(Precision p, const Loss& loss) {
-  return p == Precision::bf16 && loss.takes_16bit_pred() ? Output::activations : Output::f32;
+  if (!loss.takes_16bit_pred()) return Output::f32;
+  if (p == Precision::bf16) return Output::activations;
+  return p == Precision::fp16 && loss.scales_before_rounding() ? Output::activations : Output::f32;
 }
 
 // The loss scale never goes below 2^-24 (about 6e-8). Backing off past it cannot help: fp16's

@@ -65,6 +65,11 @@ class Loss {
   // activations can hand its output over without an f32 copy (Module::set_output). A loss
   // that only reads f32 keeps the default: the engines then give it f32.
   virtual bool takes_16bit_pred() const { return false; }
+  // Whether compute_scaled multiplies a 16-bit dpred by grad_scale before its one rounding (an
+  // override as the cross-entropies' is): only such a loss is handed fp16 predictions under
+  // fp16 (nn::output_for), since the default's second pass would scale values that the
+  // rounding to fp16 already flushed to zero. bf16, with f32's range, needs no such care.
+  virtual bool scales_before_rounding() const { return false; }
   // Whether compute may be given dpred = pred (the gradient written over the prediction): the
   // engines then keep no second buffer the size of the model's output (a GPT's (B, T, V)
   // logits). A loss that reads pred after writing dpred keeps the default.
@@ -109,6 +114,7 @@ class CrossEntropyLoss : public Loss {
 
   std::string name() const override { return "cross_entropy"; }
   bool takes_16bit_pred() const override { return true; }
+  bool scales_before_rounding() const override { return true; }
   bool grad_in_place() const override { return true; }
   void check_target(const Tensor& target) const override {
     DP_CHECK(target.ndim() == 1 && target.dtype() == DType::i32,
@@ -192,6 +198,7 @@ class TokenCrossEntropyLoss : public Loss {
 
   std::string name() const override { return "token_cross_entropy"; }
   bool takes_16bit_pred() const override { return true; }
+  bool scales_before_rounding() const override { return true; }
   bool grad_in_place() const override { return true; }
   void check_target(const Tensor& target) const override {
     DP_CHECK(target.ndim() == 2 && target.dtype() == DType::i32,
