@@ -4,7 +4,7 @@
 set(DP_NET_ENV "CLUSTER=${PROJECT_SOURCE_DIR}/scripts/cluster.sh")
 set(DP_NET_CASES cluster_up_down)
 if(TARGET dp_bench)
-  list(APPEND DP_NET_CASES ddp_gloo hybrid restart partition)
+  list(APPEND DP_NET_CASES ddp_gloo hybrid restart partition stopped)
   list(APPEND DP_NET_ENV "DP_BENCH=$<TARGET_FILE:dp_bench>")
   list(APPEND DP_NET_CASES ddp_mpi)  # skips without MPI
   if(DP_HAVE_MPI)
@@ -13,9 +13,10 @@ if(TARGET dp_bench)
 endif()
 foreach(c ${DP_NET_CASES})
   add_test(NAME "net.${c}" COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/net_test.sh ${c})
-  # partition cuts 3 runs, each named about 5 s after its cut: 16-37 s here, idle to loaded.
+  # partition cuts 4 runs and stopped stops 2, each named about 5 s after (partition: 16-37 s
+  # here, idle to loaded, before its fourth run).
   set(timeout 60)
-  if(c STREQUAL "partition")
+  if(c STREQUAL "partition" OR c STREQUAL "stopped")
     set(timeout 120)
   endif()
   set_tests_properties("net.${c}" PROPERTIES TIMEOUT ${timeout} SKIP_RETURN_CODE 77

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # net: jobs across network namespaces made by scripts/cluster.sh (each node its own address,
 # a rate-limited link through a bridge). One case per run:
-#   net_test.sh cluster_up_down | ddp_gloo | hybrid | ddp_mpi | restart | partition
+#   net_test.sh cluster_up_down | ddp_gloo | hybrid | ddp_mpi | restart | partition | stopped
 # Paths come from the environment (tests/net.cmake): CLUSTER (scripts/cluster.sh), DP_BENCH,
 # MPIRUN (empty without MPI). Exits 77 (ctest: skipped), saying why, when not root or without
 # ip netns. Every cluster has a prefix of its own (the case and this PID) and is removed on exit.
 set -uo pipefail
 
-case_name=${1:?give a case: cluster_up_down, ddp_gloo, hybrid, ddp_mpi, restart or partition}
+case_name=${1:?give a case: cluster_up_down, ddp_gloo, hybrid, ddp_mpi, restart, partition or stopped}
 skip() {
   echo "net.$case_name: SKIPPED: $*"
   exit 77
@@ -228,12 +228,14 @@ c, _ = s.accept(); c.sendall(c.recv(5))" &
     # node's launcher sees it from the heartbeats within about DP_HEARTBEAT_TIMEOUT (5 s), names
     # it and stops its workers, instead of waiting out the collective timeout (300 s). DDP is cut
     # after step 10, and after step 1 (ddp-first: a cut before a launcher's first look at the
-    # store went unseen until the ranks waited for that look), hybrid after 4 s.
+    # store went unseen until the ranks waited for that look), hybrid after 4 s. ddp-restarts
+    # (--max-restarts 1) must not restart: node 0 waits for node 1's end only as long as a node
+    # still reachable would take to publish it (it waited the launchers' 60 s).
     "$CLUSTER" up 2 --rate 1gbit --prefix "$prefix" > /dev/null || fail "up 2"
     master=$("$CLUSTER" addr 0 --prefix "$prefix")
-    for run in ddp ddp-first hybrid; do
+    for run in ddp ddp-first hybrid ddp-restarts; do
       rm -rf "$work/ck"
-      mode=${run%-first}
+      mode=${run%-*}
       gpus=1
       [ "$mode" = hybrid ] && gpus=2
       cut_after=10
@@ -243,6 +245,7 @@ c, _ = s.accept(); c.sendall(c.recv(5))" &
         # Only node 0 saves (rank 0): its checkpoints prove the nodes train together.
         extra=()
         [ "$mode" = ddp ] && extra=(--checkpoint-dir "$work/ck" --save-every "$cut_after")
+        [ "$run" = ddp-restarts ] && extra+=(--max-restarts 1)
         node $i timeout 50 "$DP_BENCH" "${bench_args[@]}" --steps 100000 --mode $mode --gpus $gpus \
           --nnodes 2 --node-rank $i --master-addr "$master" --master-port 29500 "${extra[@]}" \
           > "$work/$run-node$i.txt" 2>&1 &
@@ -270,7 +273,15 @@ c, _ = s.accept(); c.sendall(c.recv(5))" &
       [ $rc0 -eq 1 ] && [ $rc1 -eq 1 ] ||
         fail "$run: node 0 exited $rc0, node 1 $rc1 (want 1 and 1; 124 is timeout's):" \
           "$(tail -n 3 "$work/$run-node0.txt" "$work/$run-node1.txt")"
-      [ "$took" -le 20 ] || fail "$run: the nodes took $took s to stop after the cut"
+      limit=20
+      [ "$run" = ddp-restarts ] && limit=30  # node 0 also waits up to 13 s for node 1's end
+      [ "$took" -le $limit ] || fail "$run: the nodes took $took s to stop after the cut"
+      if [ "$run" = ddp-restarts ]; then
+        grep -q "launch_workers: node 1 is unreachable (.*), and a restart needs every node; no restart" \
+          "$work/$run-node0.txt" || fail "$run: node 0 did not refuse the restart: $(tail -n 3 "$work/$run-node0.txt")"
+        ! grep -q "restart 1 of 1" "$work/$run-node0.txt" "$work/$run-node1.txt" ||
+          fail "$run: a node restarted without the other"
+      fi
       grep -q "launch_workers: rank 1 (node 1) sent no heartbeat for [0-9.]* s: node 1 died, froze, or is cut off from this node (a network partition)" \
         "$work/$run-node0.txt" || fail "$run: node 0 did not name node 1: $(tail -n 3 "$work/$run-node0.txt")"
       grep -q "launch_workers: the store on rank 0 (node 0, $master:29500) stopped answering for [0-9.]* s: node 0 died, froze, or is cut off from this node (a network partition)" \
@@ -280,6 +291,67 @@ c, _ = s.accept(); c.sendall(c.recv(5))" &
       done
       ip -n "$prefix-n1" link set eth0 up
       echo "net.partition: $run: both nodes named the partition and stopped in $took s"
+    done
+    ;;
+  stopped)
+    # Node 1's worker is stopped (SIGSTOP) mid-run. Node 1 names its own rank as hung (it used
+    # to blame node 0 when node 0, judging rank 1 first, took rank 0's store down with it) and
+    # node 0 names rank 1. With --max-restarts 1 both nodes restart and finish, naming rank 1.
+    "$CLUSTER" up 2 --rate 1gbit --prefix "$prefix" > /dev/null || fail "up 2"
+    master=$("$CLUSTER" addr 0 --prefix "$prefix")
+    for run in plain restarts; do
+      rm -rf "$work/ck"
+      extra=(--checkpoint-dir "$work/ck" --save-every 10)
+      steps=100000
+      [ "$run" = restarts ] && extra+=(--max-restarts 1) && steps=400
+      pids=()
+      for i in 1 0; do
+        node $i timeout 80 "$DP_BENCH" "${bench_args[@]}" --steps $steps --mode ddp --gpus 1 \
+          --nnodes 2 --node-rank $i --master-addr "$master" --master-port 29500 "${extra[@]}" \
+          > "$work/$run-node$i.txt" 2>&1 &
+        pids[i]=$!
+      done
+      for _ in $(seq 300); do
+        [ -e "$work/ck/step_00000010.safetensors" ] && break
+        sleep 0.05
+      done
+      [ -e "$work/ck/step_00000010.safetensors" ] ||
+        fail "$run: no checkpoint of step 10 in 15 s: $(tail -n 3 "$work/$run-node0.txt")"
+      # Rank 1: the dp_bench on node 1 whose parent is a dp_bench (its launcher).
+      worker=
+      for p in $(ip netns pids "$prefix-n1"); do
+        parent=$(ps -o ppid= -p "$p" | tr -d ' ')
+        [ "$(ps -o comm= -p "$p")" = dp_bench ] && [ "$(ps -o comm= -p "$parent")" = dp_bench ] &&
+          worker=$p
+      done
+      [ -n "$worker" ] || fail "$run: no worker process on node 1"
+      kill -STOP "$worker"
+      rc0=0 rc1=0
+      wait "${pids[0]}" || rc0=$?
+      wait "${pids[1]}" || rc1=$?
+      want=1
+      [ "$run" = restarts ] && want=0
+      [ $rc0 -eq $want ] && [ $rc1 -eq $want ] ||
+        fail "$run: node 0 exited $rc0, node 1 $rc1 (want $want and $want):" \
+          "$(tail -n 4 "$work/$run-node0.txt" "$work/$run-node1.txt")"
+      grep -q "launch_workers: rank 1 (local rank 0, pid $worker) sent no heartbeat for [0-9.]* s: hung" \
+        "$work/$run-node1.txt" || fail "$run: node 1 did not name its rank 1: $(tail -n 3 "$work/$run-node1.txt")"
+      ! grep -q "node 0 died, froze" "$work/$run-node1.txt" || fail "$run: node 1 blamed node 0"
+      if [ "$run" = restarts ]; then
+        for i in 0 1; do
+          grep -q "launch_workers: restart 1 of 1 after rank 1 (node 1) sent no heartbeat for" \
+            "$work/$run-node$i.txt" || fail "$run: node $i did not name rank 1 at the restart:" \
+            "$(grep restart "$work/$run-node$i.txt")"
+        done
+      else
+        # Node 0 names rank 1's silence, or, when node 1 killed it first, the reset connection.
+        grep -q "launch_workers: rank 1 (node 1) sent no heartbeat for\|Connection reset by peer" \
+          "$work/$run-node0.txt" || fail "$run: node 0 named nothing: $(tail -n 3 "$work/$run-node0.txt")"
+      fi
+      for i in 0 1; do
+        [ -z "$(ip netns pids "$prefix-n$i")" ] || fail "$run: processes left on node $i"
+      done
+      echo "net.stopped: $run: node 1 named its stopped rank"
     done
     ;;
   *) fail "unknown case '$case_name'" ;;

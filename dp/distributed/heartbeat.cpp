@@ -133,6 +133,13 @@ void HeartbeatWatch::poll() {
   }
 }
 
+std::chrono::milliseconds HeartbeatWatch::silent_for(int rank) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = seen_.find(rank);
+  if (it == seen_.end() || !ok_) return std::chrono::milliseconds(0);
+  return std::chrono::duration_cast<std::chrono::milliseconds>(*ok_ - it->second.changed);
+}
+
 std::optional<SilentRank> HeartbeatWatch::silent(std::chrono::milliseconds timeout) const {
   using std::chrono::duration_cast;
   using std::chrono::milliseconds;

@@ -95,6 +95,9 @@ class HeartbeatWatch {
   // The rank silent the longest, when longer than `timeout`. When the store itself stopped
   // answering for longer than `timeout`, rank 0 (which hosts it) if watched and not done.
   std::optional<SilentRank> silent(std::chrono::milliseconds timeout) const;
+  // How long `rank`'s key has kept one value, as of the watcher's latest look (0 before its
+  // first beat).
+  std::chrono::milliseconds silent_for(int rank) const;
 
  private:
   struct Seen {

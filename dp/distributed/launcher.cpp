@@ -13,7 +13,9 @@
 #include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <set>
+#include <stdexcept>
 #include <thread>
 
 #include "dp/distributed/heartbeat.hpp"
@@ -89,6 +91,8 @@ struct Child {
   pid_t pid = -1;
   bool alive = false;
   int status = 0;
+  // When the watch loop first found it stopped (SIGSTOP, process state T), while it stays so.
+  std::optional<std::chrono::steady_clock::time_point> stopped_since;
 };
 
 std::string describe_status(int status) {
@@ -207,6 +211,10 @@ class NodeAgreement {
     store_->set_timeout(kRequestTimeout);
   }
 
+  // The bound of each request: short while the workers run (a poll must not hold up the watch
+  // loop's heartbeat judgement behind a store that stopped answering), kRequestTimeout else.
+  void set_request_timeout(std::chrono::milliseconds t) { store_->set_timeout(t); }
+
   // Says that `attempt` failed here (the first node to say it is the one every node names).
   void publish_failure(int attempt, const std::string& cause) {
     if (store_->add(key(attempt, "failures"), 1) == 1)
@@ -235,7 +243,10 @@ class NodeAgreement {
   // Publishes this node's end of `attempt` (its code) and waits for every node's, or for a
   // stop; a signal to this launcher ends the wait (out.interrupted). Throws when the store
   // stops answering or a node's end is not in within kEndTimeout.
-  Outcome agree(int attempt, int code, SignalWatch& signals) {
+  // `end_timeout` bounds the wait for the other nodes' ends (kEndTimeout, or less when this node
+  // lost one of them: a node cut off never publishes its end).
+  Outcome agree(int attempt, int code, SignalWatch& signals,
+                std::chrono::milliseconds end_timeout = kEndTimeout) {
     publish_end(attempt, code);
     std::vector<std::string> ends, seen;
     for (int n = 0; n < nnodes_; ++n) {
@@ -243,7 +254,8 @@ class NodeAgreement {
       if (n > 0) seen.push_back(key(attempt, "seen/" + std::to_string(n)));
     }
     Outcome out;
-    if (!wait_for(attempt, ends, signals, out, "the other nodes' launchers to end attempt"))
+    if (!wait_for(attempt, ends, signals, out, "the other nodes' launchers to end attempt",
+                  end_timeout))
       return out;
     for (int n = 0; n < nnodes_; ++n)
       if (!store_->check({ends[n]}) || store_->get_string(ends[n]) != "0") out.failed = true;
@@ -258,7 +270,8 @@ class NodeAgreement {
     if (node_ > 0)
       store_->set_string(key(attempt, "seen/" + std::to_string(node_)), "1");
     else
-      wait_for(attempt, seen, signals, out, "the other nodes' launchers to read attempt");
+      wait_for(attempt, seen, signals, out, "the other nodes' launchers to read attempt",
+               kEndTimeout);
     return out;
   }
 
@@ -269,17 +282,22 @@ class NodeAgreement {
   // Polls until every key exists, or a node published a stop. False when a signal to this
   // launcher came first (out.interrupted).
   bool wait_for(int attempt, const std::vector<std::string>& keys, SignalWatch& signals,
-                Outcome& out, const char* what) {
-    const auto deadline = std::chrono::steady_clock::now() + kEndTimeout;
+                Outcome& out, const char* what, std::chrono::milliseconds timeout) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
     while (!store_->check(keys) && !store_->check({key(attempt, "stop")})) {
       if (int sig = signals.poll()) {
         out.interrupted = sig;
         return false;
       }
-      DP_CHECK(std::chrono::steady_clock::now() < deadline,
-               "launch_workers: node " << node_ << " waited " << kEndTimeout.count() << " s for "
-                                       << what << " " << attempt << " (" << keys_text(keys)
-                                       << " on " << store_->describe() << ")");
+      if (std::chrono::steady_clock::now() >= deadline) {
+        std::vector<std::string> missing;
+        for (const auto& k : keys)
+          if (!store_->check({k})) missing.push_back(k);
+        throw std::runtime_error("node " + std::to_string(node_) + " waited " +
+                                 seconds_text(timeout) + " for " + what + " " +
+                                 std::to_string(attempt) + " (" + keys_text(missing) + " on " +
+                                 store_->describe() + ")");
+      }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
     return true;
@@ -310,7 +328,19 @@ struct AttemptEnd {
   // no node can agree on a restart).
   std::string remote;
   bool agreement_lost = false;
+  int lost_node = -1;  // the node this one lost (no heartbeat, or rank 0's store silent), or -1
 };
+
+// What a node that lost another says of it: "rank 2 (node 1) sent no heartbeat for 5 s", or
+// "the store on rank 0 (node 0, ADDR:PORT) stopped answering for 5 s".
+std::string lost_text(const SilentRank& lost, const LaunchOptions& o, const LaunchPlan& plan) {
+  if (lost.store_down)
+    return "the store on rank 0 (node 0, " + o.master_addr + ":" + std::to_string(plan.port) +
+           ") stopped answering for " + seconds_text(lost.silent_for);
+  return "rank " + std::to_string(lost.rank) + " (node " +
+         std::to_string(lost.rank / o.nproc_per_node) + ") sent no heartbeat for " +
+         seconds_text(lost.silent_for);
+}
 
 // Tells the other nodes (when there are, with restarts) that a signal to this launcher ends the
 // job. Never throws: the other nodes find a store that went away too.
@@ -422,6 +452,10 @@ AttemptEnd run_attempt(const LaunchPlan& plan, int restart_count, SignalWatch& s
   std::optional<std::string> remote;
   bool agreement_lost = false;
   Clock::time_point next_poll = Clock::now();
+  // The launchers' store answered last (a poll that fails is judged a little after the
+  // heartbeats would name the node that went).
+  Clock::time_point agreement_ok = Clock::now();
+  if (nodes) nodes->set_request_timeout(2 * plan.hb_interval);
   int interrupted = 0;
   bool stopping = false, killed = false;
   Clock::time_point kill_at;
@@ -430,6 +464,23 @@ AttemptEnd run_attempt(const LaunchPlan& plan, int restart_count, SignalWatch& s
     stopping = true;
     signal_all(children, sig);
     kill_at = Clock::now() + o.grace_period;
+  };
+  // A worker of this node found hung: killed (a stopped process would never act on SIGTERM),
+  // the others stopped.
+  auto stop_hung = [&](Child& c, std::chrono::milliseconds silent_for, bool store_down) {
+    hung = SilentRank{c.rank, silent_for, store_down};
+    failed = &c;
+    ::kill(c.pid, SIGKILL);
+    begin_stop(SIGTERM);
+  };
+  // How long this node's worker has been stopped (SIGSTOP), or nothing when it is not.
+  auto stopped_for = [&](Child& c) -> std::optional<std::chrono::milliseconds> {
+    if (!c.alive || !is_stopped(c.pid)) {
+      c.stopped_since.reset();
+      return std::nullopt;
+    }
+    if (!c.stopped_since) c.stopped_since = Clock::now();
+    return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - *c.stopped_since);
   };
   while (alive > 0) {
     for (auto& c : children) {
@@ -451,28 +502,68 @@ AttemptEnd run_attempt(const LaunchPlan& plan, int restart_count, SignalWatch& s
         if (!stopping) begin_stop(SIGTERM);
       }
     }
-    if (nodes && !stopping && !interrupted && !failed && Clock::now() >= next_poll) {
-      next_poll = Clock::now() + std::chrono::milliseconds(100);
+    const bool poll_now = Clock::now() >= next_poll;
+    if (poll_now) next_poll = Clock::now() + std::chrono::milliseconds(100);
+    if (nodes && !stopping && !interrupted && !failed && poll_now) {
       try {
         remote = nodes->failure(restart_count);
+        agreement_ok = Clock::now();
       } catch (const std::exception& e) {
-        remote = std::string("the launchers' store stopped answering: ") + e.what();
-        agreement_lost = true;
+        const auto quiet =
+            std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - agreement_ok);
+        // Two intervals past the heartbeats' judgement, which names the node that went.
+        if (quiet > plan.hb_timeout + 2 * plan.hb_interval) {
+          remote = "the launchers' store (node 0's launcher, " + o.master_addr + ":" +
+                   std::to_string(plan.port + 1) + ") stopped answering for " +
+                   seconds_text(quiet) + ": " + e.what();
+          agreement_lost = true;
+        }
       }
       if (remote) begin_stop(SIGTERM);
     }
+    // A worker of this node stopped (SIGSTOP) for longer than the heartbeat timeout is hung,
+    // seen from its process state whether or not the store still answers.
+    if (!stopping && !interrupted && !failed && poll_now)
+      for (auto& c : children)
+        if (auto d = stopped_for(c); d && *d > plan.hb_timeout) {
+          stop_hung(c, std::max(*d, heartbeats.silent_for(c.rank)), c.rank == 0);
+          break;
+        }
     if (!stopping && !interrupted && !failed) {
       if (std::optional<SilentRank> silent = heartbeats.silent(plan.hb_timeout)) {
+        // A worker of this node found stopped is the likelier cause of any silence: a peer node
+        // that judged it first stops its own workers, rank 0's store with them.
+        Child* stopped_here = nullptr;
+        std::chrono::milliseconds stopped_here_for{0};
+        for (auto& c : children)
+          if (auto d = stopped_for(c)) {
+            stopped_here = &c;
+            stopped_here_for = *d;
+          }
         auto child = std::find_if(children.begin(), children.end(),
                                   [&](const Child& c) { return c.rank == silent->rank; });
-        if (child == children.end()) {  // another node's rank: its node died, froze or is cut off
+        if (stopped_here) {
+          stop_hung(*stopped_here,
+                    std::max(stopped_here_for, heartbeats.silent_for(stopped_here->rank)),
+                    stopped_here->rank == 0);
+        } else if (child == children.end()) {
+          // Another node's rank, or the store its node hosts: that node died, froze or is cut off.
           lost = silent;
           begin_stop(SIGTERM);
+          if (nodes && !published) {  // every node names it, and no node waits for a restart
+            published = true;
+            try {
+              nodes->publish_failure(restart_count, lost_text(*lost, o, plan) +
+                                                        " (seen from node " +
+                                                        std::to_string(o.node_rank) + ")");
+            } catch (const std::exception& e) {
+              std::fprintf(stderr, "launch_workers: could not tell the other nodes: %s\n",
+                           e.what());
+              agreement_lost = true;
+            }
+          }
         } else if (child->alive) {
-          hung = silent;
-          failed = &*child;
-          ::kill(child->pid, SIGKILL);  // a stopped process would never act on SIGTERM
-          begin_stop(SIGTERM);
+          stop_hung(*child, silent->silent_for, silent->store_down);
         }
       }
     }
@@ -520,12 +611,7 @@ AttemptEnd run_attempt(const LaunchPlan& plan, int restart_count, SignalWatch& s
   end.agreement_lost = agreement_lost;
   if (lost && !failed && !remote) {
     const std::string node = std::to_string(lost->rank / o.nproc_per_node);
-    const std::string what = lost->store_down
-                                 ? "the store on rank 0 (node 0, " + o.master_addr + ":" +
-                                       std::to_string(plan.port) + ") stopped answering for " +
-                                       seconds_text(lost->silent_for)
-                                 : "rank " + std::to_string(lost->rank) + " (node " + node +
-                                       ") sent no heartbeat for " + seconds_text(lost->silent_for);
+    const std::string what = lost_text(*lost, o, plan);
     std::fprintf(stderr,
                  "launch_workers: %s: node %s died, froze, or is cut off from this node (a "
                  "network partition); stopped this node's %d worker(s) instead of waiting for "
@@ -534,6 +620,7 @@ AttemptEnd run_attempt(const LaunchPlan& plan, int restart_count, SignalWatch& s
     std::fflush(stderr);
     end.code = 1;
     end.rank = lost->rank;
+    end.lost_node = lost->rank / o.nproc_per_node;
     end.cause = lost->store_down
                     ? "unreachable (its store stopped answering)"
                     : "unreachable (no heartbeat for " + seconds_text(lost->silent_for) + ")";
@@ -687,10 +774,23 @@ int launch_workers(const LaunchOptions& o, const std::vector<std::string>& argv)
     if (nodes && !end.interrupted) {
       if (end.agreement_lost) return end.code;  // run_attempt said why
       NodeAgreement::Outcome agreed;
+      // A node this one lost publishes its end only if it can still reach the store: by the
+      // time it named the loss itself and stopped its workers, or not at all (cut off).
+      const std::chrono::milliseconds end_timeout =
+          end.lost_node >= 0 ? plan.hb_timeout + o.grace_period + std::chrono::seconds(5)
+                             : std::chrono::milliseconds(NodeAgreement::kEndTimeout);
       try {
-        agreed = nodes->agree(restart, end.code, signals);
+        nodes->set_request_timeout(end.lost_node >= 0 ? 2 * plan.hb_interval
+                                                      : NodeAgreement::kRequestTimeout);
+        agreed = nodes->agree(restart, end.code, signals, end_timeout);
       } catch (const std::exception& e) {
-        std::fprintf(stderr, "launch_workers: %s; no restart\n", e.what());
+        if (end.lost_node >= 0)
+          std::fprintf(stderr,
+                       "launch_workers: node %d is unreachable (%s), and a restart needs every "
+                       "node; no restart\n",
+                       end.lost_node, e.what());
+        else
+          std::fprintf(stderr, "launch_workers: %s; no restart\n", e.what());
         std::fflush(stderr);
         return end.code != 0 ? end.code : 1;
       }
