@@ -13,8 +13,8 @@ if(TARGET dp_bench)
 endif()
 foreach(c ${DP_NET_CASES})
   add_test(NAME "net.${c}" COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/net_test.sh ${c})
-  # partition cuts 4 runs and stopped stops 2, each named about 5 s after (partition: 16-37 s
-  # here, idle to loaded, before its fourth run).
+  # partition cuts 4 runs and stopped stops 2, each named about 5 s after (here, under 3 busy
+  # loops on 2 cores: partition 47 s, stopped 24 s).
   set(timeout 60)
   if(c STREQUAL "partition" OR c STREQUAL "stopped")
     set(timeout 120)
