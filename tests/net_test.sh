@@ -37,6 +37,31 @@ node() {  # node I CMD...: CMD inside node I
   "$CLUSTER" exec "$i" --prefix "$prefix" "$@"
 }
 
+# Whether FILE appears within 15 s.
+appears() {
+  for _ in $(seq 300); do
+    [ -e "$1" ] && return 0
+    sleep 0.05
+  done
+  return 1
+}
+
+# The pid of rank 1 on node 1 (the process whose environment holds RANK=1), or nothing.
+rank1_pid() {
+  local found=""
+  for p in $(ip netns pids "$prefix-n1"); do
+    tr '\0' '\n' < "/proc/$p/environ" 2> /dev/null | grep -qx "RANK=1" && found=$p
+  done
+  echo "$found"
+}
+
+# Waits for both nodes' commands (pids[0], pids[1]): their exit codes in rc0 and rc1.
+wait_nodes() {
+  rc0=0 rc1=0
+  wait "${pids[0]}" || rc0=$?
+  wait "${pids[1]}" || rc1=$?
+}
+
 # The losses of the first run in dp_bench's --json file, one a line.
 losses() { jq -c '.runs[0].losses[]' "$1"; }
 
@@ -187,20 +212,11 @@ c, _ = s.accept(); c.sendall(c.recv(5))" &
         > "$work/node$i.txt" 2>&1 &
       pids[i]=$!
     done
-    for _ in $(seq 300); do
-      [ -e "$work/run/step_00000040.safetensors" ] && break
-      sleep 0.05
-    done
-    [ -e "$work/run/step_00000040.safetensors" ] || fail "no checkpoint of step 40 in 15 s"
-    rank1=""
-    for p in $(ip netns pids "$prefix-n1"); do
-      tr '\0' '\n' < "/proc/$p/environ" 2> /dev/null | grep -qx "RANK=1" && rank1=$p
-    done
+    appears "$work/run/step_00000040.safetensors" || fail "no checkpoint of step 40 in 15 s"
+    rank1=$(rank1_pid)
     [ -n "$rank1" ] || fail "rank 1 is not running on node 1 (finished already?)"
     kill -KILL "$rank1"
-    rc0=0 rc1=0
-    wait "${pids[0]}" || rc0=$?
-    wait "${pids[1]}" || rc1=$?
+    wait_nodes
     [ $rc0 -eq 0 ] && [ $rc1 -eq 0 ] ||
       fail "node 0 exited $rc0, node 1 $rc1: $(tail -n 8 "$work/node0.txt" "$work/node1.txt")"
     for i in 0 1; do
@@ -252,12 +268,7 @@ c, _ = s.accept(); c.sendall(c.recv(5))" &
         pids[i]=$!
       done
       if [ "$mode" = ddp ]; then
-        first=$(printf '%s/ck/step_%08d.safetensors' "$work" "$cut_after")
-        for _ in $(seq 300); do
-          [ -e "$first" ] && break
-          sleep 0.05
-        done
-        [ -e "$first" ] ||
+        appears "$(printf '%s/ck/step_%08d.safetensors' "$work" "$cut_after")" ||
           fail "$run: no checkpoint of step $cut_after in 15 s: $(tail -n 3 "$work/$run-node0.txt")"
       else
         sleep 4  # hybrid saves nothing: time to rendezvous and train a few steps
@@ -266,9 +277,7 @@ c, _ = s.accept(); c.sendall(c.recv(5))" &
         fail "$run: a node ended before the cut: $(tail -n 3 "$work/$run-node0.txt" "$work/$run-node1.txt")"
       cut=$(date +%s)
       ip -n "$prefix-n1" link set eth0 down
-      rc0=0 rc1=0
-      wait "${pids[0]}" || rc0=$?
-      wait "${pids[1]}" || rc1=$?
+      wait_nodes
       took=$(($(date +%s) - cut))
       [ $rc0 -eq 1 ] && [ $rc1 -eq 1 ] ||
         fail "$run: node 0 exited $rc0, node 1 $rc1 (want 1 and 1; 124 is timeout's):" \
@@ -311,24 +320,12 @@ c, _ = s.accept(); c.sendall(c.recv(5))" &
           > "$work/$run-node$i.txt" 2>&1 &
         pids[i]=$!
       done
-      for _ in $(seq 300); do
-        [ -e "$work/ck/step_00000010.safetensors" ] && break
-        sleep 0.05
-      done
-      [ -e "$work/ck/step_00000010.safetensors" ] ||
+      appears "$work/ck/step_00000010.safetensors" ||
         fail "$run: no checkpoint of step 10 in 15 s: $(tail -n 3 "$work/$run-node0.txt")"
-      # Rank 1: the dp_bench on node 1 whose parent is a dp_bench (its launcher).
-      worker=
-      for p in $(ip netns pids "$prefix-n1"); do
-        parent=$(ps -o ppid= -p "$p" | tr -d ' ')
-        [ "$(ps -o comm= -p "$p")" = dp_bench ] && [ "$(ps -o comm= -p "$parent")" = dp_bench ] &&
-          worker=$p
-      done
+      worker=$(rank1_pid)
       [ -n "$worker" ] || fail "$run: no worker process on node 1"
       kill -STOP "$worker"
-      rc0=0 rc1=0
-      wait "${pids[0]}" || rc0=$?
-      wait "${pids[1]}" || rc1=$?
+      wait_nodes
       want=1
       [ "$run" = restarts ] && want=0
       [ $rc0 -eq $want ] && [ $rc1 -eq $want ] ||
