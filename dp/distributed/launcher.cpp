@@ -315,6 +315,12 @@ struct LaunchPlan {
   std::vector<std::string> base_env;  // the launcher's, less the worker variables, plus extra_env
   int port = 0;
   std::chrono::milliseconds hb_timeout{0}, hb_interval{0};
+  // The bound of a request to the launchers' store while workers run or a node was lost: two
+  // heartbeat intervals, at least 1 s (a loaded machine's store may be slow to answer once; only
+  // a silence longer than the heartbeats' judgement counts).
+  std::chrono::milliseconds poll_bound() const {
+    return std::max<std::chrono::milliseconds>(2 * hb_interval, std::chrono::seconds(1));
+  }
 };
 
 // How one attempt ended.
@@ -455,7 +461,7 @@ AttemptEnd run_attempt(const LaunchPlan& plan, int restart_count, SignalWatch& s
   // The launchers' store answered last (a poll that fails is judged a little after the
   // heartbeats would name the node that went).
   Clock::time_point agreement_ok = Clock::now();
-  if (nodes) nodes->set_request_timeout(2 * plan.hb_interval);
+  if (nodes) nodes->set_request_timeout(plan.poll_bound());
   int interrupted = 0;
   bool stopping = false, killed = false;
   Clock::time_point kill_at;
@@ -780,8 +786,9 @@ int launch_workers(const LaunchOptions& o, const std::vector<std::string>& argv)
           end.lost_node >= 0 ? plan.hb_timeout + o.grace_period + std::chrono::seconds(5)
                              : std::chrono::milliseconds(NodeAgreement::kEndTimeout);
       try {
-        nodes->set_request_timeout(end.lost_node >= 0 ? 2 * plan.hb_interval
-                                                      : NodeAgreement::kRequestTimeout);
+        nodes->set_request_timeout(end.lost_node >= 0
+                                       ? plan.poll_bound()
+                                       : std::chrono::milliseconds(NodeAgreement::kRequestTimeout));
         agreed = nodes->agree(restart, end.code, signals, end_timeout);
       } catch (const std::exception& e) {
         if (end.lost_node >= 0)
