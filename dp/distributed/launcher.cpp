@@ -471,6 +471,18 @@ AttemptEnd run_attempt(const LaunchPlan& plan, int restart_count, SignalWatch& s
     signal_all(children, sig);
     kill_at = Clock::now() + o.grace_period;
   };
+  // This node's failure, once, to the other nodes (with restarts): a launchers' store that does
+  // not take it is an agreement lost.
+  auto publish_failure = [&](const std::string& who) {
+    if (!nodes || published) return;
+    published = true;
+    try {
+      nodes->publish_failure(restart_count, who);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "launch_workers: could not tell the other nodes: %s\n", e.what());
+      agreement_lost = true;
+    }
+  };
   // A worker of this node found hung: killed (a stopped process would never act on SIGTERM),
   // the others stopped.
   auto stop_hung = [&](Child& c, std::chrono::milliseconds silent_for, bool store_down) {
@@ -556,25 +568,15 @@ AttemptEnd run_attempt(const LaunchPlan& plan, int restart_count, SignalWatch& s
           // Another node's rank, or the store its node hosts: that node died, froze or is cut off.
           lost = silent;
           begin_stop(SIGTERM);
-          if (nodes && !published) {  // every node names it, and no node waits for a restart
-            published = true;
-            try {
-              nodes->publish_failure(restart_count, lost_text(*lost, o, plan) +
-                                                        " (seen from node " +
-                                                        std::to_string(o.node_rank) + ")");
-            } catch (const std::exception& e) {
-              std::fprintf(stderr, "launch_workers: could not tell the other nodes: %s\n",
-                           e.what());
-              agreement_lost = true;
-            }
-          }
+          // Every node names it at the restart, or at the end without one.
+          publish_failure(lost_text(*lost, o, plan) + " (seen from node " +
+                          std::to_string(o.node_rank) + ")");
         } else if (child->alive) {
           stop_hung(*child, silent->silent_for, silent->store_down);
         }
       }
     }
     if (nodes && failed && !published) {
-      published = true;
       std::string cause = hung
                               ? "sent no heartbeat for " + seconds_text(hung->silent_for) + ": hung"
                               : describe_status(failed->status);
@@ -583,12 +585,7 @@ AttemptEnd run_attempt(const LaunchPlan& plan, int restart_count, SignalWatch& s
       if (stopped)
         who = "rank " + std::to_string(stopped->rank) + " (node " + std::to_string(o.node_rank) +
               ") was stopped (SIGSTOP) and rank " + std::to_string(failed->rank) + " " + cause;
-      try {
-        nodes->publish_failure(restart_count, who);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "launch_workers: could not tell the other nodes: %s\n", e.what());
-        agreement_lost = true;
-      }
+      publish_failure(who);
     }
     if (int sig = signals.poll(); sig != 0 && !interrupted) {
       interrupted = sig;
