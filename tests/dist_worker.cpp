@@ -149,6 +149,23 @@ int run_collectives(const WorkerEnv& w, int hold_ms) {
   return 0;
 }
 
+// A job whose rank 0 is done first: one all-reduce, then every other rank keeps its group and
+// works on (sleeps) for `work_ms` before it returns. Rank 0, which hosts the store, returns at
+// once; a healthy job, which must end with exit 0 on every node.
+int run_rank0_first(int work_ms) {
+  InitOptions o;
+  o.backend = Backend::gloo;
+  o.timeout = std::chrono::seconds(30);
+  auto pg = init_process_group(o);
+  Tensor t = Tensor::from_vector({1.f}, {1});
+  pg->all_reduce(t, ReduceOp::sum)->wait();
+  if (t.item() != float(pg->size())) return 1;
+  if (pg->rank() != 0) std::this_thread::sleep_for(std::chrono::milliseconds(work_ms));
+  std::printf("[rank %d] done\n", pg->rank());
+  std::fflush(stdout);
+  return 0;
+}
+
 // FNV-1a over the bytes of the weights: equal hashes, equal bits.
 uint64_t weights_hash(nn::Module& m) {
   std::vector<float> w = m.flat_params().to_host_f32();
@@ -437,6 +454,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (mode == "collectives") return run_collectives(*w, ddp.hold_ms);
+    if (mode == "rank0-first") return run_rank0_first(ddp.hold_ms);
     if (mode == "ddp") return run_ddp(ddp);
     if (mode == "hang") return run_hang(*w, hang_rank, wait_s);
     if (mode == "stubborn") ::signal(SIGTERM, SIG_IGN);

@@ -451,6 +451,41 @@ TEST_CASE("dist.launch: two nodes with restarts: a failure on node 1 restarts or
   }
 }
 
+// A healthy job whose rank 0 (which hosts the store) ends 4 s before the other node's rank was
+// taken by that node's launcher for a partition ("the store on rank 0 (node 0, ...) stopped
+// answering ...: node 0 died, froze, or is cut off"), and its working rank was stopped: its
+// watch had not read rank 0's "done" before the store went. Rank 0 now waits for it.
+TEST_CASE("dist.launch: two nodes: rank 0 ending first is no lost node") {
+  std::string dir = dist_test::make_temp_dir("rank0_first");
+  RemoveDir cleanup{dir};
+  int port = find_free_port();
+  for (int tries = 0; tries < 20 && port < 65535; ++tries, port = find_free_port()) {
+    try {
+      net::listen_tcp("127.0.0.1", port + 1);  // the launchers' store, with restarts
+      break;
+    } catch (const kernels::Error&) {
+    }
+  }
+  for (const std::string restarts : {"0", "1"}) {
+    CAPTURE(restarts);
+    auto node = [&](int rank) {
+      return CapturedLauncher(
+          dir, "node" + std::to_string(rank) + "_" + restarts,
+          {"--mode", "rank0-first", "--hold-ms", "4000", "--nproc", "1", "--nnodes", "2",
+           "--node-rank", std::to_string(rank), "--master-addr", "127.0.0.1", "--master-port",
+           std::to_string(port), "--max-restarts", restarts},
+          kFastWatch);
+    };
+    CapturedLauncher n1 = node(1), n0 = node(0);
+    Finished f0 = n0.wait(30s), f1 = n1.wait(30s);
+    CHECK(exited_with(f0.status, 0));
+    CHECK(exited_with(f1.status, 0));
+    CHECK(f1.output.find("[rank 1] done") != std::string::npos);
+    CHECK(f0.output.find("did not confirm") == std::string::npos);
+    CHECK(count_of(f0.output + f1.output, "launch_workers:") == 0);
+  }
+}
+
 TEST_CASE("dist.launch: with max_restarts 0 a failed job is not restarted and returns its code") {
   RestartJob job("fail-once", 0);
   Finished f = job.launcher.wait(30s);

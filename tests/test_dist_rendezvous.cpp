@@ -388,7 +388,8 @@ struct Joined {
     groups[0].reset();
   }
 };
-void join_watched(Joined& out, int port, const std::string& timeout_s) {
+void join_watched(Joined& out, int port, const std::string& timeout_s,
+                  const std::string& nodes = "") {
   std::vector<std::thread> threads;
   for (int r = 0; r < 2; ++r)
     threads.emplace_back([&, r] {
@@ -398,8 +399,10 @@ void join_watched(Joined& out, int port, const std::string& timeout_s) {
         o.init_method = "tcp://127.0.0.1:" + std::to_string(port);
         o.rank = r;
         o.world_size = 2;
-        o.env = map_env(
-            {{"DP_TIMEOUT", timeout_s}, {"DP_HEARTBEAT_MS", "20"}, {"DP_HEARTBEAT_WATCH", "0"}});
+        std::map<std::string, std::string> env = {
+            {"DP_TIMEOUT", timeout_s}, {"DP_HEARTBEAT_MS", "20"}, {"DP_HEARTBEAT_WATCH", "0"}};
+        if (!nodes.empty()) env["DP_HEARTBEAT_NODES"] = nodes;
+        o.env = map_env(env);
         out.groups[r] = init_process_group(o);
       });
     });
@@ -435,6 +438,52 @@ TEST_CASE("dist.rendezvous: launched ranks wait for their launcher's watch to se
     REQUIRE(s.has_value());
     CHECK(s->rank == 0);
     CHECK(s->store_down);
+  }
+}
+
+// A healthy job whose rank 0 ended first was taken for a partition on another node: rank 0's
+// "done" and its store went together, before that node's watch (polling every interval) had
+// read the "done", and a store that stops answering before rank 0's "done" is a lost node 0.
+// Rank 0 now waits for the other nodes' watches to see its end (DP_HEARTBEAT_NODES).
+TEST_CASE("dist.rendezvous: rank 0's store stays until the other nodes' watches saw it end") {
+  using Clock = std::chrono::steady_clock;
+  const int port = find_free_port();
+  // Node 0's watch lets the ranks train; "node 1"'s polls every 1 s, as a slow launcher's would.
+  HeartbeatWatch node0("127.0.0.1", port, "", {0, 1}, 20ms, heartbeat_watch_key(0));
+  SUBCASE("node 1's watch sees rank 0's end before the store goes, and names no lost node") {
+    HeartbeatWatch node1("127.0.0.1", port, "", {0, 1}, 1s, heartbeat_watch_key(1),
+                         heartbeat_end_key(1));
+    Joined j;
+    join_watched(j, port, "20", "2");
+    for (const std::string& e : j.errors) REQUIRE_MESSAGE(e.empty(), e);
+    j.groups[1].reset();
+    const auto start = Clock::now();
+    j.groups[0].reset();  // rank 0: "done", then waits for node 1's watch (one poll: <= 1 s)
+    CHECK(Clock::now() - start < Heartbeat::confirm_bound(20ms));
+    std::this_thread::sleep_for(300ms);  // the store is gone: silent for longer than 100 ms
+    std::optional<SilentRank> s = node1.silent(100ms);
+    CHECK_MESSAGE(!s.has_value(), "node 1 named rank " << s->rank << " silent for "
+                                                       << s->silent_for.count() << " ms");
+  }
+  SUBCASE("no watch on node 1: rank 0 waits its bound, then goes") {
+    Joined j;
+    join_watched(j, port, "20", "2");
+    for (const std::string& e : j.errors) REQUIRE_MESSAGE(e.empty(), e);
+    j.groups[1].reset();
+    const auto start = Clock::now();
+    j.groups[0].reset();
+    const auto took = Clock::now() - start;
+    CHECK(took >= Heartbeat::confirm_bound(20ms));
+    CHECK(took < Heartbeat::confirm_bound(20ms) + 5s);
+  }
+  SUBCASE("one node: rank 0 waits for no watch") {
+    Joined j;
+    join_watched(j, port, "20", "1");
+    for (const std::string& e : j.errors) REQUIRE_MESSAGE(e.empty(), e);
+    j.groups[1].reset();
+    const auto start = Clock::now();
+    j.groups[0].reset();
+    CHECK(Clock::now() - start < 1s);
   }
 }
 

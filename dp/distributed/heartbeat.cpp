@@ -1,6 +1,7 @@
 #include "dp/distributed/heartbeat.hpp"
 
 #include <algorithm>
+#include <cstdio>
 
 #include "dp/distributed/store.hpp"
 #include "kernels/runtime/error.hpp"
@@ -13,6 +14,10 @@ std::string heartbeat_key(int rank) {
 
 std::string heartbeat_watch_key(int node_rank) {
   return "dp/heartbeat_watch/" + std::to_string(node_rank);
+}
+
+std::string heartbeat_end_key(int node_rank) {
+  return "dp/heartbeat_end/" + std::to_string(node_rank);
 }
 
 // ---- Periodic -------------------------------------------------------------------------------
@@ -43,9 +48,14 @@ Periodic::~Periodic() {
 // ---- Heartbeat ------------------------------------------------------------------------------
 
 Heartbeat::Heartbeat(std::shared_ptr<Store> connection, std::shared_ptr<Store> keep_alive, int rank,
-                     std::chrono::milliseconds interval)
-    : connection_(std::move(connection)), keep_alive_(std::move(keep_alive)), rank_(rank) {
+                     std::chrono::milliseconds interval, std::vector<int> confirm_nodes)
+    : connection_(std::move(connection)),
+      keep_alive_(std::move(keep_alive)),
+      rank_(rank),
+      interval_(interval),
+      confirm_nodes_(std::move(confirm_nodes)) {
   DP_CHECK(connection_ != nullptr, "Heartbeat: needs a store");
+  connection_->set_timeout(request_bound(interval_));
   thread_ = std::make_unique<Periodic>(interval, [this] {
     try {
       connection_->set_string(heartbeat_key(rank_), std::to_string(++beats_));
@@ -55,12 +65,50 @@ Heartbeat::Heartbeat(std::shared_ptr<Store> connection, std::shared_ptr<Store> k
   });
 }
 
+std::chrono::milliseconds Heartbeat::request_bound(std::chrono::milliseconds interval) {
+  return std::max<std::chrono::milliseconds>(2 * interval, std::chrono::seconds(1));
+}
+
+std::chrono::milliseconds Heartbeat::confirm_bound(std::chrono::milliseconds interval) {
+  return 5 * interval + std::chrono::seconds(2);
+}
+
 Heartbeat::~Heartbeat() {
   thread_.reset();
   try {
     connection_->set_string(heartbeat_key(rank_), "done");
   } catch (const std::exception&) {
-    // The store is gone already (rank 0 finished first): nobody is watching.
+    return;  // the store is gone already (rank 0 finished first): nobody is watching
+  }
+  if (!confirm_nodes_.empty()) wait_for_confirmations();
+}
+
+void Heartbeat::wait_for_confirmations() {
+  std::vector<std::string> keys;
+  for (int n : confirm_nodes_) keys.push_back(heartbeat_end_key(n));
+  const auto bound = confirm_bound(interval_);
+  const auto deadline = HeartbeatClock::now() + bound;
+  const auto tick = std::clamp<std::chrono::milliseconds>(
+      interval_ / 4, std::chrono::milliseconds(10), std::chrono::milliseconds(100));
+  try {
+    while (!connection_->check(keys)) {
+      if (HeartbeatClock::now() >= deadline) {
+        std::string missing;
+        for (int n : confirm_nodes_)
+          if (!connection_->check({heartbeat_end_key(n)}))
+            missing += (missing.empty() ? "" : ", ") + std::to_string(n);
+        std::fprintf(stderr,
+                     "dp: rank %d: the launcher of node %s did not confirm within %.1f s that it "
+                     "saw this rank end; the store this rank hosts goes now, and that node may "
+                     "take it for a lost node\n",
+                     rank_, missing.c_str(), bound.count() / 1000.0);
+        std::fflush(stderr);
+        return;
+      }
+      std::this_thread::sleep_for(tick);
+    }
+  } catch (const std::exception&) {
+    // This rank's own store stopped answering: there is nothing left to keep.
   }
 }
 
@@ -68,13 +116,14 @@ Heartbeat::~Heartbeat() {
 
 HeartbeatWatch::HeartbeatWatch(std::string host, int port, std::string job_token,
                                std::vector<int> ranks, std::chrono::milliseconds interval,
-                               std::string ready_key)
+                               std::string ready_key, std::string end_key)
     : host_(std::move(host)),
       port_(port),
       token_(std::move(job_token)),
       ranks_(std::move(ranks)),
       interval_(interval),
-      ready_key_(std::move(ready_key)) {
+      ready_key_(std::move(ready_key)),
+      end_key_(std::move(end_key)) {
   // A poll every interval. Until every rank was seen, each tick in between asks the store
   // once whether every rank's key is there, and polls at once when they are.
   thread_ = std::make_unique<Periodic>(std::min(interval_, kFirstLookTick), [this] {
@@ -92,6 +141,23 @@ HeartbeatWatch::HeartbeatWatch(std::string host, int port, std::string job_token
 
 HeartbeatWatch::~HeartbeatWatch() {
   thread_.reset();
+  // This node stops watching (its workers ended, or were stopped): rank 0 need not wait for it.
+  // Only while the store still answered of late: a gone store would hold the launcher's end.
+  std::optional<HeartbeatClock::time_point> ok;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ok = ok_;
+  }
+  if (end_key_.empty() || ended_ || !store_ || !ok || HeartbeatClock::now() - *ok > 2 * interval_)
+    return;
+  try {
+    // One request, short: a healthy store answers at once, and a launcher's end is not held.
+    store_->set_timeout(
+        std::max<std::chrono::milliseconds>(interval_, std::chrono::milliseconds(500)));
+    store_->set_string(end_key_, "1");
+  } catch (const std::exception&) {
+    // Rank 0 stops waiting at its bound.
+  }
 }
 
 void HeartbeatWatch::connect() {
@@ -116,7 +182,7 @@ void HeartbeatWatch::poll() {
     if (store_->check({key})) values.emplace_back(r, store_->get_string(key));
   }
   auto now = HeartbeatClock::now();
-  bool all_seen;
+  bool all_seen, rank0_done;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [r, v] : values) {
@@ -125,11 +191,18 @@ void HeartbeatWatch::poll() {
     }
     ok_ = now;
     all_seen = seen_.size() == ranks_.size();
+    auto zero = seen_.find(0);
+    rank0_done = zero != seen_.end() && zero->second.done;
   }
   if (all_seen && !announced_) {
     // The launched ranks wait for this before they train (init_process_group).
     if (!ready_key_.empty()) store_->set_string(ready_key_, "1");
     announced_ = true;
+  }
+  if (rank0_done && !ended_) {
+    // Rank 0 waits for this before its store goes (Heartbeat's confirm_nodes).
+    if (!end_key_.empty()) store_->set_string(end_key_, "1");
+    ended_ = true;
   }
 }
 

@@ -47,19 +47,38 @@ class Periodic {
 
 // Beats on `connection` (a store client of its own, so that a long wait of the rank's main
 // store never delays a beat) every `interval` until destroyed, then writes "done" so that the
-// watcher stops watching. `keep_alive` (the rank's main store, which may host the server) is
-// released only after that last write. Never throws from its thread: a failed beat is retried.
+// watcher stops watching. Each request on `connection` is bounded by request_bound(interval): a
+// rank that outlives the store (rank 0 finished first) neither waits at its exit nor holds a
+// beat for the store's connect timeout. `keep_alive` (the rank's main store, which may host the
+// server) is released only after that last write. Never throws from its thread: a failed beat
+// is retried.
+//
+// Rank 0 hosts the store, and a node's watch judges a store that stops answering before rank 0
+// said "done" as that node lost. So rank 0, after its "done", waits until the watch of each node
+// in `confirm_nodes` (the job's other nodes) has seen it (heartbeat_end_key), at most
+// confirm_bound(interval): a healthy job whose rank 0 ends first is not taken for a partition
+// on the nodes that still work.
 class Heartbeat {
  public:
   Heartbeat(std::shared_ptr<Store> connection, std::shared_ptr<Store> keep_alive, int rank,
-            std::chrono::milliseconds interval);
+            std::chrono::milliseconds interval, std::vector<int> confirm_nodes = {});
   ~Heartbeat();
   Heartbeat(const Heartbeat&) = delete;
   Heartbeat& operator=(const Heartbeat&) = delete;
 
+  // The bound of each request on the beat's connection: two intervals, at least 1 s.
+  static std::chrono::milliseconds request_bound(std::chrono::milliseconds interval);
+  // How long rank 0 waits for the other nodes' watches to see its "done": five intervals (a
+  // watch polls every interval) plus 2 s.
+  static std::chrono::milliseconds confirm_bound(std::chrono::milliseconds interval);
+
  private:
+  void wait_for_confirmations();
+
   std::shared_ptr<Store> connection_, keep_alive_;
   int rank_;
+  std::chrono::milliseconds interval_;
+  std::vector<int> confirm_nodes_;
   int64_t beats_ = 0;
   std::unique_ptr<Periodic> thread_;
 };
@@ -71,6 +90,11 @@ class Heartbeat {
 // as one later is, not left to the collective timeout.
 std::string heartbeat_watch_key(int node_rank);
 
+// The key the launcher of node `node_rank` sets once its watch has seen rank 0's "done", or
+// when it stops watching (HeartbeatWatch's end_key): from then on that node does not need the
+// store, and rank 0 may let it go (Heartbeat's confirm_nodes).
+std::string heartbeat_end_key(int node_rank);
+
 // A rank that fell silent, and for how long (as of the watcher's latest look at the store).
 struct SilentRank {
   int rank = -1;
@@ -81,14 +105,16 @@ struct SilentRank {
 // Polls the heartbeat keys of `ranks` on the TCP store at host:port every `interval`, from a
 // thread of its own. Until it has seen each of them beat, it also asks every kFirstLookTick
 // (one request) whether they all have; it then polls at once and sets `ready_key` (when not
-// empty) on the store. A rank is judged only after its first beat and until it wrote "done";
-// the store, only after it answered once.
+// empty) on the store. Once it has seen rank 0's "done", or when destroyed after its first
+// complete poll, it sets `end_key` (when not empty). A rank is judged only after its first beat
+// and until it wrote "done"; the store, only after it answered once.
 class HeartbeatWatch {
  public:
   static constexpr std::chrono::milliseconds kFirstLookTick{50};
   HeartbeatWatch(std::string host, int port, std::string job_token, std::vector<int> ranks,
-                 std::chrono::milliseconds interval, std::string ready_key = "");
-  ~HeartbeatWatch();  // stops the thread
+                 std::chrono::milliseconds interval, std::string ready_key = "",
+                 std::string end_key = "");
+  ~HeartbeatWatch();  // stops the thread; sets end_key (one request) when not set yet
   HeartbeatWatch(const HeartbeatWatch&) = delete;
   HeartbeatWatch& operator=(const HeartbeatWatch&) = delete;
 
@@ -114,10 +140,11 @@ class HeartbeatWatch {
   std::string token_;
   std::vector<int> ranks_;
   std::chrono::milliseconds interval_;
-  std::string ready_key_;
-  // Used by the thread only: the connection, whether ready_key is set, the next poll's time.
+  std::string ready_key_, end_key_;
+  // Used by the thread (and the destructor, after it): the connection, whether ready_key and
+  // end_key are set, the next poll's time.
   std::unique_ptr<TcpStore> store_;
-  bool announced_ = false;
+  bool announced_ = false, ended_ = false;
   HeartbeatClock::time_point next_poll_;
   mutable std::mutex mu_;
   std::map<int, Seen> seen_;                      // ranks that beat at least once

@@ -129,10 +129,19 @@ int exit_code_of(int status) {
 }
 
 bool is_worker_var(const std::string& entry) {
-  static const char* kVars[] = {
-      "RANK=",         "WORLD_SIZE=",      "LOCAL_RANK=",         "LOCAL_WORLD_SIZE=",
-      "GROUP_RANK=",   "NODE_RANK=",       "MASTER_ADDR=",        "MASTER_PORT=",
-      "DP_JOB_TOKEN=", "DP_HEARTBEAT_MS=", "DP_HEARTBEAT_WATCH=", "DP_RESTART_COUNT="};
+  static const char* kVars[] = {"RANK=",
+                                "WORLD_SIZE=",
+                                "LOCAL_RANK=",
+                                "LOCAL_WORLD_SIZE=",
+                                "GROUP_RANK=",
+                                "NODE_RANK=",
+                                "MASTER_ADDR=",
+                                "MASTER_PORT=",
+                                "DP_JOB_TOKEN=",
+                                "DP_HEARTBEAT_MS=",
+                                "DP_HEARTBEAT_WATCH=",
+                                "DP_HEARTBEAT_NODES=",
+                                "DP_RESTART_COUNT="};
   for (const char* v : kVars)
     if (entry.rfind(v, 0) == 0) return true;
   return false;
@@ -393,6 +402,7 @@ AttemptEnd run_attempt(const LaunchPlan& plan, int restart_count, SignalWatch& s
     if (!job_token.empty()) env.push_back("DP_JOB_TOKEN=" + job_token);
     env.push_back("DP_HEARTBEAT_MS=" + std::to_string(plan.hb_interval.count()));
     env.push_back("DP_HEARTBEAT_WATCH=" + std::to_string(o.node_rank));
+    env.push_back("DP_HEARTBEAT_NODES=" + std::to_string(o.nnodes));
     env.push_back("DP_RESTART_COUNT=" + std::to_string(restart_count));
     for (auto& s : env) envps[i].push_back(const_cast<char*>(s.c_str()));
     envps[i].push_back(nullptr);
@@ -441,9 +451,12 @@ AttemptEnd run_attempt(const LaunchPlan& plan, int restart_count, SignalWatch& s
   // partition, a dead node or a frozen one in seconds rather than at the collective timeout.
   std::vector<int> watched;
   for (int r = 0; r < o.nnodes * o.nproc_per_node; ++r) watched.push_back(r);
-  // The ranks wait for its first look at every rank before they train (heartbeat_watch_key).
+  // The ranks wait for its first look at every rank before they train (heartbeat_watch_key);
+  // rank 0 waits for the other nodes' watches to see its end before its store goes
+  // (heartbeat_end_key: not this node's own, which never takes rank 0's end for a lost node).
   HeartbeatWatch heartbeats(o.master_addr, plan.port, job_token, watched, plan.hb_interval,
-                            heartbeat_watch_key(o.node_rank));
+                            heartbeat_watch_key(o.node_rank),
+                            o.node_rank == 0 ? "" : heartbeat_end_key(o.node_rank));
   std::optional<SilentRank> hung;
   // A rank of another node that fell silent (or the store it hosts): this node's workers stop.
   std::optional<SilentRank> lost;
