@@ -454,7 +454,9 @@ TEST_CASE("dist.launch: two nodes with restarts: a failure on node 1 restarts or
 // A healthy job whose rank 0 (which hosts the store) ends 4 s before the other node's rank was
 // taken by that node's launcher for a partition ("the store on rank 0 (node 0, ...) stopped
 // answering ...: node 0 died, froze, or is cut off"), and its working rank was stopped: its
-// watch had not read rank 0's "done" before the store went. Rank 0 now waits for it.
+// watch had not read rank 0's "done" before the store went. Rank 0 now waits for it. And the
+// rank that outlives the store leaves at once: its heartbeat's last requests were bounded by the
+// rendezvous timeout, and it took 60 s to exit (node 1's launcher then ends past the 30 s here).
 TEST_CASE("dist.launch: two nodes: rank 0 ending first is no lost node") {
   std::string dir = dist_test::make_temp_dir("rank0_first");
   RemoveDir cleanup{dir};
