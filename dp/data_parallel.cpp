@@ -293,9 +293,10 @@ std::vector<int64_t> DataParallel::split_batch(const char* what, Tensor& images,
   return sizes;
 }
 
-void DataParallel::forward_and_loss(int i, nn::Mode mode) {
+void DataParallel::forward_and_loss(int i, nn::Mode mode, bool mark_micro) {
   PerDevice& pd = per_device_[i];
   nn::Module& m = *replicas_[i];
+  pd.micro_marks_used = 0;
   if (mode == nn::Mode::train) {
     m.train();
     m.zero_grad();
@@ -306,10 +307,18 @@ void DataParallel::forward_and_loss(int i, nn::Mode mode) {
   if (mode == nn::Mode::train && pd.micro.count() > 1) {
     // Every micro-batch but the last runs its backward here, before this device's hooks hand
     // buckets on (pd.in_step is off): its gradient only accumulates.
-    pd.output = pd.micro.queue([&](const Tensor& x) { return m.forward(x); },
-                               [&](const Tensor& dy) { m.backward(dy); }, *options_.loss, pd.input,
-                               pd.labels, pd.metrics.view(kLoss, {1}), &pd.dlogits,
-                               pd.metrics.view(kCorrect, {1}), !m.backward_reads_output());
+    const size_t marks = 2 * static_cast<size_t>(pd.micro.count() - 1);
+    if (mark_micro && pd.micro_marks.size() < marks) pd.micro_marks.resize(marks);
+    kernels::DeviceContext& ctx = pool_.context(i);
+    auto backward = [&](const Tensor& dy) {
+      if (mark_micro) pd.micro_marks[pd.micro_marks_used++].record(ctx);
+      m.backward(dy);
+      if (mark_micro) pd.micro_marks[pd.micro_marks_used++].record(ctx);
+    };
+    pd.output =
+        pd.micro.queue([&](const Tensor& x) { return m.forward(x); }, backward, *options_.loss,
+                       pd.input, pd.labels, pd.metrics.view(kLoss, {1}), &pd.dlogits,
+                       pd.metrics.view(kCorrect, {1}), !m.backward_reads_output());
   } else {
     pd.output = m.forward(pd.input);
     queue_loss(*options_.loss, pd.output, pd.labels, pd.metrics.view(kLoss, {1}),

@@ -337,6 +337,11 @@ class DataParallel {
     BucketProgress own;  // this device's backward through the buckets
     bool in_step = false;
     kernels::Event marks[kStepMarks];  // by StepMark (dp/step.hpp)
+    // A traced, uncaptured step of several micro-batches: the start and the end of each
+    // micro-batch's backward but the last one's (forward_and_loss runs them), in order, so that
+    // the trace shows them between the forwards. Made when a step first needs more; kept.
+    std::vector<kernels::Event> micro_marks;
+    int micro_marks_used = 0;
   };
   // Device i's stages of a training step (dp/step_stages.hpp: scatter, replicate, forward,
   // backward, the reduction to device 0, device 0's update), uncaptured or graphed.
@@ -398,7 +403,10 @@ class DataParallel {
   // Hybrid: narrows images and labels to this node's chunk first.
   std::vector<int64_t> split_batch(const char* what, Tensor& images, Tensor& labels,
                                    StepStats& stats);
-  void forward_and_loss(int i, nn::Mode mode);
+  // Device i's forward and loss (train: with the gradient of the loss; several micro-batches:
+  // every one's but the last's backward too, each between two of pd.micro_marks when
+  // `mark_micro`, for the trace).
+  void forward_and_loss(int i, nn::Mode mode, bool mark_micro = false);
   // Device 0, at the end of a step: gathers every device's metrics and reads them to the host,
   // the step's one host wait (which also covers every other device's work: device 0 waited on
   // each one's last event first).

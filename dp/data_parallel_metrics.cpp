@@ -226,7 +226,15 @@ void DataParallel::collect_step(int n, StepStats& stats) {
     const PerDevice& pd = per_device_[i];
     slice("dp/scatter", i, pd.marks[kBegin], pd.marks[kScattered]);
     if (i > 0) slice("dp/replicate", i, pd.marks[kScattered], pd.marks[kReplicated]);
-    slice("dp/forward", i, pd.marks[kReplicated], pd.marks[kForwarded]);
+    // Several micro-batches: a forward, then each earlier micro-batch's backward between the
+    // forwards, as they ran.
+    const Event* forward_from = &pd.marks[kReplicated];
+    for (int j = 0; j + 1 < pd.micro_marks_used; j += 2) {
+      slice("dp/forward", i, *forward_from, pd.micro_marks[j]);
+      slice("dp/backward", i, pd.micro_marks[j], pd.micro_marks[j + 1]);
+      forward_from = &pd.micro_marks[j + 1];
+    }
+    slice("dp/forward", i, *forward_from, pd.marks[kForwarded]);
     slice("dp/backward", i, pd.marks[kForwarded], pd.marks[kBackwarded]);
     if (!pulls_.sources(i).empty())
       slice("dp/reduce", i, pd.marks[kBackwarded], pd.marks[kReduced]);

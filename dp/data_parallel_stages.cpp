@@ -34,7 +34,10 @@ struct DataParallel::DeviceStages final : StepStages {
     if (i > 0) dp.replicate(i);
   }
   void before_forward() override { dp.order_buffers_before_forward(i, n); }
-  void forward_and_loss() override { dp.forward_and_loss(i, nn::Mode::train); }
+  // Traced and uncaptured: each earlier micro-batch's backward is marked for the trace.
+  void forward_and_loss() override {
+    dp.forward_and_loss(i, nn::Mode::train, dp.trace_ != nullptr && segments == nullptr);
+  }
   void before_backward() override { dp.pulls_.prepare(i); }
   void backward() override {
     nn::Module& m = *dp.replicas_[i];

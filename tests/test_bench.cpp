@@ -1837,25 +1837,27 @@ TEST_CASE("bench.micro_batches: DP and DDP in micro-batches follow one pass, gra
                   "reduction and update (1048576 asked: a device's chunk has at most 5 rows)") !=
         std::string::npos);
   CHECK(text.find("(1048576 asked: a rank's chunk has at most 5 rows)") != std::string::npos);
-  // DDP's trace: each rank's earlier micro-batch backward is a slice of its own, between the
-  // forwards (forward, backward, forward, backward in the timed step; warm-up is not traced).
-  {
-    const std::string trace = temp_path("micro_trace.json");
-    REQUIRE(run_bench("--device cpu --gpus 2 --mode ddp --steps 1 --warmup 1 --batch 8 "
-                      "--baseline 0 --micro-batches 2 --trace " +
+  // The traces: each device's or rank's earlier micro-batch backward is a slice of its own,
+  // between the forwards (forward, backward, forward, backward in the timed step; warm-up is not
+  // traced). DP's showed one forward over both micro-batches' first half (FB).
+  for (const std::string mode : {"dp", "ddp"}) {
+    CAPTURE(mode);
+    const std::string trace = temp_path("micro_trace_" + mode + ".json");
+    REQUIRE(run_bench("--device cpu --gpus 2 --mode " + mode +
+                      " --steps 1 --warmup 1 --batch 8 --baseline 0 --micro-batches 2 --trace " +
                       trace) == 0);
     std::map<std::pair<int, int>, std::vector<std::pair<double, std::string>>> slices;
     const nlohmann::json events = read_json(trace)["traceEvents"];
     for (auto& e : events)
-      if (e["ph"] == "X" && (e["name"] == "ddp/forward" || e["name"] == "ddp/backward"))
+      if (e["ph"] == "X" && (e["name"] == mode + "/forward" || e["name"] == mode + "/backward"))
         slices[{e["pid"].get<int>(), e["tid"].get<int>()}].emplace_back(
             e["ts"].get<double>(), e["name"].get<std::string>());
     std::remove(trace.c_str());
-    CHECK(slices.size() == 2);  // the two ranks
+    CHECK(slices.size() == 2);  // the two devices or ranks
     for (auto& [track, list] : slices) {
       std::sort(list.begin(), list.end());
       std::string order;
-      for (auto& [ts, name] : list) order += name == "ddp/forward" ? "F" : "B";
+      for (auto& [ts, name] : list) order += name == mode + "/forward" ? "F" : "B";
       CHECK(order == "FBFB");
     }
   }
