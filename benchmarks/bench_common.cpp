@@ -161,9 +161,9 @@ void add_flags(CLI::App& app, Options& o) {
   app.add_option("--seed", o.seed, "model and data seed")
       ->check(whole_number(0, std::numeric_limits<int64_t>::max()));
   app.add_option("--json", o.json_path, "write the report as JSON")
-      ->check(dp::cli::output_file(dp::cli::Output::report));
+      ->check(dp::cli::output_file(dp::cli::Output::report, dp::cli::OutputDir::or_checkpoint_dir));
   app.add_option("--trace", o.trace_path, "write a Chrome/Perfetto trace (one track per device)")
-      ->check(dp::cli::output_file(dp::cli::Output::trace));
+      ->check(dp::cli::output_file(dp::cli::Output::trace, dp::cli::OutputDir::or_checkpoint_dir));
   app.add_option("--sweep", o.sweep, "device counts to sweep, e.g. 1,2,4 (writes CSV + chart)")
       ->check(CLI::Validator(
           [](std::string& counts) {
@@ -213,7 +213,7 @@ void add_flags(CLI::App& app, Options& o) {
                  "next step while the devices run this one (needs --phase-times off, fp32 or "
                  "tf32, and for DP graphed steps)")
       ->check(CLI::Range(0, 1));
-  dp::cli::add_micro_batches_flag(app, o.micro_batches);
+  dp::cli::add_micro_batches_flag(app, o.micro_batches, "DP, DDP and hybrid");
   app.add_option("--project-from", o.project_from,
                  "dp_bench JSON of a GPU run whose compute the NVLink/PCIe projection uses, or "
                  "off: no projection (on a GPU it runs one device again at the per-rank batches "
@@ -991,11 +991,28 @@ int run(const Options& o, int argc, char** argv) {
                   "curve; give --mode dp, ddp or both");
   // Of the built-in models only the ResNet has BatchNorm layers (make_model); a workload's
   // model is its own.
+  // Hybrid's DP engines would combine statistics within a node only (DataParallel refuses it
+  // once the nodes have started): refused here, before any work.
   DP_CHECK(
-      !o.sync_bn || (o.mode != "ps" && (o.workload || o.model == "resnet")),
+      !o.sync_bn || (o.mode != "ps" && o.mode != "hybrid" && (o.workload || o.model == "resnet")),
       "--sync-bn with " << (o.mode == "ps" ? "--mode ps: the parameter server's workers step alone"
-                                           : "--model " + o.model + ": the model has no BatchNorm")
-                        << "; give --model resnet with --mode dp, ddp, both or hybrid");
+                            : o.mode == "hybrid"
+                                ? "--mode hybrid: its devices would combine BatchNorm "
+                                  "statistics within their node only"
+                                : "--model " + o.model + ": the model has no BatchNorm")
+                        << "; give --model resnet with --mode dp, ddp or both");
+  if (o.sync_bn && o.workload) {
+    nn::ModulePtr model = o.workload->make_model();  // unmaterialised: its layers only
+    DP_CHECK(nn::batch_norm_sync_values_per_step(*model) > 0,
+             "--sync-bn with the workload " << o.workload->name
+                                            << ": its model has no BatchNorm layer, so there is "
+                                               "nothing to sync; drop --sync-bn");
+  }
+  DP_CHECK(!o.launch.max_local_ranks || o.mode == "ddp" || o.mode == "both" || o.mode == "hybrid",
+           "--max-local-ranks " << *o.launch.max_local_ranks << " with --mode " << o.mode
+                                << ": it bounds the processes a launcher starts on this node; "
+                                   "give --mode ddp, both or hybrid");
+  dp::cli::check_max_skip_fraction(o.max_skip_fraction, o.dtype);
   DP_CHECK(o.backend != "mpi" || o.mode == "ddp",
            "--backend mpi with --mode " << o.mode
                                         << ": MPI carries DDP's collectives, and only --mode ddp "

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 
@@ -120,6 +121,12 @@ int run_ps_mode(const Options& o, const Setup& s) {
       static_cast<long long>(r.pushes), static_cast<long long>(per_worker),
       o.max_staleness < 0 ? "unbounded" : std::to_string(o.max_staleness).c_str(),
       o.scale_lr ? ", lr / (1 + staleness)" : "");
+  const Header header = make_header(o, s, n);
+  {
+    std::ostringstream env;  // what the figures rest on, as every report says it
+    print_environment(env, header);
+    std::fputs(env.str().c_str(), stdout);
+  }
   if (s.type == kernels::DeviceType::cpu)
     std::printf(
         "note: CPU devices share this machine's cores: figures measure the engines' "
@@ -155,6 +162,7 @@ int run_ps_mode(const Options& o, const Setup& s) {
                         {"device", s.type == kernels::DeviceType::cuda ? "cuda" : "cpu"},
                         {"samples", total},
                         {"max_staleness", o.max_staleness},
+                        {"environment", environment_json(header)},
                         {"dp",
                          {{"seconds", dp_seconds},
                           {"samples_per_s", dp_rate},

@@ -369,9 +369,7 @@ std::string verdict(const Header& h, const std::vector<RunResult>& runs) {
   return os.str();
 }
 
-void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>& runs) {
-  os << "dp_bench: model " << h.model << " (" << h.params << " parameters, " << mib(h.params * 4)
-     << " MiB), dtype " << h.dtype << ", device " << h.device << "\n";
+void print_environment(std::ostream& os, const Header& h) {
   if (!h.libraries.empty()) {
     os << "libraries:";
     for (size_t i = 0; i < h.libraries.size(); ++i)
@@ -379,6 +377,24 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
     os << "\n";
   }
   if (!h.cpu_gemm_warning.empty()) os << "warning: " << h.cpu_gemm_warning << "\n";
+}
+
+nlohmann::json environment_json(const Header& h) {
+  nlohmann::json env = {{"libraries", nlohmann::json::object()}};
+  for (auto& [name, version] : h.libraries) env["libraries"][name] = version;
+  if (!h.cpu_gemm_kernels.empty())
+    env["cpu_gemm"] = {{"kernels", h.cpu_gemm_kernels},
+                       {"chosen_over", h.cpu_gemm_chosen_over},
+                       {"generic", h.cpu_gemm_generic},
+                       {"warning", h.cpu_gemm_warning},
+                       {"bf16", h.cpu_gemm_bf16}};
+  return env;
+}
+
+void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>& runs) {
+  os << "dp_bench: model " << h.model << " (" << h.params << " parameters, " << mib(h.params * 4)
+     << " MiB), dtype " << h.dtype << ", device " << h.device << "\n";
+  print_environment(os, h);
   if (h.device == "cpu") {
     os << "note: " << h.logical << " CPU devices share " << h.physical
        << " cores: figures measure engine overhead on one machine, not multi-GPU scaling\n";
@@ -1004,7 +1020,7 @@ nlohmann::json to_json(const Header& h, const std::vector<RunResult>& runs,
                       {"flops_per_token", h.flops_per_token},
                       {"peak_tflops", h.peak_tflops},
                       {"peak_source", h.peak_source},
-                      {"environment", {{"libraries", nlohmann::json::object()}}},
+                      {"environment", environment_json(h)},
                       {"runs", nlohmann::json::array()},
                       {"projection", nlohmann::json::array()},
                       {"projection_source", projection.source},
@@ -1012,13 +1028,6 @@ nlohmann::json to_json(const Header& h, const std::vector<RunResult>& runs,
                       {"ddp_step_time", "slowest rank per step"},
                       {"repeats", runs.empty() ? 1 : std::max<size_t>(1, runs[0].repeat_ms.size())},
                       {"verdict", verdict(h, runs)}};
-  for (auto& [name, version] : h.libraries) j["environment"]["libraries"][name] = version;
-  if (!h.cpu_gemm_kernels.empty())
-    j["environment"]["cpu_gemm"] = {{"kernels", h.cpu_gemm_kernels},
-                                    {"chosen_over", h.cpu_gemm_chosen_over},
-                                    {"generic", h.cpu_gemm_generic},
-                                    {"warning", h.cpu_gemm_warning},
-                                    {"bf16", h.cpu_gemm_bf16}};
   for (auto& p : project(projection.runs, projection.compute_runs))
     j["projection"].push_back({{"mode", p.mode},
                                {"link", p.link},

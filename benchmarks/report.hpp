@@ -259,6 +259,10 @@ ProjectionInput projection_input(const Header& h, const std::vector<RunResult>& 
                                  const std::string& project_from,
                                  const std::vector<RunResult>& compute_runs = {});
 
+// What a figure rests on, as every report says it: the `libraries:` line and the CPU GEMM
+// kernels' `warning:` line when narrower ones run, and the JSON's "environment".
+void print_environment(std::ostream& os, const Header& h);
+nlohmann::json environment_json(const Header& h);
 void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>& runs);
 // Optimizer state per device or rank, beside the ZeRO paper's model of memory per rank in
 // f32: parameters 4P + gradients 4P + optimizer state K P (K = 4 bytes for SGD's momentum, 8

@@ -132,13 +132,13 @@ int main(int argc, char** argv) {
       ->default_str(dp::data::kDefaultFashionMnistDir)
       ->check(CLI::ExistingDirectory);
   app.add_option("--json", f.json, "write {test_accuracy, train_loss[], seconds} here")
-      ->check(dp::cli::output_file(dp::cli::Output::report));
+      ->check(dp::cli::output_file(dp::cli::Output::report, dp::cli::OutputDir::or_checkpoint_dir));
   app.add_option("--mode", f.mode,
                  "single|dp|ddp|hybrid (DP in each node, nodes joined like DDP)|ps (asynchronous "
                  "parameter server)")
       ->check(CLI::IsMember({"single", "dp", "ddp", "hybrid", "ps"}));
   dp::cli::add_hybrid_procs_flag(app, f.hybrid_procs);
-  dp::cli::add_micro_batches_flag(app, f.micro_batches);
+  dp::cli::add_micro_batches_flag(app, f.micro_batches, "dp, ddp and hybrid");
   app.add_option("--max-staleness", f.max_staleness,
                  "ps: a worker waits while this many newer updates are outstanding (-1: unbounded)")
       ->check(whole_number(-1, 1 << 20));
@@ -151,8 +151,9 @@ int main(int argc, char** argv) {
   dp::cli::add_max_skip_fraction_flag(app, f.max_skip_fraction);
   app.add_option("--gpus", f.gpus, "devices for dp/ddp/ps")->check(whole_number(1, kMaxDevices));
   app.add_option("--last-batch", f.last_batch,
-                 "dp/ddp: a last batch too short for every device to get a row is padded by "
-                 "wrapping round to the epoch's start (pad), or dropped (drop)")
+                 "an epoch's partial last batch: trained, padded by wrapping round to the "
+                 "epoch's start when too short for every device or rank to get a row (pad); or "
+                 "dropped whatever its size, as PyTorch's drop_last (drop)")
       ->check(CLI::IsMember({"pad", "drop"}));
   app.add_option("--backend", f.backend, "ddp: auto|nccl|gloo|mpi (mpi: under mpirun)")
       ->check(CLI::IsMember({"auto", "nccl", "gloo", "mpi"}));
@@ -178,7 +179,8 @@ int main(int argc, char** argv) {
   app.add_option("--log", f.log,
                  "write one JSON object per step here (step, loss, lr, grad_norm, samples_per_s, "
                  "loss_scale; rank 0 in DDP; not with --mode ps)")
-      ->check(dp::cli::output_file(dp::cli::Output::step_log));
+      ->check(
+          dp::cli::output_file(dp::cli::Output::step_log, dp::cli::OutputDir::or_checkpoint_dir));
   app.add_option("--limit-batches", f.limit_batches,
                  "stop each epoch after this many batches (smoke runs)")
       ->check(whole_number(1, std::numeric_limits<int64_t>::max()));
@@ -261,6 +263,11 @@ int main(int argc, char** argv) {
                                << ": only --mode ddp has worker processes to "
                                << "restart");
     dp::dist::check_restarts_allowed(f.launch.max_restarts, f.launch.nnodes, f.launch.master_port);
+    DP_CHECK(!f.launch.max_local_ranks || f.mode == "ddp" || hybrid,
+             "--max-local-ranks " << *f.launch.max_local_ranks << " with --mode " << f.mode
+                                  << ": it bounds the processes a launcher starts on this node; "
+                                     "give --mode ddp or hybrid");
+    dp::cli::check_max_skip_fraction(f.max_skip_fraction, f.dtype);
     DP_CHECK(f.launch.node_rank < f.launch.nnodes, "--node-rank " << f.launch.node_rank
                                                                   << " is not in [0, --nnodes "
                                                                   << f.launch.nnodes << ")");

@@ -180,7 +180,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
   app.add_option("--batch", f.batch, "sequences per global batch")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
-  dp::cli::add_micro_batches_flag(app, f.micro_batches);
+  dp::cli::add_micro_batches_flag(app, f.micro_batches, "single, dp and ddp");
   app.add_option("--seq", f.seq, "tokens per sequence (at most the model's context)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   app.add_option("--lr", f.lr, "AdamW learning rate")->check(dp::cli::positive_number(10));

@@ -18,6 +18,12 @@ if(TARGET compare_my_model)
   set_tests_properties("samples.compare_my_model: refuses --model, which the workload replaces"
     PROPERTIES TIMEOUT 30
     PASS_REGULAR_EXPRESSION "--model: 'cnn' is not used: this program trains residual_mlp")
+  # --sync-bn on a workload whose model has no BatchNorm did nothing, and said nothing.
+  add_test(NAME "samples.compare_my_model: refuses --sync-bn, its model having no BatchNorm"
+           COMMAND $<TARGET_FILE:compare_my_model> --device cpu --gpus 2 --mode dp --sync-bn)
+  set_tests_properties("samples.compare_my_model: refuses --sync-bn, its model having no BatchNorm"
+    PROPERTIES TIMEOUT 30
+    PASS_REGULAR_EXPRESSION "--sync-bn with the workload residual_mlp: its model has no BatchNorm layer, so there is nothing to sync; drop --sync-bn")
   # The workload's own optimizer (AdamW with parameter groups) and clipping: --optim is refused,
   # and every mode and device count follows one loss curve under that recipe.
   add_test(NAME "samples.compare_my_model: its own optimizer, --optim refused"

@@ -575,6 +575,14 @@ TEST_CASE("bench.ps: --mode ps sets the parameter server beside DP on the same s
   CHECK(j["ps"]["updates"] == 15);  // 150 samples in batches of 30 / 3
   CHECK(j["ps"]["curve"].size() == 15);
   CHECK(j["ps"]["curve"].back()["samples"] == 150);
+  // What the figures rest on, as every report says it (the ps report named no library).
+  CHECK(j["environment"]["libraries"].contains("openblas"));
+  CHECK(j["environment"].contains("cpu_gemm"));
+  {
+    auto [rc, text] = bench_output("--device cpu --mode ps --gpus 2 --steps 2 --warmup 0");
+    CHECK(rc == 0);
+    CHECK(text.find("\nlibraries: openblas ") != std::string::npos);
+  }
   int64_t hist = 0;
   for (auto c : j["ps"]["staleness_histogram"]) hist += c.get<int64_t>();
   CHECK(hist == 15);
@@ -672,6 +680,14 @@ TEST_CASE("bench.flags: zero, negative, text and huge values are refused in plai
   refused(cpu + "--mode dp --keep 2", "--keep requires --checkpoint-dir");
   refused(cpu + "--mode dp --sync-bn", "--sync-bn with --model mlp: the model has no BatchNorm");
   refused(cpu + "--mode ps --model resnet --sync-bn", "--sync-bn with --mode ps");
+  refused(cpu + "--mode dp --max-local-ranks 2",
+          "--max-local-ranks 2 with --mode dp: it bounds the processes a launcher starts");
+  refused(cpu + "--mode ps --max-local-ranks 2", "--max-local-ranks 2 with --mode ps");
+  refused(cpu + "--dtype tf32 --max-skip-fraction 0.1",
+          "--max-skip-fraction 0.1 with --dtype tf32: fp32 and tf32 runs take every step");
+  refused(cpu + "--mode hybrid --model resnet --sync-bn",
+          "--sync-bn with --mode hybrid: its devices would combine BatchNorm statistics within "
+          "their node only");
   refused(cpu + "--first-bucket-mb 0.0000001",
           "--first-bucket-mb: 0.0000001 MiB is 0 bytes, less than one f32 gradient: give at "
           "least");
@@ -1517,6 +1533,32 @@ TEST_CASE("bench.checkpoint: a finished run resumed has nothing left to train an
     std::filesystem::remove_all(dir);
   }
   std::filesystem::remove_all(temp_path("finished"));
+}
+
+// A report or trace inside a checkpoint folder the run has yet to create was refused ("its
+// directory does not exist"), though the folder is made before any work: the natural layout of
+// a run's files in one folder. A missing folder that is not the checkpoint folder still is.
+TEST_CASE("bench.checkpoint: --json and --trace may go into the checkpoint folder it creates") {
+  const std::string root = temp_path("outputs_in_ck");
+  std::filesystem::remove_all(root);
+  const std::string dir = root + "/ck";
+  const std::string args =
+      "--device cpu --gpus 2 --baseline 0 --steps 2 --warmup 0 --batch 8 --mode dp "
+      "--checkpoint-dir " +
+      dir + "/ ";  // a trailing slash names the same folder
+  auto [rc, text] =
+      bench_output(args + "--json " + dir + "/report.json --trace " + dir + "/trace.json");
+  INFO(text);
+  CHECK(rc == 0);
+  CHECK(std::filesystem::exists(dir + "/report.json"));
+  CHECK(std::filesystem::exists(dir + "/trace.json"));
+  CHECK(std::filesystem::exists(nn::checkpoint_file(dir, 2)));
+  std::filesystem::remove_all(root);
+  refused(args + "--json " + root + "/other/report.json",
+          "--json: cannot write '" + root + "/other/report.json': its directory '" + root +
+              "/other' does not exist");
+  refused(args + "--trace " + dir + "/sub/trace.json", "its directory '" + dir + "/sub' does not");
+  CHECK(!std::filesystem::exists(root));  // nothing made before the refusal
 }
 
 TEST_CASE("bench.exit: an output that cannot be written is an error naming it") {

@@ -211,6 +211,11 @@ TEST_CASE("samples.train_mnist: bad flags are refused in plain words, before any
            {"--mode ddp --max-restarts -1",
             "--max-restarts: -1 is out of range: give a whole number in [0, 1000]"},
            {"--mode dp --max-restarts 1", "--max-restarts 1: only --mode ddp"},
+           // Flags that would do nothing: refused (they ran with exit 0 and no note).
+           {"--mode dp --max-local-ranks 2",
+            "--max-local-ranks 2 with --mode dp: it bounds the processes a launcher starts"},
+           {"--max-skip-fraction 0.1",
+            "--max-skip-fraction 0.1 with --dtype fp32: fp32 and tf32 runs take every step"},
            {"--mode dp --backend mpi",
             "--backend mpi with --mode dp: only --mode ddp and hybrid have a communication "
             "backend"},
@@ -584,6 +589,29 @@ TEST_CASE(
   CHECK(rc != 0);
   CHECK(text.find("'" + file + "' exists and is not a folder") != std::string::npos);
   std::filesystem::remove_all(temp_path("locked"));
+}
+
+// --log and --json beside the checkpoints, in a folder the run creates: refused before ("its
+// directory 'ck' does not exist"), though --checkpoint-dir is made before any work.
+TEST_CASE("samples.train_mnist: --log and --json may go into the checkpoint folder it creates") {
+  if (skip_without_fashion_mnist()) return;
+  const std::string root = temp_path("mnist_outputs_in_ck");
+  std::filesystem::remove_all(root);
+  const std::string dir = root + "/ck";
+  auto [rc, text] = run_mnist(kSmall + " --epochs 1 --checkpoint-dir " + dir + " --log " + dir +
+                              "/log.jsonl --json " + dir + "/report.json");
+  INFO(text);
+  CHECK(rc == 0);
+  CHECK(std::filesystem::file_size(dir + "/log.jsonl") > 0);
+  CHECK(std::filesystem::file_size(dir + "/report.json") > 0);
+  std::filesystem::remove_all(root);
+  auto [rc2, text2] = run_mnist(kSmall + " --epochs 1 --checkpoint-dir " + dir + " --log " + root +
+                                "/elsewhere/log.jsonl");
+  INFO(text2);
+  CHECK(rc2 != 0);
+  CHECK(text2.find("--log: cannot write '" + root + "/elsewhere/log.jsonl': its directory '" +
+                   root + "/elsewhere' does not exist") != std::string::npos);
+  CHECK(!std::filesystem::exists(root));
 }
 
 TEST_CASE("samples.train_mnist: an output that cannot be written is an error naming it") {

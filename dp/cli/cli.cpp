@@ -78,8 +78,15 @@ std::string parent_directory(const std::string& path) {
   return path.substr(0, slash);
 }
 
-// What stops `path` from being written, or "".
-std::string output_file_problem(const std::string& path) {
+// Why `path` cannot be written when its directory `dir` could not be read (stat's `error`).
+std::string missing_dir_problem(const std::string& path, const std::string& dir, int error) {
+  return "cannot write '" + path + "': its directory '" + dir + "' " +
+         (error == ENOENT ? std::string("does not exist") : std::strerror(error));
+}
+
+// What stops `path` from being written, or "". A missing parent directory is no problem when
+// `missing_dir_ok` (check_outside_checkpoints judges it).
+std::string output_file_problem(const std::string& path, bool missing_dir_ok = false) {
   if (path.empty()) return "the path is empty: give a file name";
   // An existing file is opened for writing. It may vanish between stat and open (another DDP
   // rank's probe, below, removed again): then look again, and it is checked as a new file.
@@ -105,9 +112,10 @@ std::string output_file_problem(const std::string& path) {
   }
   std::string dir = parent_directory(path);
   struct stat ds {};
-  if (::stat(dir.c_str(), &ds) != 0)
-    return "cannot write '" + path + "': its directory '" + dir + "' " +
-           (errno == ENOENT ? std::string("does not exist") : std::strerror(errno));
+  if (::stat(dir.c_str(), &ds) != 0) {
+    if (errno == ENOENT && missing_dir_ok) return "";
+    return missing_dir_problem(path, dir, errno);
+  }
   if (!S_ISDIR(ds.st_mode)) return "cannot write '" + path + "': '" + dir + "' is not a directory";
   // A probe, created and removed: the run writes the file at its end. DDP ranks parse the same
   // flags at once, so another process may hold the probe right now (EEXIST): then the file is
@@ -157,6 +165,15 @@ void add_max_skip_fraction_flag(CLI::App& app, std::optional<double>& max_skip_f
           "[0, 1]"));
 }
 
+void check_max_skip_fraction(const std::optional<double>& max_skip_fraction,
+                             const std::string& dtype) {
+  DP_CHECK(!max_skip_fraction || dtype == "bf16" || dtype == "fp16",
+           "--max-skip-fraction " << *max_skip_fraction << " with --dtype " << dtype
+                                  << ": fp32 and tf32 runs take every step (no non-finite check), "
+                                     "so nothing would be bounded; give --dtype bf16 or fp16, or "
+                                     "drop it");
+}
+
 void add_launch_flags(CLI::App& app, dp::dist::LaunchOptions& launch) {
   app.add_option("--nnodes", launch.nnodes,
                  "ddp: nodes (run this program on each with its --node-rank)")
@@ -189,12 +206,13 @@ void add_hybrid_procs_flag(CLI::App& app, int& procs) {
       ->check(whole_number(0, 64));
 }
 
-void add_micro_batches_flag(CLI::App& app, int& micro_batches) {
+void add_micro_batches_flag(CLI::App& app, int& micro_batches, const std::string& modes) {
   app.add_option("--micro-batches", micro_batches,
-                 "DP, DDP and hybrid: gradient accumulation. Each device or rank runs its chunk "
-                 "of a step as this many micro-batches, one after another, their gradients "
-                 "summed before the one reduction and update: one micro-batch's activations in "
-                 "memory at a time, the same global batch and loss curve")
+                 modes +
+                     ": gradient accumulation. Each device or rank runs its chunk of a step as "
+                     "this many micro-batches, one after another, their gradients summed before "
+                     "the one reduction and update: one micro-batch's activations in memory at a "
+                     "time, the same global batch and loss curve")
       ->check(whole_number(1, 1 << 20));
 }
 
@@ -382,15 +400,20 @@ std::string existing_output_problem(const std::string& path, Output kind) {
 namespace {
 
 // The first of output_file_problem's and existing_output_problem's answers that is a problem.
-std::string output_problem(const std::string& path, Output kind) {
-  const std::string problem = output_file_problem(path);
+std::string output_problem(const std::string& path, Output kind, bool missing_dir_ok = false) {
+  const std::string problem = output_file_problem(path, missing_dir_ok);
   return problem.empty() ? existing_output_problem(path, kind) : problem;
 }
 
 }  // namespace
 
-CLI::Validator output_file(Output kind) {
-  return CLI::Validator([kind](std::string& path) { return output_problem(path, kind); }, "FILE");
+CLI::Validator output_file(Output kind, OutputDir dir) {
+  const bool missing_dir_ok = dir == OutputDir::or_checkpoint_dir;
+  return CLI::Validator(
+      [kind, missing_dir_ok](std::string& path) {
+        return output_problem(path, kind, missing_dir_ok);
+      },
+      "FILE");
 }
 
 void check_output_file(const std::string& flag, const std::string& path, Output kind) {
@@ -484,6 +507,20 @@ void check_distinct_files(const std::vector<FlagPath>& files) {
 
 void check_outside_checkpoints(const std::vector<FlagPath>& outputs,
                                const std::string& checkpoint_dir) {
+  // An output whose folder is missing (output_file's OutputDir::or_checkpoint_dir let it by):
+  // fine in the checkpoint folder, which the run creates before any work; refused elsewhere.
+  std::string folder = checkpoint_dir;
+  while (folder.size() > 1 && folder.back() == '/') folder.pop_back();
+  for (const FlagPath& o : outputs) {
+    if (o.path.empty()) continue;
+    const std::string dir = parent_directory(o.path);
+    struct stat st {};
+    if (::stat(dir.c_str(), &st) != 0) {
+      const int error = errno;
+      DP_CHECK(error == ENOENT && !folder.empty() && same_file(dir, folder),
+               o.flag << ": " << missing_dir_problem(o.path, dir, error));
+    }
+  }
   if (checkpoint_dir.empty()) return;
   for (const FlagPath& o : outputs) {
     if (o.path.empty()) continue;

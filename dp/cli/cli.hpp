@@ -78,6 +78,10 @@ void add_precision_flags(CLI::App& app, std::string& dtype, std::string& comm_dt
 // naming both fractions; over 5% is a warning either way. Beside the precision flags, for every
 // program that trains.
 void add_max_skip_fraction_flag(CLI::App& app, std::optional<double>& max_skip_fraction);
+// Refuses --max-skip-fraction where no step is ever skipped: --dtype fp32 and tf32 take every
+// step (no non-finite check), so the bound could not fail.
+void check_max_skip_fraction(const std::optional<double>& max_skip_fraction,
+                             const std::string& dtype);
 // Where DDP workers run, one spelling for every program that launches them: --nnodes,
 // --node-rank, --master-addr, --master-port, --max-local-ranks and --max-restarts, bound into
 // `launch` and bounded at parse time (nodes and ranks by kMaxDevices).
@@ -90,8 +94,9 @@ void add_activations_flag(CLI::App& app, std::string& activations);
 // --hybrid-procs K: node processes --mode hybrid starts on this machine (0: automatic).
 void add_hybrid_procs_flag(CLI::App& app, int& procs);
 // --micro-batches K in [1, 2^20]: gradient accumulation (DataParallelOptions::micro_batches,
-// DdpTrainer::set_micro_batches), one help text for every program that trains through them.
-void add_micro_batches_flag(CLI::App& app, int& micro_batches);
+// DdpTrainer::set_micro_batches), one help text for every program that trains through them;
+// `modes` says which of the program's modes take it ("DP, DDP and hybrid").
+void add_micro_batches_flag(CLI::App& app, int& micro_batches, const std::string& modes);
 // The node processes to start here: the flag's K, else 2 with one node (hybrid tried on one
 // machine) and 1 per real node.
 int hybrid_procs(int flag, int nnodes);
@@ -118,11 +123,16 @@ enum class Output {
 // What stops an existing file at `path` from being replaced by a `kind` output, or "" (no file,
 // an empty one, one that is not regular, or one the programs wrote).
 std::string existing_output_problem(const std::string& path, Output kind);
+// Where an output's folder may be: one that exists, or (or_checkpoint_dir) also the run's
+// --checkpoint-dir, which the run creates with its parents before any work (--log DIR/log.jsonl
+// beside its checkpoints). A program that uses or_checkpoint_dir calls check_outside_checkpoints
+// after parsing, which refuses a missing folder that is not the checkpoint folder.
+enum class OutputDir { exists, or_checkpoint_dir };
 // An output file that can be written: refuses an empty path, a directory, a missing parent
-// directory, a path that cannot be opened for writing (with the system's reason) and an existing
-// file that is not a `kind` output (existing_output_problem). The check opens the file without
-// truncating it; a file that did not exist is created and removed again.
-CLI::Validator output_file(Output kind);
+// directory (see OutputDir), a path that cannot be opened for writing (with the system's reason)
+// and an existing file that is not a `kind` output (existing_output_problem). The check opens
+// the file without truncating it; a file that did not exist is created and removed again.
+CLI::Validator output_file(Output kind, OutputDir dir = OutputDir::exists);
 // The same check for a path that is not a flag's text (a default name, say); throws
 // kernels::Error naming `flag`.
 void check_output_file(const std::string& flag, const std::string& path, Output kind);
@@ -149,8 +159,9 @@ struct FlagPath {
 // of one file), naming both flags: one output would replace the other, or the file a run reads.
 // Empty paths and files that are not regular (/dev/null, a FIFO) are left out.
 void check_distinct_files(const std::vector<FlagPath>& files);
-// Throws kernels::Error when one of `outputs` would be a checkpoint of `checkpoint_dir`
-// (step_N.safetensors in it, which the run writes, and --keep removes). "" dir: no check.
+// Throws kernels::Error, naming the flag, when one of `outputs` has a missing folder other than
+// `checkpoint_dir` (which the run creates), or would be a checkpoint of `checkpoint_dir`
+// (step_N.safetensors in it, which the run writes, and --keep removes). "" dir: no checkpoints.
 void check_outside_checkpoints(const std::vector<FlagPath>& outputs,
                                const std::string& checkpoint_dir);
 
