@@ -114,6 +114,20 @@ int count_of(const std::string& text, const std::string& part) {
 // that never comes, holding each attempt's end up 0.4 s (1 s / 5 x 2) instead of 2 s.
 const std::vector<std::string> kFastWatch = {"DP_HEARTBEAT_TIMEOUT=1"};
 
+// A free port for the workers' store whose next one (the launchers' store of several nodes with
+// restarts) is free as well.
+int free_port_pair() {
+  int port = find_free_port();
+  for (int tries = 0; tries < 20 && port < 65535; ++tries, port = find_free_port()) {
+    try {
+      net::listen_tcp("127.0.0.1", port + 1);  // closed at once: free a moment ago
+      break;
+    } catch (const kernels::Error&) {
+    }
+  }
+  return port;
+}
+
 // The pid rank `rank` wrote in attempt `restart` (DP_RESTART_COUNT), or -1 when it wrote none.
 pid_t attempt_pid(const std::string& dir, int restart, int rank) {
   std::ifstream f(dir + "/attempt_" + std::to_string(restart) + ".rank_" + std::to_string(rank));
@@ -401,15 +415,7 @@ TEST_CASE("dist.launch: with max_restarts 1 a failed job runs again with DP_REST
 TEST_CASE("dist.launch: two nodes with restarts: a failure on node 1 restarts or stops both") {
   std::string dir = dist_test::make_temp_dir("nodes_restart");
   RemoveDir cleanup{dir};
-  // The workers' store's port, with port + 1 (the launchers' store) free as well.
-  int port = find_free_port();
-  for (int tries = 0; tries < 20 && port < 65535; ++tries, port = find_free_port()) {
-    try {
-      net::listen_tcp("127.0.0.1", port + 1);  // closed at once: free a moment ago
-      break;
-    } catch (const kernels::Error&) {
-    }
-  }
+  const int port = free_port_pair();
   auto node = [&](int rank, const std::string& mode) {
     return CapturedLauncher(
         dir, "node" + std::to_string(rank),
@@ -460,14 +466,7 @@ TEST_CASE("dist.launch: two nodes with restarts: a failure on node 1 restarts or
 TEST_CASE("dist.launch: two nodes: rank 0 ending first is no lost node") {
   std::string dir = dist_test::make_temp_dir("rank0_first");
   RemoveDir cleanup{dir};
-  int port = find_free_port();
-  for (int tries = 0; tries < 20 && port < 65535; ++tries, port = find_free_port()) {
-    try {
-      net::listen_tcp("127.0.0.1", port + 1);  // the launchers' store, with restarts
-      break;
-    } catch (const kernels::Error&) {
-    }
-  }
+  const int port = free_port_pair();  // port + 1: the launchers' store, with restarts
   for (const std::string restarts : {"0", "1"}) {
     CAPTURE(restarts);
     auto node = [&](int rank) {
