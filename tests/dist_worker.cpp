@@ -149,10 +149,12 @@ int run_collectives(const WorkerEnv& w, int hold_ms) {
   return 0;
 }
 
-// A job whose rank 0 is done first: one all-reduce, then every other rank keeps its group and
-// works on (sleeps) for `work_ms` before it returns. Rank 0, which hosts the store, returns at
-// once; a healthy job, which must end with exit 0 on every node.
-int run_rank0_first(int work_ms) {
+// A healthy job whose rank 0 ends first, which must end with exit 0 on every node: one
+// all-reduce, then every other rank keeps its group and works on (sleeps) for `work_ms` while
+// rank 0, which hosts the store, returns at once (rank0-first); or every rank drops its group
+// (rank 0's store with it) and then works for `work_ms`, rank 0 too (group-first).
+enum class GroupEnd { rank0_first, group_first };
+int run_group_end(int work_ms, GroupEnd end) {
   InitOptions o;
   o.backend = Backend::gloo;
   o.timeout = std::chrono::seconds(30);
@@ -160,8 +162,11 @@ int run_rank0_first(int work_ms) {
   Tensor t = Tensor::from_vector({1.f}, {1});
   pg->all_reduce(t, ReduceOp::sum)->wait();
   if (t.item() != float(pg->size())) return 1;
-  if (pg->rank() != 0) std::this_thread::sleep_for(std::chrono::milliseconds(work_ms));
-  std::printf("[rank %d] done\n", pg->rank());
+  const int rank = pg->rank();
+  if (end == GroupEnd::group_first) pg.reset();
+  if (rank != 0 || end == GroupEnd::group_first)
+    std::this_thread::sleep_for(std::chrono::milliseconds(work_ms));
+  std::printf("[rank %d] done\n", rank);
   std::fflush(stdout);
   return 0;
 }
@@ -454,7 +459,8 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (mode == "collectives") return run_collectives(*w, ddp.hold_ms);
-    if (mode == "rank0-first") return run_rank0_first(ddp.hold_ms);
+    if (mode == "rank0-first") return run_group_end(ddp.hold_ms, GroupEnd::rank0_first);
+    if (mode == "group-first") return run_group_end(ddp.hold_ms, GroupEnd::group_first);
     if (mode == "ddp") return run_ddp(ddp);
     if (mode == "hang") return run_hang(*w, hang_rank, wait_s);
     if (mode == "stubborn") ::signal(SIGTERM, SIG_IGN);

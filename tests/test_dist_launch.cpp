@@ -487,6 +487,22 @@ TEST_CASE("dist.launch: two nodes: rank 0 ending first is no lost node") {
   }
 }
 
+// A job whose ranks drop their group (destroy_process_group) and then work on, rank 0 too: its
+// launcher took rank 0's store, gone with the group, for a hung rank 0 ("rank 0 ... sent no
+// heartbeat for 1.051 s: hung (the store it hosts stopped answering)"), killed it and failed the
+// job. Rank 0 now waits for its own node's watch to see its end as well.
+TEST_CASE("dist.launch: ranks that drop their group and work on are not hung") {
+  std::string dir = dist_test::make_temp_dir("group_first");
+  RemoveDir cleanup{dir};
+  CapturedLauncher launcher(
+      dir, "launcher", {"--mode", "group-first", "--hold-ms", "3000", "--nproc", "2"}, kFastWatch);
+  Finished f = launcher.wait(30s);
+  CHECK(exited_with(f.status, 0));
+  CHECK(f.output.find("[rank 0] done") != std::string::npos);
+  CHECK(f.output.find("[rank 1] done") != std::string::npos);
+  CHECK(count_of(f.output, "launch_workers:") == 0);
+}
+
 TEST_CASE("dist.launch: with max_restarts 0 a failed job is not restarted and returns its code") {
   RestartJob job("fail-once", 0);
   Finished f = job.launcher.wait(30s);

@@ -443,13 +443,15 @@ TEST_CASE("dist.rendezvous: launched ranks wait for their launcher's watch to se
 
 // A healthy job whose rank 0 ended first was taken for a partition on another node: rank 0's
 // "done" and its store went together, before that node's watch (polling every interval) had
-// read the "done", and a store that stops answering before rank 0's "done" is a lost node 0.
-// Rank 0 now waits for the other nodes' watches to see its end (DP_HEARTBEAT_NODES).
-TEST_CASE("dist.rendezvous: rank 0's store stays until the other nodes' watches saw it end") {
+// read the "done", and a store that stops answering before rank 0's "done" is a lost node 0
+// (on rank 0's own node, a hung rank 0). Rank 0 now waits for every node's watch to see its end
+// (DP_HEARTBEAT_NODES).
+TEST_CASE("dist.rendezvous: rank 0's store stays until every node's watch saw it end") {
   using Clock = std::chrono::steady_clock;
   const int port = find_free_port();
   // Node 0's watch lets the ranks train; "node 1"'s polls every 1 s, as a slow launcher's would.
-  HeartbeatWatch node0("127.0.0.1", port, "", {0, 1}, 20ms, heartbeat_watch_key(0));
+  HeartbeatWatch node0("127.0.0.1", port, "", {0, 1}, 20ms, heartbeat_watch_key(0),
+                       heartbeat_end_key(0));
   // Two ranks of a job of `nodes` nodes join, rank 1 ends, then rank 0: how long rank 0 took.
   auto rank0_end = [&](const std::string& nodes) {
     Joined j;
@@ -457,7 +459,7 @@ TEST_CASE("dist.rendezvous: rank 0's store stays until the other nodes' watches 
     for (const std::string& e : j.errors) REQUIRE_MESSAGE(e.empty(), e);
     j.groups[1].reset();
     const auto start = Clock::now();
-    j.groups[0].reset();  // "done", then (several nodes) the wait for the others' watches
+    j.groups[0].reset();  // "done", then the wait for the nodes' watches
     return Clock::now() - start;
   };
   SUBCASE("node 1's watch sees rank 0's end before the store goes, and names no lost node") {
@@ -474,8 +476,30 @@ TEST_CASE("dist.rendezvous: rank 0's store stays until the other nodes' watches 
     CHECK(took >= Heartbeat::confirm_bound(20ms));
     CHECK(took < Heartbeat::confirm_bound(20ms) + 5s);
   }
-  SUBCASE("one node: rank 0 waits for no watch") {
-    CHECK(rank0_end("1") < 1s);
+  SUBCASE("one node: rank 0 waits for its own node's watch only, which names no hang") {
+    CHECK(rank0_end("1") < 1s);  // one poll of node 0's (20 ms)
+    std::this_thread::sleep_for(300ms);
+    std::optional<SilentRank> s = node0.silent(100ms);
+    CHECK_MESSAGE(!s.has_value(), "node 0 named rank " << s->rank << " silent for "
+                                                       << s->silent_for.count() << " ms");
+  }
+  SUBCASE("a start that fails (rank 1 never joins) waits for no node") {
+    const auto start = Clock::now();
+    const std::string e = error_of([&] {
+      InitOptions o;
+      o.backend = Backend::gloo;
+      o.init_method = "tcp://127.0.0.1:" + std::to_string(port);
+      o.rank = 0;
+      o.world_size = 2;
+      o.env = map_env({{"DP_TIMEOUT", "1"},
+                       {"DP_HEARTBEAT_MS", "20"},
+                       {"DP_HEARTBEAT_WATCH", "0"},
+                       {"DP_HEARTBEAT_NODES", "2"}});
+      init_process_group(o);
+    });
+    CHECK_MESSAGE(e.find("never joined") != std::string::npos, e);
+    // The rendezvous timeout (1 s) and no more: it added the confirm bound (2.1 s) before.
+    CHECK(Clock::now() - start < 1s + Heartbeat::confirm_bound(20ms) - 200ms);
   }
 }
 

@@ -48,12 +48,11 @@ Periodic::~Periodic() {
 // ---- Heartbeat ------------------------------------------------------------------------------
 
 Heartbeat::Heartbeat(std::shared_ptr<Store> connection, std::shared_ptr<Store> keep_alive, int rank,
-                     std::chrono::milliseconds interval, std::vector<int> confirm_nodes)
+                     std::chrono::milliseconds interval)
     : connection_(std::move(connection)),
       keep_alive_(std::move(keep_alive)),
       rank_(rank),
-      interval_(interval),
-      confirm_nodes_(std::move(confirm_nodes)) {
+      interval_(interval) {
   DP_CHECK(connection_ != nullptr, "Heartbeat: needs a store");
   connection_->set_timeout(request_bound(interval_));
   thread_ = std::make_unique<Periodic>(interval, [this] {
@@ -65,70 +64,105 @@ Heartbeat::Heartbeat(std::shared_ptr<Store> connection, std::shared_ptr<Store> k
   });
 }
 
+void Heartbeat::confirm_end_to(std::vector<int> nodes) {
+  confirm_nodes_ = std::move(nodes);
+}
+
 std::chrono::milliseconds Heartbeat::request_bound(std::chrono::milliseconds interval) {
   return std::max<std::chrono::milliseconds>(2 * interval, std::chrono::seconds(1));
 }
 
 std::chrono::milliseconds Heartbeat::confirm_bound(std::chrono::milliseconds interval) {
-  return 5 * interval + std::chrono::seconds(2);
+  return std::min<std::chrono::milliseconds>(5 * interval, std::chrono::seconds(5)) +
+         std::chrono::seconds(2);
 }
 
 Heartbeat::~Heartbeat() {
   thread_.reset();
+  if (!confirm_nodes_.empty()) {
+    end_confirmed();
+    return;
+  }
   try {
     connection_->set_string(heartbeat_key(rank_), "done");
   } catch (const std::exception&) {
-    return;  // the store is gone already (rank 0 finished first): nobody is watching
+    // The store is gone already (rank 0 finished first): nobody is watching.
   }
-  if (!confirm_nodes_.empty()) wait_for_confirmations();
 }
 
-void Heartbeat::wait_for_confirmations() {
+void Heartbeat::end_confirmed() {
   std::vector<std::string> keys;
   for (int n : confirm_nodes_) keys.push_back(heartbeat_end_key(n));
   const auto bound = confirm_bound(interval_);
   const auto deadline = HeartbeatClock::now() + bound;
   const auto tick = std::clamp<std::chrono::milliseconds>(
       interval_ / 4, std::chrono::milliseconds(10), std::chrono::milliseconds(100));
-  try {
-    while (!connection_->check(keys)) {
-      if (HeartbeatClock::now() >= deadline) {
-        std::string missing;
-        for (int n : confirm_nodes_)
-          if (!connection_->check({heartbeat_end_key(n)}))
-            missing += (missing.empty() ? "" : ", ") + std::to_string(n);
-        std::fprintf(stderr,
-                     "dp: rank %d: the launcher of node %s did not confirm within %.1f s that it "
-                     "saw this rank end; the store this rank hosts goes now, and that node may "
-                     "take it for a lost node\n",
-                     rank_, missing.c_str(), bound.count() / 1000.0);
-        std::fflush(stderr);
-        return;
+  // The store is this process's own: a request that fails is a slow reply (a loaded host), asked
+  // again until the deadline, never taken for a store that went.
+  bool said_done = false;
+  while (true) {
+    try {
+      if (!said_done) {
+        connection_->set_string(heartbeat_key(rank_), "done");
+        said_done = true;
       }
-      std::this_thread::sleep_for(tick);
+      if (connection_->check(keys)) return;
+    } catch (const std::exception&) {
     }
-  } catch (const std::exception&) {
-    // This rank's own store stopped answering: there is nothing left to keep.
+    if (HeartbeatClock::now() >= deadline) break;
+    std::this_thread::sleep_for(tick);
   }
+  std::vector<int> missing;
+  for (int n : confirm_nodes_) try {
+      if (!said_done || !connection_->check({heartbeat_end_key(n)})) missing.push_back(n);
+    } catch (const std::exception&) {
+      missing.push_back(n);
+    }
+  if (missing.empty()) return;
+  std::string nodes;
+  for (int n : missing) nodes += (nodes.empty() ? "" : ", ") + std::to_string(n);
+  const bool one = missing.size() == 1;
+  std::fprintf(stderr,
+               "dp: rank %d: %s %s did not confirm within %.1f s that %s this rank end%s; the "
+               "store this rank hosts goes now, and %s may take it for a lost node 0\n",
+               rank_, one ? "the launcher of node" : "the launchers of nodes", nodes.c_str(),
+               bound.count() / 1000.0, one ? "it saw" : "they saw",
+               said_done ? "" : " (its own store did not take its \"done\")",
+               one ? "that node" : "those nodes");
+  std::fflush(stderr);
 }
 
 // ---- HeartbeatWatch -------------------------------------------------------------------------
 
 HeartbeatWatch::HeartbeatWatch(std::string host, int port, std::string job_token,
                                std::vector<int> ranks, std::chrono::milliseconds interval,
-                               std::string ready_key, std::string end_key)
+                               std::string ready_key, std::string end_key, EndLook end_look)
     : host_(std::move(host)),
       port_(port),
       token_(std::move(job_token)),
       ranks_(std::move(ranks)),
       interval_(interval),
       ready_key_(std::move(ready_key)),
-      end_key_(std::move(end_key)) {
+      end_key_(std::move(end_key)),
+      end_look_(end_look) {
   // A poll every interval. Until every rank was seen, each tick in between asks the store
   // once whether every rank's key is there, and polls at once when they are.
   thread_ = std::make_unique<Periodic>(std::min(interval_, kFirstLookTick), [this] {
     const auto now = HeartbeatClock::now();
-    if (announced_ && now < next_poll_) return;
+    if (announced_ && now < next_poll_) {
+      // Between polls, rank 0's end is looked for (EndLook::each_tick) while the store answers.
+      if (end_look_ != EndLook::each_tick || ended_ || !store_) return;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!ok_ || now - *ok_ > 2 * interval_) return;
+      }
+      try {
+        if (rank0_said_done()) poll();
+      } catch (const std::exception&) {
+        store_.reset();
+      }
+      return;
+    }
     try {
       if (now < next_poll_ && !every_rank_beat()) return;
       next_poll_ = now + interval_;
@@ -172,6 +206,11 @@ bool HeartbeatWatch::every_rank_beat() {
   std::vector<std::string> keys;
   for (int r : ranks_) keys.push_back(heartbeat_key(r));
   return store_->check(keys);
+}
+
+bool HeartbeatWatch::rank0_said_done() {
+  connect();
+  return store_->check({heartbeat_key(0)}) && store_->get_string(heartbeat_key(0)) == "done";
 }
 
 void HeartbeatWatch::poll() {

@@ -48,32 +48,38 @@ class Periodic {
 // Beats on `connection` (a store client of its own, so that a long wait of the rank's main
 // store never delays a beat) every `interval` until destroyed, then writes "done" so that the
 // watcher stops watching. Each request on `connection` is bounded by request_bound(interval): a
-// rank that outlives the store (rank 0 finished first) neither waits at its exit nor holds a
-// beat for the store's connect timeout. `keep_alive` (the rank's main store, which may host the
-// server) is released only after that last write. Never throws from its thread: a failed beat
-// is retried.
+// rank that outlives the store (rank 0 finished first) leaves within two such bounds (the beat
+// in flight, then "done") instead of the store's connect timeout. `keep_alive` (the rank's main
+// store, which may host the server) is released only after that last write. Never throws from its
+// thread: a failed beat is retried.
 //
 // Rank 0 hosts the store, and a node's watch judges a store that stops answering before rank 0
-// said "done" as that node lost. So rank 0, after its "done", waits until the watch of each node
-// in `confirm_nodes` (the job's other nodes) has seen it (heartbeat_end_key), at most
-// confirm_bound(interval): a healthy job whose rank 0 ends first is not taken for a partition
-// on the nodes that still work.
+// said "done" as node 0 lost (another node) or rank 0 hung (its own). So rank 0, once its
+// rendezvous is complete, is told the job's nodes (confirm_end_to), and at its end, after its
+// "done", waits until the watch of each has seen it (heartbeat_end_key), at most
+// confirm_bound(interval): a healthy job whose rank 0 ends first, or drops its group and works
+// on, is taken neither for a partition nor for a hang. Its own store's slow replies are asked
+// again until then.
 class Heartbeat {
  public:
   Heartbeat(std::shared_ptr<Store> connection, std::shared_ptr<Store> keep_alive, int rank,
-            std::chrono::milliseconds interval, std::vector<int> confirm_nodes = {});
+            std::chrono::milliseconds interval);
   ~Heartbeat();
   Heartbeat(const Heartbeat&) = delete;
   Heartbeat& operator=(const Heartbeat&) = delete;
 
+  // requires this rank hosts the store (rank 0) and its rendezvous is complete (before, a failed
+  // start would wait for watches that never came). The nodes whose watch must see its end.
+  void confirm_end_to(std::vector<int> nodes);
+
   // The bound of each request on the beat's connection: two intervals, at least 1 s.
   static std::chrono::milliseconds request_bound(std::chrono::milliseconds interval);
   // How long rank 0 waits for the other nodes' watches to see its "done": five intervals (a
-  // watch polls every interval) plus 2 s.
+  // watch polls every interval), at most 5 s, plus 2 s.
   static std::chrono::milliseconds confirm_bound(std::chrono::milliseconds interval);
 
  private:
-  void wait_for_confirmations();
+  void end_confirmed();  // "done", then the wait for confirm_nodes_' watches
 
   std::shared_ptr<Store> connection_, keep_alive_;
   int rank_;
@@ -92,7 +98,7 @@ std::string heartbeat_watch_key(int node_rank);
 
 // The key the launcher of node `node_rank` sets once its watch has seen rank 0's "done", or
 // when it stops watching (HeartbeatWatch's end_key): from then on that node does not need the
-// store, and rank 0 may let it go (Heartbeat's confirm_nodes).
+// store, and rank 0 may let it go (Heartbeat::confirm_end_to).
 std::string heartbeat_end_key(int node_rank);
 
 // A rank that fell silent, and for how long (as of the watcher's latest look at the store).
@@ -111,9 +117,13 @@ struct SilentRank {
 class HeartbeatWatch {
  public:
   static constexpr std::chrono::milliseconds kFirstLookTick{50};
+  // How soon the watch sees rank 0's "done" (and sets end_key): at its next poll; or, where
+  // rank 0 runs on this node (its store on this host), within a kFirstLookTick, for one request
+  // a tick while the store answers, so that rank 0's end waits a tick rather than a poll.
+  enum class EndLook { each_poll, each_tick };
   HeartbeatWatch(std::string host, int port, std::string job_token, std::vector<int> ranks,
                  std::chrono::milliseconds interval, std::string ready_key = "",
-                 std::string end_key = "");
+                 std::string end_key = "", EndLook end_look = EndLook::each_poll);
   ~HeartbeatWatch();  // stops the thread; sets end_key (one request) when not set yet
   HeartbeatWatch(const HeartbeatWatch&) = delete;
   HeartbeatWatch& operator=(const HeartbeatWatch&) = delete;
@@ -134,6 +144,7 @@ class HeartbeatWatch {
   void connect();          // store_, made when there is none
   bool every_rank_beat();  // whether each watched rank's key is on the store (one request)
   void poll();             // every key's value, and ready_key once each rank beat
+  bool rank0_said_done();  // whether rank 0's key reads "done" (one request)
 
   std::string host_;
   int port_;
@@ -141,6 +152,7 @@ class HeartbeatWatch {
   std::vector<int> ranks_;
   std::chrono::milliseconds interval_;
   std::string ready_key_, end_key_;
+  EndLook end_look_;
   // Used by the thread (and the destructor, after it): the connection, whether ready_key and
   // end_key are set, the next poll's time.
   std::unique_ptr<TcpStore> store_;

@@ -289,15 +289,9 @@ std::unique_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
       auto connection =
           std::make_shared<TcpStore>(spec.host, spec.port, StoreRole::client, timeouts.rendezvous,
                                      JobIdentity{spec.job_token, spec.rank});
+      heartbeat =
+          std::make_shared<Heartbeat>(connection, store, rank, std::chrono::milliseconds(*beat_ms));
       watching_node = env_int(env, "DP_HEARTBEAT_WATCH", 0, size - 1);
-      // Rank 0 hosts the store: before it goes, the other nodes' launchers see rank 0 end.
-      std::vector<int> confirm_nodes;
-      if (rank == 0 && watching_node)
-        if (std::optional<int> nodes = env_int(env, "DP_HEARTBEAT_NODES", 1, size))
-          for (int n = 0; n < *nodes; ++n)
-            if (n != *watching_node) confirm_nodes.push_back(n);
-      heartbeat = std::make_shared<Heartbeat>(connection, store, rank,
-                                              std::chrono::milliseconds(*beat_ms), confirm_nodes);
     }
   }
   auto group = std::make_shared<PrefixStore>("dp/" + o.group_name, store);
@@ -321,6 +315,15 @@ std::unique_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
   std::vector<std::string> joined;
   for (int r = 0; r < size; ++r) joined.push_back("joined/" + std::to_string(r));
   group->wait(joined);
+  if (heartbeat && rank == 0 && watching_node) {
+    // Rank 0 hosts the store: before it goes, every node's launcher sees rank 0 end (its own
+    // node's too: a rank 0 that drops its group and works on is not hung). Told only now: a
+    // start that failed before here waits for no node.
+    std::vector<int> nodes;
+    if (std::optional<int> count = env_int(env, "DP_HEARTBEAT_NODES", 1, size))
+      for (int n = 0; n < *count; ++n) nodes.push_back(n);
+    heartbeat->confirm_end_to(std::move(nodes));
+  }
   if (heartbeat) pg->attach_heartbeat(std::move(heartbeat));
   pg->set_rendezvous(group, timeouts.rendezvous);
   return pg;

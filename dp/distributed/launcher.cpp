@@ -452,11 +452,11 @@ AttemptEnd run_attempt(const LaunchPlan& plan, int restart_count, SignalWatch& s
   std::vector<int> watched;
   for (int r = 0; r < o.nnodes * o.nproc_per_node; ++r) watched.push_back(r);
   // The ranks wait for its first look at every rank before they train (heartbeat_watch_key);
-  // rank 0 waits for the other nodes' watches to see its end before its store goes
-  // (heartbeat_end_key: not this node's own, which never takes rank 0's end for a lost node).
-  HeartbeatWatch heartbeats(o.master_addr, plan.port, job_token, watched, plan.hb_interval,
-                            heartbeat_watch_key(o.node_rank),
-                            o.node_rank == 0 ? "" : heartbeat_end_key(o.node_rank));
+  // rank 0 waits for it to see rank 0's end before its store goes (heartbeat_end_key).
+  HeartbeatWatch heartbeats(
+      o.master_addr, plan.port, job_token, watched, plan.hb_interval,
+      heartbeat_watch_key(o.node_rank), heartbeat_end_key(o.node_rank),
+      o.node_rank == 0 ? HeartbeatWatch::EndLook::each_tick : HeartbeatWatch::EndLook::each_poll);
   std::optional<SilentRank> hung;
   // A rank of another node that fell silent (or the store it hosts): this node's workers stop.
   std::optional<SilentRank> lost;
