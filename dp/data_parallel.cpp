@@ -293,10 +293,10 @@ std::vector<int64_t> DataParallel::split_batch(const char* what, Tensor& images,
   return sizes;
 }
 
-void DataParallel::forward_and_loss(int i, nn::Mode mode, bool mark_micro) {
+void DataParallel::forward_and_loss(int i, nn::Mode mode, MicroMarks marks) {
   PerDevice& pd = per_device_[i];
   nn::Module& m = *replicas_[i];
-  pd.micro_marks_used = 0;
+  const bool mark_micro = marks == MicroMarks::on;
   if (mode == nn::Mode::train) {
     m.train();
     m.zero_grad();
@@ -307,8 +307,8 @@ void DataParallel::forward_and_loss(int i, nn::Mode mode, bool mark_micro) {
   if (mode == nn::Mode::train && pd.micro.count() > 1) {
     // Every micro-batch but the last runs its backward here, before this device's hooks hand
     // buckets on (pd.in_step is off): its gradient only accumulates.
-    const size_t marks = 2 * static_cast<size_t>(pd.micro.count() - 1);
-    if (mark_micro && pd.micro_marks.size() < marks) pd.micro_marks.resize(marks);
+    const size_t n_marks = 2 * static_cast<size_t>(pd.micro.count() - 1);
+    if (mark_micro && pd.micro_marks.size() < n_marks) pd.micro_marks.resize(n_marks);
     kernels::DeviceContext& ctx = pool_.context(i);
     auto backward = [&](const Tensor& dy) {
       if (mark_micro) pd.micro_marks[pd.micro_marks_used++].record(ctx);

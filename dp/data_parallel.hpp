@@ -339,7 +339,8 @@ class DataParallel {
     kernels::Event marks[kStepMarks];  // by StepMark (dp/step.hpp)
     // A traced, uncaptured step of several micro-batches: the start and the end of each
     // micro-batch's backward but the last one's (forward_and_loss runs them), in order, so that
-    // the trace shows them between the forwards. Made when a step first needs more; kept.
+    // the trace shows them between the forwards. Made when a step first needs more; kept. The
+    // count is set to 0 at each step's start (train_job).
     std::vector<kernels::Event> micro_marks;
     int micro_marks_used = 0;
   };
@@ -403,10 +404,11 @@ class DataParallel {
   // Hybrid: narrows images and labels to this node's chunk first.
   std::vector<int64_t> split_batch(const char* what, Tensor& images, Tensor& labels,
                                    StepStats& stats);
+  // Whether forward_and_loss marks each earlier micro-batch's backward for the trace.
+  enum class MicroMarks { off, on };
   // Device i's forward and loss (train: with the gradient of the loss; several micro-batches:
-  // every one's but the last's backward too, each between two of pd.micro_marks when
-  // `mark_micro`, for the trace).
-  void forward_and_loss(int i, nn::Mode mode, bool mark_micro = false);
+  // every one's but the last's backward too, each between two of pd.micro_marks when marked).
+  void forward_and_loss(int i, nn::Mode mode, MicroMarks marks = MicroMarks::off);
   // Device 0, at the end of a step: gathers every device's metrics and reads them to the host,
   // the step's one host wait (which also covers every other device's work: device 0 waited on
   // each one's last event first).

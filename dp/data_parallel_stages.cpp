@@ -36,7 +36,9 @@ struct DataParallel::DeviceStages final : StepStages {
   void before_forward() override { dp.order_buffers_before_forward(i, n); }
   // Traced and uncaptured: each earlier micro-batch's backward is marked for the trace.
   void forward_and_loss() override {
-    dp.forward_and_loss(i, nn::Mode::train, dp.trace_ != nullptr && segments == nullptr);
+    dp.forward_and_loss(
+        i, nn::Mode::train,
+        dp.trace_ != nullptr && segments == nullptr ? MicroMarks::on : MicroMarks::off);
   }
   void before_backward() override { dp.pulls_.prepare(i); }
   void backward() override {
@@ -112,6 +114,7 @@ struct DataParallel::DeviceStages final : StepStages {
 void DataParallel::train_job(int i, const Tensor& images, const Tensor& labels,
                              const std::vector<int64_t>& sizes) {
   PerDevice& pd = per_device_[i];
+  pd.micro_marks_used = 0;  // this step's, if it marks any (forward_and_loss)
   kernels::DeviceContext& ctx = pool_.context(i);
   StageNames names;
   names.scatter = "dp/scatter";

@@ -255,6 +255,12 @@ int main(int argc, char** argv) {
              "--save-every " << f.save_every << " needs --save: the file it writes");
     DP_CHECK(f.timeout_s == 0 || f.mode == "ddp",
              "--timeout bounds DDP's rendezvous and collectives: give --mode ddp, or drop it");
+    DP_CHECK(f.mode == "ddp" ||
+                 (f.launch.nnodes == 1 && f.launch.node_rank == 0 && f.launch.master_port == 0 &&
+                  !f.launch.max_local_ranks && f.launch.max_restarts == 0),
+             "--nnodes, --node-rank, --master-port, --max-local-ranks and --max-restarts set how "
+             "DDP's processes start, and --mode "
+                 << f.mode << " starts none: give --mode ddp, or drop them");
     // --save may be the file resumed from (it is replaced at the end); --log may be neither.
     dp::cli::check_distinct_files({{"--log", f.log}, {"--save", f.save}});
     dp::cli::check_distinct_files({{"--log", f.log}, {"--resume", f.resume}});

@@ -1546,8 +1546,8 @@ TEST_CASE("bench.checkpoint: --json and --trace may go into the checkpoint folde
       "--device cpu --gpus 2 --baseline 0 --steps 2 --warmup 0 --batch 8 --mode dp "
       "--checkpoint-dir " +
       dir + "/ ";  // a trailing slash names the same folder
-  auto [rc, text] =
-      bench_output(args + "--json " + dir + "/report.json --trace " + dir + "/trace.json");
+  auto [rc, text] = bench_output(args + "--json " + dir + "/report.json --trace " + dir +
+                                 "//trace.json");  // a doubled slash too
   INFO(text);
   CHECK(rc == 0);
   CHECK(std::filesystem::exists(dir + "/report.json"));

@@ -209,6 +209,19 @@ TEST_CASE("samples.train_text: --model llama refuses the GPT's flags, naming the
   }
 }
 
+// Launch flags with a mode that starts no process did nothing, and said nothing.
+TEST_CASE("samples.train_text: launch flags without --mode ddp are refused, naming them") {
+  for (const char* args : {"--mode single --max-local-ranks 2", "--mode dp --gpus 2 --nnodes 2",
+                           "--mode dp --gpus 2 --max-restarts 1"}) {
+    CAPTURE(args);
+    const Outcome r = run_outcome(std::string("--steps 3 ") + args);
+    INFO(r.text);
+    CHECK(r.status != 0);
+    CHECK(r.text.find("set how DDP's processes start, and --mode ") != std::string::npos);
+    CHECK(r.text.find("final val loss") == std::string::npos);  // refused before any work
+  }
+}
+
 // A directory's links are followed (a file reached twice is read once) and what is not read is
 // listed with its reason; the size cap is on the whole corpus, checked before reading.
 TEST_CASE("data.text: links followed once, what is skipped is said, the cap is the corpus's") {

@@ -509,15 +509,18 @@ void check_outside_checkpoints(const std::vector<FlagPath>& outputs,
                                const std::string& checkpoint_dir) {
   // An output whose folder is missing (output_file's OutputDir::or_checkpoint_dir let it by):
   // fine in the checkpoint folder, which the run creates before any work; refused elsewhere.
-  std::string folder = checkpoint_dir;
-  while (folder.size() > 1 && folder.back() == '/') folder.pop_back();
+  auto no_trailing_slash = [](std::string path) {  // "ck/" and "ck//x" name the folder "ck"
+    while (path.size() > 1 && path.back() == '/') path.pop_back();
+    return path;
+  };
+  const std::string folder = no_trailing_slash(checkpoint_dir);
   for (const FlagPath& o : outputs) {
     if (o.path.empty()) continue;
     const std::string dir = parent_directory(o.path);
     struct stat st {};
     if (::stat(dir.c_str(), &st) != 0) {
       const int error = errno;
-      DP_CHECK(error == ENOENT && !folder.empty() && same_file(dir, folder),
+      DP_CHECK(error == ENOENT && !folder.empty() && same_file(no_trailing_slash(dir), folder),
                o.flag << ": " << missing_dir_problem(o.path, dir, error));
     }
   }
