@@ -113,18 +113,22 @@ void Heartbeat::end_confirmed() {
     std::this_thread::sleep_for(tick);
   }
   std::vector<int> missing;
-  for (int n : confirm_nodes_) try {
-      if (!said_done || !connection_->check({heartbeat_end_key(n)})) missing.push_back(n);
+  for (int n : confirm_nodes_) {
+    bool confirmed = false;
+    try {
+      confirmed = said_done && connection_->check({heartbeat_end_key(n)});
     } catch (const std::exception&) {
-      missing.push_back(n);
     }
+    if (!confirmed) missing.push_back(n);
+  }
   if (missing.empty()) return;
   std::string nodes;
   for (int n : missing) nodes += (nodes.empty() ? "" : ", ") + std::to_string(n);
   const bool one = missing.size() == 1;
   std::fprintf(stderr,
                "dp: rank %d: %s %s did not confirm within %.1f s that %s this rank end%s; the "
-               "store this rank hosts goes now, and %s may take it for a lost node 0\n",
+               "store this rank hosts goes now, and %s may take it for a lost node 0 (or, on "
+               "node 0, a hung rank 0)\n",
                rank_, one ? "the launcher of node" : "the launchers of nodes", nodes.c_str(),
                bound.count() / 1000.0, one ? "it saw" : "they saw",
                said_done ? "" : " (its own store did not take its \"done\")",
