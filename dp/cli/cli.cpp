@@ -84,9 +84,9 @@ std::string missing_dir_problem(const std::string& path, const std::string& dir,
          (error == ENOENT ? std::string("does not exist") : std::strerror(error));
 }
 
-// What stops `path` from being written, or "". A missing parent directory is no problem when
-// `missing_dir_ok` (check_outside_checkpoints judges it).
-std::string output_file_problem(const std::string& path, bool missing_dir_ok = false) {
+// What stops `path` from being written, or "". A missing parent directory is no problem with
+// OutputDir::or_checkpoint_dir (check_outside_checkpoints judges it).
+std::string output_file_problem(const std::string& path, OutputDir where = OutputDir::exists) {
   if (path.empty()) return "the path is empty: give a file name";
   // An existing file is opened for writing. It may vanish between stat and open (another DDP
   // rank's probe, below, removed again): then look again, and it is checked as a new file.
@@ -113,7 +113,7 @@ std::string output_file_problem(const std::string& path, bool missing_dir_ok = f
   std::string dir = parent_directory(path);
   struct stat ds {};
   if (::stat(dir.c_str(), &ds) != 0) {
-    if (errno == ENOENT && missing_dir_ok) return "";
+    if (errno == ENOENT && where == OutputDir::or_checkpoint_dir) return "";
     return missing_dir_problem(path, dir, errno);
   }
   if (!S_ISDIR(ds.st_mode)) return "cannot write '" + path + "': '" + dir + "' is not a directory";
@@ -400,20 +400,17 @@ std::string existing_output_problem(const std::string& path, Output kind) {
 namespace {
 
 // The first of output_file_problem's and existing_output_problem's answers that is a problem.
-std::string output_problem(const std::string& path, Output kind, bool missing_dir_ok = false) {
-  const std::string problem = output_file_problem(path, missing_dir_ok);
+std::string output_problem(const std::string& path, Output kind,
+                           OutputDir where = OutputDir::exists) {
+  const std::string problem = output_file_problem(path, where);
   return problem.empty() ? existing_output_problem(path, kind) : problem;
 }
 
 }  // namespace
 
-CLI::Validator output_file(Output kind, OutputDir dir) {
-  const bool missing_dir_ok = dir == OutputDir::or_checkpoint_dir;
+CLI::Validator output_file(Output kind, OutputDir where) {
   return CLI::Validator(
-      [kind, missing_dir_ok](std::string& path) {
-        return output_problem(path, kind, missing_dir_ok);
-      },
-      "FILE");
+      [kind, where](std::string& path) { return output_problem(path, kind, where); }, "FILE");
 }
 
 void check_output_file(const std::string& flag, const std::string& path, Output kind) {

@@ -132,7 +132,7 @@ enum class OutputDir { exists, or_checkpoint_dir };
 // directory (see OutputDir), a path that cannot be opened for writing (with the system's reason)
 // and an existing file that is not a `kind` output (existing_output_problem). The check opens
 // the file without truncating it; a file that did not exist is created and removed again.
-CLI::Validator output_file(Output kind, OutputDir dir = OutputDir::exists);
+CLI::Validator output_file(Output kind, OutputDir where = OutputDir::exists);
 // The same check for a path that is not a flag's text (a default name, say); throws
 // kernels::Error naming `flag`.
 void check_output_file(const std::string& flag, const std::string& path, Output kind);
