@@ -30,6 +30,7 @@ class ReLU : public Module {
   std::shared_ptr<Module> clone_config() const override { return std::make_shared<ReLU>(); }
 
  private:
+  void release_saved() override { x_ = Tensor(); }
   Tensor x_;
 };
 
@@ -71,6 +72,7 @@ class GELU : public Module {
   }
 
  private:
+  void release_saved() override { x_ = Tensor(); }
   GeluApproximation approximate_;
   Tensor x_;
 };
@@ -95,6 +97,7 @@ class Tanh : public Module {
   std::shared_ptr<Module> clone_config() const override { return std::make_shared<Tanh>(); }
 
  private:
+  void release_saved() override { y_ = Tensor(); }
   Tensor y_;
 };
 

@@ -128,6 +128,7 @@ class CausalSelfAttention : public Module {
   Constant* sin_ = nullptr;
   std::shared_ptr<Linear> c_attn_, c_proj_;
   std::shared_ptr<Dropout> drop_;
+  void release_saved() override { qkv_ = a_ = lse_ = Tensor(); }
   Tensor qkv_, a_, lse_;           // cached for backward
   kernels::AttentionParams used_;  // the forward's, dropout mask included
 };

@@ -89,6 +89,7 @@ class Conv2d : public Module {
   Parameter* bias_ = nullptr;
   DType x_dtype_ = DType::f32;  // the input's dtype, which dx takes
   Tensor x_;                    // cached input (N, C, H, W), in the compute dtype
+  void release_saved() override { x_ = Tensor(); }
 };
 
 }  // namespace nn

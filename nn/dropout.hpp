@@ -50,6 +50,7 @@ class Dropout : public Module {
   float p_;
   bool masked_ = false;  // whether the cached forward applied a mask
   Tensor mask_;          // keep / (1 - p), shaped like the input, f32
+  void release_saved() override { mask_ = Tensor(); }
   DType x_dtype_ = DType::f32;
 };
 

@@ -47,6 +47,7 @@ class Embedding : public Module {
   int64_t num_, dim_;
   Parameter* weight_ = nullptr;
   Tensor ids_;
+  void release_saved() override { ids_ = Tensor(); }
 };
 
 }  // namespace nn

@@ -96,6 +96,7 @@ class GptMlp : public Module {
   std::shared_ptr<GELU> gelu_;
   std::shared_ptr<Dropout> drop_;
   Tensor pre_;  // fc's output, the GELU's input, for backward
+  void release_saved() override { pre_ = Tensor(); }
 };
 
 // Pre-LN residual block: x + attn(ln_1(x)), then x + mlp(ln_2(x)). (B, T, D) -> (B, T, D).
@@ -117,7 +118,11 @@ class GptBlock : public Module {
   // with the next block's ln_1 or the model's ln_f. Returns h (x plus the attention branch) and
   // sets mlp_out. backward() is as after forward(x + delta): the same bits.
   Tensor forward_deferred(const Tensor& skip, const Tensor& delta, Tensor& mlp_out) {
-    return run_forward([&] { return branches(skip, delta, mlp_out); });
+    return run_forward([&] { return branches(skip, delta, mlp_out); },
+                       [this, skip, delta] {
+                         Tensor out;
+                         (void)branches(skip, delta, out);
+                       });
   }
 
  protected:
@@ -259,6 +264,7 @@ class Gpt : public Module {
   std::shared_ptr<Sequential> h_;
   std::shared_ptr<LayerNorm> ln_f_;
   Tensor hidden_;  // ln_f output as (B T, D), in the compute dtype
+  void release_saved() override { hidden_ = Tensor(); }
 };
 
 }  // namespace nn

@@ -38,7 +38,7 @@ class Linear : public Module {
   // Returns gelu_tanh(x W^T + b) and sets pre to x W^T + b (the GELU's input, which the next
   // layer's backward_through_gelu reads). Hooks, NVTX and layer times as forward().
   Tensor forward_gelu(const Tensor& x, Tensor& pre) {
-    return run_forward([&] { return forward_rows(x, &pre); });
+    return run_forward([&] { return forward_rows(x, &pre); }, nullptr);
   }
   // This layer's backward (it must follow a forward on gelu_tanh(pre)) with the GELU before it
   // folded in: returns d loss / d pre instead of d loss / d(its input), and adds `below`'s bias
@@ -145,6 +145,7 @@ class Linear : public Module {
   Shape x_shape_;
   DType x_dtype_ = DType::f32;  // the input's dtype, which dx takes
   Tensor x2_;                   // cached input as (M, in), in the compute dtype
+  void release_saved() override { x2_ = Tensor(); }
 };
 
 }  // namespace nn

@@ -100,6 +100,7 @@ class SwiGLU : public Module {
   int64_t dim_, hidden_;
   std::shared_ptr<Linear> gate_up_, down_;
   Tensor h_;  // the gate and up projections, cached for backward
+  void release_saved() override { h_ = Tensor(); }
 };
 
 // x + attn(attn_norm(x)), then x + mlp(mlp_norm(x)): (B, T, D) -> (B, T, D).

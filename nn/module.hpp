@@ -21,6 +21,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -219,6 +220,10 @@ struct FlatState {
   Activations activations = Activations::f32;
   Output output = Output::f32;
   int forward_depth = 0;  // forwards in progress: 0 outside, 1 in the outermost
+  // Forwards that a backward runs again (Module::set_recompute) in progress: 0 outside. Layers
+  // with a side effect besides their output (BatchNorm's running statistics, SyncBatchNorm's
+  // exchange) take it from the first run then.
+  int recomputing = 0;
   // Set while a LayerProfiler (nn/profile.hpp) times the tree: each forward and backward in
   // training mode waits for its device before and after, and adds its wall time here, by module.
   std::shared_ptr<std::unordered_map<const void*, LayerTime>> layer_times;
@@ -240,7 +245,7 @@ class Module {
 
   // requires materialize() was called. ensures the output; caches what backward needs.
   Tensor forward(const Tensor& x) {
-    return run_forward([&] { return forward_impl(x); });
+    return run_forward([&] { return forward_impl(x); }, [this, x] { (void)forward_impl(x); });
   }
   // requires forward() ran on this input. ensures the input gradient is returned and the
   // parameter gradients are ADDED into grad views; then on_grad_ready fires for each of this
@@ -253,17 +258,50 @@ class Module {
   // module's forward (NVTX, layer times, and the forward its backward goes back through).
   template <class F>
   Tensor forward_by_parts(F&& impl) {
-    return run_forward(std::forward<F>(impl));
+    return run_forward(std::forward<F>(impl), nullptr);
   }
 
+  // Activation checkpointing (torch.utils.checkpoint, Megatron's full recompute): in training,
+  // this module's forward keeps its input and drops what the layers under it saved for backward
+  // (release_saved), and its backward runs the forward again on that input first. Memory: the
+  // module's input instead of every activation inside it, so checkpointing each block of a deep
+  // model keeps one tensor per block. Time: one more forward of the module per step. The
+  // gradients are the same bits: dropout draws the same counters again, BatchNorm updates its
+  // running statistics once, and SyncBatchNorm does not exchange again. A checkpointed module
+  // inside another runs again in the outer one's backward, and once more in its own. Replicas
+  // (clone_to, the engines' devices and ranks) inherit the setting. Layers keep a forward's
+  // state in their own members; one that does not override release_saved (a layer of yours)
+  // still gives the right gradients under a checkpointed parent, and keeps its memory.
+  // requires this module's forward runs through forward(x), or an entry point that can run again
+  // (GptBlock::forward_deferred): one its parent runs through a fused entry point (Gpt's h, run
+  // by parts; a LayerNorm's forward_add; a Linear's forward_gelu) throws at its forward.
+  void set_recompute(bool on = true) { recompute_ = on; }
+  bool recomputes() const { return recompute_; }
+
  protected:
+  // Drops what this module's own forward keeps for its backward (its members, not its
+  // children's): called on every module under one that set_recompute, after its forward.
+  // requires the next backward is preceded by a forward of this module (the recompute).
+  virtual void release_saved() {}
+  // Whether this forward is a checkpointed module's run again in its backward (FlatState::
+  // recomputing): a layer with a side effect besides its output takes it from the first run.
+  bool recomputing() const { return flat_ != nullptr && flat_->recomputing > 0; }
+
   // forward() around `impl` (a forward_impl, or a layer's fused entry point such as
   // LayerNorm::forward_add): the storage check, the NVTX range, the outermost forward's weight
-  // refresh and f32 output, the layer timing.
-  template <class F>
-  Tensor run_forward(F&& impl) {
+  // refresh and f32 output, the layer timing. `replay` (nullptr: none) runs the same forward
+  // again on copies of its inputs, for set_recompute; it must not touch its caller's locals.
+  template <class F, class R>
+  Tensor run_forward(F&& impl, R&& replay) {
     DP_CHECK(flat_ != nullptr, type_name() << "::forward: no storage; call materialize() first");
     kernels::NvtxRange r(type_name());
+    const bool checkpoint = recompute_ && is_training();
+    if constexpr (std::is_null_pointer_v<std::decay_t<R>>)
+      DP_CHECK(!checkpoint,
+               type_name() << "::forward: set_recompute on a module its parent runs through "
+                              "a fused entry point (Gpt's h, run by parts; a LayerNorm's "
+                              "forward_add; a Linear's forward_gelu), which cannot run again on "
+                              "its own; set it on the blocks (GptBlock) or on the parent");
     // The outermost forward refreshes the 16-bit weights: whatever changed the f32 masters
     // since (an optimizer step, a DP replicate, a loaded checkpoint) is seen, once per step.
     struct Depth {
@@ -276,8 +314,23 @@ class Module {
       kernels::copy(flat_->compute_params, flat_->params);
     }
     const uint64_t call = ++forwards_begun_;
-    Tensor y = flat_->layer_times && is_training() ? timed(true, impl) : impl();
+    const uint64_t rng_start = flat_->rng_offset;
+    replay_ = nullptr;
+    Tensor y = timing() ? timed(true, impl) : impl();
     forward_done_ = call;
+    if constexpr (!std::is_null_pointer_v<std::decay_t<R>>) {
+      if (checkpoint) {
+        // Under a checkpointed module, nothing keeps a forward's state: the layers' saved
+        // tensors, and the inputs inner checkpointed modules keep (they run again in this one's
+        // backward, and checkpoint themselves again there).
+        for_each_module([](Module& m) {
+          m.release_saved();
+          m.replay_ = nullptr;
+        });
+        replay_ = std::forward<R>(replay);
+        replay_rng_ = rng_start;
+      }
+    }
     // 16-bit activations end at the model's output unless set_output(Output::activations): the
     // loss and metrics then read f32 (the backward of the last layer takes the f32 gradient as
     // it is).
@@ -294,7 +347,15 @@ class Module {
     Tensor dx;
     {
       kernels::NvtxRange r(type_name() + "/backward");
-      dx = flat_ && flat_->layer_times && is_training() ? timed(false, impl) : impl();
+      auto body = [&] {
+        if (!run_again()) return impl();
+        // What the run again rebuilt goes once its backward is done: a checkpointed module
+        // holds nothing between steps, and a model's backward holds one block's state at a time.
+        Tensor g = impl();
+        for_each_module([](Module& m) { m.release_saved(); });
+        return g;
+      };
+      dx = flat_ && timing() ? timed(false, body) : body();
     }
     backward_of_ = forwards_begun_;
     if (flat_ && flat_->on_grad_ready)
@@ -511,6 +572,7 @@ class Module {
     if (m->children_.empty())
       for (auto& [name, child] : children_) m->register_module(name, child->clone_structure());
     m->mode_ = mode_;
+    m->recompute_ = recompute_;
     m->set_input_grad(input_grad_);
     return m;
   }
@@ -591,6 +653,34 @@ class Module {
     (forward ? t.forward_ms : t.backward_ms) += ms;
     ++(forward ? t.forwards : t.backwards);
     return out;
+  }
+
+  // Whether forward and backward add their wall time to a LayerProfiler's table: in training,
+  // and not in a checkpointed module's forward run again (its backward's time holds it).
+  bool timing() const { return flat_->layer_times && is_training() && flat_->recomputing == 0; }
+  // A checkpointed module's backward (set_recompute): its forward again, on the input it kept
+  // and at the dropout counters it drew first, as an inner forward (no weight refresh, no f32
+  // output), so that every layer under it holds its saved state again. Whether it ran.
+  bool run_again() {
+    if (!replay_) return false;
+    std::function<void()> replay = std::move(replay_);
+    replay_ = nullptr;
+    FlatState& f = *flat_;
+    struct Restore {
+      FlatState& f;
+      uint64_t rng_offset;
+      ~Restore() {
+        f.rng_offset = rng_offset;
+        --f.forward_depth;
+        --f.recomputing;
+      }
+    } restore{f, f.rng_offset};
+    f.rng_offset = replay_rng_;
+    ++f.forward_depth;
+    ++f.recomputing;
+    kernels::NvtxRange r(type_name() + "/recompute");
+    replay();
+    return true;
   }
 
   template <class F>
@@ -720,9 +810,29 @@ class Module {
   // Forwards begun, the last one that returned, and the one the last backward went back through
   // (check_backward_state).
   uint64_t forwards_begun_ = 0, forward_done_ = 0, backward_of_ = 0;
+  // set_recompute: whether forward checkpoints; the last checkpointed forward's run again (its
+  // inputs held by value) and the dropout counter it started at; empty once backward ran it.
+  bool recompute_ = false;
+  std::function<void()> replay_;
+  uint64_t replay_rng_ = 0;
 };
 
 using ModulePtr = std::shared_ptr<Module>;
+
+// Activation checkpointing for every module of type M under root (root included): M::
+// set_recompute(on) on each, as Hugging Face's gradient_checkpointing_enable() does for a
+// model's blocks: nn::recompute_each<nn::GptBlock>(*model). Returns how many it set (0: none
+// of that type, which the caller may want to refuse).
+template <class M>
+int recompute_each(Module& root, bool on = true) {
+  int n = 0;
+  root.for_each_module([&](Module& m) {
+    if (dynamic_cast<M*>(&m) == nullptr) return;
+    m.set_recompute(on);
+    ++n;
+  });
+  return n;
+}
 
 // The parameter elements of `flat` (a host copy of m's flat parameter or gradient buffer), in
 // flat order without the alignment gaps: what torch's concatenated model.parameters() holds.

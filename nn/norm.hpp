@@ -65,6 +65,7 @@ class BatchNormBase : public Module {
     x_ = x;
     Tensor y = Tensor::empty(x.shape(), DType::f32, x.device());
     train_forward_ = is_training();
+    if (train_forward_ && recomputing()) return normalize_again(x, y);
     if (train_forward_ && sync_) return normalize_synced(x, y);
     if (train_forward_) {
       DP_CHECK(x.numel() / c_ > 1, type_name() << "(" << c_ << "): training needs more than one "
@@ -127,6 +128,26 @@ class BatchNormBase : public Module {
   static std::vector<double> to_doubles(const Tensor& t) {
     std::vector<float> f = t.to_host_f32();
     return std::vector<double>(f.begin(), f.end());
+  }
+
+  // A checkpointed module's forward run again (Module::set_recompute): y as the first run made
+  // it, and no side effect. The running statistics took this step's update in the first run,
+  // so the kernel updates copies; synced, the kept global statistics give y without a second
+  // exchange, as the first run computed it.
+  Tensor normalize_again(const Tensor& x, Tensor& y) {
+    DP_CHECK(save_mean_.defined(), type_name() << "(" << c_ << "): run again with no first run");
+    if (sync_) {
+      kernels::batch_norm_forward_eval(y, x, gamma_->value, beta_->value, save_mean_, save_var_,
+                                       eps_);
+      return y;
+    }
+    Tensor rm = Tensor::empty({c_}, DType::f32, x.device());
+    Tensor rv = Tensor::empty({c_}, DType::f32, x.device());
+    kernels::copy(rm, running_mean_->value);
+    kernels::copy(rv, running_var_->value);
+    kernels::batch_norm_forward_train(y, save_mean_, save_invstd_, rm, rv, x, gamma_->value,
+                                      beta_->value, momentum_, eps_);
+    return y;
   }
 
   // Training forward with the statistics of every replica. The sums are taken around the
@@ -223,6 +244,8 @@ class BatchNormBase : public Module {
   bool train_forward_ = true;       // whether the cached forward used batch statistics
   Tensor x_;                        // cached input (N, C, ...)
   Tensor save_mean_, save_invstd_;  // (C) batch statistics of the cached forward
+  // The statistics stay (C values each): a forward run again reads them (normalize_again).
+  void release_saved() override { x_ = Tensor(); }
 };
 
 // Sets (or clears, with nullptr) the statistics sync of every BatchNorm layer under `root`.
@@ -313,14 +336,17 @@ class LayerNorm : public Module {
   // h = add(a, b) then forward(h). One pass over each row when a and b share a dtype; else the
   // sum, then the norm. requires a and b of one shape.
   Tensor forward_add(const Tensor& a, const Tensor& b, Tensor& h) {
-    return run_forward([&] {
-      DP_CHECK(a.shape() == b.shape(), "LayerNorm(" << d_ << ")::forward_add: a " << a << " and b "
-                                                    << b << " must match in shape");
-      h = Tensor::empty(a.shape(), a.dtype(), a.device());
-      if (a.dtype() == b.dtype()) return normalize(h, &a, &b);
-      kernels::add(h, a, b);
-      return normalize(h, nullptr, nullptr);
-    });
+    return run_forward(
+        [&] {
+          DP_CHECK(a.shape() == b.shape(), "LayerNorm(" << d_ << ")::forward_add: a " << a
+                                                        << " and b " << b
+                                                        << " must match in shape");
+          h = Tensor::empty(a.shape(), a.dtype(), a.device());
+          if (a.dtype() == b.dtype()) return normalize(h, &a, &b);
+          kernels::add(h, a, b);
+          return normalize(h, nullptr, nullptr);
+        },
+        nullptr);
   }
   // backward(dy) plus the skip's gradient dskip in one pass (kernels::layer_norm_backward_add):
   // the same bits as add(dskip, backward(dy)), in dskip's dtype. requires forward_add (or
@@ -385,6 +411,7 @@ class LayerNorm : public Module {
   Shape x_shape_;
   Tensor x2_;                     // cached input as (M, D), in its own dtype (dx takes it)
   Tensor save_mean_, save_rstd_;  // (M)
+  void release_saved() override { x2_ = save_mean_ = save_rstd_ = Tensor(); }
 };
 
 // RMSNorm over the last dim (Zhang and Sennrich 2019; Llama's norm): x (..., D) -> y (..., D),
@@ -433,6 +460,7 @@ class RMSNorm : public Module {
   Shape x_shape_;
   Tensor x2_;         // cached input as (M, D), in its own dtype (dx takes it)
   Tensor save_rstd_;  // (M)
+  void release_saved() override { x2_ = save_rstd_ = Tensor(); }
 };
 
 }  // namespace nn

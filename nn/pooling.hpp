@@ -61,6 +61,7 @@ class MaxPool2d : public Module {
   }
 
  private:
+  void release_saved() override { x_ = y_ = Tensor(); }
   kernels::Pool2dParams p_;
   Tensor x_, y_;  // cached input and output
 };
