@@ -141,6 +141,10 @@ void add_flags(CLI::App& app, Options& o) {
   app.add_option("--dropout", o.dropout,
                  "--model gpt: dropout p on embeddings, attention and residuals (GPT-2: 0.1)")
       ->check(dp::cli::number_in(0, 0.99));
+  app.add_flag("--recompute", o.recompute,
+               "--model gpt or llama: activation checkpointing of every transformer block (it "
+               "keeps its input alone, and backward runs its forward again: less memory, one more "
+               "forward per step; MFU counts the model's FLOPs alone)");
   app.add_option("--peak-tflops", o.peak_tflops,
                  "--model gpt or llama: the peak TFLOP/s per GPU (or of the CPU) that MFU divides "
                  "by "

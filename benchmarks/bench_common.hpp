@@ -65,9 +65,10 @@ struct Options {
   std::string device = "auto";
   std::string mode = "both";
   std::string model = "mlp";
-  std::string gpt_config = "tiny";    // --model gpt: nn::GptConfig::preset
-  std::optional<int64_t> seq;         // --model gpt: tokens per sequence (default: the context)
-  float dropout = 0;                  // --model gpt: GPT-2's dropout p (embeddings, residuals)
+  std::string gpt_config = "tiny";  // --model gpt: nn::GptConfig::preset
+  std::optional<int64_t> seq;       // --model gpt: tokens per sequence (default: the context)
+  float dropout = 0;                // --model gpt: GPT-2's dropout p (embeddings, residuals)
+  bool recompute = false;  // --model gpt or llama: every block checkpointed (set_recompute)
   std::optional<double> peak_tflops;  // MFU's peak per GPU (or the CPU); unset: found
   int64_t batch = 256;
   std::optional<int64_t> batch_per_device;  // set: the global batch is N x this

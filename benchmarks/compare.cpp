@@ -25,8 +25,8 @@ int parse_and_run(std::shared_ptr<const Workload> workload, int argc, char** arg
   // A workload of the user's own: the built-in models' flags stay out of --help (given, they
   // are refused by name below).
   if (o.workload)
-    for (const char* flag : {"--model", "--gpt-config", "--seq", "--dropout", "--peak-tflops",
-                             "--max-staleness", "--staleness-lr"})
+    for (const char* flag : {"--model", "--gpt-config", "--seq", "--dropout", "--recompute",
+                             "--peak-tflops", "--max-staleness", "--staleness-lr"})
       app.get_option(flag)->group("");
   // ... and with its own optimizer, --optim.
   if (o.workload && o.workload->make_optimizer) app.get_option("--optim")->group("");
@@ -53,7 +53,7 @@ int parse_and_run(std::shared_ptr<const Workload> workload, int argc, char** arg
       if (app.count(flag) && (o.workload || o.model != "gpt"))
         throw CLI::ValidationError(flag, std::string("is for --model gpt; this run trains ") +
                                              (o.workload ? o.workload->name : o.model));
-    for (const char* flag : {"--seq", "--peak-tflops"})
+    for (const char* flag : {"--seq", "--recompute", "--peak-tflops"})
       if (app.count(flag) && !lm)
         throw CLI::ValidationError(flag, std::string("is for --model gpt or llama; this run "
                                                      "trains ") +
@@ -71,8 +71,10 @@ int parse_and_run(std::shared_ptr<const Workload> workload, int argc, char** arg
             "--seq", std::to_string(seq) + " is longer than " +
                          (llama ? std::string("llama-tiny") : "--gpt-config " + o.gpt_config) +
                          "'s context " + std::to_string(context) + ": give at most that");
+      const Blocks blocks = o.recompute ? Blocks::recomputed : Blocks::kept;
       o.workload = std::make_shared<const Workload>(
-          llama ? llama_workload(seq, o.seed) : gpt_workload(o.gpt_config, seq, o.dropout, o.seed));
+          llama ? llama_workload(seq, o.seed, blocks)
+                : gpt_workload(o.gpt_config, seq, o.dropout, o.seed, blocks));
     }
   } catch (const CLI::ParseError& e) {
     return dp::cli::parse_exit(app, e);

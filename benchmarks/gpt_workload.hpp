@@ -11,12 +11,16 @@
 
 namespace bench {
 
+// Whether the model's transformer blocks are checkpointed (--recompute: Module::set_recompute).
+enum class Blocks { kept, recomputed };
+
 // requires config a GptConfig preset name; 1 <= seq <= its context (throws naming both
 // otherwise); 0 <= dropout < 1. ensures a workload named "gpt-<config>" whose batch of step s
 // is (ids, targets) (B, seq) i32 from (seed, s), the same for every mode and device count.
-Workload gpt_workload(const std::string& config, int64_t seq, float dropout, uint64_t seed);
+Workload gpt_workload(const std::string& config, int64_t seq, float dropout, uint64_t seed,
+                      Blocks blocks = Blocks::kept);
 // The same for the tiny Llama (nn/llama.hpp), named "llama-tiny". requires 1 <= seq <= its
 // context (throws naming both otherwise).
-Workload llama_workload(int64_t seq, uint64_t seed);
+Workload llama_workload(int64_t seq, uint64_t seed, Blocks blocks = Blocks::kept);
 
 }  // namespace bench

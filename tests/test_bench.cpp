@@ -1946,6 +1946,48 @@ TEST_CASE("bench.micro_batches: DP and DDP in micro-batches follow one pass, gra
   refused("--device cpu --micro-batches 0", "--micro-batches");
 }
 
+TEST_CASE("bench.recompute: --recompute keeps DP's and DDP's losses and lowers the peak") {
+  // Every block of the GPT (and the Llama) checkpointed: the same losses in DP and DDP (2
+  // devices or ranks, dropout drawn again in backward), graphed too, and one device's peak
+  // memory lower. Each flag that cannot apply is refused by name.
+  auto runs_of = [&](const std::string& args, const std::string& name) {
+    std::string json = temp_path("recompute_" + name + ".json");
+    auto [rc, out] = bench_output(args + " --json " + json);
+    INFO(out);
+    REQUIRE(rc == 0);
+    nlohmann::json runs = read_json(json)["runs"];
+    std::remove(json.c_str());
+    return runs;
+  };
+  for (const std::string model : {"gpt --dropout 0.1", "llama"}) {
+    CAPTURE(model);
+    const std::string args =
+        "--device cpu --gpus 2 --mode both --steps 3 --warmup 1 --batch 4 "
+        "--seq 16 --cuda-graphs on --model " +
+        model;
+    const nlohmann::json kept = runs_of(args, "kept");
+    const nlohmann::json again = runs_of(args + " --recompute", "again");
+    REQUIRE(kept.size() == 4);  // DP at 1 and 2 devices, DDP at 1 and 2 ranks
+    REQUIRE(again.size() == kept.size());
+    for (size_t i = 0; i < kept.size(); ++i) {
+      CAPTURE(kept[i]["mode"].get<std::string>());
+      CAPTURE(kept[i]["gpus"].get<int>());
+      CHECK(again[i]["losses"] == kept[i]["losses"]);
+    }
+    // One device or rank (DP, then DDP: its ranks, started again with the flag, checkpoint
+    // too): the activations are the peak's largest part.
+    for (size_t i : {0, 2}) {
+      CAPTURE(i);
+      CHECK(again[i]["peak_mem_bytes"][0].get<int64_t>() <
+            kept[i]["peak_mem_bytes"][0].get<int64_t>());
+    }
+  }
+  auto [rc, out] = bench_output("--device cpu --steps 1 --recompute");
+  CHECK(rc != 0);
+  CHECK(out.find("--recompute: is for --model gpt or llama; this run trains mlp") !=
+        std::string::npos);
+}
+
 TEST_CASE("bench.graphs: a GPT with dropout replays new masks, losses bitwise those of off") {
   // Attention and residual dropout: the offsets are read on the devices, so every timed step
   // replays (DP and DDP on 2 devices) and draws what an uncaptured step draws.
