@@ -6,6 +6,7 @@
 // On cpu:0 the same run graphed (Graphs::on) gives the uncaptured bits too, and learns.
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <vector>
 
 #include "dp/data_parallel.hpp"
@@ -53,10 +54,13 @@ struct Run {
   std::vector<dp::StepStats> stats;
 };
 
-// DP on `devices` (one device: the single-device run), the gradient's norm reported (a clip far
-// above it: never applied).
-Run train(const std::vector<Device>& devices, dp::Graphs graphs) {
-  auto m = nn::gpt(small_gpt());
+// DP on `devices` (one device: the single-device run) of the GPT `make` gives, the gradient's
+// norm reported (a clip far above it: never applied).
+Run train(
+    const std::vector<Device>& devices, dp::Graphs graphs,
+    const std::function<nn::ModulePtr()>& make = [] { return nn::gpt(small_gpt()); },
+    int steps = kSteps) {
+  auto m = make();
   m->materialize(devices[0], kSeed);
   m->set_compute_dtype(DType::bf16);
   m->set_activations(nn::Activations::compute);
@@ -70,7 +74,7 @@ Run train(const std::vector<Device>& devices, dp::Graphs graphs) {
   o.clip_grad_norm = 1e6f;
   dp::DataParallel engine(m, opt, devices, o);
   Run run;
-  for (int s = 0; s < kSteps; ++s) {
+  for (int s = 0; s < steps; ++s) {
     auto [x, y] = tokens(s);
     run.stats.push_back(engine.train_step(x, y));
     run.losses.push_back(run.stats.back().loss);
@@ -153,39 +157,23 @@ TEST_CASE(
 // not: the plain model's bits, graphed from the third step as the plain one (the runs again
 // captured with the step).
 TEST_CASE("dp.recompute: checkpointed blocks through DP, graphed and not, give the plain bits") {
-  struct DpRun {
-    std::vector<float> losses, params;
-    std::vector<dp::StepStats> stats;
+  auto gpt = [](bool recompute) {
+    return [recompute] {
+      nn::GptConfig c = small_gpt();
+      c.dropout = 0.1f;  // a run again that drew other counters would change the bits
+      auto m = nn::gpt(c);
+      if (recompute) nn::recompute_each<nn::GptBlock>(*m);
+      return m;
+    };
   };
-  auto run = [](bool recompute, dp::Graphs graphs) {
-    nn::GptConfig c = small_gpt();
-    c.dropout = 0.1f;  // a run again that drew other counters would change the bits
-    auto m = nn::gpt(c);
-    if (recompute) nn::recompute_each<nn::GptBlock>(*m);
-    m->materialize(Device::cpu(0), kSeed);
-    m->set_compute_dtype(DType::bf16);
-    m->set_activations(nn::Activations::compute);
-    AdamWConfig cfg;
-    cfg.lr = 3e-3f;
-    nn::AdamW opt(*m, cfg);
-    dp::DataParallelOptions o;
-    o.loss = std::make_shared<nn::TokenCrossEntropyLoss>();
-    o.precision = nn::Precision::bf16;
-    o.graphs = graphs;
-    dp::DataParallel engine(m, opt, {Device::cpu(0), Device::cpu(1), Device::cpu(2)}, o);
-    DpRun r;
-    for (int s = 0; s < 5; ++s) {
-      auto [x, y] = tokens(s);
-      r.stats.push_back(engine.train_step(x, y));
-      r.losses.push_back(r.stats.back().loss);
-    }
-    r.params = engine.module().flat_params().to_host_f32();
-    return r;
+  const std::vector<Device> three{Device::cpu(0), Device::cpu(1), Device::cpu(2)};
+  auto run = [&](bool recompute, dp::Graphs graphs) {
+    return train(three, graphs, gpt(recompute), 5);
   };
-  const DpRun plain = run(false, dp::Graphs::off);
+  const Run plain = run(false, dp::Graphs::off);
   for (dp::Graphs g : {dp::Graphs::off, dp::Graphs::on}) {
     CAPTURE(g == dp::Graphs::on);
-    const DpRun ckpt = run(true, g);
+    const Run ckpt = run(true, g);
     CHECK(same_bits(ckpt.losses, plain.losses));
     CHECK(same_bits(ckpt.params, plain.params));
     for (size_t s = 0; s < ckpt.stats.size(); ++s) {
