@@ -50,6 +50,7 @@ struct Flags {
   double timeout_s = 0;  // ddp rendezvous and collectives; 0: DP_TIMEOUT or the defaults
   std::string backend = "auto";
   bool profile_layers = false;
+  bool recompute = false;  // every block checkpointed (Module::set_recompute)
   dp::dist::LaunchOptions launch;
 };
 
@@ -216,6 +217,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 16));
   app.add_option("--top-k", f.top_k, "sample among the k most likely bytes (1: greedy)")
       ->check(CLI::Range(int64_t{1}, int64_t{256}));
+  app.add_flag("--recompute", f.recompute,
+               "activation checkpointing of every transformer block: each keeps its input alone "
+               "and backward runs its forward again (less memory, one more forward a step, the "
+               "same losses)");
   app.add_flag("--profile-layers", f.profile_layers,
                "time each layer's forward and backward (device 0 or rank 0; graphs off) and "
                "print the table at the end");
@@ -270,13 +275,21 @@ int main(int argc, char** argv) {
     std::function<nn::ModulePtr()> make_model;
     if (f.model == "llama") {
       const nn::LlamaConfig config = nn::LlamaConfig::preset("tiny");
-      make_model = [config] { return nn::llama(config); };
+      make_model = [config, recompute = f.recompute] {
+        auto m = nn::llama(config);
+        nn::recompute_each<nn::LlamaBlock>(*m, recompute);
+        return m;
+      };
       model_name = "llama-tiny";
       context = config.context, vocab = config.vocab;
     } else {
       nn::GptConfig config = nn::GptConfig::preset(f.gpt_config);
       config.dropout = f.dropout;
-      make_model = [config] { return nn::gpt(config); };
+      make_model = [config, recompute = f.recompute] {
+        auto m = nn::gpt(config);
+        nn::recompute_each<nn::GptBlock>(*m, recompute);
+        return m;
+      };
       model_name = "gpt-" + f.gpt_config;
       context = config.context, vocab = config.vocab;
     }

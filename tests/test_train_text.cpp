@@ -76,6 +76,18 @@ double final_val_loss(const std::string& out) {
   return std::stod(m[1]);
 }
 
+// Each evaluation's train and validation losses ("train loss X val loss Y"), the final
+// validation loss and the sampled text, as printed.
+std::vector<std::string> val_losses(const std::string& out) {
+  std::vector<std::string> found;
+  const std::regex r(
+      "(train loss [0-9.]+ val loss [0-9.]+|final val loss [0-9.]+|sample \\([a-z-]+\\): [^\\n]*)");
+  for (auto it = std::sregex_iterator(out.begin(), out.end(), r); it != std::sregex_iterator();
+       ++it)
+    found.push_back((*it)[1]);
+  return found;
+}
+
 // Validation cross-entropy (nats per byte) of a bigram byte model fitted on train with add-k
 // smoothing, at the k in a small grid that does best on validation (a generous baseline).
 double bigram_val_loss(const dp::data::TextCorpus& c) {
@@ -316,6 +328,24 @@ TEST_CASE("samples.train_text: DP, micro-batches and a resumed run follow the si
   const std::string again = run_train_text(drop + " --steps 8 --resume " + state);
   CHECK(final_val_loss(again) == final_val_loss(unbroken));
   std::remove(state.c_str());
+}
+
+TEST_CASE("samples.train_text: --recompute gives the plain run's losses, alone and under DDP") {
+  if (skip_without_fortunes()) return;
+  // Every block checkpointed, dropout drawn again in backward: the losses and the sampled text
+  // are the plain run's, for the GPT alone and through 2 DDP ranks, and for the Llama.
+  const std::string common =
+      "--device cpu --batch 6 --seq 16 --eval-every 2 --val-batches 2 --steps 4 "
+      "--sample-bytes 20 ";
+  for (const std::string run :
+       {"--gpt-config tiny --dropout 0.2", "--gpt-config tiny --dropout 0.2 --mode ddp --gpus 2",
+        "--model llama"}) {
+    CAPTURE(run);
+    const std::string plain = run_train_text(common + run);
+    const std::string again = run_train_text(common + run + " --recompute");
+    CHECK(val_losses(again) == val_losses(plain));
+    CHECK(val_losses(plain).size() == 4);  // steps 2 and 4, the final loss, the sample
+  }
 }
 
 TEST_CASE(
