@@ -1182,6 +1182,29 @@ EOF
     fi
   done
   verdict ok "$label" "$fits (of ${sizes[*]})${why:+; $why}: $said"
+  # The smallest batch again with every block checkpointed (--recompute): the peak it saves
+  # against the tokens/s the blocks' second forward costs.
+  name=dp_bench_gpt124m_bf16_batch${sizes[0]}_recompute
+  bench_args=(--mode dp --gpus 1 --baseline 0 --model gpt --gpt-config 124m --seq 1024
+    --batch "${sizes[0]}" --dtype bf16 --activations bf16 --steps 3 --warmup 2 --project-from off
+    --recompute)
+  [[ $dry_run == 1 ]] && dry_rewrite "${bench_args[@]}"
+  logged "$out/$name.txt" "$build/bin/dp_bench" --device "$bench_device" \
+    --json "$out/$name.json" "${bench_args[@]}"
+  rc=$?
+  label="gpt-124m batch ${sizes[0]} --recompute"
+  if ((rc != 0)); then
+    step_verdict "$rc" "$label" "" "see $name.txt"
+    return
+  fi
+  verdict ok "$label" "$(
+    timeout "$t_py" python3 - "$out/$name.json" 2> /dev/null << 'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))["runs"][0]
+print(f"{r['tokens_per_s']:.0f} tok/s, MFU {100 * r['mfu']:.1f}%, "
+      f"peak {max(r.get('peak_mem_bytes') or [0]) / 2**30:.1f} GiB", end="")
+EOF
+  )"
 }
 
 part_bench_more() {
@@ -1224,6 +1247,14 @@ part_bench_more() {
   done
   same_losses_verdict "graphs = uncaptured, gpt-tiny --dropout 0.1 --gpus 2" \
     "$out/dp_bench_gpt_tiny_dropout_graphs_on.json" "$out/dp_bench_gpt_tiny_dropout_graphs_off.json"
+  # Activation checkpointing, graphed: every block runs its forward again in backward (the
+  # attention and the GEMM epilogues again, dropout at the same offsets read on the GPU), for
+  # the plain graphed run's losses bit for bit.
+  bench_step dp_bench_gpt_tiny_dropout_recompute \
+    "dp_bench gpt-tiny --dropout 0.1 --gpus 2 --recompute graphs on" --mode both --gpus 2 \
+    --baseline 0 --model gpt --gpt-config tiny --dropout 0.1 --cuda-graphs on --recompute
+  same_losses_verdict "--recompute = plain, gpt-tiny --dropout 0.1 --gpus 2 graphed" \
+    "$out/dp_bench_gpt_tiny_dropout_recompute.json" "$out/dp_bench_gpt_tiny_dropout_graphs_on.json"
 }
 
 # The side by side at N = 1 (variants.py): ours against torch eager, CUDA graph and

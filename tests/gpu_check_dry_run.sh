@@ -93,6 +93,7 @@ for c in "graphs = uncaptured, mlp --gpus 4" "graphs = uncaptured, cnn --gpus 1"
   "metrics lag 1 = 0, mlp --gpus 4" "graphs = uncaptured, gpt-tiny --dropout 0.1" \
   "mlp: 4 GPUs follow 1 (fp32) *ddp N=4 largest gap" "amp cnn fp16: 4 GPUs follow 1 *ddp N=4" \
   "staged pulls = in place, mlp --gpus 4, graphs off" \
+  "--recompute = plain, gpt-tiny --dropout 0.1 --gpus 2 graphed" \
   "mlp: graphed step per node *dp N=1 [0-9.]* ms over [0-9]* nodes: [0-9.]* us each, ddp N=1"; do
   grep -q "^ok    $c" "${sum1:-/dev/null}" || no "no ok verdict for '$c'"
 done
@@ -102,6 +103,8 @@ grep -q "^ok    dp_bench mlp --gpus 1 .*; verdict: .*DP and DDP\|^ok    dp_bench
   "${sum1:-/dev/null}" || no "the graphs part does not give DP against DDP at one device"
 grep -q "^ok    gpt-124m largest batch *32 (of 16 32): batch 16 .* tok/s, MFU .*; batch 32 " \
   "${sum1:-/dev/null}" || no "the GPT batch search does not report both sizes"
+grep -q "^ok    gpt-124m batch 16 --recompute *[0-9]* tok/s, MFU [0-9.]*%, peak " \
+  "${sum1:-/dev/null}" || no "the GPT batch part does not report batch 16 with --recompute"
 tar -tzf "$scratch/one.tar.gz" > "$scratch/one.list" 2> /dev/null || no "the pack is no tar.gz"
 for f in summary.txt dp_bench_mlp_gpus4.json dp_bench_gpt124m_bf16.json cuda_tests.txt; do
   grep -q "/$f\$" "$scratch/one.list" || no "the pack has no $f"
