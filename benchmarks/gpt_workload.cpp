@@ -29,31 +29,25 @@ Workload gpt_workload(const std::string& config, int64_t seq, float dropout, uin
                       Blocks blocks) {
   nn::GptConfig c = nn::GptConfig::preset(config);
   c.dropout = dropout;
+  c.recompute = blocks == Blocks::recomputed;
   DP_CHECK(seq >= 1 && seq <= c.context, "--seq " << seq << " with --gpt-config " << config
                                                   << ": give 1 to the context, " << c.context);
   Workload w;
   w.name = "gpt-" + config;
-  w.make_model = [c, blocks] {
-    auto m = std::make_shared<nn::Gpt>(c);
-    nn::recompute_each<nn::GptBlock>(*m, blocks == Blocks::recomputed);
-    return m;
-  };
+  w.make_model = [c] { return std::make_shared<nn::Gpt>(c); };
   token_batches(w, c.vocab, seq, seed);
   w.flops_per_token = c.flops_per_token(seq);
   return w;
 }
 
 Workload llama_workload(int64_t seq, uint64_t seed, Blocks blocks) {
-  const nn::LlamaConfig c = nn::LlamaConfig::preset("tiny");
+  nn::LlamaConfig c = nn::LlamaConfig::preset("tiny");
+  c.recompute = blocks == Blocks::recomputed;
   DP_CHECK(seq >= 1 && seq <= c.context,
            "--seq " << seq << " with --model llama: give 1 to the context, " << c.context);
   Workload w;
   w.name = "llama-tiny";
-  w.make_model = [c, blocks] {
-    auto m = std::make_shared<nn::Llama>(c);
-    nn::recompute_each<nn::LlamaBlock>(*m, blocks == Blocks::recomputed);
-    return m;
-  };
+  w.make_model = [c] { return std::make_shared<nn::Llama>(c); };
   token_batches(w, c.vocab, seq, seed);
   w.flops_per_token = c.flops_per_token(seq);
   return w;

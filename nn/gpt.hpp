@@ -27,6 +27,9 @@ struct GptConfig {
   int64_t heads = 4;
   int64_t dim = 128;
   float dropout = 0.f;
+  // Activation checkpointing of every block (GptBlock::set_recompute): a block keeps its input
+  // alone and runs its forward again in its backward.
+  bool recompute = false;
   std::string name = "custom";
 
   // "tiny" (byte vocabulary, about 0.8M parameters, for CI), "124m" (GPT-2 small: 12 layers,
@@ -187,6 +190,7 @@ class Gpt : public Module {
     h_ = register_module("h", std::make_shared<Sequential>());
     for (int64_t l = 0; l < c_.layers; ++l) {
       auto block = h_->add(std::make_shared<GptBlock>(c_.dim, c_.heads, c_.dropout));
+      block->set_recompute(c_.recompute);
       for (Linear* lin : {&block->attn().c_attn(), &block->attn().c_proj(), &block->mlp().c_fc(),
                           &block->mlp().c_proj()}) {
         lin->weight().init = w;

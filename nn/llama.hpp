@@ -33,6 +33,9 @@ struct LlamaConfig {
   // RMSNorm and SwiGLU written with autograd (nn/composed.hpp) instead of the fused layers: the
   // same parameters and the same function, the reference the fused ones are tested against.
   bool composed = false;
+  // Activation checkpointing of every block (LlamaBlock::set_recompute): a block keeps its input
+  // alone and runs its forward again in its backward.
+  bool recompute = false;
   std::string name = "custom";
 
   // "tiny" (byte vocabulary, about 0.9M parameters, for CI). Throws naming the choices
@@ -164,6 +167,7 @@ class Llama : public Module {
     layers_ = register_module("layers", std::make_shared<Sequential>());
     for (int64_t l = 0; l < c_.layers; ++l) {
       auto block = layers_->add(std::make_shared<LlamaBlock>(c_));
+      block->set_recompute(c_.recompute);
       for (auto& [name, p] : block->named_parameters())
         if (name == "attn.c_attn.weight" || name == "mlp.gate_up.weight")
           p->init = w;

@@ -274,22 +274,16 @@ int main(int argc, char** argv) {
     int64_t context = 0, vocab = 0;
     std::function<nn::ModulePtr()> make_model;
     if (f.model == "llama") {
-      const nn::LlamaConfig config = nn::LlamaConfig::preset("tiny");
-      make_model = [config, recompute = f.recompute] {
-        auto m = nn::llama(config);
-        nn::recompute_each<nn::LlamaBlock>(*m, recompute);
-        return m;
-      };
+      nn::LlamaConfig config = nn::LlamaConfig::preset("tiny");
+      config.recompute = f.recompute;
+      make_model = [config] { return nn::llama(config); };
       model_name = "llama-tiny";
       context = config.context, vocab = config.vocab;
     } else {
       nn::GptConfig config = nn::GptConfig::preset(f.gpt_config);
       config.dropout = f.dropout;
-      make_model = [config, recompute = f.recompute] {
-        auto m = nn::gpt(config);
-        nn::recompute_each<nn::GptBlock>(*m, recompute);
-        return m;
-      };
+      config.recompute = f.recompute;
+      make_model = [config] { return nn::gpt(config); };
       model_name = "gpt-" + f.gpt_config;
       context = config.context, vocab = config.vocab;
     }

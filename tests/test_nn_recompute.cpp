@@ -41,6 +41,13 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
+// How many modules of m's tree are checkpointed.
+int checkpointed(nn::Module& m) {
+  int n = 0;
+  m.for_each_module([&](nn::Module& part) { n += part.recomputes() ? 1 : 0; });
+  return n;
+}
+
 int64_t bytes_in_use() {
   return kernels::context(Device::cpu(0)).memory()->current.load();
 }
@@ -55,8 +62,10 @@ struct Run {
 };
 
 Run train_gpt(bool recompute, bool bf16) {
-  auto m = nn::gpt(dropout_gpt());
-  if (recompute) CHECK(nn::recompute_each<nn::GptBlock>(*m) == 3);
+  nn::GptConfig config = dropout_gpt();
+  config.recompute = recompute;  // the config sets it on every block
+  auto m = nn::gpt(config);
+  CHECK(checkpointed(*m) == (recompute ? 3 : 0));
   m->materialize(Device::cpu(0), kSeed);
   if (bf16) {
     m->set_compute_dtype(DType::bf16);
@@ -243,4 +252,7 @@ TEST_CASE("nn.recompute: a part its parent runs through a fused entry point refu
   Tensor dl = Tensor::zeros(out.shape(), DType::f32, Device::cpu(0));
   m->backward(dl);
   CHECK(nn::recompute_each<nn::Linear>(*nn::mlp({4, 4})) == 1);
+  nn::LlamaConfig llama = nn::LlamaConfig::preset("tiny");
+  llama.recompute = true;
+  CHECK(checkpointed(*nn::llama(llama)) == llama.layers);
 }
