@@ -141,6 +141,7 @@ DataParallel::DataParallel(nn::ModulePtr module, nn::Optimizer& optimizer,
   if (options_.cross_node) {  // hybrid: every node starts from node 0's weights
     options_.cross_node->broadcast(module->flat_params());
     if (module->flat_buffers().numel() > 0) options_.cross_node->broadcast(module->flat_buffers());
+    module->parameters_changed();  // a 16-bit copy an earlier step wrote is not node 0's
   }
 
   int n = n_devices();

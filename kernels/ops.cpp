@@ -1067,6 +1067,17 @@ void check_skip_flag(const char* op, const Tensor& params, const Tensor& skip_if
   check_shape(op, {"skip_if", skip_if}, {1});
 }
 
+// requires copy undefined, or f16/bf16 with params' element count on their device
+// (SgdConfig::compute_copy; being 16-bit, it cannot be a view of the f32 params).
+void check_compute_copy(const char* op, const Tensor& params, const Tensor& copy) {
+  if (!copy.defined()) return;
+  check_devices(op, {{"params", params}, {"compute_copy", copy}});
+  DP_CHECK(copy.dtype() == DType::f16 || copy.dtype() == DType::bf16,
+           op << ": compute_copy " << copy << " must be f16 or bf16 (the parameters' 16-bit copy)");
+  DP_CHECK(copy.numel() == params.numel(), op << ": compute_copy " << copy << " must hold the "
+                                              << params.numel() << " values of params " << params);
+}
+
 // requires scalars f32 on the parameters' device with at least `count` elements.
 void check_scalars(const char* op, const Tensor& params, const Tensor& scalars, int count) {
   check_devices(op, {{"params", params}, {"scalars", scalars}});
@@ -1150,6 +1161,7 @@ void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const
   }
   check_scalars(op, params, scalars, SgdScalar::count);
   check_skip_flag(op, params, c.skip_if);
+  check_compute_copy(op, params, c.compute_copy);
   if (params.numel() == 0) return;
   DP_DISPATCH(params.device(), sgd_update, params, grads, momentum_buf, c, scalars);
 }
@@ -1164,6 +1176,7 @@ void check_adamw(const char* op, const Tensor& params, const Tensor& grads, cons
   check_same_shape(op, {"params", params}, {"v", v});
   check_scalars(op, params, scalars, AdamWScalar::count);
   check_skip_flag(op, params, c.skip_if);
+  check_compute_copy(op, params, c.compute_copy);
 }
 }  // namespace
 

@@ -512,6 +512,11 @@ struct SgdConfig {
   // Undefined, or (1) f32 on the parameters' device: the update does nothing when it holds a
   // nonzero value (a non-finite gradient, non_finite_into), read by the kernel, not the host.
   Tensor skip_if;
+  // Undefined, or an f16 or bf16 tensor of the parameters' element count on their device, apart
+  // from them: the update also writes each updated parameter there, rounded to its dtype (the
+  // bits copy() gives), in the same pass; skipped with the update. Mixed precision's 16-bit
+  // weights (Module::set_compute_dtype), so the next forward needs no cast.
+  Tensor compute_copy;
 };
 // SGD's per-step scalars, at these indices of the scalars tensor.
 struct SgdScalar {
@@ -534,7 +539,8 @@ struct AdamWConfig {
   float weight_decay = 1e-2f;
   // Every gradient is multiplied by this first (1 / loss scale under mixed precision; 1: as is).
   float grad_unscale = 1.f;
-  Tensor skip_if;  // as SgdConfig::skip_if
+  Tensor skip_if;       // as SgdConfig::skip_if
+  Tensor compute_copy;  // as SgdConfig::compute_copy
 };
 // Parameter groups of one flat buffer (nanoGPT's: weight decay on matrices only), each with
 // its learning-rate scale and weight decay. A group is a set of ranges; group_of names each

@@ -111,6 +111,7 @@ inline void load_checkpoint(Module& m, const std::string& path) {
 
   Tensor hp = Tensor::from_vector(params, {static_cast<int64_t>(params.size())});
   kernels::copy(m.flat_params(), hp);
+  m.parameters_changed();
   if (n_buffers > 0) {
     Tensor hb = Tensor::from_vector(buffers, {static_cast<int64_t>(buffers.size())});
     kernels::copy(m.flat_buffers(), hb);

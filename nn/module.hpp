@@ -213,8 +213,13 @@ struct FlatState {
     kernels::set_counter(rng_base, rng_offset);
   }
   // Mixed precision: the 16-bit copy of `params` that GEMMs and convolutions read (its dtype is
-  // theirs), remade by one cast at the start of each outermost forward; undefined under f32.
+  // theirs), remade by one cast at the start of each outermost forward, unless the optimizer's
+  // step wrote it since (compute_written); undefined under f32.
   Tensor compute_params;
+  // Set by an optimizer whose fused step also wrote compute_params from every parameter it
+  // updated (SgdConfig::compute_copy); the next outermost forward then casts nothing and clears
+  // it. Module::parameters_changed() clears it.
+  bool compute_written = false;
   // 16-bit activations (Module::set_activations): Linear and Conv2d write their outputs in the
   // compute dtype, and the layers between them keep it.
   Activations activations = Activations::f32;
@@ -303,15 +308,20 @@ class Module {
                               "forward_add; a Linear's forward_gelu), which cannot run again on "
                               "its own; set it on the blocks (GptBlock) or on the parent");
     // The outermost forward refreshes the 16-bit weights: whatever changed the f32 masters
-    // since (an optimizer step, a DP replicate, a loaded checkpoint) is seen, once per step.
+    // since (a DP replicate, a loaded checkpoint) is seen, once per step. After an optimizer
+    // step that wrote them (FlatState::compute_written) there is nothing to cast.
     struct Depth {
       FlatState& f;
       ~Depth() { --f.forward_depth; }
     } depth{*flat_};
     const bool outermost = flat_->forward_depth++ == 0;
     if (outermost && flat_->compute_params.defined()) {
-      kernels::NvtxRange cast("amp/cast_weights");
-      kernels::copy(flat_->compute_params, flat_->params);
+      if (flat_->compute_written) {
+        flat_->compute_written = false;
+      } else {
+        kernels::NvtxRange cast("amp/cast_weights");
+        kernels::copy(flat_->compute_params, flat_->params);
+      }
     }
     const uint64_t call = ++forwards_begun_;
     const uint64_t rng_start = flat_->rng_offset;
@@ -439,6 +449,7 @@ class Module {
     }
     Tensor h = Tensor::from_vector(host, {static_cast<int64_t>(host.size())});
     kernels::copy(flat_->params, h);
+    parameters_changed();
     std::vector<float> hb(static_cast<size_t>(flat_->buffers.numel()));
     for (auto& [name, b] : named_buffers())
       std::fill_n(hb.begin() + b->offset, b->numel(), b->init_value);
@@ -471,6 +482,7 @@ class Module {
              "set_compute_dtype(" << dtype << "): choose f32, f16 or bf16");
     FlatState& f = flat();
     // Filled by the next outermost forward, before anything reads it.
+    f.compute_written = false;
     f.compute_params =
         dtype == DType::f32 ? Tensor() : Tensor::empty({f.params.numel()}, dtype, f.device);
     visit("", [&](const std::string&, Module& m) {
@@ -532,6 +544,18 @@ class Module {
   // kernels::Scalar over a tensor) needs no call. Nothing before materialize().
   void host_values_changed() {
     if (flat_) ++flat_->host_values_version;
+  }
+  // Says that the flat parameters were written by something other than an optimizer's step (a
+  // loader, an engine's broadcast, your own code): under mixed precision the 16-bit copy the
+  // last step wrote beside them is stale, so the next forward casts them again, and captured
+  // steps (which then cast nothing) are captured again (host_values_changed). nn's loaders
+  // (load_checkpoint, load_training_state, reinitialize) and the engines' broadcasts call it;
+  // call it on the root after writing parameters yourself between a step and the next forward
+  // (a projection or clamp after opt.step()). Nothing under f32 or before materialize().
+  void parameters_changed() {
+    if (!flat_ || !flat_->compute_params.defined()) return;
+    flat_->compute_written = false;
+    host_values_changed();
   }
   Device device() { return flat().device; }
   // Draws dropout from the stream of `index`: the one a module materialised on a device of that

@@ -103,6 +103,13 @@ class Optimizer {
   }
   int64_t shard_begin() const { return begin_; }
   int64_t shard_end() const { return end_ < 0 ? module_.flat_params().numel() : end_; }
+  // Under mixed precision (Module::set_compute_dtype) the fused step also writes the 16-bit
+  // copy of the weights that the next forward reads, in the same pass, so that forward casts
+  // nothing (on by default; a ZeRO-1 shard writes none: the all-gather brings the rest). Off: the
+  // forward casts the f32 weights as before. Writes to the parameters between a step and the
+  // next forward other than nn's own need Module::parameters_changed().
+  void set_writes_compute_copy(bool on) { writes_compute_copy_ = on; }
+  bool writes_compute_copy() const { return writes_compute_copy_; }
   // Bytes of optimizer state this optimizer holds.
   int64_t state_bytes() {
     int64_t bytes = 0;
@@ -132,6 +139,19 @@ class Optimizer {
   }
   // Remakes the state for the current shard (zeros).
   virtual void reset_state() = 0;
+  // The 16-bit copy this step writes beside the parameters (writes_compute_copy): the module's
+  // compute_params when it has them and this optimizer updates every parameter, else undefined.
+  Tensor compute_copy_to_write() {
+    FlatState& f = module_.flat();
+    const bool whole = shard_begin() == 0 && shard_end() == f.params.numel();
+    return writes_compute_copy_ && whole && f.compute_params.defined() ? f.compute_params
+                                                                       : Tensor();
+  }
+  // After queueing an update that wrote `copy` (compute_copy_to_write): the next forward casts
+  // nothing. A skipped update (skip_if) leaves both the weights and their copy as they were.
+  void copy_written(const Tensor& copy) {
+    if (copy.defined()) module_.flat().compute_written = true;
+  }
 
   Module& module_;
   float lr_;
@@ -141,6 +161,7 @@ class Optimizer {
   std::array<float, kernels::kMaxValues> host_scalars_{};
   int64_t step_ = 0;
   int64_t begin_ = 0, end_ = -1;  // end < 0: every parameter
+  bool writes_compute_copy_ = true;
 };
 
 // PyTorch's SGD: momentum, dampening, Nesterov and (coupled) weight decay; see
@@ -159,8 +180,10 @@ class SGD : public Optimizer {
 
   void apply_step() override {
     config_.skip_if = skip_if_;
+    config_.compute_copy = compute_copy_to_write();
     Tensor p = params_to_update(), g = grads_to_update();
     if (p.numel() > 0) kernels::sgd_update(p, g, momentum_, config_, scalars_);
+    copy_written(config_.compute_copy);
   }
   std::vector<std::pair<std::string, Tensor>> state() override {
     if (!momentum_.defined()) return {};
@@ -200,8 +223,10 @@ class AdamW : public Optimizer {
 
   void apply_step() override {
     config_.skip_if = skip_if_;
+    config_.compute_copy = compute_copy_to_write();
     Tensor p = params_to_update(), g = grads_to_update();
     if (p.numel() > 0) kernels::adamw_update(p, g, m_, v_, config_, scalars_);
+    copy_written(config_.compute_copy);
   }
   std::vector<std::pair<std::string, Tensor>> state() override {
     return {{"exp_avg", m_}, {"exp_avg_sq", v_}};

@@ -102,10 +102,12 @@ class GroupedAdamW : public AdamW {
 
   void apply_step() override {
     config_.skip_if = skip_if_;
+    config_.compute_copy = compute_copy_to_write();
     Tensor p = params_to_update(), g = grads_to_update();
     if (p.numel() == 0) return;
     Tensor groups = group_of_.view(shard_begin(), {p.numel()});
     kernels::adamw_update_grouped(p, g, m_, v_, groups, config_, scalars_);
+    copy_written(config_.compute_copy);
   }
   const std::vector<ParamGroup>& groups() const { return groups_; }
 

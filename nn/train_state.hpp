@@ -434,6 +434,7 @@ inline TrainingProgress load_training_state(const std::string& path, Module& m, 
   // The copies are queued on this thread's stream: done before another's (an engine's worker)
   // reads what was loaded.
   if (!targets.empty()) kernels::context(targets.front().dst->device()).synchronize();
+  m.parameters_changed();
   opt.set_step_count(optimizer_steps);
   // Dropout streams: each device's or rank's own when the world is the same; else every one
   // goes on past the furthest any saved stream reached (a device's key is its index's).

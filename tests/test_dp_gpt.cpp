@@ -55,11 +55,12 @@ struct Run {
 };
 
 // DP on `devices` (one device: the single-device run) of the GPT `make` gives, the gradient's
-// norm reported (a clip far above it: never applied).
+// norm reported (a clip far above it: never applied). `before` (if any) is called with the
+// engine's module before each step.
 Run train(
     const std::vector<Device>& devices, dp::Graphs graphs,
     const std::function<nn::ModulePtr()>& make = [] { return nn::gpt(small_gpt()); },
-    int steps = kSteps) {
+    int steps = kSteps, const std::function<void(nn::Module&, int)>& before = nullptr) {
   auto m = make();
   m->materialize(devices[0], kSeed);
   m->set_compute_dtype(DType::bf16);
@@ -75,6 +76,7 @@ Run train(
   dp::DataParallel engine(m, opt, devices, o);
   Run run;
   for (int s = 0; s < steps; ++s) {
+    if (before) before(engine.module(), s);
     auto [x, y] = tokens(s);
     run.stats.push_back(engine.train_step(x, y));
     run.losses.push_back(run.stats.back().loss);
@@ -161,9 +163,8 @@ TEST_CASE("dp.recompute: checkpointed blocks through DP, graphed and not, give t
     return [recompute] {
       nn::GptConfig c = small_gpt();
       c.dropout = 0.1f;  // a run again that drew other counters would change the bits
-      auto m = nn::gpt(c);
-      if (recompute) nn::recompute_each<nn::GptBlock>(*m);
-      return m;
+      c.recompute = recompute;
+      return nn::gpt(c);
     };
   };
   const std::vector<Device> three{Device::cpu(0), Device::cpu(1), Device::cpu(2)};
@@ -182,5 +183,28 @@ TEST_CASE("dp.recompute: checkpointed blocks through DP, graphed and not, give t
       // The runs again are captured with the step: a replay takes no memory.
       if (g == dp::Graphs::on && s >= 3) CHECK(ckpt.stats[s].allocations == 0);
     }
+  }
+}
+
+// Device 0's optimizer step writes its bf16 weights (Optimizer::writes_compute_copy), so its
+// forward, uncaptured or captured, casts none. Weights written between steps (reinitialize, as
+// a loaded checkpoint) are read by the next step all the same: parameters_changed() makes the
+// forward cast again and the engine capture again, so the graphed run keeps the uncaptured bits.
+TEST_CASE("dp.compute_copy: weights written between steps are read next step, graphed or not") {
+  const std::vector<Device> two{Device::cpu(0), Device::cpu(1)};
+  auto reinit_at_4 = [](nn::Module& m, int s) {
+    if (s == 4) m.reinitialize(kSeed + 7);
+  };
+  auto make = [] { return nn::gpt(small_gpt()); };
+  const Run plain = train(two, dp::Graphs::off, make, 7);
+  const Run eager = train(two, dp::Graphs::off, make, 7, reinit_at_4);
+  const Run graphed = train(two, dp::Graphs::on, make, 7, reinit_at_4);
+  CHECK(same_bits(graphed.losses, eager.losses));
+  CHECK(same_bits(graphed.params, eager.params));
+  for (int s = 0; s < 7; ++s) {
+    CAPTURE(s);
+    CHECK((eager.losses[s] == plain.losses[s]) == (s < 4));  // the new weights took
+    // Captured from the third step, and again two steps after the change.
+    CHECK(graphed.stats[s].graphed == (s == 2 || s == 3 || s == 6));
   }
 }

@@ -17,6 +17,7 @@
 #include "kernels/runtime/graph.hpp"
 #include "kernels/runtime/memory.hpp"
 #include "kernels/tensor_ops.hpp"
+#include "tests/compute_copy_cases.hpp"
 #include "tests/device_scalars.hpp"
 #include "tests/gemm_gelu_cases.hpp"
 #include "tests/loss_count_cases.hpp"
@@ -1347,6 +1348,17 @@ TEST_CASE("kernels.cuda.cast and adamw_update: the wide kernels give the one-wid
   CHECK(same(p, p1));
   CHECK(same(m, m1));
   CHECK(same(v, v1));
+}
+
+TEST_CASE("kernels.cuda.compute_copy: the fused steps write cast()'s 16-bit copy, wide or not") {
+  DP_REQUIRE_GPU();
+  int checks = 0;
+  compute_copy::run(kGpu, [&](const std::string& what, bool ok) {
+    CAPTURE(what);
+    CHECK(ok);
+    ++checks;
+  });
+  CHECK(checks == 3 * 2 * 2 * 11);
 }
 
 // The values travel in the launch's arguments: the host array is overwritten right after the

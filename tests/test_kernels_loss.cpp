@@ -6,6 +6,7 @@
 #include <string>
 #include <utility>
 
+#include "tests/compute_copy_cases.hpp"
 #include "tests/loss_count_cases.hpp"
 #include "tests/loss_scale_cases.hpp"
 #include "tests/optim_test_util.hpp"
@@ -488,6 +489,32 @@ TEST_CASE("kernels.sgd_update and adamw_update: grad_unscale multiplies the grad
   CHECK(bitwise_equal(m1, m2));
   CHECK(bitwise_equal(v1, v2));
   CHECK_FALSE(bitwise_equal(p1, random_tensor({n}, 229)));  // the steps did move p
+}
+
+TEST_CASE("kernels.compute_copy: the fused steps write cast()'s 16-bit copy, nothing else moved") {
+  int checks = 0;
+  compute_copy::run(Device::cpu(), [&](const std::string& what, bool ok) {
+    CAPTURE(what);
+    CHECK(ok);
+    ++checks;
+  });
+  CHECK(checks == 3 * 2 * 2 * 11);
+  // A copy that is not 16-bit, or of another size, is refused by name.
+  Tensor p = zeros({8}), g = zeros({8}), m = zeros({8}), v = zeros({8});
+  AdamWConfig c;
+  c.compute_copy = zeros({8});
+  CHECK_THROWS_WITH_AS(dp_test::adamw_step(p, g, m, v, c, 1),
+                       doctest::Contains("adamw_update: compute_copy Tensor(f32, cpu:0, [8]) must "
+                                         "be f16 or bf16"),
+                       Error);
+  c.compute_copy = zeros({7}, DType::bf16);
+  CHECK_THROWS_WITH_AS(dp_test::adamw_step(p, g, m, v, c, 1),
+                       doctest::Contains("must hold the 8 values of params"), Error);
+  SgdConfig s;
+  s.compute_copy = Tensor::zeros({8}, DType::bf16, Device::cpu(1));
+  Tensor none;
+  CHECK_THROWS_WITH_AS(dp_test::sgd_step(p, g, none, s, 1), doctest::Contains("compute_copy"),
+                       Error);
 }
 
 TEST_CASE("kernels.adamw_update: two steps against hand-computed values") {

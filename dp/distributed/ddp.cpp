@@ -62,6 +62,7 @@ DistributedDataParallel::DistributedDataParallel(nn::ModulePtr module, ProcessGr
     kernels::NvtxRange range("ddp/broadcast_params");
     group_.broadcast(module_->flat_params(), 0)->wait();
     if (module_->flat_buffers().numel() > 0) group_.broadcast(module_->flat_buffers(), 0)->wait();
+    module_->parameters_changed();  // a 16-bit copy an earlier step wrote is not rank 0's
   }
   buckets_ =
       make_bucket_plan(*module_, options_.first_bucket_bytes, options_.bucket_cap_bytes).buckets;

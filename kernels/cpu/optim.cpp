@@ -21,6 +21,16 @@ bool skipped(const Tensor& skip_if) {
 }  // namespace
 
 namespace {
+// copy[begin, end) := p[begin, end) rounded to the copy's 16-bit dtype (store_block: copy()'s
+// bits), while the range is in cache; nothing for an undefined copy.
+void write_copy(const Tensor& copy, const float* p, int64_t begin, int64_t end) {
+  if (!copy.defined()) return;
+  if (copy.dtype() == DType::bf16)
+    store_block(copy.data<BF16>() + begin, p + begin, end - begin);
+  else
+    store_block(copy.data<F16>() + begin, p + begin, end - begin);
+}
+
 // The loops below take their constants by value and their arrays as __restrict pointers: a
 // store through a float pointer may otherwise alias a config's float fields, which then are
 // reloaded on every element and keep the loop from vectorising. Branches on constants are taken
@@ -120,6 +130,7 @@ void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const
       sgd_range<true>(p, g, buf, begin, end, k);
     else
       sgd_range<false>(p, g, buf, begin, end, k);
+    write_copy(c.compute_copy, p, begin, end);
   });
 }
 
@@ -146,6 +157,7 @@ void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, con
   float* pv = v.data<float>();
   parallel_range(params.numel(), kElementwiseGrain, [&](int64_t begin, int64_t end) {
     adamw_range(p, g, pm, pv, grp, begin, end, k);
+    write_copy(c.compute_copy, p, begin, end);
   });
 }
 

@@ -2,6 +2,7 @@
 // order of kernels/cpu/optim.cpp; the per-step scalars are read from device memory when the
 // kernel runs), the finiteness check, and small by-value writes (set_values).
 #include <cmath>
+#include <type_traits>
 
 #include "kernels/cuda/cuda_common.cuh"
 
@@ -18,9 +19,11 @@ __global__ void set_values_kernel(float* dst, Values values) {
 // g = grad unscale + wd p; buf = first ? g : m buf + (1 - damp) g; g = nesterov ? g + m buf : buf;
 // p -= lr g. buf is nullptr without momentum; lr, unscale and first come from `scalars`
 // (SgdScalar), read when the kernel runs.
+// copy (nullptr: none) takes each updated p rounded to T (SgdConfig::compute_copy).
+template <class T>
 __global__ void sgd_kernel(float* p, const float* grad, float* buf, const float* scalars,
                            float momentum, float keep, float weight_decay, bool nesterov,
-                           const float* skip, int64_t n) {
+                           const float* skip, T* copy, int64_t n) {
   if (skip && *skip != 0.f) return;  // a non-finite gradient: no update
   const float lr = scalars[SgdScalar::lr], unscale = scalars[SgdScalar::grad_unscale];
   const bool first_step = scalars[SgdScalar::first_step] != 0.f;
@@ -33,6 +36,7 @@ __global__ void sgd_kernel(float* p, const float* grad, float* buf, const float*
       d = nesterov ? d + momentum * b : b;
     }
     p[i] -= lr * d;
+    if (copy) copy[i] = from_float<T>(p[i]);
   }
 }
 
@@ -74,22 +78,36 @@ __device__ __forceinline__ AdamWElement adamw_element(const float* scalars, floa
           scalars + AdamWScalar::step_size};
 }
 
+// copy (nullptr: none) takes each updated p rounded to T (AdamWConfig::compute_copy).
+template <class T>
 __global__ void adamw_kernel(float* p, const float* grad, const uint8_t* group_of, float* m,
                              float* v, const float* scalars, float beta1, float beta2,
                              float one_minus_b1, float one_minus_b2, float eps, const float* skip,
-                             int64_t n) {
+                             T* copy, int64_t n) {
   if (skip && *skip != 0.f) return;  // a non-finite gradient: no update
   const AdamWElement step = adamw_element(scalars, beta1, beta2, one_minus_b1, one_minus_b2, eps);
-  DP_GRID_STRIDE_LOOP(i, n) step(p[i], grad[i], m[i], v[i], group_of ? group_of[i] : 0);
+  DP_GRID_STRIDE_LOOP(i, n) {
+    float pi = p[i];
+    step(pi, grad[i], m[i], v[i], group_of ? group_of[i] : 0);
+    p[i] = pi;
+    if (copy) copy[i] = from_float<T>(pi);
+  }
 }
+
+// Four 16-bit values stored at once (8 bytes): the four-wide kernel's copy.
+template <class T>
+struct alignas(8) Four16 {
+  T v[4];
+};
 
 // Four elements a thread from 16-byte loads of p, grad, m and v (and 4-byte ones of group_of):
 // GPT-2's 124M-parameter step moves 28 bytes a parameter, 1.02 ms one-wide on an H200
 // (2026-11-29) where its bytes take about 0.73.
+template <class T>
 __global__ void adamw4_kernel(float4* p, const float4* grad, const uchar4* group_of, float4* m,
                               float4* v, const float* scalars, float beta1, float beta2,
                               float one_minus_b1, float one_minus_b2, float eps, const float* skip,
-                              int64_t quads) {
+                              Four16<T>* copy, int64_t quads) {
   if (skip && *skip != 0.f) return;
   const AdamWElement step = adamw_element(scalars, beta1, beta2, one_minus_b1, one_minus_b2, eps);
   DP_GRID_STRIDE_LOOP(q, quads) {
@@ -103,6 +121,9 @@ __global__ void adamw4_kernel(float4* p, const float4* grad, const uchar4* group
     p[q] = pq;
     m[q] = mq;
     v[q] = vq;
+    if (copy)
+      copy[q] = Four16<T>{
+          {from_float<T>(pq.x), from_float<T>(pq.y), from_float<T>(pq.z), from_float<T>(pq.w)}};
   }
 }
 
@@ -165,6 +186,16 @@ const float* skip_pointer(const Tensor& skip_if) {
   return skip_if.defined() ? skip_if.data<float>() : nullptr;
 }
 
+// f(copy) with the compute copy's data as __nv_bfloat16* or __half*: a null __nv_bfloat16*
+// when there is none (the kernels then write no copy).
+template <class F>
+void with_copy_type(const Tensor& copy, F&& f) {
+  if (copy.defined() && copy.dtype() == DType::f16)
+    f(copy.data<__half>());
+  else
+    f(copy.defined() ? copy.data<__nv_bfloat16>() : static_cast<__nv_bfloat16*>(nullptr));
+}
+
 }  // namespace
 
 void set_values(Tensor& dst, const Values& values, DeviceContext& ctx) {
@@ -185,10 +216,13 @@ void sgd_update(Tensor& params, const Tensor& grads, Tensor& momentum_buf, const
   }
   int64_t n = params.numel();
   if (n == 0) return;
-  sgd_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
-      params.data<float>(), grads.data<float>(), buf, scalars.data<float>(), c.momentum,
-      1.f - c.dampening, c.weight_decay, c.nesterov == Nesterov::yes, skip_pointer(c.skip_if), n);
-  DP_CUDA_CHECK_LAUNCH();
+  with_copy_type(c.compute_copy, [&](auto* copy) {
+    sgd_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
+        params.data<float>(), grads.data<float>(), buf, scalars.data<float>(), c.momentum,
+        1.f - c.dampening, c.weight_decay, c.nesterov == Nesterov::yes, skip_pointer(c.skip_if),
+        copy, n);
+    DP_CUDA_CHECK_LAUNCH();
+  });
 }
 
 void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, const Tensor& group_of,
@@ -201,23 +235,28 @@ void adamw_update(Tensor& params, const Tensor& grads, Tensor& m, Tensor& v, con
   const float* pg = grads.data<float>();
   const uint8_t* pk = group_of.defined() ? group_of.data<uint8_t>() : nullptr;
   cudaStream_t s = stream_of(ctx);
-  const bool wide = aligned16(pp, pm, pv, pg) && reinterpret_cast<uintptr_t>(pk) % 4 == 0;
-  const int64_t quads = wide ? n / 4 : 0;
-  if (quads > 0) {
-    adamw4_kernel<<<blocks_for(quads), kThreads, 0, s>>>(
-        reinterpret_cast<float4*>(pp), reinterpret_cast<const float4*>(pg),
-        reinterpret_cast<const uchar4*>(pk), reinterpret_cast<float4*>(pm),
-        reinterpret_cast<float4*>(pv), scalars.data<float>(), c.beta1, c.beta2, 1.f - c.beta1,
-        1.f - c.beta2, c.eps, skip_pointer(c.skip_if), quads);
-    DP_CUDA_CHECK_LAUNCH();
-  }
-  const int64_t done = quads * 4;
-  if (done < n) {
-    adamw_kernel<<<blocks_for(n - done), kThreads, 0, s>>>(
-        pp + done, pg + done, pk ? pk + done : nullptr, pm + done, pv + done, scalars.data<float>(),
-        c.beta1, c.beta2, 1.f - c.beta1, 1.f - c.beta2, c.eps, skip_pointer(c.skip_if), n - done);
-    DP_CUDA_CHECK_LAUNCH();
-  }
+  with_copy_type(c.compute_copy, [&](auto* copy) {
+    using T = std::remove_pointer_t<decltype(copy)>;
+    const bool wide = aligned16(pp, pm, pv, pg) && reinterpret_cast<uintptr_t>(pk) % 4 == 0 &&
+                      reinterpret_cast<uintptr_t>(copy) % 8 == 0;
+    const int64_t quads = wide ? n / 4 : 0;
+    if (quads > 0) {
+      adamw4_kernel<<<blocks_for(quads), kThreads, 0, s>>>(
+          reinterpret_cast<float4*>(pp), reinterpret_cast<const float4*>(pg),
+          reinterpret_cast<const uchar4*>(pk), reinterpret_cast<float4*>(pm),
+          reinterpret_cast<float4*>(pv), scalars.data<float>(), c.beta1, c.beta2, 1.f - c.beta1,
+          1.f - c.beta2, c.eps, skip_pointer(c.skip_if), reinterpret_cast<Four16<T>*>(copy), quads);
+      DP_CUDA_CHECK_LAUNCH();
+    }
+    const int64_t done = quads * 4;
+    if (done < n) {
+      adamw_kernel<<<blocks_for(n - done), kThreads, 0, s>>>(
+          pp + done, pg + done, pk ? pk + done : nullptr, pm + done, pv + done,
+          scalars.data<float>(), c.beta1, c.beta2, 1.f - c.beta1, 1.f - c.beta2, c.eps,
+          skip_pointer(c.skip_if), copy ? copy + done : nullptr, n - done);
+      DP_CUDA_CHECK_LAUNCH();
+    }
+  });
 }
 
 bool all_finite(const Tensor& x, DeviceContext& ctx) {
