@@ -5,6 +5,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "nn/nn.hpp"
@@ -16,6 +17,16 @@ using kernels::Device;
 using kernels::DType;
 using kernels::Shape;
 using kernels::Tensor;
+
+// Batch s of a small GPT's tokens ((batch, t) ids and targets in [0, 64)), other rows each step.
+inline std::pair<Tensor, Tensor> gpt_tokens(int s, int64_t batch = 4, int64_t t = 16) {
+  std::vector<int32_t> ids(static_cast<size_t>(batch * t)), tg(ids.size());
+  for (int64_t i = 0; i < batch * t; ++i) {
+    ids[i] = static_cast<int32_t>((i * 7 + s * 5 + i / 9) % 64);
+    tg[i] = static_cast<int32_t>((i * 3 + s + 1) % 64);
+  }
+  return {Tensor::from_ints(ids, {batch, t}), Tensor::from_ints(tg, {batch, t})};
+}
 
 inline int64_t numel(const Shape& s) {
   return kernels::shape_numel(s);

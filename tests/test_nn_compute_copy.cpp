@@ -25,16 +25,6 @@ nn::GptConfig small_gpt() {
   return c;
 }
 
-std::pair<Tensor, Tensor> tokens(int s) {
-  const int64_t batch = 4, t = 16;
-  std::vector<int32_t> ids(static_cast<size_t>(batch * t)), tg(ids.size());
-  for (int64_t i = 0; i < batch * t; ++i) {
-    ids[i] = static_cast<int32_t>((i * 7 + s * 5 + i / 9) % 64);
-    tg[i] = static_cast<int32_t>((i * 3 + s + 1) % 64);
-  }
-  return {Tensor::from_ints(ids, {batch, t}), Tensor::from_ints(tg, {batch, t})};
-}
-
 bool same_bits(const Tensor& a, const Tensor& b) {
   return a.dtype() == b.dtype() && a.nbytes() == b.nbytes() &&
          std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
@@ -56,7 +46,7 @@ int64_t casts() {
 // One training step of m on batch s; returns the loss and counts the step's casts.
 float train_step(nn::Module& m, nn::Optimizer& opt, int s, int64_t* step_casts = nullptr) {
   nn::TokenCrossEntropyLoss loss_fn;
-  auto [x, y] = tokens(s);
+  auto [x, y] = nn_test::gpt_tokens(s);
   const int64_t before = casts();
   m.zero_grad();
   Tensor out = m.forward(x);
@@ -71,7 +61,7 @@ float train_step(nn::Module& m, nn::Optimizer& opt, int s, int64_t* step_casts =
 
 // The model's (f32) output on batch `s` in training mode, without a step.
 Tensor output(nn::Module& m, int s) {
-  return m.forward(tokens(s).first).clone();
+  return m.forward(nn_test::gpt_tokens(s).first).clone();
 }
 
 }  // namespace

@@ -28,15 +28,6 @@ nn::GptConfig dropout_gpt() {
   return c;
 }
 
-std::pair<Tensor, Tensor> tokens(int s, int64_t batch = 4, int64_t t = 16) {
-  std::vector<int32_t> ids(static_cast<size_t>(batch * t)), tg(ids.size());
-  for (int64_t i = 0; i < batch * t; ++i) {
-    ids[i] = static_cast<int32_t>((i * 7 + s * 5 + i / 9) % 64);
-    tg[i] = static_cast<int32_t>((i * 3 + s + 1) % 64);
-  }
-  return {Tensor::from_ints(ids, {batch, t}), Tensor::from_ints(tg, {batch, t})};
-}
-
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
@@ -77,7 +68,7 @@ Run train_gpt(bool recompute, bool bf16) {
   nn::TokenCrossEntropyLoss loss_fn;
   Run run;
   for (int s = 0; s < 3; ++s) {
-    auto [x, y] = tokens(s);
+    auto [x, y] = nn_test::gpt_tokens(s);
     m->zero_grad();
     const int64_t before = bytes_in_use();
     kernels::context(Device::cpu(0)).memory()->begin_window();
@@ -239,7 +230,7 @@ TEST_CASE("nn.recompute: a part its parent runs through a fused entry point refu
   REQUIRE(h != nullptr);
   h->set_recompute();
   m->materialize(Device::cpu(0), kSeed);
-  auto [x, y] = tokens(0);
+  auto [x, y] = nn_test::gpt_tokens(0);
   CHECK_THROWS_WITH_AS(m->forward(x),
                        doctest::Contains("Sequential::forward: set_recompute on a module its "
                                          "parent runs through a fused entry point"),
