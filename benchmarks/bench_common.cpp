@@ -620,6 +620,7 @@ Header make_header(const Options& o, const Setup& s, int logical) {
   if (o.workload && o.workload->flops_per_token > 0) {
     h.tokens_per_sample = o.workload->tokens_per_sample;
     h.flops_per_token = o.workload->flops_per_token;
+    h.recompute_flops_per_token = o.workload->recompute_flops_per_token;
     if (o.peak_tflops) {
       h.peak_tflops = *o.peak_tflops;
       h.peak_source = "--peak-tflops";

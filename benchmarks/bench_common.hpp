@@ -53,6 +53,9 @@ struct Workload {
   // Language models: tokens per sample and training FLOPs per token, for tokens/s and MFU.
   int64_t tokens_per_sample = 0;
   double flops_per_token = 0;
+  // FLOPs per token the hardware does beyond flops_per_token: checkpointed blocks' forward run
+  // again in backward (--recompute). The report's HFU counts them, MFU does not.
+  double recompute_flops_per_token = 0;
   // A reducer of the user's: a DDP communication hook (dp/distributed/comm_hook.hpp), made on
   // each rank. --mode ddp and both then also train DDP with it, as "hook" rows beside DDP's
   // (its bytes handed to the group, step time and loss against the built-in all-reduce's).

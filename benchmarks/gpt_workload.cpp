@@ -37,6 +37,7 @@ Workload gpt_workload(const std::string& config, int64_t seq, float dropout, uin
   w.make_model = [c] { return std::make_shared<nn::Gpt>(c); };
   token_batches(w, c.vocab, seq, seed);
   w.flops_per_token = c.flops_per_token(seq);
+  if (c.recompute) w.recompute_flops_per_token = c.block_forward_flops_per_token(seq);
   return w;
 }
 
@@ -50,6 +51,7 @@ Workload llama_workload(int64_t seq, uint64_t seed, Blocks blocks) {
   w.make_model = [c] { return std::make_shared<nn::Llama>(c); };
   token_batches(w, c.vocab, seq, seed);
   w.flops_per_token = c.flops_per_token(seq);
+  if (c.recompute) w.recompute_flops_per_token = c.block_forward_flops_per_token(seq);
   return w;
 }
 

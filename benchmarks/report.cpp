@@ -113,10 +113,21 @@ double tokens_per_s(const Header& h, const RunResult& r) {
   return r.samples_per_s() * static_cast<double>(h.tokens_per_sample);
 }
 
-double mfu(const Header& h, const RunResult& r) {
+namespace {
+// FLOPs per token at tokens_per_s over the peak of the hardware the run used.
+double utilisation(const Header& h, const RunResult& r, double flops_per_token) {
   const int hardware = h.device == "cpu" ? 1 : std::max(1, std::min(r.gpus, h.physical));
   const double peak = h.peak_tflops * 1e12 * hardware;
-  return peak > 0 ? h.flops_per_token * tokens_per_s(h, r) / peak : 0;
+  return peak > 0 ? flops_per_token * tokens_per_s(h, r) / peak : 0;
+}
+}  // namespace
+
+double mfu(const Header& h, const RunResult& r) {
+  return utilisation(h, r, h.flops_per_token);
+}
+
+double hfu(const Header& h, const RunResult& r) {
+  return utilisation(h, r, h.flops_per_token + h.recompute_flops_per_token);
 }
 
 bool time_sliced(const Header& h, int n) {
@@ -476,10 +487,16 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
     os << "\n tokens/s and MFU (" << std::setprecision(3) << h.flops_per_token / 1e6
        << " MFLOP per token = 6 P + 12 L T D; peak " << std::setprecision(2) << h.peak_tflops
        << " TFLOP/s per " << (h.device == "cpu" ? "CPU" : "GPU") << ", " << h.peak_source << "):\n";
-    for (auto& r : runs)
+    if (h.recompute_flops_per_token > 0)
+      os << " (--recompute runs the blocks' forward again: " << std::setprecision(3)
+         << h.recompute_flops_per_token / 1e6
+         << " MFLOP per token more, 2 P_blocks + 4 L T D, which HFU counts and MFU does not)\n";
+    for (auto& r : runs) {
       os << ModeCell{runs, r} << "   " << std::setprecision(0) << tokens_per_s(h, r)
-         << " tokens/s, MFU " << std::setprecision(2) << 100 * mfu(h, r) << "%"
-         << (r.attention.empty() ? "" : ", attention: " + r.attention) << "\n";
+         << " tokens/s, MFU " << std::setprecision(2) << 100 * mfu(h, r) << "%";
+      if (h.recompute_flops_per_token > 0) os << ", HFU " << 100 * hfu(h, r) << "%";
+      os << (r.attention.empty() ? "" : ", attention: " + r.attention) << "\n";
+    }
   }
   bool any_overhead = false;
   for (auto& r : runs) any_overhead = any_overhead || overhead_ci(runs, r).has_value();
@@ -1018,6 +1035,7 @@ nlohmann::json to_json(const Header& h, const std::vector<RunResult>& runs,
                       {"dtype", h.dtype},
                       {"tokens_per_sample", h.tokens_per_sample},
                       {"flops_per_token", h.flops_per_token},
+                      {"recompute_flops_per_token", h.recompute_flops_per_token},
                       {"peak_tflops", h.peak_tflops},
                       {"peak_source", h.peak_source},
                       {"environment", environment_json(h)},
@@ -1052,6 +1070,7 @@ nlohmann::json to_json(const Header& h, const std::vector<RunResult>& runs,
     if (h.tokens_per_sample > 0) {
       jr["tokens_per_s"] = tokens_per_s(h, r);
       jr["mfu"] = mfu(h, r);
+      jr["hfu"] = hfu(h, r);
     }
     if (std::string label = time_sliced_label(h, r.mode, r.gpus); !label.empty())
       jr["time_sliced_note"] = label;

@@ -182,6 +182,8 @@ struct Header {
   // training FLOPs per token, 6 P + 12 L T D (nanoGPT's and llm.c's count); 0 otherwise.
   int64_t tokens_per_sample = 0;
   double flops_per_token = 0;
+  // Checkpointed blocks' second forward (--recompute), per token: HFU adds it; 0 otherwise.
+  double recompute_flops_per_token = 0;
   // The peak MFU divides by, in TFLOP/s per physical device (a GPU, or the whole CPU), and
   // where it came from: --peak-tflops, the GPU's data sheet, or a GEMM measured here.
   double peak_tflops = 0;
@@ -200,6 +202,9 @@ double tokens_per_s(const Header& h, const RunResult& r);
 // Model FLOPs utilisation: flops_per_token x tokens/s over the peak of the hardware the run
 // used (min(N, physical) GPUs; CPU devices share one CPU, so its one peak). 0 without a peak.
 double mfu(const Header& h, const RunResult& r);
+// Hardware FLOPs utilisation: MFU with the recompute's FLOPs counted (Megatron's HFU); equal to
+// MFU without --recompute.
+double hfu(const Header& h, const RunResult& r);
 // Devices or ranks that share hardware take turns on it: every CPU device runs on all cores, so
 // any N > 1 on CPU devices, and more logical than physical GPUs. Their times measure overhead,
 // not scaling: the report then leaves speedup and efficiency out.

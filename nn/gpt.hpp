@@ -51,11 +51,20 @@ struct GptConfig {
     }
     DP_THROW("GptConfig::preset(\"" << name << "\"): choose tiny, 124m or 350m");
   }
+  // Parameters of one block.
+  int64_t block_parameters() const {
+    return 2 * 2 * dim + (3 * dim * dim + 3 * dim) + (dim * dim + dim) + (4 * dim * dim + 4 * dim) +
+           (4 * dim * dim + dim);
+  }
   // Parameters of the model (the LM head is tied: counted once).
   int64_t parameters() const {
-    const int64_t per_layer = 2 * 2 * dim + (3 * dim * dim + 3 * dim) + (dim * dim + dim) +
-                              (4 * dim * dim + 4 * dim) + (4 * dim * dim + dim);
-    return vocab * dim + context * dim + layers * per_layer + 2 * dim;
+    return vocab * dim + context * dim + layers * block_parameters() + 2 * dim;
+  }
+  // The blocks' forward FLOPs per token, 2 P_blocks + 4 L T D: what checkpointing them
+  // (recompute) adds to a step, which MFU leaves out and HFU counts.
+  double block_forward_flops_per_token(int64_t seq) const {
+    return 2.0 * static_cast<double>(layers * block_parameters()) +
+           4.0 * static_cast<double>(layers * seq * dim);
   }
   // Training FLOPs per token (PaLM's estimate, as llm.c and nanoGPT use for MFU):
   // 6 P + 12 L T D at sequence length T.

@@ -51,9 +51,12 @@ struct LlamaConfig {
     const int64_t h = (8 * dim + 2) / 3;
     return (h + multiple_of - 1) / multiple_of * multiple_of;
   }
-  int64_t parameters() const {
-    const int64_t per_layer = 2 * dim + 4 * dim * dim + 3 * dim * hidden;
-    return 2 * vocab * dim + layers * per_layer + dim;
+  int64_t block_parameters() const { return 2 * dim + 4 * dim * dim + 3 * dim * hidden; }
+  int64_t parameters() const { return 2 * vocab * dim + layers * block_parameters() + dim; }
+  // As GptConfig's: 2 P_blocks + 4 L T D, what recompute adds.
+  double block_forward_flops_per_token(int64_t seq) const {
+    return 2.0 * static_cast<double>(layers * block_parameters()) +
+           4.0 * static_cast<double>(layers * seq * dim);
   }
   // Training FLOPs per token, as GptConfig's: 6 P + 12 L T D (the embedding table is a lookup,
   // but counted in P as nanoGPT and llm.c count it).

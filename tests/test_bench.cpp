@@ -1949,30 +1949,45 @@ TEST_CASE("bench.micro_batches: DP and DDP in micro-batches follow one pass, gra
 TEST_CASE("bench.recompute: --recompute keeps DP's and DDP's losses and lowers the peak") {
   // Every block of the GPT (and the Llama) checkpointed: the same losses in DP and DDP (2
   // devices or ranks, dropout drawn again in backward), graphed too, and one device's peak
-  // memory lower. Each flag that cannot apply is refused by name.
-  auto runs_of = [&](const std::string& args, const std::string& name) {
+  // memory lower; HFU counts the blocks' second forward, MFU does not. Each flag that cannot
+  // apply is refused by name.
+  auto report_of = [&](const std::string& args, const std::string& name) {
     std::string json = temp_path("recompute_" + name + ".json");
     auto [rc, out] = bench_output(args + " --json " + json);
     INFO(out);
     REQUIRE(rc == 0);
-    nlohmann::json runs = read_json(json)["runs"];
+    CHECK((out.find(", HFU ") != std::string::npos) == (name == "again"));
+    nlohmann::json report = read_json(json);
     std::remove(json.c_str());
-    return runs;
+    return report;
   };
+  // The blocks' forward FLOPs per token at --seq 16, 2 P_blocks + 4 L T D: the GPT's blocks
+  // (4 of 198,272 parameters, width 128) and the Llama's (4 of 200,960).
+  const std::map<std::string, double> again_flops = {
+      {"gpt --dropout 0.1", 2.0 * 4 * 198272 + 4.0 * 4 * 16 * 128},
+      {"llama", 2.0 * 4 * 200960 + 4.0 * 4 * 16 * 128}};
   for (const std::string model : {"gpt --dropout 0.1", "llama"}) {
     CAPTURE(model);
     const std::string args =
         "--device cpu --gpus 2 --mode both --steps 3 --warmup 1 --batch 4 "
         "--seq 16 --cuda-graphs on --model " +
         model;
-    const nlohmann::json kept = runs_of(args, "kept");
-    const nlohmann::json again = runs_of(args + " --recompute", "again");
+    const nlohmann::json kept_report = report_of(args, "kept");
+    const nlohmann::json again_report = report_of(args + " --recompute", "again");
+    CHECK(kept_report["recompute_flops_per_token"].get<double>() == 0);
+    CHECK(again_report["recompute_flops_per_token"].get<double>() == again_flops.at(model));
+    const nlohmann::json &kept = kept_report["runs"], &again = again_report["runs"];
     REQUIRE(kept.size() == 4);  // DP at 1 and 2 devices, DDP at 1 and 2 ranks
     REQUIRE(again.size() == kept.size());
     for (size_t i = 0; i < kept.size(); ++i) {
       CAPTURE(kept[i]["mode"].get<std::string>());
       CAPTURE(kept[i]["gpus"].get<int>());
       CHECK(again[i]["losses"] == kept[i]["losses"]);
+      CHECK(kept[i]["hfu"].get<double>() == kept[i]["mfu"].get<double>());
+      const double flops = again_report["flops_per_token"].get<double>();
+      CHECK(
+          again[i]["hfu"].get<double>() ==
+          doctest::Approx(again[i]["mfu"].get<double>() * (flops + again_flops.at(model)) / flops));
     }
     // One device or rank (DP, then DDP: its ranks, started again with the flag, checkpoint
     // too): the activations are the peak's largest part.
