@@ -1201,7 +1201,7 @@ EOF
     timeout "$t_py" python3 - "$out/$name.json" 2> /dev/null << 'EOF'
 import json, sys
 r = json.load(open(sys.argv[1]))["runs"][0]
-print(f"{r['tokens_per_s']:.0f} tok/s, MFU {100 * r['mfu']:.1f}%, "
+print(f"{r['tokens_per_s']:.0f} tok/s, MFU {100 * r['mfu']:.1f}%, HFU {100 * r['hfu']:.1f}%, "
       f"peak {max(r.get('peak_mem_bytes') or [0]) / 2**30:.1f} GiB", end="")
 EOF
   )"

@@ -103,7 +103,7 @@ grep -q "^ok    dp_bench mlp --gpus 1 .*; verdict: .*DP and DDP\|^ok    dp_bench
   "${sum1:-/dev/null}" || no "the graphs part does not give DP against DDP at one device"
 grep -q "^ok    gpt-124m largest batch *32 (of 16 32): batch 16 .* tok/s, MFU .*; batch 32 " \
   "${sum1:-/dev/null}" || no "the GPT batch search does not report both sizes"
-grep -q "^ok    gpt-124m batch 16 --recompute *[0-9]* tok/s, MFU [0-9.]*%, peak " \
+grep -q "^ok    gpt-124m batch 16 --recompute *[0-9]* tok/s, MFU [0-9.]*%, HFU [0-9.]*%, peak " \
   "${sum1:-/dev/null}" || no "the GPT batch part does not report batch 16 with --recompute"
 tar -tzf "$scratch/one.tar.gz" > "$scratch/one.list" 2> /dev/null || no "the pack is no tar.gz"
 for f in summary.txt dp_bench_mlp_gpus4.json dp_bench_gpt124m_bf16.json cuda_tests.txt; do
