@@ -13,9 +13,12 @@
 //   auto replica = net->clone_to(Device::cuda(1));      // same structure, own flat buffers
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <functional>
 #include <map>
@@ -101,6 +104,26 @@ constexpr int64_t kFlatAlignElems = kFlatAlignBytes / static_cast<int64_t>(sizeo
 // The first offset (in f32 elements) at or after n that is kFlatAlignBytes-aligned.
 inline int64_t align_flat_offset(int64_t n) {
   return (n + kFlatAlignElems - 1) / kFlatAlignElems * kFlatAlignElems;
+}
+
+// The debug check of the weights' 16-bit copy (docs/mixed-precision.md): while on, each forward
+// that takes the copy an optimizer's step wrote (FlatState::compute_written), outside a step a
+// graph observes or captures, first compares it with a cast of the f32 weights and throws where
+// they differ, naming parameters_changed(). It costs a cast and two host reads a step. Off unless
+// the environment sets DP_CHECK_WEIGHT_COPY=1; set_weight_copy_check changes it for the whole
+// process.
+inline std::atomic<bool>& weight_copy_check_flag() {
+  static std::atomic<bool> on{[] {
+    const char* v = std::getenv("DP_CHECK_WEIGHT_COPY");
+    return v != nullptr && std::string(v) == "1";
+  }()};
+  return on;
+}
+inline void set_weight_copy_check(bool on) {
+  weight_copy_check_flag() = on;
+}
+inline bool weight_copy_check() {
+  return weight_copy_check_flag().load();
 }
 
 // Whether AdamW's decoupled weight decay applies to a parameter (nn::decay_by_parameter): by its
@@ -318,6 +341,10 @@ class Module {
     if (outermost && flat_->compute_params.defined()) {
       if (flat_->compute_written) {
         flat_->compute_written = false;
+        // Not in a step a graph observes or captures: its queued ops would differ from the
+        // captured step's (the engine compares them), and a capture takes no host read.
+        const kernels::DeviceContext& ctx = kernels::context(flat_->device);
+        if (weight_copy_check() && !ctx.capturing() && !ctx.noting()) check_weight_copy_fresh();
       } else {
         kernels::NvtxRange cast("amp/cast_weights");
         kernels::copy(flat_->compute_params, flat_->params);
@@ -348,6 +375,26 @@ class Module {
         kernels::is_floating(y.dtype()))
       y = kernels::cast(y, DType::f32);
     return y;
+  }
+  // The debug check (weight_copy_check): the copy the step wrote is a cast of the f32 weights,
+  // rounded on the host as the device rounds (kernels/runtime/dtype.hpp), so that the check
+  // queues no op and no cast.
+  void check_weight_copy_fresh() {
+    std::vector<float> want = flat_->params.to_host_f32();
+    const bool bf16 = flat_->compute_params.dtype() == DType::bf16;
+    for (float& w : want)
+      w = bf16 ? kernels::bf16_to_f32(kernels::f32_to_bf16(w))
+               : kernels::f16_to_f32(kernels::f32_to_f16(w));
+    const std::vector<float> got = flat_->compute_params.to_host_f32();
+    size_t i = 0;
+    while (i < want.size() && std::memcmp(&want[i], &got[i], sizeof(float)) == 0) ++i;
+    DP_CHECK(i == want.size(),
+             type_name() << "::forward: the " << flat_->compute_params.dtype()
+                         << " weights the optimizer's step wrote differ from the f32 weights at "
+                            "flat element "
+                         << i << " (" << got[i] << ", the f32 weight rounds to " << want[i]
+                         << "): the weights were written after the step without a call to "
+                            "parameters_changed() on the model (DP_CHECK_WEIGHT_COPY)");
   }
   // backward() around `impl`: the NVTX range, the layer timing, then on_grad_ready for each of
   // this module's own parameters.

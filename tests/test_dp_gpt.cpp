@@ -191,6 +191,7 @@ TEST_CASE("dp.recompute: checkpointed blocks through DP, graphed and not, give t
 // a loaded checkpoint) are read by the next step all the same: parameters_changed() makes the
 // forward cast again and the engine capture again, so the graphed run keeps the uncaptured bits.
 TEST_CASE("dp.compute_copy: weights written between steps are read next step, graphed or not") {
+  nn::set_weight_copy_check(true);  // each uncaptured step's copy is the cast's (or it throws)
   const std::vector<Device> two{Device::cpu(0), Device::cpu(1)};
   auto reinit_at_4 = [](nn::Module& m, int s) {
     if (s == 4) m.reinitialize(kSeed + 7);
@@ -207,4 +208,5 @@ TEST_CASE("dp.compute_copy: weights written between steps are read next step, gr
     // Captured from the third step, and again two steps after the change.
     CHECK(graphed.stats[s].graphed == (s == 2 || s == 3 || s == 6));
   }
+  nn::set_weight_copy_check(false);
 }

@@ -59,6 +59,12 @@ float train_step(nn::Module& m, nn::Optimizer& opt, int s, int64_t* step_casts =
   return loss.item();
 }
 
+// The debug check of the step's copy (nn::set_weight_copy_check) on for a scope.
+struct CheckingCopies {
+  CheckingCopies() { nn::set_weight_copy_check(true); }
+  ~CheckingCopies() { nn::set_weight_copy_check(false); }
+};
+
 // The model's (f32) output on batch `s` in training mode, without a step.
 Tensor output(nn::Module& m, int s) {
   return m.forward(nn_test::gpt_tokens(s).first).clone();
@@ -68,6 +74,7 @@ Tensor output(nn::Module& m, int s) {
 
 TEST_CASE(
     "nn.compute_copy: the step writes the bf16 weights, the forward casts nothing, same bits") {
+  const CheckingCopies checking;  // every step's copy is the cast's (it would throw)
   for (const bool sgd : {false, true}) {
     CAPTURE(sgd);
     auto make_opt = [&](nn::Module& m) -> std::unique_ptr<nn::Optimizer> {
@@ -140,6 +147,17 @@ TEST_CASE(
       if (told) m->parameters_changed();
       CHECK(same_bits(output(*m, 5), want) == told);
     }
+  }
+  SUBCASE("without parameters_changed(), DP_CHECK_WEIGHT_COPY's check names the call") {
+    const CheckingCopies checking;
+    auto m = model();
+    nn::AdamW opt(*m, c);
+    train_step(*m, opt, 0);
+    kernels::copy(m->flat_params(), other->flat_params());
+    CHECK_THROWS_WITH_AS(output(*m, 5),
+                         doctest::Contains("Gpt::forward: the bf16 weights the optimizer's step "
+                                           "wrote differ from the f32 weights at flat element 0"),
+                         kernels::Error);
   }
   SUBCASE("load_checkpoint") {
     const std::string path = dp_test::temp_path("nn_compute_copy", "other.ckpt");
