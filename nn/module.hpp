@@ -108,10 +108,10 @@ inline int64_t align_flat_offset(int64_t n) {
 
 // The debug check of the weights' 16-bit copy (docs/mixed-precision.md): while on, each forward
 // that takes the copy an optimizer's step wrote (FlatState::compute_written), outside a step a
-// graph observes or captures, first compares it with a cast of the f32 weights and throws where
-// they differ, naming parameters_changed(). It costs a cast and two host reads a step. Off unless
-// the environment sets DP_CHECK_WEIGHT_COPY=1; set_weight_copy_check changes it for the whole
-// process.
+// graph observes or captures, first compares it with the f32 weights rounded on the host and
+// throws where they differ, naming parameters_changed(). It costs two host reads and a pass over
+// the weights a step. Off unless the environment sets DP_CHECK_WEIGHT_COPY=1;
+// set_weight_copy_check changes it for the whole process.
 inline std::atomic<bool>& weight_copy_check_flag() {
   static std::atomic<bool> on{[] {
     const char* v = std::getenv("DP_CHECK_WEIGHT_COPY");
