@@ -305,6 +305,7 @@ void DataParallel::forward_and_loss(int i, nn::Mode mode, MicroMarks marks) {
     m.eval();
   }
   kernels::ensure(pd.metrics, {kMetrics}, kernels::DType::f32, devices_[i]);
+  Tensor output;  // read by nothing after the loss, and not held past this step
   if (mode == nn::Mode::train && pd.micro.count() > 1) {
     // Every micro-batch but the last runs its backward here, before this device's hooks hand
     // buckets on (pd.in_step is off): its gradient only accumulates.
@@ -316,17 +317,18 @@ void DataParallel::forward_and_loss(int i, nn::Mode mode, MicroMarks marks) {
       m.backward(dy);
       if (mark_micro) pd.micro_marks[pd.micro_marks_used++].record(ctx);
     };
-    pd.output =
-        pd.micro.queue([&](const Tensor& x) { return m.forward(x); }, backward, *options_.loss,
-                       pd.input, pd.labels, pd.metrics.view(kLoss, {1}), &pd.dlogits,
-                       pd.metrics.view(kCorrect, {1}), !m.backward_reads_output());
+    output = pd.micro.queue([&](const Tensor& x) { return m.forward(x); }, backward, *options_.loss,
+                            pd.input, pd.labels, pd.metrics.view(kLoss, {1}), &pd.dlogits,
+                            pd.metrics.view(kCorrect, {1}), !m.backward_reads_output());
   } else {
-    pd.output = m.forward(pd.input);
-    queue_loss(*options_.loss, pd.output, pd.labels, pd.metrics.view(kLoss, {1}),
+    output = m.forward(pd.input);
+    queue_loss(*options_.loss, output, pd.labels, pd.metrics.view(kLoss, {1}),
                mode == nn::Mode::train ? &pd.dlogits : nullptr,
                scaler_.loss_grad_factor(pd.loss_scale), pd.metrics.view(kCorrect, {1}),
                !m.backward_reads_output());
   }
+  pd.dlogits_is_output =
+      mode == nn::Mode::train && output.defined() && pd.dlogits.same_storage(output);
   Tensor fault_word = pd.metrics.view(kFaultWord, {2});
   kernels::queue_fault_word(fault_word, pool_.context(i));  // a bad label or token id
   if (mode != nn::Mode::train) m.train();

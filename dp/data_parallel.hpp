@@ -321,7 +321,11 @@ class DataParallel {
     CaptureFailure capture_failure;  // this step's, set by the device's worker
     std::vector<int> graph_waits;    // whose ends a graphed reduce waits for
     Tensor input, labels;            // this step's chunk on the device
-    Tensor output, dlogits;
+    // The loss gradient backward reads: the model's output itself, overwritten, where the loss
+    // writes it in place (dlogits_is_output: let go after an uncaptured backward, so that the
+    // next step's output is not made while it is held), else a buffer kept for reuse.
+    Tensor dlogits;
+    bool dlogits_is_output = false;
     // (6) f32 on the device: the chunk's mean loss and correct count, (device 0) whether the
     // reduced gradient held a non-finite value (the GradScaler's verdict) and its norm (clipping
     // on), and the device's fault word (two f32), read with the rest.

@@ -50,6 +50,7 @@ struct DataParallel::DeviceStages final : StepStages {
     pd.in_step = true;  // from here the hooks hand buckets on as they become ready
     m.backward(pd.dlogits);
     pd.in_step = false;
+    if (pd.dlogits_is_output) pd.dlogits = Tensor();  // the output: not held into the next step
   }
   void after_compute(bool) override {  // the buffers this shape's graphs hold
     segments->input = pd.input;

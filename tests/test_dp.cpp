@@ -620,6 +620,31 @@ TEST_CASE("dp.failure: a worker's exception names its device and the engine stay
                        doctest::Contains("materialize"), Error);
 }
 
+// The model's output, written over by the loss's gradient, is let go after backward, so a
+// replica's peak is its first step's (it held one output more from the second step on: 60 bytes
+// on cuda:1 in the H200 run of 2026-12-04). Device 0 may peak once more at the second step (a
+// layer's kept state meets the next step's, by design: a dropout mask is reused), never after.
+TEST_CASE("dp.memory: a replica's peak is its first step's, device 0's stops at the second") {
+  auto m = small_mlp();
+  m->materialize(Device::cpu(0), kSeed);
+  nn::SGD opt(*m, momentum_sgd());
+  dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, 4));
+  std::vector<std::vector<int64_t>> peaks;
+  for (int s = 0; s < 4; ++s) {
+    auto [x, y] = dp_test::toy_batch(10, 100 + s);
+    engine.train_step(x, y);
+    peaks.push_back(engine.peak_memory_bytes());
+  }
+  for (size_t s = 1; s < peaks.size(); ++s) {
+    CAPTURE(s);
+    for (size_t i = 1; i < peaks[s].size(); ++i) {
+      CAPTURE(i);
+      CHECK(peaks[s][i] == peaks[0][i]);
+    }
+    if (s >= 2) CHECK(peaks[s][0] == peaks[1][0]);
+  }
+}
+
 TEST_CASE("dp.cuda: logical CUDA devices on one GPU follow the CPU run") {
   DP_REQUIRE_GPU();
   auto ref = dp_test::train_single(small_mlp(), kSeed, 3, 10, momentum_sgd());

@@ -317,7 +317,10 @@ class DdpTrainer {
   std::unique_ptr<ZeroStage1> zero_;
   RunConfig run_config_, verified_config_;
   kernels::Tensor input_, labels_, dlogits_;  // this rank's step buffers, reused
-  MicroBatches micro_;                        // the chunk's micro-batches (set_micro_batches)
+  // dlogits_ is the model's output, overwritten by its gradient (queue_loss's in-place case):
+  // let go after an uncaptured backward, so that the next step's output is not made beside it.
+  bool dlogits_is_output_ = false;
+  MicroBatches micro_;  // the chunk's micro-batches (set_micro_batches)
   // (4) f32 on the device: chunk loss, non-finite, global batch rows (summed), grad norm
   kernels::Tensor metrics_;
   // The step's loss scale on the device, where the kernels read it (no graph bakes it in):

@@ -63,13 +63,17 @@ void DdpTrainer::forward_and_loss(nn::Module& m, const kernels::Tensor& x,
   m.zero_grad();
   if (micro_.count() > 1) {
     // Every micro-batch but the last runs its backward here, under no_sync: it only accumulates.
-    micro_.queue([&](const kernels::Tensor& xj) { return ddp_->forward_local(xj); },
-                 [&](const kernels::Tensor& dy) { ddp_->backward_local(dy); }, *loss_fn_, x, y,
-                 metrics_.view(0, {1}), &dlogits_, kernels::Tensor(), !m.backward_reads_output());
+    const kernels::Tensor out = micro_.queue(
+        [&](const kernels::Tensor& xj) { return ddp_->forward_local(xj); },
+        [&](const kernels::Tensor& dy) { ddp_->backward_local(dy); }, *loss_fn_, x, y,
+        metrics_.view(0, {1}), &dlogits_, kernels::Tensor(), !m.backward_reads_output());
+    dlogits_is_output_ = out.defined() && dlogits_.same_storage(out);
     return;
   }
-  queue_loss(*loss_fn_, ddp_->forward_local(x), y, metrics_.view(0, {1}), &dlogits_,
+  const kernels::Tensor out = ddp_->forward_local(x);
+  queue_loss(*loss_fn_, out, y, metrics_.view(0, {1}), &dlogits_,
              scaler_.loss_grad_factor(loss_scale_), kernels::Tensor(), !m.backward_reads_output());
+  dlogits_is_output_ = out.defined() && dlogits_.same_storage(out);
 }
 
 void DdpTrainer::queue_update(nn::Module& m) {
@@ -108,6 +112,8 @@ struct DdpTrainer::RankStages final : StepStages {
     } else {
       ddp.backward(t.dlogits_);
     }
+    // Uncaptured, the output written over by its gradient is not held into the next step.
+    if (!segments && t.dlogits_is_output_) t.dlogits_ = kernels::Tensor();
   }
   void after_compute(bool ran) override {
     if (in_graph && !ran) {
