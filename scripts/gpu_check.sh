@@ -10,7 +10,8 @@
 #
 # A lent GPU comes with 15 minutes of device time for the whole task, the machine's start (a
 # minute or two) included, and 10 minutes a command. The usual run is one lease in one call:
-#   here:  scripts/gpu_check.sh --bundle   (about 5 minutes on 2 cores; no device time)
+#   here:  scripts/gpu_check.sh --bundle   (installs what is missing, then builds: about 12
+#          minutes from nothing on 2 cores, a minute or two after a change to a few files)
 #   there: run(timeout_s 540, carry ["build-sm90/gpu_check_bundle.tar.xz"]):
 #            python3 scripts/unpack_bundle.py build-sm90/gpu_check_bundle.tar.xz /tmp &&
 #            cd /tmp/gpu_check_bundle &&
@@ -177,6 +178,13 @@ make_bundle() {
   if command -v ccache > /dev/null; then
     launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
   fi
+  # A fresh machine lacks the Debian packages (the configure step would fail on oneTBB, 15
+  # minutes into a lease's wait, as on 2026-12-04); setup.sh installs what is missing, and
+  # returns in a fraction of a second when nothing is.
+  bash "$repo/scripts/setup.sh" || {
+    echo "gpu_check --bundle: scripts/setup.sh failed: the packages the build needs are missing" >&2
+    exit 1
+  }
   echo "gpu_check --bundle: building ${bundle_targets[*]} for sm_90 in $build"
   mkdir -p "$build"
   # Without MPI: the GPU machine has no mpirun, and Open MPI's libraries (libmpi, open-pal,
