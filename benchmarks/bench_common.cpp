@@ -616,6 +616,8 @@ Header make_header(const Options& o, const Setup& s, int logical) {
     h.cpu_gemm_generic = k.generic;
     h.cpu_gemm_warning = k.warning;
     h.cpu_gemm_bf16 = k.bf16;
+  } else {
+    h.cuda_dgelu = kernels::cuda_dgelu_epilogue() ? "epilogue" : "ops";
   }
   if (o.workload && o.workload->flops_per_token > 0) {
     h.tokens_per_sample = o.workload->tokens_per_sample;
@@ -958,6 +960,7 @@ void check_external_rank(const Options& o, const dp::dist::WorkerEnv& env) {
 }
 
 int run(const Options& o, int argc, char** argv) {
+  (void)kernels::cuda_dgelu_epilogue();  // a bad DP_CUDA_DGELU refused before any work
   if (const auto env = dp::dist::worker_env_from_environment()) {
     if (!std::getenv("DP_BENCH_DDP_RESULT_FD")) check_external_rank(o, *env);  // not ours
     return o.mode == "hybrid" ? hybrid_worker_main(o) : ddp_worker_main(o, argc, argv);

@@ -192,6 +192,7 @@ class Bench {
     if (device_.is_cpu()) openblas_section();
     bandwidth_section();
     transformer_section();
+    if (!device_.is_cpu()) gelu_gemm_backward_section();
   }
   const nlohmann::json& results() const { return results_; }
 
@@ -487,6 +488,64 @@ class Bench {
     }
   }
 
+  // GPT-2 124M's MLP backward through the GELU at batch 8 (8192 rows, D 768, bf16): dpre (rows,
+  // 4 D) = (dy (rows, D) W (D, 4 D)) * gelu_tanh'(pre), and the bias gradient, by cuBLASLt's
+  // DGELU_BGRAD epilogue against the three ops (kernels::set_cuda_dgelu_epilogue), alternating
+  // over kRounds rounds: the ratio of their medians with a paired 95% bootstrap interval. CUDA
+  // only: a CPU runs the ops either way.
+  void gelu_gemm_backward_section() {
+    constexpr int kRounds = 7;
+    const int64_t rows = 8192, d = 768;
+    const double round_time = std::max(0.02, o_.min_time / 4);
+    auto filled_with = [&](const Shape& shape, float v, DType dt) {
+      Tensor t = Tensor::empty(shape, dt, device_);
+      fill(t, v);
+      return t;
+    };
+    Tensor dy = filled_with({rows, d}, 0.01f, DType::bf16);
+    Tensor w = filled_with({d, 4 * d}, 0.02f, DType::bf16);
+    Tensor pre = filled_with({rows, 4 * d}, 0.3f, DType::bf16);
+    Tensor dpre = filled_with({rows, 4 * d}, 0.f, DType::bf16);
+    Tensor dbias = filled_with({4 * d}, 0.f, DType::f32);
+    const bool was = cuda_dgelu_epilogue();
+    auto call = [&](bool epilogue) {
+      return [&, epilogue] {
+        set_cuda_dgelu_epilogue(epilogue);
+        gemm_gelu_tanh_backward(dpre, dbias, Accumulate::yes, dy, Transpose::no, w, Transpose::no,
+                                pre);
+      };
+    };
+    std::vector<double> with_epilogue, with_ops;
+    for (int r = 0; r < kRounds; ++r) {
+      with_epilogue.push_back(seconds_per_call(
+          call(true), [&] { sync(); }, round_time));
+      with_ops.push_back(seconds_per_call(
+          call(false), [&] { sync(); }, round_time));
+    }
+    set_cuda_dgelu_epilogue(was);
+    const double flops =
+        2.0 * static_cast<double>(rows) * static_cast<double>(4 * d) * static_cast<double>(d);
+    const bench::Estimate ratio = bench::ratio_ci(with_ops, with_epilogue, bench::Pairing::paired);
+    std::printf(
+        "\nGPT-2's MLP backward through the GELU, bf16, %lld x %lld x %lld (batch 8), ms per call\n"
+        "  cuBLASLt DGELU_BGRAD %8.3f ms   GEMM + gelu_tanh_backward + bias_backward %8.3f ms   "
+        "ops/epilogue %s  (the GEMM alone at the %.0f TFLOP/s peak: %.3f ms)\n",
+        static_cast<long long>(rows), static_cast<long long>(4 * d), static_cast<long long>(d),
+        bench::median(with_epilogue) * 1e3, bench::median(with_ops) * 1e3,
+        bench::format_ci(ratio, 2).c_str(), peaks_.bf16_tflops,
+        peaks_.bf16_tflops > 0 ? flops / (peaks_.bf16_tflops * 1e12) * 1e3 : 0.0);
+    results_.push_back({{"kind", "gemm_gelu_tanh_backward"},
+                        {"dtype", "bf16"},
+                        {"m", rows},
+                        {"n", 4 * d},
+                        {"k", d},
+                        {"epilogue_seconds", with_epilogue},
+                        {"ops_seconds", with_ops},
+                        {"ratio", ratio.value},
+                        {"ratio_lo", ratio.lo},
+                        {"ratio_hi", ratio.hi}});
+  }
+
   Options o_;
   Device device_;
   Peaks peaks_;
@@ -536,6 +595,7 @@ int main(int argc, char** argv) {
   }
 
   try {
+    (void)cuda_dgelu_epilogue();  // a bad DP_CUDA_DGELU refused before any work
     std::optional<Device> device = pick_device(o.device);
     if (!device) return 1;
     ContextOptions options;

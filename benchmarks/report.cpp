@@ -388,6 +388,9 @@ void print_environment(std::ostream& os, const Header& h) {
     os << "\n";
   }
   if (!h.cpu_gemm_warning.empty()) os << "warning: " << h.cpu_gemm_warning << "\n";
+  if (h.cuda_dgelu == "ops")
+    os << "note: DP_CUDA_DGELU=ops: the GELU backward GEMMs run the GEMM, gelu_tanh_backward and "
+          "bias_backward, not cuBLASLt's DGELU_BGRAD epilogue\n";
 }
 
 nlohmann::json environment_json(const Header& h) {
@@ -399,6 +402,7 @@ nlohmann::json environment_json(const Header& h) {
                        {"generic", h.cpu_gemm_generic},
                        {"warning", h.cpu_gemm_warning},
                        {"bf16", h.cpu_gemm_bf16}};
+  if (!h.cuda_dgelu.empty()) env["cuda_dgelu"] = h.cuda_dgelu;
   return env;
 }
 

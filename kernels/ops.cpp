@@ -5,9 +5,12 @@
 #include <sstream>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -360,6 +363,35 @@ void gemm_gelu_tanh_backward(Tensor& dpre, Tensor& dbias, Accumulate bias_acc, c
     return;
   }
   DP_DISPATCH(dpre.device(), gemm_gelu_tanh_backward, dpre, dbias, bias_acc, dy, tdy, w, tw, pre);
+}
+
+namespace {
+
+// 1: cuBLASLt's DGELU_BGRAD may run, 0: the ops; -1 until the environment is read.
+std::atomic<int>& dgelu_epilogue_state() {
+  static std::atomic<int> state{-1};
+  return state;
+}
+
+}  // namespace
+
+void set_cuda_dgelu_epilogue(bool enabled) {
+  dgelu_epilogue_state().store(enabled ? 1 : 0);
+}
+
+bool cuda_dgelu_epilogue() {
+  std::atomic<int>& state = dgelu_epilogue_state();
+  int s = state.load();
+  if (s >= 0) return s == 1;
+  const char* env = std::getenv("DP_CUDA_DGELU");
+  const std::string v = env ? env : "";
+  DP_CHECK(v.empty() || v == "epilogue" || v == "ops",
+           "DP_CUDA_DGELU=" << v
+                            << ": give epilogue (cuBLASLt's DGELU_BGRAD where it has an "
+                               "algorithm, the default) or ops (the GEMM, gelu_tanh_backward and "
+                               "bias_backward)");
+  state.compare_exchange_strong(s, v == "ops" ? 0 : 1);  // a setter's call first wins
+  return state.load() == 1;
 }
 
 void linear_param_grads(Tensor& dw, Tensor& dbias, const Tensor& dy, const Tensor& x,

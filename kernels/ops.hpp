@@ -167,6 +167,15 @@ void gemm_gelu_tanh(Tensor& y, Tensor& pre, const Tensor& a, Transpose ta, const
 //   dbias, where cuBLASLt has an algorithm for it; otherwise the three ops.
 void gemm_gelu_tanh_backward(Tensor& dpre, Tensor& dbias, Accumulate bias_acc, const Tensor& dy,
                              Transpose tdy, const Tensor& w, Transpose tw, const Tensor& pre);
+// Whether CUDA's gemm_gelu_tanh_backward may use cuBLASLt's DGELU_BGRAD epilogue (default: yes;
+// the environment's DP_CUDA_DGELU=ops says no, =epilogue says yes, any other value is refused
+// by the first call, naming it). Without it CUDA runs the three ops the CPU runs, their bits.
+// Why a choice: on an H200 (2026-12-04, GPT-2 124M at batch 8: m 8192, n 3072, k 768) cuBLASLt
+// ran that epilogue as a kernel of its own after the GEMM, 163 us beside the GEMM's 57, where
+// the ops read and write the same 16-bit data once each; bench_kernels times the two ways
+// against each other. For benchmarks and tests; not while GEMMs run.
+void set_cuda_dgelu_epilogue(bool enabled);
+bool cuda_dgelu_epilogue();
 // A Linear's parameter gradients: dw += dy^T x (gemm, alpha 1, beta 1) and dbias += the column
 // sums of dy_for_bias (bias_backward, accumulating). requires dw (out, in) f32, dy (M, out) and
 // x (M, in) of one floating dtype, dbias (out) f32 or undefined, dy_for_bias (M, out) f32 or

@@ -2468,6 +2468,20 @@ TEST_CASE("bench.environment: the CPU GEMM kernels are named, a generic choice w
   std::remove(json.c_str());
 }
 
+// DP_CUDA_DGELU (kernels::cuda_dgelu_epilogue) is read before any work: a value that is neither
+// epilogue nor ops is refused, naming it, on any device; ops runs (on a CPU the ops either way).
+TEST_CASE("bench.environment: DP_CUDA_DGELU other than epilogue or ops is refused before work") {
+  auto [rc, text] = bench_output("--device cpu --gpus 1 --steps 2", "DP_CUDA_DGELU=fused");
+  INFO(text);
+  CHECK(rc != 0);
+  CHECK(text.find("DP_CUDA_DGELU=fused: give epilogue") != std::string::npos);
+  CHECK(text.find("ms/step") == std::string::npos);
+  auto [rc_ops, ops] = bench_output("--device cpu --gpus 1 --steps 2", "DP_CUDA_DGELU=ops");
+  INFO(ops);
+  CHECK(rc_ops == 0);
+  CHECK(ops.find("ms/step") != std::string::npos);
+}
+
 // Flags that would do nothing are refused before any work, naming what they need: --csv or
 // --chart without --sweep, a --chart name that is neither .svg nor .png (it was written as SVG
 // whatever the name), --profile-steps ending past --steps (the profiler never stopped), on CPU

@@ -374,6 +374,35 @@ TEST_CASE("kernels.cuda.gemm_gelu: the fused forward and backward follow the ops
   }
 }
 
+TEST_CASE(
+    "kernels.cuda.gemm_gelu: without the DGELU epilogue the backward is the ops, their bits") {
+  DP_REQUIRE_GPU();
+  const bool was = cuda_dgelu_epilogue();
+  set_cuda_dgelu_epilogue(false);  // as DP_CUDA_DGELU=ops
+  for (const gemm_gelu::Case& c : gemm_gelu::cases()) {
+    CAPTURE(dtype_name(c.t));
+    CAPTURE(c.m);
+    CAPTURE(c.bias);
+    CAPTURE(c.acc == Accumulate::yes);
+    Tensor pre = gemm_gelu::input(kGpu, {c.m, c.n}, 11, c.t);
+    Tensor w2 = gemm_gelu::input(kGpu, {c.n2, c.n}, 4, c.t);
+    Tensor dy = gemm_gelu::input(kGpu, {c.m, c.n2}, 5, c.t);
+    Tensor dpre = Tensor::zeros({c.m, c.n}, c.t, kGpu);
+    Tensor db = gemm_gelu::input(kGpu, {c.n}, 6, DType::f32);
+    Tensor dbias = c.bias ? db : Tensor();
+    gemm_gelu_tanh_backward(dpre, dbias, c.acc, dy, Transpose::no, w2, Transpose::no, pre);
+    Tensor g = Tensor::zeros({c.m, c.n}, c.t, kGpu);
+    gemm(g, dy, Transpose::no, w2, Transpose::no);
+    Tensor want = Tensor::zeros({c.m, c.n}, c.t, kGpu);
+    gelu_tanh_backward(want, g, pre, Accumulate::no);
+    Tensor want_db = gemm_gelu::input(kGpu, {c.n}, 6, DType::f32);
+    if (c.bias) bias_backward(want_db, want, c.acc);
+    CHECK(dp_test::same_bits(dpre, want));
+    CHECK(dp_test::same_bits(db, want_db));
+  }
+  set_cuda_dgelu_epilogue(was);
+}
+
 TEST_CASE("kernels.cuda.gemm: f16 and bf16 operands into f32 c with beta 0 and 1") {
   DP_REQUIRE_GPU();
   const int64_t m = 29, n = 71, k = 47;

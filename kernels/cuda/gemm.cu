@@ -26,6 +26,7 @@
 #include <sstream>
 
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/ops.hpp"
 #include "kernels/runtime/algo_select.hpp"
 #include "kernels/runtime/handle.hpp"
 #include "kernels/runtime/plan_cache.hpp"
@@ -533,7 +534,9 @@ void gemm_gelu_tanh_backward(Tensor& dpre, Tensor& dbias, Accumulate bias_acc, c
                              Transpose tdy, const Tensor& w, Transpose tw, const Tensor& pre,
                              DeviceContext& ctx) {
   NvtxRange range("kernels/gemm_gelu_tanh_backward");
-  void* grad = dbias.defined() ? epilogue_vector(ctx, dpre.dim(1), dpre.dtype()) : nullptr;
+  void* grad = dbias.defined() && cuda_dgelu_epilogue()
+                   ? epilogue_vector(ctx, dpre.dim(1), dpre.dtype())
+                   : nullptr;
   if (grad && epilogue_gemm(Epilogue::dgelu_bgrad, dpre, dy, tdy, w, tw, 0.f, grad,
                             const_cast<void*>(pre.raw()), ctx)) {
     launch_add_bias_grad(dbias, grad, dpre.dtype(), bias_acc, stream_of(ctx));
