@@ -236,6 +236,14 @@ Geometry geometry(const Tensor& qkv, const AttentionParams& p) {
                   RngOffsetArg::of(p.dropout_offset)};
 }
 
+// Floats of dynamic shared memory past the rows the kernels use. ptxas merges the unrolled
+// loops' remainder reads of s[j], s[j + 1], s[j + 2] into one 12-byte load, taken before the
+// branches that decide how many of them count: at T = 1 it read 8 bytes past the one-float
+// array (compute-sanitizer memcheck on an H200, 2026-12-04: "Invalid __shared__ read of size 12
+// bytes" in attention_forward_kernel, kernels.cuda.attention at t 1). Four floats keep any such
+// read of up to 16 bytes inside the allocation.
+constexpr size_t kSharedTail = 4;
+
 // The launch's dynamic shared memory, within the 48 KiB a block has by default less 1 KiB
 // for the block reductions' static shared memory (ptxas: 256 bytes at most).
 void check_shared(const char* op, size_t bytes) {
@@ -335,7 +343,7 @@ void attention_forward(Tensor& y, Tensor& lse, const Tensor& qkv, const Attentio
   }
   NvtxRange range("kernels/attention_forward");
   const Geometry g = geometry(qkv, p);
-  const size_t shared = sizeof(float) * static_cast<size_t>(g.seq);
+  const size_t shared = sizeof(float) * (static_cast<size_t>(g.seq) + kSharedTail);
   check_shared("attention_forward", shared);
   dim3 grid(static_cast<unsigned>(qkv.dim(0) * g.heads), static_cast<unsigned>(g.seq));
   attention_forward_kernel<<<grid, 128, shared, stream_of(ctx)>>>(
@@ -353,7 +361,7 @@ void attention_backward(Tensor& dqkv, const Tensor& dy, const Tensor& qkv, const
   }
   NvtxRange range("kernels/attention_backward");
   const Geometry g = geometry(qkv, p);
-  const size_t shared = 2 * sizeof(float) * static_cast<size_t>(g.seq);
+  const size_t shared = sizeof(float) * (2 * static_cast<size_t>(g.seq) + kSharedTail);
   check_shared("attention_backward", shared);
   cudaStream_t s = stream_of(ctx);
   // Every element of dqkv is written once: dq by its query row's block, dk and dv by their key
