@@ -55,6 +55,11 @@ struct DataParallel::DeviceStages final : StepStages {
   void after_compute(bool) override {  // the buffers this shape's graphs hold
     segments->input = pd.input;
     segments->labels = pd.labels;
+    // A warm-up run's output, the loss's gradient written over it, is let go as an uncaptured
+    // step's is (it was held into the next run, whose forward made its output beside it: a
+    // replica's peak grew by one output from the second step, 60 bytes on cuda:1 in dp.cuda on
+    // an H200, the whole bf16 logits for GPT-2). A captured graph's output stays its graph's.
+    if (pd.dlogits_is_output && !segments->compute.captured()) pd.dlogits = Tensor();
     segments->dlogits = pd.dlogits;
   }
   // Graphed, a device that sums (device 0, a tree's inner devices) waits for its sources' ends

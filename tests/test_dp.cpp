@@ -625,23 +625,28 @@ TEST_CASE("dp.failure: a worker's exception names its device and the engine stay
 // on cuda:1 in the H200 run of 2026-12-04). Device 0 may peak once more at the second step (a
 // layer's kept state meets the next step's, by design: a dropout mask is reused), never after.
 TEST_CASE("dp.memory: a replica's peak is its first step's, device 0's stops at the second") {
-  auto m = small_mlp();
-  m->materialize(Device::cpu(0), kSeed);
-  nn::SGD opt(*m, momentum_sgd());
-  dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, 4));
-  std::vector<std::vector<int64_t>> peaks;
-  for (int s = 0; s < 4; ++s) {
-    auto [x, y] = dp_test::toy_batch(10, 100 + s);
-    engine.train_step(x, y);
-    peaks.push_back(engine.peak_memory_bytes());
-  }
-  for (size_t s = 1; s < peaks.size(); ++s) {
-    CAPTURE(s);
-    for (size_t i = 1; i < peaks[s].size(); ++i) {
-      CAPTURE(i);
-      CHECK(peaks[s][i] == peaks[0][i]);
+  for (auto graphs : {dp::Graphs::off, dp::Graphs::on}) {
+    CAPTURE(graphs == dp::Graphs::on);
+    auto m = small_mlp();
+    m->materialize(Device::cpu(0), kSeed);
+    nn::SGD opt(*m, momentum_sgd());
+    dp::DataParallelOptions o;
+    o.graphs = graphs;
+    dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, 4), o);
+    std::vector<std::vector<int64_t>> peaks;
+    for (int s = 0; s < 5; ++s) {
+      auto [x, y] = dp_test::toy_batch(10, 100 + s);
+      engine.train_step(x, y);
+      peaks.push_back(engine.peak_memory_bytes());
     }
-    if (s >= 2) CHECK(peaks[s][0] == peaks[1][0]);
+    for (size_t s = 1; s < peaks.size(); ++s) {
+      CAPTURE(s);
+      for (size_t i = 1; i < peaks[s].size(); ++i) {
+        CAPTURE(i);
+        CHECK(peaks[s][i] == peaks[0][i]);
+      }
+      if (s >= 2) CHECK(peaks[s][0] == peaks[1][0]);
+    }
   }
 }
 

@@ -122,6 +122,9 @@ struct DdpTrainer::RankStages final : StepStages {
     }
     segments->input = t.input_;  // the buffers this shape's graphs hold
     segments->labels = t.labels_;
+    // A warm-up run's output, written over by its gradient, is let go as an uncaptured step's
+    // (DataParallel's after_compute); a captured graph's output stays its graph's.
+    if (t.dlogits_is_output_ && !segments->compute.captured()) t.dlogits_ = kernels::Tensor();
     segments->dlogits = t.dlogits_;
   }
   void finish_reduce() override {
