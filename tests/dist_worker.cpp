@@ -29,7 +29,8 @@
 //                --moving-shares K: tokens ignored at moving places, under fp16 (see DdpRun);
 //                --micro-batches K: gradient accumulation (DdpTrainer::set_micro_batches);
 //                --metrics-lag 1: lagged metrics (DdpTrainer::set_metrics_lag). It prints
-//                "losses ...": what each step returned (then finish_metrics() with the lag).
+//                "losses ...": what each step returned (then finish_metrics() with the lag),
+//                and "peaks ...": each step's most memory in use (DdpStepTimes::peak_bytes).
 //                --zero 1: ZeRO-1 (DdpTrainer::set_zero_stage; --zero-overlap: through
 //                DDP's buckets, set_zero_overlap). The optimizer is SGD with
 //                momentum 0.9 when --momentum is given (state to save), else plain SGD.
@@ -339,6 +340,7 @@ int run_ddp(const DdpRun& o) {
   float loss = 0;
   int first = 0, graphed = 0;
   std::string losses;  // every step's, as train_step returned it
+  std::string peaks;   // every step's most memory in use (DdpStepTimes::peak_bytes)
   if (!o.load.empty()) {
     for (int s = 0; s < o.train_before_load; ++s) trainer.train_step(images, labels);
     first = static_cast<int>(trainer.load(o.load).step);
@@ -366,6 +368,7 @@ int run_ddp(const DdpRun& o) {
     }
     graphed += trainer.last_times().graphed;
     losses += " " + number(loss);
+    peaks += " " + std::to_string(trainer.last_times().peak_bytes);
     if (!o.save.empty() && s + 1 == o.save_at) trainer.save(o.save);
   }
   if (o.metrics_lag > 0) {
@@ -373,6 +376,7 @@ int run_ddp(const DdpRun& o) {
     losses += " " + number(loss);
   }
   std::printf("[rank %d] losses%s\n", trainer.rank(), losses.c_str());
+  std::printf("[rank %d] peaks%s\n", trainer.rank(), peaks.c_str());
   std::printf("[rank %d] ddp ok loss %.6f weights %016llx\n", trainer.rank(), loss,
               static_cast<unsigned long long>(weights_hash(*model)));
   std::printf("[rank %d] norm %.9g syncs %lld allocations %lld\n", trainer.rank(),
