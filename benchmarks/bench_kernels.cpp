@@ -19,6 +19,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -198,6 +199,28 @@ class Bench {
 
  private:
   void sync() { context(device_).synchronize(); }
+
+  // A tensor of `shape` and `dt` on the device, every element v.
+  Tensor filled(const Shape& shape, DType dt, float v) {
+    Tensor t = Tensor::empty(shape, dt, device_);
+    fill(t, v);
+    return t;
+  }
+
+  // Seconds per call of a and of b, alternating over `rounds` rounds of at least round_time each
+  // (paired: round r of a beside round r of b).
+  std::pair<std::vector<double>, std::vector<double>> alternate(const std::function<void()>& a,
+                                                                const std::function<void()>& b,
+                                                                int rounds, double round_time) {
+    std::vector<double> ta, tb;
+    for (int r = 0; r < rounds; ++r) {
+      ta.push_back(seconds_per_call(
+          a, [&] { sync(); }, round_time));
+      tb.push_back(seconds_per_call(
+          b, [&] { sync(); }, round_time));
+    }
+    return {ta, tb};
+  }
 
   void print_header() {
     std::printf("device: %s (%s)", device_.str().c_str(), peaks_.name.c_str());
@@ -413,11 +436,7 @@ class Bench {
                 static_cast<long long>(rows), static_cast<long long>(d));
     const double round_time = std::max(0.02, o_.min_time / 4);
     for (DType dt : {DType::f32, DType::bf16}) {
-      auto filled_with = [&](const Shape& shape, float v) {
-        Tensor t = Tensor::empty(shape, dt, device_);
-        fill(t, v);
-        return t;
-      };
+      auto filled_with = [&](const Shape& shape, float v) { return filled(shape, dt, v); };
       Tensor h4 = filled_with({rows, 4 * d}, 0.3f), g4 = filled_with({rows, 4 * d}, 0.f);
       Tensor dy4 = filled_with({rows, 4 * d}, 1.f);
       const double gelu_fwd =
@@ -462,13 +481,7 @@ class Bench {
           }};
       for (int dir = 0; dir < 2; ++dir) {
         const std::function<void()>* calls = dir == 0 ? fwd : bwd;
-        std::vector<double> separate, fused;
-        for (int r = 0; r < kRounds; ++r) {
-          separate.push_back(seconds_per_call(
-              calls[0], [&] { sync(); }, round_time));
-          fused.push_back(seconds_per_call(
-              calls[1], [&] { sync(); }, round_time));
-        }
+        auto [separate, fused] = alternate(calls[0], calls[1], kRounds, round_time);
         const bench::Estimate ratio = bench::ratio_ci(fused, separate, bench::Pairing::paired);
         const char* what = dir == 0 ? "residual+LN fwd" : "LN+residual bwd";
         std::printf("  %-4s %-16s separate %8.3f ms   fused %8.3f ms   fused/separate %s\n",
@@ -497,16 +510,11 @@ class Bench {
     constexpr int kRounds = 7;
     const int64_t rows = 8192, d = 768;
     const double round_time = std::max(0.02, o_.min_time / 4);
-    auto filled_with = [&](const Shape& shape, float v, DType dt) {
-      Tensor t = Tensor::empty(shape, dt, device_);
-      fill(t, v);
-      return t;
-    };
-    Tensor dy = filled_with({rows, d}, 0.01f, DType::bf16);
-    Tensor w = filled_with({d, 4 * d}, 0.02f, DType::bf16);
-    Tensor pre = filled_with({rows, 4 * d}, 0.3f, DType::bf16);
-    Tensor dpre = filled_with({rows, 4 * d}, 0.f, DType::bf16);
-    Tensor dbias = filled_with({4 * d}, 0.f, DType::f32);
+    Tensor dy = filled({rows, d}, DType::bf16, 0.01f);
+    Tensor w = filled({d, 4 * d}, DType::bf16, 0.02f);
+    Tensor pre = filled({rows, 4 * d}, DType::bf16, 0.3f);
+    Tensor dpre = filled({rows, 4 * d}, DType::bf16, 0.f);
+    Tensor dbias = filled({4 * d}, DType::f32, 0.f);
     const bool was = cuda_dgelu_epilogue();
     auto call = [&](bool epilogue) {
       return [&, epilogue] {
@@ -515,13 +523,7 @@ class Bench {
                                 pre);
       };
     };
-    std::vector<double> with_epilogue, with_ops;
-    for (int r = 0; r < kRounds; ++r) {
-      with_epilogue.push_back(seconds_per_call(
-          call(true), [&] { sync(); }, round_time));
-      with_ops.push_back(seconds_per_call(
-          call(false), [&] { sync(); }, round_time));
-    }
+    auto [with_epilogue, with_ops] = alternate(call(true), call(false), kRounds, round_time);
     set_cuda_dgelu_epilogue(was);
     const double flops =
         2.0 * static_cast<double>(rows) * static_cast<double>(4 * d) * static_cast<double>(d);
