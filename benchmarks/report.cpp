@@ -388,9 +388,10 @@ void print_environment(std::ostream& os, const Header& h) {
     os << "\n";
   }
   if (!h.cpu_gemm_warning.empty()) os << "warning: " << h.cpu_gemm_warning << "\n";
-  if (h.cuda_dgelu == "ops")
-    os << "note: DP_CUDA_DGELU=ops: the GELU backward GEMMs run the GEMM, gelu_tanh_backward and "
-          "bias_backward, not cuBLASLt's DGELU_BGRAD epilogue\n";
+  if (h.cuda_dgelu == "epilogue")
+    os << "note: DP_CUDA_DGELU=epilogue: the GELU backward GEMMs run cuBLASLt's DGELU_BGRAD "
+          "epilogue where it has an algorithm, not the GEMM, gelu_tanh_backward and "
+          "bias_backward\n";
 }
 
 nlohmann::json environment_json(const Header& h) {

@@ -195,7 +195,8 @@ struct Header {
   // narrower than the CPU's vector instructions.
   std::string cpu_gemm_kernels, cpu_gemm_chosen_over, cpu_gemm_warning, cpu_gemm_bf16;
   // CUDA devices: how the MLP's GELU backward GEMM runs (kernels::cuda_dgelu_epilogue):
-  // "epilogue" (cuBLASLt's DGELU_BGRAD where it has an algorithm) or "ops" (DP_CUDA_DGELU=ops).
+  // "ops" (the default) or "epilogue" (DP_CUDA_DGELU=epilogue: cuBLASLt's DGELU_BGRAD where it
+  // has an algorithm).
   std::string cuda_dgelu;
   bool cpu_gemm_generic = false;
 };

@@ -367,7 +367,7 @@ void gemm_gelu_tanh_backward(Tensor& dpre, Tensor& dbias, Accumulate bias_acc, c
 
 namespace {
 
-// 1: cuBLASLt's DGELU_BGRAD may run, 0: the ops; -1 until the environment is read.
+// 1: cuBLASLt's DGELU_BGRAD may run, 0: the ops (the default); -1 until the environment is read.
 std::atomic<int>& dgelu_epilogue_state() {
   static std::atomic<int> state{-1};
   return state;
@@ -387,10 +387,10 @@ bool cuda_dgelu_epilogue() {
   const std::string v = env ? env : "";
   DP_CHECK(v.empty() || v == "epilogue" || v == "ops",
            "DP_CUDA_DGELU=" << v
-                            << ": give epilogue (cuBLASLt's DGELU_BGRAD where it has an "
-                               "algorithm, the default) or ops (the GEMM, gelu_tanh_backward and "
-                               "bias_backward)");
-  state.compare_exchange_strong(s, v == "ops" ? 0 : 1);  // a setter's call first wins
+                            << ": give ops (the GEMM, gelu_tanh_backward and bias_backward, the "
+                               "default) or epilogue (cuBLASLt's DGELU_BGRAD where it has an "
+                               "algorithm)");
+  state.compare_exchange_strong(s, v == "epilogue" ? 1 : 0);  // a setter's call first wins
   return state.load() == 1;
 }
 

@@ -162,18 +162,20 @@ void gemm_gelu_tanh(Tensor& y, Tensor& pre, const Tensor& a, Transpose ta, const
 // f32 or undefined (no bias gradient).
 // - CPU: gemm into dpre, gelu_tanh_backward in place, bias_backward: the bits of the three ops
 //   (the product rounded into dpre's dtype before the derivative multiplies it).
-// - CUDA: one GEMM whose epilogue (cuBLASLt's DGELU_BGRAD) applies the derivative to the f32
-//   product and sums the bias gradient, which it rounds into dpre's dtype before it is added to
-//   dbias, where cuBLASLt has an algorithm for it; otherwise the three ops.
+// - CUDA: the three ops by default, their bits. With cuda_dgelu_epilogue(): one GEMM whose
+//   epilogue (cuBLASLt's DGELU_BGRAD) applies the derivative to the f32 product and sums the
+//   bias gradient, which it rounds into dpre's dtype before it is added to dbias, where cuBLASLt
+//   has an algorithm for it; otherwise the three ops.
 void gemm_gelu_tanh_backward(Tensor& dpre, Tensor& dbias, Accumulate bias_acc, const Tensor& dy,
                              Transpose tdy, const Tensor& w, Transpose tw, const Tensor& pre);
-// Whether CUDA's gemm_gelu_tanh_backward may use cuBLASLt's DGELU_BGRAD epilogue (default: yes;
-// the environment's DP_CUDA_DGELU=ops says no, =epilogue says yes, any other value is refused
-// by the first call, naming it). Without it CUDA runs the three ops the CPU runs, their bits.
-// Why a choice: on an H200 (2026-12-04, GPT-2 124M at batch 8: m 8192, n 3072, k 768) cuBLASLt
-// ran that epilogue as a kernel of its own after the GEMM, 163 us beside the GEMM's 57, where
-// the ops read and write the same 16-bit data once each; bench_kernels times the two ways
-// against each other. For benchmarks and tests; not while GEMMs run.
+// Whether CUDA's gemm_gelu_tanh_backward may use cuBLASLt's DGELU_BGRAD epilogue (default: no;
+// the environment's DP_CUDA_DGELU=epilogue says yes, =ops says no, any other value is refused
+// by the first call, naming it). Why the ops by default: on an H200 (2026-12-04, GPT-2 124M at
+// batch 8: m 8192, n 3072, k 768) cuBLASLt ran that epilogue as a kernel of its own after the
+// GEMM, 163 us beside the GEMM's 57, where the ops read and write the same 16-bit data once
+// each: bench_kernels timed the ops at 0.57x the epilogue's time (95% CI 0.56 to 0.57), and the
+// GPT-2 step went from 17.74 to 16.78 ms (benchmarks/results/2026-12-04c_nvidia-h200). For
+// benchmarks and tests; not while GEMMs run.
 void set_cuda_dgelu_epilogue(bool enabled);
 bool cuda_dgelu_epilogue();
 // A Linear's parameter gradients: dw += dy^T x (gemm, alpha 1, beta 1) and dbias += the column

@@ -2469,17 +2469,18 @@ TEST_CASE("bench.environment: the CPU GEMM kernels are named, a generic choice w
 }
 
 // DP_CUDA_DGELU (kernels::cuda_dgelu_epilogue) is read before any work: a value that is neither
-// epilogue nor ops is refused, naming it, on any device; ops runs (on a CPU the ops either way).
+// ops nor epilogue is refused, naming it, on any device; epilogue runs (on a CPU the ops either
+// way).
 TEST_CASE("bench.environment: DP_CUDA_DGELU other than epilogue or ops is refused before work") {
   auto [rc, text] = bench_output("--device cpu --gpus 1 --steps 2", "DP_CUDA_DGELU=fused");
   INFO(text);
   CHECK(rc != 0);
-  CHECK(text.find("DP_CUDA_DGELU=fused: give epilogue") != std::string::npos);
+  CHECK(text.find("DP_CUDA_DGELU=fused: give ops") != std::string::npos);
   CHECK(text.find("ms/step") == std::string::npos);
-  auto [rc_ops, ops] = bench_output("--device cpu --gpus 1 --steps 2", "DP_CUDA_DGELU=ops");
-  INFO(ops);
-  CHECK(rc_ops == 0);
-  CHECK(ops.find("ms/step") != std::string::npos);
+  auto [rc_ep, ep] = bench_output("--device cpu --gpus 1 --steps 2", "DP_CUDA_DGELU=epilogue");
+  INFO(ep);
+  CHECK(rc_ep == 0);
+  CHECK(ep.find("ms/step") != std::string::npos);
 }
 
 // Flags that would do nothing are refused before any work, naming what they need: --csv or

@@ -315,6 +315,8 @@ TEST_CASE("kernels.cuda.gemm: f16 and bf16 operands, f32 or 16-bit output") {
 // f32 outputs run the ops in turn on the GPU, the CPU's 1e-4 apart.
 TEST_CASE("kernels.cuda.gemm_gelu: the fused forward and backward follow the ops within a bound") {
   DP_REQUIRE_GPU();
+  const bool was = cuda_dgelu_epilogue();
+  set_cuda_dgelu_epilogue(true);  // as DP_CUDA_DGELU=epilogue: the ops are the default
   for (const gemm_gelu::Case& c : gemm_gelu::cases()) {
     CAPTURE(dtype_name(c.t));
     CAPTURE(c.m);
@@ -372,6 +374,7 @@ TEST_CASE("kernels.cuda.gemm_gelu: the fused forward and backward follow the ops
       }
     }
   }
+  set_cuda_dgelu_epilogue(was);
 }
 
 TEST_CASE(
