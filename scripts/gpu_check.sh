@@ -77,7 +77,9 @@
 #              summed by kind, NVTX range and kernel (benchmarks/ncu_summary.py).
 # Every part writes into RESULTS_DIR/DATE_DEVICE/ (logs, JSON) and appends its verdict lines (ok,
 # FAIL, SKIP, CUT) and one "== part NAME: done|not done" line to summary.txt there, so runs in
-# separate calls end up in one folder, ready to commit to benchmarks/results/. --pack FILE writes
+# separate calls of one build end up in one folder, ready to commit to benchmarks/results/. The
+# folder's build.txt names the build (a bundle's VERSION lines); where the folder holds another
+# build's files, the run writes DATEb_DEVICE (then c, d, ...) and leaves the old one alone. --pack FILE writes
 # that folder as a tar.gz once set up, again after every part, and at the end, each time whole
 # (a temporary file in FILE's folder, then renamed: a kill leaves the last pack or the new one;
 # a TERM or INT stops the running step and packs once more). Every helper command has its own
@@ -454,12 +456,36 @@ gpu_name=$(timeout "$t_smi" nvidia-smi --query-gpu=name --format=csv,noheader 2>
   head -1)
 n_gpus=$(grep -c '^GPU ' <<< "$gpu_list")
 slug=$(tr '[:upper:]' '[:lower:]' <<< "${gpu_name:-gpu}" | tr -cs 'a-z0-9' '-' | sed 's/^-//;s/-$//')
-out=$results_root/$(date -u +%Y-%m-%d)_$slug
+# The build's identity: a bundle's source and build lines (its VERSION), else the build folder.
+# Separate calls of one lease write into one folder; a folder that holds another build's results
+# (a machine keeps /tmp from an earlier lease) is left as it is, and this run takes the next free
+# name (DATEb_DEVICE, DATEc_DEVICE, ...), so that no pack mixes two builds' files.
+if [[ -f $build/VERSION ]]; then
+  build_id=$(sed -n '2,3p' "$build/VERSION")
+else
+  build_id="build folder $(cd "$build" && pwd)"
+fi
+day=$(date -u +%Y-%m-%d)
+out=""
+for suffix in "" b c d e f g h i j k l m n o p q r s t u v w x y z; do
+  try=$results_root/$day${suffix}_$slug
+  if [[ ! -d $try ]] || [[ -z $(ls -A "$try" 2> /dev/null) ]] ||
+    [[ -f $try/build.txt && $(cat "$try/build.txt") == "$build_id" ]]; then
+    out=$try
+    break
+  fi
+  echo "gpu_check: $try holds another build's results (its build.txt: $(head -1 "$try/build.txt" 2> /dev/null || echo none)); left as it is" >&2
+done
+[[ -n $out ]] || {
+  echo "gpu_check: every results folder of $day in $results_root holds another build's results" >&2
+  exit 2
+}
 mkdir -p "$out" || {
   echo "gpu_check: cannot make $out" >&2
   exit 2
 }
 out=$(cd "$out" && pwd)
+printf '%s\n' "$build_id" > "$out/build.txt"
 summary=$out/summary.txt
 touch "$summary"
 run_from=$(wc -l < "$summary")  # this run's lines follow

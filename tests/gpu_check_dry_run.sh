@@ -14,6 +14,8 @@
 #   4. The GPT batch search ends at the first size out of memory (no failure), cuBLAS's
 #      allocation failure included; a crash fails it. A run whose capture fell back says so in
 #      its verdict (a stand-in dp_bench).
+#      A results folder of another build is left alone: the run writes DATEb_DEVICE (then c);
+#      two calls of one build share a folder.
 #   5. A bad --lease, --skip-done or --pack: exit 2 naming it, before any work.
 #   6. The lease killed at a random moment (3 to 20 s in, with SIGKILL, everything at once, or
 #      SIGTERM to the script, which stops its step and packs once more; GPU_CHECK_KILL="SIG S"
@@ -189,6 +191,32 @@ rc=$?
 ((rc == 1)) || no "a crash in the batch search exited $rc, expected 1"
 grep -q "^FAIL  gpt-124m largest batch *exit 139: batch 64" "$scratch/six.out" ||
   no "a crash in the batch search is not a failure naming its batch"
+
+# 4b. A results folder another build wrote (a machine that kept /tmp from an earlier lease) is
+#     left as it is, and the run writes DATEb_DEVICE; a second call of the same build continues
+#     there; a third build takes DATEc_DEVICE.
+day=$(date -u +%Y-%m-%d)
+mkdir -p "$scratch/r8/${day}_dry-run-gpu"
+echo "an earlier lease's figure" > "$scratch/r8/${day}_dry-run-gpu/stale.txt"
+printf 'gpu_check bundle\nsource: aaaaaaa\nbuilt: one\n' > "$scratch/fakebuild/VERSION"
+for call in 1 2; do
+  GPU_CHECK_DRY_RUN=0 bash "$script" --stage probe "$scratch/fakebuild" "$scratch/r8" \
+    > "$scratch/eight$call.out" 2>&1 || no "the probe into r8 (call $call) failed: $(cat "$scratch/eight$call.out")"
+done
+grep -q "r8/${day}_dry-run-gpu holds another build's results (its build.txt: none); left as it is" \
+  "$scratch/eight1.out" || no "the run does not say it left another build's folder alone"
+[[ $(cat "$scratch/r8/${day}_dry-run-gpu/stale.txt") == "an earlier lease's figure" &&
+  $(ls "$scratch/r8/${day}_dry-run-gpu") == stale.txt ]] || no "the other build's folder was changed"
+[[ $(grep -c "^== part probe: done" "$scratch/r8/${day}b_dry-run-gpu/summary.txt" 2> /dev/null) -eq 2 ]] ||
+  no "the two calls of one build did not both write into ${day}b_dry-run-gpu"
+printf 'gpu_check bundle\nsource: bbbbbbb\nbuilt: two\n' > "$scratch/fakebuild/VERSION"
+GPU_CHECK_DRY_RUN=0 bash "$script" --stage probe "$scratch/fakebuild" "$scratch/r8" \
+  > "$scratch/eight3.out" 2>&1 || no "the probe of another build into r8 failed"
+grep -q "^source: bbbbbbb" "$scratch/r8/${day}c_dry-run-gpu/build.txt" 2> /dev/null ||
+  no "a third build did not take ${day}c_dry-run-gpu"
+[[ $(grep -c "^== part probe: done" "$scratch/r8/${day}b_dry-run-gpu/summary.txt") -eq 2 ]] ||
+  no "a third build wrote into the second's folder"
+rm -f "$scratch/fakebuild/VERSION"
 
 # 5. Bad flags: exit 2, one line naming what was given, no results folder.
 bad() {  # WANT ARGS...
