@@ -250,6 +250,9 @@ void DataParallel::begin_step(const std::vector<int64_t>& sizes) {
   std::copy(row_shares_.begin(), row_shares_.end(), step_values_.begin() + 2 + n_devices());
   // With research code's reducers each device hands its own buckets on: no device pulls.
   pulls_.begin_step(n, options_.reducers.empty());
+  // Read before device 0's forward clears it. With micro-batches device 0's later forwards
+  // cast its 16-bit weights again while the replicas would read them: the replicas cast then.
+  replicas_take_compute_ = options_.micro_batches == 1 && device0_compute_fresh();
   signals_.reset(n_devices());
   for (int i = 0; i < n; ++i) per_device_[i].own.clear();
 }

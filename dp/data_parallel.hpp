@@ -6,7 +6,9 @@
 //   dp/scatter    copies its chunk of the host batch (uneven chunks allowed) to its device
 //   dp/replicate  (i > 0) copies device 0's flat parameters and buffers into its replica: one
 //                 copy each, before forward, so weights the caller changes between steps (a
-//                 loaded checkpoint) take effect
+//                 loaded checkpoint) take effect. Under mixed precision, where device 0's last
+//                 optimizer step wrote its 16-bit weights (nn::FlatState::compute_written), the
+//                 replica copies those too and casts nothing
 //   dp/forward    forward + fused softmax cross-entropy of its chunk
 //   dp/backward   backward. The gradient buckets (dp/bucket_plan.hpp: reverse layer order,
 //                 1 MiB first, 25 MiB cap) become ready one by one, reported by the module's
@@ -393,7 +395,13 @@ class DataParallel {
   // Copies chunk i of (images, labels) to worker i's device.
   void scatter_chunk(int i, const Tensor& images, const Tensor& labels,
                      const std::vector<int64_t>& sizes);
+  // Copies device 0's state into replica i (its stream): the flat parameters and buffers, and
+  // device 0's 16-bit weights where replicas_take_compute_ says they are fresh.
   void replicate(int i);
+  // Whether device 0's 16-bit weights are its f32 weights rounded (its optimizer's step wrote
+  // them, and nothing wrote the f32 weights since), read on the caller's thread before a step's
+  // or a broadcast's jobs start: device 0's forward clears that flag while replicas copy.
+  bool device0_compute_fresh() const;
   void on_grad_ready(int i, const nn::Parameter& p);
   // Reduces what can be reduced on device i, in bucket order (pulls_.advance), and hands each
   // bucket made final on (hand_on). blocking: after backward, every bucket.
@@ -481,6 +489,10 @@ class DataParallel {
   // count; sized for n_devices() once, a step with n devices uses metric_slots(n) of them.
   Tensor gathered_metrics_;
   Tensor host_metrics_;  // pinned host copy of gathered_metrics_
+  // device0_compute_fresh() at the start of the step (of one micro-batch a device) or broadcast
+  // whose replicate runs: the replicas then copy device 0's 16-bit weights rather than casting
+  // their own.
+  bool replicas_take_compute_ = false;
   // Device 0's source and weight lists of the metrics' sums (hybrid): no vectors per step.
   std::vector<Tensor> metric_from_;
   std::vector<kernels::Scalar> metric_weights_;

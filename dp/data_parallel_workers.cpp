@@ -41,11 +41,27 @@ void DataParallel::replicate(int i) {
   kernels::copy(replicas_[i]->flat_params(), replicas_[0]->flat_params());
   if (replicas_[i]->flat_buffers().numel() > 0)
     kernels::copy(replicas_[i]->flat_buffers(), replicas_[0]->flat_buffers());
+  // Mixed precision: device 0's 16-bit weights are its f32 ones rounded (its optimizer wrote
+  // both): the replica takes them as they are, a copy of half the bytes in place of its
+  // forward's cast (which reads the f32 weights and writes the same bits). Its forward then
+  // casts nothing, as device 0's does. Otherwise its forward casts (a flag left from a step
+  // whose forward did not run must not stand).
+  nn::FlatState& mine = replicas_[i]->flat();
+  const nn::FlatState& root = replicas_[0]->flat();
+  const bool take =
+      replicas_take_compute_ && mine.compute_params.defined() && root.compute_params.defined();
+  if (take) kernels::copy(mine.compute_params, root.compute_params);
+  mine.compute_written = take;
+}
+
+bool DataParallel::device0_compute_fresh() const {
+  return replicas_[0]->flat().compute_params.defined() && replicas_[0]->flat().compute_written;
 }
 
 void DataParallel::broadcast_params(int n_used) {
   if (n_used < 0) n_used = n_devices();
   kernels::NvtxRange range("dp/replicate");
+  replicas_take_compute_ = device0_compute_fresh();
   pool_.run(
       "dp/replicate",
       [&](int i) {

@@ -207,6 +207,33 @@ TEST_CASE("dp.compute_copy: weights written between steps are read next step, gr
     CHECK((eager.losses[s] == plain.losses[s]) == (s < 4));  // the new weights took
     // Captured from the third step, and again two steps after the change.
     CHECK(graphed.stats[s].graphed == (s == 2 || s == 3 || s == 6));
+    // Each device casts at the first step and at the one after the change (the replica too:
+    // device 0's copy is stale then), and takes a step's written copy otherwise.
+    const int64_t casts = s == 0 || s == 4 ? 2 : 0;
+    CHECK(eager.stats[s].casts == casts);
+    CHECK(graphed.stats[s].casts == casts);
   }
+  nn::set_weight_copy_check(false);
+}
+
+// Under DP the replicas take device 0's bf16 weights in the replicate phase, as its optimizer's
+// step wrote them: after the first step no device casts, graphed or not, on four devices. The
+// weight-copy check compares each uncaptured step's copy with the f32 weights rounded (a copy
+// not the cast's bits throws), and the graphed run keeps the uncaptured bits. Control: with the
+// replicas casting their own (before 2026-12-04), each step after the first counted 3 casts.
+TEST_CASE("dp.compute_copy: replicas copy device 0's bf16 weights and cast none") {
+  nn::set_weight_copy_check(true);
+  const std::vector<Device> four{Device::cpu(0), Device::cpu(1), Device::cpu(2), Device::cpu(3)};
+  auto make = [] { return nn::gpt(small_gpt()); };
+  const Run eager = train(four, dp::Graphs::off, make, 6);
+  const Run graphed = train(four, dp::Graphs::on, make, 6);
+  for (int s = 0; s < 6; ++s) {
+    CAPTURE(s);
+    CHECK(eager.stats[s].casts == (s == 0 ? 4 : 0));
+    CHECK(graphed.stats[s].casts == (s == 0 ? 4 : 0));
+    CHECK(graphed.stats[s].graphed == (s >= 2));
+  }
+  CHECK(same_bits(graphed.losses, eager.losses));
+  CHECK(same_bits(graphed.params, eager.params));
   nn::set_weight_copy_check(false);
 }
