@@ -250,9 +250,9 @@ void DataParallel::begin_step(const std::vector<int64_t>& sizes) {
   std::copy(row_shares_.begin(), row_shares_.end(), step_values_.begin() + 2 + n_devices());
   // With research code's reducers each device hands its own buckets on: no device pulls.
   pulls_.begin_step(n, options_.reducers.empty());
-  // Read before device 0's forward clears it. With micro-batches device 0's later forwards
-  // cast its 16-bit weights again while the replicas would read them: the replicas cast then.
-  replicas_take_compute_ = options_.micro_batches == 1 && device0_compute_fresh();
+  // Read before device 0's forward clears it (its later micro-batches cast nothing either:
+  // MicroBatches::queue keeps the copy for them).
+  replicas_take_compute_ = device0_compute_fresh();
   signals_.reset(n_devices());
   for (int i = 0; i < n; ++i) per_device_[i].own.clear();
 }
@@ -320,9 +320,10 @@ void DataParallel::forward_and_loss(int i, nn::Mode mode, MicroMarks marks) {
       m.backward(dy);
       if (mark_micro) pd.micro_marks[pd.micro_marks_used++].record(ctx);
     };
-    output = pd.micro.queue([&](const Tensor& x) { return m.forward(x); }, backward, *options_.loss,
-                            pd.input, pd.labels, pd.metrics.view(kLoss, {1}), &pd.dlogits,
-                            pd.metrics.view(kCorrect, {1}), !m.backward_reads_output());
+    output = pd.micro.queue(
+        m, [&](const Tensor& x) { return m.forward(x); }, backward, *options_.loss, pd.input,
+        pd.labels, pd.metrics.view(kLoss, {1}), &pd.dlogits, pd.metrics.view(kCorrect, {1}),
+        !m.backward_reads_output());
   } else {
     output = m.forward(pd.input);
     queue_loss(*options_.loss, output, pd.labels, pd.metrics.view(kLoss, {1}),

@@ -489,9 +489,8 @@ class DataParallel {
   // count; sized for n_devices() once, a step with n devices uses metric_slots(n) of them.
   Tensor gathered_metrics_;
   Tensor host_metrics_;  // pinned host copy of gathered_metrics_
-  // device0_compute_fresh() at the start of the step (of one micro-batch a device) or broadcast
-  // whose replicate runs: the replicas then copy device 0's 16-bit weights rather than casting
-  // their own.
+  // device0_compute_fresh() at the start of the step or broadcast whose replicate runs: the
+  // replicas then copy device 0's 16-bit weights rather than casting their own.
   bool replicas_take_compute_ = false;
   // Device 0's source and weight lists of the metrics' sums (hybrid): no vectors per step.
   std::vector<Tensor> metric_from_;

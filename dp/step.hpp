@@ -156,15 +156,16 @@ class MicroBatches {
   // the current context, for each micro-batch j in order: out_j = forward(rows of j), its loss into
   // a slot of its own and its gradient, times its factor (write_weights) inside the loss's pass,
   // then, for every one but the last, backward(its gradient), which must only accumulate (no hook
-  // hands a bucket on: the chunk's gradient is not final yet); the last one's gradient in
-  // *dlogits for the step's backward; loss_out := the weighted sum of the micro-batches' mean
+  // hands a bucket on: the chunk's gradient is not final yet), the weights' 16-bit copy the first
+  // forward made kept for the next (module's FlatState::compute_written); the last one's gradient
+  // in *dlogits for the step's backward; loss_out := the weighted sum of the micro-batches' mean
   // losses and a defined correct := the sum of their counts. Returns the last micro-batch's
   // output.
   template <class Forward, class Backward>
-  kernels::Tensor queue(Forward&& forward, Backward&& backward, const nn::Loss& loss,
-                        const kernels::Tensor& input, const kernels::Tensor& labels,
-                        kernels::Tensor loss_out, kernels::Tensor* dlogits, kernels::Tensor correct,
-                        bool out_free) {
+  kernels::Tensor queue(nn::Module& module, Forward&& forward, Backward&& backward,
+                        const nn::Loss& loss, const kernels::Tensor& input,
+                        const kernels::Tensor& labels, kernels::Tensor loss_out,
+                        kernels::Tensor* dlogits, kernels::Tensor correct, bool out_free) {
     const int n = count();
     DP_CHECK(n > 1 && at_ != nullptr && static_cast<int>(at_->weight.size()) == n,
              "MicroBatches::queue: plan() and write_weights() first, for more than one");
@@ -187,7 +188,13 @@ class MicroBatches {
       kernels::Tensor* grad = last ? dlogits : &dy;
       queue_loss(loss, out, labels.slice(begin, end), b.losses[j], grad, b.grad_factor[j],
                  correct.defined() ? b.counts[j] : kernels::Tensor(), out_free);
-      if (!last) backward(dy);
+      if (!last) {
+        backward(dy);
+        // The weights' 16-bit copy this forward cast or took still holds the f32 weights
+        // rounded (a backward only accumulates): the next forward takes it as it is.
+        nn::FlatState& f = module.flat();
+        if (f.compute_params.defined()) f.compute_written = true;
+      }
     }
     kernels::fill(loss_out, 0.f);
     kernels::weighted_sum(loss_out, 1.f, b.losses, b.weight);

@@ -1618,7 +1618,8 @@ TEST_CASE("bench.replay: after warm-up, DP and DDP steps allocate nothing and sy
 // what remains per step:
 //   MLP: the f32 batch into bf16 for the first GEMM = 1;
 //   tiny GPT: nothing (token ids in, the residual stream, LayerNorms and attention bf16 on the
-//     CPU too) = 0, whatever the depth.
+//     CPU too) = 0, whatever the depth; with 2 micro-batches too (the second forward takes the
+//     copy the first made: before 2026-12-04 it cast again, 1 a step).
 // (Before the native kernels: MLP 16, tiny GPT 79; before the bf16 stream, LayerNorm and CPU
 // attention, tiny GPT 43; before the step wrote the weights' copy, MLP 2 and tiny GPT 1.) f32
 // runs convert nothing.
@@ -1631,6 +1632,8 @@ TEST_CASE("bench.json: casts_per_step, the same graphed or not, exact with bf16 
       {"--model mlp --dtype fp32", 0},
       {"--model mlp --dtype bf16 --activations bf16", 1},
       {"--model gpt --gpt-config tiny --seq 32 --dtype bf16 --activations bf16", 0},
+      {"--model gpt --gpt-config tiny --seq 32 --dtype bf16 --activations bf16 --micro-batches 2",
+       0},
   };
   for (const Run& run : runs) {
     std::map<std::string, nlohmann::json> results;  // DP and DDP at 1 device, graphs off and on

@@ -60,7 +60,8 @@ struct Run {
 Run train(
     const std::vector<Device>& devices, dp::Graphs graphs,
     const std::function<nn::ModulePtr()>& make = [] { return nn::gpt(small_gpt()); },
-    int steps = kSteps, const std::function<void(nn::Module&, int)>& before = nullptr) {
+    int steps = kSteps, const std::function<void(nn::Module&, int)>& before = nullptr,
+    int micro_batches = 1) {
   auto m = make();
   m->materialize(devices[0], kSeed);
   m->set_compute_dtype(DType::bf16);
@@ -73,6 +74,7 @@ Run train(
   o.precision = nn::Precision::bf16;
   o.graphs = graphs;
   o.clip_grad_norm = 1e6f;
+  o.micro_batches = micro_batches;
   dp::DataParallel engine(m, opt, devices, o);
   Run run;
   for (int s = 0; s < steps; ++s) {
@@ -217,23 +219,28 @@ TEST_CASE("dp.compute_copy: weights written between steps are read next step, gr
 }
 
 // Under DP the replicas take device 0's bf16 weights in the replicate phase, as its optimizer's
-// step wrote them: after the first step no device casts, graphed or not, on four devices. The
-// weight-copy check compares each uncaptured step's copy with the f32 weights rounded (a copy
-// not the cast's bits throws), and the graphed run keeps the uncaptured bits. Control: with the
-// replicas casting their own (before 2026-12-04), each step after the first counted 3 casts.
+// step wrote them: after the first step no device casts, graphed or not, on four devices, with
+// one micro-batch a device or two (the second forward takes the copy the first made or took).
+// The weight-copy check compares each uncaptured forward's copy with the f32 weights rounded (a
+// copy not the cast's bits throws), and the graphed run keeps the uncaptured bits. Controls:
+// with the replicas casting their own (before 2026-12-04), each step after the first counted 3
+// casts; with each micro-batch's forward casting again, 4 more.
 TEST_CASE("dp.compute_copy: replicas copy device 0's bf16 weights and cast none") {
   nn::set_weight_copy_check(true);
   const std::vector<Device> four{Device::cpu(0), Device::cpu(1), Device::cpu(2), Device::cpu(3)};
   auto make = [] { return nn::gpt(small_gpt()); };
-  const Run eager = train(four, dp::Graphs::off, make, 6);
-  const Run graphed = train(four, dp::Graphs::on, make, 6);
-  for (int s = 0; s < 6; ++s) {
-    CAPTURE(s);
-    CHECK(eager.stats[s].casts == (s == 0 ? 4 : 0));
-    CHECK(graphed.stats[s].casts == (s == 0 ? 4 : 0));
-    CHECK(graphed.stats[s].graphed == (s >= 2));
+  for (int micro : {1, 2}) {
+    CAPTURE(micro);
+    const Run eager = train(four, dp::Graphs::off, make, 6, nullptr, micro);
+    const Run graphed = train(four, dp::Graphs::on, make, 6, nullptr, micro);
+    for (int s = 0; s < 6; ++s) {
+      CAPTURE(s);
+      CHECK(eager.stats[s].casts == (s == 0 ? 4 : 0));
+      CHECK(graphed.stats[s].casts == (s == 0 ? 4 : 0));
+      CHECK(graphed.stats[s].graphed == (s >= 2));
+    }
+    CHECK(same_bits(graphed.losses, eager.losses));
+    CHECK(same_bits(graphed.params, eager.params));
   }
-  CHECK(same_bits(graphed.losses, eager.losses));
-  CHECK(same_bits(graphed.params, eager.params));
   nn::set_weight_copy_check(false);
 }

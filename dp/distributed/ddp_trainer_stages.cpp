@@ -64,7 +64,7 @@ void DdpTrainer::forward_and_loss(nn::Module& m, const kernels::Tensor& x,
   if (micro_.count() > 1) {
     // Every micro-batch but the last runs its backward here, under no_sync: it only accumulates.
     const kernels::Tensor out = micro_.queue(
-        [&](const kernels::Tensor& xj) { return ddp_->forward_local(xj); },
+        m, [&](const kernels::Tensor& xj) { return ddp_->forward_local(xj); },
         [&](const kernels::Tensor& dy) { ddp_->backward_local(dy); }, *loss_fn_, x, y,
         metrics_.view(0, {1}), &dlogits_, kernels::Tensor(), !m.backward_reads_output());
     dlogits_is_output_ = out.defined() && dlogits_.same_storage(out);
