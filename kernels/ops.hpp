@@ -173,9 +173,9 @@ void gemm_gelu_tanh_backward(Tensor& dpre, Tensor& dbias, Accumulate bias_acc, c
 // by the first call, naming it). Why the ops by default: on an H200 (2026-12-04, GPT-2 124M at
 // batch 8: m 8192, n 3072, k 768) cuBLASLt ran that epilogue as a kernel of its own after the
 // GEMM, 163 us beside the GEMM's 57, where the ops read and write the same 16-bit data once
-// each: bench_kernels timed the ops at 0.57x the epilogue's time (95% CI 0.56 to 0.57), and the
-// GPT-2 step went from 17.74 to 16.78 ms (benchmarks/results/2026-12-04c_nvidia-h200). For
-// benchmarks and tests; not while GEMMs run.
+// each: bench_kernels timed the ops at 0.57x the epilogue's time (95% CI 0.56 to 0.57, 7 paired
+// rounds), and GPT-2's step at 0.931x (3 alternated pairs of runs, 0.930 to 0.937;
+// benchmarks/results/2026-12-04c_nvidia-h200). For benchmarks and tests; not while GEMMs run.
 void set_cuda_dgelu_epilogue(bool enabled);
 bool cuda_dgelu_epilogue();
 // A Linear's parameter gradients: dw += dy^T x (gemm, alpha 1, beta 1) and dbias += the column

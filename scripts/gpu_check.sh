@@ -77,16 +77,15 @@
 #              summed by kind, NVTX range and kernel (benchmarks/ncu_summary.py).
 # Every part writes into RESULTS_DIR/DATE_DEVICE/ (logs, JSON) and appends its verdict lines (ok,
 # FAIL, SKIP, CUT) and one "== part NAME: done|not done" line to summary.txt there, so runs in
-# separate calls of one build end up in one folder, ready to commit to benchmarks/results/. The
-# folder's build.txt names the build (a bundle's VERSION lines); where the folder holds another
-# build's files, the run writes DATEb_DEVICE (then c, d, ...) and leaves the old one alone. --pack FILE writes
-# that folder as a tar.gz once set up, again after every part, and at the end, each time whole
-# (a temporary file in FILE's folder, then renamed: a kill leaves the last pack or the new one;
-# a TERM or INT stops the running step and packs once more). Every helper command has its own
-# time limit (helper_limits below: nvidia-smi queries, ldd, python3 verdicts, torch's import, the
-# library search, the tool probes, the pack). Exit status: 0 when every step ran and none
-# failed, 1 when one failed (or the pack could not be written), 3 when none failed but some were
-# cut off or not started by the budget, 2 when there is no GPU (at once, with one line) or the
+# separate calls of one build end up in one folder, ready to commit to benchmarks/results/ (its
+# build.txt names the build; another build's folder is left alone: the results folder below).
+# --pack FILE writes that folder as a tar.gz once set up, again after every part, and at the
+# end, each time whole (a temporary file in FILE's folder, then renamed: a kill leaves the last
+# pack or the new one; a TERM or INT stops the running step and packs once more). Every helper
+# command has its own time limit (helper_limits below: nvidia-smi queries, ldd, python3
+# verdicts, torch's import, the library search, the tool probes, the pack). Exit status: 0 when
+# every step ran and none failed, 1 when one failed (or the pack could not be written), 3 when
+# none failed but some were cut off or not started by the budget, 2 when there is no GPU (at once, with one line) or the
 # arguments are wrong, 128 + N when signal N stopped it. GPU_CHECK_DRY_RUN=1 (for this script's
 # own test, with a stand-in nvidia-smi) runs the same steps on CPU devices, shortened.
 #
@@ -474,7 +473,8 @@ for suffix in "" b c d e f g h i j k l m n o p q r s t u v w x y z; do
     out=$try
     break
   fi
-  echo "gpu_check: $try holds another build's results (its build.txt: $(head -1 "$try/build.txt" 2> /dev/null || echo none)); left as it is" >&2
+  other=$(head -1 "$try/build.txt" 2> /dev/null || echo none)
+  echo "gpu_check: $try holds another build's results (its build.txt: $other); left as it is" >&2
 done
 [[ -n $out ]] || {
   echo "gpu_check: every results folder of $day in $results_root holds another build's results" >&2
