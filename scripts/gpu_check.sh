@@ -86,8 +86,9 @@
 # verdicts, torch's import, the library search, the tool probes, the pack). Exit status: 0 when
 # every step ran and none failed, 1 when one failed (or the pack could not be written), 3 when
 # none failed but some were cut off or not started by the budget, 2 when there is no GPU (at
-# once, with one line) or the arguments are wrong, 128 + N when signal N stopped it. GPU_CHECK_DRY_RUN=1 (for this script's
-# own test, with a stand-in nvidia-smi) runs the same steps on CPU devices, shortened.
+# once, with one line) or the arguments are wrong, 128 + N when signal N stopped it.
+# GPU_CHECK_DRY_RUN=1 (for this script's own test, with a stand-in nvidia-smi) runs the same
+# steps on CPU devices, shortened.
 #
 # The CUDA libraries (cuBLAS(Lt), cuDNN, NCCL) are found where they are: PyTorch's pip wheels
 # (site-packages/nvidia/*/lib), /usr/local/cuda, else a search of the file system; the script
