@@ -152,12 +152,16 @@ void seal_rendezvous(Store& group, int rank) {
 // writes why, and every rank throws it, rank 0 once the ranks that arrived have read it (2 s
 // at most: it hosts the store). Before, rank 0 waited for a rank its world has not, or the
 // others for one that never comes, each naming a timeout.
+[[noreturn]] void throw_world_sizes_differ(const std::string& why) {
+  DP_THROW(why << ": every rank of a job is started with the same WORLD_SIZE (or "
+                  "OMPI_COMM_WORLD_SIZE, SLURM_NTASKS, init_process_group's world_size)");
+}
+
 void throw_if_world_sizes_differ(Store& group, int rank, int size) {
   if (!group.check({"world_size_differs"})) return;
   const std::string why = group.get_string("world_size_differs");
   read_before_stopping(group, rank, "world_size_read", size);
-  DP_THROW(why << ": every rank of a job is started with the same WORLD_SIZE (or "
-                  "OMPI_COMM_WORLD_SIZE, SLURM_NTASKS, init_process_group's world_size)");
+  throw_world_sizes_differ(why);
 }
 
 void check_world_size(Store& group, int rank, int size) {
@@ -167,13 +171,15 @@ void check_world_size(Store& group, int rank, int size) {
   }
   const std::string rank0 = group.get_string("world_size");  // bounded by the rendezvous timeout
   if (rank0 == std::to_string(size)) return;
+  const std::string why = "world sizes differ: rank 0 has " + rank0 + ", rank " +
+                          std::to_string(rank) + " has " + std::to_string(size);
   try {
-    group.set_string("world_size_differs", "world sizes differ: rank 0 has " + rank0 + ", rank " +
-                                               std::to_string(rank) + " has " +
-                                               std::to_string(size));
+    group.set_string("world_size_differs", why);
   } catch (const kernels::Error&) {  // the store is going away: this rank's error says it all
   }
-  throw_if_world_sizes_differ(group, rank, size);
+  // Not read back: this rank has not arrived, so rank 0 (the store's host) may stop as soon as
+  // the key is set, and a read would then fail with a closed connection instead of the reason.
+  throw_world_sizes_differ(why);
 }
 
 // Every rank marks its arrival, then waits until all `size` have arrived. Rank 0 prints a
