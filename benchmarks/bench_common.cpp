@@ -821,10 +821,15 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
   r.batch = batch;
   r.param_bytes = engine.parameter_bytes();
   // Gradients travel in the comm dtype (half of P in bf16); a hook's bytes are its own choice:
-  // the model counts the weights' copies alone.
+  // the model counts the weights' copies alone. Under mixed precision device 0's optimizer writes
+  // the 16-bit weights, which the replicas copy (dp::DataParallel::replicate).
+  const nn::FlatState& flat = model->flat();
+  const int64_t copy_bytes =
+      opt.writes_compute_copy() && flat.compute_params.defined() ? flat.compute_params.nbytes() : 0;
   r.bytes_theory = dp_bytes_theory(
       n, r.param_bytes,
-      hooked ? 0 : r.param_bytes / 4 * static_cast<int64_t>(kernels::dtype_size(s.comm_dtype)));
+      hooked ? 0 : r.param_bytes / 4 * static_cast<int64_t>(kernels::dtype_size(s.comm_dtype)),
+      copy_bytes);
   DpSteps steps;
   steps.timing = phase_timing_of(o);
   auto [pa, pb] = profile_range(o);

@@ -454,10 +454,11 @@ StepStats DataParallel::train_step(const Tensor& batch_images, const Tensor& bat
     stats.loss = std::numeric_limits<float>::quiet_NaN();
   }
   collect_step(n_used, stats);
-  int64_t p = parameter_bytes(), b = replicas_[0]->flat_buffers().nbytes();
-  // Parameters out, gradients in (in the comm dtype, or what the reducers sent), buffers out.
+  const int64_t b = replicas_[0]->flat_buffers().nbytes();
+  // Parameters (with their 16-bit copy where the replicas took it) and buffers out, gradients in
+  // (in the comm dtype, or what the reducers sent).
   stats.bytes_moved =
-      (n_used - 1) * (p + (options_.reducers.empty() ? pulls_.grad_bytes() : 0) + b);
+      (n_used - 1) * (replicate_bytes() + (options_.reducers.empty() ? pulls_.grad_bytes() : 0));
   if (options_.buffer_sync == BufferSync::average) stats.bytes_moved += (n_used - 1) * b;
   stats.link_bytes = link_bytes(n_used);
   for (size_t i = 0; i < options_.reducers.size(); ++i) {

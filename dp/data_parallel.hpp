@@ -191,7 +191,9 @@ struct StepStats {
   int64_t reducer_bytes = 0;
   int devices_used = 0;  // fewer than n_devices() when the batch is smaller than the count
   PhaseTimes ms;
-  int64_t bytes_moved = 0;          // parameter and gradient bytes copied between devices this step
+  // Parameter (and, under mixed precision, their 16-bit copy's), buffer and gradient bytes copied
+  // between devices this step.
+  int64_t bytes_moved = 0;
   std::vector<int64_t> link_bytes;  // per device used: bytes in + out of it this step
   int buckets = 0;                  // gradient buckets reduced (0 on one device)
   int buckets_overlapped = 0;       // of which the first pull began before the last backward ended
@@ -402,6 +404,9 @@ class DataParallel {
   // them, and nothing wrote the f32 weights since), read on the caller's thread before a step's
   // or a broadcast's jobs start: device 0's forward clears that flag while replicas copy.
   bool device0_compute_fresh() const;
+  // Bytes replicate(i) sends each replica this step: the flat parameters and buffers, and
+  // device 0's 16-bit weights when the replicas take them (replicas_take_compute_).
+  int64_t replicate_bytes() const;
   void on_grad_ready(int i, const nn::Parameter& p);
   // Reduces what can be reduced on device i, in bucket order (pulls_.advance), and hands each
   // bucket made final on (hand_on). blocking: after backward, every bucket.

@@ -111,12 +111,11 @@ void DataParallel::finish_cross_node(int n) {
 
 std::vector<int64_t> DataParallel::link_bytes(int n) const {
   std::vector<int64_t> out(n, 0);
-  nn::Module& root = *replicas_[0];
-  const int64_t p = root.flat_params().nbytes(), b = root.flat_buffers().nbytes();
-  const bool average = options_.buffer_sync == BufferSync::average && b > 0;
+  const int64_t b = replicas_[0]->flat_buffers().nbytes();
+  const int64_t sent = replicate_bytes() + (options_.buffer_sync == BufferSync::average ? b : 0);
   for (int r = 1; r < n; ++r) {  // replicate: device 0 sends its parameters and buffers
-    out[0] += p + b + (average ? b : 0);
-    out[r] += p + b + (average ? b : 0);
+    out[0] += sent;
+    out[r] += sent;
   }
   pulls_.add_link_bytes(out);  // each pull moves one gradient from its source to its receiver
   return out;

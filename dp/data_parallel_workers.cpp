@@ -58,6 +58,12 @@ bool DataParallel::device0_compute_fresh() const {
   return replicas_[0]->flat().compute_params.defined() && replicas_[0]->flat().compute_written;
 }
 
+int64_t DataParallel::replicate_bytes() const {
+  const nn::FlatState& root = replicas_[0]->flat();
+  return root.params.nbytes() + root.buffers.nbytes() +
+         (replicas_take_compute_ ? root.compute_params.nbytes() : 0);
+}
+
 void DataParallel::broadcast_params(int n_used) {
   if (n_used < 0) n_used = n_devices();
   kernels::NvtxRange range("dp/replicate");

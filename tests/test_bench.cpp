@@ -86,8 +86,9 @@ void throw_if(int rc) {
 TEST_CASE("bench.theory: bytes moved per step") {
   const int64_t p = 1000;
   CHECK(bench::dp_bytes_theory(1, p) == 0);
-  CHECK(bench::dp_bytes_theory(4, p) == 6000);         // 2 (N-1) P
-  CHECK(bench::dp_bytes_theory(4, p, p / 2) == 4500);  // bf16 gradients: (N-1) (P + P/2)
+  CHECK(bench::dp_bytes_theory(4, p) == 6000);            // 2 (N-1) P
+  CHECK(bench::dp_bytes_theory(4, p, p / 2) == 4500);     // bf16 gradients: (N-1) (P + P/2)
+  CHECK(bench::dp_bytes_theory(4, p, p, p / 2) == 7500);  // and bf16 weights: (N-1) (P + P/2 + P)
   CHECK(bench::ring_bytes_theory(1, p) == 0);
   CHECK(bench::ring_bytes_theory(4, p) == 1500);  // 2 (N-1)/N P
   CHECK(bench::ring_bytes_theory(8, 8000) == 14000);
@@ -1119,9 +1120,10 @@ TEST_CASE(
   for (auto& r : report["runs"]) {          // would read it after it is freed
     CAPTURE(r["mode"].get<std::string>());
     const int64_t p = r["param_bytes"].get<int64_t>();
-    // DP: P out and P/2 back per replica, counted as copied; DDP: P/2 bytes of bf16 buckets
-    // handed to the group, which the ring model at N=2 puts on each rank's link whole.
-    CHECK(r["bytes_theory"] == (r["mode"] == "dp" ? p + p / 2 : p / 2));
+    // DP: P and the bf16 weights (P/2, device 0's optimizer wrote them) out and P/2 back per
+    // replica, counted as copied; DDP: P/2 bytes of bf16 buckets handed to the group, which the
+    // ring model at N=2 puts on each rank's link whole.
+    CHECK(r["bytes_theory"] == (r["mode"] == "dp" ? p + p / 2 + p / 2 : p / 2));
     CHECK(r["bytes_per_step"] == r["bytes_theory"]);
     CHECK(r["comm_dtype"] == "bf16");
   }

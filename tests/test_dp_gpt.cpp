@@ -233,11 +233,23 @@ TEST_CASE("dp.compute_copy: replicas copy device 0's bf16 weights and cast none"
     CAPTURE(micro);
     const Run eager = train(four, dp::Graphs::off, make, 6, nullptr, micro);
     const Run graphed = train(four, dp::Graphs::on, make, 6, nullptr, micro);
+    // The bf16 copy each replica takes is counted with the bytes moved: none on the first step
+    // (each device cast its own), P/2 to each of 3 replicas from the second on.
+    const int64_t copy_bytes = static_cast<int64_t>(eager.params.size()) * 2;
+    const dp::StepStats& first = eager.stats[0];
     for (int s = 0; s < 6; ++s) {
       CAPTURE(s);
       CHECK(eager.stats[s].casts == (s == 0 ? 4 : 0));
       CHECK(graphed.stats[s].casts == (s == 0 ? 4 : 0));
       CHECK(graphed.stats[s].graphed == (s >= 2));
+      const int64_t taken = s == 0 ? 0 : copy_bytes;
+      for (const Run* run : {&eager, &graphed}) {
+        const dp::StepStats& st = run->stats[s];
+        CHECK(st.bytes_moved == first.bytes_moved + 3 * taken);
+        REQUIRE(st.link_bytes.size() == 4);
+        CHECK(st.link_bytes[0] == first.link_bytes[0] + 3 * taken);
+        for (int r = 1; r < 4; ++r) CHECK(st.link_bytes[r] == first.link_bytes[r] + taken);
+      }
     }
     CHECK(same_bits(graphed.losses, eager.losses));
     CHECK(same_bits(graphed.params, eager.params));
