@@ -55,10 +55,10 @@
 #              --cuda-graphs auto; 4 must follow 1 within 1e-3), and again with --cuda-graphs
 #              off, whose losses must equal the graphed runs' bit for bit (a run whose capture
 #              fell back says so and why); gpt: GPT-2 124M in bf16, DP on 1 and 4 logical GPUs
-#              (tokens/s, MFU, the 4/1 ratio), 3 interleaved repeats; gpt-batch: the largest
-#              GPT-2 124M batch that fits (16, 32, ... 256; out of memory ends it, cuBLAS's
-#              CUBLAS_STATUS_ALLOC_FAILED included), tokens/s and MFU at each; bench-more: DP on
-#              4 GPUs with a 0.25 MiB first bucket, staged pulls
+#              (tokens/s, MFU, the 4/1 ratio), 3 interleaved repeats, at batch 8, 32 and 64;
+#              gpt-batch: the largest GPT-2 124M batch that fits (16, 32, ... 256; out of memory
+#              ends it, cuBLAS's CUBLAS_STATUS_ALLOC_FAILED included), tokens/s and MFU at each;
+#              bench-more: DP on 4 GPUs with a 0.25 MiB first bucket, staged pulls
 #              (--dp-peer-reads off, graphed and not: the in-place losses), the MLP with
 #              --phase-times off and with --metrics-lag 1 too (same losses), the tiny GPT at
 #              --gpus 4, and with dropout graphed and not (same losses);
@@ -1146,10 +1146,19 @@ part_graphs() {
 
 part_gpt() {
   # GPT-2 124M in bf16 (bf16 activations: attention on cuDNN's fused SDPA): tokens/s and MFU on
-  # one GPU, and DP on 4 logical GPUs against it (issue 26's goal: 4/1 <= 1.05), interleaved.
+  # one GPU, and DP on 4 logical GPUs against it (issues 26 and 49: 4/1 <= 1.05), interleaved,
+  # at batch 8, then 32 and 64, where the replicas' copies and the reduce (fixed bytes a step)
+  # weigh less against forward and backward (1.23 at 8, 1.07 at 32 on 2026-12-04).
   bench_step dp_bench_gpt124m_bf16 "dp_bench gpt-124m bf16 --gpus 1, 4" --mode dp --gpus 4 \
     --model gpt --gpt-config 124m --seq 1024 --batch 8 --dtype bf16 --activations bf16 \
     --steps 10 --warmup 3 --repeat 3 --project-from off
+  [[ $dry_run == 1 ]] && return 0
+  local b
+  for b in 32 64; do
+    bench_step "dp_bench_gpt124m_bf16_b$b" "dp_bench gpt-124m bf16 batch $b --gpus 1, 4" \
+      --mode dp --gpus 4 --model gpt --gpt-config 124m --seq 1024 --batch "$b" --dtype bf16 \
+      --activations bf16 --steps 6 --warmup 3 --repeat 3 --project-from off
+  done
 }
 
 # Whether ncu can profile here (tool_usable's probe: one kernel test case profiled): LABEL.
