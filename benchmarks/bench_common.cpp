@@ -787,6 +787,29 @@ void DpSteps::finish(RunResult& r) const {
   r.final_loss = r.losses.empty() ? 0 : r.losses.back();
 }
 
+namespace {
+
+// DP's bytes a step by the model (report.hpp's dp_bytes_theory), after the run: gradients travel
+// in the comm dtype (half of P in bf16); a hook's bytes are its own choice, so the model counts
+// the weights' copies alone. Under mixed precision device 0's optimizer writes the 16-bit
+// weights, which the replicas copy with the f32 weights read outside them alone (dp::
+// DataParallel::replicate; a composed layer's first forward may widen those, hence after).
+int64_t dp_theory(nn::Module& model, const nn::Optimizer& opt, int n, kernels::DType comm,
+                  bool hooked) {
+  const nn::FlatState& flat = model.flat();
+  const int64_t p = flat.params.nbytes();
+  int64_t copy = 0, stale = 0;
+  if (opt.writes_compute_copy() && flat.compute_params.defined()) {
+    copy = flat.compute_params.nbytes();
+    for (const auto& [name, q] : model.named_parameters())
+      if (q->read_through_copy) stale += q->numel() * static_cast<int64_t>(sizeof(float));
+  }
+  return dp_bytes_theory(n, p, hooked ? 0 : p / 4 * static_cast<int64_t>(kernels::dtype_size(comm)),
+                         copy, stale);
+}
+
+}  // namespace
+
 RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
                  const nn::CheckpointDirLock* lock, bool hooked) {
   int64_t batch = global_batch(o, n);
@@ -820,16 +843,6 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
   r.gpus = n;
   r.batch = batch;
   r.param_bytes = engine.parameter_bytes();
-  // Gradients travel in the comm dtype (half of P in bf16); a hook's bytes are its own choice:
-  // the model counts the weights' copies alone. Under mixed precision device 0's optimizer writes
-  // the 16-bit weights, which the replicas copy (dp::DataParallel::replicate).
-  const nn::FlatState& flat = model->flat();
-  const int64_t copy_bytes =
-      opt.writes_compute_copy() && flat.compute_params.defined() ? flat.compute_params.nbytes() : 0;
-  r.bytes_theory = dp_bytes_theory(
-      n, r.param_bytes,
-      hooked ? 0 : r.param_bytes / 4 * static_cast<int64_t>(kernels::dtype_size(s.comm_dtype)),
-      copy_bytes);
   DpSteps steps;
   steps.timing = phase_timing_of(o);
   auto [pa, pb] = profile_range(o);
@@ -876,6 +889,7 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
   if (!o.checkpoint_dir.empty()) save(o.warmup + o.steps);  // the end of the run
   engine.set_trace(nullptr);
   steps.finish(r);
+  r.bytes_theory = dp_theory(*model, opt, n, s.comm_dtype, hooked);
   r.graphs_fallback = engine.graphs_fallback();
   r.attention = attention_summary(o, s, engine.attention_report());
   r.peak_mem_bytes = engine.peak_memory_bytes();

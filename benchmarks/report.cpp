@@ -83,8 +83,8 @@ double RunResult::samples_per_s() const {
   return m > 0 ? static_cast<double>(batch) * 1000.0 / m : 0;
 }
 
-int64_t dp_bytes_theory(int n, int64_t p, int64_t g, int64_t c) {
-  return static_cast<int64_t>(n - 1) * (p + c + (g < 0 ? p : g));
+int64_t dp_bytes_theory(int n, int64_t p, int64_t g, int64_t c, int64_t s) {
+  return static_cast<int64_t>(n - 1) * (p - s + c + (g < 0 ? p : g));
 }
 int64_t ring_bytes_theory(int n, int64_t p) {
   return n <= 1 ? 0 : 2 * static_cast<int64_t>(n - 1) * p / n;

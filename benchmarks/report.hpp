@@ -126,8 +126,9 @@ void median_step_phases(RunResult& r, const std::map<std::string, std::vector<do
 // P from each of the N-1 replicas: 2 (N-1) P; with gradients sent as G bytes (G = P/2 in bf16,
 // --comm-dtype), (N-1) (P + G). Ring all-reduce: each device sends (and receives) 2 (N-1)/N P
 // (pass G for a bf16 all-reduce). Under mixed precision each replica also takes the root's
-// 16-bit weights (C = P/2 bytes) in place of casting them: (N-1) (P + C + G).
-int64_t dp_bytes_theory(int n, int64_t p, int64_t g = -1, int64_t c = 0);
+// 16-bit weights (C = P/2 bytes) in place of casting them, and then not the f32 bytes S of the
+// weights read only through them (Linear's, Conv2d's): (N-1) (P - S + C + G).
+int64_t dp_bytes_theory(int n, int64_t p, int64_t g = -1, int64_t c = 0, int64_t s = 0);
 int64_t ring_bytes_theory(int n, int64_t p);
 
 // Alpha-beta model of one link: a message of b bytes takes alpha + b / bandwidth.

@@ -186,6 +186,7 @@ DataParallel::DataParallel(nn::ModulePtr module, nn::Optimizer& optimizer,
   });
   if (options_.cross_node || !options_.reducers.empty())
     hand_on_ = [this](int i, int k) { hand_on(i, k); };
+  plan_replicate();  // every f32 weight: no step has written a 16-bit copy yet
 }
 
 DataParallel::~DataParallel() {
@@ -252,7 +253,7 @@ void DataParallel::begin_step(const std::vector<int64_t>& sizes) {
   pulls_.begin_step(n, options_.reducers.empty());
   // Read before device 0's forward clears it (its later micro-batches cast nothing either:
   // MicroBatches::queue keeps the copy for them).
-  replicas_take_compute_ = device0_compute_fresh();
+  plan_replicate();
   signals_.reset(n_devices());
   for (int i = 0; i < n; ++i) per_device_[i].own.clear();
 }

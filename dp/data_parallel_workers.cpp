@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <exception>
+#include <limits>
 #include <string>
 
 namespace dp {
@@ -38,20 +39,67 @@ void DataParallel::replicate(int i) {
   // with device 0's stream drained, or with metrics_lag 1 once updated_ is reached) to replica
   // i, on replica i's stream.
   if (options_.metrics_lag > 0 && updated_.recorded()) updated_.wait(pool_.context(i));
-  kernels::copy(replicas_[i]->flat_params(), replicas_[0]->flat_params());
-  if (replicas_[i]->flat_buffers().numel() > 0)
-    kernels::copy(replicas_[i]->flat_buffers(), replicas_[0]->flat_buffers());
+  nn::FlatState& mine = replicas_[i]->flat();
+  const nn::FlatState& root = replicas_[0]->flat();
   // Mixed precision: device 0's 16-bit weights are its f32 ones rounded (its optimizer wrote
   // both): the replica takes them as they are, a copy of half the bytes in place of its
   // forward's cast (which reads the f32 weights and writes the same bits). Its forward then
-  // casts nothing, as device 0's does. Otherwise its forward casts (a flag left from a step
-  // whose forward did not run must not stand).
-  nn::FlatState& mine = replicas_[i]->flat();
-  const nn::FlatState& root = replicas_[0]->flat();
+  // casts nothing, as device 0's does, and reads no f32 value of a weight read only through the
+  // copy (Linear's, Conv2d's): those are not copied (f32_runs_). Otherwise every f32 weight is
+  // copied and its forward casts (a flag left from a step whose forward did not run must not
+  // stand).
   const bool take =
       replicas_take_compute_ && mine.compute_params.defined() && root.compute_params.defined();
-  if (take) kernels::copy(mine.compute_params, root.compute_params);
+  if (take) {
+    for (const auto& [begin, end] : f32_runs_) {
+      Tensor run = mine.params.view(begin, {end - begin});
+      kernels::copy(run, root.params.view(begin, {end - begin}));
+    }
+    kernels::copy(mine.compute_params, root.compute_params);
+    if (nn::weight_copy_check())  // a read of a stale weight shows as NaN
+      for (const auto& [begin, end] : stale_runs_) {
+        Tensor stale = mine.params.view(begin, {end - begin});
+        kernels::fill(stale, std::numeric_limits<float>::quiet_NaN());
+      }
+  } else {
+    kernels::copy(mine.params, root.params);
+  }
+  if (mine.buffers.numel() > 0) kernels::copy(mine.buffers, root.buffers);
   mine.compute_written = take;
+  mine.masters_stale = take && stale_elems_ > 0;
+}
+
+void DataParallel::plan_replicate() {
+  replicas_take_compute_ = device0_compute_fresh();
+  f32_runs_.clear();
+  stale_runs_.clear();
+  stale_elems_ = 0;
+  const int64_t total = replicas_[0]->flat_params().numel();
+  if (!replicas_take_compute_) {
+    f32_runs_.emplace_back(0, total);
+    return;
+  }
+  // Runs between the weights read through the copy: each from the first parameter after one
+  // that is not to the start of the next one that is (or the end), padding behind it included;
+  // none between two of them (their padding is not copied).
+  int64_t at = 0;      // the end of the last parameter
+  int64_t first = -1;  // the start of the run since the last weight read through the copy
+  for (const auto& [name, p] : replicas_[0]->named_parameters()) {
+    if (p->numel() == 0) continue;
+    DP_CHECK(p->offset >= at, "replicate: parameter " << name << " at flat element " << p->offset
+                                                      << " comes before the one ending at " << at
+                                                      << " (the flat layout is in order)");
+    at = p->offset + p->numel();
+    if (!p->read_through_copy) {
+      if (first < 0) first = p->offset;
+      continue;
+    }
+    if (first >= 0) f32_runs_.emplace_back(first, p->offset);
+    first = -1;
+    stale_runs_.emplace_back(p->offset, at);
+    stale_elems_ += p->numel();
+  }
+  if (first >= 0) f32_runs_.emplace_back(first, total);
 }
 
 bool DataParallel::device0_compute_fresh() const {
@@ -60,14 +108,16 @@ bool DataParallel::device0_compute_fresh() const {
 
 int64_t DataParallel::replicate_bytes() const {
   const nn::FlatState& root = replicas_[0]->flat();
-  return root.params.nbytes() + root.buffers.nbytes() +
+  int64_t f32 = 0;
+  for (const auto& [begin, end] : f32_runs_) f32 += end - begin;
+  return f32 * static_cast<int64_t>(sizeof(float)) + root.buffers.nbytes() +
          (replicas_take_compute_ ? root.compute_params.nbytes() : 0);
 }
 
 void DataParallel::broadcast_params(int n_used) {
   if (n_used < 0) n_used = n_devices();
   kernels::NvtxRange range("dp/replicate");
-  replicas_take_compute_ = device0_compute_fresh();
+  plan_replicate();
   pool_.run(
       "dp/replicate",
       [&](int i) {

@@ -926,6 +926,9 @@ class Composed : public Module {
       DP_CHECK(own, type_name() << "::param(" << p.name
                                 << "): not a parameter of this layer or its children (register "
                                    "it here, or register its module as a child)");
+      // A child's weight read here may be read as f32 (an embedding's table): a DP replica
+      // takes its f32 value too (written only when set: replicas compose on their threads).
+      if (p.read_through_copy) p.read_through_copy = false;
     }
     const int id = t.slot_of(&p, [&] {
       const int s = t.add_slot(ag::Tape::Kind::param, p.compute, true);

@@ -26,6 +26,7 @@ class Conv2d : public Module {
     const int64_t fan_in = in_ * k_ * k_;
     weight_ =
         &register_parameter("weight", {out_, in_, k_, k_}, kaiming_uniform(fan_in, std::sqrt(5.f)));
+    weight_->read_through_copy = true;  // convolution operands only, forward and backward
     if (has_bias_ == Bias::yes) bias_ = &register_parameter("bias", {out_}, torch_default(fan_in));
   }
 

@@ -21,6 +21,7 @@ class Linear : public Module {
       : in_(in_features), out_(out_features), has_bias_(bias) {
     DP_CHECK(in_ > 0 && out_ > 0, "Linear(" << in_ << ", " << out_ << "): sizes must be > 0");
     weight_ = &register_parameter("weight", {out_, in_}, kaiming_uniform(in_, std::sqrt(5.f)));
+    weight_->read_through_copy = true;  // GEMM operands only, forward and backward
     if (has_bias_ == Bias::yes) bias_ = &register_parameter("bias", {out_}, torch_default(in_));
   }
 

@@ -142,6 +142,11 @@ struct Parameter {
   // the 16-bit copy of the flat buffer (Module::set_compute_dtype, nn/amp.hpp).
   Tensor compute;
   Decay decay = Decay::by_shape;
+  // Set by a layer whose forward and backward read this parameter only through `compute` (GEMM
+  // and convolution operands: Linear's and Conv2d's weights). Under mixed precision a DP replica
+  // that copies device 0's 16-bit weights then needs no f32 value of it (dp::DataParallel::
+  // replicate: half the bytes). A composed layer that reads it through param() clears it.
+  bool read_through_copy = false;
   int64_t numel() const { return kernels::shape_numel(shape); }
   // Whether weight decay applies (see Decay).
   bool decays() const { return decay == Decay::by_shape ? shape.size() >= 2 : decay == Decay::yes; }
@@ -243,6 +248,11 @@ struct FlatState {
   // updated (SgdConfig::compute_copy); the next outermost forward then casts nothing and clears
   // it. Module::parameters_changed() clears it.
   bool compute_written = false;
+  // Set by an engine that copied another replica's 16-bit weights here and, of the f32 ones,
+  // only those not read through the copy (Parameter::read_through_copy): the rest are stale
+  // here, so a forward refuses to cast them and the debug check skips this replica, until an
+  // engine copies every f32 weight again.
+  bool masters_stale = false;
   // 16-bit activations (Module::set_activations): Linear and Conv2d write their outputs in the
   // compute dtype, and the layers between them keep it.
   Activations activations = Activations::f32;
@@ -344,8 +354,15 @@ class Module {
         // Not in a step a graph observes or captures: its queued ops would differ from the
         // captured step's (the engine compares them), and a capture takes no host read.
         const kernels::DeviceContext& ctx = kernels::context(flat_->device);
-        if (weight_copy_check() && !ctx.capturing() && !ctx.noting()) check_weight_copy_fresh();
+        if (weight_copy_check() && !flat_->masters_stale && !ctx.capturing() && !ctx.noting())
+          check_weight_copy_fresh();
       } else {
+        DP_CHECK(!flat_->masters_stale,
+                 type_name() << "::forward: this replica's f32 weights are partly stale (an "
+                                "engine copied its 16-bit weights and only the f32 ones read "
+                                "outside them): it cannot cast them; copy every f32 weight "
+                                "first (dp::DataParallel::replicate does when device 0's 16-bit "
+                                "weights are not fresh)");
         kernels::NvtxRange cast("amp/cast_weights");
         kernels::copy(flat_->compute_params, flat_->params);
       }

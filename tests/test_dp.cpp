@@ -700,6 +700,72 @@ TEST_CASE("dp.amp: 4 devices follow the single-device bf16 loss curve within the
   }
 }
 
+namespace {
+
+// y = x + b with b's f32 value, a layer that may claim otherwise: with `claims` it marks b read
+// only through the 16-bit copy (nn::Parameter::read_through_copy), which it is not.
+class F32Bias : public nn::Module {
+ public:
+  F32Bias(int64_t n, bool claims) : n_(n), claims_(claims) {
+    b_ = &register_parameter("b", {n}, nn::InitSpec::constant(0.25f));
+    b_->read_through_copy = claims;
+  }
+  std::string type_name() const override { return "F32Bias"; }
+  bool backward_reads_output() const override { return false; }
+
+ protected:
+  Tensor forward_impl(const Tensor& x) override {
+    Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());
+    kernels::copy(y, x);
+    kernels::add_bias(y, b_->value);
+    return y;
+  }
+  Tensor backward_impl(const Tensor& dy) override {
+    kernels::bias_backward(b_->grad, dy, kernels::Accumulate::yes);
+    Tensor dx = Tensor::empty(dy.shape(), dy.dtype(), dy.device());
+    kernels::copy(dx, dy);
+    return dx;
+  }
+  std::shared_ptr<nn::Module> clone_config() const override {
+    return std::make_shared<F32Bias>(n_, claims_);
+  }
+
+ private:
+  int64_t n_;
+  bool claims_;
+  nn::Parameter* b_ = nullptr;
+};
+
+}  // namespace
+
+// DP replicas that take device 0's bf16 weights are not sent the f32 values of parameters read
+// only through them; while the debug check is on those are NaN there. A layer that claims so
+// for a parameter whose f32 value it reads gets NaN losses from the second step on (the first
+// sends every f32 weight: device 0 has written no copy yet); one that does not claim it trains.
+TEST_CASE("dp.compute_copy: a layer that reads a weight sent stale shows it under the check") {
+  nn::set_weight_copy_check(true);
+  for (bool claims : {false, true}) {
+    CAPTURE(claims);
+    auto m = std::make_shared<nn::Sequential>();
+    m->add(std::make_shared<nn::Linear>(6, 16));
+    m->add(std::make_shared<nn::ReLU>());
+    m->add(std::make_shared<F32Bias>(16, claims));  // after ReLU: a NaN reaches the loss
+    m->add(std::make_shared<nn::Linear>(16, 5));
+    m->materialize(Device::cpu(0), kSeed);
+    nn::SGD opt(*m, momentum_sgd());
+    dp::DataParallelOptions o;
+    o.precision = nn::Precision::bf16;
+    dp::DataParallel engine(m, opt, make_devices(DeviceType::cpu, 4), o);
+    for (int s = 0; s < 3; ++s) {
+      CAPTURE(s);
+      auto [x, y] = dp_test::toy_batch(16, 100 + s);
+      const dp::StepStats st = engine.train_step(x, y);
+      CHECK(std::isfinite(st.loss) == (!claims || s == 0));
+    }
+  }
+  nn::set_weight_copy_check(false);
+}
+
 TEST_CASE(
     "dp.amp: every device skips an overflowing step alike, the weights stay, the scale halves") {
   SUBCASE("fp16 with a loss scale of 2^40") {

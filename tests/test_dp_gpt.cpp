@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <utility>
 #include <vector>
 
 #include "dp/data_parallel.hpp"
@@ -52,6 +53,9 @@ std::pair<Tensor, Tensor> tokens(int s) {
 struct Run {
   std::vector<float> losses, norms, params;
   std::vector<dp::StepStats> stats;
+  // Elements of the parameters read only through the bf16 copy (nn::Parameter::
+  // read_through_copy) after the run: the f32 ones a replica that took the copy is not sent.
+  int64_t read_through_copy = 0;
 };
 
 // DP on `devices` (one device: the single-device run) of the GPT `make` gives, the gradient's
@@ -85,6 +89,8 @@ Run train(
     run.norms.push_back(run.stats.back().grad_norm);
   }
   run.params = engine.module().flat_params().to_host_f32();
+  for (const auto& [name, p] : engine.module().named_parameters())
+    if (p->read_through_copy) run.read_through_copy += p->numel();
   return run;
 }
 
@@ -234,8 +240,11 @@ TEST_CASE("dp.compute_copy: replicas copy device 0's bf16 weights and cast none"
     const Run eager = train(four, dp::Graphs::off, make, 6, nullptr, micro);
     const Run graphed = train(four, dp::Graphs::on, make, 6, nullptr, micro);
     // The bf16 copy each replica takes is counted with the bytes moved: none on the first step
-    // (each device cast its own), P/2 to each of 3 replicas from the second on.
-    const int64_t copy_bytes = static_cast<int64_t>(eager.params.size()) * 2;
+    // (each device cast its own), P/2 to each of 3 replicas from the second on, less the f32
+    // bytes of the Linear weights, read through the copy alone and then not sent.
+    REQUIRE(eager.read_through_copy > 0);
+    const int64_t copy_bytes =
+        static_cast<int64_t>(eager.params.size()) * 2 - eager.read_through_copy * 4;
     const dp::StepStats& first = eager.stats[0];
     for (int s = 0; s < 6; ++s) {
       CAPTURE(s);
@@ -253,6 +262,45 @@ TEST_CASE("dp.compute_copy: replicas copy device 0's bf16 weights and cast none"
     }
     CHECK(same_bits(graphed.losses, eager.losses));
     CHECK(same_bits(graphed.params, eager.params));
+  }
+  nn::set_weight_copy_check(false);
+}
+
+// Replicas that take device 0's bf16 weights are sent, of the f32 ones, only those read outside
+// the copy: the Linear weights' stay stale there (NaN while the debug check is on, so that a
+// read of one would show in the losses), and DP on 4 devices follows one device all the same,
+// graphed or not, with fused layers and with composed ones (autograd: a weight a composed layer
+// reads through param() is sent).
+TEST_CASE("dp.compute_copy: replicas take only the f32 weights read outside the bf16 copy") {
+  nn::set_weight_copy_check(true);
+  auto llama = [](bool composed) {
+    return [composed] {
+      nn::LlamaConfig c;
+      c.vocab = 64, c.context = 16, c.layers = 2, c.heads = 2, c.dim = 32, c.hidden = 64;
+      c.composed = composed;
+      return nn::llama(c);
+    };
+  };
+  using Make = std::function<nn::ModulePtr()>;
+  const std::vector<Device> four{Device::cpu(0), Device::cpu(1), Device::cpu(2), Device::cpu(3)};
+  for (const auto& [name, make] :
+       {std::pair<const char*, Make>{"gpt", [] { return nn::gpt(small_gpt()); }},
+        {"llama", llama(false)},
+        {"composed llama", llama(true)}}) {
+    CAPTURE(name);
+    const Run one = train({Device::cpu(0)}, dp::Graphs::off, make, 5);
+    for (dp::Graphs graphs : {dp::Graphs::off, dp::Graphs::on}) {
+      CAPTURE(graphs == dp::Graphs::on);
+      const Run dp4 = train(four, graphs, make, 5);
+      REQUIRE(dp4.read_through_copy > 0);
+      for (float loss : dp4.losses) CHECK(std::isfinite(loss));
+      CHECK(worst_gap(dp4.losses, one.losses) <= kLossGap);
+      CHECK(dp_test::rel_diff(dp4.params, one.params) <= kWeightGap);
+      const int64_t sent_less =
+          dp4.read_through_copy * 4 - static_cast<int64_t>(dp4.params.size()) * 2;
+      for (size_t s = 1; s < dp4.stats.size(); ++s)
+        CHECK(dp4.stats[s].bytes_moved == dp4.stats[0].bytes_moved - 3 * sent_less);
+    }
   }
   nn::set_weight_copy_check(false);
 }
