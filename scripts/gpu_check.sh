@@ -1153,11 +1153,20 @@ part_gpt() {
     --model gpt --gpt-config 124m --seq 1024 --batch 8 --dtype bf16 --activations bf16 \
     --steps 10 --warmup 3 --repeat 3 --project-from off
   [[ $dry_run == 1 ]] && return 0
-  local b
-  for b in 32 64; do
-    bench_step "dp_bench_gpt124m_bf16_b$b" "dp_bench gpt-124m bf16 batch $b --gpus 1, 4" \
-      --mode dp --gpus 4 --model gpt --gpt-config 124m --seq 1024 --batch "$b" --dtype bf16 \
-      --activations bf16 --steps 6 --warmup 3 --repeat 3 --project-from off
+  local b rc name label line
+  for b in 32 64; do  # a batch that does not fit (a smaller GPU) is skipped, saying so
+    name=dp_bench_gpt124m_bf16_b$b label="dp_bench gpt-124m bf16 batch $b --gpus 1, 4" line=""
+    logged "$out/$name.txt" "$build/bin/dp_bench" --device "$bench_device" \
+      --json "$out/$name.json" --mode dp --gpus 4 --model gpt --gpt-config 124m --seq 1024 \
+      --batch "$b" --dtype bf16 --activations bf16 --steps 6 --warmup 3 --repeat 3 \
+      --project-from off
+    rc=$?
+    if ((rc != 0)) && grep -q "$oom_said" "$out/$name.txt"; then
+      verdict SKIP "$label" "does not fit: $(grep -m1 "$oom_said" "$out/$name.txt" | cut -c1-120)"
+      return 0
+    fi
+    ((rc == 0)) && line=$(bench_line "$out/$name.json")
+    step_verdict "$rc" "$label" "${line:-see $name.txt}" "see $name.txt"
   done
 }
 

@@ -174,6 +174,10 @@ cat "$scratch/seven.out"
 ((rc == 0)) || no "a batch that cuBLAS cannot allocate for exited $rc, expected 0"
 grep -q "^ok    gpt-124m largest batch *32 (of 16 32 64 128 256); batch 64 does not fit: .*cublas status 3" \
   "$scratch/seven.out" || no "cuBLAS's allocation failure (status 3) does not end the batch search"
+grep -q "^ok    dp_bench gpt-124m bf16 batch 32 --gpus 1, 4 dp x1 1.500 ms/step" "$scratch/seven.out" ||
+  no "the gpt part does not run DP 4/1 at batch 32"
+grep -q "^SKIP  dp_bench gpt-124m bf16 batch 64 --gpus 1, 4 does not fit: .*cublas status 3" \
+  "$scratch/seven.out" || no "the gpt part does not skip a batch that does not fit, saying why"
 grep -q "^ok    probe mlp graphs auto *1.500 ms/step, loss 2.3000, uncaptured (graphs fell back: capture failed: allocating 262144 bytes" \
   "$scratch/seven.out" || no "the probe does not say the capture fell back, and why"
 grep -q "^ok    dp_bench gpt-124m bf16 --gpus 1, 4 dp x1 1.500 ms/step.* (graphs fell back: capture failed: " \
