@@ -586,7 +586,9 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
             "last rank)\n";
       break;
     }
-  os << "\n bytes per step (MiB). DP: counted copies vs the model 2(N-1)P through device 0. DDP: "
+  os << "\n bytes per step (MiB). DP: counted copies vs the model 2(N-1)P through device 0 "
+        "(mixed precision: (N-1)(P - S + P/2 + G), the 16-bit weights sent and not the f32 S of "
+        "those read through them alone; G the gradients in the comm dtype). DDP: "
         "payload counted by the process group vs the ring model's wire bytes per rank, "
         "2(N-1)/N x payload (ZeRO-1: 2(N-1)/N P, or overlapped the buckets' 2(N-1)/N and the "
         "all-gather's (N-1)/N P)\n";
