@@ -786,9 +786,22 @@ TEST_CASE(
     CHECK(st.skipped_steps == 1);
     CHECK(m->flat_params().to_host_f32() == before);
     CHECK(opt.step_count() == 0);
-    // The next step replicates the unchanged weights to every device.
+    // The next step replicates the unchanged weights to every device: the fp16 copy device 0's
+    // skipped step left (the cast of the unchanged weights), and the f32 biases; the Linear
+    // weights' f32 values, read through the copy alone, are not sent.
     engine.train_step(x, y);
-    for (int i = 1; i < 4; ++i) CHECK(engine.replica(i).flat_params().to_host_f32() == before);
+    const std::vector<float> copy0 = m->flat().compute_params.to_host_f32();
+    for (int i = 1; i < 4; ++i) {
+      CAPTURE(i);
+      CHECK(engine.replica(i).flat().compute_params.to_host_f32() == copy0);
+      CHECK(engine.replica(i).flat().masters_stale);
+      const std::vector<float> got = engine.replica(i).flat_params().to_host_f32();
+      for (const auto& [name, p] : m->named_parameters()) {
+        CAPTURE(name);
+        if (p->read_through_copy) continue;
+        for (int64_t k = p->offset; k < p->offset + p->numel(); ++k) CHECK(got[k] == before[k]);
+      }
+    }
   }
   SUBCASE("bf16 with a NaN in the rows of the last device only") {
     auto m = nn::mlp({6, 16, 5});
