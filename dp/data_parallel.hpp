@@ -402,7 +402,8 @@ class DataParallel {
   // the f32 weights read outside them (f32_runs_).
   void replicate(int i);
   // On the caller's thread, before a step's or a broadcast's jobs start: replicas_take_compute_
-  // (device0_compute_fresh()), and the runs of device 0's flat parameters replicate copies.
+  // (device0_compute_fresh()), and the runs of device 0's flat parameters replicate copies,
+  // made again only when that or device 0's host_values_version changed.
   void plan_replicate();
   // Whether device 0's 16-bit weights are its f32 weights rounded (its optimizer's step wrote
   // them, and nothing wrote the f32 weights since), read on the caller's thread before a step's
@@ -503,11 +504,13 @@ class DataParallel {
   bool replicas_take_compute_ = false;
   // What replicate copies of the f32 parameters, as [begin, end) runs of flat elements: all of
   // them, or when the replicas take the 16-bit copy every one but those read only through it
-  // (nn::Parameter::read_through_copy), which are then stale on the replicas (stale_runs_,
-  // stale_elems_ elements; filled with NaN while nn::weight_copy_check() is on, so that a read
-  // of one shows).
+  // (nn::Parameter::read_through_copy), which are then stale on the replicas (stale_runs_;
+  // filled with NaN while nn::weight_copy_check() is on, so that a read of one shows). Made for
+  // planned_take_ and device 0's host_values_version planned_version_.
   std::vector<std::pair<int64_t, int64_t>> f32_runs_, stale_runs_;
-  int64_t stale_elems_ = 0;
+  bool planned_take_ = false;
+  uint64_t planned_version_ = 0;
+  bool planned_ = false;
   // Device 0's source and weight lists of the metrics' sums (hybrid): no vectors per step.
   std::vector<Tensor> metric_from_;
   std::vector<kernels::Scalar> metric_weights_;

@@ -66,14 +66,18 @@ void DataParallel::replicate(int i) {
   }
   if (mine.buffers.numel() > 0) kernels::copy(mine.buffers, root.buffers);
   mine.compute_written = take;
-  mine.masters_stale = take && stale_elems_ > 0;
+  mine.masters_stale = take && !stale_runs_.empty();
 }
 
 void DataParallel::plan_replicate() {
   replicas_take_compute_ = device0_compute_fresh();
+  const uint64_t version = replicas_[0]->flat().host_values_version;
+  if (planned_ && planned_take_ == replicas_take_compute_ && planned_version_ == version) return;
+  planned_ = true;
+  planned_take_ = replicas_take_compute_;
+  planned_version_ = version;
   f32_runs_.clear();
   stale_runs_.clear();
-  stale_elems_ = 0;
   const int64_t total = replicas_[0]->flat_params().numel();
   if (!replicas_take_compute_) {
     f32_runs_.emplace_back(0, total);
@@ -97,7 +101,6 @@ void DataParallel::plan_replicate() {
     if (first >= 0) f32_runs_.emplace_back(first, p->offset);
     first = -1;
     stale_runs_.emplace_back(p->offset, at);
-    stale_elems_ += p->numel();
   }
   if (first >= 0) f32_runs_.emplace_back(first, total);
 }

@@ -928,7 +928,11 @@ class Composed : public Module {
                                    "it here, or register its module as a child)");
       // A child's weight read here may be read as f32 (an embedding's table): a DP replica
       // takes its f32 value too (written only when set: replicas compose on their threads).
-      if (p.read_through_copy) p.read_through_copy = false;
+      // What DP copies changes with it: its plan is made again and its graphs captured again.
+      if (p.read_through_copy) {
+        p.read_through_copy = false;
+        host_values_changed();
+      }
     }
     const int id = t.slot_of(&p, [&] {
       const int s = t.add_slot(ag::Tape::Kind::param, p.compute, true);

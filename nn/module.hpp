@@ -145,7 +145,8 @@ struct Parameter {
   // Set by a layer whose forward and backward read this parameter only through `compute` (GEMM
   // and convolution operands: Linear's and Conv2d's weights). Under mixed precision a DP replica
   // that copies device 0's 16-bit weights then needs no f32 value of it (dp::DataParallel::
-  // replicate: half the bytes). A composed layer that reads it through param() clears it.
+  // replicate: half the bytes). Set before the first step; a composed layer that reads it
+  // through param() clears it (and says so: Module::host_values_changed).
   bool read_through_copy = false;
   int64_t numel() const { return kernels::shape_numel(shape); }
   // Whether weight decay applies (see Decay).

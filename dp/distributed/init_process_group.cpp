@@ -148,15 +148,15 @@ void seal_rendezvous(Store& group, int rank) {
                                     << "--master-port, or a job id (DP_JOB_ID)");
 }
 
-// Ranks started with another WORLD_SIZE: the rank that sees it (each compares with rank 0's)
-// writes why, and every rank throws it, rank 0 once the ranks that arrived have read it (2 s
-// at most: it hosts the store). Before, rank 0 waited for a rank its world has not, or the
-// others for one that never comes, each naming a timeout.
 [[noreturn]] void throw_world_sizes_differ(const std::string& why) {
   DP_THROW(why << ": every rank of a job is started with the same WORLD_SIZE (or "
                   "OMPI_COMM_WORLD_SIZE, SLURM_NTASKS, init_process_group's world_size)");
 }
 
+// Ranks started with another WORLD_SIZE: the rank that sees it (each compares with rank 0's)
+// writes why, and every rank throws it, rank 0 once the ranks that arrived have read it (2 s
+// at most: it hosts the store). Before, rank 0 waited for a rank its world has not, or the
+// others for one that never comes, each naming a timeout.
 void throw_if_world_sizes_differ(Store& group, int rank, int size) {
   if (!group.check({"world_size_differs"})) return;
   const std::string why = group.get_string("world_size_differs");
