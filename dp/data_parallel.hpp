@@ -403,7 +403,7 @@ class DataParallel {
   void replicate(int i);
   // On the caller's thread, before a step's or a broadcast's jobs start: replicas_take_compute_
   // (device0_compute_fresh()), and the runs of device 0's flat parameters replicate copies,
-  // made again only when that or device 0's host_values_version changed.
+  // made again only when that or device 0's host_values_version or copy_reads_version changed.
   void plan_replicate();
   // Whether device 0's 16-bit weights are its f32 weights rounded (its optimizer's step wrote
   // them, and nothing wrote the f32 weights since), read on the caller's thread before a step's
@@ -506,10 +506,10 @@ class DataParallel {
   // them, or when the replicas take the 16-bit copy every one but those read only through it
   // (nn::Parameter::read_through_copy), which are then stale on the replicas (stale_runs_;
   // filled with NaN while nn::weight_copy_check() is on, so that a read of one shows). Made for
-  // planned_take_ and device 0's host_values_version planned_version_.
+  // planned_take_ and device 0's host_values_version and copy_reads_version, planned_version_.
   std::vector<std::pair<int64_t, int64_t>> f32_runs_, stale_runs_;
   bool planned_take_ = false;
-  uint64_t planned_version_ = 0;
+  std::pair<uint64_t, uint64_t> planned_version_{0, 0};
   bool planned_ = false;
   // Device 0's source and weight lists of the metrics' sums (hybrid): no vectors per step.
   std::vector<Tensor> metric_from_;

@@ -71,7 +71,8 @@ void DataParallel::replicate(int i) {
 
 void DataParallel::plan_replicate() {
   replicas_take_compute_ = device0_compute_fresh();
-  const uint64_t version = replicas_[0]->flat().host_values_version;
+  const nn::FlatState& root = replicas_[0]->flat();
+  const std::pair<uint64_t, uint64_t> version{root.host_values_version, root.copy_reads_version};
   if (planned_ && planned_take_ == replicas_take_compute_ && planned_version_ == version) return;
   planned_ = true;
   planned_take_ = replicas_take_compute_;

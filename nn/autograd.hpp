@@ -123,9 +123,10 @@ class Tape {
     Tensor master;  // a parameter's f32 value (value is what GEMMs read: 16-bit under AMP)
     Tensor grad;    // a parameter's: its view of the flat gradient buffer
     bool requires_grad = false;
-    int consumers = 0;  // ops that read it
-    bool live = false;  // gets a gradient in backward
-    bool view = false;  // a view of another slot's tensor (reshape), written by no op
+    int consumers = 0;         // ops that read it
+    bool live = false;         // gets a gradient in backward
+    bool view = false;         // a view of another slot's tensor (reshape), written by no op
+    bool master_read = false;  // an op reads a parameter's f32 value (read_master), not its copy
   };
   struct Node {
     std::vector<int> in;
@@ -181,10 +182,23 @@ class Tape {
   const Tensor& in(const Node& n, size_t i) { return slot(n.in[i]).value; }
   Tensor& dout(const Node& n) { return slot(n.out).grad; }
   Tensor& din(const Node& n, size_t i) { return slot(n.in[i]).grad; }
-  // Input i's f32 value: a parameter's master copy (its value is 16-bit under AMP).
+  // Input i's f32 value: a parameter's master copy (its value is 16-bit under AMP), in a replay.
+  // An op that reads it records with read_master, which says so.
   const Tensor& master(const Node& n, size_t i) {
     Slot& s = slot(n.in[i]);
     return s.master.defined() ? s.master : s.value;
+  }
+  // Slot id's f32 value, at an op's record: a parameter read so is not read through its 16-bit
+  // copy alone (Parameter::read_through_copy; Composed settles it after compose()).
+  const Tensor& read_master(int id) {
+    Slot& s = slot(id);
+    s.master_read = true;
+    return s.master.defined() ? s.master : s.value;
+  }
+  // Whether an op of this forward read parameter p's f32 value (read_master).
+  bool master_read(const Parameter* p) const {
+    auto it = named_.find(p);
+    return it != named_.end() && slots_[static_cast<size_t>(it->second)].master_read;
   }
 
   int add_slot(Kind kind, Tensor value, bool requires_grad) {
@@ -841,8 +855,7 @@ inline Var linear(const Var& x, const Var& w) {
 // to the table only.
 inline Var embedding(const Var& table, const Var& ids) {
   Tape& t = tape_of(table, ids, "embedding");
-  const int table_id = table.id();
-  const Tensor& tv = t.slot(table_id).master.defined() ? t.slot(table_id).master : table.value();
+  const Tensor& tv = t.read_master(table.id());
   Shape s = ids.shape();
   s.push_back(table.dim(-1));
   Tensor y = Tensor::empty(s, DType::f32, t.device());
@@ -926,13 +939,6 @@ class Composed : public Module {
       DP_CHECK(own, type_name() << "::param(" << p.name
                                 << "): not a parameter of this layer or its children (register "
                                    "it here, or register its module as a child)");
-      // A child's weight read here may be read as f32 (an embedding's table): a DP replica
-      // takes its f32 value too (written only when set: replicas compose on their threads).
-      // What DP copies changes with it: its plan is made again and its graphs captured again.
-      if (p.read_through_copy) {
-        p.read_through_copy = false;
-        host_values_changed();
-      }
     }
     const int id = t.slot_of(&p, [&] {
       const int s = t.add_slot(ag::Tape::Kind::param, p.compute, true);
@@ -1003,6 +1009,7 @@ class Composed : public Module {
     // step change the output: the layer returns a copy. (The input, or a view of it, is returned
     // as it is, as built-in layers do.)
     if (tape->in_weights(y.id())) y = ag::unary(y, kernels::UnaryOp::identity);
+    settle_copy_reads(*tape, x.shape());
     tape->finish(in, y.id());
     last_ = tape.get();
     tapes_[key] = std::move(tape);
@@ -1061,6 +1068,41 @@ class Composed : public Module {
   static constexpr size_t kMaxTapes = 8;
   using Key = std::tuple<Shape, int, bool, int, int, const void*, bool>;
 
+  // After a recording: which parameters this layer's forwards read through their 16-bit copy
+  // alone (Parameter::read_through_copy, which tells DP's replicas to take no f32 value of
+  // them). Its own parameters that no forward read as f32 (ag::embedding's table does; GEMM
+  // operands and everything else read the copy) are marked; a parameter read as f32 is not, a
+  // child's included (an embedding's table used as an LM head, read through param()). Flags are
+  // written only when they change (replicas record on their threads, each its own), and then
+  // DP plans its copies again (FlatState::copy_reads_version).
+  void settle_copy_reads(const ag::Tape& t, const Shape& input) {
+    bool changed = false;
+    for (Parameter* p : t.params_read()) {
+      const bool as_f32 = t.master_read(p);
+      if (as_f32) {
+        // The f32 value read here was sent only if no forward had been recorded without it.
+        DP_CHECK(!(p->read_through_copy && flat().masters_stale),
+                 type_name() << "::compose, input " << kernels::shape_str(input) << ": reads "
+                             << p->name
+                             << " as f32, though it was marked as read through its 16-bit copy "
+                                "alone (by its layer, or by this one's earlier forwards), so "
+                                "this DP replica was not sent it (Parameter::read_through_copy): "
+                                "read a parameter the same way in every forward");
+        master_read_.insert(p);
+      }
+      bool own = false;
+      for (const Parameter& q : own_parameters()) own = own || &q == p;
+      const bool through_copy = as_f32 ? false : own && master_read_.count(p) == 0;
+      if (as_f32 || own) {
+        if (p->read_through_copy != through_copy) {
+          p->read_through_copy = through_copy;
+          changed = true;
+        }
+      }
+    }
+    if (changed) ++flat().copy_reads_version;
+  }
+
   ag::Tape& recording(const char* what) {
     DP_CHECK(recording_ != nullptr, type_name() << "::" << what << " outside compose()");
     return *recording_;
@@ -1071,6 +1113,7 @@ class Composed : public Module {
   uint64_t uses_ = 0;
   ag::Tape* recording_ = nullptr;
   ag::Tape* last_ = nullptr;
+  std::set<const Parameter*> master_read_;  // parameters a recorded forward read as f32
 };
 
 }  // namespace nn

@@ -145,8 +145,10 @@ struct Parameter {
   // Set by a layer whose forward and backward read this parameter only through `compute` (GEMM
   // and convolution operands: Linear's and Conv2d's weights). Under mixed precision a DP replica
   // that copies device 0's 16-bit weights then needs no f32 value of it (dp::DataParallel::
-  // replicate: half the bytes). Set before the first step; a composed layer that reads it
-  // through param() clears it (and says so: Module::host_values_changed).
+  // replicate: half the bytes). Set before the first step. A composed layer sets it on its own
+  // parameters that no op of its forwards reads as f32, and clears it on any parameter one does
+  // (ag::embedding's table), when it records a forward (and says so:
+  // FlatState::copy_reads_version).
   bool read_through_copy = false;
   int64_t numel() const { return kernels::shape_numel(shape); }
   // Whether weight decay applies (see Decay).
@@ -224,6 +226,10 @@ struct FlatState {
   // Counts Module::host_values_changed() calls: the engines key their captured steps on it, so a
   // step after a change captures again instead of replaying the values the graphs baked in.
   uint64_t host_values_version = 0;
+  // Counts changes of the parameters' Parameter::read_through_copy made by a composed layer's
+  // recording (Composed): DP plans its replicas' copies again (they run outside the captured
+  // segments, so nothing is captured again).
+  uint64_t copy_reads_version = 0;
 
   // Where a layer's next draw starts (it then advances rng_offset by the counters it used).
   kernels::RngOffset rng_at() const {

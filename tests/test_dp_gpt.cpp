@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <map>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -54,8 +56,10 @@ struct Run {
   std::vector<float> losses, norms, params;
   std::vector<dp::StepStats> stats;
   // Elements of the parameters read only through the bf16 copy (nn::Parameter::
-  // read_through_copy) after the run: the f32 ones a replica that took the copy is not sent.
-  int64_t read_through_copy = 0;
+  // read_through_copy) after the run: the f32 ones a replica that took the copy is not sent. Of
+  // them, the norms' weights (named *norm.weight). And the flat elements not sent: those, with
+  // the padding between two of them.
+  int64_t read_through_copy = 0, norms_through_copy = 0, not_sent = 0;
 };
 
 // DP on `devices` (one device: the single-device run) of the GPT `make` gives, the gradient's
@@ -89,8 +93,20 @@ Run train(
     run.norms.push_back(run.stats.back().grad_norm);
   }
   run.params = engine.module().flat_params().to_host_f32();
+  int64_t end = 0;  // of the last parameter, when it was read through the copy
+  for (const auto& [name, p] : engine.module().named_parameters()) {
+    if (p->numel() == 0) continue;
+    run.not_sent += p->read_through_copy ? p->numel() + (end > 0 ? p->offset - end : 0) : 0;
+    end = p->read_through_copy ? p->offset + p->numel() : 0;
+  }
   for (const auto& [name, p] : engine.module().named_parameters())
-    if (p->read_through_copy) run.read_through_copy += p->numel();
+    if (p->read_through_copy) {
+      run.read_through_copy += p->numel();
+      const std::string tail = "norm.weight";
+      if (name.size() >= tail.size() &&
+          name.compare(name.size() - tail.size(), tail.size(), tail) == 0)
+        run.norms_through_copy += p->numel();
+    }
   return run;
 }
 
@@ -241,10 +257,10 @@ TEST_CASE("dp.compute_copy: replicas copy device 0's bf16 weights and cast none"
     const Run graphed = train(four, dp::Graphs::on, make, 6, nullptr, micro);
     // The bf16 copy each replica takes is counted with the bytes moved: none on the first step
     // (each device cast its own), P/2 to each of 3 replicas from the second on, less the f32
-    // bytes of the Linear weights, read through the copy alone and then not sent.
+    // bytes of the Linear weights, read through the copy alone and then not sent (with the
+    // padding between two of them).
     REQUIRE(eager.read_through_copy > 0);
-    const int64_t copy_bytes =
-        static_cast<int64_t>(eager.params.size()) * 2 - eager.read_through_copy * 4;
+    const int64_t copy_bytes = static_cast<int64_t>(eager.params.size()) * 2 - eager.not_sent * 4;
     const dp::StepStats& first = eager.stats[0];
     for (int s = 0; s < 6; ++s) {
       CAPTURE(s);
@@ -269,8 +285,9 @@ TEST_CASE("dp.compute_copy: replicas copy device 0's bf16 weights and cast none"
 // Replicas that take device 0's bf16 weights are sent, of the f32 ones, only those read outside
 // the copy: the Linear weights' stay stale there (NaN while the debug check is on, so that a
 // read of one would show in the losses), and DP on 4 devices follows one device all the same,
-// graphed or not, with fused layers and with composed ones (autograd: a weight a composed layer
-// reads through param() is sent).
+// graphed or not, with fused layers and with composed ones (autograd: a composed layer's own
+// weights that no op reads as f32 are not sent either; before 2026-12-05 they all were, so the
+// composed Llama sent its SwiGLU's f32 weights).
 TEST_CASE("dp.compute_copy: replicas take only the f32 weights read outside the bf16 copy") {
   nn::set_weight_copy_check(true);
   auto llama = [](bool composed) {
@@ -283,6 +300,7 @@ TEST_CASE("dp.compute_copy: replicas take only the f32 weights read outside the 
   };
   using Make = std::function<nn::ModulePtr()>;
   const std::vector<Device> four{Device::cpu(0), Device::cpu(1), Device::cpu(2), Device::cpu(3)};
+  std::map<std::string, std::pair<int64_t, int64_t>> through;  // elements: all, of norms
   for (const auto& [name, make] :
        {std::pair<const char*, Make>{"gpt", [] { return nn::gpt(small_gpt()); }},
         {"llama", llama(false)},
@@ -296,11 +314,17 @@ TEST_CASE("dp.compute_copy: replicas take only the f32 weights read outside the 
       for (float loss : dp4.losses) CHECK(std::isfinite(loss));
       CHECK(worst_gap(dp4.losses, one.losses) <= kLossGap);
       CHECK(dp_test::rel_diff(dp4.params, one.params) <= kWeightGap);
-      const int64_t sent_less =
-          dp4.read_through_copy * 4 - static_cast<int64_t>(dp4.params.size()) * 2;
+      const int64_t sent_less = dp4.not_sent * 4 - static_cast<int64_t>(dp4.params.size()) * 2;
       for (size_t s = 1; s < dp4.stats.size(); ++s)
         CHECK(dp4.stats[s].bytes_moved == dp4.stats[0].bytes_moved - 3 * sent_less);
+      through[name] = {dp4.read_through_copy, dp4.norms_through_copy};
     }
   }
+  // The composed Llama reads through the copy what the fused one does (its SwiGLU's matrices,
+  // the attention's and the head's) and its RMSNorms' weights besides (a GEMM-free op of the
+  // copy), which the fused RMSNorm reads as f32.
+  CHECK(through["llama"].second == 0);
+  CHECK(through["composed llama"].second == 5 * 32);  // 2 norms a block, 2 blocks, the last
+  CHECK(through["composed llama"].first == through["llama"].first + 5 * 32);
   nn::set_weight_copy_check(false);
 }

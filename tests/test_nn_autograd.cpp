@@ -828,6 +828,29 @@ class Picky : public nn::Composed {
   nn::Parameter& w_;
 };
 
+// Embeds ids with one of its two tables (f32 reads: ag::embedding), then maps them back through
+// `b` as a GEMM operand (its 16-bit copy under mixed precision).
+class TwoTables : public nn::Composed {
+ public:
+  TwoTables()
+      : a_(register_parameter("a", {6, 4}, nn::InitSpec::normal(0.5f))),
+        b_(register_parameter("b", {6, 4}, nn::InitSpec::normal(0.5f))) {}
+  std::string type_name() const override { return "TwoTables"; }
+  bool embed_b = false;  // a host value compose() reads: a new shape records with it
+
+ protected:
+  ag::Var compose(const ag::Var& ids) override {
+    return ag::linear(ag::embedding(param(embed_b ? b_ : a_), ids), param(b_));
+  }
+  std::shared_ptr<nn::Module> clone_config() const override {
+    return std::make_shared<TwoTables>();
+  }
+
+ private:
+  nn::Parameter& a_;
+  nn::Parameter& b_;
+};
+
 }  // namespace
 
 // A hostile pass found the hook of a tied weight fired after the child's backward, before the
@@ -853,6 +876,84 @@ TEST_CASE("nn.autograd: a tied weight's hook fires once its gradient is complete
     m.backward(rnd(y.shape(), 81));
     REQUIRE(at_hook.size() == 1);  // once, and only once
     CHECK(at_hook[0] == w->grad.to_host_f32());
+  }
+}
+
+// A composed layer's own parameters that no op reads as f32 are read through the bf16 copy alone
+// (nn::Parameter::read_through_copy: a DP replica that takes device 0's copy is not sent their f32
+// values); one that ag::embedding reads as f32 is not, nor is a child's weight read so (a tied
+// head). A flag that changes says so once (FlatState::copy_reads_version: DP plans its copies
+// again; its graphs, which replicas' copies run outside of, are not captured again); a
+// replica whose f32 weights are partly stale refuses a new forward that reads a marked weight as
+// f32, naming it.
+TEST_CASE("nn.autograd: a composed layer marks the weights it reads through the bf16 copy alone") {
+  const Tensor ids = Tensor::from_ints({0, 5, 2, 3, 1, 4}, {2, 3});
+  const Tensor ids1 = Tensor::from_ints({0, 5, 2}, {1, 3});
+  {
+    Picky m;
+    m.materialize(Device::cpu(0), 5);
+    m.set_compute_dtype(DType::bf16);
+    const nn::Parameter& w = *m.named_parameters().at(0).second;
+    CHECK_FALSE(w.read_through_copy);
+    const uint64_t v0 = m.flat().copy_reads_version, h0 = m.flat().host_values_version;
+    m.forward(rnd({2, 3}, 1));
+    CHECK(w.read_through_copy);
+    CHECK(m.flat().copy_reads_version == v0 + 1);
+    m.forward(rnd({4, 3}, 2));  // another tape: nothing changes, nothing said
+    CHECK(m.flat().copy_reads_version == v0 + 1);
+    CHECK(m.flat().host_values_version == h0);
+  }
+  {
+    TwoTables m;
+    m.materialize(Device::cpu(0), 6);
+    m.set_compute_dtype(DType::bf16);
+    const nn::Parameter& a = *m.named_parameters().at(0).second;
+    const nn::Parameter& b = *m.named_parameters().at(1).second;
+    m.forward(ids);
+    CHECK_FALSE(a.read_through_copy);  // the table read as f32
+    CHECK(b.read_through_copy);        // the GEMM operand
+    const uint64_t v = m.flat().copy_reads_version;
+    m.embed_b = true;
+    m.forward(ids1);  // a new shape reads b as f32 too: unmarked for good
+    CHECK_FALSE(b.read_through_copy);
+    CHECK(m.flat().copy_reads_version == v + 1);
+    m.embed_b = false;
+    m.forward(Tensor::from_ints({1, 2}, {1, 2}));
+    CHECK_FALSE(b.read_through_copy);
+    CHECK_FALSE(a.read_through_copy);
+  }
+  {
+    // A replica sent only the f32 weights read outside the copy, recording a new shape that
+    // reads b as f32: refused, naming the layer, the input and the weight.
+    TwoTables m;
+    m.materialize(Device::cpu(0), 6);
+    m.set_compute_dtype(DType::bf16);
+    m.forward(ids);
+    REQUIRE(m.named_parameters().at(1).second->read_through_copy);
+    m.embed_b = true;
+    m.flat().masters_stale = true;  // as DP's replicate leaves a replica: the copy taken, fresh
+    m.flat().compute_written = true;
+    const std::string e = dp_test::error_of([&] { m.forward(ids1); });
+    CHECK(e.find("TwoTables::compose, input [1, 3]: reads b as f32") != std::string::npos);
+    CHECK(e.find("this DP replica was not sent it") != std::string::npos);
+    m.flat().masters_stale = false;
+    CHECK_NOTHROW(m.forward(ids1));
+    CHECK_FALSE(m.named_parameters().at(1).second->read_through_copy);
+  }
+  {
+    // The tied head: Linear marks its weight; the composed layer reads it as the embedding's
+    // table (f32), so it is unmarked, whether the head runs by call() or by param().
+    for (const bool call_head : {true, false}) {
+      CAPTURE(call_head);
+      TiedLm m;
+      m.call_head = call_head;
+      m.materialize(Device::cpu(0), 7);
+      m.set_compute_dtype(DType::bf16);
+      const nn::Parameter& w = *m.named_parameters().at(0).second;
+      CHECK(w.read_through_copy);
+      m.forward(ids);
+      CHECK_FALSE(w.read_through_copy);
+    }
   }
 }
 
