@@ -67,6 +67,7 @@ void DataParallel::replicate(int i) {
   if (mine.buffers.numel() > 0) kernels::copy(mine.buffers, root.buffers);
   mine.compute_written = take;
   mine.masters_stale = take && !stale_runs_.empty();
+  if (mine.masters_stale) mine.stale_runs = stale_runs_;  // the same size each step: no allocation
 }
 
 void DataParallel::plan_replicate() {

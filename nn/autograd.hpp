@@ -970,6 +970,7 @@ class Composed : public Module {
     last_ = nullptr;
     auto it = tapes_.find(key);
     if (it != tapes_.end()) {
+      check_f32_reads_sent(*it->second, x.shape());
       tape_uses_[key] = ++uses_;
       Tensor y = it->second->replay(x);
       last_ = it->second.get();
@@ -1009,7 +1010,8 @@ class Composed : public Module {
     // step change the output: the layer returns a copy. (The input, or a view of it, is returned
     // as it is, as built-in layers do.)
     if (tape->in_weights(y.id())) y = ag::unary(y, kernels::UnaryOp::identity);
-    settle_copy_reads(*tape, x.shape());
+    check_f32_reads_sent(*tape, x.shape());
+    settle_copy_reads(*tape);
     tape->finish(in, y.id());
     last_ = tape.get();
     tapes_[key] = std::move(tape);
@@ -1068,6 +1070,26 @@ class Composed : public Module {
   static constexpr size_t kMaxTapes = 8;
   using Key = std::tuple<Shape, int, bool, int, int, const void*, bool>;
 
+  // A forward (recorded or replayed) on a DP replica whose f32 weights are partly stale
+  // (FlatState::masters_stale: device 0's forwards read them only through the 16-bit copy it
+  // sent) that reads one of them as f32 is refused: a compose() that reads a weight as f32 for
+  // some input shapes alone, one device 0 did not see.
+  void check_f32_reads_sent(const ag::Tape& t, const Shape& input) {
+    const FlatState& f = flat();
+    if (!f.masters_stale) return;
+    for (const Parameter* p : t.params_read()) {
+      if (!t.master_read(p)) continue;
+      for (const auto& [begin, end] : f.stale_runs)
+        DP_CHECK(p->offset + p->numel() <= begin || p->offset >= end,
+                 type_name() << "::compose, input " << kernels::shape_str(input) << ": reads "
+                             << p->name
+                             << " as f32, which this DP replica was not sent this step (device "
+                                "0's forwards read it only through its 16-bit copy: "
+                                "Parameter::read_through_copy); read a parameter the same way "
+                                "for every input");
+    }
+  }
+
   // After a recording: which parameters this layer's forwards read through their 16-bit copy
   // alone (Parameter::read_through_copy, which tells DP's replicas to take no f32 value of
   // them). Its own parameters that no forward read as f32 (ag::embedding's table does; GEMM
@@ -1075,21 +1097,11 @@ class Composed : public Module {
   // child's included (an embedding's table used as an LM head, read through param()). Flags are
   // written only when they change (replicas record on their threads, each its own), and then
   // DP plans its copies again (FlatState::copy_reads_version).
-  void settle_copy_reads(const ag::Tape& t, const Shape& input) {
+  void settle_copy_reads(const ag::Tape& t) {
     bool changed = false;
     for (Parameter* p : t.params_read()) {
       const bool as_f32 = t.master_read(p);
-      if (as_f32) {
-        // The f32 value read here was sent only if no forward had been recorded without it.
-        DP_CHECK(!(p->read_through_copy && flat().masters_stale),
-                 type_name() << "::compose, input " << kernels::shape_str(input) << ": reads "
-                             << p->name
-                             << " as f32, though it was marked as read through its 16-bit copy "
-                                "alone (by its layer, or by this one's earlier forwards), so "
-                                "this DP replica was not sent it (Parameter::read_through_copy): "
-                                "read a parameter the same way in every forward");
-        master_read_.insert(p);
-      }
+      if (as_f32) master_read_.insert(p);
       bool own = false;
       for (const Parameter& q : own_parameters()) own = own || &q == p;
       const bool through_copy = as_f32 ? false : own && master_read_.count(p) == 0;

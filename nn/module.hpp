@@ -260,6 +260,9 @@ struct FlatState {
   // here, so a forward refuses to cast them and the debug check skips this replica, until an
   // engine copies every f32 weight again.
   bool masters_stale = false;
+  // While masters_stale: the stale ones, as [begin, end) runs of flat elements (a composed
+  // layer's forward that would read one as f32 is refused).
+  std::vector<std::pair<int64_t, int64_t>> stale_runs;
   // 16-bit activations (Module::set_activations): Linear and Conv2d write their outputs in the
   // compute dtype, and the layers between them keep it.
   Activations activations = Activations::f32;

@@ -884,8 +884,8 @@ TEST_CASE("nn.autograd: a tied weight's hook fires once its gradient is complete
 // values); one that ag::embedding reads as f32 is not, nor is a child's weight read so (a tied
 // head). A flag that changes says so once (FlatState::copy_reads_version: DP plans its copies
 // again; its graphs, which replicas' copies run outside of, are not captured again); a
-// replica whose f32 weights are partly stale refuses a new forward that reads a marked weight as
-// f32, naming it.
+// replica whose f32 weights are partly stale refuses a forward that reads a stale one as f32,
+// naming it.
 TEST_CASE("nn.autograd: a composed layer marks the weights it reads through the bf16 copy alone") {
   const Tensor ids = Tensor::from_ints({0, 5, 2, 3, 1, 4}, {2, 3});
   const Tensor ids1 = Tensor::from_ints({0, 5, 2}, {1, 3});
@@ -923,22 +923,38 @@ TEST_CASE("nn.autograd: a composed layer marks the weights it reads through the 
     CHECK_FALSE(a.read_through_copy);
   }
   {
-    // A replica sent only the f32 weights read outside the copy, recording a new shape that
-    // reads b as f32: refused, naming the layer, the input and the weight.
+    // A DP replica sent, of the f32 weights, all but b's (FlatState::stale_runs) refuses a
+    // forward that reads b as f32, recorded or replayed, naming the layer, the input and the
+    // weight; one that reads only a as f32 runs, and so does one with a alone stale.
     TwoTables m;
     m.materialize(Device::cpu(0), 6);
     m.set_compute_dtype(DType::bf16);
-    m.forward(ids);
-    REQUIRE(m.named_parameters().at(1).second->read_through_copy);
+    const nn::Parameter& a = *m.named_parameters().at(0).second;
+    const nn::Parameter& b = *m.named_parameters().at(1).second;
+    m.forward(ids);  // records with a read as f32
     m.embed_b = true;
-    m.flat().masters_stale = true;  // as DP's replicate leaves a replica: the copy taken, fresh
-    m.flat().compute_written = true;
-    const std::string e = dp_test::error_of([&] { m.forward(ids1); });
-    CHECK(e.find("TwoTables::compose, input [1, 3]: reads b as f32") != std::string::npos);
-    CHECK(e.find("this DP replica was not sent it") != std::string::npos);
-    m.flat().masters_stale = false;
+    m.forward(ids1);  // records with b read as f32
+    auto as_replica = [&](const nn::Parameter& stale) {
+      m.flat().masters_stale = true;  // as DP's replicate leaves it: the copy taken, fresh
+      m.flat().stale_runs = {{stale.offset, stale.offset + stale.numel()}};
+      m.flat().compute_written = true;
+    };
+    const Tensor ids2 = Tensor::from_ints({1, 2}, {1, 2});
+    for (const Tensor* in : {&ids1, &ids2}) {  // a replay, a recording
+      CAPTURE(in->shape()[1]);
+      as_replica(b);
+      const std::string e = dp_test::error_of([&] { m.forward(*in); });
+      CHECK(e.find("TwoTables::compose, input " + kernels::shape_str(in->shape()) +
+                   ": reads b as f32, which this DP replica was not sent") != std::string::npos);
+      CHECK(e.find("read_through_copy") != std::string::npos);
+    }
+    as_replica(b);
+    m.embed_b = false;
+    CHECK_NOTHROW(m.forward(ids));  // reads a as f32, b through the copy
+    as_replica(a);
+    m.embed_b = true;
     CHECK_NOTHROW(m.forward(ids1));
-    CHECK_FALSE(m.named_parameters().at(1).second->read_through_copy);
+    m.flat().masters_stale = false;
   }
   {
     // The tied head: Linear marks its weight; the composed layer reads it as the embedding's
