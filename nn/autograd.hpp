@@ -1092,24 +1092,22 @@ class Composed : public Module {
 
   // After a recording: which parameters this layer's forwards read through their 16-bit copy
   // alone (Parameter::read_through_copy, which tells DP's replicas to take no f32 value of
-  // them). Its own parameters that no forward read as f32 (ag::embedding's table does; GEMM
-  // operands and everything else read the copy) are marked; a parameter read as f32 is not, a
-  // child's included (an embedding's table used as an LM head, read through param()). Flags are
+  // them). Its own parameters that no composed layer's forward read as f32 (ag::embedding's
+  // table does; GEMM operands and everything else read the copy) are marked; a parameter read as
+  // f32 (Parameter::read_as_f32, for good) is not, a child's included (an embedding's table used
+  // as an LM head, read through param()), whichever layer recorded the read. Flags are
   // written only when they change (replicas record on their threads, each its own), and then
   // DP plans its copies again (FlatState::copy_reads_version).
   void settle_copy_reads(const ag::Tape& t) {
     bool changed = false;
     for (Parameter* p : t.params_read()) {
-      const bool as_f32 = t.master_read(p);
-      if (as_f32) master_read_.insert(p);
+      if (t.master_read(p)) p->read_as_f32 = true;
       bool own = false;
       for (const Parameter& q : own_parameters()) own = own || &q == p;
-      const bool through_copy = as_f32 ? false : own && master_read_.count(p) == 0;
-      if (as_f32 || own) {
-        if (p->read_through_copy != through_copy) {
-          p->read_through_copy = through_copy;
-          changed = true;
-        }
+      const bool through_copy = own && !p->read_as_f32;
+      if ((own || p->read_as_f32) && p->read_through_copy != through_copy) {
+        p->read_through_copy = through_copy;
+        changed = true;
       }
     }
     if (changed) ++flat().copy_reads_version;
@@ -1125,7 +1123,6 @@ class Composed : public Module {
   uint64_t uses_ = 0;
   ag::Tape* recording_ = nullptr;
   ag::Tape* last_ = nullptr;
-  std::set<const Parameter*> master_read_;  // parameters a recorded forward read as f32
 };
 
 }  // namespace nn

@@ -150,6 +150,9 @@ struct Parameter {
   // (ag::embedding's table), when it records a forward (and says so:
   // FlatState::copy_reads_version).
   bool read_through_copy = false;
+  // Set for good by a composed layer's recording in which an op read this parameter's f32 value
+  // (ag::embedding's table): read_through_copy is then cleared, whichever layer recorded it.
+  bool read_as_f32 = false;
   int64_t numel() const { return kernels::shape_numel(shape); }
   // Whether weight decay applies (see Decay).
   bool decays() const { return decay == Decay::by_shape ? shape.size() >= 2 : decay == Decay::yes; }

@@ -851,6 +851,30 @@ class TwoTables : public nn::Composed {
   nn::Parameter& b_;
 };
 
+// Embeds ids (values < 3) with its child's weight (f32) for chunks of 2 rows, else with its own
+// table, then runs the child: the child's weight is read as f32 by one of its parent's tapes.
+class ParentReads : public nn::Composed {
+ public:
+  ParentReads()
+      : t_(register_parameter("t", {3, 3}, nn::InitSpec::normal(0.5f))),
+        child_(register_module("child", std::make_shared<Picky>())) {}
+  std::string type_name() const override { return "ParentReads"; }
+  nn::Parameter& child_weight() { return *child_->named_parameters().at(0).second; }
+
+ protected:
+  ag::Var compose(const ag::Var& ids) override {
+    const ag::Var h = ag::embedding(param(ids.dim(0) == 2 ? child_weight() : t_), ids);
+    return ag::call(*child_, h);
+  }
+  std::shared_ptr<nn::Module> clone_config() const override {
+    return std::make_shared<ParentReads>();
+  }
+
+ private:
+  nn::Parameter& t_;
+  std::shared_ptr<Picky> child_;
+};
+
 }  // namespace
 
 // A hostile pass found the hook of a tied weight fired after the child's backward, before the
@@ -955,6 +979,19 @@ TEST_CASE("nn.autograd: a composed layer marks the weights it reads through the 
     m.embed_b = true;
     CHECK_NOTHROW(m.forward(ids1));
     m.flat().masters_stale = false;
+  }
+  {
+    // A child composed layer marks its weight; its parent reads it as f32 for one shape: it stays
+    // unmarked when the child records again for another shape (read_as_f32 is for good).
+    ParentReads m;
+    m.materialize(Device::cpu(0), 8);
+    m.set_compute_dtype(DType::bf16);
+    const nn::Parameter& w = m.child_weight();
+    m.forward(Tensor::from_ints({0, 2, 1, 1, 0, 2}, {2, 3}));
+    CHECK_FALSE(w.read_through_copy);
+    CHECK(w.read_as_f32);
+    m.forward(Tensor::from_ints({1, 0, 2}, {1, 3}));  // the child records again, the parent
+    CHECK_FALSE(w.read_through_copy);                 // reads its own table
   }
   {
     // The tied head: Linear marks its weight; the composed layer reads it as the embedding's
