@@ -25,7 +25,8 @@ int parse_and_run(std::shared_ptr<const Workload> workload, int argc, char** arg
   // A workload of the user's own: the built-in models' flags stay out of --help (given, they
   // are refused by name below).
   if (o.workload)
-    for (const char* flag : {"--model", "--gpt-config", "--seq", "--dropout", "--recompute",
+    for (const char* flag : {"--model", "--gpt-config", "--seq", "--dropout", "--loss-chunk",
+                             "--recompute",
                              "--peak-tflops", "--max-staleness", "--staleness-lr"})
       app.get_option(flag)->group("");
   // ... and with its own optimizer, --optim.
@@ -49,7 +50,7 @@ int parse_and_run(std::shared_ptr<const Workload> workload, int argc, char** arg
                                        " trains with dp, ddp, both or "
                                        "hybrid");
     const bool lm = !o.workload && (o.model == "gpt" || o.model == "llama");
-    for (const char* flag : {"--gpt-config", "--dropout"})
+    for (const char* flag : {"--gpt-config", "--dropout", "--loss-chunk"})
       if (app.count(flag) && (o.workload || o.model != "gpt"))
         throw CLI::ValidationError(flag, std::string("is for --model gpt; this run trains ") +
                                              (o.workload ? o.workload->name : o.model));
@@ -74,7 +75,7 @@ int parse_and_run(std::shared_ptr<const Workload> workload, int argc, char** arg
       const Blocks blocks = o.recompute ? Blocks::recomputed : Blocks::kept;
       o.workload = std::make_shared<const Workload>(
           llama ? llama_workload(seq, o.seed, blocks)
-                : gpt_workload(o.gpt_config, seq, o.dropout, o.seed, blocks));
+                : gpt_workload(o.gpt_config, seq, o.dropout, o.seed, blocks, o.loss_chunk));
     }
   } catch (const CLI::ParseError& e) {
     return dp::cli::parse_exit(app, e);

@@ -26,10 +26,11 @@ void token_batches(Workload& w, int64_t vocab, int64_t seq, uint64_t seed) {
 }  // namespace
 
 Workload gpt_workload(const std::string& config, int64_t seq, float dropout, uint64_t seed,
-                      Blocks blocks) {
+                      Blocks blocks, std::optional<int64_t> loss_chunk) {
   nn::GptConfig c = nn::GptConfig::preset(config);
   c.dropout = dropout;
   c.recompute = blocks == Blocks::recomputed;
+  if (loss_chunk) c.loss_chunk = *loss_chunk;
   DP_CHECK(seq >= 1 && seq <= c.context, "--seq " << seq << " with --gpt-config " << config
                                                   << ": give 1 to the context, " << c.context);
   Workload w;

@@ -326,11 +326,11 @@ void DataParallel::forward_and_loss(int i, nn::Mode mode, MicroMarks marks) {
         pd.labels, pd.metrics.view(kLoss, {1}), &pd.dlogits, pd.metrics.view(kCorrect, {1}),
         !m.backward_reads_output());
   } else {
-    output = m.forward(pd.input);
-    queue_loss(*options_.loss, output, pd.labels, pd.metrics.view(kLoss, {1}),
-               mode == nn::Mode::train ? &pd.dlogits : nullptr,
-               scaler_.loss_grad_factor(pd.loss_scale), pd.metrics.view(kCorrect, {1}),
-               !m.backward_reads_output());
+    output = queue_forward_and_loss(
+        m, [&](const Tensor& x) { return m.forward(x); }, *options_.loss, pd.input, pd.labels,
+        pd.metrics.view(kLoss, {1}), mode == nn::Mode::train ? &pd.dlogits : nullptr,
+        scaler_.loss_grad_factor(pd.loss_scale), pd.metrics.view(kCorrect, {1}),
+        !m.backward_reads_output());
   }
   pd.dlogits_is_output =
       mode == nn::Mode::train && output.defined() && pd.dlogits.same_storage(output);

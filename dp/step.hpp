@@ -97,6 +97,45 @@ inline void queue_loss(const nn::Loss& loss, const kernels::Tensor& out,
   loss.compute_scaled(loss_out, grad, correct, out, labels, grad_scale);
 }
 
+// requires the arguments as queue_loss's, with `forward` the model's forward of `model` (the
+// root whose takes_loss is asked) and x its input. ensures queued on the current context: the
+// forward of x and queue_loss after it, returning the output; or, where the model takes the loss
+// in its forward (nn::Module::takes_loss: nn::Gpt's chunked classifier, which never holds the
+// whole (B, T, V) logits), that forward alone, given the loss (nn::LossInForward), which writes
+// loss_out and correct as queue_loss would: then the output returned and *dlogits are undefined,
+// and the model's backward takes the undefined *dlogits.
+template <class Forward>
+kernels::Tensor queue_forward_and_loss(nn::Module& model, Forward&& forward, const nn::Loss& loss,
+                                       const kernels::Tensor& x, const kernels::Tensor& labels,
+                                       kernels::Tensor loss_out, kernels::Tensor* dlogits,
+                                       const kernels::Scalar& grad_scale,
+                                       kernels::Tensor correct = kernels::Tensor(),
+                                       bool out_free = false) {
+  if (!model.takes_loss(loss, labels)) {
+    kernels::Tensor out = forward(x);
+    queue_loss(loss, out, labels, loss_out, dlogits, grad_scale, correct, out_free);
+    return out;
+  }
+  nn::LossInForward request;
+  request.loss = &loss;
+  request.labels = labels;
+  request.loss_out = loss_out;
+  request.correct = correct;
+  request.grad_scale = grad_scale;
+  request.grad = dlogits != nullptr;
+  struct Handed {  // for this forward only, whatever it throws
+    nn::Module& m;
+    ~Handed() { m.set_loss_in_forward(nullptr); }
+  } handed{model};
+  model.set_loss_in_forward(&request);
+  (void)forward(x);
+  DP_CHECK(request.taken, model.type_name()
+                              << ": takes_loss said it takes the loss '" << loss.name()
+                              << "' in its forward, which did not take it");
+  if (dlogits) *dlogits = kernels::Tensor();
+  return kernels::Tensor();
+}
+
 // Gradient accumulation (DataParallelOptions::micro_batches, DdpTrainer::set_micro_batches): a
 // device's or rank's chunk of a step runs as micro-batches, one after another, whose gradients add
 // up before the reduction, as PyTorch's loop of backward() calls before optimizer.step(): the
@@ -182,12 +221,12 @@ class MicroBatches {
     int64_t begin = 0;
     for (int j = 0; j < n; begin += sizes_[j++]) {
       const int64_t end = begin + sizes_[j];
-      out = forward(input.slice(begin, end));
       const bool last = j == n - 1;
       kernels::Tensor dy;
       kernels::Tensor* grad = last ? dlogits : &dy;
-      queue_loss(loss, out, labels.slice(begin, end), b.losses[j], grad, b.grad_factor[j],
-                 correct.defined() ? b.counts[j] : kernels::Tensor(), out_free);
+      out = queue_forward_and_loss(module, forward, loss, input.slice(begin, end),
+                                   labels.slice(begin, end), b.losses[j], grad, b.grad_factor[j],
+                                   correct.defined() ? b.counts[j] : kernels::Tensor(), out_free);
       if (!last) {
         backward(dy);
         // The weights' 16-bit copy this forward cast or took still holds the f32 weights

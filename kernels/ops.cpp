@@ -551,7 +551,8 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
 }
 
 void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, const Tensor& targets,
-                         int32_t ignore_index, Tensor correct, const Scalar& grad_scale) {
+                         int32_t ignore_index, Tensor correct, const Scalar& grad_scale,
+                         const Tensor& kept) {
   const char* op = "token_cross_entropy";
   check_logits_labels(op, logits, targets);
   check_devices(op, {{"logits", logits}, {"loss", loss}});
@@ -559,12 +560,26 @@ void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, co
   check_scalar(op, "grad_scale", grad_scale, logits.device());
   if (dlogits.defined()) check_logits_grad(op, dlogits, logits);
   check_count_out(op, correct, logits);
+  if (kept.defined()) {
+    check_devices(op, {{"logits", logits}, {"kept", kept}});
+    check_scalar_out(op, {"kept", kept});
+  }
   if (logits.dim(0) == 0) {
     if (correct.defined()) fill(correct, 0.f);
     return fill(loss, 0.f);
   }
   DP_DISPATCH(logits.device(), token_cross_entropy, loss, dlogits, logits, targets, ignore_index,
-              correct, grad_scale);
+              correct, grad_scale, kept);
+}
+
+void count_kept(Tensor& out, const Tensor& targets, int32_t ignore_index) {
+  const char* op = "count_kept";
+  check_devices(op, {{"targets", targets}, {"out", out}});
+  check_dtype(op, {"targets", targets}, DType::i32);
+  check_scalar_out(op, {"out", out});
+  DP_CHECK(targets.ndim() == 1, op << ": targets must be (N), got " << shape_str(targets.shape()));
+  if (targets.numel() == 0) return fill(out, 0.f);
+  DP_DISPATCH(targets.device(), count_kept, out, targets, ignore_index);
 }
 
 void mse_loss(Tensor& loss, Tensor& dpred, const Tensor& pred, const Tensor& target) {

@@ -319,9 +319,16 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
 //         dlogits_i = (softmax(logits_i) - onehot(t_i)) / n for kept rows, 0 for ignored ones.
 // A target outside [0, V) (other than ignore_index) throws bad_label_text as above. correct,
 // dlogits over the logits and grad_scale: as above (an ignored row is never counted).
+// kept: undefined, or (1) f32 on the logits' device holding n (count_kept over a whole batch of
+// which these rows are a part, read when the op runs): the loss and gradient are then these
+// rows' part of the whole batch's mean (a chunked loss: the chunks' losses add up to the batch's,
+// and each row's gradient has the bits it has in one call over the batch). 0 when n == 0.
 void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, const Tensor& targets,
                          int32_t ignore_index, Tensor correct = Tensor(),
-                         const Scalar& grad_scale = Scalar());
+                         const Scalar& grad_scale = Scalar(), const Tensor& kept = Tensor());
+// requires targets (N) i32, out (1) f32 on their device. ensures out = the count of targets that
+// are not ignore_index (exact below 2^24), queued.
+void count_kept(Tensor& out, const Tensor& targets, int32_t ignore_index);
 // The error text of softmax_cross_entropy for row `row` of logits (batch, classes) whose label
 // is outside [0, classes), the same on every backend.
 std::string bad_label_text(int64_t label, int64_t row, int64_t batch, int64_t classes);

@@ -6,6 +6,7 @@
 //   Tensor logits = net->forward(ids);                    // ids (B, T) i32 -> (B, T, vocab)
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <string>
@@ -16,6 +17,7 @@
 #include "nn/dropout.hpp"
 #include "nn/embedding.hpp"
 #include "nn/linear.hpp"
+#include "nn/loss.hpp"
 #include "nn/norm.hpp"
 
 namespace nn {
@@ -30,6 +32,12 @@ struct GptConfig {
   // Activation checkpointing of every block (GptBlock::set_recompute): a block keeps its input
   // alone and runs its forward again in its backward.
   bool recompute = false;
+  // The chunked classifier: where a step's chunk has more tokens than this and its loss is
+  // TokenCrossEntropyLoss, the engines hand the loss to the model's forward (Module::takes_loss),
+  // which runs the LM head, the loss and the head's backward GEMMs over this many tokens at a
+  // time, so that no buffer holds more than loss_chunk x vocab logits (GPT-2 at batch 32: 0.8 GB
+  // of bf16 in place of 3.3). 0: never (the whole (B, T, V) logits, as a plain forward).
+  int64_t loss_chunk = 8192;
   std::string name = "custom";
 
   // "tiny" (byte vocabulary, about 0.8M parameters, for CI), "124m" (GPT-2 small: 12 layers,
@@ -184,11 +192,13 @@ class Gpt : public Module {
  public:
   explicit Gpt(GptConfig c) : c_(std::move(c)) {
     DP_CHECK(c_.vocab > 0 && c_.context > 0 && c_.layers > 0 && c_.heads > 0 && c_.dim > 0 &&
-                 c_.dim % c_.heads == 0 && c_.dropout >= 0.f && c_.dropout < 1.f,
+                 c_.dim % c_.heads == 0 && c_.dropout >= 0.f && c_.dropout < 1.f &&
+                 c_.loss_chunk >= 0,
              "Gpt(" << c_.name << "): vocab " << c_.vocab << ", context " << c_.context << ", "
                     << c_.layers << " layers, " << c_.heads << " heads, dim " << c_.dim
-                    << ", dropout " << c_.dropout
-                    << ": sizes must be > 0, heads must divide dim, dropout in [0, 1)");
+                    << ", dropout " << c_.dropout << ", loss_chunk " << c_.loss_chunk
+                    << ": sizes must be > 0, heads must divide dim, dropout in [0, 1), "
+                       "loss_chunk >= 0");
     const InitSpec w = InitSpec::normal(0.02f);
     const InitSpec w_resid =
         InitSpec::normal(0.02f / std::sqrt(2.f * static_cast<float>(c_.layers)));
@@ -212,6 +222,12 @@ class Gpt : public Module {
   }
   std::string type_name() const override { return "Gpt"; }
   bool backward_reads_output() const override { return false; }  // it keeps ln_f's output
+  // The chunked classifier (GptConfig::loss_chunk): a token cross-entropy over more tokens than a
+  // chunk, unless the model itself is checkpointed (its forward would run the loss again).
+  bool takes_loss(const Loss& loss, const Tensor& labels) const override {
+    return c_.loss_chunk > 0 && labels.numel() > c_.loss_chunk && !recomputes() &&
+           dynamic_cast<const TokenCrossEntropyLoss*>(&loss) != nullptr;
+  }
   const GptConfig& config() const { return c_; }
   Embedding& wte() { return *wte_; }
 
@@ -246,6 +262,12 @@ class Gpt : public Module {
     Tensor stream;
     x = ln_f_->forward_add(skip, delta, stream);
     hidden_ = to_compute(x.reshape({b * t, c_.dim}));  // (B T, D)
+    hidden_batch_ = b;
+    dhidden_ = Tensor();
+    if (LossInForward* request = loss_in_forward()) {
+      chunked_loss(*request, ids);
+      return Tensor();
+    }
     // f32 logits, or 16-bit ones for a loss that reads them (Module::set_output).
     Tensor logits = Tensor::empty({b * t, c_.vocab}, output_dtype(), ids.device());
     // (B T, D) x (V, D)^T -> (B T, V)
@@ -255,13 +277,24 @@ class Gpt : public Module {
   }
   Tensor backward_impl(const Tensor& dlogits) override {
     DP_CHECK(hidden_.defined(), "Gpt::backward called before forward");
-    const int64_t rows = hidden_.dim(0), b = dlogits.dim(0), t = rows / b;
-    Tensor dl = to_compute(dlogits.reshape({rows, c_.vocab}));  // (B T, V)
-    Tensor dx = Tensor::empty({rows, c_.dim}, activation_dtype(), dlogits.device());
-    // (B T, V) x (V, D) -> (B T, D);  dwte += (B T, V)^T x (B T, D) -> (V, D)
-    kernels::gemm(dx, dl, kernels::Transpose::no, wte_->weight().compute, kernels::Transpose::no);
-    kernels::gemm(wte_->weight().grad, dl, kernels::Transpose::yes, hidden_, kernels::Transpose::no,
-                  1.f, 1.f);
+    const int64_t rows = hidden_.dim(0), b = hidden_batch_, t = rows / b;
+    Tensor dx = dhidden_;  // the chunked classifier's, from the forward that took the loss
+    if (dx.defined()) {
+      DP_CHECK(!dlogits.defined(), "Gpt(" << c_.name
+                                          << ")::backward: its forward took the loss "
+                                             "(GptConfig::loss_chunk): give an undefined gradient");
+    } else {
+      DP_CHECK(dlogits.defined() && dlogits.numel() == rows * c_.vocab,
+               "Gpt(" << c_.name << ")::backward: dlogits " << dlogits << " for logits (" << b
+                      << ", " << t << ", " << c_.vocab << ")");
+      Tensor dl = to_compute(dlogits.reshape({rows, c_.vocab}));  // (B T, V)
+      dx = Tensor::empty({rows, c_.dim}, activation_dtype(), dlogits.device());
+      // (B T, V) x (V, D) -> (B T, D);  dwte += (B T, V)^T x (B T, D) -> (V, D)
+      kernels::gemm(dx, dl, kernels::Transpose::no, wte_->weight().compute, kernels::Transpose::no);
+      kernels::gemm(wte_->weight().grad, dl, kernels::Transpose::yes, hidden_,
+                    kernels::Transpose::no, 1.f, 1.f);
+    }
+    dhidden_ = Tensor();
     Tensor g = drop_->backward(h_->backward(ln_f_->backward(dx.reshape({b, t, c_.dim}))));
     Tensor dwpe = wpe_->grad.view(0, {t * c_.dim});
     kernels::bias_backward(dwpe, g.reshape({b, t * c_.dim}), kernels::Accumulate::yes);
@@ -276,8 +309,59 @@ class Gpt : public Module {
   std::shared_ptr<Dropout> drop_;
   std::shared_ptr<Sequential> h_;
   std::shared_ptr<LayerNorm> ln_f_;
-  Tensor hidden_;  // ln_f output as (B T, D), in the compute dtype
-  void release_saved() override { hidden_ = Tensor(); }
+  Tensor hidden_;   // ln_f output as (B T, D), in the compute dtype
+  Tensor dhidden_;  // its gradient, when the forward took the loss (chunked_loss)
+  int64_t hidden_batch_ = 0;
+  void release_saved() override {
+    hidden_ = Tensor();
+    dhidden_ = Tensor();
+  }
+
+  // The chunked classifier: for each chunk of at most loss_chunk tokens, its logits (one buffer,
+  // reused), the token cross-entropy's part of the whole chunk's mean read from them, and, in
+  // training, its gradient written over them and taken straight into the head's two backward
+  // GEMMs (the rows of d hidden, and d wte accumulated): the bits of each row's loss gradient are
+  // those of one loss over every token (kernels::token_cross_entropy's `kept`), the sums (the
+  // loss, d wte) are added in another order.
+  void chunked_loss(LossInForward& r, const Tensor& ids) {
+    const auto* loss = dynamic_cast<const TokenCrossEntropyLoss*>(r.loss);
+    DP_CHECK(loss && r.labels.shape() == ids.shape(),
+             "Gpt(" << c_.name << "): the loss handed to its forward must be token_cross_entropy "
+                    << "over labels shaped as the ids " << ids << ", got "
+                    << (r.loss ? r.loss->name() : std::string("none")) << " over " << r.labels);
+    r.taken = true;
+    kernels::NvtxRange range("Gpt/chunked_loss");
+    const int64_t rows = hidden_.dim(0), chunk = std::min(c_.loss_chunk, rows);
+    const int64_t n = (rows + chunk - 1) / chunk;
+    const Device dev = ids.device();
+    const Tensor targets = r.labels.reshape({rows});
+    // Per chunk: its loss, its count of right tokens; then the batch's count of kept tokens.
+    Tensor slots = Tensor::empty({2 * n + 1}, DType::f32, dev);
+    Tensor kept = slots.view(2 * n, {1});
+    kernels::count_kept(kept, targets, loss->ignore_index());
+    Tensor logits = Tensor::empty({chunk, c_.vocab}, output_dtype(), dev);
+    if (r.grad) dhidden_ = Tensor::empty({rows, c_.dim}, activation_dtype(), dev);
+    const Tensor& w = wte_->weight().compute;
+    for (int64_t j = 0, r0 = 0; j < n; ++j, r0 += chunk) {
+      const int64_t r1 = std::min(rows, r0 + chunk);
+      Tensor lj = logits.view(0, {r1 - r0, c_.vocab});
+      const Tensor hj = hidden_.slice(r0, r1);
+      kernels::gemm(lj, hj, kernels::Transpose::no, w, kernels::Transpose::yes);
+      Tensor dj = r.grad ? lj : Tensor();  // written over the logits
+      Tensor lossj = slots.view(j, {1});
+      kernels::token_cross_entropy(lossj, dj, lj, targets.slice(r0, r1), loss->ignore_index(),
+                                   r.correct.defined() ? slots.view(n + j, {1}) : Tensor(),
+                                   r.grad_scale, kept);
+      if (!r.grad) continue;
+      Tensor dl = to_compute(lj);
+      Tensor dxj = dhidden_.slice(r0, r1);
+      kernels::gemm(dxj, dl, kernels::Transpose::no, w, kernels::Transpose::no);
+      kernels::gemm(wte_->weight().grad, dl, kernels::Transpose::yes, hj, kernels::Transpose::no,
+                    1.f, 1.f);
+    }
+    kernels::sum(r.loss_out, slots.view(0, {n}));
+    if (r.correct.defined()) kernels::sum(r.correct, slots.view(n, {n}));
+  }
 };
 
 }  // namespace nn

@@ -287,6 +287,24 @@ enum class Mode { train, eval };
 // not_needed, and layers then skip that product (a Linear's dx GEMM, a Conv2d's backward data).
 enum class InputGrad { needed, not_needed };
 
+class Loss;  // nn/loss.hpp
+
+// A step's loss, handed to a model's forward in place of its output (Module::takes_loss: nn::Gpt's
+// chunked classifier, which never holds the whole (B, T, V) logits): what the engines would give
+// the loss after forward (dp/step.hpp's queue_forward_and_loss). The forward that takes it
+// queues loss_out := the loss's mean over the chunk, a defined correct := its count of right
+// predictions, and, with grad, the loss's gradient times grad_scale, carried back into the model
+// as far as it can go before the model's backward (which is then called with an undefined dy).
+struct LossInForward {
+  const Loss* loss = nullptr;
+  Tensor labels;  // the chunk's, on the device, as the loss takes them
+  Tensor loss_out;
+  Tensor correct;
+  kernels::Scalar grad_scale;  // read when the work runs (Loss::compute_scaled's)
+  bool grad = false;           // training: the gradient, for the backward that follows
+  bool taken = false;          // set by the forward that took it
+};
+
 class Module {
  public:
   virtual ~Module() = default;
@@ -401,7 +419,7 @@ class Module {
     // 16-bit activations end at the model's output unless set_output(Output::activations): the
     // loss and metrics then read f32 (the backward of the last layer takes the f32 gradient as
     // it is).
-    if (outermost && flat_->output == Output::f32 && y.dtype() != DType::f32 &&
+    if (outermost && y.defined() && flat_->output == Output::f32 && y.dtype() != DType::f32 &&
         kernels::is_floating(y.dtype()))
       y = kernels::cast(y, DType::f32);
     return y;
@@ -458,6 +476,17 @@ class Module {
   // gradient over the model's output only where it does not (Loss::grad_in_place). Default
   // true: a layer says false only when backward never reads its output (Linear, Gpt).
   virtual bool backward_reads_output() const { return true; }
+  // Whether this model's forward takes `loss` itself for these labels (the chunk's, on the host
+  // or the device: their shape is read) instead of returning its output (LossInForward). A model
+  // that says true takes the request set_loss_in_forward hands its next forward, returns an
+  // undefined tensor from it, and takes an undefined dy in the backward that follows.
+  virtual bool takes_loss(const Loss& loss, const Tensor& labels) const {
+    (void)loss, (void)labels;
+    return false;
+  }
+  // The loss the next forward takes (null: none); the engines set it around one forward of the
+  // root. requires takes_loss(*r->loss, r->labels) when r is not null.
+  void set_loss_in_forward(LossInForward* r) { loss_in_forward_ = r; }
 
   void train() { set_mode(Mode::train); }
   void eval() { set_mode(Mode::eval); }
@@ -689,6 +718,8 @@ class Module {
  protected:
   virtual Tensor forward_impl(const Tensor& x) = 0;
   virtual Tensor backward_impl(const Tensor& dy) = 0;
+  // The request this forward takes (set_loss_in_forward), or null.
+  LossInForward* loss_in_forward() const { return loss_in_forward_; }
   // A fresh module with this one's configuration. Containers may return an empty container:
   // clone_structure() then clones and registers the children in order.
   virtual std::shared_ptr<Module> clone_config() const = 0;
@@ -914,6 +945,7 @@ class Module {
   // set_recompute: whether forward checkpoints; the last checkpointed forward's run again (its
   // inputs held by value) and the dropout counter it started at; empty once backward ran it.
   bool recompute_ = false;
+  LossInForward* loss_in_forward_ = nullptr;  // the engines', around one forward
   std::function<void()> replay_;
   uint64_t replay_rng_ = 0;
 };

@@ -1168,6 +1168,18 @@ part_gpt() {
     ((rc == 0)) && line=$(bench_line "$out/$name.json")
     step_verdict "$rc" "$label" "${line:-see $name.txt}" "see $name.txt"
   done
+  # The chunked classifier (GptConfig::loss_chunk: 8192 tokens, so batch 32 runs 4 chunks): one
+  # GPU at batch 32 with the whole (B, T, V) logits (--loss-chunk 0), against the run above,
+  # for the step time and the peak.
+  name=dp_bench_gpt124m_bf16_b32_whole_logits line=""
+  label="dp_bench gpt-124m bf16 batch 32 --gpus 1 --loss-chunk 0"
+  logged "$out/$name.txt" "$build/bin/dp_bench" --device "$bench_device" \
+    --json "$out/$name.json" --mode dp --gpus 1 --baseline 0 --model gpt --gpt-config 124m \
+    --seq 1024 --batch 32 --dtype bf16 --activations bf16 --loss-chunk 0 --steps 6 --warmup 3 \
+    --repeat 3 --project-from off
+  rc=$?
+  ((rc == 0)) && line=$(bench_line "$out/$name.json")
+  step_verdict "$rc" "$label" "${line:-see $name.txt}" "see $name.txt"
 }
 
 # Whether ncu can profile here (tool_usable's probe: one kernel test case profiled): LABEL.

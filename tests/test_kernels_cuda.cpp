@@ -1617,7 +1617,8 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "kernels.cuda.token_cross_entropy: matches CPU (ignored rows, all ignored, masked logits)") {
+    "kernels.cuda.token_cross_entropy: matches CPU (ignored rows, all ignored, masked logits, "
+    "chunks)") {
   DP_REQUIRE_GPU();
   const float inf = std::numeric_limits<float>::infinity();
   for (int64_t vocab : {int64_t{5}, int64_t{1000}}) {
@@ -1641,7 +1642,17 @@ TEST_CASE(
           Tensor all_ignored = full(d, {1}, 3.f), zero_grad = full(d, {rows, vocab}, 7.f);
           token_cross_entropy(all_ignored, zero_grad, logits,
                               Tensor::from_ints(std::vector<int32_t>(rows, -100), {rows}, d), -100);
-          return Outputs{loss, dlogits, forward_only, all_ignored, zero_grad};
+          // In chunks of 10 rows, each given the batch's kept count (count_kept): the calls of
+          // the chunked classifier (nn::Gpt, GptConfig::loss_chunk).
+          Tensor kept = zeros(d, {1}), parts = zeros(d, {5}), dparts = full(d, {rows, vocab}, 7.f);
+          count_kept(kept, targets, -100);
+          for (int64_t j = 0, r0 = 0; r0 < rows; ++j, r0 += 10) {
+            const int64_t r1 = std::min(rows, r0 + 10);
+            Tensor part = parts.view(j, {1}), dj = dparts.slice(r0, r1);
+            token_cross_entropy(part, dj, logits.slice(r0, r1), targets.slice(r0, r1), -100,
+                                Tensor(), Scalar(), kept);
+          }
+          return Outputs{loss, dlogits, forward_only, all_ignored, zero_grad, kept, parts, dparts};
         },
         5e-5f);
   }

@@ -1,5 +1,6 @@
 // kernels.*: losses, reductions, metrics and optimizer steps against references in double and
 // hand-computed values.
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <limits>
@@ -547,4 +548,55 @@ TEST_CASE("kernels.adamw_update: two steps against hand-computed values") {
   Tensor wrong = zeros({3}, DType::bf16);
   CHECK_THROWS_WITH_AS(dp_test::adamw_step(p, g1, wrong, v, c, 1),
                        doctest::Contains("m must be f32"), Error);
+}
+
+TEST_CASE("kernels.token_cross_entropy: chunks given the batch's kept count add up to the batch") {
+  // The chunked classifier (nn::Gpt, GptConfig::loss_chunk): each chunk of rows is one call
+  // given the whole batch's count of kept rows (count_kept), so each row's gradient has the bits
+  // of one call over the batch, and the chunks' losses and counts add up to the batch's.
+  const int64_t rows = 23, vocab = 37;
+  std::vector<int32_t> t = random_labels(rows, vocab, 5);
+  int64_t kept_rows = rows;
+  for (int64_t r = 2; r < rows; r += 5, --kept_rows) t[r] = -1;  // ignored
+  const Tensor targets = Tensor::from_ints(t, {rows});
+  Tensor kept = zeros({1});
+  count_kept(kept, targets, -1);
+  CHECK(kept.item() == static_cast<float>(kept_rows));
+  for (DType dt : {DType::f32, DType::bf16}) {
+    CAPTURE(dt);
+    const Tensor logits = cast(random_tensor({rows, vocab}, 7, -4.f, 4.f), dt);
+    const Scalar grad_scale(2.f);
+    Tensor whole = zeros({1}), right = zeros({1}), dwhole = zeros({rows, vocab}, dt);
+    token_cross_entropy(whole, dwhole, logits, targets, -1, right, grad_scale);
+    Tensor dchunks = filled({rows, vocab}, 7.f);
+    if (dt != DType::f32) dchunks = cast(dchunks, dt);
+    double loss = 0;
+    float counted = 0;
+    for (int64_t r0 = 0; r0 < rows; r0 += 7) {
+      const int64_t r1 = std::min(rows, r0 + 7);
+      Tensor part = zeros({1}), part_right = zeros({1}), d = dchunks.slice(r0, r1);
+      token_cross_entropy(part, d, logits.slice(r0, r1), targets.slice(r0, r1), -1, part_right,
+                          grad_scale, kept);
+      loss += part.item();
+      counted += part_right.item();
+    }
+    CHECK(bitwise_equal(dchunks, dwhole));
+    CHECK(loss == doctest::Approx(whole.item()).epsilon(1e-6));
+    CHECK(counted == right.item());
+  }
+  // A batch with every row ignored: count 0, loss 0 and a zero gradient.
+  const Tensor ignored = Tensor::from_ints(std::vector<int32_t>(4, -1), {4});
+  count_kept(kept, ignored, -1);
+  CHECK(kept.item() == 0.f);
+  Tensor loss = filled({1}, 3.f), d = filled({4, 5}, 7.f);
+  token_cross_entropy(loss, d, random_tensor({4, 5}, 8), ignored, -1, Tensor(), Scalar(), kept);
+  CHECK(loss.item() == 0.f);
+  CHECK(d.to_host_f32() == std::vector<float>(20, 0.f));
+  // A count that is not (1) f32, and targets that are not (N) i32, are refused by name.
+  Tensor none;
+  CHECK_THROWS_WITH_AS(token_cross_entropy(loss, none, random_tensor({4, 5}, 8), ignored, -1,
+                                           Tensor(), Scalar(), zeros({2})),
+                       doctest::Contains("kept must have one element, got [2]"), Error);
+  CHECK_THROWS_WITH_AS(count_kept(kept, zeros({4}), -1), doctest::Contains("targets must be i32"),
+                       Error);
 }

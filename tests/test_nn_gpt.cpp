@@ -1,5 +1,6 @@
 // GPT pieces: attention against a double-precision loop, gradient checks of the new layers,
 // token cross-entropy with an ignore index, the GPT model's layout, init and presets.
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <vector>
@@ -508,4 +509,93 @@ TEST_CASE("nn.gpt: bf16 activations keep the residual stream bf16 and follow f32
   CHECK(differ_out);                       // and so were the logits and their gradient
   CHECK(l16.back() < 0.9f * l16.front());  // and it trains
   CHECK(l16_out.back() < 0.9f * l16_out.front());
+}
+
+TEST_CASE("nn.gpt: the chunked classifier gives the whole logits' loss, count and gradients") {
+  // GptConfig::loss_chunk: the forward handed the loss (nn::LossInForward) runs the head, the
+  // token loss and the head's backward GEMMs 10 tokens at a time (48 tokens: 4 chunks of 10 and
+  // one of 8), with ignored targets; against the plain forward, loss and backward in f32. Each
+  // row's loss gradient has the same bits; the sums (the loss, d wte) add in another order.
+  nn::GptConfig c;
+  c.vocab = 64, c.context = 16, c.layers = 2, c.heads = 2, c.dim = 32;
+  nn::GptConfig chunked = c;
+  c.loss_chunk = 0;
+  chunked.loss_chunk = 10;
+  auto whole = materialized(std::make_shared<nn::Gpt>(c), 5);
+  auto parts = materialized(std::make_shared<nn::Gpt>(chunked), 5);
+  auto [x, y] = gpt_tokens(1, 3, 16);
+  std::vector<int32_t> tg = y.to_host_i32();
+  for (size_t i = 0; i < tg.size(); i += 7) tg[i] = -1;
+  y = Tensor::from_ints(tg, {3, 16});
+  nn::TokenCrossEntropyLoss loss_fn;
+  const nn::CrossEntropyLoss rows_loss;
+  CHECK_FALSE(whole->takes_loss(loss_fn, y));  // loss_chunk 0
+  CHECK(parts->takes_loss(loss_fn, y));
+  CHECK_FALSE(parts->takes_loss(loss_fn, Tensor::from_ints(std::vector<int32_t>(8, 1), {1, 8})));
+  CHECK_FALSE(parts->takes_loss(rows_loss, y));
+
+  const Device cpu = Device::cpu();
+  Tensor loss = Tensor::zeros({1}, DType::f32, cpu), right = Tensor::zeros({1}, DType::f32, cpu);
+  Tensor out = whole->forward(x);
+  Tensor dl = Tensor::empty(out.shape(), DType::f32, cpu);
+  loss_fn.compute_and_count(loss, dl, right, out, y);
+  whole->backward(dl);
+
+  // Training, the gradient times 4 (a loss scale: a power of two, exact).
+  nn::LossInForward r;
+  r.loss = &loss_fn;
+  r.labels = y;
+  r.loss_out = Tensor::zeros({1}, DType::f32, cpu);
+  r.correct = Tensor::zeros({1}, DType::f32, cpu);
+  r.grad_scale = kernels::Scalar(4.f);
+  r.grad = true;
+  parts->set_loss_in_forward(&r);
+  CHECK_FALSE(parts->forward(x).defined());
+  parts->set_loss_in_forward(nullptr);
+  CHECK(r.taken);
+  // Its backward takes no gradient (the loss's went into the head in the forward).
+  CHECK_THROWS_WITH_AS(parts->backward(dl), doctest::Contains("give an undefined gradient"),
+                       kernels::Error);
+  parts->zero_grad();  // the refused step's forward added its head's part already
+  parts->set_loss_in_forward(&r);
+  parts->forward(x);
+  parts->set_loss_in_forward(nullptr);
+  parts->backward(Tensor());
+  CHECK(r.loss_out.item() == doctest::Approx(loss.item()).epsilon(1e-6));
+  CHECK(r.correct.item() == right.item());
+  std::vector<float> want = packed_grads(*whole), got = packed_grads(*parts);
+  REQUIRE(want.size() == got.size());
+  double worst = 0, top = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    worst = std::max(worst, std::abs(double(got[i]) - 4.0 * want[i]));
+    top = std::max(top, std::abs(4.0 * want[i]));
+  }
+  CHECK(worst <= 1e-5 * top);
+
+  // Eval: the loss and count alone, no gradient touched.
+  parts->zero_grad();
+  parts->eval();
+  nn::LossInForward e = r;
+  e.grad = false;
+  e.taken = false;
+  e.loss_out = Tensor::zeros({1}, DType::f32, cpu);
+  parts->set_loss_in_forward(&e);
+  CHECK_FALSE(parts->forward(x).defined());
+  parts->set_loss_in_forward(nullptr);
+  CHECK(e.loss_out.item() == doctest::Approx(loss.item()).epsilon(1e-6));
+  for (float g : host(parts->flat_grads())) REQUIRE(g == 0.f);
+
+  // A loss other than the token cross-entropy handed over anyway is refused by name.
+  nn::LossInForward bad = r;
+  bad.loss = &rows_loss;
+  parts->set_loss_in_forward(&bad);
+  CHECK_THROWS_WITH_AS(parts->forward(x), doctest::Contains("must be token_cross_entropy"),
+                       kernels::Error);
+  parts->set_loss_in_forward(nullptr);
+  CHECK_THROWS_WITH_AS(std::make_shared<nn::Gpt>([] {
+                         nn::GptConfig n;
+                         n.loss_chunk = -1;
+                         return n;
+                       }()),
+                       doctest::Contains("loss_chunk -1"), kernels::Error);
 }

@@ -70,9 +70,10 @@ void DdpTrainer::forward_and_loss(nn::Module& m, const kernels::Tensor& x,
     dlogits_is_output_ = out.defined() && dlogits_.same_storage(out);
     return;
   }
-  const kernels::Tensor out = ddp_->forward_local(x);
-  queue_loss(*loss_fn_, out, y, metrics_.view(0, {1}), &dlogits_,
-             scaler_.loss_grad_factor(loss_scale_), kernels::Tensor(), !m.backward_reads_output());
+  const kernels::Tensor out = queue_forward_and_loss(
+      m, [&](const kernels::Tensor& xj) { return ddp_->forward_local(xj); }, *loss_fn_, x, y,
+      metrics_.view(0, {1}), &dlogits_, scaler_.loss_grad_factor(loss_scale_), kernels::Tensor(),
+      !m.backward_reads_output());
   dlogits_is_output_ = out.defined() && dlogits_.same_storage(out);
 }
 

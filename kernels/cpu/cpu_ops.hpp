@@ -47,7 +47,9 @@ void attention_forward(Tensor& y, Tensor& lse, const Tensor& qkv, const Attentio
 void attention_backward(Tensor& dqkv, const Tensor& dy, const Tensor& qkv, const Tensor& y,
                         const Tensor& lse, const AttentionParams& p);
 void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, const Tensor& targets,
-                         int32_t ignore_index, Tensor& correct, const Scalar& grad_scale);
+                         int32_t ignore_index, Tensor& correct, const Scalar& grad_scale,
+                         const Tensor& kept);
+void count_kept(Tensor& out, const Tensor& targets, int32_t ignore_index);
 void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
                            const Tensor& labels, const Tensor& weights, float label_smoothing,
                            Tensor& correct, const Scalar& grad_scale);

@@ -111,7 +111,8 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
 // As softmax_cross_entropy without smoothing or weights, over the rows whose target is not
 // ignore_index, divided by their count n (ignored rows: no loss, zero gradient).
 void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, const Tensor& targets,
-                         int32_t ignore_index, Tensor& correct, const Scalar& grad_scale) {
+                         int32_t ignore_index, Tensor& correct, const Scalar& grad_scale,
+                         const Tensor& kept_in) {
   const int64_t rows = logits.dim(0), classes = logits.dim(1);
   const int32_t* pt = targets.data<int32_t>();
   int64_t kept = 0;
@@ -120,6 +121,8 @@ void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, co
     DP_CHECK(pt[i] >= 0 && pt[i] < classes, bad_label_text(pt[i], i, rows, classes));
     ++kept;
   }
+  // The whole batch's count, of which these rows are a part (a chunked loss).
+  if (kept_in.defined()) kept = static_cast<int64_t>(kept_in.data<float>()[0]);
   const double inv_n = kept > 0 ? 1.0 / static_cast<double>(kept) : 0.0;
   const double grad_by = kept > 0 ? grad_scale.read() / static_cast<double>(kept) : 0.0;
   std::vector<double> row_loss(static_cast<size_t>(rows), 0.0);
@@ -143,6 +146,13 @@ void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, co
   for (double l : row_loss) total += l;
   loss.data<float>()[0] = static_cast<float>(total * inv_n);
   if (correct.defined()) store_count(correct, right);
+}
+
+void count_kept(Tensor& out, const Tensor& targets, int32_t ignore_index) {
+  const int32_t* pt = targets.data<int32_t>();
+  int64_t kept = 0;
+  for (int64_t i = 0; i < targets.numel(); ++i) kept += pt[i] != ignore_index ? 1 : 0;
+  out.data<float>()[0] = static_cast<float>(kept);
 }
 
 // loss = mean (pred - target)^2, dpred = 2 (pred - target) / numel.

@@ -64,7 +64,8 @@ void attention_backward(Tensor& dqkv, const Tensor& dy, const Tensor& qkv, const
                         const Tensor& lse, const AttentionParams& p, DeviceContext& ctx);
 void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, const Tensor& targets,
                          int32_t ignore_index, Tensor& correct, const Scalar& grad_scale,
-                         DeviceContext& ctx);
+                         const Tensor& kept, DeviceContext& ctx);
+void count_kept(Tensor& out, const Tensor& targets, int32_t ignore_index, DeviceContext& ctx);
 void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
                            const Tensor& labels, const Tensor& weights, float label_smoothing,
                            Tensor& correct, const Scalar& grad_scale, DeviceContext& ctx);

@@ -380,7 +380,7 @@ void softmax_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits,
 
 void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, const Tensor& targets,
                          int32_t ignore_index, Tensor& correct, const Scalar& grad_scale,
-                         DeviceContext& ctx) {
+                         const Tensor& kept, DeviceContext& ctx) {
   NvtxRange range("kernels/token_cross_entropy");
   require_f32("token_cross_entropy", loss);
   require_floating("token_cross_entropy", {&logits});
@@ -399,7 +399,10 @@ void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, co
   auto* row_loss = reinterpret_cast<float*>(ws);
   auto* count = reinterpret_cast<float*>(ws + rows_bytes);
   auto* partials = reinterpret_cast<float*>(ws + rows_bytes + 256);
-  launch_sum(count, rows, KeptRow{targets.data<int32_t>(), ignore_index}, 1.f, partials, s);
+  if (kept.defined())  // the whole batch's count, of which these rows are a part
+    count = const_cast<float*>(kept.data<float>());
+  else
+    launch_sum(count, rows, KeptRow{targets.data<int32_t>(), ignore_index}, 1.f, partials, s);
   auto* fault = reinterpret_cast<unsigned long long*>(ctx.fault_record());
   launch_xent(row_loss, dlogits, logits, targets.data<int32_t>(), nullptr, 0.f, fault, ignore_index,
               count, correct, grad_scale, s);
@@ -407,6 +410,14 @@ void token_cross_entropy(Tensor& loss, Tensor& dlogits, const Tensor& logits, co
   launch_sum(loss.data<float>(), rows, ReadValue{row_loss}, 1.f, partials, s);
   divide_by_count_kernel<<<1, 1, 0, s>>>(loss.data<float>(), count);
   DP_CUDA_CHECK_LAUNCH();
+}
+
+void count_kept(Tensor& out, const Tensor& targets, int32_t ignore_index, DeviceContext& ctx) {
+  NvtxRange range("kernels/count_kept");
+  require_f32("count_kept", out);
+  auto* partials = static_cast<float*>(ctx.workspace(sizeof(float) * kMaxPartials));
+  launch_sum(out.data<float>(), targets.numel(), KeptRow{targets.data<int32_t>(), ignore_index},
+             1.f, partials, stream_of(ctx));
 }
 
 void mse_loss(Tensor& loss, Tensor& dpred, const Tensor& pred, const Tensor& target,
