@@ -141,11 +141,12 @@ void add_flags(CLI::App& app, Options& o) {
   app.add_option("--dropout", o.dropout,
                  "--model gpt: dropout p on embeddings, attention and residuals (GPT-2: 0.1)")
       ->check(dp::cli::number_in(0, 0.99));
-  app.add_option("--loss-chunk", o.loss_chunk,
-                 "--model gpt: the chunked classifier's tokens per chunk: a step's chunk of more "
-                 "tokens than this runs the LM head, the loss and the head's backward this many "
-                 "tokens at a time, never holding the whole (B, T, vocab) logits (0: never; "
-                 "default: nn::GptConfig's, 8192)")
+  app.add_option(
+         "--loss-chunk", o.loss_chunk,
+         "--model gpt or llama: the chunked classifier's tokens per chunk: a step's chunk of more "
+         "tokens than this runs the LM head, the loss and the head's backward this many "
+         "tokens at a time, never holding the whole (B, T, vocab) logits (0: never; "
+         "default: nn::GptConfig's and LlamaConfig's, 8192)")
       ->check(whole_number(0, int64_t{1} << 40));
   app.add_flag("--recompute", o.recompute,
                "--model gpt or llama: activation checkpointing of every transformer block (it "

@@ -72,8 +72,8 @@ struct Options {
   std::optional<int64_t> seq;       // --model gpt: tokens per sequence (default: the context)
   float dropout = 0;                // --model gpt: GPT-2's dropout p (embeddings, residuals)
   bool recompute = false;  // --model gpt or llama: every block checkpointed (set_recompute)
-  // --model gpt: tokens per chunk of the chunked classifier (nn::GptConfig::loss_chunk, 0:
-  // never); unset: the model's default.
+  // --model gpt or llama: tokens per chunk of the chunked classifier (nn::GptConfig::
+  // loss_chunk, 0: never); unset: the model's default.
   std::optional<int64_t> loss_chunk;
   std::optional<double> peak_tflops;  // MFU's peak per GPU (or the CPU); unset: found
   int64_t batch = 256;

@@ -26,8 +26,7 @@ int parse_and_run(std::shared_ptr<const Workload> workload, int argc, char** arg
   // are refused by name below).
   if (o.workload)
     for (const char* flag : {"--model", "--gpt-config", "--seq", "--dropout", "--loss-chunk",
-                             "--recompute",
-                             "--peak-tflops", "--max-staleness", "--staleness-lr"})
+                             "--recompute", "--peak-tflops", "--max-staleness", "--staleness-lr"})
       app.get_option(flag)->group("");
   // ... and with its own optimizer, --optim.
   if (o.workload && o.workload->make_optimizer) app.get_option("--optim")->group("");
@@ -50,11 +49,11 @@ int parse_and_run(std::shared_ptr<const Workload> workload, int argc, char** arg
                                        " trains with dp, ddp, both or "
                                        "hybrid");
     const bool lm = !o.workload && (o.model == "gpt" || o.model == "llama");
-    for (const char* flag : {"--gpt-config", "--dropout", "--loss-chunk"})
+    for (const char* flag : {"--gpt-config", "--dropout"})
       if (app.count(flag) && (o.workload || o.model != "gpt"))
         throw CLI::ValidationError(flag, std::string("is for --model gpt; this run trains ") +
                                              (o.workload ? o.workload->name : o.model));
-    for (const char* flag : {"--seq", "--recompute", "--peak-tflops"})
+    for (const char* flag : {"--seq", "--recompute", "--loss-chunk", "--peak-tflops"})
       if (app.count(flag) && !lm)
         throw CLI::ValidationError(flag, std::string("is for --model gpt or llama; this run "
                                                      "trains ") +
@@ -74,7 +73,7 @@ int parse_and_run(std::shared_ptr<const Workload> workload, int argc, char** arg
                          "'s context " + std::to_string(context) + ": give at most that");
       const Blocks blocks = o.recompute ? Blocks::recomputed : Blocks::kept;
       o.workload = std::make_shared<const Workload>(
-          llama ? llama_workload(seq, o.seed, blocks)
+          llama ? llama_workload(seq, o.seed, blocks, o.loss_chunk)
                 : gpt_workload(o.gpt_config, seq, o.dropout, o.seed, blocks, o.loss_chunk));
     }
   } catch (const CLI::ParseError& e) {

@@ -42,9 +42,11 @@ Workload gpt_workload(const std::string& config, int64_t seq, float dropout, uin
   return w;
 }
 
-Workload llama_workload(int64_t seq, uint64_t seed, Blocks blocks) {
+Workload llama_workload(int64_t seq, uint64_t seed, Blocks blocks,
+                        std::optional<int64_t> loss_chunk) {
   nn::LlamaConfig c = nn::LlamaConfig::preset("tiny");
   c.recompute = blocks == Blocks::recomputed;
+  if (loss_chunk) c.loss_chunk = *loss_chunk;
   DP_CHECK(seq >= 1 && seq <= c.context,
            "--seq " << seq << " with --model llama: give 1 to the context, " << c.context);
   Workload w;

@@ -18,12 +18,13 @@ enum class Blocks { kept, recomputed };
 // requires config a GptConfig preset name; 1 <= seq <= its context (throws naming both
 // otherwise); 0 <= dropout < 1. ensures a workload named "gpt-<config>" whose batch of step s
 // is (ids, targets) (B, seq) i32 from (seed, s), the same for every mode and device count.
-// loss_chunk: GptConfig::loss_chunk (>= 0), unset: the preset's.
+// loss_chunk: GptConfig::loss_chunk (>= 0), unset: the preset's; the same for the Llama below.
 Workload gpt_workload(const std::string& config, int64_t seq, float dropout, uint64_t seed,
                       Blocks blocks = Blocks::kept,
                       std::optional<int64_t> loss_chunk = std::nullopt);
 // The same for the tiny Llama (nn/llama.hpp), named "llama-tiny". requires 1 <= seq <= its
 // context (throws naming both otherwise).
-Workload llama_workload(int64_t seq, uint64_t seed, Blocks blocks = Blocks::kept);
+Workload llama_workload(int64_t seq, uint64_t seed, Blocks blocks = Blocks::kept,
+                        std::optional<int64_t> loss_chunk = std::nullopt);
 
 }  // namespace bench

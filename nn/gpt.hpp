@@ -264,8 +264,10 @@ class Gpt : public Module {
     hidden_ = to_compute(x.reshape({b * t, c_.dim}));  // (B T, D)
     hidden_batch_ = b;
     dhidden_ = Tensor();
-    if (LossInForward* request = loss_in_forward()) {
-      chunked_loss(*request, ids);
+    if (LossInForward* request = loss_in_forward()) {  // the chunked classifier
+      dhidden_ = chunked_token_loss(*request, hidden_, wte_->weight().compute, wte_->weight().grad,
+                                    c_.loss_chunk, output_dtype(), activation_dtype(),
+                                    "Gpt(" + c_.name + ")");
       return Tensor();
     }
     // f32 logits, or 16-bit ones for a loss that reads them (Module::set_output).
@@ -310,57 +312,11 @@ class Gpt : public Module {
   std::shared_ptr<Sequential> h_;
   std::shared_ptr<LayerNorm> ln_f_;
   Tensor hidden_;   // ln_f output as (B T, D), in the compute dtype
-  Tensor dhidden_;  // its gradient, when the forward took the loss (chunked_loss)
+  Tensor dhidden_;  // its gradient, when the forward took the loss (chunked_token_loss)
   int64_t hidden_batch_ = 0;
   void release_saved() override {
     hidden_ = Tensor();
     dhidden_ = Tensor();
-  }
-
-  // The chunked classifier: for each chunk of at most loss_chunk tokens, its logits (one buffer,
-  // reused), the token cross-entropy's part of the whole chunk's mean read from them, and, in
-  // training, its gradient written over them and taken straight into the head's two backward
-  // GEMMs (the rows of d hidden, and d wte accumulated): the bits of each row's loss gradient are
-  // those of one loss over every token (kernels::token_cross_entropy's `kept`), the sums (the
-  // loss, d wte) are added in another order.
-  void chunked_loss(LossInForward& r, const Tensor& ids) {
-    const auto* loss = dynamic_cast<const TokenCrossEntropyLoss*>(r.loss);
-    DP_CHECK(loss && r.labels.shape() == ids.shape(),
-             "Gpt(" << c_.name << "): the loss handed to its forward must be token_cross_entropy "
-                    << "over labels shaped as the ids " << ids << ", got "
-                    << (r.loss ? r.loss->name() : std::string("none")) << " over " << r.labels);
-    r.taken = true;
-    kernels::NvtxRange range("Gpt/chunked_loss");
-    const int64_t rows = hidden_.dim(0), chunk = std::min(c_.loss_chunk, rows);
-    const int64_t n = (rows + chunk - 1) / chunk;
-    const Device dev = ids.device();
-    const Tensor targets = r.labels.reshape({rows});
-    // Per chunk: its loss, its count of right tokens; then the batch's count of kept tokens.
-    Tensor slots = Tensor::empty({2 * n + 1}, DType::f32, dev);
-    Tensor kept = slots.view(2 * n, {1});
-    kernels::count_kept(kept, targets, loss->ignore_index());
-    Tensor logits = Tensor::empty({chunk, c_.vocab}, output_dtype(), dev);
-    if (r.grad) dhidden_ = Tensor::empty({rows, c_.dim}, activation_dtype(), dev);
-    const Tensor& w = wte_->weight().compute;
-    for (int64_t j = 0, r0 = 0; j < n; ++j, r0 += chunk) {
-      const int64_t r1 = std::min(rows, r0 + chunk);
-      Tensor lj = logits.view(0, {r1 - r0, c_.vocab});
-      const Tensor hj = hidden_.slice(r0, r1);
-      kernels::gemm(lj, hj, kernels::Transpose::no, w, kernels::Transpose::yes);
-      Tensor dj = r.grad ? lj : Tensor();  // written over the logits
-      Tensor lossj = slots.view(j, {1});
-      kernels::token_cross_entropy(lossj, dj, lj, targets.slice(r0, r1), loss->ignore_index(),
-                                   r.correct.defined() ? slots.view(n + j, {1}) : Tensor(),
-                                   r.grad_scale, kept);
-      if (!r.grad) continue;
-      Tensor dl = to_compute(lj);
-      Tensor dxj = dhidden_.slice(r0, r1);
-      kernels::gemm(dxj, dl, kernels::Transpose::no, w, kernels::Transpose::no);
-      kernels::gemm(wte_->weight().grad, dl, kernels::Transpose::yes, hj, kernels::Transpose::no,
-                    1.f, 1.f);
-    }
-    kernels::sum(r.loss_out, slots.view(0, {n}));
-    if (r.correct.defined()) kernels::sum(r.correct, slots.view(n, {n}));
   }
 };
 

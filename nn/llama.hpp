@@ -17,6 +17,7 @@
 #include "nn/containers.hpp"
 #include "nn/embedding.hpp"
 #include "nn/linear.hpp"
+#include "nn/loss.hpp"
 #include "nn/norm.hpp"
 
 namespace nn {
@@ -36,6 +37,8 @@ struct LlamaConfig {
   // Activation checkpointing of every block (LlamaBlock::set_recompute): a block keeps its input
   // alone and runs its forward again in its backward.
   bool recompute = false;
+  // The chunked classifier, as GptConfig::loss_chunk (0: never).
+  int64_t loss_chunk = 8192;
   std::string name = "custom";
 
   // "tiny" (byte vocabulary, about 0.9M parameters, for CI). Throws naming the choices
@@ -157,11 +160,13 @@ class Llama : public Module {
  public:
   explicit Llama(LlamaConfig c) : c_(std::move(c)) {
     DP_CHECK(c_.vocab > 0 && c_.context > 0 && c_.layers > 0 && c_.heads > 0 && c_.dim > 0 &&
-                 c_.dim % c_.heads == 0 && (c_.dim / c_.heads) % 2 == 0 && c_.hidden > 0,
+                 c_.dim % c_.heads == 0 && (c_.dim / c_.heads) % 2 == 0 && c_.hidden > 0 &&
+                 c_.loss_chunk >= 0,
              "Llama(" << c_.name << "): vocab " << c_.vocab << ", context " << c_.context << ", "
                       << c_.layers << " layers, " << c_.heads << " heads, dim " << c_.dim
-                      << ", hidden " << c_.hidden
-                      << ": sizes must be > 0 and heads must divide dim into even head widths");
+                      << ", hidden " << c_.hidden << ", loss_chunk " << c_.loss_chunk
+                      << ": sizes must be > 0, heads must divide dim into even head widths, "
+                         "loss_chunk >= 0");
     const InitSpec w = InitSpec::normal(0.02f);
     const InitSpec w_resid =
         InitSpec::normal(0.02f / std::sqrt(2.f * static_cast<float>(c_.layers)));
@@ -183,6 +188,11 @@ class Llama : public Module {
   }
   std::string type_name() const override { return "Llama"; }
   const LlamaConfig& config() const { return c_; }
+  // The chunked classifier (LlamaConfig::loss_chunk), as Gpt's.
+  bool takes_loss(const Loss& loss, const Tensor& labels) const override {
+    return c_.loss_chunk > 0 && labels.numel() > c_.loss_chunk && !recomputes() &&
+           dynamic_cast<const TokenCrossEntropyLoss*>(&loss) != nullptr;
+  }
 
  protected:
   Tensor forward_impl(const Tensor& ids) override {
@@ -192,11 +202,35 @@ class Llama : public Module {
     // The residual stream in the activation dtype from the embedding on (one cast under 16-bit
     // activations: the lookup writes f32).
     Tensor x = as_dtype(embed_->forward(ids), activation_dtype());
-    return lm_head_->forward(norm_->forward(layers_->forward(x)));
+    Tensor h = norm_->forward(layers_->forward(x));
+    dhidden_ = Tensor();
+    LossInForward* request = loss_in_forward();
+    if (!request) return lm_head_->forward(h);
+    // The chunked classifier: lm_head's GEMMs run here, a chunk of tokens at a time, and its
+    // backward never runs (its weight's gradient is final once this forward is done).
+    hidden_shape_ = h.shape();
+    const Tensor rows = to_compute(h.reshape({h.numel() / c_.dim, c_.dim}));
+    Parameter& w = lm_head_->weight();
+    dhidden_ = chunked_token_loss(*request, rows, w.compute, w.grad, c_.loss_chunk, output_dtype(),
+                                  activation_dtype(), "Llama(" + c_.name + ")");
+    return Tensor();
   }
   Tensor backward_impl(const Tensor& dlogits) override {
-    return embed_->backward(layers_->backward(norm_->backward(lm_head_->backward(dlogits))));
+    Tensor dh;
+    if (dhidden_.defined()) {
+      DP_CHECK(!dlogits.defined(), "Llama(" << c_.name
+                                            << ")::backward: its forward took the loss "
+                                               "(LlamaConfig::loss_chunk): give an undefined "
+                                               "gradient");
+      dh = dhidden_.reshape(hidden_shape_);
+      dhidden_ = Tensor();
+      own_grads_ready(*lm_head_);
+    } else {
+      dh = lm_head_->backward(dlogits);
+    }
+    return embed_->backward(layers_->backward(norm_->backward(dh)));
   }
+  void release_saved() override { dhidden_ = Tensor(); }
   std::shared_ptr<Module> clone_config() const override { return std::make_shared<Llama>(c_); }
 
  private:
@@ -205,6 +239,8 @@ class Llama : public Module {
   std::shared_ptr<Sequential> layers_;
   ModulePtr norm_;
   std::shared_ptr<Linear> lm_head_;
+  Tensor dhidden_;  // d norm's output, when the forward took the loss (chunked_token_loss)
+  Shape hidden_shape_;
 };
 
 }  // namespace nn

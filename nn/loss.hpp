@@ -5,6 +5,7 @@
 // the device (no host sync), backward the gradient w.r.t. pred.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -246,5 +247,61 @@ class TokenCrossEntropyLoss : public Loss {
  private:
   int32_t ignore_;
 };
+
+// The chunked classifier of a language model whose forward takes the loss (Module::takes_loss:
+// nn::Gpt, nn::Llama; GptConfig::loss_chunk): its LM head's logits = hidden weight^T and the token
+// cross-entropy over them, `chunk` tokens at a time (one reused (chunk, V) buffer of
+// logits_dtype), never holding the whole (N, V) logits; in training (r.grad) each chunk's loss
+// gradient (times r.grad_scale) written over its logits and taken straight into the head's two
+// backward GEMMs. Each chunk's loss is given the whole batch's count of kept tokens
+// (kernels::count_kept), so each token's gradient has the bits of one loss over every token;
+// the sums (the loss, the weight's gradient) are added in another order.
+// requires r.loss a TokenCrossEntropyLoss over r.labels of N tokens (throws naming `who`, the
+// loss and the labels otherwise); hidden (N, D) and weight (V, D) in one dtype on r.labels'
+// device; grad (V, D) f32; chunk >= 1. ensures queued: r.loss_out, a defined r.correct as
+// LossInForward says, r.taken; with r.grad, grad += d weight and returns d hidden (N, D) in
+// dhidden_dtype, else an undefined tensor.
+inline Tensor chunked_token_loss(LossInForward& r, const Tensor& hidden, const Tensor& weight,
+                                 Tensor& grad, int64_t chunk, DType logits_dtype,
+                                 DType dhidden_dtype, const std::string& who) {
+  const auto* loss = dynamic_cast<const TokenCrossEntropyLoss*>(r.loss);
+  const int64_t rows = hidden.ndim() == 2 ? hidden.dim(0) : -1;
+  DP_CHECK(loss && r.labels.numel() == rows && chunk >= 1,
+           who << ": the chunked classifier takes token_cross_entropy over one label per row of "
+               << hidden << ", in chunks of >= 1; got "
+               << (r.loss ? r.loss->name() : std::string("no loss")) << " over " << r.labels
+               << ", chunks of " << chunk);
+  r.taken = true;
+  kernels::NvtxRange range("nn/chunked_token_loss");
+  chunk = std::min(chunk, std::max<int64_t>(rows, 1));
+  const int64_t n = (rows + chunk - 1) / chunk, vocab = weight.dim(0);
+  const kernels::Device dev = hidden.device();
+  const Tensor targets = r.labels.reshape({rows});
+  // Per chunk its loss, then per chunk its count of right tokens, then the batch's kept count.
+  Tensor slots = Tensor::empty({2 * n + 1}, DType::f32, dev);
+  Tensor kept = slots.view(2 * n, {1});
+  kernels::count_kept(kept, targets, loss->ignore_index());
+  Tensor logits = Tensor::empty({chunk, vocab}, logits_dtype, dev);
+  Tensor dhidden = r.grad ? Tensor::empty({rows, hidden.dim(1)}, dhidden_dtype, dev) : Tensor();
+  for (int64_t j = 0, r0 = 0; j < n; ++j, r0 += chunk) {
+    const int64_t r1 = std::min(rows, r0 + chunk);
+    Tensor lj = logits.view(0, {r1 - r0, vocab});
+    const Tensor hj = hidden.slice(r0, r1);
+    kernels::gemm(lj, hj, kernels::Transpose::no, weight, kernels::Transpose::yes);
+    Tensor dj = r.grad ? lj : Tensor();  // written over the logits
+    Tensor lossj = slots.view(j, {1});
+    kernels::token_cross_entropy(lossj, dj, lj, targets.slice(r0, r1), loss->ignore_index(),
+                                 r.correct.defined() ? slots.view(n + j, {1}) : Tensor(),
+                                 r.grad_scale, kept);
+    if (!r.grad) continue;
+    const Tensor dl = lj.dtype() == weight.dtype() ? lj : kernels::cast(lj, weight.dtype());
+    Tensor dhj = dhidden.slice(r0, r1);
+    kernels::gemm(dhj, dl, kernels::Transpose::no, weight, kernels::Transpose::no);
+    kernels::gemm(grad, dl, kernels::Transpose::yes, hj, kernels::Transpose::no, 1.f, 1.f);
+  }
+  kernels::sum(r.loss_out, slots.view(0, {n}));
+  if (r.correct.defined()) kernels::sum(r.correct, slots.view(n, {n}));
+  return dhidden;
+}
 
 }  // namespace nn

@@ -720,6 +720,15 @@ class Module {
   virtual Tensor backward_impl(const Tensor& dy) = 0;
   // The request this forward takes (set_loss_in_forward), or null.
   LossInForward* loss_in_forward() const { return loss_in_forward_; }
+  // A parent that ran a child's backward itself (nn::Llama's chunked classifier runs its
+  // lm_head's GEMMs in its forward, and never calls lm_head's backward): the child's own
+  // parameters' gradients are final, and on_grad_ready fires for each, as the child's backward
+  // would have fired it.
+  void own_grads_ready(Module& child) {
+    if (flat_ && flat_->on_grad_ready)
+      for (auto& p : child.params_)
+        if (!flat_->hooks_held.count(&p)) flat_->on_grad_ready(p);
+  }
   // A fresh module with this one's configuration. Containers may return an empty container:
   // clone_structure() then clones and registers the children in order.
   virtual std::shared_ptr<Module> clone_config() const = 0;

@@ -2538,40 +2538,44 @@ TEST_CASE("bench.cli: flags that would do nothing are refused, saying what they 
 }
 
 TEST_CASE("bench.loss_chunk: --loss-chunk keeps DP's and DDP's losses and lowers the peak") {
-  // The tiny GPT's chunked classifier (nn::GptConfig::loss_chunk: 48 tokens a chunk, 256 or 128
-  // tokens a device) against the whole (B, T, V) logits (0), DP and DDP at 1 and 2 devices or
-  // ranks, graphed: each token's loss gradient has the same bits, the sums (the loss, the tied
-  // head's gradient) another order, so the losses agree within f32 rounding; every device's peak
-  // is lower; the flag is refused by name where there is no GPT.
-  auto report_of = [&](const std::string& chunk) {
-    std::string json = temp_path("loss_chunk_" + chunk + ".json");
-    auto [rc, out] = bench_output(
-        "--device cpu --gpus 2 --mode both --steps 3 --warmup 2 --batch 4 --seq 64 "
-        "--cuda-graphs on --model gpt --loss-chunk " +
-        chunk + " --json " + json);
-    INFO(out);
-    REQUIRE(rc == 0);
-    nlohmann::json report = read_json(json);
-    std::remove(json.c_str());
-    return report;
-  };
-  const nlohmann::json whole = report_of("0")["runs"], parts = report_of("48")["runs"];
-  REQUIRE(whole.size() == 4);  // DP at 1 and 2 devices, DDP at 1 and 2 ranks
-  REQUIRE(parts.size() == whole.size());
-  for (size_t i = 0; i < whole.size(); ++i) {
-    CAPTURE(whole[i]["mode"].get<std::string>());
-    CAPTURE(whole[i]["gpus"].get<int>());
-    CHECK(parts[i]["graphed_steps"].get<int>() == 3);
-    CHECK(parts[i]["graphs_fallback"] == "");
-    const std::vector<double> a = parts[i]["losses"], b = whole[i]["losses"];
-    REQUIRE(a.size() == b.size());
-    for (size_t s = 0; s < a.size(); ++s) CHECK(a[s] == doctest::Approx(b[s]).epsilon(1e-5));
-    const std::vector<int64_t> peak = parts[i]["peak_mem_bytes"],
-                               whole_peak = whole[i]["peak_mem_bytes"];
-    REQUIRE(peak.size() == whole_peak.size());
-    for (size_t d = 0; d < peak.size(); ++d) CHECK(peak[d] < whole_peak[d]);
+  // The tiny GPT's and Llama's chunked classifier (nn::GptConfig::loss_chunk: 48 tokens a chunk,
+  // 256 or 128 tokens a device) against the whole (B, T, V) logits (0), DP and DDP at 1 and 2
+  // devices or ranks, graphed: each token's loss gradient has the same bits, the sums (the loss,
+  // the head's gradient) another order, so the losses agree within f32 rounding; every device's
+  // peak is lower; the flag is refused by name where there is no language model.
+  for (const std::string model : {"gpt", "llama"}) {
+    CAPTURE(model);
+    auto report_of = [&](const std::string& chunk) {
+      std::string json = temp_path("loss_chunk_" + model + chunk + ".json");
+      auto [rc, out] = bench_output(
+          "--device cpu --gpus 2 --mode both --steps 3 --warmup 2 --batch 4 --seq 64 "
+          "--cuda-graphs on --model " +
+          model + " --loss-chunk " + chunk + " --json " + json);
+      INFO(out);
+      REQUIRE(rc == 0);
+      nlohmann::json report = read_json(json);
+      std::remove(json.c_str());
+      return report;
+    };
+    const nlohmann::json whole = report_of("0")["runs"], parts = report_of("48")["runs"];
+    REQUIRE(whole.size() == 4);  // DP at 1 and 2 devices, DDP at 1 and 2 ranks
+    REQUIRE(parts.size() == whole.size());
+    for (size_t i = 0; i < whole.size(); ++i) {
+      CAPTURE(whole[i]["mode"].get<std::string>());
+      CAPTURE(whole[i]["gpus"].get<int>());
+      CHECK(parts[i]["graphed_steps"].get<int>() == 3);
+      CHECK(parts[i]["graphs_fallback"] == "");
+      const std::vector<double> a = parts[i]["losses"], b = whole[i]["losses"];
+      REQUIRE(a.size() == b.size());
+      for (size_t s = 0; s < a.size(); ++s) CHECK(a[s] == doctest::Approx(b[s]).epsilon(1e-5));
+      const std::vector<int64_t> peak = parts[i]["peak_mem_bytes"],
+                                 whole_peak = whole[i]["peak_mem_bytes"];
+      REQUIRE(peak.size() == whole_peak.size());
+      for (size_t d = 0; d < peak.size(); ++d) CHECK(peak[d] < whole_peak[d]);
+    }
   }
   auto [rc, out] = bench_output("--device cpu --steps 1 --loss-chunk 8");
   CHECK(rc != 0);
-  CHECK(out.find("--loss-chunk: is for --model gpt; this run trains mlp") != std::string::npos);
+  CHECK(out.find("--loss-chunk: is for --model gpt or llama; this run trains mlp") !=
+        std::string::npos);
 }

@@ -76,6 +76,20 @@ nn::ModulePtr micro_composed_llama() {
   c.composed = true;
   return nn::llama(c);
 }
+// The chunked classifier (GptConfig::loss_chunk, LlamaConfig::loss_chunk), 5 tokens a chunk: a
+// device's 12 or 6 tokens run as 5, 5, 2 or 5, 1 (dp::queue_forward_and_loss hands the loss to
+// the model's forward), against one device's whole logits.
+nn::ModulePtr micro_gpt_chunked() {
+  nn::GptConfig c = micro();
+  c.loss_chunk = 5;
+  return nn::gpt(c);
+}
+nn::ModulePtr micro_llama_chunked() {
+  nn::LlamaConfig c;
+  c.vocab = 13, c.context = 8, c.layers = 2, c.heads = 2, c.dim = 16, c.hidden = 24;
+  c.loss_chunk = 5;
+  return nn::llama(c);
+}
 
 // One device; with clip > 0 the gradient is clipped to that global norm before each step.
 std::vector<float> train_single(int64_t batch, bool ignored, std::vector<float>* losses,
@@ -411,11 +425,14 @@ TEST_CASE("ddp.gpt: 4 ranks (plain and ZeRO-1) with the token cross-entropy foll
 // Llama's layers through both engines: RMSNorm's and SwiGLU's gradients, rotary attention (its
 // tables are constants, made on each device and never communicated) and the untied head, on
 // uneven batches with ignored tokens.
-TEST_CASE("dp.llama: 4 devices follow one device (uneven, ignored tokens, fused and composed)") {
+TEST_CASE(
+    "dp.llama: 4 devices follow one device (uneven, ignored tokens, fused, composed, chunked)") {
   for (auto [batch, make] : {std::pair<int64_t, MakeModel>{8, micro_llama},
                              {7, micro_llama},
                              {8, micro_composed_llama},
-                             {7, micro_composed_llama}}) {
+                             {7, micro_composed_llama},
+                             {7, micro_llama_chunked},
+                             {7, micro_gpt_chunked}}) {
     CAPTURE(batch);
     std::vector<float> ref_losses, losses;
     auto ref = train_single(batch, true, &ref_losses, 0.f, nullptr, make);

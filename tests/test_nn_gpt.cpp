@@ -589,7 +589,8 @@ TEST_CASE("nn.gpt: the chunked classifier gives the whole logits' loss, count an
   nn::LossInForward bad = r;
   bad.loss = &rows_loss;
   parts->set_loss_in_forward(&bad);
-  CHECK_THROWS_WITH_AS(parts->forward(x), doctest::Contains("must be token_cross_entropy"),
+  CHECK_THROWS_WITH_AS(parts->forward(x),
+                       doctest::Contains("takes token_cross_entropy over one label per row"),
                        kernels::Error);
   parts->set_loss_in_forward(nullptr);
   CHECK_THROWS_WITH_AS(std::make_shared<nn::Gpt>([] {

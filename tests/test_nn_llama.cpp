@@ -1,7 +1,9 @@
 // Llama's layers (nn/llama.hpp, nn::RMSNorm, rotary attention): the kernels against double loops
 // from their definitions, rotary's relative-position property, gradient checks of every layer
 // and of the model, its parameter count, and a few training steps in f32 and in bf16.
+#include <algorithm>
 #include <cmath>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -256,4 +258,55 @@ TEST_CASE("nn.llama: trains, and bf16 activations with bf16 logits follow f32") 
   }
   CHECK(l32.back() < 0.9f * l32.front());
   CHECK(l16.back() < 0.9f * l16.front());
+}
+
+TEST_CASE(
+    "nn.llama: the chunked classifier gives the whole logits' loss and gradients, hooks once") {
+  // LlamaConfig::loss_chunk, 7 tokens a chunk (24 tokens: 7, 7, 7, 3), in f32 against the plain
+  // forward, loss and backward. lm_head's backward never runs: the model fires its weight's
+  // on_grad_ready itself, once, as every other parameter's.
+  nn::LlamaConfig c = micro();
+  nn::LlamaConfig chunked = c;
+  c.loss_chunk = 0;
+  chunked.loss_chunk = 7;
+  auto whole = materialized(nn::llama(c), 5);
+  auto parts = materialized(nn::llama(chunked), 5);
+  const Tensor ids = token_ids({3, 8}, c.vocab, 41), targets = token_ids({3, 8}, c.vocab, 42);
+  nn::TokenCrossEntropyLoss loss_fn;
+  CHECK_FALSE(whole->takes_loss(loss_fn, targets));
+  CHECK(parts->takes_loss(loss_fn, targets));
+  const Device cpu = Device::cpu();
+  Tensor loss = Tensor::zeros({1}, DType::f32, cpu);
+  Tensor out = whole->forward(ids);
+  Tensor dl = Tensor::empty(out.shape(), DType::f32, cpu);
+  loss_fn.compute(loss, dl, out, targets);
+  whole->backward(dl);
+
+  std::map<const nn::Parameter*, int> fired;
+  parts->flat().on_grad_ready = [&](const nn::Parameter& p) { ++fired[&p]; };
+  nn::LossInForward r;
+  r.loss = &loss_fn;
+  r.labels = targets;
+  r.loss_out = Tensor::zeros({1}, DType::f32, cpu);
+  r.grad = true;
+  parts->set_loss_in_forward(&r);
+  CHECK_FALSE(parts->forward(ids).defined());
+  parts->set_loss_in_forward(nullptr);
+  parts->backward(Tensor());
+  parts->flat().on_grad_ready = nullptr;
+  CHECK(r.loss_out.item() == doctest::Approx(loss.item()).epsilon(1e-6));
+  const std::vector<float> want = packed_grads(*whole), got = packed_grads(*parts);
+  REQUIRE(want.size() == got.size());
+  double worst = 0, top = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    worst = std::max(worst, std::abs(double(got[i]) - want[i]));
+    top = std::max(top, std::abs(double(want[i])));
+  }
+  CHECK(worst <= 1e-5 * top);
+  const auto params = parts->named_parameters();
+  CHECK(fired.size() == params.size());
+  for (const auto& [name, p] : params) {
+    CAPTURE(name);
+    CHECK(fired[p] == 1);
+  }
 }
