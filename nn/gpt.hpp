@@ -222,11 +222,9 @@ class Gpt : public Module {
   }
   std::string type_name() const override { return "Gpt"; }
   bool backward_reads_output() const override { return false; }  // it keeps ln_f's output
-  // The chunked classifier (GptConfig::loss_chunk): a token cross-entropy over more tokens than a
-  // chunk, unless the model itself is checkpointed (its forward would run the loss again).
+  // The chunked classifier (GptConfig::loss_chunk).
   bool takes_loss(const Loss& loss, const Tensor& labels) const override {
-    return c_.loss_chunk > 0 && labels.numel() > c_.loss_chunk && !recomputes() &&
-           dynamic_cast<const TokenCrossEntropyLoss*>(&loss) != nullptr;
+    return takes_chunked_token_loss(c_.loss_chunk, recomputes(), loss, labels);
   }
   const GptConfig& config() const { return c_; }
   Embedding& wte() { return *wte_; }

@@ -190,8 +190,7 @@ class Llama : public Module {
   const LlamaConfig& config() const { return c_; }
   // The chunked classifier (LlamaConfig::loss_chunk), as Gpt's.
   bool takes_loss(const Loss& loss, const Tensor& labels) const override {
-    return c_.loss_chunk > 0 && labels.numel() > c_.loss_chunk && !recomputes() &&
-           dynamic_cast<const TokenCrossEntropyLoss*>(&loss) != nullptr;
+    return takes_chunked_token_loss(c_.loss_chunk, recomputes(), loss, labels);
   }
 
  protected:

@@ -248,6 +248,16 @@ class TokenCrossEntropyLoss : public Loss {
   int32_t ignore_;
 };
 
+// Whether a language model with a chunked classifier of `chunk` tokens (0: none) takes `loss`
+// in its forward for these labels (Module::takes_loss): a token cross-entropy over more tokens
+// than a chunk, unless the model is checkpointed as a whole (`recomputes`: its forward would run
+// the loss again).
+inline bool takes_chunked_token_loss(int64_t chunk, bool recomputes, const Loss& loss,
+                                     const Tensor& labels) {
+  return chunk > 0 && labels.numel() > chunk && !recomputes &&
+         dynamic_cast<const TokenCrossEntropyLoss*>(&loss) != nullptr;
+}
+
 // The chunked classifier of a language model whose forward takes the loss (Module::takes_loss:
 // nn::Gpt, nn::Llama; GptConfig::loss_chunk): its LM head's logits = hidden weight^T and the token
 // cross-entropy over them, `chunk` tokens at a time (one reused (chunk, V) buffer of
