@@ -67,8 +67,8 @@ sum1=$(ls "$scratch"/r1/*/summary.txt 2> /dev/null | head -1)
 [[ -n $sum1 ]] || no "no summary.txt"
 # The lease's order: the side-by-side jobs first (either may start first), then the rest.
 side=(tests amp-tests)
-timed=(probe gpt gpt-profile gpt-batch torch-gpt graphs torch-fp32 torch-bf16 amp-runs bench-more
-  memcheck racecheck gemm profile)
+timed=(probe gpt gpt-profile gpt-batch torch-gpt torch-gpt-b32 graphs torch-fp32 torch-bf16 amp-runs
+  bench-more memcheck racecheck gemm profile)
 order=$(sed -n 's/^== part \([a-z0-9-]*\) (.*/\1/p' "${sum1:-/dev/null}" | paste -sd' ' -)
 [[ $order == "tests amp-tests ${timed[*]}" || $order == "amp-tests tests ${timed[*]}" ]] ||
   no "the parts ran in the order '$order', expected ${side[*]} (either first), then ${timed[*]}"
@@ -251,7 +251,7 @@ kill_at=$((RANDOM % 18 + 3))
 echo "6. the lease, SIG$kill_sig after $kill_at s (GPU_CHECK_KILL=\"$kill_sig $kill_at\" repeats this)"
 declare -A part_file=([tests]=cuda_tests.txt [amp-tests]=amp_tests.txt [probe]=probe_gpt.json
   [gpt]=dp_bench_gpt124m_bf16.json [gpt-batch]=dp_bench_gpt124m_bf16_batch32.json
-  [torch-gpt]=summary.txt [graphs]=dp_bench_cnn_gpus4_nographs.json [torch-fp32]=summary.txt
+  [torch-gpt]=summary.txt [torch-gpt-b32]=summary.txt [graphs]=dp_bench_cnn_gpus4_nographs.json [torch-fp32]=summary.txt
   [torch-bf16]=summary.txt [amp-runs]=amp_cnn_bf16_gpus4_commbf16.json
   [bench-more]=dp_bench_gpt_tiny_dropout_graphs_off.json [memcheck]=probe_compute-sanitizer.txt
   [racecheck]=probe_compute-sanitizer.txt [gemm]=bench_kernels.json [profile]=probe_ncu.txt
