@@ -578,6 +578,10 @@ void count_kept(Tensor& out, const Tensor& targets, int32_t ignore_index) {
   check_dtype(op, {"targets", targets}, DType::i32);
   check_scalar_out(op, {"out", out});
   DP_CHECK(targets.ndim() == 1, op << ": targets must be (N), got " << shape_str(targets.shape()));
+  constexpr int64_t exact = int64_t{1} << 24;  // every count below it is an f32 integer
+  DP_CHECK(targets.numel() <= exact, op << ": " << targets.numel()
+                                        << " targets: the f32 count is exact up to " << exact
+                                        << "; give a device fewer tokens a step");
   if (targets.numel() == 0) return fill(out, 0.f);
   DP_DISPATCH(targets.device(), count_kept, out, targets, ignore_index);
 }

@@ -599,4 +599,9 @@ TEST_CASE("kernels.token_cross_entropy: chunks given the batch's kept count add 
                        doctest::Contains("kept must have one element, got [2]"), Error);
   CHECK_THROWS_WITH_AS(count_kept(kept, zeros({4}), -1), doctest::Contains("targets must be i32"),
                        Error);
+  // A count that f32 would round (over 2^24 targets) is refused, naming the targets' count.
+  const Tensor many = Tensor::empty({(int64_t{1} << 24) + 1}, DType::i32, Device::cpu());
+  CHECK_THROWS_WITH_AS(count_kept(kept, many, -1),
+                       doctest::Contains("16777217 targets: the f32 count is exact up to 16777216"),
+                       Error);
 }
