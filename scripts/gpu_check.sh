@@ -56,7 +56,9 @@
 #              --cuda-graphs auto; 4 must follow 1 within 1e-3), and again with --cuda-graphs
 #              off, whose losses must equal the graphed runs' bit for bit (a run whose capture
 #              fell back says so and why); gpt: GPT-2 124M in bf16, DP on 1 and 4 logical GPUs
-#              (tokens/s, MFU, the 4/1 ratio), 3 interleaved repeats, at batch 8, 32 and 64;
+#              (tokens/s, MFU, the 4/1 ratio), 3 interleaved repeats, at batch 8, 32 and 64,
+#              32 again uncaptured (--cuda-graphs off: the reduce overlaps backward), and one GPU
+#              at 32 with --loss-chunk 0;
 #              gpt-batch: the largest GPT-2 124M batch that fits (16, 32, ... 256; out of memory
 #              ends it, cuBLAS's CUBLAS_STATUS_ALLOC_FAILED included), tokens/s and MFU at each;
 #              bench-more: DP on 4 GPUs with a 0.25 MiB first bucket, staged pulls
@@ -1172,6 +1174,19 @@ part_gpt() {
     ((rc == 0)) && line=$(bench_line "$out/$name.json")
     step_verdict "$rc" "$label" "${line:-see $name.txt}" "see $name.txt"
   done
+  # Batch 32 uncaptured (--cuda-graphs off): DP's graphed step sums the replicas' buckets after
+  # every backward ended (1.59 ms of the 4/1's 4.0 on 2026-12-04, "0 pulled while backward ran
+  # on"), where an uncaptured one pulls each bucket as backward makes it; GPT-2's kernels are
+  # long enough that the graphs' launch savings may weigh less than that overlap.
+  name=dp_bench_gpt124m_bf16_b32_graphs_off line=""
+  label="dp_bench gpt-124m bf16 batch 32 --gpus 1, 4 --cuda-graphs off"
+  logged "$out/$name.txt" "$build/bin/dp_bench" --device "$bench_device" \
+    --json "$out/$name.json" --mode dp --gpus 4 --model gpt --gpt-config 124m --seq 1024 \
+    --batch 32 --dtype bf16 --activations bf16 --cuda-graphs off --steps 6 --warmup 3 --repeat 3 \
+    --project-from off
+  rc=$?
+  ((rc == 0)) && line=$(bench_line "$out/$name.json")
+  step_verdict "$rc" "$label" "${line:-see $name.txt}" "see $name.txt"
   # The chunked classifier (GptConfig::loss_chunk: 8192 tokens, so batch 32 runs 4 chunks): one
   # GPU at batch 32 with the whole (B, T, V) logits (--loss-chunk 0), against the run above,
   # for the step time and the peak.
