@@ -231,8 +231,7 @@ class MicroBatches {
         backward(dy);
         // The weights' 16-bit copy this forward cast or took still holds the f32 weights
         // rounded (a backward only accumulates): the next forward takes it as it is.
-        nn::FlatState& f = module.flat();
-        if (f.compute_params.defined()) f.compute_written = true;
+        module.flat().compute_copy_fresh();
       }
     }
     kernels::fill(loss_out, 0.f);

@@ -1040,11 +1040,8 @@ class Composed : public Module {
     // used directly) get gradient here after that module's backward fired its hook: held until
     // this backward is done, then fired (ours fire after this, in run_backward).
     std::vector<const Parameter*> held;
-    for (const Parameter* p : last_->params_read()) {
-      bool own = false;
-      for (const Parameter& q : own_parameters()) own = own || &q == p;
-      if (!own) held.push_back(p);
-    }
+    for (const Parameter* p : last_->params_read())
+      if (!owns(p)) held.push_back(p);
     for (const Parameter* p : held) ++f.hooks_held[p];
     auto release = [&](std::vector<const Parameter*>* ready) {
       for (const Parameter* p : held)
@@ -1071,12 +1068,12 @@ class Composed : public Module {
   using Key = std::tuple<Shape, int, bool, int, int, const void*, bool>;
 
   // A forward (recorded or replayed) on a DP replica whose f32 weights are partly stale
-  // (FlatState::masters_stale: device 0's forwards read them only through the 16-bit copy it
+  // (FlatState::stale_runs: device 0's forwards read them only through the 16-bit copy it
   // sent) that reads one of them as f32 is refused: a compose() that reads a weight as f32 for
   // some input shapes alone, one device 0 did not see.
   void check_f32_reads_sent(const ag::Tape& t, const Shape& input) {
     const FlatState& f = flat();
-    if (!f.masters_stale) return;
+    if (!f.masters_stale()) return;
     for (const Parameter* p : t.params_read()) {
       if (!t.master_read(p)) continue;
       for (const auto& [begin, end] : f.stale_runs)
@@ -1102,8 +1099,7 @@ class Composed : public Module {
     bool changed = false;
     for (Parameter* p : t.params_read()) {
       if (t.master_read(p)) p->read_as_f32 = true;
-      bool own = false;
-      for (const Parameter& q : own_parameters()) own = own || &q == p;
+      const bool own = owns(p);
       const bool through_copy = own && !p->read_as_f32;
       if ((own || p->read_as_f32) && p->read_through_copy != through_copy) {
         p->read_through_copy = through_copy;
@@ -1111,6 +1107,13 @@ class Composed : public Module {
       }
     }
     if (changed) ++flat().copy_reads_version;
+  }
+
+  // Whether p is one of this layer's own parameters (not a child's, nor another module's).
+  bool owns(const Parameter* p) {
+    for (const Parameter& q : own_parameters())
+      if (&q == p) return true;
+    return false;
   }
 
   ag::Tape& recording(const char* what) {

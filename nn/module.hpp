@@ -258,14 +258,19 @@ struct FlatState {
   // updated (SgdConfig::compute_copy); the next outermost forward then casts nothing and clears
   // it. Module::parameters_changed() clears it.
   bool compute_written = false;
+  // The 16-bit copy holds the f32 weights rounded, as a forward took or an optimizer's fused
+  // step wrote them (a backward only accumulates gradients): the next outermost forward casts
+  // nothing.
+  void compute_copy_fresh() {
+    if (compute_params.defined()) compute_written = true;
+  }
   // Set by an engine that copied another replica's 16-bit weights here and, of the f32 ones,
-  // only those not read through the copy (Parameter::read_through_copy): the rest are stale
-  // here, so a forward refuses to cast them and the debug check skips this replica, until an
-  // engine copies every f32 weight again.
-  bool masters_stale = false;
-  // While masters_stale: the stale ones, as [begin, end) runs of flat elements (a composed
-  // layer's forward that would read one as f32 is refused).
+  // only those not read through the copy (Parameter::read_through_copy): the rest, as [begin,
+  // end) runs of flat elements, are stale here, so a forward refuses to cast them, a composed
+  // layer's forward that would read one as f32 is refused, and the debug check skips this
+  // replica, until an engine copies every f32 weight again (and empties it).
   std::vector<std::pair<int64_t, int64_t>> stale_runs;
+  bool masters_stale() const { return !stale_runs.empty(); }
   // 16-bit activations (Module::set_activations): Linear and Conv2d write their outputs in the
   // compute dtype, and the layers between them keep it.
   Activations activations = Activations::f32;
@@ -385,10 +390,10 @@ class Module {
         // Not in a step a graph observes or captures: its queued ops would differ from the
         // captured step's (the engine compares them), and a capture takes no host read.
         const kernels::DeviceContext& ctx = kernels::context(flat_->device);
-        if (weight_copy_check() && !flat_->masters_stale && !ctx.capturing() && !ctx.noting())
+        if (weight_copy_check() && !flat_->masters_stale() && !ctx.capturing() && !ctx.noting())
           check_weight_copy_fresh();
       } else {
-        DP_CHECK(!flat_->masters_stale,
+        DP_CHECK(!flat_->masters_stale(),
                  type_name() << "::forward: this replica's f32 weights are partly stale (an "
                                 "engine copied its 16-bit weights and only the f32 ones read "
                                 "outside them): it cannot cast them; copy every f32 weight "

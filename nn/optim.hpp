@@ -150,7 +150,7 @@ class Optimizer {
   // After queueing an update that wrote `copy` (compute_copy_to_write): the next forward casts
   // nothing. A skipped update (skip_if) leaves both the weights and their copy as they were.
   void copy_written(const Tensor& copy) {
-    if (copy.defined()) module_.flat().compute_written = true;
+    if (copy.defined()) module_.flat().compute_copy_fresh();
   }
 
   Module& module_;

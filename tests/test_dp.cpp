@@ -794,7 +794,7 @@ TEST_CASE(
     for (int i = 1; i < 4; ++i) {
       CAPTURE(i);
       CHECK(engine.replica(i).flat().compute_params.to_host_f32() == copy0);
-      CHECK(engine.replica(i).flat().masters_stale);
+      CHECK(engine.replica(i).flat().masters_stale());
       const std::vector<float> got = engine.replica(i).flat_params().to_host_f32();
       for (const auto& [name, p] : m->named_parameters()) {
         CAPTURE(name);

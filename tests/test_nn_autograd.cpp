@@ -959,7 +959,7 @@ TEST_CASE("nn.autograd: a composed layer marks the weights it reads through the 
     m.embed_b = true;
     m.forward(ids1);  // records with b read as f32
     auto as_replica = [&](const nn::Parameter& stale) {
-      m.flat().masters_stale = true;  // as DP's replicate leaves it: the copy taken, fresh
+      // As DP's replicate leaves it: the copy taken, fresh.
       m.flat().stale_runs = {{stale.offset, stale.offset + stale.numel()}};
       m.flat().compute_written = true;
     };
@@ -978,7 +978,7 @@ TEST_CASE("nn.autograd: a composed layer marks the weights it reads through the 
     as_replica(a);
     m.embed_b = true;
     CHECK_NOTHROW(m.forward(ids1));
-    m.flat().masters_stale = false;
+    m.flat().stale_runs.clear();
   }
   {
     // A child composed layer marks its weight; its parent reads it as f32 for one shape: it stays
