@@ -42,8 +42,10 @@ struct GradcheckOptions {
 
 struct GradcheckResult {
   bool ok = false;
-  double max_rel_error = 0;  // the largest error over every checked element
-  std::string worst;         // the element that gave it: "0.weight[7]" or "input[12]"
+  double max_rel_error = 0;  // the largest error over every checked element, beyond the noise
+  // That element's error before the noise allowance: analytic and numeric apart, relatively.
+  double worst_raw_error = 0;
+  std::string worst;  // the element that gave it: "0.weight[7]" or "input[12]"
   double worst_analytic = 0, worst_numeric = 0;
   int64_t checked = 0;    // elements compared
   int64_t one_sided = 0;  // of which matched a one-sided difference (a kink was within eps)
@@ -216,6 +218,7 @@ inline GradcheckResult gradcheck(Module& m, const Tensor& x, GradcheckOptions o 
           (e == res.max_rel_error && raw > worst_raw)) {
         res.max_rel_error = e;
         worst_raw = raw;
+        res.worst_raw_error = raw;
         res.worst = name + "[" + std::to_string(i) + "]";
         res.worst_analytic = a;
         res.worst_numeric = numeric;
@@ -238,12 +241,14 @@ inline GradcheckResult gradcheck(Module& m, const Tensor& x, GradcheckOptions o 
   res.ok = !any_nonfinite && res.max_rel_error <= o.tolerance && resolvable;
   char buf[512];
   std::snprintf(buf, sizeof buf,
-                "gradcheck %s %s: max error %.3g at %s (analytic %.6g, numeric %.6g); %lld "
-                "elements checked (%lld one-sided at a kink), tolerance %.3g, eps %.3g, noise %.2g",
+                "gradcheck %s %s: max error %.3g at %s (analytic %.6g, numeric %.6g: %.3g apart "
+                "before the noise allowance); %lld elements checked (%lld one-sided at a kink), "
+                "tolerance %.3g, eps %.3g, noise %.2g",
                 m.type_name().c_str(), res.ok ? "passed" : "FAILED", res.max_rel_error,
                 res.worst.empty() ? "-" : res.worst.c_str(), res.worst_analytic, res.worst_numeric,
-                static_cast<long long>(res.checked), static_cast<long long>(res.one_sided),
-                o.tolerance, static_cast<double>(o.eps), noise);
+                res.worst_raw_error, static_cast<long long>(res.checked),
+                static_cast<long long>(res.one_sided), o.tolerance, static_cast<double>(o.eps),
+                noise);
   res.message = buf;
   if (!resolvable) {
     std::snprintf(buf, sizeof buf,

@@ -397,6 +397,10 @@ TEST_CASE("nn.gradcheck: a wrong backward fails, naming the parameter") {
   CHECK(r.worst.rfind("bias[", 0) == 0);
   CHECK(r.message.find("FAILED") != std::string::npos);
   CHECK(r.max_rel_error > 0.03);
+  // Before the noise allowance the bias gradient is 1.05x the true one: 0.05 / 1.05 apart.
+  CHECK(r.worst_raw_error >= r.max_rel_error);
+  CHECK(r.worst_raw_error == doctest::Approx(0.05 / 1.05).epsilon(0.1));
+  CHECK(r.message.find("apart before the noise allowance") != std::string::npos);
 }
 
 // ---- mixed precision (nn/amp.hpp) ------------------------------------------------------------

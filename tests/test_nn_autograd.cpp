@@ -69,6 +69,39 @@ class OpZoo : public nn::Composed {
   nn::Parameter& b_;
 };
 
+// A dense mixture of experts, a research layer's shape of ops: a softmax gate over E experts,
+// each a GELU MLP whose second matrix is one slice of a 3-D parameter (E, F, D), read by a
+// batched matmul over the experts. x (B, T, D) -> (B, T, D).
+class ExpertMix : public nn::Composed {
+ public:
+  ExpertMix(int64_t d, int64_t experts, int64_t hidden)
+      : d_(d),
+        e_(experts),
+        f_(hidden),
+        gate_(register_parameter("gate", {experts, d}, nn::InitSpec::normal(0.5f))),
+        w1_(register_parameter("w1", {experts * hidden, d}, nn::InitSpec::normal(0.5f))),
+        w2_(register_parameter("w2", {experts, hidden, d}, nn::InitSpec::normal(0.5f))) {}
+  std::string type_name() const override { return "ExpertMix"; }
+
+ protected:
+  ag::Var compose(const ag::Var& x) override {
+    using namespace ag;
+    const int64_t n = x.dim(0) * x.dim(1);
+    const Var rows = reshape(x, {n, d_});
+    const Var g = softmax(linear(rows, param(gate_)), -1);                           // (n, E)
+    const Var h = gelu(reshape(linear(rows, param(w1_)), {n, e_, f_}));              // (n, E, F)
+    const Var each = permute(matmul(permute(h, {1, 0, 2}), param(w2_)), {1, 0, 2});  // (n, E, D)
+    return reshape(sum(each * reshape(g, {n, e_, 1}), 1, false), x.shape());
+  }
+  std::shared_ptr<nn::Module> clone_config() const override {
+    return std::make_shared<ExpertMix>(d_, e_, f_);
+  }
+
+ private:
+  int64_t d_, e_, f_;
+  nn::Parameter &gate_, &w1_, &w2_;
+};
+
 // Tape edge cases: y = x * x + p (x used twice; p a parameter broadcast over rows).
 class Square : public nn::Composed {
  public:
@@ -209,6 +242,8 @@ TEST_CASE("nn.gradcheck: composed layers and every op of the set") {
   check(rot, rnd({2, 3, 2, 4}, 23));
   OpZoo zoo(6);
   check(zoo, rnd({2, 4, 6}, 24));
+  ExpertMix mix(6, 3, 4);
+  check(mix, rnd({2, 3, 6}, 26));
   Square sq(5);
   check(sq, rnd({3, 5}, 25));
 }
