@@ -485,6 +485,9 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
          << (r.pulls_beside_backward > 0
                  ? ", " + std::to_string(r.pulls_beside_backward) + " pulls on a comm stream"
                  : std::string())
+         << (r.graphed_steps > 0 && r.buckets_overlapped == 0
+                 ? "; graphed: summed after backward, --cuda-graphs off overlaps them"
+                 : "")
          << ")";
     os << "\n";
   }

@@ -1703,6 +1703,8 @@ TEST_CASE("bench.graphs: --cuda-graphs on replays DP and DDP steps, losses bitwi
       CHECK(has(" forward+backward ") == graphed);  // DP's, and DDP's between graphs
       CHECK(has(" forward+backward+allreduce ") == (graphs == "on"));  // DDP's in the graph
       CHECK(has(" reduce+optimizer ") == graphed);                     // DP's
+      // What a graphed DP step gives up, and the flag that takes it back.
+      CHECK(has("; graphed: summed after backward, --cuda-graphs off overlaps them)") == graphed);
       CHECK_FALSE(has(" backward 0.000"));
       runs[graphs] = read_json(json)["runs"];
       std::remove(json.c_str());
