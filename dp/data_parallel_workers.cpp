@@ -66,10 +66,10 @@ void DataParallel::replicate(int i) {
   }
   if (mine.buffers.numel() > 0) kernels::copy(mine.buffers, root.buffers);
   mine.compute_written = take;
-  if (!take)
+  if (take)
+    mine.stale_runs = stale_runs_;  // the same size each step: no allocation
+  else
     mine.stale_runs.clear();
-  else if (mine.stale_runs != stale_runs_)
-    mine.stale_runs = stale_runs_;  // as planned: after the first step, no allocation
 }
 
 void DataParallel::plan_replicate() {

@@ -168,7 +168,6 @@ inline GradcheckResult gradcheck(Module& m, const Tensor& x, GradcheckOptions o 
   GradcheckResult res;
   bool any_nonfinite = false;
   double largest = 0;  // the largest analytic gradient checked
-  double worst_raw = 0;
   auto rel_error = [&](double a, double n, double slack) {
     return std::max(0.0, std::fabs(a - n) - slack) /
            std::max({std::fabs(a), std::fabs(n), o.abs_floor});
@@ -215,9 +214,8 @@ inline GradcheckResult gradcheck(Module& m, const Tensor& x, GradcheckOptions o 
       const double e = finite ? err : INFINITY;
       const double raw = rel_error(a, numeric, 0.0);  // breaks ties among errors under the noise
       if (res.worst.empty() || e > res.max_rel_error ||
-          (e == res.max_rel_error && raw > worst_raw)) {
+          (e == res.max_rel_error && raw > res.worst_raw_error)) {
         res.max_rel_error = e;
-        worst_raw = raw;
         res.worst_raw_error = raw;
         res.worst = name + "[" + std::to_string(i) + "]";
         res.worst_analytic = a;
