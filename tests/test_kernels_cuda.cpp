@@ -2060,6 +2060,38 @@ TEST_CASE("kernels.cuda.graph: a captured sequence replays bit for bit, memory s
   CHECK(same_bits(y, y_ref));
 }
 
+// Event::record_in_graph: a replay records the event inside the graph, and work queued on another
+// stream after the launch waits for that point of this replay (DP's pulls beside a captured
+// backward rely on it), replay after replay.
+TEST_CASE("kernels.cuda.graph: an event recorded in a graph orders work queued after each replay") {
+  DP_REQUIRE_GPU();
+  DeviceContext ctx(kGpu, {.caching = Caching::on});
+  DeviceContext other(kGpu, {.caching = Caching::on});
+  ContextScope scope(ctx);
+  const int64_t n = 1 << 24;  // long enough that an unordered copy would read it half written
+  Tensor x = zeros(kGpu, {n}), ones = zeros(kGpu, {n}), seen = zeros(kGpu, {n});
+  fill(ones, 1.f);
+  Event done(Event::Timing::off);
+  auto body = [&] {
+    for (int r = 0; r < 8; ++r) add(x, x, ones);
+    done.record_in_graph(ctx);
+  };
+  body();  // the uncaptured run records it first
+  Graph g;
+  g.capture(ctx, body);
+  fill(x, 0.f);
+  for (int r = 1; r <= 3; ++r) {
+    g.replay();  // x += 8
+    done.wait(other);
+    {
+      ContextScope on_other(other);
+      copy(seen, x);
+    }
+    other.synchronize();
+    CHECK(seen.to_host_f32() == std::vector<float>(n, 8.f * r));
+  }
+}
+
 // Without a GPU (this runs everywhere, CI included), the reason the programs print names what is
 // missing before CUDA's own words: with no NVIDIA driver at all, the runtime says "CUDA driver
 // version is insufficient for CUDA runtime version", which reads as a version problem.

@@ -725,6 +725,58 @@ TEST_CASE("runtime.graph: copies to and from a capturing device and waits on it 
   recorded.synchronize();
 }
 
+// Event::record_in_graph: each replay records the event (CUDA: an external event record node),
+// so work outside the graph can follow part of it (DP's pulls beside a captured backward). What
+// CUDA cannot do is refused on CPU devices too: a capture of an event never recorded before
+// (CUDA makes no event there), and a replay whose event is gone (it would record a destroyed
+// one).
+TEST_CASE("runtime.graph: an event recorded in a graph is recorded by each replay, or refused") {
+  const Device dev = Device::cpu(1);
+  DeviceContext ctx(dev, {.cpu_threads = 1, .caching = Caching::on});
+  ContextScope scope(ctx);
+  Tensor x = Tensor::from_vector({1, 2}, {2}, dev);
+  Event fresh(Event::Timing::off);
+  Graph g;
+  CHECK_THROWS_WITH_AS(g.capture(ctx, [&] { fresh.record_in_graph(ctx); }),
+                       doctest::Contains("Event::record_in_graph on cpu:1 while a graph captures: "
+                                         "the event was never recorded there before"),
+                       Error);
+  CHECK(!g.captured());
+  // Eagerly it is record(); plain record() stays refused inside a capture.
+  Event ready;
+  ready.record_in_graph(ctx);
+  CHECK(ready.recorded());
+  CHECK_THROWS_WITH_AS(g.capture(ctx, [&] { ready.record(ctx); }),
+                       doctest::Contains("recording an event on cpu:1 while a graph captures"),
+                       Error);
+  Event start;
+  start.record(ctx);
+  g.capture(ctx, [&] {
+    kernels::scale(x, x, 2.f);
+    ready.record_in_graph(ctx);
+  });
+  REQUIRE(g.captured());
+  const Event::Clock::time_point captured_at = ready.host_time();
+  CHECK(x.to_host_f32() == std::vector<float>{1, 2});  // captured, not run
+  g.replay();
+  CHECK(x.to_host_f32() == std::vector<float>{2, 4});
+  CHECK(ready.host_time() > captured_at);  // the replay recorded it
+  CHECK(Event::elapsed_ms(start, ready) >= 0.0);
+  // Moved, the event is the same one: the graph records it where it went.
+  Event moved = std::move(ready);
+  g.replay();
+  CHECK(x.to_host_f32() == std::vector<float>{4, 8});
+  const Event::Clock::time_point before = moved.host_time();
+  g.replay();
+  CHECK(moved.host_time() > before);
+  // Gone: the next replay throws where it would record it.
+  moved = Event();
+  CHECK_THROWS_WITH_AS(g.replay(),
+                       doctest::Contains("an event it records "
+                                         "(Event::record_in_graph) was destroyed"),
+                       Error);
+}
+
 namespace {
 // Writes `text` to root + path, making its folders.
 void put(const std::string& root, const std::string& path, const std::string& text) {

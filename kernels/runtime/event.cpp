@@ -23,7 +23,8 @@ Event::Event(Event&& other) noexcept
       event_(std::exchange(other.event_, nullptr)),
       gpu_(other.gpu_),
       recorded_(std::exchange(other.recorded_, false)),
-      host_(other.host_) {}
+      host_(other.host_),
+      in_graph_(std::move(other.in_graph_)) {}
 
 Event& Event::operator=(Event&& other) noexcept {
   if (this != &other) {
@@ -34,6 +35,7 @@ Event& Event::operator=(Event&& other) noexcept {
     gpu_ = other.gpu_;
     recorded_ = std::exchange(other.recorded_, false);
     host_ = other.host_;
+    in_graph_ = std::move(other.in_graph_);
   }
   return *this;
 }
@@ -49,13 +51,15 @@ void Event::release() noexcept {
 #endif
   event_ = nullptr;
   recorded_ = false;
+  in_graph_.reset();  // a graph that records it finds it gone
 }
 
 void Event::record(DeviceContext& ctx) {
   ctx.refuse_in_capture("recording an event");  // a replay would not record it
   host_ = Clock::now();
+  if (in_graph_) in_graph_->host = host_;
   if (ctx.device().is_cpu()) {
-    release();
+    if (event_) release();  // was a CUDA event
     device_ = ctx.device();
     recorded_ = true;
     return;
@@ -78,6 +82,41 @@ void Event::record(DeviceContext& ctx) {
 #else
   DP_THROW("Event::record on " << ctx.device()
                                << ": no CUDA backend: " << cuda_unavailable_reason());
+#endif
+}
+
+void Event::record_in_graph(DeviceContext& ctx) {
+  if (!ctx.capturing()) {
+    record(ctx);
+    return;
+  }
+  // CUDA makes no event inside a capture here (and a replay records the one the node names):
+  // the uncaptured run before the capture makes it. Refused alike on CPU devices.
+  DP_CHECK(recorded_ && device_ == ctx.device(),
+           "Event::record_in_graph on " << ctx.device()
+                                        << " while a graph captures: the event was never recorded "
+                                           "there before (record it in the step's uncaptured run "
+                                           "first)");
+  if (!in_graph_) in_graph_ = std::make_shared<InGraph>(InGraph{host_});
+  std::weak_ptr<InGraph> alive = in_graph_;
+  const Device device = device_;
+  auto replayed = [alive, device] {
+    std::shared_ptr<InGraph> state = alive.lock();
+    DP_CHECK(state, "replaying a graph on "
+                        << device
+                        << ": an event it records (Event::record_in_graph) was destroyed or "
+                           "recorded elsewhere since the capture (it must outlive the graph)");
+    state->host = Clock::now();
+  };
+  if (ctx.device().is_cpu()) {
+    ctx.record(replayed);
+    return;
+  }
+#if DP_HAVE_CUDA
+  ctx.make_current();
+  DP_CUDA_CHECK(cudaEventRecordWithFlags(static_cast<cudaEvent_t>(event_),
+                                         static_cast<cudaStream_t>(ctx.stream()),
+                                         cudaEventRecordExternal));
 #endif
 }
 
@@ -119,7 +158,7 @@ double Event::elapsed_ms(const Event& a, const Event& b) {
     return ms;
   }
 #endif
-  return std::chrono::duration<double, std::milli>(b.host_ - a.host_).count();
+  return std::chrono::duration<double, std::milli>(b.host_time() - a.host_time()).count();
 }
 
 }  // namespace kernels

@@ -7,9 +7,17 @@
 // have finished when they return, so on a CPU device record() only notes the host time and
 // wait() has nothing to do. Handing a recorded event to another thread needs the usual
 // happens-before (a mutex or an atomic), as for any other data.
+//
+// Inside a graph's capture an event is recorded with record_in_graph alone: each replay then
+// records it (CUDA: an external event record node), so work queued outside the graph, after the
+// replay was launched, can wait for part of it.
+//
+//   ready.record_in_graph(ctx);      // eagerly once (the warm-up step), then in the capture
+//   graph.replay();  ready.wait(other);   // other waits for that point of this replay
 #pragma once
 
 #include <chrono>
+#include <memory>
 
 #include "kernels/runtime/device.hpp"
 
@@ -33,6 +41,15 @@ class Event {
 
   // ensures the event marks the end of the work queued so far on ctx (re-recording moves it).
   void record(DeviceContext& ctx);
+  // As record, also while a graph captures on ctx (kernels/runtime/graph.hpp): then each
+  // replay of that graph records the event where the capture reached (a CUDA graph's external
+  // event record node; a CPU recording's op), and the host time is the replay's. requires, when
+  // capturing, that the event was recorded eagerly before (the step's uncaptured run), and that
+  // it lives as long as the graph may replay (moved is fine; not destroyed, nor recorded on
+  // another GPU): on a CPU device a replay whose event is gone throws, so that CI sees what a GPU
+  // would do silently (record a destroyed event). A wait for such a record must be queued after
+  // the replay was launched: it waits for the last record launched before it.
+  void record_in_graph(DeviceContext& ctx);
   // requires record() was called. ensures work queued on ctx after this call starts once the
   // recorded point is reached (no host wait).
   void wait(DeviceContext& ctx) const;
@@ -41,7 +58,7 @@ class Event {
   bool recorded() const { return recorded_; }
   Device device() const { return device_; }
   // Host time of the last record() call.
-  Clock::time_point host_time() const { return host_; }
+  Clock::time_point host_time() const { return in_graph_ ? in_graph_->host : host_; }
 
   // Milliseconds from a to b. requires both recorded on the same device with Timing::on, and
   // (CUDA) both reached. CPU devices: the host times of the two record() calls.
@@ -56,6 +73,12 @@ class Event {
   int gpu_ = -1;           // the physical GPU the CUDA event belongs to
   bool recorded_ = false;
   Clock::time_point host_{};
+  // While a graph that records this event may replay: what its recording checks and writes (the
+  // replay's host time). Released with the event, so that a replay finds it gone.
+  struct InGraph {
+    Clock::time_point host{};
+  };
+  std::shared_ptr<InGraph> in_graph_;
 };
 
 }  // namespace kernels
