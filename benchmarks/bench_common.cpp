@@ -210,6 +210,11 @@ void add_flags(CLI::App& app, Options& o) {
                  "DP and DDP: replay each step's captured work (auto: on for CUDA devices where "
                  "the step is capturable; on: also on CPU devices, which run the same interface)")
       ->check(CLI::IsMember({"auto", "on", "off"}));
+  app.add_option("--dp-graph-pulls", o.dp_graph_pulls,
+                 "DP, graphed steps: device 0 sums the replicas' buckets after backward (after), "
+                 "or beside it on a GPU (beside: each pull waits for events the captured "
+                 "backward records; CPU devices sum after backward either way). The same sums")
+      ->check(CLI::IsMember({"after", "beside"}));
   app.add_option("--ddp-graph-collectives", o.ddp_graph_collectives,
                  "DDP, graphed steps: the bucket all-reduces inside the captured backward, "
                  "overlapped with it, where the backend allows (auto: NCCL, and every backend on "
@@ -718,6 +723,7 @@ dp::DataParallelOptions dp_options(const Options& o, const Setup& s) {
   dopt.comm_dtype = s.comm_dtype;
   dopt.reduce = o.dp_reduce == "tree" ? dp::ReduceTopology::tree : dp::ReduceTopology::star;
   dopt.peer_reads = o.dp_peer_reads == "off" ? dp::PeerReads::off : dp::PeerReads::automatic;
+  dopt.graph_pulls = o.dp_graph_pulls == "beside" ? dp::GraphPulls::beside : dp::GraphPulls::after;
   dopt.first_bucket_bytes = static_cast<int64_t>(o.first_bucket_mb * (1 << 20));
   dopt.bucket_cap_bytes = static_cast<int64_t>(o.bucket_cap_mb * (1 << 20));
   if (o.sync_bn) dopt.batch_norm = dp::BatchNormStats::synced;
@@ -846,6 +852,7 @@ RunResult run_dp(const Options& o, const Setup& s, int n, dp::Trace* trace,
   r.optimizer_state_bytes = {opt.state_bytes()};  // device 0 alone steps
   r.reduce = o.dp_reduce;
   r.peer_reads = o.dp_peer_reads;
+  r.graph_pulls = o.dp_graph_pulls;
   if (o.sync_bn) r.sync_bn_values = nn::batch_norm_sync_values_per_step(*model);
   r.gpus = n;
   r.batch = batch;
@@ -1008,6 +1015,10 @@ int run(const Options& o, int argc, char** argv) {
            "--dp-peer-reads " << o.dp_peer_reads << " with --mode " << o.mode
                               << ": it sets how DP's reduce reads the replicas; give --mode dp, "
                                  "both or hybrid");
+  DP_CHECK(o.dp_graph_pulls == "after" || o.mode == "dp" || o.mode == "both",
+           "--dp-graph-pulls " << o.dp_graph_pulls << " with --mode " << o.mode
+                               << ": it places DP's sums in a graphed step; give --mode dp or "
+                                  "both");
   DP_CHECK(o.ddp_graph_collectives == "auto" || o.mode == "ddp" || o.mode == "both",
            "--ddp-graph-collectives " << o.ddp_graph_collectives << " with --mode " << o.mode
                                       << ": it places DDP's bucket all-reduces; give --mode ddp "
@@ -1124,6 +1135,10 @@ int run(const Options& o, int argc, char** argv) {
              "--metrics-lag 1 needs graphed DP steps: --cuda-graphs on (auto is off on CPU "
              "devices)");
   }
+  DP_CHECK(o.dp_graph_pulls == "after" || o.cuda_graphs == "on" ||
+               (o.cuda_graphs == "auto" && s.type != kernels::DeviceType::cpu),
+           "--dp-graph-pulls beside places the sums of graphed DP steps, and this run's are not "
+           "graphed: add --cuda-graphs on (auto is off on CPU devices)");
   DP_CHECK(o.phase_times == "on" || o.trace_path.empty(),
            "--trace with --phase-times off: a trace is made of the timed phases");
   DP_CHECK(o.cuda_graphs != "on" || o.mode == "dp" || o.mode == "ddp" || o.mode == "both",

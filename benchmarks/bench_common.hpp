@@ -94,6 +94,7 @@ struct Options {
   double bucket_cap_mb = 25, first_bucket_mb = 1;  // DP and DDP buckets (PyTorch's defaults)
   std::string dp_reduce = "star";                  // DP: star|tree
   std::string dp_peer_reads = "auto";              // DP: auto|off (dp::PeerReads)
+  std::string dp_graph_pulls = "after";            // DP: after|beside (dp::GraphPulls)
   std::string cuda_graphs = "auto";                // DP, DDP: auto|on|off (dp::Graphs)
   std::string ddp_graph_collectives = "auto";      // DDP: auto|off (set_graph_collectives)
   std::string phase_times = "on";                  // DP, DDP: on|off (timing events or not)

@@ -486,7 +486,9 @@ void print_table(std::ostream& os, const Header& h, const std::vector<RunResult>
                  ? ", " + std::to_string(r.pulls_beside_backward) + " pulls on a comm stream"
                  : std::string())
          << (r.graphed_steps > 0 && r.buckets_overlapped == 0
-                 ? "; graphed: summed after backward, --cuda-graphs off overlaps them"
+                 ? "; graphed: summed after backward, --cuda-graphs off overlaps them" +
+                       std::string(r.graph_pulls == "after" ? " (GPUs: --dp-graph-pulls beside too)"
+                                                            : "")
                  : "")
          << ")";
     os << "\n";
@@ -949,6 +951,7 @@ nlohmann::json run_to_json(const RunResult& r) {
       {"pulls_beside_backward", r.pulls_beside_backward},
       {"reduce", r.reduce},
       {"peer_reads", r.peer_reads},
+      {"graph_pulls", r.graph_pulls},
       {"link_bytes", r.link_bytes},
       {"optim", r.optim},
       {"micro_batches", r.micro_batches},
@@ -1001,6 +1004,7 @@ RunResult run_from_json(const nlohmann::json& j) {
   r.pulls_beside_backward = j.value("pulls_beside_backward", 0);
   r.reduce = j.value("reduce", std::string());
   r.peer_reads = j.value("peer_reads", std::string("auto"));
+  r.graph_pulls = j.value("graph_pulls", std::string("after"));
   r.link_bytes = j.value("link_bytes", std::vector<int64_t>());
   r.optim = j.value("optim", std::string("sgd"));
   r.zero = j.value("zero", 0);

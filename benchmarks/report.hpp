@@ -39,13 +39,14 @@ struct RunResult {
   std::vector<int64_t> peak_mem_bytes;  // one per device
   std::vector<float> losses;            // per timed step
   float final_loss = 0;
-  int buckets = 0;                  // gradient buckets per step
-  int buckets_overlapped = 0;       // DDP: launched while backward still ran; DP: first pulled
-                                    // before the last device's backward ended (median over steps)
-  int pulls_beside_backward = 0;    // DP on GPUs: pulls on a receiver's comm stream (median)
-  std::string reduce;               // DP: "star" or "tree"
-  std::string peer_reads = "auto";  // DP: "auto" (in place where possible) or "off" (staged)
-  std::vector<int64_t> link_bytes;  // DP: bytes in + out of each device per step
+  int buckets = 0;                    // gradient buckets per step
+  int buckets_overlapped = 0;         // DDP: launched while backward still ran; DP: first pulled
+                                      // before the last device's backward ended (median over steps)
+  int pulls_beside_backward = 0;      // DP on GPUs: pulls on a receiver's comm stream (median)
+  std::string reduce;                 // DP: "star" or "tree"
+  std::string peer_reads = "auto";    // DP: "auto" (in place where possible) or "off" (staged)
+  std::string graph_pulls = "after";  // DP's graphed steps: "after" backward, or "beside" it
+  std::vector<int64_t> link_bytes;    // DP: bytes in + out of each device per step
   std::string optim = "sgd";
   int micro_batches = 1;      // per device or rank and step (--micro-batches)
   int micro_batches_run = 1;  // the most a device or rank ran: no more than its chunk's rows

@@ -130,11 +130,19 @@ struct DataParallelOptions {
   // each receiving device's reduction (device 0's with the clip, the optimizer step and the
   // metrics) another, captured on the third step of that shape and replayed from then on (the
   // first two run uncaptured, which warms the memory caches). The reduction then starts after
-  // backward (no overlap with it), and forward's phase time covers backward too. Results are
+  // backward (no overlap with it) unless graph_pulls is beside, and forward's phase time covers
+  // backward too. Results are
   // bitwise those of graphs off. The loss scale, the shares and dropout's offsets are read on
   // the devices, so they may change every step. Not capturable, and run uncaptured with one line
   // saying why: hybrid runs and SyncBatchNorm.
   Graphs graphs = Graphs::automatic;
+  // Graphed steps: when a receiving device sums its sources' buckets: after backward, in its
+  // second segment (after), or beside backward (beside: on a GPU, uncaptured on its second
+  // stream, each bucket's pull waiting for events the devices' captured backward records as the
+  // bucket becomes final, so the sums overlap backward as uncaptured steps' do; CPU devices sum
+  // after backward either way). The same sums, bit for bit. after until a GPU has measured
+  // beside (docs/gpu-check.md).
+  GraphPulls graph_pulls = GraphPulls::after;
   // Whether each step's phases are timed (StepStats::ms, buckets_overlapped, a trace): the
   // workers' marks and pulls are then timing events. off: they only order the devices' work
   // (on a GPU, events without a timestamp, cheaper to record and wait on), StepStats::ms holds
@@ -344,6 +352,9 @@ class DataParallel {
     // Touched by this device's worker only, during a step:
     BucketProgress own;  // this device's backward through the buckets
     bool in_step = false;
+    // A graphed step's backward with GraphPulls::beside: the hooks mark each final bucket in
+    // the graph (DevicePulls::mark_in_graph) instead of handing it on.
+    bool marking_in_graph = false;
     kernels::Event marks[kStepMarks];  // by StepMark (dp/step.hpp)
     // A traced, uncaptured step of several micro-batches: the start and the end of each
     // micro-batch's backward but the last one's (forward_and_loss runs them), in order, so that

@@ -16,9 +16,12 @@ using Clock = std::chrono::steady_clock;
 
 void DataParallel::on_grad_ready(int i, const nn::Parameter& p) {
   PerDevice& pd = per_device_[i];
-  if (!pd.in_step || p.numel() == 0) return;
+  if (!(pd.in_step || pd.marking_in_graph) || p.numel() == 0) return;
   pd.own.param_ready(p.offset, p.numel());
-  advance_reduction(i, false);
+  if (pd.marking_in_graph)
+    pulls_.mark_in_graph(i, pd.own.ready());
+  else
+    advance_reduction(i, false);
 }
 
 void DataParallel::advance_reduction(int i, bool blocking) {

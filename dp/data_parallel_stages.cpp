@@ -43,8 +43,19 @@ struct DataParallel::DeviceStages final : StepStages {
   void before_backward() override { dp.pulls_.prepare(i); }
   void backward() override {
     nn::Module& m = *dp.replicas_[i];
-    if (segments) {  // captured: the pulls run after it, in the second segment
+    if (segments && !beside()) {  // captured: the pulls run after it, in the second segment
       m.backward(pd.dlogits);
+      return;
+    }
+    if (segments) {  // captured: each final bucket marked in it, the pulls queued after it
+      pd.marking_in_graph = true;
+      struct Off {
+        bool& marking;
+        ~Off() { marking = false; }
+      } off{pd.marking_in_graph};
+      m.backward(pd.dlogits);
+      pd.own.all_ready();
+      dp.pulls_.mark_in_graph(i, pd.own.ready());
       return;
     }
     pd.in_step = true;  // from here the hooks hand buckets on as they become ready
@@ -64,8 +75,13 @@ struct DataParallel::DeviceStages final : StepStages {
   }
   // Graphed, a device that sums (device 0, a tree's inner devices) waits for its sources' ends
   // (device 0 for every device's: it gathers the metrics too) outside the graph; then one
-  // segment sums every bucket and, on device 0, steps.
-  bool sums() const { return i == 0 || dp.pulls_.works(i); }
+  // segment sums every bucket and, on device 0, steps. Beside: the host wait is for the
+  // sources' launches (and their own pulls queued), whose graphs recorded each bucket's event;
+  // the pulls are queued then, uncaptured, and the second segment holds device 0's update.
+  bool beside() const { return dp.options_.graph_pulls == GraphPulls::beside; }
+  bool sums() const {
+    return i == 0 || (beside() ? !dp.pulls_.sources(i).empty() : dp.pulls_.works(i));
+  }
   void finish_reduce() override {
     if (segments) {
       if (!sums()) return;
@@ -76,6 +92,7 @@ struct DataParallel::DeviceStages final : StepStages {
       else
         waits = dp.pulls_.sources(i);
       dp.signals_.wait_raised(StepSignals::Flag::done, waits);
+      if (beside()) dp.pulls_.sum_beside_graph(i, pd.shares);
       for (int r : waits) dp.per_device_[r].marks[kReduced].wait(ctx);
       return;
     }
@@ -83,11 +100,11 @@ struct DataParallel::DeviceStages final : StepStages {
     if (i == 0 && n > 1) dp.average_buffers_on_root(sizes);
     if (i == 0 && dp.options_.cross_node) dp.finish_cross_node(n);
   }
-  bool reduces_queued() const override { return segments && sums(); }
+  bool reduces_queued() const override { return segments && sums() && (i == 0 || !beside()); }
   // Graphed only (reduces_queued): on the device's own context, as on a GPU (see
   // update_context).
   void reduce_queued() override {
-    dp.pulls_.sum_all(ctx, i, pd.shares);
+    if (!beside()) dp.pulls_.sum_all(ctx, i, pd.shares);
     if (i == 0 && n > 1) dp.average_buffers_on_root(sizes, true);
   }
   // One decision for every device: device 0 steps.

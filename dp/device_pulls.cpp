@@ -21,10 +21,13 @@ DevicePulls::DevicePulls(std::vector<kernels::Device> devices, const BucketPlan*
 void DevicePulls::bind(int i, nn::Module* module, kernels::DeviceContext* compute) {
   modules_[i] = module;
   compute_[i] = compute;
-  std::vector<kernels::Event>& done = per_device_[i].bucket_done;
-  done.clear();
-  for (size_t k = 0; k < plan_->buckets.size(); ++k)
-    done.emplace_back(kernels::Event::Timing::off);  // ordering only
+  PerDevice& pd = per_device_[i];
+  pd.bucket_done.clear();
+  pd.own_done.clear();
+  for (size_t k = 0; k < plan_->buckets.size(); ++k) {  // ordering only
+    pd.bucket_done.emplace_back(kernels::Event::Timing::off);
+    pd.own_done.emplace_back(kernels::Event::Timing::off);
+  }
 }
 
 void DevicePulls::begin_step(int n, bool pulls) {
@@ -44,6 +47,7 @@ void DevicePulls::begin_step(int n, bool pulls) {
     PerDevice& pd = per_device_[i];
     pd.next_bucket = 0;
     pd.next_source = 0;
+    pd.next_marked = 0;
     pd.n_pulls = 0;
   }
 }
@@ -74,17 +78,9 @@ void DevicePulls::advance(int i, int ready, bool blocking,
   std::unique_ptr<kernels::ContextScope> comm_scope;
   auto pull_beside = [&] {
     if (blocking || !devices_[i].is_cuda() || comm_scope) return;
-    if (!pd.comm) {
-      kernels::ContextOptions comm;
-      comm.math = options_.math;
-      comm.caching = kernels::Caching::on;
-      pd.comm = std::make_unique<kernels::DeviceContext>(devices_[i], comm);
-    }
     pd.own_final.record(ctx);  // every bucket's own gradient up to `ready` is queued
-    pd.own_final.wait(*pd.comm);
-    pd.comm_pending = true;  // from here, even if a pull throws
-    comm_scope = std::make_unique<kernels::ContextScope>(*pd.comm);
-    on = pd.comm.get();
+    on = &beside_context(i, comm_scope);
+    pd.own_final.wait(*on);
   };
   // Once every other device has finished its part of the step, device 0's remaining sums
   // have the whole CPU to themselves: they run with all the cores.
@@ -95,7 +91,6 @@ void DevicePulls::advance(int i, int ready, bool blocking,
   bool stalled = false;  // a hook's pass reached a bucket no source has published yet
   while (pd.next_bucket < ready) {
     const int k = pd.next_bucket;
-    const Bucket& b = plan_->buckets[k];
     const int n_sources = static_cast<int>(sources.size());
     while (pd.next_source < n_sources) {
       // The run of sources, from the next one on, that have published bucket k: summed in one
@@ -127,13 +122,7 @@ void DevicePulls::advance(int i, int ready, bool blocking,
       if (stalled) break;
       if (alone) wide = std::make_unique<kernels::ContextScope>(*wide_);
       pull_beside();
-      if (pd.n_pulls == static_cast<int>(pd.pulls.size()))
-        pd.pulls.push_back(
-            {0, false, kernels::Event(options_.timing), kernels::Event(options_.timing)});
-      Pull& pull = pd.pulls[pd.n_pulls++];
-      pull.bucket = k;
-      pull.beside = comm_scope != nullptr;
-      pull.begin.record(*on);
+      Pull& pull = begin_pull(*on, i, k, comm_scope != nullptr);
       sum_sources(*on, i, k, pd.next_source, n_ready, false, shares);
       pull.end.record(*on);
       pd.next_source += n_ready;
@@ -142,15 +131,84 @@ void DevicePulls::advance(int i, int ready, bool blocking,
     pd.next_source = 0;
     ++pd.next_bucket;
     if (hand_on) hand_on(i, k);
-    if (pulls_ && i != 0) {       // a source: its receiver may pull bucket k now
-      if (pd.outbox.defined()) {  // rounded once, here, where the sum is final
-        kernels::Tensor out = pd.outbox.view(b.offset, {b.numel});
-        kernels::copy(out, grads(i).view(b.offset, {b.numel}));
-      }
+    if (pulls_ && i != 0) {  // a source: its receiver may pull bucket k now
+      round_outbox(*on, i, k);
       pd.bucket_done[k].record(*on);
       signals_->publish(i, pd.next_bucket);
     }
   }
+}
+
+kernels::DeviceContext& DevicePulls::beside_context(int i,
+                                                    std::unique_ptr<kernels::ContextScope>& scope) {
+  PerDevice& pd = per_device_[i];
+  if (!devices_[i].is_cuda()) return *compute_[i];
+  if (!pd.comm) {
+    kernels::ContextOptions comm;
+    comm.math = options_.math;
+    comm.caching = kernels::Caching::on;
+    pd.comm = std::make_unique<kernels::DeviceContext>(devices_[i], comm);
+  }
+  pd.comm_pending = true;  // from here, even if a pull throws
+  scope = std::make_unique<kernels::ContextScope>(*pd.comm);
+  return *pd.comm;
+}
+
+void DevicePulls::round_outbox(kernels::DeviceContext& on, int i, int k) {
+  const PerDevice& pd = per_device_[i];
+  if (!pd.outbox.defined()) return;
+  const Bucket& b = plan_->buckets[k];
+  kernels::ContextScope scope(on);
+  kernels::Tensor out = pd.outbox.view(b.offset, {b.numel});
+  kernels::copy(out, grads(i).view(b.offset, {b.numel}));  // rounded once, where it is final
+}
+
+DevicePulls::Pull& DevicePulls::begin_pull(kernels::DeviceContext& on, int i, int k, bool beside) {
+  PerDevice& pd = per_device_[i];
+  if (pd.n_pulls == static_cast<int>(pd.pulls.size()))
+    pd.pulls.push_back(
+        {0, false, kernels::Event(options_.timing), kernels::Event(options_.timing)});
+  Pull& pull = pd.pulls[pd.n_pulls++];
+  pull.bucket = k;
+  pull.beside = beside;
+  pull.begin.record(on);
+  return pull;
+}
+
+void DevicePulls::mark_in_graph(int i, int ready) {
+  PerDevice& pd = per_device_[i];
+  kernels::DeviceContext& ctx = *compute_[i];
+  const bool receives = !sources_[i].empty();
+  for (; pd.next_marked < ready; ++pd.next_marked) {
+    const int k = pd.next_marked;
+    if (receives) {
+      pd.own_done[k].record_in_graph(ctx);  // its pulls of bucket k wait for it
+    } else if (i != 0) {                    // a leaf source: its receiver pulls bucket k
+      round_outbox(ctx, i, k);
+      pd.bucket_done[k].record_in_graph(ctx);
+    }
+  }
+}
+
+void DevicePulls::sum_beside_graph(int i, const std::vector<kernels::Scalar>& shares) {
+  PerDevice& pd = per_device_[i];
+  const int n_sources = static_cast<int>(sources_[i].size());
+  if (n_sources == 0) return;
+  std::unique_ptr<kernels::ContextScope> scope;
+  kernels::DeviceContext& on = beside_context(i, scope);
+  const bool beside = &on != compute_[i];
+  for (int k = 0; k < static_cast<int>(plan_->buckets.size()); ++k) {
+    pd.own_done[k].wait(on);  // recorded by the graph launched before: this step's
+    Pull& pull = begin_pull(on, i, k, beside);
+    sum_sources(on, i, k, 0, n_sources, false, shares);  // after each source's bucket_done[k]
+    pull.end.record(on);
+    if (i != 0) {  // an inner device of the tree: its receiver pulls bucket k next
+      round_outbox(on, i, k);
+      pd.bucket_done[k].record(on);
+    }
+  }
+  scope.reset();
+  order_after_comm(i);
 }
 
 void DevicePulls::order_after_comm(int i) {

@@ -13,6 +13,13 @@
 //   pulls.prepare(i);                           // buffers, once
 //   ... backward's hooks: pulls.advance(i, own_ready, false, shares, hand_on) ...
 //   pulls.advance(i, n_buckets, true, shares, hand_on);  // after backward: every bucket
+// Graphed steps sum after backward (sum_all, in the receiver's second segment), or beside it
+// (GraphPulls::beside): each device's captured backward records an event as each of its buckets
+// becomes final (mark_in_graph, from the hooks), and a receiver, once its graph and its sources'
+// were launched, queues its pulls uncaptured on its second stream, each waiting for its bucket's
+// events (sum_beside_graph):
+//   ... captured backward's hooks: pulls.mark_in_graph(i, own_ready) ...
+//   pulls.sum_beside_graph(i, shares);   // after the sources raised their ends (host)
 // The pulls are DP's own reducer; research code's reducers (dp::CrossNode per device) take their
 // place with begin_step(n, false): then advance only hands each of a device's buckets on, as it
 // becomes final, to `hand_on`, as it does a receiver's summed buckets (a hybrid run's sum over
@@ -43,6 +50,13 @@ enum class ReduceTopology { star, tree };
 // access misbehaves, as NCCL_P2P_DISABLE, and to run the staged path on any machine). Either
 // way the sum has the same bits.
 enum class PeerReads { automatic, off };
+
+// When a graphed step's receivers sum their sources' buckets: after backward, in the receiver's
+// second segment (after), or beside backward on its second stream, uncaptured, each pull waiting
+// for its bucket's events recorded inside the devices' captured backward (beside). The same sums,
+// bit for bit; on CPU devices, whose kernels have finished when they return, beside runs them
+// after backward too.
+enum class GraphPulls { after, beside };
 
 class DevicePulls {
  public:
@@ -99,6 +113,19 @@ class DevicePulls {
   // Graphed steps: every bucket of every source of device i summed on `on`, the caller having
   // ordered it after the sources' work; a 16-bit source's outbox rounded. Waits for nothing.
   void sum_all(kernels::DeviceContext& on, int i, const std::vector<kernels::Scalar>& shares);
+  // Graphed steps, beside: called from device i's backward hooks (captured, or its uncaptured
+  // runs before the capture) with its own final buckets (below `ready`): records, where its
+  // work has reached, each newly final bucket's event, for the pulls queued after the graph
+  // (sum_beside_graph): a receiver's own bucket; a leaf source's bucket, rounded into its
+  // outbox first where it travels in 16 bits.
+  void mark_in_graph(int i, int ready);
+  // Graphed steps, beside: requires device i's captured work and its sources' (and their own
+  // pulls, for inner devices of the tree) launched, the caller having waited for their ends
+  // on the host; no pull of device i queued yet this step. ensures every bucket of every
+  // source summed into device i's, in bucket order, each sum after its bucket's events (on the
+  // second stream on a GPU), an inner device's summed bucket rounded and published to its
+  // receiver, and the compute stream after them all.
+  void sum_beside_graph(int i, const std::vector<kernels::Scalar>& shares);
   // Whether device i has work of the pulls in a step: it receives, or rounds for its receiver.
   bool works(int i) const { return !sources_[i].empty() || per_device_[i].outbox.defined(); }
 
@@ -126,6 +153,9 @@ class DevicePulls {
     int next_bucket = 0;  // the position: bucket, and source within it
     int next_source = 0;
     std::vector<kernels::Event> bucket_done;  // bucket k summed here (own + sources)
+    // Graphed steps, beside: a receiver's own bucket k final (recorded in its captured backward).
+    std::vector<kernels::Event> own_done;
+    int next_marked = 0;  // the buckets marked so far this step (mark_in_graph)
     // GPU receivers: a second stream on which the pulls made during backward run, so that
     // waiting for a source's bucket never stalls this device's backward. It waits for
     // `own_final` (the compute stream as the pull is queued: this bucket's own gradient is
@@ -138,6 +168,13 @@ class DevicePulls {
     int n_pulls = 0;
   };
   kernels::Tensor grads(int i) const { return modules_[i]->flat_grads(); }
+  // Device i's second stream (GPU: made on first use, its scope entered in `scope`, the pulls
+  // queued there pending for the compute stream), else its compute context.
+  kernels::DeviceContext& beside_context(int i, std::unique_ptr<kernels::ContextScope>& scope);
+  // Bucket k of source i rounded into its outbox (16-bit comm dtypes; else nothing), on `on`.
+  void round_outbox(kernels::DeviceContext& on, int i, int k);
+  // The next entry of device i's pulls this step, for bucket k, its begin recorded on `on`.
+  Pull& begin_pull(kernels::DeviceContext& on, int i, int k, bool beside);
   // Bucket k on device i += the sum of sources j0 .. j0 + count - 1 (in sources_[i] order),
   // weighted, in one fused kernel; the own gradient is weighted by its share when j0 == 0.
   // ordered: the caller ordered device i after those sources' work already; otherwise each

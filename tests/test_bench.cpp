@@ -1149,6 +1149,14 @@ TEST_CASE("bench.flags: flags another mode reads are refused, not ignored") {
           "--dp-peer-reads off with --mode ddp: it sets how DP's reduce reads the replicas");
   refused("--device cpu --gpus 2 --mode dp --ddp-graph-collectives off",
           "--ddp-graph-collectives off with --mode dp: it places DDP's bucket all-reduces");
+  refused("--device cpu --gpus 2 --mode ddp --cuda-graphs on --dp-graph-pulls beside",
+          "--dp-graph-pulls beside with --mode ddp: it places DP's sums in a graphed step");
+  // A flag that would change nothing is refused too: these steps are not graphed.
+  refused("--device cpu --gpus 2 --mode dp --dp-graph-pulls beside",
+          "--dp-graph-pulls beside places the sums of graphed DP steps, and this run's are not "
+          "graphed: add --cuda-graphs on (auto is off on CPU devices)");
+  refused("--device cpu --gpus 2 --mode dp --cuda-graphs off --dp-graph-pulls beside",
+          "this run's are not graphed");
 }
 
 TEST_CASE("bench.cli: --dp-peer-reads off stages DP's pulls, with the losses of reads in place") {
@@ -1688,30 +1696,37 @@ TEST_CASE("bench.graphs: --cuda-graphs on replays DP and DDP steps, losses bitwi
   // on the device), bf16 with bf16 buckets, and uneven chunks (31 rows over 3 devices). DDP's
   // bucket all-reduces run inside its graph (CPU graphs record them), or between its graphs
   // with --ddp-graph-collectives off; the report says which, and both hand the group what the
-  // uncaptured run does. The phases a captured segment times together are printed merged.
+  // uncaptured run does. The phases a captured segment times together are printed merged. DP's
+  // sums beside backward (--dp-graph-pulls beside: after it on CPU devices too) give the same
+  // bits.
   for (std::string extra : {"--dtype fp16 --optim adamw", "--dtype bf16 --comm-dtype bf16"}) {
     CAPTURE(extra);
     std::map<std::string, nlohmann::json> runs;
-    for (std::string graphs : {"off", "on", "on --ddp-graph-collectives off"}) {
+    for (std::string graphs :
+         {"off", "on", "on --ddp-graph-collectives off", "on --dp-graph-pulls beside"}) {
       std::string json = temp_path("graphs_" + std::to_string(runs.size()) + ".json");
       auto [rc, text] =
           bench_output(std::string("--device cpu --gpus 3 --mode both --steps 4 --warmup 2 ") +
                        "--batch 31 --cuda-graphs " + graphs + " " + extra + " --json " + json);
       REQUIRE(rc == 0);
       const bool graphed = graphs != "off";
+      const bool beside = graphs.find("beside") != std::string::npos;
       auto has = [&](const char* what) { return text.find(what) != std::string::npos; };
       CHECK(has(" forward+backward ") == graphed);  // DP's, and DDP's between graphs
-      CHECK(has(" forward+backward+allreduce ") == (graphs == "on"));  // DDP's in the graph
-      CHECK(has(" reduce+optimizer ") == graphed);                     // DP's
-      // What a graphed DP step gives up, and the flag that takes it back.
-      CHECK(has("; graphed: summed after backward, --cuda-graphs off overlaps them)") == graphed);
+      CHECK(has(" forward+backward+allreduce ") == (graphs == "on" || beside));  // DDP's in graph
+      CHECK(has(" reduce+optimizer ") == graphed);                               // DP's
+      // What a graphed DP step gives up, and the flags that take it back.
+      CHECK(has("; graphed: summed after backward, --cuda-graphs off overlaps them") == graphed);
+      CHECK(has(" overlaps them (GPUs: --dp-graph-pulls beside too))") == (graphed && !beside));
+      CHECK(has(" overlaps them)") == beside);  // on CPU devices it sums after backward too
       CHECK_FALSE(has(" backward 0.000"));
       runs[graphs] = read_json(json)["runs"];
       std::remove(json.c_str());
     }
-    for (const char* graphed : {"on", "on --ddp-graph-collectives off"}) {
+    for (const char* graphed :
+         {"on", "on --ddp-graph-collectives off", "on --dp-graph-pulls beside"}) {
       CAPTURE(graphed);
-      const bool between = std::string(graphed) != "on";
+      const bool between = std::string(graphed).find("collectives off") != std::string::npos;
       REQUIRE(runs[graphed].size() == 4);  // DP and DDP, 1 and 3 devices
       REQUIRE(runs["off"].size() == runs[graphed].size());
       for (size_t i = 0; i < runs[graphed].size(); ++i) {
@@ -1733,6 +1748,9 @@ TEST_CASE("bench.graphs: --cuda-graphs on replays DP and DDP steps, losses bitwi
                                           : between          ? "between graphs"
                                                              : "in graph"));
         CHECK(off["graph_collectives"] == "");
+        if (on["mode"] == "dp")
+          CHECK(on["graph_pulls"] ==
+                (std::string(graphed).find("beside") == std::string::npos ? "after" : "beside"));
         // One rank hands the group nothing: a bucket's sum over one rank is the bucket.
         if (on["mode"] == "ddp" && on["gpus"] == 1) CHECK(on["bytes_per_step"].get<int64_t>() == 0);
       }

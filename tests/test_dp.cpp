@@ -992,6 +992,24 @@ TEST_CASE("dp.graphs: graphed steps equal uncaptured ones bit for bit, across sh
     GraphRun eager = train_graphs(model(), c.devices, batches, o);
     o.graphs = dp::Graphs::on;
     GraphRun graphed = train_graphs(model(), c.devices, batches, o);
+    // The pulls queued after the captured backward, each after its bucket's events recorded
+    // in the graphs (on CPU devices after backward too): the same steps, bit for bit.
+    o.graph_pulls = dp::GraphPulls::beside;
+    GraphRun beside = train_graphs(model(), c.devices, batches, o);
+    for (size_t s = 0; s < batches.size(); ++s) {
+      CAPTURE(s);
+      CHECK(beside.stats[s].graphed == graphed.stats[s].graphed);
+      CHECK(beside.losses[s] == eager.losses[s]);
+      CHECK(beside.stats[s].grad_norm == eager.stats[s].grad_norm);
+      CHECK(beside.stats[s].pulls_beside_backward == 0);  // CPU devices have no second stream
+    }
+    CHECK(same_bits(beside.params, eager.params));
+    CHECK(same_bits(beside.buffers, eager.buffers));
+    for (size_t s : {size_t{3}, size_t{7}, size_t{8}, size_t{9}}) {
+      CAPTURE(s);
+      CHECK(beside.stats[s].allocations == 0);
+      CHECK(beside.stats[s].host_syncs == 1);
+    }
     for (size_t s = 0; s < batches.size(); ++s) {
       // A shape's first two steps run uncaptured; from its third on they are replays.
       const bool replay = s == 2 || s == 3 || s >= 6;
@@ -2069,6 +2087,24 @@ TEST_CASE("dp.cuda: graphed steps on logical GPUs (dropout too) equal uncaptured
     CHECK(same_bits(graphed.losses, eager.losses));
     CHECK(same_bits(graphed.params, eager.params));
     CHECK(same_bits(graphed.buffers, eager.buffers));
+    // The pulls beside the captured backward, on the second stream, each after its bucket's
+    // events recorded inside the graphs: the same bits, every bucket pulled beside backward.
+    o.graph_pulls = dp::GraphPulls::beside;
+    GraphRun beside_run = train_graphs(batch_norm_mlp(), 3, batches, o, DeviceType::cuda);
+    o.graph_pulls = dp::GraphPulls::after;
+    CHECK(same_bits(beside_run.losses, eager.losses));
+    CHECK(same_bits(beside_run.params, eager.params));
+    CHECK(same_bits(beside_run.buffers, eager.buffers));
+    for (size_t s = 0; s < batches.size(); ++s) {
+      CAPTURE(s);
+      CHECK(beside_run.stats[s].graphed == graphed.stats[s].graphed);
+      if (beside_run.stats[s].graphed) CHECK(beside_run.stats[s].pulls_beside_backward > 0);
+    }
+    for (size_t s : {size_t{3}, size_t{6}, size_t{7}}) {
+      CAPTURE(s);
+      CHECK(beside_run.stats[s].allocations == 0);
+      CHECK(beside_run.stats[s].host_syncs == 1);
+    }
     CHECK(dp_test::rel_diff(without_bias(graphed.params), without_bias(cpu.params)) <= 1e-4f);
     float bias_gap = 0.f;
     for (size_t k = bias_begin; k < bias_end; ++k)
