@@ -55,9 +55,11 @@
 #              graphs: dp_bench --mode both, --gpus 1 and 4, MLP and CNN (DP and DDP graphed:
 #              --cuda-graphs auto; 4 must follow 1 within 1e-3), and again with --cuda-graphs
 #              off, whose losses must equal the graphed runs' bit for bit (a run whose capture
-#              fell back says so and why); gpt: GPT-2 124M in bf16, DP on 1 and 4 logical GPUs
+#              fell back says so and why), and DP at 4 with --dp-graph-pulls beside (the same
+#              losses); gpt: GPT-2 124M in bf16, DP on 1 and 4 logical GPUs
 #              (tokens/s, MFU, the 4/1 ratio), 3 interleaved repeats, at batch 8, 32 and 64,
-#              32 again uncaptured (--cuda-graphs off: the reduce overlaps backward), and one GPU
+#              32 again uncaptured (--cuda-graphs off: the reduce overlaps backward) and graphed
+#              with --dp-graph-pulls beside (the sums beside the captured backward), and one GPU
 #              at 32 with --loss-chunk 0;
 #              gpt-batch: the largest GPT-2 124M batch that fits (16, 32, ... 256; out of memory
 #              ends it, cuBLAS's CUBLAS_STATUS_ALLOC_FAILED included), tokens/s and MFU at each;
@@ -1138,6 +1140,16 @@ part_graphs() {
     follows_verdict "$model: 4 GPUs follow 1 (fp32)" "$out/dp_bench_${model}_gpus4.json" 1e-3
     floor_verdict "$model: graphed step per node" "$out/dp_bench_${model}_gpus1.json"
   done
+  # DP's graphed sums beside backward (--dp-graph-pulls beside: each pull on device 0's second
+  # stream waits for events the replicas' captured backward records), never run on a GPU before:
+  # the graphed runs' losses bit for bit, and its DP 4/1 against theirs.
+  for model in mlp cnn; do
+    bench_step "dp_bench_${model}_gpus4_graph_pulls_beside" \
+      "dp_bench $model --gpus 4 --dp-graph-pulls beside" --mode both --gpus 4 --model "$model" \
+      --repeat 3 --dp-graph-pulls beside
+    same_losses_verdict "pulls beside = after, $model --gpus 4 graphed" \
+      "$out/dp_bench_${model}_gpus4.json" "$out/dp_bench_${model}_gpus4_graph_pulls_beside.json"
+  done
   # The same DP and DDP steps uncaptured (--cuda-graphs off), against the graphed runs above;
   # their losses must be the graphed runs' bit for bit.
   for model in mlp cnn; do
@@ -1184,6 +1196,17 @@ part_gpt() {
     --json "$out/$name.json" --mode dp --gpus 4 --model gpt --gpt-config 124m --seq 1024 \
     --batch 32 --dtype bf16 --activations bf16 --cuda-graphs off --steps 6 --warmup 3 --repeat 3 \
     --project-from off
+  rc=$?
+  ((rc == 0)) && line=$(bench_line "$out/$name.json")
+  step_verdict "$rc" "$label" "${line:-see $name.txt}" "see $name.txt"
+  # The same graphed, the sums beside backward (--dp-graph-pulls beside): the overlap of the
+  # uncaptured step with the graphs' launches.
+  name=dp_bench_gpt124m_bf16_b32_graph_pulls_beside line=""
+  label="dp_bench gpt-124m bf16 batch 32 --gpus 1, 4 --dp-graph-pulls beside"
+  logged "$out/$name.txt" "$build/bin/dp_bench" --device "$bench_device" \
+    --json "$out/$name.json" --mode dp --gpus 4 --model gpt --gpt-config 124m --seq 1024 \
+    --batch 32 --dtype bf16 --activations bf16 --dp-graph-pulls beside --steps 6 --warmup 3 \
+    --repeat 3 --project-from off
   rc=$?
   ((rc == 0)) && line=$(bench_line "$out/$name.json")
   step_verdict "$rc" "$label" "${line:-see $name.txt}" "see $name.txt"

@@ -95,6 +95,7 @@ for c in "graphs = uncaptured, mlp --gpus 4" "graphs = uncaptured, cnn --gpus 1"
   "metrics lag 1 = 0, mlp --gpus 4" "graphs = uncaptured, gpt-tiny --dropout 0.1" \
   "mlp: 4 GPUs follow 1 (fp32) *ddp N=4 largest gap" "amp cnn fp16: 4 GPUs follow 1 *ddp N=4" \
   "staged pulls = in place, mlp --gpus 4, graphs off" \
+  "pulls beside = after, cnn --gpus 4 graphed" \
   "--recompute = plain, gpt-tiny --dropout 0.1 --gpus 2 graphed" \
   "mlp: graphed step per node *dp N=1 [0-9.]* ms over [0-9]* nodes: [0-9.]* us each, ddp N=1"; do
   grep -q "^ok    $c" "${sum1:-/dev/null}" || no "no ok verdict for '$c'"
