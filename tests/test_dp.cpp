@@ -973,6 +973,9 @@ TEST_CASE("dp.graphs: graphed steps equal uncaptured ones bit for bit, across sh
   for (const Case& c :
        {Case{"star", 4, dp::ReduceTopology::star, DType::f32, nn::Precision::fp32, false},
         Case{"tree", 3, dp::ReduceTopology::tree, DType::f32, nn::Precision::fp32, false},
+        // Device 2 sums 3's buckets, then rounds its own for device 0: an inner device.
+        Case{"tree of 4, bf16 comm", 4, dp::ReduceTopology::tree, DType::bf16, nn::Precision::fp32,
+             false},
         Case{"one device", 1, dp::ReduceTopology::star, DType::f32, nn::Precision::fp32, false},
         Case{"bf16 comm, BatchNorm", 3, dp::ReduceTopology::star, DType::bf16, nn::Precision::fp32,
              true},
