@@ -2101,20 +2101,22 @@ TEST_CASE(
 TEST_CASE("bench.graphs: a capture that fails turns graphs off with one line, losses as off") {
   // The test hook fails every capture once its body ran (a refusal at the capture's end): each
   // engine says so once, records it in the JSON and the report, runs that step and the rest
-  // uncaptured, and trains exactly as --cuda-graphs off (dropout too: no draw is repeated).
+  // uncaptured, and trains exactly as --cuda-graphs off (dropout too: no draw is repeated). DP's
+  // sums beside backward too: the failed capture had recorded its bucket events in the graph.
   std::map<std::string, nlohmann::json> runs;
   const std::string args =
       "--device cpu --gpus 2 --mode both --steps 4 --warmup 2 --model gpt "
       "--gpt-config tiny --batch 6 --seq 16 --dropout 0.1 --cuda-graphs ";
-  for (const char* graphs : {"off", "on"}) {
-    std::string json = temp_path(std::string("fallback_") + graphs + ".json");
+  const std::vector<std::string> graphed = {"on", "on --dp-graph-pulls beside"};
+  for (const std::string& graphs : {std::string("off"), graphed[0], graphed[1]}) {
+    std::string json = temp_path("fallback_" + std::to_string(runs.size()) + ".json");
     auto [rc, text] = bench_output(args + graphs + " --json " + json,
-                                   graphs == std::string("on") ? "DP_TEST_FAIL_CAPTURE=1" : "");
+                                   graphs == "off" ? "" : "DP_TEST_FAIL_CAPTURE=1");
     INFO(text);
     REQUIRE(rc == 0);
     runs[graphs] = read_json(json)["runs"];
     std::remove(json.c_str());
-    if (graphs == std::string("off")) continue;
+    if (graphs == "off") continue;
     for (const char* says :
          {"dp: graphs off: capture failed on cpu:0: the capture was made to "
           "fail by DP_TEST_FAIL_CAPTURE",
@@ -2123,16 +2125,19 @@ TEST_CASE("bench.graphs: a capture that fails turns graphs off with one line, lo
       CHECK(text.find(says) != std::string::npos);
     }
   }
-  REQUIRE(runs["on"].size() == 4);  // DP and DDP at 1 and 2
-  for (size_t i = 0; i < runs["on"].size(); ++i) {
-    const auto &on = runs["on"][i], &off = runs["off"][i];
-    CAPTURE(on["mode"].get<std::string>());
-    CAPTURE(on["gpus"].get<int>());
-    CHECK(on["graphs_fallback"].get<std::string>().find("capture failed on ") == 0);
-    CHECK(off["graphs_fallback"] == "");
-    CHECK(on["graphed_steps"] == 0);
-    CHECK(on["capture"].is_null());
-    CHECK(on["losses"] == off["losses"]);
+  for (const std::string& graphs : graphed) {
+    CAPTURE(graphs);
+    REQUIRE(runs[graphs].size() == 4);  // DP and DDP at 1 and 2
+    for (size_t i = 0; i < runs[graphs].size(); ++i) {
+      const auto &on = runs[graphs][i], &off = runs["off"][i];
+      CAPTURE(on["mode"].get<std::string>());
+      CAPTURE(on["gpus"].get<int>());
+      CHECK(on["graphs_fallback"].get<std::string>().find("capture failed on ") == 0);
+      CHECK(off["graphs_fallback"] == "");
+      CHECK(on["graphed_steps"] == 0);
+      CHECK(on["capture"].is_null());
+      CHECK(on["losses"] == off["losses"]);
+    }
   }
 }
 

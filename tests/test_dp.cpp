@@ -1445,13 +1445,14 @@ TEST_CASE("dp.graphs: a capture that asks for new memory every time stops after 
 // A hostile pass: a replayed step that throws on a CPU device (a bad label) skipped its
 // dropout draws, so every later mask differed from graphs off's.
 TEST_CASE("dp.graphs: a replayed step that throws takes its dropout draws, as uncaptured") {
-  auto run = [&](dp::Graphs graphs) {
+  auto run = [&](dp::Graphs graphs, dp::GraphPulls pulls = dp::GraphPulls::after) {
     auto m = dp_test::dropout_mlp();
     auto devices = make_devices(DeviceType::cpu, 3);
     m->materialize(devices[0], kSeed);
     nn::SGD opt(*m, dp_test::momentum_sgd());
     dp::DataParallelOptions o;
     o.graphs = graphs;
+    o.graph_pulls = pulls;
     dp::DataParallel engine(m, opt, devices, o);
     GraphRun out;
     for (int s = 0; s < 10; ++s) {
@@ -1472,12 +1473,15 @@ TEST_CASE("dp.graphs: a replayed step that throws takes its dropout draws, as un
     return std::make_pair(out, engine.rng_offsets());
   };
   const auto [eager, eager_offsets] = run(dp::Graphs::off);
-  const auto [graphed, graphed_offsets] = run(dp::Graphs::on);
-  REQUIRE(graphed.stats.size() == 9);
-  CHECK(graphed.stats[8].graphed);
-  CHECK(graphed.losses == eager.losses);
-  CHECK(same_bits(graphed.params, eager.params));
-  CHECK(graphed_offsets == eager_offsets);
+  for (dp::GraphPulls pulls : {dp::GraphPulls::after, dp::GraphPulls::beside}) {
+    CAPTURE(pulls == dp::GraphPulls::beside);
+    const auto [graphed, graphed_offsets] = run(dp::Graphs::on, pulls);
+    REQUIRE(graphed.stats.size() == 9);
+    CHECK(graphed.stats[8].graphed);
+    CHECK(graphed.losses == eager.losses);
+    CHECK(same_bits(graphed.params, eager.params));
+    CHECK(graphed_offsets == eager_offsets);
+  }
 }
 
 TEST_CASE("dp.graphs: off where not capturable (SyncBatchNorm), automatic on CPU") {
