@@ -131,10 +131,9 @@ struct DataParallelOptions {
   // metrics) another, captured on the third step of that shape and replayed from then on (the
   // first two run uncaptured, which warms the memory caches). The reduction then starts after
   // backward (no overlap with it) unless graph_pulls is beside, and forward's phase time covers
-  // backward too. Results are
-  // bitwise those of graphs off. The loss scale, the shares and dropout's offsets are read on
-  // the devices, so they may change every step. Not capturable, and run uncaptured with one line
-  // saying why: hybrid runs and SyncBatchNorm.
+  // backward too. Results are bitwise those of graphs off. The loss scale, the shares and
+  // dropout's offsets are read on the devices, so they may change every step. Not capturable,
+  // and run uncaptured with one line saying why: hybrid runs and SyncBatchNorm.
   Graphs graphs = Graphs::automatic;
   // Graphed steps: when a receiving device sums its sources' buckets: after backward, in its
   // second segment (after), or beside backward (beside: on a GPU, uncaptured on its second

@@ -56,8 +56,7 @@ void Event::release() noexcept {
 
 void Event::record(DeviceContext& ctx) {
   ctx.refuse_in_capture("recording an event");  // a replay would not record it
-  host_ = Clock::now();
-  if (in_graph_) in_graph_->host = host_;
+  host_slot() = Clock::now();
   if (ctx.device().is_cpu()) {
     if (event_) release();  // was a CUDA event
     device_ = ctx.device();
@@ -97,7 +96,7 @@ void Event::record_in_graph(DeviceContext& ctx) {
                                         << " while a graph captures: the event was never recorded "
                                            "there before (record it in the step's uncaptured run "
                                            "first)");
-  if (!in_graph_) in_graph_ = std::make_shared<InGraph>(InGraph{host_});
+  if (!in_graph_) in_graph_ = std::make_shared<InGraph>(InGraph{host_});  // from here its slot
   std::weak_ptr<InGraph> alive = in_graph_;
   const Device device = device_;
   auto replayed = [alive, device] {

@@ -72,13 +72,16 @@ class Event {
   void* event_ = nullptr;  // cudaEvent_t on CUDA devices, made on first record()
   int gpu_ = -1;           // the physical GPU the CUDA event belongs to
   bool recorded_ = false;
-  Clock::time_point host_{};
-  // While a graph that records this event may replay: what its recording checks and writes (the
-  // replay's host time). Released with the event, so that a replay finds it gone.
+  Clock::time_point host_{};  // the host time while no graph records the event
+  // Once a graph records this event (record_in_graph): what its recording checks and writes, the
+  // host time of the last record, replayed or not (host_ is then unused). Released with the
+  // event, so that a replay finds it gone.
   struct InGraph {
     Clock::time_point host{};
   };
   std::shared_ptr<InGraph> in_graph_;
+  // Where the host time of the last record lives: one place at a time.
+  Clock::time_point& host_slot() { return in_graph_ ? in_graph_->host : host_; }
 };
 
 }  // namespace kernels
